@@ -1,0 +1,54 @@
+"""fp8jax: FP8 mixed-precision training for JAX, Equinox and Haliax, by `dot_general` injection.
+
+```python
+model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
+```
+"""
+
+from ._src.dot_general import Fp8DotGeneral as Fp8DotGeneral
+from ._src.formats import dequantize as dequantize
+from ._src.formats import fp8_dtype as fp8_dtype
+from ._src.formats import fp8_max as fp8_max
+from ._src.formats import quantize as quantize
+from ._src.grad import combine_by_max as combine_by_max
+from ._src.grad import filter_grad as filter_grad
+from ._src.grad import filter_value_and_grad as filter_value_and_grad
+from ._src.nn import Linear as Linear
+from ._src.recipes import DelayedScaling as DelayedScaling
+from ._src.recipes import PerTensorRecipe as PerTensorRecipe
+from ._src.recipes import QTensor as QTensor
+from ._src.recipes import Recipe as Recipe
+from ._src.recipes import TensorState as TensorState
+from ._src.recipes import compute_scale as compute_scale
+from ._src.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
+from ._src.transform import Fp8Config as Fp8Config
+from ._src.transform import fp8_linear_layers as fp8_linear_layers
+from ._src.updates import OverwriteWithGradient as OverwriteWithGradient
+from ._src.updates import apply_updates as apply_updates
+from ._src.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "DelayedScaling",
+    "Fp8Config",
+    "Fp8DotGeneral",
+    "Linear",
+    "OverwriteWithGradient",
+    "PerTensorRecipe",
+    "QTensor",
+    "Recipe",
+    "TensorState",
+    "apply_updates",
+    "combine_by_max",
+    "compute_scale",
+    "dequantize",
+    "filter_grad",
+    "filter_value_and_grad",
+    "fp8_dtype",
+    "fp8_linear_layers",
+    "fp8_max",
+    "partition_for_grad_overwrite",
+    "quantize",
+]

@@ -1,0 +1,126 @@
+"""`Fp8DotGeneral`: a drop-in, stateful replacement for `jax.lax.dot_general`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array
+
+from .gemm import States, fp8_dot_general, normalize_dimension_numbers
+from .recipes import Recipe, TensorState, recipe_from
+from .updates import OverwriteWithGradient
+
+
+def _check_float(name: str, x: Any) -> np.dtype:
+    dtype = np.dtype(jnp.result_type(x))
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Fp8DotGeneral: {name} has dtype {dtype}; FP8 GEMMs take floating inputs "
+            "(float32, bfloat16, float16). Cast integer data before the layer."
+        )
+    if dtype.itemsize == 1:
+        raise TypeError(
+            f"Fp8DotGeneral: {name} is already {dtype}; pass the high-precision tensor and let "
+            "the recipe quantize it."
+        )
+    return dtype
+
+
+def _valid(state: TensorState) -> Array:
+    """Whether a received state is a real update: a finite, positive scale."""
+    return jnp.isfinite(state.scale) & (state.scale > 0)
+
+
+class Fp8DotGeneral(OverwriteWithGradient):
+    """`jax.lax.dot_general` computed as FP8 GEMMs, with its scaling state.
+
+    Call it exactly like `lax.dot_general`. The forward quantizes both operands (E4M3 by
+    default) and multiplies real FP8 arrays; a `custom_vjp` saves only those FP8 operands and
+    their scales, quantizes the incoming gradient (E5M2 by default) and computes dgrad and wgrad
+    as FP8 x FP8 dots.
+
+    The state (a [`fp8jax.TensorState`][] each for `input`, `kernel` and `output_grad`) is
+    updated by the gradient: the "gradient" of this module is its new value. Split it out with
+    [`fp8jax.partition_for_grad_overwrite`][] and write it back with
+    [`fp8jax.apply_updates`][].
+
+    **Arguments:**
+
+    - `recipe`: a [`fp8jax.DelayedScaling`][] (the default) or another recipe, or its name.
+
+    ```python
+    dot = fp8jax.Fp8DotGeneral()
+    y = dot(x, w, (((1,), (0,)), ((), ())))   # x @ w, in FP8
+    ```
+    """
+
+    input: TensorState
+    kernel: TensorState
+    output_grad: TensorState
+    recipe: Recipe = eqx.field(static=True)
+
+    def __init__(self, recipe: Recipe | str | None = None):
+        self.recipe = recipe_from(recipe)
+        self.input = self.recipe.init_state("input")
+        self.kernel = self.recipe.init_state("kernel")
+        self.output_grad = self.recipe.init_state("output_grad")
+
+    def __call__(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: DTypeLike | None = None,
+    ) -> Array:
+        lhs_dtype = _check_float("lhs", lhs)
+        rhs_dtype = _check_float("rhs", rhs)
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
+        if preferred_element_type is None:
+            out_dtype = np.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
+        else:
+            out_dtype = np.dtype(preferred_element_type)
+            if not jnp.issubdtype(out_dtype, jnp.floating):
+                raise TypeError(
+                    f"Fp8DotGeneral: preferred_element_type={out_dtype} is not a float type; "
+                    "use float32, bfloat16 or float16."
+                )
+        if isinstance(precision, list):
+            precision = tuple(precision)
+        states = States(self.input, self.kernel, self.output_grad)
+        return fp8_dot_general(
+            self.recipe, dims, precision, (lhs_dtype, rhs_dtype, out_dtype), lhs, rhs, states
+        )
+
+    def merge(self, new: Fp8DotGeneral) -> Fp8DotGeneral:
+        """Take each operand's received state where it is a real update.
+
+        A zero cotangent (the layer was not used this step, or its output got no gradient)
+        leaves that operand's state as it was.
+        """
+
+        def pick(old: TensorState, received: TensorState) -> TensorState:
+            ok = _valid(received)
+            return jax.tree.map(
+                lambda o, r: jnp.where(
+                    jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
+                ),
+                old,
+                received,
+            )
+
+        return eqx.tree_at(
+            lambda m: (m.input, m.kernel, m.output_grad),
+            self,
+            (
+                pick(self.input, new.input),
+                pick(self.kernel, new.kernel),
+                pick(self.output_grad, new.output_grad),
+            ),
+        )

@@ -1,0 +1,87 @@
+"""FP8 formats and saturating casts.
+
+A *scale* in fp8jax goes the way Transformer Engine's does: values are **multiplied** by it
+before the cast to FP8 (`q = fp8(x * scale)`) and the FP8 value is multiplied by `1 / scale`
+to come back. Flax stores the reciprocal.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array, Float
+
+_FORMATS: dict[str, np.dtype] = {
+    "e4m3": np.dtype(jnp.float8_e4m3fn),
+    "e5m2": np.dtype(jnp.float8_e5m2),
+    "e4m3fnuz": np.dtype(jnp.float8_e4m3fnuz),
+    "e5m2fnuz": np.dtype(jnp.float8_e5m2fnuz),
+}
+_ALIASES: dict[str, str] = {
+    "e4m3fn": "e4m3",
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+    "float8_e4m3fnuz": "e4m3fnuz",
+    "float8_e5m2fnuz": "e5m2fnuz",
+}
+
+FormatLike = str | DTypeLike
+
+
+def fp8_dtype(fmt: FormatLike) -> np.dtype:
+    """The FP8 dtype named by `fmt`.
+
+    **Arguments:**
+
+    - `fmt`: `"e4m3"` (`float8_e4m3fn`, max 448), `"e5m2"` (`float8_e5m2`, max 57344), their AMD
+      variants `"e4m3fnuz"` and `"e5m2fnuz"`, or one of these dtypes itself.
+
+    **Returns:** a NumPy dtype.
+
+    ```python
+    >>> fp8jax.fp8_dtype("e4m3")
+    dtype(float8_e4m3fn)
+    ```
+    """
+    if isinstance(fmt, str):
+        key = _ALIASES.get(fmt.lower(), fmt.lower())
+        if key in _FORMATS:
+            return _FORMATS[key]
+    else:
+        try:
+            dtype = np.dtype(fmt)
+        except TypeError:
+            dtype = None
+        if dtype is not None and dtype in _FORMATS.values():
+            return dtype
+    raise ValueError(
+        f"Unknown FP8 format {fmt!r}: should be one of {sorted(_FORMATS)} "
+        "or the matching jnp.float8_* dtype."
+    )
+
+
+def fp8_max(fmt: FormatLike) -> float:
+    """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
+    return float(jnp.finfo(fp8_dtype(fmt)).max)
+
+
+def quantize(
+    x: Float[ArrayLike, "*shape"], scale: Float[ArrayLike, "*#shape"], fmt: FormatLike
+) -> Array:
+    """Cast `x * scale` to FP8, saturating at the format's max so nothing becomes inf.
+
+    The product is formed in float32 and rounded to nearest-even by the cast. NaN stays NaN.
+    """
+    dtype = fp8_dtype(fmt)
+    limit = fp8_max(dtype)
+    scaled = jnp.asarray(x, jnp.float32) * jnp.asarray(scale, jnp.float32)
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(
+    q: ArrayLike, scale: Float[ArrayLike, "*#shape"], dtype: DTypeLike = jnp.float32
+) -> Array:
+    """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`."""
+    value = jnp.asarray(q).astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    return value.astype(dtype)

@@ -1,0 +1,105 @@
+"""Gradients in which every use of an FP8 layer contributes its amax by max, not sum.
+
+JAX adds the cotangents of a value used several times. For FP8 state, whose cotangent is its
+new value, that would add amaxes whenever a layer runs more than once in a step: a shared
+Linear, a `lax.scan` over microbatches, a loop. [`fp8jax.filter_value_and_grad`][] views the
+state in a dtype whose cotangents combine by `max` before the function runs, so each use
+contributes and the history keeps the largest amax. Use it wherever you would use
+`eqx.filter_value_and_grad`.
+
+Under `jax.vmap(model)(batch)` the state's amax is already batch-wide (see
+[`fp8jax._src.amax`][]) and the wgrad is one GEMM over all tokens, with either gradient
+function. When `filter_value_and_grad` is itself `vmap`ped (per-example gradients), it keeps the
+mapped axis out of the backward GEMMs, so each example gets its own weight gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+
+from . import jax_private
+from .gemm import per_example_gradients
+from .updates import OverwriteWithGradient
+
+T = TypeVar("T")
+
+
+def _is_overwrite(x: Any) -> bool:
+    return isinstance(x, OverwriteWithGradient)
+
+
+def combine_by_max(tree: T) -> T:
+    """`tree` with the array leaves of its FP8 state viewed in the max-combining dtype.
+
+    Call it inside a differentiated, jitted function, on the model, before the model runs:
+    every use of a layer downstream then combines its state's cotangent by max. The cotangent
+    reaching the float32 state outside is float32 again. [`fp8jax.filter_value_and_grad`][]
+    does this for you.
+    """
+
+    def convert(node: Any) -> Any:
+        if not _is_overwrite(node):
+            return node
+        return jax.tree.map(
+            lambda x: jax_private.to_max_combining(x) if eqx.is_inexact_array(x) else x, node
+        )
+
+    return jax.tree.map(convert, tree, is_leaf=_is_overwrite)
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`eqx.filter_value_and_grad` in which FP8 state combines across uses by max.
+
+    Differentiates with respect to the floating-point arrays of the first argument, like
+    Equinox's. The gradient of each [`fp8jax.OverwriteWithGradient`][] module is its new state;
+    when a layer runs several times in `fun` (shared weights, a scan over microbatches), its
+    amax history receives the largest of their amaxes.
+
+    `fun` is traced under `jax.jit` (the max-combining dtype only exists inside traced code);
+    inside your own jitted step that costs nothing.
+
+    ```python
+    loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, batch)
+    ```
+    """
+
+    @functools.wraps(fun)
+    def with_max_state(first: Any, *args: Any, **kwargs: Any) -> Any:
+        return fun(combine_by_max(first), *args, **kwargs)
+
+    value_and_grad = eqx.filter_value_and_grad(eqx.filter_jit(with_max_state), has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
+            # vmap(grad): per-example gradients must not be summed over the mapped axis.
+            with per_example_gradients():
+                return value_and_grad(*args, **kwargs)
+        return value_and_grad(*args, **kwargs)
+
+    return run
+
+
+def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """`eqx.filter_grad` in which FP8 state combines across uses by max.
+
+    See [`fp8jax.filter_value_and_grad`][]; this returns only the gradients (and the aux
+    output, as `(grads, aux)`, when `has_aux=True`).
+    """
+    value_and_grad = filter_value_and_grad(fun, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def grad_only(*args: Any, **kwargs: Any) -> Any:
+        value, grads = value_and_grad(*args, **kwargs)
+        if has_aux:
+            return grads, value[1]
+        return grads
+
+    return grad_only

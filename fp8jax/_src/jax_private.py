@@ -1,0 +1,117 @@
+"""Everything fp8jax takes from JAX's internals, in one place.
+
+`tests/test_jax_private.py` exercises each piece and fails loudly if JAX moves it.
+
+## A float32 dtype whose autodiff accumulation is `max`, not `+`
+
+FP8 state leaves the step through the gradient: the cotangent of a scale or amax history is
+its new value. JAX adds the cotangents of a value used several times (a Linear applied twice,
+a `lax.scan` over microbatches), which would add amaxes. Cotangents of this dtype combine with
+`max` instead, so every use contributes its amax and the history keeps the largest.
+
+JAX has no public API for this: it takes the extended-dtype rules of `jax._src`, as Flax's
+`fp8_ops` does.
+
+Values of this dtype only ever live inside a traced computation: `to_max_combining` and the
+cotangent's way back both happen under `jit`, never as eager arrays.
+
+## Whether a value is being `vmap`ped
+Used to tell per-example gradients (`vmap` of a gradient) from a batch inside the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core, dtypes
+
+_F32 = np.dtype(np.float32)
+
+
+class _MaxF32Rules:
+    """Extended-dtype rules: physically float32, `add` is max, zero is -inf."""
+
+    @staticmethod
+    def physical_element_aval(dtype: Any) -> core.ShapedArray:
+        return core.ShapedArray((), _F32)
+
+    @staticmethod
+    def convert_from(dtype: Any, other: Any) -> bool:
+        return other == _F32
+
+    @staticmethod
+    def convert_to(other: Any, dtype: Any) -> bool:
+        return other == _F32
+
+    @staticmethod
+    def add(dtype: Any, x: Any, y: Any) -> Any:
+        as_f32 = lax.max(
+            lax.convert_element_type(x, _F32), lax.convert_element_type(y, _F32)
+        )
+        return lax.convert_element_type(as_f32, dtype)
+
+    @staticmethod
+    def zero(dtype: Any) -> Any:
+        return lax.convert_element_type(np.array(-np.inf, _F32), dtype)
+
+    @staticmethod
+    def tangent_dtype(dtype: Any) -> Any:
+        return dtype
+
+    @staticmethod
+    def full(shape: Any, fill_value: Any, dtype: Any) -> Any:
+        value = lax.convert_element_type(fill_value, _F32)
+        return lax.convert_element_type(lax.full(shape, value, _F32), dtype)
+
+
+class max_f32(dtypes.extended):  # noqa: N801 - named like a NumPy scalar type
+    """Scalar type of [`MAX_F32`][]; lets `jnp.issubdtype` recognise it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaxF32DType(dtypes.ExtendedDType):
+    _rules: type = _MaxF32Rules
+    type: type = max_f32
+
+    @property
+    def name(self) -> str:
+        return "max_f32"
+
+    def __repr__(self) -> str:
+        return "max_f32"
+
+
+MAX_F32 = _MaxF32DType()
+
+
+def is_max_combining(x: Any) -> bool:
+    """Whether `x` is an array of the max-combining dtype."""
+    return getattr(x, "dtype", None) == MAX_F32
+
+
+def to_max_combining(x: Any) -> Any:
+    """View a float32 array as the max-combining dtype (inside a traced computation)."""
+    if is_max_combining(x):
+        return x
+    return lax.convert_element_type(jnp.asarray(x, jnp.float32), MAX_F32)
+
+
+def to_float32(x: Any) -> Any:
+    """Undo [`to_max_combining`][]; plain float arrays are cast to float32."""
+    if is_max_combining(x):
+        return lax.convert_element_type(x, _F32)
+    return jnp.asarray(x, jnp.float32)
+
+
+def like(value: Any, reference: Any) -> Any:
+    """`value` (float32) in the dtype of `reference`: max-combining or float32."""
+    return to_max_combining(value) if is_max_combining(reference) else to_float32(value)
+
+
+def is_batch_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer of `jax.vmap` (JAX exports no name for its type)."""
+    return isinstance(x, core.Tracer) and type(x).__name__ == "BatchTracer"

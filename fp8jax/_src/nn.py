@@ -1,0 +1,101 @@
+"""An Equinox Linear whose matmul is an injectable `dot_general`.
+
+`eqx.nn.Linear` computes `weight @ x` and has no slot for a custom `dot_general`, so
+[`fp8jax.fp8_linear_layers`][] replaces it by this module, with the same weight and bias.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .dot_general import Fp8DotGeneral
+
+
+class Linear(eqx.Module):
+    """`y = x @ weight.T + bias`, the matmul done by `dot_general` (an FP8 one by default).
+
+    Same fields and call as `eqx.nn.Linear`: `weight` has shape `(out_features, in_features)`.
+    It also accepts leading axes on `x`, so both `jax.vmap(linear)(x)` and `linear(x)` work on a
+    batch.
+
+    **Arguments:**
+
+    - `weight`: `(out_features, in_features)`.
+    - `bias`: `(out_features,)` or `None`.
+    - `in_features`, `out_features`: ints, or `"scalar"` as in `eqx.nn.Linear`.
+    - `dot_general`: the GEMM, a [`fp8jax.Fp8DotGeneral`][] unless you pass another.
+    """
+
+    weight: Float[Array, "out in"]
+    bias: Float[Array, " out"] | None
+    dot_general: Fp8DotGeneral
+    in_features: int | Literal["scalar"] = eqx.field(static=True)
+    out_features: int | Literal["scalar"] = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        weight: Float[Array, "out in"],
+        bias: Float[Array, " out"] | None,
+        *,
+        in_features: int | Literal["scalar"] | None = None,
+        out_features: int | Literal["scalar"] | None = None,
+        dot_general: Fp8DotGeneral | None = None,
+    ):
+        if jnp.ndim(weight) != 2:
+            raise ValueError(
+                f"Linear weight has shape {jnp.shape(weight)}; should be (out_features, "
+                "in_features)."
+            )
+        out_size, in_size = jnp.shape(weight)
+        if bias is not None and jnp.shape(bias) != (out_size,):
+            raise ValueError(
+                f"Linear bias has shape {jnp.shape(bias)}; should be ({out_size},) to match "
+                f"weight {jnp.shape(weight)}."
+            )
+        self.weight = weight
+        self.bias = bias
+        self.in_features = in_size if in_features is None else in_features
+        self.out_features = out_size if out_features is None else out_features
+        self.use_bias = bias is not None
+        self.dot_general = Fp8DotGeneral() if dot_general is None else dot_general
+
+    @classmethod
+    def from_eqx(cls, linear: eqx.nn.Linear, dot_general: Fp8DotGeneral | None = None) -> Linear:
+        """The same layer as `linear` (an `eqx.nn.Linear`), its matmul done by `dot_general`."""
+        return cls(
+            linear.weight,
+            linear.bias,
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            dot_general=dot_general,
+        )
+
+    def __call__(
+        self, x: Float[Array, "*batch in"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*batch out"]:
+        """**Arguments:** `x` of shape `(..., in_features)` (or `()` for `"scalar"`).
+
+        **Returns:** shape `(..., out_features)` (or `()` for `"scalar"`).
+        """
+        del key
+        in_size = self.weight.shape[1]
+        if self.in_features == "scalar":
+            if jnp.ndim(x) != 0:
+                raise ValueError(f"Linear with in_features='scalar' got x of shape {x.shape}.")
+            x = jnp.reshape(x, (1,))
+        if jnp.ndim(x) == 0 or x.shape[-1] != in_size:
+            raise ValueError(
+                f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}."
+            )
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        y = self.dot_general(x, self.weight, dims)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.out_features == "scalar":
+            y = jnp.squeeze(y, -1)
+        return y

@@ -1,0 +1,258 @@
+"""`fp8_linear_layers`: turn chosen Linear layers of a model into FP8 layers."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from .dot_general import Fp8DotGeneral
+from .nn import Linear
+from .recipes import Recipe, recipe_from
+
+T = TypeVar("T")
+
+#: Linears left in high precision by default, matched against the last name of their path:
+#: output heads, MoE routers and gates. Embeddings and norms are never Linears.
+DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router|gate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """Which Linear layers [`fp8jax.fp8_linear_layers`][] converts, and how.
+
+    **Arguments:**
+
+    - `targets`: `None` (every Linear not excluded), a list of names (a Linear matches when its
+      last path component, e.g. `"fc1"`, or its whole dotted path, e.g. `"blocks.0.mlp.fc1"`,
+      is listed), or a regular expression that must match the whole dotted path
+      (`r".*mlp.*"`).
+    - `recipe`: the scaling recipe, an instance or a name (`"delayed"`).
+    - `exclude`: a regular expression matched against the last path component; matching
+      Linears stay in high precision even when targeted. Defaults to [`DEFAULT_EXCLUDE`][]
+      (heads, routers, gates). Pass `None` to exclude nothing.
+    """
+
+    targets: str | Sequence[str] | None = None
+    recipe: Recipe | str | None = None
+    exclude: str | None = DEFAULT_EXCLUDE
+
+    def __post_init__(self) -> None:
+        targets = self.targets
+        if isinstance(targets, str):
+            _compile("targets", targets)
+        elif targets is not None:
+            if not isinstance(targets, Sequence) or not all(isinstance(t, str) for t in targets):
+                raise ValueError(
+                    f"Fp8Config targets={targets!r}: should be None, a regex string or a list "
+                    "of layer names."
+                )
+            object.__setattr__(self, "targets", tuple(targets))
+        if self.exclude is not None:
+            _compile("exclude", self.exclude)
+        object.__setattr__(self, "recipe", recipe_from(self.recipe))
+
+
+def _compile(name: str, pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"Fp8Config {name}={pattern!r} is not a valid regex: {e}.") from None
+
+
+def _key_name(key: Any) -> str:
+    match key:
+        case GetAttrKey(name=name):
+            return str(name)
+        case SequenceKey(idx=idx) | FlattenedIndexKey(key=idx):
+            return str(idx)
+        case DictKey(key=k):
+            return str(k)
+        case _:
+            return str(key)
+
+
+def _haliax_nn() -> Any:
+    """`haliax.nn` if the user imported haliax (its modules can only be in the tree then)."""
+    if "haliax" not in sys.modules:
+        return None
+    import haliax.nn as hnn
+
+    return hnn
+
+
+def _kind(node: Any, hnn: Any) -> str | None:
+    if isinstance(node, eqx.nn.Linear | Linear):
+        return "linear"
+    if hnn is not None:
+        if isinstance(node, hnn.Linear):
+            return "linear"
+        if isinstance(node, hnn.Stacked):
+            return "stacked"
+    return None
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """The direct children of a pytree node with their keys (none for a leaf)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(flat) == 1 and flat[0][0] == ():
+        return []
+    return [(path[0], child) for path, child in flat]
+
+
+def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every pytree node with its path, not descending into Linears."""
+    yield path, node
+    if _kind(node, hnn) == "linear" or isinstance(node, jax.Array):
+        return
+    for key, child in _children(node):
+        yield from _walk(child, path + (_key_name(key),), hnn)
+
+
+def _is_fp8(linear: Any) -> bool:
+    return isinstance(linear, Linear) or isinstance(
+        getattr(linear, "dot_general", None), Fp8DotGeneral
+    )
+
+
+def _stacked_dot_general(recipe: Recipe, batch_shape: tuple[int, ...]) -> Fp8DotGeneral:
+    """A fresh `Fp8DotGeneral` with state for each layer of a (nested) `Stacked`."""
+    dot = Fp8DotGeneral(recipe)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
+
+
+def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
+    """Convert the Linear layers of `tree` selected by `config` into FP8 layers.
+
+    - `eqx.nn.Linear` (including those inside `eqx.nn.MLP` and `eqx.nn.MultiheadAttention`)
+      becomes a [`fp8jax.Linear`][] with the same weight and bias.
+    - `haliax.nn.Linear` gets a [`fp8jax.Fp8DotGeneral`][] as its `dot_general`; inside a
+      `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
+    - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
+
+    **Arguments:**
+
+    - `tree`: a model (any pytree).
+    - `config`: an [`fp8jax.Fp8Config`][]; the default converts every Linear except those
+      matching `DEFAULT_EXCLUDE` (heads, routers, gates) with delayed scaling.
+
+    **Returns:** the model with FP8 layers.
+
+    **Raises:** `ValueError` if a target matches no Linear (the message lists the Linears that
+    exist) or names something that is not a Linear.
+
+    ```python
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
+    ```
+    """
+    config = Fp8Config() if config is None else config
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
+    hnn = _haliax_nn()
+    nodes = list(_walk(tree, (), hnn))
+    linears = [(p, n) for p, n in nodes if _kind(n, hnn) == "linear"]
+    exclude = None if config.exclude is None else re.compile(config.exclude)
+
+    def targeted(path: tuple[str, ...]) -> bool:
+        dotted = ".".join(path)
+        if config.targets is None:
+            return True
+        if isinstance(config.targets, str):
+            return re.fullmatch(config.targets, dotted) is not None
+        return dotted in config.targets or (bool(path) and path[-1] in config.targets)
+
+    def excluded(path: tuple[str, ...]) -> bool:
+        return exclude is not None and bool(path) and exclude.fullmatch(path[-1]) is not None
+
+    _check_targets(config, nodes, linears, targeted, excluded)
+    chosen = {p for p, _ in linears if targeted(p) and not excluded(p)}
+
+    def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
+        kind = _kind(node, hnn)
+        if kind == "linear":
+            if path not in chosen or _is_fp8(node):
+                return node
+            dot = _stacked_dot_general(config.recipe, batch_shape)
+            if isinstance(node, eqx.nn.Linear):
+                if batch_shape:
+                    raise ValueError(
+                        f"eqx.nn.Linear at '{'.'.join(path)}' inside a haliax Stacked is not "
+                        "supported; use haliax.nn.Linear there."
+                    )
+                return Linear.from_eqx(node, dot)
+            return dataclasses.replace(node, dot_general=dot)
+        if kind == "stacked":
+            inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
+            return dataclasses.replace(node, stacked=inner)
+        if isinstance(node, jax.Array):
+            return node
+        children = _children(node)
+        if not children:
+            return node
+        new = [convert(path + (_key_name(k),), c, batch_shape) for k, c in children]
+        treedef = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
+        return jax.tree_util.tree_unflatten(treedef, new)
+
+    return convert((), tree, ())
+
+
+def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded) -> None:
+    linear_paths = [".".join(p) for p, _ in linears]
+    listing = ", ".join(repr(p) for p in linear_paths) or "none"
+    if not linears:
+        raise ValueError("fp8_linear_layers found no Linear layer in the tree.")
+    if config.targets is None:
+        return
+    if isinstance(config.targets, str):
+        hits = [p for p, _ in linears if targeted(p)]
+        if not hits:
+            others = [
+                f"'{'.'.join(p)}' ({type(n).__name__})"
+                for p, n in nodes
+                if p and re.fullmatch(config.targets, ".".join(p)) and isinstance(n, eqx.Module)
+            ]
+            if others:
+                raise ValueError(
+                    f"Fp8Config targets={config.targets!r} matches only modules that are not "
+                    f"Linear: {', '.join(others)}. Linear layers: {listing}."
+                )
+            raise ValueError(
+                f"Fp8Config targets={config.targets!r} matches no Linear layer (the regex must "
+                f"match the whole dotted path). Linear layers: {listing}."
+            )
+        _check_excluded(config, [p for p in hits if excluded(p)], hits)
+        return
+    for name in config.targets:
+        hits = [p for p, _ in linears if ".".join(p) == name or (p and p[-1] == name)]
+        if hits:
+            _check_excluded(config, [p for p in hits if excluded(p)], hits)
+            continue
+        others = [
+            (p, n) for p, n in nodes if p and (".".join(p) == name or p[-1] == name)
+        ]
+        if others:
+            p, n = others[0]
+            raise ValueError(
+                f"Fp8Config target {name!r} names '{'.'.join(p)}', a {type(n).__name__}, not a "
+                f"Linear layer. Linear layers: {listing}."
+            )
+        raise ValueError(
+            f"Fp8Config target {name!r} matches no Linear layer. Linear layers: {listing}."
+        )
+
+
+def _check_excluded(config: Fp8Config, blocked: list, hits: list) -> None:
+    if blocked and len(blocked) == len(hits):
+        names = ", ".join(repr(".".join(p)) for p in blocked)
+        raise ValueError(
+            f"Fp8Config targets={config.targets!r} selects only {names}, which "
+            f"exclude={config.exclude!r} keeps in high precision. Pass exclude=None (or a "
+            "narrower pattern) to convert them."
+        )

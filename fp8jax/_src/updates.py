@@ -1,0 +1,85 @@
+"""State that leaves the step through the gradient, and how optax updates coexist with it.
+
+A module marked [`fp8jax.OverwriteWithGradient`][] receives, as its "gradient", its own new
+value. [`fp8jax.partition_for_grad_overwrite`][] splits those modules out of a gradient tree
+before the optimizer sees it (so they are never clipped, decayed, scaled or cast), and
+[`fp8jax.apply_updates`][] writes them back after the optimizer's update:
+
+```python
+overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+updates, opt_state = optimizer.update(grads, opt_state, params)
+model = fp8jax.apply_updates(model, updates, overwrites)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+
+T = TypeVar("T")
+
+
+class OverwriteWithGradient(eqx.Module):
+    """Marker for state whose gradient *is* its new value, to overwrite rather than add.
+
+    Subclasses may override [`fp8jax.OverwriteWithGradient.merge`][] to decide, leaf by leaf,
+    whether a received value is taken.
+    """
+
+    def merge(self: T, new: T) -> T:
+        """The state to keep, given the value `new` received through the gradient."""
+        return new
+
+
+def _is_overwrite(x: Any) -> bool:
+    return isinstance(x, OverwriteWithGradient)
+
+
+def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
+    """Split `tree` into `(overwrites, rest)`: the [`fp8jax.OverwriteWithGradient`][]
+    modules, and everything else, each with `None` where the other has a value.
+
+    Apply it to the gradients (to keep FP8 state away from the optimizer) and to the model (to
+    initialise the optimizer on the trainable part only, which optax >= 0.2.7 requires).
+
+    ```python
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+    ```
+    """
+    return eqx.partition(tree, _is_overwrite, is_leaf=_is_overwrite)
+
+
+def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
+    """`eqx.apply_updates(model, updates)`, with FP8 state replaced by `overwrites`.
+
+    **Arguments:**
+
+    - `model`: the model, FP8 state included.
+    - `updates`: the optimizer's updates, `None` at FP8 state (as `partition_for_grad_overwrite`
+      leaves the gradients).
+    - `overwrites`: the first output of `partition_for_grad_overwrite(grads)`.
+
+    **Returns:** the updated model. Each FP8 module decides through its `merge` which received
+    values it takes: an `Fp8DotGeneral` that got no gradient this step (unused, or its output
+    cut off by `stop_gradient`) keeps its state.
+    """
+
+    def update(leaf: Any, upd: Any, over: Any) -> Any:
+        if isinstance(leaf, OverwriteWithGradient):
+            return leaf if over is None else leaf.merge(over)
+        if over is not None:
+            raise ValueError(
+                f"overwrites has a value where the model has {type(leaf).__name__}, not an "
+                "OverwriteWithGradient module: pass the first output of "
+                "partition_for_grad_overwrite(grads)."
+            )
+        return eqx.apply_updates(leaf, upd)
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or _is_overwrite(x)
+
+    return jax.tree.map(update, model, updates, overwrites, is_leaf=is_leaf)
