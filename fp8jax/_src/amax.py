@@ -16,6 +16,11 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float
 
 
+def _amax(x: Array, owner: Array) -> Array:
+    del owner
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
 @custom_vmap
 def amax(x: Float[Array, "..."], owner: Float[Array, "..."]) -> Float[Array, ""]:
     """`max(|x|)` in float32, batch-wide under `vmap` unless `owner` is batched.
@@ -25,8 +30,7 @@ def amax(x: Float[Array, "..."], owner: Float[Array, "..."]) -> Float[Array, ""]
     - `x`: any floating array.
     - `owner`: a leaf of the FP8 state the amax is for. Only whether it is batched matters.
     """
-    del owner
-    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+    return _amax(x, owner)
 
 
 @amax.def_vmap
@@ -34,6 +38,8 @@ def _amax_vmap(axis_size, in_batched, x, owner):
     x_batched, owner_batched = in_batched
     if owner_batched:
         in_axes = (0 if x_batched else None, 0)
-        return jax.vmap(amax, in_axes=in_axes)(x, owner), True
+        # Each member of the mapped axis has its own state. (`_amax`, not `amax`: vmapping the
+        # custom_vmap function itself would call this rule again.)
+        return jax.vmap(_amax, in_axes=in_axes)(x, owner), True
     # The state is shared by every member of the mapped axis: reduce over it as well.
     return amax(x, owner), False

@@ -150,20 +150,64 @@ def _as_f32(tree: Any) -> Any:
     return jax.tree.map(jax_private.to_float32, tree)
 
 
-def _like(tree: Any, reference: Any) -> Any:
-    return jax.tree.map(jax_private.like, tree, reference)
+def _cotangent(tree: Any, max_combining: bool) -> Any:
+    """New state (float32) as the cotangent of state that came in max-combining or float32."""
+    convert = jax_private.to_max_combining if max_combining else jax_private.to_float32
+    return jax.tree.map(convert, tree)
 
 
 def _quantized_operands(recipe: Recipe, dims: DimensionNumbers, lhs, rhs, states: States):
     (lc, rc), _ = dims
-    sx, new_input = recipe.scaling(lhs, _as_f32(states.input), "input")
-    sw, new_kernel = recipe.scaling(rhs, _as_f32(states.kernel), "kernel")
+    sx, new_input = recipe.scaling(lhs, states.input, "input")
+    sw, new_kernel = recipe.scaling(rhs, states.kernel, "kernel")
     q_lhs = recipe.quantize(lhs, sx, "input", lc)
     q_rhs = recipe.quantize(rhs, sw, "kernel", rc)
     return q_lhs, q_rhs, new_input, new_kernel
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_dot_general(
+    recipe: Recipe,
+    dimension_numbers: DimensionNumbers,
+    precision: Any,
+    dtypes: tuple[np.dtype, np.dtype, np.dtype, bool],
+    lhs: Array,
+    rhs: Array,
+    states: States,
+) -> Array:
+    q_lhs, q_rhs, _, _ = _quantized_operands(
+        recipe, dimension_numbers, lhs, rhs, _as_f32(states)
+    )
+    return recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
+
+
+def _fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states):
+    # Residuals stay float32: under an eager `grad` they may leave the jitted function.
+    states = _as_f32(states)
+    q_lhs, q_rhs, new_input, new_kernel = _quantized_operands(
+        recipe, dimension_numbers, lhs, rhs, states
+    )
+    out = recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
+    return out, (q_lhs, q_rhs, new_input, new_kernel, states.output_grad)
+
+
+def _bwd(recipe, dimension_numbers, precision, dtypes, residuals, g):
+    del precision
+    q_lhs, q_rhs, new_input, new_kernel, grad_state = residuals
+    sg, new_grad = recipe.scaling(g, grad_state, "output_grad")
+    dgrad, wgrad = backward_gemms(dimension_numbers, q_lhs.data.ndim, q_rhs.data.ndim)
+    d_lhs = _backward_product(recipe, dgrad, g, sg, q_rhs, q_lhs.data)
+    d_rhs = _backward_product(recipe, wgrad, g, sg, q_lhs, q_rhs.data)
+    return (
+        jnp.transpose(d_lhs, dgrad.perm).astype(dtypes[0]),
+        jnp.transpose(d_rhs, wgrad.perm).astype(dtypes[1]),
+        _cotangent(States(new_input, new_kernel, new_grad), dtypes[3]),
+    )
+
+
+_fp8_dot_general.defvjp(_fwd, _bwd)
+
+
 def fp8_dot_general(
     recipe: Recipe,
     dimension_numbers: DimensionNumbers,
@@ -176,41 +220,15 @@ def fp8_dot_general(
     """`lax.dot_general(lhs, rhs, dimension_numbers)` as FP8 GEMMs under `recipe`.
 
     `dtypes` is (lhs dtype, rhs dtype, output dtype). Differentiating it computes dgrad and
-    wgrad in FP8 and returns the new `states` as their cotangent.
+    wgrad in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
     """
-    q_lhs, q_rhs, _, _ = _quantized_operands(recipe, dimension_numbers, lhs, rhs, states)
-    return recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
-
-
-def _fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states):
-    q_lhs, q_rhs, new_input, new_kernel = _quantized_operands(
-        recipe, dimension_numbers, lhs, rhs, states
+    leaves = jax.tree.leaves(states)
+    max_combining = any(jax_private.is_max_combining(x) for x in leaves)
+    if max_combining and not all(jax_private.is_max_combining(x) for x in leaves):
+        raise ValueError("FP8 state mixes max-combining and float32 leaves.")
+    return _fp8_dot_general(
+        recipe, dimension_numbers, precision, (*dtypes, max_combining), lhs, rhs, states
     )
-    out = recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
-    residuals = (
-        q_lhs,
-        q_rhs,
-        _like(new_input, states.input),
-        _like(new_kernel, states.kernel),
-        states.output_grad,
-    )
-    return out, residuals
-
-
-def _bwd(recipe, dimension_numbers, precision, dtypes, residuals, g):
-    del precision
-    q_lhs, q_rhs, new_input, new_kernel, grad_state = residuals
-    sg, new_grad = recipe.scaling(g, _as_f32(grad_state), "output_grad")
-    dgrad, wgrad = backward_gemms(dimension_numbers, q_lhs.data.ndim, q_rhs.data.ndim)
-    d_lhs = _backward_product(recipe, dgrad, g, sg, q_rhs, q_lhs.data)
-    d_rhs = _backward_product(recipe, wgrad, g, sg, q_lhs, q_rhs.data)
-    return (
-        jnp.transpose(d_lhs, dgrad.perm).astype(dtypes[0]),
-        jnp.transpose(d_rhs, wgrad.perm).astype(dtypes[1]),
-        States(new_input, new_kernel, _like(new_grad, grad_state)),
-    )
-
-
 def _fold_leading_axis(t: _Transpose) -> _Transpose:
     """`t` for operands that gained a leading axis to contract over (the vmapped tokens)."""
 
@@ -260,6 +278,3 @@ def _backward_product(
         return out, True
 
     return batched_product(g, sg, other, own)
-
-
-fp8_dot_general.defvjp(_fwd, _bwd)

@@ -107,11 +107,6 @@ def to_float32(x: Any) -> Any:
     return jnp.asarray(x, jnp.float32)
 
 
-def like(value: Any, reference: Any) -> Any:
-    """`value` (float32) in the dtype of `reference`: max-combining or float32."""
-    return to_max_combining(value) if is_max_combining(reference) else to_float32(value)
-
-
 def is_batch_tracer(x: Any) -> bool:
     """Whether `x` is a tracer of `jax.vmap` (JAX exports no name for its type)."""
     return isinstance(x, core.Tracer) and type(x).__name__ == "BatchTracer"

@@ -1,0 +1,170 @@
+"""Fp8DotGeneral against float32 math, for general dimension numbers, forward and backward."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import UNIT_ROUNDOFF, ref_qdq, representable
+from jax import lax
+from jax.ad_checkpoint import print_saved_residuals
+
+import fp8jax
+
+# (name, lhs shape, rhs shape, dimension_numbers)
+CASES = [
+    ("mk,kn->mn", (4, 8), (8, 3), (((1,), (0,)), ((), ()))),
+    ("mk,nk->mn", (4, 8), (3, 8), (((1,), (1,)), ((), ()))),
+    ("km,kn->mn", (8, 4), (8, 3), (((0,), (0,)), ((), ()))),
+    ("k,nk->n", (8,), (3, 8), (((0,), (1,)), ((), ()))),
+    ("bmk,bkn->bmn", (2, 4, 8), (2, 8, 3), (((2,), (1,)), ((0,), (0,)))),
+    ("mbk,kbn->bmn", (4, 2, 8), (8, 2, 3), (((2,), (0,)), ((1,), (1,)))),
+    ("mpq,qnp->mn (two contracting)", (4, 5, 6), (6, 3, 5), (((1, 2), (2, 0)), ((), ()))),
+    ("bhqd,bhkd->bhqk", (2, 3, 4, 8), (2, 3, 5, 8), (((3,), (3,)), ((0, 1), (0, 1)))),
+    ("tsd,dsf->tf", (6, 2, 4), (4, 2, 5), (((1, 2), (1, 0)), ((), ()))),
+]
+IDS = [c[0] for c in CASES]
+
+
+def with_state(dot, role, scale=None, amax=None):
+    """`dot` with operand `role`'s stored scale and/or newest amax set."""
+    state = getattr(dot, role)
+    if scale is not None:
+        state = eqx.tree_at(lambda s: s.scale, state, jnp.float32(scale))
+    if amax is not None:
+        state = eqx.tree_at(lambda s: s.amax_history, state, state.amax_history.at[0].set(amax))
+    return eqx.tree_at(lambda d: getattr(d, role), dot, state)
+
+
+def f32_dot(lhs, rhs, dims):
+    return lax.dot_general(lhs, rhs, dims, precision=lax.Precision.HIGHEST)
+
+
+def vjp(fn, lhs, rhs, ct):
+    out, pullback = jax.vjp(fn, lhs, rhs)
+    return out, *pullback(ct)
+
+
+@pytest.mark.parametrize("name, lshape, rshape, dims", CASES, ids=IDS)
+def test_exact_on_representable_values(name, lshape, rshape, dims):
+    """FP8-representable operands and power-of-two scales: FP8 equals float32 exactly."""
+    rng = np.random.default_rng(len(name))
+    lhs = representable(rng, lshape)
+    rhs = representable(rng, rshape)
+    dot = fp8jax.Fp8DotGeneral()
+    # Stored scales are used while the amax history is still empty.
+    dot = with_state(dot, "input", scale=2.0)
+    dot = with_state(dot, "kernel", scale=0.5)
+    dot = with_state(dot, "output_grad", scale=4.0)
+    out_shape = jax.eval_shape(lambda a, b: f32_dot(a, b, dims), lhs, rhs).shape
+    ct = representable(rng, out_shape, fmt="e5m2")
+
+    out, d_lhs, d_rhs = vjp(lambda a, b: dot(a, b, dims), lhs, rhs, ct)
+    ref, r_lhs, r_rhs = vjp(lambda a, b: f32_dot(a, b, dims), lhs, rhs, ct)
+    assert out.shape == ref.shape and d_lhs.shape == lshape and d_rhs.shape == rshape
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(d_lhs, r_lhs)
+    np.testing.assert_array_equal(d_rhs, r_rhs)
+
+
+def _format_bound(a, b, a_fmt, b_fmt, a_scale, b_scale, contract):
+    """Worst-case |fl8(a) fl8(b) - a b| summed over the contraction, from the formats' unit
+    roundoff u and subnormal half-spacing d: |a^ - a| <= u|a| + d/scale."""
+    ua, ub = UNIT_ROUNDOFF[a_fmt], UNIT_ROUNDOFF[b_fmt]
+    da = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}[a_fmt] / a_scale
+    db = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}[b_fmt] / b_scale
+    A, B = np.abs(a), np.abs(b)
+    return contract(ua * A + da, (1 + ub) * B + db) + contract(A, ub * B + db)
+
+
+@pytest.mark.parametrize("name, lshape, rshape, dims", CASES, ids=IDS)
+def test_random_values_against_ml_dtypes_and_float32(name, lshape, rshape, dims):
+    rng = np.random.default_rng(7 + len(name))
+    lhs = rng.standard_normal(lshape).astype(np.float32) * 3
+    rhs = rng.standard_normal(rshape).astype(np.float32) * 0.2
+    ref = f32_dot(lhs, rhs, dims)
+    ct = rng.standard_normal(ref.shape).astype(np.float32) * 1e-3
+    amax_x, amax_w, amax_g = (np.float32(np.max(np.abs(v))) for v in (lhs, rhs, ct))
+    dot = fp8jax.Fp8DotGeneral()
+    dot = with_state(dot, "input", amax=amax_x)
+    dot = with_state(dot, "kernel", amax=amax_w)
+    dot = with_state(dot, "output_grad", amax=amax_g)
+    sx, sw = np.float32(448) / amax_x, np.float32(448) / amax_w
+    sg = np.float32(57344) / amax_g
+
+    out, d_lhs, d_rhs = vjp(lambda a, b: dot(a, b, dims), lhs, rhs, ct)
+    _, r_lhs, r_rhs = vjp(lambda a, b: f32_dot(a, b, dims), lhs, rhs, ct)
+
+    def lax64(a, b, d):
+        return np.asarray(lax.dot_general(
+            jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), d,
+            precision=lax.Precision.HIGHEST))
+
+    # 1. Against the same FP8 roundings done by ml_dtypes: only float32 summation differs.
+    xq, wq, gq = ref_qdq(lhs, sx, "e4m3"), ref_qdq(rhs, sw, "e4m3"), ref_qdq(ct, sg, "e5m2")
+    mag = lax64(np.abs(xq), np.abs(wq), dims)
+    np.testing.assert_array_less(np.abs(out - lax64(xq, wq, dims)), 1e-6 * mag + 1e-30)
+    _, ml_lhs, ml_rhs = vjp(lambda a, b: f32_dot(a, b, dims), xq.astype(np.float32),
+                            wq.astype(np.float32), gq.astype(np.float32))
+    for got, want, mags in (
+        (d_lhs, ml_lhs, vjp(lambda a, b: f32_dot(a, b, dims), np.abs(xq).astype(np.float32),
+                            np.abs(wq).astype(np.float32), np.abs(gq).astype(np.float32))[1]),
+        (d_rhs, ml_rhs, vjp(lambda a, b: f32_dot(a, b, dims), np.abs(xq).astype(np.float32),
+                            np.abs(wq).astype(np.float32), np.abs(gq).astype(np.float32))[2]),
+    ):
+        np.testing.assert_array_less(np.abs(got - want), 1e-5 * np.asarray(mags) + 1e-30)
+
+    # 2. Against float32 math, within the worst case the two formats allow.
+    bound = _format_bound(lhs, rhs, "e4m3", "e4m3", sx, sw, lambda a, b: lax64(a, b, dims))
+    np.testing.assert_array_less(np.abs(out - ref), bound * (1 + 1e-5) + 1e-30)
+    lhs_bound = _grad_bound(lambda g, w: vjp(lambda a, b: f32_dot(a, b, dims), lhs, w, g)[1],
+                            ct, rhs, sg, sw)
+    rhs_bound = _grad_bound(lambda g, x: vjp(lambda a, b: f32_dot(a, b, dims), x, rhs, g)[2],
+                            ct, lhs, sg, sx)
+    np.testing.assert_array_less(np.abs(d_lhs - r_lhs), lhs_bound * (1 + 1e-5) + 1e-30)
+    np.testing.assert_array_less(np.abs(d_rhs - r_rhs), rhs_bound * (1 + 1e-5) + 1e-30)
+
+
+def _grad_bound(pull, g, other, sg, so):
+    """Bound for a backward product of e5m2 `g` and e4m3 `other`, built like the forward's."""
+    ug, uo = UNIT_ROUNDOFF["e5m2"], UNIT_ROUNDOFF["e4m3"]
+    dg, do = 2.0**-17 / sg, 2.0**-10 / so
+    G, O = np.abs(g), np.abs(other)
+    return np.asarray(pull(ug * G + dg, (1 + uo) * O + do)) + np.asarray(pull(G, uo * O + do))
+
+
+def test_dtypes_follow_dot_general():
+    dot = fp8jax.Fp8DotGeneral()
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    w = jnp.ones((8, 3), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    assert dot(x, w, dims).dtype == jnp.bfloat16
+    assert dot(x, w, dims, preferred_element_type=jnp.float32).dtype == jnp.float32
+    assert dot(x, w.astype(jnp.float32), dims).dtype == jnp.float32
+    gx, gw = jax.grad(lambda a, b: jnp.sum(dot(a, b, dims).astype(jnp.float32)),
+                      argnums=(0, 1))(x, w)
+    assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+
+
+def test_saves_only_fp8_operands_and_scales(capsys):
+    dot = fp8jax.Fp8DotGeneral()
+    x = jnp.ones((32, 16))
+    w = jnp.ones((16, 8))
+    print_saved_residuals(lambda a, b: jnp.sum(dot(a, b, (((1,), (0,)), ((), ())))), x, w)
+    saved = capsys.readouterr().out.splitlines()
+    shapes = [re.match(r"(\w+)\[([\d,]*)\]", line).groups() for line in saved]
+    big = [(d, s) for d, s in shapes if s not in ("", "1024")]
+    assert sorted(big) == [("f8_e4m3fn", "16,8"), ("f8_e4m3fn", "32,16")], saved
+
+
+def test_forward_uses_history_scale_not_stored_scale():
+    """Delayed scaling: once the history has an amax, the scale comes from it."""
+    dot = with_state(fp8jax.Fp8DotGeneral(), "input", scale=1.0, amax=4.0)
+    x = jnp.array([[3.3]])
+    w = jnp.array([[1.0]])
+    got = dot(x, w, (((1,), (0,)), ((), ())))
+    want = ref_qdq(np.float32(3.3), np.float32(448) / np.float32(4.0), "e4m3")
+    np.testing.assert_allclose(np.asarray(got)[0, 0], want, rtol=1e-7)
+    assert want != ref_qdq(np.float32(3.3), 1.0, "e4m3")  # the two scales round differently

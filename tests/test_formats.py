@@ -1,0 +1,77 @@
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import E4M3, E5M2, ref_quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fp8jax
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("e4m3", jnp.float8_e4m3fn),
+        ("E4M3", jnp.float8_e4m3fn),
+        ("float8_e4m3fn", jnp.float8_e4m3fn),
+        ("e5m2", jnp.float8_e5m2),
+        ("e4m3fnuz", jnp.float8_e4m3fnuz),
+        ("e5m2fnuz", jnp.float8_e5m2fnuz),
+        (jnp.float8_e5m2, jnp.float8_e5m2),
+    ],
+)
+def test_fp8_dtype_names(name, dtype):
+    assert fp8jax.fp8_dtype(name) == np.dtype(dtype)
+
+
+def test_fp8_max_matches_ml_dtypes():
+    assert fp8jax.fp8_max("e4m3") == float(ml_dtypes.finfo(E4M3).max) == 448.0
+    assert fp8jax.fp8_max("e5m2") == float(ml_dtypes.finfo(E5M2).max) == 57344.0
+
+
+@pytest.mark.parametrize("bad", ["e4m4", "fp8", jnp.float32, jnp.bfloat16, "int8"])
+def test_unknown_format_names_value_and_choices(bad):
+    with pytest.raises(ValueError, match=r"Unknown FP8 format .*should be one of"):
+        fp8jax.fp8_dtype(bad)
+
+
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", E4M3), ("e5m2", E5M2)])
+def test_quantize_rounds_like_ml_dtypes(fmt, dtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(4096).astype(np.float32) * 30
+    for scale in (1.0, 3.7, 0.01):
+        got = np.asarray(fp8jax.quantize(x, scale, fmt))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(
+            got.astype(np.float32), ref_quantize(x, scale, fmt).astype(np.float32)
+        )
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_saturates_instead_of_inf(fmt):
+    limit = fp8jax.fp8_max(fmt)
+    x = np.array([1e30, -1e30, np.inf, -np.inf, 2 * limit], np.float32)
+    got = np.asarray(fp8jax.quantize(x, 1.0, fmt)).astype(np.float32)
+    np.testing.assert_array_equal(got, [limit, -limit, limit, -limit, limit])
+
+
+def test_dequantize_inverts_scale():
+    x = np.array([1.0, -2.5, 0.125], np.float32)
+    q = fp8jax.quantize(x, 4.0, "e4m3")
+    np.testing.assert_array_equal(np.asarray(fp8jax.dequantize(q, 4.0)), x)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1,
+             max_size=64),
+    st.floats(min_value=2.0**-100, max_value=2.0**100, width=32),
+    st.sampled_from(["e4m3", "e5m2"]),
+)
+def test_quantize_of_finite_values_is_finite_and_nearest(values, scale, fmt):
+    x = np.asarray(values, np.float32)
+    q = np.asarray(fp8jax.quantize(x, scale, fmt)).astype(np.float64)
+    assert np.all(np.isfinite(q))
+    ref = ref_quantize(x, scale, fmt).astype(np.float64)
+    np.testing.assert_array_equal(q, ref)
