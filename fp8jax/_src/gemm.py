@@ -222,6 +222,10 @@ def fp8_dot_general(
     `dtypes` is (lhs dtype, rhs dtype, output dtype). Differentiating it computes dgrad and
     wgrad in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
     """
+    # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
+    # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
+    lhs, rhs = (jnp.array(x, copy=True) if jax_private.is_batch_tracer(x) else x
+                for x in (lhs, rhs))
     leaves = jax.tree.leaves(states)
     max_combining = any(jax_private.is_max_combining(x) for x in leaves)
     if max_combining and not all(jax_private.is_max_combining(x) for x in leaves):

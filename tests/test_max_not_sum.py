@@ -1,0 +1,130 @@
+"""A layer's amax contributions combine by max: shared layers, vmap, microbatches."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fp8jax
+
+
+@pytest.fixture
+def linear(getkey):
+    return fp8jax.fp8_linear_layers(eqx.nn.Linear(8, 4, key=getkey()))
+
+
+def newest(grads):
+    dot = grads.dot_general
+    return {r: float(getattr(dot, r).amax_history[0]) for r in ("input", "kernel", "output_grad")}
+
+
+def amax(*arrays):
+    return float(max(np.abs(np.asarray(a)).max() for a in arrays))
+
+
+def test_layer_used_twice_keeps_the_larger_amax(linear):
+    rng = np.random.default_rng(0)
+    x1, x2 = (rng.standard_normal((2, 5, 8)) * [[[1.0]], [[7.0]]]).astype(np.float32)
+    c1, c2 = (rng.standard_normal((2, 5, 4)) * [[[3.0]], [[0.5]]]).astype(np.float32)
+
+    def twice(m):
+        return jnp.sum(m(x1) * c1) + jnp.sum(m(x2) * c2)
+
+    grads = fp8jax.filter_grad(twice)(linear)
+    assert newest(grads) == {
+        "input": amax(x1, x2),
+        "kernel": amax(linear.weight),
+        "output_grad": amax(c1, c2),
+    }
+    # The weight's own gradient still adds up both uses.
+    g1 = fp8jax.filter_grad(lambda m: jnp.sum(m(x1) * c1))(linear)
+    g2 = fp8jax.filter_grad(lambda m: jnp.sum(m(x2) * c2))(linear)
+    np.testing.assert_allclose(grads.weight, g1.weight + g2.weight, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads.bias, g1.bias + g2.bias, rtol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [eqx.filter_grad, fp8jax.filter_grad], ids=["eqx", "fp8jax"])
+def test_vmap_over_batch_equals_the_batched_call(linear, grad):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 3, 8)).astype(np.float32)
+    x[4, 1, 2] = 40.0  # one example holds the amax
+    c = rng.standard_normal((6, 3, 4)).astype(np.float32)
+
+    def batched(m):
+        return jnp.sum(m(x) * c)
+
+    def vmapped(m):
+        return jnp.sum(jax.vmap(m)(x) * c)
+
+    def vmapped_twice(m):
+        return jnp.sum(jax.vmap(jax.vmap(m))(x) * c)
+
+    want = grad(batched)(linear)
+    assert newest(want) == {"input": 40.0, "kernel": amax(linear.weight),
+                            "output_grad": amax(c)}
+    for loss in (vmapped, vmapped_twice):
+        got = eqx.filter_jit(grad(loss))(linear)
+        for role in ("input", "kernel", "output_grad"):
+            for a, b in zip(jax.tree.leaves(getattr(got.dot_general, role)),
+                            jax.tree.leaves(getattr(want.dot_general, role)), strict=True):
+                np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(got.weight, want.weight, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got.bias, want.bias, rtol=1e-6, atol=1e-7)
+
+
+def test_vmapped_wgrad_is_one_gemm_over_all_tokens(linear):
+    """The wgrad of `vmap(model)` contracts over the batch: no per-example outer products."""
+    x = jnp.ones((32, 8))
+
+    def loss(m):
+        return jnp.sum(jax.vmap(m)(x) ** 2)
+
+    text = eqx.filter_jit(eqx.filter_grad(loss)).lower(linear).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 2, dots  # forward and wgrad (no dgrad: x is not differentiated)
+    wgrad = [d for d in dots if "f8E5M2" in d]
+    assert len(wgrad) == 1 and "contracting_dims = [0] x [0]" in wgrad[0], wgrad
+    assert "batching_dims" not in wgrad[0]
+
+
+def test_microbatches_in_a_scan_keep_the_max_amax(linear):
+    rng = np.random.default_rng(2)
+    k = 4
+    xs = (rng.standard_normal((k, 5, 8)) * np.arange(1, k + 1)[:, None, None]).astype(np.float32)
+    cs = (rng.standard_normal((k, 5, 4)) / np.arange(1, k + 1)[:, None, None]).astype(np.float32)
+
+    def accumulated(m):
+        def body(total, xc):
+            x, c = xc
+            return total + jnp.sum(m(x) * c), None
+
+        return lax.scan(body, 0.0, (xs, cs))[0]
+
+    def one_batch(m):
+        return jnp.sum(m(xs.reshape(-1, 8)) * cs.reshape(-1, 4))
+
+    got = jax.jit(fp8jax.filter_grad(accumulated))(linear)
+    want = fp8jax.filter_grad(one_batch)(linear)
+    assert newest(got) == {"input": amax(xs), "kernel": amax(linear.weight),
+                           "output_grad": amax(cs)}
+    for a, b in zip(jax.tree.leaves(got.dot_general), jax.tree.leaves(want.dot_general),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(got.weight, want.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_per_example_gradients_are_not_summed(linear):
+    """vmap of fp8jax.filter_grad gives each example its own weight gradient."""
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((3, 8)).astype(np.float32)
+    cs = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def loss(m, x, c):
+        return jnp.sum(m(x) * c)
+
+    per_example = jax.vmap(fp8jax.filter_grad(loss), in_axes=(None, 0, 0))(linear, xs, cs)
+    for i in range(3):
+        single = fp8jax.filter_grad(loss)(linear, xs[i], cs[i])
+        np.testing.assert_allclose(per_example.weight[i], single.weight, rtol=1e-6, atol=1e-7)
