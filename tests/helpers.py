@@ -38,3 +38,15 @@ def representable(rng, shape, fmt="e4m3", step=0.25):
     x = (k * step).astype(np.float32)
     assert np.array_equal(x.astype(FP8[fmt]).astype(np.float32), x)
     return x
+
+
+def matmul_error_bound(x, w_t, sx=1.0, sw=1.0):
+    """Worst-case |fp8(x) @ fp8(w).T - x @ w.T| for E4M3 operands with scales sx, sw.
+
+    Per element |v^ - v| <= u|v| + d/scale (u: unit roundoff, d: half the subnormal spacing), so
+    |x^ w^ - x w| <= (u|x| + dx)((1+u)|w| + dw) + |x|(u|w| + dw), summed over the contraction.
+    """
+    u, d = UNIT_ROUNDOFF["e4m3"], 2.0**-10
+    X, W = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w_t, np.float64)).T
+    dx, dw = d / sx, d / sw
+    return (u * X + dx) @ ((1 + u) * W + dw) + X @ (u * W + dw)

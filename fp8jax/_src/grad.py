@@ -78,11 +78,22 @@ def filter_value_and_grad(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
-            # vmap(grad): per-example gradients must not be summed over the mapped axis.
-            with per_example_gradients():
-                return value_and_grad(*args, **kwargs)
-        return value_and_grad(*args, **kwargs)
+        try:
+            if any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
+                # vmap(grad): per-example gradients must not be summed over the mapped axis.
+                with per_example_gradients():
+                    return value_and_grad(*args, **kwargs)
+            return value_and_grad(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if "max_f32" not in str(e):
+                raise
+            raise TypeError(
+                "fp8jax.filter_value_and_grad: JAX cannot differentiate a static slice or "
+                "gather of FP8 state (e.g. `stacked_layers[0]`) in its max-combining dtype. "
+                "Apply stacked layers with lax.scan or haliax Stacked.fold/scan, index them "
+                "with jax.lax.dynamic_index_in_dim, or use eqx.filter_value_and_grad if no FP8 "
+                "layer runs more than once per step."
+            ) from e
 
     return run
 

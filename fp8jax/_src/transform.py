@@ -197,6 +197,8 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
         if not children:
             return node
         new = [convert(path + (_key_name(k),), c, batch_shape) for k, c in children]
+        if all(n is c for n, (_, c) in zip(new, children, strict=True)):
+            return node  # nothing converted below: keep the very same object
         treedef = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
         return jax.tree_util.tree_unflatten(treedef, new)
 

@@ -1,0 +1,71 @@
+"""optax and FP8 state side by side: the state is never clipped, decayed or cast."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from test_delayed_scaling import ref_update
+
+import fp8jax
+
+
+def to_compute_dtype(model, dtype):
+    """Cast the model's float parameters to `dtype`, leaving FP8 state alone."""
+    state, params = fp8jax.partition_for_grad_overwrite(model)
+    params = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, params)
+    return eqx.combine(state, params, is_leaf=lambda x: isinstance(x, fp8jax.Fp8DotGeneral))
+
+
+def test_adamw_after_clipping_with_float32_master_weights(getkey):
+    assert tuple(map(int, optax.__version__.split(".")[:3])) >= (0, 2, 7)
+    recipe = fp8jax.DelayedScaling(history_len=4)
+    mlp = eqx.nn.MLP(8, 2, 32, 2, use_final_bias=False, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    x = jax.random.normal(getkey(), (64, 8)) * 2
+    y = jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], axis=1)
+    # A tight clip and strong decay: either would visibly change FP8 state if it reached it.
+    optimizer = optax.chain(optax.clip_by_global_norm(1e-2), optax.adamw(3e-3, weight_decay=0.5))
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+    assert not any(x.shape == (4,) for x in jax.tree.leaves(opt_state))  # no FP8 history
+
+    def loss_fn(model, x, y):
+        pred = jax.vmap(to_compute_dtype(model, jnp.bfloat16))(x.astype(jnp.bfloat16))
+        return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, x, y)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        _, trainable = fp8jax.partition_for_grad_overwrite(model)
+        params = eqx.filter(trainable, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
+
+    losses = []
+    for _ in range(30):
+        before = model
+        model, opt_state, loss = step(model, opt_state, x, y)
+        losses.append(float(loss))
+        for old_layer, new_layer in zip(before.layers, model.layers, strict=True):
+            old, new = old_layer.dot_general, new_layer.dot_general
+            # Master weights stay float32 and move.
+            assert new_layer.weight.dtype == jnp.float32
+            assert not np.array_equal(new_layer.weight, old_layer.weight)
+            seen = {
+                "kernel": np.abs(np.asarray(old_layer.weight.astype(jnp.bfloat16),
+                                            np.float32)).max(),
+                "output_grad": float(new.output_grad.amax_history[0]),
+            }
+            if old_layer is before.layers[0]:
+                seen["input"] = np.abs(np.asarray(x.astype(jnp.bfloat16), np.float32)).max()
+            for role, amax in seen.items():
+                o, n = getattr(old, role), getattr(new, role)
+                assert n.scale.dtype == n.amax_history.dtype == jnp.float32
+                want_scale, want_hist = ref_update(
+                    np.asarray(o.scale), np.asarray(o.amax_history).copy(), amax,
+                    fp8jax.fp8_max(recipe.format(role)), recipe.margin, recipe.amax_compute)
+                np.testing.assert_array_equal(n.scale, want_scale, err_msg=role)
+                np.testing.assert_array_equal(n.amax_history, want_hist, err_msg=role)
+    assert losses[-1] < 0.8 * losses[0], losses

@@ -1,0 +1,236 @@
+"""fp8_linear_layers: which layers it converts, what it keeps, and the errors it raises."""
+
+import re
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import matmul_error_bound
+
+import fp8jax
+
+
+class Block(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    mlp: eqx.nn.MLP
+    norm: eqx.nn.LayerNorm
+
+
+class Model(eqx.Module):
+    embed: eqx.nn.Embedding
+    blocks: list
+    head: eqx.nn.Linear
+
+
+def make_model(key):
+    keys = jax.random.split(key, 6)
+    blocks = [
+        Block(
+            eqx.nn.MultiheadAttention(2, 8, key=keys[2 * i]),
+            eqx.nn.MLP(8, 8, 16, 1, key=keys[2 * i + 1]),
+            eqx.nn.LayerNorm(8),
+        )
+        for i in range(2)
+    ]
+    return Model(eqx.nn.Embedding(11, 8, key=keys[4]), blocks, eqx.nn.Linear(8, 11, key=keys[5]))
+
+
+def linear_paths(tree, kind):
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, eqx.nn.Linear | fp8jax.Linear)
+    )[0]:
+        if isinstance(leaf, kind):
+            out.append(".".join(str(getattr(k, "name", getattr(k, "idx", k))) for k in path))
+    return sorted(out)
+
+
+def test_replaces_eqx_linear_keeping_weight_and_bias(getkey):
+    lin = eqx.nn.Linear(16, 8, key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(lin)
+    assert isinstance(fp8, fp8jax.Linear)
+    assert fp8.weight is lin.weight and fp8.bias is lin.bias
+    assert (fp8.in_features, fp8.out_features, fp8.use_bias) == (16, 8, True)
+    x = jax.random.normal(getkey(), (16,))
+    bound = matmul_error_bound(x[None], lin.weight)[0]
+    np.testing.assert_array_less(np.abs(fp8(x) - lin(x)), bound)
+    assert not np.array_equal(fp8(x), lin(x))  # it really ran in FP8
+
+
+def test_scalar_features_like_eqx(getkey):
+    lin = eqx.nn.Linear("scalar", "scalar", key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(lin)
+    x = jnp.float32(0.75)
+    assert fp8(x).shape == () == lin(x).shape
+    np.testing.assert_allclose(fp8(x), lin(x), rtol=2 * 2.0**-4)
+
+
+def test_default_converts_all_but_head_and_reaches_mlp_and_attention(getkey):
+    model = make_model(getkey())
+    fp8 = fp8jax.fp8_linear_layers(model)
+    converted = linear_paths(fp8, fp8jax.Linear)
+    assert len(converted) == 2 * (4 + 2)  # per block: q, k, v, o projections + 2 MLP layers
+    assert "blocks.0.attn.query_proj" in converted and "blocks.1.mlp.layers.1" in converted
+    assert linear_paths(fp8, eqx.nn.Linear) == ["head"]
+    assert fp8.embed is model.embed and fp8.blocks[0].norm is model.blocks[0].norm
+
+
+def test_converted_attention_matches_float32(getkey):
+    attn = eqx.nn.MultiheadAttention(2, 16, key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(attn)
+    x = jax.random.normal(getkey(), (6, 16))
+    got, want = fp8(x, x, x), attn(x, x, x)
+    # Each E4M3 operand is off by at most u = 1/16 relative; errors average out over the
+    # contractions, so the output stays well within one worst-case product error, 2u.
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 0 < rel < 2 * 2.0**-4
+
+
+@pytest.mark.parametrize(
+    "targets, expected",
+    [
+        (["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"],
+         ["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"]),  # dotted paths
+        (["blocks.1.attn.value_proj"], ["blocks.1.attn.value_proj"]),
+        (r"blocks\.0\..*", None),  # regex over the whole path
+        (r".*mlp.*", None),
+    ],
+)
+def test_targets(getkey, targets, expected):
+    model = make_model(getkey())
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=targets))
+    converted = linear_paths(fp8, fp8jax.Linear)
+    if expected is None:
+        expected = [p for p in linear_paths(model, eqx.nn.Linear) if re.fullmatch(targets, p)]
+        assert expected
+    assert converted == sorted(expected)
+
+
+def test_last_name_matches_every_layer_with_that_name(getkey):
+    model = make_model(getkey())
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["output_proj"]))
+    assert linear_paths(fp8, fp8jax.Linear) == [
+        "blocks.0.attn.output_proj", "blocks.1.attn.output_proj"]
+
+
+def test_target_matching_nothing_lists_linears(getkey):
+    model = make_model(getkey())
+    with pytest.raises(ValueError, match=r"'nope' matches no Linear.*'blocks.0.attn.query_proj'"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["nope"]))
+    with pytest.raises(ValueError, match=r"matches no Linear layer .*whole dotted path"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets="mlp"))
+
+
+def test_non_linear_target_is_rejected(getkey):
+    model = make_model(getkey())
+    with pytest.raises(ValueError, match=r"'embed' names 'embed', a Embedding, not a Linear"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["embed"]))
+    with pytest.raises(ValueError, match=r"only modules that are not Linear: 'blocks.0.norm'"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r"blocks\.0\.norm"))
+
+
+def test_exclusion_of_head_can_be_lifted(getkey):
+    model = make_model(getkey())
+    with pytest.raises(ValueError, match="keeps in high precision"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["head"]))
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["head"], exclude=None))
+    assert linear_paths(fp8, fp8jax.Linear) == ["head"]
+
+
+def test_applying_twice_does_not_wrap_twice(getkey):
+    model = make_model(getkey())
+    once = fp8jax.fp8_linear_layers(model)
+    # Give the state a value, so we can see it is kept.
+    once = eqx.tree_at(lambda m: m.blocks[0].mlp.layers[0].dot_general.input.scale, once,
+                       jnp.float32(5.0))
+    twice = fp8jax.fp8_linear_layers(once)
+    assert jax.tree.structure(twice) == jax.tree.structure(once)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
+        assert a is b
+    targeted = fp8jax.fp8_linear_layers(once, fp8jax.Fp8Config(targets=r".*mlp.*"))
+    assert float(targeted.blocks[0].mlp.layers[0].dot_general.input.scale) == 5.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"targets": 3}, ValueError, "targets=3"),
+        ({"targets": "(("}, ValueError, "not a valid regex"),
+        ({"recipe": "blockwise-ish"}, ValueError, "Unknown recipe 'blockwise-ish'"),
+        ({"exclude": "[a-"}, ValueError, "not a valid regex"),
+    ],
+)
+def test_bad_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fp8jax.Fp8Config(**kwargs)
+
+
+def test_bad_config_type(getkey):
+    with pytest.raises(TypeError, match="Fp8Config"):
+        fp8jax.fp8_linear_layers(make_model(getkey()), {"targets": None})
+
+
+def test_tree_without_linears():
+    with pytest.raises(ValueError, match="no Linear"):
+        fp8jax.fp8_linear_layers({"a": jnp.ones(3)})
+
+
+# --- Haliax ---------------------------------------------------------------------------------
+
+Embed, Mlp, Batch, Layers = (hax.Axis("embed", 8), hax.Axis("mlp", 16), hax.Axis("batch", 5),
+                             hax.Axis("layers", 3))
+
+
+class HBlock(eqx.Module):
+    up: hnn.Linear
+    down: hnn.Linear
+
+    @staticmethod
+    def init(*, key):
+        k1, k2 = jax.random.split(key)
+        return HBlock(hnn.Linear.init(Embed, Mlp, key=k1), hnn.Linear.init(Mlp, Embed, key=k2))
+
+    def __call__(self, x):
+        return self.down(hax.nn.relu(self.up(x)))
+
+
+def test_haliax_linear_gets_fp8_dot_general(getkey):
+    lin = hnn.Linear.init(Embed, Mlp, key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(lin)
+    assert isinstance(fp8.dot_general, fp8jax.Fp8DotGeneral)
+    assert fp8.weight is lin.weight
+    x = hax.random.normal(getkey(), (Batch, Embed))
+    got, want = fp8(x), lin(x)
+    assert got.axes == want.axes
+    w = lin.weight.rearrange((Mlp, Embed)).array
+    bound = matmul_error_bound(x.array, w)
+    np.testing.assert_array_less(np.abs(got.array - want.array), bound)
+
+
+def test_haliax_stacked_keeps_one_state_per_layer(getkey):
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    fp8 = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(targets=["up", "down"]))
+    dot = fp8.stacked.up.dot_general
+    assert dot.input.scale.shape == (3,) and dot.input.amax_history.shape == (3, 1024)
+    x = hax.random.normal(getkey(), (Batch, Embed)) * 3
+
+    def loss(m):
+        return hax.sum(m.fold(x) ** 2).scalar()
+
+    grads = fp8jax.filter_grad(loss)(fp8)
+    # Layer i's input amax is that of the activation entering it, computed layer by layer.
+    h = x
+    for i in range(Layers.size):
+        layer = fp8.get_layer(i)
+        want = float(jnp.max(jnp.abs(h.array)))
+        assert float(grads.stacked.up.dot_general.input.amax_history[i, 0]) == want
+        h = layer(h)
+    np.testing.assert_allclose(loss(fp8), float(hax.sum(h**2).scalar()), rtol=1e-6)
+    overwrites, rest = fp8jax.partition_for_grad_overwrite(grads)
+    updated = fp8jax.apply_updates(fp8, jax.tree.map(jnp.zeros_like, rest), overwrites)
+    amaxes = updated.stacked.up.dot_general.input.amax_history[:, 0]
+    assert len(set(np.asarray(amaxes).tolist())) == 3
