@@ -131,8 +131,8 @@ def _grad_bound(pull, g, other, sg, so):
     """Bound for a backward product of e5m2 `g` and e4m3 `other`, built like the forward's."""
     ug, uo = UNIT_ROUNDOFF["e5m2"], UNIT_ROUNDOFF["e4m3"]
     dg, do = 2.0**-17 / sg, 2.0**-10 / so
-    G, O = np.abs(g), np.abs(other)
-    return np.asarray(pull(ug * G + dg, (1 + uo) * O + do)) + np.asarray(pull(G, uo * O + do))
+    ga, oa = np.abs(g), np.abs(other)
+    return np.asarray(pull(ug * ga + dg, (1 + uo) * oa + do)) + np.asarray(pull(ga, uo * oa + do))
 
 
 def test_dtypes_follow_dot_general():

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 

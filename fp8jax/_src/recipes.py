@@ -123,7 +123,7 @@ class Recipe(abc.ABC):
         rhs: QTensor,
         dimension_numbers: lax.DotDimensionNumbers,
         precision: lax.Precision | None,
-    ) -> Float[Array, "..."]:
+    ) -> Float[Array, ...]:
         """The float32 result of `dot_general` on the real values of `lhs` and `rhs`."""
 
 
@@ -162,7 +162,7 @@ class PerTensorRecipe(Recipe):
         rhs: QTensor,
         dimension_numbers: lax.DotDimensionNumbers,
         precision: lax.Precision | None,
-    ) -> Float[Array, "..."]:
+    ) -> Float[Array, ...]:
         out = lax.dot_general(
             lhs.data,
             rhs.data,

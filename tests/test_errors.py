@@ -1,0 +1,77 @@
+"""Bad input gets an error naming the value and what would be accepted."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp8jax
+
+MATMUL = (((1,), (0,)), ((), ()))
+
+
+@pytest.fixture
+def dot():
+    return fp8jax.Fp8DotGeneral()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.bool_])
+def test_integer_inputs(dot, dtype):
+    with pytest.raises(TypeError, match=rf"lhs has dtype {jnp.dtype(dtype)}.*floating"):
+        dot(jnp.ones((2, 3), dtype), jnp.ones((3, 4)), MATMUL)
+    with pytest.raises(TypeError, match=rf"rhs has dtype {jnp.dtype(dtype)}"):
+        dot(jnp.ones((2, 3)), jnp.ones((3, 4), dtype), MATMUL)
+
+
+def test_already_fp8_inputs(dot):
+    with pytest.raises(TypeError, match="already float8_e4m3fn"):
+        dot(jnp.ones((2, 3), jnp.float8_e4m3fn), jnp.ones((3, 4)), MATMUL)
+
+
+def test_integer_preferred_element_type(dot):
+    with pytest.raises(TypeError, match="preferred_element_type=int32"):
+        dot(jnp.ones((2, 3)), jnp.ones((3, 4)), MATMUL, preferred_element_type=jnp.int32)
+
+
+def test_mismatched_shapes(dot):
+    with pytest.raises(ValueError, match=r"lhs \(2, 3\) axis 1 has size 3 but rhs \(5, 4\)"):
+        dot(jnp.ones((2, 3)), jnp.ones((5, 4)), MATMUL)
+
+
+@pytest.mark.parametrize(
+    "dims, match",
+    [
+        ((((2,), (0,)), ((), ())), r"axes \(2,\) must be distinct and within range"),
+        ((((0, 0), (0, 1)), ((), ())), "must be distinct"),
+        ((((1,), (0,)), ((0,), ())), "1 lhs batch axes but 0 rhs batch axes"),
+        ("matmul", "should be"),
+    ],
+)
+def test_bad_dimension_numbers(dot, dims, match):
+    with pytest.raises(ValueError, match=match):
+        dot(jnp.ones((2, 3)), jnp.ones((3, 3)), dims)
+
+
+def test_unknown_recipe_and_format():
+    with pytest.raises(ValueError, match=r"Unknown recipe 'tensorwise'.*\['delayed'\]"):
+        fp8jax.Fp8DotGeneral("tensorwise")
+    with pytest.raises(ValueError, match=r"Unknown FP8 format 'e2m1'"):
+        fp8jax.DelayedScaling(backward_format="e2m1")
+
+
+def test_linear_shape_errors(getkey):
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 3, key=getkey()))
+    with pytest.raises(ValueError, match=r"expects x of shape \(\.\.\., 4\); got \(5,\)"):
+        linear(jnp.ones(5))
+    with pytest.raises(ValueError, match=r"bias has shape \(2,\); should be \(3,\)"):
+        fp8jax.Linear(jnp.ones((3, 4)), jnp.ones(2))
+    with pytest.raises(ValueError, match=r"weight has shape \(4,\)"):
+        fp8jax.Linear(jnp.ones(4), None)
+
+
+def test_apply_updates_rejects_misplaced_overwrites(getkey):
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 3, key=getkey()))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(4))))(linear)
+    _, rest = fp8jax.partition_for_grad_overwrite(grads)
+    with pytest.raises(ValueError, match="partition_for_grad_overwrite"):
+        fp8jax.apply_updates(linear, rest, jax.tree.map(jnp.zeros_like, rest))

@@ -1,0 +1,77 @@
+"""The jitted train step lowers with every forward, dgrad and wgrad dot taking FP8 operands."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import fp8jax
+
+
+def dot_operand_types(stablehlo: str) -> list[tuple[str, str]]:
+    """The element types of the two operands of every `stablehlo.dot_general`."""
+    tensor = r"tensor<(?:\d+x)*(\w+)>"
+    pattern = re.compile(rf"stablehlo\.dot_general .*: \({tensor}, {tensor}\)")
+    lines = [line for line in stablehlo.splitlines() if "stablehlo.dot_general" in line]
+    types = [pattern.search(line).groups() for line in lines]
+    assert len(types) == len(lines)
+    return types
+
+
+class GatedMLP(eqx.Module):
+    """A learned input gain (high precision) in front of two FP8 layers: the gain's gradient
+    needs fc1's dgrad, so all three GEMMs of both layers appear."""
+
+    gain: jax.Array
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x * self.gain)))
+
+
+def lower_train_step(model, x, y, vmapped):
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+
+    def loss_fn(model, x, y):
+        pred = jax.vmap(model)(x) if vmapped else model(x)
+        return jnp.mean((pred - y) ** 2)
+
+    def step(model, opt_state, x, y):
+        loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, x, y)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        _, trainable = fp8jax.partition_for_grad_overwrite(model)
+        params = eqx.filter(trainable, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
+
+    return eqx.filter_jit(step).lower(model, opt_state, x, y).as_text()
+
+
+@pytest.mark.parametrize("vmapped", [False, True], ids=["batched-call", "vmap"])
+def test_train_step_has_six_fp8_gemms(getkey, vmapped):
+    k1, k2 = jax.random.split(getkey())
+    model = GatedMLP(jnp.ones(16), eqx.nn.Linear(16, 64, key=k1), eqx.nn.Linear(64, 16, key=k2))
+    model = fp8jax.fp8_linear_layers(model)
+    x = jnp.ones((128, 16))
+    text = lower_train_step(model, x, x, vmapped)
+    types = dot_operand_types(text)
+    # Every wgrad contracts over the 128 tokens: no per-example outer products under vmap.
+    assert "contracting_dims = [] x []" not in text
+    forward = [t for t in types if t == ("f8E4M3FN", "f8E4M3FN")]
+    backward = [t for t in types if t[0] == "f8E5M2" and t[1] == "f8E4M3FN"]
+    assert len(forward) == 2 and len(backward) == 4, types  # 2 x (fwd, dgrad, wgrad)
+    assert len(types) == 6, types
+
+
+def test_high_precision_model_has_no_fp8_dots(getkey):
+    k1, k2 = jax.random.split(getkey())
+    model = GatedMLP(jnp.ones(16), eqx.nn.Linear(16, 64, key=k1), eqx.nn.Linear(64, 16, key=k2))
+    x = jnp.ones((128, 16))
+    types = dot_operand_types(lower_train_step(model, x, x, vmapped=True))
+    assert len(types) == 6 and all(t == ("f32", "f32") for t in types), types
