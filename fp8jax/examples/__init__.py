@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m fp8jax.examples.<name>`."""
