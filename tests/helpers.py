@@ -50,3 +50,20 @@ def matmul_error_bound(x, w_t, sx=1.0, sw=1.0):
     X, W = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w_t, np.float64)).T
     dx, dw = d / sx, d / sw
     return (u * X + dx) @ ((1 + u) * W + dw) + X @ (u * W + dw)
+
+
+def make_train_step(loss_fn, optimizer):
+    """The README's train step: FP8 state out of the gradients, optax update, state back in."""
+    import equinox as eqx
+
+    import fp8jax
+
+    def step(model, opt_state, *batch):
+        loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, *batch)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        _, trainable = fp8jax.partition_for_grad_overwrite(model)
+        params = eqx.filter(trainable, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
+
+    return step

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import make_train_step
 
 import fp8jax
 
@@ -42,15 +43,8 @@ def lower_train_step(model, x, y, vmapped):
         pred = jax.vmap(model)(x) if vmapped else model(x)
         return jnp.mean((pred - y) ** 2)
 
-    def step(model, opt_state, x, y):
-        loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, x, y)
-        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
-        _, trainable = fp8jax.partition_for_grad_overwrite(model)
-        params = eqx.filter(trainable, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
-
-    return eqx.filter_jit(step).lower(model, opt_state, x, y).as_text()
+    step = eqx.filter_jit(make_train_step(loss_fn, optimizer))
+    return step.lower(model, opt_state, x, y).as_text()
 
 
 @pytest.mark.parametrize("vmapped", [False, True], ids=["batched-call", "vmap"])

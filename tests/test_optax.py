@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import make_train_step
 from test_delayed_scaling import ref_update
 
 import fp8jax
@@ -34,14 +35,7 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
         pred = jax.vmap(to_compute_dtype(model, jnp.bfloat16))(x.astype(jnp.bfloat16))
         return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
-    @eqx.filter_jit
-    def step(model, opt_state, x, y):
-        loss, grads = fp8jax.filter_value_and_grad(loss_fn)(model, x, y)
-        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
-        _, trainable = fp8jax.partition_for_grad_overwrite(model)
-        params = eqx.filter(trainable, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
+    step = eqx.filter_jit(make_train_step(loss_fn, optimizer))
 
     losses = []
     for _ in range(30):
@@ -69,3 +63,46 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
                 np.testing.assert_array_equal(n.scale, want_scale, err_msg=role)
                 np.testing.assert_array_equal(n.amax_history, want_hist, err_msg=role)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_layer_without_gradient_keeps_its_state(getkey):
+    """An unused layer, or one cut off by stop_gradient, receives a zero 'new state'."""
+    used = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
+    unused = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
+    cut = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
+    # Give every layer a history already, so "kept" and "reset" are distinguishable.
+    model = [
+        eqx.tree_at(lambda m: m.dot_general.input.amax_history, m, jnp.full(1024, 2.0))
+        for m in (used, unused, cut)
+    ]
+    x = jnp.ones((3, 4))
+
+    def loss(model):
+        return jnp.sum(model[0](x)) + jnp.sum(jax.lax.stop_gradient(model[2](x)))
+
+    for grad in (eqx.filter_grad, fp8jax.filter_grad):
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grad(loss)(model))
+        new = fp8jax.apply_updates(model, jax.tree.map(jnp.zeros_like, grads), overwrites)
+        assert float(new[0].dot_general.input.scale) == 224.0  # 448 / 2: updated
+        assert float(new[0].dot_general.input.amax_history[0]) == 1.0
+        for i in (1, 2):
+            for a, b in zip(jax.tree.leaves(new[i].dot_general),
+                            jax.tree.leaves(model[i].dot_general), strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_combine_by_max_inside_a_custom_gradient(getkey):
+    """combine_by_max lets plain jax.grad (inside jit) combine a shared layer's amaxes."""
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 2, key=getkey()))
+    params, static = eqx.partition(linear, eqx.is_array)
+    x1, x2 = jnp.full((1, 4), 3.0), jnp.full((1, 4), -5.0)
+
+    @jax.jit
+    def grads(params):
+        def loss(params):
+            model = fp8jax.combine_by_max(eqx.combine(params, static))
+            return jnp.sum(model(x1)) + jnp.sum(model(x2))
+
+        return jax.grad(loss)(params)
+
+    assert float(grads(params).dot_general.input.amax_history[0]) == 5.0
