@@ -54,8 +54,11 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
         updates, opt_state = optimizer.update(grads, opt_state)
         return fp8jax.apply_updates(layer, updates, overwrites), opt_state
 
-    fmt_max = {"input": 448.0, "kernel": 448.0, "output_grad": fp8jax.fp8_max(
-        recipe.backward_format)}
+    fmt_max = {
+        "input": 448.0,
+        "kernel": 448.0,
+        "output_grad": fp8jax.fp8_max(recipe.backward_format),
+    }
     ref = {r: (np.float32(1.0), np.zeros(recipe.history_len, np.float32)) for r in fmt_max}
     # Step magnitudes vary a lot; step 2 has an all-zero input (zero amax keeps the scale).
     magnitudes = [1.0, 30.0, 0.0, 0.01, 5.0]
@@ -69,13 +72,21 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
         }
         layer, opt_state = step(layer, opt_state, x, c)
         for role, (scale, history) in ref.items():
-            ref[role] = ref_update(scale, history.copy(), amaxes[role], fmt_max[role],
-                                   recipe.margin, recipe.amax_compute)
+            ref[role] = ref_update(
+                scale,
+                history.copy(),
+                amaxes[role],
+                fmt_max[role],
+                recipe.margin,
+                recipe.amax_compute,
+            )
             state = getattr(layer.dot, role)
-            np.testing.assert_array_equal(np.asarray(state.scale), ref[role][0],
-                                          err_msg=f"{role} scale, step {t}")
-            np.testing.assert_array_equal(np.asarray(state.amax_history), ref[role][1],
-                                          err_msg=f"{role} history, step {t}")
+            np.testing.assert_array_equal(
+                np.asarray(state.scale), ref[role][0], err_msg=f"{role} scale, step {t}"
+            )
+            np.testing.assert_array_equal(
+                np.asarray(state.amax_history), ref[role][1], err_msg=f"{role} history, step {t}"
+            )
     # The reference really moved: scales left 1.0 and the zero step is in the histories.
     assert all(ref[r][0] != 1.0 for r in ref)
 
@@ -90,10 +101,12 @@ def test_scale_of_step_comes_from_history_before_the_step():
     x1 = np.array([[3.3, 0.0]], np.float32)
     y1 = float(layer(x1)[0, 0])
     # Step 1 uses 448 / 4 (the amax of step 0), not 448 / 3.3 (its own amax).
-    assert y1 == pytest.approx(ref_qdq(x1[0, 0], np.float32(448) / np.float32(4.0), "e4m3"),
-                               rel=1e-7)
-    assert y1 != pytest.approx(ref_qdq(x1[0, 0], np.float32(448) / np.float32(3.3), "e4m3"),
-                               rel=1e-3)
+    assert y1 == pytest.approx(
+        ref_qdq(x1[0, 0], np.float32(448) / np.float32(4.0), "e4m3"), rel=1e-7
+    )
+    assert y1 != pytest.approx(
+        ref_qdq(x1[0, 0], np.float32(448) / np.float32(3.3), "e4m3"), rel=1e-3
+    )
 
 
 def test_non_finite_amax_keeps_scale():

@@ -98,31 +98,58 @@ def test_random_values_against_ml_dtypes_and_float32(name, lshape, rshape, dims)
     _, r_lhs, r_rhs = vjp(lambda a, b: f32_dot(a, b, dims), lhs, rhs, ct)
 
     def lax64(a, b, d):
-        return np.asarray(lax.dot_general(
-            jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), d,
-            precision=lax.Precision.HIGHEST))
+        return np.asarray(
+            lax.dot_general(
+                jnp.asarray(a, jnp.float32),
+                jnp.asarray(b, jnp.float32),
+                d,
+                precision=lax.Precision.HIGHEST,
+            )
+        )
 
     # 1. Against the same FP8 roundings done by ml_dtypes: only float32 summation differs.
     xq, wq, gq = ref_qdq(lhs, sx, "e4m3"), ref_qdq(rhs, sw, "e4m3"), ref_qdq(ct, sg, "e5m2")
     mag = lax64(np.abs(xq), np.abs(wq), dims)
     np.testing.assert_array_less(np.abs(out - lax64(xq, wq, dims)), 1e-6 * mag + 1e-30)
-    _, ml_lhs, ml_rhs = vjp(lambda a, b: f32_dot(a, b, dims), xq.astype(np.float32),
-                            wq.astype(np.float32), gq.astype(np.float32))
+    _, ml_lhs, ml_rhs = vjp(
+        lambda a, b: f32_dot(a, b, dims),
+        xq.astype(np.float32),
+        wq.astype(np.float32),
+        gq.astype(np.float32),
+    )
     for got, want, mags in (
-        (d_lhs, ml_lhs, vjp(lambda a, b: f32_dot(a, b, dims), np.abs(xq).astype(np.float32),
-                            np.abs(wq).astype(np.float32), np.abs(gq).astype(np.float32))[1]),
-        (d_rhs, ml_rhs, vjp(lambda a, b: f32_dot(a, b, dims), np.abs(xq).astype(np.float32),
-                            np.abs(wq).astype(np.float32), np.abs(gq).astype(np.float32))[2]),
+        (
+            d_lhs,
+            ml_lhs,
+            vjp(
+                lambda a, b: f32_dot(a, b, dims),
+                np.abs(xq).astype(np.float32),
+                np.abs(wq).astype(np.float32),
+                np.abs(gq).astype(np.float32),
+            )[1],
+        ),
+        (
+            d_rhs,
+            ml_rhs,
+            vjp(
+                lambda a, b: f32_dot(a, b, dims),
+                np.abs(xq).astype(np.float32),
+                np.abs(wq).astype(np.float32),
+                np.abs(gq).astype(np.float32),
+            )[2],
+        ),
     ):
         np.testing.assert_array_less(np.abs(got - want), 1e-5 * np.asarray(mags) + 1e-30)
 
     # 2. Against float32 math, within the worst case the two formats allow.
     bound = _format_bound(lhs, rhs, "e4m3", "e4m3", sx, sw, lambda a, b: lax64(a, b, dims))
     np.testing.assert_array_less(np.abs(out - ref), bound * (1 + 1e-5) + 1e-30)
-    lhs_bound = _grad_bound(lambda g, w: vjp(lambda a, b: f32_dot(a, b, dims), lhs, w, g)[1],
-                            ct, rhs, sg, sw)
-    rhs_bound = _grad_bound(lambda g, x: vjp(lambda a, b: f32_dot(a, b, dims), x, rhs, g)[2],
-                            ct, lhs, sg, sx)
+    lhs_bound = _grad_bound(
+        lambda g, w: vjp(lambda a, b: f32_dot(a, b, dims), lhs, w, g)[1], ct, rhs, sg, sw
+    )
+    rhs_bound = _grad_bound(
+        lambda g, x: vjp(lambda a, b: f32_dot(a, b, dims), x, rhs, g)[2], ct, lhs, sg, sx
+    )
     np.testing.assert_array_less(np.abs(d_lhs - r_lhs), lhs_bound * (1 + 1e-5) + 1e-30)
     np.testing.assert_array_less(np.abs(d_rhs - r_rhs), rhs_bound * (1 + 1e-5) + 1e-30)
 
@@ -143,8 +170,9 @@ def test_dtypes_follow_dot_general():
     assert dot(x, w, dims).dtype == jnp.bfloat16
     assert dot(x, w, dims, preferred_element_type=jnp.float32).dtype == jnp.float32
     assert dot(x, w.astype(jnp.float32), dims).dtype == jnp.float32
-    gx, gw = jax.grad(lambda a, b: jnp.sum(dot(a, b, dims).astype(jnp.float32)),
-                      argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(lambda a, b: jnp.sum(dot(a, b, dims).astype(jnp.float32)), argnums=(0, 1))(
+        x, w
+    )
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
 
 

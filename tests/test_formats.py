@@ -64,8 +64,7 @@ def test_dequantize_inverts_scale():
 
 @settings(max_examples=50, deadline=None)
 @given(
-    st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1,
-             max_size=64),
+    st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=64),
     st.floats(min_value=2.0**-100, max_value=2.0**100, width=32),
     st.sampled_from(["e4m3", "e5m2"]),
 )

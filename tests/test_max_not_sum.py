@@ -62,13 +62,15 @@ def test_vmap_over_batch_equals_the_batched_call(linear, grad):
         return jnp.sum(jax.vmap(jax.vmap(m))(x) * c)
 
     want = grad(batched)(linear)
-    assert newest(want) == {"input": 40.0, "kernel": amax(linear.weight),
-                            "output_grad": amax(c)}
+    assert newest(want) == {"input": 40.0, "kernel": amax(linear.weight), "output_grad": amax(c)}
     for loss in (vmapped, vmapped_twice):
         got = eqx.filter_jit(grad(loss))(linear)
         for role in ("input", "kernel", "output_grad"):
-            for a, b in zip(jax.tree.leaves(getattr(got.dot_general, role)),
-                            jax.tree.leaves(getattr(want.dot_general, role)), strict=True):
+            for a, b in zip(
+                jax.tree.leaves(getattr(got.dot_general, role)),
+                jax.tree.leaves(getattr(want.dot_general, role)),
+                strict=True,
+            ):
                 np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(got.weight, want.weight, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(got.bias, want.bias, rtol=1e-6, atol=1e-7)
@@ -107,10 +109,14 @@ def test_microbatches_in_a_scan_keep_the_max_amax(linear):
 
     got = jax.jit(fp8jax.filter_grad(accumulated))(linear)
     want = fp8jax.filter_grad(one_batch)(linear)
-    assert newest(got) == {"input": amax(xs), "kernel": amax(linear.weight),
-                           "output_grad": amax(cs)}
-    for a, b in zip(jax.tree.leaves(got.dot_general), jax.tree.leaves(want.dot_general),
-                    strict=True):
+    assert newest(got) == {
+        "input": amax(xs),
+        "kernel": amax(linear.weight),
+        "output_grad": amax(cs),
+    }
+    for a, b in zip(
+        jax.tree.leaves(got.dot_general), jax.tree.leaves(want.dot_general), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(got.weight, want.weight, rtol=1e-5, atol=1e-6)
 

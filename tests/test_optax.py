@@ -48,8 +48,9 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
             assert new_layer.weight.dtype == jnp.float32
             assert not np.array_equal(new_layer.weight, old_layer.weight)
             seen = {
-                "kernel": np.abs(np.asarray(old_layer.weight.astype(jnp.bfloat16),
-                                            np.float32)).max(),
+                "kernel": np.abs(
+                    np.asarray(old_layer.weight.astype(jnp.bfloat16), np.float32)
+                ).max(),
                 "output_grad": float(new.output_grad.amax_history[0]),
             }
             if old_layer is before.layers[0]:
@@ -58,8 +59,13 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
                 o, n = getattr(old, role), getattr(new, role)
                 assert n.scale.dtype == n.amax_history.dtype == jnp.float32
                 want_scale, want_hist = ref_update(
-                    np.asarray(o.scale), np.asarray(o.amax_history).copy(), amax,
-                    fp8jax.fp8_max(recipe.format(role)), recipe.margin, recipe.amax_compute)
+                    np.asarray(o.scale),
+                    np.asarray(o.amax_history).copy(),
+                    amax,
+                    fp8jax.fp8_max(recipe.format(role)),
+                    recipe.margin,
+                    recipe.amax_compute,
+                )
                 np.testing.assert_array_equal(n.scale, want_scale, err_msg=role)
                 np.testing.assert_array_equal(n.amax_history, want_hist, err_msg=role)
     assert losses[-1] < 0.8 * losses[0], losses
@@ -86,8 +92,11 @@ def test_layer_without_gradient_keeps_its_state(getkey):
         assert float(new[0].dot_general.input.scale) == 224.0  # 448 / 2: updated
         assert float(new[0].dot_general.input.amax_history[0]) == 1.0
         for i in (1, 2):
-            for a, b in zip(jax.tree.leaves(new[i].dot_general),
-                            jax.tree.leaves(model[i].dot_general), strict=True):
+            for a, b in zip(
+                jax.tree.leaves(new[i].dot_general),
+                jax.tree.leaves(model[i].dot_general),
+                strict=True,
+            ):
                 np.testing.assert_array_equal(a, b)
 
 

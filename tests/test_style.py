@@ -8,7 +8,16 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_ruff_clean():
+def _ruff(*args: str) -> subprocess.CompletedProcess:
     ruff = shutil.which("ruff") or str(pathlib.Path(sys.executable).parent / "ruff")
-    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
+    return subprocess.run([ruff, *args, str(ROOT)], capture_output=True, text=True)
+
+
+def test_ruff_check_clean():
+    result = _ruff("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_clean():
+    result = _ruff("format", "--check")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -93,8 +93,10 @@ def test_converted_attention_matches_float32(getkey):
 @pytest.mark.parametrize(
     "targets, expected",
     [
-        (["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"],
-         ["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"]),  # dotted paths
+        (
+            ["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"],
+            ["blocks.0.mlp.layers.0", "blocks.1.mlp.layers.0"],
+        ),  # dotted paths
         (["blocks.1.attn.value_proj"], ["blocks.1.attn.value_proj"]),
         (r"blocks\.0\..*", None),  # regex over the whole path
         (r".*mlp.*", None),
@@ -114,7 +116,9 @@ def test_last_name_matches_every_layer_with_that_name(getkey):
     model = make_model(getkey())
     fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["output_proj"]))
     assert linear_paths(fp8, fp8jax.Linear) == [
-        "blocks.0.attn.output_proj", "blocks.1.attn.output_proj"]
+        "blocks.0.attn.output_proj",
+        "blocks.1.attn.output_proj",
+    ]
 
 
 def test_target_matching_nothing_lists_linears(getkey):
@@ -145,8 +149,9 @@ def test_applying_twice_does_not_wrap_twice(getkey):
     model = make_model(getkey())
     once = fp8jax.fp8_linear_layers(model)
     # Give the state a value, so we can see it is kept.
-    once = eqx.tree_at(lambda m: m.blocks[0].mlp.layers[0].dot_general.input.scale, once,
-                       jnp.float32(5.0))
+    once = eqx.tree_at(
+        lambda m: m.blocks[0].mlp.layers[0].dot_general.input.scale, once, jnp.float32(5.0)
+    )
     twice = fp8jax.fp8_linear_layers(once)
     assert jax.tree.structure(twice) == jax.tree.structure(once)
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
@@ -181,8 +186,12 @@ def test_tree_without_linears():
 
 # --- Haliax ---------------------------------------------------------------------------------
 
-Embed, Mlp, Batch, Layers = (hax.Axis("embed", 8), hax.Axis("mlp", 16), hax.Axis("batch", 5),
-                             hax.Axis("layers", 3))
+Embed, Mlp, Batch, Layers = (
+    hax.Axis("embed", 8),
+    hax.Axis("mlp", 16),
+    hax.Axis("batch", 5),
+    hax.Axis("layers", 3),
+)
 
 
 class HBlock(eqx.Module):

@@ -69,6 +69,7 @@ def test_vmap_over_models(getkey):
     new = step(ensemble, xs, y)
     amaxes = new.layers[0].dot_general.input.amax_history[:, 0]
     np.testing.assert_array_equal(amaxes, jnp.max(jnp.abs(xs), axis=(1, 2)))
+
     def member(tree, i):
         return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, tree)
 
@@ -91,8 +92,9 @@ def test_scan_over_stacked_layers_equals_a_loop(getkey):
 
     def looped(params, x):
         for i in range(3):
-            layer = jax.tree.map(lambda a, i=i: lax.dynamic_index_in_dim(a, i, keepdims=False),
-                                 params)
+            layer = jax.tree.map(
+                lambda a, i=i: lax.dynamic_index_in_dim(a, i, keepdims=False), params
+            )
             x = jnp.tanh(eqx.combine(layer, static)(x))
         return jnp.sum(x**2)
 

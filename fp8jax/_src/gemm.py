@@ -174,9 +174,7 @@ def _fp8_dot_general(
     rhs: Array,
     states: States,
 ) -> Array:
-    q_lhs, q_rhs, _, _ = _quantized_operands(
-        recipe, dimension_numbers, lhs, rhs, _as_f32(states)
-    )
+    q_lhs, q_rhs, _, _ = _quantized_operands(recipe, dimension_numbers, lhs, rhs, _as_f32(states))
     return recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
 
 
@@ -223,8 +221,9 @@ def fp8_dot_general(
     """
     # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
     # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
-    lhs, rhs = (jnp.array(x, copy=True) if jax_private.is_batch_tracer(x) else x
-                for x in (lhs, rhs))
+    lhs, rhs = (
+        jnp.array(x, copy=True) if jax_private.is_batch_tracer(x) else x for x in (lhs, rhs)
+    )
     leaves = jax.tree.leaves(states)
     max_combining = any(jax_private.is_max_combining(x) for x in leaves)
     if max_combining and not all(jax_private.is_max_combining(x) for x in leaves):
@@ -232,6 +231,8 @@ def fp8_dot_general(
     return _fp8_dot_general(
         recipe, dimension_numbers, precision, (*dtypes, max_combining), lhs, rhs, states
     )
+
+
 def _fold_leading_axis(t: _Transpose) -> _Transpose:
     """`t` for operands that gained a leading axis to contract over (the vmapped tokens)."""
 
@@ -240,8 +241,9 @@ def _fold_leading_axis(t: _Transpose) -> _Transpose:
 
     (gc, oc), (gb, ob) = t.dims
     dims = ((shift(gc) + (0,), shift(oc) + (0,)), (shift(gb), shift(ob)))
-    return _Transpose(dims, shift(t.g_contracting) + (0,), shift(t.other_contracting) + (0,),
-                      t.perm)
+    return _Transpose(
+        dims, shift(t.g_contracting) + (0,), shift(t.other_contracting) + (0,), t.perm
+    )
 
 
 def _backward_product(

@@ -49,9 +49,7 @@ class _MaxF32Rules:
 
     @staticmethod
     def add(dtype: Any, x: Any, y: Any) -> Any:
-        as_f32 = lax.max(
-            lax.convert_element_type(x, _F32), lax.convert_element_type(y, _F32)
-        )
+        as_f32 = lax.max(lax.convert_element_type(x, _F32), lax.convert_element_type(y, _F32))
         return lax.convert_element_type(as_f32, dtype)
 
     @staticmethod

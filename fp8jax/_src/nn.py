@@ -89,9 +89,7 @@ class Linear(eqx.Module):
                 raise ValueError(f"Linear with in_features='scalar' got x of shape {x.shape}.")
             x = jnp.reshape(x, (1,))
         if jnp.ndim(x) == 0 or x.shape[-1] != in_size:
-            raise ValueError(
-                f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}."
-            )
+            raise ValueError(f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}.")
         dims = (((x.ndim - 1,), (1,)), ((), ()))
         y = self.dot_general(x, self.weight, dims)
         if self.bias is not None:

@@ -107,9 +107,7 @@ class Recipe(abc.ABC):
         """
 
     @abc.abstractmethod
-    def quantize(
-        self, x: Array, scale: Array, role: Role, contracting: tuple[int, ...]
-    ) -> QTensor:
+    def quantize(self, x: Array, scale: Array, role: Role, contracting: tuple[int, ...]) -> QTensor:
         """`x` as FP8, laid out for a GEMM contracting its axes `contracting`."""
 
     @abc.abstractmethod
@@ -146,9 +144,7 @@ class PerTensorRecipe(Recipe):
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
 
-    def quantize(
-        self, x: Array, scale: Array, role: Role, contracting: tuple[int, ...]
-    ) -> QTensor:
+    def quantize(self, x: Array, scale: Array, role: Role, contracting: tuple[int, ...]) -> QTensor:
         del contracting
         return QTensor(quantize(x, scale, self.format(role)), 1.0 / scale)
 
@@ -252,6 +248,5 @@ def recipe_from(spec: Recipe | str | None) -> Recipe:
     if isinstance(spec, str) and spec in _RECIPES:
         return _RECIPES[spec]()
     raise ValueError(
-        f"Unknown recipe {spec!r}: should be a fp8jax recipe instance or one of "
-        f"{sorted(_RECIPES)}."
+        f"Unknown recipe {spec!r}: should be a fp8jax recipe instance or one of {sorted(_RECIPES)}."
     )

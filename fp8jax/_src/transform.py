@@ -236,9 +236,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded) -> Non
         if hits:
             _check_excluded(config, [p for p in hits if excluded(p)], hits)
             continue
-        others = [
-            (p, n) for p, n in nodes if p and (".".join(p) == name or p[-1] == name)
-        ]
+        others = [(p, n) for p, n in nodes if p and (".".join(p) == name or p[-1] == name)]
         if others:
             p, n = others[0]
             raise ValueError(

@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
 
     states = {"fp32": (model, init(model)), "fp8": (fp8_model, init(fp8_model))}
-    print(f"{'step':>4}  {'loss fp32':>10}  {'loss fp8':>10}  "
-          f"{'input scale':>11}  {'kernel scale':>12}  {'grad scale':>12}")
+    print(
+        f"{'step':>4}  {'loss fp32':>10}  {'loss fp8':>10}  "
+        f"{'input scale':>11}  {'kernel scale':>12}  {'grad scale':>12}"
+    )
     start = time.perf_counter()
     losses: dict[str, float] = {}
     for i in range(args.steps):
@@ -74,14 +76,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             states[name] = (m, s)
             losses[name] = float(loss)
         dot = states["fp8"][0].layers[0].dot_general
-        print(f"{i:>4}  {losses['fp32']:>10.5f}  {losses['fp8']:>10.5f}  "
-              f"{float(dot.input.scale):>11.4g}  {float(dot.kernel.scale):>12.4g}  "
-              f"{float(dot.output_grad.scale):>12.4g}")
+        print(
+            f"{i:>4}  {losses['fp32']:>10.5f}  {losses['fp8']:>10.5f}  "
+            f"{float(dot.input.scale):>11.4g}  {float(dot.kernel.scale):>12.4g}  "
+            f"{float(dot.output_grad.scale):>12.4g}"
+        )
     elapsed = time.perf_counter() - start
     rel = (losses["fp8"] - losses["fp32"]) / losses["fp32"]
-    print(f"final loss: fp32 {losses['fp32']:.5f}, fp8 {losses['fp8']:.5f} "
-          f"(relative difference {rel:+.2%}); {args.steps} steps in {elapsed:.1f}s on "
-          f"{jax.devices()[0].platform}")
+    print(
+        f"final loss: fp32 {losses['fp32']:.5f}, fp8 {losses['fp8']:.5f} "
+        f"(relative difference {rel:+.2%}); {args.steps} steps in {elapsed:.1f}s on "
+        f"{jax.devices()[0].platform}"
+    )
     return losses
 
 
