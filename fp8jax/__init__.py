@@ -14,10 +14,17 @@ from ._src.grad import combine_by_max as combine_by_max
 from ._src.grad import filter_grad as filter_grad
 from ._src.grad import filter_value_and_grad as filter_value_and_grad
 from ._src.nn import Linear as Linear
+from ._src.recipes import MXFP8 as MXFP8
+from ._src.recipes import BlockScaledRecipe as BlockScaledRecipe
+from ._src.recipes import BlockwiseScaling as BlockwiseScaling
+from ._src.recipes import CurrentScaling as CurrentScaling
 from ._src.recipes import DelayedScaling as DelayedScaling
 from ._src.recipes import PerTensorRecipe as PerTensorRecipe
 from ._src.recipes import QTensor as QTensor
+from ._src.recipes import QTerms as QTerms
 from ._src.recipes import Recipe as Recipe
+from ._src.recipes import ResidualFP8 as ResidualFP8
+from ._src.recipes import ResidualState as ResidualState
 from ._src.recipes import TensorState as TensorState
 from ._src.recipes import compute_scale as compute_scale
 from ._src.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
@@ -31,6 +38,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "MXFP8",
+    "BlockScaledRecipe",
+    "BlockwiseScaling",
+    "CurrentScaling",
     "DelayedScaling",
     "Fp8Config",
     "Fp8DotGeneral",
@@ -38,7 +49,10 @@ __all__ = [
     "OverwriteWithGradient",
     "PerTensorRecipe",
     "QTensor",
+    "QTerms",
     "Recipe",
+    "ResidualFP8",
+    "ResidualState",
     "TensorState",
     "apply_updates",
     "combine_by_max",

@@ -52,6 +52,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
     **Arguments:**
 
     - `recipe`: a [`fp8jax.DelayedScaling`][] (the default) or another recipe, or its name.
+    - `kernel_shape`: `(N, K)`, the kernel as a matrix with its contracted axes last; only
+      recipes that keep weight-shaped state need it (`ResidualFP8(error_feedback=True)`).
 
     ```python
     dot = fp8jax.Fp8DotGeneral()
@@ -64,10 +66,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
     output_grad: TensorState
     recipe: Recipe = eqx.field(static=True)
 
-    def __init__(self, recipe: Recipe | str | None = None):
+    def __init__(
+        self, recipe: Recipe | str | None = None, kernel_shape: tuple[int, int] | None = None
+    ):
         self.recipe = recipe_from(recipe)
         self.input = self.recipe.init_state("input")
-        self.kernel = self.recipe.init_state("kernel")
+        self.kernel = self.recipe.init_state("kernel", kernel_shape)
         self.output_grad = self.recipe.init_state("output_grad")
 
     def __call__(
@@ -94,9 +98,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if isinstance(precision, list):
             precision = tuple(precision)
         states = States(self.input, self.kernel, self.output_grad)
-        return fp8_dot_general(
-            self.recipe, dims, precision, (lhs_dtype, rhs_dtype, out_dtype), lhs, rhs, states
-        )
+        return fp8_dot_general(self.recipe, dims, precision, out_dtype, lhs, rhs, states)
 
     def merge(self, new: Fp8DotGeneral) -> Fp8DotGeneral:
         """Take each operand's received state where it is a real update.

@@ -1,12 +1,21 @@
 """The FP8 GEMM paths: forward, dgrad and wgrad, owned by one `jax.custom_vjp`.
 
+Any `dot_general` is first reshaped into one canonical GEMM, `x (*B, M, K) . w (*B, N, K)`
+contracted over both last axes (the layout of an `eqx.nn.Linear` weight, and of cuBLAS's FP8
+"TN" GEMM), so that recipes only ever see that form; JAX differentiates the reshapes. For a
+Linear they are no-ops.
+
 Residuals saved for the backward pass are the FP8 operands and their scales, never a
 high-precision copy. The backward quantizes the incoming gradient and runs dgrad and wgrad as
-FP8 x FP8 dots. Any `dimension_numbers` work: the transposes are derived, not assumed 2-D.
+FP8 x FP8 dots. The state of the three operands enters as a differentiable argument; its
+cotangent is its new value ("gradient hijack"), in the dtype the state came in (float32, or
+the max-combining dtype of `fp8jax._src.jax_private`).
 
-The state of the three operands enters as a differentiable argument; its cotangent is its new
-value ("gradient hijack"). It may arrive as float32 or as the max-combining dtype of
-`fp8jax._src.jax_private`, and its cotangent leaves in the dtype it came in.
+Under `jax.vmap(model)(batch)` JAX would run the forward and backward once per example: the
+wgrad of an unbatched weight would become a batched outer product, summed afterwards, not a
+GEMM, and block recipes would see one token at a time. Custom batching rules fold the mapped
+axis into the GEMM instead (into its rows when only the activation is mapped, into its batch
+when both operands are), so the wgrad is one FP8 GEMM over all tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -24,11 +34,11 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from . import jax_private
-from .recipes import QTensor, Recipe, TensorState
+from .recipes import Recipe
 
 Axes = tuple[int, ...]
+Shape = tuple[int, ...]
 DimensionNumbers = tuple[tuple[Axes, Axes], tuple[Axes, Axes]]
-
 
 _PER_EXAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_per_example", default=False
@@ -37,7 +47,7 @@ _PER_EXAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def per_example_gradients() -> Iterator[None]:
-    """Trace gradients per example: never fold a `vmap`ped axis into a backward GEMM.
+    """Trace gradients per example: never fold a `vmap`ped axis into a GEMM.
 
     Folding is what makes `grad(vmap(model))` run its wgrad as one GEMM; under
     `vmap(grad(...))` (per-example gradients) it would sum what must stay per example.
@@ -53,13 +63,16 @@ def per_example_gradients() -> Iterator[None]:
 class States(NamedTuple):
     """The state of the three operands of one FP8 GEMM."""
 
-    input: TensorState
-    kernel: TensorState
-    output_grad: TensorState
+    input: Any
+    kernel: Any
+    output_grad: Any
+
+
+# --- canonical layout ------------------------------------------------------------------------
 
 
 def normalize_dimension_numbers(
-    dimension_numbers: Any, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]
+    dimension_numbers: Any, lhs_shape: Shape, rhs_shape: Shape
 ) -> DimensionNumbers:
     """Check `dimension_numbers` against the shapes and return it as tuples of ints.
 
@@ -95,191 +108,239 @@ def normalize_dimension_numbers(
     return (lc, rc), (lb, rb)
 
 
-def _free(ndim: int, *used: Axes) -> Axes:
-    taken = set().union(*used)
-    return tuple(a for a in range(ndim) if a not in taken)
+class Layout(NamedTuple):
+    """How a `dot_general` maps onto the canonical GEMM `(*B, M, K) . (*B, N, K)`."""
+
+    lhs_perm: Axes
+    rhs_perm: Axes
+    batch: Shape
+    lhs_free: Shape
+    rhs_free: Shape
+    contract: Shape
+
+    @classmethod
+    def of(cls, dims: DimensionNumbers, lhs_shape: Shape, rhs_shape: Shape) -> Layout:
+        (lc, rc), (lb, rb) = dims
+        lf = tuple(a for a in range(len(lhs_shape)) if a not in lc + lb)
+        rf = tuple(a for a in range(len(rhs_shape)) if a not in rc + rb)
+        return cls(
+            lhs_perm=lb + lf + lc,
+            rhs_perm=rb + rf + rc,
+            batch=tuple(lhs_shape[a] for a in lb),
+            lhs_free=tuple(lhs_shape[a] for a in lf),
+            rhs_free=tuple(rhs_shape[a] for a in rf),
+            contract=tuple(lhs_shape[a] for a in lc),
+        )
+
+    def _lead(self) -> Shape:
+        return (math.prod(self.batch),) if self.batch else ()
+
+    def lhs(self, lhs: Array) -> Array:
+        x = jnp.transpose(lhs, self.lhs_perm)
+        return x.reshape(self._lead() + (math.prod(self.lhs_free), math.prod(self.contract)))
+
+    def rhs(self, rhs: Array) -> Array:
+        w = jnp.transpose(rhs, self.rhs_perm)
+        return w.reshape(self._lead() + (math.prod(self.rhs_free), math.prod(self.contract)))
+
+    def out(self, out: Array) -> Array:
+        return out.reshape(self.batch + self.lhs_free + self.rhs_free)
 
 
-class _Transpose(NamedTuple):
-    """A backward GEMM `dot_general(g, other, dims)` and how its result maps back."""
-
-    dims: DimensionNumbers
-    g_contracting: Axes
-    other_contracting: Axes
-    perm: Axes
+# --- the canonical GEMM, unbatched ---------------------------------------------------------
 
 
-def _backward_gemm(
-    nb: int, g_first_free: int, mine: tuple[Axes, Axes, Axes], theirs: tuple[Axes, Axes, Axes]
-) -> _Transpose:
-    """The GEMM giving the cotangent of operand "mine" from `g` and operand "theirs".
-
-    Each operand is described by (contracting, batch, free) axes. `g` is laid out as
-    [batch, lhs free, rhs free]; `g_first_free` is where theirs' free axes start in it.
-    """
-    my_c, my_b, my_f = mine
-    their_c, their_b, their_f = theirs
-    g_contracting = tuple(range(g_first_free, g_first_free + len(their_f)))
-    dims = ((g_contracting, their_f), (tuple(range(nb)), their_b))
-    # Result: [batch, my free (from g), their contracting axes in increasing order].
-    their_c_sorted = sorted(their_c)
-    ndim = len(my_c) + len(my_b) + len(my_f)
-    perm = [0] * ndim
-    for i, a in enumerate(my_b):
-        perm[a] = i
-    for j, a in enumerate(my_f):
-        perm[a] = nb + j
-    for a, partner in zip(my_c, their_c, strict=True):
-        perm[a] = nb + len(my_f) + their_c_sorted.index(partner)
-    return _Transpose(dims, g_contracting, their_f, tuple(perm))
+def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
+    q_x, new_input = recipe.quantize(x, states.input, "input", -1)
+    q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
+    out = recipe.dot(q_x, q_w, -1, -1, precision).astype(out_dtype)
+    return out, (q_x, q_w, new_input, new_kernel, states.output_grad)
 
 
-def backward_gemms(
-    dimension_numbers: DimensionNumbers, lhs_ndim: int, rhs_ndim: int
-) -> tuple[_Transpose, _Transpose]:
-    """The dgrad (cotangent of lhs) and wgrad (cotangent of rhs) GEMMs of a `dot_general`."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    lf, rf = _free(lhs_ndim, lc, lb), _free(rhs_ndim, rc, rb)
-    nb = len(lb)
-    lhs, rhs = (lc, lb, lf), (rc, rb, rf)
-    return _backward_gemm(nb, nb + len(lf), lhs, rhs), _backward_gemm(nb, nb, rhs, lhs)
+def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
+    q_x, q_w, new_input, new_kernel, grad_state = residuals
+    back = recipe.backward_dot_precision()
+    # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
+    q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+    d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back)
+    q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
+    d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back)
+    return d_x.astype(dtypes[0]), d_w.astype(dtypes[1]), States(new_input, new_kernel, new_grad)
+
+
+# --- folding a vmapped axis into the GEMM --------------------------------------------------
+
+
+def _merge(a: Array, how: str) -> Array:
+    """`a (v, *B, R, C)` with the mapped axis `v` folded into its rows or its batch."""
+    if how == "rows":
+        a = jnp.moveaxis(a, 0, -3)
+        return a.reshape(a.shape[:-3] + (a.shape[-3] * a.shape[-2], a.shape[-1]))
+    return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]) if a.ndim == 4 else a
+
+
+def _unmerge(a: Array, how: str, size: int, had_batch: bool) -> Array:
+    """Undo `_merge`: the mapped axis of size `size` back in front."""
+    if how == "rows":
+        a = a.reshape(a.shape[:-2] + (size, a.shape[-2] // size, a.shape[-1]))
+        return jnp.moveaxis(a, -3, 0)
+    return a.reshape((size, a.shape[0] // size) + a.shape[1:]) if had_batch else a
+
+
+def _unmerge_tensor(q: Any, how: str, size: int, had_batch: bool, rank: int):
+    """Unmerge the leaves of a quantized operand that span its rows (data, block scales);
+    per-tensor scales stay as they are. Returns the tensor and its leaves' batched flags."""
+
+    def spans(leaf: Array) -> bool:
+        return leaf.ndim == rank
+
+    out = jax.tree.map(lambda a: _unmerge(a, how, size, had_batch) if spans(a) else a, q)
+    return out, jax.tree.map(spans, q)
+
+
+def _merge_tensor(q: Any, batched: Any, how: str) -> Any:
+    return jax.tree.map(lambda a, b: _merge(a, how) if b else a, q, batched)
+
+
+def _fold(x_batched: bool, w_batched: bool, states_batched: Any) -> str | None:
+    if _PER_EXAMPLE.get() or any(jax.tree.leaves(states_batched)) or not x_batched:
+        return None
+    return "batch" if w_batched else "rows"
+
+
+def _axes(batched: Any) -> Any:
+    return jax.tree.map(lambda b: 0 if b else None, batched)
+
+
+def _axis(batched: bool) -> int | None:
+    return 0 if batched else None
+
+
+def _batched(out_axes: Any, outs: Any) -> Any:
+    """Per-leaf batched flags of `outs` from a (prefix) tree of vmap `out_axes`."""
+    return jax.tree.map(
+        lambda axis, sub: jax.tree.map(lambda _: axis is not None, sub),
+        out_axes,
+        outs,
+        is_leaf=lambda a: a is None or isinstance(a, int),
+    )
+
+
+def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
+    raw = functools.partial(_forward, recipe, precision, out_dtype)
+
+    @custom_vmap
+    def forward(x, w, states):
+        return raw(x, w, states)
+
+    @forward.def_vmap
+    def _rule(axis_size, in_batched, x, w, states):
+        x_b, w_b, states_b = in_batched
+        how = _fold(x_b, w_b, states_b)
+        if how is None:
+            # Per example. Unbatched state stays unbatched (its amaxes span the mapped axis),
+            # and so does an operand that depends only on unbatched values.
+            s = any(jax.tree.leaves(states_b))
+            out_axes = (0, (_axis(x_b or s), _axis(w_b or s), *(_axis(s),) * 3))
+            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(x, w, states)
+            return outs, _batched(out_axes, outs)
+        had_batch = x.ndim == 4
+        w = _merge(w, how) if w_b else w
+        out, (q_x, q_w, *rest) = forward(_merge(x, how), w, states)
+        rank = q_x.data.ndim
+        out = _unmerge(out, how, axis_size, had_batch)
+        q_x, q_x_b = _unmerge_tensor(q_x, how, axis_size, had_batch, rank)
+        if w_b:
+            q_w, q_w_b = _unmerge_tensor(q_w, how, axis_size, had_batch, rank)
+        else:
+            q_w_b = jax.tree.map(lambda _: False, q_w)
+        residuals = (q_x, q_w, *rest)
+        flags = (q_x_b, q_w_b, *(jax.tree.map(lambda _: False, r) for r in rest))
+        return (out, residuals), (True, flags)
+
+    return forward
+
+
+def _folding_backward(recipe: Recipe, dtypes: tuple):
+    raw = functools.partial(_backward, recipe, dtypes)
+
+    @custom_vmap
+    def backward(residuals, g):
+        return raw(residuals, g)
+
+    @backward.def_vmap
+    def _rule(axis_size, in_batched, residuals, g):
+        res_b, g_b = in_batched
+        q_x_b, q_w_b, *states_b = res_b
+        x_b, w_b = any(jax.tree.leaves(q_x_b)), any(jax.tree.leaves(q_w_b))
+        how = _fold(x_b, w_b, states_b) if g_b else None
+        if how is None:
+            out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
+            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)
+            return outs, _batched(out_axes, outs)
+        had_batch = g.ndim == 4
+        q_x, q_w, *rest = residuals
+        merged = (_merge_tensor(q_x, q_x_b, how), _merge_tensor(q_w, q_w_b, how), *rest)
+        d_x, d_w, new_states = backward(merged, _merge(g, how))
+        d_x = _unmerge(d_x, how, axis_size, had_batch)
+        d_w = _unmerge(d_w, how, axis_size, had_batch) if w_b else d_w
+        flags = (True, w_b, jax.tree.map(lambda _: False, new_states))
+        return (d_x, d_w, new_states), flags
+
+    return backward
+
+
+# --- the custom_vjp ------------------------------------------------------------------------
 
 
 def _as_f32(tree: Any) -> Any:
     return jax.tree.map(jax_private.to_float32, tree)
 
 
-def _cotangent(tree: Any, max_combining: bool) -> Any:
-    """New state (float32) as the cotangent of state that came in max-combining or float32."""
-    convert = jax_private.to_max_combining if max_combining else jax_private.to_float32
-    return jax.tree.map(convert, tree)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gemm(recipe: Recipe, precision: Any, dtypes: tuple, x: Array, w: Array, states: States):
+    return _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))[0]
 
 
-def _quantized_operands(recipe: Recipe, dims: DimensionNumbers, lhs, rhs, states: States):
-    (lc, rc), _ = dims
-    sx, new_input = recipe.scaling(lhs, states.input, "input")
-    sw, new_kernel = recipe.scaling(rhs, states.kernel, "kernel")
-    q_lhs = recipe.quantize(lhs, sx, "input", lc)
-    q_rhs = recipe.quantize(rhs, sw, "kernel", rc)
-    return q_lhs, q_rhs, new_input, new_kernel
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fp8_dot_general(
-    recipe: Recipe,
-    dimension_numbers: DimensionNumbers,
-    precision: Any,
-    dtypes: tuple[np.dtype, np.dtype, np.dtype, bool],
-    lhs: Array,
-    rhs: Array,
-    states: States,
-) -> Array:
-    q_lhs, q_rhs, _, _ = _quantized_operands(recipe, dimension_numbers, lhs, rhs, _as_f32(states))
-    return recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
-
-
-def _fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states):
+def _gemm_fwd(recipe, precision, dtypes, x, w, states):
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    states = _as_f32(states)
-    q_lhs, q_rhs, new_input, new_kernel = _quantized_operands(
-        recipe, dimension_numbers, lhs, rhs, states
-    )
-    out = recipe.dot(q_lhs, q_rhs, dimension_numbers, precision).astype(dtypes[2])
-    return out, (q_lhs, q_rhs, new_input, new_kernel, states.output_grad)
+    return _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))
 
 
-def _bwd(recipe, dimension_numbers, precision, dtypes, residuals, g):
+def _gemm_bwd(recipe, precision, dtypes, residuals, g):
     del precision
-    q_lhs, q_rhs, new_input, new_kernel, grad_state = residuals
-    sg, new_grad = recipe.scaling(g, grad_state, "output_grad")
-    dgrad, wgrad = backward_gemms(dimension_numbers, q_lhs.data.ndim, q_rhs.data.ndim)
-    d_lhs = _backward_product(recipe, dgrad, g, sg, q_rhs, q_lhs.data)
-    d_rhs = _backward_product(recipe, wgrad, g, sg, q_lhs, q_rhs.data)
-    return (
-        jnp.transpose(d_lhs, dgrad.perm).astype(dtypes[0]),
-        jnp.transpose(d_rhs, wgrad.perm).astype(dtypes[1]),
-        _cotangent(States(new_input, new_kernel, new_grad), dtypes[3]),
-    )
+    d_x, d_w, new_states = _folding_backward(recipe, dtypes)(residuals, g)
+    convert = jax_private.to_max_combining if dtypes[3] else jax_private.to_float32
+    return d_x, d_w, jax.tree.map(convert, new_states)
 
 
-_fp8_dot_general.defvjp(_fwd, _bwd)
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 def fp8_dot_general(
     recipe: Recipe,
     dimension_numbers: DimensionNumbers,
     precision: Any,
-    dtypes: tuple[np.dtype, np.dtype, np.dtype],
+    out_dtype: np.dtype,
     lhs: Array,
     rhs: Array,
     states: States,
 ) -> Array:
     """`lax.dot_general(lhs, rhs, dimension_numbers)` as FP8 GEMMs under `recipe`.
 
-    `dtypes` is (lhs dtype, rhs dtype, output dtype). Differentiating it computes dgrad and
-    wgrad in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
+    Differentiating it computes dgrad and wgrad in FP8 and returns the new `states` as their
+    cotangent, in the dtype `states` came in.
     """
     # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
     # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
     lhs, rhs = (
-        jnp.array(x, copy=True) if jax_private.is_batch_tracer(x) else x for x in (lhs, rhs)
+        jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a for a in (lhs, rhs)
     )
     leaves = jax.tree.leaves(states)
-    max_combining = any(jax_private.is_max_combining(x) for x in leaves)
-    if max_combining and not all(jax_private.is_max_combining(x) for x in leaves):
+    max_combining = any(jax_private.is_max_combining(a) for a in leaves)
+    if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
         raise ValueError("FP8 state mixes max-combining and float32 leaves.")
-    return _fp8_dot_general(
-        recipe, dimension_numbers, precision, (*dtypes, max_combining), lhs, rhs, states
-    )
-
-
-def _fold_leading_axis(t: _Transpose) -> _Transpose:
-    """`t` for operands that gained a leading axis to contract over (the vmapped tokens)."""
-
-    def shift(axes: Axes) -> Axes:
-        return tuple(a + 1 for a in axes)
-
-    (gc, oc), (gb, ob) = t.dims
-    dims = ((shift(gc) + (0,), shift(oc) + (0,)), (shift(gb), shift(ob)))
-    return _Transpose(
-        dims, shift(t.g_contracting) + (0,), shift(t.other_contracting) + (0,), t.perm
-    )
-
-
-def _backward_product(
-    recipe: Recipe, t: _Transpose, g: Array, sg: Array, other: QTensor, own: Array
-) -> Array:
-    """`dot(quantize(g), other)` for a dgrad or wgrad, before the transpose `t.perm`.
-
-    Under `jax.vmap(model)(batch)` JAX would run this once per example: the wgrad of an
-    unbatched weight would become a batched outer product, summed afterwards, not a GEMM. When
-    `g` and `other` are mapped but the operand being differentiated (`own`) and the state are
-    not, the mapped axis is folded into the contraction instead: one FP8 GEMM over all tokens.
-    """
-    back = recipe.backward_dot_precision()
-
-    def product(t: _Transpose, g: Array, sg: Array, other: QTensor) -> Array:
-        q_g = recipe.quantize(g, sg, "output_grad", t.g_contracting)
-        return recipe.dot(q_g, recipe.retile(other, t.other_contracting), t.dims, back)
-
-    @custom_vmap
-    def batched_product(g, sg, other, own):
-        del own
-        return product(t, g, sg, other)
-
-    @batched_product.def_vmap
-    def _rule(axis_size, in_batched, g, sg, other, own):
-        g_b, sg_b, other_b, own_b = in_batched
-        fold = (
-            g_b
-            and other_b.data
-            and not (own_b or sg_b or other_b.scale_inv)
-            and not _PER_EXAMPLE.get()
-        )
-        if fold:
-            return _backward_product(recipe, _fold_leading_axis(t), g, sg, other, own), False
-        axes = jax.tree.map(lambda b: 0 if b else None, (g_b, sg_b, other_b))
-        out = jax.vmap(functools.partial(product, t), in_axes=axes)(g, sg, other)
-        return out, True
-
-    return batched_product(g, sg, other, own)
+    layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
+    dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype), np.dtype(out_dtype), max_combining)
+    out = _gemm(recipe, precision, dtypes, layout.lhs(lhs), layout.rhs(rhs), states)
+    return layout.out(out)

@@ -79,8 +79,9 @@ def filter_value_and_grad(
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         try:
-            if any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
-                # vmap(grad): per-example gradients must not be summed over the mapped axis.
+            if _per_example(args, kwargs):
+                # vmap(grad) with shared FP8 state: per-example gradients must not be summed
+                # over the mapped axis.
                 with per_example_gradients():
                     return value_and_grad(*args, **kwargs)
             return value_and_grad(*args, **kwargs)
@@ -96,6 +97,16 @@ def filter_value_and_grad(
             ) from e
 
     return run
+
+
+def _per_example(args: tuple, kwargs: dict) -> bool:
+    """Whether this gradient is being vmapped while the FP8 state is shared (not vmapped)."""
+    if not any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
+        return False
+    states = [
+        node for node in jax.tree.leaves(args[:1], is_leaf=_is_overwrite) if _is_overwrite(node)
+    ]
+    return any(not jax_private.is_batch_tracer(x) for x in jax.tree.leaves(states))
 
 
 def filter_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:

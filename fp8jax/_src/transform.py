@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -26,7 +27,7 @@ DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router|gate
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-    """Which Linear layers [`fp8jax.fp8_linear_layers`][] converts, and how.
+    r"""Which Linear layers [`fp8jax.fp8_linear_layers`][] converts, and how.
 
     **Arguments:**
 
@@ -34,14 +35,26 @@ class Fp8Config:
       last path component, e.g. `"fc1"`, or its whole dotted path, e.g. `"blocks.0.mlp.fc1"`,
       is listed), or a regular expression that must match the whole dotted path
       (`r".*mlp.*"`).
-    - `recipe`: the scaling recipe, an instance or a name (`"delayed"`).
+    - `recipe`: the scaling recipe of converted layers, an instance or a name (`"delayed"`,
+      `"current"`, `"blockwise"`, `"mxfp8"`, `"residual"`).
+    - `recipes`: per-layer overrides, a mapping from patterns to recipes. A pattern matches a
+      layer as a target name or regex does; the first matching pattern wins, layers matched by
+      none get `recipe`.
     - `exclude`: a regular expression matched against the last path component; matching
       Linears stay in high precision even when targeted. Defaults to [`DEFAULT_EXCLUDE`][]
       (heads, routers, gates). Pass `None` to exclude nothing.
+
+    ```python
+    config = fp8jax.Fp8Config(
+        recipe="blockwise",
+        recipes={r".*attn\.output_proj": "residual", r"blocks\.11\..*": "residual"},
+    )
+    ```
     """
 
     targets: str | Sequence[str] | None = None
     recipe: Recipe | str | None = None
+    recipes: Mapping[str, Recipe | str] | None = None
     exclude: str | None = DEFAULT_EXCLUDE
 
     def __post_init__(self) -> None:
@@ -58,6 +71,28 @@ class Fp8Config:
         if self.exclude is not None:
             _compile("exclude", self.exclude)
         object.__setattr__(self, "recipe", recipe_from(self.recipe))
+        if self.recipes is not None:
+            if not isinstance(self.recipes, Mapping):
+                raise ValueError(
+                    f"Fp8Config recipes={self.recipes!r}: should be a mapping from layer "
+                    "patterns to recipes."
+                )
+            for pattern in self.recipes:
+                _compile("recipes pattern", pattern)
+            resolved = tuple((p, recipe_from(r)) for p, r in self.recipes.items())
+            object.__setattr__(self, "recipes", resolved)
+
+    def recipe_for(self, path: tuple[str, ...]) -> Recipe:
+        """The recipe of the layer at `path`: the first matching override, else `recipe`."""
+        for pattern, recipe in self.recipes or ():
+            if _matches(pattern, path):
+                return recipe
+        return self.recipe
+
+
+def _matches(pattern: str, path: tuple[str, ...]) -> bool:
+    """A name or regex `pattern` against a layer path: the last name, or the whole path."""
+    return (bool(path) and path[-1] == pattern) or re.fullmatch(pattern, ".".join(path)) is not None
 
 
 def _compile(name: str, pattern: str) -> re.Pattern:
@@ -122,9 +157,23 @@ def _is_fp8(linear: Any) -> bool:
     )
 
 
-def _stacked_dot_general(recipe: Recipe, batch_shape: tuple[int, ...]) -> Fp8DotGeneral:
+def _kernel_shape(linear: Any) -> tuple[int, int]:
+    """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last)."""
+    if isinstance(linear, eqx.nn.Linear | Linear):
+        return tuple(linear.weight.shape)
+
+    def size(spec: Any) -> int:
+        axes = spec if isinstance(spec, tuple | list) else (spec,)
+        return math.prod(a.size for a in axes)
+
+    return (size(linear.Out), size(linear.In))
+
+
+def _stacked_dot_general(
+    recipe: Recipe, batch_shape: tuple[int, ...], kernel_shape: tuple[int, int]
+) -> Fp8DotGeneral:
     """A fresh `Fp8DotGeneral` with state for each layer of a (nested) `Stacked`."""
-    dot = Fp8DotGeneral(recipe)
+    dot = Fp8DotGeneral(recipe, kernel_shape)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
 
 
@@ -173,13 +222,20 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
 
     _check_targets(config, nodes, linears, targeted, excluded)
     chosen = {p for p, _ in linears if targeted(p) and not excluded(p)}
+    for pattern, _ in config.recipes or ():
+        if not any(_matches(pattern, p) for p in chosen):
+            listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"
+            raise ValueError(
+                f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
+                f"Converted layers: {listing}."
+            )
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
         kind = _kind(node, hnn)
         if kind == "linear":
             if path not in chosen or _is_fp8(node):
                 return node
-            dot = _stacked_dot_general(config.recipe, batch_shape)
+            dot = _stacked_dot_general(config.recipe_for(path), batch_shape, _kernel_shape(node))
             if isinstance(node, eqx.nn.Linear):
                 if batch_shape:
                     raise ValueError(

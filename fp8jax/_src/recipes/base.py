@@ -1,0 +1,159 @@
+"""The recipe interface: how each operand of an FP8 GEMM is scaled, cast and multiplied.
+
+Recipes see every GEMM in one canonical form (the GEMM paths of `fp8jax._src.gemm` reshape any
+`dot_general` into it): operands of shape `(*B, rows, cols)` with at most one leading batch
+axis, contracted over their last axis (`axis=-1`) or their rows (`axis=-2`). The forward is
+`x (*B, M, K) . w (*B, N, K)`, both contracted on `-1`; dgrad is `g (*B, M, N)` on `-1` with
+`w` on `-2`; wgrad is `g` on `-2` with `x` on `-2`.
+
+A recipe is a frozen dataclass of Python configuration. Its methods are pure functions:
+
+1. `quantize(x, state, role, axis)`: FP8 [`fp8jax.QTensor`][] laid out for a GEMM that
+   contracts `axis`, and the role's new state;
+2. `retile(q, role, axis)`: the same tensor laid out to be contracted over `axis` instead (the
+   wgrad contracts the activation over its tokens, not its features), without a high-precision
+   copy;
+3. `dot(lhs, rhs, lhs_axis, rhs_axis, precision)`: the float32 product of two `QTensor`s.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from ..amax import amax
+
+Role = Literal["input", "kernel", "output_grad"]
+ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
+Axis = Literal[-1, -2]
+
+_PRECISIONS = {
+    "default": lax.Precision.DEFAULT,
+    "high": lax.Precision.HIGH,
+    "highest": lax.Precision.HIGHEST,
+}
+
+
+class TensorState(eqx.Module):
+    """Scaling state of one operand of an FP8 GEMM (input, kernel or output gradient).
+
+    **Fields:**
+
+    - `scale`: the per-tensor scale used at the latest step; values are multiplied by it before
+      the cast (Transformer Engine's convention; Flax stores `1 / scale`). Block-scaled recipes
+      record `fp8_max / amax` here, for telemetry.
+    - `amax_history`: recent amaxes, newest at index 0, the second newest at the end
+      (Transformer Engine rolls by -1, then writes index 0). Recipes without a history keep one.
+    """
+
+    scale: Float[Array, ""]
+    amax_history: Float[Array, " history"]
+
+
+class QTensor(eqx.Module):
+    """An FP8 tensor and what turns it back into real values: `data * scale_inv`.
+
+    **Fields:**
+
+    - `data`: the FP8 values, shape `(*B, rows, cols)`.
+    - `scale_inv`: a float32 scalar (per-tensor recipes), or one value per block, shape
+      `(*B, ceil(rows / block[0]), ceil(cols / block[1]))`.
+    - `block`: `()` for per-tensor scaling, else the block shape `(block_rows, block_cols)`.
+    """
+
+    data: Array
+    scale_inv: Array
+    block: tuple[int, ...] = eqx.field(static=True, default=())
+
+
+def check_choice(name: str, value: object, allowed: tuple) -> None:
+    """Raise `ValueError` naming `value` and the `allowed` ones unless `value` is allowed."""
+    if value not in allowed:
+        raise ValueError(f"Unknown {name} {value!r}: should be one of {list(allowed)}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe(abc.ABC):
+    """Interface every scaling recipe implements (see the module docstring).
+
+    **Arguments shared by all recipes:**
+
+    - `backward_precision`: precision of the dgrad and wgrad dots: `"highest"` (the default)
+      turns off cuBLASLt's fast FP8 accumulation on H100, as Transformer Engine does for
+      gradients; `"default"` allows it. The forward dot uses the caller's `precision`.
+    - `axis_names`: mesh axes to take amaxes over inside `shard_map` (a `pmax`). Under plain
+      `jit` with sharded arrays the amax is already global; leave this empty there.
+    """
+
+    backward_precision: str = "highest"
+    axis_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_choice("backward_precision", self.backward_precision, tuple(_PRECISIONS))
+        if isinstance(self.axis_names, str) or not all(isinstance(a, str) for a in self.axis_names):
+            raise ValueError(
+                f"axis_names={self.axis_names!r}: should be a tuple of mesh axis names."
+            )
+
+    def backward_dot_precision(self) -> lax.Precision:
+        """`backward_precision` as a `lax.Precision`."""
+        return _PRECISIONS[self.backward_precision]
+
+    def amax(self, x: Array, owner: Array) -> Float[Array, ""]:
+        """`max(|x|)`: batch-wide under `vmap` (unless `owner`, a state leaf, is batched) and
+        across `axis_names` inside `shard_map`."""
+        value = amax(x, owner)
+        if self.axis_names:
+            value = lax.pmax(value, self.axis_names)
+        return value
+
+    @abc.abstractmethod
+    def format(self, role: Role) -> jnp.dtype:
+        """The FP8 dtype of operand `role`."""
+
+    @abc.abstractmethod
+    def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> Any:
+        """Fresh state for operand `role`; `shape` is the canonical `(N, K)` kernel shape, which
+        only recipes that keep weight-shaped state (error feedback) need."""
+
+    @abc.abstractmethod
+    def quantize(self, x: Array, state: Any, role: Role, axis: Axis) -> tuple[Any, Any]:
+        """`x` as FP8 for a GEMM contracting `axis`, and the role's new state.
+
+        `state` holds float32 arrays. Amaxes that enter the state must come from
+        [`Recipe.amax`][] so that `vmap` and several uses of one layer combine by max.
+        """
+
+    @abc.abstractmethod
+    def retile(self, q: Any, role: Role, axis: Axis) -> Any:
+        """`q` (from `quantize`) laid out for a GEMM contracting `axis` instead."""
+
+    @abc.abstractmethod
+    def dot(
+        self, lhs: Any, rhs: Any, lhs_axis: Axis, rhs_axis: Axis, precision: Any
+    ) -> Float[Array, ...]:
+        """The float32 product of the real values of `lhs` and `rhs`, contracting `lhs_axis`
+        with `rhs_axis`: shape `(*B, lhs_free, rhs_free)`."""
+
+
+def canonical_dims(ndim: int, lhs_axis: Axis, rhs_axis: Axis) -> lax.DotDimensionNumbers:
+    """`dot_general` dimension numbers for two canonical operands of rank `ndim` (2 or 3)."""
+    batch = tuple(range(ndim - 2))
+    return ((ndim + lhs_axis,), (ndim + rhs_axis,)), (batch, batch)
+
+
+def per_tensor_dot(
+    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision: Any
+) -> Float[Array, ...]:
+    """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)`, float32 accumulation."""
+    dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
+    out = lax.dot_general(
+        lhs.data, rhs.data, dims, precision=precision, preferred_element_type=jnp.float32
+    )
+    return out * (lhs.scale_inv * rhs.scale_inv)

@@ -1,0 +1,266 @@
+"""Block-scaled recipes: DeepSeek-V3 fine-grained scaling and MXFP8.
+
+A block-scaled GEMM in plain XLA: the contraction is cut into chunks of the block size, one
+FP8 dot per chunk (one batched dot) gives float32 partial products, each partial is multiplied
+by its blocks' scales and the partials are summed in float32. This is also how DeepSeek-V3
+"promotes" the accumulation to float32 every 128 elements. Dimensions that are not multiples
+of a block are padded with zeros inside, which leaves the math exactly that of the unpadded
+tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from ..formats import FormatLike, fp8_dtype, fp8_max
+from .base import Axis, QTensor, Recipe, Role, TensorState
+
+
+def _pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
+    rows, cols = x.shape[-2:]
+    pad_r, pad_c = -rows % block[0], -cols % block[1]
+    if pad_r or pad_c:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
+    return x
+
+
+def _blocked(x: Array, block: tuple[int, int]) -> Array:
+    """`x (*B, R, C)` zero-padded and viewed as `(*B, nR, bR, nC, bC)`."""
+    x = _pad_to_blocks(x, block)
+    *batch, rows, cols = x.shape
+    return x.reshape(*batch, rows // block[0], block[0], cols // block[1], block[1])
+
+
+def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
+    """`max(|x|)` over each `block` of the last two axes of `x`, in float32."""
+    return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=(-3, -1))
+
+
+def expand_blocks(values: Array, block: tuple[int, int], shape: tuple[int, ...]) -> Array:
+    """Per-block `values (*B, nR, nC)` repeated over each block, cut to `shape (*B, R, C)`."""
+    full = jnp.repeat(jnp.repeat(values, block[0], axis=-2), block[1], axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
+
+
+def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
+    """`x * scale` per block, saturated to the format's max and cast to `dtype`."""
+    limit = float(jnp.finfo(dtype).max)
+    scaled = x.astype(jnp.float32) * expand_blocks(scale, block, x.shape)
+    return jnp.clip(scaled, -limit, limit).astype(dtype)
+
+
+def dequantize(q: QTensor) -> Float[Array, ...]:
+    """The real values a (block- or per-tensor-scaled) `QTensor` stands for, in float32."""
+    data = q.data.astype(jnp.float32)
+    if not q.block:
+        return data * q.scale_inv
+    return data * expand_blocks(q.scale_inv.astype(jnp.float32), q.block, q.data.shape)
+
+
+def _contract_last(q: QTensor, axis: Axis) -> QTensor:
+    """`q` with its contracted axis moved last (a transpose of FP8 data and scales)."""
+    if axis == -1:
+        return q
+    return QTensor(jnp.swapaxes(q.data, -1, -2), jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
+
+
+def block_dot(
+    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+) -> Float[Array, ...]:
+    """Block-scaled GEMM: one FP8 dot per chunk of the contraction, partials scaled and summed
+    in float32. Shape `(*B, lhs_free, rhs_free)`."""
+    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    chunk = lhs.block[1]
+    if rhs.block[1] != chunk:
+        raise ValueError(
+            f"block_dot: lhs contracts in blocks of {chunk} but rhs in blocks of "
+            f"{rhs.block[1]}; both operands must share the contraction's block size."
+        )
+    (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
+    nk = math.ceil(k / chunk)
+    lhs_data = _pad_to_blocks(lhs.data, (1, chunk)).reshape(*batch, m, nk, chunk)
+    rhs_data = _pad_to_blocks(rhs.data, (1, chunk)).reshape(*batch, n, nk, chunk)
+    nb = len(batch)
+    # Batch over (*B, chunk); contract within the chunk: partials (*B, nk, M, N).
+    dims = (((nb + 2,), (nb + 2,)), ((*range(nb), nb + 1), (*range(nb), nb + 1)))
+    partial = lax.dot_general(
+        lhs_data, rhs_data, dims, precision=precision, preferred_element_type=jnp.float32
+    )
+    # Scales per (row, chunk): repeat along the free axis only.
+    s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[..., :m, :]
+    s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[..., :n, :]
+    scales = jnp.swapaxes(s_lhs, -1, -2)[..., :, None] * jnp.swapaxes(s_rhs, -1, -2)[..., None, :]
+    return jnp.sum(partial * scales, axis=-3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockScaledRecipe(Recipe):
+    """Shared machinery of block-scaled recipes with current (per-step) scales.
+
+    Subclasses choose the block of each role and contraction (`block_for`) and how a block's
+    amax becomes its scale (`block_scale`).
+    """
+
+    format_name: FormatLike = "e4m3"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fp8_dtype(self.format_name)
+
+    def format(self, role: Role) -> jnp.dtype:
+        return fp8_dtype(self.format_name)
+
+    def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        """(scale multiplied before the cast, scale_inv stored with the data), per block."""
+        raise NotImplementedError
+
+    def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
+        return TensorState(scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,)))
+
+    def _quantize(self, x: Array, role: Role, axis: Axis) -> QTensor:
+        block = self.block_for(role, axis)
+        scale, scale_inv = self.block_scale(block_amax(x, block))
+        return QTensor(quantize_blocks(x, scale, block, self.format(role)), scale_inv, block)
+
+    def quantize(
+        self, x: Array, state: TensorState, role: Role, axis: Axis
+    ) -> tuple[QTensor, TensorState]:
+        # The state only records the tensor's amax (and fp8_max / amax), for telemetry.
+        current = self.amax(x, state.scale)
+        fmt_max = fp8_max(self.format(role))
+        nominal = jnp.where(current > 0, fmt_max / current, state.scale)
+        new_state = TensorState(nominal, state.amax_history.at[..., 0].set(current))
+        return self._quantize(x, role, axis), new_state
+
+    def retile(self, q: QTensor, role: Role, axis: Axis) -> QTensor:
+        block = self.block_for(role, axis)
+        if tuple(q.block) == block:
+            return q
+        # Requantize from the FP8 values: no high-precision copy is kept for the backward.
+        return self._quantize(dequantize(q), role, axis)
+
+    def dot(
+        self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+    ) -> Float[Array, ...]:
+        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+
+
+def _tile(axis: Axis, size: int) -> tuple[int, int]:
+    return (1, size) if axis == -1 else (size, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockwiseScaling(BlockScaledRecipe):
+    """DeepSeek-V3 fine-grained FP8: 1 x 128 tiles for activations and gradients (along the
+    contracted axis), 128 x 128 blocks for weights, E4M3 for all three GEMMs, float32
+    accumulation every 128 elements.
+
+    Scales are current (computed from each block's amax in the same step):
+    `scale = fp8_max / block_amax`, or the largest power of two not above it with
+    `power_of_two=True`. The wgrad contracts the activation over its tokens, so the activation
+    saved from the forward (tiled along features) is requantized into 128 x 1 tiles from its
+    FP8 values; no high-precision copy is kept.
+
+    **Arguments:**
+
+    - `block_size`: tile length and weight block side (128).
+    - `power_of_two`: round scales down to powers of two (exact rescaling, as DeepSeek's later
+      UE8M0 scales).
+    - `format_name`: `"e4m3"` (default) or another FP8 format.
+    """
+
+    block_size: int = 128
+    power_of_two: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r}: should be an int >= 1.")
+
+    def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        if role == "kernel":
+            return (self.block_size, self.block_size)
+        return _tile(axis, self.block_size)
+
+    def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        fmt_max = fp8_max(self.format_name)
+        ok = (block_amax > 0) & jnp.isfinite(block_amax)
+        scale = jnp.where(ok, fmt_max / jnp.where(ok, block_amax, 1.0), 1.0)
+        scale = jnp.minimum(scale, jnp.finfo(jnp.float32).max)
+        if self.power_of_two:
+            scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+        return scale, 1.0 / scale
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MXFP8(BlockScaledRecipe):
+    """OCP MXFP8: 1 x 32 blocks along the contracted axis for every operand, E4M3 data and
+    power-of-two scales stored as `float8_e8m0fnu`.
+
+    A block's scale is `2**ceil(log2(block_amax / fp8_max))` (rounded up, as Transformer
+    Engine does, so nothing saturates); `scale_rounding="floor"` gives the OCP reference
+    `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
+    XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
+    of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
+    The kernel is requantized from its FP8 values along the other axis for dgrad, and the
+    activation along tokens for wgrad.
+    """
+
+    block_size: int = 32
+    scale_rounding: str = "ceil"
+    use_scaled_matmul: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"Unknown scale_rounding {self.scale_rounding!r}: should be 'ceil' or 'floor'."
+            )
+
+    def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        return _tile(axis, self.block_size)
+
+    def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        fmt_max = fp8_max(self.format_name)
+        ok = (block_amax > 0) & jnp.isfinite(block_amax)
+        safe = jnp.where(ok, block_amax, 1.0)
+        if self.scale_rounding == "ceil":
+            exponent = jnp.ceil(jnp.log2(safe / fmt_max))
+        else:
+            exponent = jnp.floor(jnp.log2(safe)) - math.floor(math.log2(fmt_max))
+        exponent = jnp.clip(jnp.where(ok, exponent, 0.0), -127.0, 127.0)
+        scale_inv = jnp.exp2(exponent)
+        return jnp.exp2(-exponent), scale_inv.astype(jnp.float8_e8m0fnu)
+
+    def _scaled_matmul_available(self) -> bool:
+        if self.use_scaled_matmul is not None:
+            return self.use_scaled_matmul
+        device = jax.devices()[0]
+        capability = getattr(device, "compute_capability", None)
+        return device.platform == "gpu" and capability is not None and float(capability) >= 10
+
+    def dot(
+        self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+    ) -> Float[Array, ...]:
+        if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
+            return _scaled_matmul(lhs, rhs)
+        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+
+
+def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, ...]:
+    """`jax.nn.scaled_matmul` on operands contracted over their last axis (3-D, padded)."""
+    squeeze = lhs.data.ndim == 2
+    a, b, sa, sb = (
+        v[None] if squeeze else v for v in (lhs.data, rhs.data, lhs.scale_inv, rhs.scale_inv)
+    )
+    out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    return out[0] if squeeze else out

@@ -1,0 +1,151 @@
+"""Residual FP8 (TCFP-style): a weight as the sum of two E4M3 tensors, `W = W_hi + W_lo`.
+
+`W_hi` is `W` in E4M3; `W_lo` is E4M3 of what `W_hi` missed, with its own scale. Two FP8
+GEMMs (`x W_hi + x W_lo`) then give about twice E4M3's significand bits, near BF16 precision;
+with the activation split the same way, three (`lo x lo` is dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ..formats import FormatLike, fp8_dtype, fp8_max, quantize
+from .base import Axis, QTensor, Recipe, Role, per_tensor_dot
+from .per_tensor import compute_scale
+
+
+class ResidualState(eqx.Module):
+    """State of one operand under [`fp8jax.ResidualFP8`][].
+
+    **Fields:** `scale` (of the high part) and `amax_history` (its latest amax) as in
+    [`fp8jax.TensorState`][]; `lo_scale`, the scale of the residual part (1 when unused);
+    `error`, the kernel's quantization error carried to the next step (`None` without error
+    feedback), in the canonical `(N, K)` layout.
+    """
+
+    scale: Float[Array, ""]
+    amax_history: Float[Array, " 1"]
+    lo_scale: Float[Array, ""]
+    error: Float[Array, "N K"] | None = None
+
+
+class QTerms(eqx.Module):
+    """A tensor as a sum of per-tensor-scaled FP8 terms (high part first)."""
+
+    terms: tuple[QTensor, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResidualFP8(Recipe):
+    """Residual FP8: weights as `W_hi + W_lo`, both E4M3, with current per-tensor scales.
+
+    Forward: `x W_hi + x W_lo` (2 FP8 GEMMs), or with `split_activation=True`
+    `x_hi W_hi + x_hi W_lo + x_lo W_hi` (3). Dgrad: `g W_hi (+ g W_lo)`; wgrad: `x^T g` over the
+    activation's terms. Gradients are one E5M2 tensor.
+
+    **Arguments:**
+
+    - `split_activation`: split the activation into hi + lo too (3 forward GEMMs).
+    - `dgrad_uses_lo`: include `W_lo` in the dgrad (one more GEMM, more precise input grads).
+    - `error_feedback`: carry the weight's remaining quantization error (`W - W_hi - W_lo`) to
+      the next step as state and add it before quantizing (needs the kernel's shape).
+    - `predict_lo_scale`: take `W_lo`'s scale from `W_hi`'s: `W_lo` is at most half an E4M3
+      step of `W_hi`'s top binade, so no second amax is needed.
+    - `nf_aware`: scale `W_hi` to 3 standard deviations instead of the amax (the
+      "NormalFloat-aware" choice for Gaussian-like weights; about 0.3 % of values saturate and
+      are caught by `W_lo` only up to its range).
+    - `forward_format`, `backward_format`: `"e4m3"` and `"e5m2"` by default.
+    """
+
+    split_activation: bool = False
+    dgrad_uses_lo: bool = True
+    error_feedback: bool = False
+    predict_lo_scale: bool = False
+    nf_aware: bool = False
+    forward_format: FormatLike = "e4m3"
+    backward_format: FormatLike = "e5m2"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fp8_dtype(self.forward_format)
+        fp8_dtype(self.backward_format)
+
+    def format(self, role: Role) -> jnp.dtype:
+        return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
+
+    def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> ResidualState:
+        error = None
+        if self.error_feedback and role == "kernel":
+            if shape is None:
+                raise ValueError(
+                    "ResidualFP8(error_feedback=True) keeps the kernel's quantization error "
+                    "as state and needs its shape: pass kernel_shape=(out_features, "
+                    "in_features) to Fp8DotGeneral (fp8_linear_layers does this for you)."
+                )
+            error = jnp.zeros(shape, jnp.float32)
+        one = jnp.ones((), jnp.float32)
+        return ResidualState(one, jnp.zeros((1,), jnp.float32), one, error)
+
+    def lo_scale_ratio(self) -> float:
+        """`lo_scale / scale` when predicted: `fp8_max` over half an E4M3 step of the top
+        binade (28 for E4M3: steps of 32 in [256, 448])."""
+        dtype = self.format("kernel")
+        top = math.floor(math.log2(fp8_max(dtype)))
+        half_step = 2.0 ** (top - jnp.finfo(dtype).nmant) / 2
+        return fp8_max(dtype) / half_step
+
+    def _split(self, x: Array, owner: Array, previous: ResidualState, role: Role, two: bool):
+        fmt = self.format(role)
+        fmt_max = fp8_max(fmt)
+        current = self.amax(x, owner)
+        if self.nf_aware and role == "kernel":
+            reference = 3.0 * jnp.std(x.astype(jnp.float32))
+        else:
+            reference = current
+        scale = compute_scale(reference, previous.scale, fmt_max)
+        hi = QTensor(quantize(x, scale, fmt), 1.0 / scale)
+        if not two:
+            return (hi,), scale, current, previous.lo_scale, None
+        rest = x.astype(jnp.float32) - hi.data.astype(jnp.float32) * hi.scale_inv
+        if self.predict_lo_scale:
+            lo_scale = scale * self.lo_scale_ratio()
+        else:
+            lo_scale = compute_scale(self.amax(rest, owner), previous.lo_scale, fmt_max)
+        lo = QTensor(quantize(rest, lo_scale, fmt), 1.0 / lo_scale)
+        remaining = rest - lo.data.astype(jnp.float32) * lo.scale_inv
+        return (hi, lo), scale, current, lo_scale, remaining
+
+    def quantize(
+        self, x: Array, state: ResidualState, role: Role, axis: Axis
+    ) -> tuple[QTerms, ResidualState]:
+        del axis
+        owner = state.scale
+        two = role == "kernel" or (role == "input" and self.split_activation)
+        error = state.error if role == "kernel" else None
+        target = x if error is None else x.astype(jnp.float32) + error
+        terms, scale, current, lo_scale, remaining = self._split(target, owner, state, role, two)
+        new_error = remaining if error is not None else None
+        history = state.amax_history.at[..., 0].set(current)
+        return QTerms(terms), ResidualState(scale, history, lo_scale, new_error)
+
+    def retile(self, q: QTerms, role: Role, axis: Axis) -> QTerms:
+        if role == "kernel" and not self.dgrad_uses_lo:
+            return QTerms(q.terms[:1])
+        return q
+
+    def dot(
+        self, lhs: QTerms, rhs: QTerms, lhs_axis: Axis, rhs_axis: Axis, precision
+    ) -> Float[Array, ...]:
+        out = None
+        for i, a in enumerate(lhs.terms):
+            for j, b in enumerate(rhs.terms):
+                if i and j:
+                    continue  # lo x lo: below both terms' precision
+                part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
+                out = part if out is None else out + part
+        return out
