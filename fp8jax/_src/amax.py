@@ -22,7 +22,7 @@ def _amax(x: Array, owner: Array) -> Array:
 
 
 @custom_vmap
-def amax(x: Float[Array, ...], owner: Float[Array, ...]) -> Float[Array, ""]:
+def amax(x: Float[Array, "*shape"], owner: Float[Array, "*shape"]) -> Float[Array, ""]:
     """`max(|x|)` in float32, batch-wide under `vmap` unless `owner` is batched.
 
     **Arguments:**

@@ -245,9 +245,9 @@ def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(x, w, states)
             return outs, _batched(out_axes, outs)
         had_batch = x.ndim == 4
-        w = _merge(w, how) if w_b else w
-        out, (q_x, q_w, *rest) = forward(_merge(x, how), w, states)
-        rank = q_x.data.ndim
+        x, w = _merge(x, how), (_merge(w, how) if w_b else w)
+        out, (q_x, q_w, *rest) = forward(x, w, states)
+        rank = x.ndim
         out = _unmerge(out, how, axis_size, had_batch)
         q_x, q_x_b = _unmerge_tensor(q_x, how, axis_size, had_batch, rank)
         if w_b:

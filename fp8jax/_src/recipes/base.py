@@ -71,6 +71,20 @@ class QTensor(eqx.Module):
     scale_inv: Array
     block: tuple[int, ...] = eqx.field(static=True, default=())
 
+    def dequantize(self) -> Float[Array, "*shape"]:
+        """The real values this tensor stands for, in float32."""
+        data = self.data.astype(jnp.float32)
+        scale_inv = self.scale_inv.astype(jnp.float32)
+        if not self.block:
+            return data * scale_inv
+        return data * expand_blocks(scale_inv, self.block, self.data.shape)
+
+
+def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...]) -> Array:
+    """Per-block `values (*B, nR, nC)` repeated over each block, cut to `shape (*B, R, C)`."""
+    full = jnp.repeat(jnp.repeat(values, block[0], axis=-2), block[1], axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
+
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
     """Raise `ValueError` naming `value` and the `allowed` ones unless `value` is allowed."""
@@ -137,7 +151,7 @@ class Recipe(abc.ABC):
     @abc.abstractmethod
     def dot(
         self, lhs: Any, rhs: Any, lhs_axis: Axis, rhs_axis: Axis, precision: Any
-    ) -> Float[Array, ...]:
+    ) -> Float[Array, "*shape"]:
         """The float32 product of the real values of `lhs` and `rhs`, contracting `lhs_axis`
         with `rhs_axis`: shape `(*B, lhs_free, rhs_free)`."""
 
@@ -150,7 +164,7 @@ def canonical_dims(ndim: int, lhs_axis: Axis, rhs_axis: Axis) -> lax.DotDimensio
 
 def per_tensor_dot(
     lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision: Any
-) -> Float[Array, ...]:
+) -> Float[Array, "*shape"]:
     """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)`, float32 accumulation."""
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
     out = lax.dot_general(

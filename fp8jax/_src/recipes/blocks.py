@@ -19,7 +19,8 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from ..formats import FormatLike, fp8_dtype, fp8_max
-from .base import Axis, QTensor, Recipe, Role, TensorState
+from .base import Axis, QTensor, Recipe, Role, TensorState, expand_blocks
+from .per_tensor import MAX_SCALE
 
 
 def _pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
@@ -42,25 +43,11 @@ def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
     return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=(-3, -1))
 
 
-def expand_blocks(values: Array, block: tuple[int, int], shape: tuple[int, ...]) -> Array:
-    """Per-block `values (*B, nR, nC)` repeated over each block, cut to `shape (*B, R, C)`."""
-    full = jnp.repeat(jnp.repeat(values, block[0], axis=-2), block[1], axis=-1)
-    return full[..., : shape[-2], : shape[-1]]
-
-
 def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
     """`x * scale` per block, saturated to the format's max and cast to `dtype`."""
     limit = float(jnp.finfo(dtype).max)
     scaled = x.astype(jnp.float32) * expand_blocks(scale, block, x.shape)
     return jnp.clip(scaled, -limit, limit).astype(dtype)
-
-
-def dequantize(q: QTensor) -> Float[Array, ...]:
-    """The real values a (block- or per-tensor-scaled) `QTensor` stands for, in float32."""
-    data = q.data.astype(jnp.float32)
-    if not q.block:
-        return data * q.scale_inv
-    return data * expand_blocks(q.scale_inv.astype(jnp.float32), q.block, q.data.shape)
 
 
 def _contract_last(q: QTensor, axis: Axis) -> QTensor:
@@ -72,7 +59,7 @@ def _contract_last(q: QTensor, axis: Axis) -> QTensor:
 
 def block_dot(
     lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
-) -> Float[Array, ...]:
+) -> Float[Array, "*shape"]:
     """Block-scaled GEMM: one FP8 dot per chunk of the contraction, partials scaled and summed
     in float32. Shape `(*B, lhs_free, rhs_free)`."""
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
@@ -146,12 +133,33 @@ class BlockScaledRecipe(Recipe):
         if tuple(q.block) == block:
             return q
         # Requantize from the FP8 values: no high-precision copy is kept for the backward.
-        return self._quantize(dequantize(q), role, axis)
+        return self._quantize(q.dequantize(), role, axis)
 
     def dot(
         self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
-    ) -> Float[Array, ...]:
+    ) -> Float[Array, "*shape"]:
         return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+
+
+def _pow2(exponent: Array) -> Array:
+    """`2.0**exponent` exactly, as float32 (XLA's `exp2` is an approximation)."""
+    return jnp.ldexp(jnp.ones_like(exponent, jnp.float32), exponent)
+
+
+def _floor_log2(x: Array) -> Array:
+    """`floor(log2(x))` for positive finite `x`, exactly (from the float's exponent)."""
+    _, exponent = jnp.frexp(x)  # x = m * 2**e with m in [0.5, 1)
+    return exponent - 1
+
+
+def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
+    """`ceil(log2(x / divisor))` for positive finite `x`, exactly, without forming the quotient
+    (which can be subnormal, and flushed to zero by XLA)."""
+    mantissa, exponent = jnp.frexp(x)
+    d_mantissa, d_exponent = math.frexp(divisor)
+    ratio_mantissa, ratio_exponent = jnp.frexp(mantissa / d_mantissa)  # quotient in (0.5, 2)
+    ceil_ratio = jnp.where(ratio_mantissa == 0.5, ratio_exponent - 1, ratio_exponent)
+    return exponent - d_exponent + ceil_ratio
 
 
 def _tile(axis: Axis, size: int) -> tuple[int, int]:
@@ -195,9 +203,9 @@ class BlockwiseScaling(BlockScaledRecipe):
         fmt_max = fp8_max(self.format_name)
         ok = (block_amax > 0) & jnp.isfinite(block_amax)
         scale = jnp.where(ok, fmt_max / jnp.where(ok, block_amax, 1.0), 1.0)
-        scale = jnp.minimum(scale, jnp.finfo(jnp.float32).max)
+        scale = jnp.minimum(scale, MAX_SCALE)
         if self.power_of_two:
-            scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+            scale = _pow2(_floor_log2(scale))
         return scale, 1.0 / scale
 
 
@@ -207,7 +215,8 @@ class MXFP8(BlockScaledRecipe):
     power-of-two scales stored as `float8_e8m0fnu`.
 
     A block's scale is `2**ceil(log2(block_amax / fp8_max))` (rounded up, as Transformer
-    Engine does, so nothing saturates); `scale_rounding="floor"` gives the OCP reference
+    Engine does, so nothing saturates), its exponent kept in [-126, 127] so that the scale is a
+    normal float32 (XLA flushes subnormals); `scale_rounding="floor"` gives the OCP reference
     `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
     XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
     of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
@@ -234,12 +243,11 @@ class MXFP8(BlockScaledRecipe):
         ok = (block_amax > 0) & jnp.isfinite(block_amax)
         safe = jnp.where(ok, block_amax, 1.0)
         if self.scale_rounding == "ceil":
-            exponent = jnp.ceil(jnp.log2(safe / fmt_max))
+            exponent = _ceil_log2_ratio(safe, fmt_max)
         else:
-            exponent = jnp.floor(jnp.log2(safe)) - math.floor(math.log2(fmt_max))
-        exponent = jnp.clip(jnp.where(ok, exponent, 0.0), -127.0, 127.0)
-        scale_inv = jnp.exp2(exponent)
-        return jnp.exp2(-exponent), scale_inv.astype(jnp.float8_e8m0fnu)
+            exponent = _floor_log2(safe) - math.floor(math.log2(fmt_max))
+        exponent = jnp.clip(jnp.where(ok, exponent, 0), -126, 127)
+        return _pow2(-exponent), _pow2(exponent).astype(jnp.float8_e8m0fnu)
 
     def _scaled_matmul_available(self) -> bool:
         if self.use_scaled_matmul is not None:
@@ -250,13 +258,13 @@ class MXFP8(BlockScaledRecipe):
 
     def dot(
         self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
-    ) -> Float[Array, ...]:
+    ) -> Float[Array, "*shape"]:
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
             return _scaled_matmul(lhs, rhs)
         return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
 
 
-def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, ...]:
+def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
     """`jax.nn.scaled_matmul` on operands contracted over their last axis (3-D, padded)."""
     squeeze = lhs.data.ndim == 2
     a, b, sa, sb = (

@@ -11,6 +11,9 @@ from jaxtyping import Array, Float
 from ..formats import FormatLike, fp8_dtype, fp8_max, quantize
 from .base import Axis, QTensor, Recipe, Role, TensorState, check_choice, per_tensor_dot
 
+#: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
+MAX_SCALE: float = 2.0**126
+
 
 def compute_scale(
     amax_value: Float[Array, ""],
@@ -20,10 +23,11 @@ def compute_scale(
 ) -> Float[Array, ""]:
     """`fmt_max / (amax * 2**margin)`, or `previous` where `amax` is zero or not finite.
 
-    A scale that overflows float32 (a tiny amax) is clamped to float32's max.
+    A tiny amax would give a scale whose inverse is a subnormal float32, which XLA flushes to
+    zero; scales are therefore capped at `2**126` ([`MAX_SCALE`][]).
     """
     fresh = (fmt_max / amax_value) / (2.0**margin)
-    fresh = jnp.minimum(fresh, jnp.finfo(jnp.float32).max)
+    fresh = jnp.minimum(fresh, MAX_SCALE)
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
     return jnp.where(ok, fresh, previous)
 
@@ -70,7 +74,7 @@ class PerTensorRecipe(Recipe):
 
     def dot(
         self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
-    ) -> Float[Array, ...]:
+    ) -> Float[Array, "*shape"]:
         return per_tensor_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
 
 

@@ -140,7 +140,7 @@ class ResidualFP8(Recipe):
 
     def dot(
         self, lhs: QTerms, rhs: QTerms, lhs_axis: Axis, rhs_axis: Axis, precision
-    ) -> Float[Array, ...]:
+    ) -> Float[Array, "*shape"]:
         out = None
         for i, a in enumerate(lhs.terms):
             for j, b in enumerate(rhs.terms):

@@ -1,0 +1,347 @@
+"""Each recipe's forward, dgrad and wgrad against independent references and float32 math."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import fp8jax
+
+U4, U5 = 2.0**-4, 2.0**-3  # unit roundoff of E4M3, E5M2
+D4, D5 = 2.0**-10 / 448, 2.0**-17 / 57344  # half the smallest subnormal step, relative to amax
+
+# name: (recipe, reference, per-operand error model). An error model gives, for x, w, g and
+# the two requantized operands (w for dgrad, x for wgrad), (u, d): |v^ - v| <= u|v| + d amax.
+RECIPES = {
+    "current": (
+        fp8jax.CurrentScaling(),
+        ref.per_tensor_current,
+        {"x": (U4, D4), "w": (U4, D4), "g": (U5, D5), "w_d": (U4, D4), "x_w": (U4, D4)},
+    ),
+    "blockwise": (
+        fp8jax.BlockwiseScaling(),
+        ref.blockwise,
+        {
+            "x": (U4, D4),
+            "w": (U4, D4),
+            "g": (U4, D4),
+            "w_d": (U4, D4),
+            "x_w": (2 * U4 + U4**2, 2 * D4 * (1 + U4)),
+        },
+    ),
+    "blockwise-pow2-32": (
+        fp8jax.BlockwiseScaling(power_of_two=True, block_size=32),
+        functools.partial(ref.blockwise, block=32, power_of_two=True),
+        {
+            "x": (U4, 2 * D4),
+            "w": (U4, 2 * D4),
+            "g": (U4, 2 * D4),
+            "w_d": (U4, 2 * D4),
+            "x_w": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
+        },
+    ),
+    "mxfp8": (
+        fp8jax.MXFP8(),
+        ref.mxfp8,
+        {
+            "x": (U4, 2 * D4),
+            "w": (U4, 2 * D4),
+            "g": (U4, 2 * D4),
+            "w_d": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
+            "x_w": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
+        },
+    ),
+    # The OCP reference scale can saturate the top of a block: up to 1 - 448/512 = 1/8 off.
+    "mxfp8-floor": (
+        fp8jax.MXFP8(scale_rounding="floor"),
+        functools.partial(ref.mxfp8, rounding="floor"),
+        {
+            "x": (U5, D4),
+            "w": (U5, D4),
+            "g": (U5, D4),
+            "w_d": (2 * U5 + U5**2, 2 * D4 * (1 + U5)),
+            "x_w": (2 * U5 + U5**2, 2 * D4 * (1 + U5)),
+        },
+    ),
+    "residual": (
+        fp8jax.ResidualFP8(),
+        ref.residual,
+        {
+            "x": (U4, D4),
+            "w": (U4**2, 3 * D4),
+            "g": (U5, D5),
+            "w_d": (U4**2, 3 * D4),
+            "x_w": (U4, D4),
+        },
+    ),
+    "residual-split": (
+        fp8jax.ResidualFP8(split_activation=True),
+        functools.partial(ref.residual, split_activation=True),
+        {
+            "x": (U4**2, 3 * D4),
+            "w": (U4**2, 3 * D4),
+            "g": (U5, D5),
+            "w_d": (U4**2, 3 * D4),
+            "x_w": (U4**2, 3 * D4),
+        },
+    ),
+    "residual-hi-dgrad": (
+        fp8jax.ResidualFP8(dgrad_uses_lo=False),
+        functools.partial(ref.residual, dgrad_uses_lo=False),
+        {"x": (U4, D4), "w": (U4**2, 3 * D4), "g": (U5, D5), "w_d": (U4, D4), "x_w": (U4, D4)},
+    ),
+    "residual-predicted-lo": (
+        fp8jax.ResidualFP8(predict_lo_scale=True),
+        functools.partial(ref.residual, lo_ratio=28.0),
+        {
+            "x": (U4, D4),
+            "w": (U4**2, 3 * D4),
+            "g": (U5, D5),
+            "w_d": (U4**2, 3 * D4),
+            "x_w": (U4, D4),
+        },
+    ),
+}
+MATMUL_NT = (((1,), (1,)), ((), ()))  # x (M, K) . w (N, K)
+
+
+def operands(seed, m=5, k=130, n=129):
+    """Odd shapes (no block divides them) and rows/blocks of very different magnitude."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1)))
+    x[1, 7] = 300.0  # an outlier: ruins per-tensor scaling of its neighbours, not a tile's
+    w = rng.standard_normal((n, k)) * 0.05
+    w[:, 128:] *= 40.0  # the last, partial, block of K has much larger weights
+    g = rng.standard_normal((m, n)) * 1e-3
+    return x.astype(np.float32), w.astype(np.float32), g.astype(np.float32)
+
+
+def run(recipe, x, w, g):
+    dot = fp8jax.Fp8DotGeneral(recipe, kernel_shape=w.shape)
+    y, pullback = jax.vjp(lambda a, b: dot(a, b, MATMUL_NT), x, w)
+    return (np.asarray(v, np.float64) for v in (y, *pullback(g)))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_against_independent_reference(name):
+    recipe, reference, _ = RECIPES[name]
+    x, w, g = operands(0)
+    got = run(recipe, x, w, g)
+    want = reference(x, w, g)
+    # The same FP8 values: only float32 accumulation order differs.
+    mags = (np.abs(x) @ np.abs(w).T, np.abs(g) @ np.abs(w), np.abs(g).T @ np.abs(x))
+    for part, a, b, mag in zip(("y", "dx", "dw"), got, want, mags, strict=True):
+        np.testing.assert_array_less(
+            np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), err_msg=f"{name} {part}"
+        )
+
+
+def error_bound(a, ea, b, eb):
+    """Worst case of |a^ b^ - a b| for `c = a @ b`, given elementwise error bounds ea, eb."""
+    return ea @ np.abs(b) + np.abs(a) @ eb + ea @ eb
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_within_format_error_of_float32(name):
+    recipe, _, model = RECIPES[name]
+    x, w, g = operands(1)
+    y, d_x, d_w = run(recipe, x, w, g)
+    x64, w64, g64 = (v.astype(np.float64) for v in (x, w, g))
+
+    def err(v, key):
+        u, d = model[key]
+        return u * np.abs(v) + d * np.abs(v).max()
+
+    checks = [
+        ("y", y, x64 @ w64.T, error_bound(x64, err(x64, "x"), w64.T, err(w64, "w").T)),
+        ("dx", d_x, g64 @ w64, error_bound(g64, err(g64, "g"), w64, err(w64, "w_d"))),
+        ("dw", d_w, g64.T @ x64, error_bound(g64.T, err(g64, "g").T, x64, err(x64, "x_w"))),
+    ]
+    for part, got, exact, bound in checks:
+        slack = 1e-5 * bound.max()  # float32 accumulation
+        np.testing.assert_array_less(np.abs(got - exact), bound + slack, err_msg=f"{name} {part}")
+
+
+def test_fine_grained_scaling_beats_per_tensor_on_extreme_outliers():
+    """An outlier 1e5 x the typical activation pushes the others into E4M3's subnormals under
+    per-tensor scaling; tiles and MX blocks confine the damage to the outlier's own block."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((64, 256)) * 1e-2).astype(np.float32)
+    x[3, 5] = 1e3
+    w = (rng.standard_normal((32, 256)) * 0.05).astype(np.float32)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    ordinary = np.ones(exact.shape[0], bool)
+    ordinary[3] = False  # rows without the outlier
+
+    def error(name):
+        y = next(run(RECIPES[name][0], x, w, np.zeros((64, 32), np.float32)))
+        return np.linalg.norm((y - exact)[ordinary]) / np.linalg.norm(exact[ordinary])
+
+    per_tensor, tiles, mx = error("current"), error("blockwise"), error("mxfp8")
+    # Blocks keep E4M3's ordinary relative error (about 2^-5 per operand, averaged over the
+    # contraction); per-tensor scaling rounds the ordinary values on the subnormal grid, some
+    # 8 dB worse (benchmarks/quantization_quality.py): over 2x the error.
+    assert tiles < per_tensor / 2 and mx < per_tensor / 2, (per_tensor, tiles, mx)
+    assert tiles < 2 * 2.0**-4 and mx < 2 * 2.0**-4
+
+
+@pytest.mark.parametrize("name", ["blockwise", "mxfp8", "residual", "current"])
+def test_batch_dims_and_vmap_match_the_plain_gemm(name, getkey):
+    """A batched dot_general and a vmapped Linear give the plain GEMM's results, states too."""
+    recipe = RECIPES[name][0]
+    x, w, g = operands(3, m=6, k=40, n=33)
+    linear = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(40, 33, key=getkey()), fp8jax.Fp8Config(recipe=recipe)
+    )
+    linear = eqx.tree_at(lambda m: m.weight, linear, jnp.asarray(w))
+
+    def plain(m):
+        return jnp.sum(m(x) * g)
+
+    def vmapped(m):
+        return jnp.sum(jax.vmap(m)(x) * g)
+
+    def as_batch(m):  # (2, 3, K) tokens in a 3-D call
+        return jnp.sum(m(x.reshape(2, 3, 40)) * g.reshape(2, 3, 33))
+
+    want = fp8jax.filter_grad(plain)(linear)
+    for loss in (vmapped, as_batch):
+        got = fp8jax.filter_grad(loss)(linear)
+        for a, b in zip(
+            jax.tree.leaves(got.dot_general), jax.tree.leaves(want.dot_general), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(got.weight, want.weight, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got.bias, want.bias, rtol=1e-5, atol=1e-7)
+
+
+def test_blockwise_with_dot_general_batch_dims():
+    """Batch dimensions of dot_general stay separate GEMMs (blocks never span them)."""
+    recipe = fp8jax.BlockwiseScaling(block_size=16)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 4, 20)).astype(np.float32)
+    w = rng.standard_normal((3, 20, 7)).astype(np.float32)
+    dims = (((2,), (1,)), ((0,), (0,)))
+    got = fp8jax.Fp8DotGeneral(recipe)(x, w, dims)
+    for b in range(3):
+        want, _, _ = ref.blockwise(x[b], w[b].T, np.zeros((4, 7), np.float32), block=16)
+        np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+# --- quantization properties ---------------------------------------------------------------
+
+BLOCK_RECIPES = {
+    "blockwise-tile": (
+        fp8jax.BlockwiseScaling(block_size=8),
+        "input",
+        (1, 8),
+        ref.deepseek_scale(),
+    ),
+    "blockwise-kernel": (
+        fp8jax.BlockwiseScaling(block_size=8),
+        "kernel",
+        (8, 8),
+        ref.deepseek_scale(),
+    ),
+    "mxfp8": (fp8jax.MXFP8(block_size=8), "input", (1, 8), ref.mx_scale()),
+}
+
+finite_arrays = hnp.arrays(
+    np.float32,
+    hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=20),
+    elements=st.floats(-(2.0**100), 2.0**100, width=32, allow_subnormal=False),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=finite_arrays, name=st.sampled_from(sorted(BLOCK_RECIPES)))
+def test_block_quantization_is_finite_and_rounds_to_nearest(x, name):
+    recipe, role, block, scale_of_amax = BLOCK_RECIPES[name]
+    state = recipe.init_state(role)
+    q, _ = recipe.quantize(jnp.asarray(x), state, role, -1)
+    real = np.asarray(q.dequantize())
+    assert np.all(np.isfinite(real))
+    np.testing.assert_array_equal(real, ref.qdq_blocks(x, block, scale_of_amax))
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=finite_arrays, predict=st.booleans())
+def test_residual_split_is_finite_and_tighter_than_one_term(x, predict):
+    recipe = fp8jax.ResidualFP8(predict_lo_scale=predict)
+    terms, _ = recipe.quantize(jnp.asarray(x), recipe.init_state("kernel"), "kernel", -1)
+    hi, lo = (np.asarray(t.dequantize(), np.float64) for t in terms.terms)
+    assert np.all(np.isfinite(hi)) and np.all(np.isfinite(lo))
+    x64 = x.astype(np.float64)
+    assert np.all(np.abs(hi + lo - x64) <= np.abs(hi - x64) + 1e-30 * np.abs(x64).max())
+
+
+# --- options and state ---------------------------------------------------------------------
+
+
+def test_error_feedback_carries_the_remaining_error(getkey):
+    recipe = fp8jax.ResidualFP8(error_feedback=True)
+    linear = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(64, 16, key=getkey()), fp8jax.Fp8Config(recipe=recipe)
+    )
+    state = linear.dot_general.kernel
+    assert state.error.shape == (16, 64) and not np.any(np.asarray(state.error))
+    w = linear.weight
+    # The carried error is exactly what W_hi + W_lo missed (eager: no fused float ops).
+    q, new_state = recipe.quantize(w, state, "kernel", -1)
+    hi, lo = (t.dequantize() for t in q.terms)
+    np.testing.assert_array_equal(new_state.error, (w - hi) - lo)
+    assert 0 < np.abs(new_state.error).max() <= 2.0**-4 * np.abs(w - hi).max()
+    # The next step quantizes weight + error, so over two steps the errors cancel.
+    q2, _ = recipe.quantize(w, new_state, "kernel", -1)
+    hi2, lo2 = (t.dequantize() for t in q2.terms)
+    two_steps = (hi + lo + hi2 + lo2) / 2
+    assert np.abs(two_steps - w).mean() < np.abs(hi + lo - w).mean()
+    # The state travels through the gradient like any other.
+    x = jax.random.normal(getkey(), (8, 64))
+    grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x)))(linear)
+    carried = np.asarray(grads.dot_general.kernel.error)
+    # (Under jit XLA may fuse `w - hi * s` into one rounding, which moves W_lo's amax and
+    # scale a little and so every remainder: only the bound carries over exactly.)
+    assert 0 < np.abs(carried).max() <= 2.0**-4 * np.abs(w - hi).max()
+
+
+def test_error_feedback_needs_a_kernel_shape():
+    with pytest.raises(ValueError, match="kernel_shape"):
+        fp8jax.Fp8DotGeneral(fp8jax.ResidualFP8(error_feedback=True))
+
+
+def test_predicted_lo_scale_ratio():
+    recipe = fp8jax.ResidualFP8(predict_lo_scale=True)
+    assert recipe.lo_scale_ratio() == 448 / 16  # E4M3 steps of 32 in its top binade
+
+
+@pytest.mark.parametrize(
+    "factory, match",
+    [
+        (lambda: fp8jax.BlockwiseScaling(block_size=0), "block_size"),
+        (lambda: fp8jax.MXFP8(scale_rounding="nearest"), "scale_rounding"),
+        (lambda: fp8jax.CurrentScaling(axis_names="data"), "axis_names"),
+        (lambda: fp8jax.ResidualFP8(forward_format="e2m3"), "Unknown FP8 format"),
+    ],
+)
+def test_bad_recipe_options(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()
+
+
+def test_recipes_by_name():
+    for name, cls in [
+        ("current", fp8jax.CurrentScaling),
+        ("blockwise", fp8jax.BlockwiseScaling),
+        ("mxfp8", fp8jax.MXFP8),
+        ("residual", fp8jax.ResidualFP8),
+        ("delayed", fp8jax.DelayedScaling),
+    ]:
+        assert type(fp8jax.Fp8DotGeneral(name).recipe) is cls
