@@ -1,6 +1,11 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Eight CPU devices for the sharding tests (must be set before jax starts).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -69,3 +69,26 @@ def test_high_precision_model_has_no_fp8_dots(getkey):
     x = jnp.ones((128, 16))
     types = dot_operand_types(lower_train_step(model, x, x, vmapped=True))
     assert len(types) == 6 and all(t == ("f32", "f32") for t in types), types
+
+
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
+    "mxfp8": fp8jax.MXFP8(),
+    "residual": fp8jax.ResidualFP8(split_activation=True, error_feedback=True),
+}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_lowers_to_fp8_gemms_only(getkey, name):
+    k1, k2 = jax.random.split(getkey())
+    model = GatedMLP(jnp.ones(64), eqx.nn.Linear(64, 96, key=k1), eqx.nn.Linear(96, 64, key=k2))
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=RECIPES[name]))
+    x = jnp.ones((128, 64))
+    text = lower_train_step(model, x, x, vmapped=True)
+    types = dot_operand_types(text)
+    # fwd, dgrad and wgrad of both layers; the residual recipe runs more (3 + 2 + 2 per layer)
+    assert len(types) >= 6, types
+    assert all(a.startswith("f8") and b.startswith("f8") for a, b in types), types
+    assert "contracting_dims = [] x []" not in text

@@ -1,0 +1,105 @@
+"""Per-layer recipes in Fp8Config, and current scaling's global amax on a mesh."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+
+
+class Block(eqx.Module):
+    attn_out: eqx.nn.Linear
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+
+def make_blocks(key, n=3):
+    keys = jax.random.split(key, 3 * n)
+    return [Block(*(eqx.nn.Linear(8, 8, key=k) for k in keys[3 * i : 3 * i + 3])) for i in range(n)]
+
+
+def recipe_of(linear):
+    return type(linear.dot_general.recipe)
+
+
+def test_per_layer_recipes(getkey):
+    blocks = make_blocks(getkey())
+    config = fp8jax.Fp8Config(
+        recipe="blockwise",
+        recipes={"attn_out": "residual", r"2\..*": fp8jax.CurrentScaling()},
+    )
+    converted = fp8jax.fp8_linear_layers(blocks, config)
+    # First matching pattern wins: attn_out of block 2 is residual, its MLP current.
+    for i in range(3):
+        assert recipe_of(converted[i].attn_out) is fp8jax.ResidualFP8
+    assert recipe_of(converted[0].fc1) is fp8jax.BlockwiseScaling
+    assert recipe_of(converted[2].fc1) is fp8jax.CurrentScaling
+    assert recipe_of(converted[2].fc2) is fp8jax.CurrentScaling
+    # and the mixed model trains
+    x = jax.random.normal(getkey(), (4, 8))
+
+    def loss(blocks):
+        h = x
+        for b in blocks:
+            h = b.fc2(jax.nn.relu(b.fc1(b.attn_out(h))))
+        return jnp.sum(h**2)
+
+    grads = fp8jax.filter_grad(loss)(converted)
+    assert np.isfinite(float(jnp.sum(grads[0].fc1.weight)))
+
+
+def test_recipes_pattern_matching_nothing_is_an_error(getkey):
+    with pytest.raises(ValueError, match=r"recipes pattern 'attn' matches no converted layer"):
+        fp8jax.fp8_linear_layers(make_blocks(getkey()), fp8jax.Fp8Config(recipes={"attn": "mxfp8"}))
+    with pytest.raises(ValueError, match="mapping"):
+        fp8jax.Fp8Config(recipes=["residual"])
+    with pytest.raises(ValueError, match="Unknown recipe 'fast'"):
+        fp8jax.Fp8Config(recipes={"fc1": "fast"})
+
+
+def mesh():
+    assert jax.device_count() >= 8, "tests expect 8 CPU devices (see conftest.py)"
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_current_scaling_amax_is_global_under_jit_with_sharded_inputs():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    x[60, 3] = 50.0  # on the last device's shard
+    w = rng.standard_normal((16, 32)).astype(np.float32)
+    dot = fp8jax.Fp8DotGeneral("current")
+    dims = (((1,), (1,)), ((), ()))
+    want = dot(x, w, dims)
+    xs = jax.device_put(x, NamedSharding(mesh(), P("data")))
+    got = jax.jit(lambda x, w: dot(x, w, dims))(xs, w)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_current_scaling_pmax_inside_shard_map():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    x[60, 3] = 50.0
+    recipe = fp8jax.CurrentScaling(axis_names=("data",))
+    local = fp8jax.CurrentScaling()
+
+    def quantize(recipe):
+        def per_shard(x):
+            q, state = recipe.quantize(x, recipe.init_state("input"), "input", -1)
+            return q.dequantize(), state.amax_history[None]
+
+        return jax.shard_map(
+            per_shard, mesh=mesh(), in_specs=P("data"), out_specs=(P("data"), P("data"))
+        )(x)
+
+    real, amaxes = quantize(recipe)
+    whole, _ = local.quantize(jnp.asarray(x), local.init_state("input"), "input", -1)
+    np.testing.assert_array_equal(real, whole.dequantize())
+    np.testing.assert_array_equal(amaxes, np.full((8, 1), 50.0))
+    # Without axis names every shard scales by its own amax: different numbers.
+    real_local, amaxes_local = quantize(local)
+    assert len(set(np.asarray(amaxes_local).ravel().tolist())) == 8
+    assert not np.array_equal(real_local, real)
