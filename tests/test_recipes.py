@@ -1,5 +1,6 @@
 """Each recipe's forward, dgrad and wgrad against independent references and float32 math."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -228,6 +229,16 @@ def test_batch_dims_and_vmap_match_the_plain_gemm(name, getkey):
         np.testing.assert_allclose(got.bias, want.bias, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("recipe", [fp8jax.BlockwiseScaling(block_size=16), fp8jax.MXFP8()])
+def test_chunks_per_dot_gives_the_same_gemm(recipe):
+    x, w, g = operands(5, m=7, k=200, n=9)  # 13 chunks of 16, 7 of 32: groups don't divide
+    want = list(run(recipe, x, w, g))
+    for group in (1, 3):
+        got = run(dataclasses.replace(recipe, chunks_per_dot=group), x, w, g)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
 def test_blockwise_with_dot_general_batch_dims():
     """Batch dimensions of dot_general stay separate GEMMs (blocks never span them)."""
     recipe = fp8jax.BlockwiseScaling(block_size=16)
@@ -340,6 +351,8 @@ def test_predicted_lo_scale_ratio():
         (lambda: fp8jax.MXFP8(scale_rounding="nearest"), "scale_rounding"),
         (lambda: fp8jax.CurrentScaling(axis_names="data"), "axis_names"),
         (lambda: fp8jax.ResidualFP8(forward_format="e2m3"), "Unknown FP8 format"),
+        (lambda: fp8jax.MXFP8(chunks_per_dot=0), "chunks_per_dot"),
+        (lambda: fp8jax.ResidualFP8(nf_aware=True, predict_lo_scale=True), "saturate"),
     ],
 )
 def test_bad_recipe_options(factory, match):

@@ -58,10 +58,20 @@ def _contract_last(q: QTensor, axis: Axis) -> QTensor:
 
 
 def block_dot(
-    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+    lhs: QTensor,
+    rhs: QTensor,
+    lhs_axis: Axis,
+    rhs_axis: Axis,
+    precision,
+    chunks_per_dot: int | None = None,
 ) -> Float[Array, "*shape"]:
     """Block-scaled GEMM: one FP8 dot per chunk of the contraction, partials scaled and summed
-    in float32. Shape `(*B, lhs_free, rhs_free)`."""
+    in float32. Shape `(*B, lhs_free, rhs_free)`.
+
+    The batched dot holds one float32 `(M, N)` partial per chunk. With `chunks_per_dot`, the
+    chunks are taken that many at a time in a `lax.scan` with a float32 accumulator, which
+    bounds that memory (at large K the partials would otherwise dwarf the output).
+    """
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
     chunk = lhs.block[1]
     if rhs.block[1] != chunk:
@@ -71,19 +81,45 @@ def block_dot(
         )
     (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
     nk = math.ceil(k / chunk)
-    lhs_data = _pad_to_blocks(lhs.data, (1, chunk)).reshape(*batch, m, nk, chunk)
-    rhs_data = _pad_to_blocks(rhs.data, (1, chunk)).reshape(*batch, n, nk, chunk)
-    nb = len(batch)
-    # Batch over (*B, chunk); contract within the chunk: partials (*B, nk, M, N).
-    dims = (((nb + 2,), (nb + 2,)), ((*range(nb), nb + 1), (*range(nb), nb + 1)))
-    partial = lax.dot_general(
-        lhs_data, rhs_data, dims, precision=precision, preferred_element_type=jnp.float32
-    )
-    # Scales per (row, chunk): repeat along the free axis only.
+    group = nk if chunks_per_dot is None else min(chunks_per_dot, nk)
+    nk_padded = math.ceil(nk / group) * group
+    lhs_data = _pad_to_blocks(lhs.data, (1, chunk * nk_padded)).reshape(*batch, m, nk_padded, chunk)
+    rhs_data = _pad_to_blocks(rhs.data, (1, chunk * nk_padded)).reshape(*batch, n, nk_padded, chunk)
+    # Scales per (row, chunk): repeated along the free axis only, padded chunks scale zeros.
     s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[..., :m, :]
     s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[..., :n, :]
-    scales = jnp.swapaxes(s_lhs, -1, -2)[..., :, None] * jnp.swapaxes(s_rhs, -1, -2)[..., None, :]
-    return jnp.sum(partial * scales, axis=-3)
+    s_lhs, s_rhs = (_pad_to_blocks(s, (1, nk_padded)) for s in (s_lhs, s_rhs))
+    nb = len(batch)
+    # Batch over (*B, chunk); contract within the chunk: partials (*B, chunks, M, N).
+    dims = (((nb + 2,), (nb + 2,)), ((*range(nb), nb + 1), (*range(nb), nb + 1)))
+
+    def partial_sum(lhs_data, rhs_data, s_lhs, s_rhs):
+        partial = lax.dot_general(
+            lhs_data, rhs_data, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+        scales = (
+            jnp.swapaxes(s_lhs, -1, -2)[..., :, None] * jnp.swapaxes(s_rhs, -1, -2)[..., None, :]
+        )
+        return jnp.sum(partial * scales, axis=-3)
+
+    if group == nk_padded:
+        return partial_sum(lhs_data, rhs_data, s_lhs, s_rhs)
+
+    def groups(a: Array, axis: int) -> Array:  # (.., nk_padded, ..) -> (steps, .., group, ..)
+        a = a.reshape(a.shape[:axis] + (nk_padded // group, group) + a.shape[axis + 1 :])
+        return jnp.moveaxis(a, axis, 0)
+
+    def step(total, xs):
+        return total + partial_sum(*xs), None
+
+    xs = (
+        groups(lhs_data, nb + 1),
+        groups(rhs_data, nb + 1),
+        groups(s_lhs, nb + 1),
+        groups(s_rhs, nb + 1),
+    )
+    total = jnp.zeros((*batch, m, n), jnp.float32)
+    return lax.scan(step, total, xs)[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,13 +128,28 @@ class BlockScaledRecipe(Recipe):
 
     Subclasses choose the block of each role and contraction (`block_for`) and how a block's
     amax becomes its scale (`block_scale`).
+
+    **Arguments shared by block recipes:**
+
+    - `format_name`: the FP8 format of all three GEMMs (`"e4m3"`).
+    - `chunks_per_dot`: `None` runs every chunk of the contraction in one batched dot (fastest
+      for small K, but it holds a float32 `(M, N)` partial per chunk); an int takes that many
+      chunks per dot inside a `lax.scan`, bounding the memory at large K.
     """
 
     format_name: FormatLike = "e4m3"
+    chunks_per_dot: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         fp8_dtype(self.format_name)
+        if self.chunks_per_dot is not None and (
+            not isinstance(self.chunks_per_dot, int) or self.chunks_per_dot < 1
+        ):
+            raise ValueError(
+                f"chunks_per_dot={self.chunks_per_dot!r}: should be None (all chunks in one "
+                "batched dot) or an int >= 1."
+            )
 
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.format_name)
@@ -138,7 +189,7 @@ class BlockScaledRecipe(Recipe):
     def dot(
         self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
     ) -> Float[Array, "*shape"]:
-        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
 
 
 def _pow2(exponent: Array) -> Array:
@@ -261,7 +312,7 @@ class MXFP8(BlockScaledRecipe):
     ) -> Float[Array, "*shape"]:
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
             return _scaled_matmul(lhs, rhs)
-        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:

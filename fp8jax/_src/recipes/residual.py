@@ -74,6 +74,13 @@ class ResidualFP8(Recipe):
         super().__post_init__()
         fp8_dtype(self.forward_format)
         fp8_dtype(self.backward_format)
+        if self.nf_aware and self.predict_lo_scale:
+            raise ValueError(
+                "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
+                "assumes W_hi does not saturate, but a 3-sigma scale saturates the largest "
+                "weights, whose remainders then overflow W_lo (measured: 36 dB instead of "
+                "63 dB, benchmarks/RESULTS.md). Use one of the two options."
+            )
 
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
