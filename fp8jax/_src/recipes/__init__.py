@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ROLES, Axis, QTensor, Recipe, Role, TensorState
+from .base import ROLES, Axis, HybridFormats, QTensor, Recipe, Role, TensorState
 from .blocks import MXFP8, BlockScaledRecipe, BlockwiseScaling
 from .per_tensor import CurrentScaling, DelayedScaling, PerTensorRecipe, compute_scale
 from .residual import QTerms, ResidualFP8, ResidualState
@@ -39,6 +39,7 @@ __all__ = [
     "BlockwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "HybridFormats",
     "PerTensorRecipe",
     "QTensor",
     "QTerms",

@@ -28,6 +28,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from ..amax import amax
+from ..formats import FormatLike, fp8_dtype
 
 Role = Literal["input", "kernel", "output_grad"]
 ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
@@ -154,6 +155,27 @@ class Recipe(abc.ABC):
     ) -> Float[Array, "*shape"]:
         """The float32 product of the real values of `lhs` and `rhs`, contracting `lhs_axis`
         with `rhs_axis`: shape `(*B, lhs_free, rhs_free)`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridFormats(Recipe):
+    """Recipes with one FP8 format for inputs and kernels and another for output gradients
+    (the "hybrid" E4M3/E5M2 scheme of Transformer Engine).
+
+    **Arguments:** `forward_format` (`"e4m3"`), `backward_format` (`"e5m2"`; `"e4m3"` is
+    allowed).
+    """
+
+    forward_format: FormatLike = "e4m3"
+    backward_format: FormatLike = "e5m2"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fp8_dtype(self.forward_format)
+        fp8_dtype(self.backward_format)
+
+    def format(self, role: Role) -> jnp.dtype:
+        return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
 
 
 def canonical_dims(ndim: int, lhs_axis: Axis, rhs_axis: Axis) -> lax.DotDimensionNumbers:

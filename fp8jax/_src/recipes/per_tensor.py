@@ -8,8 +8,8 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..formats import FormatLike, fp8_dtype, fp8_max, quantize
-from .base import Axis, QTensor, Recipe, Role, TensorState, check_choice, per_tensor_dot
+from ..formats import fp8_max, quantize
+from .base import Axis, HybridFormats, QTensor, Role, TensorState, check_choice, per_tensor_dot
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -33,7 +33,7 @@ def compute_scale(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PerTensorRecipe(Recipe):
+class PerTensorRecipe(HybridFormats):
     """Shared machinery of recipes with one scale per tensor.
 
     A GEMM is `dot_general(x8, w8, preferred_element_type=float32) * (1 / (sx * sw))`: real FP8
@@ -43,17 +43,6 @@ class PerTensorRecipe(Recipe):
     **Arguments:** `forward_format` (inputs and kernels, `"e4m3"`), `backward_format` (output
     gradients, `"e5m2"`; `"e4m3"` is allowed), and those of [`fp8jax.Recipe`][].
     """
-
-    forward_format: FormatLike = "e4m3"
-    backward_format: FormatLike = "e5m2"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        fp8_dtype(self.forward_format)
-        fp8_dtype(self.backward_format)
-
-    def format(self, role: Role) -> jnp.dtype:
-        return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
 
     @abc.abstractmethod
     def scale_for(

@@ -14,8 +14,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..formats import FormatLike, fp8_dtype, fp8_max, quantize
-from .base import Axis, QTensor, Recipe, Role, per_tensor_dot
+from ..formats import fp8_max, quantize
+from .base import Axis, HybridFormats, QTensor, Role, per_tensor_dot
 from .per_tensor import compute_scale
 
 
@@ -41,7 +41,7 @@ class QTerms(eqx.Module):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResidualFP8(Recipe):
+class ResidualFP8(HybridFormats):
     """Residual FP8: weights as `W_hi + W_lo`, both E4M3, with current per-tensor scales.
 
     Forward: `x W_hi + x W_lo` (2 FP8 GEMMs), or with `split_activation=True`
@@ -67,13 +67,9 @@ class ResidualFP8(Recipe):
     error_feedback: bool = False
     predict_lo_scale: bool = False
     nf_aware: bool = False
-    forward_format: FormatLike = "e4m3"
-    backward_format: FormatLike = "e5m2"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        fp8_dtype(self.forward_format)
-        fp8_dtype(self.backward_format)
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
@@ -81,9 +77,6 @@ class ResidualFP8(Recipe):
                 "weights, whose remainders then overflow W_lo (measured: 36 dB instead of "
                 "63 dB, benchmarks/RESULTS.md). Use one of the two options."
             )
-
-    def format(self, role: Role) -> jnp.dtype:
-        return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> ResidualState:
         error = None
