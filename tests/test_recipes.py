@@ -239,6 +239,32 @@ def test_chunks_per_dot_gives_the_same_gemm(recipe):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
+def test_mxfp8_scaled_matmul_path(monkeypatch):
+    """Where the backend has `jax.nn.scaled_matmul` (compute capability 10+), MXFP8's forward
+    goes through it. No such backend here: stand in its documented semantics and check that
+    fp8jax hands it operands and scales in the layout it specifies."""
+    calls = []
+
+    def documented(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+        # (B, M, K) . (B, N, K) with one E8M0 scale per 32 elements of K.
+        assert a.dtype == b.dtype == jnp.float8_e4m3fn
+        assert a_scales.dtype == b_scales.dtype == jnp.float8_e8m0fnu
+        assert a.shape[-1] % 32 == 0 and a_scales.shape[-1] * 32 == a.shape[-1]
+        calls.append(a.shape)
+        expand = lambda s: jnp.repeat(s.astype(jnp.float32), 32, axis=-1)  # noqa: E731
+        a_real = a.astype(jnp.float32) * expand(a_scales)
+        b_real = b.astype(jnp.float32) * expand(b_scales)
+        return jnp.einsum("bmk,bnk->bmn", a_real, b_real).astype(preferred_element_type)
+
+    monkeypatch.setattr(jax.nn, "scaled_matmul", documented)
+    x, w, g = operands(6, m=5, k=70, n=9)
+    want = list(run(fp8jax.MXFP8(use_scaled_matmul=False), x, w, g))
+    got = list(run(fp8jax.MXFP8(use_scaled_matmul=True), x, w, g))
+    assert calls == [(1, 5, 96)]  # the forward only; K padded to 3 blocks
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
 def test_blockwise_with_dot_general_batch_dims():
     """Batch dimensions of dot_general stay separate GEMMs (blocks never span them)."""
     recipe = fp8jax.BlockwiseScaling(block_size=16)

@@ -316,10 +316,14 @@ class MXFP8(BlockScaledRecipe):
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
-    """`jax.nn.scaled_matmul` on operands contracted over their last axis (3-D, padded)."""
+    """`jax.nn.scaled_matmul` on MX operands contracted over their last axis.
+
+    `scaled_matmul` takes `(B, M, K) . (B, N, K)` with one scale per 32 elements of K: the data
+    is zero-padded to whole blocks and a batch axis added when there is none.
+    """
     squeeze = lhs.data.ndim == 2
-    a, b, sa, sb = (
-        v[None] if squeeze else v for v in (lhs.data, rhs.data, lhs.scale_inv, rhs.scale_inv)
-    )
+    a, b = (_pad_to_blocks(q.data, q.block) for q in (lhs, rhs))
+    a, b, sa, sb = (v[None] if squeeze else v for v in (a, b, lhs.scale_inv, rhs.scale_inv))
     out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
-    return out[0] if squeeze else out
+    out = out[0] if squeeze else out
+    return out[..., : lhs.data.shape[-2], : rhs.data.shape[-2]]
