@@ -13,6 +13,11 @@ from ._src.formats import quantize as quantize
 from ._src.grad import combine_by_max as combine_by_max
 from ._src.grad import filter_grad as filter_grad
 from ._src.grad import filter_value_and_grad as filter_value_and_grad
+from ._src.inspect import Fp8InspectionError as Fp8InspectionError
+from ._src.inspect import Gemm as Gemm
+from ._src.inspect import Inspection as Inspection
+from ._src.inspect import assert_all_fp8 as assert_all_fp8
+from ._src.inspect import inspect as inspect
 from ._src.nn import Linear as Linear
 from ._src.recipes import MXFP8 as MXFP8
 from ._src.recipes import BlockScaledRecipe as BlockScaledRecipe
@@ -45,6 +50,9 @@ __all__ = [
     "DelayedScaling",
     "Fp8Config",
     "Fp8DotGeneral",
+    "Fp8InspectionError",
+    "Gemm",
+    "Inspection",
     "Linear",
     "OverwriteWithGradient",
     "PerTensorRecipe",
@@ -55,6 +63,7 @@ __all__ = [
     "ResidualState",
     "TensorState",
     "apply_updates",
+    "assert_all_fp8",
     "combine_by_max",
     "compute_scale",
     "dequantize",
@@ -63,6 +72,7 @@ __all__ = [
     "fp8_dtype",
     "fp8_linear_layers",
     "fp8_max",
+    "inspect",
     "partition_for_grad_overwrite",
     "quantize",
 ]

@@ -15,6 +15,9 @@ from .gemm import States, fp8_dot_general, normalize_dimension_numbers
 from .recipes import Recipe, TensorState, recipe_from
 from .updates import OverwriteWithGradient
 
+#: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
+SCOPE = "fp8jax"
+
 
 def _check_float(name: str, x: Any) -> np.dtype:
     dtype = np.dtype(jnp.result_type(x))
@@ -54,6 +57,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
     - `recipe`: a [`fp8jax.DelayedScaling`][] (the default) or another recipe, or its name.
     - `kernel_shape`: `(N, K)`, the kernel as a matrix with its contracted axes last; only
       recipes that keep weight-shaped state need it (`ResidualFP8(error_feedback=True)`).
+    - `name`: the layer's path, e.g. `"blocks.0.mlp.fc1"` (set by `fp8_linear_layers`). The
+      GEMMs run under the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), which is how
+      [`fp8jax.inspect`][] attributes compiled GEMMs to layers.
 
     ```python
     dot = fp8jax.Fp8DotGeneral()
@@ -65,11 +71,16 @@ class Fp8DotGeneral(OverwriteWithGradient):
     kernel: TensorState
     output_grad: TensorState
     recipe: Recipe = eqx.field(static=True)
+    name: str = eqx.field(static=True)
 
     def __init__(
-        self, recipe: Recipe | str | None = None, kernel_shape: tuple[int, int] | None = None
+        self,
+        recipe: Recipe | str | None = None,
+        kernel_shape: tuple[int, int] | None = None,
+        name: str = "",
     ):
         self.recipe = recipe_from(recipe)
+        self.name = name
         self.input = self.recipe.init_state("input")
         self.kernel = self.recipe.init_state("kernel", kernel_shape)
         self.output_grad = self.recipe.init_state("output_grad")
@@ -98,7 +109,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if isinstance(precision, list):
             precision = tuple(precision)
         states = States(self.input, self.kernel, self.output_grad)
-        return fp8_dot_general(self.recipe, dims, precision, out_dtype, lhs, rhs, states)
+        with jax.named_scope(f"{SCOPE}[{self.name}]"):
+            return fp8_dot_general(self.recipe, dims, precision, out_dtype, lhs, rhs, states)
 
     def merge(self, new: Fp8DotGeneral) -> Fp8DotGeneral:
         """Take each operand's received state where it is a real update.

@@ -153,7 +153,8 @@ class Layout(NamedTuple):
 def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
-    out = recipe.dot(q_x, q_w, -1, -1, precision).astype(out_dtype)
+    with jax.named_scope("fwd"):
+        out = recipe.dot(q_x, q_w, -1, -1, precision).astype(out_dtype)
     return out, (q_x, q_w, new_input, new_kernel, states.output_grad)
 
 
@@ -162,9 +163,11 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
-    d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back)
+    with jax.named_scope("dgrad"):
+        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back)
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
-    d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back)
+    with jax.named_scope("wgrad"):
+        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back)
     return d_x.astype(dtypes[0]), d_w.astype(dtypes[1]), States(new_input, new_kernel, new_grad)
 
 

@@ -170,10 +170,10 @@ def _kernel_shape(linear: Any) -> tuple[int, int]:
 
 
 def _stacked_dot_general(
-    recipe: Recipe, batch_shape: tuple[int, ...], kernel_shape: tuple[int, int]
+    recipe: Recipe, batch_shape: tuple[int, ...], kernel_shape: tuple[int, int], name: str
 ) -> Fp8DotGeneral:
     """A fresh `Fp8DotGeneral` with state for each layer of a (nested) `Stacked`."""
-    dot = Fp8DotGeneral(recipe, kernel_shape)
+    dot = Fp8DotGeneral(recipe, kernel_shape, name)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
 
 
@@ -235,7 +235,9 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
         if kind == "linear":
             if path not in chosen or _is_fp8(node):
                 return node
-            dot = _stacked_dot_general(config.recipe_for(path), batch_shape, _kernel_shape(node))
+            dot = _stacked_dot_general(
+                config.recipe_for(path), batch_shape, _kernel_shape(node), ".".join(path)
+            )
             if isinstance(node, eqx.nn.Linear):
                 if batch_shape:
                     raise ValueError(

@@ -1,0 +1,327 @@
+"""Which GEMMs of a program are FP8: a deviceless compile for an H100, or StableHLO.
+
+`inspect(fn, *args)` compiles `fn` for an H100 without a GPU (with the `h100` extra:
+`jax-cuda12-plugin` and `jax-cuda12-pjrt` of jax's version, and `JAX_PLATFORMS=cpu` set before
+jax starts) in both of XLA's modes:
+
+- `"cublas"`: Triton GEMMs off (`xla_gpu_enable_triton_gemm=False`), every GEMM a cuBLAS call;
+  an FP8 GEMM is a `__cublas$lt$matmul$f8` custom call. This is the mode that proves FP8 tensor
+  cores: it is the kernel cuBLASLt runs.
+- `"default"`: XLA's default flags, where GEMMs become Triton fusions; a GEMM is FP8 when the dot
+  inside takes FP8 operands. (Without a GPU the autotuner cannot time Triton against cuBLAS; on
+  a real GPU it chooses.)
+
+Every GEMM is reported with its operand types and the JAX name stack it came from; GEMMs of
+fp8jax layers carry `fp8jax[<layer path>]/fwd|dgrad|wgrad` there. Without the plugin it falls
+back to the StableHLO of the program (operand types as JAX emits them) and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from .dot_general import SCOPE
+
+MODES = {
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    "default": {},
+}
+_LAYER = re.compile(re.escape(SCOPE) + r"\[([^\]]*)\]\)*(?:/(fwd|dgrad|wgrad))?")
+_F8 = re.compile(r"^f8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a compiled program.
+
+    **Fields:** `mode` (`"cublas"`, `"default"` or `"stablehlo"`), `instruction` (its name in
+    the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` or `"dot"`), `lhs` and `rhs`
+    (operand element types, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack it came from).
+    """
+
+    mode: str
+    instruction: str
+    kernel: str
+    lhs: str
+    rhs: str
+    op_name: str
+
+    @property
+    def fp8(self) -> bool:
+        """Both operands are FP8 (or cuBLASLt's FP8 GEMM runs it)."""
+        if self.kernel == "cublasLt f8":
+            return True
+        return bool(_F8.match(self.lhs.lower()) and _F8.match(self.rhs.lower()))
+
+    @property
+    def layer(self) -> str | None:
+        """The path of the fp8jax layer this GEMM belongs to, if any."""
+        match = _LAYER.search(self.op_name)
+        return match.group(1) if match else None
+
+    @property
+    def role(self) -> str | None:
+        """`"fwd"`, `"dgrad"` or `"wgrad"` for GEMMs of fp8jax layers."""
+        match = _LAYER.search(self.op_name)
+        return match.group(2) if match else None
+
+    def __str__(self) -> str:
+        where = f"{self.layer}/{self.role}" if self.layer is not None else self.op_name
+        return f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
+
+
+class Fp8InspectionError(AssertionError):
+    """Raised by [`fp8jax.assert_all_fp8`][]: some GEMMs are not FP8."""
+
+
+@dataclasses.dataclass
+class Inspection:
+    """The GEMMs of one program, per compile mode, with memory figures where compiled.
+
+    **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
+    executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
+    for).
+    """
+
+    gemms: dict[str, list[Gemm]]
+    memory: dict[str, Any]
+    target: str
+
+    @property
+    def deviceless(self) -> bool:
+        """Whether this is a real H100 compile (else a StableHLO fallback)."""
+        return "stablehlo" not in self.gemms
+
+    def count(self, mode: str) -> tuple[int, int]:
+        """(FP8 GEMMs, all GEMMs) in `mode`."""
+        gemms = self.gemms[mode]
+        return sum(g.fp8 for g in gemms), len(gemms)
+
+    def layers(self, mode: str) -> dict[str, dict[str, list[Gemm]]]:
+        """fp8jax layer path -> role -> its GEMMs, in `mode`."""
+        out: dict[str, dict[str, list[Gemm]]] = {}
+        for g in self.gemms[mode]:
+            if g.layer is not None:
+                out.setdefault(g.layer, {}).setdefault(g.role or "?", []).append(g)
+        return out
+
+    def offending(self, strict: bool = False) -> list[Gemm]:
+        """GEMMs of fp8jax layers that are not FP8 (every non-FP8 GEMM with `strict`)."""
+        return [
+            g
+            for gemms in self.gemms.values()
+            for g in gemms
+            if not g.fp8 and (strict or g.layer is not None)
+        ]
+
+    def __str__(self) -> str:
+        lines = [f"GEMMs of the program, compiled for {self.target}"]
+        for mode, gemms in self.gemms.items():
+            fp8, total = self.count(mode)
+            lines.append(f"\n[{mode}] {fp8} of {total} GEMMs are FP8")
+            for g in gemms:
+                lines.append(f"  {'FP8 ' if g.fp8 else 'high'}  {g}")
+            if mode in self.memory:
+                temp = getattr(self.memory[mode], "temp_size_in_bytes", None)
+                lines.append(f"  temp memory: {temp} bytes")
+        return "\n".join(lines)
+
+
+@functools.cache
+def h100_topology() -> Any | None:
+    """A compile-only H100 (`None` when the CUDA plugin is not installed)."""
+    from jax.experimental import topologies
+
+    config = importlib.resources.files("fp8jax._src").joinpath("data/h100_sxm.txtpb").read_text()
+    try:
+        return topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    except Exception:  # noqa: BLE001 - any failure means: no deviceless CUDA compiler here
+        return None
+
+
+def _is_dynamic(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None):
+    """`fn(*args, **kwargs)` lowered with its array leaves abstract (on `device` if given)."""
+    dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
+
+    def abstract(x: Any) -> jax.ShapeDtypeStruct:
+        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def call(dynamic: Any) -> Any:
+        a, k = eqx.combine(dynamic, static)
+        return fn(*a, **k)
+
+    return jax.jit(call).lower(jax.tree.map(abstract, dynamic))
+
+
+def inspect(
+    fn: Callable,
+    *args: Any,
+    modes: Iterable[str] = ("cublas", "default"),
+    merge_dots: bool = True,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Inspection:
+    """Compile `fn(*args, **kwargs)` for an H100 (deviceless) and report every GEMM.
+
+    **Arguments:**
+
+    - `fn`: any function, jitted or not (a whole train step, say). Its arguments may be arrays,
+      `jax.ShapeDtypeStruct`s or pytrees of them with other leaves (an Equinox model): only
+      shapes and dtypes are used; nothing runs.
+    - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
+    - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
+      projections of one input, say) into one; the merged GEMM keeps the name of only one of
+      them. `False` turns that pass off, so that each layer's GEMMs are reported on their own.
+    - `compiler_options`: further XLA options for both modes.
+
+    **Returns:** an [`fp8jax.Inspection`][]; `print` it for a table.
+
+    Without `jax-cuda12-plugin` (the `h100` extra) it reports the StableHLO of `fn` lowered for
+    the CPU instead: the operand types JAX emits, before XLA's GPU compiler had its say.
+
+    ```python
+    report = fp8jax.inspect(train_step, model, opt_state, batch)
+    print(report)
+    ```
+    """
+    modes = tuple(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}: should be among {sorted(MODES)}.")
+    topology = h100_topology()
+    if topology is None:
+        lowered = _lower(fn, args, kwargs, None)
+        gemms = stablehlo_gemms(lowered.as_text(debug_info=True))
+        target = (
+            "nothing: jax-cuda12-plugin is missing, so this is the StableHLO of the program "
+            "(install fp8jax[h100] for the H100 compile)"
+        )
+        return Inspection({"stablehlo": gemms}, {}, target)
+    lowered = _lower(fn, args, kwargs, topology.devices[0])
+    gemms, memory = {}, {}
+    extra = dict(compiler_options or {})
+    if not merge_dots:
+        extra["xla_disable_hlo_passes"] = ",".join(
+            filter(None, [extra.get("xla_disable_hlo_passes", ""), "dot-merger"])
+        )
+    for mode in modes:
+        compiled = lowered.compile(compiler_options={**MODES[mode], **extra})
+        gemms[mode] = hlo_gemms(compiled.as_text(), mode)
+        memory[mode] = compiled.memory_analysis()
+    return Inspection(gemms, memory, f"{topology.devices[0].device_kind} (deviceless)")
+
+
+def assert_all_fp8(
+    fn: Callable | Inspection, *args: Any, strict: bool = False, **kwargs: Any
+) -> Inspection:
+    """Raise [`fp8jax.Fp8InspectionError`][] listing every GEMM of an fp8jax layer that is not
+    FP8 (every GEMM of the program, with `strict=True`); return the inspection otherwise.
+
+    `fn` may be a function with its arguments (as for [`fp8jax.inspect`][]) or an
+    `Inspection` already made.
+    """
+    report = fn if isinstance(fn, Inspection) else inspect(fn, *args, **kwargs)
+    bad = report.offending(strict=strict)
+    if bad:
+        listing = "\n".join(f"  [{g.mode}] {g}" for g in bad)
+        raise Fp8InspectionError(
+            f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} are not "
+            f"FP8 (compiled for {report.target}):\n{listing}"
+        )
+    return report
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s+(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<rest>.*)$"
+)
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_ELEMENT = re.compile(r"^\(?\s*([a-z]+[0-9a-z]*)\[")
+
+
+def _element_type(type_text: str) -> str:
+    match = _ELEMENT.match(type_text.strip())
+    return match.group(1) if match else type_text.strip()
+
+
+def _operand_names(text: str) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", text)
+
+
+def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
+    """Every GEMM of an optimized HLO module: cuBLAS custom calls and dots (top level or
+    inside fusions), with operand element types resolved within their computation."""
+    computations: dict[str, dict[str, tuple[str, str, list[str], str]]] = {}
+    current: dict[str, tuple[str, str, list[str], str]] | None = None
+    for line in hlo.splitlines():
+        if current is None or line.startswith(("%", "ENTRY")):
+            head = _COMPUTATION.match(line)
+            if head:
+                current = computations.setdefault(head.group("name"), {})
+                continue
+        match = _INSTRUCTION.match(line)
+        if match and current is not None:
+            current[match.group("name")] = (
+                match.group("type"),
+                match.group("op"),
+                _operand_names(match.group("operands")),
+                match.group("rest"),
+            )
+    gemms = []
+    for instructions in computations.values():
+        for name, (_, op, operands, rest) in instructions.items():
+            target = _TARGET.search(rest)
+            if (
+                op == "custom-call"
+                and target
+                and ("gemm" in target.group(1) or "matmul" in target.group(1))
+            ):
+                kernel = "cublasLt f8" if target.group(1).endswith("$f8") else "cublas"
+            elif op == "dot":
+                kernel = "triton" if mode == "default" else "dot"
+            else:
+                continue
+            types = [
+                _element_type(instructions[o][0]) if o in instructions else "?"
+                for o in operands[:2]
+            ]
+            op_name = _OP_NAME.search(rest)
+            gemms.append(Gemm(mode, name, kernel, *types, op_name.group(1) if op_name else ""))
+    return gemms
+
+
+_STABLEHLO_DOT = re.compile(
+    r"stablehlo\.dot_general .*: \(tensor<(?:[\d?]+x)*(\w+)>, tensor<(?:[\d?]+x)*(\w+)>\).*"
+    r"loc\((#loc\d+)\)"
+)
+_LOC = re.compile(r'^(#loc\d+) = loc\("([^"]*)"')
+
+
+def stablehlo_gemms(text: str) -> list[Gemm]:
+    """Every `stablehlo.dot_general` of a module printed with `debug_info=True`."""
+    locations = dict(m.groups() for m in map(_LOC.match, text.splitlines()) if m)
+    gemms = []
+    for i, line in enumerate(text.splitlines()):
+        match = _STABLEHLO_DOT.search(line)
+        if match:
+            lhs, rhs, loc = match.groups()
+            gemms.append(
+                Gemm("stablehlo", f"dot_general#{i}", "dot", lhs, rhs, locations.get(loc, ""))
+            )
+    return gemms

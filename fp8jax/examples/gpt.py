@@ -1,0 +1,135 @@
+"""A small GPT in Equinox, the model of fp8jax's examples, benchmarks and inspector tests.
+
+Token and position embeddings and the output head stay in high precision; the attention and
+MLP Linears are the ones `fp8jax.fp8_linear_layers` converts by default (the head is excluded
+by name). Call it on one sequence of token ids and `jax.vmap` over the batch, as usual in
+Equinox.
+
+```python
+model = GPT(GPTConfig(vocab=256, layers=2, width=64, heads=4, context=64), key=key)
+model = fp8jax.fp8_linear_layers(model)
+logits = jax.vmap(model)(tokens)  # (batch, context, vocab)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a [`GPT`][]. `remat_gelu` recomputes the MLP's GELU in the backward pass
+    (`jax.checkpoint`), the case that breaks XLA's FP8 cuBLAS epilogue fusion."""
+
+    vocab: int = 256
+    layers: int = 2
+    width: int = 64
+    heads: int = 4
+    context: int = 64
+    mlp_ratio: int = 4
+    remat_gelu: bool = False
+
+
+class Attention(eqx.Module):
+    """Causal multi-head self-attention with separate query, key, value and output Linears."""
+
+    query: eqx.nn.Linear
+    key: eqx.nn.Linear
+    value: eqx.nn.Linear
+    out: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, width: int, heads: int, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.query = eqx.nn.Linear(width, width, key=kq)
+        self.key = eqx.nn.Linear(width, width, key=kk)
+        self.value = eqx.nn.Linear(width, width, key=kv)
+        self.out = eqx.nn.Linear(width, width, key=ko)
+        self.heads = heads
+
+    def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
+        seq, width = x.shape
+        split = lambda h: h.reshape(seq, self.heads, width // self.heads)  # noqa: E731
+        q, k, v = (split(jax.vmap(proj)(x)) for proj in (self.query, self.key, self.value))
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(width // self.heads).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        mixed = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, width)
+        return jax.vmap(self.out)(mixed)
+
+
+class MLP(eqx.Module):
+    """`fc2(gelu(fc1(x)))`, with the GELU optionally recomputed in the backward pass."""
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    remat_gelu: bool = eqx.field(static=True)
+
+    def __init__(self, width: int, ratio: int, remat_gelu: bool, *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(width, ratio * width, key=k1)
+        self.fc2 = eqx.nn.Linear(ratio * width, width, key=k2)
+        self.remat_gelu = remat_gelu
+
+    def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
+        gelu = jax.checkpoint(jax.nn.gelu) if self.remat_gelu else jax.nn.gelu
+        return jax.vmap(self.fc2)(gelu(jax.vmap(self.fc1)(x)))
+
+
+class Block(eqx.Module):
+    """Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    attn_norm: eqx.nn.LayerNorm
+    attn: Attention
+    mlp_norm: eqx.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.attn_norm = eqx.nn.LayerNorm(config.width)
+        self.attn = Attention(config.width, config.heads, key=ka)
+        self.mlp_norm = eqx.nn.LayerNorm(config.width)
+        self.mlp = MLP(config.width, config.mlp_ratio, config.remat_gelu, key=km)
+
+    def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
+        x = x + self.attn(jax.vmap(self.attn_norm)(x))
+        return x + self.mlp(jax.vmap(self.mlp_norm)(x))
+
+
+class GPT(eqx.Module):
+    """Token ids `(seq,)` to next-token logits `(seq, vocab)`."""
+
+    embed: eqx.nn.Embedding
+    position: eqx.nn.Embedding
+    blocks: list[Block]
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+        ke, kp, kh, *kb = jax.random.split(key, 3 + config.layers)
+        self.embed = eqx.nn.Embedding(config.vocab, config.width, key=ke)
+        self.position = eqx.nn.Embedding(config.context, config.width, key=kp)
+        self.blocks = [Block(config, key=k) for k in kb]
+        self.norm = eqx.nn.LayerNorm(config.width)
+        self.head = eqx.nn.Linear(config.width, config.vocab, use_bias=False, key=kh)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.embed)(tokens) + jax.vmap(self.position)(jnp.arange(tokens.shape[0]))
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+def next_token_loss(model: GPT, tokens: Int[Array, "batch seq"]) -> Float[Array, ""]:
+    """Mean cross-entropy of predicting `tokens[:, 1:]` from `tokens[:, :-1]`."""
+    logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+    return -jnp.mean(picked)
