@@ -9,6 +9,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI runs the same examples every time (a red run is reproducible); set
+# HYPOTHESIS_PROFILE=explore to search new ones.
+settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None)
+settings.register_profile("explore", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

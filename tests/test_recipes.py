@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -309,7 +309,6 @@ def _quantize(recipe, role, x):
     return recipe.quantize(x, recipe.init_state(role), role, -1)[0]
 
 
-@settings(max_examples=30, deadline=None)
 @given(x=finite_arrays, name=st.sampled_from(sorted(BLOCK_RECIPES)))
 def test_block_quantization_is_finite_and_rounds_to_nearest(x, name):
     recipe, role, block, scale_of_amax = BLOCK_RECIPES[name]
@@ -318,8 +317,8 @@ def test_block_quantization_is_finite_and_rounds_to_nearest(x, name):
     np.testing.assert_array_equal(real, ref.qdq_blocks(x, block, scale_of_amax))
 
 
-@settings(max_examples=30, deadline=None)
 @given(x=finite_arrays, predict=st.booleans())
+@example(x=np.array([[2.3512862e-35]], np.float32), predict=True)  # lo scale overflowed once
 def test_residual_split_is_finite_and_tighter_than_one_term(x, predict):
     recipe = fp8jax.ResidualFP8(predict_lo_scale=predict)
     terms = _quantize(recipe, "kernel", x)

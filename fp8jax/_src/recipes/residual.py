@@ -16,7 +16,7 @@ from jaxtyping import Array, Float
 
 from ..formats import fp8_max, quantize
 from .base import Axis, HybridFormats, QTensor, Role, per_tensor_dot
-from .per_tensor import compute_scale
+from .per_tensor import MAX_SCALE, compute_scale
 
 
 class ResidualState(eqx.Module):
@@ -113,7 +113,7 @@ class ResidualFP8(HybridFormats):
             return (hi,), scale, current, previous.lo_scale, None
         rest = x.astype(jnp.float32) - hi.data.astype(jnp.float32) * hi.scale_inv
         if self.predict_lo_scale:
-            lo_scale = scale * self.lo_scale_ratio()
+            lo_scale = jnp.minimum(scale * self.lo_scale_ratio(), MAX_SCALE)
         else:
             lo_scale = compute_scale(self.amax(rest, owner), previous.lo_scale, fmt_max)
         lo = QTensor(quantize(rest, lo_scale, fmt), 1.0 / lo_scale)
