@@ -142,6 +142,9 @@ def test_hlo_parser():
     assert gemms["dot.1"].fp8 and gemms["dot.1"].layer == "mlp.fc1"
     assert gemms["dot.1"].role == "fwd" and gemms["dot.1"].kernel == "triton"
     assert not gemms["c"].fp8 and (gemms["c"].lhs, gemms["c"].kernel) == ("bf16", "cublas")
+    assert gemms["dot.1"].flops == 2 * 16 * 8 * 32
+    # The fusion reads a (bf16 16x32) and b (bf16 8x32) and writes f32 16x8.
+    assert inspect_module.hlo_memory_traffic(HLO) == 2 * 16 * 32 + 2 * 8 * 32 + 4 * 16 * 8
 
 
 def test_unknown_mode():

@@ -44,7 +44,8 @@ class Gemm:
 
     **Fields:** `mode` (`"cublas"`, `"default"` or `"stablehlo"`), `instruction` (its name in
     the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` or `"dot"`), `lhs` and `rhs`
-    (operand element types, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack it came from).
+    (operand element types, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack it came from),
+    `flops` (`2 * output size * contracted size`; 0 where the HLO does not say).
     """
 
     mode: str
@@ -53,6 +54,7 @@ class Gemm:
     lhs: str
     rhs: str
     op_name: str
+    flops: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -88,12 +90,14 @@ class Inspection:
 
     **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
     executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
-    for).
+    for), `traffic` (mode -> bytes read and written by everything but the GEMMs, from the HLO:
+    `cost_analysis()` of a deviceless executable is empty).
     """
 
     gemms: dict[str, list[Gemm]]
     memory: dict[str, Any]
     target: str
+    traffic: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def deviceless(self) -> bool:
@@ -211,7 +215,7 @@ def inspect(
         )
         return Inspection({"stablehlo": gemms}, {}, target)
     lowered = _lower(fn, args, kwargs, topology.devices[0])
-    gemms, memory = {}, {}
+    gemms, memory, traffic = {}, {}, {}
     extra = dict(compiler_options or {})
     if not merge_dots:
         extra["xla_disable_hlo_passes"] = ",".join(
@@ -219,9 +223,11 @@ def inspect(
         )
     for mode in modes:
         compiled = lowered.compile(compiler_options={**MODES[mode], **extra})
-        gemms[mode] = hlo_gemms(compiled.as_text(), mode)
+        text = compiled.as_text()
+        gemms[mode] = hlo_gemms(text, mode)
         memory[mode] = compiled.memory_analysis()
-    return Inspection(gemms, memory, f"{topology.devices[0].device_kind} (deviceless)")
+        traffic[mode] = hlo_memory_traffic(text)
+    return Inspection(gemms, memory, f"{topology.devices[0].device_kind} (deviceless)", traffic)
 
 
 def assert_all_fp8(
@@ -260,6 +266,58 @@ def _element_type(type_text: str) -> str:
     return match.group(1) if match else type_text.strip()
 
 
+_ARRAY = re.compile(r"([a-z]+[0-9a-z]*)\[([\d,]*)\]")
+_ITEM_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
+
+
+def _dims(type_text: str) -> list[int]:
+    """Dimensions of the (first) array in an HLO type."""
+    match = _ARRAY.search(type_text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of every array in an HLO type (a tuple counts all its members)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        size = 1
+        for d in dims.split(","):
+            size *= int(d) if d else 1
+        total += size * (1 if dtype.startswith("f8") else _ITEM_BYTES.get(dtype, 4))
+    return total
+
+
+def _flops(out_type: str, lhs_type: str, rest: str) -> int:
+    """2 * |output| * |contraction| of a dot or cuBLAS GEMM, from its contracting dims."""
+    match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest) or re.search(
+        r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest
+    )
+    if not match:
+        return 0
+    lhs = _dims(lhs_type)
+    contracted = 1
+    for d in re.findall(r"\d+", match.group(1)):
+        contracted *= lhs[int(d)] if int(d) < len(lhs) else 1
+    output = 1
+    for d in _dims(out_type):
+        output *= d
+    return 2 * output * contracted
+
+
 def _operand_names(text: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", text)
 
@@ -285,25 +343,68 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
             )
     gemms = []
     for instructions in computations.values():
-        for name, (_, op, operands, rest) in instructions.items():
-            target = _TARGET.search(rest)
-            if (
-                op == "custom-call"
-                and target
-                and ("gemm" in target.group(1) or "matmul" in target.group(1))
-            ):
-                kernel = "cublasLt f8" if target.group(1).endswith("$f8") else "cublas"
+        for name, (out_type, op, operands, rest) in instructions.items():
+            target = _gemm_target(op, rest)
+            if target is not None:
+                kernel = "cublasLt f8" if target.endswith("$f8") else "cublas"
             elif op == "dot":
                 kernel = "triton" if mode == "default" else "dot"
             else:
                 continue
-            types = [
-                _element_type(instructions[o][0]) if o in instructions else "?"
-                for o in operands[:2]
-            ]
+            full = [instructions[o][0] if o in instructions else "?" for o in operands[:2]]
             op_name = _OP_NAME.search(rest)
-            gemms.append(Gemm(mode, name, kernel, *types, op_name.group(1) if op_name else ""))
+            gemms.append(
+                Gemm(
+                    mode,
+                    name,
+                    kernel,
+                    *map(_element_type, full),
+                    op_name.group(1) if op_name else "",
+                    _flops(out_type, full[0], rest),
+                )
+            )
     return gemms
+
+
+def _gemm_target(op: str, rest: str) -> str | None:
+    """The custom-call target of a cuBLAS/cuDNN GEMM call, else `None`."""
+    target = _TARGET.search(rest) if op == "custom-call" else None
+    if target and ("gemm" in target.group(1) or "matmul" in target.group(1)):
+        return target.group(1)
+    return None
+
+
+_NO_TRAFFIC = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "after-all",
+    "partition-id",
+    "replica-id",
+}
+
+
+def hlo_memory_traffic(hlo: str) -> int:
+    """Bytes read and written by the entry computation's instructions other than GEMMs: the
+    operands and outputs of every fusion, copy and so on (a model of HBM traffic)."""
+    entry = hlo[hlo.index("\nENTRY") + 1 :] if "\nENTRY" in hlo else hlo
+    types: dict[str, str] = {}
+    total = 0
+    for line in entry.splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, out_type, op = match.group("name"), match.group("type"), match.group("op")
+        types[name] = out_type
+        if op in _NO_TRAFFIC or _gemm_target(op, match.group("rest")) is not None:
+            continue
+        operands = _operand_names(match.group("operands"))
+        total += array_bytes(out_type) + sum(array_bytes(types.get(o, "")) for o in operands)
+    return total
 
 
 _STABLEHLO_DOT = re.compile(
