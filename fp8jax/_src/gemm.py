@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
@@ -154,7 +155,11 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
     with jax.named_scope("fwd"):
-        out = recipe.dot(q_x, q_w, -1, -1, precision).astype(out_dtype)
+        out = recipe.dot(q_x, q_w, -1, -1, precision, out_dtype)
+    # Keep what follows (a bias, an activation) out of the GEMM's epilogue: XLA's cuBLAS path
+    # fuses bias + GELU with an auxiliary output into FP8 GEMMs and then fails (RET_CHECK in
+    # thunk_emitter) when the GELU is rematerialized. The scales stay fused.
+    out = lax.optimization_barrier(out)
     return out, (q_x, q_w, new_input, new_kernel, states.output_grad)
 
 
@@ -164,11 +169,11 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
     with jax.named_scope("dgrad"):
-        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back)
+        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
-        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back)
-    return d_x.astype(dtypes[0]), d_w.astype(dtypes[1]), States(new_input, new_kernel, new_grad)
+        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, dtypes[1])
+    return d_x, d_w, States(new_input, new_kernel, new_grad)
 
 
 # --- folding a vmapped axis into the GEMM --------------------------------------------------

@@ -21,6 +21,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+import fp8jax
+
+
+def dense(layer: eqx.Module, x: Float[Array, "seq width"]) -> Float[Array, "seq out"]:
+    """A Linear on every row of `x`: `fp8jax.Linear` takes all rows at once, an
+    `eqx.nn.Linear` is vmapped (both give one GEMM; see fp8jax's vmap folding)."""
+    return layer(x) if isinstance(layer, fp8jax.Linear) else jax.vmap(layer)(x)
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -56,13 +64,13 @@ class Attention(eqx.Module):
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
         seq, width = x.shape
         split = lambda h: h.reshape(seq, self.heads, width // self.heads)  # noqa: E731
-        q, k, v = (split(jax.vmap(proj)(x)) for proj in (self.query, self.key, self.value))
+        q, k, v = (split(dense(proj, x)) for proj in (self.query, self.key, self.value))
         scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(width // self.heads).astype(x.dtype)
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
         mixed = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, width)
-        return jax.vmap(self.out)(mixed)
+        return dense(self.out, mixed)
 
 
 class MLP(eqx.Module):
@@ -80,7 +88,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "seq width"]) -> Float[Array, "seq width"]:
         gelu = jax.checkpoint(jax.nn.gelu) if self.remat_gelu else jax.nn.gelu
-        return jax.vmap(self.fc2)(gelu(jax.vmap(self.fc1)(x)))
+        return dense(self.fc2, gelu(dense(self.fc1, x)))
 
 
 class Block(eqx.Module):

@@ -151,10 +151,17 @@ class Recipe(abc.ABC):
 
     @abc.abstractmethod
     def dot(
-        self, lhs: Any, rhs: Any, lhs_axis: Axis, rhs_axis: Axis, precision: Any
+        self,
+        lhs: Any,
+        rhs: Any,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision: Any,
+        out_dtype: Any = jnp.float32,
     ) -> Float[Array, "*shape"]:
-        """The float32 product of the real values of `lhs` and `rhs`, contracting `lhs_axis`
-        with `rhs_axis`: shape `(*B, lhs_free, rhs_free)`."""
+        """The product of the real values of `lhs` and `rhs`, contracting `lhs_axis` with
+        `rhs_axis`: shape `(*B, lhs_free, rhs_free)`, in `out_dtype` (accumulated in float32).
+        """
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,11 +192,23 @@ def canonical_dims(ndim: int, lhs_axis: Axis, rhs_axis: Axis) -> lax.DotDimensio
 
 
 def per_tensor_dot(
-    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision: Any
+    lhs: QTensor,
+    rhs: QTensor,
+    lhs_axis: Axis,
+    rhs_axis: Axis,
+    precision: Any,
+    out_dtype: Any = jnp.float32,
 ) -> Float[Array, "*shape"]:
-    """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)`, float32 accumulation."""
+    """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)` in `out_dtype`.
+
+    The FP8 dot accumulates in float32 and writes `out_dtype` directly, scaled by one scalar:
+    the form XLA's GPU compiler fuses into a single cuBLASLt FP8 GEMM (the scale becomes its
+    alpha). A float32 result converted afterwards would cost an extra float32 buffer and lets
+    XLA fuse a following bias + GELU epilogue with an auxiliary output into the FP8 GEMM, which
+    its cuBLAS path then rejects (a RET_CHECK) when the GELU is rematerialized.
+    """
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
     out = lax.dot_general(
-        lhs.data, rhs.data, dims, precision=precision, preferred_element_type=jnp.float32
+        lhs.data, rhs.data, dims, precision=precision, preferred_element_type=out_dtype
     )
-    return out * (lhs.scale_inv * rhs.scale_inv)
+    return out * (lhs.scale_inv * rhs.scale_inv).astype(out_dtype)

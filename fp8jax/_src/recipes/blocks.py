@@ -187,9 +187,16 @@ class BlockScaledRecipe(Recipe):
         return self._quantize(q.dequantize(), role, axis)
 
     def dot(
-        self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+        self,
+        lhs: QTensor,
+        rhs: QTensor,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
+        out = block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
+        return out.astype(out_dtype)
 
 
 def _pow2(exponent: Array) -> Array:
@@ -308,11 +315,18 @@ class MXFP8(BlockScaledRecipe):
         return device.platform == "gpu" and capability is not None and float(capability) >= 10
 
     def dot(
-        self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+        self,
+        lhs: QTensor,
+        rhs: QTensor,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
-            return _scaled_matmul(lhs, rhs)
-        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
+            return _scaled_matmul(lhs, rhs).astype(out_dtype)
+        out = block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
+        return out.astype(out_dtype)
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:

@@ -62,9 +62,15 @@ class PerTensorRecipe(HybridFormats):
         return q
 
     def dot(
-        self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision
+        self,
+        lhs: QTensor,
+        rhs: QTensor,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        return per_tensor_dot(lhs, rhs, lhs_axis, rhs_axis, precision)
+        return per_tensor_dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

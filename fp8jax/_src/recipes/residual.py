@@ -139,8 +139,15 @@ class ResidualFP8(HybridFormats):
         return q
 
     def dot(
-        self, lhs: QTerms, rhs: QTerms, lhs_axis: Axis, rhs_axis: Axis, precision
+        self,
+        lhs: QTerms,
+        rhs: QTerms,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        # The lo terms are ~2^-5 of the hi ones: sum in float32, or BF16 would drop them.
         out = None
         for i, a in enumerate(lhs.terms):
             for j, b in enumerate(rhs.terms):
@@ -148,4 +155,4 @@ class ResidualFP8(HybridFormats):
                     continue  # lo x lo: below both terms' precision
                 part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
                 out = part if out is None else out + part
-        return out
+        return out.astype(out_dtype)
