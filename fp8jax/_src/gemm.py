@@ -164,7 +164,11 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
 
 
 def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
-    q_x, q_w, new_input, new_kernel, grad_state = residuals
+    # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the saved activation
+    # transposed. Without this barrier XLA computes that copy in the forward, fused with the
+    # quantization, and keeps both FP8 layouts alive until the backward: as much memory as
+    # one BF16 copy. With it, the copy is made here, from the saved FP8 values.
+    q_x, q_w, new_input, new_kernel, grad_state = lax.optimization_barrier(residuals)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
