@@ -18,7 +18,15 @@ from ._src.inspect import Gemm as Gemm
 from ._src.inspect import Inspection as Inspection
 from ._src.inspect import assert_all_fp8 as assert_all_fp8
 from ._src.inspect import inspect as inspect
+from ._src.loss_scale import DynamicLossScale as DynamicLossScale
+from ._src.loss_scale import LossScale as LossScale
+from ._src.loss_scale import NoOpLossScale as NoOpLossScale
+from ._src.loss_scale import StaticLossScale as StaticLossScale
+from ._src.loss_scale import all_finite as all_finite
+from ._src.loss_scale import select_tree as select_tree
 from ._src.nn import Linear as Linear
+from ._src.optim import low_precision_state as low_precision_state
+from ._src.policy import Policy as Policy
 from ._src.recipes import MXFP8 as MXFP8
 from ._src.recipes import BlockScaledRecipe as BlockScaledRecipe
 from ._src.recipes import BlockwiseScaling as BlockwiseScaling
@@ -32,6 +40,16 @@ from ._src.recipes import ResidualFP8 as ResidualFP8
 from ._src.recipes import ResidualState as ResidualState
 from ._src.recipes import TensorState as TensorState
 from ._src.recipes import compute_scale as compute_scale
+from ._src.stats import Fp8Stats as Fp8Stats
+from ._src.stats import OperandStats as OperandStats
+from ._src.telemetry import LayerTelemetry as LayerTelemetry
+from ._src.telemetry import OperandTelemetry as OperandTelemetry
+from ._src.telemetry import report as report
+from ._src.telemetry import telemetry as telemetry
+from ._src.train import StepMetrics as StepMetrics
+from ._src.train import TrainState as TrainState
+from ._src.train import TrainStep as TrainStep
+from ._src.train import make_train_step as make_train_step
 from ._src.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
 from ._src.transform import Fp8Config as Fp8Config
 from ._src.transform import fp8_linear_layers as fp8_linear_layers
@@ -48,20 +66,33 @@ __all__ = [
     "BlockwiseScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "DynamicLossScale",
     "Fp8Config",
     "Fp8DotGeneral",
     "Fp8InspectionError",
+    "Fp8Stats",
     "Gemm",
     "Inspection",
+    "LayerTelemetry",
     "Linear",
+    "LossScale",
+    "NoOpLossScale",
+    "OperandStats",
+    "OperandTelemetry",
     "OverwriteWithGradient",
     "PerTensorRecipe",
+    "Policy",
     "QTensor",
     "QTerms",
     "Recipe",
     "ResidualFP8",
     "ResidualState",
+    "StaticLossScale",
+    "StepMetrics",
     "TensorState",
+    "TrainState",
+    "TrainStep",
+    "all_finite",
     "apply_updates",
     "assert_all_fp8",
     "combine_by_max",
@@ -73,6 +104,11 @@ __all__ = [
     "fp8_linear_layers",
     "fp8_max",
     "inspect",
+    "low_precision_state",
+    "make_train_step",
     "partition_for_grad_overwrite",
     "quantize",
+    "report",
+    "select_tree",
+    "telemetry",
 ]

@@ -176,6 +176,24 @@ def test_dtypes_follow_dot_general():
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("recipe", ["current", "residual", "blockwise"])
+def test_float16_outputs_do_not_overflow(recipe):
+    """Small float16 values are scaled up to ~448 before the cast: the unscaled FP8 products
+    (here about 448**2 * 256 = 5e7) exceed float16's 65504; the result must not."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(0.5, 1.0, (16, 256)) * 1e-3, jnp.float16)
+    w = jnp.asarray(rng.uniform(0.5, 1.0, (256, 8)) * 1e-3, jnp.float16)
+    dims = (((1,), (0,)), ((), ()))
+    dot = fp8jax.Fp8DotGeneral(recipe)
+    out, d_x, d_w = vjp(lambda a, b: dot(a, b, dims), x, w, jnp.full((16, 8), 1e-3, jnp.float16))
+    assert out.dtype == d_x.dtype == d_w.dtype == jnp.float16
+    want = f32_dot(x.astype(jnp.float32), w.astype(jnp.float32), dims)
+    # E4M3 operands: a relative error of at most 2 * 2**-4 per product, all terms positive.
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2 * 2.0**-4 + 2.0**-10)
+    assert np.isfinite(np.asarray(d_x, np.float32)).all()
+    assert np.isfinite(np.asarray(d_w, np.float32)).all()
+
+
 def test_saves_only_fp8_operands_and_scales(capsys):
     dot = fp8jax.Fp8DotGeneral()
     x = jnp.ones((32, 16))

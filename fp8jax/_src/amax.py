@@ -6,40 +6,60 @@ and then *sum* the state's cotangent over the mapped axis. `amax` has a custom b
 when the state it belongs to is not batched, it reduces over the mapped axis too and returns an
 unbatched result, so the state sees the batch-wide max, exactly as without `vmap`. When the
 state is batched (a `vmap` over an ensemble or over stacked layers), each member keeps its own.
+`fraction` (telemetry's saturation and underflow rates) follows the same rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 
-def _amax(x: Array, owner: Array) -> Array:
-    del owner
-    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+def _shared_reduction(reduce: Callable[[Array], Array], doc: str) -> Callable[..., Array]:
+    """`reduce(x)` as `f(x, owner)`, reducing over a `vmap`ped axis too unless `owner` (a leaf
+    of the FP8 state the result is for; only whether it is batched matters) is batched."""
+
+    def plain(x: Array, owner: Array) -> Array:
+        del owner
+        return reduce(x)
+
+    @custom_vmap
+    def shared(x: Array, owner: Array) -> Array:
+        return plain(x, owner)
+
+    @shared.def_vmap
+    def _rule(axis_size, in_batched, x, owner):
+        x_batched, owner_batched = in_batched
+        if owner_batched:
+            # Each member of the mapped axis has its own state. (`plain`, not `shared`:
+            # vmapping the custom_vmap function itself would call this rule again.)
+            return jax.vmap(plain, in_axes=(0 if x_batched else None, 0))(x, owner), True
+        # The state is shared by every member of the mapped axis: reduce over it as well.
+        return shared(x, owner), False
+
+    shared.__doc__ = doc
+    return shared
 
 
-@custom_vmap
-def amax(x: Float[Array, "*shape"], owner: Float[Array, "*shape"]) -> Float[Array, ""]:
+amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
+    lambda x: jnp.max(jnp.abs(x.astype(jnp.float32))),
     """`max(|x|)` in float32, batch-wide under `vmap` unless `owner` is batched.
 
     **Arguments:**
 
     - `x`: any floating array.
     - `owner`: a leaf of the FP8 state the amax is for. Only whether it is batched matters.
-    """
-    return _amax(x, owner)
+    """,
+)
 
-
-@amax.def_vmap
-def _amax_vmap(axis_size, in_batched, x, owner):
-    x_batched, owner_batched = in_batched
-    if owner_batched:
-        in_axes = (0 if x_batched else None, 0)
-        # Each member of the mapped axis has its own state. (`_amax`, not `amax`: vmapping the
-        # custom_vmap function itself would call this rule again.)
-        return jax.vmap(_amax, in_axes=in_axes)(x, owner), True
-    # The state is shared by every member of the mapped axis: reduce over it as well.
-    return amax(x, owner), False
+fraction: Callable[[Bool[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
+    lambda mask: jnp.mean(mask.astype(jnp.float32)),
+    """The fraction of `mask` that is true, batch-wide under `vmap` unless `owner` is batched
+    (every member holds as many elements, so that is the mean over all of them). The telemetry
+    counterpart of `amax`: a statistic of FP8 state describes the whole batch it belongs to.
+    """,
+)

@@ -13,6 +13,7 @@ from jaxtyping import Array
 
 from .gemm import States, fp8_dot_general, normalize_dimension_numbers
 from .recipes import Recipe, TensorState, recipe_from
+from .stats import Fp8Stats
 from .updates import OverwriteWithGradient
 
 #: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
@@ -60,6 +61,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
     - `name`: the layer's path, e.g. `"blocks.0.mlp.fc1"` (set by `fp8_linear_layers`). The
       GEMMs run under the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), which is how
       [`fp8jax.inspect`][] attributes compiled GEMMs to layers.
+    - `telemetry`: also keep [`fp8jax.Fp8Stats`][] (the fractions of each operand saturated and
+      flushed to zero at the latest step) in `stats`; see [`fp8jax.telemetry`][]. It costs
+      two extra reductions over each operand, which XLA fuses with the amax.
 
     ```python
     dot = fp8jax.Fp8DotGeneral()
@@ -70,6 +74,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
     input: TensorState
     kernel: TensorState
     output_grad: TensorState
+    stats: Fp8Stats | None
     recipe: Recipe = eqx.field(static=True)
     name: str = eqx.field(static=True)
 
@@ -78,9 +83,13 @@ class Fp8DotGeneral(OverwriteWithGradient):
         recipe: Recipe | str | None = None,
         kernel_shape: tuple[int, int] | None = None,
         name: str = "",
+        telemetry: bool = False,
     ):
+        if not isinstance(telemetry, bool):
+            raise TypeError(f"Fp8DotGeneral: telemetry={telemetry!r}: should be True or False.")
         self.recipe = recipe_from(recipe)
         self.name = name
+        self.stats = Fp8Stats.zeros() if telemetry else None
         self.input = self.recipe.init_state("input")
         self.kernel = self.recipe.init_state("kernel", kernel_shape)
         self.output_grad = self.recipe.init_state("output_grad")
@@ -108,7 +117,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
                 )
         if isinstance(precision, list):
             precision = tuple(precision)
-        states = States(self.input, self.kernel, self.output_grad)
+        states = States(self.input, self.kernel, self.output_grad, self.stats)
         with jax.named_scope(f"{SCOPE}[{self.name}]"):
             return fp8_dot_general(self.recipe, dims, precision, out_dtype, lhs, rhs, states)
 
@@ -119,8 +128,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         leaves that operand's state as it was.
         """
 
-        def pick(old: TensorState, received: TensorState) -> TensorState:
-            ok = _valid(received)
+        def pick(old: Any, received: Any, ok: Array) -> Any:
             return jax.tree.map(
                 lambda o, r: jnp.where(
                     jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
@@ -129,12 +137,15 @@ class Fp8DotGeneral(OverwriteWithGradient):
                 received,
             )
 
+        roles = ("input", "kernel", "output_grad")
+        valid = {role: _valid(getattr(new, role)) for role in roles}
+        merged = {r: pick(getattr(self, r), getattr(new, r), valid[r]) for r in roles}
+        if self.stats is not None:
+            old, received = self.stats, new.stats
+            stats = {r: pick(getattr(old, r), getattr(received, r), valid[r]) for r in roles}
+            merged["stats"] = Fp8Stats(**stats)
         return eqx.tree_at(
-            lambda m: (m.input, m.kernel, m.output_grad),
+            lambda m: tuple(getattr(m, name) for name in merged),
             self,
-            (
-                pick(self.input, new.input),
-                pick(self.kernel, new.kernel),
-                pick(self.output_grad, new.output_grad),
-            ),
+            tuple(merged.values()),
         )

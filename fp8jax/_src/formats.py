@@ -7,6 +7,8 @@ to come back. Flax stores the reciprocal.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
@@ -64,6 +66,21 @@ def fp8_dtype(fmt: FormatLike) -> np.dtype:
 def fp8_max(fmt: FormatLike) -> float:
     """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
     return float(jnp.finfo(fp8_dtype(fmt)).max)
+
+
+def overflow_threshold(fmt: FormatLike) -> float:
+    """The magnitude above which a value no longer rounds to a finite FP8 value: the format's
+    max plus half its spacing there (464 for E4M3, 61440 for E5M2). Scaled values beyond it
+    are the ones a saturating cast clips."""
+    dtype = fp8_dtype(fmt)
+    top = math.floor(math.log2(fp8_max(dtype)))
+    return fp8_max(dtype) + 2.0 ** (top - jnp.finfo(dtype).nmant - 1)
+
+
+def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...]) -> Array:
+    """Per-block `values (*B, nR, nC)` repeated over each block, cut to `shape (*B, R, C)`."""
+    full = jnp.repeat(jnp.repeat(values, block[0], axis=-2), block[1], axis=-1)
+    return full[..., : shape[-2], : shape[-1]]
 
 
 def quantize(

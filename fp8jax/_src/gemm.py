@@ -36,6 +36,7 @@ from jaxtyping import Array
 
 from . import jax_private
 from .recipes import Recipe
+from .stats import Fp8Stats
 
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]
@@ -62,11 +63,17 @@ def per_example_gradients() -> Iterator[None]:
 
 
 class States(NamedTuple):
-    """The state of the three operands of one FP8 GEMM."""
+    """The state of the three operands of one FP8 GEMM, and their statistics (`None` when
+    the layer keeps no telemetry)."""
 
     input: Any
     kernel: Any
     output_grad: Any
+    stats: Fp8Stats | None = None
+
+
+def _owner(state: Any) -> Array:
+    return jax.tree.leaves(state)[0]
 
 
 # --- canonical layout ------------------------------------------------------------------------
@@ -160,7 +167,13 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     # fuses bias + GELU with an auxiliary output into FP8 GEMMs and then fails (RET_CHECK in
     # thunk_emitter) when the GELU is rematerialized. The scales stay fused.
     out = lax.optimization_barrier(out)
-    return out, (q_x, q_w, new_input, new_kernel, states.output_grad)
+    stats = None
+    if states.stats is not None:
+        stats = (
+            recipe.statistics(x, q_x, "input", _owner(states.input)),
+            recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
+        )
+    return out, (q_x, q_w, new_input, new_kernel, states.output_grad, stats)
 
 
 def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
@@ -168,16 +181,19 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     # transposed. Without this barrier XLA computes that copy in the forward, fused with the
     # quantization, and keeps both FP8 layouts alive until the backward: as much memory as
     # one BF16 copy. With it, the copy is made here, from the saved FP8 values.
-    q_x, q_w, new_input, new_kernel, grad_state = lax.optimization_barrier(residuals)
+    q_x, q_w, new_input, new_kernel, grad_state, stats = lax.optimization_barrier(residuals)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+    if stats is not None:
+        grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(grad_state))
+        stats = Fp8Stats(*stats, grad_stats)
     with jax.named_scope("dgrad"):
         d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, dtypes[1])
-    return d_x, d_w, States(new_input, new_kernel, new_grad)
+    return d_x, d_w, States(new_input, new_kernel, new_grad, stats)
 
 
 # --- folding a vmapped axis into the GEMM --------------------------------------------------
@@ -253,7 +269,7 @@ def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
             # Per example. Unbatched state stays unbatched (its amaxes span the mapped axis),
             # and so does an operand that depends only on unbatched values.
             s = any(jax.tree.leaves(states_b))
-            out_axes = (0, (_axis(x_b or s), _axis(w_b or s), *(_axis(s),) * 3))
+            out_axes = (0, (_axis(x_b or s), _axis(w_b or s), *(_axis(s),) * 4))
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(x, w, states)
             return outs, _batched(out_axes, outs)
         had_batch = x.ndim == 4

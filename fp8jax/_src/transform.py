@@ -43,6 +43,8 @@ class Fp8Config:
     - `exclude`: a regular expression matched against the last path component; matching
       Linears stay in high precision even when targeted. Defaults to [`DEFAULT_EXCLUDE`][]
       (heads, routers, gates). Pass `None` to exclude nothing.
+    - `telemetry`: converted layers also keep saturation and underflow statistics
+      ([`fp8jax.Fp8Stats`][]), read with [`fp8jax.telemetry`][].
 
     ```python
     config = fp8jax.Fp8Config(
@@ -56,8 +58,11 @@ class Fp8Config:
     recipe: Recipe | str | None = None
     recipes: Mapping[str, Recipe | str] | None = None
     exclude: str | None = DEFAULT_EXCLUDE
+    telemetry: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.telemetry, bool):
+            raise ValueError(f"Fp8Config telemetry={self.telemetry!r}: should be True or False.")
         targets = self.targets
         if isinstance(targets, str):
             _compile("targets", targets)
@@ -170,10 +175,14 @@ def _kernel_shape(linear: Any) -> tuple[int, int]:
 
 
 def _stacked_dot_general(
-    recipe: Recipe, batch_shape: tuple[int, ...], kernel_shape: tuple[int, int], name: str
+    recipe: Recipe,
+    batch_shape: tuple[int, ...],
+    kernel_shape: tuple[int, int],
+    name: str,
+    telemetry: bool,
 ) -> Fp8DotGeneral:
     """A fresh `Fp8DotGeneral` with state for each layer of a (nested) `Stacked`."""
-    dot = Fp8DotGeneral(recipe, kernel_shape, name)
+    dot = Fp8DotGeneral(recipe, kernel_shape, name, telemetry)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
 
 
@@ -236,7 +245,11 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
             if path not in chosen or _is_fp8(node):
                 return node
             dot = _stacked_dot_general(
-                config.recipe_for(path), batch_shape, _kernel_shape(node), ".".join(path)
+                config.recipe_for(path),
+                batch_shape,
+                _kernel_shape(node),
+                ".".join(path),
+                config.telemetry,
             )
             if isinstance(node, eqx.nn.Linear):
                 if batch_shape:

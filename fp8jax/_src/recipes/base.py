@@ -28,7 +28,8 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from ..amax import amax
-from ..formats import FormatLike, fp8_dtype
+from ..formats import FormatLike, expand_blocks, fp8_dtype
+from ..stats import OperandStats, cast_statistics
 
 Role = Literal["input", "kernel", "output_grad"]
 ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
@@ -81,12 +82,6 @@ class QTensor(eqx.Module):
         return data * expand_blocks(scale_inv, self.block, self.data.shape)
 
 
-def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...]) -> Array:
-    """Per-block `values (*B, nR, nC)` repeated over each block, cut to `shape (*B, R, C)`."""
-    full = jnp.repeat(jnp.repeat(values, block[0], axis=-2), block[1], axis=-1)
-    return full[..., : shape[-2], : shape[-1]]
-
-
 def check_choice(name: str, value: object, allowed: tuple) -> None:
     """Raise `ValueError` naming `value` and the `allowed` ones unless `value` is allowed."""
     if value not in allowed:
@@ -127,6 +122,14 @@ class Recipe(abc.ABC):
         if self.axis_names:
             value = lax.pmax(value, self.axis_names)
         return value
+
+    def statistics(self, x: Array, q: Any, role: Role, owner: Array) -> OperandStats:
+        """What quantizing `x` into `q` (from `quantize`, contracted on `-1`) did to it: the
+        fractions saturated and flushed to zero, for telemetry. `q` is a
+        [`fp8jax.QTensor`][] or has a `terms` tuple of them, the first carrying the
+        magnitude; recipes with another layout override this."""
+        terms = getattr(q, "terms", (q,))
+        return cast_statistics(x, terms, self.format(role), owner, self.axis_names)
 
     @abc.abstractmethod
     def format(self, role: Role) -> jnp.dtype:
@@ -205,9 +208,17 @@ def per_tensor_dot(
     the form XLA's GPU compiler fuses into a single cuBLASLt FP8 GEMM (the scale becomes its
     alpha). A float32 result converted afterwards would cost an extra float32 buffer and lets
     XLA fuse a following bias + GELU epilogue with an auxiliary output into the FP8 GEMM, which
-    its cuBLAS path then rejects (a RET_CHECK) when the GELU is rematerialized.
+    its cuBLAS path then rejects (a RET_CHECK) when the GELU is rematerialized. float16, whose
+    range the unscaled product exceeds, is scaled in float32 and converted.
     """
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
+    if jnp.finfo(out_dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+        # float16: the unscaled product of two FP8 tensors (up to 448 * 57344 per term)
+        # overflows its range; scale in float32, then convert.
+        out = lax.dot_general(
+            lhs.data, rhs.data, dims, precision=precision, preferred_element_type=jnp.float32
+        )
+        return (out * (lhs.scale_inv * rhs.scale_inv)).astype(out_dtype)
     out = lax.dot_general(
         lhs.data, rhs.data, dims, precision=precision, preferred_element_type=out_dtype
     )

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ..formats import FormatLike, fp8_dtype, fp8_max
-from .base import Axis, QTensor, Recipe, Role, TensorState, expand_blocks
+from ..formats import FormatLike, expand_blocks, fp8_dtype, fp8_max
+from .base import Axis, QTensor, Recipe, Role, TensorState
 from .per_tensor import MAX_SCALE
 
 

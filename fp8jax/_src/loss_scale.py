@@ -1,0 +1,402 @@
+"""Loss scaling for float16 training, as Equinox modules that pass through `jit` and `scan`.
+
+float16 gradients underflow below 2**-24. Multiplying the loss by a large scale before the
+backward pass lifts them into range; dividing the gradients by it afterwards restores them.
+A [`fp8jax.DynamicLossScale`][] grows the scale while gradients stay finite and backs off when
+they overflow (the JMP design). FP8 state ([`fp8jax.OverwriteWithGradient`][] modules) is never
+scaled, unscaled or inspected: its "gradient" is its new value, not a derivative.
+
+```python
+def step(model, opt_state, loss_scale, batch):
+    grads = fp8jax.filter_grad(lambda m: loss_scale.scale(loss_fn(m, batch)))(model)
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+    grads = loss_scale.unscale(grads)
+    finite = fp8jax.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = optimizer.update(grads, opt_state, model)
+    new_model = fp8jax.apply_updates(model, updates, overwrites)
+    model, opt_state = fp8jax.select_tree(
+        finite, (new_model, new_opt_state), (model, opt_state)
+    )   # skip the step when the gradients overflowed
+    return model, opt_state, loss_scale
+```
+"""
+
+# No `from __future__ import annotations`: Equinox reads the AbstractVar annotation.
+import abc
+import math
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, Int
+
+from .updates import OverwriteWithGradient
+
+T = TypeVar("T")
+L = TypeVar("L", bound="LossScale")
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_overwrite(x: Any) -> bool:
+    return isinstance(x, OverwriteWithGradient)
+
+
+def _is_inexact_array(x: Any) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _map_inexact(f: Any, tree: T) -> T:
+    """`f` applied to the floating-point (and complex) array leaves of `tree`; FP8 state and
+    every other leaf are returned as they are."""
+
+    def apply(x: Any) -> Any:
+        if _is_overwrite(x) or not _is_inexact_array(x):
+            return x
+        return f(x)
+
+    return jax.tree.map(apply, tree, is_leaf=_is_overwrite)
+
+
+def _multiply(tree: T, factor: Float[Array, ""]) -> T:
+    """Each inexact leaf times `factor`, computed in at least float32, cast back to its dtype."""
+
+    def mul(x: Array) -> Array:
+        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        return (jnp.asarray(x, dtype) * factor.astype(dtype)).astype(x.dtype)
+
+    return _map_inexact(mul, tree)
+
+
+def _flag(grads_finite: ArrayLike, who: str) -> Bool[Array, ""]:
+    flag = jnp.asarray(grads_finite)
+    if flag.dtype != jnp.bool_ or flag.shape != ():
+        raise TypeError(
+            f"{who}.adjust: grads_finite has dtype {flag.dtype} and shape {flag.shape}; it should "
+            "be a boolean scalar, e.g. fp8jax.all_finite(grads)."
+        )
+    return flag
+
+
+def _number(name: str, value: Any, who: str) -> float | None:
+    """`value` as a Python float, or `None` if it is traced (it cannot be checked then)."""
+    if isinstance(value, bool | str | bytes) or jnp.shape(value) != ():
+        raise TypeError(f"{who}: {name}={value!r} should be a real number.")
+    try:
+        out = float(value)
+    except jax.errors.ConcretizationTypeError:
+        return None
+    except (TypeError, ValueError):
+        raise TypeError(f"{who}: {name}={value!r} should be a real number.") from None
+    if not math.isfinite(out) or abs(out) > _F32_MAX:
+        raise ValueError(f"{who}: {name}={value!r} should be finite in float32.")
+    return out
+
+
+class LossScale(eqx.Module):
+    """Interface of the loss scales: scale the loss, unscale the gradients, adjust.
+
+    Subclasses hold `loss_scale`, a float32 scalar array, and define `adjust`. `scale` and
+    `unscale` act on the floating-point array leaves of a pytree only, each computed in at least
+    float32 and cast back to the leaf's dtype; FP8 state ([`fp8jax.OverwriteWithGradient`][]
+    modules), integer arrays, `None` and non-array leaves are returned as they are.
+
+    ```python
+    scaled_loss = loss_scale.scale(loss)
+    grads = loss_scale.unscale(grads)
+    loss_scale = loss_scale.adjust(fp8jax.all_finite(grads))
+    ```
+    """
+
+    loss_scale: eqx.AbstractVar[Float[Array, ""]]
+
+    def scale(self, tree: T) -> T:
+        """`tree` (usually the loss) multiplied by the loss scale, each leaf in its dtype.
+
+        ```python
+        grads = jax.grad(lambda p: loss_scale.scale(loss_fn(p)))(params)
+        ```
+        """
+        return _multiply(tree, jnp.asarray(self.loss_scale, jnp.float32))
+
+    def unscale(self, tree: T) -> T:
+        """`tree` (usually the gradients) divided by the loss scale, each leaf in its dtype.
+
+        Multiplies by `1 / loss_scale` computed in float32 (exact for the power-of-two scales
+        [`fp8jax.DynamicLossScale`][] uses), so a float16 gradient is not rounded twice.
+
+        ```python
+        grads = loss_scale.unscale(grads)
+        ```
+        """
+        return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
+
+    @abc.abstractmethod
+    def adjust(self: L, grads_finite: Bool[ArrayLike, ""]) -> L:
+        """The loss scale for the next step, given whether this step's gradients were finite.
+
+        ```python
+        loss_scale = loss_scale.adjust(fp8jax.all_finite(grads))
+        ```
+        """
+
+
+class NoOpLossScale(LossScale):
+    """No loss scaling: `scale` and `unscale` return the tree unchanged (not even cast).
+
+    Use it where the code path expects a loss scale but the model trains in float32 or
+    bfloat16, whose exponent range needs none.
+
+    ```python
+    loss_scale = fp8jax.NoOpLossScale()
+    assert loss_scale.unscale(grads) is grads
+    ```
+    """
+
+    @property
+    def loss_scale(self) -> Float[Array, ""]:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: T) -> T:
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "NoOpLossScale":
+        _flag(grads_finite, "NoOpLossScale")
+        return self
+
+
+class StaticLossScale(LossScale):
+    """A constant loss scale.
+
+    **Arguments:**
+
+    - `loss_scale`: a positive number, finite in float32; powers of two scale exactly.
+
+    ```python
+    loss_scale = fp8jax.StaticLossScale(2.0**12)
+    ```
+    """
+
+    loss_scale: Float[Array, ""]
+
+    def __init__(self, loss_scale: float | Float[ArrayLike, ""]):
+        value = _number("loss_scale", loss_scale, "StaticLossScale")
+        if value is not None and value <= 0:
+            raise ValueError(f"StaticLossScale: loss_scale={loss_scale!r} should be positive.")
+        self.loss_scale = jnp.asarray(loss_scale, jnp.float32)
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
+        _flag(grads_finite, "StaticLossScale")
+        return self
+
+
+class DynamicLossScale(LossScale):
+    """A loss scale that grows while gradients stay finite and backs off when they overflow.
+
+    After `period` consecutive finite steps the scale is multiplied by `factor` (unless that
+    would overflow float32; the count restarts either way). A step with non-finite gradients
+    multiplies it by `backoff`, never below `min_loss_scale`, restarts the count and is counted
+    in `skipped_steps`. Everything is a JAX array, so `adjust` needs no host sync and the module
+    can be a `jit` argument or a `lax.scan` carry.
+
+    **Arguments:**
+
+    - `loss_scale`: the initial scale, at least `min_loss_scale`.
+    - `period`: finite steps between growths, an integer >= 1.
+    - `factor`: the growth factor, > 1.
+    - `backoff`: the factor applied on overflow, in (0, 1).
+    - `min_loss_scale`: the floor of the scale, > 0.
+
+    **Fields:** `loss_scale` (float32), and int32 counters: `counter` (finite steps since the
+    last growth or backoff), `skipped_steps` (steps with non-finite gradients) and `total_steps`.
+    The configuration is static.
+
+    ```python
+    loss_scale = fp8jax.DynamicLossScale(period=1000)
+    loss_scale = loss_scale.adjust(fp8jax.all_finite(grads))
+    ```
+    """
+
+    loss_scale: Float[Array, ""]
+    counter: Int[Array, ""]
+    skipped_steps: Int[Array, ""]
+    total_steps: Int[Array, ""]
+    period: int = eqx.field(static=True)
+    factor: float = eqx.field(static=True)
+    backoff: float = eqx.field(static=True)
+    min_loss_scale: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        loss_scale: float | Float[ArrayLike, ""] = 2.0**15,
+        period: int = 2000,
+        factor: float = 2.0,
+        backoff: float = 0.5,
+        min_loss_scale: float = 1.0,
+    ):
+        who = "DynamicLossScale"
+        if isinstance(period, bool) or not isinstance(period, int | np.integer) or period < 1:
+            raise ValueError(f"{who}: period={period!r} should be an integer >= 1.")
+        factor_ = _number("factor", factor, who)
+        if factor_ is None or factor_ <= 1:
+            raise ValueError(f"{who}: factor={factor!r} should be a number > 1.")
+        backoff_ = _number("backoff", backoff, who)
+        if backoff_ is None or not 0 < backoff_ < 1:
+            raise ValueError(f"{who}: backoff={backoff!r} should be a number in (0, 1).")
+        min_ = _number("min_loss_scale", min_loss_scale, who)
+        if min_ is None or min_ <= 0:
+            raise ValueError(f"{who}: min_loss_scale={min_loss_scale!r} should be a number > 0.")
+        initial = _number("loss_scale", loss_scale, who)
+        if initial is not None and initial < min_:
+            raise ValueError(
+                f"{who}: loss_scale={loss_scale!r} should be at least "
+                f"min_loss_scale={min_loss_scale!r}."
+            )
+        self.period = int(period)
+        self.factor = factor_
+        self.backoff = backoff_
+        self.min_loss_scale = min_
+        self.loss_scale = jnp.asarray(loss_scale, jnp.float32)
+        self.counter = jnp.zeros((), jnp.int32)
+        self.skipped_steps = jnp.zeros((), jnp.int32)
+        self.total_steps = jnp.zeros((), jnp.int32)
+
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "DynamicLossScale":
+        finite = _flag(grads_finite, "DynamicLossScale")
+        counter = self.counter + 1
+        grow = counter >= self.period
+        grown = self.loss_scale * self.factor
+        kept = jnp.where(grow & jnp.isfinite(grown), grown, self.loss_scale)
+        backed_off = jnp.maximum(self.loss_scale * self.backoff, self.min_loss_scale)
+        return eqx.tree_at(
+            lambda s: (s.loss_scale, s.counter, s.skipped_steps, s.total_steps),
+            self,
+            (
+                jnp.where(finite, kept, backed_off).astype(jnp.float32),
+                jnp.where(finite & ~grow, counter, 0).astype(jnp.int32),
+                self.skipped_steps + (~finite).astype(jnp.int32),
+                self.total_steps + 1,
+            ),
+        )
+
+    @property
+    def overflow_rate(self) -> Float[Array, ""]:
+        """The fraction of steps so far whose gradients were not finite (0 before any step).
+
+        ```python
+        print(f"skipped {float(loss_scale.overflow_rate):.1%} of steps")
+        ```
+        """
+        total = jnp.maximum(self.total_steps, 1).astype(jnp.float32)
+        return self.skipped_steps.astype(jnp.float32) / total
+
+
+def all_finite(tree: Any) -> Bool[Array, ""]:
+    """Whether every floating-point array leaf of `tree` is finite (no inf, no NaN).
+
+    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules) is not inspected: what it receives
+    through the gradient is a state, not a derivative, and its `merge` decides what to keep.
+    Integer arrays, `None` and non-array leaves are skipped; an empty tree is finite.
+
+    **Returns:** a boolean scalar array (no host sync; usable under `jit`).
+
+    ```python
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+    finite = fp8jax.all_finite(grads)
+    ```
+    """
+    leaves = [
+        x
+        for x in jax.tree.leaves(tree, is_leaf=_is_overwrite)
+        if not _is_overwrite(x) and _is_inexact_array(x)
+    ]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+_BITS = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+def _select(pred: Bool[Array, ""], t: Array, f: Array) -> Array:
+    """`jnp.where(pred, t, f)`, on the bits of floating arrays: XLA's CPU select of bfloat16
+    goes through float32 and would quieten signalling NaNs and drop NaN payloads."""
+    if jnp.issubdtype(t.dtype, jnp.floating) and jnp.finfo(t.dtype).bits in _BITS:
+        uint = _BITS[jnp.finfo(t.dtype).bits]
+        bits = jnp.where(
+            pred, jax.lax.bitcast_convert_type(t, uint), jax.lax.bitcast_convert_type(f, uint)
+        )
+        return jax.lax.bitcast_convert_type(bits, t.dtype)
+    return jnp.where(pred, t, f)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def select_tree(pred: Bool[ArrayLike, ""], on_true: T, on_false: T) -> T:
+    """`on_true` where `pred` holds, else `on_false`, leaf by leaf and bit for bit.
+
+    Use it to skip a step whose gradients overflowed: select the old model and optimizer state
+    (FP8 state included; selecting is not casting) without leaving `jit`.
+
+    **Arguments:**
+
+    - `pred`: a boolean scalar (array), e.g. [`fp8jax.all_finite`][]`(grads)`.
+    - `on_true`, `on_false`: pytrees of the same structure whose array leaves agree in shape
+      and dtype. Their non-array leaves must be equal and are returned as they are.
+
+    **Raises:** `ValueError` naming the first leaf where the trees disagree.
+
+    ```python
+    model = fp8jax.select_tree(finite, new_model, model)
+    ```
+    """
+    pred = jnp.asarray(pred)
+    if pred.dtype != jnp.bool_ or pred.shape != ():
+        raise TypeError(
+            f"select_tree: pred has dtype {pred.dtype} and shape {pred.shape}; it should be a "
+            "boolean scalar."
+        )
+    true_leaves, true_def = jax.tree_util.tree_flatten_with_path(on_true)
+    false_leaves, false_def = jax.tree_util.tree_flatten_with_path(on_false)
+    if true_def != false_def:
+        raise ValueError(
+            "select_tree: on_true and on_false have different structures:\n"
+            f"  on_true:  {true_def}\n  on_false: {false_def}"
+        )
+    out = []
+    for (path, t), (_, f) in zip(true_leaves, false_leaves, strict=True):
+        where = jax.tree_util.keystr(path) or "the root"
+        if eqx.is_array(t) and eqx.is_array(f):
+            if t.shape != f.shape or t.dtype != f.dtype:
+                raise ValueError(
+                    f"select_tree: at {where}, on_true is {t.dtype}{list(t.shape)} and on_false "
+                    f"is {f.dtype}{list(f.shape)}; they should have the same shape and dtype."
+                )
+            out.append(_select(pred, t, f))
+        elif eqx.is_array(t) or eqx.is_array(f):
+            raise ValueError(
+                f"select_tree: at {where}, one tree has an array and the other "
+                f"{type(f if eqx.is_array(t) else t).__name__}; both should be arrays."
+            )
+        elif _same(t, f):
+            out.append(t)
+        else:
+            raise ValueError(
+                f"select_tree: at {where}, the non-array leaves {t!r} and {f!r} differ; "
+                "non-array leaves are not selected and must be equal."
+            )
+    return jax.tree.unflatten(true_def, out)

@@ -1,0 +1,205 @@
+"""Mixed-precision policies: which dtype parameters are stored, computed and returned in.
+
+A [`fp8jax.Policy`][] names three dtypes (the JMP design) and casts pytrees to them. FP8 state
+([`fp8jax.OverwriteWithGradient`][] modules) is never cast: its scales and amax histories stay
+float32 whatever the policy, and the FP8 GEMMs choose their own formats.
+
+```python
+policy = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
+y = policy.cast_to_output(policy.cast_to_compute(model)(policy.cast_to_compute(x)))
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from .updates import OverwriteWithGradient
+
+T = TypeVar("T")
+
+_DTYPE_ALIASES: dict[str, np.dtype] = {
+    "float32": np.dtype(jnp.float32),
+    "f32": np.dtype(jnp.float32),
+    "full": np.dtype(jnp.float32),
+    "bfloat16": np.dtype(jnp.bfloat16),
+    "bf16": np.dtype(jnp.bfloat16),
+    "float16": np.dtype(jnp.float16),
+    "f16": np.dtype(jnp.float16),
+    "half": np.dtype(jnp.float16),
+}
+_ACCEPTED_DTYPES = (
+    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype "
+    "name NumPy or JAX knows"
+)
+_KEY_ALIASES: dict[str, str] = {
+    "params": "param_dtype",
+    "param": "param_dtype",
+    "p": "param_dtype",
+    "compute": "compute_dtype",
+    "c": "compute_dtype",
+    "output": "output_dtype",
+    "o": "output_dtype",
+}
+_ACCEPTED_KEYS = "params (param, p), compute (c), output (o)"
+_FIELD_KEYS = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
+_EXAMPLE = "'params=float32,compute=bfloat16,output=float32'"
+
+
+def _float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
+    """`value` as a floating NumPy dtype; `what` names it in the error."""
+    dtype = None
+    if value is None:
+        raise ValueError(f"{what}=None: give a dtype; use {_ACCEPTED_DTYPES}.")
+    if isinstance(value, str):
+        dtype = _DTYPE_ALIASES.get(value.strip().lower())
+    if dtype is None:
+        try:
+            dtype = np.dtype(value.strip() if isinstance(value, str) else value)
+        except TypeError:
+            raise ValueError(f"{what}={value!r} is not a dtype; use {_ACCEPTED_DTYPES}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
+        raise ValueError(f"{what}={given}, not a floating-point dtype; use {_ACCEPTED_DTYPES}.")
+    return dtype
+
+
+def _is_overwrite(x: Any) -> bool:
+    return isinstance(x, OverwriteWithGradient)
+
+
+def _is_floating_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were."""
+
+    def cast(x: Any) -> Any:
+        if _is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree, is_leaf=_is_overwrite)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """The dtypes of a mixed-precision model: stored parameters, computation and outputs.
+
+    Keep master weights in `param_dtype` (float32), cast them to `compute_dtype` (bfloat16) for
+    the step, and return results in `output_dtype`. The casts touch floating-point arrays only:
+    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules, such as [`fp8jax.Fp8DotGeneral`][]),
+    integer and boolean arrays, Python numbers and other non-array leaves are left as they are.
+
+    **Arguments:**
+
+    - `param_dtype`: the dtype parameters are stored and updated in.
+    - `compute_dtype`: the dtype the forward and backward passes run in.
+    - `output_dtype`: the dtype of the model's outputs (e.g. logits for the loss).
+
+    Each is any floating dtype-like (`jnp.bfloat16`, `"bf16"`, `np.float32`) and is stored as a
+    `np.dtype`; each defaults to float32. A non-floating dtype raises `ValueError`.
+
+    ```python
+    policy = fp8jax.Policy(compute_dtype=jnp.bfloat16)
+    model_bf16 = policy.cast_to_compute(model)   # FP8 state stays float32
+    ```
+    """
+
+    param_dtype: np.dtype = np.dtype(np.float32)
+    compute_dtype: np.dtype = np.dtype(np.float32)
+    output_dtype: np.dtype = np.dtype(np.float32)
+
+    def __post_init__(self) -> None:
+        for name in _FIELD_KEYS:
+            object.__setattr__(self, name, _float_dtype(getattr(self, name), f"Policy {name}"))
+
+    @classmethod
+    def from_string(cls, spec: str) -> Policy:
+        """The policy described by `spec`, e.g. `"params=float32,compute=bfloat16"`.
+
+        **Arguments:**
+
+        - `spec`: comma-separated `key=dtype` pairs. Keys: `params` (`param`, `p`), `compute`
+          (`c`), `output` (`o`). Dtypes: `float32` (`f32`, `full`), `bfloat16` (`bf16`),
+          `float16` (`f16`, `half`), or any floating dtype name NumPy or JAX knows. Whitespace
+          and letter case are ignored. A missing `params` is float32; a missing `compute` or
+          `output` is the param dtype. `str(policy)` gives back a spec of this form.
+
+        **Raises:** `ValueError` for an empty spec, a piece that is not `key=dtype`, an unknown
+        or repeated key, or a dtype that is not floating point, naming the offending piece.
+
+        ```python
+        >>> fp8jax.Policy.from_string("p=f32,c=bf16")
+        Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'))
+        ```
+        """  # noqa: E501
+        if not isinstance(spec, str):
+            raise TypeError(
+                f"Policy.from_string: spec={spec!r} should be a string like {_EXAMPLE}."
+            )
+        if not spec.strip():
+            raise ValueError(f"Policy.from_string: empty spec; expected e.g. {_EXAMPLE}.")
+        found: dict[str, tuple[str, np.dtype]] = {}
+        for piece in spec.split(","):
+            key, sep, value = piece.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key or not value or "=" in value:
+                raise ValueError(
+                    f"Policy.from_string: {piece.strip()!r} in {spec!r} is not a key=dtype pair; "
+                    f"expected e.g. {_EXAMPLE}."
+                )
+            field = _KEY_ALIASES.get(key.lower())
+            if field is None:
+                raise ValueError(
+                    f"Policy.from_string: unknown key {key!r} in {spec!r}; accepted keys: "
+                    f"{_ACCEPTED_KEYS}."
+                )
+            if field in found:
+                raise ValueError(
+                    f"Policy.from_string: {found[field][0]!r} and {piece.strip()!r} in {spec!r} "
+                    f"both set the {_FIELD_KEYS[field]} dtype; give each key once."
+                )
+            found[field] = (piece.strip(), _float_dtype(value, f"Policy.from_string: {key}"))
+        param = found["param_dtype"][1] if "param_dtype" in found else np.dtype(np.float32)
+        dtypes = {name: found[name][1] if name in found else param for name in _FIELD_KEYS}
+        return cls(**dtypes)
+
+    def __str__(self) -> str:
+        return ",".join(f"{key}={getattr(self, name).name}" for name, key in _FIELD_KEYS.items())
+
+    def cast_to_param(self, tree: T) -> T:
+        """`tree` with its floating-point arrays in `param_dtype`; FP8 state untouched.
+
+        ```python
+        model = policy.cast_to_param(model)
+        ```
+        """
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """`tree` with its floating-point arrays in `compute_dtype`; FP8 state untouched.
+
+        ```python
+        logits = policy.cast_to_compute(model)(policy.cast_to_compute(x))
+        ```
+        """
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """`tree` with its floating-point arrays in `output_dtype`; FP8 state untouched.
+
+        ```python
+        logits = policy.cast_to_output(logits)
+        ```
+        """
+        return _cast_floating(tree, self.output_dtype)

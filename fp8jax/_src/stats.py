@@ -1,0 +1,83 @@
+"""What an FP8 cast did to a tensor: the fractions of its values saturated and flushed to zero.
+
+Layers built with `telemetry=True` compute these for their input, kernel and output gradient at
+every step and return them through the gradient, with the rest of their state: no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+from .amax import fraction
+from .formats import FormatLike, expand_blocks, overflow_threshold
+
+
+class OperandStats(eqx.Module):
+    """How the latest cast to FP8 treated one operand.
+
+    **Fields:**
+
+    - `saturated`: the fraction of values whose scaled magnitude was beyond the format's range
+      (above its max plus half a step there), so the saturating cast clipped them to the max.
+    - `underflow`: the fraction of nonzero values that became zero (flushed below the format's
+      smallest subnormal).
+    """
+
+    saturated: Float[Array, ""]
+    underflow: Float[Array, ""]
+
+    @classmethod
+    def zeros(cls) -> OperandStats:
+        """Statistics of no tensor yet."""
+        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+
+
+class Fp8Stats(eqx.Module):
+    """[`fp8jax.OperandStats`][] of the three operands of one FP8 GEMM."""
+
+    input: OperandStats
+    kernel: OperandStats
+    output_grad: OperandStats
+
+    @classmethod
+    def zeros(cls) -> Fp8Stats:
+        """Statistics of no step yet."""
+        return cls(OperandStats.zeros(), OperandStats.zeros(), OperandStats.zeros())
+
+
+def cast_statistics(
+    x: Array,
+    terms: Sequence,
+    fmt: FormatLike,
+    owner: Array,
+    axis_names: tuple[str, ...] = (),
+) -> OperandStats:
+    """The [`fp8jax.OperandStats`][] of `x` cast to FP8 as `terms`.
+
+    **Arguments:**
+
+    - `x`: the high-precision tensor, `(*B, rows, cols)`.
+    - `terms`: its FP8 terms (`QTensor`s laid out like `x`); the first one carries the
+      magnitude, so saturation is judged on it. A value underflows when every term is zero.
+    - `fmt`: the first term's format.
+    - `owner`, `axis_names`: as for [`fp8jax.Recipe.amax`][]: whose batch the fractions span,
+      and the mesh axes to average over inside `shard_map`.
+    """
+    first = terms[0]
+    scale_inv = first.scale_inv.astype(jnp.float32)
+    if first.block:
+        scale_inv = expand_blocks(scale_inv, first.block, x.shape)
+    magnitude = jnp.abs(x.astype(jnp.float32))
+    saturated = magnitude > overflow_threshold(fmt) * scale_inv
+    all_zero = functools.reduce(operator.and_, [t.data == 0 for t in terms])
+    values = (fraction(saturated, owner), fraction(all_zero & (magnitude > 0), owner))
+    if axis_names:
+        values = tuple(lax.pmean(v, axis_names) for v in values)
+    return OperandStats(*values)

@@ -1,0 +1,193 @@
+"""Per-layer FP8 telemetry: scales, amaxes, saturation and underflow, as a pytree.
+
+[`fp8jax.telemetry`][] reads what every [`fp8jax.Fp8DotGeneral`][] holds: in a model it is the
+state after the latest applied step; in the gradients (the first output of
+`partition_for_grad_overwrite`) it is the state this step produced. It is pure JAX, so it runs
+inside a jitted step without a host sync; [`fp8jax.report`][] fetches and prints it.
+
+```python
+model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(telemetry=True))
+...
+fp8jax.report(model, loss_scale=loss_scale)
+```
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from .dot_general import Fp8DotGeneral
+
+_ROLES = ("input", "kernel", "output_grad")
+
+
+class OperandTelemetry(eqx.Module):
+    """What one operand of an FP8 GEMM looks like at the latest step.
+
+    **Fields** (float32; with a leading layer axis for stacked layers):
+
+    - `scale`: the scale values were multiplied by before the cast (block recipes: the
+      nominal `fp8_max / amax`).
+    - `amax`: the latest amax, `amax_history[0]`.
+    - `history_max`: the largest amax the history remembers.
+    - `saturated`, `underflow`: the fractions of values clipped at the format's max and flushed
+      to zero ([`fp8jax.OperandStats`][]), or `None` for a layer built without telemetry.
+    """
+
+    scale: Float[Array, "*layers"]
+    amax: Float[Array, "*layers"]
+    history_max: Float[Array, "*layers"]
+    saturated: Float[Array, "*layers"] | None
+    underflow: Float[Array, "*layers"] | None
+
+
+class LayerTelemetry(eqx.Module):
+    """[`fp8jax.OperandTelemetry`][] of the input, kernel and output gradient of one layer,
+    and the FP8 format of each."""
+
+    input: OperandTelemetry
+    kernel: OperandTelemetry
+    output_grad: OperandTelemetry
+    recipe: str = eqx.field(static=True)
+    formats: tuple[str, str, str] = eqx.field(static=True)
+
+
+def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
+    operands = {}
+    for role in _ROLES:
+        state = getattr(dot, role)
+        history = state.amax_history
+        stats = None if dot.stats is None else getattr(dot.stats, role)
+        operands[role] = OperandTelemetry(
+            scale=state.scale,
+            amax=history[..., 0],
+            history_max=jnp.max(history, axis=-1),
+            saturated=None if stats is None else stats.saturated,
+            underflow=None if stats is None else stats.underflow,
+        )
+    formats = tuple(np.dtype(dot.recipe.format(role)).name for role in _ROLES)
+    return LayerTelemetry(**operands, recipe=type(dot.recipe).__name__, formats=formats)
+
+
+def _is_dot(x: Any) -> bool:
+    return isinstance(x, Fp8DotGeneral)
+
+
+def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
+    """The [`fp8jax.LayerTelemetry`][] of every FP8 layer in `tree`, by layer name.
+
+    **Arguments:**
+
+    - `tree`: a model, or gradients of one (their FP8 state is the state the step produced).
+
+    **Returns:** a dict from the layer's name (its path, as `fp8_linear_layers` set it, or its
+    position in `tree` for a layer without one) to its telemetry: a pytree of arrays, computed
+    without leaving the device. Raises `ValueError` if `tree` holds no FP8 layer.
+
+    ```python
+    stats = fp8jax.telemetry(model)
+    stats["layers.0"].output_grad.saturated   # fraction of gradients clipped at E5M2's max
+    ```
+    """
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_dot)[0]
+    layers: dict[str, LayerTelemetry] = {}
+    for path, node in found:
+        if not _is_dot(node):
+            continue
+        name = node.name or jax.tree_util.keystr(path).lstrip(".")
+        if name in layers:
+            name = jax.tree_util.keystr(path).lstrip(".")
+        layers[name] = _layer(node)
+    if not layers:
+        raise ValueError(
+            f"fp8jax.telemetry: no Fp8DotGeneral in the {type(tree).__name__} given; pass a "
+            "model converted with fp8_linear_layers, or its gradients."
+        )
+    return layers
+
+
+def _percent(value: Any) -> str:
+    return "-" if value is None else f"{100 * float(value):.3g} %"
+
+
+def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
+    host = jax.tree.map(np.asarray, layer)
+    shape = np.shape(host.input.scale)
+    rows = []
+    for index in np.ndindex(*shape):
+        label = name + "".join(f"[{i}]" for i in index)
+        for role, fmt in zip(_ROLES, layer.formats, strict=True):
+            op = getattr(host, role)
+
+            def at(value: Any, index: tuple = index) -> Any:
+                return None if value is None else value[index]
+
+            rows.append(
+                [
+                    label,
+                    role,
+                    fmt.removeprefix("float8_"),
+                    f"{float(at(op.scale)):.4g}",
+                    f"{float(at(op.amax)):.4g}",
+                    f"{float(at(op.history_max)):.4g}",
+                    _percent(at(op.saturated)),
+                    _percent(at(op.underflow)),
+                ]
+            )
+            label = ""
+    return rows
+
+
+def _loss_scale_line(loss_scale: Any) -> str:
+    parts = [f"loss scale {float(loss_scale.loss_scale):.6g}"]
+    if hasattr(loss_scale, "skipped_steps"):
+        skipped, total = int(loss_scale.skipped_steps), int(loss_scale.total_steps)
+        rate = skipped / total if total else 0.0
+        parts.append(f"skipped {skipped} of {total} steps ({100 * rate:.3g} % overflow)")
+    return ", ".join(parts)
+
+
+def report(
+    tree: Any, loss_scale: Any = None, *, file: TextIO | None = None, quiet: bool = False
+) -> str:
+    """Print a per-layer table of FP8 telemetry, and the loss scale's statistics.
+
+    **Arguments:**
+
+    - `tree`: a model or its gradients (see [`fp8jax.telemetry`][]), or what `telemetry`
+      returned.
+    - `loss_scale`: optionally a loss scale ([`fp8jax.DynamicLossScale`][] reports its scale,
+      skipped steps and overflow rate).
+    - `file`: where to print (standard output by default); `quiet=True` only returns the text.
+
+    **Returns:** the text. Call it outside `jit`: it fetches the values to the host.
+    """
+    layers = tree if _is_telemetry(tree) else telemetry(tree)
+    header = ["layer", "operand", "format", "scale", "amax", "history max", "saturated", "zeroed"]
+    rows = [row for name, layer in layers.items() for row in _rows(name, layer)]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, ["-" * w for w in widths], *rows]
+    ]
+    if loss_scale is not None:
+        lines.append(_loss_scale_line(loss_scale))
+    text = "\n".join(lines)
+    if not quiet:
+        print(text, file=sys.stdout if file is None else file)
+    return text
+
+
+def _is_telemetry(tree: Any) -> bool:
+    return (
+        isinstance(tree, dict)
+        and bool(tree)
+        and all(isinstance(v, LayerTelemetry) for v in tree.values())
+    )

@@ -1,0 +1,186 @@
+"""One call for the common training step: policy casts, loss scaling, FP8 state, optax.
+
+[`fp8jax.make_train_step`][] strings together the explicit pieces, which stay public for
+custom loops: [`fp8jax.filter_value_and_grad`][] (FP8 state combines by max),
+[`fp8jax.partition_for_grad_overwrite`][], a loss scale's `unscale`, [`fp8jax.all_finite`][],
+the optimizer, [`fp8jax.apply_updates`][] and [`fp8jax.select_tree`][] (skip a step whose
+gradients overflowed).
+
+```python
+train_step = fp8jax.make_train_step(
+    loss_fn, optax.adamw(1e-3), policy="params=float32,compute=bfloat16,output=float32"
+)
+state = train_step.init(model)
+for batch in batches:
+    state, metrics = train_step(state, *batch)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Int
+
+from .grad import filter_value_and_grad
+from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
+from .policy import Policy
+from .updates import apply_updates, partition_for_grad_overwrite
+
+
+class TrainState(eqx.Module):
+    """Everything a training step changes.
+
+    **Fields:** `model` (parameters in the policy's `param_dtype`, with their FP8 state),
+    `opt_state` (the optimizer's, over the trainable parameters only), `loss_scale` (a
+    [`fp8jax.LossScale`][]), `step` (steps taken, skipped ones included).
+    """
+
+    model: Any
+    opt_state: Any
+    loss_scale: LossScale
+    step: Int[Array, ""]
+
+
+class StepMetrics(eqx.Module):
+    """What one step reports: `loss` (unscaled, in the policy's `output_dtype`), `aux` (the
+    loss function's auxiliary output, or `None`), `grads_finite` (`False` when the step was
+    skipped) and `loss_scale` (the scale this step used)."""
+
+    loss: Float[Array, ""]
+    aux: Any
+    grads_finite: Bool[Array, ""]
+    loss_scale: Float[Array, ""]
+
+
+def _trainable_params(model: Any) -> Any:
+    return eqx.filter(partition_for_grad_overwrite(model)[1], eqx.is_inexact_array)
+
+
+class TrainStep(eqx.Module):
+    """A jitted training step; build it with [`fp8jax.make_train_step`][].
+
+    `init(model)` gives the first [`fp8jax.TrainState`][]; calling it,
+    `step(state, *batch) -> (state, metrics)`, runs one step.
+    """
+
+    loss_fn: Callable[..., Any] = eqx.field(static=True)
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+    policy: Policy = eqx.field(static=True)
+    loss_scale: LossScale
+    has_aux: bool = eqx.field(static=True)
+    skip_nonfinite: bool = eqx.field(static=True)
+
+    def init(self, model: Any) -> TrainState:
+        """The training state for `model`: its parameters cast to the policy's `param_dtype`
+        (FP8 state untouched) and the optimizer initialised on the trainable part."""
+        model = self.policy.cast_to_param(model)
+        opt_state = self.optimizer.init(_trainable_params(model))
+        return TrainState(model, opt_state, self.loss_scale, jnp.zeros((), jnp.int32))
+
+    def __call__(self, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"train step: state is a {type(state).__name__}, not an fp8jax.TrainState; "
+                "create it with train_step.init(model)."
+            )
+        return _step(self, state, *batch)
+
+
+@eqx.filter_jit
+def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
+    policy, scale = self.policy, state.loss_scale
+
+    def scaled_loss(model: Any, *batch: Any) -> tuple[Array, tuple[Array, Any]]:
+        out = self.loss_fn(policy.cast_to_compute(model), *batch)
+        loss, aux = out if self.has_aux else (out, None)
+        if jnp.ndim(loss) != 0:
+            raise ValueError(
+                f"make_train_step: loss_fn returned shape {jnp.shape(loss)}; it must return a "
+                "scalar loss (or (loss, aux) with has_aux=True)."
+            )
+        loss = policy.cast_to_output(jnp.asarray(loss))
+        return scale.scale(loss), (loss, aux)
+
+    grad_fn = filter_value_and_grad(scaled_loss, has_aux=True)
+    (_, (loss, aux)), grads = grad_fn(state.model, *batch)
+    overwrites, grads = partition_for_grad_overwrite(grads)
+    grads = scale.unscale(grads)
+    # The new FP8 state too: an inf reaching an FP8 layer is clipped by the saturating cast,
+    # so only its amax shows it (and would freeze a delayed scale for the history's length).
+    finite = all_finite(grads) & all_finite(jax.tree.leaves(overwrites))
+    params = _trainable_params(state.model)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+    model = policy.cast_to_param(apply_updates(state.model, updates, overwrites))
+    if self.skip_nonfinite:
+        # Old values are selected bit for bit: weights, optimizer state and FP8 state.
+        model, opt_state = select_tree(finite, (model, opt_state), (state.model, state.opt_state))
+    new_state = TrainState(model, opt_state, scale.adjust(finite), state.step + 1)
+    return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    policy: Policy | str | None = None,
+    loss_scale: LossScale | None = None,
+    has_aux: bool = False,
+    skip_nonfinite: bool = True,
+) -> TrainStep:
+    """A jitted step that trains a model with FP8 layers, mixed precision and loss scaling.
+
+    Each step casts the model to the policy's compute dtype, differentiates
+    `loss_scale.scale(loss_fn(model, *batch))` (FP8 state combining by max), splits the FP8
+    state out of the gradients, unscales the rest, checks they are finite, runs the optimizer
+    on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
+    adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
+    (an inf input to an FP8 layer: the saturating cast clips it, only its amax shows it),
+    changes nothing but the loss scale and the step count. No host sync.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, *batch) -> loss` (a scalar), or `(loss, aux)` with `has_aux`.
+    - `optimizer`: any optax transformation (FP8 state never reaches it).
+    - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32).
+    - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
+      [`fp8jax.DynamicLossScale`][] with float16 compute.
+    - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
+
+    **Returns:** a [`fp8jax.TrainStep`][]: `state = train_step.init(model)`, then
+    `state, metrics = train_step(state, *batch)` ([`fp8jax.StepMetrics`][]).
+
+    ```python
+    train_step = fp8jax.make_train_step(
+        loss_fn,
+        optax.adamw(1e-3),
+        policy="params=float32,compute=float16,output=float32",
+        loss_scale=fp8jax.DynamicLossScale(),
+    )
+    ```
+    """
+    if isinstance(policy, str):
+        policy = Policy.from_string(policy)
+    elif policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"make_train_step: policy={policy!r}: should be a Policy, a str or None.")
+    loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            f"make_train_step: loss_scale={loss_scale!r}: should be an fp8jax loss scale "
+            "(NoOpLossScale, StaticLossScale, DynamicLossScale) or None."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"make_train_step: optimizer={optimizer!r}: should be an optax "
+            "GradientTransformation, e.g. optax.adamw(1e-3)."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
+    return TrainStep(loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite)

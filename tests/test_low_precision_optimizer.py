@@ -1,0 +1,288 @@
+"""Optimizer state stored in bfloat16: dtypes, error bounds against float32 AdamW, a numpy
+reference, and the measured stall of Adam's second moment under round-to-nearest storage."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from fp8jax._src.optim import low_precision_state
+
+U_BF16 = 2.0**-8  # bfloat16 unit roundoff: 8 significant bits, |round(x) - x| <= 2**-8 |x|
+U_F32 = 2.0**-24
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+def _params(key, n=256):
+    k1, k2 = jax.random.split(key)
+    return {"w": jax.random.normal(k1, (n // 4, 4)), "b": jax.random.normal(k2, (4,))}
+
+
+def _adam_states(state):
+    """The ScaleByAdamState inside an (adamw) optimizer state."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    (found,) = [x for x in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(x)]
+    return found
+
+
+def test_state_dtypes():
+    params = _params(jax.random.key(0))
+    optimizer = low_precision_state(optax.adamw(1e-3, weight_decay=1e-2))
+    state = optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state1 = optimizer.update(grads, state, params)
+    _, state2 = jax.jit(optimizer.update)(grads, state1, params)
+    for s in (state, state1, state2):
+        adam = _adam_states(s)
+        assert adam.count.dtype == jnp.int32
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves((adam.mu, adam.nu)))
+        assert jax.tree.structure(s) == jax.tree.structure(optax.adamw(1e-3).init(params))
+    assert int(_adam_states(state2).count) == 2
+
+
+def test_scalars_ints_and_extra_args_pass_through():
+    params = _params(jax.random.key(0))
+    # inject_hyperparams keeps the learning rate as a 0-d float32 leaf: not rounded.
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=3e-4)
+    )
+    optimizer = low_precision_state(inner)
+    state = optimizer.init(params)
+    lr = state[1].hyperparams["learning_rate"]
+    assert lr.dtype == jnp.float32 and float(lr) == float(np.float32(3e-4))
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, state = optimizer.update(grads, state, params)
+    assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+    assert state[1].hyperparams["learning_rate"].dtype == jnp.float32
+    assert _adam_states(state).count.dtype == jnp.int32
+    # Extra arguments reach transformations that take them.
+    plateau = low_precision_state(optax.contrib.reduce_on_plateau())
+    p_state = plateau.init(params)
+    _, p_state = plateau.update(grads, p_state, params, value=jnp.asarray(1.0))
+    assert float(p_state.best_value) == 1.0  # initialised to inf; the value got through
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="dtype=<class 'jax.numpy.int8'> should be a floating"):
+        low_precision_state(optax.adam(1e-3), jnp.int8)
+    with pytest.raises(ValueError, match="dtype='nope' should be a floating dtype"):
+        low_precision_state(optax.adam(1e-3), "nope")
+    with pytest.raises(TypeError, match="should be an optax GradientTransformation"):
+        low_precision_state(lambda g: g)
+
+
+def _run(optimizer, params, grads_seq):
+    """Updates and Adam moments after each step (moments as the optimizer stores them)."""
+    state = optimizer.init(params)
+
+    def step(state, grads):
+        updates, state = optimizer.update(grads, state, params)
+        adam = _adam_states(state)
+        return state, (updates, adam.mu, adam.nu)
+
+    return jax.jit(lambda s, g: jax.lax.scan(step, s, g))(state, grads_seq)[1]
+
+
+def _grads_seq(key, params, steps):
+    keys = jax.random.split(key, steps)
+    return jax.tree.map(lambda p: jnp.stack([jax.random.normal(k, p.shape) for k in keys]), params)
+
+
+def test_updates_within_bf16_error_bound_of_float32_adamw():
+    lr, wd, steps = 1e-3, 1e-2, 10
+    params = _params(jax.random.key(0))
+    grads = _grads_seq(jax.random.key(1), params, steps)
+    ref_updates, ref_mu, ref_nu = _run(optax.adamw(lr, B1, B2, EPS, weight_decay=wd), params, grads)
+    low_updates, low_mu, low_nu = _run(
+        low_precision_state(optax.adamw(lr, B1, B2, EPS, weight_decay=wd)), params, grads
+    )
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves((low_mu, low_nu)))
+
+    # First-order error propagation along the float32 trajectory. The update at step t is
+    # computed in float32 from the moments stored (rounded) at steps 1..t-1; each rounding
+    # errs by at most U_BF16 relative and decays by b per step afterwards, so
+    #   |dmu_t| <= U * sum_{k<t} b1**(t-k) |mu_k|,   |dnu_t| <= U * sum_{k<t} b2**(t-k) nu_k.
+    # The update lr * (mu_t / c1) / (sqrt(nu_t / c2) + eps), with c = 1 - b**t, then moves by
+    #   lr * (|dmu| / (c1 (s + eps)) + |mu| / c1 * |dnu| / (2 c2 s (s + eps)**2)),  s = sqrt(nu/c2).
+    # Second-order terms are O(U) = 0.4% of these (dnu/nu <= 9 U after 10 steps): 10% slack
+    # covers them. Both runs round the same float32 operations on different inputs: 32 float32
+    # ulps of the update's magnitude cover that. The weight-decay term is computed identically.
+    for name in params:
+        mu, nu = np.asarray(ref_mu[name], np.float64), np.asarray(ref_nu[name], np.float64)
+        ref, low = np.asarray(ref_updates[name]), np.asarray(low_updates[name])
+        p = np.asarray(params[name], np.float64)
+        dmu, dnu = np.zeros_like(mu[0]), np.zeros_like(nu[0])
+        worst = 0.0
+        for t in range(1, steps + 1):
+            i = t - 1
+            c1, c2 = 1 - B1**t, 1 - B2**t
+            s = np.sqrt(nu[i] / c2)
+            first_order = lr * (
+                dmu / (c1 * (s + EPS)) + np.abs(mu[i]) / c1 * dnu / (2 * c2 * s * (s + EPS) ** 2)
+            )
+            f32_noise = 32 * U_F32 * lr * (np.abs(mu[i]) / c1 / (s + EPS) + wd * np.abs(p))
+            bound = 1.1 * first_order + f32_noise
+            err = np.abs(low[i].astype(np.float64) - ref[i])
+            assert np.all(err <= bound), (name, t, np.max(err / bound))
+            worst = max(worst, float(np.max(err / bound)))
+            # Errors carried into step t + 1.
+            dmu = B1 * (dmu + U_BF16 * np.abs(mu[i]))
+            dnu = B2 * (dnu + U_BF16 * nu[i])
+        # The bound is not vacuous: the updates do differ, by a sizeable part of it.
+        assert worst > 0.05, worst
+        print(f"\n{name}: largest error / bound = {worst:.3f}")
+        assert np.max(np.abs(low - ref)) > 0
+
+
+def _to_bf16(x):
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _numpy_adamw_bf16(params, grads_seq, lr, wd, steps):
+    """AdamW in float32 numpy with the moments rounded to bfloat16 after each step (optax's
+    operation order: (1 - b) * g + b * m, and m / (1 - b**t) / (sqrt(v / (1 - b2**t)) + eps))."""
+    f = np.float32
+    p = np.asarray(params, f)
+    mu, nu = np.zeros_like(p), np.zeros_like(p)
+    out_updates, out_mu, out_nu, out_size = [], [], [], []
+    for t in range(1, steps + 1):
+        g = np.asarray(grads_seq[t - 1], f)
+        mu = f(1 - B1) * g + f(B1) * mu
+        nu = f(1 - B2) * (g * g) + f(B2) * nu
+        c1 = f(1) - f(B1) ** f(t)
+        c2 = f(1) - f(B2) ** f(t)
+        update = (mu / c1) / (np.sqrt(nu / c2) + f(EPS))
+        out_size.append(f(lr) * (np.abs(update) + f(wd) * np.abs(p)))  # before cancellation
+        update = -f(lr) * (update + f(wd) * p)
+        mu, nu = _to_bf16(mu), _to_bf16(nu)
+        out_updates.append(update)
+        out_mu.append(mu)
+        out_nu.append(nu)
+    return tuple(np.stack(x) for x in (out_updates, out_mu, out_nu, out_size))
+
+
+def test_matches_numpy_reference_with_bf16_rounded_moments():
+    lr, wd, steps = 1e-3, 1e-2, 10
+    params = _params(jax.random.key(2))
+    grads = _grads_seq(jax.random.key(3), params, steps)
+    scale = jnp.exp(jax.random.uniform(jax.random.key(4), (steps, 64, 4), minval=-5, maxval=5))
+    grads = {"w": grads["w"] * scale, "b": grads["b"]}  # magnitudes over four decades
+    low_updates, low_mu, low_nu = _run(
+        low_precision_state(optax.adamw(lr, B1, B2, EPS, weight_decay=wd)), params, grads
+    )
+    for name in params:
+        want_updates, want_mu, want_nu, size = _numpy_adamw_bf16(
+            params[name], np.asarray(grads[name]), lr, wd, steps
+        )
+        # The stored moments: the same float32 operations, rounded once: bit for bit.
+        np.testing.assert_array_equal(np.asarray(low_mu[name], np.float32), want_mu)
+        np.testing.assert_array_equal(np.asarray(low_nu[name], np.float32), want_nu)
+        # The updates: float32 roundings, and XLA's pow may differ from numpy's by an ulp of
+        # b**t, which 1 - b**t amplifies by b**t / (1 - b**t). Relative to the size of the
+        # Adam and weight-decay terms, before they cancel in the sum.
+        for t in range(1, steps + 1):
+            pow_err = np.finfo(np.float32).eps * (B1**t / (1 - B1**t) + B2**t / (1 - B2**t) / 2)
+            err = np.abs(np.asarray(low_updates[name][t - 1], np.float64) - want_updates[t - 1])
+            assert np.all(err <= (2 * pow_err + 16 * U_F32) * size[t - 1]), (name, t)
+
+
+def _constant_gradient_run(storage, magnitudes, phases):
+    """Adam (b2 = 0.999) on constant gradients; nu and updates after every step.
+
+    `phases`: `[(steps, gradient multiplier), ...]` run one after the other."""
+    optimizer = optax.adam(1e-3, B1, B2, EPS)
+    if storage is not None:
+        optimizer = low_precision_state(optimizer, storage)
+    params = jnp.zeros_like(magnitudes)
+    grads = jnp.concatenate(
+        [jnp.broadcast_to(m * magnitudes, (n, len(magnitudes))) for n, m in phases]
+    )
+    state = optimizer.init(params)
+
+    def step(state, g):
+        updates, state = optimizer.update(g, state, params)
+        return state, (state[0].nu.astype(jnp.float32), updates)
+
+    nu, updates = jax.jit(lambda s, g: jax.lax.scan(step, s, g))(state, grads)[1]
+    return np.asarray(nu, np.float64), np.asarray(updates, np.float64)
+
+
+MAGNITUDES = jnp.asarray(2.0 ** np.linspace(-6, 2, 64), jnp.float32)  # across 8 binades
+
+
+def test_second_moment_stalls_under_steady_gradients():
+    """With bfloat16 storage, nu stops growing far below g**2; float32 reaches 0.95 g**2.
+
+    A stored nu is left unchanged when the step 0.001 * (g**2 - nu) is under half an ulp of nu,
+    which is between 2**-9 and 2**-8 of nu. So the stall point v satisfies
+    0.001 * (g**2 - v) <= 2**-8 v, i.e. v >= g**2 / (1 + 2**-8 / 0.001) = g**2 / 4.9; and the
+    value before it still moved, 0.001 * (g**2 - v') > 2**-9 v', so v' < g**2 / 2.95 and
+    v <= v' (1 + 2**-8) + 0.001 g**2. The float32 run passes g**2 / 2.95 at t ~ 420, so by
+    step 1000 every stored nu has stalled."""
+    steps = 3000
+    g2 = np.asarray(MAGNITUDES, np.float64) ** 2
+    nu32, upd32 = _constant_gradient_run(None, MAGNITUDES, [(steps, 1.0)])
+    nu16, upd16 = _constant_gradient_run(jnp.bfloat16, MAGNITUDES, [(steps, 1.0)])
+
+    # float32: the closed form (1 - b2**t) g**2, within accumulated float32 rounding
+    # (each step's error is damped by b2: at most ~1 / (1 - b2) = 1000 ulps, 4 per step).
+    np.testing.assert_allclose(nu32[-1], (1 - B2**steps) * g2, rtol=4 * U_F32 / (1 - B2))
+
+    # bfloat16: stalled by step 1000, inside the predicted band.
+    assert np.all(nu16[999:] == nu16[-1])
+    lower = 1 / (1 + 2.0**-8 / (1 - B2))
+    upper = (1 + 2.0**-8) / (1 + 2.0**-9 / (1 - B2)) + (1 - B2)
+    ratio = nu16[-1] / g2
+    assert np.all((lower <= ratio) & (ratio <= upper)), (ratio.min(), ratio.max())
+    # A fixed point of "update in float32, store in bfloat16".
+    f = np.float32
+    again = _to_bf16(f(1 - B2) * np.float32(g2) + f(B2) * np.float32(nu16[-1]))
+    np.testing.assert_array_equal(again, np.float32(nu16[-1]))
+    # Hence bias-corrected updates 1.6-2.2 times float32's: sqrt(0.95 / ratio) times the stalled
+    # mu's shortfall (mu stalls 2-4% below g: 0.1 (g - mu) <= 2**-8 mu).
+    update_ratio = upd16[-1] / upd32[-1]
+    mu_low = 1 / (1 + 2.0**-8 / (1 - B1))
+    assert np.all(update_ratio >= mu_low * np.sqrt((1 - B2**steps) / upper))
+    assert np.all(update_ratio <= np.sqrt((1 - B2**steps) / lower) * (1 + 2.0**-8))
+    last_change = [int(np.max(np.nonzero(np.diff(nu16[:, i]))[0])) + 2 for i in range(len(g2))]
+    print(
+        f"\nsteady |g|, {steps} steps: float32 nu/g^2 = {(nu32[-1] / g2).min():.4f}-"
+        f"{(nu32[-1] / g2).max():.4f}; bfloat16 nu/g^2 = {ratio.min():.4f}-{ratio.max():.4f} "
+        f"(median {np.median(ratio):.4f}), last change at step {min(last_change)}-"
+        f"{max(last_change)}; update bf16/f32 = {update_ratio.min():.3f}-{update_ratio.max():.3f}"
+    )
+
+
+def test_second_moment_never_decays():
+    """After a burst of large gradients, bfloat16 nu keeps its peak: a step lowers nu by at most
+    (1 - b2) nu = 0.1% of it, below half an ulp (>= 2**-9 = 0.195%). float32 decays by b2**t."""
+    burst, quiet = 500, 2000
+    phases = [(burst, 1.0), (quiet, 0.1)]
+    g2 = np.asarray(MAGNITUDES, np.float64) ** 2
+    nu32, _ = _constant_gradient_run(None, MAGNITUDES, phases)
+    nu16, _ = _constant_gradient_run(jnp.bfloat16, MAGNITUDES, phases)
+
+    peak32 = (1 - B2**burst) * g2
+    want32 = B2**quiet * peak32 + (1 - B2**quiet) * 0.01 * g2
+    np.testing.assert_allclose(nu32[burst - 1], peak32, rtol=4 * U_F32 / (1 - B2))
+    np.testing.assert_allclose(nu32[-1], want32, rtol=4 * U_F32 / (1 - B2))
+    assert np.all(np.diff(nu16, axis=0) >= 0)  # never decreases, at any step
+    assert np.all(nu16[-1] == nu16[burst - 1])  # the quiet phase changed nothing
+    print(
+        f"\nburst {burst} steps at g, {quiet} at g/10: float32 nu end/peak = "
+        f"{(nu32[-1] / nu32[burst - 1]).min():.4f}-{(nu32[-1] / nu32[burst - 1]).max():.4f}; "
+        f"bfloat16 nu end/peak = {(nu16[-1] / nu16[burst - 1]).min():.4f}-"
+        f"{(nu16[-1] / nu16[burst - 1]).max():.4f}"
+    )
+
+
+def test_float32_storage_is_exact():
+    """dtype=float32 is the inner optimizer, bit for bit."""
+    params = _params(jax.random.key(5))
+    grads = _grads_seq(jax.random.key(6), params, 5)
+    ref = _run(optax.adamw(1e-3), params, grads)
+    same = _run(low_precision_state(optax.adamw(1e-3), jnp.float32), params, grads)
+    assert eqx.tree_equal(ref, same)

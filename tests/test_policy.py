@@ -1,0 +1,226 @@
+"""Policy: parsing its string form, and casts that never touch FP8 state."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax._src.policy import Policy
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+
+@pytest.mark.parametrize(
+    "key, field",
+    [(k, "param_dtype") for k in ("params", "param", "p", "PARAMS", " p ")]
+    + [(k, "compute_dtype") for k in ("compute", "c", "Compute")]
+    + [(k, "output_dtype") for k in ("output", "o")],
+)
+def test_key_aliases(key, field):
+    policy = Policy.from_string(f"{key}=bf16")
+    assert getattr(policy, field) == BF16
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("float32", F32),
+        ("f32", F32),
+        ("full", F32),
+        ("bfloat16", BF16),
+        ("bf16", BF16),
+        ("BF16", BF16),
+        ("float16", F16),
+        ("f16", F16),
+        ("half", F16),
+        (" float16 ", F16),
+        ("float64", np.dtype(np.float64)),
+        ("float8_e4m3fn", np.dtype(jnp.float8_e4m3fn)),
+    ],
+)
+def test_dtype_aliases(name, dtype):
+    policy = Policy.from_string(f"params=f32,compute={name}")
+    assert policy.compute_dtype == dtype
+    assert isinstance(policy.compute_dtype, np.dtype)
+
+
+def test_defaults():
+    assert Policy() == Policy(param_dtype=F32, compute_dtype=F32, output_dtype=F32)
+    # compute and output default to the param dtype; the param dtype to float32.
+    assert Policy.from_string("params=bf16") == Policy(
+        param_dtype=BF16, compute_dtype=BF16, output_dtype=BF16
+    )
+    assert Policy.from_string("compute=f16") == Policy(compute_dtype=F16)
+    assert Policy.from_string("p=f16,o=f32") == Policy(
+        param_dtype=F16, compute_dtype=F16, output_dtype=F32
+    )
+    assert Policy.from_string("  params = float32 ,  compute=  bfloat16 , output=f32 ") == Policy(
+        compute_dtype=BF16
+    )
+
+
+def test_constructor_takes_dtype_likes_and_stores_np_dtypes():
+    policy = Policy(param_dtype="f32", compute_dtype=jnp.bfloat16, output_dtype=np.float16)
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (F32, BF16, F16)
+    assert all(isinstance(d, np.dtype) for d in vars(policy).values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.param_dtype = BF16  # frozen
+    assert hash(policy) == hash(Policy(compute_dtype="bf16", output_dtype="half"))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(),
+        Policy(compute_dtype=BF16),
+        Policy(param_dtype=BF16, compute_dtype=F16, output_dtype=F32),
+        Policy(output_dtype=np.dtype(jnp.float8_e5m2)),
+    ],
+)
+def test_str_round_trips(policy):
+    assert Policy.from_string(str(policy)) == policy
+
+
+def test_str_form():
+    policy = Policy.from_string("c=bf16")
+    assert str(policy) == "params=float32,compute=bfloat16,output=float32"
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("", "empty spec"),
+        ("   ", "empty spec"),
+        ("params", "'params' in 'params' is not a key=dtype pair"),
+        ("params=", "'params=' in 'params=' is not a key=dtype pair"),
+        ("=bf16", "'=bf16' in '=bf16' is not a key=dtype pair"),
+        ("p=f32,,c=bf16", "'' in 'p=f32,,c=bf16' is not a key=dtype pair"),
+        ("p=f32,", "'' in 'p=f32,' is not a key=dtype pair"),
+        ("p=f32=bf16", "'p=f32=bf16' .* is not a key=dtype pair"),
+        ("weights=f32", r"unknown key 'weights' .*accepted keys: params \(param, p\)"),
+        ("p=f32,params=bf16", "'p=f32' and 'params=bf16' .* both set the params dtype"),
+        ("c=f32,compute=f32", "both set the compute dtype"),
+        ("o=bf16,output=bf16", "both set the output dtype"),
+        ("c=int32", r"c='int32' is int32, not a floating-point dtype; use float32 \(f32"),
+        ("c=bool", "not a floating-point dtype"),
+        ("c=complex64", "not a floating-point dtype"),
+        ("c=float31", r"c='float31' is not a dtype; use float32 \(f32, full\), bfloat16"),
+    ],
+)
+def test_parse_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        Policy.from_string(spec)
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="Policy param_dtype=int8, not a floating-point dtype"):
+        Policy(param_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="Policy compute_dtype='nope' is not a dtype"):
+        Policy(compute_dtype="nope")
+    with pytest.raises(ValueError, match="Policy output_dtype=None"):
+        Policy(output_dtype=None)
+    with pytest.raises(TypeError, match="should be a string"):
+        Policy.from_string(jnp.bfloat16)
+
+
+def _model():
+    """An MLP with FP8 layers, plus an int array, a Python float and a numpy float array."""
+    mlp = fp8jax.fp8_linear_layers(
+        eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)), fp8jax.Fp8Config()
+    )
+    return {
+        "mlp": mlp,
+        "step": jnp.arange(3, dtype=jnp.int32),
+        "mask": np.array([True, False]),
+        "temperature": 0.5,
+        "table": np.linspace(0, 1, 5, dtype=np.float32),
+        "nothing": None,
+    }
+
+
+def _fp8_states(tree):
+    is_fp8 = lambda x: isinstance(x, fp8jax.Fp8DotGeneral)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_fp8) if is_fp8(x)]
+
+
+def _check_cast(before, after, dtype):
+    # FP8 state: same modules, float32, bit-identical.
+    states_before, states_after = _fp8_states(before), _fp8_states(after)
+    assert len(states_before) == len(states_after) == 2
+    for old, new in zip(states_before, states_after, strict=True):
+        assert jax.tree.structure(old) == jax.tree.structure(new)
+        for o, n in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+            assert n.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(n), np.asarray(o))
+    # Parameters: cast to `dtype`, values rounded from the originals.
+    for layer_before, layer_after in zip(before["mlp"].layers, after["mlp"].layers, strict=True):
+        for name in ("weight", "bias"):
+            old, new = getattr(layer_before, name), getattr(layer_after, name)
+            assert new.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(old.astype(dtype)))
+    assert after["table"].dtype == dtype
+    # Integer, boolean, Python float and None leaves: untouched.
+    assert after["step"].dtype == jnp.int32
+    np.testing.assert_array_equal(after["step"], before["step"])
+    assert after["mask"].dtype == np.bool_
+    assert after["temperature"] == 0.5 and type(after["temperature"]) is float
+    assert after["nothing"] is None
+
+
+@pytest.mark.parametrize("method", ["cast_to_param", "cast_to_compute", "cast_to_output"])
+def test_casts_skip_fp8_state(method):
+    policy = Policy(param_dtype=F16, compute_dtype=BF16, output_dtype=F16)
+    dtype = {"cast_to_param": F16, "cast_to_compute": BF16, "cast_to_output": F16}[method]
+    model = _model()
+    cast = getattr(policy, method)
+    _check_cast(model, cast(model), dtype)
+
+    # Under jax.jit (only arrays cross the boundary; the rest is closed over).
+    params, static = eqx.partition(model, eqx.is_array)
+    jitted = jax.jit(lambda p: eqx.partition(cast(eqx.combine(p, static)), eqx.is_array)[0])
+    _check_cast(model, eqx.combine(jitted(params), static), dtype)
+
+
+def test_cast_round_trip_to_param_dtype_and_numpy_stays_numpy():
+    policy = Policy.from_string("p=f32,c=bf16")
+    model = _model()
+    compute = policy.cast_to_compute(model)
+    assert isinstance(compute["table"], np.ndarray)
+    back = policy.cast_to_param(compute)
+    _check_cast(compute, back, F32)  # FP8 state bit-identical through both casts
+    for layer, layer_back in zip(model["mlp"].layers, back["mlp"].layers, strict=True):
+        rounded = layer.weight.astype(BF16).astype(F32)
+        np.testing.assert_array_equal(np.asarray(layer_back.weight), np.asarray(rounded))
+    for old, new in zip(_fp8_states(model), _fp8_states(back), strict=True):
+        assert eqx.tree_equal(old, new)
+
+
+def test_cast_of_bare_arrays_and_scalars():
+    policy = Policy(compute_dtype=BF16)
+    assert policy.cast_to_compute(jnp.ones(3)).dtype == BF16
+    assert policy.cast_to_compute(jnp.ones(3, jnp.int8)).dtype == jnp.int8
+    assert policy.cast_to_compute(jnp.ones(3, jnp.complex64)).dtype == jnp.complex64
+    assert policy.cast_to_compute(1.0) == 1.0
+    assert policy.cast_to_compute(None) is None
+    layer = fp8jax.Fp8DotGeneral()
+    assert policy.cast_to_compute(layer) is layer
+
+
+def test_fp8_forward_in_compute_dtype():
+    """A model cast to bfloat16 runs its FP8 layers and keeps float32 state."""
+    policy = Policy.from_string("params=float32,compute=bfloat16,output=float32")
+    model = _model()["mlp"]
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+
+    @eqx.filter_jit
+    def forward(model, x):
+        y = jax.vmap(policy.cast_to_compute(model))(policy.cast_to_compute(x))
+        assert y.dtype == BF16
+        return policy.cast_to_output(y)
+
+    y = forward(model, x)
+    assert y.dtype == F32 and y.shape == (3, 2) and bool(jnp.all(jnp.isfinite(y)))

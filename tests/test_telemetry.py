@@ -1,0 +1,246 @@
+"""Telemetry: saturation and underflow fractions against ml_dtypes, collected as a pytree."""
+
+from types import SimpleNamespace
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
+
+import fp8jax
+
+DIMS = (((1,), (1,)), ((), ()))  # x (M, K) . w (N, K): the canonical GEMM
+M, K, N = 64, 256, 128
+FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def spread(rng, shape, low, high):
+    """Normal values with log-uniform magnitudes between 10**low and 10**high."""
+    return (rng.standard_normal(shape) * 10 ** rng.uniform(low, high, shape)).astype(np.float32)
+
+
+def ref_stats(x, scale, fmt):
+    """(saturated, underflow) of fp8(x * scale), `scale` a scalar or per element.
+
+    Saturated: the float32 product does not round to a finite FP8 value (ml_dtypes' cast does
+    not saturate: it gives inf or nan). Underflow: a nonzero value rounds to zero.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = np.asarray(x, np.float32) * np.asarray(scale, np.float32)
+        cast = scaled.astype(FORMATS[fmt]).astype(np.float32)
+    return np.mean(~np.isfinite(cast)), np.mean((cast == 0) & (x != 0))
+
+
+def block_scales(x, block, scale_of_amax):
+    """Per-element scale of a block recipe, from the reference's block scale rule."""
+    out = np.zeros(x.shape, np.float32)
+    for r0 in range(0, x.shape[0], block[0]):
+        for c0 in range(0, x.shape[1], block[1]):
+            tile = x[r0 : r0 + block[0], c0 : c0 + block[1]]
+            scale, _ = scale_of_amax(np.float32(np.max(np.abs(tile))))
+            out[r0 : r0 + block[0], c0 : c0 + block[1]] = scale
+    return out
+
+
+def run(dot, x, w, c):
+    """Gradients of sum(dot(x, w) * c): the output gradient is exactly `c`."""
+
+    def loss(dot, x, w):
+        return jnp.sum(dot(x, w, DIMS) * c)
+
+    return eqx.filter_jit(fp8jax.filter_grad(loss))(dot, x, w)
+
+
+@pytest.fixture
+def operands():
+    rng = np.random.default_rng(0)
+    x = spread(rng, (M, K), -5, 3)
+    w = spread(rng, (N, K), -5, 3)
+    c = spread(rng, (M, N), -9, 5)
+    return x, w, c
+
+
+def check(stats, expected):
+    for role, (saturated, underflow) in expected.items():
+        got = getattr(stats, role)
+        assert float(got.saturated) == pytest.approx(saturated, abs=0), role
+        assert float(got.underflow) == pytest.approx(underflow, abs=0), role
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_per_tensor_statistics_match_ml_dtypes(recipe, operands):
+    x, w, c = operands
+    dot = fp8jax.Fp8DotGeneral(recipe, telemetry=True)
+    for step in range(2):
+        x_t, w_t, c_t = x * (1 + 3 * step), w, c * (1 + 3 * step)  # step 2 outgrows history
+        grads = run(dot, x_t, w_t, c_t)
+        new = fp8jax.apply_updates(dot, None, grads)
+        expected = {
+            "input": ref_stats(x_t, new.input.scale, "e4m3"),
+            "kernel": ref_stats(w_t, new.kernel.scale, "e4m3"),
+            "output_grad": ref_stats(c_t, new.output_grad.scale, "e5m2"),
+        }
+        check(new.stats, expected)
+        if recipe == "delayed":
+            assert float(new.stats.input.saturated) > 0  # scale 1, then a stale scale
+        else:
+            assert float(new.stats.input.saturated) == 0  # scaled by its own amax
+        assert float(new.stats.output_grad.underflow) > 0
+        dot = new
+
+
+@pytest.mark.parametrize(
+    "recipe, blocks, scale_of_amax",
+    [
+        (
+            fp8jax.BlockwiseScaling(),
+            {"input": (1, 128), "kernel": (128, 128), "output_grad": (1, 128)},
+            ref.deepseek_scale(),
+        ),
+        (
+            fp8jax.MXFP8(),
+            {"input": (1, 32), "kernel": (1, 32), "output_grad": (1, 32)},
+            ref.mx_scale(),
+        ),
+    ],
+    ids=["blockwise", "mxfp8"],
+)
+def test_block_statistics_match_ml_dtypes(recipe, blocks, scale_of_amax, operands):
+    x, w, c = operands
+    dot = fp8jax.Fp8DotGeneral(recipe, telemetry=True)
+    grads = run(dot, x, w, c)
+    expected = {
+        role: ref_stats(t, block_scales(t, blocks[role], scale_of_amax), "e4m3")
+        for role, t in (("input", x), ("kernel", w), ("output_grad", c))
+    }
+    check(grads.stats, expected)
+    assert all(getattr(grads.stats, r).underflow > 0 for r in expected)
+
+
+def test_residual_statistics_count_values_lost_by_both_terms(operands):
+    x, w, c = operands
+    dot = fp8jax.Fp8DotGeneral(fp8jax.ResidualFP8(), telemetry=True)
+    grads = run(dot, x, w, c)
+    scale = ref.current_scale(np.max(np.abs(w)), "e4m3")
+    hi = ref.qdq_tensor(w, scale, "e4m3")
+    rest = w - hi.astype(np.float32)
+    lo_scale = ref.current_scale(np.max(np.abs(rest)), "e4m3")
+    lo = ref.cast(rest, lo_scale, "e4m3")
+    kernel_underflow = np.mean((hi == 0) & (lo == 0) & (w != 0))
+    single = ref_stats(w, scale, "e4m3")[1]
+    assert 0 < kernel_underflow < single  # the low term rescues most of what hi flushes
+    x_scale = ref.current_scale(np.max(np.abs(x)), "e4m3")
+    g_scale = ref.current_scale(np.max(np.abs(c)), "e5m2")
+    check(
+        grads.stats,
+        {
+            "input": ref_stats(x, x_scale, "e4m3"),
+            "kernel": (0.0, kernel_underflow),
+            "output_grad": ref_stats(c, g_scale, "e5m2"),
+        },
+    )
+
+
+def test_statistics_span_the_batch_under_vmap(operands, getkey):
+    x, _, _ = operands
+    linear = eqx.nn.Linear(K, N, key=getkey())
+    layer = fp8jax.Linear.from_eqx(linear, fp8jax.Fp8DotGeneral(telemetry=True))
+
+    def loss_vmapped(layer, x):
+        return jnp.sum(jax.vmap(layer)(x) ** 2)
+
+    def loss_flat(layer, x):
+        return jnp.sum(layer(x) ** 2)
+
+    for grad in (fp8jax.filter_grad, eqx.filter_grad):
+        a = eqx.filter_jit(grad(loss_vmapped))(layer, x).dot_general.stats
+        b = eqx.filter_jit(grad(loss_flat))(layer, x).dot_general.stats
+        assert jax.tree.all(jax.tree.map(lambda u, v: bool(u == v), a, b))
+        assert float(a.input.underflow) > 0
+
+
+def test_shared_layer_keeps_the_worst_use(operands):
+    x, w, c = operands
+    rng = np.random.default_rng(1)
+    dot = fp8jax.Fp8DotGeneral("current", telemetry=True)
+    # Another input and gradient: one outlier pushes more of them into the subnormals.
+    x2, c2 = spread(rng, (M, K), -5, 3), spread(rng, (M, N), -9, 5)
+    x2[0, 0], c2[0, 0] = 1e6, 1e9
+
+    def both(dot, x, x2, w):
+        return jnp.sum(dot(x, w, DIMS) * c) + jnp.sum(dot(x2, w, DIMS) * c2)
+
+    grads = eqx.filter_jit(fp8jax.filter_grad(both))(dot, x, x2, w)
+    first, second = run(dot, x, w, c).stats, run(dot, x2, w, c2).stats
+    assert float(second.input.underflow) > float(first.input.underflow)
+    worst = jax.tree.map(jnp.maximum, first, second)
+    assert jax.tree.all(jax.tree.map(lambda u, v: bool(u == v), grads.stats, worst))
+
+
+def test_telemetry_collects_a_pytree_and_report_prints_it(getkey):
+    mlp = eqx.nn.MLP(16, 4, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(telemetry=True))
+    x = jax.random.normal(getkey(), (8, 16)) * 1e3
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    grads = eqx.filter_jit(fp8jax.filter_grad(loss))(model, x)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    stats = eqx.filter_jit(fp8jax.telemetry)(overwrites)  # traceable: no host sync
+    assert list(stats) == ["layers.0", "layers.1", "layers.2"]
+    first = stats["layers.0"]
+    state = overwrites.layers[0].dot_general
+    assert float(first.input.amax) == float(state.input.amax_history[0])
+    assert float(first.input.history_max) == float(jnp.max(state.input.amax_history))
+    assert float(first.input.scale) == float(state.input.scale) == 1.0
+    # Scale 1 on inputs of magnitude 1e3: E4M3 saturates at 448.
+    expected = ref_stats(np.asarray(x), 1.0, "e4m3")[0]
+    assert float(first.input.saturated) == pytest.approx(expected, abs=0) and expected > 0
+    assert first.formats == ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")
+    text = fp8jax.report(stats, quiet=True)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["layer", "operand", "format"]
+    assert len(lines) == 2 + 3 * 3
+    assert lines[2].split()[:3] == ["layers.0", "input", "e4m3fn"]
+    assert f"{100 * expected:.3g} %" in lines[2]
+    assert fp8jax.report(model, quiet=True).splitlines()[2].split()[-4:] == ["0", "%", "0", "%"]
+
+
+def test_report_without_telemetry_and_with_a_loss_scale(getkey, capsys):
+    model = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
+    stats = fp8jax.telemetry(model)
+    layer = next(iter(stats.values()))
+    assert layer.input.saturated is None and layer.recipe == "DelayedScaling"
+
+    scale = SimpleNamespace(  # what report reads of a dynamic loss scale
+        loss_scale=jnp.array(1024.0), skipped_steps=jnp.array(3), total_steps=jnp.array(200)
+    )
+    fp8jax.report(model, loss_scale=scale)
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].split()[-2:] == ["-", "-"]
+    assert out.splitlines()[-1] == "loss scale 1024, skipped 3 of 200 steps (1.5 % overflow)"
+
+
+def test_stacked_layers_report_one_row_per_layer(getkey):
+    hax = pytest.importorskip("haliax")
+    Layer, In, Out = hax.Axis("layer", 3), hax.Axis("in", 8), hax.Axis("out", 8)
+    stacked = hax.nn.Stacked.init(Layer, hax.nn.Linear)(In, Out, key=jax.random.split(getkey(), 3))
+    model = fp8jax.fp8_linear_layers(stacked, fp8jax.Fp8Config(telemetry=True))
+    stats = fp8jax.telemetry(model)
+    (name,) = stats
+    assert stats[name].kernel.saturated.shape == (3,)
+    rows = fp8jax.report(stats, quiet=True).splitlines()[2:]
+    assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}]" for i in range(3)]
+
+
+def test_telemetry_errors():
+    with pytest.raises(ValueError, match="no Fp8DotGeneral"):
+        fp8jax.telemetry({"w": jnp.ones(3)})
+    with pytest.raises(TypeError, match="telemetry='yes'"):
+        fp8jax.Fp8DotGeneral(telemetry="yes")
+    with pytest.raises(ValueError, match="telemetry=1"):
+        fp8jax.Fp8Config(telemetry=1)

@@ -1,0 +1,181 @@
+"""make_train_step: policies, loss scaling and skipped steps, against the explicit pieces."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_train_step
+
+import fp8jax
+
+
+def data(key, n=64):
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (n, 8))
+    y = jnp.tanh(x @ jax.random.normal(kw, (8, 1)))
+    return x, y
+
+
+def mse(model, x, y):
+    pred = jax.vmap(model)(x.astype(jnp.result_type(model.layers[0].weight)))
+    return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+
+def bits(tree):
+    """Every array leaf as raw bytes: equal bits, not merely equal values (NaN included)."""
+    return [np.asarray(a).tobytes() for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_matches_the_explicit_step(getkey):
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="delayed"))
+    x, y = data(getkey())
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    train_step = fp8jax.make_train_step(mse, optimizer)
+    state = train_step.init(model)
+    explicit = eqx.filter_jit(make_train_step(mse, optimizer))
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+    for _ in range(4):
+        state, metrics = train_step(state, x, y)
+        model, opt_state, loss = explicit(model, opt_state, x, y)
+        assert float(metrics.loss) == pytest.approx(float(loss), rel=1e-6)
+        assert bool(metrics.grads_finite)
+    got = jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    states = [m.dot_general for m in state.model.layers]
+    refs = [m.dot_general for m in model.layers]
+    for a, b in zip(states, refs, strict=True):  # amaxes exactly: same tensors, same casts
+        np.testing.assert_array_equal(a.input.amax_history, b.input.amax_history)
+    assert int(state.step) == 4
+
+
+def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp)
+    x, y = data(getkey())
+    seen = []
+
+    def loss_fn(model, x, y):
+        seen.append(model.layers[0].weight.dtype)
+        seen.append(model.layers[0].dot_general.input.scale.dtype)
+        return mse(model, x, y)
+
+    train_step = fp8jax.make_train_step(
+        loss_fn, optax.adam(1e-2), policy="params=float32,compute=bfloat16,output=float32"
+    )
+    state = train_step.init(model)
+    losses = []
+    for _ in range(20):
+        state, metrics = train_step(state, x, y)
+        losses.append(float(metrics.loss))
+    # Compute cast; FP8 state left alone (float32, viewed in the max-combining dtype).
+    assert seen[0] == jnp.bfloat16 and str(seen[1]) == "max_f32"
+    assert metrics.loss.dtype == jnp.float32
+    assert state.model.layers[0].weight.dtype == jnp.float32
+    assert state.model.layers[0].dot_general.kernel.amax_history.dtype == jnp.float32
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_float16_gradients_underflow_without_loss_scaling(fp8, getkey):
+    """A loss this small (a mean over many tokens, say) has float16 gradients below 2**-24."""
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp) if fp8 else mlp
+    x, y = data(getkey())
+
+    def tiny_loss(model, x, y):
+        return 1e-7 * mse(model, x, y)
+
+    policy = "params=float32,compute=float16,output=float32"
+    results = {}
+    for name, scale in (("none", None), ("dynamic", fp8jax.DynamicLossScale())):
+        train_step = fp8jax.make_train_step(
+            tiny_loss, optax.adam(1e-2), policy=policy, loss_scale=scale
+        )
+        state = train_step.init(model)
+        first = None
+        for _ in range(40):
+            state, metrics = train_step(state, x, y)
+            first = float(metrics.loss) if first is None else first
+            assert bool(metrics.grads_finite)
+        results[name] = (first, float(metrics.loss), state)
+    first, last, state = results["none"]
+    unchanged = jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))
+    # Every gradient flushed to zero: Adam never moved a weight.
+    before = jax.tree.leaves(eqx.filter(fp8jax.Policy().cast_to_param(model), eqx.is_inexact_array))
+    weights = [(a, b) for a, b in zip(unchanged, before, strict=True) if a.ndim == 2]
+    assert all(np.array_equal(a, b) for a, b in weights)
+    first, last, state = results["dynamic"]
+    assert last < 0.3 * first
+    assert float(state.loss_scale.loss_scale) == 2.0**15  # never overflowed: no backoff
+    assert int(state.loss_scale.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("where", ["gradient", "activation"])
+@pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
+def test_nonfinite_steps_are_skipped_with_nothing_changed(where, value, getkey):
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="delayed"))
+    x, y = data(getkey())
+
+    def loss_fn(model, x, y, poison):
+        # poison = 0 normally; inf or nan gives the first weight a non-finite gradient.
+        return mse(model, x, y) + poison * jnp.sum(model.layers[0].weight)
+
+    train_step = fp8jax.make_train_step(
+        loss_fn,
+        optax.adamw(1e-2),
+        policy="params=float32,compute=float16,output=float32",
+        loss_scale=fp8jax.DynamicLossScale(),
+    )
+    state = train_step.init(model)
+    for _ in range(3):  # a few good steps first: Adam moments and FP8 histories are not zero
+        state, metrics = train_step(state, x, y, 0.0)
+    assert float(state.loss_scale.loss_scale) == 2.0**15 and bool(metrics.grads_finite)
+    bad_x = x.at[3, 1].set(value) if where == "activation" else x
+    poison = value if where == "gradient" else 0.0
+    new, metrics = train_step(state, bad_x, y, poison)
+    assert not bool(metrics.grads_finite)
+    assert bits((new.model, new.opt_state)) == bits((state.model, state.opt_state))
+    assert float(new.loss_scale.loss_scale) == 2.0**14  # backed off by half
+    assert int(new.loss_scale.skipped_steps) == 1 and int(new.loss_scale.counter) == 0
+    assert int(new.step) == int(state.step) + 1
+    # And training goes on from there.
+    after, metrics = train_step(new, x, y, 0.0)
+    assert bool(metrics.grads_finite)
+    assert bits(after.model) != bits(new.model)
+
+
+def test_aux_output_and_metrics(getkey):
+    model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
+    x, y = data(getkey())
+
+    def loss_fn(model, x, y):
+        loss = mse(model, x, y)
+        return loss, {"double": 2 * loss}
+
+    train_step = fp8jax.make_train_step(loss_fn, optax.sgd(0.1), has_aux=True)
+    state, metrics = train_step(train_step.init(model), x, y)
+    assert float(metrics.aux["double"]) == pytest.approx(2 * float(metrics.loss))
+    assert float(metrics.loss_scale) == 1.0
+
+
+def test_train_step_errors(getkey):
+    model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
+    x, y = data(getkey())
+    with pytest.raises(TypeError, match="policy=3"):
+        fp8jax.make_train_step(mse, optax.sgd(0.1), policy=3)
+    with pytest.raises(TypeError, match="loss_scale=2.0"):
+        fp8jax.make_train_step(mse, optax.sgd(0.1), loss_scale=2.0)
+    with pytest.raises(TypeError, match="optimizer="):
+        fp8jax.make_train_step(mse, lambda g: g)
+    train_step = fp8jax.make_train_step(lambda m, x, y: jax.vmap(m)(x), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="scalar loss"):
+        train_step(train_step.init(model), x, y)
+    with pytest.raises(TypeError, match="train_step.init"):
+        train_step(model, x, y)
