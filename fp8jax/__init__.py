@@ -5,6 +5,9 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 ```
 """
 
+from ._src.accumulate import accumulate_gradients as accumulate_gradients
+from ._src.checkpoint import load_checkpoint as load_checkpoint
+from ._src.checkpoint import save_checkpoint as save_checkpoint
 from ._src.dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._src.formats import dequantize as dequantize
 from ._src.formats import fp8_dtype as fp8_dtype
@@ -13,10 +16,12 @@ from ._src.formats import quantize as quantize
 from ._src.grad import combine_by_max as combine_by_max
 from ._src.grad import filter_grad as filter_grad
 from ._src.grad import filter_value_and_grad as filter_value_and_grad
+from ._src.inspect import Collective as Collective
 from ._src.inspect import Fp8InspectionError as Fp8InspectionError
 from ._src.inspect import Gemm as Gemm
 from ._src.inspect import Inspection as Inspection
 from ._src.inspect import assert_all_fp8 as assert_all_fp8
+from ._src.inspect import h100_mesh as h100_mesh
 from ._src.inspect import inspect as inspect
 from ._src.loss_scale import DynamicLossScale as DynamicLossScale
 from ._src.loss_scale import LossScale as LossScale
@@ -40,6 +45,8 @@ from ._src.recipes import ResidualFP8 as ResidualFP8
 from ._src.recipes import ResidualState as ResidualState
 from ._src.recipes import TensorState as TensorState
 from ._src.recipes import compute_scale as compute_scale
+from ._src.remat import fp8_dots_saveable as fp8_dots_saveable
+from ._src.remat import save_fp8_operands as save_fp8_operands
 from ._src.stats import Fp8Stats as Fp8Stats
 from ._src.stats import OperandStats as OperandStats
 from ._src.telemetry import LayerTelemetry as LayerTelemetry
@@ -64,6 +71,7 @@ __all__ = [
     "MXFP8",
     "BlockScaledRecipe",
     "BlockwiseScaling",
+    "Collective",
     "CurrentScaling",
     "DelayedScaling",
     "DynamicLossScale",
@@ -92,6 +100,7 @@ __all__ = [
     "TensorState",
     "TrainState",
     "TrainStep",
+    "accumulate_gradients",
     "all_finite",
     "apply_updates",
     "assert_all_fp8",
@@ -100,15 +109,20 @@ __all__ = [
     "dequantize",
     "filter_grad",
     "filter_value_and_grad",
+    "fp8_dots_saveable",
     "fp8_dtype",
     "fp8_linear_layers",
     "fp8_max",
+    "h100_mesh",
     "inspect",
+    "load_checkpoint",
     "low_precision_state",
     "make_train_step",
     "partition_for_grad_overwrite",
     "quantize",
     "report",
+    "save_checkpoint",
+    "save_fp8_operands",
     "select_tree",
     "telemetry",
 ]

@@ -59,3 +59,19 @@ def test_batch_tracer_is_recognised():
     jax.jit(lambda x: seen.append(jax_private.is_batch_tracer(x)) or x)(jnp.ones(3))
     assert seen == [True, False]
     assert not jax_private.is_batch_tracer(jnp.ones(3))
+
+
+def test_varying_axes_inside_shard_map():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    seen = []
+
+    def local(replicated, sharded):
+        seen.append((jax_private.varying_axes(replicated), jax_private.varying_axes(sharded)))
+        return replicated
+
+    jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(
+        jnp.ones(3), jnp.ones(16)
+    )
+    assert seen == [(frozenset(), frozenset({"data"}))]
+    assert jax_private.varying_axes(jnp.ones(3)) == frozenset()

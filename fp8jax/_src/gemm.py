@@ -36,6 +36,7 @@ from jaxtyping import Array
 
 from . import jax_private
 from .recipes import Recipe
+from .remat import name_fp8_operands, name_gemm_output
 from .stats import Fp8Stats
 
 Axes = tuple[int, ...]
@@ -327,17 +328,32 @@ def _as_f32(tree: Any) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _gemm(recipe: Recipe, precision: Any, dtypes: tuple, x: Array, w: Array, states: States):
-    return _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))[0]
+    out = _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))[0]
+    return name_gemm_output(out)
 
 
 def _gemm_fwd(recipe, precision, dtypes, x, w, states):
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    return _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))
+    out, (q_x, q_w, *rest) = _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))
+    # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
+    return name_gemm_output(out), (name_fp8_operands(q_x), name_fp8_operands(q_w), *rest)
+
+
+def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
+    """`a` reduced over the manual mesh axes it varies on beyond `axes` (inside `shard_map`,
+    the gradient of a replicated input is summed over the devices, as JAX's own rules do)."""
+    extra = tuple(sorted(jax_private.varying_axes(a) - axes))
+    return reduce(a, extra) if extra else a
 
 
 def _gemm_bwd(recipe, precision, dtypes, residuals, g):
     del precision
-    d_x, d_w, new_states = _folding_backward(recipe, dtypes)(residuals, g)
+    d_x, d_w, new_states = _folding_backward(recipe, dtypes[:3])(residuals, g)
+    lhs_axes, rhs_axes, state_axes = dtypes[4]
+    d_x = _reduce_to(d_x, lhs_axes, lax.psum)
+    d_w = _reduce_to(d_w, rhs_axes, lax.psum)
+    # Replicated state takes the largest amax of all devices, never their sum.
+    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
     convert = jax_private.to_max_combining if dtypes[3] else jax_private.to_float32
     return d_x, d_w, jax.tree.map(convert, new_states)
 
@@ -369,6 +385,17 @@ def fp8_dot_general(
     if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
         raise ValueError("FP8 state mixes max-combining and float32 leaves.")
     layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
-    dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype), np.dtype(out_dtype), max_combining)
+    mesh_axes = (
+        jax_private.varying_axes(lhs),
+        jax_private.varying_axes(rhs),
+        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
+    )
+    dtypes = (
+        np.dtype(lhs.dtype),
+        np.dtype(rhs.dtype),
+        np.dtype(out_dtype),
+        max_combining,
+        mesh_axes,
+    )
     out = _gemm(recipe, precision, dtypes, layout.lhs(lhs), layout.rhs(rhs), states)
     return layout.out(out)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from .dot_general import SCOPE
 
@@ -80,6 +82,29 @@ class Gemm:
         return f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
 
 
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One cross-device operation of a compiled program.
+
+    **Fields:** `op` (`"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
+    `"collective-permute"`), `instruction` (its name), `shapes` (the result arrays' shapes),
+    `dtypes` (their element types), `reduction` (`"add"`, `"maximum"`, ... for reductions,
+    else `None`), `op_name` (the JAX name stack it came from).
+    """
+
+    op: str
+    instruction: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    reduction: str | None
+    op_name: str
+
+    @property
+    def elements(self) -> int:
+        """How many values it moves (summed over its results)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+
 class Fp8InspectionError(AssertionError):
     """Raised by [`fp8jax.assert_all_fp8`][]: some GEMMs are not FP8."""
 
@@ -91,13 +116,15 @@ class Inspection:
     **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
     executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
     for), `traffic` (mode -> bytes read and written by everything but the GEMMs, from the HLO:
-    `cost_analysis()` of a deviceless executable is empty).
+    `cost_analysis()` of a deviceless executable is empty), `collectives` (mode -> list of
+    [`fp8jax.Collective`][]).
     """
 
     gemms: dict[str, list[Gemm]]
     memory: dict[str, Any]
     target: str
     traffic: dict[str, int] = dataclasses.field(default_factory=dict)
+    collectives: dict[str, list[Collective]] = dataclasses.field(default_factory=dict)
 
     @property
     def deviceless(self) -> bool:
@@ -140,34 +167,78 @@ class Inspection:
 
 
 @functools.cache
-def h100_topology() -> Any | None:
-    """A compile-only H100 (`None` when the CUDA plugin is not installed)."""
+def h100_topology(devices: int = 1) -> Any | None:
+    """`devices` compile-only H100s in one host (`None` when the CUDA plugin is missing)."""
     from jax.experimental import topologies
 
     config = importlib.resources.files("fp8jax._src").joinpath("data/h100_sxm.txtpb").read_text()
     try:
-        return topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=f"1x1x{devices}"
+        )
     except Exception:  # noqa: BLE001 - any failure means: no deviceless CUDA compiler here
         return None
+
+
+def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+    """A mesh of compile-only H100s (one host, `prod(axes.values())` GPUs), for
+    [`fp8jax.inspect`][] of sharded programs.
+
+    Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
+    arguments to shard; the other array arguments are replicated over it.
+
+    ```python
+    mesh = fp8jax.h100_mesh({"data": 8})
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    report = fp8jax.inspect(train_step, state, x)
+    ```
+    """
+    size = math.prod(axes.values())
+    topology = h100_topology(size)
+    if topology is None:
+        raise RuntimeError(
+            "h100_mesh needs jax-cuda12-plugin and jax-cuda12-pjrt of jax's version (pip "
+            "install 'fp8jax[h100]') and JAX_PLATFORMS=cpu set before jax starts."
+        )
+    devices = np.array(topology.devices).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(devices, tuple(axes))
 
 
 def _is_dynamic(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def _mesh_of(dynamic: Any) -> jax.sharding.Mesh | None:
+    for x in jax.tree.leaves(dynamic):
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
 def _lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None):
-    """`fn(*args, **kwargs)` lowered with its array leaves abstract (on `device` if given)."""
+    """`fn(*args, **kwargs)` lowered with its array leaves abstract: on `device` if given,
+    or replicated over the mesh of the arguments that carry a `NamedSharding`."""
     dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
+    mesh = _mesh_of(dynamic) if device is not None else None
 
     def abstract(x: Any) -> jax.ShapeDtypeStruct:
-        sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
+        if mesh is not None:
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+                return x
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        elif device is not None:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            sharding = None
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     def call(dynamic: Any) -> Any:
         a, k = eqx.combine(dynamic, static)
-        return fn(*a, **k)
+        return eqx.filter(fn(*a, **k), eqx.is_array)  # outputs may hold functions (a model)
 
-    return jax.jit(call).lower(jax.tree.map(abstract, dynamic))
+    devices = mesh.size if mesh is not None else 1
+    return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
 
 
 def inspect(
@@ -191,6 +262,10 @@ def inspect(
       them. `False` turns that pass off, so that each layer's GEMMs are reported on their own.
     - `compiler_options`: further XLA options for both modes.
 
+    For a sharded program, pass `jax.ShapeDtypeStruct`s with `NamedSharding`s on an
+    [`fp8jax.h100_mesh`][] for the arguments to shard; the other arrays are replicated on that
+    mesh, and `Inspection.collectives` lists the cross-device operations.
+
     **Returns:** an [`fp8jax.Inspection`][]; `print` it for a table.
 
     Without `jax-cuda12-plugin` (the `h100` extra) it reports the StableHLO of `fn` lowered for
@@ -207,15 +282,15 @@ def inspect(
             raise ValueError(f"Unknown mode {mode!r}: should be among {sorted(MODES)}.")
     topology = h100_topology()
     if topology is None:
-        lowered = _lower(fn, args, kwargs, None)
+        lowered, _ = _lower(fn, args, kwargs, None)
         gemms = stablehlo_gemms(lowered.as_text(debug_info=True))
         target = (
             "nothing: jax-cuda12-plugin is missing, so this is the StableHLO of the program "
             "(install fp8jax[h100] for the H100 compile)"
         )
         return Inspection({"stablehlo": gemms}, {}, target)
-    lowered = _lower(fn, args, kwargs, topology.devices[0])
-    gemms, memory, traffic = {}, {}, {}
+    lowered, devices = _lower(fn, args, kwargs, topology.devices[0])
+    gemms, memory, traffic, collectives = {}, {}, {}, {}
     extra = dict(compiler_options or {})
     if not merge_dots:
         extra["xla_disable_hlo_passes"] = ",".join(
@@ -227,7 +302,10 @@ def inspect(
         gemms[mode] = hlo_gemms(text, mode)
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(text)
-    return Inspection(gemms, memory, f"{topology.devices[0].device_kind} (deviceless)", traffic)
+        collectives[mode] = hlo_collectives(text)
+    kind = topology.devices[0].device_kind
+    target = f"{devices} x {kind} (deviceless)" if devices > 1 else f"{kind} (deviceless)"
+    return Inspection(gemms, memory, target, traffic, collectives)
 
 
 def assert_all_fp8(
@@ -364,6 +442,51 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
                 )
             )
     return gemms
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
+
+
+def hlo_collectives(hlo: str) -> list[Collective]:
+    """Every cross-device operation of an optimized HLO module (async `-start` halves
+    included, `-done` halves not), with the reduction its `to_apply` computation performs."""
+    roots: dict[str, str] = {}
+    found = []
+    computation = None
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            computation = head.group("name")
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        op = match.group("op")
+        if line.lstrip().startswith("ROOT") and computation is not None:
+            roots[computation] = op
+        base = op.removesuffix("-start")
+        if base not in _COLLECTIVES:
+            continue
+        arrays = _ARRAY.findall(match.group("type"))
+        if op.endswith("-start") and base in ("all-gather", "collective-permute"):
+            arrays = arrays[len(arrays) // 2 :]  # (operands, results): keep the results
+        op_name = _OP_NAME.search(match.group("rest"))
+        to_apply = _TO_APPLY.search(match.group("rest"))
+        found.append(
+            (
+                base,
+                match.group("name"),
+                tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays),
+                tuple(t for t, _ in arrays),
+                to_apply.group(1) if to_apply else None,
+                op_name.group(1) if op_name else "",
+            )
+        )
+    return [
+        Collective(op, name, shapes, dtypes, roots.get(apply) if apply else None, op_name)
+        for op, name, shapes, dtypes, apply, op_name in found
+    ]
 
 
 def _gemm_target(op: str, rest: str) -> str | None:

@@ -17,6 +17,11 @@ cotangent's way back both happen under `jit`, never as eager arrays.
 
 ## Whether a value is being `vmap`ped
 Used to tell per-example gradients (`vmap` of a gradient) from a batch inside the loss.
+
+## The manual mesh axes a value varies over (inside `shard_map`)
+A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
+rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
+reports those axes as `jax.typeof(x).manual_axis_type.varying` (earlier: `.vma`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -108,3 +114,12 @@ def to_float32(x: Any) -> Any:
 def is_batch_tracer(x: Any) -> bool:
     """Whether `x` is a tracer of `jax.vmap` (JAX exports no name for its type)."""
     return isinstance(x, core.Tracer) and type(x).__name__ == "BatchTracer"
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes `x` varies over inside `shard_map` (empty outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from .accumulate import accumulate_gradients
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
@@ -75,6 +76,7 @@ class TrainStep(eqx.Module):
     loss_scale: LossScale
     has_aux: bool = eqx.field(static=True)
     skip_nonfinite: bool = eqx.field(static=True)
+    microbatches: int = eqx.field(static=True, default=1)
 
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
@@ -107,8 +109,13 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         loss = policy.cast_to_output(jnp.asarray(loss))
         return scale.scale(loss), (loss, aux)
 
-    grad_fn = filter_value_and_grad(scaled_loss, has_aux=True)
-    (_, (loss, aux)), grads = grad_fn(state.model, *batch)
+    if self.microbatches > 1:
+        grad_fn = accumulate_gradients(scaled_loss, self.microbatches, has_aux=True)
+        (_, (losses, aux)), grads = grad_fn(state.model, *batch)
+        loss = jnp.mean(losses)  # aux stays stacked over microbatches
+    else:
+        grad_fn = filter_value_and_grad(scaled_loss, has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(state.model, *batch)
     overwrites, grads = partition_for_grad_overwrite(grads)
     grads = scale.unscale(grads)
     # The new FP8 state too: an inf reaching an FP8 layer is clipped by the saturating cast,
@@ -132,6 +139,7 @@ def make_train_step(
     loss_scale: LossScale | None = None,
     has_aux: bool = False,
     skip_nonfinite: bool = True,
+    microbatches: int = 1,
 ) -> TrainStep:
     """A jitted step that trains a model with FP8 layers, mixed precision and loss scaling.
 
@@ -151,6 +159,8 @@ def make_train_step(
     - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
       [`fp8jax.DynamicLossScale`][] with float16 compute.
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
+    - `microbatches`: accumulate gradients over this many slices of the batch
+      ([`fp8jax.accumulate_gradients`][]); `aux` is then stacked over them.
 
     **Returns:** a [`fp8jax.TrainStep`][]: `state = train_step.init(model)`, then
     `state, metrics = train_step(state, *batch)` ([`fp8jax.StepMetrics`][]).
@@ -183,4 +193,6 @@ def make_train_step(
         )
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
-    return TrainStep(loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
+    return TrainStep(loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite, microbatches)

@@ -186,6 +186,35 @@ def _stacked_dot_general(
     return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
 
 
+def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[str, ...]) -> Linear:
+    """`Linear.from_eqx(linear)`, also for a stack of Linears (the Equinox pattern for scanned
+    layers: built under `eqx.filter_vmap`, weights `(*layers, out, in)`), with FP8 state
+    stacked the same way (one state per layer)."""
+    lead = linear.weight.shape[:-2]
+    kernel_shape = tuple(linear.weight.shape[-2:])
+    dot = _stacked_dot_general(
+        config.recipe_for(path), lead, kernel_shape, ".".join(path), config.telemetry
+    )
+    if not lead:
+        return Linear.from_eqx(linear, dot)
+    first = (0,) * len(lead)
+    one = Linear.from_eqx(
+        eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            linear,
+            (linear.weight[first], None if linear.bias is None else linear.bias[first]),
+            is_leaf=lambda x: x is None,
+        ),
+        None,
+    )
+    return eqx.tree_at(
+        lambda m: (m.weight, m.bias, m.dot_general),
+        one,
+        (linear.weight, linear.bias, dot),
+        is_leaf=lambda x: x is None,
+    )
+
+
 def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     """Convert the Linear layers of `tree` selected by `config` into FP8 layers.
 
@@ -193,6 +222,8 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
       becomes a [`fp8jax.Linear`][] with the same weight and bias.
     - `haliax.nn.Linear` gets a [`fp8jax.Fp8DotGeneral`][] as its `dot_general`; inside a
       `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
+    - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
+      be applied in a `lax.scan`) get FP8 state stacked the same way.
     - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
 
     **Arguments:**
@@ -244,6 +275,8 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
         if kind == "linear":
             if path not in chosen or _is_fp8(node):
                 return node
+            if isinstance(node, eqx.nn.Linear):
+                return _stacked_eqx_linear(node, config, path)
             dot = _stacked_dot_general(
                 config.recipe_for(path),
                 batch_shape,
@@ -251,13 +284,6 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
                 ".".join(path),
                 config.telemetry,
             )
-            if isinstance(node, eqx.nn.Linear):
-                if batch_shape:
-                    raise ValueError(
-                        f"eqx.nn.Linear at '{'.'.join(path)}' inside a haliax Stacked is not "
-                        "supported; use haliax.nn.Linear there."
-                    )
-                return Linear.from_eqx(node, dot)
             return dataclasses.replace(node, dot_general=dot)
         if kind == "stacked":
             inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))

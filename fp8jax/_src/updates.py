@@ -60,7 +60,7 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
 
     - `model`: the model, FP8 state included.
     - `updates`: the optimizer's updates, `None` at FP8 state (as `partition_for_grad_overwrite`
-      leaves the gradients).
+      leaves the gradients); or `None` altogether to take only the new FP8 state.
     - `overwrites`: the first output of `partition_for_grad_overwrite(grads)`.
 
     **Returns:** the updated model. Each FP8 module decides through its `merge` which received
@@ -81,5 +81,8 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
 
     def is_leaf(x: Any) -> bool:
         return x is None or _is_overwrite(x)
+
+    if updates is None:
+        updates = jax.tree.map(lambda _: None, model, is_leaf=_is_overwrite)
 
     return jax.tree.map(update, model, updates, overwrites, is_leaf=is_leaf)

@@ -33,7 +33,9 @@ def dense(layer: eqx.Module, x: Float[Array, "seq width"]) -> Float[Array, "seq 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape of a [`GPT`][]. `remat_gelu` recomputes the MLP's GELU in the backward pass
-    (`jax.checkpoint`), the case that breaks XLA's FP8 cuBLAS epilogue fusion."""
+    (`jax.checkpoint`), the case that breaks XLA's FP8 cuBLAS epilogue fusion. `scan_layers`
+    stacks the blocks (`eqx.filter_vmap`) and applies them with `lax.scan`: one block is
+    compiled, whatever the depth."""
 
     vocab: int = 256
     layers: int = 2
@@ -42,6 +44,7 @@ class GPTConfig:
     context: int = 64
     mlp_ratio: int = 4
     remat_gelu: bool = False
+    scan_layers: bool = False
 
 
 class Attention(eqx.Module):
@@ -116,22 +119,35 @@ class GPT(eqx.Module):
 
     embed: eqx.nn.Embedding
     position: eqx.nn.Embedding
-    blocks: list[Block]
+    blocks: list[Block] | Block
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
+    scan_layers: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
         ke, kp, kh, *kb = jax.random.split(key, 3 + config.layers)
         self.embed = eqx.nn.Embedding(config.vocab, config.width, key=ke)
         self.position = eqx.nn.Embedding(config.context, config.width, key=kp)
-        self.blocks = [Block(config, key=k) for k in kb]
+        if config.scan_layers:
+            self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(jnp.stack(kb))
+        else:
+            self.blocks = [Block(config, key=k) for k in kb]
+        self.scan_layers = config.scan_layers
         self.norm = eqx.nn.LayerNorm(config.width)
         self.head = eqx.nn.Linear(config.width, config.vocab, use_bias=False, key=kh)
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         x = jax.vmap(self.embed)(tokens) + jax.vmap(self.position)(jnp.arange(tokens.shape[0]))
-        for block in self.blocks:
-            x = block(x)
+        if self.scan_layers:
+            params, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def step(x: Array, block_params: Block) -> tuple[Array, None]:
+                return eqx.combine(block_params, static)(x), None
+
+            x, _ = jax.lax.scan(step, x, params)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 

@@ -1,0 +1,123 @@
+"""Gradient accumulation over microbatches: gradients averaged, FP8 state combined by max.
+
+Each microbatch runs its own forward and backward (one microbatch's activations live at a
+time), under `lax.scan`. Its loss is divided by the number of microbatches before it is
+differentiated, so the output gradients reaching each FP8 layer are those of the full batch,
+element for element: the FP8 state of the accumulated step (the max of the microbatches'
+amaxes) is that of one step over the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .grad import filter_value_and_grad
+from .updates import OverwriteWithGradient, partition_for_grad_overwrite
+
+
+def _is_overwrite(x: Any) -> bool:
+    return isinstance(x, OverwriteWithGradient)
+
+
+def _split(x: Any, microbatches: int) -> Any:
+    if not eqx.is_array(x) or jnp.ndim(x) == 0:
+        raise ValueError(
+            f"accumulate_gradients: every batch argument must be an array with a leading "
+            f"batch axis; got {type(x).__name__} of shape {jnp.shape(x)}."
+        )
+    if x.shape[0] % microbatches:
+        raise ValueError(
+            f"accumulate_gradients: a batch axis of size {x.shape[0]} does not split into "
+            f"{microbatches} equal microbatches."
+        )
+    return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
+
+
+def _combine(total: Any, new: Any) -> Any:
+    """Sum the trainable gradients, take the max of the FP8 state, leaf by leaf."""
+    total_state, total_rest = partition_for_grad_overwrite(total)
+    new_state, new_rest = partition_for_grad_overwrite(new)
+    rest = jax.tree.map(jnp.add, total_rest, new_rest)
+    state = jax.tree.map(jnp.maximum, total_state, new_state)
+    return eqx.combine(state, rest, is_leaf=_is_overwrite)
+
+
+def accumulate_gradients(
+    fun: Callable[..., Any], microbatches: int, *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`fp8jax.filter_value_and_grad(fun)`, computed over `microbatches` slices of the batch.
+
+    **Arguments:**
+
+    - `fun`: `fun(model, *batch) -> loss` (a mean over the batch), or `(loss, aux)` with
+      `has_aux`.
+    - `microbatches`: how many equal slices to cut every batch argument into along its first
+      axis; they run one after another in a `lax.scan`, so activation memory is that of one.
+
+    **Returns:** a function `(model, *batch) -> (loss, grads)` (`((loss, aux), grads)` with
+    `has_aux`, `aux` stacked over microbatches): the loss and the trainable gradients averaged
+    over microbatches, and the FP8 state combined by max (each leaf; for delayed scaling the
+    history gets the largest amax once, as for one step over the whole batch). With delayed
+    scaling every microbatch is cast with the same scales, so the result is that of the whole
+    batch up to float32 summation order; recipes that scale each tensor by its own amax
+    (current, blockwise, MXFP8, residual) cast each microbatch by its own, which differs from
+    the whole batch by FP8 rounding.
+
+    ```python
+    loss, grads = fp8jax.accumulate_gradients(loss_fn, 4)(model, x, y)
+    ```
+    """
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"accumulate_gradients: microbatches={microbatches!r} should be an int >= 1."
+        )
+
+    def scaled(model: Any, *batch: Any) -> Any:
+        out = fun(model, *batch)
+        if has_aux:
+            loss, aux = out
+            return loss / microbatches, aux
+        return out / microbatches
+
+    value_and_grad = filter_value_and_grad(scaled, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def run(model: Any, *batch: Any) -> tuple[Any, Any]:
+        if microbatches == 1:
+            return filter_value_and_grad(fun, has_aux=has_aux)(model, *batch)
+        slices = jax.tree.map(lambda x: _split(x, microbatches), batch)
+        first = jax.tree.map(lambda x: x[0], slices)
+        rest = jax.tree.map(lambda x: x[1:], slices)
+        value, grads = value_and_grad(model, *first)
+
+        def body(carry: Any, micro: Any) -> tuple[Any, Any]:
+            value, grads = carry
+            new_value, new_grads = value_and_grad(model, *micro)
+            aux = new_value[1] if has_aux else None
+            if has_aux:
+                value = (value[0] + new_value[0], value[1])
+            else:
+                value = value + new_value
+            return (value, _combine(grads, new_grads)), aux
+
+        dynamic, static = eqx.partition((value, grads), eqx.is_array)
+
+        def array_body(carry: Any, micro: Any) -> tuple[Any, Any]:
+            (value, grads), aux = body(eqx.combine(carry, static), micro)
+            return eqx.filter((value, grads), eqx.is_array), aux
+
+        dynamic, auxes = jax.lax.scan(array_body, dynamic, rest)
+        value, grads = eqx.combine(dynamic, static)
+        if has_aux:
+            first_aux = value[1]
+            stacked = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_aux, auxes)
+            value = (value[0], stacked)
+        return value, grads
+
+    return run

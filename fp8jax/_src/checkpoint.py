@@ -1,0 +1,205 @@
+"""Save and restore a whole training state (model, FP8 state, optimizer, loss scale).
+
+The checkpoint records what it holds: every array's path, shape and dtype, and each FP8
+layer's name and recipe. [`fp8jax.load_checkpoint`][] compares that record with the state it
+restores into before it reads a single array, so restoring into a model with other FP8
+targets or recipes fails with a message naming the difference, and never half-loads.
+
+Two formats: one file written with `eqx.tree_serialise_leaves` (the default), or an
+orbax-checkpoint directory (`backend="orbax"`, the `orbax` extra), both with the same record.
+
+```python
+fp8jax.save_checkpoint("ckpt.eqx", state)
+state = fp8jax.load_checkpoint("ckpt.eqx", like=train_step.init(model))
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .dot_general import Fp8DotGeneral
+
+T = TypeVar("T")
+
+_MAGIC = b"fp8jax-checkpoint 1\n"
+_RECORD = "fp8jax_record.json"
+_BACKENDS = ("equinox", "orbax")
+
+
+def _record(tree: Any) -> dict[str, Any]:
+    """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
+    layers = {}
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, Fp8DotGeneral)
+    )[0]:
+        if isinstance(node, Fp8DotGeneral):
+            name = node.name or jax.tree_util.keystr(path)
+            layers[jax.tree_util.keystr(path)] = {
+                "name": name,
+                "recipe": repr(node.recipe),
+                "telemetry": node.stats is not None,
+            }
+    leaves = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if eqx.is_array(leaf):
+            leaves[jax.tree_util.keystr(path)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
+        elif isinstance(leaf, bool | int | float | complex):
+            leaves[jax.tree_util.keystr(path)] = [type(leaf).__name__]
+    return {"fp8_layers": layers, "leaves": leaves}
+
+
+def _check(saved: dict[str, Any], expected: dict[str, Any], path: os.PathLike | str) -> None:
+    """Raise `ValueError` describing how `saved` differs from `expected`."""
+    problems = []
+    s_layers, e_layers = saved["fp8_layers"], expected["fp8_layers"]
+    for where in sorted(set(s_layers) | set(e_layers)):
+        s, e = s_layers.get(where), e_layers.get(where)
+        if s is None:
+            problems.append(f"FP8 layer {e['name']!r} is not in the checkpoint")
+        elif e is None:
+            problems.append(f"the checkpoint has FP8 layer {s['name']!r}, the target does not")
+        elif s != e:
+            diffs = [f"{k} {s[k]} != {e[k]}" for k in s if s[k] != e.get(k)]
+            problems.append(f"FP8 layer {e['name']!r}: " + "; ".join(diffs))
+    if not problems:
+        s_leaves, e_leaves = saved["leaves"], expected["leaves"]
+        for where in sorted(set(s_leaves) | set(e_leaves)):
+            s, e = s_leaves.get(where), e_leaves.get(where)
+            if s != e:
+                problems.append(
+                    f"leaf {where}: checkpoint has {_describe(s)}, target has {_describe(e)}"
+                )
+    if problems:
+        shown = "\n  - ".join(problems[:10])
+        more = f"\n  (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(
+            f"Checkpoint {os.fspath(path)!r} does not match the state to restore into; nothing "
+            f"was loaded:\n  - {shown}{more}\nBuild `like` with the same fp8_linear_layers "
+            "config (targets, recipes, telemetry), optimizer and loss scale as when saving."
+        )
+
+
+def _describe(entry: list | None) -> str:
+    if entry is None:
+        return "nothing"
+    if len(entry) == 1:
+        return f"a Python {entry[0]}"
+    return f"{entry[1]}{tuple(entry[0])}"
+
+
+def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equinox") -> None:
+    """Write `state` (any pytree: a `TrainState`, a model, ...) to `path`.
+
+    **Arguments:**
+
+    - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
+      completely or not at all: the data goes to a temporary name first.
+    - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
+      they come from the `like` given to [`fp8jax.load_checkpoint`][].
+    - `backend`: `"equinox"` (`eqx.tree_serialise_leaves`) or `"orbax"` (orbax-checkpoint).
+    """
+    _check_backend(backend)
+    path = pathlib.Path(path)
+    record = json.dumps(_record(state)).encode()
+    if backend == "orbax":
+        _orbax_save(path, state, record)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+        try:
+            f.write(_MAGIC)
+            f.write(len(record).to_bytes(8, "little"))
+            f.write(record)
+            eqx.tree_serialise_leaves(f, state)
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox") -> T:
+    """The state saved at `path`, restored into the structure of `like`.
+
+    **Arguments:**
+
+    - `path`: what [`fp8jax.save_checkpoint`][] wrote.
+    - `like`: a state of the same structure (e.g. `train_step.init(model)` for a model built
+      as before); its arrays' values are ignored, its static configuration is kept.
+    - `backend`: as when saving.
+
+    **Returns:** a new state; `like` is not modified.
+
+    **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
+    or arrays differ from `like`'s (the message lists the differences).
+    """
+    _check_backend(backend)
+    path = pathlib.Path(path)
+    expected = _record(like)
+    if backend == "orbax":
+        saved = json.loads((path / _RECORD).read_text())
+        _check(saved, expected, path)
+        return _orbax_load(path, like)
+    with open(path, "rb") as f:
+        magic = f.read(len(_MAGIC))
+        if magic != _MAGIC:
+            raise ValueError(
+                f"{os.fspath(path)!r} is not an fp8jax checkpoint (it does not start with "
+                f"{_MAGIC!r}); write one with fp8jax.save_checkpoint."
+            )
+        size = int.from_bytes(f.read(8), "little")
+        _check(json.loads(f.read(size)), expected, path)
+        return eqx.tree_deserialise_leaves(f, like)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}: should be one of {list(_BACKENDS)}.")
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise ImportError(
+            "backend='orbax' needs orbax-checkpoint: pip install 'fp8jax[orbax]'."
+        ) from e
+    return ocp
+
+
+def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
+    ocp = _orbax()
+    arrays = eqx.filter(state, eqx.is_array)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp.absolute() / "state", arrays)
+        checkpointer.wait_until_finished()
+    (tmp / _RECORD).write_bytes(record)
+    # Swap directories so that a complete checkpoint is at `path` at every moment but one
+    # rename; the previous one is removed only after the new one is in place.
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _orbax_load(path: pathlib.Path, like: T) -> T:
+    ocp = _orbax()
+    arrays, static = eqx.partition(like, eqx.is_array)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path.absolute() / "state", abstract)
+    return eqx.combine(restored, static)

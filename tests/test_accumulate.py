@@ -1,0 +1,112 @@
+"""Gradient accumulation: k microbatches against one step over the whole batch."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp8jax
+
+
+def problem(getkey, recipe="delayed", n=64):
+    mlp = eqx.nn.MLP(8, 2, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    # Rows of very different magnitudes: each microbatch has its own amax.
+    x = jax.random.normal(getkey(), (n, 8)) * jnp.exp(jnp.linspace(-2, 2, n))[:, None]
+    y = jnp.stack([jnp.sin(x[:, 0]), jnp.cos(x[:, 1])], axis=1)
+    return model, x, y
+
+
+def mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def split(grads):
+    state, rest = fp8jax.partition_for_grad_overwrite(grads)
+    return jax.tree.leaves(state), jax.tree.leaves(rest)
+
+
+def test_matches_one_step_over_the_whole_batch(getkey):
+    """Delayed scaling: every microbatch is cast with the scales of the state, exactly as the
+    whole batch would be."""
+    model, x, y = problem(getkey, "delayed")
+    for _ in range(2):  # the second step runs with histories filled by the first
+        loss_1, grads_1 = eqx.filter_jit(fp8jax.filter_value_and_grad(mse))(model, x, y)
+        loss_k, grads_k = eqx.filter_jit(fp8jax.accumulate_gradients(mse, 4))(model, x, y)
+        assert float(loss_k) == pytest.approx(float(loss_1), rel=1e-6)
+        state_1, rest_1 = split(grads_1)
+        state_k, rest_k = split(grads_k)
+        for a, b in zip(rest_k, rest_1, strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+        # The same tensors reach the FP8 casts (the output gradients too, since each
+        # microbatch's loss is divided by k): the state is that of the whole batch.
+        for a, b in zip(state_k, state_1, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads_k)
+        model = fp8jax.apply_updates(model, None, overwrites)
+
+
+def test_current_scaling_records_the_whole_batch_amax(getkey):
+    """Current scaling casts each microbatch with its own amax (so the numbers differ from one
+    whole-batch step by FP8 rounding); the state still records the whole batch's amax."""
+    model, x, y = problem(getkey, "current")
+    _, grads_1 = eqx.filter_jit(fp8jax.filter_value_and_grad(mse))(model, x, y)
+    _, grads_k = eqx.filter_jit(fp8jax.accumulate_gradients(mse, 4))(model, x, y)
+    for a, b in zip(grads_k.layers, grads_1.layers, strict=True):
+        np.testing.assert_array_equal(
+            a.dot_general.input.amax_history, b.dot_general.input.amax_history
+        )
+        np.testing.assert_array_equal(
+            a.dot_general.kernel.amax_history, b.dot_general.kernel.amax_history
+        )
+    assert float(grads_k.layers[0].dot_general.input.amax_history[0]) == float(jnp.max(abs(x)))
+
+
+def test_history_gets_the_largest_microbatch_amax_once(getkey):
+    model, x, y = problem(getkey, fp8jax.DelayedScaling(history_len=4))
+    _, grads = eqx.filter_jit(fp8jax.accumulate_gradients(mse, 4))(model, x, y)
+    history = grads.layers[0].dot_general.input.amax_history
+    amaxes = [float(jnp.max(jnp.abs(part))) for part in jnp.split(x, 4)]
+    assert float(history[0]) == max(amaxes)
+    assert np.all(np.asarray(history[1:]) == 0)  # rolled once, not four times
+
+
+def test_train_step_with_microbatches(getkey):
+    model, x, y = problem(getkey)
+    optimizer = optax.adam(1e-2)
+    whole = fp8jax.make_train_step(mse, optimizer)
+    micro = fp8jax.make_train_step(mse, optimizer, microbatches=4)
+    a, b = whole.init(model), micro.init(model)
+    for _ in range(3):
+        a, metrics_a = whole(a, x, y)
+        b, metrics_b = micro(b, x, y)
+        assert float(metrics_b.loss) == pytest.approx(float(metrics_a.loss), rel=1e-5)
+    for u, v in zip(
+        jax.tree.leaves(eqx.filter(b.model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(a.model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6)
+
+
+def test_aux_is_stacked_over_microbatches(getkey):
+    model, x, y = problem(getkey)
+
+    def with_aux(model, x, y):
+        return mse(model, x, y), jnp.mean(x)
+
+    (loss, aux), _ = fp8jax.accumulate_gradients(with_aux, 4, has_aux=True)(model, x, y)
+    np.testing.assert_allclose(aux, jnp.mean(x.reshape(4, 16, 8), axis=(1, 2)), rtol=1e-6)
+    assert float(loss) == pytest.approx(float(mse(model, x, y)), rel=1e-5)
+
+
+def test_accumulation_errors(getkey):
+    model, x, y = problem(getkey)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        fp8jax.accumulate_gradients(mse, 0)
+    with pytest.raises(ValueError, match="size 64 does not split into 5"):
+        fp8jax.accumulate_gradients(mse, 5)(model, x, y)
+    with pytest.raises(ValueError, match="microbatches=2.5"):
+        fp8jax.make_train_step(mse, optax.sgd(0.1), microbatches=2.5)

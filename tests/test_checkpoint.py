@@ -1,0 +1,109 @@
+"""Checkpoints: a run stopped at step k and resumed matches an uninterrupted one bit for bit."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp8jax
+
+POLICY = "params=float32,compute=bfloat16,output=float32"
+
+
+def build(key, config=None, optimizer=None):
+    mlp = eqx.nn.MLP(8, 2, 32, 2, key=key)
+    model = fp8jax.fp8_linear_layers(mlp, config or fp8jax.Fp8Config(telemetry=True))
+    step = fp8jax.make_train_step(
+        lambda m, x, y: jnp.mean((jax.vmap(m)(x.astype(jnp.bfloat16)) - y) ** 2),
+        optimizer or optax.adamw(1e-2),
+        policy=POLICY,
+        loss_scale=fp8jax.DynamicLossScale(period=2),
+    )
+    return step, step.init(model)
+
+
+def batch(i):
+    x = jax.random.normal(jax.random.key(i), (32, 8))
+    return x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] ** 2], axis=1)
+
+
+def run(step, state, start, stop):
+    for i in range(start, stop):
+        state, _ = step(state, *batch(i))
+    return state
+
+
+def bits(tree):
+    return [np.asarray(a).tobytes() for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+@pytest.mark.parametrize("backend", ["equinox", "orbax"])
+def test_resume_matches_an_uninterrupted_run(backend, tmp_path):
+    k = 3
+    step, state = build(jax.random.key(0))
+    state = run(step, state, 0, k)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state, backend=backend)
+    uninterrupted = run(step, state, k, 2 * k)
+    # A fresh process would rebuild everything from scratch: another init key, same config.
+    step2, like = build(jax.random.key(1))
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    assert bits(restored) == bits(state)
+    resumed = run(step2, restored, k, 2 * k)
+    assert bits(resumed) == bits(uninterrupted)
+    assert int(resumed.step) == 2 * k
+    assert float(resumed.loss_scale.loss_scale) == float(uninterrupted.loss_scale.loss_scale)
+    # Saving again over an existing checkpoint replaces it.
+    fp8jax.save_checkpoint(path, resumed, backend=backend)
+    assert bits(fp8jax.load_checkpoint(path, like, backend=backend)) == bits(resumed)
+
+
+@pytest.mark.parametrize(
+    "config, optimizer, message",
+    [
+        (fp8jax.Fp8Config(targets=["layers.0", "layers.1"], telemetry=True), None, "layers.2"),
+        (fp8jax.Fp8Config(recipe="current", telemetry=True), None, "CurrentScaling"),
+        (fp8jax.Fp8Config(), None, "telemetry True != False"),
+        (None, optax.sgd(0.1), "leaf"),
+    ],
+    ids=["targets", "recipe", "telemetry", "optimizer"],
+)
+@pytest.mark.parametrize("backend", ["equinox", "orbax"])
+def test_mismatched_targets_or_recipes_fail_before_loading(
+    config, optimizer, message, backend, tmp_path
+):
+    step, state = build(jax.random.key(0))
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state, backend=backend)
+    _, other = build(jax.random.key(1), config, optimizer)
+    before = bits(other)
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        fp8jax.load_checkpoint(path, other, backend=backend)
+    assert message in str(info.value)
+    assert bits(other) == before
+
+
+def test_the_record_is_checked_before_any_array_is_read(tmp_path):
+    step, state = build(jax.random.key(0))
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, state)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # arrays cut off
+    _, other = build(jax.random.key(1), fp8jax.Fp8Config(recipe="current", telemetry=True))
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        fp8jax.load_checkpoint(path, other)
+    with pytest.raises(Exception) as info:  # the matching state gets as far as the arrays
+        fp8jax.load_checkpoint(path, state)
+    assert "nothing was loaded" not in str(info.value)
+
+
+def test_checkpoint_errors(tmp_path):
+    _, state = build(jax.random.key(0))
+    not_ours = tmp_path / "other.bin"
+    not_ours.write_bytes(b"hello world, not a checkpoint at all")
+    with pytest.raises(ValueError, match="not an fp8jax checkpoint"):
+        fp8jax.load_checkpoint(not_ours, state)
+    with pytest.raises(ValueError, match="backend='pickle'"):
+        fp8jax.save_checkpoint(tmp_path / "x", state, backend="pickle")

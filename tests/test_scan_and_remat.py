@@ -1,0 +1,148 @@
+"""Scanned layers and rematerialization: the same FP8 training as the plain model."""
+
+import contextlib
+import dataclasses
+import io
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+import fp8jax
+from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
+
+CONFIG = GPTConfig(vocab=64, layers=3, width=32, heads=4, context=16)
+
+
+def stack(blocks):
+    return jax.tree.map(lambda *a: jnp.stack(a), *blocks)
+
+
+def arrays(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_scanned_gpt_trains_like_the_unrolled_one(recipe, getkey):
+    unrolled = GPT(CONFIG, key=getkey())
+    scanned = GPT(dataclasses.replace(CONFIG, scan_layers=True), key=getkey())
+    scanned = eqx.tree_at(lambda g: g.blocks, scanned, stack(unrolled.blocks))
+    scanned = eqx.tree_at(
+        lambda g: (g.embed, g.position, g.norm, g.head),
+        scanned,
+        (unrolled.embed, unrolled.position, unrolled.norm, unrolled.head),
+    )
+    config = fp8jax.Fp8Config(recipe=recipe)
+    unrolled = fp8jax.fp8_linear_layers(unrolled, config)
+    scanned = fp8jax.fp8_linear_layers(scanned, config)
+    # One FP8 state per layer, stacked like the weights.
+    state = scanned.blocks.mlp.fc1.dot_general.input
+    assert state.scale.shape == (CONFIG.layers,)
+    tokens = jax.random.randint(getkey(), (4, CONFIG.context + 1), 0, CONFIG.vocab)
+    # SGD: updates linear in the gradients (Adam would turn float noise in a near-zero
+    # gradient into a full-size step).
+    step = fp8jax.make_train_step(next_token_loss, optax.sgd(0.5))
+    a, b = step.init(unrolled), step.init(scanned)
+    for _ in range(3):
+        a, metrics_a = step(a, tokens)
+        b, metrics_b = step(b, tokens)
+        assert float(metrics_b.loss) == pytest.approx(float(metrics_a.loss), rel=1e-6)
+    # Every parameter and every FP8 state, layer by layer.
+    stacked = arrays(b.model.blocks)
+    for i, block in enumerate(a.model.blocks):
+        for u, v in zip([leaf[i] for leaf in stacked], arrays(block), strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+    amaxes = [
+        (blk.mlp.fc1.dot_general.input.amax_history, blk.attn.out.dot_general.output_grad)
+        for blk in a.model.blocks
+    ]
+    np.testing.assert_allclose(
+        b.model.blocks.mlp.fc1.dot_general.input.amax_history,
+        jnp.stack([h for h, _ in amaxes]),
+        rtol=1e-6,
+    )
+    assert len({float(h[0]) for h, _ in amaxes}) == CONFIG.layers
+
+
+def mlp_loss(model, x):
+    return jnp.sum(jax.vmap(model)(x) ** 2)
+
+
+POLICIES = {
+    "fp8_dots_saveable": fp8jax.fp8_dots_saveable,
+    "none": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "save_fp8_operands": fp8jax.save_fp8_operands,
+}
+
+
+@pytest.fixture
+def fp8_mlp(getkey):
+    mlp = eqx.nn.MLP(64, 64, 256, 1, activation=jax.nn.gelu, key=getkey())
+    return fp8jax.fp8_linear_layers(mlp), jax.random.normal(getkey(), (32, 64)) * 3
+
+
+def loss_with(policy):
+    def loss(model, x):
+        if policy is None:
+            return mlp_loss(model, x)
+        return eqx.filter_checkpoint(mlp_loss, policy=policy)(model, x)
+
+    return loss
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_remat_policies_give_identical_training(policy, fp8_mlp):
+    model, x = fp8_mlp
+    want = eqx.filter_jit(fp8jax.filter_value_and_grad(loss_with(None)))(model, x)
+    got = eqx.filter_jit(fp8jax.filter_value_and_grad(loss_with(POLICIES[policy])))(model, x)
+    for u, v in zip(arrays(got), arrays(want), strict=True):
+        np.testing.assert_array_equal(u, v)
+
+
+def residuals(policy, model, x):
+    """(dtype, shape) of each value saved for the backward pass, arguments and scalars
+    excluded, as `print_saved_residuals` lists them."""
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def f(params, x):
+        return loss_with(POLICIES[policy])(eqx.combine(params, static), x)
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, params, x)
+    found = []
+    for line in out.getvalue().splitlines():
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if "from the argument" in line or shape in ((), (1,), (1024,)):
+            continue  # inputs; scales, amaxes and histories
+        found.append((dtype, shape))
+    return sorted(found)
+
+
+def test_saved_residuals_are_what_each_policy_implies(fp8_mlp):
+    model, x = fp8_mlp
+    # Activations keep the vmapped axis: (32, 1, features).
+    fp8 = [("f8_e4m3fn", (32, 1, 64)), ("f8_e4m3fn", (32, 1, 256))]
+    weights = [("f8_e4m3fn", (256, 64)), ("f8_e4m3fn", (64, 256))]
+    # Without remat: the FP8 operands, and what the GELU's derivative needs (float32).
+    plain = residuals("none", model, x)
+    assert set(fp8 + weights) <= set(plain)
+    assert {d for d, _ in plain} == {"f8_e4m3fn", "f32"}
+    # nothing_saveable: only the arguments; everything is recomputed in the backward pass.
+    assert residuals("nothing_saveable", model, x) == []
+    # JAX's dots_saveable sees no dot_general in an FP8 layer (a custom rule): nothing saved,
+    # the FP8 GEMMs are recomputed. fp8_dots_saveable keeps their outputs, as dots_saveable
+    # keeps a BF16 model's.
+    assert residuals("dots_saveable", model, x) == []
+    outputs = [("f32", (32, 1, 64)), ("f32", (32, 1, 256))]
+    assert residuals("fp8_dots_saveable", model, x) == outputs
+    # save_fp8_operands: the FP8 operands and nothing else.
+    assert residuals("save_fp8_operands", model, x) == sorted(fp8 + weights)

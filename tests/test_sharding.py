@@ -1,0 +1,206 @@
+"""FP8 train steps on a mesh of 8 CPU devices match the single-device step.
+
+Data-parallel, FSDP-style (parameters sharded) and tensor-parallel (Linear weights split over a
+`model` axis) under `jit`, and a `shard_map` data-parallel step with explicit axis names.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+
+RECIPE = fp8jax.DelayedScaling(history_len=4)
+STEPS = 3
+
+
+def problem(recipe=RECIPE):
+    mlp = eqx.nn.MLP(32, 32, 128, 1, key=jax.random.key(0))
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    rows = jnp.exp(jnp.linspace(-2.0, 2.0, 64))[:, None]  # each device's shard its own amax
+    x = jax.random.normal(jax.random.key(1), (64, 32)) * rows
+    y = jnp.sin(x)
+    return model, x, y
+
+
+def mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def mesh(shape, names):
+    assert jax.device_count() >= 8, "tests expect 8 CPU devices (see conftest.py)"
+    axis_types = (jax.sharding.AxisType.Auto,) * len(names)
+    return jax.make_mesh(shape, names, axis_types=axis_types)
+
+
+def train(state, x, y, step):
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, x, y)
+        losses.append(float(metrics.loss))
+    return state, losses
+
+
+def single_device():
+    model, x, y = problem()
+    step = fp8jax.make_train_step(mse, optax.adam(1e-2))
+    return train(step.init(model), x, y, step)
+
+
+def check_same(state, losses, want_state, want_losses):
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    for layer, want in zip(state.model.layers, want_state.model.layers, strict=True):
+        np.testing.assert_allclose(layer.weight, want.weight, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.bias, want.bias, rtol=1e-5, atol=1e-6)
+        got, ref = layer.dot_general, want.dot_general
+        # Amaxes of inputs and weights exactly: a max does not depend on how it is split.
+        np.testing.assert_array_equal(got.input.amax_history, ref.input.amax_history)
+        np.testing.assert_array_equal(got.kernel.amax_history, ref.kernel.amax_history)
+        # Output gradients come out of sharded reductions: float32 rounding may differ.
+        np.testing.assert_allclose(
+            got.output_grad.amax_history, ref.output_grad.amax_history, rtol=1e-6
+        )
+
+
+def shard_params(tree, spec_of):
+    """`tree` with each array leaf placed by `spec_of(path, leaf)` (a NamedSharding)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: (
+            jax.device_put(a, spec_of(jax.tree_util.keystr(path), a)) if eqx.is_array(a) else a
+        ),
+        tree,
+    )
+
+
+@pytest.mark.parametrize("layout", ["data", "fsdp", "tensor"])
+def test_sharded_train_step_matches_one_device(layout):
+    want_state, want_losses = single_device()
+    model, x, y = problem()
+    if layout == "tensor":
+        m = mesh((2, 4), ("data", "model"))
+
+        def spec_of(path, a):
+            if path.endswith("layers[0].weight") or path.endswith("layers[0].bias"):
+                return NamedSharding(m, P("model"))  # column parallel: split outputs
+            if path.endswith("layers[1].weight"):
+                return NamedSharding(m, P(None, "model"))  # row parallel: split inputs
+            return NamedSharding(m, P())
+
+    else:
+        m = mesh((8,), ("data",))
+
+        def spec_of(path, a):
+            if (
+                layout == "fsdp"
+                and a.ndim >= 1
+                and a.shape[0] % 8 == 0
+                and "dot_general" not in path
+            ):
+                return NamedSharding(m, P("data"))
+            return NamedSharding(m, P())
+
+    model = shard_params(model, spec_of)
+    x, y = (jax.device_put(a, NamedSharding(m, P("data"))) for a in (x, y))
+    step = fp8jax.make_train_step(mse, optax.adam(1e-2))
+    state, losses = train(step.init(model), x, y, step)
+    check_same(state, losses, want_state, want_losses)
+    if layout != "data":  # parameters stay where they were put
+        weight = state.model.layers[0].weight
+        assert weight.sharding.spec == spec_of("layers[0].weight", weight).spec
+
+
+def test_shard_map_data_parallel_step_with_axis_names():
+    want_state, want_losses = single_device()
+    model, x, y = problem(fp8jax.DelayedScaling(history_len=4, axis_names=("data",)))
+    m = mesh((8,), ("data",))
+    optimizer = optax.adam(1e-2)
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+    params, static = eqx.partition((model, opt_state), eqx.is_array)
+
+    def local_step(params, x, y):
+        model, opt_state = eqx.combine(params, static)
+
+        def local_loss(model, x, y):  # this shard's share of the global mean
+            return mse(model, x, y) / jax.lax.axis_size("data")
+
+        loss, grads = fp8jax.filter_value_and_grad(local_loss)(model, x, y)
+        # As for any JAX op, the gradients of the replicated parameters come out summed over
+        # the devices, and the FP8 state with the largest amax of all of them.
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        loss = jax.lax.psum(loss, "data")
+        _, trainable = fp8jax.partition_for_grad_overwrite(model)
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(trainable, eqx.is_inexact_array)
+        )
+        model = fp8jax.apply_updates(model, updates, overwrites)
+        return eqx.filter((model, opt_state), eqx.is_array), loss
+
+    step = jax.jit(
+        jax.shard_map(
+            local_step, mesh=m, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())
+        )
+    )
+    losses = []
+    for _ in range(STEPS):
+        params, loss = step(params, x, y)
+        losses.append(float(loss))
+    model, _ = eqx.combine(params, static)
+    check_same(
+        fp8jax.TrainState(model, None, fp8jax.NoOpLossScale(), jnp.zeros((), jnp.int32)),
+        losses,
+        want_state,
+        want_losses,
+    )
+
+
+def abstract(tree, sharding):
+    return jax.tree.map(
+        lambda a: (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if eqx.is_array(a) else a
+        ),
+        tree,
+    )
+
+
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+def test_eight_h100s_keep_fp8_gemms_and_reduce_amaxes_as_scalars(layout):
+    if layout == "data":
+        m = fp8jax.h100_mesh({"data": 8})
+    else:
+        m = fp8jax.h100_mesh({"data": 2, "model": 4})
+    model, x, y = problem()
+    step = fp8jax.make_train_step(mse, optax.adam(1e-2))
+    state = abstract(step.init(model), NamedSharding(m, P()))
+    if layout == "tensor":
+        layers = state.model.layers
+        col, row = NamedSharding(m, P("model")), NamedSharding(m, P(None, "model"))
+        state = eqx.tree_at(
+            lambda s: (s.model.layers[0].weight, s.model.layers[0].bias, s.model.layers[1].weight),
+            state,
+            (
+                jax.ShapeDtypeStruct(layers[0].weight.shape, jnp.float32, sharding=col),
+                jax.ShapeDtypeStruct(layers[0].bias.shape, jnp.float32, sharding=col),
+                jax.ShapeDtypeStruct(layers[1].weight.shape, jnp.float32, sharding=row),
+            ),
+        )
+    batch = abstract((x, y), NamedSharding(m, P("data")))
+    report = fp8jax.inspect(step, state, *batch)
+    assert report.target.startswith("8 x ")
+    fp8jax.assert_all_fp8(report)
+    for mode in ("cublas", "default"):
+        roles = {layer: sorted(r) for layer, r in report.layers(mode).items()}
+        # The first layer's input is data: its dgrad is dead code, and XLA removes it.
+        assert roles == {"layers.0": ["fwd", "wgrad"], "layers.1": ["dgrad", "fwd", "wgrad"]}
+        collectives = report.collectives[mode]
+        amax = [c for c in collectives if c.reduction == "maximum"]
+        assert amax, collectives
+        # Each amax crosses devices as one number (XLA may pack several into one all-reduce:
+        # at most the 6 of the program's FP8 operands), never as the tensor it was taken of.
+        assert all(c.op == "all-reduce" and c.elements <= 6 for c in amax), amax
+        assert not [c for c in collectives if c.op == "all-gather" and c.elements > 1024]
