@@ -45,3 +45,17 @@ def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys):
     assert runs[1].scales and all(len(h) == 5 for h in runs[1].scales.values())
     for name in ("loss_curves.png", "scale_history.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_digits_classifier_in_fp8_matches_bf16(capsys):
+    from fp8jax.examples import digits
+
+    x_train, y_train, x_test, y_test = digits.load_digits()
+    assert x_train.shape == (1437, 64) and x_test.shape == (360, 64)
+    assert 0.0 <= x_train.min() and x_train.max() <= 1.0 and set(y_test.tolist()) == set(range(10))
+    results = digits.main(["--steps", "150"])
+    (bf16_acc, _), (fp8_acc, fp8_loss) = results["bf16"], results["delayed"]
+    assert math.isfinite(fp8_loss)
+    assert fp8_acc > 0.9  # a real classifier, not chance (0.1)
+    assert abs(fp8_acc - bf16_acc) <= 0.03  # within 11 of the 360 test images
+    assert "test accuracy" in capsys.readouterr().out
