@@ -41,7 +41,7 @@ class Fp8Config:
       layer as a target name or regex does; the first matching pattern wins, layers matched by
       none get `recipe`.
     - `exclude`: a regular expression matched against the last path component; matching
-      Linears stay in high precision even when targeted. Defaults to [`DEFAULT_EXCLUDE`][]
+      Linears stay in high precision even when targeted. Defaults to [`fp8jax.DEFAULT_EXCLUDE`][]
       (heads, routers, gates). Pass `None` to exclude nothing.
     - `telemetry`: converted layers also keep saturation and underflow statistics
       ([`fp8jax.Fp8Stats`][]), read with [`fp8jax.telemetry`][].

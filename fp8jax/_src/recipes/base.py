@@ -145,7 +145,7 @@ class Recipe(abc.ABC):
         """`x` as FP8 for a GEMM contracting `axis`, and the role's new state.
 
         `state` holds float32 arrays. Amaxes that enter the state must come from
-        [`Recipe.amax`][] so that `vmap` and several uses of one layer combine by max.
+        [`fp8jax.Recipe.amax`][] so that `vmap` and several uses of one layer combine by max.
         """
 
     @abc.abstractmethod

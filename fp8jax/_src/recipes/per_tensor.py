@@ -24,7 +24,7 @@ def compute_scale(
     """`fmt_max / (amax * 2**margin)`, or `previous` where `amax` is zero or not finite.
 
     A tiny amax would give a scale whose inverse is a subnormal float32, which XLA flushes to
-    zero; scales are therefore capped at `2**126` ([`MAX_SCALE`][]).
+    zero; scales are therefore capped at `2**126` (`MAX_SCALE`).
     """
     fresh = (fmt_max / amax_value) / (2.0**margin)
     fresh = jnp.minimum(fresh, MAX_SCALE)
