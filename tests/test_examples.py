@@ -47,6 +47,26 @@ def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_gpt_dequantized_block_dot_builds_the_emulation():
+    import jax
+
+    import fp8jax
+    from fp8jax.examples import gpt, train_gpt
+
+    config = gpt.GPTConfig(vocab=16, layers=1, width=32, heads=2, context=8)
+    want = {
+        "blockwise": fp8jax.BlockwiseScaling(dequantized_dot=True),
+        "mxfp8": fp8jax.MXFP8(dequantized_dot=True),
+        "delayed": fp8jax.DelayedScaling(),
+    }
+    for variant, recipe in want.items():
+        model = train_gpt.build(config, variant, jax.random.PRNGKey(0), block_dot="dequantized")
+        is_dot = lambda x: isinstance(x, fp8jax.Fp8DotGeneral)  # noqa: E731
+        dots = [leaf for leaf in jax.tree.leaves(model, is_leaf=is_dot) if is_dot(leaf)]
+        # One layer: the attention's q, k, v and output Linears and the MLP's two.
+        assert len(dots) == 6 and all(d.recipe == recipe for d in dots), variant
+
+
 def test_digits_classifier_in_fp8_matches_bf16(capsys):
     from fp8jax.examples import digits
 

@@ -18,6 +18,20 @@ import fp8jax
 U4, U5 = 2.0**-4, 2.0**-3  # unit roundoff of E4M3, E5M2
 D4, D5 = 2.0**-10 / 448, 2.0**-17 / 57344  # half the smallest subnormal step, relative to amax
 
+BLOCKWISE_ERRORS = {  # the wgrad's activation is requantized from FP8 into 128 x 1 tiles
+    "x": (U4, D4),
+    "w": (U4, D4),
+    "g": (U4, D4),
+    "w_d": (U4, D4),
+    "x_w": (2 * U4 + U4**2, 2 * D4 * (1 + U4)),
+}
+MX_ERRORS = {  # power-of-two scales double the subnormal term; dgrad and wgrad requantize
+    "x": (U4, 2 * D4),
+    "w": (U4, 2 * D4),
+    "g": (U4, 2 * D4),
+    "w_d": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
+    "x_w": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
+}
 # name: (recipe, reference, per-operand error model). An error model gives, for x, w, g and
 # the two requantized operands (w for dgrad, x for wgrad), (u, d): |v^ - v| <= u|v| + d amax.
 RECIPES = {
@@ -29,13 +43,7 @@ RECIPES = {
     "blockwise": (
         fp8jax.BlockwiseScaling(),
         ref.blockwise,
-        {
-            "x": (U4, D4),
-            "w": (U4, D4),
-            "g": (U4, D4),
-            "w_d": (U4, D4),
-            "x_w": (2 * U4 + U4**2, 2 * D4 * (1 + U4)),
-        },
+        BLOCKWISE_ERRORS,
     ),
     "blockwise-pow2-32": (
         fp8jax.BlockwiseScaling(power_of_two=True, block_size=32),
@@ -51,13 +59,18 @@ RECIPES = {
     "mxfp8": (
         fp8jax.MXFP8(),
         ref.mxfp8,
-        {
-            "x": (U4, 2 * D4),
-            "w": (U4, 2 * D4),
-            "g": (U4, 2 * D4),
-            "w_d": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
-            "x_w": (2 * U4 + U4**2, 4 * D4 * (1 + U4)),
-        },
+        MX_ERRORS,
+    ),
+    # One float32 dot of the dequantized operands: the same reference, the same error model.
+    "blockwise-dequantized": (
+        fp8jax.BlockwiseScaling(dequantized_dot=True),
+        ref.blockwise,
+        BLOCKWISE_ERRORS,
+    ),
+    "mxfp8-dequantized": (
+        fp8jax.MXFP8(dequantized_dot=True),
+        ref.mxfp8,
+        MX_ERRORS,
     ),
     # The OCP reference scale can saturate the top of a block: up to 1 - 448/512 = 1/8 off.
     "mxfp8-floor": (
@@ -239,6 +252,26 @@ def test_chunks_per_dot_gives_the_same_gemm(recipe):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.BlockwiseScaling(block_size=16), fp8jax.MXFP8(), fp8jax.BlockwiseScaling()]
+)
+def test_dequantized_dot_gives_the_same_gemm(recipe):
+    """One float32 dot of the dequantized operands: the chunked GEMM's results up to float32
+    rounding, and the same (quantization-derived) state."""
+    x, w, g = operands(7, m=7, k=200, n=9)
+    dot = fp8jax.Fp8DotGeneral(recipe, kernel_shape=w.shape)
+    fast = fp8jax.Fp8DotGeneral(
+        dataclasses.replace(recipe, dequantized_dot=True), kernel_shape=w.shape
+    )
+    want, got = _forward_backward(dot, x, w, g), _forward_backward(fast, x, w, g)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+    # Not the same program: one float32 dot of the whole contraction, no per-chunk FP8 dots.
+    text = jax.jit(lambda a, b: fast(a, b, MATMUL_NT)).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1 and "(tensor<7x200xf32>, tensor<9x200xf32>)" in dots[0], dots
+
+
 def test_mxfp8_scaled_matmul_path(monkeypatch):
     """Where the backend has `jax.nn.scaled_matmul` (compute capability 10+), MXFP8's forward
     goes through it. No such backend here: stand in its documented semantics and check that
@@ -377,6 +410,7 @@ def test_predicted_lo_scale_ratio():
         (lambda: fp8jax.CurrentScaling(axis_names="data"), "axis_names"),
         (lambda: fp8jax.ResidualFP8(forward_format="e2m3"), "Unknown FP8 format"),
         (lambda: fp8jax.MXFP8(chunks_per_dot=0), "chunks_per_dot"),
+        (lambda: fp8jax.BlockwiseScaling(dequantized_dot="yes"), "dequantized_dot"),
         (lambda: fp8jax.ResidualFP8(nf_aware=True, predict_lo_scale=True), "saturate"),
     ],
 )

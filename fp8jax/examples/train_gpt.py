@@ -29,6 +29,7 @@ from fp8jax.examples.data import VOCAB, kjv_bytes, sample, split
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 RECIPES = ("delayed", "current", "blockwise", "mxfp8", "residual")
+BLOCK_RECIPES = {"blockwise": fp8jax.BlockwiseScaling, "mxfp8": fp8jax.MXFP8}
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
@@ -47,11 +48,21 @@ class Run:
     steps_per_second: float = float("nan")
 
 
-def build(config: GPTConfig, variant: str, key: jax.Array) -> eqx.Module:
+def build(
+    config: GPTConfig, variant: str, key: jax.Array, block_dot: str = "chunked"
+) -> eqx.Module:
+    """The GPT in BF16 (`variant="bf16"`) or with a named FP8 recipe in its Linears.
+
+    `block_dot="dequantized"` runs the block recipes' GEMMs as float32 dots of the dequantized
+    operands (`BlockScaledRecipe.dequantized_dot`): the same numerics, much faster on a CPU.
+    """
     model = GPT(config, key=key)
     if variant == "bf16":
         return model
-    return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=variant))
+    recipe: str | fp8jax.Recipe = variant
+    if block_dot == "dequantized" and variant in BLOCK_RECIPES:
+        recipe = BLOCK_RECIPES[variant](dequantized_dot=True)
+    return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))
 
 
 def train(
@@ -61,7 +72,7 @@ def train(
     args: argparse.Namespace,
 ) -> Run:
     train_data, val_data = data
-    model = build(config, variant, jax.random.PRNGKey(args.seed))
+    model = build(config, variant, jax.random.PRNGKey(args.seed), args.block_dot)
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
@@ -168,6 +179,13 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="gpt_fp8_results")
+    parser.add_argument(
+        "--block-dot",
+        choices=("chunked", "dequantized"),
+        default="chunked",
+        help="how the block recipes' GEMMs are emulated: one FP8 dot per block (as on a GPU) "
+        "or one float32 dot of the dequantized operands (the same numerics, faster on a CPU)",
+    )
     args = parser.parse_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]
     for recipe in recipes:

@@ -73,12 +73,7 @@ def block_dot(
     bounds that memory (at large K the partials would otherwise dwarf the output).
     """
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
-    chunk = lhs.block[1]
-    if rhs.block[1] != chunk:
-        raise ValueError(
-            f"block_dot: lhs contracts in blocks of {chunk} but rhs in blocks of "
-            f"{rhs.block[1]}; both operands must share the contraction's block size."
-        )
+    chunk = _shared_chunk(lhs, rhs)
     (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
     nk = math.ceil(k / chunk)
     group = nk if chunks_per_dot is None else min(chunks_per_dot, nk)
@@ -122,6 +117,39 @@ def block_dot(
     return lax.scan(step, total, xs)[0]
 
 
+def _shared_chunk(lhs: QTensor, rhs: QTensor) -> int:
+    if lhs.block[1] != rhs.block[1]:
+        raise ValueError(
+            f"block_dot: lhs contracts in blocks of {lhs.block[1]} but rhs in blocks of "
+            f"{rhs.block[1]}; both operands must share the contraction's block size."
+        )
+    return lhs.block[1]
+
+
+def dequantized_block_dot(
+    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis
+) -> Float[Array, "*shape"]:
+    """The block-scaled GEMM as one float32 dot of the dequantized operands.
+
+    The same FP8 values and scales as `block_dot`, and the same products (exact in float32 for
+    power-of-two scales), accumulated in float32 over the whole contraction instead of per
+    block. Only float32 rounding differs, some 2**20 times finer than E4M3's; on a
+    CPU, where no FP8 hardware runs the GEMM anyway, it is many times faster. It is not an FP8
+    GEMM on a GPU. Shape `(*B, lhs_free, rhs_free)`.
+    """
+    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    _shared_chunk(lhs, rhs)
+    nb = lhs.data.ndim - 2
+    dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
+    return lax.dot_general(
+        lhs.dequantize(),
+        rhs.dequantize(),
+        dims,
+        precision=lax.Precision.HIGHEST,  # float32, not TF32, on a GPU
+        preferred_element_type=jnp.float32,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockScaledRecipe(Recipe):
     """Shared machinery of block-scaled recipes with current (per-step) scales.
@@ -135,10 +163,14 @@ class BlockScaledRecipe(Recipe):
     - `chunks_per_dot`: `None` runs every chunk of the contraction in one batched dot (fastest
       for small K, but it holds a float32 `(M, N)` partial per chunk); an int takes that many
       chunks per dot inside a `lax.scan`, bounding the memory at large K.
+    - `dequantized_dot`: compute each GEMM as one float32 dot of the dequantized operands
+      (`dequantized_block_dot`): the same quantization and products, float32 accumulation
+      across blocks. A fast emulation for CPU experiments; on a GPU it is not an FP8 GEMM.
     """
 
     format_name: FormatLike = "e4m3"
     chunks_per_dot: int | None = None
+    dequantized_dot: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,6 +182,13 @@ class BlockScaledRecipe(Recipe):
                 f"chunks_per_dot={self.chunks_per_dot!r}: should be None (all chunks in one "
                 "batched dot) or an int >= 1."
             )
+        if not isinstance(self.dequantized_dot, bool):
+            raise ValueError(f"dequantized_dot={self.dequantized_dot!r}: should be True or False.")
+
+    def _block_dot(self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision):
+        if self.dequantized_dot:
+            return dequantized_block_dot(lhs, rhs, lhs_axis, rhs_axis)
+        return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
 
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.format_name)
@@ -195,8 +234,7 @@ class BlockScaledRecipe(Recipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        out = block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
-        return out.astype(out_dtype)
+        return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
 
 
 def _pow2(exponent: Array) -> Array:
@@ -325,8 +363,7 @@ class MXFP8(BlockScaledRecipe):
     ) -> Float[Array, "*shape"]:
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
             return _scaled_matmul(lhs, rhs).astype(out_dtype)
-        out = block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
-        return out.astype(out_dtype)
+        return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
