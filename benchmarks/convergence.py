@@ -6,7 +6,8 @@ The main job's training loop (`fp8jax.examples.train_gpt`), longer and wider: ev
 starts from the same weights and sees the same batches. It reports the final validation loss
 of each recipe and its relative difference to BF16, against the bars of issue 7: FP8 recipes
 within 0.5 % of BF16 (DeepSeek-V3 reports under 0.25 % at scale), the residual recipe within
-0.1 %. BF16 always runs as the reference.
+0.1 %. BF16 always runs as the reference. `fp32` (float32 compute, no FP8) shows how far a
+run with other, finer, rounding lands from BF16: a scale for what a difference means.
 
 Each variant's record is written to `--out/<variant>.json` as soon as it finishes and reused
 by a later call with the same settings, so the recipes can be run in separate calls
@@ -31,6 +32,7 @@ from fp8jax.examples.gpt import GPTConfig
 
 BARS = {"residual": 0.001}
 DEFAULT_BAR = 0.005
+FP32 = "params=float32,compute=float32,output=float32"
 
 
 def _settings(args: argparse.Namespace, variant: str) -> dict:
@@ -38,6 +40,8 @@ def _settings(args: argparse.Namespace, variant: str) -> dict:
     settings = {k: getattr(args, k) for k in keys}
     if variant in train_gpt.BLOCK_RECIPES:
         settings["block_dot"] = args.block_dot
+    if variant == "fp32":
+        settings["policy"] = FP32
     return settings
 
 
@@ -50,7 +54,11 @@ def _run(variant: str, config: GPTConfig, data, args: argparse.Namespace) -> tra
         if saved["settings"] == settings:
             print(f"{variant}: reusing {path}")
             return train_gpt.Run(**saved["run"])
-    run = train_gpt.train(variant, config, data, args)
+    if variant == "fp32":  # the BF16 model, computed in float32
+        run = train_gpt.train("bf16", config, data, argparse.Namespace(**vars(args), policy=FP32))
+        run.name = "fp32"
+    else:
+        run = train_gpt.train(variant, config, data, args)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"settings": settings, "run": dataclasses.asdict(run)}))
@@ -67,9 +75,11 @@ def table(runs: list[train_gpt.Run]) -> str:
     ]
     for run in runs:
         rel = (run.val[-1] - base) / base
-        bar = 0.0 if run.name == "bf16" else BARS.get(run.name, DEFAULT_BAR)
-        verdict = "-" if run.name == "bf16" else ("yes" if abs(rel) <= bar else "NO")
-        cells = [run.name, f"{run.val[-1]:.4f}", f"{100 * rel:+.3f} %", f"{100 * bar:.1f} %"]
+        reference = run.name in ("bf16", "fp32")
+        bar = 0.0 if reference else BARS.get(run.name, DEFAULT_BAR)
+        verdict = "-" if reference else ("yes" if abs(rel) <= bar else "NO")
+        bar_cell = "-" if reference else f"{100 * bar:.1f} %"
+        cells = [run.name, f"{run.val[-1]:.4f}", f"{100 * rel:+.3f} %", bar_cell]
         lines.append("| " + " | ".join([*cells, verdict, f"{run.steps_per_second:.2f}"]) + " |")
     return "\n".join(lines)
 
@@ -84,16 +94,17 @@ def main(argv: list[str] | None = None) -> list[train_gpt.Run]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recipes", default=",".join(train_gpt.RECIPES))
+    parser.add_argument("--recipes", default=",".join(("fp32", *train_gpt.RECIPES)))
     parser.add_argument("--block-dot", choices=("chunked", "dequantized"), default="dequantized")
     parser.add_argument("--out", default="convergence_results")
     args = parser.parse_args(argv)
     args.eval_every = max(1, args.steps // 10)
     args.log_every = 10
     recipes = [r for r in args.recipes.split(",") if r]
+    choices = ("fp32", *train_gpt.RECIPES)
     for recipe in recipes:
-        if recipe not in train_gpt.RECIPES:
-            parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(train_gpt.RECIPES)}")
+        if recipe not in choices:
+            parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(choices)}")
     config = GPTConfig(
         vocab=VOCAB, layers=args.layers, width=args.width, heads=args.heads, context=args.context
     )

@@ -76,8 +76,8 @@ def train(
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
-    train_step = fp8jax.make_train_step(next_token_loss, optimizer, policy=POLICY)
-    policy = fp8jax.Policy.from_string(POLICY)
+    policy = fp8jax.Policy.from_string(getattr(args, "policy", POLICY))
+    train_step = fp8jax.make_train_step(next_token_loss, optimizer, policy=policy)
     evaluate = eqx.filter_jit(lambda m, tokens: next_token_loss(policy.cast_to_compute(m), tokens))
     val_rng = np.random.default_rng(args.seed + 1)
     val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
