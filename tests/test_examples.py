@@ -79,3 +79,37 @@ def test_digits_classifier_in_fp8_matches_bf16(capsys):
     assert fp8_acc > 0.9  # a real classifier, not chance (0.1)
     assert abs(fp8_acc - bf16_acc) <= 0.03  # within 11 of the 360 test images
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monkeypatch):
+    import dataclasses
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence", path)
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    args = ["--steps", "4", "--layers", "1", "--width", "32", "--context", "16", "--batch", "4"]
+    args += ["--recipes", "fp32,delayed", "--out", str(tmp_path)]
+    runs = convergence.main(args)
+    assert [r.name for r in runs] == ["bf16", "fp32", "delayed"]
+    saved = json.loads((tmp_path / "delayed.json").read_text())
+    assert saved["run"]["val"] == runs[2].val and saved["settings"]["steps"] == 4
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d")]
+    rel = (runs[2].val[-1] - runs[0].val[-1]) / runs[0].val[-1]
+    assert rows[0].split("|")[3].strip() == f"{100 * rel:+.3f} %"
+    assert rows[0].split("|")[5].strip() == ("yes" if abs(rel) <= 0.005 else "NO")
+
+    # A second call with the same settings trains nothing; other settings train again.
+    trained = []
+    monkeypatch.setattr(
+        convergence.train_gpt,
+        "train",
+        lambda name, *a: trained.append(name) or dataclasses.replace(runs[0]),
+    )
+    again = convergence.main(args)
+    assert trained == [] and [r.val for r in again] == [r.val for r in runs]
+    convergence.main([*args, "--seed", "1"])
+    assert trained == ["bf16", "bf16", "delayed"]  # fp32 is the BF16 model in float32
