@@ -55,8 +55,8 @@ def _run(variant: str, config: GPTConfig, data, args: argparse.Namespace) -> tra
             print(f"{variant}: reusing {path}")
             return train_gpt.Run(**saved["run"])
     if variant == "fp32":  # the BF16 model, computed in float32
-        run = train_gpt.train("bf16", config, data, argparse.Namespace(**vars(args), policy=FP32))
-        run.name = "fp32"
+        fp32_args = argparse.Namespace(**vars(args), policy=FP32)
+        run = train_gpt.train("bf16", config, data, fp32_args, name="fp32")
     else:
         run = train_gpt.train(variant, config, data, args)
     path.parent.mkdir(parents=True, exist_ok=True)

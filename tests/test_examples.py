@@ -107,7 +107,7 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     monkeypatch.setattr(
         convergence.train_gpt,
         "train",
-        lambda name, *a: trained.append(name) or dataclasses.replace(runs[0]),
+        lambda variant, *a, **k: trained.append(variant) or dataclasses.replace(runs[0]),
     )
     again = convergence.main(args)
     assert trained == [] and [r.val for r in again] == [r.val for r in runs]

@@ -70,7 +70,9 @@ def train(
     config: GPTConfig,
     data: tuple[np.ndarray, np.ndarray],
     args: argparse.Namespace,
+    name: str | None = None,
 ) -> Run:
+    """Train one variant; `name` labels its record and progress bar (the variant's by default)."""
     train_data, val_data = data
     model = build(config, variant, jax.random.PRNGKey(args.seed), args.block_dot)
     warmup = max(1, args.steps // 10)
@@ -83,9 +85,9 @@ def train(
     val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
     rng = np.random.default_rng(args.seed)  # the same batches for every variant
     state = train_step.init(model)
-    run = Run(variant)
+    run = Run(name or variant)
     start = None
-    bar = tqdm(range(args.steps), desc=f"{variant:>9}", leave=True)
+    bar = tqdm(range(args.steps), desc=f"{run.name:>9}", leave=True)
     for step in bar:
         if step == 1:
             start = time.perf_counter()  # after the first step: compile time excluded
