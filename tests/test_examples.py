@@ -93,23 +93,30 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     spec.loader.exec_module(convergence)
     args = ["--steps", "4", "--layers", "1", "--width", "32", "--context", "16", "--batch", "4"]
     args += ["--recipes", "fp32,delayed", "--out", str(tmp_path)]
-    runs = convergence.main(args)
+    runs = convergence.main(args)[0]
     assert [r.name for r in runs] == ["bf16", "fp32", "delayed"]
-    saved = json.loads((tmp_path / "delayed.json").read_text())
+    saved = json.loads((tmp_path / "seed0" / "delayed.json").read_text())
     assert saved["run"]["val"] == runs[2].val and saved["settings"]["steps"] == 4
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d")]
     rel = (runs[2].val[-1] - runs[0].val[-1]) / runs[0].val[-1]
-    assert rows[0].split("|")[3].strip() == f"{100 * rel:+.3f} %"
-    assert rows[0].split("|")[5].strip() == ("yes" if abs(rel) <= 0.005 else "NO")
+    cells = [c.strip() for c in rows[0].split("|")]
+    assert cells[3] == cells[4] == f"{100 * rel:+.3f} %"  # seed 0, and the mean of one seed
+    assert cells[6] == ("yes" if abs(rel) <= 0.005 else "NO")
+    assert (tmp_path / "seed0" / "val_gap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # A second call with the same settings trains nothing; other settings train again.
+    # A second call with the same settings trains nothing; a new seed trains every variant.
     trained = []
     monkeypatch.setattr(
         convergence.train_gpt,
         "train",
         lambda variant, *a, **k: trained.append(variant) or dataclasses.replace(runs[0]),
     )
-    again = convergence.main(args)
+    again = convergence.main(args)[0]
     assert trained == [] and [r.val for r in again] == [r.val for r in runs]
-    convergence.main([*args, "--seed", "1"])
+    capsys.readouterr()
+    convergence.main([*args, "--seeds", "0,1"])
     assert trained == ["bf16", "bf16", "delayed"]  # fp32 is the BF16 model in float32
+    # Seed 1's stand-in runs all equal BF16's: the mean is half of seed 0's difference.
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d")]
+    cells = [c.strip() for c in rows[0].split("|")]
+    assert cells[3:6] == [f"{100 * rel:+.3f} %", "+0.000 %", f"{50 * rel:+.3f} %"]
