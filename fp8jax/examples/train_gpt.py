@@ -54,7 +54,7 @@ def build(
     """The GPT in BF16 (`variant="bf16"`) or with a named FP8 recipe in its Linears.
 
     `block_dot="dequantized"` runs the block recipes' GEMMs as float32 dots of the dequantized
-    operands (`BlockScaledRecipe.dequantized_dot`): the same numerics, much faster on a CPU.
+    operands (`BlockScaledRecipe.dequantized_dot`): the same numerics, faster on a CPU.
     """
     model = GPT(config, key=key)
     if variant == "bf16":
@@ -167,39 +167,71 @@ def plot(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> list[Run]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=128)
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    steps: int,
+    layers: int,
+    width: int,
+    recipes: tuple[str, ...],
+    block_dot: str,
+    out: str,
+) -> None:
+    """The model, training and output flags shared by this job and the convergence benchmark,
+    with the defaults each chooses."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--width", type=int, default=width)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--recipes", default=",".join(RECIPES))
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="gpt_fp8_results")
+    parser.add_argument("--recipes", default=",".join(recipes))
+    parser.add_argument("--out", default=out)
     parser.add_argument(
         "--block-dot",
         choices=("chunked", "dequantized"),
-        default="chunked",
+        default=block_dot,
         help="how the block recipes' GEMMs are emulated: one FP8 dot per block (as on a GPU) "
         "or one float32 dot of the dequantized operands (the same numerics, faster on a CPU)",
     )
-    args = parser.parse_args(argv)
-    recipes = [r for r in args.recipes.split(",") if r]
+
+
+def parse_recipes(
+    parser: argparse.ArgumentParser, spec: str, choices: tuple[str, ...] = RECIPES
+) -> list[str]:
+    """The recipe names of a comma-separated `--recipes`, each checked against `choices`."""
+    recipes = [r for r in spec.split(",") if r]
     for recipe in recipes:
-        if recipe not in RECIPES:
-            parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(RECIPES)}")
-    config = GPTConfig(
-        vocab=VOCAB,
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        context=args.context,
+        if recipe not in choices:
+            parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(choices)}")
+    return recipes
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The byte-level GPT that `--layers`, `--width`, `--heads` and `--context` describe."""
+    return GPTConfig(
+        vocab=VOCAB, layers=args.layers, width=args.width, heads=args.heads, context=args.context
     )
+
+
+def main(argv: list[str] | None = None) -> list[Run]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(
+        parser,
+        steps=300,
+        layers=2,
+        width=128,
+        recipes=RECIPES,
+        block_dot="chunked",
+        out="gpt_fp8_results",
+    )
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    recipes = parse_recipes(parser, args.recipes)
+    config = model_config(args)
     data = split(kjv_bytes())
     print(
         f"GPT {args.layers} x {args.width}, context {args.context}, batch {args.batch}, "

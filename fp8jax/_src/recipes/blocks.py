@@ -133,9 +133,10 @@ def dequantized_block_dot(
 
     The same FP8 values and scales as `block_dot`, and the same products (exact in float32 for
     power-of-two scales), accumulated in float32 over the whole contraction instead of per
-    block. Only float32 rounding differs, some 2**20 times finer than E4M3's; on a
-    CPU, where no FP8 hardware runs the GEMM anyway, it is many times faster. It is not an FP8
-    GEMM on a GPU. Shape `(*B, lhs_free, rhs_free)`.
+    block. Only float32 rounding differs, some 2**20 times finer than E4M3's. On a CPU, where
+    no FP8 hardware runs the GEMM anyway, it is faster (MXFP8 trains the main job's GPT about
+    twice as fast, `benchmarks/RESULTS.md`). It is not an FP8 GEMM on a GPU.
+    Shape `(*B, lhs_free, rhs_free)`.
     """
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
     _shared_chunk(lhs, rhs)
