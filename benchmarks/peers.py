@@ -52,8 +52,8 @@ from fp8jax.examples.gpt import GPT, MLP, GPTConfig, dense, next_token_loss  # n
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(),
     "current": fp8jax.CurrentScaling(),
-    "blockwise": fp8jax.BlockwiseScaling(chunks_per_dot=4),
-    "mxfp8": fp8jax.MXFP8(chunks_per_dot=4),
+    "blockwise": fp8jax.BlockwiseScaling(),
+    "mxfp8": fp8jax.MXFP8(),
     "residual": fp8jax.ResidualFP8(),
 }
 H100 = {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 3.35e12}  # dense peaks

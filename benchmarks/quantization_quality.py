@@ -105,8 +105,8 @@ def section_gemm(n: int, rng: np.random.Generator) -> None:
     # Chunk groups keep the block recipes' partial products at 4 x (n, n) float32.
     recipes = {
         "E4M3 per-tensor (current)": fp8jax.CurrentScaling(),
-        "blockwise (DeepSeek-V3)": fp8jax.BlockwiseScaling(chunks_per_dot=4),
-        "MXFP8": fp8jax.MXFP8(chunks_per_dot=4),
+        "blockwise (DeepSeek-V3)": fp8jax.BlockwiseScaling(),
+        "MXFP8": fp8jax.MXFP8(),
         "residual, 2 GEMMs": fp8jax.ResidualFP8(),
         "residual, split activation, 3 GEMMs": fp8jax.ResidualFP8(split_activation=True),
     }

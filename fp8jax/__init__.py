@@ -63,6 +63,7 @@ from ._src.transform import fp8_linear_layers as fp8_linear_layers
 from ._src.updates import OverwriteWithGradient as OverwriteWithGradient
 from ._src.updates import apply_updates as apply_updates
 from ._src.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
+from ._src.updates import with_fp8_state as with_fp8_state
 
 __version__ = "0.1.0"
 
@@ -125,4 +126,5 @@ __all__ = [
     "save_fp8_operands",
     "select_tree",
     "telemetry",
+    "with_fp8_state",
 ]

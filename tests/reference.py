@@ -29,12 +29,15 @@ def qdq_tensor(x, scale, fmt):
     return (cast(x, scale, fmt).astype(np.float32) * inverse).astype(np.float64)
 
 
-def current_scale(amax, fmt, previous=1.0):
+def current_scale(amax, fmt, previous=1.0, power_of_two=False):
     amax = np.float32(amax)
     if not (amax > 0 and np.isfinite(amax)):
         return np.float32(previous)
     with np.errstate(over="ignore"):
-        return np.float32(min(np.float32(MAX[fmt]) / amax, 2.0**126))  # inverse stays normal
+        scale = np.float32(min(np.float32(MAX[fmt]) / amax, 2.0**126))  # inverse stays normal
+    if power_of_two:  # the largest power of two not above it
+        scale = np.float32(2.0 ** math.floor(math.log2(scale)))
+    return scale
 
 
 def qdq_blocks(x, block, scale_of_amax, fmt="e4m3"):
@@ -53,9 +56,7 @@ def qdq_blocks(x, block, scale_of_amax, fmt="e4m3"):
 
 def deepseek_scale(power_of_two=False):
     def scale_of_amax(amax):
-        scale = current_scale(amax, "e4m3")
-        if power_of_two:
-            scale = np.float32(2.0 ** math.floor(math.log2(scale)))
+        scale = current_scale(amax, "e4m3", power_of_two=power_of_two)
         return scale, np.float64(np.float32(1.0) / scale)
 
     return scale_of_amax
@@ -94,7 +95,7 @@ def mxfp8(x, w, g, block=32, rounding="ceil"):
     xq = qdq_blocks(x, (1, block), s)
     wq = qdq_blocks(w, (1, block), s)
     y = xq @ wq.T
-    w_cols = qdq_blocks(wq.astype(np.float32), (block, 1), s)  # kernel along N for dgrad
+    w_cols = qdq_blocks(w, (block, 1), s)  # kernel along N for dgrad, from the weight itself
     d_x = qdq_blocks(g, (1, block), s) @ w_cols
     x_tokens = qdq_blocks(xq.astype(np.float32), (block, 1), s)
     d_w = qdq_blocks(g, (block, 1), s).T @ x_tokens
@@ -129,8 +130,10 @@ def residual(x, w, g, split_activation=False, dgrad_uses_lo=True, lo_ratio=None)
     return y, d_x, d_w
 
 
-def per_tensor_current(x, w, g):
-    xq = qdq_tensor(x, current_scale(np.max(np.abs(x)), "e4m3"), "e4m3")
-    wq = qdq_tensor(w, current_scale(np.max(np.abs(w)), "e4m3"), "e4m3")
-    gq = qdq_tensor(g, current_scale(np.max(np.abs(g)), "e5m2"), "e5m2")
+def per_tensor_current(x, w, g, power_of_two=True):
+    def qdq(v, fmt):
+        scale = current_scale(np.max(np.abs(v)), fmt, power_of_two=power_of_two)
+        return qdq_tensor(v, scale, fmt)
+
+    xq, wq, gq = qdq(x, "e4m3"), qdq(w, "e4m3"), qdq(g, "e5m2")
     return xq @ wq.T, gq @ wq, gq.T @ xq

@@ -1,5 +1,7 @@
 """Delayed scaling, step by step, against a hand-rolled Transformer Engine reference."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,11 +13,14 @@ from helpers import ref_qdq
 import fp8jax
 
 
-def ref_update(scale, history, new_amax, fmt_max, margin, amax_compute):
-    """One delayed-scaling step, as Transformer Engine documents it, in float32 NumPy."""
+def ref_update(scale, history, new_amax, fmt_max, margin, amax_compute, power_of_two=True):
+    """One delayed-scaling step, as Transformer Engine documents it, in float32 NumPy; with
+    `power_of_two`, the scale rounded down to a power of two."""
     ref = history.max() if amax_compute == "max" else history[0]
     if ref > 0 and np.isfinite(ref):
-        scale = np.float32(np.float32(fmt_max) / ref) / np.float32(2.0**margin)
+        scale = np.float32(np.float32(fmt_max) / ref) * np.float32(2.0**-margin)
+        if power_of_two:
+            scale = np.float32(2.0 ** math.floor(math.log2(scale)))
     history = np.roll(history, -1)
     history[0] = new_amax
     return np.float32(scale), history
@@ -36,8 +41,9 @@ class Layer(eqx.Module):
         fp8jax.DelayedScaling(history_len=4, amax_compute="most_recent", margin=1),
         fp8jax.DelayedScaling(history_len=2, margin=2, backward_format="e4m3"),
         fp8jax.DelayedScaling(),
+        fp8jax.DelayedScaling(history_len=3, margin=0.5, power_of_two=False),
     ],
-    ids=["max-len3", "most_recent-margin1", "e4m3-grads-margin2", "defaults"],
+    ids=["max-len3", "most_recent-margin1", "e4m3-grads-margin2", "defaults", "exact-scales"],
 )
 def test_five_steps_match_reference_exactly(recipe, getkey):
     rng = np.random.default_rng(0)
@@ -79,6 +85,7 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
                 fmt_max[role],
                 recipe.margin,
                 recipe.amax_compute,
+                recipe.power_of_two,
             )
             state = getattr(layer.dot, role)
             np.testing.assert_array_equal(
@@ -98,15 +105,12 @@ def test_scale_of_step_comes_from_history_before_the_step():
     grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x0)))(layer)
     layer = eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
     assert float(layer.dot.input.scale) == 1.0  # history was empty at step 0
-    x1 = np.array([[3.3, 0.0]], np.float32)
+    x1 = np.array([[9.0, 0.0]], np.float32)
     y1 = float(layer(x1)[0, 0])
-    # Step 1 uses 448 / 4 (the amax of step 0), not 448 / 3.3 (its own amax).
-    assert y1 == pytest.approx(
-        ref_qdq(x1[0, 0], np.float32(448) / np.float32(4.0), "e4m3"), rel=1e-7
-    )
-    assert y1 != pytest.approx(
-        ref_qdq(x1[0, 0], np.float32(448) / np.float32(3.3), "e4m3"), rel=1e-3
-    )
+    # Step 1 uses 448 / 4 = 112 (the amax of step 0), rounded down to 64, under which 9.0
+    # saturates at 448 / 64 = 7; its own amax would give 448 / 9, rounded down to 32.
+    assert y1 == ref_qdq(x1[0, 0], 64.0, "e4m3") == 7.0
+    assert ref_qdq(x1[0, 0], 32.0, "e4m3") == 9.0
 
 
 def test_non_finite_amax_keeps_scale():

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import UNIT_ROUNDOFF, ref_qdq, representable
+from helpers import UNIT_ROUNDOFF, bf16_gemm_bound, ref_qdq, representable
 from jax import lax
 from jax.ad_checkpoint import print_saved_residuals
 
@@ -47,6 +47,18 @@ def vjp(fn, lhs, rhs, ct):
     return out, *pullback(ct)
 
 
+def fp8_vjp(dot, dims, lhs, rhs, ct):
+    """Output, dgrad and wgrad of `dot`, differentiated together with its state (as training
+    does: an FP8 layer whose state is left out of the gradient raises)."""
+    out, pullback = jax.vjp(lambda a, b, d: d(a, b, dims), lhs, rhs, dot)
+    return out, *pullback(ct)[:2]
+
+
+def pow2_scale(fmt_max, amax):
+    """The default per-tensor scale: `fmt_max / amax` rounded down to a power of two."""
+    return np.float32(2.0 ** np.floor(np.log2(np.float32(fmt_max) / np.float32(amax))))
+
+
 @pytest.mark.parametrize("name, lshape, rshape, dims", CASES, ids=IDS)
 def test_exact_on_representable_values(name, lshape, rshape, dims):
     """FP8-representable operands and power-of-two scales: FP8 equals float32 exactly."""
@@ -61,7 +73,7 @@ def test_exact_on_representable_values(name, lshape, rshape, dims):
     out_shape = jax.eval_shape(lambda a, b: f32_dot(a, b, dims), lhs, rhs).shape
     ct = representable(rng, out_shape, fmt="e5m2")
 
-    out, d_lhs, d_rhs = vjp(lambda a, b: dot(a, b, dims), lhs, rhs, ct)
+    out, d_lhs, d_rhs = fp8_vjp(dot, dims, lhs, rhs, ct)
     ref, r_lhs, r_rhs = vjp(lambda a, b: f32_dot(a, b, dims), lhs, rhs, ct)
     assert out.shape == ref.shape and d_lhs.shape == lshape and d_rhs.shape == rshape
     np.testing.assert_array_equal(out, ref)
@@ -91,10 +103,9 @@ def test_random_values_against_ml_dtypes_and_float32(name, lshape, rshape, dims)
     dot = with_state(dot, "input", amax=amax_x)
     dot = with_state(dot, "kernel", amax=amax_w)
     dot = with_state(dot, "output_grad", amax=amax_g)
-    sx, sw = np.float32(448) / amax_x, np.float32(448) / amax_w
-    sg = np.float32(57344) / amax_g
+    sx, sw, sg = pow2_scale(448, amax_x), pow2_scale(448, amax_w), pow2_scale(57344, amax_g)
 
-    out, d_lhs, d_rhs = vjp(lambda a, b: dot(a, b, dims), lhs, rhs, ct)
+    out, d_lhs, d_rhs = fp8_vjp(dot, dims, lhs, rhs, ct)
     _, r_lhs, r_rhs = vjp(lambda a, b: f32_dot(a, b, dims), lhs, rhs, ct)
 
     def lax64(a, b, d):
@@ -170,10 +181,61 @@ def test_dtypes_follow_dot_general():
     assert dot(x, w, dims).dtype == jnp.bfloat16
     assert dot(x, w, dims, preferred_element_type=jnp.float32).dtype == jnp.float32
     assert dot(x, w.astype(jnp.float32), dims).dtype == jnp.float32
-    gx, gw = jax.grad(lambda a, b: jnp.sum(dot(a, b, dims).astype(jnp.float32)), argnums=(0, 1))(
-        x, w
-    )
+    gx, gw, _ = jax.grad(
+        lambda a, b, d: jnp.sum(d(a, b, dims).astype(jnp.float32)), argnums=(0, 1, 2)
+    )(x, w, dot)
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+
+
+def _einsum_reference(spec, x, w, g):
+    """Forward, dgrad and wgrad of the einsum `spec` ("mk,kn->mn") on float64 `x`, `w` and the
+    output gradient `g`: for each, (value, magnitude: the same sum of absolute values, the
+    number of products each element sums)."""
+    a, rest = spec.split(",")
+    b, c = rest.split("->")
+    sizes = dict(zip(a, x.shape, strict=True)) | dict(zip(b, w.shape, strict=True))
+
+    def run(left, right, out, p, q):
+        terms = int(np.prod([sizes[i] for i in set(left + right) - set(out)]))
+        formula = f"{left},{right}->{out}"
+        return np.einsum(formula, p, q), np.einsum(formula, np.abs(p), np.abs(q)), terms
+
+    return run(a, b, c, x, w), run(c, b, a, g, w), run(a, c, b, x, g)
+
+
+# Plain, batched and two contracting dimensions (each case costs a compile).
+BF16_CASES = [c for c in CASES if c[0] in ("mk,nk->mn", "mbk,kbn->bmn", "tsd,dsf->tf")]
+
+
+@pytest.mark.parametrize("power_of_two", [True, False], ids=["pow2-scales", "exact-scales"])
+@pytest.mark.parametrize("name, lshape, rshape, dims", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_bfloat16_values_against_fp8_reference(name, lshape, rshape, dims, power_of_two):
+    """BF16 operands, output and gradients: every element of the output, dgrad and wgrad is
+    the float64 result of the same FP8 values (ml_dtypes rounding with the scales the layer
+    used) within one BF16 rounding (`bf16_gemm_bound`). A dequantization factor rounded to
+    BF16 would add up to 2**-8 more, the same for every element."""
+    rng = np.random.default_rng(11 + len(name))
+    lhs = jnp.asarray(rng.standard_normal(lshape) * 3, jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal(rshape) * 0.2, jnp.bfloat16)
+    out_shape = jax.eval_shape(lambda a, b: f32_dot(a, b, dims), lhs, rhs).shape
+    ct = jnp.asarray(rng.standard_normal(out_shape) * 1e-3, jnp.bfloat16)
+    dot = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(power_of_two=power_of_two))
+    # Amaxes in the histories, so that the scales are neither 1 nor powers of two by accident.
+    for role, v in (("input", lhs), ("kernel", rhs), ("output_grad", ct)):
+        dot = with_state(dot, role, amax=float(jnp.max(jnp.abs(v.astype(jnp.float32)))))
+
+    out, pullback = jax.vjp(lambda a, b, d: d(a, b, dims), lhs, rhs, dot)
+    d_lhs, d_rhs, new = pullback(ct)
+    assert out.dtype == d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    # The state's gradient is its new value: the scale each operand was quantized with.
+    sx, sw, sg = (np.float32(getattr(new, r).scale) for r in ("input", "kernel", "output_grad"))
+    assert all(s != 1 for s in (sx, sw, sg))
+    x, w, g = (np.asarray(v, np.float32) for v in (lhs, rhs, ct))
+    xq, wq, gq = ref_qdq(x, sx, "e4m3"), ref_qdq(w, sw, "e4m3"), ref_qdq(g, sg, "e5m2")
+    refs = _einsum_reference(name.split()[0], xq, wq, gq)
+    for got, (value, magnitude, terms) in zip((out, d_lhs, d_rhs), refs, strict=True):
+        error = np.abs(np.asarray(got, np.float64) - value)
+        np.testing.assert_array_less(error, bf16_gemm_bound(value, magnitude, terms) + 1e-30)
 
 
 @pytest.mark.parametrize("recipe", ["current", "residual", "blockwise"])
@@ -185,7 +247,7 @@ def test_float16_outputs_do_not_overflow(recipe):
     w = jnp.asarray(rng.uniform(0.5, 1.0, (256, 8)) * 1e-3, jnp.float16)
     dims = (((1,), (0,)), ((), ()))
     dot = fp8jax.Fp8DotGeneral(recipe)
-    out, d_x, d_w = vjp(lambda a, b: dot(a, b, dims), x, w, jnp.full((16, 8), 1e-3, jnp.float16))
+    out, d_x, d_w = fp8_vjp(dot, dims, x, w, jnp.full((16, 8), 1e-3, jnp.float16))
     assert out.dtype == d_x.dtype == d_w.dtype == jnp.float16
     want = f32_dot(x.astype(jnp.float32), w.astype(jnp.float32), dims)
     # E4M3 operands: a relative error of at most 2 * 2**-4 per product, all terms positive.
@@ -195,25 +257,34 @@ def test_float16_outputs_do_not_overflow(recipe):
 
 
 def test_saves_only_fp8_operands_and_scales(capsys):
-    dot = fp8jax.Fp8DotGeneral()
+    # A history length that no operand has as a dimension: a float32 residual shaped like an
+    # operand cannot pass for FP8 state.
+    dot = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=7))
     x = jnp.ones((32, 16))
     w = jnp.ones((16, 8))
-    print_saved_residuals(lambda a, b: jnp.sum(dot(a, b, (((1,), (0,)), ((), ())))), x, w)
+    print_saved_residuals(lambda a, b, d: jnp.sum(d(a, b, (((1,), (0,)), ((), ())))), x, w, dot)
     saved = capsys.readouterr().out.splitlines()
-    shapes = [re.match(r"(\w+)\[([\d,]*)\]", line).groups() for line in saved]
-    big = [(d, s) for d, s in shapes if s not in ("", "1", "1024")]
+    residuals = []
+    for line in saved:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+        residuals.append((dtype, tuple(int(n) for n in dims.split(",") if n)))
+    state = sorted(r for r in residuals if r in (("f32", ()), ("f32", (7,))))
+    # The new state (returned by the backward pass as the state's gradient): a scale and a
+    # history for each of the three operands; and the two FP8 operands' scales.
+    assert state == [("f32", ())] * (3 + 2) + [("f32", (7,))] * 3, saved
+    operands = [r for r in residuals if r not in state]
     # The operands in FP8, in whatever layout the GEMM uses (the kernel is saved as (8, 16)).
-    assert sorted(d for d, _ in big) == ["f8_e4m3fn", "f8_e4m3fn"], saved
-    sizes = sorted(np.prod([int(n) for n in s.split(",")]) for _, s in big)
-    assert sizes == [16 * 8, 32 * 16], saved
+    assert sorted(d for d, _ in operands) == ["f8_e4m3fn", "f8_e4m3fn"], saved
+    assert sorted(int(np.prod(s)) for _, s in operands) == [16 * 8, 32 * 16], saved
 
 
 def test_forward_uses_history_scale_not_stored_scale():
     """Delayed scaling: once the history has an amax, the scale comes from it."""
     dot = with_state(fp8jax.Fp8DotGeneral(), "input", scale=1.0, amax=4.0)
-    x = jnp.array([[3.3]])
+    x = jnp.array([[9.0]])
     w = jnp.array([[1.0]])
     got = dot(x, w, (((1,), (0,)), ((), ())))
-    want = ref_qdq(np.float32(3.3), np.float32(448) / np.float32(4.0), "e4m3")
-    np.testing.assert_allclose(np.asarray(got)[0, 0], want, rtol=1e-7)
-    assert want != ref_qdq(np.float32(3.3), 1.0, "e4m3")  # the two scales round differently
+    # 448 / 4 = 112, rounded down to 64: 9.0 saturates at 448 / 64 = 7.
+    want = ref_qdq(np.float32(9.0), pow2_scale(448, 4.0), "e4m3")
+    assert float(np.asarray(got)[0, 0]) == want == 7.0
+    assert ref_qdq(np.float32(9.0), 1.0, "e4m3") == 9.0  # the stored scale would not clip

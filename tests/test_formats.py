@@ -49,11 +49,15 @@ def test_quantize_rounds_like_ml_dtypes(fmt, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_quantize_saturates_instead_of_inf(fmt):
+def test_quantize_saturates_finite_values_and_passes_faults_on(fmt):
     limit = fp8jax.fp8_max(fmt)
-    x = np.array([1e30, -1e30, np.inf, -np.inf, 2 * limit], np.float32)
+    x = np.array([1e30, -1e30, 2 * limit, np.inf, -np.inf, np.nan], np.float32)
     got = np.asarray(fp8jax.quantize(x, 1.0, fmt)).astype(np.float32)
-    np.testing.assert_array_equal(got, [limit, -limit, limit, -limit, limit])
+    np.testing.assert_array_equal(got[:3], [limit, -limit, limit])
+    # An inf or NaN is a fault upstream: it becomes NaN (E4M3 has no inf), never the max.
+    assert np.isnan(got[3:]).all()
+    # A finite value whose scaled product overflows float32 is no fault: it saturates.
+    assert float(np.asarray(fp8jax.quantize(np.float32(3e38), 10.0, fmt), np.float32)) == limit
 
 
 def test_dequantize_inverts_scale():

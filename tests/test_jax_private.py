@@ -3,6 +3,7 @@ moved them: fix that module, not the tests."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 from fp8jax._src import jax_private
@@ -75,3 +76,46 @@ def test_varying_axes_inside_shard_map():
     )
     assert seen == [(frozenset(), frozenset({"data"}))]
     assert jax_private.varying_axes(jnp.ones(3)) == frozenset()
+
+
+def test_differentiation_trace_is_recognised():
+    seen = []
+
+    def f(x, y):
+        seen.append((jax_private.differentiation_trace(x), jax_private.differentiation_trace(y)))
+        return x * y
+
+    jax.grad(f)(1.0, 2.0)
+    jax.jit(jax.grad(f))(1.0, 2.0)
+    jax.jit(f)(1.0, 2.0)
+    (a, b), (c, d), (e, g) = seen
+    assert a is not None and b is None  # only x is differentiated
+    assert c is not None and d is None
+    assert e is None and g is None  # jit alone
+    assert jax_private.differentiation_trace(jnp.ones(2)) is None
+
+
+@pytest.mark.parametrize(
+    "index",
+    [lambda a: a[0], lambda a: jnp.take(a, jnp.array([0]), axis=0)[0]],
+    ids=["slice", "take"],
+)
+def test_static_slices_of_max_combining_state_raise_what_grad_recognises(index):
+    """filter_value_and_grad explains JAX's errors for static slices of FP8 state in its own
+    words, and only those errors."""
+    import equinox as eqx
+
+    import fp8jax
+    from fp8jax._src.grad import _is_static_slice_error
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    stacked = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(keys))
+
+    def loss(model, x):
+        first = jax.tree.map(lambda a: index(a) if eqx.is_array(a) else a, model)
+        return jnp.sum(first(x))
+
+    with pytest.raises(TypeError, match="static slice") as error:
+        fp8jax.filter_grad(loss)(stacked, jnp.ones((2, 4)))
+    assert _is_static_slice_error(error.value.__cause__), error.value.__cause__
+    assert not _is_static_slice_error(ValueError("max_f32 state mixes dtypes"))

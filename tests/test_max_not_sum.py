@@ -135,3 +135,47 @@ def test_per_example_gradients_are_not_summed(linear):
     for i in range(3):
         single = fp8jax.filter_grad(loss)(linear, xs[i], cs[i])
         np.testing.assert_allclose(per_example.weight[i], single.weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_plain_grad_of_a_layer_used_twice_names_the_fix(linear, jit):
+    """Equinox's gradient would add the two uses' amaxes: an error says what to use."""
+    x = jnp.ones((5, 8))
+
+    def twice(m):
+        return jnp.sum(m(x)) + jnp.sum(m(2 * x))
+
+    grad = eqx.filter_grad(twice)
+    with pytest.raises(ValueError, match=r"runs twice .* fp8jax.filter_value_and_grad"):
+        (eqx.filter_jit(grad) if jit else grad)(linear)
+    params, static = eqx.partition(linear, eqx.is_array)
+    with pytest.raises(ValueError, match="runs twice"):
+        jax.grad(lambda p: twice(eqx.combine(p, static)))(params)
+    # The same function under fp8jax's gradient, or called once per use, is fine.
+    fp8jax.filter_grad(twice)(linear)
+    once = eqx.filter_grad(lambda m: jnp.sum(m(x)))
+    for _ in range(2):
+        once(linear)
+
+
+def test_plain_grad_raises_no_false_alarm_on_scans_vmaps_and_remat(getkey):
+    """Patterns where each use has its own state, or the layer runs once per trace."""
+    keys = jax.random.split(getkey(), 3)
+    stacked = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(keys))
+    x = jnp.ones((4, 8))
+
+    def scanned(layers, x):
+        params, static = eqx.partition(layers, eqx.is_array)
+
+        def body(h, p):
+            return jax.nn.relu(eqx.combine(p, static)(h)), None
+
+        return jnp.sum(lax.scan(body, x, params)[0])
+
+    def vmapped_remat(layers, x):
+        first = jax.tree.map(lambda a: a[1] if eqx.is_array(a) else a, layers)
+        return jnp.sum(jax.vmap(eqx.filter_checkpoint(first))(x))
+
+    for loss in (scanned, vmapped_remat):
+        grads = eqx.filter_jit(eqx.filter_grad(loss))(stacked, x)
+        assert np.isfinite(np.asarray(grads.weight)).all()

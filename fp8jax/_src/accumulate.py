@@ -73,10 +73,17 @@ def accumulate_gradients(
     loss, grads = fp8jax.accumulate_gradients(loss_fn, 4)(model, x, y)
     ```
     """
+    if not callable(fun):
+        raise TypeError(
+            f"accumulate_gradients: fun={fun!r} is not callable; it should be "
+            "fun(model, *batch) -> loss."
+        )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
             f"accumulate_gradients: microbatches={microbatches!r} should be an int >= 1."
         )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"accumulate_gradients: has_aux={has_aux!r} should be True or False.")
 
     def scaled(model: Any, *batch: Any) -> Any:
         out = fun(model, *batch)

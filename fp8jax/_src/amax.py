@@ -46,8 +46,9 @@ def _shared_reduction(reduce: Callable[[Array], Array], doc: str) -> Callable[..
 
 
 amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
-    lambda x: jnp.max(jnp.abs(x.astype(jnp.float32))),
-    """`max(|x|)` in float32, batch-wide under `vmap` unless `owner` is batched.
+    lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0),
+    """`max(|x|)` in float32 (0 for an empty `x`), batch-wide under `vmap` unless `owner` is
+    batched.
 
     **Arguments:**
 
@@ -57,9 +58,10 @@ amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_redu
 )
 
 fraction: Callable[[Bool[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
-    lambda mask: jnp.mean(mask.astype(jnp.float32)),
-    """The fraction of `mask` that is true, batch-wide under `vmap` unless `owner` is batched
-    (every member holds as many elements, so that is the mean over all of them). The telemetry
+    lambda mask: jnp.sum(mask.astype(jnp.float32)) / max(mask.size, 1),
+    """The fraction of `mask` that is true (0 for an empty `mask`), batch-wide under `vmap`
+    unless `owner` is batched (every member holds as many elements, so that is the mean over
+    all of them). The telemetry
     counterpart of `amax`: a statistic of FP8 state describes the whole batch it belongs to.
     """,
 )

@@ -109,13 +109,31 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     - `backend`: `"equinox"` (`eqx.tree_serialise_leaves`) or `"orbax"` (orbax-checkpoint).
     """
     _check_backend(backend)
-    path = pathlib.Path(path)
+    path = _as_path(path, "save_checkpoint")
+    _check_savable(state)
     record = json.dumps(_record(state)).encode()
     if backend == "orbax":
         _orbax_save(path, state, record)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"save_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' writes a "
+            "file (give a file name; orbax checkpoints are directories: backend='orbax')."
+        )
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"save_checkpoint: cannot write {os.fspath(path)!r}: {os.fspath(parent)!r} is a "
+                "file, not a directory."
+            )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp")
+    except OSError as e:  # name the checkpoint, not only the temporary file
+        raise type(e)(
+            e.errno, f"save_checkpoint: cannot write {os.fspath(path)!r}: {e.strerror}", e.filename
+        ) from e
+    with tmp as f:
         try:
             f.write(_MAGIC)
             f.write(len(record).to_bytes(8, "little"))
@@ -124,7 +142,11 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
         except BaseException:
             os.unlink(f.name)
             raise
-    os.replace(f.name, path)
+    try:
+        os.replace(f.name, path)
+    except BaseException:
+        os.unlink(f.name)  # a failed save leaves no stray temporary file behind
+        raise
 
 
 def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox") -> T:
@@ -140,25 +162,80 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     **Returns:** a new state; `like` is not modified.
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
-    or arrays differ from `like`'s (the message lists the differences).
+    or arrays differ from `like`'s (the message lists the differences); `ValueError` for a
+    file that is not a checkpoint, or is truncated or corrupt (data missing or left over).
     """
     _check_backend(backend)
-    path = pathlib.Path(path)
+    path = _as_path(path, "load_checkpoint")
     expected = _record(like)
     if backend == "orbax":
-        saved = json.loads((path / _RECORD).read_text())
+        saved = _parse_record((path / _RECORD).read_bytes(), path)
         _check(saved, expected, path)
         return _orbax_load(path, like)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
+            "file save_checkpoint wrote (orbax checkpoints are directories: backend='orbax')."
+        )
     with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
         magic = f.read(len(_MAGIC))
         if magic != _MAGIC:
             raise ValueError(
                 f"{os.fspath(path)!r} is not an fp8jax checkpoint (it does not start with "
                 f"{_MAGIC!r}); write one with fp8jax.save_checkpoint."
             )
-        size = int.from_bytes(f.read(8), "little")
-        _check(json.loads(f.read(size)), expected, path)
-        return eqx.tree_deserialise_leaves(f, like)
+        header = f.read(8)
+        size = int.from_bytes(header, "little")
+        if len(header) < 8 or size > total - f.tell():
+            raise _corrupt(path, f"its record is cut off ({total} bytes in all)")
+        _check(_parse_record(f.read(size), path), expected, path)
+        try:
+            restored = eqx.tree_deserialise_leaves(f, like)
+        except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated
+            raise _corrupt(path, f"its arrays could not be read ({e})") from e
+        if f.read(1):
+            raise _corrupt(path, f"it has data after the saved state ({total} bytes in all)")
+        return restored
+
+
+def _as_path(path: Any, who: str) -> pathlib.Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"{who}: path={path!r} should be a str or an os.PathLike.")
+    return pathlib.Path(path)
+
+
+def _corrupt(path: os.PathLike | str, why: str) -> ValueError:
+    # Not "nothing was loaded": that phrase marks a record that differs from `like`'s.
+    return ValueError(f"Checkpoint {os.fspath(path)!r} is truncated or corrupt: {why}.")
+
+
+def _parse_record(data: bytes, path: os.PathLike | str) -> dict[str, Any]:
+    """The record a checkpoint starts with, checked to have the shape `_record` gives it."""
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(path, f"its record is not valid JSON ({e})") from None
+    ok = (
+        isinstance(record, dict)
+        and isinstance(record.get("fp8_layers"), dict)
+        and isinstance(record.get("leaves"), dict)
+        and all(isinstance(v, dict) and "name" in v for v in record["fp8_layers"].values())
+        and all(isinstance(v, list) for v in record["leaves"].values())
+    )
+    if not ok:
+        raise _corrupt(path, "its record does not list FP8 layers and leaves")
+    return record
+
+
+def _check_savable(state: Any) -> None:
+    """Raise `ValueError` before writing if `state` has arrays NumPy cannot save."""
+    for where, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if eqx.is_array(leaf) and np.dtype(leaf.dtype).kind in "OUSV":
+            raise ValueError(
+                f"save_checkpoint: leaf {jax.tree_util.keystr(where) or 'at the root'} is an "
+                f"array of dtype {np.dtype(leaf.dtype)}; a checkpoint holds numeric arrays only."
+            )
 
 
 def _check_backend(backend: str) -> None:

@@ -21,7 +21,18 @@ SCOPE = "fp8jax"
 
 
 def _check_float(name: str, x: Any) -> np.dtype:
+    if isinstance(x, bool) or not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+        raise TypeError(
+            f"Fp8DotGeneral: {name}={x!r} is not an array; pass a jax or NumPy array of "
+            "floats (float32, bfloat16, float16), as to jax.lax.dot_general."
+        )
     dtype = np.dtype(jnp.result_type(x))
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"Fp8DotGeneral: {name} has dtype {dtype}; FP8 has no complex format. Use a "
+            "high-precision jax.lax.dot_general for complex GEMMs, or split real and "
+            "imaginary parts into real GEMMs."
+        )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"Fp8DotGeneral: {name} has dtype {dtype}; FP8 GEMMs take floating inputs "
@@ -87,6 +98,20 @@ class Fp8DotGeneral(OverwriteWithGradient):
     ):
         if not isinstance(telemetry, bool):
             raise TypeError(f"Fp8DotGeneral: telemetry={telemetry!r}: should be True or False.")
+        if not isinstance(name, str):
+            raise TypeError(f"Fp8DotGeneral: name={name!r}: should be a str (the layer's path).")
+        if kernel_shape is not None and (
+            not isinstance(kernel_shape, tuple | list)
+            or len(kernel_shape) != 2
+            or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in kernel_shape
+            )
+        ):
+            raise ValueError(
+                f"Fp8DotGeneral: kernel_shape={kernel_shape!r}: should be None or "
+                "(out_features, in_features), two ints >= 1: the kernel as a matrix with its "
+                "contracted axes last."
+            )
         self.recipe = recipe_from(recipe)
         self.name = name
         self.stats = Fp8Stats.zeros() if telemetry else None
@@ -109,17 +134,29 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if preferred_element_type is None:
             out_dtype = np.dtype(jnp.promote_types(lhs_dtype, rhs_dtype))
         else:
-            out_dtype = np.dtype(preferred_element_type)
-            if not jnp.issubdtype(out_dtype, jnp.floating):
+            try:
+                out_dtype = np.dtype(preferred_element_type)
+            except TypeError:
+                out_dtype = None
+            if (
+                out_dtype is None
+                or not jnp.issubdtype(out_dtype, jnp.floating)
+                or out_dtype.itemsize < 2
+            ):
+                shown = preferred_element_type if out_dtype is None else out_dtype
                 raise TypeError(
-                    f"Fp8DotGeneral: preferred_element_type={out_dtype} is not a float type; "
-                    "use float32, bfloat16 or float16."
+                    f"Fp8DotGeneral: preferred_element_type={shown} is not "
+                    "a high-precision float type; use float32, bfloat16 or float16 (the GEMM "
+                    "accumulates in float32 and writes that type; an FP8 output would be cast "
+                    "without a scale or saturation)."
                 )
         if isinstance(precision, list):
             precision = tuple(precision)
         states = States(self.input, self.kernel, self.output_grad, self.stats)
         with jax.named_scope(f"{SCOPE}[{self.name}]"):
-            return fp8_dot_general(self.recipe, dims, precision, out_dtype, lhs, rhs, states)
+            return fp8_dot_general(
+                self.recipe, dims, precision, out_dtype, lhs, rhs, states, self.name
+            )
 
     def merge(self, new: Fp8DotGeneral) -> Fp8DotGeneral:
         """Take each operand's received state where it is a real update.

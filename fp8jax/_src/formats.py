@@ -63,6 +63,13 @@ def fp8_dtype(fmt: FormatLike) -> np.dtype:
     )
 
 
+def format_name(fmt: FormatLike) -> str:
+    """The canonical name (`"e4m3"`, `"e5m2"`, `"e4m3fnuz"`, `"e5m2fnuz"`) of a format given
+    by any name or dtype [`fp8jax.fp8_dtype`][] accepts."""
+    dtype = fp8_dtype(fmt)
+    return next(name for name, d in _FORMATS.items() if d == dtype)
+
+
 def fp8_max(fmt: FormatLike) -> float:
     """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
     return float(jnp.finfo(fp8_dtype(fmt)).max)
@@ -83,17 +90,40 @@ def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...])
     return full[..., : shape[-2], : shape[-1]]
 
 
+def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
+    """Cast `x * scale` (formed in float32) to the FP8 `dtype`, clipping at its max.
+
+    Only finite `x` saturate (even where the product overflows float32): an inf or NaN in `x`
+    becomes NaN, so that a fault upstream reaches the GEMM's output (and `all_finite`, and
+    loss scaling) instead of turning into the format's max. (NaN, not inf: E4M3 has no inf,
+    and a GPU's saturating FP8 conversion turns inf into the max.)
+    """
+    x = jnp.asarray(x, jnp.float32)
+    limit = float(jnp.finfo(dtype).max)
+    scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
+    return jnp.where(jnp.isfinite(x), scaled, jnp.nan).astype(dtype)
+
+
 def quantize(
     x: Float[ArrayLike, "*shape"], scale: Float[ArrayLike, "*#shape"], fmt: FormatLike
 ) -> Array:
-    """Cast `x * scale` to FP8, saturating at the format's max so nothing becomes inf.
+    """Cast `x * scale` to FP8, saturating finite values at the format's max.
 
-    The product is formed in float32 and rounded to nearest-even by the cast. NaN stays NaN.
+    The product is formed in float32 and rounded to nearest-even by the cast. An inf or NaN
+    in `x` becomes NaN: faults are not hidden (see `saturate`).
     """
-    dtype = fp8_dtype(fmt)
-    limit = fp8_max(dtype)
-    scaled = jnp.asarray(x, jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(scaled, -limit, limit).astype(dtype)
+    return saturate(jnp.asarray(x), jnp.asarray(scale), fp8_dtype(fmt))
+
+
+def pow2(exponent: Array) -> Array:
+    """`2.0**exponent` exactly, as float32 (XLA's `exp2` is an approximation)."""
+    return jnp.ldexp(jnp.ones_like(exponent, jnp.float32), exponent)
+
+
+def floor_log2(x: Array) -> Array:
+    """`floor(log2(x))` for positive finite `x`, exactly (from the float's exponent)."""
+    _, exponent = jnp.frexp(x)  # x = m * 2**e with m in [0.5, 1)
+    return exponent - 1
 
 
 def dequantize(

@@ -24,6 +24,8 @@ import contextlib
 import contextvars
 import functools
 import math
+import operator
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -37,7 +39,7 @@ from jaxtyping import Array
 from . import jax_private
 from .recipes import Recipe
 from .remat import name_fp8_operands, name_gemm_output
-from .stats import Fp8Stats
+from .stats import Fp8Stats, OperandStats
 
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]
@@ -89,7 +91,7 @@ def normalize_dimension_numbers(
     """
     try:
         (lc, rc), (lb, rb) = dimension_numbers
-        lc, rc, lb, rb = (tuple(int(a) for a in axes) for axes in (lc, rc, lb, rb))
+        lc, rc, lb, rb = (tuple(operator.index(a) for a in axes) for axes in (lc, rc, lb, rb))
     except (TypeError, ValueError):
         raise ValueError(
             f"dimension_numbers={dimension_numbers!r}: should be "
@@ -159,9 +161,35 @@ class Layout(NamedTuple):
 # --- the canonical GEMM, unbatched ---------------------------------------------------------
 
 
+def _accept(new: Any, old: Any) -> tuple[Any, Array]:
+    """`new` state where all of it is finite, else `old`; and whether it was rejected.
+
+    Every recipe records the operand's amax in its new state, so an inf or NaN in the operand
+    shows there. Such an amax never enters a history (with `amax_compute="max"` it would
+    freeze the scale for the history's length): the operand keeps the state it had. The
+    fault itself is not hidden: the saturating cast turns it into NaN, which reaches the
+    GEMM's output and from there `all_finite` and loss scaling.
+    """
+    finite = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(new)]
+    ok = functools.reduce(jnp.logical_and, finite)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old), jnp.logical_not(ok)
+
+
+def _with_count(stats: OperandStats, old: OperandStats | None, rejected: Array) -> OperandStats:
+    """Telemetry of an operand: this step's fractions and the running count of rejected
+    state updates; a rejected step keeps the old fractions too."""
+    if old is None:
+        return stats
+    stats = OperandStats(stats.saturated, stats.underflow, old.rejected + rejected)
+    keep = OperandStats(old.saturated, old.underflow, stats.rejected)
+    return jax.tree.map(lambda k, s: jnp.where(rejected, k, s), keep, stats)
+
+
 def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
+    new_input, input_rejected = _accept(new_input, states.input)
+    new_kernel, kernel_rejected = _accept(new_kernel, states.kernel)
     with jax.named_scope("fwd"):
         out = recipe.dot(q_x, q_w, -1, -1, precision, out_dtype)
     # Keep what follows (a bias, an activation) out of the GEMM's epilogue: XLA's cuBLAS path
@@ -170,10 +198,21 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     out = lax.optimization_barrier(out)
     stats = None
     if states.stats is not None:
+        old = states.stats
         stats = (
-            recipe.statistics(x, q_x, "input", _owner(states.input)),
-            recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
+            _with_count(
+                recipe.statistics(x, q_x, "input", _owner(states.input)), old.input, input_rejected
+            ),
+            _with_count(
+                recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
+                old.kernel,
+                kernel_rejected,
+            ),
+            old.output_grad,
         )
+    # The dgrad's copy of the kernel, laid out for its other contraction, is quantized from
+    # the high-precision weight here (one rounding), not from `q_w` in the backward (two).
+    q_w = recipe.retile(q_w, "kernel", -2, source=w)
     return out, (q_x, q_w, new_input, new_kernel, states.output_grad, stats)
 
 
@@ -186,9 +225,10 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+    new_grad, grad_rejected = _accept(new_grad, grad_state)
     if stats is not None:
         grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(grad_state))
-        stats = Fp8Stats(*stats, grad_stats)
+        stats = Fp8Stats(stats[0], stats[1], _with_count(grad_stats, stats[2], grad_rejected))
     with jax.named_scope("dgrad"):
         d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
@@ -326,15 +366,53 @@ def _as_f32(tree: Any) -> Any:
     return jax.tree.map(jax_private.to_float32, tree)
 
 
+class Static(NamedTuple):
+    """What the custom_vjp needs to know about one call beyond its arrays (hashable)."""
+
+    lhs: np.dtype
+    rhs: np.dtype
+    out: np.dtype
+    max_combining: bool
+    mesh_axes: tuple[frozenset[str], frozenset[str], frozenset[str]]
+    name: str
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gemm(recipe: Recipe, precision: Any, dtypes: tuple, x: Array, w: Array, states: States):
-    out = _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))[0]
+def _gemm(recipe: Recipe, precision: Any, static: Static, x: Array, w: Array, states: States):
+    out = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))[0]
     return name_gemm_output(out)
 
 
-def _gemm_fwd(recipe, precision, dtypes, x, w, states):
+def _check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> None:
+    """Raise if gradients flow through this GEMM while its state, which its numerics read,
+    is not differentiated: its new value could not leave the step, and the scales would stay
+    as they are forever."""
+    leaves = jax.tree.leaves(states)
+    if not recipe.reads_state or any(leaf.perturbed for leaf in leaves):
+        return
+    if not (x.perturbed or w.perturbed):
+        return
+    layer = f"FP8 layer {static.name!r}" if static.name else "An Fp8DotGeneral"
+    raise ValueError(
+        f"{layer} ({type(recipe).__name__}) is differentiated, but its FP8 state is not: its "
+        "new scales and amax history leave the step as the state's gradient, so they would "
+        "stay as they are forever (a fresh layer's scale of 1.0 saturates large values and "
+        "flushes small gradients to zero). Differentiate the state along with the weights: "
+        "with a filter_spec, `filter_spec = fp8jax.with_fp8_state(filter_spec, model)`; "
+        "with jax.grad, pass the layer (or model) as a differentiated argument, e.g. "
+        "`fp8jax.filter_grad(loss)(model, x)` (gradients you do not use cost nothing under "
+        "jit). Recipes that keep no state between steps (CurrentScaling, BlockwiseScaling, "
+        "MXFP8) do not need it."
+    )
+
+
+def _gemm_fwd(recipe, precision, static, x, w, states):
+    # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
+    # differentiated.
+    _check_state_differentiated(recipe, static, x, w, states)
+    x, w, states = x.value, w.value, jax.tree.map(lambda p: p.value, states)
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    out, (q_x, q_w, *rest) = _folding_forward(recipe, precision, dtypes[2])(x, w, _as_f32(states))
+    out, (q_x, q_w, *rest) = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))
     # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
     return name_gemm_output(out), (name_fp8_operands(q_x), name_fp8_operands(q_w), *rest)
 
@@ -346,19 +424,65 @@ def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
     return reduce(a, extra) if extra else a
 
 
-def _gemm_bwd(recipe, precision, dtypes, residuals, g):
+def _gemm_bwd(recipe, precision, static, residuals, g):
     del precision
-    d_x, d_w, new_states = _folding_backward(recipe, dtypes[:3])(residuals, g)
-    lhs_axes, rhs_axes, state_axes = dtypes[4]
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
+    d_x, d_w, new_states = _folding_backward(recipe, (static.lhs, static.rhs))(residuals, g)
+    lhs_axes, rhs_axes, state_axes = static.mesh_axes
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
     d_w = _reduce_to(d_w, rhs_axes, lax.psum)
     # Replicated state takes the largest amax of all devices, never their sum.
     new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
-    convert = jax_private.to_max_combining if dtypes[3] else jax_private.to_float32
+    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
     return d_x, d_w, jax.tree.map(convert, new_states)
 
 
-_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+_gemm.defvjp(_gemm_fwd, _gemm_bwd, symbolic_zeros=True)
+
+
+def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
+    """Kernel-shaped state (error feedback) must match the kernel of this call."""
+    error = getattr(state, "error", None)
+    want = (math.prod(layout.rhs_free), math.prod(layout.contract))
+    if error is not None and tuple(error.shape[-2:]) != want:
+        layer = f"FP8 layer {name!r}" if name else "Fp8DotGeneral"
+        raise ValueError(
+            f"{layer}: its state was made for kernel_shape {tuple(error.shape[-2:])} but the "
+            f"kernel of this call is {want} as a matrix (out, in: contracted axes last); "
+            f"build the layer with kernel_shape={want}."
+        )
+
+
+# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): leaf}.
+_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_single_use(leaves: list, name: str) -> None:
+    """Raise if this FP8 state already entered a GEMM under the same differentiation.
+
+    JAX adds the cotangents of a value used twice; for FP8 state, whose cotangent is its new
+    value, that adds the amaxes of the two uses (and their scales). Only the max-combining
+    view of [`fp8jax.filter_value_and_grad`][] combines them correctly. Seen at trace time:
+    the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs.
+    """
+    leaf = leaves[0]
+    trace = jax_private.differentiation_trace(leaf)
+    if trace is None:
+        return
+    seen = _USES.setdefault(trace, {})
+    if seen.get(id(leaf)) is leaf:
+        layer = f"FP8 layer {name!r}" if name else "An Fp8DotGeneral"
+        raise ValueError(
+            f"{layer} runs twice in one differentiated step (a shared or reused layer), "
+            "under a gradient that would add its two amaxes and scales instead of keeping the "
+            "larger: JAX sums the gradients of a value used twice, and FP8 state leaves the "
+            "step through its gradient. Use fp8jax.filter_value_and_grad / fp8jax.filter_grad "
+            "(drop-in for Equinox's) or fp8jax.make_train_step, which combine the uses by max; "
+            "with plain jax.grad, view the model with fp8jax.combine_by_max inside the "
+            "differentiated function."
+        )
+    seen[id(leaf)] = leaf
 
 
 def fp8_dot_general(
@@ -369,11 +493,12 @@ def fp8_dot_general(
     lhs: Array,
     rhs: Array,
     states: States,
+    name: str = "",
 ) -> Array:
     """`lax.dot_general(lhs, rhs, dimension_numbers)` as FP8 GEMMs under `recipe`.
 
     Differentiating it computes dgrad and wgrad in FP8 and returns the new `states` as their
-    cotangent, in the dtype `states` came in.
+    cotangent, in the dtype `states` came in. `name` names the layer in errors.
     """
     # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
     # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
@@ -384,18 +509,22 @@ def fp8_dot_general(
     max_combining = any(jax_private.is_max_combining(a) for a in leaves)
     if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
         raise ValueError("FP8 state mixes max-combining and float32 leaves.")
+    if not max_combining:
+        _check_single_use(leaves, name)
     layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
+    _check_kernel_state(states.kernel, layout, name)
     mesh_axes = (
         jax_private.varying_axes(lhs),
         jax_private.varying_axes(rhs),
         frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
     )
-    dtypes = (
+    static = Static(
         np.dtype(lhs.dtype),
         np.dtype(rhs.dtype),
         np.dtype(out_dtype),
         max_combining,
         mesh_axes,
+        name,
     )
-    out = _gemm(recipe, precision, dtypes, layout.lhs(lhs), layout.rhs(rhs), states)
+    out = _gemm(recipe, precision, static, layout.lhs(lhs), layout.rhs(rhs), states)
     return layout.out(out)

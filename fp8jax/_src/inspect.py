@@ -23,7 +23,7 @@ import functools
 import importlib.resources
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -166,6 +166,10 @@ class Inspection:
         return "\n".join(lines)
 
 
+def _is_int(n: Any) -> bool:
+    return isinstance(n, int | np.integer) and not isinstance(n, bool)
+
+
 @functools.cache
 def h100_topology(devices: int = 1) -> Any | None:
     """`devices` compile-only H100s in one host (`None` when the CUDA plugin is missing)."""
@@ -193,6 +197,16 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     report = fp8jax.inspect(train_step, state, x)
     ```
     """
+    if (
+        not isinstance(axes, Mapping)
+        or not axes
+        or not all(isinstance(name, str) for name in axes)
+        or not all(_is_int(n) and n >= 1 for n in axes.values())
+    ):
+        raise ValueError(
+            f"h100_mesh: axes={axes!r}: should be a dict from mesh axis names to sizes >= 1, "
+            "e.g. {'data': 8}."
+        )
     size = math.prod(axes.values())
     topology = h100_topology(size)
     if topology is None:
@@ -276,10 +290,26 @@ def inspect(
     print(report)
     ```
     """
+    if not callable(fn):
+        raise TypeError(f"fp8jax.inspect: fn={fn!r} is not callable; pass the function to compile.")
+    if isinstance(modes, str) or not isinstance(modes, Iterable):
+        raise ValueError(
+            f"fp8jax.inspect: modes={modes!r}: should be a tuple of modes among {sorted(MODES)}, "
+            "e.g. ('cublas',)."
+        )
     modes = tuple(modes)
+    if not modes:
+        raise ValueError(f"fp8jax.inspect: modes=(): give at least one of {sorted(MODES)}.")
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: should be among {sorted(MODES)}.")
+    if not isinstance(merge_dots, bool):
+        raise TypeError(f"fp8jax.inspect: merge_dots={merge_dots!r} should be True or False.")
+    if compiler_options is not None and not isinstance(compiler_options, Mapping):
+        raise TypeError(
+            f"fp8jax.inspect: compiler_options={compiler_options!r} should be a dict of XLA "
+            "options or None."
+        )
     topology = h100_topology()
     if topology is None:
         lowered, _ = _lower(fn, args, kwargs, None)
@@ -317,6 +347,11 @@ def assert_all_fp8(
     `fn` may be a function with its arguments (as for [`fp8jax.inspect`][]) or an
     `Inspection` already made.
     """
+    if not isinstance(fn, Inspection) and not callable(fn):
+        raise TypeError(
+            f"assert_all_fp8: fn={fn!r} should be a function (with its arguments) or an "
+            "fp8jax.Inspection."
+        )
     report = fn if isinstance(fn, Inspection) else inspect(fn, *args, **kwargs)
     bad = report.offending(strict=strict)
     if bad:
@@ -419,8 +454,9 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
                 _operand_names(match.group("operands")),
                 match.group("rest"),
             )
+    loop_names = _loop_op_names(computations)
     gemms = []
-    for instructions in computations.values():
+    for computation, instructions in computations.items():
         for name, (out_type, op, operands, rest) in instructions.items():
             target = _gemm_target(op, rest)
             if target is not None:
@@ -437,11 +473,42 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
                     name,
                     kernel,
                     *map(_element_type, full),
-                    op_name.group(1) if op_name else "",
+                    loop_names.get(computation) or (op_name.group(1) if op_name else ""),
                     _flops(out_type, full[0], rest),
                 )
             )
     return gemms
+
+
+_CALLED = re.compile(r"(?:calls|body|condition)=%([\w.\-]+)")
+
+
+def _loop_op_names(computations: dict[str, dict[str, tuple]]) -> dict[str, str]:
+    """Computation -> the JAX name of the innermost `while` loop running it (directly, or
+    through fusions and calls), for loops of fp8jax layers.
+
+    JAX traces the body of a `lax.scan` once for every scan with the same body (block recipes
+    loop over the chunks of each GEMM), so the instructions inside carry the name of the
+    first layer that traced it; the loop instruction itself carries its own layer's name.
+    """
+    callers: dict[str, tuple[str, str, str]] = {}  # computation -> (parent, op, op_name)
+    for parent, instructions in computations.items():
+        for _, op, _, rest in instructions.values():
+            op_name = _OP_NAME.search(rest)
+            for called in _CALLED.findall(rest):
+                callers.setdefault(called, (parent, op, op_name.group(1) if op_name else ""))
+    names: dict[str, str] = {}
+    for computation in computations:
+        seen, current = set(), computation
+        while current in callers and current not in seen:
+            seen.add(current)
+            parent, op, op_name = callers[current]
+            if op == "while":
+                if _LAYER.search(op_name):
+                    names[computation] = op_name
+                break
+            current = parent
+    return names
 
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

@@ -18,6 +18,10 @@ cotangent's way back both happen under `jit`, never as eager arrays.
 ## Whether a value is being `vmap`ped
 Used to tell per-example gradients (`vmap` of a gradient) from a batch inside the loss.
 
+## Whether a value is being differentiated, and by which trace
+Used to tell when one FP8 layer's state enters two GEMMs under the same `jax.grad` (its
+cotangents would be summed), and whether state is differentiated by an outer gradient.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -114,6 +118,14 @@ def to_float32(x: Any) -> Any:
 def is_batch_tracer(x: Any) -> bool:
     """Whether `x` is a tracer of `jax.vmap` (JAX exports no name for its type)."""
     return isinstance(x, core.Tracer) and type(x).__name__ == "BatchTracer"
+
+
+def differentiation_trace(x: Any) -> Any | None:
+    """The reverse-mode trace `x` is a tracer of (`jax.grad`, `jax.vjp` and what builds on
+    them), or `None`. JAX exports no name for these tracer types or their traces."""
+    if isinstance(x, core.Tracer) and type(x).__name__ in ("LinearizeTracer", "JVPTracer"):
+        return x._trace
+    return None
 
 
 def varying_axes(x: Any) -> frozenset[str]:

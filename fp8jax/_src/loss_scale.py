@@ -40,6 +40,7 @@ T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _is_overwrite(x: Any) -> bool:
@@ -73,7 +74,13 @@ def _multiply(tree: T, factor: Float[Array, ""]) -> T:
 
 
 def _flag(grads_finite: ArrayLike, who: str) -> Bool[Array, ""]:
-    flag = jnp.asarray(grads_finite)
+    try:
+        flag = jnp.asarray(grads_finite)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{who}.adjust: grads_finite={grads_finite!r} should be a boolean scalar, e.g. "
+            "fp8jax.all_finite(grads)."
+        ) from None
     if flag.dtype != jnp.bool_ or flag.shape != ():
         raise TypeError(
             f"{who}.adjust: grads_finite has dtype {flag.dtype} and shape {flag.shape}; it should "
@@ -242,8 +249,16 @@ class DynamicLossScale(LossScale):
         min_loss_scale: float = 1.0,
     ):
         who = "DynamicLossScale"
-        if isinstance(period, bool) or not isinstance(period, int | np.integer) or period < 1:
-            raise ValueError(f"{who}: period={period!r} should be an integer >= 1.")
+        if (
+            isinstance(period, bool)
+            or not isinstance(period, int | np.integer)
+            or not 1 <= period <= _INT32_MAX
+        ):
+            # The step counter is an int32 array: a larger period could never be reached.
+            raise ValueError(
+                f"{who}: period={period!r} should be an integer >= 1 and <= {_INT32_MAX} "
+                "(the step counter is int32)."
+            )
         factor_ = _number("factor", factor, who)
         if factor_ is None or factor_ <= 1:
             raise ValueError(f"{who}: factor={factor!r} should be a number > 1.")

@@ -15,6 +15,21 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .dot_general import Fp8DotGeneral
 
 
+def _is_array_like(x: object) -> bool:
+    """An array, a tracer or a `jax.ShapeDtypeStruct`: has a shape and a dtype."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _check_features(name: str, value: object, size: int) -> None:
+    """`in_features`/`out_features` must agree with the weight (eqx.nn.Linear's convention)."""
+    if value is None or (type(value) is int and value == size):
+        return
+    if isinstance(value, str) and value == "scalar" and size == 1:
+        return
+    allowed = f"None or {size}" + (" or 'scalar'" if size == 1 else "")
+    raise ValueError(f"Linear {name}={value!r} does not match the weight: should be {allowed}.")
+
+
 class Linear(eqx.Module):
     """`y = x @ weight.T + bias`, the matmul done by `dot_general` (an FP8 one by default).
 
@@ -46,16 +61,39 @@ class Linear(eqx.Module):
         out_features: int | Literal["scalar"] | None = None,
         dot_general: Fp8DotGeneral | None = None,
     ):
+        if not _is_array_like(weight):
+            raise TypeError(
+                f"Linear weight is a {type(weight).__name__}; should be an array of shape "
+                "(out_features, in_features)."
+            )
         if jnp.ndim(weight) != 2:
             raise ValueError(
                 f"Linear weight has shape {jnp.shape(weight)}; should be (out_features, "
                 "in_features)."
             )
+        if not jnp.issubdtype(weight.dtype, jnp.floating):
+            raise TypeError(
+                f"Linear weight has dtype {weight.dtype}; should be a floating dtype (float32, "
+                "bfloat16, float16)."
+            )
         out_size, in_size = jnp.shape(weight)
+        if bias is not None and not _is_array_like(bias):
+            raise TypeError(
+                f"Linear bias is a {type(bias).__name__}; should be an array of shape "
+                f"({out_size},) or None."
+            )
         if bias is not None and jnp.shape(bias) != (out_size,):
             raise ValueError(
                 f"Linear bias has shape {jnp.shape(bias)}; should be ({out_size},) to match "
                 f"weight {jnp.shape(weight)}."
+            )
+        _check_features("in_features", in_features, in_size)
+        _check_features("out_features", out_features, out_size)
+        if dot_general is not None and not callable(dot_general):
+            raise TypeError(
+                f"Linear dot_general={dot_general!r}: should be None (an fp8jax.Fp8DotGeneral) "
+                "or a callable with the signature of jax.lax.dot_general, e.g. "
+                "fp8jax.Fp8DotGeneral('current')."
             )
         self.weight = weight
         self.bias = bias
@@ -86,8 +124,14 @@ class Linear(eqx.Module):
         in_size = self.weight.shape[1]
         if self.in_features == "scalar":
             if jnp.ndim(x) != 0:
-                raise ValueError(f"Linear with in_features='scalar' got x of shape {x.shape}.")
+                raise ValueError(
+                    f"Linear with in_features='scalar' got x of shape {jnp.shape(x)}; should be ()."
+                )
             x = jnp.reshape(x, (1,))
+        if not _is_array_like(x):
+            raise TypeError(
+                f"Linear expects x as an array of shape (..., {in_size}); got a {type(x).__name__}."
+            )
         if jnp.ndim(x) == 0 or x.shape[-1] != in_size:
             raise ValueError(f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}.")
         dims = (((x.ndim - 1,), (1,)), ((), ()))

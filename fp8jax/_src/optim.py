@@ -89,13 +89,21 @@ def low_precision_state(
             "GradientTransformation (with init and update)."
         )
     try:
-        storage = np.dtype(dtype)
+        # np.dtype(None) is float64: a forgotten dtype must not silently mean "float64".
+        storage = None if dtype is None else np.dtype(dtype)
     except TypeError:
         storage = None
     if storage is None or not jnp.issubdtype(storage, jnp.floating):
         raise ValueError(
             f"low_precision_state: dtype={dtype!r} should be a floating dtype, e.g. "
             "jnp.bfloat16, jnp.float16 or jnp.float32."
+        )
+    if storage.itemsize < 2:
+        # No scale goes with the stored state: Adam's second moments (g**2) would flush to
+        # zero or overflow an 8-bit float's range, and an 8-bit float does not promote.
+        raise ValueError(
+            f"low_precision_state: dtype={dtype!r} is an 8-bit float, which stores optimizer "
+            "state without a scale; use jnp.bfloat16, jnp.float16 or jnp.float32."
         )
     compute = np.dtype(jnp.promote_types(storage, jnp.float32))
     inner = optax.with_extra_args_support(optimizer)

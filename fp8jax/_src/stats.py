@@ -28,15 +28,19 @@ class OperandStats(eqx.Module):
       (above its max plus half a step there), so the saturating cast clipped them to the max.
     - `underflow`: the fraction of nonzero values that became zero (flushed below the format's
       smallest subnormal).
+    - `rejected`: how many steps so far the operand held an inf or NaN, so that its state
+      update was rejected (the layer kept its previous scale and history). A running count,
+      as a float32.
     """
 
     saturated: Float[Array, ""]
     underflow: Float[Array, ""]
+    rejected: Float[Array, ""]
 
     @classmethod
     def zeros(cls) -> OperandStats:
         """Statistics of no tensor yet."""
-        return cls(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        return cls(*(jnp.zeros((), jnp.float32) for _ in range(3)))
 
 
 class Fp8Stats(eqx.Module):
@@ -59,7 +63,8 @@ def cast_statistics(
     owner: Array,
     axis_names: tuple[str, ...] = (),
 ) -> OperandStats:
-    """The [`fp8jax.OperandStats`][] of `x` cast to FP8 as `terms`.
+    """The [`fp8jax.OperandStats`][] of `x` cast to FP8 as `terms` (`rejected` is 0: the GEMM
+    counts rejected updates, see `fp8jax._src.gemm`).
 
     **Arguments:**
 
@@ -75,9 +80,10 @@ def cast_statistics(
     if first.block:
         scale_inv = expand_blocks(scale_inv, first.block, x.shape)
     magnitude = jnp.abs(x.astype(jnp.float32))
-    saturated = magnitude > overflow_threshold(fmt) * scale_inv
+    # Only finite values are clipped; an inf or NaN is passed on as NaN (see `saturate`).
+    saturated = jnp.isfinite(magnitude) & (magnitude > overflow_threshold(fmt) * scale_inv)
     all_zero = functools.reduce(operator.and_, [t.data == 0 for t in terms])
     values = (fraction(saturated, owner), fraction(all_zero & (magnitude > 0), owner))
     if axis_names:
         values = tuple(lax.pmean(v, axis_names) for v in values)
-    return OperandStats(*values)
+    return OperandStats(*values, jnp.zeros((), jnp.float32))

@@ -39,6 +39,8 @@ class OperandTelemetry(eqx.Module):
     - `history_max`: the largest amax the history remembers.
     - `saturated`, `underflow`: the fractions of values clipped at the format's max and flushed
       to zero ([`fp8jax.OperandStats`][]), or `None` for a layer built without telemetry.
+    - `rejected`: how many steps the operand held an inf or NaN, so that the layer kept its
+      previous state instead of taking that step's amax, or `None` without telemetry.
     """
 
     scale: Float[Array, "*layers"]
@@ -46,6 +48,7 @@ class OperandTelemetry(eqx.Module):
     history_max: Float[Array, "*layers"]
     saturated: Float[Array, "*layers"] | None
     underflow: Float[Array, "*layers"] | None
+    rejected: Float[Array, "*layers"] | None = None
 
 
 class LayerTelemetry(eqx.Module):
@@ -71,6 +74,7 @@ def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
             history_max=jnp.max(history, axis=-1),
             saturated=None if stats is None else stats.saturated,
             underflow=None if stats is None else stats.underflow,
+            rejected=None if stats is None else stats.rejected,
         )
     formats = tuple(np.dtype(dot.recipe.format(role)).name for role in _ROLES)
     return LayerTelemetry(**operands, recipe=type(dot.recipe).__name__, formats=formats)
@@ -139,6 +143,7 @@ def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
                     f"{float(at(op.history_max)):.4g}",
                     _percent(at(op.saturated)),
                     _percent(at(op.underflow)),
+                    "-" if op.rejected is None else str(int(at(op.rejected))),
                 ]
             )
             label = ""
@@ -169,8 +174,30 @@ def report(
 
     **Returns:** the text. Call it outside `jit`: it fetches the values to the host.
     """
+    if loss_scale is not None and not hasattr(loss_scale, "loss_scale"):
+        raise TypeError(
+            f"fp8jax.report: loss_scale={loss_scale!r} should be an fp8jax loss scale "
+            "(NoOpLossScale, StaticLossScale, DynamicLossScale), e.g. state.loss_scale, or None."
+        )
+    if file is not None and not callable(getattr(file, "write", None)):
+        raise TypeError(
+            f"fp8jax.report: file={file!r} should be a text stream with a write method "
+            "(sys.stdout, open(path, 'w')) or None."
+        )
+    if not isinstance(quiet, bool):
+        raise TypeError(f"fp8jax.report: quiet={quiet!r} should be True or False.")
     layers = tree if _is_telemetry(tree) else telemetry(tree)
-    header = ["layer", "operand", "format", "scale", "amax", "history max", "saturated", "zeroed"]
+    header = [
+        "layer",
+        "operand",
+        "format",
+        "scale",
+        "amax",
+        "history max",
+        "saturated",
+        "zeroed",
+        "non-finite steps",
+    ]
     rows = [row for name, layer in layers.items() for row in _rows(name, layer)]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = [

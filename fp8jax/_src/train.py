@@ -100,6 +100,11 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
 
     def scaled_loss(model: Any, *batch: Any) -> tuple[Array, tuple[Array, Any]]:
         out = self.loss_fn(policy.cast_to_compute(model), *batch)
+        if self.has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+            raise ValueError(
+                f"make_train_step(has_aux=True): loss_fn returned {type(out).__name__}, not a "
+                "pair (loss, aux); return both, or drop has_aux."
+            )
         loss, aux = out if self.has_aux else (out, None)
         if jnp.ndim(loss) != 0:
             raise ValueError(
@@ -191,6 +196,9 @@ def make_train_step(
             f"make_train_step: optimizer={optimizer!r}: should be an optax "
             "GradientTransformation, e.g. optax.adamw(1e-3)."
         )
+    for flag, value in (("has_aux", has_aux), ("skip_nonfinite", skip_nonfinite)):
+        if not isinstance(value, bool):
+            raise TypeError(f"make_train_step: {flag}={value!r}: should be True or False.")
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:

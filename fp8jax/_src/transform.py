@@ -73,7 +73,18 @@ class Fp8Config:
                     "of layer names."
                 )
             object.__setattr__(self, "targets", tuple(targets))
+            if not self.targets:
+                raise ValueError(
+                    f"Fp8Config targets={targets!r} selects no layer, so fp8_linear_layers "
+                    "would convert nothing: pass None to convert every Linear (bar `exclude`), "
+                    "or name at least one layer."
+                )
         if self.exclude is not None:
+            if not isinstance(self.exclude, str):
+                raise ValueError(
+                    f"Fp8Config exclude={self.exclude!r}: should be a regular expression "
+                    "(a str, matched against the last name of a Linear's path) or None."
+                )
             _compile("exclude", self.exclude)
         object.__setattr__(self, "recipe", recipe_from(self.recipe))
         if self.recipes is not None:
@@ -83,6 +94,11 @@ class Fp8Config:
                     "patterns to recipes."
                 )
             for pattern in self.recipes:
+                if not isinstance(pattern, str):
+                    raise ValueError(
+                        f"Fp8Config recipes pattern {pattern!r}: should be a str, a layer name "
+                        "or a regular expression."
+                    )
                 _compile("recipes pattern", pattern)
             resolved = tuple((p, recipe_from(r)) for p, r in self.recipes.items())
             object.__setattr__(self, "recipes", resolved)

@@ -53,6 +53,36 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     return eqx.partition(tree, _is_overwrite, is_leaf=_is_overwrite)
 
 
+def with_fp8_state(filter_spec: Any, model: T) -> T:
+    """`filter_spec` extended to the FP8 state of `model`: a tree of bools shaped like
+    `model`, `True` where `filter_spec` selects a leaf or the leaf belongs to an
+    [`fp8jax.OverwriteWithGradient`][] module.
+
+    Fine-tuning code often differentiates only part of a model, chosen by an Equinox filter
+    spec. FP8 state must be differentiated too: its new value leaves the step as its
+    gradient, and a layer with delayed scaling whose state is left out raises rather than
+    keep its scales at their initial value forever. Pass the result wherever the spec went.
+
+    **Arguments:**
+
+    - `filter_spec`: anything `eqx.partition(model, filter_spec)` accepts (a bool, a
+      callable such as `eqx.is_inexact_array`, or a tree of them).
+    - `model`: the model the spec is for.
+
+    ```python
+    spec = eqx.tree_at(lambda m: m.head.weight, jax.tree.map(lambda _: False, model), True)
+    diff, static = eqx.partition(model, fp8jax.with_fp8_state(spec, model))
+    ```
+    """
+    chosen, _ = eqx.partition(model, filter_spec)
+    overwrites, _ = partition_for_grad_overwrite(model)
+
+    def flag(picked: Any, state: Any) -> bool:
+        return picked is not None or eqx.is_inexact_array(state)
+
+    return jax.tree.map(flag, chosen, overwrites, is_leaf=lambda x: x is None)
+
+
 def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
     """`eqx.apply_updates(model, updates)`, with FP8 state replaced by `overwrites`.
 

@@ -10,9 +10,11 @@ A recipe is a frozen dataclass of Python configuration. Its methods are pure fun
 
 1. `quantize(x, state, role, axis)`: FP8 [`fp8jax.QTensor`][] laid out for a GEMM that
    contracts `axis`, and the role's new state;
-2. `retile(q, role, axis)`: the same tensor laid out to be contracted over `axis` instead (the
-   wgrad contracts the activation over its tokens, not its features), without a high-precision
-   copy;
+2. `retile(q, role, axis, source=None)`: the same tensor laid out to be contracted over `axis`
+   instead (the dgrad contracts the kernel over its outputs, the wgrad the activation over its
+   tokens). The forward retiles the kernel from its high-precision `source` (one rounding);
+   the backward retiles the saved activation from its FP8 values (DeepSeek-V3's choice: no
+   high-precision copy is kept);
 3. `dot(lhs, rhs, lhs_axis, rhs_axis, precision)`: the float32 product of two `QTensor`s.
 """
 
@@ -28,7 +30,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from ..amax import amax
-from ..formats import FormatLike, expand_blocks, fp8_dtype
+from ..formats import FormatLike, expand_blocks, format_name, fp8_dtype
 from ..stats import OperandStats, cast_statistics
 
 Role = Literal["input", "kernel", "output_grad"]
@@ -84,8 +86,22 @@ class QTensor(eqx.Module):
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
     """Raise `ValueError` naming `value` and the `allowed` ones unless `value` is allowed."""
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"Unknown {name} {value!r}: should be one of {list(allowed)}.")
+
+
+def check_flags(recipe: object, *names: str) -> None:
+    """Raise `ValueError` unless each named field of `recipe` is a bool."""
+    for name in names:
+        value = getattr(recipe, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: should be True or False.")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    """Raise `ValueError` unless `value` is an int >= 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: should be an int >= 1.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,10 +122,12 @@ class Recipe(abc.ABC):
 
     def __post_init__(self) -> None:
         check_choice("backward_precision", self.backward_precision, tuple(_PRECISIONS))
-        if isinstance(self.axis_names, str) or not all(isinstance(a, str) for a in self.axis_names):
+        names = self.axis_names
+        if not isinstance(names, tuple | list) or not all(isinstance(a, str) for a in names):
             raise ValueError(
-                f"axis_names={self.axis_names!r}: should be a tuple of mesh axis names."
+                f"axis_names={names!r}: should be a tuple of mesh axis names, e.g. ('data',)."
             )
+        object.__setattr__(self, "axis_names", tuple(names))  # hashable: recipes are static
 
     def backward_dot_precision(self) -> lax.Precision:
         """`backward_precision` as a `lax.Precision`."""
@@ -146,11 +164,25 @@ class Recipe(abc.ABC):
 
         `state` holds float32 arrays. Amaxes that enter the state must come from
         [`fp8jax.Recipe.amax`][] so that `vmap` and several uses of one layer combine by max.
+        The new state must record the amax: an inf or NaN in `x` then shows in it, and the
+        GEMM keeps the old state instead.
         """
 
+    @property
+    def reads_state(self) -> bool:
+        """Whether the GEMM's numerics depend on the state carried between steps (a delayed
+        scale, an error feedback), not only on the tensors at hand. Such a layer must have
+        its state differentiated with its weights, or its scales would never move."""
+        return False
+
     @abc.abstractmethod
-    def retile(self, q: Any, role: Role, axis: Axis) -> Any:
-        """`q` (from `quantize`) laid out for a GEMM contracting `axis` instead."""
+    def retile(self, q: Any, role: Role, axis: Axis, source: Array | None = None) -> Any:
+        """`q` (from `quantize`) laid out for a GEMM contracting `axis` instead.
+
+        `source`, when given, is the high-precision tensor `q` was quantized from: a recipe
+        whose layout depends on the axis quantizes it again from there (one rounding), rather
+        than from `q`'s FP8 values (two).
+        """
 
     @abc.abstractmethod
     def dot(
@@ -181,8 +213,10 @@ class HybridFormats(Recipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        fp8_dtype(self.forward_format)
-        fp8_dtype(self.backward_format)
+        # One spelling per format ("E4M3", jnp.float8_e4m3fn -> "e4m3"): checkpoints compare
+        # recipes by their repr.
+        object.__setattr__(self, "forward_format", format_name(self.forward_format))
+        object.__setattr__(self, "backward_format", format_name(self.backward_format))
 
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)
@@ -201,6 +235,7 @@ def per_tensor_dot(
     rhs_axis: Axis,
     precision: Any,
     out_dtype: Any = jnp.float32,
+    exact_scales: bool = False,
 ) -> Float[Array, "*shape"]:
     """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)` in `out_dtype`.
 
@@ -208,18 +243,25 @@ def per_tensor_dot(
     the form XLA's GPU compiler fuses into a single cuBLASLt FP8 GEMM (the scale becomes its
     alpha). A float32 result converted afterwards would cost an extra float32 buffer and lets
     XLA fuse a following bias + GELU epilogue with an auxiliary output into the FP8 GEMM, which
-    its cuBLAS path then rejects (a RET_CHECK) when the GELU is rematerialized. float16, whose
-    range the unscaled product exceeds, is scaled in float32 and converted.
+    its cuBLAS path then rejects (a RET_CHECK) when the GELU is rematerialized.
+
+    That form applies the scale in `out_dtype`. It is exact there when `exact_scales` says the
+    scales are powers of two (their product then is one too). Otherwise a BF16 factor would
+    keep 8 significant bits: one rounding error shared by the whole output, a bias. Such
+    scales, and float16 (whose range the unscaled product of two FP8 tensors exceeds: up to
+    448 * 57344 per term), are applied in float32 and the result converted.
     """
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
-    if jnp.finfo(out_dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
-        # float16: the unscaled product of two FP8 tensors (up to 448 * 57344 per term)
-        # overflows its range; scale in float32, then convert.
+    scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
+    out_dtype = jnp.dtype(out_dtype)
+    f32 = jnp.finfo(jnp.float32)
+    direct = out_dtype == f32.dtype or (exact_scales and jnp.finfo(out_dtype).maxexp >= f32.maxexp)
+    if not direct:
         out = lax.dot_general(
             lhs.data, rhs.data, dims, precision=precision, preferred_element_type=jnp.float32
         )
-        return (out * (lhs.scale_inv * rhs.scale_inv)).astype(out_dtype)
+        return (out * scale).astype(out_dtype)
     out = lax.dot_general(
         lhs.data, rhs.data, dims, precision=precision, preferred_element_type=out_dtype
     )
-    return out * (lhs.scale_inv * rhs.scale_inv).astype(out_dtype)
+    return out * scale.astype(out_dtype)

@@ -18,8 +18,17 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ..formats import FormatLike, expand_blocks, fp8_dtype, fp8_max
-from .base import Axis, QTensor, Recipe, Role, TensorState
+from ..formats import (
+    FormatLike,
+    expand_blocks,
+    floor_log2,
+    fp8_dtype,
+    fp8_max,
+    pow2,
+    saturate,
+)
+from ..formats import format_name as canonical_format
+from .base import Axis, QTensor, Recipe, Role, TensorState, check_flags, check_positive_int
 from .per_tensor import MAX_SCALE
 
 
@@ -44,10 +53,9 @@ def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
 
 
 def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
-    """`x * scale` per block, saturated to the format's max and cast to `dtype`."""
-    limit = float(jnp.finfo(dtype).max)
-    scaled = x.astype(jnp.float32) * expand_blocks(scale, block, x.shape)
-    return jnp.clip(scaled, -limit, limit).astype(dtype)
+    """`x * scale` per block, finite values saturated to the format's max, cast to `dtype`
+    (inf and NaN become NaN: [`fp8jax.quantize`][])."""
+    return saturate(x, expand_blocks(scale, block, x.shape), dtype)
 
 
 def _contract_last(q: QTensor, axis: Axis) -> QTensor:
@@ -63,19 +71,22 @@ def block_dot(
     lhs_axis: Axis,
     rhs_axis: Axis,
     precision,
-    chunks_per_dot: int | None = None,
+    chunks_per_dot: int | None = 1,
 ) -> Float[Array, "*shape"]:
     """Block-scaled GEMM: one FP8 dot per chunk of the contraction, partials scaled and summed
     in float32. Shape `(*B, lhs_free, rhs_free)`.
 
-    The batched dot holds one float32 `(M, N)` partial per chunk. With `chunks_per_dot`, the
-    chunks are taken that many at a time in a `lax.scan` with a float32 accumulator, which
-    bounds that memory (at large K the partials would otherwise dwarf the output).
+    The chunks are taken `chunks_per_dot` at a time (one batched dot holding that many
+    float32 `(M, N)` partials) in a `lax.scan` with a float32 accumulator. With 1, the default,
+    the partial is no larger than a float32 output; `None` takes every chunk in one batched
+    dot, whose partials outweigh the output as many times as K has chunks.
     """
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
     (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
     nk = math.ceil(k / chunk)
+    if nk == 0:  # an empty contraction: the product is zero
+        return jnp.zeros((*batch, m, n), jnp.float32)
     group = nk if chunks_per_dot is None else min(chunks_per_dot, nk)
     nk_padded = math.ceil(nk / group) * group
     lhs_data = _pad_to_blocks(lhs.data, (1, chunk * nk_padded)).reshape(*batch, m, nk_padded, chunk)
@@ -161,30 +172,33 @@ class BlockScaledRecipe(Recipe):
     **Arguments shared by block recipes:**
 
     - `format_name`: the FP8 format of all three GEMMs (`"e4m3"`).
-    - `chunks_per_dot`: `None` runs every chunk of the contraction in one batched dot (fastest
-      for small K, but it holds a float32 `(M, N)` partial per chunk); an int takes that many
-      chunks per dot inside a `lax.scan`, bounding the memory at large K.
+    - `chunks_per_dot`: how many chunks of the contraction each FP8 dot takes, inside a
+      `lax.scan` that accumulates in float32. Each holds a float32 `(M, N)` partial until it
+      is scaled and added: 1 (the default) keeps that no larger than a float32 output (and
+      was also the fastest on a CPU); `None` runs every chunk in one batched dot, holding one
+      partial per chunk (3.8-4.9x BF16's temp memory on an MLP step, `benchmarks/RESULTS.md`).
     - `dequantized_dot`: compute each GEMM as one float32 dot of the dequantized operands
       (`dequantized_block_dot`): the same quantization and products, float32 accumulation
       across blocks. A fast emulation for CPU experiments; on a GPU it is not an FP8 GEMM.
     """
 
     format_name: FormatLike = "e4m3"
-    chunks_per_dot: int | None = None
+    chunks_per_dot: int | None = 1
     dequantized_dot: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        fp8_dtype(self.format_name)
+        object.__setattr__(self, "format_name", canonical_format(self.format_name))
         if self.chunks_per_dot is not None and (
-            not isinstance(self.chunks_per_dot, int) or self.chunks_per_dot < 1
+            isinstance(self.chunks_per_dot, bool)
+            or not isinstance(self.chunks_per_dot, int)
+            or self.chunks_per_dot < 1
         ):
             raise ValueError(
                 f"chunks_per_dot={self.chunks_per_dot!r}: should be None (all chunks in one "
-                "batched dot) or an int >= 1."
+                "batched dot) or an int >= 1 (1, the default, bounds the memory)."
             )
-        if not isinstance(self.dequantized_dot, bool):
-            raise ValueError(f"dequantized_dot={self.dequantized_dot!r}: should be True or False.")
+        check_flags(self, "dequantized_dot")
 
     def _block_dot(self, lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, precision):
         if self.dequantized_dot:
@@ -202,7 +216,9 @@ class BlockScaledRecipe(Recipe):
         raise NotImplementedError
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
-        return TensorState(scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,)))
+        return TensorState(
+            scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,), jnp.float32)
+        )
 
     def _quantize(self, x: Array, role: Role, axis: Axis) -> QTensor:
         block = self.block_for(role, axis)
@@ -219,12 +235,13 @@ class BlockScaledRecipe(Recipe):
         new_state = TensorState(nominal, state.amax_history.at[..., 0].set(current))
         return self._quantize(x, role, axis), new_state
 
-    def retile(self, q: QTensor, role: Role, axis: Axis) -> QTensor:
+    def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)
         if tuple(q.block) == block:
             return q
-        # Requantize from the FP8 values: no high-precision copy is kept for the backward.
-        return self._quantize(q.dequantize(), role, axis)
+        # From the high-precision tensor where the caller has it (the kernel, in the forward);
+        # else from the FP8 values (the activation: no high-precision copy is kept).
+        return self._quantize(q.dequantize() if source is None else source, role, axis)
 
     def dot(
         self,
@@ -236,17 +253,6 @@ class BlockScaledRecipe(Recipe):
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
         return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
-
-
-def _pow2(exponent: Array) -> Array:
-    """`2.0**exponent` exactly, as float32 (XLA's `exp2` is an approximation)."""
-    return jnp.ldexp(jnp.ones_like(exponent, jnp.float32), exponent)
-
-
-def _floor_log2(x: Array) -> Array:
-    """`floor(log2(x))` for positive finite `x`, exactly (from the float's exponent)."""
-    _, exponent = jnp.frexp(x)  # x = m * 2**e with m in [0.5, 1)
-    return exponent - 1
 
 
 def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
@@ -288,8 +294,8 @@ class BlockwiseScaling(BlockScaledRecipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size={self.block_size!r}: should be an int >= 1.")
+        check_positive_int("block_size", self.block_size)
+        check_flags(self, "power_of_two")
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
         if role == "kernel":
@@ -302,7 +308,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         scale = jnp.where(ok, fmt_max / jnp.where(ok, block_amax, 1.0), 1.0)
         scale = jnp.minimum(scale, MAX_SCALE)
         if self.power_of_two:
-            scale = _pow2(_floor_log2(scale))
+            scale = pow2(floor_log2(scale))
         return scale, 1.0 / scale
 
 
@@ -317,8 +323,9 @@ class MXFP8(BlockScaledRecipe):
     `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
     XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
     of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
-    The kernel is requantized from its FP8 values along the other axis for dgrad, and the
-    activation along tokens for wgrad.
+    For the dgrad, the kernel is quantized a second time along its other axis from the
+    high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
+    wgrad, the saved FP8 activation is requantized along its tokens.
     """
 
     block_size: int = 32
@@ -327,9 +334,15 @@ class MXFP8(BlockScaledRecipe):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.scale_rounding not in ("ceil", "floor"):
+        check_positive_int("block_size", self.block_size)
+        if not isinstance(self.scale_rounding, str) or self.scale_rounding not in ("ceil", "floor"):
             raise ValueError(
                 f"Unknown scale_rounding {self.scale_rounding!r}: should be 'ceil' or 'floor'."
+            )
+        if self.use_scaled_matmul is not None and not isinstance(self.use_scaled_matmul, bool):
+            raise ValueError(
+                f"use_scaled_matmul={self.use_scaled_matmul!r}: should be True, False or None "
+                "(use it where the GPU supports it)."
             )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
@@ -342,9 +355,9 @@ class MXFP8(BlockScaledRecipe):
         if self.scale_rounding == "ceil":
             exponent = _ceil_log2_ratio(safe, fmt_max)
         else:
-            exponent = _floor_log2(safe) - math.floor(math.log2(fmt_max))
+            exponent = floor_log2(safe) - math.floor(math.log2(fmt_max))
         exponent = jnp.clip(jnp.where(ok, exponent, 0), -126, 127)
-        return _pow2(-exponent), _pow2(exponent).astype(jnp.float8_e8m0fnu)
+        return pow2(-exponent), pow2(exponent).astype(jnp.float8_e8m0fnu)
 
     def _scaled_matmul_available(self) -> bool:
         if self.use_scaled_matmul is not None:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..formats import fp8_max, quantize
-from .base import Axis, HybridFormats, QTensor, Role, TensorState, check_choice, per_tensor_dot
+from ..formats import floor_log2, fp8_max, pow2, quantize
+from .base import (
+    Axis,
+    HybridFormats,
+    QTensor,
+    Role,
+    TensorState,
+    check_choice,
+    check_flags,
+    check_positive_int,
+    per_tensor_dot,
+)
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -20,29 +31,65 @@ def compute_scale(
     previous: Float[Array, ""],
     fmt_max: float,
     margin: float = 0.0,
+    power_of_two: bool = False,
 ) -> Float[Array, ""]:
     """`fmt_max / (amax * 2**margin)`, or `previous` where `amax` is zero or not finite.
 
+    With `power_of_two`, the largest power of two not above that: then `1 / scale` is exact,
+    and so is the product of two such inverses in BF16 (see [`fp8jax.PerTensorRecipe`][]).
     A tiny amax would give a scale whose inverse is a subnormal float32, which XLA flushes to
     zero; scales are therefore capped at `2**126` (`MAX_SCALE`).
     """
-    fresh = (fmt_max / amax_value) / (2.0**margin)
-    fresh = jnp.minimum(fresh, MAX_SCALE)
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
+    # Times 2**-margin (a float32 constant), not divided by 2**margin: XLA may turn a division
+    # by a constant into a multiplication anyway, so the result would depend on the backend.
+    fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * jnp.float32(2.0**-margin)
+    fresh = jnp.minimum(fresh, MAX_SCALE)
+    if power_of_two:
+        fresh = pow2(floor_log2(fresh))
     return jnp.where(ok, fresh, previous)
+
+
+def check_margin(margin: object) -> None:
+    """Raise `ValueError` unless `margin` is a finite real number."""
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+        raise ValueError(
+            f"margin={margin!r}: should be a finite number of binades of headroom (0 for none)."
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerTensorRecipe(HybridFormats):
     """Shared machinery of recipes with one scale per tensor.
 
-    A GEMM is `dot_general(x8, w8, preferred_element_type=float32) * (1 / (sx * sw))`: real FP8
-    operands reach `lax.dot_general`, which XLA's GPU compiler turns into an FP8 GEMM.
-    Subclasses say how the scale is chosen (`scale_for`).
+    A GEMM is `dot_general(x8, w8, preferred_element_type=out) * (1 / (sx * sw))`: real FP8
+    operands reach `lax.dot_general`, which XLA's GPU compiler turns into one cuBLASLt FP8
+    GEMM whose alpha is the scale. Subclasses say how the scale is chosen (`scale_for`).
 
-    **Arguments:** `forward_format` (inputs and kernels, `"e4m3"`), `backward_format` (output
-    gradients, `"e5m2"`; `"e4m3"` is allowed), and those of [`fp8jax.Recipe`][].
+    Scales are powers of two by default. The GEMM writes its output dtype directly and the
+    dequantization factor `1 / (sx * sw)` is applied in that dtype; a power of two is exact
+    there, so a BF16 output carries no error from the scale. An arbitrary factor rounded to
+    BF16's 8 significant bits would be off by up to 0.4 %, the same for the whole output: a
+    bias, not noise. E4M3's relative precision does not depend on the scale; rounding the
+    scale down to a power of two only leaves up to one binade of headroom at the top (the
+    amax lands in `(fp8_max / 2, fp8_max]`), which values near the bottom of the range pay
+    for (measured in `benchmarks/RESULTS.md`).
+
+    **Arguments:**
+
+    - `power_of_two`: round each scale down to a power of two (default `True`). With `False`
+      the scale is `fp8_max / amax` exactly (Transformer Engine's choice) and a BF16 or
+      float16 output is scaled in float32 and then converted: as exact, but the GEMM writes
+      a float32 buffer and XLA adds a pass to convert it.
+    - `forward_format` (inputs and kernels, `"e4m3"`), `backward_format` (output gradients,
+      `"e5m2"`; `"e4m3"` is allowed), and those of [`fp8jax.Recipe`][].
     """
+
+    power_of_two: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_flags(self, "power_of_two")
 
     @abc.abstractmethod
     def scale_for(
@@ -57,8 +104,8 @@ class PerTensorRecipe(HybridFormats):
         scale, new_state = self.scale_for(x, state, role)
         return QTensor(quantize(x, scale, self.format(role)), 1.0 / scale), new_state
 
-    def retile(self, q: QTensor, role: Role, axis: Axis) -> QTensor:
-        del role, axis
+    def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
+        del role, axis, source
         return q
 
     def dot(
@@ -70,7 +117,9 @@ class PerTensorRecipe(HybridFormats):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        return per_tensor_dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
+        return per_tensor_dot(
+            lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype, exact_scales=self.power_of_two
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +130,8 @@ class DelayedScaling(PerTensorRecipe):
     step `t` then enters the history. With `amax = max(history)` (or `history[0]` for
     `amax_compute="most_recent"`):
 
-    `scale = fp8_max / (amax * 2**margin)`, kept unchanged when `amax` is zero or not finite.
+    `scale = fp8_max / (amax * 2**margin)` (rounded down to a power of two unless
+    `power_of_two=False`), kept unchanged when `amax` is zero or not finite.
 
     **Arguments:**
 
@@ -99,10 +149,14 @@ class DelayedScaling(PerTensorRecipe):
     amax_compute: str = "max"
     margin: float = 0.0
 
+    @property
+    def reads_state(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(f"history_len={self.history_len!r}: should be an int >= 1.")
+        check_margin(self.margin)
+        check_positive_int("history_len", self.history_len)
         check_choice("amax_compute", self.amax_compute, ("max", "most_recent"))
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
@@ -116,7 +170,8 @@ class DelayedScaling(PerTensorRecipe):
     ) -> tuple[Float[Array, ""], TensorState]:
         history = state.amax_history
         ref = jnp.max(history, axis=-1) if self.amax_compute == "max" else history[..., 0]
-        scale = compute_scale(ref, state.scale, fp8_max(self.format(role)), self.margin)
+        fmt_max = fp8_max(self.format(role))
+        scale = compute_scale(ref, state.scale, fmt_max, self.margin, self.power_of_two)
         new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(self.amax(x, state.scale))
         return scale, TensorState(scale, new_history)
 
@@ -125,9 +180,10 @@ class DelayedScaling(PerTensorRecipe):
 class CurrentScaling(PerTensorRecipe):
     """Per-tensor current scaling: each tensor is scaled by its own amax, in the same step.
 
-    `scale = fp8_max / (amax * 2**margin)` (the previous scale where the amax is zero or not
-    finite). The amax is global: under `jit` with sharded arrays XLA reduces across devices;
-    inside `shard_map`, name the mesh axes in `axis_names` to get a `pmax`. Under
+    `scale = fp8_max / (amax * 2**margin)`, rounded down to a power of two unless
+    `power_of_two=False` (the previous scale where the amax is zero or not finite). The amax
+    is global: under `jit` with sharded arrays XLA reduces across devices; inside
+    `shard_map`, name the mesh axes in `axis_names` to get a `pmax`. Under
     `jax.vmap(model)(batch)` it spans the whole batch. The state keeps the latest scale and
     amax, for telemetry.
 
@@ -136,12 +192,19 @@ class CurrentScaling(PerTensorRecipe):
 
     margin: float = 0.0
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_margin(self.margin)
+
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
-        return TensorState(scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,)))
+        return TensorState(
+            scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,), jnp.float32)
+        )
 
     def scale_for(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
         current = self.amax(x, state.scale)
-        scale = compute_scale(current, state.scale, fp8_max(self.format(role)), self.margin)
+        fmt_max = fp8_max(self.format(role))
+        scale = compute_scale(current, state.scale, fmt_max, self.margin, self.power_of_two)
         return scale, TensorState(scale, state.amax_history.at[..., 0].set(current))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..formats import fp8_max, quantize
-from .base import Axis, HybridFormats, QTensor, Role, per_tensor_dot
+from .base import Axis, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
 from .per_tensor import MAX_SCALE, compute_scale
 
 
@@ -70,6 +70,14 @@ class ResidualFP8(HybridFormats):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_flags(
+            self,
+            "split_activation",
+            "dgrad_uses_lo",
+            "error_feedback",
+            "predict_lo_scale",
+            "nf_aware",
+        )
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
@@ -133,7 +141,12 @@ class ResidualFP8(HybridFormats):
         history = state.amax_history.at[..., 0].set(current)
         return QTerms(terms), ResidualState(scale, history, lo_scale, new_error)
 
-    def retile(self, q: QTerms, role: Role, axis: Axis) -> QTerms:
+    @property
+    def reads_state(self) -> bool:
+        return self.error_feedback
+
+    def retile(self, q: QTerms, role: Role, axis: Axis, source: Array | None = None) -> QTerms:
+        del source
         if role == "kernel" and not self.dgrad_uses_lo:
             return QTerms(q.terms[:1])
         return q
