@@ -67,3 +67,45 @@ def make_train_step(loss_fn, optimizer):
         return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
 
     return step
+
+
+#: Unit roundoffs of bfloat16 (8 significant bits) and float32 (24).
+U_BF16 = 2.0**-8
+U_F32 = 2.0**-24
+
+
+def fp8_linear_reference(x, weight, sx=1.0, sw=1.0):
+    """`x^ @ w^.T` and `|x^| @ |w^|.T` in float64, from the E4M3 roundings (ml_dtypes) of
+    `x (..., in)` and `weight (out, in)` with scales `sx`, `sw`."""
+    xq, wq = ref_qdq(x, sx, "e4m3"), ref_qdq(weight, sw, "e4m3")
+    return xq @ wq.T, np.abs(xq) @ np.abs(wq).T
+
+
+def bf16_gemm_bound(value, magnitude, terms, bias=None):
+    """Worst-case |y - (value + bias)| for the BF16 result `y` of an FP8 GEMM (+ a BF16 bias).
+
+    `value` and `magnitude` are the float64 sums of the products of the FP8 operands' real
+    values and of their absolute values, `terms` how many products each element sums. The GEMM
+    accumulates in float32 (error <= terms * U_F32 * magnitude), applies the dequantization
+    factor (three float32 roundings, of the two inverse scales and of their product, at most
+    3 U_F32 |value|; none for power-of-two scales) and rounds to BF16 (U_BF16 of the result).
+    Adding a BF16 bias rounds once more (a float32 sum, then BF16: U_BF16 + U_F32).
+    """
+    value, magnitude = np.asarray(value, np.float64), np.asarray(magnitude, np.float64)
+    computed = terms * U_F32 * magnitude + 3 * U_F32 * np.abs(value)
+    gemm = computed + U_BF16 * (np.abs(value) + computed)
+    if bias is None:
+        return gemm
+    return gemm + (U_BF16 + U_F32) * (np.abs(value + bias) + gemm)
+
+
+def assert_bf16_linear(y, x, weight, bias, sx, sw):
+    """`y` is the FP8 Linear `x @ weight.T + bias` of BF16 `x`, `weight`, `bias` with scales
+    `sx`, `sw`, computed in BF16: the float64 product of the E4M3-rounded operands, within one
+    BF16 rounding of the GEMM and one of the bias add (`bf16_gemm_bound`; a result that XLA
+    kept in float32, skipping a rounding, is within it too)."""
+    f32 = [np.asarray(a, np.float32) for a in (x, weight)]
+    value, magnitude = fp8_linear_reference(*f32, sx, sw)
+    b = 0.0 if bias is None else np.asarray(bias, np.float64)
+    bound = bf16_gemm_bound(value, magnitude, f32[1].shape[1], None if bias is None else b)
+    np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - (value + b)), bound + 1e-30)

@@ -21,6 +21,15 @@ RECIPES = {
     "residual": fp8jax.ResidualFP8(),
 }
 ROLES = ["dgrad", "fwd", "wgrad"]
+# GEMMs per role of one FP8 Linear. The residual recipe's forward multiplies the activation by
+# W_hi and by W_lo, its dgrad the gradient by both (dgrad_uses_lo), its wgrad the gradient by
+# the activation; every other recipe runs one GEMM per role (a block recipe's is one batched
+# dot over the blocks).
+GEMMS = {name: {"fwd": 1, "dgrad": 1, "wgrad": 1} for name in RECIPES}
+GEMMS["residual"] = {"fwd": 2, "dgrad": 2, "wgrad": 1}
+# The high-precision rest of the GPT step: the head's fwd, dgrad and wgrad, the two attention
+# einsums (scores, weights x values) forward and their four backward (two operands each).
+OTHERS = 3 + 2 + 4
 # One block keeps the H100 compiles (several seconds each) short; two would test nothing more.
 SMALL = GPTConfig(layers=1, width=64, context=32)
 
@@ -59,24 +68,34 @@ def test_gpt_train_step_runs_every_targeted_gemm_in_fp8(h100, name):
         layers = report.layers(mode)
         assert set(layers) == targeted, mode
         for layer, roles in layers.items():
-            assert sorted(roles) == ROLES, (mode, layer, roles)
+            counts = {role: len(gemms) for role, gemms in roles.items()}
+            assert counts == GEMMS[name], (mode, layer, counts)
             assert all(g.fp8 for gemms in roles.values() for g in gemms), (mode, layer)
-        # The high-precision rest: the head (fwd, dgrad, wgrad) and the attention einsums.
         others = [g for g in report.gemms[mode] if g.layer is None]
-        assert len(others) >= 3 and not any(g.fp8 for g in others), others
+        assert len(others) == OTHERS and not any(g.fp8 for g in others), others
+        fp8 = len(targeted) * sum(GEMMS[name].values())
+        assert report.count(mode) == (fp8, fp8 + OTHERS), mode
         if mode == "cublas":
             assert all(g.kernel == "cublasLt f8" for g in report.gemms[mode] if g.layer)
 
 
 def test_merged_gemms_stay_fp8(h100):
     """Block recipes quantize the shared input of q, k and v once; XLA then merges their GEMMs
-    into one, which must still be FP8."""
-    step, args, _ = gpt_train_step(RECIPES["blockwise"])
+    into one, which must still be FP8 (with every chunk of the contraction in one batched dot:
+    XLA does not merge dots inside the loops of `chunks_per_dot=1`)."""
+    recipe = fp8jax.BlockwiseScaling(block_size=32, chunks_per_dot=None)
+    step, args, targeted = gpt_train_step(recipe)
     report = fp8jax.assert_all_fp8(step, *args)
-    fp8, total = report.count("cublas")
-    # 6 Linears x 3 GEMMs unmerged; the high-precision rest: 2 attention einsums forward and
-    # 4 backward, and the head's 3.
-    assert fp8 < 18 and total - fp8 == 6 + 3
+    # 6 Linears x 3 GEMMs unmerged. The forward GEMMs of q, k and v read the same FP8
+    # operand (the input, quantized once) and merge into one: 18 - 3 + 1. Every backward GEMM
+    # reads an operand of its own layer (its quantized output gradient; the wgrads' activation
+    # retiled along tokens in each layer's backward), so none of them merges.
+    fp8 = len(targeted) * 3 - 3 + 1
+    for mode in ("cublas", "default"):
+        assert report.count(mode) == (fp8, fp8 + OTHERS), mode
+        qkv = {f"blocks.0.attn.{name}" for name in ("query", "key", "value")}
+        merged = [g for g in report.gemms[mode] if g.role == "fwd" and g.layer in qkv]
+        assert len(merged) == 1 and merged[0].fp8, merged
 
 
 def test_strict_check_lists_the_high_precision_gemms(h100):

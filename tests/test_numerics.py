@@ -2,6 +2,7 @@
 rounding for the dgrad's kernel, bounded block partials."""
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -345,3 +346,71 @@ def test_state_left_out_is_fine_where_the_recipe_keeps_none():
     spec = eqx.tree_at(lambda m: m[1].weight, jax.tree.map(lambda _: False, model), True)
     grads = jax.grad(mlp_loss)(*eqx.partition(model, spec), x, c)
     assert np.isfinite(np.asarray(grads[1].weight)).all()
+
+
+# --- on an H100: one cuBLASLt call per GEMM, writing BF16 with the scale as its alpha -------
+
+CUBLAS_F8 = re.compile(
+    r"= \((?P<out>\w+)\[[\d,]*\][^)]*\) custom-call\((?P<operands>[^)]*)\), "
+    r'custom_call_target="__cublas\$lt\$matmul\$f8"'
+)
+
+
+def fp8_gemm_calls(hlo):
+    """(output element type, operand names) of every cuBLASLt FP8 GEMM of an HLO module, and
+    the names of its constants."""
+    constants = set(re.findall(r"%(\S+) = \w+\[\] constant\(", hlo))
+    calls = [
+        (m.group("out"), [o.strip().lstrip("%") for o in m.group("operands").split(",")])
+        for m in CUBLAS_F8.finditer(hlo)
+    ]
+    return calls, constants
+
+
+@pytest.fixture(scope="module")
+def h100():
+    from fp8jax._src import inspect as inspect_module
+
+    topology = inspect_module.h100_topology()
+    assert topology is not None, "the H100 checks need the h100 extra: pip install -e '.[h100]'"
+    return topology
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["gelu", "remat-gelu"])
+@pytest.mark.parametrize(
+    "recipe, writes",
+    [
+        (fp8jax.DelayedScaling(), "bf16"),
+        (fp8jax.CurrentScaling(), "bf16"),
+        (fp8jax.CurrentScaling(power_of_two=False), "f32"),
+    ],
+    ids=["delayed", "current", "current-exact-scale"],
+)
+def test_bf16_gemms_are_one_cublaslt_call_with_the_scale_folded(h100, recipe, writes, remat):
+    """The MLP train step with BF16 compute, cuBLAS mode: forward, dgrad and wgrad of both
+    Linears are one `__cublas$lt$matmul$f8` call each, writing BF16 directly, with the
+    scales among its operands (its alpha), not in a pass after it. Scales that are not
+    powers of two are applied in float32: the call writes float32 (and XLA converts it)."""
+    from fp8jax._src import inspect as inspect_module
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    mlp = [eqx.nn.Linear(256, 512, key=k1), eqx.nn.Linear(512, 256, key=k2)]
+    mlp = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    mlp = fp8jax.Policy.from_string("p=bf16,c=bf16").cast_to_param(mlp)
+    gelu = jax.checkpoint(jax.nn.gelu) if remat else jax.nn.gelu
+
+    def loss(model, x):
+        return jnp.mean(model[1](gelu(model[0](x))).astype(jnp.float32) ** 2)
+
+    step = make_train_step(loss, optax.sgd(1e-2))
+    args = (mlp, optax.sgd(1e-2).init(None), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16))
+    lowered, _ = inspect_module._lower(step, args, {}, h100.devices[0])
+    hlo = lowered.compile(compiler_options=inspect_module.MODES["cublas"]).as_text()
+    calls, constants = fp8_gemm_calls(hlo)
+    # 2 Linears x (fwd, dgrad, wgrad), less the first layer's dgrad (x needs no gradient).
+    assert len(calls) == 5, calls
+    for out, operands in calls:
+        assert out == writes, (out, operands)
+        # Operands: a, b, (c: XLA fuses the SGD update into the wgrad), then a's and b's
+        # scales; a folded alpha is not the constant 1.
+        assert len(operands) in (4, 5) and not set(operands[-2:]) <= constants, operands

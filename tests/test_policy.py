@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_bf16_linear
 
 import fp8jax
 from fp8jax._src.policy import Policy
@@ -211,16 +212,33 @@ def test_cast_of_bare_arrays_and_scalars():
 
 
 def test_fp8_forward_in_compute_dtype():
-    """A model cast to bfloat16 runs its FP8 layers and keeps float32 state."""
+    """A model cast to bfloat16 runs its FP8 layers in bfloat16 and keeps float32 state: each
+    layer's output is the float64 product of its E4M3-rounded operands, within the BF16
+    roundings of the GEMM and of the bias add."""
     policy = Policy.from_string("params=float32,compute=bfloat16,output=float32")
     model = _model()["mlp"]
     x = jax.random.normal(jax.random.key(1), (3, 4))
 
     @eqx.filter_jit
     def forward(model, x):
-        y = jax.vmap(policy.cast_to_compute(model))(policy.cast_to_compute(x))
+        model, x = policy.cast_to_compute(model), policy.cast_to_compute(x)
+        y = jax.vmap(model)(x)
         assert y.dtype == BF16
-        return policy.cast_to_output(y)
+        return x, jax.vmap(model.layers[0])(x), y, policy.cast_to_output(y)
 
-    y = forward(model, x)
-    assert y.dtype == F32 and y.shape == (3, 2) and bool(jnp.all(jnp.isfinite(y)))
+    x_bf16, hidden, y, out = forward(model, x)
+    assert hidden.dtype == y.dtype == BF16
+    assert out.dtype == F32 and out.shape == (3, 2)
+    compute = policy.cast_to_compute(model)
+    assert compute.activation is jax.nn.relu  # exact in bfloat16
+    inputs = (x_bf16, jax.nn.relu(hidden))
+    for layer, layer_in, layer_out in zip(compute.layers, inputs, (hidden, y), strict=True):
+        state = layer.dot_general
+        assert state.input.scale.dtype == F32 and state.kernel.scale.dtype == F32
+        # Empty histories: a fresh delayed-scaling layer quantizes with its stored scales.
+        assert not np.any(state.input.amax_history) and not np.any(state.kernel.amax_history)
+        sx, sw = float(state.input.scale), float(state.kernel.scale)
+        assert_bf16_linear(layer_out, layer_in, layer.weight, layer.bias, sx, sw)
+    # XLA may skip the BF16 rounding before the cast to float32 (excess precision): `out` is
+    # within the same bound, not necessarily equal to `y`.
+    assert_bf16_linear(out, inputs[1], compute.layers[1].weight, compute.layers[1].bias, sx, sw)

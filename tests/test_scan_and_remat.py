@@ -82,10 +82,21 @@ POLICIES = {
 }
 
 
+# An amax history length that no activation or weight has as a dimension, so that the FP8
+# state among the saved residuals is told apart by its shape (the default, 1024, could be a
+# layer's width).
+HISTORY = 7
+
+
 @pytest.fixture
 def fp8_mlp(getkey):
     mlp = eqx.nn.MLP(64, 64, 256, 1, activation=jax.nn.gelu, key=getkey())
-    return fp8jax.fp8_linear_layers(mlp), jax.random.normal(getkey(), (32, 64)) * 3
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(history_len=HISTORY))
+    return fp8jax.fp8_linear_layers(mlp, config), jax.random.normal(getkey(), (32, 64)) * 3
+
+
+def is_fp8(x):
+    return isinstance(x, fp8jax.Fp8DotGeneral)
 
 
 def loss_with(policy):
@@ -107,9 +118,16 @@ def test_remat_policies_give_identical_training(policy, fp8_mlp):
 
 
 def residuals(policy, model, x):
-    """(dtype, shape) of each value saved for the backward pass, arguments and scalars
-    excluded, as `print_saved_residuals` lists them."""
+    """(dtype, shape) of each value saved for the backward pass, as `print_saved_residuals`
+    lists them; arguments, and float32 values shaped like FP8 state (scalar scales and
+    `(HISTORY,)` amax histories, the new state the backward pass returns), excluded."""
     params, static = eqx.partition(model, eqx.is_array)
+    states = [m for m in jax.tree.leaves(model, is_leaf=is_fp8) if is_fp8(m)]
+    state_shapes = {leaf.shape for leaf in jax.tree.leaves(states)}
+    assert state_shapes == {(), (HISTORY,)}, state_shapes
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    weights = jax.tree.leaves(eqx.filter(trainable, eqx.is_array))
+    assert HISTORY not in {d for leaf in weights for d in leaf.shape} | set(x.shape)
 
     def f(params, x):
         return loss_with(POLICIES[policy])(eqx.combine(params, static), x)
@@ -121,8 +139,8 @@ def residuals(policy, model, x):
     for line in out.getvalue().splitlines():
         dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
         shape = tuple(int(d) for d in dims.split(",") if d)
-        if "from the argument" in line or shape in ((), (1,), (1024,)):
-            continue  # inputs; scales, amaxes and histories
+        if "from the argument" in line or (dtype == "f32" and shape in state_shapes):
+            continue
         found.append((dtype, shape))
     return sorted(found)
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import make_train_step
+from helpers import U_BF16, U_F32, assert_bf16_linear, make_train_step
 
 import fp8jax
 
@@ -63,21 +63,59 @@ def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
     def loss_fn(model, x, y):
         seen.append(model.layers[0].weight.dtype)
         seen.append(model.layers[0].dot_general.input.scale.dtype)
-        return mse(model, x, y)
+        x = x.astype(model.layers[0].weight.dtype)
+        pred = jax.vmap(model)(x)
+        # The same forward layer by layer, for the check of each layer's numerics below.
+        trace, h = [], x
+        for i, layer in enumerate(model.layers):
+            out = jax.vmap(layer)(h)
+            trace.append((h, out))
+            h = model.activation(out) if i + 1 < len(model.layers) else out
+        return jnp.mean((pred.astype(jnp.float32) - y) ** 2), (trace, pred)
 
     train_step = fp8jax.make_train_step(
-        loss_fn, optax.adam(1e-2), policy="params=float32,compute=bfloat16,output=float32"
+        loss_fn,
+        optax.adam(1e-2),
+        policy="params=float32,compute=bfloat16,output=float32",
+        has_aux=True,
     )
     state = train_step.init(model)
     losses = []
-    for _ in range(20):
+    for step in range(20):
+        before = state.model
         state, metrics = train_step(state, x, y)
         losses.append(float(metrics.loss))
+        if step >= 2:
+            continue
+        # Steps 0 (scales 1: empty histories) and 1 (scales from step 0's amaxes): each
+        # layer's BF16 output is the float64 product of its E4M3-rounded BF16 operands.
+        trace, pred = metrics.aux
+        assert pred.dtype == jnp.bfloat16 and before.activation is jax.nn.relu
+        for old, new, (layer_in, layer_out) in zip(
+            before.layers, state.model.layers, trace, strict=True
+        ):
+            assert layer_in.dtype == layer_out.dtype == jnp.bfloat16
+            # The new state's scales are the ones this step quantized with.
+            sx, sw = float(new.dot_general.input.scale), float(new.dot_general.kernel.scale)
+            weight, bias = old.weight.astype(jnp.bfloat16), old.bias.astype(jnp.bfloat16)
+            assert_bf16_linear(layer_out, layer_in, weight, bias, sx, sw)
+        np.testing.assert_array_equal(trace[-1][1], pred)
+        # The float32 loss of the predictions: 64 squares summed, then divided. XLA may feed
+        # it the predictions before their BF16 rounding (excess precision), off by d <= u|p|
+        # each, which moves a square (p - y)**2 by at most (2|p - y| + d) d.
+        p, r = np.asarray(pred, np.float64), np.asarray(pred, np.float64) - np.asarray(y)
+        want, d = np.mean(r**2), U_BF16 * np.abs(p) / (1 - U_BF16)
+        bound = np.mean((2 * np.abs(r) + d) * d) + (len(x) + 2) * U_F32 * want
+        assert abs(float(metrics.loss) - want) <= bound
     # Compute cast; FP8 state left alone (float32, viewed in the max-combining dtype).
     assert seen[0] == jnp.bfloat16 and str(seen[1]) == "max_f32"
     assert metrics.loss.dtype == jnp.float32
     assert state.model.layers[0].weight.dtype == jnp.float32
     assert state.model.layers[0].dot_general.kernel.amax_history.dtype == jnp.float32
+    # The masters keep what BF16 cannot hold: Adam's steps of 1e-2 on weights of about 0.3.
+    for layer in state.model.layers:
+        w = np.asarray(layer.weight)
+        assert np.any(w != w.astype(jnp.bfloat16).astype(np.float32))
     assert losses[-1] < 0.5 * losses[0]
 
 

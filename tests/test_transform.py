@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import matmul_error_bound
+from helpers import U_F32, matmul_error_bound, ref_qdq
 
 import fp8jax
 
@@ -61,12 +61,66 @@ def test_replaces_eqx_linear_keeping_weight_and_bias(getkey):
     assert not np.array_equal(fp8(x), lin(x))  # it really ran in FP8
 
 
+def _stored_scales(linear):
+    """The scales a fresh delayed-scaling layer quantizes with: its stored ones (1.0), while
+    its histories are empty."""
+    dot = linear.dot_general
+    assert not np.any(dot.input.amax_history) and not np.any(dot.kernel.amax_history)
+    return np.float32(dot.input.scale), np.float32(dot.kernel.scale)
+
+
 def test_scalar_features_like_eqx(getkey):
     lin = eqx.nn.Linear("scalar", "scalar", key=getkey())
     fp8 = fp8jax.fp8_linear_layers(lin)
     x = jnp.float32(0.75)
     assert fp8(x).shape == () == lin(x).shape
-    np.testing.assert_allclose(fp8(x), lin(x), rtol=2 * 2.0**-4)
+    sx, sw = _stored_scales(fp8)
+    w, b = np.float32(lin.weight[0, 0]), np.float32(lin.bias[0])
+    xq, wq = ref_qdq(x, sx, "e4m3"), ref_qdq(w, sw, "e4m3")
+    assert wq != w  # the weight is not an E4M3 value: its rounding shows in the result
+    # Two E4M3 values (4 significant bits each) multiply exactly in float32; the bias add is
+    # the one float32 rounding, done here in float32 too.
+    assert np.float32(xq * wq) == xq * wq
+    np.testing.assert_array_equal(fp8(x), np.float32(xq * wq) + b)
+
+
+def test_converted_attention_matches_float32(getkey):
+    """The four projections in FP8 inside eqx's attention: the float64 attention of the
+    E4M3-rounded input and weights (ml_dtypes), elementwise."""
+    attn = eqx.nn.MultiheadAttention(2, 16, key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(attn)
+    x = np.asarray(jax.random.normal(getkey(), (6, 16)))
+    got = np.asarray(fp8(x, x, x), np.float64)
+    projections = ("query_proj", "key_proj", "value_proj", "output_proj")
+    scales = {name: _stored_scales(getattr(fp8, name)) for name in projections}
+    assert not any(getattr(attn, name).use_bias for name in projections)
+
+    def quantized(name):  # the E4M3 values of a projection's input and weight, as functions
+        sx, sw = scales[name]
+        return (lambda v: ref_qdq(v, sx, "e4m3")), ref_qdq(getattr(attn, name).weight, sw, "e4m3")
+
+    def project(name, v):
+        q8, w = quantized(name)
+        return (q8(v) @ w.T).reshape(6, 2, 8)
+
+    q, k, v = (project(name, x) for name in projections[:3])
+    logits = np.einsum("shd,Shd->hsS", q, k) / np.sqrt(8)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    o = np.einsum("hsS,Shd->shd", weights, v).reshape(6, 16)
+    # The layer quantizes its float32 `o`, not this one. Every path to it takes few float32
+    # roundings (16- and 8-term sums, a softmax of 6, a 6-term sum; each 2**-24 relative to
+    # the magnitudes summed): 2**-12 of the magnitude of `o` is far above their total. E4M3
+    # rounding is monotonic, so the layer's FP8 `o` lies between those of o -+ that margin,
+    # and its output in the interval they span.
+    margin = 2.0**-12 * np.einsum("hsS,Shd->shd", weights, np.abs(v)).reshape(6, 16)
+    q8, w_out = quantized("output_proj")
+    low, high = q8(o - margin), q8(o + margin)
+    center = (low + high) / 2 @ w_out.T
+    radius = (high - low) / 2 @ np.abs(w_out).T
+    # The output projection's float32 sum of 16 products.
+    accumulation = 16 * U_F32 * (np.maximum(np.abs(low), np.abs(high)) @ np.abs(w_out).T)
+    np.testing.assert_array_less(np.abs(got - center), radius + accumulation + 1e-30)
 
 
 def test_default_converts_all_but_head_and_reaches_mlp_and_attention(getkey):
@@ -77,17 +131,6 @@ def test_default_converts_all_but_head_and_reaches_mlp_and_attention(getkey):
     assert "blocks.0.attn.query_proj" in converted and "blocks.1.mlp.layers.1" in converted
     assert linear_paths(fp8, eqx.nn.Linear) == ["head"]
     assert fp8.embed is model.embed and fp8.blocks[0].norm is model.blocks[0].norm
-
-
-def test_converted_attention_matches_float32(getkey):
-    attn = eqx.nn.MultiheadAttention(2, 16, key=getkey())
-    fp8 = fp8jax.fp8_linear_layers(attn)
-    x = jax.random.normal(getkey(), (6, 16))
-    got, want = fp8(x, x, x), attn(x, x, x)
-    # Each E4M3 operand is off by at most u = 1/16 relative; errors average out over the
-    # contractions, so the output stays well within one worst-case product error, 2u.
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert 0 < rel < 2 * 2.0**-4
 
 
 @pytest.mark.parametrize(

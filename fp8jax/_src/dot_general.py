@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -46,9 +47,23 @@ def _check_float(name: str, x: Any) -> np.dtype:
     return dtype
 
 
-def _valid(state: TensorState) -> Array:
-    """Whether a received state is a real update: a finite, positive scale."""
-    return jnp.isfinite(state.scale) & (state.scale > 0)
+def _received(state: TensorState) -> tuple[Array, Array]:
+    """Whether a received state is a real update, and whether it is one to reject.
+
+    A zero cotangent (a zero scale) means the layer was not used this step, or its output
+    got no gradient: nothing was received. An inf or NaN anywhere in it (the operand held
+    one, so its amax is not finite) is rejected: it never enters a history, where with
+    `amax_compute="max"` it would freeze the scale for the history's length. Per layer of a
+    stacked state.
+    """
+    lead = jnp.ndim(state.scale)
+    finite = [
+        jnp.all(jnp.isfinite(a), axis=tuple(range(lead, jnp.ndim(a))))
+        for a in jax.tree.leaves(state)
+    ]
+    finite = functools.reduce(jnp.logical_and, finite)
+    take = finite & (state.scale > 0)
+    return take, ~finite
 
 
 class Fp8DotGeneral(OverwriteWithGradient):
@@ -104,12 +119,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
             not isinstance(kernel_shape, tuple | list)
             or len(kernel_shape) != 2
             or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in kernel_shape
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in kernel_shape
             )
         ):
             raise ValueError(
                 f"Fp8DotGeneral: kernel_shape={kernel_shape!r}: should be None or "
-                "(out_features, in_features), two ints >= 1: the kernel as a matrix with its "
+                "(out_features, in_features), two ints >= 0: the kernel as a matrix with its "
                 "contracted axes last."
             )
         self.recipe = recipe_from(recipe)
@@ -159,10 +174,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
             )
 
     def merge(self, new: Fp8DotGeneral) -> Fp8DotGeneral:
-        """Take each operand's received state where it is a real update.
+        """Take each operand's received state where it is a real, finite update.
 
         A zero cotangent (the layer was not used this step, or its output got no gradient)
-        leaves that operand's state as it was.
+        leaves that operand's state as it was. So does a state holding an inf or NaN (the
+        operand held one: the fault itself reaches the GEMM's output as NaN); telemetry
+        counts those steps in `stats.<role>.rejected`.
         """
 
         def pick(old: Any, received: Any, ok: Array) -> Any:
@@ -175,11 +192,15 @@ class Fp8DotGeneral(OverwriteWithGradient):
             )
 
         roles = ("input", "kernel", "output_grad")
-        valid = {role: _valid(getattr(new, role)) for role in roles}
-        merged = {r: pick(getattr(self, r), getattr(new, r), valid[r]) for r in roles}
+        received = {role: _received(getattr(new, role)) for role in roles}
+        merged = {r: pick(getattr(self, r), getattr(new, r), received[r][0]) for r in roles}
         if self.stats is not None:
-            old, received = self.stats, new.stats
-            stats = {r: pick(getattr(old, r), getattr(received, r), valid[r]) for r in roles}
+            stats = {}
+            for r in roles:
+                old, take, reject = getattr(self.stats, r), *received[r]
+                count = old.rejected + reject.astype(old.rejected.dtype)
+                fresh = eqx.tree_at(lambda s: s.rejected, getattr(new.stats, r), old.rejected)
+                stats[r] = eqx.tree_at(lambda s: s.rejected, pick(old, fresh, take), count)
             merged["stats"] = Fp8Stats(**stats)
         return eqx.tree_at(
             lambda m: tuple(getattr(m, name) for name in merged),

@@ -39,7 +39,7 @@ from jaxtyping import Array
 from . import jax_private
 from .recipes import Recipe
 from .remat import name_fp8_operands, name_gemm_output
-from .stats import Fp8Stats, OperandStats
+from .stats import Fp8Stats
 
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]
@@ -161,35 +161,9 @@ class Layout(NamedTuple):
 # --- the canonical GEMM, unbatched ---------------------------------------------------------
 
 
-def _accept(new: Any, old: Any) -> tuple[Any, Array]:
-    """`new` state where all of it is finite, else `old`; and whether it was rejected.
-
-    Every recipe records the operand's amax in its new state, so an inf or NaN in the operand
-    shows there. Such an amax never enters a history (with `amax_compute="max"` it would
-    freeze the scale for the history's length): the operand keeps the state it had. The
-    fault itself is not hidden: the saturating cast turns it into NaN, which reaches the
-    GEMM's output and from there `all_finite` and loss scaling.
-    """
-    finite = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(new)]
-    ok = functools.reduce(jnp.logical_and, finite)
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old), jnp.logical_not(ok)
-
-
-def _with_count(stats: OperandStats, old: OperandStats | None, rejected: Array) -> OperandStats:
-    """Telemetry of an operand: this step's fractions and the running count of rejected
-    state updates; a rejected step keeps the old fractions too."""
-    if old is None:
-        return stats
-    stats = OperandStats(stats.saturated, stats.underflow, old.rejected + rejected)
-    keep = OperandStats(old.saturated, old.underflow, stats.rejected)
-    return jax.tree.map(lambda k, s: jnp.where(rejected, k, s), keep, stats)
-
-
 def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
-    new_input, input_rejected = _accept(new_input, states.input)
-    new_kernel, kernel_rejected = _accept(new_kernel, states.kernel)
     with jax.named_scope("fwd"):
         out = recipe.dot(q_x, q_w, -1, -1, precision, out_dtype)
     # Keep what follows (a bias, an activation) out of the GEMM's epilogue: XLA's cuBLAS path
@@ -198,17 +172,9 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     out = lax.optimization_barrier(out)
     stats = None
     if states.stats is not None:
-        old = states.stats
         stats = (
-            _with_count(
-                recipe.statistics(x, q_x, "input", _owner(states.input)), old.input, input_rejected
-            ),
-            _with_count(
-                recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
-                old.kernel,
-                kernel_rejected,
-            ),
-            old.output_grad,
+            recipe.statistics(x, q_x, "input", _owner(states.input)),
+            recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
         )
     # The dgrad's copy of the kernel, laid out for its other contraction, is quantized from
     # the high-precision weight here (one rounding), not from `q_w` in the backward (two).
@@ -225,10 +191,9 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
-    new_grad, grad_rejected = _accept(new_grad, grad_state)
     if stats is not None:
         grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(grad_state))
-        stats = Fp8Stats(stats[0], stats[1], _with_count(grad_stats, stats[2], grad_rejected))
+        stats = Fp8Stats(*stats, grad_stats)
     with jax.named_scope("dgrad"):
         d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)

@@ -63,8 +63,8 @@ def cast_statistics(
     owner: Array,
     axis_names: tuple[str, ...] = (),
 ) -> OperandStats:
-    """The [`fp8jax.OperandStats`][] of `x` cast to FP8 as `terms` (`rejected` is 0: the GEMM
-    counts rejected updates, see `fp8jax._src.gemm`).
+    """The [`fp8jax.OperandStats`][] of `x` cast to FP8 as `terms` (`rejected` is 0 here:
+    [`fp8jax.Fp8DotGeneral.merge`][] counts rejected updates).
 
     **Arguments:**
 
