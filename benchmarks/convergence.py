@@ -132,13 +132,13 @@ def plot_gap(runs: list[train_gpt.Run], out: pathlib.Path) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> dict[int, list[train_gpt.Run]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    choices = ("fp32", *train_gpt.RECIPES)
+    choices = ("fp32", *train_gpt.VARIANTS)
     train_gpt.add_arguments(
         parser,
         steps=1000,
         layers=4,
         width=256,
-        recipes=choices,
+        recipes=("fp32", *train_gpt.RECIPES),
         block_dot="dequantized",
         out="convergence_results",
     )

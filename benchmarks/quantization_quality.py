@@ -48,12 +48,19 @@ def _qdq(recipe, role, x):
     return sum(t.dequantize() for t in terms)
 
 
+# Per-tensor scales are powers of two by default; these keep fp8_max / amax exactly.
+EXACT = fp8jax.CurrentScaling(power_of_two=False)
+EXACT_E5M2 = fp8jax.CurrentScaling(forward_format="e5m2", power_of_two=False)
+
+
 def quantizers() -> dict:
     """name -> jitted x (rows, cols) -> real values after quantization."""
     tensor = {
         "BF16": lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
         "E4M3 per-tensor": lambda x: _qdq(fp8jax.CurrentScaling(), "input", x),
+        "E4M3 per-tensor, exact scale": lambda x: _qdq(EXACT, "input", x),
         "E5M2 per-tensor": lambda x: _qdq(fp8jax.CurrentScaling(forward_format="e5m2"), "input", x),
+        "E5M2 per-tensor, exact scale": lambda x: _qdq(EXACT_E5M2, "input", x),
         "blockwise 1x128 tiles": lambda x: _qdq(fp8jax.BlockwiseScaling(), "input", x),
         "blockwise 128x128 blocks": lambda x: _qdq(fp8jax.BlockwiseScaling(), "kernel", x),
         "MXFP8 1x32": lambda x: _qdq(fp8jax.MXFP8(), "input", x),
@@ -105,6 +112,7 @@ def section_gemm(n: int, rng: np.random.Generator) -> None:
     # Chunk groups keep the block recipes' partial products at 4 x (n, n) float32.
     recipes = {
         "E4M3 per-tensor (current)": fp8jax.CurrentScaling(),
+        "E4M3 per-tensor (current), exact scale": EXACT,
         "blockwise (DeepSeek-V3)": fp8jax.BlockwiseScaling(),
         "MXFP8": fp8jax.MXFP8(),
         "residual, 2 GEMMs": fp8jax.ResidualFP8(),
@@ -120,6 +128,46 @@ def section_gemm(n: int, rng: np.random.Generator) -> None:
         out = jax.jit(lambda x, w, dot=dot: dot(x, w, dims))(x, w)
         rows.append([name, _rel(out, exact)])
     print(table(rows, ["recipe", "relative error"]))
+
+
+def section_bf16_bias(rng: np.random.Generator, pairs: int = 20) -> None:
+    """The scale factor of a BF16-output GEMM: a bias when it is rounded to BF16."""
+    print(
+        "\n## 5. BF16 outputs: least-squares ratio to the float64 product of the same FP8 "
+        f"values, 256 x 512 x 384, {pairs} random scale pairs"
+    )
+    from fp8jax._src.recipes.base import per_tensor_dot
+
+    x = jnp.asarray(rng.standard_normal((256, 512)), jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.standard_normal((384, 512)), jnp.float8_e4m3fn)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+    def ratio(sx, sw, exact_scales, pow2=False):
+        if pow2:  # what power-of-two scales give: each inverse a power of two
+            sx, sw = (np.float32(2.0 ** np.floor(np.log2(s))) for s in (sx, sw))
+        qx, qw = fp8jax.QTensor(x, jnp.float32(sx)), fp8jax.QTensor(w, jnp.float32(sw))
+        out = np.asarray(per_tensor_dot(qx, qw, -1, -1, None, jnp.bfloat16, exact_scales))
+        ref = exact * np.float64(np.float32(sx)) * np.float64(np.float32(sw))
+        return float(np.sum(out.astype(np.float64) * ref) / np.sum(ref * ref))
+
+    forms = {
+        "factor rounded to BF16 (before: arbitrary scales, applied in BF16)": {
+            "exact_scales": True
+        },
+        "exact scales, applied in float32 (power_of_two=False)": {"exact_scales": False},
+        "power-of-two scales, applied in BF16 (the default)": {
+            "exact_scales": True,
+            "pow2": True,
+        },
+    }
+    scales = np.exp(rng.uniform(-6, 6, (pairs, 2))).astype(np.float32)
+    rows = []
+    for name, kwargs in forms.items():
+        ratios = [ratio(sx, sw, **kwargs) for sx, sw in scales]
+        first = ratios[0]
+        worst = max(abs(r - 1) for r in ratios)
+        rows.append([name, f"{first:.5f}", f"{100 * worst:.3f} %"])
+    print(table(rows, ["form", "ratio, first pair", "worst |ratio - 1|"]))
 
 
 def _rel(out, exact) -> str:
@@ -227,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     section_outliers(x, qs, rng)
     section_gemm(args.gemm_size, rng)
     section_residual_options(x, rng)
+    section_bf16_bias(rng)
 
 
 if __name__ == "__main__":

@@ -169,3 +169,37 @@ def test_hlo_parser():
 def test_unknown_mode():
     with pytest.raises(ValueError, match="Unknown mode 'triton'"):
         fp8jax.inspect(lambda x: x, jnp.ones(2), modes=("triton",))
+
+
+LOOPS = """
+HloModule m
+
+%body (p: (s32[], f32[16,8])) -> (s32[], f32[16,8]) {
+  %p = (s32[], f32[16,8]{1,0}) parameter(0)
+  %a = f8e4m3fn[16,32]{1,0} constant({...})
+  %b = f8e4m3fn[8,32]{1,0} constant({...})
+  %g = (f32[16,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(f)/vmap(fp8jax[mlp.fc1])/fwd/while/body/dot_general"}
+  ROOT %t = (s32[], f32[16,8]{1,0}) tuple(%p, %p)
+}
+
+%cond (p: (s32[], f32[16,8])) -> pred[] {
+  %p = (s32[], f32[16,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: (s32[], f32[16,8])) -> (s32[], f32[16,8]) {
+  %x = (s32[], f32[16,8]{1,0}) parameter(0)
+  %w1 = (s32[], f32[16,8]{1,0}) while(%x), condition=%cond, body=%body, metadata={op_name="jit(f)/vmap(fp8jax[mlp.fc1])/fwd/while"}
+  ROOT %w2 = (s32[], f32[16,8]{1,0}) while(%w1), condition=%cond, body=%body.clone, metadata={op_name="jit(f)/vmap(fp8jax[mlp.fc2])/dgrad/while"}
+}
+"""
+
+
+def test_gemms_in_scan_loops_take_their_loop_s_layer():
+    """JAX traces identical scan bodies once, so a loop body's GEMM may carry another layer's
+    name; the loop instruction carries its own, and the inspector takes that one."""
+    clone = LOOPS.split("%cond")[0].replace("%body (", "%body.clone (")
+    hlo = LOOPS.replace("ENTRY", clone + "\nENTRY")
+    gemms = inspect_module.hlo_gemms(hlo, "cublas")
+    assert sorted((g.layer, g.role) for g in gemms) == [("mlp.fc1", "fwd"), ("mlp.fc2", "dgrad")]
+    assert all(g.fp8 and g.kernel == "cublasLt f8" for g in gemms)

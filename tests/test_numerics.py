@@ -219,7 +219,7 @@ def test_block_partials_are_no_larger_than_the_output_by_default(recipe):
         return dot_output_sizes(jax.make_jaxpr(fwd_bwd)(dot, x, w).jaxpr)
 
     default = sizes(recipe)
-    assert len(default) >= 3 and max(default) == m * n, default
+    assert len(default) == 3 and max(default) == m * n, default  # fwd, dgrad, wgrad
     assert max(sizes(dataclasses.replace(recipe, chunks_per_dot=None))) == 8 * m * n
 
 
@@ -414,3 +414,7 @@ def test_bf16_gemms_are_one_cublaslt_call_with_the_scale_folded(h100, recipe, wr
         # Operands: a, b, (c: XLA fuses the SGD update into the wgrad), then a's and b's
         # scales; a folded alpha is not the constant 1.
         assert len(operands) in (4, 5) and not set(operands[-2:]) <= constants, operands
+    # Five operands: the two wgrads with the SGD update fused in as C, where the GEMM writes
+    # the weight's dtype (BF16); a float32 output is converted first, nothing is fused.
+    fused = sum(len(operands) == 5 for _, operands in calls)
+    assert fused == (2 if writes == "bf16" else 0), calls

@@ -30,6 +30,13 @@ from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 RECIPES = ("delayed", "current", "blockwise", "mxfp8", "residual")
 BLOCK_RECIPES = {"blockwise": fp8jax.BlockwiseScaling, "mxfp8": fp8jax.MXFP8}
+#: Per-tensor recipes with Transformer Engine's exact scales instead of powers of two (the
+#: default), to measure that choice; not run unless asked for with --recipes.
+EXACT_SCALES = {
+    "delayed-exact": fp8jax.DelayedScaling(power_of_two=False),
+    "current-exact": fp8jax.CurrentScaling(power_of_two=False),
+}
+VARIANTS = (*RECIPES, *EXACT_SCALES)
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
@@ -59,7 +66,7 @@ def build(
     model = GPT(config, key=key)
     if variant == "bf16":
         return model
-    recipe: str | fp8jax.Recipe = variant
+    recipe: str | fp8jax.Recipe = EXACT_SCALES.get(variant, variant)
     if block_dot == "dequantized" and variant in BLOCK_RECIPES:
         recipe = BLOCK_RECIPES[variant](dequantized_dot=True)
     return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))
@@ -198,7 +205,7 @@ def add_arguments(
 
 
 def parse_recipes(
-    parser: argparse.ArgumentParser, spec: str, choices: tuple[str, ...] = RECIPES
+    parser: argparse.ArgumentParser, spec: str, choices: tuple[str, ...] = VARIANTS
 ) -> list[str]:
     """The recipe names of a comma-separated `--recipes`, each checked against `choices`."""
     recipes = [r for r in spec.split(",") if r]
