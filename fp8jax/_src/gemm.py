@@ -419,7 +419,8 @@ def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
         )
 
 
-# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): leaf}.
+# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): weak ref}.
+# Weak both ways: a tracer refers to its trace, so a strong one would keep the key alive.
 _USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -436,7 +437,8 @@ def _check_single_use(leaves: list, name: str) -> None:
     if trace is None:
         return
     seen = _USES.setdefault(trace, {})
-    if seen.get(id(leaf)) is leaf:
+    earlier = seen.get(id(leaf))
+    if earlier is not None and earlier() is leaf:
         layer = f"FP8 layer {name!r}" if name else "An Fp8DotGeneral"
         raise ValueError(
             f"{layer} runs twice in one differentiated step (a shared or reused layer), "
@@ -447,7 +449,7 @@ def _check_single_use(leaves: list, name: str) -> None:
             "with plain jax.grad, view the model with fp8jax.combine_by_max inside the "
             "differentiated function."
         )
-    seen[id(leaf)] = leaf
+    seen[id(leaf)] = weakref.ref(leaf)
 
 
 def fp8_dot_general(
