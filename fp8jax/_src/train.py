@@ -123,8 +123,8 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         (_, (loss, aux)), grads = grad_fn(state.model, *batch)
     overwrites, grads = partition_for_grad_overwrite(grads)
     grads = scale.unscale(grads)
-    # The new FP8 state too: an inf reaching an FP8 layer is clipped by the saturating cast,
-    # so only its amax shows it (and would freeze a delayed scale for the history's length).
+    # The new FP8 state too: a fault in an FP8 operand reaches the loss and gradients as NaN,
+    # and its amax shows it even where nothing downstream does (merge would reject it anyway).
     finite = all_finite(grads) & all_finite(jax.tree.leaves(overwrites))
     params = _trainable_params(state.model)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
@@ -153,7 +153,7 @@ def make_train_step(
     state out of the gradients, unscales the rest, checks they are finite, runs the optimizer
     on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
     adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
-    (an inf input to an FP8 layer: the saturating cast clips it, only its amax shows it),
+    (an inf or NaN in an FP8 layer's operand, passed on as NaN by the saturating cast),
     changes nothing but the loss scale and the step count. No host sync.
 
     **Arguments:**

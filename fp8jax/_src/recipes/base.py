@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Literal
 
 import equinox as eqx
@@ -96,6 +97,14 @@ def check_flags(recipe: object, *names: str) -> None:
         value = getattr(recipe, name)
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r}: should be True or False.")
+
+
+def check_margin(margin: object) -> None:
+    """Raise `ValueError` unless `margin` is a finite real number."""
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+        raise ValueError(
+            f"margin={margin!r}: should be a finite number of binades of headroom (0 for none)."
+        )
 
 
 def check_positive_int(name: str, value: object) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -18,6 +17,7 @@ from .base import (
     TensorState,
     check_choice,
     check_flags,
+    check_margin,
     check_positive_int,
     per_tensor_dot,
 )
@@ -48,14 +48,6 @@ def compute_scale(
     if power_of_two:
         fresh = pow2(floor_log2(fresh))
     return jnp.where(ok, fresh, previous)
-
-
-def check_margin(margin: object) -> None:
-    """Raise `ValueError` unless `margin` is a finite real number."""
-    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
-        raise ValueError(
-            f"margin={margin!r}: should be a finite number of binades of headroom (0 for none)."
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
