@@ -8,6 +8,8 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 from ._src.accumulate import accumulate_gradients as accumulate_gradients
 from ._src.checkpoint import load_checkpoint as load_checkpoint
 from ._src.checkpoint import save_checkpoint as save_checkpoint
+from ._src.compile_options import gpu_compiler_options as gpu_compiler_options
+from ._src.compile_options import gpu_xla_flags as gpu_xla_flags
 from ._src.dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._src.formats import dequantize as dequantize
 from ._src.formats import fp8_dtype as fp8_dtype
@@ -114,6 +116,8 @@ __all__ = [
     "fp8_dtype",
     "fp8_linear_layers",
     "fp8_max",
+    "gpu_compiler_options",
+    "gpu_xla_flags",
     "h100_mesh",
     "inspect",
     "load_checkpoint",

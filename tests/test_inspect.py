@@ -64,19 +64,32 @@ def test_gpt_train_step_runs_every_targeted_gemm_in_fp8(h100, name):
     # merged program is checked below).
     report = fp8jax.inspect(step, *args, merge_dots=False)
     assert report.deviceless
+    fp8 = len(targeted) * sum(GEMMS[name].values())
     for mode in ("cublas", "default"):
         layers = report.layers(mode)
         assert set(layers) == targeted, mode
         for layer, roles in layers.items():
             counts = {role: len(gemms) for role, gemms in roles.items()}
             assert counts == GEMMS[name], (mode, layer, counts)
-            assert all(g.fp8 for gemms in roles.values() for g in gemms), (mode, layer)
+            assert all(g.fp8_operands for gemms in roles.values() for g in gemms), (mode, layer)
         others = [g for g in report.gemms[mode] if g.layer is None]
-        assert len(others) == OTHERS and not any(g.fp8 for g in others), others
-        fp8 = len(targeted) * sum(GEMMS[name].values())
-        assert report.count(mode) == (fp8, fp8 + OTHERS), mode
-        if mode == "cublas":
-            assert all(g.kernel == "cublasLt f8" for g in report.gemms[mode] if g.layer)
+        assert len(others) == OTHERS and not any(g.fp8_operands for g in others), others
+        assert not any(g.fp8 for g in others), others
+    # fp8jax's options (cuBLAS mode): every FP8 GEMM is cuBLASLt's FP8 kernel.
+    assert report.count("cublas") == (fp8, fp8 + OTHERS)
+    assert all(g.kernel == "cublasLt f8" for g in report.gemms["cublas"] if g.layer)
+    fp8jax.assert_all_fp8(report)
+    # XLA's defaults, deviceless: Triton kernels whose PTX converts the FP8 operands to f16
+    # and multiplies on FP16 tensor cores. The inspector reads that in the PTX.
+    ours = [g for g in report.gemms["default"] if g.layer]
+    assert report.count("default") == (0, fp8 + OTHERS)
+    for g in ours:
+        assert g.kernel == "triton" and g.ptx and g.kernel_name.startswith("gemm_fusion"), g
+        assert any(m.startswith("mma.sync") and ".f16.f16." in m for m in g.mma), g
+        assert any(".e4m3" in u or ".e5m2" in u for u in g.upcasts), g
+        assert "converts them to f16" in g.verdict and "not FP8 tensor cores" in g.verdict
+    with pytest.raises(fp8jax.Fp8InspectionError, match=f"(?s){len(ours)} GEMM.*converts"):
+        fp8jax.assert_all_fp8(report, modes=("cublas", "default"))
 
 
 def test_merged_gemms_stay_fp8(h100):
@@ -85,17 +98,19 @@ def test_merged_gemms_stay_fp8(h100):
     XLA does not merge dots inside the loops of `chunks_per_dot=1`)."""
     recipe = fp8jax.BlockwiseScaling(block_size=32, chunks_per_dot=None)
     step, args, targeted = gpt_train_step(recipe)
-    report = fp8jax.assert_all_fp8(step, *args)
+    report = fp8jax.assert_all_fp8(fp8jax.inspect(step, *args))
     # 6 Linears x 3 GEMMs unmerged. The forward GEMMs of q, k and v read the same FP8
     # operand (the input, quantized once) and merge into one: 18 - 3 + 1. Every backward GEMM
     # reads an operand of its own layer (its quantized output gradient; the wgrads' activation
     # retiled along tokens in each layer's backward), so none of them merges.
     fp8 = len(targeted) * 3 - 3 + 1
+    assert report.count("cublas") == (fp8, fp8 + OTHERS)
     for mode in ("cublas", "default"):
-        assert report.count(mode) == (fp8, fp8 + OTHERS), mode
+        assert sum(g.fp8_operands for g in report.gemms[mode]) == fp8, mode
         qkv = {f"blocks.0.attn.{name}" for name in ("query", "key", "value")}
         merged = [g for g in report.gemms[mode] if g.role == "fwd" and g.layer in qkv]
-        assert len(merged) == 1 and merged[0].fp8, merged
+        assert len(merged) == 1 and merged[0].fp8_operands, merged
+        assert merged[0].fp8 == (mode == "cublas"), merged
 
 
 def test_strict_check_lists_the_high_precision_gemms(h100):
@@ -111,8 +126,10 @@ def test_rematerialized_gelu_compiles_in_both_modes(h100):
     GEMMs and fails with a RET_CHECK for the peers' formulations; fp8jax's compiles."""
     config = dataclasses.replace(SMALL, remat_gelu=True)
     step, args, _ = gpt_train_step(RECIPES["delayed"], config)
-    report = fp8jax.assert_all_fp8(step, *args)
-    assert report.count("cublas")[0] == report.count("default")[0] == 18
+    report = fp8jax.inspect(step, *args)
+    fp8jax.assert_all_fp8(report)
+    assert report.count("cublas")[0] == 18
+    assert sum(g.fp8_operands for g in report.gemms["default"]) == 18
 
 
 def test_offending_gemm_is_reported(h100):
@@ -133,8 +150,12 @@ def test_stablehlo_fallback_without_the_plugin(monkeypatch):
     report = fp8jax.inspect(step, *args)
     assert not report.deviceless and "StableHLO" in report.target
     assert set(report.layers("stablehlo")) == targeted
-    assert report.count("stablehlo") == (18, 18 + 6 + 3)
-    fp8jax.assert_all_fp8(report)
+    # Operand types only: nothing is proven to run on FP8 tensor cores.
+    assert report.count("stablehlo") == (0, 18 + 6 + 3)
+    assert sum(g.fp8_operands for g in report.gemms["stablehlo"]) == 18
+    assert all("not proven" in g.verdict for g in report.gemms["stablehlo"])
+    with pytest.raises(fp8jax.Fp8InspectionError, match="StableHLO inspection"):
+        fp8jax.assert_all_fp8(report)
 
 
 HLO = """
@@ -150,17 +171,60 @@ ENTRY %main (a: bf16[16,32], b: bf16[8,32]) -> f32[16,8] {
   %a = bf16[16,32]{1,0} parameter(0)
   %b = bf16[8,32]{1,0} parameter(1)
   %c = (bf16[16,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/head/dot_general"}
-  ROOT %f = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_gemm
+  ROOT %f.2 = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
 }
 """
+
+PTX = """
+.version 8.8
+.target sm_90a
+.visible .entry f_2(
+\t.param .u64 f_2_param_0
+)
+{
+\tcvt.rn.f16x2.e4m3x2 \t%r1, %rs1;
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2}, {%r3}, {%f5, %f6, %f7, %f8};
+\tret;
+}
+.visible .entry g(
+)
+{
+\twgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3 {%f1}, %rd1, %rd2, p, 1, 1;
+\twgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3 {%f2}, %rd3, %rd4, p, 1, 1;
+\tret;
+}
+"""
+
+
+def test_ptx_parser():
+    kernels = inspect_module.ptx_kernels([PTX])
+    assert set(kernels) == {"f_2", "g"}
+    assert kernels["f_2"].mma == ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",)
+    assert kernels["f_2"].upcasts == ("cvt.rn.f16x2.e4m3x2",)
+    assert kernels["g"].mma == ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3",)
+    assert kernels["g"].upcasts == ()
+    assert inspect_module._mma_inputs(kernels["g"].mma[0]) == "e5m2/e4m3"
+    assert inspect_module._mma_inputs(kernels["f_2"].mma[0]) == "f16"
 
 
 def test_hlo_parser():
     gemms = {g.instruction: g for g in inspect_module.hlo_gemms(HLO, "default")}
     assert set(gemms) == {"dot.1", "c"}
-    assert gemms["dot.1"].fp8 and gemms["dot.1"].layer == "mlp.fc1"
+    # Without PTX, FP8 operands prove nothing.
+    assert gemms["dot.1"].fp8_operands and not gemms["dot.1"].fp8
+    assert not gemms["dot.1"].ptx and "not found" in gemms["dot.1"].verdict
+    assert gemms["dot.1"].layer == "mlp.fc1" and gemms["dot.1"].kernel_name == "f_2"
     assert gemms["dot.1"].role == "fwd" and gemms["dot.1"].kernel == "triton"
     assert not gemms["c"].fp8 and (gemms["c"].lhs, gemms["c"].kernel) == ("bf16", "cublas")
+    # The kernel f_2 (the fusion f.2) upcasts: not FP8; the same GEMM run by an FP8 wgmma
+    # kernel is.
+    kernels = inspect_module.ptx_kernels([PTX])
+    upcast = inspect_module.hlo_gemms(HLO, "default", kernels)
+    (dot,) = [g for g in upcast if g.instruction == "dot.1"]
+    assert dot.ptx and not dot.fp8 and "converts them to f16" in dot.verdict
+    kernels["f_2"] = dataclasses.replace(kernels["g"], name="f_2")
+    (dot,) = [g for g in inspect_module.hlo_gemms(HLO, "default", kernels) if g.layer]
+    assert dot.fp8 and "FP8 tensor cores (wgmma" in dot.verdict
     assert gemms["dot.1"].flops == 2 * 16 * 8 * 32
     # The fusion reads a (bf16 16x32) and b (bf16 8x32) and writes f32 16x8.
     assert inspect_module.hlo_memory_traffic(HLO) == 2 * 16 * 32 + 2 * 8 * 32 + 4 * 16 * 8
@@ -203,3 +267,55 @@ def test_gemms_in_scan_loops_take_their_loop_s_layer():
     gemms = inspect_module.hlo_gemms(hlo, "cublas")
     assert sorted((g.layer, g.role) for g in gemms) == [("mlp.fc1", "fwd"), ("mlp.fc2", "dgrad")]
     assert all(g.fp8 and g.kernel == "cublasLt f8" for g in gemms)
+
+
+def _fp8_gemm(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+def test_generated_kernels_are_judged_by_their_ptx(h100):
+    """The same FP8 GEMM as a Triton kernel: XLA's deviceless default tiles upcast to f16;
+    128 x 128 tiles on four warps (as an autotuner might pick on a GPU) give FP8 wgmma. Only
+    the PTX tells them apart: the HLO is the same dot of two FP8 operands."""
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((256, 256), jnp.float8_e5m2)
+    default = fp8jax.inspect(_fp8_gemm, a, b, modes=("default",))
+    (upcast,) = default.gemms["default"]
+    assert upcast.fp8_operands and upcast.kernel == "triton" and not upcast.fp8
+    assert "f16" in upcast.verdict and "not FP8 tensor cores" in upcast.verdict
+    tiles = "block_m:128 block_n:128 block_k:64 num_stages:3 num_warps:4 num_ctas:1"
+    wide = fp8jax.inspect(
+        _fp8_gemm,
+        a,
+        b,
+        modes=("default",),
+        compiler_options={"xla_gpu_override_gemm_autotuner": tiles},
+    )
+    (native,) = wide.gemms["default"]
+    assert native.fp8 and native.fp8_operands and native.kernel == "triton"
+    assert any(m.startswith("wgmma") and ".e4m3" in m for m in native.mma), native.mma
+    assert native.upcasts == ()
+    fp8jax.assert_all_fp8(wide, modes=("default",), strict=True)
+    with pytest.raises(fp8jax.Fp8InspectionError, match="converts them to f16"):
+        fp8jax.assert_all_fp8(default, modes=("default",), strict=True)
+    with pytest.raises(ValueError, match="has no \\['cublas'\\]"):
+        fp8jax.assert_all_fp8(default)
+
+
+def test_assert_all_fp8_checks_fp8jax_s_options_by_default(h100, monkeypatch):
+    """A function given to assert_all_fp8 is compiled in cuBLAS mode only (the options
+    make_train_step uses), and passes there."""
+    seen = []
+    real = inspect_module.inspect
+
+    def spy(fn, *args, modes, **kwargs):
+        seen.append(modes)
+        return real(fn, *args, modes=modes, **kwargs)
+
+    monkeypatch.setattr(inspect_module, "inspect", spy)
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
+    report = fp8jax.assert_all_fp8(_fp8_gemm, a, a, strict=True)
+    assert seen == [("cublas",)] and report.count("cublas") == (1, 1)
+    for bad in ("cublas", (), 3):
+        with pytest.raises(ValueError, match="modes="):
+            fp8jax.assert_all_fp8(report, modes=bad)

@@ -119,3 +119,12 @@ def test_static_slices_of_max_combining_state_raise_what_grad_recognises(index):
         fp8jax.filter_grad(loss)(stacked, jnp.ones((2, 4)))
     assert _is_static_slice_error(error.value.__cause__), error.value.__cause__
     assert not _is_static_slice_error(ValueError("max_f32 state mixes dtypes"))
+
+
+def test_tracing_is_recognised():
+    seen = []
+    assert not jax_private.tracing()
+    jax.jit(lambda a: seen.append(jax_private.tracing()) or a)(1.0)
+    jax.vmap(lambda a: seen.append(jax_private.tracing()) or a)(jnp.ones(2))
+    jax.grad(lambda a: seen.append(jax_private.tracing()) or a)(1.0)
+    assert seen == [True, True, True]

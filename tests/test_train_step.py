@@ -217,3 +217,51 @@ def test_train_step_errors(getkey):
         train_step(train_step.init(model), x, y)
     with pytest.raises(TypeError, match="train_step.init"):
         train_step(model, x, y)
+
+
+def test_compiles_with_fp8jax_s_gpu_options_by_default(getkey, tmp_path):
+    """The step's own executable gets the options (nothing global): XLA records them in the
+    debug options it dumps, on the CPU as on a GPU."""
+    model = fp8jax.fp8_linear_layers(eqx.nn.MLP(8, 1, 32, 2, key=getkey()))
+    x, y = data(getkey())
+    default = fp8jax.make_train_step(mse, optax.sgd(1e-2))
+    assert dict(default.compiler_options) == fp8jax.gpu_compiler_options()
+    dumped = fp8jax.make_train_step(
+        mse,
+        optax.sgd(1e-2),
+        compiler_options={**fp8jax.gpu_compiler_options(), "xla_dump_to": str(tmp_path)},
+    )
+    state, _ = dumped(dumped.init(model), x, y)
+    (options,) = [p for p in tmp_path.iterdir() if p.name.endswith("_step.debug_options")]
+    assert "xla_gpu_enable_triton_gemm: false" in options.read_text()
+    # The same step with XLA's defaults gives the same numbers (on a CPU the option is moot).
+    plain = fp8jax.make_train_step(mse, optax.sgd(1e-2), compiler_options={})
+    expected, _ = plain(plain.init(model), x, y)
+    assert bits(state.model) == bits(expected.model)
+    # Inside the caller's own jit the step is part of the caller's executable (JAX refuses
+    # options on a nested jit); same numbers.
+    nested, _ = eqx.filter_jit(lambda s: default(s, x, y))(default.init(model))
+    assert bits(nested.model) == bits(expected.model)
+    for bad in ([("xla_gpu_enable_triton_gemm", False)], {"xla_dump_to": None}, {1: True}):
+        with pytest.raises(TypeError, match="compiler_options="):
+            fp8jax.make_train_step(mse, optax.sgd(1e-2), compiler_options=bad)
+
+
+def test_gpu_options_as_flags_are_accepted_by_xla():
+    """`gpu_xla_flags` spells the same options; XLA aborts on unknown flags, so a process
+    started with them and compiling a step proves them valid."""
+    import os
+    import subprocess
+    import sys
+
+    flags = fp8jax.gpu_xla_flags()
+    parsed = dict(flag.removeprefix("--").split("=") for flag in flags.split())
+    options = fp8jax.gpu_compiler_options()
+    assert parsed == {k: str(v).lower() for k, v in options.items()}
+    code = "import jax, jax.numpy as jnp; print(jax.jit(lambda a: a @ a)(jnp.eye(2))[0, 0])"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "1.0", run.stderr[-2000:]
+    bad = {**env, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm_not_a_flag=false"}
+    run = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+    assert run.returncode != 0  # the check above can fail

@@ -1,19 +1,24 @@
-"""Which GEMMs of a program are FP8: a deviceless compile for an H100, or StableHLO.
+"""Which GEMMs of a program run on FP8 tensor cores: a deviceless compile for an H100.
 
 `inspect(fn, *args)` compiles `fn` for an H100 without a GPU (with the `h100` extra:
 `jax-cuda12-plugin` and `jax-cuda12-pjrt` of jax's version, and `JAX_PLATFORMS=cpu` set before
-jax starts) in both of XLA's modes:
+jax starts) in both of XLA's modes, and reads what would execute:
 
-- `"cublas"`: Triton GEMMs off (`xla_gpu_enable_triton_gemm=False`), every GEMM a cuBLAS call;
-  an FP8 GEMM is a `__cublas$lt$matmul$f8` custom call. This is the mode that proves FP8 tensor
-  cores: it is the kernel cuBLASLt runs.
-- `"default"`: XLA's default flags, where GEMMs become Triton fusions; a GEMM is FP8 when the dot
-  inside takes FP8 operands. (Without a GPU the autotuner cannot time Triton against cuBLAS; on
-  a real GPU it chooses.)
+- `"cublas"`: Triton GEMMs off (`xla_gpu_enable_triton_gemm=False`, fp8jax's
+  [`fp8jax.gpu_compiler_options`][]), every GEMM a cuBLAS call; an FP8 GEMM is a
+  `__cublas$lt$matmul$f8` custom call, which cuBLASLt runs on FP8 tensor cores.
+- `"default"`: XLA's default flags, where GEMMs become generated (Triton) kernels. For each,
+  the inspector reads the kernel's PTX and names its matrix-multiply instruction: FP8 tensor
+  cores are `wgmma ... e4m3/e5m2` (or an FP8 `mma`); a kernel that converts FP8 operands to
+  f16 (`cvt.rn.f16x2.e4m3x2`) and multiplies with `mma.sync ... f16` is not FP8 whatever its
+  operand types. A deviceless compile cannot autotune: XLA takes its default Triton tiles,
+  which on jax 0.10 upcast FP8 to f16. On a GPU the autotuner chooses, which is why fp8jax's
+  train step compiles with Triton GEMMs off.
 
-Every GEMM is reported with its operand types and the JAX name stack it came from; GEMMs of
-fp8jax layers carry `fp8jax[<layer path>]/fwd|dgrad|wgrad` there. Without the plugin it falls
-back to the StableHLO of the program (operand types as JAX emits them) and says so.
+Every GEMM is reported with its kernel, operand types and the JAX name stack it came from;
+GEMMs of fp8jax layers carry `fp8jax[<layer path>]/fwd|dgrad|wgrad` there. Without the plugin
+it falls back to the StableHLO of the program (operand types as JAX emits them), which proves
+nothing about the kernels, and says so.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import dataclasses
 import functools
 import importlib.resources
 import math
+import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,24 +37,45 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .compile_options import gpu_compiler_options
 from .dot_general import SCOPE
 
 MODES = {
-    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    "cublas": gpu_compiler_options(),
     "default": {},
 }
 _LAYER = re.compile(re.escape(SCOPE) + r"\[([^\]]*)\]\)*(?:/(fwd|dgrad|wgrad))?")
 _F8 = re.compile(r"^f8")
 
 
+_FP8_MMA = re.compile(r"\.e[45]m[23]\b")
+_MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
+_TENSOR_CORES = {"f16": "FP16", "bf16": "BF16", "tf32": "TF32", "f64": "FP64", "s8": "INT8"}
+
+
+def _mma_inputs(instruction: str) -> str:
+    """The multiplied operands' type of a PTX MMA instruction (`e4m3`, `f16`, ...): the types
+    after the accumulator's (`mma.sync ... .f32.f16.f16.f32`, `wgmma ... .f32.e4m3.e4m3`)."""
+    types = _MMA_TYPES.findall(instruction)
+    inputs = types[1:3] if len(types) >= 3 else types
+    return "/".join(dict.fromkeys(inputs)) or "?"
+
+
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One GEMM of a compiled program.
+    """One GEMM of a compiled program, and the kernel that runs it.
 
     **Fields:** `mode` (`"cublas"`, `"default"` or `"stablehlo"`), `instruction` (its name in
-    the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` or `"dot"`), `lhs` and `rhs`
-    (operand element types, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack it came from),
-    `flops` (`2 * output size * contracted size`; 0 where the HLO does not say).
+    the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` (a generated GEMM kernel),
+    `"fusion"` (a dot XLA emitted inside another kernel) or `"dot"` (StableHLO)), `lhs` and
+    `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
+    it came from), `flops` (`2 * output size * contracted size`; 0 where the HLO does not say),
+    `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
+    matrix-multiply instructions of that kernel's PTX), `upcasts` (its PTX conversions from
+    FP8, e.g. `cvt.rn.f16x2.e4m3x2`), `ptx` (whether the kernel's PTX was read).
+
+    `fp8` is true only for what runs on FP8 tensor cores: the cuBLASLt FP8 call, or a
+    generated kernel whose PTX multiplies FP8 (`wgmma ... e4m3`). `verdict` says which in words.
     """
 
     mode: str
@@ -57,13 +85,52 @@ class Gemm:
     rhs: str
     op_name: str
     flops: int = 0
+    kernel_name: str = ""
+    mma: tuple[str, ...] = ()
+    upcasts: tuple[str, ...] = ()
+    ptx: bool = False
 
     @property
     def fp8(self) -> bool:
-        """Both operands are FP8 (or cuBLASLt's FP8 GEMM runs it)."""
+        """Runs on FP8 tensor cores: the cuBLASLt FP8 GEMM, or an FP8 MMA in its PTX."""
         if self.kernel == "cublasLt f8":
             return True
+        return any(_FP8_MMA.search(m) for m in self.mma)
+
+    @property
+    def fp8_operands(self) -> bool:
+        """Both operands are FP8 in the HLO (necessary for `fp8`, not sufficient)."""
         return bool(_F8.match(self.lhs.lower()) and _F8.match(self.rhs.lower()))
+
+    @property
+    def verdict(self) -> str:
+        """What runs this GEMM and on which tensor cores, in words."""
+        if self.kernel == "cublasLt f8":
+            return "cuBLASLt FP8 GEMM (__cublas$lt$matmul$f8): FP8 tensor cores"
+        if self.kernel == "cublas":
+            return f"cuBLAS GEMM of {self.lhs} x {self.rhs}: not FP8"
+        if self.mode == "stablehlo":
+            return (
+                f"{self.lhs} x {self.rhs} in StableHLO; no kernel was compiled (install "
+                "fp8jax[h100] for the H100 compile): not proven"
+            )
+        what = f"{self.kernel} kernel {self.kernel_name or self.instruction}"
+        if not self.ptx:
+            return f"{what}: its PTX was not found, so its instructions are unknown: not proven"
+        fp8 = [m for m in self.mma if _FP8_MMA.search(m)]
+        if fp8:
+            return f"{what}: FP8 tensor cores ({fp8[0]})"
+        if not self.mma:
+            return f"{what}: no tensor-core instruction in its PTX (scalar or vector code)"
+        inputs = _mma_inputs(self.mma[0])
+        cores = f"{_TENSOR_CORES.get(inputs, inputs)} tensor cores ({self.mma[0]})"
+        if self.fp8_operands or self.upcasts:
+            converts = f" ({self.upcasts[0]})" if self.upcasts else ""
+            return (
+                f"{what}: takes FP8 operands but converts them to {inputs}{converts} and "
+                f"multiplies on {cores}: not FP8 tensor cores"
+            )
+        return f"{what}: {self.lhs} x {self.rhs} on {cores}: not FP8"
 
     @property
     def layer(self) -> str | None:
@@ -79,7 +146,8 @@ class Gemm:
 
     def __str__(self) -> str:
         where = f"{self.layer}/{self.role}" if self.layer is not None else self.op_name
-        return f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
+        head = f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
+        return f"{head}: {self.verdict}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +200,7 @@ class Inspection:
         return "stablehlo" not in self.gemms
 
     def count(self, mode: str) -> tuple[int, int]:
-        """(FP8 GEMMs, all GEMMs) in `mode`."""
+        """(GEMMs on FP8 tensor cores, all GEMMs) in `mode`."""
         gemms = self.gemms[mode]
         return sum(g.fp8 for g in gemms), len(gemms)
 
@@ -144,12 +212,14 @@ class Inspection:
                 out.setdefault(g.layer, {}).setdefault(g.role or "?", []).append(g)
         return out
 
-    def offending(self, strict: bool = False) -> list[Gemm]:
-        """GEMMs of fp8jax layers that are not FP8 (every non-FP8 GEMM with `strict`)."""
+    def offending(self, strict: bool = False, modes: Iterable[str] | None = None) -> list[Gemm]:
+        """GEMMs of fp8jax layers that do not run on FP8 tensor cores (every such GEMM with
+        `strict`), in `modes` (all of this inspection's by default)."""
+        modes = self.gemms if modes is None else modes
         return [
             g
-            for gemms in self.gemms.values()
-            for g in gemms
+            for mode in modes
+            for g in self.gemms[mode]
             if not g.fp8 and (strict or g.layer is not None)
         ]
 
@@ -157,7 +227,11 @@ class Inspection:
         lines = [f"GEMMs of the program, compiled for {self.target}"]
         for mode, gemms in self.gemms.items():
             fp8, total = self.count(mode)
-            lines.append(f"\n[{mode}] {fp8} of {total} GEMMs are FP8")
+            operands = sum(g.fp8_operands for g in gemms)
+            lines.append(
+                f"\n[{mode}] {fp8} of {total} GEMMs run on FP8 tensor cores "
+                f"({operands} take FP8 operands)"
+            )
             for g in gemms:
                 lines.append(f"  {'FP8 ' if g.fp8 else 'high'}  {g}")
             if mode in self.memory:
@@ -327,9 +401,9 @@ def inspect(
             filter(None, [extra.get("xla_disable_hlo_passes", ""), "dot-merger"])
         )
     for mode in modes:
-        compiled = lowered.compile(compiler_options={**MODES[mode], **extra})
+        compiled, kernels = _compile_with_ptx(lowered, {**MODES[mode], **extra})
         text = compiled.as_text()
-        gemms[mode] = hlo_gemms(text, mode)
+        gemms[mode] = hlo_gemms(text, mode, kernels)
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(text)
         collectives[mode] = hlo_collectives(text)
@@ -339,28 +413,124 @@ def inspect(
 
 
 def assert_all_fp8(
-    fn: Callable | Inspection, *args: Any, strict: bool = False, **kwargs: Any
+    fn: Callable | Inspection,
+    *args: Any,
+    strict: bool = False,
+    modes: Iterable[str] = ("cublas",),
+    **kwargs: Any,
 ) -> Inspection:
-    """Raise [`fp8jax.Fp8InspectionError`][] listing every GEMM of an fp8jax layer that is not
-    FP8 (every GEMM of the program, with `strict=True`); return the inspection otherwise.
+    """Raise [`fp8jax.Fp8InspectionError`][] listing every GEMM of an fp8jax layer that does
+    not run on FP8 tensor cores (every GEMM of the program, with `strict=True`); return the
+    inspection otherwise.
 
     `fn` may be a function with its arguments (as for [`fp8jax.inspect`][]) or an
-    `Inspection` already made.
+    `Inspection` already made. `modes` are the compile modes checked: by default `"cublas"`,
+    the options fp8jax's train step compiles with ([`fp8jax.gpu_compiler_options`][]); add
+    `"default"` to check XLA's default flags too (on a deviceless compile, XLA's Triton GEMM
+    upcasts FP8 to f16, so that check fails). A StableHLO inspection (no `h100` extra) proves
+    nothing and always fails.
+
+    ```python
+    fp8jax.assert_all_fp8(train_step, state, batch)  # raises with the offending GEMMs
+    ```
     """
     if not isinstance(fn, Inspection) and not callable(fn):
         raise TypeError(
             f"assert_all_fp8: fn={fn!r} should be a function (with its arguments) or an "
             "fp8jax.Inspection."
         )
-    report = fn if isinstance(fn, Inspection) else inspect(fn, *args, **kwargs)
-    bad = report.offending(strict=strict)
+    if isinstance(modes, str) or not isinstance(modes, Iterable) or not tuple(modes):
+        raise ValueError(
+            f"assert_all_fp8: modes={modes!r}: should be a non-empty tuple of modes among "
+            f"{sorted(MODES)}, e.g. ('cublas',)."
+        )
+    modes = tuple(modes)
+    if isinstance(fn, Inspection):
+        report = fn
+    else:
+        report = inspect(fn, *args, modes=modes, **kwargs)
+    if not report.deviceless:
+        raise Fp8InspectionError(
+            "assert_all_fp8: this is a StableHLO inspection (jax-cuda12-plugin is missing), "
+            "which shows operand types, not the kernels that run; install fp8jax[h100] and "
+            "set JAX_PLATFORMS=cpu before jax starts for the H100 compile."
+        )
+    missing = [mode for mode in modes if mode not in report.gemms]
+    if missing:
+        raise ValueError(
+            f"assert_all_fp8: modes={modes!r}: the inspection has no {missing}; it has "
+            f"{sorted(report.gemms)}."
+        )
+    bad = report.offending(strict=strict, modes=modes)
     if bad:
         listing = "\n".join(f"  [{g.mode}] {g}" for g in bad)
         raise Fp8InspectionError(
-            f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} are not "
-            f"FP8 (compiled for {report.target}):\n{listing}"
+            f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} do not "
+            f"run on FP8 tensor cores (compiled for {report.target}):\n{listing}"
         )
     return report
+
+
+def _compile_with_ptx(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Kernel]]:
+    """Compile `lowered` with `options`, keeping the PTX XLA generates (`xla_dump_to`: a
+    temporary folder, or the caller's), and read the matrix-multiply instructions of each
+    kernel. Only files the compile wrote are read."""
+    given = options.get("xla_dump_to")
+    with tempfile.TemporaryDirectory(prefix="fp8jax-inspect-") as scratch:
+        folder = given or scratch
+        before = set(_ptx_files(folder))
+        compiled = lowered.compile(compiler_options={**options, "xla_dump_to": folder})
+        texts = []
+        for path in sorted(set(_ptx_files(folder)) - before):
+            with open(path) as f:
+                texts.append(f.read())
+    return compiled, ptx_kernels(texts)
+
+
+def _ptx_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return [
+        os.path.join(root, name)
+        for root, _, names in os.walk(folder)
+        for name in names
+        if name.endswith(".ptx")
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """What the PTX of one GPU kernel multiplies with: `mma` (its `mma`/`wgmma`
+    instructions, distinct, in order) and `upcasts` (its conversions from FP8)."""
+
+    name: str
+    mma: tuple[str, ...]
+    upcasts: tuple[str, ...]
+
+
+_PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
+_PTX_MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)(?:\.[\w:]+)*)")
+_PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
+
+
+def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
+    """Kernel name -> its [`Kernel`][fp8jax._src.inspect.Kernel] facts, from PTX modules.
+
+    The instructions between one `.entry` and the next belong to the first; functions a
+    module defines before its first entry (rare in XLA's kernels) go to every entry."""
+    kernels: dict[str, Kernel] = {}
+    for text in texts:
+        entries = list(_PTX_ENTRY.finditer(text))
+        shared = text[: entries[0].start()] if entries else ""
+        for i, entry in enumerate(entries):
+            end = entries[i + 1].start() if i + 1 < len(entries) else len(text)
+            body = shared + text[entry.start() : end]
+            kernels[entry.group(1)] = Kernel(
+                entry.group(1),
+                tuple(dict.fromkeys(_PTX_MMA.findall(body))),
+                tuple(dict.fromkeys(_PTX_UPCAST.findall(body))),
+            )
+    return kernels
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -435,9 +605,13 @@ def _operand_names(text: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", text)
 
 
-def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
+def hlo_gemms(hlo: str, mode: str, kernels: Mapping[str, Kernel] | None = None) -> list[Gemm]:
     """Every GEMM of an optimized HLO module: cuBLAS custom calls and dots (top level or
-    inside fusions), with operand element types resolved within their computation."""
+    inside fusions), with operand element types resolved within their computation.
+
+    With `kernels` (from [`ptx_kernels`][fp8jax._src.inspect.ptx_kernels]), each dot gets the
+    PTX facts of the kernel that runs it: the outermost fusion around it, named as XLA names
+    its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`)."""
     computations: dict[str, dict[str, tuple[str, str, list[str], str]]] = {}
     current: dict[str, tuple[str, str, list[str], str]] | None = None
     for line in hlo.splitlines():
@@ -455,14 +629,26 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
                 match.group("rest"),
             )
     loop_names = _loop_op_names(computations)
+    fusions = _fusion_callers(computations)
+    shared = _shared_kernels(computations)
     gemms = []
     for computation, instructions in computations.items():
         for name, (out_type, op, operands, rest) in instructions.items():
             target = _gemm_target(op, rest)
+            kernel_name, facts = "", None
             if target is not None:
                 kernel = "cublasLt f8" if target.endswith("$f8") else "cublas"
             elif op == "dot":
-                kernel = "triton" if mode == "default" else "dot"
+                kernel, runner = "dot", (name, rest)
+                if computation in fusions:  # the outermost fusion around it is the kernel
+                    runner, triton = fusions[computation]
+                    kernel = "triton" if triton else "fusion"
+                candidates = _kernel_names(*runner, shared)
+                kernel_name = candidates[0]
+                if kernels is not None:
+                    found = [c for c in candidates if c in kernels]
+                    if found:
+                        kernel_name, facts = found[0], kernels[found[0]]
             else:
                 continue
             full = [instructions[o][0] if o in instructions else "?" for o in operands[:2]]
@@ -475,9 +661,66 @@ def hlo_gemms(hlo: str, mode: str) -> list[Gemm]:
                     *map(_element_type, full),
                     loop_names.get(computation) or (op_name.group(1) if op_name else ""),
                     _flops(out_type, full[0], rest),
+                    kernel_name,
+                    facts.mma if facts else (),
+                    facts.upcasts if facts else (),
+                    facts is not None,
                 )
             )
     return gemms
+
+
+_DEDUPLICATED = re.compile(r'deduplicated_name="([^"]*)"')
+
+
+def _ptx_name(name: str) -> str:
+    return re.sub(r"[^\w$]", "_", name)
+
+
+def _shared_kernels(computations: dict[str, dict[str, tuple]]) -> dict[str, list[str]]:
+    """`deduplicated_name` -> the fusions that carry it: XLA emits one kernel for them all,
+    named after one of them (not always the one the attribute names)."""
+    groups: dict[str, list[str]] = {}
+    for instructions in computations.values():
+        for name, (_, _, _, rest) in instructions.items():
+            dedup = _DEDUPLICATED.search(rest)
+            if dedup:
+                groups.setdefault(dedup.group(1), []).append(name)
+    return groups
+
+
+def _kernel_names(instruction: str, rest: str, shared: dict[str, list[str]]) -> list[str]:
+    """Names the GPU kernel running a fusion may have in the PTX, most likely first: the
+    fusion's own, then those of the fusions sharing its kernel (`.` and other characters PTX
+    does not allow become `_`)."""
+    dedup = _DEDUPLICATED.search(rest)
+    names = [instruction]
+    if dedup:
+        names += [dedup.group(1), *shared.get(dedup.group(1), [])]
+    return list(dict.fromkeys(map(_ptx_name, names)))
+
+
+def _fusion_callers(
+    computations: dict[str, dict[str, tuple]],
+) -> dict[str, tuple[tuple[str, str], bool]]:
+    """Fused computation -> ((name, attributes) of the outermost fusion running it, whether
+    that fusion is a Triton GEMM)."""
+    parent: dict[str, tuple[str, str, str]] = {}  # computation -> (caller's computation, ...)
+    for caller, instructions in computations.items():
+        for name, (_, op, _, rest) in instructions.items():
+            if op == "fusion":
+                for called in _CALLED.findall(rest):
+                    parent.setdefault(called, (caller, name, rest))
+    out = {}
+    for computation in parent:
+        current, seen = computation, set()
+        while current in parent and current not in seen:
+            seen.add(current)
+            caller, name, rest = parent[current]
+            top = ((name, rest), '"__triton' in rest)
+            current = caller
+        out[computation] = top
+    return out
 
 
 _CALLED = re.compile(r"(?:calls|body|condition)=%([\w.\-]+)")

@@ -22,6 +22,10 @@ Used to tell per-example gradients (`vmap` of a gradient) from a batch inside th
 Used to tell when one FP8 layer's state enters two GEMMs under the same `jax.grad` (its
 cotangents would be summed), and whether state is differentiated by an outer gradient.
 
+## Whether anything is being traced
+`jax.jit(..., compiler_options=...)` raises when called under another trace: the options
+belong to a top-level executable. The train step takes its GPU options only at top level.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -126,6 +130,11 @@ def differentiation_trace(x: Any) -> Any | None:
     if isinstance(x, core.Tracer) and type(x).__name__ in ("LinearizeTracer", "JVPTracer"):
         return x._trace
     return None
+
+
+def tracing() -> bool:
+    """Whether this runs under a JAX transformation (`jit`, `vmap`, `grad`, ...)."""
+    return not core.trace_state_clean()
 
 
 def varying_axes(x: Any) -> frozenset[str]:

@@ -18,7 +18,8 @@ for batch in batches:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from . import jax_private
 from .accumulate import accumulate_gradients
+from .compile_options import gpu_compiler_options
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
@@ -77,6 +80,7 @@ class TrainStep(eqx.Module):
     has_aux: bool = eqx.field(static=True)
     skip_nonfinite: bool = eqx.field(static=True)
     microbatches: int = eqx.field(static=True, default=1)
+    compiler_options: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
 
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
@@ -91,10 +95,18 @@ class TrainStep(eqx.Module):
                 f"train step: state is a {type(state).__name__}, not an fp8jax.TrainState; "
                 "create it with train_step.init(model)."
             )
-        return _step(self, state, *batch)
+        # Compiler options belong to a top-level executable: under the caller's own jit (or
+        # another transformation) the step is part of the caller's executable.
+        options = () if jax_private.tracing() else self.compiler_options
+        return _jitted(options)(self, state, *batch)
 
 
-@eqx.filter_jit
+@functools.cache
+def _jitted(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    """The step jitted with these XLA options (one jitted function per set of options)."""
+    return eqx.filter_jit(_step, compiler_options=dict(options) or None)
+
+
 def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
     policy, scale = self.policy, state.loss_scale
 
@@ -145,6 +157,7 @@ def make_train_step(
     has_aux: bool = False,
     skip_nonfinite: bool = True,
     microbatches: int = 1,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainStep:
     """A jitted step that trains a model with FP8 layers, mixed precision and loss scaling.
 
@@ -166,6 +179,10 @@ def make_train_step(
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
     - `microbatches`: accumulate gradients over this many slices of the batch
       ([`fp8jax.accumulate_gradients`][]); `aux` is then stacked over them.
+    - `compiler_options`: XLA options of the step's executable. `None` (the default) means
+      [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
+      Triton kernel that may upcast FP8 to f16. `{}` compiles with XLA's defaults. A step
+      called inside your own `jax.jit` is part of your executable, which has your options.
 
     **Returns:** a [`fp8jax.TrainStep`][]: `state = train_step.init(model)`, then
     `state, metrics = train_step(state, *batch)` ([`fp8jax.StepMetrics`][]).
@@ -203,4 +220,18 @@ def make_train_step(
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
-    return TrainStep(loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite, microbatches)
+    if compiler_options is None:
+        compiler_options = gpu_compiler_options()
+    if not isinstance(compiler_options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, bool | int | float | str)
+        for k, v in compiler_options.items()
+    ):
+        raise TypeError(
+            f"make_train_step: compiler_options={compiler_options!r}: should be a dict from XLA "
+            "option names to bool, int, float or str values (e.g. "
+            "fp8jax.gpu_compiler_options()), or None."
+        )
+    options = tuple(sorted(compiler_options.items()))
+    return TrainStep(
+        loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite, microbatches, options
+    )

@@ -1,0 +1,47 @@
+"""The XLA options that make FP8 GEMMs run on an H100's FP8 tensor cores.
+
+Under XLA's default flags a GPU GEMM may become a generated Triton kernel. Compiled for an
+H100 without a GPU to autotune, XLA's default Triton tiles (16 x 8, two warps) convert FP8
+operands to f16 and multiply with `mma.sync ... f16`: FP16 tensor cores, whatever the operand
+types say. Larger tiles give FP8 `wgmma`; on a GPU the autotuner picks one by timing, so
+which runs is left to chance. With Triton GEMMs off, every FP8 GEMM is one cuBLASLt FP8 call
+(`__cublas$lt$matmul$f8`), FP8 tensor cores by construction. MaxText's GPU configurations
+set the same flag. [`fp8jax.make_train_step`][] compiles with these options;
+[`fp8jax.inspect`][] shows the difference (its `"cublas"` and `"default"` modes).
+
+The options belong to one executable (`jax.jit(..., compiler_options=...)`), not to the
+process; they are ignored on CPUs and TPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
+
+
+def gpu_compiler_options() -> dict[str, Any]:
+    """XLA options that route every FP8 GEMM to cuBLASLt's FP8 kernel on GPUs.
+
+    For `jax.jit(..., compiler_options=...)`, `eqx.filter_jit(..., compiler_options=...)` or
+    `jitted.lower(...).compile(compiler_options=...)`: per executable, nothing global. A new
+    dict each call, so adding to it is safe.
+
+    ```python
+    step = jax.jit(train_step, compiler_options=fp8jax.gpu_compiler_options())
+    ```
+    """
+    return dict(_OPTIONS)
+
+
+def gpu_xla_flags() -> str:
+    """The same options as `XLA_FLAGS` text, for the whole process (every executable).
+
+    Set before jax starts: `os.environ["XLA_FLAGS"] = fp8jax.gpu_xla_flags()`, appended to
+    any flags already there, or in the shell:
+    `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python train.py`.
+    """
+    return " ".join(
+        f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+        for name, value in _OPTIONS.items()
+    )
