@@ -319,3 +319,81 @@ def test_assert_all_fp8_checks_fp8jax_s_options_by_default(h100, monkeypatch):
     for bad in ("cublas", (), 3):
         with pytest.raises(ValueError, match="modes="):
             fp8jax.assert_all_fp8(report, modes=bad)
+
+
+MOSAIC_SCRIPT = """
+import json, os, sys
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import fp8jax
+
+def tile_gemm(a, b):
+    # One warpgroup: a (64, K) times b (N, K) transposed, wgmma into a float32 accumulator.
+    m, k = a.shape
+    n = b.shape[0]
+    swizzle = plgpu.find_swizzle(k * 8 * a.dtype.itemsize)
+    tiles = (plgpu.TilingTransform((8, swizzle // a.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def body(a_ref, b_ref, o_ref):
+        def mm(acc):
+            plgpu.wgmma(acc, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+            return acc[...]
+        o_ref[...] = pl.run_scoped(mm, plgpu.ACC((m, n), jnp.float32))
+
+    with jax.named_scope("fp8jax[tile]"), jax.named_scope("fwd"):
+        return pl.pallas_call(
+            body,
+            out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+            in_specs=[plgpu.BlockSpec((m, k), lambda: (0, 0), transforms=tiles),
+                      plgpu.BlockSpec((n, k), lambda: (0, 0), transforms=tiles)],
+            out_specs=plgpu.BlockSpec((m, n), lambda: (0, 0)),
+            compiler_params=plgpu.CompilerParams(),
+        )(a, b)
+
+out = {}
+for dtype, k in ((jnp.float8_e4m3fn, 128), (jnp.bfloat16, 64)):
+    a = jax.ShapeDtypeStruct((64, k), dtype)
+    b = jax.ShapeDtypeStruct((128, k), dtype)
+    report = fp8jax.inspect(tile_gemm, a, b)
+    out[jnp.dtype(dtype).name] = {
+        mode: [(g.kernel, g.fp8, g.ptx, g.mma, g.verdict) for g in gemms]
+        for mode, gemms in report.gemms.items()
+    }
+print(json.dumps(out))
+"""
+
+
+def _run_mosaic_script(tmp_path, dump: bool) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("MOSAIC_GPU_DUMP_PTX", None)
+    if dump:
+        env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(tmp_path))
+    run = subprocess.run(
+        [sys.executable, "-c", MOSAIC_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx(h100, tmp_path):
+    """A Pallas Mosaic GPU GEMM in an fp8jax layer's scope: FP8 wgmma for FP8 operands,
+    BF16 wgmma for BF16 ones, read from Mosaic's PTX dump (the same kernel in both modes:
+    Mosaic compiles it once per process); without the dump, not proven."""
+    seen = _run_mosaic_script(tmp_path, dump=True)
+    for mode in ("cublas", "default"):
+        ((kernel, fp8, ptx, mma, verdict),) = seen["float8_e4m3fn"][mode]
+        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", True, True), verdict
+        assert any(m.startswith("wgmma.mma_async") and m.endswith(".e4m3.e4m3") for m in mma)
+        ((kernel, fp8, ptx, mma, verdict),) = seen["bfloat16"][mode]
+        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, True), verdict
+        assert "BF16 tensor cores (wgmma" in verdict, verdict
+    blind = _run_mosaic_script(tmp_path / "unused", dump=False)
+    ((kernel, fp8, ptx, _, verdict),) = blind["float8_e4m3fn"]["cublas"]
+    assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, False)
+    assert "MOSAIC_GPU_DUMP_PTX=1" in verdict and "not proven" in verdict

@@ -15,6 +15,10 @@ jax starts) in both of XLA's modes, and reads what would execute:
   which on jax 0.10 upcast FP8 to f16. On a GPU the autotuner chooses, which is why fp8jax's
   train step compiles with Triton GEMMs off.
 
+Pallas Mosaic GPU kernels are judged the same way, by the PTX Mosaic dumps when the process
+starts with `MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=<an existing folder>`; without it they
+are reported as not proven.
+
 Every GEMM is reported with its kernel, operand types and the JAX name stack it came from;
 GEMMs of fp8jax layers carry `fp8jax[<layer path>]/fwd|dgrad|wgrad` there. Without the plugin
 it falls back to the StableHLO of the program (operand types as JAX emits them), which proves
@@ -67,7 +71,9 @@ class Gemm:
 
     **Fields:** `mode` (`"cublas"`, `"default"` or `"stablehlo"`), `instruction` (its name in
     the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` (a generated GEMM kernel),
-    `"fusion"` (a dot XLA emitted inside another kernel) or `"dot"` (StableHLO)), `lhs` and
+    `"fusion"` (a dot XLA emitted inside another kernel), `"pallas mosaic gpu"` (a Pallas
+    kernel with an MMA in its PTX, or in an fp8jax layer's scope) or `"dot"` (StableHLO)),
+    `lhs` and
     `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
     it came from), `flops` (`2 * output size * contracted size`; 0 where the HLO does not say),
     `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
@@ -115,6 +121,12 @@ class Gemm:
                 "fp8jax[h100] for the H100 compile): not proven"
             )
         what = f"{self.kernel} kernel {self.kernel_name or self.instruction}"
+        if not self.ptx and self.kernel == "pallas mosaic gpu":
+            return (
+                f"{what}: no PTX of it was read (Mosaic dumps a kernel's PTX once per process, "
+                "when it first compiles it, if the process started with MOSAIC_GPU_DUMP_PTX=1 "
+                "and MOSAIC_GPU_DUMP_TO=<an existing folder>): not proven"
+            )
         if not self.ptx:
             return f"{what}: its PTX was not found, so its instructions are unknown: not proven"
         fp8 = [m for m in self.mma if _FP8_MMA.search(m)]
@@ -474,17 +486,61 @@ def assert_all_fp8(
 def _compile_with_ptx(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Kernel]]:
     """Compile `lowered` with `options`, keeping the PTX XLA generates (`xla_dump_to`: a
     temporary folder, or the caller's), and read the matrix-multiply instructions of each
-    kernel. Only files the compile wrote are read."""
+    kernel. Only files the compile wrote are read. Pallas Mosaic GPU kernels are read from
+    Mosaic's own dump, where the process enabled it; see `_mosaic_kernels`."""
     given = options.get("xla_dump_to")
+    mosaic = os.environ.get("MOSAIC_GPU_DUMP_TO") if os.environ.get("MOSAIC_GPU_DUMP_PTX") else None
     with tempfile.TemporaryDirectory(prefix="fp8jax-inspect-") as scratch:
         folder = given or scratch
         before = set(_ptx_files(folder))
+        mosaic_before = set(_ptx_files(mosaic)) if mosaic else set()
         compiled = lowered.compile(compiler_options={**options, "xla_dump_to": folder})
-        texts = []
-        for path in sorted(set(_ptx_files(folder)) - before):
-            with open(path) as f:
-                texts.append(f.read())
-    return compiled, ptx_kernels(texts)
+        kernels = ptx_kernels(_read(sorted(set(_ptx_files(folder)) - before)))
+    dumped: list[Kernel] = []
+    if mosaic:
+        # Mosaic GPU writes <kernel>_<n>.ptx, n counting the process's kernels, one entry each.
+        for text in _read(sorted(set(_ptx_files(mosaic)) - mosaic_before, key=_mosaic_number)):
+            dumped += ptx_kernels([text]).values()
+    kernels.update(_mosaic_kernels(compiled.as_text(), dumped))
+    return compiled, kernels
+
+
+_MOSAIC = "mosaic:"
+_MOSAIC_SEEN: dict[str, Kernel] = {}  # kernel_hash -> its PTX facts, for this process
+_KERNEL_HASH = re.compile(r'kernel_hash = "((?:[^"\\]|\\.)*)"')
+_MOSAIC_CALL = re.compile(r'custom_call_target="mosaic_gpu[^"]*"')
+
+
+def _mosaic_kernels(hlo: str, dumped: list[Kernel]) -> dict[str, Kernel]:
+    """`"mosaic:<kernel_hash>"` -> PTX facts, for the Mosaic GPU kernels of a module.
+
+    Mosaic compiles each kernel once per process and dumps its PTX then, under a name that
+    does not say which call it belongs to. The kernels new to this process are matched to
+    the new dumps by order (the n-th new `kernel_hash` in the module's text is the n-th
+    compiled); when their counts differ nothing new is matched. Kernels seen before keep
+    what was read then."""
+    hashes: list[str] = []
+    for line in hlo.splitlines():
+        digest = _KERNEL_HASH.search(line) if _MOSAIC_CALL.search(line) else None
+        if digest and digest.group(1) not in hashes:
+            hashes.append(digest.group(1))
+    new = [h for h in hashes if h not in _MOSAIC_SEEN]
+    if new and len(new) == len(dumped):
+        _MOSAIC_SEEN.update(zip(new, dumped, strict=True))
+    return {_MOSAIC + h: _MOSAIC_SEEN[h] for h in hashes if h in _MOSAIC_SEEN}
+
+
+def _mosaic_number(path: str) -> int:
+    match = re.search(r"_(\d+)\.ptx$", path)
+    return int(match.group(1)) if match else -1
+
+
+def _read(paths: Iterable[str]) -> list[str]:
+    texts = []
+    for path in paths:
+        with open(path) as f:
+            texts.append(f.read())
+    return texts
 
 
 def _ptx_files(folder: str) -> list[str]:
@@ -638,6 +694,13 @@ def hlo_gemms(hlo: str, mode: str, kernels: Mapping[str, Kernel] | None = None) 
             kernel_name, facts = "", None
             if target is not None:
                 kernel = "cublasLt f8" if target.endswith("$f8") else "cublas"
+            elif op == "custom-call" and _MOSAIC_CALL.search(rest):
+                digest = _KERNEL_HASH.search(rest)
+                facts = (kernels or {}).get(_MOSAIC + digest.group(1)) if digest else None
+                kernel, kernel_name = "pallas mosaic gpu", facts.name if facts else name
+                if not (facts and facts.mma) and not _LAYER.search(rest):
+                    continue  # not a GEMM, or not known to be one
+                operands = _matrix_operands(operands, instructions)
             elif op == "dot":
                 kernel, runner = "dot", (name, rest)
                 if computation in fusions:  # the outermost fusion around it is the kernel
@@ -671,6 +734,13 @@ def hlo_gemms(hlo: str, mode: str, kernels: Mapping[str, Kernel] | None = None) 
 
 
 _DEDUPLICATED = re.compile(r'deduplicated_name="([^"]*)"')
+
+
+def _matrix_operands(operands: list[str], instructions: dict[str, tuple]) -> list[str]:
+    """The operands of a kernel call that are its matrices: the FP8 ones if two are, else
+    the first two (a block-scaled GEMM also takes its scales)."""
+    fp8 = [o for o in operands if o in instructions and _F8.match(instructions[o][0].strip())]
+    return fp8[:2] if len(fp8) >= 2 else operands[:2]
 
 
 def _ptx_name(name: str) -> str:
