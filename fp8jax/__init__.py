@@ -10,6 +10,9 @@ from ._src.checkpoint import load_checkpoint as load_checkpoint
 from ._src.checkpoint import save_checkpoint as save_checkpoint
 from ._src.compile_options import gpu_compiler_options as gpu_compiler_options
 from ._src.compile_options import gpu_xla_flags as gpu_xla_flags
+from ._src.cost import Cost as Cost
+from ._src.cost import KernelCost as KernelCost
+from ._src.cost import hlo_cost as hlo_cost
 from ._src.dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._src.formats import dequantize as dequantize
 from ._src.formats import fp8_dtype as fp8_dtype
@@ -75,6 +78,7 @@ __all__ = [
     "BlockScaledRecipe",
     "BlockwiseScaling",
     "Collective",
+    "Cost",
     "CurrentScaling",
     "DelayedScaling",
     "DynamicLossScale",
@@ -84,6 +88,7 @@ __all__ = [
     "Fp8Stats",
     "Gemm",
     "Inspection",
+    "KernelCost",
     "LayerTelemetry",
     "Linear",
     "LossScale",
@@ -119,6 +124,7 @@ __all__ = [
     "gpu_compiler_options",
     "gpu_xla_flags",
     "h100_mesh",
+    "hlo_cost",
     "inspect",
     "load_checkpoint",
     "low_precision_state",

@@ -195,9 +195,11 @@ class Inspection:
 
     **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
     executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
-    for), `traffic` (mode -> bytes read and written by everything but the GEMMs, from the HLO:
-    `cost_analysis()` of a deviceless executable is empty), `collectives` (mode -> list of
-    [`fp8jax.Collective`][]).
+    for), `traffic` (mode -> bytes read and written by the entry computation's instructions
+    but the GEMMs, loops counted once: `cost_analysis()` of a deviceless executable is empty),
+    `collectives` (mode -> list of [`fp8jax.Collective`][]), `cost` (mode -> the program's
+    [`fp8jax.Cost`][]: GEMM FLOPs per precision and non-GEMM bytes per category, loops counted
+    as often as they run).
     """
 
     gemms: dict[str, list[Gemm]]
@@ -205,6 +207,7 @@ class Inspection:
     target: str
     traffic: dict[str, int] = dataclasses.field(default_factory=dict)
     collectives: dict[str, list[Collective]] = dataclasses.field(default_factory=dict)
+    cost: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def deviceless(self) -> bool:
@@ -405,8 +408,10 @@ def inspect(
             "(install fp8jax[h100] for the H100 compile)"
         )
         return Inspection({"stablehlo": gemms}, {}, target)
+    from .cost import hlo_cost  # cost.py reads HLO with this module's parsers
+
     lowered, devices = _lower(fn, args, kwargs, topology.devices[0])
-    gemms, memory, traffic, collectives = {}, {}, {}, {}
+    gemms, memory, traffic, collectives, cost = {}, {}, {}, {}, {}
     extra = dict(compiler_options or {})
     if not merge_dots:
         extra["xla_disable_hlo_passes"] = ",".join(
@@ -419,9 +424,10 @@ def inspect(
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(text)
         collectives[mode] = hlo_collectives(text)
+        cost[mode] = hlo_cost(text)
     kind = topology.devices[0].device_kind
     target = f"{devices} x {kind} (deviceless)" if devices > 1 else f"{kind} (deviceless)"
-    return Inspection(gemms, memory, target, traffic, collectives)
+    return Inspection(gemms, memory, target, traffic, collectives, cost)
 
 
 def assert_all_fp8(

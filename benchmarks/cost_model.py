@@ -1,0 +1,348 @@
+"""An estimate of the FP8/BF16 train-step time of GPT models on an H100, from compiled HLO.
+
+    python benchmarks/cost_model.py [--models 1B,8B,70B-block] [--variants bf16,delayed,...]
+        [--attention compiled,flash] | tee benchmarks/results/cost_model.txt
+
+What it measures: each train step (peers.py's: BF16 compute through `to_bf16`, plain SGD on
+float32 masters) is compiled for an H100 without a GPU (cuBLAS mode: Triton GEMMs off, so every
+GEMM is a cuBLAS call and an FP8 one is `__cublas$lt$matmul$f8`), and `fp8jax.hlo_cost` reads
+the optimized HLO: GEMM FLOPs per precision, and the HBM bytes of every other kernel, per
+category (quantize, amax, block partials, transpose/copy, rest), loops multiplied by their
+trip counts. Step time = GEMM FLOPs at the H100 SXM dense peak of their precision (FP8 1979,
+BF16 989 TFLOP/s) + non-GEMM bytes at 3.35 TB/s, with no overlap, no launch overhead and peak
+efficiency everywhere.
+
+This is an ESTIMATE, not a measurement: nothing runs on a GPU. Real kernels reach 60-80 % of
+the GEMM peak and overlap little of the memory-bound work, so the ratios say which way FP8
+moves the step and by about how much, not the wall time.
+
+Models (all `scan_layers=True`, so one block is compiled and the loop's trip count counts it):
+
+- `1B`: `fp8jax.examples.gpt` with peers.py's `estimate()` shape: 24 layers, width 2048, 16
+  heads, context 2048, batch 4 (8,192 tokens), vocab 50304; GELU MLP of 4 x width.
+- `8B`: Llama-3-8B-like: the example GPT's embeddings, LayerNorms, multi-head attention (32
+  heads of 128; Llama's grouped-query K/V projections would be 4x smaller) and head, with a
+  SwiGLU MLP of 14336 (`gate_proj`, `up_proj`, `down_proj`, no biases), 32 layers, vocab
+  128256, context 4096 x batch 2 = 8,192 tokens.
+- `70B-block`: one block at Llama-70B width: width 8192, 64 heads, SwiGLU 28672, context 4096
+  x batch 2 = 8,192 tokens. The block alone: its input is a BF16 activation whose gradient is
+  computed (as inside a stack), its loss the mean square of its output (one extra read of the
+  output and one write of its gradient, the same for every variant); no embeddings, no head.
+
+Attention, two columns:
+
+- `as compiled`: the example's attention as XLA compiles it: scores, causal mask and softmax
+  materialized (float32 scores; cuDNN flash attention does not compile without a GPU).
+- `flash (analytic)`: the attention core (scores, softmax, weighted sum) replaced by a
+  stand-in `o = q * k + v` with the same shapes and gradients, compiled; then flash attention
+  added by formula, per layer, B batch, H heads, S context, D head width:
+  FLOPs forward 4 B H S^2 D / 2 (causal), backward 2.5 x forward (FlashAttention-2: five
+  matmuls to two), at the BF16 peak; bytes forward Q, K, V read, O written, logsumexp (float32,
+  B H S) written; backward Q, K, V, O, dO and logsumexp read, dQ, dK, dV written (BF16).
+  The stand-in's own kernels (at most Q, K, V read and O written forward; dO, Q, K read and
+  dQ, dK, dV written backward) stay in the count too, so this column slightly overstates the
+  non-GEMM bytes of every variant alike; the bytes of kernels named after the stand-in are
+  printed under each table.
+
+XLA's rematerialization pass is turned off (`xla_disable_hlo_passes=rematerialization`): the 8B
+step cannot fit one H100 (its float32 masters and their updated copies alone are 70 GB; the
+naive attention's saved scores push the 1B step near 80 GB too), and XLA then recomputes parts
+of the backward without reaching its limit, adding up to 300 GB of traffic to the 8B BF16 step
+and less to the FP8 ones. With the pass off, each step costs what it computes: the per-GPU
+work of a run sharded to fit (collectives not counted).
+
+Variants: `bf16` (no FP8) and `fp8jax <recipe>` for delayed, current, blockwise, mxfp8 and
+residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targets: every
+attention and MLP Linear, not the head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from peers import RECIPES, table, to_bf16, train_step, variant  # noqa: E402
+
+import fp8jax  # noqa: E402
+from fp8jax._src import inspect as inspect_module  # noqa: E402
+from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
+from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
+
+STAND_IN = "attention_stand_in"
+# cuBLAS mode, without XLA's rematerialization (see the module docstring).
+OPTIONS = {**inspect_module.MODES["cublas"], "xla_disable_hlo_passes": "rematerialization"}
+
+
+# --- models -------------------------------------------------------------------------------
+
+
+class SwiGLU(eqx.Module):
+    """Llama's MLP: `down_proj(silu(gate_proj(x)) * up_proj(x))`, no biases. (`gate_proj`, not
+    `gate`: fp8jax's default exclusion keeps Linears named `gate`, MoE routers, in BF16.)"""
+
+    gate_proj: eqx.nn.Linear
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __init__(self, width: int, hidden: int, *, key):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate_proj = eqx.nn.Linear(width, hidden, use_bias=False, key=kg)
+        self.up_proj = eqx.nn.Linear(width, hidden, use_bias=False, key=ku)
+        self.down_proj = eqx.nn.Linear(hidden, width, use_bias=False, key=kd)
+
+    def __call__(self, x):
+        return dense(self.down_proj, jax.nn.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+
+
+class StandInAttention(eqx.Module):
+    """The example's attention with its core (scores, softmax, mix) replaced by `q * k + v`:
+    the same Linears, shapes and gradient paths, for flash attention to be added by formula."""
+
+    query: eqx.nn.Linear
+    key: eqx.nn.Linear
+    value: eqx.nn.Linear
+    out: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __call__(self, x):
+        q, k, v = (dense(proj, x) for proj in (self.query, self.key, self.value))
+        with jax.named_scope(STAND_IN):
+            # q * k, not q + k: XLA would fold the sum's dgrad into one GEMM on the summed
+            # weights, dropping two of the three dgrad GEMMs that real attention has.
+            mixed = q * k + v
+        return dense(self.out, mixed)
+
+
+def stand_in(model):
+    """`model` with every `Attention` replaced by a `StandInAttention` of the same Linears."""
+
+    def swap(node):
+        if isinstance(node, Attention):
+            return StandInAttention(node.query, node.key, node.value, node.out, node.heads)
+        return node
+
+    return jax.tree.map(swap, model, is_leaf=lambda x: isinstance(x, Attention))
+
+
+def llama_block(config: GPTConfig, ffn: int, key):
+    block = Block(dataclasses.replace(config, mlp_ratio=1), key=key)  # MLP replaced below
+    return eqx.tree_at(lambda b: b.mlp, block, SwiGLU(config.width, ffn, key=key))
+
+
+def llama(config: GPTConfig, ffn: int, key):
+    """The example GPT with SwiGLU blocks (stacked for `scan_layers`)."""
+    model = GPT(dataclasses.replace(config, layers=1), key=key)  # blocks replaced below
+    keys = jax.random.split(key, config.layers)
+    blocks = eqx.filter_vmap(lambda k: llama_block(config, ffn, k))(keys)
+    return eqx.tree_at(lambda m: m.blocks, model, blocks)
+
+
+def block_loss(block, x):
+    """Mean square of one block's output, over a batch of sequences."""
+    return jnp.mean(jax.vmap(block)(x).astype(jnp.float32) ** 2)
+
+
+def block_step():
+    """peers.py's `train_step` for one block (BF16 compute, plain SGD), differentiating the
+    block's input too, as inside a stack, and returning that gradient."""
+
+    def step(block, x):
+        value, (grads, dx) = fp8jax.filter_value_and_grad(
+            lambda pair: block_loss(to_bf16(pair[0]), pair[1])
+        )((block, x))
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        updates = jax.tree.map(lambda g: -1e-3 * g, grads)
+        return fp8jax.apply_updates(block, updates, overwrites), value, dx
+
+    return step
+
+
+MODELS = {
+    "1B": dict(width=2048, heads=16, layers=24, context=2048, batch=4, vocab=50304, ffn=None),
+    "8B": dict(width=4096, heads=32, layers=32, context=4096, batch=2, vocab=128256, ffn=14336),
+    "70B-block": dict(width=8192, heads=64, layers=1, context=4096, batch=2, vocab=None, ffn=28672),
+}
+
+
+def build(shape: dict, name: str, flash: bool):
+    """(step, abstract arguments) of model `shape` in variant `name`."""
+    config = GPTConfig(
+        vocab=shape["vocab"] or 2,
+        layers=shape["layers"],
+        width=shape["width"],
+        heads=shape["heads"],
+        context=shape["context"],
+        scan_layers=True,
+    )
+    key = jax.random.PRNGKey(0)
+    batch, context = shape["batch"], shape["context"]
+
+    def make():
+        if shape["vocab"] is None:
+            model = llama_block(config, shape["ffn"], key)
+        elif shape["ffn"] is None:
+            model = GPT(config, key=key)
+        else:
+            model = llama(config, shape["ffn"], key)
+        return variant(stand_in(model) if flash else model, name)
+
+    model = eqx.filter_eval_shape(make)
+    if shape["vocab"] is None:
+        x = jax.ShapeDtypeStruct((batch, context, shape["width"]), jnp.bfloat16)
+        return block_step(), (model, x)
+    tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
+    return train_step(next_token_loss, name), (model, tokens)
+
+
+def flash_cost(shape: dict) -> Cost:
+    """Flash attention of every layer, by formula (see the module docstring)."""
+    b, s, h = shape["batch"], shape["context"], shape["heads"]
+    d = shape["width"] // h
+    forward = 4 * b * h * s * s * d // 2  # causal: half the score matrix
+    flops = forward + 5 * forward // 2
+    tensor = b * s * h * d * 2  # one of Q, K, V, O, dO, dQ, ... in BF16
+    lse = b * h * s * 4
+    forward_bytes = 4 * tensor + lse  # Q, K, V read; O, logsumexp written
+    backward_bytes = 5 * tensor + lse + 3 * tensor  # Q, K, V, O, dO, lse read; dQ, dK, dV
+    return shape["layers"] * Cost({"bf16": flops}, {"rest": forward_bytes + backward_bytes})
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def compile_cost(shape: dict, name: str, flash: bool) -> tuple[Cost, float]:
+    step, args = build(shape, name, flash)
+    topology = inspect_module.h100_topology()
+    start = time.perf_counter()
+    lowered, _ = inspect_module._lower(step, args, {}, topology.devices[0])
+    text = lowered.compile(compiler_options=OPTIONS).as_text()
+    cost = hlo_cost(text)
+    if cost.unknown_trip_counts:
+        print(f"  (loops counted once: {cost.unknown_trip_counts})", file=sys.stderr)
+    if any(".remat" in k.name for k in cost.kernels):
+        print("  (XLA rematerialized some kernels, counted here)", file=sys.stderr)
+    return cost, time.perf_counter() - start
+
+
+def report(title: str, shape: dict, costs: dict[str, Cost], stand_in_bytes: dict) -> None:
+    base = costs["bf16"]
+    rows = []
+    for name, cost in costs.items():
+        gemm_s, memory_s = cost.gemm_seconds(), cost.memory_seconds()
+        other = {k: v for k, v in cost.flops.items() if k not in ("fp8", "bf16")}
+        rows.append(
+            [
+                name,
+                f"{cost.flops.get('fp8', 0) / 1e12:.1f}",
+                f"{cost.flops.get('bf16', 0) / 1e12:.1f}"
+                + "".join(f" +{v / 1e12:.2f} {k}" for k, v in other.items()),
+                *(f"{cost.bytes.get(c, 0) / 1e9:.1f}" for c in CATEGORIES),
+                f"{cost.total_bytes / 1e9:.1f} ({cost.total_bytes / base.total_bytes:.2f}x)",
+                f"{gemm_s * 1e3:.1f} + {memory_s * 1e3:.1f}",
+                f"{(gemm_s + memory_s) * 1e3:.1f}",
+                f"{cost.estimate_seconds() / base.estimate_seconds():.2f}",
+            ]
+        )
+    header = [
+        "variant",
+        "FP8 TFLOP",
+        "BF16 TFLOP",
+        *(f"{c} GB" for c in CATEGORIES),
+        "non-GEMM GB (x BF16)",
+        "GEMM + other ms",
+        "est. step ms",
+        "est. x BF16",
+    ]
+    print(f"\n### {title}\n")
+    print(table(rows, header))
+    if stand_in_bytes:
+        most = max(stand_in_bytes.values())
+        print(
+            f"\n(kernels named after the stand-in core: at most {most / 1e9:.2f} GB per step, "
+            "counted in the table besides flash's own bytes)"
+        )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--variants", default=",".join(["bf16", *RECIPES]))
+    parser.add_argument("--attention", default="compiled,flash")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    names = [n if n == "bf16" else f"fp8jax {n}" for n in args.variants.split(",")]
+    attentions = args.attention.split(",")
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"--models: unknown model {m!r}; choose among {sorted(MODELS)}")
+    for n in names:
+        if n != "bf16" and n.split()[1] not in RECIPES:
+            parser.error(f"--variants: unknown variant {n!r}; choose among bf16, {list(RECIPES)}")
+    if "bf16" not in names:
+        names.insert(0, "bf16")  # the baseline of every ratio
+    if inspect_module.h100_topology() is None:
+        sys.exit("needs the h100 extra (jax-cuda12-plugin, jax-cuda12-pjrt): pip install '.[h100]'")
+    print(
+        f"# Cost model: estimated H100 step time from compiled HLO (jax {jax.__version__}; "
+        "an ESTIMATE, not a measurement)"
+    )
+    print(
+        f"\nPeaks: FP8 {H100['fp8'] / 1e12:.0f}, BF16 {H100['bf16'] / 1e12:.0f} TFLOP/s, HBM "
+        f"{H100['hbm'] / 1e12:.2f} TB/s; no overlap. Bytes in GB (1e9), per train step. "
+        "cuBLAS GEMMs, XLA rematerialization off."
+    )
+    summary = []
+    for model in models:
+        shape = MODELS[model]
+        tokens = shape["batch"] * shape["context"]
+        print(
+            f"\n## {model}: width {shape['width']}, {shape['heads']} heads, "
+            f"{shape['layers']} layer(s), MLP {shape['ffn'] or 4 * shape['width']}"
+            f"{' SwiGLU' if shape['ffn'] else ' GELU'}, {shape['batch']} x {shape['context']} = "
+            f"{tokens} tokens, vocab {shape['vocab'] or '- (block only)'}"
+        )
+        ratios = {}
+        for attention in attentions:
+            flash = attention == "flash"
+            costs, stand_in_bytes = {}, {}
+            for name in names:
+                print(f"  ... {model} {attention} {name}", file=sys.stderr, flush=True)
+                cost, seconds = compile_cost(shape, name, flash)
+                print(f"      compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
+                if flash:
+                    stand_in_bytes[name] = sum(
+                        k.bytes * k.runs for k in cost.kernels if STAND_IN in k.op_name
+                    )
+                    cost = cost + flash_cost(shape)
+                costs[name] = cost
+            title = "attention as compiled" if not flash else "flash attention (analytic)"
+            report(f"{model}, {title}", shape, costs, stand_in_bytes)
+            base = costs["bf16"]
+            for name, cost in costs.items():
+                ratios.setdefault(name, {})[attention] = (
+                    cost.estimate_seconds() / base.estimate_seconds(),
+                    cost.total_bytes / base.total_bytes,
+                )
+        for name, by in ratios.items():
+            summary.append(
+                [model, name]
+                + [
+                    f"{by[a][0]:.2f} (non-GEMM {by[a][1]:.2f}x)" if a in by else "-"
+                    for a in ("compiled", "flash")
+                ]
+            )
+    print("\n## Summary: estimated step time, FP8 / BF16 (an estimate)\n")
+    print(table(summary, ["model", "variant", "attention as compiled", "flash attention"]))
+
+
+if __name__ == "__main__":
+    main()

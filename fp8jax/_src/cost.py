@@ -1,0 +1,580 @@
+"""A roofline cost model of a compiled program: GEMM FLOPs per precision and the HBM bytes of
+everything else, read from the text of an optimized HLO module.
+
+`hlo_cost(compiled.as_text())` walks the module the way the GPU runs it: every top-level
+instruction of the entry computation, of `while` bodies (times their trip count), of `call`s
+and of `conditional` branches is one kernel. A GEMM kernel (a cuBLAS custom call, or a fusion
+holding a `dot`) contributes its FLOPs; any other kernel contributes the bytes of its operands
+and results, sorted into categories that separate what FP8 adds (amax reductions, quantizing
+casts, transposes, the float32 partial sums of block recipes) from the rest. An estimate, not
+a measurement: no overlap, no launch overhead, peak GEMM throughput, peak HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping
+
+from .inspect import (
+    _COMPUTATION,
+    _INSTRUCTION,
+    _LAYER,
+    _NO_TRAFFIC,
+    _OP_NAME,
+    _dims,
+    _element_type,
+    _flops,
+    _gemm_target,
+    _operand_names,
+    array_bytes,
+)
+
+#: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
+#: rate of a float32 GEMM at `precision=HIGHEST`) and HBM3 bandwidth (`"hbm"`, bytes/s).
+H100: dict[str, float] = {
+    "fp8": 1979e12,
+    "bf16": 989e12,
+    "f16": 989e12,
+    "tf32": 494e12,
+    "f32": 67e12,
+    "hbm": 3.35e12,
+}
+#: Categories of non-GEMM bytes, in the order a kernel is tested against them.
+CATEGORIES: tuple[str, ...] = ("quantize", "amax", "block partials", "transpose/copy", "rest")
+
+# Instructions that run no kernel: they name, alias or regroup buffers.
+_FREE = _NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
+# Pure data movement: a fusion made of these alone (scalar index arithmetic aside) is a copy.
+_MOVES = {
+    "parameter",
+    "constant",
+    "bitcast",
+    "reshape",
+    "tuple",
+    "get-tuple-element",
+    "copy",
+    "transpose",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+}
+_COPIES = _MOVES - {"parameter", "constant", "bitcast", "reshape", "tuple", "get-tuple-element"}
+_SLICES = {"slice", "dynamic-slice", "gather"}  # read only the part of operand 0 they return
+_IN_PLACE = {"dynamic-update-slice", "scatter"}  # write into operand 0's buffer
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r"\bcalls=(?:%([\w.\-]+)|\{([^}]*)\})")
+_CALLEE = {
+    name: re.compile(rf"\b{name}=%([\w.\-]+)")
+    for name in ("body", "condition", "to_apply", "true_computation", "false_computation")
+}
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_F8 = re.compile(r"^f8")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    type: str
+    op: str
+    operands: tuple[str, ...]
+    args: str
+    rest: str
+    root: bool
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.rest)
+        return match.group(1) if match else ""
+
+    def called(self) -> list[str]:
+        """Computations this instruction calls (fused, reducer, loop, branches)."""
+        names = []
+        for match in _CALLS.finditer(self.rest):
+            names += [match.group(1)] if match.group(1) else _operand_names(match.group(2))
+        for pattern in _CALLEE.values():
+            names += pattern.findall(self.rest)
+        for match in _BRANCHES.finditer(self.rest):
+            names += _operand_names(match.group(1))
+        return names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Computation:
+    name: str
+    instructions: dict[str, _Instruction]
+
+    @property
+    def root(self) -> _Instruction:
+        return next(i for i in self.instructions.values() if i.root)
+
+    def type_of(self, name: str) -> str:
+        instruction = self.instructions.get(name)
+        return instruction.type if instruction is not None else ""
+
+
+def _parse(hlo: str) -> tuple[dict[str, _Computation], str]:
+    """Computations of an HLO module by name, and the entry computation's name."""
+    computations: dict[str, _Computation] = {}
+    current: _Computation | None = None
+    entry = None
+    for line in hlo.splitlines():
+        if current is None or line.startswith(("%", "ENTRY")):
+            head = _COMPUTATION.match(line)
+            if head:
+                current = computations.setdefault(
+                    head.group("name"), _Computation(head["name"], {})
+                )
+                if line.startswith("ENTRY"):
+                    entry = current.name
+                continue
+        if line.startswith("}"):
+            current = None
+            continue
+        match = _INSTRUCTION.match(line)
+        if match and current is not None:
+            current.instructions[match["name"]] = _Instruction(
+                match["name"],
+                match["type"],
+                match["op"],
+                tuple(_operand_names(match["operands"])),
+                match["operands"],
+                match["rest"],
+                line.lstrip().startswith("ROOT"),
+            )
+    if entry is None:
+        raise ValueError(
+            f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation; pass the text of a whole "
+            "HLO module (`compiled.as_text()`)."
+        )
+    return computations, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """One kernel of a compiled program, as [`fp8jax.hlo_cost`][] counts it.
+
+    **Fields:** `name` (the HLO instruction), `computation` (where it sits), `op` (`"fusion"`,
+    `"custom-call"`, `"copy"`, ...), `category` (one of `CATEGORIES` for a non-GEMM kernel,
+    `None` for a GEMM), `bytes` (HBM bytes of one run: operands plus results), `flops` (of one
+    run, GEMMs only), `kind` (GEMM precision: `"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`),
+    `runs` (how many times it runs: the product of the trip counts of the loops around it),
+    `op_name` (the JAX name stack it came from).
+    """
+
+    name: str
+    computation: str
+    op: str
+    category: str | None
+    bytes: int
+    flops: int
+    kind: str | None
+    runs: int
+    op_name: str
+
+
+def _add(a: Mapping[str, int], b: Mapping[str, int], factor: int = 1) -> dict[str, int]:
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = out.get(key, 0) + factor * value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """GEMM FLOPs per precision and non-GEMM HBM bytes per category of a compiled program.
+
+    **Fields:** `flops` (GEMM kind -> FLOPs: `"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`),
+    `bytes` (category -> bytes read and written by non-GEMM kernels, categories as in
+    [`fp8jax.hlo_cost`][]), `unknown_trip_counts` (names of `while` loops whose trip count the
+    HLO does not state; their bodies were counted once), `kernels` (every kernel counted, a
+    tuple of [`fp8jax.KernelCost`][]).
+
+    Costs add (`a + b`) and scale by a whole number of repeats (`3 * cost`).
+    """
+
+    flops: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    unknown_trip_counts: tuple[str, ...] = ()
+    kernels: tuple[KernelCost, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @property
+    def gemm_flops(self) -> int:
+        """FLOPs of every GEMM, whatever its precision."""
+        return sum(self.flops.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """HBM bytes of every non-GEMM kernel."""
+        return sum(self.bytes.values())
+
+    def gemm_seconds(self, peaks: Mapping[str, float] = H100) -> float:
+        """GEMM time at peak throughput: `sum(flops[kind] / peaks[kind])`."""
+        total = 0.0
+        for kind, flops in self.flops.items():
+            if kind not in peaks:
+                raise ValueError(
+                    f"Cost.estimate_seconds: no peak for GEMM kind {kind!r} ({flops} FLOPs) in "
+                    f"peaks={dict(peaks)!r}; add one."
+                )
+            total += flops / peaks[kind]
+        return total
+
+    def memory_seconds(self, peaks: Mapping[str, float] = H100) -> float:
+        """Non-GEMM time at peak bandwidth: `total_bytes / peaks["hbm"]`."""
+        if "hbm" not in peaks:
+            raise ValueError(f"Cost.estimate_seconds: peaks={dict(peaks)!r} has no 'hbm' entry.")
+        return self.total_bytes / peaks["hbm"]
+
+    def estimate_seconds(self, peaks: Mapping[str, float] = H100) -> float:
+        """Estimated run time with no overlap: GEMM FLOPs at the peak of their kind plus
+        non-GEMM bytes at peak HBM bandwidth. A bound to compare programs by, not wall time."""
+        return self.gemm_seconds(peaks) + self.memory_seconds(peaks)
+
+    def __add__(self, other: Cost) -> Cost:
+        if not isinstance(other, Cost):
+            return NotImplemented
+        return Cost(
+            _add(self.flops, other.flops),
+            _add(self.bytes, other.bytes),
+            self.unknown_trip_counts + other.unknown_trip_counts,
+            self.kernels + other.kernels,
+        )
+
+    def __mul__(self, repeats: int) -> Cost:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+            raise TypeError(
+                f"Cost * repeats: repeats={repeats!r} should be a whole number >= 0 (the cost "
+                "of running the program that many times)."
+            )
+        return Cost(
+            _add({}, self.flops, repeats),
+            _add({}, self.bytes, repeats),
+            self.unknown_trip_counts,
+            tuple(dataclasses.replace(k, runs=k.runs * repeats) for k in self.kernels),
+        )
+
+    __rmul__ = __mul__
+
+    def __str__(self) -> str:
+        lines = [f"GEMMs: {self.gemm_flops / 1e12:.3f} TFLOP"]
+        lines += [f"  {kind}: {flops / 1e12:.3f} TFLOP" for kind, flops in self.flops.items()]
+        lines.append(f"non-GEMM HBM traffic: {self.total_bytes / 1e9:.3f} GB")
+        lines += [f"  {c}: {self.bytes.get(c, 0) / 1e9:.3f} GB" for c in CATEGORIES]
+        lines.append(f"estimate at H100 peaks: {self.estimate_seconds() * 1e3:.3f} ms")
+        if self.unknown_trip_counts:
+            lines.append(f"loops counted once: {', '.join(self.unknown_trip_counts)}")
+        return "\n".join(lines)
+
+
+def hlo_cost(hlo: str) -> Cost:
+    """The roofline [`fp8jax.Cost`][] of an optimized HLO module (`compiled.as_text()` of a
+    deviceless H100 compile, say).
+
+    **GEMMs:** cuBLAS custom calls, and fusions holding a `dot` (Triton GEMMs), count
+    `2 * |output| * |contraction|` FLOPs, of kind `"fp8"` (both operands FP8, or
+    `__cublas$lt$matmul$f8`), `"bf16"`, `"f16"`, or for float32 operands `"tf32"` (what cuBLAS
+    runs a float32 GEMM at under JAX's default precision on an H100) or `"f32"` with
+    `precision=HIGHEST`. Their operands and results are not counted as traffic: a GEMM at peak
+    is bound by its FLOPs.
+
+    **Bytes:** every other kernel counts its operands and results (a slice reads only its
+    part; an in-place update writes only the update). The whole kernel goes to the first
+    category it belongs to:
+
+    1. `"quantize"`: it converts something to an FP8 type (a cast; a cast fused with an amax,
+       a transpose or a GELU is still a quantize);
+    2. `"amax"`: it reduces `|x|` by maximum (and writes no FP8);
+    3. `"block partials"`: it runs inside a `while` loop of an fp8jax layer (the float32
+       partial sums of the block recipes, the slicing of their chunks);
+    4. `"transpose/copy"`: it only moves data (copies, transposes, slices, concatenations,
+       including transposes of FP8 arrays already quantized);
+    5. `"rest"`: everything else (norms, activations, softmax, optimizer updates).
+
+    A fusion is classified by what it computes, looking through nested fusions.
+
+    **Loops:** a `while` body runs its `known_trip_count` times (nested loops multiply), its
+    condition one time more; a loop whose trip count the HLO does not state is counted once
+    and named in `Cost.unknown_trip_counts`. A `call` counts its callee; a `conditional`
+    counts its most expensive branch (by `estimate_seconds` at the H100 peaks).
+    """
+    if not isinstance(hlo, str):
+        raise TypeError(
+            f"hlo_cost: hlo={hlo!r:.80} should be the text of an HLO module (`compiled.as_text()`)."
+        )
+    computations, entry = _parse(hlo)
+    walker = _Walker(computations)
+    kernels = walker.walk(entry, 1, False)
+    return _total(kernels, tuple(walker.unknown))
+
+
+def _total(kernels: Iterable[KernelCost], unknown: tuple[str, ...] = ()) -> Cost:
+    flops: dict[str, int] = {}
+    traffic: dict[str, int] = {}
+    kernels = tuple(kernels)
+    for k in kernels:
+        if k.kind is not None:
+            flops[k.kind] = flops.get(k.kind, 0) + k.flops * k.runs
+        if k.category is not None:
+            traffic[k.category] = traffic.get(k.category, 0) + k.bytes * k.runs
+    return Cost(flops, traffic, unknown, kernels)
+
+
+class _Walker:
+    def __init__(self, computations: dict[str, _Computation]):
+        self.computations = computations
+        self.unknown: list[str] = []
+
+    def computation(self, name: str) -> _Computation:
+        if name not in self.computations:
+            raise ValueError(f"hlo_cost: the module calls computation {name!r}, which it lacks.")
+        return self.computations[name]
+
+    def walk(self, name: str, runs: int, layer_loop: bool) -> list[KernelCost]:
+        """The kernels of a computation whose instructions run as kernels, `runs` times."""
+        computation = self.computation(name)
+        kernels: list[KernelCost] = []
+        categories: dict[str, str | None] = {}  # kernel -> its category, for two-stage amaxes
+        for instruction in computation.instructions.values():
+            op = instruction.op
+            if op in _FREE:
+                continue
+            if op == "while":
+                trip = _TRIP_COUNT.search(instruction.rest)
+                if trip is None:
+                    self.unknown.append(instruction.name)
+                n = int(trip.group(1)) if trip else 1
+                inner = bool(_LAYER.search(instruction.op_name))
+                body = _CALLEE["body"].search(instruction.rest)
+                condition = _CALLEE["condition"].search(instruction.rest)
+                if body:
+                    kernels += self.walk(body.group(1), runs * n, inner)
+                if condition:
+                    kernels += self.walk(condition.group(1), runs * (n + 1), inner)
+            elif op == "conditional":
+                branches = [self.walk(b, runs, layer_loop) for b in instruction.called()]
+                if branches:
+                    kernels += max(branches, key=lambda ks: _total(ks).estimate_seconds())
+            elif op in ("call", "async-start"):
+                for callee in instruction.called():
+                    kernels += self.walk(callee, runs, layer_loop)
+            else:
+                kernel = self.kernel(computation, instruction, runs, layer_loop, categories)
+                categories[instruction.name] = kernel.category
+                kernels.append(kernel)
+        return kernels
+
+    def kernel(
+        self,
+        computation: _Computation,
+        instruction: _Instruction,
+        runs: int,
+        layer_loop: bool,
+        categories: Mapping[str, str | None],
+    ) -> KernelCost:
+        inside = self.inside(computation, instruction)
+        gemms = [
+            (c, i) for c, i in inside if i.op == "dot" or _gemm_target(i.op, i.rest) is not None
+        ]
+        if gemms:
+            flops, kinds = 0, {}
+            for c, i in gemms:
+                f = _flops(i.type, c.type_of(i.operands[0]) if i.operands else "", i.rest)
+                kind = _gemm_kind(c, i)
+                flops += f
+                kinds[kind] = kinds.get(kind, 0) + f
+            kind = max(kinds, key=kinds.get)
+            return KernelCost(
+                instruction.name,
+                computation.name,
+                instruction.op,
+                None,
+                0,
+                flops,
+                kind,
+                runs,
+                instruction.op_name,
+            )
+        return KernelCost(
+            instruction.name,
+            computation.name,
+            instruction.op,
+            self.category(
+                inside, layer_loop, self.partial_amaxes(computation, instruction, categories)
+            ),
+            self.traffic(computation, instruction),
+            0,
+            None,
+            runs,
+            instruction.op_name,
+        )
+
+    def inside(
+        self, computation: _Computation, instruction: _Instruction
+    ) -> list[tuple[_Computation, _Instruction]]:
+        """The instruction itself and, for a fusion, every instruction it fuses (recursively)."""
+        found = [(computation, instruction)]
+        if instruction.op == "fusion":
+            for callee in instruction.called():
+                fused = self.computation(callee)
+                for inner in fused.instructions.values():
+                    found += self.inside(fused, inner)
+        return found
+
+    def partial_amaxes(
+        self,
+        computation: _Computation,
+        instruction: _Instruction,
+        categories: Mapping[str, str | None],
+    ) -> set[str]:
+        """Names, as seen inside the kernel, of its inputs that an amax or quantize kernel
+        wrote: XLA splits a large max-reduction into two kernels, the second of which reduces
+        the first one's partial maxima, and finishes an amax."""
+        fed = {
+            i
+            for i, o in enumerate(instruction.operands)
+            if categories.get(_producer(computation, o)) in ("amax", "quantize")
+        }
+        if instruction.op != "fusion":
+            return {instruction.operands[i] for i in fed}
+        fused = self.computation(instruction.called()[0])
+        return {
+            i.name
+            for i in fused.instructions.values()
+            if i.op == "parameter" and int(i.args) in fed
+        }
+
+    def category(
+        self,
+        inside: list[tuple[_Computation, _Instruction]],
+        layer_loop: bool,
+        partials: set[str],
+    ) -> str:
+        ops = [i for _, i in inside if i.op != "fusion"]
+        if any(i.op == "convert" and _F8.match(_element_type(i.type)) for i in ops):
+            return "quantize"
+        if any(self.is_amax(c, i, partials) for c, i in inside):
+            return "amax"
+        if layer_loop:
+            return "block partials"
+        arrays = [i for i in ops if not _is_scalar(i.type)]
+        if arrays and all(i.op in _MOVES for i in arrays) and any(i.op in _COPIES for i in arrays):
+            return "transpose/copy"
+        return "rest"
+
+    def is_amax(
+        self, computation: _Computation, instruction: _Instruction, partials: set[str]
+    ) -> bool:
+        """A reduction by maximum of `|x|` (through reshapes, transposes and copies), or of
+        the partial maxima of one (`partials`)."""
+        if instruction.op != "reduce":
+            return False
+        reducer = _CALLEE["to_apply"].search(instruction.rest)
+        if reducer is None or self.computation(reducer.group(1)).root.op != "maximum":
+            return False
+        name = instruction.operands[0]
+        source = computation.instructions.get(name)
+        while source is not None and source.op in ("bitcast", "reshape", "transpose", "copy"):
+            name = source.operands[0]
+            source = computation.instructions.get(name)
+        return name in partials or (source is not None and source.op == "abs")
+
+    def traffic(self, computation: _Computation, instruction: _Instruction) -> int:
+        """Bytes read and written by one run of a non-GEMM kernel."""
+        operands = [array_bytes(computation.type_of(o)) for o in instruction.operands]
+        if instruction.op != "fusion":
+            out = array_bytes(instruction.type)
+            if instruction.op in _SLICES and operands:
+                operands[0] = min(operands[0], out)
+            elif instruction.op in _IN_PLACE and len(operands) > 1:
+                update = array_bytes(computation.type_of(_update(instruction)))
+                operands[0], out = 0, min(out, update)
+            return out + sum(operands)
+        fused = self.computation(instruction.called()[0])
+        params = {int(i.args): i for i in fused.instructions.values() if i.op == "parameter"}
+        users: dict[str, list[_Instruction]] = {}
+        for i in fused.instructions.values():
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        # A parameter read only through slices costs the slices.
+        for index, param in params.items():
+            if not 0 <= index < len(operands):
+                continue
+            readers = _through_bitcasts(param.name, users)
+            if readers and all(r.op in _SLICES and _first(r, param.name, fused) for r in readers):
+                operands[index] = min(operands[index], sum(array_bytes(r.type) for r in readers))
+        # Results written in place into a parameter's buffer cost the update only.
+        root = fused.root
+        outputs = [fused.instructions[o] for o in root.operands] if root.op == "tuple" else [root]
+        out = 0
+        for result in outputs:
+            base = result
+            while base.op == "bitcast" and base.operands:
+                base = fused.instructions[base.operands[0]]
+            target = fused.instructions.get(base.operands[0]) if base.operands else None
+            while target is not None and target.op == "bitcast" and target.operands:
+                target = fused.instructions.get(target.operands[0])
+            if base.op in _IN_PLACE and target is not None and target.op == "parameter":
+                update = fused.instructions.get(_update(base))
+                out += array_bytes(update.type) if update is not None else 0
+                index = next((k for k, p in params.items() if p is target), -1)
+                if 0 <= index < len(operands):
+                    operands[index] = 0
+            else:
+                out += array_bytes(result.type)
+        return out + sum(operands)
+
+
+def _producer(computation: _Computation, name: str) -> str:
+    """The kernel that wrote `name`, looking through tuples' elements and bitcasts."""
+    source = computation.instructions.get(name)
+    while source is not None and source.op in ("get-tuple-element", "bitcast") and source.operands:
+        name = source.operands[0]
+        source = computation.instructions.get(name)
+    return name
+
+
+def _update(instruction: _Instruction) -> str:
+    """The operand an in-place update writes: `dynamic-update-slice(buffer, update, *index)`,
+    `scatter(buffer, indices, updates)`."""
+    return instruction.operands[-1 if instruction.op == "scatter" else 1]
+
+
+def _through_bitcasts(name: str, users: dict[str, list[_Instruction]]) -> list[_Instruction]:
+    """The instructions reading `name`, looking through bitcasts."""
+    found = []
+    for user in users.get(name, []):
+        found += _through_bitcasts(user.name, users) if user.op == "bitcast" else [user]
+    return found
+
+
+def _first(reader: _Instruction, name: str, fused: _Computation) -> bool:
+    """Whether `name` (or a bitcast of it) is `reader`'s first operand, the one it slices."""
+    source = fused.instructions.get(reader.operands[0]) if reader.operands else None
+    while source is not None and source.op == "bitcast" and source.name != name:
+        source = fused.instructions.get(source.operands[0])
+    return source is not None and source.name == name
+
+
+def _is_scalar(type_text: str) -> bool:
+    return math.prod(_dims(type_text)) <= 1
+
+
+def _gemm_kind(computation: _Computation, instruction: _Instruction) -> str:
+    """`"fp8"`, `"bf16"`, `"f16"`, `"tf32"` or `"f32"`: the tensor-core rate a GEMM runs at."""
+    target = _gemm_target(instruction.op, instruction.rest)
+    if target is not None and target.endswith("$f8"):
+        return "fp8"
+    types = [_element_type(computation.type_of(o)) for o in instruction.operands[:2]]
+    if types and all(_F8.match(t) for t in types):
+        return "fp8"
+    if "f32" in types or "f64" in types:
+        highest = re.search(r"HIGHEST|highest|ALG_DOT_F32_F32_F32", instruction.rest)
+        return "f32" if highest else "tf32"
+    if "f16" in types:
+        return "f16"
+    if "bf16" in types or any(_F8.match(t) for t in types):
+        return "bf16"
+    return types[0] if types else "?"
