@@ -164,3 +164,19 @@ def test_saved_residuals_are_what_each_policy_implies(fp8_mlp):
     assert residuals("fp8_dots_saveable", model, x) == outputs
     # save_fp8_operands: the FP8 operands and nothing else.
     assert residuals("save_fp8_operands", model, x) == sorted(fp8 + weights)
+
+
+def test_an_abstract_scanned_model_converts_like_a_concrete_one(getkey):
+    """Models of `jax.ShapeDtypeStruct`s (for a deviceless compile of a model too large to
+    build) convert with the same structure, shapes and dtypes as the concrete model."""
+    config = dataclasses.replace(CONFIG, scan_layers=True)
+    concrete = GPT(config, key=getkey())
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, concrete
+    )
+    converted = fp8jax.fp8_linear_layers(concrete)
+    shapes = fp8jax.fp8_linear_layers(abstract)
+    leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(converted)]
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)] == leaves
+    assert isinstance(shapes.blocks.mlp.fc1.weight, jax.ShapeDtypeStruct)
+    assert shapes.blocks.mlp.fc1.dot_general.input.scale.shape == (CONFIG.layers,)

@@ -213,12 +213,17 @@ def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[st
     )
     if not lead:
         return Linear.from_eqx(linear, dot)
-    first = (0,) * len(lead)
+
+    def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[len(lead) :], x.dtype)
+        return x[(0,) * len(lead)]
+
     one = Linear.from_eqx(
         eqx.tree_at(
             lambda m: (m.weight, m.bias),
             linear,
-            (linear.weight[first], None if linear.bias is None else linear.bias[first]),
+            (first(linear.weight), None if linear.bias is None else first(linear.bias)),
             is_leaf=lambda x: x is None,
         ),
         None,
