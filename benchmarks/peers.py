@@ -1,6 +1,6 @@
 """fp8jax against its peers, side by side in one run: FP8 GEMMs on H100, memory, CPU time.
 
-    python benchmarks/peers.py [--steps 5] [--skip-estimate]
+    python benchmarks/peers.py [--steps 5]
 
 Models (the same shapes for everyone): an MLP 1024 -> 4096 -> 1024 over 2,048 tokens, the same
 MLP with its GELU rematerialized (`jax.checkpoint`), and the tiny GPT of `fp8jax.examples.gpt`
@@ -16,12 +16,13 @@ The peers' ops are injected into the same Equinox models through the `dot_genera
 the high-precision head and the BF16 compute of everything else are identical. Parameters are
 float32 masters cast to BF16 in the loss; the step is plain SGD, identical for all.
 
-Columns: FP8 GEMMs out of all GEMMs of the train step compiled for an H100 without a GPU
-(cuBLAS-only and default XLA flags); bytes of residuals the forward saves for the backward
+Columns: GEMMs on FP8 tensor cores out of all GEMMs of the train step compiled for an H100
+without a GPU (cuBLAS-only, fp8jax's options, and default XLA flags, where the inspector reads
+each Triton kernel's PTX); bytes of residuals the forward saves for the backward
 (`jax.ad_checkpoint.print_saved_residuals`, excluding the parameters and inputs themselves);
 temp memory of the H100 executable (`memory_analysis`); CPU compile and step time, each as a
-ratio to the BF16 baseline of the same model. Then the targets, and an estimate of the FP8/BF16
-step-time ratio of a 1B-parameter GPT on an H100 from its compiled HLO.
+ratio to the BF16 baseline of the same model. Then the targets. The estimated H100 step time
+of larger GPTs is `cost_model.py`'s.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ RECIPES = {
     "mxfp8": fp8jax.MXFP8(),
     "residual": fp8jax.ResidualFP8(),
 }
-H100 = {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 3.35e12}  # dense peaks
 
 
 # --- peers, behind the dot_general slot ----------------------------------------------------
@@ -288,8 +288,8 @@ def run_model(title, base, loss, batch, steps, residuals_only=False):
         )
     header = [
         "variant",
-        "FP8 GEMMs (cuBLAS)",
-        "FP8 GEMMs (default)",
+        "GEMMs on FP8 cores (cuBLAS)",
+        "GEMMs on FP8 cores (default)",
         "residuals MiB",
         "H100 temp MiB (cuBLAS / default)",
         "CPU compile",
@@ -322,16 +322,19 @@ def targets(results) -> None:
     lines = []
     for title, raw in results.items():
         for name, r in raw.items():
-            for mode in ("cublas", "default"):
-                if not name.startswith("fp8jax") or r[mode] == "-":
-                    continue
-                fp8, total = r.get(f"{mode} targeted", (0, 0))
-                lines.append(
-                    (
-                        f"{title}, {name}, {mode}: {fp8} of {total} GEMMs of FP8 Linears are FP8",
-                        total > 0 and fp8 == total,
-                    )
+            # The target is for the options fp8jax compiles with (cuBLAS mode). Under XLA's
+            # default flags a deviceless compile gets Triton's default tiles, which upcast FP8
+            # to f16 (listed in the table, not a target: a GPU's autotuner chooses there).
+            if not name.startswith("fp8jax") or r["cublas"] == "-":
+                continue
+            fp8, total = r.get("cublas targeted", (0, 0))
+            lines.append(
+                (
+                    f"{title}, {name}, cuBLAS mode: {fp8} of {total} GEMMs of FP8 Linears run on "
+                    "FP8 tensor cores",
+                    total > 0 and fp8 == total,
                 )
+            )
     linears = results["its two Linears alone (no activation), residuals only"]
     for name, r in linears.items():
         if name.startswith("fp8jax"):
@@ -343,18 +346,19 @@ def targets(results) -> None:
                     ratio <= 0.55,
                 )
             )
-    mlp = results["MLP 1024-4096-1024, 2048 tokens"]
-    for name, r in mlp.items():
-        for mode in ("cublas", "default"):
-            t, ref = r.get(f"{mode} temp"), mlp["bf16"].get(f"{mode} temp")
-            if name.startswith("fp8jax") and t and ref:
-                lines.append(
-                    (
-                        f"MLP H100 temp memory, {name}, {mode}: {t / ref:.2f}x BF16 "
-                        "(target <= 0.85x)",
-                        t / ref <= 0.85,
+    for title in ("MLP 1024-4096-1024, 2048 tokens", "same MLP, GELU rematerialized"):
+        mlp = results[title]
+        for name, r in mlp.items():
+            for mode in ("cublas", "default"):
+                t, ref = r.get(f"{mode} temp"), mlp["bf16"].get(f"{mode} temp")
+                if name in ("fp8jax delayed", "fp8jax current") and t and ref:
+                    lines.append(
+                        (
+                            f"{title}: H100 temp memory, {name}, {mode}: {t / ref:.2f}x BF16 "
+                            "(target <= 0.85x)",
+                            t / ref <= 0.85,
+                        )
                     )
-                )
     for title, raw in results.items():
         if np.isnan(raw["bf16"]["step"]):
             continue
@@ -371,61 +375,9 @@ def targets(results) -> None:
         print(f"- [{'met' if ok else 'MISSED'}] {text}")
 
 
-# --- the 1B estimate -----------------------------------------------------------------------
-
-
-def estimate() -> None:
-    print("\n## Estimate: FP8/BF16 step time of a 1B-parameter GPT on an H100 (an estimate,")
-    print("not a measurement)\n")
-    width, heads, context, batch, layers = 2048, 16, 2048, 4, 24
-    print(
-        f"Shape: {layers} layers, width {width}, {heads} heads, context {context}, batch "
-        f"{batch} ({batch * context} tokens per step), vocab 50304."
-    )
-    tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
-    costs = {}
-    for name in ("bf16", "fp8jax delayed"):
-        per_depth = []
-        for depth in (1, 2):
-            config = GPTConfig(vocab=50304, layers=depth, width=width, heads=heads, context=context)
-            model = eqx.filter_eval_shape(GPT, config, key=jax.random.PRNGKey(0))
-            model = variant(model, name)
-            report = fp8jax.inspect(
-                train_step(next_token_loss, name), model, tokens, modes=("cublas",)
-            )
-            gemm_time = sum(
-                g.flops / H100["fp8" if g.fp8 else ("bf16" if "bf16" in g.lhs else "tf32")]
-                for g in report.gemms["cublas"]
-            )
-            flops = sum(g.flops for g in report.gemms["cublas"])
-            per_depth.append((gemm_time, report.traffic["cublas"] / H100["hbm"], flops))
-        block = [b - a for a, b in zip(*per_depth, strict=True)]
-        rest = [a - b for a, b in zip(per_depth[0], block, strict=True)]
-        costs[name] = [r + layers * b for r, b in zip(rest, block, strict=True)]
-    for name, (gemm_s, other_s, flops) in costs.items():
-        print(
-            f"- {name}: GEMMs {flops / 1e12:.1f} TFLOP -> {gemm_s * 1e3:.1f} ms at the peaks; "
-            f"other ops {other_s * H100['hbm'] / 1e9:.0f} GB of HBM traffic -> "
-            f"{other_s * 1e3:.1f} ms; total {(gemm_s + other_s) * 1e3:.1f} ms"
-        )
-    bf16, fp8 = (sum(costs[n][:2]) for n in ("bf16", "fp8jax delayed"))
-    print(f"\nEstimated FP8/BF16 step-time ratio: {fp8 / bf16:.2f} (speed-up {bf16 / fp8:.2f}x)")
-    print(
-        "\nHow: each model is compiled for an H100 (deviceless, cuBLAS mode) at depth 1 and 2;"
-        "\nper-block cost = depth 2 - depth 1, the rest (embeddings, head, loss) = depth 1 -"
-        f"\nblock, total = rest + {layers} x block. GEMM time = 2 M N K / peak: FP8 "
-        f"{H100['fp8'] / 1e12:.0f}, BF16 {H100['bf16'] / 1e12:.0f}, TF32 "
-        f"{H100['tf32'] / 1e12:.0f} TFLOP/s (H100 SXM dense). Other time = bytes read and"
-        f"\nwritten by every non-GEMM instruction of the entry computation / "
-        f"{H100['hbm'] / 1e12:.2f} TB/s. No overlap, no launch overhead, peak GEMM efficiency:"
-        "\na bound on the ratio's direction, not a prediction of wall time."
-    )
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--skip-estimate", action="store_true")
     args = parser.parse_args(argv)
     assert inspect_module.h100_topology() is not None, "needs the h100 extra"
     print(
@@ -437,8 +389,6 @@ def main(argv=None) -> None:
         only = "residuals only" in title
         results[title] = run_model(title, model, loss, batch, args.steps, only)
     targets(results)
-    if not args.skip_estimate:
-        estimate()
 
 
 if __name__ == "__main__":
