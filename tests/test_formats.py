@@ -77,3 +77,17 @@ def test_quantize_of_finite_values_is_finite_and_nearest(values, scale, fmt):
     assert np.all(np.isfinite(q))
     ref = ref_quantize(x, scale, fmt).astype(np.float64)
     np.testing.assert_array_equal(q, ref)
+
+
+def test_widen_is_exact_for_every_bfloat16():
+    """`widen` (integer shifts, kept by XLA) gives the float32 value of every BF16 bit
+    pattern, as a plain cast does; NaNs stay NaN."""
+    from fp8jax._src.formats import widen
+
+    bits = np.arange(2**16, dtype=np.uint16)
+    x = jnp.asarray(bits.view(ml_dtypes.bfloat16))
+    got, want = np.asarray(widen(x)), np.asarray(x.astype(jnp.float32))
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert widen(jnp.ones(3, jnp.float16)).dtype == jnp.float32

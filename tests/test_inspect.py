@@ -99,18 +99,19 @@ def test_merged_gemms_stay_fp8(h100):
     recipe = fp8jax.BlockwiseScaling(block_size=32, chunks_per_dot=None)
     step, args, targeted = gpt_train_step(recipe)
     report = fp8jax.assert_all_fp8(fp8jax.inspect(step, *args))
-    # 6 Linears x 3 GEMMs unmerged. The forward GEMMs of q, k and v read the same FP8
-    # operand (the input, quantized once) and merge into one: 18 - 3 + 1. Every backward GEMM
-    # reads an operand of its own layer (its quantized output gradient; the wgrads' activation
-    # retiled along tokens in each layer's backward), so none of them merges.
-    fp8 = len(targeted) * 3 - 3 + 1
+    # 6 Linears x 3 GEMMs unmerged. q, k and v read the same FP8 input (quantized once): their
+    # forward GEMMs merge into one, and so do their wgrads (each saves the same FP8 input behind
+    # an identical barrier and retiles it along the tokens alike): 18 - 2 - 2. Their dgrads read
+    # each layer's own quantized output gradient and kernel, and stay apart.
+    fp8 = len(targeted) * 3 - 2 - 2
     assert report.count("cublas") == (fp8, fp8 + OTHERS)
+    qkv = {f"blocks.0.attn.{name}" for name in ("query", "key", "value")}
     for mode in ("cublas", "default"):
         assert sum(g.fp8_operands for g in report.gemms[mode]) == fp8, mode
-        qkv = {f"blocks.0.attn.{name}" for name in ("query", "key", "value")}
-        merged = [g for g in report.gemms[mode] if g.role == "fwd" and g.layer in qkv]
-        assert len(merged) == 1 and merged[0].fp8_operands, merged
-        assert merged[0].fp8 == (mode == "cublas"), merged
+        for role, count in (("fwd", 1), ("wgrad", 1), ("dgrad", 3)):
+            gemms = [g for g in report.gemms[mode] if g.role == role and g.layer in qkv]
+            assert len(gemms) == count and all(g.fp8_operands for g in gemms), (role, gemms)
+            assert all(g.fp8 == (mode == "cublas") for g in gemms), gemms
 
 
 def test_strict_check_lists_the_high_precision_gemms(h100):

@@ -104,3 +104,52 @@ def test_every_recipe_lowers_to_fp8_gemms_only(getkey, name):
     types = dot_operand_types(text)
     assert Counter(types) == DOTS[name], types
     assert "contracting_dims = [] x []" not in text
+
+
+def test_no_float32_copy_of_a_bf16_activation_on_h100():
+    """XLA's GPU compiler drops a float32 -> BF16 -> float32 pair of converts. A BF16
+    LayerNorm output that fp8jax widened back to float32 for its cast was then read as its
+    float32 producer: a float32 intermediate the BF16 program does not have. Compiled for an
+    H100, no float32 array of the activation's shape may remain."""
+    from fp8jax._src import inspect as inspect_module
+    from fp8jax._src.formats import saturate
+
+    topology = inspect_module.h100_topology()
+    assert topology is not None, "needs the h100 extra"
+
+    def norm_then_cast(x, scale):
+        x32 = x.astype(jnp.float32)
+        y = (x32 - x32.mean(-1, keepdims=True)) * jax.lax.rsqrt(x32.var(-1, keepdims=True) + 1)
+        y = y.astype(jnp.bfloat16)  # a BF16 activation with two consumers
+        return saturate(y, scale, jnp.float8_e4m3fn), jnp.tanh(y)
+
+    sharding = jax.sharding.SingleDeviceSharding(topology.devices[0])
+    args = (
+        jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=sharding),
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding),
+    )
+    text = jax.jit(norm_then_cast).lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    assert "f32[1024,512]" not in entry, [s for s in entry.splitlines() if "f32[1024,512]" in s]
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise"])
+def test_per_tensor_wgrads_run_after_their_dgrads_on_h100(getkey, name):
+    """Per-tensor recipes order each layer's wgrad after its dgrad (`dgrad_before_wgrad`), the
+    order that keeps the step's peak memory down; in the compiled program (whose entry
+    computation is printed in execution order) every dgrad GEMM comes first."""
+    from fp8jax.examples.gpt import MLP
+
+    recipe = RECIPES[name]
+    assert recipe.dgrad_before_wgrad == (name == "delayed")
+    if name != "delayed":
+        return
+    mlp = fp8jax.fp8_linear_layers(MLP(256, 4, False, key=getkey()), fp8jax.Fp8Config(recipe=recipe))
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+
+    def step(model, x):
+        return fp8jax.filter_grad(lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2))(model, x)
+
+    report = fp8jax.inspect(step, mlp, x, modes=("cublas",))
+    order = [(g.layer, g.role) for g in report.gemms["cublas"] if g.role != "fwd"]
+    assert order.index(("fc2", "dgrad")) < order.index(("fc2", "wgrad")), order

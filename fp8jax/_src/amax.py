@@ -46,9 +46,13 @@ def _shared_reduction(reduce: Callable[[Array], Array], doc: str) -> Callable[..
 
 
 amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
-    lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0),
+    lambda x: jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32),
     """`max(|x|)` in float32 (0 for an empty `x`), batch-wide under `vmap` unless `owner` is
     batched.
+
+    Reduced in `x`'s own dtype (exact: `abs` and `max` do not round) and widened afterwards:
+    widening a BF16 `x` first would let XLA read the float32 value it was rounded from (see
+    `fp8jax._src.formats.widen`), a float32 intermediate of twice the bytes.
 
     **Arguments:**
 

@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float
 
@@ -90,6 +91,25 @@ def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...])
     return full[..., : shape[-2], : shape[-1]]
 
 
+def widen(x: Array) -> Float[Array, "*shape"]:
+    """`x` as float32, exactly, in a form XLA keeps: the value `x` holds, not the one it was
+    rounded from.
+
+    XLA's GPU compiler removes a float32 -> bfloat16 -> float32 pair of converts
+    (`SimplifyFPConversions`, under its default `xla_allow_excess_precision`). A BF16
+    activation computed in float32 (a LayerNorm's output, say) and widened again here would
+    then be read as its float32 producer: a float32 intermediate that the BF16 program does
+    not have, written and read at twice the bytes, and FP8 values that differ from the CPU's.
+    A bfloat16 value is the top half of its float32 bits, so shifting the bits widens it with
+    integer operations, which that pass leaves alone; XLA fuses them with their neighbours.
+    """
+    x = jnp.asarray(x)
+    if x.dtype != jnp.bfloat16:
+        return x.astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     """Cast `x * scale` (formed in float32) to the FP8 `dtype`, clipping at its max.
 
@@ -98,7 +118,7 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     loss scaling) instead of turning into the format's max. (NaN, not inf: E4M3 has no inf,
     and a GPU's saturating FP8 conversion turns inf into the max.)
     """
-    x = jnp.asarray(x, jnp.float32)
+    x = widen(x)
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
     return jnp.where(jnp.isfinite(x), scaled, jnp.nan).astype(dtype)

@@ -183,11 +183,15 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
 
 
 def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
+    q_x, q_w, new_input, new_kernel, grad_state, stats = residuals
     # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the saved activation
-    # transposed. Without this barrier XLA computes that copy in the forward, fused with the
-    # quantization, and keeps both FP8 layouts alive until the backward: as much memory as
-    # one BF16 copy. With it, the copy is made here, from the saved FP8 values.
-    q_x, q_w, new_input, new_kernel, grad_state, stats = lax.optimization_barrier(residuals)
+    # transposed (and the dgrad the kernel). Without a barrier XLA computes that copy in the
+    # forward, fused with the quantization, and keeps both FP8 layouts alive until the
+    # backward: as much memory as one BF16 copy. Behind it, the copy is made here, from the
+    # saved FP8 values. One barrier per operand: a barrier keeps all its operands alive until
+    # its results are used, so a kernel copy that no dgrad reads (that of a first layer, whose
+    # input needs no gradient) would stay alive with the activation until the wgrad.
+    q_x, q_w = lax.optimization_barrier(q_x), lax.optimization_barrier(q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
@@ -197,6 +201,16 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     with jax.named_scope("dgrad"):
         d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
+    if recipe.dgrad_before_wgrad:
+        # The wgrad waits for the dgrad. Left to itself, XLA's scheduler orders them by its
+        # own memory estimate, which does not know that buffer assignment places temporaries
+        # in the step's output buffers until those are written: on the MLP of
+        # benchmarks/peers.py it ran the wgrad and the weight update (into an output buffer)
+        # first, with the dgrad's operands and the previous layer's residuals still alive,
+        # and peaked there. Without the barrier, XLA also makes the wgrad's transposed copy of
+        # the FP8 gradient in the pass that quantizes it and keeps both layouts alive through
+        # the dgrad; behind it, the copy is made when the wgrad needs it.
+        d_x, q_g, q_x = lax.optimization_barrier((d_x, q_g, q_x))
     with jax.named_scope("wgrad"):
         d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, dtypes[1])
     return d_x, d_w, States(new_input, new_kernel, new_grad, stats)

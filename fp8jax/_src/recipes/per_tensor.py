@@ -100,6 +100,10 @@ class PerTensorRecipe(HybridFormats):
         del role, axis, source
         return q
 
+    @property
+    def dgrad_before_wgrad(self) -> bool:
+        return True
+
     def dot(
         self,
         lhs: QTensor,
