@@ -133,18 +133,20 @@ def test_no_float32_copy_of_a_bf16_activation_on_h100():
     assert "f32[1024,512]" not in entry, [s for s in entry.splitlines() if "f32[1024,512]" in s]
 
 
-@pytest.mark.parametrize("name", ["delayed", "blockwise"])
+def test_only_per_tensor_recipes_order_the_wgrad_after_the_dgrad():
+    ordered = {name for name, recipe in RECIPES.items() if recipe.dgrad_before_wgrad}
+    assert ordered == {"delayed", "current"}
+
+
+@pytest.mark.parametrize("name", ["delayed", "current"])
 def test_per_tensor_wgrads_run_after_their_dgrads_on_h100(getkey, name):
     """Per-tensor recipes order each layer's wgrad after its dgrad (`dgrad_before_wgrad`), the
     order that keeps the step's peak memory down; in the compiled program (whose entry
-    computation is printed in execution order) every dgrad GEMM comes first."""
+    computation is printed in execution order) the dgrad GEMM comes first."""
     from fp8jax.examples.gpt import MLP
 
-    recipe = RECIPES[name]
-    assert recipe.dgrad_before_wgrad == (name == "delayed")
-    if name != "delayed":
-        return
-    mlp = fp8jax.fp8_linear_layers(MLP(256, 4, False, key=getkey()), fp8jax.Fp8Config(recipe=recipe))
+    config = fp8jax.Fp8Config(recipe=RECIPES[name])
+    mlp = fp8jax.fp8_linear_layers(MLP(256, 4, False, key=getkey()), config)
     x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
 
     def step(model, x):
