@@ -182,6 +182,20 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     return out, (q_x, q_w, new_input, new_kernel, states.output_grad, stats)
 
 
+def _typed_like_a_barrier(values: Any) -> Any:
+    """`values` unchanged, typed as `lax.optimization_barrier` types them: inside `shard_map`
+    its results vary over every manual axis any operand varies over, and the branches of
+    `lax.platform_dependent` must agree on that."""
+    leaves = jax.tree.leaves(values)
+    axes = frozenset().union(*(jax_private.varying_axes(a) for a in leaves))
+
+    def vary(a: Array) -> Array:
+        missing = tuple(sorted(axes - jax_private.varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(vary, values)
+
+
 def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     q_x, q_w, new_input, new_kernel, grad_state, stats = residuals
     # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the saved activation
@@ -213,7 +227,7 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
         # On a CPU, where memory is not the constraint, the order only costs time (about 5 %
         # of the tiny GPT's step in benchmarks/step_overhead.py): there the barrier is left out.
         d_x, q_g, q_x = lax.platform_dependent(
-            (d_x, q_g, q_x), cpu=lambda v: v, default=lax.optimization_barrier
+            (d_x, q_g, q_x), cpu=_typed_like_a_barrier, default=lax.optimization_barrier
         )
     with jax.named_scope("wgrad"):
         d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, dtypes[1])
