@@ -690,8 +690,9 @@ def hlo_gemms(hlo: str, mode: str, kernels: Mapping[str, Kernel] | None = None) 
                 _operand_names(match.group("operands")),
                 match.group("rest"),
             )
-    loop_names = _loop_op_names(computations)
-    fusions = _fusion_callers(computations)
+    callers = _callers(computations)
+    loop_names = _loop_op_names(computations, callers)
+    fusions = _fusion_callers(callers)
     shared = _shared_kernels(computations)
     gemms = []
     for computation, instructions in computations.items():
@@ -776,33 +777,42 @@ def _kernel_names(instruction: str, rest: str, shared: dict[str, list[str]]) -> 
     return list(dict.fromkeys(map(_ptx_name, names)))
 
 
+_CALLED = re.compile(r"(?:calls|body|condition)=%([\w.\-]+)")
+
+
+def _callers(computations: dict[str, dict[str, tuple]]) -> dict[str, tuple[str, str, str, str]]:
+    """Computation -> (the computation calling it, the calling instruction, its op, its
+    attributes), for computations run by a fusion, a call or a loop (the first caller)."""
+    callers: dict[str, tuple[str, str, str, str]] = {}
+    for parent, instructions in computations.items():
+        for name, (_, op, _, rest) in instructions.items():
+            for called in _CALLED.findall(rest):
+                callers.setdefault(called, (parent, name, op, rest))
+    return callers
+
+
 def _fusion_callers(
-    computations: dict[str, dict[str, tuple]],
+    callers: dict[str, tuple[str, str, str, str]],
 ) -> dict[str, tuple[tuple[str, str], bool]]:
     """Fused computation -> ((name, attributes) of the outermost fusion running it, whether
     that fusion is a Triton GEMM)."""
-    parent: dict[str, tuple[str, str, str]] = {}  # computation -> (caller's computation, ...)
-    for caller, instructions in computations.items():
-        for name, (_, op, _, rest) in instructions.items():
-            if op == "fusion":
-                for called in _CALLED.findall(rest):
-                    parent.setdefault(called, (caller, name, rest))
     out = {}
-    for computation in parent:
+    for computation, (_, _, op, _) in callers.items():
+        if op != "fusion":
+            continue
         current, seen = computation, set()
-        while current in parent and current not in seen:
+        while current in callers and callers[current][2] == "fusion" and current not in seen:
             seen.add(current)
-            caller, name, rest = parent[current]
+            parent, name, _, rest = callers[current]
             top = ((name, rest), '"__triton' in rest)
-            current = caller
+            current = parent
         out[computation] = top
     return out
 
 
-_CALLED = re.compile(r"(?:calls|body|condition)=%([\w.\-]+)")
-
-
-def _loop_op_names(computations: dict[str, dict[str, tuple]]) -> dict[str, str]:
+def _loop_op_names(
+    computations: dict[str, dict[str, tuple]], callers: dict[str, tuple[str, str, str, str]]
+) -> dict[str, str]:
     """Computation -> the JAX name of the innermost `while` loop running it (directly, or
     through fusions and calls), for loops of fp8jax layers.
 
@@ -810,21 +820,16 @@ def _loop_op_names(computations: dict[str, dict[str, tuple]]) -> dict[str, str]:
     loop over the chunks of each GEMM), so the instructions inside carry the name of the
     first layer that traced it; the loop instruction itself carries its own layer's name.
     """
-    callers: dict[str, tuple[str, str, str]] = {}  # computation -> (parent, op, op_name)
-    for parent, instructions in computations.items():
-        for _, op, _, rest in instructions.values():
-            op_name = _OP_NAME.search(rest)
-            for called in _CALLED.findall(rest):
-                callers.setdefault(called, (parent, op, op_name.group(1) if op_name else ""))
     names: dict[str, str] = {}
     for computation in computations:
         seen, current = set(), computation
         while current in callers and current not in seen:
             seen.add(current)
-            parent, op, op_name = callers[current]
+            parent, _, op, rest = callers[current]
             if op == "while":
-                if _LAYER.search(op_name):
-                    names[computation] = op_name
+                op_name = _OP_NAME.search(rest)
+                if op_name and _LAYER.search(op_name.group(1)):
+                    names[computation] = op_name.group(1)
                 break
             current = parent
     return names
