@@ -283,11 +283,18 @@ def test_amax_of_a_sum_is_not_a_plain_max(h100):
     assert set(cost.bytes) == {"rest"}  # a max without |x| (softmax's) is no amax
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(native_kernel=False),
+    "blockwise native": fp8jax.BlockwiseScaling(),  # chosen in a compile for an H100
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops(h100, recipe):
     key = jax.random.PRNGKey(0)
     linear = eqx.nn.Linear(K, N, use_bias=False, key=key)
-    fp8 = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    fp8 = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=RECIPES[recipe]))
     bf16 = eqx.tree_at(lambda m: m.weight, linear, linear.weight.astype(jnp.bfloat16))
 
     def step(model, x):
@@ -314,4 +321,9 @@ def test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops(h100, recipe):
         scales = sum(4 * (r + c) * (C // 128) for r, c, C in gemms.values())
         steps = sum(C // 128 for _, _, C in gemms.values())
         assert partials <= cost.bytes["block partials"] <= partials + slices + scales + 64 * steps
+    if recipe == "blockwise native":
+        # fp8jax's kernel: three Mosaic GPU GEMMs, no float32 partials in memory.
+        gemm_kernels = [k for k in cost.kernels if k.flops]
+        assert [k.op for k in gemm_kernels] == ["custom-call"] * 3
+        assert "block partials" not in cost.bytes
     assert all(isinstance(k, KernelCost) for k in cost.kernels)

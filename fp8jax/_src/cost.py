@@ -21,6 +21,7 @@ from .inspect import (
     _COMPUTATION,
     _INSTRUCTION,
     _LAYER,
+    _MOSAIC_CALL,
     _NO_TRAFFIC,
     _OP_NAME,
     _dims,
@@ -30,6 +31,7 @@ from .inspect import (
     _operand_names,
     array_bytes,
 )
+from .kernels import BLOCK_GEMM_NAME
 
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
 #: rate of a float32 GEMM at `precision=HIGHEST`) and HBM3 bandwidth (`"hbm"`, bytes/s).
@@ -378,6 +380,18 @@ class _Walker:
         gemms = [
             (c, i) for c, i in inside if i.op == "dot" or _gemm_target(i.op, i.rest) is not None
         ]
+        if instruction.op == "custom-call" and _is_native_gemm(instruction):
+            return KernelCost(
+                instruction.name,
+                computation.name,
+                instruction.op,
+                None,
+                0,
+                _native_gemm_flops(computation, instruction),
+                "fp8",
+                runs,
+                instruction.op_name,
+            )
         if gemms:
             flops, kinds = 0, {}
             for c, i in gemms:
@@ -560,6 +574,20 @@ def _first(reader: _Instruction, name: str, fused: _Computation) -> bool:
 
 def _is_scalar(type_text: str) -> bool:
     return math.prod(_dims(type_text)) <= 1
+
+
+def _is_native_gemm(instruction: _Instruction) -> bool:
+    """fp8jax's own block-scaled FP8 GEMM kernel (`fp8jax._src.kernels.block_gemm`), an
+    opaque Mosaic GPU custom call recognized by its name."""
+    return bool(_MOSAIC_CALL.search(instruction.rest)) and BLOCK_GEMM_NAME in instruction.op_name
+
+
+def _native_gemm_flops(computation: _Computation, instruction: _Instruction) -> int:
+    """2 * |output| * K per weight term: operands are `lhs (*B, M, K)`, its scales, then a
+    weight `(*B, N, K)` and its scales per term (padded shapes: the work the kernel does)."""
+    k = _dims(computation.type_of(instruction.operands[0]))[-1]
+    terms = (len(instruction.operands) - 2) // 2
+    return 2 * math.prod(_dims(instruction.type)) * k * terms
 
 
 def _gemm_kind(computation: _Computation, instruction: _Instruction) -> str:

@@ -28,8 +28,12 @@ from ..formats import (
     saturate,
 )
 from ..formats import format_name as canonical_format
+from ..kernels import dispatch
 from .base import Axis, QTensor, Recipe, Role, TensorState, check_flags, check_positive_int
 from .per_tensor import MAX_SCALE
+
+#: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
+NATIVE_BLOCK_SIZES = (64, 128)
 
 
 def _pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
@@ -126,6 +130,28 @@ def block_dot(
     )
     total = jnp.zeros((*batch, m, n), jnp.float32)
     return lax.scan(step, total, xs)[0]
+
+
+def native_block_dot(
+    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, out_dtype=jnp.float32
+) -> Array:
+    """`block_dot` as one native kernel (Pallas Mosaic GPU, Hopper `wgmma`): the same FP8
+    products and per-block scaling, the float32 accumulation promoted every chunk in
+    registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
+    from ..kernels.block_gemm import block_scaled_gemm, expand_rows  # Pallas: imported on use
+
+    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    chunk = _shared_chunk(lhs, rhs)
+
+    def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
+        return block_scaled_gemm(a, sa, [(b, sb)], out_dtype=out_dtype, block_k=chunk)
+
+    operands = []
+    for q in (lhs, rhs):
+        operands += [q.data, expand_rows(q.scale_inv, q.data.shape[-2], q.block[0])]
+    if lhs.data.ndim == 3:
+        gemm = jax.vmap(gemm)
+    return gemm(*operands)
 
 
 def _shared_chunk(lhs: QTensor, rhs: QTensor) -> int:
@@ -289,15 +315,59 @@ class BlockwiseScaling(BlockScaledRecipe):
     - `power_of_two`: round scales down to powers of two (exact rescaling, as DeepSeek's later
       UE8M0 scales).
     - `format_name`: `"e4m3"` (default) or another FP8 format.
+    - `native_kernel`: run each GEMM as fp8jax's Pallas Mosaic GPU kernel (one `wgmma`
+      kernel per GEMM, the promotion in registers, no float32 partials in memory). `None`
+      (default): on Hopper GPUs and in compiles for them, the XLA path elsewhere (CPUs, other
+      GPUs); `True` forces the kernel (it compiles only for sm_90), `False` the XLA path.
+      Block sizes 64 and 128 only; the numerics are the XLA path's, float32 summation order
+      aside.
     """
 
     block_size: int = 128
     power_of_two: bool = False
+    native_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("block_size", self.block_size)
         check_flags(self, "power_of_two")
+        if self.native_kernel is not None and not isinstance(self.native_kernel, bool):
+            raise ValueError(
+                f"native_kernel={self.native_kernel!r}: should be None (on Hopper GPUs), "
+                "True or False."
+            )
+        if self.native_kernel and self.dequantized_dot:
+            raise ValueError(
+                "BlockwiseScaling(native_kernel=True, dequantized_dot=True): the dequantized "
+                "dot is a float32 emulation and the native kernel an FP8 GEMM; choose one."
+            )
+        if self.native_kernel and self.block_size not in NATIVE_BLOCK_SIZES:
+            raise ValueError(
+                f"BlockwiseScaling(native_kernel=True, block_size={self.block_size}): the "
+                f"native kernel takes block sizes {list(NATIVE_BLOCK_SIZES)}."
+            )
+
+    def dot(
+        self,
+        lhs: QTensor,
+        rhs: QTensor,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
+    ) -> Float[Array, "*shape"]:
+        def xla(lhs: QTensor, rhs: QTensor) -> Array:
+            return super(BlockwiseScaling, self).dot(
+                lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype
+            )
+
+        if self.dequantized_dot or self.block_size not in NATIVE_BLOCK_SIZES:
+            return xla(lhs, rhs)
+
+        def native(lhs: QTensor, rhs: QTensor) -> Array:
+            return native_block_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
+
+        return dispatch.choose(self.native_kernel, native, xla, lhs, rhs)
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
         if role == "kernel":

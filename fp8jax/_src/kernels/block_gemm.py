@@ -1,0 +1,215 @@
+"""A block-scaled FP8 GEMM for Hopper (sm_90a), written in Pallas Mosaic GPU.
+
+`block_scaled_gemm(lhs, lhs_scale, [(rhs, rhs_scale), ...])` computes
+
+    out[m, n] = sum_t sum_c (lhs[m, c] . rhs_t[n, c]) * lhs_scale[m, c] * rhs_scale_t[n, c]
+
+where `c` runs over chunks of `block_k` (128) elements of the contraction: each chunk's
+product is a fresh float32 `wgmma` accumulator, multiplied by the two scales in registers and
+added to the running sum (DeepSeek-V3's promotion of the accumulation every 128 elements).
+Both operands are K-major (contracted over their last axis), as FP8 `wgmma` requires. Scales
+are given per row and chunk: a 1 x 128 tile scale as it is, a 128 x 128 block scale repeated
+over its block's rows (`expand_rows`). Several `(rhs, rhs_scale)` terms share each tile of
+`lhs` in shared memory: the residual recipe's `A.W_hi * s_hi + A.W_lo * s_lo` in one kernel.
+
+One CTA (one warpgroup) computes a `tile_m x tile_n` output tile; a TMA pipeline streams the
+`block_k`-wide tiles of both operands and their scales. Shapes need not be multiples of the
+tiles: operands are zero-padded outside the kernel and the output cropped, which leaves the
+math that of the unpadded operands. `tile_m=64` keeps every register in place (ptxas
+reports no spills); 128-row tiles spill (see `tests/test_kernels.py`).
+
+On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), slowly, for tests:
+there the MMA of a tile is a float32 `dot_general` of the same FP8 tiles (the interpreter has
+no rule for `wgmma` on a transposed shared-memory view) and the scale vectors are read
+without a register layout; the pipeline, the copies and the promotion are the kernel's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float
+
+from .. import mosaic_private
+from . import BLOCK_GEMM_NAME
+from .dispatch import interpreting
+
+#: Output tile rows and columns of one CTA, and the contraction chunk, by default.
+TILE_M, TILE_N, BLOCK_K = 64, 128, 128
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def expand_rows(scale: Array, rows: int, block_rows: int) -> Float[Array, "*B rows chunks"]:
+    """Per-block scales `(*B, ceil(rows / block_rows), chunks)` as one scale per row and
+    chunk."""
+    return jnp.repeat(scale.astype(jnp.float32), block_rows, axis=-2)[..., :rows, :]
+
+
+def _pad(a: Array, rows: int, cols: int) -> Array:
+    pad_r, pad_c = rows - a.shape[0], cols - a.shape[1]
+    return jnp.pad(a, ((0, pad_r), (0, pad_c))) if pad_r or pad_c else a
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def _check(lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
+    m, k = lhs.shape
+    chunks = math.ceil(k / block_k)
+    if not terms:
+        raise ValueError("block_scaled_gemm needs at least one (rhs, rhs_scale) term.")
+    operands = [("lhs", lhs, lhs_scale, m)] + [
+        (f"rhs {i}", rhs, scale, rhs.shape[0] if rhs.ndim == 2 else -1)
+        for i, (rhs, scale) in enumerate(terms)
+    ]
+    for name, data, scale, rows in operands:
+        if data.ndim != 2 or data.shape[1] != k:
+            raise ValueError(
+                f"block_scaled_gemm: {name} has shape {data.shape}; operands must be 2-D and "
+                f"contracted over their last axis, of size K={k} like lhs."
+            )
+        if jnp.dtype(data.dtype) not in _FP8:
+            raise ValueError(
+                f"block_scaled_gemm: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn "
+                "or float8_e5m2."
+            )
+        if scale.shape != (rows, chunks):
+            raise ValueError(
+                f"block_scaled_gemm: {name}'s scale has shape {scale.shape}; it should hold "
+                f"one scale per row and {block_k}-chunk of K: {(rows, chunks)}."
+            )
+    n = terms[0][0].shape[0]
+    if any(rhs.shape[0] != n for rhs, _ in terms):
+        raise ValueError(
+            f"block_scaled_gemm: the rhs terms have rows {[r.shape[0] for r, _ in terms]}; "
+            "they must all have the same N."
+        )
+
+
+def block_scaled_gemm(
+    lhs: Array,
+    lhs_scale: Array,
+    terms: Sequence[tuple[Array, Array]],
+    *,
+    out_dtype=jnp.float32,
+    tile_m: int = TILE_M,
+    tile_n: int = TILE_N,
+    block_k: int = BLOCK_K,
+    max_concurrent_steps: int = 2,
+    interpret: bool | None = None,
+) -> Array:
+    """`sum_t (lhs . rhs_t)` with per-row, per-`block_k` scales (see the module docstring).
+
+    `lhs (M, K)` and each `rhs (N, K)` are FP8; `lhs_scale (M, ceil(K / block_k))` and each
+    `rhs_scale (N, ceil(K / block_k))` float32 multipliers that turn a chunk's FP8 product
+    back into real values (a `QTensor`'s `scale_inv`). Returns `(M, N)` in `out_dtype`.
+    `interpret`: run in Mosaic GPU's interpreter (on a CPU); `None` follows
+    [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
+    """
+    interpret = interpreting() if interpret is None else interpret
+    _check(lhs, lhs_scale, terms, block_k)
+    (m, k), n = lhs.shape, terms[0][0].shape[0]
+    mp, np_, kp = _round_up(m, tile_m), _round_up(n, tile_n), _round_up(k, block_k)
+    chunks = kp // block_k
+    operands = [_pad(lhs, mp, kp), _pad(lhs_scale.astype(jnp.float32), mp, chunks).T]
+    for rhs, scale in terms:
+        operands += [_pad(rhs, np_, kp), _pad(scale.astype(jnp.float32), np_, chunks).T]
+    out = _kernel(
+        operands,
+        len(terms),
+        out_shape=(mp, np_),
+        out_dtype=jnp.dtype(out_dtype),
+        tiles=(tile_m, tile_n, block_k),
+        steps=min(max_concurrent_steps, chunks),
+        interpret=interpret,
+    )
+    return out[:m, :n]
+
+
+def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret):
+    tile_m, tile_n, block_k = tiles
+    mp, np_ = out_shape
+    chunks = operands[1].shape[0]
+    swizzle = plgpu.find_swizzle(block_k * 8)  # one byte per FP8 element
+    fp8_tiling = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bits = out_dtype.itemsize * 8
+    out_swizzle = plgpu.find_swizzle(tile_n * out_bits)
+    out_tiling = (
+        plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
+
+    def scale_vector(ref, axis):
+        if interpret:  # the interpreter has no rule for a load with a register layout
+            return ref[...]
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+    def chunk_product(a_tile, b_tile):
+        if interpret:  # nor for wgmma on a transposed shared-memory view
+            return lax.dot_general(
+                a_tile[...],
+                b_tile[...],
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, a_tile, plgpu.transpose_ref(b_tile, (1, 0)))
+            return acc_ref[...]  # waits for the wgmma
+
+        return pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+    def body(*refs):
+        a_gmem, a_scale_gmem, *rest = refs
+        b_gmem, (out_gmem, out_smem) = rest[: 2 * n_terms], rest[2 * n_terms :]
+        m, n = lax.axis_index("m"), lax.axis_index("n")
+
+        def step(_, a_tile, a_scale, *rest):
+            *b_tiles, acc = rest
+            sa = scale_vector(a_scale, 1)
+            for t in range(n_terms):
+                part = chunk_product(a_tile, b_tiles[2 * t])
+                sb = scale_vector(b_tiles[2 * t + 1], 0)
+                scale = lax.broadcast_in_dim(sa, part.shape, [0]) * lax.broadcast_in_dim(
+                    sb, part.shape, [1]
+                )
+                acc = acc + part * scale
+            return acc
+
+        in_specs = [
+            plgpu.BlockSpec((tile_m, block_k), lambda c: (m, c), transforms=fp8_tiling),
+            plgpu.BlockSpec((None, tile_m), lambda c: (c, m)),
+        ]
+        for _ in range(n_terms):
+            in_specs += [
+                plgpu.BlockSpec((tile_n, block_k), lambda c: (n, c), transforms=fp8_tiling),
+                plgpu.BlockSpec((None, tile_n), lambda c: (c, n)),
+            ]
+        acc = jnp.zeros((tile_m, tile_n), jnp.float32)
+        if not interpret:
+            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+        acc = plgpu.emit_pipeline(
+            step, grid=(chunks,), in_specs=in_specs, max_concurrent_steps=steps, init_carry=acc
+        )(a_gmem, a_scale_gmem, *b_gmem)
+        out_smem[...] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        window = (pl.ds(m * tile_m, tile_m), pl.ds(n * tile_n, tile_n))
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[window])
+        plgpu.wait_smem_to_gmem(0)
+
+    body.__name__ = body.__qualname__ = BLOCK_GEMM_NAME
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        scratch_types=[plgpu.SMEM((tile_m, tile_n), out_dtype, transforms=out_tiling)],
+        grid=(mp // tile_m, np_ // tile_n),
+        grid_names=("m", "n"),
+        interpret=mosaic_private.interpret_params() if interpret else None,
+    )(*operands)

@@ -1,0 +1,64 @@
+"""Where fp8jax's native kernels run: on a Hopper GPU, in Mosaic GPU's interpreter for tests,
+and nowhere else (the XLA path, with the same numerics, serves every other platform)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax import lax
+
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_interpret_kernels", default=False
+)
+
+
+@contextlib.contextmanager
+def interpreted() -> Iterator[None]:
+    """Trace native kernels for Mosaic GPU's interpreter (on a CPU, slowly), and choose them
+    wherever a recipe would choose them on a Hopper GPU. For tests: functions jitted inside
+    must be traced inside (a jit cache entry traced outside is reused as it is)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def interpreting() -> bool:
+    """Whether native kernels are being traced for the interpreter (see `interpreted`)."""
+    return _INTERPRET.get()
+
+
+def _hopper(device: Any) -> bool:
+    return str(getattr(device, "compute_capability", "")) in ("9.0", "9.0a")
+
+
+def local_gpus_lack_hopper() -> bool:
+    """True when this process sees CUDA GPUs and not all of them are Hopper (sm_90): the
+    native kernels, compiled for `wgmma`, cannot run there."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    return bool(gpus) and not all(_hopper(d) for d in gpus)
+
+
+def choose(
+    use_native: bool | None, native: Callable[..., Any], xla: Callable[..., Any], *args: Any
+) -> Any:
+    """`native(*args)` or `xla(*args)`, as a recipe's `native_kernel` option says.
+
+    `True` takes the native kernel (compiling it fails off Hopper); `False` the XLA path;
+    `None` the native kernel where the program is compiled for CUDA and every local GPU, if
+    any, is a Hopper (a deviceless compile for an H100 included), the XLA path elsewhere
+    (`lax.platform_dependent`: a CPU compile never sees the kernel). Under `interpreted()`,
+    `None` and `True` take the native kernel through the interpreter.
+    """
+    if use_native is False:
+        return xla(*args)
+    if use_native or interpreting():
+        return native(*args)
+    if local_gpus_lack_hopper():
+        return xla(*args)
+    return lax.platform_dependent(*args, cuda=native, default=xla)

@@ -1,0 +1,323 @@
+"""fp8jax's native block-scaled FP8 GEMM (Pallas Mosaic GPU): numerics in Mosaic GPU's
+interpreter against float32 references and the XLA path, the recipe's choice of path, and the
+deviceless H100 compile (FP8 `wgmma` in the PTX, no register spills, every GEMM counted FP8).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax._src.kernels import dispatch
+from fp8jax._src.kernels.block_gemm import block_scaled_gemm, expand_rows
+from fp8jax._src.recipes.blocks import block_dot, native_block_dot
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def fp8_operand(rng, rows, k, dtype=E4M3, block_k=128):
+    """FP8 data (rows, k) and one power-of-two scale per row and chunk."""
+    data = rng.standard_normal((rows, k)) * 4
+    chunks = -(-k // block_k)
+    scale = 2.0 ** rng.integers(-4, 4, (rows, chunks))
+    return jnp.asarray(data, dtype), jnp.asarray(scale, jnp.float32)
+
+
+def reference(lhs, lhs_scale, terms, block_k=128):
+    """float64 NumPy: dequantize with the per-row, per-chunk scales and multiply."""
+
+    def real(data, scale):
+        data = np.asarray(data).astype(np.float64)
+        return data * np.repeat(np.asarray(scale, np.float64), block_k, axis=1)[:, : data.shape[1]]
+
+    a = real(lhs, lhs_scale)
+    return sum(a @ real(b, sb).T for b, sb in terms)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, n_terms, formats",
+    [
+        (64, 128, 256, 1, (E4M3, E4M3)),  # one tile, two chunks
+        (70, 130, 300, 1, (E5M2, E4M3)),  # odd shapes: padding inside; a gradient's format
+        (33, 140, 128, 2, (E4M3, E4M3)),  # the residual form: two weights share each A tile
+        (65, 20, 200, 3, (E4M3, E4M3)),
+    ],
+)
+def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, formats):
+    """Each chunk's FP8 product is exact in float32 and scaled by powers of two: the kernel
+    differs from the float64 reference only by float32 summation."""
+    rng = np.random.default_rng(m + n + k)
+    lhs, lhs_scale = fp8_operand(rng, m, k, formats[0])
+    terms = [fp8_operand(rng, n, k, formats[1]) for _ in range(n_terms)]
+    out = jax.jit(lambda *a: block_scaled_gemm(a[0], a[1], a[2], interpret=True))(
+        lhs, lhs_scale, terms
+    )
+    want = reference(lhs, lhs_scale, terms)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    magnitude = reference(
+        *(jnp.abs(v) for v in (lhs, lhs_scale)), [(jnp.abs(b), s) for b, s in terms]
+    )
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out, np.float64) - want), 4e-6 * magnitude + 1e-30
+    )
+
+
+def test_kernel_writes_bf16_rounded_from_float32():
+    rng = np.random.default_rng(1)
+    lhs, lhs_scale = fp8_operand(rng, 64, 128)
+    rhs, rhs_scale = fp8_operand(rng, 128, 128)
+    gemm = jax.jit(
+        lambda out_dtype: block_scaled_gemm(
+            lhs, lhs_scale, [(rhs, rhs_scale)], out_dtype=out_dtype, interpret=True
+        ),
+        static_argnums=0,
+    )
+    f32, bf16 = gemm(jnp.float32), gemm(jnp.bfloat16)
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32).astype(ml_dtypes.bfloat16))
+
+
+def test_expand_rows_repeats_block_scales_per_row():
+    scale = jnp.arange(6.0).reshape(3, 2)  # 3 blocks of 128 rows, 2 chunks
+    rows = expand_rows(scale, 300, 128)
+    assert rows.shape == (300, 2)
+    picks = np.array([0, 127, 128, 255, 256, 299])
+    np.testing.assert_array_equal(rows[picks], scale[picks // 128])
+    batched = expand_rows(jnp.stack([scale, 2 * scale]), 130, 128)
+    assert batched.shape == (2, 130, 2) and float(batched[1, 129, 1]) == 2 * float(scale[1, 1])
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(lhs=jnp.zeros((64, 128), jnp.bfloat16)), "FP8 wgmma takes"),
+        (dict(lhs_scale=jnp.ones((64, 2))), "one scale per row and 128-chunk"),
+        (dict(rhs=jnp.zeros((128, 256), E4M3)), "contracted over their last axis"),
+        (dict(terms=[]), "at least one"),
+    ],
+)
+def test_kernel_rejects_bad_operands(bad, match):
+    args = dict(
+        lhs=jnp.zeros((64, 128), E4M3),
+        lhs_scale=jnp.ones((64, 1)),
+        rhs=jnp.zeros((128, 128), E4M3),
+    )
+    args.update(bad)
+    terms = bad.get("terms", [(args["rhs"], jnp.ones((args["rhs"].shape[0], 1)))])
+    with pytest.raises(ValueError, match=match):
+        block_scaled_gemm(args["lhs"], args["lhs_scale"], terms, interpret=True)
+
+
+# --- the recipe's three GEMMs -------------------------------------------------------------
+
+
+def _quantized(recipe, x, role, axis):
+    state = recipe.init_state(role)
+    return recipe.quantize(x, state, role, axis)[0]
+
+
+@pytest.mark.parametrize("block_size", [128, 64])
+def test_native_block_dot_matches_the_xla_path_in_every_layout(block_size):
+    """Forward (tiles x blocks over K), dgrad (the kernel retiled for its other contraction)
+    and wgrad (both operands in 128 x 1 tiles over the tokens): the same FP8 products and
+    scales as `block_dot`, float32 summation order aside."""
+    recipe = fp8jax.BlockwiseScaling(block_size=block_size, native_kernel=False)
+    rng = np.random.default_rng(block_size)
+    m, k, n = 70, 200, 150
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((m, n)) * 1e-3, jnp.float32)
+    q_x, q_w, q_g = (
+        _quantized(recipe, x, "input", -1),
+        _quantized(recipe, w, "kernel", -1),
+        _quantized(recipe, g, "output_grad", -1),
+    )
+    cases = {
+        "fwd": (q_x, q_w, -1, -1),
+        "dgrad": (q_g, recipe.retile(q_w, "kernel", -2, source=w), -1, -2),
+        "wgrad": (
+            recipe.retile(q_g, "output_grad", -2, source=g),
+            recipe.retile(q_x, "input", -2),
+            -2,
+            -2,
+        ),
+    }
+    for name, (lhs, rhs, la, ra) in cases.items():
+        with dispatch.interpreted():
+            native = jax.jit(lambda a, b, la=la, ra=ra: native_block_dot(a, b, la, ra))(lhs, rhs)
+        xla = block_dot(lhs, rhs, la, ra, jax.lax.Precision.HIGHEST)
+        magnitude = block_dot(
+            jax.tree.map(jnp.abs, lhs), jax.tree.map(jnp.abs, rhs), la, ra, "highest"
+        )
+        assert native.shape == xla.shape, name
+        np.testing.assert_array_less(np.abs(native - xla), 2e-6 * magnitude + 1e-30, err_msg=name)
+
+
+def _linear_loss(model, x):
+    return jnp.sum(jax.vmap(model)(x) ** 2)
+
+
+def _run(native, x, linear, block_size=128):
+    recipe = fp8jax.BlockwiseScaling(block_size=block_size, native_kernel=native)
+    model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    with dispatch.interpreted():
+        return jax.jit(fp8jax.filter_value_and_grad(_linear_loss))(model, x)
+
+
+def test_blockwise_linear_trains_the_same_with_the_native_kernel(getkey):
+    """A Linear with odd sizes, forward and backward: loss, weight and bias gradients and the
+    FP8 state from the native kernels (interpreted) against the XLA path."""
+    linear = eqx.nn.Linear(200, 150, key=getkey())
+    x = jax.random.normal(getkey(), (70, 200))
+    (loss_n, grads_n), (loss_x, grads_x) = _run(None, x, linear), _run(False, x, linear)
+    np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads_x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_native_kernel_folds_a_vmapped_weight_into_a_batch(getkey):
+    """Mapped weights (an ensemble) become a batched canonical GEMM: the kernel is vmapped."""
+    linears = eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 128, key=k))(
+        jax.random.split(getkey(), 2)
+    )
+    x = jax.random.normal(getkey(), (2, 64, 64))
+
+    def run(native):
+        recipe = fp8jax.BlockwiseScaling(native_kernel=native)
+
+        def loss(model, x):
+            return jnp.sum(eqx.filter_vmap(lambda m, xs: jax.vmap(m)(xs))(model, x) ** 2)
+
+        model = eqx.filter_vmap(
+            lambda lin: fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(recipe=recipe))
+        )(linears)
+        with dispatch.interpreted():
+            return jax.jit(fp8jax.filter_value_and_grad(loss))(model, x)
+
+    (loss_n, grads_n), (loss_x, grads_x) = run(True), run(False)
+    np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
+    np.testing.assert_allclose(grads_n.weight, grads_x.weight, rtol=2e-5, atol=1e-6)
+
+
+# --- which path runs --------------------------------------------------------------------------
+
+
+def test_cpu_compiles_keep_the_xla_path(getkey):
+    """Outside the interpreter, the default choice compiles no Mosaic kernel on a CPU, and
+    computes exactly what the forced XLA path does."""
+    linear = eqx.nn.Linear(128, 128, key=getkey())
+    x = jax.random.normal(getkey(), (64, 128))
+    texts, losses = [], []
+    for native in (None, False):
+        recipe = fp8jax.BlockwiseScaling(native_kernel=native)
+        model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+        step = jax.jit(fp8jax.filter_value_and_grad(_linear_loss))
+        texts.append(step.lower(model, x).compile().as_text())
+        losses.append(step(model, x)[0])
+    assert not any("mosaic" in text for text in texts)
+    assert float(losses[0]) == float(losses[1])
+    assert not dispatch.local_gpus_lack_hopper()  # no GPU here
+
+
+def test_choose_follows_the_option():
+    calls = []
+
+    def native(a):
+        calls.append("native")
+        return a + 1
+
+    def xla(a):
+        calls.append("xla")
+        return a + 2
+
+    one = jnp.ones(())
+    assert float(dispatch.choose(False, native, xla, one)) == 3 and calls == ["xla"]
+    calls.clear()
+    assert float(dispatch.choose(True, native, xla, one)) == 2 and calls == ["native"]
+    calls.clear()
+    with dispatch.interpreted():
+        assert dispatch.interpreting()
+        dispatch.choose(None, native, xla, one)
+    assert calls == ["native"] and not dispatch.interpreting()
+    calls.clear()
+    # Default: both traced (lax.platform_dependent), the CPU runs the XLA branch.
+    assert float(jax.jit(lambda a: dispatch.choose(None, native, xla, a))(one)) == 3
+    assert sorted(calls) == ["native", "xla"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(native_kernel="yes"), "native_kernel='yes'"),
+        (dict(native_kernel=True, dequantized_dot=True), "choose one"),
+        (dict(native_kernel=True, block_size=32), "block sizes \\[64, 128\\]"),
+    ],
+)
+def test_bad_native_kernel_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fp8jax.BlockwiseScaling(**kwargs)
+
+
+# --- the H100 compile ------------------------------------------------------------------------
+
+H100_SCRIPT = """
+import glob, json, os, re, sys
+import equinox as eqx, jax, jax.numpy as jnp
+import fp8jax
+
+key = jax.random.PRNGKey(0)
+k1, k2 = jax.random.split(key)
+mlp = eqx.nn.Sequential([eqx.nn.Linear(256, 512, key=k1), eqx.nn.Lambda(jax.nn.gelu),
+                         eqx.nn.Linear(512, 200, key=k2)])
+model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
+x = jax.ShapeDtypeStruct((300, 256), jnp.bfloat16)
+
+def step(model, x):
+    loss = lambda m, x: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)
+    return fp8jax.filter_value_and_grad(loss)(model, x)
+
+report = fp8jax.inspect(step, model, x, modes=("cublas",))
+dump = os.environ["MOSAIC_GPU_DUMP_TO"]
+ptxas = [open(f).read() for f in glob.glob(os.path.join(dump, "*.ptxas"))]
+spill = re.compile(r"(\\d+) bytes spill (?:stores|loads)")
+spills = [[int(n) for n in spill.findall(log)] for log in ptxas]
+print(json.dumps({
+    "gemms": [(g.layer, g.role, g.kernel, g.fp8, g.mma) for g in report.gemms["cublas"]],
+    "spills": spills,
+}))
+"""
+
+
+def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_path):
+    """The default choice in a compile for an H100: the forward, dgrad and wgrad of both
+    Linears are Mosaic GPU kernels whose PTX multiplies E4M3 with `wgmma`, the inspector
+    counts them as FP8 GEMMs, and ptxas spills no register."""
+    pytest.importorskip("jax_cuda12_plugin")
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "MOSAIC_GPU_DUMP_PTX": "1",
+        "MOSAIC_GPU_DUMP_PTXAS": "1",
+        "MOSAIC_GPU_DUMP_TO": str(tmp_path),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", H100_SCRIPT], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    gemms = seen["gemms"]
+    # The first layer's dgrad is not computed: its input needs no gradient.
+    want = {("0", "fwd"), ("0", "wgrad"), ("2", "fwd"), ("2", "dgrad"), ("2", "wgrad")}
+    assert {(layer.split(".")[-1], role) for layer, role, *_ in gemms} == want, gemms
+    for layer, role, kernel, fp8, mma in gemms:
+        assert kernel == "pallas mosaic gpu" and fp8, (layer, role, kernel, mma)
+        assert any(m.startswith("wgmma.mma_async") and m.endswith(".e4m3.e4m3") for m in mma)
+    assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
