@@ -5,6 +5,7 @@ deviceless H100 compile (FP8 `wgmma` in the PTX, no register spills, every GEMM 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,7 +47,7 @@ def reference(lhs, lhs_scale, terms, block_k=128):
     "m, n, k, n_terms, formats",
     [
         (64, 128, 256, 1, (E4M3, E4M3)),  # one tile, two chunks
-        (70, 130, 300, 1, (E5M2, E4M3)),  # odd shapes: padding inside; a gradient's format
+        (70, 130, 300, 1, (E5M2, E5M2)),  # odd shapes: padding inside; a gradient's format
         (33, 140, 128, 2, (E4M3, E4M3)),  # the residual form: two weights share each A tile
         (65, 20, 200, 3, (E4M3, E4M3)),
     ],
@@ -102,6 +103,7 @@ def test_expand_rows_repeats_block_scales_per_row():
         (dict(lhs_scale=jnp.ones((64, 2))), "one scale per row and 128-chunk"),
         (dict(rhs=jnp.zeros((128, 256), E4M3)), "contracted over their last axis"),
         (dict(terms=[]), "at least one"),
+        (dict(lhs=jnp.zeros((64, 128), E5M2)), "one FP8 type"),
     ],
 )
 def test_kernel_rejects_bad_operands(bad, match):
@@ -178,6 +180,32 @@ def test_blockwise_linear_trains_the_same_with_the_native_kernel(getkey):
     linear = eqx.nn.Linear(200, 150, key=getkey())
     x = jax.random.normal(getkey(), (70, 200))
     (loss_n, grads_n), (loss_x, grads_x) = _run(None, x, linear), _run(False, x, linear)
+    np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads_x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # fused forward; E5M2 x E4M3 backward GEMMs on the XLA path
+        dict(split_activation=True, backward_format="e4m3"),  # every GEMM fused
+        dict(dgrad_uses_lo=False, backward_format="e4m3"),
+    ],
+)
+def test_residual_linear_trains_the_same_with_the_fused_kernel(getkey, options):
+    """ResidualFP8 with its terms fused per left operand (interpreted) against the XLA path's
+    separate GEMMs: the same products, float32 summation order aside."""
+    linear = eqx.nn.Linear(200, 150, key=getkey())
+    x = jax.random.normal(getkey(), (70, 200))
+
+    def run(native):
+        recipe = fp8jax.ResidualFP8(native_kernel=native, **options)
+        model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+        with dispatch.interpreted():
+            return jax.jit(fp8jax.filter_value_and_grad(_linear_loss))(model, x)
+
+    (loss_n, grads_n), (loss_x, grads_x) = run(True), run(False)
     np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads_x), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(b))))
@@ -277,7 +305,8 @@ key = jax.random.PRNGKey(0)
 k1, k2 = jax.random.split(key)
 mlp = eqx.nn.Sequential([eqx.nn.Linear(256, 512, key=k1), eqx.nn.Lambda(jax.nn.gelu),
                          eqx.nn.Linear(512, 200, key=k2)])
-model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
+recipe = getattr(fp8jax, sys.argv[1])()
+model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
 x = jax.ShapeDtypeStruct((300, 256), jnp.bfloat16)
 
 def step(model, x):
@@ -296,10 +325,13 @@ print(json.dumps({
 """
 
 
-def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_path):
+@pytest.mark.parametrize("recipe", ["BlockwiseScaling", "ResidualFP8"])
+# ResidualFP8's backward GEMMs (E5M2 x E4M3) are cuBLASLt FP8 calls: see its native_kernel.
+def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_path, recipe):
     """The default choice in a compile for an H100: the forward, dgrad and wgrad of both
-    Linears are Mosaic GPU kernels whose PTX multiplies E4M3 with `wgmma`, the inspector
-    counts them as FP8 GEMMs, and ptxas spills no register."""
+    Linears are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma` (E4M3, and E5M2
+    gradients for the residual recipe), the inspector counts them as FP8 GEMMs, and ptxas
+    spills no register."""
     pytest.importorskip("jax_cuda12_plugin")
     env = {
         **os.environ,
@@ -309,7 +341,7 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
         "MOSAIC_GPU_DUMP_TO": str(tmp_path),
     }
     run = subprocess.run(
-        [sys.executable, "-c", H100_SCRIPT], env=env, capture_output=True, text=True
+        [sys.executable, "-c", H100_SCRIPT, recipe], env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
@@ -318,6 +350,11 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
     want = {("0", "fwd"), ("0", "wgrad"), ("2", "fwd"), ("2", "dgrad"), ("2", "wgrad")}
     assert {(layer.split(".")[-1], role) for layer, role, *_ in gemms} == want, gemms
     for layer, role, kernel, fp8, mma in gemms:
-        assert kernel == "pallas mosaic gpu" and fp8, (layer, role, kernel, mma)
-        assert any(m.startswith("wgmma.mma_async") and m.endswith(".e4m3.e4m3") for m in mma)
+        assert fp8, (layer, role, kernel, mma)
+        if recipe == "ResidualFP8" and role != "fwd":
+            assert kernel == "cublasLt f8", (layer, role, kernel)
+            continue
+        assert kernel == "pallas mosaic gpu", (layer, role, kernel, mma)
+        fp8_mma = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
+        assert any(fp8_mma.match(m) for m in mma), mma
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]

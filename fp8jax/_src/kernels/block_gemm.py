@@ -85,6 +85,12 @@ def _check(lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
                 f"block_scaled_gemm: {name}'s scale has shape {scale.shape}; it should hold "
                 f"one scale per row and {block_k}-chunk of K: {(rows, chunks)}."
             )
+    dtypes = {jnp.dtype(d.dtype).name for _, d, _, _ in operands}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"block_scaled_gemm: operands in {sorted(dtypes)}; Mosaic GPU's wgmma takes one "
+            "FP8 type for both operands (mixed E5M2 x E4M3 GEMMs stay on the XLA path)."
+        )
     n = terms[0][0].shape[0]
     if any(rhs.shape[0] != n for rhs, _ in terms):
         raise ValueError(

@@ -11,10 +11,12 @@ import dataclasses
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..formats import fp8_max, quantize
+from ..kernels import dispatch
 from .base import Axis, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
 from .per_tensor import MAX_SCALE, compute_scale
 
@@ -60,6 +62,13 @@ class ResidualFP8(HybridFormats):
       "NormalFloat-aware" choice for Gaussian-like weights; about 0.3 % of values saturate and
       are caught by `W_lo` only up to its range).
     - `forward_format`, `backward_format`: `"e4m3"` and `"e5m2"` by default.
+    - `native_kernel`: run the terms that share a left operand as one Pallas Mosaic GPU
+      kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x` loaded once, one float32
+      accumulation). `None` (default): on Hopper GPUs and in compiles for them, the XLA path
+      elsewhere; `True` forces the kernel (sm_90 only), `False` the XLA path. With
+      `split_activation`, `x_lo W_hi` is a second kernel. Mosaic GPU's `wgmma` takes one FP8
+      type for both operands, so GEMMs of E5M2 gradients with E4M3 operands (the default
+      backward) stay cuBLASLt calls; `backward_format="e4m3"` fuses them too.
     """
 
     split_activation: bool = False
@@ -67,6 +76,7 @@ class ResidualFP8(HybridFormats):
     error_feedback: bool = False
     predict_lo_scale: bool = False
     nf_aware: bool = False
+    native_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +88,11 @@ class ResidualFP8(HybridFormats):
             "predict_lo_scale",
             "nf_aware",
         )
+        if self.native_kernel is not None and not isinstance(self.native_kernel, bool):
+            raise ValueError(
+                f"native_kernel={self.native_kernel!r}: should be None (on Hopper GPUs), "
+                "True or False."
+            )
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
@@ -160,12 +175,50 @@ class ResidualFP8(HybridFormats):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        # The lo terms are ~2^-5 of the hi ones: sum in float32, or BF16 would drop them.
-        out = None
-        for i, a in enumerate(lhs.terms):
-            for j, b in enumerate(rhs.terms):
-                if i and j:
-                    continue  # lo x lo: below both terms' precision
-                part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
-                out = part if out is None else out + part
-        return out.astype(out_dtype)
+        def xla(lhs: QTerms, rhs: QTerms) -> Array:
+            # The lo terms are ~2^-5 of the hi ones: sum in float32, or BF16 would drop them.
+            out = None
+            for a, bs in _pairs(lhs, rhs):
+                for b in bs:
+                    part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
+                    out = part if out is None else out + part
+            return out.astype(out_dtype)
+
+        def native(lhs: QTerms, rhs: QTerms) -> Array:
+            return native_residual_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
+
+        if len({t.data.dtype for t in lhs.terms + rhs.terms}) > 1:
+            return xla(lhs, rhs)  # Mosaic's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
+        return dispatch.choose(self.native_kernel, native, xla, lhs, rhs)
+
+
+def _pairs(lhs: QTerms, rhs: QTerms) -> list[tuple[QTensor, tuple[QTensor, ...]]]:
+    """Each term of `lhs` with the `rhs` terms it multiplies: all for the high part, the high
+    part only for the low one (lo x lo is below both terms' precision)."""
+    return [(a, rhs.terms if i == 0 else rhs.terms[:1]) for i, a in enumerate(lhs.terms)]
+
+
+def native_residual_dot(
+    lhs: QTerms, rhs: QTerms, lhs_axis: Axis, rhs_axis: Axis, out_dtype=jnp.float32
+) -> Array:
+    """The residual recipe's GEMMs as fp8jax's Mosaic GPU kernel: one kernel per term of
+    `lhs`, with all the `rhs` terms it multiplies (each tile of the left operand loaded once),
+    per-tensor scales as per-row ones. Shape `(*B, lhs_free, rhs_free)`."""
+    from ..kernels.block_gemm import BLOCK_K, block_scaled_gemm  # Pallas: imported on use
+
+    def last(q: QTensor, axis: Axis) -> tuple[Array, Array]:
+        data = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
+        chunks = -(-data.shape[-1] // BLOCK_K)
+        shape = data.shape[:-1] + (chunks,)
+        return data, jnp.broadcast_to(q.scale_inv.astype(jnp.float32), shape)
+
+    def gemm(a: Array, sa: Array, *terms: Array) -> Array:
+        pairs = list(zip(terms[::2], terms[1::2], strict=True))
+        return block_scaled_gemm(a, sa, pairs, out_dtype=jnp.float32)
+
+    out = None
+    for a, bs in _pairs(lhs, rhs):
+        operands = [*last(a, lhs_axis)] + [v for b in bs for v in last(b, rhs_axis)]
+        part = (jax.vmap(gemm) if a.data.ndim == 3 else gemm)(*operands)
+        out = part if out is None else out + part
+    return out.astype(out_dtype)
