@@ -281,6 +281,32 @@ def test_choose_follows_the_option():
     assert sorted(calls) == ["native", "xla"]
 
 
+def test_a_gemm_partitioned_by_xla_keeps_the_xla_path():
+    """Operands on a mesh axis that XLA partitions (plain `jit`, sharded arrays): an opaque
+    kernel would make XLA gather them, so the default choice is the XLA path. One device's
+    data (no mesh, or inside `shard_map`) takes the kernel."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    x = jax.device_put(jnp.ones((64, 128)), NamedSharding(mesh, P("data")))
+    seen = {}
+
+    def probe(name):
+        def f(a):
+            seen[name] = dispatch.per_device_gemm(a)
+            return a
+
+        return f
+
+    jax.jit(probe("sharded"))(x)
+    jax.jit(probe("one device"))(jnp.ones((64, 128)))
+    jax.jit(jax.shard_map(probe("shard_map"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
+        x
+    )
+    assert seen == {"sharded": False, "one device": True, "shard_map": True}
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

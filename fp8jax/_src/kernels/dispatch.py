@@ -44,21 +44,36 @@ def local_gpus_lack_hopper() -> bool:
     return bool(gpus) and not all(_hopper(d) for d in gpus)
 
 
+def per_device_gemm(*operands: Any) -> bool:
+    """Whether a GEMM of `operands` runs on one device's data: no operand lives on a mesh
+    axis of several devices that XLA partitions (inside `shard_map` the mesh axes are
+    manual; a single-device program has no mesh). On such an axis, an opaque kernel call
+    would make XLA gather the operands and compute the whole product on every device."""
+    for leaf in jax.tree.leaves(operands):
+        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if mesh is None or mesh.empty:
+            continue
+        if any(size > 1 for name, size in mesh.shape.items() if name not in mesh.manual_axes):
+            return False
+    return True
+
+
 def choose(
     use_native: bool | None, native: Callable[..., Any], xla: Callable[..., Any], *args: Any
 ) -> Any:
     """`native(*args)` or `xla(*args)`, as a recipe's `native_kernel` option says.
 
     `True` takes the native kernel (compiling it fails off Hopper); `False` the XLA path;
-    `None` the native kernel where the program is compiled for CUDA and every local GPU, if
-    any, is a Hopper (a deviceless compile for an H100 included), the XLA path elsewhere
-    (`lax.platform_dependent`: a CPU compile never sees the kernel). Under `interpreted()`,
-    `None` and `True` take the native kernel through the interpreter.
+    `None` the native kernel where the program is compiled for CUDA, every local GPU, if any,
+    is a Hopper (a deviceless compile for an H100 included) and the GEMM runs on one
+    device's data (`per_device_gemm`), the XLA path elsewhere (`lax.platform_dependent`: a
+    CPU compile never sees the kernel). Under `interpreted()`, `None` and `True` take the
+    native kernel through the interpreter.
     """
     if use_native is False:
         return xla(*args)
     if use_native or interpreting():
         return native(*args)
-    if local_gpus_lack_hopper():
+    if local_gpus_lack_hopper() or not per_device_gemm(*args):
         return xla(*args)
     return lax.platform_dependent(*args, cuda=native, default=xla)
