@@ -15,9 +15,9 @@ def _double(x, interpret):
     def body(x_ref, o_ref):
         o_ref[...] = x_ref[...] * 2
 
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret
-    )(x)
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)(
+        x
+    )
 
 
 def test_interpreter_runs_a_mosaic_gpu_kernel_on_the_cpu():
