@@ -16,9 +16,10 @@ from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(),
     "current": fp8jax.CurrentScaling(),
-    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
+    "blockwise": fp8jax.BlockwiseScaling(block_size=32),  # XLA's path: no native kernel at 32
     "mxfp8": fp8jax.MXFP8(),
-    "residual": fp8jax.ResidualFP8(),
+    # XLA's GEMMs here; the fused native kernel of an H100 compile is tests/test_kernels.py's.
+    "residual": fp8jax.ResidualFP8(native_kernel=False),
 }
 ROLES = ["dgrad", "fwd", "wgrad"]
 # GEMMs per role of one FP8 Linear. The residual recipe's forward multiplies the activation by

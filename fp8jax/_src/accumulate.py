@@ -18,11 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .grad import filter_value_and_grad
-from .updates import OverwriteWithGradient, partition_for_grad_overwrite
-
-
-def _is_overwrite(x: Any) -> bool:
-    return isinstance(x, OverwriteWithGradient)
+from .updates import _is_overwrite, partition_for_grad_overwrite
 
 
 def _split(x: Any, microbatches: int) -> Any:

@@ -13,7 +13,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from .gemm import States, fp8_dot_general, normalize_dimension_numbers
-from .recipes import Recipe, TensorState, recipe_from
+from .recipes import ROLES, Recipe, TensorState, recipe_from
 from .stats import Fp8Stats
 from .updates import OverwriteWithGradient
 
@@ -191,12 +191,11 @@ class Fp8DotGeneral(OverwriteWithGradient):
                 received,
             )
 
-        roles = ("input", "kernel", "output_grad")
-        received = {role: _received(getattr(new, role)) for role in roles}
-        merged = {r: pick(getattr(self, r), getattr(new, r), received[r][0]) for r in roles}
+        received = {role: _received(getattr(new, role)) for role in ROLES}
+        merged = {r: pick(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES}
         if self.stats is not None:
             stats = {}
-            for r in roles:
+            for r in ROLES:
                 old, take, reject = getattr(self.stats, r), *received[r]
                 count = old.rejected + reject.astype(old.rejected.dtype)
                 fresh = eqx.tree_at(lambda s: s.rejected, getattr(new.stats, r), old.rejected)

@@ -75,6 +75,21 @@ class States(NamedTuple):
     stats: Fp8Stats | None = None
 
 
+class Residuals(NamedTuple):
+    """What the forward of one FP8 GEMM saves for its backward: the quantized activation and
+    kernel (the kernel retiled for the dgrad), the new state of both (returned as their
+    cotangents), the output gradient's state as it came in, and the forward's statistics of
+    the input and kernel (`None` without telemetry). Only `q_x` and `q_w` can carry a folded
+    `vmap` axis."""
+
+    q_x: Any
+    q_w: Any
+    new_input: Any
+    new_kernel: Any
+    grad_state: Any
+    stats: tuple[Any, Any] | None
+
+
 def _owner(state: Any) -> Array:
     return jax.tree.leaves(state)[0]
 
@@ -179,7 +194,14 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     # The dgrad's copy of the kernel, laid out for its other contraction, is quantized from
     # the high-precision weight here (one rounding), not from `q_w` in the backward (two).
     q_w = recipe.retile(q_w, "kernel", -2, source=w)
-    return out, (q_x, q_w, new_input, new_kernel, states.output_grad, stats)
+    return out, Residuals(
+        q_x=q_x,
+        q_w=q_w,
+        new_input=new_input,
+        new_kernel=new_kernel,
+        grad_state=states.output_grad,
+        stats=stats,
+    )
 
 
 def _typed_like_a_barrier(values: Any) -> Any:
@@ -196,8 +218,10 @@ def _typed_like_a_barrier(values: Any) -> Any:
     return jax.tree.map(vary, values)
 
 
-def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
-    q_x, q_w, new_input, new_kernel, grad_state, stats = residuals
+def _backward(
+    recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype, residuals: Residuals, g: Array
+):
+    grad_state, stats = residuals.grad_state, residuals.stats
     # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the saved activation
     # transposed (and the dgrad the kernel). Without a barrier XLA computes that copy in the
     # forward, fused with the quantization, and keeps both FP8 layouts alive until the
@@ -205,7 +229,7 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
     # saved FP8 values. One barrier per operand: a barrier keeps all its operands alive until
     # its results are used, so a kernel copy that no dgrad reads (that of a first layer, whose
     # input needs no gradient) would stay alive with the activation until the wgrad.
-    q_x, q_w = lax.optimization_barrier(q_x), lax.optimization_barrier(q_w)
+    q_x, q_w = lax.optimization_barrier(residuals.q_x), lax.optimization_barrier(residuals.q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
@@ -213,7 +237,7 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
         grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(grad_state))
         stats = Fp8Stats(*stats, grad_stats)
     with jax.named_scope("dgrad"):
-        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, dtypes[0])
+        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
     q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
     if recipe.dgrad_before_wgrad:
         # The wgrad waits for the dgrad. Left to itself, XLA's scheduler orders them by its
@@ -230,8 +254,8 @@ def _backward(recipe: Recipe, dtypes: tuple, residuals, g):
             (d_x, q_g, q_x), cpu=_typed_like_a_barrier, default=lax.optimization_barrier
         )
     with jax.named_scope("wgrad"):
-        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, dtypes[1])
-    return d_x, d_w, States(new_input, new_kernel, new_grad, stats)
+        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
+    return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
 
 
 # --- folding a vmapped axis into the GEMM --------------------------------------------------
@@ -307,28 +331,29 @@ def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
             # Per example. Unbatched state stays unbatched (its amaxes span the mapped axis),
             # and so does an operand that depends only on unbatched values.
             s = any(jax.tree.leaves(states_b))
-            out_axes = (0, (_axis(x_b or s), _axis(w_b or s), *(_axis(s),) * 4))
+            residual_axes = Residuals(**dict.fromkeys(Residuals._fields, _axis(s)))
+            out_axes = (0, residual_axes._replace(q_x=_axis(x_b or s), q_w=_axis(w_b or s)))
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(x, w, states)
             return outs, _batched(out_axes, outs)
         had_batch = x.ndim == 4
         x, w = _merge(x, how), (_merge(w, how) if w_b else w)
-        out, (q_x, q_w, *rest) = forward(x, w, states)
+        out, residuals = forward(x, w, states)
         rank = x.ndim
         out = _unmerge(out, how, axis_size, had_batch)
-        q_x, q_x_b = _unmerge_tensor(q_x, how, axis_size, had_batch, rank)
+        # Only the operands carry the mapped axis; the state and its statistics span it.
+        flags = jax.tree.map(lambda _: False, residuals)
+        q_x, q_x_b = _unmerge_tensor(residuals.q_x, how, axis_size, had_batch, rank)
+        residuals, flags = residuals._replace(q_x=q_x), flags._replace(q_x=q_x_b)
         if w_b:
-            q_w, q_w_b = _unmerge_tensor(q_w, how, axis_size, had_batch, rank)
-        else:
-            q_w_b = jax.tree.map(lambda _: False, q_w)
-        residuals = (q_x, q_w, *rest)
-        flags = (q_x_b, q_w_b, *(jax.tree.map(lambda _: False, r) for r in rest))
+            q_w, q_w_b = _unmerge_tensor(residuals.q_w, how, axis_size, had_batch, rank)
+            residuals, flags = residuals._replace(q_w=q_w), flags._replace(q_w=q_w_b)
         return (out, residuals), (True, flags)
 
     return forward
 
 
-def _folding_backward(recipe: Recipe, dtypes: tuple):
-    raw = functools.partial(_backward, recipe, dtypes)
+def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
+    raw = functools.partial(_backward, recipe, lhs_dtype, rhs_dtype)
 
     @custom_vmap
     def backward(residuals, g):
@@ -337,16 +362,18 @@ def _folding_backward(recipe: Recipe, dtypes: tuple):
     @backward.def_vmap
     def _rule(axis_size, in_batched, residuals, g):
         res_b, g_b = in_batched
-        q_x_b, q_w_b, *states_b = res_b
-        x_b, w_b = any(jax.tree.leaves(q_x_b)), any(jax.tree.leaves(q_w_b))
+        x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
+        states_b = res_b._replace(q_x=False, q_w=False)  # everything but the operands
         how = _fold(x_b, w_b, states_b) if g_b else None
         if how is None:
             out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)
             return outs, _batched(out_axes, outs)
         had_batch = g.ndim == 4
-        q_x, q_w, *rest = residuals
-        merged = (_merge_tensor(q_x, q_x_b, how), _merge_tensor(q_w, q_w_b, how), *rest)
+        merged = residuals._replace(
+            q_x=_merge_tensor(residuals.q_x, res_b.q_x, how),
+            q_w=_merge_tensor(residuals.q_w, res_b.q_w, how),
+        )
         d_x, d_w, new_states = backward(merged, _merge(g, how))
         d_x = _unmerge(d_x, how, axis_size, had_batch)
         d_w = _unmerge(d_w, how, axis_size, had_batch) if w_b else d_w
@@ -409,9 +436,10 @@ def _gemm_fwd(recipe, precision, static, x, w, states):
     _check_state_differentiated(recipe, static, x, w, states)
     x, w, states = x.value, w.value, jax.tree.map(lambda p: p.value, states)
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    out, (q_x, q_w, *rest) = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))
+    out, res = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))
     # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
-    return name_gemm_output(out), (name_fp8_operands(q_x), name_fp8_operands(q_w), *rest)
+    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
+    return name_gemm_output(out), res
 
 
 def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
@@ -425,7 +453,7 @@ def _gemm_bwd(recipe, precision, static, residuals, g):
     del precision
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         g = jnp.zeros(g.shape, g.dtype)
-    d_x, d_w, new_states = _folding_backward(recipe, (static.lhs, static.rhs))(residuals, g)
+    d_x, d_w, new_states = _folding_backward(recipe, static.lhs, static.rhs)(residuals, g)
     lhs_axes, rhs_axes, state_axes = static.mesh_axes
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
     d_w = _reduce_to(d_w, rhs_axes, lax.psum)

@@ -24,13 +24,9 @@ import jax
 
 from . import jax_private
 from .gemm import per_example_gradients
-from .updates import OverwriteWithGradient
+from .updates import _is_overwrite
 
 T = TypeVar("T")
-
-
-def _is_overwrite(x: Any) -> bool:
-    return isinstance(x, OverwriteWithGradient)
 
 
 def combine_by_max(tree: T) -> T:

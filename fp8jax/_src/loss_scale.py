@@ -34,17 +34,13 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
-from .updates import OverwriteWithGradient
+from .updates import _is_overwrite
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _is_overwrite(x: Any) -> bool:
-    return isinstance(x, OverwriteWithGradient)
 
 
 def _is_inexact_array(x: Any) -> bool:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from .updates import OverwriteWithGradient
+from .updates import _is_overwrite
 
 T = TypeVar("T")
 
@@ -68,10 +68,6 @@ def _float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
         given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
         raise ValueError(f"{what}={given}, not a floating-point dtype; use {_ACCEPTED_DTYPES}.")
     return dtype
-
-
-def _is_overwrite(x: Any) -> bool:
-    return isinstance(x, OverwriteWithGradient)
 
 
 def _is_floating_array(x: Any) -> bool:

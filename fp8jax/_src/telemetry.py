@@ -24,8 +24,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .dot_general import Fp8DotGeneral
-
-_ROLES = ("input", "kernel", "output_grad")
+from .recipes import ROLES
 
 
 class OperandTelemetry(eqx.Module):
@@ -64,7 +63,7 @@ class LayerTelemetry(eqx.Module):
 
 def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
     operands = {}
-    for role in _ROLES:
+    for role in ROLES:
         state = getattr(dot, role)
         history = state.amax_history
         stats = None if dot.stats is None else getattr(dot.stats, role)
@@ -76,7 +75,7 @@ def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
             underflow=None if stats is None else stats.underflow,
             rejected=None if stats is None else stats.rejected,
         )
-    formats = tuple(np.dtype(dot.recipe.format(role)).name for role in _ROLES)
+    formats = tuple(np.dtype(dot.recipe.format(role)).name for role in ROLES)
     return LayerTelemetry(**operands, recipe=type(dot.recipe).__name__, formats=formats)
 
 
@@ -127,7 +126,7 @@ def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
     rows = []
     for index in np.ndindex(*shape):
         label = name + "".join(f"[{i}]" for i in index)
-        for role, fmt in zip(_ROLES, layer.formats, strict=True):
+        for role, fmt in zip(ROLES, layer.formats, strict=True):
             op = getattr(host, role)
 
             def at(value: Any, index: tuple = index) -> Any:
