@@ -53,7 +53,10 @@ work of a run sharded to fit (collectives not counted).
 
 Variants: `bf16` (no FP8) and `fp8jax <recipe>` for delayed, current, blockwise, mxfp8 and
 residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targets: every
-attention and MLP Linear, not the head).
+attention and MLP Linear, not the head). A compile for an H100 runs blockwise and residual
+GEMMs as fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM
+throughput (`fp8jax._src.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` and
+`residual-xla` are the same recipes on their XLA path (`native_kernel=False`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ import fp8jax  # noqa: E402
 from fp8jax._src import inspect as inspect_module  # noqa: E402
 from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
+
+# The block and residual recipes on their XLA path, beside the native kernels that a compile
+# for an H100 takes by default (`native_kernel=None`).
+RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
+RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 
 STAND_IN = "attention_stand_in"
 # cuBLAS mode, without XLA's rematerialization (see the module docstring).
@@ -238,11 +246,13 @@ def report(title: str, shape: dict, costs: dict[str, Cost], stand_in_bytes: dict
     rows = []
     for name, cost in costs.items():
         gemm_s, memory_s = cost.gemm_seconds(), cost.memory_seconds()
-        other = {k: v for k, v in cost.flops.items() if k not in ("fp8", "bf16")}
+        other = {k: v for k, v in cost.flops.items() if k not in ("fp8", "fp8 block", "bf16")}
+        fp8 = cost.flops.get("fp8", 0) + cost.flops.get("fp8 block", 0)
+        block = " (block kernel)" if cost.flops.get("fp8 block") else ""
         rows.append(
             [
                 name,
-                f"{cost.flops.get('fp8', 0) / 1e12:.1f}",
+                f"{fp8 / 1e12:.1f}{block}",
                 f"{cost.flops.get('bf16', 0) / 1e12:.1f}"
                 + "".join(f" +{v / 1e12:.2f} {k}" for k, v in other.items()),
                 *(f"{cost.bytes.get(c, 0) / 1e9:.1f}" for c in CATEGORIES),
