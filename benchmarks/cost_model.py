@@ -53,10 +53,11 @@ work of a run sharded to fit (collectives not counted).
 
 Variants: `bf16` (no FP8) and `fp8jax <recipe>` for delayed, current, blockwise, mxfp8 and
 residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targets: every
-attention and MLP Linear, not the head). A compile for an H100 runs blockwise and residual
-GEMMs as fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM
-throughput (`fp8jax._src.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` and
-`residual-xla` are the same recipes on their XLA path (`native_kernel=False`).
+attention and MLP Linear, not the head). A compile for an H100 runs blockwise GEMMs as
+fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM throughput
+(`fp8jax._src.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same recipe on
+its XLA path (`native_kernel=False`), `residual-native` the residual recipe with its terms
+fused in that kernel (`native_kernel=None`; its default is the XLA path).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ from fp8jax._src import inspect as inspect_module  # noqa: E402
 from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
-# The block and residual recipes on their XLA path, beside the native kernels that a compile
-# for an H100 takes by default (`native_kernel=None`).
+# Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
+# default; the residual recipe with its fused kernel, beside its default XLA path.
 RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
-RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
+RECIPES["residual-native"] = fp8jax.ResidualFP8(native_kernel=None)
 
 STAND_IN = "attention_stand_in"
 # cuBLAS mode, without XLA's rematerialization (see the module docstring).

@@ -140,6 +140,11 @@ def native_block_dot(
     registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
     from ..kernels.block_gemm import block_scaled_gemm, expand_rows  # Pallas: imported on use
 
+    # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed.
+    # Behind a barrier that transpose is of the FP8 values (1 byte each); without it XLA
+    # moves it up into BF16 producers and keeps BF16 copies in both layouts (the MLP step of
+    # benchmarks/peers.py: 50 MiB of H100 temp memory instead of 44).
+    lhs, rhs = lax.optimization_barrier((lhs, rhs))
     lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
 

@@ -64,8 +64,10 @@ class ResidualFP8(HybridFormats):
     - `forward_format`, `backward_format`: `"e4m3"` and `"e5m2"` by default.
     - `native_kernel`: run the terms that share a left operand as one Pallas Mosaic GPU
       kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x` loaded once, one float32
-      accumulation). `None` (default): on Hopper GPUs and in compiles for them, the XLA path
-      elsewhere; `True` forces the kernel (sm_90 only), `False` the XLA path. With
+      accumulation). `False` (default): the XLA path, two cuBLASLt FP8 calls; `None`: the
+      kernel on Hopper GPUs and in compiles for them, the XLA path elsewhere; `True` forces
+      the kernel (sm_90 only). Off by default until timed on a GPU: our estimate
+      (`benchmarks/RESULTS.md`) cannot tell the fused kernel from two cuBLASLt calls. With
       `split_activation`, `x_lo W_hi` is a second kernel. Mosaic GPU's `wgmma` takes one FP8
       type for both operands, so GEMMs of E5M2 gradients with E4M3 operands (the default
       backward) stay cuBLASLt calls; `backward_format="e4m3"` fuses them too.
@@ -76,7 +78,7 @@ class ResidualFP8(HybridFormats):
     error_feedback: bool = False
     predict_lo_scale: bool = False
     nf_aware: bool = False
-    native_kernel: bool | None = None
+    native_kernel: bool | None = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
