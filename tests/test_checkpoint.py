@@ -85,6 +85,30 @@ def test_mismatched_targets_or_recipes_fail_before_loading(
     assert bits(other) == before
 
 
+def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
+    """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores
+    across it, and across a record written before the option existed."""
+    config = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(native_kernel=False))
+    step, state = build(jax.random.key(0), config)
+    state = run(step, state, 0, 2)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state, backend="orbax")
+    auto = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(native_kernel=None))
+    _, other = build(jax.random.key(1), auto)
+    assert bits(fp8jax.load_checkpoint(path, other, backend="orbax")) == bits(state)
+    record = path / "fp8jax_record.json"  # the orbax backend keeps its record as a file
+    older = record.read_text().replace(", native_kernel=False", "")
+    assert older != record.read_text()
+    record.write_text(older)
+    assert bits(fp8jax.load_checkpoint(path, other, backend="orbax")) == bits(state)
+    # What the state depends on still counts.
+    _, wrong = build(
+        jax.random.key(1), fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(block_size=64))
+    )
+    with pytest.raises(ValueError, match="block_size"):
+        fp8jax.load_checkpoint(path, wrong, backend="orbax")
+
+
 def test_the_record_is_checked_before_any_array_is_read(tmp_path):
     step, state = build(jax.random.key(0))
     path = tmp_path / "ckpt.eqx"

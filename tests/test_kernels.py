@@ -320,6 +320,12 @@ def test_bad_native_kernel_options(kwargs, match):
         fp8jax.BlockwiseScaling(**kwargs)
 
 
+def test_residual_native_kernel_option_is_checked_and_off_by_default():
+    assert fp8jax.ResidualFP8().native_kernel is False
+    with pytest.raises(ValueError, match="native_kernel='auto'"):
+        fp8jax.ResidualFP8(native_kernel="auto")
+
+
 # --- the H100 compile ------------------------------------------------------------------------
 
 H100_SCRIPT = """

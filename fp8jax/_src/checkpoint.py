@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 from typing import Any, TypeVar
@@ -58,12 +59,23 @@ def _record(tree: Any) -> dict[str, Any]:
     return {"fp8_layers": layers, "leaves": leaves}
 
 
+# Recipe options that choose how a GEMM runs, not what the state holds: a checkpoint restores
+# across them (and across versions before they existed).
+_IMPLEMENTATION_ONLY = re.compile(r",?\s*\bnative_kernel=(?:None|True|False)")
+
+
+def _layer_entry(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    if entry is None or not isinstance(entry.get("recipe"), str):
+        return entry
+    return {**entry, "recipe": _IMPLEMENTATION_ONLY.sub("", entry["recipe"])}
+
+
 def _check(saved: dict[str, Any], expected: dict[str, Any], path: os.PathLike | str) -> None:
     """Raise `ValueError` describing how `saved` differs from `expected`."""
     problems = []
     s_layers, e_layers = saved["fp8_layers"], expected["fp8_layers"]
     for where in sorted(set(s_layers) | set(e_layers)):
-        s, e = s_layers.get(where), e_layers.get(where)
+        s, e = _layer_entry(s_layers.get(where)), _layer_entry(e_layers.get(where))
         if s is None:
             problems.append(f"FP8 layer {e['name']!r} is not in the checkpoint")
         elif e is None:

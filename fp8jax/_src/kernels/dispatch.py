@@ -58,6 +58,15 @@ def per_device_gemm(*operands: Any) -> bool:
     return True
 
 
+def check_native_kernel(value: object) -> None:
+    """Raise `ValueError` unless `value` is a recipe's valid `native_kernel` option."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"native_kernel={value!r}: should be None (the kernel on Hopper GPUs, the XLA path "
+            "elsewhere), True (the kernel) or False (the XLA path)."
+        )
+
+
 def choose(
     use_native: bool | None, native: Callable[..., Any], xla: Callable[..., Any], *args: Any
 ) -> Any:

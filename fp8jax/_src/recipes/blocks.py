@@ -336,11 +336,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         super().__post_init__()
         check_positive_int("block_size", self.block_size)
         check_flags(self, "power_of_two")
-        if self.native_kernel is not None and not isinstance(self.native_kernel, bool):
-            raise ValueError(
-                f"native_kernel={self.native_kernel!r}: should be None (on Hopper GPUs), "
-                "True or False."
-            )
+        dispatch.check_native_kernel(self.native_kernel)
         if self.native_kernel and self.dequantized_dot:
             raise ValueError(
                 "BlockwiseScaling(native_kernel=True, dequantized_dot=True): the dequantized "

@@ -90,11 +90,7 @@ class ResidualFP8(HybridFormats):
             "predict_lo_scale",
             "nf_aware",
         )
-        if self.native_kernel is not None and not isinstance(self.native_kernel, bool):
-            raise ValueError(
-                f"native_kernel={self.native_kernel!r}: should be None (on Hopper GPUs), "
-                "True or False."
-            )
+        dispatch.check_native_kernel(self.native_kernel)
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
