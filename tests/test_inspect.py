@@ -1,6 +1,7 @@
 """fp8jax.inspect: deviceless H100 compiles of the tiny GPT under every recipe."""
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -91,6 +92,22 @@ def test_gpt_train_step_runs_every_targeted_gemm_in_fp8(h100, name):
         assert "converts them to f16" in g.verdict and "not FP8 tensor cores" in g.verdict
     with pytest.raises(fp8jax.Fp8InspectionError, match=f"(?s){len(ours)} GEMM.*converts"):
         fp8jax.assert_all_fp8(report, modes=("cublas", "default"))
+
+
+def test_residual_terms_stay_two_gemms_accumulating_in_place(h100):
+    """`x W_hi` and `x W_lo` share `x`: XLA's dot merger would make them one GEMM against the
+    two kernels stacked, whose float32 output is twice the layer's (on benchmarks/peers.py's
+    MLP, 94 MiB of H100 temp memory instead of 62). ResidualFP8 keeps them apart (with the
+    merger on, as users compile): two cuBLASLt FP8 calls per layer, the second adding into the
+    first's output (beta = 1)."""
+    step, args, targeted = gpt_train_step(fp8jax.ResidualFP8())
+    report = fp8jax.inspect(step, *args, modes=("cublas",))
+    for layer, roles in report.layers("cublas").items():
+        assert len(roles["fwd"]) == 2, (layer, roles["fwd"])
+    lowered, _ = inspect_module._lower(step, args, {}, h100.devices[0])
+    text = lowered.compile(compiler_options=fp8jax.gpu_compiler_options()).as_text()
+    betas = [int(b) for b in re.findall(r'__cublas\$lt\$matmul\$f8".*?"beta":(\d+)', text)]
+    assert betas.count(1) >= len(targeted), betas
 
 
 def test_merged_gemms_stay_fp8(h100):

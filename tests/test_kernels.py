@@ -390,3 +390,44 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
         fp8_mma = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
         assert any(fp8_mma.match(m) for m in mma), mma
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8jax.BlockwiseScaling(),
+        fp8jax.ResidualFP8(native_kernel=None, backward_format="e4m3"),  # every GEMM native
+    ],
+    ids=["blockwise", "residual"],
+)
+def test_native_kernels_transpose_fp8_values_not_bf16_activations(getkey, recipe):
+    """The kernels take both operands K-major, so the wgrad's operands are transposed. That
+    transpose must be of the FP8 values: left to itself, XLA's layout assignment moves it up
+    through the quantization into the BF16 producers (bias, GELU and its backward), which then
+    compute transposed and leave BF16 copies in both layouts (on benchmarks/peers.py's MLP,
+    44 MiB of H100 temp memory for blockwise instead of 39). Compiled for an H100, no BF16
+    array of the MLP's hidden activation may be held transposed."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from fp8jax._src import inspect as inspect_module
+    from fp8jax.examples.gpt import MLP
+
+    topology = inspect_module.h100_topology()
+    tokens, width = 512, 256
+    mlp = fp8jax.fp8_linear_layers(
+        MLP(width, 4, False, key=getkey()), fp8jax.Fp8Config(recipe=recipe)
+    )
+    x = jax.ShapeDtypeStruct((tokens, width), jnp.float32)
+
+    def step(model, x):
+        # The input made in BF16 here, as by a layer in front: a producer XLA could transpose.
+        loss = lambda m, x: jnp.mean(m(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)  # noqa: E731
+        return fp8jax.filter_grad(loss)(model, x)
+
+    lowered, _ = inspect_module._lower(step, (mlp, x), {}, topology.devices[0])
+    entry = lowered.compile().as_text().split("\nENTRY")[1]
+    assert "mosaic_gpu" in entry  # the kernels run here
+    held = set()
+    for features in (width, 4 * width):  # the input, the hidden activation
+        pattern = rf"bf16\[{features},{tokens}\]|bf16\[{tokens},{features}\]\{{0,1\}}"
+        held |= set(re.findall(pattern, entry))
+    assert not held, sorted(held)

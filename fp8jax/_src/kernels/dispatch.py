@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 _INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_interpret_kernels", default=False
@@ -86,3 +88,17 @@ def choose(
     if local_gpus_lack_hopper() or not per_device_gemm(*args):
         return xla(*args)
     return lax.platform_dependent(*args, cuda=native, default=xla)
+
+
+def k_major(data: jax.Array, axis: int) -> jax.Array:
+    """`data` with its contracted `axis` (-1 or -2) moved last, as the kernels take it.
+
+    A transpose is made of the values as they are, held row-major: without that pin XLA's
+    layout assignment moves it up into the producers (a quantization, and from there the
+    high-precision tensors it reads), which then compute in the transposed layout and keep
+    high-precision copies in both layouts alive (on the MLP of benchmarks/peers.py, block
+    scaling took 44 MiB of H100 temp memory instead of 39)."""
+    if axis == -1:
+        return data
+    row_major = Layout(major_to_minor=tuple(range(data.ndim)))
+    return jnp.swapaxes(with_layout_constraint(data, row_major), -1, -2)

@@ -140,12 +140,9 @@ def native_block_dot(
     registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
     from ..kernels.block_gemm import block_scaled_gemm, expand_rows  # Pallas: imported on use
 
-    # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed.
-    # Behind a barrier that transpose is of the FP8 values (1 byte each); without it XLA
-    # moves it up into BF16 producers and keeps BF16 copies in both layouts (the MLP step of
-    # benchmarks/peers.py: 50 MiB of H100 temp memory instead of 44).
-    lhs, rhs = lax.optimization_barrier((lhs, rhs))
-    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
+    # as FP8 values (`dispatch.k_major`).
+    lhs, rhs = _k_major(lhs, lhs_axis), _k_major(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
 
     def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
@@ -157,6 +154,13 @@ def native_block_dot(
     if lhs.data.ndim == 3:
         gemm = jax.vmap(gemm)
     return gemm(*operands)
+
+
+def _k_major(q: QTensor, axis: Axis) -> QTensor:
+    """`_contract_last` for the native kernel: the FP8 data transposed as it is held."""
+    if axis == -1:
+        return q
+    return QTensor(dispatch.k_major(q.data, axis), jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
 
 
 def _shared_chunk(lhs: QTensor, rhs: QTensor) -> int:

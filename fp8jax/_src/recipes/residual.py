@@ -178,6 +178,8 @@ class ResidualFP8(HybridFormats):
             out = None
             for a, bs in _pairs(lhs, rhs):
                 for b in bs:
+                    if out is not None:
+                        a = jax.lax.optimization_barrier(a)
                     part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
                     out = part if out is None else out + part
             return out.astype(out_dtype)
@@ -205,17 +207,21 @@ def native_residual_dot(
     from ..kernels.block_gemm import BLOCK_K, block_scaled_gemm  # Pallas: imported on use
 
     def last(q: QTensor, axis: Axis) -> tuple[Array, Array]:
-        data = q.data if axis == -1 else jnp.swapaxes(q.data, -1, -2)
+        data = dispatch.k_major(q.data, axis)
         chunks = -(-data.shape[-1] // BLOCK_K)
         shape = data.shape[:-1] + (chunks,)
         return data, jnp.broadcast_to(q.scale_inv.astype(jnp.float32), shape)
 
+    pairs_of_terms = _pairs(lhs, rhs)
+    # One kernel writes `out_dtype` itself; the partials of several are summed in float32.
+    kernel_dtype = out_dtype if len(pairs_of_terms) == 1 else jnp.float32
+
     def gemm(a: Array, sa: Array, *terms: Array) -> Array:
         pairs = list(zip(terms[::2], terms[1::2], strict=True))
-        return block_scaled_gemm(a, sa, pairs, out_dtype=jnp.float32)
+        return block_scaled_gemm(a, sa, pairs, out_dtype=kernel_dtype)
 
     out = None
-    for a, bs in _pairs(lhs, rhs):
+    for a, bs in pairs_of_terms:
         operands = [*last(a, lhs_axis)] + [v for b in bs for v in last(b, rhs_axis)]
         part = (jax.vmap(gemm) if a.data.ndim == 3 else gemm)(*operands)
         out = part if out is None else out + part
