@@ -179,6 +179,9 @@ class ResidualFP8(HybridFormats):
             for a, bs in _pairs(lhs, rhs):
                 for b in bs:
                     if out is not None:
+                        # Two dots sharing `a`: XLA's dot merger would make them one GEMM
+                        # against the kernels stacked, with a float32 output twice as large.
+                        # Apart, the second cuBLASLt call adds into the first's output.
                         a = jax.lax.optimization_barrier(a)
                     part = per_tensor_dot(a, b, lhs_axis, rhs_axis, precision)
                     out = part if out is None else out + part
