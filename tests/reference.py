@@ -115,7 +115,9 @@ def split(v, fmt="e4m3", lo_ratio=None):
     return hi, qdq_tensor(rest, lo_scale, fmt)
 
 
-def residual(x, w, g, split_activation=False, dgrad_uses_lo=True, lo_ratio=None):
+def residual(
+    x, w, g, split_activation=False, dgrad_uses_lo=True, lo_ratio=None, grad_format="e4m3"
+):
     w_hi, w_lo = split(w, lo_ratio=lo_ratio)
     if split_activation:
         x_hi, x_lo = split(x)
@@ -124,7 +126,7 @@ def residual(x, w, g, split_activation=False, dgrad_uses_lo=True, lo_ratio=None)
     else:
         x_terms = qdq_tensor(x, current_scale(np.max(np.abs(x)), "e4m3"), "e4m3")
         y = x_terms @ (w_hi + w_lo).T
-    gq = qdq_tensor(g, current_scale(np.max(np.abs(g)), "e5m2"), "e5m2")
+    gq = qdq_tensor(g, current_scale(np.max(np.abs(g)), grad_format), grad_format)
     d_x = gq @ (w_hi + w_lo if dgrad_uses_lo else w_hi)
     d_w = gq.T @ x_terms
     return y, d_x, d_w

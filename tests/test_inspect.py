@@ -95,12 +95,13 @@ def test_gpt_train_step_runs_every_targeted_gemm_in_fp8(h100, name):
 
 
 def test_residual_terms_stay_two_gemms_accumulating_in_place(h100):
-    """`x W_hi` and `x W_lo` share `x`: XLA's dot merger would make them one GEMM against the
-    two kernels stacked, whose float32 output is twice the layer's (on benchmarks/peers.py's
-    MLP, 94 MiB of H100 temp memory instead of 62). ResidualFP8 keeps them apart (with the
-    merger on, as users compile): two cuBLASLt FP8 calls per layer, the second adding into the
-    first's output (beta = 1)."""
-    step, args, targeted = gpt_train_step(fp8jax.ResidualFP8())
+    """On XLA's path (GPUs other than Hopper, or `native_kernel=False`), `x W_hi` and `x W_lo`
+    share `x`: XLA's dot merger would make them one GEMM against the two kernels stacked,
+    whose float32 output is twice the layer's (on benchmarks/peers.py's MLP, 94 MiB of H100
+    temp memory instead of 62). ResidualFP8 keeps them apart (with the merger on, as users
+    compile): two cuBLASLt FP8 calls per layer, the second adding into the first's output
+    (beta = 1)."""
+    step, args, targeted = gpt_train_step(fp8jax.ResidualFP8(native_kernel=False))
     report = fp8jax.inspect(step, *args, modes=("cublas",))
     for layer, roles in report.layers("cublas").items():
         assert len(roles["fwd"]) == 2, (layer, roles["fwd"])

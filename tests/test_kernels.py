@@ -188,9 +188,10 @@ def test_blockwise_linear_trains_the_same_with_the_native_kernel(getkey):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(),  # fused forward; E5M2 x E4M3 backward GEMMs on the XLA path
-        dict(split_activation=True, backward_format="e4m3"),  # every GEMM fused
-        dict(dgrad_uses_lo=False, backward_format="e4m3"),
+        dict(),  # every GEMM fused
+        dict(backward_format="e5m2"),  # fused forward; E5M2 x E4M3 backward on the XLA path
+        dict(split_activation=True),
+        dict(dgrad_uses_lo=False),
     ],
 )
 def test_residual_linear_trains_the_same_with_the_fused_kernel(getkey, options):
@@ -320,8 +321,11 @@ def test_bad_native_kernel_options(kwargs, match):
         fp8jax.BlockwiseScaling(**kwargs)
 
 
-def test_residual_native_kernel_option_is_checked_and_off_by_default():
-    assert fp8jax.ResidualFP8().native_kernel is False
+def test_residual_native_kernel_option_is_checked_and_chosen_on_hopper_by_default():
+    # E4M3 gradients by default: Mosaic GPU's wgmma takes one FP8 type, so only then is every
+    # GEMM of the recipe fused.
+    recipe = fp8jax.ResidualFP8()
+    assert recipe.native_kernel is None and recipe.backward_format == "e4m3"
     with pytest.raises(ValueError, match="native_kernel='auto'"):
         fp8jax.ResidualFP8(native_kernel="auto")
 
@@ -358,12 +362,11 @@ print(json.dumps({
 
 
 @pytest.mark.parametrize("recipe", ["BlockwiseScaling", "ResidualFP8"])
-# ResidualFP8's backward GEMMs (E5M2 x E4M3) are cuBLASLt FP8 calls: see its native_kernel.
 def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_path, recipe):
     """The default choice in a compile for an H100: the forward, dgrad and wgrad of both
-    Linears are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma` (E4M3, and E5M2
-    gradients for the residual recipe), the inspector counts them as FP8 GEMMs, and ptxas
-    spills no register."""
+    Linears are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma` (E4M3 for both
+    recipes' defaults), the inspector counts them as FP8 GEMMs, and ptxas spills no
+    register."""
     pytest.importorskip("jax_cuda12_plugin")
     env = {
         **os.environ,
@@ -383,9 +386,6 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
     assert {(layer.split(".")[-1], role) for layer, role, *_ in gemms} == want, gemms
     for layer, role, kernel, fp8, mma in gemms:
         assert fp8, (layer, role, kernel, mma)
-        if recipe == "ResidualFP8" and role != "fwd":
-            assert kernel == "cublasLt f8", (layer, role, kernel)
-            continue
         assert kernel == "pallas mosaic gpu", (layer, role, kernel, mma)
         fp8_mma = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
         assert any(fp8_mma.match(m) for m in mma), mma
@@ -396,7 +396,7 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
     "recipe",
     [
         fp8jax.BlockwiseScaling(),
-        fp8jax.ResidualFP8(native_kernel=None, backward_format="e4m3"),  # every GEMM native
+        fp8jax.ResidualFP8(),  # every GEMM native (E4M3 gradients)
     ],
     ids=["blockwise", "residual"],
 )

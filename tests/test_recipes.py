@@ -99,6 +99,17 @@ RECIPES = {
         {
             "x": (U4, D4),
             "w": (U4**2, 3 * D4),
+            "g": (U4, D4),
+            "w_d": (U4**2, 3 * D4),
+            "x_w": (U4, D4),
+        },
+    ),
+    "residual-e5m2": (
+        fp8jax.ResidualFP8(backward_format="e5m2"),
+        functools.partial(ref.residual, grad_format="e5m2"),
+        {
+            "x": (U4, D4),
+            "w": (U4**2, 3 * D4),
             "g": (U5, D5),
             "w_d": (U4**2, 3 * D4),
             "x_w": (U4, D4),
@@ -110,7 +121,7 @@ RECIPES = {
         {
             "x": (U4**2, 3 * D4),
             "w": (U4**2, 3 * D4),
-            "g": (U5, D5),
+            "g": (U4, D4),
             "w_d": (U4**2, 3 * D4),
             "x_w": (U4**2, 3 * D4),
         },
@@ -118,7 +129,7 @@ RECIPES = {
     "residual-hi-dgrad": (
         fp8jax.ResidualFP8(dgrad_uses_lo=False),
         functools.partial(ref.residual, dgrad_uses_lo=False),
-        {"x": (U4, D4), "w": (U4**2, 3 * D4), "g": (U5, D5), "w_d": (U4, D4), "x_w": (U4, D4)},
+        {"x": (U4, D4), "w": (U4**2, 3 * D4), "g": (U4, D4), "w_d": (U4, D4), "x_w": (U4, D4)},
     ),
     "residual-predicted-lo": (
         fp8jax.ResidualFP8(predict_lo_scale=True),
@@ -126,7 +137,7 @@ RECIPES = {
         {
             "x": (U4, D4),
             "w": (U4**2, 3 * D4),
-            "g": (U5, D5),
+            "g": (U4, D4),
             "w_d": (U4**2, 3 * D4),
             "x_w": (U4, D4),
         },

@@ -30,13 +30,15 @@ from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 RECIPES = ("delayed", "current", "blockwise", "mxfp8", "residual")
 BLOCK_RECIPES = {"blockwise": fp8jax.BlockwiseScaling, "mxfp8": fp8jax.MXFP8}
-#: Per-tensor recipes with Transformer Engine's exact scales instead of powers of two (the
-#: default), to measure that choice; not run unless asked for with --recipes.
-EXACT_SCALES = {
+#: Variants that measure a choice of the defaults; not run unless asked for with --recipes:
+#: per-tensor recipes with Transformer Engine's exact scales instead of powers of two, and the
+#: residual recipe with E5M2 gradients instead of E4M3.
+EXTRA_VARIANTS = {
     "delayed-exact": fp8jax.DelayedScaling(power_of_two=False),
     "current-exact": fp8jax.CurrentScaling(power_of_two=False),
+    "residual-e5m2": fp8jax.ResidualFP8(backward_format="e5m2"),
 }
-VARIANTS = (*RECIPES, *EXACT_SCALES)
+VARIANTS = (*RECIPES, *EXTRA_VARIANTS)
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
@@ -66,7 +68,7 @@ def build(
     model = GPT(config, key=key)
     if variant == "bf16":
         return model
-    recipe: str | fp8jax.Recipe = EXACT_SCALES.get(variant, variant)
+    recipe: str | fp8jax.Recipe = EXTRA_VARIANTS.get(variant, variant)
     if block_dot == "dequantized" and variant in BLOCK_RECIPES:
         recipe = BLOCK_RECIPES[variant](dequantized_dot=True)
     return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float
 
 from ..formats import fp8_max, quantize
 from ..kernels import dispatch
-from .base import Axis, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
+from .base import Axis, FormatLike, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
 from .per_tensor import MAX_SCALE, compute_scale
 
 
@@ -48,7 +48,7 @@ class ResidualFP8(HybridFormats):
 
     Forward: `x W_hi + x W_lo` (2 FP8 GEMMs), or with `split_activation=True`
     `x_hi W_hi + x_hi W_lo + x_lo W_hi` (3). Dgrad: `g W_hi (+ g W_lo)`; wgrad: `x^T g` over the
-    activation's terms. Gradients are one E5M2 tensor.
+    activation's terms. Gradients are one E4M3 tensor, scaled per tensor in the same step.
 
     **Arguments:**
 
@@ -61,16 +61,19 @@ class ResidualFP8(HybridFormats):
     - `nf_aware`: scale `W_hi` to 3 standard deviations instead of the amax (the
       "NormalFloat-aware" choice for Gaussian-like weights; about 0.3 % of values saturate and
       are caught by `W_lo` only up to its range).
-    - `forward_format`, `backward_format`: `"e4m3"` and `"e5m2"` by default.
+    - `forward_format`, `backward_format`: both `"e4m3"` by default. E4M3 gradients keep one
+      more significand bit than E5M2 (a current scale leaves them 18 binades below the amax)
+      and let the fused kernel run every GEMM: Mosaic GPU's `wgmma` takes one FP8 type for
+      both operands, so with `backward_format="e5m2"` the dgrad and wgrad (E5M2 times E4M3)
+      stay cuBLASLt calls whose terms are summed in a float32 buffer (on the MLP of
+      `benchmarks/peers.py`, 1.7x delayed scaling's H100 temp memory instead of 1.0x).
     - `native_kernel`: run the terms that share a left operand as one Pallas Mosaic GPU
       kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x` loaded once, one float32
-      accumulation). `False` (default): the XLA path, two cuBLASLt FP8 calls; `None`: the
-      kernel on Hopper GPUs and in compiles for them, the XLA path elsewhere; `True` forces
-      the kernel (sm_90 only). Off by default until timed on a GPU: our estimate
-      (`benchmarks/RESULTS.md`) cannot tell the fused kernel from two cuBLASLt calls. With
-      `split_activation`, `x_lo W_hi` is a second kernel. Mosaic GPU's `wgmma` takes one FP8
-      type for both operands, so GEMMs of E5M2 gradients with E4M3 operands (the default
-      backward) stay cuBLASLt calls; `backward_format="e4m3"` fuses them too.
+      accumulation in registers, the output dtype written once). `None` (default): the kernel
+      on Hopper GPUs and in compiles for them, the XLA path (two cuBLASLt FP8 calls, the
+      second adding into the first's float32 output) elsewhere, with the same numerics up to
+      the float32 summation order; `True` forces the kernel (sm_90 only); `False` the XLA
+      path. With `split_activation`, `x_lo W_hi` is a second kernel.
     """
 
     split_activation: bool = False
@@ -78,7 +81,8 @@ class ResidualFP8(HybridFormats):
     error_feedback: bool = False
     predict_lo_scale: bool = False
     nf_aware: bool = False
-    native_kernel: bool | None = False
+    native_kernel: bool | None = None
+    backward_format: FormatLike = "e4m3"
 
     def __post_init__(self) -> None:
         super().__post_init__()
