@@ -1,5 +1,7 @@
 """make_train_step: policies, loss scaling and skipped steps, against the explicit pieces."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -102,8 +104,10 @@ def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
         np.testing.assert_array_equal(trace[-1][1], pred)
         # The float32 loss of the predictions: 64 squares summed, then divided. XLA may feed
         # it the predictions before their BF16 rounding (excess precision), off by d <= u|p|
-        # each, which moves a square (p - y)**2 by at most (2|p - y| + d) d.
-        p, r = np.asarray(pred, np.float64), np.asarray(pred, np.float64) - np.asarray(y)
+        # each, which moves a square (p - y)**2 by at most (2|p - y| + d) d. The targets
+        # reach the loss in BF16, cast with the rest of the batch.
+        y16 = np.asarray(y.astype(jnp.bfloat16), np.float64)
+        p, r = np.asarray(pred, np.float64), np.asarray(pred, np.float64) - y16
         want, d = np.mean(r**2), U_BF16 * np.abs(p) / (1 - U_BF16)
         bound = np.mean((2 * np.abs(r) + d) * d) + (len(x) + 2) * U_F32 * want
         assert abs(float(metrics.loss) - want) <= bound
@@ -265,3 +269,128 @@ def test_gpu_options_as_flags_are_accepted_by_xla():
     bad = {**env, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm_not_a_flag=false"}
     run = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
     assert run.returncode != 0  # the check above can fail
+
+
+BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
+
+
+class ConvNet(eqx.Module):
+    """A convolutional stem (left as it is) and an MLP head (FP8 after fp8_linear_layers)."""
+
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.MLP
+
+    def __init__(self, key):
+        kc, kh = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=kc)
+        self.head = eqx.nn.MLP(2 * 6 * 6, 4, 16, 1, key=kh)
+
+    def __call__(self, image):
+        return self.head(jax.nn.relu(self.conv(image)).ravel())
+
+
+def images(key, n=8):
+    """Float32 images `(n, 1, 6, 6)` and int32 labels in [0, 4)."""
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, (n, 1, 6, 6)), jax.random.randint(ky, (n,), 0, 4)
+
+
+def cross_entropy(model, x, labels):
+    logits = jax.vmap(model)(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_float32_batch_meets_a_bfloat16_conv_stem(getkey):
+    """The float32 images are cast with the model: the step is the explicit one on
+    `policy.cast_to_compute(model)` and `x.astype(bfloat16)`, labels as they are."""
+    model = fp8jax.fp8_linear_layers(ConvNet(getkey()))
+    x, labels = images(getkey())
+    policy = fp8jax.Policy.from_string(BF16_POLICY)
+    optimizer = optax.adam(1e-2)
+    train_step = fp8jax.make_train_step(cross_entropy, optimizer, policy=BF16_POLICY)
+    state = train_step.init(model)
+
+    def by_hand(model, x, labels):
+        return cross_entropy(policy.cast_to_compute(model), x.astype(jnp.bfloat16), labels)
+
+    explicit = eqx.filter_jit(make_train_step(by_hand, optimizer))
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
+    for _ in range(3):
+        state, metrics = train_step(state, x, labels)
+        model, opt_state, loss = explicit(model, opt_state, x, labels)
+        assert metrics.loss.dtype == jnp.float32 and np.isfinite(float(metrics.loss))
+        assert float(metrics.loss) == pytest.approx(float(loss), rel=1e-6)
+    assert state.model.conv.weight.dtype == jnp.float32  # masters stay float32
+    got = jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_batch_cast_touches_floating_arrays_only(microbatches, getkey):
+    """Float32 leaves of any pytree reach loss_fn in bfloat16, each microbatch's slice too;
+    int32 labels, booleans, FP8 arrays and Python numbers arrive as they were given."""
+    model = fp8jax.fp8_linear_layers(ConvNet(getkey()))
+    x, labels = images(getkey())
+    extras = {
+        "mask": labels > 0,
+        "fp8": x.astype(jnp.float8_e4m3fn),
+        "weights": [jnp.ones(len(x)), jnp.ones(len(x), jnp.float16)],
+    }
+    seen = {}
+
+    def loss_fn(model, x, labels, extras, *scalar):
+        # At trace time: the values loss_fn is traced with, as the step hands them over.
+        seen.update(x=x, labels=labels, mask=extras["mask"], fp8=extras["fp8"], scalar=scalar)
+        seen["w32"], seen["w16"] = extras["weights"]
+        return cross_entropy(model, x, labels)
+
+    train_step = fp8jax.make_train_step(
+        loss_fn, optax.adam(1e-2), policy=BF16_POLICY, microbatches=microbatches
+    )
+    scalar = (0.5,) if microbatches == 1 else ()  # microbatches split array leaves only
+    state, metrics = train_step(train_step.init(model), x, labels, extras, *scalar)
+    assert np.isfinite(float(metrics.loss))
+    assert seen["x"].dtype == jnp.bfloat16 and seen["x"].shape == (8 // microbatches, 1, 6, 6)
+    assert seen["w32"].dtype == seen["w16"].dtype == jnp.bfloat16
+    assert seen["labels"].dtype == jnp.int32 and seen["mask"].dtype == jnp.bool_
+    assert seen["fp8"].dtype == jnp.float8_e4m3fn
+    assert seen["labels"].shape == seen["fp8"].shape[:1] == (8 // microbatches,)
+    assert seen["scalar"] == scalar and all(type(s) is float for s in seen["scalar"])
+    # The caller's arrays are not changed (nor could they be): the cast is inside the step.
+    assert x.dtype == jnp.float32 and extras["weights"][1].dtype == jnp.float16
+
+
+def test_cast_batch_false_passes_the_batch_as_given(getkey):
+    """Without the cast the float32 images meet the bfloat16 conv weights: JAX refuses."""
+    model = fp8jax.fp8_linear_layers(ConvNet(getkey()))
+    x, labels = images(getkey())
+    seen = []
+
+    def loss_fn(model, x, labels):
+        seen.append((x.dtype, labels.dtype))
+        return cross_entropy(model, x, labels)
+
+    train_step = fp8jax.make_train_step(
+        loss_fn, optax.adam(1e-2), policy=BF16_POLICY, cast_batch=False
+    )
+    with pytest.raises(TypeError, match="conv_general_dilated requires arguments to have the same"):
+        train_step(train_step.init(model), x, labels)
+    assert seen == [(jnp.float32, jnp.int32)]
+    # A loss that casts its inputs itself (and keeps float32 targets) trains as before.
+    train_step = fp8jax.make_train_step(
+        lambda m, x, labels: cross_entropy(m, x.astype(jnp.bfloat16), labels),
+        optax.adam(1e-2),
+        policy=BF16_POLICY,
+        cast_batch=False,
+    )
+    _, metrics = train_step(train_step.init(model), x, labels)
+    assert np.isfinite(float(metrics.loss))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, np.bool_(True)])
+def test_cast_batch_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=re.escape(f"cast_batch={bad!r}: should be True or False")):
+        fp8jax.make_train_step(cross_entropy, optax.sgd(0.1), cast_batch=bad)

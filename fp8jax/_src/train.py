@@ -34,7 +34,7 @@ from .compile_options import gpu_compiler_options
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
-from .updates import apply_updates, partition_for_grad_overwrite
+from .updates import _is_overwrite, apply_updates, partition_for_grad_overwrite
 
 
 class TrainState(eqx.Module):
@@ -66,6 +66,22 @@ def _trainable_params(model: Any) -> Any:
     return eqx.filter(partition_for_grad_overwrite(model)[1], eqx.is_inexact_array)
 
 
+def _is_narrow_float(x: Any) -> bool:
+    """An FP8 (or narrower: FP6, FP4, E8M0) array: already quantized, with its own scale."""
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1
+
+
+def _cast_batch(policy: Policy, batch: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`policy.cast_to_compute(batch)`, but FP8 arrays stay FP8. The policy casts every floating
+    array, FP8 ones too; an FP8 input is already quantized, and the loss that knows its scale
+    decides how to use it."""
+    return jax.tree.map(
+        lambda x: x if _is_narrow_float(x) else policy.cast_to_compute(x),
+        batch,
+        is_leaf=_is_overwrite,
+    )
+
+
 class TrainStep(eqx.Module):
     """A jitted training step; build it with [`fp8jax.make_train_step`][].
 
@@ -81,6 +97,7 @@ class TrainStep(eqx.Module):
     skip_nonfinite: bool = eqx.field(static=True)
     microbatches: int = eqx.field(static=True, default=1)
     compiler_options: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
+    cast_batch: bool = eqx.field(static=True, default=True)
 
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
@@ -111,6 +128,8 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     policy, scale = self.policy, state.loss_scale
 
     def scaled_loss(model: Any, *batch: Any) -> tuple[Array, tuple[Array, Any]]:
+        # Here, after any split into microbatches: each slice is cast as it is used.
+        batch = _cast_batch(policy, batch) if self.cast_batch else batch
         out = self.loss_fn(policy.cast_to_compute(model), *batch)
         if self.has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
             raise ValueError(
@@ -158,10 +177,11 @@ def make_train_step(
     skip_nonfinite: bool = True,
     microbatches: int = 1,
     compiler_options: Mapping[str, Any] | None = None,
+    cast_batch: bool = True,
 ) -> TrainStep:
     """A jitted step that trains a model with FP8 layers, mixed precision and loss scaling.
 
-    Each step casts the model to the policy's compute dtype, differentiates
+    Each step casts the model and the batch to the policy's compute dtype, differentiates
     `loss_scale.scale(loss_fn(model, *batch))` (FP8 state combining by max), splits the FP8
     state out of the gradients, unscales the rest, checks they are finite, runs the optimizer
     on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
@@ -183,6 +203,13 @@ def make_train_step(
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
       Triton kernel that may upcast FP8 to f16. `{}` compiles with XLA's defaults. A step
       called inside your own `jax.jit` is part of your executable, which has your options.
+    - `cast_batch`: cast the batch's floating-point arrays to the policy's compute dtype, inside
+      the jitted step, before `loss_fn` sees them (default `True`; jmp's
+      `policy.cast_to_compute((params, inputs))`), so a float32 image batch meets a bfloat16
+      convolution in bfloat16 (with float32 compute, a bfloat16 batch is widened). Integer
+      and boolean arrays (labels, tokens), FP8 arrays and non-array leaves pass as given.
+      `False` passes the whole batch as given: for a loss that needs float32 targets (a
+      regression target, say) and casts its inputs itself.
 
     **Returns:** a [`fp8jax.TrainStep`][]: `state = train_step.init(model)`, then
     `state, metrics = train_step(state, *batch)` ([`fp8jax.StepMetrics`][]).
@@ -213,7 +240,8 @@ def make_train_step(
             f"make_train_step: optimizer={optimizer!r}: should be an optax "
             "GradientTransformation, e.g. optax.adamw(1e-3)."
         )
-    for flag, value in (("has_aux", has_aux), ("skip_nonfinite", skip_nonfinite)):
+    flags = (("has_aux", has_aux), ("skip_nonfinite", skip_nonfinite), ("cast_batch", cast_batch))
+    for flag, value in flags:
         if not isinstance(value, bool):
             raise TypeError(f"make_train_step: {flag}={value!r}: should be True or False.")
     if not callable(loss_fn):
@@ -233,5 +261,13 @@ def make_train_step(
         )
     options = tuple(sorted(compiler_options.items()))
     return TrainStep(
-        loss_fn, optimizer, policy, loss_scale, has_aux, skip_nonfinite, microbatches, options
+        loss_fn,
+        optimizer,
+        policy,
+        loss_scale,
+        has_aux,
+        skip_nonfinite,
+        microbatches,
+        options,
+        cast_batch,
     )
