@@ -56,8 +56,9 @@ residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targ
 attention and MLP Linear, not the head). A compile for an H100 runs blockwise GEMMs as
 fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM throughput
 (`fp8jax._src.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same recipe on
-its XLA path (`native_kernel=False`), `residual-native` the residual recipe with its terms
-fused in that kernel (`native_kernel=None`; its default is the XLA path).
+its XLA path (`native_kernel=False`). The residual recipe's default fuses the terms that share
+a left operand in that kernel, every GEMM with its E4M3 gradients; `residual-xla` is its XLA
+path (`native_kernel=False`: two cuBLASLt FP8 calls per term pair, summed in float32).
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
-# default; the residual recipe with its fused kernel, beside its default XLA path.
+# default; the residual recipe on its XLA path, beside its default fused kernel.
 RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
-RECIPES["residual-native"] = fp8jax.ResidualFP8(native_kernel=None)
+RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 
 STAND_IN = "attention_stand_in"
 # cuBLAS mode, without XLA's rematerialization (see the module docstring).
