@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 from fp8jax.examples import train_mlp
 
 
@@ -36,15 +38,49 @@ def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys):
     runs = train_gpt.main([*args, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["bf16", "delayed", "blockwise"]
-    assert [r.name for r in runs] == ["bf16", "delayed", "blockwise"]
+    names = ["bf16", "fp32", "delayed", "blockwise"]  # fp32, the yardstick, runs by default
+    assert [r.split("|")[1].strip() for r in rows[1:]] == names
+    assert [r.name for r in runs] == names
     for run in runs:
         assert all(math.isfinite(v) for v in run.train + run.val)
         assert run.train[-1] < run.train[0]  # it learns, even in 8 steps
     # Logged at steps 0, 2, 4, 6 and the last one.
-    assert runs[1].scales and all(len(h) == 5 for h in runs[1].scales.values())
-    for name in ("loss_curves.png", "scale_history.png"):
+    assert not runs[1].scales  # fp32 has no FP8 layers ...
+    assert runs[1].val != runs[0].val  # ... and computes in float32, which rounds otherwise
+    assert runs[2].scales and all(len(h) == 5 for h in runs[2].scales.values())
+    for name in ("val_gap.png", "scale_history.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_gpt_gap_figure_plots_the_loss_relative_to_bf16():
+    import matplotlib.pyplot as plt
+
+    from fp8jax.examples import train_gpt
+
+    steps = [4, 9]
+    runs = [
+        train_gpt.Run("bf16", val_steps=steps, val=[3.0, 2.5]),
+        train_gpt.Run("fp32", val_steps=steps, val=[3.003, 2.498]),
+        train_gpt.Run("delayed", val_steps=steps, val=[2.97, 2.51]),
+    ]
+    fig = train_gpt.gap_figure(runs)
+    ax = fig.axes[0]
+    lines = {line.get_label().split(":")[0]: line for line in ax.get_lines()}
+    assert {"fp32", "delayed"} <= set(lines) and "bf16" not in lines
+    for run in runs[1:]:
+        want = [100 * (v - b) / b for v, b in zip(run.val, runs[0].val, strict=True)]
+        assert list(lines[run.name].get_xdata()) == steps
+        assert lines[run.name].get_ydata() == pytest.approx(want, rel=1e-12)
+    # The yardstick: a band from -|fp32 gap| to +|fp32 gap| (0.1 % and 0.08 % here).
+    (band,) = ax.collections
+    heights = band.get_paths()[0].vertices[:, 1]
+    assert max(heights) == pytest.approx(0.1) and min(heights) == pytest.approx(-0.1)
+    # Without an fp32 run there is no band, and the bars are drawn when asked for.
+    fig = train_gpt.gap_figure([runs[0], runs[2]], bars=[(0.005, "--", "0.5 % bar")])
+    ax = fig.axes[0]
+    bars = [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert not ax.collections and bars == [-0.5, 0.5]
+    plt.close("all")
 
 
 def test_train_gpt_dequantized_block_dot_builds_the_emulation():
@@ -115,7 +151,7 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     assert trained == [] and [r.val for r in again] == [r.val for r in runs]
     capsys.readouterr()
     convergence.main([*args, "--seeds", "0,1"])
-    assert trained == ["bf16", "bf16", "delayed"]  # fp32 is the BF16 model in float32
+    assert trained == ["bf16", "fp32", "delayed"]
     # Seed 1's stand-in runs all equal BF16's: the mean is half of seed 0's difference.
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d")]
     cells = [c.strip() for c in rows[0].split("|")]

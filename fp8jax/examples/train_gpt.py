@@ -3,12 +3,15 @@
     python -m fp8jax.examples.train_gpt [--steps 300] [--layers 2] [--width 128] [--out DIR]
 
 Every variant starts from the same weights and sees the same batches (byte-level, context 64):
-BF16 compute with float32 master weights, and the same with the attention and MLP Linears in
-FP8 (`fp8_linear_layers`; embeddings and the output head stay in BF16). At the end it prints
-the final train and validation losses, their relative difference to BF16 and the steps per
-second on this machine, and writes `loss_curves.png` and `scale_history.png` (the per-layer
-scales of the delayed recipe) to `--out`. The defaults finish in under 10 minutes on 2 CPU
-cores; `--steps`, `--layers`, `--width` and `--batch` scale it up.
+BF16 compute with float32 master weights, the same model computed in float32 (`fp32`, the
+yardstick; `--no-fp32` leaves it out), and BF16 with the attention and MLP Linears in FP8
+(`fp8_linear_layers`; embeddings and the output head stay in BF16). At the end it prints the
+final train and validation losses, their relative difference to BF16 and the steps per second
+on this machine, and writes to `--out` `val_gap.png` (each recipe's validation loss relative
+to BF16's through training, against the float32 run's gap to BF16: what finer rounding alone
+changes) and `scale_history.png` (the per-layer scales of the delayed recipe). The defaults
+finish in under 10 minutes on 2 CPU cores; `--steps`, `--layers`, `--width` and `--batch`
+scale it up.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import dataclasses
 import pathlib
 import time
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -38,8 +42,13 @@ EXTRA_VARIANTS = {
     "current-exact": fp8jax.CurrentScaling(power_of_two=False),
     "residual-e5m2": fp8jax.ResidualFP8(backward_format="e5m2"),
 }
-VARIANTS = (*RECIPES, *EXTRA_VARIANTS)
+#: The variants without FP8: BF16, which every other variant is compared with, and the BF16
+#: model computed in float32, whose gap to BF16 is the yardstick for the recipes' gaps: how far
+#: a run lands from BF16 when only the rounding changes, and finer rather than coarser.
+REFERENCES = ("bf16", "fp32")
+VARIANTS = ("fp32", *RECIPES, *EXTRA_VARIANTS)
 POLICY = "params=float32,compute=bfloat16,output=float32"
+FP32_POLICY = "params=float32,compute=float32,output=float32"
 
 
 @dataclasses.dataclass
@@ -60,13 +69,14 @@ class Run:
 def build(
     config: GPTConfig, variant: str, key: jax.Array, block_dot: str = "chunked"
 ) -> eqx.Module:
-    """The GPT in BF16 (`variant="bf16"`) or with a named FP8 recipe in its Linears.
+    """The GPT without FP8 (`variant="bf16"` or `"fp32"`) or with a named FP8 recipe in its
+    Linears. `fp32` is the same model as `bf16`: `train` computes it in float32 (`FP32_POLICY`).
 
     `block_dot="dequantized"` runs the block recipes' GEMMs as float32 dots of the dequantized
     operands (`BlockScaledRecipe.dequantized_dot`): the same numerics, faster on a CPU.
     """
     model = GPT(config, key=key)
-    if variant == "bf16":
+    if variant in REFERENCES:
         return model
     recipe: str | fp8jax.Recipe = EXTRA_VARIANTS.get(variant, variant)
     if block_dot == "dequantized" and variant in BLOCK_RECIPES:
@@ -79,22 +89,22 @@ def train(
     config: GPTConfig,
     data: tuple[np.ndarray, np.ndarray],
     args: argparse.Namespace,
-    name: str | None = None,
 ) -> Run:
-    """Train one variant; `name` labels its record and progress bar (the variant's by default)."""
+    """Train one variant (a name of `VARIANTS` or `"bf16"`): `fp32` computes in float32
+    (`FP32_POLICY`), every other variant in BF16 (`POLICY`), all with float32 master weights."""
     train_data, val_data = data
     model = build(config, variant, jax.random.PRNGKey(args.seed), args.block_dot)
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
-    policy = fp8jax.Policy.from_string(getattr(args, "policy", POLICY))
+    policy = fp8jax.Policy.from_string(FP32_POLICY if variant == "fp32" else POLICY)
     train_step = fp8jax.make_train_step(next_token_loss, optimizer, policy=policy)
     evaluate = eqx.filter_jit(lambda m, tokens: next_token_loss(policy.cast_to_compute(m), tokens))
     val_rng = np.random.default_rng(args.seed + 1)
     val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
     rng = np.random.default_rng(args.seed)  # the same batches for every variant
     state = train_step.init(model)
-    run = Run(name or variant)
+    run = Run(variant)
     start = None
     bar = tqdm(range(args.steps), desc=f"{run.name:>9}", leave=True)
     for step in bar:
@@ -106,7 +116,7 @@ def train(
             run.steps.append(step)
             run.train.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}")
-            if variant != "bf16":
+            if variant not in REFERENCES:
                 for name, layer in fp8jax.telemetry(state.model).items():
                     run.scales.setdefault(name, []).append(
                         (
@@ -140,26 +150,97 @@ def table(runs: list[Run], tail: int) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
-    import matplotlib  # noqa: PLC0415 - only the demo needs it
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only (Agg): imported here since only the plots
+    need matplotlib (the `demo` extra)."""
+    import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
-        (line,) = ax.plot(run.steps, run.train, label=f"{run.name} train", alpha=0.6)
-        ax.plot(run.val_steps, run.val, "o--", color=line.get_color(), label=f"{run.name} val")
-    ax.set(xlabel="step", ylabel="next-byte cross-entropy (nats)", title="BF16 vs FP8 recipes")
-    ax.legend(fontsize=8, ncol=2)
-    curves = out / "loss_curves.png"
-    fig.savefig(curves, dpi=120, bbox_inches="tight")
+    return plt
+
+
+def gap_figure(runs: list[Run], bars: Sequence[tuple[float, str, str]] = ()):
+    """The figure of `val_gap.png`: each variant's validation loss relative to BF16's at every
+    evaluation, in %, against the float32 run's gap as the yardstick.
+
+    A recipe's gap to BF16 means something only next to what any change of rounding does: the
+    `fp32` run (the BF16 model computed in float32) is drawn dashed, with a band of ±|its gap|
+    at each evaluation. A lower panel shows BF16's train and validation losses, for where in
+    training each evaluation falls.
+
+    Arguments:
+        runs: BF16's run first, then the other variants' (`fp32` among them for the yardstick),
+            all evaluated at the same steps.
+        bars: `(fraction, linestyle, label)` of horizontal lines to draw at ±fraction, e.g.
+            `(0.005, "--", "0.5 % bar")`; none by default.
+
+    Returns:
+        The matplotlib figure (not saved). Its upper axes hold one line per variant but BF16,
+        whose label starts with the run's name and whose y data are, at the run's `val_steps`,
+        `100 * (val - bf16_val) / bf16_val`.
+    """
+    plt = _pyplot()
+    base = runs[0]
+    bf16_val = np.asarray(base.val)
+    fig, (ax, loss_ax) = plt.subplots(
+        2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": (3, 1)}
+    )
+    ax.axhline(0, color="black", linewidth=0.8)
+    for run in runs[1:]:
+        rel = 100 * (np.asarray(run.val) - bf16_val) / bf16_val
+        if run.name == "fp32":
+            ax.fill_between(
+                run.val_steps,
+                -np.abs(rel),
+                np.abs(rel),
+                color="gray",
+                alpha=0.25,
+                linewidth=0,
+                label="±|fp32 gap|: the yardstick",
+            )
+            ax.plot(run.val_steps, rel, "k--", label="fp32: BF16 model computed in float32")
+        else:
+            ax.plot(run.val_steps, rel, "o-", label=run.name)
+    for bar, style, label in bars:
+        for sign in (-1, 1):
+            ax.axhline(
+                100 * sign * bar,
+                color="gray",
+                linestyle=style,
+                linewidth=0.8,
+                label=label if sign > 0 else None,
+            )
+    ax.set(
+        ylabel="validation loss relative to BF16 (%)",
+        title="Validation loss relative to BF16: above 0 is worse than BF16\n"
+        "(a gap inside the shaded band is no larger than float32 compute's)",
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    loss_ax.plot(base.steps, base.train, color="tab:blue", alpha=0.6, label="BF16 train")
+    loss_ax.plot(base.val_steps, base.val, "o", color="tab:blue", label="BF16 validation")
+    loss_ax.set(xlabel="step", ylabel="BF16 loss (nats)")
+    loss_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    fig.align_ylabels()
+    return fig
+
+
+def plot(
+    runs: list[Run], out: pathlib.Path, bars: Sequence[tuple[float, str, str]] = ()
+) -> list[pathlib.Path]:
+    """Write `val_gap.png` (`gap_figure`, with `bars`) and, if a run has FP8 scales,
+    `scale_history.png` (the delayed recipe's, or the first such run's) to `out`."""
+    plt = _pyplot()
+    fig = gap_figure(runs, bars)
+    gap = out / "val_gap.png"
+    fig.savefig(gap, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     delayed = next((r for r in runs if r.name == "delayed"), None) or next(
         (r for r in runs if r.scales), None
     )
-    paths = [curves]
+    paths = [gap]
     if delayed is not None:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharex=True)
         for name, history in delayed.scales.items():
@@ -238,8 +319,17 @@ def main(argv: list[str] | None = None) -> list[Run]:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fp32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train the BF16 model computed in float32, whose gap to BF16 is the "
+        "yardstick for the recipes' gaps (default: on)",
+    )
     args = parser.parse_args(argv)
     recipes = parse_recipes(parser, args.recipes)
+    if args.fp32 and "fp32" not in recipes:
+        recipes.insert(0, "fp32")
     config = model_config(args)
     data = split(kjv_bytes())
     print(
