@@ -1,14 +1,48 @@
-"""The documentation site builds without a warning and documents every public name."""
+"""The documentation site builds without a warning, documents every public name and shows the
+tutorial notebooks with their outputs."""
 
+import ast
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import pytest
+
 import fp8jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# Calls that print or draw; a cell that makes one, or ends in an expression, shows something.
+SHOWING = {"print", "report", "plot", "semilogy", "loglog", "bar", "hist", "scatter", "imshow"}
+
+
+def _code_cells(path: pathlib.Path) -> list[dict]:
+    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _pngs(cell: dict) -> int:
+    return sum("image/png" in output.get("data", {}) for output in cell["outputs"])
+
+
+def _shows_something(source: str) -> bool:
+    tree = ast.parse(source)
+    calls = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
+    displayed = bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+    return bool(calls & SHOWING) or (displayed and not source.rstrip().endswith(";"))
+
+
+def _plots(source: str) -> bool:
+    return any(
+        isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "plt"
+        for node in ast.walk(ast.parse(source))
+    )
 
 
 def test_api_reference_lists_every_public_name():
@@ -18,6 +52,26 @@ def test_api_reference_lists_every_public_name():
         f"missing: {sorted(set(fp8jax.__all__) - documented)}, "
         f"unknown: {sorted(documented - set(fp8jax.__all__))}"
     )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_with_its_outputs(path):
+    """The site and GitHub show the committed outputs: `python notebooks/refresh.py` stores them."""
+    refresh = f"run `python notebooks/refresh.py {path.stem[:2]}` and commit the result"
+    cells = _code_cells(path)
+    for cell in cells:
+        source = "".join(cell["source"])
+        errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+        assert not errors, f"{path.name}: a cell raised {errors[0]['ename']}"
+        if _shows_something(source):
+            assert cell["outputs"], f"{path.name}: no output for\n{source}\n{refresh}"
+        if _plots(source):
+            assert _pngs(cell), f"{path.name}: no figure for\n{source}\n{refresh}"
+        for output in cell["outputs"]:
+            text = "".join(output.get("text", ""))
+            assert "absl::InitializeLog" not in text, f"{path.name}: native logs; {refresh}"
+    counts = [cell["execution_count"] for cell in cells]
+    assert counts == list(range(1, len(cells) + 1)), f"not run top to bottom in one go: {refresh}"
 
 
 def test_mkdocs_build_strict(tmp_path):
@@ -30,3 +84,11 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "api" / "training" / "index.html").exists()
+    # Each tutorial is a page in the nav, rendered from its committed outputs, figures included.
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert NOTEBOOKS
+    for path in NOTEBOOKS:
+        assert f'href="notebooks/{path.stem}/"' in home, f"{path.name} is not in the nav"
+        page = (tmp_path / "site" / "notebooks" / path.stem / "index.html").read_text()
+        figures = len(re.findall(r'<img [^>]*src="data:image/png;base64,', page))
+        assert figures == sum(map(_pngs, _code_cells(path))), path.name
