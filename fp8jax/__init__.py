@@ -5,6 +5,8 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 ```
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._src.accumulate import accumulate_gradients as accumulate_gradients
 from ._src.checkpoint import load_checkpoint as load_checkpoint
 from ._src.checkpoint import save_checkpoint as save_checkpoint
@@ -70,6 +72,44 @@ from ._src.updates import apply_updates as apply_updates
 from ._src.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
 from ._src.updates import with_fp8_state as with_fp8_state
 
+if TYPE_CHECKING:  # Flax NNX support: imported on first use (flax is the `nnx` extra)
+    from ._src.nnx import Fp8NnxDotGeneral as Fp8NnxDotGeneral
+    from ._src.nnx import Fp8NnxEinsum as Fp8NnxEinsum
+    from ._src.nnx import Fp8State as Fp8State
+    from ._src.nnx import nnx_train_step as nnx_train_step
+    from ._src.nnx import nnx_update_fp8_state as nnx_update_fp8_state
+    from ._src.nnx import nnx_value_and_grad as nnx_value_and_grad
+
+#: Names that import Flax, resolved on first access so that `import fp8jax` never does.
+_NNX_NAMES = (
+    "Fp8NnxDotGeneral",
+    "Fp8NnxEinsum",
+    "Fp8State",
+    "nnx_train_step",
+    "nnx_update_fp8_state",
+    "nnx_value_and_grad",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NNX_NAMES:
+        raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
+    try:
+        from ._src import nnx
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "flax":
+            raise
+        raise ImportError(
+            f"fp8jax.{name} is fp8jax's Flax NNX support, which needs Flax: "
+            "pip install 'fp8jax[nnx]'."
+        ) from e
+    return getattr(nnx, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_NNX_NAMES})
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -85,6 +125,9 @@ __all__ = [
     "Fp8Config",
     "Fp8DotGeneral",
     "Fp8InspectionError",
+    "Fp8NnxDotGeneral",
+    "Fp8NnxEinsum",
+    "Fp8State",
     "Fp8Stats",
     "Gemm",
     "Inspection",
@@ -129,6 +172,9 @@ __all__ = [
     "load_checkpoint",
     "low_precision_state",
     "make_train_step",
+    "nnx_train_step",
+    "nnx_update_fp8_state",
+    "nnx_value_and_grad",
     "partition_for_grad_overwrite",
     "quantize",
     "report",

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -135,6 +135,16 @@ def _key_name(key: Any) -> str:
             return str(key)
 
 
+def _flax_nnx() -> Any:
+    """`flax.nnx` if the user imported it (an NNX model can only exist then); flax is an
+    optional extra, never imported otherwise."""
+    if "flax.nnx" not in sys.modules:
+        return None
+    from flax import nnx
+
+    return nnx
+
+
 def _haliax_nn() -> Any:
     """`haliax.nn` if the user imported haliax (its modules can only be in the tree then)."""
     if "haliax" not in sys.modules:
@@ -245,6 +255,11 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
       `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
     - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
       be applied in a `lax.scan`) get FP8 state stacked the same way.
+    - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` gets a
+      [`fp8jax.Fp8NnxDotGeneral`][] as its `dot_general` and `nnx.Einsum` an
+      [`fp8jax.Fp8NnxEinsum`][] as its `einsum_op`, their state in [`fp8jax.Fp8State`][]
+      variables (stacked for an `nnx.vmap`-built stack). The result is a converted copy that
+      shares the weights' arrays; `tree` is left as it was. See the Flax NNX guide.
     - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
 
     **Arguments:**
@@ -265,31 +280,15 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     config = Fp8Config() if config is None else config
     if not isinstance(config, Fp8Config):
         raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
+    nnx = _flax_nnx()
+    if nnx is not None and isinstance(tree, nnx.Module):
+        from .nnx import fp8_nnx_linear_layers
+
+        return fp8_nnx_linear_layers(tree, config)
     hnn = _haliax_nn()
     nodes = list(_walk(tree, (), hnn))
     linears = [(p, n) for p, n in nodes if _kind(n, hnn) == "linear"]
-    exclude = None if config.exclude is None else re.compile(config.exclude)
-
-    def targeted(path: tuple[str, ...]) -> bool:
-        dotted = ".".join(path)
-        if config.targets is None:
-            return True
-        if isinstance(config.targets, str):
-            return re.fullmatch(config.targets, dotted) is not None
-        return dotted in config.targets or (bool(path) and path[-1] in config.targets)
-
-    def excluded(path: tuple[str, ...]) -> bool:
-        return exclude is not None and bool(path) and exclude.fullmatch(path[-1]) is not None
-
-    _check_targets(config, nodes, linears, targeted, excluded)
-    chosen = {p for p, _ in linears if targeted(p) and not excluded(p)}
-    for pattern, _ in config.recipes or ():
-        if not any(_matches(pattern, p) for p in chosen):
-            listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"
-            raise ValueError(
-                f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
-                f"Converted layers: {listing}."
-            )
+    chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
         kind = _kind(node, hnn)
@@ -323,11 +322,52 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     return convert((), tree, ())
 
 
-def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded) -> None:
+def choose_layers(
+    config: Fp8Config,
+    nodes: list[tuple[tuple[str, ...], Any]],
+    linears: list[tuple[tuple[str, ...], Any]],
+    is_module: Callable[[Any], bool],
+) -> set[tuple[str, ...]]:
+    """The paths of the Linears that `config` converts, after checking that every target and
+    per-layer recipe pattern selects something.
+
+    Shared by every framework's conversion. `nodes` are all the nodes of the model with their
+    paths (for the messages naming what a target matched instead), `linears` the convertible
+    layers among them, and `is_module` tells a module of the framework from other nodes.
+    """
+    exclude = None if config.exclude is None else re.compile(config.exclude)
+
+    def targeted(path: tuple[str, ...]) -> bool:
+        dotted = ".".join(path)
+        if config.targets is None:
+            return True
+        if isinstance(config.targets, str):
+            return re.fullmatch(config.targets, dotted) is not None
+        return dotted in config.targets or (bool(path) and path[-1] in config.targets)
+
+    def excluded(path: tuple[str, ...]) -> bool:
+        return exclude is not None and bool(path) and exclude.fullmatch(path[-1]) is not None
+
+    _check_targets(config, nodes, linears, targeted, excluded, is_module)
+    chosen = {p for p, _ in linears if targeted(p) and not excluded(p)}
+    for pattern, _ in config.recipes or ():
+        if not any(_matches(pattern, p) for p in chosen):
+            listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"
+            raise ValueError(
+                f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
+                f"Converted layers: {listing}."
+            )
+    return chosen
+
+
+def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_module) -> None:
     linear_paths = [".".join(p) for p, _ in linears]
     listing = ", ".join(repr(p) for p in linear_paths) or "none"
     if not linears:
-        raise ValueError("fp8_linear_layers found no Linear layer in the tree.")
+        raise ValueError(
+            "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
+            "haliax.nn.Linear and, in an nnx.Module, flax.nnx.Linear and flax.nnx.Einsum."
+        )
     if config.targets is None:
         return
     if isinstance(config.targets, str):
@@ -336,7 +376,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded) -> Non
             others = [
                 f"'{'.'.join(p)}' ({type(n).__name__})"
                 for p, n in nodes
-                if p and re.fullmatch(config.targets, ".".join(p)) and isinstance(n, eqx.Module)
+                if p and re.fullmatch(config.targets, ".".join(p)) and is_module(n)
             ]
             if others:
                 raise ValueError(

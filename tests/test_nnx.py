@@ -1,0 +1,700 @@
+"""Flax NNX: conversion, numerics against the Equinox path and Flax Linen, training, max-not-sum,
+the optimizer kept off the FP8 state, and the deviceless H100 compile of an NNX train step."""
+
+import functools
+import os
+import subprocess
+import sys
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.linen import fp8_ops
+from helpers import make_train_step, representable
+
+import fp8jax
+from fp8jax._src import inspect as inspect_module
+from fp8jax._src import nnx as fp8_nnx
+
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(history_len=16),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
+    "mxfp8": fp8jax.MXFP8(),
+    "residual": fp8jax.ResidualFP8(),
+    # Kernel-shaped state: checks that the NNX kernel (in, out) gets the (out, in) state.
+    "residual error feedback": fp8jax.ResidualFP8(error_feedback=True),
+}
+DIFF = nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))
+
+
+def config(recipe: Any = None, **kwargs: Any) -> fp8jax.Fp8Config:
+    return fp8jax.Fp8Config(recipe=recipe, exclude=None, **kwargs)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, sizes: tuple[int, int, int], rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(sizes[0], sizes[1], rngs=rngs)
+        self.fc2 = nnx.Linear(sizes[1], sizes[2], rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+class EqxNet(eqx.Module):
+    fc1: Any
+    fc2: Any
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def to_eqx(linear: nnx.Linear) -> eqx.nn.Linear:
+    """The same layer in Equinox: NNX's kernel is (in, out), Equinox's weight (out, in)."""
+    kernel = linear.kernel.get_value()
+    layer = eqx.nn.Linear(kernel.shape[0], kernel.shape[1], key=jax.random.key(0))
+    return eqx.tree_at(lambda m: (m.weight, m.bias), layer, (kernel.T, linear.bias.get_value()))
+
+
+def eqx_net(net: NnxNet) -> EqxNet:
+    return EqxNet(to_eqx(net.fc1), to_eqx(net.fc2))
+
+
+def assert_same_state(ours: fp8jax.Fp8NnxDotGeneral, theirs: fp8jax.Fp8DotGeneral) -> None:
+    value = ours.value()
+    assert jax.tree.structure(value) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def mse(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+# --- numerics: the Equinox path, bit for bit ----------------------------------------------
+
+
+@nnx.jit
+def nnx_forward_and_grads(model, x, c):
+    def loss(m, x):
+        return jnp.sum(m(x) * c)
+
+    grads, grad_x = nnx.grad(loss, argnums=(DIFF, 1))(model, x)
+    return model(x), grads, grad_x
+
+
+@eqx.filter_jit
+def eqx_forward_and_grads(model, x, c):
+    grads, grad_x = eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1]) * c))((model, x))
+    return model(x), grads, grad_x
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_matches_the_equinox_path_bit_for_bit(name):
+    net = NnxNet((64, 32, 64), nnx.Rngs(0))
+    ours = fp8jax.fp8_linear_layers(net, config(RECIPES[name]))
+    theirs = fp8jax.fp8_linear_layers(eqx_net(net), config(RECIPES[name]))
+    rng = np.random.default_rng(0)
+    for step in range(2):  # the second step runs with the state the first one produced
+        x = jnp.asarray(rng.standard_normal((2, 16, 64)) * (1 + 4 * step), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+        out, grads, grad_x = nnx_forward_and_grads(ours, x, c)
+        out_e, grads_e, grad_x_e = eqx_forward_and_grads(theirs, x, c)
+        np.testing.assert_array_equal(out, out_e)
+        np.testing.assert_array_equal(grad_x, grad_x_e)
+        for layer in ("fc1", "fc2"):
+            np.testing.assert_array_equal(
+                grads[layer]["kernel"].get_value(), getattr(grads_e, layer).weight.T
+            )
+            np.testing.assert_array_equal(
+                grads[layer]["bias"].get_value(), getattr(grads_e, layer).bias
+            )
+        fp8jax.nnx_update_fp8_state(ours, grads)
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads_e)
+        theirs = fp8jax.apply_updates(theirs, None, overwrites)
+        for layer in ("fc1", "fc2"):
+            assert_same_state(getattr(ours, layer).dot_general, getattr(theirs, layer).dot_general)
+
+
+# Bit for bit where XLA compiles the two steps alike. With block recipes XLA fuses the sum of
+# the wgrad's per-block partial products into Adam's update differently for NNX's (in, out)
+# kernel than for Equinox's (out, in) weight, which changes float32 rounding by an ulp from the
+# second step on (with an optimization_barrier between gradient and update both are bit
+# for bit equal: the gradients themselves are, as test_every_recipe_... checks).
+EXACT_TRAINING = {"delayed", "current"}
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "blockwise", "residual"])
+def test_training_run_matches_the_equinox_run_step_by_step(name):
+    net = NnxNet((64, 32, 32), nnx.Rngs(1))
+    ours = fp8jax.fp8_linear_layers(net, config(RECIPES[name]))
+    optimizer = nnx.Optimizer(ours, optax.adam(1e-2), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(mse)
+
+    theirs = fp8jax.fp8_linear_layers(eqx_net(net), config(RECIPES[name]))
+    tx = optax.adam(1e-2)
+    _, trainable = fp8jax.partition_for_grad_overwrite(theirs)
+    opt_state = tx.init(eqx.filter(trainable, eqx.is_inexact_array))
+    eqx_step = eqx.filter_jit(make_train_step(mse, tx))
+
+    if name in EXACT_TRAINING:
+        same = np.testing.assert_array_equal
+    else:
+        same = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+    rng = np.random.default_rng(2)
+    target = rng.standard_normal((64, 32)).astype(np.float32)
+    losses = []
+    for _ in range(5):
+        x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+        y = jnp.tanh(x @ target)
+        loss = step(ours, optimizer, x, y)
+        theirs, opt_state, loss_e = eqx_step(theirs, opt_state, x, y)
+        same(loss, loss_e)
+        losses.append(float(loss))
+        for layer in ("fc1", "fc2"):
+            value = getattr(ours, layer).dot_general.value()
+            expected = getattr(theirs, layer).dot_general
+            assert jax.tree.structure(value) == jax.tree.structure(expected)
+            for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(expected), strict=True):
+                same(a, b)
+            same(getattr(ours, layer).kernel.get_value(), getattr(theirs, layer).weight.T)
+    assert int(optimizer.step.get_value()) == 5
+    assert losses[-1] < losses[0]
+
+
+# --- an independent reference: Flax Linen's Fp8DirectDotGeneralOp ---------------------------
+
+
+class OneLayer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+def test_delayed_scaling_matches_flax_linen_fp8_direct_dot_general():
+    # Flax computes scale = fp8_max / amax without rounding it to a power of two, and stores
+    # its reciprocal; it divides by that reciprocal where fp8jax multiplies by the scale, so
+    # outputs agree to float32 rounding, amax histories exactly.
+    recipe = fp8jax.DelayedScaling(history_len=16, power_of_two=False)
+    ours = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config(recipe))
+    kernel = ours.fc.kernel.get_value()
+    dims = (((1,), (0,)), ((), ()))
+    op = fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=16)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    flax_state = op.init(jax.random.key(0), x, kernel, dims)[fp8_ops.OVERWRITE_WITH_GRADIENT]
+
+    @jax.jit
+    def flax_step(state, x, c):
+        def loss(state):
+            out = op.apply({fp8_ops.OVERWRITE_WITH_GRADIENT: state}, x, kernel, dims)
+            return jnp.sum(out * c), out
+
+        (_, out), new_state = jax.value_and_grad(loss, has_aux=True)(state)
+        return out, new_state
+
+    for step in range(4):
+        x = jnp.asarray(rng.standard_normal((8, 32)) * 2.0**step, jnp.float32)
+        c = jnp.asarray(rng.standard_normal((8, 16)) * 3.0**step, jnp.float32)
+        out, grads, _ = nnx_forward_and_grads(ours, x, c)
+        out_flax, flax_state = flax_step(flax_state, x, c)
+        np.testing.assert_allclose(out, out_flax, rtol=2e-6, atol=1e-6)
+        fp8jax.nnx_update_fp8_state(ours, grads)
+        state = ours.fc.dot_general.value()
+        for role in ("input", "kernel", "output_grad"):
+            ours_role = getattr(state, role)
+            np.testing.assert_array_equal(
+                ours_role.amax_history, flax_state[f"{role}_amax_history"]
+            )
+            # The scale the next step uses: Flax stores its reciprocal.
+            np.testing.assert_allclose(
+                ours_role.scale, 1.0 / flax_state[f"{role}_scale"][0], rtol=1e-6
+            )
+        if step:
+            assert float(state.input.scale) != 1.0  # the histories are in use
+
+
+# --- max, not sum -------------------------------------------------------------------------
+
+
+def test_a_layer_used_twice_keeps_the_larger_amax():
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    rng = np.random.default_rng(4)
+    x1 = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    x2 = 7.0 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    c1 = 3.0 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    c2 = 0.5 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+
+    def twice(m):
+        return jnp.sum(m(x1) * c1) + jnp.sum(m(x2) * c2)
+
+    _, grads = fp8jax.nnx_value_and_grad(twice)(layer)
+    # The weight's own gradient still adds both uses.
+    once = [
+        fp8jax.nnx_value_and_grad(lambda m, x=x, c=c: jnp.sum(m(x) * c))(layer)[1]
+        for x, c in ((x1, c1), (x2, c2))
+    ]
+    np.testing.assert_allclose(
+        grads["fc"]["kernel"].get_value(),
+        once[0]["fc"]["kernel"].get_value() + once[1]["fc"]["kernel"].get_value(),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    fp8jax.nnx_update_fp8_state(layer, grads)
+    state = layer.fc.dot_general.value()
+    newest = {r: float(getattr(state, r).amax_history[0]) for r in ("input", "output_grad")}
+    assert newest == {
+        "input": float(jnp.maximum(jnp.abs(x1).max(), jnp.abs(x2).max())),
+        "output_grad": float(jnp.maximum(jnp.abs(c1).max(), jnp.abs(c2).max())),
+    }
+    # The state is float32 again, in the model and in the gradients.
+    for tree in (nnx.state(layer, fp8jax.Fp8State), nnx.state(grads, fp8jax.Fp8State)):
+        assert {leaf.dtype for leaf in jax.tree.leaves(tree)} == {jnp.dtype(jnp.float32)}
+
+
+def test_plain_nnx_grad_refuses_a_layer_used_twice():
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    x = jnp.ones((2, 32))
+    with pytest.raises(ValueError, match=r"FP8 layer 'fc' runs twice.*fp8jax.nnx_value_and_grad"):
+        nnx.grad(lambda m: jnp.sum(m(x)) + jnp.sum(m(2 * x)), argnums=DIFF)(layer)
+
+
+def test_the_equinox_messages_the_nnx_layer_rewords_still_read_so():
+    dot = fp8jax.Fp8DotGeneral()
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    dims = (((1,), (0,)), ((), ()))
+    with pytest.raises(ValueError, match=fp8_nnx._USED_TWICE):
+        jax.grad(lambda d: jnp.sum(d(x, w, dims)) + jnp.sum(d(x, w, dims)))(dot)
+    with pytest.raises(ValueError, match=fp8_nnx._NOT_DIFFERENTIATED):
+        jax.grad(lambda x: jnp.sum(dot(x, w, dims)))(x)
+
+
+def test_scan_over_microbatches_keeps_the_largest_amax():
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    scales = jnp.array([1.0, 5.0, 0.5])
+    xs = scales[:, None, None] * jnp.ones((3, 4, 32))
+
+    def accumulated(m):
+        @nnx.scan(in_axes=(None, 0), out_axes=0)
+        def microbatch(m, x):
+            return jnp.sum(m(x))
+
+        return jnp.sum(microbatch(m, xs))
+
+    _, grads = fp8jax.nnx_value_and_grad(accumulated)(layer)
+    assert float(grads["fc"]["dot_general"]["state"]["input"]["amax_history"][0]) == 5.0
+    # Plain nnx.grad cannot see the three uses (one per scan iteration) and adds them: the
+    # reason for nnx_value_and_grad.
+    plain = nnx.grad(accumulated, argnums=DIFF)(layer)
+    assert float(plain["fc"]["dot_general"]["state"]["input"]["amax_history"][0]) == 6.5
+
+
+def test_training_in_tree_mode_equals_graph_mode():
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((32, 64)), jnp.float32)
+    losses = {}
+    for graph in (True, False):
+        with nnx.set_graph_mode(graph):
+            model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            step = fp8jax.nnx_train_step(mse)
+            losses[graph] = [
+                float(step(model, optimizer, x, jnp.zeros((32, 32)))) for _ in range(3)
+            ]
+            state = model.fc1.dot_general.value().input
+        assert float(state.amax_history[0]) == float(jnp.abs(x).max())
+    assert losses[True] == losses[False]
+
+
+# --- the optimizer never touches FP8 state --------------------------------------------------
+
+
+def test_weight_decay_never_touches_fp8_state():
+    model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+    optimizer = nnx.Optimizer(model, optax.adamw(0.1, weight_decay=0.5), wrt=nnx.Param)
+    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(optimizer))]
+    assert paths and not any("dot_general" in p for p in paths)
+    step = fp8jax.nnx_train_step(mse)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+        y = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+        expected = nnx.clone(model)
+        _, grads = fp8jax.nnx_value_and_grad(mse)(expected, x, y)
+        fp8jax.nnx_update_fp8_state(expected, grads)
+        kernel = model.fc1.kernel.get_value()
+        step(model, optimizer, x, y)
+        assert not np.array_equal(model.fc1.kernel.get_value(), kernel)  # Params did move
+        ours = jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))
+        want = jax.tree.leaves(nnx.state(expected, fp8jax.Fp8State))
+        for a, b in zip(ours, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_train_step_refuses_an_optimizer_that_tracks_fp8_state():
+    model = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Variable)
+    with pytest.raises(ValueError, match=r"selects fp8jax.Fp8State.*wrt=nnx.Param"):
+        fp8jax.nnx_train_step(lambda m, x: jnp.sum(m(x)))(model, optimizer, jnp.ones((2, 32)))
+    with pytest.raises(TypeError, match=r"optimizer=GradientTransformation.*nnx.Optimizer"):
+        fp8jax.nnx_train_step(lambda m, x: jnp.sum(m(x)))(model, optax.adam(1.0), jnp.ones((2, 32)))
+
+
+# --- conversion -----------------------------------------------------------------------------
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_conversion_follows_the_config_and_keeps_the_original():
+    model = Model(nnx.Rngs(0))
+    converted = fp8jax.fp8_linear_layers(
+        model, fp8jax.Fp8Config(targets=r"blocks\..*", recipes={r"blocks\.1\..*": "current"})
+    )
+    assert model.blocks[0].up.dot_general is jax.lax.dot_general  # the original is kept
+    assert converted.head.dot_general is jax.lax.dot_general  # excluded by default (a head)
+    layers = {
+        f"blocks.{i}.{name}": type(getattr(converted.blocks[i], name).dot_general.recipe)
+        for i in range(2)
+        for name in ("up", "down")
+    }
+    assert layers == {
+        "blocks.0.up": fp8jax.DelayedScaling,
+        "blocks.0.down": fp8jax.DelayedScaling,
+        "blocks.1.up": fp8jax.CurrentScaling,
+        "blocks.1.down": fp8jax.CurrentScaling,
+    }
+    assert converted.blocks[1].down.dot_general.name == "blocks.1.down"
+    np.testing.assert_array_equal(
+        converted.blocks[0].up.kernel.get_value(), model.blocks[0].up.kernel.get_value()
+    )
+    # Converting again wraps nothing twice and keeps the state (here, after a step).
+    x = jnp.ones((4, 32))
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(converted)
+    fp8jax.nnx_update_fp8_state(converted, grads)
+    again = fp8jax.fp8_linear_layers(converted, fp8jax.Fp8Config(targets=r"blocks\..*"))
+    assert again.blocks[0].up.dot_general is not converted.blocks[0].up.dot_general  # a copy
+    assert_same_state(again.blocks[0].up.dot_general, converted.blocks[0].up.dot_general.value())
+    # The state is filterable by its type; nothing of it is a Param.
+    fp8_paths = {p[:3] for p, _ in nnx.to_flat_state(nnx.state(converted, fp8jax.Fp8State))}
+    assert fp8_paths == {("blocks", i, p) for i in (0, 1) for p in ("up", "down")}
+    params = nnx.state(converted, nnx.Param)
+    assert not any("dot_general" in map(str, p) for p, _ in nnx.to_flat_state(params))
+
+
+def test_a_linear_under_a_private_attribute_is_found():
+    model = OneLayer(nnx.Rngs(0))
+    model._extra = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert converted._extra.dot_general.name == "_extra"
+
+
+def test_a_shared_layer_is_converted_once():
+    model = OneLayer(nnx.Rngs(0))
+    model.again = model.fc
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert converted.again is converted.fc
+    assert converted.fc.dot_general.name == "again"  # the first path NNX's graph gives it
+
+
+def test_stacked_layers_under_nnx_scan_match_separate_layers():
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return OneLayerSquare(rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, layer):
+                return layer(x)
+
+            return body(x, self.layers)
+
+    class OneLayerSquare(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.relu(self.fc(x))
+
+    stack = fp8jax.fp8_linear_layers(Stack(nnx.Rngs(0)), config())
+    assert stack.layers.fc.dot_general.state.input.amax_history.get_value().shape == (3, 1024)
+    separate = []
+    for i in range(3):
+        one = OneLayerSquare(nnx.Rngs(0))
+        one.fc.kernel.set_value(stack.layers.fc.kernel.get_value()[i])
+        one.fc.bias.set_value(stack.layers.fc.bias.get_value()[i])
+        separate.append(fp8jax.fp8_linear_layers(one, config()))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 32)), jnp.float32)
+    for _ in range(2):
+        _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(stack)
+        fp8jax.nnx_update_fp8_state(stack, grads)
+        h = x
+        for one in separate:
+            _, g = fp8jax.nnx_value_and_grad(lambda m, h=h: jnp.sum(m(h)))(one)
+            h = one(h)  # with the state the stack's forward used
+            fp8jax.nnx_update_fp8_state(one, g)
+        # The per-layer states equal those of the separate layers (forward roles; the output
+        # gradients differ: the stack's last layer alone receives the loss's gradient).
+        stacked = stack.layers.fc.dot_general.value()
+        for i, one in enumerate(separate):
+            alone = one.fc.dot_general.value()
+            for role in ("input", "kernel"):
+                np.testing.assert_array_equal(
+                    getattr(stacked, role).amax_history[i], getattr(alone, role).amax_history
+                )
+                np.testing.assert_array_equal(
+                    getattr(stacked, role).scale[i], getattr(alone, role).scale
+                )
+
+
+def test_telemetry_of_an_nnx_model():
+    model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config(telemetry=True))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((32, 64)), jnp.float32)
+
+    def loss_and_output(m, x, y):
+        out = m(x)
+        return jnp.mean((out - y) ** 2), out
+
+    step = fp8jax.nnx_train_step(loss_and_output, has_aux=True)
+    loss, out = step(model, optimizer, x, jnp.zeros((32, 32)))
+    assert out.shape == (32, 32) and loss.shape == ()
+    stats = fp8jax.telemetry(model)
+    assert set(stats) == {"fc1", "fc2"}
+    assert float(stats["fc1"].input.amax) == float(jnp.abs(x).max())
+    assert 0.0 <= float(stats["fc1"].input.underflow) <= 1.0
+    text = fp8jax.report(model, quiet=True)
+    assert "fc1" in text and "output_grad" in text
+
+
+def test_out_sharding_is_honoured():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    with jax.set_mesh(mesh):
+        x = jax.device_put(
+            jnp.ones((16, 32)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        )
+        y = nnx.jit(lambda m, x: m.fc(x, out_sharding=jax.sharding.PartitionSpec()))(layer, x)
+    assert y.sharding.spec == jax.sharding.PartitionSpec(None, None)
+
+
+# --- nnx.Einsum -------------------------------------------------------------------------------
+
+
+class Projection(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.proj = nnx.Einsum("btd,dhk->bhtk", (32, 2, 16), (2, 16), rngs=rngs)
+
+    def __call__(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise", "residual error feedback"])
+def test_einsum_matches_the_equivalent_linear_bit_for_bit(name):
+    einsum = Projection(nnx.Rngs(0))
+    kernel = einsum.proj.kernel.get_value()  # (d, h, k): as a Linear's kernel, (d, h * k)
+    linear = _Wrapped(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
+    linear.fc.kernel.set_value(kernel.reshape(32, 32))
+    linear.fc.bias.set_value(einsum.proj.bias.get_value().reshape(32))
+    einsum = fp8jax.fp8_linear_layers(einsum, config(RECIPES[name]))
+    linear = fp8jax.fp8_linear_layers(linear, config(RECIPES[name]))
+    assert isinstance(einsum.proj.einsum_op, fp8jax.Fp8NnxEinsum)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((2, 2, 16, 16)), jnp.float32)
+    out, grads, grad_x = nnx_forward_and_grads(einsum, x, c)
+    c_flat = jnp.transpose(c, (0, 2, 1, 3)).reshape(2, 16, 32)
+    out_l, grads_l, grad_x_l = nnx_forward_and_grads(linear, x, c_flat)
+    np.testing.assert_array_equal(out, jnp.transpose(out_l.reshape(2, 16, 2, 16), (0, 2, 1, 3)))
+    np.testing.assert_array_equal(grad_x, grad_x_l)
+    np.testing.assert_array_equal(
+        grads["proj"]["kernel"].get_value().reshape(32, 32), grads_l["fc"]["kernel"].get_value()
+    )
+    fp8jax.nnx_update_fp8_state(einsum, grads)
+    fp8jax.nnx_update_fp8_state(linear, grads_l)
+    for a, b in zip(
+        jax.tree.leaves(einsum.proj.einsum_op.value()),
+        jax.tree.leaves(linear.fc.dot_general.value()),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+class _Wrapped(nnx.Module):
+    def __init__(self, linear):
+        self.fc = linear
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+def test_einsum_with_batch_and_ellipsis_axes_is_exact_on_representable_values():
+    class Experts(nnx.Module):
+        def __init__(self, rngs):
+            self.experts = nnx.Einsum("e...d,edf->e...f", (4, 32, 8), rngs=rngs)
+
+        def __call__(self, x):
+            return self.experts(x)
+
+    model = fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config("current"))
+    rng = np.random.default_rng(9)
+    kernel = representable(rng, (4, 32, 8))
+    model.experts.kernel.set_value(jnp.asarray(kernel))
+    x = representable(rng, (4, 3, 5, 32))
+    # Power-of-two current scales quantize FP8-representable values exactly, and their small
+    # dot products are exact in float32.
+    expected = np.einsum("eabd,edf->eabf", x, kernel)
+    np.testing.assert_array_equal(model(jnp.asarray(x)), expected)
+
+
+def test_einsum_dimension_numbers():
+    dims, perm = fp8_nnx.einsum_dimension_numbers("btd,dhk->bhtk", 3, 3)
+    assert dims == (((2,), (0,)), ((), ()))
+    assert perm == (0, 2, 1, 3)  # (b, t, h, k) -> (b, h, t, k)
+    dims, perm = fp8_nnx.einsum_dimension_numbers("e...d,edf->e...f", 4, 3)
+    assert dims == (((3,), (1,)), ((0,), (0,)))
+    assert perm == (0, 1, 2, 3)
+
+
+# --- the deviceless H100 compile --------------------------------------------------------------
+
+
+class Mixed(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(64, 128, rngs=rngs)
+        self.proj = nnx.Einsum("bd,hdk->bhk", (2, 128, 32), rngs=rngs)
+        self.head = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.proj(jax.nn.relu(self.fc1(x)))
+        return self.head(h.reshape(h.shape[0], -1))
+
+
+def test_nnx_train_step_runs_every_targeted_gemm_in_fp8_on_h100():
+    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    model = fp8jax.fp8_linear_layers(Mixed(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(mse)
+    # fp8jax.inspect compiles a function of arrays: split the NNX objects into a graph and
+    # its state, and return the new state (an in-place update would be compiled away).
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def pure_step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = step(model, optimizer, x, y)
+        return loss, nnx.state((model, optimizer))
+
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    y = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    report = fp8jax.assert_all_fp8(pure_step, state, x, y)
+    counts = {
+        layer: {role: len(gemms) for role, gemms in roles.items()}
+        for layer, roles in report.layers("cublas").items()
+    }
+    # The input is not differentiated, so fc1 has no dgrad; the head stays high precision.
+    assert counts == {
+        "fc1": {"fwd": 1, "wgrad": 1},
+        "proj": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+    }
+    others = [g for g in report.gemms["cublas"] if g.layer is None]
+    assert len(others) == 3 and not any(g.fp8_operands for g in others)
+
+
+# --- errors and packaging ---------------------------------------------------------------------
+
+
+def test_bad_input_errors():
+    model = Model(nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"target 'nope' matches no Linear layer.*'blocks.0.up'"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["nope"]))
+    with pytest.raises(ValueError, match=r"'norm' names 'blocks.0.norm', a LayerNorm, not a"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["norm"]))
+    with pytest.raises(ValueError, match=r"matches only modules that are not Linear.*Block"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r"blocks\.0"))
+    with pytest.raises(ValueError, match=r"selects only 'head', which exclude="):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["head"]))
+    with pytest.raises(ValueError, match=r"recipes pattern 'nope' matches no converted layer"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipes={"nope": "current"}))
+    with pytest.raises(ValueError, match=r"found no Linear layer.*flax.nnx.Linear"):
+        fp8jax.fp8_linear_layers(nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"config=.*should be an fp8jax.Fp8Config"):
+        fp8jax.fp8_linear_layers(model, {"recipe": "current"})
+    with pytest.raises(ValueError, match=r"stacked=\(0,\): should be a tuple of ints >= 1"):
+        fp8jax.Fp8NnxDotGeneral(stacked=(0,))
+
+    converted = fp8jax.fp8_linear_layers(model)
+    x = jnp.ones((2, 32))
+    with pytest.raises(
+        ValueError, match=r"'blocks.0.up' is differentiated, but its FP8 state.*DiffState"
+    ):
+        nnx.grad(lambda m: jnp.sum(m(x)))(converted)
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(converted)
+    params_only = nnx.state(grads, nnx.Param)
+    with pytest.raises(ValueError, match=r"hold no Fp8State for the FP8 layer at 'blocks.0.down'"):
+        fp8jax.nnx_update_fp8_state(converted, params_only)
+    with pytest.raises(ValueError, match=r"has no FP8 layer; convert it with"):
+        fp8jax.nnx_update_fp8_state(model, params_only)
+    with pytest.raises(TypeError, match=r"fun=3 is not callable"):
+        fp8jax.nnx_value_and_grad(3)
+    with pytest.raises(TypeError, match=r"has_aux='yes' should be True or False"):
+        fp8jax.nnx_train_step(mse, has_aux="yes")
+
+    experts = nnx.Einsum("ebd,edf->ebf", (4, 32, 8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"nnx.Einsum '' .*kernel \(4, 32, 8\).*has batch axes"):
+        fp8jax.fp8_linear_layers(experts, config(RECIPES["residual error feedback"]))
+
+    einsum = fp8jax.Fp8NnxEinsum()
+    for subscripts, kernel, message in [
+        ("bd,df", (4, 3), r"explicit two-operand equation"),
+        ("bd,d...->b", (4, 3), r"kernel's subscripts 'd...' may not hold"),
+        ("bd,dfg->bf", (4, 3, 5), r"sums axis 'g' of one operand only"),
+        ("bdd,df->bf", (4, 3), r"gives the input 3 axes \('bdd'\), but it has 2"),
+        ("bd,dd->bd", (4, 4), r"repeats an axis of the kernel"),
+        ("bd,df->bfz", (4, 3), r"output 'bfz' names an axis of neither operand"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
+
+
+def test_import_fp8jax_does_not_import_flax():
+    code = (
+        "import sys, fp8jax; assert 'flax' not in sys.modules; "
+        "assert 'Fp8State' in dir(fp8jax); fp8jax.Fp8State; assert 'flax' in sys.modules"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr
