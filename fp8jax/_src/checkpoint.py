@@ -8,6 +8,12 @@ targets or recipes fails with a message naming the difference, and never half-lo
 Two formats: one file written with `eqx.tree_serialise_leaves` (the default), or an
 orbax-checkpoint directory (`backend="orbax"`, the `orbax` extra), both with the same record.
 
+In a multi-process run (`jax.distributed.initialize`) every process calls both functions with
+the same arguments. The Equinox file is written by process 0 from arrays gathered whole to every
+process; orbax writes each process's own shards. Arrays are restored with the shardings of the
+`like` state's arrays, so a state saved by several processes restores in one, and the other
+way round.
+
 ```python
 fp8jax.save_checkpoint("ckpt.eqx", state)
 state = fp8jax.load_checkpoint("ckpt.eqx", like=train_step.init(model))
@@ -22,11 +28,13 @@ import pathlib
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from .dot_general import Fp8DotGeneral
 
@@ -119,6 +127,13 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
       they come from the `like` given to [`fp8jax.load_checkpoint`][].
     - `backend`: `"equinox"` (`eqx.tree_serialise_leaves`) or `"orbax"` (orbax-checkpoint).
+
+    **Several processes** (`jax.distributed.initialize`): every process must call it, with the
+    same `path` and a state of the same structure. With `"equinox"`, arrays that span other
+    processes' devices are gathered whole to every process (host memory for the full state on
+    each) and process 0 alone writes the file; with `"orbax"`, each process writes its own
+    shards into `path`, which must be on a file system all processes share. Every process
+    returns once the checkpoint is complete, and raises if process 0 failed to write it.
     """
     _check_backend(backend)
     path = _as_path(path, "save_checkpoint")
@@ -127,6 +142,11 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     if backend == "orbax":
         _orbax_save(path, state, record)
         return
+    state = _gather(state)
+    _on_process_zero("write the checkpoint", lambda: _equinox_save(path, state, record))
+
+
+def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     if path.is_dir():
         raise IsADirectoryError(
             f"save_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' writes a "
@@ -171,7 +191,10 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
       as before); its arrays' values are ignored, its static configuration is kept.
     - `backend`: as when saving.
 
-    **Returns:** a new state; `like` is not modified.
+    **Returns:** a new state; `like` is not modified. Each array has the sharding of the
+    corresponding array of `like` (a `jax.Array`), which may differ from the one it was saved
+    with: a checkpoint written by several processes restores in one, and the other way round.
+    With several processes every process calls it and reads `path`, which they must all see.
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences); `ValueError` for a
@@ -203,12 +226,55 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise _corrupt(path, f"its record is cut off ({total} bytes in all)")
         _check(_parse_record(f.read(size), path), expected, path)
         try:
-            restored = eqx.tree_deserialise_leaves(f, like)
+            restored = eqx.tree_deserialise_leaves(f, like, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated
             raise _corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
             raise _corrupt(path, f"it has data after the saved state ({total} bytes in all)")
         return restored
+
+
+def _deserialise(f: Any, like: Any) -> Any:
+    """A leaf read back with `like`'s sharding if `like` is a `jax.Array` (Equinox's default
+    would put it on the default device: a process-local array, in a multi-process run)."""
+    if not isinstance(like, jax.Array):
+        return eqx.default_deserialise_filter_spec(f, like)
+    value = np.load(f)
+    if value.dtype.kind == "V":  # NumPy saves bfloat16 and FP8 dtypes as raw bytes
+        value = value.view(like.dtype)
+    return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
+
+
+def _gather(state: Any) -> Any:
+    """`state` with each array that spans other processes' devices gathered to NumPy (a
+    collective: every process calls it)."""
+    return jax.tree.map(
+        lambda a: (
+            multihost_utils.process_allgather(a, tiled=True)
+            if isinstance(a, jax.Array) and not a.is_fully_addressable
+            else a
+        ),
+        state,
+    )
+
+
+def _on_process_zero(what: str, write: Callable[[], None]) -> None:
+    """Run `write()` on process 0 alone; every process returns when it has finished, and raises
+    if it failed (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        write()
+        return
+    error = None
+    if jax.process_index() == 0:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+            error = e
+    ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"save_checkpoint: process 0 failed to {what}; its error says why.")
 
 
 def _as_path(path: Any, who: str) -> pathlib.Path:
@@ -269,20 +335,29 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     ocp = _orbax()
     arrays = eqx.filter(state, eqx.is_array)
     tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+
+    def clear() -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+    def finish() -> None:
+        (tmp / _RECORD).write_bytes(record)
+        # Swap directories so that a complete checkpoint is at `path` at every moment but one
+        # rename; the previous one is removed only after the new one is in place.
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old.exists():
+            shutil.rmtree(old)
+
+    # With several processes, all of them write shards into `tmp` (orbax coordinates them);
+    # only process 0 touches the directories around it.
+    _on_process_zero("clear the temporary directory", clear)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp.absolute() / "state", arrays)
         checkpointer.wait_until_finished()
-    (tmp / _RECORD).write_bytes(record)
-    # Swap directories so that a complete checkpoint is at `path` at every moment but one
-    # rename; the previous one is removed only after the new one is in place.
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old.exists():
-        shutil.rmtree(old)
+    _on_process_zero("write the checkpoint", finish)
 
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:
