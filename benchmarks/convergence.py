@@ -36,7 +36,7 @@ from fp8jax.examples import train_gpt
 from fp8jax.examples.data import kjv_bytes, split
 from fp8jax.examples.gpt import GPTConfig
 
-BARS = {"residual": 0.001}
+BARS = {"residual": 0.001, "residual-e5m2": 0.001}
 DEFAULT_BAR = 0.005
 #: The bars as `train_gpt.plot` draws them in `val_gap.png`.
 PLOTTED_BARS = ((DEFAULT_BAR, "--", "±0.5 % bar"), (BARS["residual"], ":", "±0.1 % bar (residual)"))
