@@ -3,6 +3,8 @@ the optimizer kept off the FP8 state, and the deviceless H100 compile of an NNX 
 
 import functools
 import os
+import pathlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -496,6 +498,51 @@ def test_telemetry_of_an_nnx_model():
     assert "fc1" in text and "output_grad" in text
 
 
+def test_telemetry_of_an_nnx_model_equals_that_of_the_equinox_model():
+    net = NnxNet((64, 32, 32), nnx.Rngs(0))
+    ours = fp8jax.fp8_linear_layers(net, config(telemetry=True))
+    optimizer = nnx.Optimizer(ours, optax.adam(1e-2), wrt=nnx.Param)
+    theirs = fp8jax.fp8_linear_layers(eqx_net(net), config(telemetry=True))
+    tx = optax.adam(1e-2)
+    _, trainable = fp8jax.partition_for_grad_overwrite(theirs)
+    opt_state = tx.init(eqx.filter(trainable, eqx.is_inexact_array))
+    rng = np.random.default_rng(11)
+    # Large enough that E4M3 saturates at the initial scale of 1: the statistics are not 0.
+    x = jnp.asarray(rng.standard_normal((32, 64)) * 300, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    fp8jax.nnx_train_step(mse)(ours, optimizer, x, y)
+    theirs, _, _ = eqx.filter_jit(make_train_step(mse, tx))(theirs, opt_state, x, y)
+
+    stats, expected = fp8jax.telemetry(ours), fp8jax.telemetry(theirs)
+    assert list(stats) == list(expected) == ["fc1", "fc2"]
+    assert jax.tree.structure(stats) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(expected), strict=True):
+        assert type(a) is type(b)  # arrays, not the Fp8State variables holding them
+        np.testing.assert_array_equal(a, b)
+    assert float(stats["fc1"].input.saturated) > 0
+    assert fp8jax.report(ours, quiet=True) == fp8jax.report(theirs, quiet=True)
+    # Traceable, as for Equinox: inside a jitted function it reads the traced state.
+    traced = nnx.jit(fp8jax.telemetry)(ours)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(stats), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_telemetry_names_nnx_layers_as_equinox_layers():
+    # A layer with no path is named by its position, as in Equinox (not 'dot_general.state').
+    linear = fp8jax.fp8_linear_layers(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), config())
+    eqx_linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(8, 4, key=jax.random.key(0)), config())
+    assert list(fp8jax.telemetry(linear)) == list(fp8jax.telemetry(eqx_linear)) == ["dot_general"]
+    # A shared layer is one layer, under the name conversion gave it.
+    model = OneLayer(nnx.Rngs(0))
+    model.again = model.fc
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert list(fp8jax.telemetry(converted)) == ["again"]
+    # NNX gradients hold the new state but not the recipe: the model is what to pass.
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(jnp.ones((2, 32)))))(converted)
+    with pytest.raises(ValueError, match=r"holds fp8jax.Fp8State.*nnx_update_fp8_state"):
+        fp8jax.telemetry(grads)
+
+
 def test_out_sharding_is_honoured():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
@@ -599,35 +646,99 @@ class Mixed(nnx.Module):
         return self.head(h.reshape(h.shape[0], -1))
 
 
-def test_nnx_train_step_runs_every_targeted_gemm_in_fp8_on_h100():
-    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
-    model = fp8jax.fp8_linear_layers(Mixed(nnx.Rngs(0)))
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-    step = fp8jax.nnx_train_step(mse)
-    # fp8jax.inspect compiles a function of arrays: split the NNX objects into a graph and
-    # its state, and return the new state (an in-place update would be compiled away).
-    graphdef, state = nnx.split((model, optimizer))
-
-    @jax.jit
-    def pure_step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss = step(model, optimizer, x, y)
-        return loss, nnx.state((model, optimizer))
-
-    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
-    y = jax.ShapeDtypeStruct((32, 16), jnp.float32)
-    report = fp8jax.assert_all_fp8(pure_step, state, x, y)
-    counts = {
+def gemm_counts(report: fp8jax.Inspection) -> dict[str, dict[str, int]]:
+    return {
         layer: {role: len(gemms) for role, gemms in roles.items()}
         for layer, roles in report.layers("cublas").items()
     }
+
+
+def test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100():
+    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    model = fp8jax.fp8_linear_layers(Mixed(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = fp8jax.nnx_value_and_grad(mse)(model, x, y)
+        fp8jax.nnx_update_fp8_state(model, grads)
+        optimizer.update(model, grads)
+        return loss
+
+    # The step updates model and optimizer in place; inspect compiles it with their new state
+    # as outputs, so that the backward pass and the update are not compiled away.
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    y = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    report = fp8jax.assert_all_fp8(train_step, model, optimizer, x, y)
     # The input is not differentiated, so fc1 has no dgrad; the head stays high precision.
-    assert counts == {
+    assert gemm_counts(report) == {
         "fc1": {"fwd": 1, "wgrad": 1},
         "proj": {"fwd": 1, "dgrad": 1, "wgrad": 1},
     }
     others = [g for g in report.gemms["cublas"] if g.layer is None]
     assert len(others) == 3 and not any(g.fp8_operands for g in others)
+    # Nothing ran: the objects passed are as they were.
+    assert int(optimizer.step.get_value()) == 0
+    assert float(model.fc1.dot_general.value().input.amax_history[0]) == 0.0
+
+
+def test_inspect_lowers_nnx_objects_as_state_in_and_out():
+    # What fp8jax.inspect compiles for NNX arguments, run here: objects anywhere among the
+    # arguments (keywords and containers too) go in as state, and their new state comes out.
+    layer = OneLayer(nnx.Rngs(0))
+    counter = nnx.Variable(jnp.zeros(()))
+    layer.counter = counter  # shared by two arguments: one variable, updated once
+
+    def step(layer, x, *, extra):
+        extra["counter"][...] += 1.0
+        layer.fc.kernel[...] *= 2.0
+        return jnp.sum(layer(x))
+
+    kernel = layer.fc.kernel.get_value()
+    pure, args, kwargs = inspect_module._split_graph_nodes(
+        step, (layer, jnp.ones((1, 32))), {"extra": {"counter": counter}}
+    )
+    loss, state = jax.jit(pure)(*args, **kwargs)
+    np.testing.assert_allclose(loss, jnp.sum(2.0 * kernel), rtol=1e-6)  # the doubled kernel
+    np.testing.assert_array_equal(state[0]["fc"]["kernel"].get_value(), 2.0 * kernel)
+    # The shared variable is in the state once, under its first path.
+    assert float(state[0]["counter"].get_value()) == 1.0
+    assert [p for p, _ in nnx.to_flat_state(state) if "counter" in p] == [(0, "counter")]
+    # The objects passed are left as they were.
+    np.testing.assert_array_equal(layer.fc.kernel.get_value(), kernel)
+    assert float(counter.get_value()) == 0.0
+    # Without NNX objects, the function is lowered as it is.
+    assert inspect_module._split_graph_nodes(mse, (1, 2), {}) == (mse, (1, 2), {})
+
+
+def test_nnx_train_step_compiles_the_gemms_of_the_equinox_step_on_h100():
+    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    net = NnxNet((64, 32, 32), nnx.Rngs(0))
+
+    def build():
+        model = fp8jax.fp8_linear_layers(net, config())
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    # Only shapes matter: the model and the optimizer may be abstract, as for a model too
+    # large to build on this machine.
+    ours, optimizer = nnx.eval_shape(build)
+    assert isinstance(ours.fc1.kernel.get_value(), jax.ShapeDtypeStruct)
+    theirs = fp8jax.fp8_linear_layers(eqx_net(net), config())
+    tx = optax.adam(1e-3)
+    _, trainable = fp8jax.partition_for_grad_overwrite(theirs)
+    opt_state = tx.init(eqx.filter(trainable, eqx.is_inexact_array))
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    y = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    modes = ("cublas",)
+    step = fp8jax.nnx_train_step(mse)
+    report = fp8jax.assert_all_fp8(fp8jax.inspect(step, ours, optimizer, x, y, modes=modes))
+    expected = fp8jax.inspect(make_train_step(mse, tx), theirs, opt_state, x, y, modes=modes)
+    assert gemm_counts(report) == gemm_counts(expected)
+    assert gemm_counts(report) == {
+        "fc1": {"fwd": 1, "wgrad": 1},
+        "fc2": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+    }
+    assert report.count("cublas") == expected.count("cublas") == (5, 5)
 
 
 # --- errors and packaging ---------------------------------------------------------------------
@@ -684,6 +795,39 @@ def test_bad_input_errors():
     ]:
         with pytest.raises(ValueError, match=message):
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx.md"
+
+
+def test_the_docs_example_runs(capsys):
+    """docs/nnx.md's Python blocks, run in order in one namespace, as a reader would: the page
+    cannot rot. The blocks keep their line numbers in docs/nnx.md for tracebacks."""
+    text = DOCS.read_text()
+    blocks = [
+        (text.count("\n", 0, m.start(1)), m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    ]
+    assert len(blocks) == 4  # convert and train, by hand, plain nnx.value_and_grad, inspect
+    namespace: dict[str, Any] = {"__name__": "docs_nnx"}
+    for line, block in blocks:
+        exec(compile("\n" * line + block, str(DOCS), "exec"), namespace)
+    model, optimizer, loss = namespace["model"], namespace["optimizer"], namespace["loss"]
+    out = capsys.readouterr().out
+    # The report shows the FP8 layers (the head is excluded by default), and the inspection
+    # their 5 GEMMs (2 forward, 1 dgrad: the input gets none, 2 wgrad) in FP8, the head's 3 not.
+    assert list(fp8jax.telemetry(model)) == ["fc1", "fc2"]
+    assert out.startswith(fp8jax.report(model, quiet=True))
+    assert "[cublas] 5 of 8 GEMMs run on FP8 tensor cores" in out
+    assert float(loss) < 1.5  # trained: ln(10) = 2.3 at the start
+    assert int(optimizer.step.get_value()) == 100
+    # The hand-written step and plain nnx.value_and_grad run on real batches too.
+    x = jax.random.normal(jax.random.key(1), (128, 64))
+    y = x[:, :10].argmax(axis=-1)
+    assert np.isfinite(float(namespace["train_step"](model, optimizer, x, y)))
+    _, grads = namespace["grad_fn"](model, x, y)
+    fp8jax.nnx_update_fp8_state(model, grads)
+    assert int(optimizer.step.get_value()) == 101
 
 
 def test_import_fp8jax_does_not_import_flax():

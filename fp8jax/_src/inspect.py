@@ -33,6 +33,7 @@ import importlib.resources
 import math
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -319,9 +320,49 @@ def _mesh_of(dynamic: Any) -> jax.sharding.Mesh | None:
     return None
 
 
+def _split_graph_nodes(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """`fn` and its arguments with the Flax NNX objects among them (modules, optimizers,
+    variables, at any depth) replaced by their state: a pure function that merges the
+    objects, calls `fn`, and returns its output with the objects' new state.
+
+    NNX updates objects in place. Lowered as it is, a train step that updates a model and
+    its optimizer returns only its loss, and XLA drops the backward pass and the update as
+    dead code; returning the state keeps every GEMM the step runs. The objects are split
+    together, so a variable two of them share stays one. Flax is looked up in `sys.modules`:
+    when it was never imported no NNX object exists, and `fn` is returned as it is.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return fn, args, kwargs
+
+    def is_node(x: Any) -> bool:
+        return isinstance(x, nnx.Pytree | nnx.Variable)
+
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+    where = [i for i, leaf in enumerate(leaves) if is_node(leaf)]
+    if not where:
+        return fn, args, kwargs
+    graphdef, state = nnx.split(tuple(leaves[i] for i in where), graph=True)
+    rest = [None if is_node(leaf) else leaf for leaf in leaves]
+
+    def pure(state: Any, rest: list) -> tuple[Any, Any]:
+        nodes = nnx.merge(graphdef, state)
+        filled = list(rest)
+        for i, node in zip(where, nodes, strict=True):
+            filled[i] = node
+        a, k = jax.tree.unflatten(treedef, filled)
+        out = fn(*a, **k)
+        return out, nnx.state(nodes, graph=True)
+
+    return pure, (state, rest), {}
+
+
 def _lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None):
     """`fn(*args, **kwargs)` lowered with its array leaves abstract: on `device` if given,
-    or replicated over the mesh of the arguments that carry a `NamedSharding`."""
+    or replicated over the mesh of the arguments that carry a `NamedSharding`. Flax NNX
+    objects among the arguments are lowered as their state, which the function returns
+    updated (`_split_graph_nodes`)."""
+    fn, args, kwargs = _split_graph_nodes(fn, args, kwargs)
     dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
     mesh = _mesh_of(dynamic) if device is not None else None
 
@@ -358,7 +399,11 @@ def inspect(
 
     - `fn`: any function, jitted or not (a whole train step, say). Its arguments may be arrays,
       `jax.ShapeDtypeStruct`s or pytrees of them with other leaves (an Equinox model): only
-      shapes and dtypes are used; nothing runs.
+      shapes and dtypes are used; nothing runs. They may be Flax NNX objects (an `nnx.Module`,
+      an `nnx.Optimizer`) that `fn` updates in place, as a step from
+      [`fp8jax.nnx_train_step`][] or an `nnx.jit` function does: they are compiled as their
+      state, which the compiled program returns updated, so the backward pass and the update
+      are compiled too, and the objects passed are left as they were.
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of

@@ -570,6 +570,7 @@ def nnx_train_step(
     step = fp8jax.nnx_train_step(loss_fn)
     for x, y in batches:
         loss = step(model, optimizer, x, y)
+    fp8jax.assert_all_fp8(step, model, optimizer, x, y)  # every FP8 GEMM, on an H100 compile
     ```
     """
     if not callable(loss_fn):

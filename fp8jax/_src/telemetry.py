@@ -15,6 +15,7 @@ fp8jax.report(model, loss_scale=loss_scale)
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import equinox as eqx
@@ -79,8 +80,14 @@ def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
     return LayerTelemetry(**operands, recipe=type(dot.recipe).__name__, formats=formats)
 
 
-def _is_dot(x: Any) -> bool:
-    return isinstance(x, Fp8DotGeneral)
+def _nnx() -> Any:
+    """fp8jax's Flax NNX module if it was imported, else `None`.
+
+    No NNX FP8 layer exists before that module is imported (converting an NNX model imports
+    it), so looking it up in `sys.modules` tells NNX models apart without importing flax:
+    `import fp8jax` stays free of it.
+    """
+    return sys.modules.get(f"{__package__}.nnx")
 
 
 def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
@@ -89,6 +96,11 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     **Arguments:**
 
     - `tree`: a model, or gradients of one (their FP8 state is the state the step produced).
+      A Flax NNX model is read like an Equinox one: its FP8 layers
+      ([`fp8jax.Fp8NnxDotGeneral`][]) report the values of their [`fp8jax.Fp8State`][]
+      variables, as arrays; a layer shared by two places is reported once. (Its gradients,
+      an `nnx.State`, carry no recipe: pass the model after
+      [`fp8jax.nnx_update_fp8_state`][].)
 
     **Returns:** a dict from the layer's name (its path, as `fp8_linear_layers` set it, or its
     position in `tree` for a layer without one) to its telemetry: a pytree of arrays, computed
@@ -99,21 +111,47 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     stats["layers.0"].output_grad.saturated   # fraction of gradients clipped at E5M2's max
     ```
     """
-    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_dot)[0]
+    nnx_module = _nnx()
+    nnx_layer = None if nnx_module is None else nnx_module.Fp8NnxDotGeneral
+
+    def is_layer(x: Any) -> bool:
+        return isinstance(x, Fp8DotGeneral) or (nnx_layer is not None and isinstance(x, nnx_layer))
+
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)[0]
     layers: dict[str, LayerTelemetry] = {}
+    seen: set[int] = set()
     for path, node in found:
-        if not _is_dot(node):
+        if not is_layer(node):
             continue
+        if not isinstance(node, Fp8DotGeneral):
+            # An NNX layer: flattening meets a shared one under each of its paths; report it
+            # once, under the first (the name fp8_linear_layers gave it).
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            node = node.value()  # arrays, not the Fp8State variables holding them
         name = node.name or jax.tree_util.keystr(path).lstrip(".")
         if name in layers:
             name = jax.tree_util.keystr(path).lstrip(".")
         layers[name] = _layer(node)
     if not layers:
+        hint = "pass a model converted with fp8_linear_layers, or its gradients"
+        if nnx_module is not None and _holds(tree, nnx_module.Fp8State, nnx_module._is_variable):
+            hint = (
+                "it holds fp8jax.Fp8State variables but no layer (NNX gradients, or an "
+                "nnx.State, do not say which recipe made them): pass the NNX model itself, "
+                "after fp8jax.nnx_update_fp8_state"
+            )
         raise ValueError(
-            f"fp8jax.telemetry: no Fp8DotGeneral in the {type(tree).__name__} given; pass a "
-            "model converted with fp8_linear_layers, or its gradients."
+            f"fp8jax.telemetry: no Fp8DotGeneral in the {type(tree).__name__} given; {hint}."
         )
     return layers
+
+
+def _holds(tree: Any, kind: type, is_variable: Callable[[Any], bool]) -> bool:
+    """Whether one of the NNX variables in `tree` is a `kind`."""
+    leaves = jax.tree.leaves(tree, is_leaf=is_variable)
+    return any(isinstance(leaf, kind) for leaf in leaves)
 
 
 def _percent(value: Any) -> str:
