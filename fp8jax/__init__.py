@@ -23,6 +23,8 @@ from ._src.formats import quantize as quantize
 from ._src.grad import combine_by_max as combine_by_max
 from ._src.grad import filter_grad as filter_grad
 from ._src.grad import filter_value_and_grad as filter_value_and_grad
+from ._src.grouped import Fp8RaggedDot as Fp8RaggedDot
+from ._src.grouped import GroupedLinear as GroupedLinear
 from ._src.inspect import Collective as Collective
 from ._src.inspect import Fp8InspectionError as Fp8InspectionError
 from ._src.inspect import Gemm as Gemm
@@ -127,9 +129,11 @@ __all__ = [
     "Fp8InspectionError",
     "Fp8NnxDotGeneral",
     "Fp8NnxEinsum",
+    "Fp8RaggedDot",
     "Fp8State",
     "Fp8Stats",
     "Gemm",
+    "GroupedLinear",
     "Inspection",
     "KernelCost",
     "LayerTelemetry",

@@ -407,16 +407,18 @@ def _gemm(recipe: Recipe, precision: Any, static: Static, x: Array, w: Array, st
     return name_gemm_output(out)
 
 
-def _check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> None:
+def _check_state_differentiated(
+    recipe: Recipe, static: Static, x, w, states, kind: str = "Fp8DotGeneral"
+) -> None:
     """Raise if gradients flow through this GEMM while its state, which its numerics read,
     is not differentiated: its new value could not leave the step, and the scales would stay
-    as they are forever."""
+    as they are forever. `kind` names a layer without a name."""
     leaves = jax.tree.leaves(states)
     if not recipe.reads_state or any(leaf.perturbed for leaf in leaves):
         return
     if not (x.perturbed or w.perturbed):
         return
-    layer = f"FP8 layer {static.name!r}" if static.name else "An Fp8DotGeneral"
+    layer = f"FP8 layer {static.name!r}" if static.name else f"An {kind}"
     raise ValueError(
         f"{layer} ({type(recipe).__name__}) is differentiated, but its FP8 state is not: its "
         "new scales and amax history leave the step as the state's gradient, so they would "
@@ -484,13 +486,14 @@ def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
 _USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_single_use(leaves: list, name: str) -> None:
+def _check_single_use(leaves: list, name: str, kind: str = "Fp8DotGeneral") -> None:
     """Raise if this FP8 state already entered a GEMM under the same differentiation.
 
     JAX adds the cotangents of a value used twice; for FP8 state, whose cotangent is its new
     value, that adds the amaxes of the two uses (and their scales). Only the max-combining
     view of [`fp8jax.filter_value_and_grad`][] combines them correctly. Seen at trace time:
-    the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs.
+    the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs. `kind`
+    names a layer without a name.
     """
     leaf = leaves[0]
     trace = jax_private.differentiation_trace(leaf)
@@ -499,7 +502,7 @@ def _check_single_use(leaves: list, name: str) -> None:
     seen = _USES.setdefault(trace, {})
     earlier = seen.get(id(leaf))
     if earlier is not None and earlier() is leaf:
-        layer = f"FP8 layer {name!r}" if name else "An Fp8DotGeneral"
+        layer = f"FP8 layer {name!r}" if name else f"An {kind}"
         raise ValueError(
             f"{layer} runs twice in one differentiated step (a shared or reused layer), "
             "under a gradient that would add its two amaxes and scales instead of keeping the "

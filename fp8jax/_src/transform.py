@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from .dot_general import Fp8DotGeneral
+from .grouped import Fp8RaggedDot, GroupedLinear
 from .nn import Linear
 from .recipes import Recipe, recipe_from
 
@@ -157,6 +158,8 @@ def _haliax_nn() -> Any:
 def _kind(node: Any, hnn: Any) -> str | None:
     if isinstance(node, eqx.nn.Linear | Linear):
         return "linear"
+    if isinstance(node, GroupedLinear):
+        return "grouped"
     if hnn is not None:
         if isinstance(node, hnn.Linear):
             return "linear"
@@ -176,15 +179,17 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
 def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Every pytree node with its path, not descending into Linears."""
     yield path, node
-    if _kind(node, hnn) == "linear" or isinstance(node, jax.Array):
+    if _kind(node, hnn) in ("linear", "grouped") or isinstance(node, jax.Array):
         return
     for key, child in _children(node):
         yield from _walk(child, path + (_key_name(key),), hnn)
 
 
 def _is_fp8(linear: Any) -> bool:
-    return isinstance(linear, Linear) or isinstance(
-        getattr(linear, "dot_general", None), Fp8DotGeneral
+    return (
+        isinstance(linear, Linear)
+        or isinstance(getattr(linear, "dot_general", None), Fp8DotGeneral)
+        or isinstance(getattr(linear, "ragged_dot", None), Fp8RaggedDot)
     )
 
 
@@ -246,6 +251,17 @@ def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[st
     )
 
 
+def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...]) -> GroupedLinear:
+    """`layer` with an `Fp8RaggedDot` as its `ragged_dot`, its state stacked like the weight
+    when the layer is a stack of them (weights `(*layers, experts, in, out)`)."""
+    lead = layer.weight.shape[:-3]
+    dot = Fp8RaggedDot(
+        config.recipe_for(path), num_experts=layer.weight.shape[-3], name=".".join(path)
+    )
+    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)
+    return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)
+
+
 def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     """Convert the Linear layers of `tree` selected by `config` into FP8 layers.
 
@@ -255,6 +271,11 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
       `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
     - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
       be applied in a `lax.scan`) get FP8 state stacked the same way.
+    - The experts of a mixture of experts, [`fp8jax.GroupedLinear`][], get an
+      [`fp8jax.Fp8RaggedDot`][] (per-expert kernel state) as their `ragged_dot`; they are
+      targeted, excluded and given recipes by name like Linears. Routers and gates are
+      Linears, excluded by default. Their recipe must be one with a grouped GEMM (delayed,
+      current, blockwise, MXFP8); `telemetry` is not kept for them.
     - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` gets a
       [`fp8jax.Fp8NnxDotGeneral`][] as its `dot_general` and `nnx.Einsum` an
       [`fp8jax.Fp8NnxEinsum`][] as its `einsum_op`, their state in [`fp8jax.Fp8State`][]
@@ -287,7 +308,7 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
         return fp8_nnx_linear_layers(tree, config)
     hnn = _haliax_nn()
     nodes = list(_walk(tree, (), hnn))
-    linears = [(p, n) for p, n in nodes if _kind(n, hnn) == "linear"]
+    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped")]
     chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
@@ -305,6 +326,8 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
                 config.telemetry,
             )
             return dataclasses.replace(node, dot_general=dot)
+        if kind == "grouped":
+            return node if path not in chosen or _is_fp8(node) else _fp8_grouped(node, config, path)
         if kind == "stacked":
             inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
             return dataclasses.replace(node, stacked=inner)
@@ -366,7 +389,8 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
     if not linears:
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
-            "haliax.nn.Linear and, in an nnx.Module, flax.nnx.Linear and flax.nnx.Einsum."
+            "haliax.nn.Linear, fp8jax.GroupedLinear (experts) and, in an nnx.Module, "
+            "flax.nnx.Linear and flax.nnx.Einsum."
         )
     if config.targets is None:
         return

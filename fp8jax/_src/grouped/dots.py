@@ -1,0 +1,405 @@
+"""FP8 ragged dots: the three GEMMs of a grouped (mixture-of-experts) layer, on FP8 operands.
+
+Tokens are the rows of the activation, sorted by expert: `group_sizes[e]` consecutive rows
+belong to expert `e`. Two shapes of ragged dot cover the three GEMMs:
+
+- **rows** (forward and dgrad): `lhs (M, C) . rhs[e] (F, C)` for each row's expert `e`,
+  contracting `C`, into `(M, F)`; `lax.ragged_dot_general` with the rows ragged;
+- **tokens** (wgrad): `lhs[rows of e]^T . rhs[rows of e]` for every expert, contracting the
+  tokens, into `(G, A, B)`; `lax.ragged_dot_general` with the contracting axis ragged.
+
+Both operands reach the ragged dot as FP8 arrays; the scales are applied to its float32 (or
+output-dtype) result. Per-tensor recipes run one ragged dot per GEMM: a row of the forward and
+the dgrad is scaled by its own expert's kernel scale, and the wgrad by one scalar. Block
+recipes cut the contraction into chunks of their block size and run one ragged dot per chunk
+(several chunks per dot as a batch axis, in a `lax.scan` with a float32 accumulator, as
+`fp8jax._src.recipes.blocks.block_dot` does for dense GEMMs), each partial scaled by its
+blocks' scales: DeepSeek-V3's promotion of the accumulation to float32 every 128 elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jaxtyping import Array, Float, Int
+
+from ..recipes import BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, QTensor, Recipe
+from ..recipes.base import Axis
+from ..recipes.blocks import _contract_last, _pad_to_blocks
+
+#: Recipes with an FP8 grouped GEMM, by name.
+SUPPORTED = "DelayedScaling, CurrentScaling, BlockwiseScaling and MXFP8"
+
+# lhs (M, C) . rhs (G, F, C): both contract C; rhs grouped on axis 0, lhs ragged on its rows.
+_ROWS = lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
+# lhs (M, A) . rhs (M, B) contracting the ragged rows: output (G, A, B).
+_TOKENS = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
+
+
+def _prefix_dims(dims: lax.RaggedDotDimensionNumbers, lhs_ndim: int) -> list[int]:
+    """The lhs axes a full `group_sizes` spans before its group axis (`lax.ragged_dot_general`:
+    the batch axes, then the non-contracting or contracting axes outer to the ragged one)."""
+    (contract, _), (batch, _) = dims.dot_dimension_numbers
+    (ragged,) = dims.lhs_ragged_dimensions
+    if ragged in contract:
+        return [*batch, *contract[: list(contract).index(ragged)]]
+    free = [a for a in range(lhs_ndim) if a not in contract and a not in batch]
+    return [*batch, *free[: free.index(ragged)]]
+
+
+def _with_batch_axis(dims: lax.RaggedDotDimensionNumbers) -> lax.RaggedDotDimensionNumbers:
+    """`dims` for operands with a new leading batch axis."""
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+
+    def up(axes: Any) -> tuple[int, ...]:
+        return tuple(a + 1 for a in axes)
+
+    return lax.RaggedDotDimensionNumbers(
+        ((up(lc), up(rc)), ((0, *up(lb)), (0, *up(rb)))),
+        up(dims.lhs_ragged_dimensions),
+        up(dims.rhs_group_dimensions),
+    )
+
+
+def ragged_dot_general(
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    dims: lax.RaggedDotDimensionNumbers,
+    precision: Any,
+    preferred_element_type: Any,
+) -> Array:
+    """`lax.ragged_dot_general`, also under `vmap` when some operands are not mapped.
+
+    JAX 0.10 batches a ragged dot only when all three operands are mapped on axis 0 (else
+    "ragged_dot vmap over any dim but 0 - NYI"); the experts' kernels usually are not. The
+    mapped axis becomes a batch axis of the ragged dot (merged into its leading batch axis
+    when it has one), the unmapped operands broadcast along it; nested `vmap`s are handled
+    one level at a time."""
+
+    def plain(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+        return lax.ragged_dot_general(
+            lhs,
+            rhs,
+            group_sizes,
+            dims,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+
+    @custom_vmap
+    def dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+        return plain(lhs, rhs, group_sizes)
+
+    @dot.def_vmap
+    def _rule(axis_size, in_batched, lhs, rhs, group_sizes):
+        lhs, rhs, group_sizes = (
+            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip((lhs, rhs, group_sizes), in_batched, strict=True)
+        )
+        contracting = dims.lhs_ragged_dimensions[0] in dims.dot_dimension_numbers[0][0]
+        if dims.dot_dimension_numbers[1] == ((0,), (0,)):
+            # Already batched on axis 0 of both: the mapped axis joins that batch axis (XLA's
+            # GPU ragged-dot rewriter mis-shapes a ragged dot with two batch axes).
+            batch = lhs.shape[1]
+            if group_sizes.ndim == 2:  # (mapped, G): one set of sizes for the whole batch
+                group_sizes = jnp.broadcast_to(
+                    group_sizes[:, None], (axis_size, batch, group_sizes.shape[-1])
+                )
+            lhs, rhs, group_sizes = (
+                a.reshape((axis_size * batch, *a.shape[2:])) for a in (lhs, rhs, group_sizes)
+            )
+            out = ragged_dot_general(lhs, rhs, group_sizes, dims, precision, preferred_element_type)
+            if contracting:  # groups first: (G, mapped * batch, ...)
+                out = out.reshape((out.shape[0], axis_size, batch, *out.shape[2:]))
+                return jnp.moveaxis(out, 1, 0), True
+            return out.reshape((axis_size, batch, *out.shape[1:])), True
+        batched_dims = _with_batch_axis(dims)
+        if group_sizes.ndim == 2:  # (mapped, G), broadcast over the rest of the prefix
+            prefix = _prefix_dims(batched_dims, lhs.ndim)
+            shape = (*(lhs.shape[a] for a in prefix), group_sizes.shape[-1])
+            extra = (1,) * (len(prefix) - 1)
+            group_sizes = jnp.broadcast_to(
+                group_sizes.reshape(axis_size, *extra, group_sizes.shape[-1]), shape
+            )
+        out = ragged_dot_general(
+            lhs, rhs, group_sizes, batched_dims, precision, preferred_element_type
+        )
+        if contracting:
+            out = jnp.moveaxis(out, 1, 0)  # contracting mode puts the groups first
+        return out, True
+
+    return dot(lhs, rhs, group_sizes)
+
+
+def check_recipe(recipe: Recipe, name: str = "") -> None:
+    """Raise `ValueError` unless `recipe` has an FP8 grouped GEMM here."""
+    layer = f"FP8 grouped layer {name!r}" if name else "Fp8RaggedDot"
+    if isinstance(recipe, BlockwiseScaling) and recipe.native_kernel:
+        raise ValueError(
+            f"{layer}: BlockwiseScaling(native_kernel=True) has no native grouped GEMM yet; "
+            "grouped GEMMs run on XLA's path. Use native_kernel=None or False."
+        )
+    if not isinstance(recipe, PerTensorRecipe | BlockScaledRecipe):
+        raise ValueError(
+            f"{layer}: recipe {type(recipe).__name__} has no FP8 grouped GEMM; use one of "
+            f"{SUPPORTED} (with fp8_linear_layers, give the expert layers one of these in "
+            "Fp8Config(recipes={...}))."
+        )
+
+
+def expert_of_rows(group_sizes: Int[Array, " G"], rows: int) -> Int[Array, " rows"]:
+    """The expert each row belongs to. Rows past the last group (when the sizes sum to less
+    than `rows`) get the last expert; the ragged dot gives them zeros whatever their scale."""
+    ends = jnp.cumsum(group_sizes)
+    index = jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right")
+    return jnp.minimum(index, group_sizes.shape[0] - 1)
+
+
+def chunk_group_sizes(
+    group_sizes: Int[Array, " G"], chunks: int, chunk: int
+) -> Int[Array, "chunks G"]:
+    """How many rows of each group fall in each chunk of `chunk` consecutive rows."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    lo = jnp.arange(chunks, dtype=ends.dtype)[:, None] * chunk
+    hi = lo + chunk
+    return jnp.maximum(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0)
+
+
+def _scaled(dot: Callable[[Any], Array], scale: Array, out_dtype: Any, exact_scales: bool) -> Array:
+    """`dot(accumulator_dtype) * scale` in `out_dtype`, as `per_tensor_dot` forms it: the FP8
+    dot writes `out_dtype` and is scaled there when that is exact (float32, or power-of-two
+    scales in a type with float32's range); otherwise in float32, then converted."""
+    out_dtype = jnp.dtype(out_dtype)
+    f32 = jnp.finfo(jnp.float32)
+    direct = out_dtype == f32.dtype or (exact_scales and jnp.finfo(out_dtype).maxexp >= f32.maxexp)
+    if direct:
+        return dot(out_dtype) * scale.astype(out_dtype)
+    return (dot(jnp.float32) * scale).astype(out_dtype)
+
+
+def _rows_dims(rhs_axis: Axis) -> lax.RaggedDotDimensionNumbers:
+    """`_ROWS` for a per-expert `rhs (G, ., .)` contracted on `rhs_axis`."""
+    return lax.RaggedDotDimensionNumbers((((1,), (3 + rhs_axis,)), ((), ())), (0,), (0,))
+
+
+def per_tensor_rows(
+    lhs: QTensor,
+    rhs: QTensor,
+    rhs_axis: Axis,
+    group_sizes: Int[Array, " G"],
+    experts: Int[Array, " M"],
+    precision: Any,
+    out_dtype: Any,
+    exact_scales: bool,
+) -> Float[Array, "M F"]:
+    """The rows GEMM of per-tensor FP8 operands: `lhs (M, C)` with one scale, `rhs (G, ., .)`
+    with one scale per expert, contracted on `rhs_axis`. Row `m` of the result is scaled by
+    `lhs.scale_inv * rhs.scale_inv[experts[m]]`."""
+    scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)[experts]
+    dims = _rows_dims(rhs_axis)
+
+    def dot(dtype: Any) -> Array:
+        return ragged_dot_general(lhs.data, rhs.data, group_sizes, dims, precision, dtype)
+
+    return _scaled(dot, scale[:, None], out_dtype, exact_scales)
+
+
+def per_tensor_tokens(
+    lhs: QTensor,
+    rhs: QTensor,
+    group_sizes: Int[Array, " G"],
+    precision: Any,
+    out_dtype: Any,
+    exact_scales: bool,
+) -> Float[Array, "G A B"]:
+    """The tokens GEMM of per-tensor FP8 operands `lhs (M, A)`, `rhs (M, B)`: one scalar
+    scale for all experts."""
+    scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
+
+    def dot(dtype: Any) -> Array:
+        return ragged_dot_general(lhs.data, rhs.data, group_sizes, _TOKENS, precision, dtype)
+
+    return _scaled(dot, scale, out_dtype, exact_scales)
+
+
+def _shared_chunk(a: int, b: int, what: str) -> int:
+    if a != b:
+        raise ValueError(
+            f"grouped block GEMM: the operands' blocks along the {what} are {a} and {b}; both "
+            "operands must share the contraction's block size."
+        )
+    return a
+
+
+def _chunked(total: int, chunk: int, chunks_per_dot: int | None) -> tuple[int, int]:
+    """(chunks of `chunk` in `total`, chunks per dot), the chunk count padded to a multiple of
+    the second."""
+    n = math.ceil(total / chunk)
+    group = n if chunks_per_dot is None else min(chunks_per_dot, n)
+    return math.ceil(n / group) * group, group
+
+
+def _accumulate(partial_sum: Callable[..., Array], xs: tuple, steps: int, shape: tuple) -> Array:
+    """`sum(partial_sum(*x) for x in xs)`: one call when `steps` is 1, else a `lax.scan` with
+    a float32 accumulator over the leading axis of `xs`."""
+    if steps == 1:
+        return partial_sum(*(a[0] for a in xs))
+
+    def step(acc: Array, x: tuple) -> tuple[Array, None]:
+        return acc + partial_sum(*x), None
+
+    return lax.scan(step, jnp.zeros(shape, jnp.float32), xs)[0]
+
+
+def _steps(a: Array, axis: int, group: int) -> Array:
+    """`a`'s axis `axis` of `steps * group` chunks as `(steps, ..., group, ...)`."""
+    shape = a.shape[:axis] + (a.shape[axis] // group, group) + a.shape[axis + 1 :]
+    return jnp.moveaxis(a.reshape(shape), axis, 0)
+
+
+def block_rows(
+    lhs: QTensor,
+    rhs: QTensor,
+    group_sizes: Int[Array, " G"],
+    experts: Int[Array, " M"],
+    precision: Any,
+    chunks_per_dot: int | None,
+) -> Float[Array, "M F"]:
+    """The rows GEMM of block-scaled FP8 operands, both contracted on their last axis:
+    `lhs (M, C)`, `rhs (G, F, C)` with blocks per expert. One ragged dot per chunk of the
+    contraction (`chunks_per_dot` at a time), each float32 partial multiplied by the scales of
+    its row's tile and of its row's expert's block, summed in float32."""
+    chunk = _shared_chunk(lhs.block[1], rhs.block[1], "contraction")
+    (m, c), (g, f) = lhs.data.shape, rhs.data.shape[:2]
+    if c == 0:
+        return jnp.zeros((m, f), jnp.float32)
+    nc, group = _chunked(c, chunk, chunks_per_dot)
+    # Chunks first: (chunks, M, B) and (chunks, G, F, B), the group sizes given per chunk.
+    # (XLA's GPU ragged-dot rewriter fails its HLO verifier when the batch axis is not the
+    # leading one of both operands, or when group_sizes is (G,) with a batch axis.)
+    lhs_data = _pad_to_blocks(lhs.data, (1, chunk * nc)).reshape(m, nc, chunk)
+    lhs_data = jnp.moveaxis(lhs_data, 1, 0)
+    rhs_data = _pad_to_blocks(rhs.data, (1, chunk * nc)).reshape(g, f, nc, chunk)
+    rhs_data = jnp.moveaxis(rhs_data, 2, 0)
+    # Scales per (chunk, row); padded chunks (zeros) get scale 0.
+    s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[:m]
+    s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[:, :f]
+    s_lhs = jnp.moveaxis(_pad_to_blocks(s_lhs, (1, nc)), -1, 0)  # (chunks, M)
+    s_rhs = jnp.moveaxis(_pad_to_blocks(s_rhs, (1, nc)), -1, 0)  # (chunks, G, F)
+    sizes = jnp.broadcast_to(group_sizes, (nc, g))
+    dims = lax.RaggedDotDimensionNumbers((((2,), (3,)), ((0,), (0,))), (1,), (1,))
+
+    def partial_sum(lhs_data, rhs_data, s_lhs, s_rhs, sizes) -> Array:
+        partial = ragged_dot_general(lhs_data, rhs_data, sizes, dims, precision, jnp.float32)
+        # Each row's own expert's block scales, (chunks, M, F): the XLA path's price for
+        # per-expert weight scales (a native kernel applies them in registers).
+        scales = s_lhs[..., None] * s_rhs[:, experts]
+        return jnp.sum(partial * scales, axis=0)
+
+    xs = tuple(_steps(v, 0, group) for v in (lhs_data, rhs_data, s_lhs, s_rhs, sizes))
+    return _accumulate(partial_sum, xs, nc // group, (m, f))
+
+
+def block_tokens(
+    lhs: QTensor,
+    rhs: QTensor,
+    group_sizes: Int[Array, " G"],
+    precision: Any,
+    chunks_per_dot: int | None,
+) -> Float[Array, "G A B"]:
+    """The tokens GEMM of block-scaled FP8 operands `lhs (M, A)`, `rhs (M, B)`, both tiled
+    along the tokens. One ragged dot per chunk of tokens: the tokens of each expert in the
+    chunk contracted, scaled by the chunk's tile scales, summed in float32. A chunk that
+    spans two experts' tokens shares its tiles' scales between them (DeepSeek-V3 pads each
+    expert's tokens to whole tiles; here a tile's amax may come from the other expert)."""
+    chunk = _shared_chunk(lhs.block[0], rhs.block[0], "tokens")
+    (m, a), b, g = lhs.data.shape, rhs.data.shape[1], group_sizes.shape[0]
+    if m == 0:
+        return jnp.zeros((g, a, b), jnp.float32)
+    nm, group = _chunked(m, chunk, chunks_per_dot)
+    lhs_data = _pad_to_blocks(lhs.data, (chunk * nm, 1)).reshape(nm, chunk, a)
+    rhs_data = _pad_to_blocks(rhs.data, (chunk * nm, 1)).reshape(nm, chunk, b)
+    s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[1], axis=-1)[:, :a]
+    s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[1], axis=-1)[:, :b]
+    s_lhs, s_rhs = (_pad_to_blocks(s, (nm, 1)) for s in (s_lhs, s_rhs))
+    sizes = chunk_group_sizes(group_sizes, nm, chunk)
+    # Chunks as a batch axis: (chunks, T, A) . (chunks, T, B) over a chunk's T tokens,
+    # into (G, chunks, A, B).
+    dims = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((0,), (0,))), (1,), ())
+
+    def partial_sum(lhs_data: Array, rhs_data: Array, s_lhs: Array, s_rhs: Array, sizes) -> Array:
+        partial = ragged_dot_general(lhs_data, rhs_data, sizes, dims, precision, jnp.float32)
+        return jnp.sum(partial * s_lhs[None, :, :, None] * s_rhs[None, :, None, :], axis=1)
+
+    xs = tuple(_steps(v, 0, group) for v in (lhs_data, rhs_data, s_lhs, s_rhs, sizes))
+    return _accumulate(partial_sum, xs, nm // group, (g, a, b))
+
+
+def dequantized_rows(
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"]
+) -> Float[Array, "M F"]:
+    """The rows GEMM as one float32 ragged dot of the dequantized operands (the block
+    recipes' `dequantized_dot` emulation: the same FP8 values, float32 accumulation)."""
+    highest = lax.Precision.HIGHEST  # float32, not TF32, on a GPU
+    return ragged_dot_general(
+        lhs.dequantize(), rhs.dequantize(), group_sizes, _ROWS, highest, jnp.float32
+    )
+
+
+def dequantized_tokens(
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"]
+) -> Float[Array, "G A B"]:
+    """The tokens GEMM as one float32 ragged dot of the dequantized operands."""
+    highest = lax.Precision.HIGHEST
+    return ragged_dot_general(
+        lhs.dequantize(), rhs.dequantize(), group_sizes, _TOKENS, highest, jnp.float32
+    )
+
+
+def rows_dot(
+    recipe: Recipe,
+    lhs: QTensor,
+    rhs: QTensor,
+    rhs_axis: Axis,
+    group_sizes: Int[Array, " G"],
+    experts: Int[Array, " M"],
+    precision: Any,
+    out_dtype: Any,
+) -> Float[Array, "M F"]:
+    """The forward (`rhs_axis=-1`) or dgrad (`-2`) of a grouped layer: `lhs (M, C)` (from
+    `recipe.quantize`, contracted on its last axis) times each row's expert's `rhs (G, ., .)`
+    (quantized per expert, laid out to be contracted on `rhs_axis`), in `out_dtype`."""
+    if isinstance(recipe, PerTensorRecipe):
+        return per_tensor_rows(
+            lhs, rhs, rhs_axis, group_sizes, experts, precision, out_dtype, recipe.power_of_two
+        )
+    rhs = _contract_last(rhs, rhs_axis)
+    if recipe.dequantized_dot:
+        return dequantized_rows(lhs, rhs, group_sizes).astype(out_dtype)
+    out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)
+    return out.astype(out_dtype)
+
+
+def tokens_dot(
+    recipe: Recipe,
+    lhs: QTensor,
+    rhs: QTensor,
+    group_sizes: Int[Array, " G"],
+    precision: Any,
+    out_dtype: Any,
+) -> Float[Array, "G A B"]:
+    """The wgrad of a grouped layer: `lhs (M, A)` and `rhs (M, B)`, both laid out to be
+    contracted over their tokens (axis -2), multiplied over each expert's tokens."""
+    if isinstance(recipe, PerTensorRecipe):
+        return per_tensor_tokens(lhs, rhs, group_sizes, precision, out_dtype, recipe.power_of_two)
+    if recipe.dequantized_dot:
+        return dequantized_tokens(lhs, rhs, group_sizes).astype(out_dtype)
+    out = block_tokens(lhs, rhs, group_sizes, precision, recipe.chunks_per_dot)
+    return out.astype(out_dtype)

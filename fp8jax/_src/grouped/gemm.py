@@ -1,0 +1,375 @@
+"""The FP8 grouped GEMM paths: forward, dgrad and wgrad, owned by one `jax.custom_vjp`.
+
+The grouped counterpart of `fp8jax._src.gemm`, for `lax.ragged_dot`'s signature: `x (M, K)`
+with its rows sorted by expert, the experts' kernels `w (G, K, N)`, `group_sizes (G,)`.
+
+- forward: `out[rows of e] = x[rows of e] @ w[e]`, a ragged dot of FP8 operands (`dots.py`);
+- dgrad: `d_x[rows of e] = g[rows of e] @ w[e]^T`, the same shape of ragged dot;
+- wgrad: `d_w[e] = x[rows of e]^T @ g[rows of e]`, a ragged dot contracting the tokens.
+
+The kernel is quantized per expert (the recipe's `quantize`, `vmap`ped over the experts: one
+scale, or one set of blocks, and one state per expert); the activation and the output
+gradient as one tensor each. Residuals are the FP8 operands, their scales and `group_sizes`.
+State leaves through the gradient, as for dense layers: its cotangent is its new value, in
+the dtype it came in (float32, or the max-combining dtype), so several uses of one layer
+combine by max.
+
+An expert that got no tokens in a step returns a zero kernel state (the "nothing received"
+of [`fp8jax.Fp8RaggedDot.merge`][]): its weight took part in no GEMM, so it keeps its scale
+and history, as a dense layer that did not run does. Under `jax.vmap`, an expert counts as
+used when any member of the mapped axis gave it tokens (the state is shared by the batch).
+
+Under `jax.vmap(model)(batch)`, with the kernels and the state not mapped, custom batching
+rules fold the mapped axis into the rows, as `fp8jax._src.gemm` does for dense layers: the
+tokens of all members are put in one expert order (each expert's tokens member after
+member), one grouped GEMM runs on them, and the wgrad is one grouped GEMM over all tokens
+instead of a weight gradient per member, summed afterwards. Other mapped cases (stacked
+state, per-example gradients) run per member.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jaxtyping import Array, Bool, Int
+
+from .. import jax_private
+from ..gemm import (
+    _PER_EXAMPLE,
+    States,
+    Static,
+    _as_f32,
+    _axes,
+    _axis,
+    _batched,
+    _check_single_use,
+    _check_state_differentiated,
+    _reduce_to,
+)
+from ..recipes import Recipe
+from ..remat import name_fp8_operands, name_gemm_output
+from .dots import expert_of_rows, rows_dot, tokens_dot
+
+#: How the errors of the shared checks name a grouped layer without a name.
+KIND = "Fp8RaggedDot"
+
+
+class Residuals(NamedTuple):
+    """What the forward of one FP8 grouped GEMM saves for its backward: the quantized
+    activation (contracted on its features) and the quantized kernels (per expert, laid out
+    for the dgrad), the group sizes, the new state of the input and of the kernels (returned
+    as their cotangents) and the output gradient's state as it came in. Only `q_x` and
+    `group_sizes` can carry a folded `vmap` axis."""
+
+    q_x: Any
+    q_w: Any
+    group_sizes: Array
+    new_input: Any
+    new_kernel: Any
+    grad_state: Any
+
+
+def _has_tokens_plain(group_sizes: Int[Array, " G"], owner: Array) -> Bool[Array, " G"]:
+    del owner
+    return group_sizes > 0
+
+
+@custom_vmap
+def has_tokens(group_sizes: Int[Array, " G"], owner: Array) -> Bool[Array, " G"]:
+    """Which experts got tokens, over a `vmap`ped axis too unless `owner` (a leaf of the
+    kernel state; only whether it is batched matters) is batched: shared state belongs to
+    the whole batch, like [`fp8jax.Recipe.amax`][]."""
+    return _has_tokens_plain(group_sizes, owner)
+
+
+@has_tokens.def_vmap
+def _has_tokens_rule(axis_size, in_batched, group_sizes, owner):
+    del axis_size
+    sizes_batched, owner_batched = in_batched
+    if owner_batched:
+        axes = (0 if sizes_batched else None, 0)
+        return jax.vmap(_has_tokens_plain, in_axes=axes)(group_sizes, owner), True
+    if sizes_batched:
+        group_sizes = jnp.max(group_sizes, axis=0)
+    return has_tokens(group_sizes, owner), False
+
+
+def _only_used(state: Any, used: Bool[Array, " G"]) -> Any:
+    """Per-expert `state` with the experts that got no tokens zeroed (nothing received)."""
+
+    def keep(a: Array) -> Array:
+        mask = jnp.reshape(used, used.shape + (1,) * (a.ndim - used.ndim))
+        return jnp.where(mask, a, jnp.zeros_like(a))
+
+    return jax.tree.map(keep, state)
+
+
+def _per_expert(fn: Any, *args: Any) -> Any:
+    """`fn` mapped over the leading (expert) axis of every argument."""
+    return jax.vmap(fn)(*args)
+
+
+def _forward(
+    recipe: Recipe,
+    precision: Any,
+    out_dtype: np.dtype,
+    x: Array,
+    w: Array,
+    group_sizes: Array,
+    states: States,
+):
+    w_c = jnp.swapaxes(w, -1, -2)  # (G, N, K): each expert's kernel, contracted axis last
+    q_x, new_input = recipe.quantize(x, states.input, "input", -1)
+    q_w, new_kernel = _per_expert(
+        lambda w, s: recipe.quantize(w, s, "kernel", -1), w_c, states.kernel
+    )
+    experts = expert_of_rows(group_sizes, x.shape[0])
+    with jax.named_scope("fwd"):
+        out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype)
+    # As for dense layers: keep what follows out of the GEMM's epilogue (see gemm.py).
+    out = lax.optimization_barrier(out)
+    # The dgrad's copy of each kernel, from the high-precision weight (one rounding).
+    q_w = _per_expert(lambda q, w: recipe.retile(q, "kernel", -2, source=w), q_w, w_c)
+    used = has_tokens(group_sizes, jax.tree.leaves(states.kernel)[0])
+    return out, Residuals(
+        q_x=q_x,
+        q_w=q_w,
+        group_sizes=group_sizes,
+        new_input=new_input,
+        new_kernel=_only_used(new_kernel, used),
+        grad_state=states.output_grad,
+    )
+
+
+def _backward(
+    recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype, residuals: Residuals, g: Array
+):
+    # Copies of the FP8 operands in their other layout are made here, not kept from the
+    # forward (see gemm.py's backward).
+    q_x, q_w = lax.optimization_barrier(residuals.q_x), lax.optimization_barrier(residuals.q_w)
+    group_sizes = residuals.group_sizes
+    back = recipe.backward_dot_precision()
+    experts = expert_of_rows(group_sizes, g.shape[0])
+    q_g, new_grad = recipe.quantize(g, residuals.grad_state, "output_grad", -1)
+    with jax.named_scope("dgrad"):
+        d_x = rows_dot(recipe, q_g, q_w, -2, group_sizes, experts, back, lhs_dtype)
+    q_g, _ = recipe.quantize(g, residuals.grad_state, "output_grad", -2)
+    with jax.named_scope("wgrad"):
+        q_x = recipe.retile(q_x, "input", -2)
+        d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype)
+    return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad)
+
+
+# --- folding a vmapped axis into the rows --------------------------------------------------
+
+
+def fold_positions(group_sizes: Int[Array, "V G"], rows: int) -> Int[Array, "V rows"]:
+    """Where each member's row goes when the rows of `V` members, each sorted by expert, are
+    put in one expert order: expert 0's rows of member 0, of member 1, ..., then expert 1's.
+    Rows past a member's groups go last."""
+    ends = jnp.cumsum(group_sizes, axis=1)
+    starts = ends - group_sizes
+    totals = jnp.sum(group_sizes, axis=0)
+    first = jnp.cumsum(totals) - totals  # where each expert's rows begin, folded
+    earlier = jnp.cumsum(group_sizes, axis=0) - group_sizes  # its rows in earlier members
+    expert = jax.vmap(lambda sizes: expert_of_rows(sizes, rows))(group_sizes)
+    row = jnp.arange(rows, dtype=group_sizes.dtype)[None, :]
+
+    def per_row(a: Array) -> Array:
+        return jnp.take_along_axis(a, expert, axis=1)
+
+    inside = first[expert] + per_row(earlier) + row - per_row(starts)
+    used = ends[:, -1:]
+    spare = rows - used
+    past = jnp.sum(totals) + (jnp.cumsum(spare, axis=0) - spare) + row - used
+    return jnp.where(row < used, inside, past)
+
+
+def _fold(a: Array, positions: Array) -> Array:
+    """`a (V, rows, ...)` as `(V * rows, ...)` in the folded order."""
+    flat = positions.reshape(-1)
+    order = jnp.zeros_like(flat).at[flat].set(jnp.arange(flat.shape[0], dtype=flat.dtype))
+    return a.reshape((-1, *a.shape[2:]))[order]
+
+
+def _unfold(a: Array, positions: Array) -> Array:
+    """Undo `_fold`."""
+    return a[positions.reshape(-1)].reshape((*positions.shape, *a.shape[1:]))
+
+
+def _spans_rows(leaf: Array, rows: int) -> bool:
+    """Whether a leaf of a quantized activation has one entry per row (its data, tile scales;
+    not a per-tensor scale)."""
+    return leaf.ndim == 2 and leaf.shape[0] == rows
+
+
+def _can_fold(x_b: bool, w_b: bool, states_b: Any) -> bool:
+    return not (_PER_EXAMPLE.get() or w_b or any(jax.tree.leaves(states_b))) and x_b
+
+
+def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
+    raw = functools.partial(_forward, recipe, precision, out_dtype)
+
+    @custom_vmap
+    def forward(x, w, group_sizes, states):
+        return raw(x, w, group_sizes, states)
+
+    @forward.def_vmap
+    def _rule(axis_size, in_batched, x, w, group_sizes, states):
+        x_b, w_b, sizes_b, states_b = in_batched
+        if not _can_fold(x_b, w_b, states_b):
+            # Per member. Unbatched state stays unbatched (its amaxes span the mapped axis).
+            s = any(jax.tree.leaves(states_b))
+            residual_axes = Residuals(
+                q_x=_axis(x_b or s),
+                q_w=_axis(w_b or s),
+                group_sizes=_axis(sizes_b or s),
+                new_input=_axis(s),
+                new_kernel=_axis(s),
+                grad_state=_axis(s),
+            )
+            out_axes = (0, residual_axes)
+            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(
+                x, w, group_sizes, states
+            )
+            return outs, _batched(out_axes, outs)
+        if not sizes_b:
+            group_sizes = jnp.broadcast_to(group_sizes, (axis_size, *group_sizes.shape))
+        rows = x.shape[1]
+        positions = fold_positions(group_sizes, rows)
+        out, residuals = forward(_fold(x, positions), w, jnp.sum(group_sizes, axis=0), states)
+        # The activation's rows back in member order (FP8 values and their tile scales), and
+        # the members' own group sizes: the backward folds them again. The rest spans the
+        # mapped axis.
+        folded = axis_size * rows
+        q_x = jax.tree.map(
+            lambda a: _unfold(a, positions) if _spans_rows(a, folded) else a, residuals.q_x
+        )
+        q_x_b = jax.tree.map(lambda a: _spans_rows(a, folded), residuals.q_x)
+        residuals = residuals._replace(q_x=q_x, group_sizes=group_sizes)
+        flags = jax.tree.map(lambda _: False, residuals)
+        flags = flags._replace(q_x=q_x_b, group_sizes=True)
+        return (_unfold(out, positions), residuals), (True, flags)
+
+    return forward
+
+
+def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
+    raw = functools.partial(_backward, recipe, lhs_dtype, rhs_dtype)
+
+    @custom_vmap
+    def backward(residuals, g):
+        return raw(residuals, g)
+
+    @backward.def_vmap
+    def _rule(axis_size, in_batched, residuals, g):
+        res_b, g_b = in_batched
+        x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
+        states_b = (res_b.new_input, res_b.new_kernel, res_b.grad_state)
+        if not (_can_fold(x_b, w_b, states_b) and res_b.group_sizes and g_b):
+            out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
+            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)
+            return outs, _batched(out_axes, outs)
+        positions = fold_positions(residuals.group_sizes, g.shape[1])
+        q_x = jax.tree.map(lambda a, b: _fold(a, positions) if b else a, residuals.q_x, res_b.q_x)
+        folded = residuals._replace(q_x=q_x, group_sizes=jnp.sum(residuals.group_sizes, axis=0))
+        d_x, d_w, new_states = backward(folded, _fold(g, positions))
+        flags = (True, False, jax.tree.map(lambda _: False, new_states))
+        return (_unfold(d_x, positions), d_w, new_states), flags
+
+    return backward
+
+
+# --- the custom_vjp ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped(
+    recipe: Recipe,
+    precision: Any,
+    static: Static,
+    x: Array,
+    w: Array,
+    group_sizes: Array,
+    states: States,
+):
+    forward = _folding_forward(recipe, precision, static.out)
+    return name_gemm_output(forward(x, w, group_sizes, _as_f32(states))[0])
+
+
+def _grouped_fwd(recipe, precision, static, x, w, group_sizes, states):
+    # `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are differentiated.
+    _check_state_differentiated(recipe, static, x, w, states, kind=KIND)
+    x, w, group_sizes = x.value, w.value, group_sizes.value
+    states = jax.tree.map(lambda p: p.value, states)
+    forward = _folding_forward(recipe, precision, static.out)
+    out, res = forward(x, w, group_sizes, _as_f32(states))
+    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
+    return name_gemm_output(out), res
+
+
+def _grouped_bwd(recipe, precision, static, residuals, g):
+    del precision
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
+    backward = _folding_backward(recipe, static.lhs, static.rhs)
+    d_x, d_w, new_states = backward(residuals, g)
+    lhs_axes, rhs_axes, state_axes = static.mesh_axes
+    d_x = _reduce_to(d_x, lhs_axes, lax.psum)
+    d_w = _reduce_to(d_w, rhs_axes, lax.psum)
+    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
+    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
+    return d_x, d_w, None, jax.tree.map(convert, new_states)
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
+
+
+def fp8_ragged_dot(
+    recipe: Recipe,
+    precision: Any,
+    out_dtype: np.dtype,
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    states: States,
+    name: str = "",
+) -> Array:
+    """`lax.ragged_dot(lhs, rhs, group_sizes)` as FP8 grouped GEMMs under `recipe`.
+
+    `states` holds the input's and output gradient's state (per tensor) and the kernel's
+    (one per expert, stacked on a leading axis). Differentiating it computes dgrad and wgrad
+    in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
+    `name` names the layer in errors. The arguments are checked by the caller.
+    """
+    # As in gemm.py: a vmapped NumPy constant reaching a custom_vjp inside jit asserts in JAX.
+    lhs, rhs, group_sizes = (
+        jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a
+        for a in (lhs, rhs, group_sizes)
+    )
+    leaves = jax.tree.leaves(states)
+    max_combining = any(jax_private.is_max_combining(a) for a in leaves)
+    if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
+        raise ValueError("FP8 state mixes max-combining and float32 leaves.")
+    if not max_combining:
+        _check_single_use(leaves, name, kind=KIND)
+    mesh_axes = (
+        jax_private.varying_axes(lhs),
+        jax_private.varying_axes(rhs),
+        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
+    )
+    static = Static(
+        np.dtype(lhs.dtype),
+        np.dtype(rhs.dtype),
+        np.dtype(out_dtype),
+        max_combining,
+        mesh_axes,
+        name,
+    )
+    return _grouped(recipe, precision, static, lhs, rhs, group_sizes, states)

@@ -1,0 +1,92 @@
+"""`GroupedLinear`: the experts' Linears of a mixture of experts, stacked, with an injectable
+ragged dot (`lax.ragged_dot` until [`fp8jax.fp8_linear_layers`][] makes it FP8)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .ragged_dot import Fp8RaggedDot, check_ragged_dot_args
+
+
+class GroupedLinear(eqx.Module):
+    """`y[rows of e] = x[rows of e] @ weight[e]` for every expert `e`: one Linear per expert
+    (no bias), applied to tokens sorted by expert, as one grouped GEMM.
+
+    `ragged_dot` is the GEMM: `None` runs `jax.lax.ragged_dot` in high precision;
+    [`fp8jax.fp8_linear_layers`][] puts an [`fp8jax.Fp8RaggedDot`][] there (the expert
+    counterpart of a Linear's `dot_general`), with the same [`fp8jax.Fp8Config`][] targets,
+    exclusions and per-layer recipes as dense layers.
+
+    **Arguments:**
+
+    - `num_experts`, `in_features`, `out_features`: the weight is
+      `(num_experts, in_features, out_features)`, `lax.ragged_dot`'s layout. Each expert's
+      weight is initialised like `eqx.nn.Linear`'s, uniform in `+-1/sqrt(in_features)`.
+    - `key`: a PRNG key; `dtype`: the weight's dtype (float32 by default).
+    - `ragged_dot`: `None` (high precision) or a callable with `lax.ragged_dot`'s signature,
+      e.g. `fp8jax.Fp8RaggedDot("blockwise", num_experts=8)`.
+
+    ```python
+    up = fp8jax.GroupedLinear(8, 64, 256, key=key)
+    h = up(x_sorted, group_sizes)   # (tokens, 256)
+    ```
+    """
+
+    weight: Float[Array, "experts fan_in fan_out"]
+    ragged_dot: Fp8RaggedDot | None
+    num_experts: int = eqx.field(static=True)
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        key: PRNGKeyArray,
+        dtype: DTypeLike | None = None,
+        ragged_dot: Any = None,
+    ):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupedLinear {name}={value!r}: should be an int >= 1.")
+        if ragged_dot is not None and not callable(ragged_dot):
+            raise TypeError(
+                f"GroupedLinear ragged_dot={ragged_dot!r}: should be None (jax.lax.ragged_dot) "
+                "or a callable with its signature, e.g. fp8jax.Fp8RaggedDot(num_experts=...)."
+            )
+        dtype = jnp.float32 if dtype is None else dtype
+        bound = 1.0 / math.sqrt(in_features)
+        shape = (num_experts, in_features, out_features)
+        self.weight = jax.random.uniform(key, shape, dtype, -bound, bound)
+        self.ragged_dot = ragged_dot
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def __call__(
+        self, x: Float[Array, "tokens fan_in"], group_sizes: Int[Array, " experts"]
+    ) -> Float[Array, "tokens fan_out"]:
+        """**Arguments:** `x (tokens, in_features)`, its rows sorted by expert;
+        `group_sizes (num_experts,)`, integers summing to `tokens`.
+
+        **Returns:** `(tokens, out_features)`.
+        """
+        if self.ragged_dot is not None:
+            return self.ragged_dot(x, self.weight, group_sizes)
+        x = jnp.asarray(x)
+        check_ragged_dot_args("GroupedLinear", jnp.shape(x), self.weight.shape, group_sizes)
+        return lax.ragged_dot(x, self.weight, jnp.asarray(group_sizes))

@@ -1,0 +1,257 @@
+"""`Fp8RaggedDot`: a drop-in, stateful replacement for `jax.lax.ragged_dot` (the grouped GEMM
+of a mixture of experts), and the checks of its arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array, Float, Int
+
+from ..dot_general import SCOPE, _received
+from ..gemm import States
+from ..recipes import ROLES, Recipe, TensorState, recipe_from
+from ..updates import OverwriteWithGradient
+from .dots import check_recipe
+from .gemm import fp8_ragged_dot
+
+
+def _check_float(where: str, name: str, x: Any) -> np.dtype:
+    """The dtype of operand `x`, which must be a high-precision float array."""
+    if isinstance(x, bool) or not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+        raise TypeError(
+            f"{where}: {name}={x!r} is not an array; pass a jax or NumPy array of floats "
+            "(float32, bfloat16, float16), as to jax.lax.ragged_dot."
+        )
+    dtype = np.dtype(jnp.result_type(x))
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1:
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}; FP8 grouped GEMMs take high-precision floating "
+            "inputs (float32, bfloat16, float16) and quantize them themselves."
+        )
+    return dtype
+
+
+def check_ragged_dot_args(
+    where: str,
+    lhs_shape: tuple[int, ...],
+    rhs_shape: tuple[int, ...],
+    group_sizes: Any,
+    num_experts: int | None = None,
+) -> None:
+    """Check the arguments of a ragged dot: `lhs (M, K)`, `rhs (G, K, N)`, `group_sizes (G,)`
+    of integers, with `G` equal to `num_experts` when given (the expert count of a layer's
+    state). Group sizes known at trace time (NumPy arrays, concrete jax arrays) must be
+    >= 0 and sum to `M`; traced ones cannot be checked (see [`fp8jax.Fp8RaggedDot`][]).
+
+    Raises `ValueError` (`TypeError` for a dtype) naming the offending shapes or values.
+    """
+    if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
+        raise TypeError(
+            f"{where}: group_sizes={group_sizes!r} is not an array; pass the number of tokens "
+            "of each expert as an integer array of shape (experts,)."
+        )
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"{where}: group_sizes has dtype {group_sizes.dtype}; should be an integer dtype "
+            "(int32): the number of tokens of each expert."
+        )
+    gs_shape = tuple(group_sizes.shape)
+    if len(lhs_shape) != 2 or len(rhs_shape) != 3 or len(gs_shape) != 1:
+        raise ValueError(
+            f"{where}: got lhs {lhs_shape}, rhs {rhs_shape} and group_sizes {gs_shape}; should "
+            "be lhs (tokens, in), rhs (experts, in, out) and group_sizes (experts,), as for "
+            "jax.lax.ragged_dot (vmap over any other axes)."
+        )
+    if lhs_shape[1] != rhs_shape[1]:
+        raise ValueError(
+            f"{where}: lhs {lhs_shape} has {lhs_shape[1]} features but rhs {rhs_shape} takes "
+            f"{rhs_shape[1]} (rhs is (experts, in, out))."
+        )
+    counts = {"group_sizes": gs_shape[0], "rhs": rhs_shape[0]}
+    if num_experts is not None:
+        counts["the layer's state"] = num_experts
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in counts.items())
+        raise ValueError(
+            f"{where}: mismatched expert counts ({listed}); group_sizes must have one entry per "
+            "expert, rhs one kernel per expert on its first axis"
+            + (", and the layer was built for as many experts." if num_experts else ".")
+        )
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+        raise ValueError(
+            f"{where}: group_sizes={sizes.tolist()} has negative sizes; each expert gets >= 0 "
+            "tokens."
+        )
+    if int(sizes.sum()) != lhs_shape[0]:
+        raise ValueError(
+            f"{where}: group_sizes={sizes.tolist()} sums to {int(sizes.sum())} but lhs has "
+            f"{lhs_shape[0]} tokens (rows); every token must belong to exactly one expert."
+        )
+
+
+def _check_count(num_experts: Any) -> int:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer):
+        raise TypeError(f"Fp8RaggedDot: num_experts={num_experts!r}: should be an int >= 1.")
+    if num_experts < 1:
+        raise ValueError(f"Fp8RaggedDot: num_experts={num_experts!r}: should be an int >= 1.")
+    return int(num_experts)
+
+
+class Fp8RaggedDot(OverwriteWithGradient):
+    """`jax.lax.ragged_dot` computed as FP8 grouped GEMMs, with per-expert scaling state.
+
+    The grouped GEMM of a mixture of experts, in the role [`fp8jax.Fp8DotGeneral`][] has for
+    dense layers. Call it like `lax.ragged_dot`: `lhs (tokens, in)` with its rows sorted by
+    expert, `rhs (experts, in, out)` (the experts' stacked kernels), `group_sizes (experts,)`
+    (how many consecutive rows each expert gets). Forward, dgrad and wgrad are ragged dots of
+    FP8 arrays; the wgrad (`d_rhs[e] = lhs[rows of e]^T @ g[rows of e]`) is a ragged dot over
+    each expert's tokens. A `custom_vjp` saves only the FP8 operands, their scales and
+    `group_sizes`.
+
+    **Scales.** The kernel is quantized per expert: under a per-tensor recipe each expert has
+    its own scale and amax history (its weights may differ in range by orders of magnitude);
+    under a block recipe each expert's kernel has its own blocks (128 x 128 for
+    [`fp8jax.BlockwiseScaling`][]). The activation and the output gradient are quantized as
+    one tensor each: one scale from their amax over all tokens under a per-tensor recipe
+    (as Transformer Engine's grouped GEMM does; a token's scale does not depend on which
+    expert it was routed to, and the amax of a few tokens routed to one expert would be a
+    noisy history), tiles along the features under a block recipe (1 x 128, per token,
+    independent of the experts). A row of the forward and dgrad outputs is scaled by its
+    expert's kernel scale; the wgrad by the scalar product of the two tensors' scales.
+
+    **State.** `input` and `output_grad` are [`fp8jax.TensorState`][]s as in a dense layer;
+    `kernel` is one with a leading expert axis (`scale (experts,)`, `amax_history
+    (experts, history)`). It leaves the step through the gradient and combines across uses
+    by max, as for dense layers (split it with [`fp8jax.partition_for_grad_overwrite`][],
+    write it back with [`fp8jax.apply_updates`][]). **An expert that got no tokens keeps its
+    state**: its weight took part in no GEMM that step.
+
+    **Group sizes.** They must be >= 0 and sum to the number of tokens. Sizes known at trace
+    time are checked (a `ValueError` names them); traced ones (the usual case, computed by
+    the router inside `jit`) cannot be: rows past their sum get zeros, as from
+    `lax.ragged_dot`, and negative sizes give undefined results.
+
+    **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
+    [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][], on XLA's path (no native kernel
+    yet; see the mixture-of-experts guide for what an H100 compile makes of it). Telemetry
+    is not kept.
+
+    **Arguments:**
+
+    - `recipe`: a recipe or its name (`None`: delayed scaling).
+    - `num_experts`: the number of experts, `rhs.shape[0]`.
+    - `name`: the layer's path (set by [`fp8jax.fp8_linear_layers`][]); the GEMMs run under
+      the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), as for dense layers.
+
+    ```python
+    dot = fp8jax.Fp8RaggedDot(num_experts=8)
+    y = dot(x, w, group_sizes)   # lax.ragged_dot(x, w, group_sizes), in FP8
+    ```
+    """
+
+    input: TensorState
+    kernel: TensorState
+    output_grad: TensorState
+    recipe: Recipe = eqx.field(static=True)
+    num_experts: int = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+
+    def __init__(self, recipe: Recipe | str | None = None, *, num_experts: int, name: str = ""):
+        if not isinstance(name, str):
+            raise TypeError(f"Fp8RaggedDot: name={name!r}: should be a str (the layer's path).")
+        self.recipe = recipe_from(recipe)
+        check_recipe(self.recipe, name)
+        self.num_experts = _check_count(num_experts)
+        self.name = name
+        self.input = self.recipe.init_state("input")
+        kernel = self.recipe.init_state("kernel")
+        self.kernel = jax.tree.map(lambda a: jnp.stack([a] * self.num_experts), kernel)
+        self.output_grad = self.recipe.init_state("output_grad")
+
+    def __call__(
+        self,
+        lhs: Float[ArrayLike, "tokens fan_in"],
+        rhs: Float[ArrayLike, "experts fan_in fan_out"],
+        group_sizes: Int[ArrayLike, " experts"],
+        precision: Any = None,
+        preferred_element_type: DTypeLike | None = None,
+    ) -> Float[Array, "tokens fan_out"]:
+        """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported).
+
+        **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
+        type of `lhs` and `rhs`).
+        """
+        where = f"FP8 grouped layer {self.name!r}" if self.name else "Fp8RaggedDot"
+        lhs_dtype = _check_float(where, "lhs", lhs)
+        rhs_dtype = _check_float(where, "rhs", rhs)
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if isinstance(group_sizes, list | tuple):
+            group_sizes = np.asarray(group_sizes)
+        check_ragged_dot_args(where, lhs.shape, rhs.shape, group_sizes, self._state_experts())
+        out_dtype = _output_dtype(where, lhs_dtype, rhs_dtype, preferred_element_type)
+        if isinstance(precision, list):
+            precision = tuple(precision)
+        states = States(self.input, self.kernel, self.output_grad)
+        with jax.named_scope(f"{SCOPE}[{self.name}]"):
+            return fp8_ragged_dot(
+                self.recipe,
+                precision,
+                out_dtype,
+                lhs,
+                rhs,
+                jnp.asarray(group_sizes),
+                states,
+                self.name,
+            )
+
+    def _state_experts(self) -> int:
+        """The expert count of the kernel state (the static `num_experts` unless the state was
+        replaced by one for another count)."""
+        shape = jnp.shape(jax.tree.leaves(self.kernel)[0])
+        return shape[-1] if shape else self.num_experts
+
+    def merge(self, new: Fp8RaggedDot) -> Fp8RaggedDot:
+        """Take each operand's received state where it is a real, finite update, expert by
+        expert for the kernel: a zero state (the layer did not run, its output got no
+        gradient, or, for one expert's kernel, the expert got no tokens) or one holding an
+        inf or NaN leaves the old state as it was."""
+
+        def pick(old: Any, received: Any, ok: Array) -> Any:
+            return jax.tree.map(
+                lambda o, r: jnp.where(
+                    jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
+                ),
+                old,
+                received,
+            )
+
+        merged = tuple(
+            pick(getattr(self, r), getattr(new, r), _received(getattr(new, r))[0]) for r in ROLES
+        )
+        return eqx.tree_at(lambda m: tuple(getattr(m, r) for r in ROLES), self, merged)
+
+
+def _output_dtype(
+    where: str, lhs: np.dtype, rhs: np.dtype, preferred: DTypeLike | None
+) -> np.dtype:
+    if preferred is None:
+        return np.dtype(jnp.promote_types(lhs, rhs))
+    try:
+        out = np.dtype(preferred)
+    except TypeError:
+        out = None
+    if out is None or not jnp.issubdtype(out, jnp.floating) or out.itemsize < 2:
+        shown = preferred if out is None else out
+        raise TypeError(
+            f"{where}: preferred_element_type={shown} is not a high-precision float type; use "
+            "float32, bfloat16 or float16 (the GEMMs accumulate in float32)."
+        )
+    return out

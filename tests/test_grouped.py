@@ -1,0 +1,637 @@
+"""FP8 grouped GEMMs (mixtures of experts): `Fp8RaggedDot`, `GroupedLinear` and their conversion.
+
+Numerics are checked against float64 NumPy references built from ml_dtypes roundings
+(`reference.py`), group by group; amax histories and scales step by step against a hand-rolled
+delayed-scaling update.
+"""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
+from jax import lax
+from jax.ad_checkpoint import print_saved_residuals
+
+import fp8jax
+from fp8jax._src import inspect as inspect_module
+from fp8jax._src.grouped import gemm as grouped_gemm
+from fp8jax.examples import moe
+
+G, K, N = 4, 64, 48
+# Uneven groups, one empty; tokens sorted by expert.
+SIZES = np.array([13, 0, 20, 7], np.int32)
+M = int(SIZES.sum())
+# Experts' weights differ in range by orders of magnitude: each needs its own scale.
+W_RANGE = np.array([0.01, 1.0, 30.0, 0.3], np.float32)[:, None, None]
+
+
+def data(seed, sizes=SIZES, x_scale=3.0, g_scale=1e-3):
+    rng = np.random.default_rng(seed)
+    m = int(np.sum(sizes))
+    x = (rng.standard_normal((m, K)) * x_scale).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    g = (rng.standard_normal((m, N)) * g_scale).astype(np.float32)
+    return x, w, g
+
+
+def run(dot, x, w, g, sizes):
+    """Forward, dgrad, wgrad and the received state of one step, under jit."""
+
+    @eqx.filter_jit
+    def step(dot, x, w, g, sizes):
+        y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+        new, d_x, d_w = vjp(g)
+        return y, d_x, d_w, new
+
+    return step(dot, x, w, g, jnp.asarray(sizes))
+
+
+def bounds(sizes):
+    ends = np.cumsum(sizes)
+    return [slice(int(e - s), int(e)) for s, e in zip(sizes, ends, strict=True)]
+
+
+def grouped_reference(sizes, xq, w_fwd, g_dgrad, w_dgrad, x_tokens, g_tokens):
+    """float64 grouped GEMMs of real (dequantized) operands, group by group: the forward
+    `xq[rows] @ w_fwd[e]`, dgrad `g_dgrad[rows] @ w_dgrad[e].T`, wgrad
+    `x_tokens[rows].T @ g_tokens[rows]`, and the same of absolute values (for error bounds)."""
+    m = xq.shape[0]
+    y, d_x, d_w = np.zeros((m, N)), np.zeros((m, K)), np.zeros((G, K, N))
+    mags = [np.zeros_like(a) for a in (y, d_x, d_w)]
+    for e, rows in enumerate(bounds(sizes)):
+        for out, mag, a, b in (
+            (y, mags[0], xq[rows], w_fwd[e]),
+            (d_x, mags[1], g_dgrad[rows], w_dgrad[e].T),
+        ):
+            out[rows], mag[rows] = a @ b, np.abs(a) @ np.abs(b)
+        d_w[e], mags[2][e] = (
+            x_tokens[rows].T @ g_tokens[rows],
+            np.abs(x_tokens[rows]).T @ np.abs(g_tokens[rows]),
+        )
+    return (y, d_x, d_w), mags
+
+
+def assert_gemm(got, want, magnitude, terms):
+    """`got` (float32 accumulation of `terms` products) equals the float64 `want` within
+    float32 rounding of the magnitudes."""
+    bound = 2 * terms * 2.0**-24 * magnitude + 1e-30
+    np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - want), bound)
+
+
+def assert_all(got, want, mags):
+    for a, b, mag, terms in zip(got, want, mags, (K, N, M), strict=True):
+        assert_gemm(a, b, mag, terms)
+
+
+# --- numerics ----------------------------------------------------------------------------
+
+
+class DelayedReference:
+    """Delayed scaling's state, hand-rolled: the scale of step t from the history before t
+    (power of two), the newest amax written at index 0 after rolling by -1."""
+
+    def __init__(self, history_len):
+        self.hist = {
+            "input": np.zeros(history_len, np.float32),
+            "kernel": np.zeros((G, history_len), np.float32),
+            "output_grad": np.zeros(history_len, np.float32),
+        }
+        self.scale = {"input": np.float32(1), "kernel": np.ones(G, np.float32)}
+        self.scale["output_grad"] = np.float32(1)
+
+    @staticmethod
+    def _next(hist, scale, amax, fmt):
+        new_scale = ref.current_scale(hist.max(), fmt, previous=scale, power_of_two=True)
+        new_hist = np.roll(hist, -1)
+        new_hist[0] = amax
+        return new_scale, new_hist
+
+    def step(self, x, w, g, sizes):
+        """The scales of this step, then the state after it."""
+        scales = {}
+        for role, t, fmt in (("input", x, "e4m3"), ("output_grad", g, "e5m2")):
+            scales[role], self.hist[role] = self._next(
+                self.hist[role], self.scale[role], np.abs(t).max(), fmt
+            )
+            self.scale[role] = scales[role]
+        scales["kernel"] = np.zeros(G, np.float32)
+        for e in range(G):
+            s, h = self._next(
+                self.hist["kernel"][e], self.scale["kernel"][e], np.abs(w[e]).max(), "e4m3"
+            )
+            scales["kernel"][e] = s
+            if sizes[e] > 0:  # an expert without tokens keeps its state
+                self.scale["kernel"][e], self.hist["kernel"][e] = s, h
+        return scales
+
+
+def assert_state(dot, reference):
+    for role in ("input", "kernel", "output_grad"):
+        state = getattr(dot, role)
+        np.testing.assert_array_equal(state.amax_history, reference.hist[role], err_msg=role)
+        np.testing.assert_array_equal(state.scale, reference.scale[role], err_msg=role)
+
+
+def test_delayed_scaling_per_expert_step_by_step():
+    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(history_len=4), num_experts=G)
+    assert dot.kernel.scale.shape == (G,) and dot.kernel.amax_history.shape == (G, 4)
+    assert dot.input.scale.shape == () and dot.output_grad.amax_history.shape == (4,)
+    reference = DelayedReference(4)
+    # Expert 1 gets no tokens at step 0, expert 0 none at step 1 (they keep their state).
+    schedule = [SIZES, np.array([0, 25, 8, 7], np.int32), np.array([10, 10, 10, 10], np.int32)]
+    for step, sizes in enumerate(schedule):
+        x, w, g = data(step, sizes, x_scale=3.0 * 4**step)
+        scales = reference.step(x, w, g, sizes)
+        y, d_x, d_w, new = run(dot, x, w, g, sizes)
+        xq = ref.qdq_tensor(x, scales["input"], "e4m3")
+        wq = np.stack([ref.qdq_tensor(w[e], scales["kernel"][e], "e4m3") for e in range(G)])
+        gq = ref.qdq_tensor(g, scales["output_grad"], "e5m2")
+        want, mags = grouped_reference(sizes, xq, wq, gq, wq, xq, gq)
+        assert_all((y, d_x, d_w), want, mags)
+        for e in np.flatnonzero(sizes == 0):  # nothing received for an expert without tokens
+            assert float(new.kernel.scale[e]) == 0.0
+            assert not np.asarray(new.kernel.amax_history[e]).any()
+            np.testing.assert_array_equal(d_w[e], 0.0)
+        dot = fp8jax.apply_updates(dot, None, new)
+        assert_state(dot, reference)
+    # The scales did move: expert 2's weights (range 30) are scaled down, expert 0's up.
+    assert float(dot.kernel.scale[2]) < 16 < float(dot.kernel.scale[0])
+
+
+def test_current_scaling_per_expert():
+    x, w, g = data(3)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    y, d_x, d_w, new = run(dot, x, w, g, SIZES)
+
+    def scale(t, fmt):
+        return ref.current_scale(np.abs(t).max(), fmt, power_of_two=True)
+
+    xq = ref.qdq_tensor(x, scale(x, "e4m3"), "e4m3")
+    wq = np.stack([ref.qdq_tensor(w[e], scale(w[e], "e4m3"), "e4m3") for e in range(G)])
+    gq = ref.qdq_tensor(g, scale(g, "e5m2"), "e5m2")
+    want, mags = grouped_reference(SIZES, xq, wq, gq, wq, xq, gq)
+    assert_all((y, d_x, d_w), want, mags)
+    kernel_scales = [scale(w[e], "e4m3") if SIZES[e] else 0.0 for e in range(G)]
+    np.testing.assert_array_equal(new.kernel.scale, kernel_scales)
+
+
+def block_operands(recipe, x, w, g):
+    """The real values of every operand of the three GEMMs under a block recipe."""
+    if isinstance(recipe, fp8jax.MXFP8):
+        s, w_block, w_dgrad_block = ref.mx_scale(), (1, recipe.block_size), (recipe.block_size, 1)
+    else:
+        s = ref.deepseek_scale(recipe.power_of_two)
+        w_block = w_dgrad_block = (recipe.block_size, recipe.block_size)
+    b = recipe.block_size
+    xq = ref.qdq_blocks(x, (1, b), s)
+    # Kernels per expert, in the canonical (N, K) layout the recipe quantizes.
+    w_fwd = np.stack([ref.qdq_blocks(w[e].T, w_block, s).T for e in range(G)])
+    w_dgrad = np.stack([ref.qdq_blocks(w[e].T, w_dgrad_block, s).T for e in range(G)])
+    g_dgrad = ref.qdq_blocks(g, (1, b), s)
+    # The wgrad's tiles run along the tokens, over all of them (tiles may span two experts);
+    # the activation is requantized from its FP8 values.
+    x_tokens = ref.qdq_blocks(xq.astype(np.float32), (b, 1), s)
+    g_tokens = ref.qdq_blocks(g, (b, 1), s)
+    return xq, w_fwd, g_dgrad, w_dgrad, x_tokens, g_tokens
+
+
+BLOCK_RECIPES = {
+    "blockwise": fp8jax.BlockwiseScaling(block_size=16),
+    "blockwise-pow2-all-chunks": fp8jax.BlockwiseScaling(
+        block_size=16, power_of_two=True, chunks_per_dot=None
+    ),
+    "blockwise-2-chunks": fp8jax.BlockwiseScaling(block_size=16, chunks_per_dot=2),
+    "mxfp8": fp8jax.MXFP8(block_size=16),
+    "mxfp8-dequantized": fp8jax.MXFP8(block_size=16, dequantized_dot=True),
+}
+
+
+@pytest.mark.parametrize("name", BLOCK_RECIPES)
+def test_block_recipes_match_the_reference(name):
+    recipe = BLOCK_RECIPES[name]
+    x, w, g = data(4)
+    y, d_x, d_w, new = run(fp8jax.Fp8RaggedDot(recipe, num_experts=G), x, w, g, SIZES)
+    want, mags = grouped_reference(SIZES, *block_operands(recipe, x, w, g))
+    assert_all((y, d_x, d_w), want, mags)
+    np.testing.assert_array_equal(new.input.amax_history[0], np.abs(x).max())
+    np.testing.assert_array_equal(new.output_grad.amax_history[0], np.abs(g).max())
+    amaxes = [np.abs(w[e]).max() if SIZES[e] else 0.0 for e in range(G)]
+    np.testing.assert_array_equal(new.kernel.amax_history[:, 0], amaxes)
+
+
+def test_bfloat16_operands_and_output():
+    x, w, g = data(5)
+    bf16 = [a.astype(jnp.bfloat16) for a in (x, w, g)]
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    y, d_x, d_w, _ = run(dot, *bf16, SIZES)
+    assert (y.dtype, d_x.dtype, d_w.dtype) == (jnp.bfloat16,) * 3
+    y32, dx32, dw32, _ = run(dot, *(np.asarray(a, np.float32) for a in bf16), SIZES)
+    # Power-of-two scales: the bfloat16 results are the float32 ones rounded once.
+    for a, b in ((y, y32), (d_x, dx32), (d_w, dw32)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2.0**-8, atol=1e-30)
+
+
+# --- state through the gradient: max, not sum ----------------------------------------------
+
+
+def test_layer_used_twice_combines_state_by_max():
+    rng = np.random.default_rng(6)
+    sizes1, sizes2 = np.array([5, 0, 5, 0], np.int32), np.array([0, 0, 6, 4], np.int32)
+    x1, x2 = ((rng.standard_normal((10, K)) * s).astype(np.float32) for s in (1.0, 9.0))
+    c1, c2 = ((rng.standard_normal((10, N)) * s).astype(np.float32) for s in (4.0, 0.5))
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+
+    def twice(dot, x1, x2):
+        return jnp.sum(dot(x1, w, sizes1) * c1) + jnp.sum(dot(x2, w, sizes2) * c2)
+
+    new = fp8jax.filter_grad(twice)(dot, x1, x2)
+    assert float(new.input.amax_history[0]) == np.abs([x1, x2]).max()
+    assert float(new.output_grad.amax_history[0]) == np.abs([c1, c2]).max()
+    # Expert 3 ran only in the second use, expert 1 in neither.
+    amaxes = [np.abs(w[e]).max() if e != 1 else 0.0 for e in range(G)]
+    np.testing.assert_array_equal(new.kernel.amax_history[:, 0], amaxes)
+    merged = dot.merge(new)
+    assert float(merged.kernel.scale[1]) == 1.0 and not merged.kernel.amax_history[1].any()
+    # Summing the two uses' state would be wrong: plain jax/Equinox gradients refuse.
+    with pytest.raises(ValueError, match="runs twice in one differentiated step"):
+        eqx.filter_grad(twice)(dot, x1, x2)
+
+
+def test_unused_layer_and_zero_gradient_keep_state():
+    x, w, _ = data(7)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    new = fp8jax.filter_grad(lambda d, x: jnp.sum(lax.stop_gradient(d(x, w, SIZES))))(dot, x)
+    merged = dot.merge(new)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(dot), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_vmap_over_examples_shares_state_and_sums_weight_gradients():
+    rng = np.random.default_rng(8)
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)
+    xs = (rng.standard_normal((3, 12, K)) * [[[1.0]], [[20.0]], [[3.0]]]).astype(np.float32)
+    cs = rng.standard_normal((3, 12, N)).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)  # fresh: every scale is 1, in every call
+
+    def vmapped(params, xs):
+        dot, w = params
+        ys = jax.vmap(lambda x, s: dot(x, w, s))(xs, jnp.asarray(sizes))
+        return jnp.sum(ys * cs)
+
+    new, d_w = eqx.filter_jit(fp8jax.filter_grad(vmapped))((dot, w), xs)
+    assert float(new.input.amax_history[0]) == np.abs(xs).max()
+    assert float(new.output_grad.amax_history[0]) == np.abs(cs).max()
+    used = sizes.max(axis=0) > 0
+    amaxes = np.where(used, np.abs(w).max(axis=(1, 2)), 0.0)
+    np.testing.assert_array_equal(new.kernel.amax_history[:, 0], amaxes)
+    # The weight gradient is the sum of the examples' (the wgrad of each, then summed).
+    want = sum(run(dot, xs[i], w, cs[i], sizes[i])[2] for i in range(3))
+    np.testing.assert_allclose(d_w, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fold_positions_put_all_members_rows_in_one_expert_order():
+    sizes = jnp.array([[2, 0, 1], [1, 2, 0]], jnp.int32)  # member 0 leaves one row spare
+    positions = grouped_gemm.fold_positions(sizes, 4)
+    # Expert 0: member 0's two rows, member 1's one; expert 1: member 1's two; expert 2:
+    # member 0's one; then member 0's spare row.
+    np.testing.assert_array_equal(positions, [[0, 1, 5, 6], [2, 3, 4, 7]])
+
+
+def vmapped_loss(sizes, cs):
+    def loss(params, xs):
+        dot, w = params
+        call = lambda x, s: dot(x, w, s)  # noqa: E731
+        for _ in range(xs.ndim - 2):
+            call = jax.vmap(call)
+        return jnp.sum(call(xs, jnp.asarray(sizes)) * cs)
+
+    return loss
+
+
+def test_vmap_runs_one_grouped_gemm_over_all_tokens():
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)
+    xs, cs = np.ones((3, 12, K), np.float32), np.ones((3, 12, N), np.float32)
+    w = np.ones((G, K, N), np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    loss = vmapped_loss(sizes, cs)
+    jaxpr = jax.make_jaxpr(lambda p, x: fp8jax.filter_grad(loss)(p, x))((dot, w), xs)
+    shapes = [
+        tuple(e.invars[0].aval.shape)
+        for e in _equations(jaxpr.jaxpr)
+        if e.primitive.name == "ragged_dot_general"
+    ]
+    # Forward, dgrad and wgrad, each one ragged dot of all 36 tokens.
+    assert sorted(shapes) == [(36, N), (36, K), (36, K)], shapes
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr`, those of its sub-jaxprs (jit, scan, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_nested_vmap_equals_the_sum_of_single_calls():
+    rng = np.random.default_rng(18)
+    sizes = rng.multinomial(10, [0.4, 0.0, 0.3, 0.3], size=(2, 3)).astype(np.int32)
+    xs = (rng.standard_normal((2, 3, 10, K)) * 4).astype(np.float32)
+    cs = rng.standard_normal((2, 3, 10, N)).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    new, d_w = eqx.filter_jit(fp8jax.filter_grad(vmapped_loss(sizes, cs)))((dot, w), xs)
+    calls = [run(dot, xs[i, j], w, cs[i, j], sizes[i, j]) for i in range(2) for j in range(3)]
+    np.testing.assert_allclose(d_w, sum(c[2] for c in calls), rtol=1e-6, atol=1e-6)
+    want = calls[0][3]
+    for c in calls[1:]:
+        want = jax.tree.map(jnp.maximum, want, c[3])
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+PER_MEMBER = {"delayed": "delayed", "blockwise": fp8jax.BlockwiseScaling(block_size=16)}
+
+
+@pytest.mark.parametrize("recipe", PER_MEMBER)
+def test_per_example_gradients_under_vmap(recipe):
+    rng = np.random.default_rng(19)
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3]], np.int32)
+    xs = rng.standard_normal((2, 12, K)).astype(np.float32)
+    cs = rng.standard_normal((2, 12, N)).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(PER_MEMBER[recipe], num_experts=G)
+
+    def loss(params, x, s, c):
+        dot, w = params
+        return jnp.sum(dot(x, w, s) * c)
+
+    per_example = jax.vmap(fp8jax.filter_grad(loss), in_axes=(None, 0, 0, 0))
+    _, d_w = per_example((dot, w), xs, jnp.asarray(sizes), cs)
+    for i in range(2):
+        np.testing.assert_allclose(d_w[i], run(dot, xs[i], w, cs[i], sizes[i])[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", PER_MEMBER)
+def test_vmap_over_stacked_layers_keeps_each_its_own_state(recipe):
+    rng = np.random.default_rng(20)
+    sizes = np.array([[6, 0, 4, 2], [0, 3, 9, 0]], np.int32)
+    xs = (rng.standard_normal((2, 12, K)) * [[[1.0]], [[50.0]]]).astype(np.float32)
+    ws = (rng.standard_normal((2, G, K, N)) * W_RANGE).astype(np.float32)
+    make = lambda _: fp8jax.Fp8RaggedDot(PER_MEMBER[recipe], num_experts=G)  # noqa: E731
+    dots = eqx.filter_vmap(make)(jnp.arange(2))
+    assert dots.kernel.scale.shape == (2, G)
+
+    def loss(params, xs):
+        dots, ws = params
+        ys = eqx.filter_vmap(lambda d, x, w, s: d(x, w, s))(dots, xs, ws, jnp.asarray(sizes))
+        return jnp.sum(ys)
+
+    new, d_ws = eqx.filter_jit(fp8jax.filter_grad(loss))((dots, ws), xs)
+    for i in range(2):
+        one = jax.tree.map(lambda a, i=i: a[i], dots)
+        _, _, d_w, want = run(one, xs[i], ws[i], np.ones((12, N), np.float32), sizes[i])
+        np.testing.assert_allclose(d_ws[i], d_w, rtol=1e-6)
+        got = jax.tree.map(lambda a, i=i: a[i], new)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_saves_only_fp8_residuals(capsys):
+    # A history length no operand has as a dimension: a float32 residual shaped like an
+    # operand cannot pass for state.
+    x, w, _ = data(9)
+    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(history_len=7), num_experts=G)
+    print_saved_residuals(lambda x, w, d: jnp.sum(d(x, w, SIZES)), x, w, dot)
+    saved = capsys.readouterr().out.splitlines()
+    residuals = []
+    for line in saved:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+        residuals.append((dtype, tuple(int(n) for n in dims.split(",") if n)))
+    # State (new input and kernel, incoming output gradient: a scale and a history each, the
+    # kernel's per expert), the operands' scales (the kernel's per expert), the group sizes.
+    small = [("f32", ()), ("f32", (7,)), ("f32", (G,)), ("f32", (G, 7)), ("i32", (G,))]
+    operands = sorted(r for r in residuals if r not in small)
+    assert operands == [("f8_e4m3fn", (G, N, K)), ("f8_e4m3fn", (M, K))], saved
+
+
+def test_state_must_be_differentiated_with_delayed_scaling():
+    x, w, _ = data(10)
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    with pytest.raises(ValueError, match="An Fp8RaggedDot .DelayedScaling. is differentiated"):
+        jax.grad(lambda x: jnp.sum(dot(x, w, SIZES)))(x)
+    jax.grad(lambda x: jnp.sum(fp8jax.Fp8RaggedDot("current", num_experts=G)(x, w, SIZES)))(x)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dot():
+    return fp8jax.Fp8RaggedDot(num_experts=G)
+
+
+def test_group_sizes_must_sum_to_the_tokens(dot):
+    x, w, _ = data(11)
+    with pytest.raises(ValueError, match=r"group_sizes=\[13, 0, 20, 6\] sums to 39 but lhs has 40"):
+        dot(x, w, np.array([13, 0, 20, 6], np.int32))
+
+
+def test_negative_group_sizes(dot):
+    x, w, _ = data(12)
+    with pytest.raises(ValueError, match=r"group_sizes=\[14, -1, 20, 7\] has negative sizes"):
+        dot(x, w, np.array([14, -1, 20, 7], np.int32))
+
+
+def test_traced_group_sizes_are_not_checked_and_rows_past_them_are_zero(dot):
+    x, w, _ = data(13)
+    short = np.array([13, 0, 20, 2], np.int32)  # sums to 35 of 40 tokens
+    y = eqx.filter_jit(lambda d, s: d(x, w, s))(dot, jnp.asarray(short))
+    np.testing.assert_array_equal(y[35:], 0.0)
+    assert np.abs(np.asarray(y[:35])).min(axis=1).all()
+
+
+def test_mismatched_expert_counts(dot):
+    x, w, _ = data(14)
+    with pytest.raises(ValueError, match=r"mismatched expert counts \(group_sizes: 3, rhs: 4"):
+        dot(x, w, np.array([13, 20, 7], np.int32))
+    w5 = np.concatenate([w, w[:1]])
+    sizes5 = np.array([13, 0, 20, 7, 0], np.int32)
+    with pytest.raises(ValueError, match=r"group_sizes: 5, rhs: 5, the layer's state: 4"):
+        dot(x, w5, sizes5)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((2, M, K), (G, K, N), (G,)), ((M, K), (K, N), (G,)), ((M, K), (G, K, N), (1, G))],
+    ids=["lhs-3d", "rhs-2d", "group-sizes-2d"],
+)
+def test_wrong_ranks(dot, shapes):
+    lhs, rhs = (np.ones(s, np.float32) for s in shapes[:2])
+    with pytest.raises(ValueError, match="should be lhs .tokens, in., rhs .experts, in, out."):
+        dot(lhs, rhs, np.ones(shapes[2], np.int32))
+
+
+def test_mismatched_features_and_bad_dtypes(dot):
+    x, w, _ = data(15)
+    with pytest.raises(ValueError, match="has 64 features but rhs .* takes 32"):
+        dot(x, w[:, :32], SIZES)
+    with pytest.raises(TypeError, match="group_sizes has dtype float32; should be an integer"):
+        dot(x, w, SIZES.astype(np.float32))
+    with pytest.raises(TypeError, match="lhs has dtype float8_e4m3fn"):
+        dot(x.astype(ml_dtypes.float8_e4m3fn), w, SIZES)
+
+
+def test_bad_construction():
+    with pytest.raises(ValueError, match="recipe ResidualFP8 has no FP8 grouped GEMM"):
+        fp8jax.Fp8RaggedDot("residual", num_experts=G)
+    with pytest.raises(ValueError, match="native_kernel=True. has no native grouped GEMM"):
+        fp8jax.Fp8RaggedDot(fp8jax.BlockwiseScaling(native_kernel=True), num_experts=G)
+    with pytest.raises(ValueError, match="num_experts=0: should be an int >= 1"):
+        fp8jax.Fp8RaggedDot(num_experts=0)
+    with pytest.raises(ValueError, match="GroupedLinear in_features=0"):
+        fp8jax.GroupedLinear(G, 0, N, key=jax.random.PRNGKey(0))
+
+
+def test_grouped_linear_checks_in_high_precision_too():
+    layer = fp8jax.GroupedLinear(G, K, N, key=jax.random.PRNGKey(0))
+    x, _, _ = data(16)
+    np.testing.assert_allclose(
+        layer(x, SIZES), lax.ragged_dot(x, layer.weight, SIZES), rtol=1e-6, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="GroupedLinear: group_sizes=.* sums to 41"):
+        layer(x, SIZES + np.array([1, 0, 0, 0], np.int32))
+
+
+# --- conversion and the example ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moe.MoEModel(width=32, hidden=64, experts=G, top_k=2, key=jax.random.PRNGKey(0))
+
+
+def test_fp8_linear_layers_converts_experts_and_keeps_the_router(model):
+    converted = fp8jax.fp8_linear_layers(model)
+    assert type(converted.moe.gate) is eqx.nn.Linear  # router: excluded by name
+    assert type(converted.head) is eqx.nn.Linear
+    assert isinstance(converted.embed, fp8jax.Linear)
+    for name in ("up", "down"):
+        layer = getattr(converted.moe, name)
+        assert isinstance(layer.ragged_dot, fp8jax.Fp8RaggedDot)
+        assert layer.ragged_dot.name == f"moe.{name}"
+        assert layer.ragged_dot.kernel.amax_history.shape == (G, 1024)
+        assert layer.weight is getattr(model.moe, name).weight
+    assert fp8jax.fp8_linear_layers(converted) is converted  # nothing left to convert
+    # Only the experts in FP8 (current scaling): the same routing, outputs within FP8 error.
+    experts = fp8jax.Fp8Config(targets=["up", "down"], recipe="current")
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 16))
+    want = model(x)
+    got = fp8jax.fp8_linear_layers(model, experts)(x)
+    np.testing.assert_allclose(got, want, atol=0.03 * float(np.abs(want).max()))
+
+
+def test_fp8_config_targets_exclusions_and_recipes_apply_to_experts(model):
+    only_up = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["up"]))
+    assert isinstance(only_up.moe.up.ragged_dot, fp8jax.Fp8RaggedDot)
+    assert only_up.moe.down.ragged_dot is None and type(only_up.embed) is eqx.nn.Linear
+    config = fp8jax.Fp8Config(recipe="current", recipes={"down": "blockwise"}, exclude="gate|up")
+    converted = fp8jax.fp8_linear_layers(model, config)
+    assert converted.moe.up.ragged_dot is None
+    assert isinstance(converted.moe.down.ragged_dot.recipe, fp8jax.BlockwiseScaling)
+    assert isinstance(converted.embed.dot_general.recipe, fp8jax.CurrentScaling)
+    with pytest.raises(ValueError, match="grouped layer 'moe.up': recipe ResidualFP8"):
+        fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe="residual"))
+
+
+def test_stacked_grouped_linears_get_stacked_state():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    stack = eqx.filter_vmap(lambda k: fp8jax.GroupedLinear(G, K, N, key=k))(keys)
+    converted = fp8jax.fp8_linear_layers({"experts": stack})["experts"]
+    assert converted.ragged_dot.kernel.scale.shape == (3, G)
+    assert converted.ragged_dot.input.amax_history.shape == (3, 1024)
+    x, _, _ = data(17)
+    # Each layer maps K features to N; the scan feeds each the same input.
+    ys = lax.scan(lambda _, layer: (None, layer(x, SIZES)), None, converted)[1]
+    assert ys.shape == (3, M, N) and np.isfinite(np.asarray(ys)).all()
+
+
+def test_route_sorts_assignments_by_expert():
+    logits = jax.random.normal(jax.random.PRNGKey(2), (10, G))
+    routing = moe.route(logits, top_k=2)
+    assert int(routing.group_sizes.sum()) == 20
+    experts = jnp.argsort(-logits, axis=-1)[:, :2].reshape(-1)[routing.order]
+    assert (np.diff(np.asarray(experts)) >= 0).all()
+    np.testing.assert_allclose(jax.ops.segment_sum(routing.weight, routing.token, 10), 1.0, 1e-6)
+
+
+def test_training_in_fp8_tracks_high_precision(model):
+    x, y = moe.teacher_data(256)
+    high = moe.train(model, x, y, steps=25)
+    fp8 = moe.train(fp8jax.fp8_linear_layers(model), x, y, steps=25)
+    assert fp8[-1] < 0.3 * fp8[0]
+    assert abs(fp8[-1] - high[-1]) < 0.1 * high[-1], (fp8[-1], high[-1])
+
+
+@pytest.fixture(scope="module")
+def h100():
+    topology = inspect_module.h100_topology()
+    if topology is None:
+        pytest.skip("the H100 checks need the h100 extra: pip install -e '.[h100]'")
+    return topology
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_expert_gemms_lower_to_fp8_ragged_dots_for_an_h100(h100, model, recipe):
+    converted = fp8jax.fp8_linear_layers(
+        model, fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe)
+    )
+    device = h100.devices[0]
+    x = jax.ShapeDtypeStruct(
+        (128, 16), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+    )
+
+    def step(model, x):
+        return fp8jax.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+
+    text = inspect_module._lower(step, (converted, x), {}, device)[0].as_text()
+    ragged = [line for line in text.splitlines() if "chlo.ragged_dot" in line]
+    # Per expert layer: forward, dgrad and wgrad (a block recipe's one dot per chunk group).
+    assert len(ragged) >= 6
+    for line in ragged:
+        operands = line.split("(tensor<")[1].split(") ->")[0]
+        assert operands.count("f8E4M3FN") + operands.count("f8E5M2") == 2, line
+    # The router stays in float32.
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and not any("f8E" in line for line in dots), dots
+
+
+# A block recipe's grouped GEMMs are ragged dots batched over chunks of the contraction, a
+# layout XLA's GPU ragged-dot rewriter only takes with the chunks leading (checked here: a
+# lowering alone does not run the rewriter).
+@pytest.mark.parametrize("recipe", ["delayed", fp8jax.BlockwiseScaling(block_size=16)])
+def test_h100_compile_runs_expert_gemms_on_cublas_fp8(h100, model, recipe):
+    config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe)
+    converted = fp8jax.fp8_linear_layers(model, config)
+    x = jax.ShapeDtypeStruct((128, 16), jnp.float32)
+
+    def step(model, x):
+        return fp8jax.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+
+    report = fp8jax.inspect(step, converted, x, modes=("cublas",), merge_dots=False)
+    layers = report.layers("cublas")
+    assert set(layers) == {"moe.up", "moe.down"}
+    for roles in layers.values():
+        assert set(roles) == {"fwd", "dgrad", "wgrad"}
+        assert all(g.fp8 for gemms in roles.values() for g in gemms), roles
+    others = [g for g in report.gemms["cublas"] if g.layer is None]
+    assert others and not any(g.fp8_operands for g in others)
