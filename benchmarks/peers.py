@@ -34,9 +34,14 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# fp8jax's native kernels (Pallas Mosaic GPU) are proven FP8 from their PTX, which the plugin
+# dumps only when the process starts with these set (fp8jax.inspect reads the folder).
+os.environ.setdefault("MOSAIC_GPU_DUMP_PTX", "1")
+os.environ.setdefault("MOSAIC_GPU_DUMP_TO", tempfile.mkdtemp(prefix="fp8jax_peers_mosaic_"))
 
 import equinox as eqx  # noqa: E402
 import haliax.quantization as haxq  # noqa: E402
