@@ -15,6 +15,7 @@ process; they are ignored on CPUs and TPUs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
@@ -45,3 +46,19 @@ def gpu_xla_flags() -> str:
         f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
         for name, value in _OPTIONS.items()
     )
+
+
+def checked_compiler_options(who: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`options` as a dict of XLA options for a train step's executable, with `None` meaning
+    [`fp8jax.gpu_compiler_options`][]. Raises `TypeError` naming `who` for anything but a dict
+    from option names to bool, int, float or str values."""
+    if options is None:
+        return gpu_compiler_options()
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, bool | int | float | str) for k, v in options.items()
+    ):
+        raise TypeError(
+            f"{who}: compiler_options={options!r}: should be a dict from XLA option names to "
+            "bool, int, float or str values (e.g. fp8jax.gpu_compiler_options()), or None."
+        )
+    return dict(options)

@@ -66,6 +66,18 @@ def _received(state: TensorState) -> tuple[Array, Array]:
     return take, ~finite
 
 
+def pick_received(old: Any, received: Any, ok: Array) -> Any:
+    """`received` where `ok`, `old` elsewhere, leaf by leaf (in `old`'s dtypes). `ok` is a
+    scalar, or has the leading axes of the leaves (one flag per expert, say)."""
+    return jax.tree.map(
+        lambda o, r: jnp.where(
+            jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
+        ),
+        old,
+        received,
+    )
+
+
 class Fp8DotGeneral(OverwriteWithGradient):
     """`jax.lax.dot_general` computed as FP8 GEMMs, with its scaling state.
 
@@ -182,24 +194,17 @@ class Fp8DotGeneral(OverwriteWithGradient):
         counts those steps in `stats.<role>.rejected`.
         """
 
-        def pick(old: Any, received: Any, ok: Array) -> Any:
-            return jax.tree.map(
-                lambda o, r: jnp.where(
-                    jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
-                ),
-                old,
-                received,
-            )
-
         received = {role: _received(getattr(new, role)) for role in ROLES}
-        merged = {r: pick(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES}
+        merged = {
+            r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
+        }
         if self.stats is not None:
             stats = {}
             for r in ROLES:
                 old, take, reject = getattr(self.stats, r), *received[r]
                 count = old.rejected + reject.astype(old.rejected.dtype)
                 fresh = eqx.tree_at(lambda s: s.rejected, getattr(new.stats, r), old.rejected)
-                stats[r] = eqx.tree_at(lambda s: s.rejected, pick(old, fresh, take), count)
+                stats[r] = eqx.tree_at(lambda s: s.rejected, pick_received(old, fresh, take), count)
             merged["stats"] = Fp8Stats(**stats)
         return eqx.tree_at(
             lambda m: tuple(getattr(m, name) for name in merged),

@@ -41,7 +41,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from . import jax_private
-from .compile_options import gpu_compiler_options
+from .compile_options import checked_compiler_options
 from .dot_general import Fp8DotGeneral
 from .transform import Fp8Config, _stacked_dot_general, choose_layers
 
@@ -577,17 +577,7 @@ def nnx_train_step(
         raise TypeError(f"nnx_train_step: loss_fn={loss_fn!r} is not callable.")
     if not isinstance(has_aux, bool):
         raise TypeError(f"nnx_train_step: has_aux={has_aux!r} should be True or False.")
-    if compiler_options is None:
-        compiler_options = gpu_compiler_options()
-    if not isinstance(compiler_options, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, bool | int | float | str)
-        for k, v in compiler_options.items()
-    ):
-        raise TypeError(
-            f"nnx_train_step: compiler_options={compiler_options!r}: should be a dict from XLA "
-            "option names to bool, int, float or str values (e.g. "
-            "fp8jax.gpu_compiler_options()), or None."
-        )
+    compiler_options = checked_compiler_options("nnx_train_step", compiler_options)
 
     def pure(graphdef: Any, state: Any) -> tuple[Any, Any]:
         objects = nnx.merge(graphdef, state)
@@ -602,7 +592,7 @@ def nnx_train_step(
     # jit's compiler options belong to a top-level executable: inside another trace, the plain
     # version joins the caller's.
     inner = jax.jit(pure, static_argnums=0)
-    top = jax.jit(pure, static_argnums=0, compiler_options=dict(compiler_options) or None)
+    top = jax.jit(pure, static_argnums=0, compiler_options=compiler_options or None)
 
     @functools.wraps(loss_fn)
     def step(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:

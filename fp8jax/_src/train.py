@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from . import jax_private
 from .accumulate import accumulate_gradients
-from .compile_options import gpu_compiler_options
+from .compile_options import checked_compiler_options
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
@@ -248,17 +248,7 @@ def make_train_step(
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
-    if compiler_options is None:
-        compiler_options = gpu_compiler_options()
-    if not isinstance(compiler_options, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, bool | int | float | str)
-        for k, v in compiler_options.items()
-    ):
-        raise TypeError(
-            f"make_train_step: compiler_options={compiler_options!r}: should be a dict from XLA "
-            "option names to bool, int, float or str values (e.g. "
-            "fp8jax.gpu_compiler_options()), or None."
-        )
+    compiler_options = checked_compiler_options("make_train_step", compiler_options)
     options = tuple(sorted(compiler_options.items()))
     return TrainStep(
         loss_fn,

@@ -12,7 +12,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ..dot_general import SCOPE, _received
+from ..dot_general import SCOPE, _received, pick_received
 from ..gemm import States
 from ..recipes import ROLES, Recipe, TensorState, recipe_from
 from ..updates import OverwriteWithGradient
@@ -224,17 +224,9 @@ class Fp8RaggedDot(OverwriteWithGradient):
         gradient, or, for one expert's kernel, the expert got no tokens) or one holding an
         inf or NaN leaves the old state as it was."""
 
-        def pick(old: Any, received: Any, ok: Array) -> Any:
-            return jax.tree.map(
-                lambda o, r: jnp.where(
-                    jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
-                ),
-                old,
-                received,
-            )
-
         merged = tuple(
-            pick(getattr(self, r), getattr(new, r), _received(getattr(new, r))[0]) for r in ROLES
+            pick_received(getattr(self, r), getattr(new, r), _received(getattr(new, r))[0])
+            for r in ROLES
         )
         return eqx.tree_at(lambda m: tuple(getattr(m, r) for r in ROLES), self, merged)
 
