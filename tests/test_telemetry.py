@@ -252,3 +252,44 @@ def test_telemetry_errors():
         fp8jax.Fp8DotGeneral(telemetry="yes")
     with pytest.raises(ValueError, match="telemetry=1"):
         fp8jax.Fp8Config(telemetry=1)
+
+
+def test_grouped_layers_report_a_kernel_scale_per_expert():
+    from fp8jax.examples import moe
+
+    model = moe.MoEModel(width=32, hidden=64, experts=4, top_k=2, key=jax.random.PRNGKey(0))
+    model = fp8jax.fp8_linear_layers(model)
+    x, y = moe.teacher_data(64)
+    grads = eqx.filter_jit(fp8jax.filter_grad(moe.mse))(model, x, y)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    stats = eqx.filter_jit(fp8jax.telemetry)(overwrites)  # traceable, as for dense layers
+    assert sorted(stats) == ["embed", "moe.down", "moe.up"]
+    assert stats["embed"].experts is None
+    for name in ("moe.up", "moe.down"):
+        layer, dot = stats[name], getattr(overwrites.moe, name.split(".")[1]).ragged_dot
+        assert layer.experts == 4 and layer.recipe == "DelayedScaling"
+        assert layer.kernel.scale.shape == layer.kernel.amax.shape == (4,)
+        np.testing.assert_array_equal(layer.kernel.scale, dot.kernel.scale)
+        np.testing.assert_array_equal(layer.kernel.amax, dot.kernel.amax_history[:, 0])
+        np.testing.assert_array_equal(
+            layer.kernel.history_max, jnp.max(dot.kernel.amax_history, axis=-1)
+        )
+        assert float(layer.input.amax) == float(dot.input.amax_history[0])
+        assert float(layer.output_grad.scale) == float(dot.output_grad.scale)
+        assert layer.kernel.saturated is None  # grouped layers keep no statistics
+        assert (np.asarray(layer.kernel.amax) > 0).all()  # every expert got tokens
+    # The report: a row per expert's kernel, between the input and the output gradient.
+    rows = fp8jax.report(stats, quiet=True).splitlines()[2:]
+    start = [r.split()[0] for r in rows].index("moe.up")
+    up = rows[start : start + 6]
+    assert [r.split()[0] for r in up] == [
+        "moe.up",
+        "kernel[0]",
+        "kernel[1]",
+        "kernel[2]",
+        "kernel[3]",
+        "output_grad",
+    ]
+    scales = [float(r.split()[2]) for r in up[1:5]]
+    np.testing.assert_allclose(scales, stats["moe.up"].kernel.scale, rtol=1e-3)
+    assert len(rows) == 3 + 2 * 6

@@ -1,8 +1,9 @@
 """Per-layer FP8 telemetry: scales, amaxes, saturation and underflow, as a pytree.
 
-[`fp8jax.telemetry`][] reads what every [`fp8jax.Fp8DotGeneral`][] holds: in a model it is the
-state after the latest applied step; in the gradients (the first output of
-`partition_for_grad_overwrite`) it is the state this step produced. It is pure JAX, so it runs
+[`fp8jax.telemetry`][] reads what every [`fp8jax.Fp8DotGeneral`][] and
+[`fp8jax.Fp8RaggedDot`][] holds: in a model it is the state after the latest applied step; in
+the gradients (the first output of `partition_for_grad_overwrite`) it is the state this step
+produced. It is pure JAX, so it runs
 inside a jitted step without a host sync; [`fp8jax.report`][] fetches and prints it.
 
 ```python
@@ -25,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .dot_general import Fp8DotGeneral
+from .grouped import Fp8RaggedDot
 from .recipes import ROLES
 
 
@@ -53,21 +55,31 @@ class OperandTelemetry(eqx.Module):
 
 class LayerTelemetry(eqx.Module):
     """[`fp8jax.OperandTelemetry`][] of the input, kernel and output gradient of one layer,
-    and the FP8 format of each."""
+    and the FP8 format of each.
+
+    For a grouped layer ([`fp8jax.Fp8RaggedDot`][]) `experts` is its number of experts and
+    the kernel's fields have a trailing expert axis (`scale (*layers, experts)`): each expert's
+    kernel has its own scale and history. Grouped layers keep no saturation statistics, so
+    their `saturated`, `underflow` and `rejected` are `None`. `experts` is `None` for a dense
+    layer.
+    """
 
     input: OperandTelemetry
     kernel: OperandTelemetry
     output_grad: OperandTelemetry
     recipe: str = eqx.field(static=True)
     formats: tuple[str, str, str] = eqx.field(static=True)
+    experts: int | None = eqx.field(static=True, default=None)
 
 
-def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
+def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
+    # A grouped layer has no `stats`: its operands report scales and amaxes only.
+    layer_stats = getattr(dot, "stats", None)
     operands = {}
     for role in ROLES:
         state = getattr(dot, role)
         history = state.amax_history
-        stats = None if dot.stats is None else getattr(dot.stats, role)
+        stats = None if layer_stats is None else getattr(layer_stats, role)
         operands[role] = OperandTelemetry(
             scale=state.scale,
             amax=history[..., 0],
@@ -77,7 +89,10 @@ def _layer(dot: Fp8DotGeneral) -> LayerTelemetry:
             rejected=None if stats is None else stats.rejected,
         )
     formats = tuple(np.dtype(dot.recipe.format(role)).name for role in ROLES)
-    return LayerTelemetry(**operands, recipe=type(dot.recipe).__name__, formats=formats)
+    experts = dot.num_experts if isinstance(dot, Fp8RaggedDot) else None
+    return LayerTelemetry(
+        **operands, recipe=type(dot.recipe).__name__, formats=formats, experts=experts
+    )
 
 
 def _nnx() -> Any:
@@ -91,7 +106,9 @@ def _nnx() -> Any:
 
 
 def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
-    """The [`fp8jax.LayerTelemetry`][] of every FP8 layer in `tree`, by layer name.
+    """The [`fp8jax.LayerTelemetry`][] of every FP8 layer in `tree`, by layer name: dense
+    ([`fp8jax.Fp8DotGeneral`][]) and grouped ([`fp8jax.Fp8RaggedDot`][], with a scale per
+    expert for the kernel) alike.
 
     **Arguments:**
 
@@ -109,13 +126,16 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     ```python
     stats = fp8jax.telemetry(model)
     stats["layers.0"].output_grad.saturated   # fraction of gradients clipped at E5M2's max
+    stats["moe.up"].kernel.scale              # (experts,): each expert's kernel scale
     ```
     """
     nnx_module = _nnx()
     nnx_layer = None if nnx_module is None else nnx_module.Fp8NnxDotGeneral
 
     def is_layer(x: Any) -> bool:
-        return isinstance(x, Fp8DotGeneral) or (nnx_layer is not None and isinstance(x, nnx_layer))
+        return isinstance(x, Fp8DotGeneral | Fp8RaggedDot) or (
+            nnx_layer is not None and isinstance(x, nnx_layer)
+        )
 
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)[0]
     layers: dict[str, LayerTelemetry] = {}
@@ -123,7 +143,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     for path, node in found:
         if not is_layer(node):
             continue
-        if not isinstance(node, Fp8DotGeneral):
+        if not isinstance(node, Fp8DotGeneral | Fp8RaggedDot):
             # An NNX layer: flattening meets a shared one under each of its paths; report it
             # once, under the first (the name fp8_linear_layers gave it).
             if id(node) in seen:
@@ -159,6 +179,8 @@ def _percent(value: Any) -> str:
 
 
 def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
+    """One row per operand of every (stacked) layer; a grouped layer's kernel gets one row per
+    expert, its operand named `kernel[e]`."""
     host = jax.tree.map(np.asarray, layer)
     shape = np.shape(host.input.scale)
     rows = []
@@ -166,24 +188,27 @@ def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
         label = name + "".join(f"[{i}]" for i in index)
         for role, fmt in zip(ROLES, layer.formats, strict=True):
             op = getattr(host, role)
+            per_expert = role == "kernel" and layer.experts is not None
+            for expert in range(layer.experts) if per_expert else (None,):
+                at_index = index if expert is None else (*index, expert)
 
-            def at(value: Any, index: tuple = index) -> Any:
-                return None if value is None else value[index]
+                def at(value: Any, at_index: tuple = at_index) -> Any:
+                    return None if value is None else value[at_index]
 
-            rows.append(
-                [
-                    label,
-                    role,
-                    fmt.removeprefix("float8_"),
-                    f"{float(at(op.scale)):.4g}",
-                    f"{float(at(op.amax)):.4g}",
-                    f"{float(at(op.history_max)):.4g}",
-                    _percent(at(op.saturated)),
-                    _percent(at(op.underflow)),
-                    "-" if op.rejected is None else str(int(at(op.rejected))),
-                ]
-            )
-            label = ""
+                rows.append(
+                    [
+                        label,
+                        role if expert is None else f"{role}[{expert}]",
+                        fmt.removeprefix("float8_"),
+                        f"{float(at(op.scale)):.4g}",
+                        f"{float(at(op.amax)):.4g}",
+                        f"{float(at(op.history_max)):.4g}",
+                        _percent(at(op.saturated)),
+                        _percent(at(op.underflow)),
+                        "-" if op.rejected is None else str(int(at(op.rejected))),
+                    ]
+                )
+                label = ""
     return rows
 
 

@@ -18,9 +18,21 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipes={"down": "block
 
 `python -m fp8jax.examples.moe` trains it on a synthetic regression task, in FP8 and in high
 precision, and prints both losses.
+
+`python -m fp8jax.examples.moe --kjv [--steps 250] [--layers 2] [--width 128]` is the evidence
+on real text: the GPT of `fp8jax.examples.gpt` with each MLP replaced by an MoE block
+(`--experts 4`, `--top-k 2`, each expert `mlp_ratio * width / top_k` wide, so that a token's
+expert FLOPs match the dense MLP's), and the dense GPT, both trained on the King James Bible in
+BF16 and in FP8 (delayed scaling), each pair from the same weights and batches. It prints the
+validation losses, each FP8 run's gap to its BF16 run, MoE and dense side by side, and the FP8
+run's per-expert telemetry: each expert's kernel scale and the tokens each expert got over the
+last steps.
 """
 
 from __future__ import annotations
+
+import argparse
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -30,6 +42,12 @@ import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import fp8jax
+from fp8jax.examples.data import VOCAB, kjv_bytes, sample, split
+from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
+
+#: The KJV job's precision, `fp8jax.examples.train_gpt`'s (not imported from there: that
+#: module needs tqdm, of the `demo` extra): BF16 compute, float32 master weights.
+POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
 class Routing(eqx.Module):
@@ -156,7 +174,8 @@ def train(model: MoEModel, x: Array, y: Array, steps: int = 50, lr: float = 3e-3
     return losses
 
 
-def main(steps: int = 100) -> dict[str, list[float]]:
+def synthetic(steps: int = 100) -> dict[str, list[float]]:
+    """Train `MoEModel` on `teacher_data` in high precision and in FP8; print the losses."""
     x, y = teacher_data(512)
     model = MoEModel(key=jax.random.PRNGKey(1))
     runs = {
@@ -170,6 +189,204 @@ def main(steps: int = 100) -> dict[str, list[float]]:
     for name, curve in losses.items():
         print(f"{name:>15}: loss {curve[0]:.4f} -> {curve[-1]:.4f} ({np.argmin(curve)} best)")
     return losses
+
+
+# --- a mixture-of-experts GPT on the King James Bible ---------------------------------------
+
+
+def moe_gpt(config: GPTConfig, experts: int, top_k: int, *, key: PRNGKeyArray) -> GPT:
+    """`GPT(config, key=key)` with each block's MLP replaced by an `MoE` of `experts` experts,
+    `top_k` per token, each `mlp_ratio * width // top_k` wide: a token's expert FLOPs are the
+    dense MLP's. Everything else (embeddings, attention, norms, head) is the dense GPT's, with
+    the same weights. Run it with `moe_gpt_forward` (a batch at once), not `jax.vmap(model)`:
+    the router and the grouped GEMMs take all tokens of the batch together."""
+    if config.scan_layers:
+        raise ValueError("moe_gpt: scan_layers=True is not supported; use a list of blocks.")
+    model = GPT(config, key=key)
+    hidden = config.mlp_ratio * config.width // top_k
+    keys = jax.random.split(jax.random.fold_in(key, 1), config.layers)
+    moes = [MoE(config.width, hidden, experts, top_k, key=k) for k in keys]
+    return eqx.tree_at(lambda m: [b.mlp for b in m.blocks], model, moes)
+
+
+def moe_gpt_forward(
+    model: GPT, tokens: Int[Array, "batch seq"]
+) -> tuple[Float[Array, "batch seq vocab"], Int[Array, "layers experts"]]:
+    """The logits of a `moe_gpt` model on a batch, and the tokens each block's router sent to
+    each expert (a token counts once for each of its `top_k` experts).
+
+    Attention runs per sequence, as in `GPT`; each MoE block routes the tokens of the whole
+    batch, `(batch * seq, width)`, as MoE layers do: one grouped GEMM per expert layer (JAX
+    has no batching rule for `lax.ragged_dot` with an unbatched kernel, so BF16 could not be
+    vmapped over the sequences anyway).
+    """
+    per_token = lambda f: jax.vmap(jax.vmap(f))  # noqa: E731
+    positions = jax.vmap(model.position)(jnp.arange(tokens.shape[1]))
+    x = per_token(model.embed)(tokens) + positions
+    counts = []
+    for block in model.blocks:
+        x = x + jax.vmap(block.attn)(per_token(block.attn_norm)(x))
+        h = per_token(block.mlp_norm)(x).reshape(-1, x.shape[-1])
+        counts.append(route(jax.vmap(block.mlp.gate)(h), block.mlp.top_k).group_sizes)
+        x = x + block.mlp(h).reshape(x.shape)
+    return per_token(model.head)(per_token(model.norm)(x)), jnp.stack(counts)
+
+
+def moe_gpt_loss(
+    model: GPT, tokens: Int[Array, "batch seq"]
+) -> tuple[Float[Array, ""], Int[Array, "layers experts"]]:
+    """`next_token_loss` of a `moe_gpt` model, and its tokens per expert (the aux output)."""
+    logits, counts = moe_gpt_forward(model, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+    return -jnp.mean(picked), counts
+
+
+@dataclasses.dataclass
+class KjvRun:
+    """What one run on the King James Bible recorded: the final validation loss, the model
+    after the last step and, for an MoE, the tokens per expert summed over the last steps
+    (`(layers, experts)`)."""
+
+    name: str
+    val: float
+    model: GPT
+    tokens: np.ndarray | None = None
+
+
+def train_kjv(
+    model: GPT,
+    name: str,
+    data: tuple[np.ndarray, np.ndarray],
+    args: argparse.Namespace,
+) -> KjvRun:
+    """Train `model` as `fp8jax.examples.train_gpt` does (BF16 compute, float32 master
+    weights, AdamW with warmup and cosine decay, clipping), on batches drawn from `args.seed`:
+    every run sees the same ones. An MoE model (`moe_gpt`) trains on `moe_gpt_loss`; the
+    tokens per expert of its last `args.tail` steps are summed."""
+    train_data, val_data = data
+    warmup = max(1, args.steps // 10)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
+    policy = fp8jax.Policy.from_string(POLICY)
+    is_moe = isinstance(model.blocks[0].mlp, MoE)
+    loss_fn = moe_gpt_loss if is_moe else next_token_loss
+    train_step = fp8jax.make_train_step(loss_fn, optimizer, policy=policy, has_aux=is_moe)
+
+    @eqx.filter_jit
+    def evaluate(model: GPT, tokens: Array) -> Array:
+        loss = loss_fn(policy.cast_to_compute(model), tokens)
+        return loss[0] if is_moe else loss
+
+    val_rng = np.random.default_rng(args.seed + 1)
+    val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
+    rng = np.random.default_rng(args.seed)
+    state = train_step.init(model)
+    tokens = None
+    for step in range(args.steps):
+        state, metrics = train_step(state, sample(train_data, rng, args.batch, args.context))
+        if is_moe and step >= args.steps - args.tail:
+            counted = np.asarray(metrics.aux)
+            tokens = counted if tokens is None else tokens + counted
+        if step % 50 == 0 or step == args.steps - 1:
+            print(f"{name:>10} step {step:4d}: train loss {float(metrics.loss):.4f}", flush=True)
+    val = float(np.mean([float(evaluate(state.model, b)) for b in val_batches]))
+    return KjvRun(name, val, state.model, tokens)
+
+
+def gap_table(runs: dict[str, KjvRun]) -> str:
+    """Markdown table of the final validation losses and each FP8 run's gap to its BF16 run."""
+    lines = [
+        "| model | BF16 val loss | FP8 val loss | FP8 vs BF16 |",
+        "|---|---|---|---|",
+    ]
+    for model in ("dense", "moe"):
+        bf16, fp8 = runs[f"{model} bf16"].val, runs[f"{model} fp8"].val
+        rel = (fp8 - bf16) / bf16
+        lines.append(f"| {model} | {bf16:.4f} | {fp8:.4f} | {100 * rel:+.2f} % |")
+    return "\n".join(lines)
+
+
+def expert_table(runs: dict[str, KjvRun]) -> str:
+    """Per expert of each MoE block: the FP8 run's `up` and `down` kernel scales (delayed
+    scaling, after the last step) and the share of tokens each expert got over the last steps,
+    in the FP8 and the BF16 runs."""
+    stats = fp8jax.telemetry(runs["moe fp8"].model)
+    layers = runs["moe fp8"].tokens.shape[0]
+    lines = [
+        "| block | expert | up kernel scale | down kernel scale | tokens FP8 | tokens BF16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i in range(layers):
+        up = np.asarray(stats[f"blocks.{i}.mlp.up"].kernel.scale)
+        down = np.asarray(stats[f"blocks.{i}.mlp.down"].kernel.scale)
+        fp8, bf16 = runs["moe fp8"].tokens[i], runs["moe bf16"].tokens[i]
+        for e in range(len(up)):
+            lines.append(
+                f"| {i} | {e} | {up[e]:.4g} | {down[e]:.4g} | {int(fp8[e])} "
+                f"({100 * fp8[e] / fp8.sum():.1f} %) | {int(bf16[e])} "
+                f"({100 * bf16[e] / bf16.sum():.1f} %) |"
+            )
+    return "\n".join(lines)
+
+
+def kjv(argv: list[str] | None = None) -> dict[str, KjvRun]:
+    """The `--kjv` job: MoE and dense GPTs in BF16 and FP8 on the King James Bible."""
+    parser = argparse.ArgumentParser(description="MoE and dense GPTs in BF16 and FP8 on the KJV")
+    parser.add_argument("--kjv", action="store_true")
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--tail", type=int, default=20, help="steps whose tokens are counted")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.tail = max(1, min(args.tail, args.steps))
+    config = GPTConfig(
+        vocab=VOCAB, layers=args.layers, width=args.width, heads=args.heads, context=args.context
+    )
+    data = split(kjv_bytes())
+    print(
+        f"GPT {args.layers} x {args.width}, context {args.context}, batch {args.batch}, "
+        f"{args.steps} steps on the King James Bible (bytes); dense MLP vs MoE "
+        f"({args.experts} experts, top-{args.top_k}); BF16 compute, float32 master weights, "
+        "FP8 = delayed scaling"
+    )
+    key = jax.random.PRNGKey(args.seed)
+    bases = {
+        "dense": GPT(config, key=key),
+        "moe": moe_gpt(config, args.experts, args.top_k, key=key),
+    }
+    runs = {}
+    for model, base in bases.items():
+        for precision in ("bf16", "fp8"):
+            name = f"{model} {precision}"
+            built = base if precision == "bf16" else fp8jax.fp8_linear_layers(base)
+            runs[name] = train_kjv(built, name, data, args)
+    print()
+    print("Validation loss (8 batches of held-out text) after the last step:")
+    print(gap_table(runs))
+    print()
+    print(f"Per expert (MoE FP8 run's kernel scales; tokens over the last {args.tail} steps):")
+    print(expert_table(runs))
+    print()
+    grouped = {k: v for k, v in fp8jax.telemetry(runs["moe fp8"].model).items() if v.experts}
+    print("fp8jax.report of the MoE FP8 run's grouped layers:")
+    fp8jax.report(grouped)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> object:
+    """`--kjv`: the King James Bible job (`kjv`); otherwise the synthetic task (`synthetic`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--kjv", action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    return kjv(argv) if known.kjv else synthetic()
 
 
 if __name__ == "__main__":

@@ -141,8 +141,9 @@ class Fp8RaggedDot(OverwriteWithGradient):
 
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
     [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][], on XLA's path (no native kernel
-    yet; see the mixture-of-experts guide for what an H100 compile makes of it). Telemetry
-    is not kept.
+    yet; see the mixture-of-experts guide for what an H100 compile makes of it).
+    [`fp8jax.telemetry`][] reports its scales and amaxes, the kernel's per expert; saturation
+    statistics are not kept.
 
     **Arguments:**
 
