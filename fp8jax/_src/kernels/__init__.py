@@ -6,3 +6,8 @@ Pallas is imported by the kernel modules, on use; this package's top level stays
 #: The block-scaled GEMM kernel's name: in its PTX (`<name>_mosaic_gpu_kernel`) and in the
 #: HLO's op_name, where `fp8jax.hlo_cost` recognizes it as a GEMM.
 BLOCK_GEMM_NAME = "fp8jax_block_scaled_gemm"
+
+#: The grouped (mixture-of-experts) FP8 GEMM kernels' names: rows (forward and dgrad, each
+#: row tile one expert's) and tokens (the wgrad, contracting each expert's tokens).
+GROUPED_ROWS_NAME = "fp8jax_grouped_rows_gemm"
+GROUPED_TOKENS_NAME = "fp8jax_grouped_tokens_gemm"

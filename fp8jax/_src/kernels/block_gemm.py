@@ -139,38 +139,69 @@ def block_scaled_gemm(
     return out[:m, :n]
 
 
+def operand_tiling(dtype, block_k: int) -> tuple:
+    """Shared-memory transforms of a `(rows, block_k)` operand tile: 8-row tiles, swizzled."""
+    swizzle = plgpu.find_swizzle(block_k * jnp.dtype(dtype).itemsize * 8)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def out_tiling(out_dtype, tile_n: int) -> tuple:
+    """Shared-memory transforms of a `(tile_m, tile_n)` output tile."""
+    bits = jnp.dtype(out_dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(tile_n * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def scale_vector(ref, axis: int, interpret: bool) -> Array:
+    """A tile's scales, laid out to broadcast over the accumulator's `axis` (0: one per
+    column, 1: one per row)."""
+    if interpret:  # the interpreter has no rule for a load with a register layout
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+def chunk_product(a_tile, b_tile, shape: tuple[int, int], interpret: bool) -> Array:
+    """`a_tile (tile_m, k) . b_tile (tile_n, k)^T` as a fresh float32 accumulator."""
+    if interpret:  # nor for wgmma on a transposed shared-memory view
+        return lax.dot_general(
+            a_tile[...], b_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_tile, plgpu.transpose_ref(b_tile, (1, 0)))
+        return acc_ref[...]  # waits for the wgmma
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def scaled_add(acc: Array, part: Array, sa: Array, sb: Array) -> Array:
+    """`acc + part * sa[:, None] * sb[None, :]`: a chunk's product promoted to the sum."""
+    scale = lax.broadcast_in_dim(sa, part.shape, [0]) * lax.broadcast_in_dim(sb, part.shape, [1])
+    return acc + part * scale
+
+
+def zeros_acc(shape: tuple[int, int], interpret: bool) -> Array:
+    """A float32 accumulator of zeros in registers, in `wgmma`'s layout."""
+    acc = jnp.zeros(shape, jnp.float32)
+    return acc if interpret else plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+
+
+def store(acc: Array, out_smem, dst) -> None:
+    """Write the accumulator, in the output's dtype, to the global-memory window `dst`."""
+    out_smem[...] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret):
     tile_m, tile_n, block_k = tiles
     mp, np_ = out_shape
     chunks = operands[1].shape[0]
-    swizzle = plgpu.find_swizzle(block_k * 8)  # one byte per FP8 element
-    fp8_tiling = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bits = out_dtype.itemsize * 8
-    out_swizzle = plgpu.find_swizzle(tile_n * out_bits)
-    out_tiling = (
-        plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
-        plgpu.SwizzleTransform(out_swizzle),
-    )
-
-    def scale_vector(ref, axis):
-        if interpret:  # the interpreter has no rule for a load with a register layout
-            return ref[...]
-        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
-
-    def chunk_product(a_tile, b_tile):
-        if interpret:  # nor for wgmma on a transposed shared-memory view
-            return lax.dot_general(
-                a_tile[...],
-                b_tile[...],
-                (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, a_tile, plgpu.transpose_ref(b_tile, (1, 0)))
-            return acc_ref[...]  # waits for the wgmma
-
-        return pl.run_scoped(mma, plgpu.ACC((tile_m, tile_n), jnp.float32))
+    fp8_tiling = operand_tiling(operands[0].dtype, block_k)
 
     def body(*refs):
         a_gmem, a_scale_gmem, *rest = refs
@@ -179,14 +210,10 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret)
 
         def step(_, a_tile, a_scale, *rest):
             *b_tiles, acc = rest
-            sa = scale_vector(a_scale, 1)
+            sa = scale_vector(a_scale, 1, interpret)
             for t in range(n_terms):
-                part = chunk_product(a_tile, b_tiles[2 * t])
-                sb = scale_vector(b_tiles[2 * t + 1], 0)
-                scale = lax.broadcast_in_dim(sa, part.shape, [0]) * lax.broadcast_in_dim(
-                    sb, part.shape, [1]
-                )
-                acc = acc + part * scale
+                part = chunk_product(a_tile, b_tiles[2 * t], (tile_m, tile_n), interpret)
+                acc = scaled_add(acc, part, sa, scale_vector(b_tiles[2 * t + 1], 0, interpret))
             return acc
 
         in_specs = [
@@ -198,23 +225,22 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret)
                 plgpu.BlockSpec((tile_n, block_k), lambda c: (n, c), transforms=fp8_tiling),
                 plgpu.BlockSpec((None, tile_n), lambda c: (c, n)),
             ]
-        acc = jnp.zeros((tile_m, tile_n), jnp.float32)
-        if not interpret:
-            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
         acc = plgpu.emit_pipeline(
-            step, grid=(chunks,), in_specs=in_specs, max_concurrent_steps=steps, init_carry=acc
+            step,
+            grid=(chunks,),
+            in_specs=in_specs,
+            max_concurrent_steps=steps,
+            init_carry=zeros_acc((tile_m, tile_n), interpret),
         )(a_gmem, a_scale_gmem, *b_gmem)
-        out_smem[...] = acc.astype(out_smem.dtype)
-        plgpu.commit_smem()
-        window = (pl.ds(m * tile_m, tile_m), pl.ds(n * tile_n, tile_n))
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[window])
-        plgpu.wait_smem_to_gmem(0)
+        store(acc, out_smem, out_gmem.at[pl.ds(m * tile_m, tile_m), pl.ds(n * tile_n, tile_n)])
 
     body.__name__ = body.__qualname__ = BLOCK_GEMM_NAME
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        scratch_types=[plgpu.SMEM((tile_m, tile_n), out_dtype, transforms=out_tiling)],
+        scratch_types=[
+            plgpu.SMEM((tile_m, tile_n), out_dtype, transforms=out_tiling(out_dtype, tile_n))
+        ],
         grid=(mp // tile_m, np_ // tile_n),
         grid_names=("m", "n"),
         interpret=mosaic_private.interpret_params() if interpret else None,
