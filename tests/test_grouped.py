@@ -180,7 +180,7 @@ def test_current_scaling_per_expert():
     np.testing.assert_array_equal(new.kernel.scale, kernel_scales)
 
 
-def block_operands(recipe, x, w, g):
+def block_operands(recipe, x, w, g, sizes=SIZES):
     """The real values of every operand of the three GEMMs under a block recipe."""
     if isinstance(recipe, fp8jax.MXFP8):
         s, w_block, w_dgrad_block = ref.mx_scale(), (1, recipe.block_size), (recipe.block_size, 1)
@@ -193,10 +193,13 @@ def block_operands(recipe, x, w, g):
     w_fwd = np.stack([ref.qdq_blocks(w[e].T, w_block, s).T for e in range(G)])
     w_dgrad = np.stack([ref.qdq_blocks(w[e].T, w_dgrad_block, s).T for e in range(G)])
     g_dgrad = ref.qdq_blocks(g, (1, b), s)
-    # The wgrad's tiles run along the tokens, over all of them (tiles may span two experts);
-    # the activation is requantized from its FP8 values.
-    x_tokens = ref.qdq_blocks(xq.astype(np.float32), (b, 1), s)
-    g_tokens = ref.qdq_blocks(g, (b, 1), s)
+    # The wgrad's tiles run along the tokens, each expert's from its first token (its tokens
+    # padded to whole tiles: no tile spans two experts); the activation is requantized from
+    # its FP8 values.
+    x_tokens, g_tokens = np.zeros_like(xq), np.zeros_like(g)
+    for rows in bounds(sizes):
+        x_tokens[rows] = ref.qdq_blocks(xq[rows].astype(np.float32), (b, 1), s)
+        g_tokens[rows] = ref.qdq_blocks(g[rows], (b, 1), s)
     return xq, w_fwd, g_dgrad, w_dgrad, x_tokens, g_tokens
 
 
@@ -494,8 +497,13 @@ def test_mismatched_features_and_bad_dtypes(dot):
 def test_bad_construction():
     with pytest.raises(ValueError, match="recipe ResidualFP8 has no FP8 grouped GEMM"):
         fp8jax.Fp8RaggedDot("residual", num_experts=G)
-    with pytest.raises(ValueError, match="native_kernel=True. has no native grouped GEMM"):
-        fp8jax.Fp8RaggedDot(fp8jax.BlockwiseScaling(native_kernel=True), num_experts=G)
+    with pytest.raises(ValueError, match=r"native_kernel=True, but MXFP8\(.*\) has no native"):
+        fp8jax.Fp8RaggedDot(fp8jax.MXFP8(), num_experts=G, native_kernel=True)
+    dequantized = fp8jax.BlockwiseScaling(dequantized_dot=True)
+    with pytest.raises(ValueError, match="has no native grouped GEMM; the kernels take"):
+        fp8jax.Fp8RaggedDot(dequantized, num_experts=G, native_kernel=True)
+    with pytest.raises(ValueError, match="native_kernel='auto': should be None"):
+        fp8jax.Fp8RaggedDot(num_experts=G, native_kernel="auto")
     with pytest.raises(ValueError, match="num_experts=0: should be an int >= 1"):
         fp8jax.Fp8RaggedDot(num_experts=0)
     with pytest.raises(ValueError, match="GroupedLinear in_features=0"):
@@ -592,9 +600,10 @@ def h100():
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_expert_gemms_lower_to_fp8_ragged_dots_for_an_h100(h100, model, recipe):
-    converted = fp8jax.fp8_linear_layers(
-        model, fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe)
-    )
+    """XLA's path (`grouped_native_kernel=False`): every expert GEMM a ragged dot of two FP8
+    operands."""
+    config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe, grouped_native_kernel=False)
+    converted = fp8jax.fp8_linear_layers(model, config)
     device = h100.devices[0]
     x = jax.ShapeDtypeStruct(
         (128, 16), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
@@ -620,7 +629,7 @@ def test_expert_gemms_lower_to_fp8_ragged_dots_for_an_h100(h100, model, recipe):
 # lowering alone does not run the rewriter).
 @pytest.mark.parametrize("recipe", ["delayed", fp8jax.BlockwiseScaling(block_size=16)])
 def test_h100_compile_runs_expert_gemms_on_cublas_fp8(h100, model, recipe):
-    config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe)
+    config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe, grouped_native_kernel=False)
     converted = fp8jax.fp8_linear_layers(model, config)
     x = jax.ShapeDtypeStruct((128, 16), jnp.float32)
 

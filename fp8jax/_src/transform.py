@@ -46,6 +46,9 @@ class Fp8Config:
       (heads, routers, gates). Pass `None` to exclude nothing.
     - `telemetry`: converted layers also keep saturation and underflow statistics
       ([`fp8jax.Fp8Stats`][]), read with [`fp8jax.telemetry`][].
+    - `grouped_native_kernel`: the `native_kernel` of converted expert layers
+      ([`fp8jax.Fp8RaggedDot`][]): `None` (fp8jax's grouped GEMM kernels where compiled for
+      Hopper, XLA's `ragged_dot` elsewhere), `True` (the kernels) or `False` (XLA's path).
 
     ```python
     config = fp8jax.Fp8Config(
@@ -60,10 +63,18 @@ class Fp8Config:
     recipes: Mapping[str, Recipe | str] | None = None
     exclude: str | None = DEFAULT_EXCLUDE
     telemetry: bool = False
+    grouped_native_kernel: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.telemetry, bool):
             raise ValueError(f"Fp8Config telemetry={self.telemetry!r}: should be True or False.")
+        if self.grouped_native_kernel is not None and not isinstance(
+            self.grouped_native_kernel, bool
+        ):
+            raise ValueError(
+                f"Fp8Config grouped_native_kernel={self.grouped_native_kernel!r}: should be None "
+                "(the kernels on Hopper), True or False."
+            )
         targets = self.targets
         if isinstance(targets, str):
             _compile("targets", targets)
@@ -256,7 +267,10 @@ def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...])
     when the layer is a stack of them (weights `(*layers, experts, in, out)`)."""
     lead = layer.weight.shape[:-3]
     dot = Fp8RaggedDot(
-        config.recipe_for(path), num_experts=layer.weight.shape[-3], name=".".join(path)
+        config.recipe_for(path),
+        num_experts=layer.weight.shape[-3],
+        name=".".join(path),
+        native_kernel=config.grouped_native_kernel,
     )
     dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)
     return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)

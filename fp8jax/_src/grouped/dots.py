@@ -28,9 +28,11 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, Int
 
+from ..kernels import dispatch
 from ..recipes import BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
-from ..recipes.blocks import _contract_last, _pad_to_blocks
+from ..recipes.blocks import NATIVE_BLOCK_SIZES, _contract_last, _k_major, _pad_to_blocks
+from .native import native_rows, native_tokens
 
 #: Recipes with an FP8 grouped GEMM, by name.
 SUPPORTED = "DelayedScaling, CurrentScaling, BlockwiseScaling and MXFP8"
@@ -137,20 +139,51 @@ def ragged_dot_general(
     return dot(lhs, rhs, group_sizes)
 
 
-def check_recipe(recipe: Recipe, name: str = "") -> None:
-    """Raise `ValueError` unless `recipe` has an FP8 grouped GEMM here."""
+def check_recipe(recipe: Recipe, name: str = "", native_kernel: bool | None = None) -> None:
+    """Raise `ValueError` unless `recipe` has an FP8 grouped GEMM here (and a native one when
+    `native_kernel` is True)."""
     layer = f"FP8 grouped layer {name!r}" if name else "Fp8RaggedDot"
-    if isinstance(recipe, BlockwiseScaling) and recipe.native_kernel:
-        raise ValueError(
-            f"{layer}: BlockwiseScaling(native_kernel=True) has no native grouped GEMM yet; "
-            "grouped GEMMs run on XLA's path. Use native_kernel=None or False."
-        )
     if not isinstance(recipe, PerTensorRecipe | BlockScaledRecipe):
         raise ValueError(
             f"{layer}: recipe {type(recipe).__name__} has no FP8 grouped GEMM; use one of "
             f"{SUPPORTED} (with fp8_linear_layers, give the expert layers one of these in "
             "Fp8Config(recipes={...}))."
         )
+    dispatch.check_native_kernel(native_kernel)
+    if native_kernel and not has_native(recipe):
+        raise ValueError(
+            f"{layer}: native_kernel=True, but {recipe!r} has no native grouped GEMM; the "
+            "kernels take DelayedScaling, CurrentScaling and BlockwiseScaling (block_size "
+            f"in {list(NATIVE_BLOCK_SIZES)}, dequantized_dot=False). Use native_kernel=None "
+            "or False."
+        )
+
+
+def has_native(recipe: Recipe) -> bool:
+    """Whether `recipe`'s grouped GEMMs can run on the Hopper kernels."""
+    if isinstance(recipe, PerTensorRecipe):
+        return True
+    return (
+        isinstance(recipe, BlockwiseScaling)
+        and not recipe.dequantized_dot
+        and recipe.block_size in NATIVE_BLOCK_SIZES
+    )
+
+
+def native_choice(recipe: Recipe, native_kernel: bool | None) -> bool | None:
+    """The `dispatch.choose` option of a grouped layer's GEMMs: the layer's `native_kernel`
+    where given, else the recipe's (`BlockwiseScaling.native_kernel`), else `None` (the
+    kernels on Hopper); always False for recipes without them."""
+    if not has_native(recipe):
+        return False
+    if native_kernel is None and isinstance(recipe, BlockwiseScaling):
+        return recipe.native_kernel
+    return native_kernel
+
+
+def token_tile(recipe: BlockScaledRecipe) -> int:
+    """A block recipe's tile along the tokens (the wgrad's contraction)."""
+    return recipe.block_for("input", -2)[0]
 
 
 def expert_of_rows(group_sizes: Int[Array, " G"], rows: int) -> Int[Array, " rows"]:
@@ -316,9 +349,10 @@ def block_tokens(
 ) -> Float[Array, "G A B"]:
     """The tokens GEMM of block-scaled FP8 operands `lhs (M, A)`, `rhs (M, B)`, both tiled
     along the tokens. One ragged dot per chunk of tokens: the tokens of each expert in the
-    chunk contracted, scaled by the chunk's tile scales, summed in float32. A chunk that
-    spans two experts' tokens shares its tiles' scales between them (DeepSeek-V3 pads each
-    expert's tokens to whole tiles; here a tile's amax may come from the other expert)."""
+    chunk contracted, scaled by the chunk's tile scales, summed in float32. The grouped
+    layer's backward gives it operands padded so that each expert's tokens fill whole
+    chunks (DeepSeek-V3's layout: no tile's amax comes from another expert's tokens); a
+    chunk that spans two experts would share its tiles' scales between them."""
     chunk = _shared_chunk(lhs.block[0], rhs.block[0], "tokens")
     (m, a), b, g = lhs.data.shape, rhs.data.shape[1], group_sizes.shape[0]
     if m == 0:
@@ -372,19 +406,34 @@ def rows_dot(
     experts: Int[Array, " M"],
     precision: Any,
     out_dtype: Any,
+    native: bool | None = False,
 ) -> Float[Array, "M F"]:
     """The forward (`rhs_axis=-1`) or dgrad (`-2`) of a grouped layer: `lhs (M, C)` (from
     `recipe.quantize`, contracted on its last axis) times each row's expert's `rhs (G, ., .)`
-    (quantized per expert, laid out to be contracted on `rhs_axis`), in `out_dtype`."""
-    if isinstance(recipe, PerTensorRecipe):
-        return per_tensor_rows(
-            lhs, rhs, rhs_axis, group_sizes, experts, precision, out_dtype, recipe.power_of_two
-        )
-    rhs = _contract_last(rhs, rhs_axis)
-    if recipe.dequantized_dot:
-        return dequantized_rows(lhs, rhs, group_sizes).astype(out_dtype)
-    out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)
-    return out.astype(out_dtype)
+    (quantized per expert, laid out to be contracted on `rhs_axis`), in `out_dtype`. `native`:
+    the `dispatch.choose` option for the Hopper kernel (see `native_choice`)."""
+
+    def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array) -> Array:
+        del experts
+        if rhs.block:
+            rhs = _k_major(rhs, rhs_axis)
+        else:
+            rhs = QTensor(dispatch.k_major(rhs.data, rhs_axis), rhs.scale_inv)
+        return native_rows(lhs, rhs, group_sizes, out_dtype)
+
+    def xla_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array) -> Array:
+        if isinstance(recipe, PerTensorRecipe):
+            exact = recipe.power_of_two
+            return per_tensor_rows(
+                lhs, rhs, rhs_axis, group_sizes, experts, precision, out_dtype, exact
+            )
+        rhs = _contract_last(rhs, rhs_axis)
+        if recipe.dequantized_dot:
+            return dequantized_rows(lhs, rhs, group_sizes).astype(out_dtype)
+        out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)
+        return out.astype(out_dtype)
+
+    return dispatch.choose(native, native_path, xla_path, lhs, rhs, group_sizes, experts)
 
 
 def tokens_dot(
@@ -394,12 +443,23 @@ def tokens_dot(
     group_sizes: Int[Array, " G"],
     precision: Any,
     out_dtype: Any,
+    native: bool | None = False,
 ) -> Float[Array, "G A B"]:
     """The wgrad of a grouped layer: `lhs (M, A)` and `rhs (M, B)`, both laid out to be
-    contracted over their tokens (axis -2), multiplied over each expert's tokens."""
-    if isinstance(recipe, PerTensorRecipe):
-        return per_tensor_tokens(lhs, rhs, group_sizes, precision, out_dtype, recipe.power_of_two)
-    if recipe.dequantized_dot:
-        return dequantized_tokens(lhs, rhs, group_sizes).astype(out_dtype)
-    out = block_tokens(lhs, rhs, group_sizes, precision, recipe.chunks_per_dot)
-    return out.astype(out_dtype)
+    contracted over their tokens (axis -2), multiplied over each expert's tokens. Under a
+    block recipe each group size is a multiple of the token tile (the layout of
+    `native.pad_layout`, made by the layer's backward)."""
+
+    def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array) -> Array:
+        return native_tokens(lhs, rhs, group_sizes, out_dtype)
+
+    def xla_path(lhs: QTensor, rhs: QTensor, group_sizes: Array) -> Array:
+        if isinstance(recipe, PerTensorRecipe):
+            exact = recipe.power_of_two
+            return per_tensor_tokens(lhs, rhs, group_sizes, precision, out_dtype, exact)
+        if recipe.dequantized_dot:
+            return dequantized_tokens(lhs, rhs, group_sizes).astype(out_dtype)
+        out = block_tokens(lhs, rhs, group_sizes, precision, recipe.chunks_per_dot)
+        return out.astype(out_dtype)
+
+    return dispatch.choose(native, native_path, xla_path, lhs, rhs, group_sizes)

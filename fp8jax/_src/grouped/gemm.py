@@ -52,9 +52,10 @@ from ..gemm import (
     _check_state_differentiated,
     _reduce_to,
 )
-from ..recipes import Recipe
+from ..recipes import BlockScaledRecipe, Recipe
 from ..remat import name_fp8_operands, name_gemm_output
-from .dots import expert_of_rows, rows_dot, tokens_dot
+from .dots import expert_of_rows, rows_dot, token_tile, tokens_dot
+from .native import pad, pad_layout, pad_quantized
 
 #: How the errors of the shared checks name a grouped layer without a name.
 KIND = "Fp8RaggedDot"
@@ -117,6 +118,7 @@ def _per_expert(fn: Any, *args: Any) -> Any:
 
 def _forward(
     recipe: Recipe,
+    native: bool | None,
     precision: Any,
     out_dtype: np.dtype,
     x: Array,
@@ -131,7 +133,7 @@ def _forward(
     )
     experts = expert_of_rows(group_sizes, x.shape[0])
     with jax.named_scope("fwd"):
-        out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype)
+        out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype, native)
     # As for dense layers: keep what follows out of the GEMM's epilogue (see gemm.py).
     out = lax.optimization_barrier(out)
     # The dgrad's copy of each kernel, from the high-precision weight (one rounding).
@@ -148,7 +150,12 @@ def _forward(
 
 
 def _backward(
-    recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype, residuals: Residuals, g: Array
+    recipe: Recipe,
+    native: bool | None,
+    lhs_dtype: np.dtype,
+    rhs_dtype: np.dtype,
+    residuals: Residuals,
+    g: Array,
 ):
     # Copies of the FP8 operands in their other layout are made here, not kept from the
     # forward (see gemm.py's backward).
@@ -158,11 +165,16 @@ def _backward(
     experts = expert_of_rows(group_sizes, g.shape[0])
     q_g, new_grad = recipe.quantize(g, residuals.grad_state, "output_grad", -1)
     with jax.named_scope("dgrad"):
-        d_x = rows_dot(recipe, q_g, q_w, -2, group_sizes, experts, back, lhs_dtype)
+        d_x = rows_dot(recipe, q_g, q_w, -2, group_sizes, experts, back, lhs_dtype, native)
+    if isinstance(recipe, BlockScaledRecipe):
+        # The wgrad's operands with each expert's tokens padded to whole tiles (zeros
+        # between): each token tile holds one expert's tokens, as in DeepSeek-V3.
+        layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
+        g, q_x, group_sizes = pad(g, layout), pad_quantized(q_x, layout), layout.sizes
     q_g, _ = recipe.quantize(g, residuals.grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         q_x = recipe.retile(q_x, "input", -2)
-        d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype)
+        d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype, native)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad)
 
 
@@ -213,8 +225,8 @@ def _can_fold(x_b: bool, w_b: bool, states_b: Any) -> bool:
     return not (_PER_EXAMPLE.get() or w_b or any(jax.tree.leaves(states_b))) and x_b
 
 
-def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
-    raw = functools.partial(_forward, recipe, precision, out_dtype)
+def _folding_forward(recipe: Recipe, native: bool | None, precision: Any, out_dtype: np.dtype):
+    raw = functools.partial(_forward, recipe, native, precision, out_dtype)
 
     @custom_vmap
     def forward(x, w, group_sizes, states):
@@ -260,8 +272,10 @@ def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
     return forward
 
 
-def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
-    raw = functools.partial(_backward, recipe, lhs_dtype, rhs_dtype)
+def _folding_backward(
+    recipe: Recipe, native: bool | None, lhs_dtype: np.dtype, rhs_dtype: np.dtype
+):
+    raw = functools.partial(_backward, recipe, native, lhs_dtype, rhs_dtype)
 
     @custom_vmap
     def backward(residuals, g):
@@ -289,9 +303,10 @@ def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
 # --- the custom_vjp ------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _grouped(
     recipe: Recipe,
+    native: bool | None,
     precision: Any,
     static: Static,
     x: Array,
@@ -299,26 +314,26 @@ def _grouped(
     group_sizes: Array,
     states: States,
 ):
-    forward = _folding_forward(recipe, precision, static.out)
+    forward = _folding_forward(recipe, native, precision, static.out)
     return name_gemm_output(forward(x, w, group_sizes, _as_f32(states))[0])
 
 
-def _grouped_fwd(recipe, precision, static, x, w, group_sizes, states):
+def _grouped_fwd(recipe, native, precision, static, x, w, group_sizes, states):
     # `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are differentiated.
     _check_state_differentiated(recipe, static, x, w, states, kind=KIND)
     x, w, group_sizes = x.value, w.value, group_sizes.value
     states = jax.tree.map(lambda p: p.value, states)
-    forward = _folding_forward(recipe, precision, static.out)
+    forward = _folding_forward(recipe, native, precision, static.out)
     out, res = forward(x, w, group_sizes, _as_f32(states))
     res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
     return name_gemm_output(out), res
 
 
-def _grouped_bwd(recipe, precision, static, residuals, g):
+def _grouped_bwd(recipe, native, precision, static, residuals, g):
     del precision
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         g = jnp.zeros(g.shape, g.dtype)
-    backward = _folding_backward(recipe, static.lhs, static.rhs)
+    backward = _folding_backward(recipe, native, static.lhs, static.rhs)
     d_x, d_w, new_states = backward(residuals, g)
     lhs_axes, rhs_axes, state_axes = static.mesh_axes
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
@@ -340,13 +355,15 @@ def fp8_ragged_dot(
     group_sizes: Array,
     states: States,
     name: str = "",
+    native: bool | None = False,
 ) -> Array:
     """`lax.ragged_dot(lhs, rhs, group_sizes)` as FP8 grouped GEMMs under `recipe`.
 
     `states` holds the input's and output gradient's state (per tensor) and the kernel's
     (one per expert, stacked on a leading axis). Differentiating it computes dgrad and wgrad
     in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
-    `name` names the layer in errors. The arguments are checked by the caller.
+    `name` names the layer in errors; `native` is the `dispatch.choose` option of the Hopper
+    kernels (`dots.native_choice`). The arguments are checked by the caller.
     """
     # As in gemm.py: a vmapped NumPy constant reaching a custom_vjp inside jit asserts in JAX.
     lhs, rhs, group_sizes = (
@@ -372,4 +389,4 @@ def fp8_ragged_dot(
         mesh_axes,
         name,
     )
-    return _grouped(recipe, precision, static, lhs, rhs, group_sizes, states)
+    return _grouped(recipe, native, precision, static, lhs, rhs, group_sizes, states)

@@ -16,7 +16,7 @@ from ..dot_general import SCOPE, _received, pick_received
 from ..gemm import States
 from ..recipes import ROLES, Recipe, TensorState, recipe_from
 from ..updates import OverwriteWithGradient
-from .dots import check_recipe
+from .dots import check_recipe, native_choice
 from .gemm import fp8_ragged_dot
 
 
@@ -140,8 +140,15 @@ class Fp8RaggedDot(OverwriteWithGradient):
     `lax.ragged_dot`, and negative sizes give undefined results.
 
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
-    [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][], on XLA's path (no native kernel
-    yet; see the mixture-of-experts guide for what an H100 compile makes of it).
+    [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][].
+
+    **On Hopper** the first three run on fp8jax's grouped GEMM kernels (Pallas Mosaic GPU):
+    each expert's tokens padded to whole tiles, work that grows with the tokens. Elsewhere,
+    and for MXFP8, XLA's `ragged_dot`, which an H100 compile expands into a dense GEMM over
+    all experts (see the mixture-of-experts guide). Mosaic's `wgmma` takes one FP8 type:
+    with E5M2 gradients (delayed and current scaling's default) the dgrad and wgrad run in
+    the kernels on the FP8 values upcast to BF16 (exact, at the 16-bit rate); with
+    `backward_format="e4m3"` (or blockwise scaling) all three GEMMs are FP8.
     [`fp8jax.telemetry`][] reports its scales and amaxes, the kernel's per expert; saturation
     statistics are not kept.
 
@@ -151,6 +158,10 @@ class Fp8RaggedDot(OverwriteWithGradient):
     - `num_experts`: the number of experts, `rhs.shape[0]`.
     - `name`: the layer's path (set by [`fp8jax.fp8_linear_layers`][]); the GEMMs run under
       the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), as for dense layers.
+    - `native_kernel`: `None` (the kernels where the program is compiled for Hopper, XLA's
+      path elsewhere; [`fp8jax.BlockwiseScaling`][]'s own `native_kernel` is followed when
+      this is `None`), `True` (the kernels; compiling fails off Hopper) or `False` (XLA's
+      path).
 
     ```python
     dot = fp8jax.Fp8RaggedDot(num_experts=8)
@@ -164,12 +175,21 @@ class Fp8RaggedDot(OverwriteWithGradient):
     recipe: Recipe = eqx.field(static=True)
     num_experts: int = eqx.field(static=True)
     name: str = eqx.field(static=True)
+    native_kernel: bool | None = eqx.field(static=True)
 
-    def __init__(self, recipe: Recipe | str | None = None, *, num_experts: int, name: str = ""):
+    def __init__(
+        self,
+        recipe: Recipe | str | None = None,
+        *,
+        num_experts: int,
+        name: str = "",
+        native_kernel: bool | None = None,
+    ):
         if not isinstance(name, str):
             raise TypeError(f"Fp8RaggedDot: name={name!r}: should be a str (the layer's path).")
         self.recipe = recipe_from(recipe)
-        check_recipe(self.recipe, name)
+        check_recipe(self.recipe, name, native_kernel)
+        self.native_kernel = native_kernel
         self.num_experts = _check_count(num_experts)
         self.name = name
         self.input = self.recipe.init_state("input")
@@ -211,6 +231,7 @@ class Fp8RaggedDot(OverwriteWithGradient):
                 jnp.asarray(group_sizes),
                 states,
                 self.name,
+                native_choice(self.recipe, self.native_kernel),
             )
 
     def _state_experts(self) -> int:

@@ -1,0 +1,181 @@
+"""The grouped GEMMs on fp8jax's Hopper kernels (`fp8jax._src.kernels.grouped_gemm`).
+
+The kernels want each expert's rows to start on a tile boundary. `pad_layout` makes that
+layout (DeepGEMM's "contiguous layout"): expert `e`'s rows are moved to start at
+`sum(roundup(size[f], tile) for f < e)`, the gaps filled with zeros. Padding costs at most
+`tile - 1` rows per expert, so the kernels' work grows with the tokens; XLA's expansion of
+`lax.ragged_dot` multiplies it by the number of experts instead.
+
+- `native_rows` (forward, dgrad): pads the rows of its FP8 `lhs` to tiles of
+  `grouped_gemm.TILE_M`, runs the rows kernel, and takes the rows back out.
+- `native_tokens` (wgrad): pads per-tensor operands to chunks of 128 tokens per expert
+  (block-scaled ones come padded to their token tiles: the grouped layer's backward pads
+  them on both paths, so that no tile spans two experts), transposes the FP8 values
+  K-major, runs the tokens kernel.
+
+Per-tensor operands are scaled once per tile (activation scale times the tile's expert's
+kernel scale); block-scaled ones per chunk, as in `block_gemm`. Mosaic's `wgmma` takes one
+type: a GEMM of E5M2 gradients and E4M3 values runs on both upcast to bfloat16 (exact: every
+FP8 value is a bfloat16), in the same kernel, at the 16-bit rate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ..kernels import dispatch
+from ..recipes import QTensor
+
+
+class Padded(NamedTuple):
+    """Where the rows of an expert-sorted array go in the padded layout, and back.
+
+    - `source (P,)`: the row each padded row is read from; `valid (P,)`: whether it holds a
+      real row (else zeros).
+    - `dest (M,)`: the padded row of each row; `placed (M,)`: whether the row belongs to an
+      expert (rows past the sum of the group sizes do not, and get zeros, as from
+      `lax.ragged_dot`).
+    - `sizes (G,)`: each expert's padded size, a multiple of the tile.
+    - `tile_expert (P / tile,)`: the expert of each tile (the last one for tiles past the
+      experts' rows, which hold zeros).
+    """
+
+    source: Int[Array, " P"]
+    valid: Bool[Array, " P"]
+    dest: Int[Array, " M"]
+    placed: Bool[Array, " M"]
+    sizes: Int[Array, " G"]
+    tile_expert: Int[Array, " tiles"]
+
+
+def padded_rows(rows: int, experts: int, tile: int) -> int:
+    """The (static) number of rows of the padded layout: enough for any group sizes."""
+    return max(tile, math.ceil((rows + experts * (tile - 1)) / tile) * tile)
+
+
+def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
+    """The padded layout of `rows` expert-sorted rows with `group_sizes`, experts starting on
+    multiples of `tile`."""
+    experts = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    padded = (sizes + tile - 1) // tile * tile
+    padded_end, end = jnp.cumsum(padded), jnp.cumsum(sizes)
+    padded_start, start = padded_end - padded, end - sizes
+
+    def expert_at(position: Array) -> Array:
+        index = jnp.searchsorted(padded_end, position, side="right")
+        return jnp.minimum(index, experts - 1).astype(jnp.int32)
+
+    position = jnp.arange(padded_rows(rows, experts, tile), dtype=jnp.int32)
+    expert = expert_at(position)
+    offset = position - padded_start[expert]
+    valid = (offset < sizes[expert]) & (position < padded_end[-1])
+    source = jnp.clip(start[expert] + offset, 0, max(rows - 1, 0))
+    row = jnp.arange(rows, dtype=jnp.int32)
+    row_expert = jnp.minimum(jnp.searchsorted(end, row, side="right"), experts - 1)
+    dest = padded_start[row_expert] + row - start[row_expert]
+    return Padded(source, valid, dest, row < end[-1], padded, expert_at(position[::tile]))
+
+
+def pad(a: Array, layout: Padded) -> Array:
+    """`a (M, ...)` in the padded layout, zeros in the gaps."""
+    mask = layout.valid.reshape((-1,) + (1,) * (a.ndim - 1))
+    return jnp.where(mask, a[layout.source], jnp.zeros((), a.dtype))
+
+
+def pad_quantized(q: QTensor, layout: Padded) -> QTensor:
+    """A quantized `(M, C)` tensor in the padded layout: its FP8 rows, and its scales' rows
+    when it has one scale per row (per-tensor, or tiles of one row)."""
+    if q.block and q.block[0] != 1:
+        raise ValueError(f"pad_quantized: blocks {q.block} span rows; tiles of one row expected.")
+    # A gap row's scales are some real row's (its data are zeros): E8M0 has no zero.
+    scale = q.scale_inv[layout.source] if q.block else q.scale_inv
+    return QTensor(pad(q.data, layout), scale, q.block)
+
+
+def unpad(a: Array, layout: Padded) -> Array:
+    """Undo `pad`: `(P, ...)` back to the `(M, ...)` rows, zeros for rows of no expert."""
+    mask = layout.placed.reshape((-1,) + (1,) * (a.ndim - 1))
+    return jnp.where(mask, a[layout.dest], jnp.zeros((), a.dtype))
+
+
+def _one_type(a: Array, b: Array) -> tuple[Array, Array]:
+    """Both operands in one type for `wgmma`: as they are, or both bfloat16 (exact for FP8
+    values) when their FP8 formats differ."""
+    if a.dtype == b.dtype:
+        return a, b
+    return a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+
+
+def native_rows(
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype
+) -> Float[Array, "M F"]:
+    """The rows GEMM (forward, dgrad) on the rows kernel: `lhs (M, C)` (one scale, or tiles
+    of one row) times each row's expert's `rhs (G, F, C)` (one scale per expert, or blocks
+    per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`."""
+    from ..kernels.block_gemm import expand_rows
+    from ..kernels.grouped_gemm import TILE_M, grouped_rows_gemm
+
+    (m, _), (g, f, _) = lhs.data.shape, rhs.data.shape
+    if m == 0:
+        return jnp.zeros((m, f), out_dtype)
+    layout = pad_layout(group_sizes, m, TILE_M)
+    lhs = pad_quantized(lhs, layout)
+    a, b = _one_type(lhs.data, rhs.data)
+    if not lhs.block:
+        scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
+        tile_scale = scale[layout.tile_expert]
+        out = grouped_rows_gemm(
+            a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype
+        )
+    else:
+        out = grouped_rows_gemm(
+            a,
+            b,
+            layout.tile_expert,
+            lhs_scale=lhs.scale_inv,
+            rhs_scale=expand_rows(rhs.scale_inv, f, rhs.block[0]),
+            out_dtype=out_dtype,
+            block_k=lhs.block[1],
+        )
+    return unpad(out, layout)
+
+
+def native_tokens(
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype
+) -> Float[Array, "G A B"]:
+    """The tokens GEMM (wgrad) on the tokens kernel: `lhs (T, A)` and `rhs (T, B)`,
+    contracted over their tokens. Block-scaled operands come in the padded layout (each of
+    `group_sizes` a multiple of their token tile); per-tensor ones are padded here, to
+    chunks of 128 tokens. Shape `(G, A, B)` in `out_dtype`."""
+    from ..kernels.grouped_gemm import BLOCK_K, grouped_tokens_gemm
+
+    chunk = lhs.block[0] if lhs.block else BLOCK_K
+    if not lhs.block:
+        layout = pad_layout(group_sizes, lhs.data.shape[0], chunk)
+        lhs, rhs = pad_quantized(lhs, layout), pad_quantized(rhs, layout)
+        group_sizes = layout.sizes
+    counts = (group_sizes // chunk).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    a, b = dispatch.k_major(lhs.data, -2), dispatch.k_major(rhs.data, -2)  # (A, T), (B, T)
+    a, b = _one_type(a, b)
+    if not lhs.block:
+        scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
+        group_scale = jnp.broadcast_to(scale, group_sizes.shape)
+        return grouped_tokens_gemm(
+            a, b, starts, counts, group_scale=group_scale, out_dtype=out_dtype
+        )
+    return grouped_tokens_gemm(
+        a,
+        b,
+        starts,
+        counts,
+        lhs_scale=lhs.scale_inv.T,
+        rhs_scale=rhs.scale_inv.T,
+        out_dtype=out_dtype,
+        block_k=chunk,
+    )
