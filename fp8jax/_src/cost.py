@@ -31,7 +31,7 @@ from .inspect import (
     _operand_names,
     array_bytes,
 )
-from .kernels import BLOCK_GEMM_NAME
+from .kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
 #: rate of a float32 GEMM at `precision=HIGHEST`) and HBM3 bandwidth (`"hbm"`, bytes/s).
@@ -385,14 +385,15 @@ class _Walker:
             (c, i) for c, i in inside if i.op == "dot" or _gemm_target(i.op, i.rest) is not None
         ]
         if instruction.op == "custom-call" and _is_native_gemm(instruction):
+            flops, kind = _native_gemm_cost(computation, instruction)
             return KernelCost(
                 instruction.name,
                 computation.name,
                 instruction.op,
                 None,
                 0,
-                _native_gemm_flops(computation, instruction),
-                "fp8 block",
+                flops,
+                kind,
                 runs,
                 instruction.op_name,
             )
@@ -580,18 +581,45 @@ def _is_scalar(type_text: str) -> bool:
     return math.prod(_dims(type_text)) <= 1
 
 
+_NATIVE_NAMES = (BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME)
+
+
 def _is_native_gemm(instruction: _Instruction) -> bool:
-    """fp8jax's own block-scaled FP8 GEMM kernel (`fp8jax._src.kernels.block_gemm`), an
-    opaque Mosaic GPU custom call recognized by its name."""
-    return bool(_MOSAIC_CALL.search(instruction.rest)) and BLOCK_GEMM_NAME in instruction.op_name
+    """One of fp8jax's own GEMM kernels (`fp8jax._src.kernels`: block-scaled, grouped rows,
+    grouped tokens), an opaque Mosaic GPU custom call recognized by its name."""
+    return bool(_MOSAIC_CALL.search(instruction.rest)) and any(
+        name in instruction.op_name for name in _NATIVE_NAMES
+    )
 
 
-def _native_gemm_flops(computation: _Computation, instruction: _Instruction) -> int:
-    """2 * |output| * K per weight term: operands are `lhs (*B, M, K)`, its scales, then a
-    weight `(*B, N, K)` and its scales per term (padded shapes: the work the kernel does)."""
-    k = _dims(computation.type_of(instruction.operands[0]))[-1]
-    terms = (len(instruction.operands) - 2) // 2
-    return 2 * math.prod(_dims(instruction.type)) * k * terms
+def _native_gemm_cost(computation: _Computation, instruction: _Instruction) -> tuple[int, str]:
+    """(FLOPs, rate kind) of a native kernel, from its padded shapes (the work it does).
+
+    - block-scaled: operands `lhs (*B, M, K)`, its scales, then a weight `(*B, N, K)` and its
+      scales per term: 2 * |output| * K per term;
+    - grouped rows: `lhs (M, K)` (the first operand holding values) against one expert per
+      row tile: 2 * |output (M, N)| * K;
+    - grouped tokens: `lhs (A, T)`, each of the T padded tokens contracted for its own expert
+      only: 2 * A * B * T for an output `(G, A, B)`.
+
+    The kind is `"fp8 block"` when the kernel promotes per chunk (scales per row and chunk),
+    `"fp8"` for a grouped kernel scaled once per tile, `"bf16"` for 16-bit operands."""
+    out = _dims(instruction.type)
+    if BLOCK_GEMM_NAME in instruction.op_name:
+        k = _dims(computation.type_of(instruction.operands[0]))[-1]
+        terms = (len(instruction.operands) - 2) // 2
+        return 2 * math.prod(out) * k * terms, "fp8 block"
+    types = [computation.type_of(o) for o in instruction.operands]
+    values = [t for t in types if re.match(r"^(f8|bf16|f16)", _element_type(t))]
+    contracted = _dims(values[0])[-1]
+    per_chunk = any(_element_type(t) == "f32" and len(_dims(t)) == 2 for t in types)
+    element = _element_type(values[0])
+    kind = "fp8 block" if per_chunk else "fp8"
+    if not _F8.match(element):
+        kind = "f16" if element == "f16" else "bf16"
+    if GROUPED_TOKENS_NAME in instruction.op_name:
+        return 2 * math.prod(out[1:]) * contracted, kind
+    return 2 * math.prod(out) * contracted, kind
 
 
 def _gemm_kind(computation: _Computation, instruction: _Instruction) -> str:

@@ -40,8 +40,8 @@ class Padded(NamedTuple):
       expert (rows past the sum of the group sizes do not, and get zeros, as from
       `lax.ragged_dot`).
     - `sizes (G,)`: each expert's padded size, a multiple of the tile.
-    - `tile_expert (P / tile,)`: the expert of each tile (the last one for tiles past the
-      experts' rows, which hold zeros).
+    - `tile_expert (P / tile,)`: the expert of each tile; -1 for tiles past the experts'
+      rows (all zeros: the rows kernel skips them).
     """
 
     source: Int[Array, " P"]
@@ -78,7 +78,9 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
     row = jnp.arange(rows, dtype=jnp.int32)
     row_expert = jnp.minimum(jnp.searchsorted(end, row, side="right"), experts - 1)
     dest = padded_start[row_expert] + row - start[row_expert]
-    return Padded(source, valid, dest, row < end[-1], padded, expert_at(position[::tile]))
+    first = position[::tile]
+    tile_expert = jnp.where(first < padded_end[-1], expert_at(first), -1)
+    return Padded(source, valid, dest, row < end[-1], padded, tile_expert)
 
 
 def pad(a: Array, layout: Padded) -> Array:
@@ -120,7 +122,7 @@ def native_rows(
     from ..kernels.block_gemm import expand_rows
     from ..kernels.grouped_gemm import TILE_M, grouped_rows_gemm
 
-    (m, _), (g, f, _) = lhs.data.shape, rhs.data.shape
+    m, f = lhs.data.shape[0], rhs.data.shape[1]
     if m == 0:
         return jnp.zeros((m, f), out_dtype)
     layout = pad_layout(group_sizes, m, TILE_M)
@@ -128,7 +130,7 @@ def native_rows(
     a, b = _one_type(lhs.data, rhs.data)
     if not lhs.block:
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
-        tile_scale = scale[layout.tile_expert]
+        tile_scale = scale[jnp.maximum(layout.tile_expert, 0)]
         out = grouped_rows_gemm(
             a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype
         )

@@ -181,7 +181,8 @@ def grouped_rows_gemm(
 ) -> Array:
     """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)`, contracted over `K`.
 
-    `M` is a multiple of `tile_m`; `tile_expert (M / tile_m,)` int32 in `[0, G)`. Scales:
+    `M` is a multiple of `tile_m`; `tile_expert (M / tile_m,)` int32 in `[0, G)`, or -1 for
+    a tile to skip (its output rows are left unwritten: padding past every expert). Scales:
     `lhs_scale (M, ceil(K / block_k))` and `rhs_scale (G, N, ceil(K / block_k))` (per row and
     chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per tile).
     Returns `(M, N)` in `out_dtype`. `interpret`: see `block_gemm.block_scaled_gemm`.
@@ -221,16 +222,24 @@ def grouped_rows_gemm(
         i, j = lax.axis_index("m"), lax.axis_index("n")
         index_maps = (lambda c: (i, c), lambda c: (j, c))
         expert = refs[0][i]  # a scalar read from global memory
-        if blocks:
-            _, a_gmem, sa_gmem, b_gmem, sb_gmem = refs[:-2]
-            ops = (a_gmem, sa_gmem, b_gmem.at[expert], sb_gmem.at[expert])
-            acc = _promoted(ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret)
-        else:
-            _, scale_gmem, a_gmem, b_gmem = refs[:-2]
-            ops = (a_gmem, b_gmem.at[expert])
-            acc = _accumulated(ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret)
-            acc = acc * scale_gmem[i]
-        store(acc, out_smem, out_gmem.at[pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n)])
+
+        @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
+        def _():
+            if blocks:
+                _, a_gmem, sa_gmem, b_gmem, sb_gmem = refs[:-2]
+                ops = (a_gmem, sa_gmem, b_gmem.at[expert], sb_gmem.at[expert])
+                acc = _promoted(
+                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret
+                )
+            else:
+                _, scale_gmem, a_gmem, b_gmem = refs[:-2]
+                ops = (a_gmem, b_gmem.at[expert])
+                acc = _accumulated(
+                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret
+                )
+                acc = acc * scale_gmem[i]
+            window = (pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
+            store(acc, out_smem, out_gmem.at[window])
 
     body.__name__ = body.__qualname__ = GROUPED_ROWS_NAME
     out_dtype = jnp.dtype(out_dtype)

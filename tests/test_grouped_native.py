@@ -1,0 +1,384 @@
+"""fp8jax's grouped FP8 GEMM kernels (Pallas Mosaic GPU) for mixtures of experts.
+
+- the padded layout against a hand-rolled NumPy one;
+- both kernels in Mosaic GPU's interpreter against float64 NumPy references, with uneven and
+  empty groups, per-chunk and per-tile scaling, FP8 and 16-bit operands;
+- `Fp8RaggedDot` on the kernels (interpreted) against its XLA path, every native recipe,
+  under `vmap` too;
+- the deviceless H100 compile of an MoE training step: every expert GEMM (forward, dgrad,
+  wgrad) in the kernels with FP8 `wgmma` in the PTX, no register spills, no ragged dot left,
+  and GEMM work that grows with the tokens, not tokens times experts.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax._src.grouped import native
+from fp8jax._src.kernels.dispatch import interpreted
+from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+# --- the padded layout --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sizes, rows",
+    [([5, 0, 9, 3], 17), ([0, 0, 0, 4], 4), ([64, 1, 0, 63], 128), ([2, 3, 0, 1], 9)],
+)
+def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
+    """Hand-rolled: expert e's rows at sum(roundup(size[f], tile), f < e) on, zeros between;
+    rows past the groups (`rows` > sum) are not placed and come back as zeros."""
+    tile = 8
+    sizes = np.array(sizes, np.int32)
+    layout = native.pad_layout(jnp.asarray(sizes), rows, tile)
+    x = np.arange(1, rows + 1, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+    padded = np.asarray(native.pad(jnp.asarray(x), layout))
+    want = np.zeros_like(padded)
+    start, at = 0, 0
+    tile_expert = np.full(padded.shape[0] // tile, -1)
+    for e, size in enumerate(sizes):
+        want[at : at + size] = x[start : start + size]
+        tile_expert[at // tile : (at + -(-size // tile) * tile) // tile] = e
+        start, at = start + size, at + -(-size // tile) * tile
+    assert padded.shape[0] % tile == 0 and padded.shape[0] >= at
+    np.testing.assert_array_equal(padded, want)
+    np.testing.assert_array_equal(layout.sizes, -(-sizes // tile) * tile)
+    np.testing.assert_array_equal(layout.tile_expert, tile_expert)
+    back = np.asarray(native.unpad(jnp.asarray(padded), layout))
+    placed = np.arange(rows) < sizes.sum()
+    np.testing.assert_array_equal(back, np.where(placed[:, None], x, 0))
+
+
+# --- the kernels in the interpreter ---------------------------------------------------------
+
+G, K, N = 3, 200, 136  # K: two chunks, the second partial; N: two column tiles, padded
+TILE_EXPERT = np.array([2, 0, -1, 0, 1], np.int32)  # -1: a tile past every expert
+M = 64 * len(TILE_EXPERT)
+
+
+def scales(rng, shape):
+    return jnp.asarray(2.0 ** rng.integers(-3, 4, shape), jnp.float32)
+
+
+@pytest.mark.parametrize("scaling", ["blocks", "tile"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, jnp.bfloat16])
+def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((M, K)) * 3, dtype)
+    rhs = jnp.asarray(rng.standard_normal((G, N, K)), dtype)
+    chunks = -(-K // 128)
+    if scaling == "blocks":
+        kw = {"lhs_scale": scales(rng, (M, chunks)), "rhs_scale": scales(rng, (G, N, chunks))}
+    else:
+        kw = {"tile_scale": scales(rng, (len(TILE_EXPERT),))}
+    with interpreted():
+        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw))(lhs, rhs, jnp.asarray(TILE_EXPERT))
+    assert out.shape == (M, N) and out.dtype == jnp.float32
+    for t, e in enumerate(TILE_EXPERT):
+        if e < 0:
+            continue  # skipped: not written
+        rows = slice(64 * t, 64 * (t + 1))
+        want = np.zeros((64, N))
+        for c in range(chunks):
+            cols = slice(128 * c, min(K, 128 * (c + 1)))
+            part = f64(lhs[rows, cols]) @ f64(rhs[e][:, cols]).T
+            if scaling == "blocks":
+                part *= f64(kw["lhs_scale"][rows, c])[:, None] * f64(kw["rhs_scale"][e][:, c])
+            else:
+                part *= f64(kw["tile_scale"][t])
+            want += part
+        # Exact products, float32 sums of K terms.
+        bound = 2 * K * 2.0**-24 * np.abs(want).max()
+        np.testing.assert_array_less(np.abs(f64(out[rows]) - want), bound + 1e-30)
+
+
+@pytest.mark.parametrize("scaling", ["blocks", "group"])
+def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
+    """Each expert contracts its own chunks of tokens; an expert with none gets zeros."""
+    rng = np.random.default_rng(1)
+    a_rows, b_rows, chunks = 72, 140, 5
+    t = 128 * chunks
+    lhs = jnp.asarray(rng.standard_normal((a_rows, t)) * 2, E4M3)
+    rhs = jnp.asarray(rng.standard_normal((b_rows, t)), E4M3)
+    start, count = np.array([0, 2, 2], np.int32), np.array([2, 0, 3], np.int32)
+    if scaling == "blocks":
+        kw = {
+            "lhs_scale": scales(rng, (a_rows, chunks)),
+            "rhs_scale": scales(rng, (b_rows, chunks)),
+        }
+    else:
+        kw = {"group_scale": scales(rng, (G,))}
+    with interpreted():
+        out = jax.jit(lambda *a: grouped_tokens_gemm(*a, **kw))(
+            lhs, rhs, jnp.asarray(start), jnp.asarray(count)
+        )
+    assert out.shape == (G, a_rows, b_rows)
+    for e in range(G):
+        want = np.zeros((a_rows, b_rows))
+        for c in range(start[e], start[e] + count[e]):
+            cols = slice(128 * c, 128 * (c + 1))
+            part = f64(lhs[:, cols]) @ f64(rhs[:, cols]).T
+            if scaling == "blocks":
+                part *= f64(kw["lhs_scale"][:, c])[:, None] * f64(kw["rhs_scale"][:, c])
+            else:
+                part *= f64(kw["group_scale"][e])
+            want += part
+        if not count[e]:
+            np.testing.assert_array_equal(out[e], 0.0)
+            continue
+        bound = 2 * t * 2.0**-24 * np.abs(want).max()
+        np.testing.assert_array_less(np.abs(f64(out[e]) - want), bound)
+
+
+def test_kernels_reject_bad_operands():
+    lhs, rhs = jnp.zeros((64, 128), E4M3), jnp.zeros((2, 128, 128), E4M3)
+    experts, one = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.float32)
+    with pytest.raises(ValueError, match="lhs is float8_e5m2 and rhs float8_e4m3fn"):
+        grouped_rows_gemm(lhs.astype(E5M2), rhs, experts, tile_scale=one)
+    with pytest.raises(ValueError, match="lhs is float32; wgmma takes"):
+        grouped_rows_gemm(lhs.astype(jnp.float32), rhs, experts, tile_scale=one)
+    with pytest.raises(ValueError, match="65 rows, not a multiple of tile_m=64"):
+        grouped_rows_gemm(jnp.zeros((65, 128), E4M3), rhs, experts, tile_scale=one)
+    with pytest.raises(ValueError, match="either lhs_scale and rhs_scale .* or tile_scale"):
+        grouped_rows_gemm(lhs, rhs, experts)
+    with pytest.raises(ValueError, match="tile_expert has shape \\(2,\\); expected \\(1,\\)"):
+        grouped_rows_gemm(lhs, rhs, jnp.zeros((2,), jnp.int32), tile_scale=one)
+    with pytest.raises(ValueError, match="rhs has shape \\(128, 128\\); expected \\(experts"):
+        grouped_rows_gemm(lhs, rhs[0], experts, tile_scale=one)
+    counts = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="100 tokens, not a multiple of block_k=128"):
+        grouped_tokens_gemm(
+            jnp.zeros((8, 100), E4M3), jnp.zeros((8, 100), E4M3), counts, counts,
+            group_scale=jnp.ones((2,)),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="group_scale has shape \\(3,\\); expected \\(2,\\)"):
+        grouped_tokens_gemm(lhs, lhs, counts, counts, group_scale=jnp.ones((3,)))
+
+
+# --- the layer on the kernels against its XLA path ------------------------------------------
+
+SIZES = np.array([70, 0, 130, 5], np.int32)  # uneven, one expert without tokens
+FEATURES_IN, FEATURES_OUT = 96, 80
+
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(),  # E5M2 gradients: dgrad, wgrad upcast to BF16
+    "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(),
+    "blockwise-64": fp8jax.BlockwiseScaling(block_size=64),
+}
+
+
+def layer_data(seed, sizes=SIZES):
+    rng = np.random.default_rng(seed)
+    m = int(np.sum(sizes))
+    x = (rng.standard_normal((m, FEATURES_IN)) * 3).astype(np.float32)
+    w = rng.standard_normal((len(sizes), FEATURES_IN, FEATURES_OUT)).astype(np.float32)
+    w *= np.array([0.01, 1.0, 30.0, 0.3], np.float32)[:, None, None]
+    g = (rng.standard_normal((m, FEATURES_OUT)) * 1e-3).astype(np.float32)
+    return x, w, g
+
+
+def step(dot, x, w, g, sizes):
+    y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+    new, d_x, d_w = vjp(g)
+    return y, d_x, d_w, new
+
+
+def both_paths(recipe, x, w, g, sizes, native_step=step):
+    """(native, XLA) results of one step; the native one traced for the interpreter."""
+    experts = np.shape(sizes)[-1]
+    on = fp8jax.Fp8RaggedDot(recipe, num_experts=experts, native_kernel=True)
+    off = fp8jax.Fp8RaggedDot(recipe, num_experts=experts, native_kernel=False)
+    sizes = jnp.asarray(sizes)
+    with interpreted():
+        got = eqx.filter_jit(native_step)(on, x, w, g, sizes)
+    want = eqx.filter_jit(native_step)(off, x, w, g, sizes)
+    return got, want
+
+
+def assert_close(got, want, terms):
+    """Equal but for float32 summation order over `terms` products."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = f64(a), f64(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * terms * 2.0**-24 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_layer_on_the_kernels_matches_its_xla_path(name):
+    x, w, g = layer_data(2)
+    (y, d_x, d_w, new), (y0, d_x0, d_w0, new0) = both_paths(RECIPES[name], x, w, g, SIZES)
+    assert_close(y, y0, FEATURES_IN)
+    assert_close(d_x, d_x0, FEATURES_OUT)
+    assert_close(d_w, d_w0, int(SIZES.sum()))
+    np.testing.assert_array_equal(d_w[1], 0.0)  # the expert without tokens
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new0), strict=True):
+        np.testing.assert_array_equal(a, b)  # the same state: quantization is shared
+
+
+def test_layer_on_the_kernels_in_bfloat16():
+    x, w, g = (a.astype(jnp.bfloat16) for a in layer_data(3))
+    (y, d_x, d_w, _), (y0, d_x0, d_w0, _) = both_paths(fp8jax.CurrentScaling(), x, w, g, SIZES)
+    assert (y.dtype, d_x.dtype, d_w.dtype) == (jnp.bfloat16,) * 3
+    for a, b in ((y, y0), (d_x, d_x0), (d_w, d_w0)):
+        # Power-of-two scales: both round the same float32 values to BF16, but for summation.
+        np.testing.assert_allclose(f64(a), f64(b), rtol=2.0**-7, atol=1e-6 * float(f64(b).max()))
+
+
+def test_vmapped_layer_folds_into_one_native_grouped_gemm():
+    """Under `vmap`, the members' tokens fold into one expert order and run in the kernels
+    (the custom batching rules), as on the XLA path."""
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)
+    rng = np.random.default_rng(4)
+    xs = (rng.standard_normal((3, 12, FEATURES_IN)) * 2).astype(np.float32)
+    cs = rng.standard_normal((3, 12, FEATURES_OUT)).astype(np.float32)
+    w = rng.standard_normal((4, FEATURES_IN, FEATURES_OUT)).astype(np.float32)
+
+    def batched(dot, x, w, g, sizes):
+        def loss(params):
+            dot, w = params
+            ys = jax.vmap(lambda x, s: dot(x, w, s))(x, sizes)
+            return jnp.sum(ys * g)
+
+        return fp8jax.filter_grad(loss)((dot, w))
+
+    got, want = both_paths(fp8jax.DelayedScaling(backward_format="e4m3"), xs, w, cs, sizes, batched)
+    assert_close(got[1], want[1], 36)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# --- the H100 compile -----------------------------------------------------------------------
+
+H100_SCRIPT = """
+import glob, json, os, re, sys
+import jax, jax.numpy as jnp
+import fp8jax
+from fp8jax._src import inspect as inspect_module
+from fp8jax.examples import moe
+
+recipe = {"delayed": fp8jax.DelayedScaling(),
+          "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
+          "blockwise": fp8jax.BlockwiseScaling()}[sys.argv[1]]
+native = {"auto": None, "xla": False}[sys.argv[2]]
+model = moe.MoEModel(width=256, hidden=512, experts=8, top_k=2, key=jax.random.PRNGKey(0))
+config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe, grouped_native_kernel=native)
+model = fp8jax.fp8_linear_layers(model, config)
+x = jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16)
+
+def step(model, x):
+    loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2)
+    return fp8jax.filter_value_and_grad(loss)(model)
+
+report = fp8jax.inspect(step, model, x, modes=("cublas",), merge_dots=False)
+device = inspect_module.h100_topology().devices[0]
+lowered, _ = inspect_module._lower(step, (model, x), {}, device)
+hlo = lowered.compile().as_text()
+ragged = lowered.as_text().count("chlo.ragged_dot")  # before XLA expands them
+cost = fp8jax.hlo_cost(hlo)
+experts = sum(k.flops * k.runs for k in cost.kernels if "fp8jax[moe." in k.op_name)
+spill = re.compile(r"(\\d+) bytes spill (?:stores|loads)")
+dump = os.environ.get("MOSAIC_GPU_DUMP_TO")
+spills = [[int(n) for n in spill.findall(open(f).read())]
+          for f in glob.glob(os.path.join(dump, "*.ptxas"))] if dump else []
+print(json.dumps({
+    "gemms": [(g.layer, g.role, g.kernel, g.fp8, g.mma) for g in report.gemms["cublas"]],
+    "ragged": ragged,
+    "expert_flops": experts,
+    "spills": spills,
+}))
+"""
+
+#: The script's MoE step: 1,024 tokens, top-2 of 8 experts, 256 -> 512 -> 256.
+ASSIGNMENTS, WIDTH, HIDDEN = 2048, 256, 512
+#: Forward, dgrad and wgrad of both expert layers, each expert on its own tokens only.
+IDEAL_FLOPS = 3 * 2 * (2 * ASSIGNMENTS * WIDTH * HIDDEN)
+
+
+@pytest.fixture(scope="module")
+def h100_runs(tmp_path_factory):
+    pytest.importorskip("jax_cuda12_plugin")
+    runs = {}
+
+    def run(recipe, native):
+        if (recipe, native) not in runs:
+            dump = tmp_path_factory.mktemp("mosaic")
+            env = {
+                **os.environ,
+                "JAX_PLATFORMS": "cpu",
+                "MOSAIC_GPU_DUMP_PTX": "1",
+                "MOSAIC_GPU_DUMP_PTXAS": "1",
+                "MOSAIC_GPU_DUMP_TO": str(dump),
+            }
+            done = subprocess.run(
+                [sys.executable, "-c", H100_SCRIPT, recipe, native],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[recipe, native] = json.loads(done.stdout.strip().splitlines()[-1])
+        return runs[recipe, native]
+
+    return run
+
+
+EXPERT_GEMMS = {(layer, role) for layer in ("moe.up", "moe.down") for role in ("fwd", "dgrad")}
+EXPERT_GEMMS |= {("moe.up", "wgrad"), ("moe.down", "wgrad")}
+FP8_MMA = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
+
+
+@pytest.mark.parametrize("recipe", ["delayed-e4m3", "blockwise"])
+def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe):
+    """E4M3 gradients (or blockwise scaling): forward, dgrad and wgrad of both expert layers
+    are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma`; ptxas spills nothing; no
+    ragged dot is left for XLA to expand."""
+    seen = h100_runs(recipe, "auto")
+    experts = [g for g in seen["gemms"] if g[0] and g[0].startswith("moe.")]
+    assert {(layer, role) for layer, role, *_ in experts} == EXPERT_GEMMS, experts
+    for layer, role, kernel, fp8, mma in experts:
+        assert kernel == "pallas mosaic gpu" and fp8, (layer, role, kernel, mma)
+        assert mma and all(FP8_MMA.match(m) for m in mma), mma
+    assert seen["ragged"] == 0
+    assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+
+
+def test_h100_e5m2_gradients_run_dgrad_and_wgrad_as_exact_bf16_in_the_kernels(h100_runs):
+    """Delayed scaling's default E5M2 gradients: Mosaic's wgmma takes one FP8 type, so the
+    dgrad and wgrad run in the same kernels on BF16 upcasts (honestly not FP8); the forward
+    is FP8."""
+    seen = h100_runs("delayed", "auto")
+    experts = [g for g in seen["gemms"] if g[0] and g[0].startswith("moe.")]
+    assert {(layer, role) for layer, role, *_ in experts} == EXPERT_GEMMS
+    for layer, role, kernel, fp8, mma in experts:
+        assert kernel == "pallas mosaic gpu", (layer, role, kernel)
+        assert fp8 == (role == "fwd"), (layer, role, mma)
+        assert all(m.endswith(".e4m3.e4m3" if role == "fwd" else ".bf16.bf16") for m in mma)
+
+
+def test_h100_expert_work_grows_with_tokens_not_tokens_times_experts(h100_runs):
+    """The kernels' GEMM FLOPs (their padded static shapes: an upper bound on the work) are
+    within 1.6x of the experts' own FLOPs (each expert's rows padded to whole tiles); XLA's
+    path, which expands each ragged dot into a dense GEMM over all experts, does about the
+    number of experts (8) times as much."""
+    native_flops = h100_runs("blockwise", "auto")["expert_flops"]
+    xla_flops = h100_runs("blockwise", "xla")["expert_flops"]
+    assert IDEAL_FLOPS <= native_flops <= 1.6 * IDEAL_FLOPS, native_flops / IDEAL_FLOPS
+    assert xla_flops >= 6 * IDEAL_FLOPS, xla_flops / IDEAL_FLOPS
+    assert h100_runs("blockwise", "xla")["ragged"] > 0  # what the kernels replace
