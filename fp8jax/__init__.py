@@ -56,6 +56,7 @@ from ._src.recipes import TensorState as TensorState
 from ._src.recipes import compute_scale as compute_scale
 from ._src.remat import fp8_dots_saveable as fp8_dots_saveable
 from ._src.remat import save_fp8_operands as save_fp8_operands
+from ._src.stats import ExpertStats as ExpertStats
 from ._src.stats import Fp8Stats as Fp8Stats
 from ._src.stats import OperandStats as OperandStats
 from ._src.telemetry import LayerTelemetry as LayerTelemetry
@@ -131,6 +132,7 @@ __all__ = [
     "Fp8NnxEinsum",
     "Fp8RaggedDot",
     "Fp8State",
+    "ExpertStats",
     "Fp8Stats",
     "Gemm",
     "GroupedLinear",

@@ -293,3 +293,117 @@ def test_grouped_layers_report_a_kernel_scale_per_expert():
     scales = [float(r.split()[2]) for r in up[1:5]]
     np.testing.assert_allclose(scales, stats["moe.up"].kernel.scale, rtol=1e-3)
     assert len(rows) == 3 + 2 * 6
+
+
+# --- grouped (mixture-of-experts) layers ----------------------------------------------------
+
+SIZES = np.array([20, 0, 30, 14], np.int32)  # expert 1 gets no tokens
+
+
+def grouped_run(dot, x, w, c, sizes=SIZES):
+    def loss(dot, x, w):
+        return jnp.sum(dot(x, w, sizes) * c)
+
+    return eqx.filter_jit(fp8jax.filter_grad(loss))(dot, x, w)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise"])
+def test_grouped_statistics_match_ml_dtypes_per_expert(recipe):
+    """Each expert's kernel its own saturation and underflow, against ml_dtypes casts with
+    that expert's scale; the activation and output gradient one each; an expert without
+    tokens keeps its previous statistics."""
+    rng = np.random.default_rng(7)
+    m, k, n = int(SIZES.sum()), 128, 96
+    x, c = spread(rng, (m, k), -5, 3), spread(rng, (m, n), -9, 5)
+    # Experts' weights orders of magnitude apart: at delayed scaling's first scale (1) expert
+    # 2 saturates and expert 0 underflows.
+    w = np.stack([spread(rng, (k, n), lo, hi) for lo, hi in ((-6, -3), (-1, 0), (2, 4), (-2, 0))])
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=4, telemetry=True)
+    stale = jnp.full((4,), 0.25)  # what expert 1 must keep: it gets no tokens
+    dot = eqx.tree_at(lambda d: d.stats.kernel.saturated, dot, stale)
+    new = fp8jax.apply_updates(dot, None, grouped_run(dot, x, w, c))
+    scale = dot.kernel.scale if recipe == "delayed" else new.kernel.scale
+    if recipe == "blockwise":
+        blocks = ref.deepseek_scale()
+        x_scale, c_scale = block_scales(x, (1, 128), blocks), block_scales(c, (1, 128), blocks)
+        w_scale = [block_scales(w[e].T, (128, 128), blocks) for e in range(4)]
+    else:
+        old = recipe == "delayed"
+        x_scale = (dot if old else new).input.scale
+        c_scale = (dot if old else new).output_grad.scale
+        w_scale = [scale[e] for e in range(4)]
+    expected_input = ref_stats(x, x_scale, "e4m3")
+    fmt = "e4m3" if recipe == "blockwise" else "e5m2"
+    expected_grad = ref_stats(c, c_scale, fmt)
+    for role, want in (("input", expected_input), ("output_grad", expected_grad)):
+        got = getattr(new.stats, role)
+        assert (float(got.saturated), float(got.underflow)) == pytest.approx(want, rel=1e-6), role
+    for e in range(4):
+        if SIZES[e] == 0:
+            assert float(new.stats.kernel.saturated[e]) == 0.25  # kept
+            continue
+        weights = w[e].T if recipe == "blockwise" else w[e]
+        want = ref_stats(weights, w_scale[e], "e4m3")
+        got = (float(new.stats.kernel.saturated[e]), float(new.stats.kernel.underflow[e]))
+        assert got == pytest.approx(want, rel=1e-6), e  # float32 fractions
+    if recipe == "delayed":
+        assert float(new.stats.kernel.saturated[2]) > 0 and float(new.stats.kernel.underflow[0]) > 0
+        assert float(new.stats.kernel.saturated[0]) == 0 == float(new.stats.kernel.underflow[2])
+
+
+def test_grouped_rejected_updates_are_counted_per_expert():
+    rng = np.random.default_rng(8)
+    m, k, n = int(SIZES.sum()), 32, 16
+    x, c = rng.standard_normal((m, k)).astype(np.float32), np.ones((m, n), np.float32)
+    w = rng.standard_normal((4, k, n)).astype(np.float32)
+    w[3, 0, 0] = np.inf  # expert 3's kernel holds an inf: its update is rejected
+    dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+    new = fp8jax.apply_updates(dot, None, grouped_run(dot, x, w, c))
+    np.testing.assert_array_equal(new.stats.kernel.rejected, [0, 0, 0, 1])
+    np.testing.assert_array_equal(new.kernel.amax_history[3], dot.kernel.amax_history[3])
+    assert float(new.kernel.amax_history[0, 0]) == np.abs(w[0]).max()
+
+
+def test_grouped_telemetry_through_fp8_linear_layers_and_report():
+    from fp8jax.examples import moe
+
+    model = moe.MoEModel(width=32, hidden=64, experts=4, top_k=2, key=jax.random.PRNGKey(0))
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(telemetry=True))
+    assert model.moe.up.ragged_dot.stats.kernel.saturated.shape == (4,)
+    x, y = moe.teacher_data(64)
+    grads = eqx.filter_jit(fp8jax.filter_grad(moe.mse))(model, x, y)
+    hidden = jax.vmap(model.norm)(moe._dense(model.embed, x))
+    routing = moe.route(jax.vmap(model.moe.gate)(hidden), model.moe.top_k)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    model = fp8jax.apply_updates(model, None, overwrites)
+    stats = fp8jax.telemetry(model)["moe.up"]
+    assert stats.kernel.saturated.shape == (4,) and stats.input.underflow.shape == ()
+    # Tokens per expert: 64 tokens, top-2, as the router assigned them.
+    assignments = np.asarray(routing.group_sizes)
+    np.testing.assert_array_equal(stats.tokens, assignments)
+    assert stats.tokens.sum() == 128
+    rows = fp8jax.report(model, quiet=True).splitlines()
+    assert rows[0].split()[-1] == "tokens"
+    kernel_rows = [r.split() for r in rows if r.split()[:1] == ["kernel[2]"]]
+    assert len(kernel_rows) == 2  # moe.up, moe.down
+    expected = [f"{100 * float(stats.kernel.saturated[2]):.3g}", "%"]
+    assert kernel_rows[0][5:7] == expected
+    assert kernel_rows[0][-1] == str(assignments[2])
+    assert all(r.split()[-1] == "-" for r in rows[2:] if r.split()[0] in ("input", "embed"))
+
+
+def test_grouped_tokens_span_a_vmapped_batch():
+    """Under `vmap` (kernel and state shared by the batch) the tokens each expert got are
+    summed over the members."""
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)
+    rng = np.random.default_rng(9)
+    xs, cs = rng.standard_normal((3, 12, 8)), rng.standard_normal((3, 12, 4))
+    w = rng.standard_normal((4, 8, 4)).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+
+    def loss(dot):
+        ys = jax.vmap(lambda x, s: dot(x, w, s))(xs, sizes)
+        return jnp.sum(ys * cs)
+
+    new = fp8jax.filter_grad(loss)(dot)
+    np.testing.assert_array_equal(new.stats.tokens, sizes.sum(axis=0))

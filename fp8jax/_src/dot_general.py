@@ -78,6 +78,19 @@ def pick_received(old: Any, received: Any, ok: Array) -> Any:
     )
 
 
+def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, Array]]) -> Fp8Stats:
+    """Each operand's fresh statistics where its state was taken, the old ones elsewhere,
+    and the count of rejected updates advanced (`received`: `_received` of each role's
+    state; per expert for a grouped layer's kernel)."""
+    stats = {}
+    for r in ROLES:
+        before, (take, reject) = getattr(old, r), received[r]
+        count = before.rejected + reject.astype(before.rejected.dtype)
+        fresh = eqx.tree_at(lambda s: s.rejected, getattr(new, r), before.rejected)
+        stats[r] = eqx.tree_at(lambda s: s.rejected, pick_received(before, fresh, take), count)
+    return Fp8Stats(**stats)
+
+
 class Fp8DotGeneral(OverwriteWithGradient):
     """`jax.lax.dot_general` computed as FP8 GEMMs, with its scaling state.
 
@@ -199,13 +212,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
             r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
         }
         if self.stats is not None:
-            stats = {}
-            for r in ROLES:
-                old, take, reject = getattr(self.stats, r), *received[r]
-                count = old.rejected + reject.astype(old.rejected.dtype)
-                fresh = eqx.tree_at(lambda s: s.rejected, getattr(new.stats, r), old.rejected)
-                stats[r] = eqx.tree_at(lambda s: s.rejected, pick_received(old, fresh, take), count)
-            merged["stats"] = Fp8Stats(**stats)
+            merged["stats"] = merge_stats(self.stats, new.stats, received)
         return eqx.tree_at(
             lambda m: tuple(getattr(m, name) for name in merged),
             self,

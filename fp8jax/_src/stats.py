@@ -56,6 +56,21 @@ class Fp8Stats(eqx.Module):
         return cls(OperandStats.zeros(), OperandStats.zeros(), OperandStats.zeros())
 
 
+class ExpertStats(Fp8Stats):
+    """A grouped layer's statistics: [`fp8jax.Fp8Stats`][] with the kernel's fields per
+    expert (`kernel.saturated (experts,)`), and `tokens (experts,)`: how many rows (token
+    assignments) each expert got at the latest step (the most of any call, when the layer
+    runs several times in a step)."""
+
+    tokens: Float[Array, " experts"]
+
+    @classmethod
+    def zeros_for(cls, experts: int) -> ExpertStats:
+        """Statistics of no step yet, for `experts` experts."""
+        per_expert = OperandStats(*(jnp.zeros((experts,), jnp.float32) for _ in range(3)))
+        return cls(OperandStats.zeros(), per_expert, OperandStats.zeros(), jnp.zeros((experts,)))
+
+
 def cast_statistics(
     x: Array,
     terms: Sequence,

@@ -59,9 +59,9 @@ class LayerTelemetry(eqx.Module):
 
     For a grouped layer ([`fp8jax.Fp8RaggedDot`][]) `experts` is its number of experts and
     the kernel's fields have a trailing expert axis (`scale (*layers, experts)`): each expert's
-    kernel has its own scale and history. Grouped layers keep no saturation statistics, so
-    their `saturated`, `underflow` and `rejected` are `None`. `experts` is `None` for a dense
-    layer.
+    kernel has its own scale, history and statistics; `tokens (*layers, experts)` is how many
+    tokens each expert got at the latest step (with telemetry; else `None`). `experts` and
+    `tokens` are `None` for a dense layer.
     """
 
     input: OperandTelemetry
@@ -70,10 +70,10 @@ class LayerTelemetry(eqx.Module):
     recipe: str = eqx.field(static=True)
     formats: tuple[str, str, str] = eqx.field(static=True)
     experts: int | None = eqx.field(static=True, default=None)
+    tokens: Float[Array, "*layers experts"] | None = None
 
 
 def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
-    # A grouped layer has no `stats`: its operands report scales and amaxes only.
     layer_stats = getattr(dot, "stats", None)
     operands = {}
     for role in ROLES:
@@ -90,8 +90,13 @@ def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
         )
     formats = tuple(np.dtype(dot.recipe.format(role)).name for role in ROLES)
     experts = dot.num_experts if isinstance(dot, Fp8RaggedDot) else None
+    tokens = getattr(layer_stats, "tokens", None)
     return LayerTelemetry(
-        **operands, recipe=type(dot.recipe).__name__, formats=formats, experts=experts
+        **operands,
+        recipe=type(dot.recipe).__name__,
+        formats=formats,
+        experts=experts,
+        tokens=tokens,
     )
 
 
@@ -178,9 +183,9 @@ def _percent(value: Any) -> str:
     return "-" if value is None else f"{100 * float(value):.3g} %"
 
 
-def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
+def _rows(name: str, layer: LayerTelemetry, tokens: bool) -> list[list[str]]:
     """One row per operand of every (stacked) layer; a grouped layer's kernel gets one row per
-    expert, its operand named `kernel[e]`."""
+    expert, its operand named `kernel[e]`, with the tokens the expert got when `tokens`."""
     host = jax.tree.map(np.asarray, layer)
     shape = np.shape(host.input.scale)
     rows = []
@@ -208,6 +213,9 @@ def _rows(name: str, layer: LayerTelemetry) -> list[list[str]]:
                         "-" if op.rejected is None else str(int(at(op.rejected))),
                     ]
                 )
+                if tokens:
+                    count = None if expert is None or host.tokens is None else at(host.tokens)
+                    rows[-1].append("-" if count is None else str(int(count)))
                 label = ""
     return rows
 
@@ -260,7 +268,10 @@ def report(
         "zeroed",
         "non-finite steps",
     ]
-    rows = [row for name, layer in layers.items() for row in _rows(name, layer)]
+    tokens = any(layer.experts is not None for layer in layers.values())
+    if tokens:
+        header.append("tokens")
+    rows = [row for name, layer in layers.items() for row in _rows(name, layer, tokens)]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

@@ -270,6 +270,7 @@ def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...])
         config.recipe_for(path),
         num_experts=layer.weight.shape[-3],
         name=".".join(path),
+        telemetry=config.telemetry,
         native_kernel=config.grouped_native_kernel,
     )
     dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)

@@ -50,10 +50,12 @@ from ..gemm import (
     _batched,
     _check_single_use,
     _check_state_differentiated,
+    _owner,
     _reduce_to,
 )
 from ..recipes import BlockScaledRecipe, Recipe
 from ..remat import name_fp8_operands, name_gemm_output
+from ..stats import ExpertStats
 from .dots import expert_of_rows, rows_dot, token_tile, tokens_dot
 from .native import pad, pad_layout, pad_quantized
 
@@ -65,7 +67,8 @@ class Residuals(NamedTuple):
     """What the forward of one FP8 grouped GEMM saves for its backward: the quantized
     activation (contracted on its features) and the quantized kernels (per expert, laid out
     for the dgrad), the group sizes, the new state of the input and of the kernels (returned
-    as their cotangents) and the output gradient's state as it came in. Only `q_x` and
+    as their cotangents), the output gradient's state as it came in, and with telemetry the
+    input's and kernels' cast statistics (the kernels' per expert). Only `q_x` and
     `group_sizes` can carry a folded `vmap` axis."""
 
     q_x: Any
@@ -74,6 +77,7 @@ class Residuals(NamedTuple):
     new_input: Any
     new_kernel: Any
     grad_state: Any
+    stats: Any = None
 
 
 def _has_tokens_plain(group_sizes: Int[Array, " G"], owner: Array) -> Bool[Array, " G"]:
@@ -111,6 +115,30 @@ def _only_used(state: Any, used: Bool[Array, " G"]) -> Any:
     return jax.tree.map(keep, state)
 
 
+def _token_counts_plain(group_sizes: Int[Array, " G"], owner: Array) -> Array:
+    del owner
+    return group_sizes.astype(jnp.float32)
+
+
+@custom_vmap
+def token_counts(group_sizes: Int[Array, " G"], owner: Array) -> Array:
+    """The tokens each expert got, as float32 statistics; summed over a `vmap`ped axis unless
+    `owner` (the statistics' leaf) is batched, like `has_tokens`."""
+    return _token_counts_plain(group_sizes, owner)
+
+
+@token_counts.def_vmap
+def _token_counts_rule(axis_size, in_batched, group_sizes, owner):
+    del axis_size
+    sizes_batched, owner_batched = in_batched
+    if owner_batched:
+        axes = (0 if sizes_batched else None, 0)
+        return jax.vmap(_token_counts_plain, in_axes=axes)(group_sizes, owner), True
+    if sizes_batched:
+        group_sizes = jnp.sum(group_sizes, axis=0)
+    return token_counts(group_sizes, owner), False
+
+
 def _per_expert(fn: Any, *args: Any) -> Any:
     """`fn` mapped over the leading (expert) axis of every argument."""
     return jax.vmap(fn)(*args)
@@ -136,9 +164,24 @@ def _forward(
         out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype, native)
     # As for dense layers: keep what follows out of the GEMM's epilogue (see gemm.py).
     out = lax.optimization_barrier(out)
+    used = has_tokens(group_sizes, jax.tree.leaves(states.kernel)[0])
+    stats = None
+    if states.stats is not None:
+        # Per expert for the kernels (each its own scale); an expert without tokens reports
+        # nothing received, as its state does.
+        kernel_stats = _per_expert(
+            lambda w, q, s: recipe.statistics(w, q, "kernel", _owner(s)),
+            w_c,
+            q_w,
+            states.kernel,
+        )
+        stats = (
+            recipe.statistics(x, q_x, "input", _owner(states.input)),
+            _only_used(kernel_stats, used),
+            token_counts(group_sizes, states.stats.tokens),
+        )
     # The dgrad's copy of each kernel, from the high-precision weight (one rounding).
     q_w = _per_expert(lambda q, w: recipe.retile(q, "kernel", -2, source=w), q_w, w_c)
-    used = has_tokens(group_sizes, jax.tree.leaves(states.kernel)[0])
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -146,6 +189,7 @@ def _forward(
         new_input=new_input,
         new_kernel=_only_used(new_kernel, used),
         grad_state=states.output_grad,
+        stats=stats,
     )
 
 
@@ -164,6 +208,11 @@ def _backward(
     back = recipe.backward_dot_precision()
     experts = expert_of_rows(group_sizes, g.shape[0])
     q_g, new_grad = recipe.quantize(g, residuals.grad_state, "output_grad", -1)
+    stats = residuals.stats
+    if stats is not None:
+        grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(residuals.grad_state))
+        input_stats, kernel_stats, tokens = stats
+        stats = ExpertStats(input_stats, kernel_stats, grad_stats, tokens)
     with jax.named_scope("dgrad"):
         d_x = rows_dot(recipe, q_g, q_w, -2, group_sizes, experts, back, lhs_dtype, native)
     if isinstance(recipe, BlockScaledRecipe):
@@ -175,7 +224,7 @@ def _backward(
     with jax.named_scope("wgrad"):
         q_x = recipe.retile(q_x, "input", -2)
         d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype, native)
-    return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad)
+    return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
 
 
 # --- folding a vmapped axis into the rows --------------------------------------------------
@@ -245,6 +294,7 @@ def _folding_forward(recipe: Recipe, native: bool | None, precision: Any, out_dt
                 new_input=_axis(s),
                 new_kernel=_axis(s),
                 grad_state=_axis(s),
+                stats=_axis(s),
             )
             out_axes = (0, residual_axes)
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(
@@ -285,7 +335,7 @@ def _folding_backward(
     def _rule(axis_size, in_batched, residuals, g):
         res_b, g_b = in_batched
         x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
-        states_b = (res_b.new_input, res_b.new_kernel, res_b.grad_state)
+        states_b = (res_b.new_input, res_b.new_kernel, res_b.grad_state, res_b.stats)
         if not (_can_fold(x_b, w_b, states_b) and res_b.group_sizes and g_b):
             out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)

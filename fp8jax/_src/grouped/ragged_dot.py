@@ -12,9 +12,10 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ..dot_general import SCOPE, _received, pick_received
+from ..dot_general import SCOPE, _received, merge_stats, pick_received
 from ..gemm import States
 from ..recipes import ROLES, Recipe, TensorState, recipe_from
+from ..stats import ExpertStats
 from ..updates import OverwriteWithGradient
 from .dots import check_recipe, native_choice
 from .gemm import fp8_ragged_dot
@@ -149,8 +150,8 @@ class Fp8RaggedDot(OverwriteWithGradient):
     with E5M2 gradients (delayed and current scaling's default) the dgrad and wgrad run in
     the kernels on the FP8 values upcast to BF16 (exact, at the 16-bit rate); with
     `backward_format="e4m3"` (or blockwise scaling) all three GEMMs are FP8.
-    [`fp8jax.telemetry`][] reports its scales and amaxes, the kernel's per expert; saturation
-    statistics are not kept.
+    [`fp8jax.telemetry`][] reports its scales and amaxes, the kernel's per expert, and with
+    `telemetry=True` the fractions saturated and flushed to zero (the kernel's per expert).
 
     **Arguments:**
 
@@ -158,6 +159,10 @@ class Fp8RaggedDot(OverwriteWithGradient):
     - `num_experts`: the number of experts, `rhs.shape[0]`.
     - `name`: the layer's path (set by [`fp8jax.fp8_linear_layers`][]); the GEMMs run under
       the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), as for dense layers.
+    - `telemetry`: also keep statistics in `stats` ([`fp8jax.ExpertStats`][]): the
+      fractions saturated and flushed to zero as dense layers keep them, the kernel's per
+      expert (`stats.kernel.saturated (experts,)`; an expert that got no tokens keeps its
+      previous ones), and the tokens each expert got (`stats.tokens (experts,)`).
     - `native_kernel`: `None` (the kernels where the program is compiled for Hopper, XLA's
       path elsewhere; [`fp8jax.BlockwiseScaling`][]'s own `native_kernel` is followed when
       this is `None`), `True` (the kernels; compiling fails off Hopper) or `False` (XLA's
@@ -172,6 +177,7 @@ class Fp8RaggedDot(OverwriteWithGradient):
     input: TensorState
     kernel: TensorState
     output_grad: TensorState
+    stats: ExpertStats | None
     recipe: Recipe = eqx.field(static=True)
     num_experts: int = eqx.field(static=True)
     name: str = eqx.field(static=True)
@@ -183,6 +189,7 @@ class Fp8RaggedDot(OverwriteWithGradient):
         *,
         num_experts: int,
         name: str = "",
+        telemetry: bool = False,
         native_kernel: bool | None = None,
     ):
         if not isinstance(name, str):
@@ -196,6 +203,9 @@ class Fp8RaggedDot(OverwriteWithGradient):
         kernel = self.recipe.init_state("kernel")
         self.kernel = jax.tree.map(lambda a: jnp.stack([a] * self.num_experts), kernel)
         self.output_grad = self.recipe.init_state("output_grad")
+        if not isinstance(telemetry, bool):
+            raise TypeError(f"Fp8RaggedDot: telemetry={telemetry!r}: should be True or False.")
+        self.stats = ExpertStats.zeros_for(self.num_experts) if telemetry else None
 
     def __call__(
         self,
@@ -220,7 +230,7 @@ class Fp8RaggedDot(OverwriteWithGradient):
         out_dtype = _output_dtype(where, lhs_dtype, rhs_dtype, preferred_element_type)
         if isinstance(precision, list):
             precision = tuple(precision)
-        states = States(self.input, self.kernel, self.output_grad)
+        states = States(self.input, self.kernel, self.output_grad, self.stats)
         with jax.named_scope(f"{SCOPE}[{self.name}]"):
             return fp8_ragged_dot(
                 self.recipe,
@@ -244,13 +254,24 @@ class Fp8RaggedDot(OverwriteWithGradient):
         """Take each operand's received state where it is a real, finite update, expert by
         expert for the kernel: a zero state (the layer did not run, its output got no
         gradient, or, for one expert's kernel, the expert got no tokens) or one holding an
-        inf or NaN leaves the old state as it was."""
-
-        merged = tuple(
-            pick_received(getattr(self, r), getattr(new, r), _received(getattr(new, r))[0])
-            for r in ROLES
+        inf or NaN leaves the old state as it was (telemetry counts the latter in
+        `stats.<role>.rejected`, per expert for the kernel)."""
+        received = {r: _received(getattr(new, r)) for r in ROLES}
+        merged = {
+            r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
+        }
+        if self.stats is not None:
+            operands = merge_stats(self.stats, new.stats, received)
+            # Token counts of the step where the layer ran (zeros included: an expert that
+            # got none got none).
+            ran = received["input"][0]
+            tokens = pick_received(self.stats.tokens, new.stats.tokens, ran)
+            merged["stats"] = ExpertStats(
+                operands.input, operands.kernel, operands.output_grad, tokens
+            )
+        return eqx.tree_at(
+            lambda m: tuple(getattr(m, name) for name in merged), self, tuple(merged.values())
         )
-        return eqx.tree_at(lambda m: tuple(getattr(m, r) for r in ROLES), self, merged)
 
 
 def _output_dtype(
