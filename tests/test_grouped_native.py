@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax._src.grouped import dots as grouped_dots
 from fp8jax._src.grouped import native
 from fp8jax._src.kernels.dispatch import interpreted
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
@@ -262,6 +263,28 @@ def test_vmapped_layer_folds_into_one_native_grouped_gemm():
     assert_close(got[1], want[1], 36)
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_cpu_compiles_keep_the_xla_path():
+    """The default (`native_kernel=None`) compiles no Mosaic kernel on a CPU and computes
+    exactly what the forced XLA path does; the layer follows BlockwiseScaling's own option
+    when it has none."""
+    x, w, g = layer_data(5)
+    results, texts = [], []
+    for native_kernel in (None, False):
+        dot = fp8jax.Fp8RaggedDot(num_experts=4, native_kernel=native_kernel)
+        params, static = eqx.partition(dot, eqx.is_array)
+        jitted = jax.jit(lambda p, *a: step(eqx.combine(p, static), *a))
+        texts.append(jitted.lower(params, x, w, g, jnp.asarray(SIZES)).compile().as_text())
+        results.append(eqx.filter_jit(step)(dot, x, w, g, jnp.asarray(SIZES)))
+    assert not any("mosaic" in text for text in texts)
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    off = fp8jax.BlockwiseScaling(native_kernel=False)
+    assert grouped_dots.native_choice(off, None) is False
+    assert grouped_dots.native_choice(off, True) is True
+    assert grouped_dots.native_choice(fp8jax.MXFP8(), None) is False
+    assert grouped_dots.native_choice(fp8jax.DelayedScaling(), None) is None
 
 
 # --- the H100 compile -----------------------------------------------------------------------

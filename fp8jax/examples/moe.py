@@ -19,14 +19,21 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipes={"down": "block
 `python -m fp8jax.examples.moe` trains it on a synthetic regression task, in FP8 and in high
 precision, and prints both losses.
 
-`python -m fp8jax.examples.moe --kjv [--steps 250] [--layers 2] [--width 128]` is the evidence
-on real text: the GPT of `fp8jax.examples.gpt` with each MLP replaced by an MoE block
-(`--experts 4`, `--top-k 2`, each expert `mlp_ratio * width / top_k` wide, so that a token's
-expert FLOPs match the dense MLP's), and the dense GPT, both trained on the King James Bible in
-BF16 and in FP8 (delayed scaling), each pair from the same weights and batches. It prints the
-validation losses, each FP8 run's gap to its BF16 run, MoE and dense side by side, and the FP8
-run's per-expert telemetry: each expert's kernel scale and the tokens each expert got over the
-last steps.
+`python -m fp8jax.examples.moe --kjv [--steps 250] [--layers 2] [--width 128] [--seeds 0 1 2]`
+is the evidence on real text: the GPT of `fp8jax.examples.gpt` with each MLP replaced by an MoE
+block (`--experts 4`, `--top-k 2`, each expert `mlp_ratio * width / top_k` wide, so that a
+token's expert FLOPs match the dense MLP's), and the dense GPT, both trained on the King James
+Bible in BF16, in FP8 (delayed scaling, with telemetry) and in float32, the three runs of a model
+from the same weights and batches. The float32 run is the yardstick: its gap to BF16 is how far
+rounding alone moves the loss, next to the FP8 run's gap to BF16.
+
+For each seed of `--seeds` (default `0`; `--seed N` is an alias of `--seeds N`) the models are
+built from `jax.random.PRNGKey(seed)` and the batches drawn from the seed; the job prints the
+validation losses and the FP8 and float32 gaps to BF16, MoE and dense side by side. With several
+seeds it then prints, per model, the mean gaps over the seeds and each seed's FP8 gap. Last, for
+the first seed only: the MoE FP8 run's per-expert telemetry (each expert's kernel scale and the
+tokens each expert got over the last steps, FP8 and BF16) and `fp8jax.report` of its grouped
+layers.
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 #: The KJV job's precision, `fp8jax.examples.train_gpt`'s (not imported from there: that
 #: module needs tqdm, of the `demo` extra): BF16 compute, float32 master weights.
 POLICY = "params=float32,compute=bfloat16,output=float32"
+
+#: The float32 yardstick's precision: everything in float32, no rounding to BF16 anywhere.
+FP32_POLICY = "params=float32,compute=float32,output=float32"
+
+#: Each run's precision, by the suffix of its name: its policy, and whether its Linears are
+#: converted to FP8. The FP8 run computes in BF16 like the BF16 run, so their gap is FP8's alone.
+PRECISIONS: dict[str, tuple[str, bool]] = {
+    "bf16": (POLICY, False),
+    "fp8": (POLICY, True),
+    "fp32": (FP32_POLICY, False),
+}
 
 
 class Routing(eqx.Module):
@@ -259,16 +277,20 @@ def train_kjv(
     name: str,
     data: tuple[np.ndarray, np.ndarray],
     args: argparse.Namespace,
+    *,
+    policy: str,
+    seed: int,
 ) -> KjvRun:
-    """Train `model` as `fp8jax.examples.train_gpt` does (BF16 compute, float32 master
-    weights, AdamW with warmup and cosine decay, clipping), on batches drawn from `args.seed`:
-    every run sees the same ones. An MoE model (`moe_gpt`) trains on `moe_gpt_loss`; the
-    tokens per expert of its last `args.tail` steps are summed."""
+    """Train `model` as `fp8jax.examples.train_gpt` does (AdamW with warmup and cosine decay,
+    clipping), in the precision `policy` (an `fp8jax.Policy` string: `POLICY` for the BF16 and
+    FP8 runs, `FP32_POLICY` for the float32 one), on batches drawn from `seed`: every run of a
+    seed sees the same ones. An MoE model (`moe_gpt`) trains on `moe_gpt_loss`; the tokens per
+    expert of its last `args.tail` steps are summed."""
     train_data, val_data = data
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95))
-    policy = fp8jax.Policy.from_string(POLICY)
+    policy = fp8jax.Policy.from_string(policy)
     is_moe = isinstance(model.blocks[0].mlp, MoE)
     loss_fn = moe_gpt_loss if is_moe else next_token_loss
     train_step = fp8jax.make_train_step(loss_fn, optimizer, policy=policy, has_aux=is_moe)
@@ -278,9 +300,9 @@ def train_kjv(
         loss = loss_fn(policy.cast_to_compute(model), tokens)
         return loss[0] if is_moe else loss
 
-    val_rng = np.random.default_rng(args.seed + 1)
+    val_rng = np.random.default_rng(seed + 1)
     val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     state = train_step.init(model)
     tokens = None
     for step in range(args.steps):
@@ -289,21 +311,51 @@ def train_kjv(
             counted = np.asarray(metrics.aux)
             tokens = counted if tokens is None else tokens + counted
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"{name:>10} step {step:4d}: train loss {float(metrics.loss):.4f}", flush=True)
+            loss = float(metrics.loss)
+            print(f"{name:>10} seed {seed} step {step:4d}: train loss {loss:.4f}", flush=True)
     val = float(np.mean([float(evaluate(state.model, b)) for b in val_batches]))
     return KjvRun(name, val, state.model, tokens)
 
 
+#: The two models of the KJV job, in the order of the tables.
+MODELS = ("dense", "moe")
+
+
+def gap(runs: dict[str, KjvRun], model: str, precision: str) -> float:
+    """The validation loss of `model`'s `precision` run relative to its BF16 run's:
+    `(val - bf16) / bf16`, positive when the run ended worse than BF16."""
+    bf16 = runs[f"{model} bf16"].val
+    return (runs[f"{model} {precision}"].val - bf16) / bf16
+
+
 def gap_table(runs: dict[str, KjvRun]) -> str:
-    """Markdown table of the final validation losses and each FP8 run's gap to its BF16 run."""
+    """Markdown table of one seed's final validation losses and the FP8 and float32 runs' gaps
+    to the BF16 run: the float32 gap is what rounding alone does, the scale for the FP8 one."""
     lines = [
-        "| model | BF16 val loss | FP8 val loss | FP8 vs BF16 |",
+        "| model | BF16 val loss | FP8 val loss | FP32 val loss | FP8 vs BF16 | FP32 vs BF16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model in MODELS:
+        vals = [runs[f"{model} {p}"].val for p in ("bf16", "fp8", "fp32")]
+        losses = " | ".join(f"{v:.4f}" for v in vals)
+        fp8, fp32 = gap(runs, model, "fp8"), gap(runs, model, "fp32")
+        lines.append(f"| {model} | {losses} | {100 * fp8:+.2f} % | {100 * fp32:+.2f} % |")
+    return "\n".join(lines)
+
+
+def summary_table(by_seed: dict[int, dict[str, KjvRun]]) -> str:
+    """Markdown table over seeds: per model, the mean FP8 and float32 gaps to BF16 and each
+    seed's FP8 gap (in the order of the seeds), so that the spread between seeds shows next to
+    the mean."""
+    lines = [
+        "| model | mean FP8 vs BF16 | mean FP32 vs BF16 | FP8 vs BF16 per seed (%) |",
         "|---|---|---|---|",
     ]
-    for model in ("dense", "moe"):
-        bf16, fp8 = runs[f"{model} bf16"].val, runs[f"{model} fp8"].val
-        rel = (fp8 - bf16) / bf16
-        lines.append(f"| {model} | {bf16:.4f} | {fp8:.4f} | {100 * rel:+.2f} % |")
+    for model in MODELS:
+        fp8 = [100 * gap(runs, model, "fp8") for runs in by_seed.values()]
+        fp32 = [100 * gap(runs, model, "fp32") for runs in by_seed.values()]
+        each = ", ".join(f"{g:+.2f}" for g in fp8)
+        lines.append(f"| {model} | {np.mean(fp8):+.2f} % | {np.mean(fp32):+.2f} % | {each} |")
     return "\n".join(lines)
 
 
@@ -330,9 +382,34 @@ def expert_table(runs: dict[str, KjvRun]) -> str:
     return "\n".join(lines)
 
 
-def kjv(argv: list[str] | None = None) -> dict[str, KjvRun]:
-    """The `--kjv` job: MoE and dense GPTs in BF16 and FP8 on the King James Bible."""
-    parser = argparse.ArgumentParser(description="MoE and dense GPTs in BF16 and FP8 on the KJV")
+def kjv_seed(
+    config: GPTConfig, data: tuple[np.ndarray, np.ndarray], args: argparse.Namespace, seed: int
+) -> dict[str, KjvRun]:
+    """The six runs of one seed, by name (`"dense bf16"`, ..., `"moe fp32"`): the dense GPT and
+    the MoE GPT built from `jax.random.PRNGKey(seed)`, each trained in every precision of
+    `PRECISIONS` from the same weights, on the batches of `seed`. The FP8 runs keep telemetry,
+    so that `fp8jax.report` shows their saturation and underflow."""
+    key = jax.random.PRNGKey(seed)
+    bases = {
+        "dense": GPT(config, key=key),
+        "moe": moe_gpt(config, args.experts, args.top_k, key=key),
+    }
+    fp8_config = fp8jax.Fp8Config(telemetry=True)
+    runs = {}
+    for model, base in bases.items():
+        for precision, (policy, fp8) in PRECISIONS.items():
+            name = f"{model} {precision}"
+            built = fp8jax.fp8_linear_layers(base, fp8_config) if fp8 else base
+            runs[name] = train_kjv(built, name, data, args, policy=policy, seed=seed)
+    return runs
+
+
+def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The `--kjv` job's command line; `args.seeds` is the list of seeds to run (`--seed N`,
+    if given, overrides `--seeds`; a repeated seed runs once)."""
+    parser = argparse.ArgumentParser(
+        description="MoE and dense GPTs in BF16, FP8 and float32 on the KJV"
+    )
     parser.add_argument("--kjv", action="store_true")
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--layers", type=int, default=2)
@@ -344,9 +421,18 @@ def kjv(argv: list[str] | None = None) -> dict[str, KjvRun]:
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tail", type=int, default=20, help="steps whose tokens are counted")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one job per seed")
+    parser.add_argument("--seed", type=int, default=None, help="alias: --seed N is --seeds N")
     args = parser.parse_args(argv)
     args.tail = max(1, min(args.tail, args.steps))
+    args.seeds = list(dict.fromkeys([args.seed] if args.seed is not None else args.seeds))
+    return args
+
+
+def kjv(argv: list[str] | None = None) -> dict[int, dict[str, KjvRun]]:
+    """The `--kjv` job: MoE and dense GPTs in BF16, FP8 and float32 on the King James Bible,
+    for each seed. Returns the runs by seed, then by name (`runs[0]["moe fp8"]`)."""
+    args = kjv_args(argv)
     config = GPTConfig(
         vocab=VOCAB, layers=args.layers, width=args.width, heads=args.heads, context=args.context
     )
@@ -355,30 +441,31 @@ def kjv(argv: list[str] | None = None) -> dict[str, KjvRun]:
         f"GPT {args.layers} x {args.width}, context {args.context}, batch {args.batch}, "
         f"{args.steps} steps on the King James Bible (bytes); dense MLP vs MoE "
         f"({args.experts} experts, top-{args.top_k}); BF16 compute, float32 master weights, "
-        "FP8 = delayed scaling"
+        "FP8 = delayed scaling (BF16 compute), FP32 = float32 compute; "
+        f"seeds {', '.join(map(str, args.seeds))}"
     )
-    key = jax.random.PRNGKey(args.seed)
-    bases = {
-        "dense": GPT(config, key=key),
-        "moe": moe_gpt(config, args.experts, args.top_k, key=key),
-    }
-    runs = {}
-    for model, base in bases.items():
-        for precision in ("bf16", "fp8"):
-            name = f"{model} {precision}"
-            built = base if precision == "bf16" else fp8jax.fp8_linear_layers(base)
-            runs[name] = train_kjv(built, name, data, args)
+    by_seed = {}
+    for seed in args.seeds:
+        by_seed[seed] = runs = kjv_seed(config, data, args, seed)
+        print()
+        print(f"Seed {seed}: validation loss (8 batches of held-out text) after the last step:")
+        print(gap_table(runs))
+    if len(by_seed) > 1:
+        print()
+        print(f"Over the {len(by_seed)} seeds: mean gaps to BF16, and each seed's FP8 gap:")
+        print(summary_table(by_seed))
+    first, runs = next(iter(by_seed.items()))
     print()
-    print("Validation loss (8 batches of held-out text) after the last step:")
-    print(gap_table(runs))
-    print()
-    print(f"Per expert (MoE FP8 run's kernel scales; tokens over the last {args.tail} steps):")
+    print(
+        f"Per expert, seed {first} only (MoE FP8 run's kernel scales; tokens over the last "
+        f"{args.tail} steps):"
+    )
     print(expert_table(runs))
     print()
     grouped = {k: v for k, v in fp8jax.telemetry(runs["moe fp8"].model).items() if v.experts}
-    print("fp8jax.report of the MoE FP8 run's grouped layers:")
+    print(f"fp8jax.report of the MoE FP8 run's grouped layers, seed {first} only:")
     fp8jax.report(grouped)
-    return runs
+    return by_seed
 
 
 def main(argv: list[str] | None = None) -> object:
