@@ -80,29 +80,43 @@ class Residuals(NamedTuple):
     stats: Any = None
 
 
-def _has_tokens_plain(group_sizes: Int[Array, " G"], owner: Array) -> Bool[Array, " G"]:
-    del owner
-    return group_sizes > 0
+def _over_the_batch(per_expert: Any, combine: Any, doc: str) -> Any:
+    """`per_expert(group_sizes)` as `f(group_sizes, owner)`, with the group sizes of a
+    `vmap`ped axis combined first (`combine(sizes, axis=0)`) unless `owner` (a leaf of the
+    state the result is for; only whether it is batched matters) is batched: shared state
+    belongs to the whole batch, like [`fp8jax.Recipe.amax`][]."""
+
+    @custom_vmap
+    def shared(group_sizes: Int[Array, " G"], owner: Array) -> Array:
+        del owner
+        return per_expert(group_sizes)
+
+    @shared.def_vmap
+    def _rule(axis_size, in_batched, group_sizes, owner):
+        del axis_size
+        sizes_batched, owner_batched = in_batched
+        if owner_batched:  # each member its own state
+            axes = (0 if sizes_batched else None, 0)
+            return jax.vmap(lambda s, _: per_expert(s), in_axes=axes)(group_sizes, owner), True
+        if sizes_batched:
+            group_sizes = combine(group_sizes, axis=0)
+        return shared(group_sizes, owner), False
+
+    shared.__doc__ = doc
+    return shared
 
 
-@custom_vmap
-def has_tokens(group_sizes: Int[Array, " G"], owner: Array) -> Bool[Array, " G"]:
-    """Which experts got tokens, over a `vmap`ped axis too unless `owner` (a leaf of the
-    kernel state; only whether it is batched matters) is batched: shared state belongs to
-    the whole batch, like [`fp8jax.Recipe.amax`][]."""
-    return _has_tokens_plain(group_sizes, owner)
-
-
-@has_tokens.def_vmap
-def _has_tokens_rule(axis_size, in_batched, group_sizes, owner):
-    del axis_size
-    sizes_batched, owner_batched = in_batched
-    if owner_batched:
-        axes = (0 if sizes_batched else None, 0)
-        return jax.vmap(_has_tokens_plain, in_axes=axes)(group_sizes, owner), True
-    if sizes_batched:
-        group_sizes = jnp.max(group_sizes, axis=0)
-    return has_tokens(group_sizes, owner), False
+has_tokens = _over_the_batch(
+    lambda sizes: sizes > 0,
+    jnp.max,
+    "Which experts got tokens (in any member of a `vmap`ped axis sharing `owner`'s state).",
+)
+token_counts = _over_the_batch(
+    lambda sizes: sizes.astype(jnp.float32),
+    jnp.sum,
+    "The tokens each expert got, as float32 statistics (summed over a `vmap`ped axis "
+    "sharing `owner`'s state).",
+)
 
 
 def _only_used(state: Any, used: Bool[Array, " G"]) -> Any:
@@ -113,30 +127,6 @@ def _only_used(state: Any, used: Bool[Array, " G"]) -> Any:
         return jnp.where(mask, a, jnp.zeros_like(a))
 
     return jax.tree.map(keep, state)
-
-
-def _token_counts_plain(group_sizes: Int[Array, " G"], owner: Array) -> Array:
-    del owner
-    return group_sizes.astype(jnp.float32)
-
-
-@custom_vmap
-def token_counts(group_sizes: Int[Array, " G"], owner: Array) -> Array:
-    """The tokens each expert got, as float32 statistics; summed over a `vmap`ped axis unless
-    `owner` (the statistics' leaf) is batched, like `has_tokens`."""
-    return _token_counts_plain(group_sizes, owner)
-
-
-@token_counts.def_vmap
-def _token_counts_rule(axis_size, in_batched, group_sizes, owner):
-    del axis_size
-    sizes_batched, owner_batched = in_batched
-    if owner_batched:
-        axes = (0 if sizes_batched else None, 0)
-        return jax.vmap(_token_counts_plain, in_axes=axes)(group_sizes, owner), True
-    if sizes_batched:
-        group_sizes = jnp.sum(group_sizes, axis=0)
-    return token_counts(group_sizes, owner), False
 
 
 def _per_expert(fn: Any, *args: Any) -> Any:
