@@ -1,5 +1,9 @@
 """Independent references for the tests: ml_dtypes rounding and float32/float64 NumPy math."""
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 
@@ -109,3 +113,17 @@ def assert_bf16_linear(y, x, weight, bias, sx, sw):
     b = 0.0 if bias is None else np.asarray(bias, np.float64)
     bound = bf16_gemm_bound(value, magnitude, f32[1].shape[1], None if bias is None else b)
     np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - (value + b)), bound + 1e-30)
+
+
+def run_with_mosaic_dump(script, args, dump):
+    """Run the Python `script` with `args` in a fresh CPU process that compiles for a
+    deviceless H100 and writes each Mosaic GPU kernel's PTX and ptxas log into `dump`."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "MOSAIC_GPU_DUMP_PTX": "1",
+        "MOSAIC_GPU_DUMP_PTXAS": "1",
+        "MOSAIC_GPU_DUMP_TO": str(dump),
+    }
+    command = [sys.executable, "-c", script, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True)

@@ -11,16 +11,14 @@
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_with_mosaic_dump
 
 import fp8jax
 from fp8jax._src.grouped import dots as grouped_dots
@@ -274,7 +272,7 @@ def test_cpu_compiles_keep_the_xla_path():
     for native_kernel in (None, False):
         dot = fp8jax.Fp8RaggedDot(num_experts=4, native_kernel=native_kernel)
         params, static = eqx.partition(dot, eqx.is_array)
-        jitted = jax.jit(lambda p, *a: step(eqx.combine(p, static), *a))
+        jitted = jax.jit(lambda p, *a, static=static: step(eqx.combine(p, static), *a))
         texts.append(jitted.lower(params, x, w, g, jnp.asarray(SIZES)).compile().as_text())
         results.append(eqx.filter_jit(step)(dot, x, w, g, jnp.asarray(SIZES)))
     assert not any("mosaic" in text for text in texts)
@@ -342,19 +340,7 @@ def h100_runs(tmp_path_factory):
     def run(recipe, native):
         if (recipe, native) not in runs:
             dump = tmp_path_factory.mktemp("mosaic")
-            env = {
-                **os.environ,
-                "JAX_PLATFORMS": "cpu",
-                "MOSAIC_GPU_DUMP_PTX": "1",
-                "MOSAIC_GPU_DUMP_PTXAS": "1",
-                "MOSAIC_GPU_DUMP_TO": str(dump),
-            }
-            done = subprocess.run(
-                [sys.executable, "-c", H100_SCRIPT, recipe, native],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
+            done = run_with_mosaic_dump(H100_SCRIPT, [recipe, native], dump)
             assert done.returncode == 0, done.stderr[-3000:]
             runs[recipe, native] = json.loads(done.stdout.strip().splitlines()[-1])
         return runs[recipe, native]

@@ -4,10 +4,7 @@ deviceless H100 compile (FP8 `wgmma` in the PTX, no register spills, every GEMM 
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -15,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import run_with_mosaic_dump
 
 import fp8jax
 from fp8jax._src.kernels import dispatch
@@ -368,16 +366,7 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
     recipes' defaults), the inspector counts them as FP8 GEMMs, and ptxas spills no
     register."""
     pytest.importorskip("jax_cuda12_plugin")
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "MOSAIC_GPU_DUMP_PTX": "1",
-        "MOSAIC_GPU_DUMP_PTXAS": "1",
-        "MOSAIC_GPU_DUMP_TO": str(tmp_path),
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", H100_SCRIPT, recipe], env=env, capture_output=True, text=True
-    )
+    run = run_with_mosaic_dump(H100_SCRIPT, [recipe], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     gemms = seen["gemms"]
