@@ -131,3 +131,49 @@ def test_checkpoint_errors(tmp_path):
         fp8jax.load_checkpoint(not_ours, state)
     with pytest.raises(ValueError, match="backend='pickle'"):
         fp8jax.save_checkpoint(tmp_path / "x", state, backend="pickle")
+
+
+def build_moe(config):
+    from fp8jax.examples import moe
+
+    model = moe.MoEModel(width=16, hidden=32, experts=4, top_k=2, key=jax.random.key(0))
+    step = fp8jax.make_train_step(moe.mse, optax.adam(1e-2))
+    return step, step.init(fp8jax.fp8_linear_layers(model, config))
+
+
+def test_grouped_layers_are_recorded_and_checked(tmp_path):
+    """Expert layers' recipes, telemetry and expert counts are part of the record: a
+    mismatch fails before loading; a record from before grouped layers were recorded still
+    restores (their leaves are checked)."""
+    from fp8jax.examples import moe
+
+    config = fp8jax.Fp8Config(telemetry=True)
+    step, state = build_moe(config)
+    x, y = moe.teacher_data(32)
+    state, _ = step(state, x, y)
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, state)
+    _, like = build_moe(config)
+    assert bits(fp8jax.load_checkpoint(path, like)) == bits(state)
+    for other, message in (
+        (fp8jax.Fp8Config(telemetry=True, recipes={"up": "current"}), "'moe.up': recipe"),
+        (fp8jax.Fp8Config(), "FP8 layer 'moe.down': telemetry True != False"),
+    ):
+        _, wrong = build_moe(other)
+        with pytest.raises(ValueError, match=message):
+            fp8jax.load_checkpoint(path, wrong)
+    # A record without grouped entries (written before they were recorded).
+    import json
+
+    from fp8jax._src import checkpoint
+
+    record = checkpoint._record(state)
+    assert {e["name"]: e.get("experts") for e in record["fp8_layers"].values()} == {
+        "embed": None,
+        "moe.up": 4,
+        "moe.down": 4,
+    }
+    older = {**record, "fp8_layers": {
+        k: v for k, v in record["fp8_layers"].items() if "experts" not in v
+    }}  # fmt: skip
+    checkpoint._check(json.loads(json.dumps(older)), checkpoint._record(like), path)
