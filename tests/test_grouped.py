@@ -490,8 +490,10 @@ def test_mismatched_features_and_bad_dtypes(dot):
         dot(x, w[:, :32], SIZES)
     with pytest.raises(TypeError, match="group_sizes has dtype float32; should be an integer"):
         dot(x, w, SIZES.astype(np.float32))
-    with pytest.raises(TypeError, match="lhs has dtype float8_e4m3fn"):
+    with pytest.raises(TypeError, match="lhs is already float8_e4m3fn"):
         dot(x.astype(ml_dtypes.float8_e4m3fn), w, SIZES)
+    with pytest.raises(TypeError, match="no complex format. Use a high-precision jax.lax.ragged"):
+        dot(x, w.astype(np.complex64), SIZES)
 
 
 def test_bad_construction():

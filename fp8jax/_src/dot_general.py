@@ -21,27 +21,32 @@ from .updates import OverwriteWithGradient
 SCOPE = "fp8jax"
 
 
-def _check_float(name: str, x: Any) -> np.dtype:
+def check_float(
+    name: str, x: Any, where: str = "Fp8DotGeneral", op: str = "jax.lax.dot_general"
+) -> np.dtype:
+    """The dtype of operand `name` of an FP8 GEMM, which must be a high-precision real float
+    array; `where` names the layer in errors, `op` the high-precision operation it stands
+    for."""
     if isinstance(x, bool) or not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
         raise TypeError(
-            f"Fp8DotGeneral: {name}={x!r} is not an array; pass a jax or NumPy array of "
-            "floats (float32, bfloat16, float16), as to jax.lax.dot_general."
+            f"{where}: {name}={x!r} is not an array; pass a jax or NumPy array of "
+            f"floats (float32, bfloat16, float16), as to {op}."
         )
     dtype = np.dtype(jnp.result_type(x))
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(
-            f"Fp8DotGeneral: {name} has dtype {dtype}; FP8 has no complex format. Use a "
-            "high-precision jax.lax.dot_general for complex GEMMs, or split real and "
-            "imaginary parts into real GEMMs."
+            f"{where}: {name} has dtype {dtype}; FP8 has no complex format. Use a "
+            f"high-precision {op} for complex GEMMs, or split real and imaginary parts into "
+            "real GEMMs."
         )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"Fp8DotGeneral: {name} has dtype {dtype}; FP8 GEMMs take floating inputs "
+            f"{where}: {name} has dtype {dtype}; FP8 GEMMs take floating inputs "
             "(float32, bfloat16, float16). Cast integer data before the layer."
         )
     if dtype.itemsize == 1:
         raise TypeError(
-            f"Fp8DotGeneral: {name} is already {dtype}; pass the high-precision tensor and let "
+            f"{where}: {name} is already {dtype}; pass the high-precision tensor and let "
             "the recipe quantize it."
         )
     return dtype
@@ -167,8 +172,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
         precision: Any = None,
         preferred_element_type: DTypeLike | None = None,
     ) -> Array:
-        lhs_dtype = _check_float("lhs", lhs)
-        rhs_dtype = _check_float("rhs", rhs)
+        lhs_dtype = check_float("lhs", lhs)
+        rhs_dtype = check_float("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         dims = normalize_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
         if preferred_element_type is None:

@@ -12,29 +12,13 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ..dot_general import SCOPE, _received, merge_stats, pick_received
+from ..dot_general import SCOPE, _received, check_float, merge_stats, pick_received
 from ..gemm import States
 from ..recipes import ROLES, Recipe, TensorState, recipe_from
 from ..stats import ExpertStats
 from ..updates import OverwriteWithGradient
 from .dots import check_recipe, native_choice
 from .gemm import fp8_ragged_dot
-
-
-def _check_float(where: str, name: str, x: Any) -> np.dtype:
-    """The dtype of operand `x`, which must be a high-precision float array."""
-    if isinstance(x, bool) or not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
-        raise TypeError(
-            f"{where}: {name}={x!r} is not an array; pass a jax or NumPy array of floats "
-            "(float32, bfloat16, float16), as to jax.lax.ragged_dot."
-        )
-    dtype = np.dtype(jnp.result_type(x))
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1:
-        raise TypeError(
-            f"{where}: {name} has dtype {dtype}; FP8 grouped GEMMs take high-precision floating "
-            "inputs (float32, bfloat16, float16) and quantize them themselves."
-        )
-    return dtype
 
 
 def check_ragged_dot_args(
@@ -221,8 +205,8 @@ class Fp8RaggedDot(OverwriteWithGradient):
         type of `lhs` and `rhs`).
         """
         where = f"FP8 grouped layer {self.name!r}" if self.name else "Fp8RaggedDot"
-        lhs_dtype = _check_float(where, "lhs", lhs)
-        rhs_dtype = _check_float(where, "rhs", rhs)
+        lhs_dtype = check_float("lhs", lhs, where, "jax.lax.ragged_dot")
+        rhs_dtype = check_float("rhs", rhs, where, "jax.lax.ragged_dot")
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         if isinstance(group_sizes, list | tuple):
             group_sizes = np.asarray(group_sizes)
