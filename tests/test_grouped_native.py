@@ -263,6 +263,18 @@ def test_vmapped_layer_folds_into_one_native_grouped_gemm():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_no_tokens_at_all(recipe):
+    """A batch that routed no token: zero gradients for every expert on both paths (the
+    padded layout of no rows is all gaps)."""
+    x, w = jnp.zeros((0, FEATURES_IN)), jnp.ones((4, FEATURES_IN, FEATURES_OUT))
+    g = jnp.zeros((0, FEATURES_OUT))
+    (y, d_x, d_w, _), (y0, d_x0, d_w0, _) = both_paths(recipe, x, w, g, np.zeros(4, np.int32))
+    assert y.shape == y0.shape == (0, FEATURES_OUT) and d_x.shape == (0, FEATURES_IN)
+    np.testing.assert_array_equal(d_w, 0.0)
+    np.testing.assert_array_equal(d_w0, 0.0)
+
+
 def test_cpu_compiles_keep_the_xla_path():
     """The default (`native_kernel=None`) compiles no Mosaic kernel on a CPU and computes
     exactly what the forced XLA path does; the layer follows BlockwiseScaling's own option

@@ -85,6 +85,8 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
 
 def pad(a: Array, layout: Padded) -> Array:
     """`a (M, ...)` in the padded layout, zeros in the gaps."""
+    if a.shape[0] == 0:  # no rows: all gaps
+        return jnp.zeros((layout.source.shape[0], *a.shape[1:]), a.dtype)
     mask = layout.valid.reshape((-1,) + (1,) * (a.ndim - 1))
     return jnp.where(mask, a[layout.source], jnp.zeros((), a.dtype))
 
@@ -95,7 +97,11 @@ def pad_quantized(q: QTensor, layout: Padded) -> QTensor:
     if q.block and q.block[0] != 1:
         raise ValueError(f"pad_quantized: blocks {q.block} span rows; tiles of one row expected.")
     # A gap row's scales are some real row's (its data are zeros): E8M0 has no zero.
-    scale = q.scale_inv[layout.source] if q.block else q.scale_inv
+    scale = q.scale_inv
+    if q.block:
+        rows = layout.source.shape[0]
+        empty = scale.shape[0] == 0
+        scale = jnp.ones((rows, *scale.shape[1:]), scale.dtype) if empty else scale[layout.source]
     return QTensor(pad(q.data, layout), scale, q.block)
 
 
