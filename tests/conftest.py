@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,6 +17,17 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True, database=None)
 settings.register_profile("explore", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every CPU executable keeps its own
+    memory mappings; one process running the whole suite otherwise nears the kernel's limit
+    (vm.max_map_count, 65,530: over 60,000 by the last modules) and XLA crashes in a later
+    compile (a segfault or abort, not a test failure)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
