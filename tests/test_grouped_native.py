@@ -290,6 +290,13 @@ def test_cpu_compiles_keep_the_xla_path():
     assert not any("mosaic" in text for text in texts)
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="grouped_native_kernel='auto': should be None"):
+        fp8jax.Fp8Config(grouped_native_kernel="auto")
+    model = fp8jax.fp8_linear_layers(
+        fp8jax.GroupedLinear(4, 8, 8, key=jax.random.PRNGKey(0)),
+        fp8jax.Fp8Config(grouped_native_kernel=False),
+    )
+    assert model.ragged_dot.native_kernel is False
     off = fp8jax.BlockwiseScaling(native_kernel=False)
     assert grouped_dots.native_choice(off, None) is False
     assert grouped_dots.native_choice(off, True) is True
