@@ -186,14 +186,6 @@ def token_tile(recipe: BlockScaledRecipe) -> int:
     return recipe.block_for("input", -2)[0]
 
 
-def expert_of_rows(group_sizes: Int[Array, " G"], rows: int) -> Int[Array, " rows"]:
-    """The expert each row belongs to. Rows past the last group (when the sizes sum to less
-    than `rows`) get the last expert; the ragged dot gives them zeros whatever their scale."""
-    ends = jnp.cumsum(group_sizes)
-    index = jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right")
-    return jnp.minimum(index, group_sizes.shape[0] - 1)
-
-
 def chunk_group_sizes(
     group_sizes: Int[Array, " G"], chunks: int, chunk: int
 ) -> Int[Array, "chunks G"]:

@@ -56,8 +56,8 @@ from ..gemm import (
 from ..recipes import BlockScaledRecipe, Recipe
 from ..remat import name_fp8_operands, name_gemm_output
 from ..stats import ExpertStats
-from .dots import expert_of_rows, rows_dot, token_tile, tokens_dot
-from .native import pad, pad_layout, pad_quantized
+from .dots import rows_dot, token_tile, tokens_dot
+from .native import expert_of_rows, pad, pad_layout, pad_quantized
 
 #: How the errors of the shared checks name a grouped layer without a name.
 KIND = "Fp8RaggedDot"

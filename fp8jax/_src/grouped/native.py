@@ -52,6 +52,19 @@ class Padded(NamedTuple):
     tile_expert: Int[Array, " tiles"]
 
 
+def group_at(ends: Int[Array, " G"], positions: Int[Array, " P"]) -> Int[Array, " P"]:
+    """The group each position falls in, given the groups' cumulative `ends`; positions past
+    the last group get the last one."""
+    index = jnp.searchsorted(ends, positions.astype(ends.dtype), side="right")
+    return jnp.minimum(index, ends.shape[0] - 1).astype(jnp.int32)
+
+
+def expert_of_rows(group_sizes: Int[Array, " G"], rows: int) -> Int[Array, " rows"]:
+    """The expert each row belongs to. Rows past the last group (when the sizes sum to less
+    than `rows`) get the last expert; the ragged dot gives them zeros whatever their scale."""
+    return group_at(jnp.cumsum(group_sizes), jnp.arange(rows))
+
+
 def padded_rows(rows: int, experts: int, tile: int) -> int:
     """The (static) number of rows of the padded layout: enough for any group sizes."""
     return max(tile, math.ceil((rows + experts * (tile - 1)) / tile) * tile)
@@ -65,21 +78,16 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
     padded = (sizes + tile - 1) // tile * tile
     padded_end, end = jnp.cumsum(padded), jnp.cumsum(sizes)
     padded_start, start = padded_end - padded, end - sizes
-
-    def expert_at(position: Array) -> Array:
-        index = jnp.searchsorted(padded_end, position, side="right")
-        return jnp.minimum(index, experts - 1).astype(jnp.int32)
-
     position = jnp.arange(padded_rows(rows, experts, tile), dtype=jnp.int32)
-    expert = expert_at(position)
+    expert = group_at(padded_end, position)
     offset = position - padded_start[expert]
     valid = (offset < sizes[expert]) & (position < padded_end[-1])
     source = jnp.clip(start[expert] + offset, 0, max(rows - 1, 0))
     row = jnp.arange(rows, dtype=jnp.int32)
-    row_expert = jnp.minimum(jnp.searchsorted(end, row, side="right"), experts - 1)
+    row_expert = expert_of_rows(sizes, rows)
     dest = padded_start[row_expert] + row - start[row_expert]
     first = position[::tile]
-    tile_expert = jnp.where(first < padded_end[-1], expert_at(first), -1)
+    tile_expert = jnp.where(first < padded_end[-1], expert[::tile], -1)
     return Padded(source, valid, dest, row < end[-1], padded, tile_expert)
 
 
