@@ -33,7 +33,7 @@ from fp8jax._src.recipes.residual import QTerms
 from .record import Recorder
 from .timing import compile_and_time, tflops
 
-SECTION = "2 GEMMs"
+SECTION = "2 GEMMs (dense)"
 E4M3, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
 CUBLAS = fp8jax.gpu_compiler_options()
 

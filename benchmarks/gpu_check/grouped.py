@@ -32,7 +32,7 @@ from fp8jax._src.grouped import native
 from .record import Recorder
 from .timing import compile_and_time, tflops
 
-SECTION = "2 GEMMs"
+SECTION = "2 GEMMs (grouped)"
 E4M3, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
 CUBLAS = fp8jax.gpu_compiler_options()
 EXPERTS, WIDTH, HIDDEN = 16, 7168, 2048

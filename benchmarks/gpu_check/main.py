@@ -138,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     with rec.section(numerics.SECTION):
         numerics.run(rec, mode == "dry")
     _release()
-    with rec.section("2 GEMMs (dense)"):
+    with rec.section(gemms.SECTION):
         dense = gemms.run(rec, mode, gemm_runs)
     _release()
-    with rec.section("2 GEMMs (grouped)"):
+    with rec.section(grouped.SECTION):
         groups = grouped.run(rec, mode, gemm_runs)
     _release()
     with rec.section(steps.SECTION):
