@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.log(f"environment: {json.dumps(env)}")
     dense, groups, trains = {}, {}, {}
     with rec.section(numerics.SECTION):
-        numerics.run(rec, mode == "dry")
+        numerics.run(rec, mode)
     _release()
     with rec.section(gemms.SECTION):
         dense = gemms.run(rec, mode, gemm_runs)

@@ -296,6 +296,8 @@ def grouped_layer(shapes: Shapes, recipe, dry: bool) -> dict:
     )
 
 
+#: Items the quick run leaves out: another format or recipe on the same code paths.
+QUICK_SKIPS = ("block_gemm e5m2", "grouped rows, bf16 operands", "grouped layer, delayed e4m3")
 #: Items the dry run leaves out: the same code paths as others (in another format, or
 #: through a recipe), each interpreted kernel costing seconds.
 DRY_SKIPS = (
@@ -307,8 +309,9 @@ DRY_SKIPS = (
 )
 
 
-def run(rec: Recorder, dry: bool) -> None:
-    """Every kernel's numerics, each a measurement of its own."""
+def run(rec: Recorder, mode: str) -> None:
+    """Every kernel's numerics, each a measurement of its own (`mode`: full, quick, dry)."""
+    dry = mode == "dry"
     shapes = DRY if dry else GPU
     items = {
         "block_gemm e4m3": lambda: block_gemm(shapes, E4M3, dry),
@@ -325,9 +328,8 @@ def run(rec: Recorder, dry: bool) -> None:
             shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry
         ),
     }
-    if dry:  # the interpreter takes seconds a kernel: one item per code path
-        for name in DRY_SKIPS:
-            del items[name]
+    for name in {"dry": DRY_SKIPS, "quick": QUICK_SKIPS}.get(mode, ()):
+        del items[name]
     for name, fn in items.items():
         result = rec.measure(SECTION, name, fn)
         if result is None:

@@ -108,7 +108,7 @@ MODELS: dict[str, tuple[Callable[[str], Built], dict[str, list[str]]]] = {
         mlp,
         {
             "full": ["bf16", *RECIPES, *XLA_PATHS],
-            "quick": ["bf16", *RECIPES, *XLA_PATHS],
+            "quick": ["bf16", *RECIPES],
             "dry": ["bf16", "delayed"],
         },
     ),
@@ -116,13 +116,13 @@ MODELS: dict[str, tuple[Callable[[str], Built], dict[str, list[str]]]] = {
         gpt_block,
         {
             "full": ["bf16", *RECIPES],
-            "quick": ["bf16", "delayed", "blockwise", "residual"],
+            "quick": ["bf16", "delayed", "blockwise"],
             "dry": ["bf16"],
         },
     ),
     "MoE layer (moe_cost.py mixtral)": (
         moe,
-        {"full": ["bf16", *RECIPES], "quick": ["bf16", "delayed", "blockwise"], "dry": ["bf16"]},
+        {"full": ["bf16", *RECIPES], "quick": ["bf16", "delayed"], "dry": ["bf16"]},
     ),
 }
 #: Variants of the MLP also compiled under XLA's default options.
