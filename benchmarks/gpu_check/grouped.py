@@ -1,9 +1,9 @@
 """Section 2b: grouped (mixture-of-experts) GEMMs at DeepSeek-V3's expert shapes.
 
 Expert width 7168, expert hidden 2048, 16 experts on this GPU, 8,192 rows (tokens times
-their experts, routed to this GPU), uneven group sizes with one empty expert. Rows GEMMs (forward and dgrad: `(M, K) x expert (N, K)`), for the up (7168 ->
-2048) and down (2048 -> 7168) projections, and the tokens GEMM (wgrad: `(T, A)^T (T, B)` per
-expert). Variants:
+their experts, routed to this GPU), uneven group sizes with one empty expert. Rows GEMMs
+(forward and dgrad: `(M, K) x expert (N, K)`), for the up (7168 -> 2048) and down (2048 ->
+7168) projections, and the tokens GEMM (wgrad: `(T, A)^T (T, B)` per expert). Variants:
 
 - `bf16 lax.ragged_dot`: JAX's ragged dot as XLA compiles it;
 - `bf16 jax mgpu kernel`: JAX's own Pallas Mosaic GPU grouped kernels
