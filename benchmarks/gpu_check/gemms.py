@@ -143,18 +143,19 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
                     _time, fn, options, key, variant, (m, k, n), ops, ms, runs, dry
                 )
                 result = rec.measure(SECTION, f"{label} | {variant}", measure)
-                if result is not None:
-                    rec.row(SECTION, f"{label} | {variant}", *_cells(result))
+                rec.cell(SECTION, label, variant, _cell(rec, result))
             ops.clear()
     if mode == "full":
         _tiles(rec, runs, times)
     return times
 
 
-def _cells(result: dict) -> tuple[str, str]:
+def _cell(rec: Recorder, result: dict | None) -> str:
+    """`ms (TFLOP/s, speed-up over BF16)` of a result."""
+    if result is None:
+        return rec.not_run()
     speed = result.get("speedup_vs_bf16")
-    note = f"{result['tflops']:.0f} TFLOP/s" + (f", {speed:.2f}x BF16" if speed else "")
-    return f"{result['ms']:.3f} ms", note
+    return f"{result['ms']:.3f} ({result['tflops']:.0f}" + (f", {speed:.2f}x)" if speed else ")")
 
 
 def _tiles(rec: Recorder, runs: int, times: dict) -> None:
@@ -165,11 +166,10 @@ def _tiles(rec: Recorder, runs: int, times: dict) -> None:
     label = f"block kernel tiles, M={m} K={k} N={n}"
     ms = times.setdefault(label, {})
     for config in TILES:
-        name = "tile_m={} tile_n={} steps={}".format(*config)
+        name = "tiles {}x{}, {} steps".format(*config)
         measure = functools.partial(_time_tiles, config, (m, k, n), ops, ms, runs)
         result = rec.measure(SECTION, f"{label} | {name}", measure)
-        if result is not None:
-            rec.row(SECTION, f"{label} | {name}", *_cells(result))
+        rec.cell(SECTION, f"block kernel alone, M={m} K={k} N={n}", name, _cell(rec, result))
 
 
 def _time_tiles(

@@ -203,13 +203,10 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             case = (kind, m, k, n, g)
             measure = functools.partial(_time, fn, key, variant, case, sizes, ops, ms, runs, dry)
             result = rec.measure(SECTION, f"{label} | {variant}", measure)
-            if result is None:
-                continue
-            if "skipped" in result:
-                rec.row(SECTION, f"{label} | {variant}", "not run", result["skipped"])
+            if result is None or "skipped" in result:
+                rec.cell(SECTION, label, variant, "GPU only" if result else rec.not_run())
                 continue
             speed = result.get("speedup_vs_bf16_ragged_dot")
-            note = f"{result['tflops']:.0f} TFLOP/s (real tokens)"
-            note += f", {speed:.2f}x BF16 ragged_dot" if speed else ""
-            rec.row(SECTION, f"{label} | {variant}", f"{result['ms']:.3f} ms", note)
+            text = f"{result['ms']:.3f} ({result['tflops']:.0f}"
+            rec.cell(SECTION, label, variant, text + (f", {speed:.2f}x)" if speed else ")"))
     return times

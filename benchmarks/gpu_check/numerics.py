@@ -228,7 +228,7 @@ def rows_kernel(shapes: Shapes, scaling: str, dtype, dry: bool) -> dict:
     return _result(
         compare(np.asarray(out)[written], want[written], bound[written]),
         None,
-        f"{m}x{n}x{k} {jnp.dtype(dtype).name}, {g} experts, tiles {list(experts)}, {scaling}",
+        f"{m}x{n}x{k} {jnp.dtype(dtype).name}, {g} experts, tiles {experts.tolist()}, {scaling}",
         "|err| <= 2 K 2^-24 max|tile| (float32 sums)",
     )
 
@@ -255,7 +255,7 @@ def tokens_kernel(shapes: Shapes, scaling: str, dry: bool) -> dict:
     return _result(
         compare(out, want, bound),
         None,
-        f"({a_rows}, {b_rows}) over {t} tokens, chunks per expert {list(count)}, {scaling}",
+        f"({a_rows}, {b_rows}) over {t} tokens, chunks per expert {count.tolist()}, {scaling}",
         "|err| <= 2 T 2^-24 max|expert| (float32 sums); zeros for the empty expert",
     )
 
@@ -291,7 +291,7 @@ def grouped_layer(shapes: Shapes, recipe, dry: bool) -> dict:
     return _result(
         None,
         {"max_rel_err": worst, "within_bound": passed and empty},
-        f"sizes {list(sizes)}, {fin} -> {fout}, fwd + dgrad + wgrad",
+        f"sizes {sizes.tolist()}, {fin} -> {fout}, fwd + dgrad + wgrad",
         "|err| <= 4 terms 2^-24 max|XLA| (the tests' bound); zero wgrad for the empty expert",
     )
 
@@ -333,11 +333,10 @@ def run(rec: Recorder, mode: str) -> None:
     for name, fn in items.items():
         result = rec.measure(SECTION, name, fn)
         if result is None:
-            rec.row(SECTION, name, "not run", "see results.jsonl")
+            rec.cell(SECTION, name, "result", rec.not_run())
             continue
-        errors = ", ".join(
-            f"{what} {result[key]:.1e}"
-            for what, key in (("vs f64", "rel_err_vs_f64"), ("vs XLA", "rel_err_vs_xla"))
-            if result[key] is not None
-        )
-        rec.row(SECTION, name, "pass" if result["passed"] else "FAIL", f"max rel err {errors}")
+        rec.cell(SECTION, name, "result", "pass" if result["passed"] else "FAIL")
+        for column, key in (("rel err vs f64", "rel_err_vs_f64"), ("vs XLA", "rel_err_vs_xla")):
+            value = result[key]
+            rec.cell(SECTION, name, column, "-" if value is None else f"{value:.1e}")
+        rec.cell(SECTION, name, "shape", result["shape"])

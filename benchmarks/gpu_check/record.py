@@ -31,9 +31,12 @@ class Recorder:
         self.out, self.budget_s, self.reserve_s, self.dry = out, budget_s, reserve_s, dry
         out.mkdir(parents=True, exist_ok=True)
         self.start = time.monotonic()
-        self.summary: list[list[str]] = []
+        #: section -> row -> column -> text: the compact tables of the summary.
+        self.cells: dict[str, dict[str, dict[str, str]]] = {}
+        self.sections: dict[str, dict[str, float]] = {}
         self.decisions: list[str] = []
         self.counts = {"ok": 0, "failed": 0, "error": 0, "skipped": 0}
+        self.last_status = ""
         for name in ("results.jsonl", "log.txt"):
             (out / name).write_text("")
 
@@ -52,6 +55,9 @@ class Recorder:
         """Append one result (`status`: ok, failed, error or skipped) to `results.jsonl`."""
         entry = {"section": section, "name": name, "status": status, **fields}
         self.counts[status] += 1
+        self.last_status = status
+        counts = self.sections.setdefault(section, dict.fromkeys(self.counts, 0))
+        counts[status] += name != "(section)" or status != "ok"
         with open(self.out / "results.jsonl", "a") as f:
             f.write(json.dumps(entry, default=_jsonable) + "\n")
         brief = {k: v for k, v in fields.items() if k != "traceback"}
@@ -62,7 +68,8 @@ class Recorder:
         self, section: str, name: str, fn: Callable[[], dict[str, Any]]
     ) -> dict[str, Any] | None:
         """Run `fn` (returning the result's fields) if the budget allows; record its result,
-        or its exception with the traceback. A result with `passed: False` is `failed`.
+        or its exception with the traceback. A result with `passed: False` is `failed`, one
+        with a `skipped` reason `skipped`.
         Returns the fields, or None when skipped or raised."""
         if self.left() <= self.reserve_s:
             self.record(section, name, "skipped", reason=f"budget: {self.left():.0f} s left")
@@ -82,6 +89,7 @@ class Recorder:
             _reset_interpreter(self.dry)
             return None
         status = "failed" if fields.get("passed") is False else "ok"
+        status = "skipped" if "skipped" in fields else status
         self.record(section, name, status, seconds=round(time.monotonic() - began, 3), **fields)
         return fields
 
@@ -104,11 +112,15 @@ class Recorder:
             _reset_interpreter(self.dry)
         seconds = time.monotonic() - began
         self.record(name, "(section)", "ok", section_seconds=round(seconds, 1))
-        self.summary.append([name, "(section time)", f"{seconds:.1f} s", ""])
+        self.sections.setdefault(name, dict.fromkeys(self.counts, 0))["seconds"] = seconds
 
-    def row(self, section: str, item: str, result: str, note: str = "") -> None:
-        """One row of the summary table printed at the end."""
-        self.summary.append([section, item, result, note])
+    def cell(self, section: str, row: str, column: str, text: str) -> None:
+        """One cell of `section`'s table in the summary."""
+        self.cells.setdefault(section, {}).setdefault(row, {})[column] = text
+
+    def not_run(self) -> str:
+        """A cell for the measurement just recorded without a result."""
+        return "ERROR" if self.last_status == "error" else "skipped"
 
     def decision(self, text: str) -> None:
         """One decision input: a measured comparison that would set a default."""

@@ -168,7 +168,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, Any]]:
         )
         if made is None:
             continue
-        rec.row(SECTION, model, "shape", made["shape"])
+        rec.cell(SECTION, "shape", model, made["shape"])
         seen = results.setdefault(model, {})
         jobs = [(name, "cuBLAS options") for name in variants]
         if model.startswith("MLP"):
@@ -178,12 +178,12 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, Any]]:
             measure = functools.partial(_time, tuple(built), name, options, seen, mode, runs)
             result = rec.measure(SECTION, f"{model} | {key}", measure)
             if result is None:
-                continue
-            cells = f"{result['ms']:.3f} ms"
-            if "measured_vs_bf16" in result:
-                cells += f", {result['measured_vs_bf16']:.2f}x BF16 time"
-                note = f"estimate (cost model): {result['estimate_vs_bf16']:.2f}x BF16"
+                rec.cell(SECTION, key, model, rec.not_run())
+            elif "measured_vs_bf16" in result:
+                text = "{ms:.3f} ms, {measured_vs_bf16:.2f}x (est. {estimate_vs_bf16:.2f}x)"
+                rec.cell(SECTION, key, model, text.format(**result))
             else:
-                note = f"estimate (cost model): {result['estimate_ms']:.3f} ms"
-            rec.row(SECTION, f"{model} | {key}", cells, note)
+                rec.cell(
+                    SECTION, key, model, "{ms:.3f} ms (est. {estimate_ms:.3g} ms)".format(**result)
+                )
     return results
