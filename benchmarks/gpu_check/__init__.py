@@ -1,7 +1,7 @@
 """fp8jax's one prepared device check, for a lent Hopper GPU (H100 or H200).
 
-    PYTHONPATH=. timeout 500 python3 benchmarks/gpu_check --out $OUT/gpu_check [--quick]
-    PYTHONPATH=. python3 benchmarks/gpu_check --dry-run --out /tmp/gpu_check   # on a CPU
+    PYTHONPATH=. timeout 500 python3 benchmarks/gpu_check.py --out $OUT/gpu_check [--quick]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check   # on a CPU
 
 Sections, each measurement in its own `try`, results appended to the out folder as they come
 (`results.jsonl`, `log.txt`; then `decisions.txt`, `summary.txt`, `environment.json`):

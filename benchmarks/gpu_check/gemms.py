@@ -115,7 +115,7 @@ def _time(
     m, k, n = shape
     if not ops:
         ops.update(_operands(m, k, n))
-    _, fields = compile_and_time(fn, ops[key], options, runs, dry)
+    _, fields = compile_and_time(fn, ops[key], options, runs, dry, calls=1 if dry else 5)
     ms[variant] = fields["ms"]
     fields["tflops"] = tflops(2 * m * n * k, fields["ms"])
     if "bf16" in ms:
@@ -187,7 +187,7 @@ def _time_tiles(
     if not ops:
         q_x, q_w = _operands(m, k, n)["block"]
         ops["args"] = (q_x.data, q_x.scale_inv, q_w.data, expand_rows(q_w.scale_inv, n, 128))
-    _, fields = compile_and_time(gemm, ops["args"], CUBLAS, runs, False)
+    _, fields = compile_and_time(gemm, ops["args"], CUBLAS, runs, False, calls=5)
     ms[str(config)] = fields["ms"]
     fields["tflops"] = tflops(2 * m * n * k, fields["ms"])
     return fields

@@ -17,7 +17,7 @@ from .record import Recorder
 from .timing import METHOD
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
-MODES = {"full": (450, 20, 10, 20), "quick": (210, 10, 5, 15), "dry": (300, 1, 1, 0)}
+MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

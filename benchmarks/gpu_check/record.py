@@ -65,13 +65,18 @@ class Recorder:
         return entry
 
     def measure(
-        self, section: str, name: str, fn: Callable[[], dict[str, Any]]
+        self,
+        section: str,
+        name: str,
+        fn: Callable[[], dict[str, Any]],
+        need_s: float | None = None,
     ) -> dict[str, Any] | None:
-        """Run `fn` (returning the result's fields) if the budget allows; record its result,
+        """Run `fn` (returning the result's fields) if more than `need_s` seconds (default
+        the reserve) are left of the budget; record its result,
         or its exception with the traceback. A result with `passed: False` is `failed`, one
         with a `skipped` reason `skipped`.
         Returns the fields, or None when skipped or raised."""
-        if self.left() <= self.reserve_s:
+        if self.left() <= (self.reserve_s if need_s is None or self.dry else need_s):
             self.record(section, name, "skipped", reason=f"budget: {self.left():.0f} s left")
             return None
         began = time.monotonic()

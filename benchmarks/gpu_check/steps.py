@@ -129,6 +129,11 @@ MODELS: dict[str, tuple[Callable[[str], Built], dict[str, list[str]]]] = {
 DEFAULT_OPTIONS = {"full": ["bf16", *RECIPES], "quick": ["bf16", "delayed"], "dry": ["bf16"]}
 
 
+#: Seconds of the budget a train step's compile and runs may need on a GPU: a step starts
+#: only with more left, so that the run ends inside its budget.
+STEP_NEED_S = 40.0
+
+
 def _estimate(hlo: str) -> float:
     """cost_model.py's estimate of a compiled step, in seconds."""
     return fp8jax.hlo_cost(hlo).estimate_seconds()
@@ -176,7 +181,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, Any]]:
         for name, options in jobs:
             key = name if options == "cuBLAS options" else f"{name}, XLA defaults"
             measure = functools.partial(_time, tuple(built), name, options, seen, mode, runs)
-            result = rec.measure(SECTION, f"{model} | {key}", measure)
+            result = rec.measure(SECTION, f"{model} | {key}", measure, need_s=STEP_NEED_S)
             if result is None:
                 rec.cell(SECTION, key, model, rec.not_run())
             elif "measured_vs_bf16" in result:

@@ -3,9 +3,11 @@
 `compile_and_time(fn, args, options, runs)`: `jax.jit` of `fn` over the array leaves of `args`
 (modules and other static parts closed over), lowered and compiled once with
 `compiler_options=options` (the compile time reported apart), two warm-up calls (one when
-`runs` is 1), then `runs` calls timed one by one, each synchronized with
-`jax.block_until_ready`; the median is the result (Python dispatch included: tens of
-microseconds, next to GEMMs of 0.1 ms and more).
+`runs` is 1), then `runs` timed runs of `calls` back-to-back calls each, the last one
+synchronized with `jax.block_until_ready`; the result is the median run's time divided by
+`calls`. Several calls per run let the GPU queue them while Python dispatches the next, so
+that a GEMM of a fraction of a millisecond is not timed with its dispatch (tens of
+microseconds); train steps take one call per run.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import jax
 from fp8jax._src.kernels import dispatch
 
 METHOD = (
-    "jit, compiled once (compile time apart), 2 warm-up calls, then the median of N calls "
-    "each synchronized with block_until_ready (dispatch included)"
+    "jit, compiled once (compile time apart), 2 warm-up calls, then the median of N runs of "
+    "K back-to-back calls, each run ended by block_until_ready, divided by K (GEMMs: K=5; "
+    "train steps and the dry run: K=1)"
 )
 
 
@@ -54,27 +57,38 @@ class Compiled:
     def hlo(self) -> str:
         return self.executable.as_text()
 
-    def run(self) -> Any:
-        return jax.block_until_ready(self.executable(self.dynamic))
+    def run(self, calls: int = 1) -> Any:
+        """`calls` calls back to back, the last one waited for."""
+        out = None
+        for _ in range(calls):
+            out = self.executable(self.dynamic)
+        return jax.block_until_ready(out)
 
 
 def compile_and_time(
-    fn: Callable, args: tuple, options: dict[str, Any] | None, runs: int, dry: bool
+    fn: Callable,
+    args: tuple,
+    options: dict[str, Any] | None,
+    runs: int,
+    dry: bool,
+    calls: int = 1,
 ) -> tuple[Compiled, dict[str, float]]:
-    """(the compiled call, its timing fields: `compile_s`, `ms` median, `ms_min`, `runs`)."""
+    """(the compiled call, its timing fields: `compile_s`, `ms` per call (median run),
+    `ms_min`, `runs`, `calls_per_run`)."""
     compiled = Compiled(fn, args, options, dry)
     for _ in range(1 if runs <= 1 else 2):
         compiled.run()
     times = []
     for _ in range(runs):
         began = time.perf_counter()
-        compiled.run()
-        times.append(time.perf_counter() - began)
+        compiled.run(calls)
+        times.append((time.perf_counter() - began) / calls)
     fields = {
         "compile_s": round(compiled.compile_s, 2),
         "ms": statistics.median(times) * 1e3,
         "ms_min": min(times) * 1e3,
         "runs": runs,
+        "calls_per_run": calls,
     }
     return compiled, fields
 
