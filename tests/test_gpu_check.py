@@ -26,7 +26,7 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one CPU device, as on the command line
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check"), "--dry-run", "--out", str(out)]
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)]
         + ["--budget-s", "800"],  # a slow machine must not skip
         capture_output=True,
         text=True,
