@@ -29,6 +29,11 @@ from .record import Recorder
 from .timing import kernels
 
 SECTION = "1 numerics"
+#: The interpreter's MMA is an exact float32 dot; Hopper's FP8 `wgmma` is reported to keep
+#: about 14 bits while it accumulates a 128-element chunk (DeepSeek-V3), which could exceed
+#: the tests' float32 bounds by itself: up to 128 x 2^-14 = 2^-7 of the magnitude. Beyond
+#: that, an error is the kernel's (a wrong tile, expert or scale is of order 1).
+WGMMA_REL = 2.0**-7
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HIGHEST = lax.Precision.HIGHEST
 
@@ -101,6 +106,7 @@ def _result(vs_f64: dict | None, vs_xla: dict | None, shape: str, bound: str) ->
         "rel_err_vs_f64": vs_f64["max_rel_err"] if vs_f64 else None,
         "rel_err_vs_xla": vs_xla["max_rel_err"] if vs_xla else None,
         "passed": all(p["within_bound"] for p in parts),
+        "within_wgmma_bound": all(p["max_rel_err"] <= WGMMA_REL for p in parts),
     }
 
 
@@ -335,7 +341,10 @@ def run(rec: Recorder, mode: str) -> None:
         if result is None:
             rec.cell(SECTION, name, "result", rec.not_run())
             continue
-        rec.cell(SECTION, name, "result", "pass" if result["passed"] else "FAIL")
+        verdict = "pass" if result["passed"] else "FAIL"
+        if not result["passed"] and result["within_wgmma_bound"]:
+            verdict += " (within the wgmma accumulation bound)"
+        rec.cell(SECTION, name, "result", verdict)
         for column, key in (("rel err vs f64", "rel_err_vs_f64"), ("vs XLA", "rel_err_vs_xla")):
             value = result[key]
             rec.cell(SECTION, name, column, "-" if value is None else f"{value:.1e}")
