@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 import fp8jax
 from fp8jax._src.kernels import reference
@@ -75,7 +76,7 @@ DRY = Shapes(
 )
 
 
-def f64(a) -> np.ndarray:
+def f64(a: ArrayLike) -> np.ndarray:
     return reference.f64(jnp.asarray(a, jnp.float32))
 
 
@@ -87,7 +88,7 @@ def _pow2(rng, shape):
     return jnp.asarray(2.0 ** rng.integers(-4, 4, shape), jnp.float32)
 
 
-def compare(got, want, bound) -> dict:
+def compare(got: ArrayLike, want: ArrayLike, bound: ArrayLike | float) -> dict:
     """Max error relative to max |want|, and whether every element is within `bound`."""
     got, want = f64(got), np.asarray(want, np.float64)
     error = np.abs(got - want)
@@ -110,7 +111,7 @@ def _result(vs_f64: dict | None, vs_xla: dict | None, shape: str, bound: str) ->
     }
 
 
-def block_gemm(shapes: Shapes, fmt, dry: bool) -> dict:
+def block_gemm(shapes: Shapes, fmt: DTypeLike, dry: bool) -> dict:
     """`block_scaled_gemm` (1 x 128 scales on both operands) against float64 and against
     `block_dot`, the blockwise recipe's XLA path, on the same FP8 operands and scales."""
     rng = np.random.default_rng(0)
@@ -211,7 +212,7 @@ def residual(shapes: Shapes, dry: bool) -> dict:
     )
 
 
-def rows_kernel(shapes: Shapes, scaling: str, dtype, dry: bool) -> dict:
+def rows_kernel(shapes: Shapes, scaling: str, dtype: DTypeLike, dry: bool) -> dict:
     """`grouped_rows_gemm` against float64: tiles of several experts, repeated and
     skipped (-1) tiles, K and N not multiples of the tiles."""
     rng = np.random.default_rng(3)
@@ -266,7 +267,7 @@ def tokens_kernel(shapes: Shapes, scaling: str, dry: bool) -> dict:
     )
 
 
-def grouped_layer(shapes: Shapes, recipe, dry: bool) -> dict:
+def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool) -> dict:
     """`Fp8RaggedDot` forward, dgrad and wgrad on the kernels against its XLA path (the same
     quantization; float32 summation order aside), with an expert that gets no token."""
     sizes = np.asarray(shapes.layer_sizes, np.int32)
