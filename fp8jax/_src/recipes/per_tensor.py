@@ -136,7 +136,9 @@ class DelayedScaling(PerTensorRecipe):
     the first steps' weight gradients come out zero. From the first recorded amax on, the
     scale is delayed as above. `warm_start=False` restores the scale of 1.0 (bit-equality
     with Transformer Engine or Haliax). The amax is reduced before the cast in either case
-    (it enters the history); with the warm start, the cast waits for it.
+    (it enters the history); with the warm start, the cast waits for it. Under gradient
+    accumulation (or a layer used several times) that first step casts each microbatch (use)
+    with its own amax; the history records their max, as always.
 
     **Arguments:**
 
