@@ -61,7 +61,8 @@ def accumulate_gradients(
     over microbatches, and the FP8 state combined by max (each leaf; for delayed scaling the
     history gets the largest amax once, as for one step over the whole batch). With delayed
     scaling every microbatch is cast with the same scales, so the result is that of the whole
-    batch up to float32 summation order; recipes that scale each tensor by its own amax
+    batch up to float32 summation order (from the second step: on the first, an empty history
+    casts each microbatch with its own amax, the warm start); recipes that scale each tensor by its own amax
     (current, blockwise, MXFP8, residual) cast each microbatch by its own, which differs from
     the whole batch by FP8 rounding.
 
