@@ -217,3 +217,38 @@ def test_warm_start_lasts_until_the_first_amax():
     # 1.0 kept (nothing to scale by); warm: 448 / 3 -> 128; delayed: history [3] -> 128;
     # delayed: most recent amax 0 keeps 128 (the step's own 100 would give 4).
     assert scales == [1.0, 128.0, 128.0, 128.0]
+
+
+class Experts(eqx.Module):
+    weight: jax.Array
+    dot: fp8jax.Fp8RaggedDot
+
+    def __call__(self, x, sizes):
+        return self.dot(x, self.weight, sizes)
+
+
+def test_warm_first_step_of_a_grouped_layer_matches_current_scaling():
+    """Expert layers too: each expert's kernel, the activation and the output gradient are
+    scaled by their own amaxes on the first step, so the expert weights' gradients are current
+    scaling's; at scale 1.0 this output gradient underflows E5M2 and they are all zero."""
+    rng = np.random.default_rng(5)
+    sizes = jnp.array([6, 0, 9, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((18, 32)), jnp.float32)
+    w = rng.standard_normal((4, 32, 16)) * 10.0 ** np.arange(-3, 1)[:, None, None]
+    w = jnp.asarray(w, jnp.float32)
+    c = jnp.asarray(rng.standard_normal((18, 16)) * 1e-7, jnp.float32)
+
+    def first_step(recipe):
+        layer = Experts(w, fp8jax.Fp8RaggedDot(recipe, num_experts=4))
+        grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x, sizes) * c))(layer)
+        return fp8jax.partition_for_grad_overwrite(grads)
+
+    warm_state, warm = first_step(fp8jax.DelayedScaling())
+    current_state, current = first_step(fp8jax.CurrentScaling())
+    _, cold = first_step(fp8jax.DelayedScaling(warm_start=False))
+    np.testing.assert_array_equal(warm.weight, current.weight)
+    assert np.any(np.asarray(warm.weight)) and not np.any(np.asarray(cold.weight))
+    for role in ("input", "kernel", "output_grad"):
+        np.testing.assert_array_equal(
+            getattr(warm_state.dot, role).scale, getattr(current_state.dot, role).scale
+        )

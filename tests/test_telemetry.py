@@ -183,7 +183,9 @@ def test_shared_layer_keeps_the_worst_use(operands):
 
 def test_telemetry_collects_a_pytree_and_report_prints_it(getkey):
     mlp = eqx.nn.MLP(16, 4, 32, 2, key=getkey())
-    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(telemetry=True))
+    # Transformer Engine's cold start (scale 1.0), so that the first step saturates.
+    cold = fp8jax.DelayedScaling(warm_start=False)
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=cold, telemetry=True))
     x = jax.random.normal(getkey(), (8, 16)) * 1e3
 
     def loss(model, x):
@@ -316,10 +318,13 @@ def test_grouped_statistics_match_ml_dtypes_per_expert(recipe):
     rng = np.random.default_rng(7)
     m, k, n = int(SIZES.sum()), 128, 96
     x, c = spread(rng, (m, k), -5, 3), spread(rng, (m, n), -9, 5)
-    # Experts' weights orders of magnitude apart: at delayed scaling's first scale (1) expert
-    # 2 saturates and expert 0 underflows.
+    # Experts' weights orders of magnitude apart: at delayed scaling's cold first scale (1.0,
+    # no warm start) expert 2 saturates and expert 0 underflows.
     w = np.stack([spread(rng, (k, n), lo, hi) for lo, hi in ((-6, -3), (-1, 0), (2, 4), (-2, 0))])
-    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=4, telemetry=True)
+    cold = fp8jax.DelayedScaling(warm_start=False)
+    dot = fp8jax.Fp8RaggedDot(
+        cold if recipe == "delayed" else recipe, num_experts=4, telemetry=True
+    )
     stale = jnp.full((4,), 0.25)  # what expert 1 must keep: it gets no tokens
     dot = eqx.tree_at(lambda d: d.stats.kernel.saturated, dot, stale)
     new = fp8jax.apply_updates(dot, None, grouped_run(dot, x, w, c))
