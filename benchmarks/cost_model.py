@@ -75,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from peers import RECIPES, table, to_bf16, train_step, variant  # noqa: E402
+from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, variant  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src import inspect as inspect_module  # noqa: E402
@@ -83,7 +83,8 @@ from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
-# default; the residual recipe on its XLA path, beside its default fused kernel.
+# default (added to train_steps.RECIPES, which `variant` reads, in this process
+# only); the residual recipe on its XLA path, beside its default fused kernel.
 RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
 RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 
@@ -156,31 +157,7 @@ def llama(config: GPTConfig, ffn: int, key):
     return eqx.tree_at(lambda m: m.blocks, model, blocks)
 
 
-def block_loss(block, x):
-    """Mean square of one block's output, over a batch of sequences."""
-    return jnp.mean(jax.vmap(block)(x).astype(jnp.float32) ** 2)
-
-
-def block_step():
-    """peers.py's `train_step` for one block (BF16 compute, plain SGD), differentiating the
-    block's input too, as inside a stack, and returning that gradient."""
-
-    def step(block, x):
-        value, (grads, dx) = fp8jax.filter_value_and_grad(
-            lambda pair: block_loss(to_bf16(pair[0]), pair[1])
-        )((block, x))
-        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
-        updates = jax.tree.map(lambda g: -1e-3 * g, grads)
-        return fp8jax.apply_updates(block, updates, overwrites), value, dx
-
-    return step
-
-
-MODELS = {
-    "1B": dict(width=2048, heads=16, layers=24, context=2048, batch=4, vocab=50304, ffn=None),
-    "8B": dict(width=4096, heads=32, layers=32, context=4096, batch=2, vocab=128256, ffn=14336),
-    "70B-block": dict(width=8192, heads=64, layers=1, context=4096, batch=2, vocab=None, ffn=28672),
-}
+MODELS = GPT_SHAPES
 
 
 def build(shape: dict, name: str, flash: bool):

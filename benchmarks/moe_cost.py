@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from peers import table, to_bf16  # noqa: E402
+from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src import inspect as inspect_module  # noqa: E402
@@ -65,26 +65,29 @@ VARIANTS = {
 OPTIONS = {**inspect_module.MODES["cublas"], "xla_gpu_enable_cub_radix_sort": False}
 
 
+def make_model(shape: dict, recipe: fp8jax.Recipe | None, native: bool | None):
+    """The MoE layer of `shape`, parameters in BF16: BF16 (`recipe=None`) or its experts in
+    FP8 with `recipe` and `grouped_native_kernel=native`."""
+    key = jax.random.PRNGKey(0)
+    model = MoE(shape["width"], shape["hidden"], shape["experts"], shape["top_k"], key=key)
+    if recipe is not None:
+        config = fp8jax.Fp8Config(
+            targets=["up", "down"], recipe=recipe, grouped_native_kernel=native
+        )
+        model = fp8jax.fp8_linear_layers(model, config)
+    return to_bf16(model)
+
+
+def moe_step(model, x):
+    """Loss and gradients of the layer and of its input too, as inside a stack of layers
+    (else `up`'s dgrad is dead)."""
+    loss = lambda mx: jnp.mean(mx[0](mx[1]).astype(jnp.float32) ** 2)  # noqa: E731
+    return fp8jax.filter_value_and_grad(loss)((model, x))
+
+
 def build(shape: dict, name: str):
-    recipe, native = VARIANTS[name]
-
-    def make():
-        key = jax.random.PRNGKey(0)
-        model = MoE(shape["width"], shape["hidden"], shape["experts"], shape["top_k"], key=key)
-        if recipe is not None:
-            config = fp8jax.Fp8Config(
-                targets=["up", "down"], recipe=recipe, grouped_native_kernel=native
-            )
-            model = fp8jax.fp8_linear_layers(model, config)
-        return to_bf16(model)
-
-    def step(model, x):
-        # The input's gradient too, as inside a stack of layers (else `up`'s dgrad is dead).
-        loss = lambda mx: jnp.mean(mx[0](mx[1]).astype(jnp.float32) ** 2)  # noqa: E731
-        return fp8jax.filter_value_and_grad(loss)((model, x))
-
     x = jax.ShapeDtypeStruct((shape["tokens"], shape["width"]), jnp.bfloat16)
-    return step, (eqx.filter_eval_shape(make), x)
+    return moe_step, (eqx.filter_eval_shape(make_model, shape, *VARIANTS[name]), x)
 
 
 def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:

@@ -55,14 +55,9 @@ import fp8jax  # noqa: E402
 from fp8jax._src import inspect as inspect_module  # noqa: E402
 from fp8jax.examples.gpt import GPT, MLP, GPTConfig, dense, next_token_loss  # noqa: E402
 
-RECIPES = {
-    "delayed": fp8jax.DelayedScaling(),
-    "current": fp8jax.CurrentScaling(),
-    "blockwise": fp8jax.BlockwiseScaling(),
-    "mxfp8": fp8jax.MXFP8(),
-    "residual": fp8jax.ResidualFP8(),
-}
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_steps  # noqa: E402
+from train_steps import RECIPES, table  # noqa: E402
 
 # --- peers, behind the dot_general slot ----------------------------------------------------
 
@@ -108,11 +103,8 @@ def _is_state(x) -> bool:
 
 def variant(model, name: str):
     """`model` converted for variant `name`."""
-    if name == "bf16":
-        return model
-    if name.startswith("fp8jax"):
-        recipe = RECIPES[name.split()[1]]
-        return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))
+    if name == "bf16" or name.startswith("fp8jax"):
+        return train_steps.variant(model, name)
     op = {"haliax fp8": lambda: haxq.Fp8DotGeneralOp.init(), "flax direct": FlaxDirect}[name]
     converted = fp8jax.fp8_linear_layers(model)  # the same layers, then swap the op
 
@@ -128,32 +120,19 @@ def variant(model, name: str):
 
 def to_bf16(model):
     """Float parameters in BF16; FP8 state (of any library) untouched."""
-
-    def cast(node):
-        if _is_state(node):
-            return node
-        return node.astype(jnp.bfloat16) if eqx.is_inexact_array(node) else node
-
-    return jax.tree.map(cast, model, is_leaf=_is_state)
+    return train_steps.to_bf16(model, _is_state)
 
 
 def train_step(loss, name: str):
+    """`train_steps.train_step` with the library's own gradient, split and update."""
+    if name == "haliax fp8":
+        return train_steps.train_step(
+            loss, eqx.filter_value_and_grad, haxq.partition_for_grad_overwrite,
+            haxq.apply_updates, to_bf16,
+        )  # fmt: skip
     ours = name.startswith("fp8jax") or name == "bf16"
     value_and_grad = fp8jax.filter_value_and_grad if ours else eqx.filter_value_and_grad
-    split = (
-        haxq.partition_for_grad_overwrite
-        if name == "haliax fp8"
-        else (fp8jax.partition_for_grad_overwrite)
-    )
-    apply = haxq.apply_updates if name == "haliax fp8" else fp8jax.apply_updates
-
-    def step(model, *batch):
-        value, grads = value_and_grad(lambda m, *b: loss(to_bf16(m), *b))(model, *batch)
-        overwrites, grads = split(grads)
-        updates = jax.tree.map(lambda g: -1e-3 * g, grads)
-        return apply(model, updates, overwrites), value
-
-    return step
+    return train_steps.train_step(loss, value_and_grad, cast=to_bf16)
 
 
 # --- measurements --------------------------------------------------------------------------
@@ -230,8 +209,7 @@ def models():
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (2048, 1024), jnp.float32)
 
-    def mse(m, x):  # activations in BF16, like the parameters
-        return jnp.mean(m(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+    mse = train_steps.mse  # activations in BF16, like the parameters
 
     def linear_loss(m, x):  # saves nothing of its own: every residual is the Linears'
         return jnp.mean(m(x.astype(jnp.bfloat16)).astype(jnp.float32))
@@ -308,18 +286,6 @@ def run_model(title, base, loss, batch, steps, residuals_only=False):
 
 def _ratio(value: float, reference: float) -> str:
     return "-" if np.isnan(value) else f"{value / reference:.2f}"
-
-
-def table(rows, header) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
-    return "\n".join(
-        [
-            fmt(header) + " |",
-            "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *(fmt(r) + " |" for r in rows),
-        ]
-    )
 
 
 def targets(results) -> None:

@@ -23,6 +23,7 @@ from helpers import run_with_mosaic_dump
 import fp8jax
 from fp8jax._src.grouped import dots as grouped_dots
 from fp8jax._src.grouped import native
+from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.dispatch import interpreted
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
 
@@ -89,22 +90,14 @@ def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
     with interpreted():
         out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw))(lhs, rhs, jnp.asarray(TILE_EXPERT))
     assert out.shape == (M, N) and out.dtype == jnp.float32
+    want = reference.grouped_rows(lhs, rhs, TILE_EXPERT, **kw)
     for t, e in enumerate(TILE_EXPERT):
         if e < 0:
             continue  # skipped: not written
         rows = slice(64 * t, 64 * (t + 1))
-        want = np.zeros((64, N))
-        for c in range(chunks):
-            cols = slice(128 * c, min(K, 128 * (c + 1)))
-            part = f64(lhs[rows, cols]) @ f64(rhs[e][:, cols]).T
-            if scaling == "blocks":
-                part *= f64(kw["lhs_scale"][rows, c])[:, None] * f64(kw["rhs_scale"][e][:, c])
-            else:
-                part *= f64(kw["tile_scale"][t])
-            want += part
         # Exact products, float32 sums of K terms.
-        bound = 2 * K * 2.0**-24 * np.abs(want).max()
-        np.testing.assert_array_less(np.abs(f64(out[rows]) - want), bound + 1e-30)
+        bound = reference.float32_sum_bound(K, np.abs(want[rows]).max())
+        np.testing.assert_array_less(np.abs(f64(out[rows]) - want[rows]), bound + 1e-30)
 
 
 @pytest.mark.parametrize("scaling", ["blocks", "group"])
@@ -128,21 +121,13 @@ def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
             lhs, rhs, jnp.asarray(start), jnp.asarray(count)
         )
     assert out.shape == (G, a_rows, b_rows)
+    want = reference.grouped_tokens(lhs, rhs, start, count, **kw)
     for e in range(G):
-        want = np.zeros((a_rows, b_rows))
-        for c in range(start[e], start[e] + count[e]):
-            cols = slice(128 * c, 128 * (c + 1))
-            part = f64(lhs[:, cols]) @ f64(rhs[:, cols]).T
-            if scaling == "blocks":
-                part *= f64(kw["lhs_scale"][:, c])[:, None] * f64(kw["rhs_scale"][:, c])
-            else:
-                part *= f64(kw["group_scale"][e])
-            want += part
         if not count[e]:
             np.testing.assert_array_equal(out[e], 0.0)
             continue
-        bound = 2 * t * 2.0**-24 * np.abs(want).max()
-        np.testing.assert_array_less(np.abs(f64(out[e]) - want), bound)
+        bound = reference.float32_sum_bound(t, np.abs(want[e]).max())
+        np.testing.assert_array_less(np.abs(f64(out[e]) - want[e]), bound)
 
 
 def test_kernels_reject_bad_operands():

@@ -15,7 +15,7 @@ import pytest
 from helpers import run_with_mosaic_dump
 
 import fp8jax
-from fp8jax._src.kernels import dispatch
+from fp8jax._src.kernels import dispatch, reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm, expand_rows
 from fp8jax._src.recipes.blocks import block_dot, native_block_dot
 
@@ -28,17 +28,6 @@ def fp8_operand(rng, rows, k, dtype=E4M3, block_k=128):
     chunks = -(-k // block_k)
     scale = 2.0 ** rng.integers(-4, 4, (rows, chunks))
     return jnp.asarray(data, dtype), jnp.asarray(scale, jnp.float32)
-
-
-def reference(lhs, lhs_scale, terms, block_k=128):
-    """float64 NumPy: dequantize with the per-row, per-chunk scales and multiply."""
-
-    def real(data, scale):
-        data = np.asarray(data).astype(np.float64)
-        return data * np.repeat(np.asarray(scale, np.float64), block_k, axis=1)[:, : data.shape[1]]
-
-    a = real(lhs, lhs_scale)
-    return sum(a @ real(b, sb).T for b, sb in terms)
 
 
 @pytest.mark.parametrize(
@@ -59,13 +48,11 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
     out = jax.jit(lambda *a: block_scaled_gemm(a[0], a[1], a[2], interpret=True))(
         lhs, lhs_scale, terms
     )
-    want = reference(lhs, lhs_scale, terms)
+    want = reference.block_scaled(lhs, lhs_scale, terms)
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    magnitude = reference(
-        *(jnp.abs(v) for v in (lhs, lhs_scale)), [(jnp.abs(b), s) for b, s in terms]
-    )
+    magnitude = reference.block_scaled_magnitude(lhs, lhs_scale, terms)
     np.testing.assert_array_less(
-        np.abs(np.asarray(out, np.float64) - want), 4e-6 * magnitude + 1e-30
+        np.abs(np.asarray(out, np.float64) - want), reference.BLOCK_RTOL * magnitude + 1e-30
     )
 
 

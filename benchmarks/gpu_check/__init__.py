@@ -1,0 +1,18 @@
+"""fp8jax's one prepared device check, for a lent Hopper GPU (H100 or H200).
+
+    PYTHONPATH=. timeout 500 python3 benchmarks/gpu_check.py --out $OUT/gpu_check [--quick]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check   # on a CPU
+
+Sections, each measurement in its own `try`, results appended to the out folder as they come
+(`results.jsonl`, `log.txt`; then `decisions.txt`, `summary.txt`, `environment.json`):
+
+1. `numerics`: every native kernel at odd shapes against float64 NumPy and the XLA path;
+2. `gemms`, `grouped`: GEMM timings at LLM shapes, BF16, cuBLASLt FP8 and fp8jax's kernels
+   side by side (and JAX's BF16 grouped kernels);
+3. `steps`: whole train steps, BF16 against each recipe, beside the cost model's estimate.
+
+Then the decision inputs (which defaults the measurements would decide) and the summary
+table, printed last. `--budget-s` bounds the time: each measurement starts only if enough is
+left, else it is recorded as skipped. `--dry-run` runs the same code with tiny shapes on the
+CPU (the kernels in Mosaic GPU's interpreter); its times mean nothing.
+"""

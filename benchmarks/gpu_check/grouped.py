@@ -1,0 +1,212 @@
+"""Section 2b: grouped (mixture-of-experts) GEMMs at DeepSeek-V3's expert shapes.
+
+Expert width 7168, expert hidden 2048, 16 experts on this GPU, 8,192 rows (tokens times
+their experts, routed to this GPU), uneven group sizes with one empty expert. Rows GEMMs
+(forward and dgrad: `(M, K) x expert (N, K)`), for the up (7168 -> 2048) and down (2048 ->
+7168) projections, and the tokens GEMM (wgrad: `(T, A)^T (T, B)` per expert). Variants:
+
+- `bf16 lax.ragged_dot`: JAX's ragged dot as XLA compiles it;
+- `bf16 jax mgpu kernel`: JAX's own Pallas Mosaic GPU grouped kernels
+  (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`), with a
+  configuration from their autotuning grids (GPU only: they take no interpreter option);
+- `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
+- `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
+  call them (`native_rows` / `native_tokens`, padding to the tiled layout included).
+
+TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import fp8jax
+from fp8jax._src.grouped import native
+
+from .record import Recorder
+from .timing import compile_and_time, tflops
+
+SECTION = "2 GEMMs (grouped)"
+E4M3, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
+CUBLAS = fp8jax.gpu_compiler_options()
+EXPERTS, WIDTH, HIDDEN = 16, 7168, 2048
+#: JAX kernels' configurations: (block_m, block_n, block_k, max_concurrent_steps,
+#: grid_block_n), from the grids their `main` autotunes over.
+JAX_CONFIGS = ((128, 128, 64, 4, 1), (64, 256, 64, 4, 2))
+
+
+def group_sizes(rows: int, experts: int, multiple: int = 1) -> np.ndarray:
+    """Uneven sizes summing to `rows` (each a multiple of `multiple`), expert 1 empty."""
+    weights = np.random.default_rng(0).dirichlet(np.ones(experts))
+    weights[1] = 0.0
+    units = rows // multiple
+    sizes = np.floor(weights / weights.sum() * units).astype(np.int32)
+    sizes[0] += units - sizes.sum()
+    return sizes * multiple
+
+
+def _rows_operands(m: int, k: int, n: int, g: int) -> dict[str, Any]:
+    @jax.jit
+    def make(key):
+        kx, kw = jax.random.split(key)
+        x = jax.random.normal(kx, (m, k), BF16)
+        w = jax.random.normal(kw, (g, n, k), BF16)  # K-major, as the kernels take it
+        one = jnp.float32(1.0)
+        block = fp8jax.BlockwiseScaling()
+        q_x = block.quantize(x, block.init_state("input"), "input", -1)[0]
+        q_w = jax.vmap(lambda v: block.quantize(v, block.init_state("kernel"), "kernel", -1)[0])(w)
+        return {
+            "bf16": (x, w),
+            "bf16 kn": (x, jnp.swapaxes(w, 1, 2)),  # lax.ragged_dot's (G, K, N)
+            "bf16 q": (fp8jax.QTensor(x, one), fp8jax.QTensor(w, jnp.ones((g,)))),
+            "fp8": (
+                fp8jax.QTensor(x.astype(E4M3), one),
+                fp8jax.QTensor(w.astype(E4M3), jnp.ones((g,))),
+            ),
+            "block": (q_x, q_w),
+        }
+
+    return make(jax.random.PRNGKey(1))
+
+
+def _tokens_operands(t: int, a: int, b: int) -> dict[str, Any]:
+    @jax.jit
+    def make(key):
+        kg, kx = jax.random.split(key)
+        lhs = jax.random.normal(kg, (t, a), BF16)
+        rhs = jax.random.normal(kx, (t, b), BF16)
+        one = jnp.float32(1.0)
+        block = fp8jax.BlockwiseScaling()
+
+        def tiles(v, role):  # 128 x 1 tiles over the tokens, as the wgrad's operands
+            return block.quantize(v, block.init_state(role), role, -2)[0]
+
+        return {
+            "bf16": (lhs, rhs),
+            "bf16 q": (fp8jax.QTensor(lhs, one), fp8jax.QTensor(rhs, one)),
+            "fp8": (fp8jax.QTensor(lhs.astype(E4M3), one), fp8jax.QTensor(rhs.astype(E4M3), one)),
+            "block": (tiles(lhs, "output_grad"), tiles(rhs, "input")),
+        }
+
+    return make(jax.random.PRNGKey(2))
+
+
+def _ragged_rows(x, w, sizes):
+    return lax.ragged_dot(x, w, sizes, preferred_element_type=BF16)
+
+
+def _ragged_tokens(lhs, rhs, sizes):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    return lax.ragged_dot_general(lhs, rhs, sizes, dims, preferred_element_type=BF16)
+
+
+def _jax_rows(config):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    return lambda x, w, sizes: ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+        max_concurrent_steps=steps, grid_block_n=grid_n, transpose_rhs=True,
+    )  # fmt: skip
+
+
+def _jax_tokens(config):
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    return lambda lhs, rhs, sizes: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs, rhs, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+        max_concurrent_steps=steps, grid_block_n=grid_n,
+    )  # fmt: skip
+
+
+def _ours_rows(lhs, rhs, sizes):
+    return native.native_rows(lhs, rhs, sizes, BF16)
+
+
+def _ours_tokens(lhs, rhs, sizes):
+    return native.native_tokens(lhs, rhs, sizes, BF16)
+
+
+def _variants(kind: str, mode: str) -> dict[str, tuple]:
+    """name -> (function, operands key, sizes multiple of): the variants of `kind`."""
+    ragged, ours, jax_kernel = {
+        "rows": (_ragged_rows, _ours_rows, _jax_rows),
+        "tokens": (_ragged_tokens, _ours_tokens, _jax_tokens),
+    }[kind]
+    variants = {"bf16 lax.ragged_dot": (ragged, "bf16 kn" if kind == "rows" else "bf16", 1)}
+    configs = JAX_CONFIGS if mode == "full" else JAX_CONFIGS[:1]
+    for config in configs:
+        variants[f"bf16 jax mgpu kernel {config}"] = (jax_kernel(config), "bf16", 1)
+    variants["bf16 fp8jax kernel"] = (ours, "bf16 q", 1)
+    variants["fp8 per-tensor kernel"] = (ours, "fp8", 1)
+    # Block-scaled wgrad operands come padded to their 128-token tiles (as from the layer).
+    variants["fp8 blockwise kernel"] = (ours, "block", 128 if kind == "tokens" else 1)
+    if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
+        # checks both kernels' every scaling)
+        del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]
+    return variants
+
+
+def _time(
+    fn, key: str, variant: str, case: tuple, sizes: np.ndarray, ops: dict, ms: dict, runs: int,
+    dry: bool,
+) -> dict:  # fmt: skip
+    """Time one variant of `case` (kind, rows, K, N, experts); operands made on first use."""
+    kind, m, k, n, g = case
+    if dry and "jax mgpu" in variant:
+        return {"skipped": "JAX's kernel takes no interpreter option: GPU only"}
+    if not ops:
+        ops.update(_rows_operands(m, k, n, g) if kind == "rows" else _tokens_operands(m, k, n))
+    args = (*ops[key], jnp.asarray(sizes))
+    _, fields = compile_and_time(fn, args, CUBLAS, runs, dry, calls=1 if dry else 5)
+    ms[variant] = fields["ms"]
+    fields["tflops"] = tflops(2 * int(sizes.sum()) * n * k, fields["ms"])
+    bf16 = ms.get("bf16 lax.ragged_dot")
+    if bf16:
+        fields["speedup_vs_bf16_ragged_dot"] = bf16 / fields["ms"]
+    fields["group_sizes"] = sizes.tolist()
+    return fields
+
+
+def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
+    """Time every grouped variant; returns `{shape label: {variant: ms}}`."""
+    dry = mode == "dry"
+    g, width, hidden = (3, 128, 128) if dry else (EXPERTS, WIDTH, HIDDEN)
+    token_counts = (128,) if dry else (8192,)
+    cases = []
+    for m in token_counts:
+        cases += [
+            ("rows", f"grouped fwd up {width}->{hidden}", m, width, hidden),
+            ("rows", f"grouped fwd down {hidden}->{width}", m, hidden, width),
+            ("tokens", f"grouped wgrad ({hidden}, {width})", m, hidden, width),
+        ]
+    if dry:  # one rows and one tokens case: the interpreter takes seconds a kernel
+        cases = [c for c in cases if "down" not in c[1]]
+    times: dict[str, dict[str, float]] = {}
+    for kind, name, m, k, n in cases:
+        label = f"{name}, {m} rows, {g} experts"
+        ms = times.setdefault(label, {})
+        ops: dict[str, Any] = {}
+        for variant, (fn, key, multiple) in _variants(kind, mode).items():
+            sizes = group_sizes(m, g, multiple)
+            case = (kind, m, k, n, g)
+            measure = functools.partial(_time, fn, key, variant, case, sizes, ops, ms, runs, dry)
+            result = rec.measure(SECTION, f"{label} | {variant}", measure)
+            if result is None or "skipped" in result:
+                rec.cell(SECTION, label, variant, "GPU only" if result else rec.not_run())
+                continue
+            speed = result.get("speedup_vs_bf16_ragged_dot")
+            text = f"{result['ms']:.3f} ({result['tflops']:.0f}"
+            rec.cell(SECTION, label, variant, text + (f", {speed:.2f}x)" if speed else ")"))
+    return times

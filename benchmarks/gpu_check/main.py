@@ -1,0 +1,198 @@
+"""The GPU check's command line: the sections in order, the decision inputs, the summary."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import jax
+
+from . import gemms, grouped, numerics, steps
+from .record import Recorder
+from .timing import METHOD
+
+#: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
+MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 benchmarks/gpu_check",
+        description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
+        "train steps (see benchmarks/README.md).",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="fewer shapes (under 4 minutes)")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU, kernels in Mosaic GPU's interpreter; no timing claims",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all measurements (default: 450 full, 210 quick, 300 dry run)",
+    )
+    args = parser.parse_args(argv)
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
+    return args
+
+
+def environment(mode: str) -> dict[str, str]:
+    """Device, versions and options: the first thing printed and recorded."""
+    import jaxlib
+
+    import fp8jax
+
+    device = jax.devices()[0]
+    return {
+        "mode": mode,
+        "device": f"{device.platform}: {getattr(device, 'device_kind', '?')}",
+        "devices": str(len(jax.devices())),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jaxlib, "__version__", "?"),
+        "python": platform.python_version(),
+        "fp8jax": os.path.dirname(fp8jax.__file__),
+        "cuBLAS compiler options": json.dumps(fp8jax.gpu_compiler_options()),
+        "timing": METHOD,
+    }
+
+
+def _ratio(times: dict, slow: str, fast: str) -> str | None:
+    if slow in times and fast in times:
+        return f"{times[slow] / times[fast]:.2f}"
+    return None
+
+
+def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
+    """The measured comparisons that would decide fp8jax's defaults (none is changed here)."""
+    for label, t in dense.items():
+        if label.startswith("block kernel tiles"):
+            if t:
+                best = min(t, key=t.get)
+                rec.decision(
+                    f"block kernel tiles ({label}): fastest (tile_m, tile_n, steps) = {best}, "
+                    f"{t[best]:.3f} ms; default {gemms.TILES[0]} "
+                    f"{t.get(str(gemms.TILES[0]), float('nan')):.3f} ms"
+                )
+            continue
+        for what, slow, fast in (
+            (
+                "residual: two cuBLASLt calls / fused kernel",
+                "residual 2x cuBLASLt",
+                "residual fused",
+            ),
+            ("blockwise: XLA path / block kernel", "blockwise XLA", "block kernel"),
+            (
+                "per-tensor FP8: XLA default options / cuBLAS options",
+                "fp8 XLA default",
+                "fp8 cuBLASLt",
+            ),
+        ):
+            ratio = _ratio(t, slow, fast)
+            if ratio:
+                rec.decision(f"{what}, {label}: time ratio {ratio} (> 1: the second is faster)")
+    for label, t in groups.items():
+        for slow in ("bf16 lax.ragged_dot", *(k for k in t if k.startswith("bf16 jax mgpu"))):
+            for fast in ("fp8 per-tensor kernel", "fp8 blockwise kernel"):
+                ratio = _ratio(t, slow, fast)
+                if ratio:
+                    rec.decision(f"grouped, {label}: {slow} / {fast}: time ratio {ratio}")
+    for model, fields in trains.items():
+        t = {k: v["ms"] for k, v in fields.items()}
+        for slow, fast in (("residual-xla", "residual"), ("blockwise-xla", "blockwise")):
+            ratio = _ratio(t, slow, fast)
+            if ratio:
+                rec.decision(f"train step {model}: {slow} / {fast}: time ratio {ratio}")
+        for name in [k for k in t if not k.endswith("XLA defaults")]:
+            ratio = _ratio(t, f"{name}, XLA defaults", name)
+            if ratio:
+                rec.decision(
+                    f"train step {model}, {name}: XLA default options / gpu_compiler_options(): "
+                    f"time ratio {ratio}"
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; returns 0, or 1 when a measurement raised or a numerics check failed."""
+    args = parse(argv)
+    mode = "dry" if args.dry_run else "quick" if args.quick else "full"
+    if mode == "dry":
+        os.environ["JAX_PLATFORMS"] = "cpu"  # before jax starts its backends
+    budget, gemm_runs, step_runs, reserve = MODES[mode]
+    rec = Recorder(args.out, args.budget_s or budget, reserve, mode == "dry")
+    env = environment(mode)
+    (args.out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
+    header = "\n".join(f"{k}: {v}" for k, v in env.items())
+    print(f"# fp8jax GPU check ({mode})\n{header}", flush=True)
+    rec.log(f"environment: {json.dumps(env)}")
+    dense, groups, trains = {}, {}, {}
+    with rec.section(numerics.SECTION):
+        numerics.run(rec, mode)
+    _release()
+    with rec.section(gemms.SECTION):
+        dense = gemms.run(rec, mode, gemm_runs)
+    _release()
+    with rec.section(grouped.SECTION):
+        groups = grouped.run(rec, mode, gemm_runs)
+    _release()
+    with rec.section(steps.SECTION):
+        trains = steps.run(rec, mode, step_runs)
+    decisions(rec, dense, groups, trains)
+    summary = _summary(rec, mode)
+    (args.out / "summary.txt").write_text(summary + "\n")
+    print(summary, flush=True)
+    return 1 if rec.counts["error"] or rec.counts["failed"] else 0
+
+
+def _release() -> None:
+    """Drop compiled programs and buffers between sections (device memory, CPU mappings)."""
+    jax.clear_caches()
+    gc.collect()
+
+
+#: What each section's cells say.
+LEGENDS = {
+    numerics.SECTION: "max error relative to max |reference|; pass: every element within the "
+    "interpreter tests' bound (FP8 wgmma's own accumulation may exceed it: up to 2^-7 is "
+    "flagged apart)",
+    gemms.SECTION: "ms (TFLOP/s, speed-up over BF16 of the same shape)",
+    grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
+    steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
+    "from the step's compiled HLO)",
+}
+
+
+def _summary(rec: Recorder, mode: str) -> str:
+    """Decision inputs, one compact table per section, and the sections' table last."""
+    from train_steps import table
+
+    lines = ["", "## Decision inputs (measured; no default is changed by this run)", ""]
+    lines += [f"- {d}" for d in rec.decisions] or ["- (none measured)"]
+    if mode == "dry":
+        lines += ["", "DRY RUN on the CPU: kernels interpreted, no timing claims."]
+    for section, rows in rec.cells.items():
+        columns = list(dict.fromkeys(c for cells in rows.values() for c in cells))
+        body = [[row, *(cells.get(c, "") for c in columns)] for row, cells in rows.items()]
+        lines += ["", f"## {section}: {LEGENDS[section]}", ""]
+        lines.append(table(body, ["", *columns]))
+    counts = ", ".join(f"{v} {k}" for k, v in rec.counts.items())
+    lines += ["", f"## Summary ({counts}; results.jsonl has every figure)", ""]
+    status = [
+        [name, f"{c.get('seconds', float('nan')):.1f}", *(str(c[k]) for k in rec.counts)]
+        for name, c in rec.sections.items()
+    ]
+    lines.append(table(status, ["section", "seconds", *rec.counts]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
