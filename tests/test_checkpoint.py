@@ -85,6 +85,28 @@ def test_mismatched_targets_or_recipes_fail_before_loading(
     assert bits(other) == before
 
 
+def test_warm_start_is_not_part_of_the_checkpoint(tmp_path):
+    """`warm_start` acts only while a history is empty; a restored history decides the
+    scale. Checkpoints restore across it, and across records written before it existed (the
+    recipe's repr had no `warm_start` then)."""
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(history_len=4, warm_start=False))
+    step, state = build(jax.random.key(0), config)
+    state = run(step, state, 0, 2)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state, backend="orbax")
+    warm = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(history_len=4))
+    _, other = build(jax.random.key(1), warm)
+    assert bits(fp8jax.load_checkpoint(path, other, backend="orbax")) == bits(state)
+    record = path / "fp8jax_record.json"
+    older = record.read_text().replace(", warm_start=False", "")
+    assert older != record.read_text()
+    record.write_text(older)
+    assert bits(fp8jax.load_checkpoint(path, other, backend="orbax")) == bits(state)
+    _, wrong = build(jax.random.key(1), fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling()))
+    with pytest.raises(ValueError, match="history_len"):
+        fp8jax.load_checkpoint(path, wrong, backend="orbax")
+
+
 def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
     """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores
     across it, and across a record written before the option existed."""

@@ -13,10 +13,15 @@ from helpers import ref_qdq
 import fp8jax
 
 
-def ref_update(scale, history, new_amax, fmt_max, margin, amax_compute, power_of_two=True):
+def ref_update(
+    scale, history, new_amax, fmt_max, margin, amax_compute, power_of_two=True, warm_start=False
+):
     """One delayed-scaling step, as Transformer Engine documents it, in float32 NumPy; with
-    `power_of_two`, the scale rounded down to a power of two."""
+    `power_of_two`, the scale rounded down to a power of two; with `warm_start`, a history
+    without any amax yet gives way to this step's own."""
     ref = history.max() if amax_compute == "max" else history[0]
+    if warm_start and not history.max() > 0:
+        ref = new_amax
     if ref > 0 and np.isfinite(ref):
         scale = np.float32(np.float32(fmt_max) / ref) * np.float32(2.0**-margin)
         if power_of_two:
@@ -42,8 +47,18 @@ class Layer(eqx.Module):
         fp8jax.DelayedScaling(history_len=2, margin=2, backward_format="e4m3"),
         fp8jax.DelayedScaling(),
         fp8jax.DelayedScaling(history_len=3, margin=0.5, power_of_two=False),
+        fp8jax.DelayedScaling(history_len=3, warm_start=False),
+        fp8jax.DelayedScaling(history_len=4, amax_compute="most_recent", warm_start=False),
     ],
-    ids=["max-len3", "most_recent-margin1", "e4m3-grads-margin2", "defaults", "exact-scales"],
+    ids=[
+        "max-len3",
+        "most_recent-margin1",
+        "e4m3-grads-margin2",
+        "defaults",
+        "exact-scales",
+        "te-cold-start",
+        "te-cold-start-most_recent",
+    ],
 )
 def test_five_steps_match_reference_exactly(recipe, getkey):
     rng = np.random.default_rng(0)
@@ -86,6 +101,7 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
                 recipe.margin,
                 recipe.amax_compute,
                 recipe.power_of_two,
+                recipe.warm_start,
             )
             state = getattr(layer.dot, role)
             np.testing.assert_array_equal(
@@ -100,11 +116,12 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
 
 def test_scale_of_step_comes_from_history_before_the_step():
     """At step t the forward quantizes with the scale from history up to t-1."""
-    layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=4)))
+    recipe = fp8jax.DelayedScaling(history_len=4, warm_start=False)
+    layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
     x0 = jnp.array([[4.0, 0.0]])
     grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x0)))(layer)
     layer = eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
-    assert float(layer.dot.input.scale) == 1.0  # history was empty at step 0
+    assert float(layer.dot.input.scale) == 1.0  # history was empty at step 0 (TE's 1.0)
     x1 = np.array([[9.0, 0.0]], np.float32)
     y1 = float(layer(x1)[0, 0])
     # Step 1 uses 448 / 4 = 112 (the amax of step 0), rounded down to 64, under which 9.0
@@ -135,3 +152,68 @@ def test_non_finite_amax_keeps_scale():
 def test_bad_recipe_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fp8jax.DelayedScaling(**kwargs)
+
+
+# --- the warm first step ---------------------------------------------------------------------
+
+
+def _loss(m, x, y):
+    # Output gradients below 1e-6: under E5M2's smallest subnormal (2**-16) at scale 1.0.
+    return 1e-3 * jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+
+def _mlp_first_step_grads(recipe, mlp, x, y):
+    loss = _loss
+
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    grads = fp8jax.filter_grad(loss)(model, x, y)
+    return fp8jax.partition_for_grad_overwrite(grads)
+
+
+def test_warm_first_step_matches_current_scaling(getkey):
+    """A fresh layer's first step scales by each operand's own amax: its weight gradients
+    are current scaling's, bit for bit. Scaled by 1.0 (Transformer Engine's cold start), the
+    output gradient of this loss (below 1e-6 per element) underflows E5M2 and every weight
+    gradient is exactly zero (issue 24: on an MLP 1024 -> 4096 -> 1024 over 2,048 tokens a
+    plain MSE's gradient is already that small)."""
+    mlp = eqx.nn.MLP(64, 64, 256, 1, activation=jax.nn.gelu, key=getkey())
+    x = jax.random.normal(getkey(), (512, 64))
+    y = jax.random.normal(getkey(), (512, 64))
+    overwrites, warm = _mlp_first_step_grads(fp8jax.DelayedScaling(), mlp, x, y)
+    _, current = _mlp_first_step_grads(fp8jax.CurrentScaling(), mlp, x, y)
+    _, cold = _mlp_first_step_grads(fp8jax.DelayedScaling(warm_start=False), mlp, x, y)
+    reference = eqx.filter_grad(_loss)(mlp, x, y)
+    for i in range(2):
+        np.testing.assert_array_equal(warm.layers[i].weight, current.layers[i].weight)
+        np.testing.assert_array_equal(warm.layers[i].bias, current.layers[i].bias)
+        assert not np.any(np.asarray(cold.layers[i].weight))  # lost: the cold start
+        ref = np.asarray(reference.layers[i].weight, np.float64)
+        err = np.linalg.norm(np.asarray(warm.layers[i].weight, np.float64) - ref)
+        assert err / np.linalg.norm(ref) < 0.15  # FP8's error, not a lost gradient
+    # The step's scales are the current amaxes', and the amaxes enter the histories.
+    for role in ("input", "kernel", "output_grad"):
+        leaf = getattr(overwrites.layers[1].dot_general, role)
+        fmt_max = 57344.0 if role == "output_grad" else 448.0
+        amax = float(leaf.amax_history[0])
+        assert amax > 0
+        assert float(leaf.scale) == 2.0 ** math.floor(math.log2(fmt_max / amax))
+
+
+def test_warm_start_lasts_until_the_first_amax():
+    """An all-zero first step records amax 0: the history is still empty, so the next step
+    is warm too; once an amax is recorded the scale is delayed (it ignores the step's own
+    amax), also when later entries are zero (`most_recent` then keeps the previous scale)."""
+    recipe = fp8jax.DelayedScaling(history_len=3, amax_compute="most_recent")
+    layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
+
+    def step(layer, x):
+        grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x)))(layer)
+        return eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
+
+    scales = []
+    for x in ([[0.0, 0.0]], [[3.0, 0.0]], [[0.0, 0.0]], [[100.0, 0.0]]):
+        layer = step(layer, jnp.array(x))
+        scales.append(float(layer.dot.input.scale))
+    # 1.0 kept (nothing to scale by); warm: 448 / 3 -> 128; delayed: history [3] -> 128;
+    # delayed: most recent amax 0 keeps 128 (the step's own 100 would give 4).
+    assert scales == [1.0, 128.0, 128.0, 128.0]

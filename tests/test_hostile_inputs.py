@@ -627,6 +627,12 @@ NAN, INF = float("nan"), float("inf")
 
 RECIPES = [
     row(
+        "delayed-warm-start-not-bool",
+        lambda w: D(warm_start="yes"),
+        ValueError,
+        r"warm_start='yes': should be True or False",
+    ),
+    row(
         "delayed-history-0",
         lambda w: D(history_len=0),
         ValueError,
@@ -1521,7 +1527,96 @@ def _same_bits(a: Any, b: Any) -> bool:
     )
 
 
+def _sum_grads(model: Any, x: jax.Array) -> Any:
+    return fp8jax.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x)))(model, x)
+
+
+def _nothing_learned(w: World, grads: Any) -> bool:
+    """An empty batch: zero weight gradients, amax 0 recorded, every scale kept."""
+    overwrites, trainable = fp8jax.partition_for_grad_overwrite(grads)
+    weights = [a for a in jax.tree.leaves(trainable) if eqx.is_inexact_array(a)]
+    new, old = overwrites.layers[0].dot_general, w.dot
+    return (
+        all(a.size and not np.any(np.asarray(a)) for a in weights)
+        and float(new.input.amax_history[0]) == 0.0
+        and all(
+            float(getattr(new, r).scale) == float(getattr(old, r).scale)
+            for r in ("input", "kernel", "output_grad")
+        )
+    )
+
+
+def _grouped(recipe: str) -> Any:
+    layer = fp8jax.GroupedLinear(3, 4, 2, key=jax.random.key(0))
+    return fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(recipe=recipe))
+
+
+def _finite_and_shaped(out: Any, lead: tuple[int, ...]) -> bool:
+    leaves = [a for a in jax.tree.leaves(out) if eqx.is_inexact_array(a)]
+    return all(bool(jnp.isfinite(a).all()) for a in leaves) and all(
+        a.shape[: len(lead)] == lead for a in leaves if a.ndim >= len(lead) and a.size == 0
+    )
+
+
+EMPTY_I32 = jnp.zeros((0, 3), jnp.int32)
+
 RESULTS = [
+    pytest.param(
+        lambda w: jax.vmap(w.model)(jnp.zeros((0, 4))),
+        lambda w, out: out.shape == (0, 2),
+        id="vmap-empty-batch",
+    ),
+    pytest.param(
+        lambda w: _sum_grads(w.model, jnp.zeros((0, 4))),
+        _nothing_learned,
+        id="vmap-empty-batch-grads-keep-scales",
+    ),
+    pytest.param(
+        lambda w: fp8jax.filter_grad(lambda m, x: jnp.sum(jax.vmap(jax.vmap(m))(x)))(
+            w.model, jnp.zeros((0, 3, 4))
+        ),
+        _nothing_learned,
+        id="vmap-of-vmap-empty-outer",
+    ),
+    pytest.param(
+        lambda w: fp8jax.filter_grad(lambda m, x: jnp.sum(jax.vmap(jax.vmap(m))(x)))(
+            w.model, jnp.zeros((3, 0, 4))
+        ),
+        _nothing_learned,
+        id="vmap-of-vmap-empty-inner",
+    ),
+    pytest.param(
+        lambda w: jax.vmap(fp8jax.filter_grad(lambda m, x: jnp.sum(m(x))), in_axes=(None, 0))(
+            w.model, jnp.zeros((0, 4))
+        ),
+        lambda w, out: _finite_and_shaped(out, (0,)),
+        id="per-example-grads-empty-batch",
+    ),
+    *[
+        pytest.param(
+            lambda w, r=r: _sum_grads(_model(config=fp8jax.Fp8Config(recipe=r)), jnp.zeros((0, 4))),
+            lambda w, out: _finite_and_shaped(out, ()),
+            id=f"vmap-empty-batch-{r}",
+        )
+        for r in ("current", "blockwise", "mxfp8", "residual")
+    ],
+    *[
+        pytest.param(
+            lambda w, r=r: fp8jax.filter_grad(lambda m, x, s: jnp.sum(jax.vmap(m)(x, s)))(
+                _grouped(r), jnp.zeros((0, 5, 4)), EMPTY_I32
+            ),
+            lambda w, out: _finite_and_shaped(out, ()),
+            id=f"grouped-vmap-no-members-{r}",
+        )
+        for r in ("delayed", "blockwise")
+    ],
+    pytest.param(
+        lambda w: jax.vmap(
+            fp8jax.filter_grad(lambda m, x, s: jnp.sum(m(x, s))), in_axes=(None, 0, 0)
+        )(_grouped("delayed"), jnp.zeros((0, 5, 4)), EMPTY_I32),
+        lambda w, out: _finite_and_shaped(out, (0,)),
+        id="grouped-per-example-grads-no-members",
+    ),
     pytest.param(
         lambda w: w.dot(jnp.ones((0, 4)), jnp.ones((4, 3)), MATMUL),
         lambda w, out: out.shape == (0, 3) and out.dtype == jnp.float32,

@@ -73,9 +73,10 @@ def _record(tree: Any) -> dict[str, Any]:
     return {"fp8_layers": layers, "leaves": leaves}
 
 
-# Recipe options that choose how a GEMM runs, not what the state holds: a checkpoint restores
-# across them (and across versions before they existed).
-_IMPLEMENTATION_ONLY = re.compile(r",?\s*\bnative_kernel=(?:None|True|False)")
+# Recipe options that choose how a GEMM runs, not what the state holds, or that act only
+# while an amax history is empty (a restored history decides the scale): a checkpoint
+# restores across them (and across versions before they existed).
+_IMPLEMENTATION_ONLY = re.compile(r",?\s*\b(?:native_kernel|warm_start)=(?:None|True|False)")
 
 
 def _layer_entry(entry: dict[str, Any] | None) -> dict[str, Any] | None:

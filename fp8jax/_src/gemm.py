@@ -292,8 +292,13 @@ def _merge_tensor(q: Any, batched: Any, how: str) -> Any:
     return jax.tree.map(lambda a, b: _merge(a, how) if b else a, q, batched)
 
 
-def _fold(x_batched: bool, w_batched: bool, states_batched: Any) -> str | None:
+def _fold(axis_size: int, x_batched: bool, w_batched: bool, states_batched: Any) -> str | None:
+    """How the mapped axis folds into the GEMM ("rows" or "batch"), or `None` to map the GEMM
+    per example. An empty mapped axis is mapped: a fold could not be undone (nothing tells
+    how many rows each of no members had)."""
     if _PER_EXAMPLE.get() or any(jax.tree.leaves(states_batched)) or not x_batched:
+        return None
+    if axis_size == 0:
         return None
     return "batch" if w_batched else "rows"
 
@@ -326,7 +331,7 @@ def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
     @forward.def_vmap
     def _rule(axis_size, in_batched, x, w, states):
         x_b, w_b, states_b = in_batched
-        how = _fold(x_b, w_b, states_b)
+        how = _fold(axis_size, x_b, w_b, states_b)
         if how is None:
             # Per example. Unbatched state stays unbatched (its amaxes span the mapped axis),
             # and so does an operand that depends only on unbatched values.
@@ -364,7 +369,7 @@ def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
         res_b, g_b = in_batched
         x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
         states_b = res_b._replace(q_x=False, q_w=False)  # everything but the operands
-        how = _fold(x_b, w_b, states_b) if g_b else None
+        how = _fold(axis_size, x_b, w_b, states_b) if g_b else None
         if how is None:
             out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
             outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)

@@ -108,7 +108,7 @@ def _over_the_batch(per_expert: Any, combine: Any, doc: str) -> Any:
 
 has_tokens = _over_the_batch(
     lambda sizes: sizes > 0,
-    jnp.max,
+    functools.partial(jnp.max, initial=0),  # an empty mapped axis gave no expert tokens
     "Which experts got tokens (in any member of a `vmap`ped axis sharing `owner`'s state).",
 )
 token_counts = _over_the_batch(

@@ -153,11 +153,21 @@ class DelayedScaling(PerTensorRecipe):
     `scale = fp8_max / (amax * 2**margin)` (rounded down to a power of two unless
     `power_of_two=False`), kept unchanged when `amax` is zero or not finite.
 
+    **A warm first step.** While the history holds no amax yet (a fresh layer, or one just
+    converted from a trained BF16 checkpoint), the operand is scaled by its own amax, as
+    [`fp8jax.CurrentScaling`][] would: Transformer Engine and Haliax scale by 1.0 then, and
+    a small tensor (an output gradient of `1e-6`, say) underflows E5M2 and E4M3 entirely, so
+    the first steps' weight gradients come out zero. From the first recorded amax on, the
+    scale is delayed as above. `warm_start=False` restores the scale of 1.0 (bit-equality
+    with Transformer Engine or Haliax). The amax is reduced before the cast in either case
+    (it enters the history); with the warm start, the cast waits for it.
+
     **Arguments:**
 
     - `history_len`: amaxes remembered (default 1024).
     - `amax_compute`: `"max"` or `"most_recent"`.
     - `margin`: leave `2**margin` of headroom below the format's max.
+    - `warm_start`: scale by the current amax while the history is empty (default `True`).
     - the formats and options of [`fp8jax.PerTensorRecipe`][].
 
     ```python
@@ -168,6 +178,7 @@ class DelayedScaling(PerTensorRecipe):
     history_len: int = 1024
     amax_compute: str = "max"
     margin: float = 0.0
+    warm_start: bool = True
 
     @property
     def reads_state(self) -> bool:
@@ -178,6 +189,7 @@ class DelayedScaling(PerTensorRecipe):
         check_margin(self.margin)
         check_positive_int("history_len", self.history_len)
         check_choice("amax_compute", self.amax_compute, ("max", "most_recent"))
+        check_flags(self, "warm_start")
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
         return TensorState(
@@ -190,9 +202,13 @@ class DelayedScaling(PerTensorRecipe):
     ) -> tuple[Float[Array, ""], TensorState]:
         history = state.amax_history
         ref = jnp.max(history, axis=-1) if self.amax_compute == "max" else history[..., 0]
+        current = self.amax(x, state.scale)
+        if self.warm_start:
+            # No amax recorded yet: nothing to delay, so use this step's own.
+            ref = jnp.where(jnp.max(history, axis=-1) > 0.0, ref, current)
         fmt_max = fp8_max(self.format(role))
         scale = compute_scale(ref, state.scale, fmt_max, self.margin, self.power_of_two)
-        new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(self.amax(x, state.scale))
+        new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(current)
         return scale, TensorState(scale, new_history)
 
 
