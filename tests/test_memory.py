@@ -1,11 +1,11 @@
 """FP8 train steps take no more H100 temp memory than the same steps in BF16.
 
 Three step forms of `benchmarks/memory_sweep.py`, compiled for an H100 without a GPU: an MLP
-1024 -> 4096 -> 1024 over 2,048 tokens, float32 master weights and BF16 compute, its
-gradients returned (Equinox and Flax NNX) or an `nnx.Optimizer(sgd)` update inside,
-parameters donated. Before the amax of a delayed-scaling cast was tied to its FP8
-values, XLA reduced that amax last and kept the high-precision output gradient alive for it,
-and these steps took more temp memory than BF16.
+1024 -> 4096 -> 1024, float32 master weights and BF16 compute, parameters donated, over
+2,048 tokens with its gradients returned (Equinox and Flax NNX), and over 8,192 tokens with
+SGD inside the step (Equinox). Each failed on main 162e04b (issue 24: delayed scaling kept
+a high-precision output gradient alive for an amax reduced at the end of the step; at 8,192
+tokens both recipes kept more FP8 operands alive at the peak).
 """
 
 import equinox as eqx
@@ -19,7 +19,7 @@ from fp8jax._src import inspect as inspect_module
 
 nnx = pytest.importorskip("flax.nnx")
 
-WIDTH, HIDDEN, TOKENS = 1024, 4096, 2048
+WIDTH, HIDDEN = 1024, 4096
 POLICY = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
 RECIPES = {"delayed": fp8jax.DelayedScaling(), "current": fp8jax.CurrentScaling()}
 MODES = {"cublas": fp8jax.gpu_compiler_options(), "default": {}}
@@ -61,8 +61,8 @@ class EqxMLP(eqx.Module):
         return jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(x)))
 
 
-def eqx_grads(recipe):
-    """The Equinox step that returns its gradients."""
+def eqx_step(recipe, optimizer):
+    """The Equinox step: gradients returned (no `optimizer`), or an optax update inside."""
     model = EqxMLP(jax.random.PRNGKey(0))
     if recipe is not None:
         model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))
@@ -70,10 +70,22 @@ def eqx_grads(recipe):
     def loss(model, x):
         return jnp.mean(POLICY.cast_to_compute(model)(x).astype(jnp.float32) ** 2)
 
-    def step(model, x):
+    def grads(model, x):
         return fp8jax.filter_value_and_grad(loss)(model, x)
 
-    return step, (model,)
+    if optimizer is None:
+        return grads, (model,)
+
+    def step(model, opt_state, x):
+        value, grads = fp8jax.filter_value_and_grad(loss)(model, x)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)  # FP8 state out
+        _, trainable = fp8jax.partition_for_grad_overwrite(model)
+        params = eqx.filter(trainable, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return fp8jax.apply_updates(model, updates, overwrites), opt_state, value
+
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    return step, (model, optimizer.init(eqx.filter(trainable, eqx.is_inexact_array)))
 
 
 class NnxMLP(nnx.Module):
@@ -113,30 +125,26 @@ def nnx_step(recipe, optimizer):
     return step, (state,)
 
 
+# name: (step builder, tokens, XLA modes); parameters (and optimizer state) donated.
 CASES = {
-    "eqx grads, donated": (eqx_grads, True),
-    "nnx grads, donated": (lambda r: nnx_step(r, None), True),
-    "nnx sgd, donated": (lambda r: nnx_step(r, optax.sgd(1e-3)), True),
+    "eqx grads": (lambda r: eqx_step(r, None), 2048, ("cublas", "default")),
+    "nnx grads": (lambda r: nnx_step(r, None), 2048, ("cublas", "default")),
+    # Under default flags this step still takes 1.11x BF16's temp memory (fc2's FP8 input
+    # kept for a wgrad that XLA runs late; benchmarks/RESULTS.md), so cuBLAS mode only.
+    "eqx sgd, 8192 tokens": (lambda r: eqx_step(r, optax.sgd(1e-3)), 8192, ("cublas",)),
 }
-
-
 _BF16: dict = {}  # the BF16 reference of each case and mode, compiled once
 
 
-# Current scaling's nnx sgd step stays 20 KiB above BF16's 72 MiB in cuBLAS mode (an unmet
-# case of benchmarks/RESULTS.md's sweep), so that pair is not asserted here.
-PAIRS = [(case, recipe) for case in CASES for recipe in RECIPES]
-PAIRS.remove(("nnx sgd, donated", "current"))
-
-
-@pytest.mark.parametrize(("case", "recipe"), PAIRS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_fp8_temp_memory_at_most_bf16(device, case, recipe):
-    build, donate = CASES[case]
-    x = jnp.zeros((TOKENS, WIDTH), jnp.bfloat16)
-    for mode in MODES:
+    build, tokens, modes = CASES[case]
+    x = jnp.zeros((tokens, WIDTH), jnp.bfloat16)
+    for mode in modes:
         if (case, mode) not in _BF16:
             fn, donated = build(None)
-            _BF16[case, mode] = temp_bytes(device, fn, donated, (x,), donate, MODES[mode])
+            _BF16[case, mode] = temp_bytes(device, fn, donated, (x,), True, MODES[mode])
         fn, donated = build(RECIPES[recipe])
-        fp8 = temp_bytes(device, fn, donated, (x,), donate, MODES[mode])
+        fp8 = temp_bytes(device, fn, donated, (x,), True, MODES[mode])
         assert fp8 <= _BF16[case, mode], (case, mode, recipe, fp8, _BF16[case, mode])
