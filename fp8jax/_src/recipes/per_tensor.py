@@ -5,9 +5,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float
 
+from .. import jax_private
 from ..formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     Axis,
@@ -21,6 +24,26 @@ from .base import (
     check_positive_int,
     per_tensor_dot,
 )
+
+
+def _after(data: Array, new_state: TensorState) -> Array:
+    """`data`, available only once `new_state` (which records the amax of the tensor `data`
+    was cast from) is computed.
+
+    A delayed scale comes from the history, so the cast does not wait for the amax it records,
+    and nothing else needs that amax before the state leaves the step: XLA's scheduler then
+    reduces it last and keeps the high-precision tensor (an activation, an output gradient)
+    alive until the end of the step, beside its FP8 copy, for one reduction. The barrier makes
+    the amax ready before the FP8 values are used. (Current scaling casts with the amax, so
+    there it changes nothing.) Only `data` comes from the barrier: the state keeps its type,
+    and inside `shard_map` a barrier's results vary over every axis any operand varies over,
+    so it is skipped where the state varies over an axis the data does not.
+    """
+    axes = frozenset().union(*(jax_private.varying_axes(a) for a in jax.tree.leaves(new_state)))
+    if not axes <= jax_private.varying_axes(data):
+        return data
+    return lax.optimization_barrier((data, new_state))[0]
+
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -94,7 +117,8 @@ class PerTensorRecipe(HybridFormats):
     ) -> tuple[QTensor, TensorState]:
         del axis
         scale, new_state = self.scale_for(x, state, role)
-        return QTensor(quantize(x, scale, self.format(role)), 1.0 / scale), new_state
+        data = _after(quantize(x, scale, self.format(role)), new_state)
+        return QTensor(data, 1.0 / scale), new_state
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
