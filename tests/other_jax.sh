@@ -5,10 +5,16 @@
 #
 #   bash tests/other_jax.sh              # every release below
 #   bash tests/other_jax.sh 0.12.0.1     # one of them
+#   bash tests/other_jax.sh --install    # only make the venvs (CI, while the main suite runs)
 #   PYTHON312=/path/to/python3.12 bash tests/other_jax.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+INSTALL_ONLY=0
+if [ "${1:-}" = --install ]; then
+    INSTALL_ONLY=1
+    shift
+fi
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.11.2 0.12.0.1)
 
@@ -49,11 +55,15 @@ for v in "${VERSIONS[@]}"; do
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import jax, sys; sys.exit(jax.__version__ != '$v')"; then
         rm -rf "$venv"
         "$PYTHON" -m venv "$venv"
-        "$venv/bin/pip" install -q -e ".[nnx]" "jax==$v" "jaxlib==$v" \
+        "$venv/bin/pip" install -q --no-compile -e ".[nnx]" "jax==$v" "jaxlib==$v" \
             "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
             "pytest>=8" "hypothesis>=6.100" "optax==0.2.8"
     fi
     installed=$SECONDS
+    if [ $INSTALL_ONLY = 1 ]; then
+        echo "jax $v: install $((installed - start)) s"
+        continue
+    fi
     # The notebooks run in the main command: addopts without --nbmake.
     "$venv/bin/python" -m pytest -q -o addopts="-m 'not slow'" "${TESTS[@]}"
     echo "jax $v: install $((installed - start)) s, tests $((SECONDS - installed)) s"
