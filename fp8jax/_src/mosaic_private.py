@@ -11,7 +11,10 @@ fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by ver
 
 - `plgpu.load(ref, idx, *, layout)` took the index as a required argument in JAX 0.10,
   deprecated it in 0.11 (a `DeprecationWarning`) and dropped it in 0.12 (`load(ref, *,
-  layout)`): [`load`][] passes it only where it is required.
+  layout)`): `load` below passes it only where it is required.
+- `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
+  `ref.transpose(perm)`, which it wraps in every supported release (what
+  `tests/test_mosaic_private.py` traces for the GPU).
 """
 
 from __future__ import annotations
