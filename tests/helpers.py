@@ -1,11 +1,13 @@
 """Independent references for the tests: ml_dtypes rounding and float32/float64 NumPy math."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E5M2 = ml_dtypes.float8_e5m2
@@ -127,3 +129,15 @@ def run_with_mosaic_dump(script, args, dump):
     }
     command = [sys.executable, "-c", script, *args]
     return subprocess.run(command, env=env, capture_output=True, text=True)
+
+
+def h100_topology(devices: int = 1):
+    """fp8jax's deviceless H100 topology. Skips the test where no JAX CUDA plugin is installed
+    (the h100 extra); fails where one is installed but gives none (say, of another version)."""
+    from fp8jax._src import inspect as inspect_module
+
+    if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+        pytest.skip("deviceless H100 compiles need jax's CUDA plugin (the h100 extra)")
+    topology = inspect_module.h100_topology(devices)
+    assert topology is not None, "a JAX CUDA plugin is installed, but gives no deviceless H100"
+    return topology

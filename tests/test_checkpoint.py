@@ -1,5 +1,7 @@
 """Checkpoints: a run stopped at step k and resumed matches an uninterrupted one bit for bit."""
 
+import importlib.util
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,10 @@ import pytest
 
 import fp8jax
 
+needs_orbax = pytest.mark.skipif(
+    importlib.util.find_spec("orbax") is None, reason="orbax-checkpoint is not installed"
+)
+BACKENDS = ["equinox", pytest.param("orbax", marks=needs_orbax)]
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
 
@@ -39,7 +45,7 @@ def bits(tree):
     return [np.asarray(a).tobytes() for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
 
 
-@pytest.mark.parametrize("backend", ["equinox", "orbax"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_matches_an_uninterrupted_run(backend, tmp_path):
     k = 3
     step, state = build(jax.random.key(0))
@@ -70,7 +76,7 @@ def test_resume_matches_an_uninterrupted_run(backend, tmp_path):
     ],
     ids=["targets", "recipe", "telemetry", "optimizer"],
 )
-@pytest.mark.parametrize("backend", ["equinox", "orbax"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mismatched_targets_or_recipes_fail_before_loading(
     config, optimizer, message, backend, tmp_path
 ):
@@ -85,6 +91,7 @@ def test_mismatched_targets_or_recipes_fail_before_loading(
     assert bits(other) == before
 
 
+@needs_orbax
 def test_warm_start_is_not_part_of_the_checkpoint(tmp_path):
     """`warm_start` acts only while a history is empty; a restored history decides the
     scale. Checkpoints restore across it, and across records written before it existed (the
@@ -107,6 +114,7 @@ def test_warm_start_is_not_part_of_the_checkpoint(tmp_path):
         fp8jax.load_checkpoint(path, wrong, backend="orbax")
 
 
+@needs_orbax
 def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
     """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores
     across it, and across a record written before the option existed."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import make_train_step
+from helpers import h100_topology, make_train_step
 
 import fp8jax
 from fp8jax._src import inspect as inspect_module
@@ -38,9 +38,7 @@ SMALL = GPTConfig(layers=1, width=64, context=32)
 
 @pytest.fixture(scope="module")
 def h100():
-    topology = inspect_module.h100_topology()
-    assert topology is not None, "the H100 checks need the h100 extra: pip install -e '.[h100]'"
-    return topology
+    return h100_topology()
 
 
 def gpt_train_step(recipe, config=SMALL):

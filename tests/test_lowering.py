@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import make_train_step
+from helpers import h100_topology, make_train_step
 
 import fp8jax
 
@@ -111,11 +111,9 @@ def test_no_float32_copy_of_a_bf16_activation_on_h100():
     LayerNorm output that fp8jax widened back to float32 for its cast was then read as its
     float32 producer: a float32 intermediate the BF16 program does not have. Compiled for an
     H100, no float32 array of the activation's shape may remain."""
-    from fp8jax._src import inspect as inspect_module
     from fp8jax._src.formats import saturate
 
-    topology = inspect_module.h100_topology()
-    assert topology is not None, "needs the h100 extra"
+    topology = h100_topology()
 
     def norm_then_cast(x, scale):
         x32 = x.astype(jnp.float32)

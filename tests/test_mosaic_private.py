@@ -1,10 +1,14 @@
-"""The private Mosaic GPU API fp8jax uses (`fp8jax._src.mosaic_private`): if a JAX release
-moves it, these tests say so first."""
+"""The private Mosaic GPU API fp8jax uses, and the public calls whose signature changed
+between JAX releases (`fp8jax._src.mosaic_private`): if a JAX release moves them, these tests
+say so first."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -43,3 +47,45 @@ def test_interpreter_recovers_after_a_kernel_raises():
         jax.block_until_ready(jax.jit(bad)(jnp.ones(128)))
     mosaic_private.reset_interpreter()
     test_interpreter_runs_a_mosaic_gpu_kernel_on_the_cpu()
+
+
+def _gpu_jaxpr(f, *args) -> str:
+    """The jaxpr of `f` traced for a GPU (not interpreted): tracing a Mosaic GPU kernel checks
+    every Pallas call in its body against this JAX's API, without a GPU or CUDA plugin."""
+    return str(jax.make_jaxpr(f)(*args))
+
+
+def test_load_takes_a_register_layout_on_this_jax():
+    """`mosaic_private.load` calls `plgpu.load` as this JAX defines it: JAX 0.10 requires an
+    index, 0.11 deprecates it (an error under this suite's warning filter), 0.12 removed it."""
+
+    def scaled(x):
+        def body(x_ref, s_ref, o_ref):
+            s = mosaic_private.load(s_ref, layout=plgpu.Layout.WGMMA.reduce(1))
+            o_ref[...] = x_ref[...] * lax.broadcast_in_dim(s, x_ref.shape, [0])
+
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype))(
+            x, jnp.ones(x.shape[0], x.dtype)
+        )
+
+    jaxpr = _gpu_jaxpr(scaled, jnp.ones((64, 128)))
+    assert re.search(r"\bload\b", jaxpr) and "layout_cast" in jaxpr, jaxpr
+
+
+@pytest.mark.parametrize("n_terms", [1, 2])
+def test_block_gemm_traces_for_the_gpu_on_this_jax(n_terms):
+    """The native kernel's GPU path (wgmma on a transposed tile, scale loads in registers),
+    which the interpreter tests do not run, traces on this JAX without errors or warnings."""
+    from fp8jax._src.kernels.block_gemm import block_scaled_gemm
+
+    a, b = jnp.ones((64, 256), jnp.float8_e4m3fn), jnp.ones((128, 256), jnp.float8_e4m3fn)
+    sa, sb = jnp.ones((64, 2)), jnp.ones((128, 2))
+    jaxpr = _gpu_jaxpr(
+        lambda a, sa, b, sb: block_scaled_gemm(a, sa, [(b, sb)] * n_terms, interpret=False),
+        a,
+        sa,
+        b,
+        sb,
+    )
+    assert len(re.findall(r"\bwgmma_ref\b", jaxpr)) == n_terms, jaxpr  # one per rhs term
+    assert len(re.findall(r"\bload\b", jaxpr)) == 1 + n_terms, jaxpr  # scales, in registers

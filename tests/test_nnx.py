@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.linen import fp8_ops
-from helpers import make_train_step, representable
+from helpers import h100_topology, make_train_step, representable
 
 import fp8jax
 from fp8jax._src import inspect as inspect_module
@@ -657,7 +657,7 @@ def gemm_counts(report: fp8jax.Inspection) -> dict[str, dict[str, int]]:
 
 
 def test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100():
-    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    h100_topology()
     model = fp8jax.fp8_linear_layers(Mixed(nnx.Rngs(0)))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
 
@@ -715,7 +715,7 @@ def test_inspect_lowers_nnx_objects_as_state_in_and_out():
 
 
 def test_nnx_train_step_compiles_the_gemms_of_the_equinox_step_on_h100():
-    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    h100_topology()
     net = NnxNet((64, 32, 32), nnx.Rngs(0))
 
     def build():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import make_train_step
+from helpers import h100_topology, make_train_step
 
 import fp8jax
 
@@ -369,11 +369,7 @@ def fp8_gemm_calls(hlo):
 
 @pytest.fixture(scope="module")
 def h100():
-    from fp8jax._src import inspect as inspect_module
-
-    topology = inspect_module.h100_topology()
-    assert topology is not None, "the H100 checks need the h100 extra: pip install -e '.[h100]'"
-    return topology
+    return h100_topology()
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["gelu", "remat-gelu"])

@@ -534,6 +534,11 @@ def assert_all_fp8(
     return report
 
 
+#: XLA writes each kernel's PTX into `xla_dump_to` only for emitters matching this pattern
+#: since jax 0.11 (0.10 wrote them all); every release fp8jax supports takes the option.
+_PTX_DUMP_OPTIONS = {"xla_dump_emitter_re": ".*"}
+
+
 def _compile_with_ptx(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Kernel]]:
     """Compile `lowered` with `options`, keeping the PTX XLA generates (`xla_dump_to`: a
     temporary folder, or the caller's), and read the matrix-multiply instructions of each
@@ -545,7 +550,9 @@ def _compile_with_ptx(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[
         folder = given or scratch
         before = set(_ptx_files(folder))
         mosaic_before = set(_ptx_files(mosaic)) if mosaic else set()
-        compiled = lowered.compile(compiler_options={**options, "xla_dump_to": folder})
+        compiled = lowered.compile(
+            compiler_options={**options, "xla_dump_to": folder, **_PTX_DUMP_OPTIONS}
+        )
         kernels = ptx_kernels(_read(sorted(set(_ptx_files(folder)) - before)))
     dumped: list[Kernel] = []
     if mosaic:

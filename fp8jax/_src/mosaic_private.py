@@ -5,10 +5,22 @@ TMA copies and `wgmma`, is not exported by JAX (0.10): its parameters live in
 `jax._src.pallas.mosaic_gpu.interpret`. fp8jax uses it only to check its native kernels'
 numerics without a GPU. If a JAX release moves it, this module (and its test,
 `tests/test_mosaic_private.py`) is the one place to change.
+
+It also holds the public Mosaic GPU calls whose signature changed between the JAX releases
+fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by version number:
+
+- `plgpu.load(ref, idx, *, layout)` took the index as a required argument in JAX 0.10,
+  deprecated it in 0.11 (a `DeprecationWarning`) and dropped it in 0.12 (`load(ref, *,
+  layout)`): `load` below passes it only where it is required.
+- `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
+  `ref.transpose(perm)`, which it wraps in every supported release (what
+  `tests/test_mosaic_private.py` traces for the GPU).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 
@@ -36,3 +48,22 @@ def reset_interpreter() -> None:
     from jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks import reset_gpu_interpret_mode_state
 
     reset_gpu_interpret_mode_state()
+
+
+@functools.cache
+def _load_takes_index() -> bool:
+    """Whether `plgpu.load` requires its index argument (JAX 0.10) rather than taking the
+    reference alone (0.11 deprecates the index, 0.12 removed it)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+def load(ref: Any, *, layout: Any = None) -> Any:
+    """`plgpu.load` of the whole `ref` into registers in `layout`, on every supported JAX."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _load_takes_index():
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

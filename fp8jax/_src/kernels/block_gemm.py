@@ -160,7 +160,7 @@ def scale_vector(ref, axis: int, interpret: bool) -> Array:
     column, 1: one per row)."""
     if interpret:  # the interpreter has no rule for a load with a register layout
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(axis))
+    return mosaic_private.load(ref, layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
 def chunk_product(a_tile, b_tile, shape: tuple[int, int], interpret: bool) -> Array:
@@ -171,7 +171,7 @@ def chunk_product(a_tile, b_tile, shape: tuple[int, int], interpret: bool) -> Ar
         )
 
     def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a_tile, plgpu.transpose_ref(b_tile, (1, 0)))
+        plgpu.wgmma(acc_ref, a_tile, b_tile.transpose((1, 0)))
         return acc_ref[...]  # waits for the wgmma
 
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))

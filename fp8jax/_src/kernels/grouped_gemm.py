@@ -125,7 +125,7 @@ def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, inte
 
     def scope(acc_ref):
         def step(_, a_tile, b_tile):
-            plgpu.wgmma(acc_ref, a_tile, plgpu.transpose_ref(b_tile, (1, 0)))
+            plgpu.wgmma(acc_ref, a_tile, b_tile.transpose((1, 0)))
 
         plgpu.emit_pipeline(step, grid=grid, in_specs=specs, max_concurrent_steps=steps)(*operands)
         return acc_ref[...]  # waits for the last wgmma

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Run fp8jax's version-sensitive tests on the newer JAX releases it supports (README's main
+# test command covers jax 0.10.2 on Python 3.11). One Python 3.12 venv per release under
+# .venv-jax/, with the CUDA plugin of that exact release for the deviceless H100 compiles.
+#
+#   bash tests/other_jax.sh              # every release below
+#   bash tests/other_jax.sh 0.12.0.1     # one of them
+#   bash tests/other_jax.sh --install    # only make the venvs (CI, while the main suite runs)
+#   PYTHON312=/path/to/python3.12 bash tests/other_jax.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+INSTALL_ONLY=0
+if [ "${1:-}" = --install ]; then
+    INSTALL_ONLY=1
+    shift
+fi
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.11.2 0.12.0.1)
+
+# What differs between JAX releases, in a few minutes per release: JAX's internals and Mosaic
+# GPU's API (the compat modules), the native kernels in the interpreter and traced for CUDA,
+# the max-combining state under grad/vmap/scan, numerics, the train step, Flax NNX, and the
+# deviceless H100 compiles of fp8jax.inspect. A test renamed here fails loudly (not found).
+TESTS=(
+    tests/test_jax_private.py
+    tests/test_mosaic_private.py
+    tests/test_max_not_sum.py
+    tests/test_train_step.py
+    tests/test_kernels.py::test_kernel_matches_float64_reference_in_the_interpreter
+    tests/test_kernels.py::test_cpu_compiles_keep_the_xla_path
+    tests/test_kernels.py::test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel
+    tests/test_grouped_native.py::test_rows_kernel_matches_float64_in_the_interpreter
+    tests/test_grouped_native.py::test_tokens_kernel_matches_float64_in_the_interpreter
+    tests/test_grouped_native.py::test_cpu_compiles_keep_the_xla_path
+    tests/test_numerics.py::test_bf16_outputs_carry_no_scale_bias
+    tests/test_numerics.py::test_dgrad_kernel_is_one_rounding_of_the_weight
+    tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only
+    "tests/test_inspect.py::test_gpt_train_step_runs_every_targeted_gemm_in_fp8[delayed]"
+    tests/test_inspect.py::test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx
+    tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
+    tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
+)
+
+find_python312() {
+    local candidates=("${PYTHON312:-}" python3.12 /root/.pyenv/versions/3.12.*/bin/python3)
+    for c in "${candidates[@]}"; do
+        [ -n "$c" ] || continue
+        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null; then
+            command -v "$c" || echo "$c"
+            return
+        fi
+    done
+    echo "tests/other_jax.sh: no Python 3.12 found (tried python3.12 and pyenv's 3.12);" \
+        "set PYTHON312 to one (jax 0.11 and later need Python 3.12+ here)." >&2
+    exit 2
+}
+
+PYTHON=$(find_python312)
+for v in "${VERSIONS[@]}"; do
+    venv=".venv-jax/$v"
+    start=$SECONDS
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import jax, sys; sys.exit(jax.__version__ != '$v')"; then
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv"
+        "$venv/bin/pip" install -q --no-compile -e ".[nnx]" "jax==$v" "jaxlib==$v" \
+            "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
+            "pytest>=8" "hypothesis>=6.100" "optax==0.2.8"
+    fi
+    installed=$SECONDS
+    if [ $INSTALL_ONLY = 1 ]; then
+        echo "jax $v: install $((installed - start)) s"
+        continue
+    fi
+    # The notebooks run in the main command: addopts without --nbmake.
+    "$venv/bin/python" -m pytest -q -o addopts="-m 'not slow'" "${TESTS[@]}"
+    echo "jax $v: install $((installed - start)) s, tests $((SECONDS - installed)) s"
+done
