@@ -93,7 +93,8 @@ def assert_all(got, want, mags):
 
 class DelayedReference:
     """Delayed scaling's state, hand-rolled: the scale of step t from the history before t
-    (power of two), the newest amax written at index 0 after rolling by -1."""
+    (power of two; an empty history gives way to step t's own amax: the warm start), the
+    newest amax written at index 0 after rolling by -1."""
 
     def __init__(self, history_len):
         self.hist = {
@@ -106,7 +107,8 @@ class DelayedReference:
 
     @staticmethod
     def _next(hist, scale, amax, fmt):
-        new_scale = ref.current_scale(hist.max(), fmt, previous=scale, power_of_two=True)
+        delayed = hist.max() if hist.max() > 0 else amax
+        new_scale = ref.current_scale(delayed, fmt, previous=scale, power_of_two=True)
         new_hist = np.roll(hist, -1)
         new_hist[0] = amax
         return new_scale, new_hist
@@ -281,7 +283,8 @@ def test_vmap_over_examples_shares_state_and_sums_weight_gradients():
     xs = (rng.standard_normal((3, 12, K)) * [[[1.0]], [[20.0]], [[3.0]]]).astype(np.float32)
     cs = rng.standard_normal((3, 12, N)).astype(np.float32)
     w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
-    dot = fp8jax.Fp8RaggedDot(num_experts=G)  # fresh: every scale is 1, in every call
+    # Fresh and without the warm start: every scale is 1, in every call.
+    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(warm_start=False), num_experts=G)
 
     def vmapped(params, xs):
         dot, w = params
@@ -351,7 +354,8 @@ def test_nested_vmap_equals_the_sum_of_single_calls():
     xs = (rng.standard_normal((2, 3, 10, K)) * 4).astype(np.float32)
     cs = rng.standard_normal((2, 3, 10, N)).astype(np.float32)
     w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
-    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    # Without the warm start every call scales by 1.0, so the batch equals the single calls.
+    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(warm_start=False), num_experts=G)
     new, d_w = eqx.filter_jit(fp8jax.filter_grad(vmapped_loss(sizes, cs)))((dot, w), xs)
     calls = [run(dot, xs[i, j], w, cs[i, j], sizes[i, j]) for i in range(2) for j in range(3)]
     np.testing.assert_allclose(d_w, sum(c[2] for c in calls), rtol=1e-6, atol=1e-6)
