@@ -62,9 +62,9 @@ def accumulate_gradients(
     history gets the largest amax once, as for one step over the whole batch). With delayed
     scaling every microbatch is cast with the same scales, so the result is that of the whole
     batch up to float32 summation order (from the second step: on the first, an empty history
-    casts each microbatch with its own amax, the warm start); recipes that scale each tensor by its own amax
-    (current, blockwise, MXFP8, residual) cast each microbatch by its own, which differs from
-    the whole batch by FP8 rounding.
+    casts each microbatch with its own amax, the warm start); recipes that scale each tensor
+    by its own amax (current, blockwise, MXFP8, residual) cast each microbatch by its own,
+    which differs from the whole batch by FP8 rounding.
 
     ```python
     loss, grads = fp8jax.accumulate_gradients(loss_fn, 4)(model, x, y)
