@@ -40,6 +40,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from train_steps import table  # noqa: E402
+
 import fp8jax  # noqa: E402
 from fp8jax._src.inspect import h100_topology  # noqa: E402
 
@@ -228,18 +231,6 @@ def temp_bytes(case: Case, variant: str, mode: str) -> int:
 
 
 # --- report --------------------------------------------------------------------------------
-
-
-def table(rows, header) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
-    return "\n".join(
-        [
-            fmt(header) + " |",
-            "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *(fmt(r) + " |" for r in rows),
-        ]
-    )
 
 
 def summary(results: dict) -> list[list[str]]:
