@@ -65,6 +65,7 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
                     fp8jax.fp8_max(recipe.format(role)),
                     recipe.margin,
                     recipe.amax_compute,
+                    warm_start=recipe.warm_start,
                 )
                 np.testing.assert_array_equal(n.scale, want_scale, err_msg=role)
                 np.testing.assert_array_equal(n.amax_history, want_hist, err_msg=role)

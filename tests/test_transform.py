@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import U_F32, matmul_error_bound, ref_qdq
+from test_delayed_scaling import ref_update
 
 import fp8jax
 
@@ -59,12 +60,29 @@ def test_replaces_eqx_linear_keeping_weight_and_bias(getkey):
     assert not np.array_equal(fp8(x), lin(x))  # it really ran in FP8
 
 
-def _stored_scales(linear):
-    """The scales a fresh delayed-scaling layer quantizes with: its stored ones (1.0), while
-    its histories are empty."""
+def _first_call_scales(linear, x_amax):
+    """The scales a fresh delayed-scaling layer quantizes with on its first call: with the
+    warm start (the default), those of its input's and weight's own amax, as the hand-rolled
+    update of test_delayed_scaling computes them from its empty histories."""
     dot = linear.dot_general
+    assert dot.recipe.warm_start
     assert not np.any(dot.input.amax_history) and not np.any(dot.kernel.amax_history)
-    return np.float32(dot.input.scale), np.float32(dot.kernel.scale)
+    w_amax = np.abs(np.asarray(linear.weight, np.float32)).max()
+    scales = []
+    for role, amax in (("input", x_amax), ("kernel", w_amax)):
+        state = getattr(dot, role)
+        scale, _ = ref_update(
+            np.asarray(state.scale),
+            np.asarray(state.amax_history).copy(),
+            np.float32(amax),
+            fp8jax.fp8_max(dot.recipe.format(role)),
+            dot.recipe.margin,
+            dot.recipe.amax_compute,
+            dot.recipe.power_of_two,
+            warm_start=True,
+        )
+        scales.append(np.float32(scale))
+    return tuple(scales)
 
 
 def test_scalar_features_like_eqx(getkey):
@@ -72,7 +90,7 @@ def test_scalar_features_like_eqx(getkey):
     fp8 = fp8jax.fp8_linear_layers(lin)
     x = jnp.float32(0.75)
     assert fp8(x).shape == () == lin(x).shape
-    sx, sw = _stored_scales(fp8)
+    sx, sw = _first_call_scales(fp8, abs(x))
     w, b = np.float32(lin.weight[0, 0]), np.float32(lin.bias[0])
     xq, wq = ref_qdq(x, sx, "e4m3"), ref_qdq(w, sw, "e4m3")
     assert wq != w  # the weight is not an E4M3 value: its rounding shows in the result
@@ -90,7 +108,9 @@ def test_converted_attention_matches_float32(getkey):
     x = np.asarray(jax.random.normal(getkey(), (6, 16)))
     got = np.asarray(fp8(x, x, x), np.float64)
     projections = ("query_proj", "key_proj", "value_proj", "output_proj")
-    scales = {name: _stored_scales(getattr(fp8, name)) for name in projections}
+    scales = {
+        name: _first_call_scales(getattr(fp8, name), np.abs(x).max()) for name in projections[:3]
+    }
     assert not any(getattr(attn, name).use_bias for name in projections)
 
     def quantized(name):  # the E4M3 values of a projection's input and weight, as functions
@@ -112,6 +132,13 @@ def test_converted_attention_matches_float32(getkey):
     # rounding is monotonic, so the layer's FP8 `o` lies between those of o -+ that margin,
     # and its output in the interval they span.
     margin = 2.0**-12 * np.einsum("hsS,Shd->shd", weights, np.abs(v)).reshape(6, 16)
+    # The output projection's input scale comes from the layer's own amax of `o`, within the
+    # same margin: the power-of-two scale is the same across it, so the bracket is exact.
+    out_low, out_high = (
+        _first_call_scales(fp8.output_proj, np.abs(o + sign * margin).max()) for sign in (-1, 1)
+    )
+    assert out_low == out_high
+    scales["output_proj"] = out_low
     q8, w_out = quantized("output_proj")
     low, high = q8(o - margin), q8(o + margin)
     center = (low + high) / 2 @ w_out.T
