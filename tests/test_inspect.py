@@ -320,6 +320,20 @@ def test_generated_kernels_are_judged_by_their_ptx(h100):
         fp8jax.assert_all_fp8(default)
 
 
+def test_the_dump_holds_the_ptx_and_no_pass_logs(h100, tmp_path):
+    """The inspector reads the PTX XLA writes, and asks for nothing more: dumps of every
+    emitter's passes made each compile ten times slower."""
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((256, 256), jnp.float8_e5m2)
+    report = fp8jax.inspect(
+        _fp8_gemm, a, b, modes=("default",), compiler_options={"xla_dump_to": str(tmp_path)}
+    )
+    assert all(g.ptx for g in report.gemms["default"])
+    names = [p.name for p in tmp_path.iterdir()]
+    assert any(n.endswith(".ptx") for n in names)
+    assert not [n for n in names if n.endswith((".mlir-passes.log", ".ttir", ".mlir"))], names
+
+
 def test_assert_all_fp8_checks_fp8jax_s_options_by_default(h100, monkeypatch):
     """A function given to assert_all_fp8 is compiled in cuBLAS mode only (the options
     make_train_step uses), and passes there."""

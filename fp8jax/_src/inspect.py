@@ -534,9 +534,10 @@ def assert_all_fp8(
     return report
 
 
-#: XLA writes each kernel's PTX into `xla_dump_to` only for emitters matching this pattern
-#: since jax 0.11 (0.10 wrote them all); every release fp8jax supports takes the option.
-_PTX_DUMP_OPTIONS = {"xla_dump_emitter_re": ".*"}
+#: Since jax 0.11 XLA writes each kernel's PTX into `xla_dump_to` only where this pattern
+#: matches the tag "ptx" (0.10 wrote them all and ignores it). A wider pattern also dumps
+#: every emitter's MLIR and LLVM passes: ten times the compile time.
+_PTX_DUMP_OPTIONS = {"xla_dump_emitter_re": "^ptx$"}
 
 
 def _compile_with_ptx(lowered: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Kernel]]:
