@@ -84,7 +84,7 @@ from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_to
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
 # default (added to train_steps.RECIPES, which `variant` reads, in this process
-# only); the residual recipe on its XLA path, beside its default fused kernel.
+# only); the residual recipe on its XLA path (its default), beside its fused kernel.
 RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
 RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 

@@ -63,17 +63,19 @@ class ResidualFP8(HybridFormats):
       are caught by `W_lo` only up to its range).
     - `forward_format`, `backward_format`: both `"e4m3"` by default. E4M3 gradients keep one
       more significand bit than E5M2 (a current scale leaves them 18 binades below the amax)
-      and let the fused kernel run every GEMM: Mosaic GPU's `wgmma` takes one FP8 type for
-      both operands, so with `backward_format="e5m2"` the dgrad and wgrad (E5M2 times E4M3)
-      stay cuBLASLt calls whose terms are summed in a float32 buffer (on the MLP of
-      `benchmarks/peers.py`, 1.7x delayed scaling's H100 temp memory instead of 1.0x).
-    - `native_kernel`: run the terms that share a left operand as one Pallas Mosaic GPU
-      kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x` loaded once, one float32
-      accumulation in registers, the output dtype written once). `None` (default): the kernel
-      on Hopper GPUs and in compiles for them, the XLA path (two cuBLASLt FP8 calls, the
-      second adding into the first's float32 output) elsewhere, with the same numerics up to
-      the float32 summation order; `True` forces the kernel (sm_90 only); `False` the XLA
-      path. With `split_activation`, `x_lo W_hi` is a second kernel.
+      and let the fused kernel (`native_kernel=None`) run every GEMM: Mosaic GPU's `wgmma`
+      takes one FP8 type for both operands, so with `backward_format="e5m2"` the dgrad and
+      wgrad (E5M2 times E4M3) stay cuBLASLt calls.
+    - `native_kernel`: `False` (default): the XLA path, two cuBLASLt FP8 calls, the second
+      adding into the first's float32 output. `None`: fp8jax's Pallas Mosaic GPU kernel on
+      Hopper GPUs and in compiles for them (the XLA path elsewhere), running the terms that
+      share a left operand as one kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x`
+      loaded once, one float32 accumulation in registers, the output dtype written once);
+      `True` forces it (sm_90 only). The kernel keeps the float32 sum out of memory (about
+      delayed scaling's temp memory, where the XLA path's float32 buffer takes more) but ran
+      2.0-2.4x slower than the two cuBLASLt calls on an H200 at LLM shapes, hence the
+      default (both in `benchmarks/RESULTS.md`). Same numerics up to the float32 summation
+      order. With `split_activation`, `x_lo W_hi` is a second kernel.
     """
 
     split_activation: bool = False
@@ -81,7 +83,7 @@ class ResidualFP8(HybridFormats):
     error_feedback: bool = False
     predict_lo_scale: bool = False
     nf_aware: bool = False
-    native_kernel: bool | None = None
+    native_kernel: bool | None = False
     backward_format: FormatLike = "e4m3"
 
     def __post_init__(self) -> None:
