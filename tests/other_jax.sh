@@ -58,12 +58,12 @@ PYTHON=$(find_python312)
 for v in "${VERSIONS[@]}"; do
     venv=".venv-jax/$v"
     start=$SECONDS
-    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import jax, sys; sys.exit(jax.__version__ != '$v')"; then
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import jax, xdist, sys; sys.exit(jax.__version__ != '$v')"; then
         rm -rf "$venv"
         "$PYTHON" -m venv "$venv"
         "$venv/bin/pip" install -q --no-compile -e ".[nnx]" "jax==$v" "jaxlib==$v" \
             "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
-            "pytest>=8" "hypothesis>=6.100" "optax==0.2.8"
+            "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100" "optax==0.2.8"
     fi
     installed=$SECONDS
     if [ $INSTALL_ONLY = 1 ]; then
@@ -71,6 +71,6 @@ for v in "${VERSIONS[@]}"; do
         continue
     fi
     # The notebooks run in the main command: addopts without --nbmake.
-    "$venv/bin/python" -m pytest -q -o addopts="-m 'not slow'" "${TESTS[@]}"
+    "$venv/bin/python" -m pytest -q -n 2 -o addopts="-m 'not slow'" "${TESTS[@]}"
     echo "jax $v: install $((installed - start)) s, tests $((SECONDS - installed)) s"
 done
