@@ -135,7 +135,7 @@ def test_converted_attention_matches_float32(getkey):
     # The output projection's input scale comes from the layer's own amax of `o`, within the
     # same margin: the power-of-two scale is the same across it, so the bracket is exact.
     out_low, out_high = (
-        _first_call_scales(fp8.output_proj, np.abs(o + sign * margin).max()) for sign in (-1, 1)
+        _first_call_scales(fp8.output_proj, (np.abs(o) + sign * margin).max()) for sign in (-1, 1)
     )
     assert out_low == out_high
     scales["output_proj"] = out_low
