@@ -96,3 +96,35 @@ def test_summary_tables_printed_last(dry_run):
     assert all(line.startswith("|") for line in last)
     assert [row.split("|")[1].strip() for row in last[2:]] == list(SECTIONS)
     assert (out / "summary.txt").read_text().strip().endswith(lines[-1])
+
+
+@pytest.fixture
+def check_modules(monkeypatch):
+    """`gpu_check.main` and `gpu_check.steps`, imported as the command line does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import main, steps
+
+    return main, steps
+
+
+def test_every_variant_of_every_mode_builds(check_modules):
+    """The GPU run's variants (full and quick too, not only the dry run's) build at the dry
+    run's shapes: an H200 run once lost its MoE residual step to a recipe without a grouped
+    GEMM."""
+    _, steps = check_modules
+    for model, (builder, by_mode) in steps.MODELS.items():
+        _, args, _ = builder("dry")
+        for name in dict.fromkeys(n for variants in by_mode.values() for n in variants):
+            assert args(name), (model, name)
+
+
+def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
+    main, _ = check_modules
+    assert main.parse(["--out", str(tmp_path)]).sections == list(main.SECTIONS)
+    assert main.parse(["--out", str(tmp_path), "--sections", "steps, numerics"]).sections == [
+        "steps",
+        "numerics",
+    ]
+    for bad in ("steps,gemm", ","):
+        with pytest.raises(SystemExit):
+            main.parse(["--out", str(tmp_path), "--sections", bad])

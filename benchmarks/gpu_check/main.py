@@ -16,6 +16,9 @@ from . import gemms, grouped, numerics, steps
 from .record import Recorder
 from .timing import METHOD
 
+#: The sections, in the order they run.
+SECTIONS = ("numerics", "gemms", "grouped", "steps")
+
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
 
@@ -40,7 +43,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="seconds for all measurements (default: 450 full, 210 quick, 300 dry run)",
     )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, in the usual order (default: all of "
+        f"{','.join(SECTIONS)}); a later GPU run can spend its budget where the last ran out",
+    )
     args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown or not args.sections:
+        parser.error(
+            f"--sections={','.join(args.sections)!r}: unknown {unknown}; "
+            f"should name one or more of {','.join(SECTIONS)}"
+        )
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
     return args
@@ -134,18 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     header = "\n".join(f"{k}: {v}" for k, v in env.items())
     print(f"# fp8jax GPU check ({mode})\n{header}", flush=True)
     rec.log(f"environment: {json.dumps(env)}")
+    rec.log(f"sections: {','.join(args.sections)}")
     dense, groups, trains = {}, {}, {}
-    with rec.section(numerics.SECTION):
-        numerics.run(rec, mode)
-    _release()
-    with rec.section(gemms.SECTION):
-        dense = gemms.run(rec, mode, gemm_runs)
-    _release()
-    with rec.section(grouped.SECTION):
-        groups = grouped.run(rec, mode, gemm_runs)
-    _release()
-    with rec.section(steps.SECTION):
-        trains = steps.run(rec, mode, step_runs)
+    if "numerics" in args.sections:
+        with rec.section(numerics.SECTION):
+            numerics.run(rec, mode)
+        _release()
+    if "gemms" in args.sections:
+        with rec.section(gemms.SECTION):
+            dense = gemms.run(rec, mode, gemm_runs)
+        _release()
+    if "grouped" in args.sections:
+        with rec.section(grouped.SECTION):
+            groups = grouped.run(rec, mode, gemm_runs)
+        _release()
+    if "steps" in args.sections:
+        with rec.section(steps.SECTION):
+            trains = steps.run(rec, mode, step_runs)
     decisions(rec, dense, groups, trains)
     summary = _summary(rec, mode)
     (args.out / "summary.txt").write_text(summary + "\n")
