@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
 from fp8jax.examples.gpt import MLP  # noqa: E402
 
 POLICY = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")

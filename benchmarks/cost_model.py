@@ -55,7 +55,7 @@ Variants: `bf16` (no FP8) and `fp8jax <recipe>` for delayed, current, blockwise,
 residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targets: every
 attention and MLP Linear, not the head). A compile for an H100 runs blockwise GEMMs as
 fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM throughput
-(`fp8jax._src.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same recipe on
+(`fp8jax._src.observe.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same recipe on
 its XLA path (`native_kernel=False`). The residual recipe's default fuses the terms that share
 a left operand in that kernel, every GEMM with its E4M3 gradients; `residual-xla` is its XLA
 path (`native_kernel=False`: two cuBLASLt FP8 calls per term pair, summed in float32).
@@ -78,8 +78,8 @@ import jax.numpy as jnp  # noqa: E402
 from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, variant  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src import inspect as inspect_module  # noqa: E402
-from fp8jax._src.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
+from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by

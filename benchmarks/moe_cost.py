@@ -43,8 +43,8 @@ import jax.numpy as jnp  # noqa: E402
 from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src import inspect as inspect_module  # noqa: E402
-from fp8jax._src.cost import H100, Cost, hlo_cost  # noqa: E402
+from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe.cost import H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.moe import MoE  # noqa: E402
 
 SHAPES = {

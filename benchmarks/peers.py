@@ -52,7 +52,7 @@ from flax.linen import fp8_ops  # noqa: E402
 from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
 from fp8jax.examples.gpt import GPT, MLP, GPTConfig, dense, next_token_loss  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

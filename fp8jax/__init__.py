@@ -7,40 +7,42 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 
 from typing import TYPE_CHECKING, Any
 
-from ._src.accumulate import accumulate_gradients as accumulate_gradients
-from ._src.checkpoint import load_checkpoint as load_checkpoint
-from ._src.checkpoint import save_checkpoint as save_checkpoint
-from ._src.compile_options import gpu_compiler_options as gpu_compiler_options
-from ._src.compile_options import gpu_xla_flags as gpu_xla_flags
-from ._src.cost import Cost as Cost
-from ._src.cost import KernelCost as KernelCost
-from ._src.cost import hlo_cost as hlo_cost
-from ._src.dot_general import Fp8DotGeneral as Fp8DotGeneral
-from ._src.formats import dequantize as dequantize
-from ._src.formats import fp8_dtype as fp8_dtype
-from ._src.formats import fp8_max as fp8_max
-from ._src.formats import quantize as quantize
-from ._src.grad import combine_by_max as combine_by_max
-from ._src.grad import filter_grad as filter_grad
-from ._src.grad import filter_value_and_grad as filter_value_and_grad
-from ._src.grouped import Fp8RaggedDot as Fp8RaggedDot
-from ._src.grouped import GroupedLinear as GroupedLinear
-from ._src.inspect import Collective as Collective
-from ._src.inspect import Fp8InspectionError as Fp8InspectionError
-from ._src.inspect import Gemm as Gemm
-from ._src.inspect import Inspection as Inspection
-from ._src.inspect import assert_all_fp8 as assert_all_fp8
-from ._src.inspect import h100_mesh as h100_mesh
-from ._src.inspect import inspect as inspect
-from ._src.loss_scale import DynamicLossScale as DynamicLossScale
-from ._src.loss_scale import LossScale as LossScale
-from ._src.loss_scale import NoOpLossScale as NoOpLossScale
-from ._src.loss_scale import StaticLossScale as StaticLossScale
-from ._src.loss_scale import all_finite as all_finite
-from ._src.loss_scale import select_tree as select_tree
-from ._src.nn import Linear as Linear
-from ._src.optim import low_precision_state as low_precision_state
-from ._src.policy import Policy as Policy
+from ._src.convert.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
+from ._src.convert.transform import Fp8Config as Fp8Config
+from ._src.convert.transform import fp8_linear_layers as fp8_linear_layers
+from ._src.core.compile_options import gpu_compiler_options as gpu_compiler_options
+from ._src.core.compile_options import gpu_xla_flags as gpu_xla_flags
+from ._src.core.formats import dequantize as dequantize
+from ._src.core.formats import fp8_dtype as fp8_dtype
+from ._src.core.formats import fp8_max as fp8_max
+from ._src.core.formats import quantize as quantize
+from ._src.core.remat import fp8_dots_saveable as fp8_dots_saveable
+from ._src.core.remat import save_fp8_operands as save_fp8_operands
+from ._src.core.stats import ExpertStats as ExpertStats
+from ._src.core.stats import Fp8Stats as Fp8Stats
+from ._src.core.stats import OperandStats as OperandStats
+from ._src.core.updates import OverwriteWithGradient as OverwriteWithGradient
+from ._src.core.updates import apply_updates as apply_updates
+from ._src.core.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
+from ._src.core.updates import with_fp8_state as with_fp8_state
+from ._src.layers.grouped import GroupedLinear as GroupedLinear
+from ._src.layers.linear import Linear as Linear
+from ._src.observe.cost import Cost as Cost
+from ._src.observe.cost import KernelCost as KernelCost
+from ._src.observe.cost import hlo_cost as hlo_cost
+from ._src.observe.inspect import Collective as Collective
+from ._src.observe.inspect import Fp8InspectionError as Fp8InspectionError
+from ._src.observe.inspect import Gemm as Gemm
+from ._src.observe.inspect import Inspection as Inspection
+from ._src.observe.inspect import assert_all_fp8 as assert_all_fp8
+from ._src.observe.inspect import h100_mesh as h100_mesh
+from ._src.observe.inspect import inspect as inspect
+from ._src.observe.telemetry import LayerTelemetry as LayerTelemetry
+from ._src.observe.telemetry import OperandTelemetry as OperandTelemetry
+from ._src.observe.telemetry import report as report
+from ._src.observe.telemetry import telemetry as telemetry
+from ._src.ops.dot_general import Fp8DotGeneral as Fp8DotGeneral
+from ._src.ops.ragged_dot import Fp8RaggedDot as Fp8RaggedDot
 from ._src.recipes import MXFP8 as MXFP8
 from ._src.recipes import BlockScaledRecipe as BlockScaledRecipe
 from ._src.recipes import BlockwiseScaling as BlockwiseScaling
@@ -54,34 +56,32 @@ from ._src.recipes import ResidualFP8 as ResidualFP8
 from ._src.recipes import ResidualState as ResidualState
 from ._src.recipes import TensorState as TensorState
 from ._src.recipes import compute_scale as compute_scale
-from ._src.remat import fp8_dots_saveable as fp8_dots_saveable
-from ._src.remat import save_fp8_operands as save_fp8_operands
-from ._src.stats import ExpertStats as ExpertStats
-from ._src.stats import Fp8Stats as Fp8Stats
-from ._src.stats import OperandStats as OperandStats
-from ._src.telemetry import LayerTelemetry as LayerTelemetry
-from ._src.telemetry import OperandTelemetry as OperandTelemetry
-from ._src.telemetry import report as report
-from ._src.telemetry import telemetry as telemetry
-from ._src.train import StepMetrics as StepMetrics
-from ._src.train import TrainState as TrainState
-from ._src.train import TrainStep as TrainStep
-from ._src.train import make_train_step as make_train_step
-from ._src.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
-from ._src.transform import Fp8Config as Fp8Config
-from ._src.transform import fp8_linear_layers as fp8_linear_layers
-from ._src.updates import OverwriteWithGradient as OverwriteWithGradient
-from ._src.updates import apply_updates as apply_updates
-from ._src.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
-from ._src.updates import with_fp8_state as with_fp8_state
+from ._src.train.accumulate import accumulate_gradients as accumulate_gradients
+from ._src.train.checkpoint import load_checkpoint as load_checkpoint
+from ._src.train.checkpoint import save_checkpoint as save_checkpoint
+from ._src.train.grad import combine_by_max as combine_by_max
+from ._src.train.grad import filter_grad as filter_grad
+from ._src.train.grad import filter_value_and_grad as filter_value_and_grad
+from ._src.train.loss_scale import DynamicLossScale as DynamicLossScale
+from ._src.train.loss_scale import LossScale as LossScale
+from ._src.train.loss_scale import NoOpLossScale as NoOpLossScale
+from ._src.train.loss_scale import StaticLossScale as StaticLossScale
+from ._src.train.loss_scale import all_finite as all_finite
+from ._src.train.loss_scale import select_tree as select_tree
+from ._src.train.optim import low_precision_state as low_precision_state
+from ._src.train.policy import Policy as Policy
+from ._src.train.step import StepMetrics as StepMetrics
+from ._src.train.step import TrainState as TrainState
+from ._src.train.step import TrainStep as TrainStep
+from ._src.train.step import make_train_step as make_train_step
 
 if TYPE_CHECKING:  # Flax NNX support: imported on first use (flax is the `nnx` extra)
-    from ._src.nnx import Fp8NnxDotGeneral as Fp8NnxDotGeneral
-    from ._src.nnx import Fp8NnxEinsum as Fp8NnxEinsum
-    from ._src.nnx import Fp8State as Fp8State
-    from ._src.nnx import nnx_train_step as nnx_train_step
-    from ._src.nnx import nnx_update_fp8_state as nnx_update_fp8_state
-    from ._src.nnx import nnx_value_and_grad as nnx_value_and_grad
+    from ._src.convert.nnx import Fp8NnxDotGeneral as Fp8NnxDotGeneral
+    from ._src.convert.nnx import Fp8NnxEinsum as Fp8NnxEinsum
+    from ._src.convert.nnx import Fp8State as Fp8State
+    from ._src.convert.nnx import nnx_train_step as nnx_train_step
+    from ._src.convert.nnx import nnx_update_fp8_state as nnx_update_fp8_state
+    from ._src.convert.nnx import nnx_value_and_grad as nnx_value_and_grad
 
 #: Names that import Flax, resolved on first access so that `import fp8jax` never does.
 _NNX_NAMES = (
@@ -98,7 +98,7 @@ def __getattr__(name: str) -> Any:
     if name not in _NNX_NAMES:
         raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
     try:
-        from ._src import nnx
+        from ._src.convert import nnx
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "flax":
             raise

@@ -195,7 +195,7 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
     # A record without grouped entries (written before they were recorded).
     import json
 
-    from fp8jax._src import checkpoint
+    from fp8jax._src.train import checkpoint
 
     record = checkpoint._record(state)
     assert {e["name"]: e.get("experts") for e in record["fp8_layers"].values()} == {

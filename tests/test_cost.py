@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 import fp8jax
-from fp8jax._src import inspect as inspect_module
-from fp8jax._src.cost import CATEGORIES, H100, Cost, KernelCost, hlo_cost
+from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, KernelCost, hlo_cost
 
 M, N, K = 256, 512, 256
 

@@ -82,7 +82,7 @@ def test_quantize_of_finite_values_is_finite_and_nearest(values, scale, fmt):
 def test_widen_is_exact_for_every_bfloat16():
     """`widen` (integer shifts, kept by XLA) gives the float32 value of every BF16 bit
     pattern, as a plain cast does; NaNs stay NaN."""
-    from fp8jax._src.formats import widen
+    from fp8jax._src.core.formats import widen
 
     bits = np.arange(2**16, dtype=np.uint16)
     x = jnp.asarray(bits.view(ml_dtypes.bfloat16))

@@ -18,8 +18,8 @@ from jax import lax
 from jax.ad_checkpoint import print_saved_residuals
 
 import fp8jax
-from fp8jax._src import inspect as inspect_module
-from fp8jax._src.grouped import gemm as grouped_gemm
+from fp8jax._src.gemm import grouped as grouped_gemm
+from fp8jax._src.observe import inspect as inspect_module
 from fp8jax.examples import moe
 
 G, K, N = 4, 64, 48

@@ -11,7 +11,7 @@ import pytest
 from helpers import h100_topology, make_train_step
 
 import fp8jax
-from fp8jax._src import inspect as inspect_module
+from fp8jax._src.observe import inspect as inspect_module
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 RECIPES = {

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from fp8jax._src import jax_private
+from fp8jax._src.core import jax_private
 
 
 @jax.custom_vjp
@@ -106,7 +106,7 @@ def test_static_slices_of_max_combining_state_raise_what_grad_recognises(index):
     import equinox as eqx
 
     import fp8jax
-    from fp8jax._src.grad import _is_static_slice_error
+    from fp8jax._src.train.grad import _is_static_slice_error
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     stacked = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(keys))

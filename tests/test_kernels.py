@@ -385,7 +385,7 @@ def test_native_kernels_transpose_fp8_values_not_bf16_activations(getkey, recipe
     44 MiB of H100 temp memory for blockwise instead of 39). Compiled for an H100, no BF16
     array of the MLP's hidden activation may be held transposed."""
     pytest.importorskip("jax_cuda12_plugin")
-    from fp8jax._src import inspect as inspect_module
+    from fp8jax._src.observe import inspect as inspect_module
     from fp8jax.examples.gpt import MLP
 
     topology = inspect_module.h100_topology()
@@ -418,7 +418,7 @@ def test_residual_fused_kernel_takes_about_delayed_scalings_h100_temp_memory(get
     kernel measured slower on an H200, sums two cuBLASLt products in a float32 buffer and
     takes more (1.72x when measured): the price of the default, documented."""
     pytest.importorskip("jax_cuda12_plugin")
-    from fp8jax._src import inspect as inspect_module
+    from fp8jax._src.observe import inspect as inspect_module
     from fp8jax.examples.gpt import MLP
 
     device = inspect_module.h100_topology().devices[0]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax._src.loss_scale import (
+from fp8jax._src.train.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,

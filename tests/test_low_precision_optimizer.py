@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from fp8jax._src.optim import low_precision_state
+from fp8jax._src.train.optim import low_precision_state
 
 U_BF16 = 2.0**-8  # bfloat16 unit roundoff: 8 significant bits, |round(x) - x| <= 2**-8 |x|
 U_F32 = 2.0**-24

@@ -111,7 +111,7 @@ def test_no_float32_copy_of_a_bf16_activation_on_h100():
     LayerNorm output that fp8jax widened back to float32 for its cast was then read as its
     float32 producer: a float32 intermediate the BF16 program does not have. Compiled for an
     H100, no float32 array of the activation's shape may remain."""
-    from fp8jax._src.formats import saturate
+    from fp8jax._src.core.formats import saturate
 
     topology = h100_topology()
 

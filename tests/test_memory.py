@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import fp8jax
-from fp8jax._src import inspect as inspect_module
+from fp8jax._src.observe import inspect as inspect_module
 
 nnx = pytest.importorskip("flax.nnx")
 

@@ -1,5 +1,5 @@
 """The private Mosaic GPU API fp8jax uses, and the public calls whose signature changed
-between JAX releases (`fp8jax._src.mosaic_private`): if a JAX release moves them, these tests
+between JAX releases (`fp8jax._src.core.mosaic_private`): if a JAX release moves them, these tests
 say so first."""
 
 import re
@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fp8jax._src import mosaic_private
+from fp8jax._src.core import mosaic_private
 
 
 def _double(x, interpret):

@@ -20,8 +20,8 @@ from flax.linen import fp8_ops
 from helpers import h100_topology, make_train_step, representable
 
 import fp8jax
-from fp8jax._src import inspect as inspect_module
-from fp8jax._src import nnx as fp8_nnx
+from fp8jax._src.convert import nnx as fp8_nnx
+from fp8jax._src.observe import inspect as inspect_module
 
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(history_len=16),

@@ -387,7 +387,7 @@ def test_bf16_gemms_are_one_cublaslt_call_with_the_scale_folded(h100, recipe, wr
     Linears are one `__cublas$lt$matmul$f8` call each, writing BF16 directly, with the
     scales among its operands (its alpha), not in a pass after it. Scales that are not
     powers of two are applied in float32: the call writes float32 (and XLA converts it)."""
-    from fp8jax._src import inspect as inspect_module
+    from fp8jax._src.observe import inspect as inspect_module
 
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     mlp = [eqx.nn.Linear(256, 512, key=k1), eqx.nn.Linear(512, 256, key=k2)]

@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_bf16_linear
 
 import fp8jax
-from fp8jax._src.policy import Policy
+from fp8jax._src.train.policy import Policy
 
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 import fp8jax
-from fp8jax._src.grouped import native
+from fp8jax._src.gemm import grouped_native as native
 
 from .record import Recorder
 from .timing import compile_and_time, tflops

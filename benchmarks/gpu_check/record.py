@@ -138,7 +138,7 @@ def _reset_interpreter(dry: bool) -> None:
     """Mosaic GPU's interpreter must be reset after a kernel raised, before the next one."""
     if dry:
         with contextlib.suppress(Exception):
-            from fp8jax._src import mosaic_private
+            from fp8jax._src.core import mosaic_private
 
             mosaic_private.reset_interpreter()
 

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-from .. import mosaic_private
+from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME
 from .dispatch import interpreting
 

@@ -2,7 +2,7 @@
 
 Two kernels cover the three GEMMs of an expert layer, on operands laid out by the caller so
 that each expert's tokens start on a tile boundary (DeepGEMM's "contiguous layout": every
-expert's rows padded with zeros to whole tiles; `fp8jax._src.grouped.native` makes it):
+expert's rows padded with zeros to whole tiles; `fp8jax._src.gemm.grouped_native` makes it):
 
 - `grouped_rows_gemm` (forward and dgrad): `out[tile t] = lhs[tile t] . rhs[e_t]^T`, each
   `tile_m`-row tile of `lhs (M, K)` multiplied by its expert's `rhs (N, K)`; the expert of a
@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from .. import mosaic_private
+from ..core import mosaic_private
 from . import GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 from .block_gemm import (
     BLOCK_K,

@@ -1,6 +1,6 @@
 """The recipe interface: how each operand of an FP8 GEMM is scaled, cast and multiplied.
 
-Recipes see every GEMM in one canonical form (the GEMM paths of `fp8jax._src.gemm` reshape any
+Recipes see every GEMM in one canonical form (the GEMM paths of `fp8jax._src.gemm.dense` reshape any
 `dot_general` into it): operands of shape `(*B, rows, cols)` with at most one leading batch
 axis, contracted over their last axis (`axis=-1`) or their rows (`axis=-2`). The forward is
 `x (*B, M, K) . w (*B, N, K)`, both contracted on `-1`; dgrad is `g (*B, M, N)` on `-1` with
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ..amax import amax
-from ..formats import FormatLike, expand_blocks, format_name, fp8_dtype
-from ..stats import OperandStats, cast_statistics
+from ..core.amax import amax
+from ..core.formats import FormatLike, expand_blocks, format_name, fp8_dtype
+from ..core.stats import OperandStats, cast_statistics
 
 Role = Literal["input", "kernel", "output_grad"]
 ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
@@ -187,7 +187,7 @@ class Recipe(abc.ABC):
     @property
     def dgrad_before_wgrad(self) -> bool:
         """Whether the backward runs the wgrad only once the dgrad is done (an optimization
-        barrier orders them; see `fp8jax._src.gemm`). It lowers the peak memory of a train
+        barrier orders them; see `fp8jax._src.gemm.dense`). It lowers the peak memory of a train
         step whose GEMMs are single FP8 calls writing their output dtype (per-tensor recipes).
         Block recipes (float32 partial products) and the residual recipe (two GEMMs per
         product) peak elsewhere, measured higher with it, and keep XLA's order."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from ..formats import (
+from ..core.formats import (
     FormatLike,
     expand_blocks,
     floor_log2,
@@ -27,7 +27,7 @@ from ..formats import (
     pow2,
     saturate,
 )
-from ..formats import format_name as canonical_format
+from ..core.formats import format_name as canonical_format
 from ..kernels import dispatch
 from .base import Axis, QTensor, Recipe, Role, TensorState, check_flags, check_positive_int
 from .per_tensor import MAX_SCALE

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
-from .. import jax_private
-from ..formats import floor_log2, fp8_max, pow2, quantize
+from ..core import jax_private
+from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     Axis,
     HybridFormats,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..formats import fp8_max, quantize
+from ..core.formats import fp8_max, quantize
 from ..kernels import dispatch
 from .base import Axis, FormatLike, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
 from .per_tensor import MAX_SCALE, compute_scale

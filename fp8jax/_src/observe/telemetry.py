@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .dot_general import Fp8DotGeneral
-from .grouped import Fp8RaggedDot
-from .recipes import ROLES
+from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
+from ..recipes import ROLES
 
 
 class OperandTelemetry(eqx.Module):

@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from . import jax_private
+from ..core import jax_private
+from ..core.compile_options import checked_compiler_options
+from ..core.updates import _is_overwrite, apply_updates, partition_for_grad_overwrite
 from .accumulate import accumulate_gradients
-from .compile_options import checked_compiler_options
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
-from .updates import _is_overwrite, apply_updates, partition_for_grad_overwrite
 
 
 class TrainState(eqx.Module):

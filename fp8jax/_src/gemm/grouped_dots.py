@@ -32,7 +32,7 @@ from ..kernels import dispatch
 from ..recipes import BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
 from ..recipes.blocks import NATIVE_BLOCK_SIZES, _contract_last, _k_major, _pad_to_blocks
-from .native import native_rows, native_tokens
+from .grouped_native import native_rows, native_tokens
 
 #: Recipes with an FP8 grouped GEMM, by name.
 SUPPORTED = "DelayedScaling, CurrentScaling, BlockwiseScaling and MXFP8"

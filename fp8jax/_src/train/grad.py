@@ -8,7 +8,7 @@ contributes and the history keeps the largest amax. Use it wherever you would us
 `eqx.filter_value_and_grad`.
 
 Under `jax.vmap(model)(batch)` the state's amax is already batch-wide (see
-`fp8jax._src.amax`) and the wgrad is one GEMM over all tokens, with either gradient
+`fp8jax._src.core.amax`) and the wgrad is one GEMM over all tokens, with either gradient
 function. When `filter_value_and_grad` is itself `vmap`ped (per-example gradients), it keeps the
 mapped axis out of the backward GEMMs, so each example gets its own weight gradient.
 """
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 
-from . import jax_private
-from .gemm import per_example_gradients
-from .updates import _is_overwrite
+from ..core import jax_private
+from ..core.updates import _is_overwrite
+from ..gemm.dense import per_example_gradients
 
 T = TypeVar("T")
 

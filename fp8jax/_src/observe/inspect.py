@@ -42,8 +42,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .compile_options import gpu_compiler_options
-from .dot_general import SCOPE
+from ..core.compile_options import gpu_compiler_options
+from ..ops.dot_general import SCOPE
 
 MODES = {
     "cublas": gpu_compiler_options(),
@@ -629,7 +629,7 @@ _PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
 
 
 def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
-    """Kernel name -> its [`Kernel`][fp8jax._src.inspect.Kernel] facts, from PTX modules.
+    """Kernel name -> its [`Kernel`][fp8jax._src.observe.inspect.Kernel] facts, from PTX modules.
 
     The instructions between one `.entry` and the next belong to the first; functions a
     module defines before its first entry (rare in XLA's kernels) go to every entry."""
@@ -724,9 +724,9 @@ def hlo_gemms(hlo: str, mode: str, kernels: Mapping[str, Kernel] | None = None) 
     """Every GEMM of an optimized HLO module: cuBLAS custom calls and dots (top level or
     inside fusions), with operand element types resolved within their computation.
 
-    With `kernels` (from [`ptx_kernels`][fp8jax._src.inspect.ptx_kernels]), each dot gets the
-    PTX facts of the kernel that runs it: the outermost fusion around it, named as XLA names
-    its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`)."""
+    With `kernels` (from [`ptx_kernels`][fp8jax._src.observe.inspect.ptx_kernels]), each dot
+    gets the PTX facts of the kernel that runs it: the outermost fusion around it, named as XLA
+    names its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`)."""
     computations: dict[str, dict[str, tuple[str, str, list[str], str]]] = {}
     current: dict[str, tuple[str, str, list[str], str]] | None = None
     for line in hlo.splitlines():

@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
+from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 from .inspect import (
     _COMPUTATION,
     _INSTRUCTION,
@@ -31,7 +32,6 @@ from .inspect import (
     _operand_names,
     array_bytes,
 )
-from .kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
 #: rate of a float32 GEMM at `precision=HIGHEST`) and HBM3 bandwidth (`"hbm"`, bytes/s).

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .dot_general import Fp8DotGeneral
+from ..ops.dot_general import Fp8DotGeneral
 
 
 def _is_array_like(x: object) -> bool:

@@ -13,7 +13,7 @@ from jax import lax
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .ragged_dot import Fp8RaggedDot, check_ragged_dot_args
+from ..ops.ragged_dot import Fp8RaggedDot, check_ragged_dot_args
 
 
 class GroupedLinear(eqx.Module):

@@ -52,7 +52,7 @@ amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_redu
 
     Reduced in `x`'s own dtype (exact: `abs` and `max` do not round) and widened afterwards:
     widening a BF16 `x` first would let XLA read the float32 value it was rounded from (see
-    `fp8jax._src.formats.widen`), a float32 intermediate of twice the bytes.
+    `fp8jax._src.core.formats.widen`), a float32 intermediate of twice the bytes.
 
     **Arguments:**
 

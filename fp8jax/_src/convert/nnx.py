@@ -40,9 +40,9 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
-from . import jax_private
-from .compile_options import checked_compiler_options
-from .dot_general import Fp8DotGeneral
+from ..core import jax_private
+from ..core.compile_options import checked_compiler_options
+from ..ops.dot_general import Fp8DotGeneral
 from .transform import Fp8Config, _stacked_dot_general, choose_layers
 
 M = TypeVar("M")

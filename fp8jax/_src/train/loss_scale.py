@@ -34,7 +34,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
-from .updates import _is_overwrite
+from ..core.updates import _is_overwrite
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")

@@ -17,8 +17,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ..core.updates import _is_overwrite, partition_for_grad_overwrite
 from .grad import filter_value_and_grad
-from .updates import _is_overwrite, partition_for_grad_overwrite
 
 
 def _split(x: Any, microbatches: int) -> Any:

@@ -36,8 +36,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .dot_general import Fp8DotGeneral
-from .grouped import Fp8RaggedDot
+from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
 
 T = TypeVar("T")
 

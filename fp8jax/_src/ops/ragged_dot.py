@@ -12,13 +12,13 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ..dot_general import SCOPE, _received, check_float, merge_stats, pick_received
-from ..gemm import States
+from ..core.stats import ExpertStats
+from ..core.updates import OverwriteWithGradient
+from ..gemm.dense import States
+from ..gemm.grouped import fp8_ragged_dot
+from ..gemm.grouped_dots import check_recipe, native_choice
 from ..recipes import ROLES, Recipe, TensorState, recipe_from
-from ..stats import ExpertStats
-from ..updates import OverwriteWithGradient
-from .dots import check_recipe, native_choice
-from .gemm import fp8_ragged_dot
+from .dot_general import SCOPE, _received, check_float, merge_stats, pick_received
 
 
 def check_ragged_dot_args(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from .updates import _is_overwrite
+from ..core.updates import _is_overwrite
 
 T = TypeVar("T")
 

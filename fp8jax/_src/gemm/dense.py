@@ -9,7 +9,7 @@ Residuals saved for the backward pass are the FP8 operands and their scales, nev
 high-precision copy. The backward quantizes the incoming gradient and runs dgrad and wgrad as
 FP8 x FP8 dots. The state of the three operands enters as a differentiable argument; its
 cotangent is its new value ("gradient hijack"), in the dtype the state came in (float32, or
-the max-combining dtype of `fp8jax._src.jax_private`).
+the max-combining dtype of `fp8jax._src.core.jax_private`).
 
 Under `jax.vmap(model)(batch)` JAX would run the forward and backward once per example: the
 wgrad of an unbatched weight would become a batched outer product, summed afterwards, not a
@@ -36,10 +36,10 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
-from . import jax_private
-from .recipes import Recipe
-from .remat import name_fp8_operands, name_gemm_output
-from .stats import Fp8Stats
+from ..core import jax_private
+from ..core.remat import name_fp8_operands, name_gemm_output
+from ..core.stats import Fp8Stats
+from ..recipes import Recipe
 
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]

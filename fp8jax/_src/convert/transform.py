@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from .dot_general import Fp8DotGeneral
-from .grouped import Fp8RaggedDot, GroupedLinear
-from .nn import Linear
-from .recipes import Recipe, recipe_from
+from ..layers.grouped import GroupedLinear
+from ..layers.linear import Linear
+from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
+from ..recipes import Recipe, recipe_from
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The FP8 grouped GEMM paths: forward, dgrad and wgrad, owned by one `jax.custom_vjp`.
 
-The grouped counterpart of `fp8jax._src.gemm`, for `lax.ragged_dot`'s signature: `x (M, K)`
+The grouped counterpart of `fp8jax._src.gemm.dense`, for `lax.ragged_dot`'s signature: `x (M, K)`
 with its rows sorted by expert, the experts' kernels `w (G, K, N)`, `group_sizes (G,)`.
 
 - forward: `out[rows of e] = x[rows of e] @ w[e]`, a ragged dot of FP8 operands (`dots.py`);
@@ -20,7 +20,7 @@ and history, as a dense layer that did not run does. Under `jax.vmap`, an expert
 used when any member of the mapped axis gave it tokens (the state is shared by the batch).
 
 Under `jax.vmap(model)(batch)`, with the kernels and the state not mapped, custom batching
-rules fold the mapped axis into the rows, as `fp8jax._src.gemm` does for dense layers: the
+rules fold the mapped axis into the rows, as `fp8jax._src.gemm.dense` does for dense layers: the
 tokens of all members are put in one expert order (each expert's tokens member after
 member), one grouped GEMM runs on them, and the wgrad is one grouped GEMM over all tokens
 instead of a weight gradient per member, summed afterwards. Other mapped cases (stacked
@@ -39,8 +39,11 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Bool, Int
 
-from .. import jax_private
-from ..gemm import (
+from ..core import jax_private
+from ..core.remat import name_fp8_operands, name_gemm_output
+from ..core.stats import ExpertStats
+from ..recipes import BlockScaledRecipe, Recipe
+from .dense import (
     _PER_EXAMPLE,
     States,
     Static,
@@ -53,11 +56,8 @@ from ..gemm import (
     _owner,
     _reduce_to,
 )
-from ..recipes import BlockScaledRecipe, Recipe
-from ..remat import name_fp8_operands, name_gemm_output
-from ..stats import ExpertStats
-from .dots import rows_dot, token_tile, tokens_dot
-from .native import expert_of_rows, pad, pad_layout, pad_quantized
+from .grouped_dots import rows_dot, token_tile, tokens_dot
+from .grouped_native import expert_of_rows, pad, pad_layout, pad_quantized
 
 #: How the errors of the shared checks name a grouped layer without a name.
 KIND = "Fp8RaggedDot"

@@ -12,10 +12,10 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
-from .gemm import States, fp8_dot_general, normalize_dimension_numbers
-from .recipes import ROLES, Recipe, TensorState, recipe_from
-from .stats import Fp8Stats
-from .updates import OverwriteWithGradient
+from ..core.stats import Fp8Stats
+from ..core.updates import OverwriteWithGradient
+from ..gemm.dense import States, fp8_dot_general, normalize_dimension_numbers
+from ..recipes import ROLES, Recipe, TensorState, recipe_from
 
 #: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
 SCOPE = "fp8jax"

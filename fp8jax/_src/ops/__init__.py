@@ -1,0 +1,2 @@
+"""The stateful FP8 ops: `Fp8DotGeneral` and `Fp8RaggedDot`, drop-in for `lax.dot_general`
+and `lax.ragged_dot`, carrying their scales and histories. Above the GEMMs."""
