@@ -42,22 +42,17 @@ from jaxtyping import Array
 
 from ..core import jax_private
 from ..core.compile_options import checked_compiler_options
+from ..core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
 from ..ops.dot_general import Fp8DotGeneral
 from .transform import Fp8Config, _stacked_dot_general, choose_layers
 
 M = TypeVar("M")
 
-# gemm.py's messages when one layer's state enters two GEMMs under one plain gradient, and
-# when a layer is differentiated but its state is not (their advice is Equinox's); the NNX
-# layer says the same in NNX terms. tests/test_nnx.py checks that they still read so.
-_USED_TWICE = "runs twice in one differentiated step"
-_NOT_DIFFERENTIATED = "is differentiated, but its FP8 state is not"
 
-
-def _nnx_message(message: str, name: str) -> str | None:
-    """The NNX version of an error of the Equinox layer, or `None` for any other error."""
+def _nnx_message(error: Fp8StateError, name: str) -> str:
+    """The NNX version of a state error of the Equinox layer (whose advice is Equinox's)."""
     layer = f"FP8 layer {name!r}" if name else "An Fp8NnxDotGeneral"
-    if _USED_TWICE in message:
+    if isinstance(error, StateUsedTwiceError):
         return (
             f"{layer} runs twice in one differentiated step (a shared or reused layer, a loop) "
             "under nnx.grad / nnx.value_and_grad, which would add its two amaxes and scales "
@@ -65,7 +60,7 @@ def _nnx_message(message: str, name: str) -> str | None:
             "FP8 state leaves the step through its gradient. Use fp8jax.nnx_value_and_grad "
             "(or fp8jax.nnx_train_step), which combines the uses by max."
         )
-    if _NOT_DIFFERENTIATED in message:
+    if isinstance(error, StateNotDifferentiatedError):
         return (
             f"{layer} is differentiated, but its FP8 state (fp8jax.Fp8State) is not: its new "
             "scales and amax history leave the step as the state's gradient, so they would "
@@ -73,7 +68,7 @@ def _nnx_message(message: str, name: str) -> str | None:
             "fp8jax.nnx_value_and_grad(loss_fn), or nnx.grad(loss_fn, "
             "argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))."
         )
-    return None
+    return str(error)
 
 
 class Fp8State(nnx.Variable):
@@ -180,11 +175,8 @@ class Fp8NnxDotGeneral(nnx.Module):
     ) -> Array:
         try:
             out = self.value()(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-        except ValueError as e:
-            message = _nnx_message(str(e), self.name)
-            if message is None:
-                raise
-            raise ValueError(message) from e
+        except Fp8StateError as e:
+            raise type(e)(_nnx_message(e, self.name), self.name) from e
         if out_sharding is not None:
             out = jax.sharding.reshard(out, out_sharding)
         return out

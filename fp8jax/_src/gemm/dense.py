@@ -37,6 +37,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ..core import jax_private
+from ..core.errors import StateNotDifferentiatedError, StateUsedTwiceError
 from ..core.remat import name_fp8_operands, name_gemm_output
 from ..core.stats import Fp8Stats
 from ..recipes import Recipe
@@ -424,7 +425,7 @@ def _check_state_differentiated(
     if not (x.perturbed or w.perturbed):
         return
     layer = f"FP8 layer {static.name!r}" if static.name else f"An {kind}"
-    raise ValueError(
+    raise StateNotDifferentiatedError(
         f"{layer} ({type(recipe).__name__}) is differentiated, but its FP8 state is not: its "
         "new scales and amax history leave the step as the state's gradient, so they would "
         "stay as they are forever (a fresh layer's scale of 1.0 saturates large values and "
@@ -433,7 +434,8 @@ def _check_state_differentiated(
         "with jax.grad, pass the layer (or model) as a differentiated argument, e.g. "
         "`fp8jax.filter_grad(loss)(model, x)` (gradients you do not use cost nothing under "
         "jit). Recipes that keep no state between steps (CurrentScaling, BlockwiseScaling, "
-        "MXFP8) do not need it."
+        "MXFP8) do not need it.",
+        static.name,
     )
 
 
@@ -508,14 +510,15 @@ def _check_single_use(leaves: list, name: str, kind: str = "Fp8DotGeneral") -> N
     earlier = seen.get(id(leaf))
     if earlier is not None and earlier() is leaf:
         layer = f"FP8 layer {name!r}" if name else f"An {kind}"
-        raise ValueError(
+        raise StateUsedTwiceError(
             f"{layer} runs twice in one differentiated step (a shared or reused layer), "
             "under a gradient that would add its two amaxes and scales instead of keeping the "
             "larger: JAX sums the gradients of a value used twice, and FP8 state leaves the "
             "step through its gradient. Use fp8jax.filter_value_and_grad / fp8jax.filter_grad "
             "(drop-in for Equinox's) or fp8jax.make_train_step, which combine the uses by max; "
             "with plain jax.grad, view the model with fp8jax.combine_by_max inside the "
-            "differentiated function."
+            "differentiated function.",
+            name,
         )
     seen[id(leaf)] = weakref.ref(leaf)
 
