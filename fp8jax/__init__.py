@@ -12,6 +12,9 @@ from ._src.convert.transform import Fp8Config as Fp8Config
 from ._src.convert.transform import fp8_linear_layers as fp8_linear_layers
 from ._src.core.compile_options import gpu_compiler_options as gpu_compiler_options
 from ._src.core.compile_options import gpu_xla_flags as gpu_xla_flags
+from ._src.core.errors import Fp8StateError as Fp8StateError
+from ._src.core.errors import StateNotDifferentiatedError as StateNotDifferentiatedError
+from ._src.core.errors import StateUsedTwiceError as StateUsedTwiceError
 from ._src.core.formats import dequantize as dequantize
 from ._src.core.formats import fp8_dtype as fp8_dtype
 from ._src.core.formats import fp8_max as fp8_max
@@ -132,6 +135,7 @@ __all__ = [
     "Fp8NnxEinsum",
     "Fp8RaggedDot",
     "Fp8State",
+    "Fp8StateError",
     "ExpertStats",
     "Fp8Stats",
     "Gemm",
@@ -152,6 +156,8 @@ __all__ = [
     "Recipe",
     "ResidualFP8",
     "ResidualState",
+    "StateNotDifferentiatedError",
+    "StateUsedTwiceError",
     "StaticLossScale",
     "StepMetrics",
     "TensorState",

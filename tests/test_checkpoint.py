@@ -197,7 +197,7 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
 
     from fp8jax._src.train import checkpoint
 
-    record = checkpoint._record(state)
+    record = checkpoint.fp8_record(state)
     assert {e["name"]: e.get("experts") for e in record["fp8_layers"].values()} == {
         "embed": None,
         "moe.up": 4,
@@ -206,4 +206,4 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
     older = {**record, "fp8_layers": {
         k: v for k, v in record["fp8_layers"].items() if "experts" not in v
     }}  # fmt: skip
-    checkpoint._check(json.loads(json.dumps(older)), checkpoint._record(like), path)
+    checkpoint.check_fp8_record(json.loads(json.dumps(older)), checkpoint.fp8_record(like), path)

@@ -106,7 +106,7 @@ def test_static_slices_of_max_combining_state_raise_what_grad_recognises(index):
     import equinox as eqx
 
     import fp8jax
-    from fp8jax._src.train.grad import _is_static_slice_error
+    from fp8jax._src.train.grad import is_static_slice_error
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     stacked = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(keys))
@@ -117,8 +117,8 @@ def test_static_slices_of_max_combining_state_raise_what_grad_recognises(index):
 
     with pytest.raises(TypeError, match="static slice") as error:
         fp8jax.filter_grad(loss)(stacked, jnp.ones((2, 4)))
-    assert _is_static_slice_error(error.value.__cause__), error.value.__cause__
-    assert not _is_static_slice_error(ValueError("max_f32 state mixes dtypes"))
+    assert is_static_slice_error(error.value.__cause__), error.value.__cause__
+    assert not is_static_slice_error(ValueError("max_f32 state mixes dtypes"))
 
 
 def test_tracing_is_recognised():

@@ -269,14 +269,21 @@ def test_plain_nnx_grad_refuses_a_layer_used_twice():
         nnx.grad(lambda m: jnp.sum(m(x)) + jnp.sum(m(2 * x)), argnums=DIFF)(layer)
 
 
-def test_the_equinox_messages_the_nnx_layer_rewords_still_read_so():
+def test_the_nnx_layer_rewords_the_equinox_layers_typed_errors():
     dot = fp8jax.Fp8DotGeneral()
     x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
     dims = (((1,), (0,)), ((), ()))
-    with pytest.raises(ValueError, match=fp8_nnx._USED_TWICE):
+    with pytest.raises(fp8jax.StateUsedTwiceError, match="fp8jax.filter_value_and_grad"):
         jax.grad(lambda d: jnp.sum(d(x, w, dims)) + jnp.sum(d(x, w, dims)))(dot)
-    with pytest.raises(ValueError, match=fp8_nnx._NOT_DIFFERENTIATED):
+    with pytest.raises(fp8jax.StateNotDifferentiatedError, match="fp8jax.with_fp8_state"):
         jax.grad(lambda x: jnp.sum(dot(x, w, dims)))(x)
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
+    x = jnp.ones((2, 32))
+    with pytest.raises(fp8jax.StateUsedTwiceError, match="nnx_value_and_grad") as raised:
+        nnx.grad(lambda m: jnp.sum(m(x)) + jnp.sum(m(2 * x)), argnums=DIFF)(layer)
+    assert raised.value.layer_name == "fc"
+    assert isinstance(raised.value.__cause__, fp8jax.StateUsedTwiceError)
+    assert "filter_value_and_grad" not in str(raised.value)
 
 
 def test_scan_over_microbatches_keeps_the_largest_amax():

@@ -34,7 +34,8 @@ class OverwriteWithGradient(eqx.Module):
         return new
 
 
-def _is_overwrite(x: Any) -> bool:
+def is_overwrite(x: Any) -> bool:
+    """Whether `x` is FP8 state that the gradient overwrites (a pytree `is_leaf` test)."""
     return isinstance(x, OverwriteWithGradient)
 
 
@@ -50,7 +51,7 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
     ```
     """
-    return eqx.partition(tree, _is_overwrite, is_leaf=_is_overwrite)
+    return eqx.partition(tree, is_overwrite, is_leaf=is_overwrite)
 
 
 def with_fp8_state(filter_spec: Any, model: T) -> T:
@@ -110,9 +111,9 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
         return eqx.apply_updates(leaf, upd)
 
     def is_leaf(x: Any) -> bool:
-        return x is None or _is_overwrite(x)
+        return x is None or is_overwrite(x)
 
     if updates is None:
-        updates = jax.tree.map(lambda _: None, model, is_leaf=_is_overwrite)
+        updates = jax.tree.map(lambda _: None, model, is_leaf=is_overwrite)
 
     return jax.tree.map(update, model, updates, overwrites, is_leaf=is_leaf)

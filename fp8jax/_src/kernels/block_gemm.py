@@ -51,12 +51,14 @@ def expand_rows(scale: Array, rows: int, block_rows: int) -> Float[Array, "*B ro
     return jnp.repeat(scale.astype(jnp.float32), block_rows, axis=-2)[..., :rows, :]
 
 
-def _pad(a: Array, rows: int, cols: int) -> Array:
+def pad_to(a: Array, rows: int, cols: int) -> Array:
+    """`a` (2-D) zero-padded to `(rows, cols)`: the kernels' tiles divide their operands."""
     pad_r, pad_c = rows - a.shape[0], cols - a.shape[1]
     return jnp.pad(a, ((0, pad_r), (0, pad_c))) if pad_r or pad_c else a
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (at least one multiple)."""
     return max(multiple, math.ceil(n / multiple) * multiple)
 
 
@@ -122,11 +124,11 @@ def block_scaled_gemm(
     interpret = interpreting() if interpret is None else interpret
     _check(lhs, lhs_scale, terms, block_k)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
-    mp, np_, kp = _round_up(m, tile_m), _round_up(n, tile_n), _round_up(k, block_k)
+    mp, np_, kp = round_up(m, tile_m), round_up(n, tile_n), round_up(k, block_k)
     chunks = kp // block_k
-    operands = [_pad(lhs, mp, kp), _pad(lhs_scale.astype(jnp.float32), mp, chunks).T]
+    operands = [pad_to(lhs, mp, kp), pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T]
     for rhs, scale in terms:
-        operands += [_pad(rhs, np_, kp), _pad(scale.astype(jnp.float32), np_, chunks).T]
+        operands += [pad_to(rhs, np_, kp), pad_to(scale.astype(jnp.float32), np_, chunks).T]
     out = _kernel(
         operands,
         len(terms),

@@ -46,11 +46,11 @@ from .block_gemm import (
     BLOCK_K,
     TILE_M,
     TILE_N,
-    _pad,
-    _round_up,
     chunk_product,
     operand_tiling,
     out_tiling,
+    pad_to,
+    round_up,
     scale_vector,
     scaled_add,
     store,
@@ -201,14 +201,14 @@ def grouped_rows_gemm(
     tiles, chunks = m // tile_m, math.ceil(k / block_k)
     _check_shape(name, "tile_expert", tile_expert, (tiles,))
     blocks = _scaling(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
-    np_, kp = _round_up(n, tile_n), chunks * block_k
-    a = _pad(lhs, m, kp)
-    b = jax.vmap(lambda w: _pad(w, np_, kp))(rhs)
+    np_, kp = round_up(n, tile_n), chunks * block_k
+    a = pad_to(lhs, m, kp)
+    b = jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
         _check_shape(name, "lhs_scale", lhs_scale, (m, chunks))
         _check_shape(name, "rhs_scale", rhs_scale, (g, n, chunks))
         sa = lhs_scale.astype(jnp.float32).T
-        sb = jnp.swapaxes(jax.vmap(lambda s: _pad(s, np_, chunks))(rhs_scale), 1, 2)
+        sb = jnp.swapaxes(jax.vmap(lambda s: pad_to(s, np_, chunks))(rhs_scale), 1, 2)
         operands = (tile_expert.astype(jnp.int32), a, sa, b, sb.astype(jnp.float32))
     else:
         _check_shape(name, "tile_scale", tile_scale, (tiles,))
@@ -290,14 +290,14 @@ def grouped_tokens_gemm(
     chunks = t // block_k
     _check_shape(name, "chunk_count", chunk_count, (g,))
     blocks = _scaling(name, (lhs_scale, rhs_scale), group_scale, "group_scale")
-    ap, bp = _round_up(a_rows, tile_m), _round_up(b_rows, tile_n)
-    a, b = _pad(lhs, ap, t), _pad(rhs, bp, t)
+    ap, bp = round_up(a_rows, tile_m), round_up(b_rows, tile_n)
+    a, b = pad_to(lhs, ap, t), pad_to(rhs, bp, t)
     counts = (chunk_start.astype(jnp.int32), chunk_count.astype(jnp.int32))
     if blocks:
         _check_shape(name, "lhs_scale", lhs_scale, (a_rows, chunks))
         _check_shape(name, "rhs_scale", rhs_scale, (b_rows, chunks))
-        sa = _pad(lhs_scale.astype(jnp.float32), ap, chunks).T
-        sb = _pad(rhs_scale.astype(jnp.float32), bp, chunks).T
+        sa = pad_to(lhs_scale.astype(jnp.float32), ap, chunks).T
+        sb = pad_to(rhs_scale.astype(jnp.float32), bp, chunks).T
         operands = (*counts, a, sa, b, sb)
     else:
         _check_shape(name, "group_scale", group_scale, (g,))

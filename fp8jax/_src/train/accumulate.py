@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..core.updates import _is_overwrite, partition_for_grad_overwrite
+from ..core.updates import is_overwrite, partition_for_grad_overwrite
 from .grad import filter_value_and_grad
 
 
@@ -41,7 +41,7 @@ def _combine(total: Any, new: Any) -> Any:
     new_state, new_rest = partition_for_grad_overwrite(new)
     rest = jax.tree.map(jnp.add, total_rest, new_rest)
     state = jax.tree.map(jnp.maximum, total_state, new_state)
-    return eqx.combine(state, rest, is_leaf=_is_overwrite)
+    return eqx.combine(state, rest, is_leaf=is_overwrite)
 
 
 def accumulate_gradients(

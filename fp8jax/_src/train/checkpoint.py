@@ -46,7 +46,7 @@ _RECORD = "fp8jax_record.json"
 _BACKENDS = ("equinox", "orbax")
 
 
-def _record(tree: Any) -> dict[str, Any]:
+def fp8_record(tree: Any) -> dict[str, Any]:
     """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
     layers = {}
 
@@ -85,7 +85,9 @@ def _layer_entry(entry: dict[str, Any] | None) -> dict[str, Any] | None:
     return {**entry, "recipe": _IMPLEMENTATION_ONLY.sub("", entry["recipe"])}
 
 
-def _check(saved: dict[str, Any], expected: dict[str, Any], path: os.PathLike | str) -> None:
+def check_fp8_record(
+    saved: dict[str, Any], expected: dict[str, Any], path: os.PathLike | str
+) -> None:
     """Raise `ValueError` describing how `saved` differs from `expected`."""
     problems = []
     s_layers, e_layers = saved["fp8_layers"], expected["fp8_layers"]
@@ -149,7 +151,7 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     _check_backend(backend)
     path = _as_path(path, "save_checkpoint")
     _check_savable(state)
-    record = json.dumps(_record(state)).encode()
+    record = json.dumps(fp8_record(state)).encode()
     if backend == "orbax":
         _orbax_save(path, state, record)
         return
@@ -213,10 +215,10 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
-    expected = _record(like)
+    expected = fp8_record(like)
     if backend == "orbax":
         saved = _parse_record((path / _RECORD).read_bytes(), path)
-        _check(saved, expected, path)
+        check_fp8_record(saved, expected, path)
         return _orbax_load(path, like)
     if path.is_dir():
         raise IsADirectoryError(
@@ -235,7 +237,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         size = int.from_bytes(header, "little")
         if len(header) < 8 or size > total - f.tell():
             raise _corrupt(path, f"its record is cut off ({total} bytes in all)")
-        _check(_parse_record(f.read(size), path), expected, path)
+        check_fp8_record(_parse_record(f.read(size), path), expected, path)
         try:
             restored = eqx.tree_deserialise_leaves(f, like, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated

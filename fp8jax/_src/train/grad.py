@@ -23,7 +23,7 @@ import equinox as eqx
 import jax
 
 from ..core import jax_private
-from ..core.updates import _is_overwrite
+from ..core.updates import is_overwrite
 from ..gemm.dense import per_example_gradients
 
 T = TypeVar("T")
@@ -39,13 +39,13 @@ def combine_by_max(tree: T) -> T:
     """
 
     def convert(node: Any) -> Any:
-        if not _is_overwrite(node):
+        if not is_overwrite(node):
             return node
         return jax.tree.map(
             lambda x: jax_private.to_max_combining(x) if eqx.is_inexact_array(x) else x, node
         )
 
-    return jax.tree.map(convert, tree, is_leaf=_is_overwrite)
+    return jax.tree.map(convert, tree, is_leaf=is_overwrite)
 
 
 def filter_value_and_grad(
@@ -82,7 +82,7 @@ def filter_value_and_grad(
                     return value_and_grad(*args, **kwargs)
             return value_and_grad(*args, **kwargs)
         except (TypeError, ValueError) as e:
-            if not _is_static_slice_error(e):
+            if not is_static_slice_error(e):
                 raise
             raise TypeError(
                 "fp8jax.filter_value_and_grad: JAX cannot differentiate a static slice or "
@@ -104,7 +104,8 @@ STATIC_SLICE_ERRORS = (
 )
 
 
-def _is_static_slice_error(error: Exception) -> bool:
+def is_static_slice_error(error: Exception) -> bool:
+    """Whether `error` is one of JAX's errors for a static slice of max-combining state."""
     return any(text in str(error) for text in STATIC_SLICE_ERRORS)
 
 
@@ -113,7 +114,7 @@ def _per_example(args: tuple, kwargs: dict) -> bool:
     if not any(jax_private.is_batch_tracer(x) for x in jax.tree.leaves((args, kwargs))):
         return False
     states = [
-        node for node in jax.tree.leaves(args[:1], is_leaf=_is_overwrite) if _is_overwrite(node)
+        node for node in jax.tree.leaves(args[:1], is_leaf=is_overwrite) if is_overwrite(node)
     ]
     return any(not jax_private.is_batch_tracer(x) for x in jax.tree.leaves(states))
 

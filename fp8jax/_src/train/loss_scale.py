@@ -34,7 +34,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
-from ..core.updates import _is_overwrite
+from ..core.updates import is_overwrite
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
@@ -52,11 +52,11 @@ def _map_inexact(f: Any, tree: T) -> T:
     every other leaf are returned as they are."""
 
     def apply(x: Any) -> Any:
-        if _is_overwrite(x) or not _is_inexact_array(x):
+        if is_overwrite(x) or not _is_inexact_array(x):
             return x
         return f(x)
 
-    return jax.tree.map(apply, tree, is_leaf=_is_overwrite)
+    return jax.tree.map(apply, tree, is_leaf=is_overwrite)
 
 
 def _multiply(tree: T, factor: Float[Array, ""]) -> T:
@@ -325,8 +325,8 @@ def all_finite(tree: Any) -> Bool[Array, ""]:
     """
     leaves = [
         x
-        for x in jax.tree.leaves(tree, is_leaf=_is_overwrite)
-        if not _is_overwrite(x) and _is_inexact_array(x)
+        for x in jax.tree.leaves(tree, is_leaf=is_overwrite)
+        if not is_overwrite(x) and _is_inexact_array(x)
     ]
     if not leaves:
         return jnp.asarray(True)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from ..core.updates import _is_overwrite
+from ..core.updates import is_overwrite
 
 T = TypeVar("T")
 
@@ -80,11 +80,11 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
     """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were."""
 
     def cast(x: Any) -> Any:
-        if _is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
+        if is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
             return x
         return x.astype(dtype)
 
-    return jax.tree.map(cast, tree, is_leaf=_is_overwrite)
+    return jax.tree.map(cast, tree, is_leaf=is_overwrite)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

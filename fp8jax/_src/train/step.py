@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..core import jax_private
 from ..core.compile_options import checked_compiler_options
-from ..core.updates import _is_overwrite, apply_updates, partition_for_grad_overwrite
+from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from .accumulate import accumulate_gradients
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
@@ -78,7 +78,7 @@ def _cast_batch(policy: Policy, batch: tuple[Any, ...]) -> tuple[Any, ...]:
     return jax.tree.map(
         lambda x: x if _is_narrow_float(x) else policy.cast_to_compute(x),
         batch,
-        is_leaf=_is_overwrite,
+        is_leaf=is_overwrite,
     )
 
 
