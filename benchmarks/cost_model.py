@@ -187,7 +187,7 @@ def build(shape: dict, name: str, flash: bool):
         x = jax.ShapeDtypeStruct((batch, context, shape["width"]), jnp.bfloat16)
         return block_step(), (model, x)
     tokens = jax.ShapeDtypeStruct((batch, context + 1), jnp.int32)
-    return train_step(next_token_loss, name), (model, tokens)
+    return train_step(next_token_loss), (model, tokens)
 
 
 def flash_cost(shape: dict) -> Cost:
