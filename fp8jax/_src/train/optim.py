@@ -63,12 +63,8 @@ def low_precision_state(
       half an ulp. After a burst of large gradients, `nu` stays at its peak; float32 decays it.
     - Under a steady gradient `nu` stops growing as soon as `0.001 * (g**2 - nu)` falls below
       half an ulp, i.e. between `g**2 / 4.9` and about `g**2 / 2.9`, instead of approaching
-      `g**2`. Measured (tests/test_low_precision_optimizer.py, `optax.adam`, constant gradients
-      over eight binades, 3000 steps): bfloat16 `nu` last changes at steps 243-341 and stays
-      at 0.205-0.337 `g**2` (median 0.266), against 0.950 `g**2` (= 1 - 0.999**3000) in
-      float32; the bias-corrected updates are 1.64-2.09 times the float32 ones. After 500
-      steps at `g` and 2000 at `g / 10`, float32 `nu` has decayed to 0.157 of its peak,
-      bfloat16 `nu` not at all.
+      `g**2` (the measured stall and its effect on the updates: `benchmarks/RESULTS.md`,
+      "Low-precision optimizer state").
 
     `mu` (`b1 = 0.9`) moves by 10% of the gap and settles within 2-4% of a steady gradient.
     Where this matters, keep `nu` in float32 (optax's own `optax.adamw(..., mu_dtype=
