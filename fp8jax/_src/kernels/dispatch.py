@@ -96,8 +96,8 @@ def k_major(data: jax.Array, axis: int) -> jax.Array:
     A transpose is made of the values as they are, held row-major: without that pin XLA's
     layout assignment moves it up into the producers (a quantization, and from there the
     high-precision tensors it reads), which then compute in the transposed layout and keep
-    high-precision copies in both layouts alive (on the MLP of benchmarks/peers.py, block
-    scaling took 44 MiB of H100 temp memory instead of 39)."""
+    high-precision copies in both layouts alive (more H100 temp memory for block scaling on
+    the MLP of benchmarks/peers.py: `benchmarks/RESULTS.md`)."""
     if axis == -1:
         return data
     row_major = Layout(major_to_minor=tuple(range(data.ndim)))

@@ -181,7 +181,7 @@ def dequantized_block_dot(
     power-of-two scales), accumulated in float32 over the whole contraction instead of per
     block. Only float32 rounding differs, some 2**20 times finer than E4M3's. On a CPU, where
     no FP8 hardware runs the GEMM anyway, it is faster (MXFP8 trains the main job's GPT
-    about 1.4x as fast as with one FP8 dot per block, `benchmarks/RESULTS.md`). It is not an
+    faster than with one FP8 dot per block: `benchmarks/RESULTS.md`). It is not an
     FP8 GEMM on a GPU.
     Shape `(*B, lhs_free, rhs_free)`.
     """
@@ -212,8 +212,8 @@ class BlockScaledRecipe(Recipe):
       `lax.scan` that accumulates in float32. Each holds a float32 `(M, N)` partial until it
       is scaled and added: 1 (the default) keeps that no larger than a float32 output (and
       was also the fastest on a CPU); `None` runs every chunk in one batched dot, holding one
-      partial per chunk (four chunks per dot took 3.8-4.9x BF16's temp memory on an MLP step,
-      one 1.9-2.5x: `benchmarks/RESULTS.md`).
+      partial per chunk (about twice the temp memory of one chunk per dot on an MLP step:
+      `benchmarks/RESULTS.md`, "Figures the code's reasoning rests on").
     - `dequantized_dot`: compute each GEMM as one float32 dot of the dequantized operands
       (`dequantized_block_dot`): the same quantization and products, float32 accumulation
       across blocks. A fast emulation for CPU experiments; on a GPU it is not an FP8 GEMM.

@@ -73,8 +73,8 @@ class ResidualFP8(HybridFormats):
       loaded once, one float32 accumulation in registers, the output dtype written once);
       `True` forces it (sm_90 only). The kernel keeps the float32 sum out of memory (about
       delayed scaling's temp memory, where the XLA path's float32 buffer takes more) but ran
-      2.0-2.4x slower than the two cuBLASLt calls on an H200 at LLM shapes, hence the
-      default (both in `benchmarks/RESULTS.md`). Same numerics up to the float32 summation
+      slower than the two cuBLASLt calls on an H200 at LLM shapes, hence the default (both
+      measured in `benchmarks/RESULTS.md`). Same numerics up to the float32 summation
       order. With `split_activation`, `x_lo W_hi` is a second kernel.
     """
 
@@ -101,8 +101,8 @@ class ResidualFP8(HybridFormats):
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
                 "assumes W_hi does not saturate, but a 3-sigma scale saturates the largest "
-                "weights, whose remainders then overflow W_lo (measured: 36 dB instead of "
-                "63 dB, benchmarks/RESULTS.md). Use one of the two options."
+                "weights, whose remainders then overflow W_lo (a far lower SNR, measured in "
+                "benchmarks/RESULTS.md). Use one of the two options."
             )
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> ResidualState:
