@@ -5,11 +5,12 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 ```
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._src.convert.transform import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
-from ._src.convert.transform import Fp8Config as Fp8Config
-from ._src.convert.transform import fp8_linear_layers as fp8_linear_layers
+from ._src.convert.config import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
+from ._src.convert.config import Fp8Config as Fp8Config
+from ._src.convert.dispatch import fp8_linear_layers as fp8_linear_layers
 from ._src.core.compile_options import gpu_compiler_options as gpu_compiler_options
 from ._src.core.compile_options import gpu_xla_flags as gpu_xla_flags
 from ._src.core.errors import Fp8StateError as Fp8StateError
@@ -79,29 +80,30 @@ from ._src.train.step import TrainStep as TrainStep
 from ._src.train.step import make_train_step as make_train_step
 
 if TYPE_CHECKING:  # Flax NNX support: imported on first use (flax is the `nnx` extra)
-    from ._src.convert.nnx import Fp8NnxDotGeneral as Fp8NnxDotGeneral
-    from ._src.convert.nnx import Fp8NnxEinsum as Fp8NnxEinsum
-    from ._src.convert.nnx import Fp8State as Fp8State
-    from ._src.convert.nnx import nnx_train_step as nnx_train_step
-    from ._src.convert.nnx import nnx_update_fp8_state as nnx_update_fp8_state
-    from ._src.convert.nnx import nnx_value_and_grad as nnx_value_and_grad
+    from ._src.convert.nnx.layers import Fp8NnxDotGeneral as Fp8NnxDotGeneral
+    from ._src.convert.nnx.layers import Fp8NnxEinsum as Fp8NnxEinsum
+    from ._src.convert.nnx.layers import Fp8State as Fp8State
+    from ._src.convert.nnx.train import nnx_train_step as nnx_train_step
+    from ._src.convert.nnx.train import nnx_update_fp8_state as nnx_update_fp8_state
+    from ._src.convert.nnx.train import nnx_value_and_grad as nnx_value_and_grad
 
-#: Names that import Flax, resolved on first access so that `import fp8jax` never does.
-_NNX_NAMES = (
-    "Fp8NnxDotGeneral",
-    "Fp8NnxEinsum",
-    "Fp8State",
-    "nnx_train_step",
-    "nnx_update_fp8_state",
-    "nnx_value_and_grad",
-)
+#: Names that import Flax, resolved on first access so that `import fp8jax` never does: each
+#: with its module under `_src.convert.nnx`.
+_NNX_NAMES = {
+    "Fp8NnxDotGeneral": "layers",
+    "Fp8NnxEinsum": "layers",
+    "Fp8State": "layers",
+    "nnx_train_step": "train",
+    "nnx_update_fp8_state": "train",
+    "nnx_value_and_grad": "train",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name not in _NNX_NAMES:
         raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
     try:
-        from ._src.convert import nnx
+        module = importlib.import_module(f"._src.convert.nnx.{_NNX_NAMES[name]}", __name__)
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "flax":
             raise
@@ -109,7 +111,7 @@ def __getattr__(name: str) -> Any:
             f"fp8jax.{name} is fp8jax's Flax NNX support, which needs Flax: "
             "pip install 'fp8jax[nnx]'."
         ) from e
-    return getattr(nnx, name)
+    return getattr(module, name)
 
 
 def __dir__() -> list[str]:

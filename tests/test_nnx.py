@@ -20,7 +20,7 @@ from flax.linen import fp8_ops
 from helpers import h100_topology, make_train_step, representable
 
 import fp8jax
-from fp8jax._src.convert import nnx as fp8_nnx
+from fp8jax._src.convert.nnx.einsum import einsum_dimension_numbers
 from fp8jax._src.observe import inspect as inspect_module
 
 RECIPES = {
@@ -634,10 +634,10 @@ def test_einsum_with_batch_and_ellipsis_axes_is_exact_on_representable_values():
 
 
 def test_einsum_dimension_numbers():
-    dims, perm = fp8_nnx.einsum_dimension_numbers("btd,dhk->bhtk", 3, 3)
+    dims, perm = einsum_dimension_numbers("btd,dhk->bhtk", 3, 3)
     assert dims == (((2,), (0,)), ((), ()))
     assert perm == (0, 2, 1, 3)  # (b, t, h, k) -> (b, h, t, k)
-    dims, perm = fp8_nnx.einsum_dimension_numbers("e...d,edf->e...f", 4, 3)
+    dims, perm = einsum_dimension_numbers("e...d,edf->e...f", 4, 3)
     assert dims == (((3,), (1,)), ((0,), (0,)))
     assert perm == (0, 1, 2, 3)
 

@@ -101,13 +101,13 @@ def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
 
 
 def _nnx() -> Any:
-    """fp8jax's Flax NNX module if it was imported, else `None`.
+    """fp8jax's Flax NNX layers module if it was imported, else `None`.
 
     No NNX FP8 layer exists before that module is imported (converting an NNX model imports
     it), so looking it up in `sys.modules` tells NNX models apart without importing flax:
     `import fp8jax` stays free of it.
     """
-    return sys.modules.get(f"{__package__}.nnx")
+    return sys.modules.get(f"{__package__.rpartition('.')[0]}.convert.nnx.layers")
 
 
 def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
@@ -135,7 +135,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     ```
     """
     nnx_module = _nnx()
-    nnx_layer = None if nnx_module is None else nnx_module.Fp8NnxDotGeneral
+    nnx_layer = None if nnx_module is None else nnx_module.AbstractFp8NnxDot
 
     def is_layer(x: Any) -> bool:
         return isinstance(x, Fp8DotGeneral | Fp8RaggedDot) or (
@@ -161,7 +161,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
         layers[name] = _layer(node)
     if not layers:
         hint = "pass a model converted with fp8_linear_layers, or its gradients"
-        if nnx_module is not None and _holds(tree, nnx_module.Fp8State, nnx_module._is_variable):
+        if nnx_module is not None and _holds(tree, nnx_module.Fp8State, nnx_module.is_variable):
             hint = (
                 "it holds fp8jax.Fp8State variables but no layer (NNX gradients, or an "
                 "nnx.State, do not say which recipe made them): pass the NNX model itself, "

@@ -1,32 +1,26 @@
-"""`fp8_linear_layers`: turn chosen Linear layers of a model into FP8 layers."""
+"""The framework-neutral core of model conversion: which layers to convert and how
+(`Fp8Config`, `choose_layers`), and the FP8 state of a (stacked) layer. Every framework's
+adapter builds on it; it knows no framework."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, final
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ..layers.grouped import GroupedLinear
-from ..layers.linear import Linear
 from ..ops.dot_general import Fp8DotGeneral
-from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import Recipe, recipe_from
-
-T = TypeVar("T")
 
 #: Linears left in high precision by default, matched against the last name of their path:
 #: output heads, MoE routers and gates. Embeddings and norms are never Linears.
 DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router|gate"
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     r"""Which Linear layers [`fp8jax.fp8_linear_layers`][] converts, and how.
@@ -136,231 +130,6 @@ def _compile(name: str, pattern: str) -> re.Pattern:
         raise ValueError(f"Fp8Config {name}={pattern!r} is not a valid regex: {e}.") from None
 
 
-def _key_name(key: Any) -> str:
-    match key:
-        case GetAttrKey(name=name):
-            return str(name)
-        case SequenceKey(idx=idx) | FlattenedIndexKey(key=idx):
-            return str(idx)
-        case DictKey(key=k):
-            return str(k)
-        case _:
-            return str(key)
-
-
-def _flax_nnx() -> Any:
-    """`flax.nnx` if the user imported it (an NNX model can only exist then); flax is an
-    optional extra, never imported otherwise."""
-    if "flax.nnx" not in sys.modules:
-        return None
-    from flax import nnx
-
-    return nnx
-
-
-def _haliax_nn() -> Any:
-    """`haliax.nn` if the user imported haliax (its modules can only be in the tree then)."""
-    if "haliax" not in sys.modules:
-        return None
-    import haliax.nn as hnn
-
-    return hnn
-
-
-def _kind(node: Any, hnn: Any) -> str | None:
-    if isinstance(node, eqx.nn.Linear | Linear):
-        return "linear"
-    if isinstance(node, GroupedLinear):
-        return "grouped"
-    if hnn is not None:
-        if isinstance(node, hnn.Linear):
-            return "linear"
-        if isinstance(node, hnn.Stacked):
-            return "stacked"
-    return None
-
-
-def _children(node: Any) -> list[tuple[Any, Any]]:
-    """The direct children of a pytree node with their keys (none for a leaf)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and flat[0][0] == ():
-        return []
-    return [(path[0], child) for path, child in flat]
-
-
-def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """Every pytree node with its path, not descending into Linears."""
-    yield path, node
-    if _kind(node, hnn) in ("linear", "grouped") or isinstance(node, jax.Array):
-        return
-    for key, child in _children(node):
-        yield from _walk(child, path + (_key_name(key),), hnn)
-
-
-def _is_fp8(linear: Any) -> bool:
-    return (
-        isinstance(linear, Linear)
-        or isinstance(getattr(linear, "dot_general", None), Fp8DotGeneral)
-        or isinstance(getattr(linear, "ragged_dot", None), Fp8RaggedDot)
-    )
-
-
-def _kernel_shape(linear: Any) -> tuple[int, int]:
-    """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last)."""
-    if isinstance(linear, eqx.nn.Linear | Linear):
-        return tuple(linear.weight.shape)
-
-    def size(spec: Any) -> int:
-        axes = spec if isinstance(spec, tuple | list) else (spec,)
-        return math.prod(a.size for a in axes)
-
-    return (size(linear.Out), size(linear.In))
-
-
-def _stacked_dot_general(
-    recipe: Recipe,
-    batch_shape: tuple[int, ...],
-    kernel_shape: tuple[int, int],
-    name: str,
-    telemetry: bool,
-) -> Fp8DotGeneral:
-    """A fresh `Fp8DotGeneral` with state for each layer of a (nested) `Stacked`."""
-    dot = Fp8DotGeneral(recipe, kernel_shape, name, telemetry)
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
-
-
-def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[str, ...]) -> Linear:
-    """`Linear.from_eqx(linear)`, also for a stack of Linears (the Equinox pattern for scanned
-    layers: built under `eqx.filter_vmap`, weights `(*layers, out, in)`), with FP8 state
-    stacked the same way (one state per layer)."""
-    lead = linear.weight.shape[:-2]
-    kernel_shape = tuple(linear.weight.shape[-2:])
-    dot = _stacked_dot_general(
-        config.recipe_for(path), lead, kernel_shape, ".".join(path), config.telemetry
-    )
-    if not lead:
-        return Linear.from_eqx(linear, dot)
-
-    def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape[len(lead) :], x.dtype)
-        return x[(0,) * len(lead)]
-
-    one = Linear.from_eqx(
-        eqx.tree_at(
-            lambda m: (m.weight, m.bias),
-            linear,
-            (first(linear.weight), None if linear.bias is None else first(linear.bias)),
-            is_leaf=lambda x: x is None,
-        ),
-        None,
-    )
-    return eqx.tree_at(
-        lambda m: (m.weight, m.bias, m.dot_general),
-        one,
-        (linear.weight, linear.bias, dot),
-        is_leaf=lambda x: x is None,
-    )
-
-
-def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...]) -> GroupedLinear:
-    """`layer` with an `Fp8RaggedDot` as its `ragged_dot`, its state stacked like the weight
-    when the layer is a stack of them (weights `(*layers, experts, in, out)`)."""
-    lead = layer.weight.shape[:-3]
-    dot = Fp8RaggedDot(
-        config.recipe_for(path),
-        num_experts=layer.weight.shape[-3],
-        name=".".join(path),
-        telemetry=config.telemetry,
-        native_kernel=config.grouped_native_kernel,
-    )
-    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)
-    return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)
-
-
-def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
-    """Convert the Linear layers of `tree` selected by `config` into FP8 layers.
-
-    - `eqx.nn.Linear` (including those inside `eqx.nn.MLP` and `eqx.nn.MultiheadAttention`)
-      becomes a [`fp8jax.Linear`][] with the same weight and bias.
-    - `haliax.nn.Linear` gets a [`fp8jax.Fp8DotGeneral`][] as its `dot_general`; inside a
-      `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
-    - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
-      be applied in a `lax.scan`) get FP8 state stacked the same way.
-    - The experts of a mixture of experts, [`fp8jax.GroupedLinear`][], get an
-      [`fp8jax.Fp8RaggedDot`][] (per-expert kernel state) as their `ragged_dot`; they are
-      targeted, excluded and given recipes by name like Linears. Routers and gates are
-      Linears, excluded by default. Their recipe must be one with a grouped GEMM (delayed,
-      current, blockwise, MXFP8); `telemetry` is not kept for them.
-    - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` gets a
-      [`fp8jax.Fp8NnxDotGeneral`][] as its `dot_general` and `nnx.Einsum` an
-      [`fp8jax.Fp8NnxEinsum`][] as its `einsum_op`, their state in [`fp8jax.Fp8State`][]
-      variables (stacked for an `nnx.vmap`-built stack). The result is a converted copy that
-      shares the weights' arrays; `tree` is left as it was. See the Flax NNX guide.
-    - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
-
-    **Arguments:**
-
-    - `tree`: a model (any pytree).
-    - `config`: an [`fp8jax.Fp8Config`][]; the default converts every Linear except those
-      matching `DEFAULT_EXCLUDE` (heads, routers, gates) with delayed scaling.
-
-    **Returns:** the model with FP8 layers.
-
-    **Raises:** `ValueError` if a target matches no Linear (the message lists the Linears that
-    exist) or names something that is not a Linear.
-
-    ```python
-    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
-    ```
-    """
-    config = Fp8Config() if config is None else config
-    if not isinstance(config, Fp8Config):
-        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
-    nnx = _flax_nnx()
-    if nnx is not None and isinstance(tree, nnx.Module):
-        from .nnx import fp8_nnx_linear_layers
-
-        return fp8_nnx_linear_layers(tree, config)
-    hnn = _haliax_nn()
-    nodes = list(_walk(tree, (), hnn))
-    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped")]
-    chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
-
-    def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
-        kind = _kind(node, hnn)
-        if kind == "linear":
-            if path not in chosen or _is_fp8(node):
-                return node
-            if isinstance(node, eqx.nn.Linear):
-                return _stacked_eqx_linear(node, config, path)
-            dot = _stacked_dot_general(
-                config.recipe_for(path),
-                batch_shape,
-                _kernel_shape(node),
-                ".".join(path),
-                config.telemetry,
-            )
-            return dataclasses.replace(node, dot_general=dot)
-        if kind == "grouped":
-            return node if path not in chosen or _is_fp8(node) else _fp8_grouped(node, config, path)
-        if kind == "stacked":
-            inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
-            return dataclasses.replace(node, stacked=inner)
-        if isinstance(node, jax.Array):
-            return node
-        children = _children(node)
-        if not children:
-            return node
-        new = [convert(path + (_key_name(k),), c, batch_shape) for k, c in children]
-        if all(n is c for n, (_, c) in zip(new, children, strict=True)):
-            return node  # nothing converted below: keep the very same object
-        treedef = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
-        return jax.tree_util.tree_unflatten(treedef, new)
-
-    return convert((), tree, ())
-
-
 def choose_layers(
     config: Fp8Config,
     nodes: list[tuple[tuple[str, ...], Any]],
@@ -454,3 +223,16 @@ def _check_excluded(config: Fp8Config, blocked: list, hits: list) -> None:
             f"exclude={config.exclude!r} keeps in high precision. Pass exclude=None (or a "
             "narrower pattern) to convert them."
         )
+
+
+def stacked_dot_general(
+    recipe: Recipe,
+    batch_shape: tuple[int, ...],
+    kernel_shape: tuple[int, int],
+    name: str,
+    telemetry: bool,
+) -> Fp8DotGeneral:
+    """A fresh `Fp8DotGeneral` with one state per layer of a stack of `batch_shape` layers
+    (a Haliax `Stacked`, an `eqx.filter_vmap` or `nnx.vmap` stack); `()` for one layer."""
+    dot = Fp8DotGeneral(recipe, kernel_shape, name, telemetry)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)

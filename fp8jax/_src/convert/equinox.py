@@ -1,0 +1,187 @@
+"""The Equinox and Haliax adapter of model conversion: finds the Linears of a pytree and gives
+the chosen ones FP8 state. Haliax is looked up, never imported: it is an optional extra."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from ..layers.grouped import GroupedLinear
+from ..layers.linear import Linear
+from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
+from .config import Fp8Config, choose_layers, stacked_dot_general
+
+T = TypeVar("T")
+
+
+def _key_name(key: Any) -> str:
+    match key:
+        case GetAttrKey(name=name):
+            return str(name)
+        case SequenceKey(idx=idx) | FlattenedIndexKey(key=idx):
+            return str(idx)
+        case DictKey(key=k):
+            return str(k)
+        case _:
+            return str(key)
+
+
+def _haliax_nn() -> Any:
+    """`haliax.nn` if the user imported haliax (its modules can only be in the tree then)."""
+    if "haliax" not in sys.modules:
+        return None
+    import haliax.nn as hnn
+
+    return hnn
+
+
+def _kind(node: Any, hnn: Any) -> str | None:
+    if isinstance(node, eqx.nn.Linear | Linear):
+        return "linear"
+    if isinstance(node, GroupedLinear):
+        return "grouped"
+    if hnn is not None:
+        if isinstance(node, hnn.Linear):
+            return "linear"
+        if isinstance(node, hnn.Stacked):
+            return "stacked"
+    return None
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """The direct children of a pytree node with their keys (none for a leaf)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(flat) == 1 and flat[0][0] == ():
+        return []
+    return [(path[0], child) for path, child in flat]
+
+
+def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every pytree node with its path, not descending into Linears."""
+    yield path, node
+    if _kind(node, hnn) in ("linear", "grouped") or isinstance(node, jax.Array):
+        return
+    for key, child in _children(node):
+        yield from _walk(child, path + (_key_name(key),), hnn)
+
+
+def _is_fp8(linear: Any) -> bool:
+    return (
+        isinstance(linear, Linear)
+        or isinstance(getattr(linear, "dot_general", None), Fp8DotGeneral)
+        or isinstance(getattr(linear, "ragged_dot", None), Fp8RaggedDot)
+    )
+
+
+def _kernel_shape(linear: Any) -> tuple[int, int]:
+    """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last)."""
+    if isinstance(linear, eqx.nn.Linear | Linear):
+        return tuple(linear.weight.shape)
+
+    def size(spec: Any) -> int:
+        axes = spec if isinstance(spec, tuple | list) else (spec,)
+        return math.prod(a.size for a in axes)
+
+    return (size(linear.Out), size(linear.In))
+
+
+def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[str, ...]) -> Linear:
+    """`Linear.from_eqx(linear)`, also for a stack of Linears (the Equinox pattern for scanned
+    layers: built under `eqx.filter_vmap`, weights `(*layers, out, in)`), with FP8 state
+    stacked the same way (one state per layer)."""
+    lead = linear.weight.shape[:-2]
+    kernel_shape = tuple(linear.weight.shape[-2:])
+    dot = stacked_dot_general(
+        config.recipe_for(path), lead, kernel_shape, ".".join(path), config.telemetry
+    )
+    if not lead:
+        return Linear.from_eqx(linear, dot)
+
+    def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[len(lead) :], x.dtype)
+        return x[(0,) * len(lead)]
+
+    one = Linear.from_eqx(
+        eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            linear,
+            (first(linear.weight), None if linear.bias is None else first(linear.bias)),
+            is_leaf=lambda x: x is None,
+        ),
+        None,
+    )
+    return eqx.tree_at(
+        lambda m: (m.weight, m.bias, m.dot_general),
+        one,
+        (linear.weight, linear.bias, dot),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...]) -> GroupedLinear:
+    """`layer` with an `Fp8RaggedDot` as its `ragged_dot`, its state stacked like the weight
+    when the layer is a stack of them (weights `(*layers, experts, in, out)`)."""
+    lead = layer.weight.shape[:-3]
+    dot = Fp8RaggedDot(
+        config.recipe_for(path),
+        num_experts=layer.weight.shape[-3],
+        name=".".join(path),
+        telemetry=config.telemetry,
+        native_kernel=config.grouped_native_kernel,
+    )
+    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)
+    return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)
+
+
+def fp8_equinox_linear_layers(tree: T, config: Fp8Config) -> T:
+    """The Equinox and Haliax branch of [`fp8jax.fp8_linear_layers`][]: `tree` with its chosen
+    `eqx.nn.Linear`s as [`fp8jax.Linear`][]s, its chosen Haliax `Linear`s (also inside a
+    `Stacked`) with an [`fp8jax.Fp8DotGeneral`][] and its chosen [`fp8jax.GroupedLinear`][]s
+    with an [`fp8jax.Fp8RaggedDot`][]; any other pytree node is kept."""
+    hnn = _haliax_nn()
+    nodes = list(_walk(tree, (), hnn))
+    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped")]
+    chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
+
+    def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
+        kind = _kind(node, hnn)
+        if kind == "linear":
+            if path not in chosen or _is_fp8(node):
+                return node
+            if isinstance(node, eqx.nn.Linear):
+                return _stacked_eqx_linear(node, config, path)
+            dot = stacked_dot_general(
+                config.recipe_for(path),
+                batch_shape,
+                _kernel_shape(node),
+                ".".join(path),
+                config.telemetry,
+            )
+            return dataclasses.replace(node, dot_general=dot)
+        if kind == "grouped":
+            return node if path not in chosen or _is_fp8(node) else _fp8_grouped(node, config, path)
+        if kind == "stacked":
+            inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
+            return dataclasses.replace(node, stacked=inner)
+        if isinstance(node, jax.Array):
+            return node
+        children = _children(node)
+        if not children:
+            return node
+        new = [convert(path + (_key_name(k),), c, batch_shape) for k, c in children]
+        if all(n is c for n, (_, c) in zip(new, children, strict=True)):
+            return node  # nothing converted below: keep the very same object
+        treedef = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
+        return jax.tree_util.tree_unflatten(treedef, new)
+
+    return convert((), tree, ())

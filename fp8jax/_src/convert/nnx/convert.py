@@ -1,0 +1,90 @@
+"""The Flax NNX adapter of model conversion: finds the `nnx.Linear`s and `nnx.Einsum`s of an
+NNX model and gives the chosen ones an FP8 `dot_general` or `einsum_op`."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from flax import nnx
+
+from ..config import Fp8Config, choose_layers
+from .einsum import einsum_kernel_shape
+from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
+
+M = TypeVar("M")
+
+
+def _kind(node: Any) -> str | None:
+    if isinstance(node, nnx.Linear):
+        return "linear"
+    if isinstance(node, nnx.Einsum):
+        return "einsum"
+    return None
+
+
+def _is_fp8(node: Any) -> bool:
+    return isinstance(getattr(node, "dot_general", None), AbstractFp8NnxDot) or isinstance(
+        getattr(node, "einsum_op", None), Fp8NnxEinsum
+    )
+
+
+def _graph_nodes(model: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """Every node of an NNX graph with its dotted-path parts, outside layers and NNX's own
+    bookkeeping attributes, each shared node once (under its first path)."""
+    nodes = []
+    for path, node in nnx.iter_graph(model, graph=True):
+        parts = tuple(str(p) for p in path)
+        if any(p.startswith(("_pytree__", "_object__")) for p in parts):
+            continue
+        nodes.append((parts, node))
+    nodes.sort(key=lambda item: item[0])
+    layers = [p for p, n in nodes if _kind(n) is not None]
+    return [
+        (p, n)
+        for p, n in nodes
+        if not any(len(p) > len(lp) and p[: len(lp)] == lp for lp in layers)
+    ]
+
+
+def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
+    recipe = config.recipe_for(path)
+    name = ".".join(path)
+    kernel = layer.kernel.get_value()
+    if _kind(layer) == "linear":
+        # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
+        stacked, shape = tuple(kernel.shape[:-2]), (kernel.shape[-1], kernel.shape[-2])
+        return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
+    shape = einsum_kernel_shape(layer.einsum_str, tuple(kernel.shape))
+    try:
+        return Fp8NnxEinsum(recipe, shape, name, config.telemetry)
+    except ValueError as e:
+        raise ValueError(
+            f"fp8_linear_layers: nnx.Einsum {name!r} ({layer.einsum_str!r}, kernel "
+            f"{tuple(kernel.shape)}): {e} Its kernel has batch axes, so it has no single "
+            "(out, in) matrix for that state: convert it with another recipe, or exclude it."
+        ) from None
+
+
+def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
+    """The NNX branch of [`fp8jax.fp8_linear_layers`][]: a copy of `model` whose chosen
+    `nnx.Linear`s get an [`fp8jax.Fp8NnxDotGeneral`][] as `dot_general`, and whose chosen
+    `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as `einsum_op`."""
+    config = Fp8Config() if config is None else config
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"fp8_linear_layers: model={type(model).__name__}: the NNX path converts an nnx.Module."
+        )
+    # New variables, the same arrays: the caller's model is kept.
+    model = nnx.clone(model, graph=True)
+    nodes = _graph_nodes(model)
+    layers = [(p, n) for p, n in nodes if _kind(n) is not None]
+    chosen = choose_layers(config, nodes, layers, lambda n: isinstance(n, nnx.Module))
+    for path, layer in layers:
+        if path not in chosen or _is_fp8(layer):
+            continue
+        dot = _fp8_layer(path, layer, config)
+        if _kind(layer) == "linear":
+            layer.dot_general = nnx.data(dot)
+        else:
+            layer.einsum_op = nnx.data(dot)
+    return model

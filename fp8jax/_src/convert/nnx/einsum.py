@@ -1,0 +1,94 @@
+"""The algebra of a two-operand einsum as a `dot_general` (which axes it contracts, batches,
+keeps and in which order), for the FP8 `nnx.Einsum`. It holds no Flax."""
+
+from __future__ import annotations
+
+import math
+import string
+from typing import Any
+
+
+def _einsum_parts(subscripts: str, x_ndim: int, k_ndim: int) -> tuple[str, str, str]:
+    """The input, kernel and output subscripts of a two-operand einsum, `...` expanded."""
+    spec = subscripts.replace(" ", "")
+    if spec.count("->") != 1 or spec.count(",") != 1:
+        raise ValueError(
+            f"Fp8NnxEinsum: subscripts={subscripts!r}: should be an explicit two-operand "
+            "equation 'input,kernel->output', e.g. 'btd,dhk->bthk'."
+        )
+    operands, out = spec.split("->")
+    x, k = operands.split(",")
+    if "..." in k:
+        raise ValueError(
+            f"Fp8NnxEinsum: subscripts={subscripts!r}: the kernel's subscripts {k!r} may not "
+            "hold '...'; name each kernel axis."
+        )
+    if "..." in x:
+        unused = [c for c in string.ascii_letters if c not in spec]
+        n = x_ndim - (len(x) - 3)
+        if n < 0 or "..." in x.replace("...", "", 1):
+            raise ValueError(
+                f"Fp8NnxEinsum: subscripts={subscripts!r} does not fit an input of {x_ndim} axes."
+            )
+        fill = "".join(unused[:n])
+        x, out = x.replace("...", fill), out.replace("...", fill)
+    for name, letters, ndim in (("input", x, x_ndim), ("kernel", k, k_ndim)):
+        if len(letters) != ndim or not letters.isalpha():
+            raise ValueError(
+                f"Fp8NnxEinsum: subscripts={subscripts!r} gives the {name} {len(letters)} axes "
+                f"({letters!r}), but it has {ndim}."
+            )
+    for name, letters in (("input", x), ("kernel", k), ("output", out)):
+        if len(set(letters)) != len(letters):
+            raise ValueError(
+                f"Fp8NnxEinsum: subscripts={subscripts!r} repeats an axis of the {name} "
+                f"({letters!r}); FP8 einsums take each name once per operand."
+            )
+    for c in x + k:
+        if c not in out and (c not in x or c not in k):
+            raise ValueError(
+                f"Fp8NnxEinsum: subscripts={subscripts!r} sums axis {c!r} of one operand "
+                "only; FP8 einsums contract axes of both operands (sum it before the layer)."
+            )
+    if not set(out) <= set(x + k):
+        raise ValueError(
+            f"Fp8NnxEinsum: subscripts={subscripts!r}: output {out!r} names an axis of neither "
+            "operand."
+        )
+    return x, k, out
+
+
+def einsum_dimension_numbers(
+    subscripts: str, x_ndim: int, k_ndim: int
+) -> tuple[Any, tuple[int, ...]]:
+    """`lax.dot_general` dimension numbers for the einsum `input,kernel->output`, and the
+    permutation taking the `dot_general` result (batch, input's free, kernel's free axes) to
+    the output's order."""
+    x, k, out = _einsum_parts(subscripts, x_ndim, k_ndim)
+    contract = [c for c in x if c in k and c not in out]
+    batch = [c for c in out if c in x and c in k]
+    dims = (
+        (tuple(x.index(c) for c in contract), tuple(k.index(c) for c in contract)),
+        (tuple(x.index(c) for c in batch), tuple(k.index(c) for c in batch)),
+    )
+    result = batch + [c for c in x if c not in k] + [c for c in k if c not in x]
+    return dims, tuple(result.index(c) for c in out)
+
+
+def einsum_kernel_shape(subscripts: str | None, kernel_shape: tuple[int, ...]) -> Any:
+    """The canonical `(N, K)` matrix of an einsum's kernel (free axes, contracted axes), or
+    `None` when the equation is given only at call time or the kernel has batch axes."""
+    if subscripts is None:
+        return None
+    spec = subscripts.replace(" ", "")
+    x_spec = spec.split("->")[0].split(",")[0]
+    x_ndim = len(x_spec.replace("...", ""))
+    try:
+        x, k, out = _einsum_parts(spec, x_ndim, len(kernel_shape))
+    except ValueError:
+        return None  # reported when the layer runs
+    if any(c in x and c in out for c in k):
+        return None
+    free = math.prod(d for c, d in zip(k, kernel_shape, strict=True) if c not in x)
+    contracted = math.prod(d for c, d in zip(k, kernel_shape, strict=True) if c in x)
+    return (free, contracted)

@@ -1,0 +1,209 @@
+"""The FP8 layers of Flax NNX: `Fp8State`, the variable type of FP8 state, and the layers
+holding it, `Fp8NnxDotGeneral` (an `nnx.Linear`'s `dot_general`) and `Fp8NnxEinsum` (an
+`nnx.Einsum`'s `einsum_op`)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, final
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array
+
+from ...core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
+from ...ops.dot_general import Fp8DotGeneral
+from ..config import stacked_dot_general
+from .einsum import einsum_dimension_numbers
+
+
+def _nnx_message(error: Fp8StateError, name: str) -> str:
+    """The NNX version of a state error of the Equinox layer (whose advice is Equinox's)."""
+    layer = f"FP8 layer {name!r}" if name else "An Fp8NnxDotGeneral"
+    if isinstance(error, StateUsedTwiceError):
+        return (
+            f"{layer} runs twice in one differentiated step (a shared or reused layer, a loop) "
+            "under nnx.grad / nnx.value_and_grad, which would add its two amaxes and scales "
+            "instead of keeping the larger: JAX sums the gradients of a value used twice, and "
+            "FP8 state leaves the step through its gradient. Use fp8jax.nnx_value_and_grad "
+            "(or fp8jax.nnx_train_step), which combines the uses by max."
+        )
+    if isinstance(error, StateNotDifferentiatedError):
+        return (
+            f"{layer} is differentiated, but its FP8 state (fp8jax.Fp8State) is not: its new "
+            "scales and amax history leave the step as the state's gradient, so they would "
+            "stay as they are forever. Differentiate it along with the Params: "
+            "fp8jax.nnx_value_and_grad(loss_fn), or nnx.grad(loss_fn, "
+            "argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))."
+        )
+    return str(error)
+
+
+@final
+class Fp8State(nnx.Variable):
+    """The FP8 scaling state of a converted NNX layer: a scale, an amax history, telemetry.
+
+    A variable type of its own, so that filters tell it from what is trained: an
+    `nnx.Optimizer(model, tx, wrt=nnx.Param)` leaves it alone, and
+    `nnx.state(model, fp8jax.Fp8State)` selects it (to checkpoint it, or inspect it). Its
+    gradient is its new value; [`fp8jax.nnx_update_fp8_state`][] writes that back.
+    """
+
+
+def is_variable(x: Any) -> bool:
+    """Whether `x` is an `nnx.Variable` (an `is_leaf` that stops at variables)."""
+    return isinstance(x, nnx.Variable)
+
+
+def _check_stacked(stacked: Any) -> tuple[int, ...]:
+    if not isinstance(stacked, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in stacked
+    ):
+        raise ValueError(
+            f"Fp8NnxDotGeneral: stacked={stacked!r}: should be a tuple of ints >= 1, the "
+            "leading shape of a stack of layers (e.g. (12,) for 12 layers built with "
+            "nnx.vmap), or () for one layer."
+        )
+    return stacked
+
+
+class AbstractFp8NnxDot(nnx.Module):
+    """An FP8 NNX layer: an [`fp8jax.Fp8DotGeneral`][] whose state lives in
+    [`fp8jax.Fp8State`][] variables. Its subclasses give it a call: `lax.dot_general`'s
+    ([`fp8jax.Fp8NnxDotGeneral`][]) or `jnp.einsum`'s ([`fp8jax.Fp8NnxEinsum`][])."""
+
+    def __init__(
+        self,
+        recipe: Any = None,
+        kernel_shape: tuple[int, int] | None = None,
+        name: str = "",
+        telemetry: bool = False,
+        *,
+        stacked: tuple[int, ...] = (),
+    ):
+        stacked = _check_stacked(stacked)
+        dot = Fp8DotGeneral(recipe, kernel_shape, name, telemetry)
+        if stacked:
+            dot = stacked_dot_general(dot.recipe, stacked, kernel_shape, name, telemetry)
+        self.state = nnx.data(jax.tree.map(Fp8State, dot))
+
+    @property
+    def recipe(self) -> Any:
+        """The layer's scaling recipe."""
+        return self.state.recipe
+
+    @property
+    def name(self) -> str:
+        """The layer's path, as `fp8_linear_layers` set it."""
+        return self.state.name
+
+    def value(self) -> Fp8DotGeneral:
+        """The `Fp8DotGeneral` holding the variables' current values (arrays)."""
+        return jax.tree.map(lambda v: v.get_value(), self.state, is_leaf=is_variable)
+
+    def set_value(self, dot: Fp8DotGeneral) -> None:
+        """Write the array leaves of `dot` (shaped like [`value`][fp8jax.Fp8NnxDotGeneral.value])
+        into the variables."""
+        if jax.tree.structure(dot) != jax.tree.structure(self.value()):
+            raise ValueError(
+                f"Fp8NnxDotGeneral.set_value: got a {type(dot).__name__} of structure "
+                f"{jax.tree.structure(dot)}; pass one shaped like this layer's value() (the "
+                "same recipe and telemetry setting)."
+            )
+        variables = jax.tree.leaves(self.state, is_leaf=is_variable)
+        for variable, new in zip(variables, jax.tree.leaves(dot), strict=True):
+            variable.set_value(new)
+
+    @abc.abstractmethod
+    def __call__(self, *args: Any, **kwargs: Any) -> Array:
+        """The layer's call: `lax.dot_general`'s or `jnp.einsum`'s."""
+
+    def _dot_general(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        dimension_numbers: Any,
+        precision: Any,
+        preferred_element_type: DTypeLike | None,
+    ) -> Array:
+        """The FP8 GEMM of the variables' current state, its state errors said in NNX terms."""
+        try:
+            return self.value()(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        except Fp8StateError as e:
+            raise type(e)(_nnx_message(e, self.name), self.name) from e
+
+
+@final
+class Fp8NnxDotGeneral(AbstractFp8NnxDot):
+    """`jax.lax.dot_general` as FP8 GEMMs, for Flax NNX: an [`fp8jax.Fp8DotGeneral`][]
+    whose state lives in [`fp8jax.Fp8State`][] variables.
+
+    Pass it as the `dot_general` of an `nnx.Linear` (or let
+    [`fp8jax.fp8_linear_layers`][] do it). Each call rebuilds the `Fp8DotGeneral` from the
+    variables' current values and calls it, so the numerics are exactly those of fp8jax's
+    Equinox layers: FP8 operands, a `custom_vjp` whose residuals are the FP8 operands, the
+    new state returned as the state's gradient.
+
+    **Arguments:**
+
+    - `recipe`, `kernel_shape`, `name`, `telemetry`: as for [`fp8jax.Fp8DotGeneral`][].
+    - `stacked`: the leading shape of a stack of layers (an `nnx.Linear` built under
+      `nnx.vmap` to be applied with `nnx.scan`, its kernel `(*stacked, in, out)`): one state
+      per layer, stacked the same way. `()` for one layer.
+
+    **Attributes:** `state`, the `Fp8DotGeneral` whose array leaves are `Fp8State`
+    variables (its paths read `state.input.amax_history`, `state.kernel.scale`, ...).
+
+    ```python
+    layer = nnx.Linear(512, 512, dot_general=fp8jax.Fp8NnxDotGeneral(), rngs=nnx.Rngs(0))
+    ```
+    """
+
+    def __call__(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: DTypeLike | None = None,
+        out_sharding: Any = None,
+    ) -> Array:
+        out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        if out_sharding is not None:
+            out = jax.sharding.reshard(out, out_sharding)
+        return out
+
+
+@final
+class Fp8NnxEinsum(AbstractFp8NnxDot):
+    """[`fp8jax.Fp8NnxDotGeneral`][]'s FP8 GEMM and state with the call of `jnp.einsum`, for
+    the `einsum_op` of an `nnx.Einsum`.
+
+    The equation must have two operands, the input then the kernel, each axis named once
+    per operand, every axis of one operand only kept in the output (no implicit sums).
+    Contracted axes go into the FP8 GEMM's contraction, axes of both operands kept in the
+    output into its batch, and the result is transposed to the output's order. Unlike
+    `jnp.einsum(..., _dot_general=...)`, which may swap the operands, the kernel always
+    takes the kernel's role (its recipe's format, block shape and state).
+    """
+
+    def __call__(
+        self,
+        subscripts: str,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        *,
+        precision: Any = None,
+        preferred_element_type: DTypeLike | None = None,
+        out_sharding: Any = None,
+    ) -> Array:
+        if not isinstance(subscripts, str):
+            raise TypeError(f"Fp8NnxEinsum: subscripts={subscripts!r} should be a str.")
+        dims, perm = einsum_dimension_numbers(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+        out = self._dot_general(lhs, rhs, dims, precision, preferred_element_type)
+        out = jnp.transpose(out, perm)
+        if out_sharding is not None:
+            out = jax.sharding.reshard(out, out_sharding)
+        return out

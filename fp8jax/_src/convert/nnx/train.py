@@ -1,0 +1,234 @@
+"""Training FP8 Flax NNX models: gradients whose FP8 state combines by max
+(`nnx_value_and_grad`), the state written back (`nnx_update_fp8_state`), a whole train step
+(`nnx_train_step`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ...core import jax_private
+from ...core.compile_options import checked_compiler_options
+from .layers import AbstractFp8NnxDot, Fp8State, is_variable
+
+
+def _fp8_variables(tree: Any) -> list[Fp8State]:
+    return [node for _, node in nnx.iter_graph(tree, graph=True) if isinstance(node, Fp8State)]
+
+
+def nnx_value_and_grad(
+    fun: Callable[..., Any], *, wrt: Any = nnx.Param, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
+    """`nnx.value_and_grad` for FP8 NNX models: differentiates the first argument's `wrt`
+    variables and its [`fp8jax.Fp8State`][], whose uses combine by max.
+
+    The gradient is an `nnx.State` holding the `wrt` gradients and, for each `Fp8State`, its
+    new value. Pass it to [`fp8jax.nnx_update_fp8_state`][] and to `optimizer.update` (an
+    `nnx.Optimizer` with the same `wrt` ignores the `Fp8State`).
+
+    Plain `nnx.value_and_grad(fun, argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))`
+    gives the same result when each FP8 layer runs once per step. When one runs several
+    times (a shared layer, a loop, `nnx.scan` over microbatches), JAX would add the
+    cotangents of its state, that is, add amaxes; this function views the state in a
+    float32 dtype whose cotangents combine by `max` for the duration of `fun` (so the
+    history gets the largest amax), and restores it after. Plain `nnx.value_and_grad` raises
+    for a layer called twice in one trace, and adds silently across `nnx.scan` iterations.
+
+    `fun` is traced under `nnx.jit` (the max-combining dtype exists only in traced code);
+    inside your own `nnx.jit`ted step that costs nothing.
+
+    **Arguments:**
+
+    - `fun`: `fun(model, *args, **kwargs)`, returning a scalar loss (or `(loss, aux)` with
+      `has_aux=True`).
+    - `wrt`: an NNX filter for the trained variables; `nnx.Param` by default.
+    - `has_aux`: as for `nnx.value_and_grad`.
+
+    ```python
+    loss, grads = fp8jax.nnx_value_and_grad(loss_fn)(model, x, y)
+    ```
+    """
+    if not callable(fun):
+        raise TypeError(f"nnx_value_and_grad: fun={fun!r} is not callable.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"nnx_value_and_grad: has_aux={has_aux!r} should be True or False.")
+
+    @functools.wraps(fun)
+    def with_max_state(model: Any, *args: Any, **kwargs: Any) -> Any:
+        variables = _fp8_variables(model)
+        originals = [v.get_value() for v in variables]
+        for variable, value in zip(variables, originals, strict=True):
+            variable.set_value(jax.tree.map(jax_private.to_max_combining, value))
+        try:
+            return fun(model, *args, **kwargs)
+        finally:
+            for variable, value in zip(variables, originals, strict=True):
+                variable.set_value(value)
+
+    value_and_grad = nnx.value_and_grad(
+        with_max_state,
+        argnums=nnx.DiffState(0, (wrt, Fp8State)),
+        has_aux=has_aux,
+        graph=True,  # DiffState needs graph mode; the user's own code runs in theirs
+        graph_updates=True,
+    )
+    jitted = nnx.jit(value_and_grad, graph=True, graph_updates=True)
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not args:
+            raise TypeError("nnx_value_and_grad: call it with the model as first argument.")
+        if jax_private.tracing():
+            return value_and_grad(*args, **kwargs)
+        return jitted(*args, **kwargs)
+
+    return run
+
+
+def _sub_state(grads: Any, path: tuple[Any, ...]) -> Any:
+    node = grads
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def nnx_update_fp8_state(model: Any, grads: Any) -> None:
+    """Write the new FP8 state the gradients carry into `model`, in place.
+
+    For each FP8 layer of `model` ([`fp8jax.Fp8NnxDotGeneral`][], [`fp8jax.Fp8NnxEinsum`][]),
+    takes the value its [`fp8jax.Fp8State`][] variables received as gradient, where it is a
+    real update (as [`fp8jax.Fp8DotGeneral.merge`][] decides: a layer that did not run, or
+    whose output got no gradient, keeps its state; so does one whose operand held an inf or
+    NaN).
+
+    **Arguments:**
+
+    - `model`: the NNX model, as differentiated.
+    - `grads`: its gradients, from [`fp8jax.nnx_value_and_grad`][] or from
+      `nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))`.
+
+    Raises `ValueError` if `grads` holds no `Fp8State` for a layer (the gradient was not
+    taken with respect to it).
+
+    ```python
+    loss, grads = fp8jax.nnx_value_and_grad(loss_fn)(model, x, y)
+    fp8jax.nnx_update_fp8_state(model, grads)
+    optimizer.update(model, grads)
+    ```
+    """
+    layers = sorted(
+        ((p, n) for p, n in nnx.iter_graph(model, graph=True) if isinstance(n, AbstractFp8NnxDot)),
+        key=lambda item: tuple(map(str, item[0])),
+    )
+    if not layers:
+        raise ValueError(
+            f"nnx_update_fp8_state: the {type(model).__name__} given has no FP8 layer; "
+            "convert it with fp8jax.fp8_linear_layers first."
+        )
+    for path, layer in layers:
+        received = _sub_state(grads, (*path, "state"))
+        if received is None or not any(
+            isinstance(v, Fp8State) for v in jax.tree.leaves(received, is_leaf=is_variable)
+        ):
+            where = layer.name or ".".join(str(p) for p in path)
+            raise ValueError(
+                f"nnx_update_fp8_state: the gradients hold no Fp8State for the FP8 layer at "
+                f"{where!r}. Differentiate with fp8jax.nnx_value_and_grad, or with "
+                "nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))), and "
+                "pass its gradients unfiltered."
+            )
+        new = nnx.clone(layer, graph=True)
+        nnx.update(new, nnx.State({"state": received}))
+        layer.set_value(layer.value().merge(new.value()))
+
+
+def _check_optimizer(model: Any, optimizer: Any) -> None:
+    tracked = jax.tree.leaves(
+        nnx.state(model, nnx.All(optimizer.wrt, Fp8State), graph=True), is_leaf=is_variable
+    )
+    if tracked:
+        raise ValueError(
+            f"nnx_train_step: the optimizer's wrt={optimizer.wrt!r} selects fp8jax.Fp8State "
+            "variables; FP8 state is set from the gradient, never by the optimizer. Build "
+            "it with wrt=nnx.Param (or a filter that excludes fp8jax.Fp8State)."
+        )
+
+
+def nnx_train_step(
+    loss_fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """A jitted NNX train step for an FP8 model: gradients, FP8 state, optimizer.
+
+    `step(model, optimizer, *args, **kwargs)` differentiates `loss_fn(model, *args,
+    **kwargs)` with [`fp8jax.nnx_value_and_grad`][] (with respect to `optimizer.wrt` and the
+    FP8 state), writes the new FP8 state into `model` ([`fp8jax.nnx_update_fp8_state`][]),
+    updates the Params with `optimizer.update(model, grads)`, and returns the loss (or
+    `(loss, aux)` with `has_aux=True`). `model` and `optimizer` are updated in place, as
+    NNX does; so are variables of NNX objects among the arguments. Arrays among the
+    arguments are traced, other values are static (a new value recompiles).
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, *args, **kwargs)`, a scalar.
+    - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+    - `compiler_options`: XLA options of the step's executable. `None` (the default) means
+      [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call. `{}`
+      compiles with XLA's defaults. A step called inside your own `jax.jit` / `nnx.jit` is
+      part of your executable, which has your options.
+
+    Raises `ValueError` if the optimizer tracks `Fp8State` (its `wrt` must exclude it).
+
+    ```python
+    model = fp8jax.fp8_linear_layers(model)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(loss_fn)
+    for x, y in batches:
+        loss = step(model, optimizer, x, y)
+    fp8jax.assert_all_fp8(step, model, optimizer, x, y)  # every FP8 GEMM, on an H100 compile
+    ```
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"nnx_train_step: loss_fn={loss_fn!r} is not callable.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"nnx_train_step: has_aux={has_aux!r} should be True or False.")
+    compiler_options = checked_compiler_options("nnx_train_step", compiler_options)
+
+    def pure(graphdef: Any, state: Any) -> tuple[Any, Any]:
+        objects = nnx.merge(graphdef, state)
+        model, optimizer, args, kwargs = objects
+        _check_optimizer(model, optimizer)
+        grad_fn = nnx_value_and_grad(loss_fn, wrt=optimizer.wrt, has_aux=has_aux)
+        value, grads = grad_fn(model, *args, **kwargs)
+        nnx_update_fp8_state(model, grads)
+        optimizer.update(model, grads)
+        return value, nnx.state(objects, nnx.Variable, graph=True)
+
+    # jit's compiler options belong to a top-level executable: inside another trace, the plain
+    # version joins the caller's.
+    inner = jax.jit(pure, static_argnums=0)
+    top = jax.jit(pure, static_argnums=0, compiler_options=compiler_options or None)
+
+    @functools.wraps(loss_fn)
+    def step(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(optimizer, nnx.Optimizer):
+            raise TypeError(
+                f"nnx_train_step: optimizer={type(optimizer).__name__}: should be an "
+                "nnx.Optimizer, e.g. nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)."
+            )
+        objects = (model, optimizer, args, kwargs)
+        graphdef, state = nnx.split(objects, graph=True)
+        value, new_state = (inner if jax_private.tracing() else top)(graphdef, state)
+        nnx.update(objects, new_state)
+        return value
+
+    return step
