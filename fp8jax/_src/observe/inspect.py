@@ -23,6 +23,10 @@ Every GEMM is reported with its kernel, operand types and the JAX name stack it 
 GEMMs of fp8jax layers carry `fp8jax[<layer path>]/fwd|dgrad|wgrad` there. Without the plugin
 it falls back to the StableHLO of the program (operand types as JAX emits them), which proves
 nothing about the kernels, and says so.
+
+The parts: `deviceless` lowers and `ptx` compiles (keeping each kernel's PTX); `hlo` parses the
+compiled module once, and `gemms`, `traffic` and `cost` read it; `results` holds what is
+reported.
 """
 
 from __future__ import annotations
