@@ -17,7 +17,7 @@ from typing import Any
 
 from .hlo import Module, parse
 
-#: A PTX matrix-multiply instruction on FP8 operands.
+#: The FP8 operand type of a PTX matrix-multiply instruction (`wgmma ... .e4m3`).
 FP8_MMA = re.compile(r"\.e[45]m[23]\b")
 _MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
 _PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
