@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax.examples.gpt import MLP  # noqa: E402
 
 POLICY = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
@@ -162,7 +162,7 @@ def main(argv=None) -> dict[str, dict[str, dict]]:
     for mode in modes:
         if mode not in MODES:
             parser.error(f"--modes: unknown {mode!r}; choose among {', '.join(MODES)}")
-    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    assert deviceless.h100_topology() is not None, "needs the h100 extra"
     hidden = args.ratio * args.width
     print(
         f"# The compute cast: MLP {args.width} -> {hidden} -> {args.width}, {args.tokens} "

@@ -78,7 +78,7 @@ import jax.numpy as jnp  # noqa: E402
 from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, variant  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
@@ -90,7 +90,7 @@ RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 
 STAND_IN = "attention_stand_in"
 # cuBLAS mode, without XLA's rematerialization (see the module docstring).
-OPTIONS = {**inspect_module.MODES["cublas"], "xla_disable_hlo_passes": "rematerialization"}
+OPTIONS = {**deviceless.MODES["cublas"], "xla_disable_hlo_passes": "rematerialization"}
 
 
 # --- models -------------------------------------------------------------------------------
@@ -208,9 +208,9 @@ def flash_cost(shape: dict) -> Cost:
 
 def compile_cost(shape: dict, name: str, flash: bool) -> tuple[Cost, float]:
     step, args = build(shape, name, flash)
-    topology = inspect_module.h100_topology()
+    topology = deviceless.h100_topology()
     start = time.perf_counter()
-    lowered, _ = inspect_module._lower(step, args, {}, topology.devices[0])
+    lowered, _ = deviceless.lower(step, args, {}, topology.devices[0])
     text = lowered.compile(compiler_options=OPTIONS).as_text()
     cost = hlo_cost(text)
     if cost.unknown_trip_counts:
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
             parser.error(f"--variants: unknown variant {n!r}; choose among bf16, {list(RECIPES)}")
     if "bf16" not in names:
         names.insert(0, "bf16")  # the baseline of every ratio
-    if inspect_module.h100_topology() is None:
+    if deviceless.h100_topology() is None:
         sys.exit("needs the h100 extra (jax-cuda12-plugin, jax-cuda12-pjrt): pip install '.[h100]'")
     print(
         f"# Cost model: estimated H100 step time from compiled HLO (jax {jax.__version__}; "

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_steps import table  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.observe.inspect import h100_topology  # noqa: E402
+from fp8jax._src.observe.deviceless import h100_topology  # noqa: E402
 
 POLICY = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
 RECIPES = {"delayed": fp8jax.DelayedScaling(), "current": fp8jax.CurrentScaling()}

@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import H100, Cost, hlo_cost  # noqa: E402
 from fp8jax.examples.moe import MoE  # noqa: E402
 
@@ -62,7 +62,7 @@ VARIANTS = {
 }
 #: CUB radix sort (the routing's argsort) asks the CUDA runtime for scratch sizes at compile
 #: time, which a deviceless compile has not: XLA's own sort instead.
-OPTIONS = {**inspect_module.MODES["cublas"], "xla_gpu_enable_cub_radix_sort": False}
+OPTIONS = {**deviceless.MODES["cublas"], "xla_gpu_enable_cub_radix_sort": False}
 
 
 def make_model(shape: dict, recipe: fp8jax.Recipe | None, native: bool | None):
@@ -93,9 +93,9 @@ def build(shape: dict, name: str):
 def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:
     """(cost, temp bytes, compile seconds) of variant `name`."""
     step, args = build(shape, name)
-    device = inspect_module.h100_topology().devices[0]
+    device = deviceless.h100_topology().devices[0]
     start = time.perf_counter()
-    lowered, _ = inspect_module._lower(step, args, {}, device)
+    lowered, _ = deviceless.lower(step, args, {}, device)
     compiled = lowered.compile(compiler_options=OPTIONS)
     temp = compiled.memory_analysis().temp_size_in_bytes
     return hlo_cost(compiled.as_text()), temp, time.perf_counter() - start
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args(argv)
-    if inspect_module.h100_topology() is None:
+    if deviceless.h100_topology() is None:
         raise SystemExit("needs the h100 extra: pip install -e '.[h100]'")
     print(f"jax {jax.__version__}; deviceless H100 compile, cuBLAS mode; an ESTIMATE (see the")
     print("module docstring): GEMM FLOPs at H100 peaks plus non-GEMM bytes at 3.35 TB/s.")

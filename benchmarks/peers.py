@@ -52,7 +52,7 @@ from flax.linen import fp8_ops  # noqa: E402
 from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.observe import inspect as inspect_module  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax.examples.gpt import GPT, MLP, GPTConfig, dense, next_token_loss  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -350,7 +350,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    assert inspect_module.h100_topology() is not None, "needs the h100 extra"
+    assert deviceless.h100_topology() is not None, "needs the h100 extra"
     print(
         f"# fp8jax against its peers (jax {jax.__version__}, CPU: "
         f"{os.cpu_count()} cores; H100 figures from deviceless compiles)"

@@ -134,10 +134,10 @@ def run_with_mosaic_dump(script, args, dump):
 def h100_topology(devices: int = 1):
     """fp8jax's deviceless H100 topology. Skips the test where no JAX CUDA plugin is installed
     (the h100 extra); fails where one is installed but gives none (say, of another version)."""
-    from fp8jax._src.observe import inspect as inspect_module
+    from fp8jax._src.observe import deviceless
 
     if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
         pytest.skip("deviceless H100 compiles need jax's CUDA plugin (the h100 extra)")
-    topology = inspect_module.h100_topology(devices)
+    topology = deviceless.h100_topology(devices)
     assert topology is not None, "a JAX CUDA plugin is installed, but gives no deviceless H100"
     return topology

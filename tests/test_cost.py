@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp8jax
-from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, KernelCost, hlo_cost
 
 M, N, K = 256, 512, 256
@@ -212,15 +212,15 @@ def test_errors_name_the_value():
 
 @pytest.fixture(scope="module")
 def h100():
-    topology = inspect_module.h100_topology()
+    topology = deviceless.h100_topology()
     if topology is None:
         pytest.skip("the H100 compiles need the h100 extra: pip install -e '.[h100]'")
     return topology
 
 
 def compiled(h100, fn, *args) -> str:
-    lowered, _ = inspect_module._lower(fn, args, {}, h100.devices[0])
-    return lowered.compile(compiler_options=inspect_module.MODES["cublas"]).as_text()
+    lowered, _ = deviceless.lower(fn, args, {}, h100.devices[0])
+    return lowered.compile(compiler_options=deviceless.MODES["cublas"]).as_text()
 
 
 def spec(*shape, dtype=jnp.bfloat16):

@@ -19,7 +19,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 import fp8jax
 from fp8jax._src.gemm import grouped as grouped_gemm
-from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe import deviceless
 from fp8jax.examples import moe
 
 G, K, N = 4, 64, 48
@@ -598,7 +598,7 @@ def test_training_in_fp8_tracks_high_precision(model):
 
 @pytest.fixture(scope="module")
 def h100():
-    topology = inspect_module.h100_topology()
+    topology = deviceless.h100_topology()
     if topology is None:
         pytest.skip("the H100 checks need the h100 extra: pip install -e '.[h100]'")
     return topology
@@ -618,7 +618,7 @@ def test_expert_gemms_lower_to_fp8_ragged_dots_for_an_h100(h100, model, recipe):
     def step(model, x):
         return fp8jax.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
 
-    text = inspect_module._lower(step, (converted, x), {}, device)[0].as_text()
+    text = deviceless.lower(step, (converted, x), {}, device)[0].as_text()
     ragged = [line for line in text.splitlines() if "chlo.ragged_dot" in line]
     # Per expert layer: forward, dgrad and wgrad (a block recipe's one dot per chunk group).
     assert len(ragged) >= 6

@@ -295,7 +295,7 @@ H100_SCRIPT = """
 import glob, json, os, re, sys
 import jax, jax.numpy as jnp
 import fp8jax
-from fp8jax._src import inspect as inspect_module
+from fp8jax._src.observe import deviceless
 from fp8jax.examples import moe
 
 recipe = {"delayed": fp8jax.DelayedScaling(),
@@ -312,8 +312,8 @@ def step(model, x):
     return fp8jax.filter_value_and_grad(loss)(model)
 
 report = fp8jax.inspect(step, model, x, modes=("cublas",), merge_dots=False)
-device = inspect_module.h100_topology().devices[0]
-lowered, _ = inspect_module._lower(step, (model, x), {}, device)
+device = deviceless.h100_topology().devices[0]
+lowered, _ = deviceless.lower(step, (model, x), {}, device)
 hlo = lowered.compile().as_text()
 ragged = lowered.as_text().count("chlo.ragged_dot")  # before XLA expands them
 cost = fp8jax.hlo_cost(hlo)

@@ -11,7 +11,11 @@ import pytest
 from helpers import h100_topology, make_train_step
 
 import fp8jax
+from fp8jax._src.observe import deviceless
 from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe.gemms import hlo_gemms
+from fp8jax._src.observe.ptx import mma_inputs, ptx_kernels
+from fp8jax._src.observe.traffic import hlo_memory_traffic
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 RECIPES = {
@@ -103,7 +107,7 @@ def test_residual_terms_stay_two_gemms_accumulating_in_place(h100):
     report = fp8jax.inspect(step, *args, modes=("cublas",))
     for layer, roles in report.layers("cublas").items():
         assert len(roles["fwd"]) == 2, (layer, roles["fwd"])
-    lowered, _ = inspect_module._lower(step, args, {}, h100.devices[0])
+    lowered, _ = deviceless.lower(step, args, {}, h100.devices[0])
     text = lowered.compile(compiler_options=fp8jax.gpu_compiler_options()).as_text()
     betas = [int(b) for b in re.findall(r'__cublas\$lt\$matmul\$f8".*?"beta":(\d+)', text)]
     assert betas.count(1) >= len(targeted), betas
@@ -215,18 +219,18 @@ PTX = """
 
 
 def test_ptx_parser():
-    kernels = inspect_module.ptx_kernels([PTX])
+    kernels = ptx_kernels([PTX])
     assert set(kernels) == {"f_2", "g"}
     assert kernels["f_2"].mma == ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",)
     assert kernels["f_2"].upcasts == ("cvt.rn.f16x2.e4m3x2",)
     assert kernels["g"].mma == ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e5m2.e4m3",)
     assert kernels["g"].upcasts == ()
-    assert inspect_module._mma_inputs(kernels["g"].mma[0]) == "e5m2/e4m3"
-    assert inspect_module._mma_inputs(kernels["f_2"].mma[0]) == "f16"
+    assert mma_inputs(kernels["g"].mma[0]) == "e5m2/e4m3"
+    assert mma_inputs(kernels["f_2"].mma[0]) == "f16"
 
 
 def test_hlo_parser():
-    gemms = {g.instruction: g for g in inspect_module.hlo_gemms(HLO, "default")}
+    gemms = {g.instruction: g for g in hlo_gemms(HLO, "default")}
     assert set(gemms) == {"dot.1", "c"}
     # Without PTX, FP8 operands prove nothing.
     assert gemms["dot.1"].fp8_operands and not gemms["dot.1"].fp8
@@ -236,16 +240,16 @@ def test_hlo_parser():
     assert not gemms["c"].fp8 and (gemms["c"].lhs, gemms["c"].kernel) == ("bf16", "cublas")
     # The kernel f_2 (the fusion f.2) upcasts: not FP8; the same GEMM run by an FP8 wgmma
     # kernel is.
-    kernels = inspect_module.ptx_kernels([PTX])
-    upcast = inspect_module.hlo_gemms(HLO, "default", kernels)
+    kernels = ptx_kernels([PTX])
+    upcast = hlo_gemms(HLO, "default", kernels)
     (dot,) = [g for g in upcast if g.instruction == "dot.1"]
     assert dot.ptx and not dot.fp8 and "converts them to f16" in dot.verdict
     kernels["f_2"] = dataclasses.replace(kernels["g"], name="f_2")
-    (dot,) = [g for g in inspect_module.hlo_gemms(HLO, "default", kernels) if g.layer]
+    (dot,) = [g for g in hlo_gemms(HLO, "default", kernels) if g.layer]
     assert dot.fp8 and "FP8 tensor cores (wgmma" in dot.verdict
     assert gemms["dot.1"].flops == 2 * 16 * 8 * 32
     # The fusion reads a (bf16 16x32) and b (bf16 8x32) and writes f32 16x8.
-    assert inspect_module.hlo_memory_traffic(HLO) == 2 * 16 * 32 + 2 * 8 * 32 + 4 * 16 * 8
+    assert hlo_memory_traffic(HLO) == 2 * 16 * 32 + 2 * 8 * 32 + 4 * 16 * 8
 
 
 def test_unknown_mode():
@@ -282,7 +286,7 @@ def test_gemms_in_scan_loops_take_their_loop_s_layer():
     name; the loop instruction carries its own, and the inspector takes that one."""
     clone = LOOPS.split("%cond")[0].replace("%body (", "%body.clone (")
     hlo = LOOPS.replace("ENTRY", clone + "\nENTRY")
-    gemms = inspect_module.hlo_gemms(hlo, "cublas")
+    gemms = hlo_gemms(hlo, "cublas")
     assert sorted((g.layer, g.role) for g in gemms) == [("mlp.fc1", "fwd"), ("mlp.fc2", "dgrad")]
     assert all(g.fp8 and g.kernel == "cublasLt f8" for g in gemms)
 

@@ -385,10 +385,10 @@ def test_native_kernels_transpose_fp8_values_not_bf16_activations(getkey, recipe
     44 MiB of H100 temp memory for blockwise instead of 39). Compiled for an H100, no BF16
     array of the MLP's hidden activation may be held transposed."""
     pytest.importorskip("jax_cuda12_plugin")
-    from fp8jax._src.observe import inspect as inspect_module
+    from fp8jax._src.observe import deviceless
     from fp8jax.examples.gpt import MLP
 
-    topology = inspect_module.h100_topology()
+    topology = deviceless.h100_topology()
     tokens, width = 512, 256
     mlp = fp8jax.fp8_linear_layers(
         MLP(width, 4, False, key=getkey()), fp8jax.Fp8Config(recipe=recipe)
@@ -400,7 +400,7 @@ def test_native_kernels_transpose_fp8_values_not_bf16_activations(getkey, recipe
         loss = lambda m, x: jnp.mean(m(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)  # noqa: E731
         return fp8jax.filter_grad(loss)(model, x)
 
-    lowered, _ = inspect_module._lower(step, (mlp, x), {}, topology.devices[0])
+    lowered, _ = deviceless.lower(step, (mlp, x), {}, topology.devices[0])
     entry = lowered.compile().as_text().split("\nENTRY")[1]
     assert "mosaic_gpu" in entry  # the kernels run here
     held = set()
@@ -418,10 +418,10 @@ def test_residual_fused_kernel_takes_about_delayed_scalings_h100_temp_memory(get
     kernel measured slower on an H200, sums two cuBLASLt products in a float32 buffer and
     takes more (1.72x when measured): the price of the default, documented."""
     pytest.importorskip("jax_cuda12_plugin")
-    from fp8jax._src.observe import inspect as inspect_module
+    from fp8jax._src.observe import deviceless
     from fp8jax.examples.gpt import MLP
 
-    device = inspect_module.h100_topology().devices[0]
+    device = deviceless.h100_topology().devices[0]
     policy = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
     base = MLP(1024, 4, False, key=getkey())
     x = jax.ShapeDtypeStruct((2048, 1024), jnp.float32)
@@ -436,7 +436,7 @@ def test_residual_fused_kernel_takes_about_delayed_scalings_h100_temp_memory(get
 
     def temp(recipe):
         model = fp8jax.fp8_linear_layers(base, fp8jax.Fp8Config(recipe=recipe))
-        lowered, _ = inspect_module._lower(step, (model, x), {}, device)
+        lowered, _ = deviceless.lower(step, (model, x), {}, device)
         compiled = lowered.compile(compiler_options=fp8jax.gpu_compiler_options())
         return compiled.memory_analysis().temp_size_in_bytes
 

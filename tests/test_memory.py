@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import fp8jax
-from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe import deviceless
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -27,7 +27,7 @@ MODES = {"cublas": fp8jax.gpu_compiler_options(), "default": {}}
 
 @pytest.fixture(scope="module")
 def device():
-    topology = inspect_module.h100_topology()
+    topology = deviceless.h100_topology()
     assert topology is not None, "the H100 checks need the h100 extra: pip install -e '.[h100]'"
     return topology.devices[0]
 

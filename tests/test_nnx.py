@@ -21,7 +21,7 @@ from helpers import h100_topology, make_train_step, representable
 
 import fp8jax
 from fp8jax._src.convert.nnx.einsum import einsum_dimension_numbers
-from fp8jax._src.observe import inspect as inspect_module
+from fp8jax._src.observe import deviceless
 
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(history_len=16),
@@ -705,7 +705,7 @@ def test_inspect_lowers_nnx_objects_as_state_in_and_out():
         return jnp.sum(layer(x))
 
     kernel = layer.fc.kernel.get_value()
-    pure, args, kwargs = inspect_module._split_graph_nodes(
+    pure, args, kwargs = deviceless.split_graph_nodes(
         step, (layer, jnp.ones((1, 32))), {"extra": {"counter": counter}}
     )
     loss, state = jax.jit(pure)(*args, **kwargs)
@@ -718,7 +718,7 @@ def test_inspect_lowers_nnx_objects_as_state_in_and_out():
     np.testing.assert_array_equal(layer.fc.kernel.get_value(), kernel)
     assert float(counter.get_value()) == 0.0
     # Without NNX objects, the function is lowered as it is.
-    assert inspect_module._split_graph_nodes(mse, (1, 2), {}) == (mse, (1, 2), {})
+    assert deviceless.split_graph_nodes(mse, (1, 2), {}) == (mse, (1, 2), {})
 
 
 def test_nnx_train_step_compiles_the_gemms_of_the_equinox_step_on_h100():

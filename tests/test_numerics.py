@@ -387,7 +387,7 @@ def test_bf16_gemms_are_one_cublaslt_call_with_the_scale_folded(h100, recipe, wr
     Linears are one `__cublas$lt$matmul$f8` call each, writing BF16 directly, with the
     scales among its operands (its alpha), not in a pass after it. Scales that are not
     powers of two are applied in float32: the call writes float32 (and XLA converts it)."""
-    from fp8jax._src.observe import inspect as inspect_module
+    from fp8jax._src.observe import deviceless
 
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     mlp = [eqx.nn.Linear(256, 512, key=k1), eqx.nn.Linear(512, 256, key=k2)]
@@ -400,8 +400,8 @@ def test_bf16_gemms_are_one_cublaslt_call_with_the_scale_folded(h100, recipe, wr
 
     step = make_train_step(loss, optax.sgd(1e-2))
     args = (mlp, optax.sgd(1e-2).init(None), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16))
-    lowered, _ = inspect_module._lower(step, args, {}, h100.devices[0])
-    hlo = lowered.compile(compiler_options=inspect_module.MODES["cublas"]).as_text()
+    lowered, _ = deviceless.lower(step, args, {}, h100.devices[0])
+    hlo = lowered.compile(compiler_options=deviceless.MODES["cublas"]).as_text()
     calls, constants = fp8_gemm_calls(hlo)
     # 2 Linears x (fwd, dgrad, wgrad), less the first layer's dgrad (x needs no gradient).
     assert len(calls) == 5, calls

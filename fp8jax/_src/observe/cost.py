@@ -16,21 +16,21 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
+from typing import final
 
 from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
-from .inspect import (
-    _COMPUTATION,
-    _INSTRUCTION,
-    _LAYER,
-    _MOSAIC_CALL,
-    _NO_TRAFFIC,
-    _OP_NAME,
-    _dims,
-    _element_type,
-    _flops,
-    _gemm_target,
-    _operand_names,
+from .hlo import (
+    F8,
+    LAYER,
+    NO_TRAFFIC,
+    Computation,
+    Instruction,
+    Module,
     array_bytes,
+    dims,
+    dot_flops,
+    element_type,
+    parse,
 )
 
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
@@ -51,7 +51,7 @@ H100: dict[str, float] = {
 CATEGORIES: tuple[str, ...] = ("quantize", "amax", "block partials", "transpose/copy", "rest")
 
 # Instructions that run no kernel: they name, alias or regroup buffers.
-_FREE = _NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
+_FREE = NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
 # Pure data movement: a fusion made of these alone (scalar index arithmetic aside) is a copy.
 _MOVES = {
     "parameter",
@@ -70,92 +70,6 @@ _MOVES = {
 _COPIES = _MOVES - {"parameter", "constant", "bitcast", "reshape", "tuple", "get-tuple-element"}
 _SLICES = {"slice", "dynamic-slice", "gather"}  # read only the part of operand 0 they return
 _IN_PLACE = {"dynamic-update-slice", "scatter"}  # write into operand 0's buffer
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLS = re.compile(r"\bcalls=(?:%([\w.\-]+)|\{([^}]*)\})")
-_CALLEE = {
-    name: re.compile(rf"\b{name}=%([\w.\-]+)")
-    for name in ("body", "condition", "to_apply", "true_computation", "false_computation")
-}
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_F8 = re.compile(r"^f8")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-    name: str
-    type: str
-    op: str
-    operands: tuple[str, ...]
-    args: str
-    rest: str
-    root: bool
-
-    @property
-    def op_name(self) -> str:
-        match = _OP_NAME.search(self.rest)
-        return match.group(1) if match else ""
-
-    def called(self) -> list[str]:
-        """Computations this instruction calls (fused, reducer, loop, branches)."""
-        names = []
-        for match in _CALLS.finditer(self.rest):
-            names += [match.group(1)] if match.group(1) else _operand_names(match.group(2))
-        for pattern in _CALLEE.values():
-            names += pattern.findall(self.rest)
-        for match in _BRANCHES.finditer(self.rest):
-            names += _operand_names(match.group(1))
-        return names
-
-
-@dataclasses.dataclass(frozen=True)
-class _Computation:
-    name: str
-    instructions: dict[str, _Instruction]
-
-    @property
-    def root(self) -> _Instruction:
-        return next(i for i in self.instructions.values() if i.root)
-
-    def type_of(self, name: str) -> str:
-        instruction = self.instructions.get(name)
-        return instruction.type if instruction is not None else ""
-
-
-def _parse(hlo: str) -> tuple[dict[str, _Computation], str]:
-    """Computations of an HLO module by name, and the entry computation's name."""
-    computations: dict[str, _Computation] = {}
-    current: _Computation | None = None
-    entry = None
-    for line in hlo.splitlines():
-        if current is None or line.startswith(("%", "ENTRY")):
-            head = _COMPUTATION.match(line)
-            if head:
-                current = computations.setdefault(
-                    head.group("name"), _Computation(head["name"], {})
-                )
-                if line.startswith("ENTRY"):
-                    entry = current.name
-                continue
-        if line.startswith("}"):
-            current = None
-            continue
-        match = _INSTRUCTION.match(line)
-        if match and current is not None:
-            current.instructions[match["name"]] = _Instruction(
-                match["name"],
-                match["type"],
-                match["op"],
-                tuple(_operand_names(match["operands"])),
-                match["operands"],
-                match["rest"],
-                line.lstrip().startswith("ROOT"),
-            )
-    if entry is None:
-        raise ValueError(
-            f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation; pass the text of a whole "
-            "HLO module (`compiled.as_text()`)."
-        )
-    return computations, entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,9 +224,22 @@ def hlo_cost(hlo: str) -> Cost:
         raise TypeError(
             f"hlo_cost: hlo={hlo!r:.80} should be the text of an HLO module (`compiled.as_text()`)."
         )
-    computations, entry = _parse(hlo)
-    walker = _Walker(computations)
-    kernels = walker.walk(entry, 1, False)
+    module = parse(hlo)
+    if module.entry is None:
+        raise ValueError(
+            f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation; pass the text of a whole "
+            "HLO module (`compiled.as_text()`)."
+        )
+    return module_cost(module)
+
+
+def module_cost(module: Module) -> Cost:
+    """The [`fp8jax.Cost`][] of a parsed HLO module with an entry computation, as `hlo_cost`
+    counts it (for the inspector, which has the module parsed already)."""
+    if module.entry is None:
+        raise ValueError("hlo_cost: the module has no ENTRY computation.")
+    walker = _Walker(module.computations)
+    kernels = walker.walk(module.entry, 1, False)
     return _total(kernels, tuple(walker.unknown))
 
 
@@ -328,12 +255,15 @@ def _total(kernels: Iterable[KernelCost], unknown: tuple[str, ...] = ()) -> Cost
     return Cost(flops, traffic, unknown, kernels)
 
 
+@final
 class _Walker:
-    def __init__(self, computations: dict[str, _Computation]):
+    """Walks a module as the GPU runs it, collecting one `KernelCost` per kernel."""
+
+    def __init__(self, computations: dict[str, Computation]):
         self.computations = computations
         self.unknown: list[str] = []
 
-    def computation(self, name: str) -> _Computation:
+    def computation(self, name: str) -> Computation:
         if name not in self.computations:
             raise ValueError(f"hlo_cost: the module calls computation {name!r}, which it lacks.")
         return self.computations[name]
@@ -348,17 +278,17 @@ class _Walker:
             if op in _FREE:
                 continue
             if op == "while":
-                trip = _TRIP_COUNT.search(instruction.rest)
-                if trip is None:
+                n = instruction.trip_count
+                if n is None:
                     self.unknown.append(instruction.name)
-                n = int(trip.group(1)) if trip else 1
-                inner = bool(_LAYER.search(instruction.op_name))
-                body = _CALLEE["body"].search(instruction.rest)
-                condition = _CALLEE["condition"].search(instruction.rest)
+                    n = 1
+                inner = bool(LAYER.search(instruction.op_name))
+                body = instruction.callee("body")
+                condition = instruction.callee("condition")
                 if body:
-                    kernels += self.walk(body.group(1), runs * n, inner)
+                    kernels += self.walk(body, runs * n, inner)
                 if condition:
-                    kernels += self.walk(condition.group(1), runs * (n + 1), inner)
+                    kernels += self.walk(condition, runs * (n + 1), inner)
             elif op == "conditional":
                 branches = [self.walk(b, runs, layer_loop) for b in instruction.called()]
                 if branches:
@@ -374,16 +304,14 @@ class _Walker:
 
     def kernel(
         self,
-        computation: _Computation,
-        instruction: _Instruction,
+        computation: Computation,
+        instruction: Instruction,
         runs: int,
         layer_loop: bool,
         categories: Mapping[str, str | None],
     ) -> KernelCost:
         inside = self.inside(computation, instruction)
-        gemms = [
-            (c, i) for c, i in inside if i.op == "dot" or _gemm_target(i.op, i.rest) is not None
-        ]
+        gemms = [(c, i) for c, i in inside if i.op == "dot" or i.gemm_target is not None]
         if instruction.op == "custom-call" and _is_native_gemm(instruction):
             flops, kind = _native_gemm_cost(computation, instruction)
             return KernelCost(
@@ -400,7 +328,7 @@ class _Walker:
         if gemms:
             flops, kinds = 0, {}
             for c, i in gemms:
-                f = _flops(i.type, c.type_of(i.operands[0]) if i.operands else "", i.rest)
+                f = dot_flops(i.type, c.type_of(i.operands[0]) if i.operands else "", i.rest)
                 kind = _gemm_kind(c, i)
                 flops += f
                 kinds[kind] = kinds.get(kind, 0) + f
@@ -431,8 +359,8 @@ class _Walker:
         )
 
     def inside(
-        self, computation: _Computation, instruction: _Instruction
-    ) -> list[tuple[_Computation, _Instruction]]:
+        self, computation: Computation, instruction: Instruction
+    ) -> list[tuple[Computation, Instruction]]:
         """The instruction itself and, for a fusion, every instruction it fuses (recursively)."""
         found = [(computation, instruction)]
         if instruction.op == "fusion":
@@ -444,8 +372,8 @@ class _Walker:
 
     def partial_amaxes(
         self,
-        computation: _Computation,
-        instruction: _Instruction,
+        computation: Computation,
+        instruction: Instruction,
         categories: Mapping[str, str | None],
     ) -> set[str]:
         """Names, as seen inside the kernel, of its inputs that an amax or quantize kernel
@@ -467,12 +395,12 @@ class _Walker:
 
     def category(
         self,
-        inside: list[tuple[_Computation, _Instruction]],
+        inside: list[tuple[Computation, Instruction]],
         layer_loop: bool,
         partials: set[str],
     ) -> str:
         ops = [i for _, i in inside if i.op != "fusion"]
-        if any(i.op == "convert" and _F8.match(_element_type(i.type)) for i in ops):
+        if any(i.op == "convert" and F8.match(element_type(i.type)) for i in ops):
             return "quantize"
         if any(self.is_amax(c, i, partials) for c, i in inside):
             return "amax"
@@ -484,14 +412,14 @@ class _Walker:
         return "rest"
 
     def is_amax(
-        self, computation: _Computation, instruction: _Instruction, partials: set[str]
+        self, computation: Computation, instruction: Instruction, partials: set[str]
     ) -> bool:
         """A reduction by maximum of `|x|` (through reshapes, transposes and copies), or of
         the partial maxima of one (`partials`)."""
         if instruction.op != "reduce":
             return False
-        reducer = _CALLEE["to_apply"].search(instruction.rest)
-        if reducer is None or self.computation(reducer.group(1)).root.op != "maximum":
+        reducer = instruction.callee("to_apply")
+        if reducer is None or self.computation(reducer).root.op != "maximum":
             return False
         name = instruction.operands[0]
         source = computation.instructions.get(name)
@@ -500,7 +428,7 @@ class _Walker:
             source = computation.instructions.get(name)
         return name in partials or (source is not None and source.op == "abs")
 
-    def traffic(self, computation: _Computation, instruction: _Instruction) -> int:
+    def traffic(self, computation: Computation, instruction: Instruction) -> int:
         """Bytes read and written by one run of a non-GEMM kernel."""
         operands = [array_bytes(computation.type_of(o)) for o in instruction.operands]
         if instruction.op != "fusion":
@@ -513,7 +441,7 @@ class _Walker:
             return out + sum(operands)
         fused = self.computation(instruction.called()[0])
         params = {int(i.args): i for i in fused.instructions.values() if i.op == "parameter"}
-        users: dict[str, list[_Instruction]] = {}
+        users: dict[str, list[Instruction]] = {}
         for i in fused.instructions.values():
             for o in i.operands:
                 users.setdefault(o, []).append(i)
@@ -546,7 +474,7 @@ class _Walker:
         return out + sum(operands)
 
 
-def _producer(computation: _Computation, name: str) -> str:
+def _producer(computation: Computation, name: str) -> str:
     """The kernel that wrote `name`, looking through tuples' elements and bitcasts."""
     source = computation.instructions.get(name)
     while source is not None and source.op in ("get-tuple-element", "bitcast") and source.operands:
@@ -555,13 +483,13 @@ def _producer(computation: _Computation, name: str) -> str:
     return name
 
 
-def _update(instruction: _Instruction) -> str:
+def _update(instruction: Instruction) -> str:
     """The operand an in-place update writes: `dynamic-update-slice(buffer, update, *index)`,
     `scatter(buffer, indices, updates)`."""
     return instruction.operands[-1 if instruction.op == "scatter" else 1]
 
 
-def _through_bitcasts(name: str, users: dict[str, list[_Instruction]]) -> list[_Instruction]:
+def _through_bitcasts(name: str, users: dict[str, list[Instruction]]) -> list[Instruction]:
     """The instructions reading `name`, looking through bitcasts."""
     found = []
     for user in users.get(name, []):
@@ -569,7 +497,7 @@ def _through_bitcasts(name: str, users: dict[str, list[_Instruction]]) -> list[_
     return found
 
 
-def _first(reader: _Instruction, name: str, fused: _Computation) -> bool:
+def _first(reader: Instruction, name: str, fused: Computation) -> bool:
     """Whether `name` (or a bitcast of it) is `reader`'s first operand, the one it slices."""
     source = fused.instructions.get(reader.operands[0]) if reader.operands else None
     while source is not None and source.op == "bitcast" and source.name != name:
@@ -578,21 +506,19 @@ def _first(reader: _Instruction, name: str, fused: _Computation) -> bool:
 
 
 def _is_scalar(type_text: str) -> bool:
-    return math.prod(_dims(type_text)) <= 1
+    return math.prod(dims(type_text)) <= 1
 
 
 _NATIVE_NAMES = (BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME)
 
 
-def _is_native_gemm(instruction: _Instruction) -> bool:
+def _is_native_gemm(instruction: Instruction) -> bool:
     """One of fp8jax's own GEMM kernels (`fp8jax._src.kernels`: block-scaled, grouped rows,
     grouped tokens), an opaque Mosaic GPU custom call recognized by its name."""
-    return bool(_MOSAIC_CALL.search(instruction.rest)) and any(
-        name in instruction.op_name for name in _NATIVE_NAMES
-    )
+    return instruction.mosaic and any(name in instruction.op_name for name in _NATIVE_NAMES)
 
 
-def _native_gemm_cost(computation: _Computation, instruction: _Instruction) -> tuple[int, str]:
+def _native_gemm_cost(computation: Computation, instruction: Instruction) -> tuple[int, str]:
     """(FLOPs, rate kind) of a native kernel, from its padded shapes (the work it does).
 
     - block-scaled: operands `lhs (*B, M, K)`, its scales, then a weight `(*B, N, K)` and its
@@ -604,37 +530,37 @@ def _native_gemm_cost(computation: _Computation, instruction: _Instruction) -> t
 
     The kind is `"fp8 block"` when the kernel promotes per chunk (scales per row and chunk),
     `"fp8"` for a grouped kernel scaled once per tile, `"bf16"` for 16-bit operands."""
-    out = _dims(instruction.type)
+    out = dims(instruction.type)
     if BLOCK_GEMM_NAME in instruction.op_name:
-        k = _dims(computation.type_of(instruction.operands[0]))[-1]
+        k = dims(computation.type_of(instruction.operands[0]))[-1]
         terms = (len(instruction.operands) - 2) // 2
         return 2 * math.prod(out) * k * terms, "fp8 block"
     types = [computation.type_of(o) for o in instruction.operands]
-    values = [t for t in types if re.match(r"^(f8|bf16|f16)", _element_type(t))]
-    contracted = _dims(values[0])[-1]
-    per_chunk = any(_element_type(t) == "f32" and len(_dims(t)) == 2 for t in types)
-    element = _element_type(values[0])
+    values = [t for t in types if re.match(r"^(f8|bf16|f16)", element_type(t))]
+    contracted = dims(values[0])[-1]
+    per_chunk = any(element_type(t) == "f32" and len(dims(t)) == 2 for t in types)
+    element = element_type(values[0])
     kind = "fp8 block" if per_chunk else "fp8"
-    if not _F8.match(element):
+    if not F8.match(element):
         kind = "f16" if element == "f16" else "bf16"
     if GROUPED_TOKENS_NAME in instruction.op_name:
         return 2 * math.prod(out[1:]) * contracted, kind
     return 2 * math.prod(out) * contracted, kind
 
 
-def _gemm_kind(computation: _Computation, instruction: _Instruction) -> str:
+def _gemm_kind(computation: Computation, instruction: Instruction) -> str:
     """`"fp8"`, `"bf16"`, `"f16"`, `"tf32"` or `"f32"`: the tensor-core rate a GEMM runs at."""
-    target = _gemm_target(instruction.op, instruction.rest)
+    target = instruction.gemm_target
     if target is not None and target.endswith("$f8"):
         return "fp8"
-    types = [_element_type(computation.type_of(o)) for o in instruction.operands[:2]]
-    if types and all(_F8.match(t) for t in types):
+    types = [element_type(computation.type_of(o)) for o in instruction.operands[:2]]
+    if types and all(F8.match(t) for t in types):
         return "fp8"
     if "f32" in types or "f64" in types:
         highest = re.search(r"HIGHEST|highest|ALG_DOT_F32_F32_F32", instruction.rest)
         return "f32" if highest else "tf32"
     if "f16" in types:
         return "f16"
-    if "bf16" in types or any(_F8.match(t) for t in types):
+    if "bf16" in types or any(F8.match(t) for t in types):
         return "bf16"
     return types[0] if types else "?"

@@ -1,0 +1,157 @@
+"""The deviceless H100 compile: compile-only H100s (one, or a mesh of them) from the CUDA
+plugin's topology, and a program lowered for them with its arguments abstract.
+
+It needs the `h100` extra (`jax-cuda12-plugin` and `jax-cuda12-pjrt` of jax's version) and
+`JAX_PLATFORMS=cpu` set before jax starts; without them `h100_topology` is `None`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import math
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ..core.compile_options import gpu_compiler_options
+
+#: XLA option sets the inspector compiles with: `"cublas"`, fp8jax's (Triton GEMMs off), and
+#: `"default"`, XLA's own.
+MODES = {
+    "cublas": gpu_compiler_options(),
+    "default": {},
+}
+
+
+def _is_int(n: Any) -> bool:
+    return isinstance(n, int | np.integer) and not isinstance(n, bool)
+
+
+@functools.cache
+def h100_topology(devices: int = 1) -> Any | None:
+    """`devices` compile-only H100s in one host (`None` when the CUDA plugin is missing)."""
+    from jax.experimental import topologies
+
+    config = importlib.resources.files("fp8jax._src").joinpath("data/h100_sxm.txtpb").read_text()
+    try:
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=config, topology=f"1x1x{devices}"
+        )
+    except Exception:  # noqa: BLE001 - any failure means: no deviceless CUDA compiler here
+        return None
+
+
+def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+    """A mesh of compile-only H100s (one host, `prod(axes.values())` GPUs), for
+    [`fp8jax.inspect`][] of sharded programs.
+
+    Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
+    arguments to shard; the other array arguments are replicated over it.
+
+    ```python
+    mesh = fp8jax.h100_mesh({"data": 8})
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+    report = fp8jax.inspect(train_step, state, x)
+    ```
+    """
+    if (
+        not isinstance(axes, Mapping)
+        or not axes
+        or not all(isinstance(name, str) for name in axes)
+        or not all(_is_int(n) and n >= 1 for n in axes.values())
+    ):
+        raise ValueError(
+            f"h100_mesh: axes={axes!r}: should be a dict from mesh axis names to sizes >= 1, "
+            "e.g. {'data': 8}."
+        )
+    size = math.prod(axes.values())
+    topology = h100_topology(size)
+    if topology is None:
+        raise RuntimeError(
+            "h100_mesh needs jax-cuda12-plugin and jax-cuda12-pjrt of jax's version (pip "
+            "install 'fp8jax[h100]') and JAX_PLATFORMS=cpu set before jax starts."
+        )
+    devices = np.array(topology.devices).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(devices, tuple(axes))
+
+
+def _is_dynamic(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _mesh_of(dynamic: Any) -> jax.sharding.Mesh | None:
+    for x in jax.tree.leaves(dynamic):
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def split_graph_nodes(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """`fn` and its arguments with the Flax NNX objects among them (modules, optimizers,
+    variables, at any depth) replaced by their state: a pure function that merges the
+    objects, calls `fn`, and returns its output with the objects' new state.
+
+    NNX updates objects in place. Lowered as it is, a train step that updates a model and
+    its optimizer returns only its loss, and XLA drops the backward pass and the update as
+    dead code; returning the state keeps every GEMM the step runs. The objects are split
+    together, so a variable two of them share stays one. Flax is looked up in `sys.modules`:
+    when it was never imported no NNX object exists, and `fn` is returned as it is.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return fn, args, kwargs
+
+    def is_node(x: Any) -> bool:
+        return isinstance(x, nnx.Pytree | nnx.Variable)
+
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+    where = [i for i, leaf in enumerate(leaves) if is_node(leaf)]
+    if not where:
+        return fn, args, kwargs
+    graphdef, state = nnx.split(tuple(leaves[i] for i in where), graph=True)
+    rest = [None if is_node(leaf) else leaf for leaf in leaves]
+
+    def pure(state: Any, rest: list) -> tuple[Any, Any]:
+        nodes = nnx.merge(graphdef, state)
+        filled = list(rest)
+        for i, node in zip(where, nodes, strict=True):
+            filled[i] = node
+        a, k = jax.tree.unflatten(treedef, filled)
+        out = fn(*a, **k)
+        return out, nnx.state(nodes, graph=True)
+
+    return pure, (state, rest), {}
+
+
+def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[Any, int]:
+    """`fn(*args, **kwargs)` lowered with its array leaves abstract, and how many devices it
+    runs on: on `device` if given, or replicated over the mesh of the arguments that carry a
+    `NamedSharding`. Flax NNX objects among the arguments are lowered as their state, which
+    the function returns updated (`split_graph_nodes`)."""
+    fn, args, kwargs = split_graph_nodes(fn, args, kwargs)
+    dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
+    mesh = _mesh_of(dynamic) if device is not None else None
+
+    def abstract(x: Any) -> jax.ShapeDtypeStruct:
+        if mesh is not None:
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+                return x
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        elif device is not None:
+            sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            sharding = None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def call(dynamic: Any) -> Any:
+        a, k = eqx.combine(dynamic, static)
+        return eqx.filter(fn(*a, **k), eqx.is_array)  # outputs may hold functions (a model)
+
+    devices = mesh.size if mesh is not None else 1
+    return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices

@@ -1,0 +1,187 @@
+"""Every GEMM of a compiled program and the kernel that runs it, read from its HLO (or, without
+the H100 compile, from its StableHLO).
+
+A GEMM is a cuBLAS custom call, a `dot` (at the top level, or inside the fusion XLA makes a
+kernel of), or a Pallas Mosaic GPU call known to multiply matrices. Each is matched to the
+PTX facts of its kernel where `ptx.compile_with_ptx` read them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from .hlo import F8, LAYER, Computation, Instruction, Module, dot_flops, element_type, parse
+from .ptx import Kernel, mosaic_key
+from .results import Gemm
+
+# Computation -> (the computation calling it, the calling instruction).
+_Callers = dict[str, tuple[str, Instruction]]
+
+
+def hlo_gemms(
+    hlo: str | Module, mode: str, kernels: Mapping[str, Kernel] | None = None
+) -> list[Gemm]:
+    """Every GEMM of an optimized HLO module (its text, or it parsed): cuBLAS custom calls and
+    dots (top level or inside fusions), with operand element types resolved within their
+    computation.
+
+    With `kernels` (from [`ptx_kernels`][fp8jax._src.observe.ptx.ptx_kernels]), each dot
+    gets the PTX facts of the kernel that runs it: the outermost fusion around it, named as XLA
+    names its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`)."""
+    module = hlo if isinstance(hlo, Module) else parse(hlo)
+    callers = _callers(module)
+    loop_names = _loop_op_names(module, callers)
+    fusions = _fusion_callers(callers)
+    shared = _shared_kernels(module)
+    gemms = []
+    for computation in module.computations.values():
+        instructions = computation.instructions
+        for instruction in instructions.values():
+            name, op, operands = instruction.name, instruction.op, list(instruction.operands)
+            target = instruction.gemm_target
+            kernel_name, facts = "", None
+            if target is not None:
+                kernel = "cublasLt f8" if target.endswith("$f8") else "cublas"
+            elif op == "custom-call" and instruction.mosaic:
+                digest = instruction.kernel_hash
+                facts = (kernels or {}).get(mosaic_key(digest)) if digest is not None else None
+                kernel, kernel_name = "pallas mosaic gpu", facts.name if facts else name
+                if not (facts and facts.mma) and not LAYER.search(instruction.rest):
+                    continue  # not a GEMM, or not known to be one
+                operands = _matrix_operands(operands, computation)
+            elif op == "dot":
+                kernel, runner = "dot", instruction
+                if computation.name in fusions:  # the outermost fusion around it is the kernel
+                    runner, triton = fusions[computation.name]
+                    kernel = "triton" if triton else "fusion"
+                candidates = _kernel_names(runner, shared)
+                kernel_name = candidates[0]
+                if kernels is not None:
+                    found = [c for c in candidates if c in kernels]
+                    if found:
+                        kernel_name, facts = found[0], kernels[found[0]]
+            else:
+                continue
+            full = [instructions[o].type if o in instructions else "?" for o in operands[:2]]
+            gemms.append(
+                Gemm(
+                    mode,
+                    name,
+                    kernel,
+                    *map(element_type, full),
+                    loop_names.get(computation.name) or instruction.op_name,
+                    dot_flops(instruction.type, full[0], instruction.rest),
+                    kernel_name,
+                    facts.mma if facts else (),
+                    facts.upcasts if facts else (),
+                    facts is not None,
+                )
+            )
+    return gemms
+
+
+def _matrix_operands(operands: list[str], computation: Computation) -> list[str]:
+    """The operands of a kernel call that are its matrices: the FP8 ones if two are, else
+    the first two (a block-scaled GEMM also takes its scales)."""
+    instructions = computation.instructions
+    fp8 = [o for o in operands if o in instructions and F8.match(instructions[o].type.strip())]
+    return fp8[:2] if len(fp8) >= 2 else operands[:2]
+
+
+def _ptx_name(name: str) -> str:
+    return re.sub(r"[^\w$]", "_", name)
+
+
+def _shared_kernels(module: Module) -> dict[str, list[str]]:
+    """`deduplicated_name` -> the fusions that carry it: XLA emits one kernel for them all,
+    named after one of them (not always the one the attribute names)."""
+    groups: dict[str, list[str]] = {}
+    for computation in module.computations.values():
+        for instruction in computation.instructions.values():
+            dedup = instruction.deduplicated_name
+            if dedup is not None:
+                groups.setdefault(dedup, []).append(instruction.name)
+    return groups
+
+
+def _kernel_names(runner: Instruction, shared: dict[str, list[str]]) -> list[str]:
+    """Names the GPU kernel running a fusion may have in the PTX, most likely first: the
+    fusion's own, then those of the fusions sharing its kernel (`.` and other characters PTX
+    does not allow become `_`)."""
+    dedup = runner.deduplicated_name
+    names = [runner.name]
+    if dedup is not None:
+        names += [dedup, *shared.get(dedup, [])]
+    return list(dict.fromkeys(map(_ptx_name, names)))
+
+
+def _callers(module: Module) -> _Callers:
+    """Computation -> (the computation calling it, the calling instruction), for computations
+    run by a fusion, a call or a loop (the first caller)."""
+    callers: _Callers = {}
+    for parent in module.computations.values():
+        for instruction in parent.instructions.values():
+            for called in instruction.bodies():
+                callers.setdefault(called, (parent.name, instruction))
+    return callers
+
+
+def _fusion_callers(callers: _Callers) -> dict[str, tuple[Instruction, bool]]:
+    """Fused computation -> (the outermost fusion running it, whether that fusion is a Triton
+    GEMM)."""
+    out = {}
+    for computation, (_, caller) in callers.items():
+        if caller.op != "fusion":
+            continue
+        current, seen = computation, set()
+        while current in callers and callers[current][1].op == "fusion" and current not in seen:
+            seen.add(current)
+            parent, fusion = callers[current]
+            top = (fusion, '"__triton' in fusion.rest)
+            current = parent
+        out[computation] = top
+    return out
+
+
+def _loop_op_names(module: Module, callers: _Callers) -> dict[str, str]:
+    """Computation -> the JAX name of the innermost `while` loop running it (directly, or
+    through fusions and calls), for loops of fp8jax layers.
+
+    JAX traces the body of a `lax.scan` once for every scan with the same body (block recipes
+    loop over the chunks of each GEMM), so the instructions inside carry the name of the
+    first layer that traced it; the loop instruction itself carries its own layer's name.
+    """
+    names: dict[str, str] = {}
+    for computation in module.computations:
+        seen, current = set(), computation
+        while current in callers and current not in seen:
+            seen.add(current)
+            parent, caller = callers[current]
+            if caller.op == "while":
+                if LAYER.search(caller.op_name):
+                    names[computation] = caller.op_name
+                break
+            current = parent
+    return names
+
+
+_STABLEHLO_DOT = re.compile(
+    r"stablehlo\.dot_general .*: \(tensor<(?:[\d?]+x)*(\w+)>, tensor<(?:[\d?]+x)*(\w+)>\).*"
+    r"loc\((#loc\d+)\)"
+)
+_LOC = re.compile(r'^(#loc\d+) = loc\("([^"]*)"')
+
+
+def stablehlo_gemms(text: str) -> list[Gemm]:
+    """Every `stablehlo.dot_general` of a module printed with `debug_info=True`."""
+    locations = dict(m.groups() for m in map(_LOC.match, text.splitlines()) if m)
+    gemms = []
+    for i, line in enumerate(text.splitlines()):
+        match = _STABLEHLO_DOT.search(line)
+        if match:
+            lhs, rhs, loc = match.groups()
+            gemms.append(
+                Gemm("stablehlo", f"dot_general#{i}", "dot", lhs, rhs, locations.get(loc, ""))
+            )
+    return gemms

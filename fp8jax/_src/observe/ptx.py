@@ -1,0 +1,148 @@
+"""What the GPU kernels of a compile multiply with, read from their PTX.
+
+The HLO says which operand types a GEMM takes; only the PTX of the kernel that runs it says
+whether it multiplies FP8 on tensor cores (`wgmma ... e4m3`) or converts its operands first
+(`cvt.rn.f16x2.e4m3x2`). `compile_with_ptx` compiles keeping XLA's PTX, and that of Pallas
+Mosaic GPU kernels where the process asked Mosaic to dump it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+from .hlo import Module, parse
+
+#: The FP8 operand type of a PTX matrix-multiply instruction (`wgmma ... .e4m3`).
+FP8_MMA = re.compile(r"\.e[45]m[23]\b")
+_MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
+_PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
+_PTX_MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)(?:\.[\w:]+)*)")
+_PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
+
+
+def mma_inputs(instruction: str) -> str:
+    """The multiplied operands' type of a PTX MMA instruction (`e4m3`, `f16`, ...): the types
+    after the accumulator's (`mma.sync ... .f32.f16.f16.f32`, `wgmma ... .f32.e4m3.e4m3`)."""
+    types = _MMA_TYPES.findall(instruction)
+    inputs = types[1:3] if len(types) >= 3 else types
+    return "/".join(dict.fromkeys(inputs)) or "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """What the PTX of one GPU kernel multiplies with: `mma` (its `mma`/`wgmma`
+    instructions, distinct, in order) and `upcasts` (its conversions from FP8)."""
+
+    name: str
+    mma: tuple[str, ...]
+    upcasts: tuple[str, ...]
+
+
+def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
+    """Kernel name -> its [`Kernel`][fp8jax._src.observe.ptx.Kernel] facts, from PTX modules.
+
+    The instructions between one `.entry` and the next belong to the first; functions a
+    module defines before its first entry (rare in XLA's kernels) go to every entry."""
+    kernels: dict[str, Kernel] = {}
+    for text in texts:
+        entries = list(_PTX_ENTRY.finditer(text))
+        shared = text[: entries[0].start()] if entries else ""
+        for i, entry in enumerate(entries):
+            end = entries[i + 1].start() if i + 1 < len(entries) else len(text)
+            body = shared + text[entry.start() : end]
+            kernels[entry.group(1)] = Kernel(
+                entry.group(1),
+                tuple(dict.fromkeys(_PTX_MMA.findall(body))),
+                tuple(dict.fromkeys(_PTX_UPCAST.findall(body))),
+            )
+    return kernels
+
+
+#: Since jax 0.11 XLA writes each kernel's PTX into `xla_dump_to` only where this pattern
+#: matches the tag "ptx" (0.10 wrote them all and ignores it). A wider pattern also dumps
+#: every emitter's MLIR and LLVM passes: ten times the compile time.
+_PTX_DUMP_OPTIONS = {"xla_dump_emitter_re": "^ptx$"}
+
+
+def compile_with_ptx(
+    lowered: Any, options: dict[str, Any]
+) -> tuple[Any, Module, dict[str, Kernel]]:
+    """Compile `lowered` with `options`, keeping the PTX XLA generates (`xla_dump_to`: a
+    temporary folder, or the caller's): the executable, its parsed HLO, and the PTX facts of
+    each kernel. Only files the compile wrote are read. Pallas Mosaic GPU kernels are read
+    from Mosaic's own dump, where the process enabled it (keys from `mosaic_key`)."""
+    given = options.get("xla_dump_to")
+    mosaic = os.environ.get("MOSAIC_GPU_DUMP_TO") if os.environ.get("MOSAIC_GPU_DUMP_PTX") else None
+    with tempfile.TemporaryDirectory(prefix="fp8jax-inspect-") as scratch:
+        folder = given or scratch
+        before = set(_ptx_files(folder))
+        mosaic_before = set(_ptx_files(mosaic)) if mosaic else set()
+        compiled = lowered.compile(
+            compiler_options={**options, "xla_dump_to": folder, **_PTX_DUMP_OPTIONS}
+        )
+        kernels = ptx_kernels(_read(sorted(set(_ptx_files(folder)) - before)))
+    dumped: list[Kernel] = []
+    if mosaic:
+        # Mosaic GPU writes <kernel>_<n>.ptx, n counting the process's kernels, one entry each.
+        for text in _read(sorted(set(_ptx_files(mosaic)) - mosaic_before, key=_mosaic_number)):
+            dumped += ptx_kernels([text]).values()
+    module = parse(compiled.as_text())
+    kernels.update(_mosaic_kernels(module, dumped))
+    return compiled, module, kernels
+
+
+def mosaic_key(kernel_hash: str) -> str:
+    """The key of a Mosaic GPU kernel among `compile_with_ptx`'s kernels."""
+    return "mosaic:" + kernel_hash
+
+
+_MOSAIC_SEEN: dict[str, Kernel] = {}  # kernel_hash -> its PTX facts, for this process
+
+
+def _mosaic_kernels(module: Module, dumped: list[Kernel]) -> dict[str, Kernel]:
+    """`mosaic_key(kernel_hash)` -> PTX facts, for the Mosaic GPU kernels of a module.
+
+    Mosaic compiles each kernel once per process and dumps its PTX then, under a name that
+    does not say which call it belongs to. The kernels new to this process are matched to
+    the new dumps by order (the n-th new `kernel_hash` in the module's text is the n-th
+    compiled); when their counts differ nothing new is matched. Kernels seen before keep
+    what was read then."""
+    hashes: list[str] = []
+    for computation in module.computations.values():
+        for instruction in computation.instructions.values():
+            digest = instruction.kernel_hash if instruction.mosaic else None
+            if digest is not None and digest not in hashes:
+                hashes.append(digest)
+    new = [h for h in hashes if h not in _MOSAIC_SEEN]
+    if new and len(new) == len(dumped):
+        _MOSAIC_SEEN.update(zip(new, dumped, strict=True))
+    return {mosaic_key(h): _MOSAIC_SEEN[h] for h in hashes if h in _MOSAIC_SEEN}
+
+
+def _mosaic_number(path: str) -> int:
+    match = re.search(r"_(\d+)\.ptx$", path)
+    return int(match.group(1)) if match else -1
+
+
+def _read(paths: Iterable[str]) -> list[str]:
+    texts = []
+    for path in paths:
+        with open(path) as f:
+            texts.append(f.read())
+    return texts
+
+
+def _ptx_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return [
+        os.path.join(root, name)
+        for root, _, names in os.walk(folder)
+        for name in names
+        if name.endswith(".ptx")
+    ]

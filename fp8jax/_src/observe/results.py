@@ -1,0 +1,205 @@
+"""What the inspector reports: each GEMM with the kernel that runs it and a verdict in words,
+each cross-device operation, and the inspection of one program."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any, final
+
+from .hlo import F8, LAYER
+from .ptx import FP8_MMA, mma_inputs
+
+_TENSOR_CORES = {"f16": "FP16", "bf16": "BF16", "tf32": "TF32", "f64": "FP64", "s8": "INT8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a compiled program, and the kernel that runs it.
+
+    **Fields:** `mode` (`"cublas"`, `"default"` or `"stablehlo"`), `instruction` (its name in
+    the HLO), `kernel` (`"cublasLt f8"`, `"cublas"`, `"triton"` (a generated GEMM kernel),
+    `"fusion"` (a dot XLA emitted inside another kernel), `"pallas mosaic gpu"` (a Pallas
+    kernel with an MMA in its PTX, or in an fp8jax layer's scope) or `"dot"` (StableHLO)),
+    `lhs` and
+    `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
+    it came from), `flops` (`2 * output size * contracted size`; 0 where the HLO does not say),
+    `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
+    matrix-multiply instructions of that kernel's PTX), `upcasts` (its PTX conversions from
+    FP8, e.g. `cvt.rn.f16x2.e4m3x2`), `ptx` (whether the kernel's PTX was read).
+
+    `fp8` is true only for what runs on FP8 tensor cores: the cuBLASLt FP8 call, or a
+    generated kernel whose PTX multiplies FP8 (`wgmma ... e4m3`). `verdict` says which in words.
+    """
+
+    mode: str
+    instruction: str
+    kernel: str
+    lhs: str
+    rhs: str
+    op_name: str
+    flops: int = 0
+    kernel_name: str = ""
+    mma: tuple[str, ...] = ()
+    upcasts: tuple[str, ...] = ()
+    ptx: bool = False
+
+    @property
+    def fp8(self) -> bool:
+        """Runs on FP8 tensor cores: the cuBLASLt FP8 GEMM, or an FP8 MMA in its PTX."""
+        if self.kernel == "cublasLt f8":
+            return True
+        return any(FP8_MMA.search(m) for m in self.mma)
+
+    @property
+    def fp8_operands(self) -> bool:
+        """Both operands are FP8 in the HLO (necessary for `fp8`, not sufficient)."""
+        return bool(F8.match(self.lhs.lower()) and F8.match(self.rhs.lower()))
+
+    @property
+    def verdict(self) -> str:
+        """What runs this GEMM and on which tensor cores, in words."""
+        if self.kernel == "cublasLt f8":
+            return "cuBLASLt FP8 GEMM (__cublas$lt$matmul$f8): FP8 tensor cores"
+        if self.kernel == "cublas":
+            return f"cuBLAS GEMM of {self.lhs} x {self.rhs}: not FP8"
+        if self.mode == "stablehlo":
+            return (
+                f"{self.lhs} x {self.rhs} in StableHLO; no kernel was compiled (install "
+                "fp8jax[h100] for the H100 compile): not proven"
+            )
+        what = f"{self.kernel} kernel {self.kernel_name or self.instruction}"
+        if not self.ptx and self.kernel == "pallas mosaic gpu":
+            return (
+                f"{what}: no PTX of it was read (Mosaic dumps a kernel's PTX once per process, "
+                "when it first compiles it, if the process started with MOSAIC_GPU_DUMP_PTX=1 "
+                "and MOSAIC_GPU_DUMP_TO=<an existing folder>): not proven"
+            )
+        if not self.ptx:
+            return f"{what}: its PTX was not found, so its instructions are unknown: not proven"
+        fp8 = [m for m in self.mma if FP8_MMA.search(m)]
+        if fp8:
+            return f"{what}: FP8 tensor cores ({fp8[0]})"
+        if not self.mma:
+            return f"{what}: no tensor-core instruction in its PTX (scalar or vector code)"
+        inputs = mma_inputs(self.mma[0])
+        cores = f"{_TENSOR_CORES.get(inputs, inputs)} tensor cores ({self.mma[0]})"
+        if self.fp8_operands or self.upcasts:
+            converts = f" ({self.upcasts[0]})" if self.upcasts else ""
+            return (
+                f"{what}: takes FP8 operands but converts them to {inputs}{converts} and "
+                f"multiplies on {cores}: not FP8 tensor cores"
+            )
+        return f"{what}: {self.lhs} x {self.rhs} on {cores}: not FP8"
+
+    @property
+    def layer(self) -> str | None:
+        """The path of the fp8jax layer this GEMM belongs to, if any."""
+        match = LAYER.search(self.op_name)
+        return match.group(1) if match else None
+
+    @property
+    def role(self) -> str | None:
+        """`"fwd"`, `"dgrad"` or `"wgrad"` for GEMMs of fp8jax layers."""
+        match = LAYER.search(self.op_name)
+        return match.group(2) if match else None
+
+    def __str__(self) -> str:
+        where = f"{self.layer}/{self.role}" if self.layer is not None else self.op_name
+        head = f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
+        return f"{head}: {self.verdict}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One cross-device operation of a compiled program.
+
+    **Fields:** `op` (`"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
+    `"collective-permute"`), `instruction` (its name), `shapes` (the result arrays' shapes),
+    `dtypes` (their element types), `reduction` (`"add"`, `"maximum"`, ... for reductions,
+    else `None`), `op_name` (the JAX name stack it came from).
+    """
+
+    op: str
+    instruction: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    reduction: str | None
+    op_name: str
+
+    @property
+    def elements(self) -> int:
+        """How many values it moves (summed over its results)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@final
+class Fp8InspectionError(AssertionError):
+    """Raised by [`fp8jax.assert_all_fp8`][]: some GEMMs are not FP8."""
+
+
+@dataclasses.dataclass
+class Inspection:
+    """The GEMMs of one program, per compile mode, with memory figures where compiled.
+
+    **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
+    executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
+    for), `traffic` (mode -> bytes read and written by the entry computation's instructions
+    but the GEMMs, loops counted once: `cost_analysis()` of a deviceless executable is empty),
+    `collectives` (mode -> list of [`fp8jax.Collective`][]), `cost` (mode -> the program's
+    [`fp8jax.Cost`][]: GEMM FLOPs per precision and non-GEMM bytes per category, loops counted
+    as often as they run).
+    """
+
+    gemms: dict[str, list[Gemm]]
+    memory: dict[str, Any]
+    target: str
+    traffic: dict[str, int] = dataclasses.field(default_factory=dict)
+    collectives: dict[str, list[Collective]] = dataclasses.field(default_factory=dict)
+    cost: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def deviceless(self) -> bool:
+        """Whether this is a real H100 compile (else a StableHLO fallback)."""
+        return "stablehlo" not in self.gemms
+
+    def count(self, mode: str) -> tuple[int, int]:
+        """(GEMMs on FP8 tensor cores, all GEMMs) in `mode`."""
+        gemms = self.gemms[mode]
+        return sum(g.fp8 for g in gemms), len(gemms)
+
+    def layers(self, mode: str) -> dict[str, dict[str, list[Gemm]]]:
+        """fp8jax layer path -> role -> its GEMMs, in `mode`."""
+        out: dict[str, dict[str, list[Gemm]]] = {}
+        for g in self.gemms[mode]:
+            if g.layer is not None:
+                out.setdefault(g.layer, {}).setdefault(g.role or "?", []).append(g)
+        return out
+
+    def offending(self, strict: bool = False, modes: Iterable[str] | None = None) -> list[Gemm]:
+        """GEMMs of fp8jax layers that do not run on FP8 tensor cores (every such GEMM with
+        `strict`), in `modes` (all of this inspection's by default)."""
+        modes = self.gemms if modes is None else modes
+        return [
+            g
+            for mode in modes
+            for g in self.gemms[mode]
+            if not g.fp8 and (strict or g.layer is not None)
+        ]
+
+    def __str__(self) -> str:
+        lines = [f"GEMMs of the program, compiled for {self.target}"]
+        for mode, gemms in self.gemms.items():
+            fp8, total = self.count(mode)
+            operands = sum(g.fp8_operands for g in gemms)
+            lines.append(
+                f"\n[{mode}] {fp8} of {total} GEMMs run on FP8 tensor cores "
+                f"({operands} take FP8 operands)"
+            )
+            for g in gemms:
+                lines.append(f"  {'FP8 ' if g.fp8 else 'high'}  {g}")
+            if mode in self.memory:
+                temp = getattr(self.memory[mode], "temp_size_in_bytes", None)
+                lines.append(f"  temp memory: {temp} bytes")
+        return "\n".join(lines)

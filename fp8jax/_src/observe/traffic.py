@@ -1,0 +1,57 @@
+"""What a compiled program moves, read from its HLO: the cross-device operations, and the bytes
+its top-level instructions other than GEMMs read and write."""
+
+from __future__ import annotations
+
+from .hlo import NO_TRAFFIC, Module, array_bytes, arrays, parse
+from .results import Collective
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def hlo_collectives(hlo: str | Module) -> list[Collective]:
+    """Every cross-device operation of an optimized HLO module (its text, or it parsed; async
+    `-start` halves included, `-done` halves not), with the reduction its `to_apply`
+    computation performs."""
+    module = hlo if isinstance(hlo, Module) else parse(hlo)
+    found = []
+    for computation in module.computations.values():
+        for instruction in computation.instructions.values():
+            op = instruction.op
+            base = op.removesuffix("-start")
+            if base not in _COLLECTIVES:
+                continue
+            results = arrays(instruction.type)
+            if op.endswith("-start") and base in ("all-gather", "collective-permute"):
+                results = results[len(results) // 2 :]  # (operands, results): keep the results
+            apply = instruction.callee("to_apply")
+            reducer = module.computations.get(apply) if apply is not None else None
+            found.append(
+                Collective(
+                    base,
+                    instruction.name,
+                    tuple(shape for _, shape in results),
+                    tuple(dtype for dtype, _ in results),
+                    reducer.root.op if reducer is not None else None,
+                    instruction.op_name,
+                )
+            )
+    return found
+
+
+def hlo_memory_traffic(hlo: str | Module) -> int:
+    """Bytes read and written by the entry computation's instructions other than GEMMs (of an
+    HLO module's text, or it parsed): the operands and outputs of every fusion, copy and so on
+    (a model of HBM traffic). 0 for a module without an entry computation."""
+    module = hlo if isinstance(hlo, Module) else parse(hlo)
+    if module.entry is None:
+        return 0
+    entry = module.computations[module.entry]
+    total = 0
+    for instruction in entry.instructions.values():
+        if instruction.op in NO_TRAFFIC or instruction.gemm_target is not None:
+            continue
+        total += array_bytes(instruction.type) + sum(
+            array_bytes(entry.type_of(o)) for o in instruction.operands
+        )
+    return total
