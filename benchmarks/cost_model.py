@@ -55,10 +55,11 @@ Variants: `bf16` (no FP8) and `fp8jax <recipe>` for delayed, current, blockwise,
 residual, made by peers.py's `variant` (`fp8jax.fp8_linear_layers`, default targets: every
 attention and MLP Linear, not the head). A compile for an H100 runs blockwise GEMMs as
 fp8jax's native Mosaic GPU kernel, counted at a published block-scaled FP8 GEMM throughput
-(`fp8jax._src.observe.cost.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same recipe on
-its XLA path (`native_kernel=False`). The residual recipe's default fuses the terms that share
-a left operand in that kernel, every GEMM with its E4M3 gradients; `residual-xla` is its XLA
-path (`native_kernel=False`: two cuBLASLt FP8 calls per term pair, summed in float32).
+(`fp8jax._src.observe.roofline.H100["fp8 block"]`, 1,234 TFLOP/s); `blockwise-xla` is the same
+recipe on its XLA path (`native_kernel=False`). The `residual` rows fuse the terms that share
+a left operand in one kernel (`native_kernel=None`), every GEMM with its E4M3 gradients;
+`residual-xla` is the recipe's default, its XLA path (two cuBLASLt FP8 calls per term pair,
+summed in float32).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, vari
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
-from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, hlo_cost  # noqa: E402
+from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
+from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost  # noqa: E402
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by

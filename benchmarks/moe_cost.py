@@ -44,7 +44,8 @@ from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
-from fp8jax._src.observe.cost import H100, Cost, hlo_cost  # noqa: E402
+from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
+from fp8jax._src.observe.roofline import H100, Cost  # noqa: E402
 from fp8jax.examples.moe import MoE  # noqa: E402
 
 SHAPES = {

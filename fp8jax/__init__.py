@@ -31,8 +31,6 @@ from ._src.core.updates import partition_for_grad_overwrite as partition_for_gra
 from ._src.core.updates import with_fp8_state as with_fp8_state
 from ._src.layers.grouped import GroupedLinear as GroupedLinear
 from ._src.layers.linear import Linear as Linear
-from ._src.observe.cost import Cost as Cost
-from ._src.observe.cost import KernelCost as KernelCost
 from ._src.observe.cost import hlo_cost as hlo_cost
 from ._src.observe.deviceless import h100_mesh as h100_mesh
 from ._src.observe.inspect import assert_all_fp8 as assert_all_fp8
@@ -41,6 +39,8 @@ from ._src.observe.results import Collective as Collective
 from ._src.observe.results import Fp8InspectionError as Fp8InspectionError
 from ._src.observe.results import Gemm as Gemm
 from ._src.observe.results import Inspection as Inspection
+from ._src.observe.roofline import Cost as Cost
+from ._src.observe.roofline import KernelCost as KernelCost
 from ._src.observe.telemetry import LayerTelemetry as LayerTelemetry
 from ._src.observe.telemetry import OperandTelemetry as OperandTelemetry
 from ._src.observe.telemetry import report as report

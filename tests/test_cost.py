@@ -7,7 +7,8 @@ import pytest
 
 import fp8jax
 from fp8jax._src.observe import deviceless
-from fp8jax._src.observe.cost import CATEGORIES, H100, Cost, KernelCost, hlo_cost
+from fp8jax._src.observe.cost import hlo_cost
+from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
 
 M, N, K = 256, 512, 256
 
