@@ -8,6 +8,7 @@ model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import observe as observe
 from ._src.convert.config import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
 from ._src.convert.config import Fp8Config as Fp8Config
 from ._src.convert.dispatch import fp8_linear_layers as fp8_linear_layers
@@ -182,7 +183,6 @@ __all__ = [
     "gpu_xla_flags",
     "h100_mesh",
     "hlo_cost",
-    "inspect",
     "load_checkpoint",
     "low_precision_state",
     "make_train_step",

@@ -52,6 +52,16 @@ def test_api_reference_lists_every_public_name():
         f"missing: {sorted(set(fp8jax.__all__) - documented)}, "
         f"unknown: {sorted(documented - set(fp8jax.__all__))}"
     )
+    # fp8jax.observe's names: documented there, or at the top level under the same name.
+    in_observe = set(re.findall(r"^::: fp8jax\.observe\.(\w+)$", pages, re.MULTILINE))
+    assert in_observe | (documented & set(fp8jax.observe.__all__)) == set(fp8jax.observe.__all__)
+    assert not in_observe - set(fp8jax.observe.__all__)
+
+
+def test_flat_names_and_the_observe_namespace_are_the_same_objects():
+    assert "inspect" not in fp8jax.__all__  # `from fp8jax import *` keeps the stdlib module
+    for name in fp8jax.observe.__all__:
+        assert getattr(fp8jax, name) is getattr(fp8jax.observe, name), name
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -7,7 +7,8 @@ types say. Larger tiles give FP8 `wgmma`; on a GPU the autotuner picks one by ti
 which runs is left to chance. With Triton GEMMs off, every FP8 GEMM is one cuBLASLt FP8 call
 (`__cublas$lt$matmul$f8`), FP8 tensor cores by construction. MaxText's GPU configurations
 set the same flag. [`fp8jax.make_train_step`][] compiles with these options;
-[`fp8jax.inspect`][] shows the difference (its `"cublas"` and `"default"` modes).
+[`fp8jax.inspect`][fp8jax.observe.inspect] shows the difference (its `"cublas"` and
+`"default"` modes).
 
 The options belong to one executable (`jax.jit(..., compiler_options=...)`), not to the
 process; they are ignored on CPUs and TPUs.

@@ -48,7 +48,7 @@ def h100_topology(devices: int = 1) -> Any | None:
 
 def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     """A mesh of compile-only H100s (one host, `prod(axes.values())` GPUs), for
-    [`fp8jax.inspect`][] of sharded programs.
+    [`fp8jax.inspect`][fp8jax.observe.inspect] of sharded programs.
 
     Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
     arguments to shard; the other array arguments are replicated over it.

@@ -116,7 +116,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
       recipes that keep weight-shaped state need it (`ResidualFP8(error_feedback=True)`).
     - `name`: the layer's path, e.g. `"blocks.0.mlp.fc1"` (set by `fp8_linear_layers`). The
       GEMMs run under the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), which is how
-      [`fp8jax.inspect`][] attributes compiled GEMMs to layers.
+      [`fp8jax.inspect`][fp8jax.observe.inspect] attributes compiled GEMMs to layers.
     - `telemetry`: also keep [`fp8jax.Fp8Stats`][] (the fractions of each operand saturated and
       flushed to zero at the latest step) in `stats`; see [`fp8jax.telemetry`][]. It costs
       two extra reductions over each operand, which XLA fuses with the amax.
