@@ -141,8 +141,9 @@ def assert_all_fp8(
     inspection otherwise.
 
     `fn` may be a function with its arguments (as for
-    [`fp8jax.inspect`][fp8jax.observe.inspect]) or an `Inspection` already made. `modes` are the compile modes checked: by default `"cublas"`,
-    the options fp8jax's train step compiles with ([`fp8jax.gpu_compiler_options`][]); add
+    [`fp8jax.inspect`][fp8jax.observe.inspect]) or an `Inspection` already made. `modes` are
+    the compile modes checked: by default `"cublas"`, the options fp8jax's train step
+    compiles with ([`fp8jax.gpu_compiler_options`][]); add
     `"default"` to check XLA's default flags too (on a deviceless compile, XLA's Triton GEMM
     upcasts FP8 to f16, so that check fails). A StableHLO inspection (no `h100` extra) proves
     nothing and always fails.
