@@ -18,6 +18,7 @@ from ._src.core.formats import fp8_max as fp8_max
 from ._src.core.formats import quantize as quantize
 from ._src.core.remat import fp8_dots_saveable as fp8_dots_saveable
 from ._src.core.remat import save_fp8_operands as save_fp8_operands
+from ._src.core.stats import AbstractStats as AbstractStats
 from ._src.core.stats import ExpertStats as ExpertStats
 from ._src.core.stats import Fp8Stats as Fp8Stats
 from ._src.core.stats import OperandStats as OperandStats
@@ -132,6 +133,7 @@ __all__ = [
     "Fp8NnxEinsum",
     "Fp8RaggedDot",
     "Fp8State",
+    "AbstractStats",
     "ExpertStats",
     "Fp8Stats",
     "Gemm",
