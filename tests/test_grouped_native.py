@@ -295,7 +295,7 @@ H100_SCRIPT = """
 import glob, json, os, re, sys
 import jax, jax.numpy as jnp
 import fp8jax
-from fp8jax._src import inspect as inspect_module
+from fp8jax._src.observe import inspect as inspect_module
 from fp8jax.examples import moe_model as moe
 
 recipe = {"delayed": fp8jax.DelayedScaling(),
