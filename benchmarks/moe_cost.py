@@ -3,7 +3,7 @@ grouped FP8 kernels, from compiled HLO.
 
     python benchmarks/moe_cost.py [--shapes mixtral,fine] | tee benchmarks/results/moe_cost.txt
 
-What it measures: one mixture-of-experts MLP (`fp8jax.examples.moe.MoE`: a router, top-k
+What it measures: one mixture-of-experts MLP (`fp8jax.examples.moe_model.MoE`: a router, top-k
 routing with sorted tokens, two grouped GEMMs `up` and `down` with a GELU between), its
 forward and backward on BF16 parameters and a BF16 input, compiled for an H100 without a GPU
 (cuBLAS mode, as `cost_model.py`). `fp8jax.hlo_cost` reads the optimized HLO: GEMM FLOPs per
@@ -46,7 +46,7 @@ import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
 from fp8jax._src.observe.roofline import H100, Cost  # noqa: E402
-from fp8jax.examples.moe import MoE  # noqa: E402
+from fp8jax.examples.moe_model import MoE  # noqa: E402
 
 SHAPES = {
     "mixtral": {"tokens": 8192, "width": 4096, "hidden": 14336, "experts": 8, "top_k": 2},

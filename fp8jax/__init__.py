@@ -23,6 +23,7 @@ from ._src.core.formats import fp8_max as fp8_max
 from ._src.core.formats import quantize as quantize
 from ._src.core.remat import fp8_dots_saveable as fp8_dots_saveable
 from ._src.core.remat import save_fp8_operands as save_fp8_operands
+from ._src.core.stats import AbstractStats as AbstractStats
 from ._src.core.stats import ExpertStats as ExpertStats
 from ._src.core.stats import Fp8Stats as Fp8Stats
 from ._src.core.stats import OperandStats as OperandStats
@@ -123,6 +124,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "AbstractStats",
     "MXFP8",
     "BlockScaledRecipe",
     "BlockwiseScaling",

@@ -5,15 +5,17 @@
   `Fp8InspectionError`);
 - what a compiled step costs at H100 peaks: `hlo_cost`, `Cost`, `KernelCost`;
 - what the layers saw. The statistics a layer records in its state as it runs
-  (`Fp8Stats`, `ExpertStats` per layer, `OperandStats` per operand: device arrays, updated
-  by every step) are read by `telemetry` into `LayerTelemetry` / `OperandTelemetry` (one per
-  layer and operand, with the scales and amaxes beside them) and printed by `report`.
+  (`Fp8Stats` or `ExpertStats` per layer, both `AbstractStats`; `OperandStats` per operand:
+  device arrays, updated by every step) are read by `telemetry` into `LayerTelemetry` /
+  `OperandTelemetry` (one per layer and operand, with the scales and amaxes beside them)
+  and printed by `report`.
 
 Every name is also at the top level (`fp8jax.hlo_cost` is `fp8jax.observe.hlo_cost`), except
 that `from fp8jax import *` leaves `inspect` out, so as not to shadow the standard library's
 module: use `fp8jax.inspect` or `fp8jax.observe.inspect`.
 """
 
+from ._src.core.stats import AbstractStats as AbstractStats
 from ._src.core.stats import ExpertStats as ExpertStats
 from ._src.core.stats import Fp8Stats as Fp8Stats
 from ._src.core.stats import OperandStats as OperandStats
@@ -33,6 +35,7 @@ from ._src.observe.telemetry import report as report
 from ._src.observe.telemetry import telemetry as telemetry
 
 __all__ = [
+    "AbstractStats",
     "Collective",
     "Cost",
     "ExpertStats",

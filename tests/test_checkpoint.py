@@ -164,7 +164,7 @@ def test_checkpoint_errors(tmp_path):
 
 
 def build_moe(config):
-    from fp8jax.examples import moe
+    from fp8jax.examples import moe_model as moe
 
     model = moe.MoEModel(width=16, hidden=32, experts=4, top_k=2, key=jax.random.key(0))
     step = fp8jax.make_train_step(moe.mse, optax.adam(1e-2))
@@ -175,7 +175,7 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
     """Expert layers' recipes, telemetry and expert counts are part of the record: a
     mismatch fails before loading; a record from before grouped layers were recorded still
     restores (their leaves are checked)."""
-    from fp8jax.examples import moe
+    from fp8jax.examples import moe_model as moe
 
     config = fp8jax.Fp8Config(telemetry=True)
     step, state = build_moe(config)

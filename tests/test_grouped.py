@@ -20,7 +20,7 @@ from jax.ad_checkpoint import print_saved_residuals
 import fp8jax
 from fp8jax._src.gemm import grouped as grouped_gemm
 from fp8jax._src.observe import deviceless
-from fp8jax.examples import moe
+from fp8jax.examples import moe, moe_model
 
 G, K, N = 4, 64, 48
 # Uneven groups, one empty; tokens sorted by expert.
@@ -531,7 +531,7 @@ def test_grouped_linear_checks_in_high_precision_too():
 
 @pytest.fixture(scope="module")
 def model():
-    return moe.MoEModel(width=32, hidden=64, experts=G, top_k=2, key=jax.random.PRNGKey(0))
+    return moe_model.MoEModel(width=32, hidden=64, experts=G, top_k=2, key=jax.random.PRNGKey(0))
 
 
 def test_fp8_linear_layers_converts_experts_and_keeps_the_router(model):
@@ -581,7 +581,7 @@ def test_stacked_grouped_linears_get_stacked_state():
 
 def test_route_sorts_assignments_by_expert():
     logits = jax.random.normal(jax.random.PRNGKey(2), (10, G))
-    routing = moe.route(logits, top_k=2)
+    routing = moe_model.route(logits, top_k=2)
     assert int(routing.group_sizes.sum()) == 20
     experts = jnp.argsort(-logits, axis=-1)[:, :2].reshape(-1)[routing.order]
     assert (np.diff(np.asarray(experts)) >= 0).all()
@@ -589,7 +589,7 @@ def test_route_sorts_assignments_by_expert():
 
 
 def test_training_in_fp8_tracks_high_precision(model):
-    x, y = moe.teacher_data(256)
+    x, y = moe_model.teacher_data(256)
     high = moe.train(model, x, y, steps=25)
     fp8 = moe.train(fp8jax.fp8_linear_layers(model), x, y, steps=25)
     assert fp8[-1] < 0.3 * fp8[0]

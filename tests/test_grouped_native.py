@@ -296,7 +296,7 @@ import glob, json, os, re, sys
 import jax, jax.numpy as jnp
 import fp8jax
 from fp8jax._src.observe import deviceless
-from fp8jax.examples import moe
+from fp8jax.examples import moe_model as moe
 
 recipe = {"delayed": fp8jax.DelayedScaling(),
           "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),

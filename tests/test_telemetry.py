@@ -258,7 +258,7 @@ def test_telemetry_errors():
 
 
 def test_grouped_layers_report_a_kernel_scale_per_expert():
-    from fp8jax.examples import moe
+    from fp8jax.examples import moe_model as moe
 
     model = moe.MoEModel(width=32, hidden=64, experts=4, top_k=2, key=jax.random.PRNGKey(0))
     model = fp8jax.fp8_linear_layers(model)
@@ -371,14 +371,14 @@ def test_grouped_rejected_updates_are_counted_per_expert():
 
 
 def test_grouped_telemetry_through_fp8_linear_layers_and_report():
-    from fp8jax.examples import moe
+    from fp8jax.examples import moe_model as moe
 
     model = moe.MoEModel(width=32, hidden=64, experts=4, top_k=2, key=jax.random.PRNGKey(0))
     model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(telemetry=True))
     assert model.moe.up.ragged_dot.stats.kernel.saturated.shape == (4,)
     x, y = moe.teacher_data(64)
     grads = eqx.filter_jit(fp8jax.filter_grad(moe.mse))(model, x, y)
-    hidden = jax.vmap(model.norm)(moe._dense(model.embed, x))
+    hidden = jax.vmap(model.norm)(moe.dense(model.embed, x))
     routing = moe.route(jax.vmap(model.moe.gate)(hidden), model.moe.top_k)
     overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
     model = fp8jax.apply_updates(model, None, overwrites)

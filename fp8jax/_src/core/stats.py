@@ -4,8 +4,7 @@ Layers built with `telemetry=True` compute these for their input, kernel and out
 every step and return them through the gradient, with the rest of their state: no host sync.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Equinox reads the AbstractVar annotations.
 import functools
 import operator
 from collections.abc import Sequence
@@ -38,12 +37,21 @@ class OperandStats(eqx.Module):
     rejected: Float[Array, ""]
 
     @classmethod
-    def zeros(cls) -> OperandStats:
+    def zeros(cls) -> "OperandStats":
         """Statistics of no tensor yet."""
         return cls(*(jnp.zeros((), jnp.float32) for _ in range(3)))
 
 
-class Fp8Stats(eqx.Module):
+class AbstractStats(eqx.Module):
+    """[`fp8jax.OperandStats`][] of the three operands of one FP8 GEMM: the base of
+    [`fp8jax.Fp8Stats`][] (a dense layer's) and [`fp8jax.ExpertStats`][] (a grouped layer's)."""
+
+    input: eqx.AbstractVar[OperandStats]
+    kernel: eqx.AbstractVar[OperandStats]
+    output_grad: eqx.AbstractVar[OperandStats]
+
+
+class Fp8Stats(AbstractStats):
     """[`fp8jax.OperandStats`][] of the three operands of one FP8 GEMM."""
 
     input: OperandStats
@@ -51,21 +59,24 @@ class Fp8Stats(eqx.Module):
     output_grad: OperandStats
 
     @classmethod
-    def zeros(cls) -> Fp8Stats:
+    def zeros(cls) -> "Fp8Stats":
         """Statistics of no step yet."""
         return cls(OperandStats.zeros(), OperandStats.zeros(), OperandStats.zeros())
 
 
-class ExpertStats(Fp8Stats):
-    """A grouped layer's statistics: [`fp8jax.Fp8Stats`][] with the kernel's fields per
+class ExpertStats(AbstractStats):
+    """A grouped layer's statistics: those of [`fp8jax.Fp8Stats`][] with the kernel's fields per
     expert (`kernel.saturated (experts,)`), and `tokens (experts,)`: how many rows (token
     assignments) each expert got at the latest step (the most of any call, when the layer
     runs several times in a step)."""
 
+    input: OperandStats
+    kernel: OperandStats
+    output_grad: OperandStats
     tokens: Float[Array, " experts"]
 
     @classmethod
-    def zeros_for(cls, experts: int) -> ExpertStats:
+    def zeros_for(cls, experts: int) -> "ExpertStats":
         """Statistics of no step yet, for `experts` experts."""
         per_expert = OperandStats(*(jnp.zeros((experts,), jnp.float32) for _ in range(3)))
         return cls(OperandStats.zeros(), per_expert, OperandStats.zeros(), jnp.zeros((experts,)))
