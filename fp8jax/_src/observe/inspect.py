@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from ..core.compile_options import gpu_compiler_options
-from ..ops.dot_general import SCOPE
+from ..ops.base import SCOPE
 
 MODES = {
     "cublas": gpu_compiler_options(),
