@@ -33,6 +33,9 @@ from ..recipes import Recipe
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
+#: How the errors of the shared checks name a dense layer without a name.
+KIND = "Fp8DotGeneral"
+
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]
 DimensionNumbers = tuple[tuple[Axes, Axes], tuple[Axes, Axes]]
@@ -266,6 +269,8 @@ def _how_to_fold(axis_size: int, x_batched: bool, w_batched: bool, states_batche
 
 
 def _fold_forward(axis_size: int, in_batched: list, x, w, states) -> Fold | None:
+    """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
+    and the saved operands."""
     x_b, w_b, states_b = in_batched
     how = _how_to_fold(axis_size, x_b, w_b, states_b)
     if how is None:
@@ -290,6 +295,8 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, states) -> Fold | None
 
 
 def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) -> Fold | None:
+    """The backward's fold: the mapped axis of the saved operands and the gradient into the
+    GEMM, then out of dgrad (and of wgrad when the kernel was mapped)."""
     res_b, g_b = in_batched
     x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
     how = _how_to_fold(axis_size, x_b, w_b, state_of(res_b, _OPERAND_FIELDS)) if g_b else None
@@ -349,7 +356,7 @@ def fp8_dot_general(
     Differentiating it computes dgrad and wgrad in FP8 and returns the new `states` as their
     cotangent, in the dtype `states` came in. `name` names the layer in errors.
     """
-    (lhs, rhs), static = prepare((lhs, rhs), states, out_dtype, name, "Fp8DotGeneral")
+    (lhs, rhs), static = prepare((lhs, rhs), states, out_dtype, name, KIND)
     layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
     _check_kernel_state(states.kernel, layout, name)
     gemm = _gemm(recipe, precision, static)

@@ -227,6 +227,8 @@ def _spans_rows(leaf: Array, rows: int) -> bool:
 
 
 def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -> Fold | None:
+    """The forward's fold: the members' rows in one expert order, when only the activation
+    (and the group sizes) are mapped."""
     x_b, w_b, sizes_b, states_b = in_batched
     if not may_fold(x_b, states_b) or w_b:
         return None
@@ -253,6 +255,8 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -
 
 
 def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) -> Fold | None:
+    """The backward's fold: the saved activation's and the gradient's rows in one expert
+    order again; the wgrad is then one grouped GEMM over all members' tokens."""
     del axis_size
     res_b, g_b = in_batched
     x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))

@@ -37,6 +37,7 @@ NATIVE_BLOCK_SIZES = (64, 128)
 
 
 def pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
+    """`x (*B, R, C)` zero-padded to whole `block`s of its last two axes."""
     rows, cols = x.shape[-2:]
     pad_r, pad_c = -rows % block[0], -cols % block[1]
     if pad_r or pad_c:
