@@ -21,8 +21,8 @@ import pytest
 from helpers import run_with_mosaic_dump
 
 import fp8jax
-from fp8jax._src.gemm import grouped_dots as grouped_dots
 from fp8jax._src.gemm import grouped_native as native
+from fp8jax._src.gemm import grouped_rules as grouped_dots
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.dispatch import interpreted
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 import fp8jax
-from fp8jax._src.gemm import dense as gemm
+from fp8jax._src.gemm import vjp as gemm
 
 
 @pytest.fixture

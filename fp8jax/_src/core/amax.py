@@ -1,17 +1,19 @@
-"""The amax of a tensor, taken over every axis its FP8 state is shared across.
+"""Reductions that span every axis the FP8 state they are for is shared across.
 
 The usual Equinox call is `jax.vmap(model)(batch)`: each example sees one row, while the FP8
 state (unbatched) belongs to the whole batch. Left alone, JAX would give each row its own amax
-and then *sum* the state's cotangent over the mapped axis. `amax` has a custom batching rule:
-when the state it belongs to is not batched, it reduces over the mapped axis too and returns an
-unbatched result, so the state sees the batch-wide max, exactly as without `vmap`. When the
-state is batched (a `vmap` over an ensemble or over stacked layers), each member keeps its own.
-`fraction` (telemetry's saturation and underflow rates) follows the same rule.
+and then *sum* the state's cotangent over the mapped axis. `batch_shared` gives a reduction a
+custom batching rule: when the state it belongs to is not batched, it spans the mapped axis
+too and returns an unbatched result, so the state sees the batch-wide value, exactly as
+without `vmap`. When the state is batched (a `vmap` over an ensemble or over stacked layers),
+each member keeps its own. `amax`, `fraction` (telemetry's saturation and underflow rates)
+and the grouped GEMM's per-expert token counts are such reductions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,21 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Bool, Float
 
 
-def _shared_reduction(reduce: Callable[[Array], Array], doc: str) -> Callable[..., Array]:
-    """`reduce(x)` as `f(x, owner)`, reducing over a `vmap`ped axis too unless `owner` (a leaf
-    of the FP8 state the result is for; only whether it is batched matters) is batched."""
+def owner(state: Any) -> Array:
+    """A leaf of FP8 `state`: what tells a `batch_shared` reduction whose batch it spans."""
+    return jax.tree.leaves(state)[0]
+
+
+def batch_shared(
+    reduce: Callable[[Array], Array],
+    doc: str,
+    combine: Callable[[Array], Array] | None = None,
+) -> Callable[[Array, Array], Array]:
+    """`reduce(x)` as `f(x, owner)`, spanning a `vmap`ped axis of `x` too unless `owner` (a
+    leaf of the FP8 state the result is for; only whether it is batched matters) is batched.
+
+    `combine` folds the mapped axis (leading) of `x` first; without it, `reduce` spans it
+    (a reduction over every axis)."""
 
     def plain(x: Array, owner: Array) -> Array:
         del owner
@@ -33,19 +47,22 @@ def _shared_reduction(reduce: Callable[[Array], Array], doc: str) -> Callable[..
 
     @shared.def_vmap
     def _rule(axis_size, in_batched, x, owner):
+        del axis_size
         x_batched, owner_batched = in_batched
         if owner_batched:
             # Each member of the mapped axis has its own state. (`plain`, not `shared`:
             # vmapping the custom_vmap function itself would call this rule again.)
             return jax.vmap(plain, in_axes=(0 if x_batched else None, 0))(x, owner), True
         # The state is shared by every member of the mapped axis: reduce over it as well.
+        if x_batched and combine is not None:
+            x = combine(x)
         return shared(x, owner), False
 
     shared.__doc__ = doc
     return shared
 
 
-amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
+amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = batch_shared(
     lambda x: jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32),
     """`max(|x|)` in float32 (0 for an empty `x`), batch-wide under `vmap` unless `owner` is
     batched.
@@ -61,7 +78,7 @@ amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = _shared_redu
     """,
 )
 
-fraction: Callable[[Bool[Array, "*shape"], Array], Float[Array, ""]] = _shared_reduction(
+fraction: Callable[[Bool[Array, "*shape"], Array], Float[Array, ""]] = batch_shared(
     lambda mask: jnp.sum(mask.astype(jnp.float32)) / max(mask.size, 1),
     """The fraction of `mask` that is true (0 for an empty `mask`), batch-wide under `vmap`
     unless `owner` is batched (every member holds as many elements, so that is the mean over

@@ -1,2 +1,3 @@
-"""The FP8 GEMMs as `jax.custom_vjp`s: forward, dgrad and wgrad of dense (`dense.py`) and
-grouped (`grouped.py`) GEMMs, with their batching rules. Above recipes and kernels."""
+"""The FP8 GEMMs: forward, dgrad and wgrad of dense (`dense.py`) and grouped (`grouped.py`,
+its ragged dots in `grouped_dots.py`) GEMMs, in one shared `jax.custom_vjp` (`vjp.py`) with
+shared batching rules (`batching.py`). Above recipes and kernels."""

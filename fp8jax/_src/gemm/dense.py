@@ -1,79 +1,44 @@
-"""The FP8 GEMM paths: forward, dgrad and wgrad, owned by one `jax.custom_vjp`.
+"""The dense FP8 GEMM: forward, dgrad and wgrad of any `dot_general`, and its batching rule.
 
 Any `dot_general` is first reshaped into one canonical GEMM, `x (*B, M, K) . w (*B, N, K)`
 contracted over both last axes (the layout of an `eqx.nn.Linear` weight, and of cuBLAS's FP8
 "TN" GEMM), so that recipes only ever see that form; JAX differentiates the reshapes. For a
 Linear they are no-ops.
 
-Residuals saved for the backward pass are the FP8 operands and their scales, never a
-high-precision copy. The backward quantizes the incoming gradient and runs dgrad and wgrad as
-FP8 x FP8 dots. The state of the three operands enters as a differentiable argument; its
-cotangent is its new value ("gradient hijack"), in the dtype the state came in (float32, or
-the max-combining dtype of `fp8jax._src.core.jax_private`).
+The forward saves the FP8 operands and their scales; the backward quantizes the incoming
+gradient and runs dgrad and wgrad as FP8 x FP8 dots. The custom_vjp around them, and how the
+state leaves through the gradient, are `vjp.py`'s (shared with the grouped GEMM).
 
-Under `jax.vmap(model)(batch)` JAX would run the forward and backward once per example: the
-wgrad of an unbatched weight would become a batched outer product, summed afterwards, not a
-GEMM, and block recipes would see one token at a time. Custom batching rules fold the mapped
-axis into the GEMM instead (into its rows when only the activation is mapped, into its batch
-when both operands are), so the wgrad is one FP8 GEMM over all tokens.
+Under `jax.vmap(model)(batch)` the mapped axis folds into the GEMM (`batching.py`): into its
+rows when only the activation is mapped, into its batch when both operands are.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import operator
-import weakref
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ..core import jax_private
-from ..core.errors import StateNotDifferentiatedError, StateUsedTwiceError
-from ..core.remat import name_fp8_operands, name_gemm_output
+from ..core.amax import owner
 from ..core.stats import Fp8Stats
 from ..recipes import Recipe
+from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
+from .vjp import Gemm, States, Static, fp8_gemm, prepare
+
+#: How the errors of the shared checks name a dense layer without a name.
+KIND = "Fp8DotGeneral"
 
 Axes = tuple[int, ...]
 Shape = tuple[int, ...]
 DimensionNumbers = tuple[tuple[Axes, Axes], tuple[Axes, Axes]]
-
-_PER_EXAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_per_example", default=False
-)
-
-
-@contextlib.contextmanager
-def per_example_gradients() -> Iterator[None]:
-    """Trace gradients per example: never fold a `vmap`ped axis into a GEMM.
-
-    Folding is what makes `grad(vmap(model))` run its wgrad as one GEMM; under
-    `vmap(grad(...))` (per-example gradients) it would sum what must stay per example.
-    [`fp8jax.filter_value_and_grad`][] enters this when it is itself being vmapped.
-    """
-    token = _PER_EXAMPLE.set(True)
-    try:
-        yield
-    finally:
-        _PER_EXAMPLE.reset(token)
-
-
-class States(NamedTuple):
-    """The state of the three operands of one FP8 GEMM, and their statistics (`None` when
-    the layer keeps no telemetry)."""
-
-    input: Any
-    kernel: Any
-    output_grad: Any
-    stats: Fp8Stats | None = None
 
 
 class Residuals(NamedTuple):
@@ -91,8 +56,9 @@ class Residuals(NamedTuple):
     stats: tuple[Any, Any] | None
 
 
-def _owner(state: Any) -> Array:
-    return jax.tree.leaves(state)[0]
+#: The residuals made from one operand each, in the forward's order: they carry a mapped axis
+#: where their operand does. The others are state, which spans it.
+_OPERAND_FIELDS = ("q_x", "q_w")
 
 
 # --- canonical layout ------------------------------------------------------------------------
@@ -189,8 +155,8 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     stats = None
     if states.stats is not None:
         stats = (
-            recipe.statistics(x, q_x, "input", _owner(states.input)),
-            recipe.statistics(w, q_w, "kernel", _owner(states.kernel)),
+            recipe.statistics(x, q_x, "input", owner(states.input)),
+            recipe.statistics(w, q_w, "kernel", owner(states.kernel)),
         )
     # The dgrad's copy of the kernel, laid out for its other contraction, is quantized from
     # the high-precision weight here (one rounding), not from `q_w` in the backward (two).
@@ -235,7 +201,7 @@ def _backward(
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
     if stats is not None:
-        grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(grad_state))
+        grad_stats = recipe.statistics(g, q_g, "output_grad", owner(grad_state))
         stats = Fp8Stats(*stats, grad_stats)
     with jax.named_scope("dgrad"):
         d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
@@ -249,8 +215,8 @@ def _backward(
         # and peaked there. Without the barrier, XLA also makes the wgrad's transposed copy of
         # the FP8 gradient in the pass that quantizes it and keeps both layouts alive through
         # the dgrad; behind it, the copy is made when the wgrad needs it.
-        # On a CPU, where memory is not the constraint, the order only costs time (about 5 %
-        # of the tiny GPT's step in benchmarks/step_overhead.py): there the barrier is left out.
+        # On a CPU, where memory is not the constraint, the order only costs time (measured on
+        # step_overhead.py's tiny GPT: benchmarks/RESULTS.md): there the barrier is left out.
         d_x, q_g, q_x = lax.platform_dependent(
             (d_x, q_g, q_x), cpu=_typed_like_a_barrier, default=lax.optimization_barrier
         )
@@ -262,7 +228,7 @@ def _backward(
 # --- folding a vmapped axis into the GEMM --------------------------------------------------
 
 
-def _merge(a: Array, how: str) -> Array:
+def _fold(a: Array, how: str) -> Array:
     """`a (v, *B, R, C)` with the mapped axis `v` folded into its rows or its batch."""
     if how == "rows":
         a = jnp.moveaxis(a, 0, -3)
@@ -270,209 +236,96 @@ def _merge(a: Array, how: str) -> Array:
     return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]) if a.ndim == 4 else a
 
 
-def _unmerge(a: Array, how: str, size: int, had_batch: bool) -> Array:
-    """Undo `_merge`: the mapped axis of size `size` back in front."""
+def _unfold(a: Array, how: str, size: int, had_batch: bool) -> Array:
+    """Undo `_fold`: the mapped axis of size `size` back in front."""
     if how == "rows":
         a = a.reshape(a.shape[:-2] + (size, a.shape[-2] // size, a.shape[-1]))
         return jnp.moveaxis(a, -3, 0)
     return a.reshape((size, a.shape[0] // size) + a.shape[1:]) if had_batch else a
 
 
-def _unmerge_tensor(q: Any, how: str, size: int, had_batch: bool, rank: int):
-    """Unmerge the leaves of a quantized operand that span its rows (data, block scales);
+def _unfold_tensor(q: Any, how: str, size: int, had_batch: bool, rank: int):
+    """Unfold the leaves of a quantized operand that span its rows (data, block scales);
     per-tensor scales stay as they are. Returns the tensor and its leaves' batched flags."""
 
     def spans(leaf: Array) -> bool:
         return leaf.ndim == rank
 
-    out = jax.tree.map(lambda a: _unmerge(a, how, size, had_batch) if spans(a) else a, q)
+    out = jax.tree.map(lambda a: _unfold(a, how, size, had_batch) if spans(a) else a, q)
     return out, jax.tree.map(spans, q)
 
 
-def _merge_tensor(q: Any, batched: Any, how: str) -> Any:
-    return jax.tree.map(lambda a, b: _merge(a, how) if b else a, q, batched)
+def _fold_tensor(q: Any, batched: Any, how: str) -> Any:
+    return jax.tree.map(lambda a, b: _fold(a, how) if b else a, q, batched)
 
 
-def _fold(axis_size: int, x_batched: bool, w_batched: bool, states_batched: Any) -> str | None:
+def _how_to_fold(axis_size: int, x_batched: bool, w_batched: bool, states_batched: Any):
     """How the mapped axis folds into the GEMM ("rows" or "batch"), or `None` to map the GEMM
     per example. An empty mapped axis is mapped: a fold could not be undone (nothing tells
     how many rows each of no members had)."""
-    if _PER_EXAMPLE.get() or any(jax.tree.leaves(states_batched)) or not x_batched:
-        return None
-    if axis_size == 0:
+    if not may_fold(x_batched, states_batched) or axis_size == 0:
         return None
     return "batch" if w_batched else "rows"
 
 
-def _axes(batched: Any) -> Any:
-    return jax.tree.map(lambda b: 0 if b else None, batched)
+def _fold_forward(axis_size: int, in_batched: list, x, w, states) -> Fold | None:
+    """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
+    and the saved operands."""
+    x_b, w_b, states_b = in_batched
+    how = _how_to_fold(axis_size, x_b, w_b, states_b)
+    if how is None:
+        return None
+    had_batch = x.ndim == 4
+    x, w = _fold(x, how), (_fold(w, how) if w_b else w)
+    rank = x.ndim
 
-
-def _axis(batched: bool) -> int | None:
-    return 0 if batched else None
-
-
-def _batched(out_axes: Any, outs: Any) -> Any:
-    """Per-leaf batched flags of `outs` from a (prefix) tree of vmap `out_axes`."""
-    return jax.tree.map(
-        lambda axis, sub: jax.tree.map(lambda _: axis is not None, sub),
-        out_axes,
-        outs,
-        is_leaf=lambda a: a is None or isinstance(a, int),
-    )
-
-
-def _folding_forward(recipe: Recipe, precision: Any, out_dtype: np.dtype):
-    raw = functools.partial(_forward, recipe, precision, out_dtype)
-
-    @custom_vmap
-    def forward(x, w, states):
-        return raw(x, w, states)
-
-    @forward.def_vmap
-    def _rule(axis_size, in_batched, x, w, states):
-        x_b, w_b, states_b = in_batched
-        how = _fold(axis_size, x_b, w_b, states_b)
-        if how is None:
-            # Per example. Unbatched state stays unbatched (its amaxes span the mapped axis),
-            # and so does an operand that depends only on unbatched values.
-            s = any(jax.tree.leaves(states_b))
-            residual_axes = Residuals(**dict.fromkeys(Residuals._fields, _axis(s)))
-            out_axes = (0, residual_axes._replace(q_x=_axis(x_b or s), q_w=_axis(w_b or s)))
-            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(x, w, states)
-            return outs, _batched(out_axes, outs)
-        had_batch = x.ndim == 4
-        x, w = _merge(x, how), (_merge(w, how) if w_b else w)
-        out, residuals = forward(x, w, states)
-        rank = x.ndim
-        out = _unmerge(out, how, axis_size, had_batch)
+    def unfold(outs: tuple[Array, Residuals]):
+        out, residuals = outs
+        out = _unfold(out, how, axis_size, had_batch)
         # Only the operands carry the mapped axis; the state and its statistics span it.
-        flags = jax.tree.map(lambda _: False, residuals)
-        q_x, q_x_b = _unmerge_tensor(residuals.q_x, how, axis_size, had_batch, rank)
+        flags = unbatched(residuals)
+        q_x, q_x_b = _unfold_tensor(residuals.q_x, how, axis_size, had_batch, rank)
         residuals, flags = residuals._replace(q_x=q_x), flags._replace(q_x=q_x_b)
         if w_b:
-            q_w, q_w_b = _unmerge_tensor(residuals.q_w, how, axis_size, had_batch, rank)
+            q_w, q_w_b = _unfold_tensor(residuals.q_w, how, axis_size, had_batch, rank)
             residuals, flags = residuals._replace(q_w=q_w), flags._replace(q_w=q_w_b)
         return (out, residuals), (True, flags)
 
-    return forward
+    return (x, w, states), unfold
 
 
-def _folding_backward(recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype):
-    raw = functools.partial(_backward, recipe, lhs_dtype, rhs_dtype)
-
-    @custom_vmap
-    def backward(residuals, g):
-        return raw(residuals, g)
-
-    @backward.def_vmap
-    def _rule(axis_size, in_batched, residuals, g):
-        res_b, g_b = in_batched
-        x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
-        states_b = res_b._replace(q_x=False, q_w=False)  # everything but the operands
-        how = _fold(axis_size, x_b, w_b, states_b) if g_b else None
-        if how is None:
-            out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
-            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)
-            return outs, _batched(out_axes, outs)
-        had_batch = g.ndim == 4
-        merged = residuals._replace(
-            q_x=_merge_tensor(residuals.q_x, res_b.q_x, how),
-            q_w=_merge_tensor(residuals.q_w, res_b.q_w, how),
-        )
-        d_x, d_w, new_states = backward(merged, _merge(g, how))
-        d_x = _unmerge(d_x, how, axis_size, had_batch)
-        d_w = _unmerge(d_w, how, axis_size, had_batch) if w_b else d_w
-        flags = (True, w_b, jax.tree.map(lambda _: False, new_states))
-        return (d_x, d_w, new_states), flags
-
-    return backward
-
-
-# --- the custom_vjp ------------------------------------------------------------------------
-
-
-def _as_f32(tree: Any) -> Any:
-    return jax.tree.map(jax_private.to_float32, tree)
-
-
-class Static(NamedTuple):
-    """What the custom_vjp needs to know about one call beyond its arrays (hashable)."""
-
-    lhs: np.dtype
-    rhs: np.dtype
-    out: np.dtype
-    max_combining: bool
-    mesh_axes: tuple[frozenset[str], frozenset[str], frozenset[str]]
-    name: str
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gemm(recipe: Recipe, precision: Any, static: Static, x: Array, w: Array, states: States):
-    out = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))[0]
-    return name_gemm_output(out)
-
-
-def _check_state_differentiated(
-    recipe: Recipe, static: Static, x, w, states, kind: str = "Fp8DotGeneral"
-) -> None:
-    """Raise if gradients flow through this GEMM while its state, which its numerics read,
-    is not differentiated: its new value could not leave the step, and the scales would stay
-    as they are forever. `kind` names a layer without a name."""
-    leaves = jax.tree.leaves(states)
-    if not recipe.reads_state or any(leaf.perturbed for leaf in leaves):
-        return
-    if not (x.perturbed or w.perturbed):
-        return
-    layer = f"FP8 layer {static.name!r}" if static.name else f"An {kind}"
-    raise StateNotDifferentiatedError(
-        f"{layer} ({type(recipe).__name__}) is differentiated, but its FP8 state is not: its "
-        "new scales and amax history leave the step as the state's gradient, so they would "
-        "stay as they are forever (a fresh layer's scale of 1.0 saturates large values and "
-        "flushes small gradients to zero). Differentiate the state along with the weights: "
-        "with a filter_spec, `filter_spec = fp8jax.with_fp8_state(filter_spec, model)`; "
-        "with jax.grad, pass the layer (or model) as a differentiated argument, e.g. "
-        "`fp8jax.filter_grad(loss)(model, x)` (gradients you do not use cost nothing under "
-        "jit). Recipes that keep no state between steps (CurrentScaling, BlockwiseScaling, "
-        "MXFP8) do not need it.",
-        static.name,
+def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) -> Fold | None:
+    """The backward's fold: the mapped axis of the saved operands and the gradient into the
+    GEMM, then out of dgrad (and of wgrad when the kernel was mapped)."""
+    res_b, g_b = in_batched
+    x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
+    how = _how_to_fold(axis_size, x_b, w_b, state_of(res_b, _OPERAND_FIELDS)) if g_b else None
+    if how is None:
+        return None
+    had_batch = g.ndim == 4
+    folded = residuals._replace(
+        q_x=_fold_tensor(residuals.q_x, res_b.q_x, how),
+        q_w=_fold_tensor(residuals.q_w, res_b.q_w, how),
     )
 
+    def unfold(outs: tuple[Array, Array, States]):
+        d_x, d_w, new_states = outs
+        d_x = _unfold(d_x, how, axis_size, had_batch)
+        d_w = _unfold(d_w, how, axis_size, had_batch) if w_b else d_w
+        return (d_x, d_w, new_states), (True, w_b, unbatched(new_states))
 
-def _gemm_fwd(recipe, precision, static, x, w, states):
-    # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
-    # differentiated.
-    _check_state_differentiated(recipe, static, x, w, states)
-    x, w, states = x.value, w.value, jax.tree.map(lambda p: p.value, states)
-    # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    out, res = _folding_forward(recipe, precision, static.out)(x, w, _as_f32(states))
-    # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
-    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
-    return name_gemm_output(out), res
+    return (folded, _fold(g, how)), unfold
 
 
-def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
-    """`a` reduced over the manual mesh axes it varies on beyond `axes` (inside `shard_map`,
-    the gradient of a replicated input is summed over the devices, as JAX's own rules do)."""
-    extra = tuple(sorted(jax_private.varying_axes(a) - axes))
-    return reduce(a, extra) if extra else a
-
-
-def _gemm_bwd(recipe, precision, static, residuals, g):
-    del precision
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        g = jnp.zeros(g.shape, g.dtype)
-    d_x, d_w, new_states = _folding_backward(recipe, static.lhs, static.rhs)(residuals, g)
-    lhs_axes, rhs_axes, state_axes = static.mesh_axes
-    d_x = _reduce_to(d_x, lhs_axes, lax.psum)
-    d_w = _reduce_to(d_w, rhs_axes, lax.psum)
-    # Replicated state takes the largest amax of all devices, never their sum.
-    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
-    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
-    return d_x, d_w, jax.tree.map(convert, new_states)
-
-
-_gemm.defvjp(_gemm_fwd, _gemm_bwd, symbolic_zeros=True)
+def _gemm(recipe: Recipe, precision: Any, static: Static) -> Gemm:
+    """The dense GEMM of one call, for the shared custom_vjp."""
+    forward = functools.partial(_forward, recipe, precision, static.out)
+    backward = functools.partial(_backward, recipe, static.lhs, static.rhs)
+    return Gemm(
+        recipe,
+        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
+        folding_backward(backward, _fold_backward, _OPERAND_FIELDS),
+    )
 
 
 def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
@@ -486,41 +339,6 @@ def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
             f"kernel of this call is {want} as a matrix (out, in: contracted axes last); "
             f"build the layer with kernel_shape={want}."
         )
-
-
-# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): weak ref}.
-# Weak both ways: a tracer refers to its trace, so a strong one would keep the key alive.
-_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _check_single_use(leaves: list, name: str, kind: str = "Fp8DotGeneral") -> None:
-    """Raise if this FP8 state already entered a GEMM under the same differentiation.
-
-    JAX adds the cotangents of a value used twice; for FP8 state, whose cotangent is its new
-    value, that adds the amaxes of the two uses (and their scales). Only the max-combining
-    view of [`fp8jax.filter_value_and_grad`][] combines them correctly. Seen at trace time:
-    the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs. `kind`
-    names a layer without a name.
-    """
-    leaf = leaves[0]
-    trace = jax_private.differentiation_trace(leaf)
-    if trace is None:
-        return
-    seen = _USES.setdefault(trace, {})
-    earlier = seen.get(id(leaf))
-    if earlier is not None and earlier() is leaf:
-        layer = f"FP8 layer {name!r}" if name else f"An {kind}"
-        raise StateUsedTwiceError(
-            f"{layer} runs twice in one differentiated step (a shared or reused layer), "
-            "under a gradient that would add its two amaxes and scales instead of keeping the "
-            "larger: JAX sums the gradients of a value used twice, and FP8 state leaves the "
-            "step through its gradient. Use fp8jax.filter_value_and_grad / fp8jax.filter_grad "
-            "(drop-in for Equinox's) or fp8jax.make_train_step, which combine the uses by max; "
-            "with plain jax.grad, view the model with fp8jax.combine_by_max inside the "
-            "differentiated function.",
-            name,
-        )
-    seen[id(leaf)] = weakref.ref(leaf)
 
 
 def fp8_dot_general(
@@ -538,31 +356,9 @@ def fp8_dot_general(
     Differentiating it computes dgrad and wgrad in FP8 and returns the new `states` as their
     cotangent, in the dtype `states` came in. `name` names the layer in errors.
     """
-    # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
-    # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
-    lhs, rhs = (
-        jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a for a in (lhs, rhs)
-    )
-    leaves = jax.tree.leaves(states)
-    max_combining = any(jax_private.is_max_combining(a) for a in leaves)
-    if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
-        raise ValueError("FP8 state mixes max-combining and float32 leaves.")
-    if not max_combining:
-        _check_single_use(leaves, name)
+    (lhs, rhs), static = prepare((lhs, rhs), states, out_dtype, name, KIND)
     layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
     _check_kernel_state(states.kernel, layout, name)
-    mesh_axes = (
-        jax_private.varying_axes(lhs),
-        jax_private.varying_axes(rhs),
-        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
-    )
-    static = Static(
-        np.dtype(lhs.dtype),
-        np.dtype(rhs.dtype),
-        np.dtype(out_dtype),
-        max_combining,
-        mesh_axes,
-        name,
-    )
-    out = _gemm(recipe, precision, static, layout.lhs(lhs), layout.rhs(rhs), states)
+    gemm = _gemm(recipe, precision, static)
+    out = fp8_gemm(gemm, static, layout.lhs(lhs), layout.rhs(rhs), (), states)
     return layout.out(out)

@@ -1,26 +1,25 @@
-"""The FP8 grouped GEMM paths: forward, dgrad and wgrad, owned by one `jax.custom_vjp`.
+"""The grouped FP8 GEMM: forward, dgrad and wgrad of `lax.ragged_dot`, and its batching rule.
 
-The grouped counterpart of `fp8jax._src.gemm.dense`, for `lax.ragged_dot`'s signature: `x (M, K)`
-with its rows sorted by expert, the experts' kernels `w (G, K, N)`, `group_sizes (G,)`.
+The grouped counterpart of `dense.py`, for `lax.ragged_dot`'s signature: `x (M, K)` with its
+rows sorted by expert, the experts' kernels `w (G, K, N)`, `group_sizes (G,)`.
 
-- forward: `out[rows of e] = x[rows of e] @ w[e]`, a ragged dot of FP8 operands (`dots.py`);
+- forward: `out[rows of e] = x[rows of e] @ w[e]`, a ragged dot of FP8 operands
+  (`grouped_dots.py`);
 - dgrad: `d_x[rows of e] = g[rows of e] @ w[e]^T`, the same shape of ragged dot;
 - wgrad: `d_w[e] = x[rows of e]^T @ g[rows of e]`, a ragged dot contracting the tokens.
 
 The kernel is quantized per expert (the recipe's `quantize`, `vmap`ped over the experts: one
 scale, or one set of blocks, and one state per expert); the activation and the output
 gradient as one tensor each. Residuals are the FP8 operands, their scales and `group_sizes`.
-State leaves through the gradient, as for dense layers: its cotangent is its new value, in
-the dtype it came in (float32, or the max-combining dtype), so several uses of one layer
-combine by max.
+State leaves through the gradient, as for dense layers (the custom_vjp is `vjp.py`'s).
 
 An expert that got no tokens in a step returns a zero kernel state (the "nothing received"
 of [`fp8jax.Fp8RaggedDot.merge`][]): its weight took part in no GEMM, so it keeps its scale
 and history, as a dense layer that did not run does. Under `jax.vmap`, an expert counts as
 used when any member of the mapped axis gave it tokens (the state is shared by the batch).
 
-Under `jax.vmap(model)(batch)`, with the kernels and the state not mapped, custom batching
-rules fold the mapped axis into the rows, as `fp8jax._src.gemm.dense` does for dense layers: the
+Under `jax.vmap(model)(batch)`, with the kernels and the state not mapped, the batching rules
+(`batching.py`) fold the mapped axis into the rows, as for dense layers: the
 tokens of all members are put in one expert order (each expert's tokens member after
 member), one grouped GEMM runs on them, and the wgrad is one grouped GEMM over all tokens
 instead of a weight gradient per member, summed afterwards. Other mapped cases (stacked
@@ -36,28 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Bool, Int
 
-from ..core import jax_private
-from ..core.remat import name_fp8_operands, name_gemm_output
+from ..core.amax import batch_shared, owner
 from ..core.stats import ExpertStats
 from ..recipes import BlockScaledRecipe, Recipe
-from .dense import (
-    _PER_EXAMPLE,
-    States,
-    Static,
-    _as_f32,
-    _axes,
-    _axis,
-    _batched,
-    _check_single_use,
-    _check_state_differentiated,
-    _owner,
-    _reduce_to,
-)
+from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .grouped_dots import rows_dot, token_tile, tokens_dot
 from .grouped_native import expert_of_rows, pad, pad_layout, pad_quantized
+from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
 #: How the errors of the shared checks name a grouped layer without a name.
 KIND = "Fp8RaggedDot"
@@ -80,42 +66,22 @@ class Residuals(NamedTuple):
     stats: Any = None
 
 
-def _over_the_batch(per_expert: Any, combine: Any, doc: str) -> Any:
-    """`per_expert(group_sizes)` as `f(group_sizes, owner)`, with the group sizes of a
-    `vmap`ped axis combined first (`combine(sizes, axis=0)`) unless `owner` (a leaf of the
-    state the result is for; only whether it is batched matters) is batched: shared state
-    belongs to the whole batch, like [`fp8jax.Recipe.amax`][]."""
-
-    @custom_vmap
-    def shared(group_sizes: Int[Array, " G"], owner: Array) -> Array:
-        del owner
-        return per_expert(group_sizes)
-
-    @shared.def_vmap
-    def _rule(axis_size, in_batched, group_sizes, owner):
-        del axis_size
-        sizes_batched, owner_batched = in_batched
-        if owner_batched:  # each member its own state
-            axes = (0 if sizes_batched else None, 0)
-            return jax.vmap(lambda s, _: per_expert(s), in_axes=axes)(group_sizes, owner), True
-        if sizes_batched:
-            group_sizes = combine(group_sizes, axis=0)
-        return shared(group_sizes, owner), False
-
-    shared.__doc__ = doc
-    return shared
+#: The residuals made from one operand each, in the forward's order: they carry a mapped axis
+#: where their operand does. The others are state, which spans it.
+_OPERAND_FIELDS = ("q_x", "q_w", "group_sizes")
 
 
-has_tokens = _over_the_batch(
+has_tokens = batch_shared(
     lambda sizes: sizes > 0,
-    functools.partial(jnp.max, initial=0),  # an empty mapped axis gave no expert tokens
     "Which experts got tokens (in any member of a `vmap`ped axis sharing `owner`'s state).",
+    # An empty mapped axis gave no expert tokens.
+    combine=functools.partial(jnp.max, initial=0, axis=0),
 )
-token_counts = _over_the_batch(
+token_counts = batch_shared(
     lambda sizes: sizes.astype(jnp.float32),
-    jnp.sum,
     "The tokens each expert got, as float32 statistics (summed over a `vmap`ped axis "
     "sharing `owner`'s state).",
+    combine=functools.partial(jnp.sum, axis=0),
 )
 
 
@@ -152,21 +118,21 @@ def _forward(
     experts = expert_of_rows(group_sizes, x.shape[0])
     with jax.named_scope("fwd"):
         out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype, native)
-    # As for dense layers: keep what follows out of the GEMM's epilogue (see gemm.py).
+    # As for dense layers: keep what follows out of the GEMM's epilogue (see dense.py).
     out = lax.optimization_barrier(out)
-    used = has_tokens(group_sizes, jax.tree.leaves(states.kernel)[0])
+    used = has_tokens(group_sizes, owner(states.kernel))
     stats = None
     if states.stats is not None:
         # Per expert for the kernels (each its own scale); an expert without tokens reports
         # nothing received, as its state does.
         kernel_stats = _per_expert(
-            lambda w, q, s: recipe.statistics(w, q, "kernel", _owner(s)),
+            lambda w, q, s: recipe.statistics(w, q, "kernel", owner(s)),
             w_c,
             q_w,
             states.kernel,
         )
         stats = (
-            recipe.statistics(x, q_x, "input", _owner(states.input)),
+            recipe.statistics(x, q_x, "input", owner(states.input)),
             _only_used(kernel_stats, used),
             token_counts(group_sizes, states.stats.tokens),
         )
@@ -192,7 +158,7 @@ def _backward(
     g: Array,
 ):
     # Copies of the FP8 operands in their other layout are made here, not kept from the
-    # forward (see gemm.py's backward).
+    # forward (see dense.py's backward).
     q_x, q_w = lax.optimization_barrier(residuals.q_x), lax.optimization_barrier(residuals.q_w)
     group_sizes = residuals.group_sizes
     back = recipe.backward_dot_precision()
@@ -200,7 +166,7 @@ def _backward(
     q_g, new_grad = recipe.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:
-        grad_stats = recipe.statistics(g, q_g, "output_grad", _owner(residuals.grad_state))
+        grad_stats = recipe.statistics(g, q_g, "output_grad", owner(residuals.grad_state))
         input_stats, kernel_stats, tokens = stats
         stats = ExpertStats(input_stats, kernel_stats, grad_stats, tokens)
     with jax.named_scope("dgrad"):
@@ -260,130 +226,63 @@ def _spans_rows(leaf: Array, rows: int) -> bool:
     return leaf.ndim == 2 and leaf.shape[0] == rows
 
 
-def _can_fold(x_b: bool, w_b: bool, states_b: Any) -> bool:
-    return not (_PER_EXAMPLE.get() or w_b or any(jax.tree.leaves(states_b))) and x_b
+def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -> Fold | None:
+    """The forward's fold: the members' rows in one expert order, when only the activation
+    (and the group sizes) are mapped."""
+    x_b, w_b, sizes_b, states_b = in_batched
+    if not may_fold(x_b, states_b) or w_b:
+        return None
+    if not sizes_b:
+        group_sizes = jnp.broadcast_to(group_sizes, (axis_size, *group_sizes.shape))
+    rows = x.shape[1]
+    positions = fold_positions(group_sizes, rows)
+    folded_rows = axis_size * rows
 
-
-def _folding_forward(recipe: Recipe, native: bool | None, precision: Any, out_dtype: np.dtype):
-    raw = functools.partial(_forward, recipe, native, precision, out_dtype)
-
-    @custom_vmap
-    def forward(x, w, group_sizes, states):
-        return raw(x, w, group_sizes, states)
-
-    @forward.def_vmap
-    def _rule(axis_size, in_batched, x, w, group_sizes, states):
-        x_b, w_b, sizes_b, states_b = in_batched
-        if not _can_fold(x_b, w_b, states_b):
-            # Per member. Unbatched state stays unbatched (its amaxes span the mapped axis).
-            s = any(jax.tree.leaves(states_b))
-            residual_axes = Residuals(
-                q_x=_axis(x_b or s),
-                q_w=_axis(w_b or s),
-                group_sizes=_axis(sizes_b or s),
-                new_input=_axis(s),
-                new_kernel=_axis(s),
-                grad_state=_axis(s),
-                stats=_axis(s),
-            )
-            out_axes = (0, residual_axes)
-            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(
-                x, w, group_sizes, states
-            )
-            return outs, _batched(out_axes, outs)
-        if not sizes_b:
-            group_sizes = jnp.broadcast_to(group_sizes, (axis_size, *group_sizes.shape))
-        rows = x.shape[1]
-        positions = fold_positions(group_sizes, rows)
-        out, residuals = forward(_fold(x, positions), w, jnp.sum(group_sizes, axis=0), states)
+    def unfold(outs: tuple[Array, Residuals]):
+        out, residuals = outs
         # The activation's rows back in member order (FP8 values and their tile scales), and
         # the members' own group sizes: the backward folds them again. The rest spans the
         # mapped axis.
-        folded = axis_size * rows
         q_x = jax.tree.map(
-            lambda a: _unfold(a, positions) if _spans_rows(a, folded) else a, residuals.q_x
+            lambda a: _unfold(a, positions) if _spans_rows(a, folded_rows) else a, residuals.q_x
         )
-        q_x_b = jax.tree.map(lambda a: _spans_rows(a, folded), residuals.q_x)
+        q_x_b = jax.tree.map(lambda a: _spans_rows(a, folded_rows), residuals.q_x)
         residuals = residuals._replace(q_x=q_x, group_sizes=group_sizes)
-        flags = jax.tree.map(lambda _: False, residuals)
-        flags = flags._replace(q_x=q_x_b, group_sizes=True)
+        flags = unbatched(residuals)._replace(q_x=q_x_b, group_sizes=True)
         return (_unfold(out, positions), residuals), (True, flags)
 
-    return forward
+    return (_fold(x, positions), w, jnp.sum(group_sizes, axis=0), states), unfold
 
 
-def _folding_backward(
-    recipe: Recipe, native: bool | None, lhs_dtype: np.dtype, rhs_dtype: np.dtype
-):
-    raw = functools.partial(_backward, recipe, native, lhs_dtype, rhs_dtype)
+def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) -> Fold | None:
+    """The backward's fold: the saved activation's and the gradient's rows in one expert
+    order again; the wgrad is then one grouped GEMM over all members' tokens."""
+    del axis_size
+    res_b, g_b = in_batched
+    x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
+    states_b = state_of(res_b, _OPERAND_FIELDS)
+    if not (may_fold(x_b, states_b) and not w_b and res_b.group_sizes and g_b):
+        return None
+    positions = fold_positions(residuals.group_sizes, g.shape[1])
+    q_x = jax.tree.map(lambda a, b: _fold(a, positions) if b else a, residuals.q_x, res_b.q_x)
+    folded = residuals._replace(q_x=q_x, group_sizes=jnp.sum(residuals.group_sizes, axis=0))
 
-    @custom_vmap
-    def backward(residuals, g):
-        return raw(residuals, g)
+    def unfold(outs: tuple[Array, Array, States]):
+        d_x, d_w, new_states = outs
+        return (_unfold(d_x, positions), d_w, new_states), (True, False, unbatched(new_states))
 
-    @backward.def_vmap
-    def _rule(axis_size, in_batched, residuals, g):
-        res_b, g_b = in_batched
-        x_b, w_b = any(jax.tree.leaves(res_b.q_x)), any(jax.tree.leaves(res_b.q_w))
-        states_b = (res_b.new_input, res_b.new_kernel, res_b.grad_state, res_b.stats)
-        if not (_can_fold(x_b, w_b, states_b) and res_b.group_sizes and g_b):
-            out_axes = (0, 0, _axis(any(jax.tree.leaves(states_b))))
-            outs = jax.vmap(raw, in_axes=_axes(in_batched), out_axes=out_axes)(residuals, g)
-            return outs, _batched(out_axes, outs)
-        positions = fold_positions(residuals.group_sizes, g.shape[1])
-        q_x = jax.tree.map(lambda a, b: _fold(a, positions) if b else a, residuals.q_x, res_b.q_x)
-        folded = residuals._replace(q_x=q_x, group_sizes=jnp.sum(residuals.group_sizes, axis=0))
-        d_x, d_w, new_states = backward(folded, _fold(g, positions))
-        flags = (True, False, jax.tree.map(lambda _: False, new_states))
-        return (_unfold(d_x, positions), d_w, new_states), flags
-
-    return backward
+    return (folded, _fold(g, positions)), unfold
 
 
-# --- the custom_vjp ------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _grouped(
-    recipe: Recipe,
-    native: bool | None,
-    precision: Any,
-    static: Static,
-    x: Array,
-    w: Array,
-    group_sizes: Array,
-    states: States,
-):
-    forward = _folding_forward(recipe, native, precision, static.out)
-    return name_gemm_output(forward(x, w, group_sizes, _as_f32(states))[0])
-
-
-def _grouped_fwd(recipe, native, precision, static, x, w, group_sizes, states):
-    # `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are differentiated.
-    _check_state_differentiated(recipe, static, x, w, states, kind=KIND)
-    x, w, group_sizes = x.value, w.value, group_sizes.value
-    states = jax.tree.map(lambda p: p.value, states)
-    forward = _folding_forward(recipe, native, precision, static.out)
-    out, res = forward(x, w, group_sizes, _as_f32(states))
-    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
-    return name_gemm_output(out), res
-
-
-def _grouped_bwd(recipe, native, precision, static, residuals, g):
-    del precision
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        g = jnp.zeros(g.shape, g.dtype)
-    backward = _folding_backward(recipe, native, static.lhs, static.rhs)
-    d_x, d_w, new_states = backward(residuals, g)
-    lhs_axes, rhs_axes, state_axes = static.mesh_axes
-    d_x = _reduce_to(d_x, lhs_axes, lax.psum)
-    d_w = _reduce_to(d_w, rhs_axes, lax.psum)
-    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
-    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
-    return d_x, d_w, None, jax.tree.map(convert, new_states)
-
-
-_grouped.defvjp(_grouped_fwd, _grouped_bwd, symbolic_zeros=True)
+def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -> Gemm:
+    """The grouped GEMM of one call, for the shared custom_vjp."""
+    forward = functools.partial(_forward, recipe, native, precision, static.out)
+    backward = functools.partial(_backward, recipe, native, static.lhs, static.rhs)
+    return Gemm(
+        recipe,
+        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
+        folding_backward(backward, _fold_backward, _OPERAND_FIELDS),
+    )
 
 
 def fp8_ragged_dot(
@@ -403,30 +302,9 @@ def fp8_ragged_dot(
     (one per expert, stacked on a leading axis). Differentiating it computes dgrad and wgrad
     in FP8 and returns the new `states` as their cotangent, in the dtype `states` came in.
     `name` names the layer in errors; `native` is the `dispatch.choose` option of the Hopper
-    kernels (`dots.native_choice`). The arguments are checked by the caller.
+    kernels (`grouped_rules.native_choice`). The arguments are checked by the caller.
     """
-    # As in gemm.py: a vmapped NumPy constant reaching a custom_vjp inside jit asserts in JAX.
-    lhs, rhs, group_sizes = (
-        jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a
-        for a in (lhs, rhs, group_sizes)
-    )
-    leaves = jax.tree.leaves(states)
-    max_combining = any(jax_private.is_max_combining(a) for a in leaves)
-    if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
-        raise ValueError("FP8 state mixes max-combining and float32 leaves.")
-    if not max_combining:
-        _check_single_use(leaves, name, kind=KIND)
-    mesh_axes = (
-        jax_private.varying_axes(lhs),
-        jax_private.varying_axes(rhs),
-        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
-    )
-    static = Static(
-        np.dtype(lhs.dtype),
-        np.dtype(rhs.dtype),
-        np.dtype(out_dtype),
-        max_combining,
-        mesh_axes,
-        name,
-    )
-    return _grouped(recipe, native, precision, static, lhs, rhs, group_sizes, states)
+    operands = (lhs, rhs, group_sizes)
+    (lhs, rhs, group_sizes), static = prepare(operands, states, out_dtype, name, KIND)
+    gemm = _gemm(recipe, native, precision, static)
+    return fp8_gemm(gemm, static, lhs, rhs, (group_sizes,), states)

@@ -25,160 +25,19 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, Int
 
 from ..kernels import dispatch
-from ..recipes import BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, QTensor, Recipe
+from ..recipes import BlockScaledRecipe, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
-from ..recipes.blocks import NATIVE_BLOCK_SIZES, _contract_last, _k_major, _pad_to_blocks
+from ..recipes.blocks import contract_last, pad_to_blocks, quantized_k_major
 from .grouped_native import native_rows, native_tokens
-
-#: Recipes with an FP8 grouped GEMM, by name.
-SUPPORTED = "DelayedScaling, CurrentScaling, BlockwiseScaling and MXFP8"
+from .ragged_dot_general import ragged_dot_general
 
 # lhs (M, C) . rhs (G, F, C): both contract C; rhs grouped on axis 0, lhs ragged on its rows.
 _ROWS = lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
 # lhs (M, A) . rhs (M, B) contracting the ragged rows: output (G, A, B).
 _TOKENS = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
-
-
-def _prefix_dims(dims: lax.RaggedDotDimensionNumbers, lhs_ndim: int) -> list[int]:
-    """The lhs axes a full `group_sizes` spans before its group axis (`lax.ragged_dot_general`:
-    the batch axes, then the non-contracting or contracting axes outer to the ragged one)."""
-    (contract, _), (batch, _) = dims.dot_dimension_numbers
-    (ragged,) = dims.lhs_ragged_dimensions
-    if ragged in contract:
-        return [*batch, *contract[: list(contract).index(ragged)]]
-    free = [a for a in range(lhs_ndim) if a not in contract and a not in batch]
-    return [*batch, *free[: free.index(ragged)]]
-
-
-def _with_batch_axis(dims: lax.RaggedDotDimensionNumbers) -> lax.RaggedDotDimensionNumbers:
-    """`dims` for operands with a new leading batch axis."""
-    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
-
-    def up(axes: Any) -> tuple[int, ...]:
-        return tuple(a + 1 for a in axes)
-
-    return lax.RaggedDotDimensionNumbers(
-        ((up(lc), up(rc)), ((0, *up(lb)), (0, *up(rb)))),
-        up(dims.lhs_ragged_dimensions),
-        up(dims.rhs_group_dimensions),
-    )
-
-
-def ragged_dot_general(
-    lhs: Array,
-    rhs: Array,
-    group_sizes: Array,
-    dims: lax.RaggedDotDimensionNumbers,
-    precision: Any,
-    preferred_element_type: Any,
-) -> Array:
-    """`lax.ragged_dot_general`, also under `vmap` when some operands are not mapped.
-
-    JAX 0.10 batches a ragged dot only when all three operands are mapped on axis 0 (else
-    "ragged_dot vmap over any dim but 0 - NYI"); the experts' kernels usually are not. The
-    mapped axis becomes a batch axis of the ragged dot (merged into its leading batch axis
-    when it has one), the unmapped operands broadcast along it; nested `vmap`s are handled
-    one level at a time."""
-
-    def plain(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
-        return lax.ragged_dot_general(
-            lhs,
-            rhs,
-            group_sizes,
-            dims,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
-        )
-
-    @custom_vmap
-    def dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
-        return plain(lhs, rhs, group_sizes)
-
-    @dot.def_vmap
-    def _rule(axis_size, in_batched, lhs, rhs, group_sizes):
-        lhs, rhs, group_sizes = (
-            a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, batched in zip((lhs, rhs, group_sizes), in_batched, strict=True)
-        )
-        contracting = dims.lhs_ragged_dimensions[0] in dims.dot_dimension_numbers[0][0]
-        if dims.dot_dimension_numbers[1] == ((0,), (0,)):
-            # Already batched on axis 0 of both: the mapped axis joins that batch axis (XLA's
-            # GPU ragged-dot rewriter mis-shapes a ragged dot with two batch axes).
-            batch = lhs.shape[1]
-            if group_sizes.ndim == 2:  # (mapped, G): one set of sizes for the whole batch
-                group_sizes = jnp.broadcast_to(
-                    group_sizes[:, None], (axis_size, batch, group_sizes.shape[-1])
-                )
-            lhs, rhs, group_sizes = (
-                a.reshape((axis_size * batch, *a.shape[2:])) for a in (lhs, rhs, group_sizes)
-            )
-            out = ragged_dot_general(lhs, rhs, group_sizes, dims, precision, preferred_element_type)
-            if contracting:  # groups first: (G, mapped * batch, ...)
-                out = out.reshape((out.shape[0], axis_size, batch, *out.shape[2:]))
-                return jnp.moveaxis(out, 1, 0), True
-            return out.reshape((axis_size, batch, *out.shape[1:])), True
-        batched_dims = _with_batch_axis(dims)
-        if group_sizes.ndim == 2:  # (mapped, G), broadcast over the rest of the prefix
-            prefix = _prefix_dims(batched_dims, lhs.ndim)
-            shape = (*(lhs.shape[a] for a in prefix), group_sizes.shape[-1])
-            extra = (1,) * (len(prefix) - 1)
-            group_sizes = jnp.broadcast_to(
-                group_sizes.reshape(axis_size, *extra, group_sizes.shape[-1]), shape
-            )
-        out = ragged_dot_general(
-            lhs, rhs, group_sizes, batched_dims, precision, preferred_element_type
-        )
-        if contracting:
-            out = jnp.moveaxis(out, 1, 0)  # contracting mode puts the groups first
-        return out, True
-
-    return dot(lhs, rhs, group_sizes)
-
-
-def check_recipe(recipe: Recipe, name: str = "", native_kernel: bool | None = None) -> None:
-    """Raise `ValueError` unless `recipe` has an FP8 grouped GEMM here (and a native one when
-    `native_kernel` is True)."""
-    layer = f"FP8 grouped layer {name!r}" if name else "Fp8RaggedDot"
-    if not isinstance(recipe, PerTensorRecipe | BlockScaledRecipe):
-        raise ValueError(
-            f"{layer}: recipe {type(recipe).__name__} has no FP8 grouped GEMM; use one of "
-            f"{SUPPORTED} (with fp8_linear_layers, give the expert layers one of these in "
-            "Fp8Config(recipes={...}))."
-        )
-    dispatch.check_native_kernel(native_kernel)
-    if native_kernel and not has_native(recipe):
-        raise ValueError(
-            f"{layer}: native_kernel=True, but {recipe!r} has no native grouped GEMM; the "
-            "kernels take DelayedScaling, CurrentScaling and BlockwiseScaling (block_size "
-            f"in {list(NATIVE_BLOCK_SIZES)}, dequantized_dot=False). Use native_kernel=None "
-            "or False."
-        )
-
-
-def has_native(recipe: Recipe) -> bool:
-    """Whether `recipe`'s grouped GEMMs can run on the Hopper kernels."""
-    if isinstance(recipe, PerTensorRecipe):
-        return True
-    return (
-        isinstance(recipe, BlockwiseScaling)
-        and not recipe.dequantized_dot
-        and recipe.block_size in NATIVE_BLOCK_SIZES
-    )
-
-
-def native_choice(recipe: Recipe, native_kernel: bool | None) -> bool | None:
-    """The `dispatch.choose` option of a grouped layer's GEMMs: the layer's `native_kernel`
-    where given, else the recipe's (`BlockwiseScaling.native_kernel`), else `None` (the
-    kernels on Hopper); always False for recipes without them."""
-    if not has_native(recipe):
-        return False
-    if native_kernel is None and isinstance(recipe, BlockwiseScaling):
-        return recipe.native_kernel
-    return native_kernel
 
 
 def token_tile(recipe: BlockScaledRecipe) -> int:
@@ -309,15 +168,15 @@ def block_rows(
     # Chunks first: (chunks, M, B) and (chunks, G, F, B), the group sizes given per chunk.
     # (XLA's GPU ragged-dot rewriter fails its HLO verifier when the batch axis is not the
     # leading one of both operands, or when group_sizes is (G,) with a batch axis.)
-    lhs_data = _pad_to_blocks(lhs.data, (1, chunk * nc)).reshape(m, nc, chunk)
+    lhs_data = pad_to_blocks(lhs.data, (1, chunk * nc)).reshape(m, nc, chunk)
     lhs_data = jnp.moveaxis(lhs_data, 1, 0)
-    rhs_data = _pad_to_blocks(rhs.data, (1, chunk * nc)).reshape(g, f, nc, chunk)
+    rhs_data = pad_to_blocks(rhs.data, (1, chunk * nc)).reshape(g, f, nc, chunk)
     rhs_data = jnp.moveaxis(rhs_data, 2, 0)
     # Scales per (chunk, row); padded chunks (zeros) get scale 0.
     s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[:m]
     s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[:, :f]
-    s_lhs = jnp.moveaxis(_pad_to_blocks(s_lhs, (1, nc)), -1, 0)  # (chunks, M)
-    s_rhs = jnp.moveaxis(_pad_to_blocks(s_rhs, (1, nc)), -1, 0)  # (chunks, G, F)
+    s_lhs = jnp.moveaxis(pad_to_blocks(s_lhs, (1, nc)), -1, 0)  # (chunks, M)
+    s_rhs = jnp.moveaxis(pad_to_blocks(s_rhs, (1, nc)), -1, 0)  # (chunks, G, F)
     sizes = jnp.broadcast_to(group_sizes, (nc, g))
     dims = lax.RaggedDotDimensionNumbers((((2,), (3,)), ((0,), (0,))), (1,), (1,))
 
@@ -350,11 +209,11 @@ def block_tokens(
     if m == 0:
         return jnp.zeros((g, a, b), jnp.float32)
     nm, group = _chunked(m, chunk, chunks_per_dot)
-    lhs_data = _pad_to_blocks(lhs.data, (chunk * nm, 1)).reshape(nm, chunk, a)
-    rhs_data = _pad_to_blocks(rhs.data, (chunk * nm, 1)).reshape(nm, chunk, b)
+    lhs_data = pad_to_blocks(lhs.data, (chunk * nm, 1)).reshape(nm, chunk, a)
+    rhs_data = pad_to_blocks(rhs.data, (chunk * nm, 1)).reshape(nm, chunk, b)
     s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[1], axis=-1)[:, :a]
     s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[1], axis=-1)[:, :b]
-    s_lhs, s_rhs = (_pad_to_blocks(s, (nm, 1)) for s in (s_lhs, s_rhs))
+    s_lhs, s_rhs = (pad_to_blocks(s, (nm, 1)) for s in (s_lhs, s_rhs))
     sizes = chunk_group_sizes(group_sizes, nm, chunk)
     # Chunks as a batch axis: (chunks, T, A) . (chunks, T, B) over a chunk's T tokens,
     # into (G, chunks, A, B).
@@ -403,12 +262,12 @@ def rows_dot(
     """The forward (`rhs_axis=-1`) or dgrad (`-2`) of a grouped layer: `lhs (M, C)` (from
     `recipe.quantize`, contracted on its last axis) times each row's expert's `rhs (G, ., .)`
     (quantized per expert, laid out to be contracted on `rhs_axis`), in `out_dtype`. `native`:
-    the `dispatch.choose` option for the Hopper kernel (see `native_choice`)."""
+    the `dispatch.choose` option for the Hopper kernel (see `grouped_rules.native_choice`)."""
 
     def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array) -> Array:
         del experts
         if rhs.block:
-            rhs = _k_major(rhs, rhs_axis)
+            rhs = quantized_k_major(rhs, rhs_axis)
         else:
             rhs = QTensor(dispatch.k_major(rhs.data, rhs_axis), rhs.scale_inv)
         return native_rows(lhs, rhs, group_sizes, out_dtype)
@@ -419,7 +278,7 @@ def rows_dot(
             return per_tensor_rows(
                 lhs, rhs, rhs_axis, group_sizes, experts, precision, out_dtype, exact
             )
-        rhs = _contract_last(rhs, rhs_axis)
+        rhs = contract_last(rhs, rhs_axis)
         if recipe.dequantized_dot:
             return dequantized_rows(lhs, rhs, group_sizes).astype(out_dtype)
         out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)

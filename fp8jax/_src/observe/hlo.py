@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..ops.dot_general import SCOPE
+from ..ops.base import SCOPE
 
 #: One instruction line: `[ROOT] %name = type op(operands)rest`.
 _INSTRUCTION = re.compile(

@@ -3,7 +3,7 @@ of a mixture of experts), and the checks of its arguments."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -13,12 +13,10 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ..core.stats import ExpertStats
-from ..core.updates import OverwriteWithGradient
-from ..gemm.dense import States
 from ..gemm.grouped import fp8_ragged_dot
-from ..gemm.grouped_dots import check_recipe, native_choice
-from ..recipes import ROLES, Recipe, TensorState, recipe_from
-from .dot_general import SCOPE, _received, check_float, merge_stats, pick_received
+from ..gemm.grouped_rules import check_recipe, native_choice
+from ..recipes import Recipe, TensorState, recipe_from
+from .base import AbstractFp8Op, merge_stats, pick_received
 
 
 def check_ragged_dot_args(
@@ -90,7 +88,7 @@ def _check_count(num_experts: Any) -> int:
     return int(num_experts)
 
 
-class Fp8RaggedDot(OverwriteWithGradient):
+class Fp8RaggedDot(AbstractFp8Op):
     """`jax.lax.ragged_dot` computed as FP8 grouped GEMMs, with per-expert scaling state.
 
     The grouped GEMM of a mixture of experts, in the role [`fp8jax.Fp8DotGeneral`][] has for
@@ -167,6 +165,9 @@ class Fp8RaggedDot(OverwriteWithGradient):
     name: str = eqx.field(static=True)
     native_kernel: bool | None = eqx.field(static=True)
 
+    stands_for: ClassVar[str] = "jax.lax.ragged_dot"
+    accumulation: ClassVar[str] = "the GEMMs accumulate in float32"
+
     def __init__(
         self,
         recipe: Recipe | str | None = None,
@@ -204,18 +205,17 @@ class Fp8RaggedDot(OverwriteWithGradient):
         **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
         type of `lhs` and `rhs`).
         """
-        where = f"FP8 grouped layer {self.name!r}" if self.name else "Fp8RaggedDot"
-        lhs_dtype = check_float("lhs", lhs, where, "jax.lax.ragged_dot")
-        rhs_dtype = check_float("rhs", rhs, where, "jax.lax.ragged_dot")
+        lhs_dtype = self._input_dtype("lhs", lhs)
+        rhs_dtype = self._input_dtype("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         if isinstance(group_sizes, list | tuple):
             group_sizes = np.asarray(group_sizes)
-        check_ragged_dot_args(where, lhs.shape, rhs.shape, group_sizes, self._state_experts())
-        out_dtype = _output_dtype(where, lhs_dtype, rhs_dtype, preferred_element_type)
+        experts = self._state_experts()
+        check_ragged_dot_args(self._where, lhs.shape, rhs.shape, group_sizes, experts)
+        out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
         if isinstance(precision, list):
             precision = tuple(precision)
-        states = States(self.input, self.kernel, self.output_grad, self.stats)
-        with jax.named_scope(f"{SCOPE}[{self.name}]"):
+        with self._name_scope():
             return fp8_ragged_dot(
                 self.recipe,
                 precision,
@@ -223,10 +223,14 @@ class Fp8RaggedDot(OverwriteWithGradient):
                 lhs,
                 rhs,
                 jnp.asarray(group_sizes),
-                states,
+                self._states(),
                 self.name,
                 native_choice(self.recipe, self.native_kernel),
             )
+
+    @property
+    def _where(self) -> str:
+        return f"FP8 grouped layer {self.name!r}" if self.name else "Fp8RaggedDot"
 
     def _state_experts(self) -> int:
         """The expert count of the kernel state (the static `num_experts` unless the state was
@@ -234,43 +238,10 @@ class Fp8RaggedDot(OverwriteWithGradient):
         shape = jnp.shape(jax.tree.leaves(self.kernel)[0])
         return shape[-1] if shape else self.num_experts
 
-    def merge(self, new: Fp8RaggedDot) -> Fp8RaggedDot:
-        """Take each operand's received state where it is a real, finite update, expert by
-        expert for the kernel: a zero state (the layer did not run, its output got no
-        gradient, or, for one expert's kernel, the expert got no tokens) or one holding an
-        inf or NaN leaves the old state as it was (telemetry counts the latter in
-        `stats.<role>.rejected`, per expert for the kernel)."""
-        received = {r: _received(getattr(new, r)) for r in ROLES}
-        merged = {
-            r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
-        }
-        if self.stats is not None:
-            operands = merge_stats(self.stats, new.stats, received)
-            # Token counts of the step where the layer ran (zeros included: an expert that
-            # got none got none).
-            ran = received["input"][0]
-            tokens = pick_received(self.stats.tokens, new.stats.tokens, ran)
-            merged["stats"] = ExpertStats(
-                operands.input, operands.kernel, operands.output_grad, tokens
-            )
-        return eqx.tree_at(
-            lambda m: tuple(getattr(m, name) for name in merged), self, tuple(merged.values())
-        )
-
-
-def _output_dtype(
-    where: str, lhs: np.dtype, rhs: np.dtype, preferred: DTypeLike | None
-) -> np.dtype:
-    if preferred is None:
-        return np.dtype(jnp.promote_types(lhs, rhs))
-    try:
-        out = np.dtype(preferred)
-    except TypeError:
-        out = None
-    if out is None or not jnp.issubdtype(out, jnp.floating) or out.itemsize < 2:
-        shown = preferred if out is None else out
-        raise TypeError(
-            f"{where}: preferred_element_type={shown} is not a high-precision float type; use "
-            "float32, bfloat16 or float16 (the GEMMs accumulate in float32)."
-        )
-    return out
+    def _merge_stats(self, new: ExpertStats, received: dict) -> ExpertStats:
+        operands = merge_stats(self.stats, new, received)
+        # Token counts of the step where the layer ran (zeros included: an expert that got
+        # none got none).
+        ran = received["input"][0]
+        tokens = pick_received(self.stats.tokens, new.tokens, ran)
+        return ExpertStats(operands.input, operands.kernel, operands.output_grad, tokens)

@@ -36,7 +36,8 @@ from .per_tensor import MAX_SCALE
 NATIVE_BLOCK_SIZES = (64, 128)
 
 
-def _pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
+def pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
+    """`x (*B, R, C)` zero-padded to whole `block`s of its last two axes."""
     rows, cols = x.shape[-2:]
     pad_r, pad_c = -rows % block[0], -cols % block[1]
     if pad_r or pad_c:
@@ -46,7 +47,7 @@ def _pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
 
 def _blocked(x: Array, block: tuple[int, int]) -> Array:
     """`x (*B, R, C)` zero-padded and viewed as `(*B, nR, bR, nC, bC)`."""
-    x = _pad_to_blocks(x, block)
+    x = pad_to_blocks(x, block)
     *batch, rows, cols = x.shape
     return x.reshape(*batch, rows // block[0], block[0], cols // block[1], block[1])
 
@@ -62,7 +63,7 @@ def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Ar
     return saturate(x, expand_blocks(scale, block, x.shape), dtype)
 
 
-def _contract_last(q: QTensor, axis: Axis) -> QTensor:
+def contract_last(q: QTensor, axis: Axis) -> QTensor:
     """`q` with its contracted axis moved last (a transpose of FP8 data and scales)."""
     if axis == -1:
         return q
@@ -85,7 +86,7 @@ def block_dot(
     the partial is no larger than a float32 output; `None` takes every chunk in one batched
     dot, whose partials outweigh the output as many times as K has chunks.
     """
-    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    lhs, rhs = contract_last(lhs, lhs_axis), contract_last(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
     (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
     nk = math.ceil(k / chunk)
@@ -93,12 +94,12 @@ def block_dot(
         return jnp.zeros((*batch, m, n), jnp.float32)
     group = nk if chunks_per_dot is None else min(chunks_per_dot, nk)
     nk_padded = math.ceil(nk / group) * group
-    lhs_data = _pad_to_blocks(lhs.data, (1, chunk * nk_padded)).reshape(*batch, m, nk_padded, chunk)
-    rhs_data = _pad_to_blocks(rhs.data, (1, chunk * nk_padded)).reshape(*batch, n, nk_padded, chunk)
+    lhs_data = pad_to_blocks(lhs.data, (1, chunk * nk_padded)).reshape(*batch, m, nk_padded, chunk)
+    rhs_data = pad_to_blocks(rhs.data, (1, chunk * nk_padded)).reshape(*batch, n, nk_padded, chunk)
     # Scales per (row, chunk): repeated along the free axis only, padded chunks scale zeros.
     s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[..., :m, :]
     s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[..., :n, :]
-    s_lhs, s_rhs = (_pad_to_blocks(s, (1, nk_padded)) for s in (s_lhs, s_rhs))
+    s_lhs, s_rhs = (pad_to_blocks(s, (1, nk_padded)) for s in (s_lhs, s_rhs))
     nb = len(batch)
     # Batch over (*B, chunk); contract within the chunk: partials (*B, chunks, M, N).
     dims = (((nb + 2,), (nb + 2,)), ((*range(nb), nb + 1), (*range(nb), nb + 1)))
@@ -142,7 +143,7 @@ def native_block_dot(
 
     # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
     # as FP8 values (`dispatch.k_major`).
-    lhs, rhs = _k_major(lhs, lhs_axis), _k_major(rhs, rhs_axis)
+    lhs, rhs = quantized_k_major(lhs, lhs_axis), quantized_k_major(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
 
     def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
@@ -156,8 +157,8 @@ def native_block_dot(
     return gemm(*operands)
 
 
-def _k_major(q: QTensor, axis: Axis) -> QTensor:
-    """`_contract_last` for the native kernel: the FP8 data transposed as it is held."""
+def quantized_k_major(q: QTensor, axis: Axis) -> QTensor:
+    """`contract_last` for the native kernel: the FP8 data transposed as it is held."""
     if axis == -1:
         return q
     return QTensor(dispatch.k_major(q.data, axis), jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
@@ -185,7 +186,7 @@ def dequantized_block_dot(
     FP8 GEMM on a GPU.
     Shape `(*B, lhs_free, rhs_free)`.
     """
-    lhs, rhs = _contract_last(lhs, lhs_axis), _contract_last(rhs, rhs_axis)
+    lhs, rhs = contract_last(lhs, lhs_axis), contract_last(rhs, rhs_axis)
     _shared_chunk(lhs, rhs)
     nb = lhs.data.ndim - 2
     dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
@@ -464,7 +465,7 @@ def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
     is zero-padded to whole blocks and a batch axis added when there is none.
     """
     squeeze = lhs.data.ndim == 2
-    a, b = (_pad_to_blocks(q.data, q.block) for q in (lhs, rhs))
+    a, b = (pad_to_blocks(q.data, q.block) for q in (lhs, rhs))
     a, b, sa, sb = (v[None] if squeeze else v for v in (a, b, lhs.scale_inv, rhs.scale_inv))
     out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
     out = out[0] if squeeze else out

@@ -24,7 +24,7 @@ import jax
 
 from ..core import jax_private
 from ..core.updates import is_overwrite
-from ..gemm.dense import per_example_gradients
+from ..gemm.batching import per_example_gradients
 
 T = TypeVar("T")
 

@@ -1,0 +1,213 @@
+"""The `jax.custom_vjp` shared by the FP8 GEMMs (dense and grouped), and the checks of a call.
+
+Each GEMM gives its forward and backward (with their batching rules, `batching.py`); this
+module owns what is the same for all of them: the call's prologue (`prepare`: the checks of
+its state, the dtypes and mesh axes it is differentiated in), the state entering as a
+differentiable argument, and the backward's epilogue.
+
+Residuals saved for the backward pass are the FP8 operands and their scales, never a
+high-precision copy. The state of the three operands enters as a differentiable argument; its
+cotangent is its new value ("gradient hijack"), in the dtype the state came in (float32, or
+the max-combining dtype of `fp8jax._src.core.jax_private`), so that several uses of one layer
+combine by max.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from ..core import jax_private
+from ..core.errors import StateNotDifferentiatedError, StateUsedTwiceError
+from ..core.remat import name_fp8_operands, name_gemm_output
+from ..core.stats import Fp8Stats
+from ..recipes import Recipe
+
+
+class States(NamedTuple):
+    """The state of the three operands of one FP8 GEMM, and their statistics (`None` when
+    the layer keeps no telemetry)."""
+
+    input: Any
+    kernel: Any
+    output_grad: Any
+    stats: Fp8Stats | None = None
+
+
+class Static(NamedTuple):
+    """What the custom_vjp needs to know about one call beyond its arrays (hashable)."""
+
+    lhs: np.dtype
+    rhs: np.dtype
+    out: np.dtype
+    max_combining: bool
+    mesh_axes: tuple[frozenset[str], frozenset[str], frozenset[str]]
+    name: str
+    kind: str
+
+
+class Gemm(NamedTuple):
+    """What differs between the FP8 GEMMs, for one call of the shared custom_vjp.
+
+    - `recipe`: its numerics (whether they read the state, for the differentiation check).
+    - `forward`: `(x, w, *rest, states) -> (out, residuals)`, with its batching rule;
+      `residuals` has the fields `q_x` and `q_w` (the FP8 operands).
+    - `backward`: `(residuals, g) -> (d_x, d_w, new_states)`, with its batching rule.
+    """
+
+    recipe: Recipe
+    forward: Callable[..., tuple[Array, Any]]
+    backward: Callable[[Any, Array], tuple[Array, Array, States]]
+
+
+def _layer(name: str, kind: str) -> str:
+    return f"FP8 layer {name!r}" if name else f"An {kind}"
+
+
+def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> None:
+    """Raise if gradients flow through this GEMM while its state, which its numerics read,
+    is not differentiated: its new value could not leave the step, and the scales would stay
+    as they are forever. Takes the `CustomVJPPrimal`s of the call."""
+    leaves = jax.tree.leaves(states)
+    if not recipe.reads_state or any(leaf.perturbed for leaf in leaves):
+        return
+    if not (x.perturbed or w.perturbed):
+        return
+    raise StateNotDifferentiatedError(
+        f"{_layer(static.name, static.kind)} ({type(recipe).__name__}) is differentiated, "
+        "but its FP8 state is not: its new scales and amax history leave the step as the "
+        "state's gradient, so they would stay as they are forever (a fresh layer's scale of "
+        "1.0 saturates large values and flushes small gradients to zero). Differentiate the "
+        "state along with the weights: with a filter_spec, `filter_spec = "
+        "fp8jax.with_fp8_state(filter_spec, model)`; with jax.grad, pass the layer (or "
+        "model) as a differentiated argument, e.g. `fp8jax.filter_grad(loss)(model, x)` "
+        "(gradients you do not use cost nothing under jit). Recipes that keep no state "
+        "between steps (CurrentScaling, BlockwiseScaling, MXFP8) do not need it.",
+        static.name,
+    )
+
+
+# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): weak ref}.
+# Weak both ways: a tracer refers to its trace, so a strong one would keep the key alive.
+_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_single_use(leaves: list, name: str, kind: str) -> None:
+    """Raise if this FP8 state already entered a GEMM under the same differentiation.
+
+    JAX adds the cotangents of a value used twice; for FP8 state, whose cotangent is its new
+    value, that adds the amaxes of the two uses (and their scales). Only the max-combining
+    view of [`fp8jax.filter_value_and_grad`][] combines them correctly. Seen at trace time:
+    the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs. `kind`
+    names a layer without a name.
+    """
+    leaf = leaves[0]
+    trace = jax_private.differentiation_trace(leaf)
+    if trace is None:
+        return
+    seen = _USES.setdefault(trace, {})
+    earlier = seen.get(id(leaf))
+    if earlier is not None and earlier() is leaf:
+        raise StateUsedTwiceError(
+            f"{_layer(name, kind)} runs twice in one differentiated step (a shared or reused "
+            "layer), under a gradient that would add its two amaxes and scales instead of "
+            "keeping the larger: JAX sums the gradients of a value used twice, and FP8 state "
+            "leaves the step through its gradient. Use fp8jax.filter_value_and_grad / "
+            "fp8jax.filter_grad (drop-in for Equinox's) or fp8jax.make_train_step, which "
+            "combine the uses by max; with plain jax.grad, view the model with "
+            "fp8jax.combine_by_max inside the differentiated function.",
+            name,
+        )
+    seen[id(leaf)] = weakref.ref(leaf)
+
+
+def prepare(
+    operands: tuple[Array, ...], states: States, out_dtype: np.dtype, name: str, kind: str
+) -> tuple[tuple[Array, ...], Static]:
+    """The prologue of a call: `operands` (the lhs and rhs first) ready for the custom_vjp,
+    `states` checked (one dtype, one use per differentiation), and the call's `Static`.
+    `name` names the layer in errors, `kind` a layer without a name."""
+    # JAX 0.10 asserts ("non-canonical constant") when a vmapped NumPy constant reaches a
+    # custom_vjp inside jit; a copy (elided by XLA) makes it a traced value first.
+    operands = tuple(
+        jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a for a in operands
+    )
+    leaves = jax.tree.leaves(states)
+    max_combining = any(jax_private.is_max_combining(a) for a in leaves)
+    if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
+        raise ValueError("FP8 state mixes max-combining and float32 leaves.")
+    if not max_combining:
+        check_single_use(leaves, name, kind)
+    lhs, rhs = operands[:2]
+    mesh_axes = (
+        jax_private.varying_axes(lhs),
+        jax_private.varying_axes(rhs),
+        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
+    )
+    static = Static(
+        np.dtype(lhs.dtype),
+        np.dtype(rhs.dtype),
+        np.dtype(out_dtype),
+        max_combining,
+        mesh_axes,
+        name,
+        kind,
+    )
+    return operands, static
+
+
+def _as_f32(tree: Any) -> Any:
+    return jax.tree.map(jax_private.to_float32, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def fp8_gemm(
+    gemm: Gemm, static: Static, x: Array, w: Array, rest: tuple[Array, ...], states: States
+) -> Array:
+    """The FP8 GEMM `gemm` of `x` and `w` (and the operands `rest`, which get no cotangent),
+    as `prepare` made them, differentiable: its backward runs dgrad and wgrad in FP8 and
+    returns the new `states` as their cotangent, in the dtype `states` came in."""
+    return name_gemm_output(gemm.forward(x, w, *rest, _as_f32(states))[0])
+
+
+def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
+    # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
+    # differentiated.
+    check_state_differentiated(gemm.recipe, static, x, w, states)
+    x, w, rest, states = jax.tree.map(lambda p: p.value, (x, w, rest, states))
+    # Residuals stay float32: under an eager `grad` they may leave the jitted function.
+    out, res = gemm.forward(x, w, *rest, _as_f32(states))
+    # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
+    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
+    return name_gemm_output(out), res
+
+
+def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
+    """`a` reduced over the manual mesh axes it varies on beyond `axes` (inside `shard_map`,
+    the gradient of a replicated input is summed over the devices, as JAX's own rules do)."""
+    extra = tuple(sorted(jax_private.varying_axes(a) - axes))
+    return reduce(a, extra) if extra else a
+
+
+def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
+    d_x, d_w, new_states = gemm.backward(residuals, g)
+    lhs_axes, rhs_axes, state_axes = static.mesh_axes
+    d_x = _reduce_to(d_x, lhs_axes, lax.psum)
+    d_w = _reduce_to(d_w, rhs_axes, lax.psum)
+    # Replicated state takes the largest amax of all devices, never their sum.
+    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
+    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
+    return d_x, d_w, None, jax.tree.map(convert, new_states)
+
+
+fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd, symbolic_zeros=True)

@@ -1,0 +1,171 @@
+"""`AbstractFp8Op`: what the stateful FP8 ops share (their state, the checks of a call, `merge`)."""
+
+from __future__ import annotations
+
+import abc
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+from jaxtyping import Array
+
+from ..core.stats import Fp8Stats
+from ..core.updates import OverwriteWithGradient
+from ..gemm.vjp import States
+from ..recipes import ROLES, Recipe, TensorState
+
+#: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
+SCOPE = "fp8jax"
+
+
+def check_float(name: str, x: Any, where: str, op: str) -> np.dtype:
+    """The dtype of operand `name` of an FP8 GEMM, which must be a high-precision real float
+    array; `where` names the layer in errors, `op` the high-precision operation it stands
+    for."""
+    if isinstance(x, bool) or not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+        raise TypeError(
+            f"{where}: {name}={x!r} is not an array; pass a jax or NumPy array of "
+            f"floats (float32, bfloat16, float16), as to {op}."
+        )
+    dtype = np.dtype(jnp.result_type(x))
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}; FP8 has no complex format. Use a "
+            f"high-precision {op} for complex GEMMs, or split real and imaginary parts into "
+            "real GEMMs."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{where}: {name} has dtype {dtype}; FP8 GEMMs take floating inputs "
+            "(float32, bfloat16, float16). Cast integer data before the layer."
+        )
+    if dtype.itemsize == 1:
+        raise TypeError(
+            f"{where}: {name} is already {dtype}; pass the high-precision tensor and let "
+            "the recipe quantize it."
+        )
+    return dtype
+
+
+def received_state(state: TensorState) -> tuple[Array, Array]:
+    """Whether a received state is a real update, and whether it is one to reject.
+
+    A zero cotangent (a zero scale) means the layer was not used this step, or its output
+    got no gradient: nothing was received. An inf or NaN anywhere in it (the operand held
+    one, so its amax is not finite) is rejected: it never enters a history, where with
+    `amax_compute="max"` it would freeze the scale for the history's length. Per layer of a
+    stacked state (per expert of a grouped layer's kernel).
+    """
+    lead = jnp.ndim(state.scale)
+    finite = [
+        jnp.all(jnp.isfinite(a), axis=tuple(range(lead, jnp.ndim(a))))
+        for a in jax.tree.leaves(state)
+    ]
+    finite = functools.reduce(jnp.logical_and, finite)
+    take = finite & (state.scale > 0)
+    return take, ~finite
+
+
+def pick_received(old: Any, received: Any, ok: Array) -> Any:
+    """`received` where `ok`, `old` elsewhere, leaf by leaf (in `old`'s dtypes). `ok` is a
+    scalar, or has the leading axes of the leaves (one flag per expert, say)."""
+    return jax.tree.map(
+        lambda o, r: jnp.where(
+            jnp.reshape(ok, ok.shape + (1,) * (o.ndim - ok.ndim)), r.astype(o.dtype), o
+        ),
+        old,
+        received,
+    )
+
+
+def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, Array]]) -> Fp8Stats:
+    """Each operand's fresh statistics where its state was taken, the old ones elsewhere,
+    and the count of rejected updates advanced (`received`: `received_state` of each role's
+    state; per expert for a grouped layer's kernel)."""
+    stats = {}
+    for r in ROLES:
+        before, (take, reject) = getattr(old, r), received[r]
+        count = before.rejected + reject.astype(before.rejected.dtype)
+        fresh = eqx.tree_at(lambda s: s.rejected, getattr(new, r), before.rejected)
+        stats[r] = eqx.tree_at(lambda s: s.rejected, pick_received(before, fresh, take), count)
+    return Fp8Stats(**stats)
+
+
+class AbstractFp8Op(OverwriteWithGradient):
+    """A high-precision GEMM op computed in FP8, with the scaling state of its three operands.
+
+    Subclasses ([`fp8jax.Fp8DotGeneral`][], [`fp8jax.Fp8RaggedDot`][]) call their FP8 GEMM in
+    `__call__` and say how their statistics merge; the checks of a call's dtypes and `merge`
+    are shared.
+    """
+
+    input: eqx.AbstractVar[TensorState]
+    kernel: eqx.AbstractVar[TensorState]
+    output_grad: eqx.AbstractVar[TensorState]
+    stats: eqx.AbstractVar[Any]
+    recipe: eqx.AbstractVar[Recipe]
+    name: eqx.AbstractVar[str]
+
+    #: The high-precision operation the op stands for, as errors name it.
+    stands_for: eqx.AbstractClassVar[str]
+    #: Why its output dtype must be a high-precision float, as errors say it.
+    accumulation: eqx.AbstractClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def _where(self) -> str:
+        """How errors name this op."""
+
+    @abc.abstractmethod
+    def _merge_stats(self, new: Any, received: dict[str, tuple[Array, Array]]) -> Any:
+        """`self.stats` updated from `new` (a received value's), as `merge` takes states."""
+
+    def _input_dtype(self, name: str, x: Any) -> np.dtype:
+        return check_float(name, x, self._where, self.stands_for)
+
+    def _output_dtype(self, lhs: np.dtype, rhs: np.dtype, preferred: DTypeLike | None) -> np.dtype:
+        """`preferred_element_type`, checked, or the promoted type of the operands."""
+        if preferred is None:
+            return np.dtype(jnp.promote_types(lhs, rhs))
+        try:
+            out = np.dtype(preferred)
+        except TypeError:
+            out = None
+        if out is None or not jnp.issubdtype(out, jnp.floating) or out.itemsize < 2:
+            shown = preferred if out is None else out
+            raise TypeError(
+                f"{self._where}: preferred_element_type={shown} is not a high-precision float "
+                f"type; use float32, bfloat16 or float16 ({self.accumulation})."
+            )
+        return out
+
+    def _states(self) -> States:
+        return States(self.input, self.kernel, self.output_grad, self.stats)
+
+    def _name_scope(self) -> Any:
+        """The name scope of the op's GEMMs, which `fp8jax.inspect` reads."""
+        return jax.named_scope(f"{SCOPE}[{self.name}]")
+
+    def merge(self, new: Any) -> Any:
+        """Take each operand's received state where it is a real, finite update (expert by
+        expert for a grouped layer's kernel).
+
+        A zero state (the layer was not used this step, its output got no gradient, or, for
+        one expert's kernel, the expert got no tokens) leaves that operand's state as it was.
+        So does a state holding an inf or NaN (the operand held one: the fault itself
+        reaches the GEMM's output as NaN); telemetry counts those steps in
+        `stats.<role>.rejected`.
+        """
+        received = {r: received_state(getattr(new, r)) for r in ROLES}
+        merged = {
+            r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
+        }
+        if self.stats is not None:
+            merged["stats"] = self._merge_stats(new.stats, received)
+        return eqx.tree_at(
+            lambda m: tuple(getattr(m, name) for name in merged), self, tuple(merged.values())
+        )
