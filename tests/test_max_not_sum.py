@@ -166,7 +166,7 @@ def test_plain_grad_of_a_layer_used_twice_names_the_fix(linear, jit):
         once(linear)
     # What the check remembers goes with the traces it was made in.
     gc.collect()
-    assert len(gemm._USES) == 0
+    assert len(gemm.STATE_USES) == 0
 
 
 def test_plain_grad_raises_no_false_alarm_on_scans_vmaps_and_remat(getkey):

@@ -95,9 +95,9 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
     )
 
 
-# The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): weak ref}.
-# Weak both ways: a tracer refers to its trace, so a strong one would keep the key alive.
-_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The FP8 state each differentiation has seen enter a GEMM: trace -> {id(leaf): weak ref}.
+#: Weak both ways: a tracer refers to its trace, so a strong one would keep the key alive.
+STATE_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_single_use(leaves: list, name: str, kind: str) -> None:
@@ -113,7 +113,7 @@ def check_single_use(leaves: list, name: str, kind: str) -> None:
     trace = jax_private.differentiation_trace(leaf)
     if trace is None:
         return
-    seen = _USES.setdefault(trace, {})
+    seen = STATE_USES.setdefault(trace, {})
     earlier = seen.get(id(leaf))
     if earlier is not None and earlier() is leaf:
         raise StateUsedTwiceError(
