@@ -75,3 +75,14 @@ def test_apply_updates_rejects_misplaced_overwrites(getkey):
     _, rest = fp8jax.partition_for_grad_overwrite(grads)
     with pytest.raises(ValueError, match="partition_for_grad_overwrite"):
         fp8jax.apply_updates(linear, rest, jax.tree.map(jnp.zeros_like, rest))
+
+
+def test_the_overwrite_marker_is_abstract_and_its_subclasses_are_made():
+    with pytest.raises(TypeError, match="abstract marker"):
+        fp8jax.OverwriteWithGradient()
+
+    class State(fp8jax.OverwriteWithGradient):
+        value: jax.Array = eqx.field(default_factory=lambda: jnp.zeros(()))
+
+    state = State()
+    assert fp8jax.partition_for_grad_overwrite({"s": state})[0]["s"] is state

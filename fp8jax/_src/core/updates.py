@@ -26,8 +26,15 @@ class OverwriteWithGradient(eqx.Module):
     """Marker for state whose gradient *is* its new value, to overwrite rather than add.
 
     Subclasses may override [`fp8jax.OverwriteWithGradient.merge`][] to decide, leaf by leaf,
-    whether a received value is taken.
+    whether a received value is taken. Abstract: only subclasses are made.
     """
+
+    def __check_init__(self) -> None:
+        if type(self) is OverwriteWithGradient:
+            raise TypeError(
+                "OverwriteWithGradient is an abstract marker: subclass it (an eqx.Module "
+                "holding the state whose gradient is its new value) and make the subclass."
+            )
 
     def merge(self: T, new: T) -> T:
         """The state to keep, given the value `new` received through the gradient."""
