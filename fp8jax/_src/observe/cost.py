@@ -166,19 +166,14 @@ class _Walker:
     ) -> KernelCost:
         inside = self.inside(computation, instruction)
         gemms = [(c, i) for c, i in inside if i.op == "dot" or i.gemm_target is not None]
+
+        def gemm(flops: int, kind: str) -> KernelCost:  # a GEMM counts FLOPs, no bytes
+            name, op = instruction.name, instruction.op
+            return KernelCost(name, computation.name, op, None, 0, flops, kind, runs, op_name)
+
+        op_name = instruction.op_name
         if instruction.op == "custom-call" and _is_native_gemm(instruction):
-            flops, kind = _native_gemm_cost(computation, instruction)
-            return KernelCost(
-                instruction.name,
-                computation.name,
-                instruction.op,
-                None,
-                0,
-                flops,
-                kind,
-                runs,
-                instruction.op_name,
-            )
+            return gemm(*_native_gemm_cost(computation, instruction))
         if gemms:
             flops, kinds = 0, {}
             for c, i in gemms:
@@ -186,18 +181,7 @@ class _Walker:
                 kind = _gemm_kind(c, i)
                 flops += f
                 kinds[kind] = kinds.get(kind, 0) + f
-            kind = max(kinds, key=kinds.get)
-            return KernelCost(
-                instruction.name,
-                computation.name,
-                instruction.op,
-                None,
-                0,
-                flops,
-                kind,
-                runs,
-                instruction.op_name,
-            )
+            return gemm(flops, max(kinds, key=kinds.get))
         return KernelCost(
             instruction.name,
             computation.name,
