@@ -244,9 +244,9 @@ def test_cpu_compiles_keep_the_xla_path(getkey):
 def test_choose_follows_the_option():
     calls = []
 
-    def native(a):
+    def native(a, out_dtype):
         calls.append("native")
-        return a + 1
+        return (a + 1).astype(out_dtype)
 
     def xla(a):
         calls.append("xla")
@@ -267,10 +267,11 @@ def test_choose_follows_the_option():
     assert sorted(calls) == ["native", "xla"]
 
 
-def test_a_gemm_partitioned_by_xla_keeps_the_xla_path():
+def test_a_gemm_partitioned_by_xla_is_told_apart():
     """Operands on a mesh axis that XLA partitions (plain `jit`, sharded arrays): an opaque
-    kernel would make XLA gather them, so the default choice is the XLA path. One device's
-    data (no mesh, or inside `shard_map`) takes the kernel."""
+    kernel would make XLA gather them, so `choose` runs it per shard there
+    (`tests/test_scaling_out.py`), or takes the XLA path for a GEMM without a partitioning
+    rule. One device's data (no mesh, or inside `shard_map`) takes the kernel as it is."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 

@@ -26,6 +26,12 @@ cotangents would be summed), and whether state is differentiated by an outer gra
 `jax.jit(..., compiler_options=...)` raises when called under another trace: the options
 belong to a top-level executable. The train step takes its GPU options only at top level.
 
+## The partition spec of an operand XLA's partitioner hands a `custom_partitioning`
+JAX turns each operand's HLO sharding into a `NamedSharding` before calling the partition
+rule, and raises when one cannot be expressed so (a small array split unevenly, padded): the
+native kernels' rule reads the shardings of the operands it needs (`spec_of`), and takes the
+rest as `GSPMDSharding`s, which it replaces.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -144,3 +150,20 @@ def varying_axes(x: Any) -> frozenset[str]:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def spec_of(sharding: Any, mesh: Any, ndim: int) -> jax.sharding.PartitionSpec | None:
+    """The `PartitionSpec` over `mesh` of `sharding` (a `NamedSharding`, or the
+    `GSPMDSharding` a `custom_partitioning` rule gets with `decode_shardings=False`) for an
+    array of rank `ndim`; `None` when no `PartitionSpec` expresses it (uneven, padded)."""
+    from jax._src import sharding_impls
+
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)
+    else:
+        try:
+            (spec,) = sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)
+        except Exception:  # noqa: BLE001 - IndivisibleError and kin: not a mesh sharding
+            return None
+        spec = tuple(spec)
+    return jax.sharding.PartitionSpec(*spec, *((None,) * (ndim - len(spec))))

@@ -29,6 +29,7 @@ from jaxtyping import Array
 from ..core import jax_private
 from ..core.amax import owner
 from ..core.stats import Fp8Stats
+from ..kernels import dispatch
 from ..recipes import Recipe
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
@@ -196,7 +197,12 @@ def _backward(
     # saved FP8 values. One barrier per operand: a barrier keeps all its operands alive until
     # its results are used, so a kernel copy that no dgrad reads (that of a first layer, whose
     # input needs no gradient) would stay alive with the activation until the wgrad.
-    q_x, q_w = lax.optimization_barrier(residuals.q_x), lax.optimization_barrier(residuals.q_w)
+    # On a mesh that XLA partitions, the kernel reaches the dgrad as the very value the
+    # forward multiplied: the all-gather XLA inserts for the forward (an FSDP weight) then
+    # serves the dgrad too, where behind a barrier it would be a new value, gathered again.
+    q_x, q_w = lax.optimization_barrier(residuals.q_x), residuals.q_w
+    if recipe.weight_gather == "per_gemm" or dispatch.per_device_gemm(q_w):
+        q_w = lax.optimization_barrier(q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
     q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)

@@ -264,7 +264,9 @@ def rows_dot(
     (quantized per expert, laid out to be contracted on `rhs_axis`), in `out_dtype`. `native`:
     the `dispatch.choose` option for the Hopper kernel (see `grouped_rules.native_choice`)."""
 
-    def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array) -> Array:
+    def native_path(
+        lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array, out_dtype: Any
+    ) -> Array:
         del experts
         if rhs.block:
             rhs = quantized_k_major(rhs, rhs_axis)
@@ -284,7 +286,9 @@ def rows_dot(
         out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)
         return out.astype(out_dtype)
 
-    return dispatch.choose(native, native_path, xla_path, lhs, rhs, group_sizes, experts)
+    return dispatch.choose(
+        native, native_path, xla_path, lhs, rhs, group_sizes, experts, out_dtype=out_dtype
+    )
 
 
 def tokens_dot(
@@ -301,7 +305,7 @@ def tokens_dot(
     block recipe each group size is a multiple of the token tile (the layout of
     `native.pad_layout`, made by the layer's backward)."""
 
-    def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array) -> Array:
+    def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, out_dtype: Any) -> Array:
         return native_tokens(lhs, rhs, group_sizes, out_dtype)
 
     def xla_path(lhs: QTensor, rhs: QTensor, group_sizes: Array) -> Array:
@@ -313,4 +317,6 @@ def tokens_dot(
         out = block_tokens(lhs, rhs, group_sizes, precision, recipe.chunks_per_dot)
         return out.astype(out_dtype)
 
-    return dispatch.choose(native, native_path, xla_path, lhs, rhs, group_sizes)
+    return dispatch.choose(
+        native, native_path, xla_path, lhs, rhs, group_sizes, out_dtype=out_dtype
+    )

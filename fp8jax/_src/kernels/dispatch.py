@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
+
+from . import partition
+from .partition import GemmDims
 
 _INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_interpret_kernels", default=False
@@ -70,24 +74,54 @@ def check_native_kernel(value: object) -> None:
 
 
 def choose(
-    use_native: bool | None, native: Callable[..., Any], xla: Callable[..., Any], *args: Any
+    use_native: bool | None,
+    native: Callable[..., Any],
+    xla: Callable[..., Any],
+    *args: Any,
+    dims: GemmDims | None = None,
+    out_dtype: Any = jnp.float32,
 ) -> Any:
-    """`native(*args)` or `xla(*args)`, as a recipe's `native_kernel` option says.
+    """`native(*args, out_dtype=out_dtype)` or `xla(*args)`, as a recipe's `native_kernel`
+    option says.
 
     `True` takes the native kernel (compiling it fails off Hopper); `False` the XLA path;
-    `None` the native kernel where the program is compiled for CUDA, every local GPU, if any,
-    is a Hopper (a deviceless compile for an H100 included) and the GEMM runs on one
-    device's data (`per_device_gemm`), the XLA path elsewhere (`lax.platform_dependent`: a
-    CPU compile never sees the kernel). Under `interpreted()`, `None` and `True` take the
-    native kernel through the interpreter.
+    `None` the native kernel where the program is compiled for CUDA and every local GPU, if
+    any, is a Hopper (a deviceless compile for an H100 included), the XLA path elsewhere
+    (`lax.platform_dependent`: a CPU compile never sees the kernel). Under `interpreted()`,
+    `None` and `True` take the native kernel through the interpreter.
+
+    When the operands lie on a mesh that XLA partitions, `dims` (the operands' axes, see
+    `partition.per_shard`) lets each device run the kernel on its shards; without them the
+    `None` option keeps the XLA path there (an opaque kernel would make XLA gather the
+    operands and compute the whole product on every device).
     """
     if use_native is False:
         return xla(*args)
+    run = functools.partial(native, out_dtype=out_dtype)
+    if not per_device_gemm(*args):
+        if dims is not None:
+            # Mosaic GPU's interpreter simulates a GPU through ordered host callbacks, which
+            # XLA's partitioner cannot place in a device's computation: interpreted, each
+            # device runs the XLA path, the kernel's numerics twin (the two are held equal on
+            # one device by tests/test_kernels.py), so that the partitioning is what is tested.
+            local = _as_native(xla) if interpreting() else native
+            run = functools.partial(partition.per_shard, local, dims, out_dtype)
+        elif not (use_native or interpreting()):
+            return xla(*args)
     if use_native or interpreting():
-        return native(*args)
-    if local_gpus_lack_hopper() or not per_device_gemm(*args):
+        return run(*args)
+    if local_gpus_lack_hopper():
         return xla(*args)
-    return lax.platform_dependent(*args, cuda=native, default=xla)
+    return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def _as_native(xla: Callable[..., Any]) -> Callable[..., Any]:
+    """The XLA path `xla(*args)` (its output dtype fixed) called as a native kernel is."""
+
+    def call(*args: Any, out_dtype: Any) -> Any:
+        return xla(*args).astype(out_dtype)
+
+    return call
 
 
 def k_major(data: jax.Array, axis: int) -> jax.Array:

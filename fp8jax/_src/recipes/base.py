@@ -26,6 +26,7 @@ import math
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
@@ -33,6 +34,7 @@ from jaxtyping import Array, Float
 from ..core.amax import amax
 from ..core.formats import FormatLike, expand_blocks, format_name, fp8_dtype
 from ..core.stats import OperandStats, cast_statistics
+from ..kernels.partition import Dim, GemmDims
 
 Role = Literal["input", "kernel", "output_grad"]
 ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
@@ -85,6 +87,32 @@ class QTensor(eqx.Module):
         return data * expand_blocks(scale_inv, self.block, self.data.shape)
 
 
+def gemm_dims(lhs: Any, rhs: Any, lhs_axis: Axis, rhs_axis: Axis) -> GemmDims:
+    """The axes of a GEMM's quantized operands (each a [`fp8jax.QTensor`][] or a pytree of
+    them, contracted on `lhs_axis` / `rhs_axis`), for running a native kernel per shard
+    (`fp8jax._src.kernels.partition`): batch `b`, free `m` (lhs) and `n` (rhs), contracted
+    `k`; a block scale's axes span its block."""
+
+    def tensor(q: QTensor, free: str, axis: Axis) -> list[tuple[Dim, ...]]:
+        batch = (("b", 1),) * (q.data.ndim - 2)
+        rows, cols = (free, "k") if axis == -1 else ("k", free)
+        data = batch + ((rows, 1), (cols, 1))
+        if q.scale_inv.ndim == 0:
+            return [data, ()]
+        if q.scale_inv.ndim < q.data.ndim:  # a per-tensor scale per batch member
+            return [data, (("b", 1),) * q.scale_inv.ndim]
+        return [data, batch + ((rows, q.block[0]), (cols, q.block[1]))]
+
+    def operand(tree: Any, free: str, axis: Axis) -> list[tuple[Dim, ...]]:
+        tensors = jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, QTensor))
+        return [d for q in tensors for d in tensor(q, free, axis)]
+
+    batch = ("b",) * (jax.tree.leaves(lhs)[0].ndim - 2)
+    return GemmDims(
+        tuple(operand(lhs, "m", lhs_axis) + operand(rhs, "n", rhs_axis)), batch + ("m", "n")
+    )
+
+
 def check_choice(name: str, value: object, allowed: tuple) -> None:
     """Raise `ValueError` naming `value` and the `allowed` ones unless `value` is allowed."""
     if not isinstance(value, str) or value not in allowed:
@@ -113,6 +141,10 @@ def check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r}: should be an int >= 1.")
 
 
+#: The values of a recipe's `weight_gather` option.
+WEIGHT_GATHERS = ("once", "per_gemm")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe(abc.ABC):
     """Interface every scaling recipe implements (see the module docstring).
@@ -124,13 +156,21 @@ class Recipe(abc.ABC):
       gradients; `"default"` allows it. The forward dot uses the caller's `precision`.
     - `axis_names`: mesh axes to take amaxes over inside `shard_map` (a `pmax`). Under plain
       `jit` with sharded arrays the amax is already global; leave this empty there.
+    - `weight_gather`: how a weight that XLA gathers for its GEMMs (sharded for FSDP under
+      `jit`) reaches the dgrad. `"once"` (default): the forward's gathered FP8 copy is kept
+      until the dgrad, one all-gather per step, at the memory of one gathered FP8 weight per
+      layer between forward and backward. `"per_gemm"`: gathered again for the dgrad, twice
+      the all-gather bytes and nothing kept (FSDP's re-gather in the backward). On one device
+      the two are the same.
     """
 
     backward_precision: str = "highest"
     axis_names: tuple[str, ...] = ()
+    weight_gather: str = "once"
 
     def __post_init__(self) -> None:
         check_choice("backward_precision", self.backward_precision, tuple(_PRECISIONS))
+        check_choice("weight_gather", self.weight_gather, WEIGHT_GATHERS)
         names = self.axis_names
         if not isinstance(names, tuple | list) or not all(isinstance(a, str) for a in names):
             raise ValueError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,16 @@ from ..core.formats import (
 )
 from ..core.formats import format_name as canonical_format
 from ..kernels import dispatch
-from .base import Axis, QTensor, Recipe, Role, TensorState, check_flags, check_positive_int
+from .base import (
+    Axis,
+    QTensor,
+    Recipe,
+    Role,
+    TensorState,
+    check_flags,
+    check_positive_int,
+    gemm_dims,
+)
 from .per_tensor import MAX_SCALE
 
 #: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
@@ -370,10 +380,13 @@ class BlockwiseScaling(BlockScaledRecipe):
         if self.dequantized_dot or self.block_size not in NATIVE_BLOCK_SIZES:
             return xla(lhs, rhs)
 
-        def native(lhs: QTensor, rhs: QTensor) -> Array:
+        def native(lhs: QTensor, rhs: QTensor, out_dtype: Any) -> Array:
             return native_block_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
-        return dispatch.choose(self.native_kernel, native, xla, lhs, rhs)
+        dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
+        return dispatch.choose(
+            self.native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype
+        )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
         if role == "kernel":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -17,7 +18,16 @@ from jaxtyping import Array, Float
 
 from ..core.formats import fp8_max, quantize
 from ..kernels import dispatch
-from .base import Axis, FormatLike, HybridFormats, QTensor, Role, check_flags, per_tensor_dot
+from .base import (
+    Axis,
+    FormatLike,
+    HybridFormats,
+    QTensor,
+    Role,
+    check_flags,
+    gemm_dims,
+    per_tensor_dot,
+)
 from .per_tensor import MAX_SCALE, compute_scale
 
 
@@ -193,12 +203,15 @@ class ResidualFP8(HybridFormats):
                     out = part if out is None else out + part
             return out.astype(out_dtype)
 
-        def native(lhs: QTerms, rhs: QTerms) -> Array:
+        def native(lhs: QTerms, rhs: QTerms, out_dtype: Any) -> Array:
             return native_residual_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
         if len({t.data.dtype for t in lhs.terms + rhs.terms}) > 1:
             return xla(lhs, rhs)  # Mosaic's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
-        return dispatch.choose(self.native_kernel, native, xla, lhs, rhs)
+        dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
+        return dispatch.choose(
+            self.native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype
+        )
 
 
 def _pairs(lhs: QTerms, rhs: QTerms) -> list[tuple[QTensor, tuple[QTensor, ...]]]:
