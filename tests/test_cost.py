@@ -8,6 +8,7 @@ import pytest
 import fp8jax
 from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.cost import hlo_cost
+from fp8jax._src.observe.hlo import parse
 from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
 
 M, N, K = 256, 512, 256
@@ -402,6 +403,28 @@ def test_collectives_by_the_ring_model_and_their_links():
     # Nodes of four: the all-gather's groups span two nodes each.
     (gather,) = [c for c in hlo_cost(COLLECTIVES, gpus_per_node=4).collectives if c.name == "ag"]
     assert gather.link == "infiniband"
+
+
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ("{{0,1},{2,3},{4,5},{6,7}}", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        ("{}", [tuple(range(8))]),
+        ("[2,4]<=[8]", [(0, 1, 2, 3), (4, 5, 6, 7)]),
+        ("[2,4]<=[4,2]T(1,0)", [(0, 2, 4, 6), (1, 3, 5, 7)]),
+        ("mesh['x'=2,'y'=4] {'y'}", [(0, 1, 2, 3), (4, 5, 6, 7)]),
+        ("mesh['x'=2,'y'=4] {'x'}", [(0, 4), (1, 5), (2, 6), (3, 7)]),
+        # devices laid out y-major: the mesh's [x, y] position holds device 2 y + x
+        ("mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'x'}", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        ("mesh['x'=8] {'x':(2)2}", [(0, 2), (1, 3), (4, 6), (5, 7)]),  # x split [2, 2, 2]
+    ],
+)
+def test_replica_group_forms(groups, expected):
+    line = f"  %ar = f32[8]{{0}} all-reduce(%g), replica_groups={groups}, to_apply=%add"
+    (instruction,) = [
+        i for i in parse(line.join(["ENTRY %m {\n", "\n}"])).computations["m"].instructions.values()
+    ]
+    assert instruction.replica_groups(8) == expected
 
 
 def test_collective_in_a_loop_runs_its_trip_count():
