@@ -2,6 +2,8 @@
 
     python benchmarks/cost_model.py [--models 1B,8B,70B-block] [--variants bf16,delayed,...]
         [--attention compiled,flash] | tee benchmarks/results/cost_model.txt
+    python benchmarks/cost_model.py --sharded 8B,70B-block,70B-block-fsdp64
+        [--variants bf16,delayed,...] | tee benchmarks/results/cost_model_sharded.txt
 
 What it measures: each train step (peers.py's: BF16 compute through `to_bf16`, plain SGD on
 float32 masters) is compiled for an H100 without a GPU (cuBLAS mode: Triton GEMMs off, so every
@@ -60,12 +62,35 @@ recipe on its XLA path (`native_kernel=False`). The `residual` rows fuse the ter
 a left operand in one kernel (`native_kernel=None`), every GEMM with its E4M3 gradients;
 `residual-xla` is the recipe's default, its XLA path (two cuBLASLt FP8 calls per term pair,
 summed in float32).
+
+Sharded runs (`--sharded`, per GPU, flash attention (analytic) only): the step compiled for a
+deviceless mesh of H100s (`fp8jax.h100_mesh`; more than 8 GPUs are nodes of 8), every
+Linear's and Embedding's weight (float32 master) sharded on its input axis over the FSDP axis,
+biases, norms and FP8 state replicated, the tokens sharded over every mesh axis with the
+single-GPU batch on each GPU. The batch is mapped with `jax.vmap(spmd_axis_name=...)` and the
+benchmark's own modules (SwiGLU, the attention stand-in) pin each sequence's activations to
+its GPU (`per_sequence`): without that, XLA's partitioner shards activations over the weights'
+axis and moves whole activations instead of weights. XLA then gathers each weight where it is
+used (once in the forward pass, again for the dgrad inside the layer scan) and reduce-scatters
+its gradient. `fp8jax.hlo_cost` counts each collective's bytes per GPU by the ring model over
+NVLink (450 GB/s each way, within a node) or InfiniBand (50 GB/s per GPU, across nodes), peak
+link rates. Columns: all-gather bytes split into FP8 arrays and the rest (BF16 weights, the
+head), so that gathering FP8 weights once per step rather than twice shows; the step with no
+overlap (compute + communication) and with collectives wholly overlapped (the larger).
+
+- `8B`: FSDP over one node of 8 (`{"data": 8}`), 16 x 4096 tokens in all.
+- `70B-block`: 64 GPUs, 8 nodes, `{"data": 8, "fsdp": 8}`: FSDP within each node and data
+  parallel across nodes (hybrid sharding), so that the per-layer gathers and scatters stay on
+  NVLink and only the 1/8 gradient shards are all-reduced over InfiniBand; 128 x 4096 tokens.
+- `70B-block-fsdp64`: the same block with FSDP over all 64 (`{"fsdp": 64}`): every gather and
+  scatter crosses InfiniBand. The comparison is why the 64-GPU run above is hybrid.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -83,7 +108,13 @@ from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, vari
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
-from fp8jax._src.observe.roofline import CATEGORIES, H100, LINKS, Cost  # noqa: E402
+from fp8jax._src.observe.roofline import (  # noqa: E402
+    CATEGORIES,
+    GPUS_PER_NODE,
+    H100,
+    LINKS,
+    Cost,
+)
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
@@ -275,14 +306,19 @@ def sharded_step(shape: dict, axes: tuple[str, ...]):
     return train_step(loss)
 
 
-def compile_sharded(run: str, name: str) -> tuple[Cost, float]:
+def compile_sharded(run: str, name: str) -> tuple[Cost, float, int]:
     """The per-GPU cost of model `run`'s step, variant `name`, sharded as `SHARDED[run]`
-    says (flash attention's stand-in compiled; flash's own cost added by the caller)."""
+    says (flash attention's stand-in compiled; flash's own cost added by the caller), the
+    compile's seconds, and the bytes each GPU sends to gather every weight of its fp8jax
+    layers once in FP8 (0 for BF16)."""
     model_name, axes, axis = SHARDED[run]
     mesh = fp8jax.h100_mesh(axes)
     shape = MODELS[model_name]
     _, (model, data) = build(dict(shape, batch=shape["batch"] * mesh.size), name, True)
     model = fsdp(model, mesh, axis)
+    layers = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, fp8jax.Linear))
+    elements = sum(math.prod(x.weight.shape) for x in layers if isinstance(x, fp8jax.Linear))
+    once = elements * (axes[axis] - 1) // axes[axis]
     batch = NamedSharding(mesh, P(tuple(axes)))
     data = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=batch)
     step = sharded_step(shape, tuple(axes))
@@ -297,7 +333,7 @@ def compile_sharded(run: str, name: str) -> tuple[Cost, float]:
     cost = hlo_cost(lowered.compile(compiler_options=OPTIONS).as_text())
     if cost.unknown_trip_counts:
         print(f"  (loops counted once: {cost.unknown_trip_counts})", file=sys.stderr)
-    return cost, time.perf_counter() - start
+    return cost, time.perf_counter() - start, once
 
 
 def gathered(cost: Cost) -> tuple[int, int]:
@@ -310,11 +346,12 @@ def gathered(cost: Cost) -> tuple[int, int]:
     return fp8, cost.communication.get("all-gather", 0) - fp8
 
 
-def report_sharded(title: str, costs: dict[str, Cost]) -> None:
+def report_sharded(title: str, costs: dict[str, Cost], once: dict[str, int]) -> None:
     base = costs["bf16"]
     rows = []
     for name, cost in costs.items():
         fp8_gather, other_gather = gathered(cost)
+        per_weight = f"{fp8_gather / once[name]:.2f}" if once[name] else "-"
         fp8 = cost.flops.get("fp8", 0) + cost.flops.get("fp8 block", 0)
         compute = cost.gemm_seconds() + cost.memory_seconds()
         rest = cost.communication_bytes - sum(
@@ -323,9 +360,11 @@ def report_sharded(title: str, costs: dict[str, Cost]) -> None:
         rows.append(
             [
                 name,
-                f"{fp8 / 1e12:.1f} / {cost.flops.get('bf16', 0) / 1e12:.1f}",
+                f"{fp8 / 1e12:.1f}{' (block kernel)' if cost.flops.get('fp8 block') else ''}"
+                f" / {cost.flops.get('bf16', 0) / 1e12:.1f}",
                 f"{cost.total_bytes / 1e9:.1f}",
                 f"{fp8_gather / 1e9:.2f} + {other_gather / 1e9:.2f}",
+                per_weight,
                 f"{cost.communication.get('reduce-scatter', 0) / 1e9:.2f}",
                 f"{cost.communication.get('all-reduce', 0) / 1e9:.2f}",
                 f"{rest / 1e9:.2f}",
@@ -343,6 +382,7 @@ def report_sharded(title: str, costs: dict[str, Cost]) -> None:
         "FP8 / BF16 TFLOP",
         "non-GEMM GB",
         "all-gather GB (FP8 + other)",
+        "FP8 gathers per weight",
         "reduce-scatter GB",
         "all-reduce GB",
         "other coll. GB",
@@ -374,21 +414,20 @@ def main_sharded(runs: list[str], names: list[str]) -> None:
     for run in runs:
         model_name, axes, axis = SHARDED[run]
         shape = MODELS[model_name]
-        devices = 1
-        for n in axes.values():
-            devices *= n
+        devices = math.prod(axes.values())
+        nodes = max(1, devices // GPUS_PER_NODE)
         print(
-            f"\n## {run}: {model_name} on {devices} H100s, mesh {axes}, weights sharded over "
-            f"{axis!r}, tokens over {tuple(axes)}: {shape['batch']} x {shape['context']} "
-            f"tokens per GPU"
+            f"\n## {run}: the {model_name} model on {devices} H100s ({nodes} node(s) of "
+            f"{min(devices, GPUS_PER_NODE)}), mesh {axes}, weights sharded over {axis!r}, "
+            f"tokens over {tuple(axes)}: {shape['batch']} x {shape['context']} tokens per GPU"
         )
-        costs = {}
+        costs, once = {}, {}
         for name in names:
             print(f"  ... {run} {name}", file=sys.stderr, flush=True)
-            cost, seconds = compile_sharded(run, name)
+            cost, seconds, once[name] = compile_sharded(run, name)
             print(f"      compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
             costs[name] = cost + flash_cost(shape)
-        report_sharded(f"{run}, per GPU", costs)
+        report_sharded(f"{run}, per GPU", costs, once)
 
 
 # --- report -------------------------------------------------------------------------------
