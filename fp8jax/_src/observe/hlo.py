@@ -292,6 +292,11 @@ def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str) -> list[
         devices = np.array([int(d) for d in re.findall(r"\d+", ids_text)])
     refs: dict[int, list[tuple[int, int, int]]] = {}  # mesh axis -> (order, pre, size)
     for order, (name, pre, size) in enumerate(_AXIS_REF.findall(group_text)):
+        if name.strip() not in names:
+            raise ValueError(
+                f"replica_groups: axis {name.strip()!r} of {{{group_text}}} is not among the "
+                f"mesh's axes {names}."
+            )
         axis = names.index(name.strip())
         refs.setdefault(axis, []).append((order, int(pre or 1), int(size or sizes[axis])))
     shape: list[int] = []
@@ -299,7 +304,7 @@ def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str) -> list[
     for axis, full in enumerate(sizes):
         covered = 1
         for order, pre, size in sorted(refs.get(axis, []), key=lambda r: r[1]):
-            if pre != covered:  # the part of the axis below this sub-axis, not grouped
+            if pre != covered:  # the part of the axis before this sub-axis, not grouped
                 shape.append(pre // covered)
                 covered = pre
             grouped.append((axis, order, len(shape)))
