@@ -2,6 +2,8 @@
 
     python benchmarks/cost_model.py [--models 1B,8B,70B-block] [--variants bf16,delayed,...]
         [--attention compiled,flash] | tee benchmarks/results/cost_model.txt
+    python benchmarks/cost_model.py --sharded 8B,70B-block,70B-block-fsdp64
+        [--variants bf16,delayed,...] | tee benchmarks/results/cost_model_sharded.txt
 
 What it measures: each train step (peers.py's: BF16 compute through `to_bf16`, plain SGD on
 float32 masters) is compiled for an H100 without a GPU (cuBLAS mode: Triton GEMMs off, so every
@@ -60,12 +62,35 @@ recipe on its XLA path (`native_kernel=False`). The `residual` rows fuse the ter
 a left operand in one kernel (`native_kernel=None`), every GEMM with its E4M3 gradients;
 `residual-xla` is the recipe's default, its XLA path (two cuBLASLt FP8 calls per term pair,
 summed in float32).
+
+Sharded runs (`--sharded`, per GPU, flash attention (analytic) only): the step compiled for a
+deviceless mesh of H100s (`fp8jax.h100_mesh`; more than 8 GPUs are nodes of 8), every
+Linear's and Embedding's weight (float32 master) sharded on its input axis over the FSDP axis,
+biases, norms and FP8 state replicated, the tokens sharded over every mesh axis with the
+single-GPU batch on each GPU. The batch is mapped with `jax.vmap(spmd_axis_name=...)` and the
+benchmark's own modules (SwiGLU, the attention stand-in) pin each sequence's activations to
+its GPU (`per_sequence`): without that, XLA's partitioner shards activations over the weights'
+axis and moves whole activations instead of weights. XLA then gathers each weight where it is
+used (once in the forward pass, again for the dgrad inside the layer scan) and reduce-scatters
+its gradient. `fp8jax.hlo_cost` counts each collective's bytes per GPU by the ring model over
+NVLink (450 GB/s each way, within a node) or InfiniBand (50 GB/s per GPU, across nodes), peak
+link rates. Columns: all-gather bytes split into FP8 arrays and the rest (BF16 weights, the
+head), so that gathering FP8 weights once per step rather than twice shows; the step with no
+overlap (compute + communication) and with collectives wholly overlapped (the larger).
+
+- `8B`: FSDP over one node of 8 (`{"data": 8}`), 16 x 4096 tokens in all.
+- `70B-block`: 64 GPUs, 8 nodes, `{"data": 8, "fsdp": 8}`: FSDP within each node and data
+  parallel across nodes (hybrid sharding), so that the per-layer gathers and scatters stay on
+  NVLink and only the 1/8 gradient shards are all-reduced over InfiniBand; 128 x 4096 tokens.
+- `70B-block-fsdp64`: the same block with FSDP over all 64 (`{"fsdp": 64}`): every gather and
+  scatter crosses InfiniBand. The comparison is why the 64-GPU run above is hybrid.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -76,12 +101,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from train_steps import GPT_SHAPES, RECIPES, block_step, table, train_step, variant  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
-from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost  # noqa: E402
+from fp8jax._src.observe.roofline import (  # noqa: E402
+    CATEGORIES,
+    GPUS_PER_NODE,
+    H100,
+    LINKS,
+    Cost,
+)
 from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_token_loss  # noqa: E402
 
 # Blockwise on its XLA path, beside the native kernel that a compile for an H100 takes by
@@ -91,6 +124,9 @@ RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
 RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
 
 STAND_IN = "attention_stand_in"
+# The mesh of a sharded run, while one is built (see `sharded_activations`): the benchmark's
+# own modules then keep their activations whole per sequence, each GPU holding its sequences.
+_MESH: list = []
 # cuBLAS mode, without XLA's rematerialization (see the module docstring).
 OPTIONS = {**deviceless.MODES["cublas"], "xla_disable_hlo_passes": "rematerialization"}
 
@@ -113,7 +149,9 @@ class SwiGLU(eqx.Module):
         self.down_proj = eqx.nn.Linear(hidden, width, use_bias=False, key=kd)
 
     def __call__(self, x):
-        return dense(self.down_proj, jax.nn.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+        x = per_sequence(x)
+        hidden = per_sequence(jax.nn.silu(dense(self.gate_proj, x)) * dense(self.up_proj, x))
+        return per_sequence(dense(self.down_proj, hidden))
 
 
 class StandInAttention(eqx.Module):
@@ -127,12 +165,23 @@ class StandInAttention(eqx.Module):
     heads: int = eqx.field(static=True)
 
     def __call__(self, x):
-        q, k, v = (dense(proj, x) for proj in (self.query, self.key, self.value))
+        x = per_sequence(x)
+        q, k, v = (per_sequence(dense(proj, x)) for proj in (self.query, self.key, self.value))
         with jax.named_scope(STAND_IN):
             # q * k, not q + k: XLA would fold the sum's dgrad into one GEMM on the summed
             # weights, dropping two of the three dgrad GEMMs that real attention has.
             mixed = q * k + v
-        return dense(self.out, mixed)
+        return per_sequence(dense(self.out, mixed))
+
+
+def per_sequence(x):
+    """`x`, one sequence's activation, whole on the GPU that holds the sequence (in a sharded
+    run, under `jax.vmap(..., spmd_axis_name=...)` over the batch; as it is otherwise).
+    Without it XLA's partitioner may shard activations over the weights' axis and gather
+    whole activations (gigabytes) instead of weights."""
+    if not _MESH:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(_MESH[0], P()))
 
 
 def stand_in(model):
@@ -205,6 +254,182 @@ def flash_cost(shape: dict) -> Cost:
     return shape["layers"] * Cost({"bf16": flops}, {"rest": forward_bytes + backward_bytes})
 
 
+# --- sharded: FSDP ------------------------------------------------------------------------
+
+#: The sharded runs: model, mesh, the mesh axis the weights are sharded over. Tokens are
+#: sharded over every axis, each GPU holding the single-GPU run's batch (the global batch is
+#: that times the GPUs).
+SHARDED = {
+    # FSDP over one node: every weight gathered and its gradient scattered over NVLink.
+    "8B": ("8B", {"data": 8}, "data"),
+    # Hybrid sharding, 8 nodes of 8: FSDP within each node (the per-layer weight gathers and
+    # gradient scatters stay on NVLink), data parallel across nodes (only the gradient of
+    # each GPU's 1/8 shard is all-reduced over InfiniBand).
+    "70B-block": ("70B-block", {"data": 8, "fsdp": 8}, "fsdp"),
+    # Plain FSDP over all 64: every gather and scatter crosses InfiniBand (for comparison).
+    "70B-block-fsdp64": ("70B-block", {"fsdp": 64}, "fsdp"),
+}
+_WEIGHTED = (eqx.nn.Linear, eqx.nn.Embedding, fp8jax.Linear)
+
+
+def fsdp(model, mesh, axis: str):
+    """`model` (abstract) with every Linear's and Embedding's weight sharded on its last
+    (input) axis over `axis`; the rest (biases, norms, FP8 state) stays replicated."""
+
+    def place(node):
+        if not isinstance(node, _WEIGHTED):
+            return node
+        w = node.weight
+        spec = P(*[None] * (w.ndim - 1), axis)
+        sharded = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, spec))
+        return eqx.tree_at(lambda n: n.weight, node, sharded)
+
+    return jax.tree.map(place, model, is_leaf=lambda x: isinstance(x, _WEIGHTED))
+
+
+def sharded_step(shape: dict, axes: tuple[str, ...]):
+    """The train step of `shape` with its batch mapped by `jax.vmap(spmd_axis_name=axes)`: a
+    sequence's activations stay on the GPU of its batch shard (`per_sequence`)."""
+    if shape["vocab"] is None:
+        return block_step(
+            lambda block, x: jnp.mean(
+                jax.vmap(block, spmd_axis_name=axes)(x.astype(jnp.bfloat16)).astype(jnp.float32)
+                ** 2
+            )
+        )
+
+    def loss(model, tokens):
+        logits = jax.vmap(model, spmd_axis_name=axes)(tokens[:, :-1]).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    return train_step(loss)
+
+
+def compile_sharded(run: str, name: str) -> tuple[Cost, float, int]:
+    """The per-GPU cost of model `run`'s step, variant `name`, sharded as `SHARDED[run]`
+    says (flash attention's stand-in compiled; flash's own cost added by the caller), the
+    compile's seconds, and the bytes each GPU sends to gather every weight of its fp8jax
+    layers once in FP8 (0 for BF16)."""
+    model_name, axes, axis = SHARDED[run]
+    mesh = fp8jax.h100_mesh(axes)
+    shape = MODELS[model_name]
+    _, (model, data) = build(dict(shape, batch=shape["batch"] * mesh.size), name, True)
+    model = fsdp(model, mesh, axis)
+    layers = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, fp8jax.Linear))
+    elements = sum(math.prod(x.weight.shape) for x in layers if isinstance(x, fp8jax.Linear))
+    once = elements * (axes[axis] - 1) // axes[axis]
+    batch = NamedSharding(mesh, P(tuple(axes)))
+    data = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=batch)
+    step = sharded_step(shape, tuple(axes))
+    start = time.perf_counter()
+    _MESH.append(mesh)
+    try:
+        lowered, _ = deviceless.lower(
+            step, (model, data), {}, deviceless.h100_topology().devices[0]
+        )
+    finally:
+        _MESH.clear()
+    cost = hlo_cost(lowered.compile(compiler_options=OPTIONS).as_text())
+    if cost.unknown_trip_counts:
+        print(f"  (loops counted once: {cost.unknown_trip_counts})", file=sys.stderr)
+    return cost, time.perf_counter() - start, once
+
+
+def gathered(cost: Cost) -> tuple[int, int]:
+    """All-gather bytes each GPU sends: (of FP8 arrays, of the others)."""
+    fp8 = sum(
+        c.wire_bytes * c.runs
+        for c in cost.collectives
+        if c.op == "all-gather" and c.dtype.startswith("f8")
+    )
+    return fp8, cost.communication.get("all-gather", 0) - fp8
+
+
+def report_sharded(title: str, costs: dict[str, Cost], once: dict[str, int]) -> None:
+    base = costs["bf16"]
+    rows = []
+    for name, cost in costs.items():
+        fp8_gather, other_gather = gathered(cost)
+        per_weight = f"{fp8_gather / once[name]:.2f}" if once[name] else "-"
+        fp8 = cost.flops.get("fp8", 0) + cost.flops.get("fp8 block", 0)
+        compute = cost.gemm_seconds() + cost.memory_seconds()
+        rest = cost.communication_bytes - sum(
+            cost.communication.get(op, 0) for op in ("all-gather", "reduce-scatter", "all-reduce")
+        )
+        rows.append(
+            [
+                name,
+                f"{fp8 / 1e12:.1f}{' (block kernel)' if cost.flops.get('fp8 block') else ''}"
+                f" / {cost.flops.get('bf16', 0) / 1e12:.1f}",
+                f"{cost.total_bytes / 1e9:.1f}",
+                f"{fp8_gather / 1e9:.2f} + {other_gather / 1e9:.2f}",
+                per_weight,
+                f"{cost.communication.get('reduce-scatter', 0) / 1e9:.2f}",
+                f"{cost.communication.get('all-reduce', 0) / 1e9:.2f}",
+                f"{rest / 1e9:.2f}",
+                " / ".join(f"{cost.link_bytes.get(link, 0) / 1e9:.2f}" for link in LINKS),
+                f"{cost.communication_seconds() * 1e3:.1f}",
+                f"{compute * 1e3:.1f}",
+                f"{cost.estimate_seconds() * 1e3:.1f}",
+                f"{cost.estimate_seconds(overlap=True) * 1e3:.1f}",
+                f"{cost.estimate_seconds() / base.estimate_seconds():.2f} / "
+                f"{cost.estimate_seconds(overlap=True) / base.estimate_seconds(overlap=True):.2f}",
+            ]
+        )
+    header = [
+        "variant",
+        "FP8 / BF16 TFLOP",
+        "non-GEMM GB",
+        "all-gather GB (FP8 + other)",
+        "FP8 gathers per weight",
+        "reduce-scatter GB",
+        "all-reduce GB",
+        "other coll. GB",
+        "NVLink / IB GB",
+        "comm. ms (est.)",
+        "compute ms",
+        "step ms, no overlap",
+        "step ms, overlapped",
+        "x BF16 (no overlap / overlapped)",
+    ]
+    print(f"\n### {title}\n")
+    print(table(rows, header))
+
+
+def main_sharded(runs: list[str], names: list[str]) -> None:
+    print(
+        f"# Cost model, sharded: estimated per-GPU H100 step time and communication from "
+        f"compiled HLO (jax {jax.__version__}; an ESTIMATE, not a measurement)"
+    )
+    print(
+        f"\nPeaks: FP8 {H100['fp8'] / 1e12:.0f}, BF16 {H100['bf16'] / 1e12:.0f} TFLOP/s, HBM "
+        f"{H100['hbm'] / 1e12:.2f} TB/s; links one way per GPU: NVLink {H100['nvlink'] / 1e9:.0f} "
+        f"GB/s, InfiniBand {H100['infiniband'] / 1e9:.0f} GB/s (peak rates). Bytes in GB (1e9) "
+        "per GPU per train step; collectives: the bytes each GPU sends, ring model. Flash "
+        "attention (analytic); cuBLAS GEMMs, XLA rematerialization off. `compute` = GEMMs at "
+        "peak + non-GEMM bytes at HBM peak; `no overlap` = compute + communication; "
+        "`overlapped` = max(compute, communication)."
+    )
+    for run in runs:
+        model_name, axes, axis = SHARDED[run]
+        shape = MODELS[model_name]
+        devices = math.prod(axes.values())
+        nodes = max(1, devices // GPUS_PER_NODE)
+        print(
+            f"\n## {run}: the {model_name} model on {devices} H100s ({nodes} node(s) of "
+            f"{min(devices, GPUS_PER_NODE)}), mesh {axes}, weights sharded over {axis!r}, "
+            f"tokens over {tuple(axes)}: {shape['batch']} x {shape['context']} tokens per GPU"
+        )
+        costs, once = {}, {}
+        for name in names:
+            print(f"  ... {run} {name}", file=sys.stderr, flush=True)
+            cost, seconds, once[name] = compile_sharded(run, name)
+            print(f"      compiled in {seconds:.0f} s", file=sys.stderr, flush=True)
+            costs[name] = cost + flash_cost(shape)
+        report_sharded(f"{run}, per GPU", costs, once)
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -268,6 +493,11 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(["bf16", *RECIPES]))
     parser.add_argument("--attention", default="compiled,flash")
+    parser.add_argument(
+        "--sharded",
+        default=None,
+        help=f"comma-separated sharded runs among {list(SHARDED)} (instead of --models)",
+    )
     args = parser.parse_args(argv)
     models = args.models.split(",")
     names = [n if n == "bf16" else f"fp8jax {n}" for n in args.variants.split(",")]
@@ -282,6 +512,12 @@ def main(argv=None) -> None:
         names.insert(0, "bf16")  # the baseline of every ratio
     if deviceless.h100_topology() is None:
         sys.exit("needs the h100 extra (jax-cuda12-plugin, jax-cuda12-pjrt): pip install '.[h100]'")
+    if args.sharded:
+        runs = args.sharded.split(",")
+        for r in runs:
+            if r not in SHARDED:
+                parser.error(f"--sharded: unknown run {r!r}; choose among {list(SHARDED)}")
+        return main_sharded(runs, names)
     print(
         f"# Cost model: estimated H100 step time from compiled HLO (jax {jax.__version__}; "
         "an ESTIMATE, not a measurement)"

@@ -104,13 +104,13 @@ def block_loss(block: Any, x: jax.Array) -> jax.Array:
     return jnp.mean(jax.vmap(block)(x).astype(jnp.float32) ** 2)
 
 
-def block_step() -> Callable:
+def block_step(loss: Callable[..., jax.Array] = block_loss) -> Callable:
     """`train_step` for one block (BF16 compute, plain SGD), differentiating the block's input
     too, as inside a stack, and returning that gradient."""
 
     def step(block, x):
         value, (grads, dx) = fp8jax.filter_value_and_grad(
-            lambda pair: block_loss(to_bf16(pair[0]), pair[1])
+            lambda pair: loss(to_bf16(pair[0]), pair[1])
         )((block, x))
         overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
         updates = jax.tree.map(lambda g: -1e-3 * g, grads)

@@ -41,6 +41,7 @@ from ._src.observe.results import Collective as Collective
 from ._src.observe.results import Fp8InspectionError as Fp8InspectionError
 from ._src.observe.results import Gemm as Gemm
 from ._src.observe.results import Inspection as Inspection
+from ._src.observe.roofline import CollectiveCost as CollectiveCost
 from ._src.observe.roofline import Cost as Cost
 from ._src.observe.roofline import KernelCost as KernelCost
 from ._src.observe.telemetry import LayerTelemetry as LayerTelemetry
@@ -129,6 +130,7 @@ __all__ = [
     "BlockScaledRecipe",
     "BlockwiseScaling",
     "Collective",
+    "CollectiveCost",
     "Cost",
     "CurrentScaling",
     "DelayedScaling",

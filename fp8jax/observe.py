@@ -3,7 +3,8 @@
 - what runs on FP8 tensor cores, proven on a compile: `inspect`, `assert_all_fp8`,
   `h100_mesh`, and what they report (`Inspection`, `Gemm`, `Collective`,
   `Fp8InspectionError`);
-- what a compiled step costs at H100 peaks: `hlo_cost`, `Cost`, `KernelCost`;
+- what a compiled step costs at H100 peaks and link rates: `hlo_cost`, `Cost`, `KernelCost`,
+  `CollectiveCost`;
 - what the layers saw. The statistics a layer records in its state as it runs
   (`Fp8Stats` or `ExpertStats` per layer, both `AbstractStats`; `OperandStats` per operand:
   device arrays, updated by every step) are read by `telemetry` into `LayerTelemetry` /
@@ -27,6 +28,7 @@ from ._src.observe.results import Collective as Collective
 from ._src.observe.results import Fp8InspectionError as Fp8InspectionError
 from ._src.observe.results import Gemm as Gemm
 from ._src.observe.results import Inspection as Inspection
+from ._src.observe.roofline import CollectiveCost as CollectiveCost
 from ._src.observe.roofline import Cost as Cost
 from ._src.observe.roofline import KernelCost as KernelCost
 from ._src.observe.telemetry import LayerTelemetry as LayerTelemetry
@@ -37,6 +39,7 @@ from ._src.observe.telemetry import telemetry as telemetry
 __all__ = [
     "AbstractStats",
     "Collective",
+    "CollectiveCost",
     "Cost",
     "ExpertStats",
     "Fp8InspectionError",

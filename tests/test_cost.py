@@ -8,6 +8,7 @@ import pytest
 import fp8jax
 from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.cost import hlo_cost
+from fp8jax._src.observe.hlo import parse
 from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
 
 M, N, K = 256, 512, 256
@@ -329,3 +330,201 @@ def test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops(h100, recipe):
         assert [k.op for k in gemm_kernels] == ["custom-call"] * 3
         assert "block partials" not in cost.bytes
     assert all(isinstance(k, KernelCost) for k in cost.kernels)
+
+
+# --- collectives ---------------------------------------------------------------------------
+
+# Sixteen devices, two nodes of eight: each collective form once, explicit, iota and mesh
+# replica groups, and a permute; the `-done` halves are free.
+COLLECTIVES = """HloModule collectives, is_scheduled=true, num_partitions=16
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+ENTRY %main (w: bf16[128,1024], g: f32[256,256], r: f32[64,512], p: bf16[32,32], t: f32[16,64]) -> bf16[1024,1024] {
+  %w = bf16[128,1024]{1,0} parameter(0)
+  %g = f32[256,256]{1,0} parameter(1)
+  %r = f32[64,512]{1,0} parameter(2)
+  %p = bf16[32,32]{1,0} parameter(3)
+  %t = f32[16,64]{1,0} parameter(4)
+  %ag = (bf16[128,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%w), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, dimensions={0}, use_global_device_ids=true
+  %ag.done = bf16[1024,1024]{1,0} all-gather-done(%ag)
+  %ar = f32[256,256]{1,0} all-reduce(%g), channel_id=2, replica_groups=[2,8]<=[8,2]T(1,0), use_global_device_ids=true, to_apply=%add
+  %rs = f32[32,512]{1,0} reduce-scatter(%r), channel_id=3, replica_groups=mesh['x'=2,'y'=8] {'x'}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+  %cp = (bf16[32,32]{1,0}, bf16[32,32]{1,0}) collective-permute-start(%p), channel_id=4, source_target_pairs={{0,1},{1,0},{2,2}}
+  %cp.done = bf16[32,32]{1,0} collective-permute-done(%cp)
+  %a2a = f32[16,64]{1,0} all-to-all(%t), channel_id=5, replica_groups={}, dimensions={0}
+  ROOT %out = bf16[1024,1024]{1,0} copy(%ag.done)
+}
+"""  # noqa: E501 - verbatim HLO
+GATHERED = 1024 * 1024 * 2  # the all-gather's result, bf16
+REDUCED = 256 * 256 * 4
+SCATTERED = 64 * 512 * 4  # the reduce-scatter's operand
+PERMUTED = 32 * 32 * 2
+EXCHANGED = 16 * 64 * 4
+
+
+def test_collectives_by_the_ring_model_and_their_links():
+    cost = hlo_cost(COLLECTIVES)
+    found = {c.name: (c.op, c.dtype, c.bytes, c.devices, c.link) for c in cost.collectives}
+    assert found == {
+        # groups of one node: NVLink
+        "ag": ("all-gather", "bf16", GATHERED, 8, "nvlink"),
+        # [2,8]<=[8,2]T(1,0): {0,2,..,14}, {1,3,..,15}, across both nodes
+        "ar": ("all-reduce", "f32", REDUCED, 8, "infiniband"),
+        # the mesh's 'x' axis: {i, i + 8}, one device per node
+        "rs": ("reduce-scatter", "f32", SCATTERED, 2, "infiniband"),
+        # 0 <-> 1 in node 0 (2 -> 2 moves nothing)
+        "cp": ("collective-permute", "bf16", PERMUTED, 2, "nvlink"),
+        # `{}`: every device of the module's 16
+        "a2a": ("all-to-all", "f32", EXCHANGED, 16, "infiniband"),
+    }
+    assert cost.communication == {
+        "all-gather": GATHERED * 7 // 8,
+        "all-reduce": 2 * REDUCED * 7 // 8,
+        "reduce-scatter": SCATTERED // 2,
+        "collective-permute": PERMUTED,
+        "all-to-all": EXCHANGED * 15 // 16,
+    }
+    nvlink = GATHERED * 7 // 8 + PERMUTED
+    infiniband = 2 * REDUCED * 7 // 8 + SCATTERED // 2 + EXCHANGED * 15 // 16
+    assert cost.link_bytes == {"nvlink": nvlink, "infiniband": infiniband}
+    assert cost.communication_bytes == nvlink + infiniband
+    seconds = nvlink / 450e9 + infiniband / 50e9
+    assert cost.communication_seconds() == pytest.approx(seconds)
+    # Collectives are not HBM traffic; the copy is the only other kernel.
+    assert cost.bytes == {"transpose/copy": 2 * GATHERED} and cost.flops == {}
+    compute = cost.memory_seconds()
+    assert cost.estimate_seconds() == pytest.approx(compute + seconds)
+    assert cost.estimate_seconds(overlap=True) == pytest.approx(max(compute, seconds))
+    # Nodes of four: the all-gather's groups span two nodes each.
+    (gather,) = [c for c in hlo_cost(COLLECTIVES, gpus_per_node=4).collectives if c.name == "ag"]
+    assert gather.link == "infiniband"
+
+
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ("{{0,1},{2,3},{4,5},{6,7}}", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        ("{}", [tuple(range(8))]),
+        ("[2,4]<=[8]", [(0, 1, 2, 3), (4, 5, 6, 7)]),
+        ("[2,4]<=[4,2]T(1,0)", [(0, 2, 4, 6), (1, 3, 5, 7)]),
+        ("mesh['x'=2,'y'=4] {'y'}", [(0, 1, 2, 3), (4, 5, 6, 7)]),
+        ("mesh['x'=2,'y'=4] {'x'}", [(0, 4), (1, 5), (2, 6), (3, 7)]),
+        # devices laid out y-major: the mesh's [x, y] position holds device 2 y + x
+        ("mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'x'}", [(0, 1), (2, 3), (4, 5), (6, 7)]),
+        ("mesh['x'=8] {'x':(2)2}", [(0, 2), (1, 3), (4, 6), (5, 7)]),  # x split [2, 2, 2]
+    ],
+)
+def test_replica_group_forms(groups, expected):
+    line = f"  %ar = f32[8]{{0}} all-reduce(%g), replica_groups={groups}, to_apply=%add"
+    (instruction,) = [
+        i for i in parse(line.join(["ENTRY %m {\n", "\n}"])).computations["m"].instructions.values()
+    ]
+    assert instruction.replica_groups(8) == expected
+
+
+def test_collective_in_a_loop_runs_its_trip_count():
+    gather = (
+        "  %ag = (bf16[64,32]{1,0}, bf16[512,32]{1,0}) all-gather-start(%x), channel_id=1, "
+        "replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true\n"
+        "  %ag.done = bf16[512,32]{1,0} all-gather-done(%ag)\n"
+        "  %tanh_fusion = "
+    )
+    text = (
+        loop()
+        .replace("  %tanh_fusion = ", gather, 1)
+        .replace("HloModule loop,", "HloModule loop, num_partitions=8,")
+    )
+    cost = hlo_cost(text)
+    (c,) = cost.collectives
+    assert (c.op, c.bytes, c.devices, c.link, c.runs) == (
+        "all-gather",
+        512 * 32 * 2,
+        8,
+        "nvlink",
+        10,
+    )
+    assert c.wire_bytes == 512 * 32 * 2 * 7 // 8
+    assert cost.communication == {"all-gather": 10 * c.wire_bytes}
+    assert cost.communication_seconds() == pytest.approx(10 * c.wire_bytes / H100["nvlink"])
+    assert cost.flops == {"bf16": 10 * GEMM_FLOPS}  # the rest as before
+    assert (2 * cost).communication == {"all-gather": 20 * c.wire_bytes}
+    assert [k.runs for k in (2 * cost).collectives] == [20]
+
+
+def test_single_device_cost_has_no_communication():
+    cost = hlo_cost(loop())
+    assert cost.communication == {} and cost.link_bytes == {} and cost.collectives == ()
+    assert cost.estimate_seconds(overlap=True) == cost.estimate_seconds()
+    assert "collectives" not in str(cost)
+
+
+def test_communication_arithmetic_and_errors():
+    a = Cost({"bf16": 989}, {}, communication={"all-gather": 450}, link_bytes={"nvlink": 450})
+    b = Cost(communication={"all-reduce": 50}, link_bytes={"infiniband": 50})
+    assert (a + b).communication == {"all-gather": 450, "all-reduce": 50}
+    assert (3 * a).link_bytes == {"nvlink": 1350}
+    peaks = {"bf16": 1.0, "hbm": 1.0, "nvlink": 450.0, "infiniband": 50.0}
+    assert (a + b).communication_seconds(peaks) == 2.0
+    assert (a + b).estimate_seconds(peaks) == 991.0
+    assert (a + b).estimate_seconds(peaks, overlap=True) == 989.0
+    with pytest.raises(ValueError, match="'infiniband'"):
+        b.communication_seconds({"nvlink": 1.0})
+    with pytest.raises(ValueError, match="gpus_per_node=0"):
+        hlo_cost(COLLECTIVES, gpus_per_node=0)
+
+
+def test_mesh_sizes_beyond_a_node_are_hosts_of_eight():
+    with pytest.raises(ValueError, match="12 GPUs"):
+        fp8jax.h100_mesh({"data": 12})
+    with pytest.raises(ValueError, match="devices=12"):
+        deviceless.h100_topology(12)
+
+
+# --- deviceless sharded compiles -----------------------------------------------------------
+
+
+def sharded(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile(compiler_options=deviceless.MODES["cublas"]).as_text()
+
+
+def test_fsdp_all_gather_on_eight_h100s(h100):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = fp8jax.h100_mesh({"data": 8})
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=rows)  # FSDP: rows over 8 GPUs
+    cost = hlo_cost(sharded(lambda x, w: x @ w, x, w))
+    # The weight is gathered whole on every GPU: K x N bf16, of which each GPU holds 1/8.
+    (gather,) = cost.collectives
+    assert (gather.op, gather.dtype, gather.bytes, gather.devices, gather.link) == (
+        "all-gather",
+        "bf16",
+        K * N * 2,
+        8,
+        "nvlink",
+    )
+    assert cost.communication == {"all-gather": K * N * 2 * 7 // 8}
+    assert cost.flops == {"bf16": 2 * (M // 8) * N * K}  # each GPU's rows
+
+
+def test_64_h100s_are_eight_nodes(h100):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = fp8jax.h100_mesh({"data": 8, "fsdp": 8})
+    assert [d.process_index for d in mesh.devices.flat] == [i // 8 for i in range(64)]
+    x = jax.ShapeDtypeStruct(
+        (M, K), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    )
+    for axis, link in (("fsdp", "nvlink"), ("data", "infiniband")):
+        w = jax.ShapeDtypeStruct(
+            (K, N), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(axis))
+        )
+        cost = hlo_cost(sharded(lambda x, w: x @ w, x, w))
+        gathers = [c for c in cost.collectives if c.op == "all-gather"]
+        assert [(c.bytes, c.devices, c.link) for c in gathers] == [(K * N * 2, 8, link)], axis

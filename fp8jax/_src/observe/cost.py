@@ -1,13 +1,15 @@
-"""A roofline cost model of a compiled program: GEMM FLOPs per precision and the HBM bytes of
-everything else, read from the text of an optimized HLO module.
+"""A roofline cost model of a compiled program: GEMM FLOPs per precision, the HBM bytes of
+everything else and the bytes its collectives send, read from the text of an optimized HLO
+module.
 
 `hlo_cost(compiled.as_text())` walks the module the way the GPU runs it: every top-level
 instruction of the entry computation, of `while` bodies (times their trip count), of `call`s
 and of `conditional` branches is one kernel. A GEMM kernel (a cuBLAS custom call, or a fusion
-holding a `dot`) contributes its FLOPs; any other kernel contributes the bytes of its operands
-and results, sorted into categories that separate what FP8 adds (amax reductions, quantizing
-casts, transposes, the float32 partial sums of block recipes) from the rest. An estimate, not
-a measurement: no overlap, no launch overhead, peak GEMM throughput, peak HBM bandwidth.
+holding a `dot`) contributes its FLOPs; a collective, the bytes it sends over NVLink or
+InfiniBand; any other kernel, the bytes of its operands and results, sorted into categories
+that separate what FP8 adds (amax reductions, quantizing casts, transposes, the float32
+partial sums of block recipes) from the rest. An estimate, not a measurement: no launch
+overhead, peak GEMM throughput, peak HBM bandwidth, peak link rates.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ from .hlo import (
     element_type,
     parse,
 )
-from .roofline import Cost, KernelCost, total
+from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
 
 # Instructions that run no kernel: they name, alias or regroup buffers.
 _FREE = NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
+# Collectives, counted by the bytes they send; their async `-done` halves wait, and are free.
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DONE = {f"{op}-done" for op in _COLLECTIVES}
 # Pure data movement: a fusion made of these alone (scalar index arithmetic aside) is a copy.
 _MOVES = {
     "parameter",
@@ -55,9 +60,9 @@ _SLICES = {"slice", "dynamic-slice", "gather"}  # read only the part of operand 
 _IN_PLACE = {"dynamic-update-slice", "scatter"}  # write into operand 0's buffer
 
 
-def hlo_cost(hlo: str) -> Cost:
+def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     """The roofline [`fp8jax.Cost`][] of an optimized HLO module (`compiled.as_text()` of a
-    deviceless H100 compile, say).
+    deviceless H100 compile, say), per device.
 
     **GEMMs:** cuBLAS custom calls, and fusions holding a `dot` (Triton GEMMs), count
     `2 * |output| * |contraction|` FLOPs, of kind `"fp8"` (both operands FP8, or
@@ -85,6 +90,20 @@ def hlo_cost(hlo: str) -> Cost:
     condition one time more; a loop whose trip count the HLO does not state is counted once
     and named in `Cost.unknown_trip_counts`. A `call` counts its callee; a `conditional`
     counts its most expensive branch (by `estimate_seconds` at the H100 peaks).
+
+    **Collectives** (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute,
+    synchronous or as async `-start`; a `-done` half is free) are counted apart, as
+    [`fp8jax.CollectiveCost`][]s, loops multiplied like any kernel: the bytes one device sends
+    by the ring algorithm (`(n-1)/n` of the whole array for an all-gather, reduce-scatter or
+    all-to-all over `n` devices, `2(n-1)/n` for an all-reduce, the array for a permute), over
+    NVLink when each of its replica groups lies within one node of `gpus_per_node` GPUs
+    (devices `k * gpus_per_node ...` are node `k`; `fp8jax.h100_mesh` numbers its GPUs so),
+    over InfiniBand when a group spans nodes. `Cost.communication_seconds` prices them at
+    the peak link rates of `H100`; `Cost.estimate_seconds` adds them to the kernels'
+    time (no overlap) or, with `overlap=True`, takes the larger of the two (collectives
+    wholly hidden under compute): the two bound the step. The model has no latency term,
+    no hierarchical (tree or two-level) algorithms and no congestion; a group spanning nodes
+    is priced at the InfiniBand rate for all its bytes.
     """
     if not isinstance(hlo, str):
         raise TypeError(
@@ -96,25 +115,33 @@ def hlo_cost(hlo: str) -> Cost:
             f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation; pass the text of a whole "
             "HLO module (`compiled.as_text()`)."
         )
-    return module_cost(module)
+    return module_cost(module, gpus_per_node=gpus_per_node)
 
 
-def module_cost(module: Module) -> Cost:
+def module_cost(module: Module, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     """The [`fp8jax.Cost`][] of a parsed HLO module with an entry computation, as `hlo_cost`
     counts it (for the inspector, which has the module parsed already)."""
     if module.entry is None:
         raise ValueError("hlo_cost: the module has no ENTRY computation.")
-    walker = _Walker(module.computations)
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(
+            f"hlo_cost: gpus_per_node={gpus_per_node!r} should be a whole number >= 1 (8 for "
+            "a DGX H100)."
+        )
+    walker = _Walker(module.computations, module.devices, gpus_per_node)
     kernels = walker.walk(module.entry, 1, False)
     return total(kernels, tuple(walker.unknown))
 
 
 @final
 class _Walker:
-    """Walks a module as the GPU runs it, collecting one `KernelCost` per kernel."""
+    """Walks a module as the GPU runs it, collecting one `KernelCost` per kernel and one
+    `CollectiveCost` per collective."""
 
-    def __init__(self, computations: dict[str, Computation]):
+    def __init__(self, computations: dict[str, Computation], devices: int, per_node: int):
         self.computations = computations
+        self.devices = devices
+        self.per_node = per_node
         self.unknown: list[str] = []
 
     def computation(self, name: str) -> Computation:
@@ -122,16 +149,18 @@ class _Walker:
             raise ValueError(f"hlo_cost: the module calls computation {name!r}, which it lacks.")
         return self.computations[name]
 
-    def walk(self, name: str, runs: int, layer_loop: bool) -> list[KernelCost]:
+    def walk(self, name: str, runs: int, layer_loop: bool) -> list[KernelCost | CollectiveCost]:
         """The kernels of a computation whose instructions run as kernels, `runs` times."""
         computation = self.computation(name)
-        kernels: list[KernelCost] = []
+        kernels: list[KernelCost | CollectiveCost] = []
         categories: dict[str, str | None] = {}  # kernel -> its category, for two-stage amaxes
         for instruction in computation.instructions.values():
             op = instruction.op
-            if op in _FREE:
+            if op in _FREE or op in _DONE:
                 continue
-            if op == "while":
+            if op.removesuffix("-start") in _COLLECTIVES:
+                kernels.append(self.collective(computation, instruction, runs))
+            elif op == "while":
                 n = instruction.trip_count
                 if n is None:
                     self.unknown.append(instruction.name)
@@ -155,6 +184,34 @@ class _Walker:
                 categories[instruction.name] = kernel.category
                 kernels.append(kernel)
         return kernels
+
+    def collective(
+        self, computation: Computation, instruction: Instruction, runs: int
+    ) -> CollectiveCost:
+        """A collective: the array it moves per device, its group size and the link."""
+        op = instruction.op.removesuffix("-start")
+        types = [computation.type_of(o) for o in instruction.operands]
+        data = sum(array_bytes(t) for t in types)
+        if op == "collective-permute":
+            pairs = [(s, t) for s, t in instruction.source_target_pairs if s != t]
+            devices = 2 if pairs else 1
+            spans = any(s // self.per_node != t // self.per_node for s, t in pairs)
+        else:
+            groups = instruction.replica_groups(self.devices)
+            devices = max(len(g) for g in groups)
+            spans = any(len({d // self.per_node for d in g}) > 1 for g in groups)
+            data *= devices if op == "all-gather" else 1  # the gathered result
+        return CollectiveCost(
+            instruction.name,
+            computation.name,
+            op,
+            element_type(types[0]) if types else "",
+            data,
+            devices,
+            "infiniband" if spans else "nvlink",
+            runs,
+            instruction.op_name,
+        )
 
     def kernel(
         self,

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ..core.compile_options import gpu_compiler_options
+from .roofline import GPUS_PER_NODE
 
 #: XLA option sets the inspector compiles with: `"cublas"`, fp8jax's (Triton GEMMs off), and
 #: `"default"`, XLA's own.
@@ -34,21 +35,37 @@ def _is_int(n: Any) -> bool:
 
 @functools.cache
 def h100_topology(devices: int = 1) -> Any | None:
-    """`devices` compile-only H100s in one host (`None` when the CUDA plugin is missing)."""
+    """`devices` compile-only H100s (`None` when the CUDA plugin is missing): one host of up
+    to 8, or hosts of 8 (DGX H100 nodes) for more. The CUDA plugin's topology is
+    `"<slices>x<hosts>x<GPUs per host>"`; device `i` is on host `i // 8` (its
+    `process_index`), which is what `hlo_cost` takes for a node."""
+    if not _is_int(devices) or devices < 1 or (devices > GPUS_PER_NODE and devices % GPUS_PER_NODE):
+        raise ValueError(
+            f"h100_topology: devices={devices!r} should be a whole number from 1 to "
+            f"{GPUS_PER_NODE} (one host), or a multiple of {GPUS_PER_NODE} (hosts of "
+            f"{GPUS_PER_NODE} GPUs)."
+        )
     from jax.experimental import topologies
 
     config = importlib.resources.files("fp8jax._src").joinpath("data/h100_sxm.txtpb").read_text()
+    hosts, per_host = max(1, devices // GPUS_PER_NODE), min(devices, GPUS_PER_NODE)
     try:
         return topologies.get_topology_desc(
-            platform="cuda", target_config=config, topology=f"1x1x{devices}"
+            platform="cuda", target_config=config, topology=f"1x{hosts}x{per_host}"
         )
     except Exception:  # noqa: BLE001 - any failure means: no deviceless CUDA compiler here
         return None
 
 
 def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
-    """A mesh of compile-only H100s (one host, `prod(axes.values())` GPUs), for
-    [`fp8jax.inspect`][fp8jax.observe.inspect] of sharded programs.
+    """A mesh of compile-only H100s (`prod(axes.values())` GPUs: up to 8 in one host, or a
+    multiple of 8 in hosts of 8, as DGX H100 nodes), for
+    [`fp8jax.inspect`][fp8jax.observe.inspect] and [`fp8jax.hlo_cost`][] of sharded
+    programs.
+
+    The devices fill the mesh in order, the last axis fastest: with `{"data": 8, "fsdp": 8}`,
+    each `fsdp` group is one node (its collectives cross NVLink) and each `data` group has
+    one GPU per node (they cross InfiniBand).
 
     Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
     arguments to shard; the other array arguments are replicated over it.
@@ -70,6 +87,11 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
             "e.g. {'data': 8}."
         )
     size = math.prod(axes.values())
+    if size > GPUS_PER_NODE and size % GPUS_PER_NODE:
+        raise ValueError(
+            f"h100_mesh: axes={axes!r} make {size} GPUs; more than {GPUS_PER_NODE} should be "
+            f"a multiple of {GPUS_PER_NODE} (hosts of {GPUS_PER_NODE} GPUs)."
+        )
     topology = h100_topology(size)
     if topology is None:
         raise RuntimeError(

@@ -8,7 +8,10 @@ JAX name stack, its custom-call target, the computations it calls.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+
+import numpy as np
 
 from ..ops.base import SCOPE
 
@@ -47,6 +50,22 @@ _CALLEE = {
     for name in ("body", "condition", "to_apply", "true_computation", "false_computation")
 }
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+#: A collective's `replica_groups`, in any of its three forms: explicit (`{{0,1},{2,3}}`,
+#: `{}` for all devices), iota (`[2,4]<=[4,2]T(1,0)`) and mesh axes
+#: (`mesh['x'=2,'y'=4] {'y'}`, `mesh['x'=8,'y'=8], device_ids=([8,8]T(1,0)) {'x'}`).
+_GROUPS = re.compile(
+    r"replica_groups=(?P<list>\{\}|\{\{[\d,{}]*\}\})"
+    r"|replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<iota>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
+    r"|replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:, device_ids=\((?P<ids>.*?)\))? \{(?P<group>[^}]*)\}"
+)
+_MESH_AXIS = re.compile(r"'?([^',=]+)'?=(\d+)")
+_AXIS_REF = re.compile(r"'?([^',:]+)'?(?::\((\d+)\)(\d+))?")
+_DEVICE_IOTA = re.compile(r"^\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_HEADER_COUNT = {
+    name: re.compile(rf"\b{name}=(\d+)") for name in ("num_partitions", "replica_count")
+}
 _ELEMENT = re.compile(r"^\(?\s*([a-z]+[0-9a-z]*)\[")
 _ARRAY = re.compile(r"([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
@@ -171,6 +190,30 @@ class Instruction:
         match = _TRIP_COUNT.search(self.rest)
         return int(match.group(1)) if match else None
 
+    def replica_groups(self, devices: int) -> list[tuple[int, ...]]:
+        """The device groups a collective runs over, whatever form the HLO writes them in
+        (one group of all `devices` where it names none)."""
+        match = _GROUPS.search(self.rest)
+        if match is None or match["list"] == "{}":
+            return [tuple(range(devices))]
+        if match["list"]:
+            return [
+                tuple(int(d) for d in g.split(",") if d)
+                for g in re.findall(r"\{([\d,]*)\}", match["list"][1:-1])
+            ]
+        if match["shape"]:
+            shape = _ints(match["shape"])
+            ids = _iota(_ints(match["iota"]), _ints(match["perm"] or ""))
+            return [tuple(int(d) for d in g) for g in ids.reshape(shape[0], -1)]
+        return _mesh_groups(match["axes"], match["ids"], match["group"])
+
+    @property
+    def source_target_pairs(self) -> list[tuple[int, int]]:
+        """A collective-permute's (source, target) device pairs."""
+        match = _PAIRS.search(self.rest)
+        pairs = re.findall(r"\{(\d+),(\d+)\}", match.group(1)) if match else []
+        return [(int(s), int(t)) for s, t in pairs]
+
     def callee(self, attribute: str) -> str | None:
         """The computation named by `body`, `condition`, `to_apply`, `true_computation` or
         `false_computation`, if it has that attribute."""
@@ -214,11 +257,67 @@ class Computation:
 
 @dataclasses.dataclass(frozen=True)
 class Module:
-    """An HLO module: its `computations` by name, in order, and the `entry` computation's
-    name (`None` for text without one)."""
+    """An HLO module: its `computations` by name, in order, the `entry` computation's name
+    (`None` for text without one), and how many `devices` it runs on (its header's
+    `num_partitions` times `replica_count`)."""
 
     computations: dict[str, Computation]
     entry: str | None
+    devices: int = 1
+
+
+def _ints(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def _iota(reshape: list[int], perm: list[int]) -> np.ndarray:
+    """XLA's iota tile assignment: `0..n-1` in `reshape`'s shape, transposed by `perm`."""
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    return ids.transpose(perm) if perm else ids
+
+
+def _mesh_groups(axes_text: str, ids_text: str | None, group_text: str) -> list[tuple[int, ...]]:
+    """The groups of a mesh-axes replica group list (XLA's `MeshAxesReplicaGroupList`): the
+    devices of the mesh that differ only along the grouped axes (or sub-axes `name:(pre)size`
+    of an axis split `[pre, size, rest]`), one group per position on the other axes."""
+    axes = [(name.strip(), int(size)) for name, size in _MESH_AXIS.findall(axes_text)]
+    sizes = [size for _, size in axes]
+    names = [name for name, _ in axes]
+    count = math.prod(sizes)
+    if ids_text is None:
+        devices = np.arange(count)
+    elif (iota := _DEVICE_IOTA.match(ids_text.strip())) and math.prod(_ints(iota[1])) == count:
+        devices = _iota(_ints(iota[1]), _ints(iota[2] or ""))
+    else:
+        devices = np.array([int(d) for d in re.findall(r"\d+", ids_text)])
+    refs: dict[int, list[tuple[int, int, int]]] = {}  # mesh axis -> (order, pre, size)
+    for order, (name, pre, size) in enumerate(_AXIS_REF.findall(group_text)):
+        if name.strip() not in names:
+            raise ValueError(
+                f"replica_groups: axis {name.strip()!r} of {{{group_text}}} is not among the "
+                f"mesh's axes {names}."
+            )
+        axis = names.index(name.strip())
+        refs.setdefault(axis, []).append((order, int(pre or 1), int(size or sizes[axis])))
+    shape: list[int] = []
+    grouped: list[tuple[int, int, int]] = []  # (mesh axis, order in the list, dim of `shape`)
+    for axis, full in enumerate(sizes):
+        covered = 1
+        for order, pre, size in sorted(refs.get(axis, []), key=lambda r: r[1]):
+            if pre != covered:  # the part of the axis before this sub-axis, not grouped
+                shape.append(pre // covered)
+                covered = pre
+            grouped.append((axis, order, len(shape)))
+            shape.append(size)
+            covered *= size
+        if covered != full:
+            shape.append(full // covered)
+    # XLA moves the grouped dimensions last, by mesh axis, then in the list's order.
+    inner = [dim for _, _, dim in sorted(grouped)]
+    kept = [d for d in range(len(shape)) if d not in inner]
+    per_group = math.prod(shape[d] for d in inner)
+    table = devices.reshape(shape).transpose(kept + inner).reshape(-1, per_group)
+    return [tuple(int(d) for d in g) for g in table]
 
 
 def parse(text: str) -> Module:
@@ -248,4 +347,7 @@ def parse(text: str) -> Module:
                 match["rest"],
                 line.lstrip().startswith("ROOT"),
             )
-    return Module(computations, entry)
+    header = text[: text.find("\n")] if "\n" in text else text
+    counts = [_HEADER_COUNT[name].search(header) for name in ("num_partitions", "replica_count")]
+    devices = math.prod(int(c.group(1)) for c in counts if c is not None)
+    return Module(computations, entry, devices)
