@@ -165,7 +165,7 @@ def gpt_section() -> None:
                 moved = collective_bytes(report, mode)
                 base = moved if base is None or name == "bf16" else base
                 gemms = report.gemms[mode]
-                blocks = [g for g in gemms if "blocks" in g.layer]
+                blocks = [g for g in gemms if g.layer is not None]  # fp8jax layers' GEMMs
                 native = [g for g in blocks if g.kernel == "pallas mosaic gpu"]
                 proven = [g for g in native if g.fp8 and any(".e4m3.e4m3" in m for m in g.mma)]
                 ratios = {
@@ -173,7 +173,7 @@ def gpt_section() -> None:
                     for op, b in sorted(moved.items())
                 }
                 print(
-                    f"  {name:10s} [{mode}] block GEMMs {len(blocks)}: Mosaic {len(native)}, "
+                    f"  {name:10s} [{mode}] FP8 layers' GEMMs {len(blocks)}: Mosaic {len(native)}, "
                     f"FP8 wgmma in PTX {len(proven)}; collectives per GPU: {ratios}",
                     flush=True,
                 )

@@ -119,6 +119,40 @@ def global_batch(tokens, weights, m):
     return tuple(out)
 
 
+#: The recipes whose FSDP weight gather is checked bit for bit (`gathered_weights`).
+GATHERED = {
+    "delayed": fp8jax.DelayedScaling(history_len=4),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(),
+}
+
+
+def gathered_weights(m):
+    """A weight quantized by each of `GATHERED` and gathered: `{name: NumPy}`. On mesh `m`
+    the weight is split on its input axis over every device of every process, quantized
+    where it lies (the amax crossing processes as one number) and gathered in FP8; with
+    `m=None`, quantized whole on one device."""
+    rng = np.random.default_rng(1)
+    rows = np.exp(np.linspace(-3.0, 3.0, 128, dtype=np.float32))[:, None]
+    weight = (rng.standard_normal((128, 1024)) * rows).astype(np.float32)
+    out = {}
+    for name, recipe in GATHERED.items():
+        state = recipe.init_state("kernel", weight.shape)
+
+        def quantize(w, recipe=recipe, state=state):
+            return recipe.quantize(w, state, "kernel", -1)
+
+        if m is None:
+            q = jax.jit(quantize)(weight)
+        else:
+            split = to_global(weight, lambda path, leaf: P(None, "data"), m)
+            q = jax.jit(quantize, out_shardings=NamedSharding(m, P()))(split)
+        for i, leaf in enumerate(jax.tree.leaves(q)):
+            value = leaf if m is None else leaf.addressable_data(0)
+            out[f"gather/{name}/{i}"] = np.atleast_1d(np.asarray(value)).view(np.uint8)
+    return out
+
+
 def to_host(tree, m):
     """Every array leaf of `tree` as NumPy: gathered whole to each process in one program."""
     arrays, static = eqx.partition(tree, eqx.is_array)
@@ -211,6 +245,7 @@ def main(process_id, port, out_dir):
     for layout in LAYOUTS:
         state, values = results(layout, m)
         out.update(values)
+    out.update(gathered_weights(m))
     # Checkpoints of the last (FSDP) state, written by both processes; then each process
     # restores them into its sharded state.
     for backend, name in (("equinox", "ckpt.eqx"), ("orbax", "ckpt_orbax")):

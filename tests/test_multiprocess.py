@@ -123,6 +123,20 @@ def test_two_processes_train_as_one(runs, layout):
             assert_close(got[name], want[name], name)
 
 
+def test_fsdp_weights_gather_in_fp8_bit_for_bit_across_processes(runs):
+    """A weight split over the devices of both processes, quantized where it lies and
+    gathered (in FP8): each process holds, bit for bit, the weight quantized whole on one
+    device, for per-tensor (the amax crossing processes as one number) and block scales."""
+    out, _ = runs
+    want = worker.gathered_weights(None)
+    # The FP8 data and scales, and the new state (amaxes), of each of the three recipes.
+    assert {name.split("/")[1] for name in want} == set(worker.GATHERED)
+    for i in range(worker.PROCESSES):
+        got = dict(np.load(out / f"process{i}.npz"))
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 @pytest.mark.parametrize("backend", ["equinox", "orbax"])
 def test_checkpoint_of_two_processes_restores_in_one(runs, backend):
     out, _ = runs

@@ -28,6 +28,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ..kernels import dispatch
+from ..kernels.partition import Dim, GemmDims
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
 from ..recipes.blocks import contract_last, pad_to_blocks, quantized_k_major
@@ -286,8 +287,19 @@ def rows_dot(
         out = block_rows(lhs, rhs, group_sizes, experts, precision, recipe.chunks_per_dot)
         return out.astype(out_dtype)
 
+    names = ("g", "n", "k") if rhs_axis == -1 else ("g", "k", "n")
+    arrays = _dims(lhs, ("m", "k")) + _dims(rhs, names)
+    dims = GemmDims((*arrays, (("g", 1),), (("m", 1),)), ("m", "n"), (len(arrays), "m"))
     return dispatch.choose(
-        native, native_path, xla_path, lhs, rhs, group_sizes, experts, out_dtype=out_dtype
+        native,
+        native_path,
+        xla_path,
+        lhs,
+        rhs,
+        group_sizes,
+        experts,
+        dims=dims,
+        out_dtype=out_dtype,
     )
 
 
@@ -317,6 +329,20 @@ def tokens_dot(
         out = block_tokens(lhs, rhs, group_sizes, precision, recipe.chunks_per_dot)
         return out.astype(out_dtype)
 
+    arrays = _dims(lhs, ("k", "m")) + _dims(rhs, ("k", "n"))
+    dims = GemmDims((*arrays, (("g", 1),)), ("g", "m", "n"), (len(arrays), "k"))
     return dispatch.choose(
-        native, native_path, xla_path, lhs, rhs, group_sizes, out_dtype=out_dtype
+        native, native_path, xla_path, lhs, rhs, group_sizes, dims=dims, out_dtype=out_dtype
     )
+
+
+def _dims(q: QTensor, names: tuple[str, ...]) -> list[tuple[Dim, ...]]:
+    """The axes of `q`'s data (named `names`) and of its scale (one, one per expert, or one
+    per block), for running a grouped kernel per shard (`kernels/partition.py`)."""
+    data = tuple((n, 1) for n in names)
+    if q.scale_inv.ndim == 0:
+        return [data, ()]
+    if not q.block:  # one scale per expert
+        return [data, data[: q.scale_inv.ndim]]
+    blocks = (1,) * (len(names) - len(q.block)) + tuple(q.block)
+    return [data, tuple((n, b) for n, b in zip(names, blocks, strict=True))]

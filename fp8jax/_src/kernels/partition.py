@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
@@ -47,11 +48,18 @@ Dim = tuple[str, int]
 
 class GemmDims(NamedTuple):
     """The axes of a GEMM's operands, one `Dim` tuple per array (in `jax.tree.leaves` order
-    of the operands; `()` for a scalar), and the output's factors (`b`, `m`, `n` as present).
-    The first array is the lhs's data, the first array holding `n` the rhs's."""
+    of the operands; `()` for a scalar), and the output's factors (`b`, `m`, `n`, `g` as
+    present). The first array is the lhs's data, the first array holding `n` the rhs's.
+
+    A grouped GEMM (mixture of experts) names its experts `g` (never split: the experts'
+    weights are gathered) and gives `ragged`: the index of its group-sizes array and the
+    factor its groups run along (`m`, the rows of a forward or dgrad; `k`, the tokens a
+    wgrad contracts). A device holding a slice of that factor computes its groups' sizes
+    within the slice."""
 
     operands: tuple[tuple[Dim, ...], ...]
     out: tuple[str, ...]
+    ragged: tuple[int, str] | None = None
 
 
 def _spec_axes(spec: P, dim: int) -> tuple[str, ...]:
@@ -69,7 +77,7 @@ def choose_axes(
 ) -> dict[str, tuple[str, ...]]:
     """The mesh axes each factor keeps on every device (see the module docstring), from the
     shapes and partition specs of the operand arrays that XLA propagated."""
-    proposed: dict[str, list[tuple[str, ...]]] = {f: [] for f in FACTORS}
+    proposed: dict[str, list[tuple[str, ...]]] = {f: [] for f in (*FACTORS, "g")}
     sizes: dict[str, int] = {}
     for array_dims, shape, spec in zip(dims.operands, shapes, specs, strict=True):
         spec = P() if spec is None else spec  # no mesh sharding (uneven): taken as unsplit
@@ -79,7 +87,7 @@ def choose_axes(
                 sizes[factor] = shape[d]
     # Batch and rows as the lhs (the activation, first) has them, columns as the first rhs
     # array; the contraction only where every array splits it alike.
-    first = {f: (p[0] if p else ()) for f, p in proposed.items()}
+    first = {f: (p[0] if p else ()) for f, p in proposed.items() if f in FACTORS}
     k = proposed["k"]
     first["k"] = k[0] if k and all(p == k[0] for p in k) else ()
     taken: set[str] = set()
@@ -90,6 +98,7 @@ def choose_axes(
             axes = ()
         chosen[factor] = axes
         taken.update(axes)
+    chosen["g"] = ()
     return chosen
 
 
@@ -120,6 +129,33 @@ def _scatter(result_shape, out_axes, split, mesh) -> tuple[int, tuple[str, ...]]
         if axes and not out_axes[d] and size % math.prod(mesh.shape[a] for a in axes) == 0:
             return d, axes
     return None
+
+
+def local_group_sizes(group_sizes: Array, start: Array, length: int) -> Array:
+    """How many of each group's rows (groups laid end to end, in order) fall in the slice
+    `[start, start + length)`."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    stop = start + length
+    return (jnp.clip(ends, start, stop) - jnp.clip(starts, start, stop)).astype(group_sizes.dtype)
+
+
+def _local_groups(leaves, dims: GemmDims, chosen, mesh) -> list:
+    """`leaves` (one device's) with the group sizes of its slice of the ragged factor."""
+    where, factor = dims.ragged
+    axes = chosen[factor]
+    index = 0  # this device's slice: mesh axes in the order the spec lists them
+    for a in axes:
+        index = index * mesh.shape[a] + lax.axis_index(a)
+    length = next(
+        leaf.shape[d]
+        for leaf, array_dims in zip(leaves, dims.operands, strict=True)
+        for d, (f, block) in enumerate(array_dims)
+        if f == factor and block == 1
+    )
+    leaves = list(leaves)
+    leaves[where] = local_group_sizes(leaves[where], index * length, length)
+    return leaves
 
 
 def _rule(dims: GemmDims) -> tuple[str, tuple[str, ...]]:
@@ -172,6 +208,8 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         out_sharding = NamedSharding(mesh, P(*(a or None for a in out_axes)))
 
         def lower(*leaves: Array) -> Array:
+            if dims.ragged is not None and chosen[dims.ragged[1]]:
+                leaves = _local_groups(leaves, dims, chosen, mesh)
             out = call(*leaves)
             if scatter is not None:
                 out = lax.psum_scatter(out, scatter[1], scatter_dimension=scatter[0], tiled=True)
