@@ -107,7 +107,7 @@ def fsdp_section() -> None:
     base = None
     variants = [("bf16", "once")] + [
         (name, gather)
-        for name in ("delayed", "current", "blockwise", "residual")
+        for name in ("delayed", "current", "blockwise", "residual", "mxfp8")
         for gather in ("once", "per_gemm")
     ]
     for name, gather in variants:
@@ -133,7 +133,7 @@ def fsdp_section() -> None:
 # --- the example GPT, FSDP and tensor-parallel -------------------------------------------------
 
 GPT_CONFIG = GPTConfig(vocab=8192, layers=4, width=1024, heads=8, context=512)
-TOKENS = (16, 512)
+TOKENS = (16, 513)  # 512 inputs and 512 targets a sequence: 8,192 tokens, 1,024 a GPU
 
 
 def gpt_spec(layout: str, mesh):

@@ -7,13 +7,15 @@ FSDP step gathers each weight once, in FP8, and every targeted GEMM is the Mosai
 """
 
 import dataclasses
+import json
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import h100_topology
+from helpers import h100_topology, run_with_mosaic_dump
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,7 +72,7 @@ def _choose(dims: GemmDims, lhs: P, rhs: P, mesh=None, shapes=None):
 )
 def test_each_device_keeps_the_activations_split(layout, lhs, rhs, want):
     chosen = _choose(_dims(), lhs, rhs)
-    assert chosen == {"b": (), "m": (), "k": (), "n": (), **want}, layout
+    assert chosen == {"b": (), "m": (), "k": (), "n": (), "g": (), **want}, layout
 
 
 def test_a_wgrad_contracts_the_tokens_on_their_devices():
@@ -321,6 +323,7 @@ H100_RECIPES = {
     "current": fp8jax.CurrentScaling(),
     "blockwise": fp8jax.BlockwiseScaling(),
     "residual": fp8jax.ResidualFP8(native_kernel=None),  # the fused kernel on Hopper
+    "mxfp8": fp8jax.MXFP8(),  # no native kernel: its XLA GEMMs per shard
     "blockwise, re-gathered": fp8jax.BlockwiseScaling(weight_gather="per_gemm"),
 }
 
@@ -380,6 +383,9 @@ def test_fsdp_gathers_each_fp8_weight_once(fsdp_reports):
     for name in ("delayed", "current", "blockwise"):
         assert 0.5 <= ratio[name] <= 0.55, ratio
     assert 1.0 <= ratio["residual"] <= 1.05, ratio
+    # MXFP8's dgrad takes the second weight quantized along its other axis (1 x 32 blocks of
+    # the output features): another FP8 tensor, gathered too. 0.75 and its E8M0 scales.
+    assert 0.75 <= ratio["mxfp8"] <= 0.80, ratio
     # The first layer's dgrad is dead code (its input is data): only the second weight is
     # gathered again, 0.25 more.
     assert ratio["blockwise, re-gathered"] == pytest.approx(ratio["blockwise"] + 0.25, abs=0.01)
@@ -410,3 +416,106 @@ def test_fsdp_runs_the_native_kernels_and_moves_no_more_than_bf16(fsdp_reports):
                 assert moved <= 1e-3 * bf16["all-gather"], (name, kind, moved)
             else:
                 assert moved <= bf16[kind], (name, kind, moved, bf16)
+
+
+@pytest.mark.parametrize("name", ["current", "blockwise"])  # per-tensor and block scales
+def test_grouped_gemms_run_the_kernels_on_each_of_eight_h100s(name):
+    """An expert layer's forward, dgrad and wgrad with the tokens split over 8 H100s: each
+    GPU runs the grouped Mosaic kernels on its tokens (no token crosses GPUs; the experts'
+    weights are replicated, the wgrad's partial sums reduced)."""
+    h100_topology(8)
+    mesh = fp8jax.h100_mesh({"data": 8})
+    rows = NamedSharding(mesh, P("data"))
+    dot = fp8jax.Fp8RaggedDot(GROUPED[name], num_experts=4, native_kernel=None)
+
+    def step(dot, x, w, g, sizes):
+        y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+        return y, *vjp(g)[1:]
+
+    x = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16, sharding=rows)
+    g = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(mesh, P()))
+    report = fp8jax.inspect(step, dot, x, w, g, sizes, modes=("cublas",))
+    gemms = report.gemms["cublas"]
+    assert len(gemms) == 3 and {g.kernel for g in gemms} == {"pallas mosaic gpu"}, gemms
+    moved = {c.op for c in report.collectives["cublas"] if c.elements > 64}
+    assert moved <= {"all-reduce", "reduce-scatter"}, report.collectives["cublas"]
+
+
+GPT_SCRIPT = """
+import json, sys
+import equinox as eqx, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import fp8jax
+from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
+
+gpt = GPT(GPTConfig(vocab=512, layers=1, width=256, heads=2, context=256), key=jax.random.key(0))
+
+def step(model, tokens):
+    return fp8jax.filter_value_and_grad(next_token_loss)(model, tokens)
+
+def placed(model, layout, mesh):
+    def one(path, a):
+        if not eqx.is_array(a):
+            return a
+        path = jax.tree_util.keystr(path)
+        spec = P()
+        if a.ndim == 2 and "blocks" in path and path.endswith(".weight"):
+            if layout == "fsdp":
+                spec = P(None, "data")
+            elif any(f".{n}." in path for n in ("query", "key", "value", "fc1")):
+                spec = P("model")
+            else:
+                spec = P(None, "model")
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+    return jax.tree_util.tree_map_with_path(one, model)
+
+out = {}
+for layout, axes in (("fsdp", {"data": 8}), ("tensor", {"data": 2, "model": 4})):
+    mesh = fp8jax.h100_mesh(axes)
+    tokens = jax.ShapeDtypeStruct((16, 257), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    for name in ("bf16", "blockwise"):
+        model = gpt if name == "bf16" else fp8jax.fp8_linear_layers(
+            gpt, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
+        modes = ("cublas",) if name == "bf16" else ("cublas", "default")
+        report = fp8jax.inspect(
+            eqx.filter_jit(step), placed(model, layout, mesh), tokens, modes=modes)
+        for mode in modes:
+            moved = {}
+            for c in report.collectives[mode]:
+                kind = "amax" if c.reduction == "maximum" else c.op
+                size = 1 if c.dtypes[0].startswith("f8") else (2 if c.dtypes[0] == "bf16" else 4)
+                moved[kind] = moved.get(kind, 0) + c.elements * size
+            gemms = [(g.layer, g.role, g.kernel, g.fp8, g.mma)
+                     for g in report.gemms[mode] if g.layer is not None]
+            out[f"{layout}/{name}/{mode}"] = {"moved": moved, "gemms": gemms}
+print(json.dumps(out))
+"""
+
+
+def test_example_gpt_on_eight_h100s_runs_the_kernels_and_moves_no_more_than_bf16(tmp_path):
+    """The example GPT's train step, FSDP over 8 H100s and tensor-parallel (data 2 x model
+    4: query, key, value, fc1 split by columns, out and fc2 by rows), in both XLA modes:
+    every GEMM of every FP8 layer is the block-scaled Mosaic kernel on each GPU, with FP8
+    `wgmma` in its PTX, and no kind of collective moves more bytes than in the BF16 program
+    (the amaxes' maxima apart: there are none in BF16)."""
+    h100_topology(8)
+    run = run_with_mosaic_dump(GPT_SCRIPT, [], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    fp8_mma = re.compile(r"wgmma\.mma_async\..*\.e4m3\.e4m3$")
+    for layout in ("fsdp", "tensor"):
+        for mode in ("cublas", "default"):
+            got, bf16 = seen[f"{layout}/blockwise/{mode}"], seen[f"{layout}/bf16/cublas"]
+            # The block's 6 Linears (the head stays BF16: `Fp8Config`'s default `exclude`),
+            # a forward, dgrad and wgrad each.
+            assert len(got["gemms"]) == 18, got["gemms"]
+            for layer, role, kernel, fp8, mma in got["gemms"]:
+                assert kernel == "pallas mosaic gpu" and fp8, (layout, mode, layer, role, kernel)
+                assert any(fp8_mma.match(m) for m in mma), (layout, mode, layer, role, mma)
+            for kind, moved in got["moved"].items():
+                if kind == "amax":
+                    assert moved <= 1e-3 * sum(bf16["moved"].values()), (layout, mode, moved)
+                else:
+                    assert moved <= bf16["moved"][kind], (layout, mode, kind, moved, bf16)

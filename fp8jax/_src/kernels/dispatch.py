@@ -55,6 +55,8 @@ def per_device_gemm(*operands: Any) -> bool:
     axis of several devices that XLA partitions (inside `shard_map` the mesh axes are
     manual; a single-device program has no mesh). On such an axis, an opaque kernel call
     would make XLA gather the operands and compute the whole product on every device."""
+    if partition.inside():
+        return True
     for leaf in jax.tree.leaves(operands):
         mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
         if mesh is None or mesh.empty:
@@ -113,6 +115,18 @@ def choose(
     if local_gpus_lack_hopper():
         return xla(*args)
     return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def on_shards(
+    gemm: Callable[..., Any], *args: Any, dims: GemmDims, out_dtype: Any = jnp.float32
+) -> Any:
+    """`gemm(*args, out_dtype=out_dtype)` (an XLA GEMM), run by each device on its shards
+    where the operands lie on a mesh that XLA partitions (`partition.per_shard`), as it is
+    elsewhere. For GEMMs XLA would partition badly: a block recipe's loop over 128-wide
+    chunks of a contraction split across devices gathers a whole operand per chunk."""
+    if per_device_gemm(*args):
+        return gemm(*args, out_dtype=out_dtype)
+    return partition.per_shard(gemm, dims, out_dtype, *args)
 
 
 def _as_native(xla: Callable[..., Any]) -> Callable[..., Any]:

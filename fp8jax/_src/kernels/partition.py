@@ -24,6 +24,7 @@ lets XLA gather it once for both.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -37,6 +38,15 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from ..core import jax_private
+
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8jax_per_shard", default=False)
+
+
+def inside() -> bool:
+    """Whether this traces the GEMM of one device inside `per_shard` (on its shards: no
+    further partitioning)."""
+    return _INSIDE.get()
+
 
 #: The factors of a GEMM, in the order in which they claim mesh axes.
 FACTORS = ("b", "m", "k", "n")
@@ -186,7 +196,11 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         )
 
     def call(*leaves: Array) -> Array:
-        return gemm(*tree.unflatten(leaves), out_dtype=out_dtype)
+        token = _INSIDE.set(True)  # what `gemm` traces runs on one device's data
+        try:
+            return gemm(*tree.unflatten(leaves), out_dtype=out_dtype)
+        finally:
+            _INSIDE.reset(token)
 
     def decide(mesh, arg_shapes):
         shapes = [a.shape for a in arg_shapes]

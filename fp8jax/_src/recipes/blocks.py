@@ -300,7 +300,13 @@ class BlockScaledRecipe(Recipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
-        return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
+        def gemm(lhs: QTensor, rhs: QTensor, out_dtype: Any) -> Array:
+            return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
+
+        # Per device under jit sharding: XLA would partition the loop over chunks of a split
+        # contraction by gathering the whole operand for every chunk.
+        dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
+        return dispatch.on_shards(gemm, lhs, rhs, dims=dims, out_dtype=out_dtype)
 
 
 def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
@@ -468,7 +474,7 @@ class MXFP8(BlockScaledRecipe):
     ) -> Float[Array, "*shape"]:
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
             return _scaled_matmul(lhs, rhs).astype(out_dtype)
-        return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
+        return super().dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
