@@ -450,7 +450,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fp8jax
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
-gpt = GPT(GPTConfig(vocab=512, layers=1, width=256, heads=2, context=256), key=jax.random.key(0))
+# Width 512: a row-split Linear's 4 GPUs each hold whole 128-wide tiles of its contraction.
+gpt = GPT(GPTConfig(vocab=512, layers=1, width=512, heads=4, context=128), key=jax.random.key(0))
 
 def step(model, tokens):
     return fp8jax.filter_value_and_grad(next_token_loss)(model, tokens)
@@ -474,7 +475,7 @@ def placed(model, layout, mesh):
 out = {}
 for layout, axes in (("fsdp", {"data": 8}), ("tensor", {"data": 2, "model": 4})):
     mesh = fp8jax.h100_mesh(axes)
-    tokens = jax.ShapeDtypeStruct((16, 257), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    tokens = jax.ShapeDtypeStruct((16, 129), jnp.int32, sharding=NamedSharding(mesh, P("data")))
     for name in ("bf16", "blockwise"):
         model = gpt if name == "bf16" else fp8jax.fp8_linear_layers(
             gpt, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
