@@ -38,6 +38,12 @@ TESTS=(
     tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
+    # The kernels per shard: custom_partitioning, its Shardy rule and the shardings JAX hands
+    # the rule (jax_private.spec_of), on 8 CPU devices and on a compile for 8 H100s.
+    "tests/test_scaling_out.py::test_native_kernels_per_shard_train_like_one_device[blockwise-tensor]"
+    "tests/test_scaling_out.py::test_grouped_gemms_per_shard_train_like_one_device[blockwise-data]"
+    "tests/test_scaling_out.py::test_an_fsdp_weight_gathers_as_fp8_on_eight_h100s[blockwise]"
+    tests/test_scaling_out.py::test_fsdp_gathers_each_fp8_weight_once
 )
 
 find_python312() {
