@@ -1,7 +1,8 @@
 """What a sharded FP8 train step moves between GPUs, and which kernels each GPU runs, read from
 deviceless compiles for 8 H100s (nothing runs; the figures are the compiled program's).
 
-    python benchmarks/scaling_out.py [--sections fsdp,gpt] | tee benchmarks/results/scaling_out.txt
+    python benchmarks/scaling_out.py --sections fsdp | tee benchmarks/results/scaling_out.txt
+    python benchmarks/scaling_out.py --sections gpt | tee benchmarks/results/scaling_out_gpt.txt
 
 `fsdp`: issue 26's FSDP MLP: an Equinox MLP 2048 -> 8192 -> 2048 (GELU), 8,192 tokens split
 over `data` (8 GPUs), every weight split on its input axis, float32 masters cast to BF16 in
