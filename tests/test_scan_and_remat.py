@@ -16,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals
 import fp8jax
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
-CONFIG = GPTConfig(vocab=64, layers=3, width=32, heads=4, context=16)
+CONFIG = GPTConfig(vocab=64, layers=2, width=32, heads=4, context=16)
 
 
 def stack(blocks):
