@@ -122,6 +122,13 @@ from fp8jax.examples.gpt import GPT, Attention, Block, GPTConfig, dense, next_to
 # only); the residual recipe on its XLA path (its default), beside its fused kernel.
 RECIPES["blockwise-xla"] = fp8jax.BlockwiseScaling(native_kernel=False)
 RECIPES["residual-xla"] = fp8jax.ResidualFP8(native_kernel=False)
+# Sharded runs only: the same recipes with the weight gathered again for the dgrad
+# (`weight_gather="per_gemm"`, the memory-saving mode) beside the default gather-once.
+PER_GEMM = {
+    f"{name}-per-gemm": dataclasses.replace(RECIPES[name], weight_gather="per_gemm")
+    for name in ("delayed", "blockwise", "residual")
+}
+RECIPES.update(PER_GEMM)
 
 STAND_IN = "attention_stand_in"
 # The mesh of a sharded run, while one is built (see `sharded_activations`): the benchmark's
@@ -491,7 +498,12 @@ def report(title: str, shape: dict, costs: dict[str, Cost], stand_in_bytes: dict
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--variants", default=",".join(["bf16", *RECIPES]))
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated, among bf16 and the recipes (default: all; the *-per-gemm ones "
+        "with --sharded only, where they differ)",
+    )
     parser.add_argument("--attention", default="compiled,flash")
     parser.add_argument(
         "--sharded",
@@ -500,7 +512,10 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     models = args.models.split(",")
-    names = [n if n == "bf16" else f"fp8jax {n}" for n in args.variants.split(",")]
+    variants = args.variants or ",".join(
+        ["bf16", *(r for r in RECIPES if args.sharded or r not in PER_GEMM)]
+    )
+    names = [n if n == "bf16" else f"fp8jax {n}" for n in variants.split(",")]
     attentions = args.attention.split(",")
     for m in models:
         if m not in MODELS:

@@ -261,6 +261,111 @@ def test_an_fsdp_weight_gathers_as_fp8_on_eight_h100s(name):
             assert dtype == "f8e4m3fn" or (dtype == "f32" and shape in ((2, 8), ())), c
 
 
+def _scanned(recipe, width: int, hidden: int, layers: int = 2):
+    """`layers` MLP blocks stacked for `lax.scan` (FP8 when `recipe` is given): (params,
+    static) and a loss scanning the blocks, float32 masters cast to BF16 in the loss."""
+
+    def block(key):
+        mlp = eqx.nn.MLP(width, width, hidden, 1, activation=jax.nn.gelu, key=key)
+        return (
+            mlp
+            if recipe is None
+            else fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+        )
+
+    params, static = eqx.partition(
+        eqx.filter_vmap(block)(jax.random.split(jax.random.key(0), layers)), eqx.is_array
+    )
+
+    def loss(params, x, y):
+        def body(h, p):
+            return jax.vmap(eqx.combine(p, static))(h), None
+
+        h, _ = jax.lax.scan(body, x, params)
+        return jnp.mean((h - y) ** 2)
+
+    return params, loss
+
+
+def _fsdp_stacked(params, mesh, axis):
+    def place(path, a):
+        if not eqx.is_array(a):
+            return a
+        weight = jax.tree_util.keystr(path).endswith(".weight") and a.ndim == 3
+        return NamedSharding(mesh, P(None, None, axis) if weight else P())
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def test_a_scan_over_fsdp_layers_trains_like_one_device():
+    """Layers under `lax.scan` with FSDP weights on 8 devices (each weight gathered in the
+    forward loop and kept for the backward loop): one device's loss and gradients, to
+    float32 rounding."""
+    params, loss = _scanned(fp8jax.DelayedScaling(), 64, 256)
+    x, _ = _batch()
+    x = x[:, :64]
+    y = jnp.sin(x)
+    grad = eqx.filter_jit(fp8jax.filter_value_and_grad(loss))
+    want_loss, want = grad(params, x, y)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    shardings = _fsdp_stacked(params, mesh, "data")
+    placed = jax.tree.map(
+        lambda a, s: jax.device_put(a, s) if eqx.is_array(a) else a, params, shardings
+    )
+    rows = NamedSharding(mesh, P("data"))
+    got_loss, got = grad(placed, jax.device_put(x, rows), jax.device_put(y, rows))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    leaves, want_leaves = (jax.tree.leaves(eqx.filter(g, eqx.is_array)) for g in (got, want))
+    assert len(leaves) == len(want_leaves)
+    for a, b in zip(leaves, want_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scan_over_layers_gathers_each_fp8_weight_once():
+    """Under `lax.scan` over layers the backward loop cannot share the forward loop's
+    gather: BF16 gathers each weight twice; fp8jax gathers the FP8 weight once, in the
+    forward loop, and keeps it for the dgrad (0.25x BF16's bytes); `per_gemm` gathers it
+    again (0.5x). Compiled for 8 H100s."""
+    h100_topology(8)
+    mesh = fp8jax.h100_mesh({"data": 8})
+    variants = {
+        "bf16": None,
+        "delayed": fp8jax.DelayedScaling(),
+        "blockwise": fp8jax.BlockwiseScaling(),
+        "delayed, re-gathered": fp8jax.DelayedScaling(weight_gather="per_gemm"),
+    }
+    moved = {}
+    for name, recipe in variants.items():
+        params, loss = _scanned(recipe, 256, 1024)
+
+        def bf16_loss(params, x, y, loss=loss):
+            params = jax.tree.map(
+                lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+                params,
+                is_leaf=lambda n: isinstance(n, fp8jax.OverwriteWithGradient),
+            )
+            return loss(params, x, y.astype(jnp.bfloat16)).astype(jnp.float32)
+
+        shardings = _fsdp_stacked(params, mesh, "data")
+        abstract = jax.tree.map(
+            lambda a, s: (
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if eqx.is_array(a) else a
+            ),
+            params,
+            shardings,
+        )
+        rows = NamedSharding(mesh, P("data"))
+        batch = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16, sharding=rows)] * 2
+        grad = eqx.filter_jit(fp8jax.filter_value_and_grad(bf16_loss))
+        report = fp8jax.inspect(grad, abstract, *batch, modes=("cublas",))
+        moved[name] = report.cost["cublas"].communication.get("all-gather", 0)
+    weights = 2 * 2 * 256 * 1024 * 7 // 8  # elements each GPU receives to gather every weight
+    assert moved["bf16"] == pytest.approx(2 * 2 * weights, rel=0.01)  # twice, two bytes each
+    for name in ("delayed", "blockwise"):
+        assert 0.25 <= moved[name] / moved["bf16"] <= 0.26, moved
+    assert moved["delayed, re-gathered"] / moved["bf16"] == pytest.approx(0.5, abs=0.01), moved
+
+
 # --- grouped GEMMs (mixture of experts) ---------------------------------------------------------
 
 GROUPED = {

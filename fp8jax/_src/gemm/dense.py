@@ -29,8 +29,9 @@ from jaxtyping import Array
 from ..core import jax_private
 from ..core.amax import owner
 from ..core.stats import Fp8Stats
-from ..kernels import dispatch
+from ..kernels import dispatch, partition
 from ..recipes import Recipe
+from ..recipes.base import gemm_dims
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
@@ -147,6 +148,11 @@ class Layout(NamedTuple):
 def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
+    if recipe.weight_gather == "once" and not dispatch.per_device_gemm(q_w):
+        # The kernel as the GEMM takes it (an FSDP weight gathered), a value the backward
+        # keeps: a dgrad in a backward loop over layers, which cannot share the forward
+        # loop's gather, then multiplies it without gathering again.
+        q_w = partition.gathered_for(gemm_dims(q_x, q_w, -1, -1), q_x, q_w)
     with jax.named_scope("fwd"):
         out = recipe.dot(q_x, q_w, -1, -1, precision, out_dtype)
     # Keep what follows (a bias, an activation) out of the GEMM's epilogue: XLA's cuBLAS path

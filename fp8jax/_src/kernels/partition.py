@@ -248,3 +248,61 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         decode_shardings=False,
     )
     return wrapped(*leaves)
+
+
+def gathered_for(dims: GemmDims, lhs: Any, rhs: Any) -> Any:
+    """`rhs` laid out as `per_shard`'s GEMM of `lhs` and `rhs` takes it (a pytree of arrays
+    as `dims` describes, the lhs's first): gathered over the mesh axes that the GEMM would
+    gather it over (an FSDP weight), kept split where the GEMM keeps it split (a
+    tensor-parallel one). `lhs` is read for its sharding only and never moves.
+
+    A GEMM's operand gathered by XLA for the GEMM is not a value of the program: a backward
+    pass that needs the same operand (the dgrad's weight) gathers it again wherever it
+    cannot share the forward's collective (a backward loop over layers). The value this
+    returns is the gathered operand itself, which the backward can keep (a scan residual).
+    On one device it is `rhs`."""
+    lhs_leaves = jax.tree.leaves(lhs)
+    rhs_leaves, tree = jax.tree.flatten(rhs)
+    leaves = [*lhs_leaves, *rhs_leaves]
+    if len(leaves) != len(dims.operands):
+        raise ValueError(
+            f"gathered_for: {len(leaves)} operand arrays but dims describe {len(dims.operands)}."
+        )
+    first = len(lhs_leaves)
+
+    def call(*leaves: Array) -> tuple[Array, ...]:
+        return tuple(leaves[first:])
+
+    def shardings(mesh, arg_shapes):
+        shapes = [a.shape for a in arg_shapes]
+        specs = [jax_private.spec_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
+        chosen = choose_axes(dims, shapes, specs, dict(mesh.shape))
+        lhs = tuple(a.sharding for a in arg_shapes[:first])  # left as they are
+        rhs = tuple(_sharding(mesh, d, chosen) for d in dims.operands[first:])
+        return lhs, rhs
+
+    def partition(mesh, arg_shapes, result_shape):
+        del result_shape
+        lhs, rhs = shardings(mesh, arg_shapes)
+        return mesh, call, rhs, (*lhs, *rhs)
+
+    def infer(mesh, arg_shapes, result_shape):
+        del result_shape
+        return shardings(mesh, arg_shapes)[1]
+
+    rule, unsplit = _rule(dims)
+    operands = rule.split("->")[0]
+    # The result's own factors (`o` prefixed): tied to the operand's, propagation would
+    # give it the operand's sharding (split over the FSDP axis), undoing the gather.
+    results = ", ".join(
+        " ".join(f"o{f}" if b == 1 else f"o{f}{b}" for f, b in a) for a in dims.operands[first:]
+    )
+    wrapped = custom_partitioning(call)
+    wrapped.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=f"{operands}-> {results}",
+        need_replication_factors=unsplit,
+        decode_shardings=False,
+    )
+    return tree.unflatten(wrapped(*leaves))
