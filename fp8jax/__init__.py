@@ -31,6 +31,8 @@ from ._src.core.updates import OverwriteWithGradient as OverwriteWithGradient
 from ._src.core.updates import apply_updates as apply_updates
 from ._src.core.updates import partition_for_grad_overwrite as partition_for_grad_overwrite
 from ._src.core.updates import with_fp8_state as with_fp8_state
+from ._src.gemm.exchange import ExpertExchange as ExpertExchange
+from ._src.gemm.exchange import expert_exchange as expert_exchange
 from ._src.layers.grouped import GroupedLinear as GroupedLinear
 from ._src.layers.linear import Linear as Linear
 from ._src.observe.cost import hlo_cost as hlo_cost
@@ -140,6 +142,7 @@ __all__ = [
     "Fp8InspectionError",
     "Fp8NnxDotGeneral",
     "Fp8NnxEinsum",
+    "ExpertExchange",
     "Fp8RaggedDot",
     "Fp8State",
     "Fp8StateError",
@@ -177,6 +180,7 @@ __all__ = [
     "combine_by_max",
     "compute_scale",
     "dequantize",
+    "expert_exchange",
     "filter_grad",
     "filter_value_and_grad",
     "fp8_dots_saveable",

@@ -22,6 +22,8 @@ train these models are `fp8jax.examples.moe`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -42,12 +44,19 @@ class Routing(eqx.Module):
     group_sizes: Int[Array, " experts"]
 
 
-def route(logits: Float[Array, "tokens experts"], top_k: int) -> Routing:
-    """Top-k routing: each token's `top_k` best experts, weighted by their softmax scores
-    renormalised over the chosen ones, sorted by expert."""
-    experts = logits.shape[-1]
+def top_k_experts(
+    logits: Float[Array, "tokens experts"], top_k: int
+) -> tuple[Int[Array, "tokens top_k"], Float[Array, "tokens top_k"]]:
+    """Each token's `top_k` best experts and their weights: the softmax scores renormalised
+    over the chosen ones."""
     scores, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-    scores = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return chosen, scores / jnp.sum(scores, axis=-1, keepdims=True)
+
+
+def route(logits: Float[Array, "tokens experts"], top_k: int) -> Routing:
+    """Top-k routing (`top_k_experts`), the assignments sorted by expert."""
+    experts = logits.shape[-1]
+    chosen, scores = top_k_experts(logits, top_k)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     return Routing(
@@ -62,26 +71,57 @@ class MoE(eqx.Module):
     """A mixture-of-experts MLP: `x (tokens, width) -> (tokens, width)`.
 
     **Fields:** `gate` (the router, `width -> experts`), `up` (`experts x width -> hidden`),
-    `down` (`experts x hidden -> width`), `top_k` (experts per token).
+    `down` (`experts x hidden -> width`), `top_k` (experts per token), `expert_axis`: `None`
+    (all experts on one device), or the mesh axis the experts are split over (expert
+    parallelism: call it inside `shard_map`, `up` and `down` holding this device's experts
+    and their FP8 state; each device routes its own tokens and
+    [`fp8jax.expert_exchange`][] moves them, FP8 where `up` is an FP8 layer), `activation`
+    (between `up` and `down`; GELU by default).
     """
 
     gate: eqx.nn.Linear
     up: fp8jax.GroupedLinear
     down: fp8jax.GroupedLinear
     top_k: int = eqx.field(static=True)
+    expert_axis: str | None = eqx.field(static=True)
+    activation: Callable[[Array], Array] = eqx.field(static=True)
 
-    def __init__(self, width: int, hidden: int, experts: int, top_k: int, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        width: int,
+        hidden: int,
+        experts: int,
+        top_k: int,
+        *,
+        key: PRNGKeyArray,
+        expert_axis: str | None = None,
+        activation: Callable[[Array], Array] = jax.nn.gelu,
+    ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = eqx.nn.Linear(width, experts, use_bias=False, key=kg)
         self.up = fp8jax.GroupedLinear(experts, width, hidden, key=ku)
         self.down = fp8jax.GroupedLinear(experts, hidden, width, key=kd)
         self.top_k = top_k
+        self.expert_axis = expert_axis
+        self.activation = activation
 
     def __call__(self, x: Float[Array, "tokens width"]) -> Float[Array, "tokens width"]:
+        if self.expert_axis is not None:
+            return self._expert_parallel(x)
         routing = route(jax.vmap(self.gate)(x), self.top_k)
-        h = jax.nn.gelu(self.up(x[routing.token], routing.group_sizes))
+        h = self.activation(self.up(x[routing.token], routing.group_sizes))
         y = self.down(h, routing.group_sizes) * routing.weight[:, None].astype(h.dtype)
         return jnp.zeros_like(x).at[routing.token].add(y.astype(x.dtype))
+
+    def _expert_parallel(self, x: Float[Array, "tokens width"]) -> Float[Array, "tokens width"]:
+        """This device's tokens through the experts of every device: dispatched (FP8 from an
+        FP8 `up`), this device's experts run on the rows they received, combined back
+        (BF16) with the routing weights."""
+        chosen, weights = top_k_experts(jax.vmap(self.gate)(x), self.top_k)
+        plan = fp8jax.expert_exchange(chosen, self.up.num_experts, self.expert_axis)
+        h = self.activation(self.up(x, plan))
+        y = self.down(h, plan.group_sizes)
+        return plan.combine(y, weights).astype(x.dtype)
 
 
 class MoEModel(eqx.Module):

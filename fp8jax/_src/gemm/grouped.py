@@ -28,6 +28,7 @@ state, per-example gradients) run per member.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -37,10 +38,12 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Int
 
+from ..core import jax_private
 from ..core.amax import batch_shared, owner
 from ..core.stats import ExpertStats
 from ..recipes import BlockScaledRecipe, Recipe
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
+from .exchange import ExpertExchange
 from .grouped_dots import rows_dot, token_tile, tokens_dot
 from .grouped_native import expert_of_rows, pad, pad_layout, pad_quantized
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
@@ -64,6 +67,7 @@ class Residuals(NamedTuple):
     new_kernel: Any
     grad_state: Any
     stats: Any = None
+    plan: Any = None
 
 
 #: The residuals made from one operand each, in the forward's order: they carry a mapped axis
@@ -110,12 +114,34 @@ def _forward(
     group_sizes: Array,
     states: States,
 ):
-    w_c = jnp.swapaxes(w, -1, -2)  # (G, N, K): each expert's kernel, contracted axis last
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
-    q_w, new_kernel = _per_expert(
-        lambda w, s: recipe.quantize(w, s, "kernel", -1), w_c, states.kernel
+    input_stats = None
+    if states.stats is not None:
+        input_stats = recipe.statistics(x, q_x, "input", owner(states.input))
+    return _experts_forward(
+        recipe, native, precision, out_dtype, q_x, new_input, input_stats, w, group_sizes, states
     )
-    experts = expert_of_rows(group_sizes, x.shape[0])
+
+
+def _experts_forward(
+    recipe: Recipe,
+    native: bool | None,
+    precision: Any,
+    out_dtype: np.dtype,
+    q_x: Any,
+    new_input: Any,
+    input_stats: Any,
+    w: Array,
+    group_sizes: Array,
+    states: States,
+):
+    """The forward from the quantized activation `q_x` (rows sorted by expert) on."""
+    kernels = _kernels(recipe, w)
+    w_c = jnp.swapaxes(w, -1, -2)  # (G, N, K): each expert's kernel, contracted axis last
+    q_w, new_kernel = _per_expert(
+        lambda w, s: kernels.quantize(w, s, "kernel", -1), w_c, states.kernel
+    )
+    experts = expert_of_rows(group_sizes, q_x.data.shape[0])
     with jax.named_scope("fwd"):
         out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype, native)
     # As for dense layers: keep what follows out of the GEMM's epilogue (see dense.py).
@@ -126,18 +152,18 @@ def _forward(
         # Per expert for the kernels (each its own scale); an expert without tokens reports
         # nothing received, as its state does.
         kernel_stats = _per_expert(
-            lambda w, q, s: recipe.statistics(w, q, "kernel", owner(s)),
+            lambda w, q, s: kernels.statistics(w, q, "kernel", owner(s)),
             w_c,
             q_w,
             states.kernel,
         )
         stats = (
-            recipe.statistics(x, q_x, "input", owner(states.input)),
+            input_stats,
             _only_used(kernel_stats, used),
             token_counts(group_sizes, states.stats.tokens),
         )
     # The dgrad's copy of each kernel, from the high-precision weight (one rounding).
-    q_w = _per_expert(lambda q, w: recipe.retile(q, "kernel", -2, source=w), q_w, w_c)
+    q_w = _per_expert(lambda q, w: kernels.retile(q, "kernel", -2, source=w), q_w, w_c)
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -160,13 +186,14 @@ def _backward(
     # Copies of the FP8 operands in their other layout are made here, not kept from the
     # forward (see dense.py's backward).
     q_x, q_w = lax.optimization_barrier(residuals.q_x), lax.optimization_barrier(residuals.q_w)
-    group_sizes = residuals.group_sizes
+    group_sizes, plan = residuals.group_sizes, residuals.plan
+    activations = _activations(recipe, plan)
     back = recipe.backward_dot_precision()
     experts = expert_of_rows(group_sizes, g.shape[0])
-    q_g, new_grad = recipe.quantize(g, residuals.grad_state, "output_grad", -1)
+    q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:
-        grad_stats = recipe.statistics(g, q_g, "output_grad", owner(residuals.grad_state))
+        grad_stats = activations.statistics(g, q_g, "output_grad", owner(residuals.grad_state))
         input_stats, kernel_stats, tokens = stats
         stats = ExpertStats(input_stats, kernel_stats, grad_stats, tokens)
     with jax.named_scope("dgrad"):
@@ -176,11 +203,69 @@ def _backward(
         # between): each token tile holds one expert's tokens, as in DeepSeek-V3.
         layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
         g, q_x, group_sizes = pad(g, layout), pad_quantized(q_x, layout), layout.sizes
-    q_g, _ = recipe.quantize(g, residuals.grad_state, "output_grad", -2)
+    q_g, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         q_x = recipe.retile(q_x, "input", -2)
         d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype, native)
+    if plan is not None:
+        d_x = plan.gradient_back(d_x)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
+
+
+# --- expert parallelism: the activation quantized, then dispatched ------------------------
+
+
+def _activations(recipe: Recipe, plan: ExpertExchange | None) -> Recipe:
+    """The recipe of the activation and the output gradient. Dispatched, each device holds
+    some of the tokens: their amaxes are taken over the exchange's axis too (global, as on
+    one device)."""
+    if plan is None or plan.axis_name in recipe.axis_names:
+        return recipe
+    return dataclasses.replace(recipe, axis_names=(*recipe.axis_names, plan.axis_name))
+
+
+def _kernels(recipe: Recipe, w: Array) -> Recipe:
+    """The recipe of the experts' kernels: their amaxes are never taken over a mesh axis the
+    experts are split over (inside `shard_map`: each device's experts are its own tensors,
+    with their own scales), only over the axes that hold copies of them."""
+    split = jax_private.varying_axes(w)
+    axes = tuple(a for a in recipe.axis_names if a not in split)
+    return recipe if axes == recipe.axis_names else dataclasses.replace(recipe, axis_names=axes)
+
+
+def _dispatched_forward(
+    recipe: Recipe,
+    native: bool | None,
+    precision: Any,
+    out_dtype: np.dtype,
+    x: Array,
+    w: Array,
+    plan: ExpertExchange,
+    states: States,
+):
+    """The forward of a dispatched grouped GEMM: this device's tokens `x` quantized (global
+    amaxes), their FP8 rows and scales sent to the devices of their experts, and this
+    device's experts run on the rows they received."""
+    activations = _activations(recipe, plan)
+    q_x, new_input = activations.quantize(x, states.input, "input", -1)
+    input_stats = None
+    if states.stats is not None:
+        input_stats = activations.statistics(x, q_x, "input", owner(states.input))
+    with jax.named_scope("dispatch"):
+        q_x = plan.dispatch_quantized(q_x)
+    out, residuals = _experts_forward(
+        recipe,
+        native,
+        precision,
+        out_dtype,
+        q_x,
+        new_input,
+        input_stats,
+        w,
+        plan.group_sizes,
+        states,
+    )
+    return out, residuals._replace(plan=plan)
 
 
 # --- folding a vmapped axis into the rows --------------------------------------------------
@@ -283,6 +368,35 @@ def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -
         folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
         folding_backward(backward, _fold_backward, _OPERAND_FIELDS),
     )
+
+
+def _dispatched_gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -> Gemm:
+    """The dispatched grouped GEMM of one call (not foldable under `vmap`)."""
+    forward = functools.partial(_dispatched_forward, recipe, native, precision, static.out)
+    backward = functools.partial(_backward, recipe, native, static.lhs, static.rhs)
+    return Gemm(recipe, forward, backward)
+
+
+def fp8_dispatched_ragged_dot(
+    recipe: Recipe,
+    precision: Any,
+    out_dtype: np.dtype,
+    lhs: Array,
+    rhs: Array,
+    plan: ExpertExchange,
+    states: States,
+    name: str = "",
+    native: bool | None = False,
+) -> Array:
+    """`lax.ragged_dot(plan.dispatch(lhs), rhs, plan.group_sizes)` as FP8 grouped GEMMs,
+    with the activation quantized before the exchange: the FP8 rows and their scales cross
+    the mesh, not `lhs`'s. `lhs (tokens, K)` is this device's tokens, `rhs` its experts'
+    kernels; the gradient of `lhs` comes back through the exchange (in `lhs`'s dtype).
+    Otherwise as `fp8_ragged_dot`."""
+    operands = (lhs, rhs)
+    (lhs, rhs), static = prepare(operands, states, out_dtype, name, KIND)
+    gemm = _dispatched_gemm(recipe, native, precision, static)
+    return fp8_gemm(gemm, static, lhs, rhs, (plan,), states)
 
 
 def fp8_ragged_dot(

@@ -49,7 +49,7 @@ class Static(NamedTuple):
     rhs: np.dtype
     out: np.dtype
     max_combining: bool
-    mesh_axes: tuple[frozenset[str], frozenset[str], frozenset[str]]
+    mesh_axes: tuple[frozenset[str], frozenset[str], tuple[frozenset[str], ...]]
     name: str
     kind: str
 
@@ -150,7 +150,7 @@ def prepare(
     mesh_axes = (
         jax_private.varying_axes(lhs),
         jax_private.varying_axes(rhs),
-        frozenset().union(*(jax_private.varying_axes(a) for a in leaves)),
+        tuple(jax_private.varying_axes(a) for a in leaves),  # per state leaf
     )
     static = Static(
         np.dtype(lhs.dtype),
@@ -204,8 +204,12 @@ def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     lhs_axes, rhs_axes, state_axes = static.mesh_axes
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
     d_w = _reduce_to(d_w, rhs_axes, lax.psum)
-    # Replicated state takes the largest amax of all devices, never their sum.
-    new_states = jax.tree.map(lambda a: _reduce_to(a, state_axes, lax.pmax), new_states)
+    # Replicated state takes the largest amax of all devices, never their sum; state split
+    # over an axis (expert parallelism's per-expert state) stays each device's own.
+    leaves, tree = jax.tree.flatten(new_states)
+    new_states = tree.unflatten(
+        [_reduce_to(a, axes, lax.pmax) for a, axes in zip(leaves, state_axes, strict=True)]
+    )
     convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
     return d_x, d_w, None, jax.tree.map(convert, new_states)
 

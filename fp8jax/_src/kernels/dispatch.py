@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from ..core import jax_private
 from . import partition
 from .partition import GemmDims
 
@@ -110,11 +111,30 @@ def choose(
             run = functools.partial(partition.per_shard, local, dims, out_dtype)
         elif not (use_native or interpreting()):
             return xla(*args)
+    run = _varying_like(run, args)
     if use_native or interpreting():
         return run(*args)
     if local_gpus_lack_hopper():
         return xla(*args)
     return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def _varying_like(kernel: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+    """`kernel` with its results typed as varying over the manual mesh axes its operands vary
+    over (inside `shard_map`), as XLA's own ops on them are: a kernel call's results are
+    typed as invariant, and `lax.platform_dependent`'s branches must agree."""
+    axes = frozenset().union(*(jax_private.varying_axes(a) for a in jax.tree.leaves(args)))
+    if not axes:
+        return kernel
+
+    def typed(*a: Any) -> Any:
+        def vary(x: Any) -> Any:
+            missing = tuple(sorted(axes - jax_private.varying_axes(x)))
+            return lax.pcast(x, missing, to="varying") if missing else x
+
+        return jax.tree.map(vary, kernel(*a))
+
+    return typed
 
 
 def on_shards(

@@ -13,7 +13,8 @@ from jax import lax
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..ops.ragged_dot import Fp8RaggedDot, check_ragged_dot_args
+from ..gemm.exchange import ExpertExchange
+from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
 
 
 class GroupedLinear(eqx.Module):
@@ -78,15 +79,28 @@ class GroupedLinear(eqx.Module):
         self.out_features = out_features
 
     def __call__(
-        self, x: Float[Array, "tokens fan_in"], group_sizes: Int[Array, " experts"]
-    ) -> Float[Array, "tokens fan_out"]:
+        self,
+        x: Float[Array, "tokens fan_in"],
+        group_sizes: Int[Array, " experts"] | ExpertExchange,
+    ) -> Float[Array, "rows fan_out"]:
         """**Arguments:** `x (tokens, in_features)`, its rows sorted by expert;
         `group_sizes (num_experts,)`, integers summing to `tokens`.
 
-        **Returns:** `(tokens, out_features)`.
+        Under expert parallelism (inside `shard_map`, the weight this device's experts),
+        `group_sizes` is an [`fp8jax.ExpertExchange`][] and `x` this device's tokens in
+        their own order: they are dispatched to their experts' devices first (an FP8 layer
+        quantizes them first and sends FP8) and the result is the rows this device's experts
+        received, in expert order (`exchange.capacity` rows; give them to the next grouped
+        layer with `exchange.group_sizes`, and back with `exchange.combine`).
+
+        **Returns:** `(tokens, out_features)`; dispatched, `(exchange.capacity,
+        out_features)`.
         """
         if self.ragged_dot is not None:
             return self.ragged_dot(x, self.weight, group_sizes)
         x = jnp.asarray(x)
+        if isinstance(group_sizes, ExpertExchange):
+            check_dispatch_args("GroupedLinear", x.shape, self.weight.shape, group_sizes)
+            x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
         check_ragged_dot_args("GroupedLinear", jnp.shape(x), self.weight.shape, group_sizes)
         return lax.ragged_dot(x, self.weight, jnp.asarray(group_sizes))

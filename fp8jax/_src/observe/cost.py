@@ -38,7 +38,14 @@ from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
 # Instructions that run no kernel: they name, alias or regroup buffers.
 _FREE = NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
 # Collectives, counted by the bytes they send; their async `-done` halves wait, and are free.
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 _DONE = {f"{op}-done" for op in _COLLECTIVES}
 # Pure data movement: a fusion made of these alone (scalar index arithmetic aside) is a copy.
 _MOVES = {
@@ -91,11 +98,13 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     and named in `Cost.unknown_trip_counts`. A `call` counts its callee; a `conditional`
     counts its most expensive branch (by `estimate_seconds` at the H100 peaks).
 
-    **Collectives** (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute,
-    synchronous or as async `-start`; a `-done` half is free) are counted apart, as
-    [`fp8jax.CollectiveCost`][]s, loops multiplied like any kernel: the bytes one device sends
-    by the ring algorithm (`(n-1)/n` of the whole array for an all-gather, reduce-scatter or
-    all-to-all over `n` devices, `2(n-1)/n` for an all-reduce, the array for a permute), over
+    **Collectives** (all-gather, all-reduce, reduce-scatter, all-to-all, ragged all-to-all,
+    collective-permute, synchronous or as async `-start`; a `-done` half is free) are counted
+    apart, as [`fp8jax.CollectiveCost`][]s, loops multiplied like any kernel: the bytes one
+    device sends by the ring algorithm (`(n-1)/n` of the whole array for an all-gather,
+    reduce-scatter or all-to-all over `n` devices, `2(n-1)/n` for an all-reduce, the array
+    for a permute; a ragged all-to-all as an all-to-all of all the rows it could send, an
+    estimate: what it sends depends on the routing at run time), over
     NVLink when each of its replica groups lies within one node of `gpus_per_node` GPUs
     (devices `k * gpus_per_node ...` are node `k`; `fp8jax.h100_mesh` numbers its GPUs so),
     over InfiniBand when a group spans nodes. `Cost.communication_seconds` prices them at
@@ -191,6 +200,11 @@ class _Walker:
         """A collective: the array it moves per device, its group size and the link."""
         op = instruction.op.removesuffix("-start")
         types = [computation.type_of(o) for o in instruction.operands]
+        if op == "ragged-all-to-all":
+            # Its operands: the rows to send, the output buffer, then offsets and sizes.
+            # Counted: every row this device could send (what leaves it depends on the
+            # routing; the ring factor below is uniform routing's share of them).
+            types = types[:1]
         data = sum(array_bytes(t) for t in types)
         if op == "collective-permute":
             pairs = [(s, t) for s, t in instruction.source_target_pairs if s != t]

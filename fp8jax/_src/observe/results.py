@@ -116,7 +116,8 @@ class Collective:
     """One cross-device operation of a compiled program.
 
     **Fields:** `op` (`"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"all-to-all"`,
-    `"collective-permute"`), `instruction` (its name), `shapes` (the result arrays' shapes),
+    `"ragged-all-to-all"`, `"collective-permute"`), `instruction` (its name), `shapes` (the
+    result arrays' shapes; a ragged all-to-all's rows to send),
     `dtypes` (their element types), `reduction` (`"add"`, `"maximum"`, ... for reductions,
     else `None`), `op_name` (the JAX name stack it came from).
     """

@@ -75,7 +75,10 @@ class CollectiveCost:
 
     `wire_bytes` is what one device sends in one run, by the ring algorithm: `(n-1)/n` of
     the array for an all-gather, reduce-scatter or all-to-all, `2(n-1)/n` for an all-reduce
-    (a reduce-scatter, then an all-gather), the array for a permute.
+    (a reduce-scatter, then an all-gather), the array for a permute. A ragged all-to-all
+    (`"ragged-all-to-all"`, expert parallelism's dispatch and combine) counts every row a
+    device could send, of which `(n-1)/n` leave it: uniform routing's share, an estimate
+    (what it sends depends on where the tokens are routed at run time).
     """
 
     name: str
@@ -130,8 +133,8 @@ class Cost:
     HLO does not state; their bodies were counted once), `kernels` (every kernel counted, a
     tuple of [`fp8jax.KernelCost`][]), `communication` (collective -> bytes one device sends,
     by the ring model: `"all-gather"`, `"all-reduce"`, `"reduce-scatter"`, `"all-to-all"`,
-    `"collective-permute"`), `link_bytes` (the same bytes by the link they cross: `"nvlink"`,
-    `"infiniband"`), `collectives` (every collective counted, a tuple of
+    `"ragged-all-to-all"`, `"collective-permute"`), `link_bytes` (the same bytes by the link
+    they cross: `"nvlink"`, `"infiniband"`), `collectives` (every collective counted, a tuple of
     [`fp8jax.CollectiveCost`][]).
 
     Costs add (`a + b`) and scale by a whole number of repeats (`3 * cost`).

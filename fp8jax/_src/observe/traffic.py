@@ -6,7 +6,14 @@ from __future__ import annotations
 from .hlo import NO_TRAFFIC, Module, array_bytes, arrays, parse
 from .results import Collective
 
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 
 
 def hlo_collectives(hlo: str | Module) -> list[Collective]:
@@ -24,6 +31,8 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
             results = arrays(instruction.type)
             if op.endswith("-start") and base in ("all-gather", "collective-permute"):
                 results = results[len(results) // 2 :]  # (operands, results): keep the results
+            elif base == "ragged-all-to-all":
+                results = results[:1]  # the rows it sends (then its buffer, offsets, sizes)
             apply = instruction.callee("to_apply")
             reducer = module.computations.get(apply) if apply is not None else None
             found.append(

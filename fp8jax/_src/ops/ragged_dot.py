@@ -13,7 +13,8 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ..core.stats import ExpertStats
-from ..gemm.grouped import fp8_ragged_dot
+from ..gemm.exchange import ExpertExchange
+from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
 from ..gemm.grouped_rules import check_recipe, native_choice
 from ..recipes import Recipe, TensorState, recipe_from
 from .base import AbstractFp8Op, merge_stats, pick_received
@@ -77,6 +78,45 @@ def check_ragged_dot_args(
         raise ValueError(
             f"{where}: group_sizes={sizes.tolist()} sums to {int(sizes.sum())} but lhs has "
             f"{lhs_shape[0]} tokens (rows); every token must belong to exactly one expert."
+        )
+
+
+def check_dispatch_args(
+    where: str,
+    lhs_shape: tuple[int, ...],
+    rhs_shape: tuple[int, ...],
+    plan: ExpertExchange,
+    num_experts: int | None = None,
+) -> None:
+    """Check a dispatched ragged dot: `lhs (tokens, in)` this device's tokens, as many as
+    `plan` routed; `rhs (local experts, in, out)` this device's experts, as many as `plan`
+    gives rows to (and as the layer's state, `num_experts`, when given)."""
+    assignments, local = plan.order.shape[0], plan.group_sizes.shape[0]
+    if len(lhs_shape) != 2 or len(rhs_shape) != 3:
+        raise ValueError(
+            f"{where}: got lhs {lhs_shape} and rhs {rhs_shape} with an ExpertExchange; should "
+            "be lhs (tokens, in), this device's tokens, and rhs (local experts, in, out)."
+        )
+    if lhs_shape[0] * plan.top_k != assignments:
+        raise ValueError(
+            f"{where}: lhs has {lhs_shape[0]} tokens but the ExpertExchange routed "
+            f"{assignments // plan.top_k} (x top_k {plan.top_k}); pass the tokens it was "
+            "made for, in the same order."
+        )
+    if lhs_shape[1] != rhs_shape[1]:
+        raise ValueError(
+            f"{where}: lhs {lhs_shape} has {lhs_shape[1]} features but rhs {rhs_shape} takes "
+            f"{rhs_shape[1]} (rhs is (local experts, in, out))."
+        )
+    counts = {"the ExpertExchange's local experts": local, "rhs": rhs_shape[0]}
+    if num_experts is not None:
+        counts["the layer's state"] = num_experts
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in counts.items())
+        raise ValueError(
+            f"{where}: mismatched expert counts ({listed}); under expert parallelism rhs and "
+            "the layer's kernel state hold this device's experts (split them over the "
+            "exchange's mesh axis, e.g. shard_map in_specs P(axis) on their leading axis)."
         )
 
 
@@ -208,6 +248,8 @@ class Fp8RaggedDot(AbstractFp8Op):
         lhs_dtype = self._input_dtype("lhs", lhs)
         rhs_dtype = self._input_dtype("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if isinstance(group_sizes, ExpertExchange):
+            return self._dispatched(lhs, rhs, group_sizes, precision, preferred_element_type)
         if isinstance(group_sizes, list | tuple):
             group_sizes = np.asarray(group_sizes)
         experts = self._state_experts()
@@ -223,6 +265,27 @@ class Fp8RaggedDot(AbstractFp8Op):
                 lhs,
                 rhs,
                 jnp.asarray(group_sizes),
+                self._states(),
+                self.name,
+                native_choice(self.recipe, self.native_kernel),
+            )
+
+    def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type) -> Array:
+        """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8
+        to the devices of their experts (`plan`); returns the rows this device's experts
+        received, in expert order."""
+        check_dispatch_args(self._where, lhs.shape, rhs.shape, plan, self._state_experts())
+        out_dtype = self._output_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
+        if isinstance(precision, list):
+            precision = tuple(precision)
+        with self._name_scope():
+            return fp8_dispatched_ragged_dot(
+                self.recipe,
+                precision,
+                out_dtype,
+                lhs,
+                rhs,
+                plan,
                 self._states(),
                 self.name,
                 native_choice(self.recipe, self.native_kernel),

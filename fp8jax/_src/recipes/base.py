@@ -158,10 +158,10 @@ class Recipe(abc.ABC):
       `jit` with sharded arrays the amax is already global; leave this empty there.
     - `weight_gather`: how a weight that XLA gathers for its GEMMs (sharded for FSDP under
       `jit`) reaches the dgrad. `"once"` (default): the forward's gathered FP8 copy is kept
-      until the dgrad, one all-gather per step, at the memory of one gathered FP8 weight per
-      layer between forward and backward. `"per_gemm"`: gathered again for the dgrad, twice
-      the all-gather bytes and nothing kept (FSDP's re-gather in the backward). On one device
-      the two are the same.
+      until the dgrad, one all-gather per step (under a `lax.scan` over layers too), at the
+      memory of one gathered FP8 weight per layer between forward and backward.
+      `"per_gemm"`: gathered again for the dgrad, twice the all-gather bytes and nothing
+      kept (FSDP's re-gather in the backward). On one device the two are the same.
     """
 
     backward_precision: str = "highest"

@@ -1,0 +1,309 @@
+"""Expert parallelism: the routed tokens of each device sent to the devices that hold their
+experts (dispatch), and the experts' outputs sent back (combine), inside `shard_map`.
+
+The experts are split over one mesh axis, `P` devices holding `E / P` consecutive experts
+each. Every device routes its own tokens; `ExpertExchange` is what one device needs to know
+to move its assignments (token, expert) and to receive those of the others:
+
+- its `A = tokens * top_k` assignments sorted by expert, hence by the device holding it:
+  one contiguous chunk per destination;
+- the chunks exchanged with `jax.lax.ragged_all_to_all`: each device sends exactly its
+  assignments' rows and receives exactly the rows routed to its experts (no capacity, no
+  token dropped, no padding on the wire). Its output buffer has a static size: by default the
+  worst case, every assignment of every device on one device (`P * A` rows), so the result
+  is the single-device MoE's whatever the routing; `capacity` makes it smaller (rows past it
+  dropped, as a capacity factor drops tokens);
+- the received rows (one chunk per source device, each sorted by expert) put in expert
+  order: the rows of a grouped GEMM over the device's experts, with their group sizes.
+
+`combine` is the way back: the experts' output rows to the devices of their tokens, where
+each token's `top_k` rows are summed with its routing weights.
+
+XLA's CPU backend has no `ragged-all-to-all`: there the exchange is an `all_to_all` of one
+`A`-row slot per device pair with the same semantics (tests run on CPU devices; a compile
+for GPUs takes `ragged_all_to_all`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+from ..core import jax_private
+from ..recipes import QTensor
+
+
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`lax.ragged_all_to_all`'s result, from an `all_to_all` of one slot of
+    `operand.shape[0]` rows per device pair (XLA:CPU has no ragged all-to-all)."""
+    rows = operand.shape[0]
+    slot = jnp.arange(rows, dtype=input_offsets.dtype)
+    source = jnp.clip(input_offsets[:, None] + slot, 0, max(rows - 1, 0))  # (P, rows)
+    sent = jnp.where(
+        (slot < send_sizes[:, None]).reshape(source.shape + (1,) * (operand.ndim - 1)),
+        operand[source],
+        jnp.zeros((), operand.dtype),
+    )
+    got = lax.all_to_all(sent, axis_name, 0, 0)  # got[i]: device i's slot for this device
+    where = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # its offsets here
+    target = where[:, None] + slot
+    target = jnp.where(slot < recv_sizes[:, None], target, output.shape[0])  # dropped
+    flat = got.reshape((-1,) + operand.shape[1:])
+    return output.at[target.reshape(-1)].set(flat, mode="drop")
+
+
+def ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """`jax.lax.ragged_all_to_all`, which XLA:CPU lacks: emulated there (same result)."""
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    # The primitive's result varies as its `output` does; the emulation's as all of them.
+    varying = frozenset({axis_name}).union(*(jax_private.varying_axes(a) for a in args))
+    missing = tuple(sorted(varying - jax_private.varying_axes(output)))
+    if missing:
+        output = lax.pcast(output, missing, to="varying")
+    args = (operand, output, *args[2:])
+    real = functools.partial(lax.ragged_all_to_all, axis_name=axis_name)
+    cpu = functools.partial(_emulated_ragged_all_to_all, axis_name=axis_name)
+    return lax.platform_dependent(*args, cpu=cpu, default=real)
+
+
+class ExpertExchange(eqx.Module):
+    """How one device's routed tokens reach their experts' devices and come back (expert
+    parallelism, inside `shard_map`). Made by [`fp8jax.expert_exchange`][].
+
+    **Fields** (per device; `A` assignments, `R` rows received at most, `P` devices):
+    `order (A,)` the assignments (flattened `(token, k)`) sorted by expert; `send_sizes`,
+    `input_offsets`, `output_offsets`, `recv_sizes`, `return_offsets` `(P,)` the
+    `ragged_all_to_all` arguments both ways; `sorted_from (R,)` the received row at each
+    row of expert order; `position (R,)` the other way; `group_sizes (E / P,)` the rows of
+    each local expert. Static: the mesh `axis_name`, `top_k`, `capacity` (`R`).
+    """
+
+    order: Int[Array, " A"]
+    send_sizes: Int[Array, " P"]
+    input_offsets: Int[Array, " P"]
+    output_offsets: Int[Array, " P"]
+    recv_sizes: Int[Array, " P"]
+    return_offsets: Int[Array, " P"]
+    sorted_from: Int[Array, " R"]
+    position: Int[Array, " R"]
+    group_sizes: Int[Array, " local_experts"]
+    axis_name: str = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    capacity: int = eqx.field(static=True)
+
+    @property
+    def received(self) -> Int[Array, ""]:
+        """How many rows this device's experts got (at most `capacity` are kept)."""
+        return jnp.minimum(jnp.sum(self.recv_sizes), self.capacity)
+
+    def send(self, rows: Array, fill: float = 0.0) -> Array:
+        """`rows (A, ...)`, one per assignment in `order`, to the devices of their experts:
+        `(R, ...)` in expert order, `fill` past the received rows."""
+        recv = ragged_all_to_all(
+            rows,
+            jnp.zeros((self.capacity, *rows.shape[1:]), rows.dtype),
+            self.input_offsets,
+            self.send_sizes,
+            self.output_offsets,
+            self.recv_sizes,
+            axis_name=self.axis_name,
+        )
+        valid = jnp.arange(self.capacity) < self.received
+        mask = valid.reshape((-1,) + (1,) * (rows.ndim - 1))
+        return jnp.where(mask, recv[self.sorted_from], jnp.asarray(fill, rows.dtype))
+
+    def send_back(self, rows: Array) -> Array:
+        """The inverse of `send`: `rows (R, ...)` in expert order back to the devices of
+        their tokens, `(A, ...)` in `order` (zeros for assignments dropped by `capacity`)."""
+        assignments = self.order.shape[0]
+        received = rows[self.position]
+        return ragged_all_to_all(
+            received,
+            jnp.zeros((assignments, *rows.shape[1:]), rows.dtype),
+            self.recv_offsets,
+            self.recv_sizes,
+            self.return_offsets,
+            self.send_sizes,
+            axis_name=self.axis_name,
+        )
+
+    @property
+    def recv_offsets(self) -> Int[Array, " P"]:
+        return jnp.cumsum(self.recv_sizes) - self.recv_sizes
+
+    def tokens_of(self, x: Float[Array, "tokens ..."]) -> Array:
+        """Each assignment's token row of `x`, in `order`: `(A, ...)`."""
+        return x[self.order // self.top_k]
+
+    def dispatch(self, x: Float[Array, "tokens ..."]) -> Array:
+        """The rows of `x (tokens, ...)` routed to this device's experts, from every device,
+        in expert order: `(R, ...)` (as `x`'s dtype: BF16 stays BF16). An FP8 grouped layer
+        given the `ExpertExchange` quantizes first and dispatches FP8 instead."""
+        return _dispatch(self, x)
+
+    def dispatch_quantized(self, q: QTensor) -> QTensor:
+        """`q`, this device's tokens quantized (`(tokens, K)` FP8 data; a per-tensor scale,
+        or one scale per tile of a row), as `dispatch` sends a high-precision activation:
+        the FP8 rows and their tiles' scales cross the mesh; a per-tensor scale, global,
+        stays (every device has it). Rows past the received ones: zeros, scales of 1."""
+        tokens = q.data.shape[0]
+        data = self.send(self.tokens_of(q.data))
+        scale = q.scale_inv
+        if scale.ndim and scale.shape[0] == tokens:
+            scale = self.send(self.tokens_of(scale), fill=1.0)
+        return QTensor(data, scale, q.block)
+
+    def gradient_back(self, d_rows: Float[Array, "R ..."]) -> Float[Array, "tokens ..."]:
+        """The gradient of `dispatch` (or `dispatch_quantized`): `d_rows (R, ...)`, the
+        gradient of the rows this device's experts received, back to the devices of their
+        tokens and summed over each token's `top_k` assignments: `(tokens, ...)`."""
+        back = self.send_back(d_rows)  # (A, ...) in order
+        tokens = self.order.shape[0] // self.top_k
+        zeros = jnp.zeros((tokens, *d_rows.shape[1:]), d_rows.dtype)
+        return zeros.at[self.order // self.top_k].add(back)
+
+    def combine(
+        self, y: Float[Array, "R ..."], weights: Float[Array, "tokens top_k"]
+    ) -> Float[Array, "tokens ..."]:
+        """The experts' output rows `y (R, ...)` (expert order, this device's experts) back
+        to the devices of their tokens, each token's `top_k` rows summed with its routing
+        `weights (tokens, top_k)`: `(tokens, ...)`, in `y`'s dtype."""
+        back = _combine(self, y)  # (A, ...) in order
+        tokens = weights.shape[0]
+        w = weights.reshape(-1)[self.order].astype(y.dtype)
+        w = w.reshape((-1,) + (1,) * (y.ndim - 1))
+        # Added to the tokens in expert order, as one device sorting its tokens would.
+        out = jnp.zeros((tokens, *y.shape[1:]), y.dtype)
+        return out.at[self.order // self.top_k].add(back * w)
+
+
+# Dispatch and combine are each other's transpose: their gradients are the other exchange
+# (custom_vjp: one code path for the forward and backward exchanges of every layer).
+@jax.custom_vjp
+def _dispatch(plan: ExpertExchange, x: Array) -> Array:
+    return plan.send(plan.tokens_of(x))
+
+
+def _dispatch_fwd(plan, x):
+    return _dispatch(plan, x), plan
+
+
+def _dispatch_bwd(plan, g):
+    return _zero_plan(plan), plan.gradient_back(g)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _combine(plan: ExpertExchange, y: Array) -> Array:
+    return plan.send_back(y)
+
+
+def _combine_fwd(plan, y):
+    return _combine(plan, y), plan
+
+
+def _combine_bwd(plan, g):
+    return _zero_plan(plan), plan.send(g)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _zero_plan(plan: ExpertExchange) -> Any:
+    """The (nonexistent) cotangent of a plan: integer arrays take `float0` zeros."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jax.dtypes.float0), plan)
+
+
+def expert_exchange(
+    experts: Int[Array, "tokens top_k"],
+    num_experts: int,
+    axis_name: str,
+    *,
+    capacity: int | None = None,
+) -> ExpertExchange:
+    """The `ExpertExchange` of this device's routed tokens, inside `shard_map` over
+    `axis_name`, whose `P` devices hold `num_experts / P` consecutive experts each.
+
+    **Arguments:**
+
+    - `experts (tokens, top_k)`: each of this device's tokens' experts (global indices).
+    - `num_experts`: all experts, a multiple of the axis size.
+    - `axis_name`: the mesh axis the experts are split over.
+    - `capacity`: the rows a device's experts can receive (static). `None`: the worst case,
+      `P * tokens * top_k`, so that no routing drops a token (the single-device MoE's
+      result); smaller saves memory and GEMM rows past the received ones, and drops the
+      rows past it.
+    """
+    devices = lax.axis_size(axis_name)
+    if num_experts % devices:
+        raise ValueError(
+            f"expert_exchange: num_experts={num_experts} does not split over the {devices} "
+            f"devices of mesh axis {axis_name!r}; use a multiple of {devices}."
+        )
+    if experts.ndim != 2 or not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(
+            f"expert_exchange: experts {experts.shape} {experts.dtype}: should be "
+            "(tokens, top_k) integers, each token's experts."
+        )
+    tokens, top_k = experts.shape
+    assignments = tokens * top_k
+    capacity = devices * assignments if capacity is None else capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"expert_exchange: capacity={capacity!r}: should be an int >= 1.")
+    local = num_experts // devices
+    flat = experts.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # (E,) of this device
+    send_sizes = counts.reshape(devices, local).sum(-1)
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes
+    every = lax.all_gather(counts, axis_name).reshape(devices, devices, local)  # src, dst, e
+    me = lax.axis_index(axis_name)
+    per_pair = every.sum(-1)  # (src, dst)
+    # Where this device's chunk lands in each destination's buffer: after the chunks of the
+    # devices before it. A chunk past the destination's capacity is cut (its rows dropped).
+    output_offsets = (jnp.cumsum(per_pair, axis=0) - per_pair)[me]
+    send_sizes = jnp.clip(capacity - output_offsets, 0, send_sizes)
+    mine = jnp.take(every, me, axis=1)  # (src, local experts): what this device receives
+    recv_sizes = mine.sum(-1)
+    recv_start = jnp.cumsum(recv_sizes) - recv_sizes
+    recv_sizes = jnp.clip(capacity - recv_start, 0, recv_sizes)
+    # The way back: this device's chunk from source i lands where source i sent it from.
+    return_offsets = lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
+    # Each received row's local expert: chunks by source, each sorted by expert.
+    row = jnp.arange(capacity, dtype=jnp.int32)
+    ends = (recv_start[:, None] + jnp.cumsum(mine, axis=1)).reshape(-1)  # (src * e)
+    piece = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, devices * local - 1)
+    expert = (piece % local).astype(jnp.int32)
+    valid = row < jnp.sum(recv_sizes)
+    # Expert order: by expert, then by source, each source's rows in its order (the order
+    # of one device sorting all tokens, when the tokens are split over the devices in order).
+    sorted_from = jnp.argsort(jnp.where(valid, expert, local), stable=True).astype(jnp.int32)
+    position = jnp.zeros(capacity, jnp.int32).at[sorted_from].set(row)
+    group_sizes = jnp.bincount(jnp.where(valid, expert, local), length=local + 1)[:local]
+    group_sizes = group_sizes.astype(jnp.int32)
+    return ExpertExchange(
+        order=order,
+        send_sizes=send_sizes,
+        input_offsets=input_offsets,
+        output_offsets=output_offsets,
+        recv_sizes=recv_sizes,
+        return_offsets=return_offsets,
+        sorted_from=sorted_from,
+        position=position,
+        group_sizes=group_sizes,
+        axis_name=axis_name,
+        top_k=top_k,
+        capacity=capacity,
+    )

@@ -1,0 +1,322 @@
+"""Expert parallelism: experts split over a mesh axis, tokens dispatched to them (FP8 from an
+FP8 layer) and combined back, inside `shard_map`, against the same MoE on one device."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import h100_topology
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+from fp8jax._src.gemm import exchange
+from fp8jax._src.kernels import reference
+from fp8jax.examples.moe_model import MoE
+
+EXPERTS, WIDTH, HIDDEN, TOP_K = 16, 128, 256, 2
+
+
+def _mesh(shape: dict[str, int]):
+    assert jax.device_count() >= 8, "tests expect 8 CPU devices (see conftest.py)"
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=axis_types)
+
+
+def _routed(tokens: int, seed: int = 0):
+    """Tokens' experts with uneven loads and two experts that get none."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(EXPERTS, 0.5))
+    p[[1, 9]] = 0.0
+    p /= p.sum()
+    chosen = np.stack([rng.choice(EXPERTS, TOP_K, replace=False, p=p) for _ in range(tokens)])
+    return chosen.astype(np.int32), rng.random((tokens, TOP_K)).astype(np.float32)
+
+
+# --- the exchange ----------------------------------------------------------------------------
+
+
+def _numpy_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):
+    """`lax.ragged_all_to_all`'s documented result, device by device."""
+    outputs = [o.copy() for o in outputs]
+    for i, (x, io, s, oo) in enumerate(zip(operands, in_off, send, out_off, strict=True)):
+        for j in range(len(operands)):
+            outputs[j][oo[j] : oo[j] + s[j]] = x[io[j] : io[j] + s[j]]
+            assert recv[j][i] == s[j]
+    return outputs
+
+
+def test_the_cpu_exchange_is_ragged_all_to_all():
+    """XLA:CPU has no ragged all-to-all: the emulation gives the primitive's result."""
+    devices, rows = 8, 12
+    rng = np.random.default_rng(1)
+    send = rng.integers(0, 3, (devices, devices)).astype(np.int32)  # send[i, j]: i -> j
+    in_off = np.cumsum(send, axis=1) - send
+    out_off = (np.cumsum(send, axis=0) - send).astype(np.int32)  # where i's rows land in j
+    recv = send.T.copy()
+    x = rng.standard_normal((devices, rows, 3)).astype(np.float32)
+    out = np.full((devices, 20, 3), -1.0, np.float32)
+    want = _numpy_ragged_all_to_all(list(x), list(out), in_off, send, out_off, recv)
+    mesh = _mesh({"e": devices})
+
+    def one(x, out, io, s, oo, r):
+        return exchange.ragged_all_to_all(x[0], out[0], io[0], s[0], oo[0], r[0], axis_name="e")[
+            None
+        ]
+
+    f = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("e"),) * 6, out_specs=P("e")))
+    got = f(x, out, in_off, send, out_off, recv)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+
+
+def _toy_experts(rows, plan, scale):
+    """Expert `e` multiplies its rows by `scale[e]` (global expert index)."""
+    me = jax.lax.axis_index(plan.axis_name)
+    local = plan.group_sizes.shape[0]
+    expert = (
+        jnp.repeat(jnp.arange(local), plan.group_sizes, total_repeat_length=rows.shape[0])
+        + me * local
+    )
+    return rows * scale[expert][:, None]
+
+
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_dispatch_and_combine_route_every_token_to_its_experts(capacity):
+    """Each token's rows reach its experts' devices, in expert order, and come back summed
+    with its weights; the gradient goes back the same way. With a capacity, a device keeps
+    the rows that fit (sources in order) and the others come back as zeros."""
+    devices, tokens = 8, 16
+    chosen, weights = _routed(devices * tokens)
+    x = np.random.default_rng(2).standard_normal((devices * tokens, 4)).astype(np.float32)
+    scale = jnp.arange(1.0, EXPERTS + 1)
+    mesh = _mesh({"expert": devices})
+
+    def moe(x, chosen, weights):
+        plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert", capacity=capacity)
+        return plan.combine(_toy_experts(plan.dispatch(x), plan, scale), weights)
+
+    f = jax.jit(jax.shard_map(moe, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert")))
+    got = np.asarray(f(x, chosen, weights))
+    kept = np.ones(chosen.shape, bool)
+    if capacity is not None:  # which assignments fit: each device's experts fill in order
+        filled = np.zeros(devices, int)
+        for d in range(devices):  # source devices in order
+            block = chosen[d * tokens : (d + 1) * tokens]
+            for dest in range(devices):
+                mine = (block // (EXPERTS // devices)) == dest
+                n = int(mine.sum())
+                fit = max(0, min(n, capacity - filled[dest]))
+                # the first `fit` of this source's rows for `dest`, in expert order
+                flat = np.flatnonzero(mine.reshape(-1))
+                flat = flat[np.argsort(block.reshape(-1)[flat], kind="stable")]
+                dropped = flat[fit:]
+                kept[d * tokens + dropped // TOP_K, dropped % TOP_K] = False
+                filled[dest] += n
+        assert 0 < (~kept).sum() < kept.size  # some dropped, not all
+    w = np.where(kept, weights, 0.0)
+    want = np.einsum("tk,tkf->tf", w, x[:, None, :] * np.asarray(scale)[chosen][..., None])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(f(x, chosen, weights) * want))(x)
+    want_grad = want * np.sum(w * np.asarray(scale)[chosen], axis=1, keepdims=True)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_exchange_names_bad_arguments():
+    mesh = _mesh({"expert": 8})
+
+    def plan(experts, n, **kw):
+        f = jax.shard_map(
+            lambda e: fp8jax.expert_exchange(e, n, "expert", **kw).group_sizes,
+            mesh=mesh,
+            in_specs=P("expert"),
+            out_specs=P("expert"),
+        )
+        return jax.eval_shape(f, experts)
+
+    experts = jnp.zeros((64, 2), jnp.int32)
+    with pytest.raises(ValueError, match="num_experts=12 does not split over the 8"):
+        plan(experts, 12)
+    with pytest.raises(ValueError, match=r"should be \(tokens, top_k\) integers"):
+        plan(experts.astype(jnp.float32), 16)
+    with pytest.raises(ValueError, match="capacity=0"):
+        plan(experts, 16, capacity=0)
+
+
+# --- an MoE block, expert parallel, against one device ----------------------------------------
+
+# Power-of-two scales (the per-tensor recipes' default) keep the quantized values exact
+# multiples of the data's: with the integer data and ternary weights of `_exact_problem`
+# every GEMM whose result is quantized again sums exactly in float32, so that the expert
+# parallel block's outputs and FP8 states can be compared bit for bit.
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(power_of_two=True),
+}
+
+
+def _moe(recipe, expert_axis=None, axis_names=()):
+    moe = MoE(
+        WIDTH,
+        HIDDEN,
+        EXPERTS,
+        TOP_K,
+        key=jax.random.key(0),
+        expert_axis=expert_axis,
+        activation=jax.nn.relu,
+    )
+    # Ternary weights; the router's too (exact logits: the same routing weights on every
+    # device count), with expert 0 favoured by every token and experts 1 and 9 by none.
+    rng = np.random.default_rng(4)
+    gate, up, down = (
+        rng.integers(-1, 2, w.shape).astype(np.float32)
+        for w in (moe.gate.weight, moe.up.weight, moe.down.weight)
+    )
+    gate[0], gate[[1, 9]] = 1.0, -1.0
+    moe = eqx.tree_at(
+        lambda m: (m.gate.weight, m.up.weight, m.down.weight),
+        moe,
+        tuple(jnp.asarray(w) for w in (gate, up, down)),
+    )
+    if recipe is None:
+        return moe
+    recipe = dataclasses.replace(recipe, axis_names=axis_names)  # amaxes over the devices
+    return fp8jax.fp8_linear_layers(moe, fp8jax.Fp8Config(recipe=recipe))
+
+
+def _exact_problem(tokens: int):
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 3, (tokens, WIDTH)).astype(np.float32)  # >= 0: the router's biases
+    return x, np.zeros_like(x)
+
+
+def _expert_specs(moe, axis):
+    """`P(axis)` for the experts' weights and per-expert FP8 state, `P()` for the rest."""
+
+    def spec(path, leaf):
+        key = jax.tree_util.keystr(path)
+        per_expert = key.endswith(("up.weight", "down.weight"))
+        per_expert |= ".ragged_dot.kernel." in key
+        return P(axis) if per_expert else P()
+
+    return jax.tree_util.tree_map_with_path(spec, eqx.filter(moe, eqx.is_array))
+
+
+def _step(loss):
+    @eqx.filter_jit
+    def step(model, x, y):
+        return fp8jax.filter_value_and_grad(loss, has_aux=True)(model, x, y)
+
+    return step
+
+
+def _one_device_loss(model, x, y):
+    out = model(x)
+    return jnp.mean((out - y) ** 2), out
+
+
+def _expert_parallel_loss(mesh, token_axes, expert_axis):
+    """The loss of an expert-parallel block: `shard_map` over `mesh`, tokens split over
+    `token_axes`, experts over `expert_axis`."""
+
+    def loss(model, x, y):
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def local(params, x, y):
+            out = eqx.combine(params, static)(x)
+            total = jax.lax.psum(jnp.sum((out - y) ** 2), token_axes)
+            return total / (x.shape[0] * jax.lax.psum(1, token_axes) * y.shape[1]), out
+
+        f = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(_expert_specs(model, expert_axis), P(token_axes), P(token_axes)),
+            out_specs=(P(), P(token_axes)),
+        )
+        return f(params, x, y)
+
+    return loss
+
+
+LAYOUTS = {"expert 8": {"expert": 8}, "data 2 x expert 4": {"data": 2, "expert": 4}}
+
+
+def _sgd(model, grads):
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+    return fp8jax.apply_updates(model, jax.tree.map(jnp.zeros_like, grads), overwrites)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_expert_parallel_moe_trains_like_one_device(name, layout):
+    """An FP8 MoE block with its 16 experts split over 8 devices (or 4, times 2 data-parallel
+    replicas), tokens routed unevenly and two experts empty: two steps (the second with the
+    first's FP8 state) give the single-device block's outputs and new FP8 states bit for bit
+    (the data make every sum feeding a quantization exact), its loss and weight gradients to
+    float32 summation order (the devices' partial sums)."""
+    shape = LAYOUTS[layout]
+    mesh = _mesh(shape)
+    tokens = 256
+    x, y = _exact_problem(tokens)
+    token_axes = tuple(shape)
+    one = _moe(RECIPES[name])
+    ep = _moe(RECIPES[name], expert_axis="expert", axis_names=token_axes)
+    one_step = _step(_one_device_loss)
+    ep_step = _step(_expert_parallel_loss(mesh, token_axes, "expert"))
+    for _ in range(2):
+        (want_loss, want_out), want = one_step(one, x, y)
+        (loss, out), got = ep_step(ep, x, y)
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+        leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(got, eqx.is_array))
+        want_leaves = jax.tree.leaves(eqx.filter(want, eqx.is_array))
+        assert len(leaves) == len(want_leaves)
+        for (path, a), b in zip(leaves, want_leaves, strict=True):
+            key = jax.tree_util.keystr(path)
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if "ragged_dot" in key:  # FP8 state: the new scales and amax histories
+                np.testing.assert_array_equal(a, b, err_msg=key)
+            else:  # sums over the tokens, split over devices
+                atol = reference.float32_sum_bound(tokens * TOP_K, float(np.abs(b).max()))
+                np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=key)
+        one, ep = _sgd(one, want), _sgd(ep, got)  # the FP8 state written back
+
+
+# --- a compile for 8 H100s ----------------------------------------------------------------------
+
+
+def test_the_dispatch_moves_fp8_on_eight_h100s():
+    """Compiled for 8 H100s: the dispatch's ragged all-to-all carries FP8 (and blockwise's
+    float32 tile scales), half the BF16 dispatch's bytes plus the scales; the combine stays
+    BF16; every expert GEMM is the grouped Mosaic kernel."""
+    h100_topology(8)
+    mesh = fp8jax.h100_mesh({"expert": 8})
+    tokens = 8 * 512
+    moved = {}
+    for name, recipe in {"bf16": None, "blockwise": fp8jax.BlockwiseScaling()}.items():
+        model = _moe(recipe, expert_axis="expert")
+        model = jax.tree.map(
+            lambda a: (
+                a.astype(jnp.bfloat16)
+                if eqx.is_inexact_array(a) and a.dtype == jnp.float32 and a.ndim == 3
+                else a
+            ),
+            model,
+        )
+        loss = _expert_parallel_loss(mesh, ("expert",), "expert")
+        rows = NamedSharding(mesh, P("expert"))
+        batch = [jax.ShapeDtypeStruct((tokens, WIDTH), jnp.bfloat16, sharding=rows)] * 2
+        report = fp8jax.inspect(_step(loss), model, *batch, modes=("cublas",))
+        moved[name] = [c for c in report.collectives["cublas"] if c.op == "ragged-all-to-all"]
+        if name == "blockwise":
+            expert_gemms = [
+                g
+                for g in report.gemms["cublas"]
+                if "ragged_dot" in g.op_name or "up" in g.op_name or "down" in g.op_name
+            ]
+            assert {g.kernel for g in expert_gemms} == {"pallas mosaic gpu"}, expert_gemms
+    print(moved)
+    assert moved["bf16"] and moved["blockwise"]
