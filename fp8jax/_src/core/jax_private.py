@@ -152,6 +152,14 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def varying_like(x: Any, *operands: Any) -> Any:
+    """`x` typed as varying over every manual mesh axis any of `operands` varies over (the
+    initial carry of a loop over them inside `shard_map`: its type must be the body's)."""
+    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(operands)))
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def spec_of(sharding: Any, mesh: Any, ndim: int) -> jax.sharding.PartitionSpec | None:
     """The `PartitionSpec` over `mesh` of `sharding` (a `NamedSharding`, or the
     `GSPMDSharding` a `custom_partitioning` rule gets with `decode_shardings=False`) for an

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from ..core import jax_private
 from ..kernels import dispatch
 from ..kernels.partition import Dim, GemmDims
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, QTensor, Recipe
@@ -140,7 +141,8 @@ def _accumulate(partial_sum: Callable[..., Array], xs: tuple, steps: int, shape:
     def step(acc: Array, x: tuple) -> tuple[Array, None]:
         return acc + partial_sum(*x), None
 
-    return lax.scan(step, jnp.zeros(shape, jnp.float32), xs)[0]
+    total = jax_private.varying_like(jnp.zeros(shape, jnp.float32), xs)
+    return lax.scan(step, total, xs)[0]
 
 
 def _steps(a: Array, axis: int, group: int) -> Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from ..core import jax_private
 from ..core.formats import (
     FormatLike,
     expand_blocks,
@@ -139,7 +140,7 @@ def block_dot(
         groups(s_lhs, nb + 1),
         groups(s_rhs, nb + 1),
     )
-    total = jnp.zeros((*batch, m, n), jnp.float32)
+    total = jax_private.varying_like(jnp.zeros((*batch, m, n), jnp.float32), xs)
     return lax.scan(step, total, xs)[0]
 
 
