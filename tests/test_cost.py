@@ -344,7 +344,7 @@ COLLECTIVES = """HloModule collectives, is_scheduled=true, num_partitions=16
   ROOT %sum = f32[] add(%a, %b)
 }
 
-ENTRY %main (w: bf16[128,1024], g: f32[256,256], r: f32[64,512], p: bf16[32,32], t: f32[16,64]) -> bf16[1024,1024] {
+ENTRY %main (w: bf16[128,1024], g: f32[256,256], r: f32[64,512], p: bf16[32,32], t: f32[16,64], q: f8e4m3fn[64,32], buf: f8e4m3fn[512,32], o: s64[8]) -> bf16[1024,1024] {
   %w = bf16[128,1024]{1,0} parameter(0)
   %g = f32[256,256]{1,0} parameter(1)
   %r = f32[64,512]{1,0} parameter(2)
@@ -357,6 +357,11 @@ ENTRY %main (w: bf16[128,1024], g: f32[256,256], r: f32[64,512], p: bf16[32,32],
   %cp = (bf16[32,32]{1,0}, bf16[32,32]{1,0}) collective-permute-start(%p), channel_id=4, source_target_pairs={{0,1},{1,0},{2,2}}
   %cp.done = bf16[32,32]{1,0} collective-permute-done(%cp)
   %a2a = f32[16,64]{1,0} all-to-all(%t), channel_id=5, replica_groups={}, dimensions={0}
+  %q = f8e4m3fn[64,32]{1,0} parameter(5)
+  %buf = f8e4m3fn[512,32]{1,0} parameter(6)
+  %o = s64[8]{0} parameter(7)
+  %ra = ((f8e4m3fn[64,32]{1,0}, f8e4m3fn[512,32]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), f8e4m3fn[512,32]{1,0}) ragged-all-to-all-start(%q, %buf, %o, %o, %o, %o), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}
+  %ra.done = f8e4m3fn[512,32]{1,0} ragged-all-to-all-done(%ra)
   ROOT %out = bf16[1024,1024]{1,0} copy(%ag.done)
 }
 """  # noqa: E501 - verbatim HLO
@@ -365,6 +370,7 @@ REDUCED = 256 * 256 * 4
 SCATTERED = 64 * 512 * 4  # the reduce-scatter's operand
 PERMUTED = 32 * 32 * 2
 EXCHANGED = 16 * 64 * 4
+DISPATCHED = 64 * 32  # the ragged all-to-all's rows to send (its buffer holds 512)
 
 
 def test_collectives_by_the_ring_model_and_their_links():
@@ -381,6 +387,8 @@ def test_collectives_by_the_ring_model_and_their_links():
         "cp": ("collective-permute", "bf16", PERMUTED, 2, "nvlink"),
         # `{}`: every device of the module's 16
         "a2a": ("all-to-all", "f32", EXCHANGED, 16, "infiniband"),
+        # the smaller of its rows to send and its buffer: what one device sends at most
+        "ra": ("ragged-all-to-all", "f8e4m3fn", DISPATCHED, 8, "nvlink"),
     }
     assert cost.communication == {
         "all-gather": GATHERED * 7 // 8,
@@ -388,8 +396,9 @@ def test_collectives_by_the_ring_model_and_their_links():
         "reduce-scatter": SCATTERED // 2,
         "collective-permute": PERMUTED,
         "all-to-all": EXCHANGED * 15 // 16,
+        "ragged-all-to-all": DISPATCHED * 7 // 8,
     }
-    nvlink = GATHERED * 7 // 8 + PERMUTED
+    nvlink = GATHERED * 7 // 8 + PERMUTED + DISPATCHED * 7 // 8
     infiniband = 2 * REDUCED * 7 // 8 + SCATTERED // 2 + EXCHANGED * 15 // 16
     assert cost.link_bytes == {"nvlink": nvlink, "infiniband": infiniband}
     assert cost.communication_bytes == nvlink + infiniband

@@ -288,35 +288,57 @@ def test_expert_parallel_moe_trains_like_one_device(name, layout):
 # --- a compile for 8 H100s ----------------------------------------------------------------------
 
 
-def test_the_dispatch_moves_fp8_on_eight_h100s():
-    """Compiled for 8 H100s: the dispatch's ragged all-to-all carries FP8 (and blockwise's
-    float32 tile scales), half the BF16 dispatch's bytes plus the scales; the combine stays
-    BF16; every expert GEMM is the grouped Mosaic kernel."""
+def _h100_report(recipe):
+    """The expert-parallel block's train step (BF16 compute, 512 tokens per GPU) compiled for
+    8 H100s, experts split over all 8."""
     h100_topology(8)
     mesh = fp8jax.h100_mesh({"expert": 8})
-    tokens = 8 * 512
-    moved = {}
-    for name, recipe in {"bf16": None, "blockwise": fp8jax.BlockwiseScaling()}.items():
-        model = _moe(recipe, expert_axis="expert")
-        model = jax.tree.map(
-            lambda a: (
-                a.astype(jnp.bfloat16)
-                if eqx.is_inexact_array(a) and a.dtype == jnp.float32 and a.ndim == 3
-                else a
-            ),
-            model,
+    model = _moe(recipe, expert_axis="expert", axis_names=("expert",))
+    loss = _expert_parallel_loss(mesh, ("expert",), "expert")
+
+    def bf16_loss(model_and_x, y):  # the block's input differentiated: inside a model
+        model, x = jax.tree.map(
+            lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a,
+            model_and_x,
+            is_leaf=lambda n: isinstance(n, fp8jax.OverwriteWithGradient),
         )
-        loss = _expert_parallel_loss(mesh, ("expert",), "expert")
-        rows = NamedSharding(mesh, P("expert"))
-        batch = [jax.ShapeDtypeStruct((tokens, WIDTH), jnp.bfloat16, sharding=rows)] * 2
-        report = fp8jax.inspect(_step(loss), model, *batch, modes=("cublas",))
-        moved[name] = [c for c in report.collectives["cublas"] if c.op == "ragged-all-to-all"]
+        value, _ = loss(model, x, y)
+        return value.astype(jnp.float32)
+
+    rows = NamedSharding(mesh, P("expert"))
+    x, y = [jax.ShapeDtypeStruct((8 * 512, WIDTH), jnp.bfloat16, sharding=rows)] * 2
+    step = eqx.filter_jit(fp8jax.filter_value_and_grad(bf16_loss))
+    return fp8jax.inspect(step, (model, x), y, modes=("cublas",))
+
+
+def test_the_dispatch_moves_fp8_on_eight_h100s():
+    """Compiled for 8 H100s: the dispatch's ragged all-to-all carries the FP8 rows (half the
+    BF16 dispatch's bytes) and their float32 1 x 128 tile scales; the combine and the
+    backward's exchanges stay BF16, as in the BF16 program; every expert GEMM (forward,
+    dgrad, wgrad of both grouped layers) is the grouped Mosaic kernel with FP8 operands."""
+    exchanges = {}
+    for name, recipe in (("bf16", None), ("blockwise", fp8jax.BlockwiseScaling())):
+        report = _h100_report(recipe)
+        exchanges[name] = sorted(
+            (c.dtypes[0], c.shapes[0])
+            for c in report.collectives["cublas"]
+            if c.op == "ragged-all-to-all"
+        )
         if name == "blockwise":
-            expert_gemms = [
-                g
-                for g in report.gemms["cublas"]
-                if "ragged_dot" in g.op_name or "up" in g.op_name or "down" in g.op_name
-            ]
-            assert {g.kernel for g in expert_gemms} == {"pallas mosaic gpu"}, expert_gemms
-    print(moved)
-    assert moved["bf16"] and moved["blockwise"]
+            experts = [g for g in report.gemms["cublas"] if g.layer in ("up", "down")]
+            assert len(experts) == 6, report.gemms["cublas"]
+            for g in experts:  # (their PTX's FP8 wgmma: tests/test_grouped_native.py)
+                assert g.kernel == "pallas mosaic gpu", g
+                assert g.lhs == g.rhs == "f8e4m3fn", g
+    assignments = 512 * TOP_K  # rows each GPU sends
+    # Forward: dispatch and combine; backward: their transposes. Rows of WIDTH each.
+    assert (
+        exchanges["bf16"]
+        == [("bf16", (assignments, WIDTH))] * 2 + [("bf16", (8 * assignments, WIDTH))] * 2
+    ), exchanges
+    fp8 = [e for e in exchanges["blockwise"] if e[0].startswith("f8")]
+    assert fp8 == [("f8e4m3fn", (assignments, WIDTH))], exchanges  # 1 byte, not 2
+    scales = [e for e in exchanges["blockwise"] if e[0] == "f32"]
+    assert scales == [("f32", (assignments, WIDTH // 128))], exchanges
+    rest = [e for e in exchanges["blockwise"] if e[0] == "bf16"]
+    assert len(rest) == 3, exchanges  # the combine and both backward exchanges stay BF16

@@ -103,8 +103,9 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     apart, as [`fp8jax.CollectiveCost`][]s, loops multiplied like any kernel: the bytes one
     device sends by the ring algorithm (`(n-1)/n` of the whole array for an all-gather,
     reduce-scatter or all-to-all over `n` devices, `2(n-1)/n` for an all-reduce, the array
-    for a permute; a ragged all-to-all as an all-to-all of all the rows it could send, an
-    estimate: what it sends depends on the routing at run time), over
+    for a permute; a ragged all-to-all as an all-to-all of the smaller of its rows to send
+    and its output buffer, an estimate: what it sends depends on the routing at run time),
+    over
     NVLink when each of its replica groups lies within one node of `gpus_per_node` GPUs
     (devices `k * gpus_per_node ...` are node `k`; `fp8jax.h100_mesh` numbers its GPUs so),
     over InfiniBand when a group spans nodes. `Cost.communication_seconds` prices them at
@@ -201,10 +202,11 @@ class _Walker:
         op = instruction.op.removesuffix("-start")
         types = [computation.type_of(o) for o in instruction.operands]
         if op == "ragged-all-to-all":
-            # Its operands: the rows to send, the output buffer, then offsets and sizes.
-            # Counted: every row this device could send (what leaves it depends on the
-            # routing; the ring factor below is uniform routing's share of them).
-            types = types[:1]
+            # Its operands: the rows to send, the output buffer, then offsets and sizes. A
+            # device sends at most its rows and receives at most its buffer: counted, the
+            # smaller (what moves depends on the routing at run time; the ring factor below
+            # is uniform routing's share of it leaving the device).
+            types = [min(types[:2], key=array_bytes)]
         data = sum(array_bytes(t) for t in types)
         if op == "collective-permute":
             pairs = [(s, t) for s, t in instruction.source_target_pairs if s != t]

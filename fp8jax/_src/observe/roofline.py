@@ -76,9 +76,9 @@ class CollectiveCost:
     `wire_bytes` is what one device sends in one run, by the ring algorithm: `(n-1)/n` of
     the array for an all-gather, reduce-scatter or all-to-all, `2(n-1)/n` for an all-reduce
     (a reduce-scatter, then an all-gather), the array for a permute. A ragged all-to-all
-    (`"ragged-all-to-all"`, expert parallelism's dispatch and combine) counts every row a
-    device could send, of which `(n-1)/n` leave it: uniform routing's share, an estimate
-    (what it sends depends on where the tokens are routed at run time).
+    (`"ragged-all-to-all"`, expert parallelism's dispatch and combine) counts the smaller of
+    its rows to send and its output buffer, of which `(n-1)/n` leave the device: uniform
+    routing's share, an estimate (what moves depends on where tokens are routed at run time).
     """
 
     name: str
