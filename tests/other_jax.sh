@@ -26,7 +26,10 @@ TESTS=(
     tests/test_jax_private.py
     tests/test_mosaic_private.py
     tests/test_max_not_sum.py
-    tests/test_train_step.py
+    tests/test_train_step.py::test_matches_the_explicit_step
+    tests/test_train_step.py::test_compiles_with_fp8jax_s_gpu_options_by_default
+    tests/test_train_step.py::test_gpu_options_as_flags_are_accepted_by_xla
+    tests/test_train_step.py::test_bfloat16_compute_keeps_float32_masters_and_state
     tests/test_kernels.py::test_kernel_matches_float64_reference_in_the_interpreter
     tests/test_kernels.py::test_cpu_compiles_keep_the_xla_path
     tests/test_kernels.py::test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel
@@ -43,7 +46,14 @@ TESTS=(
     "tests/test_scaling_out.py::test_native_kernels_per_shard_train_like_one_device[blockwise-tensor]"
     "tests/test_scaling_out.py::test_grouped_gemms_per_shard_train_like_one_device[blockwise-data]"
     "tests/test_scaling_out.py::test_an_fsdp_weight_gathers_as_fp8_on_eight_h100s[blockwise]"
-    tests/test_scaling_out.py::test_fsdp_gathers_each_fp8_weight_once
+    # The gathered FP8 weight as a value (partition.gathered_for: its own Shardy factors).
+    tests/test_scaling_out.py::test_a_scan_over_fsdp_layers_trains_like_one_device
+    tests/test_scaling_out.py::test_a_scan_over_layers_gathers_each_fp8_weight_once
+    # Expert parallelism: ragged_all_to_all (emulated on CPU through platform_dependent) and
+    # the manual axes' types of shard_map, traced for CUDA and run on 8 CPU devices.
+    tests/test_expert_parallel.py::test_the_cpu_exchange_is_ragged_all_to_all
+    "tests/test_expert_parallel.py::test_expert_parallel_moe_trains_like_one_device[blockwise-data 2 x expert 4]"
+    tests/test_expert_parallel.py::test_the_dispatch_moves_fp8_on_eight_h100s
 )
 
 find_python312() {
