@@ -34,6 +34,7 @@ from ._src.core.updates import with_fp8_state as with_fp8_state
 from ._src.gemm.exchange import ExpertExchange as ExpertExchange
 from ._src.gemm.exchange import expert_exchange as expert_exchange
 from ._src.layers.grouped import GroupedLinear as GroupedLinear
+from ._src.layers.grouped import expert_specs as expert_specs
 from ._src.layers.linear import Linear as Linear
 from ._src.observe.cost import hlo_cost as hlo_cost
 from ._src.observe.deviceless import h100_mesh as h100_mesh
@@ -181,6 +182,7 @@ __all__ = [
     "compute_scale",
     "dequantize",
     "expert_exchange",
+    "expert_specs",
     "filter_grad",
     "filter_value_and_grad",
     "fp8_dots_saveable",

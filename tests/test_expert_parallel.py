@@ -193,18 +193,6 @@ def _exact_problem(tokens: int):
     return x, np.zeros_like(x)
 
 
-def _expert_specs(moe, axis):
-    """`P(axis)` for the experts' weights and per-expert FP8 state, `P()` for the rest."""
-
-    def spec(path, leaf):
-        key = jax.tree_util.keystr(path)
-        per_expert = key.endswith(("up.weight", "down.weight"))
-        per_expert |= ".ragged_dot.kernel." in key
-        return P(axis) if per_expert else P()
-
-    return jax.tree_util.tree_map_with_path(spec, eqx.filter(moe, eqx.is_array))
-
-
 def _step(loss):
     @eqx.filter_jit
     def step(model, x, y):
@@ -233,7 +221,7 @@ def _expert_parallel_loss(mesh, token_axes, expert_axis):
         f = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(_expert_specs(model, expert_axis), P(token_axes), P(token_axes)),
+            in_specs=(fp8jax.expert_specs(params, expert_axis), P(token_axes), P(token_axes)),
             out_specs=(P(), P(token_axes)),
         )
         return f(params, x, y)
@@ -283,6 +271,40 @@ def test_expert_parallel_moe_trains_like_one_device(name, layout):
                 atol = reference.float32_sum_bound(tokens * TOP_K, float(np.abs(b).max()))
                 np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=key)
         one, ep = _sgd(one, want), _sgd(ep, got)  # the FP8 state written back
+
+
+def test_expert_specs_split_the_experts_and_their_fp8_state():
+    """Every GroupedLinear weight and its FP8 layer's per-expert leaves (kernel state and
+    statistics, tokens) split over the axis; everything else replicated; non-arrays None."""
+    moe = _moe(None)
+    fp8 = fp8jax.fp8_linear_layers(moe, fp8jax.Fp8Config(telemetry=True))
+    specs = fp8jax.expert_specs(fp8, "expert")
+    leaves = jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda s: s is None or isinstance(s, P)
+    )
+    split = {jax.tree_util.keystr(p) for p, s in leaves if s == P("expert")}
+    assert split == {
+        f".{layer}.{leaf}"
+        for layer in ("up", "down")
+        for leaf in (
+            "weight",
+            "ragged_dot.kernel.scale",
+            "ragged_dot.kernel.amax_history",
+            "ragged_dot.stats.kernel.saturated",
+            "ragged_dot.stats.kernel.underflow",
+            "ragged_dot.stats.kernel.rejected",
+            "ragged_dot.stats.tokens",
+        )
+    }
+    # Each split leaf has the experts first; the rest is replicated or not an array.
+    for (path, s), leaf in zip(
+        leaves, jax.tree.leaves(fp8, is_leaf=lambda x: x is None), strict=True
+    ):
+        if s == P("expert"):
+            assert leaf.shape[0] == EXPERTS, jax.tree_util.keystr(path)
+    assert all(s in (P(), P("expert"), None) for _, s in leaves)
+    with pytest.raises(TypeError, match="axis=3"):
+        fp8jax.expert_specs(fp8, 3)
 
 
 # --- a compile for 8 H100s ----------------------------------------------------------------------

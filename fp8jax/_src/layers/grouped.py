@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -104,3 +105,41 @@ class GroupedLinear(eqx.Module):
             x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
         check_ragged_dot_args("GroupedLinear", jnp.shape(x), self.weight.shape, group_sizes)
         return lax.ragged_dot(x, self.weight, jnp.asarray(group_sizes))
+
+
+def expert_specs(model: Any, axis: str) -> Any:
+    """The `PartitionSpec`s that split `model`'s experts over mesh axis `axis` (expert
+    parallelism, for `shard_map`'s `in_specs`): `P(axis)` for every
+    [`fp8jax.GroupedLinear`][]'s weight and the per-expert leaves of its FP8 layer (the
+    kernel's state and statistics, the tokens per expert), `P()` for every other array
+    (replicated: the router, attention, norms, the activations' FP8 state); `None` for what
+    is not an array. The same tree structure as `model`.
+
+    ```python
+    specs = fp8jax.expert_specs(model, "expert")
+    loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P())
+    ```
+    """
+    if not isinstance(axis, str):
+        raise TypeError(f"expert_specs: axis={axis!r}: should be a mesh axis name (a str).")
+    split: set[int] = set()
+
+    def per_expert(layer: GroupedLinear) -> list[Any]:
+        leaves = [layer.weight]
+        dot = layer.ragged_dot
+        if isinstance(dot, Fp8RaggedDot):
+            leaves += jax.tree.leaves(dot.kernel)
+            if dot.stats is not None:
+                leaves += jax.tree.leaves((dot.stats.kernel, dot.stats.tokens))
+        return leaves
+
+    for layer in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, GroupedLinear)):
+        if isinstance(layer, GroupedLinear):
+            split.update(id(a) for a in per_expert(layer))
+
+    def spec(leaf: Any) -> Any:
+        if not eqx.is_array(leaf):
+            return None
+        return P(axis) if id(leaf) in split else P()
+
+    return jax.tree.map(spec, model)
