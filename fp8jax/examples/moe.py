@@ -3,7 +3,8 @@
 `python -m fp8jax.examples.moe` trains `MoEModel` on a synthetic regression task, in FP8 and in
 high precision, and prints the losses.
 
-`python -m fp8jax.examples.moe --kjv [--steps 250] [--layers 2] [--width 128] [--seeds 0 1 2]`
+`python -m fp8jax.examples.moe --kjv [--steps 250] [--layers 2] [--width 128] [--seeds 0 1 2]
+[--devices 8 --expert-parallel 8]`
 is the evidence on real text: the GPT of `fp8jax.examples.gpt` with each MLP replaced by an MoE
 block (`--experts 4`, `--top-k 2`, each expert `mlp_ratio * width / top_k` wide, so that a
 token's expert FLOPs match the dense MLP's), and the dense GPT, both trained on the King James
@@ -18,17 +19,26 @@ seeds it then prints, per model, the mean gaps over the seeds and each seed's FP
 the first seed only: the MoE FP8 run's per-expert telemetry (each expert's kernel scale and the
 tokens each expert got over the last steps, FP8 and BF16) and `fp8jax.report` of its grouped
 layers.
+
+`--expert-parallel E` trains the MoE GPT expert parallel: `--devices N` CPU devices (forced,
+as the tests do), a mesh of `N / E` data-parallel groups of `E` devices, the batch split over
+all of them, the experts over the `E` of a group (`fp8jax.expert_exchange`: the FP8 run
+dispatches FP8). Every MoE run is trained a second time on one device from the same weights
+and batches, and a table compares the two: they differ by float32 summation order only.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
 import optax
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 import fp8jax
@@ -104,6 +114,28 @@ class KjvRun:
     val: float
     model: GPT
     tokens: np.ndarray | None = None
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+
+def expert_parallel(loss_fn: Any, mesh: Mesh) -> Any:
+    """`loss_fn(model, tokens) -> (loss, tokens per expert)` of an MoE GPT built with
+    `expert_axis="expert"`, run with the batch split over every axis of `mesh` and the
+    experts over its `"expert"` axis (`shard_map`; `fp8jax.expert_specs` places them). The
+    loss is the mean over all devices' tokens, the counts their sum."""
+    axes = tuple(mesh.axis_names)
+
+    def loss(model: GPT, tokens: Array) -> tuple[Array, Array]:
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def local(params: Any, tokens: Array) -> tuple[Array, Array]:
+            value, counts = loss_fn(eqx.combine(params, static), tokens)
+            return jax.lax.pmean(value, axes), jax.lax.psum(counts, axes)
+
+        specs = fp8jax.expert_specs(params, "expert")
+        run = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(), P()))
+        return run(params, tokens)
+
+    return loss
 
 
 def train_kjv(
@@ -114,12 +146,14 @@ def train_kjv(
     *,
     policy: str,
     seed: int,
+    mesh: Mesh | None = None,
 ) -> KjvRun:
     """Train `model` as `fp8jax.examples.train_gpt` does (AdamW with warmup and cosine decay,
     clipping), in the precision `policy` (an `fp8jax.Policy` string: `POLICY` for the BF16 and
     FP8 runs, `FP32_POLICY` for the float32 one), on batches drawn from `seed`: every run of a
     seed sees the same ones. An MoE model (`moe_gpt`) trains on `moe_gpt_loss`; the tokens per
-    expert of its last `args.tail` steps are summed."""
+    expert of its last `args.tail` steps are summed. With a `mesh`, expert parallel
+    (`expert_parallel`); the losses of every step are kept in `KjvRun.losses`."""
     train_data, val_data = data
     warmup = max(1, args.steps // 10)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
@@ -127,6 +161,8 @@ def train_kjv(
     policy = fp8jax.Policy.from_string(policy)
     is_moe = isinstance(model.blocks[0].mlp, MoE)
     loss_fn = moe_gpt_loss if is_moe else next_token_loss
+    if mesh is not None:
+        loss_fn = expert_parallel(loss_fn, mesh)
     train_step = fp8jax.make_train_step(loss_fn, optimizer, policy=policy, has_aux=is_moe)
 
     @eqx.filter_jit
@@ -138,9 +174,10 @@ def train_kjv(
     val_batches = [sample(val_data, val_rng, args.batch, args.context) for _ in range(8)]
     rng = np.random.default_rng(seed)
     state = train_step.init(model)
-    tokens = None
+    tokens, losses = None, []
     for step in range(args.steps):
         state, metrics = train_step(state, sample(train_data, rng, args.batch, args.context))
+        losses.append(float(metrics.loss))
         if is_moe and step >= args.steps - args.tail:
             counted = np.asarray(metrics.aux)
             tokens = counted if tokens is None else tokens + counted
@@ -148,7 +185,7 @@ def train_kjv(
             loss = float(metrics.loss)
             print(f"{name:>10} seed {seed} step {step:4d}: train loss {loss:.4f}", flush=True)
     val = float(np.mean([float(evaluate(state.model, b)) for b in val_batches]))
-    return KjvRun(name, val, state.model, tokens)
+    return KjvRun(name, val, state.model, tokens, losses)
 
 
 #: The two models of the KJV job, in the order of the tables.
@@ -222,20 +259,54 @@ def kjv_seed(
     """The six runs of one seed, by name (`"dense bf16"`, ..., `"moe fp32"`): the dense GPT and
     the MoE GPT built from `jax.random.PRNGKey(seed)`, each trained in every precision of
     `PRECISIONS` from the same weights, on the batches of `seed`. The FP8 runs keep telemetry,
-    so that `fp8jax.report` shows their saturation and underflow."""
+    so that `fp8jax.report` shows their saturation and underflow.
+
+    With `args.expert_parallel`, the MoE runs are expert parallel (on `args.mesh`, FP8
+    amaxes over all its devices) and three more runs, `"moe <precision> one device"`, train
+    the same MoE on one device."""
     key = jax.random.PRNGKey(seed)
+    mesh = getattr(args, "mesh", None)
     bases = {
-        "dense": GPT(config, key=key),
-        "moe": moe_gpt(config, args.experts, args.top_k, key=key),
+        "dense": (GPT(config, key=key), None),
+        "moe": (
+            moe_gpt(
+                config,
+                args.experts,
+                args.top_k,
+                key=key,
+                expert_axis="expert" if mesh is not None else None,
+            ),
+            mesh,
+        ),
     }
-    fp8_config = fp8jax.Fp8Config(telemetry=True)
+    if mesh is not None:
+        bases["moe one device"] = (moe_gpt(config, args.experts, args.top_k, key=key), None)
     runs = {}
-    for model, base in bases.items():
+    for model, (base, on) in bases.items():
+        recipe = fp8jax.DelayedScaling(axis_names=() if on is None else tuple(on.axis_names))
+        fp8_config = fp8jax.Fp8Config(recipe=recipe, telemetry=True)
         for precision, (policy, fp8) in PRECISIONS.items():
             name = f"{model} {precision}"
+            if model == "moe one device":
+                name = f"moe {precision} one device"
             built = fp8jax.fp8_linear_layers(base, fp8_config) if fp8 else base
-            runs[name] = train_kjv(built, name, data, args, policy=policy, seed=seed)
+            runs[name] = train_kjv(built, name, data, args, policy=policy, seed=seed, mesh=on)
     return runs
+
+
+def parallel_table(runs: dict[str, KjvRun]) -> str:
+    """Markdown table: each MoE run expert parallel against the same run on one device (final
+    validation losses, the largest difference of a step's training loss)."""
+    lines = [
+        "| MoE run | val loss, expert parallel | val loss, one device | largest train loss "
+        "difference over the steps |",
+        "|---|---|---|---|",
+    ]
+    for precision in PRECISIONS:
+        ep, one = runs[f"moe {precision}"], runs[f"moe {precision} one device"]
+        worst = max(abs(a - b) for a, b in zip(ep.losses, one.losses, strict=True))
+        lines.append(f"| {precision} | {ep.val:.6f} | {one.val:.6f} | {worst:.2e} |")
+    return "\n".join(lines)
 
 
 def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -257,7 +328,31 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tail", type=int, default=20, help="steps whose tokens are counted")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one job per seed")
     parser.add_argument("--seed", type=int, default=None, help="alias: --seed N is --seeds N")
+    parser.add_argument(
+        "--devices", type=int, default=None, help="CPU devices to force (before JAX starts)"
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=0,
+        metavar="E",
+        help="split the experts over groups of E devices (0: one device)",
+    )
     args = parser.parse_args(argv)
+    if args.expert_parallel:
+        if args.devices is not None:
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        devices = jax.device_count()
+        e = args.expert_parallel
+        if devices % e or args.experts % e or args.batch % devices:
+            parser.error(
+                f"--expert-parallel {e}: needs the devices ({devices}), --experts "
+                f"({args.experts}) and --batch ({args.batch}, split over every device) to be "
+                f"multiples of {e} (the batch of {devices})."
+            )
+        args.mesh = jax.make_mesh(
+            (devices // e, e), ("data", "expert"), axis_types=(AxisType.Auto,) * 2
+        )
     args.tail = max(1, min(args.tail, args.steps))
     args.seeds = list(dict.fromkeys([args.seed] if args.seed is not None else args.seeds))
     return args
@@ -277,6 +372,12 @@ def kjv(argv: list[str] | None = None) -> dict[int, dict[str, KjvRun]]:
         f"({args.experts} experts, top-{args.top_k}); BF16 compute, float32 master weights, "
         "FP8 = delayed scaling (BF16 compute), FP32 = float32 compute; "
         f"seeds {', '.join(map(str, args.seeds))}"
+        + (
+            f"; MoE expert parallel over {args.expert_parallel} of {jax.device_count()} "
+            "devices, FP8 dispatch"
+            if args.expert_parallel
+            else ""
+        )
     )
     by_seed = {}
     for seed in args.seeds:
@@ -284,6 +385,13 @@ def kjv(argv: list[str] | None = None) -> dict[int, dict[str, KjvRun]]:
         print()
         print(f"Seed {seed}: validation loss (8 batches of held-out text) after the last step:")
         print(gap_table(runs))
+        if args.expert_parallel:
+            print()
+            print(
+                f"Seed {seed}: the MoE expert parallel ({args.expert_parallel} devices per "
+                f"group, mesh {dict(args.mesh.shape)}) against one device:"
+            )
+            print(parallel_table(runs))
     if len(by_seed) > 1:
         print()
         print(f"Over the {len(by_seed)} seeds: mean gaps to BF16, and each seed's FP8 gap:")

@@ -178,18 +178,26 @@ def teacher_data(tokens: int, seed: int = 0, inputs: int = 16, outputs: int = 8)
 # --- a mixture-of-experts GPT ---------------------------------------------------------------
 
 
-def moe_gpt(config: GPTConfig, experts: int, top_k: int, *, key: PRNGKeyArray) -> GPT:
+def moe_gpt(
+    config: GPTConfig,
+    experts: int,
+    top_k: int,
+    *,
+    key: PRNGKeyArray,
+    expert_axis: str | None = None,
+) -> GPT:
     """`GPT(config, key=key)` with each block's MLP replaced by an `MoE` of `experts` experts,
     `top_k` per token, each `mlp_ratio * width // top_k` wide: a token's expert FLOPs are the
     dense MLP's. Everything else (embeddings, attention, norms, head) is the dense GPT's, with
     the same weights. Run it with `moe_gpt_forward` (a batch at once), not `jax.vmap(model)`:
-    the router and the grouped GEMMs take all tokens of the batch together."""
+    the router and the grouped GEMMs take all tokens of the batch together. `expert_axis`:
+    the MoE blocks' (see `MoE`), for expert parallelism; the weights are the same."""
     if config.scan_layers:
         raise ValueError("moe_gpt: scan_layers=True is not supported; use a list of blocks.")
     model = GPT(config, key=key)
     hidden = config.mlp_ratio * config.width // top_k
     keys = jax.random.split(jax.random.fold_in(key, 1), config.layers)
-    moes = [MoE(config.width, hidden, experts, top_k, key=k) for k in keys]
+    moes = [MoE(config.width, hidden, experts, top_k, key=k, expert_axis=expert_axis) for k in keys]
     return eqx.tree_at(lambda m: [b.mlp for b in m.blocks], model, moes)
 
 

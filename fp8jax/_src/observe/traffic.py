@@ -32,7 +32,9 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
             if op.endswith("-start") and base in ("all-gather", "collective-permute"):
                 results = results[len(results) // 2 :]  # (operands, results): keep the results
             elif base == "ragged-all-to-all":
-                results = results[:1]  # the rows it sends (then its buffer, offsets, sizes)
+                # The rows it sends: its first operand (an async start's type lists its
+                # operands, a synchronous one's only the output buffer).
+                results = arrays(computation.type_of(instruction.operands[0]))
             apply = instruction.callee("to_apply")
             reducer = module.computations.get(apply) if apply is not None else None
             found.append(
