@@ -364,3 +364,85 @@ def test_the_dispatch_moves_fp8_on_eight_h100s():
     assert scales == [("f32", (assignments, WIDTH // 128))], exchanges
     rest = [e for e in exchanges["blockwise"] if e[0] == "bf16"]
     assert len(rest) == 3, exchanges  # the combine and both backward exchanges stay BF16
+
+
+# --- the example ----------------------------------------------------------------------------
+
+
+def test_the_moe_gpts_loss_expert_parallel_is_the_one_device_loss():
+    """`fp8jax.examples.moe.expert_parallel`: the MoE GPT's loss with the batch split over
+    data 2 x expert 4 and its experts over the 4 equals one device's (float32 summation
+    order), and so do the tokens each expert got."""
+    from fp8jax.examples.gpt import GPTConfig
+    from fp8jax.examples.moe import expert_parallel
+    from fp8jax.examples.moe_model import moe_gpt, moe_gpt_loss
+
+    config = GPTConfig(vocab=64, layers=1, width=32, heads=2, context=8)
+    key = jax.random.key(1)
+    one = moe_gpt(config, 8, 2, key=key)
+    ep = moe_gpt(config, 8, 2, key=key, expert_axis="expert")
+    tokens = jax.random.randint(jax.random.key(2), (8, 9), 0, 64)
+    want_loss, want_counts = jax.jit(moe_gpt_loss)(one, tokens)
+    loss = expert_parallel(moe_gpt_loss, _mesh({"data": 2, "expert": 4}))
+    got_loss, got_counts = eqx.filter_jit(loss)(ep, tokens)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(got_counts, want_counts)
+
+
+def test_the_example_names_a_mesh_it_cannot_make():
+    from fp8jax.examples.moe import kjv_args
+
+    with pytest.raises(SystemExit):
+        kjv_args(["--kjv", "--expert-parallel", "3"])  # 8 devices, 4 experts
+    args = kjv_args(["--kjv", "--expert-parallel", "4", "--batch", "8"])
+    assert dict(args.mesh.shape) == {"data": 2, "expert": 4}
+
+
+def _tiles_numpy(rows: np.ndarray) -> np.ndarray:
+    """`rows` through `quantize_tiles` and back, by NumPy and ml_dtypes' E4M3 rounding."""
+    import ml_dtypes
+
+    tile = min(128, rows.shape[-1])
+    x = rows.reshape(rows.shape[0], -1, tile).astype(np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    scale = np.where(amax > 0, 2.0 ** np.floor(np.log2(448.0 / np.where(amax > 0, amax, 1))), 1)
+    q = (x * scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / scale
+    return q.reshape(rows.shape)
+
+
+def test_fp8_backward_sends_the_gradients_as_e4m3_tiles():
+    """`fp8_backward=True`: the forward is unchanged; the gradient is the one of two E4M3
+    roundings in 1 x 128 tiles (the combine's output gradient going out, the dispatched rows'
+    gradient coming back), reproduced with ml_dtypes."""
+    devices, tokens = 8, 16
+    chosen, weights = _routed(devices * tokens, seed=5)
+    x = np.random.default_rng(6).standard_normal((devices * tokens, 4)).astype(np.float32)
+    scale = np.arange(1.0, EXPERTS + 1, dtype=np.float32)
+    g_out = np.random.default_rng(7).standard_normal(x.shape).astype(np.float32)
+    mesh = _mesh({"expert": devices})
+
+    def run(fp8_backward):
+        def moe(x, chosen, weights):
+            plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert", fp8_backward=fp8_backward)
+            return plan.combine(_toy_experts(plan.dispatch(x), plan, jnp.asarray(scale)), weights)
+
+        f = jax.shard_map(moe, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))
+
+        @jax.jit
+        def out_and_grad(x):
+            out, vjp = jax.vjp(lambda x: f(x, chosen, weights), x)
+            return out, vjp(g_out)[0]
+
+        return (np.asarray(a) for a in out_and_grad(x))
+
+    out, grad = run(True)
+    plain_out, plain_grad = run(False)
+    np.testing.assert_array_equal(out, plain_out)
+    want = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(TOP_K):
+            going = _tiles_numpy((g_out[t] * weights[t, j])[None])  # at the token's device
+            back = _tiles_numpy(going * scale[chosen[t, j]])  # at the expert's device
+            want[t] += back[0]
+    np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(grad, plain_grad, rtol=1e-4)  # the roundings show

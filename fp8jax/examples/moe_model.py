@@ -76,7 +76,8 @@ class MoE(eqx.Module):
     parallelism: call it inside `shard_map`, `up` and `down` holding this device's experts
     and their FP8 state; each device routes its own tokens and
     [`fp8jax.expert_exchange`][] moves them, FP8 where `up` is an FP8 layer), `activation`
-    (between `up` and `down`; GELU by default).
+    (between `up` and `down`; GELU by default), `fp8_backward` (expert parallel: the
+    gradients cross in FP8 too, see `fp8jax.expert_exchange`).
     """
 
     gate: eqx.nn.Linear
@@ -85,6 +86,7 @@ class MoE(eqx.Module):
     top_k: int = eqx.field(static=True)
     expert_axis: str | None = eqx.field(static=True)
     activation: Callable[[Array], Array] = eqx.field(static=True)
+    fp8_backward: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class MoE(eqx.Module):
         key: PRNGKeyArray,
         expert_axis: str | None = None,
         activation: Callable[[Array], Array] = jax.nn.gelu,
+        fp8_backward: bool = False,
     ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = eqx.nn.Linear(width, experts, use_bias=False, key=kg)
@@ -104,6 +107,7 @@ class MoE(eqx.Module):
         self.top_k = top_k
         self.expert_axis = expert_axis
         self.activation = activation
+        self.fp8_backward = fp8_backward
 
     def __call__(self, x: Float[Array, "tokens width"]) -> Float[Array, "tokens width"]:
         if self.expert_axis is not None:
@@ -118,7 +122,9 @@ class MoE(eqx.Module):
         FP8 `up`), this device's experts run on the rows they received, combined back
         (BF16) with the routing weights."""
         chosen, weights = top_k_experts(jax.vmap(self.gate)(x), self.top_k)
-        plan = fp8jax.expert_exchange(chosen, self.up.num_experts, self.expert_axis)
+        plan = fp8jax.expert_exchange(
+            chosen, self.up.num_experts, self.expert_axis, fp8_backward=self.fp8_backward
+        )
         h = self.activation(self.up(x, plan))
         y = self.down(h, plan.group_sizes)
         return plan.combine(y, weights).astype(x.dtype)
@@ -185,19 +191,22 @@ def moe_gpt(
     *,
     key: PRNGKeyArray,
     expert_axis: str | None = None,
+    fp8_backward: bool = False,
 ) -> GPT:
     """`GPT(config, key=key)` with each block's MLP replaced by an `MoE` of `experts` experts,
     `top_k` per token, each `mlp_ratio * width // top_k` wide: a token's expert FLOPs are the
     dense MLP's. Everything else (embeddings, attention, norms, head) is the dense GPT's, with
     the same weights. Run it with `moe_gpt_forward` (a batch at once), not `jax.vmap(model)`:
-    the router and the grouped GEMMs take all tokens of the batch together. `expert_axis`:
-    the MoE blocks' (see `MoE`), for expert parallelism; the weights are the same."""
+    the router and the grouped GEMMs take all tokens of the batch together. `expert_axis`,
+    `fp8_backward`: the MoE blocks' (see `MoE`), for expert parallelism; the weights are
+    the same."""
     if config.scan_layers:
         raise ValueError("moe_gpt: scan_layers=True is not supported; use a list of blocks.")
     model = GPT(config, key=key)
     hidden = config.mlp_ratio * config.width // top_k
     keys = jax.random.split(jax.random.fold_in(key, 1), config.layers)
-    moes = [MoE(config.width, hidden, experts, top_k, key=k, expert_axis=expert_axis) for k in keys]
+    options = {"expert_axis": expert_axis, "fp8_backward": fp8_backward}
+    moes = [MoE(config.width, hidden, experts, top_k, key=k, **options) for k in keys]
     return eqx.tree_at(lambda m: [b.mlp for b in m.blocks], model, moes)
 
 

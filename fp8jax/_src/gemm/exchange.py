@@ -36,7 +36,9 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ..core import jax_private
+from ..core.formats import fp8_max
 from ..recipes import QTensor
+from ..recipes.per_tensor import compute_scale
 
 
 def _emulated_ragged_all_to_all(
@@ -85,7 +87,8 @@ class ExpertExchange(eqx.Module):
     `input_offsets`, `output_offsets`, `recv_sizes`, `return_offsets` `(P,)` the
     `ragged_all_to_all` arguments both ways; `sorted_from (R,)` the received row at each
     row of expert order; `position (R,)` the other way; `group_sizes (E / P,)` the rows of
-    each local expert. Static: the mesh `axis_name`, `top_k`, `capacity` (`R`).
+    each local expert. Static: the mesh `axis_name`, `top_k`, `capacity` (`R`),
+    `fp8_backward` (the gradients cross in FP8 too).
     """
 
     order: Int[Array, " A"]
@@ -100,6 +103,7 @@ class ExpertExchange(eqx.Module):
     axis_name: str = eqx.field(static=True)
     top_k: int = eqx.field(static=True)
     capacity: int = eqx.field(static=True)
+    fp8_backward: bool = eqx.field(static=True, default=False)
 
     @property
     def received(self) -> Int[Array, ""]:
@@ -167,10 +171,19 @@ class ExpertExchange(eqx.Module):
         """The gradient of `dispatch` (or `dispatch_quantized`): `d_rows (R, ...)`, the
         gradient of the rows this device's experts received, back to the devices of their
         tokens and summed over each token's `top_k` assignments: `(tokens, ...)`."""
-        back = self.send_back(d_rows)  # (A, ...) in order
+        back = self._gradient(d_rows, self.send_back)  # (A, ...) in order
         tokens = self.order.shape[0] // self.top_k
         zeros = jnp.zeros((tokens, *d_rows.shape[1:]), d_rows.dtype)
         return zeros.at[self.order // self.top_k].add(back)
+
+    def _gradient(self, rows: Array, move: Any) -> Array:
+        """`move(rows)`: in their dtype, or with `fp8_backward` as E4M3 in 1 x 128 tiles of
+        a row (power-of-two scales from each tile's amax) with their float32 scales,
+        dequantized on arrival to `rows`' dtype."""
+        if not self.fp8_backward:
+            return move(rows)
+        data, scale_inv = quantize_tiles(rows)
+        return dequantize_tiles(move(data), move(scale_inv), rows.shape[-1], rows.dtype)
 
     def combine(
         self, y: Float[Array, "R ..."], weights: Float[Array, "tokens top_k"]
@@ -215,10 +228,36 @@ def _combine_fwd(plan, y):
 
 
 def _combine_bwd(plan, g):
-    return _zero_plan(plan), plan.send(g)
+    return _zero_plan(plan), plan._gradient(g, plan.send)
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+#: The tile of `fp8_backward`'s quantization: 128 values of a row (DeepSeek-V3's activations').
+TILE = 128
+
+
+def quantize_tiles(rows: Float[Array, "N K"]) -> tuple[Array, Float[Array, "N tiles"]]:
+    """`rows` as E4M3 in tiles of `TILE` values of a row (the last, padded), each scaled by
+    the largest power of two that keeps its amax within E4M3's range: `(data (N, tiles *
+    TILE), scale_inv (N, tiles))` (a tile of zeros: scale 1)."""
+    k = rows.shape[-1]
+    tile = min(TILE, k)
+    x = rows.astype(jnp.float32)
+    x = jnp.pad(x, ((0, 0), (0, -k % tile))).reshape(rows.shape[0], -1, tile)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    fmt = jnp.float8_e4m3fn
+    scale = compute_scale(amax, jnp.ones_like(amax), fp8_max(fmt), power_of_two=True)
+    data = (x * scale[..., None]).astype(fmt).reshape(rows.shape[0], -1)
+    return data, 1.0 / scale
+
+
+def dequantize_tiles(data: Array, scale_inv: Array, k: int, dtype: Any) -> Array:
+    """Undo `quantize_tiles`: `(N, k)` in `dtype`."""
+    tiles = scale_inv.shape[-1]
+    x = data.astype(jnp.float32).reshape(data.shape[0], tiles, -1) * scale_inv[..., None]
+    return x.reshape(data.shape[0], -1)[:, :k].astype(dtype)
 
 
 def _zero_plan(plan: ExpertExchange) -> Any:
@@ -232,6 +271,7 @@ def expert_exchange(
     axis_name: str,
     *,
     capacity: int | None = None,
+    fp8_backward: bool = False,
 ) -> ExpertExchange:
     """The `ExpertExchange` of this device's routed tokens, inside `shard_map` over
     `axis_name`, whose `P` devices hold `num_experts / P` consecutive experts each.
@@ -245,6 +285,11 @@ def expert_exchange(
       `P * tokens * top_k`, so that no routing drops a token (the single-device MoE's
       result); smaller saves memory and GEMM rows past the received ones, and drops the
       rows past it.
+    - `fp8_backward`: also send the backward's two exchanges (the gradient of the
+      dispatched rows going back, the output gradient of the combine going out) in FP8:
+      E4M3 in 1 x 128 tiles of a row with float32 scales, dequantized on arrival (half the
+      bytes of BF16 gradients, and one more rounding of them). Off by default: the
+      gradients cross in their own dtype, as DeepSeek-V3's combine does.
     """
     devices = lax.axis_size(axis_name)
     if num_experts % devices:
@@ -262,6 +307,8 @@ def expert_exchange(
     capacity = devices * assignments if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"expert_exchange: capacity={capacity!r}: should be an int >= 1.")
+    if not isinstance(fp8_backward, bool):
+        raise ValueError(f"expert_exchange: fp8_backward={fp8_backward!r}: should be a bool.")
     local = num_experts // devices
     flat = experts.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
@@ -306,4 +353,5 @@ def expert_exchange(
         axis_name=axis_name,
         top_k=top_k,
         capacity=capacity,
+        fp8_backward=fp8_backward,
     )
