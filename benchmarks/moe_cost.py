@@ -2,6 +2,7 @@
 grouped FP8 kernels, from compiled HLO.
 
     python benchmarks/moe_cost.py [--shapes mixtral,fine] | tee benchmarks/results/moe_cost.txt
+    python benchmarks/moe_cost.py --expert-parallel | tee benchmarks/results/moe_cost_ep.txt
 
 What it measures: one mixture-of-experts MLP (`fp8jax.examples.moe_model.MoE`: a router, top-k
 routing with sorted tokens, two grouped GEMMs `up` and `down` with a GELU between), its
@@ -26,11 +27,29 @@ BF16 peak, the yardstick a BF16 grouped kernel would approach), and FP8 on XLA's
 (`grouped_native_kernel=False`) or fp8jax's kernels: delayed scaling (E5M2 gradients: dgrad
 and wgrad run in the kernels on BF16 upcasts), delayed with `backward_format="e4m3"`, and
 blockwise.
+
+Expert parallel (`--expert-parallel`): the same layer with its experts split over 8 H100s
+(one node: the exchanges on NVLink) and over 16 (two nodes: every exchange counted at
+InfiniBand's rate, pessimistic, since part of it stays in a node), 8,192 tokens per GPU,
+`fp8jax.examples.moe_model.MoE(expert_axis="expert")` inside `shard_map`: each GPU routes
+its tokens, `fp8jax.expert_exchange` sends them to their experts' GPUs with
+`ragged_all_to_all` and back. Each GPU's buffer holds 1.25x its balanced share of rows
+(`capacity`: a capacity factor of 1.25; the kernels' work and the cost model follow the
+buffer, so the default worst case, every token on one GPU, would count 8-16x the GEMMs).
+A ragged all-to-all is counted as the smaller of its rows to send and its buffer, of which
+`(n-1)/n` leave the GPU (uniform routing: an estimate; real routing is uneven). Variants:
+BF16 (`lax.ragged_dot` over each GPU's experts, BF16 exchanges), and FP8 dispatch with
+fp8jax's grouped kernels (delayed scaling with E4M3 gradients; blockwise; blockwise with the
+backward's exchanges in FP8 too, `fp8_backward=True`). Columns: the exchanges' bytes per
+GPU by dtype, their time at the link's peak, and the step with no overlap (compute +
+communication) and wholly overlapped (the larger).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -40,12 +59,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
-from fp8jax._src.observe.roofline import H100, Cost  # noqa: E402
+from fp8jax._src.observe.roofline import H100, LINKS, Cost  # noqa: E402
 from fp8jax.examples.moe_model import MoE  # noqa: E402
 
 SHAPES = {
@@ -149,16 +170,161 @@ def report(title: str, shape: dict) -> None:
     print(table(rows, header))
 
 
+# --- expert parallel -------------------------------------------------------------------------
+
+#: The meshes of the expert-parallel runs: the experts split over all of it.
+EP_MESHES = {"8 H100s, 1 node": {"expert": 8}, "16 H100s, 2 nodes": {"expert": 16}}
+#: name -> (recipe, fp8_backward); `None` recipe: BF16.
+EP_VARIANTS = {
+    "bf16": (None, False),
+    "fp8 dispatch, delayed e4m3": (fp8jax.DelayedScaling(backward_format="e4m3"), False),
+    "fp8 dispatch, blockwise": (fp8jax.BlockwiseScaling(), False),
+    "fp8 dispatch + fp8 backward, blockwise": (fp8jax.BlockwiseScaling(), True),
+}
+CAPACITY_FACTOR = 1.25
+
+
+def make_ep_model(shape: dict, devices: int, recipe, fp8_backward: bool):
+    """The MoE layer of `shape`, experts split over mesh axis `"expert"` of `devices` GPUs,
+    parameters in BF16; FP8 (`recipe`, amaxes over the axis) unless `recipe` is None."""
+    assignments = shape["tokens"] * shape["top_k"]
+    model = MoE(
+        shape["width"],
+        shape["hidden"],
+        shape["experts"],
+        shape["top_k"],
+        key=jax.random.PRNGKey(0),
+        expert_axis="expert",
+        fp8_backward=fp8_backward,
+        capacity=math.ceil(CAPACITY_FACTOR * assignments),
+    )
+    if recipe is not None:
+        recipe = dataclasses.replace(recipe, axis_names=("expert",))
+        config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe)
+        model = fp8jax.fp8_linear_layers(model, config)
+    return to_bf16(model)
+
+
+def ep_step(mesh):
+    """Loss and gradients of the expert-parallel layer and of its input."""
+
+    def loss(model_and_x):
+        model, x = model_and_x
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def local(params, x):
+            out = eqx.combine(params, static)(x)
+            return jax.lax.pmean(jnp.mean(out.astype(jnp.float32) ** 2), "expert")
+
+        specs = fp8jax.expert_specs(params, "expert")
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P())(
+            params, x
+        )
+
+    return lambda model, x: fp8jax.filter_value_and_grad(loss)((model, x))
+
+
+def compile_ep(shape: dict, axes: dict, name: str) -> tuple[Cost, float]:
+    mesh = fp8jax.h100_mesh(axes)
+    devices = mesh.size
+    model = eqx.filter_eval_shape(make_ep_model, shape, devices, *EP_VARIANTS[name])
+    specs = fp8jax.expert_specs(model, "expert")
+    model = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        model,
+        specs,
+    )
+    rows = NamedSharding(mesh, P("expert"))
+    x = jax.ShapeDtypeStruct(
+        (devices * shape["tokens"], shape["width"]), jnp.bfloat16, sharding=rows
+    )
+    start = time.perf_counter()
+    lowered, _ = deviceless.lower(
+        ep_step(mesh), (model, x), {}, deviceless.h100_topology().devices[0]
+    )
+    cost = hlo_cost(lowered.compile(compiler_options=OPTIONS).as_text())
+    return cost, time.perf_counter() - start
+
+
+def exchanged(cost: Cost) -> dict[str, float]:
+    """Ragged all-to-all bytes each GPU sends, by element type."""
+    out: dict[str, float] = {}
+    for c in cost.collectives:
+        if c.op == "ragged-all-to-all":
+            out[c.dtype] = out.get(c.dtype, 0) + c.wire_bytes * c.runs
+    return out
+
+
+def report_ep(title: str, shape: dict) -> None:
+    print(f"\n## {title}, expert parallel: {shape} per GPU, capacity factor {CAPACITY_FACTOR}")
+    for mesh_name, axes in EP_MESHES.items():
+        if shape["experts"] % axes["expert"]:
+            print(f"\n### {mesh_name}\n\n{shape['experts']} experts do not split over it.")
+            continue
+        rows, base = [], None
+        for name in EP_VARIANTS:
+            cost, seconds = compile_ep(shape, axes, name)
+            print(f"  compiled {title} {mesh_name} {name} in {seconds:.0f} s", file=sys.stderr)
+            sent = exchanged(cost)
+            fp8 = sum(v for k, v in sent.items() if k.startswith("f8"))
+            compute = cost.gemm_seconds() + cost.memory_seconds()
+            no_overlap, overlap = cost.estimate_seconds(), cost.estimate_seconds(overlap=True)
+            base = (no_overlap, overlap) if base is None else base
+            kinds = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in sorted(cost.flops.items()))
+            rows.append(
+                [
+                    name,
+                    kinds,
+                    f"{cost.total_bytes / 1e9:.2f}",
+                    f"{fp8 / 1e6:.1f} + {sent.get('f32', 0) / 1e6:.1f} + "
+                    f"{sent.get('bf16', 0) / 1e6:.1f}",
+                    " / ".join(f"{cost.link_bytes.get(k, 0) / 1e6:.1f}" for k in LINKS),
+                    f"{cost.communication_seconds() * 1e3:.2f}",
+                    f"{compute * 1e3:.2f}",
+                    f"{no_overlap * 1e3:.2f}",
+                    f"{overlap * 1e3:.2f}",
+                    f"{no_overlap / base[0]:.2f} / {overlap / base[1]:.2f}",
+                ]
+            )
+        header = [
+            "variant",
+            "TFLOP by kind",
+            "non-GEMM GB",
+            "exchanged MB: FP8 + f32 scales + BF16",
+            "NVLink / IB MB (all collectives)",
+            "comm. ms",
+            "compute ms",
+            "step ms, no overlap",
+            "step ms, overlapped",
+            "x BF16 (no overlap / overlapped)",
+        ]
+        print(f"\n### {mesh_name}\n")
+        print(table(rows, header))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--expert-parallel", action="store_true", help="the layer expert parallel (see above)"
+    )
     args = parser.parse_args(argv)
     if deviceless.h100_topology() is None:
         raise SystemExit("needs the h100 extra: pip install -e '.[h100]'")
     print(f"jax {jax.__version__}; deviceless H100 compile, cuBLAS mode; an ESTIMATE (see the")
-    print("module docstring): GEMM FLOPs at H100 peaks plus non-GEMM bytes at 3.35 TB/s.")
+    print("module docstring): GEMM FLOPs at H100 peaks plus non-GEMM bytes at 3.35 TB/s", end="")
+    if args.expert_parallel:
+        print(
+            f"; collectives at NVLink {H100['nvlink'] / 1e9:.0f} / InfiniBand "
+            f"{H100['infiniband'] / 1e9:.0f} GB/s one way per GPU (peak rates)."
+        )
+    else:
+        print(".")
     for name in args.shapes.split(","):
-        report(name, SHAPES[name])
+        if args.expert_parallel:
+            report_ep(name, SHAPES[name])
+        else:
+            report(name, SHAPES[name])
 
 
 if __name__ == "__main__":

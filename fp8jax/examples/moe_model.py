@@ -76,8 +76,8 @@ class MoE(eqx.Module):
     parallelism: call it inside `shard_map`, `up` and `down` holding this device's experts
     and their FP8 state; each device routes its own tokens and
     [`fp8jax.expert_exchange`][] moves them, FP8 where `up` is an FP8 layer), `activation`
-    (between `up` and `down`; GELU by default), `fp8_backward` (expert parallel: the
-    gradients cross in FP8 too, see `fp8jax.expert_exchange`).
+    (between `up` and `down`; GELU by default), `fp8_backward` and `capacity` (expert
+    parallel: see `fp8jax.expert_exchange`).
     """
 
     gate: eqx.nn.Linear
@@ -87,6 +87,7 @@ class MoE(eqx.Module):
     expert_axis: str | None = eqx.field(static=True)
     activation: Callable[[Array], Array] = eqx.field(static=True)
     fp8_backward: bool = eqx.field(static=True)
+    capacity: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -99,6 +100,7 @@ class MoE(eqx.Module):
         expert_axis: str | None = None,
         activation: Callable[[Array], Array] = jax.nn.gelu,
         fp8_backward: bool = False,
+        capacity: int | None = None,
     ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate = eqx.nn.Linear(width, experts, use_bias=False, key=kg)
@@ -108,6 +110,7 @@ class MoE(eqx.Module):
         self.expert_axis = expert_axis
         self.activation = activation
         self.fp8_backward = fp8_backward
+        self.capacity = capacity
 
     def __call__(self, x: Float[Array, "tokens width"]) -> Float[Array, "tokens width"]:
         if self.expert_axis is not None:
@@ -123,7 +126,11 @@ class MoE(eqx.Module):
         (BF16) with the routing weights."""
         chosen, weights = top_k_experts(jax.vmap(self.gate)(x), self.top_k)
         plan = fp8jax.expert_exchange(
-            chosen, self.up.num_experts, self.expert_axis, fp8_backward=self.fp8_backward
+            chosen,
+            self.up.num_experts,
+            self.expert_axis,
+            capacity=self.capacity,
+            fp8_backward=self.fp8_backward,
         )
         h = self.activation(self.up(x, plan))
         y = self.down(h, plan.group_sizes)

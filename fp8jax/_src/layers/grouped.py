@@ -113,7 +113,8 @@ def expert_specs(model: Any, axis: str) -> Any:
     [`fp8jax.GroupedLinear`][]'s weight and the per-expert leaves of its FP8 layer (the
     kernel's state and statistics, the tokens per expert), `P()` for every other array
     (replicated: the router, attention, norms, the activations' FP8 state); `None` for what
-    is not an array. The same tree structure as `model`.
+    is not an array. The same tree structure as `model`, whose arrays may be
+    `jax.ShapeDtypeStruct`s (an abstract model, for a compile without devices).
 
     ```python
     specs = fp8jax.expert_specs(model, "expert")
@@ -138,7 +139,7 @@ def expert_specs(model: Any, axis: str) -> Any:
             split.update(id(a) for a in per_expert(layer))
 
     def spec(leaf: Any) -> Any:
-        if not eqx.is_array(leaf):
+        if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             return None
         return P(axis) if id(leaf) in split else P()
 
