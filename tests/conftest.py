@@ -19,6 +19,63 @@ settings.register_profile("explore", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+#: Seconds each of the slowest test files took on 2 CPU cores (`pytest -n 2 --durations=100`,
+#: main of 2026-11-26, rounded; the new expert-parallel file estimated). Only their order
+#: on the workers is decided from it: see `pytest_collection_modifyitems`.
+SLOW_FILES = {
+    "tests/test_grouped.py": 385,
+    "tests/test_inspect.py": 381,
+    "tests/test_scaling_out.py": 360,
+    "tests/test_grouped_native.py": 203,
+    "tests/test_expert_parallel.py": 160,
+    "tests/test_examples.py": 156,
+    "tests/test_scan_and_remat.py": 143,
+    "tests/test_sharding.py": 118,
+    "tests/test_train_step.py": 107,
+    "tests/test_kernels.py": 97,
+    "tests/test_multiprocess.py": 87,
+    "tests/test_nnx.py": 85,
+    "notebooks/04_flax_nnx.ipynb": 76,
+    "tests/test_gpu_check.py": 75,
+    "tests/test_telemetry.py": 71,
+    "tests/test_checkpoint.py": 70,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist worksteal` (the default, pyproject.toml), xdist gives each
+    worker a contiguous 1/N of the collected tests and lets an idle worker take the tail of
+    another's queue. So that no worker starts a long file last, the slow files (`SLOW_FILES`,
+    kept whole: their module fixtures are set up once) are dealt to the workers' shares,
+    heaviest first to the least loaded, each share starting with its slow files and filled
+    up with the other tests in their usual order."""
+    workers = getattr(config.option, "numprocesses", None)
+    if config.getoption("dist", "no") != "worksteal" or not isinstance(workers, int):
+        return
+    if workers < 2 or len(items) < 2 * workers:
+        return
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    slow = sorted((f for f in by_file if f in SLOW_FILES), key=lambda f: -SLOW_FILES[f])
+    shares: list[list] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for f in slow:
+        i = load.index(min(load))
+        shares[i] += by_file[f]
+        load[i] += SLOW_FILES[f]
+    rest = [item for f, its in by_file.items() if f not in SLOW_FILES for item in its]
+    ordered = []
+    for i, share in enumerate(shares):
+        size = len(items) // workers if i < workers - 1 else len(items)
+        take = max(0, size - len(share)) if i < workers - 1 else len(rest)
+        ordered += share + rest[:take]
+        rest = rest[take:]
+    ordered += rest
+    assert sorted(map(id, ordered)) == sorted(map(id, items))
+    items[:] = ordered
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module. Every CPU executable keeps its own
