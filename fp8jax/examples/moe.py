@@ -324,7 +324,9 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument(
+        "--experts", type=int, default=None, help="4, or with --expert-parallel E, max(4, E)"
+    )
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tail", type=int, default=20, help="steps whose tokens are counted")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one job per seed")
@@ -345,6 +347,8 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="expert parallel: the backward's exchanges in FP8 too (E4M3, 1 x 128 tiles)",
     )
     args = parser.parse_args(argv)
+    if args.experts is None:
+        args.experts = max(4, args.expert_parallel)
     if args.fp8_backward and not args.expert_parallel:
         parser.error("--fp8-backward: only with --expert-parallel (there is no exchange)")
     if args.expert_parallel:
