@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -5,6 +6,7 @@ import pytest
 from helpers import E4M3, E5M2, ref_quantize
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import fp8jax
 
@@ -91,3 +93,23 @@ def test_widen_is_exact_for_every_bfloat16():
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
     assert widen(jnp.ones(3, jnp.float16)).dtype == jnp.float32
+
+
+def test_floor_log2_is_exact_for_every_float32_magnitude():
+    """`floor_log2` against float64 `log2`: powers of two and their neighbours, from the
+    smallest subnormal to the largest float, and inside `shard_map` (typed as its input)."""
+    from fp8jax._src.core.formats import floor_log2
+
+    powers = np.float32(2.0) ** np.arange(-149, 128, dtype=np.float64).astype(np.float32)
+    x = np.concatenate(
+        [powers, np.nextafter(powers, np.float32(np.inf)), np.nextafter(powers, np.float32(0))]
+    )
+    x = x[(x > 0) & np.isfinite(x)].astype(np.float32)
+    want = np.floor(np.log2(x.astype(np.float64))).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(floor_log2(jnp.asarray(x))), want)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.shard_map(
+        lambda v: floor_log2(v) - 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")
+    )
+    cut = x[: len(x) // 8 * 8]
+    np.testing.assert_array_equal(np.asarray(sharded(jnp.asarray(cut))), want[: len(cut)] - 1)

@@ -141,9 +141,14 @@ def pow2(exponent: Array) -> Array:
 
 
 def floor_log2(x: Array) -> Array:
-    """`floor(log2(x))` for positive finite `x`, exactly (from the float's exponent)."""
-    _, exponent = jnp.frexp(x)  # x = m * 2**e with m in [0.5, 1)
-    return exponent - 1
+    """`floor(log2(x))` for positive finite float32 `x`, exactly, from its bits: the biased
+    exponent, or for a subnormal its mantissa's highest set bit (integer ops: XLA's CPU
+    arithmetic flushes subnormals to zero). Not `jnp.frexp`: inside `shard_map`, JAX 0.12
+    types its exponent as invariant over the mesh axes that `x` varies over."""
+    bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    return jnp.where(biased == 0, -149 + 31 - lax.clz(mantissa), biased - 127)
 
 
 def dequantize(
