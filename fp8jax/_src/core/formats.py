@@ -15,6 +15,8 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float
 
+from . import jax_private
+
 _FORMATS: dict[str, np.dtype] = {
     "e4m3": np.dtype(jnp.float8_e4m3fn),
     "e5m2": np.dtype(jnp.float8_e5m2),
@@ -141,10 +143,14 @@ def pow2(exponent: Array) -> Array:
 
 
 def floor_log2(x: Array) -> Array:
-    """`floor(log2(x))` for positive finite float32 `x`, exactly, from its bits: the biased
-    exponent, or for a subnormal its mantissa's highest set bit (integer ops: XLA's CPU
-    arithmetic flushes subnormals to zero). Not `jnp.frexp`: inside `shard_map`, JAX 0.12
-    types its exponent as invariant over the mesh axes that `x` varies over."""
+    """`floor(log2(x))` for positive normal float32 `x` (every scale fp8jax computes: at
+    most `2**126`, at least an FP8 max over float32's), exactly: `jnp.frexp`'s exponent,
+    except where `x` varies over `shard_map`'s manual axes (JAX 0.12 types that exponent as
+    invariant there): then from its bits, the biased exponent, or for a subnormal its
+    mantissa's highest set bit (integer ops: XLA's CPU arithmetic flushes subnormals)."""
+    if not jax_private.varying_axes(x):
+        _, exponent = jnp.frexp(x)  # x = m * 2**e with m in [0.5, 1)
+        return exponent - 1
     bits = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
     biased = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
