@@ -55,14 +55,22 @@ def top_k_experts(
 
 def route(logits: Float[Array, "tokens experts"], top_k: int) -> Routing:
     """Top-k routing (`top_k_experts`), the assignments sorted by expert."""
-    experts = logits.shape[-1]
     chosen, scores = top_k_experts(logits, top_k)
+    return sort_assignments(chosen, scores, logits.shape[-1])
+
+
+def sort_assignments(
+    chosen: Int[Array, "tokens top_k"], weights: Float[Array, "tokens top_k"], experts: int
+) -> Routing:
+    """Each token's chosen experts and routing weights as `Routing`: the `tokens * top_k`
+    assignments sorted by expert (stable: a token's rows keep the token order)."""
+    top_k = chosen.shape[-1]
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     return Routing(
         order=order,
         token=order // top_k,
-        weight=scores.reshape(-1)[order],
+        weight=weights.reshape(-1)[order],
         group_sizes=jnp.bincount(flat, length=experts).astype(jnp.int32),
     )
 
