@@ -33,7 +33,9 @@ CELL_TIMEOUT_S = 600
 # note before them: timestamps and process ids, nothing for the reader.
 NATIVE_LOG = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
-    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] .*)\n?",
+    r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] .*"
+    # Mosaic GPU's PTX dump also tries to disassemble SASS, with no nvdisasm on a CPU machine.
+    r"|nvdisasm invocation failed: .*)\n?",
     re.MULTILINE,
 )
 
