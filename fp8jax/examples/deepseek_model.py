@@ -31,7 +31,8 @@ model = update_balance(model, load.routed)   # after the step, outside the gradi
 ```
 
 Left out of the miniature, as not FP8's business: multi-token prediction, node-limited
-routing and the sequence-wise auxiliary loss (V3's alpha = 0.0001).
+routing, the sequence-wise auxiliary loss (V3's alpha = 0.0001) and the routed experts' output
+scale (2.5 in V3's released code; the gating weights here sum to 1).
 """
 
 from __future__ import annotations
