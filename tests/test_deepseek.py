@@ -404,3 +404,8 @@ def test_the_job_trains_three_runs_from_the_same_start(capsys):
         assert len(run.val) == 2 and np.isfinite(run.val).all()
     with pytest.raises(SystemExit):
         deepseek.main(["--steps", "3"])  # --kjv missing
+    with pytest.raises(SystemExit):
+        deepseek.parse(["--kjv", "--precisions", "bf16,fp16"])
+    assert deepseek.parse(["--kjv", "--precisions", "fp8"]).precisions == ["bf16", "fp8"]
+    partial = deepseek.build(SMALL, "fp8", 0, "dequantized", targets=r".*attn\..*")
+    assert set(fp8jax.telemetry(partial)) == {n for n in fp8_layers(SMALL) if ".attn." in n}
