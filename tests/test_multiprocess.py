@@ -49,6 +49,15 @@ def runs(tmp_path_factory):
     port = free_port()
     # The workers set their own device count; and gRPC would send even 127.0.0.1 to a proxy.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "proxy" not in k.lower()}
+    # Otherwise this process's XLA flags (conftest's compile options): the values are compared
+    # bit for bit, and XLA:CPU's optimisation level can move the last bit of a LayerNorm.
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
     # The workers import the fp8jax this process imported: a script's sys.path starts at its
     # own folder (tests/), not at the working directory, so without this a checkout tested
