@@ -1,6 +1,9 @@
 """DeepSeek-V3 in miniature (fp8jax.examples.deepseek_model): MLA against its equations,
 DeepSeekMoE's routing and balancing, FP8 as DeepSeek-V3 trains it, and the job."""
 
+import contextlib
+import dataclasses
+import io
 import json
 import re
 
@@ -11,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import UNIT_ROUNDOFF, h100_topology, run_with_mosaic_dump
+from jax.ad_checkpoint import print_saved_residuals
 
 import fp8jax
 from fp8jax.examples import deepseek
@@ -31,8 +35,8 @@ SMALL = DeepSeekConfig(layers=2, dense_layers=1, experts=4, top_k=2, context=32)
 
 
 def randomized(tree, key, scale=0.5):
-    """`tree` with every floating array replaced by random values (RMSNorm weights too, so
-    that the norms' weights are tested, not ones)."""
+    """`tree` with every 1-d floating array (the RMSNorm weights) replaced by random values
+    around 1, so that the norms' weights are tested, not ones."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
     new = [
@@ -315,6 +319,47 @@ def test_fp8_first_step_gradients_match_bf16_within_fp8_bounds():
     assert np.median([fp8_errors[k] for k in converted]) > 4 * np.median(
         list(bf16_errors.values())
     ), converted
+
+
+def saved(model, tokens):
+    """The values the backward pass keeps (`print_saved_residuals`' lines), arguments left out."""
+    params, static = eqx.partition(model, eqx.is_array)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: deepseek_loss(eqx.combine(p, static), tokens)[0], params)
+    return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+
+
+def test_remat_keeps_only_fp8_operands_and_block_inputs():
+    """`remat=True`, as V3 caches FP8 activations: the backward keeps each FP8 GEMM's FP8
+    operands (two per layer: the activation and the weight) and their scales, and in BF16
+    only the blocks' inputs and the head's; without it, every BF16 activation too."""
+    policy = fp8jax.Policy.from_string("params=bfloat16,compute=bfloat16,output=float32")
+    tokens = jnp.zeros((2, SMALL.context + 1), jnp.int32)
+    kept = {}
+    for remat in (False, True):
+        config = dataclasses.replace(SMALL, remat=remat)
+        model = fp8jax.fp8_linear_layers(
+            DeepSeekV3(config, key=jax.random.PRNGKey(0)), fp8_config()
+        )
+        kept[remat] = saved(policy.cast_to_compute(model), tokens)
+    fp8 = [line for line in kept[True] if line.startswith("f8_e4m3fn[")]
+    assert len(fp8) == 2 * len(fp8_layers(SMALL))
+    bf16 = [line.split(" ")[0] for line in kept[True] if line.startswith("bf16[")]
+    width, tokens_in = SMALL.width, 2 * SMALL.context
+    block_input, head_input = f"bf16[2,{SMALL.context},{width}]", f"bf16[{tokens_in},{width}]"
+    assert sorted(bf16) == sorted([block_input] * SMALL.layers + [head_input]), bf16
+    plain = [line for line in kept[False] if line.startswith("bf16[")]
+    assert len(plain) > 5 * len(bf16) and len(kept[False]) > len(kept[True])
+
+
+def test_the_job_stores_adam_s_moments_in_bf16_but_for_float32():
+    model = DeepSeekV3(SMALL, key=jax.random.PRNGKey(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    for bf16_moments, want in ((True, jnp.bfloat16), (False, jnp.float32)):
+        state = deepseek.optimizer(10, 1e-3, bf16_moments).init(params)
+        moments = [x for x in jax.tree.leaves(state) if x.ndim == 2]
+        assert moments and {x.dtype for x in moments} == {jnp.dtype(want)}
 
 
 # --- the H100 compile: what runs in FP8 ---------------------------------------------------
