@@ -85,7 +85,9 @@ from ._src.train.step import TrainState as TrainState
 from ._src.train.step import TrainStep as TrainStep
 from ._src.train.step import make_train_step as make_train_step
 
-if TYPE_CHECKING:  # Flax NNX support: imported on first use (flax is the `nnx` extra)
+if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `linen` extra)
+    from ._src.convert.linen.convert import Fp8Linen as Fp8Linen
+    from ._src.convert.linen.train import LinenTrainState as LinenTrainState
     from ._src.convert.nnx.layers import Fp8NnxDotGeneral as Fp8NnxDotGeneral
     from ._src.convert.nnx.layers import Fp8NnxEinsum as Fp8NnxEinsum
     from ._src.convert.nnx.layers import Fp8State as Fp8State
@@ -94,34 +96,37 @@ if TYPE_CHECKING:  # Flax NNX support: imported on first use (flax is the `nnx` 
     from ._src.convert.nnx.train import nnx_value_and_grad as nnx_value_and_grad
 
 #: Names that import Flax, resolved on first access so that `import fp8jax` never does: each
-#: with its module under `_src.convert.nnx`.
-_NNX_NAMES = {
-    "Fp8NnxDotGeneral": "layers",
-    "Fp8NnxEinsum": "layers",
-    "Fp8State": "layers",
-    "nnx_train_step": "train",
-    "nnx_update_fp8_state": "train",
-    "nnx_value_and_grad": "train",
+#: with its module under `_src.convert`.
+_FLAX_NAMES = {
+    "Fp8Linen": "linen.convert",
+    "LinenTrainState": "linen.train",
+    "Fp8NnxDotGeneral": "nnx.layers",
+    "Fp8NnxEinsum": "nnx.layers",
+    "Fp8State": "nnx.layers",
+    "nnx_train_step": "nnx.train",
+    "nnx_update_fp8_state": "nnx.train",
+    "nnx_value_and_grad": "nnx.train",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _NNX_NAMES:
+    if name not in _FLAX_NAMES:
         raise AttributeError(f"module 'fp8jax' has no attribute {name!r}")
     try:
-        module = importlib.import_module(f"._src.convert.nnx.{_NNX_NAMES[name]}", __name__)
+        module = importlib.import_module(f"._src.convert.{_FLAX_NAMES[name]}", __name__)
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "flax":
             raise
+        extra = _FLAX_NAMES[name].split(".")[0]
         raise ImportError(
-            f"fp8jax.{name} is fp8jax's Flax NNX support, which needs Flax: "
-            "pip install 'fp8jax[nnx]'."
+            f"fp8jax.{name} is fp8jax's Flax {extra.upper() if extra == 'nnx' else 'Linen'} "
+            f"support, which needs Flax: pip install 'fp8jax[{extra}]'."
         ) from e
     return getattr(module, name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_NNX_NAMES})
+    return sorted({*globals(), *_FLAX_NAMES})
 
 
 __version__ = "0.1.0"
@@ -141,6 +146,7 @@ __all__ = [
     "Fp8Config",
     "Fp8DotGeneral",
     "Fp8InspectionError",
+    "Fp8Linen",
     "Fp8NnxDotGeneral",
     "Fp8NnxEinsum",
     "ExpertExchange",
@@ -154,6 +160,7 @@ __all__ = [
     "Inspection",
     "KernelCost",
     "LayerTelemetry",
+    "LinenTrainState",
     "Linear",
     "LossScale",
     "NoOpLossScale",

@@ -20,7 +20,7 @@ from flax.linen import fp8_ops
 from helpers import h100_topology, make_train_step, representable
 
 import fp8jax
-from fp8jax._src.convert.nnx.einsum import einsum_dimension_numbers
+from fp8jax._src.convert.einsum import einsum_dimension_numbers
 from fp8jax._src.observe import deviceless
 
 RECIPES = {

@@ -110,6 +110,28 @@ class Fp8Config:
             resolved = tuple((p, recipe_from(r)) for p, r in self.recipes.items())
             object.__setattr__(self, "recipes", resolved)
 
+    def selects(self, path: tuple[str, ...]) -> bool:
+        """Whether the Linear at `path` (its names, outermost first) is converted: targeted
+        and not excluded."""
+        return self.targets_path(path) and not self.excludes(path)
+
+    def targets_path(self, path: tuple[str, ...]) -> bool:
+        """Whether `targets` names the Linear at `path` (before `exclude`)."""
+        if self.targets is None:
+            return True
+        dotted = ".".join(path)
+        if isinstance(self.targets, str):
+            return re.fullmatch(self.targets, dotted) is not None
+        return dotted in self.targets or (bool(path) and path[-1] in self.targets)
+
+    def excludes(self, path: tuple[str, ...]) -> bool:
+        """Whether `exclude` keeps the Linear at `path` in high precision."""
+        return (
+            self.exclude is not None
+            and bool(path)
+            and re.fullmatch(self.exclude, path[-1]) is not None
+        )
+
     def recipe_for(self, path: tuple[str, ...]) -> Recipe:
         """The recipe of the layer at `path`: the first matching override, else `recipe`."""
         for pattern, recipe in self.recipes or ():
@@ -143,21 +165,8 @@ def choose_layers(
     paths (for the messages naming what a target matched instead), `linears` the convertible
     layers among them, and `is_module` tells a module of the framework from other nodes.
     """
-    exclude = None if config.exclude is None else re.compile(config.exclude)
-
-    def targeted(path: tuple[str, ...]) -> bool:
-        dotted = ".".join(path)
-        if config.targets is None:
-            return True
-        if isinstance(config.targets, str):
-            return re.fullmatch(config.targets, dotted) is not None
-        return dotted in config.targets or (bool(path) and path[-1] in config.targets)
-
-    def excluded(path: tuple[str, ...]) -> bool:
-        return exclude is not None and bool(path) and exclude.fullmatch(path[-1]) is not None
-
-    _check_targets(config, nodes, linears, targeted, excluded, is_module)
-    chosen = {p for p, _ in linears if targeted(p) and not excluded(p)}
+    _check_targets(config, nodes, linears, config.targets_path, config.excludes, is_module)
+    chosen = {p for p, _ in linears if config.selects(p)}
     for pattern, _ in config.recipes or ():
         if not any(_matches(pattern, p) for p in chosen):
             listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"

@@ -12,14 +12,10 @@ from .equinox import fp8_equinox_linear_layers
 T = TypeVar("T")
 
 
-def _flax_nnx() -> Any:
-    """`flax.nnx` if the user imported it (an NNX model can only exist then); flax is an
-    optional extra, never imported otherwise."""
-    if "flax.nnx" not in sys.modules:
-        return None
-    from flax import nnx
-
-    return nnx
+def _flax(api: str) -> Any:
+    """`flax.nnx` or `flax.linen` if the user imported it (a model of it can only exist
+    then); flax is an optional extra, never imported otherwise."""
+    return sys.modules.get(f"flax.{api}")
 
 
 def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
@@ -41,6 +37,10 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
       [`fp8jax.Fp8NnxEinsum`][] as its `einsum_op`, their state in [`fp8jax.Fp8State`][]
       variables (stacked for an `nnx.vmap`-built stack). The result is a converted copy that
       shares the weights' arrays; `tree` is left as it was. See the Flax NNX guide.
+    - A Flax Linen model (an `nn.Module`) becomes an [`fp8jax.Fp8Linen`][]: its `init` and
+      `apply` run the model's own code with its chosen `nn.Dense`, `nn.DenseGeneral` and
+      `nn.Einsum` layers as FP8 GEMMs, the FP8 state in the variable collection
+      `"_overwrite_with_gradient"`. See the Flax Linen guide.
     - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
 
     **Arguments:**
@@ -61,9 +61,13 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     config = Fp8Config() if config is None else config
     if not isinstance(config, Fp8Config):
         raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
-    nnx = _flax_nnx()
+    nnx, linen = _flax("nnx"), _flax("linen")
     if nnx is not None and isinstance(tree, nnx.Module):
         from .nnx.convert import fp8_nnx_linear_layers
 
         return fp8_nnx_linear_layers(tree, config)
+    if linen is not None and isinstance(tree, linen.Module):
+        from .linen.convert import Fp8Linen
+
+        return Fp8Linen(tree, config)
     return fp8_equinox_linear_layers(tree, config)

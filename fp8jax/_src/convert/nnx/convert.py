@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from flax import nnx
 
 from ..config import Fp8Config, choose_layers
-from .einsum import einsum_kernel_shape
+from ..einsum import einsum_kernel_shape
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 
 M = TypeVar("M")

@@ -8,7 +8,6 @@ import abc
 from typing import Any, final
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
@@ -16,7 +15,7 @@ from jaxtyping import Array
 from ...core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
-from .einsum import einsum_dimension_numbers
+from ..einsum import fp8_einsum
 
 
 def _nnx_message(error: Fp8StateError, name: str) -> str:
@@ -199,11 +198,7 @@ class Fp8NnxEinsum(AbstractFp8NnxDot):
         preferred_element_type: DTypeLike | None = None,
         out_sharding: Any = None,
     ) -> Array:
-        if not isinstance(subscripts, str):
-            raise TypeError(f"Fp8NnxEinsum: subscripts={subscripts!r} should be a str.")
-        dims, perm = einsum_dimension_numbers(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
-        out = self._dot_general(lhs, rhs, dims, precision, preferred_element_type)
-        out = jnp.transpose(out, perm)
+        out = fp8_einsum(self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type)
         if out_sharding is not None:
             out = jax.sharding.reshard(out, out_sharding)
         return out

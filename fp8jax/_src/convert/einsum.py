@@ -1,5 +1,6 @@
-"""The algebra of a two-operand einsum as a `dot_general` (which axes it contracts, batches,
-keeps and in which order), for the FP8 `nnx.Einsum`. It holds no Flax."""
+"""A two-operand einsum as an FP8 `dot_general`: which axes it contracts, batches, keeps and in
+which order, and the call. Shared by the FP8 einsums of every framework (NNX's `nnx.Einsum`,
+Linen's `nn.Einsum`, `jnp.einsum` in any function); it holds no framework."""
 
 from __future__ import annotations
 
@@ -7,20 +8,24 @@ import math
 import string
 from typing import Any
 
+import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array
+
 
 def _einsum_parts(subscripts: str, x_ndim: int, k_ndim: int) -> tuple[str, str, str]:
     """The input, kernel and output subscripts of a two-operand einsum, `...` expanded."""
     spec = subscripts.replace(" ", "")
     if spec.count("->") != 1 or spec.count(",") != 1:
         raise ValueError(
-            f"Fp8NnxEinsum: subscripts={subscripts!r}: should be an explicit two-operand "
+            f"FP8 einsum: subscripts={subscripts!r}: should be an explicit two-operand "
             "equation 'input,kernel->output', e.g. 'btd,dhk->bthk'."
         )
     operands, out = spec.split("->")
     x, k = operands.split(",")
     if "..." in k:
         raise ValueError(
-            f"Fp8NnxEinsum: subscripts={subscripts!r}: the kernel's subscripts {k!r} may not "
+            f"FP8 einsum: subscripts={subscripts!r}: the kernel's subscripts {k!r} may not "
             "hold '...'; name each kernel axis."
         )
     if "..." in x:
@@ -28,31 +33,31 @@ def _einsum_parts(subscripts: str, x_ndim: int, k_ndim: int) -> tuple[str, str, 
         n = x_ndim - (len(x) - 3)
         if n < 0 or "..." in x.replace("...", "", 1):
             raise ValueError(
-                f"Fp8NnxEinsum: subscripts={subscripts!r} does not fit an input of {x_ndim} axes."
+                f"FP8 einsum: subscripts={subscripts!r} does not fit an input of {x_ndim} axes."
             )
         fill = "".join(unused[:n])
         x, out = x.replace("...", fill), out.replace("...", fill)
     for name, letters, ndim in (("input", x, x_ndim), ("kernel", k, k_ndim)):
         if len(letters) != ndim or not letters.isalpha():
             raise ValueError(
-                f"Fp8NnxEinsum: subscripts={subscripts!r} gives the {name} {len(letters)} axes "
+                f"FP8 einsum: subscripts={subscripts!r} gives the {name} {len(letters)} axes "
                 f"({letters!r}), but it has {ndim}."
             )
     for name, letters in (("input", x), ("kernel", k), ("output", out)):
         if len(set(letters)) != len(letters):
             raise ValueError(
-                f"Fp8NnxEinsum: subscripts={subscripts!r} repeats an axis of the {name} "
+                f"FP8 einsum: subscripts={subscripts!r} repeats an axis of the {name} "
                 f"({letters!r}); FP8 einsums take each name once per operand."
             )
     for c in x + k:
         if c not in out and (c not in x or c not in k):
             raise ValueError(
-                f"Fp8NnxEinsum: subscripts={subscripts!r} sums axis {c!r} of one operand "
+                f"FP8 einsum: subscripts={subscripts!r} sums axis {c!r} of one operand "
                 "only; FP8 einsums contract axes of both operands (sum it before the layer)."
             )
     if not set(out) <= set(x + k):
         raise ValueError(
-            f"Fp8NnxEinsum: subscripts={subscripts!r}: output {out!r} names an axis of neither "
+            f"FP8 einsum: subscripts={subscripts!r}: output {out!r} names an axis of neither "
             "operand."
         )
     return x, k, out
@@ -92,3 +97,20 @@ def einsum_kernel_shape(subscripts: str | None, kernel_shape: tuple[int, ...]) -
     free = math.prod(d for c, d in zip(k, kernel_shape, strict=True) if c not in x)
     contracted = math.prod(d for c, d in zip(k, kernel_shape, strict=True) if c in x)
     return (free, contracted)
+
+
+def fp8_einsum(
+    dot: Any,
+    subscripts: str,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    precision: Any = None,
+    preferred_element_type: DTypeLike | None = None,
+) -> Array:
+    """`jnp.einsum(subscripts, lhs, rhs)` as the FP8 GEMM `dot` (an `Fp8DotGeneral`), `rhs`
+    in the kernel's role: one `dot_general` (contracted axes, batch axes of both operands kept
+    in the output), then a transpose to the output's order."""
+    if not isinstance(subscripts, str):
+        raise TypeError(f"FP8 einsum: subscripts={subscripts!r} should be a str.")
+    dims, perm = einsum_dimension_numbers(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    return jnp.transpose(dot(lhs, rhs, dims, precision, preferred_element_type), perm)

@@ -1,0 +1,277 @@
+"""The Flax Linen adapter of model conversion: [`fp8jax.Fp8Linen`][], a Linen model whose
+chosen `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers run as FP8 GEMMs, by
+`nn.intercept_methods`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, final
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array
+
+from ...core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
+from ...ops.dot_general import Fp8DotGeneral
+from ..config import Fp8Config, choose_layers
+from ..einsum import einsum_kernel_shape, fp8_einsum
+
+#: The variable collection of FP8 state: Flax's own name for state whose gradient is its new
+#: value (`flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`).
+COLLECTION: str = OVERWRITE_WITH_GRADIENT
+#: The name of a converted layer's state variable, in the layer's scope.
+VARIABLE: str = "fp8jax"
+
+
+def _kind(module: Any) -> str | None:
+    if isinstance(module, nn.Dense | nn.DenseGeneral):
+        return "dense"
+    if isinstance(module, nn.Einsum):
+        return "einsum"
+    return None
+
+
+def _linen_message(error: Fp8StateError, name: str) -> str:
+    """The Linen version of a state error of the Equinox layer (whose advice is Equinox's)."""
+    layer = f"FP8 layer {name!r}" if name else "An FP8 Linen layer"
+    if isinstance(error, StateUsedTwiceError):
+        return (
+            f"{layer} runs twice in one differentiated step (a shared module, a loop) under "
+            "jax.grad, which would add its two amaxes and scales instead of keeping the "
+            "larger: JAX sums the gradients of a value used twice, and FP8 state leaves the "
+            "step through its gradient. Differentiate with fp8jax.filter_value_and_grad, "
+            "which combines the uses by max."
+        )
+    if isinstance(error, StateNotDifferentiatedError):
+        return (
+            f"{layer} is differentiated, but its FP8 state (collection {COLLECTION!r}) is "
+            "not: its new scales and amax history leave the step as the state's gradient. "
+            "Differentiate the whole variables, e.g. fp8jax.filter_value_and_grad(loss_fn)"
+            "(variables), with loss_fn calling apply(variables, ...)."
+        )
+    return str(error)
+
+
+def _kernel_shape(rhs: Any, dimension_numbers: Any) -> tuple[int, int] | None:
+    """The `(N, K)` matrix of a kernel contracted along `dimension_numbers`' rhs axes;
+    `None` for a kernel with batch axes (no single matrix)."""
+    (_, contracting), (_, batch) = dimension_numbers
+    if batch:
+        return None
+    shape = jnp.shape(rhs)
+    contracted = math.prod(shape[d] for d in contracting)
+    free = math.prod(d for i, d in enumerate(shape) if i not in contracting)
+    return (free, contracted)
+
+
+class _Einsum(threading.local):
+    """`jnp.einsum` answered by an FP8 einsum on this thread while a chosen `nn.Einsum`
+    runs (Linen's `Einsum` calls `jnp.einsum` itself, with no `dot_general` to pass)."""
+
+    def __init__(self) -> None:
+        self.handler: Callable[..., Array] | None = None
+
+
+_einsum = _Einsum()
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_original_einsum = jnp.einsum
+
+
+def _dispatching_einsum(subscripts: Any, *operands: Any, **kwargs: Any) -> Any:
+    handler = _einsum.handler
+    extra = set(kwargs) - {"precision", "preferred_element_type"}
+    if handler is None or len(operands) != 2 or extra or not isinstance(subscripts, str):
+        return _original_einsum(subscripts, *operands, **kwargs)
+    return handler(subscripts, *operands, **kwargs)
+
+
+@contextlib.contextmanager
+def _einsum_answered_by(handler: Callable[..., Array]) -> Iterator[None]:
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            jnp.einsum = _dispatching_einsum
+        _patch_depth += 1
+    previous, _einsum.handler = _einsum.handler, handler
+    try:
+        yield
+    finally:
+        _einsum.handler = previous
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                jnp.einsum = _original_einsum
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What one `init`/`apply` saw: every module with its path, the convertible layers."""
+
+    modules: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
+    layers: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
+
+
+def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -> Fp8DotGeneral:
+    """The layer's FP8 state, its variable declared on first use (at `init`)."""
+    name = ".".join(path)
+    if not module.has_variable(COLLECTION, VARIABLE) and not module.is_mutable_collection(
+        COLLECTION
+    ):
+        raise ValueError(
+            f"Fp8Linen: the variables given hold no FP8 state for the layer {name!r} "
+            f"(collection {COLLECTION!r}). Pass the whole variables that Fp8Linen.init "
+            "returned (not only variables['params']), made with the same Fp8Config."
+        )
+
+    def init() -> Fp8DotGeneral:
+        return Fp8DotGeneral(config.recipe_for(path), kernel, name, config.telemetry)
+
+    return module.variable(COLLECTION, VARIABLE, init).value
+
+
+def _call(dot: Fp8DotGeneral, name: str, *args: Any) -> Array:
+    try:
+        return dot(*args)
+    except Fp8StateError as e:
+        raise type(e)(_linen_message(e, name), name) from e
+
+
+def _interceptor(config: Fp8Config, seen: _Seen) -> Callable[..., Any]:
+    def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        path = tuple(str(p) for p in module.path)
+        seen.modules.setdefault(path, module)
+        kind = _kind(module)
+        if kind is None or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        seen.layers.setdefault(path, module)
+        if not config.selects(path):
+            return next_fun(*args, **kwargs)
+        name = ".".join(path)
+        if kind == "einsum":
+
+            def einsum(subscripts: str, lhs: ArrayLike, rhs: ArrayLike, **kw: Any) -> Array:
+                kernel = einsum_kernel_shape(subscripts, tuple(jnp.shape(rhs)))
+                dot = _state(module, path, config, kernel)
+                return fp8_einsum(
+                    functools.partial(_call, dot, name),
+                    subscripts,
+                    lhs,
+                    rhs,
+                    kw.get("precision"),
+                    kw.get("preferred_element_type"),
+                )
+
+            with _einsum_answered_by(einsum):
+                return next_fun(*args, **kwargs)
+        if module.dot_general is not None or module.dot_general_cls is not None:
+            own = module.dot_general_cls or module.dot_general
+            raise ValueError(
+                f"Fp8Linen: the {type(module).__name__} at {name!r} has its own dot_general "
+                f"({own!r}), which fp8jax would replace. Exclude it (Fp8Config targets or "
+                "exclude), or build it without one."
+            )
+
+        def dot_general(
+            lhs: ArrayLike,
+            rhs: ArrayLike,
+            dimension_numbers: Any,
+            precision: Any = None,
+            preferred_element_type: DTypeLike | None = None,
+            out_sharding: Any = None,
+        ) -> Array:
+            dot = _state(module, path, config, _kernel_shape(rhs, dimension_numbers))
+            out = _call(dot, name, lhs, rhs, dimension_numbers, precision, preferred_element_type)
+            if out_sharding is not None:
+                out = jax.sharding.reshard(out, out_sharding)
+            return out
+
+        # A Linen module is a frozen dataclass: the FP8 dot_general is its field for this
+        # call only, and the field is restored after.
+        object.__setattr__(module, "dot_general", dot_general)
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            object.__setattr__(module, "dot_general", None)
+
+    return intercept
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class Fp8Linen:
+    """A Flax Linen model whose chosen `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` layers
+    run as fp8jax's FP8 GEMMs, its code unedited.
+
+    Made by [`fp8jax.fp8_linear_layers`][] from an `nn.Module`. `init` and `apply` are the
+    module's, run under `nn.intercept_methods`: each chosen layer gets an FP8 `dot_general`
+    (an `Einsum`, an FP8 `jnp.einsum`) for its call, and its FP8 state (an
+    [`fp8jax.Fp8DotGeneral`][]) lives in the variable `"fp8jax"` of collection
+    `"_overwrite_with_gradient"` in the layer's scope. The parameters keep the unconverted
+    model's paths, so its checkpoints load.
+
+    Layers are chosen by their module path (`module.path`, e.g. `"Block_0.MlpBlock_0.Dense_1"`)
+    as [`fp8jax.Fp8Config`][] chooses Linears: targets, `exclude`, per-layer `recipes`.
+    `init` checks that every target and recipe pattern matched a layer the model ran.
+
+    **Arguments:**
+
+    - `module`: the Linen model.
+    - `config`: the [`fp8jax.Fp8Config`][].
+
+    ```python
+    fp8_model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe="blockwise"))
+    variables = fp8_model.init(jax.random.key(0), x)   # {"params", "_overwrite_with_gradient"}
+    y = fp8_model.apply(variables, x)
+    ```
+    """
+
+    module: nn.Module
+    config: Fp8Config = Fp8Config()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, nn.Module):
+            raise TypeError(
+                f"Fp8Linen: module={type(self.module).__name__}: should be a flax.linen.Module."
+            )
+        if self.module.scope is not None:
+            raise TypeError(
+                f"Fp8Linen: module={type(self.module).__name__} is bound to variables; pass "
+                "the unbound module (model, not model.bind(...))."
+            )
+        if not isinstance(self.config, Fp8Config):
+            raise TypeError(f"Fp8Linen: config={self.config!r}: should be an fp8jax.Fp8Config.")
+
+    def _run(self, fun: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, _Seen]:
+        seen = _Seen()
+        with nn.intercept_methods(_interceptor(self.config, seen)):
+            return fun(*args, **kwargs), seen
+
+    def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """`module.init_with_output`, the chosen layers in FP8: `(output, variables)`, the
+        variables holding the FP8 state. Raises `ValueError` if a target or recipe pattern
+        matches no layer that ran (the message lists those that did)."""
+        out, seen = self._run(self.module.init_with_output, rngs, *args, **kwargs)
+        nodes = sorted(seen.modules.items())
+        choose_layers(self.config, nodes, sorted(seen.layers.items()), lambda n: True)
+        return out
+
+    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
+        """`module.init`, the chosen layers in FP8: the variables, FP8 state included (see
+        [`init_with_output`][fp8jax.Fp8Linen.init_with_output])."""
+        return self.init_with_output(rngs, *args, **kwargs)[1]
+
+    def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        """`module.apply(variables, *args, **kwargs)`, the chosen layers in FP8. `variables`
+        are those `init` made (FP8 state included); every argument of Linen's `apply`
+        (`rngs`, `mutable`, `method`) is accepted."""
+        return self._run(self.module.apply, variables, *args, **kwargs)[0]

@@ -1,0 +1,51 @@
+"""Training FP8 Flax Linen models: [`fp8jax.LinenTrainState`][], Flax's `TrainState` whose
+`apply_gradients` merges the new FP8 state instead of overwriting it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+from flax.training import train_state
+
+from ...core.updates import apply_updates
+from .convert import COLLECTION
+
+
+class LinenTrainState(train_state.TrainState):
+    """Flax's `TrainState` for an [`fp8jax.Fp8Linen`][] model: `params` holds the whole
+    variables (`"params"` and the FP8 state), the optimizer sees only `"params"`.
+
+    `create` initialises the optimizer on `params["params"]`, as Flax's `TrainState` does
+    for its FP8 ops. `apply_gradients(grads=...)` updates `"params"` with the optimizer and
+    takes the FP8 state from the gradient through each layer's
+    [`merge`][fp8jax.Fp8DotGeneral.merge]: a layer that did not run this step, or whose
+    operand held an inf or NaN, keeps its state (Flax's `TrainState` would overwrite it with
+    the zero or non-finite gradient). Other collections are left as they are.
+
+    ```python
+    state = fp8jax.LinenTrainState.create(apply_fn=fp8_model.apply, params=variables, tx=tx)
+    loss, grads = fp8jax.filter_value_and_grad(loss_fn)(state.params, batch)
+    state = state.apply_gradients(grads=grads)
+    ```
+    """
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> LinenTrainState:
+        """The state after one step of `grads` (the gradients of `params`, FP8 state
+        included), `step` advanced; `kwargs` replace other fields."""
+        if not isinstance(self.params, dict) or COLLECTION not in self.params:
+            raise ValueError(
+                f"LinenTrainState: params has no {COLLECTION!r} collection: create it with "
+                "params=the whole variables of Fp8Linen.init (not variables['params'])."
+            )
+        if not isinstance(grads, dict) or COLLECTION not in grads or "params" not in grads:
+            raise ValueError(
+                f"LinenTrainState.apply_gradients: grads should hold 'params' and {COLLECTION!r} "
+                "(the gradients of the whole variables); got "
+                f"{sorted(grads) if isinstance(grads, dict) else type(grads).__name__}."
+            )
+        updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params["params"])
+        params = dict(self.params)
+        params["params"] = optax.apply_updates(self.params["params"], updates)
+        params[COLLECTION] = apply_updates(self.params[COLLECTION], None, grads[COLLECTION])
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -1,0 +1,297 @@
+"""Flax Linen: models nobody may edit converted by interception. Numerics against the Equinox
+path (every recipe) and against Flax's own Fp8DirectDotGeneralOp, selection by module path,
+`nn.scan` and shared modules, the train state, a transformer from a package fp8jax did not
+write (recurrentgemma's Griffin) trained unedited, telemetry, checkpoints, the H100 compile."""
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.linen import fp8_ops
+from flax.training import train_state
+from helpers import h100_topology
+
+import fp8jax
+
+OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(history_len=16),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
+    "mxfp8": fp8jax.MXFP8(),
+    "residual": fp8jax.ResidualFP8(),
+    # Kernel-shaped state: checks that Linen's kernel (in, out) gets the (out, in) state.
+    "residual error feedback": fp8jax.ResidualFP8(error_feedback=True),
+}
+
+
+def config(recipe: Any = None, **kwargs: Any) -> fp8jax.Fp8Config:
+    return fp8jax.Fp8Config(recipe=recipe, exclude=None, **kwargs)
+
+
+class Net(nn.Module):
+    """Layers built inside `__call__`, as most Linen code does: nothing to swap beforehand."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="fc1")(x))
+        return nn.DenseGeneral(64, name="fc2")(h)
+
+
+class EqxNet(eqx.Module):
+    fc1: Any
+    fc2: Any
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def eqx_net(params: dict) -> EqxNet:
+    """The same layers in Equinox: Linen's kernel is (in, out), Equinox's weight (out, in)."""
+
+    def linear(p):
+        layer = eqx.nn.Linear(*p["kernel"].shape, key=jax.random.key(0))
+        return eqx.tree_at(lambda m: (m.weight, m.bias), layer, (p["kernel"].T, p["bias"]))
+
+    return EqxNet(linear(params["fc1"]), linear(params["fc2"]))
+
+
+def state_of(variables: dict, *path: str) -> fp8jax.Fp8DotGeneral:
+    node = variables[OWG]
+    for name in path:
+        node = node[name]
+    return node["fp8jax"]
+
+
+def assert_same(a: Any, b: Any, *, names: bool = True) -> None:
+    if names:
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+# --- numerics: the Equinox path, bit for bit ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_matches_the_equinox_path_bit_for_bit(name):
+    x0 = jnp.zeros((2, 16, 64))
+    ours = fp8jax.fp8_linear_layers(Net(), config(RECIPES[name]))
+    assert isinstance(ours, fp8jax.Fp8Linen)
+    variables = ours.init(jax.random.key(0), x0)
+    # The parameters are the unconverted model's, at the same paths.
+    assert_same(variables["params"], Net().init(jax.random.key(0), x0)["params"])
+    theirs = fp8jax.fp8_linear_layers(eqx_net(variables["params"]), config(RECIPES[name]))
+
+    @jax.jit
+    def linen_step(variables, x, c):
+        return jax.value_and_grad(lambda v, x: jnp.sum(ours.apply(v, x) * c), (0, 1))(
+            variables, x
+        ) + (ours.apply(variables, x),)
+
+    @eqx.filter_jit
+    def eqx_step(model, x, c):
+        grads, grad_x = eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1]) * c))((model, x))
+        return model(x), grads, grad_x
+
+    rng = np.random.default_rng(0)
+    for step in range(2):  # the second step runs with the state the first one produced
+        x = jnp.asarray(rng.standard_normal((2, 16, 64)) * (1 + 4 * step), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+        _, (grads, grad_x), out = linen_step(variables, x, c)
+        out_e, grads_e, grad_x_e = eqx_step(theirs, x, c)
+        np.testing.assert_array_equal(out, out_e)
+        np.testing.assert_array_equal(grad_x, grad_x_e)
+        for layer in ("fc1", "fc2"):
+            ours_grads, theirs_grads = grads["params"][layer], getattr(grads_e, layer)
+            np.testing.assert_array_equal(ours_grads["kernel"], theirs_grads.weight.T)
+            np.testing.assert_array_equal(ours_grads["bias"], theirs_grads.bias)
+        variables = {
+            "params": variables["params"],
+            OWG: fp8jax.apply_updates(variables[OWG], None, grads[OWG]),
+        }
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads_e)
+        theirs = fp8jax.apply_updates(theirs, None, overwrites)
+        for layer in ("fc1", "fc2"):
+            assert_same(state_of(variables, layer), getattr(theirs, layer).dot_general)
+
+
+class Projection(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Einsum((64, 2, 16), "btd,dhk->bthk", name="proj")(x)
+
+
+@pytest.mark.parametrize("name", ["delayed", "blockwise", "residual error feedback"])
+def test_einsum_matches_the_equivalent_linear_bit_for_bit(name):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 64)), jnp.float32)
+    ours = fp8jax.fp8_linear_layers(Projection(), config(RECIPES[name]))
+    variables = ours.init(jax.random.key(0), x)
+    kernel, bias = variables["params"]["proj"]["kernel"], variables["params"]["proj"]["bias"]
+    linear = eqx.nn.Linear(64, 32, key=jax.random.key(0))
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias), linear, (kernel.reshape(64, 32).T, bias.reshape(32))
+    )
+    theirs = fp8jax.fp8_linear_layers(linear, config(RECIPES[name]))
+    c = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 2, 16)), jnp.float32)
+    out, grads = jax.jit(jax.value_and_grad(lambda v: jnp.sum(ours.apply(v, x) * c)))(variables)
+    out_e, grads_e = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(jax.vmap(m))(x) * c.reshape(2, 8, 32)))
+    )(theirs)
+    np.testing.assert_array_equal(out, out_e)
+    np.testing.assert_array_equal(
+        grads["params"]["proj"]["kernel"].reshape(64, 32), grads_e.weight.T
+    )
+    new = fp8jax.apply_updates(state_of(variables, "proj"), None, state_of(grads, "proj"))
+    assert_same(new, theirs.dot_general.merge(grads_e.dot_general), names=False)
+
+
+# --- an independent reference: Flax Linen's Fp8DirectDotGeneralOp ---------------------------
+
+
+class OneLayer(nn.Module):
+    dot_general_cls: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, use_bias=False, dot_general_cls=self.dot_general_cls, name="fc")(x)
+
+
+def test_delayed_scaling_matches_flax_fp8_direct_dot_general():
+    # The same Linen model twice: once with Flax's own FP8 op as its dot_general_cls, once
+    # unedited and converted by fp8jax. Flax scales by fp8_max / amax without rounding to a
+    # power of two and stores the reciprocal; it scales a fresh history by 1.0: fp8jax's warm
+    # start is off. Amax histories agree exactly, outputs to float32 rounding.
+    recipe = fp8jax.DelayedScaling(history_len=16, power_of_two=False, warm_start=False)
+    flax_model = OneLayer(functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=16))
+    ours = fp8jax.fp8_linear_layers(OneLayer(), config(recipe))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    flax_variables = flax_model.init(jax.random.key(0), x)
+    variables = ours.init(jax.random.key(0), x)
+    assert_same(variables["params"], flax_variables["params"])
+
+    def step(model):
+        @jax.jit
+        def run(variables, x, c):
+            def loss(v):
+                out = model.apply(v, x)
+                return jnp.sum(out * c), out
+
+            (_, out), grads = jax.value_and_grad(loss, has_aux=True)(variables)
+            return out, grads[OWG]
+
+        return run
+
+    flax_step, our_step = step(flax_model), step(ours)
+    for i in range(4):
+        x = jnp.asarray(rng.standard_normal((8, 32)) * 2.0**i, jnp.float32)
+        c = jnp.asarray(rng.standard_normal((8, 16)) * 3.0**i, jnp.float32)
+        out_flax, flax_state = flax_step(flax_variables, x, c)
+        out, new_state = our_step(variables, x, c)
+        np.testing.assert_allclose(out, out_flax, rtol=2e-6, atol=1e-6)
+        flax_variables = {**flax_variables, OWG: flax_state}
+        variables = {**variables, OWG: fp8jax.apply_updates(variables[OWG], None, new_state)}
+        theirs, state = flax_state["fc"]["Fp8DirectDotGeneralOp_0"], state_of(variables, "fc")
+        for role in ("input", "kernel", "output_grad"):
+            np.testing.assert_array_equal(
+                getattr(state, role).amax_history, theirs[f"{role}_amax_history"]
+            )
+            np.testing.assert_allclose(
+                getattr(state, role).scale, 1.0 / theirs[f"{role}_scale"][0], rtol=1e-6
+            )
+        if i:
+            assert float(state.input.scale) != 1.0  # the histories are in use
+
+
+# --- a transformer fp8jax did not write ----------------------------------------------------
+
+
+def griffin():
+    rg = pytest.importorskip("recurrentgemma.jax")
+    from recurrentgemma import common
+
+    config = common.GriffinConfig(
+        vocab_size=64,
+        width=32,
+        mlp_expanded_width=64,
+        num_heads=2,
+        block_types=(common.TemporalBlockType.RECURRENT, common.TemporalBlockType.ATTENTION),
+        embeddings_scale_by_sqrt_dim=True,
+        attention_window_size=16,
+        logits_soft_cap=30.0,
+    )
+    return rg.Griffin(config)  # nn.remat over its blocks, layers built in setup()
+
+
+def test_recurrentgemma_griffin_trains_unedited():
+    model = griffin()
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, 64, (4, 16)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(16), (4, 16))
+    fp8_model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe="delayed"))
+    variables = fp8_model.init(jax.random.key(0), tokens, positions)
+    plain = model.init(jax.random.key(0), tokens, positions)
+    assert_same(variables["params"], plain["params"])  # its checkpoints load as they are
+
+    def loss_fn(apply, variables):
+        logits, _ = apply(variables, tokens, positions)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    # Every nn.Dense of the model (its embedder's decoding is an einsum, not a layer) is FP8.
+    layers = [
+        f"blocks.{i}.{name}"
+        for i, names in (
+            (
+                0,
+                [
+                    "mlp_block.ffw_down",
+                    "recurrent_block.linear_out",
+                    "recurrent_block.linear_x",
+                    "recurrent_block.linear_y",
+                ],
+            ),
+            (
+                1,
+                [
+                    "attention_block.proj_final",
+                    "attention_block.proj_k",
+                    "attention_block.proj_q",
+                    "attention_block.proj_v",
+                    "mlp_block.ffw_down",
+                ],
+            ),
+        )
+        for name in names
+    ]
+    assert list(fp8jax.telemetry(variables)) == layers
+    # The first loss is the float32 model's, to FP8 rounding.
+    first = float(loss_fn(fp8_model.apply, variables))
+    reference = float(loss_fn(model.apply, plain))
+    assert abs(first - reference) < 0.02 * reference
+
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=fp8_model.apply, params=variables, tx=optax.adam(1e-2)
+    )
+
+    @jax.jit
+    def step(state):
+        loss, grads = fp8jax.filter_value_and_grad(functools.partial(loss_fn, state.apply_fn))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    losses = []
+    for _ in range(6):
+        state, loss = step(state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0]
+    for name, layer in fp8jax.telemetry(state.params).items():
+        for role in ("input", "kernel", "output_grad"):
+            assert float(getattr(layer, role).amax) > 0, (name, role)
