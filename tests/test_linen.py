@@ -295,3 +295,274 @@ def test_recurrentgemma_griffin_trains_unedited():
     for name, layer in fp8jax.telemetry(state.params).items():
         for role in ("input", "kernel", "output_grad"):
             assert float(getattr(layer, role).amax) > 0, (name, role)
+
+
+# --- which layers: module paths, as Fp8Config chooses Linears ---------------------------------
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(32, name="down")(nn.relu(nn.Dense(64, name="up")(x)))
+
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = x + Mlp(name=f"block{i}")(x)
+        return nn.Dense(10, name="head")(x)
+
+
+def test_layers_are_chosen_by_module_path():
+    x = jnp.ones((4, 32))
+    # The default: every layer but the head (DEFAULT_EXCLUDE), delayed scaling.
+    variables = fp8jax.fp8_linear_layers(Model()).init(jax.random.key(0), x)
+    assert list(fp8jax.telemetry(variables)) == [
+        "block0.down",
+        "block0.up",
+        "block1.down",
+        "block1.up",
+    ]
+    assert "head" not in variables[OWG]
+    assert isinstance(state_of(variables, "block0", "up").recipe, fp8jax.DelayedScaling)
+    # A regex over the dotted path, a per-layer recipe, a list of names.
+    cfg = fp8jax.Fp8Config(targets=r"block1\..*", recipes={"block1.down": "current"})
+    variables = fp8jax.fp8_linear_layers(Model(), cfg).init(jax.random.key(0), x)
+    assert list(fp8jax.telemetry(variables)) == ["block1.down", "block1.up"]
+    assert isinstance(state_of(variables, "block1", "down").recipe, fp8jax.CurrentScaling)
+    assert isinstance(state_of(variables, "block1", "up").recipe, fp8jax.DelayedScaling)
+    cfg = fp8jax.Fp8Config(targets=["up", "head"], exclude=None)
+    variables = fp8jax.fp8_linear_layers(Model(), cfg).init(jax.random.key(0), x)
+    assert list(fp8jax.telemetry(variables)) == ["block0.up", "block1.up", "head"]
+
+
+def test_init_says_which_targets_and_recipes_matched_nothing():
+    x = jnp.ones((4, 32))
+    listing = r"'block0.up'.*'block1.down'.*'head'"
+    with pytest.raises(ValueError, match=rf"target 'nope' matches no Linear layer.*{listing}"):
+        fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(targets=["nope"])).init(
+            jax.random.key(0), x
+        )
+    with pytest.raises(ValueError, match=r"targets='block0' matches only modules that are not"):
+        fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(targets="block0")).init(
+            jax.random.key(0), x
+        )
+    with pytest.raises(ValueError, match=r"recipes pattern 'head' matches no converted layer"):
+        fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(recipes={"head": "current"})).init(
+            jax.random.key(0), x
+        )
+
+
+def test_bad_input_errors():
+    x = jnp.ones((4, 32))
+    model = fp8jax.fp8_linear_layers(Model())
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(
+        ValueError, match=r"no FP8 state for the layer 'block0.up'.*whole variables"
+    ):
+        model.apply({"params": variables["params"]}, x)
+    with pytest.raises(ValueError, match=r"Dense at 'fc' has its own dot_general"):
+        fp8jax.fp8_linear_layers(OneLayer(fp8_ops.Fp8DirectDotGeneralOp), config()).init(
+            jax.random.key(0), x
+        )
+    with pytest.raises(TypeError, match=r"module=Net is bound to variables"):
+        fp8jax.Fp8Linen(Net().bind(Net().init(jax.random.key(0), jnp.ones((1, 64)))))
+    with pytest.raises(TypeError, match=r"module=dict: should be a flax.linen.Module"):
+        fp8jax.Fp8Linen({})
+    with pytest.raises(TypeError, match=r"config='delayed': should be an fp8jax.Fp8Config"):
+        fp8jax.Fp8Linen(Model(), "delayed")
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match=r"params has no '_overwrite_with_gradient' collection"):
+        state.apply_gradients(grads=variables["params"])
+    state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"grads should hold 'params' and '_overwrite_with_"):
+        state.apply_gradients(grads={"params": variables["params"]})
+
+
+# --- lifted transforms and shared modules -----------------------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.relu(nn.Dense(32, name="fc")(x)), None
+
+
+class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        # As MaxText scans its layers: the FP8 collection has a layer axis, as params do.
+        stack = nn.scan(
+            Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True}, length=3
+        )
+        return stack(name="layers")(x, None)[0]
+
+
+class Unrolled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = Block(name=f"layers{i}")(x, None)[0]
+        return x
+
+
+def test_nn_scan_stacks_the_state_per_layer_like_separate_layers():
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    scanned = fp8jax.fp8_linear_layers(Scanned(), config(RECIPES["delayed"]))
+    unrolled = fp8jax.fp8_linear_layers(Unrolled(), config(RECIPES["delayed"]))
+    variables = scanned.init(jax.random.key(0), x)
+    assert state_of(variables, "layers", "fc").input.amax_history.shape == (3, 16)
+    layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+    separate = {
+        "params": {f"layers{i}": layer(variables["params"]["layers"], i) for i in range(3)},
+        OWG: {f"layers{i}": layer(variables[OWG]["layers"], i) for i in range(3)},
+    }
+
+    def grad(model):
+        return jax.jit(jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2)))
+
+    for _ in range(2):
+        grads, grads_u = grad(scanned)(variables), grad(unrolled)(separate)
+        variables = {**variables, OWG: fp8jax.apply_updates(variables[OWG], None, grads[OWG])}
+        separate = {**separate, OWG: fp8jax.apply_updates(separate[OWG], None, grads_u[OWG])}
+        stacked = state_of(variables, "layers", "fc")
+        for i in range(3):
+            theirs = state_of(separate, f"layers{i}", "fc")
+            assert_same(layer(stacked, i), theirs, names=False)
+            np.testing.assert_array_equal(
+                grads["params"]["layers"]["fc"]["kernel"][i],
+                grads_u["params"][f"layers{i}"]["fc"]["kernel"],
+            )
+    # Each layer has its own amaxes.
+    assert len(set(np.asarray(stacked.input.amax_history[:, 0]).tolist())) == 3
+
+
+class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, x1, x2):
+        fc = nn.Dense(16, use_bias=False, name="fc")
+        return fc(x1), fc(x2)
+
+
+def test_a_shared_module_keeps_the_larger_amax():
+    model = fp8jax.fp8_linear_layers(Shared(), config())
+    rng = np.random.default_rng(4)
+    x1 = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    x2 = 7.0 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    c1 = 3.0 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    c2 = 0.5 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    variables = model.init(jax.random.key(0), x1, x2)
+
+    def loss(v):
+        y1, y2 = model.apply(v, x1, x2)
+        return jnp.sum(y1 * c1) + jnp.sum(y2 * c2)
+
+    _, grads = fp8jax.filter_value_and_grad(loss)(variables)
+    state = fp8jax.apply_updates(variables[OWG], None, grads[OWG])["fc"]["fp8jax"]
+    assert float(state.input.amax_history[0]) == float(jnp.maximum(abs(x1).max(), abs(x2).max()))
+    assert float(state.output_grad.amax_history[0]) == float(
+        jnp.maximum(abs(c1).max(), abs(c2).max())
+    )
+    # Plain jax.grad would add the two new states: it refuses, in Linen's terms.
+    with pytest.raises(fp8jax.StateUsedTwiceError, match=r"'fc' runs twice.*filter_value_and_grad"):
+        jax.grad(loss)(variables)
+    with pytest.raises(fp8jax.StateNotDifferentiatedError, match=r"Differentiate the whole"):
+        jax.grad(lambda p: loss({"params": p, OWG: variables[OWG]}))(variables["params"])
+
+
+# --- the train state ----------------------------------------------------------------------
+
+
+class Optional(nn.Module):
+    @nn.compact
+    def __call__(self, x, second: bool = True):
+        x = nn.Dense(32, name="fc1")(x)
+        return nn.Dense(32, name="fc2")(x) if second else x
+
+
+def test_the_train_state_keeps_the_state_of_a_layer_that_did_not_run():
+    model = fp8jax.fp8_linear_layers(Optional(), config())
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 32)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+
+    def step(state, second):
+        loss = lambda v: jnp.mean(state.apply_fn(v, x, second) ** 2)  # noqa: E731
+        _, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    ours = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
+    flax = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
+    ours, flax = step(ours, True), step(flax, True)
+    assert_same(ours.params, flax.params)  # both layers ran: the same step
+    ran = state_of(ours.params, "fc2")
+    ours, flax = step(ours, False), step(flax, False)
+    # fc2 did not run: Flax's TrainState overwrites its state with the zero gradient (scale 0
+    # would zero the layer's next output); fp8jax's keeps it. fc1 moved on in both.
+    assert_same(state_of(ours.params, "fc2"), ran)
+    assert float(state_of(flax.params, "fc2").input.scale) == 0.0
+    assert_same(state_of(ours.params, "fc1"), state_of(flax.params, "fc1"))
+    assert int(ours.step) == 2
+    # The optimizer saw only the params: no moment estimate of a scale.
+    assert jax.tree.structure(ours.opt_state[0].mu) == jax.tree.structure(variables["params"])
+
+
+# --- telemetry, checkpoints, the H100 compile ---------------------------------------------------
+
+
+def test_telemetry_and_a_checkpoint_of_the_train_state(tmp_path):
+    model = fp8jax.fp8_linear_layers(Net(), config(telemetry=True))
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((8, 64)) * 1e4, jnp.float32)
+    variables, tx = model.init(jax.random.key(0), x), optax.adam(0.1)
+    state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    loss = lambda v: jnp.mean(model.apply(v, x) ** 2)  # noqa: E731
+    _, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+    state = state.apply_gradients(grads=grads)
+    stats = fp8jax.telemetry(state.params)
+    assert list(stats) == ["fc1", "fc2"]
+    assert float(stats["fc1"].input.amax) == float(abs(x).max())
+    assert stats["fc1"].input.saturated is not None
+    assert "fc1" in fp8jax.report(state.params, quiet=True)
+    fp8jax.save_checkpoint(tmp_path / "state.eqx", state)
+    fresh = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(1), x), tx=tx
+    )
+    restored = fp8jax.load_checkpoint(tmp_path / "state.eqx", fresh)
+    assert_same(restored, state)
+
+
+def test_a_linen_train_step_runs_every_targeted_gemm_in_fp8_on_h100():
+    h100_topology()
+    model = fp8jax.fp8_linear_layers(Model())
+    x = jnp.ones((32, 32))
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=optax.adamw(1e-3)
+    )
+
+    def train_step(state, x, y):
+        loss = lambda v: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+            state.apply_fn(v, x), y
+        ).mean()
+        value, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    y = jax.ShapeDtypeStruct((32,), jnp.int32)
+    report = fp8jax.assert_all_fp8(
+        train_step, state, jax.ShapeDtypeStruct((32, 32), jnp.float32), y
+    )
+    for mode in report.gemms:
+        counts = {
+            layer: {role: len(gemms) for role, gemms in roles.items()}
+            for layer, roles in report.layers(mode).items()
+        }
+        # The input is not differentiated: block0.up has no dgrad. The head stays BF16.
+        assert counts == {
+            "block0.up": {"fwd": 1, "wgrad": 1},
+            "block0.down": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+            "block1.up": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+            "block1.down": {"fwd": 1, "dgrad": 1, "wgrad": 1},
+        }, mode
+        assert report.count(mode) == (11, 14), mode
