@@ -4,6 +4,8 @@ path (every recipe) and against Flax's own Fp8DirectDotGeneralOp, selection by m
 write (recurrentgemma's Griffin) trained unedited, telemetry, checkpoints, the H100 compile."""
 
 import functools
+import pathlib
+import re
 from typing import Any
 
 import equinox as eqx
@@ -566,3 +568,28 @@ def test_a_linen_train_step_runs_every_targeted_gemm_in_fp8_on_h100():
             "block1.down": {"fwd": 1, "dgrad": 1, "wgrad": 1},
         }, mode
         assert report.count(mode) == (11, 14), mode
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "linen.md"
+
+
+def test_the_docs_example_runs(capsys):
+    """docs/linen.md's Python blocks, run in order in one namespace, as a reader would. The
+    blocks keep their line numbers in docs/linen.md for tracebacks."""
+    h100_topology()
+    text = DOCS.read_text()
+    blocks = [
+        (text.count("\n", 0, m.start(1)), m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    ]
+    assert len(blocks) == 2  # convert and train, inspect
+    namespace: dict[str, Any] = {"__name__": "docs_linen"}
+    for line, block in blocks:
+        exec(compile("\n" * line + block, str(DOCS), "exec"), namespace)
+    state, loss = namespace["state"], namespace["loss"]
+    out = capsys.readouterr().out
+    assert list(fp8jax.telemetry(state.params)) == ["fc1", "fc2"]
+    assert out.startswith(fp8jax.report(state.params, quiet=True))
+    assert "5 of 8 GEMMs run on FP8 tensor cores" in out
+    assert float(loss) < 1.5  # trained: ln(10) = 2.3 at the start
+    assert int(state.step) == 100
