@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import observe as observe
+from ._src.convert.autocast import fp8_autocast as fp8_autocast
 from ._src.convert.config import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
 from ._src.convert.config import Fp8Config as Fp8Config
 from ._src.convert.dispatch import fp8_linear_layers as fp8_linear_layers
@@ -193,6 +194,7 @@ __all__ = [
     "filter_grad",
     "filter_value_and_grad",
     "fp8_dots_saveable",
+    "fp8_autocast",
     "fp8_dtype",
     "fp8_linear_layers",
     "fp8_max",

@@ -35,7 +35,9 @@ NATIVE_LOG = re.compile(
     r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
     r"|[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [\w.]+:\d+\] .*"
     # Mosaic GPU's PTX dump also tries to disassemble SASS, with no nvdisasm on a CPU machine.
-    r"|nvdisasm invocation failed: .*)\n?",
+    r"|nvdisasm invocation failed: .*"
+    # XLA's alarm when a CPU compile takes long: a timing of this machine, not an output.
+    r"|\*{32}\n\[Compiling module \S+ for CPU\] Very slow compile\?.*\n\*{32}\n?)\n?",
     re.MULTILINE,
 )
 

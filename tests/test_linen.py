@@ -374,11 +374,6 @@ def test_bad_input_errors():
         fp8jax.Fp8Linen({})
     with pytest.raises(TypeError, match=r"config='delayed': should be an fp8jax.Fp8Config"):
         fp8jax.Fp8Linen(Model(), "delayed")
-    state = fp8jax.LinenTrainState.create(
-        apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1)
-    )
-    with pytest.raises(ValueError, match=r"params has no '_overwrite_with_gradient' collection"):
-        state.apply_gradients(grads=variables["params"])
     state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"grads should hold 'params' and '_overwrite_with_"):
         state.apply_gradients(grads={"params": variables["params"]})
@@ -510,6 +505,15 @@ def test_the_train_state_keeps_the_state_of_a_layer_that_did_not_run():
     assert int(ours.step) == 2
     # The optimizer saw only the params: no moment estimate of a scale.
     assert jax.tree.structure(ours.opt_state[0].mu) == jax.tree.structure(variables["params"])
+    # Without FP8 state (the BF16 model beside the FP8 one) it is Flax's TrainState.
+    plain = Optional().init(jax.random.key(0), x)
+    bf16 = fp8jax.LinenTrainState.create(
+        apply_fn=Optional().apply, params=plain, tx=optax.adam(0.1)
+    )
+    flax = train_state.TrainState.create(
+        apply_fn=Optional().apply, params=plain, tx=optax.adam(0.1)
+    )
+    assert_same(step(bf16, True).params, step(flax, True).params)
 
 
 # --- telemetry, checkpoints, the H100 compile ---------------------------------------------------

@@ -32,6 +32,12 @@ rule, and raises when one cannot be expressed so (a small array split unevenly, 
 native kernels' rule reads the shardings of the operands it needs (`spec_of`), and takes the
 rest as `GSPMDSharding`s, which it replaces.
 
+## Interpreting a jaxpr equation by equation
+`fp8jax.fp8_autocast` traces a function to a jaxpr and evaluates it again, answering chosen
+`dot_general`s itself and binding every other equation as JAX's own `eval_jaxpr` does: the
+bind parameters of a primitive, its equations' source information (name scopes, tracebacks),
+the primitives that hold sub-jaxprs (`scan`, `while`, `cond`, `remat2`, `pjit`), literals.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -47,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, dtypes
+from jax._src import core, dtypes, source_info_util
 
 _F32 = np.dtype(np.float32)
 
@@ -175,3 +181,37 @@ def spec_of(sharding: Any, mesh: Any, ndim: int) -> jax.sharding.PartitionSpec |
             return None
         spec = tuple(spec)
     return jax.sharding.PartitionSpec(*spec, *((None,) * (ndim - len(spec))))
+
+
+# --- interpreting a jaxpr -------------------------------------------------------------------
+
+
+def is_literal(var: Any) -> bool:
+    """Whether a jaxpr input is a literal (its value is `var.val`) rather than a variable."""
+    return isinstance(var, core.Literal)
+
+
+def bind_equation(eqn: Any, invals: list) -> list:
+    """The outputs of equation `eqn` on `invals`, bound as `jax.core.eval_jaxpr` binds it."""
+    params = eqn.primitive.get_bind_params(eqn.params)  # JAX 0.10: the parameters alone
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def equation_context(eqn: Any) -> Any:
+    """The context `eval_jaxpr` binds `eqn` in: its traceback, and its name scopes appended
+    to the current ones (so that compiled ops keep the scopes of the traced function)."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def scope_of(eqn: Any) -> str:
+    """The name scopes `eqn` was traced under (inside the traced function), `a/b/c`."""
+    return str(eqn.source_info.name_stack)
+
+
+def sub_jaxprs(eqn: Any) -> list:
+    """The jaxprs held in `eqn`'s parameters (a scan's body, a cond's branches, ...)."""
+    from jax.extend import core as extend_core
+
+    return list(extend_core.jaxprs_in_params(eqn.params))

@@ -21,7 +21,8 @@ class LinenTrainState(train_state.TrainState):
     takes the FP8 state from the gradient through each layer's
     [`merge`][fp8jax.Fp8DotGeneral.merge]: a layer that did not run this step, or whose
     operand held an inf or NaN, keeps its state (Flax's `TrainState` would overwrite it with
-    the zero or non-finite gradient). Other collections are left as they are.
+    the zero or non-finite gradient). Other collections are left as they are. Without FP8
+    state (a model trained in BF16 beside the FP8 one), it is Flax's `TrainState`.
 
     ```python
     state = fp8jax.LinenTrainState.create(apply_fn=fp8_model.apply, params=variables, tx=tx)
@@ -34,10 +35,7 @@ class LinenTrainState(train_state.TrainState):
         """The state after one step of `grads` (the gradients of `params`, FP8 state
         included), `step` advanced; `kwargs` replace other fields."""
         if not isinstance(self.params, dict) or COLLECTION not in self.params:
-            raise ValueError(
-                f"LinenTrainState: params has no {COLLECTION!r} collection: create it with "
-                "params=the whole variables of Fp8Linen.init (not variables['params'])."
-            )
+            return super().apply_gradients(grads=grads, **kwargs)  # no FP8 state: Flax's
         if not isinstance(grads, dict) or COLLECTION not in grads or "params" not in grads:
             raise ValueError(
                 f"LinenTrainState.apply_gradients: grads should hold 'params' and {COLLECTION!r} "

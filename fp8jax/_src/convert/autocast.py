@@ -1,0 +1,311 @@
+"""`fp8_autocast`: FP8 for any JAX function, by reinterpreting its jaxpr.
+
+A model that is neither Equinox, Haliax nor Flax (plain JAX, or a framework fp8jax does not
+know) has no layers to convert. Its GEMMs are still `dot_general`s in its jaxpr, however they
+were written (`x @ w`, `jnp.einsum`, `jnp.dot`, a library's layer). `fp8_autocast` traces
+the function once per call signature, then evaluates its jaxpr again, equation by equation,
+answering each chosen `dot_general` (and `ragged_dot`) with fp8jax's FP8 GEMM and binding
+every other equation as JAX would. The FP8 GEMM is a `custom_vjp`, so gradients of the
+result run dgrad and wgrad in FP8 too.
+
+Why the jaxpr, and not patching `jax.lax.dot_general` while the function is traced? JAX's
+own functions (`jnp.matmul`, `jnp.einsum`) are jitted and cached: a cached trace never calls
+the patched function again. The jaxpr holds every GEMM whatever produced it.
+
+Only recipes that keep no state between steps can work this way: the transformed function
+is a pure function of its arguments, with nowhere to keep an amax history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..core import jax_private
+from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
+from ..recipes import BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
+
+#: The primitives whose sub-jaxpr is evaluated in place (a nested `jit`, a call).
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _check_pattern(name: str, pattern: Any) -> re.Pattern | None:
+    if pattern is None:
+        return None
+    if not isinstance(pattern, str):
+        raise TypeError(
+            f"fp8_autocast: {name}={pattern!r}: should be None or a regular expression (a str) "
+            "matched against a GEMM's name scopes, e.g. r'.*mlp.*'."
+        )
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"fp8_autocast: {name}={pattern!r} is not a valid regex: {e}.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """Which `dot_general`s become FP8 GEMMs."""
+
+    recipe: Recipe
+    scopes: re.Pattern | None
+    exclude: re.Pattern | None
+    batched: bool
+    min_dim: int
+
+    def picks_scope(self, scope: str) -> bool:
+        if self.scopes is not None and self.scopes.fullmatch(scope) is None:
+            return False
+        return self.exclude is None or self.exclude.fullmatch(scope) is None
+
+    def picks_dot(self, eqn: Any, scope: str) -> bool:
+        lhs, rhs = (v.aval for v in eqn.invars[:2])
+        if not all(_high_precision_float(a.dtype) for a in (lhs, rhs)):
+            return False
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if not lc or (lb and not self.batched):
+            return False
+        k = math.prod(lhs.shape[d] for d in lc)
+        m = math.prod(d for i, d in enumerate(lhs.shape) if i not in (*lc, *lb))
+        n = math.prod(d for i, d in enumerate(rhs.shape) if i not in (*rc, *rb))
+        return min(m, n, k) >= self.min_dim and self.picks_scope(scope)
+
+    def picks_ragged(self, eqn: Any, scope: str) -> bool:
+        lhs, rhs = (v.aval for v in eqn.invars[:2])
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        plain = (
+            lhs.ndim == 2
+            and rhs.ndim == 3
+            and numbers.dot_dimension_numbers == (((1,), (1,)), ((), ()))
+            and tuple(numbers.lhs_ragged_dimensions) == (0,)
+            and tuple(numbers.rhs_group_dimensions) == (0,)
+            and eqn.params.get("group_offset") is None
+        )
+        floats = all(_high_precision_float(a.dtype) for a in (lhs, rhs))
+        grouped = isinstance(self.recipe, PerTensorRecipe | BlockScaledRecipe)  # Fp8RaggedDot's
+        return plain and floats and grouped and self.picks_scope(scope)
+
+
+def _high_precision_float(dtype: Any) -> bool:
+    dtype = np.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
+
+
+def _has_gemm(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+            return True
+        if any(_has_gemm(getattr(j, "jaxpr", j)) for j in jax_private.sub_jaxprs(eqn)):
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreter:
+    """Evaluates a jaxpr with the chosen GEMMs in FP8."""
+
+    choice: _Choice
+
+    def run(self, jaxpr: Any, consts: list, args: list, path: str) -> list:
+        env: dict = {}
+
+        def read(v: Any) -> Any:
+            return v.val if jax_private.is_literal(v) else env[v]
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            scope = "/".join(s for s in (path, jax_private.scope_of(eqn)) if s)
+            with jax_private.equation_context(eqn):
+                outvals = self.equation(eqn, invals, scope)
+            for var, value in zip(eqn.outvars, outvals, strict=True):
+                env[var] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def closed(self, closed: Any, path: str) -> Callable[..., list]:
+        return lambda *args: self.run(closed.jaxpr, closed.consts, list(args), path)
+
+    def equation(self, eqn: Any, invals: list, scope: str) -> list:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "dot_general" and self.choice.picks_dot(eqn, scope):
+            return [self.dot(invals, params, scope)]
+        if name == "ragged_dot_general" and self.choice.picks_ragged(eqn, scope):
+            return [self.ragged(invals, params, scope)]
+        subs = jax_private.sub_jaxprs(eqn)
+        if not any(_has_gemm(getattr(j, "jaxpr", j)) for j in subs):
+            return jax_private.bind_equation(eqn, invals)
+        if name in _INLINE:
+            return self.closed(params[_INLINE[name]], scope)(*invals)
+        if name == "scan":
+            return self.scan(invals, params, scope)
+        if name == "while":
+            return self.while_loop(invals, params, scope)
+        if name == "cond":
+            branches = [self.closed(b, scope) for b in params["branches"]]
+            return lax.switch(invals[0], branches, *invals[1:])
+        if name in ("remat", "remat2", "checkpoint"):
+            body = functools.partial(self.run, params["jaxpr"], [], path=scope)
+            rematted = jax.checkpoint(
+                lambda *a: body(list(a)), prevent_cse=params["prevent_cse"], policy=params["policy"]
+            )
+            return rematted(*invals)
+        # custom_jvp / custom_vjp / shard_map and the rest: their own rules hold their GEMMs,
+        # which stay as written.
+        return jax_private.bind_equation(eqn, invals)
+
+    def dot(self, invals: list, params: dict, scope: str) -> Any:
+        lhs, rhs = invals
+        op = Fp8DotGeneral(self.choice.recipe, name=scope or "dot_general")
+        out = op(
+            lhs,
+            rhs,
+            params["dimension_numbers"],
+            params["precision"],
+            params["preferred_element_type"],
+        )
+        if params.get("out_sharding") is not None:
+            out = jax.sharding.reshard(out, params["out_sharding"])
+        return out
+
+    def ragged(self, invals: list, params: dict, scope: str) -> Any:
+        lhs, rhs, group_sizes = invals
+        op = Fp8RaggedDot(self.choice.recipe, num_experts=rhs.shape[0], name=scope or "ragged_dot")
+        return op(lhs, rhs, group_sizes, params["precision"], params["preferred_element_type"])
+
+    def scan(self, invals: list, params: dict, scope: str) -> list:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = (
+            invals[:n_consts],
+            invals[n_consts : n_consts + n_carry],
+            invals[n_consts + n_carry :],
+        )
+        body = self.closed(params["jaxpr"], scope)
+
+        def step(carry: list, x: list) -> tuple[list, list]:
+            outs = body(*consts, *carry, *x)
+            return outs[:n_carry], outs[n_carry:]
+
+        carry, ys = lax.scan(
+            step,
+            init,
+            xs,
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+        return [*carry, *ys]
+
+    def while_loop(self, invals: list, params: dict, scope: str) -> list:
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+        cond, body = (
+            self.closed(params["cond_jaxpr"], scope),
+            self.closed(params["body_jaxpr"], scope),
+        )
+        return lax.while_loop(
+            lambda c: cond(*cond_consts, *c)[0], lambda c: body(*body_consts, *c), init
+        )
+
+
+def fp8_autocast(
+    fun: Callable[..., Any],
+    recipe: Recipe | str = "current",
+    *,
+    scopes: str | None = None,
+    exclude: str | None = None,
+    batched: bool = False,
+    min_dim: int = 16,
+) -> Callable[..., Any]:
+    r"""`fun` with its GEMMs computed as fp8jax's FP8 GEMMs: FP8 for any JAX function.
+
+    Every floating `dot_general` traced inside `fun` (however it was written: `x @ w`,
+    `jnp.einsum`, `jnp.dot`, a library's layer; under `jit`, `scan`, `while_loop`, `cond`,
+    `checkpoint`) that the selection below picks runs as an [`fp8jax.Fp8DotGeneral`][] of
+    `recipe`, and every `lax.ragged_dot` as an [`fp8jax.Fp8RaggedDot`][]: FP8 operands, and
+    under differentiation FP8 dgrad and wgrad. Nothing else changes. The GEMMs are named by
+    their name scopes (`jax.named_scope`), which [`fp8jax.inspect`][fp8jax.observe.inspect]
+    reports.
+
+    **Arguments:**
+
+    - `fun`: any function of arrays (other arguments, such as flags, are static).
+    - `recipe`: a recipe that keeps no state between steps: `"current"` (the default),
+      `"blockwise"`, `"mxfp8"`, or an instance (`ResidualFP8` without error feedback too).
+      Delayed scaling is refused: its amax history must live somewhere between steps, which
+      a function transform does not have; convert the model's layers instead
+      ([`fp8jax.fp8_linear_layers`][]).
+    - `scopes`: a regex that a GEMM's name scopes, joined by `/` (e.g. `"block0/mlp/bd,df->bf"`:
+      `jnp.einsum` adds its equation), must match whole; `None` for every scope.
+    - `exclude`: a regex of scopes to keep in high precision (the head: `r".*head.*"`).
+    - `batched`: also convert GEMMs with batch dimensions (attention's scores and mixing,
+      per-expert einsums). Off by default: a layer's GEMM contracts activations with a weight,
+      which has no batch dimension.
+    - `min_dim`: convert only GEMMs whose rows, columns and contraction are all at least this
+      long (tiny GEMMs gain nothing from FP8).
+
+    What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
+    (their own rules would not match), GEMMs of integer or FP8 operands.
+
+    ```python
+    loss_fn = fp8jax.fp8_autocast(loss_fn, "blockwise", exclude=r".*head.*")
+    grads = jax.grad(loss_fn)(params, batch)  # forward, dgrad and wgrad in FP8
+    ```
+    """
+    if not callable(fun):
+        raise TypeError(f"fp8_autocast: fun={fun!r} is not callable.")
+    recipe = recipe_from(recipe)
+    if recipe.reads_state:
+        raise ValueError(
+            f"fp8_autocast: recipe={recipe!r} keeps FP8 state between steps (an amax history, "
+            "or error feedback), and a function transform has nowhere to keep it. Use a recipe "
+            "that keeps none ('current', 'blockwise', 'mxfp8'), or convert the model's layers, "
+            "whose state lives in the model: fp8jax.fp8_linear_layers (Equinox, Haliax, Flax)."
+        )
+    if not isinstance(batched, bool):
+        raise TypeError(f"fp8_autocast: batched={batched!r} should be True or False.")
+    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 1:
+        raise ValueError(f"fp8_autocast: min_dim={min_dim!r} should be an int >= 1.")
+    choice = _Choice(
+        recipe,
+        _check_pattern("scopes", scopes),
+        _check_pattern("exclude", exclude),
+        batched,
+        min_dim,
+    )
+    interpreter = _Interpreter(choice)
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+        def flat(*values: Any) -> Any:
+            filled = list(leaves)
+            for i, value in zip(dynamic, values, strict=True):
+                filled[i] = value
+            a, k = jax.tree.unflatten(treedef, filled)
+            return fun(*a, **k)
+
+        values = [leaves[i] for i in dynamic]
+        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
+        outs = interpreter.run(closed.jaxpr, closed.consts, values, "")
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run

@@ -1,0 +1,220 @@
+"""`fp8jax.fp8_autocast`: FP8 for any JAX function. A plain-JAX transformer (scan over layers,
+remat, einsum attention) against the same model written with fp8jax's FP8 op by hand, the
+interpreter's control flow kept exact, the selection, ragged_dot, errors, the H100 compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import h100_topology
+
+import fp8jax
+
+VOCAB, WIDTH, HEADS, LAYERS = 64, 32, 2, 2
+
+
+def init(key):
+    keys = jax.random.split(key, 6)
+    normal = lambda k, *shape: jax.random.normal(k, shape) / np.sqrt(shape[-2])  # noqa: E731
+    return {
+        "embed": jax.random.normal(keys[0], (VOCAB, WIDTH)),
+        "layers": {
+            "qkv": normal(keys[1], LAYERS, WIDTH, 3 * WIDTH),
+            "out": normal(keys[2], LAYERS, WIDTH, WIDTH),
+            "up": normal(keys[3], LAYERS, WIDTH, 4 * WIDTH),
+            "down": normal(keys[4], LAYERS, 4 * WIDTH, WIDTH),
+        },
+        "head": normal(keys[5], WIDTH, VOCAB),
+    }
+
+
+def norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def transformer(params, tokens, dot=jnp.matmul):
+    """A GPT in plain JAX: `dot(x, w)` for every weight, einsums for attention."""
+    b, t = tokens.shape
+    x = params["embed"][tokens]
+
+    def block(x, p):
+        with jax.named_scope("attn"):
+            q, k, v = jnp.split(dot(norm(x), p["qkv"]), 3, axis=-1)
+            q, k, v = (a.reshape(b, t, HEADS, WIDTH // HEADS) for a in (q, k, v))
+            scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(WIDTH // HEADS)
+            scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+            mixed = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores), v)
+            x = x + dot(mixed.reshape(b, t, WIDTH), p["out"])
+        with jax.named_scope("mlp"):
+            x = x + dot(jax.nn.gelu(dot(norm(x), p["up"])), p["down"])
+        return x, None
+
+    x, _ = jax.lax.scan(jax.checkpoint(block), x, params["layers"])
+    with jax.named_scope("head"):
+        return dot(norm(x), params["head"])
+
+
+def loss_fn(params, tokens, dot=jnp.matmul):
+    logits = transformer(params, tokens[:, :-1], dot)
+    labels = jax.nn.one_hot(tokens[:, 1:], VOCAB)
+    return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1))
+
+
+def fp8_dot(recipe):
+    """The module path: fp8jax's FP8 op, called by hand where the model multiplies."""
+
+    def dot(x, w):
+        return fp8jax.Fp8DotGeneral(recipe)(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+
+    return dot
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 17)), jnp.int32)
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8"])
+def test_a_plain_jax_transformer_matches_the_module_path(recipe):
+    params = init(jax.random.key(0))
+    ours = jax.jit(jax.value_and_grad(fp8jax.fp8_autocast(loss_fn, recipe, exclude="head.*")))
+    recipe_ = fp8jax.Fp8Config(recipe=recipe).recipe
+    if recipe == "blockwise":
+        recipe_ = fp8jax.BlockwiseScaling()
+
+    def by_hand(params, tokens):
+        def dot(x, w):
+            if w.shape == params["head"].shape:  # the head stays high precision
+                return x @ w
+            return fp8_dot(recipe_)(x, w)
+
+        return loss_fn(params, tokens, dot)
+
+    theirs = jax.jit(jax.value_and_grad(by_hand))
+    (loss, grads), (loss_e, grads_e) = ours(params, TOKENS), theirs(params, TOKENS)
+    np.testing.assert_array_equal(loss, loss_e)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_e), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # And FP8 it is: the float32 model's loss differs.
+    assert float(loss) != float(jax.jit(loss_fn)(params, TOKENS))
+
+
+def count_fp8_dots(fun, *args):
+    """How many `dot_general`s of `fun` (at any depth) take FP8 operands, and how many not."""
+    closed = jax.make_jaxpr(fun)(*args)
+    fp8 = other = 0
+
+    def walk(jaxpr):
+        nonlocal fp8, other
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                if "float8" in str(eqn.invars[0].aval.dtype):
+                    fp8 += 1
+                else:
+                    other += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(closed.jaxpr)
+    return fp8, other
+
+
+def test_the_selection_by_scope_batch_and_size():
+    params = init(jax.random.key(0))
+    forward = lambda p, t: transformer(p, t[:, :-1])  # noqa: E731
+    # By default: the four layer GEMMs of the scanned block and the head; not the two
+    # attention einsums (batched).
+    assert count_fp8_dots(fp8jax.fp8_autocast(forward), params, TOKENS) == (5, 2)
+    assert count_fp8_dots(fp8jax.fp8_autocast(forward, exclude="head.*"), params, TOKENS) == (4, 3)
+    assert count_fp8_dots(fp8jax.fp8_autocast(forward, scopes="mlp.*"), params, TOKENS) == (2, 5)
+    assert count_fp8_dots(fp8jax.fp8_autocast(forward, batched=True), params, TOKENS) == (7, 0)
+    # Attention's two GEMMs are 16 x 16 x 16 per head here (16 tokens, head dim 16): min_dim=17
+    # leaves them out, the layers' GEMMs (64 rows) stay in.
+    picked = fp8jax.fp8_autocast(forward, batched=True, min_dim=17)
+    assert count_fp8_dots(picked, params, TOKENS) == (5, 2)
+    # Under differentiation the backward GEMMs are FP8 too: 3 per converted GEMM (the
+    # scanned block's forward is recomputed under remat).
+    fp8, other = count_fp8_dots(jax.grad(fp8jax.fp8_autocast(loss_fn)), params, TOKENS)
+    assert fp8 >= 3 * 5 and other > 0
+
+
+def control_flow(w, x, loop, dot=jnp.matmul):
+    """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
+    argument) adds a while loop, which reverse-mode differentiation does not take."""
+    y = jax.jit(lambda x: dot(x, w))(x)
+    y = jax.lax.scan(lambda c, wi: (dot(c, wi), c.sum()), y, jnp.stack([w, w * 0.5]))[0]
+    if loop:
+        y = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (dot(c[0], w), c[1] + 1), (y, 0))[0]
+    y = jax.lax.cond(y.sum() > 0, lambda y: dot(y, w), lambda y: -dot(y, w), y)
+    y = jax.checkpoint(lambda y: jnp.tanh(dot(y, w)))(y)
+    return dot(jax.nn.relu(y), w)  # relu is a custom_jvp: around a GEMM, not inside it
+
+
+def test_control_flow_matches_the_module_path():
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    ours = fp8jax.fp8_autocast(control_flow, "current")
+    dot = fp8_dot(fp8jax.CurrentScaling())
+    np.testing.assert_array_equal(ours(w, x, True), control_flow(w, x, True, dot))
+    grad = jax.grad(lambda w, x: jnp.sum(ours(w, x, False) ** 2), (0, 1))
+    grad_e = jax.grad(lambda w, x: jnp.sum(control_flow(w, x, False, dot) ** 2), (0, 1))
+    for a, b in zip(jax.jit(grad)(w, x), jax.jit(grad_e)(w, x), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert count_fp8_dots(lambda w, x: ours(w, x, True), w, x) == (7, 0)
+    assert count_fp8_dots(lambda w, x: control_flow(w, x, True), w, x) == (0, 7)
+
+
+def test_ragged_dot_becomes_the_grouped_fp8_gemm():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.float32)
+    sizes = jnp.array([8, 0, 16, 8], jnp.int32)
+    fun = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
+    ours = jax.jit(
+        jax.value_and_grad(lambda x, w: jnp.sum(fp8jax.fp8_autocast(fun)(x, w) ** 2), (0, 1))
+    )
+    op = fp8jax.Fp8RaggedDot("current", num_experts=4)
+    theirs = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(op(x, w, sizes) ** 2), (0, 1)))
+    (out, grads), (out_e, grads_e) = ours(x, w), theirs(x, w)
+    np.testing.assert_array_equal(out, out_e)
+    for a, b in zip(grads, grads_e, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_input_errors():
+    with pytest.raises(
+        ValueError,
+        match=r"DelayedScaling.*keeps FP8 state between steps.*"
+        "fp8_linear_layers",
+    ):
+        fp8jax.fp8_autocast(loss_fn, "delayed")
+    with pytest.raises(ValueError, match=r"error_feedback=True.*keeps FP8 state"):
+        fp8jax.fp8_autocast(loss_fn, fp8jax.ResidualFP8(error_feedback=True))
+    with pytest.raises(TypeError, match=r"fun=3 is not callable"):
+        fp8jax.fp8_autocast(3)
+    with pytest.raises(ValueError, match=r"exclude='\(' is not a valid regex"):
+        fp8jax.fp8_autocast(loss_fn, exclude="(")
+    with pytest.raises(TypeError, match=r"scopes=1: should be None or a regular expression"):
+        fp8jax.fp8_autocast(loss_fn, scopes=1)
+    with pytest.raises(ValueError, match=r"min_dim=0 should be an int >= 1"):
+        fp8jax.fp8_autocast(loss_fn, min_dim=0)
+    with pytest.raises(TypeError, match=r"batched='yes' should be True or False"):
+        fp8jax.fp8_autocast(loss_fn, batched="yes")
+
+
+def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():
+    h100_topology()
+    params = init(jax.random.key(0))
+    grad_fn = jax.grad(fp8jax.fp8_autocast(loss_fn, "current", exclude="head.*"))
+
+    def step(params, tokens):
+        grads = grad_fn(params, tokens)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    report = fp8jax.assert_all_fp8(step, params, jax.ShapeDtypeStruct((4, 17), jnp.int32))
+    for mode in report.gemms:
+        layers = report.layers(mode)
+        # The four GEMMs of the scanned block, named by their scopes: forward (recomputed
+        # under remat: twice), dgrad and wgrad each in FP8.
+        assert sorted(layers) == ["attn", "mlp"], mode
+        roles = {role for roles in layers.values() for role in roles}
+        assert roles == {"fwd", "dgrad", "wgrad"}, mode
