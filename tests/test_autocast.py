@@ -2,6 +2,9 @@
 remat, einsum attention) against the same model written with fp8jax's FP8 op by hand, the
 interpreter's control flow kept exact, the selection, ragged_dot, errors, the H100 compile."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,3 +221,25 @@ def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():
         assert sorted(layers) == ["attn", "mlp"], mode
         roles = {role for roles in layers.values() for role in roles}
         assert roles == {"fwd", "dgrad", "wgrad"}, mode
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "autocast.md"
+
+
+def test_the_docs_example_runs():
+    text = DOCS.read_text()
+    (block,) = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    namespace: dict = {"__name__": "docs_autocast"}
+    exec(compile(block, str(DOCS), "exec"), namespace)
+    loss = namespace["loss"]
+    reference = jax.value_and_grad(namespace["loss_fn"])(
+        namespace["params"], namespace["x"], namespace["y"]
+    )
+    assert abs(float(loss) - float(reference[0])) < 0.01 * float(reference[0])
+    assert float(loss) != float(reference[0])  # FP8, not float32
+    fp8, other = count_fp8_dots(
+        jax.grad(namespace["fp8_loss"]), namespace["params"], namespace["x"], namespace["y"]
+    )
+    # w1's GEMM in FP8: forward, dgrad and wgrad (in the jaxpr: jit drops the unused dgrad);
+    # the head's three stay float32.
+    assert (fp8, other) == (3, 3)
