@@ -614,6 +614,83 @@ class _Wrapped(nnx.Module):
         return self.fc(x)
 
 
+@pytest.mark.parametrize("name", ["delayed", "blockwise", "residual error feedback"])
+@pytest.mark.parametrize("contract", ["one axis", "two axes"])
+def test_linear_general_matches_the_equivalent_linear_bit_for_bit(name, contract):
+    # LinearGeneral contracting (2, 16) into 32 features, or 32 into (2, 16): its kernel as a
+    # Linear's (in, out) matrix is a reshape of it.
+    if contract == "two axes":
+        general = nnx.LinearGeneral((2, 16), 32, axis=(-2, -1), rngs=nnx.Rngs(0))
+        x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 8, 2, 16)), jnp.float32)
+        flat_x, c_shape = x.reshape(4, 8, 32), (4, 8, 32)
+    else:
+        general = nnx.LinearGeneral(32, (2, 16), rngs=nnx.Rngs(0))
+        x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 8, 32)), jnp.float32)
+        flat_x, c_shape = x, (4, 8, 2, 16)
+    general = _Wrapped(general)
+    linear = _Wrapped(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
+    linear.fc.kernel.set_value(general.fc.kernel.get_value().reshape(32, 32))
+    linear.fc.bias.set_value(general.fc.bias.get_value().reshape(32))
+    general = fp8jax.fp8_linear_layers(general, config(RECIPES[name]))
+    linear = fp8jax.fp8_linear_layers(linear, config(RECIPES[name]))
+    assert isinstance(general.fc.dot_general, fp8jax.Fp8NnxDotGeneral)
+    c = jnp.asarray(np.random.default_rng(10).standard_normal(c_shape), jnp.float32)
+    out, grads, grad_x = nnx_forward_and_grads(general, x, c)
+    out_l, grads_l, grad_x_l = nnx_forward_and_grads(linear, flat_x, c.reshape(4, 8, 32))
+    np.testing.assert_array_equal(out.reshape(4, 8, 32), out_l)
+    np.testing.assert_array_equal(grad_x.reshape(flat_x.shape), grad_x_l)
+    np.testing.assert_array_equal(
+        grads["fc"]["kernel"].get_value().reshape(32, 32), grads_l["fc"]["kernel"].get_value()
+    )
+    fp8jax.nnx_update_fp8_state(general, grads)
+    fp8jax.nnx_update_fp8_state(linear, grads_l)
+    for a, b in zip(
+        jax.tree.leaves(general.fc.dot_general.value()),
+        jax.tree.leaves(linear.fc.dot_general.value()),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+class Attention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=2, in_features=32, qkv_features=32, decode=False, rngs=rngs
+        )
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+def test_multi_head_attention_projections_train_in_fp8():
+    model = fp8jax.fp8_linear_layers(Attention(nnx.Rngs(0)), config())
+    assert list(fp8jax.telemetry(model)) == ["attn.key", "attn.out", "attn.query", "attn.value"]
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((4, 8, 32)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((4, 8, 32)), jnp.float32)
+    # FP8 within FP8's error of the same attention in float32, and not equal to it.
+    reference = Attention(nnx.Rngs(0))(x)
+    out = nnx.jit(lambda m, x: m(x))(model, x)
+    assert 0 < float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference)) < 0.1
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(mse)
+    losses = [float(step(model, optimizer, x, y)) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    for layer in fp8jax.telemetry(model).values():
+        assert float(layer.input.amax) > 0 and float(layer.output_grad.amax) > 0
+
+
+def test_a_linear_general_with_its_own_dot_general_cls_is_refused():
+    class Custom(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.LinearGeneral(
+                8, 8, dot_general_cls=lambda: jax.lax.dot_general, rngs=rngs
+            )
+
+    with pytest.raises(ValueError, match=r"LinearGeneral 'fc' has a dot_general_cls"):
+        fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), config())
+
+
 def test_einsum_with_batch_and_ellipsis_axes_is_exact_on_representable_values():
     class Experts(nnx.Module):
         def __init__(self, rngs):

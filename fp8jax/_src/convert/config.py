@@ -184,7 +184,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
             "haliax.nn.Linear, fp8jax.GroupedLinear (experts) and, in an nnx.Module, "
-            "flax.nnx.Linear and flax.nnx.Einsum."
+            "flax.nnx.Linear, LinearGeneral and Einsum (Flax Linen models: fp8jax.Fp8Linen)."
         )
     if config.targets is None:
         return

@@ -32,8 +32,9 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
       targeted, excluded and given recipes by name like Linears. Routers and gates are
       Linears, excluded by default. Their recipe must be one with a grouped GEMM (delayed,
       current, blockwise, MXFP8); `telemetry` is not kept for them.
-    - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` gets a
-      [`fp8jax.Fp8NnxDotGeneral`][] as its `dot_general` and `nnx.Einsum` an
+    - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` and
+      `nnx.LinearGeneral` (so `nnx.MultiHeadAttention`'s projections) get a
+      [`fp8jax.Fp8NnxDotGeneral`][] as their `dot_general` and `nnx.Einsum` an
       [`fp8jax.Fp8NnxEinsum`][] as its `einsum_op`, their state in [`fp8jax.Fp8State`][]
       variables (stacked for an `nnx.vmap`-built stack). The result is a converted copy that
       shares the weights' arrays; `tree` is left as it was. See the Flax NNX guide.

@@ -1,8 +1,10 @@
-"""The Flax NNX adapter of model conversion: finds the `nnx.Linear`s and `nnx.Einsum`s of an
-NNX model and gives the chosen ones an FP8 `dot_general` or `einsum_op`."""
+"""The Flax NNX adapter of model conversion: finds the `nnx.Linear`s, `nnx.LinearGeneral`s
+(`nnx.MultiHeadAttention`'s projections among them) and `nnx.Einsum`s of an NNX model and
+gives the chosen ones an FP8 `dot_general` or `einsum_op`."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 from flax import nnx
@@ -17,6 +19,8 @@ M = TypeVar("M")
 def _kind(node: Any) -> str | None:
     if isinstance(node, nnx.Linear):
         return "linear"
+    if isinstance(node, nnx.LinearGeneral):
+        return "general"
     if isinstance(node, nnx.Einsum):
         return "einsum"
     return None
@@ -54,6 +58,23 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
         stacked, shape = tuple(kernel.shape[:-2]), (kernel.shape[-1], kernel.shape[-2])
         return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
+    if _kind(layer) == "general":
+        if layer.dot_general_cls is not None:
+            raise ValueError(
+                f"fp8_linear_layers: the nnx.LinearGeneral {name!r} has a dot_general_cls "
+                f"({layer.dot_general_cls!r}), which its call prefers to any dot_general: "
+                "exclude it (Fp8Config targets or exclude), or build it without one."
+            )
+        # Its kernel is (*stacked, *batch, *in, *out): one (out, in) matrix unless it has
+        # batch axes (a kernel per batch entry).
+        n_batch, n_in = len(layer.batch_axis), len(layer.in_features)
+        n_out = len(layer.out_features)
+        n_stacked = kernel.ndim - n_batch - n_in - n_out
+        stacked = tuple(kernel.shape[:n_stacked])
+        shape = None
+        if not n_batch:
+            shape = (math.prod(layer.out_features), math.prod(layer.in_features))
+        return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
     shape = einsum_kernel_shape(layer.einsum_str, tuple(kernel.shape))
     try:
         return Fp8NnxEinsum(recipe, shape, name, config.telemetry)
@@ -67,8 +88,9 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
 
 def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
     """The NNX branch of [`fp8jax.fp8_linear_layers`][]: a copy of `model` whose chosen
-    `nnx.Linear`s get an [`fp8jax.Fp8NnxDotGeneral`][] as `dot_general`, and whose chosen
-    `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as `einsum_op`."""
+    `nnx.Linear`s and `nnx.LinearGeneral`s get an [`fp8jax.Fp8NnxDotGeneral`][] as
+    `dot_general`, and whose chosen `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as
+    `einsum_op`."""
     config = Fp8Config() if config is None else config
     if not isinstance(model, nnx.Module):
         raise TypeError(
@@ -83,7 +105,7 @@ def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
         if path not in chosen or _is_fp8(layer):
             continue
         dot = _fp8_layer(path, layer, config)
-        if _kind(layer) == "linear":
+        if _kind(layer) in ("linear", "general"):
             layer.dot_general = nnx.data(dot)
         else:
             layer.einsum_op = nnx.data(dot)
