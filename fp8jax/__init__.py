@@ -89,6 +89,8 @@ from ._src.train.step import make_train_step as make_train_step
 if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `linen` extra)
     from ._src.convert.linen.convert import Fp8Linen as Fp8Linen
     from ._src.convert.linen.train import LinenTrainState as LinenTrainState
+    from ._src.convert.nnx.grouped import Fp8NnxRaggedDot as Fp8NnxRaggedDot
+    from ._src.convert.nnx.grouped import NnxGroupedLinear as NnxGroupedLinear
     from ._src.convert.nnx.layers import Fp8NnxDotGeneral as Fp8NnxDotGeneral
     from ._src.convert.nnx.layers import Fp8NnxEinsum as Fp8NnxEinsum
     from ._src.convert.nnx.layers import Fp8State as Fp8State
@@ -102,6 +104,8 @@ _FLAX_NAMES = {
     "Fp8Linen": "linen.convert",
     "LinenTrainState": "linen.train",
     "Fp8NnxDotGeneral": "nnx.layers",
+    "Fp8NnxRaggedDot": "nnx.grouped",
+    "NnxGroupedLinear": "nnx.grouped",
     "Fp8NnxEinsum": "nnx.layers",
     "Fp8State": "nnx.layers",
     "nnx_train_step": "nnx.train",
@@ -150,6 +154,7 @@ __all__ = [
     "Fp8Linen",
     "Fp8NnxDotGeneral",
     "Fp8NnxEinsum",
+    "Fp8NnxRaggedDot",
     "ExpertExchange",
     "Fp8RaggedDot",
     "Fp8State",
@@ -164,6 +169,7 @@ __all__ = [
     "LinenTrainState",
     "Linear",
     "LossScale",
+    "NnxGroupedLinear",
     "NoOpLossScale",
     "OperandStats",
     "OperandTelemetry",

@@ -30,19 +30,23 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 #: Seconds each of the slowest test files took on 2 CPU cores (`pytest -n 2 --durations=100`,
-#: main of 2026-11-26, rounded; the new expert-parallel file estimated). Only their order
-#: on the workers is decided from it: see `pytest_collection_modifyitems`.
+#: main of 2026-11-26, rounded; the Linen, autocast and notebook 06 files estimated). Only
+#: their order on the workers is decided from it: see `pytest_collection_modifyitems`.
 SLOW_FILES = {
+    "notebooks/05_deepseek_v3_in_miniature.ipynb": 390,
     "tests/test_grouped.py": 385,
     "tests/test_inspect.py": 381,
     "tests/test_scaling_out.py": 360,
     "tests/test_grouped_native.py": 203,
+    "tests/test_linen.py": 170,
     "tests/test_expert_parallel.py": 160,
-    "tests/test_deepseek.py": 150,
     "tests/test_examples.py": 156,
+    "tests/test_deepseek.py": 150,
+    "notebooks/06_flax_linen_unedited.ipynb": 150,
     "tests/test_scan_and_remat.py": 143,
     "tests/test_sharding.py": 118,
     "tests/test_train_step.py": 107,
+    "tests/test_autocast.py": 100,
     "tests/test_kernels.py": 97,
     "tests/test_multiprocess.py": 87,
     "tests/test_nnx.py": 85,

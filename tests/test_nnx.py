@@ -929,3 +929,92 @@ def test_import_fp8jax_does_not_import_flax():
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert result.returncode == 0, result.stderr
+
+
+# --- experts ------------------------------------------------------------------------------------
+
+
+class Experts(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = fp8jax.NnxGroupedLinear(4, 32, 64, rngs=rngs)
+        self.down = fp8jax.NnxGroupedLinear(4, 64, 32, rngs=rngs)
+
+    def __call__(self, x, sizes):
+        return self.down(jax.nn.gelu(self.up(x, sizes)), sizes)
+
+
+class EqxExperts(eqx.Module):
+    up: Any
+    down: Any
+
+    def __call__(self, x, sizes):
+        return self.down(jax.nn.gelu(self.up(x, sizes)), sizes)
+
+
+SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "blockwise"])
+def test_experts_match_the_equinox_experts_bit_for_bit(name):
+    model = Experts(nnx.Rngs(0))
+    eqx_model = EqxExperts(
+        *(
+            eqx.tree_at(
+                lambda g: g.weight, fp8jax.GroupedLinear(4, *k.shape[1:], key=jax.random.key(0)), k
+            )
+            for k in (model.up.kernel.get_value(), model.down.kernel.get_value())
+        )
+    )
+    ours = fp8jax.fp8_linear_layers(model, config(RECIPES[name]))
+    theirs = fp8jax.fp8_linear_layers(eqx_model, config(RECIPES[name]))
+    assert isinstance(ours.up.ragged_dot, fp8jax.Fp8NnxRaggedDot)
+    assert model.up.ragged_dot is None  # the model given is kept
+    rng = np.random.default_rng(12)
+
+    @nnx.jit
+    def nnx_step(model, x, c):
+        grads, grad_x = nnx.grad(lambda m, x: jnp.sum(m(x, SIZES) * c), argnums=(DIFF, 1))(model, x)
+        return model(x, SIZES), grads, grad_x
+
+    @eqx.filter_jit
+    def eqx_step(model, x, c):
+        grads, grad_x = eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1], SIZES) * c))((model, x))
+        return model(x, SIZES), grads, grad_x
+
+    for step in range(2):
+        x = jnp.asarray(rng.standard_normal((32, 32)) * (1 + 3 * step), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+        out, grads, grad_x = nnx_step(ours, x, c)
+        out_e, grads_e, grad_x_e = eqx_step(theirs, x, c)
+        np.testing.assert_array_equal(out, out_e)
+        np.testing.assert_array_equal(grad_x, grad_x_e)
+        for layer in ("up", "down"):
+            np.testing.assert_array_equal(
+                grads[layer]["kernel"].get_value(), getattr(grads_e, layer).weight
+            )
+        fp8jax.nnx_update_fp8_state(ours, grads)
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads_e)
+        theirs = fp8jax.apply_updates(theirs, None, overwrites)
+        for layer in ("up", "down"):
+            value = getattr(ours, layer).ragged_dot.value()
+            expected = getattr(theirs, layer).ragged_dot
+            for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(expected), strict=True):
+                np.testing.assert_array_equal(a, b)
+    # A scale per expert; the expert that got no tokens kept its state.
+    scale = fp8jax.telemetry(ours)["up"].kernel.scale
+    assert scale.shape == (4,)
+
+
+def test_experts_train_with_the_nnx_train_step():
+    model = fp8jax.fp8_linear_layers(Experts(nnx.Rngs(1)), config("blockwise"))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x, SIZES) - y) ** 2))
+    rng = np.random.default_rng(13)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    y = jnp.tanh(x)
+    losses = [float(step(model, optimizer, x, y)) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match=r"ResidualFP8 has no FP8 grouped GEMM"):
+        fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config("residual"))
+    with pytest.raises(ValueError, match=r"NnxGroupedLinear num_experts=0: should be an int"):
+        fp8jax.NnxGroupedLinear(0, 4, 4, rngs=nnx.Rngs(0))

@@ -11,6 +11,7 @@ from flax import nnx
 
 from ..config import Fp8Config, choose_layers
 from ..einsum import einsum_kernel_shape
+from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 
 M = TypeVar("M")
@@ -23,12 +24,15 @@ def _kind(node: Any) -> str | None:
         return "general"
     if isinstance(node, nnx.Einsum):
         return "einsum"
+    if isinstance(node, NnxGroupedLinear):
+        return "experts"
     return None
 
 
 def _is_fp8(node: Any) -> bool:
-    return isinstance(getattr(node, "dot_general", None), AbstractFp8NnxDot) or isinstance(
-        getattr(node, "einsum_op", None), Fp8NnxEinsum
+    return any(
+        isinstance(getattr(node, attr, None), AbstractFp8NnxDot)
+        for attr in ("dot_general", "einsum_op", "ragged_dot")
     )
 
 
@@ -58,6 +62,18 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
         stacked, shape = tuple(kernel.shape[:-2]), (kernel.shape[-1], kernel.shape[-2])
         return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
+    if _kind(layer) == "experts":
+        if kernel.ndim != 3:
+            raise ValueError(
+                f"fp8_linear_layers: the NnxGroupedLinear {name!r} has a kernel of shape "
+                f"{tuple(kernel.shape)}; stacked expert layers (nnx.vmap) are not converted."
+            )
+        return Fp8NnxRaggedDot(
+            recipe,
+            num_experts=kernel.shape[0],
+            name=name,
+            native_kernel=config.grouped_native_kernel,
+        )
     if _kind(layer) == "general":
         if layer.dot_general_cls is not None:
             raise ValueError(
@@ -107,6 +123,8 @@ def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
         dot = _fp8_layer(path, layer, config)
         if _kind(layer) in ("linear", "general"):
             layer.dot_general = nnx.data(dot)
+        elif _kind(layer) == "experts":
+            layer.ragged_dot = nnx.data(dot)
         else:
             layer.einsum_op = nnx.data(dot)
     return model

@@ -1,0 +1,123 @@
+"""The experts of a mixture of experts in Flax NNX: `NnxGroupedLinear` (stacked expert
+kernels, an injectable `ragged_dot`) and its FP8 `ragged_dot`, `Fp8NnxRaggedDot`, whose
+per-expert state lives in [`fp8jax.Fp8State`][] variables."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, final
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+from jaxtyping import Array, Float, Int
+
+from ...ops.ragged_dot import Fp8RaggedDot, check_ragged_dot_args
+from .layers import AbstractFp8NnxDot, Fp8State
+
+
+@final
+class Fp8NnxRaggedDot(AbstractFp8NnxDot):
+    """`jax.lax.ragged_dot` as FP8 grouped GEMMs, for Flax NNX: an [`fp8jax.Fp8RaggedDot`][]
+    (a kernel scale per expert) whose state lives in [`fp8jax.Fp8State`][] variables.
+
+    The `ragged_dot` of an [`fp8jax.NnxGroupedLinear`][] ([`fp8jax.fp8_linear_layers`][]
+    puts it there). Each call rebuilds the `Fp8RaggedDot` from the variables and calls it:
+    the numerics of fp8jax's Equinox experts.
+
+    **Arguments:** as for [`fp8jax.Fp8RaggedDot`][]: `recipe`, `num_experts`, `name`,
+    `telemetry`, `native_kernel`.
+    """
+
+    def __init__(
+        self,
+        recipe: Any = None,
+        *,
+        num_experts: int,
+        name: str = "",
+        telemetry: bool = False,
+        native_kernel: bool | None = None,
+    ):
+        op = Fp8RaggedDot(
+            recipe,
+            num_experts=num_experts,
+            name=name,
+            telemetry=telemetry,
+            native_kernel=native_kernel,
+        )
+        self.state = nnx.data(jax.tree.map(Fp8State, op))
+
+    def __call__(
+        self,
+        lhs: Float[ArrayLike, "tokens fan_in"],
+        rhs: Float[ArrayLike, "experts fan_in fan_out"],
+        group_sizes: Int[ArrayLike, " experts"],
+        precision: Any = None,
+        preferred_element_type: DTypeLike | None = None,
+    ) -> Float[Array, "tokens fan_out"]:
+        return self._dot_general(lhs, rhs, group_sizes, precision, preferred_element_type)
+
+
+@final
+class NnxGroupedLinear(nnx.Module):
+    """The experts' Linears of a mixture of experts, for Flax NNX: `y[rows of e] = x[rows of
+    e] @ kernel[e]` for every expert `e`, on tokens sorted by expert, as one grouped GEMM.
+
+    The NNX counterpart of [`fp8jax.GroupedLinear`][]: the kernel is an `nnx.Param` of shape
+    `(num_experts, in_features, out_features)` (`lax.ragged_dot`'s layout), each expert's
+    initialised like `nnx.Linear`'s default (LeCun normal); `ragged_dot` is the GEMM,
+    `jax.lax.ragged_dot` until [`fp8jax.fp8_linear_layers`][] puts an
+    [`fp8jax.Fp8NnxRaggedDot`][] there (targets, exclusions and recipes by path, as for
+    `nnx.Linear`). No bias.
+
+    ```python
+    up = fp8jax.NnxGroupedLinear(8, 64, 256, rngs=nnx.Rngs(0))
+    h = up(x_sorted, group_sizes)  # (tokens, 256)
+    ```
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: DTypeLike = jnp.float32,
+        dtype: DTypeLike | None = None,
+        ragged_dot: Any = None,
+    ):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NnxGroupedLinear {name}={value!r}: should be an int >= 1.")
+        if ragged_dot is not None and not callable(ragged_dot):
+            raise TypeError(
+                f"NnxGroupedLinear ragged_dot={ragged_dot!r}: should be None "
+                "(jax.lax.ragged_dot) or a callable with its signature."
+            )
+        shape = (num_experts, in_features, out_features)
+        kernel = jax.random.normal(rngs.params(), shape, param_dtype) / math.sqrt(in_features)
+        self.kernel = nnx.Param(kernel)
+        self.ragged_dot = nnx.data(ragged_dot)
+        self.num_experts, self.in_features, self.out_features = shape
+        self.dtype = dtype
+
+    def __call__(
+        self, x: Float[Array, "tokens fan_in"], group_sizes: Int[Array, " experts"]
+    ) -> Float[Array, "tokens fan_out"]:
+        """`x (tokens, in_features)`, its rows sorted by expert; `group_sizes (num_experts,)`
+        integers summing to `tokens`. Computes in `dtype` when given."""
+        kernel = self.kernel.get_value()
+        x = jnp.asarray(x)
+        if self.dtype is not None:
+            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if self.ragged_dot is not None:
+            return self.ragged_dot(x, kernel, group_sizes)
+        check_ragged_dot_args("NnxGroupedLinear", x.shape, kernel.shape, group_sizes)
+        return lax.ragged_dot(x, kernel, jnp.asarray(group_sizes))
