@@ -37,6 +37,7 @@ from ._src.gemm.exchange import expert_exchange as expert_exchange
 from ._src.layers.grouped import GroupedLinear as GroupedLinear
 from ._src.layers.grouped import expert_specs as expert_specs
 from ._src.layers.linear import Linear as Linear
+from ._src.layers.moe_linear import Fp8MoELinear as Fp8MoELinear
 from ._src.observe.cost import hlo_cost as hlo_cost
 from ._src.observe.deviceless import h100_mesh as h100_mesh
 from ._src.observe.inspect import assert_all_fp8 as assert_all_fp8
@@ -152,6 +153,7 @@ __all__ = [
     "Fp8DotGeneral",
     "Fp8InspectionError",
     "Fp8Linen",
+    "Fp8MoELinear",
     "Fp8NnxDotGeneral",
     "Fp8NnxEinsum",
     "Fp8NnxRaggedDot",

@@ -69,3 +69,90 @@ def test_haliax_stacked_keeps_one_state_per_layer(getkey):
     updated = fp8jax.apply_updates(fp8, jax.tree.map(jnp.zeros_like, rest), overwrites)
     amaxes = updated.stacked.up.dot_general.input.amax_history[:, 0]
     assert len(set(np.asarray(amaxes).tolist())) == 3
+
+
+Experts, Token = hax.Axis("experts", 4), hax.Axis("token", 32)
+SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
+
+
+class HMoE(eqx.Module):
+    up: hnn.MoELinear
+    down: hnn.MoELinear
+
+    @staticmethod
+    def init(*, key, out_first=False):
+        k1, k2 = jax.random.split(key)
+        return HMoE(
+            hnn.MoELinear.init(Experts, Embed, Mlp, key=k1, out_first=out_first),
+            hnn.MoELinear.init(Experts, Mlp, Embed, key=k2, use_bias=False),
+        )
+
+    def __call__(self, x, sizes):
+        return self.down(hax.nn.relu(self.up(x, sizes)), sizes)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+@pytest.mark.parametrize("out_first", [False, True])
+def test_haliax_moe_linear_matches_the_grouped_fp8_gemm_bit_for_bit(getkey, recipe, out_first):
+    model = HMoE.init(key=getkey(), out_first=out_first)
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    assert isinstance(fp8.up, fp8jax.Fp8MoELinear) and fp8.up.ragged_dot.name == "up"
+    x = hax.random.normal(getkey(), (Token, Embed)) * 3
+    sizes = hax.named(SIZES, Experts)
+    # The same layers as fp8jax's Equinox experts on the raw arrays.
+    up_w = model.up.weight.rearrange((Experts, Embed, Mlp)).array
+    down_w = model.down.weight.rearrange((Experts, Mlp, Embed)).array
+    up = fp8jax.fp8_linear_layers(
+        fp8jax.GroupedLinear(4, 8, 16, key=getkey()), fp8jax.Fp8Config(recipe=recipe, exclude=None)
+    )
+    down = fp8jax.fp8_linear_layers(
+        fp8jax.GroupedLinear(4, 16, 8, key=getkey()), fp8jax.Fp8Config(recipe=recipe, exclude=None)
+    )
+    up, down = (eqx.tree_at(lambda g: g.weight, g, w) for g, w in ((up, up_w), (down, down_w)))
+
+    def ours(m, x):
+        return hax.sum(m(x, sizes) ** 2).scalar()
+
+    def theirs(layers, x):
+        h = jax.nn.relu(layers[0](x, SIZES) + model.up.bias.array)
+        return jnp.sum(layers[1](h, SIZES) ** 2)
+
+    loss, grads = eqx.filter_jit(fp8jax.filter_value_and_grad(ours))(fp8, x)
+    loss_e, grads_e = eqx.filter_jit(fp8jax.filter_value_and_grad(theirs))((up, down), x.array)
+    np.testing.assert_array_equal(loss, loss_e)
+    np.testing.assert_array_equal(
+        grads.up.weight.rearrange((Experts, Embed, Mlp)).array, grads_e[0].weight
+    )
+    for a, b in zip(
+        jax.tree.leaves(grads.down.ragged_dot), jax.tree.leaves(grads_e[1].ragged_dot), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert fp8jax.fp8_linear_layers(fp8, fp8jax.Fp8Config(exclude=None)) == fp8  # not twice
+
+
+def test_haliax_moe_linear_in_a_stacked_model_trains(getkey):
+    class Block(eqx.Module):
+        moe: HMoE
+
+        @staticmethod
+        def init(*, key):
+            return Block(HMoE.init(key=key))
+
+        def __call__(self, x):
+            return x + self.moe(x, hax.named(SIZES, Experts))
+
+    stack = hnn.Stacked.init(Layers, Block)(key=jax.random.split(getkey(), Layers.size))
+    fp8 = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(recipe="current", exclude=None))
+    assert fp8.stacked.moe.up.ragged_dot.kernel.scale.shape == (3, 4)  # layers, experts
+    assert sorted(fp8jax.telemetry(fp8)) == ["stacked.moe.down", "stacked.moe.up"]
+    x = hax.random.normal(getkey(), (Token, Embed))
+    step = fp8jax.make_train_step(
+        lambda m, x: hax.mean((m.fold(x) - x * 0.5) ** 2).scalar(),
+        __import__("optax").adam(1e-2),
+    )
+    state = step.init(fp8)
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, x)
+        losses.append(float(metrics.loss))
+    assert losses[-1] < losses[0]

@@ -183,7 +183,8 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
     if not linears:
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
-            "haliax.nn.Linear, fp8jax.GroupedLinear (experts) and, in an nnx.Module, "
+            "haliax.nn.Linear, haliax.nn.MoELinear, fp8jax.GroupedLinear (experts) and, in an "
+            "nnx.Module, "
             "flax.nnx.Linear, LinearGeneral and Einsum (Flax Linen models: fp8jax.Fp8Linen)."
         )
     if config.targets is None:

@@ -16,6 +16,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ..layers.grouped import GroupedLinear
 from ..layers.linear import Linear
+from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from .config import Fp8Config, choose_layers, stacked_dot_general
@@ -47,13 +48,15 @@ def _haliax_nn() -> Any:
 def _kind(node: Any, hnn: Any) -> str | None:
     if isinstance(node, eqx.nn.Linear | Linear):
         return "linear"
-    if isinstance(node, GroupedLinear):
+    if isinstance(node, GroupedLinear | Fp8MoELinear):
         return "grouped"
     if hnn is not None:
         if isinstance(node, hnn.Linear):
             return "linear"
         if isinstance(node, hnn.Stacked):
             return "stacked"
+        if isinstance(node, hnn.MoELinear):
+            return "moe"
     return None
 
 
@@ -68,7 +71,7 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
 def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[str, ...], Any]]:
     """Every pytree node with its path, not descending into Linears."""
     yield path, node
-    if _kind(node, hnn) in ("linear", "grouped") or isinstance(node, jax.Array):
+    if _kind(node, hnn) in ("linear", "grouped", "moe") or isinstance(node, jax.Array):
         return
     for key, child in _children(node):
         yield from _walk(child, path + (_key_name(key),), hnn)
@@ -143,6 +146,29 @@ def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...])
     return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)
 
 
+def _fp8_moe(
+    layer: Any, config: Fp8Config, path: tuple[str, ...], batch_shape: tuple[int, ...]
+) -> Fp8MoELinear:
+    """Haliax's `MoELinear` as an [`fp8jax.Fp8MoELinear`][], with the same weight, bias and
+    axes; inside a `Stacked`, its FP8 state has the stack's leading shape."""
+    name = ".".join(path)
+    for role in ("In", "Out", "Experts"):
+        if isinstance(getattr(layer, role), tuple | list):
+            raise ValueError(
+                f"fp8_linear_layers: the haliax MoELinear {name!r} has several {role} axes "
+                f"({getattr(layer, role)!r}); fp8jax converts one In, one Out and one "
+                "Experts axis. Exclude it, or flatten the axes."
+            )
+    dot = Fp8RaggedDot(
+        config.recipe_for(path),
+        num_experts=layer.Experts.size,
+        name=name,
+        native_kernel=config.grouped_native_kernel,
+    )
+    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
+    return Fp8MoELinear(layer.weight, layer.bias, dot, layer.Experts, layer.In, layer.Out)
+
+
 def fp8_equinox_linear_layers(tree: T, config: Fp8Config) -> T:
     """The Equinox and Haliax branch of [`fp8jax.fp8_linear_layers`][]: `tree` with its chosen
     `eqx.nn.Linear`s as [`fp8jax.Linear`][]s, its chosen Haliax `Linear`s (also inside a
@@ -150,7 +176,7 @@ def fp8_equinox_linear_layers(tree: T, config: Fp8Config) -> T:
     with an [`fp8jax.Fp8RaggedDot`][]; any other pytree node is kept."""
     hnn = _haliax_nn()
     nodes = list(_walk(tree, (), hnn))
-    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped")]
+    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped", "moe")]
     chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
@@ -170,6 +196,8 @@ def fp8_equinox_linear_layers(tree: T, config: Fp8Config) -> T:
             return dataclasses.replace(node, dot_general=dot)
         if kind == "grouped":
             return node if path not in chosen or _is_fp8(node) else _fp8_grouped(node, config, path)
+        if kind == "moe":
+            return node if path not in chosen else _fp8_moe(node, config, path, batch_shape)
         if kind == "stacked":
             inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
             return dataclasses.replace(node, stacked=inner)

@@ -1,0 +1,51 @@
+"""`Fp8MoELinear`: Haliax's `MoELinear` (named expert weights) with an FP8 grouped GEMM.
+
+`haliax.nn.MoELinear` calls `jax.lax.ragged_dot_general` itself and has no `dot_general` to
+inject into; [`fp8jax.fp8_linear_layers`][] replaces it by this layer, with the same weight,
+bias and axes and the same call, whose grouped GEMM is an [`fp8jax.Fp8RaggedDot`][]. Haliax
+is imported when the layer runs, never before: it is an optional extra."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from ..ops.ragged_dot import Fp8RaggedDot
+
+
+class Fp8MoELinear(eqx.Module):
+    """`haliax.nn.MoELinear` computed as FP8 grouped GEMMs: `inputs (..., In)` with
+    `group_sizes (Experts)` tokens per expert (rows sorted by expert) give `(..., Out)`.
+
+    Made by [`fp8jax.fp8_linear_layers`][] from a `MoELinear` (weight `(Experts, In, Out)`
+    or, `out_first`, `(Experts, Out, In)`; one `In` and one `Out` axis); `ragged_dot` is the
+    [`fp8jax.Fp8RaggedDot`][] (a kernel scale per expert). `use_gmm` is not kept: the FP8
+    grouped GEMM replaces the GEMM kernel it chose.
+    """
+
+    weight: Any
+    bias: Any
+    ragged_dot: Fp8RaggedDot
+    Experts: Any = eqx.field(static=True)
+    In: Any = eqx.field(static=True)
+    Out: Any = eqx.field(static=True)
+
+    def __call__(self, inputs: Any, group_sizes: Any, *, key: Any = None) -> Any:
+        """**Arguments:** as `MoELinear`'s: `inputs` a `NamedArray` with the `In` axis, its
+        rows (the other axes, flattened in order) sorted by expert; `group_sizes` a
+        `NamedArray` over `Experts`. `key` is unused."""
+        import haliax as hax
+
+        del key
+        x = inputs.rearrange((..., self.In))
+        rows = x.array.reshape(-1, self.In.size)
+        weight = self.weight.rearrange((self.Experts, self.In, self.Out)).array
+        sizes = group_sizes.rearrange((..., self.Experts)).array
+        out = self.ragged_dot(rows, weight, sizes)
+        out = jnp.reshape(out, x.array.shape[:-1] + (self.Out.size,))
+        q = hax.named(out, hax.replace_axis(x.axes, self.In, self.Out))
+        if self.bias is not None:
+            q = q + self.bias
+        return hax.auto_sharded(q)
