@@ -41,6 +41,13 @@ TESTS=(
     tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
+    # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.
+    tests/test_autocast.py::test_control_flow_matches_the_module_path
+    tests/test_autocast.py::test_the_selection_by_scope_batch_and_size
+    tests/test_autocast.py::test_ragged_dot_becomes_the_grouped_fp8_gemm
+    # Flax Linen's interception, against the Equinox path and Flax's own FP8 op.
+    "tests/test_linen.py::test_every_recipe_matches_the_equinox_path_bit_for_bit[delayed]"
+    tests/test_linen.py::test_delayed_scaling_matches_flax_fp8_direct_dot_general
     # The kernels per shard: custom_partitioning, its Shardy rule and the shardings JAX hands
     # the rule (jax_private.spec_of), on 8 CPU devices and on a compile for 8 H100s.
     "tests/test_scaling_out.py::test_native_kernels_per_shard_train_like_one_device[blockwise-tensor]"

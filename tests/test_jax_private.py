@@ -3,6 +3,7 @@ moved them: fix that module, not the tests."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -128,3 +129,37 @@ def test_tracing_is_recognised():
     jax.vmap(lambda a: seen.append(jax_private.tracing()) or a)(jnp.ones(2))
     jax.grad(lambda a: seen.append(jax_private.tracing()) or a)(1.0)
     assert seen == [True, True, True]
+
+
+def test_a_jaxpr_is_reinterpreted_equation_by_equation():
+    """What fp8_autocast takes from JAX: literals, binding an equation (sub-jaxprs included),
+    its source context (name scopes) and the jaxprs in its parameters."""
+
+    def f(x):
+        with jax.named_scope("outer"):
+            y = jnp.sin(x) * 2.0
+        return jax.lax.scan(lambda c, _: (c @ c, None), y, None, length=2)[0]
+
+    x = jnp.eye(3) * 0.5
+    closed = jax.make_jaxpr(f)(x)
+    eqns = closed.jaxpr.eqns
+    assert [jax_private.scope_of(e) for e in eqns[:2]] == ["outer", "outer"]
+    mul = next(e for e in eqns if e.primitive.name == "mul")
+    assert any(jax_private.is_literal(v) for v in mul.invars)
+    scan = next(e for e in eqns if e.primitive.name == "scan")
+    (body,) = jax_private.sub_jaxprs(scan)
+    assert [e.primitive.name for e in getattr(body, "jaxpr", body).eqns] == ["dot_general"]
+    env = {closed.jaxpr.invars[0]: x}
+    for eqn in eqns:
+        invals = [v.val if jax_private.is_literal(v) else env[v] for v in eqn.invars]
+        with jax_private.equation_context(eqn):
+            outs = jax_private.bind_equation(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    np.testing.assert_array_equal(env[closed.jaxpr.outvars[0]], f(x))
+
+    # Under jit the scopes reach the compiled program's op names.
+    def rebound(x):
+        with jax_private.equation_context(eqns[0]):
+            return jax_private.bind_equation(eqns[0], [x])[0]
+
+    assert "outer/sin" in jax.jit(rebound).lower(x).as_text(debug_info=True)

@@ -193,8 +193,11 @@ def is_literal(var: Any) -> bool:
 
 def bind_equation(eqn: Any, invals: list) -> list:
     """The outputs of equation `eqn` on `invals`, bound as `jax.core.eval_jaxpr` binds it."""
-    params = eqn.primitive.get_bind_params(eqn.params)  # JAX 0.10: the parameters alone
-    out = eqn.primitive.bind(*invals, **params)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: tuple = ()
+    if isinstance(params, tuple):  # before JAX 0.10: (subfuns, parameters)
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
