@@ -147,6 +147,12 @@ def test_a_jaxpr_is_reinterpreted_equation_by_equation():
     mul = next(e for e in eqns if e.primitive.name == "mul")
     assert any(jax_private.is_literal(v) for v in mul.invars)
     scan = next(e for e in eqns if e.primitive.name == "scan")
+    assert jax_private.scan_counts(scan.params) == (0, 1)
+    w = jnp.ones((3, 3))
+    two = jax.make_jaxpr(
+        lambda x: jax.lax.scan(lambda c, _: ((c[0] @ w, c[1] + 1), None), (x, x), None, length=2)
+    )(x)
+    assert jax_private.scan_counts(two.jaxpr.eqns[0].params) == (1, 2)  # w, then the carry
     (body,) = jax_private.sub_jaxprs(scan)
     assert [e.primitive.name for e in getattr(body, "jaxpr", body).eqns] == ["dot_general"]
     env = {closed.jaxpr.invars[0]: x}

@@ -139,8 +139,9 @@ class _Interpreter:
                 env[var] = value
         return [read(v) for v in jaxpr.outvars]
 
-    def closed(self, closed: Any, path: str) -> Callable[..., list]:
-        return lambda *args: self.run(closed.jaxpr, closed.consts, list(args), path)
+    def closed(self, sub: Any, path: str) -> Callable[..., list]:
+        jaxpr, consts = jax_private.jaxpr_parts(sub)
+        return lambda *args: self.run(jaxpr, consts, list(args), path)
 
     def equation(self, eqn: Any, invals: list, scope: str) -> list:
         name, params = eqn.primitive.name, eqn.params
@@ -161,9 +162,9 @@ class _Interpreter:
             branches = [self.closed(b, scope) for b in params["branches"]]
             return lax.switch(invals[0], branches, *invals[1:])
         if name in ("remat", "remat2", "checkpoint"):
-            body = functools.partial(self.run, params["jaxpr"], [], path=scope)
+            body = self.closed(params["jaxpr"], scope)
             rematted = jax.checkpoint(
-                lambda *a: body(list(a)), prevent_cse=params["prevent_cse"], policy=params["policy"]
+                body, prevent_cse=params["prevent_cse"], policy=params["policy"]
             )
             return rematted(*invals)
         # custom_jvp / custom_vjp / shard_map and the rest: their own rules hold their GEMMs,
@@ -190,7 +191,7 @@ class _Interpreter:
         return op(lhs, rhs, group_sizes, params["precision"], params["preferred_element_type"])
 
     def scan(self, invals: list, params: dict, scope: str) -> list:
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        n_consts, n_carry = jax_private.scan_counts(params)
         consts, init, xs = (
             invals[:n_consts],
             invals[n_consts : n_consts + n_carry],

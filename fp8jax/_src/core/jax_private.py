@@ -218,3 +218,21 @@ def sub_jaxprs(eqn: Any) -> list:
     from jax.extend import core as extend_core
 
     return list(extend_core.jaxprs_in_params(eqn.params))
+
+
+def jaxpr_parts(jaxpr: Any) -> tuple[Any, list]:
+    """`(jaxpr, consts)` of a sub-jaxpr parameter: a `ClosedJaxpr` (JAX 0.10) or an open
+    `Jaxpr` whose constants are inputs (JAX 0.11 and later)."""
+    if hasattr(jaxpr, "consts"):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A `scan` equation's numbers of constant and carried inputs (the rest are scanned):
+    `num_consts`/`num_carry` in JAX 0.10, the leaf counts of `ft_in`'s groups later."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    # JAX 0.11+: `ft_in`, a flat tree (consts, carry, xs); each group's length is its leaves.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
