@@ -213,8 +213,11 @@ def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():
         grads = grad_fn(params, tokens)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
-    report = fp8jax.assert_all_fp8(step, params, jax.ShapeDtypeStruct((4, 17), jnp.int32))
-    for mode in report.gemms:
+    tokens = jax.ShapeDtypeStruct((4, 17), jnp.int32)
+    report = fp8jax.inspect(step, params, tokens, modes=("cublas", "default"))
+    fp8jax.assert_all_fp8(report)  # cuBLAS mode: every converted GEMM on FP8 tensor cores
+    for mode in ("cublas", "default"):  # XLA's default mode: FP8 operands, whatever kernel
+        assert all(g.fp8_operands for g in report.gemms[mode] if g.layer is not None), mode
         layers = report.layers(mode)
         # The four GEMMs of the scanned block, named by their scopes: forward (recomputed
         # under remat: twice), dgrad and wgrad each in FP8.
