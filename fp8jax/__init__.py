@@ -12,7 +12,11 @@ from . import observe as observe
 from ._src.convert.autocast import fp8_autocast as fp8_autocast
 from ._src.convert.config import DEFAULT_EXCLUDE as DEFAULT_EXCLUDE
 from ._src.convert.config import Fp8Config as Fp8Config
+from ._src.convert.dispatch import conversion_plan as conversion_plan
 from ._src.convert.dispatch import fp8_linear_layers as fp8_linear_layers
+from ._src.convert.plan import ConversionPlan as ConversionPlan
+from ._src.convert.plan import Fp8ConversionWarning as Fp8ConversionWarning
+from ._src.convert.plan import LayerChoice as LayerChoice
 from ._src.core.compile_options import gpu_compiler_options as gpu_compiler_options
 from ._src.core.compile_options import gpu_xla_flags as gpu_xla_flags
 from ._src.core.errors import Fp8StateError as Fp8StateError
@@ -145,11 +149,13 @@ __all__ = [
     "BlockwiseScaling",
     "Collective",
     "CollectiveCost",
+    "ConversionPlan",
     "Cost",
     "CurrentScaling",
     "DelayedScaling",
     "DynamicLossScale",
     "Fp8Config",
+    "Fp8ConversionWarning",
     "Fp8DotGeneral",
     "Fp8InspectionError",
     "Fp8Linen",
@@ -167,6 +173,7 @@ __all__ = [
     "GroupedLinear",
     "Inspection",
     "KernelCost",
+    "LayerChoice",
     "LayerTelemetry",
     "LinenTrainState",
     "Linear",
@@ -196,6 +203,7 @@ __all__ = [
     "assert_all_fp8",
     "combine_by_max",
     "compute_scale",
+    "conversion_plan",
     "dequantize",
     "expert_exchange",
     "expert_specs",

@@ -1,4 +1,5 @@
-"""Independent references for the tests: ml_dtypes rounding and float32/float64 NumPy math."""
+"""Independent references for the tests (ml_dtypes rounding and float32/float64 NumPy math),
+and what several test files share."""
 
 import importlib.util
 import os
@@ -8,6 +9,8 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+
+import fp8jax
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E5M2 = ml_dtypes.float8_e5m2
@@ -141,3 +144,16 @@ def h100_topology(devices: int = 1):
     topology = deviceless.h100_topology(devices)
     assert topology is not None, "a JAX CUDA plugin is installed, but gives no deviceless H100"
     return topology
+
+
+#: One recipe of each kind, for the tests that run every recipe through a framework adapter
+#: (Flax NNX, Flax Linen) against the Equinox path.
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(history_len=16),
+    "current": fp8jax.CurrentScaling(),
+    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
+    "mxfp8": fp8jax.MXFP8(),
+    "residual": fp8jax.ResidualFP8(),
+    # Kernel-shaped state: checks that a Flax kernel (in, out) gets the (out, in) state.
+    "residual error feedback": fp8jax.ResidualFP8(error_feedback=True),
+}

@@ -156,3 +156,59 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| d")]
     cells = [c.strip() for c in rows[0].split("|")]
     assert cells[3:6] == [f"{100 * rel:+.3f} %", "+0.000 %", f"{50 * rel:+.3f} %"]
+
+
+#: Every example with a command line, by module name (issue 37: each answers `--help` and
+#: refuses a flag it does not use).
+EXAMPLES = ("train_mlp", "train_gpt", "digits", "moe", "deepseek")
+
+
+def _cli_exit(name: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    """`main(argv)` of `fp8jax.examples.<name>`, which must exit (argparse does, before any
+    training): its exit code, stdout and stderr."""
+    import importlib
+
+    module = importlib.import_module(f"fp8jax.examples.{name}")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    out, err = capsys.readouterr()
+    return exit_.value.code, out, err
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_cli_answers_help(name, capsys):
+    """`--help` prints the usage and the flags and exits 0, without training."""
+    code, out, _ = _cli_exit(name, ["--help"], capsys)
+    assert code == 0 and out.startswith("usage:") and "--help" in out and "--steps" in out
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_cli_refuses_an_unknown_flag(name, capsys):
+    """A flag the example does not know is argparse's error (exit 2), named, not ignored."""
+    code, _, err = _cli_exit(name, ["--no-such-flag"], capsys)
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err
+
+
+def test_moe_cli_help_documents_both_runs(capsys):
+    """The MoE example's `--help` describes the synthetic run and lists the `--kjv` run's
+    flags (it used to ignore `--help` and start the synthetic run)."""
+    code, out, _ = _cli_exit("moe", ["--help"], capsys)
+    assert code == 0 and "synthetic run" in out and "--kjv" in out
+    for flag in ("--steps", "--seeds", "--experts", "--expert-parallel", "--fp8-backward"):
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--steps", "3"], "--steps"),
+        (["--seed=1", "--fp8-backward"], "--seed, --fp8-backward"),
+        (["--ste", "3"], "--steps"),  # argparse's abbreviations too
+    ],
+    ids=["steps", "seed-and-fp8-backward", "abbreviated"],
+)
+def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
+    """A flag of the `--kjv` run without `--kjv` is an error naming it: the synthetic run
+    takes no flags, and used to ignore them silently."""
+    code, _, err = _cli_exit("moe", argv, capsys)
+    assert code == 2 and f"{named}: only with --kjv" in err

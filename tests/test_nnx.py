@@ -17,26 +17,17 @@ import optax
 import pytest
 from flax import nnx
 from flax.linen import fp8_ops
-from helpers import h100_topology, make_train_step, representable
+from helpers import RECIPES, h100_topology, make_train_step, representable
 
 import fp8jax
 from fp8jax._src.convert.einsum import einsum_dimension_numbers
 from fp8jax._src.observe import deviceless
 
-RECIPES = {
-    "delayed": fp8jax.DelayedScaling(history_len=16),
-    "current": fp8jax.CurrentScaling(),
-    "blockwise": fp8jax.BlockwiseScaling(block_size=32),
-    "mxfp8": fp8jax.MXFP8(),
-    "residual": fp8jax.ResidualFP8(),
-    # Kernel-shaped state: checks that the NNX kernel (in, out) gets the (out, in) state.
-    "residual error feedback": fp8jax.ResidualFP8(error_feedback=True),
-}
 DIFF = nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))
 
 
 def config(recipe: Any = None, **kwargs: Any) -> fp8jax.Fp8Config:
-    return fp8jax.Fp8Config(recipe=recipe, exclude=None, **kwargs)
+    return fp8jax.Fp8Config(recipe=recipe, exclude=None, keep=(), **kwargs)
 
 
 class NnxNet(nnx.Module):

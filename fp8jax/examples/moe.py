@@ -310,42 +310,80 @@ def parallel_table(runs: dict[str, KjvRun]) -> str:
     return "\n".join(lines)
 
 
-def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The `--kjv` job's command line; `args.seeds` is the list of seeds to run (`--seed N`,
-    if given, overrides `--seeds`; a repeated seed runs once)."""
-    parser = argparse.ArgumentParser(
-        description="MoE and dense GPTs in BF16, FP8 and float32 on the KJV"
+#: What `--help` says of the two runs (the flags' own help follows it).
+DESCRIPTION = """\
+Mixture-of-experts experiments, two runs:
+
+  python -m fp8jax.examples.moe
+      the synthetic run: MoEModel on a regression task, in high precision and in FP8
+      (delayed and blockwise scaling), 100 steps; it takes no flags.
+  python -m fp8jax.examples.moe --kjv [flags of the --kjv run below]
+      the dense and the MoE GPT on the King James Bible, in BF16, FP8 and float32, for each
+      seed; with --expert-parallel, the MoE GPT expert parallel too."""
+
+
+def add_kjv_arguments(parser: Any, *, defaults: bool = True) -> dict[str, str]:
+    """Add the `--kjv` run's flags to `parser` (an `argparse` parser or argument group);
+    returns each flag by its `dest`. With `defaults=False` a flag that is not given is left
+    out of the namespace: how `main` tells which were given, to refuse them without `--kjv`."""
+    flags = {}
+
+    def add(flag: str, **kwargs: Any) -> None:
+        if not defaults:
+            kwargs["default"] = argparse.SUPPRESS
+        flags[parser.add_argument(flag, **kwargs).dest] = flag
+
+    add("--steps", type=int, default=250, help="training steps of each run (default: %(default)s)")
+    add("--layers", type=int, default=2, help="GPT blocks (default: %(default)s)")
+    add("--width", type=int, default=128, help="GPT width (default: %(default)s)")
+    add("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    add(
+        "--context", type=int, default=64, help="tokens (bytes) per sequence (default: %(default)s)"
     )
-    parser.add_argument("--kjv", action="store_true")
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument(
-        "--experts", type=int, default=None, help="4, or with --expert-parallel E, max(4, E)"
+    add("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
+    add("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    add("--experts", type=int, default=None, help="4, or with --expert-parallel E, max(4, E)")
+    add("--top-k", type=int, default=2, help="experts per token (default: %(default)s)")
+    add(
+        "--tail", type=int, default=20, help="steps whose tokens are counted (default: %(default)s)"
     )
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tail", type=int, default=20, help="steps whose tokens are counted")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one job per seed")
-    parser.add_argument("--seed", type=int, default=None, help="alias: --seed N is --seeds N")
-    parser.add_argument(
-        "--devices", type=int, default=None, help="CPU devices to force (before JAX starts)"
-    )
-    parser.add_argument(
+    add("--seeds", type=int, nargs="+", default=[0], help="one job per seed (default: 0)")
+    add("--seed", type=int, default=None, help="alias: --seed N is --seeds N")
+    add("--devices", type=int, default=None, help="CPU devices to force (before JAX starts)")
+    add(
         "--expert-parallel",
         type=int,
         default=0,
         metavar="E",
         help="split the experts over groups of E devices (0: one device)",
     )
-    parser.add_argument(
+    add(
         "--fp8-backward",
         action="store_true",
         help="expert parallel: the backward's exchanges in FP8 too (E4M3, 1 x 128 tiles)",
     )
+    return flags
+
+
+def command_line() -> argparse.ArgumentParser:
+    """Both runs' command line: `--help` documents the synthetic run and the `--kjv` run's
+    flags, grouped apart."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fp8jax.examples.moe",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--kjv", action="store_true", help="the King James Bible run (default: the synthetic one)"
+    )
+    add_kjv_arguments(parser.add_argument_group("the --kjv run (refused without --kjv)"))
+    return parser
+
+
+def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The `--kjv` job's command line; `args.seeds` is the list of seeds to run (`--seed N`,
+    if given, overrides `--seeds`; a repeated seed runs once)."""
+    parser = command_line()
     args = parser.parse_args(argv)
     if args.experts is None:
         args.experts = max(4, args.expert_parallel)
@@ -423,11 +461,19 @@ def kjv(argv: list[str] | None = None) -> dict[int, dict[str, KjvRun]]:
 
 
 def main(argv: list[str] | None = None) -> object:
-    """`--kjv`: the King James Bible job (`kjv`); otherwise the synthetic task (`synthetic`)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--kjv", action="store_true")
-    known, _ = parser.parse_known_args(argv)
-    return kjv(argv) if known.kjv else synthetic()
+    """`--kjv`: the King James Bible job (`kjv`); otherwise the synthetic task (`synthetic`).
+    `--help` documents both; an unknown flag, or one of the `--kjv` run's without `--kjv`, is
+    an error rather than silently ignored."""
+    parser = command_line()
+    if parser.parse_args(argv).kjv:
+        return kjv(argv)
+    probe = argparse.ArgumentParser(add_help=False)
+    flags = add_kjv_arguments(probe, defaults=False)
+    given = vars(probe.parse_known_args(argv)[0])
+    if given:
+        names = ", ".join(flags[dest] for dest in given)
+        parser.error(f"{names}: only with --kjv (the synthetic run takes no flags)")
+    return synthetic()
 
 
 if __name__ == "__main__":

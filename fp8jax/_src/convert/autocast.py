@@ -84,6 +84,19 @@ class _Choice:
         n = math.prod(d for i, d in enumerate(rhs.shape) if i not in (*rc, *rb))
         return min(m, n, k) >= self.min_dim and self.picks_scope(scope)
 
+    def dot_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
+        """The FP8 GEMM that answers this `dot_general`, or `None` to keep it."""
+        if not self.picks_dot(eqn, scope):
+            return None
+        return Fp8DotGeneral(self.recipe, name=scope or "dot_general")
+
+    def ragged_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
+        """The FP8 grouped GEMM that answers this `ragged_dot_general`, or `None`."""
+        if not self.picks_ragged(eqn, scope):
+            return None
+        rhs = eqn.invars[1].aval
+        return Fp8RaggedDot(self.recipe, num_experts=rhs.shape[0], name=scope or "ragged_dot")
+
     def picks_ragged(self, eqn: Any, scope: str) -> bool:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         numbers = eqn.params["ragged_dot_dimension_numbers"]
@@ -115,10 +128,12 @@ def _has_gemm(jaxpr: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Interpreter:
-    """Evaluates a jaxpr with the chosen GEMMs in FP8."""
+class Interpreter:
+    """Evaluates a jaxpr with the chosen GEMMs in FP8: `choice` has `dot_op(eqn, scope)` and
+    `ragged_op(eqn, scope)`, each the FP8 op answering that equation or `None` (kept as
+    traced). Shared with the Linen adapter, which answers the GEMMs on a module's kernel."""
 
-    choice: _Choice
+    choice: Any
 
     def run(self, jaxpr: Any, consts: list, args: list, path: str) -> list:
         env: dict = {}
@@ -145,10 +160,18 @@ class _Interpreter:
 
     def equation(self, eqn: Any, invals: list, scope: str) -> list:
         name, params = eqn.primitive.name, eqn.params
-        if name == "dot_general" and self.choice.picks_dot(eqn, scope):
-            return [self.dot(invals, params, scope)]
-        if name == "ragged_dot_general" and self.choice.picks_ragged(eqn, scope):
-            return [self.ragged(invals, params, scope)]
+        op = None
+        if name == "dot_general":
+            op = self.choice.dot_op(eqn, scope)
+            if op is not None:
+                return [self.dot(op, invals, params)]
+        if name == "ragged_dot_general":
+            op = self.choice.ragged_op(eqn, scope)
+            if op is not None:
+                lhs, rhs, group_sizes = invals
+                return [
+                    op(lhs, rhs, group_sizes, params["precision"], params["preferred_element_type"])
+                ]
         subs = jax_private.sub_jaxprs(eqn)
         if not any(_has_gemm(getattr(j, "jaxpr", j)) for j in subs):
             return jax_private.bind_equation(eqn, invals)
@@ -171,9 +194,8 @@ class _Interpreter:
         # which stay as written.
         return jax_private.bind_equation(eqn, invals)
 
-    def dot(self, invals: list, params: dict, scope: str) -> Any:
+    def dot(self, op: Callable[..., Any], invals: list, params: dict) -> Any:
         lhs, rhs = invals
-        op = Fp8DotGeneral(self.choice.recipe, name=scope or "dot_general")
         out = op(
             lhs,
             rhs,
@@ -184,11 +206,6 @@ class _Interpreter:
         if params.get("out_sharding") is not None:
             out = jax.sharding.reshard(out, params["out_sharding"])
         return out
-
-    def ragged(self, invals: list, params: dict, scope: str) -> Any:
-        lhs, rhs, group_sizes = invals
-        op = Fp8RaggedDot(self.choice.recipe, num_experts=rhs.shape[0], name=scope or "ragged_dot")
-        return op(lhs, rhs, group_sizes, params["precision"], params["preferred_element_type"])
 
     def scan(self, invals: list, params: dict, scope: str) -> list:
         n_consts, n_carry = jax_private.scan_counts(params)
@@ -290,23 +307,46 @@ def fp8_autocast(
         batched,
         min_dim,
     )
-    interpreter = _Interpreter(choice)
+    interpreter = Interpreter(choice)
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-
-        def flat(*values: Any) -> Any:
-            filled = list(leaves)
-            for i, value in zip(dynamic, values, strict=True):
-                filled[i] = value
-            a, k = jax.tree.unflatten(treedef, filled)
-            return fun(*a, **k)
-
-        values = [leaves[i] for i in dynamic]
-        closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-        outs = interpreter.run(closed.jaxpr, closed.consts, values, "")
-        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+        traced = trace_call(fun, args, kwargs)
+        return traced.evaluate(interpreter)
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedCall:
+    """A call traced to a jaxpr: its array arguments (`values`, the jaxpr's inputs, each
+    with its key path in `(args, kwargs)` in `paths`) and the shape of its result."""
+
+    closed: Any
+    values: list
+    shape: Any
+    paths: list
+
+    def evaluate(self, interpreter: Interpreter) -> Any:
+        """The call's result, evaluated again by `interpreter`."""
+        outs = interpreter.run(self.closed.jaxpr, self.closed.consts, self.values, "")
+        return jax.tree.unflatten(jax.tree.structure(self.shape), outs)
+
+
+def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall:
+    """`fun(*args, **kwargs)` traced, its array arguments as the jaxpr's inputs (in the
+    order `jax.tree.leaves((args, kwargs))` gives them) and the rest static."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in keyed]
+    dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def flat(*values: Any) -> Any:
+        filled = list(leaves)
+        for i, value in zip(dynamic, values, strict=True):
+            filled[i] = value
+        a, k = jax.tree.unflatten(treedef, filled)
+        return fun(*a, **k)
+
+    values = [leaves[i] for i in dynamic]
+    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
+    return TracedCall(closed, values, shape, [keyed[i][0] for i in dynamic])

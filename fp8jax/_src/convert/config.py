@@ -1,5 +1,6 @@
 """The framework-neutral core of model conversion: which layers to convert and how
-(`Fp8Config`, `choose_layers`), and the FP8 state of a (stacked) layer. Every framework's
+(`Fp8Config`, `choose_layers`; the roles that keep a head or a router in high precision are
+found in `roles.py`), and the FP8 state of a (stacked) layer. Every framework's
 adapter builds on it; it knows no framework."""
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import jax.numpy as jnp
 from ..ops.dot_general import Fp8DotGeneral
 from ..recipes import Recipe, recipe_from
 
-#: Linears left in high precision by default, matched against the last name of their path:
-#: output heads, MoE routers and gates. Embeddings and norms are never Linears.
-DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router|gate"
+#: Linears left in high precision by default by their name, matched against the last name of
+#: their path: names that only heads and routers bear. Ambiguous names (`gate`: a SwiGLU gate
+#: in Llama, the router in Mixtral; `output`; Linen's `Dense_N`) are left to the roles
+#: (`Fp8Config.keep`). Embeddings and norms are never Linears.
+DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router"
+#: The roles a Linear can be kept in high precision for (see `fp8jax.Fp8Config`'s `keep`).
+ROLES: tuple[str, ...] = ("head", "router")
 
 
 @final
@@ -38,7 +43,13 @@ class Fp8Config:
       none get `recipe`.
     - `exclude`: a regular expression matched against the last path component; matching
       Linears stay in high precision even when targeted. Defaults to [`fp8jax.DEFAULT_EXCLUDE`][]
-      (heads, routers, gates). Pass `None` to exclude nothing.
+      (names only heads and routers bear). Pass `None` to exclude nothing by name.
+    - `keep`: the roles whose Linears stay in high precision, whatever their name:
+      `"head"` (the output head: its output is the model's output, or its width is the
+      vocabulary) and `"router"` (a mixture of experts' router: its output feeds the top-k
+      expert choice, or its width is the expert count). Default both; `()` converts heads
+      and routers too. A Linear named in a list of `targets` is converted whatever its
+      role. How roles are found: the Conversion guide ("Which layers become FP8").
     - `telemetry`: converted layers also keep saturation and underflow statistics
       ([`fp8jax.Fp8Stats`][]), read with [`fp8jax.telemetry`][].
     - `grouped_native_kernel`: the `native_kernel` of converted expert layers
@@ -57,6 +68,7 @@ class Fp8Config:
     recipe: Recipe | str | None = None
     recipes: Mapping[str, Recipe | str] | None = None
     exclude: str | None = DEFAULT_EXCLUDE
+    keep: Sequence[str] = ROLES
     telemetry: bool = False
     grouped_native_kernel: bool | None = None
 
@@ -70,6 +82,13 @@ class Fp8Config:
                 f"Fp8Config grouped_native_kernel={self.grouped_native_kernel!r}: should be None "
                 "(the kernels on Hopper), True or False."
             )
+        keep = self.keep
+        if isinstance(keep, str) or not isinstance(keep, Sequence) or set(keep) - set(ROLES):
+            raise ValueError(
+                f"Fp8Config keep={keep!r}: should be a tuple of roles among {ROLES!r} "
+                "(() keeps no layer for its role)."
+            )
+        object.__setattr__(self, "keep", tuple(keep))
         targets = self.targets
         if isinstance(targets, str):
             _compile("targets", targets)
@@ -124,6 +143,13 @@ class Fp8Config:
             return re.fullmatch(self.targets, dotted) is not None
         return dotted in self.targets or (bool(path) and path[-1] in self.targets)
 
+    def names(self, path: tuple[str, ...]) -> bool:
+        """Whether a list of `targets` names the Linear at `path` explicitly (its last name or
+        its whole path), which converts it whatever its role."""
+        if self.targets is None or isinstance(self.targets, str):
+            return False
+        return ".".join(path) in self.targets or (bool(path) and path[-1] in self.targets)
+
     def excludes(self, path: tuple[str, ...]) -> bool:
         """Whether `exclude` keeps the Linear at `path` in high precision."""
         return (
@@ -157,16 +183,31 @@ def choose_layers(
     nodes: list[tuple[tuple[str, ...], Any]],
     linears: list[tuple[tuple[str, ...], Any]],
     is_module: Callable[[Any], bool],
-) -> set[tuple[str, ...]]:
-    """The paths of the Linears that `config` converts, after checking that every target and
-    per-layer recipe pattern selects something.
+    roles: Mapping[tuple[str, ...], str] | None = None,
+) -> dict[tuple[str, ...], str]:
+    """Each Linear's fate under `config`: `"fp8"` or why it stays in high precision, after
+    checking that every target and per-layer recipe pattern selects something.
 
     Shared by every framework's conversion. `nodes` are all the nodes of the model with their
     paths (for the messages naming what a target matched instead), `linears` the convertible
-    layers among them, and `is_module` tells a module of the framework from other nodes.
+    layers among them, `is_module` tells a module of the framework from other nodes, and
+    `roles` gives the layers with a role (`"head: ..."`, `"router: ..."`, see
+    `convert/roles.py`).
     """
     _check_targets(config, nodes, linears, config.targets_path, config.excludes, is_module)
-    chosen = {p for p, _ in linears if config.selects(p)}
+    roles = roles or {}
+    fates = {}
+    for path, _ in linears:
+        role = roles.get(path)
+        if not config.targets_path(path):
+            fates[path] = f"not targeted (targets={config.targets!r})"
+        elif role is not None and role.split(":")[0] in config.keep and not config.names(path):
+            fates[path] = role
+        elif config.excludes(path):
+            fates[path] = f"excluded by name (exclude={config.exclude!r})"
+        else:
+            fates[path] = "fp8"
+    chosen = {p for p, fate in fates.items() if fate == "fp8"}
     for pattern, _ in config.recipes or ():
         if not any(_matches(pattern, p) for p in chosen):
             listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"
@@ -174,7 +215,7 @@ def choose_layers(
                 f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
                 f"Converted layers: {listing}."
             )
-    return chosen
+    return fates
 
 
 def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_module) -> None:

@@ -4,10 +4,12 @@ model to its framework's adapter (Flax NNX, else Equinox and Haliax)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .config import Fp8Config
-from .equinox import fp8_equinox_linear_layers
+from .equinox import equinox_plan, fp8_equinox_linear_layers
+from .plan import ConversionPlan
 
 T = TypeVar("T")
 
@@ -18,7 +20,38 @@ def _flax(api: str) -> Any:
     return sys.modules.get(f"flax.{api}")
 
 
-def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
+def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
+    config = Fp8Config() if config is None else config
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
+    if example is not None and not callable(example):
+        raise TypeError(
+            f"example={example!r}: should be None or a function that calls the model on "
+            "example inputs, e.g. lambda m: jax.vmap(m)(x)."
+        )
+    if not isinstance(explain, bool):
+        raise TypeError(f"explain={explain!r}: should be True or False.")
+    linen = _flax("linen")
+    module = getattr(tree, "module", None)
+    wrapper = linen is not None and isinstance(module, linen.Module)
+    if wrapper and not isinstance(tree, linen.Module):
+        raise TypeError(
+            f"fp8_linear_layers: {type(tree).__name__} is a wrapper around a Flax Linen model "
+            "(a Hugging Face Flax model?): pass its `.module` (the nn.Module) and use its "
+            "`.params` as the variables' 'params': fp8_model = "
+            "fp8jax.fp8_linear_layers(model.module); variables = fp8_model.init(key, "
+            "*inputs); variables['params'] = model.params."
+        )
+    return config
+
+
+def fp8_linear_layers(
+    tree: T,
+    config: Fp8Config | None = None,
+    *,
+    example: Callable[[T], Any] | None = None,
+    explain: bool = False,
+) -> T:
     """Convert the Linear layers of `tree` selected by `config` into FP8 layers.
 
     - `eqx.nn.Linear` (including those inside `eqx.nn.MLP` and `eqx.nn.MultiheadAttention`)
@@ -47,28 +80,71 @@ def fp8_linear_layers(tree: T, config: Fp8Config | None = None) -> T:
     **Arguments:**
 
     - `tree`: a model (any pytree).
-    - `config`: an [`fp8jax.Fp8Config`][]; the default converts every Linear except those
-      matching `DEFAULT_EXCLUDE` (heads, routers, gates) with delayed scaling.
+    - `config`: an [`fp8jax.Fp8Config`][]; the default converts every Linear with delayed
+      scaling but the output head and MoE routers, found by their role (`Fp8Config.keep`),
+      and layers named like them (`DEFAULT_EXCLUDE`).
+    - `example`: optionally a function calling the model on example inputs
+      (`lambda m: jax.vmap(m)(x)`; traced, never run). With it the roles come from the
+      model's dataflow: the head is the layer whose GEMM is the last before the output, a
+      router the layer whose output feeds a top-k. Without it, from shapes: a layer as wide
+      as the largest embedding table is a head, one as wide as an expert layer's expert
+      count a router. A Linen model is always traced (at `init`).
+    - `explain`: print which layers run in FP8 and why the others do not (a
+      [`fp8jax.ConversionPlan`][]; a Linen model prints it at `init`).
 
     **Returns:** the model with FP8 layers.
 
     **Raises:** `ValueError` if a target matches no Linear (the message lists the Linears that
-    exist) or names something that is not a Linear.
+    exist) or names something that is not a Linear. Warns (`fp8jax.Fp8ConversionWarning`)
+    when no layer is converted, or when `example`'s trace finds modules whose GEMMs fp8jax
+    cannot convert.
 
     ```python
     model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
     ```
     """
-    config = Fp8Config() if config is None else config
-    if not isinstance(config, Fp8Config):
-        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
+    config = _check(tree, config, example, explain)
     nnx, linen = _flax("nnx"), _flax("linen")
     if nnx is not None and isinstance(tree, nnx.Module):
         from .nnx.convert import fp8_nnx_linear_layers
 
-        return fp8_nnx_linear_layers(tree, config)
+        return fp8_nnx_linear_layers(tree, config, example, explain)
     if linen is not None and isinstance(tree, linen.Module):
         from .linen.convert import Fp8Linen
 
-        return Fp8Linen(tree, config)
-    return fp8_equinox_linear_layers(tree, config)
+        if example is not None:
+            raise TypeError(
+                "fp8_linear_layers: example= is for Equinox, Haliax and NNX models; a Linen "
+                "model is traced at init, with init's own arguments."
+            )
+        return Fp8Linen(tree, config, explain=explain)
+    return fp8_equinox_linear_layers(tree, config, example, explain)
+
+
+def conversion_plan(
+    tree: Any,
+    config: Fp8Config | None = None,
+    *,
+    example: Callable[[Any], Any] | None = None,
+) -> ConversionPlan:
+    """Which layers [`fp8jax.fp8_linear_layers`][] would convert and why the others would
+    stay in high precision, without converting: a [`fp8jax.ConversionPlan`][] (print it for
+    a table). Arguments as for `fp8_linear_layers`. For a Flax Linen model, which is traced
+    at `init`, call `fp8_linear_layers(model, config).plan(rngs, *init_args)` instead.
+
+    ```python
+    print(fp8jax.conversion_plan(model, example=lambda m: jax.vmap(m)(tokens)))
+    ```
+    """
+    config = _check(tree, config, example, False)
+    nnx, linen = _flax("nnx"), _flax("linen")
+    if nnx is not None and isinstance(tree, nnx.Module):
+        from .nnx.convert import nnx_plan
+
+        return nnx_plan(tree, config, example)[0]
+    if linen is not None and isinstance(tree, linen.Module):
+        raise TypeError(
+            "conversion_plan: a Flax Linen model is traced at init; call "
+            "fp8jax.fp8_linear_layers(model, config).plan(rngs, *init_args)."
+        )
+    return equinox_plan(tree, config, example)[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -20,6 +20,8 @@ from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from .config import Fp8Config, choose_layers, stacked_dot_general
+from .plan import ConversionPlan, announce, make_plan
+from .roles import Dataflow, ModelShapes, dataflow, owner_of, role_of
 
 T = TypeVar("T")
 
@@ -169,15 +171,90 @@ def _fp8_moe(
     return Fp8MoELinear(layer.weight, layer.bias, dot, layer.Experts, layer.In, layer.Out)
 
 
-def fp8_equinox_linear_layers(tree: T, config: Fp8Config) -> T:
+def _out_width(node: Any, kind: str | None) -> int | None:
+    """How many outputs a Linear or expert layer has (its GEMM's `N`)."""
+    if kind == "linear":
+        return _kernel_shape(node)[0]
+    if isinstance(node, GroupedLinear):
+        return node.weight.shape[-1]
+    if kind in ("grouped", "moe"):
+        return node.Out.size
+    return None
+
+
+def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
+    """The embedding tables' row counts and the expert layers' expert counts of a tree."""
+    embeddings, experts = {}, {}
+    for path, node in nodes:
+        if isinstance(node, eqx.nn.Embedding):
+            embeddings[path] = node.weight.shape[-2]
+        elif hnn is not None and isinstance(node, hnn.Embedding):
+            embeddings[path] = node.Vocab.size
+        elif isinstance(node, GroupedLinear):
+            experts[path] = node.weight.shape[-3]
+        elif _kind(node, hnn) == "moe" or isinstance(node, Fp8MoELinear):
+            experts[path] = node.Experts.size
+    return ModelShapes(embeddings, experts)
+
+
+def _trace(tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]]) -> Dataflow:
+    """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer."""
+    params, static = eqx.partition(tree, eqx.is_array)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    owners = [owner_of(tuple(_key_name(k) for k in path), layers) for path, _ in flat]
+
+    def call(leaves: list) -> Any:
+        return example(eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static))
+
+    return dataflow(jax.make_jaxpr(call)([x for _, x in flat]), owners)
+
+
+def equinox_plan(
+    tree: Any, config: Fp8Config, example: Callable[[Any], Any] | None = None
+) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
+    """Which Linears and expert layers of an Equinox or Haliax `tree` `config` converts, and
+    why the others stay in high precision (roles from `example`'s trace when given): the plan
+    and the converted layers' paths."""
+    hnn = _haliax_nn()
+    nodes = list(_walk(tree, (), hnn))
+    kinds = {p: _kind(n, hnn) for p, n in nodes}
+    linears = [(p, n) for p, n in nodes if kinds[p] in ("linear", "grouped", "moe")]
+    layer_paths = [p for p, _ in linears]
+    shapes = _shapes(nodes, hnn)
+    flow = None if example is None else _trace(tree, example, layer_paths)
+    roles = {}
+    for path, node in linears:
+        role = role_of(path, _out_width(node, kinds[path]), shapes, flow)
+        if role is not None:
+            roles[path] = role
+    fates = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module), roles)
+    unconverted = []
+    if flow is not None:
+        for owner in sorted(flow.gemms):
+            if owner in layer_paths or owner in shapes.embeddings or flow.keeps(owner):
+                continue
+            unconverted.append(
+                f"{'.'.join(owner) or '(root)'} (write its GEMM as an eqx.nn.Linear, or run "
+                "the model under fp8jax.fp8_autocast)"
+            )
+    kind_names = {p: type(n).__name__ for p, n in linears}
+    plan = make_plan(config, fates, kind_names, unconverted, traced=flow is not None)
+    return plan, {p for p, fate in fates.items() if fate == "fp8"}
+
+
+def fp8_equinox_linear_layers(
+    tree: T,
+    config: Fp8Config,
+    example: Callable[[T], Any] | None = None,
+    explain: bool = False,
+) -> T:
     """The Equinox and Haliax branch of [`fp8jax.fp8_linear_layers`][]: `tree` with its chosen
     `eqx.nn.Linear`s as [`fp8jax.Linear`][]s, its chosen Haliax `Linear`s (also inside a
     `Stacked`) with an [`fp8jax.Fp8DotGeneral`][] and its chosen [`fp8jax.GroupedLinear`][]s
     with an [`fp8jax.Fp8RaggedDot`][]; any other pytree node is kept."""
     hnn = _haliax_nn()
-    nodes = list(_walk(tree, (), hnn))
-    linears = [(p, n) for p, n in nodes if _kind(n, hnn) in ("linear", "grouped", "moe")]
-    chosen = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module))
+    plan, chosen = equinox_plan(tree, config, example)
+    announce(plan, explain, "Equinox" if hnn is None else "Equinox/Haliax")
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
         kind = _kind(node, hnn)

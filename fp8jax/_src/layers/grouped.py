@@ -18,6 +18,22 @@ from ..gemm.exchange import ExpertExchange
 from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
 
 
+def check_grouped_linear_args(
+    where: str, shape: tuple[Any, Any, Any], ragged_dot: Any, *, example: str = ""
+) -> None:
+    """Check the arguments of a grouped Linear (`where` names it in the errors): `shape`, its
+    `(num_experts, in_features, out_features)`, ints >= 1 (`ValueError`); `ragged_dot`,
+    `None` or a callable (`TypeError`, whose advice ends with `example`)."""
+    for name, value in zip(("num_experts", "in_features", "out_features"), shape, strict=True):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where} {name}={value!r}: should be an int >= 1.")
+    if ragged_dot is not None and not callable(ragged_dot):
+        raise TypeError(
+            f"{where} ragged_dot={ragged_dot!r}: should be None (jax.lax.ragged_dot) or a "
+            f"callable with its signature{example}."
+        )
+
+
 class GroupedLinear(eqx.Module):
     """`y[rows of e] = x[rows of e] @ weight[e]` for every expert `e`: one Linear per expert
     (no bias), applied to tokens sorted by expert, as one grouped GEMM.
@@ -58,21 +74,15 @@ class GroupedLinear(eqx.Module):
         dtype: DTypeLike | None = None,
         ragged_dot: Any = None,
     ):
-        for name, value in (
-            ("num_experts", num_experts),
-            ("in_features", in_features),
-            ("out_features", out_features),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GroupedLinear {name}={value!r}: should be an int >= 1.")
-        if ragged_dot is not None and not callable(ragged_dot):
-            raise TypeError(
-                f"GroupedLinear ragged_dot={ragged_dot!r}: should be None (jax.lax.ragged_dot) "
-                "or a callable with its signature, e.g. fp8jax.Fp8RaggedDot(num_experts=...)."
-            )
+        shape = (num_experts, in_features, out_features)
+        check_grouped_linear_args(
+            "GroupedLinear",
+            shape,
+            ragged_dot,
+            example=", e.g. fp8jax.Fp8RaggedDot(num_experts=...)",
+        )
         dtype = jnp.float32 if dtype is None else dtype
         bound = 1.0 / math.sqrt(in_features)
-        shape = (num_experts, in_features, out_features)
         self.weight = jax.random.uniform(key, shape, dtype, -bound, bound)
         self.ragged_dot = ragged_dot
         self.num_experts = num_experts

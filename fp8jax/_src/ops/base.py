@@ -144,6 +144,22 @@ class AbstractFp8Op(OverwriteWithGradient):
         return out
 
     def _states(self) -> States:
+        for role in ROLES:
+            for leaf in jax.tree.leaves(getattr(self, role)):
+                dtype = getattr(leaf, "dtype", None)  # np.dtype: not the max-combining view
+                if (
+                    isinstance(dtype, np.dtype)
+                    and jnp.issubdtype(dtype, jnp.floating)
+                    and (dtype != np.float32)
+                ):
+                    raise TypeError(
+                        f"{self._where}: its FP8 state ({role}) is {dtype}, not float32: a "
+                        "cast of the whole model or variables reached it, which would round "
+                        "its scales and amax history. Cast only the parameters: "
+                        "fp8jax.Policy's cast_to_compute (Equinox), a cast of "
+                        "variables['params'] alone (Linen), or of nnx.state(model, "
+                        "nnx.Param) (NNX); FP8 state stays float32."
+                    )
         return States(self.input, self.kernel, self.output_grad, self.stats)
 
     def _name_scope(self) -> Any:

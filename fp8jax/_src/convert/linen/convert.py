@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, final
 
 import jax
@@ -19,10 +19,13 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
-from ...core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
+from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
 from ...ops.dot_general import Fp8DotGeneral
-from ..config import Fp8Config, choose_layers
+from ..config import Fp8Config
 from ..einsum import einsum_kernel_shape, fp8_einsum
+from ..plan import ConversionPlan, announce
+from .generic import has_kernel, kernel_call
+from .trace import linen_plan
 
 #: The variable collection of FP8 state: Flax's own name for state whose gradient is its new
 #: value (`flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`).
@@ -39,25 +42,18 @@ def _kind(module: Any) -> str | None:
     return None
 
 
-def _linen_message(error: Fp8StateError, name: str) -> str:
-    """The Linen version of a state error of the Equinox layer (whose advice is Equinox's)."""
-    layer = f"FP8 layer {name!r}" if name else "An FP8 Linen layer"
-    if isinstance(error, StateUsedTwiceError):
-        return (
-            f"{layer} runs twice in one differentiated step (a shared module, a loop) under "
-            "jax.grad, which would add its two amaxes and scales instead of keeping the "
-            "larger: JAX sums the gradients of a value used twice, and FP8 state leaves the "
-            "step through its gradient. Differentiate with fp8jax.filter_value_and_grad, "
-            "which combines the uses by max."
-        )
-    if isinstance(error, StateNotDifferentiatedError):
-        return (
-            f"{layer} is differentiated, but its FP8 state (collection {COLLECTION!r}) is "
-            "not: its new scales and amax history leave the step as the state's gradient. "
-            "Differentiate the whole variables, e.g. fp8jax.filter_value_and_grad(loss_fn)"
-            "(variables), with loss_fn calling apply(variables, ...)."
-        )
-    return str(error)
+#: The Linen words of a state error of the Equinox layer (whose advice is Equinox's).
+_LINEN_WORDING = StateErrorWording(
+    unnamed="An FP8 Linen layer",
+    reuse="a shared module, a loop",
+    grad="jax.grad",
+    combine="Differentiate with fp8jax.filter_value_and_grad",
+    state=f"collection {COLLECTION!r}",
+    differentiate=(
+        ". Differentiate the whole variables, e.g. fp8jax.filter_value_and_grad(loss_fn)"
+        "(variables), with loss_fn calling apply(variables, ...)."
+    ),
+)
 
 
 def _kernel_shape(rhs: Any, dimension_numbers: Any) -> tuple[int, int] | None:
@@ -113,24 +109,36 @@ def _einsum_answered_by(handler: Callable[..., Array]) -> Iterator[None]:
 
 
 @dataclasses.dataclass
-class _Seen:
-    """What one `init`/`apply` saw: every module with its path, the convertible layers."""
+class Seen:
+    """What one `init`/`apply` saw: every module with its path, the convertible layers and
+    their output widths, the embeddings' row counts, the modules holding a kernel of their
+    own, and the layers applied by a nested `.apply` (by name)."""
 
+    root: Any = None
     modules: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
     layers: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
+    widths: dict[tuple[str, ...], int | None] = dataclasses.field(default_factory=dict)
+    embeddings: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    kernels: dict[tuple[str, ...], Any] = dataclasses.field(default_factory=dict)
+    nested: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _width(module: Any) -> int | None:
+    """A layer's number of outputs (its GEMM's `N`), read after its call."""
+    if isinstance(module, nn.Dense | nn.DenseGeneral):
+        features = module.features
+        return math.prod(features) if isinstance(features, tuple | list) else features
+    if not module.has_variable("params", "kernel"):
+        return None
+    shape = einsum_kernel_shape(
+        module.einsum_str, jnp.shape(module.get_variable("params", "kernel"))
+    )
+    return None if shape is None else shape[0]
 
 
 def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -> Fp8DotGeneral:
     """The layer's FP8 state, its variable declared on first use (at `init`)."""
     name = ".".join(path)
-    if not module.has_variable(COLLECTION, VARIABLE) and not module.is_mutable_collection(
-        COLLECTION
-    ):
-        raise ValueError(
-            f"Fp8Linen: the variables given hold no FP8 state for the layer {name!r} "
-            f"(collection {COLLECTION!r}). Pass the whole variables that Fp8Linen.init "
-            "returned (not only variables['params']), made with the same Fp8Config."
-        )
 
     def init() -> Fp8DotGeneral:
         return Fp8DotGeneral(config.recipe_for(path), kernel, name, config.telemetry)
@@ -142,20 +150,66 @@ def _call(dot: Fp8DotGeneral, name: str, *args: Any) -> Array:
     try:
         return dot(*args)
     except Fp8StateError as e:
-        raise type(e)(_linen_message(e, name), name) from e
+        raise reword_state_error(e, name, _LINEN_WORDING) from e
 
 
-def _interceptor(config: Fp8Config, seen: _Seen) -> Callable[..., Any]:
+def _missing_state(path: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"Fp8Linen: the variables given hold no FP8 state for the layer {'.'.join(path)!r} "
+        f"(collection {COLLECTION!r}). Pass the whole variables that Fp8Linen.init "
+        "returned (not only variables['params']), made with the same Fp8Config; if init "
+        "converted no layer (it warned), apply the Linen model itself."
+    )
+
+
+def _interceptor(
+    config: Fp8Config, seen: Seen, mode: str, chosen: frozenset = frozenset()
+) -> Callable[..., Any]:
+    """The interceptor of one `init` (`mode="init"`: FP8 for the `chosen` paths, their state
+    declared), `apply` (`"apply"`: FP8 for the layers whose state the variables hold;
+    `"apply-without-state"`: the variables hold none) or planning trace (`"plan"`: nothing
+    in FP8, everything recorded in `seen`)."""
+
+    def fp8(module: Any, path: tuple[str, ...]) -> bool:
+        if mode == "init":
+            return path in chosen
+        if mode == "apply":
+            return module.has_variable(COLLECTION, VARIABLE)
+        if mode == "apply-without-state" and config.selects(path):
+            raise _missing_state(path)
+        return False
+
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
+        if seen.root is None:
+            seen.root = module.scope.root
+        kind = _kind(module)
+        root = module.scope.root
+        if root is not seen.root and not root.path:
+            # A nested `.apply` on variables of its own (Hugging Face's tied head): no place
+            # for FP8 state, so it runs as written. (A lifted transform's scopes, nn.scan's
+            # or nn.remat's, have roots of their own too, but keep their path.)
+            if kind is not None and context.method_name == "__call__":
+                seen.nested.setdefault(module.name or type(module).__name__, module)
+            return next_fun(*args, **kwargs)
         path = tuple(str(p) for p in module.path)
         seen.modules.setdefault(path, module)
-        kind = _kind(module)
-        if kind is None or context.method_name != "__call__":
+        if context.method_name != "__call__":
             return next_fun(*args, **kwargs)
+        if kind is None:
+            if isinstance(module, nn.Embed):
+                seen.embeddings[path] = module.num_embeddings
+            if mode in ("init", "apply") and fp8(module, path):
+                return _kernel_layer(module, path, config, next_fun, args, kwargs, mode)
+            out = next_fun(*args, **kwargs)
+            if mode == "plan" and has_kernel(module):
+                seen.kernels.setdefault(path, module)
+            return out
         seen.layers.setdefault(path, module)
-        if not config.selects(path):
-            return next_fun(*args, **kwargs)
+        if not fp8(module, path):
+            out = next_fun(*args, **kwargs)
+            seen.widths.setdefault(path, _width(module))
+            return out
         name = ".".join(path)
         if kind == "einsum":
 
@@ -172,7 +226,9 @@ def _interceptor(config: Fp8Config, seen: _Seen) -> Callable[..., Any]:
                 )
 
             with _einsum_answered_by(einsum):
-                return next_fun(*args, **kwargs)
+                out = next_fun(*args, **kwargs)
+            seen.widths.setdefault(path, _width(module))
+            return out
         if module.dot_general is not None or module.dot_general_cls is not None:
             own = module.dot_general_cls or module.dot_general
             raise ValueError(
@@ -199,11 +255,37 @@ def _interceptor(config: Fp8Config, seen: _Seen) -> Callable[..., Any]:
         # call only, and the field is restored after.
         object.__setattr__(module, "dot_general", dot_general)
         try:
-            return next_fun(*args, **kwargs)
+            out = next_fun(*args, **kwargs)
         finally:
             object.__setattr__(module, "dot_general", None)
+        seen.widths.setdefault(path, _width(module))
+        return out
 
     return intercept
+
+
+def _kernel_layer(
+    module: Any,
+    path: tuple[str, ...],
+    config: Fp8Config,
+    next_fun: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    mode: str,
+) -> Any:
+    """A module that multiplies by its own `kernel` (not a Dense), its GEMMs on the kernel
+    in FP8 (see `generic.py`); at `init` its parameters are made first."""
+    if mode == "init":
+        next_fun(*args, **kwargs)
+    name = ".".join(path)
+
+    def make_op(eqn: Any) -> Callable[..., Array]:
+        aval = eqn.invars[1].aval
+        rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        dot = _state(module, path, config, _kernel_shape(rhs, eqn.params["dimension_numbers"]))
+        return functools.partial(_call, dot, name)
+
+    return kernel_call(module, args, kwargs, make_op, COLLECTION)
 
 
 @final
@@ -237,6 +319,7 @@ class Fp8Linen:
 
     module: nn.Module
     config: Fp8Config = Fp8Config()
+    explain: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -250,20 +333,37 @@ class Fp8Linen:
             )
         if not isinstance(self.config, Fp8Config):
             raise TypeError(f"Fp8Linen: config={self.config!r}: should be an fp8jax.Fp8Config.")
+        if not isinstance(self.explain, bool):
+            raise TypeError(f"Fp8Linen: explain={self.explain!r}: should be True or False.")
 
-    def _run(self, fun: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, _Seen]:
-        seen = _Seen()
-        with nn.intercept_methods(_interceptor(self.config, seen)):
-            return fun(*args, **kwargs), seen
+    def _run(
+        self, mode: str, chosen: frozenset, fun: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        with nn.intercept_methods(_interceptor(self.config, Seen(), mode, chosen)):
+            return fun(*args, **kwargs)
+
+    def _plan(self, rngs: Any, args: tuple, kwargs: dict) -> tuple[ConversionPlan, frozenset]:
+        def record() -> tuple[Seen, Callable[..., Any]]:
+            seen = Seen()
+            return seen, _interceptor(self.config, seen, "plan")
+
+        return linen_plan(self.module, self.config, record, rngs, args, kwargs)
+
+    def plan(self, rngs: Any, *args: Any, **kwargs: Any) -> ConversionPlan:
+        """Which layers `init(rngs, *args, **kwargs)` converts and why the others stay in
+        high precision (a [`fp8jax.ConversionPlan`][]; print it for a table), without
+        initialising. Roles come from a trace of the model's `apply`."""
+        return self._plan(rngs, args, kwargs)[0]
 
     def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """`module.init_with_output`, the chosen layers in FP8: `(output, variables)`, the
-        variables holding the FP8 state. Raises `ValueError` if a target or recipe pattern
-        matches no layer that ran (the message lists those that did)."""
-        out, seen = self._run(self.module.init_with_output, rngs, *args, **kwargs)
-        nodes = sorted(seen.modules.items())
-        choose_layers(self.config, nodes, sorted(seen.layers.items()), lambda n: True)
-        return out
+        variables holding the FP8 state. Traces the model first to choose the layers (see
+        [`plan`][fp8jax.Fp8Linen.plan]); prints the plan with `explain=True`; warns when no
+        layer is converted. Raises `ValueError` if a target or recipe pattern matches no
+        layer that ran (the message lists those that did)."""
+        plan, chosen = self._plan(rngs, args, kwargs)
+        announce(plan, self.explain, "Flax Linen")
+        return self._run("init", chosen, self.module.init_with_output, rngs, *args, **kwargs)
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """`module.init`, the chosen layers in FP8: the variables, FP8 state included (see
@@ -271,7 +371,9 @@ class Fp8Linen:
         return self.init_with_output(rngs, *args, **kwargs)[1]
 
     def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-        """`module.apply(variables, *args, **kwargs)`, the chosen layers in FP8. `variables`
-        are those `init` made (FP8 state included); every argument of Linen's `apply`
-        (`rngs`, `mutable`, `method`) is accepted."""
-        return self._run(self.module.apply, variables, *args, **kwargs)[0]
+        """`module.apply(variables, *args, **kwargs)`, the layers whose FP8 state
+        `variables` hold in FP8. `variables` are those `init` made (FP8 state included);
+        every argument of Linen's `apply` (`rngs`, `mutable`, `method`) is accepted."""
+        with_state = not isinstance(variables, Mapping) or COLLECTION in variables
+        mode = "apply" if with_state else "apply-without-state"
+        return self._run(mode, frozenset(), self.module.apply, variables, *args, **kwargs)

@@ -5,12 +5,16 @@ gives the chosen ones an FP8 `dot_general` or `einsum_op`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
 from flax import nnx
 
 from ..config import Fp8Config, choose_layers
 from ..einsum import einsum_kernel_shape
+from ..plan import ConversionPlan, announce, make_plan
+from ..roles import Dataflow, ModelShapes, dataflow, owner_of, role_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 
@@ -102,7 +106,74 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         ) from None
 
 
-def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
+def _out_width(layer: Any) -> int | None:
+    kernel = layer.kernel.get_value()
+    kind = _kind(layer)
+    if kind in ("linear", "experts"):
+        return kernel.shape[-1]
+    if kind == "general":
+        return math.prod(layer.out_features)
+    shape = einsum_kernel_shape(layer.einsum_str, tuple(kernel.shape))
+    return None if shape is None else shape[0]
+
+
+def _shapes(nodes: list[tuple[tuple[str, ...], Any]]) -> ModelShapes:
+    embeddings = {p: n.num_embeddings for p, n in nodes if isinstance(n, nnx.Embed)}
+    experts = {
+        p: n.kernel.get_value().shape[-3] for p, n in nodes if isinstance(n, NnxGroupedLinear)
+    }
+    return ModelShapes(embeddings, experts)
+
+
+def _trace(model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]]) -> Dataflow:
+    """The dataflow of `example(model)`, each variable owned by its layer."""
+    graphdef, state = nnx.split(model)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p) for p, _ in flat]
+    owners = [owner_of(n[:-1] if n[-1] == "value" else n, layers) for n in names]
+
+    def call(leaves: list) -> Any:
+        return example(nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)))
+
+    return dataflow(jax.make_jaxpr(call)([x for _, x in flat]), owners)
+
+
+def nnx_plan(
+    model: Any, config: Fp8Config, example: Callable[[Any], Any] | None = None
+) -> tuple[ConversionPlan, set[tuple[str, ...]], list[tuple[tuple[str, ...], Any]]]:
+    """Which layers of an NNX `model` `config` converts and why the others stay in high
+    precision: the plan, the converted paths, and the layers with their paths."""
+    nodes = _graph_nodes(model)
+    layers = [(p, n) for p, n in nodes if _kind(n) is not None]
+    paths = [p for p, _ in layers]
+    shapes = _shapes(nodes)
+    flow = None if example is None else _trace(model, example, paths)
+    roles = {}
+    for path, layer in layers:
+        role = role_of(path, _out_width(layer), shapes, flow)
+        if role is not None:
+            roles[path] = role
+    fates = choose_layers(config, nodes, layers, lambda n: isinstance(n, nnx.Module), roles)
+    unconverted = []
+    if flow is not None:
+        for owner in sorted(flow.gemms):
+            if owner in paths or owner in shapes.embeddings or flow.keeps(owner):
+                continue
+            unconverted.append(
+                f"{'.'.join(owner) or '(root)'} (write its GEMM as an nnx.Linear, "
+                "nnx.LinearGeneral or nnx.Einsum, or run it under fp8jax.fp8_autocast)"
+            )
+    kinds = {p: f"nnx.{type(n).__name__}" for p, n in layers}
+    plan = make_plan(config, fates, kinds, unconverted, traced=flow is not None)
+    return plan, {p for p, fate in fates.items() if fate == "fp8"}, layers
+
+
+def fp8_nnx_linear_layers(
+    model: M,
+    config: Fp8Config | None = None,
+    example: Callable[[M], Any] | None = None,
+    explain: bool = False,
+) -> M:
     """The NNX branch of [`fp8jax.fp8_linear_layers`][]: a copy of `model` whose chosen
     `nnx.Linear`s and `nnx.LinearGeneral`s get an [`fp8jax.Fp8NnxDotGeneral`][] as
     `dot_general`, and whose chosen `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as
@@ -114,9 +185,8 @@ def fp8_nnx_linear_layers(model: M, config: Fp8Config | None = None) -> M:
         )
     # New variables, the same arrays: the caller's model is kept.
     model = nnx.clone(model, graph=True)
-    nodes = _graph_nodes(model)
-    layers = [(p, n) for p, n in nodes if _kind(n) is not None]
-    chosen = choose_layers(config, nodes, layers, lambda n: isinstance(n, nnx.Module))
+    plan, chosen, layers = nnx_plan(model, config, example)
+    announce(plan, explain, "Flax NNX")
     for path, layer in layers:
         if path not in chosen or _is_fp8(layer):
             continue

@@ -14,6 +14,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
+from ...layers.grouped import check_grouped_linear_args
 from ...ops.ragged_dot import Fp8RaggedDot, check_ragged_dot_args
 from .layers import AbstractFp8NnxDot, Fp8State
 
@@ -89,19 +90,8 @@ class NnxGroupedLinear(nnx.Module):
         dtype: DTypeLike | None = None,
         ragged_dot: Any = None,
     ):
-        for name, value in (
-            ("num_experts", num_experts),
-            ("in_features", in_features),
-            ("out_features", out_features),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"NnxGroupedLinear {name}={value!r}: should be an int >= 1.")
-        if ragged_dot is not None and not callable(ragged_dot):
-            raise TypeError(
-                f"NnxGroupedLinear ragged_dot={ragged_dot!r}: should be None "
-                "(jax.lax.ragged_dot) or a callable with its signature."
-            )
         shape = (num_experts, in_features, out_features)
+        check_grouped_linear_args("NnxGroupedLinear", shape, ragged_dot)
         kernel = jax.random.normal(rngs.params(), shape, param_dtype) / math.sqrt(in_features)
         self.kernel = nnx.Param(kernel)
         self.ragged_dot = nnx.data(ragged_dot)

@@ -12,32 +12,24 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
-from ...core.errors import Fp8StateError, StateNotDifferentiatedError, StateUsedTwiceError
+from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
 
-
-def _nnx_message(error: Fp8StateError, name: str) -> str:
-    """The NNX version of a state error of the Equinox layer (whose advice is Equinox's)."""
-    layer = f"FP8 layer {name!r}" if name else "An Fp8NnxDotGeneral"
-    if isinstance(error, StateUsedTwiceError):
-        return (
-            f"{layer} runs twice in one differentiated step (a shared or reused layer, a loop) "
-            "under nnx.grad / nnx.value_and_grad, which would add its two amaxes and scales "
-            "instead of keeping the larger: JAX sums the gradients of a value used twice, and "
-            "FP8 state leaves the step through its gradient. Use fp8jax.nnx_value_and_grad "
-            "(or fp8jax.nnx_train_step), which combines the uses by max."
-        )
-    if isinstance(error, StateNotDifferentiatedError):
-        return (
-            f"{layer} is differentiated, but its FP8 state (fp8jax.Fp8State) is not: its new "
-            "scales and amax history leave the step as the state's gradient, so they would "
-            "stay as they are forever. Differentiate it along with the Params: "
-            "fp8jax.nnx_value_and_grad(loss_fn), or nnx.grad(loss_fn, "
-            "argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))."
-        )
-    return str(error)
+#: The NNX words of a state error of the Equinox layer (whose advice is Equinox's).
+_NNX_WORDING = StateErrorWording(
+    unnamed="An Fp8NnxDotGeneral",
+    reuse="a shared or reused layer, a loop",
+    grad="nnx.grad / nnx.value_and_grad",
+    combine="Use fp8jax.nnx_value_and_grad (or fp8jax.nnx_train_step)",
+    state="fp8jax.Fp8State",
+    differentiate=(
+        ", so they would stay as they are forever. Differentiate it along with the Params: "
+        "fp8jax.nnx_value_and_grad(loss_fn), or nnx.grad(loss_fn, "
+        "argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))."
+    ),
+)
 
 
 @final
@@ -54,6 +46,12 @@ class Fp8State(nnx.Variable):
 def is_variable(x: Any) -> bool:
     """Whether `x` is an `nnx.Variable` (an `is_leaf` that stops at variables)."""
     return isinstance(x, nnx.Variable)
+
+
+def _resharded(out: Array, out_sharding: Any) -> Array:
+    """`out` resharded to `out_sharding` (the `out_sharding` argument of `lax.dot_general`
+    and `jnp.einsum`), or as it is for `None`."""
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
 def _check_stacked(stacked: Any) -> tuple[int, ...]:
@@ -131,7 +129,7 @@ class AbstractFp8NnxDot(nnx.Module):
         try:
             return self.value()(lhs, rhs, dimension_numbers, precision, preferred_element_type)
         except Fp8StateError as e:
-            raise type(e)(_nnx_message(e, self.name), self.name) from e
+            raise reword_state_error(e, self.name, _NNX_WORDING) from e
 
 
 @final
@@ -170,9 +168,7 @@ class Fp8NnxDotGeneral(AbstractFp8NnxDot):
         out_sharding: Any = None,
     ) -> Array:
         out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
-        return out
+        return _resharded(out, out_sharding)
 
 
 @final
@@ -199,6 +195,4 @@ class Fp8NnxEinsum(AbstractFp8NnxDot):
         out_sharding: Any = None,
     ) -> Array:
         out = fp8_einsum(self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type)
-        if out_sharding is not None:
-            out = jax.sharding.reshard(out, out_sharding)
-        return out
+        return _resharded(out, out_sharding)

@@ -1,0 +1,79 @@
+"""FP8 for Linen modules that are Linears without being `nn.Dense`: a module that multiplies
+its input by its own `kernel` parameter through `lax.dot_general`, `jnp.dot`, `@` or
+`jnp.einsum` (Hugging Face's `FlaxConv1D`, a library's own projection).
+
+Such a module has no `dot_general` to swap. Its call is traced to a jaxpr as a function of
+its parameters and inputs (`module.apply` of an unbound clone), the GEMMs whose right
+operand is the kernel (or a view of it: a transpose, a cast) are found by following the
+kernel through the jaxpr, and the jaxpr is evaluated again with those GEMMs answered by the
+layer's FP8 state, as `fp8jax.fp8_autocast` answers its GEMMs. Everything else in the call
+(bias, casts, reshapes) runs as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ..autocast import Interpreter, trace_call
+from ..roles import gemm_operands
+
+#: The parameter a module multiplies its input by, to be converted as a Linear.
+KERNEL: str = "kernel"
+
+
+class _KernelChoice:
+    """Answers the `dot_general`s whose right operand is the kernel with `make_op`."""
+
+    def __init__(self, kernel_dots: set[int], make_op: Callable[[Any], Callable]) -> None:
+        self.kernel_dots = kernel_dots
+        self.make_op = make_op
+
+    def dot_op(self, eqn: Any, scope: str) -> Callable | None:
+        return self.make_op(eqn) if id(eqn) in self.kernel_dots else None
+
+    def ragged_op(self, eqn: Any, scope: str) -> Callable | None:
+        return None
+
+
+def has_kernel(module: Any) -> bool:
+    """Whether a bound module holds a `kernel` parameter of its own (two axes or more)."""
+    if not module.has_variable("params", KERNEL):
+        return False
+    return jax.numpy.ndim(module.get_variable("params", KERNEL)) >= 2
+
+
+def kernel_call(
+    module: Any,
+    args: tuple,
+    kwargs: dict,
+    make_op: Callable[[Any], Callable],
+    collection: str,
+) -> Any:
+    """`module(*args, **kwargs)` with each GEMM on its kernel answered by `make_op(eqn)` (an
+    op with `lax.dot_general`'s signature; `eqn` gives the GEMM's shapes).
+
+    Raises `ValueError` if no GEMM of the call takes the kernel as its right operand.
+    """
+    variables = {k: v for k, v in module.variables.items() if k != collection}
+    unbound = module.clone(parent=None)
+
+    def fun(variables: Any, *a: Any, **kw: Any) -> Any:
+        return unbound.apply(variables, *a, **kw)
+
+    traced = trace_call(fun, (variables, *args), kwargs)
+    owners = []
+    for path in traced.paths:
+        names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        owners.append(("kernel",) if names == ["0", "0", "params", KERNEL] else None)
+    operands = gemm_operands(traced.closed, owners)
+    kernel_dots = {i for i, (_, rhs) in operands.items() if rhs == ("kernel",)}
+    if not kernel_dots:
+        raise ValueError(
+            f"Fp8Linen: the {type(module).__name__} at {'.'.join(module.path)!r} holds a "
+            f"{KERNEL!r} but no GEMM of its call takes it as its right operand; exclude it "
+            "(Fp8Config exclude or targets)."
+        )
+    return traced.evaluate(Interpreter(_KernelChoice(kernel_dots, make_op)))

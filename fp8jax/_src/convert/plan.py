@@ -1,0 +1,114 @@
+"""What a conversion did and why: [`fp8jax.ConversionPlan`][], and the warnings that keep a
+conversion from being silent (nothing converted; GEMMs in modules fp8jax cannot convert)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import final
+
+from .config import Fp8Config
+
+
+class Fp8ConversionWarning(UserWarning):
+    """A conversion left GEMMs in high precision that the user may have wanted in FP8."""
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """One layer of a [`fp8jax.ConversionPlan`][]: its dotted `path`, its `kind` (the
+    class it is), whether it runs in FP8 (`fp8`) and `why`: the recipe, or why it stays in
+    high precision (its role, its name, not targeted, ...)."""
+
+    path: str
+    kind: str
+    fp8: bool
+    why: str
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class ConversionPlan:
+    """Which layers [`fp8jax.fp8_linear_layers`][] converts and why the others stay in high
+    precision. Printed by `fp8_linear_layers(..., explain=True)` (a Linen model: at
+    `init`), returned by [`fp8jax.conversion_plan`][], listed by [`fp8jax.report`][]'s
+    `plan`.
+
+    - `layers`: a [`fp8jax.LayerChoice`][] per convertible layer, in path order.
+    - `unconverted`: modules whose own weights enter a GEMM that fp8jax cannot convert
+      (found from a trace of the model's call), each with what to do.
+    - `traced`: whether roles were found from a trace of the model's call (else from shapes
+      and names only).
+    """
+
+    layers: tuple[LayerChoice, ...]
+    unconverted: tuple[str, ...] = ()
+    traced: bool = False
+
+    @property
+    def converted(self) -> tuple[str, ...]:
+        """The paths of the layers that run in FP8."""
+        return tuple(c.path for c in self.layers if c.fp8)
+
+    @property
+    def kept(self) -> dict[str, str]:
+        """The layers that stay in high precision, each with why."""
+        return {c.path: c.why for c in self.layers if not c.fp8}
+
+    def __str__(self) -> str:
+        width = max([len(c.path or "(root)") for c in self.layers] + [5])
+        kind = max([len(c.kind) for c in self.layers] + [4])
+        how = "from a trace of the model's call" if self.traced else "from shapes and names"
+        lines = [
+            f"fp8jax conversion: {len(self.converted)} of {len(self.layers)} layers in FP8 "
+            f"(roles {how})",
+            f"{'layer':<{width}}  {'kind':<{kind}}  precision",
+        ]
+        for c in self.layers:
+            what = f"FP8 ({c.why})" if c.fp8 else f"high: {c.why}"
+            lines.append(f"{c.path or '(root)':<{width}}  {c.kind:<{kind}}  {what}")
+        lines += [f"not convertible: {u}" for u in self.unconverted]
+        return "\n".join(lines)
+
+
+def make_plan(
+    config: Fp8Config,
+    fates: Mapping[tuple[str, ...], str],
+    kinds: Mapping[tuple[str, ...], str],
+    unconverted: Iterable[str] = (),
+    traced: bool = False,
+) -> ConversionPlan:
+    """The plan of `fates` (from `choose_layers`), each layer's recipe named."""
+    layers = []
+    for path in sorted(fates):
+        fp8 = fates[path] == "fp8"
+        why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
+        layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
+    return ConversionPlan(tuple(layers), tuple(unconverted), traced)
+
+
+def announce(plan: ConversionPlan, explain: bool, framework: str) -> None:
+    """Print `plan` when asked; warn when it converts nothing or leaves GEMMs it cannot
+    convert, naming them and what to do."""
+    if explain:
+        print(plan)
+    if plan.unconverted:
+        warnings.warn(
+            f"fp8_linear_layers: {len(plan.unconverted)} module(s) of this {framework} model "
+            "run GEMMs on their own weights that fp8jax does not convert, so they stay in "
+            "high precision: " + "; ".join(plan.unconverted) + ".",
+            Fp8ConversionWarning,
+            stacklevel=3,
+        )
+    if not plan.converted:
+        kept = "; ".join(f"{c.path or '(root)'}: {c.why}" for c in plan.layers)
+        warnings.warn(
+            f"fp8_linear_layers converted no layer of this {framework} model, so it trains "
+            f"in high precision. Its layers: {kept or 'none'}. Pass Fp8Config(keep=()) to "
+            "convert heads and routers, exclude=None to ignore names, or name the layers in "
+            "targets.",
+            Fp8ConversionWarning,
+            stacklevel=3,
+        )
