@@ -224,6 +224,8 @@ def equinox_plan(
     flow = None if example is None else _trace(tree, example, layer_paths)
     roles = {}
     for path, node in linears:
+        if kinds[path] != "linear":
+            continue  # experts are never heads or routers
         role = role_of(path, _out_width(node, kinds[path]), shapes, flow)
         if role is not None:
             roles[path] = role

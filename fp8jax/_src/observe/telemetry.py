@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ..convert.plan import ConversionPlan
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import ROLES
@@ -230,7 +231,12 @@ def _loss_scale_line(loss_scale: Any) -> str:
 
 
 def report(
-    tree: Any, loss_scale: Any = None, *, file: TextIO | None = None, quiet: bool = False
+    tree: Any,
+    loss_scale: Any = None,
+    *,
+    plan: ConversionPlan | None = None,
+    file: TextIO | None = None,
+    quiet: bool = False,
 ) -> str:
     """Print a per-layer table of FP8 telemetry, and the loss scale's statistics.
 
@@ -240,6 +246,9 @@ def report(
       returned.
     - `loss_scale`: optionally a loss scale ([`fp8jax.DynamicLossScale`][] reports its scale,
       skipped steps and overflow rate).
+    - `plan`: optionally the model's [`fp8jax.ConversionPlan`][] (from
+      [`fp8jax.conversion_plan`][], or `Fp8Linen.plan`): the layers left in high precision
+      are listed after the table, each with why (its role, its name, not targeted).
     - `file`: where to print (standard output by default); `quiet=True` only returns the text.
 
     **Returns:** the text. Call it outside `jit`: it fetches the values to the host.
@@ -279,6 +288,16 @@ def report(
     ]
     if loss_scale is not None:
         lines.append(_loss_scale_line(loss_scale))
+    if plan is not None:
+        if not isinstance(plan, ConversionPlan):
+            raise TypeError(
+                f"fp8jax.report: plan={plan!r} should be an fp8jax.ConversionPlan "
+                "(fp8jax.conversion_plan(model, config)) or None."
+            )
+        kept = plan.kept
+        lines.append(f"high precision ({len(kept)} of {len(plan.layers)} layers):")
+        lines += [f"  {path or '(root)'}: {why}" for path, why in kept.items()]
+        lines += [f"  not convertible: {u}" for u in plan.unconverted]
     text = "\n".join(lines)
     if not quiet:
         print(text, file=sys.stdout if file is None else file)

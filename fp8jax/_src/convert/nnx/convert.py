@@ -150,6 +150,8 @@ def nnx_plan(
     flow = None if example is None else _trace(model, example, paths)
     roles = {}
     for path, layer in layers:
+        if _kind(layer) == "experts":
+            continue  # experts are never heads or routers
         role = role_of(path, _out_width(layer), shapes, flow)
         if role is not None:
             roles[path] = role

@@ -1,0 +1,484 @@
+"""The default conversion chooses layers by their role, on real models' namings.
+
+Each layout below is a real model family's naming (Hugging Face, Meta, MaxText, Haliax/Levanter,
+T5, Mixtral, DeepSeek-V3, flaxmodels' auto-named Linen layers), wired as a transformer. The
+default `Fp8Config()` must put every attention and MLP projection in FP8 (SwiGLU gates
+included) and keep every output head and MoE router in high precision, whatever they are
+called: by shapes for Equinox, Haliax and NNX without an example call, by the model's
+dataflow with one and always for Linen. Names alone (the rule before roles) got the gate,
+`output` and `Dense_N` heads wrong.
+"""
+
+import warnings
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import fp8jax
+from fp8jax.examples.deepseek_model import DeepSeekConfig, DeepSeekV3
+
+V, D, F, E = 100, 32, 64, 4  # vocabulary, width, MLP width, experts (all distinct)
+
+#: Layouts: the names of (embedding, attention, q, k, v, o, mlp, gate, up, down, head).
+LAYOUTS = {
+    "huggingface": ("embed_tokens", "self_attn", "q_proj", "k_proj", "v_proj", "o_proj", "mlp",
+                    "gate_proj", "up_proj", "down_proj", "lm_head"),
+    "meta": ("tok_embeddings", "attention", "wq", "wk", "wv", "wo", "feed_forward", "w1", "w3",
+             "w2", "output"),
+    "maxtext": ("token_embedder", "self_attention", "query", "key", "value", "out", "mlp",
+                "wi_0", "wi_1", "wo", "logits_dense"),
+    "handwritten": ("embed", "attn", "q", "k", "v", "o", "mlp", "gate", "up", "down", "out"),
+    "t5": ("shared", "SelfAttention", "q", "k", "v", "o", "DenseReluDense", "wi_0", "wi_1",
+           "wo", "lm_head"),
+}  # fmt: skip
+ROLE = ("embed", "attn", "q", "k", "v", "o", "mlp", "gate", "up", "down", "head")
+
+
+def names(layout):
+    return dict(zip(ROLE, LAYOUTS[layout], strict=True))
+
+
+def expected(layout, blocks=2):
+    """The dotted paths of the FP8 layers and the kept head of an `EqxLM` of `layout`."""
+    n = names(layout)
+    fp8 = [
+        ".".join(("blocks", str(i), "parts", n[part], n[proj]))
+        for i in range(blocks)
+        for part, projs in (("attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+        for proj in projs
+    ]
+    return sorted(fp8), n["head"]
+
+
+# --- Equinox -----------------------------------------------------------------------------------
+
+
+class EqxBlock(eqx.Module):
+    parts: dict
+    n: dict = eqx.field(static=True)
+
+    def __init__(self, n, key):
+        keys = iter(jax.random.split(key, 7))
+        lin = lambda i, o: eqx.nn.Linear(i, o, use_bias=False, key=next(keys))  # noqa: E731
+        attn = {n[p]: lin(D, D) for p in "qkvo"}
+        mlp = {n["gate"]: lin(D, F), n["up"]: lin(D, F), n["down"]: lin(F, D)}
+        self.parts, self.n = {n["attn"]: attn, n["mlp"]: mlp}, n
+
+    def __call__(self, x):
+        a, m = self.parts[self.n["attn"]], self.parts[self.n["mlp"]]
+        q, k, v = (a[self.n[p]](x) for p in "qkv")
+        x = x + a[self.n["o"]](v * jax.nn.sigmoid(q * k))
+        h = jax.nn.silu(m[self.n["gate"]](x)) * m[self.n["up"]](x)
+        return x + m[self.n["down"]](h)
+
+
+class EqxLM(eqx.Module):
+    parts: dict
+    blocks: list
+    n: dict = eqx.field(static=True)
+
+    def __init__(self, layout, key, blocks=2):
+        n = names(layout)
+        k1, k2, *ks = jax.random.split(key, 2 + blocks)
+        self.parts = {
+            n["embed"]: eqx.nn.Embedding(V, D, key=k1),
+            n["head"]: eqx.nn.Linear(D, V, use_bias=False, key=k2),
+        }
+        self.blocks, self.n = [EqxBlock(n, k) for k in ks], n
+
+    def __call__(self, token):
+        x = self.parts[self.n["embed"]](token)
+        for block in self.blocks:
+            x = block(x)
+        return self.parts[self.n["head"]](x)
+
+
+def converted_eqx(model):
+    """Dotted paths of the FP8 layers of a converted Equinox/Haliax tree."""
+    found = []
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear | fp8jax.Linear)
+    )[0]:
+        if isinstance(node, fp8jax.Linear):
+            found.append(
+                ".".join(
+                    str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path
+                )
+            )
+    return sorted(found)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_equinox_layouts_by_shape(layout):
+    model = EqxLM(layout, jax.random.key(0))
+    fp8, head = expected(layout)
+    assert converted_eqx(fp8jax.fp8_linear_layers(model)) == fp8
+    plan = fp8jax.conversion_plan(model)
+    (kept,) = plan.kept.items()
+    assert kept[0] == f"parts.{head}" and kept[1].startswith("head: its 100 outputs span")
+    assert not plan.traced
+
+
+@pytest.mark.parametrize("layout", ["meta", "handwritten"])
+def test_equinox_layouts_by_trace(layout):
+    model = EqxLM(layout, jax.random.key(0))
+    tokens = jnp.arange(8)
+    plan = fp8jax.conversion_plan(model, example=lambda m: jax.vmap(m)(tokens))
+    fp8, head = expected(layout)
+    assert plan.traced and sorted(plan.converted) == fp8
+    assert plan.kept == {
+        f"parts.{head}": "head: its output is the model's output (the last GEMM before it)"
+    }
+
+
+def test_a_classifier_head_is_found_only_by_the_trace():
+    mlp = eqx.nn.MLP(16, 10, 32, depth=2, key=jax.random.key(0))
+    x = jnp.ones((4, 16))
+    assert converted_eqx(fp8jax.fp8_linear_layers(mlp)) == ["layers.0", "layers.1", "layers.2"]
+    traced = fp8jax.fp8_linear_layers(mlp, example=lambda m: jax.vmap(m)(x))
+    assert converted_eqx(traced) == ["layers.0", "layers.1"]
+
+
+class EqxMixtral(eqx.Module):
+    gate: eqx.nn.Linear
+    experts: list
+    up: fp8jax.GroupedLinear
+    down: fp8jax.GroupedLinear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.gate = eqx.nn.Linear(D, E, use_bias=False, key=k[0])
+        self.experts = []
+        self.up = fp8jax.GroupedLinear(E, D, F, key=k[1])
+        self.down = fp8jax.GroupedLinear(E, F, D, key=k[2])
+
+    def __call__(self, x):  # x: (tokens, D); top-1 routing
+        logits = jax.vmap(self.gate)(x)
+        _, choice = jax.lax.top_k(logits, 1)
+        order = jnp.argsort(choice[:, 0])
+        sizes = jnp.bincount(choice[:, 0], length=E)
+        h = self.down(jax.nn.relu(self.up(x[order], sizes)), sizes)
+        return jnp.zeros_like(x).at[order].set(h) * jax.nn.sigmoid(logits.max(-1, keepdims=True))
+
+
+def test_mixtral_router_named_gate_is_kept_and_its_experts_converted():
+    model = EqxMixtral(jax.random.key(0))
+    plan = fp8jax.conversion_plan(model)
+    assert plan.converted == ("down", "up")
+    assert plan.kept == {"gate": "router: its 4 outputs are the experts of 'down'"}
+    x = jnp.ones((8, D))
+    traced = fp8jax.conversion_plan(model, example=lambda m: m(x))
+    assert traced.kept == {"gate": "router: its output feeds a top-k / arg-max (the expert choice)"}
+
+
+def test_deepseek_v3_keeps_router_and_head_and_converts_the_rest():
+    config = DeepSeekConfig(vocab=200, layers=2, dense_layers=1)
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(exclude=None))  # roles only
+    kept = plan.kept
+    assert sorted(kept) == ["blocks.1.ffn.gate", "head"], kept
+    assert kept["blocks.1.ffn.gate"].startswith("router") and kept["head"].startswith("head")
+    assert len(plan.converted) >= 10
+
+
+# --- Haliax ------------------------------------------------------------------------------------
+
+
+def test_haliax_levanter_llama_keeps_its_head():
+    import haliax as hax
+    import haliax.nn as hnn
+
+    Embed, Vocab, Mlp, Layers = (
+        hax.Axis("embed", D),
+        hax.Axis("vocab", V),
+        hax.Axis("mlp", F),
+        hax.Axis("layers", 2),
+    )
+
+    class Mlp_(eqx.Module):
+        gate_proj: hnn.Linear
+        up_proj: hnn.Linear
+        down_proj: hnn.Linear
+
+        @staticmethod
+        def init(*, key):
+            k = jax.random.split(key, 3)
+            return Mlp_(
+                hnn.Linear.init(Embed, Mlp, key=k[0]),
+                hnn.Linear.init(Embed, Mlp, key=k[1]),
+                hnn.Linear.init(Mlp, Embed, key=k[2]),
+            )
+
+    class Lm(eqx.Module):
+        embeddings: hnn.Embedding
+        layers: hnn.Stacked
+        lm_head: hnn.Linear
+
+    k = jax.random.split(jax.random.key(0), 3)
+    model = Lm(
+        hnn.Embedding.init(Vocab, Embed, key=k[0]),
+        hnn.Stacked.init(Layers, Mlp_)(key=jax.random.split(k[1], 2)),
+        hnn.Linear.init(Embed, Vocab, key=k[2]),
+    )
+    plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(exclude=None))
+    assert plan.converted == tuple(
+        f"layers.stacked.{p}" for p in ("down_proj", "gate_proj", "up_proj")
+    )
+    assert list(plan.kept) == ["lm_head"]
+
+
+# --- Flax NNX ----------------------------------------------------------------------------------
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, n, rngs):
+        lin = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+        for p in ("gate", "up"):
+            setattr(self, n[p], lin(D, F))
+        setattr(self, n["down"], lin(F, D))
+        self.n = n
+
+    def __call__(self, x):
+        n = self.n
+        h = jax.nn.silu(getattr(self, n["gate"])(x)) * getattr(self, n["up"])(x)
+        return x + getattr(self, n["down"])(h)
+
+
+class NnxLM(nnx.Module):
+    def __init__(self, layout, rngs):
+        n = names(layout)
+        setattr(self, n["embed"], nnx.Embed(V, D, rngs=rngs))
+        self.blocks = nnx.List([NnxBlock(n, rngs) for _ in range(2)])
+        setattr(self, n["head"], nnx.Linear(D, V, use_bias=False, rngs=rngs))
+        self.n = n
+
+    def __call__(self, tokens):
+        x = getattr(self, self.n["embed"])(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return getattr(self, self.n["head"])(x)
+
+
+@pytest.mark.parametrize("layout", ["meta", "handwritten"])
+def test_nnx_layouts(layout):
+    model = NnxLM(layout, nnx.Rngs(0))
+    n = names(layout)
+    fp8 = sorted(f"blocks.{i}.{n[p]}" for i in range(2) for p in ("gate", "up", "down"))
+    for example in (None, lambda m: m(jnp.arange(8))):
+        plan = fp8jax.conversion_plan(model, example=example)
+        assert sorted(plan.converted) == fp8 and list(plan.kept) == [n["head"]]
+    converted = fp8jax.fp8_linear_layers(model)
+    assert isinstance(getattr(converted.blocks[0], n["gate"]).dot_general, fp8jax.Fp8NnxDotGeneral)
+    assert getattr(converted, n["head"]).dot_general is not None  # nnx's default, not FP8
+    assert not isinstance(getattr(converted, n["head"]).dot_general, fp8jax.Fp8NnxDotGeneral)
+
+
+# --- Flax Linen --------------------------------------------------------------------------------
+
+
+class LinenBlock(nn.Module):
+    n: dict | None  # None: every layer auto-named (Dense_0, ...), as flaxmodels' GPT-2
+
+    @nn.compact
+    def __call__(self, x):
+        n = self.n or {}
+        dense = lambda f, role: nn.Dense(f, use_bias=False, name=n.get(role))  # noqa: E731
+        q, k, v = (dense(D, p)(x) for p in "qkv")
+        x = x + dense(D, "o")(v * jax.nn.sigmoid(q * k))
+        h = jax.nn.silu(dense(F, "gate")(x)) * dense(F, "up")(x)
+        return x + dense(D, "down")(h)
+
+
+class LinenLM(nn.Module):
+    layout: str | None
+
+    @nn.compact
+    def __call__(self, tokens):
+        n = names(self.layout) if self.layout else {}
+        x = nn.Embed(V, D, name=n.get("embed"))(tokens)
+        for i in range(2):
+            x = LinenBlock(n or None, name=f"blocks_{i}" if n else None)(x)
+        return nn.Dense(V, use_bias=False, name=n.get("head"))(x)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, None])
+def test_linen_layouts_by_trace(layout):
+    fp8_model = fp8jax.fp8_linear_layers(LinenLM(layout), fp8jax.Fp8Config(exclude=None))
+    plan = fp8_model.plan(jax.random.key(0), jnp.arange(8))
+    if layout is None:  # auto-named: Block_i.Dense_j, and the head is Dense_0 of the root
+        fp8 = sorted(f"LinenBlock_{i}.Dense_{j}" for i in range(2) for j in range(7))
+        head = "Dense_0"
+    else:
+        n = names(layout)
+        fp8 = sorted(f"blocks_{i}.{n[p]}" for i in range(2) for p in ROLE[2:6] + ROLE[7:10])
+        head = n["head"]
+    assert sorted(plan.converted) == fp8
+    assert plan.kept == {head: "head: its output is the model's output (the last GEMM before it)"}
+    variables = fp8_model.init(jax.random.key(0), jnp.arange(8))
+    assert sorted(fp8jax.telemetry(variables)) == fp8
+
+
+class LinenMixtral(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        logits = nn.Dense(E, use_bias=False, name="gate")(x)
+        weights, choice = jax.lax.top_k(logits, 2)
+        out = 0
+        for e in range(E):
+            h = nn.Dense(F, name=f"w1_{e}")(x)
+            y = nn.Dense(D, name=f"w2_{e}")(jax.nn.relu(h))
+            out = out + y * jnp.sum(jnp.where(choice == e, weights, 0), -1, keepdims=True)
+        return nn.Dense(V, name="output")(x + out)
+
+
+def test_linen_mixtral_router_named_gate_is_kept():
+    plan = fp8jax.fp8_linear_layers(LinenMixtral()).plan(jax.random.key(0), jnp.ones((4, D)))
+    assert plan.kept == {
+        "gate": "router: its output feeds a top-k / arg-max (the expert choice)",
+        "output": "head: its output is the model's output (the last GEMM before it)",
+    }
+    assert len(plan.converted) == 2 * E
+
+
+# --- Linen modules that are Linears without being Dense ----------------------------------------
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's FlaxConv1D: a kernel (features, in), multiplied through lax.dot_general."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.5), (self.features, x.shape[-1]))
+        y = jax.lax.dot_general(x, kernel.T, (((x.ndim - 1,), (0,)), ((), ())))
+        return y + self.param("bias", nn.initializers.zeros, (self.features,))
+
+
+class ConvNet(nn.Module):
+    dense: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        layer = (lambda f, name: nn.Dense(f, name=name)) if self.dense else Conv1D
+        h = jax.nn.relu(layer(48, name="c_fc")(x))
+        return layer(D, name="c_proj")(h) + x
+
+
+def test_a_kernel_module_matches_the_equivalent_dense_bit_for_bit():
+    x0 = jnp.zeros((4, D))
+    config = fp8jax.Fp8Config(keep=())
+    conv = fp8jax.fp8_linear_layers(ConvNet(), config)
+    dense = fp8jax.fp8_linear_layers(ConvNet(dense=True), config)
+    assert sorted(conv.plan(jax.random.key(0), x0).converted) == ["c_fc", "c_proj"]
+    v_conv = conv.init(jax.random.key(0), x0)
+    v_dense = dense.init(jax.random.key(0), x0)
+    v_dense = {  # the same weights: Dense's kernel is (in, out)
+        **v_dense,
+        "params": jax.tree.map(lambda p: p.T if p.ndim == 2 else p, v_conv["params"]),
+    }
+    loss = lambda model: lambda v, x: jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
+    rng = np.random.default_rng(0)
+    for step in range(2):
+        x = jnp.asarray(rng.standard_normal((4, D)) * (1 + 3 * step), jnp.float32)
+        (a, ga) = jax.jit(jax.value_and_grad(loss(conv)))(v_conv, x)
+        (b, gb) = jax.jit(jax.value_and_grad(loss(dense)))(v_dense, x)
+        assert float(a) == float(b)
+        owg = "_overwrite_with_gradient"
+        for name in ("c_fc", "c_proj"):
+            kernel_a, kernel_b = ga["params"][name]["kernel"], gb["params"][name]["kernel"]
+            np.testing.assert_array_equal(kernel_a.T, kernel_b)
+            np.testing.assert_array_equal(ga["params"][name]["bias"], gb["params"][name]["bias"])
+            new_a, new_b = jax.tree.leaves(ga[owg][name]), jax.tree.leaves(gb[owg][name])
+            for p, q in zip(new_a, new_b, strict=True):  # the new FP8 state
+                np.testing.assert_array_equal(p, q)
+        v_conv = {**v_conv, owg: fp8jax.apply_updates(v_conv[owg], None, ga[owg])}
+        v_dense = {**v_dense, owg: fp8jax.apply_updates(v_dense[owg], None, gb[owg])}
+
+
+class TiedLM(nn.Module):
+    """Hugging Face's tied head: the head Dense applied by a nested .apply on the embedding."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(V, D, name="wte")
+        x = ConvNet(name="h")(embed(tokens))
+        head = nn.Dense(V, use_bias=False, name="lm_head")
+        return head.apply({"params": {"kernel": embed.embedding.T}}, x)
+
+
+def test_a_tied_head_through_a_nested_apply_stays_in_high_precision():
+    model = fp8jax.fp8_linear_layers(TiedLM())
+    tokens = jnp.arange(8)
+    plan = model.plan(jax.random.key(0), tokens)
+    assert sorted(plan.converted) == ["h.c_fc", "h.c_proj"]
+    assert plan.kept["lm_head"].startswith("applied by a nested .apply")
+    variables = model.init(jax.random.key(0), tokens)
+    plain = TiedLM().apply({"params": variables["params"]}, tokens)
+    out = model.apply(variables, tokens)
+    assert float(jnp.abs(out - plain).max()) < 0.1 * float(jnp.abs(plain).max())
+
+
+# --- nothing silent ----------------------------------------------------------------------------
+
+
+def test_explain_prints_the_plan_and_report_lists_the_kept_layers(capsys):
+    model = EqxLM("meta", jax.random.key(0))
+    converted = fp8jax.fp8_linear_layers(model, explain=True)
+    printed = capsys.readouterr().out
+    assert "14 of 15 layers in FP8" in printed and "parts.output" in printed
+    text = fp8jax.report(converted, plan=fp8jax.conversion_plan(model), quiet=True)
+    assert "parts.output: head: its 100 outputs span the vocabulary" in text
+    with pytest.raises(TypeError, match="plan=3 should be an fp8jax.ConversionPlan"):
+        fp8jax.report(converted, plan=3, quiet=True)
+
+
+def test_a_conversion_that_converts_nothing_or_misses_gemms_warns():
+    class OwnWeight(eqx.Module):
+        head: eqx.nn.Linear
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(x @ self.w))
+
+    model = OwnWeight(eqx.nn.Linear(D, 3, key=jax.random.key(0)), jnp.ones((D, D)))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"converted no layer.*head"):
+        fp8jax.fp8_linear_layers(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp8jax.fp8_linear_layers(model, example=lambda m: m(jnp.ones(D)))
+    messages = [str(w.message) for w in caught]
+    assert any("run GEMMs on their own weights" in m and "(root)" in m for m in messages)
+
+
+def test_a_tree_wide_cast_of_the_fp8_state_is_refused():
+    model = fp8jax.fp8_linear_layers(eqx.nn.Linear(D, D, key=jax.random.key(0)))
+    cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
+    with pytest.raises(TypeError, match=r"FP8 state \(input\) is bfloat16.*Cast only the param"):
+        cast(jnp.ones(D, jnp.bfloat16))
+    linen = fp8jax.fp8_linear_layers(ConvNet(), fp8jax.Fp8Config(keep=()))
+    variables = linen.init(jax.random.key(0), jnp.ones((2, D)))
+    variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables)
+    with pytest.raises(TypeError, match=r"is bfloat16, not float32"):
+        linen.apply(variables, jnp.ones((2, D), jnp.bfloat16))
+
+
+def test_bad_arguments():
+    model = EqxLM("meta", jax.random.key(0))
+    with pytest.raises(ValueError, match=r"keep=\('lm_head',\): should be a tuple of roles"):
+        fp8jax.Fp8Config(keep=("lm_head",))
+    with pytest.raises(TypeError, match=r"example=3: should be None or a function"):
+        fp8jax.fp8_linear_layers(model, example=3)
+    with pytest.raises(TypeError, match=r"explain='yes': should be True or False"):
+        fp8jax.fp8_linear_layers(model, explain="yes")
+    with pytest.raises(TypeError, match=r"example= is for Equinox, Haliax and NNX"):
+        fp8jax.fp8_linear_layers(LinenLM("meta"), example=lambda m: m)
+    # A layer named in targets is converted whatever its role.
+    plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(targets=["output", "w1"]))
+    assert sorted(plan.converted) == ["blocks.0.parts.feed_forward.w1",
+                                      "blocks.1.parts.feed_forward.w1", "parts.output"]  # fmt: skip
