@@ -590,7 +590,7 @@ def test_the_docs_example_runs(capsys):
         (text.count("\n", 0, m.start(1)), m.group(1))
         for m in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
     ]
-    assert len(blocks) == 2  # convert and train, inspect
+    assert len(blocks) == 3  # convert and train, load a checkpoint, inspect
     namespace: dict[str, Any] = {"__name__": "docs_linen"}
     for line, block in blocks:
         exec(compile("\n" * line + block, str(DOCS), "exec"), namespace)

@@ -482,3 +482,33 @@ def test_bad_arguments():
     plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(targets=["output", "w1"]))
     assert sorted(plan.converted) == ["blocks.0.parts.feed_forward.w1",
                                       "blocks.1.parts.feed_forward.w1", "parts.output"]  # fmt: skip
+
+
+def test_the_conversion_page_runs_and_prints_what_it_shows(capsys):
+    """docs/conversion.md's Python blocks, run in order, print its `text` block exactly."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "conversion.md").read_text()
+    namespace = {"__name__": "docs_conversion"}
+    for block in re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+        exec(compile(block, "docs/conversion.md", "exec"), namespace)
+    (shown,) = re.findall(r"^```text\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    assert capsys.readouterr().out == shown
+
+
+def test_convolutions_are_neither_converted_nor_warned_about():
+    class ConvNetLinen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jax.nn.relu(nn.Conv(8, (3,), name="conv")(x))
+            x = jax.nn.relu(nn.Dense(16, name="fc")(x.reshape(x.shape[0], -1)))
+            return nn.Dense(3, name="out")(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = fp8jax.fp8_linear_layers(ConvNetLinen())
+        plan = model.plan(jax.random.key(0), jnp.ones((2, 12, 4)))
+        variables = model.init(jax.random.key(0), jnp.ones((2, 12, 4)))
+    assert plan.converted == ("fc",) and list(plan.kept) == ["out"] and not plan.unconverted
+    assert list(fp8jax.telemetry(variables)) == ["fc"]

@@ -413,8 +413,9 @@ def update_balance(
 
 def fp8_config(telemetry: bool = False, dequantized_dot: bool = False) -> fp8jax.Fp8Config:
     """DeepSeek-V3's FP8: blockwise scaling (E4M3, 1 x 128 tiles, 128 x 128 weight blocks) on
-    every Linear and expert GEMM but the head and the router (`gate`), which
-    [`fp8jax.DEFAULT_EXCLUDE`][] keeps in high precision. `telemetry`: see `fp8jax.Fp8Config`;
+    every Linear and expert GEMM but the head and the router (`gate`), which the default
+    conversion keeps in high precision by their role (vocabulary-wide, expert-count-wide; the
+    head by name too). `telemetry`: see `fp8jax.Fp8Config`;
     `dequantized_dot`: the CPU emulation of the block GEMMs (see `fp8jax.BlockwiseScaling`)."""
     recipe = fp8jax.BlockwiseScaling(dequantized_dot=dequantized_dot)
     return fp8jax.Fp8Config(recipe=recipe, telemetry=telemetry)

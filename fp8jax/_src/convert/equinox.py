@@ -226,7 +226,8 @@ def equinox_plan(
     for path, node in linears:
         if kinds[path] != "linear":
             continue  # experts are never heads or routers
-        role = role_of(path, _out_width(node, kinds[path]), shapes, flow)
+        stacked = "stacked" in path or (isinstance(node, eqx.nn.Linear) and node.weight.ndim > 2)
+        role = role_of(path, _out_width(node, kinds[path]), shapes, flow, stacked)
         if role is not None:
             roles[path] = role
     fates = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module), roles)

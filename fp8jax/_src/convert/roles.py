@@ -8,7 +8,8 @@ default conversion keeps a Linear in high precision for its role:
 
 - **head**: its output is the model's output, reached through no other GEMM and feeding none
   (found from a trace of the model's call); without a trace, its output width is the
-  vocabulary, the row count of the model's largest embedding table (found from shapes).
+  vocabulary, the row count of the model's largest embedding table, and it is not one of a
+  repeated block's layers (found from shapes and the model's structure).
 - **router**: its output reaches a top-k, arg-max or sort (the expert choice; from a trace);
   or its output width is the expert count of an expert layer of the model (from shapes).
 
@@ -30,7 +31,8 @@ from ..core import jax_private
 Path = tuple[str, ...]
 
 #: Primitives that run a GEMM: a weight among their operands makes them that layer's.
-GEMMS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot", "conv_general_dilated"})
+#: (Convolutions are not converted, and are followed like any other equation.)
+GEMMS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
 #: Primitives that choose among their input's entries: what feeds them routes.
 CHOICES = frozenset({"top_k", "approx_top_k", "argmax", "argmin", "sort"})
 #: Primitives whose first operand's values pass through unchanged (a view of a weight is the
@@ -246,11 +248,21 @@ class ModelShapes:
         return path, self.embeddings[path]
 
 
+def repeated(path: Path, stacked: bool = False) -> bool:
+    """Whether a layer is one of a repeated block's (an index in its path, or a stack of
+    layers): a model's head appears once, outside its blocks."""
+    return stacked or any(name.isdigit() for name in path)
+
+
 def role_of(
-    path: Path, out_width: int | None, shapes: ModelShapes, flow: Dataflow | None
+    path: Path,
+    out_width: int | None,
+    shapes: ModelShapes,
+    flow: Dataflow | None,
+    stacked: bool = False,
 ) -> str | None:
-    """Why the Linear at `path` (`out_width` outputs) stays in high precision by its role:
-    a sentence starting "head" or "router", or `None` (no such role)."""
+    """Why the Linear at `path` (`out_width` outputs; `stacked`: a stack of layers) stays in
+    high precision by its role: a sentence starting "head" or "router", or `None`."""
     if flow is not None and flow.is_router(path):
         return "router: its output feeds a top-k / arg-max (the expert choice)"
     if out_width is not None:
@@ -264,7 +276,9 @@ def role_of(
             return "head: its output is the model's output (the last GEMM before it)"
         return None  # the trace knows better than widths
     vocabulary = shapes.vocabulary
-    if out_width is not None and vocabulary is not None and out_width == vocabulary[1]:
+    if vocabulary is None or repeated(path, stacked):
+        return None
+    if out_width == vocabulary[1]:
         return (
             f"head: its {out_width} outputs span the vocabulary of embedding "
             f"{'.'.join(vocabulary[0])!r}"

@@ -1,6 +1,7 @@
 """The Flax NNX adapter of model conversion: finds the `nnx.Linear`s, `nnx.LinearGeneral`s
-(`nnx.MultiHeadAttention`'s projections among them) and `nnx.Einsum`s of an NNX model and
-gives the chosen ones an FP8 `dot_general` or `einsum_op`."""
+(`nnx.MultiHeadAttention`'s projections among them), `nnx.Einsum`s and modules multiplying
+by a `kernel` of their own (see `kernel.py`) of an NNX model and gives the chosen ones an FP8
+`dot_general`, `einsum_op` or call."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..einsum import einsum_kernel_shape
 from ..plan import ConversionPlan, announce, make_plan
 from ..roles import Dataflow, ModelShapes, dataflow, owner_of, role_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
+from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 
 M = TypeVar("M")
@@ -30,19 +32,22 @@ def _kind(node: Any) -> str | None:
         return "einsum"
     if isinstance(node, NnxGroupedLinear):
         return "experts"
+    if has_kernel(node):
+        return "kernel"  # a module multiplying by its own kernel: converted by its call
     return None
 
 
 def _is_fp8(node: Any) -> bool:
     return any(
         isinstance(getattr(node, attr, None), AbstractFp8NnxDot)
-        for attr in ("dot_general", "einsum_op", "ragged_dot")
+        for attr in ("dot_general", "einsum_op", "ragged_dot", FP8_DOT)
     )
 
 
 def _graph_nodes(model: Any) -> list[tuple[tuple[str, ...], Any]]:
-    """Every node of an NNX graph with its dotted-path parts, outside layers and NNX's own
-    bookkeeping attributes, each shared node once (under its first path)."""
+    """Every node of an NNX graph with its dotted-path parts, outside layers (a kernel
+    module's children are kept: they may be layers) and NNX's own bookkeeping attributes,
+    each shared node once (under its first path)."""
     nodes = []
     for path, node in nnx.iter_graph(model, graph=True):
         parts = tuple(str(p) for p in path)
@@ -50,7 +55,7 @@ def _graph_nodes(model: Any) -> list[tuple[tuple[str, ...], Any]]:
             continue
         nodes.append((parts, node))
     nodes.sort(key=lambda item: item[0])
-    layers = [p for p, n in nodes if _kind(n) is not None]
+    layers = [p for p, n in nodes if _kind(n) not in (None, "kernel")]
     return [
         (p, n)
         for p, n in nodes
@@ -107,8 +112,10 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
 
 
 def _out_width(layer: Any) -> int | None:
-    kernel = layer.kernel.get_value()
     kind = _kind(layer)
+    if kind == "kernel":
+        return kernel_out_width(layer)
+    kernel = layer.kernel.get_value()
     if kind in ("linear", "experts"):
         return kernel.shape[-1]
     if kind == "general":
@@ -152,7 +159,8 @@ def nnx_plan(
     for path, layer in layers:
         if _kind(layer) == "experts":
             continue  # experts are never heads or routers
-        role = role_of(path, _out_width(layer), shapes, flow)
+        stacked = _kind(layer) == "linear" and layer.kernel.get_value().ndim > 2
+        role = role_of(path, _out_width(layer), shapes, flow, stacked)
         if role is not None:
             roles[path] = role
     fates = choose_layers(config, nodes, layers, lambda n: isinstance(n, nnx.Module), roles)
@@ -163,9 +171,13 @@ def nnx_plan(
                 continue
             unconverted.append(
                 f"{'.'.join(owner) or '(root)'} (write its GEMM as an nnx.Linear, "
-                "nnx.LinearGeneral or nnx.Einsum, or run it under fp8jax.fp8_autocast)"
+                "nnx.LinearGeneral or nnx.Einsum, or multiply by a `kernel` nnx.Param of "
+                "the module's own, or run it under fp8jax.fp8_autocast)"
             )
-    kinds = {p: f"nnx.{type(n).__name__}" for p, n in layers}
+    kinds = {
+        p: original_class(n).__name__ if _kind(n) == "kernel" else f"nnx.{type(n).__name__}"
+        for p, n in layers
+    }
     plan = make_plan(config, fates, kinds, unconverted, traced=flow is not None)
     return plan, {p for p, fate in fates.items() if fate == "fp8"}, layers
 
@@ -178,8 +190,9 @@ def fp8_nnx_linear_layers(
 ) -> M:
     """The NNX branch of [`fp8jax.fp8_linear_layers`][]: a copy of `model` whose chosen
     `nnx.Linear`s and `nnx.LinearGeneral`s get an [`fp8jax.Fp8NnxDotGeneral`][] as
-    `dot_general`, and whose chosen `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as
-    `einsum_op`."""
+    `dot_general`, whose chosen `nnx.Einsum`s an [`fp8jax.Fp8NnxEinsum`][] as
+    `einsum_op`, and whose chosen modules multiplying by their own `kernel` an
+    `Fp8NnxDotGeneral` as `fp8_dot`, which their call's GEMMs on the kernel run on."""
     config = Fp8Config() if config is None else config
     if not isinstance(model, nnx.Module):
         raise TypeError(
@@ -191,6 +204,9 @@ def fp8_nnx_linear_layers(
     announce(plan, explain, "Flax NNX")
     for path, layer in layers:
         if path not in chosen or _is_fp8(layer):
+            continue
+        if _kind(layer) == "kernel":
+            convert_kernel_module(layer, path, config)
             continue
         dot = _fp8_layer(path, layer, config)
         if _kind(layer) in ("linear", "general"):

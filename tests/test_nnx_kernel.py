@@ -1,0 +1,239 @@
+"""Flax NNX modules that are Linears without being `nnx.Linear`: a module multiplying its input
+by a `kernel` nnx.Param of its own (Hugging Face's FlaxConv1D, `x @ self.kernel[...]`) is
+converted by default, its FP8 state kept as an `nnx.Linear`'s, its parameters' paths kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import RECIPES
+
+import fp8jax
+
+DIFF = nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))
+
+
+def config(recipe=None, **kwargs) -> fp8jax.Fp8Config:
+    return fp8jax.Fp8Config(recipe=recipe, exclude=None, keep=(), **kwargs)
+
+
+class Conv1D(nnx.Module):
+    """Hugging Face's FlaxConv1D in NNX: a kernel (features, in), multiplied through
+    lax.dot_general, plus a bias."""
+
+    def __init__(self, in_features: int, features: int, rngs: nnx.Rngs):
+        self.features = features
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (features, in_features)) * 0.2)
+        self.bias = nnx.Param(jax.random.normal(rngs.params(), (features,)) * 0.1)
+
+    def __call__(self, x):
+        kernel = self.kernel.get_value()
+        y = jax.lax.dot_general(x, kernel.T, (((x.ndim - 1,), (0,)), ((), ())))
+        return y + self.bias.get_value()
+
+
+class Net(nnx.Module):
+    def __init__(self, layer, rngs: nnx.Rngs):
+        self.c_fc = layer(32, 64, rngs=rngs)
+        self.c_proj = layer(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.c_proj(jax.nn.relu(self.c_fc(x)))
+
+
+def linear_twin(conv: Conv1D) -> nnx.Linear:
+    """The same layer as an nnx.Linear: the same weights, the kernel transposed."""
+    kernel = conv.kernel.get_value()
+    linear = nnx.Linear(kernel.shape[1], kernel.shape[0], rngs=nnx.Rngs(1))
+    linear.kernel.set_value(kernel.T)
+    linear.bias.set_value(conv.bias.get_value())
+    return linear
+
+
+@nnx.jit
+def forward_and_grads(model, x, c):
+    def loss(m, x):
+        return jnp.sum(m(x) * c)
+
+    grads, grad_x = nnx.grad(loss, argnums=(DIFF, 1))(model, x)
+    return model(x), grads, grad_x
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "blockwise"])
+def test_a_conv1d_matches_the_equivalent_linear_bit_for_bit(name):
+    conv = Conv1D(32, 64, nnx.Rngs(0))
+    ours = fp8jax.fp8_linear_layers(conv, config(RECIPES[name]))
+    theirs = fp8jax.fp8_linear_layers(linear_twin(conv), config(RECIPES[name]))
+    assert isinstance(ours, Conv1D) and isinstance(ours.fp8_dot, fp8jax.Fp8NnxDotGeneral)
+    assert type(conv) is Conv1D and not hasattr(conv, "fp8_dot")  # the original is kept
+    rng = np.random.default_rng(0)
+    for step in range(2):  # the second step runs with the state the first one produced
+        x = jnp.asarray(rng.standard_normal((2, 16, 32)) * (1 + 4 * step), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+        out, grads, grad_x = forward_and_grads(ours, x, c)
+        out_l, grads_l, grad_x_l = forward_and_grads(theirs, x, c)
+        np.testing.assert_array_equal(out, out_l)
+        np.testing.assert_array_equal(grad_x, grad_x_l)
+        np.testing.assert_array_equal(grads["kernel"].get_value().T, grads_l["kernel"].get_value())
+        np.testing.assert_array_equal(grads["bias"].get_value(), grads_l["bias"].get_value())
+        fp8jax.nnx_update_fp8_state(ours, grads)
+        fp8jax.nnx_update_fp8_state(theirs, grads_l)
+        new, expected = ours.fp8_dot.value(), theirs.dot_general.value()
+        assert jax.tree.structure(new) == jax.tree.structure(expected)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+class MatMul(nnx.Module):
+    """A user's projection: a kernel (in, out) multiplied with `@`."""
+
+    def __init__(self, in_features: int, out_features: int, rngs: nnx.Rngs):
+        self.out_features = out_features
+        kernel = jax.random.normal(rngs.params(), (in_features, out_features))
+        self.kernel = nnx.Param(kernel / np.sqrt(in_features))
+
+    def __call__(self, x):
+        return x @ self.kernel.get_value()
+
+
+class EinsumProjection(nnx.Module):
+    """A kernel (out, in) through jnp.einsum, computing in bfloat16."""
+
+    def __init__(self, in_features: int, out_features: int, rngs: nnx.Rngs):
+        kernel = jax.random.normal(rngs.params(), (out_features, in_features))
+        self.kernel = nnx.Param(kernel / np.sqrt(in_features))
+
+    def __call__(self, x):
+        kernel = self.kernel.get_value().astype(jnp.bfloat16)
+        return jnp.einsum("...i,oi->...o", x.astype(jnp.bfloat16), kernel).astype(jnp.float32)
+
+
+class MatMulNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = MatMul(32, 64, rngs)
+        self.down = EinsumProjection(64, 32, rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_a_matmul_module_trains_with_nnx_train_step():
+    model = fp8jax.fp8_linear_layers(MatMulNet(nnx.Rngs(0)), config("delayed"))
+    assert sorted(fp8jax.conversion_plan(model, config("delayed")).converted) == ["down", "up"]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(nnx.graphdef(model), s)(x))(nnx.state(model)))
+    assert jaxpr.count("f8_e4m3fn[32,32]") >= 2  # the GEMMs run in FP8
+    y = jnp.tanh(x[:, ::-1])
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+    losses = [float(step(model, optimizer, x, y)) for _ in range(6)]
+    assert losses[-1] < 0.8 * losses[0]
+    for layer in (model.up, model.down):  # the state followed the gradient
+        history = layer.fp8_dot.value().input.amax_history
+        assert int(jnp.sum(history > 0)) == 6
+    # split/merge and clone keep the FP8 call and state.
+    graphdef, state = nnx.split(model)
+    merged, cloned = nnx.merge(graphdef, state), nnx.clone(model)
+    assert isinstance(cloned.up.fp8_dot, fp8jax.Fp8NnxDotGeneral)
+    call = nnx.jit(lambda m: m(x))
+    np.testing.assert_array_equal(call(merged), call(model))
+    np.testing.assert_array_equal(call(cloned), call(model))
+
+
+class Embedded(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.wte = nnx.Embed(48, 32, rngs=rngs)
+        self.h = Net(Conv1D, rngs)
+        self.lm_head = Conv1D(32, 48, rngs)  # width 48: the vocabulary
+
+    def __call__(self, tokens):
+        return self.lm_head(self.h(self.wte(tokens)))
+
+
+def test_the_plan_lists_kernel_modules_and_their_params_keep_their_paths():
+    model = Embedded(nnx.Rngs(0))
+    plan = fp8jax.conversion_plan(model)
+    assert plan.converted == ("h.c_fc", "h.c_proj")
+    assert plan.kept["lm_head"].startswith("head")  # roles apply to kernel modules too
+    assert {c.kind for c in plan.layers} == {"Conv1D"}
+    traced = fp8jax.conversion_plan(model, example=lambda m: m(jnp.arange(8)))
+    assert traced.converted == ("h.c_fc", "h.c_proj") and traced.unconverted == ()
+    assert fp8jax.conversion_plan(model, fp8jax.Fp8Config(targets=["c_fc"])).converted == (
+        "h.c_fc",
+    )
+
+    before = nnx.state(model, nnx.Param)
+    converted = fp8jax.fp8_linear_layers(model)
+    after = nnx.state(converted, nnx.Param)
+    assert [p for p, _ in nnx.to_flat_state(before)] == [p for p, _ in nnx.to_flat_state(after)]
+    assert not hasattr(converted.lm_head, "fp8_dot")
+    assert fp8jax.conversion_plan(converted).converted == ("h.c_fc", "h.c_proj")
+    again = fp8jax.fp8_linear_layers(converted)  # converting twice changes nothing
+    assert jax.tree.structure(nnx.state(again)) == jax.tree.structure(nnx.state(converted))
+    assert type(again.h.c_fc) is type(converted.h.c_fc)
+
+
+class DropProjection(nnx.Module):
+    """A kernel module with children: dropout (its RNG count advances in the call) and a
+    Linear (converted in its own right)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (32, 32)) * 0.2)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(self.drop(x @ self.kernel.get_value()))
+
+
+def test_a_kernel_modules_call_writes_back_its_variables_and_runs_its_children():
+    model = fp8jax.fp8_linear_layers(DropProjection(nnx.Rngs(0)), config("current"))
+    assert fp8jax.conversion_plan(model, config()).converted == ("", "fc")
+    assert isinstance(model.fc.dot_general, fp8jax.Fp8NnxDotGeneral)
+    call = nnx.jit(lambda m, x: m(x))
+    x = jnp.ones((4, 32))
+    assert not np.array_equal(call(model, x), call(model, x))  # a new dropout mask each call
+
+
+class Scale(nnx.Module):
+    """A `kernel` used elementwise: no GEMM."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (4, 8)))
+
+    def __call__(self, x):
+        return x * self.kernel.get_value()
+
+
+def test_a_kernel_used_without_a_gemm_is_refused_when_called():
+    model = fp8jax.fp8_linear_layers(Scale(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"Scale '\(root\)' holds a 'kernel'.*no GEMM.*Exclude it"):
+        model(jnp.ones((4, 8)))
+
+
+def test_a_recipe_needing_the_kernel_shape_is_refused():
+    with pytest.raises(ValueError, match=r"Conv1D 'c_fc'.*only its call tells.*Fp8Config recipes"):
+        fp8jax.fp8_linear_layers(
+            Net(Conv1D, nnx.Rngs(0)), config(RECIPES["residual error feedback"])
+        )
+
+
+class WithConv(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(4, 8, (3,), rngs=rngs)
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(self.conv(x))
+
+
+def test_nnx_conv_is_not_converted():
+    model = WithConv(nnx.Rngs(0))
+    assert fp8jax.conversion_plan(model, config()).converted == ("fc",)
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert type(converted.conv) is nnx.Conv and not hasattr(converted.conv, "fp8_dot")
+    np.testing.assert_array_equal(
+        converted.conv(jnp.ones((2, 5, 4))), model.conv(jnp.ones((2, 5, 4)))
+    )
