@@ -54,6 +54,7 @@ SLOW_FILES = {
     "tests/test_gpu_check.py": 75,
     "tests/test_telemetry.py": 71,
     "tests/test_checkpoint.py": 70,
+    "tests/test_huggingface.py": 55,
 }
 
 
