@@ -333,20 +333,31 @@ class TracedCall:
         return jax.tree.unflatten(jax.tree.structure(self.shape), outs)
 
 
-def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall:
-    """`fun(*args, **kwargs)` traced, its array arguments as the jaxpr's inputs (in the
-    order `jax.tree.leaves((args, kwargs))` gives them) and the rest static."""
+def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Any], tuple], list]:
+    """The array leaves of `(args, kwargs)`, a function putting other values in their places
+    (the rest, such as flags, kept) and the leaves' key paths: what a trace takes as inputs,
+    how the call is rebuilt from them, and where each came from."""
     keyed, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in keyed]
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
-    def flat(*values: Any) -> Any:
+    def fill(values: Any) -> tuple:
         filled = list(leaves)
         for i, value in zip(dynamic, values, strict=True):
             filled[i] = value
-        a, k = jax.tree.unflatten(treedef, filled)
+        return jax.tree.unflatten(treedef, filled)
+
+    return [leaves[i] for i in dynamic], fill, [keyed[i][0] for i in dynamic]
+
+
+def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall:
+    """`fun(*args, **kwargs)` traced, its array arguments as the jaxpr's inputs (in the
+    order `jax.tree.leaves((args, kwargs))` gives them) and the rest static."""
+    values, fill, paths = array_arguments(args, kwargs)
+
+    def flat(*values: Any) -> Any:
+        a, k = fill(values)
         return fun(*a, **k)
 
-    values = [leaves[i] for i in dynamic]
     closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-    return TracedCall(closed, values, shape, [keyed[i][0] for i in dynamic])
+    return TracedCall(closed, values, shape, paths)

@@ -19,9 +19,9 @@ from ..layers.linear import Linear
 from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
-from .config import Fp8Config, choose_layers, stacked_dot_general
-from .plan import ConversionPlan, announce, make_plan
-from .roles import Dataflow, ModelShapes, dataflow, owner_of, role_of
+from .config import Fp8Config, stacked_dot_general
+from .plan import ConversionPlan, announce, decide
+from .roles import Dataflow, ModelShapes, dataflow, owner_of
 
 T = TypeVar("T")
 
@@ -222,27 +222,27 @@ def equinox_plan(
     layer_paths = [p for p, _ in linears]
     shapes = _shapes(nodes, hnn)
     flow = None if example is None else _trace(tree, example, layer_paths)
-    roles = {}
-    for path, node in linears:
-        if kinds[path] != "linear":
-            continue  # experts are never heads or routers
-        stacked = "stacked" in path or (isinstance(node, eqx.nn.Linear) and node.weight.ndim > 2)
-        role = role_of(path, _out_width(node, kinds[path]), shapes, flow, stacked)
-        if role is not None:
-            roles[path] = role
-    fates = choose_layers(config, nodes, linears, lambda n: isinstance(n, eqx.Module), roles)
-    unconverted = []
-    if flow is not None:
-        for owner in sorted(flow.gemms):
-            if owner in layer_paths or owner in shapes.embeddings or flow.keeps(owner):
-                continue
-            unconverted.append(
-                f"{'.'.join(owner) or '(root)'} (write its GEMM as an eqx.nn.Linear, or run "
-                "the model under fp8jax.fp8_autocast)"
-            )
-    kind_names = {p: type(n).__name__ for p, n in linears}
-    plan = make_plan(config, fates, kind_names, unconverted, traced=flow is not None)
-    return plan, {p for p, fate in fates.items() if fate == "fp8"}
+    widths = {
+        p: (
+            _out_width(n, "linear"),
+            "stacked" in p or (isinstance(n, eqx.nn.Linear) and n.weight.ndim > 2),
+        )
+        for p, n in linears
+        if kinds[p] == "linear"  # experts are never heads or routers
+    }
+    return decide(
+        config,
+        nodes,
+        linears,
+        lambda n: isinstance(n, eqx.Module),
+        widths=widths,
+        shapes=shapes,
+        flow=flow,
+        kinds={p: type(n).__name__ for p, n in linears},
+        advice=lambda p: (
+            "write its GEMM as an eqx.nn.Linear, or run the model under fp8jax.fp8_autocast"
+        ),
+    )
 
 
 def fp8_equinox_linear_layers(

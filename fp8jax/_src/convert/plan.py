@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterable, Mapping
-from typing import final
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, final
 
-from .config import Fp8Config
+from .config import Fp8Config, choose_layers
+from .roles import Dataflow, ModelShapes, role_of
 
 
 class Fp8ConversionWarning(UserWarning):
@@ -87,6 +88,42 @@ def make_plan(
         why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
         layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
     return ConversionPlan(tuple(layers), tuple(unconverted), traced)
+
+
+def decide(
+    config: Fp8Config,
+    nodes: list[tuple[tuple[str, ...], Any]],
+    layers: list[tuple[tuple[str, ...], Any]],
+    is_module: Callable[[Any], bool],
+    *,
+    widths: Mapping[tuple[str, ...], tuple[int | None, bool]],
+    shapes: ModelShapes,
+    flow: Dataflow | None,
+    kinds: Mapping[tuple[str, ...], str],
+    advice: Callable[[tuple[str, ...]], str],
+) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
+    """Every adapter's decision, in one place: each layer's role (`widths` gives a Linear's
+    output width and whether it is a stack of layers; layers absent from it, experts, have
+    no role), its fate under `config`, and the modules whose GEMMs the trace `flow` found
+    outside every layer, embedding, head and router (`advice(path)` says what to do with
+    one). Returns the plan and the converted layers' paths."""
+    roles = {}
+    for path, _ in layers:
+        if path in widths:
+            role = role_of(path, widths[path][0], shapes, flow, widths[path][1])
+            if role is not None:
+                roles[path] = role
+    fates = choose_layers(config, nodes, layers, is_module, roles)
+    unconverted = []
+    if flow is not None:
+        known = {p for p, _ in layers} | set(shapes.embeddings)
+        unconverted = [
+            f"{'.'.join(p) or '(root)'} ({advice(p)})"
+            for p in sorted(flow.gemms)
+            if p not in known and not flow.keeps(p)
+        ]
+    plan = make_plan(config, fates, kinds, unconverted, traced=flow is not None)
+    return plan, {p for p, fate in fates.items() if fate == "fp8"}
 
 
 def announce(plan: ConversionPlan, explain: bool, framework: str) -> None:

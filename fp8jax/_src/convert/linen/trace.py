@@ -10,26 +10,18 @@ from typing import Any
 import jax
 from flax import linen as nn
 
-from ..config import Fp8Config, choose_layers
-from ..plan import ConversionPlan, LayerChoice, make_plan
-from ..roles import ModelShapes, dataflow, owner_of, role_of
+from ..autocast import array_arguments
+from ..config import Fp8Config
+from ..plan import ConversionPlan, LayerChoice, decide
+from ..roles import ModelShapes, dataflow, owner_of
 from .generic import KERNEL
 
 
 def _abstract(fun: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """`jax.eval_shape(fun, *args, **kwargs)` with only the array leaves abstract (flags
     such as `deterministic=True` stay Python values)."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-
-    def flat(*values: Any) -> Any:
-        filled = list(leaves)
-        for i, value in zip(dynamic, values, strict=True):
-            filled[i] = value
-        a, k = jax.tree.unflatten(treedef, filled)
-        return fun(*a, **k)
-
-    return jax.eval_shape(flat, *[leaves[i] for i in dynamic])
+    values, fill, _ = array_arguments(args, kwargs)
+    return jax.eval_shape(lambda *v: fun(*fill(v)[0], **fill(v)[1]), *values)
 
 
 def _names(path: Any) -> tuple[str, ...]:
@@ -66,29 +58,27 @@ def linen_plan(
     # Modules with a kernel of their own whose kernel enters a GEMM: Linears by their role.
     generic = {p: seen.kernels[p] for p in kernels if p in flow.gemms}
     layers = {**{p: seen.layers[p] for p in layer_paths}, **generic}
-    widths = dict(seen.widths)
+    widths = {p: (w, False) for p, w in seen.widths.items()}
     for path, mod in generic.items():
         features = getattr(mod, "features", None)
-        widths[path] = features if isinstance(features, int) else None
-    shapes = ModelShapes(dict(seen.embeddings), {})
-    roles = {}
-    for path in layers:
-        role = role_of(path, widths.get(path), shapes, flow)
-        if role is not None:
-            roles[path] = role
-    fates = choose_layers(
-        config, sorted(seen.modules.items()), sorted(layers.items()), lambda n: True, roles
-    )
-    unconverted = [
-        f"{'.'.join(p) or '(root)'} ({type(seen.modules.get(p)).__name__}: its weights enter "
-        f"a GEMM but it holds no {KERNEL!r} parameter; name it {KERNEL!r}, use nn.Dense, or "
-        "run the model under fp8jax.fp8_autocast)"
-        for p in sorted(flow.gemms)
-        if p not in layers and p not in seen.embeddings and not flow.keeps(p)
-    ]
+        widths[path] = (features if isinstance(features, int) else None, False)
     kinds = {p: f"nn.{type(m).__name__}" if p in seen.layers else type(m).__name__
              for p, m in layers.items()}  # fmt: skip
-    plan = make_plan(config, fates, kinds, unconverted, traced=True)
+    plan, chosen = decide(
+        config,
+        sorted(seen.modules.items()),
+        sorted(layers.items()),
+        lambda n: True,
+        widths=widths,
+        shapes=ModelShapes(dict(seen.embeddings), {}),
+        flow=flow,
+        kinds=kinds,
+        advice=lambda p: (
+            f"{type(seen.modules.get(p)).__name__}: its weights enter a GEMM but "
+            f"it holds no {KERNEL!r} parameter; name it {KERNEL!r}, use nn.Dense, or run the "
+            "model under fp8jax.fp8_autocast"
+        ),
+    )
     nested = tuple(
         LayerChoice(
             name,
@@ -100,4 +90,4 @@ def linen_plan(
         for name, m in sorted(seen.nested.items())
     )
     plan = ConversionPlan(plan.layers + nested, plan.unconverted, plan.traced)
-    return plan, frozenset(p for p, fate in fates.items() if fate == "fp8")
+    return plan, frozenset(chosen)

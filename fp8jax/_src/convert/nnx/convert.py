@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-from ..config import Fp8Config, choose_layers
+from ..config import Fp8Config
 from ..einsum import einsum_kernel_shape
-from ..plan import ConversionPlan, announce, make_plan
-from ..roles import Dataflow, ModelShapes, dataflow, owner_of, role_of
+from ..plan import ConversionPlan, announce, decide
+from ..roles import Dataflow, ModelShapes, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
@@ -155,31 +155,31 @@ def nnx_plan(
     paths = [p for p, _ in layers]
     shapes = _shapes(nodes)
     flow = None if example is None else _trace(model, example, paths)
-    roles = {}
-    for path, layer in layers:
-        if _kind(layer) == "experts":
-            continue  # experts are never heads or routers
-        stacked = _kind(layer) == "linear" and layer.kernel.get_value().ndim > 2
-        role = role_of(path, _out_width(layer), shapes, flow, stacked)
-        if role is not None:
-            roles[path] = role
-    fates = choose_layers(config, nodes, layers, lambda n: isinstance(n, nnx.Module), roles)
-    unconverted = []
-    if flow is not None:
-        for owner in sorted(flow.gemms):
-            if owner in paths or owner in shapes.embeddings or flow.keeps(owner):
-                continue
-            unconverted.append(
-                f"{'.'.join(owner) or '(root)'} (write its GEMM as an nnx.Linear, "
-                "nnx.LinearGeneral or nnx.Einsum, or multiply by a `kernel` nnx.Param of "
-                "the module's own, or run it under fp8jax.fp8_autocast)"
-            )
+    widths = {
+        p: (_out_width(n), _kind(n) == "linear" and n.kernel.get_value().ndim > 2)
+        for p, n in layers
+        if _kind(n) != "experts"  # experts are never heads or routers
+    }
     kinds = {
         p: original_class(n).__name__ if _kind(n) == "kernel" else f"nnx.{type(n).__name__}"
         for p, n in layers
     }
-    plan = make_plan(config, fates, kinds, unconverted, traced=flow is not None)
-    return plan, {p for p, fate in fates.items() if fate == "fp8"}, layers
+    plan, chosen = decide(
+        config,
+        nodes,
+        layers,
+        lambda n: isinstance(n, nnx.Module),
+        widths=widths,
+        shapes=shapes,
+        flow=flow,
+        kinds=kinds,
+        advice=lambda p: (
+            "write its GEMM as an nnx.Linear, nnx.LinearGeneral or nnx.Einsum, "
+            "or multiply by a `kernel` nnx.Param of the module's own, or run it under "
+            "fp8jax.fp8_autocast"
+        ),
+    )
+    return plan, chosen, layers
 
 
 def fp8_nnx_linear_layers(
