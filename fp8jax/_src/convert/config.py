@@ -225,8 +225,9 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
             "haliax.nn.Linear, haliax.nn.MoELinear, fp8jax.GroupedLinear (experts) and, in an "
-            "nnx.Module, "
-            "flax.nnx.Linear, LinearGeneral and Einsum (Flax Linen models: fp8jax.Fp8Linen)."
+            "nnx.Module, flax.nnx.Linear, LinearGeneral, Einsum and modules multiplying by a "
+            "`kernel` Param of their own (Flax Linen models: fp8jax.Fp8Linen). A model "
+            "computing `x @ w` on its own arrays: fp8jax.fp8_autocast."
         )
     if config.targets is None:
         return
