@@ -336,8 +336,12 @@ class LinenMixtral(nn.Module):
         return nn.Dense(V, name="output")(x + out)
 
 
-def test_linen_mixtral_router_named_gate_is_kept():
-    plan = fp8jax.fp8_linear_layers(LinenMixtral()).plan(jax.random.key(0), jnp.ones((4, D)))
+def test_linen_mixtral_router_named_gate_is_kept(capsys):
+    model = fp8jax.fp8_linear_layers(LinenMixtral(), explain=True)
+    plan = model.plan(jax.random.key(0), jnp.ones((4, D)))
+    assert capsys.readouterr().out == ""  # plan() returns it; init prints it
+    model.init(jax.random.key(0), jnp.ones((4, D)))
+    assert capsys.readouterr().out == str(plan) + "\n"
     assert plan.kept == {
         "gate": "router: its output feeds a top-k / arg-max (the expert choice)",
         "output": "head: its output is the model's output (the last GEMM before it)",
