@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -516,3 +517,32 @@ def test_convolutions_are_neither_converted_nor_warned_about():
         variables = model.init(jax.random.key(0), jnp.ones((2, 12, 4)))
     assert plan.converted == ("fc",) and list(plan.kept) == ["out"] and not plan.unconverted
     assert list(fp8jax.telemetry(variables)) == ["fc"]
+
+
+def test_a_kernel_modules_train_step_runs_its_gemms_in_fp8_on_h100():
+    """A FlaxConv1D-style layer's forward, dgrad and wgrad, answered through its traced call,
+    compile for an H100 (deviceless) to FP8 GEMMs: cuBLASLt FP8 in cuBLAS mode, FP8 operands
+    under XLA's default flags."""
+    from helpers import h100_topology
+
+    h100_topology()
+    model = fp8jax.fp8_linear_layers(ConvNet(), fp8jax.Fp8Config(keep=()))
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.key(0), jnp.ones((32, D))),
+        tx=optax.sgd(0.1),
+    )
+
+    def train_step(state, x):
+        loss = lambda v: jnp.mean(state.apply_fn(v, x) ** 2)  # noqa: E731
+        value, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    x = jax.ShapeDtypeStruct((32, D), jnp.float32)
+    report = fp8jax.inspect(train_step, state, x, modes=("cublas", "default"))
+    fp8jax.assert_all_fp8(report)
+    for mode in ("cublas", "default"):
+        ours = [g for g in report.gemms[mode] if g.layer is not None]
+        assert ours and all(g.fp8_operands for g in ours), mode
+        roles = {layer: set(r) for layer, r in report.layers(mode).items()}
+        assert roles == {"c_fc": {"fwd", "wgrad"}, "c_proj": {"fwd", "dgrad", "wgrad"}}, mode
