@@ -23,7 +23,7 @@ import functools
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import jax
 import jax.numpy as jnp
@@ -315,6 +315,23 @@ def fp8_autocast(
         return traced.evaluate(interpreter)
 
     return run
+
+
+@final
+class KernelChoice:
+    """An `Interpreter` choice answering the `dot_general`s listed by `id` in `kernel_dots`
+    (those on a module's own kernel) with `make_op(eqn)`, every other GEMM as traced. The
+    Linen and NNX adapters' kernel modules share it."""
+
+    def __init__(self, kernel_dots: set[int], make_op: Callable[[Any], Callable]) -> None:
+        self.kernel_dots = kernel_dots
+        self.make_op = make_op
+
+    def dot_op(self, eqn: Any, scope: str) -> Callable | None:
+        return self.make_op(eqn) if id(eqn) in self.kernel_dots else None
+
+    def ragged_op(self, eqn: Any, scope: str) -> Callable | None:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

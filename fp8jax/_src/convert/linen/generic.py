@@ -17,25 +17,11 @@ from typing import Any
 
 import jax
 
-from ..autocast import Interpreter, trace_call
+from ..autocast import Interpreter, KernelChoice, trace_call
 from ..roles import gemm_operands
 
 #: The parameter a module multiplies its input by, to be converted as a Linear.
 KERNEL: str = "kernel"
-
-
-class _KernelChoice:
-    """Answers the `dot_general`s whose right operand is the kernel with `make_op`."""
-
-    def __init__(self, kernel_dots: set[int], make_op: Callable[[Any], Callable]) -> None:
-        self.kernel_dots = kernel_dots
-        self.make_op = make_op
-
-    def dot_op(self, eqn: Any, scope: str) -> Callable | None:
-        return self.make_op(eqn) if id(eqn) in self.kernel_dots else None
-
-    def ragged_op(self, eqn: Any, scope: str) -> Callable | None:
-        return None
 
 
 def has_kernel(module: Any) -> bool:
@@ -76,4 +62,4 @@ def kernel_call(
             f"{KERNEL!r} but no GEMM of its call takes it as its right operand; exclude it "
             "(Fp8Config exclude or targets)."
         )
-    return traced.evaluate(Interpreter(_KernelChoice(kernel_dots, make_op)))
+    return traced.evaluate(Interpreter(KernelChoice(kernel_dots, make_op)))

@@ -21,13 +21,12 @@ not one per layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, final
+from typing import Any
 
 import jax
 from flax import nnx
 
-from ..autocast import Interpreter, trace_call
+from ..autocast import Interpreter, KernelChoice, trace_call
 from ..config import Fp8Config
 from ..roles import gemm_operands
 from .layers import Fp8NnxDotGeneral
@@ -108,22 +107,6 @@ def _fp8_class(cls: type) -> type:
     return sub
 
 
-@final
-class _KernelChoice:
-    """Answers the `dot_general`s whose right operand is the kernel with the module's FP8
-    `dot_general`, the others as traced."""
-
-    def __init__(self, kernel_dots: set[int], dot: Callable[..., Any]) -> None:
-        self.kernel_dots = kernel_dots
-        self.dot = dot
-
-    def dot_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
-        return self.dot if id(eqn) in self.kernel_dots else None
-
-    def ragged_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
-        return None
-
-
 def _is_own_fp8_dot(path: tuple[Any, ...], value: Any) -> bool:
     return bool(path) and path[0] == FP8_DOT
 
@@ -159,7 +142,7 @@ def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
             "right operand (lax.dot_general(x, kernel), x @ kernel, jnp.einsum(..., x, "
             "kernel)). Exclude it (Fp8Config exclude or targets)."
         )
-    out, new_state = traced.evaluate(Interpreter(_KernelChoice(kernel_dots, dot)))
+    out, new_state = traced.evaluate(Interpreter(KernelChoice(kernel_dots, lambda eqn: dot)))
     old, new = jax.tree.leaves(state), jax.tree.leaves(new_state)
     if any(a is not b for a, b in zip(old, new, strict=True)):
         nnx.update(self, new_state)  # what the call wrote into the module's variables
