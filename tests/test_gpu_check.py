@@ -6,6 +6,7 @@ that every section and every native kernel left results in the out folder, that 
 raised, that the numerics passed their bounds, and that the summary table came last.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("1 numerics", "2 GEMMs (dense)", "2 GEMMs (grouped)", "3 train steps")
+SECTIONS = (
+    "1 numerics",
+    "2 GEMMs (dense)",
+    "2 GEMMs (grouped)",
+    "3 train steps",
+    "4 Llama block",
+    "5 profile",
+)
 #: Every native kernel, by a word of the numerics items that exercise it directly.
 KERNELS = ("block_gemm", "fused residual", "grouped rows", "grouped tokens")
 
@@ -98,6 +106,42 @@ def test_summary_tables_printed_last(dry_run):
     assert (out / "summary.txt").read_text().strip().endswith(lines[-1])
 
 
+def test_llama_block_timed_against_bf16_with_its_compiled_split(dry_run):
+    _, _, results = dry_run
+    llama = {r["name"]: r for r in results if r["section"] == "4 Llama block" and "ms" in r}
+    assert set(llama) == {"dry | bf16 | xla", "dry | delayed | xla"}
+    bf16, delayed = llama["dry | bf16 | xla"], llama["dry | delayed | xla"]
+    for r in (bf16, delayed):
+        assert r["attention"] == "xla" and r["ms"] > 0 and r["temp_bytes"] > 0
+        assert r["kernels"] == sum(r["kernels_by_kind"].values()) > 0
+    assert delayed["vs_bf16"] == pytest.approx(delayed["ms"] / bf16["ms"])
+    assert delayed["kernels_vs_bf16"] == pytest.approx(delayed["kernels"] / bf16["kernels"])
+    assert "vs_bf16" not in bf16
+
+
+def test_profile_without_a_gpu_says_so_and_checks_the_reading_on_the_cpu(dry_run):
+    """On the CPU the trace has no device plane: each variant is skipped, saying so, and the
+    same analysis over XLA:CPU's thunks splits the two traced steps at their annotations,
+    each thunk found among the compiled step's kernels by its HLO instruction."""
+    done, out, results = dry_run
+    traced = {r["name"]: r for r in results if r["section"] == "5 profile" and "ms" in r}
+    assert set(traced) == {"dry | bf16", "dry | delayed"}
+    kernels = json.loads((out / "profile_kernels.json").read_text())
+    assert set(kernels) == {"dry bf16", "dry delayed"}
+    for name, r in traced.items():
+        assert r["status"] == "skipped" and "no GPU device plane" in r["skipped"]
+        assert "/device:GPU:0" not in r["planes"] and "/host:CPU" in r["planes"]
+        assert r["marks"] == 2 and len(r["wall_ms"]) == 2
+        stand_in = kernels[name.replace(" | ", " ")]["cpu_stand_in"]
+        assert stand_in["steps_split_by"] == "step annotations"
+        assert stand_in["events_outside_steps"] == 0
+        counts = [step["kernels"] for step in stand_in["per_step"]]
+        assert len(counts) == 2 and counts[0] == counts[1] > 0
+        assert all(step["matched"] == {"hlo_op": step["kernels"]} for step in stand_in["per_step"])
+        assert stand_in["top"] and stand_in["top"][0]["total_us"] >= stand_in["top"][-1]["total_us"]
+    assert "no GPU device plane" in done.stdout
+
+
 @pytest.fixture
 def check_modules(monkeypatch):
     """`gpu_check.main` and `gpu_check.steps`, imported as the command line does."""
@@ -105,6 +149,15 @@ def check_modules(monkeypatch):
     from gpu_check import main, steps
 
     return main, steps
+
+
+@pytest.fixture
+def profile(monkeypatch):
+    """`gpu_check.profile`, imported as the command line does."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import profile
+
+    return profile
 
 
 def test_every_variant_of_every_mode_builds(check_modules):
@@ -128,3 +181,324 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
     for bad in ("steps,gemm", ","):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--sections", bad])
+
+
+def test_llama_variants_of_every_mode_build(monkeypatch):
+    """Every size and variant the GPU run's Llama section names exists (shapes only)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import llama_block
+    from gpu_check import llama
+
+    for mode, sizes in llama.SIZES.items():
+        assert llama.VARIANTS[mode][0] == "bf16"
+        for size in sizes:
+            assert size in llama_block.SHAPES and size in llama.NEED_S
+    for name in dict.fromkeys(n for names in llama.VARIANTS.values() for n in names):
+        block, _ = llama_block.arguments("dry", name, "xla", abstract=True)
+        assert block is not None, name
+
+
+# --- the profile section's reading of a trace, on hand-built kernels -------------------------
+
+#: HLO instruction -> kind, as `profile.hlo_kinds` gives them (also under the kernel names).
+KINDS = {
+    "custom-call.1": "GEMM fp8",
+    "custom-call.2": "GEMM bf16",
+    "custom-call.9": "rest",  # cuDNN's attention: hlo_cost does not know it
+    "loop_convert_fusion.3": "quantize",
+    "loop_convert_fusion_3": "quantize",
+    "input_reduce_fusion.4": "amax",
+    "dot.5": "GEMM tf32",
+}
+
+
+def _two_steps(profile):
+    """Two steps after marks at 0 and 1000 ns, with overlapping kernels, and one kernel
+    before the first mark; with the figures computed by hand."""
+    E = profile.Event
+    events = [
+        E("early", -50, 10, "input_reduce_fusion.4"),  # before the first step: dropped
+        # step 0: span 10..320 = 310; busy [10,110) + [150,260) + [300,320) = 230; idle 80
+        E("sm90_anything", 10, 100, "custom-call.1"),  # GEMM fp8 by its hlo_op
+        E("input_reduce_fusion", 50, 30, "input_reduce_fusion.4"),  # amax, inside the GEMM
+        E("cudnn_generated_fort_native_sdpa_sm90", 150, 50, "custom-call.9"),  # attention
+        E("loop_convert_fusion_3", 190, 70, ""),  # quantize, found by its kernel name
+        E("nvjet_tst_e4m3_but_bf16", 300, 20, "custom-call.2"),  # GEMM bf16: hlo_op wins
+        # step 1: span 1005..1210 = 205; busy [1005,1125) + [1200,1210) = 130; idle 75
+        E("sm90_xmma_gemm_e4m3bf16_e4m3f32", 1005, 100, ""),  # GEMM fp8 by its name
+        E("MemcpyD2D", 1105, 20, ""),  # touching the GEMM, not overlapping: rest
+        E("dot_5", 1200, 10, "dot.5"),  # a float32 GEMM: "GEMM other"
+        E("flash_fwd_kernel", 1201, 4, ""),  # attention by its name, inside the dot
+    ]
+    expected = [
+        {
+            "device_ns": {"GEMM fp8": 100, "GEMM bf16": 20, "GEMM other": 0, "attention": 50},
+            "rest_ns": {"amax": 30, "quantize": 70},
+            "span_ns": 310,
+            "busy_ns": 230,
+            "idle_ns": 80,
+            "kernels": 5,
+        },
+        {
+            "device_ns": {"GEMM fp8": 100, "GEMM bf16": 0, "GEMM other": 10, "attention": 4},
+            "rest_ns": {"unmatched": 20},
+            "span_ns": 205,
+            "busy_ns": 130,
+            "idle_ns": 75,
+            "kernels": 4,
+        },
+    ]
+    for e in expected:
+        e["device_ns"]["rest"] = sum(e["rest_ns"].values())
+    return events, expected
+
+
+def _check_steps(figures, expected):
+    assert len(figures) == len(expected)
+    for got, want in zip(figures, expected, strict=True):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value), (key, got[key], value)
+
+
+def test_profile_classifies_by_hlo_op_then_kernel_name_then_heuristics(profile):
+    events, _ = _two_steps(profile)
+    got = {e.name: profile.classify(e, KINDS) for e in events}
+    assert got["sm90_anything"] == ("GEMM fp8", "GEMM fp8", "hlo_op")
+    assert got["input_reduce_fusion"] == ("rest", "amax", "hlo_op")
+    assert got["cudnn_generated_fort_native_sdpa_sm90"][:2] == ("attention", "attention")
+    assert got["loop_convert_fusion_3"] == ("rest", "quantize", "name")
+    assert got["nvjet_tst_e4m3_but_bf16"] == ("GEMM bf16", "GEMM bf16", "hlo_op")
+    assert got["sm90_xmma_gemm_e4m3bf16_e4m3f32"] == ("GEMM fp8", "GEMM fp8", "heuristic")
+    assert got["MemcpyD2D"] == ("rest", "unmatched", "heuristic")
+    assert got["dot_5"] == ("GEMM other", "GEMM tf32", "hlo_op")
+    assert got["flash_fwd_kernel"] == ("attention", "attention", "heuristic")
+    assert profile.kind_from_name("cublasLt_gemm_bf16") == "GEMM bf16"
+    assert profile.kernel_name("custom-call.12") == "custom_call_12"
+
+
+def test_profile_splits_two_steps_with_overlapping_kernels(profile):
+    events, expected = _two_steps(profile)
+    steps = profile.split_steps(list(reversed(events)), [1000.0, 0.0])
+    assert [len(s) for s in steps] == [5, 4]
+    _check_steps([profile.step_figures(s, KINDS) for s in steps], expected)
+    result = profile.analyse(events, [0.0, 1000.0], KINDS)
+    assert result["steps_split_by"] == "step annotations"
+    assert result["events_outside_steps"] == 1
+    assert not result["steps_consistent"]  # 5 kernels, then 4: not one program's steps
+    _check_steps(result["per_step"], expected)
+    assert result["idle_ms"] == pytest.approx((80 + 75) / 2 / 1e6)
+    assert result["kernels"] == pytest.approx(4.5)
+    assert result["device_ms"]["rest"] == pytest.approx((100 + 20) / 2 / 1e6)
+    assert result["rest_ms"]["quantize"] == pytest.approx(70 / 2 / 1e6)
+    top = result["top"]
+    assert top[0]["total_us"] == pytest.approx(0.1) and top[0]["count"] == 1
+    assert [r["total_us"] for r in top] == sorted((r["total_us"] for r in top), reverse=True)
+    assert len(top) == len(events) - 1  # every kernel but the early one, each its own group
+
+
+def test_profile_without_annotations_cuts_at_the_widest_gaps(profile):
+    events, expected = _two_steps(profile)
+    result = profile.analyse(events[1:], [], KINDS)
+    assert result["steps_split_by"] == "gaps between kernels"
+    _check_steps(result["per_step"], expected)
+    # A long kernel covering short ones: a gap is measured from the latest end so far, so the
+    # widest is 100 -> 110 (10 ns), not 20 -> 80 inside the long kernel.
+    E = profile.Event
+    covered = [E("a", 0, 100), E("b", 10, 10), E("c", 80, 10), E("d", 110, 10), E("e", 125, 1)]
+    steps = profile.split_by_gaps(covered, 2)
+    assert [[e.name for e in s] for s in steps] == [["a", "b", "c"], ["d", "e"]]
+    assert profile.busy_ns(covered) == pytest.approx(100 + 10 + 1)
+
+
+def test_profile_prefers_a_split_that_gives_every_step_the_same_kernels(profile):
+    """Two runs of one program (3 kernels each): annotations shifted against the device's
+    clock put a kernel of the first step in the second; the gaps split them right."""
+    E = profile.Event
+    one = [E("gemm_e4m3", 0, 50, "custom-call.1"), E("a", 60, 10), E("b", 75, 20)]
+    two = [dataclasses.replace(e, start_ns=e.start_ns + 200) for e in one]
+    aligned = profile.analyse(one + two, [-5.0, 195.0], KINDS)
+    assert aligned["steps_split_by"] == "step annotations" and aligned["steps_consistent"]
+    shifted = profile.analyse(one + two, [-5.0, 70.0], KINDS)
+    assert shifted["steps_split_by"] == "gaps between kernels" and shifted["steps_consistent"]
+    for result in (aligned, shifted):
+        assert [s["kernels"] for s in result["per_step"]] == [3, 3]
+        assert result["idle_ms"] == pytest.approx(15 / 1e6)  # 0..95 less 50 + 10 + 20 busy
+        assert result["device_ms"]["GEMM fp8"] == pytest.approx(50 / 1e6)
+
+
+#: A synthetic trace as `jax.profiler.trace` writes one on a GPU (XSpace text proto): the
+#: device plane's stream line and a derived line, the host's step annotations and a thunk.
+XSPACE = """
+planes {
+  id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #7(Kernel,MemcpyD2D)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 10000 duration_ps: 100000
+      stats { metadata_id: 1 str_value: "custom-call.1" } stats { metadata_id: 2 int64_value: 3 } }
+    events { metadata_id: 2 offset_ps: 50000 duration_ps: 30000
+      stats { metadata_id: 1 ref_value: 4 } }
+    events { metadata_id: 3 offset_ps: 1005000 duration_ps: 100000 }
+  }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 4 offset_ps: 0 duration_ps: 2000000 } }
+  event_metadata { key: 1 value { id: 1 name: "sm90_anything" } }
+  event_metadata { key: 2 value { id: 2 name: "input_reduce_fusion" } }
+  event_metadata { key: 3 value { id: 3 name: "sm90_xmma_gemm_e4m3bf16_e4m3f32" } }
+  event_metadata { key: 4 value { id: 4 name: "jit_step" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } }
+  stat_metadata { key: 2 value { id: 2 name: "program_id" } }
+  stat_metadata { key: 4 value { id: 4 name: "input_reduce_fusion.4" } }
+}
+planes {
+  id: 2 name: "/host:CPU"
+  lines { id: 3 name: "python" timestamp_ns: 500
+    events { metadata_id: 1 offset_ps: 500000 duration_ps: 400000
+      stats { metadata_id: 1 int64_value: 0 } }
+    events { metadata_id: 1 offset_ps: 1500000 duration_ps: 400000
+      stats { metadata_id: 1 int64_value: 1 } } }
+  lines { id: 4 name: "tf_XLAPjRtCpuClient" timestamp_ns: 500
+    events { metadata_id: 2 offset_ps: 0 duration_ps: 7000
+      stats { metadata_id: 2 str_value: "dot.5" } } }
+  event_metadata { key: 1 value { id: 1 name: "fp8jax_profile_step" } }
+  event_metadata { key: 2 value { id: 2 name: "dot" } }
+  stat_metadata { key: 1 value { id: 1 name: "step_num" } }
+  stat_metadata { key: 2 value { id: 2 name: "hlo_op" } }
+}
+"""
+
+
+def test_profile_reads_a_trace_through_jax_profile_data(profile):
+    from jax.profiler import ProfileData
+
+    trace = profile.read(ProfileData.from_text_proto(XSPACE))
+    assert trace.planes == ["/device:GPU:0", "/host:CPU"]
+    assert trace.device_lines == ["Stream #7(Kernel,MemcpyD2D)", "XLA Ops"]
+    E = profile.Event
+    # start: the line's timestamp_ns plus the event's offset_ps / 1000; the derived line left out
+    assert trace.device == [
+        E("sm90_anything", 1010.0, 100.0, "custom-call.1"),
+        E("input_reduce_fusion", 1050.0, 30.0, "input_reduce_fusion.4"),
+        E("sm90_xmma_gemm_e4m3bf16_e4m3f32", 2005.0, 100.0, ""),
+    ]
+    assert trace.marks == [1000.0, 2000.0]
+    assert trace.host_ops == [E("dot", 500.0, 7.0, "dot.5")]
+    result = profile.analyse(trace.device, trace.marks, KINDS)
+    assert result["steps_split_by"] == "step annotations"
+    assert [s["kernels"] for s in result["per_step"]] == [2, 1]
+    assert result["per_step"][0]["device_ns"]["GEMM fp8"] == pytest.approx(100)
+    assert result["per_step"][0]["rest_ns"] == {"amax": pytest.approx(30)}
+    assert result["per_step"][0]["idle_ns"] == pytest.approx(0)
+
+    host_only = XSPACE[XSPACE.index("planes {\n  id: 2") :]
+    trace = profile.read(ProfileData.from_text_proto(host_only))
+    assert trace.device is None and trace.planes == ["/host:CPU"] and trace.marks
+
+
+def test_profile_reads_kernels_of_a_device_plane_without_stream_lines(profile):
+    from jax.profiler import ProfileData
+
+    text = XSPACE.replace('name: "Stream #7(Kernel,MemcpyD2D)"', 'name: "Compute"')
+    trace = profile.read(ProfileData.from_text_proto(text))
+    assert [e.name for e in trace.device] == [
+        "sm90_anything",
+        "input_reduce_fusion",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32",
+    ]
+
+
+def test_profile_kinds_come_from_the_compiled_hlo(profile):
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((32, 32), jnp.bfloat16)
+    hlo = jax.jit(lambda a: jnp.tanh(a @ a.T) @ a).lower(x).compile().as_text()  # two GEMMs
+    kinds = profile.hlo_kinds(hlo)
+    names = [k for k in kinds if "." in k or "-" in k]
+    assert names and all(kinds[profile.kernel_name(k)] == kinds[k] for k in names)
+    assert any(kind.startswith("GEMM") for kind in kinds.values())
+
+
+def _xspace(events, marks) -> str:
+    """The text proto of a trace with `events` on the GPU's stream line and step annotations
+    starting at `marks` on the host."""
+    names = {n: i for i, n in enumerate(dict.fromkeys(e.name for e in events), 1)}
+    lines = []
+    for e in events:
+        stat = f'stats {{ metadata_id: 1 str_value: "{e.hlo_op}" }}' if e.hlo_op else ""
+        lines.append(
+            f"events {{ metadata_id: {names[e.name]} offset_ps: {int(e.start_ns * 1000)} "
+            f"duration_ps: {int(e.duration_ns * 1000)} {stat} }}"
+        )
+    metadata = " ".join(
+        f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in names.items()
+    )
+    steps = " ".join(
+        f"events {{ metadata_id: 1 offset_ps: {int(m * 1000)} duration_ps: 1000 }}" for m in marks
+    )
+    return f"""
+planes {{ id: 1 name: "/device:GPU:0"
+  lines {{ id: 1 name: "Stream #7(Kernel)" timestamp_ns: 0 {" ".join(lines)} }}
+  {metadata}
+  stat_metadata {{ key: 1 value {{ id: 1 name: "hlo_op" }} }} }}
+planes {{ id: 2 name: "/host:CPU"
+  lines {{ id: 2 name: "python" timestamp_ns: 0 {steps} }}
+  event_metadata {{ key: 1 value {{ id: 1 name: "fp8jax_profile_step" }} }} }}
+"""
+
+
+def test_profile_section_on_a_gpu_trace(profile, monkeypatch, tmp_path):
+    """The section's GPU branch, the trace replaced by a synthetic one per variant: figures,
+    ratios to BF16, cells and `profile_kernels.json`."""
+    import types
+
+    from gpu_check import llama
+    from gpu_check.record import Recorder
+    from jax.profiler import ProfileData
+
+    E = profile.Event
+    steps = {
+        # BF16: a GEMM and two other kernels (10 + 20 ns of rest, 15 idle over 0..95)
+        "bf16": [E("gemm", 0, 50, "custom-call.2"), E("a", 60, 10), E("b", 75, 20)],
+        # FP8: a GEMM, an amax, a quantize and one other kernel (5 + 10 + 20 ns of rest)
+        "delayed": [
+            E("gemm", 0, 30, "custom-call.1"),
+            E("amax", 35, 5, "input_reduce_fusion.4"),
+            E("cast", 40, 10, "loop_convert_fusion.3"),
+            E("b", 55, 20),
+        ],
+    }
+    traces = {}
+    for name, one in steps.items():
+        two = [dataclasses.replace(e, start_ns=e.start_ns + 1000) for e in one]
+        traces[name] = _xspace(one + two, [-10.0, 990.0])
+    monkeypatch.setattr(
+        profile,
+        "trace_steps",
+        lambda compiled, folder: (ProfileData.from_text_proto(traces[compiled.name]), [1.0, 1.0]),
+    )
+    monkeypatch.setattr(profile, "hlo_kinds", lambda hlo: KINDS)
+    cache = {
+        ("dry", name): llama.Prepared(types.SimpleNamespace(name=name, hlo=""), "xla")
+        for name in steps
+    }
+    rec = Recorder(tmp_path, 100.0, 0.0, dry=True)
+    results = profile.run(rec, "dry", cache)["dry"]
+    assert rec.counts == {"ok": 2, "failed": 0, "error": 0, "skipped": 0}
+    bf16, delayed = results["bf16"], results["delayed"]
+    assert bf16["device_ms"]["GEMM bf16"] == pytest.approx(50 / 1e6)
+    assert bf16["device_ms"]["rest"] == pytest.approx(30 / 1e6)
+    assert bf16["idle_ms"] == pytest.approx(15 / 1e6)
+    assert delayed["device_ms"]["GEMM fp8"] == pytest.approx(30 / 1e6)
+    assert delayed["rest_ms"] == pytest.approx(
+        {"amax": 5 / 1e6, "quantize": 10 / 1e6, "unmatched": 20 / 1e6}
+    )
+    assert delayed["rest_vs_bf16"] == pytest.approx(35 / 30)
+    assert delayed["kernels_vs_bf16"] == pytest.approx(4 / 3)
+    assert "rest_vs_bf16" not in bf16
+    cells = rec.cells["5 profile"]
+    assert cells["delayed"]["dry kernels"].endswith(f"({4 / 3:.2f}x)")
+    assert cells["delayed"]["dry device ms"].endswith(f"({35 / 30:.2f}x)")
+    saved = json.loads((tmp_path / "profile_kernels.json").read_text())
+    assert set(saved) == {"dry bf16", "dry delayed"}
+    top = saved["dry delayed"]["top"]
+    assert (top[0]["name"], top[0]["bucket"], top[0]["count"]) == ("gemm", "GEMM fp8", 2)
+    assert saved["dry delayed"]["steps_split_by"] == "step annotations"

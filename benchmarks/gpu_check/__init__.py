@@ -9,7 +9,11 @@ Sections, each measurement in its own `try`, results appended to the out folder 
 1. `numerics`: every native kernel at odd shapes against float64 NumPy and the XLA path;
 2. `gemms`, `grouped`: GEMM timings at LLM shapes, BF16, cuBLASLt FP8 and fp8jax's kernels
    side by side (and JAX's BF16 grouped kernels);
-3. `steps`: whole train steps, BF16 against each recipe, beside the cost model's estimate.
+3. `steps`: whole train steps, BF16 against each recipe, beside the cost model's estimate;
+4. `llama`: the Llama-3-style block of `llama_block.py` (8B and 1B), BF16 against FP8 scaling,
+   beside its compiled HLO's kernels, non-GEMM bytes and temp memory;
+5. `profile`: the same steps traced by `jax.profiler`, device time split into FP8 and BF16
+   GEMMs, attention and the rest, GPU idle and kernels per step (`profile_kernels.json`).
 
 Then the decision inputs (which defaults the measurements would decide) and the summary
 table, printed last. `--budget-s` bounds the time: each measurement starts only if enough is

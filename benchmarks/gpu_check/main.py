@@ -12,12 +12,12 @@ from pathlib import Path
 
 import jax
 
-from . import gemms, grouped, numerics, steps
+from . import gemms, grouped, llama, numerics, profile, steps
 from .record import Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
-SECTIONS = ("numerics", "gemms", "grouped", "steps")
+SECTIONS = ("numerics", "gemms", "grouped", "steps", "llama", "profile")
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
@@ -27,7 +27,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check",
         description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
-        "train steps (see benchmarks/README.md).",
+        "train steps, the Llama block timed and profiled (see benchmarks/README.md).",
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     group = parser.add_mutually_exclusive_group()
@@ -167,6 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     if "steps" in args.sections:
         with rec.section(steps.SECTION):
             trains = steps.run(rec, mode, step_runs)
+        _release()
+    prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
+    if "llama" in args.sections:
+        with rec.section(llama.SECTION):
+            llama.run(rec, mode, step_runs, prepared)
+        _release()
+    if "profile" in args.sections:
+        with rec.section(profile.SECTION):
+            profile.run(rec, mode, prepared)
+        prepared.clear()
+        _release()
     decisions(rec, dense, groups, trains)
     summary = _summary(rec, mode)
     (args.out / "summary.txt").write_text(summary + "\n")
@@ -189,6 +200,13 @@ LEGENDS = {
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
     "from the step's compiled HLO)",
+    llama.SECTION: "ms per step, x BF16 of the same size and attention; beside it the "
+    "compiled step's HLO (llama_block.split): kernels, non-GEMM HBM bytes (attention's left "
+    "out), temp memory, each x BF16",
+    profile.SECTION: f"device ms per step from a jax.profiler trace ({profile.TRACED} steps "
+    f"after {profile.WARMUP} warm-ups, mean): GEMM fp8 | GEMM bf16 | attention | rest "
+    "(rest x BF16); GPU idle inside the step (span less busy) ms; kernels per step (x BF16); "
+    f"top kernels in {profile.KERNELS_FILE}",
 }
 
 

@@ -73,6 +73,17 @@ def compute_scale(
     return jnp.where(ok, fresh, previous)
 
 
+def roll_in(history: Float[Array, "*lead n"], amax: Float[Array, "*lead"]) -> Array:
+    """Transformer Engine's history update, `roll(history, -1)` then `amax` at index 0, as
+    one concatenation: `[amax, history[2:], history[0]]` (for a history of one, `[amax]`).
+    The same values; XLA makes one kernel of it, where the roll and the indexed write were
+    two per operand and step."""
+    new = jnp.expand_dims(amax, -1).astype(history.dtype)
+    if history.shape[-1] == 1:
+        return new
+    return jnp.concatenate([new, history[..., 2:], history[..., :1]], axis=-1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerTensorRecipe(HybridFormats):
     """Shared machinery of recipes with one scale per tensor.
@@ -210,8 +221,7 @@ class DelayedScaling(PerTensorRecipe):
             ref = jnp.where(jnp.max(history, axis=-1) > 0.0, ref, current)
         fmt_max = fp8_max(self.format(role))
         scale = compute_scale(ref, state.scale, fmt_max, self.margin, self.power_of_two)
-        new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(current)
-        return scale, TensorState(scale, new_history)
+        return scale, TensorState(scale, roll_in(history, current))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,185 @@
+"""Section 4: the Llama-3-style block of `benchmarks/llama_block.py`, timed on the GPU, BF16
+against delayed, current (and, in the full run, blockwise) scaling.
+
+Blocks (`llama_block.SHAPES`): "8B" (Llama-3-8B's: width 4096, 32 heads of 128, SwiGLU 14336,
+2 x 4096 tokens) and "1B" (Llama-3.2-1B's: width 2048, 32 heads of 64, SwiGLU 8192,
+4 x 2048 tokens); the quick run takes "1B" alone, the dry run the tiny "dry" block. The step
+is `llama_block.step()` (value and gradient over float32 masters cast to BF16 and over the
+input, SGD), compiled once with `fp8jax.gpu_compiler_options()` and timed as every step of
+the check is (`timing.compile_and_time`: median of warm runs); each variant is given as a
+ratio to the BF16 step of the same size measured in the same run. Beside the time, the
+compiled step's HLO read as `llama_block.py` reads a deviceless compile
+(`llama_block.split`): kernels per step by kind, the HBM bytes of the non-GEMM kernels
+(attention's left out) and temp memory.
+
+Attention is cuDNN's flash attention on a GPU (`implementation="cudnn"`), XLA's in the dry
+run. Where a cuDNN step fails to compile or run, its error is recorded and that size goes on
+with XLA's attention (BF16 measured again with it, so that ratios compare like with like),
+the cell saying so.
+
+The compiled steps are kept (`Prepared`) for section 5 (`profile.py`), which traces them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import llama_block
+
+import fp8jax
+
+from .record import Recorder
+from .timing import Compiled, compile_and_time
+
+SECTION = "4 Llama block"
+CUBLAS = fp8jax.gpu_compiler_options()
+#: mode -> the block sizes of `llama_block.SHAPES` it runs.
+SIZES = {"full": ["8B", "1B"], "quick": ["1B"], "dry": ["dry"]}
+#: mode -> variants (`llama_block.variant` names), BF16 first: the others' reference.
+VARIANTS = {
+    "full": ["bf16", "delayed", "current", "blockwise"],
+    "quick": ["bf16", "delayed", "current"],
+    "dry": ["bf16", "delayed"],  # a CPU compile of the step takes about 10 s
+}
+#: Seconds of the budget one compile and timing of a size's step may need on a GPU.
+NEED_S = {"8B": 60.0, "1B": 40.0, "dry": 0.0}
+
+
+def attentions(mode: str) -> list[str]:
+    """Attention implementations to try, in order: cuDNN's then XLA's on a GPU."""
+    return ["xla"] if mode == "dry" else ["cudnn", "xla"]
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A variant's step compiled for its arguments (`timing.Compiled`), and its attention."""
+
+    compiled: Compiled
+    attention: str
+
+
+#: (size, variant) -> its prepared step: what section 4 compiled, for section 5.
+Cache = dict[tuple[str, str], Prepared]
+
+
+def shape_text(size: str) -> str:
+    s = llama_block.SHAPES[size]
+    return (
+        f"width {s['width']}, {s['heads']} heads, SwiGLU {s['ffn']}, "
+        f"{s['batch']} x {s['context']} tokens"
+    )
+
+
+def prepare(size: str, name: str, attention: str, runs: int) -> tuple[Compiled, dict[str, Any]]:
+    """Variant `name` of block `size` with `attention`: compiled with the cuBLAS options and
+    timed (`runs` runs; 0: compiled and called once, not timed)."""
+    args = llama_block.arguments(size, name, attention, abstract=False)
+    compiled, fields = compile_and_time(llama_block.step(), args, CUBLAS, max(runs, 1), dry=False)
+    if runs == 0:
+        fields = {"compile_s": fields["compile_s"]}
+    fields["attention"] = attention
+    return compiled, fields
+
+
+def hlo_fields(compiled: Compiled) -> dict[str, Any]:
+    """`llama_block.split` of a compiled step, as result fields."""
+    s = llama_block.split(compiled.executable)
+    return {
+        "kernels": s.kernel_count,
+        "kernels_by_kind": s.kernels,
+        "non_gemm_bytes": s.non_gemm_bytes,
+        "gemm_flops": s.gemm_flops,
+        "temp_bytes": s.temp_bytes,
+    }
+
+
+def other_bytes(fields: dict[str, Any]) -> int:
+    """Non-GEMM HBM bytes of a step, attention's left out (as `llama_block.table` counts)."""
+    return sum(v for k, v in fields["non_gemm_bytes"].items() if k != "attention")
+
+
+def ratios(fields: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    """The ratios of a variant's fields to BF16's of the same size and attention."""
+    out = {"vs_bf16": fields["ms"] / base["ms"]}
+    out["kernels_vs_bf16"] = fields["kernels"] / base["kernels"]
+    if other_bytes(base):
+        out["non_gemm_bytes_vs_bf16"] = other_bytes(fields) / other_bytes(base)
+    if base["temp_bytes"]:
+        out["temp_vs_bf16"] = fields["temp_bytes"] / base["temp_bytes"]
+    return out
+
+
+def _measure(size: str, name: str, attention: str, seen: dict, runs: int, cache: Cache) -> dict:
+    compiled, fields = prepare(size, name, attention, runs)
+    fields.update(hlo_fields(compiled))
+    base = seen.get((attention, "bf16"))
+    if base is not None and name != "bf16":
+        fields.update(ratios(fields, base))
+    seen[(attention, name)] = fields
+    cache[(size, name)] = Prepared(compiled, attention)
+    return fields
+
+
+def _cells(rec: Recorder, size: str, name: str, fields: dict[str, Any], note: str) -> None:
+    def times(key: str) -> str:
+        return f" ({fields[key]:.2f}x)" if key in fields else ""
+
+    step = f"{fields['ms']:.3f} ms"
+    if "vs_bf16" in fields:
+        step += f", {fields['vs_bf16']:.3f}x"
+    hlo = (
+        f"{fields['kernels']} kernels{times('kernels_vs_bf16')}, non-GEMM "
+        f"{other_bytes(fields) / 1e9:.3g} GB{times('non_gemm_bytes_vs_bf16')}, temp "
+        f"{fields['temp_bytes'] / 2**30:.3g} GiB{times('temp_vs_bf16')}"
+    )
+    rec.cell(SECTION, name, f"{size} step", step + note)
+    rec.cell(SECTION, name, f"{size} compiled HLO", hlo)
+
+
+def run(rec: Recorder, mode: str, runs: int, cache: Cache | None = None) -> dict[str, dict]:
+    """Time every size's variants; returns `{size: {variant: fields}}` and fills `cache`
+    with the compiled steps."""
+    cache = {} if cache is None else cache
+    results: dict[str, dict] = {}
+    for size in SIZES[mode]:
+        order = attentions(mode)
+        attention, note = order[0], ""
+        seen: dict[tuple[str, str], dict] = {}
+        rec.cell(SECTION, "block", f"{size} step", shape_text(size))
+        rec.cell(SECTION, "attention", f"{size} step", attention)
+        for name in VARIANTS[mode]:
+            while True:
+                if name != "bf16" and attention != order[0] and (attention, "bf16") not in seen:
+                    _reference(rec, size, attention, seen, runs, cache, note)  # like with like
+                fields = _one(rec, size, name, attention, seen, runs, cache)
+                if fields is None and rec.last_status == "error" and attention != order[-1]:
+                    failed, attention = attention, order[order.index(attention) + 1]
+                    note = f" ({attention} attention: {failed} failed)"
+                    rec.cell(SECTION, "attention", f"{size} step", f"{attention} ({failed} failed)")
+                    rec.log(f"{SECTION}: {size}: {failed} attention failed, {attention} from now")
+                    continue
+                break
+            if fields is None:
+                rec.cell(SECTION, name, f"{size} step", rec.not_run())
+                continue
+            results.setdefault(size, {})[name] = fields
+            _cells(rec, size, name, fields, note)
+    return results
+
+
+def _one(
+    rec: Recorder, size: str, name: str, attention: str, seen: dict, runs: int, cache: Cache
+) -> dict | None:
+    measure = functools.partial(_measure, size, name, attention, seen, runs, cache)
+    return rec.measure(SECTION, f"{size} | {name} | {attention}", measure, need_s=NEED_S[size])
+
+
+def _reference(
+    rec: Recorder, size: str, attention: str, seen: dict, runs: int, cache: Cache, note: str
+) -> None:
+    """BF16 again with the fallback attention, the reference of the variants after it."""
+    fields = _one(rec, size, "bf16", attention, seen, runs, cache)
+    if fields is not None:
+        _cells(rec, size, "bf16", fields, note)

@@ -1,0 +1,270 @@
+"""A Llama-3-style block's train step, BF16 against FP8: where the FP8 step's extra work is.
+
+    python benchmarks/llama_block.py [--sizes 8B,1B] [--variants bf16,delayed,current]
+        | tee benchmarks/results/llama_block_deviceless.txt
+
+The model of `../shared/measurements/h100-2026-11-27.md` (issue 38), in plain Equinox: RMSNorm,
+separate q/k/v/o Linears without bias, RoPE, causal attention, SwiGLU MLP (`gate`, `up`,
+`down`). One train step: value and gradient of the mean square of the block's output over
+float32 masters cast to BF16 and over the input (as inside a stack),
+`fp8jax.partition_for_grad_overwrite` / `apply_updates`, SGD. FP8 variants convert every
+Linear with `fp8jax.fp8_linear_layers(block, Fp8Config(recipe=...))` as documented.
+
+- `8B`: width 4096, 32 heads of 128, SwiGLU 14336, 2 x 4096 tokens (Llama-3-8B's block).
+- `1B`: width 2048, 32 heads of 64, SwiGLU 8192, 4 x 2048 tokens (Llama-3.2-1B's block).
+
+On a GPU (`gpu_check`'s `llama` and `profile` sections) attention is cuDNN's flash attention
+(`jax.nn.dot_product_attention(implementation="cudnn")`). Run as a script, this file compiles
+each step for an H100 without one (cuBLAS mode: `fp8jax.gpu_compiler_options()`), where cuDNN
+attention does not compile: attention is then a stand-in `q * k + v` of the same shapes and
+gradient paths, the same in every variant. It prints, per variant, what the CPU can measure
+of the GPU's step: kernels per step by kind (`fp8jax.hlo_cost`'s categories), the HBM bytes of
+every non-GEMM kernel, the GEMM FLOPs per precision and temp memory (`memory_analysis`), each
+beside BF16's. Kernel counts and bytes are read from the compiled HLO, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import train_steps
+from jaxtyping import Array, Float
+
+import fp8jax
+from fp8jax._src.observe import deviceless
+
+#: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
+SHAPES: dict[str, dict[str, int]] = {
+    "8B": dict(width=4096, heads=32, ffn=14336, batch=2, context=4096),
+    "1B": dict(width=2048, heads=32, ffn=8192, batch=4, context=2048),
+    "dry": dict(width=64, heads=4, ffn=128, batch=2, context=32),
+}
+#: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
+ATTENTION = ("cudnn", "xla", "stand-in")
+STAND_IN = "attention_stand_in"
+
+
+class RMSNorm(eqx.Module):
+    """Llama's RMSNorm: statistics in float32, the result in the input's dtype."""
+
+    weight: Float[Array, " width"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, width: int, eps: float = 1e-5):
+        self.weight = jnp.ones((width,), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*batch width"]) -> Float[Array, "*batch width"]:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: Float[Array, "batch seq heads dim"]) -> Float[Array, "batch seq heads dim"]:
+    """Rotary position embedding (Llama-3's base 500,000), rotating halves."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freqs = 500_000.0 ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = (f(angles)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def linear(layer: Any, x: Float[Array, "batch seq d_in"]) -> Float[Array, "batch seq d_out"]:
+    """An Equinox Linear over every token, vmapped as an Equinox user writes it."""
+    return jax.vmap(jax.vmap(layer))(x)
+
+
+class LlamaBlock(eqx.Module):
+    """One Llama-3 transformer block (multi-head attention: K/V as wide as Q)."""
+
+    attn_norm: RMSNorm
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    mlp_norm: RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+    attention: str = eqx.field(static=True)
+
+    def __init__(self, width: int, heads: int, ffn: int, attention: str, *, key):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: should be one of {ATTENTION}.")
+        keys = jax.random.split(key, 7)
+        lin = functools.partial(eqx.nn.Linear, use_bias=False)
+        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.q, self.k, self.v, self.o = (lin(width, width, key=k) for k in keys[:4])
+        self.gate, self.up = lin(width, ffn, key=keys[4]), lin(width, ffn, key=keys[5])
+        self.down = lin(ffn, width, key=keys[6])
+        self.heads = heads
+        self.attention = attention
+
+    def attend(self, q: Array, k: Array, v: Array) -> Array:
+        if self.attention == "stand-in":
+            with jax.named_scope(STAND_IN):
+                # q * k, not q + k: XLA would fold the sum's dgrad into one GEMM on the summed
+                # weights, dropping two of the three dgrad GEMMs that real attention has.
+                return q * k + v
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+
+    def __call__(self, x: Float[Array, "batch seq width"]) -> Float[Array, "batch seq width"]:
+        b, s, d = x.shape
+        h = self.attn_norm(x)
+        split = lambda t: t.reshape(b, s, self.heads, d // self.heads)  # noqa: E731
+        q, k, v = (split(linear(p, h)) for p in (self.q, self.k, self.v))
+        mixed = self.attend(rope(q), rope(k), v).reshape(b, s, d)
+        x = x + linear(self.o, mixed)
+        h = self.mlp_norm(x)
+        return x + linear(self.down, jax.nn.silu(linear(self.gate, h)) * linear(self.up, h))
+
+
+def loss(block: LlamaBlock, x: Float[Array, "batch seq width"]) -> Float[Array, ""]:
+    """Mean square of the block's output, activations in BF16 like the parameters."""
+    return jnp.mean(block(x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+
+def make_block(size: str, attention: str, key: Array | None = None) -> LlamaBlock:
+    shape = SHAPES[size]
+    key = jax.random.PRNGKey(0) if key is None else key
+    return LlamaBlock(shape["width"], shape["heads"], shape["ffn"], attention, key=key)
+
+
+def variant(block: LlamaBlock, name: str) -> Any:
+    """`block` as variant `name`: `"bf16"`, or a recipe of `train_steps.RECIPES` on every
+    Linear through `fp8jax.fp8_linear_layers` with the documented `Fp8Config`."""
+    if name == "bf16":
+        return block
+    if name not in train_steps.RECIPES:
+        choices = ["bf16", *train_steps.RECIPES]
+        raise ValueError(f"variant {name!r}: should be one of {choices}")
+    return fp8jax.fp8_linear_layers(block, fp8jax.Fp8Config(recipe=train_steps.RECIPES[name]))
+
+
+def step() -> Callable:
+    """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`."""
+    return train_steps.block_step(loss)
+
+
+def arguments(size: str, name: str, attention: str, abstract: bool) -> tuple[Any, Any]:
+    """`(block, x)` of variant `name`: shapes only when `abstract` (a deviceless compile),
+    real arrays otherwise."""
+    shape = SHAPES[size]
+    x_shape = (shape["batch"], shape["context"], shape["width"])
+    if abstract:
+        block = eqx.filter_eval_shape(lambda: variant(make_block(size, attention), name))
+        return block, jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    x = jax.random.normal(jax.random.PRNGKey(1), x_shape, jnp.bfloat16)
+    return variant(make_block(size, attention), name), x
+
+
+# --- what a deviceless H100 compile shows ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A compiled step, read from its HLO: kernels per step by kind, non-GEMM HBM bytes, GEMM
+    FLOPs per precision and temp memory."""
+
+    kernels: dict[str, int]
+    non_gemm_bytes: dict[str, int]
+    gemm_flops: dict[str, int]
+    temp_bytes: int
+
+    @property
+    def kernel_count(self) -> int:
+        return sum(self.kernels.values())
+
+
+def kind_of(kernel: Any) -> str:
+    """A kernel of `fp8jax.hlo_cost` as the summary names it: `"GEMM fp8"` / `"GEMM bf16"`,
+    `"attention"` (the stand-in's kernels, or cuDNN's), or its non-GEMM category."""
+    if kernel.category is None:
+        return f"GEMM {kernel.kind}"
+    if STAND_IN in kernel.op_name or "cudnn" in kernel.name:
+        return "attention"
+    return kernel.category
+
+
+def split(compiled: Any) -> Split:
+    """The `Split` of a compiled step (`jax.stages.Compiled`)."""
+    cost = fp8jax.hlo_cost(compiled.as_text())
+    kernels: collections.Counter[str] = collections.Counter()
+    bytes_: collections.Counter[str] = collections.Counter()
+    for k in cost.kernels:
+        kind = kind_of(k)
+        kernels[kind] += k.runs
+        if k.category is not None:
+            bytes_[kind] += k.bytes * k.runs
+    memory = compiled.memory_analysis()
+    return Split(dict(kernels), dict(bytes_), dict(cost.flops), int(memory.temp_size_in_bytes))
+
+
+def compile_deviceless(size: str, name: str) -> Any:
+    """Variant `name` of block `size`, its step compiled for one H100 (cuBLAS mode)."""
+    block, x = arguments(size, name, "stand-in", abstract=True)
+    topology = deviceless.h100_topology()
+    lowered, _ = deviceless.lower(step(), (block, x), {}, topology.devices[0])
+    return lowered.compile(compiler_options=fp8jax.gpu_compiler_options())
+
+
+def table(size: str, splits: dict[str, Split]) -> str:
+    base = splits["bf16"]
+    kinds = sorted({k for s in splits.values() for k in s.kernels})
+    rows = []
+    for name, s in splits.items():
+        other = sum(v for k, v in s.non_gemm_bytes.items() if k != "attention")
+        base_other = sum(v for k, v in base.non_gemm_bytes.items() if k != "attention")
+        rows.append(
+            [
+                name,
+                f"{s.kernel_count} ({s.kernel_count / base.kernel_count:.2f}x)",
+                *(s.kernels.get(k, 0) for k in kinds),
+                f"{other / 1e9:.2f} ({other / base_other:.2f}x)",
+                f"{s.temp_bytes / 2**30:.2f} ({s.temp_bytes / base.temp_bytes:.2f}x)",
+            ]
+        )
+    header = ["variant", "kernels", *kinds, "non-GEMM GB (x BF16)", "temp GiB (x BF16)"]
+    shape = SHAPES[size]
+    title = (
+        f"{size} block: width {shape['width']}, {shape['heads']} heads, SwiGLU {shape['ffn']}, "
+        f"{shape['batch']} x {shape['context']} tokens; deviceless H100, cuBLAS mode, "
+        "attention stand-in (its kernels under 'attention', its bytes left out)"
+    )
+    return title + "\n\n" + train_steps.table(rows, header)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Split]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="8B,1B")
+    parser.add_argument("--variants", default="bf16,delayed,current")
+    args = parser.parse_args(argv)
+    if deviceless.h100_topology() is None:
+        sys.exit("no CUDA plugin: install fp8jax[h100] for the deviceless H100 compile")
+    names = args.variants.split(",")
+    if names[0] != "bf16":
+        names = ["bf16", *names]
+    print(f"jax {jax.__version__}; fp8jax.gpu_compiler_options(); kernels per step by kind")
+    out = {}
+    for size in args.sizes.split(","):
+        out[size] = {n: split(compile_deviceless(size, n)) for n in names}
+        print("\n" + table(size, out[size]), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=120)
+    main()
