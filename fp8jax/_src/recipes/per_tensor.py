@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,9 @@ from .base import (
 )
 
 
-def _after(data: Array, new_state: TensorState) -> Array:
-    """`data`, available only once `new_state` (which records the amax of the tensor `data`
-    was cast from) is computed.
+def _after(data: Array, new_state: Any) -> Array:
+    """`data`, available only once `new_state` (the parts of the new state that record the
+    amax of the tensor `data` was cast from) is computed.
 
     A delayed scale comes from the history, so the cast does not wait for the amax it records,
     and nothing else needs that amax before the state leaves the step: XLA's scheduler then
@@ -128,7 +129,11 @@ class PerTensorRecipe(HybridFormats):
     ) -> tuple[QTensor, TensorState]:
         del axis
         scale, new_state = self.scale_for(x, state, role)
-        data = _after(quantize(x, scale, self.format(role)), new_state)
+        # The barrier waits for the newest amax alone: with the whole history behind it, XLA
+        # would write the history there, in a kernel of its own, instead of in the kernel
+        # that takes or keeps the state after the step.
+        newest = (new_state.scale, new_state.amax_history[..., :1])
+        data = _after(quantize(x, scale, self.format(role)), newest)
         return QTensor(data, 1.0 / scale), new_state
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
