@@ -182,12 +182,14 @@ def arguments(size: str, name: str, attention: str, abstract: bool) -> tuple[Any
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A compiled step, read from its HLO: kernels per step by kind, non-GEMM HBM bytes, GEMM
-    FLOPs per precision and temp memory."""
+    FLOPs per precision, temp memory and the cost model's ESTIMATE of its time
+    (`fp8jax.Cost.estimate_seconds`: GEMMs at peak, other kernels at HBM bandwidth)."""
 
     kernels: dict[str, int]
     non_gemm_bytes: dict[str, int]
     gemm_flops: dict[str, int]
     temp_bytes: int
+    estimate_s: float = 0.0
 
     @property
     def kernel_count(self) -> int:
@@ -215,7 +217,8 @@ def split(compiled: Any) -> Split:
         if k.category is not None:
             bytes_[kind] += k.bytes * k.runs
     memory = compiled.memory_analysis()
-    return Split(dict(kernels), dict(bytes_), dict(cost.flops), int(memory.temp_size_in_bytes))
+    temp = int(memory.temp_size_in_bytes)
+    return Split(dict(kernels), dict(bytes_), dict(cost.flops), temp, cost.estimate_seconds())
 
 
 def compile_deviceless(size: str, name: str) -> Any:
@@ -239,9 +242,17 @@ def table(size: str, splits: dict[str, Split]) -> str:
                 *(s.kernels.get(k, 0) for k in kinds),
                 f"{other / 1e9:.2f} ({other / base_other:.2f}x)",
                 f"{s.temp_bytes / 2**30:.2f} ({s.temp_bytes / base.temp_bytes:.2f}x)",
+                f"{s.estimate_s * 1e3:.2f} ({s.estimate_s / base.estimate_s:.2f}x)",
             ]
         )
-    header = ["variant", "kernels", *kinds, "non-GEMM GB (x BF16)", "temp GiB (x BF16)"]
+    header = [
+        "variant",
+        "kernels",
+        *kinds,
+        "non-GEMM GB (x BF16)",
+        "temp GiB (x BF16)",
+        "ESTIMATE ms (x BF16)",
+    ]
     shape = SHAPES[size]
     title = (
         f"{size} block: width {shape['width']}, {shape['heads']} heads, SwiGLU {shape['ffn']}, "

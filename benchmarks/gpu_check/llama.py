@@ -11,7 +11,8 @@ the check is (`timing.compile_and_time`: median of warm runs); each variant is g
 ratio to the BF16 step of the same size measured in the same run. Beside the time, the
 compiled step's HLO read as `llama_block.py` reads a deviceless compile
 (`llama_block.split`): kernels per step by kind, the HBM bytes of the non-GEMM kernels
-(attention's left out) and temp memory.
+(attention's left out), temp memory and the cost model's estimate (`fp8jax.hlo_cost` of the
+GPU's own HLO), to be kept honest against the measured time and the profile.
 
 Attention is cuDNN's flash attention on a GPU (`implementation="cudnn"`), XLA's in the dry
 run. Where a cuDNN step fails to compile or run, its error is recorded and that size goes on
@@ -93,6 +94,7 @@ def hlo_fields(compiled: Compiled) -> dict[str, Any]:
         "non_gemm_bytes": s.non_gemm_bytes,
         "gemm_flops": s.gemm_flops,
         "temp_bytes": s.temp_bytes,
+        "estimate_ms": s.estimate_s * 1e3,
     }
 
 
@@ -109,6 +111,8 @@ def ratios(fields: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
         out["non_gemm_bytes_vs_bf16"] = other_bytes(fields) / other_bytes(base)
     if base["temp_bytes"]:
         out["temp_vs_bf16"] = fields["temp_bytes"] / base["temp_bytes"]
+    if base["estimate_ms"]:
+        out["estimate_vs_bf16"] = fields["estimate_ms"] / base["estimate_ms"]
     return out
 
 
@@ -133,7 +137,8 @@ def _cells(rec: Recorder, size: str, name: str, fields: dict[str, Any], note: st
     hlo = (
         f"{fields['kernels']} kernels{times('kernels_vs_bf16')}, non-GEMM "
         f"{other_bytes(fields) / 1e9:.3g} GB{times('non_gemm_bytes_vs_bf16')}, temp "
-        f"{fields['temp_bytes'] / 2**30:.3g} GiB{times('temp_vs_bf16')}"
+        f"{fields['temp_bytes'] / 2**30:.3g} GiB{times('temp_vs_bf16')}, cost model ESTIMATE "
+        f"{fields['estimate_ms']:.3g} ms{times('estimate_vs_bf16')}"
     )
     rec.cell(SECTION, name, f"{size} step", step + note)
     rec.cell(SECTION, name, f"{size} compiled HLO", hlo)
