@@ -49,11 +49,35 @@ SHAPES: dict[str, dict[str, int]] = {
     "1B": dict(width=2048, heads=32, ffn=8192, batch=4, context=2048),
     "dry": dict(width=64, heads=4, ffn=128, batch=2, context=32),
 }
-#: The recipes compared with BF16: the benchmarks' own, and delayed scaling without its warm
-#: start (`warm_start=False`), whose cast need not wait for this step's amax.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CondWarmStart(fp8jax.DelayedScaling):
+    """Delayed scaling with its warm start behind a `lax.cond` (an experiment for the GPU
+    check, not a recipe of the library): an operand whose history holds an amax is cast with
+    the history's scale, with no wait for its own amax (which XLA may then compute in the
+    casting pass); one whose history is empty is cast with its own amax, as the warm start
+    does. The same numbers as `DelayedScaling()`. What a GPU must tell: the price of a
+    conditional per operand (XLA may read its predicate on the host)."""
+
+    def quantize(self, x: Array, state: Any, role: str, axis: int) -> tuple[Any, Any]:
+        parent = fp8jax.DelayedScaling.quantize
+        cold = dataclasses.replace(self, warm_start=False)
+        recorded = jnp.all(jnp.max(state.amax_history, axis=-1) > 0.0)
+        return jax.lax.cond(
+            recorded,
+            lambda: parent(cold, x, state, role, axis),
+            lambda: parent(self, x, state, role, axis),
+        )
+
+
+#: The recipes compared with BF16: the benchmarks' own, delayed scaling without its warm
+#: start (`warm_start=False`), whose cast need not wait for this step's amax, and with the
+#: warm start behind a conditional (`CondWarmStart`).
 RECIPES: dict[str, fp8jax.Recipe] = {
     **train_steps.RECIPES,
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
+    "delayed-cond": CondWarmStart(),
 }
 #: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
 ATTENTION = ("cudnn", "xla", "stand-in")

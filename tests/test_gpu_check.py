@@ -198,6 +198,49 @@ def test_llama_variants_of_every_mode_build(monkeypatch):
         assert block is not None, name
 
 
+def test_the_conditional_warm_start_computes_what_delayed_scaling_does(monkeypatch):
+    """`delayed-cond` (the warm start behind a `lax.cond`) must be timed against the same
+    numbers: three train steps of a layer, the first one warm, bit for bit with
+    `DelayedScaling()` (outputs, gradients, scales and histories); and without the warm start
+    the first step differs (so the comparison can fail)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import llama_block
+
+    import fp8jax
+
+    key = jax.random.PRNGKey(3)
+    x = 1e-3 * jax.random.normal(key, (64, 32))
+
+    def run(recipe):
+        layer = fp8jax.fp8_linear_layers(
+            eqx.nn.Linear(32, 48, key=key), fp8jax.Fp8Config(recipe=recipe)
+        )
+        step = eqx.filter_jit(
+            lambda m: fp8jax.filter_value_and_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(m)
+        )
+        seen = []
+        for _ in range(3):
+            loss, grads = step(layer)
+            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+            layer = fp8jax.apply_updates(layer, jax.tree.map(lambda g: -0.1 * g, grads), overwrites)
+            seen.append((loss, jax.tree.leaves(eqx.filter(layer, eqx.is_array))))
+        return seen
+
+    def same(a, b):
+        return all(
+            bool(jnp.array_equal(p, q))
+            for (la, xa), (lb, xb) in zip(a, b, strict=True)
+            for p, q in zip([la, *xa], [lb, *xb], strict=True)
+        )
+
+    reference = run(fp8jax.DelayedScaling())
+    assert same(run(llama_block.RECIPES["delayed-cond"]), reference)
+    assert not same(run(fp8jax.DelayedScaling(warm_start=False)), reference)
+
+
 # --- the profile section's reading of a trace, on hand-built kernels -------------------------
 
 #: HLO instruction -> kind, as `profile.hlo_kinds` gives them (also under the kernel names).

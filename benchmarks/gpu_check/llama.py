@@ -1,6 +1,6 @@
 """Section 4: the Llama-3-style block of `benchmarks/llama_block.py`, timed on the GPU, BF16
-against delayed scaling (with its warm start, the default, and without: `delayed-cold`),
-current (and, in the full run, blockwise) scaling.
+against delayed scaling (with its warm start, the default; without it, `delayed-cold`; with
+it behind a conditional, `delayed-cond`) and current scaling (the full run).
 
 Blocks (`llama_block.SHAPES`): "8B" (Llama-3-8B's: width 4096, 32 heads of 128, SwiGLU 14336,
 2 x 4096 tokens) and "1B" (Llama-3.2-1B's: width 2048, 32 heads of 64, SwiGLU 8192,
@@ -41,8 +41,8 @@ CUBLAS = fp8jax.gpu_compiler_options()
 SIZES = {"full": ["8B", "1B"], "quick": ["1B"], "dry": ["dry"]}
 #: mode -> variants (`llama_block.variant` names), BF16 first: the others' reference.
 VARIANTS = {
-    "full": ["bf16", "delayed", "delayed-cold", "current", "blockwise"],
-    "quick": ["bf16", "delayed", "delayed-cold", "current"],
+    "full": ["bf16", "delayed", "delayed-cold", "delayed-cond", "current"],
+    "quick": ["bf16", "delayed", "delayed-cold", "delayed-cond"],
     "dry": ["bf16", "delayed"],  # a CPU compile of the step takes about 10 s
 }
 #: Seconds of the budget one compile and timing of a size's step may need on a GPU.
