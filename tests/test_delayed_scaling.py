@@ -252,3 +252,53 @@ def test_warm_first_step_of_a_grouped_layer_matches_current_scaling():
         np.testing.assert_array_equal(
             getattr(warm_state.dot, role).scale, getattr(current_state.dot, role).scale
         )
+
+
+def test_apply_updates_merges_every_layer_at_once_as_each_would_alone():
+    """`apply_updates` merges all FP8 layers together (`merge_many`: stacked states, a few
+    kernels); each operand's state must still be taken or kept by the rule alone: taken when
+    its scale is positive and its scale and newest amax are finite. Checked against that
+    rule in NumPy, with a layer used (taken), unused (zero state: kept), fed an inf (kept,
+    counted in telemetry), and one layer object at two places of the tree, each place
+    merging its own received state."""
+    delayed = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=4), telemetry=True)
+    current = fp8jax.Fp8DotGeneral(fp8jax.CurrentScaling())
+    rng = np.random.default_rng(0)
+
+    def received(op, kind):
+        def state(s):
+            n = s.amax_history.shape[-1]
+            if kind == "unused":
+                return fp8jax.TensorState(jnp.zeros(()), jnp.zeros((n,)))
+            hist = rng.uniform(0.5, 2.0, n).astype(np.float32)
+            if kind == "inf":
+                hist[0] = np.inf
+            return fp8jax.TensorState(jnp.float32(rng.choice([2.0, 8.0])), jnp.asarray(hist))
+
+        new = eqx.tree_at(
+            lambda m: (m.input, m.kernel, m.output_grad),
+            op,
+            tuple(state(getattr(op, r)) for r in ("input", "kernel", "output_grad")),
+        )
+        return new
+
+    model = (delayed, current, delayed, current)
+    kinds = ("used", "unused", "inf", "used")
+    overwrites = tuple(received(op, k) for op, k in zip(model, kinds, strict=True))
+    out = fp8jax.apply_updates(model, None, overwrites)
+    for op, new, got, kind in zip(model, overwrites, out, kinds, strict=True):
+        for role in ("input", "kernel", "output_grad"):
+            old_s, new_s, got_s = (getattr(m, role) for m in (op, new, got))
+            scale, newest = float(new_s.scale), float(new_s.amax_history[0])
+            take = scale > 0 and np.isfinite(scale) and np.isfinite(newest)
+            assert take == (kind == "used"), (kind, role)
+            want = new_s if take else old_s
+            np.testing.assert_array_equal(got_s.scale, want.scale)
+            np.testing.assert_array_equal(got_s.amax_history, want.amax_history)
+    # Telemetry: the layer fed an inf counts a rejected step; the used one does not.
+    assert int(out[2].stats.input.rejected) == 1 and int(out[0].stats.input.rejected) == 0
+    # Merged together, as one by one.
+    for op, new, got in zip(model, overwrites, out, strict=True):
+        alone = op.merge(new)
+        for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -40,6 +40,13 @@ class OverwriteWithGradient(eqx.Module):
         """The state to keep, given the value `new` received through the gradient."""
         return new
 
+    @classmethod
+    def merge_many(cls, pairs: list[tuple[Any, Any]]) -> list[Any]:
+        """`[old.merge(new) for old, new in pairs]`, the modules all of this class: a
+        subclass may merge many modules' state at once (in a few kernels, not a few per
+        module)."""
+        return [old.merge(new) for old, new in pairs]
+
 
 def is_overwrite(x: Any) -> bool:
     """Whether `x` is FP8 state that the gradient overwrites (a pytree `is_leaf` test)."""
@@ -106,9 +113,26 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
     cut off by `stop_gradient`) keeps its state.
     """
 
+    if updates is None:
+        updates = jax.tree.map(lambda _: None, model, is_leaf=is_overwrite)
+
+    def is_leaf(x: Any) -> bool:
+        return x is None or is_overwrite(x)
+
+    # Every received module merged up front, those of one class together (`merge_many`),
+    # then handed out in the order the tree is walked.
+    pairs: dict[type, list[tuple[Any, Any]]] = {}
+
+    def collect(leaf: Any, over: Any) -> None:
+        if isinstance(leaf, OverwriteWithGradient) and over is not None:
+            pairs.setdefault(type(leaf), []).append((leaf, over))
+
+    jax.tree.map(collect, model, overwrites, is_leaf=is_leaf)
+    merged = {cls: iter(cls.merge_many(group)) for cls, group in pairs.items()}
+
     def update(leaf: Any, upd: Any, over: Any) -> Any:
         if isinstance(leaf, OverwriteWithGradient):
-            return leaf if over is None else leaf.merge(over)
+            return leaf if over is None else next(merged[type(leaf)])
         if over is not None:
             raise ValueError(
                 f"overwrites has a value where the model has {type(leaf).__name__}, not an "
@@ -116,11 +140,5 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
                 "partition_for_grad_overwrite(grads)."
             )
         return eqx.apply_updates(leaf, upd)
-
-    def is_leaf(x: Any) -> bool:
-        return x is None or is_overwrite(x)
-
-    if updates is None:
-        updates = jax.tree.map(lambda _: None, model, is_leaf=is_overwrite)
 
     return jax.tree.map(update, model, updates, overwrites, is_leaf=is_leaf)

@@ -178,12 +178,54 @@ class AbstractFp8Op(OverwriteWithGradient):
         reaches the GEMM's output as NaN); telemetry counts those steps in
         `stats.<role>.rejected`.
         """
-        received = {r: received_state(getattr(new, r)) for r in ROLES}
-        merged = {
-            r: pick_received(getattr(self, r), getattr(new, r), received[r][0]) for r in ROLES
-        }
-        if self.stats is not None:
-            merged["stats"] = self._merge_stats(new.stats, received)
-        return eqx.tree_at(
-            lambda m: tuple(getattr(m, name) for name in merged), self, tuple(merged.values())
-        )
+        return type(self).merge_many([(self, new)])[0]
+
+    @classmethod
+    def merge_many(cls, pairs: list[tuple[Any, Any]]) -> list[Any]:
+        """`[old.merge(new) for old, new in pairs]`, in a few kernels per step.
+
+        Merged one by one, each operand's state is taken or kept by a select per leaf: two
+        small kernels per operand and step. Here the per-tensor states of every role of
+        every op (a scalar scale, one history) are stacked by history length and taken or
+        kept by one select per leaf, which XLA writes, with the slices back to each state,
+        in a few kernels (a Llama block's step: 42 kernels fewer). The same values.
+        """
+        groups: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        for i, (old, _) in enumerate(pairs):
+            for r in ROLES:
+                state = getattr(old, r)
+                if type(state) is TensorState and jnp.ndim(state.scale) == 0:
+                    groups.setdefault(jnp.shape(state.amax_history), []).append((i, r))
+                else:  # a state of its own kind, or one per expert: merged on its own
+                    groups[(i, r)] = [(i, r)]
+        merged: dict[tuple[int, str], Any] = {}
+        received: dict[tuple[int, str], tuple[Array, Array]] = {}
+        for slots in groups.values():
+            if len(slots) == 1:
+                ((i, r),) = slots
+                old, new = getattr(pairs[i][0], r), getattr(pairs[i][1], r)
+                received[i, r] = received_state(new)
+                merged[i, r] = pick_received(old, new, received[i, r][0])
+                continue
+            old, new = (
+                jax.tree.map(lambda *a: jnp.stack(a), *(getattr(pairs[i][k], r) for i, r in slots))
+                for k in (0, 1)
+            )
+            take, reject = received_state(new)
+            kept = pick_received(old, new, take)
+            for n, slot in enumerate(slots):
+                merged[slot] = jax.tree.map(lambda a, n=n: a[n], kept)
+                received[slot] = take[n], reject[n]
+        out = []
+        for i, (old, new) in enumerate(pairs):
+            states = {r: merged[i, r] for r in ROLES}
+            if old.stats is not None:
+                states["stats"] = old._merge_stats(new.stats, {r: received[i, r] for r in ROLES})
+            out.append(
+                eqx.tree_at(
+                    lambda m, names=tuple(states): tuple(getattr(m, n) for n in names),
+                    old,
+                    tuple(states.values()),
+                )
+            )
+        return out
