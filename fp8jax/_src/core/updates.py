@@ -26,7 +26,9 @@ class OverwriteWithGradient(eqx.Module):
     """Marker for state whose gradient *is* its new value, to overwrite rather than add.
 
     Subclasses may override [`fp8jax.OverwriteWithGradient.merge`][] to decide, leaf by leaf,
-    whether a received value is taken. Abstract: only subclasses are made.
+    whether a received value is taken, and
+    [`merge_many`][fp8jax.OverwriteWithGradient.merge_many] to merge many modules at once.
+    Abstract: only subclasses are made.
     """
 
     def __check_init__(self) -> None:
@@ -110,7 +112,8 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
 
     **Returns:** the updated model. Each FP8 module decides through its `merge` which received
     values it takes: an `Fp8DotGeneral` that got no gradient this step (unused, or its output
-    cut off by `stop_gradient`) keeps its state.
+    cut off by `stop_gradient`) keeps its state. The modules of one class are merged together
+    (their class's `merge_many`), so that XLA writes every layer's state in a few kernels.
     """
 
     if updates is None:

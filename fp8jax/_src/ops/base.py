@@ -193,24 +193,26 @@ class AbstractFp8Op(OverwriteWithGradient):
         there the slices cost as many kernels as the selects, and the stacking changed XLA's
         schedule enough to raise temp memory (`tests/test_memory.py`).
         """
-        groups: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        stacks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        alone: list[tuple[int, str]] = []
         for i, (old, _) in enumerate(pairs):
             for r in ROLES:
                 state = getattr(old, r)
-                shape = jnp.shape(state.amax_history)
-                if type(state) is TensorState and jnp.ndim(state.scale) == 0 and shape[0] > 1:
-                    groups.setdefault(shape, []).append((i, r))
-                else:  # one amax, a state of its own kind, or one per expert: on its own
-                    groups[(i, r)] = [(i, r)]
+                if (
+                    type(state) is TensorState
+                    and jnp.ndim(state.scale) == 0
+                    and jnp.shape(state.amax_history)[0] > 1
+                ):
+                    stacks.setdefault(jnp.shape(state.amax_history), []).append((i, r))
+                else:  # one amax, a state of its own kind, or one per expert
+                    alone.append((i, r))
         merged: dict[tuple[int, str], Any] = {}
         received: dict[tuple[int, str], tuple[Array, Array]] = {}
-        for slots in groups.values():
-            if len(slots) == 1:
-                ((i, r),) = slots
-                old, new = getattr(pairs[i][0], r), getattr(pairs[i][1], r)
-                received[i, r] = received_state(new)
-                merged[i, r] = pick_received(old, new, received[i, r][0])
-                continue
+        for i, r in alone:
+            old, new = getattr(pairs[i][0], r), getattr(pairs[i][1], r)
+            received[i, r] = received_state(new)
+            merged[i, r] = pick_received(old, new, received[i, r][0])
+        for slots in stacks.values():
             old, new = (
                 jax.tree.map(lambda *a: jnp.stack(a), *(getattr(pairs[i][k], r) for i, r in slots))
                 for k in (0, 1)
