@@ -1,6 +1,6 @@
 """A Llama-3-style block's train step, BF16 against FP8: where the FP8 step's extra work is.
 
-    python benchmarks/llama_block.py [--sizes 8B,1B] [--variants bf16,delayed,current]
+    python benchmarks/llama_block.py [--sizes 8B,1B] [--variants bf16,delayed,delayed-cold,...]
         | tee benchmarks/results/llama_block_deviceless.txt
 
 The model of `../shared/measurements/h100-2026-11-27.md` (issue 38), in plain Equinox: RMSNorm,
@@ -19,8 +19,10 @@ each step for an H100 without one (cuBLAS mode: `fp8jax.gpu_compiler_options()`)
 attention does not compile: attention is then a stand-in `q * k + v` of the same shapes and
 gradient paths, the same in every variant. It prints, per variant, what the CPU can measure
 of the GPU's step: kernels per step by kind (`fp8jax.hlo_cost`'s categories), the HBM bytes of
-every non-GEMM kernel, the GEMM FLOPs per precision and temp memory (`memory_analysis`), each
-beside BF16's. Kernel counts and bytes are read from the compiled HLO, not timed.
+every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTIMATE of the
+step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not
+timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start)
+and `delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`).
 """
 
 from __future__ import annotations
