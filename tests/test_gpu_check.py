@@ -545,3 +545,21 @@ def test_profile_section_on_a_gpu_trace(profile, monkeypatch, tmp_path):
     top = saved["dry delayed"]["top"]
     assert (top[0]["name"], top[0]["bucket"], top[0]["count"]) == ("gemm", "GEMM fp8", 2)
     assert saved["dry delayed"]["steps_split_by"] == "step annotations"
+
+
+def test_delayed_scalings_state_adds_no_kernels_over_current_scalings(monkeypatch):
+    """Issue 38: delayed scaling's history (its update, finiteness check and merge) is written
+    in a few kernels per step, not a few per operand: the tiny Llama block's step compiled
+    for an H100 has no more kernels than current scaling's (before: 248 against 166)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import llama_block
+
+    from fp8jax._src.observe import deviceless
+
+    if deviceless.h100_topology() is None:
+        pytest.skip("needs the CUDA plugin (the h100 extra)")
+    counts = {
+        name: llama_block.split(llama_block.compile_deviceless("dry", name)).kernel_count
+        for name in ("delayed", "current")
+    }
+    assert counts["delayed"] <= counts["current"], counts
