@@ -99,7 +99,9 @@ def hlo_fields(compiled: Compiled) -> dict[str, Any]:
 
 
 def other_bytes(fields: dict[str, Any]) -> int:
-    """Non-GEMM HBM bytes of a step, attention's left out (as `llama_block.table` counts)."""
+    """Non-GEMM HBM bytes of a step, attention's left out: on a GPU it is cuDNN's flash
+    attention, the same work in every variant, not FP8's. (`llama_block.table` counts every
+    non-GEMM kernel: its attention is a stand-in that XLA fuses into FP8's casts.)"""
     return sum(v for k, v in fields["non_gemm_bytes"].items() if k != "attention")
 
 
