@@ -114,6 +114,33 @@ def test_warm_start_is_not_part_of_the_checkpoint(tmp_path):
         fp8jax.load_checkpoint(path, wrong, backend="orbax")
 
 
+def test_a_checkpoint_whose_scales_lag_its_histories_resumes_from_the_histories(tmp_path):
+    """Delayed scaling's state keeps the scale its next step uses (computed from the history
+    when a step is merged); fp8jax before that kept the scale its latest step used. Restoring
+    recomputes each scale from its history: such a checkpoint resumes as this version's own
+    does, and this version's comes back bit for bit (the recomputation changes nothing)."""
+    step, state = build(jax.random.key(0))
+    state = run(step, state, 0, 3)
+
+    def is_layer(node):
+        return isinstance(node, fp8jax.Fp8DotGeneral)
+
+    layers = [n for n in jax.tree.leaves(state, is_leaf=is_layer) if is_layer(n)]
+    assert layers and all(float(op.input.scale) not in (0.0, 1.0) for op in layers)
+
+    def lagging(node):  # the scale of an earlier step, as an older version stored it
+        if not is_layer(node):
+            return node
+        return eqx.tree_at(lambda op: op.input.scale, node, node.input.scale * 4.0)
+
+    older = jax.tree.map(lagging, state, is_leaf=is_layer)
+    assert bits(older) != bits(state)
+    _, like = build(jax.random.key(1))
+    for saved in (older, state):
+        fp8jax.save_checkpoint(tmp_path / "ckpt", saved)
+        assert bits(fp8jax.load_checkpoint(tmp_path / "ckpt", like)) == bits(state)
+
+
 @needs_orbax
 def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
     """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores

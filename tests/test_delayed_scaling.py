@@ -31,6 +31,15 @@ def ref_update(
     return np.float32(scale), history
 
 
+def ref_next_scale(scale, history, fmt_max, margin, amax_compute, power_of_two, warm_start):
+    """The scale the reference's next step uses, as the merged state holds it: 0 ("no amax
+    yet") for a warm-starting history without an amax, whose next step scales by its own."""
+    if warm_start and not history.max() > 0:
+        return np.float32(0.0)
+    rules = (fmt_max, margin, amax_compute, power_of_two)
+    return ref_update(scale, history.copy(), np.float32(0.0), *rules)[0]
+
+
 class Layer(eqx.Module):
     weight: jax.Array
     dot: fp8jax.Fp8DotGeneral
@@ -104,8 +113,16 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
                 recipe.warm_start,
             )
             state = getattr(layer.dot, role)
+            want = ref_next_scale(
+                *ref[role],
+                fmt_max[role],
+                recipe.margin,
+                recipe.amax_compute,
+                recipe.power_of_two,
+                recipe.warm_start,
+            )
             np.testing.assert_array_equal(
-                np.asarray(state.scale), ref[role][0], err_msg=f"{role} scale, step {t}"
+                np.asarray(state.scale), want, err_msg=f"{role} next scale, after step {t}"
             )
             np.testing.assert_array_equal(
                 np.asarray(state.amax_history), ref[role][1], err_msg=f"{role} history, step {t}"
@@ -120,8 +137,9 @@ def test_scale_of_step_comes_from_history_before_the_step():
     layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
     x0 = jnp.array([[4.0, 0.0]])
     grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x0)))(layer)
+    assert float(grads.dot.input.scale) == 1.0  # step 0 used TE's 1.0 (empty history)
     layer = eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
-    assert float(layer.dot.input.scale) == 1.0  # history was empty at step 0 (TE's 1.0)
+    assert float(layer.dot.input.scale) == 64.0  # what step 1 uses, kept in the state
     x1 = np.array([[9.0, 0.0]], np.float32)
     y1 = float(layer(x1)[0, 0])
     # Step 1 uses 448 / 4 = 112 (the amax of step 0), rounded down to 64, under which 9.0
@@ -206,17 +224,18 @@ def test_warm_start_lasts_until_the_first_amax():
     recipe = fp8jax.DelayedScaling(history_len=3, amax_compute="most_recent")
     layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
 
-    def step(layer, x):
-        grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x)))(layer)
-        return eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
-
-    scales = []
-    for x in ([[0.0, 0.0]], [[3.0, 0.0]], [[0.0, 0.0]], [[100.0, 0.0]]):
-        layer = step(layer, jnp.array(x))
-        scales.append(float(layer.dot.input.scale))
-    # 1.0 kept (nothing to scale by); warm: 448 / 3 -> 128; delayed: history [3] -> 128;
+    used, kept = [], []
+    for row in ([[0.0, 0.0]], [[3.0, 0.0]], [[0.0, 0.0]], [[100.0, 0.0]]):
+        x = jnp.array(row)
+        grads = fp8jax.filter_grad(lambda m, x=x: jnp.sum(m(x)))(layer)
+        used.append(float(grads.dot.input.scale))  # the step's scale, in its new state
+        layer = eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
+        kept.append(float(layer.dot.input.scale))  # the scale the next step uses
+    # 1.0 (nothing to scale by); warm: 448 / 3 -> 128; delayed: history [3] -> 128;
     # delayed: most recent amax 0 keeps 128 (the step's own 100 would give 4).
-    assert scales == [1.0, 128.0, 128.0, 128.0]
+    assert used == [1.0, 128.0, 128.0, 128.0]
+    # Merged: 0 while no amax is recorded (the next step is warm), then from the history.
+    assert kept == [0.0, 128.0, 128.0, 4.0]
 
 
 class Experts(eqx.Module):
@@ -293,7 +312,12 @@ def test_apply_updates_merges_every_layer_at_once_as_each_would_alone():
             take = scale > 0 and np.isfinite(scale) and np.isfinite(newest)
             assert take == (kind == "used"), (kind, role)
             want = new_s if take else old_s
-            np.testing.assert_array_equal(got_s.scale, want.scale)
+            want_scale = np.asarray(want.scale)
+            if isinstance(op.recipe, fp8jax.DelayedScaling):  # the scale its next step uses
+                fmt_max = 57344.0 if role == "output_grad" else 448.0
+                history = np.asarray(want.amax_history)
+                want_scale = ref_next_scale(want_scale, history, fmt_max, 0.0, "max", True, True)
+            np.testing.assert_array_equal(got_s.scale, want_scale)
             np.testing.assert_array_equal(got_s.amax_history, want.amax_history)
     # Telemetry: the layer fed an inf counts a rejected step; the used one does not.
     assert int(out[2].stats.input.rejected) == 1 and int(out[0].stats.input.rejected) == 0

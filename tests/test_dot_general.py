@@ -295,13 +295,21 @@ def test_saves_only_fp8_operands_and_scales(capsys):
     assert sorted(int(np.prod(s)) for _, s in operands) == [16 * 8, 32 * 16], saved
 
 
-def test_forward_uses_history_scale_not_stored_scale():
-    """Delayed scaling: once the history has an amax, the scale comes from it."""
-    dot = with_state(fp8jax.Fp8DotGeneral(), "input", scale=1.0, amax=4.0)
-    x = jnp.array([[9.0]])
-    w = jnp.array([[1.0]])
-    got = dot(x, w, (((1,), (0,)), ((), ())))
-    # 448 / 4 = 112, rounded down to 64: 9.0 saturates at 448 / 64 = 7.
-    want = ref_qdq(np.float32(9.0), pow2_scale(448, 4.0), "e4m3")
-    assert float(np.asarray(got)[0, 0]) == want == 7.0
-    assert ref_qdq(np.float32(9.0), 1.0, "e4m3") == 9.0  # the stored scale would not clip
+def test_forward_uses_the_scale_merged_from_the_history():
+    """Delayed scaling: the forward uses the state's scale, which merging the previous step's
+    state computed from the history (not this step's amax, and not a scale the history
+    would not give)."""
+    dims = (((1,), (0,)), ((), ()))
+    x, w = jnp.array([[9.0]]), jnp.array([[1.0]])
+    fresh = fp8jax.Fp8DotGeneral()
+    # A received state whose history holds amax 4: merged, its scale is 448 / 4 = 112, rounded
+    # down to 64, whatever scale it came with.
+    received = with_state(fresh, "input", scale=1.0, amax=4.0)
+    dot = fresh.merge(received)
+    assert float(dot.input.scale) == pow2_scale(448, 4.0) == 64.0
+    got = dot(x, w, dims)
+    # Under 64, 9.0 saturates at 448 / 64 = 7; its own amax (a scale of 32) would not clip.
+    assert float(np.asarray(got)[0, 0]) == ref_qdq(np.float32(9.0), 64.0, "e4m3") == 7.0
+    assert ref_qdq(np.float32(9.0), pow2_scale(448, 9.0), "e4m3") == 9.0
+    # The stored scale is what the forward reads: another one gives another result.
+    assert float(np.asarray(with_state(dot, "input", scale=32.0)(x, w, dims))[0, 0]) == 9.0

@@ -187,6 +187,7 @@ def test_delayed_scaling_matches_flax_fp8_direct_dot_general():
         x = jnp.asarray(rng.standard_normal((8, 32)) * 2.0**i, jnp.float32)
         c = jnp.asarray(rng.standard_normal((8, 16)) * 3.0**i, jnp.float32)
         out_flax, flax_state = flax_step(flax_variables, x, c)
+        before = state_of(variables, "fc")  # holds the scales this step uses
         out, new_state = our_step(variables, x, c)
         np.testing.assert_allclose(out, out_flax, rtol=2e-6, atol=1e-6)
         flax_variables = {**flax_variables, OWG: flax_state}
@@ -196,8 +197,10 @@ def test_delayed_scaling_matches_flax_fp8_direct_dot_general():
             np.testing.assert_array_equal(
                 getattr(state, role).amax_history, theirs[f"{role}_amax_history"]
             )
+            # Flax stores the reciprocal of the scale this step used, which fp8jax's state
+            # held before the step (after it, it holds the next step's).
             np.testing.assert_allclose(
-                getattr(state, role).scale, 1.0 / theirs[f"{role}_scale"][0], rtol=1e-6
+                getattr(before, role).scale, 1.0 / theirs[f"{role}_scale"][0], rtol=1e-6
             )
         if i:
             assert float(state.input.scale) != 1.0  # the histories are in use
@@ -491,15 +494,30 @@ def test_the_train_state_keeps_the_state_of_a_layer_that_did_not_run():
 
     ours = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
     flax = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
+
+    def merged(taken: fp8jax.Fp8DotGeneral) -> fp8jax.Fp8DotGeneral:
+        # A received state as merge keeps it: delayed scaling's scale becomes the one its
+        # next step uses (from the history); Flax's TrainState keeps the scale just used.
+        def role(r):
+            s = getattr(taken, r)
+            scale = taken.recipe.next_scale(s.scale, s.amax_history, r)
+            return fp8jax.TensorState(scale, s.amax_history)
+
+        roles = ("input", "kernel", "output_grad")
+        states = [role(r) for r in roles]
+        return eqx.tree_at(lambda m: [getattr(m, r) for r in roles], taken, states)
+
     ours, flax = step(ours, True), step(flax, True)
-    assert_same(ours.params, flax.params)  # both layers ran: the same step
+    assert_same(ours.params["params"], flax.params["params"])  # both layers ran: the same step
+    for layer in ("fc1", "fc2"):
+        assert_same(state_of(ours.params, layer), merged(state_of(flax.params, layer)))
     ran = state_of(ours.params, "fc2")
     ours, flax = step(ours, False), step(flax, False)
     # fc2 did not run: Flax's TrainState overwrites its state with the zero gradient (scale 0
     # would zero the layer's next output); fp8jax's keeps it. fc1 moved on in both.
     assert_same(state_of(ours.params, "fc2"), ran)
     assert float(state_of(flax.params, "fc2").input.scale) == 0.0
-    assert_same(state_of(ours.params, "fc1"), state_of(flax.params, "fc1"))
+    assert_same(state_of(ours.params, "fc1"), merged(state_of(flax.params, "fc1")))
     assert int(ours.step) == 2
     # The optimizer saw only the params: no moment estimate of a scale.
     assert jax.tree.structure(ours.opt_state[0].mu) == jax.tree.structure(variables["params"])

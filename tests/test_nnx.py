@@ -197,6 +197,7 @@ def test_delayed_scaling_matches_flax_linen_fp8_direct_dot_general():
     for step in range(4):
         x = jnp.asarray(rng.standard_normal((8, 32)) * 2.0**step, jnp.float32)
         c = jnp.asarray(rng.standard_normal((8, 16)) * 3.0**step, jnp.float32)
+        before = ours.fc.dot_general.value()  # holds the scales this step uses
         out, grads, _ = nnx_forward_and_grads(ours, x, c)
         out_flax, flax_state = flax_step(flax_state, x, c)
         np.testing.assert_allclose(out, out_flax, rtol=2e-6, atol=1e-6)
@@ -207,9 +208,10 @@ def test_delayed_scaling_matches_flax_linen_fp8_direct_dot_general():
             np.testing.assert_array_equal(
                 ours_role.amax_history, flax_state[f"{role}_amax_history"]
             )
-            # The scale the next step uses: Flax stores its reciprocal.
+            # Flax stores the reciprocal of the scale this step used, which fp8jax's state
+            # held before the step (after it, it holds the next step's).
             np.testing.assert_allclose(
-                ours_role.scale, 1.0 / flax_state[f"{role}_scale"][0], rtol=1e-6
+                getattr(before, role).scale, 1.0 / flax_state[f"{role}_scale"][0], rtol=1e-6
             )
         if step:
             assert float(state.input.scale) != 1.0  # the histories are in use

@@ -78,10 +78,12 @@ def test_per_tensor_statistics_match_ml_dtypes(recipe, operands):
         x_t, w_t, c_t = x * (1 + 3 * step), w, c * (1 + 3 * step)  # step 2 outgrows history
         grads = run(dot, x_t, w_t, c_t)
         new = fp8jax.apply_updates(dot, None, grads)
+        # The scales this step used, as its new state came in (merged, delayed scaling's
+        # state holds the next step's).
         expected = {
-            "input": ref_stats(x_t, new.input.scale, "e4m3"),
-            "kernel": ref_stats(w_t, new.kernel.scale, "e4m3"),
-            "output_grad": ref_stats(c_t, new.output_grad.scale, "e5m2"),
+            "input": ref_stats(x_t, grads.input.scale, "e4m3"),
+            "kernel": ref_stats(w_t, grads.kernel.scale, "e4m3"),
+            "output_grad": ref_stats(c_t, grads.output_grad.scale, "e5m2"),
         }
         check(new.stats, expected)
         if recipe == "delayed" and step:

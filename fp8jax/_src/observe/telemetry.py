@@ -36,8 +36,10 @@ class OperandTelemetry(eqx.Module):
 
     **Fields** (float32; with a leading layer axis for stacked layers):
 
-    - `scale`: the scale values were multiplied by before the cast (block recipes: the
-      nominal `fp8_max / amax`).
+    - `scale`: the state's scale: under delayed scaling the one the next step multiplies
+      values by before the cast (computed from the history after each step, as Transformer
+      Engine does; 0 before the first amax with the warm start), under current scaling the
+      latest step's (block recipes: the nominal `fp8_max / amax`).
     - `amax`: the latest amax, `amax_history[0]`.
     - `history_max`: the largest amax the history remembers.
     - `saturated`, `underflow`: the fractions of values clipped at the format's max and flushed

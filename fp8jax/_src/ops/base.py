@@ -16,7 +16,8 @@ from jaxtyping import Array
 from ..core.stats import Fp8Stats
 from ..core.updates import OverwriteWithGradient
 from ..gemm.vjp import States
-from ..recipes import ROLES, Recipe, TensorState
+from ..recipes import ROLES, DelayedScaling, Recipe, TensorState
+from ..recipes.per_tensor import next_scales
 
 #: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
 SCOPE = "fp8jax"
@@ -185,12 +186,13 @@ class AbstractFp8Op(OverwriteWithGradient):
         """`[old.merge(new) for old, new in pairs]`, in a few kernels per step.
 
         Merged one by one, each operand's state is taken or kept by a select per leaf: two
-        small kernels per operand and step. Here the per-tensor states with an amax history
-        (delayed scaling's) of every role of every op are stacked by history length and
-        taken or kept by one select per leaf, which XLA writes, with the slices back to each
-        state, in a few kernels (a Llama block's step: 39 kernels fewer). The same values.
-        States of a single amax (current scaling's, the block recipes') stay one by one:
-        there the slices cost as many kernels as the selects, and the stacking changed XLA's
+        small kernels per operand and step. Here the delayed-scaling states of every role of
+        every op are stacked by history length, taken or kept by one select per leaf, and
+        given the scale their next step uses (`next_scales`: one reduction over all the
+        histories, where the forward would reduce each one), which XLA writes, with the
+        slices back to each state, in a few kernels. The same values. Other states (a single
+        amax: current scaling's, the block recipes'; one per expert) stay one by one: there
+        the slices cost as many kernels as the selects, and the stacking changed XLA's
         schedule enough to raise temp memory (`tests/test_memory.py`).
         """
         stacks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
@@ -199,7 +201,8 @@ class AbstractFp8Op(OverwriteWithGradient):
             for r in ROLES:
                 state = getattr(old, r)
                 if (
-                    type(state) is TensorState
+                    isinstance(old.recipe, DelayedScaling)
+                    and type(state) is TensorState
                     and jnp.ndim(state.scale) == 0
                     and jnp.shape(state.amax_history)[0] > 1
                 ):
@@ -211,7 +214,12 @@ class AbstractFp8Op(OverwriteWithGradient):
         for i, r in alone:
             old, new = getattr(pairs[i][0], r), getattr(pairs[i][1], r)
             received[i, r] = received_state(new)
-            merged[i, r] = pick_received(old, new, received[i, r][0])
+            kept = pick_received(old, new, received[i, r][0])
+            recipe = pairs[i][0].recipe
+            if isinstance(recipe, DelayedScaling) and type(kept) is TensorState:
+                scale = recipe.next_scale(kept.scale, kept.amax_history, r)
+                kept = TensorState(scale, kept.amax_history)
+            merged[i, r] = kept
         for slots in stacks.values():
             old, new = (
                 jax.tree.map(lambda *a: jnp.stack(a), *(getattr(pairs[i][k], r) for i, r in slots))
@@ -219,8 +227,12 @@ class AbstractFp8Op(OverwriteWithGradient):
             )
             take, reject = received_state(new)
             kept = pick_received(old, new, take)
+            rules = [(pairs[i][0].recipe, r) for i, r in slots]
+            scales = next_scales(kept.scale, kept.amax_history, rules)
             for n, slot in enumerate(slots):
-                merged[slot] = jax.tree.map(lambda a, n=n: a[n], kept)
+                # A scale is never negative; clamped after the slice, every state's scale is
+                # an output of one fusion, where a plain slice was a kernel of its own each.
+                merged[slot] = TensorState(jnp.maximum(scales[n], 0.0), kept.amax_history[n])
                 received[slot] = take[n], reject[n]
         out = []
         for i, (old, new) in enumerate(pairs):

@@ -52,9 +52,11 @@ class TensorState(eqx.Module):
 
     **Fields:**
 
-    - `scale`: the per-tensor scale used at the latest step; values are multiplied by it before
-      the cast (Transformer Engine's convention; Flax stores `1 / scale`). Block-scaled recipes
-      record `fp8_max / amax` here, for telemetry.
+    - `scale`: the per-tensor scale; values are multiplied by it before the cast (Transformer
+      Engine's convention; Flax stores `1 / scale`). Delayed scaling keeps the scale its next
+      step uses, computed from the history when the step's state is merged (0 while the
+      history holds no amax and the warm start is on); current scaling the scale of the
+      latest step. Block-scaled recipes record `fp8_max / amax` here, for telemetry.
     - `amax_history`: recent amaxes, newest at index 0, the second newest at the end
       (Transformer Engine rolls by -1, then writes index 0). Recipes without a history keep one.
     """

@@ -8,8 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jaxtyping import Array, Float
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float
 
 from ..core import jax_private
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
@@ -51,26 +53,32 @@ MAX_SCALE: float = 2.0**126
 
 
 def compute_scale(
-    amax_value: Float[Array, ""],
-    previous: Float[Array, ""],
-    fmt_max: float,
-    margin: float = 0.0,
-    power_of_two: bool = False,
-) -> Float[Array, ""]:
+    amax_value: Float[Array, "*lead"],
+    previous: Float[Array, "*lead"],
+    fmt_max: Float[ArrayLike, "*#lead"],
+    margin: Float[ArrayLike, "*#lead"] = 0.0,
+    power_of_two: bool | Bool[ArrayLike, "*#lead"] = False,
+) -> Float[Array, "*lead"]:
     """`fmt_max / (amax * 2**margin)`, or `previous` where `amax` is zero or not finite.
 
     With `power_of_two`, the largest power of two not above that: then `1 / scale` is exact,
     and so is the product of two such inverses in BF16 (see [`fp8jax.PerTensorRecipe`][]).
     A tiny amax would give a scale whose inverse is a subnormal float32, which XLA flushes to
-    zero; scales are therefore capped at `2**126` (`MAX_SCALE`).
+    zero; scales are therefore capped at `2**126` (`MAX_SCALE`). `fmt_max`, `margin` and
+    `power_of_two` may be arrays that broadcast against `amax_value` (one per state of a
+    stack: merged states of many layers get their scales in one pass).
     """
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
     # Times 2**-margin (a float32 constant), not divided by 2**margin: XLA may turn a division
     # by a constant into a multiplication anyway, so the result would depend on the backend.
-    fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * jnp.float32(2.0**-margin)
+    factor = np.asarray(2.0 ** -np.asarray(margin, np.float64), np.float32)
+    fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * factor
     fresh = jnp.minimum(fresh, MAX_SCALE)
-    if power_of_two:
-        fresh = pow2(floor_log2(fresh))
+    if isinstance(power_of_two, bool):
+        if power_of_two:
+            fresh = pow2(floor_log2(fresh))
+    else:
+        fresh = jnp.where(power_of_two, pow2(floor_log2(fresh)), fresh)
     return jnp.where(ok, fresh, previous)
 
 
@@ -169,8 +177,16 @@ class DelayedScaling(PerTensorRecipe):
     `scale = fp8_max / (amax * 2**margin)` (rounded down to a power of two unless
     `power_of_two=False`), kept unchanged when `amax` is zero or not finite.
 
+    As in Transformer Engine, that scale is computed after each step, once the step's amax
+    is in the history: merging the step's new state ([`fp8jax.apply_updates`][] and the
+    other train-state helpers, through [`fp8jax.Fp8DotGeneral.merge`][]) stores in
+    `TensorState.scale` the scale the next step uses, for every layer at once in a few
+    kernels, and the forward reads it as it is, with no reduction over the history per
+    operand and step.
+
     **A warm first step.** While the history holds no amax yet (a fresh layer, or one just
-    converted from a trained BF16 checkpoint), the operand is scaled by its own amax, as
+    converted from a trained BF16 checkpoint; its state's scale is then 0), the operand is
+    scaled by its own amax, as
     [`fp8jax.CurrentScaling`][] would: Transformer Engine and Haliax scale by 1.0 then, and
     a small tensor (an output gradient of `1e-6`, say) underflows E5M2 and E4M3 entirely, so
     the first steps' weight gradients come out zero. From the first recorded amax on, the
@@ -214,23 +230,81 @@ class DelayedScaling(PerTensorRecipe):
         check_flags(self, "warm_start")
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
+        # With the warm start, scale 0 says "no amax recorded yet": the first step then
+        # scales by its own amax. Without it, Transformer Engine's 1.0.
         return TensorState(
-            scale=jnp.ones((), jnp.float32),
+            scale=jnp.full((), 0.0 if self.warm_start else 1.0, jnp.float32),
             amax_history=jnp.zeros((self.history_len,), jnp.float32),
         )
 
     def scale_for(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
-        history = state.amax_history
-        ref = jnp.max(history, axis=-1) if self.amax_compute == "max" else history[..., 0]
+        # The state's scale is the one this step uses, computed from the history when the
+        # previous step's state was merged (`next_scales`): no reduction over the history
+        # here, one per operand and step otherwise.
         current = self.amax(x, state.scale)
         if self.warm_start:
-            # No amax recorded yet: nothing to delay, so use this step's own.
-            ref = jnp.where(jnp.max(history, axis=-1) > 0.0, ref, current)
-        fmt_max = fp8_max(self.format(role))
-        scale = compute_scale(ref, state.scale, fmt_max, self.margin, self.power_of_two)
-        return scale, TensorState(scale, roll_in(history, current))
+            fmt_max = fp8_max(self.format(role))
+            fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
+        else:
+            fallback = 1.0
+        scale = jnp.where(state.scale > 0.0, state.scale, fallback)
+        return scale, TensorState(scale, roll_in(state.amax_history, current))
+
+    def next_scale(
+        self, scale: Float[Array, "*lead"], history: Float[Array, "*lead n"], role: Role
+    ) -> Float[Array, "*lead"]:
+        """The scale the step after this one uses: from `history` (this step's amax already
+        rolled in), or `scale` (this step's) where that holds no usable amax. See
+        `next_scales`."""
+        return next_scales(scale, history, [(self, role)])
+
+
+def next_scales(
+    scale: Float[Array, "*lead"],
+    history: Float[Array, "*lead n"],
+    rules: list[tuple[DelayedScaling, Role]],
+) -> Float[Array, "*lead"]:
+    """The scales the next step of delayed-scaling states uses, computed once their step's
+    state is merged, for a stack of states at once.
+
+    `fmt_max / (amax * 2**margin)` with `amax` the history's max (or its newest entry for
+    `amax_compute="most_recent"`), rounded down to a power of two unless
+    `power_of_two=False`; `scale` where that amax is zero or not finite; and 0 ("no amax
+    yet") while a history with the warm start holds no amax at all. Transformer Engine
+    computes the same after each step (`amax_and_scale_update`), where fp8jax's forward
+    once reduced every history itself: a kernel per operand and step.
+
+    **Arguments:**
+
+    - `scale`, `history`: the merged states, stacked: `scale (*lead)`, `history (*lead, n)`.
+    - `rules`: the recipe and role of each state of the stack (`len(rules) == lead[0]`), or
+      one pair for all.
+    """
+    if len(rules) != 1 and (jnp.ndim(scale) == 0 or len(rules) != jnp.shape(scale)[0]):
+        raise ValueError(
+            f"next_scales: {len(rules)} rules for scales of shape {jnp.shape(scale)}: give one "
+            "rule, or one per state along the leading axis."
+        )
+
+    def column(values: list, dtype: Any) -> Any:
+        # One value for all states: a constant; else one per state along the leading axis.
+        if all(v == values[0] for v in values):
+            return values[0]
+        return np.asarray(values, dtype).reshape((len(values),) + (1,) * (jnp.ndim(scale) - 1))
+
+    fmt_max = column([fp8_max(r.format(role)) for r, role in rules], np.float32)
+    margin = column([r.margin for r, _ in rules], np.float64)
+    power_of_two = column([r.power_of_two for r, _ in rules], bool)
+    most_recent = column([r.amax_compute == "most_recent" for r, _ in rules], bool)
+    warm = column([r.warm_start for r, _ in rules], bool)
+    if isinstance(fmt_max, float):
+        fmt_max = np.float32(fmt_max)
+    largest = jnp.max(history, axis=-1)
+    ref = jnp.where(most_recent, history[..., 0], largest)
+    new = compute_scale(ref, scale, fmt_max, margin, power_of_two)
+    return jnp.where(warm & ~(largest > 0.0), jnp.zeros_like(new), new)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

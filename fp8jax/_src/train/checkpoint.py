@@ -50,11 +50,8 @@ def fp8_record(tree: Any) -> dict[str, Any]:
     """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
     layers = {}
 
-    def is_layer(x: Any) -> bool:
-        return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
-
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)[0]:
-        if is_layer(node):
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_layer)[0]:
+        if _is_layer(node):
             name = node.name or jax.tree_util.keystr(path)
             entry = {
                 "name": name,
@@ -219,7 +216,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     if backend == "orbax":
         saved = _parse_record((path / _RECORD).read_bytes(), path)
         check_fp8_record(saved, expected, path)
-        return _orbax_load(path, like)
+        return _settled(_orbax_load(path, like))
     if path.is_dir():
         raise IsADirectoryError(
             f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
@@ -244,7 +241,20 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise _corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
             raise _corrupt(path, f"it has data after the saved state ({total} bytes in all)")
-        return restored
+        return _settled(restored)
+
+
+def _is_layer(x: Any) -> bool:
+    return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
+
+
+def _settled(state: T) -> T:
+    """`state` with each FP8 layer merged with its own state: delayed scaling's scales
+    recomputed from the restored histories. A no-op for a checkpoint of this version, whose
+    scales are the ones their next step uses; one written before fp8jax kept that scale
+    (its states held the scale of the step before) then resumes with the same scales as
+    if it had never stopped."""
+    return jax.tree.map(lambda n: n.merge(n) if _is_layer(n) else n, state, is_leaf=_is_layer)
 
 
 def _deserialise(f: Any, like: Any) -> Any:
