@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from helpers import make_train_step
-from test_delayed_scaling import ref_update
+from test_delayed_scaling import ref_next_scale, ref_update
 
 import fp8jax
 
@@ -58,15 +58,19 @@ def test_adamw_after_clipping_with_float32_master_weights(getkey):
             for role, amax in seen.items():
                 o, n = getattr(old, role), getattr(new, role)
                 assert n.scale.dtype == n.amax_history.dtype == jnp.float32
-                want_scale, want_hist = ref_update(
-                    np.asarray(o.scale),
+                rules = (fp8jax.fp8_max(recipe.format(role)), recipe.margin, recipe.amax_compute)
+                # The step used the state's scale (0: no amax yet, so its own: warm start),
+                # and the merged state holds the one the next step uses.
+                used, want_hist = ref_update(
+                    np.asarray(o.scale) if o.scale > 0 else np.float32(1.0),
                     np.asarray(o.amax_history).copy(),
                     amax,
-                    fp8jax.fp8_max(recipe.format(role)),
-                    recipe.margin,
-                    recipe.amax_compute,
+                    *rules,
                     warm_start=recipe.warm_start,
                 )
+                if o.scale > 0:
+                    used = np.asarray(o.scale)
+                want_scale = ref_next_scale(used, want_hist, *rules, True, recipe.warm_start)
                 np.testing.assert_array_equal(n.scale, want_scale, err_msg=role)
                 np.testing.assert_array_equal(n.amax_history, want_hist, err_msg=role)
     assert losses[-1] < 0.8 * losses[0], losses
@@ -77,9 +81,14 @@ def test_layer_without_gradient_keeps_its_state(getkey):
     used = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
     unused = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
     cut = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()))
-    # Give every layer a history already, so "kept" and "reset" are distinguishable.
+    # Give every layer a history already, so "kept" and "reset" are distinguishable (and the
+    # scale that history gives: 448 / 2, rounded down to a power of two).
     model = [
-        eqx.tree_at(lambda m: m.dot_general.input.amax_history, m, jnp.full(1024, 2.0))
+        eqx.tree_at(
+            lambda m: (m.dot_general.input.amax_history, m.dot_general.input.scale),
+            m,
+            (jnp.full(1024, 2.0), jnp.float32(128.0)),
+        )
         for m in (used, unused, cut)
     ]
     x = jnp.ones((3, 4))

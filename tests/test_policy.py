@@ -235,9 +235,16 @@ def test_fp8_forward_in_compute_dtype():
     for layer, layer_in, layer_out in zip(compute.layers, inputs, (hidden, y), strict=True):
         state = layer.dot_general
         assert state.input.scale.dtype == F32 and state.kernel.scale.dtype == F32
-        # Empty histories: a fresh delayed-scaling layer quantizes with its stored scales.
+        # Empty histories (stored scales 0: no amax yet): a fresh delayed-scaling layer
+        # scales each operand by its own amax, the warm start.
         assert not np.any(state.input.amax_history) and not np.any(state.kernel.amax_history)
-        sx, sw = float(state.input.scale), float(state.kernel.scale)
+        assert float(state.input.scale) == float(state.kernel.scale) == 0.0
+        sx, sw = (
+            float(
+                fp8jax.compute_scale(jnp.max(jnp.abs(t.astype(F32))), 1.0, 448.0, power_of_two=True)
+            )
+            for t in (layer_in, layer.weight)
+        )
         assert_bf16_linear(layer_out, layer_in, layer.weight, layer.bias, sx, sw)
     # XLA may skip the BF16 rounding before the cast to float32 (excess precision): `out` is
     # within the same bound, not necessarily equal to `y`.
