@@ -131,25 +131,44 @@ def test_no_float32_copy_of_a_bf16_activation_on_h100():
     assert "f32[1024,512]" not in entry, [s for s in entry.splitlines() if "f32[1024,512]" in s]
 
 
-def test_only_per_tensor_recipes_order_the_wgrad_after_the_dgrad():
-    ordered = {name for name, recipe in RECIPES.items() if recipe.dgrad_before_wgrad}
-    assert ordered == {"delayed", "current"}
+def test_only_per_tensor_recipes_save_transposed_copies():
+    flipped = {name for name, recipe in RECIPES.items() if recipe.transposed_copies}
+    assert flipped == {"delayed", "current"}
 
 
 @pytest.mark.parametrize("name", ["delayed", "current"])
-def test_per_tensor_wgrads_run_after_their_dgrads_on_h100(getkey, name):
-    """Per-tensor recipes order each layer's wgrad after its dgrad (`dgrad_before_wgrad`), the
-    order that keeps the step's peak memory down; in the compiled program (whose entry
-    computation is printed in execution order) the dgrad GEMM comes first."""
+def test_per_tensor_backward_gemms_need_no_transpose_kernel_on_h100(getkey, name):
+    """cuBLASLt's FP8 GEMM takes both operands K-major: the dgrad needs the kernel and the
+    wgrad the activation and the output gradient transposed. Per-tensor recipes have the
+    kernels that quantize them write those copies too (`transposed_copies`): the compiled
+    train step of a two-layer MLP (cuBLAS mode) runs no kernel of its own to transpose an
+    FP8 operand, where each layer's backward had one per operand."""
     from fp8jax.examples.gpt import MLP
 
+    # At these sizes XLA's fusion heuristics take each copy into its quantizing kernel; at a
+    # width of 1024 it fuses fc2's output gradient with its bias gradient's reduction
+    # instead, and transposes that one copy in a kernel of its own.
     config = fp8jax.Fp8Config(recipe=RECIPES[name])
-    mlp = fp8jax.fp8_linear_layers(MLP(256, 4, False, key=getkey()), config)
-    x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
 
     def step(model, x):
         return fp8jax.filter_grad(lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2))(model, x)
 
     report = fp8jax.inspect(step, mlp, x, modes=("cublas",))
-    order = [(g.layer, g.role) for g in report.gemms["cublas"] if g.role != "fwd"]
-    assert order.index(("fc2", "dgrad")) < order.index(("fc2", "wgrad")), order
+    gemms = report.gemms["cublas"]
+    want = [("fc1", "fwd"), ("fc1", "wgrad"), ("fc2", "dgrad"), ("fc2", "fwd"), ("fc2", "wgrad")]
+    assert sorted((g.layer, g.role) for g in gemms if g.fp8) == want  # x needs no gradient
+    kernels = report.cost["cublas"].kernels
+    transposes = [  # in an FP8 layer's scope, but the amax histories' concatenations
+        k.name
+        for k in kernels
+        if k.category == "transpose/copy"
+        and "fp8jax[" in k.op_name
+        and not k.op_name.endswith("concatenate")
+    ]
+    assert not transposes, transposes
+    # Their copies come out of the quantizing kernels: one writes an operand in both layouts.
+    assert any("convert" in k.name and "transpose" in k.name for k in kernels), [
+        k.name for k in kernels
+    ]

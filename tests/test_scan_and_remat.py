@@ -147,8 +147,9 @@ def residuals(policy, model, x):
 
 def test_saved_residuals_are_what_each_policy_implies(fp8_mlp):
     model, x = fp8_mlp
-    # Activations keep the vmapped axis: (32, 1, features).
-    fp8 = [("f8_e4m3fn", (32, 1, 64)), ("f8_e4m3fn", (32, 1, 256))]
+    # Saved transposed (`transposed_copies`): activations keep the vmapped axis in front of
+    # (features, tokens): (32, features, 1); each kernel is saved as (in, out).
+    fp8 = [("f8_e4m3fn", (32, 64, 1)), ("f8_e4m3fn", (32, 256, 1))]
     weights = [("f8_e4m3fn", (256, 64)), ("f8_e4m3fn", (64, 256))]
     # Without remat: the FP8 operands, and what the GELU's derivative needs (float32).
     plain = residuals("none", model, x)

@@ -26,12 +26,11 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from ..core import jax_private
 from ..core.amax import owner
 from ..core.stats import Fp8Stats
 from ..kernels import dispatch, partition
 from ..recipes import Recipe
-from ..recipes.base import gemm_dims
+from ..recipes.base import QTensor, gemm_dims
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
@@ -168,6 +167,10 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     # The dgrad's copy of the kernel, laid out for its other contraction, is quantized from
     # the high-precision weight here (one rounding), not from `q_w` in the backward (two).
     q_w = recipe.retile(q_w, "kernel", -2, source=w)
+    if recipe.transposed_copies:
+        # Saved transposed, written by the kernel that quantizes them: the wgrad and dgrad
+        # then contract both operands over their last axis, with no transpose of their own.
+        q_x, q_w = transposed(q_x), transposed(q_w)
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -178,36 +181,59 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     )
 
 
-def _typed_like_a_barrier(values: Any) -> Any:
-    """`values` unchanged, typed as `lax.optimization_barrier` types them: inside `shard_map`
-    its results vary over every manual axis any operand varies over, and the branches of
-    `lax.platform_dependent` must agree on that."""
-    leaves = jax.tree.leaves(values)
-    axes = frozenset().union(*(jax_private.varying_axes(a) for a in leaves))
+def transposed(q: QTensor) -> QTensor:
+    """A per-tensor `q (*B, R, C)` as the same values laid out `(*B, C, R)`."""
+    return QTensor(jnp.swapaxes(q.data, -1, -2), q.scale_inv, q.block)
 
-    def vary(a: Array) -> Array:
-        missing = tuple(sorted(axes - jax_private.varying_axes(a)))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
 
-    return jax.tree.map(vary, values)
+def _k_major_dot(
+    recipe: Recipe, lhs: QTensor, rhs_t: QTensor, lhs_axis: int, precision: Any, out_dtype: Any
+) -> Array:
+    """`recipe.dot(lhs, rhs, lhs_axis, -2)` for `rhs_t`, a transposed copy of `rhs`: on GPUs
+    (and TPUs) as the product of two K-major operands, which cuBLASLt takes as they are (the
+    lhs transposed first when it is contracted over its rows, which XLA writes in the pass
+    that quantizes it); on CPUs as the product of `lhs` and `rhs` in the canonical layout,
+    `rhs` behind a barrier, where XLA folds the transposes away: the order in which a CPU
+    dot sums its terms follows its operands' layouts, and so the numbers stay those of the
+    untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`."""
+
+    def k_major(lhs: QTensor, rhs_t: QTensor) -> Array:
+        lhs = transposed(lhs) if lhs_axis == -2 else lhs
+        return recipe.dot(lhs, rhs_t, -1, -1, precision, out_dtype)
+
+    def canonical(lhs: QTensor, rhs_t: QTensor) -> Array:
+        rhs = lax.optimization_barrier(transposed(rhs_t))
+        return recipe.dot(lhs, rhs, lhs_axis, -2, precision, out_dtype)
+
+    return lax.platform_dependent(lhs, rhs_t, cpu=canonical, default=k_major)
 
 
 def _backward(
     recipe: Recipe, lhs_dtype: np.dtype, rhs_dtype: np.dtype, residuals: Residuals, g: Array
 ):
     grad_state, stats = residuals.grad_state, residuals.stats
-    # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the saved activation
-    # transposed (and the dgrad the kernel). Without a barrier XLA computes that copy in the
-    # forward, fused with the quantization, and keeps both FP8 layouts alive until the
-    # backward: as much memory as one BF16 copy. Behind it, the copy is made here, from the
-    # saved FP8 values. One barrier per operand: a barrier keeps all its operands alive until
-    # its results are used, so a kernel copy that no dgrad reads (that of a first layer, whose
-    # input needs no gradient) would stay alive with the activation until the wgrad.
+    q_x, q_w = residuals.q_x, residuals.q_w
+    flipped = recipe.transposed_copies
+    # cuBLASLt's FP8 GEMM takes both operands K-major, so the wgrad needs the activation and
+    # the output gradient transposed, and the dgrad the kernel. Recipes with
+    # `transposed_copies` save the activation and kernel transposed, written by the kernels
+    # that quantize them (the untransposed copy dies with the forward GEMM), and transpose
+    # the gradient in the pass that quantizes it: no barrier may separate those passes from
+    # their transposes (a barrier on a transposed copy would keep it untransposed in front
+    # of the barrier, by XLA's layout assignment, and transpose it behind). Without the
+    # barriers that once held the backward's transposes (and the wgrad) back, XLA's own
+    # schedule measured lower in temp memory (benchmarks/memory_sweep.py: median 0.94x
+    # BF16's against 1.00x). For the others (block recipes) the saved activation goes
+    # through a barrier: XLA would otherwise compute its retiled copy in the forward, fused
+    # with the quantization, and keep both alive until the backward.
+    if not flipped:
+        q_x = lax.optimization_barrier(q_x)
     # On a mesh that XLA partitions, the kernel reaches the dgrad as the very value the
     # forward multiplied: the all-gather XLA inserts for the forward (an FSDP weight) then
-    # serves the dgrad too, where behind a barrier it would be a new value, gathered again.
-    q_x, q_w = lax.optimization_barrier(residuals.q_x), residuals.q_w
-    if recipe.weight_gather == "per_gemm" or dispatch.per_device_gemm(q_w):
+    # serves the dgrad too, where behind a barrier it would be a new value, gathered again
+    # (`weight_gather="per_gemm"`). One barrier per operand: a barrier keeps all its operands
+    # alive until its results are used.
+    if recipe.weight_gather == "per_gemm" or (not flipped and dispatch.per_device_gemm(q_w)):
         q_w = lax.optimization_barrier(q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
@@ -216,59 +242,58 @@ def _backward(
         grad_stats = recipe.statistics(g, q_g, "output_grad", owner(grad_state))
         stats = Fp8Stats(*stats, grad_stats)
     with jax.named_scope("dgrad"):
-        d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
-    q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
-    if recipe.dgrad_before_wgrad:
-        # The wgrad waits for the dgrad. Left to itself, XLA's scheduler orders them by its
-        # own memory estimate, which does not know that buffer assignment places temporaries
-        # in the step's output buffers until those are written: on the MLP of
-        # benchmarks/peers.py it ran the wgrad and the weight update (into an output buffer)
-        # first, with the dgrad's operands and the previous layer's residuals still alive,
-        # and peaked there. Without the barrier, XLA also makes the wgrad's transposed copy of
-        # the FP8 gradient in the pass that quantizes it and keeps both layouts alive through
-        # the dgrad; behind it, the copy is made when the wgrad needs it.
-        # On a CPU, where memory is not the constraint, the order only costs time (measured on
-        # step_overhead.py's tiny GPT: benchmarks/RESULTS.md): there the barrier is left out.
-        d_x, q_g, q_x = lax.platform_dependent(
-            (d_x, q_g, q_x), cpu=_typed_like_a_barrier, default=lax.optimization_barrier
-        )
+        if flipped:
+            d_x = _k_major_dot(recipe, q_g, q_w, -1, back, lhs_dtype)
+        else:
+            d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
     with jax.named_scope("wgrad"):
-        d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
+        if flipped:
+            d_w = _k_major_dot(recipe, q_g, q_x, -2, back, rhs_dtype)
+        else:
+            q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
+            d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
 
 
 # --- folding a vmapped axis into the GEMM --------------------------------------------------
 
 
-def _fold(a: Array, how: str) -> Array:
-    """`a (v, *B, R, C)` with the mapped axis `v` folded into its rows or its batch."""
+def _fold(a: Array, how: str, flipped: bool = False) -> Array:
+    """`a (v, *B, R, C)` with the mapped axis `v` folded into its rows or its batch (into
+    its columns instead of its rows for an operand saved `flipped`, i.e. transposed)."""
     if how == "rows":
+        if flipped:
+            a = jnp.moveaxis(a, 0, -2)
+            return a.reshape(a.shape[:-2] + (a.shape[-2] * a.shape[-1],))
         a = jnp.moveaxis(a, 0, -3)
         return a.reshape(a.shape[:-3] + (a.shape[-3] * a.shape[-2], a.shape[-1]))
     return a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]) if a.ndim == 4 else a
 
 
-def _unfold(a: Array, how: str, size: int, had_batch: bool) -> Array:
+def _unfold(a: Array, how: str, size: int, had_batch: bool, flipped: bool = False) -> Array:
     """Undo `_fold`: the mapped axis of size `size` back in front."""
     if how == "rows":
+        if flipped:
+            a = a.reshape(a.shape[:-1] + (size, a.shape[-1] // size))
+            return jnp.moveaxis(a, -2, 0)
         a = a.reshape(a.shape[:-2] + (size, a.shape[-2] // size, a.shape[-1]))
         return jnp.moveaxis(a, -3, 0)
     return a.reshape((size, a.shape[0] // size) + a.shape[1:]) if had_batch else a
 
 
-def _unfold_tensor(q: Any, how: str, size: int, had_batch: bool, rank: int):
+def _unfold_tensor(q: Any, how: str, size: int, had_batch: bool, rank: int, flipped: bool):
     """Unfold the leaves of a quantized operand that span its rows (data, block scales);
     per-tensor scales stay as they are. Returns the tensor and its leaves' batched flags."""
 
     def spans(leaf: Array) -> bool:
         return leaf.ndim == rank
 
-    out = jax.tree.map(lambda a: _unfold(a, how, size, had_batch) if spans(a) else a, q)
+    out = jax.tree.map(lambda a: _unfold(a, how, size, had_batch, flipped) if spans(a) else a, q)
     return out, jax.tree.map(spans, q)
 
 
-def _fold_tensor(q: Any, batched: Any, how: str) -> Any:
-    return jax.tree.map(lambda a, b: _fold(a, how) if b else a, q, batched)
+def _fold_tensor(q: Any, batched: Any, how: str, flipped: bool) -> Any:
+    return jax.tree.map(lambda a, b: _fold(a, how, flipped) if b else a, q, batched)
 
 
 def _how_to_fold(axis_size: int, x_batched: bool, w_batched: bool, states_batched: Any):
@@ -280,7 +305,7 @@ def _how_to_fold(axis_size: int, x_batched: bool, w_batched: bool, states_batche
     return "batch" if w_batched else "rows"
 
 
-def _fold_forward(axis_size: int, in_batched: list, x, w, states) -> Fold | None:
+def _fold_forward(flipped: bool, axis_size: int, in_batched: list, x, w, states) -> Fold | None:
     """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
     and the saved operands."""
     x_b, w_b, states_b = in_batched
@@ -296,17 +321,19 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, states) -> Fold | None
         out = _unfold(out, how, axis_size, had_batch)
         # Only the operands carry the mapped axis; the state and its statistics span it.
         flags = unbatched(residuals)
-        q_x, q_x_b = _unfold_tensor(residuals.q_x, how, axis_size, had_batch, rank)
+        q_x, q_x_b = _unfold_tensor(residuals.q_x, how, axis_size, had_batch, rank, flipped)
         residuals, flags = residuals._replace(q_x=q_x), flags._replace(q_x=q_x_b)
         if w_b:
-            q_w, q_w_b = _unfold_tensor(residuals.q_w, how, axis_size, had_batch, rank)
+            q_w, q_w_b = _unfold_tensor(residuals.q_w, how, axis_size, had_batch, rank, flipped)
             residuals, flags = residuals._replace(q_w=q_w), flags._replace(q_w=q_w_b)
         return (out, residuals), (True, flags)
 
     return (x, w, states), unfold
 
 
-def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) -> Fold | None:
+def _fold_backward(
+    flipped: bool, axis_size: int, in_batched: list, residuals: Residuals, g
+) -> Fold | None:
     """The backward's fold: the mapped axis of the saved operands and the gradient into the
     GEMM, then out of dgrad (and of wgrad when the kernel was mapped)."""
     res_b, g_b = in_batched
@@ -316,8 +343,8 @@ def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) ->
         return None
     had_batch = g.ndim == 4
     folded = residuals._replace(
-        q_x=_fold_tensor(residuals.q_x, res_b.q_x, how),
-        q_w=_fold_tensor(residuals.q_w, res_b.q_w, how),
+        q_x=_fold_tensor(residuals.q_x, res_b.q_x, how, flipped),
+        q_w=_fold_tensor(residuals.q_w, res_b.q_w, how, flipped),
     )
 
     def unfold(outs: tuple[Array, Array, States]):
@@ -333,10 +360,13 @@ def _gemm(recipe: Recipe, precision: Any, static: Static) -> Gemm:
     """The dense GEMM of one call, for the shared custom_vjp."""
     forward = functools.partial(_forward, recipe, precision, static.out)
     backward = functools.partial(_backward, recipe, static.lhs, static.rhs)
+    flipped = recipe.transposed_copies
     return Gemm(
         recipe,
-        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
-        folding_backward(backward, _fold_backward, _OPERAND_FIELDS),
+        folding_forward(
+            forward, functools.partial(_fold_forward, flipped), Residuals, _OPERAND_FIELDS
+        ),
+        folding_backward(backward, functools.partial(_fold_backward, flipped), _OPERAND_FIELDS),
     )
 
 

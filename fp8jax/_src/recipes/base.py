@@ -227,12 +227,13 @@ class Recipe(abc.ABC):
         return False
 
     @property
-    def dgrad_before_wgrad(self) -> bool:
-        """Whether the backward runs the wgrad only once the dgrad is done (an optimization
-        barrier orders them; see `fp8jax._src.gemm.dense`). It lowers the peak memory of a train
-        step whose GEMMs are single FP8 calls writing their output dtype (per-tensor recipes).
-        Block recipes (float32 partial products) and the residual recipe (two GEMMs per
-        product) peak elsewhere, measured higher with it, and keep XLA's order."""
+    def transposed_copies(self) -> bool:
+        """Whether the backward takes the saved activation and kernel, and the output
+        gradient for the wgrad, as transposed copies made when they are quantized: for a
+        per-tensor [`fp8jax.QTensor`][] (one scale) the copy contracted on its rows is
+        its transpose contracted on its columns, which cuBLASLt's FP8 GEMM wants (both
+        operands K-major). Made in the pass that quantizes the tensor, it costs no kernel of
+        its own, where XLA otherwise transposes each operand before its backward GEMM."""
         return False
 
     @abc.abstractmethod

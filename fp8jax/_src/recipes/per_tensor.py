@@ -6,14 +6,11 @@ import abc
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
-from ..core import jax_private
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     Axis,
@@ -27,26 +24,6 @@ from .base import (
     check_positive_int,
     per_tensor_dot,
 )
-
-
-def _after(data: Array, new_state: Any) -> Array:
-    """`data`, available only once `new_state` (the parts of the new state that record the
-    amax of the tensor `data` was cast from) is computed.
-
-    A delayed scale comes from the history, so the cast does not wait for the amax it records,
-    and nothing else needs that amax before the state leaves the step: XLA's scheduler then
-    reduces it last and keeps the high-precision tensor (an activation, an output gradient)
-    alive until the end of the step, beside its FP8 copy, for one reduction. The barrier makes
-    the amax ready before the FP8 values are used. (Current scaling casts with the amax, so
-    there it changes nothing.) Only `data` comes from the barrier: the state keeps its type,
-    and inside `shard_map` a barrier's results vary over every axis any operand varies over,
-    so it is skipped where the state varies over an axis the data does not.
-    """
-    axes = frozenset().union(*(jax_private.varying_axes(a) for a in jax.tree.leaves(new_state)))
-    if not axes <= jax_private.varying_axes(data):
-        return data
-    return lax.optimization_barrier((data, new_state))[0]
-
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -137,19 +114,20 @@ class PerTensorRecipe(HybridFormats):
     ) -> tuple[QTensor, TensorState]:
         del axis
         scale, new_state = self.scale_for(x, state, role)
-        # The barrier waits for the newest amax alone: with the whole history behind it, XLA
-        # would write the history there, in a kernel of its own, instead of in the kernel
-        # that takes or keeps the state after the step.
-        newest = (new_state.scale, new_state.amax_history[..., :1])
-        data = _after(quantize(x, scale, self.format(role)), newest)
-        return QTensor(data, 1.0 / scale), new_state
+        # No barrier ties the FP8 values to the amax the state records: XLA then writes them,
+        # and their transposed copy for the backward (`transposed_copies`), in one pass, and
+        # computes the amax where it fits best. (A barrier that made the amax ready before
+        # the FP8 values were used, added when delayed scaling's cast did not wait for the
+        # amax, measured worse once the copies were saved transposed: temp memory over
+        # benchmarks/memory_sweep.py, and more kernels.)
+        return QTensor(quantize(x, scale, self.format(role)), 1.0 / scale), new_state
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
         return q
 
     @property
-    def dgrad_before_wgrad(self) -> bool:
+    def transposed_copies(self) -> bool:
         return True
 
     def dot(
