@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.typing import DTypeLike
 from jaxtyping import Array
 
@@ -186,28 +187,24 @@ class AbstractFp8Op(OverwriteWithGradient):
         """`[old.merge(new) for old, new in pairs]`, in a few kernels per step.
 
         Merged one by one, each operand's state is taken or kept by a select per leaf: two
-        small kernels per operand and step. Here the delayed-scaling states of every role of
-        every op are stacked by history length, taken or kept by one select per leaf, and
-        given the scale their next step uses (`next_scales`: one reduction over all the
-        histories, where the forward would reduce each one), which XLA writes, with the
-        slices back to each state, in a few kernels. The same values. Other states (a single
-        amax: current scaling's, the block recipes'; one per expert) stay one by one: there
-        the slices cost as many kernels as the selects, and the stacking changed XLA's
-        schedule enough to raise temp memory (`tests/test_memory.py`).
+        small kernels per operand and step. Here the per-tensor states of every role of
+        every op are stacked (by history length, delayed scaling's apart), taken or kept by
+        one select per leaf, and delayed scaling's given the scale their next step uses
+        (`next_scales`: one reduction over all the histories, where the forward would
+        reduce each one), which XLA writes, with the slices back to each state, in a few
+        kernels. The same values. States of other kinds, and those with one scale per
+        expert, are merged one by one.
         """
-        stacks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        stacks: dict[tuple[tuple[int, ...], bool], list[tuple[int, str]]] = {}
         alone: list[tuple[int, str]] = []
         for i, (old, _) in enumerate(pairs):
             for r in ROLES:
                 state = getattr(old, r)
-                if (
-                    isinstance(old.recipe, DelayedScaling)
-                    and type(state) is TensorState
-                    and jnp.ndim(state.scale) == 0
-                    and jnp.shape(state.amax_history)[0] > 1
-                ):
-                    stacks.setdefault(jnp.shape(state.amax_history), []).append((i, r))
-                else:  # one amax, a state of its own kind, or one per expert
+                if type(state) is TensorState and jnp.ndim(state.scale) == 0:
+                    delayed = isinstance(old.recipe, DelayedScaling)
+                    key = (jnp.shape(state.amax_history), delayed)
+                    stacks.setdefault(key, []).append((i, r))
+                else:  # a state of its own kind, or one per expert
                     alone.append((i, r))
         merged: dict[tuple[int, str], Any] = {}
         received: dict[tuple[int, str], tuple[Array, Array]] = {}
@@ -220,15 +217,21 @@ class AbstractFp8Op(OverwriteWithGradient):
                 scale = recipe.next_scale(kept.scale, kept.amax_history, r)
                 kept = TensorState(scale, kept.amax_history)
             merged[i, r] = kept
-        for slots in stacks.values():
+        for (_, delayed), slots in stacks.items():
             old, new = (
                 jax.tree.map(lambda *a: jnp.stack(a), *(getattr(pairs[i][k], r) for i, r in slots))
                 for k in (0, 1)
             )
+            if not delayed:
+                # Else XLA moves the slices below back through the stack, to each state's
+                # own select: a kernel per leaf and state again.
+                new = lax.optimization_barrier(new)
             take, reject = received_state(new)
             kept = pick_received(old, new, take)
-            rules = [(pairs[i][0].recipe, r) for i, r in slots]
-            scales = next_scales(kept.scale, kept.amax_history, rules)
+            scales = kept.scale
+            if delayed:
+                rules = [(pairs[i][0].recipe, r) for i, r in slots]
+                scales = next_scales(kept.scale, kept.amax_history, rules)
             for n, slot in enumerate(slots):
                 # A scale is never negative; clamped after the slice, every state's scale is
                 # an output of one fusion, where a plain slice was a kernel of its own each.
