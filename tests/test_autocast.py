@@ -101,7 +101,8 @@ def test_a_plain_jax_transformer_matches_the_module_path(recipe):
 
 
 def count_fp8_dots(fun, *args):
-    """How many `dot_general`s of `fun` (at any depth) take FP8 operands, and how many not."""
+    """How many `dot_general`s of `fun` (at any depth) take FP8 operands, and how many not;
+    of a `lax.platform_dependent` choice, those of the branch that runs on GPUs."""
     closed = jax.make_jaxpr(fun)(*args)
     fp8 = other = 0
 
@@ -113,6 +114,10 @@ def count_fp8_dots(fun, *args):
                     fp8 += 1
                 else:
                     other += 1
+            platforms = eqn.params.get("branches_platforms")
+            if eqn.primitive.name == "cond" and platforms:
+                walk(eqn.params["branches"][platforms.index(None)].jaxpr)
+                continue
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 

@@ -548,9 +548,11 @@ def test_profile_section_on_a_gpu_trace(profile, monkeypatch, tmp_path):
 
 
 def test_delayed_scalings_state_adds_no_kernels_over_current_scalings(monkeypatch):
-    """Issue 38: delayed scaling's history (its update, finiteness check and merge) is written
-    in a few kernels per step, not a few per operand: the tiny Llama block's step compiled
-    for an H100 has no more kernels than current scaling's (before: 248 against 166)."""
+    """Issue 38: delayed scaling's history (its update, finiteness check, merge and the scale
+    computed from it) is written in a few kernels per step, not a few per operand: the tiny
+    Llama block's step compiled for an H100 has no more kernels than current scaling's
+    (before: 248 against 166). Without the warm start, whose amax pass is a cost of its own
+    (`DelayedScaling`'s docstring), both read each operand once for its amax."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import llama_block
 
@@ -560,6 +562,6 @@ def test_delayed_scalings_state_adds_no_kernels_over_current_scalings(monkeypatc
         pytest.skip("needs the CUDA plugin (the h100 extra)")
     counts = {
         name: llama_block.split(llama_block.compile_deviceless("dry", name)).kernel_count
-        for name in ("delayed", "current")
+        for name in ("delayed-cold", "current")
     }
-    assert counts["delayed"] <= counts["current"], counts
+    assert counts["delayed-cold"] <= counts["current"], counts
