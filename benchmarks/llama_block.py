@@ -1,6 +1,7 @@
 """A Llama-3-style block's train step, BF16 against FP8: where the FP8 step's extra work is.
 
-    python benchmarks/llama_block.py [--sizes 8B,1B] [--variants bf16,delayed,delayed-cold,...]
+    JAX_PLATFORMS=cpu python benchmarks/llama_block.py [--sizes 8B,1B] \
+        [--variants bf16,delayed,delayed-cold,...] \
         | tee benchmarks/results/llama_block_deviceless.txt
 
 The model of `../shared/measurements/h100-2026-11-27.md` (issue 38), in plain Equinox: RMSNorm,
