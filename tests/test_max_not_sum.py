@@ -88,8 +88,9 @@ def test_vmapped_wgrad_is_one_gemm_over_all_tokens(linear):
 
     text = eqx.filter_jit(eqx.filter_grad(loss)).lower(linear).as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-    # forward, dgrad (unused here; XLA removes it) and wgrad, each one GEMM over 32 tokens
-    assert len(dots) == 3, dots
+    # forward and wgrad, each one GEMM over 32 tokens; the dgrad is unused here (the lowering
+    # keeps it or not, by JAX release: XLA removes it)
+    assert len(dots) in (2, 3), dots
     wgrad = [d for d in dots if "(tensor<32x4xf8E5M2>, tensor<32x8xf8E4M3FN>)" in d]
     assert len(wgrad) == 1 and "contracting_dims = [0] x [0]" in wgrad[0], wgrad
     assert all("batching_dims" not in d for d in dots), dots
