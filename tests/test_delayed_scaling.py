@@ -326,3 +326,48 @@ def test_apply_updates_merges_every_layer_at_once_as_each_would_alone():
         alone = op.merge(new)
         for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_layers_of_different_delayed_recipes_merge_together_as_each_alone():
+    """States of one history length are stacked in `merge_many` whatever their recipe: each
+    slot's next scale must follow its own recipe (margin, format, rounding, amax_compute,
+    warm start), as merging that layer alone does."""
+    recipes = [
+        fp8jax.DelayedScaling(history_len=4, margin=1, amax_compute="most_recent"),
+        fp8jax.DelayedScaling(history_len=4, power_of_two=False, warm_start=False),
+        fp8jax.DelayedScaling(history_len=4, backward_format="e4m3", margin=0.5),
+        fp8jax.DelayedScaling(history_len=4),
+    ]
+    rng = np.random.default_rng(3)
+
+    def received(op, i):
+        def state(s):
+            hist = rng.uniform(0.01, 30.0, 4).astype(np.float32)
+            if i == 3:  # a history still empty: the warm start's "no amax yet"
+                hist[:] = 0.0
+            if i == 0:
+                hist[0] = 0.0  # most_recent sees 0: the scale the step used is kept
+            return fp8jax.TensorState(jnp.float32(rng.choice([2.0, 8.0])), jnp.asarray(hist))
+
+        roles = ("input", "kernel", "output_grad")
+        return eqx.tree_at(
+            lambda m: tuple(getattr(m, r) for r in roles),
+            op,
+            tuple(state(getattr(op, r)) for r in roles),
+        )
+
+    model = [fp8jax.Fp8DotGeneral(r) for r in recipes]
+    overwrites = [received(op, i) for i, op in enumerate(model)]
+    together = fp8jax.apply_updates(model, None, overwrites)
+    for op, new, got in zip(model, overwrites, together, strict=True):
+        alone = op.merge(new)
+        for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(a, b)
+        for role in ("input", "kernel", "output_grad"):  # and as the NumPy reference says
+            s = getattr(new, role)
+            fmt_max = fp8jax.fp8_max(op.recipe.format(role))
+            r = op.recipe
+            args = (fmt_max, r.margin, r.amax_compute, r.power_of_two, r.warm_start)
+            want = ref_next_scale(np.float32(s.scale), np.asarray(s.amax_history), *args)
+            np.testing.assert_array_equal(getattr(got, role).scale, want, err_msg=role)
+    assert float(together[3].input.scale) == 0.0  # stays "no amax yet"
