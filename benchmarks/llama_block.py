@@ -66,7 +66,8 @@ class CondWarmStart(fp8jax.DelayedScaling):
     def quantize(self, x: Array, state: Any, role: str, axis: int) -> tuple[Any, Any]:
         parent = fp8jax.DelayedScaling.quantize
         cold = dataclasses.replace(self, warm_start=False)
-        recorded = jnp.all(jnp.max(state.amax_history, axis=-1) > 0.0)
+        # The merged state's scale is 0 exactly while its history holds no amax.
+        recorded = jnp.all(state.scale > 0.0)
         return jax.lax.cond(
             recorded,
             lambda: parent(cold, x, state, role, axis),
