@@ -246,11 +246,12 @@ def _backward(
             d_x = _k_major_dot(recipe, q_g, q_w, -1, back, lhs_dtype)
         else:
             d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
+    if not flipped:  # the gradient laid out for the wgrad, as its own quantization
+        q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         if flipped:
             d_w = _k_major_dot(recipe, q_g, q_x, -2, back, rhs_dtype)
         else:
-            q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
             d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
 
