@@ -32,6 +32,9 @@ TESTS=(
     tests/test_train_step.py::test_gpu_options_as_flags_are_accepted_by_xla
     tests/test_train_step.py::test_bfloat16_compute_keeps_float32_masters_and_state
     tests/test_kernels.py::test_kernel_matches_float64_reference_in_the_interpreter
+    # The persistent warp-specialized kernel: wgmma on a transposed view runs in 0.11+'s
+    # interpreter (on 0.10.2 it is refused), and its deviceless H100 PTX.
+    tests/test_persistent_gemm.py
     tests/test_kernels.py::test_cpu_compiles_keep_the_xla_path
     tests/test_kernels.py::test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel
     tests/test_grouped_native.py::test_rows_kernel_matches_float64_in_the_interpreter

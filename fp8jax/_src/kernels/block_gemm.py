@@ -62,11 +62,13 @@ def round_up(n: int, multiple: int) -> int:
     return max(multiple, math.ceil(n / multiple) * multiple)
 
 
-def _check(lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
+def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
+    """Raise `ValueError`, naming `who`, unless the operands are what a block-scaled kernel
+    takes: 2-D FP8 of one type contracted over their last axis, one scale per row and chunk."""
     m, k = lhs.shape
     chunks = math.ceil(k / block_k)
     if not terms:
-        raise ValueError("block_scaled_gemm needs at least one (rhs, rhs_scale) term.")
+        raise ValueError(f"{who} needs at least one (rhs, rhs_scale) term.")
     operands = [("lhs", lhs, lhs_scale, m)] + [
         (f"rhs {i}", rhs, scale, rhs.shape[0] if rhs.ndim == 2 else -1)
         for i, (rhs, scale) in enumerate(terms)
@@ -74,29 +76,28 @@ def _check(lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
     for name, data, scale, rows in operands:
         if data.ndim != 2 or data.shape[1] != k:
             raise ValueError(
-                f"block_scaled_gemm: {name} has shape {data.shape}; operands must be 2-D and "
+                f"{who}: {name} has shape {data.shape}; operands must be 2-D and "
                 f"contracted over their last axis, of size K={k} like lhs."
             )
         if jnp.dtype(data.dtype) not in _FP8:
             raise ValueError(
-                f"block_scaled_gemm: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn "
-                "or float8_e5m2."
+                f"{who}: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn or float8_e5m2."
             )
         if scale.shape != (rows, chunks):
             raise ValueError(
-                f"block_scaled_gemm: {name}'s scale has shape {scale.shape}; it should hold "
+                f"{who}: {name}'s scale has shape {scale.shape}; it should hold "
                 f"one scale per row and {block_k}-chunk of K: {(rows, chunks)}."
             )
     dtypes = {jnp.dtype(d.dtype).name for _, d, _, _ in operands}
     if len(dtypes) > 1:
         raise ValueError(
-            f"block_scaled_gemm: operands in {sorted(dtypes)}; Mosaic GPU's wgmma takes one "
+            f"{who}: operands in {sorted(dtypes)}; Mosaic GPU's wgmma takes one "
             "FP8 type for both operands (mixed E5M2 x E4M3 GEMMs stay on the XLA path)."
         )
     n = terms[0][0].shape[0]
     if any(rhs.shape[0] != n for rhs, _ in terms):
         raise ValueError(
-            f"block_scaled_gemm: the rhs terms have rows {[r.shape[0] for r, _ in terms]}; "
+            f"{who}: the rhs terms have rows {[r.shape[0] for r, _ in terms]}; "
             "they must all have the same N."
         )
 
@@ -122,7 +123,7 @@ def block_scaled_gemm(
     [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
     """
     interpret = interpreting() if interpret is None else interpret
-    _check(lhs, lhs_scale, terms, block_k)
+    check_operands("block_scaled_gemm", lhs, lhs_scale, terms, block_k)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
     mp, np_, kp = round_up(m, tile_m), round_up(n, tile_n), round_up(k, block_k)
     chunks = kp // block_k

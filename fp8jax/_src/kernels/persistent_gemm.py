@@ -1,0 +1,290 @@
+"""The block-scaled FP8 GEMM for Hopper (sm_90a) on the structure that reaches the hardware:
+persistent and warp-specialized, in Pallas Mosaic GPU.
+
+`persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs, rhs_scale), ...])` computes what
+[`block_scaled_gemm`][fp8jax._src.kernels.block_gemm.block_scaled_gemm] computes (the same
+arguments, padding and result):
+
+    out[m, n] = sum_t sum_c (lhs[m, c] . rhs_t[n, c]) * lhs_scale[m, c] * rhs_scale_t[n, c]
+
+with `c` running over 128-element chunks of the contraction, each chunk's `wgmma` product
+promoted into a float32 sum with its two scales (DeepSeek-V3's scheme). What differs is how
+the GPU gets there, the structure of JAX's Pallas Hopper matmul
+(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`) and of DeepGEMM:
+
+- **Persistent**: one program per SM (`PersistentConfig.num_sms`) walks the output tiles in a
+  planar snake (`grid_minor_dim`, `grid_tile_width`), so the pipeline runs on from one tile
+  to the next and no tile waits for a program launch.
+- **Warp-specialized**: a memory warpgroup streams the FP8 tiles of both operands and their
+  scale vectors by TMA through `max_concurrent_steps` shared-memory stages; two compute
+  warpgroups each own a `tile_m x tile_n` half of the CTA's tile (split along M or N:
+  `wg_dimension`). While one compute warpgroup scales and adds a chunk's product, the other's
+  `wgmma` runs.
+- **K-major operands**: both operands arrive contracted over their last axis, as FP8 `wgmma`
+  requires; the rhs tile is transposed in shared memory (a view, no data movement).
+- **Epilogue by TMA**: each compute warpgroup writes its tile, converted to the output dtype,
+  through shared memory.
+
+`PersistentConfig` holds the tuning knobs, swept by `benchmarks/gpu_check` (`kernels`). This
+kernel becomes the recipes' default only after a GPU run of that section has passed its
+float64 comparisons and timed it faster (issue 39); until then `block_scaled_gemm` stays the
+kernel the recipes call.
+
+On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
+GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
+later: `mosaic_private.interpreter_has_transposed_wgmma`). JAX 0.10's cannot, and its
+interpreter stalls now and then on the warp-specialized pipeline (seen in this kernel's
+tests): there the kernel refuses to be interpreted rather than check a substitute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float
+
+from ..core import mosaic_private
+from . import BLOCK_GEMM_NAME
+from .block_gemm import (
+    BLOCK_K,
+    check_operands,
+    chunk_product,
+    operand_tiling,
+    out_tiling,
+    pad_to,
+    round_up,
+    scaled_add,
+)
+from .dispatch import interpreting
+
+#: The kernel's name: in its PTX and the HLO's op_name (`fp8jax.hlo_cost` counts it as the
+#: block-scaled GEMM it is).
+PERSISTENT_GEMM_NAME = f"{BLOCK_GEMM_NAME}_persistent"
+
+#: Streaming multiprocessors of an H100 SXM: the programs of the persistent grid where the
+#: device cannot be asked (a deviceless compile).
+H100_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PersistentConfig:
+    """Tuning of `persistent_block_scaled_gemm`.
+
+    **Arguments:**
+
+    - `tile_m`, `tile_n`: the output tile of one compute warpgroup (default 64 x 128: two
+      float32 accumulators of it fit in a warpgroup's registers without spills).
+    - `wg_dimension`: `"m"` (default) or `"n"`: the axis along which the two compute
+      warpgroups split the CTA's tile (`2 tile_m x tile_n` or `tile_m x 2 tile_n`); the other
+      operand's tile is shared by both.
+    - `max_concurrent_steps`: shared-memory stages of the TMA pipeline (default 4).
+    - `grid_minor_dim` (`"n"` or `"m"`), `grid_tile_width`: the order in which the
+      persistent programs walk the output tiles (`plgpu.planar_snake`): consecutive tiles
+      along the minor axis, in bands `grid_tile_width` tiles wide, so that tiles running
+      together share operand tiles in L2.
+    - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
+      deviceless H100 compile).
+    """
+
+    tile_m: int = 64
+    tile_n: int = 128
+    wg_dimension: str = "m"
+    max_concurrent_steps: int = 4
+    grid_minor_dim: str = "n"
+    grid_tile_width: int = 1
+    num_sms: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tile_m", "tile_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value not in (64, 128, 192, 256):
+                raise ValueError(
+                    f"PersistentConfig: {name}={value!r}; should be 64, 128, 192 or 256 "
+                    "(wgmma's M is 64 per instruction, and N a multiple of 64 here)."
+                )
+        for name in ("wg_dimension", "grid_minor_dim"):
+            if getattr(self, name) not in ("m", "n"):
+                raise ValueError(
+                    f"PersistentConfig: {name}={getattr(self, name)!r}; should be 'm' or 'n'."
+                )
+        for name in ("max_concurrent_steps", "grid_tile_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PersistentConfig: {name}={value!r}; should be a positive int.")
+        if self.num_sms is not None and (
+            not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool) or self.num_sms < 1
+        ):
+            raise ValueError(
+                f"PersistentConfig: num_sms={self.num_sms!r}; should be a positive int or None."
+            )
+
+    @property
+    def cta_tile(self) -> tuple[int, int]:
+        """The output tile of one CTA (both compute warpgroups)."""
+        if self.wg_dimension == "m":
+            return 2 * self.tile_m, self.tile_n
+        return self.tile_m, 2 * self.tile_n
+
+
+def sm_count() -> int:
+    """The SMs of the default GPU, or `H100_SMS` where there is none (a deviceless compile,
+    the interpreter)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return H100_SMS
+    return int(getattr(device, "core_count", 0) or H100_SMS)
+
+
+def persistent_block_scaled_gemm(
+    lhs: Array,
+    lhs_scale: Array,
+    terms: Sequence[tuple[Array, Array]],
+    *,
+    out_dtype=jnp.float32,
+    config: PersistentConfig | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "M N"]:
+    """`sum_t (lhs . rhs_t)` with per-row, per-128-chunk scales, by the persistent
+    warp-specialized kernel (see the module docstring).
+
+    `lhs (M, K)` and each `rhs (N, K)` are FP8 of one type; `lhs_scale (M, ceil(K / 128))`
+    and each `rhs_scale (N, ceil(K / 128))` float32 multipliers (a `QTensor`'s `scale_inv`, a
+    128 x 128 block's repeated over its rows by `expand_rows`). Returns `(M, N)` in
+    `out_dtype`. `interpret`: run in Mosaic GPU's interpreter; `None` follows
+    [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
+    """
+    config = PersistentConfig() if config is None else config
+    interpret = interpreting() if interpret is None else interpret
+    if interpret and not mosaic_private.interpreter_has_transposed_wgmma():
+        raise NotImplementedError(
+            f"persistent_block_scaled_gemm: jax {jax.__version__}'s Mosaic GPU interpreter "
+            "cannot run wgmma on a transposed shared-memory view (JAX 0.11 and later can); "
+            "run the kernel on a Hopper GPU, or interpret it under a newer JAX."
+        )
+    check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
+    (m, k), n = lhs.shape, terms[0][0].shape[0]
+    cta_m, cta_n = config.cta_tile
+    mp, np_, kp = round_up(m, cta_m), round_up(n, cta_n), round_up(k, BLOCK_K)
+    chunks = kp // BLOCK_K
+    # Scales chunk-major: a pipeline step's scales are one contiguous row of the CTA's rows.
+    operands = [pad_to(lhs, mp, kp), pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T]
+    for rhs, scale in terms:
+        operands += [pad_to(rhs, np_, kp), pad_to(scale.astype(jnp.float32), np_, chunks).T]
+    tiles = (mp // cta_m) * (np_ // cta_n)
+    programs = config.num_sms or sm_count()
+    out = _kernel(
+        operands,
+        len(terms),
+        out_shape=(mp, np_),
+        out_dtype=jnp.dtype(out_dtype),
+        config=config,
+        programs=min(programs, tiles),
+        interpret=interpret,
+    )
+    return out[:m, :n]
+
+
+def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interpret):
+    tm, tn = config.tile_m, config.tile_n
+    cta_m, cta_n = config.cta_tile
+    mp, np_ = out_shape
+    chunks = operands[1].shape[0]
+    m_iters, n_iters = mp // cta_m, np_ // cta_n
+    fp8_tiling = operand_tiling(operands[0].dtype, BLOCK_K)
+    minor = 1 if config.grid_minor_dim == "n" else 0
+
+    def pipeline(step, context):
+        specs = [
+            plgpu.BlockSpec((cta_m, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling),
+            plgpu.BlockSpec((1, cta_m), lambda c: (c, 0)),
+        ]
+        for _ in range(n_terms):
+            specs += [
+                plgpu.BlockSpec((cta_n, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling),
+                plgpu.BlockSpec((1, cta_n), lambda c: (c, 0)),
+            ]
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(chunks,),
+            memory_registers=40,
+            in_specs=specs,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=min(config.max_concurrent_steps, chunks),
+            compute_context=context,
+        )
+
+    def body(*refs):
+        a_gmem, sa_gmem, *rest = refs
+        b_gmem, out_gmem = rest[: 2 * n_terms], rest[2 * n_terms]
+        ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on it
+
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(ignore, ignore).get_allocations(a_gmem, sa_gmem, *b_gmem),
+            out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tiling(out_dtype, tn)),
+            collective_axes="wg",
+        )
+        def scope(allocations, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            def tile(info):
+                (index,) = info.index
+                if m_iters == 1 or n_iters == 1:  # one row or column of tiles: in order
+                    # (planar_snake's integer maths divides by zero there, which crashes
+                    # XLA's CPU compile of the interpreted kernel in JAX 0.10)
+                    mi, ni = (index, 0) if n_iters == 1 else (0, index)
+                else:
+                    mi, ni = plgpu.planar_snake(
+                        index, (m_iters, n_iters), minor, config.grid_tile_width
+                    )
+                cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+                if config.wg_dimension == "m":
+                    rows, cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
+                else:
+                    rows, cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
+
+                def context(run):
+                    acc = run(jnp.zeros((tm, tn), jnp.float32))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
+                    out_smem[wg] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    dst = out_gmem.at[cta_rows, cta_cols].at[rows, cols]
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst)
+
+                def step(_, a_smem, sa_smem, *rest):
+                    *b_smem, acc = rest
+                    sa = sa_smem[0, rows]
+                    for t in range(n_terms):
+                        tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1][0, cols]
+                        # The GPU's own path (wgmma on the transposed view) in the interpreter too.
+                        part = chunk_product(a_smem.at[rows], tile_b, (tm, tn), interpret=False)
+                        acc = scaled_add(acc, part, sa, sb)
+                    return acc
+
+                args = [a_gmem.at[cta_rows], sa_gmem.at[:, cta_rows]]
+                for t in range(n_terms):
+                    args += [b_gmem[2 * t].at[cta_cols], b_gmem[2 * t + 1].at[:, cta_cols]]
+                pipeline(step, context)(*args, allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    body.__name__ = body.__qualname__ = PERSISTENT_GEMM_NAME
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(programs,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=mosaic_private.interpret_params() if interpret else None,
+    )(*operands)

@@ -1,0 +1,182 @@
+"""The persistent warp-specialized block-scaled FP8 GEMM (Pallas Mosaic GPU, issue 39): the
+code a GPU runs, `wgmma` on the transposed rhs view included, in Mosaic GPU's interpreter
+(JAX 0.11 and later: `tests/other_jax.sh`) against float64; its tuning knobs; and the
+deviceless H100 compile (warp-specialized, FP8 `wgmma`, no register spills)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import run_with_mosaic_dump
+
+from fp8jax._src.core import mosaic_private
+from fp8jax._src.kernels import reference
+from fp8jax._src.kernels.persistent_gemm import (
+    PERSISTENT_GEMM_NAME,
+    PersistentConfig,
+    persistent_block_scaled_gemm,
+)
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+needs_interpreter = pytest.mark.skipif(
+    not mosaic_private.interpreter_has_transposed_wgmma(),
+    reason=f"jax {jax.__version__}'s Mosaic GPU interpreter has no wgmma on a transposed view "
+    "(run by tests/other_jax.sh on JAX 0.11 and later)",
+)
+
+
+def fp8_operand(rng, rows, k, dtype=E4M3):
+    """FP8 data (rows, k) and one power-of-two scale per row and 128-chunk."""
+    data = rng.standard_normal((rows, k)) * 4
+    scale = 2.0 ** rng.integers(-4, 4, (rows, -(-k // 128)))
+    return jnp.asarray(data, dtype), jnp.asarray(scale, jnp.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "m, n, k, n_terms, fmt, config",
+    [
+        # one CTA tile (two warpgroups' halves along M), two chunks
+        (128, 128, 256, 1, E4M3, PersistentConfig(num_sms=1)),
+        # odd shapes (padding), a gradient's format, the warpgroups split along N
+        (70, 130, 300, 1, E5M2, PersistentConfig(wg_dimension="n", num_sms=2)),
+        # the residual form (two weights share each lhs tile); 6 tiles on 4 programs, snake
+        # order along M in bands of 2, a 2-stage pipeline over 3 chunks
+        (
+            300,
+            260,
+            384,
+            2,
+            E4M3,
+            PersistentConfig(
+                num_sms=4, max_concurrent_steps=2, grid_minor_dim="m", grid_tile_width=2
+            ),
+        ),
+        # one row of tiles (the persistent loop walks it in order), one chunk
+        (40, 520, 128, 1, E4M3, PersistentConfig(num_sms=3)),
+    ],
+)
+def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, fmt, config):
+    """Each chunk's FP8 product is exact in float32 and the scales are powers of two: the
+    kernel differs from the float64 reference only by float32 summation, wherever a tile,
+    chunk, term or scale lands (a swapped scale axis or a wrong tile fails by far more)."""
+    rng = np.random.default_rng(m + n + k)
+    lhs, lhs_scale = fp8_operand(rng, m, k, fmt)
+    terms = [fp8_operand(rng, n, k, fmt) for _ in range(n_terms)]
+    out = jax.jit(
+        lambda *a: persistent_block_scaled_gemm(a[0], a[1], a[2], config=config, interpret=True)
+    )(lhs, lhs_scale, terms)
+    want = reference.block_scaled(lhs, lhs_scale, terms)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    magnitude = reference.block_scaled_magnitude(lhs, lhs_scale, terms)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out, np.float64) - want), reference.BLOCK_RTOL * magnitude + 1e-30
+    )
+
+
+@needs_interpreter
+def test_kernel_writes_bf16_rounded_from_float32():
+    rng = np.random.default_rng(1)
+    lhs, lhs_scale = fp8_operand(rng, 128, 256)
+    rhs, rhs_scale = fp8_operand(rng, 256, 256)
+    config = PersistentConfig(num_sms=2)
+    gemm = jax.jit(
+        lambda out_dtype: persistent_block_scaled_gemm(
+            lhs, lhs_scale, [(rhs, rhs_scale)], out_dtype=out_dtype, config=config, interpret=True
+        ),
+        static_argnums=0,
+    )
+    f32, bf16 = gemm(jnp.float32), gemm(jnp.bfloat16)
+    assert bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.skipif(
+    mosaic_private.interpreter_has_transposed_wgmma(), reason="this interpreter can run it"
+)
+def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
+    rng = np.random.default_rng(2)
+    lhs, lhs_scale = fp8_operand(rng, 64, 128)
+    with pytest.raises(NotImplementedError, match="transposed shared-memory view"):
+        persistent_block_scaled_gemm(lhs, lhs_scale, [(lhs, lhs_scale)], interpret=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tile_m=32), "tile_m=32"),
+        (dict(tile_n=100), "tile_n=100"),
+        (dict(wg_dimension="k"), "wg_dimension='k'"),
+        (dict(grid_minor_dim=1), "grid_minor_dim=1"),
+        (dict(max_concurrent_steps=0), "max_concurrent_steps=0"),
+        (dict(grid_tile_width=True), "grid_tile_width=True"),
+        (dict(num_sms=0), "num_sms=0"),
+    ],
+)
+def test_bad_configs_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PersistentConfig(**kwargs)
+
+
+def test_cta_tile_doubles_along_the_warpgroup_split():
+    assert PersistentConfig().cta_tile == (128, 128)
+    assert PersistentConfig(wg_dimension="n", tile_n=64).cta_tile == (64, 128)
+
+
+def test_bad_operands_are_refused_naming_the_kernel():
+    rng = np.random.default_rng(3)
+    lhs, lhs_scale = fp8_operand(rng, 64, 256)
+    rhs, rhs_scale = fp8_operand(rng, 128, 256)
+    with pytest.raises(ValueError, match="persistent_block_scaled_gemm: rhs 0's scale"):
+        persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs, lhs_scale)])
+    with pytest.raises(ValueError, match="persistent_block_scaled_gemm: operands in"):
+        persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs.astype(E5M2), rhs_scale)])
+
+
+H100_SCRIPT = """
+import glob, json, os, re, sys
+import jax, jax.numpy as jnp
+from fp8jax._src.observe import deviceless
+from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+
+m, n, k = 1024, 2048, 1024
+f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+args = (S((m, k), f8), S((m, k // 128), jnp.float32), S((n, k), f8), S((n, k // 128), jnp.float32))
+config = PersistentConfig(wg_dimension=sys.argv[1])
+gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
+    a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config)
+lowered, _ = deviceless.lower(gemm, args, {}, deviceless.h100_topology().devices[0])
+lowered.compile()
+dump = os.environ["MOSAIC_GPU_DUMP_TO"]
+ptx = [open(f).read() for f in glob.glob(os.path.join(dump, "*.ptx"))]
+ptxas = [open(f).read() for f in glob.glob(os.path.join(dump, "*.ptxas"))]
+print(json.dumps({
+    "entries": [e for t in ptx for e in re.findall(r"\\.entry (\\w+)", t)],
+    "mma": sorted({i for t in ptx for i in re.findall(r"wgmma\\.mma_async[\\w.]*", t)}),
+    "setmaxnreg": sorted({i for t in ptx for i in re.findall(r"setmaxnreg\\.\\w+\\S*\\s+\\d+", t)}),
+    "spills": [[int(s) for s in re.findall(r"(\\d+) bytes spill", t)] for t in ptxas],
+}))
+"""
+
+
+@pytest.mark.parametrize("wg_dimension", ["m", "n"])
+def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
+    tmp_path, wg_dimension
+):
+    """What Mosaic GPU makes of the kernel for an H100, read from its PTX: FP8 `wgmma` (E4M3
+    operands, float32 accumulator), registers moved between the memory and compute
+    warpgroups (`setmaxnreg`: warp specialization), and no register spilled by ptxas."""
+    pytest.importorskip("jax_cuda12_plugin")
+    run = run_with_mosaic_dump(H100_SCRIPT, [wg_dimension], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert any(PERSISTENT_GEMM_NAME in e for e in seen["entries"]), seen["entries"]
+    assert seen["mma"] and all(".f32.e4m3.e4m3" in i for i in seen["mma"]), seen["mma"]
+    # The memory warpgroup gives registers up, the compute warpgroups take them.
+    kinds = {s.split(".")[1] for s in seen["setmaxnreg"]}
+    assert kinds == {"inc", "dec"}, seen["setmaxnreg"]
+    assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
