@@ -4,6 +4,10 @@ code a GPU runs, `wgmma` on the transposed rhs view included, in Mosaic GPU's in
 deviceless H100 compile (warp-specialized, FP8 `wgmma`, no register spills)."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -180,3 +184,25 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     kinds = {s.split(".")[1] for s in seen["setmaxnreg"]}
     assert kinds == {"inc", "dec"}, seen["setmaxnreg"]
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+
+
+@needs_interpreter
+def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
+    """`benchmarks/gpu_check --sections kernels` as a lent GPU will run it, on tiny shapes in
+    the interpreter: its float64 numerics pass, and every swept configuration computes what
+    the tiled kernel computes."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--dry-run"]
+    command += ["--sections", "kernels", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    results = [r for r in map(json.loads, lines) if r["name"] != "(section)"]
+    assert results and all(r["status"] == "ok" for r in results), results
+    numerics = [r for r in results if r["name"].startswith("numerics")]
+    assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics
+    swept = [r for r in results if "| persistent" in r["name"]]
+    assert len(swept) == 2 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
+    assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()

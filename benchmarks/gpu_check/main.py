@@ -12,12 +12,12 @@ from pathlib import Path
 
 import jax
 
-from . import gemms, grouped, llama, numerics, profile, steps
+from . import block_kernels, gemms, grouped, llama, numerics, profile, steps
 from .record import Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
-SECTIONS = ("numerics", "gemms", "grouped", "steps", "llama", "profile")
+SECTIONS = ("numerics", "gemms", "kernels", "grouped", "steps", "llama", "profile")
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         with rec.section(gemms.SECTION):
             dense = gemms.run(rec, mode, gemm_runs)
         _release()
+    if "kernels" in args.sections:
+        with rec.section(block_kernels.SECTION):
+            block_kernels.decide(rec, block_kernels.run(rec, mode, gemm_runs))
+        _release()
     if "grouped" in args.sections:
         with rec.section(grouped.SECTION):
             groups = grouped.run(rec, mode, gemm_runs)
@@ -197,6 +201,10 @@ LEGENDS = {
     "interpreter tests' bound (FP8 wgmma's own accumulation may exceed it: up to 2^-7 is "
     "flagged apart)",
     gemms.SECTION: "ms (TFLOP/s, speed-up over BF16 of the same shape)",
+    block_kernels.SECTION: "numerics rows: max error relative to max |float64 reference|; "
+    "shape rows: ms (TFLOP/s, speed-up over BF16 of the same shape), the persistent "
+    "warp-specialized kernel's configurations beside the tiled block kernel, per-tensor "
+    "FP8 (cuBLASLt) and BF16",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
     "from the step's compiled HLO)",

@@ -1,0 +1,239 @@
+"""Section 2c (issue 39): the persistent warp-specialized block-scaled kernel, its numerics
+against float64 and its tuning sweep beside what it must beat.
+
+1. Numerics: `persistent_block_scaled_gemm` in several `PersistentConfig`s at odd shapes
+   (padding), E4M3 and E5M2, one and two terms (the residual form), float32 and BF16 out,
+   against the float64 reference: the check a rewritten kernel passes on a GPU before it
+   becomes the recipes' default.
+2. Sweep: at Llama-3-8B's MLP up GEMM (8192 x 4096 -> 14336) and DeepSeek-V3's 7168 -> 18432
+   (16,384 tokens), each `SWEEP` configuration of the persistent kernel beside the tiled
+   block kernel of today (`block_scaled_gemm`, its default tiles), per-tensor FP8 through
+   cuBLASLt and BF16: ms, TFLOP/s, and each output's largest difference to the tiled
+   kernel's (the same maths: only float32 summation order differs).
+
+The decision inputs name the fastest configuration per shape and its ratio to the tiled
+kernel; issue 39's target is 1,150 TFLOP/s at both shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import fp8jax
+from fp8jax._src.core import mosaic_private
+from fp8jax._src.kernels import reference
+from fp8jax._src.kernels.block_gemm import block_scaled_gemm
+from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+from fp8jax._src.recipes.base import per_tensor_dot
+
+from .numerics import WGMMA_REL, compare
+from .record import Recorder
+from .timing import compile_and_time, tflops
+
+SECTION = "2c block kernels (persistent)"
+E4M3, E5M2, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+CUBLAS = fp8jax.gpu_compiler_options()
+
+#: (M, K, N) of the sweep: Llama-3-8B's MLP up at 8,192 tokens, DeepSeek-V3's 7168 -> 18432
+#: at 16,384 tokens (the issue's shapes).
+SHAPES = {"llama8b up": (8192, 4096, 14336), "dsv3 7168->18432": (16384, 7168, 18432)}
+DRY_SHAPES = {"dry": (256, 256, 256)}
+
+#: Configurations swept, the default first. 64 x 128 per warpgroup is what fits the
+#: registers without spills (64 x 192 and 64 x 256 spill in the deviceless compile, 128 x 128
+#: exceeds shared memory with 4 stages); the pipeline depth, the warpgroups' split and the
+#: tile order are what is left to tune. Every one compiles for an H100 at both shapes
+#: without spills (deviceless, JAX 0.11.2).
+SWEEP = (
+    PersistentConfig(),
+    PersistentConfig(max_concurrent_steps=3),
+    PersistentConfig(max_concurrent_steps=5),
+    PersistentConfig(wg_dimension="n"),
+    PersistentConfig(grid_minor_dim="m"),
+    PersistentConfig(grid_tile_width=4),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
+    PersistentConfig(wg_dimension="n", max_concurrent_steps=3),
+)
+DRY_SWEEP = (PersistentConfig(num_sms=2), PersistentConfig(wg_dimension="n", num_sms=2))
+
+#: Numerics cases: (M, N, K, terms, FP8 type, output type, config).
+CASES = (
+    (1000, 1500, 1100, 1, E4M3, jnp.float32, PersistentConfig()),
+    (1000, 1500, 1100, 1, E5M2, jnp.float32, PersistentConfig(wg_dimension="n")),
+    (777, 1000, 900, 2, E4M3, jnp.float32, PersistentConfig(grid_minor_dim="m")),
+    (1000, 1500, 1100, 1, E4M3, BF16, PersistentConfig(max_concurrent_steps=3)),
+)
+DRY_CASES = (
+    (70, 130, 300, 1, E4M3, jnp.float32, PersistentConfig(num_sms=2)),
+    (40, 260, 256, 2, E5M2, BF16, PersistentConfig(wg_dimension="n", num_sms=2)),
+)
+
+
+def describe(config: PersistentConfig) -> str:
+    """A configuration as a short label (its fields that differ from the default)."""
+    default = PersistentConfig()
+    changed = {k: v for k, v in vars(config).items() if k != "num_sms" and getattr(default, k) != v}
+    return "persistent " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "default")
+
+
+def _operand(rng: np.random.Generator, rows: int, k: int, fmt) -> tuple[Any, Any]:
+    data = jnp.asarray(rng.standard_normal((rows, k)) * 4, fmt)
+    scale = jnp.asarray(2.0 ** rng.integers(-4, 4, (rows, -(-k // 128))), jnp.float32)
+    return data, scale
+
+
+def numerics_case(case: tuple, interpret: bool) -> dict:
+    """One numerics case against float64: the output's error relative to the magnitude."""
+    m, n, k, n_terms, fmt, out_dtype, config = case
+    rng = np.random.default_rng(m + n + k + n_terms)
+    lhs, lhs_scale = _operand(rng, m, k, fmt)
+    terms = [_operand(rng, n, k, fmt) for _ in range(n_terms)]
+    out = jax.jit(
+        lambda *a: persistent_block_scaled_gemm(
+            a[0], a[1], a[2], out_dtype=out_dtype, config=config, interpret=interpret
+        )
+    )(lhs, lhs_scale, terms)
+    want = reference.block_scaled(lhs, lhs_scale, terms)
+    magnitude = reference.block_scaled_magnitude(lhs, lhs_scale, terms)
+    # A BF16 output adds one rounding of its own: 2^-8 of each value.
+    rtol = reference.BLOCK_RTOL if out_dtype == jnp.float32 else reference.BLOCK_RTOL + 2.0**-8
+    got = compare(out, want, rtol * magnitude)
+    return {
+        "shape": f"{m}x{n}x{k}, {n_terms} term(s), {jnp.dtype(fmt).name} -> "
+        f"{jnp.dtype(out_dtype).name}",
+        "config": describe(config),
+        "bound": f"|err| <= {rtol:g} * |A| |B| (elementwise)",
+        "rel_err_vs_f64": got["max_rel_err"],
+        "passed": got["within_bound"],
+        "within_wgmma_bound": got["max_rel_err"] <= WGMMA_REL,
+    }
+
+
+def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
+    """The blockwise recipe's operands (1 x 128 tiles, 128 x 128 blocks expanded per row),
+    per-tensor FP8 casts and BF16 values, made on the device."""
+
+    @jax.jit
+    def make(key):
+        kx, kw = jax.random.split(key)
+        x = jax.random.normal(kx, (m, k), BF16)
+        w = jax.random.normal(kw, (n, k), BF16)
+        block = fp8jax.BlockwiseScaling()
+        q_x = block.quantize(x, block.init_state("input"), "input", -1)[0]
+        q_w = block.quantize(w, block.init_state("kernel"), "kernel", -1)[0]
+        w_scale = jnp.repeat(q_w.scale_inv, 128, axis=0)[:n]
+        one = jnp.float32(1.0)
+        return {
+            "block": (q_x.data, q_x.scale_inv, q_w.data, w_scale),
+            "fp8": (fp8jax.QTensor(x.astype(E4M3), one), fp8jax.QTensor(w.astype(E4M3), one)),
+            "bf16": (x, w),
+        }
+
+    return make(jax.random.PRNGKey(0))
+
+
+def _variants(sweep: tuple) -> dict[str, tuple]:
+    """name -> (function, operands key)."""
+
+    def bf16(x, w):
+        return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
+
+    def fp8(a, b):
+        return per_tensor_dot(a, b, -1, -1, None, BF16, exact_scales=True)
+
+    def tiled(a, sa, b, sb):
+        return block_scaled_gemm(a, sa, [(b, sb)], out_dtype=BF16)
+
+    variants = {"bf16": (bf16, "bf16"), "fp8 cuBLASLt": (fp8, "fp8"), "tiled": (tiled, "block")}
+    for config in sweep:
+        variants[describe(config)] = (
+            functools.partial(_persistent, config=config),
+            "block",
+        )
+    return variants
+
+
+def _persistent(a, sa, b, sb, *, config):
+    return persistent_block_scaled_gemm(a, sa, [(b, sb)], out_dtype=BF16, config=config)
+
+
+def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
+    m, k, n = shape
+    if not ops:
+        ops.update(_sweep_operands(m, k, n))
+    compiled, fields = compile_and_time(fn, ops[key], CUBLAS, runs, dry, calls=1 if dry else 5)
+    ms[name] = fields["ms"]
+    fields["tflops"] = tflops(2 * m * n * k, fields["ms"])
+    fields["shape"] = f"M={m} K={k} N={n}"
+    if "bf16" in ms:
+        fields["speedup_vs_bf16"] = ms["bf16"] / fields["ms"]
+    if key == "block":
+        out = np.asarray(compiled.run(), np.float64)
+        if name == "tiled":
+            outputs["tiled"] = out
+        elif "tiled" in outputs:
+            ref = outputs["tiled"]
+            # Both BF16 roundings of one float32 sum, in a different order: a few BF16 ulps.
+            fields["max_rel_diff_vs_tiled"] = float(np.abs(out - ref).max() / np.abs(ref).max())
+            fields["passed"] = fields["max_rel_diff_vs_tiled"] <= 2.0**-6
+    return fields
+
+
+def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
+    """Numerics, then the sweep; returns `{shape label: {variant: ms}}`."""
+    dry = mode == "dry"
+    # JAX 0.10's interpreter cannot run the persistent kernel (`persistent_gemm`): a dry run
+    # there times the other variants and records the kernel's items as skipped.
+    refused = None
+    if dry and not mosaic_private.interpreter_has_transposed_wgmma():
+        refused = f"jax {jax.__version__}'s interpreter cannot run the persistent kernel"
+    for case in DRY_CASES if dry else CASES:
+        measure = functools.partial(numerics_case, case, dry)
+        if refused:
+            measure = functools.partial(dict, skipped=refused)
+        result = rec.measure(SECTION, f"numerics {case[:4]}", measure)
+        row = f"numerics {case[0]}x{case[1]}x{case[2]}, {case[3]} term(s)"
+        cell = rec.not_run() if result is None else f"{result.get('rel_err_vs_f64', 0):.1e}"
+        rec.cell(SECTION, row, describe(case[-1]), "skipped" if refused else cell)
+    times: dict[str, dict[str, float]] = {}
+    for label, shape in (DRY_SHAPES if dry else SHAPES).items():
+        ops: dict[str, Any] = {}
+        outputs: dict[str, np.ndarray] = {}
+        ms = times.setdefault(label, {})
+        for name, (fn, key) in _variants(DRY_SWEEP if dry else SWEEP).items():
+            measure = functools.partial(_time, name, fn, key, shape, ops, ms, outputs, runs, dry)
+            if refused and name.startswith("persistent"):
+                measure = functools.partial(dict, skipped=refused)
+            result = rec.measure(SECTION, f"{label} | {name}", measure)
+            rec.cell(SECTION, label, name, _cell(rec, result))
+        ops.clear()
+        outputs.clear()
+    return times
+
+
+def _cell(rec: Recorder, result: dict | None) -> str:
+    if result is None:
+        return rec.not_run()
+    speed = result.get("speedup_vs_bf16")
+    return f"{result['ms']:.3f} ({result['tflops']:.0f}" + (f", {speed:.2f}x)" if speed else ")")
+
+
+def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
+    """The fastest persistent configuration per shape, against the tiled kernel."""
+    for label, t in times.items():
+        swept = {k: v for k, v in t.items() if k.startswith("persistent")}
+        if not swept or "tiled" not in t:
+            continue
+        best = min(swept, key=swept.get)
+        m, k, n = (SHAPES | DRY_SHAPES)[label]
+        rec.decision(
+            f"block kernels, {label}: fastest {best}, {swept[best]:.3f} ms "
+            f"({tflops(2 * m * n * k, swept[best]):.0f} TFLOP/s; target 1150); tiled kernel "
+            f"{t['tiled']:.3f} ms: time ratio tiled / persistent {t['tiled'] / swept[best]:.2f}"
+        )
