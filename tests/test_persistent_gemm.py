@@ -3,12 +3,14 @@ code a GPU runs, `wgmma` on the transposed rhs view included, in Mosaic GPU's in
 (JAX 0.11 and later: `tests/other_jax.sh`) against float64; its tuning knobs; and the
 deviceless H100 compile (warp-specialized, FP8 `wgmma`, no register spills)."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,12 +18,14 @@ import numpy as np
 import pytest
 from helpers import run_with_mosaic_dump
 
+import fp8jax
 from fp8jax._src.core import mosaic_private
-from fp8jax._src.kernels import reference
+from fp8jax._src.kernels import BLOCK_GEMM_NAME, dispatch, reference
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PersistentConfig,
     persistent_block_scaled_gemm,
+    persistent_kernel,
 )
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -206,3 +210,48 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     swept = [r for r in results if "| persistent" in r["name"]]
     assert len(swept) == 2 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
     assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
+
+
+def _linear_loss(model, x):
+    return jnp.sum(jax.vmap(model)(x) ** 2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8jax.BlockwiseScaling(native_kernel=True),
+        fp8jax.ResidualFP8(native_kernel=True),  # two weights share each activation tile
+    ],
+    ids=["blockwise", "residual"],
+)
+def test_recipes_train_the_same_on_the_persistent_kernel(getkey, recipe):
+    """A Linear with odd sizes, forward, dgrad and wgrad on the persistent kernel (traced
+    inside `persistent_kernel`, interpreted) against the recipe's XLA path: loss, gradients
+    and FP8 state alike, float32 summation order aside; and the step's program does call the
+    persistent kernel."""
+    linear = eqx.nn.Linear(200, 150, key=getkey())
+    x = jax.random.normal(getkey(), (70, 200))
+    model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    xla_model = fp8jax.fp8_linear_layers(
+        linear, fp8jax.Fp8Config(recipe=dataclasses.replace(recipe, native_kernel=False))
+    )
+    step = fp8jax.filter_value_and_grad(_linear_loss)
+    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)):
+        jaxpr = str(jax.make_jaxpr(step)(model, x))
+        loss_n, grads_n = jax.jit(step)(model, x)
+    assert PERSISTENT_GEMM_NAME in jaxpr
+    loss_x, grads_x = jax.jit(step)(xla_model, x)
+    np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads_x), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
+    linear = eqx.nn.Linear(256, 128, key=getkey())
+    recipe = fp8jax.BlockwiseScaling(native_kernel=True)
+    model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    x = jax.random.normal(getkey(), (64, 256))
+    with dispatch.interpreted():
+        jaxpr = str(jax.make_jaxpr(fp8jax.filter_value_and_grad(_linear_loss))(model, x))
+    assert BLOCK_GEMM_NAME in jaxpr and PERSISTENT_GEMM_NAME not in jaxpr

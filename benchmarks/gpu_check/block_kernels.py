@@ -220,6 +220,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
 def _cell(rec: Recorder, result: dict | None) -> str:
     if result is None:
         return rec.not_run()
+    if "skipped" in result:
+        return "skipped"
     speed = result.get("speedup_vs_bf16")
     return f"{result['ms']:.3f} ({result['tflops']:.0f}" + (f", {speed:.2f}x)" if speed else ")")
 

@@ -39,9 +39,11 @@ tests): there the kernel refuses to be interpreted rather than check a substitut
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,7 @@ from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME
 from .block_gemm import (
     BLOCK_K,
+    block_scaled_gemm,
     check_operands,
     chunk_product,
     operand_tiling,
@@ -288,3 +291,38 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_private.interpret_params() if interpret else None,
     )(*operands)
+
+
+_CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVar(
+    "fp8jax_persistent_block_kernel", default=None
+)
+
+
+@contextlib.contextmanager
+def persistent_kernel(config: PersistentConfig | None = None) -> Iterator[None]:
+    """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
+    chunks, the fused residual kernel) on the persistent kernel in `config` instead of the
+    tiled one: to measure it in whole train steps (`benchmarks/llama_block.py`'s
+    `blockwise-persistent`) before a GPU run makes it the default."""
+    token = _CHOSEN.set(PersistentConfig() if config is None else config)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
+def recipe_block_gemm(
+    lhs: Array,
+    lhs_scale: Array,
+    terms: Sequence[tuple[Array, Array]],
+    *,
+    out_dtype=jnp.float32,
+    block_k: int = BLOCK_K,
+) -> Float[Array, "M N"]:
+    """The block-scaled GEMM the recipes call: `block_scaled_gemm` (the tiled kernel), or
+    `persistent_block_scaled_gemm` where traced inside `persistent_kernel()` and the chunks
+    are 128 wide (the only width it takes)."""
+    config = _CHOSEN.get()
+    if config is None or block_k != BLOCK_K:
+        return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
+    return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)

@@ -150,7 +150,8 @@ def native_block_dot(
     """`block_dot` as one native kernel (Pallas Mosaic GPU, Hopper `wgmma`): the same FP8
     products and per-block scaling, the float32 accumulation promoted every chunk in
     registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
-    from ..kernels.block_gemm import block_scaled_gemm, expand_rows  # Pallas: imported on use
+    from ..kernels.block_gemm import expand_rows  # Pallas: imported on use
+    from ..kernels.persistent_gemm import recipe_block_gemm
 
     # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
     # as FP8 values (`dispatch.k_major`).
@@ -158,7 +159,7 @@ def native_block_dot(
     chunk = _shared_chunk(lhs, rhs)
 
     def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
-        return block_scaled_gemm(a, sa, [(b, sb)], out_dtype=out_dtype, block_k=chunk)
+        return recipe_block_gemm(a, sa, [(b, sb)], out_dtype=out_dtype, block_k=chunk)
 
     operands = []
     for q in (lhs, rhs):

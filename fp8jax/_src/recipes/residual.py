@@ -226,7 +226,8 @@ def native_residual_dot(
     """The residual recipe's GEMMs as fp8jax's Mosaic GPU kernel: one kernel per term of
     `lhs`, with all the `rhs` terms it multiplies (each tile of the left operand loaded once),
     per-tensor scales as per-row ones. Shape `(*B, lhs_free, rhs_free)`."""
-    from ..kernels.block_gemm import BLOCK_K, block_scaled_gemm  # Pallas: imported on use
+    from ..kernels.block_gemm import BLOCK_K  # Pallas: imported on use
+    from ..kernels.persistent_gemm import recipe_block_gemm
 
     def last(q: QTensor, axis: Axis) -> tuple[Array, Array]:
         data = dispatch.k_major(q.data, axis)
@@ -240,7 +241,7 @@ def native_residual_dot(
 
     def gemm(a: Array, sa: Array, *terms: Array) -> Array:
         pairs = list(zip(terms[::2], terms[1::2], strict=True))
-        return block_scaled_gemm(a, sa, pairs, out_dtype=kernel_dtype)
+        return recipe_block_gemm(a, sa, pairs, out_dtype=kernel_dtype)
 
     out = None
     for a, bs in pairs_of_terms:
