@@ -22,8 +22,10 @@ gradient paths, the same in every variant. It prints, per variant, what the CPU 
 of the GPU's step: kernels per step by kind (`fp8jax.hlo_cost`'s categories), the HBM bytes of
 every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTIMATE of the
 step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not
-timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start)
-and `delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`).
+timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
+`delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`) and
+`blockwise-persistent` (blockwise scaling on the persistent warp-specialized kernel of issue
+39, traced inside `persistent_kernel`; on a CPU compile the recipe takes the XLA path).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
+from fp8jax._src.kernels.persistent_gemm import persistent_kernel
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -82,7 +85,10 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     **train_steps.RECIPES,
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
     "delayed-cond": CondWarmStart(),
+    "blockwise-persistent": fp8jax.BlockwiseScaling(),
 }
+#: Variants whose block-scaled GEMMs run on the persistent kernel (`step(name)`).
+PERSISTENT = ("blockwise-persistent",)
 #: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
 ATTENTION = ("cudnn", "xla", "stand-in")
 STAND_IN = "attention_stand_in"
@@ -187,9 +193,18 @@ def variant(block: LlamaBlock, name: str) -> Any:
     return fp8jax.fp8_linear_layers(block, fp8jax.Fp8Config(recipe=RECIPES[name]))
 
 
-def step() -> Callable:
-    """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`."""
-    return train_steps.block_step(loss)
+def step(name: str = "bf16") -> Callable:
+    """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
+    for the variants in `PERSISTENT` traced inside `persistent_kernel()`."""
+    inner = train_steps.block_step(loss)
+    if name not in PERSISTENT:
+        return inner
+
+    def traced(*args: Any) -> Any:
+        with persistent_kernel():
+            return inner(*args)
+
+    return traced
 
 
 def arguments(size: str, name: str, attention: str, abstract: bool) -> tuple[Any, Any]:
@@ -253,7 +268,7 @@ def compile_deviceless(size: str, name: str) -> Any:
     """Variant `name` of block `size`, its step compiled for one H100 (cuBLAS mode)."""
     block, x = arguments(size, name, "stand-in", abstract=True)
     topology = deviceless.h100_topology()
-    lowered, _ = deviceless.lower(step(), (block, x), {}, topology.devices[0])
+    lowered, _ = deviceless.lower(step(name), (block, x), {}, topology.devices[0])
     return lowered.compile(compiler_options=fp8jax.gpu_compiler_options())
 
 

@@ -49,6 +49,14 @@ VARIANTS = {
 NEED_S = {"8B": 60.0, "1B": 40.0, "dry": 0.0}
 
 
+def variant_names(mode: str, variants: list[str] | None) -> list[str]:
+    """The variants to run: `variants` (from `--llama-variants`) with BF16 first, or the
+    mode's own (`VARIANTS`)."""
+    if variants is None:
+        return VARIANTS[mode]
+    return ["bf16", *(v for v in variants if v != "bf16")]
+
+
 def attentions(mode: str) -> list[str]:
     """Attention implementations to try, in order: cuDNN's then XLA's on a GPU."""
     return ["xla"] if mode == "dry" else ["cudnn", "xla"]
@@ -78,7 +86,8 @@ def prepare(size: str, name: str, attention: str, runs: int) -> tuple[Compiled, 
     """Variant `name` of block `size` with `attention`: compiled with the cuBLAS options and
     timed (`runs` runs; 0: compiled and called once, not timed)."""
     args = llama_block.arguments(size, name, attention, abstract=False)
-    compiled, fields = compile_and_time(llama_block.step(), args, CUBLAS, max(runs, 1), dry=False)
+    fn = llama_block.step(name)
+    compiled, fields = compile_and_time(fn, args, CUBLAS, max(runs, 1), dry=False)
     if runs == 0:
         fields = {"compile_s": fields["compile_s"]}
     fields["attention"] = attention
@@ -146,10 +155,17 @@ def _cells(rec: Recorder, size: str, name: str, fields: dict[str, Any], note: st
     rec.cell(SECTION, name, f"{size} compiled HLO", hlo)
 
 
-def run(rec: Recorder, mode: str, runs: int, cache: Cache | None = None) -> dict[str, dict]:
-    """Time every size's variants; returns `{size: {variant: fields}}` and fills `cache`
-    with the compiled steps."""
+def run(
+    rec: Recorder,
+    mode: str,
+    runs: int,
+    cache: Cache | None = None,
+    variants: list[str] | None = None,
+) -> dict[str, dict]:
+    """Time every size's variants (`variants`, default `VARIANTS[mode]`; BF16 is always
+    first); returns `{size: {variant: fields}}` and fills `cache` with the compiled steps."""
     cache = {} if cache is None else cache
+    names = variant_names(mode, variants)
     results: dict[str, dict] = {}
     for size in SIZES[mode]:
         order = attentions(mode)
@@ -157,7 +173,7 @@ def run(rec: Recorder, mode: str, runs: int, cache: Cache | None = None) -> dict
         seen: dict[tuple[str, str], dict] = {}
         rec.cell(SECTION, "block", f"{size} step", shape_text(size))
         rec.cell(SECTION, "attention", f"{size} step", attention)
-        for name in VARIANTS[mode]:
+        for name in names:
             while True:
                 if name != "bf16" and attention != order[0] and (attention, "bf16") not in seen:
                     _reference(rec, size, attention, seen, runs, cache, note)  # like with like

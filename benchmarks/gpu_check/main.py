@@ -49,8 +49,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated sections to run, in the usual order (default: all of "
         f"{','.join(SECTIONS)}); a later GPU run can spend its budget where the last ran out",
     )
+    parser.add_argument(
+        "--llama-variants",
+        default=None,
+        help="comma-separated llama_block variants for the llama and profile sections "
+        "(default: the mode's own; BF16 always runs first), e.g. bf16,blockwise,"
+        "blockwise-persistent for issue 39's step ratios",
+    )
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.llama_variants is not None:
+        from llama_block import RECIPES
+
+        args.llama_variants = [v.strip() for v in args.llama_variants.split(",") if v.strip()]
+        bad = [v for v in args.llama_variants if v != "bf16" and v not in RECIPES]
+        if bad or not args.llama_variants:
+            parser.error(
+                f"--llama-variants: unknown {bad}; should name some of "
+                f"{','.join(['bf16', *RECIPES])}"
+            )
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sections:
         parser.error(
@@ -175,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
     if "llama" in args.sections:
         with rec.section(llama.SECTION):
-            llama.run(rec, mode, step_runs, prepared)
+            llama.run(rec, mode, step_runs, prepared, args.llama_variants)
         _release()
     if "profile" in args.sections:
         with rec.section(profile.SECTION):
-            profile.run(rec, mode, prepared)
+            profile.run(rec, mode, prepared, args.llama_variants)
         prepared.clear()
         _release()
     decisions(rec, dense, groups, trains)

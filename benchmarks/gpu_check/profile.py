@@ -429,15 +429,25 @@ def _cells(rec: Recorder, size: str, name: str, fields: dict[str, Any], note: st
     rec.cell(SECTION, name, f"{size} kernels", kernels)
 
 
-def run(rec: Recorder, mode: str, cache: llama.Cache | None = None) -> dict[str, dict]:
-    """Trace every size's variants (section 4's compiled steps where `cache` has them);
-    returns `{size: {variant: fields}}`."""
+def run(
+    rec: Recorder,
+    mode: str,
+    cache: llama.Cache | None = None,
+    variants: list[str] | None = None,
+) -> dict[str, dict]:
+    """Trace every size's variants (`variants`, default the llama section's; section 4's
+    compiled steps where `cache` has them); returns `{size: {variant: fields}}`."""
     cache = {} if cache is None else cache
+    names = (
+        llama.VARIANTS[mode]
+        if variants is None
+        else ["bf16", *(v for v in variants if v != "bf16")]
+    )
     results: dict[str, dict] = {}
     seen: dict[tuple[str, str, str], dict] = {}  # (size, attention, variant) -> figures
     kernels: dict[str, Any] = {}
     for size in llama.SIZES[mode]:
-        for name in llama.VARIANTS[mode]:
+        for name in names:
             need = TRACE_NEED_S if (size, name) in cache else llama.NEED_S[size]
             measure = functools.partial(_profile, size, name, mode, cache, seen, kernels, rec.out)
             fields = rec.measure(SECTION, f"{size} | {name}", measure, need_s=need)
