@@ -189,6 +189,21 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
             main.parse(["--out", str(tmp_path), "--sections", bad])
 
 
+def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_path):
+    main, _ = check_modules
+    from gpu_check import llama
+
+    assert main.parse(["--out", str(tmp_path)]).llama_variants is None
+    picked = main.parse(["--out", str(tmp_path), "--llama-variants", "blockwise-persistent, bf16"])
+    assert picked.llama_variants == ["blockwise-persistent", "bf16"]
+    # BF16 first (the others' reference), whatever the order given; the mode's own by default.
+    assert llama.variant_names("full", picked.llama_variants) == ["bf16", "blockwise-persistent"]
+    assert llama.variant_names("quick", None) == llama.VARIANTS["quick"]
+    for bad in ("blockwise,nope", ","):
+        with pytest.raises(SystemExit):
+            main.parse(["--out", str(tmp_path), "--llama-variants", bad])
+
+
 def test_llama_variants_of_every_mode_build(monkeypatch):
     """Every size and variant the GPU run's Llama section names exists (shapes only)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
