@@ -25,6 +25,7 @@ from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PersistentConfig,
     persistent_block_scaled_gemm,
+    persistent_grouped_rows_gemm,
     persistent_kernel,
 )
 
@@ -255,3 +256,79 @@ def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
     with dispatch.interpreted():
         jaxpr = str(jax.make_jaxpr(fp8jax.filter_value_and_grad(_linear_loss))(model, x))
     assert BLOCK_GEMM_NAME in jaxpr and PERSISTENT_GEMM_NAME not in jaxpr
+
+
+@needs_interpreter
+def test_grouped_rows_kernel_matches_float64_with_skipped_tiles():
+    """Each 64-row tile times its expert's weight, tiles of -1 left out, experts in any order
+    and one without tiles; persistent over 7 x 2 tiles on 3 programs."""
+    rng = np.random.default_rng(4)
+    tile_expert = np.array([0, 0, 2, -1, 2, 3, -1], np.int32)  # expert 1: no tiles
+    lhs, lhs_scale = fp8_operand(rng, 64 * len(tile_expert), 300)
+    pairs = [fp8_operand(rng, 200, 300) for _ in range(4)]
+    rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+    config = PersistentConfig(wg_dimension="n", num_sms=3)
+    out = jax.jit(
+        lambda *a: persistent_grouped_rows_gemm(
+            a[0], a[1], a[2], lhs_scale=a[3], rhs_scale=a[4], config=config, interpret=True
+        )
+    )(lhs, rhs, jnp.asarray(tile_expert), lhs_scale, rhs_scale)
+    assert out.shape == (lhs.shape[0], 200)
+    for t, e in enumerate(tile_expert):
+        if e < 0:
+            continue
+        rows = slice(64 * t, 64 * (t + 1))
+        terms = [(rhs[e], rhs_scale[e])]
+        want = reference.block_scaled(lhs[rows], lhs_scale[rows], terms)
+        magnitude = reference.block_scaled_magnitude(lhs[rows], lhs_scale[rows], terms)
+        np.testing.assert_array_less(
+            np.abs(np.asarray(out[rows], np.float64) - want),
+            reference.BLOCK_RTOL * magnitude + 1e-30,
+            err_msg=f"tile {t}, expert {e}",
+        )
+
+
+def test_grouped_rows_kernel_refuses_bad_input_by_name():
+    rng = np.random.default_rng(5)
+    lhs, lhs_scale = fp8_operand(rng, 128, 256)
+    rhs, rhs_scale = fp8_operand(rng, 128, 256)
+    rhs, rhs_scale, experts = rhs[None], rhs_scale[None], jnp.zeros((2,), jnp.int32)
+    kwargs = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    with pytest.raises(ValueError, match="wg_dimension='m'"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, config=PersistentConfig(), **kwargs)
+    with pytest.raises(ValueError, match="tile_expert has shape \\(3,\\)"):
+        persistent_grouped_rows_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), **kwargs)
+    with pytest.raises(ValueError, match="not a multiple of tile_m=64"):
+        persistent_grouped_rows_gemm(
+            lhs[:100], rhs, experts, **{**kwargs, "lhs_scale": lhs_scale[:100]}
+        )
+    with pytest.raises(ValueError, match="rhs_scale has shape"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, lhs_scale=lhs_scale, rhs_scale=rhs_scale[0])
+
+
+@needs_interpreter
+def test_a_blockwise_expert_layer_trains_the_same_on_the_persistent_kernels():
+    """Fp8RaggedDot with blockwise scaling, uneven experts and one without tokens: forward and
+    dgrad on the persistent grouped rows kernel (traced inside `persistent_kernel`,
+    interpreted), against the layer's XLA path."""
+    sizes = jnp.asarray([70, 0, 130, 5], jnp.int32)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((205, 256)) * 3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 256, 192)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((205, 192)) * 1e-3, jnp.float32)
+    recipe = fp8jax.BlockwiseScaling()
+
+    def step(dot, x, w):
+        y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+        return y, *vjp(g)[1:]
+
+    on = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=True)
+    off = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=False)
+    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)):
+        jaxpr = str(jax.make_jaxpr(step)(on, x, w))
+        got = eqx.filter_jit(step)(on, x, w)
+    assert PERSISTENT_GEMM_NAME in jaxpr
+    want = eqx.filter_jit(step)(off, x, w)
+    for a, b, terms in zip(got, want, (256, 192, 205), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * terms * 2.0**-24 * np.abs(b).max())

@@ -135,6 +135,7 @@ def native_rows(
     per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`."""
     from ..kernels.block_gemm import expand_rows
     from ..kernels.grouped_gemm import TILE_M, grouped_rows_gemm
+    from ..kernels.persistent_gemm import recipe_grouped_rows_gemm
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
     if m == 0:
@@ -149,7 +150,7 @@ def native_rows(
             a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype
         )
     else:
-        out = grouped_rows_gemm(
+        out = recipe_grouped_rows_gemm(
             a,
             b,
             layout.tile_expert,

@@ -42,7 +42,8 @@ from .dispatch import interpreting
 
 #: Output tile rows and columns of one CTA, and the contraction chunk, by default.
 TILE_M, TILE_N, BLOCK_K = 64, 128, 128
-_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The FP8 types `wgmma` takes (one for both operands).
+FP8_TYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def expand_rows(scale: Array, rows: int, block_rows: int) -> Float[Array, "*B rows chunks"]:
@@ -79,7 +80,7 @@ def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, bloc
                 f"{who}: {name} has shape {data.shape}; operands must be 2-D and "
                 f"contracted over their last axis, of size K={k} like lhs."
             )
-        if jnp.dtype(data.dtype) not in _FP8:
+        if jnp.dtype(data.dtype) not in FP8_TYPES:
             raise ValueError(
                 f"{who}: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn or float8_e5m2."
             )

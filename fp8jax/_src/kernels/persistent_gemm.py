@@ -50,12 +50,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME
 from .block_gemm import (
     BLOCK_K,
+    FP8_TYPES,
     block_scaled_gemm,
     check_operands,
     chunk_product,
@@ -66,6 +67,7 @@ from .block_gemm import (
     scaled_add,
 )
 from .dispatch import interpreting
+from .grouped_gemm import grouped_rows_gemm
 
 #: The kernel's name: in its PTX and the HLO's op_name (`fp8jax.hlo_cost` counts it as the
 #: block-scaled GEMM it is).
@@ -164,13 +166,9 @@ def persistent_block_scaled_gemm(
     [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
     """
     config = PersistentConfig() if config is None else config
-    interpret = interpreting() if interpret is None else interpret
-    if interpret and not mosaic_private.interpreter_has_transposed_wgmma():
-        raise NotImplementedError(
-            f"persistent_block_scaled_gemm: jax {jax.__version__}'s Mosaic GPU interpreter "
-            "cannot run wgmma on a transposed shared-memory view (JAX 0.11 and later can); "
-            "run the kernel on a Hopper GPU, or interpret it under a newer JAX."
-        )
+    interpret = _interpretable(
+        "persistent_block_scaled_gemm", interpreting() if interpret is None else interpret
+    )
     check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
     cta_m, cta_n = config.cta_tile
@@ -194,13 +192,104 @@ def persistent_block_scaled_gemm(
     return out[:m, :n]
 
 
-def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interpret):
+def persistent_grouped_rows_gemm(
+    lhs: Array,
+    rhs: Array,
+    tile_expert: Int[Array, " tiles"],
+    *,
+    lhs_scale: Array,
+    rhs_scale: Array,
+    out_dtype=jnp.float32,
+    config: PersistentConfig | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "M N"]:
+    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)`, block-scaled, by the
+    persistent kernel: `grouped_gemm.grouped_rows_gemm`'s forward and dgrad of an expert
+    layer (its contiguous layout, block scales), persistent over (row tile, column tile)
+    pairs so that a skipped tile (`tile_expert` -1) costs its programs nothing.
+
+    Both compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one
+    layout tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile).
+    `lhs_scale (M, ceil(K / 128))`, `rhs_scale (G, N, ceil(K / 128))`. Returns `(M, N)`.
+    """
+    name = "persistent_grouped_rows_gemm"
+    config = PersistentConfig(wg_dimension="n") if config is None else config
+    interpret = _interpretable(name, interpreting() if interpret is None else interpret)
+    if config.wg_dimension != "n":
+        raise ValueError(
+            f"{name}: config.wg_dimension={config.wg_dimension!r}; the grouped kernel splits "
+            "N between its warpgroups ('n'), so that each CTA's rows are one expert's."
+        )
+    if rhs.ndim != 3 or lhs.ndim != 2:
+        raise ValueError(
+            f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
+        )
+    (m, k), (g, n) = lhs.shape, rhs.shape[:2]
+    if rhs_scale.shape[:1] != (g,):
+        raise ValueError(
+            f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
+            f"expert: ({g}, {n}, {-(-k // BLOCK_K)})."
+        )
+    one = [(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (rhs, rhs_scale))]
+    check_operands(name, lhs, lhs_scale, [tuple(pair) for pair in one], BLOCK_K)
+    if m % config.tile_m:
+        raise ValueError(
+            f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
+            "expert's rows to whole tiles."
+        )
+    if tile_expert.shape != (m // config.tile_m,):
+        raise ValueError(
+            f"{name}: tile_expert has shape {tile_expert.shape}; expected "
+            f"{(m // config.tile_m,)}: one expert per {config.tile_m}-row tile."
+        )
+    cta_n = config.cta_tile[1]
+    np_, kp = round_up(n, cta_n), round_up(k, BLOCK_K)
+    chunks = kp // BLOCK_K
+    operands = [
+        tile_expert.astype(jnp.int32),
+        pad_to(lhs, m, kp),
+        pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
+        jax.vmap(lambda w: pad_to(w, np_, kp))(rhs),
+        jnp.swapaxes(
+            jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
+        ),
+    ]
+    tiles = (m // config.tile_m) * (np_ // cta_n)
+    out = _kernel(
+        operands,
+        1,
+        out_shape=(m, np_),
+        out_dtype=jnp.dtype(out_dtype),
+        config=config,
+        programs=min(config.num_sms or sm_count(), tiles),
+        interpret=interpret,
+        grouped=True,
+    )
+    return out[:, :n]
+
+
+def _interpretable(who: str, interpret: bool) -> bool:
+    """`interpret`, or `NotImplementedError` naming `who` where this JAX's interpreter cannot
+    run the persistent kernels (see the module docstring)."""
+    if interpret and not mosaic_private.interpreter_has_transposed_wgmma():
+        raise NotImplementedError(
+            f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
+            "transposed shared-memory view (JAX 0.11 and later can); run the kernel on a "
+            "Hopper GPU, or interpret it under a newer JAX."
+        )
+    return interpret
+
+
+def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interpret, grouped=False):
+    """The kernel over `operands`: `a, sa, (b, sb) * n_terms`, or with `grouped`,
+    `tile_expert, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold every
+    expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1: skipped)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     mp, np_ = out_shape
-    chunks = operands[1].shape[0]
+    chunks = operands[2 if grouped else 1].shape[0]
     m_iters, n_iters = mp // cta_m, np_ // cta_n
-    fp8_tiling = operand_tiling(operands[0].dtype, BLOCK_K)
+    fp8_tiling = operand_tiling(operands[1 if grouped else 0].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
     def pipeline(step, context):
@@ -225,13 +314,15 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
         )
 
     def body(*refs):
+        experts, refs = (refs[0], refs[1:]) if grouped else (None, refs)
         a_gmem, sa_gmem, *rest = refs
         b_gmem, out_gmem = rest[: 2 * n_terms], rest[2 * n_terms]
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on it
+        one_b = [b.at[0] for b in b_gmem] if grouped else b_gmem
 
         @functools.partial(
             pl.run_scoped,
-            allocations=pipeline(ignore, ignore).get_allocations(a_gmem, sa_gmem, *b_gmem),
+            allocations=pipeline(ignore, ignore).get_allocations(a_gmem, sa_gmem, *one_b),
             out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tiling(out_dtype, tn)),
             collective_axes="wg",
         )
@@ -273,10 +364,20 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
                         acc = scaled_add(acc, part, sa, sb)
                     return acc
 
-                args = [a_gmem.at[cta_rows], sa_gmem.at[:, cta_rows]]
-                for t in range(n_terms):
-                    args += [b_gmem[2 * t].at[cta_cols], b_gmem[2 * t + 1].at[:, cta_cols]]
-                pipeline(step, context)(*args, allocations=allocations)
+                def run_tile(b_refs):
+                    args = [a_gmem.at[cta_rows], sa_gmem.at[:, cta_rows]]
+                    for t in range(n_terms):
+                        args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
+                    pipeline(step, context)(*args, allocations=allocations)
+
+                if not grouped:
+                    run_tile(b_gmem)
+                    return
+                expert = experts[mi]  # a scalar read from global memory
+
+                @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
+                def _():
+                    run_tile([b.at[expert] for b in b_gmem])
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -326,3 +427,40 @@ def recipe_block_gemm(
     if config is None or block_k != BLOCK_K:
         return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
     return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
+
+
+def recipe_grouped_rows_gemm(
+    lhs: Array,
+    rhs: Array,
+    tile_expert: Int[Array, " tiles"],
+    *,
+    lhs_scale: Array,
+    rhs_scale: Array,
+    out_dtype=jnp.float32,
+    block_k: int = BLOCK_K,
+) -> Float[Array, "M N"]:
+    """The block-scaled grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
+    `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
+    `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
+    config = _CHOSEN.get()
+    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
+    tiles_match = tile_expert.shape[0] * (config.tile_m if config else 0) == lhs.shape[0]
+    if config is None or block_k != BLOCK_K or not fp8 or not tiles_match:
+        return grouped_rows_gemm(
+            lhs,
+            rhs,
+            tile_expert,
+            lhs_scale=lhs_scale,
+            rhs_scale=rhs_scale,
+            out_dtype=out_dtype,
+            block_k=block_k,
+        )
+    return persistent_grouped_rows_gemm(
+        lhs,
+        rhs,
+        tile_expert,
+        lhs_scale=lhs_scale,
+        rhs_scale=rhs_scale,
+        out_dtype=out_dtype,
+        config=dataclasses.replace(config, wg_dimension="n"),
+    )
