@@ -11,7 +11,9 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
   configuration from their autotuning grids (GPU only: they take no interpreter option);
 - `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
 - `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
-  call them (`native_rows` / `native_tokens`, padding to the tiled layout included).
+  call them (`native_rows` / `native_tokens`, padding to the tiled layout included);
+- `fp8 blockwise persistent kernel` (rows, GPU runs only): the same rows GEMM on the
+  persistent warp-specialized kernel of issue 39 (`persistent_kernel()`).
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
 """
@@ -28,6 +30,7 @@ from jax import lax
 
 import fp8jax
 from fp8jax._src.gemm import grouped_native as native
+from fp8jax._src.kernels.persistent_gemm import persistent_kernel
 
 from .record import Recorder
 from .timing import compile_and_time, tflops
@@ -134,6 +137,11 @@ def _ours_rows(lhs, rhs, sizes):
     return native.native_rows(lhs, rhs, sizes, BF16)
 
 
+def _persistent_rows(lhs, rhs, sizes):
+    with persistent_kernel():  # traced inside: the block-scaled rows GEMM on issue 39's kernel
+        return native.native_rows(lhs, rhs, sizes, BF16)
+
+
 def _ours_tokens(lhs, rhs, sizes):
     return native.native_tokens(lhs, rhs, sizes, BF16)
 
@@ -152,6 +160,8 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
     variants["fp8 per-tensor kernel"] = (ours, "fp8", 1)
     # Block-scaled wgrad operands come padded to their 128-token tiles (as from the layer).
     variants["fp8 blockwise kernel"] = (ours, "block", 128 if kind == "tokens" else 1)
+    if kind == "rows" and mode != "dry":  # the dry run checks it in `block_kernels`' tests
+        variants["fp8 blockwise persistent kernel"] = (_persistent_rows, "block", 1)
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)
         del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]

@@ -135,7 +135,11 @@ def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
                 rec.decision(f"{what}, {label}: time ratio {ratio} (> 1: the second is faster)")
     for label, t in groups.items():
         for slow in ("bf16 lax.ragged_dot", *(k for k in t if k.startswith("bf16 jax mgpu"))):
-            for fast in ("fp8 per-tensor kernel", "fp8 blockwise kernel"):
+            for fast in (
+                "fp8 per-tensor kernel",
+                "fp8 blockwise kernel",
+                "fp8 blockwise persistent kernel",
+            ):
                 ratio = _ratio(t, slow, fast)
                 if ratio:
                     rec.decision(f"grouped, {label}: {slow} / {fast}: time ratio {ratio}")
