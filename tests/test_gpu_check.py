@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8jax._src.core.mosaic_private import interpreter_has_transposed_wgmma
+from fp8jax._src.core.mosaic_private import interpreter_runs_gpu_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
@@ -65,7 +65,7 @@ def test_every_section_ran_within_the_budget(dry_run):
     # the persistent block kernel where the interpreter cannot run it (JAX 0.10).
     skipped = [r for r in results if r["status"] == "skipped"]
     refused = "interpreter cannot run the persistent kernel"
-    allowed = ("GPU only",) + (() if interpreter_has_transposed_wgmma() else (refused,))
+    allowed = ("GPU only",) + (() if interpreter_runs_gpu_path() else (refused,))
     assert all(any(a in r["skipped"] for a in allowed) for r in skipped), skipped
     for section in SECTIONS[1:]:
         measured = [r for r in results if r["section"] == section and "ms" in r]

@@ -89,3 +89,16 @@ def test_block_gemm_traces_for_the_gpu_on_this_jax(n_terms):
     )
     assert len(re.findall(r"\bwgmma_ref\b", jaxpr)) == n_terms, jaxpr  # one per rhs term
     assert len(re.findall(r"\bload\b", jaxpr)) == 1 + n_terms, jaxpr  # scales, in registers
+
+
+def test_interpreters_from_jax_0_11_run_the_kernels_gpu_code():
+    """From JAX 0.11 on, interpreted kernels run the code a GPU runs (`wgmma` on transposed
+    views, register layouts): no substitute steps (`block_gemm.substitutes`), so that the
+    interpreter tests (run on 0.11 and 0.12 by tests/other_jax.sh) check that code itself.
+    A detection that stopped recognizing a newer interpreter would fail here."""
+    from fp8jax._src.kernels.block_gemm import substitutes
+
+    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    assert mosaic_private.interpreter_runs_gpu_path() is newer
+    assert substitutes(True) is (not newer)
+    assert substitutes(False) is False

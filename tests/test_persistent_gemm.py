@@ -32,7 +32,7 @@ from fp8jax._src.kernels.persistent_gemm import (
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 needs_interpreter = pytest.mark.skipif(
-    not mosaic_private.interpreter_has_transposed_wgmma(),
+    not mosaic_private.interpreter_runs_gpu_path(),
     reason=f"jax {jax.__version__}'s Mosaic GPU interpreter has no wgmma on a transposed view "
     "(run by tests/other_jax.sh on JAX 0.11 and later)",
 )
@@ -105,7 +105,7 @@ def test_kernel_writes_bf16_rounded_from_float32():
 
 
 @pytest.mark.skipif(
-    mosaic_private.interpreter_has_transposed_wgmma(), reason="this interpreter can run it"
+    mosaic_private.interpreter_runs_gpu_path(), reason="this interpreter can run it"
 )
 def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
     rng = np.random.default_rng(2)

@@ -191,7 +191,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
     # JAX 0.10's interpreter cannot run the persistent kernel (`persistent_gemm`): a dry run
     # there times the other variants and records the kernel's items as skipped.
     refused = None
-    if dry and not mosaic_private.interpreter_has_transposed_wgmma():
+    if dry and not mosaic_private.interpreter_runs_gpu_path():
         refused = f"jax {jax.__version__}'s interpreter cannot run the persistent kernel"
     for case in DRY_CASES if dry else CASES:
         measure = functools.partial(numerics_case, case, dry)

@@ -12,7 +12,7 @@ fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by ver
 - `plgpu.load(ref, idx, *, layout)` took the index as a required argument in JAX 0.10,
   deprecated it in 0.11 (a `DeprecationWarning`) and dropped it in 0.12 (`load(ref, *,
   layout)`): `load` below passes it only where it is required.
-- Whether the interpreter runs `wgmma` on a transposed view (`interpreter_has_transposed_wgmma`,
+- Whether the interpreter runs the kernels' GPU code as it is (`interpreter_runs_gpu_path`,
   from the shape of its internals: JAX 0.11 on).
 - `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
   `ref.transpose(perm)`, which it wraps in every supported release (what
@@ -45,13 +45,15 @@ def interpret_params() -> Any:
 
 
 @functools.cache
-def interpreter_has_transposed_wgmma() -> bool:
-    """Whether Mosaic GPU's interpreter multiplies through a transposed shared-memory view
-    (`plgpu.wgmma(acc, a, b.transpose((1, 0)))`, how FP8 `wgmma` takes a K-major rhs).
+def interpreter_runs_gpu_path() -> bool:
+    """Whether Mosaic GPU's interpreter runs a Hopper kernel's own code: `wgmma` through a
+    transposed shared-memory view (`plgpu.wgmma(acc, a, b.transpose((1, 0)))`, how FP8
+    `wgmma` takes a K-major rhs), loads into a register layout and layout casts.
 
-    JAX 0.11's interpreter resolves a view's transforms into one buffer range and permutation
-    (`to_access` in its utilities); 0.10's reads only index transforms and fails on the
-    transpose, so kernels interpreted there multiply those tiles by another route.
+    JAX 0.11's interpreter does (it resolves a view's transforms into one buffer range and
+    permutation, `to_access` in its utilities); 0.10's reads only index transforms and has no
+    rule for the register layouts, so kernels interpreted there replace those steps
+    (`fp8jax._src.kernels.block_gemm.substitutes`).
     """
     try:
         from jax._src.pallas.mosaic.interpret import utils

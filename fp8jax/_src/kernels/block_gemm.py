@@ -18,10 +18,12 @@ tiles: operands are zero-padded outside the kernel and the output cropped, which
 math that of the unpadded operands. `tile_m=64` keeps every register in place (ptxas
 reports no spills); 128-row tiles spill (see `tests/test_kernels.py`).
 
-On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), slowly, for tests:
-there the MMA of a tile is a float32 `dot_general` of the same FP8 tiles (the interpreter has
-no rule for `wgmma` on a transposed shared-memory view) and the scale vectors are read
-without a register layout; the pipeline, the copies and the promotion are the kernel's own.
+On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), slowly, for tests.
+From JAX 0.11 on the interpreter runs the GPU's code as it is (`wgmma` on the transposed
+view, scale vectors loaded in `wgmma`'s register layout); JAX 0.10's cannot, and there
+(`substitutes`) the MMA of a tile is a float32 `dot_general` of the same FP8 tiles and the
+scale vectors are read without a register layout; the pipeline, the copies and the
+promotion are the kernel's own either way.
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ def out_tiling(out_dtype, tile_n: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
+def substitutes(interpret: bool) -> bool:
+    """Whether a kernel interpreted (`interpret`) replaces the steps this JAX's interpreter
+    cannot run (`scale_vector`, `chunk_product`, `zeros_acc`): JAX 0.10 only."""
+    return interpret and not mosaic_private.interpreter_runs_gpu_path()
+
+
 def scale_vector(ref, axis: int, interpret: bool) -> Array:
     """A tile's scales, laid out to broadcast over the accumulator's `axis` (0: one per
     column, 1: one per row)."""
@@ -206,6 +214,7 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret)
     mp, np_ = out_shape
     chunks = operands[1].shape[0]
     fp8_tiling = operand_tiling(operands[0].dtype, block_k)
+    substitute = substitutes(interpret)
 
     def body(*refs):
         a_gmem, a_scale_gmem, *rest = refs
@@ -214,10 +223,10 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret)
 
         def step(_, a_tile, a_scale, *rest):
             *b_tiles, acc = rest
-            sa = scale_vector(a_scale, 1, interpret)
+            sa = scale_vector(a_scale, 1, substitute)
             for t in range(n_terms):
-                part = chunk_product(a_tile, b_tiles[2 * t], (tile_m, tile_n), interpret)
-                acc = scaled_add(acc, part, sa, scale_vector(b_tiles[2 * t + 1], 0, interpret))
+                part = chunk_product(a_tile, b_tiles[2 * t], (tile_m, tile_n), substitute)
+                acc = scaled_add(acc, part, sa, scale_vector(b_tiles[2 * t + 1], 0, substitute))
             return acc
 
         in_specs = [
@@ -234,7 +243,7 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret)
             grid=(chunks,),
             in_specs=in_specs,
             max_concurrent_steps=steps,
-            init_carry=zeros_acc((tile_m, tile_n), interpret),
+            init_carry=zeros_acc((tile_m, tile_n), substitute),
         )(a_gmem, a_scale_gmem, *b_gmem)
         store(acc, out_smem, out_gmem.at[pl.ds(m * tile_m, tile_m), pl.ds(n * tile_n, tile_n)])
 

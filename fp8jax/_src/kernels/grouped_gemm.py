@@ -25,8 +25,9 @@ Scaling, either:
   contraction accumulates in one `wgmma` accumulator, multiplied once at the end (per-tensor
   recipes: the activation's scale times the expert's).
 
-As in `block_gemm`, the interpreter (`interpret=True`) replaces `wgmma` by a float32
-`dot_general` of the same FP8 tiles and reads scale vectors without a register layout.
+As in `block_gemm`, the interpreter (`interpret=True`) runs the GPU's code from JAX 0.11 on;
+JAX 0.10's replaces `wgmma` by a float32 `dot_general` of the same FP8 tiles and reads scale
+vectors without a register layout (`block_gemm.substitutes`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .block_gemm import (
     scale_vector,
     scaled_add,
     store,
+    substitutes,
     zeros_acc,
 )
 from .dispatch import interpreting
@@ -101,7 +103,7 @@ def _check_shape(name: str, what: str, a: Array, shape: tuple) -> None:
         raise ValueError(f"{name}: {what} has shape {a.shape}; expected {shape}.")
 
 
-def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, interpret) -> Array:
+def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, substitute) -> Array:
     """`sum_c a_c . b_c^T` over a pipeline of `grid` chunks, in one float32 accumulator (the
     per-tile scaling: nothing to do between chunks)."""
     release = 1 if steps > 1 else 0  # keep a chunk in shared memory while its wgmma runs
@@ -110,7 +112,7 @@ def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, inte
         plgpu.BlockSpec((r, block_k), index, transforms=tiling, delay_release=release)
         for r, index in zip(rows, index_maps, strict=True)
     ]
-    if interpret:
+    if substitute:  # an interpreter without the GPU path (JAX 0.10)
 
         def step(_, a_tile, b_tile, acc):
             return acc + chunk_product(a_tile, b_tile, shape, True)
@@ -133,7 +135,7 @@ def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, inte
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
-def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, interpret) -> Array:
+def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, substitute) -> Array:
     """`sum_c (a_c . b_c^T) * sa_c[:, None] * sb_c[None, :]` over a pipeline of `grid`
     chunks: a fresh accumulator per chunk, scaled in registers and added (block scaling).
     `operands`: a, a's scales `(chunks, rows)`, b, b's scales; `index_maps` of a and b's
@@ -151,8 +153,8 @@ def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, interpr
     ]
 
     def step(_, a_tile, a_scale, b_tile, b_scale, acc):
-        part = chunk_product(a_tile, b_tile, shape, interpret)
-        sa, sb = scale_vector(a_scale, 1, interpret), scale_vector(b_scale, 0, interpret)
+        part = chunk_product(a_tile, b_tile, shape, substitute)
+        sa, sb = scale_vector(a_scale, 1, substitute), scale_vector(b_scale, 0, substitute)
         return scaled_add(acc, part, sa, sb)
 
     return plgpu.emit_pipeline(
@@ -160,7 +162,7 @@ def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, interpr
         grid=grid,
         in_specs=specs,
         max_concurrent_steps=steps,
-        init_carry=zeros_acc(shape, interpret),
+        init_carry=zeros_acc(shape, substitute),
     )(*operands)
 
 
@@ -189,6 +191,7 @@ def grouped_rows_gemm(
     """
     name = "grouped_rows_gemm"
     interpret = interpreting() if interpret is None else interpret
+    substitute = substitutes(interpret)
     (m, k), (g, n) = lhs.shape, rhs.shape[:2]
     if rhs.ndim != 3:
         raise ValueError(f"{name}: rhs has shape {rhs.shape}; expected (experts, N, K).")
@@ -229,13 +232,13 @@ def grouped_rows_gemm(
                 _, a_gmem, sa_gmem, b_gmem, sb_gmem = refs[:-2]
                 ops = (a_gmem, sa_gmem, b_gmem.at[expert], sb_gmem.at[expert])
                 acc = _promoted(
-                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret
+                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, substitute
                 )
             else:
                 _, scale_gmem, a_gmem, b_gmem = refs[:-2]
                 ops = (a_gmem, b_gmem.at[expert])
                 acc = _accumulated(
-                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, interpret
+                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, substitute
                 )
                 acc = acc * scale_gmem[i]
             window = (pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
@@ -280,6 +283,7 @@ def grouped_tokens_gemm(
     """
     name = "grouped_tokens_gemm"
     interpret = interpreting() if interpret is None else interpret
+    substitute = substitutes(interpret)
     (a_rows, t), b_rows, g = lhs.shape, rhs.shape[0], chunk_start.shape[0]
     _check_operands(name, lhs, rhs, t)
     if t % block_k:
@@ -313,11 +317,11 @@ def grouped_tokens_gemm(
         index_maps = (lambda c: (i, start + c), lambda c: (j, start + c))
         steps = max_concurrent_steps
         if blocks:
-            acc = _promoted(refs[2:-2], index_maps, grid, shape, tiling, block_k, steps, interpret)
+            acc = _promoted(refs[2:-2], index_maps, grid, shape, tiling, block_k, steps, substitute)
         else:
             scale_gmem, a_gmem, b_gmem = refs[2:-2]
             ops = (a_gmem, b_gmem)
-            acc = _accumulated(ops, index_maps, grid, shape, tiling, block_k, steps, interpret)
+            acc = _accumulated(ops, index_maps, grid, shape, tiling, block_k, steps, substitute)
             acc = acc * scale_gmem[e]
         window = (e, pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
         store(acc, out_smem, out_gmem.at[window])

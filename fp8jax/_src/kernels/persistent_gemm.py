@@ -32,7 +32,7 @@ kernel the recipes call.
 
 On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
 GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
-later: `mosaic_private.interpreter_has_transposed_wgmma`). JAX 0.10's cannot, and its
+later: `mosaic_private.interpreter_runs_gpu_path`). JAX 0.10's cannot, and its
 interpreter stalls now and then on the warp-specialized pipeline (seen in this kernel's
 tests): there the kernel refuses to be interpreted rather than check a substitute.
 """
@@ -271,7 +271,7 @@ def persistent_grouped_rows_gemm(
 def _interpretable(who: str, interpret: bool) -> bool:
     """`interpret`, or `NotImplementedError` naming `who` where this JAX's interpreter cannot
     run the persistent kernels (see the module docstring)."""
-    if interpret and not mosaic_private.interpreter_has_transposed_wgmma():
+    if interpret and not mosaic_private.interpreter_runs_gpu_path():
         raise NotImplementedError(
             f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
             "transposed shared-memory view (JAX 0.11 and later can); run the kernel on a "
