@@ -67,6 +67,9 @@ def fp8_operand(rng, rows, k, dtype=E4M3):
         ),
         # one row of tiles (the persistent loop walks it in order), one chunk
         (40, 520, 128, 1, E4M3, PersistentConfig(num_sms=3)),
+        # clusters of two CTAs sharing (multicasting) the rhs tile, then the lhs tile
+        (300, 500, 384, 1, E4M3, PersistentConfig(cluster="m", num_sms=4)),
+        (300, 500, 384, 1, E4M3, PersistentConfig(cluster="n", wg_dimension="n", num_sms=4)),
     ],
 )
 def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, fmt, config):
@@ -124,6 +127,7 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(max_concurrent_steps=0), "max_concurrent_steps=0"),
         (dict(grid_tile_width=True), "grid_tile_width=True"),
         (dict(num_sms=0), "num_sms=0"),
+        (dict(cluster="k"), "cluster='k'"),
     ],
 )
 def test_bad_configs_are_refused_by_name(kwargs, match):
@@ -131,9 +135,11 @@ def test_bad_configs_are_refused_by_name(kwargs, match):
         PersistentConfig(**kwargs)
 
 
-def test_cta_tile_doubles_along_the_warpgroup_split():
+def test_cta_tile_doubles_along_the_warpgroup_split_and_the_cluster():
     assert PersistentConfig().cta_tile == (128, 128)
     assert PersistentConfig(wg_dimension="n", tile_n=64).cta_tile == (64, 128)
+    assert PersistentConfig(cluster="m").cluster_tile == (256, 128)
+    assert PersistentConfig(cluster="n", wg_dimension="n").cluster_tile == (64, 512)
 
 
 def test_bad_operands_are_refused_naming_the_kernel():
@@ -155,7 +161,7 @@ from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_blo
 m, n, k = 1024, 2048, 1024
 f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
 args = (S((m, k), f8), S((m, k // 128), jnp.float32), S((n, k), f8), S((n, k // 128), jnp.float32))
-config = PersistentConfig(wg_dimension=sys.argv[1])
+config = PersistentConfig(**json.loads(sys.argv[1]))
 gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
     a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config)
 lowered, _ = deviceless.lower(gemm, args, {}, deviceless.h100_topology().devices[0])
@@ -172,15 +178,15 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("wg_dimension", ["m", "n"])
-def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
-    tmp_path, wg_dimension
-):
+@pytest.mark.parametrize(
+    "config", [{}, {"wg_dimension": "n"}, {"cluster": "m"}], ids=["default", "wg n", "cluster m"]
+)
+def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(tmp_path, config):
     """What Mosaic GPU makes of the kernel for an H100, read from its PTX: FP8 `wgmma` (E4M3
     operands, float32 accumulator), registers moved between the memory and compute
     warpgroups (`setmaxnreg`: warp specialization), and no register spilled by ptxas."""
     pytest.importorskip("jax_cuda12_plugin")
-    run = run_with_mosaic_dump(H100_SCRIPT, [wg_dimension], tmp_path)
+    run = run_with_mosaic_dump(H100_SCRIPT, [json.dumps(config)], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert any(PERSISTENT_GEMM_NAME in e for e in seen["entries"]), seen["entries"]
@@ -209,7 +215,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     numerics = [r for r in results if r["name"].startswith("numerics")]
     assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics
     swept = [r for r in results if "| persistent" in r["name"]]
-    assert len(swept) == 2 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
+    # DRY_SWEEP: the default, the warpgroups split along N, a cluster sharing the lhs tile
+    assert len(swept) == 3 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
     assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
 
 
@@ -296,6 +303,9 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
     kwargs = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     with pytest.raises(ValueError, match="wg_dimension='m'"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, config=PersistentConfig(), **kwargs)
+    with pytest.raises(ValueError, match="cluster='m'"):
+        config = PersistentConfig(wg_dimension="n", cluster="m")
+        persistent_grouped_rows_gemm(lhs, rhs, experts, config=config, **kwargs)
     with pytest.raises(ValueError, match="tile_expert has shape \\(3,\\)"):
         persistent_grouped_rows_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), **kwargs)
     with pytest.raises(ValueError, match="not a multiple of tile_m=64"):

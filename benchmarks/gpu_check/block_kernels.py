@@ -48,8 +48,9 @@ DRY_SHAPES = {"dry": (256, 256, 256)}
 #: Configurations swept, the default first. 64 x 128 per warpgroup is what fits the
 #: registers without spills (64 x 192 and 64 x 256 spill in the deviceless compile, 128 x 128
 #: exceeds shared memory with 4 stages); the pipeline depth, the warpgroups' split and the
-#: tile order are what is left to tune. Every one compiles for an H100 at both shapes
-#: without spills (deviceless, JAX 0.11.2).
+#: tile order and the clusters' multicast are what is left to tune. Every one compiles for an
+#: H100 at both shapes (deviceless, JAX 0.11.2), without spills but for `cluster="n"` (32
+#: bytes).
 SWEEP = (
     PersistentConfig(),
     PersistentConfig(max_concurrent_steps=3),
@@ -59,8 +60,15 @@ SWEEP = (
     PersistentConfig(grid_tile_width=4),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
     PersistentConfig(wg_dimension="n", max_concurrent_steps=3),
+    PersistentConfig(cluster="m"),
+    PersistentConfig(cluster="n"),
+    PersistentConfig(cluster="m", grid_minor_dim="m"),
 )
-DRY_SWEEP = (PersistentConfig(num_sms=2), PersistentConfig(wg_dimension="n", num_sms=2))
+DRY_SWEEP = (
+    PersistentConfig(num_sms=2),
+    PersistentConfig(wg_dimension="n", num_sms=2),
+    PersistentConfig(cluster="n", num_sms=4),
+)
 
 #: Numerics cases: (M, N, K, terms, FP8 type, output type, config).
 CASES = (

@@ -94,6 +94,9 @@ class PersistentConfig:
       persistent programs walk the output tiles (`plgpu.planar_snake`): consecutive tiles
       along the minor axis, in bands `grid_tile_width` tiles wide, so that tiles running
       together share operand tiles in L2.
+    - `cluster`: `None` (default), `"m"` or `"n"`: pairs of CTAs (a cluster of two) side by
+      side along that axis, the operand tile they share loaded once by TMA and multicast to
+      both (`"m"`: the rhs tile, `"n"`: the lhs tile).
     - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
       deviceless H100 compile).
     """
@@ -104,6 +107,7 @@ class PersistentConfig:
     max_concurrent_steps: int = 4
     grid_minor_dim: str = "n"
     grid_tile_width: int = 1
+    cluster: str | None = None
     num_sms: int | None = None
 
     def __post_init__(self) -> None:
@@ -119,6 +123,10 @@ class PersistentConfig:
                 raise ValueError(
                     f"PersistentConfig: {name}={getattr(self, name)!r}; should be 'm' or 'n'."
                 )
+        if self.cluster not in (None, "m", "n"):
+            raise ValueError(
+                f"PersistentConfig: cluster={self.cluster!r}; should be None, 'm' or 'n'."
+            )
         for name in ("max_concurrent_steps", "grid_tile_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -136,6 +144,12 @@ class PersistentConfig:
         if self.wg_dimension == "m":
             return 2 * self.tile_m, self.tile_n
         return self.tile_m, 2 * self.tile_n
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """The output tile of one cluster (the unit the operands are padded to)."""
+        m, n = self.cta_tile
+        return m * (2 if self.cluster == "m" else 1), n * (2 if self.cluster == "n" else 1)
 
 
 def sm_count() -> int:
@@ -171,22 +185,21 @@ def persistent_block_scaled_gemm(
     )
     check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
-    cta_m, cta_n = config.cta_tile
-    mp, np_, kp = round_up(m, cta_m), round_up(n, cta_n), round_up(k, BLOCK_K)
+    cluster_m, cluster_n = config.cluster_tile
+    mp, np_, kp = round_up(m, cluster_m), round_up(n, cluster_n), round_up(k, BLOCK_K)
     chunks = kp // BLOCK_K
     # Scales chunk-major: a pipeline step's scales are one contiguous row of the CTA's rows.
     operands = [pad_to(lhs, mp, kp), pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T]
     for rhs, scale in terms:
         operands += [pad_to(rhs, np_, kp), pad_to(scale.astype(jnp.float32), np_, chunks).T]
-    tiles = (mp // cta_m) * (np_ // cta_n)
-    programs = config.num_sms or sm_count()
+    clusters = (mp // cluster_m) * (np_ // cluster_n)
     out = _kernel(
         operands,
         len(terms),
         out_shape=(mp, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=min(programs, tiles),
+        programs=_programs(config, clusters),
         interpret=interpret,
     )
     return out[:m, :n]
@@ -215,6 +228,11 @@ def persistent_grouped_rows_gemm(
     name = "persistent_grouped_rows_gemm"
     config = PersistentConfig(wg_dimension="n") if config is None else config
     interpret = _interpretable(name, interpreting() if interpret is None else interpret)
+    if config.cluster == "m":
+        raise ValueError(
+            f"{name}: config.cluster='m'; a cluster's CTAs would hold two row tiles, of "
+            "different experts, sharing one rhs tile: use None or 'n'."
+        )
     if config.wg_dimension != "n":
         raise ValueError(
             f"{name}: config.wg_dimension={config.wg_dimension!r}; the grouped kernel splits "
@@ -242,8 +260,8 @@ def persistent_grouped_rows_gemm(
             f"{name}: tile_expert has shape {tile_expert.shape}; expected "
             f"{(m // config.tile_m,)}: one expert per {config.tile_m}-row tile."
         )
-    cta_n = config.cta_tile[1]
-    np_, kp = round_up(n, cta_n), round_up(k, BLOCK_K)
+    cluster_n = config.cluster_tile[1]
+    np_, kp = round_up(n, cluster_n), round_up(k, BLOCK_K)
     chunks = kp // BLOCK_K
     operands = [
         tile_expert.astype(jnp.int32),
@@ -254,18 +272,25 @@ def persistent_grouped_rows_gemm(
             jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
         ),
     ]
-    tiles = (m // config.tile_m) * (np_ // cta_n)
+    clusters = (m // config.tile_m) * (np_ // cluster_n)
     out = _kernel(
         operands,
         1,
         out_shape=(m, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=min(config.num_sms or sm_count(), tiles),
+        programs=_programs(config, clusters),
         interpret=interpret,
         grouped=True,
     )
     return out[:, :n]
+
+
+def _programs(config: PersistentConfig, clusters: int) -> int:
+    """Clusters of the persistent grid: one per SM (per pair of SMs with `cluster`), no more
+    than there are output tiles (cluster tiles) to share."""
+    per_cluster = 1 if config.cluster is None else 2
+    return max(1, min((config.num_sms or sm_count()) // per_cluster, clusters))
 
 
 def _interpretable(who: str, interpret: bool) -> bool:
@@ -288,19 +313,30 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
     cta_m, cta_n = config.cta_tile
     mp, np_ = out_shape
     chunks = operands[2 if grouped else 1].shape[0]
-    m_iters, n_iters = mp // cta_m, np_ // cta_n
+    cluster_m, cluster_n = config.cluster_tile
+    m_iters, n_iters = mp // cluster_m, np_ // cluster_n
+    # The operand tile the two CTAs of a cluster share, loaded once and multicast.
+    share_a = ("cluster",) if config.cluster == "n" else ()
+    share_b = ("cluster",) if config.cluster == "m" else ()
     fp8_tiling = operand_tiling(operands[1 if grouped else 0].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
     def pipeline(step, context):
         specs = [
-            plgpu.BlockSpec((cta_m, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling),
-            plgpu.BlockSpec((1, cta_m), lambda c: (c, 0)),
+            plgpu.BlockSpec(
+                (cta_m, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling, collective_axes=share_a
+            ),
+            plgpu.BlockSpec((1, cta_m), lambda c: (c, 0), collective_axes=share_a),
         ]
         for _ in range(n_terms):
             specs += [
-                plgpu.BlockSpec((cta_n, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling),
-                plgpu.BlockSpec((1, cta_n), lambda c: (c, 0)),
+                plgpu.BlockSpec(
+                    (cta_n, BLOCK_K),
+                    lambda c: (0, c),
+                    transforms=fp8_tiling,
+                    collective_axes=share_b,
+                ),
+                plgpu.BlockSpec((1, cta_n), lambda c: (c, 0), collective_axes=share_b),
             ]
         return plgpu.emit_pipeline_warp_specialized(
             step,
@@ -340,6 +376,11 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
                     mi, ni = plgpu.planar_snake(
                         index, (m_iters, n_iters), minor, config.grid_tile_width
                     )
+                cta = lax.axis_index("cluster")
+                if config.cluster == "m":
+                    mi = mi * 2 + cta
+                elif config.cluster == "n":
+                    ni = ni * 2 + cta
                 cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
                 if config.wg_dimension == "m":
                     rows, cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
@@ -387,6 +428,8 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(programs,),
         grid_names=("sm",),
+        cluster=(1 if config.cluster is None else 2,),
+        cluster_names=("cluster",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -462,5 +505,8 @@ def recipe_grouped_rows_gemm(
         lhs_scale=lhs_scale,
         rhs_scale=rhs_scale,
         out_dtype=out_dtype,
-        config=dataclasses.replace(config, wg_dimension="n"),
+        # The warpgroups split N, and a cluster shares the row tile (one expert's) if any.
+        config=dataclasses.replace(
+            config, wg_dimension="n", cluster=None if config.cluster == "m" else config.cluster
+        ),
     )
