@@ -266,28 +266,37 @@ def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
 
 
 @needs_interpreter
-def test_grouped_rows_kernel_matches_float64_with_skipped_tiles():
+@pytest.mark.parametrize("scaling", ["blocks", "tile"])
+def test_grouped_rows_kernel_matches_float64_with_skipped_tiles(scaling):
     """Each 64-row tile times its expert's weight, tiles of -1 left out, experts in any order
-    and one without tiles; persistent over 7 x 2 tiles on 3 programs."""
+    and one without tiles; persistent over 7 x 2 tiles on 3 programs. Block scales promoted
+    per chunk, or one scale per tile applied to the whole accumulation."""
     rng = np.random.default_rng(4)
     tile_expert = np.array([0, 0, 2, -1, 2, 3, -1], np.int32)  # expert 1: no tiles
     lhs, lhs_scale = fp8_operand(rng, 64 * len(tile_expert), 300)
     pairs = [fp8_operand(rng, 200, 300) for _ in range(4)]
     rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+    tile_scale = jnp.asarray(2.0 ** rng.integers(-4, 4, len(tile_expert)), jnp.float32)
+    if scaling == "blocks":
+        scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    else:
+        scales = dict(tile_scale=tile_scale)
     config = PersistentConfig(wg_dimension="n", num_sms=3)
     out = jax.jit(
-        lambda *a: persistent_grouped_rows_gemm(
-            a[0], a[1], a[2], lhs_scale=a[3], rhs_scale=a[4], config=config, interpret=True
-        )
-    )(lhs, rhs, jnp.asarray(tile_expert), lhs_scale, rhs_scale)
+        lambda a, b, e, s: persistent_grouped_rows_gemm(a, b, e, **s, config=config, interpret=True)
+    )(lhs, rhs, jnp.asarray(tile_expert), scales)
     assert out.shape == (lhs.shape[0], 200)
     for t, e in enumerate(tile_expert):
         if e < 0:
             continue
         rows = slice(64 * t, 64 * (t + 1))
-        terms = [(rhs[e], rhs_scale[e])]
-        want = reference.block_scaled(lhs[rows], lhs_scale[rows], terms)
-        magnitude = reference.block_scaled_magnitude(lhs[rows], lhs_scale[rows], terms)
+        if scaling == "blocks":
+            sa, terms = lhs_scale[rows], [(rhs[e], rhs_scale[e])]
+        else:  # the tile's scale on every row, unit scales on the weight
+            sa = jnp.full(lhs_scale[rows].shape, tile_scale[t])
+            terms = [(rhs[e], jnp.ones_like(rhs_scale[e]))]
+        want = reference.block_scaled(lhs[rows], sa, terms)
+        magnitude = reference.block_scaled_magnitude(lhs[rows], sa, terms)
         np.testing.assert_array_less(
             np.abs(np.asarray(out[rows], np.float64) - want),
             reference.BLOCK_RTOL * magnitude + 1e-30,
@@ -314,19 +323,27 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
         )
     with pytest.raises(ValueError, match="rhs_scale has shape"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, lhs_scale=lhs_scale, rhs_scale=rhs_scale[0])
+    with pytest.raises(ValueError, match="not both or neither"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, tile_scale=jnp.ones((2,)))
+    with pytest.raises(ValueError, match="tile_scale has shape \\(3,\\)"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, tile_scale=jnp.ones((3,)))
 
 
 @needs_interpreter
-def test_a_blockwise_expert_layer_trains_the_same_on_the_persistent_kernels():
-    """Fp8RaggedDot with blockwise scaling, uneven experts and one without tokens: forward and
-    dgrad on the persistent grouped rows kernel (traced inside `persistent_kernel`,
-    interpreted), against the layer's XLA path."""
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.BlockwiseScaling(), fp8jax.DelayedScaling(backward_format="e4m3")],
+    ids=["blockwise", "delayed-e4m3"],
+)
+def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(recipe):
+    """Fp8RaggedDot, uneven experts and one without tokens: forward and dgrad on the
+    persistent grouped rows kernel (block scales, or per-tensor scales per tile; traced
+    inside `persistent_kernel`, interpreted), against the layer's XLA path."""
     sizes = jnp.asarray([70, 0, 130, 5], jnp.int32)
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((205, 256)) * 3, jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, 256, 192)) * 0.1, jnp.float32)
     g = jnp.asarray(rng.standard_normal((205, 192)) * 1e-3, jnp.float32)
-    recipe = fp8jax.BlockwiseScaling()
 
     def step(dot, x, w):
         y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)

@@ -12,8 +12,9 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
 - `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
 - `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
   call them (`native_rows` / `native_tokens`, padding to the tiled layout included);
-- `fp8 blockwise persistent kernel` (rows, GPU runs only): the same rows GEMM on the
-  persistent warp-specialized kernel of issue 39 (`persistent_kernel()`).
+- `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (rows, GPU runs
+  only): the same rows GEMMs on the persistent warp-specialized kernel of issue 39
+  (`persistent_kernel()`).
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
 """
@@ -160,7 +161,8 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
     variants["fp8 per-tensor kernel"] = (ours, "fp8", 1)
     # Block-scaled wgrad operands come padded to their 128-token tiles (as from the layer).
     variants["fp8 blockwise kernel"] = (ours, "block", 128 if kind == "tokens" else 1)
-    if kind == "rows" and mode != "dry":  # the dry run checks it in `block_kernels`' tests
+    if kind == "rows" and mode != "dry":  # its interpreter tests: tests/test_persistent_gemm.py
+        variants["fp8 per-tensor persistent kernel"] = (_persistent_rows, "fp8", 1)
         variants["fp8 blockwise persistent kernel"] = (_persistent_rows, "block", 1)
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)

@@ -138,6 +138,7 @@ def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
             for fast in (
                 "fp8 per-tensor kernel",
                 "fp8 blockwise kernel",
+                "fp8 per-tensor persistent kernel",
                 "fp8 blockwise persistent kernel",
             ):
                 ratio = _ratio(t, slow, fast)

@@ -134,7 +134,7 @@ def native_rows(
     of one row) times each row's expert's `rhs (G, F, C)` (one scale per expert, or blocks
     per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`."""
     from ..kernels.block_gemm import expand_rows
-    from ..kernels.grouped_gemm import TILE_M, grouped_rows_gemm
+    from ..kernels.grouped_gemm import TILE_M
     from ..kernels.persistent_gemm import recipe_grouped_rows_gemm
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
@@ -146,7 +146,7 @@ def native_rows(
     if not lhs.block:
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
         tile_scale = scale[jnp.maximum(layout.tile_expert, 0)]
-        out = grouped_rows_gemm(
+        out = recipe_grouped_rows_gemm(
             a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype
         )
     else:

@@ -210,20 +210,24 @@ def persistent_grouped_rows_gemm(
     rhs: Array,
     tile_expert: Int[Array, " tiles"],
     *,
-    lhs_scale: Array,
-    rhs_scale: Array,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    tile_scale: Float[Array, " tiles"] | None = None,
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
-    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)`, block-scaled, by the
-    persistent kernel: `grouped_gemm.grouped_rows_gemm`'s forward and dgrad of an expert
-    layer (its contiguous layout, block scales), persistent over (row tile, column tile)
-    pairs so that a skipped tile (`tile_expert` -1) costs its programs nothing.
+    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)` by the persistent
+    kernel: `grouped_gemm.grouped_rows_gemm` (an expert layer's forward and dgrad on its
+    contiguous layout), persistent over (row tile, column tile) pairs so that a skipped tile
+    (`tile_expert` -1) costs its programs nothing.
 
-    Both compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one
-    layout tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile).
-    `lhs_scale (M, ceil(K / 128))`, `rhs_scale (G, N, ceil(K / 128))`. Returns `(M, N)`.
+    Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
+    row and chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per
+    tile, after one accumulation over the whole contraction: per-tensor recipes). Both
+    compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one layout
+    tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile). Returns
+    `(M, N)` in `out_dtype`.
     """
     name = "persistent_grouped_rows_gemm"
     config = PersistentConfig(wg_dimension="n") if config is None else config
@@ -242,46 +246,62 @@ def persistent_grouped_rows_gemm(
         raise ValueError(
             f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
         )
+    blocks = lhs_scale is not None and rhs_scale is not None and tile_scale is None
+    if not blocks and (tile_scale is None or lhs_scale is not None or rhs_scale is not None):
+        raise ValueError(
+            f"{name}: give either lhs_scale and rhs_scale (block scales) or tile_scale (one "
+            "scale per tile), not both or neither."
+        )
     (m, k), (g, n) = lhs.shape, rhs.shape[:2]
-    if rhs_scale.shape[:1] != (g,):
+    chunks = -(-k // BLOCK_K)
+    if blocks and rhs_scale.shape[:1] != (g,):
         raise ValueError(
             f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
-            f"expert: ({g}, {n}, {-(-k // BLOCK_K)})."
+            f"expert: ({g}, {n}, {chunks})."
         )
-    one = [(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (rhs, rhs_scale))]
+    if blocks:
+        sb = rhs_scale
+    else:  # the checks of a block-scaled call, on stand-in unit scales
+        lhs_scale, sb = jnp.ones((m, chunks), jnp.float32), jnp.ones((g, n, chunks), jnp.float32)
+    one = [(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (rhs, sb))]
     check_operands(name, lhs, lhs_scale, [tuple(pair) for pair in one], BLOCK_K)
     if m % config.tile_m:
         raise ValueError(
             f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
             "expert's rows to whole tiles."
         )
-    if tile_expert.shape != (m // config.tile_m,):
-        raise ValueError(
-            f"{name}: tile_expert has shape {tile_expert.shape}; expected "
-            f"{(m // config.tile_m,)}: one expert per {config.tile_m}-row tile."
-        )
+    tiles = m // config.tile_m
+    for what, a in (("tile_expert", tile_expert), ("tile_scale", tile_scale)):
+        if a is not None and a.shape != (tiles,):
+            raise ValueError(
+                f"{name}: {what} has shape {a.shape}; expected {(tiles,)}: one per "
+                f"{config.tile_m}-row tile."
+            )
     cluster_n = config.cluster_tile[1]
-    np_, kp = round_up(n, cluster_n), round_up(k, BLOCK_K)
-    chunks = kp // BLOCK_K
-    operands = [
-        tile_expert.astype(jnp.int32),
-        pad_to(lhs, m, kp),
-        pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
-        jax.vmap(lambda w: pad_to(w, np_, kp))(rhs),
-        jnp.swapaxes(
-            jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
-        ),
-    ]
-    clusters = (m // config.tile_m) * (np_ // cluster_n)
+    np_, kp = round_up(n, cluster_n), chunks * BLOCK_K
+    a, b = pad_to(lhs, m, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
+    if blocks:
+        operands = [
+            tile_expert.astype(jnp.int32),
+            a,
+            pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
+            b,
+            jnp.swapaxes(
+                jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
+            ),
+        ]
+    else:
+        operands = [tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b]
     out = _kernel(
         operands,
         1,
         out_shape=(m, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=_programs(config, clusters),
+        programs=_programs(config, tiles * (np_ // cluster_n)),
         interpret=interpret,
         grouped=True,
+        tile_scaled=not blocks,
     )
     return out[:, :n]
 
@@ -305,39 +325,52 @@ def _interpretable(who: str, interpret: bool) -> bool:
     return interpret
 
 
-def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interpret, grouped=False):
+def _kernel(
+    operands,
+    n_terms,
+    *,
+    out_shape,
+    out_dtype,
+    config,
+    programs,
+    interpret,
+    grouped=False,
+    tile_scaled=False,
+):
     """The kernel over `operands`: `a, sa, (b, sb) * n_terms`, or with `grouped`,
     `tile_expert, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold every
-    expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1: skipped)."""
+    expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1: skipped);
+    with `tile_scaled` too, `tile_expert, tile_scale, a, b`: no block scales, the whole
+    contraction in one `wgmma` accumulator multiplied by `tile_scale[i]` (per-tensor
+    recipes)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     mp, np_ = out_shape
-    chunks = operands[2 if grouped else 1].shape[0]
+    a_index = (1 if grouped else 0) + (1 if tile_scaled else 0)
+    chunks = -(-operands[a_index].shape[1] // BLOCK_K)
     cluster_m, cluster_n = config.cluster_tile
     m_iters, n_iters = mp // cluster_m, np_ // cluster_n
     # The operand tile the two CTAs of a cluster share, loaded once and multicast.
     share_a = ("cluster",) if config.cluster == "n" else ()
     share_b = ("cluster",) if config.cluster == "m" else ()
-    fp8_tiling = operand_tiling(operands[1 if grouped else 0].dtype, BLOCK_K)
+    fp8_tiling = operand_tiling(operands[a_index].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
     def pipeline(step, context):
-        specs = [
-            plgpu.BlockSpec(
-                (cta_m, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling, collective_axes=share_a
-            ),
-            plgpu.BlockSpec((1, cta_m), lambda c: (c, 0), collective_axes=share_a),
-        ]
-        for _ in range(n_terms):
-            specs += [
-                plgpu.BlockSpec(
-                    (cta_n, BLOCK_K),
-                    lambda c: (0, c),
-                    transforms=fp8_tiling,
-                    collective_axes=share_b,
-                ),
-                plgpu.BlockSpec((1, cta_n), lambda c: (c, 0), collective_axes=share_b),
-            ]
+        def tile_spec(rows, share):
+            return plgpu.BlockSpec(
+                (rows, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling, collective_axes=share
+            )
+
+        def scale_spec(rows, share):
+            return plgpu.BlockSpec((1, rows), lambda c: (c, 0), collective_axes=share)
+
+        if tile_scaled:
+            specs = [tile_spec(cta_m, share_a), tile_spec(cta_n, share_b)]
+        else:
+            specs = [tile_spec(cta_m, share_a), scale_spec(cta_m, share_a)]
+            for _ in range(n_terms):
+                specs += [tile_spec(cta_n, share_b), scale_spec(cta_n, share_b)]
         return plgpu.emit_pipeline_warp_specialized(
             step,
             grid=(chunks,),
@@ -351,14 +384,19 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
 
     def body(*refs):
         experts, refs = (refs[0], refs[1:]) if grouped else (None, refs)
-        a_gmem, sa_gmem, *rest = refs
-        b_gmem, out_gmem = rest[: 2 * n_terms], rest[2 * n_terms]
+        scales, refs = (refs[0], refs[1:]) if tile_scaled else (None, refs)
+        if tile_scaled:
+            a_gmem, b, out_gmem = refs
+            a_refs, b_gmem = [a_gmem], [b]
+        else:
+            a_gmem, sa_gmem, *rest = refs
+            a_refs, b_gmem, out_gmem = [a_gmem, sa_gmem], rest[: 2 * n_terms], rest[2 * n_terms]
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on it
         one_b = [b.at[0] for b in b_gmem] if grouped else b_gmem
 
         @functools.partial(
             pl.run_scoped,
-            allocations=pipeline(ignore, ignore).get_allocations(a_gmem, sa_gmem, *one_b),
+            allocations=pipeline(ignore, ignore).get_allocations(*a_refs, *one_b),
             out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tiling(out_dtype, tn)),
             collective_axes="wg",
         )
@@ -387,15 +425,24 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
                 else:
                     rows, cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
 
-                def context(run):
-                    acc = run(jnp.zeros((tm, tn), jnp.float32))
+                def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
                     dst = out_gmem.at[cta_rows, cta_cols].at[rows, cols]
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], dst)
 
-                def step(_, a_smem, sa_smem, *rest):
+                def promoted(run):  # block scales: a fresh product per chunk, promoted
+                    store(run(jnp.zeros((tm, tn), jnp.float32)))
+
+                def accumulated(run):  # one scale per tile: one accumulator throughout
+                    def scoped(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...] * scales[mi])  # waits for the last wgmma
+
+                    pl.run_scoped(scoped, plgpu.ACC((tm, tn), jnp.float32))
+
+                def promote_step(_, a_smem, sa_smem, *rest):
                     *b_smem, acc = rest
                     sa = sa_smem[0, rows]
                     for t in range(n_terms):
@@ -405,11 +452,22 @@ def _kernel(operands, n_terms, *, out_shape, out_dtype, config, programs, interp
                         acc = scaled_add(acc, part, sa, sb)
                     return acc
 
+                def accumulate_step(_, a_smem, b_smem, acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.at[cols].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)  # before the stage's shared memory is released
+                    return acc_ref
+
                 def run_tile(b_refs):
-                    args = [a_gmem.at[cta_rows], sa_gmem.at[:, cta_rows]]
-                    for t in range(n_terms):
-                        args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
-                    pipeline(step, context)(*args, allocations=allocations)
+                    args = [a_gmem.at[cta_rows]]
+                    if tile_scaled:
+                        args += [b_refs[0].at[cta_cols]]
+                        kernel = pipeline(accumulate_step, accumulated)
+                    else:
+                        args += [sa_gmem.at[:, cta_rows]]
+                        for t in range(n_terms):
+                            args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
+                        kernel = pipeline(promote_step, promoted)
+                    kernel(*args, allocations=allocations)
 
                 if not grouped:
                     run_tile(b_gmem)
@@ -477,33 +535,28 @@ def recipe_grouped_rows_gemm(
     rhs: Array,
     tile_expert: Int[Array, " tiles"],
     *,
-    lhs_scale: Array,
-    rhs_scale: Array,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    tile_scale: Float[Array, " tiles"] | None = None,
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
 ) -> Float[Array, "M N"]:
-    """The block-scaled grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
+    """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
     `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
     `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
     config = _CHOSEN.get()
     fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
     tiles_match = tile_expert.shape[0] * (config.tile_m if config else 0) == lhs.shape[0]
+    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
     if config is None or block_k != BLOCK_K or not fp8 or not tiles_match:
         return grouped_rows_gemm(
-            lhs,
-            rhs,
-            tile_expert,
-            lhs_scale=lhs_scale,
-            rhs_scale=rhs_scale,
-            out_dtype=out_dtype,
-            block_k=block_k,
+            lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
         )
     return persistent_grouped_rows_gemm(
         lhs,
         rhs,
         tile_expert,
-        lhs_scale=lhs_scale,
-        rhs_scale=rhs_scale,
+        **scales,
         out_dtype=out_dtype,
         # The warpgroups split N, and a cluster shares the row tile (one expert's) if any.
         config=dataclasses.replace(
