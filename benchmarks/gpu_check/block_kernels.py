@@ -32,6 +32,7 @@ from fp8jax._src.kernels.block_gemm import block_scaled_gemm
 from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
 from fp8jax._src.recipes.base import per_tensor_dot
 
+from .gemms import cell
 from .numerics import WGMMA_REL, compare
 from .record import Recorder
 from .timing import compile_and_time, tflops
@@ -172,6 +173,8 @@ def _persistent(a, sa, b, sb, *, config):
 
 
 def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
+    """Time variant `name` at `shape` (M, K, N); a block kernel's output is compared with the
+    tiled kernel's (kept in `outputs`)."""
     m, k, n = shape
     if not ops:
         ops.update(_sweep_operands(m, k, n))
@@ -207,8 +210,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             measure = functools.partial(dict, skipped=refused)
         result = rec.measure(SECTION, f"numerics {case[:4]}", measure)
         row = f"numerics {case[0]}x{case[1]}x{case[2]}, {case[3]} term(s)"
-        cell = rec.not_run() if result is None else f"{result.get('rel_err_vs_f64', 0):.1e}"
-        rec.cell(SECTION, row, describe(case[-1]), "skipped" if refused else cell)
+        text = rec.not_run() if result is None else f"{result.get('rel_err_vs_f64', 0):.1e}"
+        rec.cell(SECTION, row, describe(case[-1]), "skipped" if refused else text)
     times: dict[str, dict[str, float]] = {}
     for label, shape in (DRY_SHAPES if dry else SHAPES).items():
         ops: dict[str, Any] = {}
@@ -219,19 +222,10 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             if refused and name.startswith("persistent"):
                 measure = functools.partial(dict, skipped=refused)
             result = rec.measure(SECTION, f"{label} | {name}", measure)
-            rec.cell(SECTION, label, name, _cell(rec, result))
+            rec.cell(SECTION, label, name, cell(rec, result))
         ops.clear()
         outputs.clear()
     return times
-
-
-def _cell(rec: Recorder, result: dict | None) -> str:
-    if result is None:
-        return rec.not_run()
-    if "skipped" in result:
-        return "skipped"
-    speed = result.get("speedup_vs_bf16")
-    return f"{result['ms']:.3f} ({result['tflops']:.0f}" + (f", {speed:.2f}x)" if speed else ")")
 
 
 def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:

@@ -143,17 +143,19 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
                     _time, fn, options, key, variant, (m, k, n), ops, ms, runs, dry
                 )
                 result = rec.measure(SECTION, f"{label} | {variant}", measure)
-                rec.cell(SECTION, label, variant, _cell(rec, result))
+                rec.cell(SECTION, label, variant, cell(rec, result))
             ops.clear()
     if mode == "full":
         _tiles(rec, runs, times)
     return times
 
 
-def _cell(rec: Recorder, result: dict | None) -> str:
-    """`ms (TFLOP/s, speed-up over BF16)` of a result."""
+def cell(rec: Recorder, result: dict | None) -> str:
+    """`ms (TFLOP/s, speed-up over BF16)` of a result ("skipped" for one skipped)."""
     if result is None:
         return rec.not_run()
+    if "skipped" in result:
+        return "skipped"
     speed = result.get("speedup_vs_bf16")
     return f"{result['ms']:.3f} ({result['tflops']:.0f}" + (f", {speed:.2f}x)" if speed else ")")
 
@@ -169,7 +171,7 @@ def _tiles(rec: Recorder, runs: int, times: dict) -> None:
         name = "tiles {}x{}, {} steps".format(*config)
         measure = functools.partial(_time_tiles, config, (m, k, n), ops, ms, runs)
         result = rec.measure(SECTION, f"{label} | {name}", measure)
-        rec.cell(SECTION, f"block kernel alone, M={m} K={k} N={n}", name, _cell(rec, result))
+        rec.cell(SECTION, f"block kernel alone, M={m} K={k} N={n}", name, cell(rec, result))
 
 
 def _time_tiles(
