@@ -25,10 +25,16 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
 - **Epilogue by TMA**: each compute warpgroup writes its tile, converted to the output dtype,
   through shared memory.
 
+The same kernel runs an expert layer's grouped rows GEMM (`persistent_grouped_rows_gemm`:
+each row tile of the contiguous layout times its expert's weight, tiles past every expert
+skipped), with block scales or, for per-tensor recipes, one scale per tile applied to a
+single accumulation.
+
 `PersistentConfig` holds the tuning knobs, swept by `benchmarks/gpu_check` (`kernels`). This
 kernel becomes the recipes' default only after a GPU run of that section has passed its
-float64 comparisons and timed it faster (issue 39); until then `block_scaled_gemm` stays the
-kernel the recipes call.
+float64 comparisons and timed it faster (issue 39); until then `block_scaled_gemm` and
+`grouped_gemm.grouped_rows_gemm` stay the kernels the recipes call, and functions traced
+inside `persistent_kernel()` take this one instead (to time whole steps with it).
 
 On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
 GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
@@ -80,7 +86,8 @@ H100_SMS = 132
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PersistentConfig:
-    """Tuning of `persistent_block_scaled_gemm`.
+    """Tuning of the persistent kernel (`persistent_block_scaled_gemm`,
+    `persistent_grouped_rows_gemm`).
 
     **Arguments:**
 
