@@ -46,7 +46,7 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
-from fp8jax._src.kernels.persistent_gemm import persistent_kernel
+from fp8jax._src.kernels.choice import persistent_kernel
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.

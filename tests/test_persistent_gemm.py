@@ -21,12 +21,12 @@ from helpers import run_with_mosaic_dump
 import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import BLOCK_GEMM_NAME, dispatch, reference
+from fp8jax._src.kernels.choice import persistent_kernel
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PersistentConfig,
     persistent_block_scaled_gemm,
     persistent_grouped_rows_gemm,
-    persistent_kernel,
 )
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

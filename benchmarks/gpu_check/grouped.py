@@ -31,7 +31,7 @@ from jax import lax
 
 import fp8jax
 from fp8jax._src.gemm import grouped_native as native
-from fp8jax._src.kernels.persistent_gemm import persistent_kernel
+from fp8jax._src.kernels.choice import persistent_kernel
 
 from .record import Recorder
 from .timing import compile_and_time, tflops

@@ -134,8 +134,8 @@ def native_rows(
     of one row) times each row's expert's `rhs (G, F, C)` (one scale per expert, or blocks
     per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`."""
     from ..kernels.block_gemm import expand_rows
+    from ..kernels.choice import recipe_grouped_rows_gemm
     from ..kernels.grouped_gemm import TILE_M
-    from ..kernels.persistent_gemm import recipe_grouped_rows_gemm
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
     if m == 0:

@@ -34,7 +34,7 @@ single accumulation.
 kernel becomes the recipes' default only after a GPU run of that section has passed its
 float64 comparisons and timed it faster (issue 39); until then `block_scaled_gemm` and
 `grouped_gemm.grouped_rows_gemm` stay the kernels the recipes call, and functions traced
-inside `persistent_kernel()` take this one instead (to time whole steps with it).
+inside `choice.persistent_kernel()` take this one instead (to time whole steps with it).
 
 On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
 GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
@@ -45,11 +45,9 @@ tests): there the kernel refuses to be interpreted rather than check a substitut
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +60,6 @@ from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME
 from .block_gemm import (
     BLOCK_K,
-    FP8_TYPES,
-    block_scaled_gemm,
     check_operands,
     chunk_product,
     operand_tiling,
@@ -73,7 +69,6 @@ from .block_gemm import (
     scaled_add,
 )
 from .dispatch import interpreting
-from .grouped_gemm import grouped_rows_gemm
 
 #: The kernel's name: in its PTX and the HLO's op_name (`fp8jax.hlo_cost` counts it as the
 #: block-scaled GEMM it is).
@@ -500,73 +495,3 @@ def _kernel(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_private.interpret_params() if interpret else None,
     )(*operands)
-
-
-_CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVar(
-    "fp8jax_persistent_block_kernel", default=None
-)
-
-
-@contextlib.contextmanager
-def persistent_kernel(config: PersistentConfig | None = None) -> Iterator[None]:
-    """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
-    chunks, the fused residual kernel) on the persistent kernel in `config` instead of the
-    tiled one: to measure it in whole train steps (`benchmarks/llama_block.py`'s
-    `blockwise-persistent`) before a GPU run makes it the default."""
-    token = _CHOSEN.set(PersistentConfig() if config is None else config)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
-
-
-def recipe_block_gemm(
-    lhs: Array,
-    lhs_scale: Array,
-    terms: Sequence[tuple[Array, Array]],
-    *,
-    out_dtype=jnp.float32,
-    block_k: int = BLOCK_K,
-) -> Float[Array, "M N"]:
-    """The block-scaled GEMM the recipes call: `block_scaled_gemm` (the tiled kernel), or
-    `persistent_block_scaled_gemm` where traced inside `persistent_kernel()` and the chunks
-    are 128 wide (the only width it takes)."""
-    config = _CHOSEN.get()
-    if config is None or block_k != BLOCK_K:
-        return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
-    return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
-
-
-def recipe_grouped_rows_gemm(
-    lhs: Array,
-    rhs: Array,
-    tile_expert: Int[Array, " tiles"],
-    *,
-    lhs_scale: Array | None = None,
-    rhs_scale: Array | None = None,
-    tile_scale: Float[Array, " tiles"] | None = None,
-    out_dtype=jnp.float32,
-    block_k: int = BLOCK_K,
-) -> Float[Array, "M N"]:
-    """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
-    `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
-    `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
-    config = _CHOSEN.get()
-    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
-    tiles_match = tile_expert.shape[0] * (config.tile_m if config else 0) == lhs.shape[0]
-    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
-    if config is None or block_k != BLOCK_K or not fp8 or not tiles_match:
-        return grouped_rows_gemm(
-            lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
-        )
-    return persistent_grouped_rows_gemm(
-        lhs,
-        rhs,
-        tile_expert,
-        **scales,
-        out_dtype=out_dtype,
-        # The warpgroups split N, and a cluster shares the row tile (one expert's) if any.
-        config=dataclasses.replace(
-            config, wg_dimension="n", cluster=None if config.cluster == "m" else config.cluster
-        ),
-    )

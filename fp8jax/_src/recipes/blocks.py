@@ -151,7 +151,7 @@ def native_block_dot(
     products and per-block scaling, the float32 accumulation promoted every chunk in
     registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
     from ..kernels.block_gemm import expand_rows  # Pallas: imported on use
-    from ..kernels.persistent_gemm import recipe_block_gemm
+    from ..kernels.choice import recipe_block_gemm
 
     # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
     # as FP8 values (`dispatch.k_major`).

@@ -227,7 +227,7 @@ def native_residual_dot(
     `lhs`, with all the `rhs` terms it multiplies (each tile of the left operand loaded once),
     per-tensor scales as per-row ones. Shape `(*B, lhs_free, rhs_free)`."""
     from ..kernels.block_gemm import BLOCK_K  # Pallas: imported on use
-    from ..kernels.persistent_gemm import recipe_block_gemm
+    from ..kernels.choice import recipe_block_gemm
 
     def last(q: QTensor, axis: Axis) -> tuple[Array, Array]:
         data = dispatch.k_major(q.data, axis)

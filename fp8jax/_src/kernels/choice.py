@@ -1,0 +1,96 @@
+"""Which block-scaled kernel the recipes call: the tiled ones (`block_gemm`,
+`grouped_gemm`), or the persistent warp-specialized kernel (`persistent_gemm`) where a
+function is traced inside `persistent_kernel()`.
+
+The persistent kernel becomes the default only after a GPU run has checked and timed it
+(issue 39); until then this switch lets whole train steps be compiled and timed with it
+(`benchmarks/llama_block.py`'s `blockwise-persistent`, the GPU check's grouped section)
+without changing any default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .block_gemm import BLOCK_K, FP8_TYPES, block_scaled_gemm
+from .grouped_gemm import grouped_rows_gemm
+from .persistent_gemm import (
+    PersistentConfig,
+    persistent_block_scaled_gemm,
+    persistent_grouped_rows_gemm,
+)
+
+_CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVar(
+    "fp8jax_persistent_block_kernel", default=None
+)
+
+
+@contextlib.contextmanager
+def persistent_kernel(config: PersistentConfig | None = None) -> Iterator[None]:
+    """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
+    chunks, the fused residual kernel) on the persistent kernel in `config` instead of the
+    tiled one: to measure it in whole train steps (`benchmarks/llama_block.py`'s
+    `blockwise-persistent`) before a GPU run makes it the default."""
+    token = _CHOSEN.set(PersistentConfig() if config is None else config)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
+
+def recipe_block_gemm(
+    lhs: Array,
+    lhs_scale: Array,
+    terms: Sequence[tuple[Array, Array]],
+    *,
+    out_dtype=jnp.float32,
+    block_k: int = BLOCK_K,
+) -> Float[Array, "M N"]:
+    """The block-scaled GEMM the recipes call: `block_scaled_gemm` (the tiled kernel), or
+    `persistent_block_scaled_gemm` where traced inside `persistent_kernel()` and the chunks
+    are 128 wide (the only width it takes)."""
+    config = _CHOSEN.get()
+    if config is None or block_k != BLOCK_K:
+        return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
+    return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
+
+
+def recipe_grouped_rows_gemm(
+    lhs: Array,
+    rhs: Array,
+    tile_expert: Int[Array, " tiles"],
+    *,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    tile_scale: Float[Array, " tiles"] | None = None,
+    out_dtype=jnp.float32,
+    block_k: int = BLOCK_K,
+) -> Float[Array, "M N"]:
+    """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
+    `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
+    `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
+    config = _CHOSEN.get()
+    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
+    tiles_match = tile_expert.shape[0] * (config.tile_m if config else 0) == lhs.shape[0]
+    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
+    if config is None or block_k != BLOCK_K or not fp8 or not tiles_match:
+        return grouped_rows_gemm(
+            lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
+        )
+    return persistent_grouped_rows_gemm(
+        lhs,
+        rhs,
+        tile_expert,
+        **scales,
+        out_dtype=out_dtype,
+        # The warpgroups split N, and a cluster shares the row tile (one expert's) if any.
+        config=dataclasses.replace(
+            config, wg_dimension="n", cluster=None if config.cluster == "m" else config.cluster
+        ),
+    )
