@@ -77,9 +77,8 @@ def recipe_grouped_rows_gemm(
     `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
     config = _CHOSEN.get()
     fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
-    tiles_match = tile_expert.shape[0] * (config.tile_m if config else 0) == lhs.shape[0]
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
-    if config is None or block_k != BLOCK_K or not fp8 or not tiles_match:
+    if config is None or block_k != BLOCK_K or not fp8:
         return grouped_rows_gemm(
             lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
         )
@@ -89,8 +88,12 @@ def recipe_grouped_rows_gemm(
         tile_expert,
         **scales,
         out_dtype=out_dtype,
-        # The warpgroups split N, and a cluster shares the row tile (one expert's) if any.
+        # A CTA's rows are one tile of the layout (one expert's): the layout's tile rows, the
+        # warpgroups splitting N, a cluster (if any) sharing the row tile.
         config=dataclasses.replace(
-            config, wg_dimension="n", cluster=None if config.cluster == "m" else config.cluster
+            config,
+            tile_m=lhs.shape[0] // tile_expert.shape[0],
+            wg_dimension="n",
+            cluster=None if config.cluster == "m" else config.cluster,
         ),
     )

@@ -261,12 +261,12 @@ def persistent_grouped_rows_gemm(
             f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
             f"expert: ({g}, {n}, {chunks})."
         )
-    if blocks:
-        sb = rhs_scale
-    else:  # the checks of a block-scaled call, on stand-in unit scales
-        lhs_scale, sb = jnp.ones((m, chunks), jnp.float32), jnp.ones((g, n, chunks), jnp.float32)
-    one = [(jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (rhs, sb))]
-    check_operands(name, lhs, lhs_scale, [tuple(pair) for pair in one], BLOCK_K)
+    # The operand checks of a block-scaled call, on shapes (of one expert's rhs; stand-ins for
+    # the scales of a per-tile call).
+    f32 = jnp.float32
+    sa = lhs_scale if blocks else jax.ShapeDtypeStruct((m, chunks), f32)
+    sb = jax.ShapeDtypeStruct(rhs_scale.shape[1:] if blocks else (n, chunks), f32)
+    check_operands(name, lhs, sa, [(jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), sb)], BLOCK_K)
     if m % config.tile_m:
         raise ValueError(
             f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
