@@ -1,0 +1,399 @@
+"""Where DeepSeek-V3 in miniature loses validation loss to FP8 (issue 40).
+
+    python benchmarks/deepseek_gap.py gradients [--steps 100]
+    python benchmarks/deepseek_gap.py train --variants all,fwd,dgrad,wgrad --seeds 0 1 2
+
+An independent emulation of DeepSeek-V3's FP8 GEMMs, written here from the paper (not with
+fp8jax's recipes), each pass and GEMM group switchable on its own:
+
+- forward `y = x w`: `x` in 1 x 128 tiles along its features, `w` in 128 x 128 blocks;
+- dgrad `dx = g w^T`: `g` in 1 x 128 tiles along the output features, `w` in 128 x 128 blocks;
+- wgrad `dw = x^T g`: both in 128 x 1 tiles along the tokens (for an expert, its own tokens:
+  no tile holds two experts' tokens); `x` requantized from the FP8 copy the forward cached (V3's
+  "dequantized, transposed, re-quantized into 128x1 tiles", section 3.5.2), or, with
+  `cache="high"`, from the BF16 activation (one rounding).
+
+Each tile's scale is `448 / amax` (E4M3's max over the tile's largest magnitude), or with
+`pow2` the largest power of two not above it (V3's "integral power of 2" scales, which make
+the 1 x 128 -> 128 x 1 requantization exact). Products and sums in float32; a switched-off
+pass runs on the unquantized operands. With every pass on and `cache="fp8"`, the emulation is
+fp8jax's `BlockwiseScaling` (tested: tests/test_deepseek_gap.py).
+
+`gradients`: from one model state (the float32 run of seed 0 after `--steps` steps), the
+relative error of the whole gradient (and per parameter group) to the float32 gradient, for
+BF16 and for FP8 in each pass and group: which quantization puts the most error into the
+update. `train`: the miniature trained with the emulation in chosen passes and groups, over
+seeds, next to the same seed's BF16 and float32 runs (`fp8jax.examples.deepseek`'s loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+import fp8jax  # noqa: E402
+from fp8jax.examples import deepseek  # noqa: E402
+from fp8jax.examples.deepseek_model import DeepSeekMoE, DeepSeekV3, SwiGLU  # noqa: E402
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+TILE = 128
+
+
+# --- quantization, from the paper -----------------------------------------------------------
+
+
+def _scale(amax: jax.Array, pow2: bool) -> jax.Array:
+    ok = amax > 0
+    scale = jnp.where(ok, E4M3_MAX / jnp.where(ok, amax, 1.0), 1.0)
+    return jnp.exp2(jnp.floor(jnp.log2(scale))) if pow2 else scale
+
+
+def _round(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x` through E4M3 at `scale` (broadcast to `x`) and back, in float32."""
+    q = jnp.clip(x * scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q.astype(jnp.float32) / scale
+
+
+def rows(x: jax.Array, pow2: bool) -> jax.Array:
+    """`x (R, C)` quantized in 1 x 128 tiles along C (dequantized, float32)."""
+    x = x.astype(jnp.float32)
+    r, c = x.shape
+    pad = -c % TILE
+    t = jnp.pad(x, ((0, 0), (0, pad))).reshape(r, -1, TILE)
+    scale = _scale(jnp.max(jnp.abs(t), axis=-1, keepdims=True), pow2)
+    return _round(t, scale).reshape(r, c + pad)[:, :c]
+
+
+def blocks(w: jax.Array, pow2: bool) -> jax.Array:
+    """`w (R, C)` quantized in 128 x 128 blocks."""
+    w = w.astype(jnp.float32)
+    r, c = w.shape
+    pr, pc = -r % TILE, -c % TILE
+    b = jnp.pad(w, ((0, pr), (0, pc))).reshape((r + pr) // TILE, TILE, (c + pc) // TILE, TILE)
+    scale = _scale(jnp.max(jnp.abs(b), axis=(1, 3), keepdims=True), pow2)
+    return _round(b, scale).reshape(r + pr, c + pc)[:r, :c]
+
+
+def columns(x: jax.Array, tile_of_row: jax.Array, tiles: int, pow2: bool) -> jax.Array:
+    """`x (R, C)` quantized in 128 x 1 tiles along R: row `i` in tile `tile_of_row[i]`."""
+    x = x.astype(jnp.float32)
+    amax = jax.ops.segment_max(jnp.abs(x), tile_of_row, num_segments=tiles)
+    return _round(x, _scale(amax, pow2)[tile_of_row])
+
+
+@dataclasses.dataclass(frozen=True)
+class Passes:
+    """Which passes of a GEMM run in (emulated) FP8, and how.
+
+    `forward`, `dgrad`, `wgrad`: that pass's operands quantized; `cache`: where the wgrad's
+    activation comes from, `"fp8"` (the forward's FP8 copy, requantized: V3) or `"high"` (the
+    activation itself); `pow2`: power-of-two scales."""
+
+    forward: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    cache: str = "fp8"
+    pow2: bool = False
+
+
+def _linear(p: Passes, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x (T, K) @ w (N, K)^T` with `p`'s FP8 passes, output in `x`'s and `w`'s dtype."""
+    out_dtype = jnp.result_type(x, w)
+
+    @jax.custom_vjp
+    def f(x, w):
+        return fwd(x, w)[0]
+
+    def fwd(x, w):
+        xq = rows(x, p.pow2) if p.forward else x.astype(jnp.float32)
+        wq = blocks(w, p.pow2) if p.forward else w.astype(jnp.float32)
+        y = jnp.dot(xq, wq.T, precision=lax.Precision.HIGHEST)
+        cached = xq if p.forward and p.cache == "fp8" else x.astype(jnp.float32)
+        return y.astype(out_dtype), (x, w, cached)
+
+    def bwd(res, g):
+        x, w, cached = res
+        g = g.astype(jnp.float32)
+        gd = rows(g, p.pow2) if p.dgrad else g
+        wd = blocks(w, p.pow2) if p.dgrad else w.astype(jnp.float32)
+        dx = jnp.dot(gd, wd, precision=lax.Precision.HIGHEST)
+        if p.wgrad:
+            tile = jnp.arange(g.shape[0]) // TILE
+            tiles = -(-g.shape[0] // TILE)
+            gw, xw = (columns(a, tile, tiles, p.pow2) for a in (g, cached))
+        else:
+            gw, xw = g, x.astype(jnp.float32)
+        dw = jnp.dot(gw.T, xw, precision=lax.Precision.HIGHEST)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    f.defvjp(fwd, bwd)
+    return f(x, w)
+
+
+def _grouped(p: Passes, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """`lax.ragged_dot(x (T, K), w (G, K, N), group_sizes)` with `p`'s FP8 passes."""
+    out_dtype = jnp.result_type(x, w)
+    experts = w.shape[0]
+
+    def per_expert(fn, w):  # 128 x 128 blocks of each expert's (K, N)
+        return jax.vmap(lambda m: fn(m, p.pow2))(w)
+
+    def ragged(a, b, sizes):
+        return lax.ragged_dot(a, b, sizes, precision=lax.Precision.HIGHEST)
+
+    @jax.custom_vjp
+    def f(x, w, sizes):
+        return fwd(x, w, sizes)[0]
+
+    def fwd(x, w, sizes):
+        xq = rows(x, p.pow2) if p.forward else x.astype(jnp.float32)
+        wq = per_expert(blocks, w) if p.forward else w.astype(jnp.float32)
+        cached = xq if p.forward and p.cache == "fp8" else x.astype(jnp.float32)
+        return ragged(xq, wq, sizes).astype(out_dtype), (x, w, cached, sizes)
+
+    def bwd(res, g):
+        x, w, cached, sizes = res
+        g = g.astype(jnp.float32)
+        gd = rows(g, p.pow2) if p.dgrad else g
+        wd = per_expert(blocks, w) if p.dgrad else w.astype(jnp.float32)
+        dx = ragged(gd, jnp.swapaxes(wd, -1, -2), sizes)
+        if p.wgrad:
+            # 128 x 1 tiles within each expert's tokens.
+            t = g.shape[0]
+            expert = jnp.repeat(jnp.arange(experts), sizes, total_repeat_length=t)
+            start = jnp.cumsum(sizes) - sizes
+            per = -(-t // TILE) + 1
+            tile = expert * per + (jnp.arange(t) - start[expert]) // TILE
+            gw, xw = (columns(a, tile, experts * per, p.pow2) for a in (g, cached))
+        else:
+            gw, xw = g, x.astype(jnp.float32)
+        # d_w[e] = x_e^T g_e: the transpose of the ragged dot in w.
+        zeros = jnp.zeros(w.shape, jnp.float32)
+        dw = jax.vjp(lambda v: ragged(xw, v, sizes), zeros)[1](gw)[0]
+        return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f(x, w, group_sizes)
+
+
+class EmulatedDot(eqx.Module):
+    """A `dot_general` for `fp8jax.Linear` (`x (..., K) . w (N, K)`) with `passes` emulated."""
+
+    passes: Passes = eqx.field(static=True)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        (lc, rc), _ = dimension_numbers
+        if tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (1,):
+            raise ValueError(f"EmulatedDot: dimension_numbers {dimension_numbers} not a Linear's.")
+        flat = lhs.reshape(-1, lhs.shape[-1])
+        return _linear(self.passes, flat, rhs).reshape(*lhs.shape[:-1], rhs.shape[0])
+
+
+class EmulatedRagged(eqx.Module):
+    """A `ragged_dot` for `fp8jax.GroupedLinear` with `passes` emulated."""
+
+    passes: Passes = eqx.field(static=True)
+
+    def __call__(self, x, w, group_sizes):
+        return _grouped(self.passes, x, w, group_sizes)
+
+
+#: The GEMM groups of the issue: which layers of a `DeepSeekV3` each holds.
+GROUPS = ("mla_down", "mla_up", "attn_out", "dense_ffn", "shared", "routed_up", "routed_down")
+
+
+def emulate(model: DeepSeekV3, passes: dict[str, Passes]) -> DeepSeekV3:
+    """`model` with the GEMMs of each group named in `passes` emulated in FP8 (the others,
+    the router and the head untouched)."""
+    unknown = set(passes) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"emulate: unknown groups {sorted(unknown)}; choose among {GROUPS}.")
+
+    def linear(layer: eqx.nn.Linear, group: str) -> Any:
+        if group not in passes:
+            return layer
+        return fp8jax.Linear.from_eqx(layer, dot_general=EmulatedDot(passes[group]))
+
+    def grouped(layer: fp8jax.GroupedLinear, group: str) -> fp8jax.GroupedLinear:
+        if group not in passes:
+            return layer
+        return eqx.tree_at(
+            lambda g: g.ragged_dot,
+            layer,
+            EmulatedRagged(passes[group]),
+            is_leaf=lambda v: v is None,
+        )
+
+    blocks_ = []
+    for block in model.blocks:
+        a = block.attn
+        a = eqx.tree_at(
+            lambda m: (m.q_down, m.kv_down, m.q_up, m.kv_up, m.out),
+            a,
+            (
+                linear(a.q_down, "mla_down"),
+                linear(a.kv_down, "mla_down"),
+                linear(a.q_up, "mla_up"),
+                linear(a.kv_up, "mla_up"),
+                linear(a.out, "attn_out"),
+            ),
+        )
+        ffn = block.ffn
+        if isinstance(ffn, SwiGLU):
+            ffn = eqx.tree_at(
+                lambda m: (m.up, m.down),
+                ffn,
+                (linear(ffn.up, "dense_ffn"), linear(ffn.down, "dense_ffn")),
+            )
+        elif isinstance(ffn, DeepSeekMoE):
+            ffn = eqx.tree_at(
+                lambda m: (m.up, m.down),
+                ffn,
+                (grouped(ffn.up, "routed_up"), grouped(ffn.down, "routed_down")),
+            )
+            if ffn.shared is not None:
+                s = ffn.shared
+                ffn = eqx.tree_at(
+                    lambda m: (m.shared.up, m.shared.down),
+                    ffn,
+                    (linear(s.up, "shared"), linear(s.down, "shared")),
+                )
+        blocks_.append(eqx.tree_at(lambda b: (b.attn, b.ffn), block, (a, ffn)))
+    return eqx.tree_at(lambda m: m.blocks, model, blocks_)
+
+
+# --- the gradient's error, per pass and group -----------------------------------------------
+
+#: The variants of `gradients` and `train`: name -> (passes, groups). `all`: V3's FP8.
+VARIANTS: dict[str, tuple[Passes, tuple[str, ...]]] = {
+    "all": (Passes(), GROUPS),
+    "all, wgrad from BF16": (Passes(cache="high"), GROUPS),
+    "all, pow2 scales": (Passes(pow2=True), GROUPS),
+    "forward only": (Passes(dgrad=False, wgrad=False), GROUPS),
+    "dgrad only": (Passes(forward=False, wgrad=False), GROUPS),
+    "wgrad only": (Passes(forward=False, dgrad=False), GROUPS),
+    **{f"{group} only": (Passes(), (group,)) for group in GROUPS},
+}
+
+#: Parameter groups of the gradient's error report: (name, regex on the parameter's path).
+PARAMETER_GROUPS = (
+    ("embed", r"embed"),
+    ("MLA", r"attn\."),
+    ("dense FFN", r"blocks\.0\.ffn"),
+    ("router", r"ffn\.gate"),
+    ("routed experts", r"ffn\.(up|down)\.weight"),
+    ("shared expert", r"ffn\.shared"),
+    ("norms", r"norm"),
+    ("head", r"^head"),
+)
+
+
+def variant_model(model: DeepSeekV3, name: str) -> DeepSeekV3:
+    """`model` with `VARIANTS[name]`'s emulated FP8 (`"bf16"`: untouched)."""
+    if name == "bf16":
+        return model
+    passes, groups = VARIANTS[name]
+    return emulate(model, dict.fromkeys(groups, passes))
+
+
+def _paths(tree: Any) -> list[tuple[str, jax.Array]]:
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_inexact_array))
+    return [(jax.tree_util.keystr(p, simple=True, separator="."), v) for p, v in leaves]
+
+
+def gradient(model: DeepSeekV3, policy: fp8jax.Policy, batches: list[np.ndarray]) -> list:
+    """The mean gradient over `batches` of the loss in `policy`'s compute dtype, w.r.t. the
+    float32 parameters, as `(path, array)` pairs."""
+
+    @eqx.filter_jit
+    def grad(model, tokens):
+        return eqx.filter_grad(
+            lambda m: deepseek.deepseek_loss(policy.cast_to_compute(m), tokens)[0]
+        )(model)
+
+    total = None
+    for tokens in batches:
+        g = grad(model, jnp.asarray(tokens))
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    return [(p, np.asarray(v, np.float64) / len(batches)) for p, v in _paths(total)]
+
+
+def errors(grads: list, reference: list) -> dict[str, float]:
+    """Relative error `|g - ref| / |ref|` of the whole gradient and of each parameter group."""
+    import re
+
+    out = {}
+    for name, pattern in (("all", r".*"), *PARAMETER_GROUPS):
+        num = den = 0.0
+        for (path, g), (_, r) in zip(grads, reference, strict=True):
+            if re.search(pattern, path):
+                num += float(np.sum((g - r) ** 2))
+                den += float(np.sum(r**2))
+        out[name] = np.sqrt(num / den) if den else float("nan")
+    return out
+
+
+def run_gradients(args: argparse.Namespace) -> None:
+    """The `gradients` command (see the module)."""
+    from fp8jax.examples.data import kjv_bytes, sample, split
+
+    train_args = deepseek.parse(["--kjv", "--steps", str(args.steps), "--seeds", "0"])
+    config = deepseek.config_of(train_args)
+    data = split(kjv_bytes())
+    trained = deepseek.train(config, "fp32", data, train_args, 0).model
+    rng = np.random.default_rng(1234)
+    batches = [
+        sample(data[0], rng, train_args.batch, train_args.context) for _ in range(args.batches)
+    ]
+    fp32 = fp8jax.Policy.from_string(deepseek.FP32_POLICY)
+    bf16 = fp8jax.Policy.from_string(deepseek.POLICY)
+    reference = gradient(trained, fp32, batches)
+    names = ["bf16", *(args.variants or VARIANTS)]
+    print(
+        f"Relative error of the gradient (mean over {args.batches} batches of {train_args.batch} "
+        f"x {train_args.context} bytes) to the float32 gradient, at the float32 run of seed 0 "
+        f"after {args.steps} steps; BF16 compute, FP8 emulated where named:"
+    )
+    header = ["all", *(n for n, _ in PARAMETER_GROUPS)]
+    print("| variant | " + " | ".join(header) + " |")
+    print("|---|" + "---|" * len(header))
+    for name in names:
+        e = errors(gradient(variant_model(trained, name), bf16, batches), reference)
+        print(f"| {name} | " + " | ".join(f"{e[h]:.4f}" for h in header) + " |", flush=True)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    grads = sub.add_parser("gradients", help="the gradient's error per pass and group")
+    grads.add_argument("--steps", type=int, default=100)
+    grads.add_argument("--batches", type=int, default=8)
+    grads.add_argument("--variants", type=lambda s: s.split(","), default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.variants:
+        unknown = [v for v in args.variants if v not in VARIANTS]
+        if unknown:
+            sys.exit(f"--variants: unknown {unknown}; choose among {list(VARIANTS)}")
+    if args.command == "gradients":
+        run_gradients(args)
+
+
+if __name__ == "__main__":
+    main()
