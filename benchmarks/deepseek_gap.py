@@ -279,8 +279,8 @@ def emulate(model: DeepSeekV3, passes: dict[str, Passes]) -> DeepSeekV3:
 #: The variants of `gradients` and `train`: name -> (passes, groups). `all`: V3's FP8.
 VARIANTS: dict[str, tuple[Passes, tuple[str, ...]]] = {
     "all": (Passes(), GROUPS),
-    "all, wgrad from BF16": (Passes(cache="high"), GROUPS),
-    "all, pow2 scales": (Passes(pow2=True), GROUPS),
+    "wgrad from BF16": (Passes(cache="high"), GROUPS),
+    "pow2 scales": (Passes(pow2=True), GROUPS),
     "forward only": (Passes(dgrad=False, wgrad=False), GROUPS),
     "dgrad only": (Passes(forward=False, wgrad=False), GROUPS),
     "wgrad only": (Passes(forward=False, dgrad=False), GROUPS),
@@ -374,6 +374,113 @@ def run_gradients(args: argparse.Namespace) -> None:
         print(f"| {name} | " + " | ".join(f"{e[h]:.4f}" for h in header) + " |", flush=True)
 
 
+def strip(model: DeepSeekV3) -> DeepSeekV3:
+    """`model` with every FP8 layer (fp8jax's or emulated) back in high precision: each
+    `fp8jax.Linear` an `eqx.nn.Linear` of the same weight, each `GroupedLinear` without its
+    ragged dot. The same weights, evaluated without FP8."""
+
+    def plain(layer: Any) -> Any:
+        if isinstance(layer, fp8jax.Linear):
+            out, fan_in = layer.weight.shape
+            linear = eqx.nn.Linear(fan_in, out, use_bias=False, key=jax.random.PRNGKey(0))
+            return eqx.tree_at(lambda m: m.weight, linear, layer.weight)
+        if isinstance(layer, fp8jax.GroupedLinear):
+            return eqx.tree_at(lambda m: m.ragged_dot, layer, None)
+        return layer
+
+    is_layer = lambda x: isinstance(x, fp8jax.Linear | fp8jax.GroupedLinear)  # noqa: E731
+    return jax.tree.map(plain, model, is_leaf=is_layer)
+
+
+def validation(model: DeepSeekV3, policy: fp8jax.Policy, batches: list[np.ndarray]) -> float:
+    """The mean loss over `batches` in `policy`'s compute dtype (the job's validation)."""
+    loss = eqx.filter_jit(lambda m, t: deepseek.deepseek_loss(policy.cast_to_compute(m), t)[0])
+    return float(np.mean([float(loss(model, jnp.asarray(b))) for b in batches]))
+
+
+def cross_evaluations(
+    run: deepseek.Run, policy: fp8jax.Policy, batches: list[np.ndarray]
+) -> tuple[float, float]:
+    """The final validation loss of `run`'s weights with a high-precision forward (every GEMM
+    in `policy`'s compute dtype) and with V3's FP8 forward (emulated in every group)."""
+    high = strip(run.model)
+    fp8 = emulate(high, dict.fromkeys(GROUPS, Passes(dgrad=False, wgrad=False)))
+    return validation(high, policy, batches), validation(fp8, policy, batches)
+
+
+def run_train(args: argparse.Namespace) -> None:
+    """The `train` command (see the module): per seed the BF16 and float32 runs of
+    `fp8jax.examples.deepseek`, its FP8 run (fp8jax's recipe, `fp8`) if asked, and each
+    emulated variant (BF16 compute, FP8 where the variant says); then each variant's final
+    validation loss against BF16's and float32's of the same seed, over the seeds."""
+    from fp8jax.examples.data import kjv_bytes, sample, split
+
+    argv = ["--kjv", "--steps", str(args.steps), "--block-dot", "dequantized"]
+    train_args = deepseek.parse(argv)
+    config = deepseek.config_of(train_args)
+    data = split(kjv_bytes())
+    names = ["bf16", "fp32", *args.variants]
+    print(
+        f"DeepSeek-V3 in miniature, {args.steps} steps, seeds {args.seeds}: final validation "
+        f"loss of each run against the same seed's BF16 and float32 runs (variants: "
+        f"{', '.join(args.variants)}; `fp8` is fp8jax's blockwise recipe, the others the "
+        "emulation)",
+        flush=True,
+    )
+    val: dict[str, list[float]] = {n: [] for n in names}
+    high: dict[str, list[float]] = {n: [] for n in names}
+    fp8: dict[str, list[float]] = {n: [] for n in names}
+    for seed in args.seeds:
+        val_rng = np.random.default_rng(seed + 1)  # the job's validation batches
+        batches = [sample(data[1], val_rng, train_args.batch, train_args.context) for _ in range(8)]
+        for name in names:
+            if name in ("bf16", "fp32", "fp8"):
+                run = deepseek.train(config, name, data, train_args, seed)
+            else:
+                convert = lambda m, name=name: variant_model(m, name)  # noqa: E731
+                run = deepseek.train(config, "bf16", data, train_args, seed, convert=convert)
+            val[name].append(run.val[-1])
+            line = f"seed {seed} {name}: validation loss {run.val[-1]:.4f}"
+            if args.cross_eval:
+                policy = deepseek.FP32_POLICY if name == "fp32" else deepseek.POLICY
+                h, f = cross_evaluations(run, fp8jax.Policy.from_string(policy), batches)
+                high[name].append(h)
+                fp8[name].append(f)
+                line += f"; its weights with a high-precision forward {h:.4f}, FP8 forward {f:.4f}"
+            print(line, flush=True)
+    print()
+    print("As trained (each run's validation in its own precision):")
+    print(vs_table(val))
+    if args.cross_eval:
+        print()
+        print("The same weights, every run evaluated with a high-precision forward:")
+        print(vs_table(high))
+        print()
+        print("The same weights, every run evaluated with V3's FP8 forward (emulated):")
+        print(vs_table(fp8))
+
+
+def vs_table(val: dict[str, list[float]]) -> str:
+    """Each run's final validation loss against BF16's and float32's of the same seed, in %:
+    per seed, mean and standard deviation over seeds."""
+    bf16, fp32 = np.array(val["bf16"]), np.array(val["fp32"])
+    lines = [
+        "| run | vs BF16 per seed (%) | mean | std | vs float32 per seed (%) | mean | std |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    std = lambda a: f"{np.std(a, ddof=1):.2f}" if len(a) > 1 else "-"  # noqa: E731
+    for name, v in val.items():
+        if name == "bf16":
+            continue
+        v = np.array(v)
+        a, b = 100 * (v - bf16) / bf16, 100 * (v - fp32) / fp32
+        lines.append(
+            f"| {name} | {', '.join(f'{x:+.2f}' for x in a)} | {np.mean(a):+.2f} | {std(a)} | "
+            f"{', '.join(f'{x:+.2f}' for x in b)} | {np.mean(b):+.2f} | {std(b)} |"
+        )
+    return "\n".join(lines)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -382,17 +489,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     grads.add_argument("--steps", type=int, default=100)
     grads.add_argument("--batches", type=int, default=8)
     grads.add_argument("--variants", type=lambda s: s.split(","), default=None)
+    train = sub.add_parser("train", help="train variants over seeds against BF16 and float32")
+    train.add_argument("--steps", type=int, default=200)
+    train.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "all"])
+    train.add_argument(
+        "--cross-eval",
+        action="store_true",
+        help="also evaluate every run's weights with a high-precision and an FP8 forward",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.variants:
-        unknown = [v for v in args.variants if v not in VARIANTS]
+        unknown = [v for v in args.variants if v not in VARIANTS and v != "fp8"]
         if unknown:
             sys.exit(f"--variants: unknown {unknown}; choose among {list(VARIANTS)}")
     if args.command == "gradients":
         run_gradients(args)
+    else:
+        run_train(args)
 
 
 if __name__ == "__main__":

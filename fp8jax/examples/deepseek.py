@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -109,12 +110,16 @@ def train(
     data: tuple[np.ndarray, np.ndarray],
     args: argparse.Namespace,
     seed: int,
+    convert: Callable[[DeepSeekV3], DeepSeekV3] | None = None,
 ) -> Run:
-    """Train one run of a seed; every run of the seed sees the same weights and batches."""
+    """Train one run of a seed; every run of the seed sees the same weights and batches.
+    `convert`, if given, changes the built model before training (an experiment's layers)."""
     train_data, val_data = data
     policy_string, _, bf16_moments = PRECISIONS[precision]
     policy = fp8jax.Policy.from_string(policy_string)
     model = build(config, precision, seed, args.block_dot, args.fp8_targets)
+    if convert is not None:
+        model = convert(model)
     step_fn = fp8jax.make_train_step(
         deepseek_loss, optimizer(args.steps, args.lr, bf16_moments), policy=policy, has_aux=True
     )
