@@ -57,7 +57,10 @@ TILE = 128
 def _scale(amax: jax.Array, pow2: bool) -> jax.Array:
     ok = amax > 0
     scale = jnp.where(ok, E4M3_MAX / jnp.where(ok, amax, 1.0), 1.0)
-    return jnp.exp2(jnp.floor(jnp.log2(scale))) if pow2 else scale
+    if not pow2:
+        return scale
+    _, exponent = jnp.frexp(scale)  # scale = m * 2**e, m in [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(scale), exponent - 1)  # exactly (XLA's exp2 is not)
 
 
 def _round(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -284,7 +287,9 @@ VARIANTS: dict[str, tuple[Passes, tuple[str, ...]]] = {
     "forward only": (Passes(dgrad=False, wgrad=False), GROUPS),
     "dgrad only": (Passes(forward=False, wgrad=False), GROUPS),
     "wgrad only": (Passes(forward=False, dgrad=False), GROUPS),
+    "pow2 forward only": (Passes(dgrad=False, wgrad=False, pow2=True), GROUPS),
     **{f"{group} only": (Passes(), (group,)) for group in GROUPS},
+    **{f"pow2 {group} only": (Passes(pow2=True), (group,)) for group in GROUPS},
 }
 
 #: Parameter groups of the gradient's error report: (name, regex on the parameter's path).
@@ -408,6 +413,45 @@ def cross_evaluations(
     return validation(high, policy, batches), validation(fp8, policy, batches)
 
 
+def routes(model: DeepSeekV3, tokens: jax.Array) -> list[jax.Array]:
+    """Each MoE block's chosen experts `(tokens, top_k)` (sorted) on `tokens (batch, seq)`:
+    the model's forward up to every router (as `DeepSeekV3.__call__`, without the head)."""
+    from fp8jax.examples.deepseek_model import rms_norm
+
+    x = jax.vmap(jax.vmap(model.embed))(tokens)
+    chosen = []
+    for block in model.blocks:
+        x = x + jax.vmap(block.attn)(rms_norm(block.attn_norm, x))
+        h = rms_norm(block.ffn_norm, x).reshape(-1, x.shape[-1])
+        if isinstance(block.ffn, DeepSeekMoE):
+            moe = block.ffn
+            s = jax.nn.sigmoid(jax.vmap(moe.gate)(h).astype(jnp.float32))
+            _, top = jax.lax.top_k(s + moe.balance.bias, moe.top_k)
+            chosen.append(jnp.sort(top, axis=-1))
+            y, _ = moe(h)
+        else:
+            y = block.ffn(h)
+        x = x + y.reshape(x.shape)
+    return chosen
+
+
+def flip_rate(a: DeepSeekV3, b: DeepSeekV3, policy: fp8jax.Policy, batches: list) -> float:
+    """The share of tokens whose chosen experts differ between models `a` and `b` (the same
+    weights in two precisions), over the MoE blocks and `batches`."""
+    fn = eqx.filter_jit(lambda m, t: routes(policy.cast_to_compute(m), t))
+    differ = total = 0
+    for tokens in batches:
+        for ra, rb in zip(fn(a, jnp.asarray(tokens)), fn(b, jnp.asarray(tokens)), strict=True):
+            differ += int(jnp.sum(jnp.any(ra != rb, axis=-1)))
+            total += ra.shape[0]
+    return differ / total
+
+
+#: `train`'s runs of fp8jax's own recipe: `fp8_config()` (power-of-two scales) and with
+#: exact scales (`448 / amax`, before issue 40).
+LIBRARY = ("fp8", "fp8-exact")
+
+
 def run_train(args: argparse.Namespace) -> None:
     """The `train` command (see the module): per seed the BF16 and float32 runs of
     `fp8jax.examples.deepseek`, its FP8 run (fp8jax's recipe, `fp8`) if asked, and each
@@ -423,8 +467,8 @@ def run_train(args: argparse.Namespace) -> None:
     print(
         f"DeepSeek-V3 in miniature, {args.steps} steps, seeds {args.seeds}: final validation "
         f"loss of each run against the same seed's BF16 and float32 runs (variants: "
-        f"{', '.join(args.variants)}; `fp8` is fp8jax's blockwise recipe, the others the "
-        "emulation)",
+        f"{', '.join(args.variants)}; fp8 and fp8-exact are fp8jax's blockwise recipe with "
+        "power-of-two and exact scales, the others the emulation)",
         flush=True,
     )
     val: dict[str, list[float]] = {n: [] for n in names}
@@ -434,22 +478,25 @@ def run_train(args: argparse.Namespace) -> None:
         val_rng = np.random.default_rng(seed + 1)  # the job's validation batches
         batches = [sample(data[1], val_rng, train_args.batch, train_args.context) for _ in range(8)]
         for name in names:
-            if name in ("bf16", "fp32", "fp8"):
+            if name in ("bf16", "fp32", "fp8"):  # the job's own runs
                 run = deepseek.train(config, name, data, train_args, seed)
             else:
                 convert = lambda m, name=name: variant_model(m, name)  # noqa: E731
                 run = deepseek.train(config, "bf16", data, train_args, seed, convert=convert)
-            val[name].append(run.val[-1])
-            line = f"seed {seed} {name}: validation loss {run.val[-1]:.4f}"
+            policy = deepseek.FP32_POLICY if name == "fp32" else deepseek.POLICY
+            val[name].append(validation(run.model, fp8jax.Policy.from_string(policy), batches))
+            line = f"seed {seed} {name}: validation loss {val[name][-1]:.4f}"
             if args.cross_eval:
-                policy = deepseek.FP32_POLICY if name == "fp32" else deepseek.POLICY
                 h, f = cross_evaluations(run, fp8jax.Policy.from_string(policy), batches)
                 high[name].append(h)
                 fp8[name].append(f)
                 line += f"; its weights with a high-precision forward {h:.4f}, FP8 forward {f:.4f}"
             print(line, flush=True)
     print()
-    print("As trained (each run's validation in its own precision):")
+    print(
+        f"As trained (each run's validation loss in its own precision, {args.val_batches} "
+        f"batches of {train_args.batch} x {train_args.context} bytes, the same for every run):"
+    )
     print(vs_table(val))
     if args.cross_eval:
         print()
@@ -493,6 +540,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=200)
     train.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "all"])
+    train.add_argument("--val-batches", type=int, default=64)
     train.add_argument(
         "--cross-eval",
         action="store_true",
@@ -504,7 +552,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.variants:
-        unknown = [v for v in args.variants if v not in VARIANTS and v != "fp8"]
+        unknown = [v for v in args.variants if v not in VARIANTS and v not in LIBRARY]
         if unknown:
             sys.exit(f"--variants: unknown {unknown}; choose among {list(VARIANTS)}")
     if args.command == "gradients":

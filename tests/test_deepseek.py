@@ -268,6 +268,36 @@ def test_fp8_config_converts_what_deepseek_v3_computes_in_fp8():
     assert type(model.embed) is eqx.nn.Embedding
 
 
+@pytest.mark.parametrize("power_of_two", [True, False])
+def test_fp8_config_requantizes_activations_for_the_wgrad_without_a_second_rounding(
+    power_of_two,
+):
+    """V3 (section 3.3.3) rounds the scales of the activations it requantizes from 1 x 128
+    to 128 x 1 tiles to powers of two "to avoid introducing extra quantization error": the
+    wgrad's copy then holds the forward's FP8 values exactly (where they stay normal in the
+    new tile). `fp8_config()` does so; with exact scales (`448 / amax`, fp8jax before issue
+    40) about every element is rounded twice."""
+    recipe = fp8_config(power_of_two=power_of_two).recipe
+    assert recipe.power_of_two is power_of_two
+    rng = np.random.default_rng(0)
+    # Rows of different magnitudes, as tokens are: each 128 x 1 tile mixes them.
+    x = rng.standard_normal((256, 384)) * np.exp(rng.uniform(-1, 1, (256, 1)))
+    x = jnp.asarray(x, jnp.bfloat16)
+    state = recipe.init_state("input")
+    q, _ = recipe.quantize(x, state, "input", -1)  # the forward's 1 x 128 tiles
+    t = recipe.retile(q, "input", -2)  # the wgrad's 128 x 1 tiles, from the FP8 values
+    first, second = np.asarray(q.dequantize(), np.float64), np.asarray(t.dequantize(), np.float64)
+    # Normal in the new tile: at least E4M3's smallest normal, 2**-6, after its scale.
+    assert t.block == (128, 1)
+    scale = 1 / np.repeat(np.asarray(t.scale_inv, np.float64), 128, axis=0)[: x.shape[0]]
+    normal = np.abs(first) * scale >= 2**-6
+    changed = np.mean(first[normal] != second[normal])
+    if power_of_two:
+        assert changed == 0.0
+    else:
+        assert changed > 0.3
+
+
 def first_step_gradients(model, tokens, compute):
     policy = fp8jax.Policy.from_string(f"params=float32,compute={compute},output=float32")
     loss = lambda m, t: deepseek_loss(policy.cast_to_compute(m), t)  # noqa: E731
