@@ -460,12 +460,14 @@ def run_train(args: argparse.Namespace) -> None:
     from fp8jax.examples.data import kjv_bytes, sample, split
 
     argv = ["--kjv", "--steps", str(args.steps), "--block-dot", "dequantized"]
+    argv += ["--width", str(args.width)]
     train_args = deepseek.parse(argv)
     config = deepseek.config_of(train_args)
     data = split(kjv_bytes())
     names = ["bf16", "fp32", *args.variants]
     print(
-        f"DeepSeek-V3 in miniature, {args.steps} steps, seeds {args.seeds}: final validation "
+        f"DeepSeek-V3 in miniature, width {args.width}, {args.steps} steps, seeds {args.seeds}: "
+        "final validation "
         f"loss of each run against the same seed's BF16 and float32 runs (variants: "
         f"{', '.join(args.variants)}; fp8 and fp8-exact are fp8jax's blockwise recipe with "
         "power-of-two and exact scales, the others the emulation)",
@@ -474,12 +476,19 @@ def run_train(args: argparse.Namespace) -> None:
     val: dict[str, list[float]] = {n: [] for n in names}
     high: dict[str, list[float]] = {n: [] for n in names}
     fp8: dict[str, list[float]] = {n: [] for n in names}
+    # One large validation set for every run (the job's own is 8 batches per seed).
+    val_rng = np.random.default_rng(2026)
+    batches = [
+        sample(data[1], val_rng, train_args.batch, train_args.context)
+        for _ in range(args.val_batches)
+    ]
+    exact_args = deepseek.parse([*argv, "--exact-scales"])
     for seed in args.seeds:
-        val_rng = np.random.default_rng(seed + 1)  # the job's validation batches
-        batches = [sample(data[1], val_rng, train_args.batch, train_args.context) for _ in range(8)]
         for name in names:
             if name in ("bf16", "fp32", "fp8"):  # the job's own runs
                 run = deepseek.train(config, name, data, train_args, seed)
+            elif name == "fp8-exact":
+                run = deepseek.train(config, "fp8", data, exact_args, seed)
             else:
                 convert = lambda m, name=name: variant_model(m, name)  # noqa: E731
                 run = deepseek.train(config, "bf16", data, train_args, seed, convert=convert)
@@ -541,6 +550,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "all"])
     train.add_argument("--val-batches", type=int, default=64)
+    train.add_argument("--width", type=int, default=128, help="the model's width (128)")
     train.add_argument(
         "--cross-eval",
         action="store_true",
