@@ -435,21 +435,55 @@ def routes(model: DeepSeekV3, tokens: jax.Array) -> list[jax.Array]:
     return chosen
 
 
-def flip_rate(a: DeepSeekV3, b: DeepSeekV3, policy: fp8jax.Policy, batches: list) -> float:
-    """The share of tokens whose chosen experts differ between models `a` and `b` (the same
-    weights in two precisions), over the MoE blocks and `batches`."""
-    fn = eqx.filter_jit(lambda m, t: routes(policy.cast_to_compute(m), t))
+def flip_rate(
+    a: DeepSeekV3, policy_a: fp8jax.Policy, b: DeepSeekV3, policy_b: fp8jax.Policy, batches: list
+) -> float:
+    """The share of token routings (a token's set of experts in one MoE block) that differ
+    between model `a` in `policy_a`'s compute dtype and `b` in `policy_b`'s, over `batches`."""
+
+    def fn(policy):
+        return eqx.filter_jit(lambda m, t: routes(policy.cast_to_compute(m), t))
+
+    fa, fb = fn(policy_a), fn(policy_b)
     differ = total = 0
     for tokens in batches:
-        for ra, rb in zip(fn(a, jnp.asarray(tokens)), fn(b, jnp.asarray(tokens)), strict=True):
+        t = jnp.asarray(tokens)
+        for ra, rb in zip(fa(a, t), fb(b, t), strict=True):
             differ += int(jnp.sum(jnp.any(ra != rb, axis=-1)))
             total += ra.shape[0]
     return differ / total
 
 
-#: `train`'s runs of fp8jax's own recipe: `fp8_config()` (power-of-two scales) and with
-#: exact scales (`448 / amax`, before issue 40).
-LIBRARY = ("fp8", "fp8-exact")
+def run_routing(args: argparse.Namespace) -> None:
+    """The `routing` command: at the float32 run of seed 0 after `--steps` steps, the share
+    of routings that differ from the float32 forward's, for BF16 and the FP8 variants."""
+    from fp8jax.examples.data import kjv_bytes, sample, split
+
+    train_args = deepseek.parse(["--kjv", "--steps", str(args.steps), "--seeds", "0"])
+    config = deepseek.config_of(train_args)
+    data = split(kjv_bytes())
+    trained = deepseek.train(config, "fp32", data, train_args, 0).model
+    rng = np.random.default_rng(1234)
+    batches = [
+        sample(data[1], rng, train_args.batch, train_args.context) for _ in range(args.batches)
+    ]
+    fp32 = fp8jax.Policy.from_string(deepseek.FP32_POLICY)
+    bf16 = fp8jax.Policy.from_string(deepseek.POLICY)
+    print(
+        f"Routings (token x MoE block) that differ from the float32 forward's, at the float32 "
+        f"run of seed 0 after {args.steps} steps, {args.batches} validation batches; BF16 "
+        "compute, FP8 emulated where named (the forward's, the only one routing sees):"
+    )
+    print("| forward | routings changed |")
+    print("|---|---|")
+    for name in ["bf16", *(args.variants or ["all", "pow2 scales"])]:
+        rate = flip_rate(variant_model(trained, name), bf16, trained, fp32, batches)
+        print(f"| {name} | {100 * rate:.2f} % |", flush=True)
+
+
+#: `train`'s runs of fp8jax's own recipe: `fp8_config()` (exact scales, `448 / amax`) and
+#: with power-of-two scales.
+LIBRARY = ("fp8", "fp8-pow2")
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -469,8 +503,8 @@ def run_train(args: argparse.Namespace) -> None:
         f"DeepSeek-V3 in miniature, width {args.width}, {args.steps} steps, seeds {args.seeds}: "
         "final validation "
         f"loss of each run against the same seed's BF16 and float32 runs (variants: "
-        f"{', '.join(args.variants)}; fp8 and fp8-exact are fp8jax's blockwise recipe with "
-        "power-of-two and exact scales, the others the emulation)",
+        f"{', '.join(args.variants)}; fp8 and fp8-pow2 are fp8jax's blockwise recipe with "
+        "exact and power-of-two scales, the others the emulation)",
         flush=True,
     )
     val: dict[str, list[float]] = {n: [] for n in names}
@@ -482,13 +516,13 @@ def run_train(args: argparse.Namespace) -> None:
         sample(data[1], val_rng, train_args.batch, train_args.context)
         for _ in range(args.val_batches)
     ]
-    exact_args = deepseek.parse([*argv, "--exact-scales"])
+    pow2_args = deepseek.parse([*argv, "--power-of-two"])
     for seed in args.seeds:
         for name in names:
             if name in ("bf16", "fp32", "fp8"):  # the job's own runs
                 run = deepseek.train(config, name, data, train_args, seed)
-            elif name == "fp8-exact":
-                run = deepseek.train(config, "fp8", data, exact_args, seed)
+            elif name == "fp8-pow2":
+                run = deepseek.train(config, "fp8", data, pow2_args, seed)
             else:
                 convert = lambda m, name=name: variant_model(m, name)  # noqa: E731
                 run = deepseek.train(config, "bf16", data, train_args, seed, convert=convert)
@@ -545,10 +579,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     grads.add_argument("--steps", type=int, default=100)
     grads.add_argument("--batches", type=int, default=8)
     grads.add_argument("--variants", type=lambda s: s.split(","), default=None)
+    routing = sub.add_parser("routing", help="routings the FP8 forward changes")
+    routing.add_argument("--steps", type=int, default=100)
+    routing.add_argument("--batches", type=int, default=16)
+    routing.add_argument("--variants", type=lambda s: s.split(","), default=None)
     train = sub.add_parser("train", help="train variants over seeds against BF16 and float32")
     train.add_argument("--steps", type=int, default=200)
     train.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "all"])
+    train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "fp8-pow2"])
     train.add_argument("--val-batches", type=int, default=64)
     train.add_argument("--width", type=int, default=128, help="the model's width (128)")
     train.add_argument(
@@ -567,6 +605,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--variants: unknown {unknown}; choose among {list(VARIANTS)}")
     if args.command == "gradients":
         run_gradients(args)
+    elif args.command == "routing":
+        run_routing(args)
     else:
         run_train(args)
 

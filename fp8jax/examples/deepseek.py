@@ -83,11 +83,11 @@ def build(
     seed: int,
     block_dot: str,
     targets: str | None = None,
-    power_of_two: bool = True,
+    power_of_two: bool = False,
 ) -> DeepSeekV3:
     """The seed's model, converted to FP8 (telemetry on) for `precision == "fp8"`: every layer
     `fp8_config()` converts, or those of them whose path matches the regex `targets`, with
-    power-of-two scales or, `power_of_two=False`, exact ones."""
+    exact scales or, `power_of_two=True`, powers of two."""
     model = DeepSeekV3(config, key=jax.random.PRNGKey(seed))
     if not PRECISIONS[precision][1]:
         return model
@@ -120,7 +120,7 @@ def train(
     train_data, val_data = data
     policy_string, _, bf16_moments = PRECISIONS[precision]
     policy = fp8jax.Policy.from_string(policy_string)
-    model = build(config, precision, seed, args.block_dot, args.fp8_targets, not args.exact_scales)
+    model = build(config, precision, seed, args.block_dot, args.fp8_targets, args.power_of_two)
     if convert is not None:
         model = convert(model)
     step_fn = fp8jax.make_train_step(
@@ -280,10 +280,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "dot of the dequantized operands (the same numerics, faster on a CPU)",
     )
     parser.add_argument(
-        "--exact-scales",
+        "--power-of-two",
         action="store_true",
-        help="FP8 scales of 448 / amax exactly instead of powers of two (fp8jax before issue "
-        "40: about 0.8 %% worse validation loss here)",
+        help="FP8 scales rounded down to powers of two instead of 448 / amax exactly "
+        "(fp8_config's power_of_two)",
     )
     parser.add_argument(
         "--fp8-targets",
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Run]]:
     args = parse(argv)
     config = config_of(args)
     data = split(kjv_bytes())
-    scales = "exact" if args.exact_scales else "power-of-two"
+    scales = "power-of-two" if args.power_of_two else "exact"
     print(
         f"DeepSeek-V3 in miniature: {config.layers} blocks ({config.dense_layers} dense) of "
         f"width {config.width}, MLA {config.heads} heads (q latent {config.q_rank}, kv latent "

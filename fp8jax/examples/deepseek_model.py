@@ -412,18 +412,16 @@ def update_balance(
 
 
 def fp8_config(
-    telemetry: bool = False, dequantized_dot: bool = False, power_of_two: bool = True
+    telemetry: bool = False, dequantized_dot: bool = False, power_of_two: bool = False
 ) -> fp8jax.Fp8Config:
     """DeepSeek-V3's FP8: blockwise scaling (E4M3, 1 x 128 tiles, 128 x 128 weight blocks) on
     every Linear and expert GEMM but the head and the router (`gate`), which the default
     conversion keeps in high precision by their role (vocabulary-wide, expert-count-wide; the
     head by name too). `telemetry`: see `fp8jax.Fp8Config`;
-    `dequantized_dot`: the CPU emulation of the block GEMMs (see `fp8jax.BlockwiseScaling`).
-
-    `power_of_two` (the default): every tile's and block's scale an integral power of two, as
-    V3 scales the activations it requantizes from 1 x 128 to 128 x 1 tiles (section 3.3.3)
-    and as DeepSeek's later UE8M0 scales do everywhere. `False` (`448 / amax` exactly) trains
-    this miniature about 0.8 % worse over 3 seeds; `benchmarks/RESULTS.md`, "DeepSeek-V3's
-    FP8 loss gap", says why."""
+    `dequantized_dot`: the CPU emulation of the block GEMMs (see `fp8jax.BlockwiseScaling`);
+    `power_of_two`: every tile's and block's scale an integral power of two, as V3 scales the
+    activations it requantizes from 1 x 128 to 128 x 1 tiles (section 3.3.3), instead of
+    `448 / amax` exactly. Issue 40 measured it on this miniature: it does not close the FP8
+    gap (`benchmarks/RESULTS.md`, "Where DeepSeek-V3's FP8 loses loss")."""
     recipe = fp8jax.BlockwiseScaling(dequantized_dot=dequantized_dot, power_of_two=power_of_two)
     return fp8jax.Fp8Config(recipe=recipe, telemetry=telemetry)
