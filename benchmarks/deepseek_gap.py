@@ -497,10 +497,13 @@ def run_train(args: argparse.Namespace) -> None:
     argv += ["--width", str(args.width)]
     train_args = deepseek.parse(argv)
     config = deepseek.config_of(train_args)
+    if args.all_dense:  # no router: does FP8 cost as much without routing?
+        config = dataclasses.replace(config, dense_layers=config.layers)
     data = split(kjv_bytes())
     names = ["bf16", "fp32", *args.variants]
     print(
-        f"DeepSeek-V3 in miniature, width {args.width}, {args.steps} steps, seeds {args.seeds}: "
+        f"DeepSeek-V3 in miniature{' with every block dense' if args.all_dense else ''}, width "
+        f"{args.width}, {args.steps} steps, seeds {args.seeds}: "
         "final validation "
         f"loss of each run against the same seed's BF16 and float32 runs (variants: "
         f"{', '.join(args.variants)}; fp8 and fp8-pow2 are fp8jax's blockwise recipe with "
@@ -589,6 +592,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "fp8-pow2"])
     train.add_argument("--val-batches", type=int, default=64)
     train.add_argument("--width", type=int, default=128, help="the model's width (128)")
+    train.add_argument(
+        "--all-dense", action="store_true", help="every block's FFN dense (no MoE, no router)"
+    )
     train.add_argument(
         "--cross-eval",
         action="store_true",
