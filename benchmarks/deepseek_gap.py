@@ -1,7 +1,10 @@
 """Where DeepSeek-V3 in miniature loses validation loss to FP8 (issue 40).
 
-    python benchmarks/deepseek_gap.py gradients [--steps 100]
-    python benchmarks/deepseek_gap.py train --variants all,fwd,dgrad,wgrad --seeds 0 1 2
+    python benchmarks/deepseek_gap.py gradients [--steps 100] [--variants "all,forward only"]
+    python benchmarks/deepseek_gap.py routing [--variants ...]
+    python benchmarks/deepseek_gap.py tiles
+    python benchmarks/deepseek_gap.py train --seeds 0 1 2 3 4 --variants fp8,fp8-pow2 \
+        [--width 256] [--steps 400] [--all-dense] [--cross-eval]
 
 An independent emulation of DeepSeek-V3's FP8 GEMMs, written here from the paper (not with
 fp8jax's recipes), each pass and GEMM group switchable on its own:
@@ -22,8 +25,12 @@ fp8jax's `BlockwiseScaling` (tested: tests/test_deepseek_gap.py).
 `gradients`: from one model state (the float32 run of seed 0 after `--steps` steps), the
 relative error of the whole gradient (and per parameter group) to the float32 gradient, for
 BF16 and for FP8 in each pass and group: which quantization puts the most error into the
-update. `train`: the miniature trained with the emulation in chosen passes and groups, over
-seeds, next to the same seed's BF16 and float32 runs (`fp8jax.examples.deepseek`'s loop).
+update. `routing`: the token routings each variant's forward changes against float32's.
+`tiles`: E4M3 tile error with exact and power-of-two scales. `train`: the miniature trained
+with fp8jax's recipe (`fp8`, `fp8-pow2`) or the emulation in chosen passes and groups (a
+`VARIANTS` name), over seeds, next to the same seed's BF16 and float32 runs
+(`fp8jax.examples.deepseek`'s loop), all scored on one validation set. Variant names with
+spaces go in quotes, comma-separated.
 """
 
 from __future__ import annotations
