@@ -357,18 +357,24 @@ def errors(grads: list, reference: list) -> dict[str, float]:
     return out
 
 
-def run_gradients(args: argparse.Namespace) -> None:
-    """The `gradients` command (see the module)."""
+def trained_state(steps: int, batches: int, validation: bool) -> tuple[DeepSeekV3, list, Any]:
+    """The state `gradients` and `routing` measure at: the float32 run of seed 0 after
+    `steps` steps, `batches` batches (from the validation split if `validation`, else the
+    training split; always the same ones), and the job's arguments."""
     from fp8jax.examples.data import kjv_bytes, sample, split
 
-    train_args = deepseek.parse(["--kjv", "--steps", str(args.steps), "--seeds", "0"])
-    config = deepseek.config_of(train_args)
+    train_args = deepseek.parse(["--kjv", "--steps", str(steps), "--seeds", "0"])
     data = split(kjv_bytes())
-    trained = deepseek.train(config, "fp32", data, train_args, 0).model
+    trained = deepseek.train(deepseek.config_of(train_args), "fp32", data, train_args, 0).model
     rng = np.random.default_rng(1234)
-    batches = [
-        sample(data[0], rng, train_args.batch, train_args.context) for _ in range(args.batches)
-    ]
+    source = data[1] if validation else data[0]
+    drawn = [sample(source, rng, train_args.batch, train_args.context) for _ in range(batches)]
+    return trained, drawn, train_args
+
+
+def run_gradients(args: argparse.Namespace) -> None:
+    """The `gradients` command (see the module)."""
+    trained, batches, train_args = trained_state(args.steps, args.batches, validation=False)
     fp32 = fp8jax.Policy.from_string(deepseek.FP32_POLICY)
     bf16 = fp8jax.Policy.from_string(deepseek.POLICY)
     reference = gradient(trained, fp32, batches)
@@ -464,16 +470,7 @@ def flip_rate(
 def run_routing(args: argparse.Namespace) -> None:
     """The `routing` command: at the float32 run of seed 0 after `--steps` steps, the share
     of routings that differ from the float32 forward's, for BF16 and the FP8 variants."""
-    from fp8jax.examples.data import kjv_bytes, sample, split
-
-    train_args = deepseek.parse(["--kjv", "--steps", str(args.steps), "--seeds", "0"])
-    config = deepseek.config_of(train_args)
-    data = split(kjv_bytes())
-    trained = deepseek.train(config, "fp32", data, train_args, 0).model
-    rng = np.random.default_rng(1234)
-    batches = [
-        sample(data[1], rng, train_args.batch, train_args.context) for _ in range(args.batches)
-    ]
+    trained, batches, _ = trained_state(args.steps, args.batches, validation=True)
     fp32 = fp8jax.Policy.from_string(deepseek.FP32_POLICY)
     bf16 = fp8jax.Policy.from_string(deepseek.POLICY)
     print(
