@@ -422,7 +422,7 @@ def cross_evaluations(
     """The final validation loss of `run`'s weights with a high-precision forward (every GEMM
     in `policy`'s compute dtype) and with V3's FP8 forward (emulated in every group)."""
     high = strip(run.model)
-    fp8 = emulate(high, dict.fromkeys(GROUPS, Passes(dgrad=False, wgrad=False)))
+    fp8 = fp8_forward(high)
     return validation(high, policy, batches), validation(fp8, policy, batches)
 
 
@@ -446,6 +446,73 @@ def routes(model: DeepSeekV3, tokens: jax.Array) -> list[jax.Array]:
             y = block.ffn(h)
         x = x + y.reshape(x.shape)
     return chosen
+
+
+def routed_forward(
+    model: DeepSeekV3, tokens: jax.Array, chosen: list[jax.Array]
+) -> tuple[jax.Array, Any]:
+    """`DeepSeekV3.__call__` with each MoE block's experts given (`chosen[i]`, `(tokens,
+    top_k)`, e.g. `routes` of another forward) instead of chosen from this forward's
+    affinities; the gating weights are this forward's affinities at the given experts."""
+    from fp8jax.examples.deepseek_model import Load, rms_norm
+    from fp8jax.examples.moe_model import sort_assignments
+
+    def moe_forward(moe: DeepSeekMoE, u: jax.Array, top: jax.Array):
+        experts = moe.up.num_experts
+        s = jax.nn.sigmoid(jax.vmap(moe.gate)(u).astype(jnp.float32))
+        g = jnp.take_along_axis(s, top, axis=-1)
+        routing = sort_assignments(top, g / jnp.sum(g, axis=-1, keepdims=True), experts)
+        a, b = jnp.split(moe.up(u[routing.token], routing.group_sizes), 2, axis=-1)
+        y = moe.down(jax.nn.silu(a) * b, routing.group_sizes)
+        y = y * routing.weight[:, None].astype(y.dtype)
+        h = jnp.zeros_like(u).at[routing.token].add(y.astype(u.dtype))
+        if moe.shared is not None:
+            h = h + moe.shared(u)
+        _, unbiased = jax.lax.top_k(s, moe.top_k)
+        counts = jnp.bincount(unbiased.reshape(-1), length=experts).astype(jnp.int32)
+        return h, jnp.stack([routing.group_sizes, counts])
+
+    def run(block, x, top):
+        x = x + jax.vmap(block.attn)(rms_norm(block.attn_norm, x))
+        h = rms_norm(block.ffn_norm, x).reshape(-1, x.shape[-1])
+        if isinstance(block.ffn, DeepSeekMoE):
+            y, load = moe_forward(block.ffn, h, top)
+        else:
+            y, load = block.ffn(h), None
+        return x + y.reshape(x.shape), load
+
+    if model.remat:
+        run = eqx.filter_checkpoint(run, policy=fp8jax.save_fp8_operands)
+    x = jax.vmap(jax.vmap(model.embed))(tokens)
+    loads, given = [], iter(chosen)
+    for block in model.blocks:
+        top = next(given) if isinstance(block.ffn, DeepSeekMoE) else None
+        x, load = run(block, x, top)
+        if load is not None:
+            loads.append(load)
+    logits = jax.vmap(model.head)(rms_norm(model.norm, x).reshape(-1, x.shape[-1]))
+    stacked = jnp.stack(loads)
+    return logits.reshape(*x.shape[:-1], -1), Load(routed=stacked[:, 0], unbiased=stacked[:, 1])
+
+
+def shadow_loss(router: Any) -> Any:
+    """A `deepseek_loss` whose MoE blocks route as `router(model)` would (its forward's
+    `routes`, no gradient) while every other number comes from `model`'s own forward: FP8
+    computing with BF16's routes (`router=strip`), or BF16 with FP8's."""
+
+    def loss(model: DeepSeekV3, tokens: jax.Array):
+        inputs = tokens[:, :-1]
+        chosen = jax.lax.stop_gradient(routes(router(model), inputs))
+        logits, load = routed_forward(model, inputs, chosen)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)), load
+
+    return loss
+
+
+def fp8_forward(model: DeepSeekV3) -> DeepSeekV3:
+    """`model` with V3's FP8 forward emulated in every group (no backward: for `routes`)."""
+    return emulate(model, dict.fromkeys(GROUPS, Passes(dgrad=False, wgrad=False)))
 
 
 def flip_rate(
@@ -486,8 +553,9 @@ def run_routing(args: argparse.Namespace) -> None:
 
 
 #: `train`'s runs of fp8jax's own recipe: `fp8_config()` (exact scales, `448 / amax`) and
-#: with power-of-two scales.
-LIBRARY = ("fp8", "fp8-pow2")
+#: with power-of-two scales; and the route swaps: fp8jax's FP8 routed as the same weights'
+#: BF16 forward routes, and BF16 routed as their FP8 forward (emulated) routes.
+LIBRARY = ("fp8", "fp8-pow2", "fp8 bf16-routes", "bf16 fp8-routes")
 
 
 def run_train(args: argparse.Namespace) -> None:
@@ -498,7 +566,8 @@ def run_train(args: argparse.Namespace) -> None:
     from fp8jax.examples.data import kjv_bytes, sample, split
 
     argv = ["--kjv", "--steps", str(args.steps), "--block-dot", "dequantized"]
-    argv += ["--width", str(args.width)]
+    argv += ["--width", str(args.width), "--balance-speed", str(args.balance_speed)]
+    argv += ["--lr", str(args.lr)]
     train_args = deepseek.parse(argv)
     config = deepseek.config_of(train_args)
     if args.all_dense:  # no router: does FP8 cost as much without routing?
@@ -507,7 +576,8 @@ def run_train(args: argparse.Namespace) -> None:
     names = ["bf16", "fp32", *args.variants]
     print(
         f"DeepSeek-V3 in miniature{' with every block dense' if args.all_dense else ''}, width "
-        f"{args.width}, {args.steps} steps, seeds {args.seeds}: "
+        f"{args.width}, {args.steps} steps, learning rate {args.lr}, balance speed "
+        f"{args.balance_speed}, seeds {args.seeds}: "
         "final validation "
         f"loss of each run against the same seed's BF16 and float32 runs (variants: "
         f"{', '.join(args.variants)}; fp8 and fp8-pow2 are fp8jax's blockwise recipe with "
@@ -515,6 +585,7 @@ def run_train(args: argparse.Namespace) -> None:
         flush=True,
     )
     val: dict[str, list[float]] = {n: [] for n in names}
+    curves: dict[str, list[list[float]]] = {n: [] for n in names}
     high: dict[str, list[float]] = {n: [] for n in names}
     fp8: dict[str, list[float]] = {n: [] for n in names}
     # One large validation set for every run (the job's own is 8 batches per seed).
@@ -530,11 +601,19 @@ def run_train(args: argparse.Namespace) -> None:
                 run = deepseek.train(config, name, data, train_args, seed)
             elif name == "fp8-pow2":
                 run = deepseek.train(config, "fp8", data, pow2_args, seed)
+            elif name == "fp8 bf16-routes":
+                loss = shadow_loss(strip)
+                run = deepseek.train(config, "fp8", data, train_args, seed, loss=loss)
+            elif name == "bf16 fp8-routes":
+                loss = shadow_loss(fp8_forward)
+                run = deepseek.train(config, "bf16", data, train_args, seed, loss=loss)
             else:
                 convert = lambda m, name=name: variant_model(m, name)  # noqa: E731
                 run = deepseek.train(config, "bf16", data, train_args, seed, convert=convert)
             policy = deepseek.FP32_POLICY if name == "fp32" else deepseek.POLICY
             val[name].append(validation(run.model, fp8jax.Policy.from_string(policy), batches))
+            curves[name].append(run.val)
+            eval_steps = [s + 1 for s in run.val_steps]
             line = f"seed {seed} {name}: validation loss {val[name][-1]:.4f}"
             if args.cross_eval:
                 h, f = cross_evaluations(run, fp8jax.Policy.from_string(policy), batches)
@@ -548,6 +627,12 @@ def run_train(args: argparse.Namespace) -> None:
         f"batches of {train_args.batch} x {train_args.context} bytes, the same for every run):"
     )
     print(vs_table(val))
+    print()
+    print(
+        "During training (the job's 8 validation batches of each seed, every 50 steps): each "
+        "run's validation loss against BF16's of the same seed, mean over seeds (%):"
+    )
+    print(curve_table(curves, eval_steps))
     if args.cross_eval:
         print()
         print("The same weights, every run evaluated with a high-precision forward:")
@@ -575,6 +660,19 @@ def vs_table(val: dict[str, list[float]]) -> str:
             f"| {name} | {', '.join(f'{x:+.2f}' for x in a)} | {np.mean(a):+.2f} | {std(a)} | "
             f"{', '.join(f'{x:+.2f}' for x in b)} | {np.mean(b):+.2f} | {std(b)} |"
         )
+    return "\n".join(lines)
+
+
+def curve_table(curves: dict[str, list[list[float]]], steps: list[int]) -> str:
+    """Each run's validation loss against BF16's of the same seed at each evaluated step, in %,
+    mean over seeds: when the gap opens."""
+    bf16 = np.array(curves["bf16"])
+    lines = ["| run | " + " | ".join(f"step {s}" for s in steps) + " |"]
+    lines.append("|---|" + "---|" * len(steps))
+    for name, c in curves.items():
+        if name != "bf16":
+            g = np.mean(100 * (np.array(c) - bf16) / bf16, axis=0)
+            lines.append(f"| {name} | " + " | ".join(f"{x:+.2f}" for x in g) + " |")
     return "\n".join(lines)
 
 
@@ -615,6 +713,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--variants", type=lambda s: s.split(","), default=["fp8", "fp8-pow2"])
     train.add_argument("--val-batches", type=int, default=64)
     train.add_argument("--width", type=int, default=128, help="the model's width (128)")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+    train.add_argument(
+        "--balance-speed", type=float, default=1e-2, help="the balancing bias's step (1e-2)"
+    )
     train.add_argument(
         "--all-dense", action="store_true", help="every block's FFN dense (no MoE, no router)"
     )

@@ -170,3 +170,38 @@ def test_vs_table(gap):
     row = next(line for line in table.splitlines() if line.startswith("| x "))
     assert "+1.00, +1.00 | +1.00 | 0.00" in row
     assert "+102.00, -49.50" in row
+
+
+def test_shadow_loss_routes_as_told(gap):
+    """Routed by its own forward's routes, `shadow_loss` is `deepseek_loss` (value, gradient,
+    loads); routed by another forward's routes, it sends the tokens to those experts only (no
+    gradient reaches the others) while the affinities stay its own."""
+    config = DeepSeekConfig(vocab=64, context=16, layers=2, experts=4, remat=True)
+    model = DeepSeekV3(config, key=jax.random.PRNGKey(0))
+    bias = jnp.array([0.3, -0.2, 0.0, 0.1])  # a bias that moves routes, as training leaves one
+    model = eqx.tree_at(lambda m: m.blocks[1].ffn.balance.bias, model, bias)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 64)
+
+    own = eqx.filter_value_and_grad(gap.shadow_loss(lambda m: m), has_aux=True)
+    plain = eqx.filter_value_and_grad(deepseek_loss, has_aux=True)
+    (l1, load1), g1 = own(model, tokens)
+    (l0, load0), g0 = plain(model, tokens)
+    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+    np.testing.assert_array_equal(load1.routed, load0.routed)
+    np.testing.assert_array_equal(load1.unbiased, load0.unbiased)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    # Routes of another forward: here one whose bias sends every token to experts 2 and 3.
+    def forced(m):
+        return eqx.tree_at(lambda m: m.blocks[1].ffn.balance.bias, m, jnp.array([-2.0, -2, 2, 2]))
+
+    (l2, load2), g2 = eqx.filter_value_and_grad(gap.shadow_loss(forced), has_aux=True)(
+        model, tokens
+    )
+    np.testing.assert_array_equal(load2.routed[0], [0, 0, 64, 64])
+    np.testing.assert_array_equal(load2.unbiased, load0.unbiased)  # affinities: the model's
+    assert float(l2) != pytest.approx(float(l0), rel=1e-6)
+    assert not jnp.any(g2.blocks[1].ffn.up.weight[:2]) and jnp.all(
+        jnp.any(g0.blocks[1].ffn.up.weight[:2] != 0, axis=(1, 2))
+    )

@@ -114,9 +114,12 @@ def train(
     args: argparse.Namespace,
     seed: int,
     convert: Callable[[DeepSeekV3], DeepSeekV3] | None = None,
+    loss: Callable = deepseek_loss,
 ) -> Run:
     """Train one run of a seed; every run of the seed sees the same weights and batches.
-    `convert`, if given, changes the built model before training (an experiment's layers)."""
+    `convert`, if given, changes the built model before training (an experiment's layers);
+    `loss`, the training loss (`deepseek_loss`'s signature: an experiment's forward). The
+    validation losses are `deepseek_loss`'s."""
     train_data, val_data = data
     policy_string, _, bf16_moments = PRECISIONS[precision]
     policy = fp8jax.Policy.from_string(policy_string)
@@ -124,7 +127,7 @@ def train(
     if convert is not None:
         model = convert(model)
     step_fn = fp8jax.make_train_step(
-        deepseek_loss, optimizer(args.steps, args.lr, bf16_moments), policy=policy, has_aux=True
+        loss, optimizer(args.steps, args.lr, bf16_moments), policy=policy, has_aux=True
     )
     balance = eqx.filter_jit(update_balance)
     evaluate = eqx.filter_jit(lambda m, t: deepseek_loss(policy.cast_to_compute(m), t)[0])
