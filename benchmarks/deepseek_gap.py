@@ -2,6 +2,7 @@
 
     python benchmarks/deepseek_gap.py gradients [--steps 100] [--variants "all,forward only"]
     python benchmarks/deepseek_gap.py routing [--variants ...]
+    python benchmarks/deepseek_gap.py remat [--steps 100]
     python benchmarks/deepseek_gap.py tiles
     python benchmarks/deepseek_gap.py train --seeds 0 1 2 3 4 --variants fp8,fp8-pow2 \
         [--width 256] [--steps 400] [--all-dense] [--cross-eval]
@@ -26,6 +27,8 @@ fp8jax's `BlockwiseScaling` (tested: tests/test_deepseek_gap.py).
 relative error of the whole gradient (and per parameter group) to the float32 gradient, for
 BF16 and for FP8 in each pass and group: which quantization puts the most error into the
 update. `routing`: the token routings each variant's forward changes against float32's.
+`remat`: the routings a checkpointed block's recomputation in the backward pass changes, and
+what that does to the gradient, before and after fp8jax's policies saved the router's choices.
 `tiles`: E4M3 tile error with exact and power-of-two scales. `train`: the miniature trained
 with fp8jax's recipe (`fp8`, `fp8-pow2`) or the emulation in chosen passes and groups (a
 `VARIANTS` name), over seeds, next to the same seed's BF16 and float32 runs
@@ -36,6 +39,7 @@ spaces go in quotes, comma-separated.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -346,11 +350,16 @@ def errors(grads: list, reference: list) -> dict[str, float]:
     """Relative error `|g - ref| / |ref|` of the whole gradient and of each parameter group."""
     import re
 
+    ref = dict(reference)
+    missing = [path for path, _ in grads if path not in ref and path.endswith("weight")]
+    if missing:
+        raise ValueError(f"errors: no reference gradient for {missing[:3]}")
     out = {}
     for name, pattern in (("all", r".*"), *PARAMETER_GROUPS):
         num = den = 0.0
-        for (path, g), (_, r) in zip(grads, reference, strict=True):
-            if re.search(pattern, path):
+        for path, g in grads:  # FP8 layers' own state (no reference) left out
+            if path in ref and re.search(pattern, path):
+                r = ref[path]
                 num += float(np.sum((g - r) ** 2))
                 den += float(np.sum(r**2))
         out[name] = np.sqrt(num / den) if den else float("nan")
@@ -534,6 +543,106 @@ def flip_rate(
     return differ / total
 
 
+# --- routes recomputed under remat -------------------------------------------------------------
+
+#: The remat policy of fp8jax before issue 40: the FP8 operands saved, a router's `top_k`
+#: recomputed in the backward pass.
+NAMES_ONLY = jax.checkpoint_policies.save_only_these_names("fp8jax_fp8_operands")
+
+
+@contextlib.contextmanager
+def remat_policy(policy: Any):
+    """`DeepSeekV3`'s blocks checkpointed with `policy` instead of `fp8jax.save_fp8_operands`
+    (the model reads that name when it is traced)."""
+    saved = fp8jax.save_fp8_operands
+    fp8jax.save_fp8_operands = policy
+    try:
+        yield
+    finally:
+        fp8jax.save_fp8_operands = saved
+
+
+def with_remat(model: DeepSeekV3, remat: bool) -> DeepSeekV3:
+    """`model` with its blocks checkpointed (`remat`) or not: the same weights."""
+    copy = jax.tree.map(lambda x: x, model)
+    object.__setattr__(copy, "remat", remat)
+    return copy
+
+
+def recomputed_routes_changed(
+    model: DeepSeekV3, policy: fp8jax.Policy, batches: list[np.ndarray]
+) -> float:
+    """The share of routings (token x MoE block) that the backward pass's recomputation of a
+    checkpointed block chose differently from the forward pass (0 without remat): every
+    `sort_assignments` call's experts recorded, each recomputation paired with the forward's
+    of its block (the nearest: another block's routes differ almost everywhere)."""
+    from fp8jax.examples import deepseek_model
+
+    seen: list[np.ndarray] = []
+    original = deepseek_model.sort_assignments
+
+    def recording(chosen, weights, experts):
+        jax.debug.callback(lambda c: seen.append(np.sort(np.asarray(c), axis=-1)), chosen)
+        return original(chosen, weights, experts)
+
+    grad = eqx.filter_jit(
+        eqx.filter_grad(lambda m, t: deepseek.deepseek_loss(policy.cast_to_compute(m), t)[0])
+    )
+    changed = total = 0
+    deepseek_model.sort_assignments = recording
+    try:
+        for tokens in batches:
+            seen.clear()
+            jax.block_until_ready(grad(model, jnp.asarray(tokens)))
+            layers = len(deepseek_model.moe_layers(model))
+            if len(seen) == layers:  # no recomputation
+                continue
+            if len(seen) != 2 * layers:
+                raise RuntimeError(f"{len(seen)} routings recorded for {layers} MoE blocks")
+            differ = lambda a, b: int(np.sum(np.any(a != b, axis=-1)))  # noqa: E731
+            for i, a in enumerate(seen):  # each routing against its nearest other
+                changed += min(differ(a, b) for j, b in enumerate(seen) if j != i)
+                total += a.shape[0]
+    finally:
+        deepseek_model.sort_assignments = original
+    return changed / total if total else 0.0
+
+
+def run_remat(args: argparse.Namespace) -> None:
+    """The `remat` command: at the float32 run of seed 0 after `--steps` steps, for BF16 and
+    fp8jax's FP8 (`fp8_config()`), the routings the backward pass's recomputation changed and
+    the gradient's error to float32's (without remat), with the blocks not checkpointed,
+    checkpointed with the FP8 operands saved and the routes recomputed (fp8jax before issue
+    40), and checkpointed with `fp8jax.save_fp8_operands` (the routes saved)."""
+    from fp8jax.examples.deepseek_model import fp8_config
+
+    trained, batches, _ = trained_state(args.steps, args.batches, validation=False)
+    fp32 = fp8jax.Policy.from_string(deepseek.FP32_POLICY)
+    bf16 = fp8jax.Policy.from_string(deepseek.POLICY)
+    reference = gradient(with_remat(trained, False), fp32, batches)
+    fp8 = fp8jax.fp8_linear_layers(trained, fp8_config(dequantized_dot=True))
+    print(
+        f"At the float32 run of seed 0 after {args.steps} steps, {args.batches} training "
+        "batches: routings the backward pass's recomputation changed, and the relative error "
+        "of the gradient (mean over the batches) to float32's; BF16 compute, FP8 fp8jax's "
+        "blockwise recipe:"
+    )
+    print("| run | blocks | routings changed | gradient error |")
+    print("|---|---|---|---|")
+    setups = (
+        ("not checkpointed", False, fp8jax.save_fp8_operands),
+        ("checkpointed, routes recomputed (before)", True, NAMES_ONLY),
+        ("checkpointed, fp8jax.save_fp8_operands", True, fp8jax.save_fp8_operands),
+    )
+    for name, model in (("bf16", trained), ("fp8", fp8)):
+        for label, remat, policy in setups:
+            with remat_policy(policy):
+                m = with_remat(model, remat)
+                changed = recomputed_routes_changed(m, bf16, batches)
+                err = errors(gradient(m, bf16, batches), reference)["all"]
+            print(f"| {name} | {label} | {100 * changed:.2f} % | {err:.4f} |", flush=True)
+
+
 def run_routing(args: argparse.Namespace) -> None:
     """The `routing` command: at the float32 run of seed 0 after `--steps` steps, the share
     of routings that differ from the float32 forward's, for BF16 and the FP8 variants."""
@@ -615,6 +724,8 @@ def run_train(args: argparse.Namespace) -> None:
             curves[name].append(run.val)
             eval_steps = [s + 1 for s in run.val_steps]
             line = f"seed {seed} {name}: validation loss {val[name][-1]:.4f}"
+            if not args.all_dense:
+                line += f"; {balance_summary(run)}"
             if args.cross_eval:
                 h, f = cross_evaluations(run, fp8jax.Policy.from_string(policy), batches)
                 high[name].append(h)
@@ -640,6 +751,18 @@ def run_train(args: argparse.Namespace) -> None:
         print()
         print("The same weights, every run evaluated with V3's FP8 forward (emulated):")
         print(vs_table(fp8))
+
+
+def balance_summary(run: deepseek.Run) -> str:
+    """The balancing biases a run ended with (per MoE layer, largest minus smallest) and its
+    last steps' load imbalance as routed and as the affinities alone route (`imbalance`)."""
+    from fp8jax.examples.deepseek_model import moe_layers
+
+    spread = [float(jnp.ptp(m.balance.bias)) for m in moe_layers(run.model)]
+    return (
+        f"bias spread {', '.join(f'{x:.2f}' for x in spread)}; max/mean load routed "
+        f"{deepseek.imbalance(run.routed):.2f}, unbiased {deepseek.imbalance(run.unbiased):.2f}"
+    )
 
 
 def vs_table(val: dict[str, list[float]]) -> str:
@@ -707,6 +830,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     routing.add_argument("--steps", type=int, default=100)
     routing.add_argument("--batches", type=int, default=16)
     routing.add_argument("--variants", type=lambda s: s.split(","), default=None)
+    remat = sub.add_parser("remat", help="routes the backward's recomputation changes")
+    remat.add_argument("--steps", type=int, default=100)
+    remat.add_argument("--batches", type=int, default=4)
     train = sub.add_parser("train", help="train variants over seeds against BF16 and float32")
     train.add_argument("--steps", type=int, default=200)
     train.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -740,6 +866,8 @@ def main(argv: list[str] | None = None) -> None:
         run_tiles(args)
     elif args.command == "routing":
         run_routing(args)
+    elif args.command == "remat":
+        run_remat(args)
     else:
         run_train(args)
 

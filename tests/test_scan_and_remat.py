@@ -167,6 +167,44 @@ def test_saved_residuals_are_what_each_policy_implies(fp8_mlp):
     assert residuals("save_fp8_operands", model, x) == sorted(fp8 + weights)
 
 
+@pytest.mark.parametrize("policy", ["save_fp8_operands", "fp8_dots_saveable"])
+def test_policies_keep_the_routers_choices(policy, getkey):
+    """A router's `lax.top_k` runs once, in the forward pass; the backward pass takes its
+    choices from the saved residuals instead of recomputing them (a recomputation one rounding
+    away could route a token elsewhere: issue 40). JAX's name-only policy recomputes it."""
+    experts = fp8jax.GroupedLinear(4, 32, 32, key=getkey())
+    experts = fp8jax.fp8_linear_layers(experts, fp8jax.Fp8Config())
+    gate = jax.random.normal(getkey(), (32, 4))
+    x = jax.random.normal(getkey(), (64, 32))
+
+    def moe(experts, x):
+        _, chosen = jax.lax.top_k(x @ gate, 1)
+        order = jnp.argsort(chosen[:, 0])
+        sizes = jnp.bincount(chosen[:, 0], length=4)
+        return jnp.sum(experts(x[order], sizes) ** 2)
+
+    def top_k_count(pol):
+        loss = eqx.filter_checkpoint(moe, policy=pol)
+        jaxpr = jax.make_jaxpr(eqx.filter_grad(loss))(experts, x)
+        return str(jaxpr).count("top_k[")
+
+    assert top_k_count(POLICIES[policy]) == 1
+    names_only = jax.checkpoint_policies.save_only_these_names("fp8jax_fp8_operands")
+    assert top_k_count(names_only) == 2  # the forward's and the recomputation's
+    # The saved residuals include the choices (int32 (64, 1)) and their values.
+    params, static = eqx.partition(experts, eqx.is_array)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(
+            lambda p, x: eqx.filter_checkpoint(moe, policy=POLICIES[policy])(
+                eqx.combine(p, static), x
+            ),
+            params,
+            x,
+        )
+    assert "i32[64,1]" in out.getvalue()
+
+
 def test_an_abstract_scanned_model_converts_like_a_concrete_one(getkey):
     """Models of `jax.ShapeDtypeStruct`s (for a deviceless compile of a model too large to
     build) convert with the same structure, shapes and dtypes as the concrete model."""

@@ -12,6 +12,15 @@ GEMMs produce instead, and offers two policies on those names:
 - [`fp8jax.fp8_dots_saveable`][]: `dots_saveable` extended to FP8 GEMMs: keep the outputs of
   every GEMM, FP8 or not, as a BF16 model under `dots_saveable` would.
 
+Both also keep what `jax.lax.top_k` returns: an MoE router's choice of experts. The backward
+pass recomputes the block, and a recomputation is not bit-identical to the forward (the
+compiler fuses it differently); a tiny difference moves a token that was near a tie to other
+experts, so the backward would differentiate a routing the loss never saw. FP8 makes such
+differences larger than BF16 does (an operand that moves by one BF16 ulp can move by one FP8
+ulp): on DeepSeek-V3 in miniature, 0.3-0.5 % of the routings changed in the recomputation, and
+the FP8 gradient's error to float32 went from 7.0 % to 11.3 % (issue 40,
+`benchmarks/deepseek_gap.py remat`). Saving the choices costs `tokens x k` values and indices.
+
 ```python
 block = eqx.filter_checkpoint(block, policy=fp8jax.save_fp8_operands)
 ```
@@ -29,13 +38,25 @@ FP8_OPERANDS = "fp8jax_fp8_operands"
 #: The name given to the output of every FP8 GEMM's forward.
 FP8_OUTPUTS = "fp8jax_gemm_outputs"
 
-#: A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs.
-save_fp8_operands = jax.checkpoint_policies.save_only_these_names(FP8_OPERANDS)
 
-#: `jax.checkpoint_policies.dots_saveable`, also saving the outputs of FP8 GEMMs.
+def routing_saveable(prim: Any, *_: Any, **__: Any) -> bool:
+    """A `jax.checkpoint` policy saving the outputs of `jax.lax.top_k` (a router's choices)."""
+    return prim is jax.lax.top_k_p
+
+
+#: A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs (and top-k choices).
+save_fp8_operands = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(FP8_OPERANDS), routing_saveable
+)
+
+#: `jax.checkpoint_policies.dots_saveable`, also saving the outputs of FP8 GEMMs (and top-k
+#: choices).
 fp8_dots_saveable = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.save_only_these_names(FP8_OUTPUTS),
+    jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names(FP8_OUTPUTS),
+    ),
+    routing_saveable,
 )
 
 
