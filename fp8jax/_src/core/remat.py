@@ -13,13 +13,15 @@ GEMMs produce instead, and offers two policies on those names:
   every GEMM, FP8 or not, as a BF16 model under `dots_saveable` would.
 
 Both also keep what `jax.lax.top_k` returns: an MoE router's choice of experts. The backward
-pass recomputes the block, and a recomputation is not bit-identical to the forward (the
-compiler fuses it differently); a tiny difference moves a token that was near a tie to other
-experts, so the backward would differentiate a routing the loss never saw. FP8 makes such
-differences larger than BF16 does (an operand that moves by one BF16 ulp can move by one FP8
-ulp): on DeepSeek-V3 in miniature, 0.3-0.5 % of the routings changed in the recomputation, and
-the FP8 gradient's error to float32 went from 7.0 % to 11.3 % (issue 40,
-`benchmarks/deepseek_gap.py remat`). Saving the choices costs `tokens x k` values and indices.
+pass recomputes the block, and a recomputation need not be bit-identical to the forward (XLA
+may fuse it differently): a token near a tie can go to other experts. Under
+`save_fp8_operands` that is worse than a recomputation's usual rounding: the experts' FP8
+operands saved from the forward are in the forward's token order, the recomputed routing
+gathers and scatters in another, and the backward pass sends gradients to the wrong tokens.
+On DeepSeek-V3 in miniature the recomputation changed 0.2 % of the routings, and FP8's
+gradient error to float32 went from 9.2 % (no remat) to 12.3 %; with the choices saved, 9.7 %
+(issue 40, `benchmarks/deepseek_gap.py remat`). Saving them costs `tokens x k` values and
+indices.
 
 ```python
 block = eqx.filter_checkpoint(block, policy=fp8jax.save_fp8_operands)
