@@ -612,8 +612,9 @@ def run_remat(args: argparse.Namespace) -> None:
     """The `remat` command: at the float32 run of seed 0 after `--steps` steps, for BF16 and
     fp8jax's FP8 (`fp8_config()`), the routings the backward pass's recomputation changed and
     the gradient's error to float32's (without remat), with the blocks not checkpointed,
-    checkpointed with the FP8 operands saved and the routes recomputed (fp8jax before issue
-    40), and checkpointed with `fp8jax.save_fp8_operands` (the routes saved)."""
+    checkpointed saving nothing (everything recomputed, routes too), checkpointed with the FP8
+    operands saved and the routes recomputed (fp8jax before issue 40), and checkpointed with
+    `fp8jax.save_fp8_operands` (the routes saved)."""
     from fp8jax.examples.deepseek_model import fp8_config
 
     trained, batches, _ = trained_state(args.steps, args.batches, validation=False)
@@ -631,6 +632,7 @@ def run_remat(args: argparse.Namespace) -> None:
     print("|---|---|---|---|")
     setups = (
         ("not checkpointed", False, fp8jax.save_fp8_operands),
+        ("checkpointed, nothing saved", True, jax.checkpoint_policies.nothing_saveable),
         ("checkpointed, routes recomputed (before)", True, NAMES_ONLY),
         ("checkpointed, fp8jax.save_fp8_operands", True, fp8jax.save_fp8_operands),
     )
