@@ -421,7 +421,7 @@ def fp8_config(
     `dequantized_dot`: the CPU emulation of the block GEMMs (see `fp8jax.BlockwiseScaling`);
     `power_of_two`: every tile's and block's scale an integral power of two, as V3 scales the
     activations it requantizes from 1 x 128 to 128 x 1 tiles (section 3.3.3), instead of
-    `448 / amax` exactly. Issue 40 measured it on this miniature before it found the FP8 gap's
-    cause: it did not help (`benchmarks/RESULTS.md`, "Where DeepSeek-V3's FP8 lost loss")."""
+    `448 / amax` exactly. Issue 40 measured both on this miniature: they train alike
+    (`benchmarks/RESULTS.md`, "Where DeepSeek-V3's FP8 lost loss")."""
     recipe = fp8jax.BlockwiseScaling(dequantized_dot=dequantized_dot, power_of_two=power_of_two)
     return fp8jax.Fp8Config(recipe=recipe, telemetry=telemetry)
