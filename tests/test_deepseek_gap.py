@@ -182,8 +182,8 @@ def test_shadow_loss_routes_as_told(gap):
     model = eqx.tree_at(lambda m: m.blocks[1].ffn.balance.bias, model, bias)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 64)
 
-    own = eqx.filter_value_and_grad(gap.shadow_loss(lambda m: m), has_aux=True)
-    plain = eqx.filter_value_and_grad(deepseek_loss, has_aux=True)
+    own = eqx.filter_jit(eqx.filter_value_and_grad(gap.shadow_loss(lambda m: m), has_aux=True))
+    plain = eqx.filter_jit(eqx.filter_value_and_grad(deepseek_loss, has_aux=True))
     (l1, load1), g1 = own(model, tokens)
     (l0, load0), g0 = plain(model, tokens)
     assert float(l1) == pytest.approx(float(l0), rel=1e-6)
@@ -196,9 +196,8 @@ def test_shadow_loss_routes_as_told(gap):
     def forced(m):
         return eqx.tree_at(lambda m: m.blocks[1].ffn.balance.bias, m, jnp.array([-2.0, -2, 2, 2]))
 
-    (l2, load2), g2 = eqx.filter_value_and_grad(gap.shadow_loss(forced), has_aux=True)(
-        model, tokens
-    )
+    shadow = eqx.filter_jit(eqx.filter_value_and_grad(gap.shadow_loss(forced), has_aux=True))
+    (l2, load2), g2 = shadow(model, tokens)
     np.testing.assert_array_equal(load2.routed[0], [0, 0, 64, 64])
     np.testing.assert_array_equal(load2.unbiased, load0.unbiased)  # affinities: the model's
     assert float(l2) != pytest.approx(float(l0), rel=1e-6)
