@@ -464,28 +464,12 @@ def routed_forward(
     top_k)`, e.g. `routes` of another forward) instead of chosen from this forward's
     affinities; the gating weights are this forward's affinities at the given experts."""
     from fp8jax.examples.deepseek_model import Load, rms_norm
-    from fp8jax.examples.moe_model import sort_assignments
-
-    def moe_forward(moe: DeepSeekMoE, u: jax.Array, top: jax.Array):
-        experts = moe.up.num_experts
-        s = jax.nn.sigmoid(jax.vmap(moe.gate)(u).astype(jnp.float32))
-        g = jnp.take_along_axis(s, top, axis=-1)
-        routing = sort_assignments(top, g / jnp.sum(g, axis=-1, keepdims=True), experts)
-        a, b = jnp.split(moe.up(u[routing.token], routing.group_sizes), 2, axis=-1)
-        y = moe.down(jax.nn.silu(a) * b, routing.group_sizes)
-        y = y * routing.weight[:, None].astype(y.dtype)
-        h = jnp.zeros_like(u).at[routing.token].add(y.astype(u.dtype))
-        if moe.shared is not None:
-            h = h + moe.shared(u)
-        _, unbiased = jax.lax.top_k(s, moe.top_k)
-        counts = jnp.bincount(unbiased.reshape(-1), length=experts).astype(jnp.int32)
-        return h, jnp.stack([routing.group_sizes, counts])
 
     def run(block, x, top):
         x = x + jax.vmap(block.attn)(rms_norm(block.attn_norm, x))
         h = rms_norm(block.ffn_norm, x).reshape(-1, x.shape[-1])
         if isinstance(block.ffn, DeepSeekMoE):
-            y, load = moe_forward(block.ffn, h, top)
+            y, load = block.ffn(h, top)
         else:
             y, load = block.ffn(h), None
         return x + y.reshape(x.shape), load

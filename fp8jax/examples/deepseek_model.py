@@ -281,13 +281,18 @@ class DeepSeekMoE(eqx.Module):
         self.top_k = c.top_k
 
     def __call__(
-        self, u: Float[Array, "tokens width"]
+        self,
+        u: Float[Array, "tokens width"],
+        chosen: Int[Array, "tokens top_k"] | None = None,
     ) -> tuple[Float[Array, "tokens width"], Int[Array, "2 experts"]]:
-        """The MoE's output, and its load: tokens per expert as routed and without the bias."""
+        """The MoE's output, and its load: tokens per expert as routed and without the bias.
+        `chosen`, if given, are the experts each token goes to instead of (16)'s (an
+        experiment's routing: `benchmarks/deepseek_gap.py`); the gating weights stay (13)'s."""
         experts = self.up.num_experts
         s = jax.nn.sigmoid(jax.vmap(self.gate)(u).astype(jnp.float32))  # (15)
-        bias = jax.lax.stop_gradient(self.balance.bias).astype(jnp.float32)
-        _, chosen = jax.lax.top_k(s + bias, self.top_k)  # (16)
+        if chosen is None:
+            bias = jax.lax.stop_gradient(self.balance.bias).astype(jnp.float32)
+            _, chosen = jax.lax.top_k(s + bias, self.top_k)  # (16)
         g = jnp.take_along_axis(s, chosen, axis=-1)
         g = g / jnp.sum(g, axis=-1, keepdims=True)  # (13), (14)
         routing = sort_assignments(chosen, g, experts)
