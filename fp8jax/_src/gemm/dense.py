@@ -237,7 +237,10 @@ def _backward(
         q_w = lax.optimization_barrier(q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
-    q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+    if flipped:
+        q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+    else:  # the gradient for the dgrad, and laid out for the wgrad (one pass where it can)
+        q_g, q_g_rows, new_grad = recipe.quantize_both(g, grad_state, "output_grad")
     if stats is not None:
         grad_stats = recipe.statistics(g, q_g, "output_grad", owner(grad_state))
         stats = Fp8Stats(*stats, grad_stats)
@@ -246,13 +249,11 @@ def _backward(
             d_x = _k_major_dot(recipe, q_g, q_w, -1, back, lhs_dtype)
         else:
             d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
-    if not flipped:  # the gradient laid out for the wgrad, as its own quantization
-        q_g, _ = recipe.quantize(g, grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         if flipped:
             d_w = _k_major_dot(recipe, q_g, q_x, -2, back, rhs_dtype)
         else:
-            d_w = recipe.dot(q_g, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
+            d_w = recipe.dot(q_g_rows, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .base import ROLES, Axis, HybridFormats, QTensor, Recipe, Role, TensorState
-from .blocks import MXFP8, BlockScaledRecipe, BlockwiseScaling
+from .blocks import BlockScaledRecipe, BlockwiseScaling
+from .mxfp8 import MXFP8
 from .per_tensor import CurrentScaling, DelayedScaling, PerTensorRecipe, compute_scale
 from .residual import QTerms, ResidualFP8, ResidualState
 

@@ -219,6 +219,14 @@ class Recipe(abc.ABC):
         GEMM keeps the old state instead.
         """
 
+    def quantize_both(self, x: Array, state: Any, role: Role) -> tuple[Any, Any, Any]:
+        """`x` quantized for a GEMM contracting its last axis and for one contracting its rows
+        (the output gradient's copies for the dgrad and the wgrad), and the role's new state
+        (the first quantization's). Recipes that can make both in one pass override it."""
+        q, new_state = self.quantize(x, state, role, -1)
+        q_rows, _ = self.quantize(x, state, role, -2)
+        return q, q_rows, new_state
+
     @property
     def reads_state(self) -> bool:
         """Whether the GEMM's numerics depend on the state carried between steps (a delayed

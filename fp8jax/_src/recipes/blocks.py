@@ -30,7 +30,7 @@ from ..core.formats import (
     saturate,
 )
 from ..core.formats import format_name as canonical_format
-from ..kernels import dispatch
+from ..kernels import block_quantize, dispatch
 from .base import (
     Axis,
     QTensor,
@@ -170,10 +170,18 @@ def native_block_dot(
 
 
 def quantized_k_major(q: QTensor, axis: Axis) -> QTensor:
-    """`contract_last` for the native kernel: the FP8 data transposed as it is held."""
+    """`contract_last` for the native kernel: the FP8 data transposed as it is held, except
+    tiles along the rows that the one-pass kernels wrote K-major (`BlockwiseScaling`'s
+    `quantize_both` and `retile`), whose transpose undoes the kernels' own."""
     if axis == -1:
         return q
-    return QTensor(dispatch.k_major(q.data, axis), jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
+    written_k_major = (
+        q.block[1] == 1
+        and block_quantize.fits(q.data.shape[-2:], q.block[0])
+        and dispatch.per_device_gemm(q.data)
+    )
+    data = jnp.swapaxes(q.data, -1, -2) if written_k_major else dispatch.k_major(q.data, axis)
+    return QTensor(data, jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
 
 
 def _shared_chunk(lhs: QTensor, rhs: QTensor) -> int:
@@ -311,17 +319,7 @@ class BlockScaledRecipe(Recipe):
         return dispatch.on_shards(gemm, lhs, rhs, dims=dims, out_dtype=out_dtype)
 
 
-def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
-    """`ceil(log2(x / divisor))` for positive finite `x`, exactly, without forming the quotient
-    (which can be subnormal, and flushed to zero by XLA)."""
-    mantissa, exponent = jnp.frexp(x)
-    d_mantissa, d_exponent = math.frexp(divisor)
-    ratio_mantissa, ratio_exponent = jnp.frexp(mantissa / d_mantissa)  # quotient in (0.5, 2)
-    ceil_ratio = jnp.where(ratio_mantissa == 0.5, ratio_exponent - 1, ratio_exponent)
-    return exponent - d_exponent + ceil_ratio
-
-
-def _tile(axis: Axis, size: int) -> tuple[int, int]:
+def tile(axis: Axis, size: int) -> tuple[int, int]:
     return (1, size) if axis == -1 else (size, 1)
 
 
@@ -399,7 +397,110 @@ class BlockwiseScaling(BlockScaledRecipe):
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
         if role == "kernel":
             return (self.block_size, self.block_size)
-        return _tile(axis, self.block_size)
+        return tile(axis, self.block_size)
+
+    # --- tiles quantized in one pass (`kernels/block_quantize.py`) -------------------------
+
+    def _one_pass(self, x: Array) -> bool:
+        """Whether the tiles of `x` may be quantized by the one-pass kernels where the GEMMs
+        run natively: whole tiles, one device's data, the kernel not turned off."""
+        return (
+            self.native_kernel is not False
+            and not self.dequantized_dot
+            and self.block_size in NATIVE_BLOCK_SIZES
+            and x.ndim in (2, 3)
+            and block_quantize.fits(x.shape[-2:], self.block_size)
+            and dispatch.per_device_gemm(x)
+        )
+
+    def _on_kernel(self, native: Any, xla: Any, *args: Array) -> Any:
+        """`native(*args)` where the native GEMMs run (Hopper, the interpreter), else
+        `xla(*args)`: the same values, bit for bit for finite inputs."""
+
+        def kernel(*a: Array, out_dtype: Any) -> Any:
+            del out_dtype
+            return native(*a)
+
+        return dispatch.choose(self.native_kernel, kernel, xla, *args)
+
+    def _rule(self) -> dict[str, Any]:
+        return dict(block=self.block_size, max_scale=MAX_SCALE, power_of_two=self.power_of_two)
+
+    def quantize(
+        self, x: Array, state: TensorState, role: Role, axis: Axis
+    ) -> tuple[QTensor, TensorState]:
+        if role == "kernel" or axis != -1 or not self._one_pass(x):
+            return super().quantize(x, state, role, axis)
+        q, _, new_state = self._quantize_tiles(x, state, role, columns=False)
+        return q, new_state
+
+    def quantize_both(
+        self, x: Array, state: TensorState, role: Role
+    ) -> tuple[QTensor, QTensor, TensorState]:
+        """`x` in tiles along its last axis and along its rows from one read of `x`, where
+        the one-pass kernel runs (the output gradient's copies for dgrad and wgrad)."""
+        if role == "kernel" or not self._one_pass(x):
+            return super().quantize_both(x, state, role)
+        return self._quantize_tiles(x, state, role, columns=True)
+
+    def _quantize_tiles(
+        self, x: Array, state: TensorState, role: Role, columns: bool
+    ) -> tuple[QTensor, QTensor | None, TensorState]:
+        fmt, size = self.format(role), self.block_size
+
+        def tiles(x: Array) -> tuple[Array, ...]:
+            # Scales come chunk-major (as the GEMM kernels read them): transposed back here,
+            # and again by the kernels' callers, which XLA folds into none.
+            if not columns:
+                data, scale_t, amax = block_quantize.quantize_rows(x, fmt, **self._rule())
+                return data, scale_t.T, amax
+            data, scale_t, amax, data_t, cols_t = block_quantize.quantize_rows_and_columns(
+                x, fmt, **self._rule()
+            )
+            return data, scale_t.T, amax, data_t.T, cols_t
+
+        def native(x: Array, owner: Array) -> tuple[Array, ...]:
+            data, scale_inv, amaxes, *cols = (jax.vmap(tiles) if x.ndim == 3 else tiles)(x)
+            # One amax per tile row from the kernel (NaN-propagating): their max is `x`'s.
+            return data, scale_inv, self.amax(amaxes, owner), *cols
+
+        def xla(x: Array, owner: Array) -> tuple[Array, ...]:
+            q = self._quantize(x, role, -1)
+            out = (q.data, q.scale_inv, self.amax(x, owner))
+            if columns:
+                q_t = self._quantize(x, role, -2)
+                out += (q_t.data, q_t.scale_inv)
+            return out
+
+        data, scale_inv, current, *cols = self._on_kernel(native, xla, x, state.scale)
+        nominal = jnp.where(current > 0, fp8_max(fmt) / current, state.scale)
+        new_state = TensorState(nominal, state.amax_history.at[..., 0].set(current))
+        q_cols = QTensor(cols[0], cols[1], (size, 1)) if columns else None
+        return QTensor(data, scale_inv, (1, size)), q_cols, new_state
+
+    def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
+        block = self.block_for(role, axis)
+        if (
+            source is not None
+            or role == "kernel"
+            or tuple(q.block) != (1, self.block_size)
+            or block != (self.block_size, 1)
+            or not self._one_pass(q.data)
+        ):
+            return super().retile(q, role, axis, source)
+
+        def columns(data: Array, scale_inv: Array) -> tuple[Array, Array]:
+            data_t, scale_inv = block_quantize.requantize_columns(data, scale_inv.T, **self._rule())
+            return data_t.T, scale_inv
+
+        def native(data: Array, scale_inv: Array) -> tuple[Array, Array]:
+            return (jax.vmap(columns) if data.ndim == 3 else columns)(data, scale_inv)
+
+        def xla(data: Array, scale_inv: Array) -> tuple[Array, Array]:
+            r = self._quantize(QTensor(data, scale_inv, q.block).dequantize(), role, axis)
+            return r.data, r.scale_inv
+
+        return QTensor(*self._on_kernel(native, xla, q.data, q.scale_inv), block)
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
         fmt_max = fp8_max(self.format_name)
@@ -409,85 +510,3 @@ class BlockwiseScaling(BlockScaledRecipe):
         if self.power_of_two:
             scale = pow2(floor_log2(scale))
         return scale, 1.0 / scale
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MXFP8(BlockScaledRecipe):
-    """OCP MXFP8: 1 x 32 blocks along the contracted axis for every operand, E4M3 data and
-    power-of-two scales stored as `float8_e8m0fnu`.
-
-    A block's scale is `2**ceil(log2(block_amax / fp8_max))` (rounded up, as Transformer
-    Engine does, so nothing saturates), its exponent kept in [-126, 127] so that the scale is a
-    normal float32 (XLA flushes subnormals); `scale_rounding="floor"` gives the OCP reference
-    `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
-    XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
-    of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
-    For the dgrad, the kernel is quantized a second time along its other axis from the
-    high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
-    wgrad, the saved FP8 activation is requantized along its tokens.
-    """
-
-    block_size: int = 32
-    scale_rounding: str = "ceil"
-    use_scaled_matmul: bool | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_positive_int("block_size", self.block_size)
-        if not isinstance(self.scale_rounding, str) or self.scale_rounding not in ("ceil", "floor"):
-            raise ValueError(
-                f"Unknown scale_rounding {self.scale_rounding!r}: should be 'ceil' or 'floor'."
-            )
-        if self.use_scaled_matmul is not None and not isinstance(self.use_scaled_matmul, bool):
-            raise ValueError(
-                f"use_scaled_matmul={self.use_scaled_matmul!r}: should be True, False or None "
-                "(use it where the GPU supports it)."
-            )
-
-    def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
-        return _tile(axis, self.block_size)
-
-    def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
-        fmt_max = fp8_max(self.format_name)
-        ok = (block_amax > 0) & jnp.isfinite(block_amax)
-        safe = jnp.where(ok, block_amax, 1.0)
-        if self.scale_rounding == "ceil":
-            exponent = _ceil_log2_ratio(safe, fmt_max)
-        else:
-            exponent = floor_log2(safe) - math.floor(math.log2(fmt_max))
-        exponent = jnp.clip(jnp.where(ok, exponent, 0), -126, 127)
-        return pow2(-exponent), pow2(exponent).astype(jnp.float8_e8m0fnu)
-
-    def _scaled_matmul_available(self) -> bool:
-        if self.use_scaled_matmul is not None:
-            return self.use_scaled_matmul
-        device = jax.devices()[0]
-        capability = getattr(device, "compute_capability", None)
-        return device.platform == "gpu" and capability is not None and float(capability) >= 10
-
-    def dot(
-        self,
-        lhs: QTensor,
-        rhs: QTensor,
-        lhs_axis: Axis,
-        rhs_axis: Axis,
-        precision,
-        out_dtype=jnp.float32,
-    ) -> Float[Array, "*shape"]:
-        if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
-            return _scaled_matmul(lhs, rhs).astype(out_dtype)
-        return super().dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
-
-
-def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
-    """`jax.nn.scaled_matmul` on MX operands contracted over their last axis.
-
-    `scaled_matmul` takes `(B, M, K) . (B, N, K)` with one scale per 32 elements of K: the data
-    is zero-padded to whole blocks and a batch axis added when there is none.
-    """
-    squeeze = lhs.data.ndim == 2
-    a, b = (pad_to_blocks(q.data, q.block) for q in (lhs, rhs))
-    a, b, sa, sb = (v[None] if squeeze else v for v in (a, b, lhs.scale_inv, rhs.scale_inv))
-    out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
-    out = out[0] if squeeze else out
-    return out[..., : lhs.data.shape[-2], : rhs.data.shape[-2]]

@@ -1,0 +1,334 @@
+"""Tile quantization in one pass for the block-scaled GEMMs, written in Pallas (Triton).
+
+DeepSeek-V3's recipe quantizes activations and gradients in 1 x 128 tiles along the axis a
+GEMM contracts, so each tensor exists in two tilings: along its features for the forward (and
+the dgrad), along its tokens, transposed, for the wgrad. XLA computes each tiling as a
+block-amax reduction and a separate cast, and the token tiling once more after a transpose:
+one tensor read four times. These kernels read it once:
+
+- `quantize_rows(x)`: `x (M, K)` in 1 x `block` tiles along `K`: FP8 data, one scale per row
+  and tile, and a NaN-propagating amax per program for the operand's state.
+- `quantize_rows_and_columns(x)`: the same, and in the same pass the `block` x 1 tiles along
+  `M`, written transposed `(K, M)` (K-major, as the wgrad's kernel takes them): the output
+  gradient's two copies.
+- `requantize_columns(data, scale_inv)`: an FP8 tensor in 1 x `block` tiles dequantized and
+  quantized again in `block` x 1 tiles, transposed: the activation the wgrad takes, from its
+  saved FP8 copy (DeepSeek-V3's choice: no high-precision copy is kept).
+
+Each program owns one `block x block` tile: its rows' and columns' amaxes are in registers,
+so the scales and casts follow without another read. The math is the XLA path's
+(`fp8jax._src.recipes.blocks`) operation for operation: `reference_*` below, side by side,
+and the tests hold the two equal bit for bit in the interpreter. Two GPU details keep it so:
+Triton divides float32 approximately (`div.full.f32`), so a scale is divided with
+`div.rn.f32` (IEEE, as XLA) in inline PTX; and PTX's `max` drops NaNs, so an amax carries
+its tile's NaNs explicitly. The interpreter divides with `/` (IEEE on a CPU): the one step
+it does not run as the GPU does.
+
+Scales come out chunk-major, `(K / block, M)` for `M` rows contracted over `K`: the layout
+the GEMM kernels read them in (`block_gemm`, `persistent_gemm`), so that no transpose of
+them runs between. Shapes must be whole tiles (`fits`); the recipes keep the XLA path for
+any other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float
+
+from .dispatch import interpreting
+
+#: Warps per program: a 128 x 128 float32 tile is 64 KiB of registers over 256 threads.
+NUM_WARPS = 8
+
+_EXPONENT_BITS = 0x7F800000
+
+
+def fits(shape: tuple[int, ...], block: int) -> bool:
+    """Whether a 2-D `shape` is made of whole `block x block` tiles (what the kernels take)."""
+    return len(shape) == 2 and all(n > 0 and n % block == 0 for n in shape)
+
+
+# --- the scale of a tile, as the recipe computes it ----------------------------------------
+
+
+def _divide(a: Array, b: Array, interpret: bool) -> Array:
+    """`a / b` rounded to nearest (IEEE), also in Triton, whose `/` is approximate."""
+    if interpret:
+        return a / b
+    (out,) = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def _nan_max(x: Array, axis: int | None) -> Array:
+    """`max(x)` over `axis` that is NaN where a NaN is reduced (PTX's `max` drops them)."""
+    top = jnp.max(x, axis=axis)
+    nans = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=axis)
+    return jnp.where(nans > 0.0, jnp.nan, top)
+
+
+def _scales(
+    amax: Array, fmt_max: float, max_scale: float, power_of_two: bool, interpret: bool
+) -> tuple[Array, Array]:
+    """(scale, scale_inv) of tiles with `amax`: `BlockwiseScaling.block_scale`'s rule."""
+    finite = jnp.abs(amax) < jnp.inf
+    ok = (amax > 0.0) & finite
+    one = jnp.ones_like(amax)
+    fmt_max = jnp.full_like(amax, fmt_max)
+    scale = jnp.where(ok, _divide(fmt_max, jnp.where(ok, amax, one), interpret), one)
+    scale = jnp.minimum(scale, max_scale)
+    if power_of_two:  # 2**floor(log2(scale)) of a normal float32: its exponent bits alone
+        bits = lax.bitcast_convert_type(scale, jnp.int32) & _EXPONENT_BITS
+        scale = lax.bitcast_convert_type(bits, jnp.float32)
+    return scale, _divide(one, scale, interpret)
+
+
+def _cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
+    """`fp8jax.quantize`'s saturating cast of `x * scale` (inf and NaN become NaN)."""
+    limit = float(jnp.finfo(dtype).max)
+    scaled = jnp.clip(x * scale, -limit, limit)
+    return jnp.where(jnp.abs(x) < jnp.inf, scaled, jnp.nan).astype(dtype)
+
+
+# --- the kernels ---------------------------------------------------------------------------
+
+
+def _rows_kernel(x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, **rule):
+    dtype = q_ref.dtype
+    x = x_ref[...].astype(jnp.float32)
+    magnitude = jnp.abs(x)
+    row_amax = _nan_max(magnitude, axis=1)
+    scale, scale_inv = _scales(row_amax, **rule)
+    q_ref[...] = _cast(x, scale[:, None], dtype)
+    s_ref[...] = scale_inv[None, :]
+    amax_ref[...] = jnp.broadcast_to(_nan_max(row_amax, axis=0), amax_ref.shape)
+    if columns:
+        qt_ref, st_ref = cols_refs
+        col_amax = _nan_max(magnitude, axis=0)
+        scale, scale_inv = _scales(col_amax, **rule)
+        qt_ref[...] = _cast(x, scale[None, :], dtype).T
+        st_ref[...] = scale_inv[None, :]
+
+
+def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, **rule):
+    scale_inv = s_ref[0, :]
+    x = data_ref[...].astype(jnp.float32) * scale_inv[:, None]  # the saved tiles' values
+    col_amax = _nan_max(jnp.abs(x), axis=0)
+    scale, scale_inv = _scales(col_amax, **rule)
+    qt_ref[...] = _cast(x, scale[None, :], qt_ref.dtype).T
+    st_ref[...] = scale_inv[None, :]
+
+
+def _rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
+    return dict(
+        fmt_max=float(jnp.finfo(fmt).max),
+        max_scale=float(max_scale),
+        power_of_two=bool(power_of_two),
+        interpret=interpret,
+    )
+
+
+def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool):
+    """Output shapes and block specs of the rows kernel over the grid `(M / block, K / block)`."""
+    tile, nm, nk = (block, block), m // block, k // block
+    shapes = [
+        jax.ShapeDtypeStruct((m, k), fmt),
+        jax.ShapeDtypeStruct((nk, m), jnp.float32),
+        jax.ShapeDtypeStruct((nm, nk), jnp.float32),
+    ]
+    specs = [
+        pl.BlockSpec(tile, lambda i, j: (i, j)),
+        pl.BlockSpec((1, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+    ]
+    if columns:
+        shapes += [
+            jax.ShapeDtypeStruct((k, m), fmt),
+            jax.ShapeDtypeStruct((nm, k), jnp.float32),
+        ]
+        specs += [
+            pl.BlockSpec(tile, lambda i, j: (j, i)),
+            pl.BlockSpec((1, block), lambda i, j: (i, j)),
+        ]
+    return shapes, specs
+
+
+def _check(x: Array, block: int, name: str) -> None:
+    if not fits(x.shape, block):
+        raise ValueError(
+            f"{name}: shape {x.shape} is not made of whole {block} x {block} tiles; the "
+            "kernel takes 2-D operands whose sides are multiples of the block (the recipes "
+            "keep the XLA path for others)."
+        )
+
+
+def _call(kernel, shapes, specs, in_specs, grid, interpret, name):
+    return pl.pallas_call(
+        kernel,
+        out_shape=shapes,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=specs,
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        name=name,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "columns", "interpret")
+)
+def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret):
+    m, k = x.shape
+    shapes, specs = _specs(block, m, k, fmt, columns)
+    kernel = functools.partial(
+        _rows_kernel, columns=columns, **_rule(fmt, max_scale, power_of_two, interpret)
+    )
+    in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
+    name = "fp8jax_quantize_rows_and_columns" if columns else "fp8jax_quantize_rows"
+    outs = _call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
+    return tuple(outs)
+
+
+def quantize_rows(
+    x: Float[Array, "M K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "K/block M"], Float[Array, "M/block K/block"]]:
+    """`x` in 1 x `block` tiles along `K`: FP8 `data (M, K)`, `scale_inv_t (K / block, M)`
+    (chunk-major) and each program's amax `(M / block, K / block)` (NaN where its tile has
+    a NaN), for the operand's state. Scales as `BlockwiseScaling.block_scale` (at most
+    `max_scale`)."""
+    _check(x, block, "quantize_rows")
+    interpret = interpreting() if interpret is None else interpret
+    return _quantize(
+        x,
+        fmt=jnp.dtype(fmt),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        columns=False,
+        interpret=interpret,
+    )
+
+
+def quantize_rows_and_columns(
+    x: Float[Array, "M K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array, Array, Array]:
+    """`quantize_rows(x)`'s three outputs and, from the same read of `x`, its `block` x 1
+    tiles along `M` transposed: `data_t (K, M)` and its chunk-major `scale_inv (M / block,
+    K)`."""
+    _check(x, block, "quantize_rows_and_columns")
+    interpret = interpreting() if interpret is None else interpret
+    return _quantize(
+        x,
+        fmt=jnp.dtype(fmt),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        columns=True,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block", "max_scale", "power_of_two", "interpret"))
+def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
+    m, k = data.shape
+    nm = m // block
+    kernel = functools.partial(
+        _columns_kernel, **_rule(data.dtype, max_scale, power_of_two, interpret)
+    )
+    shapes = [
+        jax.ShapeDtypeStruct((k, m), data.dtype),
+        jax.ShapeDtypeStruct((nm, k), jnp.float32),
+    ]
+    specs = [
+        pl.BlockSpec((block, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, block), lambda i, j: (i, j)),
+    ]
+    in_specs = [
+        pl.BlockSpec((block, block), lambda i, j: (i, j)),
+        pl.BlockSpec((1, block), lambda i, j: (j, i)),
+    ]
+    grid = (nm, k // block)
+    call = _call(kernel, shapes, specs, in_specs, grid, interpret, "fp8jax_requantize_columns")
+    return tuple(call(data, scale_inv))
+
+
+def requantize_columns(
+    data: Array,
+    scale_inv_t: Float[Array, "K/block M"],
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "M/block K"]]:
+    """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major, as `quantize_rows`
+    writes it) requantized into `block` x 1 tiles along `M`, transposed: `data_t (K, M)` in
+    `data`'s FP8 type and its chunk-major `scale_inv (M / block, K)`."""
+    _check(data, block, "requantize_columns")
+    want = (data.shape[1] // block, data.shape[0])
+    if scale_inv_t.shape != want:
+        raise ValueError(
+            f"requantize_columns: scale_inv_t has shape {scale_inv_t.shape}; data "
+            f"{data.shape} in 1 x {block} tiles takes {want} (chunk-major)."
+        )
+    interpret = interpreting() if interpret is None else interpret
+    return _requantize(
+        data,
+        scale_inv_t.astype(jnp.float32),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+    )
+
+
+# --- references: the XLA path's operations, for the tests ----------------------------------
+
+
+def reference_rows(x, fmt, *, block=128, max_scale, power_of_two=False):
+    """`quantize_rows` in plain XLA (the recipe's `block_amax`, `block_scale`, `saturate`)."""
+    from ..core.formats import expand_blocks, floor_log2, pow2, saturate
+
+    m, k = x.shape
+    tiles = jnp.abs(x.astype(jnp.float32)).reshape(m, k // block, block)
+    amax = jnp.max(tiles, axis=-1)
+    fmt_max = float(jnp.finfo(fmt).max)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    scale = jnp.minimum(jnp.where(ok, fmt_max / jnp.where(ok, amax, 1.0), 1.0), max_scale)
+    if power_of_two:
+        scale = pow2(floor_log2(scale))
+    data = saturate(x, expand_blocks(scale, (1, block), x.shape), fmt)
+    per_program = jnp.max(amax.reshape(m // block, block, k // block), axis=1)
+    return data, (1.0 / scale).T, per_program
+
+
+def reference_columns(x, fmt, *, block=128, max_scale, power_of_two=False):
+    """The `block` x 1 tiles of `x` transposed, in plain XLA: `reference_rows` of `x.T`."""
+    data, scale_inv_t, _ = reference_rows(
+        x.T, fmt, block=block, max_scale=max_scale, power_of_two=power_of_two
+    )
+    return data, scale_inv_t

@@ -1,0 +1,107 @@
+"""OCP MXFP8: 1 x 32 blocks with power-of-two `float8_e8m0fnu` scales, emulated in XLA or
+through `jax.nn.scaled_matmul` on GPUs that run it natively (compute capability 10+)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ..core.formats import floor_log2, fp8_max, pow2
+from .base import Axis, QTensor, Role, check_positive_int
+from .blocks import BlockScaledRecipe, pad_to_blocks, tile
+
+
+def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
+    """`ceil(log2(x / divisor))` for positive finite `x`, exactly, without forming the quotient
+    (which can be subnormal, and flushed to zero by XLA)."""
+    mantissa, exponent = jnp.frexp(x)
+    d_mantissa, d_exponent = math.frexp(divisor)
+    ratio_mantissa, ratio_exponent = jnp.frexp(mantissa / d_mantissa)  # quotient in (0.5, 2)
+    ceil_ratio = jnp.where(ratio_mantissa == 0.5, ratio_exponent - 1, ratio_exponent)
+    return exponent - d_exponent + ceil_ratio
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MXFP8(BlockScaledRecipe):
+    """OCP MXFP8: 1 x 32 blocks along the contracted axis for every operand, E4M3 data and
+    power-of-two scales stored as `float8_e8m0fnu`.
+
+    A block's scale is `2**ceil(log2(block_amax / fp8_max))` (rounded up, as Transformer
+    Engine does, so nothing saturates), its exponent kept in [-126, 127] so that the scale is a
+    normal float32 (XLA flushes subnormals); `scale_rounding="floor"` gives the OCP reference
+    `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
+    XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
+    of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
+    For the dgrad, the kernel is quantized a second time along its other axis from the
+    high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
+    wgrad, the saved FP8 activation is requantized along its tokens.
+    """
+
+    block_size: int = 32
+    scale_rounding: str = "ceil"
+    use_scaled_matmul: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive_int("block_size", self.block_size)
+        if not isinstance(self.scale_rounding, str) or self.scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"Unknown scale_rounding {self.scale_rounding!r}: should be 'ceil' or 'floor'."
+            )
+        if self.use_scaled_matmul is not None and not isinstance(self.use_scaled_matmul, bool):
+            raise ValueError(
+                f"use_scaled_matmul={self.use_scaled_matmul!r}: should be True, False or None "
+                "(use it where the GPU supports it)."
+            )
+
+    def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        return tile(axis, self.block_size)
+
+    def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        fmt_max = fp8_max(self.format_name)
+        ok = (block_amax > 0) & jnp.isfinite(block_amax)
+        safe = jnp.where(ok, block_amax, 1.0)
+        if self.scale_rounding == "ceil":
+            exponent = _ceil_log2_ratio(safe, fmt_max)
+        else:
+            exponent = floor_log2(safe) - math.floor(math.log2(fmt_max))
+        exponent = jnp.clip(jnp.where(ok, exponent, 0), -126, 127)
+        return pow2(-exponent), pow2(exponent).astype(jnp.float8_e8m0fnu)
+
+    def _scaled_matmul_available(self) -> bool:
+        if self.use_scaled_matmul is not None:
+            return self.use_scaled_matmul
+        device = jax.devices()[0]
+        capability = getattr(device, "compute_capability", None)
+        return device.platform == "gpu" and capability is not None and float(capability) >= 10
+
+    def dot(
+        self,
+        lhs: QTensor,
+        rhs: QTensor,
+        lhs_axis: Axis,
+        rhs_axis: Axis,
+        precision,
+        out_dtype=jnp.float32,
+    ) -> Float[Array, "*shape"]:
+        if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
+            return _scaled_matmul(lhs, rhs).astype(out_dtype)
+        return super().dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
+
+
+def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
+    """`jax.nn.scaled_matmul` on MX operands contracted over their last axis.
+
+    `scaled_matmul` takes `(B, M, K) . (B, N, K)` with one scale per 32 elements of K: the data
+    is zero-padded to whole blocks and a batch axis added when there is none.
+    """
+    squeeze = lhs.data.ndim == 2
+    a, b = (pad_to_blocks(q.data, q.block) for q in (lhs, rhs))
+    a, b, sa, sb = (v[None] if squeeze else v for v in (a, b, lhs.scale_inv, rhs.scale_inv))
+    out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    out = out[0] if squeeze else out
+    return out[..., : lhs.data.shape[-2], : rhs.data.shape[-2]]

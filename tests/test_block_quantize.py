@@ -1,0 +1,229 @@
+"""One-pass tile quantization for DeepSeek-V3's blockwise recipe (Pallas Triton kernels):
+bit for bit with the recipe's XLA path in Pallas' interpreter, inside `BlockwiseScaling`
+(quantize, the output gradient's two copies, the wgrad's retiling), and on a deviceless H100
+compile (one kernel per tensor, IEEE division in its PTX, no transpose of its outputs)."""
+
+import glob
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax._src.kernels import block_quantize, dispatch
+from fp8jax._src.observe import deviceless
+from fp8jax._src.recipes.per_tensor import MAX_SCALE
+
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+
+
+def heavy_tailed(rng, shape, dtype=jnp.bfloat16):
+    """Rows spanning many binades, a zero tile, and values past E4M3's max."""
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal((shape[0], 1)) * 4)
+    x[: shape[0] // 2, -(shape[1] // 3) :] = 0.0
+    x[1, 2] = 1e30
+    return jnp.asarray(x, dtype)
+
+
+def same(a, b):
+    a, b = np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+
+
+def np_reference_rows(x, fmt, block, power_of_two):
+    """1 x `block` tiles of `x` in NumPy (float32 math, ml_dtypes rounding), independent of
+    fp8jax: data, chunk-major scale_inv, each program's amax."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(-1)
+    fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
+    ok = (amax > 0) & np.isfinite(amax)
+    scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
+    scale = np.minimum(scale, np.float32(MAX_SCALE))
+    if power_of_two:
+        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+    scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
+    data = np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
+    programs = amax.reshape(m // block, block, k // block).max(1)
+    return data, (np.float32(1) / scale).T, programs
+
+
+@pytest.mark.parametrize(
+    "shape, fmt, block, power_of_two",
+    [
+        ((256, 384), E4M3, 128, False),
+        ((256, 384), E4M3, 128, True),
+        ((128, 192), E5M2, 64, False),
+    ],
+)
+def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of_two):
+    rng = np.random.default_rng(sum(shape) + block)
+    x = heavy_tailed(rng, shape)
+    rule = dict(block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    data, scale_t, programs, data_t, cols_t = block_quantize.quantize_rows_and_columns(
+        x, fmt, **rule
+    )
+    want = np_reference_rows(x, fmt, block, power_of_two)
+    for got, ref in zip((data, scale_t, programs), want, strict=True):
+        same(got, ref)
+    # The columns are the rows of the transpose, written K-major.
+    columns = np_reference_rows(x.T, fmt, block, power_of_two)[:2]
+    for got, ref in zip((data_t, cols_t), columns, strict=True):
+        same(got, ref)
+    for got, ref in zip(block_quantize.quantize_rows(x, fmt, **rule), want, strict=True):
+        same(got, ref)
+    # Requantized from the FP8 tiles (V3's wgrad operand): the dequantized values' columns.
+    again = block_quantize.requantize_columns(data, scale_t, **rule)
+    real = np.asarray(data, np.float32) * np.repeat(np.asarray(scale_t).T, block, axis=1)
+    for got, ref in zip(
+        again, np_reference_rows(real.T, fmt, block, power_of_two)[:2], strict=True
+    ):
+        same(got, ref)
+
+
+def test_kernels_propagate_nan_and_inf():
+    """An inf or NaN becomes NaN in the data, and the program's amax shows it (the state
+    then rejects the step), although PTX's `max` would drop a NaN."""
+    x = np.ones((128, 256), np.float32)
+    x[3, 4], x[5, 200] = np.nan, np.inf
+    rule = dict(max_scale=MAX_SCALE, interpret=True)
+    data, scale_t, programs, data_t, _ = block_quantize.quantize_rows_and_columns(
+        jnp.asarray(x), E4M3, **rule
+    )
+    data = np.asarray(data, np.float32)
+    assert np.isnan(data[3, 4]) and np.isnan(data[5, 200]) and np.isnan(data_t[4, 3].astype(float))
+    assert np.isnan(programs[0, 0]) and np.isinf(programs[0, 1])
+    # Finite rows keep their own scales.
+    assert np.all(np.isfinite(np.asarray(scale_t)[:, 0]))
+
+
+def test_kernels_refuse_shapes_they_cannot_tile():
+    with pytest.raises(ValueError, match=r"shape \(100, 256\) is not made of whole 128 x 128"):
+        block_quantize.quantize_rows(jnp.ones((100, 256)), E4M3, max_scale=1.0, interpret=True)
+    data = jnp.ones((128, 256), E4M3)
+    with pytest.raises(ValueError, match=r"scale_inv_t has shape \(128, 2\).*takes \(2, 128\)"):
+        block_quantize.requantize_columns(data, jnp.ones((128, 2)), max_scale=1.0)
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def states(recipe, role):
+    return recipe.init_state(role)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_blockwise_recipe_quantizes_as_its_xla_path(power_of_two, batch):
+    """Under the interpreter the recipe takes the kernels (where a Hopper GPU would): its
+    tensors and new state equal the XLA path's (`native_kernel=False`), for the forward's
+    activation, the output gradient's two copies, and the wgrad's retiled activation."""
+    rng = np.random.default_rng(7)
+    x = (
+        heavy_tailed(rng, (*batch, 256, 384))
+        if not batch
+        else jnp.stack([heavy_tailed(rng, (256, 384)) for _ in range(batch[0])])
+    )
+    xla = fp8jax.BlockwiseScaling(power_of_two=power_of_two, native_kernel=False)
+    kernel = fp8jax.BlockwiseScaling(power_of_two=power_of_two)
+    state = states(xla, "input")
+
+    def run(recipe):
+        q, new = recipe.quantize(x, state, "input", -1)
+        g, g_rows, new_g = recipe.quantize_both(x, state, "output_grad")
+        return q, new, g, g_rows, new_g, recipe.retile(q, "input", -2)
+
+    want = jax.jit(lambda: run(xla))()
+    with dispatch.interpreted():
+        jaxpr = str(jax.make_jaxpr(lambda: run(kernel))())
+        got = jax.jit(lambda: run(kernel))()
+    assert jaxpr.count("pallas_call") == 3  # rows; rows and columns; requantized columns
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+    assert got[3].block == want[3].block == (128, 1)
+
+
+def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels():
+    """A blockwise Fp8DotGeneral's value and gradients (weights, input, new state) with the
+    one-pass kernels, the GEMMs on the XLA path, equal the all-XLA step bit for bit."""
+    rng = np.random.default_rng(3)
+    x = heavy_tailed(rng, (256, 256), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 384)) * 0.05, jnp.float32)
+    xla = fp8jax.BlockwiseScaling(native_kernel=False)
+    layer = fp8jax.Fp8DotGeneral(xla)
+
+    def loss(args):
+        layer, x, w = args
+        y = layer(x, w, (((1,), (0,)), ((), ())))
+        return jnp.sum(jnp.sin(y))
+
+    step = fp8jax.filter_value_and_grad(loss)
+    want = jax.jit(step)((layer, x, w))
+    # The quantization on the kernels, the GEMMs on the XLA path: the interpreter's GEMM
+    # sums in another order, which the GPU check compares against float64 instead.
+    real_dot = fp8jax.BlockwiseScaling.dot
+
+    def xla_dot(self, *args, **kwargs):
+        return real_dot(xla, *args, **kwargs)
+
+    with dispatch.interpreted(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8jax.BlockwiseScaling, "dot", xla_dot)
+        args = (fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling()), x, w)
+        jaxpr = str(jax.make_jaxpr(step)(args))
+        got = jax.jit(step)(args)
+    assert jaxpr.count("pallas_call") == 3
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+
+
+@pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
+def test_h100_compile_quantizes_each_tensor_in_one_kernel():
+    """A blockwise MLP step compiled for an H100: the activations and gradients are quantized
+    by the one-pass kernels (IEEE division in their PTX, no spills), and none of their FP8
+    outputs is transposed by a kernel of its own."""
+
+    def step(w1, w2, x):
+        def loss(w1, w2, x):
+            l1 = fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling())
+            l2 = fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling())
+            dims = (((1,), (0,)), ((), ()))
+            h = jax.nn.relu(l1(x, w1, dims).astype(jnp.bfloat16))
+            return jnp.sum(l2(h, w2, dims).astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((512, 1024), jnp.bfloat16),
+        spec((1024, 512), jnp.bfloat16),
+        spec((1024, 512), jnp.bfloat16),
+    )
+    lowered, _ = deviceless.lower(step, args, {}, deviceless.h100_topology().devices[0])
+    with tempfile.TemporaryDirectory() as folder:
+        compiled = lowered.compile(
+            compiler_options={**fp8jax.gpu_compiler_options(), "xla_dump_to": folder}
+        )
+        files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
+        ptx = [text for text in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", text)]
+    hlo = compiled.as_text()
+    names = re.findall(r'op_name="[^"]*(fp8jax_(?:quantize|requantize)_\w+)/pallas_call', hlo)
+    # x and h in rows (forward), both gradients in rows and columns, x and h requantized.
+    assert sorted(set(names)) == [
+        "fp8jax_quantize_rows",
+        "fp8jax_quantize_rows_and_columns",
+        "fp8jax_requantize_columns",
+    ]
+    # IEEE division, as the CPU's XLA path (XLA's GPU fusions divide with div.full.f32).
+    assert len(ptx) == 6  # x, h; both gradients (two tilings each); x, h requantized
+    for text in ptx:
+        assert "div.rn.f32" in text and "div.full.f32" not in text and ".local" not in text
+    kernel_outputs = re.compile(r"transpose.*\(%jit__(re)?quantize_")
+    transposed = [line for line in hlo.splitlines() if kernel_outputs.search(line)]
+    assert not transposed, transposed
