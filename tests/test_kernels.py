@@ -17,7 +17,7 @@ from helpers import run_with_mosaic_dump
 import fp8jax
 from fp8jax._src.kernels import dispatch, reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm, expand_rows
-from fp8jax._src.recipes.blocks import block_dot, native_block_dot
+from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 

@@ -23,7 +23,7 @@ import fp8jax
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
-from fp8jax._src.recipes.blocks import block_dot, native_block_dot
+from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
 
 from .record import Recorder

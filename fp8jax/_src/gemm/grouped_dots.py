@@ -13,7 +13,7 @@ output-dtype) result. Per-tensor recipes run one ragged dot per GEMM: a row of t
 the dgrad is scaled by its own expert's kernel scale, and the wgrad by one scalar. Block
 recipes cut the contraction into chunks of their block size and run one ragged dot per chunk
 (several chunks per dot as a batch axis, in a `lax.scan` with a float32 accumulator, as
-`fp8jax._src.recipes.blocks.block_dot` does for dense GEMMs), each partial scaled by its
+`fp8jax._src.recipes.block_dot.block_dot` does for dense GEMMs), each partial scaled by its
 blocks' scales: DeepSeek-V3's promotion of the accumulation to float32 every 128 elements.
 """
 
@@ -32,7 +32,7 @@ from ..kernels import dispatch
 from ..kernels.partition import Dim, GemmDims
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
-from ..recipes.blocks import contract_last, pad_to_blocks, quantized_k_major
+from ..recipes.block_dot import contract_last, pad_to_blocks, quantized_k_major
 from .grouped_native import native_rows, native_tokens
 from .ragged_dot_general import ragged_dot_general
 

@@ -59,7 +59,8 @@ def fits(shape: tuple[int, ...], block: int) -> bool:
 
 def _divide(a: Array, b: Array, interpret: bool) -> Array:
     """`a / b` rounded to nearest (IEEE), also in Triton, whose `/` is approximate."""
-    if interpret:
+    if interpret:  # opaque operands: XLA rewrites 1 / (c / x) as an inexact x * (1 / c)
+        a, b = lax.optimization_barrier((a, b))
         return a / b
     (out,) = pltriton.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
@@ -299,6 +300,67 @@ def requantize_columns(
     return _requantize(
         data,
         scale_inv_t.astype(jnp.float32),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+    )
+
+
+def _square_kernel(w_ref, q_ref, qt_ref, s_ref, amax_ref, **rule):
+    w = w_ref[...].astype(jnp.float32)
+    row_amax = _nan_max(jnp.abs(w), axis=1)
+    # The block's amax in every lane of a vector (Triton's inline PTX takes tensors only).
+    amax = jnp.broadcast_to(_nan_max(row_amax, axis=0), row_amax.shape)
+    scale, scale_inv = _scales(amax, **rule)
+    q = _cast(w, scale[:, None], q_ref.dtype)
+    q_ref[...] = q
+    qt_ref[...] = q.T
+    s_ref[...] = jnp.broadcast_to(jnp.max(scale_inv), s_ref.shape)  # all lanes are equal
+    amax_ref[...] = jnp.broadcast_to(_nan_max(row_amax, axis=0), amax_ref.shape)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret")
+)
+def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
+    n, k = w.shape
+    kernel = functools.partial(_square_kernel, **_rule(fmt, max_scale, power_of_two, interpret))
+    shapes = [
+        jax.ShapeDtypeStruct((n, k), fmt),
+        jax.ShapeDtypeStruct((k, n), fmt),
+        jax.ShapeDtypeStruct((n // block, k // block), jnp.float32),
+        jax.ShapeDtypeStruct((n // block, k // block), jnp.float32),
+    ]
+    specs = [
+        pl.BlockSpec((block, block), lambda i, j: (i, j)),
+        pl.BlockSpec((block, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+    ]
+    in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
+    grid = (n // block, k // block)
+    call = _call(kernel, shapes, specs, in_specs, grid, interpret, "fp8jax_quantize_blocks")
+    return tuple(call(w))
+
+
+def quantize_blocks(
+    w: Float[Array, "N K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Float[Array, "N/block K/block"], Float[Array, "N/block K/block"]]:
+    """A weight `w (N, K)` in `block x block` blocks: FP8 `data (N, K)`, the same values
+    transposed `data_t (K, N)` (the dgrad's K-major copy), `scale_inv (N / block, K /
+    block)` and each block's amax (NaN where it has a NaN), from one read of `w`."""
+    _check(w, block, "quantize_blocks")
+    interpret = interpreting() if interpret is None else interpret
+    return _quantize_square(
+        w,
+        fmt=jnp.dtype(fmt),
         block=block,
         max_scale=max_scale,
         power_of_two=power_of_two,

@@ -1,25 +1,20 @@
-"""Block-scaled recipes: DeepSeek-V3 fine-grained scaling and MXFP8.
+"""Block-scaled recipes: DeepSeek-V3 fine-grained scaling (and the base of MXFP8).
 
-A block-scaled GEMM in plain XLA: the contraction is cut into chunks of the block size, one
-FP8 dot per chunk (one batched dot) gives float32 partial products, each partial is multiplied
-by its blocks' scales and the partials are summed in float32. This is also how DeepSeek-V3
-"promotes" the accumulation to float32 every 128 elements. Dimensions that are not multiples
-of a block are padded with zeros inside, which leaves the math exactly that of the unpadded
-tensors.
+Each operand is quantized in blocks (1 x 128 tiles along the contracted axis, 128 x 128
+weight blocks) with current scales; the GEMMs are `block_dot.py`'s. Where the native GEMM
+kernels run, `BlockwiseScaling` quantizes activations, gradients and weights with the
+one-pass kernels of `kernels/block_quantize.py` (the same values, one read of each tensor).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import Array, Float
 
-from ..core import jax_private
 from ..core.formats import (
     FormatLike,
     expand_blocks,
@@ -41,19 +36,16 @@ from .base import (
     check_positive_int,
     gemm_dims,
 )
+from .block_dot import (
+    block_dot,
+    dequantized_block_dot,
+    native_block_dot,
+    pad_to_blocks,
+)
 from .per_tensor import MAX_SCALE
 
 #: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
 NATIVE_BLOCK_SIZES = (64, 128)
-
-
-def pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
-    """`x (*B, R, C)` zero-padded to whole `block`s of its last two axes."""
-    rows, cols = x.shape[-2:]
-    pad_r, pad_c = -rows % block[0], -cols % block[1]
-    if pad_r or pad_c:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
-    return x
 
 
 def _blocked(x: Array, block: tuple[int, int]) -> Array:
@@ -72,151 +64,6 @@ def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Ar
     """`x * scale` per block, finite values saturated to the format's max, cast to `dtype`
     (inf and NaN become NaN: [`fp8jax.quantize`][])."""
     return saturate(x, expand_blocks(scale, block, x.shape), dtype)
-
-
-def contract_last(q: QTensor, axis: Axis) -> QTensor:
-    """`q` with its contracted axis moved last (a transpose of FP8 data and scales)."""
-    if axis == -1:
-        return q
-    return QTensor(jnp.swapaxes(q.data, -1, -2), jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
-
-
-def block_dot(
-    lhs: QTensor,
-    rhs: QTensor,
-    lhs_axis: Axis,
-    rhs_axis: Axis,
-    precision,
-    chunks_per_dot: int | None = 1,
-) -> Float[Array, "*shape"]:
-    """Block-scaled GEMM: one FP8 dot per chunk of the contraction, partials scaled and summed
-    in float32. Shape `(*B, lhs_free, rhs_free)`.
-
-    The chunks are taken `chunks_per_dot` at a time (one batched dot holding that many
-    float32 `(M, N)` partials) in a `lax.scan` with a float32 accumulator. With 1, the default,
-    the partial is no larger than a float32 output; `None` takes every chunk in one batched
-    dot, whose partials outweigh the output as many times as K has chunks.
-    """
-    lhs, rhs = contract_last(lhs, lhs_axis), contract_last(rhs, rhs_axis)
-    chunk = _shared_chunk(lhs, rhs)
-    (*batch, m, k), n = lhs.data.shape, rhs.data.shape[-2]
-    nk = math.ceil(k / chunk)
-    if nk == 0:  # an empty contraction: the product is zero
-        return jnp.zeros((*batch, m, n), jnp.float32)
-    group = nk if chunks_per_dot is None else min(chunks_per_dot, nk)
-    nk_padded = math.ceil(nk / group) * group
-    lhs_data = pad_to_blocks(lhs.data, (1, chunk * nk_padded)).reshape(*batch, m, nk_padded, chunk)
-    rhs_data = pad_to_blocks(rhs.data, (1, chunk * nk_padded)).reshape(*batch, n, nk_padded, chunk)
-    # Scales per (row, chunk): repeated along the free axis only, padded chunks scale zeros.
-    s_lhs = jnp.repeat(lhs.scale_inv.astype(jnp.float32), lhs.block[0], axis=-2)[..., :m, :]
-    s_rhs = jnp.repeat(rhs.scale_inv.astype(jnp.float32), rhs.block[0], axis=-2)[..., :n, :]
-    s_lhs, s_rhs = (pad_to_blocks(s, (1, nk_padded)) for s in (s_lhs, s_rhs))
-    nb = len(batch)
-    # Batch over (*B, chunk); contract within the chunk: partials (*B, chunks, M, N).
-    dims = (((nb + 2,), (nb + 2,)), ((*range(nb), nb + 1), (*range(nb), nb + 1)))
-
-    def partial_sum(lhs_data, rhs_data, s_lhs, s_rhs):
-        partial = lax.dot_general(
-            lhs_data, rhs_data, dims, precision=precision, preferred_element_type=jnp.float32
-        )
-        scales = (
-            jnp.swapaxes(s_lhs, -1, -2)[..., :, None] * jnp.swapaxes(s_rhs, -1, -2)[..., None, :]
-        )
-        return jnp.sum(partial * scales, axis=-3)
-
-    if group == nk_padded:
-        return partial_sum(lhs_data, rhs_data, s_lhs, s_rhs)
-
-    def groups(a: Array, axis: int) -> Array:  # (.., nk_padded, ..) -> (steps, .., group, ..)
-        a = a.reshape(a.shape[:axis] + (nk_padded // group, group) + a.shape[axis + 1 :])
-        return jnp.moveaxis(a, axis, 0)
-
-    def step(total, xs):
-        return total + partial_sum(*xs), None
-
-    xs = (
-        groups(lhs_data, nb + 1),
-        groups(rhs_data, nb + 1),
-        groups(s_lhs, nb + 1),
-        groups(s_rhs, nb + 1),
-    )
-    total = jax_private.varying_like(jnp.zeros((*batch, m, n), jnp.float32), xs)
-    return lax.scan(step, total, xs)[0]
-
-
-def native_block_dot(
-    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis, out_dtype=jnp.float32
-) -> Array:
-    """`block_dot` as one native kernel (Pallas Mosaic GPU, Hopper `wgmma`): the same FP8
-    products and per-block scaling, the float32 accumulation promoted every chunk in
-    registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
-    from ..kernels.block_gemm import expand_rows  # Pallas: imported on use
-    from ..kernels.choice import recipe_block_gemm
-
-    # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
-    # as FP8 values (`dispatch.k_major`).
-    lhs, rhs = quantized_k_major(lhs, lhs_axis), quantized_k_major(rhs, rhs_axis)
-    chunk = _shared_chunk(lhs, rhs)
-
-    def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
-        return recipe_block_gemm(a, sa, [(b, sb)], out_dtype=out_dtype, block_k=chunk)
-
-    operands = []
-    for q in (lhs, rhs):
-        operands += [q.data, expand_rows(q.scale_inv, q.data.shape[-2], q.block[0])]
-    if lhs.data.ndim == 3:
-        gemm = jax.vmap(gemm)
-    return gemm(*operands)
-
-
-def quantized_k_major(q: QTensor, axis: Axis) -> QTensor:
-    """`contract_last` for the native kernel: the FP8 data transposed as it is held, except
-    tiles along the rows that the one-pass kernels wrote K-major (`BlockwiseScaling`'s
-    `quantize_both` and `retile`), whose transpose undoes the kernels' own."""
-    if axis == -1:
-        return q
-    written_k_major = (
-        q.block[1] == 1
-        and block_quantize.fits(q.data.shape[-2:], q.block[0])
-        and dispatch.per_device_gemm(q.data)
-    )
-    data = jnp.swapaxes(q.data, -1, -2) if written_k_major else dispatch.k_major(q.data, axis)
-    return QTensor(data, jnp.swapaxes(q.scale_inv, -1, -2), q.block[::-1])
-
-
-def _shared_chunk(lhs: QTensor, rhs: QTensor) -> int:
-    if lhs.block[1] != rhs.block[1]:
-        raise ValueError(
-            f"block_dot: lhs contracts in blocks of {lhs.block[1]} but rhs in blocks of "
-            f"{rhs.block[1]}; both operands must share the contraction's block size."
-        )
-    return lhs.block[1]
-
-
-def dequantized_block_dot(
-    lhs: QTensor, rhs: QTensor, lhs_axis: Axis, rhs_axis: Axis
-) -> Float[Array, "*shape"]:
-    """The block-scaled GEMM as one float32 dot of the dequantized operands.
-
-    The same FP8 values and scales as `block_dot`, and the same products (exact in float32 for
-    power-of-two scales), accumulated in float32 over the whole contraction instead of per
-    block. Only float32 rounding differs, some 2**20 times finer than E4M3's. On a CPU, where
-    no FP8 hardware runs the GEMM anyway, it is faster (MXFP8 trains the main job's GPT
-    faster than with one FP8 dot per block: `benchmarks/RESULTS.md`). It is not an
-    FP8 GEMM on a GPU.
-    Shape `(*B, lhs_free, rhs_free)`.
-    """
-    lhs, rhs = contract_last(lhs, lhs_axis), contract_last(rhs, rhs_axis)
-    _shared_chunk(lhs, rhs)
-    nb = lhs.data.ndim - 2
-    dims = (((nb + 1,), (nb + 1,)), (tuple(range(nb)), tuple(range(nb))))
-    return lax.dot_general(
-        lhs.dequantize(),
-        rhs.dequantize(),
-        dims,
-        precision=lax.Precision.HIGHEST,  # float32, not TF32, on a GPU
-        preferred_element_type=jnp.float32,
-    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -429,10 +276,37 @@ class BlockwiseScaling(BlockScaledRecipe):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
-        if role == "kernel" or axis != -1 or not self._one_pass(x):
+        if axis != -1 or not self._one_pass(x):
             return super().quantize(x, state, role, axis)
+        if role == "kernel":
+            if x.ndim != 2:
+                return super().quantize(x, state, role, axis)
+            data, _, scale_inv, current = self._weight_blocks(x, state.scale)
+            return QTensor(data, scale_inv, self.block_for(role, axis)), self._state(
+                state, role, current
+            )
         q, _, new_state = self._quantize_tiles(x, state, role, columns=False)
         return q, new_state
+
+    def _state(self, state: TensorState, role: Role, current: Array) -> TensorState:
+        nominal = jnp.where(current > 0, fp8_max(self.format(role)) / current, state.scale)
+        return TensorState(nominal, state.amax_history.at[..., 0].set(current))
+
+    def _weight_blocks(self, w: Array, owner: Array) -> tuple[Array, ...]:
+        """A 2-D weight's FP8 blocks, the same transposed, their scales and the state's amax:
+        one kernel where the GEMMs run natively (called again by `retile` for the dgrad's
+        copy: XLA merges the two identical calls into one)."""
+        fmt = self.format("kernel")
+
+        def native(w: Array, owner: Array) -> tuple[Array, ...]:
+            data, data_t, scale_inv, amaxes = block_quantize.quantize_blocks(w, fmt, **self._rule())
+            return data, data_t, scale_inv, self.amax(amaxes, owner)
+
+        def xla(w: Array, owner: Array) -> tuple[Array, ...]:
+            q = self._quantize(w, "kernel", -1)
+            return q.data, q.data.T, q.scale_inv, self.amax(w, owner)
+
+        return self._on_kernel(native, xla, w, owner)
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
@@ -473,13 +347,15 @@ class BlockwiseScaling(BlockScaledRecipe):
             return out
 
         data, scale_inv, current, *cols = self._on_kernel(native, xla, x, state.scale)
-        nominal = jnp.where(current > 0, fp8_max(fmt) / current, state.scale)
-        new_state = TensorState(nominal, state.amax_history.at[..., 0].set(current))
         q_cols = QTensor(cols[0], cols[1], (size, 1)) if columns else None
-        return QTensor(data, scale_inv, (1, size)), q_cols, new_state
+        return QTensor(data, scale_inv, (1, size)), q_cols, self._state(state, role, current)
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)
+        if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
+            # The dgrad's K-major copy, written by the kernel that quantized the weight.
+            _, data_t, scale_inv, _ = self._weight_blocks(source, jnp.ones((), jnp.float32))
+            return QTensor(data_t.T, scale_inv, block)
         if (
             source is not None
             or role == "kernel"

@@ -12,7 +12,8 @@ from jaxtyping import Array, Float
 
 from ..core.formats import floor_log2, fp8_max, pow2
 from .base import Axis, QTensor, Role, check_positive_int
-from .blocks import BlockScaledRecipe, pad_to_blocks, tile
+from .block_dot import pad_to_blocks
+from .blocks import BlockScaledRecipe, tile
 
 
 def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
