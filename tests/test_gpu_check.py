@@ -22,6 +22,7 @@ SECTIONS = (
     "1 numerics",
     "2 GEMMs (dense)",
     "2c block kernels (persistent)",
+    "2d quantization kernels",
     "2 GEMMs (grouped)",
     "3 train steps",
     "4 Llama block",
@@ -84,6 +85,15 @@ def test_every_kernel_met_its_numerics_bound(dry_run):
     compared = [r for r in numerics if r["rel_err_vs_f64"] is not None]
     assert compared and all(r["rel_err_vs_f64"] < 1e-5 for r in compared), compared
     assert any(r["rel_err_vs_xla"] is not None for r in numerics)
+
+
+def test_quantization_kernels_equal_an_ieee_reference(dry_run):
+    _, _, results = dry_run
+    section = [r for r in results if r["section"] == "2d quantization kernels"]
+    numerics = [r for r in section if r["name"].startswith("numerics")]
+    assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
+    timed = {r["name"].split(" | ")[1] for r in section if "gb_per_s" in r}
+    assert {"kernels: rows+columns", "xla: rows+columns", "kernels: weight + dgrad copy"} <= timed
 
 
 def test_train_steps_carry_the_cost_models_estimate(dry_run):

@@ -10,7 +10,8 @@ Sections, each measurement in its own `try`, results appended to the out folder 
 2. `gemms`, `grouped`: GEMM timings at LLM shapes, BF16, cuBLASLt FP8 and fp8jax's kernels
    side by side (and JAX's BF16 grouped kernels); `kernels`: the persistent warp-specialized
    block-scaled kernel (issue 39), its numerics against float64 and its tuning sweep beside
-   the tiled kernel, cuBLASLt FP8 and BF16;
+   the tiled kernel, cuBLASLt FP8 and BF16; `quantize`: the blockwise recipe's one-pass
+   quantization kernels, bit for bit against IEEE NumPy and timed beside its XLA path;
 3. `steps`: whole train steps, BF16 against each recipe, beside the cost model's estimate;
 4. `llama`: the Llama-3-style block of `llama_block.py` (8B and 1B), BF16 against FP8 scaling,
    beside its compiled HLO's kernels, non-GEMM bytes and temp memory;

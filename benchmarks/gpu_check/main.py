@@ -12,12 +12,12 @@ from pathlib import Path
 
 import jax
 
-from . import block_kernels, gemms, grouped, llama, numerics, profile, steps
+from . import block_kernels, gemms, grouped, llama, numerics, profile, quantize, steps
 from .record import Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
-SECTIONS = ("numerics", "gemms", "kernels", "grouped", "steps", "llama", "profile")
+SECTIONS = ("numerics", "gemms", "kernels", "quantize", "grouped", "steps", "llama", "profile")
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         with rec.section(block_kernels.SECTION):
             block_kernels.decide(rec, block_kernels.run(rec, mode, gemm_runs))
         _release()
+    if "quantize" in args.sections:
+        with rec.section(quantize.SECTION):
+            quantize.decide(rec, quantize.run(rec, mode, gemm_runs))
+        _release()
     if "grouped" in args.sections:
         with rec.section(grouped.SECTION):
             groups = grouped.run(rec, mode, gemm_runs)
@@ -227,6 +231,9 @@ LEGENDS = {
     "shape rows: ms (TFLOP/s, speed-up over BF16 of the same shape), the persistent "
     "warp-specialized kernel's configurations beside the tiled block kernel, per-tensor "
     "FP8 (cuBLASLt) and BF16",
+    quantize.SECTION: "numerics: elements differing from an IEEE NumPy reference (the kernels "
+    "must show 0; XLA's GPU fusions divide approximately); path: case: ms (GB/s of the "
+    "bytes the case must move), the one-pass kernels beside the recipe's XLA path",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
     "from the step's compiled HLO)",

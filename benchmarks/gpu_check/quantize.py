@@ -1,0 +1,188 @@
+"""Section 2d (issue 39, deliverable 3): the one-pass quantization kernels of DeepSeek-V3's
+blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
+
+1. Numerics: each kernel at an LLM-sized shape with heavy-tailed data, bit for bit against an
+   IEEE NumPy reference computed on the host (the kernels divide with `div.rn.f32`); beside
+   it, how many elements of XLA's own GPU quantization (the recipe's XLA path, whose fusions
+   divide with `div.full.f32`) differ from the same reference.
+2. Timing: what the recipe quantizes per Linear, by the kernels and by its XLA path, side by
+   side at Llama-3-8B's shapes (8,192 tokens): an activation in rows (forward), the output
+   gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
+   columns (wgrad) and a weight with its dgrad copy: ms and GB/s of the bytes each must move.
+
+The decision input says whether the kernels are the faster path at every shape (they are the
+recipe's default on Hopper since this section was written; a slower kernel is reported).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import fp8jax
+from fp8jax._src.kernels import block_quantize
+from fp8jax._src.recipes.per_tensor import MAX_SCALE
+
+from .record import Recorder
+from .timing import compile_and_time
+
+SECTION = "2d quantization kernels"
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+RULE = dict(max_scale=MAX_SCALE)
+
+#: (rows, cols) per case: Llama-3-8B at 8,192 tokens (width 4096, SwiGLU 14336).
+SHAPES = {
+    "activation 8192x4096": (8192, 4096),
+    "gradient 8192x14336": (8192, 14336),
+    "weight 14336x4096": (14336, 4096),
+}
+DRY_SHAPES = {"dry 256x384": (256, 384)}
+
+
+def heavy_tailed(key: Any, shape: tuple[int, int]) -> jax.Array:
+    """BF16 values over many binades per row, zero tiles, one value past E4M3's max."""
+    kx, ks = jax.random.split(key)
+    rows = jnp.exp(jax.random.normal(ks, (shape[0], 1)) * 3)
+    x = jax.random.normal(kx, shape) * rows
+    x = x.at[: shape[0] // 2, -(shape[1] // 3) :].set(0.0).at[1, 2].set(1e30)
+    return x.astype(jnp.bfloat16)
+
+
+def ieee_rows(x: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """1 x `block` tiles of `x` in NumPy float32 (IEEE division, ml_dtypes rounding):
+    (FP8 data as float32, chunk-major scale_inv)."""
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(-1)
+    fmt_max = np.float32(ml_dtypes.finfo(E4M3).max)
+    ok = (amax > 0) & np.isfinite(amax)
+    scale = np.minimum(np.where(ok, fmt_max / np.where(ok, amax, 1), 1), np.float32(MAX_SCALE))
+    scale = scale.astype(np.float32)
+    scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
+    data = np.where(np.isfinite(x), scaled, np.nan).astype(E4M3).astype(np.float32)
+    return data, (np.float32(1) / scale).T
+
+
+def _differ(got: Any, want: np.ndarray) -> int:
+    got = np.asarray(got).astype(np.float32)
+    return int(np.sum(~((got == want) | (np.isnan(got) & np.isnan(want)))))
+
+
+def numerics(shape: tuple[int, int], dry: bool) -> dict:
+    """Rows and columns (the gradient's kernel) and the requantized columns, against NumPy;
+    the recipe's XLA path against the same."""
+    x = heavy_tailed(jax.random.PRNGKey(1), shape)
+    interpret = dry
+    kernel = jax.jit(
+        lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, interpret=interpret, **RULE)
+    )
+    data, scale_t, _, data_t, cols_t = kernel(x)
+    again = jax.jit(
+        lambda d, s: block_quantize.requantize_columns(d, s, interpret=interpret, **RULE)
+    )(data, scale_t)
+    xla = fp8jax.BlockwiseScaling(native_kernel=False)
+    q_xla = jax.jit(lambda x: xla._quantize(x, "input", -1))(x)
+    host = np.asarray(x, np.float32)
+    rows, scales = ieee_rows(host)
+    cols, col_scales = ieee_rows(host.T)
+    real = np.asarray(data, np.float32) * np.repeat(np.asarray(scale_t).T, 128, axis=1)
+    req, req_scales = ieee_rows(real.T)
+    differ = {
+        "rows": _differ(data, rows) + _differ(scale_t, scales),
+        "columns": _differ(data_t, cols) + _differ(cols_t, col_scales),
+        "requantized": _differ(again[0], req) + _differ(again[1], req_scales),
+    }
+    return {
+        "shape": f"{shape[0]}x{shape[1]}",
+        "kernel_elements_differing_from_ieee": differ,
+        "xla_path_elements_differing_from_ieee": _differ(q_xla.data, rows)
+        + _differ(q_xla.scale_inv.T, scales),
+        "passed": not any(differ.values()),
+    }
+
+
+def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
+    """name -> (function of one tensor, bytes it must move per element of that tensor)."""
+    state = recipe.init_state("input")
+
+    def rows(x):
+        return recipe.quantize(x, state, "input", -1)
+
+    def both(g):
+        return recipe.quantize_both(g, state, "output_grad")
+
+    def requantize(x):
+        q, _ = recipe.quantize(x, state, "input", -1)
+        q = jax.lax.optimization_barrier(q)  # the saved copy, as the backward reads it
+        return recipe.retile(q, "input", -2)
+
+    def weight(w):
+        q, _ = recipe.quantize(w, state, "kernel", -1)
+        return q, recipe.retile(q, "kernel", -2, source=w)
+
+    # Bytes per element: read BF16 (2) and write FP8 (1 per copy).
+    return {
+        "rows": (rows, 3),
+        "rows+columns": (both, 4),
+        "rows, requantized": (requantize, 5),
+        "weight + dgrad copy": (weight, 4),
+    }
+
+
+def _time(name: str, fn: Any, x: jax.Array, moved: int, runs: int, dry: bool) -> dict:
+    _, fields = compile_and_time(fn, (x,), fp8jax.gpu_compiler_options(), runs, dry, calls=5)
+    fields["gb_per_s"] = moved * x.size / (fields["ms"] * 1e-3) / 1e9
+    return fields
+
+
+def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
+    """Numerics, then the timings; returns `{shape: {path: case: ms}}`."""
+    dry = mode == "dry"
+    times: dict[str, dict[str, float]] = {}
+    for label, shape in (DRY_SHAPES if dry else SHAPES).items():
+        result = rec.measure(SECTION, f"numerics {label}", functools.partial(numerics, shape, dry))
+        rec.cell(SECTION, label, "numerics (elements != IEEE)", _numerics_cell(rec, result))
+        x = heavy_tailed(jax.random.PRNGKey(0), shape)
+        paths = {
+            "kernels": fp8jax.BlockwiseScaling(),
+            "xla": fp8jax.BlockwiseScaling(native_kernel=False),
+        }
+        ms = times.setdefault(label, {})
+        for path, recipe in paths.items():
+            for case, (fn, moved) in _cases(recipe).items():
+                measure = functools.partial(_time, case, fn, x, moved, runs, dry)
+                result = rec.measure(SECTION, f"{label} | {path}: {case}", measure)
+                if result is not None and "ms" in result:
+                    ms[f"{path}: {case}"] = result["ms"]
+                text = (
+                    rec.not_run()
+                    if result is None
+                    else (f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)")
+                )
+                rec.cell(SECTION, label, f"{path}: {case}", text)
+    return times
+
+
+def _numerics_cell(rec: Recorder, result: dict | None) -> str:
+    if result is None:
+        return rec.not_run()
+    kernel = sum(result["kernel_elements_differing_from_ieee"].values())
+    return f"kernels {kernel}, xla {result['xla_path_elements_differing_from_ieee']}"
+
+
+def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
+    """Per shape and case, the time ratio XLA path / kernels."""
+    for label, t in times.items():
+        ratios = []
+        for key, ms in t.items():
+            path, case = key.split(": ")
+            if path == "kernels" and f"xla: {case}" in t:
+                ratios.append(f"{case} {t[f'xla: {case}'] / ms:.2f}x")
+        if ratios:
+            rec.decision(
+                f"quantization kernels, {label} (XLA time / kernel time): " + ", ".join(ratios)
+            )
