@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from fp8jax._src.core import jax_private
+from fp8jax._src.observe import deviceless
 
 
 @jax.custom_vjp
@@ -169,3 +172,27 @@ def test_a_jaxpr_is_reinterpreted_equation_by_equation():
             return jax_private.bind_equation(eqns[0], [x])[0]
 
     assert "outer/sin" in jax.jit(rebound).lower(x).as_text(debug_info=True)
+
+
+@pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
+def test_a_triton_kernel_lowers_for_a_deviceless_h100():
+    """Pallas Triton asks JAX 0.11+ for its target GPU; `gpu_lowering_target` names the
+    topology's H100 there (without it the lowering refuses the CPU it runs on)."""
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0
+
+    def double(x):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(1,),
+            in_specs=[pl.BlockSpec(x.shape, lambda i: (0, 0))],
+            out_specs=pl.BlockSpec(x.shape, lambda i: (0, 0)),
+            compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        )(x)
+
+    device = deviceless.h100_topology().devices[0]
+    x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+    lowered, _ = deviceless.lower(double, (x,), {}, device)
+    assert "__gpu$xla.gpu.triton" in lowered.compile().as_text()

@@ -38,6 +38,12 @@ rest as `GSPMDSharding`s, which it replaces.
 bind parameters of a primitive, its equations' source information (name scopes, tracebacks),
 the primitives that hold sub-jaxprs (`scan`, `while`, `cond`, `remat2`, `pjit`), literals.
 
+## The target of a deviceless Pallas Triton lowering
+From JAX 0.11 on, Pallas' Triton lowering reads the GPU it compiles for from the abstract
+mesh of the context, else from the local device: in a deviceless compile (`JAX_PLATFORMS=cpu`)
+a CPU, which it refuses. `gpu_lowering_target` names the topology's GPU there
+(`fp8jax._src.observe.deviceless.lower`); JAX 0.10 needs nothing.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -46,6 +52,7 @@ reports those axes as `jax.typeof(x).manual_axis_type.varying` (earlier: `.vma`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -236,3 +243,28 @@ def scan_counts(params: dict) -> tuple[int, int]:
     # JAX 0.11+: `ft_in`, a flat tree (consts, carry, xs); each group's length is its leaves.
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def gpu_lowering_target(device: Any, mesh: Any = None) -> contextlib.AbstractContextManager:
+    """A context in which Pallas Triton kernels lower for `device` (or `mesh`'s devices),
+    compile-only GPUs of a deviceless topology (see the module docstring); a no-op where
+    JAX's Triton lowering does not need it, or the context already names a device."""
+    import importlib.util
+
+    from jax._src import mesh as mesh_lib
+
+    if (
+        importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is None
+        or getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None) is not None
+    ):
+        return contextlib.nullcontext()
+    if mesh is not None:  # its abstract mesh names its devices' kind
+        return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+    if getattr(device, "platform", None) != "gpu":
+        return contextlib.nullcontext()
+    target = mesh_lib.AbstractDevice(
+        device_kind=device.device_kind,
+        num_cores=getattr(device, "core_count", None),
+        platform=device.platform,
+    )
+    return jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=target))

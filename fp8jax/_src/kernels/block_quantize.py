@@ -24,6 +24,11 @@ Triton divides float32 approximately (`div.full.f32`), so a scale is divided wit
 its tile's NaNs explicitly. The interpreter divides with `/` (IEEE on a CPU): the one step
 it does not run as the GPU does.
 
+Pallas' Triton backend, which these kernels are written in, is deprecated from JAX 0.11 on
+(JAX's GPU kernels move to Mosaic GPU, whose lowering does not yet reduce a tile over its
+rows nor transpose one in registers); where a JAX has removed it, `fits` says no and the
+recipes keep the XLA path, with the same numbers.
+
 Scales come out chunk-major, `(K / block, M)` for `M` rows contracted over `K`: the layout
 the GEMM kernels read them in (`block_gemm`, `persistent_gemm`), so that no transpose of
 them runs between. Shapes must be whole tiles (`fits`); the recipes keep the XLA path for
@@ -38,8 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float
+
+try:  # deprecated from JAX 0.11 on; where JAX has removed it, the recipes keep the XLA path
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a future JAX
+    pltriton = None
 
 from .dispatch import interpreting
 
@@ -50,8 +59,10 @@ _EXPONENT_BITS = 0x7F800000
 
 
 def fits(shape: tuple[int, ...], block: int) -> bool:
-    """Whether a 2-D `shape` is made of whole `block x block` tiles (what the kernels take)."""
-    return len(shape) == 2 and all(n > 0 and n % block == 0 for n in shape)
+    """Whether the kernels can quantize a 2-D `shape`: whole `block x block` tiles, and a
+    JAX that still has Pallas' Triton backend."""
+    tiled = len(shape) == 2 and all(n > 0 and n % block == 0 for n in shape)
+    return tiled and pltriton is not None
 
 
 # --- the scale of a tile, as the recipe computes it ----------------------------------------

@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from ..core import jax_private
 from ..core.compile_options import gpu_compiler_options
 from .roofline import GPUS_PER_NODE
 
@@ -176,4 +177,5 @@ def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[
         return eqx.filter(fn(*a, **k), eqx.is_array)  # outputs may hold functions (a model)
 
     devices = mesh.size if mesh is not None else 1
-    return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
+    with jax_private.gpu_lowering_target(device, mesh):
+        return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
