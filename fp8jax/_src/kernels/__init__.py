@@ -1,4 +1,5 @@
-"""Native GPU kernels (Pallas Mosaic GPU) for the GEMMs XLA cannot express as one FP8 call.
+"""Native GPU kernels: the GEMMs XLA cannot express as one FP8 call (Pallas Mosaic GPU), and
+the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`).
 
 Pallas is imported by the kernel modules, on use; this package's top level stays light.
 """
