@@ -165,6 +165,15 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def shape_like(shape: tuple[int, ...], dtype: Any, like: Any) -> jax.ShapeDtypeStruct:
+    """A kernel's output type `(shape, dtype)` varying over the manual mesh axes `like`
+    varies over: inside `shard_map` a `pallas_call`'s outputs must say it."""
+    manual = getattr(jax.typeof(like), "manual_axis_type", None)
+    if manual is None or not varying_axes(like):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+
+
 def varying_like(x: Any, *operands: Any) -> Any:
     """`x` typed as varying over every manual mesh axis any of `operands` varies over (the
     initial carry of a loop over them inside `shard_map`: its type must be the body's)."""

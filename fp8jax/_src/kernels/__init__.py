@@ -12,3 +12,12 @@ BLOCK_GEMM_NAME = "fp8jax_block_scaled_gemm"
 #: row tile one expert's) and tokens (the wgrad, contracting each expert's tokens).
 GROUPED_ROWS_NAME = "fp8jax_grouped_rows_gemm"
 GROUPED_TOKENS_NAME = "fp8jax_grouped_tokens_gemm"
+
+#: The one-pass quantization kernels' names (`block_quantize`), in the HLO's op_name, where
+#: `fp8jax.hlo_cost` counts them as quantization.
+QUANTIZE_NAMES = (
+    "fp8jax_quantize_rows",
+    "fp8jax_quantize_rows_and_columns",
+    "fp8jax_requantize_columns",
+    "fp8jax_quantize_blocks",
+)

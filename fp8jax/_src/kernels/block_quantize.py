@@ -50,6 +50,8 @@ try:  # deprecated from JAX 0.11 on; where JAX has removed it, the recipes keep 
 except ImportError:  # pragma: no cover - a future JAX
     pltriton = None
 
+from ..core.jax_private import shape_like
+from . import QUANTIZE_NAMES
 from .dispatch import interpreting
 
 #: Warps per program: a 128 x 128 float32 tile is 64 KiB of registers over 256 threads.
@@ -151,13 +153,13 @@ def _rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool)
     )
 
 
-def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool):
+def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool, like: Array):
     """Output shapes and block specs of the rows kernel over the grid `(M / block, K / block)`."""
     tile, nm, nk = (block, block), m // block, k // block
     shapes = [
-        jax.ShapeDtypeStruct((m, k), fmt),
-        jax.ShapeDtypeStruct((nk, m), jnp.float32),
-        jax.ShapeDtypeStruct((nm, nk), jnp.float32),
+        shape_like((m, k), fmt, like),
+        shape_like((nk, m), jnp.float32, like),
+        shape_like((nm, nk), jnp.float32, like),
     ]
     specs = [
         pl.BlockSpec(tile, lambda i, j: (i, j)),
@@ -166,8 +168,8 @@ def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool):
     ]
     if columns:
         shapes += [
-            jax.ShapeDtypeStruct((k, m), fmt),
-            jax.ShapeDtypeStruct((nm, k), jnp.float32),
+            shape_like((k, m), fmt, like),
+            shape_like((nm, k), jnp.float32, like),
         ]
         specs += [
             pl.BlockSpec(tile, lambda i, j: (j, i)),
@@ -203,12 +205,13 @@ def _call(kernel, shapes, specs, in_specs, grid, interpret, name):
 )
 def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret):
     m, k = x.shape
-    shapes, specs = _specs(block, m, k, fmt, columns)
+    shapes, specs = _specs(block, m, k, fmt, columns, x)
     kernel = functools.partial(
         _rows_kernel, columns=columns, **_rule(fmt, max_scale, power_of_two, interpret)
     )
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
-    name = "fp8jax_quantize_rows_and_columns" if columns else "fp8jax_quantize_rows"
+    rows, rows_and_columns, _, _ = QUANTIZE_NAMES
+    name = rows_and_columns if columns else rows
     outs = _call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
     return tuple(outs)
 
@@ -272,8 +275,8 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
         _columns_kernel, **_rule(data.dtype, max_scale, power_of_two, interpret)
     )
     shapes = [
-        jax.ShapeDtypeStruct((k, m), data.dtype),
-        jax.ShapeDtypeStruct((nm, k), jnp.float32),
+        shape_like((k, m), data.dtype, data),
+        shape_like((nm, k), jnp.float32, data),
     ]
     specs = [
         pl.BlockSpec((block, block), lambda i, j: (j, i)),
@@ -284,7 +287,7 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
         pl.BlockSpec((1, block), lambda i, j: (j, i)),
     ]
     grid = (nm, k // block)
-    call = _call(kernel, shapes, specs, in_specs, grid, interpret, "fp8jax_requantize_columns")
+    call = _call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[2])
     return tuple(call(data, scale_inv))
 
 
@@ -338,10 +341,10 @@ def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
     n, k = w.shape
     kernel = functools.partial(_square_kernel, **_rule(fmt, max_scale, power_of_two, interpret))
     shapes = [
-        jax.ShapeDtypeStruct((n, k), fmt),
-        jax.ShapeDtypeStruct((k, n), fmt),
-        jax.ShapeDtypeStruct((n // block, k // block), jnp.float32),
-        jax.ShapeDtypeStruct((n // block, k // block), jnp.float32),
+        shape_like((n, k), fmt, w),
+        shape_like((k, n), fmt, w),
+        shape_like((n // block, k // block), jnp.float32, w),
+        shape_like((n // block, k // block), jnp.float32, w),
     ]
     specs = [
         pl.BlockSpec((block, block), lambda i, j: (i, j)),
@@ -351,7 +354,7 @@ def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
     ]
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     grid = (n // block, k // block)
-    call = _call(kernel, shapes, specs, in_specs, grid, interpret, "fp8jax_quantize_blocks")
+    call = _call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[3])
     return tuple(call(w))
 
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import final
 
-from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
+from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME, QUANTIZE_NAMES
 from .hlo import (
     F8,
     LAYER,
@@ -83,7 +83,7 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     category it belongs to:
 
     1. `"quantize"`: it converts something to an FP8 type (a cast; a cast fused with an amax,
-       a transpose or a GELU is still a quantize);
+       a transpose or a GELU is still a quantize; fp8jax's one-pass quantization kernels);
     2. `"amax"`: it reduces `|x|` by maximum (and writes no FP8);
     3. `"block partials"`: it runs inside a `while` loop of an fp8jax layer (the float32
        partial sums of the block recipes, the slicing of their chunks);
@@ -313,6 +313,8 @@ class _Walker:
         ops = [i for _, i in inside if i.op != "fusion"]
         if any(i.op == "convert" and F8.match(element_type(i.type)) for i in ops):
             return "quantize"
+        if any(i.op == "custom-call" and _is_quantize_kernel(i) for i in ops):
+            return "quantize"
         if any(self.is_amax(c, i, partials) for c, i in inside):
             return "amax"
         if layer_loop:
@@ -427,6 +429,11 @@ def _is_native_gemm(instruction: Instruction) -> bool:
     """One of fp8jax's own GEMM kernels (`fp8jax._src.kernels`: block-scaled, grouped rows,
     grouped tokens), an opaque Mosaic GPU custom call recognized by its name."""
     return instruction.mosaic and any(name in instruction.op_name for name in _NATIVE_NAMES)
+
+
+def _is_quantize_kernel(instruction: Instruction) -> bool:
+    """One of fp8jax's one-pass quantization kernels (`kernels/block_quantize.py`), by name."""
+    return any(f"{name}/pallas_call" in instruction.op_name for name in QUANTIZE_NAMES)
 
 
 def _native_gemm_cost(computation: Computation, instruction: Instruction) -> tuple[int, str]:

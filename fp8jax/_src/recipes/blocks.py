@@ -166,6 +166,12 @@ class BlockScaledRecipe(Recipe):
         return dispatch.on_shards(gemm, lhs, rhs, dims=dims, out_dtype=out_dtype)
 
 
+def _local_amax(x: Array) -> Float[Array, ""]:
+    """`max(|x|)` of this call's `x` alone: `core.amax`'s reduction, without the spans over a
+    batch or mesh axes that `Recipe.amax` then adds."""
+    return jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
+
+
 def tile(axis: Axis, size: int) -> tuple[int, int]:
     return (1, size) if axis == -1 else (size, 1)
 
@@ -298,15 +304,16 @@ class BlockwiseScaling(BlockScaledRecipe):
         copy: XLA merges the two identical calls into one)."""
         fmt = self.format("kernel")
 
-        def native(w: Array, owner: Array) -> tuple[Array, ...]:
+        def native(w: Array) -> tuple[Array, ...]:
             data, data_t, scale_inv, amaxes = block_quantize.quantize_blocks(w, fmt, **self._rule())
-            return data, data_t, scale_inv, self.amax(amaxes, owner)
+            return data, data_t, scale_inv, jnp.max(amaxes)
 
-        def xla(w: Array, owner: Array) -> tuple[Array, ...]:
+        def xla(w: Array) -> tuple[Array, ...]:
             q = self._quantize(w, "kernel", -1)
-            return q.data, q.data.T, q.scale_inv, self.amax(w, owner)
+            return q.data, q.data.T, q.scale_inv, _local_amax(w)
 
-        return self._on_kernel(native, xla, w, owner)
+        *out, local = self._on_kernel(native, xla, w)
+        return *out, self.amax(local, owner)
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
@@ -333,20 +340,22 @@ class BlockwiseScaling(BlockScaledRecipe):
             )
             return data, scale_t.T, amax, data_t.T, cols_t
 
-        def native(x: Array, owner: Array) -> tuple[Array, ...]:
+        def native(x: Array) -> tuple[Array, ...]:
             data, scale_inv, amaxes, *cols = (jax.vmap(tiles) if x.ndim == 3 else tiles)(x)
-            # One amax per tile row from the kernel (NaN-propagating): their max is `x`'s.
-            return data, scale_inv, self.amax(amaxes, owner), *cols
+            # One amax per program from the kernel (NaN-propagating): their max is `x`'s.
+            return data, scale_inv, jnp.max(amaxes), *cols
 
-        def xla(x: Array, owner: Array) -> tuple[Array, ...]:
+        def xla(x: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)
-            out = (q.data, q.scale_inv, self.amax(x, owner))
+            out = (q.data, q.scale_inv, _local_amax(x))
             if columns:
                 q_t = self._quantize(x, role, -2)
                 out += (q_t.data, q_t.scale_inv)
             return out
 
-        data, scale_inv, current, *cols = self._on_kernel(native, xla, x, state.scale)
+        data, scale_inv, local, *cols = self._on_kernel(native, xla, x)
+        # Over the batch under `vmap` and over `axis_names`, as `Recipe.amax` spans them.
+        current = self.amax(local, state.scale)
         q_cols = QTensor(cols[0], cols[1], (size, 1)) if columns else None
         return QTensor(data, scale_inv, (1, size)), q_cols, self._state(state, role, current)
 
