@@ -173,6 +173,7 @@ def _local_amax(x: Array) -> Float[Array, ""]:
 
 
 def tile(axis: Axis, size: int) -> tuple[int, int]:
+    """The `1 x size` tile along the contracted `axis` -1, `size x 1` along -2."""
     return (1, size) if axis == -1 else (size, 1)
 
 
@@ -199,7 +200,10 @@ class BlockwiseScaling(BlockScaledRecipe):
       (default): on Hopper GPUs and in compiles for them, the XLA path elsewhere (CPUs, other
       GPUs); `True` forces the kernel (it compiles only for sm_90), `False` the XLA path.
       Block sizes 64 and 128 only; the numerics are the XLA path's, float32 summation order
-      aside.
+      aside. Where the kernel runs, activations, gradients and weights of whole 128 x 128
+      tiles are quantized in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the
+      same values as the XLA path's quantization, and the K-major copies the backward
+      GEMMs take).
     """
 
     block_size: int = 128
