@@ -14,15 +14,19 @@ one tensor read four times. These kernels read it once:
 - `requantize_columns(data, scale_inv)`: an FP8 tensor in 1 x `block` tiles dequantized and
   quantized again in `block` x 1 tiles, transposed: the activation the wgrad takes, from its
   saved FP8 copy (DeepSeek-V3's choice: no high-precision copy is kept).
+- `quantize_blocks(w)`: a weight in `block x block` blocks, and the same FP8 values
+  transposed (the dgrad's K-major copy), from one read.
 
 Each program owns one `block x block` tile: its rows' and columns' amaxes are in registers,
 so the scales and casts follow without another read. The math is the XLA path's
 (`fp8jax._src.recipes.blocks`) operation for operation: `reference_*` below, side by side,
-and the tests hold the two equal bit for bit in the interpreter. Two GPU details keep it so:
+and the tests hold the two equal bit for bit in the interpreter. Two GPU details matter:
 Triton divides float32 approximately (`div.full.f32`), so a scale is divided with
-`div.rn.f32` (IEEE, as XLA) in inline PTX; and PTX's `max` drops NaNs, so an amax carries
-its tile's NaNs explicitly. The interpreter divides with `/` (IEEE on a CPU): the one step
-it does not run as the GPU does.
+`div.rn.f32` in inline PTX, exactly rounded as the XLA path on a CPU (XLA's own GPU fusions
+also divide with `div.full.f32`: on an H100 their scales may differ in the last bit); and
+PTX's `max` drops NaNs, so an amax carries its tile's NaNs explicitly. The interpreter
+divides with `/` behind a barrier (IEEE on a CPU): the one step it does not run as the GPU
+does.
 
 Pallas' Triton backend, which these kernels are written in, is deprecated from JAX 0.11 on
 (JAX's GPU kernels move to Mosaic GPU, whose lowering does not yet reduce a tile over its
@@ -179,6 +183,11 @@ def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool, like: Arra
 
 
 def _check(x: Array, block: int, name: str) -> None:
+    if pltriton is None:  # pragma: no cover - a future JAX
+        raise RuntimeError(
+            f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
+            "is written in; the recipes keep the XLA path there."
+        )
     if not fits(x.shape, block):
         raise ValueError(
             f"{name}: shape {x.shape} is not made of whole {block} x {block} tiles; the "
