@@ -219,10 +219,36 @@ def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret):
         _rows_kernel, columns=columns, **_rule(fmt, max_scale, power_of_two, interpret)
     )
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
-    rows, rows_and_columns, _, _ = QUANTIZE_NAMES
-    name = rows_and_columns if columns else rows
+    name = QUANTIZE_NAMES[1 if columns else 0]
     outs = _call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
     return tuple(outs)
+
+
+def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
+    """Check `x` for kernel `name`; whether it runs interpreted (`None`: as traced)."""
+    _check(x, block, name)
+    return interpreting() if interpret is None else interpret
+
+
+def _rows(
+    x: Array,
+    fmt: jnp.dtype,
+    columns: bool,
+    block: int,
+    max_scale: float,
+    power_of_two: bool,
+    interpret: bool | None,
+) -> tuple[Array, ...]:
+    name = QUANTIZE_NAMES[1 if columns else 0]
+    return _quantize(
+        x,
+        fmt=jnp.dtype(fmt),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        columns=columns,
+        interpret=_interpret(x, block, name, interpret),
+    )
 
 
 def quantize_rows(
@@ -238,17 +264,7 @@ def quantize_rows(
     (chunk-major) and each program's amax `(M / block, K / block)` (NaN where its tile has
     a NaN), for the operand's state. Scales as `BlockwiseScaling.block_scale` (at most
     `max_scale`)."""
-    _check(x, block, "quantize_rows")
-    interpret = interpreting() if interpret is None else interpret
-    return _quantize(
-        x,
-        fmt=jnp.dtype(fmt),
-        block=block,
-        max_scale=max_scale,
-        power_of_two=power_of_two,
-        columns=False,
-        interpret=interpret,
-    )
+    return _rows(x, fmt, False, block, max_scale, power_of_two, interpret)
 
 
 def quantize_rows_and_columns(
@@ -263,17 +279,7 @@ def quantize_rows_and_columns(
     """`quantize_rows(x)`'s three outputs and, from the same read of `x`, its `block` x 1
     tiles along `M` transposed: `data_t (K, M)` and its chunk-major `scale_inv (M / block,
     K)`."""
-    _check(x, block, "quantize_rows_and_columns")
-    interpret = interpreting() if interpret is None else interpret
-    return _quantize(
-        x,
-        fmt=jnp.dtype(fmt),
-        block=block,
-        max_scale=max_scale,
-        power_of_two=power_of_two,
-        columns=True,
-        interpret=interpret,
-    )
+    return _rows(x, fmt, True, block, max_scale, power_of_two, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "max_scale", "power_of_two", "interpret"))
@@ -312,14 +318,13 @@ def requantize_columns(
     """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major, as `quantize_rows`
     writes it) requantized into `block` x 1 tiles along `M`, transposed: `data_t (K, M)` in
     `data`'s FP8 type and its chunk-major `scale_inv (M / block, K)`."""
-    _check(data, block, "requantize_columns")
+    interpret = _interpret(data, block, QUANTIZE_NAMES[2], interpret)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
         raise ValueError(
             f"requantize_columns: scale_inv_t has shape {scale_inv_t.shape}; data "
             f"{data.shape} in 1 x {block} tiles takes {want} (chunk-major)."
         )
-    interpret = interpreting() if interpret is None else interpret
     return _requantize(
         data,
         scale_inv_t.astype(jnp.float32),
@@ -379,15 +384,13 @@ def quantize_blocks(
     """A weight `w (N, K)` in `block x block` blocks: FP8 `data (N, K)`, the same values
     transposed `data_t (K, N)` (the dgrad's K-major copy), `scale_inv (N / block, K /
     block)` and each block's amax (NaN where it has a NaN), from one read of `w`."""
-    _check(w, block, "quantize_blocks")
-    interpret = interpreting() if interpret is None else interpret
     return _quantize_square(
         w,
         fmt=jnp.dtype(fmt),
         block=block,
         max_scale=max_scale,
         power_of_two=power_of_two,
-        interpret=interpret,
+        interpret=_interpret(w, block, QUANTIZE_NAMES[3], interpret),
     )
 
 

@@ -291,7 +291,8 @@ class BlockwiseScaling(BlockScaledRecipe):
         if role == "kernel":
             if x.ndim != 2:
                 return super().quantize(x, state, role, axis)
-            data, _, scale_inv, current = self._weight_blocks(x, state.scale)
+            data, _, scale_inv, local = self._weight_blocks(x)
+            current = self.amax(local, state.scale)
             return QTensor(data, scale_inv, self.block_for(role, axis)), self._state(
                 state, role, current
             )
@@ -302,10 +303,10 @@ class BlockwiseScaling(BlockScaledRecipe):
         nominal = jnp.where(current > 0, fp8_max(self.format(role)) / current, state.scale)
         return TensorState(nominal, state.amax_history.at[..., 0].set(current))
 
-    def _weight_blocks(self, w: Array, owner: Array) -> tuple[Array, ...]:
-        """A 2-D weight's FP8 blocks, the same transposed, their scales and the state's amax:
-        one kernel where the GEMMs run natively (called again by `retile` for the dgrad's
-        copy: XLA merges the two identical calls into one)."""
+    def _weight_blocks(self, w: Array) -> tuple[Array, ...]:
+        """A 2-D weight's FP8 blocks, the same transposed, their scales and its amax (this
+        call's, before `Recipe.amax`): one kernel where the GEMMs run natively (called again
+        by `retile` for the dgrad's copy: XLA merges the two identical calls into one)."""
         fmt = self.format("kernel")
 
         def native(w: Array) -> tuple[Array, ...]:
@@ -316,8 +317,7 @@ class BlockwiseScaling(BlockScaledRecipe):
             q = self._quantize(w, "kernel", -1)
             return q.data, q.data.T, q.scale_inv, _local_amax(w)
 
-        *out, local = self._on_kernel(native, xla, w)
-        return *out, self.amax(local, owner)
+        return self._on_kernel(native, xla, w)
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
@@ -367,7 +367,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         block = self.block_for(role, axis)
         if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
             # The dgrad's K-major copy, written by the kernel that quantized the weight.
-            _, data_t, scale_inv, _ = self._weight_blocks(source, jnp.ones((), jnp.float32))
+            _, data_t, scale_inv, _ = self._weight_blocks(source)
             return QTensor(data_t.T, scale_inv, block)
         if (
             source is not None
