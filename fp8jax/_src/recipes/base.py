@@ -16,6 +16,9 @@ A recipe is a frozen dataclass of Python configuration. Its methods are pure fun
    the backward retiles the saved activation from its FP8 values (DeepSeek-V3's choice: no
    high-precision copy is kept);
 3. `dot(lhs, rhs, lhs_axis, rhs_axis, precision)`: the float32 product of two `QTensor`s.
+
+`quantize_both(x, state, role)` gives the output gradient's two layouts (dgrad and wgrad) at
+once: by default `quantize` twice; a recipe that writes both in one pass overrides it.
 """
 
 from __future__ import annotations
