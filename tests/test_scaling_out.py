@@ -1,11 +1,14 @@
 """FP8 at scale: the native kernels per device under `jit` sharding, and FP8 weight
 all-gathers, once per step.
 
-On 8 CPU devices the kernels run in Mosaic GPU's interpreter, per shard (through
-`custom_partitioning`), and train as one device does; on a deviceless compile for 8 H100s, an
-FSDP step gathers each weight once, in FP8, and every targeted GEMM is the Mosaic kernel.
+On 8 CPU devices each GEMM runs per shard (through `custom_partitioning`) and trains as one
+device does, and the kernels themselves, in Mosaic GPU's interpreter, run on every device's
+shards as XLA's partitioner decided (`dispatch.run_interpreted`); on a deviceless compile for
+8 H100s, an FSDP step gathers each weight once, in FP8, and every targeted GEMM is the Mosaic
+kernel.
 """
 
+import contextvars
 import dataclasses
 import json
 import re
@@ -20,7 +23,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from fp8jax._src.kernels import dispatch, partition, reference
+from fp8jax._src.kernels import (
+    BLOCK_GEMM_NAME,
+    GROUPED_ROWS_NAME,
+    GROUPED_TOKENS_NAME,
+    dispatch,
+    partition,
+    reference,
+)
 from fp8jax._src.kernels.partition import GemmDims, choose_axes
 from fp8jax._src.recipes.base import gemm_dims
 
@@ -167,20 +177,26 @@ def _placed(model, x, y, layout, mesh):
 )
 def test_native_kernels_per_shard_train_like_one_device(name, layout):
     """One step's outputs, loss and gradients on 8 devices equal one device's, to float32
-    rounding (sums over the tokens' or a row-split Linear's shards), and each GEMM ran per
-    shard: the jaxpr holds its `custom_partitioning`. Interpreted, each device runs the XLA
-    path, the kernel's numerics twin (Mosaic GPU's interpreter cannot run inside a partitioned
-    program: `dispatch.choose`); the compile for 8 H100s below shows the kernels there."""
+    rounding (sums over the tokens' or a row-split Linear's shards), twice
+    (`dispatch.run_interpreted`): as XLA partitions the program, each GEMM per shard through
+    its `custom_partitioning` (each device runs the XLA path there, the kernel's numerics
+    twin: Mosaic GPU's interpreter cannot run inside a partitioned program), and with the
+    kernels themselves, interpreted, run on every device's shards as the partitioner decided.
+    The compile for 8 H100s below shows the kernels in the partitioned program."""
     model, (x, y) = _mlp(RECIPES[name]), _batch()
-    mesh = _mesh()
-    step = eqx.filter_jit(_outputs_and_grads)
     xla = dataclasses.replace(RECIPES[name], native_kernel=False)
-    want = step(_mlp(xla), x, y)  # one device's XLA path: the numerics of the kernel
-    with dispatch.interpreted():
-        placed, batch = _placed(model, x, y, layout, mesh)
-        got = step(placed, *batch)
-        jaxpr = str(eqx.filter_make_jaxpr(_outputs_and_grads)(placed, *batch)[0])
-    assert "custom_partitioning" in jaxpr
+    want = eqx.filter_jit(_outputs_and_grads)(_mlp(xla), x, y)  # the kernel's numerics
+    placed, batch = _placed(model, x, y, layout, _mesh())
+    run = dispatch.run_interpreted(_outputs_and_grads, placed, *batch)
+    # Forward, dgrad and wgrad of both Linears (the first's dgrad unused) partitioned, split.
+    split = [p for p in run.plans if p is not None and any(p.chosen.values())]
+    assert len(split) >= 5, run.plans
+    assert run.jaxpr.count(BLOCK_GEMM_NAME) >= 6  # the residual recipe's fused kernel too
+    for got in (run.partitioned, run.outputs):
+        _assert_trains_like(got, want, layout)
+
+
+def _assert_trains_like(got, want, layout):
     out, loss, grads = got
     want_out, want_loss, want_grads = want
     # XLA's CPU dots round a row's sum differently by the shape they see (one float32 ulp);
@@ -197,6 +213,43 @@ def test_native_kernels_per_shard_train_like_one_device(name, layout):
     assert len(leaves) == len(want_leaves)
     for a, b in zip(leaves, want_leaves, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+_FACTOR = contextvars.ContextVar("test_factor", default=1.0)
+
+
+def _scaled_gemm(a, b, out_dtype):
+    """A stand-in GEMM that reads a context variable where it is traced."""
+    return (a @ b.T * _FACTOR.get()).astype(out_dtype)
+
+
+def test_each_devices_gemm_is_traced_in_the_callers_context():
+    """XLA's partitioner traces each device's GEMM while it compiles, on a thread of its
+    own: what the caller set in its context (`persistent_kernel()`, `interpreted()`) holds
+    there. Without it, a sharded step traced under `persistent_kernel()` would run the tiled
+    kernel on its devices."""
+    dims = partition.GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    a = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("data")))
+    b = jnp.ones((16, 32))
+    token = _FACTOR.set(3.0)
+    try:
+        out = jax.jit(lambda a, b: partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b))(a, b)
+    finally:
+        _FACTOR.reset(token)
+    np.testing.assert_array_equal(out, np.full((64, 16), 96.0, np.float32))
+
+
+def test_a_replay_names_a_trace_with_more_gemms_than_recorded():
+    dims = partition.GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
+    a, b = jnp.ones((8, 4)), jnp.ones((2, 4))
+    with partition.replaying([None]) as replay:
+        np.testing.assert_array_equal(
+            partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b), a @ b.T
+        )
+        with pytest.raises(RuntimeError, match="replaying 1 recorded GEMM plans"):
+            partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b)
+    assert replay.used == 1
 
 
 # --- FP8 weight all-gathers ---------------------------------------------------------------------
@@ -418,14 +471,19 @@ def test_grouped_gemms_per_shard_train_like_one_device(name, layout):
     weights = NamedSharding(mesh, P(None, "data") if layout == "fsdp" else P())
     on = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=True)
     args = (jax.device_put(x, rows), jax.device_put(w, weights), jax.device_put(g, rows))
-    with dispatch.interpreted():
-        got = eqx.filter_jit(step)(on, *args)
-        jaxpr = str(eqx.filter_make_jaxpr(step)(on, *args)[0])
-    assert jaxpr.count("custom_partitioning") >= 3  # forward, dgrad, wgrad
-    for a, b, terms in zip(got, want, (k, n, m), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        atol = reference.float32_sum_bound(terms, float(np.abs(b).max()))
-        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
+    run = dispatch.run_interpreted(step, on, *args)
+    # Forward, dgrad (each device's slice of the tokens, its slice's group sizes) and wgrad
+    # partitioned; the kernels run as recorded.
+    assert sum(p is not None and p.chosen["m"] == ("data",) for p in run.plans) >= 2
+    assert sum(p is not None for p in run.plans) >= 3, run.plans
+    assert "custom_partitioning" not in run.jaxpr
+    assert run.jaxpr.count(GROUPED_ROWS_NAME) >= 2
+    assert GROUPED_TOKENS_NAME in run.jaxpr or BLOCK_GEMM_NAME in run.jaxpr  # the wgrad
+    for got in (run.partitioned, run.outputs):
+        for a, b, terms in zip(got, want, (k, n, m), strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            atol = reference.float32_sum_bound(terms, float(np.abs(b).max()))
+            np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
 # --- a compile for 8 H100s ----------------------------------------------------------------------

@@ -7,8 +7,9 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,6 +34,44 @@ def interpreted() -> Iterator[None]:
         yield
     finally:
         _INTERPRET.reset(token)
+
+
+class Interpreted(NamedTuple):
+    """What `run_interpreted` ran: `fn`'s outputs with the kernels run on every device's
+    shards (`outputs`) and as the partitioned program computes them on the devices
+    (`partitioned`: each device runs the kernels' XLA twins), the partitioner's plan of each
+    GEMM (in trace order; `None` for one on a device's data as it is, or one XLA removed),
+    and the jaxpr that ran the kernels."""
+
+    outputs: Any
+    partitioned: Any
+    plans: list[partition.ShardPlan | None]
+    jaxpr: str
+
+
+def run_interpreted(fn: Callable[..., Any], *args: Any) -> Interpreted:
+    """`fn(*args)`, jitted, with its native kernels run in Mosaic GPU's interpreter, those
+    that XLA partitions across devices (`partition.per_shard`) included. For tests.
+
+    The interpreter cannot run inside a partitioned program. So `fn` runs first on the
+    devices `args` lie on, each device running the kernels' XLA twins, while XLA's
+    partitioner records what every device computes for each GEMM; then on one device, each
+    partitioned kernel run on every device's shards in turn as recorded
+    (`partition.emulated`). Raises `RuntimeError` if the second trace did not use every
+    recorded plan (give `fn` and `args` a trace of their own)."""
+    with interpreted(), partition.recording() as plans:
+        partitioned = eqx.filter_jit(lambda *a: fn(*a))(*args)
+    device = jax.devices()[0]
+    local = jax.tree.map(lambda a: jax.device_put(a, device) if eqx.is_array(a) else a, args)
+    with interpreted(), partition.replaying(plans) as replay:
+        outputs = eqx.filter_jit(lambda *a: fn(*a))(*local)
+    if replay.used != len(plans):
+        raise RuntimeError(
+            f"run_interpreted: {len(plans)} GEMMs recorded but {replay.used} replayed."
+        )
+    with interpreted(), partition.replaying(plans):
+        jaxpr = str(eqx.filter_make_jaxpr(fn)(*local)[0])
+    return Interpreted(outputs, partitioned, plans, jaxpr)
 
 
 def interpreting() -> bool:
@@ -101,16 +140,15 @@ def choose(
     if use_native is False:
         return xla(*args)
     run = functools.partial(native, out_dtype=out_dtype)
-    if not per_device_gemm(*args):
-        if dims is not None:
-            # Mosaic GPU's interpreter simulates a GPU through ordered host callbacks, which
-            # XLA's partitioner cannot place in a device's computation: interpreted, each
-            # device runs the XLA path, the kernel's numerics twin (the two are held equal on
-            # one device by tests/test_kernels.py), so that the partitioning is what is tested.
-            local = _as_native(xla) if interpreting() else native
-            run = functools.partial(partition.per_shard, local, dims, out_dtype)
-        elif not (use_native or interpreting()):
-            return xla(*args)
+    if _partitioned(dims, args):
+        # Mosaic GPU's interpreter simulates a GPU through ordered host callbacks, which
+        # `custom_partitioning` cannot hold: interpreted, each device runs the XLA path (the
+        # kernel's numerics twin) while XLA partitions the program, and the kernel itself
+        # where the partitioner's decisions are replayed on one device (`run_interpreted`).
+        local = _as_native(xla) if interpreting() and not partition.replays() else native
+        run = functools.partial(partition.per_shard, local, dims, out_dtype)
+    elif not per_device_gemm(*args) and not (use_native or interpreting()):
+        return xla(*args)
     run = _varying_like(run, args)
     if use_native or interpreting():
         return run(*args)
@@ -144,9 +182,21 @@ def on_shards(
     where the operands lie on a mesh that XLA partitions (`partition.per_shard`), as it is
     elsewhere. For GEMMs XLA would partition badly: a block recipe's loop over 128-wide
     chunks of a contraction split across devices gathers a whole operand per chunk."""
-    if per_device_gemm(*args):
-        return gemm(*args, out_dtype=out_dtype)
-    return partition.per_shard(gemm, dims, out_dtype, *args)
+    if _partitioned(dims, args):
+        return partition.per_shard(gemm, dims, out_dtype, *args)
+    return gemm(*args, out_dtype=out_dtype)
+
+
+def _partitioned(dims: GemmDims | None, args: tuple) -> bool:
+    """Whether a GEMM of `args` with `dims` runs through `partition.per_shard`: its operands
+    lie on a mesh that XLA partitions, or recorded plans are replayed (`run_interpreted`).
+    One that runs on one device's data is noted where plans are recorded."""
+    if dims is None:
+        return False
+    if partition.replays() or not per_device_gemm(*args):
+        return True
+    partition.record_local()
+    return False
 
 
 def _as_native(xla: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,9 +24,11 @@ lets XLA gather it once for both.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -150,13 +152,14 @@ def local_group_sizes(group_sizes: Array, start: Array, length: int) -> Array:
     return (jnp.clip(ends, start, stop) - jnp.clip(starts, start, stop)).astype(group_sizes.dtype)
 
 
-def _local_groups(leaves, dims: GemmDims, chosen, mesh) -> list:
-    """`leaves` (one device's) with the group sizes of its slice of the ragged factor."""
+def _local_groups(leaves, dims: GemmDims, chosen, mesh, coords=None) -> list:
+    """`leaves` (one device's) with the group sizes of its slice of the ragged factor; the
+    device's mesh coordinates are `coords` (axis name -> index), or its own (`axis_index`)."""
     where, factor = dims.ragged
     axes = chosen[factor]
     index = 0  # this device's slice: mesh axes in the order the spec lists them
     for a in axes:
-        index = index * mesh.shape[a] + lax.axis_index(a)
+        index = index * mesh.shape[a] + (lax.axis_index(a) if coords is None else coords[a])
     length = next(
         leaf.shape[d]
         for leaf, array_dims in zip(leaves, dims.operands, strict=True)
@@ -181,6 +184,167 @@ def _rule(dims: GemmDims) -> tuple[str, tuple[str, ...]]:
     return f"{operands} -> {' '.join(dims.out)}", tuple(blocked)
 
 
+class ShardPlan(NamedTuple):
+    """What every device computes for one `per_shard` GEMM once XLA has propagated its
+    operands' shardings: the mesh axes each factor keeps (`chosen`), the operand arrays' and
+    the output's specs, and how a split contraction's partial sums are added (reduce-scattered
+    along output axis `scatter[0]` over `scatter[1]`, all-reduced over `rest`)."""
+
+    mesh: Any
+    chosen: dict[str, tuple[str, ...]]
+    in_specs: tuple[P, ...]
+    out_spec: P
+    scatter: tuple[int, tuple[str, ...]] | None
+    rest: tuple[str, ...]
+
+
+def _plan(dims: GemmDims, mesh, arg_shapes, result_shape) -> ShardPlan:
+    shapes = [a.shape for a in arg_shapes]
+    specs = [jax_private.spec_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
+    chosen = choose_axes(dims, shapes, specs, dict(mesh.shape))
+    out_axes = [chosen[f] for f in dims.out]
+    split = chosen["k"]
+    # Partial sums of a split contraction are reduce-scattered where XLA wants the output
+    # split over those axes (an FSDP wgrad, summed over the tokens' shards into the weight's),
+    # and all-reduced otherwise.
+    scatter = None if result_shape is None else _scatter(result_shape, out_axes, split, mesh)
+    if scatter is not None:
+        out_axes[scatter[0]] = scatter[1]
+    rest = tuple(a for a in split if scatter is None or a not in scatter[1])
+    in_specs = tuple(_sharding(mesh, d, chosen).spec for d in dims.operands)
+    return ShardPlan(mesh, chosen, in_specs, P(*(a or None for a in out_axes)), scatter, rest)
+
+
+def _per_device(call: Callable[..., Array], dims: GemmDims, plan: ShardPlan, *leaves: Array):
+    """One device's GEMM on its shards `leaves`, its partial sums added across devices."""
+    if dims.ragged is not None and plan.chosen[dims.ragged[1]]:
+        leaves = _local_groups(leaves, dims, plan.chosen, plan.mesh)
+    out = call(*leaves)
+    if plan.scatter is not None:
+        axis, axes = plan.scatter
+        out = lax.psum_scatter(out, axes, scatter_dimension=axis, tiled=True)
+    return lax.psum(out, plan.rest) if plan.rest else out
+
+
+class _Replay:
+    """The plans `replaying` hands out, in the order their GEMMs are traced."""
+
+    def __init__(self, plans: Sequence[ShardPlan | None]):
+        self.plans = list(plans)
+        self.used = 0
+
+    def next(self) -> ShardPlan | None:
+        if self.used == len(self.plans):
+            raise RuntimeError(
+                f"replaying {len(self.plans)} recorded GEMM plans: this trace has more GEMMs "
+                "than the recorded one (trace the same function on the same arguments)."
+            )
+        self.used += 1
+        return self.plans[self.used - 1]
+
+
+_PLANS: contextvars.ContextVar[list | _Replay | None] = contextvars.ContextVar(
+    "fp8jax_shard_plans", default=None
+)
+
+
+def replays() -> bool:
+    """Whether GEMMs traced here replay recorded plans (see `replaying`)."""
+    return isinstance(_PLANS.get(), _Replay)
+
+
+def record_local() -> None:
+    """Note, where plans are being recorded, a GEMM that runs on one device's data as it is
+    (no `per_shard`): its plan is `None`."""
+    plans = _PLANS.get()
+    if isinstance(plans, list) and not inside():  # not the GEMMs of one device's trace
+        plans.append(None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[ShardPlan | None]]:
+    """GEMMs traced inside (`per_shard`, `record_local`) append their plan to the yielded
+    list, in trace order: XLA's partitioner fills a `per_shard` GEMM's `ShardPlan` in when it
+    compiles the program (it stays `None` where XLA removed the GEMM first, or where the GEMM
+    runs on one device's data)."""
+    plans: list[ShardPlan | None] = []
+    token = _PLANS.set(plans)
+    try:
+        yield plans
+    finally:
+        _PLANS.reset(token)
+
+
+@contextlib.contextmanager
+def replaying(plans: Sequence[ShardPlan | None]) -> Iterator[_Replay]:
+    """`per_shard` GEMMs traced inside, in a program on one device, compute what the
+    partitioned program recorded in `plans` computes (same function, same arguments, in
+    trace order): each device's GEMM on its shards in turn, the partial sums added, the
+    output assembled (`emulated`). For kernels that cannot run in a partitioned program
+    (Mosaic GPU's interpreter simulates one GPU through ordered host callbacks). The yielded
+    object counts the plans used (`used`)."""
+    replay = _Replay(plans)
+    token = _PLANS.set(replay)
+    try:
+        yield replay
+    finally:
+        _PLANS.reset(token)
+
+
+def _shard(x: Array, spec: P, mesh_shape: Mapping, coords: Mapping) -> Array:
+    """The block of `x` that the device at mesh coordinates `coords` holds under `spec`."""
+    for d in range(x.ndim):
+        axes = _spec_axes(spec, d)
+        if not axes:
+            continue
+        index, ways = 0, 1
+        for a in axes:
+            index, ways = index * mesh_shape[a] + coords[a], ways * mesh_shape[a]
+        size = x.shape[d] // ways
+        x = lax.slice_in_dim(x, index * size, (index + 1) * size, axis=d)
+    return x
+
+
+def emulated(
+    call: Callable[..., Array], dims: GemmDims, plan: ShardPlan | None, leaves: Sequence[Array]
+) -> Array:
+    """`call` (one device's GEMM) run on one device as the partitioned program that `plan`
+    describes runs it: on every distinct device's shards in turn (`lax.map`: one trace), the
+    partial sums of a split contraction added, the blocks assembled into the whole output
+    (what the reduce-scatter or all-reduce leaves, gathered). `None`: `call(*leaves)`."""
+    if plan is None:
+        return call(*leaves)
+    mesh_shape = dict(plan.mesh.shape)
+    out_axes = [plan.chosen[f] for f in dims.out]
+    split = plan.chosen["k"]
+    axes = [a for group in (*out_axes, split) for a in group]  # one device per combination
+    devices = [
+        dict(zip(axes, c, strict=True))
+        for c in itertools.product(*(range(mesh_shape[a]) for a in axes))
+    ]
+    shards = []
+    for coords in devices:
+        specs = zip(leaves, plan.in_specs, strict=True)
+        mine = [_shard(x, spec, mesh_shape, coords) for x, spec in specs]
+        if dims.ragged is not None and plan.chosen[dims.ragged[1]]:
+            mine = _local_groups(mine, dims, plan.chosen, plan.mesh, coords)
+        shards.append(mine)
+    stacked = [jnp.stack(arrays) for arrays in zip(*shards, strict=True)]
+    outs = lax.map(lambda xs: call(*xs), stacked)
+    outs = outs.reshape(*(mesh_shape[a] for a in axes), *outs.shape[1:])
+    n_out = len(axes) - len(split)
+    if split:
+        outs = jnp.sum(outs, axis=tuple(range(n_out, len(axes))), dtype=outs.dtype)
+    # Each output axis preceded by its mesh axes, then merged: the blocks in mesh order.
+    perm, lead = [], 0
+    for d, group in enumerate(out_axes):
+        perm += [*range(lead, lead + len(group)), n_out + d]
+        lead += len(group)
+    local = outs.shape[n_out:]
+    shape = [math.prod(mesh_shape[a] for a in g) * n for g, n in zip(out_axes, local, strict=True)]
+    return outs.transpose(perm).reshape(shape)
+
+
 def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *operands: Any) -> Array:
     """`gemm(*operands, out_dtype=out_dtype)`, run by every device on its shards of
     `operands` (pytrees of arrays laid out as `dims` says) when the program is partitioned.
@@ -194,46 +358,39 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         raise ValueError(
             f"per_shard: {len(leaves)} operand arrays but dims describe {len(dims.operands)}."
         )
+    # XLA's partitioner traces `call` later, on a thread of its own: it runs in the context
+    # traced here (`dispatch.interpreted()`, `choice.persistent_kernel()`).
+    context = contextvars.copy_context()
 
     def call(*leaves: Array) -> Array:
-        token = _INSIDE.set(True)  # what `gemm` traces runs on one device's data
-        try:
+        def traced() -> Array:
+            _INSIDE.set(True)  # what `gemm` traces runs on one device's data
             return gemm(*tree.unflatten(leaves), out_dtype=out_dtype)
-        finally:
-            _INSIDE.reset(token)
 
-    def decide(mesh, arg_shapes):
-        shapes = [a.shape for a in arg_shapes]
-        specs = [jax_private.spec_of(a.sharding, mesh, len(a.shape)) for a in arg_shapes]
-        return choose_axes(dims, shapes, specs, dict(mesh.shape))
+        return context.copy().run(traced)
+
+    plans = _PLANS.get()
+    if isinstance(plans, _Replay):
+        return emulated(call, dims, plans.next(), leaves)
+    slot = None
+    if plans is not None:
+        slot = len(plans)
+        plans.append(None)
 
     def partition(mesh, arg_shapes, result_shape):
-        chosen = decide(mesh, arg_shapes)
-        arg_shardings = tuple(_sharding(mesh, d, chosen) for d in dims.operands)
-        out_axes = [chosen[f] for f in dims.out]
-        split = chosen["k"]
-        # Partial sums of a split contraction are reduce-scattered where XLA wants the output
-        # split over those axes (an FSDP wgrad, summed over the tokens' shards into the
-        # weight's), and all-reduced otherwise.
-        scatter = _scatter(result_shape, out_axes, split, mesh)
-        if scatter is not None:
-            out_axes[scatter[0]] = scatter[1]
-        rest = tuple(a for a in split if scatter is None or a not in scatter[1])
-        out_sharding = NamedSharding(mesh, P(*(a or None for a in out_axes)))
+        plan = _plan(dims, mesh, arg_shapes, result_shape)
+        if slot is not None:
+            plans[slot] = plan
+        shardings = tuple(NamedSharding(mesh, spec) for spec in plan.in_specs)
 
         def lower(*leaves: Array) -> Array:
-            if dims.ragged is not None and chosen[dims.ragged[1]]:
-                leaves = _local_groups(leaves, dims, chosen, mesh)
-            out = call(*leaves)
-            if scatter is not None:
-                out = lax.psum_scatter(out, scatter[1], scatter_dimension=scatter[0], tiled=True)
-            return lax.psum(out, rest) if rest else out
+            return _per_device(call, dims, plan, *leaves)
 
-        return mesh, lower, out_sharding, arg_shardings
+        return mesh, lower, NamedSharding(mesh, plan.out_spec), shardings
 
     def infer(mesh, arg_shapes, result_shape):
         del result_shape
-        chosen = decide(mesh, arg_shapes)
+        chosen = _plan(dims, mesh, arg_shapes, None).chosen
         return NamedSharding(mesh, P(*(chosen[f] or None for f in dims.out)))
 
     # Shardings as XLA gives them: JAX could not turn a scale split unevenly into a
