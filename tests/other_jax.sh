@@ -57,7 +57,10 @@ TESTS=(
     tests/test_linen.py::test_delayed_scaling_matches_flax_fp8_direct_dot_general
     # The kernels per shard: custom_partitioning, its Shardy rule and the shardings JAX hands
     # the rule (jax_private.spec_of), on 8 CPU devices and on a compile for 8 H100s.
+    # Then the kernels interpreted on every device's shards as the partitioner decided, and
+    # each device's GEMM traced in the caller's context (on XLA's compile thread).
     "tests/test_scaling_out.py::test_native_kernels_per_shard_train_like_one_device[blockwise-tensor]"
+    tests/test_scaling_out.py::test_each_devices_gemm_is_traced_in_the_callers_context
     "tests/test_scaling_out.py::test_grouped_gemms_per_shard_train_like_one_device[blockwise-data]"
     "tests/test_scaling_out.py::test_an_fsdp_weight_gathers_as_fp8_on_eight_h100s[blockwise]"
     # The gathered FP8 weight as a value (partition.gathered_for: its own Shardy factors).
