@@ -272,7 +272,7 @@ def rows_dot(
     ) -> Array:
         del experts
         if rhs.block:
-            rhs = quantized_k_major(rhs, rhs_axis)
+            rhs = quantized_k_major(rhs, rhs_axis, per_expert=True)
         else:
             rhs = QTensor(dispatch.k_major(rhs.data, rhs_axis), rhs.scale_inv)
         return native_rows(lhs, rhs, group_sizes, out_dtype)

@@ -127,14 +127,16 @@ def native_block_dot(
     return gemm(*operands)
 
 
-def quantized_k_major(q: QTensor, axis: Axis) -> QTensor:
+def quantized_k_major(q: QTensor, axis: Axis, per_expert: bool = False) -> QTensor:
     """`contract_last` for the native kernel: the FP8 data transposed as it is held, except
     tiles along the rows that the one-pass kernels wrote K-major (`BlockwiseScaling`'s
-    `quantize_both` and `retile`), whose transpose undoes the kernels' own."""
+    `quantize_both` and `retile`), whose transpose undoes the kernels' own. The weight kernel
+    takes 2-D weights: a 3-D one's blocks came from it only quantized `per_expert` (`vmap`
+    of the 2-D weights, a grouped layer's)."""
     if axis == -1:
         return q
     written_k_major = (
-        (q.block[1] == 1 or (q.block[0] == q.block[1] and q.data.ndim == 2))
+        (q.block[1] == 1 or (q.block[0] == q.block[1] and (q.data.ndim == 2 or per_expert)))
         and block_quantize.fits(q.data.shape[-2:], q.block[0])
         and dispatch.per_device_gemm(q.data)
     )
