@@ -41,7 +41,8 @@ from jaxtyping import Array, Bool, Int
 from ..core import jax_private
 from ..core.amax import batch_shared, owner
 from ..core.stats import ExpertStats
-from ..recipes import BlockScaledRecipe, Recipe
+from ..recipes import BlockScaledRecipe, BlockwiseScaling, Recipe
+from ..recipes.base import Axis
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .exchange import ExpertExchange
 from .grouped_dots import rows_dot, token_tile, tokens_dot
@@ -137,13 +138,16 @@ def _experts_forward(
 ):
     """The forward from the quantized activation `q_x` (rows sorted by expert) on."""
     kernels = _kernels(recipe, w)
-    w_c = jnp.swapaxes(w, -1, -2)  # (G, N, K): each expert's kernel, contracted axis last
+    fwd_axis, dgrad_axis = _weight_axes(recipe)
+    w_c = w if fwd_axis == -2 else jnp.swapaxes(w, -1, -2)
     q_w, new_kernel = _per_expert(
-        lambda w, s: kernels.quantize(w, s, "kernel", -1), w_c, states.kernel
+        lambda w, s: kernels.quantize(w, s, "kernel", fwd_axis), w_c, states.kernel
     )
     experts = expert_of_rows(group_sizes, q_x.data.shape[0])
     with jax.named_scope("fwd"):
-        out = rows_dot(recipe, q_x, q_w, -1, group_sizes, experts, precision, out_dtype, native)
+        out = rows_dot(
+            recipe, q_x, q_w, fwd_axis, group_sizes, experts, precision, out_dtype, native
+        )
     # As for dense layers: keep what follows out of the GEMM's epilogue (see dense.py).
     out = lax.optimization_barrier(out)
     used = has_tokens(group_sizes, owner(states.kernel))
@@ -163,7 +167,7 @@ def _experts_forward(
             token_counts(group_sizes, states.stats.tokens),
         )
     # The dgrad's copy of each kernel, from the high-precision weight (one rounding).
-    q_w = _per_expert(lambda q, w: kernels.retile(q, "kernel", -2, source=w), q_w, w_c)
+    q_w = _per_expert(lambda q, w: kernels.retile(q, "kernel", dgrad_axis, source=w), q_w, w_c)
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -197,7 +201,8 @@ def _backward(
         input_stats, kernel_stats, tokens = stats
         stats = ExpertStats(input_stats, kernel_stats, grad_stats, tokens)
     with jax.named_scope("dgrad"):
-        d_x = rows_dot(recipe, q_g, q_w, -2, group_sizes, experts, back, lhs_dtype, native)
+        dgrad_axis = _weight_axes(recipe)[1]
+        d_x = rows_dot(recipe, q_g, q_w, dgrad_axis, group_sizes, experts, back, lhs_dtype, native)
     if isinstance(recipe, BlockScaledRecipe):
         # The wgrad's operands with each expert's tokens padded to whole tiles (zeros
         # between): each token tile holds one expert's tokens, as in DeepSeek-V3.
@@ -222,6 +227,14 @@ def _activations(recipe: Recipe, plan: ExpertExchange | None) -> Recipe:
     if plan is None or plan.axis_name in recipe.axis_names:
         return recipe
     return dataclasses.replace(recipe, axis_names=(*recipe.axis_names, plan.axis_name))
+
+
+def _weight_axes(recipe: Recipe) -> tuple[Axis, Axis]:
+    """The axes each expert's kernel `(K, N)` is contracted on as the forward and the dgrad
+    read it quantized. Blockwise: K (-2) and N (-1) as stored, the weight kernel writing both
+    layouts (square blocks); else the forward's copy made with K moved last (-1: a per-tensor
+    cast fuses that transpose) and the dgrad's contracted on its -2."""
+    return (-2, -1) if isinstance(recipe, BlockwiseScaling) else (-1, -2)
 
 
 def _kernels(recipe: Recipe, w: Array) -> Recipe:

@@ -286,16 +286,16 @@ class BlockwiseScaling(BlockScaledRecipe):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
-        if axis != -1 or not self._one_pass(x):
-            return super().quantize(x, state, role, axis)
-        if role == "kernel":
-            if x.ndim != 2:
-                return super().quantize(x, state, role, axis)
-            data, _, scale_inv, local = self._weight_blocks(x)
+        if role == "kernel" and x.ndim == 2 and self._one_pass(x):
+            # Square blocks, either axis contracted: the copy the GEMM reads unmoved.
+            data, data_t, scale_inv, local = self._weight_blocks(x)
+            data = data if axis == -1 else data_t.T
             current = self.amax(local, state.scale)
             return QTensor(data, scale_inv, self.block_for(role, axis)), self._state(
                 state, role, current
             )
+        if axis != -1 or role == "kernel" or not self._one_pass(x):
+            return super().quantize(x, state, role, axis)
         q, _, new_state = self._quantize_tiles(x, state, role, columns=False)
         return q, new_state
 
@@ -366,9 +366,10 @@ class BlockwiseScaling(BlockScaledRecipe):
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)
         if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
-            # The dgrad's K-major copy, written by the kernel that quantized the weight.
-            _, data_t, scale_inv, _ = self._weight_blocks(source)
-            return QTensor(data_t.T, scale_inv, block)
+            # The dgrad's copy, written by the kernel that quantized the weight: K-major where
+            # the GEMM contracts `axis` -2 (its transpose here is undone by the GEMM's).
+            data, data_t, scale_inv, _ = self._weight_blocks(source)
+            return QTensor(data if axis == -1 else data_t.T, scale_inv, block)
         if (
             source is not None
             or role == "kernel"
