@@ -20,6 +20,12 @@ axes each device's kernel keeps:
 The operands are gathered as they are given: FP8 data and scales, never a high-precision
 copy. A program that hands several kernels the same FP8 weight (the forward and the dgrad)
 lets XLA gather it once for both.
+
+Each device's GEMM is traced by XLA's partitioner, on its compile thread, in the context the
+call was traced in. For tests, `recording` keeps what the partitioner decided for every GEMM
+(`ShardPlan`) and `replaying` runs the same function on one device as those plans say
+(`emulated`): Mosaic GPU's interpreter cannot run inside a partitioned program, and so the
+kernels themselves are checked on every device's shards (`dispatch.run_interpreted`).
 """
 
 from __future__ import annotations
