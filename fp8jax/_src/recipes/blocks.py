@@ -287,9 +287,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
         if role == "kernel" and x.ndim == 2 and self._one_pass(x):
-            # Square blocks, either axis contracted: the copy the GEMM reads unmoved.
-            data, data_t, scale_inv, local = self._weight_blocks(x)
-            data = data if axis == -1 else data_t.T
+            data, scale_inv, local = self._weight_copy(x, axis)
             current = self.amax(local, state.scale)
             return QTensor(data, scale_inv, self.block_for(role, axis)), self._state(
                 state, role, current
@@ -318,6 +316,13 @@ class BlockwiseScaling(BlockScaledRecipe):
             return q.data, q.data.T, q.scale_inv, _local_amax(w)
 
         return self._on_kernel(native, xla, w)
+
+    def _weight_copy(self, w: Array, axis: Axis) -> tuple[Array, Array, Array]:
+        """`w`'s FP8 blocks laid out for a GEMM contracting `axis`, their scales and amax
+        (`_weight_blocks`). Square blocks serve either axis: for -2 the kernel's K-major copy,
+        transposed back here, which the GEMM's own transpose undoes (no data moves)."""
+        data, data_t, scale_inv, local = self._weight_blocks(w)
+        return (data if axis == -1 else data_t.T), scale_inv, local
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
@@ -366,10 +371,9 @@ class BlockwiseScaling(BlockScaledRecipe):
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)
         if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
-            # The dgrad's copy, written by the kernel that quantized the weight: K-major where
-            # the GEMM contracts `axis` -2 (its transpose here is undone by the GEMM's).
-            data, data_t, scale_inv, _ = self._weight_blocks(source)
-            return QTensor(data if axis == -1 else data_t.T, scale_inv, block)
+            # The dgrad's copy, written by the kernel that quantized the weight.
+            data, scale_inv, _ = self._weight_copy(source, axis)
+            return QTensor(data, scale_inv, block)
         if (
             source is not None
             or role == "kernel"
