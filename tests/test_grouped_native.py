@@ -301,7 +301,7 @@ from fp8jax.examples import moe_model as moe
 recipe = {"delayed": fp8jax.DelayedScaling(),
           "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
           "blockwise": fp8jax.BlockwiseScaling()}[sys.argv[1]]
-native = {"auto": None, "xla": False}[sys.argv[2]]
+native = {"auto": None, "xla": False, "persistent": None}[sys.argv[2]]
 model = moe.MoEModel(width=256, hidden=512, experts=8, top_k=2, key=jax.random.PRNGKey(0))
 config = fp8jax.Fp8Config(targets=["up", "down"], recipe=recipe, grouped_native_kernel=native)
 model = fp8jax.fp8_linear_layers(model, config)
@@ -311,6 +311,9 @@ def step(model, x):
     loss = lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2)
     return fp8jax.filter_value_and_grad(loss)(model)
 
+if sys.argv[2] == "persistent":  # traced on issue 39's persistent kernels
+    from fp8jax._src.kernels.choice import persistent_kernel
+    step = persistent_kernel()(step)
 report = fp8jax.inspect(step, model, x, modes=("cublas",), merge_dots=False)
 device = deviceless.h100_topology().devices[0]
 lowered, _ = deviceless.lower(step, (model, x), {}, device)
@@ -357,12 +360,21 @@ EXPERT_GEMMS |= {("moe.up", "wgrad"), ("moe.down", "wgrad")}
 FP8_MMA = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
 
 
-@pytest.mark.parametrize("recipe", ["delayed-e4m3", "blockwise"])
-def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe):
+@pytest.mark.parametrize(
+    "recipe, kernels",
+    [("delayed-e4m3", "auto"), ("blockwise", "auto"), ("blockwise", "persistent")],
+)
+def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kernels):
     """E4M3 gradients (or blockwise scaling): forward, dgrad and wgrad of both expert layers
     are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma`; ptxas spills nothing; no
-    ragged dot is left for XLA to expand."""
-    seen = h100_runs(recipe, "auto")
+    ragged dot is left for XLA to expand. So also on the persistent kernels (traced inside
+    `persistent_kernel()`: rows and tokens), whose FLOPs `hlo_cost` counts as the grouped
+    GEMMs they are (each expert's tokens, not a dense GEMM over all experts)."""
+    seen = h100_runs(recipe, kernels)
+    if kernels == "persistent":
+        assert IDEAL_FLOPS <= seen["expert_flops"] <= 1.6 * IDEAL_FLOPS, (
+            seen["expert_flops"] / IDEAL_FLOPS
+        )
     experts = [g for g in seen["gemms"] if g[0] and g[0].startswith("moe.")]
     assert {(layer, role) for layer, role, *_ in experts} == EXPERT_GEMMS, experts
     for layer, role, kernel, fp8, mma in experts:

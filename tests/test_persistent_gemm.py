@@ -24,9 +24,14 @@ from fp8jax._src.kernels import BLOCK_GEMM_NAME, dispatch, reference
 from fp8jax._src.kernels.choice import persistent_kernel
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
+    PERSISTENT_ROWS_NAME,
+    PERSISTENT_TOKENS_NAME,
     PersistentConfig,
     persistent_block_scaled_gemm,
+)
+from fp8jax._src.kernels.persistent_grouped import (
     persistent_grouped_rows_gemm,
+    persistent_grouped_tokens_gemm,
 )
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -157,13 +162,23 @@ import glob, json, os, re, sys
 import jax, jax.numpy as jnp
 from fp8jax._src.observe import deviceless
 from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+from fp8jax._src.kernels.persistent_grouped import persistent_grouped_tokens_gemm
 
 m, n, k = 1024, 2048, 1024
 f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
 args = (S((m, k), f8), S((m, k // 128), jnp.float32), S((n, k), f8), S((n, k // 128), jnp.float32))
 config = PersistentConfig(**json.loads(sys.argv[1]))
-gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
-    a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config)
+if sys.argv[2] == "dense":
+    gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
+        a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config)
+else:  # the tokens kernel (wgrad) of 8 experts over the same operands, block or group scales
+    counts = (S((8,), jnp.int32),) * 2
+    args = args + counts + (S((8,), jnp.float32),)
+    def gemm(a, sa, b, sb, start, count, group_scale):
+        scales = dict(group_scale=group_scale) if sys.argv[2] == "tokens-group" else dict(
+            lhs_scale=sa, rhs_scale=sb)
+        return persistent_grouped_tokens_gemm(
+            a, b, start, count, **scales, out_dtype=jnp.float32, config=config)
 lowered, _ = deviceless.lower(gemm, args, {}, deviceless.h100_topology().devices[0])
 lowered.compile()
 dump = os.environ["MOSAIC_GPU_DUMP_TO"]
@@ -179,17 +194,29 @@ print(json.dumps({
 
 
 @pytest.mark.parametrize(
-    "config", [{}, {"wg_dimension": "n"}, {"cluster": "m"}], ids=["default", "wg n", "cluster m"]
+    "config, kind",
+    [
+        ({}, "dense"),
+        ({"wg_dimension": "n"}, "dense"),
+        ({"cluster": "m"}, "dense"),
+        ({}, "tokens"),
+        ({"cluster": "m"}, "tokens-group"),
+    ],
+    ids=["default", "wg n", "cluster m", "tokens", "tokens per-expert cluster m"],
 )
-def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(tmp_path, config):
+def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
+    tmp_path, config, kind
+):
     """What Mosaic GPU makes of the kernel for an H100, read from its PTX: FP8 `wgmma` (E4M3
     operands, float32 accumulator), registers moved between the memory and compute
-    warpgroups (`setmaxnreg`: warp specialization), and no register spilled by ptxas."""
+    warpgroups (`setmaxnreg`: warp specialization), and no register spilled by ptxas. Also
+    for the grouped tokens kernel (the wgrad: a run-time trip count per expert)."""
     pytest.importorskip("jax_cuda12_plugin")
-    run = run_with_mosaic_dump(H100_SCRIPT, [json.dumps(config)], tmp_path)
+    run = run_with_mosaic_dump(H100_SCRIPT, [json.dumps(config), kind], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
-    assert any(PERSISTENT_GEMM_NAME in e for e in seen["entries"]), seen["entries"]
+    name = PERSISTENT_GEMM_NAME if kind == "dense" else PERSISTENT_TOKENS_NAME
+    assert any(name in e for e in seen["entries"]), seen["entries"]
     assert seen["mma"] and all(".f32.e4m3.e4m3" in i for i in seen["mma"]), seen["mma"]
     # The memory warpgroup gives registers up, the compute warpgroups take them.
     kinds = {s.split(".")[1] for s in seen["setmaxnreg"]}
@@ -331,14 +358,77 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
 
 @needs_interpreter
 @pytest.mark.parametrize(
+    "scaling, fmt, config",
+    [
+        # 3 experts x 2 x 2 tiles on 5 programs; a 2-stage pipeline over 1-3 chunks
+        ("blocks", E4M3, PersistentConfig(num_sms=5, max_concurrent_steps=2)),
+        ("group", E5M2, PersistentConfig(num_sms=5, max_concurrent_steps=2)),
+        # the warpgroups split along N, snake order along M, clusters sharing the rhs tile
+        (
+            "blocks",
+            E4M3,
+            PersistentConfig(wg_dimension="n", grid_minor_dim="m", cluster="m", num_sms=4),
+        ),
+    ],
+)
+def test_grouped_tokens_kernel_matches_float64_with_an_empty_expert(scaling, fmt, config):
+    """Each expert contracts its own chunks of tokens (uneven: 3, 0, 1 and 2 chunks, out of
+    order), persistent over (expert, tile) triples, each pipeline's trip count read at run
+    time; the empty expert's tiles get zeros. Within the float32-summation bound of float64
+    (a chunk of another expert, a missing one or a swapped scale fails by far more)."""
+    rng = np.random.default_rng(7)
+    a_rows, b_rows, chunks = 150, 200, 6
+    lhs, lhs_scale = fp8_operand(rng, a_rows, 128 * chunks, fmt)
+    rhs, rhs_scale = fp8_operand(rng, b_rows, 128 * chunks, fmt)
+    start, count = np.array([0, 3, 5, 3], np.int32), np.array([3, 0, 1, 2], np.int32)
+    if scaling == "blocks":
+        scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+    else:
+        scales = dict(group_scale=jnp.asarray(2.0 ** rng.integers(-4, 4, 4), jnp.float32))
+    out = jax.jit(
+        lambda *a: persistent_grouped_tokens_gemm(*a, **scales, config=config, interpret=True)
+    )(lhs, rhs, jnp.asarray(start), jnp.asarray(count))
+    assert out.shape == (4, a_rows, b_rows)
+    want = reference.grouped_tokens(lhs, rhs, start, count, **scales)
+    for e in range(4):
+        if not count[e]:
+            np.testing.assert_array_equal(np.asarray(out[e]), 0.0)
+            continue
+        bound = reference.float32_sum_bound(128 * count[e], np.abs(want[e]).max())
+        np.testing.assert_array_less(np.abs(np.asarray(out[e], np.float64) - want[e]), bound)
+
+
+def test_grouped_tokens_kernel_refuses_bad_input_by_name():
+    rng = np.random.default_rng(8)
+    lhs, lhs_scale = fp8_operand(rng, 64, 256)
+    counts = jnp.zeros((2,), jnp.int32)
+    kwargs = dict(lhs_scale=lhs_scale, rhs_scale=lhs_scale)
+    call = persistent_grouped_tokens_gemm
+    with pytest.raises(ValueError, match="persistent_grouped_tokens_gemm: 200 tokens"):
+        call(lhs[:, :200], lhs[:, :200], counts, counts, group_scale=jnp.ones((2,)))
+    with pytest.raises(ValueError, match="not both or neither"):
+        call(lhs, lhs, counts, counts, **kwargs, group_scale=jnp.ones((2,)))
+    with pytest.raises(ValueError, match="chunk_count has shape \\(3,\\)"):
+        call(lhs, lhs, counts, jnp.zeros((3,), jnp.int32), **kwargs)
+    with pytest.raises(ValueError, match="group_scale has shape \\(1,\\)"):
+        call(lhs, lhs, counts, counts, group_scale=jnp.ones((1,)))
+    with pytest.raises(ValueError, match="expected \\(A, T\\) and \\(B, T\\)"):
+        call(lhs, lhs[None], counts, counts, **kwargs)
+    with pytest.raises(ValueError, match="operands in \\[.float8_e4m3fn., .float8_e5m2.\\]"):
+        call(lhs, lhs.astype(E5M2), counts, counts, **kwargs)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
     "recipe",
     [fp8jax.BlockwiseScaling(), fp8jax.DelayedScaling(backward_format="e4m3")],
     ids=["blockwise", "delayed-e4m3"],
 )
 def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(recipe):
     """Fp8RaggedDot, uneven experts and one without tokens: forward and dgrad on the
-    persistent grouped rows kernel (block scales, or per-tensor scales per tile; traced
-    inside `persistent_kernel`, interpreted), against the layer's XLA path."""
+    persistent grouped rows kernel, the wgrad on the persistent tokens kernel (block scales,
+    or per-tensor scales per tile and per expert; traced inside `persistent_kernel`,
+    interpreted), against the layer's XLA path."""
     sizes = jnp.asarray([70, 0, 130, 5], jnp.int32)
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((205, 256)) * 3, jnp.float32)
@@ -354,7 +444,7 @@ def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(recipe):
     with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)):
         jaxpr = str(jax.make_jaxpr(step)(on, x, w))
         got = eqx.filter_jit(step)(on, x, w)
-    assert PERSISTENT_GEMM_NAME in jaxpr
+    assert PERSISTENT_ROWS_NAME in jaxpr and PERSISTENT_TOKENS_NAME in jaxpr
     want = eqx.filter_jit(step)(off, x, w)
     for a, b, terms in zip(got, want, (256, 192, 205), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

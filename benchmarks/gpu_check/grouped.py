@@ -12,8 +12,8 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
 - `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
 - `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
   call them (`native_rows` / `native_tokens`, padding to the tiled layout included);
-- `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (rows, GPU runs
-  only): the same rows GEMMs on the persistent warp-specialized kernel of issue 39
+- `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (GPU runs only):
+  the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39
   (`persistent_kernel()`).
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
@@ -147,6 +147,11 @@ def _ours_tokens(lhs, rhs, sizes):
     return native.native_tokens(lhs, rhs, sizes, BF16)
 
 
+def _persistent_tokens(lhs, rhs, sizes):
+    with persistent_kernel():  # traced inside: the tokens GEMM on issue 39's kernel
+        return native.native_tokens(lhs, rhs, sizes, BF16)
+
+
 def _variants(kind: str, mode: str) -> dict[str, tuple]:
     """name -> (function, operands key, sizes multiple of): the variants of `kind`."""
     ragged, ours, jax_kernel = {
@@ -161,9 +166,14 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
     variants["fp8 per-tensor kernel"] = (ours, "fp8", 1)
     # Block-scaled wgrad operands come padded to their 128-token tiles (as from the layer).
     variants["fp8 blockwise kernel"] = (ours, "block", 128 if kind == "tokens" else 1)
-    if kind == "rows" and mode != "dry":  # its interpreter tests: tests/test_persistent_gemm.py
-        variants["fp8 per-tensor persistent kernel"] = (_persistent_rows, "fp8", 1)
-        variants["fp8 blockwise persistent kernel"] = (_persistent_rows, "block", 1)
+    if mode != "dry":  # its interpreter tests: tests/test_persistent_gemm.py
+        persistent = _persistent_rows if kind == "rows" else _persistent_tokens
+        variants["fp8 per-tensor persistent kernel"] = (persistent, "fp8", 1)
+        variants["fp8 blockwise persistent kernel"] = (
+            persistent,
+            "block",
+            128 if kind == "tokens" else 1,
+        )
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)
         del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]

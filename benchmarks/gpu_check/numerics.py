@@ -10,6 +10,7 @@ one empty.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import equinox as eqx
@@ -22,6 +23,7 @@ from jax.typing import ArrayLike, DTypeLike
 import fp8jax
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
+from fp8jax._src.kernels.choice import persistent_kernel
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
 from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
@@ -267,9 +269,11 @@ def tokens_kernel(shapes: Shapes, scaling: str, dry: bool) -> dict:
     )
 
 
-def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool) -> dict:
+def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=False) -> dict:
     """`Fp8RaggedDot` forward, dgrad and wgrad on the kernels against its XLA path (the same
-    quantization; float32 summation order aside), with an expert that gets no token."""
+    quantization; float32 summation order aside), with an expert that gets no token. With
+    `persistent`, on issue 39's persistent kernels (rows and tokens, `persistent_kernel()`):
+    what a GPU must pass before they become the default."""
     sizes = np.asarray(shapes.layer_sizes, np.int32)
     fin, fout = shapes.layer_features
     rng = np.random.default_rng(5)
@@ -283,12 +287,15 @@ def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool) -> dict:
         y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
         return (y, *vjp(g)[1:])
 
-    def run(native_kernel, ctx):
+    def run(native_kernel, *contexts):
         dot = fp8jax.Fp8RaggedDot(recipe, num_experts=len(sizes), native_kernel=native_kernel)
-        with ctx:
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
             return eqx.filter_jit(step)(dot, x, w, g, jnp.asarray(sizes))
 
-    got, want = run(True, kernels(dry)), run(False, kernels(False))
+    chosen = [persistent_kernel()] if persistent else []
+    got, want = run(True, kernels(dry), *chosen), run(False, kernels(False))
     worst, passed = 0.0, True
     for a, b, terms in zip(got, want, (fin, fout, m), strict=True):
         bound = 2 * reference.float32_sum_bound(terms, np.abs(f64(b)).max(initial=0.0))
@@ -304,7 +311,12 @@ def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool) -> dict:
 
 
 #: Items the quick run leaves out: another format or recipe on the same code paths.
-QUICK_SKIPS = ("block_gemm e5m2", "grouped rows, bf16 operands", "grouped layer, delayed e4m3")
+QUICK_SKIPS = (
+    "block_gemm e5m2",
+    "grouped rows, bf16 operands",
+    "grouped layer, delayed e4m3",
+    "grouped layer, delayed e4m3, persistent kernels",
+)
 #: Items the dry run leaves out: the same code paths as others (in another format, or
 #: through a recipe), each interpreted kernel costing seconds.
 DRY_SKIPS = (
@@ -313,6 +325,10 @@ DRY_SKIPS = (
     "block_gemm in the blockwise recipe",  # and the recipe-level items, which the kernel
     "grouped layer, blockwise",  # tests interpret already
     "grouped layer, delayed e4m3",
+    # JAX 0.10's interpreter cannot run the persistent kernels (tests/test_persistent_gemm.py
+    # interprets them under 0.11 and later)
+    "grouped layer, blockwise, persistent kernels",
+    "grouped layer, delayed e4m3, persistent kernels",
 )
 
 
@@ -333,6 +349,12 @@ def run(rec: Recorder, mode: str) -> None:
         "grouped layer, blockwise": lambda: grouped_layer(shapes, fp8jax.BlockwiseScaling(), dry),
         "grouped layer, delayed e4m3": lambda: grouped_layer(
             shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry
+        ),
+        "grouped layer, blockwise, persistent kernels": lambda: grouped_layer(
+            shapes, fp8jax.BlockwiseScaling(), dry, persistent=True
+        ),
+        "grouped layer, delayed e4m3, persistent kernels": lambda: grouped_layer(
+            shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry, persistent=True
         ),
     }
     for name in {"dry": DRY_SKIPS, "quick": QUICK_SKIPS}.get(mode, ()):

@@ -169,7 +169,8 @@ def native_tokens(
     contracted over their tokens. Block-scaled operands come in the padded layout (each of
     `group_sizes` a multiple of their token tile); per-tensor ones are padded here, to
     chunks of 128 tokens. Shape `(G, A, B)` in `out_dtype`."""
-    from ..kernels.grouped_gemm import BLOCK_K, grouped_tokens_gemm
+    from ..kernels.choice import recipe_grouped_tokens_gemm
+    from ..kernels.grouped_gemm import BLOCK_K
 
     chunk = lhs.block[0] if lhs.block else BLOCK_K
     if not lhs.block:
@@ -183,10 +184,10 @@ def native_tokens(
     if not lhs.block:
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
         group_scale = jnp.broadcast_to(scale, group_sizes.shape)
-        return grouped_tokens_gemm(
+        return recipe_grouped_tokens_gemm(
             a, b, starts, counts, group_scale=group_scale, out_dtype=out_dtype
         )
-    return grouped_tokens_gemm(
+    return recipe_grouped_tokens_gemm(
         a,
         b,
         starts,

@@ -1,6 +1,6 @@
-"""Which block-scaled kernel the recipes call: the tiled ones (`block_gemm`,
-`grouped_gemm`), or the persistent warp-specialized kernel (`persistent_gemm`) where a
-function is traced inside `persistent_kernel()`.
+"""Which block-scaled and grouped kernels the recipes call: the tiled ones (`block_gemm`,
+`grouped_gemm`), or the persistent warp-specialized kernels (`persistent_gemm`: dense,
+grouped rows and grouped tokens) where a function is traced inside `persistent_kernel()`.
 
 The persistent kernel becomes the default only after a GPU run has checked and timed it
 (issue 39); until then this switch lets whole train steps be compiled and timed with it
@@ -19,12 +19,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .block_gemm import BLOCK_K, FP8_TYPES, block_scaled_gemm
-from .grouped_gemm import grouped_rows_gemm
-from .persistent_gemm import (
-    PersistentConfig,
-    persistent_block_scaled_gemm,
-    persistent_grouped_rows_gemm,
-)
+from .grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
+from .persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 
 _CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVar(
     "fp8jax_persistent_block_kernel", default=None
@@ -34,9 +31,10 @@ _CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def persistent_kernel(config: PersistentConfig | None = None) -> Iterator[None]:
     """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
-    chunks, the fused residual kernel) on the persistent kernel in `config` instead of the
-    tiled one: to measure it in whole train steps (`benchmarks/llama_block.py`'s
-    `blockwise-persistent`) before a GPU run makes it the default."""
+    chunks, the fused residual kernel) and the expert layers' FP8 grouped GEMMs on the
+    persistent kernels in `config` instead of the tiled ones: to measure them in whole train
+    steps (`benchmarks/llama_block.py`'s `blockwise-persistent`, the GPU check's grouped
+    section) before a GPU run makes them the default."""
     token = _CHOSEN.set(PersistentConfig() if config is None else config)
     try:
         yield
@@ -96,4 +94,31 @@ def recipe_grouped_rows_gemm(
             wg_dimension="n",
             cluster=None if config.cluster == "m" else config.cluster,
         ),
+    )
+
+
+def recipe_grouped_tokens_gemm(
+    lhs: Array,
+    rhs: Array,
+    chunk_start: Int[Array, " G"],
+    chunk_count: Int[Array, " G"],
+    *,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    group_scale: Float[Array, " G"] | None = None,
+    out_dtype=jnp.float32,
+    block_k: int = BLOCK_K,
+) -> Float[Array, "G A B"]:
+    """The grouped tokens GEMM (wgrad) the grouped layers call: `grouped_tokens_gemm`, or
+    `persistent_grouped_tokens_gemm` where traced inside `persistent_kernel()`, the operands
+    FP8 and the chunks 128 wide."""
+    config = _CHOSEN.get()
+    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
+    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, group_scale=group_scale)
+    if config is None or block_k != BLOCK_K or not fp8:
+        return grouped_tokens_gemm(
+            lhs, rhs, chunk_start, chunk_count, **scales, out_dtype=out_dtype, block_k=block_k
+        )
+    return persistent_grouped_tokens_gemm(
+        lhs, rhs, chunk_start, chunk_count, **scales, out_dtype=out_dtype, config=config
     )

@@ -25,16 +25,18 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
 - **Epilogue by TMA**: each compute warpgroup writes its tile, converted to the output dtype,
   through shared memory.
 
-The same kernel runs an expert layer's grouped rows GEMM (`persistent_grouped_rows_gemm`:
-each row tile of the contiguous layout times its expert's weight, tiles past every expert
-skipped), with block scales or, for per-tensor recipes, one scale per tile applied to a
-single accumulation.
+The same kernel runs an expert layer's grouped GEMMs (`persistent_grouped`), with block
+scales or, for per-tensor recipes, one scale per tile (or expert) applied to a single
+accumulation: the rows GEMM (forward and dgrad: each row tile of the contiguous layout times
+its expert's weight, tiles past every expert skipped) and the tokens GEMM (wgrad:
+persistent over (expert, tile) triples, each tile's pipeline running over its own expert's
+chunks of tokens, a run-time trip count; an expert without tokens writes zeros).
 
 `PersistentConfig` holds the tuning knobs, swept by `benchmarks/gpu_check` (`kernels`). This
 kernel becomes the recipes' default only after a GPU run of that section has passed its
 float64 comparisons and timed it faster (issue 39); until then `block_scaled_gemm` and
-`grouped_gemm.grouped_rows_gemm` stay the kernels the recipes call, and functions traced
-inside `choice.persistent_kernel()` take this one instead (to time whole steps with it).
+`grouped_gemm`'s kernels stay the ones the recipes call, and functions traced inside
+`choice.persistent_kernel()` take these instead (to time whole steps with them).
 
 On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
 GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
@@ -54,10 +56,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..core import mosaic_private
-from . import BLOCK_GEMM_NAME
+from . import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 from .block_gemm import (
     BLOCK_K,
     check_operands,
@@ -70,19 +72,26 @@ from .block_gemm import (
 )
 from .dispatch import interpreting
 
-#: The kernel's name: in its PTX and the HLO's op_name (`fp8jax.hlo_cost` counts it as the
-#: block-scaled GEMM it is).
+#: The kernels' names: in their PTX and the HLO's op_name, where `fp8jax.hlo_cost` counts
+#: each as the GEMM it is (block-scaled, grouped rows, grouped tokens).
 PERSISTENT_GEMM_NAME = f"{BLOCK_GEMM_NAME}_persistent"
+PERSISTENT_ROWS_NAME = f"{GROUPED_ROWS_NAME}_persistent"
+PERSISTENT_TOKENS_NAME = f"{GROUPED_TOKENS_NAME}_persistent"
 
 #: Streaming multiprocessors of an H100 SXM: the programs of the persistent grid where the
 #: device cannot be asked (a deviceless compile).
 H100_SMS = 132
 
+#: Shared memory one CTA may use on an H100 (227 KiB), and what the pipeline's barriers and
+#: the tiles' alignment take beside the operand stages and output tiles.
+H100_SMEM_BYTES = 232_448
+SMEM_RESERVE = 1024
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PersistentConfig:
-    """Tuning of the persistent kernel (`persistent_block_scaled_gemm`,
-    `persistent_grouped_rows_gemm`).
+    """Tuning of the persistent kernel (`persistent_block_scaled_gemm` and the grouped GEMMs of
+    `persistent_grouped`).
 
     **Arguments:**
 
@@ -91,7 +100,9 @@ class PersistentConfig:
     - `wg_dimension`: `"m"` (default) or `"n"`: the axis along which the two compute
       warpgroups split the CTA's tile (`2 tile_m x tile_n` or `tile_m x 2 tile_n`); the other
       operand's tile is shared by both.
-    - `max_concurrent_steps`: shared-memory stages of the TMA pipeline (default 4).
+    - `max_concurrent_steps`: shared-memory stages of the TMA pipeline (default 4; fewer
+      where the GEMM has fewer chunks, or where they would not fit in shared memory beside
+      the output tiles: 3 for the grouped rows kernel's 64 x 256 CTA tile writing float32).
     - `grid_minor_dim` (`"n"` or `"m"`), `grid_tile_width`: the order in which the
       persistent programs walk the output tiles (`plgpu.planar_snake`): consecutive tiles
       along the minor axis, in bands `grid_tile_width` tiles wide, so that tiles running
@@ -182,7 +193,7 @@ def persistent_block_scaled_gemm(
     [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
     """
     config = PersistentConfig() if config is None else config
-    interpret = _interpretable(
+    interpret = interpretable(
         "persistent_block_scaled_gemm", interpreting() if interpret is None else interpret
     )
     check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
@@ -195,127 +206,44 @@ def persistent_block_scaled_gemm(
     for rhs, scale in terms:
         operands += [pad_to(rhs, np_, kp), pad_to(scale.astype(jnp.float32), np_, chunks).T]
     clusters = (mp // cluster_m) * (np_ // cluster_n)
-    out = _kernel(
+    out = run_persistent(
         operands,
         len(terms),
         out_shape=(mp, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=_programs(config, clusters),
+        programs=programs(config, clusters),
         interpret=interpret,
     )
     return out[:m, :n]
 
 
-def persistent_grouped_rows_gemm(
-    lhs: Array,
-    rhs: Array,
-    tile_expert: Int[Array, " tiles"],
-    *,
-    lhs_scale: Array | None = None,
-    rhs_scale: Array | None = None,
-    tile_scale: Float[Array, " tiles"] | None = None,
-    out_dtype=jnp.float32,
-    config: PersistentConfig | None = None,
-    interpret: bool | None = None,
-) -> Float[Array, "M N"]:
-    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)` by the persistent
-    kernel: `grouped_gemm.grouped_rows_gemm` (an expert layer's forward and dgrad on its
-    contiguous layout), persistent over (row tile, column tile) pairs so that a skipped tile
-    (`tile_expert` -1) costs its programs nothing.
-
-    Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
-    row and chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per
-    tile, after one accumulation over the whole contraction: per-tensor recipes). Both
-    compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one layout
-    tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile). Returns
-    `(M, N)` in `out_dtype`.
-    """
-    name = "persistent_grouped_rows_gemm"
-    config = PersistentConfig(wg_dimension="n") if config is None else config
-    interpret = _interpretable(name, interpreting() if interpret is None else interpret)
-    if config.cluster == "m":
-        raise ValueError(
-            f"{name}: config.cluster='m'; a cluster's CTAs would hold two row tiles, of "
-            "different experts, sharing one rhs tile: use None or 'n'."
-        )
-    if config.wg_dimension != "n":
-        raise ValueError(
-            f"{name}: config.wg_dimension={config.wg_dimension!r}; the grouped kernel splits "
-            "N between its warpgroups ('n'), so that each CTA's rows are one expert's."
-        )
-    if rhs.ndim != 3 or lhs.ndim != 2:
-        raise ValueError(
-            f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
-        )
-    blocks = lhs_scale is not None and rhs_scale is not None and tile_scale is None
-    if not blocks and (tile_scale is None or lhs_scale is not None or rhs_scale is not None):
-        raise ValueError(
-            f"{name}: give either lhs_scale and rhs_scale (block scales) or tile_scale (one "
-            "scale per tile), not both or neither."
-        )
-    (m, k), (g, n) = lhs.shape, rhs.shape[:2]
-    chunks = -(-k // BLOCK_K)
-    if blocks and rhs_scale.shape[:1] != (g,):
-        raise ValueError(
-            f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
-            f"expert: ({g}, {n}, {chunks})."
-        )
-    # The operand checks of a block-scaled call, on shapes (of one expert's rhs; stand-ins for
-    # the scales of a per-tile call).
-    f32 = jnp.float32
-    sa = lhs_scale if blocks else jax.ShapeDtypeStruct((m, chunks), f32)
-    sb = jax.ShapeDtypeStruct(rhs_scale.shape[1:] if blocks else (n, chunks), f32)
-    check_operands(name, lhs, sa, [(jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), sb)], BLOCK_K)
-    if m % config.tile_m:
-        raise ValueError(
-            f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
-            "expert's rows to whole tiles."
-        )
-    tiles = m // config.tile_m
-    for what, a in (("tile_expert", tile_expert), ("tile_scale", tile_scale)):
-        if a is not None and a.shape != (tiles,):
-            raise ValueError(
-                f"{name}: {what} has shape {a.shape}; expected {(tiles,)}: one per "
-                f"{config.tile_m}-row tile."
-            )
-    cluster_n = config.cluster_tile[1]
-    np_, kp = round_up(n, cluster_n), chunks * BLOCK_K
-    a, b = pad_to(lhs, m, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
-    if blocks:
-        operands = [
-            tile_expert.astype(jnp.int32),
-            a,
-            pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
-            b,
-            jnp.swapaxes(
-                jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
-            ),
-        ]
-    else:
-        operands = [tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b]
-    out = _kernel(
-        operands,
-        1,
-        out_shape=(m, np_),
-        out_dtype=jnp.dtype(out_dtype),
-        config=config,
-        programs=_programs(config, tiles * (np_ // cluster_n)),
-        interpret=interpret,
-        grouped=True,
-        tile_scaled=not blocks,
-    )
-    return out[:, :n]
-
-
-def _programs(config: PersistentConfig, clusters: int) -> int:
+def programs(config: PersistentConfig, clusters: int) -> int:
     """Clusters of the persistent grid: one per SM (per pair of SMs with `cluster`), no more
     than there are output tiles (cluster tiles) to share."""
     per_cluster = 1 if config.cluster is None else 2
     return max(1, min((config.num_sms or sm_count()) // per_cluster, clusters))
 
 
-def _interpretable(who: str, interpret: bool) -> bool:
+def _stages(config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bool, out_dtype):
+    """The pipeline's stages: `config.max_concurrent_steps`, no more than there are chunks,
+    nor than fit in an H100's shared memory beside the output tiles (a float32 output's take
+    twice a BF16 one's: 4 stages of the grouped rows kernel's 64 x 256 CTA tile and a float32
+    output overflow it by 2 KB)."""
+    cta_m, cta_n = config.cta_tile
+    rows = cta_m + n_terms * cta_n
+    per_stage = rows * BLOCK_K + (0 if tile_scaled else 4 * rows)  # FP8 tiles, f32 scales
+    out = 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
+    fit = (H100_SMEM_BYTES - SMEM_RESERVE - out) // per_stage
+    if fit < 1:
+        raise ValueError(
+            f"persistent kernel: {config} with a {jnp.dtype(out_dtype).name} output does not "
+            f"fit in shared memory ({H100_SMEM_BYTES} bytes); use smaller tiles."
+        )
+    return min(config.max_concurrent_steps, chunks, fit)
+
+
+def interpretable(who: str, interpret: bool) -> bool:
     """`interpret`, or `NotImplementedError` naming `who` where this JAX's interpreter cannot
     run the persistent kernels (see the module docstring)."""
     if interpret and not mosaic_private.interpreter_runs_gpu_path():
@@ -327,7 +255,7 @@ def _interpretable(who: str, interpret: bool) -> bool:
     return interpret
 
 
-def _kernel(
+def run_persistent(
     operands,
     n_terms,
     *,
@@ -336,36 +264,52 @@ def _kernel(
     config,
     programs,
     interpret,
-    grouped=False,
+    layout="dense",
     tile_scaled=False,
 ):
-    """The kernel over `operands`: `a, sa, (b, sb) * n_terms`, or with `grouped`,
-    `tile_expert, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold every
-    expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1: skipped);
-    with `tile_scaled` too, `tile_expert, tile_scale, a, b`: no block scales, the whole
-    contraction in one `wgmma` accumulator multiplied by `tile_scale[i]` (per-tensor
-    recipes)."""
+    """The kernel over `operands`, by `layout`:
+
+    - `"dense"`: `a, sa, (b, sb) * n_terms`, output `(M, N)`;
+    - `"rows"`: `tile_expert, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold
+      every expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1:
+      skipped, left unwritten);
+    - `"tokens"`: `chunk_start, chunk_count, a, sa, b, sb` with `a (A, T)`, `b (B, T)`: output
+      `(G, A, B)`, expert `e`'s tiles contracted over its `chunk_count[e]` chunks from
+      `chunk_start[e]` (a run-time trip count; an expert without chunks gets zeros).
+
+    With `tile_scaled` the block scales `sa`, `sb` give way to one scale per tile (`"rows"`:
+    `tile_scale`, after `tile_expert`) or per expert (`"tokens"`: `group_scale`, after the
+    counts): the whole contraction in one `wgmma` accumulator multiplied by it at the end
+    (per-tensor recipes)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
-    mp, np_ = out_shape
-    a_index = (1 if grouped else 0) + (1 if tile_scaled else 0)
+    lead = {"dense": 0, "rows": 1, "tokens": 2}[layout]
+    a_index = lead + (1 if tile_scaled else 0)
     chunks = -(-operands[a_index].shape[1] // BLOCK_K)
+    steps = _stages(config, chunks, n_terms, tile_scaled, out_dtype)
     cluster_m, cluster_n = config.cluster_tile
+    mp, np_ = out_shape[-2:]
     m_iters, n_iters = mp // cluster_m, np_ // cluster_n
+    groups = out_shape[0] if layout == "tokens" else 1
     # The operand tile the two CTAs of a cluster share, loaded once and multicast.
     share_a = ("cluster",) if config.cluster == "n" else ()
     share_b = ("cluster",) if config.cluster == "m" else ()
     fp8_tiling = operand_tiling(operands[a_index].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
-    def pipeline(step, context):
+    def pipeline(step, context, grid=(chunks,), first=0):
+        # Chunks `first, first + 1, ...` of the contraction, `grid` of them (a run-time count
+        # for the tokens layout: then the pipeline's trip count is dynamic).
         def tile_spec(rows, share):
             return plgpu.BlockSpec(
-                (rows, BLOCK_K), lambda c: (0, c), transforms=fp8_tiling, collective_axes=share
+                (rows, BLOCK_K),
+                lambda c: (0, first + c),
+                transforms=fp8_tiling,
+                collective_axes=share,
             )
 
         def scale_spec(rows, share):
-            return plgpu.BlockSpec((1, rows), lambda c: (c, 0), collective_axes=share)
+            return plgpu.BlockSpec((1, rows), lambda c: (first + c, 0), collective_axes=share)
 
         if tile_scaled:
             specs = [tile_spec(cta_m, share_a), tile_spec(cta_n, share_b)]
@@ -375,17 +319,17 @@ def _kernel(
                 specs += [tile_spec(cta_n, share_b), scale_spec(cta_n, share_b)]
         return plgpu.emit_pipeline_warp_specialized(
             step,
-            grid=(chunks,),
+            grid=grid,
             memory_registers=40,
             in_specs=specs,
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=min(config.max_concurrent_steps, chunks),
+            max_concurrent_steps=steps,
             compute_context=context,
         )
 
     def body(*refs):
-        experts, refs = (refs[0], refs[1:]) if grouped else (None, refs)
+        counts, refs = refs[:lead], refs[lead:]
         scales, refs = (refs[0], refs[1:]) if tile_scaled else (None, refs)
         if tile_scaled:
             a_gmem, b, out_gmem = refs
@@ -394,7 +338,7 @@ def _kernel(
             a_gmem, sa_gmem, *rest = refs
             a_refs, b_gmem, out_gmem = [a_gmem, sa_gmem], rest[: 2 * n_terms], rest[2 * n_terms]
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on it
-        one_b = [b.at[0] for b in b_gmem] if grouped else b_gmem
+        one_b = [b.at[0] for b in b_gmem] if layout == "rows" else b_gmem
 
         @functools.partial(
             pl.run_scoped,
@@ -405,9 +349,10 @@ def _kernel(
         def scope(allocations, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            @plgpu.nd_loop((groups * m_iters * n_iters,), collective_axes="sm")
             def tile(info):
                 (index,) = info.index
+                group, index = index // (m_iters * n_iters), index % (m_iters * n_iters)
                 if m_iters == 1 or n_iters == 1:  # one row or column of tiles: in order
                     # (planar_snake's integer maths divides by zero there, which crashes
                     # XLA's CPU compile of the interpreted kernel in JAX 0.10)
@@ -426,13 +371,14 @@ def _kernel(
                     rows, cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
                 else:
                     rows, cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
+                out_tile = out_gmem.at[group] if layout == "tokens" else out_gmem
+                out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
 
                 def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
-                    dst = out_gmem.at[cta_rows, cta_cols].at[rows, cols]
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst)
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
 
                 def promoted(run):  # block scales: a fresh product per chunk, promoted
                     store(run(jnp.zeros((tm, tn), jnp.float32)))
@@ -440,7 +386,8 @@ def _kernel(
                 def accumulated(run):  # one scale per tile: one accumulator throughout
                     def scoped(acc_ref):
                         run(acc_ref)
-                        store(acc_ref[...] * scales[mi])  # waits for the last wgmma
+                        scale = scales[group if layout == "tokens" else mi]
+                        store(acc_ref[...] * scale)  # waits for the last wgmma
 
                     pl.run_scoped(scoped, plgpu.ACC((tm, tn), jnp.float32))
 
@@ -459,33 +406,45 @@ def _kernel(
                     plgpu.wgmma_wait(0)  # before the stage's shared memory is released
                     return acc_ref
 
-                def run_tile(b_refs):
+                def run_tile(b_refs, **chunked):
                     args = [a_gmem.at[cta_rows]]
                     if tile_scaled:
                         args += [b_refs[0].at[cta_cols]]
-                        kernel = pipeline(accumulate_step, accumulated)
+                        kernel = pipeline(accumulate_step, accumulated, **chunked)
                     else:
                         args += [sa_gmem.at[:, cta_rows]]
                         for t in range(n_terms):
                             args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
-                        kernel = pipeline(promote_step, promoted)
+                        kernel = pipeline(promote_step, promoted, **chunked)
                     kernel(*args, allocations=allocations)
 
-                if not grouped:
+                if layout == "dense":
                     run_tile(b_gmem)
-                    return
-                expert = experts[mi]  # a scalar read from global memory
+                elif layout == "rows":
+                    expert = counts[0][mi]  # a scalar read from global memory
 
-                @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
-                def _():
-                    run_tile([b.at[expert] for b in b_gmem])
+                    @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
+                    def _():
+                        run_tile([b.at[expert] for b in b_gmem])
+
+                else:
+                    first, count = counts[0][group], counts[1][group]
+
+                    @pl.when(count > 0)
+                    def _():
+                        run_tile(b_gmem, grid=(count,), first=first)
+
+                    @pl.when((count == 0) & (wg < 2))  # the compute warpgroups write zeros
+                    def _():
+                        store(jnp.zeros((tm, tn), jnp.float32))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    body.__name__ = body.__qualname__ = PERSISTENT_GEMM_NAME
+    name = {"dense": PERSISTENT_GEMM_NAME, "rows": PERSISTENT_ROWS_NAME}
+    body.__name__ = body.__qualname__ = name.get(layout, PERSISTENT_TOKENS_NAME)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(programs,),
         grid_names=("sm",),
         cluster=(1 if config.cluster is None else 2,),

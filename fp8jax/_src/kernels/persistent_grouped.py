@@ -1,0 +1,199 @@
+"""The grouped (mixture-of-experts) GEMMs on the persistent warp-specialized kernel of
+`persistent_gemm`: an expert layer's rows GEMM (forward and dgrad) and tokens GEMM (wgrad),
+what `grouped_gemm`'s tiled kernels compute (the same arguments and results), persistent
+over the output tiles so that skipped tiles and uneven or empty experts cost their programs
+nothing. `choice.persistent_kernel()` routes the grouped layers here; until a GPU run has
+checked and timed them, `grouped_gemm`'s kernels stay the default (issue 39).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .block_gemm import BLOCK_K, check_operands, pad_to, round_up
+from .dispatch import interpreting
+from .persistent_gemm import PersistentConfig, interpretable, programs, run_persistent
+
+
+def persistent_grouped_rows_gemm(
+    lhs: Array,
+    rhs: Array,
+    tile_expert: Int[Array, " tiles"],
+    *,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    tile_scale: Float[Array, " tiles"] | None = None,
+    out_dtype=jnp.float32,
+    config: PersistentConfig | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "M N"]:
+    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)` by the persistent
+    kernel: `grouped_gemm.grouped_rows_gemm` (an expert layer's forward and dgrad on its
+    contiguous layout), persistent over (row tile, column tile) pairs so that a skipped tile
+    (`tile_expert` -1) costs its programs nothing.
+
+    Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
+    row and chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per
+    tile, after one accumulation over the whole contraction: per-tensor recipes). Both
+    compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one layout
+    tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile). Returns
+    `(M, N)` in `out_dtype`.
+    """
+    name = "persistent_grouped_rows_gemm"
+    config = PersistentConfig(wg_dimension="n") if config is None else config
+    interpret = interpretable(name, interpreting() if interpret is None else interpret)
+    if config.cluster == "m":
+        raise ValueError(
+            f"{name}: config.cluster='m'; a cluster's CTAs would hold two row tiles, of "
+            "different experts, sharing one rhs tile: use None or 'n'."
+        )
+    if config.wg_dimension != "n":
+        raise ValueError(
+            f"{name}: config.wg_dimension={config.wg_dimension!r}; the grouped kernel splits "
+            "N between its warpgroups ('n'), so that each CTA's rows are one expert's."
+        )
+    if rhs.ndim != 3 or lhs.ndim != 2:
+        raise ValueError(
+            f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
+        )
+    blocks = lhs_scale is not None and rhs_scale is not None and tile_scale is None
+    if not blocks and (tile_scale is None or lhs_scale is not None or rhs_scale is not None):
+        raise ValueError(
+            f"{name}: give either lhs_scale and rhs_scale (block scales) or tile_scale (one "
+            "scale per tile), not both or neither."
+        )
+    (m, k), (g, n) = lhs.shape, rhs.shape[:2]
+    chunks = -(-k // BLOCK_K)
+    if blocks and rhs_scale.shape[:1] != (g,):
+        raise ValueError(
+            f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
+            f"expert: ({g}, {n}, {chunks})."
+        )
+    # The operand checks of a block-scaled call, on shapes (of one expert's rhs; stand-ins for
+    # the scales of a per-tile call).
+    f32 = jnp.float32
+    sa = lhs_scale if blocks else jax.ShapeDtypeStruct((m, chunks), f32)
+    sb = jax.ShapeDtypeStruct(rhs_scale.shape[1:] if blocks else (n, chunks), f32)
+    check_operands(name, lhs, sa, [(jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), sb)], BLOCK_K)
+    if m % config.tile_m:
+        raise ValueError(
+            f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
+            "expert's rows to whole tiles."
+        )
+    tiles = m // config.tile_m
+    for what, a in (("tile_expert", tile_expert), ("tile_scale", tile_scale)):
+        if a is not None and a.shape != (tiles,):
+            raise ValueError(
+                f"{name}: {what} has shape {a.shape}; expected {(tiles,)}: one per "
+                f"{config.tile_m}-row tile."
+            )
+    cluster_n = config.cluster_tile[1]
+    np_, kp = round_up(n, cluster_n), chunks * BLOCK_K
+    a, b = pad_to(lhs, m, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
+    if blocks:
+        operands = [
+            tile_expert.astype(jnp.int32),
+            a,
+            pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
+            b,
+            jnp.swapaxes(
+                jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
+            ),
+        ]
+    else:
+        operands = [tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b]
+    out = run_persistent(
+        operands,
+        1,
+        out_shape=(m, np_),
+        out_dtype=jnp.dtype(out_dtype),
+        config=config,
+        programs=programs(config, tiles * (np_ // cluster_n)),
+        interpret=interpret,
+        layout="rows",
+        tile_scaled=not blocks,
+    )
+    return out[:, :n]
+
+
+def persistent_grouped_tokens_gemm(
+    lhs: Array,
+    rhs: Array,
+    chunk_start: Int[Array, " G"],
+    chunk_count: Int[Array, " G"],
+    *,
+    lhs_scale: Array | None = None,
+    rhs_scale: Array | None = None,
+    group_scale: Float[Array, " G"] | None = None,
+    out_dtype=jnp.float32,
+    config: PersistentConfig | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "G A B"]:
+    """`out[e] = lhs[:, tokens of e] . rhs[:, tokens of e]^T` for every expert `e` by the
+    persistent kernel: `grouped_gemm.grouped_tokens_gemm` (an expert layer's wgrad),
+    persistent over (expert, row tile, column tile) triples, each tile's pipeline running
+    over its expert's own chunks (a run-time trip count), so that uneven experts cost their
+    tokens and an empty one only the zeros it writes.
+
+    `lhs (A, T)` and `rhs (B, T)` are FP8 of one type, contracted over their tokens; `T` a
+    multiple of 128, expert `e`'s tokens the `chunk_count[e]` chunks of 128 from chunk
+    `chunk_start[e]`. Scales: `lhs_scale (A, T / 128)` and `rhs_scale (B, T / 128)` (per row
+    and chunk of tokens, promoted every chunk), or `group_scale (G,)` (one multiplier per
+    expert after one accumulation: per-tensor recipes). Returns `(G, A, B)` in `out_dtype`.
+    """
+    name = "persistent_grouped_tokens_gemm"
+    config = PersistentConfig() if config is None else config
+    interpret = interpretable(name, interpreting() if interpret is None else interpret)
+    if lhs.ndim != 2 or rhs.ndim != 2:
+        raise ValueError(
+            f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (A, T) and (B, T), both "
+            "contracted over their tokens T."
+        )
+    (a_rows, t), (b_rows, g) = lhs.shape, (rhs.shape[0], chunk_start.shape[0])
+    if t % BLOCK_K:
+        raise ValueError(
+            f"{name}: {t} tokens, not a multiple of {BLOCK_K}; pad each expert's tokens to "
+            "whole chunks."
+        )
+    chunks = t // BLOCK_K
+    blocks = lhs_scale is not None and rhs_scale is not None and group_scale is None
+    if not blocks and (group_scale is None or lhs_scale is not None or rhs_scale is not None):
+        raise ValueError(
+            f"{name}: give either lhs_scale and rhs_scale (block scales) or group_scale (one "
+            "scale per expert), not both or neither."
+        )
+    # The operand checks of a block-scaled call (stand-ins for the scales of a per-expert one).
+    f32 = jnp.float32
+    sa = lhs_scale if blocks else jax.ShapeDtypeStruct((a_rows, chunks), f32)
+    sb = rhs_scale if blocks else jax.ShapeDtypeStruct((b_rows, chunks), f32)
+    check_operands(name, lhs, sa, [(rhs, sb)], BLOCK_K)
+    for what, a in (("chunk_count", chunk_count), ("group_scale", group_scale)):
+        if a is not None and a.shape != (g,):
+            raise ValueError(
+                f"{name}: {what} has shape {a.shape}; expected {(g,)}: one per expert, like "
+                "chunk_start."
+            )
+    cluster_m, cluster_n = config.cluster_tile
+    ap, bp = round_up(a_rows, cluster_m), round_up(b_rows, cluster_n)
+    counts = [chunk_start.astype(jnp.int32), chunk_count.astype(jnp.int32)]
+    a, b = pad_to(lhs, ap, t), pad_to(rhs, bp, t)
+    if blocks:  # chunk-major: a pipeline step's scales are one contiguous row of the CTA's rows
+        sa, sb = pad_to(sa.astype(f32), ap, chunks).T, pad_to(sb.astype(f32), bp, chunks).T
+        operands = [*counts, a, sa, b, sb]
+    else:
+        operands = [*counts, group_scale.astype(f32), a, b]
+    clusters = g * (ap // cluster_m) * (bp // cluster_n)
+    out = run_persistent(
+        operands,
+        1,
+        out_shape=(g, ap, bp),
+        out_dtype=jnp.dtype(out_dtype),
+        config=config,
+        programs=programs(config, clusters),
+        interpret=interpret,
+        layout="tokens",
+        tile_scaled=not blocks,
+    )
+    return out[:, :a_rows, :b_rows]
