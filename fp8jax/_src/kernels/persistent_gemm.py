@@ -212,13 +212,13 @@ def persistent_block_scaled_gemm(
         out_shape=(mp, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=programs(config, clusters),
+        programs=grid_programs(config, clusters),
         interpret=interpret,
     )
     return out[:m, :n]
 
 
-def programs(config: PersistentConfig, clusters: int) -> int:
+def grid_programs(config: PersistentConfig, clusters: int) -> int:
     """Clusters of the persistent grid: one per SM (per pair of SMs with `cluster`), no more
     than there are output tiles (cluster tiles) to share."""
     per_cluster = 1 if config.cluster is None else 2

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from .block_gemm import BLOCK_K, check_operands, pad_to, round_up
 from .dispatch import interpreting
-from .persistent_gemm import PersistentConfig, interpretable, programs, run_persistent
+from .persistent_gemm import PersistentConfig, grid_programs, interpretable, run_persistent
 
 
 def persistent_grouped_rows_gemm(
@@ -110,7 +110,7 @@ def persistent_grouped_rows_gemm(
         out_shape=(m, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=programs(config, tiles * (np_ // cluster_n)),
+        programs=grid_programs(config, tiles * (np_ // cluster_n)),
         interpret=interpret,
         layout="rows",
         tile_scaled=not blocks,
@@ -191,7 +191,7 @@ def persistent_grouped_tokens_gemm(
         out_shape=(g, ap, bp),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=programs(config, clusters),
+        programs=grid_programs(config, clusters),
         interpret=interpret,
         layout="tokens",
         tile_scaled=not blocks,
