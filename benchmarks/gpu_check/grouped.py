@@ -14,7 +14,8 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
   call them (`native_rows` / `native_tokens`, padding to the tiled layout included);
 - `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (GPU runs only):
   the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39
-  (`persistent_kernel()`).
+  (`persistent_kernel()`), and in the full run the blockwise ones in each `SWEEP`
+  configuration (`fp8 blockwise persistent <changed fields>`).
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
 """
@@ -32,7 +33,9 @@ from jax import lax
 import fp8jax
 from fp8jax._src.gemm import grouped_native as native
 from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.persistent_gemm import PersistentConfig
 
+from .block_kernels import describe
 from .record import Recorder
 from .timing import compile_and_time, tflops
 
@@ -43,6 +46,22 @@ EXPERTS, WIDTH, HIDDEN = 16, 7168, 2048
 #: JAX kernels' configurations: (block_m, block_n, block_k, max_concurrent_steps,
 #: grid_block_n), from the grids their `main` autotunes over.
 JAX_CONFIGS = ((128, 128, 64, 4, 1), (64, 256, 64, 4, 2))
+#: The persistent grouped kernels' configurations the full run times beside their default
+#: (blockwise; `block_kernels.describe` names them): the rows kernel's warpgroups always
+#: split N and its CTA rows are one layout tile (`choice.recipe_grouped_rows_gemm`).
+SWEEP = {
+    "rows": (
+        PersistentConfig(max_concurrent_steps=3),
+        PersistentConfig(grid_minor_dim="m"),
+        PersistentConfig(cluster="n"),
+    ),
+    "tokens": (
+        PersistentConfig(wg_dimension="n"),
+        PersistentConfig(max_concurrent_steps=3),
+        PersistentConfig(grid_minor_dim="m"),
+        PersistentConfig(cluster="m"),
+    ),
+}
 
 
 def group_sizes(rows: int, experts: int, multiple: int = 1) -> np.ndarray:
@@ -138,8 +157,8 @@ def _ours_rows(lhs, rhs, sizes):
     return native.native_rows(lhs, rhs, sizes, BF16)
 
 
-def _persistent_rows(lhs, rhs, sizes):
-    with persistent_kernel():  # traced inside: the block-scaled rows GEMM on issue 39's kernel
+def _persistent_rows(lhs, rhs, sizes, config=None):
+    with persistent_kernel(config):  # traced inside: the rows GEMM on issue 39's kernel
         return native.native_rows(lhs, rhs, sizes, BF16)
 
 
@@ -147,8 +166,8 @@ def _ours_tokens(lhs, rhs, sizes):
     return native.native_tokens(lhs, rhs, sizes, BF16)
 
 
-def _persistent_tokens(lhs, rhs, sizes):
-    with persistent_kernel():  # traced inside: the tokens GEMM on issue 39's kernel
+def _persistent_tokens(lhs, rhs, sizes, config=None):
+    with persistent_kernel(config):  # traced inside: the tokens GEMM on issue 39's kernel
         return native.native_tokens(lhs, rhs, sizes, BF16)
 
 
@@ -169,11 +188,11 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
     if mode != "dry":  # its interpreter tests: tests/test_persistent_gemm.py
         persistent = _persistent_rows if kind == "rows" else _persistent_tokens
         variants["fp8 per-tensor persistent kernel"] = (persistent, "fp8", 1)
-        variants["fp8 blockwise persistent kernel"] = (
-            persistent,
-            "block",
-            128 if kind == "tokens" else 1,
-        )
+        multiple = 128 if kind == "tokens" else 1
+        variants["fp8 blockwise persistent kernel"] = (persistent, "block", multiple)
+        for config in SWEEP[kind] if mode == "full" else ():
+            name = f"fp8 blockwise {describe(config)}"
+            variants[name] = (functools.partial(persistent, config=config), "block", multiple)
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)
         del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]

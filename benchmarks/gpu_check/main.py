@@ -144,6 +144,14 @@ def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
                 ratio = _ratio(t, slow, fast)
                 if ratio:
                     rec.decision(f"grouped, {label}: {slow} / {fast}: time ratio {ratio}")
+        swept = {k: v for k, v in t.items() if k.startswith("fp8 blockwise persistent")}
+        if swept and "fp8 blockwise kernel" in t:
+            best = min(swept, key=swept.get)
+            rec.decision(
+                f"grouped, {label}: fastest persistent blockwise configuration: {best} "
+                f"({swept[best]:.3f} ms); tiled / it: time ratio "
+                f"{t['fp8 blockwise kernel'] / swept[best]:.2f}"
+            )
     for model, fields in trains.items():
         t = {k: v["ms"] for k, v in fields.items()}
         for slow, fast in (("residual-xla", "residual"), ("blockwise-xla", "blockwise")):
