@@ -59,6 +59,16 @@ def recipe_block_gemm(
     return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
 
 
+def _grouped_choice(lhs: Array, block_k: int) -> PersistentConfig | None:
+    """The persistent kernels' configuration for a grouped GEMM traced inside
+    `persistent_kernel()` whose operands are FP8 and whose chunks are 128 wide (the only
+    ones those kernels take); `None`: the tiled kernel."""
+    config = _CHOSEN.get()
+    if config is None or block_k != BLOCK_K or jnp.dtype(lhs.dtype) not in FP8_TYPES:
+        return None
+    return config
+
+
 def recipe_grouped_rows_gemm(
     lhs: Array,
     rhs: Array,
@@ -73,10 +83,9 @@ def recipe_grouped_rows_gemm(
     """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
     `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
     `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
-    config = _CHOSEN.get()
-    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
+    config = _grouped_choice(lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
-    if config is None or block_k != BLOCK_K or not fp8:
+    if config is None:
         return grouped_rows_gemm(
             lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
         )
@@ -112,10 +121,9 @@ def recipe_grouped_tokens_gemm(
     """The grouped tokens GEMM (wgrad) the grouped layers call: `grouped_tokens_gemm`, or
     `persistent_grouped_tokens_gemm` where traced inside `persistent_kernel()`, the operands
     FP8 and the chunks 128 wide."""
-    config = _CHOSEN.get()
-    fp8 = jnp.dtype(lhs.dtype) in FP8_TYPES
+    config = _grouped_choice(lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, group_scale=group_scale)
-    if config is None or block_k != BLOCK_K or not fp8:
+    if config is None:
         return grouped_tokens_gemm(
             lhs, rhs, chunk_start, chunk_count, **scales, out_dtype=out_dtype, block_k=block_k
         )

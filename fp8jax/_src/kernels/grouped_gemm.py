@@ -84,7 +84,7 @@ def _check_operands(name: str, lhs: Array, rhs: Array, k: int) -> None:
         )
 
 
-def _scaling(name: str, block: tuple, once: Array | None, what_once: str) -> bool:
+def scaling_is_blocks(name: str, block: tuple, once: Array | None, what_once: str) -> bool:
     """Whether the block scales (`block`, all given) or the one-scalar scaling (`once`) is
     asked for: exactly one of the two."""
     given = [s is not None for s in block]
@@ -98,7 +98,7 @@ def _scaling(name: str, block: tuple, once: Array | None, what_once: str) -> boo
     )
 
 
-def _check_shape(name: str, what: str, a: Array, shape: tuple) -> None:
+def check_shape(name: str, what: str, a: Array, shape: tuple) -> None:
     if a.shape != shape:
         raise ValueError(f"{name}: {what} has shape {a.shape}; expected {shape}.")
 
@@ -202,19 +202,19 @@ def grouped_rows_gemm(
             "rows to whole tiles."
         )
     tiles, chunks = m // tile_m, math.ceil(k / block_k)
-    _check_shape(name, "tile_expert", tile_expert, (tiles,))
-    blocks = _scaling(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
+    check_shape(name, "tile_expert", tile_expert, (tiles,))
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
     np_, kp = round_up(n, tile_n), chunks * block_k
     a = pad_to(lhs, m, kp)
     b = jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
-        _check_shape(name, "lhs_scale", lhs_scale, (m, chunks))
-        _check_shape(name, "rhs_scale", rhs_scale, (g, n, chunks))
+        check_shape(name, "lhs_scale", lhs_scale, (m, chunks))
+        check_shape(name, "rhs_scale", rhs_scale, (g, n, chunks))
         sa = lhs_scale.astype(jnp.float32).T
         sb = jnp.swapaxes(jax.vmap(lambda s: pad_to(s, np_, chunks))(rhs_scale), 1, 2)
         operands = (tile_expert.astype(jnp.int32), a, sa, b, sb.astype(jnp.float32))
     else:
-        _check_shape(name, "tile_scale", tile_scale, (tiles,))
+        check_shape(name, "tile_scale", tile_scale, (tiles,))
         operands = (tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b)
     tiling = operand_tiling(lhs.dtype, block_k)
     steps = min(max_concurrent_steps, chunks)
@@ -292,19 +292,19 @@ def grouped_tokens_gemm(
             "to whole chunks."
         )
     chunks = t // block_k
-    _check_shape(name, "chunk_count", chunk_count, (g,))
-    blocks = _scaling(name, (lhs_scale, rhs_scale), group_scale, "group_scale")
+    check_shape(name, "chunk_count", chunk_count, (g,))
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), group_scale, "group_scale")
     ap, bp = round_up(a_rows, tile_m), round_up(b_rows, tile_n)
     a, b = pad_to(lhs, ap, t), pad_to(rhs, bp, t)
     counts = (chunk_start.astype(jnp.int32), chunk_count.astype(jnp.int32))
     if blocks:
-        _check_shape(name, "lhs_scale", lhs_scale, (a_rows, chunks))
-        _check_shape(name, "rhs_scale", rhs_scale, (b_rows, chunks))
+        check_shape(name, "lhs_scale", lhs_scale, (a_rows, chunks))
+        check_shape(name, "rhs_scale", rhs_scale, (b_rows, chunks))
         sa = pad_to(lhs_scale.astype(jnp.float32), ap, chunks).T
         sb = pad_to(rhs_scale.astype(jnp.float32), bp, chunks).T
         operands = (*counts, a, sa, b, sb)
     else:
-        _check_shape(name, "group_scale", group_scale, (g,))
+        check_shape(name, "group_scale", group_scale, (g,))
         operands = (*counts, group_scale.astype(jnp.float32), a, b)
     tiling = operand_tiling(lhs.dtype, block_k)
     shape = (tile_m, tile_n)

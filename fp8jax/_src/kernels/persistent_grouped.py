@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from .block_gemm import BLOCK_K, check_operands, pad_to, round_up
 from .dispatch import interpreting
+from .grouped_gemm import check_shape, scaling_is_blocks
 from .persistent_gemm import PersistentConfig, grid_programs, interpretable, run_persistent
 
 
@@ -58,12 +59,7 @@ def persistent_grouped_rows_gemm(
         raise ValueError(
             f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
         )
-    blocks = lhs_scale is not None and rhs_scale is not None and tile_scale is None
-    if not blocks and (tile_scale is None or lhs_scale is not None or rhs_scale is not None):
-        raise ValueError(
-            f"{name}: give either lhs_scale and rhs_scale (block scales) or tile_scale (one "
-            "scale per tile), not both or neither."
-        )
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
     (m, k), (g, n) = lhs.shape, rhs.shape[:2]
     chunks = -(-k // BLOCK_K)
     if blocks and rhs_scale.shape[:1] != (g,):
@@ -158,23 +154,15 @@ def persistent_grouped_tokens_gemm(
             "whole chunks."
         )
     chunks = t // BLOCK_K
-    blocks = lhs_scale is not None and rhs_scale is not None and group_scale is None
-    if not blocks and (group_scale is None or lhs_scale is not None or rhs_scale is not None):
-        raise ValueError(
-            f"{name}: give either lhs_scale and rhs_scale (block scales) or group_scale (one "
-            "scale per expert), not both or neither."
-        )
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), group_scale, "group_scale")
     # The operand checks of a block-scaled call (stand-ins for the scales of a per-expert one).
     f32 = jnp.float32
     sa = lhs_scale if blocks else jax.ShapeDtypeStruct((a_rows, chunks), f32)
     sb = rhs_scale if blocks else jax.ShapeDtypeStruct((b_rows, chunks), f32)
     check_operands(name, lhs, sa, [(rhs, sb)], BLOCK_K)
-    for what, a in (("chunk_count", chunk_count), ("group_scale", group_scale)):
-        if a is not None and a.shape != (g,):
-            raise ValueError(
-                f"{name}: {what} has shape {a.shape}; expected {(g,)}: one per expert, like "
-                "chunk_start."
-            )
+    check_shape(name, "chunk_count", chunk_count, (g,))
+    if not blocks:
+        check_shape(name, "group_scale", group_scale, (g,))
     cluster_m, cluster_n = config.cluster_tile
     ap, bp = round_up(a_rows, cluster_m), round_up(b_rows, cluster_n)
     counts = [chunk_start.astype(jnp.int32), chunk_count.astype(jnp.int32)]
