@@ -46,7 +46,7 @@ from ..recipes.base import Axis
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .exchange import ExpertExchange
 from .grouped_dots import rows_dot, token_tile, tokens_dot
-from .grouped_native import expert_of_rows, pad, pad_layout, pad_quantized
+from .grouped_native import expert_of_rows, pad_layout
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
 #: How the errors of the shared checks name a grouped layer without a name.
@@ -203,14 +203,21 @@ def _backward(
     with jax.named_scope("dgrad"):
         dgrad_axis = _weight_axes(recipe)[1]
         d_x = rows_dot(recipe, q_g, q_w, dgrad_axis, group_sizes, experts, back, lhs_dtype, native)
+    rows = None
     if isinstance(recipe, BlockScaledRecipe):
         # The wgrad's operands with each expert's tokens padded to whole tiles (zeros
-        # between): each token tile holds one expert's tokens, as in DeepSeek-V3.
+        # between): each token tile holds one expert's tokens, as in DeepSeek-V3. The recipe
+        # quantizes them as it gathers them (one read of each).
         layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
-        g, q_x, group_sizes = pad(g, layout), pad_quantized(q_x, layout), layout.sizes
-    q_g, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)
+        rows, group_sizes = jnp.where(layout.valid, layout.source, -1), layout.sizes
+        q_g = activations.quantize_gathered(g, rows, "output_grad")
+    else:
+        q_g, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
-        q_x = recipe.retile(q_x, "input", -2)
+        if rows is None:
+            q_x = recipe.retile(q_x, "input", -2)
+        else:
+            q_x = recipe.retile_gathered(q_x, rows, "input")
         d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype, native)
     if plan is not None:
         d_x = plan.gradient_back(d_x)

@@ -1,5 +1,6 @@
 """Native GPU kernels: the GEMMs XLA cannot express as one FP8 call (Pallas Mosaic GPU), and
-the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`).
+the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`,
+`padded_quantize`).
 
 Pallas is imported by the kernel modules, on use; this package's top level stays light.
 """
@@ -13,11 +14,13 @@ BLOCK_GEMM_NAME = "fp8jax_block_scaled_gemm"
 GROUPED_ROWS_NAME = "fp8jax_grouped_rows_gemm"
 GROUPED_TOKENS_NAME = "fp8jax_grouped_tokens_gemm"
 
-#: The one-pass quantization kernels' names (`block_quantize`), in the HLO's op_name, where
+#: The one-pass quantization kernels' names (`block_quantize`, `padded_quantize`), in the HLO's op_name, where
 #: `fp8jax.hlo_cost` counts them as quantization.
 QUANTIZE_NAMES = (
     "fp8jax_quantize_rows",
     "fp8jax_quantize_rows_and_columns",
     "fp8jax_requantize_columns",
     "fp8jax_quantize_blocks",
+    "fp8jax_quantize_padded_columns",
+    "fp8jax_requantize_padded_columns",
 )

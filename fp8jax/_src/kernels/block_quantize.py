@@ -89,14 +89,14 @@ def _divide(a: Array, b: Array, interpret: bool) -> Array:
     return out
 
 
-def _nan_max(x: Array, axis: int | None) -> Array:
+def nan_max(x: Array, axis: int | None) -> Array:
     """`max(x)` over `axis` that is NaN where a NaN is reduced (PTX's `max` drops them)."""
     top = jnp.max(x, axis=axis)
     nans = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=axis)
     return jnp.where(nans > 0.0, jnp.nan, top)
 
 
-def _scales(
+def tile_scales(
     amax: Array, fmt_max: float, max_scale: float, power_of_two: bool, interpret: bool
 ) -> tuple[Array, Array]:
     """(scale, scale_inv) of tiles with `amax`: `BlockwiseScaling.block_scale`'s rule."""
@@ -112,7 +112,7 @@ def _scales(
     return scale, _divide(one, scale, interpret)
 
 
-def _cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
+def saturating_cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
     """`fp8jax.quantize`'s saturating cast of `x * scale` (inf and NaN become NaN)."""
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * scale, -limit, limit)
@@ -126,29 +126,30 @@ def _rows_kernel(x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, **rul
     dtype = q_ref.dtype
     x = x_ref[...].astype(jnp.float32)
     magnitude = jnp.abs(x)
-    row_amax = _nan_max(magnitude, axis=1)
-    scale, scale_inv = _scales(row_amax, **rule)
-    q_ref[...] = _cast(x, scale[:, None], dtype)
+    row_amax = nan_max(magnitude, axis=1)
+    scale, scale_inv = tile_scales(row_amax, **rule)
+    q_ref[...] = saturating_cast(x, scale[:, None], dtype)
     s_ref[...] = scale_inv[None, :]
-    amax_ref[...] = jnp.broadcast_to(_nan_max(row_amax, axis=0), amax_ref.shape)
+    amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
     if columns:
         qt_ref, st_ref = cols_refs
-        col_amax = _nan_max(magnitude, axis=0)
-        scale, scale_inv = _scales(col_amax, **rule)
-        qt_ref[...] = _cast(x, scale[None, :], dtype).T
+        col_amax = nan_max(magnitude, axis=0)
+        scale, scale_inv = tile_scales(col_amax, **rule)
+        qt_ref[...] = saturating_cast(x, scale[None, :], dtype).T
         st_ref[...] = scale_inv[None, :]
 
 
 def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, **rule):
     scale_inv = s_ref[0, :]
     x = data_ref[...].astype(jnp.float32) * scale_inv[:, None]  # the saved tiles' values
-    col_amax = _nan_max(jnp.abs(x), axis=0)
-    scale, scale_inv = _scales(col_amax, **rule)
-    qt_ref[...] = _cast(x, scale[None, :], qt_ref.dtype).T
+    col_amax = nan_max(jnp.abs(x), axis=0)
+    scale, scale_inv = tile_scales(col_amax, **rule)
+    qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
     st_ref[...] = scale_inv[None, :]
 
 
-def _rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
+def tile_rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
+    """The keyword arguments of `tile_scales` for tiles cast to `fmt`."""
     return dict(
         fmt_max=float(jnp.finfo(fmt).max),
         max_scale=float(max_scale),
@@ -196,7 +197,8 @@ def _check(x: Array, block: int, name: str) -> None:
         )
 
 
-def _call(kernel, shapes, specs, in_specs, grid, interpret, name):
+def triton_call(kernel, shapes, specs, in_specs, grid, interpret, name):
+    """The quantization kernels' `pallas_call` (Triton: `NUM_WARPS` warps, one stage)."""
     return pl.pallas_call(
         kernel,
         out_shape=shapes,
@@ -216,11 +218,11 @@ def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret):
     m, k = x.shape
     shapes, specs = _specs(block, m, k, fmt, columns, x)
     kernel = functools.partial(
-        _rows_kernel, columns=columns, **_rule(fmt, max_scale, power_of_two, interpret)
+        _rows_kernel, columns=columns, **tile_rule(fmt, max_scale, power_of_two, interpret)
     )
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     name = QUANTIZE_NAMES[1 if columns else 0]
-    outs = _call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
+    outs = triton_call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
     return tuple(outs)
 
 
@@ -287,7 +289,7 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
     m, k = data.shape
     nm = m // block
     kernel = functools.partial(
-        _columns_kernel, **_rule(data.dtype, max_scale, power_of_two, interpret)
+        _columns_kernel, **tile_rule(data.dtype, max_scale, power_of_two, interpret)
     )
     shapes = [
         shape_like((k, m), data.dtype, data),
@@ -302,7 +304,7 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
         pl.BlockSpec((1, block), lambda i, j: (j, i)),
     ]
     grid = (nm, k // block)
-    call = _call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[2])
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[2])
     return tuple(call(data, scale_inv))
 
 
@@ -337,15 +339,15 @@ def requantize_columns(
 
 def _square_kernel(w_ref, q_ref, qt_ref, s_ref, amax_ref, **rule):
     w = w_ref[...].astype(jnp.float32)
-    row_amax = _nan_max(jnp.abs(w), axis=1)
+    row_amax = nan_max(jnp.abs(w), axis=1)
     # The block's amax in every lane of a vector (Triton's inline PTX takes tensors only).
-    amax = jnp.broadcast_to(_nan_max(row_amax, axis=0), row_amax.shape)
-    scale, scale_inv = _scales(amax, **rule)
-    q = _cast(w, scale[:, None], q_ref.dtype)
+    amax = jnp.broadcast_to(nan_max(row_amax, axis=0), row_amax.shape)
+    scale, scale_inv = tile_scales(amax, **rule)
+    q = saturating_cast(w, scale[:, None], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
     s_ref[...] = jnp.broadcast_to(jnp.max(scale_inv), s_ref.shape)  # all lanes are equal
-    amax_ref[...] = jnp.broadcast_to(_nan_max(row_amax, axis=0), amax_ref.shape)
+    amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
 
 
 @functools.partial(
@@ -353,7 +355,7 @@ def _square_kernel(w_ref, q_ref, qt_ref, s_ref, amax_ref, **rule):
 )
 def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
     n, k = w.shape
-    kernel = functools.partial(_square_kernel, **_rule(fmt, max_scale, power_of_two, interpret))
+    kernel = functools.partial(_square_kernel, **tile_rule(fmt, max_scale, power_of_two, interpret))
     shapes = [
         shape_like((n, k), fmt, w),
         shape_like((k, n), fmt, w),
@@ -368,7 +370,7 @@ def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
     ]
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     grid = (n // block, k // block)
-    call = _call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[3])
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_NAMES[3])
     return tuple(call(w))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ..core.formats import (
     FormatLike,
@@ -25,7 +25,7 @@ from ..core.formats import (
     saturate,
 )
 from ..core.formats import format_name as canonical_format
-from ..kernels import block_quantize, dispatch
+from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import (
     Axis,
     QTensor,
@@ -148,6 +148,18 @@ class BlockScaledRecipe(Recipe):
         # else from the FP8 values (the activation: no high-precision copy is kept).
         return self._quantize(q.dequantize() if source is None else source, role, axis)
 
+    def quantize_gathered(self, x: Array, rows: Int[Array, " P"], role: Role) -> QTensor:
+        """`x`'s rows gathered by `rows` (a row of zeros where -1: an expert layer's padded
+        layout) in tiles along them, contracted on -2 as the wgrad takes it: `quantize`'s
+        tensor of the gathered copy, without a state (the caller's is the ungathered
+        tensor's)."""
+        return self._quantize(padded_quantize.gather_rows(x, rows), role, -2)
+
+    def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
+        """`retile(q, role, -2)` of `q`'s rows gathered by `rows` (zeros where -1); `q` in
+        tiles of one row, as an activation is saved."""
+        return self.retile(gather_quantized(q, rows), role, -2)
+
     def dot(
         self,
         lhs: QTensor,
@@ -164,6 +176,17 @@ class BlockScaledRecipe(Recipe):
         # contraction by gathering the whole operand for every chunk.
         dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
         return dispatch.on_shards(gemm, lhs, rhs, dims=dims, out_dtype=out_dtype)
+
+
+def gather_quantized(q: QTensor, rows: Int[Array, " P"]) -> QTensor:
+    """`q`'s rows gathered by `rows`, FP8 zeros where -1; `q` in tiles of one row."""
+    if not q.block or q.block[0] != 1:
+        raise ValueError(f"gather_quantized: blocks {q.block} span rows; tiles of one row.")
+    if q.scale_inv.shape[0] == 0:  # no rows: all gaps
+        scale_inv = jnp.ones((rows.shape[0], *q.scale_inv.shape[1:]), q.scale_inv.dtype)
+    else:  # a gap's scale is a real row's (its data are zeros): E8M0 has no zero
+        scale_inv = q.scale_inv[jnp.maximum(rows, 0)]
+    return QTensor(padded_quantize.gather_rows(q.data, rows), scale_inv, q.block)
 
 
 def _local_amax(x: Array) -> Float[Array, ""]:
@@ -395,6 +418,53 @@ class BlockwiseScaling(BlockScaledRecipe):
             return r.data, r.scale_inv
 
         return QTensor(*self._on_kernel(native, xla, q.data, q.scale_inv), block)
+
+    # --- the wgrad's tiles of an expert layer, gathered (`kernels/padded_quantize.py`) -----
+
+    def _gathers(self, x: Array, rows: Array) -> bool:
+        """Whether `x`'s rows may be gathered by `rows` into tiles by the padded kernels."""
+        return (
+            self.native_kernel is not False
+            and not self.dequantized_dot
+            and self.block_size in NATIVE_BLOCK_SIZES
+            and padded_quantize.fits(x.shape, rows.shape[0], self.block_size)
+            and dispatch.per_device_gemm(x)
+        )
+
+    def quantize_gathered(self, x: Array, rows: Int[Array, " P"], role: Role) -> QTensor:
+        if not self._gathers(x, rows):
+            return super().quantize_gathered(x, rows, role)
+        fmt = self.format(role)
+
+        def native(x: Array, rows: Array) -> tuple[Array, Array]:
+            data_t, scale_inv = padded_quantize.quantize_padded_columns(
+                x, rows, fmt, **self._rule()
+            )
+            return data_t.T, scale_inv
+
+        def xla(x: Array, rows: Array) -> tuple[Array, Array]:
+            q = super(BlockwiseScaling, self).quantize_gathered(x, rows, role)
+            return q.data, q.scale_inv
+
+        return QTensor(*self._on_kernel(native, xla, x, rows), (self.block_size, 1))
+
+    def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
+        if tuple(q.block) != (1, self.block_size) or not self._gathers(q.data, rows):
+            return super().retile_gathered(q, rows, role)
+
+        def native(data: Array, scale_inv: Array, rows: Array) -> tuple[Array, Array]:
+            data_t, scale_inv = padded_quantize.requantize_padded_columns(
+                data, scale_inv.T, rows, **self._rule()
+            )
+            return data_t.T, scale_inv
+
+        def xla(data: Array, scale_inv: Array, rows: Array) -> tuple[Array, Array]:
+            gathered = gather_quantized(QTensor(data, scale_inv, q.block), rows)
+            r = BlockScaledRecipe.retile(self, gathered, role, -2)
+            return r.data, r.scale_inv
+
+        block = self.block_for(role, -2)
+        return QTensor(*self._on_kernel(native, xla, q.data, q.scale_inv, rows), block)
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
         fmt_max = fp8_max(self.format_name)

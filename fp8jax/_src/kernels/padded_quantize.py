@@ -1,0 +1,222 @@
+"""An expert layer's wgrad tiles, quantized while gathered into the padded layout (Triton).
+
+The wgrad of a grouped GEMM contracts each expert's tokens in `block` x 1 tiles that must not
+mix experts (DeepSeek-V3's layout): the expert-sorted rows are spread so that each expert
+starts on a multiple of `block`, zeros between (`gemm/grouped_native.pad_layout`). XLA wrote
+that padded copy inside its own quantization, reading the tensor once for the tiles' amaxes
+and once to cast it; `block_quantize`'s one-pass kernels would need the padded copy written
+first (a pass more: tried, 0.97 GB more on a Mixtral-like layer). These kernels read the
+rows through the layout's row map themselves, once:
+
+- `quantize_padded_columns(x, rows)`: the output gradient `x (M, K)`, its rows gathered by
+  `rows (P,)`, in `block` x 1 tiles along the padded rows, written transposed `(K, P)`
+  (K-major, as the tokens kernel takes it) with chunk-major scales `(P / block, K)`.
+- `requantize_padded_columns(data, scale_inv_t, rows)`: the saved FP8 activation in 1 x
+  `block` tiles, gathered and requantized into those tiles, from its FP8 values
+  (`block_quantize.requantize_columns` through the row map).
+
+`rows[p]` is the row of `x` that padded row `p` holds, or -1 for a row of zeros. The math is
+`block_quantize`'s (its `tile_scales` and `saturating_cast`), and each result equals the
+corresponding `block_quantize` kernel run on the gathered copy, bit for bit
+(`reference_padded_columns` below and the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from ..core.jax_private import shape_like
+from . import QUANTIZE_NAMES
+from .block_quantize import (
+    nan_max,
+    pltriton,
+    reference_columns,
+    saturating_cast,
+    tile_rule,
+    tile_scales,
+    triton_call,
+)
+from .dispatch import interpreting
+
+QUANTIZE_PADDED_NAME, REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[4:6]
+
+
+def fits(shape: tuple[int, ...], padded: int, block: int) -> bool:
+    """Whether the kernels can gather `padded` rows of a 2-D `shape` into `block` x 1 tiles:
+    some rows, columns in whole tiles, whole tiles of padded rows, and Pallas' Triton."""
+    ok = len(shape) == 2 and shape[0] > 0 and shape[1] > 0 and shape[1] % block == 0
+    return ok and padded > 0 and padded % block == 0 and pltriton is not None
+
+
+def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]:
+    """This program's rows of column tile `j`, in float32: (values, which are real, index)."""
+    rows = rows_ref[...]
+    real = rows >= 0
+    index = jnp.where(real, rows, 0)
+    # A gap reads row 0 (the same cached row for every gap; the interpreter cannot discharge
+    # a masked gather) and is zeroed by the caller.
+    return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
+
+
+def _store_columns(x: Array, qt_ref, st_ref, rule: dict) -> None:
+    """`x`'s tile in `block` x 1 tiles along its rows, written transposed, and its scales."""
+    scale, scale_inv = tile_scales(nan_max(jnp.abs(x), axis=0), **rule)
+    qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
+    st_ref[...] = scale_inv[None, :]
+
+
+def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, **rule):
+    x, real, _ = _gather(rows_ref, x_ref, pl.program_id(1), block)
+    _store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule)
+
+
+def _requantize_kernel(rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, **rule):
+    j = pl.program_id(1)
+    data, real, index = _gather(rows_ref, data_ref, j, block)
+    scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
+    _store_columns(jnp.where(real[:, None], data * scale_inv[:, None], 0.0), qt_ref, st_ref, rule)
+
+
+def _outputs(block: int, padded: int, k: int, fmt: jnp.dtype, like: Array):
+    shapes = [
+        shape_like((k, padded), fmt, like),
+        shape_like((padded // block, k), jnp.float32, like),
+    ]
+    specs = [
+        pl.BlockSpec((block, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, block), lambda i, j: (i, j)),
+    ]
+    return shapes, specs
+
+
+def _whole(a: Array) -> pl.BlockSpec:
+    """`a` as one block: the kernels index it themselves (the gather)."""
+    return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret")
+)
+def _quantize(x, rows, *, fmt, block, max_scale, power_of_two, interpret):
+    (padded,), k = rows.shape, x.shape[1]
+    kernel = functools.partial(
+        _quantize_kernel, block=block, **tile_rule(fmt, max_scale, power_of_two, interpret)
+    )
+    shapes, specs = _outputs(block, padded, k, fmt, x)
+    in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
+    grid = (padded // block, k // block)
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_PADDED_NAME)
+    return tuple(call(rows, x))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "max_scale", "power_of_two", "interpret"))
+def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, interpret):
+    (padded,), k = rows.shape, data.shape[1]
+    rule = tile_rule(data.dtype, max_scale, power_of_two, interpret)
+    kernel = functools.partial(_requantize_kernel, block=block, **rule)
+    shapes, specs = _outputs(block, padded, k, data.dtype, data)
+    in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(data), _whole(scale_inv_t)]
+    grid = (padded // block, k // block)
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, REQUANTIZE_PADDED_NAME)
+    return tuple(call(rows, data, scale_inv_t))
+
+
+def _interpret(x: Array, rows: Array, block: int, name: str, interpret: bool | None) -> bool:
+    """Check the operands of kernel `name`; whether it runs interpreted (`None`: as traced)."""
+    if pltriton is None:  # pragma: no cover - a future JAX
+        raise RuntimeError(
+            f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
+            "is written in; the recipes keep the XLA path there."
+        )
+    if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: rows has shape {rows.shape} and dtype {rows.dtype}; a 1-D integer row "
+            "map (the row each padded row holds, -1 for zeros) is expected."
+        )
+    if not fits(x.shape, rows.shape[0], block):
+        raise ValueError(
+            f"{name}: {x.shape[0] if x.ndim else 0} rows gathered into {rows.shape[0]} of "
+            f"shape {x.shape}: the kernel takes a 2-D operand with rows and a multiple of "
+            f"{block} columns, gathered into a multiple of {block} rows (the recipes keep the "
+            "XLA path for others)."
+        )
+    return interpreting() if interpret is None else interpret
+
+
+def quantize_padded_columns(
+    x: Float[Array, "M K"],
+    rows: Int[Array, " P"],
+    fmt: jnp.dtype,
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "P/block K"]]:
+    """`x`'s rows gathered by `rows` (zeros where -1) in `block` x 1 tiles along them,
+    transposed: FP8 `data_t (K, P)` and chunk-major `scale_inv (P / block, K)`, from one
+    read of `x`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`)."""
+    interpret = _interpret(x, rows, block, QUANTIZE_PADDED_NAME, interpret)
+    return _quantize(
+        x,
+        rows.astype(jnp.int32),
+        fmt=jnp.dtype(fmt),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+    )
+
+
+def requantize_padded_columns(
+    data: Array,
+    scale_inv_t: Float[Array, "K/block M"],
+    rows: Int[Array, " P"],
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "P/block K"]]:
+    """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major), its rows gathered
+    by `rows` (zeros where -1) and requantized into `block` x 1 tiles along them, transposed:
+    `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block, K)`."""
+    interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
+    want = (data.shape[1] // block, data.shape[0])
+    if scale_inv_t.shape != want:
+        raise ValueError(
+            f"requantize_padded_columns: scale_inv_t has shape {scale_inv_t.shape}; data "
+            f"{data.shape} in 1 x {block} tiles takes {want} (chunk-major)."
+        )
+    return _requantize(
+        data,
+        scale_inv_t.astype(jnp.float32),
+        rows.astype(jnp.int32),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+    )
+
+
+# --- reference: the gathered copy, then block_quantize's math in plain XLA -----------------
+
+
+def gather_rows(x: Array, rows: Int[Array, " P"]) -> Array:
+    """`x[rows]` with a row of zeros where `rows` is -1 (the padded layout's copy)."""
+    if x.shape[0] == 0:
+        return jnp.zeros((rows.shape[0], *x.shape[1:]), x.dtype)
+    real = (rows >= 0).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(real, x[jnp.maximum(rows, 0)], jnp.zeros((), x.dtype))
+
+
+def reference_padded_columns(x, rows, fmt, *, block=128, max_scale, power_of_two=False):
+    """`quantize_padded_columns` in plain XLA: `reference_columns` of the gathered copy."""
+    return reference_columns(
+        gather_rows(x, rows), fmt, block=block, max_scale=max_scale, power_of_two=power_of_two
+    )
