@@ -14,8 +14,8 @@ BLOCK_GEMM_NAME = "fp8jax_block_scaled_gemm"
 GROUPED_ROWS_NAME = "fp8jax_grouped_rows_gemm"
 GROUPED_TOKENS_NAME = "fp8jax_grouped_tokens_gemm"
 
-#: The one-pass quantization kernels' names (`block_quantize`, `padded_quantize`), in the HLO's op_name, where
-#: `fp8jax.hlo_cost` counts them as quantization.
+#: The one-pass quantization kernels' names (`block_quantize`, `padded_quantize`), in the
+#: HLO's op_name, where `fp8jax.hlo_cost` counts them as quantization.
 QUANTIZE_NAMES = (
     "fp8jax_quantize_rows",
     "fp8jax_quantize_rows_and_columns",

@@ -222,7 +222,9 @@ def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret):
     )
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     name = QUANTIZE_NAMES[1 if columns else 0]
-    outs = triton_call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(x)
+    outs = triton_call(kernel, shapes, specs, in_specs, (m // block, k // block), interpret, name)(
+        x
+    )
     return tuple(outs)
 
 
