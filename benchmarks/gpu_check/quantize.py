@@ -4,11 +4,14 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
 1. Numerics: each kernel at an LLM-sized shape with heavy-tailed data, bit for bit against an
    IEEE NumPy reference computed on the host (the kernels divide with `div.rn.f32`); beside
    it, how many elements of XLA's own GPU quantization (the recipe's XLA path, whose fusions
-   divide with `div.full.f32`) differ from the same reference.
+   divide with `div.full.f32`) differ from the same reference. So also the padded kernels
+   (`padded_quantize`: an expert layer's wgrad tiles, gathered into the padded layout of
+   eight uneven experts) against the reference of the gathered copy.
 2. Timing: what the recipe quantizes per Linear, by the kernels and by its XLA path, side by
    side at Llama-3-8B's shapes (8,192 tokens): an activation in rows (forward), the output
    gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
-   columns (wgrad) and a weight with its dgrad copy: ms and GB/s of the bytes each must move.
+   columns (wgrad) and a weight with its dgrad copy, and the two gathered into an expert
+   layer's padded layout: ms and GB/s of the bytes each must move.
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -25,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 import fp8jax
-from fp8jax._src.kernels import block_quantize
+from fp8jax._src.kernels import block_quantize, padded_quantize
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
 from .record import Recorder
@@ -67,6 +70,24 @@ def ieee_rows(x: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     return data, (np.float32(1) / scale).T
 
 
+def row_map(rows: int, block: int = 128) -> np.ndarray:
+    """The padded layout's row map of `rows` expert-sorted rows over eight uneven experts
+    (one without tokens): each expert from a multiple of `block`, -1 between."""
+    weights = np.array([5, 0, 3, 1, 7, 2, 6, 4], np.float64)
+    sizes = np.floor(rows * weights / weights.sum()).astype(int)
+    sizes[0] += rows - sizes.sum()
+    out, start = [], 0
+    for n in sizes:
+        out += list(range(start, start + n)) + [-1] * (-n % block)
+        start += n
+    padded = -(-(rows + len(sizes) * (block - 1)) // block) * block
+    return np.array(out + [-1] * (padded - len(out)), np.int32)
+
+
+def _gathered(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    return np.where((rows >= 0)[:, None], x[np.maximum(rows, 0)], 0).astype(np.float32)
+
+
 def _differ(got: Any, want: np.ndarray) -> int:
     got = np.asarray(got).astype(np.float32)
     return int(np.sum(~((got == want) | (np.isnan(got) & np.isnan(want)))))
@@ -91,10 +112,23 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
     cols, col_scales = ieee_rows(host.T)
     real = np.asarray(data, np.float32) * np.repeat(np.asarray(scale_t).T, 128, axis=1)
     req, req_scales = ieee_rows(real.T)
+    # The padded kernels: the gradient and the saved activation gathered (wgrad tiles).
+    padded = row_map(shape[0])
+    gathered = jax.jit(
+        lambda x, d, s, r: (
+            padded_quantize.quantize_padded_columns(x, r, E4M3, interpret=interpret, **RULE),
+            padded_quantize.requantize_padded_columns(d, s, r, interpret=interpret, **RULE),
+        )
+    )
+    (p_data, p_scales), (pr_data, pr_scales) = gathered(x, data, scale_t, jnp.asarray(padded))
+    p_want, p_want_scales = ieee_rows(_gathered(host, padded).T)
+    pr_want, pr_want_scales = ieee_rows(_gathered(real, padded).T)
     differ = {
         "rows": _differ(data, rows) + _differ(scale_t, scales),
         "columns": _differ(data_t, cols) + _differ(cols_t, col_scales),
         "requantized": _differ(again[0], req) + _differ(again[1], req_scales),
+        "padded columns": _differ(p_data, p_want) + _differ(p_scales, p_want_scales),
+        "padded, requantized": _differ(pr_data, pr_want) + _differ(pr_scales, pr_want_scales),
     }
     return {
         "shape": f"{shape[0]}x{shape[1]}",
@@ -124,12 +158,22 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
         q, _ = recipe.quantize(w, state, "kernel", -1)
         return q, recipe.retile(q, "kernel", -2, source=w)
 
+    def gathered(g):
+        return recipe.quantize_gathered(g, jnp.asarray(row_map(g.shape[0])), "output_grad")
+
+    def requantize_gathered(x):
+        q, _ = recipe.quantize(x, state, "input", -1)
+        q = jax.lax.optimization_barrier(q)
+        return recipe.retile_gathered(q, jnp.asarray(row_map(x.shape[0])), "input")
+
     # Bytes per element: read BF16 (2) and write FP8 (1 per copy).
     return {
         "rows": (rows, 3),
         "rows+columns": (both, 4),
         "rows, requantized": (requantize, 5),
         "weight + dgrad copy": (weight, 4),
+        "gathered columns": (gathered, 3),
+        "rows, gathered requantized": (requantize_gathered, 5),
     }
 
 
