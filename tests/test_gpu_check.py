@@ -95,7 +95,9 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     timed = {r["name"].split(" | ")[1] for r in section if "gb_per_s" in r}
     want = {"kernels: rows+columns", "xla: rows+columns", "kernels: weight + dgrad copy"}
     assert want | {"kernels: gathered columns", "xla: gathered columns"} <= timed
-    assert all(set(r["kernel_elements_differing_from_ieee"]) >= {"padded columns"} for r in numerics)
+    assert all(
+        set(r["kernel_elements_differing_from_ieee"]) >= {"padded columns"} for r in numerics
+    )
 
 
 def test_train_steps_carry_the_cost_models_estimate(dry_run):

@@ -409,18 +409,21 @@ def test_h100_expert_work_grows_with_tokens_not_tokens_times_experts(h100_runs):
     assert h100_runs("blockwise", "xla")["ragged"] > 0  # what the kernels replace
 
 
-def test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose():
+@pytest.mark.parametrize("recipe", ["blockwise", "delayed-e4m3"])
+def test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose(recipe):
     """Blockwise expert weights are quantized per expert, as stored, by the weight kernel,
     which writes each expert's blocks in both layouts in one pass: the forward's (K-major)
     and the dgrad's. On a compile for an H100 both GEMMs take their copy as written: no
     kernel transposes an expert weight, FP8 or BF16 (before: per layer, the BF16 weight once
     and its FP8 copies twice, 3.76 GB on moe_cost.py's Mixtral layer). Nor the wgrad's
     operands: the padded kernels gather and quantize them into 128 x 1 tiles written K-major
-    (before, XLA quantized and transposed them)."""
+    (before, XLA quantized and transposed them). Per-tensor weights multiplied in FP8 (E4M3
+    gradients): XLA writes the dgrad's copy in the pass that quantizes the forward's (before,
+    a kernel transposed each expert's FP8 weight in the backward)."""
     pytest.importorskip("jax_cuda12_plugin")
     from fp8jax._src.observe import deviceless
 
-    dot = fp8jax.Fp8RaggedDot(fp8jax.BlockwiseScaling(), num_experts=4)
+    dot = fp8jax.Fp8RaggedDot(RECIPES[recipe], num_experts=4)
     w = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
     sizes = jnp.array([256, 256, 384, 128], jnp.int32)
@@ -433,6 +436,8 @@ def test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose():
     entry = lowered.compile().as_text().split("\nENTRY")[1]
     assert "mosaic_gpu" in entry  # the grouped kernels run here
     transposed = re.findall(r"%\S*transpose\S* = (\w+\[[^\]]*\])", entry)
-    assert not transposed, transposed
-    for name in ("fp8jax_quantize_padded_columns", "fp8jax_requantize_padded_columns"):
-        assert f"{name}/pallas_call" in entry
+    assert not [t for t in transposed if t.count(",") == 2], transposed  # (G, ., .) weights
+    if recipe == "blockwise":  # nor the wgrad's operands
+        assert not transposed, transposed
+        for name in ("fp8jax_quantize_padded_columns", "fp8jax_requantize_padded_columns"):
+            assert f"{name}/pallas_call" in entry
