@@ -114,6 +114,14 @@ def test_gaps_are_zeros_and_nans_stay_in_their_tile():
     np.testing.assert_array_equal(scale_inv[0], INV_448)  # a tile of ones, gaps ignored
 
 
+def test_fits_only_whole_tiles_of_addressable_size():
+    assert padded_quantize.fits((100, 256), 384, 128)
+    assert not padded_quantize.fits((100, 200), 384, 128)  # columns not in whole tiles
+    assert not padded_quantize.fits((100, 256), 300, 128)  # padded rows not whole tiles
+    assert not padded_quantize.fits((0, 256), 128, 128)  # no rows to read
+    assert not padded_quantize.fits((2**22, 1024), 2**22, 128)  # past 32-bit offsets
+
+
 def test_kernels_refuse_what_they_cannot_gather():
     ones = jnp.ones((100, 256))
     with pytest.raises(ValueError, match=r"gathered into 200 of shape \(100, 256\)"):

@@ -46,11 +46,17 @@ from .dispatch import interpreting
 QUANTIZE_PADDED_NAME, REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[4:6]
 
 
+#: Elements an operand may have: the kernels address the gathered rows with 32-bit offsets.
+MAX_ELEMENTS = 2**31 - 1
+
+
 def fits(shape: tuple[int, ...], padded: int, block: int) -> bool:
     """Whether the kernels can gather `padded` rows of a 2-D `shape` into `block` x 1 tiles:
-    some rows, columns in whole tiles, whole tiles of padded rows, and Pallas' Triton."""
+    some rows, columns in whole tiles, whole tiles of padded rows, operands of at most
+    `MAX_ELEMENTS`, and Pallas' Triton."""
     ok = len(shape) == 2 and shape[0] > 0 and shape[1] > 0 and shape[1] % block == 0
-    return ok and padded > 0 and padded % block == 0 and pltriton is not None
+    ok = ok and padded > 0 and padded % block == 0
+    return ok and max(shape[0], padded) * shape[1] <= MAX_ELEMENTS and pltriton is not None
 
 
 def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]:
