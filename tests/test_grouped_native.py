@@ -21,6 +21,7 @@ import pytest
 from helpers import run_with_mosaic_dump
 
 import fp8jax
+from fp8jax._src.core import mosaic_private
 from fp8jax._src.gemm import grouped_native as native
 from fp8jax._src.gemm import grouped_rules as grouped_dots
 from fp8jax._src.kernels import reference
@@ -133,8 +134,11 @@ def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
 def test_kernels_reject_bad_operands():
     lhs, rhs = jnp.zeros((64, 128), E4M3), jnp.zeros((2, 128, 128), E4M3)
     experts, one = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.float32)
-    with pytest.raises(ValueError, match="lhs is float8_e5m2 and rhs float8_e4m3fn"):
-        grouped_rows_gemm(lhs.astype(E5M2), rhs, experts, tile_scale=one)
+    with pytest.raises(ValueError, match="lhs is bfloat16 and rhs float8_e4m3fn"):
+        grouped_rows_gemm(lhs.astype(jnp.bfloat16), rhs, experts, tile_scale=one)
+    if not mosaic_private.mixed_fp8_wgmma():  # JAX 0.10: one type per wgmma
+        with pytest.raises(ValueError, match="lhs is float8_e5m2 and rhs float8_e4m3fn"):
+            grouped_rows_gemm(lhs.astype(E5M2), rhs, experts, tile_scale=one)
     with pytest.raises(ValueError, match="lhs is float32; wgmma takes"):
         grouped_rows_gemm(lhs.astype(jnp.float32), rhs, experts, tile_scale=one)
     with pytest.raises(ValueError, match="65 rows, not a multiple of tile_m=64"):
@@ -384,17 +388,24 @@ def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kerne
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
 
 
-def test_h100_e5m2_gradients_run_dgrad_and_wgrad_as_exact_bf16_in_the_kernels(h100_runs):
-    """Delayed scaling's default E5M2 gradients: Mosaic's wgmma takes one FP8 type, so the
-    dgrad and wgrad run in the same kernels on BF16 upcasts (honestly not FP8); the forward
-    is FP8."""
+def test_h100_e5m2_gradients_run_dgrad_and_wgrad_in_fp8_where_wgmma_takes_the_pair(h100_runs):
+    """Delayed scaling's default E5M2 gradients: where this JAX's Mosaic GPU `wgmma` takes
+    E5M2 with E4M3 (JAX 0.11 on), the dgrad and wgrad multiply them in FP8 (`e5m2.e4m3`, or
+    `e4m3.e5m2` for the wgrad's activation times gradient); on JAX 0.10, whose `wgmma` takes
+    one type, they run in the same kernels on BF16 upcasts (exact, honestly not FP8). The
+    forward is E4M3 either way."""
     seen = h100_runs("delayed", "auto")
     experts = [g for g in seen["gemms"] if g[0] and g[0].startswith("moe.")]
     assert {(layer, role) for layer, role, *_ in experts} == EXPERT_GEMMS
+    mixed = mosaic_private.mixed_fp8_wgmma()
     for layer, role, kernel, fp8, mma in experts:
         assert kernel == "pallas mosaic gpu", (layer, role, kernel)
-        assert fp8 == (role == "fwd"), (layer, role, mma)
-        assert all(m.endswith(".e4m3.e4m3" if role == "fwd" else ".bf16.bf16") for m in mma)
+        assert fp8 == (role == "fwd" or mixed), (layer, role, mma)
+        if role == "fwd":
+            want = (".e4m3.e4m3",)
+        else:
+            want = (".e5m2.e4m3", ".e4m3.e5m2") if mixed else (".bf16.bf16",)
+        assert mma and all(m.endswith(want) for m in mma), (layer, role, mma)
 
 
 def test_h100_expert_work_grows_with_tokens_not_tokens_times_experts(h100_runs):

@@ -102,3 +102,28 @@ def test_interpreters_from_jax_0_11_run_the_kernels_gpu_code():
     assert mosaic_private.interpreter_runs_gpu_path() is newer
     assert substitutes(True) is (not newer)
     assert substitutes(False) is False
+
+
+def test_mixed_fp8_wgmma_says_what_tracing_a_mixed_wgmma_does():
+    """`mixed_fp8_wgmma` probes `plgpu.wgmma`'s dtype check; a kernel multiplying E5M2 by
+    E4M3, traced for the GPU, agrees: it traces where the probe says yes (JAX 0.11 on) and
+    is refused for its "mixed input dtypes" where it says no (0.10)."""
+
+    def mixed(a, b):
+        def body(a_ref, b_ref, o_ref):
+            def scoped(acc_ref):
+                plgpu.wgmma(acc_ref, a_ref, b_ref)
+                return acc_ref[...]
+
+            o_ref[...] = pl.run_scoped(scoped, plgpu.ACC((64, 128), jnp.float32))
+
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 128), jnp.float32))(a, b)
+
+    a, b = jnp.ones((64, 64), jnp.float8_e5m2), jnp.ones((64, 128), jnp.float8_e4m3fn)
+    if mosaic_private.mixed_fp8_wgmma():
+        assert "wgmma" in _gpu_jaxpr(mixed, a, b)
+    else:
+        with pytest.raises(ValueError, match="(?i)mixed input dtypes"):
+            _gpu_jaxpr(mixed, a, b)
+    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    assert mosaic_private.mixed_fp8_wgmma() is newer  # as of the releases fp8jax supports

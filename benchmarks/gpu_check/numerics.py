@@ -325,6 +325,7 @@ DRY_SKIPS = (
     "block_gemm in the blockwise recipe",  # and the recipe-level items, which the kernel
     "grouped layer, blockwise",  # tests interpret already
     "grouped layer, delayed e4m3",
+    "grouped layer, delayed (e5m2 gradients)",
     # JAX 0.10's interpreter cannot run the persistent kernels (tests/test_persistent_gemm.py
     # interprets them under 0.11 and later)
     "grouped layer, blockwise, persistent kernels",
@@ -349,6 +350,10 @@ def run(rec: Recorder, mode: str) -> None:
         "grouped layer, blockwise": lambda: grouped_layer(shapes, fp8jax.BlockwiseScaling(), dry),
         "grouped layer, delayed e4m3": lambda: grouped_layer(
             shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry
+        ),
+        # The default recipe: E5M2 gradients times E4M3 in one wgmma from JAX 0.11 on.
+        "grouped layer, delayed (e5m2 gradients)": lambda: grouped_layer(
+            shapes, fp8jax.DelayedScaling(), dry
         ),
         "grouped layer, blockwise, persistent kernels": lambda: grouped_layer(
             shapes, fp8jax.BlockwiseScaling(), dry, persistent=True

@@ -14,6 +14,8 @@ fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by ver
   layout)`): `load` below passes it only where it is required.
 - Whether the interpreter runs the kernels' GPU code as it is (`interpreter_runs_gpu_path`,
   from the shape of its internals: JAX 0.11 on).
+- Whether `plgpu.wgmma` takes an E4M3 operand with an E5M2 one (`mixed_fp8_wgmma`: PTX
+  `wgmma` has independent A and B types; JAX 0.11 on accepts the pair, 0.10 refuses it).
 - `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
   `ref.transpose(perm)`, which it wraps in every supported release (what
   `tests/test_mosaic_private.py` traces for the GPU).
@@ -87,3 +89,29 @@ def load(ref: Any, *, layout: Any = None) -> Any:
     if _load_takes_index():
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
+
+
+class _Operand:
+    """A stand-in with the `shape` and `dtype` that `plgpu.wgmma` checks first."""
+
+    def __init__(self, shape: tuple[int, int], dtype: Any):
+        self.shape, self.dtype = shape, dtype
+
+
+@functools.cache
+def mixed_fp8_wgmma() -> bool:
+    """Whether Pallas Mosaic GPU's `wgmma` multiplies an E4M3 operand by an E5M2 one (JAX
+    0.11 on), rather than refusing "mixed input dtypes" (0.10). Probed by the check itself:
+    `plgpu.wgmma` on stand-ins of the right shapes fails at once on a JAX that refuses the
+    pair, and later (on the stand-ins) on one that takes it."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    acc = _Operand((64, 128), jnp.float32)
+    a = _Operand((64, 32), jnp.dtype(jnp.float8_e5m2))
+    b = _Operand((32, 128), jnp.dtype(jnp.float8_e4m3fn))
+    try:
+        plgpu.wgmma(acc, a, b)
+    except Exception as error:  # noqa: BLE001 - the stand-ins fail past the dtype check
+        return "mixed input dtypes" not in str(error).lower()
+    return True  # pragma: no cover - a JAX that binds the stand-ins

@@ -253,13 +253,15 @@ def dequantized_tokens(
 
 def per_tensor_k_major(data: Array, axis: Axis, lhs_dtype: Any) -> Array:
     """A per-tensor expert weight's FP8 `data (G, ., .)` with its contracted `axis` last, for
-    the rows kernel. Where the kernel multiplies it in FP8 (`lhs_dtype` its type), the
+    the rows kernel. Where the kernel multiplies it in FP8 (with an lhs of `lhs_dtype`), the
     transpose is left free, so that XLA writes the dgrad's copy in the pass that quantizes the
     weight for the forward (one read of the weight, no FP8 transpose: 0.94 GB less on
     moe_cost.py's Mixtral-like layer with E4M3 gradients). Where it upcasts both to BF16
-    (E5M2 gradients), the transpose stays pinned (`dispatch.k_major`): left free there, XLA
-    moved it into the forward's quantization and kept more (+0.9 GB on that layer)."""
-    if axis == -1 or data.dtype != lhs_dtype:
+    (E5M2 gradients on JAX 0.10), the transpose stays pinned (`dispatch.k_major`): left free
+    there, XLA moved it into the forward's quantization and kept more (+0.9 GB there)."""
+    from ..kernels.block_gemm import wgmma_takes
+
+    if axis == -1 or not wgmma_takes(data.dtype, lhs_dtype):
         return dispatch.k_major(data, axis)
     return jnp.swapaxes(data, -1, -2)
 

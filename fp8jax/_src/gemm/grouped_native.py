@@ -120,9 +120,12 @@ def unpad(a: Array, layout: Padded) -> Array:
 
 
 def _one_type(a: Array, b: Array) -> tuple[Array, Array]:
-    """Both operands in one type for `wgmma`: as they are, or both bfloat16 (exact for FP8
-    values) when their FP8 formats differ."""
-    if a.dtype == b.dtype:
+    """Both operands in types one `wgmma` takes: as they are (one type, or E5M2 with E4M3
+    where this JAX's Mosaic GPU takes the pair: JAX 0.11 on), else both bfloat16 (exact for
+    FP8 values, at half the FP8 rate)."""
+    from ..kernels.block_gemm import wgmma_takes
+
+    if wgmma_takes(a.dtype, b.dtype):
         return a, b
     return a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
 

@@ -65,6 +65,15 @@ def round_up(n: int, multiple: int) -> int:
     return max(multiple, math.ceil(n / multiple) * multiple)
 
 
+def wgmma_takes(*dtypes: jnp.dtype) -> bool:
+    """Whether one `wgmma` multiplies operands of `dtypes`: one type, or E4M3 with E5M2 where
+    Mosaic GPU takes the pair (`mosaic_private.mixed_fp8_wgmma`: JAX 0.11 on)."""
+    kinds = {jnp.dtype(d) for d in dtypes}
+    if len(kinds) <= 1:
+        return True
+    return kinds <= set(FP8_TYPES) and mosaic_private.mixed_fp8_wgmma()
+
+
 def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
     """Raise `ValueError`, naming `who`, unless the operands are what a block-scaled kernel
     takes: 2-D FP8 of one type contracted over their last axis, one scale per row and chunk."""
@@ -92,9 +101,9 @@ def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, bloc
                 f"one scale per row and {block_k}-chunk of K: {(rows, chunks)}."
             )
     dtypes = {jnp.dtype(d.dtype).name for _, d, _, _ in operands}
-    if len(dtypes) > 1:
+    if not wgmma_takes(*dtypes):
         raise ValueError(
-            f"{who}: operands in {sorted(dtypes)}; Mosaic GPU's wgmma takes one "
+            f"{who}: operands in {sorted(dtypes)}; this JAX's Mosaic GPU wgmma takes one "
             "FP8 type for both operands (mixed E5M2 x E4M3 GEMMs stay on the XLA path)."
         )
     n = terms[0][0].shape[0]

@@ -56,6 +56,7 @@ from .block_gemm import (
     scaled_add,
     store,
     substitutes,
+    wgmma_takes,
     zeros_acc,
 )
 from .dispatch import interpreting
@@ -77,10 +78,11 @@ def _check_operands(name: str, lhs: Array, rhs: Array, k: int) -> None:
                 f"{name}: {what} has shape {a.shape}; both operands are contracted over their "
                 f"last axis, of size {k}."
             )
-    if lhs.dtype != rhs.dtype:
+    if not wgmma_takes(lhs.dtype, rhs.dtype):
         raise ValueError(
-            f"{name}: lhs is {lhs.dtype} and rhs {rhs.dtype}; Mosaic GPU's wgmma takes one type "
-            "for both operands (upcast mixed FP8 formats to bfloat16, exactly)."
+            f"{name}: lhs is {lhs.dtype} and rhs {rhs.dtype}; this JAX's Mosaic GPU wgmma takes "
+            "one type for both operands, or E4M3 with E5M2 from JAX 0.11 on (upcast other "
+            "mixes of FP8 formats to bfloat16, exactly)."
         )
 
 
