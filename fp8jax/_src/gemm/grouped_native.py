@@ -14,9 +14,10 @@ layout (DeepGEMM's "contiguous layout"): expert `e`'s rows are moved to start at
   K-major, runs the tokens kernel.
 
 Per-tensor operands are scaled once per tile (activation scale times the tile's expert's
-kernel scale); block-scaled ones per chunk, as in `block_gemm`. Mosaic's `wgmma` takes one
-type: a GEMM of E5M2 gradients and E4M3 values runs on both upcast to bfloat16 (exact: every
-FP8 value is a bfloat16), in the same kernel, at the 16-bit rate.
+kernel scale); block-scaled ones per chunk, as in `block_gemm`. A GEMM of E5M2 gradients and
+E4M3 values multiplies the pair in one `wgmma` where Mosaic GPU takes it (JAX 0.11 on); on
+JAX 0.10, whose `wgmma` takes one type, it runs on both upcast to bfloat16 (exact: every FP8
+value is a bfloat16), in the same kernel, at the 16-bit rate.
 """
 
 from __future__ import annotations

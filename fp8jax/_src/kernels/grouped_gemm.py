@@ -14,8 +14,9 @@ expert's rows padded with zeros to whole tiles; `fp8jax._src.gemm.grouped_native
 
 Work grows with the tokens (plus at most one padded tile per expert), not with tokens times
 experts as XLA's dense expansion of `lax.ragged_dot` does. Both operands are K-major, as FP8
-`wgmma` requires, and of one type (Mosaic's `wgmma` takes one; 16-bit operands are accepted
-too, for GEMMs of mixed FP8 formats upcast exactly).
+`wgmma` requires, and of one type, or E5M2 with E4M3 where Mosaic GPU takes the pair (JAX
+0.11 on; `block_gemm.wgmma_takes`); 16-bit operands are accepted too, for GEMMs of mixed FP8
+formats upcast exactly on JAX 0.10.
 
 Scaling, either:
 - per block (`lhs_scale`, `rhs_scale`: one float32 per row and `block_k` chunk): each chunk's
