@@ -73,9 +73,9 @@ class ResidualFP8(HybridFormats):
       are caught by `W_lo` only up to its range).
     - `forward_format`, `backward_format`: both `"e4m3"` by default. E4M3 gradients keep one
       more significand bit than E5M2 (a current scale leaves them 18 binades below the amax)
-      and let the fused kernel (`native_kernel=None`) run every GEMM: Mosaic GPU's `wgmma`
-      takes one FP8 type for both operands, so with `backward_format="e5m2"` the dgrad and
-      wgrad (E5M2 times E4M3) stay cuBLASLt calls.
+      and let the fused kernel (`native_kernel=None`) run every GEMM on every JAX. With
+      `backward_format="e5m2"` the dgrad and wgrad multiply E5M2 by E4M3: fused too from
+      JAX 0.11 on, whose Mosaic GPU `wgmma` takes the pair; cuBLASLt calls on JAX 0.10.
     - `native_kernel`: `False` (default): the XLA path, two cuBLASLt FP8 calls, the second
       adding into the first's float32 output. `None`: fp8jax's Pallas Mosaic GPU kernel on
       Hopper GPUs and in compiles for them (the XLA path elsewhere), running the terms that
@@ -206,8 +206,10 @@ class ResidualFP8(HybridFormats):
         def native(lhs: QTerms, rhs: QTerms, out_dtype: Any) -> Array:
             return native_residual_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
-        if len({t.data.dtype for t in lhs.terms + rhs.terms}) > 1:
-            return xla(lhs, rhs)  # Mosaic's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
+        from ..kernels.block_gemm import wgmma_takes
+
+        if not wgmma_takes(*(t.data.dtype for t in lhs.terms + rhs.terms)):
+            return xla(lhs, rhs)  # JAX 0.10's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
         dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
         return dispatch.choose(
             self.native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype
