@@ -77,9 +77,11 @@ def scales(rng, shape):
     return jnp.asarray(2.0 ** rng.integers(-3, 4, shape), jnp.float32)
 
 
-@pytest.mark.parametrize("scaling", ["blocks", "tile"])
+@pytest.mark.parametrize("scaling", ["blocks", "tile", "tile, promoted"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2, jnp.bfloat16])
 def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
+    """Block scales promoted per chunk; one scale per tile after one accumulation, or with
+    `promote` (the backward's) each chunk's product added to a float32 sum."""
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal((M, K)) * 3, dtype)
     rhs = jnp.asarray(rng.standard_normal((G, N, K)), dtype)
@@ -88,8 +90,11 @@ def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
         kw = {"lhs_scale": scales(rng, (M, chunks)), "rhs_scale": scales(rng, (G, N, chunks))}
     else:
         kw = {"tile_scale": scales(rng, (len(TILE_EXPERT),))}
+    promote = scaling == "tile, promoted"
     with interpreted():
-        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw))(lhs, rhs, jnp.asarray(TILE_EXPERT))
+        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw, promote=promote))(
+            lhs, rhs, jnp.asarray(TILE_EXPERT)
+        )
     assert out.shape == (M, N) and out.dtype == jnp.float32
     want = reference.grouped_rows(lhs, rhs, TILE_EXPERT, **kw)
     for t, e in enumerate(TILE_EXPERT):
@@ -101,7 +106,7 @@ def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
         np.testing.assert_array_less(np.abs(f64(out[rows]) - want[rows]), bound + 1e-30)
 
 
-@pytest.mark.parametrize("scaling", ["blocks", "group"])
+@pytest.mark.parametrize("scaling", ["blocks", "group", "group, promoted"])
 def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
     """Each expert contracts its own chunks of tokens; an expert with none gets zeros."""
     rng = np.random.default_rng(1)
@@ -117,8 +122,9 @@ def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
         }
     else:
         kw = {"group_scale": scales(rng, (G,))}
+    promote = scaling == "group, promoted"
     with interpreted():
-        out = jax.jit(lambda *a: grouped_tokens_gemm(*a, **kw))(
+        out = jax.jit(lambda *a: grouped_tokens_gemm(*a, **kw, promote=promote))(
             lhs, rhs, jnp.asarray(start), jnp.asarray(count)
         )
     assert out.shape == (G, a_rows, b_rows)
@@ -218,6 +224,62 @@ def test_layer_on_the_kernels_matches_its_xla_path(name):
     np.testing.assert_array_equal(d_w[1], 0.0)  # the expert without tokens
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new0), strict=True):
         np.testing.assert_array_equal(a, b)  # the same state: quantization is shared
+
+
+@pytest.mark.parametrize("kernel", ["rows", "tokens"])
+def test_promote_sums_each_chunk_in_float32_registers_on_the_gpu_path(kernel):
+    """Traced for the GPU (the code the interpreter tests cannot tell apart: it sums in
+    float32 either way), `promote` adds each chunk's `wgmma` product to a float32 (64, 128)
+    register sum; without it the chunks accumulate in the `wgmma` accumulator."""
+    lhs, experts = jnp.ones((128, 256), E4M3), jnp.zeros(2, jnp.int32)
+
+    def traced(promote):
+        if kernel == "rows":
+            call = lambda a, b, s: grouped_rows_gemm(  # noqa: E731
+                a, b, experts, tile_scale=s, promote=promote, interpret=False
+            )
+            args = (lhs, jnp.ones((2, 128, 256), E4M3), jnp.ones(2))
+        else:
+            counts = jnp.ones(2, jnp.int32)
+            call = lambda a, b, s: grouped_tokens_gemm(  # noqa: E731
+                a, b, counts, counts, group_scale=s, promote=promote, interpret=False
+            )
+            args = (lhs, lhs, jnp.ones(2))
+        return str(jax.make_jaxpr(call)(*args))
+
+    register_sums = re.compile(r"f32\[64,128\][^\n]*= add ")
+    assert register_sums.search(traced(True))
+    assert not register_sums.search(traced(False))
+
+
+@pytest.mark.parametrize("backward_precision", ["highest", "default"])
+def test_backward_precision_decides_whether_the_kernels_promote(monkeypatch, backward_precision):
+    """A per-tensor layer's forward accumulates in `wgmma` (cuBLASLt's fast accumulation);
+    with `backward_precision="highest"` (the default, which turns fast accumulation off on
+    cuBLASLt) the dgrad and wgrad kernels promote every chunk to float32; with "default"
+    they do not."""
+    from fp8jax._src.kernels import choice
+
+    seen = []
+
+    def spy(real, kind):
+        def call(*args, promote=False, **kwargs):
+            seen.append((kind, promote))
+            return real(*args, promote=promote, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(
+        choice, "recipe_grouped_rows_gemm", spy(choice.recipe_grouped_rows_gemm, "rows")
+    )
+    monkeypatch.setattr(
+        choice, "recipe_grouped_tokens_gemm", spy(choice.recipe_grouped_tokens_gemm, "tokens")
+    )
+    x, w, g = layer_data(4)
+    recipe = fp8jax.DelayedScaling(backward_format="e4m3", backward_precision=backward_precision)
+    both_paths(recipe, x, w, g, SIZES)
+    highest = backward_precision == "highest"
+    assert seen == [("rows", False), ("rows", highest), ("tokens", highest)], seen
 
 
 def test_layer_on_the_kernels_in_bfloat16():

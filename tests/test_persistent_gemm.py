@@ -296,7 +296,7 @@ def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("scaling", ["blocks", "tile"])
+@pytest.mark.parametrize("scaling", ["blocks", "tile", "tile, promoted"])
 def test_grouped_rows_kernel_matches_float64_with_skipped_tiles(scaling):
     """Each 64-row tile times its expert's weight, tiles of -1 left out, experts in any order
     and one without tiles; persistent over 7 x 2 tiles on 3 programs. Block scales promoted
@@ -312,9 +312,10 @@ def test_grouped_rows_kernel_matches_float64_with_skipped_tiles(scaling):
     else:
         scales = dict(tile_scale=tile_scale)
     config = PersistentConfig(wg_dimension="n", num_sms=3)
-    out = jax.jit(
-        lambda a, b, e, s: persistent_grouped_rows_gemm(a, b, e, **s, config=config, interpret=True)
-    )(lhs, rhs, jnp.asarray(tile_expert), scales)
+    kw = dict(config=config, promote=scaling == "tile, promoted", interpret=True)
+    out = jax.jit(lambda a, b, e, s: persistent_grouped_rows_gemm(a, b, e, **s, **kw))(
+        lhs, rhs, jnp.asarray(tile_expert), scales
+    )
     assert out.shape == (lhs.shape[0], 200)
     for t, e in enumerate(tile_expert):
         if e < 0:
@@ -366,6 +367,7 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
         # 3 experts x 2 x 2 tiles on 5 programs; a 2-stage pipeline over 1-3 chunks
         ("blocks", E4M3, PersistentConfig(num_sms=5, max_concurrent_steps=2)),
         ("group", E5M2, PersistentConfig(num_sms=5, max_concurrent_steps=2)),
+        ("group, promoted", E4M3, PersistentConfig(num_sms=5, max_concurrent_steps=2)),
         # the warpgroups split along N, snake order along M, clusters sharing the rhs tile
         (
             "blocks",
@@ -388,9 +390,10 @@ def test_grouped_tokens_kernel_matches_float64_with_an_empty_expert(scaling, fmt
         scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     else:
         scales = dict(group_scale=jnp.asarray(2.0 ** rng.integers(-4, 4, 4), jnp.float32))
-    out = jax.jit(
-        lambda *a: persistent_grouped_tokens_gemm(*a, **scales, config=config, interpret=True)
-    )(lhs, rhs, jnp.asarray(start), jnp.asarray(count))
+    kw = dict(config=config, promote=scaling == "group, promoted", interpret=True)
+    out = jax.jit(lambda *a: persistent_grouped_tokens_gemm(*a, **scales, **kw))(
+        lhs, rhs, jnp.asarray(start), jnp.asarray(count)
+    )
     assert out.shape == (4, a_rows, b_rows)
     want = reference.grouped_tokens(lhs, rhs, start, count, **scales)
     for e in range(4):

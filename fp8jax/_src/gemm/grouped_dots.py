@@ -251,6 +251,18 @@ def dequantized_tokens(
     )
 
 
+def promotes(precision: Any) -> bool:
+    """Whether the kernels promote a per-tensor contraction to float32 every chunk: where the
+    dot's `precision` asks for more than the default, as the recipes'
+    `backward_precision="highest"` (their default) does for the dgrad and wgrad. On cuBLASLt
+    that precision turns FP8 fast accumulation off (Transformer Engine's split accumulator
+    for gradients); FP8 `wgmma` accumulates with less than float32's precision."""
+    if precision is None:
+        return False
+    values = precision if isinstance(precision, tuple | list) else (precision,)
+    return any(p is not None and lax.Precision(p) != lax.Precision.DEFAULT for p in values)
+
+
 def per_tensor_k_major(data: Array, axis: Axis, lhs_dtype: Any) -> Array:
     """A per-tensor expert weight's FP8 `data (G, ., .)` with its contracted `axis` last, for
     the rows kernel. Where the kernel multiplies it in FP8 (with an lhs of `lhs_dtype`), the
@@ -290,7 +302,7 @@ def rows_dot(
             rhs = quantized_k_major(rhs, rhs_axis, per_expert=True)
         else:
             rhs = QTensor(per_tensor_k_major(rhs.data, rhs_axis, lhs.data.dtype), rhs.scale_inv)
-        return native_rows(lhs, rhs, group_sizes, out_dtype)
+        return native_rows(lhs, rhs, group_sizes, out_dtype, promotes(precision))
 
     def xla_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, experts: Array) -> Array:
         if isinstance(recipe, PerTensorRecipe):
@@ -335,7 +347,7 @@ def tokens_dot(
     `native.pad_layout`, made by the layer's backward)."""
 
     def native_path(lhs: QTensor, rhs: QTensor, group_sizes: Array, out_dtype: Any) -> Array:
-        return native_tokens(lhs, rhs, group_sizes, out_dtype)
+        return native_tokens(lhs, rhs, group_sizes, out_dtype, promotes(precision))
 
     def xla_path(lhs: QTensor, rhs: QTensor, group_sizes: Array) -> Array:
         if isinstance(recipe, PerTensorRecipe):

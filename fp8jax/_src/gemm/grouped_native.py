@@ -132,11 +132,13 @@ def _one_type(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 def native_rows(
-    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype, promote: bool = False
 ) -> Float[Array, "M F"]:
     """The rows GEMM (forward, dgrad) on the rows kernel: `lhs (M, C)` (one scale, or tiles
     of one row) times each row's expert's `rhs (G, F, C)` (one scale per expert, or blocks
-    per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`."""
+    per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`.
+    `promote`: per-tensor operands' contraction promoted to float32 every chunk (blocks are
+    promoted every chunk anyway)."""
     from ..kernels.block_gemm import expand_rows
     from ..kernels.choice import recipe_grouped_rows_gemm
     from ..kernels.grouped_gemm import TILE_M
@@ -151,7 +153,7 @@ def native_rows(
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
         tile_scale = scale[jnp.maximum(layout.tile_expert, 0)]
         out = recipe_grouped_rows_gemm(
-            a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype
+            a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype, promote=promote
         )
     else:
         out = recipe_grouped_rows_gemm(
@@ -167,12 +169,12 @@ def native_rows(
 
 
 def native_tokens(
-    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype
+    lhs: QTensor, rhs: QTensor, group_sizes: Int[Array, " G"], out_dtype, promote: bool = False
 ) -> Float[Array, "G A B"]:
     """The tokens GEMM (wgrad) on the tokens kernel: `lhs (T, A)` and `rhs (T, B)`,
     contracted over their tokens. Block-scaled operands come in the padded layout (each of
     `group_sizes` a multiple of their token tile); per-tensor ones are padded here, to
-    chunks of 128 tokens. Shape `(G, A, B)` in `out_dtype`."""
+    chunks of 128 tokens. Shape `(G, A, B)` in `out_dtype`. `promote`: as `native_rows`'s."""
     from ..kernels.choice import recipe_grouped_tokens_gemm
     from ..kernels.grouped_gemm import BLOCK_K
 
@@ -189,7 +191,7 @@ def native_tokens(
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
         group_scale = jnp.broadcast_to(scale, group_sizes.shape)
         return recipe_grouped_tokens_gemm(
-            a, b, starts, counts, group_scale=group_scale, out_dtype=out_dtype
+            a, b, starts, counts, group_scale=group_scale, out_dtype=out_dtype, promote=promote
         )
     return recipe_grouped_tokens_gemm(
         a,

@@ -79,22 +79,24 @@ def recipe_grouped_rows_gemm(
     tile_scale: Float[Array, " tiles"] | None = None,
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
+    promote: bool = False,
 ) -> Float[Array, "M N"]:
     """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
     `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
-    `persistent_kernel()`, the operands FP8 and the chunks 128 wide."""
+    `persistent_kernel()`, the operands FP8 and the chunks 128 wide. `promote`: a per-tile
+    scaled contraction promoted to float32 every chunk (the backward's, as cuBLASLt without
+    fast accumulation)."""
     config = _grouped_choice(lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
+    kw = dict(out_dtype=out_dtype, promote=promote)
     if config is None:
-        return grouped_rows_gemm(
-            lhs, rhs, tile_expert, **scales, out_dtype=out_dtype, block_k=block_k
-        )
+        return grouped_rows_gemm(lhs, rhs, tile_expert, **scales, **kw, block_k=block_k)
     return persistent_grouped_rows_gemm(
         lhs,
         rhs,
         tile_expert,
         **scales,
-        out_dtype=out_dtype,
+        **kw,
         # A CTA's rows are one tile of the layout (one expert's): the layout's tile rows, the
         # warpgroups splitting N, a cluster (if any) sharing the row tile.
         config=dataclasses.replace(
@@ -117,16 +119,18 @@ def recipe_grouped_tokens_gemm(
     group_scale: Float[Array, " G"] | None = None,
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
+    promote: bool = False,
 ) -> Float[Array, "G A B"]:
     """The grouped tokens GEMM (wgrad) the grouped layers call: `grouped_tokens_gemm`, or
     `persistent_grouped_tokens_gemm` where traced inside `persistent_kernel()`, the operands
-    FP8 and the chunks 128 wide."""
+    FP8 and the chunks 128 wide. `promote`: as `recipe_grouped_rows_gemm`'s."""
     config = _grouped_choice(lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, group_scale=group_scale)
+    kw = dict(out_dtype=out_dtype, promote=promote)
     if config is None:
         return grouped_tokens_gemm(
-            lhs, rhs, chunk_start, chunk_count, **scales, out_dtype=out_dtype, block_k=block_k
+            lhs, rhs, chunk_start, chunk_count, **scales, **kw, block_k=block_k
         )
     return persistent_grouped_tokens_gemm(
-        lhs, rhs, chunk_start, chunk_count, **scales, out_dtype=out_dtype, config=config
+        lhs, rhs, chunk_start, chunk_count, **scales, **kw, config=config
     )

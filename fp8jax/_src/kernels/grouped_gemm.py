@@ -138,6 +138,28 @@ def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, subs
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
 
+def _summed(operands, index_maps, grid, shape, tiling, block_k, steps, substitute) -> Array:
+    """`sum_c a_c . b_c^T` as `_accumulated`, but each chunk's product in a fresh accumulator
+    added to a float32 sum in registers (`promote`: FP8 `wgmma` accumulates with less than
+    float32's precision, so a long contraction is promoted every chunk, as cuBLASLt does
+    without fast accumulation and DeepSeek-V3 every 128 elements)."""
+    specs = [
+        plgpu.BlockSpec((r, block_k), index, transforms=tiling)
+        for r, index in zip(shape, index_maps, strict=True)
+    ]
+
+    def step(_, a_tile, b_tile, acc):
+        return acc + chunk_product(a_tile, b_tile, shape, substitute)
+
+    return plgpu.emit_pipeline(
+        step,
+        grid=grid,
+        in_specs=specs,
+        max_concurrent_steps=steps,
+        init_carry=zeros_acc(shape, substitute),
+    )(*operands)
+
+
 def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, substitute) -> Array:
     """`sum_c (a_c . b_c^T) * sa_c[:, None] * sb_c[None, :]` over a pipeline of `grid`
     chunks: a fresh accumulator per chunk, scaled in registers and added (block scaling).
@@ -182,6 +204,7 @@ def grouped_rows_gemm(
     tile_n: int = TILE_N,
     block_k: int = BLOCK_K,
     max_concurrent_steps: int = 2,
+    promote: bool = False,
     interpret: bool | None = None,
 ) -> Array:
     """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)`, contracted over `K`.
@@ -189,8 +212,10 @@ def grouped_rows_gemm(
     `M` is a multiple of `tile_m`; `tile_expert (M / tile_m,)` int32 in `[0, G)`, or -1 for
     a tile to skip (its output rows are left unwritten: padding past every expert). Scales:
     `lhs_scale (M, ceil(K / block_k))` and `rhs_scale (G, N, ceil(K / block_k))` (per row and
-    chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per tile).
-    Returns `(M, N)` in `out_dtype`. `interpret`: see `block_gemm.block_scaled_gemm`.
+    chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per tile,
+    the contraction in one `wgmma` accumulator; with `promote`, each chunk's product added to
+    a float32 sum in registers). Returns `(M, N)` in `out_dtype`. `interpret`: see
+    `block_gemm.block_scaled_gemm`.
     """
     name = "grouped_rows_gemm"
     interpret = interpreting() if interpret is None else interpret
@@ -240,9 +265,8 @@ def grouped_rows_gemm(
             else:
                 _, scale_gmem, a_gmem, b_gmem = refs[:-2]
                 ops = (a_gmem, b_gmem.at[expert])
-                acc = _accumulated(
-                    ops, index_maps, (chunks,), shape, tiling, block_k, steps, substitute
-                )
+                run = _summed if promote else _accumulated
+                acc = run(ops, index_maps, (chunks,), shape, tiling, block_k, steps, substitute)
                 acc = acc * scale_gmem[i]
             window = (pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
             store(acc, out_smem, out_gmem.at[window])
@@ -274,6 +298,7 @@ def grouped_tokens_gemm(
     tile_n: int = TILE_N,
     block_k: int = BLOCK_K,
     max_concurrent_steps: int = 2,
+    promote: bool = False,
     interpret: bool | None = None,
 ) -> Array:
     """`out[e] = lhs[:, tokens of e] . rhs[:, tokens of e]^T` for every expert `e`.
@@ -281,7 +306,8 @@ def grouped_tokens_gemm(
     `lhs (A, T)` and `rhs (B, T)` are contracted over their tokens; `T` is a multiple of
     `block_k`, expert `e`'s tokens the `chunk_count[e]` chunks of `block_k` from chunk
     `chunk_start[e]`. Scales: `lhs_scale (A, T / block_k)` and `rhs_scale (B, T / block_k)`
-    (per row and chunk of tokens), or `group_scale (G,)` (one multiplier per expert).
+    (per row and chunk of tokens), or `group_scale (G,)` (one multiplier per expert; with
+    `promote`, each chunk's product added to a float32 sum in registers, as `grouped_rows_gemm`).
     Returns `(G, A, B)` in `out_dtype`; an expert with no chunks gets zeros.
     """
     name = "grouped_tokens_gemm"
@@ -324,7 +350,8 @@ def grouped_tokens_gemm(
         else:
             scale_gmem, a_gmem, b_gmem = refs[2:-2]
             ops = (a_gmem, b_gmem)
-            acc = _accumulated(ops, index_maps, grid, shape, tiling, block_k, steps, substitute)
+            run = _summed if promote else _accumulated
+            acc = run(ops, index_maps, grid, shape, tiling, block_k, steps, substitute)
             acc = acc * scale_gmem[e]
         window = (e, pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
         store(acc, out_smem, out_gmem.at[window])

@@ -266,6 +266,7 @@ def run_persistent(
     interpret,
     layout="dense",
     tile_scaled=False,
+    promote=False,
 ):
     """The kernel over `operands`, by `layout`:
 
@@ -280,7 +281,8 @@ def run_persistent(
     With `tile_scaled` the block scales `sa`, `sb` give way to one scale per tile (`"rows"`:
     `tile_scale`, after `tile_expert`) or per expert (`"tokens"`: `group_scale`, after the
     counts): the whole contraction in one `wgmma` accumulator multiplied by it at the end
-    (per-tensor recipes)."""
+    (per-tensor recipes), or with `promote` each chunk's product added to a float32 sum in
+    registers first (FP8 `wgmma` accumulates with less than float32's precision)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     lead = {"dense": 0, "rows": 1, "tokens": 2}[layout]
@@ -380,14 +382,19 @@ def run_persistent(
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
 
+                def tile_scale():
+                    return scales[group if layout == "tokens" else mi]
+
                 def promoted(run):  # block scales: a fresh product per chunk, promoted
                     store(run(jnp.zeros((tm, tn), jnp.float32)))
+
+                def summed(run):  # one scale per tile, each chunk's product promoted
+                    store(run(jnp.zeros((tm, tn), jnp.float32)) * tile_scale())
 
                 def accumulated(run):  # one scale per tile: one accumulator throughout
                     def scoped(acc_ref):
                         run(acc_ref)
-                        scale = scales[group if layout == "tokens" else mi]
-                        store(acc_ref[...] * scale)  # waits for the last wgmma
+                        store(acc_ref[...] * tile_scale())  # waits for the last wgmma
 
                     pl.run_scoped(scoped, plgpu.ACC((tm, tn), jnp.float32))
 
@@ -401,6 +408,10 @@ def run_persistent(
                         acc = scaled_add(acc, part, sa, sb)
                     return acc
 
+                def sum_step(_, a_smem, b_smem, acc):
+                    part = chunk_product(a_smem.at[rows], b_smem.at[cols], (tm, tn), False)
+                    return acc + part
+
                 def accumulate_step(_, a_smem, b_smem, acc_ref):
                     plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.at[cols].transpose((1, 0)))
                     plgpu.wgmma_wait(0)  # before the stage's shared memory is released
@@ -410,7 +421,10 @@ def run_persistent(
                     args = [a_gmem.at[cta_rows]]
                     if tile_scaled:
                         args += [b_refs[0].at[cta_cols]]
-                        kernel = pipeline(accumulate_step, accumulated, **chunked)
+                        if promote:
+                            kernel = pipeline(sum_step, summed, **chunked)
+                        else:
+                            kernel = pipeline(accumulate_step, accumulated, **chunked)
                     else:
                         args += [sa_gmem.at[:, cta_rows]]
                         for t in range(n_terms):

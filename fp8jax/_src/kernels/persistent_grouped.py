@@ -28,6 +28,7 @@ def persistent_grouped_rows_gemm(
     tile_scale: Float[Array, " tiles"] | None = None,
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
+    promote: bool = False,
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
     """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)` by the persistent
@@ -37,7 +38,8 @@ def persistent_grouped_rows_gemm(
 
     Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
     row and chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per
-    tile, after one accumulation over the whole contraction: per-tensor recipes). Both
+    tile, after one accumulation over the whole contraction, or with `promote` each chunk's
+    product added to a float32 sum first: per-tensor recipes). Both
     compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one layout
     tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile). Returns
     `(M, N)` in `out_dtype`.
@@ -110,6 +112,7 @@ def persistent_grouped_rows_gemm(
         interpret=interpret,
         layout="rows",
         tile_scaled=not blocks,
+        promote=promote,
     )
     return out[:, :n]
 
@@ -125,6 +128,7 @@ def persistent_grouped_tokens_gemm(
     group_scale: Float[Array, " G"] | None = None,
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
+    promote: bool = False,
     interpret: bool | None = None,
 ) -> Float[Array, "G A B"]:
     """`out[e] = lhs[:, tokens of e] . rhs[:, tokens of e]^T` for every expert `e` by the
@@ -137,7 +141,8 @@ def persistent_grouped_tokens_gemm(
     multiple of 128, expert `e`'s tokens the `chunk_count[e]` chunks of 128 from chunk
     `chunk_start[e]`. Scales: `lhs_scale (A, T / 128)` and `rhs_scale (B, T / 128)` (per row
     and chunk of tokens, promoted every chunk), or `group_scale (G,)` (one multiplier per
-    expert after one accumulation: per-tensor recipes). Returns `(G, A, B)` in `out_dtype`.
+    expert after one accumulation, or with `promote` each chunk's product added to a float32
+    sum first: per-tensor recipes). Returns `(G, A, B)` in `out_dtype`.
     """
     name = "persistent_grouped_tokens_gemm"
     config = PersistentConfig() if config is None else config
@@ -183,5 +188,6 @@ def persistent_grouped_tokens_gemm(
         interpret=interpret,
         layout="tokens",
         tile_scaled=not blocks,
+        promote=promote,
     )
     return out[:, :a_rows, :b_rows]
