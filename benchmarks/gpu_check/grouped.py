@@ -11,7 +11,9 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
   configuration from their autotuning grids (GPU only: they take no interpreter option);
 - `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
 - `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
-  call them (`native_rows` / `native_tokens`, padding to the tiled layout included);
+  call them (`native_rows` / `native_tokens`, padding to the tiled layout included); `,
+  promoted`: the per-tensor kernels as the backward calls them (each chunk added to a
+  float32 sum: `backward_precision="highest"`);
 - `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (GPU runs only):
   the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39
   (`persistent_kernel()`), and in the full run the blockwise ones in each `SWEEP`
@@ -153,22 +155,22 @@ def _jax_tokens(config):
     )  # fmt: skip
 
 
-def _ours_rows(lhs, rhs, sizes):
-    return native.native_rows(lhs, rhs, sizes, BF16)
+def _ours_rows(lhs, rhs, sizes, promote=False):
+    return native.native_rows(lhs, rhs, sizes, BF16, promote)
 
 
-def _persistent_rows(lhs, rhs, sizes, config=None):
+def _persistent_rows(lhs, rhs, sizes, config=None, promote=False):
     with persistent_kernel(config):  # traced inside: the rows GEMM on issue 39's kernel
-        return native.native_rows(lhs, rhs, sizes, BF16)
+        return native.native_rows(lhs, rhs, sizes, BF16, promote)
 
 
-def _ours_tokens(lhs, rhs, sizes):
-    return native.native_tokens(lhs, rhs, sizes, BF16)
+def _ours_tokens(lhs, rhs, sizes, promote=False):
+    return native.native_tokens(lhs, rhs, sizes, BF16, promote)
 
 
-def _persistent_tokens(lhs, rhs, sizes, config=None):
+def _persistent_tokens(lhs, rhs, sizes, config=None, promote=False):
     with persistent_kernel(config):  # traced inside: the tokens GEMM on issue 39's kernel
-        return native.native_tokens(lhs, rhs, sizes, BF16)
+        return native.native_tokens(lhs, rhs, sizes, BF16, promote)
 
 
 def _variants(kind: str, mode: str) -> dict[str, tuple]:
@@ -183,11 +185,16 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
         variants[f"bf16 jax mgpu kernel {config}"] = (jax_kernel(config), "bf16", 1)
     variants["bf16 fp8jax kernel"] = (ours, "bf16 q", 1)
     variants["fp8 per-tensor kernel"] = (ours, "fp8", 1)
+    # The backward's form: each chunk promoted to a float32 sum (backward_precision="highest").
+    promoted = functools.partial(ours, promote=True)
+    variants["fp8 per-tensor kernel, promoted"] = (promoted, "fp8", 1)
     # Block-scaled wgrad operands come padded to their 128-token tiles (as from the layer).
     variants["fp8 blockwise kernel"] = (ours, "block", 128 if kind == "tokens" else 1)
     if mode != "dry":  # its interpreter tests: tests/test_persistent_gemm.py
         persistent = _persistent_rows if kind == "rows" else _persistent_tokens
         variants["fp8 per-tensor persistent kernel"] = (persistent, "fp8", 1)
+        promoted = functools.partial(persistent, promote=True)
+        variants["fp8 per-tensor persistent kernel, promoted"] = (promoted, "fp8", 1)
         multiple = 128 if kind == "tokens" else 1
         variants["fp8 blockwise persistent kernel"] = (persistent, "block", multiple)
         for config in SWEEP[kind] if mode == "full" else ():
@@ -196,6 +203,7 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)
         del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]
+        del variants["fp8 per-tensor kernel, promoted"]
     return variants
 
 
