@@ -91,25 +91,19 @@ def load(ref: Any, *, layout: Any = None) -> Any:
     return plgpu.load(ref, layout=layout)
 
 
-class _Operand:
-    """A stand-in with the `shape` and `dtype` that `plgpu.wgmma` checks first."""
-
-    def __init__(self, shape: tuple[int, int], dtype: Any):
-        self.shape, self.dtype = shape, dtype
-
-
 @functools.cache
 def mixed_fp8_wgmma() -> bool:
     """Whether Pallas Mosaic GPU's `wgmma` multiplies an E4M3 operand by an E5M2 one (JAX
     0.11 on), rather than refusing "mixed input dtypes" (0.10). Probed by the check itself:
     `plgpu.wgmma` on stand-ins of the right shapes fails at once on a JAX that refuses the
     pair, and later (on the stand-ins) on one that takes it."""
+    import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    acc = _Operand((64, 128), jnp.float32)
-    a = _Operand((64, 32), jnp.dtype(jnp.float8_e5m2))
-    b = _Operand((32, 128), jnp.dtype(jnp.float8_e4m3fn))
+    acc = jax.ShapeDtypeStruct((64, 128), jnp.float32)  # stand-ins: a shape and a dtype
+    a = jax.ShapeDtypeStruct((64, 32), jnp.float8_e5m2)
+    b = jax.ShapeDtypeStruct((32, 128), jnp.float8_e4m3fn)
     try:
         plgpu.wgmma(acc, a, b)
     except Exception as error:  # noqa: BLE001 - the stand-ins fail past the dtype check
