@@ -158,7 +158,9 @@ class Recipe(abc.ABC):
 
     - `backward_precision`: precision of the dgrad and wgrad dots: `"highest"` (the default)
       turns off cuBLASLt's fast FP8 accumulation on H100, as Transformer Engine does for
-      gradients; `"default"` allows it. The forward dot uses the caller's `precision`.
+      gradients, and makes fp8jax's grouped (expert) kernels add each 128-element chunk's
+      product to a float32 sum; `"default"` allows fast accumulation in both. The forward
+      dot uses the caller's `precision`.
     - `axis_names`: mesh axes to take amaxes over inside `shard_map` (a `pmax`). Under plain
       `jit` with sharded arrays the amax is already global; leave this empty there.
     - `weight_gather`: how a weight that XLA gathers for its GEMMs (sharded for FSDP under
