@@ -46,7 +46,7 @@ from ..recipes.base import Axis
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .exchange import ExpertExchange
 from .grouped_dots import rows_dot, token_tile, tokens_dot
-from .grouped_native import expert_of_rows, pad_layout
+from .grouped_native import expert_of_rows, gather_map, pad_layout
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
 #: How the errors of the shared checks name a grouped layer without a name.
@@ -209,7 +209,7 @@ def _backward(
         # between): each token tile holds one expert's tokens, as in DeepSeek-V3. The recipe
         # quantizes them as it gathers them (one read of each).
         layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
-        rows, group_sizes = jnp.where(layout.valid, layout.source, -1), layout.sizes
+        rows, group_sizes = gather_map(layout), layout.sizes
         q_g = activations.quantize_gathered(g, rows, "output_grad")
     else:
         q_g, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)

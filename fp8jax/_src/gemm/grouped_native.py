@@ -29,7 +29,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..kernels import dispatch
+from ..kernels.padded_quantize import gather_rows
 from ..recipes import QTensor
+from ..recipes.blocks import gather_quantized
 
 
 class Padded(NamedTuple):
@@ -92,26 +94,23 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
     return Padded(source, valid, dest, row < end[-1], padded, tile_expert)
 
 
+def gather_map(layout: Padded) -> Int[Array, " P"]:
+    """The row each padded row holds, -1 for a gap: the row map the gathering kernels take
+    (`kernels/padded_quantize.py`)."""
+    return jnp.where(layout.valid, layout.source, -1)
+
+
 def pad(a: Array, layout: Padded) -> Array:
     """`a (M, ...)` in the padded layout, zeros in the gaps."""
-    if a.shape[0] == 0:  # no rows: all gaps
-        return jnp.zeros((layout.source.shape[0], *a.shape[1:]), a.dtype)
-    mask = layout.valid.reshape((-1,) + (1,) * (a.ndim - 1))
-    return jnp.where(mask, a[layout.source], jnp.zeros((), a.dtype))
+    return gather_rows(a, gather_map(layout))
 
 
 def pad_quantized(q: QTensor, layout: Padded) -> QTensor:
     """A quantized `(M, C)` tensor in the padded layout: its FP8 rows, and its scales' rows
-    when it has one scale per row (per-tensor, or tiles of one row)."""
-    if q.block and q.block[0] != 1:
-        raise ValueError(f"pad_quantized: blocks {q.block} span rows; tiles of one row expected.")
-    # A gap row's scales are some real row's (its data are zeros): E8M0 has no zero.
-    scale = q.scale_inv
+    when it has one scale per row (tiles of one row: `blocks.gather_quantized`)."""
     if q.block:
-        rows = layout.source.shape[0]
-        empty = scale.shape[0] == 0
-        scale = jnp.ones((rows, *scale.shape[1:]), scale.dtype) if empty else scale[layout.source]
-    return QTensor(pad(q.data, layout), scale, q.block)
+        return gather_quantized(q, gather_map(layout))
+    return QTensor(pad(q.data, layout), q.scale_inv, q.block)
 
 
 def unpad(a: Array, layout: Padded) -> Array:

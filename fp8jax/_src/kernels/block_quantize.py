@@ -132,20 +132,21 @@ def _rows_kernel(x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, **rul
     s_ref[...] = scale_inv[None, :]
     amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
     if columns:
-        qt_ref, st_ref = cols_refs
-        col_amax = nan_max(magnitude, axis=0)
-        scale, scale_inv = tile_scales(col_amax, **rule)
-        qt_ref[...] = saturating_cast(x, scale[None, :], dtype).T
-        st_ref[...] = scale_inv[None, :]
+        store_columns(x, *cols_refs, rule)
+
+
+def store_columns(x: Array, qt_ref, st_ref, rule: dict) -> None:
+    """A float32 tile `x` in `block` x 1 tiles along its rows: the FP8 values written
+    transposed to `qt_ref`, their scale_inv to `st_ref` (one row)."""
+    scale, scale_inv = tile_scales(nan_max(jnp.abs(x), axis=0), **rule)
+    qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
+    st_ref[...] = scale_inv[None, :]
 
 
 def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, **rule):
     scale_inv = s_ref[0, :]
     x = data_ref[...].astype(jnp.float32) * scale_inv[:, None]  # the saved tiles' values
-    col_amax = nan_max(jnp.abs(x), axis=0)
-    scale, scale_inv = tile_scales(col_amax, **rule)
-    qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
-    st_ref[...] = scale_inv[None, :]
+    store_columns(x, qt_ref, st_ref, rule)
 
 
 def tile_rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
@@ -172,14 +173,20 @@ def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool, like: Arra
         pl.BlockSpec((1, 1), lambda i, j: (i, j)),
     ]
     if columns:
-        shapes += [
-            shape_like((k, m), fmt, like),
-            shape_like((nm, k), jnp.float32, like),
-        ]
-        specs += [
-            pl.BlockSpec(tile, lambda i, j: (j, i)),
-            pl.BlockSpec((1, block), lambda i, j: (i, j)),
-        ]
+        column_shapes, column_specs = column_outputs(block, m, k, fmt, like)
+        shapes, specs = shapes + column_shapes, specs + column_specs
+    return shapes, specs
+
+
+def column_outputs(block: int, m: int, k: int, fmt: jnp.dtype, like: Array):
+    """Output shapes and block specs, over the grid `(M / block, K / block)`, of `block` x 1
+    tiles along `M` written transposed: `data_t (K, M)` and chunk-major `scale_inv (M /
+    block, K)` (`store_columns`' refs)."""
+    shapes = [shape_like((k, m), fmt, like), shape_like((m // block, k), jnp.float32, like)]
+    specs = [
+        pl.BlockSpec((block, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, block), lambda i, j: (i, j)),
+    ]
     return shapes, specs
 
 
@@ -293,14 +300,7 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret):
     kernel = functools.partial(
         _columns_kernel, **tile_rule(data.dtype, max_scale, power_of_two, interpret)
     )
-    shapes = [
-        shape_like((k, m), data.dtype, data),
-        shape_like((nm, k), jnp.float32, data),
-    ]
-    specs = [
-        pl.BlockSpec((block, block), lambda i, j: (j, i)),
-        pl.BlockSpec((1, block), lambda i, j: (i, j)),
-    ]
+    shapes, specs = column_outputs(block, m, k, data.dtype, data)
     in_specs = [
         pl.BlockSpec((block, block), lambda i, j: (i, j)),
         pl.BlockSpec((1, block), lambda i, j: (j, i)),

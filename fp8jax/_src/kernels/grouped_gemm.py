@@ -115,18 +115,8 @@ def _accumulated(operands, index_maps, grid, shape, tiling, block_k, steps, subs
         plgpu.BlockSpec((r, block_k), index, transforms=tiling, delay_release=release)
         for r, index in zip(rows, index_maps, strict=True)
     ]
-    if substitute:  # an interpreter without the GPU path (JAX 0.10)
-
-        def step(_, a_tile, b_tile, acc):
-            return acc + chunk_product(a_tile, b_tile, shape, True)
-
-        return plgpu.emit_pipeline(
-            step,
-            grid=grid,
-            in_specs=specs,
-            max_concurrent_steps=steps,
-            init_carry=zeros_acc(shape, True),
-        )(*operands)
+    if substitute:  # an interpreter without the GPU path (JAX 0.10): the same sum, in registers
+        return _summed(operands, index_maps, grid, shape, tiling, block_k, steps, True)
 
     def scope(acc_ref):
         def step(_, a_tile, b_tile):

@@ -16,7 +16,7 @@ rows through the layout's row map themselves, once:
   (`block_quantize.requantize_columns` through the row map).
 
 `rows[p]` is the row of `x` that padded row `p` holds, or -1 for a row of zeros. The math is
-`block_quantize`'s (its `tile_scales` and `saturating_cast`), and each result equals the
+`block_quantize`'s (its `store_columns` and `column_outputs`), and each result equals the
 corresponding `block_quantize` kernel run on the gathered copy, bit for bit
 (`reference_padded_columns` below and the tests).
 """
@@ -30,15 +30,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from ..core.jax_private import shape_like
 from . import QUANTIZE_NAMES
 from .block_quantize import (
-    nan_max,
+    column_outputs,
     pltriton,
     reference_columns,
-    saturating_cast,
+    store_columns,
     tile_rule,
-    tile_scales,
     triton_call,
 )
 from .dispatch import interpreting
@@ -69,35 +67,16 @@ def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]
     return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
 
 
-def _store_columns(x: Array, qt_ref, st_ref, rule: dict) -> None:
-    """`x`'s tile in `block` x 1 tiles along its rows, written transposed, and its scales."""
-    scale, scale_inv = tile_scales(nan_max(jnp.abs(x), axis=0), **rule)
-    qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
-    st_ref[...] = scale_inv[None, :]
-
-
 def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, **rule):
     x, real, _ = _gather(rows_ref, x_ref, pl.program_id(1), block)
-    _store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule)
+    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule)
 
 
 def _requantize_kernel(rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, **rule):
     j = pl.program_id(1)
     data, real, index = _gather(rows_ref, data_ref, j, block)
     scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
-    _store_columns(jnp.where(real[:, None], data * scale_inv[:, None], 0.0), qt_ref, st_ref, rule)
-
-
-def _outputs(block: int, padded: int, k: int, fmt: jnp.dtype, like: Array):
-    shapes = [
-        shape_like((k, padded), fmt, like),
-        shape_like((padded // block, k), jnp.float32, like),
-    ]
-    specs = [
-        pl.BlockSpec((block, block), lambda i, j: (j, i)),
-        pl.BlockSpec((1, block), lambda i, j: (i, j)),
-    ]
-    return shapes, specs
+    store_columns(jnp.where(real[:, None], data * scale_inv[:, None], 0.0), qt_ref, st_ref, rule)
 
 
 def _whole(a: Array) -> pl.BlockSpec:
@@ -113,7 +92,7 @@ def _quantize(x, rows, *, fmt, block, max_scale, power_of_two, interpret):
     kernel = functools.partial(
         _quantize_kernel, block=block, **tile_rule(fmt, max_scale, power_of_two, interpret)
     )
-    shapes, specs = _outputs(block, padded, k, fmt, x)
+    shapes, specs = column_outputs(block, padded, k, fmt, x)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
     grid = (padded // block, k // block)
     call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_PADDED_NAME)
@@ -125,7 +104,7 @@ def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, inte
     (padded,), k = rows.shape, data.shape[1]
     rule = tile_rule(data.dtype, max_scale, power_of_two, interpret)
     kernel = functools.partial(_requantize_kernel, block=block, **rule)
-    shapes, specs = _outputs(block, padded, k, data.dtype, data)
+    shapes, specs = column_outputs(block, padded, k, data.dtype, data)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(data), _whole(scale_inv_t)]
     grid = (padded // block, k // block)
     call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, REQUANTIZE_PADDED_NAME)
