@@ -1,6 +1,6 @@
 """fp8jax's grouped FP8 GEMM kernels (Pallas Mosaic GPU) for mixtures of experts.
 
-- the padded layout against a hand-rolled NumPy one;
+- the padded layout and the rows kernels' items against hand-rolled NumPy ones;
 - both kernels in Mosaic GPU's interpreter against float64 NumPy references, with uneven and
   empty groups, per-chunk and per-tile scaling, FP8 and 16-bit operands;
 - `Fp8RaggedDot` on the kernels (interpreted) against its XLA path, every native recipe,
@@ -26,7 +26,12 @@ from fp8jax._src.gemm import grouped_native as native
 from fp8jax._src.gemm import grouped_rules as grouped_dots
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.dispatch import interpreted
-from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
+from fp8jax._src.kernels.grouped_gemm import (
+    RowItems,
+    grouped_rows_gemm,
+    grouped_tokens_gemm,
+    row_items,
+)
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -44,7 +49,7 @@ def f64(a):
 )
 def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
     """Hand-rolled: expert e's rows at sum(roundup(size[f], tile), f < e) on, zeros between;
-    rows past the groups (`rows` > sum) are not placed and come back as zeros."""
+    rows past the groups (`rows` > sum) are not placed."""
     tile = 8
     sizes = np.array(sizes, np.int32)
     layout = native.pad_layout(jnp.asarray(sizes), rows, tile)
@@ -52,58 +57,96 @@ def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
     padded = np.asarray(native.pad(jnp.asarray(x), layout))
     want = np.zeros_like(padded)
     start, at = 0, 0
-    tile_expert = np.full(padded.shape[0] // tile, -1)
     for e, size in enumerate(sizes):
         want[at : at + size] = x[start : start + size]
-        tile_expert[at // tile : (at + -(-size // tile) * tile) // tile] = e
         start, at = start + size, at + -(-size // tile) * tile
     assert padded.shape[0] % tile == 0 and padded.shape[0] >= at
     np.testing.assert_array_equal(padded, want)
     np.testing.assert_array_equal(layout.sizes, -(-sizes // tile) * tile)
-    np.testing.assert_array_equal(layout.tile_expert, tile_expert)
-    back = np.asarray(native.unpad(jnp.asarray(padded), layout))
-    placed = np.arange(rows) < sizes.sum()
-    np.testing.assert_array_equal(back, np.where(placed[:, None], x, 0))
+
+
+@pytest.mark.parametrize(
+    "sizes, rows",
+    [([70, 0, 130], 237), ([64, 64], 128), ([0, 0, 5], 5), ([1, 1, 1, 1], 70), ([0, 3], 200)],
+)
+def test_row_items_write_each_row_once_with_its_expert(sizes, rows):
+    """Hand-rolled: every row of expert e is written by exactly one item, of expert e and of
+    the row's own 64-row tile; rows past the experts by one item of expert -1 (zeros); the
+    items fit their static count, and an item of an expert covers one tile's rows of it."""
+    tile = 64
+    items = [np.asarray(a) for a in row_items(jnp.asarray(sizes, jnp.int32), rows, tile)]
+    assert all(a.shape == (-(-rows // tile) + len(sizes),) for a in items)
+    owner = np.repeat(np.arange(len(sizes) + 1), [*sizes, rows - sum(sizes)])
+    owner[owner == len(sizes)] = -1
+    written = np.zeros(rows, int)
+    for t, e, start, stop in zip(*items, strict=True):
+        assert 0 <= start <= stop <= tile
+        written[tile * t + start : tile * t + stop] += 1
+        np.testing.assert_array_equal(owner[tile * t + start : tile * t + stop], e)
+    np.testing.assert_array_equal(written, 1)
 
 
 # --- the kernels in the interpreter ---------------------------------------------------------
 
 G, K, N = 3, 200, 136  # K: two chunks, the second partial; N: two column tiles, padded
-TILE_EXPERT = np.array([2, 0, -1, 0, 1], np.int32)  # -1: a tile past every expert
-M = 64 * len(TILE_EXPERT)
+# Unpadded rows: expert 0's end and expert 2's start share a tile, expert 1 has none, rows
+# past the experts (zeros), the last tile partial.
+ROW_SIZES, M = np.array([70, 0, 130], np.int32), 237
 
 
 def scales(rng, shape):
     return jnp.asarray(2.0 ** rng.integers(-3, 4, shape), jnp.float32)
 
 
-@pytest.mark.parametrize("scaling", ["blocks", "tile", "tile, promoted"])
+@pytest.mark.parametrize("scaling", ["blocks", "item", "item, promoted"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2, jnp.bfloat16])
 def test_rows_kernel_matches_float64_in_the_interpreter(scaling, dtype):
-    """Block scales promoted per chunk; one scale per tile after one accumulation, or with
-    `promote` (the backward's) each chunk's product added to a float32 sum."""
+    """Block scales promoted per chunk; one scale per item after one accumulation, or with
+    `promote` (the backward's) each chunk's product added to a float32 sum. Each item writes
+    its own rows of a tile and no other (a row written by the wrong item, or twice with the
+    wrong expert, fails); rows of no expert are zeros."""
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal((M, K)) * 3, dtype)
     rhs = jnp.asarray(rng.standard_normal((G, N, K)), dtype)
+    items = row_items(jnp.asarray(ROW_SIZES), M)
     chunks = -(-K // 128)
     if scaling == "blocks":
         kw = {"lhs_scale": scales(rng, (M, chunks)), "rhs_scale": scales(rng, (G, N, chunks))}
     else:
-        kw = {"tile_scale": scales(rng, (len(TILE_EXPERT),))}
-    promote = scaling == "tile, promoted"
+        kw = {"item_scale": scales(rng, items.tile.shape)}
+    promote = scaling == "item, promoted"
     with interpreted():
-        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw, promote=promote))(
-            lhs, rhs, jnp.asarray(TILE_EXPERT)
-        )
+        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw, promote=promote))(lhs, rhs, items)
     assert out.shape == (M, N) and out.dtype == jnp.float32
-    want = reference.grouped_rows(lhs, rhs, TILE_EXPERT, **kw)
-    for t, e in enumerate(TILE_EXPERT):
-        if e < 0:
-            continue  # skipped: not written
-        rows = slice(64 * t, 64 * (t + 1))
+    want = reference.grouped_rows(lhs, rhs, items, **kw)
+    assert not np.isnan(want).any()  # every row written
+    np.testing.assert_array_equal(out[ROW_SIZES.sum() :], 0.0)
+    for e, rows in enumerate(np.split(np.arange(M), np.cumsum(ROW_SIZES))[:G]):
+        if not rows.size:
+            continue
         # Exact products, float32 sums of K terms.
         bound = reference.float32_sum_bound(K, np.abs(want[rows]).max())
-        np.testing.assert_array_less(np.abs(f64(out[rows]) - want[rows]), bound + 1e-30)
+        np.testing.assert_array_less(np.abs(f64(out[rows]) - want[rows]), bound + 1e-30, e)
+
+
+def test_rows_kernel_runs_any_items_in_the_interpreter():
+    """Items in any order, a tile split between two experts, zeros for expert -1, an unused
+    item (nothing written), and whole tiles (`RowItems.of_tiles`, a tile left unwritten)."""
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.standard_normal((192, K)), E4M3)
+    rhs = jnp.asarray(rng.standard_normal((G, N, K)), E4M3)
+    items = RowItems(*(jnp.asarray(a, jnp.int32) for a in ([2, 0, 0, 1, 0], [1, 2, 0, -1, 0],
+                                                          [0, 0, 10, 5, 0], [64, 10, 64, 9, 0])))  # fmt: skip
+    tiles = RowItems.of_tiles(jnp.asarray([2, -1, 0], jnp.int32))
+    with interpreted():
+        for each in (items, tiles):
+            scale = jnp.ones(each.tile.shape, jnp.float32)
+            out = f64(grouped_rows_gemm(lhs, rhs, each, item_scale=scale))
+            want = reference.grouped_rows(lhs, rhs, each, item_scale=scale)
+            written = ~np.isnan(want)
+            bound = reference.float32_sum_bound(K, np.abs(want[written]).max())
+            np.testing.assert_array_less(np.abs(out[written] - want[written]), bound)
+    assert written[:64].all() and not written[64:128].any() and written[128:].all()
 
 
 @pytest.mark.parametrize("scaling", ["blocks", "group", "group, promoted"])
@@ -139,22 +182,26 @@ def test_tokens_kernel_matches_float64_in_the_interpreter(scaling):
 
 def test_kernels_reject_bad_operands():
     lhs, rhs = jnp.zeros((64, 128), E4M3), jnp.zeros((2, 128, 128), E4M3)
-    experts, one = jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.float32)
+    experts, one = RowItems.of_tiles(jnp.zeros((1,), jnp.int32)), jnp.ones((1,), jnp.float32)
     with pytest.raises(ValueError, match="lhs is bfloat16 and rhs float8_e4m3fn"):
-        grouped_rows_gemm(lhs.astype(jnp.bfloat16), rhs, experts, tile_scale=one)
+        grouped_rows_gemm(lhs.astype(jnp.bfloat16), rhs, experts, item_scale=one)
     if not mosaic_private.mixed_fp8_wgmma():  # JAX 0.10: one type per wgmma
         with pytest.raises(ValueError, match="lhs is float8_e5m2 and rhs float8_e4m3fn"):
-            grouped_rows_gemm(lhs.astype(E5M2), rhs, experts, tile_scale=one)
+            grouped_rows_gemm(lhs.astype(E5M2), rhs, experts, item_scale=one)
     with pytest.raises(ValueError, match="lhs is float32; wgmma takes"):
-        grouped_rows_gemm(lhs.astype(jnp.float32), rhs, experts, tile_scale=one)
-    with pytest.raises(ValueError, match="65 rows, not a multiple of tile_m=64"):
-        grouped_rows_gemm(jnp.zeros((65, 128), E4M3), rhs, experts, tile_scale=one)
-    with pytest.raises(ValueError, match="either lhs_scale and rhs_scale .* or tile_scale"):
+        grouped_rows_gemm(lhs.astype(jnp.float32), rhs, experts, item_scale=one)
+    with pytest.raises(ValueError, match="items is ndarray; expected RowItems"):
+        grouped_rows_gemm(lhs, rhs, np.zeros((1,), np.int32), item_scale=one)
+    with pytest.raises(ValueError, match="items have shapes .*expected four arrays"):
+        grouped_rows_gemm(lhs, rhs, experts._replace(stop=jnp.zeros(2, jnp.int32)), item_scale=one)
+    with pytest.raises(ValueError, match="items have dtypes .*expected integers"):
+        grouped_rows_gemm(lhs, rhs, experts._replace(stop=jnp.ones(1)), item_scale=one)
+    with pytest.raises(ValueError, match="either lhs_scale and rhs_scale .* or item_scale"):
         grouped_rows_gemm(lhs, rhs, experts)
-    with pytest.raises(ValueError, match="tile_expert has shape \\(2,\\); expected \\(1,\\)"):
-        grouped_rows_gemm(lhs, rhs, jnp.zeros((2,), jnp.int32), tile_scale=one)
+    with pytest.raises(ValueError, match="item_scale has shape \\(2,\\); expected \\(1,\\)"):
+        grouped_rows_gemm(lhs, rhs, experts, item_scale=jnp.ones((2,), jnp.float32))
     with pytest.raises(ValueError, match="rhs has shape \\(128, 128\\); expected \\(experts"):
-        grouped_rows_gemm(lhs, rhs[0], experts, tile_scale=one)
+        grouped_rows_gemm(lhs, rhs[0], experts, item_scale=one)
     counts = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="100 tokens, not a multiple of block_k=128"):
         grouped_tokens_gemm(
@@ -236,7 +283,7 @@ def test_promote_sums_each_chunk_in_float32_registers_on_the_gpu_path(kernel):
     def traced(promote):
         if kernel == "rows":
             call = lambda a, b, s: grouped_rows_gemm(  # noqa: E731
-                a, b, experts, tile_scale=s, promote=promote, interpret=False
+                a, b, RowItems.of_tiles(experts), item_scale=s, promote=promote, interpret=False
             )
             args = (lhs, jnp.ones((2, 128, 256), E4M3), jnp.ones(2))
         else:

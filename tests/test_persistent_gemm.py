@@ -22,6 +22,7 @@ import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import BLOCK_GEMM_NAME, dispatch, reference
 from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.grouped_gemm import RowItems, row_items
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PERSISTENT_ROWS_NAME,
@@ -296,42 +297,45 @@ def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("scaling", ["blocks", "tile", "tile, promoted"])
-def test_grouped_rows_kernel_matches_float64_with_skipped_tiles(scaling):
-    """Each 64-row tile times its expert's weight, tiles of -1 left out, experts in any order
-    and one without tiles; persistent over 7 x 2 tiles on 3 programs. Block scales promoted
-    per chunk, or one scale per tile applied to the whole accumulation."""
+@pytest.mark.parametrize("scaling", ["blocks", "item", "item, promoted"])
+def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
+    """Each expert's rows times its weight, on the rows as they are (`row_items`): experts'
+    ends sharing tiles, expert 1 without rows, rows past every expert (zeros), the last tile
+    partial; persistent over 9 x 2 (item, column tile) pairs on 3 programs. Block scales
+    promoted per chunk, or one scale per item applied to the whole accumulation."""
     rng = np.random.default_rng(4)
-    tile_expert = np.array([0, 0, 2, -1, 2, 3, -1], np.int32)  # expert 1: no tiles
-    lhs, lhs_scale = fp8_operand(rng, 64 * len(tile_expert), 300)
+    sizes = np.array([100, 0, 150, 30], np.int32)
+    m = 300
+    lhs, lhs_scale = fp8_operand(rng, m, 300)
     pairs = [fp8_operand(rng, 200, 300) for _ in range(4)]
     rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
-    tile_scale = jnp.asarray(2.0 ** rng.integers(-4, 4, len(tile_expert)), jnp.float32)
+    expert_scale = jnp.asarray(2.0 ** rng.integers(-4, 4, len(sizes)), jnp.float32)
+    items = row_items(jnp.asarray(sizes), m)
     if scaling == "blocks":
         scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     else:
-        scales = dict(tile_scale=tile_scale)
+        scales = dict(item_scale=expert_scale[jnp.maximum(items.expert, 0)])
     config = PersistentConfig(wg_dimension="n", num_sms=3)
-    kw = dict(config=config, promote=scaling == "tile, promoted", interpret=True)
-    out = jax.jit(lambda a, b, e, s: persistent_grouped_rows_gemm(a, b, e, **s, **kw))(
-        lhs, rhs, jnp.asarray(tile_expert), scales
+    kw = dict(config=config, promote=scaling == "item, promoted", interpret=True)
+    out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
+        lhs, rhs, items, scales
     )
-    assert out.shape == (lhs.shape[0], 200)
-    for t, e in enumerate(tile_expert):
-        if e < 0:
+    assert out.shape == (m, 200)
+    np.testing.assert_array_equal(out[sizes.sum() :], 0.0)
+    for e, rows in enumerate(np.split(np.arange(m), np.cumsum(sizes))[: len(sizes)]):
+        if not rows.size:
             continue
-        rows = slice(64 * t, 64 * (t + 1))
         if scaling == "blocks":
             sa, terms = lhs_scale[rows], [(rhs[e], rhs_scale[e])]
-        else:  # the tile's scale on every row, unit scales on the weight
-            sa = jnp.full(lhs_scale[rows].shape, tile_scale[t])
+        else:  # the expert's scale on every row, unit scales on the weight
+            sa = jnp.full(lhs_scale[rows].shape, expert_scale[e])
             terms = [(rhs[e], jnp.ones_like(rhs_scale[e]))]
         want = reference.block_scaled(lhs[rows], sa, terms)
         magnitude = reference.block_scaled_magnitude(lhs[rows], sa, terms)
         np.testing.assert_array_less(
             np.abs(np.asarray(out[rows], np.float64) - want),
             reference.BLOCK_RTOL * magnitude + 1e-30,
-            err_msg=f"tile {t}, expert {e}",
+            err_msg=f"expert {e}",
         )
 
 
@@ -339,25 +343,25 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
     rng = np.random.default_rng(5)
     lhs, lhs_scale = fp8_operand(rng, 128, 256)
     rhs, rhs_scale = fp8_operand(rng, 128, 256)
-    rhs, rhs_scale, experts = rhs[None], rhs_scale[None], jnp.zeros((2,), jnp.int32)
+    rhs, rhs_scale = rhs[None], rhs_scale[None]
+    experts = RowItems.of_tiles(jnp.zeros((2,), jnp.int32))
     kwargs = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     with pytest.raises(ValueError, match="wg_dimension='m'"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, config=PersistentConfig(), **kwargs)
     with pytest.raises(ValueError, match="cluster='m'"):
         config = PersistentConfig(wg_dimension="n", cluster="m")
         persistent_grouped_rows_gemm(lhs, rhs, experts, config=config, **kwargs)
-    with pytest.raises(ValueError, match="tile_expert has shape \\(3,\\)"):
-        persistent_grouped_rows_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), **kwargs)
-    with pytest.raises(ValueError, match="not a multiple of tile_m=64"):
-        persistent_grouped_rows_gemm(
-            lhs[:100], rhs, experts, **{**kwargs, "lhs_scale": lhs_scale[:100]}
-        )
+    with pytest.raises(ValueError, match="items is ndarray; expected RowItems"):
+        persistent_grouped_rows_gemm(lhs, rhs, np.zeros((3,), np.int32), **kwargs)
+    with pytest.raises(ValueError, match="items have shapes"):
+        bad = experts._replace(tile=jnp.zeros((3,), jnp.int32))
+        persistent_grouped_rows_gemm(lhs, rhs, bad, **kwargs)
     with pytest.raises(ValueError, match="rhs_scale has shape"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, lhs_scale=lhs_scale, rhs_scale=rhs_scale[0])
     with pytest.raises(ValueError, match="not both or neither"):
-        persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, tile_scale=jnp.ones((2,)))
-    with pytest.raises(ValueError, match="tile_scale has shape \\(3,\\)"):
-        persistent_grouped_rows_gemm(lhs, rhs, experts, tile_scale=jnp.ones((3,)))
+        persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, item_scale=jnp.ones((2,)))
+    with pytest.raises(ValueError, match="item_scale has shape \\(3,\\)"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, item_scale=jnp.ones((3,)))
 
 
 @needs_interpreter

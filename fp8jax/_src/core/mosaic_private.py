@@ -28,8 +28,12 @@ import inspect
 from typing import Any
 
 
-def interpret_params() -> Any:
+def interpret_params(reads_past_the_end: bool = False) -> Any:
     """Parameters that make `plgpu.kernel(..., interpret=...)` run on the CPU.
+
+    A read past the end of an operand raises, unless `reads_past_the_end`: then it reads
+    NaNs, where a GPU's TMA reads zeros (a kernel whose last tile reaches past the rows and
+    writes none of them; NaNs, should they reach a written value, show it).
 
     Raises `ImportError` naming the JAX version when this JAX has no Mosaic GPU interpreter.
     """
@@ -43,6 +47,8 @@ def interpret_params() -> Any:
             "jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams; fp8jax's native "
             "kernels can then be checked only on a GPU."
         ) from error
+    if reads_past_the_end:
+        return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
     return InterpretGPUParams()
 
 

@@ -1,17 +1,17 @@
 """The grouped GEMMs on fp8jax's Hopper kernels (`fp8jax._src.kernels.grouped_gemm`).
 
-The kernels want each expert's rows to start on a tile boundary. `pad_layout` makes that
-layout (DeepGEMM's "contiguous layout"): expert `e`'s rows are moved to start at
-`sum(roundup(size[f], tile) for f < e)`, the gaps filled with zeros. Padding costs at most
-`tile - 1` rows per expert, so the kernels' work grows with the tokens; XLA's expansion of
-`lax.ragged_dot` multiplies it by the number of experts instead.
+- `native_rows` (forward, dgrad): the rows kernel on the rows as they are, sorted by expert
+  (`grouped_gemm.row_items`: a tile holding the end of one expert's rows and the start of
+  the next is run once for each, each writing its own rows), no padded copy in or out.
+- `native_tokens` (wgrad): contracting over tokens, a chunk of 128 must hold one expert's
+  tokens only, so it takes each expert's tokens starting on a chunk boundary: `pad_layout`
+  (DeepGEMM's "contiguous layout": expert `e`'s rows moved to start at `sum(roundup(size[f],
+  tile) for f < e)`, zeros between). Per-tensor operands are padded here; block-scaled ones
+  come padded to their token tiles, quantized as they are gathered (the grouped layer's
+  backward). It transposes the FP8 values K-major and runs the tokens kernel.
 
-- `native_rows` (forward, dgrad): pads the rows of its FP8 `lhs` to tiles of
-  `grouped_gemm.TILE_M`, runs the rows kernel, and takes the rows back out.
-- `native_tokens` (wgrad): pads per-tensor operands to chunks of 128 tokens per expert
-  (block-scaled ones come padded to their token tiles: the grouped layer's backward pads
-  them on both paths, so that no tile spans two experts), transposes the FP8 values
-  K-major, runs the tokens kernel.
+Either way the kernels' work grows with the tokens (plus at most a tile per expert); XLA's
+expansion of `lax.ragged_dot` multiplies it by the number of experts instead.
 
 Per-tensor operands are scaled once per tile (activation scale times the tile's expert's
 kernel scale); block-scaled ones per chunk, as in `block_gemm`. A GEMM of E5M2 gradients and
@@ -35,24 +35,16 @@ from ..recipes.blocks import gather_quantized
 
 
 class Padded(NamedTuple):
-    """Where the rows of an expert-sorted array go in the padded layout, and back.
+    """Where the rows of an expert-sorted array go in the padded layout.
 
     - `source (P,)`: the row each padded row is read from; `valid (P,)`: whether it holds a
-      real row (else zeros).
-    - `dest (M,)`: the padded row of each row; `placed (M,)`: whether the row belongs to an
-      expert (rows past the sum of the group sizes do not, and get zeros, as from
-      `lax.ragged_dot`).
+      real row (else zeros). Rows past the sum of the group sizes are in no expert's rows.
     - `sizes (G,)`: each expert's padded size, a multiple of the tile.
-    - `tile_expert (P / tile,)`: the expert of each tile; -1 for tiles past the experts'
-      rows (all zeros: the rows kernel skips them).
     """
 
     source: Int[Array, " P"]
     valid: Bool[Array, " P"]
-    dest: Int[Array, " M"]
-    placed: Bool[Array, " M"]
     sizes: Int[Array, " G"]
-    tile_expert: Int[Array, " tiles"]
 
 
 def group_at(ends: Int[Array, " G"], positions: Int[Array, " P"]) -> Int[Array, " P"]:
@@ -86,12 +78,7 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
     offset = position - padded_start[expert]
     valid = (offset < sizes[expert]) & (position < padded_end[-1])
     source = jnp.clip(start[expert] + offset, 0, max(rows - 1, 0))
-    row = jnp.arange(rows, dtype=jnp.int32)
-    row_expert = expert_of_rows(sizes, rows)
-    dest = padded_start[row_expert] + row - start[row_expert]
-    first = position[::tile]
-    tile_expert = jnp.where(first < padded_end[-1], expert[::tile], -1)
-    return Padded(source, valid, dest, row < end[-1], padded, tile_expert)
+    return Padded(source, valid, padded)
 
 
 def gather_map(layout: Padded) -> Int[Array, " P"]:
@@ -113,12 +100,6 @@ def pad_quantized(q: QTensor, layout: Padded) -> QTensor:
     return QTensor(pad(q.data, layout), q.scale_inv, q.block)
 
 
-def unpad(a: Array, layout: Padded) -> Array:
-    """Undo `pad`: `(P, ...)` back to the `(M, ...)` rows, zeros for rows of no expert."""
-    mask = layout.placed.reshape((-1,) + (1,) * (a.ndim - 1))
-    return jnp.where(mask, a[layout.dest], jnp.zeros((), a.dtype))
-
-
 def _one_type(a: Array, b: Array) -> tuple[Array, Array]:
     """Both operands in types one `wgmma` takes: as they are (one type, or E5M2 with E4M3
     where this JAX's Mosaic GPU takes the pair: JAX 0.11 on), else both bfloat16 (exact for
@@ -135,36 +116,35 @@ def native_rows(
 ) -> Float[Array, "M F"]:
     """The rows GEMM (forward, dgrad) on the rows kernel: `lhs (M, C)` (one scale, or tiles
     of one row) times each row's expert's `rhs (G, F, C)` (one scale per expert, or blocks
-    per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`.
-    `promote`: per-tensor operands' contraction promoted to float32 every chunk (blocks are
-    promoted every chunk anyway)."""
+    per expert), both contracted on their last axis. Shape `(M, F)` in `out_dtype`. The
+    kernel reads the rows and writes the output where they are (`row_items`: a tile shared by
+    two experts runs once for each), with no padded copy of either. `promote`: per-tensor
+    operands' contraction promoted to float32 every chunk (blocks are promoted every chunk
+    anyway)."""
     from ..kernels.block_gemm import expand_rows
     from ..kernels.choice import recipe_grouped_rows_gemm
-    from ..kernels.grouped_gemm import TILE_M
+    from ..kernels.grouped_gemm import TILE_M, row_items
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
     if m == 0:
         return jnp.zeros((m, f), out_dtype)
-    layout = pad_layout(group_sizes, m, TILE_M)
-    lhs = pad_quantized(lhs, layout)
+    items = row_items(group_sizes, m, TILE_M)
     a, b = _one_type(lhs.data, rhs.data)
     if not lhs.block:
         scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
-        tile_scale = scale[jnp.maximum(layout.tile_expert, 0)]
-        out = recipe_grouped_rows_gemm(
-            a, b, layout.tile_expert, tile_scale=tile_scale, out_dtype=out_dtype, promote=promote
+        item_scale = scale[jnp.maximum(items.expert, 0)]
+        return recipe_grouped_rows_gemm(
+            a, b, items, item_scale=item_scale, out_dtype=out_dtype, promote=promote
         )
-    else:
-        out = recipe_grouped_rows_gemm(
-            a,
-            b,
-            layout.tile_expert,
-            lhs_scale=lhs.scale_inv,
-            rhs_scale=expand_rows(rhs.scale_inv, f, rhs.block[0]),
-            out_dtype=out_dtype,
-            block_k=lhs.block[1],
-        )
-    return unpad(out, layout)
+    return recipe_grouped_rows_gemm(
+        a,
+        b,
+        items,
+        lhs_scale=lhs.scale_inv,
+        rhs_scale=expand_rows(rhs.scale_inv, f, rhs.block[0]),
+        out_dtype=out_dtype,
+        block_k=lhs.block[1],
+    )
 
 
 def native_tokens(

@@ -218,6 +218,26 @@ def store(acc: Array, out_smem, dst) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+def copy_rows(out_smem, out_gmem, row0, start, stop, cols) -> None:
+    """Copy rows `[start, stop)` of the output tile in `out_smem` (written and committed) to
+    rows `row0 + [start, stop)`, columns `cols` of `out_gmem`, and no other row: a tile shared
+    by two experts' rows, or holding the output's last rows, stores only its own. TMA copies
+    have static shapes, so the rows go as one copy per set bit of `stop - start` (64 rows,
+    32, ..., 1), as in JAX's `ragged_dot_mgpu`. `out_smem` is untransformed (a copy may start
+    at any row); the caller waits for the copies."""
+    size, at = stop - start, start
+    bit = 1 << (out_smem.shape[0].bit_length() - 1)
+    while bit:
+
+        @pl.when((size & bit) != 0)
+        def _(at=at, bit=bit):
+            dst = out_gmem.at[pl.ds(row0 + at, bit), cols]
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(at, bit)], dst)
+
+        at = at + (size & bit)
+        bit //= 2
+
+
 def _kernel(operands, n_terms, *, out_shape, out_dtype, tiles, steps, interpret):
     tile_m, tile_n, block_k = tiles
     mp, np_ = out_shape

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .block_gemm import BLOCK_K, FP8_TYPES, block_scaled_gemm
-from .grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
+from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
+from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 
@@ -72,11 +72,11 @@ def _grouped_choice(lhs: Array, block_k: int) -> PersistentConfig | None:
 def recipe_grouped_rows_gemm(
     lhs: Array,
     rhs: Array,
-    tile_expert: Int[Array, " tiles"],
+    items: RowItems,
     *,
     lhs_scale: Array | None = None,
     rhs_scale: Array | None = None,
-    tile_scale: Float[Array, " tiles"] | None = None,
+    item_scale: Float[Array, " W"] | None = None,
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
     promote: bool = False,
@@ -85,23 +85,23 @@ def recipe_grouped_rows_gemm(
     `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
     `persistent_kernel()`, the operands FP8 and the chunks 128 wide. `promote`: a per-tile
     scaled contraction promoted to float32 every chunk (the backward's, as cuBLASLt without
-    fast accumulation)."""
+    fast accumulation). `items`: cut at `TILE_M`-row tiles (`grouped_gemm.row_items`)."""
     config = _grouped_choice(lhs, block_k)
-    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, tile_scale=tile_scale)
+    scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, item_scale=item_scale)
     kw = dict(out_dtype=out_dtype, promote=promote)
     if config is None:
-        return grouped_rows_gemm(lhs, rhs, tile_expert, **scales, **kw, block_k=block_k)
+        return grouped_rows_gemm(lhs, rhs, items, **scales, **kw, block_k=block_k)
     return persistent_grouped_rows_gemm(
         lhs,
         rhs,
-        tile_expert,
+        items,
         **scales,
         **kw,
-        # A CTA's rows are one tile of the layout (one expert's): the layout's tile rows, the
-        # warpgroups splitting N, a cluster (if any) sharing the row tile.
+        # A CTA's rows are one item's: the items' tile rows, the warpgroups splitting N, a
+        # cluster (if any) sharing the row tile.
         config=dataclasses.replace(
             config,
-            tile_m=lhs.shape[0] // tile_expert.shape[0],
+            tile_m=TILE_M,
             wg_dimension="n",
             cluster=None if config.cluster == "m" else config.cluster,
         ),

@@ -34,6 +34,7 @@ vectors without a register layout (`block_gemm.substitutes`).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from .block_gemm import (
     TILE_M,
     TILE_N,
     chunk_product,
+    copy_rows,
     operand_tiling,
     out_tiling,
     pad_to,
@@ -65,6 +67,68 @@ from .dispatch import interpreting
 _TYPES = tuple(
     jnp.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16)
 )
+
+
+class RowItems(NamedTuple):
+    """The work of the grouped rows kernels, item by item (each an int32 array `(W,)`).
+
+    Item `w` multiplies the `tile_m` rows of `lhs` tile `tile[w]` (rows `tile[w] * tile_m`
+    on) by expert `expert[w]`'s `rhs`, and writes rows `[start[w], stop[w])` of that tile's
+    output (offsets within the tile) and no other; with `expert[w] = -1` it writes zeros
+    there instead. Two items share a tile where it holds two experts' rows (each writes its
+    own), so the rows need no padding between experts: `row_items` makes the items of rows
+    sorted by expert.
+    """
+
+    tile: Int[Array, " W"]
+    expert: Int[Array, " W"]
+    start: Int[Array, " W"]
+    stop: Int[Array, " W"]
+
+    @classmethod
+    def of_tiles(cls, tile_expert: Int[Array, " tiles"], tile_m: int = TILE_M) -> RowItems:
+        """One item per whole tile, tile `t` multiplied by expert `tile_expert[t]` (-1: a tile
+        left unwritten)."""
+        expert = jnp.asarray(tile_expert, jnp.int32)
+        tiles = jnp.arange(expert.shape[0], dtype=jnp.int32)
+        stop = jnp.where(expert >= 0, tile_m, 0).astype(jnp.int32)
+        return cls(tiles, expert, jnp.zeros_like(tiles), stop)
+
+    def stacked(self) -> Int[Array, "4 W"]:
+        """The items as the kernels read them: one `(4, W)` int32 array."""
+        return jnp.stack([jnp.asarray(a, jnp.int32) for a in self])
+
+
+def row_items(group_sizes: Int[Array, " G"], rows: int, tile_m: int = TILE_M) -> RowItems:
+    """The items of `rows` rows sorted by expert, expert `e` holding `group_sizes[e]` of them
+    (`RowItems`): each expert's rows cut at the `tile_m`-row tiles of the unpadded layout, a
+    tile that holds the end of one expert and the start of the next run once for each.
+    Rows past the sum of the sizes get zeros (as from `lax.ragged_dot`). `cdiv(rows,
+    tile_m) + G` items (a static count, enough for any sizes); the unused ones write
+    nothing."""
+    experts = group_sizes.shape[0]
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    # The groups' row ranges, and last, the rows past every expert (written with zeros).
+    end = jnp.minimum(jnp.cumsum(sizes), rows)
+    end = jnp.concatenate([end, jnp.full((1,), rows, jnp.int32)])
+    start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
+    first = start // tile_m
+    count = jnp.where(end > start, (end - 1) // tile_m - first + 1, 0)
+    ends = jnp.cumsum(count)
+    item = jnp.arange(math.ceil(rows / tile_m) + experts, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
+    used = group <= experts
+    group = jnp.minimum(group, experts)
+    tile = first[group] + item - (ends - count)[group]
+    origin = tile * tile_m
+    lo = jnp.clip(start[group] - origin, 0, tile_m)
+    hi = jnp.clip(end[group] - origin, 0, tile_m)
+    return RowItems(
+        jnp.where(used, tile, 0),
+        jnp.where(used & (group < experts), group, -1),
+        jnp.where(used, lo, 0),
+        jnp.where(used, hi, 0),
+    )
 
 
 def _check_operands(name: str, lhs: Array, rhs: Array, k: int) -> None:
@@ -184,11 +248,11 @@ def _promoted(operands, index_maps, grid, shape, tiling, block_k, steps, substit
 def grouped_rows_gemm(
     lhs: Array,
     rhs: Array,
-    tile_expert: Int[Array, " tiles"],
+    items: RowItems,
     *,
     lhs_scale: Array | None = None,
     rhs_scale: Array | None = None,
-    tile_scale: Float[Array, " tiles"] | None = None,
+    item_scale: Float[Array, " W"] | None = None,
     out_dtype=jnp.float32,
     tile_m: int = TILE_M,
     tile_n: int = TILE_N,
@@ -197,15 +261,14 @@ def grouped_rows_gemm(
     promote: bool = False,
     interpret: bool | None = None,
 ) -> Array:
-    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)`, contracted over `K`.
+    """Each item's rows of `lhs (M, K)` times its expert's `rhs (N, K)`, contracted over `K`.
 
-    `M` is a multiple of `tile_m`; `tile_expert (M / tile_m,)` int32 in `[0, G)`, or -1 for
-    a tile to skip (its output rows are left unwritten: padding past every expert). Scales:
-    `lhs_scale (M, ceil(K / block_k))` and `rhs_scale (G, N, ceil(K / block_k))` (per row and
-    chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per tile,
-    the contraction in one `wgmma` accumulator; with `promote`, each chunk's product added to
-    a float32 sum in registers). Returns `(M, N)` in `out_dtype`. `interpret`: see
-    `block_gemm.block_scaled_gemm`.
+    `items`: `RowItems` (`row_items` for rows sorted by expert; one program per item and
+    column tile); rows no item writes are left unwritten. Scales: `lhs_scale (M, ceil(K /
+    block_k))` and `rhs_scale (G, N, ceil(K / block_k))` (per row and chunk, promoted every
+    chunk), or `item_scale (W,)` (one multiplier per item, the contraction in one `wgmma`
+    accumulator; with `promote`, each chunk's product added to a float32 sum in registers).
+    Returns `(M, N)` in `out_dtype`. `interpret`: see `block_gemm.block_scaled_gemm`.
     """
     name = "grouped_rows_gemm"
     interpret = interpreting() if interpret is None else interpret
@@ -214,37 +277,42 @@ def grouped_rows_gemm(
     if rhs.ndim != 3:
         raise ValueError(f"{name}: rhs has shape {rhs.shape}; expected (experts, N, K).")
     _check_operands(name, lhs, rhs, k)
-    if m % tile_m:
-        raise ValueError(
-            f"{name}: lhs has {m} rows, not a multiple of tile_m={tile_m}; pad each expert's "
-            "rows to whole tiles."
-        )
-    tiles, chunks = m // tile_m, math.ceil(k / block_k)
-    check_shape(name, "tile_expert", tile_expert, (tiles,))
-    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
-    np_, kp = round_up(n, tile_n), chunks * block_k
-    a = pad_to(lhs, m, kp)
+    table = check_items(name, items)
+    chunks = math.ceil(k / block_k)
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), item_scale, "item_scale")
+    # The last tile may reach past the rows (TMA reads zeros there, and no item writes them);
+    # a tile is never larger than the operand, though.
+    mp, np_, kp = max(m, tile_m), round_up(n, tile_n), chunks * block_k
+    a = pad_to(lhs, mp, kp)
     b = jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
         check_shape(name, "lhs_scale", lhs_scale, (m, chunks))
         check_shape(name, "rhs_scale", rhs_scale, (g, n, chunks))
-        sa = lhs_scale.astype(jnp.float32).T
+        sa = pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T
         sb = jnp.swapaxes(jax.vmap(lambda s: pad_to(s, np_, chunks))(rhs_scale), 1, 2)
-        operands = (tile_expert.astype(jnp.int32), a, sa, b, sb.astype(jnp.float32))
+        operands = (table, a, sa, b, sb.astype(jnp.float32))
     else:
-        check_shape(name, "tile_scale", tile_scale, (tiles,))
-        operands = (tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b)
+        check_shape(name, "item_scale", item_scale, table.shape[1:])
+        operands = (table, item_scale.astype(jnp.float32), a, b)
     tiling = operand_tiling(lhs.dtype, block_k)
     steps = min(max_concurrent_steps, chunks)
     shape = (tile_m, tile_n)
 
     def body(*refs):
-        out_gmem, out_smem = refs[-2:]
-        i, j = lax.axis_index("m"), lax.axis_index("n")
-        index_maps = (lambda c: (i, c), lambda c: (j, c))
-        expert = refs[0][i]  # a scalar read from global memory
+        items_gmem, (out_gmem, out_smem) = refs[0], refs[-2:]
+        w, j = lax.axis_index("m"), lax.axis_index("n")
+        # Scalars read from global memory: the item's tile, expert and rows.
+        tile, expert = items_gmem[0, w], items_gmem[1, w]
+        start, stop = items_gmem[2, w], items_gmem[3, w]
+        index_maps = (lambda c: (tile, c), lambda c: (j, c))
 
-        @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
+        def write(acc):
+            out_smem[...] = acc.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            copy_rows(out_smem, out_gmem, tile * tile_m, start, stop, pl.ds(j * tile_n, tile_n))
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(expert >= 0)
         def _():
             if blocks:
                 _, a_gmem, sa_gmem, b_gmem, sb_gmem = refs[:-2]
@@ -257,21 +325,46 @@ def grouped_rows_gemm(
                 ops = (a_gmem, b_gmem.at[expert])
                 run = _summed if promote else _accumulated
                 acc = run(ops, index_maps, (chunks,), shape, tiling, block_k, steps, substitute)
-                acc = acc * scale_gmem[i]
-            window = (pl.ds(i * tile_m, tile_m), pl.ds(j * tile_n, tile_n))
-            store(acc, out_smem, out_gmem.at[window])
+                acc = acc * scale_gmem[w]
+            write(acc)
+
+        @pl.when((expert < 0) & (stop > start))  # rows of no expert: zeros
+        def _():
+            write(jnp.zeros(shape, jnp.float32))
 
     body.__name__ = body.__qualname__ = GROUPED_ROWS_NAME
     out_dtype = jnp.dtype(out_dtype)
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, np_), out_dtype),
-        scratch_types=[plgpu.SMEM(shape, out_dtype, transforms=out_tiling(out_dtype, tile_n))],
-        grid=(tiles, np_ // tile_n),
+        out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        scratch_types=[plgpu.SMEM(shape, out_dtype)],
+        grid=(table.shape[1], np_ // tile_n),
         grid_names=("m", "n"),
-        interpret=mosaic_private.interpret_params() if interpret else None,
+        interpret=mosaic_private.interpret_params(reads_past_the_end=True) if interpret else None,
     )(*operands)
-    return out[:, :n]
+    return out[:m, :n]
+
+
+def check_items(name: str, items: RowItems) -> Int[Array, "4 W"]:
+    """`items` as the kernels read them (`RowItems.stacked`), or `ValueError` naming `name`
+    unless they are four int arrays of one shape `(W,)`, `W >= 1`."""
+    if not isinstance(items, RowItems):
+        raise ValueError(
+            f"{name}: items is {type(items).__name__}; expected RowItems (row_items(group_sizes, "
+            "rows) for rows sorted by expert, RowItems.of_tiles(tile_expert) for whole tiles)."
+        )
+    shapes = {jnp.shape(a) for a in items}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1 or next(iter(shapes))[0] < 1:
+        raise ValueError(
+            f"{name}: items have shapes {[jnp.shape(a) for a in items]}; expected four arrays "
+            "of one shape (W,), W >= 1."
+        )
+    if any(not jnp.issubdtype(jnp.result_type(a), jnp.integer) for a in items):
+        raise ValueError(
+            f"{name}: items have dtypes {[str(jnp.result_type(a)) for a in items]}; expected "
+            "integers."
+        )
+    return items.stacked()
 
 
 def grouped_tokens_gemm(

@@ -64,6 +64,7 @@ from .block_gemm import (
     BLOCK_K,
     check_operands,
     chunk_product,
+    copy_rows,
     operand_tiling,
     out_tiling,
     pad_to,
@@ -271,27 +272,32 @@ def run_persistent(
     """The kernel over `operands`, by `layout`:
 
     - `"dense"`: `a, sa, (b, sb) * n_terms`, output `(M, N)`;
-    - `"rows"`: `tile_expert, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold
-      every expert's operand and CTA row tile `i` multiplies expert `tile_expert[i]`'s (-1:
-      skipped, left unwritten);
+    - `"rows"`: `items, a, sa, b, sb` where `b (G, N, K)` and `sb (G, chunks, N)` hold every
+      expert's operand and `items (4, W)` the rows kernels' work (`grouped_gemm.RowItems`,
+      stacked): item `w`'s CTA row tile is `lhs` tile `items[0, w]`, multiplied by expert
+      `items[1, w]`'s operand (-1: zeros), and it writes rows `items[2, w]` to `items[3, w]`
+      of it (through an untransformed shared-memory tile, `block_gemm.copy_rows`);
     - `"tokens"`: `chunk_start, chunk_count, a, sa, b, sb` with `a (A, T)`, `b (B, T)`: output
       `(G, A, B)`, expert `e`'s tiles contracted over its `chunk_count[e]` chunks from
       `chunk_start[e]` (a run-time trip count; an expert without chunks gets zeros).
 
-    With `tile_scaled` the block scales `sa`, `sb` give way to one scale per tile (`"rows"`:
-    `tile_scale`, after `tile_expert`) or per expert (`"tokens"`: `group_scale`, after the
+    With `tile_scaled` the block scales `sa`, `sb` give way to one scale per item (`"rows"`:
+    `item_scale`, after `items`) or per expert (`"tokens"`: `group_scale`, after the
     counts): the whole contraction in one `wgmma` accumulator multiplied by it at the end
     (per-tensor recipes), or with `promote` each chunk's product added to a float32 sum in
     registers first (FP8 `wgmma` accumulates with less than float32's precision)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     lead = {"dense": 0, "rows": 1, "tokens": 2}[layout]
+    ragged = layout == "rows"
     a_index = lead + (1 if tile_scaled else 0)
     chunks = -(-operands[a_index].shape[1] // BLOCK_K)
     steps = _stages(config, chunks, n_terms, tile_scaled, out_dtype)
     cluster_m, cluster_n = config.cluster_tile
     mp, np_ = out_shape[-2:]
-    m_iters, n_iters = mp // cluster_m, np_ // cluster_n
+    # Rows: one step per item (its tile read from the table); else per cluster row tile.
+    m_iters = operands[0].shape[1] if layout == "rows" else mp // cluster_m
+    n_iters = np_ // cluster_n
     groups = out_shape[0] if layout == "tokens" else 1
     # The operand tile the two CTAs of a cluster share, loaded once and multicast.
     share_a = ("cluster",) if config.cluster == "n" else ()
@@ -345,7 +351,10 @@ def run_persistent(
         @functools.partial(
             pl.run_scoped,
             allocations=pipeline(ignore, ignore).get_allocations(*a_refs, *one_b),
-            out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tiling(out_dtype, tn)),
+            # Rows: copies of some rows, from any row (untransformed).
+            out_smem=plgpu.SMEM(
+                (2, tm, tn), out_dtype, transforms=() if ragged else out_tiling(out_dtype, tn)
+            ),
             collective_axes="wg",
         )
         def scope(allocations, out_smem):
@@ -368,7 +377,11 @@ def run_persistent(
                     mi = mi * 2 + cta
                 elif config.cluster == "n":
                     ni = ni * 2 + cta
-                cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+                row_tile = mi
+                if ragged:  # scalars read from global memory: the item's tile, expert, rows
+                    row_tile, expert = counts[0][0, mi], counts[0][1, mi]
+                    start, stop = counts[0][2, mi], counts[0][3, mi]
+                cta_rows, cta_cols = pl.ds(row_tile * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
                 if config.wg_dimension == "m":
                     rows, cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
                 else:
@@ -380,7 +393,11 @@ def run_persistent(
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+                    if ragged:  # the item's rows only (the warpgroups split N: tm == cta_m)
+                        out_cols = pl.ds(ni * cta_n + wg * tn, tn)
+                        copy_rows(out_smem.at[wg], out_gmem, row_tile * tm, start, stop, out_cols)
+                    else:
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
 
                 def tile_scale():
                     return scales[group if layout == "tokens" else mi]
@@ -435,11 +452,14 @@ def run_persistent(
                 if layout == "dense":
                     run_tile(b_gmem)
                 elif layout == "rows":
-                    expert = counts[0][mi]  # a scalar read from global memory
 
-                    @pl.when(expert >= 0)  # -1: a tile past every expert's rows, left unwritten
+                    @pl.when(expert >= 0)
                     def _():
                         run_tile([b.at[expert] for b in b_gmem])
+
+                    @pl.when((expert < 0) & (stop > start) & (wg < 2))  # rows of no expert
+                    def _():
+                        store(jnp.zeros((tm, tn), jnp.float32))
 
                 else:
                     first, count = counts[0][group], counts[1][group]
@@ -466,5 +486,5 @@ def run_persistent(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=mosaic_private.interpret_params() if interpret else None,
+        interpret=mosaic_private.interpret_params(ragged) if interpret else None,
     )(*operands)

@@ -1,7 +1,7 @@
 """The grouped (mixture-of-experts) GEMMs on the persistent warp-specialized kernel of
 `persistent_gemm`: an expert layer's rows GEMM (forward and dgrad) and tokens GEMM (wgrad),
 what `grouped_gemm`'s tiled kernels compute (the same arguments and results), persistent
-over the output tiles so that skipped tiles and uneven or empty experts cost their programs
+over the output tiles so that unused items and uneven or empty experts cost their programs
 nothing. `choice.persistent_kernel()` routes the grouped layers here; until a GPU run has
 checked and timed them, `grouped_gemm`'s kernels stay the default (issue 39).
 """
@@ -14,54 +14,54 @@ from jaxtyping import Array, Float, Int
 
 from .block_gemm import BLOCK_K, check_operands, pad_to, round_up
 from .dispatch import interpreting
-from .grouped_gemm import check_shape, scaling_is_blocks
+from .grouped_gemm import RowItems, check_items, check_shape, scaling_is_blocks
 from .persistent_gemm import PersistentConfig, grid_programs, interpretable, run_persistent
 
 
 def persistent_grouped_rows_gemm(
     lhs: Array,
     rhs: Array,
-    tile_expert: Int[Array, " tiles"],
+    items: RowItems,
     *,
     lhs_scale: Array | None = None,
     rhs_scale: Array | None = None,
-    tile_scale: Float[Array, " tiles"] | None = None,
+    item_scale: Float[Array, " W"] | None = None,
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
     promote: bool = False,
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
-    """Row tile `t` of `lhs (M, K)` times `rhs[tile_expert[t]] (N, K)` by the persistent
-    kernel: `grouped_gemm.grouped_rows_gemm` (an expert layer's forward and dgrad on its
-    contiguous layout), persistent over (row tile, column tile) pairs so that a skipped tile
-    (`tile_expert` -1) costs its programs nothing.
+    """Each item's rows of `lhs (M, K)` times its expert's `rhs (N, K)` by the persistent
+    kernel: `grouped_gemm.grouped_rows_gemm` (an expert layer's forward and dgrad, on rows
+    sorted by expert, unpadded: `grouped_gemm.row_items`), persistent over (item, column
+    tile) pairs so that an unused item costs its programs nothing.
 
     Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
-    row and chunk, promoted every chunk), or `tile_scale (M / tile_m,)` (one multiplier per
-    tile, after one accumulation over the whole contraction, or with `promote` each chunk's
-    product added to a float32 sum first: per-tensor recipes). Both
-    compute warpgroups share each row tile (`wg_dimension="n"`: a CTA's rows are one layout
-    tile, one expert's): `M` a multiple of `config.tile_m` (64, the layout's tile). Returns
-    `(M, N)` in `out_dtype`.
+    row and chunk, promoted every chunk), or `item_scale (W,)` (one multiplier per item,
+    after one accumulation over the whole contraction, or with `promote` each chunk's
+    product added to a float32 sum first: per-tensor recipes). Both compute warpgroups share
+    each item's rows (`wg_dimension="n"`), `config.tile_m` of them (the items' tile). Returns
+    `(M, N)` in `out_dtype`; rows no item writes are left unwritten.
     """
     name = "persistent_grouped_rows_gemm"
     config = PersistentConfig(wg_dimension="n") if config is None else config
     interpret = interpretable(name, interpreting() if interpret is None else interpret)
     if config.cluster == "m":
         raise ValueError(
-            f"{name}: config.cluster='m'; a cluster's CTAs would hold two row tiles, of "
-            "different experts, sharing one rhs tile: use None or 'n'."
+            f"{name}: config.cluster='m'; a cluster's CTAs would hold two items, of different "
+            "experts, sharing one rhs tile: use None or 'n'."
         )
     if config.wg_dimension != "n":
         raise ValueError(
             f"{name}: config.wg_dimension={config.wg_dimension!r}; the grouped kernel splits "
-            "N between its warpgroups ('n'), so that each CTA's rows are one expert's."
+            "N between its warpgroups ('n'), so that each CTA's rows are one item's."
         )
     if rhs.ndim != 3 or lhs.ndim != 2:
         raise ValueError(
             f"{name}: lhs {lhs.shape} and rhs {rhs.shape}; expected (M, K) and (experts, N, K)."
         )
-    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), tile_scale, "tile_scale")
+    table = check_items(name, items)
+    blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), item_scale, "item_scale")
     (m, k), (g, n) = lhs.shape, rhs.shape[:2]
     chunks = -(-k // BLOCK_K)
     if blocks and rhs_scale.shape[:1] != (g,):
@@ -70,51 +70,43 @@ def persistent_grouped_rows_gemm(
             f"expert: ({g}, {n}, {chunks})."
         )
     # The operand checks of a block-scaled call, on shapes (of one expert's rhs; stand-ins for
-    # the scales of a per-tile call).
+    # the scales of a per-item call).
     f32 = jnp.float32
     sa = lhs_scale if blocks else jax.ShapeDtypeStruct((m, chunks), f32)
     sb = jax.ShapeDtypeStruct(rhs_scale.shape[1:] if blocks else (n, chunks), f32)
     check_operands(name, lhs, sa, [(jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), sb)], BLOCK_K)
-    if m % config.tile_m:
-        raise ValueError(
-            f"{name}: lhs has {m} rows, not a multiple of tile_m={config.tile_m}; pad each "
-            "expert's rows to whole tiles."
-        )
-    tiles = m // config.tile_m
-    for what, a in (("tile_expert", tile_expert), ("tile_scale", tile_scale)):
-        if a is not None and a.shape != (tiles,):
-            raise ValueError(
-                f"{name}: {what} has shape {a.shape}; expected {(tiles,)}: one per "
-                f"{config.tile_m}-row tile."
-            )
+    if not blocks:
+        check_shape(name, "item_scale", item_scale, table.shape[1:])
     cluster_n = config.cluster_tile[1]
-    np_, kp = round_up(n, cluster_n), chunks * BLOCK_K
-    a, b = pad_to(lhs, m, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
+    # The last tile may reach past the rows (TMA reads zeros there, and no item writes them);
+    # a tile is never larger than the operand, though.
+    mp, np_, kp = max(m, config.tile_m), round_up(n, cluster_n), chunks * BLOCK_K
+    a, b = pad_to(lhs, mp, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
         operands = [
-            tile_expert.astype(jnp.int32),
+            table,
             a,
-            pad_to(lhs_scale.astype(jnp.float32), m, chunks).T,
+            pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T,
             b,
             jnp.swapaxes(
                 jax.vmap(lambda s: pad_to(s.astype(jnp.float32), np_, chunks))(rhs_scale), 1, 2
             ),
         ]
     else:
-        operands = [tile_expert.astype(jnp.int32), tile_scale.astype(jnp.float32), a, b]
+        operands = [table, item_scale.astype(jnp.float32), a, b]
     out = run_persistent(
         operands,
         1,
-        out_shape=(m, np_),
+        out_shape=(mp, np_),
         out_dtype=jnp.dtype(out_dtype),
         config=config,
-        programs=grid_programs(config, tiles * (np_ // cluster_n)),
+        programs=grid_programs(config, table.shape[1] * (np_ // cluster_n)),
         interpret=interpret,
         layout="rows",
         tile_scaled=not blocks,
         promote=promote,
     )
-    return out[:, :n]
+    return out[:m, :n]
 
 
 def persistent_grouped_tokens_gemm(

@@ -55,33 +55,36 @@ def float32_sum_bound(terms: int, magnitude: float) -> float:
 def grouped_rows(
     lhs: object,
     rhs: object,
-    tile_expert: object,
+    items: object,
     *,
     lhs_scale: object | None = None,
     rhs_scale: object | None = None,
-    tile_scale: object | None = None,
+    item_scale: object | None = None,
     tile_m: int = 64,
     block_k: int = 128,
 ) -> np.ndarray:
-    """`grouped_rows_gemm`'s maths: row tile `t` of `lhs (M, K)` times
-    `rhs[tile_expert[t]] (N, K)`, each `block_k` chunk scaled per row (`lhs_scale (M, C)`,
-    `rhs_scale (G, N, C)`) or the tile once (`tile_scale (tiles,)`). `(M, N)` float64, NaN
-    in the rows of skipped tiles (expert -1, which the kernel leaves unwritten)."""
-    a, b, experts = f64(lhs), f64(rhs), np.asarray(tile_expert)
+    """`grouped_rows_gemm`'s maths: for each item `(tile, expert, start, stop)` of `items`
+    (a `RowItems`), rows `tile * tile_m + [start, stop)` of `lhs (M, K)` times
+    `rhs[expert] (N, K)`, each `block_k` chunk scaled per row (`lhs_scale (M, C)`,
+    `rhs_scale (G, N, C)`) or the item once (`item_scale (W,)`); zeros for expert -1.
+    `(M, N)` float64, NaN in the rows no item writes (the kernel leaves them unwritten)."""
+    a, b = f64(lhs), f64(rhs)
+    tiles, experts, starts, stops = (np.asarray(x) for x in items)
     m, k = a.shape
     out = np.full((m, b.shape[1]), np.nan)
-    for t, e in enumerate(experts):
+    for w, (t, e) in enumerate(zip(tiles, experts, strict=True)):
+        rows = slice(tile_m * t + starts[w], tile_m * t + stops[w])
         if e < 0:
+            out[rows] = 0.0
             continue
-        rows = slice(tile_m * t, tile_m * (t + 1))
-        want = np.zeros((tile_m, b.shape[1]))
+        want = np.zeros((rows.stop - rows.start, b.shape[1]))
         for c in range(-(-k // block_k)):
             cols = slice(block_k * c, min(k, block_k * (c + 1)))
             part = a[rows, cols] @ b[e][:, cols].T
-            if tile_scale is None:
+            if item_scale is None:
                 part *= f64(lhs_scale)[rows, c][:, None] * f64(rhs_scale)[e][:, c]
             want += part
-        out[rows] = want if tile_scale is None else want * f64(tile_scale)[t]
+        out[rows] = want if item_scale is None else want * f64(item_scale)[w]
     return out
 
 
