@@ -57,7 +57,7 @@ def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
     padded = np.asarray(native.pad(jnp.asarray(x), layout))
     want = np.zeros_like(padded)
     start, at = 0, 0
-    for e, size in enumerate(sizes):
+    for size in sizes:
         want[at : at + size] = x[start : start + size]
         start, at = start + size, at + -(-size // tile) * tile
     assert padded.shape[0] % tile == 0 and padded.shape[0] >= at
@@ -135,8 +135,8 @@ def test_rows_kernel_runs_any_items_in_the_interpreter():
     rng = np.random.default_rng(5)
     lhs = jnp.asarray(rng.standard_normal((192, K)), E4M3)
     rhs = jnp.asarray(rng.standard_normal((G, N, K)), E4M3)
-    items = RowItems(*(jnp.asarray(a, jnp.int32) for a in ([2, 0, 0, 1, 0], [1, 2, 0, -1, 0],
-                                                          [0, 0, 10, 5, 0], [64, 10, 64, 9, 0])))  # fmt: skip
+    table = [[2, 0, 0, 1, 0], [1, 2, 0, -1, 0], [0, 0, 10, 5, 0], [64, 10, 64, 9, 0]]
+    items = RowItems(*(jnp.asarray(a, jnp.int32) for a in table))
     tiles = RowItems.of_tiles(jnp.asarray([2, -1, 0], jnp.int32))
     with interpreted():
         for each in (items, tiles):
