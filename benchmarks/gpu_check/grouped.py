@@ -50,7 +50,7 @@ EXPERTS, WIDTH, HIDDEN = 16, 7168, 2048
 JAX_CONFIGS = ((128, 128, 64, 4, 1), (64, 256, 64, 4, 2))
 #: The persistent grouped kernels' configurations the full run times beside their default
 #: (blockwise; `block_kernels.describe` names them): the rows kernel's warpgroups always
-#: split N and its CTA rows are one layout tile (`choice.recipe_grouped_rows_gemm`).
+#: split N and its CTA rows are one item's (`choice.recipe_grouped_rows_gemm`).
 SWEEP = {
     "rows": (
         PersistentConfig(max_concurrent_steps=3),

@@ -24,7 +24,7 @@ import fp8jax
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
 from fp8jax._src.kernels.choice import persistent_kernel
-from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm
+from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm, row_items
 from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
 
@@ -43,13 +43,15 @@ HIGHEST = lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The odd shapes of one run: (M, N, K) of the dense kernels, the tile experts of the
-    rows kernel, the chunk counts of the tokens kernel, the grouped layer's sizes."""
+    """The odd shapes of one run: (M, N, K) of the dense kernels, the experts' row counts
+    and the rows (M) of the rows kernel, the chunk counts of the tokens kernel, the grouped
+    layer's sizes."""
 
     dense: tuple[int, int, int]
     residual: tuple[int, int, int]
     rows_nk: tuple[int, int]
-    tile_expert: tuple[int, ...]
+    row_sizes: tuple[int, ...]
+    rows: int
     tokens_ab: tuple[int, int]
     chunk_count: tuple[int, ...]
     layer_sizes: tuple[int, ...]
@@ -60,7 +62,8 @@ GPU = Shapes(
     dense=(1000, 1500, 1100),
     residual=(777, 1000, 900),
     rows_nk=(1000, 1100),
-    tile_expert=(2, 0, 0, -1, 1, 3, 3, 3, 0, -1),
+    row_sizes=(70, 0, 300, 129, 1, 64),
+    rows=600,
     tokens_ab=(520, 1000),
     chunk_count=(3, 0, 5, 1),
     layer_sizes=(700, 0, 1300, 5, 333),
@@ -70,7 +73,8 @@ DRY = Shapes(
     dense=(40, 130, 200),
     residual=(33, 70, 150),
     rows_nk=(72, 200),
-    tile_expert=(1, -1, 0),
+    row_sizes=(20, 0, 45),
+    rows=70,
     tokens_ab=(40, 72),
     chunk_count=(1, 0, 2),
     layer_sizes=(20, 0, 45, 5),
@@ -215,30 +219,31 @@ def residual(shapes: Shapes, dry: bool) -> dict:
 
 
 def rows_kernel(shapes: Shapes, scaling: str, dtype: DTypeLike, dry: bool) -> dict:
-    """`grouped_rows_gemm` against float64: tiles of several experts, repeated and
-    skipped (-1) tiles, K and N not multiples of the tiles."""
+    """`grouped_rows_gemm` against float64 on unpadded rows (`row_items`): experts sharing
+    tiles, an expert without rows, rows past every expert (zeros), the last tile partial,
+    K and N not multiples of the tiles."""
     rng = np.random.default_rng(3)
-    experts = np.asarray(shapes.tile_expert, np.int32)
-    g, (n, k) = int(experts.max()) + 1, shapes.rows_nk
-    m, chunks = 64 * len(experts), -(-k // 128)
+    sizes = np.asarray(shapes.row_sizes, np.int32)
+    g, (n, k), m = len(sizes), shapes.rows_nk, shapes.rows
+    chunks = -(-k // 128)
     lhs, rhs = _values(rng, (m, k), dtype, 3.0), _values(rng, (g, n, k), dtype, 1.0)
+    items = row_items(jnp.asarray(sizes), m)
     if scaling == "blocks":
         kw = {"lhs_scale": _pow2(rng, (m, chunks)), "rhs_scale": _pow2(rng, (g, n, chunks))}
     else:
-        kw = {"tile_scale": _pow2(rng, (len(experts),))}
+        kw = {"item_scale": _pow2(rng, items.tile.shape)}
     with kernels(dry):
-        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw))(lhs, rhs, jnp.asarray(experts))
-    want = reference.grouped_rows(lhs, rhs, experts, **kw)
-    written = np.repeat(experts >= 0, 64)
+        out = jax.jit(lambda *a: grouped_rows_gemm(*a, **kw))(lhs, rhs, items)
+    want = reference.grouped_rows(lhs, rhs, items, **kw)
     bound = np.zeros_like(want)
-    for t in np.flatnonzero(experts >= 0):  # per tile, as the test
-        rows = slice(64 * t, 64 * (t + 1))
-        bound[rows] = reference.float32_sum_bound(k, np.abs(want[rows]).max())
+    for rows in np.split(np.arange(m), np.cumsum(sizes))[:g]:  # per expert, as the test
+        if rows.size:
+            bound[rows] = reference.float32_sum_bound(k, np.abs(want[rows]).max())
     return _result(
-        compare(np.asarray(out)[written], want[written], bound[written]),
+        compare(np.asarray(out), want, bound),
         None,
-        f"{m}x{n}x{k} {jnp.dtype(dtype).name}, {g} experts, tiles {experts.tolist()}, {scaling}",
-        "|err| <= 2 K 2^-24 max|tile| (float32 sums)",
+        f"{m}x{n}x{k} {jnp.dtype(dtype).name}, experts' rows {sizes.tolist()}, {scaling}",
+        "|err| <= 2 K 2^-24 max|expert's rows| (float32 sums); zeros past the experts",
     )
 
 
@@ -343,8 +348,8 @@ def run(rec: Recorder, mode: str) -> None:
         "block_gemm in the blockwise recipe": lambda: blockwise_recipe(shapes, dry),
         "fused residual kernel": lambda: residual(shapes, dry),
         "grouped rows, block scales": lambda: rows_kernel(shapes, "blocks", E4M3, dry),
-        "grouped rows, tile scale": lambda: rows_kernel(shapes, "tile", E4M3, dry),
-        "grouped rows, bf16 operands": lambda: rows_kernel(shapes, "tile", jnp.bfloat16, dry),
+        "grouped rows, item scale": lambda: rows_kernel(shapes, "item", E4M3, dry),
+        "grouped rows, bf16 operands": lambda: rows_kernel(shapes, "item", jnp.bfloat16, dry),
         "grouped tokens, block scales": lambda: tokens_kernel(shapes, "blocks", dry),
         "grouped tokens, group scale": lambda: tokens_kernel(shapes, "group", dry),
         "grouped layer, blockwise": lambda: grouped_layer(shapes, fp8jax.BlockwiseScaling(), dry),

@@ -1,18 +1,21 @@
 """Grouped (mixture-of-experts) FP8 GEMMs for Hopper (sm_90a), in Pallas Mosaic GPU.
 
-Two kernels cover the three GEMMs of an expert layer, on operands laid out by the caller so
-that each expert's tokens start on a tile boundary (DeepGEMM's "contiguous layout": every
-expert's rows padded with zeros to whole tiles; `fp8jax._src.gemm.grouped_native` makes it):
+Two kernels cover the three GEMMs of an expert layer:
 
-- `grouped_rows_gemm` (forward and dgrad): `out[tile t] = lhs[tile t] . rhs[e_t]^T`, each
-  `tile_m`-row tile of `lhs (M, K)` multiplied by its expert's `rhs (N, K)`; the expert of a
-  tile is read from `tile_expert` in global memory and picks the TMA window of `rhs (G, N, K)`;
+- `grouped_rows_gemm` (forward and dgrad): the rows of `lhs (M, K)`, sorted by expert and
+  unpadded, each times its expert's `rhs (N, K)`. One program per item (`RowItems`,
+  `row_items`) and column tile: an item is a `tile_m`-row tile and one expert, read from
+  global memory (the expert picks the TMA window of `rhs (G, N, K)`), and it writes that
+  expert's rows of the tile and no other, by TMA copies of a power of two rows each (JAX's
+  `ragged_dot_mgpu` does the same). A tile holding two experts' rows is run once for each.
 - `grouped_tokens_gemm` (wgrad): `out[e] = lhs[:, tokens of e] . rhs[:, tokens of e]^T`,
-  both operands `(rows, T)` contracted over their tokens; expert `e`'s pipeline runs over its
+  both operands `(rows, T)` contracted over their tokens, laid out by the caller so that
+  each expert's tokens start on a chunk boundary (DeepGEMM's "contiguous layout", zeros
+  between; `fp8jax._src.gemm.grouped_native` makes it); expert `e`'s pipeline runs over its
   own `chunk_count[e]` chunks of `block_k` tokens from `chunk_start[e]` (a run-time trip
   count: an expert with no tokens writes zeros).
 
-Work grows with the tokens (plus at most one padded tile per expert), not with tokens times
+Work grows with the tokens (plus at most one tile per expert), not with tokens times
 experts as XLA's dense expansion of `lax.ragged_dot` does. Both operands are K-major, as FP8
 `wgmma` requires, and of one type, or E5M2 with E4M3 where Mosaic GPU takes the pair (JAX
 0.11 on; `block_gemm.wgmma_takes`); 16-bit operands are accepted too, for GEMMs of mixed FP8
@@ -22,9 +25,9 @@ Scaling, either:
 - per block (`lhs_scale`, `rhs_scale`: one float32 per row and `block_k` chunk): each chunk's
   product is a fresh float32 accumulator, scaled in registers and added (DeepSeek-V3's
   promotion, as in `block_gemm`);
-- per tile (`tile_scale` for rows, `group_scale` for tokens: one float32 each): the whole
-  contraction accumulates in one `wgmma` accumulator, multiplied once at the end (per-tensor
-  recipes: the activation's scale times the expert's).
+- per item or expert (`item_scale` for rows, `group_scale` for tokens: one float32 each):
+  the whole contraction accumulates in one `wgmma` accumulator, multiplied once at the end
+  (per-tensor recipes: the activation's scale times the expert's).
 
 As in `block_gemm`, the interpreter (`interpret=True`) runs the GPU's code from JAX 0.11 on;
 JAX 0.10's replaces `wgmma` by a float32 `dot_general` of the same FP8 tiles and reads scale
@@ -161,7 +164,7 @@ def scaling_is_blocks(name: str, block: tuple, once: Array | None, what_once: st
         return False
     raise ValueError(
         f"{name}: give either lhs_scale and rhs_scale (block scales) or {what_once} (one scale "
-        f"per tile), not both or neither."
+        f"per contraction), not both or neither."
     )
 
 

@@ -26,9 +26,10 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
   through shared memory.
 
 The same kernel runs an expert layer's grouped GEMMs (`persistent_grouped`), with block
-scales or, for per-tensor recipes, one scale per tile (or expert) applied to a single
-accumulation: the rows GEMM (forward and dgrad: each row tile of the contiguous layout times
-its expert's weight, tiles past every expert skipped) and the tokens GEMM (wgrad:
+scales or, for per-tensor recipes, one scale per item (or expert) applied to a single
+accumulation: the rows GEMM (forward and dgrad: each item, a row tile and an expert, times
+that expert's weight, writing the expert's rows of the tile; `grouped_gemm.RowItems`) and
+the tokens GEMM (wgrad:
 persistent over (expert, tile) triples, each tile's pipeline running over its own expert's
 chunks of tokens, a run-time trip count; an expert without tokens writes zeros).
 

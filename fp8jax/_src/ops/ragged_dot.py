@@ -165,10 +165,10 @@ class Fp8RaggedDot(AbstractFp8Op):
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
     [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][].
 
-    **On Hopper** the first three run on fp8jax's grouped GEMM kernels (Pallas Mosaic GPU):
-    each expert's tokens padded to whole tiles, work that grows with the tokens. Elsewhere,
-    and for MXFP8, XLA's `ragged_dot`, which an H100 compile expands into a dense GEMM over
-    all experts (see the mixture-of-experts guide). With E5M2 gradients (delayed and current
+    **On Hopper** the first three run on fp8jax's grouped GEMM kernels (Pallas Mosaic GPU),
+    whose work grows with the tokens, not tokens times experts. Elsewhere, and for MXFP8,
+    XLA's `ragged_dot`, which an H100 compile expands into a dense GEMM over all experts
+    (see the mixture-of-experts guide). With E5M2 gradients (delayed and current
     scaling's default) the dgrad and wgrad multiply E5M2 by E4M3 in FP8 from JAX 0.11 on;
     JAX 0.10's `wgmma` takes one FP8 type, and there they run in the kernels on the FP8
     values upcast to BF16 (exact, at the 16-bit rate). With `backward_format="e4m3"` (or
