@@ -266,6 +266,12 @@ class Module:
     devices: int = 1
 
 
+def kernel_hashes(text: str) -> list[str]:
+    """The `kernel_hash`es of the Mosaic GPU calls in a program's text (HLO, or the StableHLO
+    of a lowered program: both print them alike), each once, in order of appearance."""
+    return list(dict.fromkeys(_KERNEL_HASH.findall(text)))
+
+
 def _ints(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
 

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
-from .hlo import Module, parse
+from .hlo import Module, kernel_hashes, parse
 
 #: The FP8 operand type of a PTX matrix-multiply instruction (`wgmma ... .e4m3`).
 FP8_MMA = re.compile(r"\.e[45]m[23]\b")
@@ -86,13 +86,15 @@ def compile_with_ptx(
             compiler_options={**options, "xla_dump_to": folder, **_PTX_DUMP_OPTIONS}
         )
         kernels = ptx_kernels(_read(sorted(set(_ptx_files(folder)) - before)))
-    dumped: list[Kernel] = []
+    dumped: list[tuple[str, Kernel]] = []
     if mosaic:
         # Mosaic GPU writes <kernel>_<n>.ptx, n counting the process's kernels, one entry each.
-        for text in _read(sorted(set(_ptx_files(mosaic)) - mosaic_before, key=_mosaic_number)):
-            dumped += ptx_kernels([text]).values()
+        for path in sorted(set(_ptx_files(mosaic)) - mosaic_before, key=_mosaic_number):
+            name = re.sub(r"_\d+\.ptx$", "", os.path.basename(path))
+            dumped += [(name, k) for k in ptx_kernels(_read([path])).values()]
     module = parse(compiled.as_text())
-    kernels.update(_mosaic_kernels(module, dumped))
+    order = kernel_hashes(lowered.as_text()) if dumped else []
+    kernels.update(_mosaic_kernels(module, dumped, order))
     return compiled, module, kernels
 
 
@@ -104,24 +106,31 @@ def mosaic_key(kernel_hash: str) -> str:
 _MOSAIC_SEEN: dict[str, Kernel] = {}  # kernel_hash -> its PTX facts, for this process
 
 
-def _mosaic_kernels(module: Module, dumped: list[Kernel]) -> dict[str, Kernel]:
+def _mosaic_kernels(
+    module: Module, dumped: list[tuple[str, Kernel]], order: list[str]
+) -> dict[str, Kernel]:
     """`mosaic_key(kernel_hash)` -> PTX facts, for the Mosaic GPU kernels of a module.
 
-    Mosaic compiles each kernel once per process and dumps its PTX then, under a name that
-    does not say which call it belongs to. The kernels new to this process are matched to
-    the new dumps by order (the n-th new `kernel_hash` in the module's text is the n-th
-    compiled); when their counts differ nothing new is matched. Kernels seen before keep
-    what was read then."""
-    hashes: list[str] = []
+    Mosaic compiles each kernel once per process and dumps its PTX then, as
+    `<kernel name>_<n>.ptx`, which does not say which call it belongs to. It compiles them in
+    program order, the order of `order` (the `kernel_hash`es of the lowered program, before
+    XLA schedules it: the optimized module's order differs, a backward's kernels reordered
+    by its scheduler or moved out of a conditional). The kernels new to this process are
+    matched to the new dumps in that order, each dump's kernel name checked against the
+    call's `op_name`; when the counts or a name differ, nothing new is matched. Kernels seen
+    before keep what was read then."""
+    calls: dict[str, str] = {}  # kernel_hash -> op_name of a call to it
     for computation in module.computations.values():
         for instruction in computation.instructions.values():
             digest = instruction.kernel_hash if instruction.mosaic else None
-            if digest is not None and digest not in hashes:
-                hashes.append(digest)
-    new = [h for h in hashes if h not in _MOSAIC_SEEN]
-    if new and len(new) == len(dumped):
-        _MOSAIC_SEEN.update(zip(new, dumped, strict=True))
-    return {mosaic_key(h): _MOSAIC_SEEN[h] for h in hashes if h in _MOSAIC_SEEN}
+            if digest is not None:
+                calls.setdefault(digest, instruction.op_name)
+    new = [h for h in order if h in calls and h not in _MOSAIC_SEEN]
+    new += [h for h in calls if h not in _MOSAIC_SEEN and h not in new]
+    named = all(name in calls[h] for h, (name, _) in zip(new, dumped, strict=False))
+    if new and len(new) == len(dumped) and named:
+        _MOSAIC_SEEN.update(zip(new, (k for _, k in dumped), strict=True))
+    return {mosaic_key(h): _MOSAIC_SEEN[h] for h in calls if h in _MOSAIC_SEEN}
 
 
 def _mosaic_number(path: str) -> int:
