@@ -117,8 +117,8 @@ def _mosaic_kernels(
     XLA schedules it: the optimized module's order differs, a backward's kernels reordered
     by its scheduler or moved out of a conditional). The kernels new to this process are
     matched to the new dumps in that order, each dump's kernel name checked against the
-    call's `op_name`; when the counts or a name differ, nothing new is matched. Kernels seen
-    before keep what was read then."""
+    call's `op_name` where op_names carry them; when the counts or a name differ, nothing new
+    is matched. Kernels seen before keep what was read then."""
     calls: dict[str, str] = {}  # kernel_hash -> op_name of a call to it
     for computation in module.computations.values():
         for instruction in computation.instructions.values():
@@ -127,8 +127,11 @@ def _mosaic_kernels(
                 calls.setdefault(digest, instruction.op_name)
     new = [h for h in order if h in calls and h not in _MOSAIC_SEEN]
     new += [h for h in calls if h not in _MOSAIC_SEEN and h not in new]
-    named = all(name in calls[h] for h, (name, _) in zip(new, dumped, strict=False))
-    if new and len(new) == len(dumped) and named:
+    # Where the dumps' names are in the calls' op_names (a `plgpu.kernel`'s body name is; a
+    # `pallas_call`'s op_name says only "pallas_call"), each pair must agree.
+    named = all(any(name in calls[h] for h in new) for name, _ in dumped)
+    agree = all(name in calls[h] for h, (name, _) in zip(new, dumped, strict=False))
+    if new and len(new) == len(dumped) and (agree or not named):
         _MOSAIC_SEEN.update(zip(new, (k for _, k in dumped), strict=True))
     return {mosaic_key(h): _MOSAIC_SEEN[h] for h in calls if h in _MOSAIC_SEEN}
 
