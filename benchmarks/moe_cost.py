@@ -11,7 +11,8 @@ forward and backward on BF16 parameters and a BF16 input, compiled for an H100 w
 precision (fp8jax's kernels by their padded shapes: an upper bound of their work) and the
 HBM bytes of every other kernel. Step time = GEMM FLOPs at the H100 SXM dense peak of their
 kind (FP8 1,979, BF16 989 TFLOP/s; fp8jax's block-promoted kernels at a published 1,234) +
-non-GEMM bytes at 3.35 TB/s, no overlap. Temp memory is XLA's buffer assignment.
+non-GEMM bytes at 3.35 TB/s, no overlap. Temp memory is XLA's buffer assignment; kernels
+are the step's kernel launches (a loop's body counted once per trip).
 
 This is an ESTIMATE, not a measurement: nothing runs on a GPU, and the kernels have never
 been timed. The FLOP counts are exact for what each program asks the hardware to compute.
@@ -154,12 +155,13 @@ def report(title: str, shape: dict) -> None:
                 f"{estimate * 1e3:.2f}",
                 f"{estimate / base:.2f}",
                 f"{temp / 2**20:.0f}",
+                str(sum(k.runs for k in cost.kernels)),
             ]
         )
     analytic = ideal / H100["bf16"]
     rows.append(
         ["bf16 grouped (analytic)", "1.00x", f"bf16 {ideal / 1e12:.2f}", "-",
-         f"{analytic * 1e3:.2f}", "-", "-", "-"]
+         f"{analytic * 1e3:.2f}", "-", "-", "-", "-"]
     )  # fmt: skip
     header = [
         "variant",
@@ -170,6 +172,7 @@ def report(title: str, shape: dict) -> None:
         "est. ms",
         "vs bf16",
         "temp MiB",
+        "kernels",
     ]
     print(table(rows, header))
 

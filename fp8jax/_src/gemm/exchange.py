@@ -331,7 +331,9 @@ def expert_exchange(
     # Each received row's local expert: chunks by source, each sorted by expert.
     row = jnp.arange(capacity, dtype=jnp.int32)
     ends = (recv_start[:, None] + jnp.cumsum(mine, axis=1)).reshape(-1)  # (src * e)
-    piece = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, devices * local - 1)
+    # One comparison per (row, piece) in one fusion; a binary search is a loop of kernels.
+    after = jnp.searchsorted(ends, row, side="right", method="compare_all")
+    piece = jnp.clip(after, 0, devices * local - 1)
     expert = (piece % local).astype(jnp.int32)
     valid = row < jnp.sum(recv_sizes)
     # Expert order: by expert, then by source, each source's rows in its order (the order

@@ -50,7 +50,9 @@ class Padded(NamedTuple):
 def group_at(ends: Int[Array, " G"], positions: Int[Array, " P"]) -> Int[Array, " P"]:
     """The group each position falls in, given the groups' cumulative `ends`; positions past
     the last group get the last one."""
-    index = jnp.searchsorted(ends, positions.astype(ends.dtype), side="right")
+    # One comparison per (position, group), in one fusion: the default method's binary
+    # search is a loop of a few kernels per step on a GPU, for a handful of groups.
+    index = jnp.searchsorted(ends, positions.astype(ends.dtype), side="right", method="compare_all")
     return jnp.minimum(index, ends.shape[0] - 1).astype(jnp.int32)
 
 
