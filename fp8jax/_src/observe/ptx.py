@@ -112,27 +112,28 @@ def _mosaic_kernels(
     """`mosaic_key(kernel_hash)` -> PTX facts, for the Mosaic GPU kernels of a module.
 
     Mosaic compiles each kernel once per process and dumps its PTX then, as
-    `<kernel name>_<n>.ptx`, which does not say which call it belongs to. It compiles them in
-    program order, the order of `order` (the `kernel_hash`es of the lowered program, before
-    XLA schedules it: the optimized module's order differs, a backward's kernels reordered
-    by its scheduler or moved out of a conditional). The kernels new to this process are
-    matched to the new dumps in that order, each dump's kernel name checked against the
-    call's `op_name` where op_names carry them; when the counts or a name differ, nothing new
-    is matched. Kernels seen before keep what was read then."""
-    calls: dict[str, str] = {}  # kernel_hash -> op_name of a call to it
+    `<kernel name>_<n>.ptx`, which does not say which call it belongs to. Which order it
+    compiles them in depends on the JAX release: JAX 0.11's in program order (`order`: the
+    `kernel_hash`es of the lowered program), 0.10's in the optimized module's (a backward's
+    kernels reordered by XLA's scheduler). The kernels new to this process are matched to the
+    new dumps in the first of the two orders whose kernel names agree with the dumps' (where
+    the calls' op_names carry names: a `plgpu.kernel`'s body name; a `pallas_call`'s op_name
+    says only "pallas_call"); when the counts differ or neither order agrees, nothing new is
+    matched. Kernels seen before keep what was read then."""
+    calls: dict[str, str] = {}  # kernel_hash -> op_name of a call to it, in the module's order
     for computation in module.computations.values():
         for instruction in computation.instructions.values():
             digest = instruction.kernel_hash if instruction.mosaic else None
             if digest is not None:
                 calls.setdefault(digest, instruction.op_name)
-    new = [h for h in order if h in calls and h not in _MOSAIC_SEEN]
-    new += [h for h in calls if h not in _MOSAIC_SEEN and h not in new]
-    # Where the dumps' names are in the calls' op_names (a `plgpu.kernel`'s body name is; a
-    # `pallas_call`'s op_name says only "pallas_call"), each pair must agree.
-    named = all(any(name in calls[h] for h in new) for name, _ in dumped)
-    agree = all(name in calls[h] for h, (name, _) in zip(new, dumped, strict=False))
-    if new and len(new) == len(dumped) and (agree or not named):
-        _MOSAIC_SEEN.update(zip(new, (k for _, k in dumped), strict=True))
+    fresh = [h for h in calls if h not in _MOSAIC_SEEN]
+    in_program = [h for h in order if h in fresh] + [h for h in fresh if h not in order]
+    named = all(any(name in calls[h] for h in fresh) for name, _ in dumped)
+    for new in (in_program, fresh):
+        agree = all(name in calls[h] for h, (name, _) in zip(new, dumped, strict=False))
+        if new and len(new) == len(dumped) and (agree or not named):
+            _MOSAIC_SEEN.update(zip(new, (k for _, k in dumped), strict=True))
+            break
     return {mosaic_key(h): _MOSAIC_SEEN[h] for h in calls if h in _MOSAIC_SEEN}
 
 
