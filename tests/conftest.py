@@ -1,5 +1,6 @@
 import gc
 import os
+from importlib.metadata import version
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight CPU devices for the sharding tests (must be set before jax starts).
@@ -9,12 +10,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 # Faster CPU compiles, the suite's main cost: LLVM without optimisation and its expensive
-# passes. Measured on 2 cores: the train_gpt job's test and an inspector test 102 s -> 61 s, a
-# scan test and a vmap test 61 s -> 35 s; the whole suite 2001 s -> 1606 s. The level can move
-# the last bit of elementwise math (seen: a LayerNorm's output), so a test that compares
-# another process's results bit for bit gives it these flags (test_multiprocess.py; the
+# passes (measured on 2 cores: the whole suite 2001 s -> 1606 s), and on the JAX releases whose
+# XLA:CPU has both (the test command's 0.10; later ones have only the fusion emitters and
+# reject the flag) its elemental emitters in place of its MLIR fusion emitters (a small Griffin
+# train step's compile 29 s -> 6 s, the whole suite 2003 s -> 1159 s; 2026-11-29). The level
+# can move the last bit of elementwise math (seen: a LayerNorm's output), and the elemental
+# emitters that of an expression fused two ways (a GELU's gradient with and without remat, a
+# reduction): a test comparing two programs bit for bit compiles them with helpers.SAME_BITS;
+# one comparing another process's results gives it these flags (test_multiprocess.py; the
 # Mosaic dump helper passes the whole environment). Set them yourself to test other levels.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+_FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11):
+    _FAST_COMPILE.append("--xla_cpu_use_fusion_emitters=false")
+for _flag in _FAST_COMPILE:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 

@@ -18,6 +18,16 @@ FP8 = {"e4m3": E4M3, "e5m2": E5M2}
 # Unit roundoff of each format: half the spacing of its significands (3 or 2 mantissa bits).
 UNIT_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
 
+#: Compile options (`jax.jit(..., compiler_options=SAME_BITS)`, `eqx.filter_jit` likewise)
+#: under which XLA:CPU computes an expression the same whichever fusion holds it: its fusion
+#: emitters, where conftest.py chose the (faster to compile) elemental ones. For tests that
+#: compare two programs bit for bit.
+SAME_BITS = (
+    {"xla_cpu_use_fusion_emitters": True}
+    if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+    else {}
+)
+
 
 def ref_quantize(x, scale, fmt):
     """`x * scale` rounded to the format, saturating, computed with ml_dtypes."""

@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.linen import fp8_ops
-from helpers import RECIPES, h100_topology, make_train_step, representable
+from helpers import RECIPES, SAME_BITS, h100_topology, make_train_step, representable
 
 import fp8jax
 from fp8jax._src.convert.einsum import einsum_dimension_numbers
@@ -965,11 +965,16 @@ def test_experts_match_the_equinox_experts_bit_for_bit(name):
     rng = np.random.default_rng(12)
 
     @nnx.jit
-    def nnx_step(model, x, c):
+    def nnx_jitted(model, x, c):
         grads, grad_x = nnx.grad(lambda m, x: jnp.sum(m(x, SIZES) * c), argnums=(DIFF, 1))(model, x)
         return model(x, SIZES), grads, grad_x
 
-    @eqx.filter_jit
+    # Bit for bit: both programs compiled with SAME_BITS (helpers.py); nnx.jit inside.
+    @functools.partial(eqx.filter_jit, compiler_options=SAME_BITS)
+    def nnx_step(model, x, c):
+        return nnx_jitted(model, x, c)
+
+    @functools.partial(eqx.filter_jit, compiler_options=SAME_BITS)
     def eqx_step(model, x, c):
         grads, grad_x = eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1], SIZES) * c))((model, x))
         return model(x, SIZES), grads, grad_x

@@ -58,9 +58,13 @@ def check_same(state, losses, want_state, want_losses):
         np.testing.assert_allclose(layer.weight, want.weight, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(layer.bias, want.bias, rtol=1e-5, atol=1e-6)
         got, ref = layer.dot_general, want.dot_general
-        # Amaxes of inputs and weights exactly: a max does not depend on how it is split.
+        # Amaxes of inputs exactly: a max does not depend on how it is split. The weights'
+        # amaxes to the weights' own tolerance: after the first update the weights come out
+        # of sharded sums (a shard's max in place of the global one would be far off).
         np.testing.assert_array_equal(got.input.amax_history, ref.input.amax_history)
-        np.testing.assert_array_equal(got.kernel.amax_history, ref.kernel.amax_history)
+        np.testing.assert_allclose(
+            got.kernel.amax_history, ref.kernel.amax_history, rtol=1e-5, atol=1e-6
+        )
         # Output gradients come out of sharded reductions: float32 rounding may differ.
         np.testing.assert_allclose(
             got.output_grad.amax_history, ref.output_grad.amax_history, rtol=1e-6
