@@ -13,7 +13,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # passes (measured on 2 cores: the whole suite 2001 s -> 1606 s), and on the JAX releases whose
 # XLA:CPU has both (the test command's 0.10; later ones have only the fusion emitters and
 # reject the flag) its elemental emitters in place of its MLIR fusion emitters (a small Griffin
-# train step's compile 29 s -> 6 s, the whole suite 2003 s -> 1159 s; 2026-11-29). The level
+# train step's compile 29 s -> 6 s, the whole suite 2003 s -> 1186 s; 2026-11-29). The level
 # can move the last bit of elementwise math (seen: a LayerNorm's output), and the elemental
 # emitters that of an expression fused two ways (a GELU's gradient with and without remat, a
 # reduction): a test comparing two programs bit for bit compiles them with helpers.SAME_BITS;

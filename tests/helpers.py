@@ -29,6 +29,13 @@ SAME_BITS = (
 )
 
 
+def compile_flags() -> str:
+    """This process's `XLA_FLAGS` without the CPU device count (conftest.py's compile options,
+    for a subprocess that sets its own devices)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def ref_quantize(x, scale, fmt):
     """`x * scale` rounded to the format, saturating, computed with ml_dtypes."""
     dtype = FP8[fmt]

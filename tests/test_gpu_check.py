@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import compile_flags
 
 from fp8jax._src.core.mosaic_private import interpreter_runs_gpu_path
 
@@ -37,8 +38,7 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     # One CPU device, as on the command line; conftest's compile options kept (compile time).
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if "host_platform_device_count" not in f)
+    env["XLA_FLAGS"] = compile_flags()
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)]
         + ["--budget-s", "800"],  # a slow machine must not skip

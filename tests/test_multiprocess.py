@@ -20,6 +20,7 @@ import jax
 import multiprocess_worker as worker
 import numpy as np
 import pytest
+from helpers import compile_flags
 
 import fp8jax
 
@@ -51,13 +52,8 @@ def runs(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and "proxy" not in k.lower()}
     # Otherwise this process's XLA flags (conftest's compile options): the values are compared
     # bit for bit, and XLA:CPU's optimisation level can move the last bit of a LayerNorm.
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
+    if flags := compile_flags():
+        env["XLA_FLAGS"] = flags
     env["JAX_PLATFORMS"] = "cpu"
     # The workers import the fp8jax this process imported: a script's sys.path starts at its
     # own folder (tests/), not at the working directory, so without this a checkout tested
