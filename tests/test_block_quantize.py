@@ -110,21 +110,24 @@ def test_kernels_propagate_nan_and_inf():
 
 @pytest.mark.parametrize("fmt, block, power_of_two", [(E4M3, 128, False), (E5M2, 64, True)])
 def test_weight_kernel_matches_the_recipes_xla_path(fmt, block, power_of_two):
-    """128 x 128 blocks (one scale each) and the transposed copy the dgrad takes, equal to
-    `BlockwiseScaling`'s XLA quantization (jitted: XLA's CPU division, which the interpreter
-    shares, is not always correctly rounded for vectors; the GPU kernel divides exactly)."""
+    """128 x 128 blocks (one scale each, written once per row of both layouts) and the
+    transposed copy the dgrad takes, equal to `BlockwiseScaling`'s XLA quantization (jitted:
+    XLA's CPU division, which the interpreter shares, is not always correctly rounded for
+    vectors; the GPU kernel divides exactly)."""
     rng = np.random.default_rng(block)
     w = heavy_tailed(rng, (2 * block, 3 * block))
     recipe = fp8jax.BlockwiseScaling(
         block_size=block, power_of_two=power_of_two, format_name=fmt.name, native_kernel=False
     )
     q = jax.jit(lambda w: recipe._quantize(w, "kernel", -1))(w)
-    data, data_t, scale_inv, amax = block_quantize.quantize_blocks(
+    data, data_t, rows_t, cols, amax = block_quantize.quantize_blocks(
         w, fmt, block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True
     )
     same(data, q.data)
     same(data_t, q.data.T)
-    same(scale_inv, q.scale_inv)
+    blocks = np.asarray(q.scale_inv)  # (2, 3): block (i, j) covers rows i, columns j
+    same(rows_t, np.repeat(blocks, block, axis=0).T)  # (K / block, N): each weight row's
+    same(cols, np.repeat(blocks, block, axis=1))  # (N / block, K): each data_t row's
     want = np.abs(np.asarray(w, np.float32)).reshape(2, block, 3, block).max((1, 3))
     same(amax, want)
 
@@ -151,7 +154,9 @@ def states(recipe, role):
 def test_blockwise_recipe_quantizes_as_its_xla_path(power_of_two, batch):
     """Under the interpreter the recipe takes the kernels (where a Hopper GPU would): its
     tensors and new state equal the XLA path's (`native_kernel=False`), for the forward's
-    activation, the output gradient's two copies, and the wgrad's retiled activation."""
+    activation, the output gradient's two copies, and the wgrad's retiled activation; the
+    weight's two copies hold the same FP8 values, each block's scale repeated over the tiles
+    along the contracted axis (the layout the GEMM kernels read)."""
     rng = np.random.default_rng(7)
     x = (
         heavy_tailed(rng, (*batch, 256, 384))
@@ -177,9 +182,21 @@ def test_blockwise_recipe_quantizes_as_its_xla_path(power_of_two, batch):
         got = jax.jit(lambda: run(kernel))()
     for kernel_name in KERNELS:
         assert kernel_name in jaxpr
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    (*got, got_w, new_w, got_w_t), (*want, want_w, want_new_w, want_w_t) = got, want
+    for a, b in zip(
+        jax.tree.leaves((got, new_w)), jax.tree.leaves((want, want_new_w)), strict=True
+    ):
         same(a, b)
     assert got[3].block == want[3].block == (128, 1)
+    blocks = np.asarray(want_w.scale_inv)  # (2, 3) blocks of 128 x 128
+    assert want_w.block == want_w_t.block == (128, 128)
+    assert got_w.block == (1, 128) and got_w_t.block == (128, 1)
+    same(got_w.data, want_w.data)
+    same(got_w_t.data, want_w_t.data)
+    same(got_w.scale_inv, np.repeat(blocks, 128, axis=0))
+    same(got_w_t.scale_inv, np.repeat(blocks, 128, axis=1))
+    for g, w in ((got_w, want_w), (got_w_t, want_w_t)):
+        same(g.dequantize(), w.dequantize())
 
 
 def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels():
@@ -219,8 +236,10 @@ def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels()
 @pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
 def test_h100_compile_quantizes_each_tensor_in_one_kernel():
     """A blockwise MLP step compiled for an H100: activations, gradients and weights are
-    quantized by the one-pass kernels (IEEE division in their PTX, no spills), and no FP8
-    tensor is transposed by a kernel of its own (the kernels write the K-major copies)."""
+    quantized by the one-pass kernels (IEEE division in their PTX, no spills), no FP8
+    tensor is transposed by a kernel of its own (the kernels write the K-major copies), and
+    no weight's block scales are expanded by one (its kernel writes them as the GEMMs read
+    them)."""
 
     def step(w1, w2, x):
         def loss(w1, w2, x):
@@ -262,3 +281,6 @@ def test_h100_compile_quantizes_each_tensor_in_one_kernel():
     transpose_kernel = re.compile(r"^\s*%\S*transpose\S* = f8\w+\[[^\]]*\]\{[^}]*\} fusion\(")
     transposes = [line for line in hlo.splitlines() if transpose_kernel.search(line)]
     assert not transposes, transposes
+    expand_kernel = re.compile(r"^\s*%\S*broadcast\S* = f32\[[^\]]*\]\{[^}]*\} fusion\(")
+    expansions = [line for line in hlo.splitlines() if expand_kernel.search(line)]
+    assert not expansions, expansions

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
+from fp8jax._src.core.formats import expand_blocks
 from fp8jax._src.kernels import (
     BLOCK_GEMM_NAME,
     GROUPED_ROWS_NAME,
@@ -268,7 +269,9 @@ def test_an_fsdp_weight_quantized_on_its_shards_gathers_bit_for_bit(name, cols):
     scale for per-tensor recipes: the amax crosses devices as one number), then gathered:
     bit for bit the weight quantized whole on one device, and what moves is FP8 (and float32
     block scales). 768 columns leave 96 per device: a 128 x 128 block spans two devices,
-    whose partial block amaxes XLA combines across them; the result is the same."""
+    whose partial block amaxes XLA combines across them; the result is the same. (Whole on
+    one device, a blockwise weight comes in the layout of the native kernels, each block's
+    scale repeated over the rows of its tiles: compared per element.)"""
     recipe = GATHERED[name]
     rows = jnp.exp(jnp.linspace(-3.0, 3.0, 256))[:, None]
     w = jax.random.normal(jax.random.key(2), (256, cols)) * rows
@@ -282,11 +285,20 @@ def test_an_fsdp_weight_quantized_on_its_shards_gathers_bit_for_bit(name, cols):
     split = jax.device_put(w, NamedSharding(mesh, P(None, "data")))
     gathered = jax.jit(quantize, out_shardings=NamedSharding(mesh, P()))
     got = gathered(split)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert a.dtype == b.dtype and a.sharding.is_fully_replicated
+    assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(got))
+    (q_got, new_got), (q_want, new_want) = got, want
+    pairs = [(q_got.data, q_want.data), (per_element(q_got), per_element(q_want))]
+    pairs += zip(jax.tree.leaves(new_got), jax.tree.leaves(new_want), strict=True)
+    for a, b in pairs:
+        assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(
             np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)
         )
+
+
+def per_element(q):
+    """`q`'s scale_inv for each element of its data (a per-tensor scale as it is)."""
+    return expand_blocks(q.scale_inv, q.block, q.data.shape) if q.block else q.scale_inv
 
 
 @pytest.mark.parametrize("name", sorted(GATHERED))

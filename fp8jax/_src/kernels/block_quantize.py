@@ -15,7 +15,9 @@ one tensor read four times. These kernels read it once:
   quantized again in `block` x 1 tiles, transposed: the activation the wgrad takes, from its
   saved FP8 copy (DeepSeek-V3's choice: no high-precision copy is kept).
 - `quantize_blocks(w)`: a weight in `block x block` blocks, and the same FP8 values
-  transposed (the dgrad's K-major copy), from one read.
+  transposed (the dgrad's K-major copy), from one read; each block's scale written out once
+  per row it covers, in both layouts, as the GEMM kernels read a weight's scales (one per
+  row and chunk): no kernel of its own expands them between.
 
 Each program owns one `block x block` tile: its rows' and columns' amaxes are in registers,
 so the scales and casts follow without another read. The math is the XLA path's
@@ -339,7 +341,7 @@ def requantize_columns(
     )
 
 
-def _square_kernel(w_ref, q_ref, qt_ref, s_ref, amax_ref, **rule):
+def _square_kernel(w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, **rule):
     w = w_ref[...].astype(jnp.float32)
     row_amax = nan_max(jnp.abs(w), axis=1)
     # The block's amax in every lane of a vector (Triton's inline PTX takes tensors only).
@@ -348,7 +350,8 @@ def _square_kernel(w_ref, q_ref, qt_ref, s_ref, amax_ref, **rule):
     q = saturating_cast(w, scale[:, None], q_ref.dtype)
     q_ref[...] = q
     qt_ref[...] = q.T
-    s_ref[...] = jnp.broadcast_to(jnp.max(scale_inv), s_ref.shape)  # all lanes are equal
+    rows_ref[...] = scale_inv[None, :]  # all lanes are equal: the block's scale per row
+    cols_ref[...] = scale_inv[None, :]  # and per row of the transposed copy
     amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
 
 
@@ -361,13 +364,15 @@ def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret):
     shapes = [
         shape_like((n, k), fmt, w),
         shape_like((k, n), fmt, w),
-        shape_like((n // block, k // block), jnp.float32, w),
+        shape_like((k // block, n), jnp.float32, w),
+        shape_like((n // block, k), jnp.float32, w),
         shape_like((n // block, k // block), jnp.float32, w),
     ]
     specs = [
         pl.BlockSpec((block, block), lambda i, j: (i, j)),
         pl.BlockSpec((block, block), lambda i, j: (j, i)),
-        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        pl.BlockSpec((1, block), lambda i, j: (j, i)),
+        pl.BlockSpec((1, block), lambda i, j: (i, j)),
         pl.BlockSpec((1, 1), lambda i, j: (i, j)),
     ]
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
@@ -384,10 +389,18 @@ def quantize_blocks(
     max_scale: float,
     power_of_two: bool = False,
     interpret: bool | None = None,
-) -> tuple[Array, Array, Float[Array, "N/block K/block"], Float[Array, "N/block K/block"]]:
+) -> tuple[
+    Array,
+    Array,
+    Float[Array, "K/block N"],
+    Float[Array, "N/block K"],
+    Float[Array, "N/block K/block"],
+]:
     """A weight `w (N, K)` in `block x block` blocks: FP8 `data (N, K)`, the same values
-    transposed `data_t (K, N)` (the dgrad's K-major copy), `scale_inv (N / block, K /
-    block)` and each block's amax (NaN where it has a NaN), from one read of `w`."""
+    transposed `data_t (K, N)` (the dgrad's K-major copy), their scale_inv chunk-major as the
+    GEMM kernels read them, each block's once per row it covers (`rows_t (K / block, N)`
+    for `data`, `cols (N / block, K)` for `data_t`), and each block's amax (NaN where it has
+    a NaN), from one read of `w`."""
     return _quantize_square(
         w,
         fmt=jnp.dtype(fmt),

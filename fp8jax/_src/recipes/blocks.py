@@ -226,7 +226,9 @@ class BlockwiseScaling(BlockScaledRecipe):
       aside. Where the kernel runs, activations, gradients and weights of whole 128 x 128
       tiles are quantized in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the
       same values as the XLA path's quantization, and the K-major copies the backward
-      GEMMs take).
+      GEMMs take). A weight quantized there comes as the tiles along its contracted axis
+      (`QTensor.block` `(1, 128)` or `(128, 1)`) with each 128 x 128 block's scale repeated
+      over them: the same values, in the layout the kernels read.
     """
 
     block_size: int = 128
@@ -310,11 +312,8 @@ class BlockwiseScaling(BlockScaledRecipe):
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
         if role == "kernel" and x.ndim == 2 and self._one_pass(x):
-            data, scale_inv, local = self._weight_copy(x, axis)
-            current = self.amax(local, state.scale)
-            return QTensor(data, scale_inv, self.block_for(role, axis)), self._state(
-                state, role, current
-            )
+            q, local = self._weight_copy(x, axis)
+            return q, self._state(state, role, self.amax(local, state.scale))
         if axis != -1 or role == "kernel" or not self._one_pass(x):
             return super().quantize(x, state, role, axis)
         q, _, new_state = self._quantize_tiles(x, state, role, columns=False)
@@ -325,27 +324,39 @@ class BlockwiseScaling(BlockScaledRecipe):
         return TensorState(nominal, state.amax_history.at[..., 0].set(current))
 
     def _weight_blocks(self, w: Array) -> tuple[Array, ...]:
-        """A 2-D weight's FP8 blocks, the same transposed, their scales and its amax (this
-        call's, before `Recipe.amax`): one kernel where the GEMMs run natively (called again
-        by `retile` for the dgrad's copy: XLA merges the two identical calls into one)."""
-        fmt = self.format("kernel")
+        """A 2-D weight `(N, K)`'s FP8 blocks, the same transposed, each block's scale once
+        per row it covers in the layouts contracting -1 `(N, K / block)` and -2 `(N / block,
+        K)`, and its amax (this call's, before `Recipe.amax`): one kernel where the GEMMs run
+        natively (called again by `retile` for the dgrad's copy: XLA merges the two identical
+        calls into one)."""
+        fmt, size = self.format("kernel"), self.block_size
 
         def native(w: Array) -> tuple[Array, ...]:
-            data, data_t, scale_inv, amaxes = block_quantize.quantize_blocks(w, fmt, **self._rule())
-            return data, data_t, scale_inv, jnp.max(amaxes)
+            data, data_t, rows_t, cols, amaxes = block_quantize.quantize_blocks(
+                w, fmt, **self._rule()
+            )
+            # `rows_t` chunk-major, as the GEMM kernels read it: transposed back here and
+            # again by the kernels' callers, which XLA folds into none.
+            return data, data_t, rows_t.T, cols, jnp.max(amaxes)
 
         def xla(w: Array) -> tuple[Array, ...]:
             q = self._quantize(w, "kernel", -1)
-            return q.data, q.data.T, q.scale_inv, _local_amax(w)
+            rows, cols = (jnp.repeat(q.scale_inv, size, axis=a) for a in (-2, -1))
+            return q.data, q.data.T, rows, cols, _local_amax(w)
 
         return self._on_kernel(native, xla, w)
 
-    def _weight_copy(self, w: Array, axis: Axis) -> tuple[Array, Array, Array]:
-        """`w`'s FP8 blocks laid out for a GEMM contracting `axis`, their scales and amax
-        (`_weight_blocks`). Square blocks serve either axis: for -2 the kernel's K-major copy,
-        transposed back here, which the GEMM's own transpose undoes (no data moves)."""
-        data, data_t, scale_inv, local = self._weight_blocks(w)
-        return (data if axis == -1 else data_t.T), scale_inv, local
+    def _weight_copy(self, w: Array, axis: Axis) -> tuple[QTensor, Array]:
+        """`w`'s FP8 blocks laid out for a GEMM contracting `axis`, and its amax
+        (`_weight_blocks`). Each block's scale comes once per row of its tiles along `axis`
+        (`tile(axis)`: the same values as the square blocks, in the layout the GEMM kernels
+        take, so that no kernel expands them). Square blocks serve either axis: for -2 the
+        kernel's K-major copy, transposed back here, which the GEMM's own transpose undoes (no
+        data moves)."""
+        data, data_t, rows, cols, local = self._weight_blocks(w)
+        if axis == -1:
+            return QTensor(data, rows, tile(-1, self.block_size)), local
+        return QTensor(data_t.T, cols, tile(-2, self.block_size)), local
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
@@ -395,8 +406,9 @@ class BlockwiseScaling(BlockScaledRecipe):
         block = self.block_for(role, axis)
         if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
             # The dgrad's copy, written by the kernel that quantized the weight.
-            data, scale_inv, _ = self._weight_copy(source, axis)
-            return QTensor(data, scale_inv, block)
+            return self._weight_copy(source, axis)[0]
+        if role == "kernel" and tuple(q.block) == tile(axis, self.block_size):
+            return q  # a weight's blocks already laid out for `axis` (`_weight_copy`)
         if (
             source is not None
             or role == "kernel"
