@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
+from fp8jax._src.core.formats import expand_blocks
 from fp8jax.examples import gpt
 
 DEVICES = 8
@@ -131,7 +132,9 @@ def gathered_weights(m):
     """A weight quantized by each of `GATHERED` and gathered: `{name: NumPy}`. On mesh `m`
     the weight is split on its input axis over every device of every process, quantized
     where it lies (the amax crossing processes as one number) and gathered in FP8; with
-    `m=None`, quantized whole on one device."""
+    `m=None`, quantized whole on one device. Scales are compared per element: whole on one
+    device, a blockwise weight comes in the native kernels' layout (each block's scale
+    repeated over the rows of its tiles), on shards in its blocks."""
     rng = np.random.default_rng(1)
     rows = np.exp(np.linspace(-3.0, 3.0, 128, dtype=np.float32))[:, None]
     weight = (rng.standard_normal((128, 1024)) * rows).astype(np.float32)
@@ -140,7 +143,9 @@ def gathered_weights(m):
         state = recipe.init_state("kernel", weight.shape)
 
         def quantize(w, recipe=recipe, state=state):
-            return recipe.quantize(w, state, "kernel", -1)
+            q, new_state = recipe.quantize(w, state, "kernel", -1)
+            per_element = expand_blocks(q.scale_inv, q.block, q.data.shape) if q.block else None
+            return q.data, q.scale_inv if per_element is None else per_element, new_state
 
         if m is None:
             q = jax.jit(quantize)(weight)
