@@ -36,6 +36,15 @@ def compile_flags() -> str:
     return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
 
 
+def scales_per_element(q):
+    """A QTensor's scale_inv for each element of its data (a per-tensor scale as it is): the
+    same for a weight in its blocks (on shards) and in the native kernels' layout (whole on
+    one device: each block's scale repeated over the rows of its tiles)."""
+    from fp8jax._src.core.formats import expand_blocks
+
+    return expand_blocks(q.scale_inv, q.block, q.data.shape) if q.block else q.scale_inv
+
+
 def ref_quantize(x, scale, fmt):
     """`x * scale` rounded to the format, saturating, computed with ml_dtypes."""
     dtype = FP8[fmt]

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import scales_per_element
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from fp8jax._src.core.formats import expand_blocks
 from fp8jax.examples import gpt
 
 DEVICES = 8
@@ -144,8 +144,7 @@ def gathered_weights(m):
 
         def quantize(w, recipe=recipe, state=state):
             q, new_state = recipe.quantize(w, state, "kernel", -1)
-            per_element = expand_blocks(q.scale_inv, q.block, q.data.shape) if q.block else None
-            return q.data, q.scale_inv if per_element is None else per_element, new_state
+            return q.data, scales_per_element(q), new_state
 
         if m is None:
             q = jax.jit(quantize)(weight)

@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import h100_topology, run_with_mosaic_dump
+from helpers import h100_topology, run_with_mosaic_dump, scales_per_element
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from fp8jax._src.core.formats import expand_blocks
 from fp8jax._src.kernels import (
     BLOCK_GEMM_NAME,
     GROUPED_ROWS_NAME,
@@ -287,18 +286,13 @@ def test_an_fsdp_weight_quantized_on_its_shards_gathers_bit_for_bit(name, cols):
     got = gathered(split)
     assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(got))
     (q_got, new_got), (q_want, new_want) = got, want
-    pairs = [(q_got.data, q_want.data), (per_element(q_got), per_element(q_want))]
+    pairs = [(q_got.data, q_want.data), (scales_per_element(q_got), scales_per_element(q_want))]
     pairs += zip(jax.tree.leaves(new_got), jax.tree.leaves(new_want), strict=True)
     for a, b in pairs:
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(
             np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)
         )
-
-
-def per_element(q):
-    """`q`'s scale_inv for each element of its data (a per-tensor scale as it is)."""
-    return expand_blocks(q.scale_inv, q.block, q.data.shape) if q.block else q.scale_inv
 
 
 @pytest.mark.parametrize("name", sorted(GATHERED))
