@@ -45,6 +45,8 @@ TESTS=(
     tests/test_grouped_native.py::test_cpu_compiles_keep_the_xla_path
     # E5M2 gradients times E4M3 weights in one wgmma (0.11 on), interpreted.
     "tests/test_grouped_native.py::test_layer_on_the_kernels_matches_its_xla_path[delayed]"
+    # The GPU check's MoE yardstick: JAX's own BF16 grouped kernels behind a custom VJP.
+    tests/test_gpu_check.py::test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot
     tests/test_numerics.py::test_bf16_outputs_carry_no_scale_bias
     tests/test_numerics.py::test_dgrad_kernel_is_one_rounding_of_the_weight
     tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only

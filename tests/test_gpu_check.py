@@ -7,6 +7,7 @@ raised, that the numerics passed their bounds, and that the summary table came l
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ SECTIONS = (
     "2c block kernels (persistent)",
     "2d quantization kernels",
     "2 GEMMs (grouped)",
+    "3b MoE layer",
     "3 train steps",
     "4 Llama block",
     "5 profile",
@@ -191,6 +193,76 @@ def test_every_variant_of_every_mode_builds(check_modules):
         _, args, _ = builder("dry")
         for name in dict.fromkeys(n for variants in by_mode.values() for n in variants):
             assert args(name), (model, name)
+
+
+def test_every_moe_variant_of_every_mode_builds(monkeypatch):
+    """The MoE section's variants, all modes', build at the dry run's shape (which times BF16
+    alone), their experts' GEMMs where each variant says."""
+    import jax
+
+    import fp8jax
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import moe
+
+    for name in dict.fromkeys(n for names in moe.VARIANTS.values() for n in names):
+        layer, x = moe.arguments(moe.shape("dry"), name)
+        gemm = type(layer.up.ragged_dot)
+        want = {"bf16": type(None), "bf16 jax mgpu": moe.JaxGroupedBF16}.get(
+            name, fp8jax.Fp8RaggedDot
+        )
+        assert gemm is want and type(layer.down.ragged_dot) is want, (name, gemm)
+        assert x.dtype == layer.up.weight.dtype == jax.numpy.bfloat16
+    with pytest.raises(ValueError, match="'nope'"):
+        moe.arguments(moe.shape("dry"), "nope")
+
+
+def test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot(monkeypatch):
+    """The MoE section's yardstick, `moe.JaxGroupedBF16` (JAX's Pallas grouped kernels behind
+    a custom VJP), run in Mosaic GPU's interpreter: the MoE layer's loss and every gradient
+    (layer and input) as `lax.ragged_dot`'s within the section's bound, the experts' weight
+    gradients nonzero (a dgrad or wgrad wired to the wrong operand fails it)."""
+    if not interpreter_runs_gpu_path():
+        pytest.skip("this JAX's Mosaic GPU interpreter cannot run wgmma (JAX 0.11 on can)")
+    import equinox as eqx
+    import jax
+    import numpy as np
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    from fp8jax._src.core.mosaic_private import interpret_params
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import moe
+
+    monkeypatch.setattr(
+        plgpu, "kernel", functools.partial(plgpu.kernel, interpret=interpret_params())
+    )
+
+    class FourSMs:  # the wgrad kernel sizes its grid by the device's SMs: a CPU has none
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def devices():
+            return [type("Device", (), {"core_count": 4})()]
+
+    monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", FourSMs())
+    s = moe.shape("dry")
+    outs = {
+        name: eqx.filter_jit(moe.step(name))(*moe.arguments(s, name))
+        for name in ("bf16", "bf16 jax mgpu")
+    }
+    error = moe.mismatch(outs["bf16 jax mgpu"], outs["bf16"])
+    assert error <= moe.MATCH_BOUND, error
+    (_, (grads, _)) = outs["bf16 jax mgpu"]
+    for w in (grads.up.weight, grads.down.weight):
+        assert np.count_nonzero(np.asarray(w, np.float32)) > w.size // 2
+    # The comparison itself can fail: the same step against another input's.
+    other = eqx.filter_jit(moe.step("bf16"))(
+        moe.arguments(s, "bf16")[0], -moe.arguments(s, "bf16")[1]
+    )
+    assert moe.mismatch(other, outs["bf16"]) > moe.MATCH_BOUND
 
 
 def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import jax
 
-from . import block_kernels, gemms, grouped, llama, numerics, profile, quantize, steps
+from . import block_kernels, gemms, grouped, llama, moe, numerics, profile, quantize, steps
 from .record import Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
-SECTIONS = ("numerics", "gemms", "kernels", "quantize", "grouped", "steps", "llama", "profile")
+SECTIONS = (
+    "numerics", "gemms", "kernels", "quantize", "grouped", "moe", "steps", "llama", "profile",
+)  # fmt: skip
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
@@ -202,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         with rec.section(grouped.SECTION):
             groups = grouped.run(rec, mode, gemm_runs)
         _release()
+    if "moe" in args.sections:
+        with rec.section(moe.SECTION):
+            moe.decide(rec, moe.run(rec, mode, step_runs))
+        _release()
     if "steps" in args.sections:
         with rec.section(steps.SECTION):
             trains = steps.run(rec, mode, step_runs)
@@ -243,6 +249,8 @@ LEGENDS = {
     "must show 0; XLA's GPU fusions divide approximately); path: case: ms (GB/s of the "
     "bytes the case must move), the one-pass kernels beside the recipe's XLA path",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
+    moe.SECTION: "ms per step, x each BF16 step (XLA's lax.ragged_dot; JAX's Pallas grouped "
+    "kernels, checked against it first: issue 39's yardstick)",
     steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
     "from the step's compiled HLO)",
     llama.SECTION: "ms per step, x BF16 of the same size and attention; beside it the "

@@ -1,0 +1,233 @@
+"""Section 3b: the MoE layer's train step against BF16 on JAX's own grouped kernels (issue 39).
+
+Issue 39's target: an MoE layer step (8 experts of 14336, 8,192 tokens, top-2) with blockwise
+FP8 at most 0.75x of the same layer in BF16 through JAX's Pallas Mosaic GPU grouped kernels.
+XLA's `lax.ragged_dot` (section 3's BF16) is no such yardstick: on an H100 it is not a grouped
+kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of 14336, top-2,
+8,192 tokens; its step: loss and gradients of the layer and of its input) runs as:
+
+- `bf16`: its experts' GEMMs through `lax.ragged_dot`, as XLA compiles it;
+- `bf16 jax mgpu`: the same GEMMs on JAX's kernels (`ragged_dot_mgpu` for the forward and
+  the dgrad, `transposed_ragged_dot_mgpu` for the wgrad) through `JaxGroupedBF16`, a custom
+  VJP with `lax.ragged_dot`'s signature; its loss and gradients are checked against `bf16`'s
+  on the same arrays before it is timed (a wrong yardstick would flatter or wrong FP8);
+- `blockwise` (fp8jax's tiled grouped kernels), `blockwise-persistent` (issue 39's persistent
+  kernels, traced inside `persistent_kernel()`) and `delayed-e4m3` (per-tensor, E4M3
+  gradients).
+
+Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
+check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
+kernels need a GPU (or JAX 0.11's Mosaic GPU interpreter, where `tests/test_gpu_check.py`
+checks `JaxGroupedBF16` against `lax.ragged_dot`): the dry run skips them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import moe_cost
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+import fp8jax
+from fp8jax._src.kernels.choice import persistent_kernel
+
+from .record import Recorder
+from .timing import compile_and_time
+
+SECTION = "3b MoE layer"
+CUBLAS = fp8jax.gpu_compiler_options()
+#: JAX's kernels' configuration: (block_m, block_n, block_k, max_concurrent_steps,
+#: grid_block_n), the first of the grouped section's (`grouped.JAX_CONFIGS`).
+JAX_CONFIG = (128, 128, 64, 4, 1)
+#: mode -> variants; the two BF16 steps first: the others' references.
+VARIANTS = {
+    "full": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-persistent", "delayed-e4m3"],
+    "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-persistent"],
+    # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
+    # recipes' layers are tested apart (tests/test_grouped_native.py).
+    "dry": ["bf16", "bf16 jax mgpu"],
+}
+RECIPES = {
+    "blockwise": fp8jax.BlockwiseScaling(),
+    "blockwise-persistent": fp8jax.BlockwiseScaling(),
+    "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
+}
+#: Variants traced inside `persistent_kernel()`.
+PERSISTENT = ("blockwise-persistent",)
+#: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
+NEED_S = 20.0
+#: The JAX kernels' step against `lax.ragged_dot`'s: each leaf of the loss and gradients
+#: within this fraction of its largest magnitude (both round every GEMM's output to BF16,
+#: summing in other orders: a few BF16 ulps, 2^-8 each, carried through the layer).
+MATCH_BOUND = 2.0**-5
+
+
+def _rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) -> Array:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    return ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+        max_concurrent_steps=steps, grid_block_n=grid_n, transpose_rhs=transpose_rhs,
+    )  # fmt: skip
+
+
+def _tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        lhs, rhs, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+        max_concurrent_steps=steps, grid_block_n=grid_n,
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_dot(config: tuple, x: Array, w: Array, sizes: Array) -> Array:
+    return _rows(config, x, w, sizes, transpose_rhs=False)
+
+
+def _forward(config: tuple, x: Array, w: Array, sizes: Array) -> tuple[Array, tuple]:
+    return _rows(config, x, w, sizes, transpose_rhs=False), (x, w, sizes)
+
+
+def _backward(config: tuple, residuals: tuple, g: Array) -> tuple:
+    x, w, sizes = residuals
+    # dgrad: g (M, N) . w[e] (K, N) over N, which the rows kernel takes as a transposed rhs;
+    # wgrad: x (M, K)^T . g (M, N) over each expert's rows.
+    d_x = _rows(config, g, w, sizes, transpose_rhs=True)
+    d_w = _tokens(config, x, g, sizes)
+    return d_x, d_w, None
+
+
+_ragged_dot.defvjp(_forward, _backward)
+
+
+class JaxGroupedBF16(eqx.Module):
+    """`lax.ragged_dot(x, w, group_sizes)` and its gradients on JAX's BF16 grouped kernels:
+    the yardstick of issue 39's MoE target, for `fp8jax.GroupedLinear(ragged_dot=...)`.
+
+    `x (M, K)` and `w (experts, K, N)` of one dtype (BF16), `M` the sum of `group_sizes`;
+    `K` and `N` multiples of the configuration's blocks (JAX's kernels raise otherwise).
+    """
+
+    config: tuple[int, int, int, int, int] = eqx.field(static=True, default=JAX_CONFIG)
+
+    def __call__(
+        self,
+        x: Float[Array, "rows fan_in"],
+        w: Float[Array, "experts fan_in fan_out"],
+        group_sizes: Int[Array, " experts"],
+    ) -> Float[Array, "rows fan_out"]:
+        return _ragged_dot(self.config, x, w, jnp.asarray(group_sizes, jnp.int32))
+
+
+def shape(mode: str) -> dict[str, int]:
+    """The layer's shape: `moe_cost.SHAPES["mixtral"]`, fewer tokens in the quick run, tiny in
+    the dry run."""
+    s = dict(moe_cost.SHAPES["mixtral"])
+    if mode == "dry":
+        s.update(tokens=64, width=128, hidden=256, experts=4)
+    elif mode == "quick":
+        s.update(tokens=4096)
+    return s
+
+
+def arguments(s: dict[str, int], name: str) -> tuple[Any, Array]:
+    """`(layer, x)` of variant `name`, parameters and input in BF16."""
+    if name in ("bf16", "bf16 jax mgpu"):
+        layer = moe_cost.make_model(s, None, None)
+        if name == "bf16 jax mgpu":
+            layer = eqx.tree_at(
+                lambda m: (m.up.ragged_dot, m.down.ragged_dot),
+                layer,
+                (JaxGroupedBF16(), JaxGroupedBF16()),
+                is_leaf=lambda v: v is None,
+            )
+    elif name in RECIPES:
+        layer = moe_cost.make_model(s, RECIPES[name], None)
+    else:
+        raise ValueError(f"MoE variant {name!r}: should be one of {VARIANTS['full']}")
+    x = jax.random.normal(jax.random.PRNGKey(1), (s["tokens"], s["width"]), jnp.bfloat16)
+    return layer, x
+
+
+def step(name: str):
+    """`moe_cost.moe_step`, traced inside `persistent_kernel()` for the variants in
+    `PERSISTENT`."""
+    if name not in PERSISTENT:
+        return moe_cost.moe_step
+
+    def traced(*args: Any) -> Any:
+        with persistent_kernel():
+            return moe_cost.moe_step(*args)
+
+    return traced
+
+
+def mismatch(out: Any, reference: Any) -> float:
+    """The largest difference between two steps' outputs (loss and gradients), leaf by leaf
+    relative to the reference leaf's largest magnitude."""
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = float(np.max(np.abs(b))) or 1.0
+        worst = max(worst, float(np.max(np.abs(a - b))) / scale)
+    return worst
+
+
+def _time(s: dict, name: str, runs: int, dry: bool, kept: dict) -> dict[str, Any]:
+    if dry and name == "bf16 jax mgpu":
+        return {"skipped": "JAX's grouped kernels take no interpreter option: GPU only"}
+    args = arguments(s, name)
+    compiled, fields = compile_and_time(step(name), args, CUBLAS, runs, dry)
+    if name == "bf16":
+        kept["bf16"] = compiled.run()
+    elif name == "bf16 jax mgpu":
+        error = mismatch(compiled.run(), kept["bf16"]) if "bf16" in kept else float("nan")
+        fields.update(max_error_vs_ragged_dot=error, bound=MATCH_BOUND)
+        fields["passed"] = bool(error <= MATCH_BOUND)
+    fields["estimate_ms"] = fp8jax.hlo_cost(compiled.hlo).estimate_seconds() * 1e3
+    return fields
+
+
+def run(rec: Recorder, mode: str, runs: int) -> dict[str, float]:
+    """Time the layer's variants; returns `{variant: ms}`."""
+    s = shape(mode)
+    text = "{tokens} tokens, width {width}, {experts} experts of {hidden}, top-{top_k}"
+    rec.cell(SECTION, "shape", "MoE layer", text.format(**s))
+    times: dict[str, float] = {}
+    kept: dict[str, Any] = {}
+    for name in VARIANTS[mode]:
+        measure = functools.partial(_time, s, name, runs, mode == "dry", kept)
+        fields = rec.measure(SECTION, name, measure, need_s=NEED_S)
+        if fields is None or "skipped" in fields:
+            rec.cell(SECTION, name, "MoE layer", "skipped" if fields else rec.not_run())
+            continue
+        if fields.get("passed") is False:  # a wrong yardstick is no yardstick
+            rec.cell(SECTION, name, "MoE layer", f"FAILED: {fields['max_error_vs_ragged_dot']:.2e}")
+            continue
+        times[name] = fields["ms"]
+        ratios = [f"{fields['ms']:.3f} ms"]
+        for base in ("bf16", "bf16 jax mgpu"):
+            if base in times and base != name:
+                ratios.append(f"{fields['ms'] / times[base]:.2f}x {base}")
+        rec.cell(SECTION, name, "MoE layer", ", ".join(ratios))
+    kept.clear()
+    return times
+
+
+def decide(rec: Recorder, times: dict[str, float]) -> None:
+    """Issue 39's MoE target as a decision input: blockwise FP8 over BF16 on JAX's kernels."""
+    base = times.get("bf16 jax mgpu")
+    for name in ("blockwise", "blockwise-persistent"):
+        if base and name in times:
+            rec.decision(
+                f"MoE layer step: {name} / bf16 jax mgpu: {times[name] / base:.2f}x "
+                "(issue 39's target: at most 0.75x)"
+            )
