@@ -23,8 +23,10 @@ Shapes (one GPU's share of a layer, 8,192 tokens):
 - `fine`: fine-grained (DeepSeek-like): width 2048, 64 experts of hidden 1408, top-6.
 
 Variants: `bf16` (`lax.ragged_dot`, which XLA expands into a dense GEMM over all experts),
-`bf16 grouped (analytic)` (a line of arithmetic, not a compile: the experts' own FLOPs at the
-BF16 peak, the yardstick a BF16 grouped kernel would approach), and FP8 on XLA's path
+`bf16, JAX grouped kernels` (the yardstick of issue 39: the experts' GEMMs on JAX's own Pallas
+Mosaic GPU kernels, `ragged_dot_mgpu` and `transposed_ragged_dot_mgpu`, behind a custom VJP,
+`JaxGroupedBF16`; `hlo_cost` cannot read those opaque calls, so they count as BF16 GEMMs of
+the experts' own FLOPs, `as_gemms`), and FP8 on XLA's path
 (`grouped_native_kernel=False`) or fp8jax's kernels: delayed scaling (E5M2 gradients: dgrad
 and wgrad run in the kernels on BF16 upcasts), delayed with `backward_format="e4m3"`, and
 blockwise.
@@ -53,11 +55,15 @@ compares with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -66,6 +72,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jaxtyping import Array, Float, Int  # noqa: E402
 from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
@@ -78,9 +85,12 @@ SHAPES = {
     "mixtral": {"tokens": 8192, "width": 4096, "hidden": 14336, "experts": 8, "top_k": 2},
     "fine": {"tokens": 8192, "width": 2048, "hidden": 1408, "experts": 64, "top_k": 6},
 }
+#: BF16 with the experts' GEMMs on JAX's own grouped kernels (`with_jax_kernels`).
+JAX_VARIANT = "bf16, JAX grouped kernels"
 #: name -> (recipe, grouped_native_kernel); `None` recipe: BF16, no conversion.
 VARIANTS = {
     "bf16": (None, None),
+    JAX_VARIANT: (None, None),
     "fp8 delayed, XLA": (fp8jax.DelayedScaling(), False),
     "fp8 delayed, kernels": (fp8jax.DelayedScaling(), None),
     "fp8 delayed e4m3, kernels": (fp8jax.DelayedScaling(backward_format="e4m3"), None),
@@ -90,6 +100,132 @@ VARIANTS = {
 #: CUB radix sort (the routing's argsort) asks the CUDA runtime for scratch sizes at compile
 #: time, which a deviceless compile has not: XLA's own sort instead.
 OPTIONS = {**deviceless.MODES["cublas"], "xla_gpu_enable_cub_radix_sort": False}
+
+
+# --- BF16 on JAX's own grouped kernels: the yardstick --------------------------------------
+
+#: JAX's kernels' configuration: (block_m, block_n, block_k, max_concurrent_steps,
+#: grid_block_n), the first of the GPU check's grouped section (`gpu_check.grouped`).
+JAX_CONFIG = (128, 128, 64, 4, 1)
+#: The name scope of JAX's kernels in `JaxGroupedBF16`: how `as_gemms` finds them in the HLO.
+JAX_KERNELS_SCOPE = "jax_grouped_bf16"
+
+
+def _rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) -> Array:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    with jax.named_scope(JAX_KERNELS_SCOPE):
+        return ragged_dot_mgpu.ragged_dot(
+            x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+            max_concurrent_steps=steps, grid_block_n=grid_n, transpose_rhs=transpose_rhs,
+        )  # fmt: skip
+
+
+def _tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    bm, bn, bk, steps, grid_n = config
+    with jax.named_scope(JAX_KERNELS_SCOPE):
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            lhs, rhs, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+            max_concurrent_steps=steps, grid_block_n=grid_n,
+        )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_dot(config: tuple, x: Array, w: Array, sizes: Array) -> Array:
+    return _rows(config, x, w, sizes, transpose_rhs=False)
+
+
+def _forward(config: tuple, x: Array, w: Array, sizes: Array) -> tuple[Array, tuple]:
+    return _rows(config, x, w, sizes, transpose_rhs=False), (x, w, sizes)
+
+
+def _backward(config: tuple, residuals: tuple, g: Array) -> tuple:
+    x, w, sizes = residuals
+    # dgrad: g (M, N) . w[e] (K, N) over N, which the rows kernel takes as a transposed rhs;
+    # wgrad: x (M, K)^T . g (M, N) over each expert's rows.
+    d_x = _rows(config, g, w, sizes, transpose_rhs=True)
+    d_w = _tokens(config, x, g, sizes)
+    return d_x, d_w, None
+
+
+_ragged_dot.defvjp(_forward, _backward)
+
+
+class JaxGroupedBF16(eqx.Module):
+    """`lax.ragged_dot(x, w, group_sizes)` and its gradients on JAX's BF16 grouped kernels:
+    the yardstick of issue 39's MoE target, for `fp8jax.GroupedLinear(ragged_dot=...)`.
+
+    `x (M, K)` and `w (experts, K, N)` of one dtype (BF16), `M` the sum of `group_sizes`;
+    `K` and `N` multiples of the configuration's blocks (JAX's kernels raise otherwise).
+    """
+
+    config: tuple[int, int, int, int, int] = eqx.field(static=True, default=JAX_CONFIG)
+
+    def __call__(
+        self,
+        x: Float[Array, "rows fan_in"],
+        w: Float[Array, "experts fan_in fan_out"],
+        group_sizes: Int[Array, " experts"],
+    ) -> Float[Array, "rows fan_out"]:
+        return _ragged_dot(self.config, x, w, jnp.asarray(group_sizes, jnp.int32))
+
+
+def with_jax_kernels(model: MoE) -> MoE:
+    """A BF16 `model` with its experts' GEMMs on JAX's grouped kernels (`JaxGroupedBF16`)."""
+    return eqx.tree_at(
+        lambda m: (m.up.ragged_dot, m.down.ragged_dot),
+        model,
+        (JaxGroupedBF16(), JaxGroupedBF16()),
+        is_leaf=lambda v: v is None,
+    )
+
+
+@contextlib.contextmanager
+def sms_of(device: Any) -> Iterator[None]:
+    """JAX's wgrad kernel sizes its grid by `jax.devices()[0].core_count`, which a CPU process
+    has not: inside, it reads `device`'s (a deviceless compile's H100: 132 SMs)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as module
+
+    class Devices:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(jax, name)
+
+        @staticmethod
+        def devices(*_: Any) -> list:
+            return [device]
+
+    module.jax = Devices()
+    try:
+        yield
+    finally:
+        module.jax = jax
+
+
+def jax_kernels(cost: Cost) -> list:
+    """The kernels of `cost` that are JAX's grouped GEMMs: the custom calls under
+    `JAX_KERNELS_SCOPE` (beside them, the wrappers' own small XLA kernels: group offsets)."""
+    return [k for k in cost.kernels if JAX_KERNELS_SCOPE in k.op_name and k.op == "custom-call"]
+
+
+def as_gemms(cost: Cost, flops: int) -> Cost:
+    """`cost` with JAX's grouped kernels (under `JAX_KERNELS_SCOPE`: opaque Mosaic GPU calls,
+    which `hlo_cost` counts as non-GEMM kernels) counted as BF16 GEMMs of `flops` together
+    (the experts' own: their padding to the kernels' tiles left out), their bytes out of
+    the non-GEMM bytes."""
+    ours = jax_kernels(cost)
+    if not ours:
+        raise ValueError(f"no kernel under {JAX_KERNELS_SCOPE!r} in the compiled step")
+    moved = {}
+    for k in ours:
+        moved[k.category] = moved.get(k.category, 0) + k.bytes * k.runs
+    return dataclasses.replace(
+        cost,
+        flops={**cost.flops, "bf16": cost.flops.get("bf16", 0) + flops},
+        bytes={c: b - moved.get(c, 0) for c, b in cost.bytes.items()},
+    )
 
 
 def make_model(shape: dict, recipe: fp8jax.Recipe | None, native: bool | None):
@@ -114,7 +250,8 @@ def moe_step(model, x):
 
 def build(shape: dict, name: str):
     x = jax.ShapeDtypeStruct((shape["tokens"], shape["width"]), jnp.bfloat16)
-    return moe_step, (eqx.filter_eval_shape(make_model, shape, *VARIANTS[name]), x)
+    model = eqx.filter_eval_shape(make_model, shape, *VARIANTS[name])
+    return moe_step, (with_jax_kernels(model) if name == JAX_VARIANT else model, x)
 
 
 def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:
@@ -122,10 +259,14 @@ def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:
     step, args = build(shape, name)
     device = deviceless.h100_topology().devices[0]
     start = time.perf_counter()
-    lowered, _ = deviceless.lower(step, args, {}, device)
+    with sms_of(device):
+        lowered, _ = deviceless.lower(step, args, {}, device)
     compiled = lowered.compile(compiler_options=OPTIONS)
     temp = compiled.memory_analysis().temp_size_in_bytes
-    return hlo_cost(compiled.as_text()), temp, time.perf_counter() - start
+    cost = hlo_cost(compiled.as_text())
+    if name == JAX_VARIANT:
+        cost = as_gemms(cost, experts_flops(shape))
+    return cost, temp, time.perf_counter() - start
 
 
 def experts_flops(shape: dict) -> int:
@@ -138,12 +279,15 @@ def report(title: str, shape: dict) -> None:
     ideal = experts_flops(shape)
     print(f"\n## {title}: {shape}")
     print(f"experts' own GEMM FLOPs (fwd + dgrad + wgrad, both layers): {ideal / 1e12:.3f} T")
-    rows, base = [], None
+    compiled = {}
     for name in VARIANTS:
         cost, temp, seconds = compile_cost(shape, name)
         print(f"  compiled {name} in {seconds:.0f} s", file=sys.stderr)
+        compiled[name] = (cost, temp)
+    base, grouped = (compiled[n][0].estimate_seconds() for n in ("bf16", JAX_VARIANT))
+    rows = []
+    for name, (cost, temp) in compiled.items():
         estimate = cost.estimate_seconds()
-        base = estimate if base is None else base
         kinds = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in sorted(cost.flops.items()))
         rows.append(
             [
@@ -154,15 +298,11 @@ def report(title: str, shape: dict) -> None:
                 f"{cost.gemm_seconds() * 1e3:.2f}",
                 f"{estimate * 1e3:.2f}",
                 f"{estimate / base:.2f}",
+                f"{estimate / grouped:.2f}",
                 f"{temp / 2**20:.0f}",
                 str(sum(k.runs for k in cost.kernels)),
             ]
         )
-    analytic = ideal / H100["bf16"]
-    rows.append(
-        ["bf16 grouped (analytic)", "1.00x", f"bf16 {ideal / 1e12:.2f}", "-",
-         f"{analytic * 1e3:.2f}", "-", "-", "-", "-"]
-    )  # fmt: skip
     header = [
         "variant",
         "GEMM FLOPs / experts' own",
@@ -171,6 +311,7 @@ def report(title: str, shape: dict) -> None:
         "GEMM ms",
         "est. ms",
         "vs bf16",
+        "vs JAX kernels",
         "temp MiB",
         "kernels",
     ]

@@ -204,13 +204,12 @@ def test_every_moe_variant_of_every_mode_builds(monkeypatch):
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import moe
+    from moe_cost import JaxGroupedBF16
 
     for name in dict.fromkeys(n for names in moe.VARIANTS.values() for n in names):
         layer, x = moe.arguments(moe.shape("dry"), name)
         gemm = type(layer.up.ragged_dot)
-        want = {"bf16": type(None), "bf16 jax mgpu": moe.JaxGroupedBF16}.get(
-            name, fp8jax.Fp8RaggedDot
-        )
+        want = {"bf16": type(None), "bf16 jax mgpu": JaxGroupedBF16}.get(name, fp8jax.Fp8RaggedDot)
         assert gemm is want and type(layer.down.ragged_dot) is want, (name, gemm)
         assert x.dtype == layer.up.weight.dtype == jax.numpy.bfloat16
     with pytest.raises(ValueError, match="'nope'"):
@@ -218,51 +217,69 @@ def test_every_moe_variant_of_every_mode_builds(monkeypatch):
 
 
 def test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot(monkeypatch):
-    """The MoE section's yardstick, `moe.JaxGroupedBF16` (JAX's Pallas grouped kernels behind
-    a custom VJP), run in Mosaic GPU's interpreter: the MoE layer's loss and every gradient
-    (layer and input) as `lax.ragged_dot`'s within the section's bound, the experts' weight
-    gradients nonzero (a dgrad or wgrad wired to the wrong operand fails it)."""
+    """The MoE section's yardstick, `moe_cost.JaxGroupedBF16` (JAX's Pallas grouped kernels
+    behind a custom VJP), run in Mosaic GPU's interpreter: the MoE layer's loss and every
+    gradient (layer and input) as `lax.ragged_dot`'s within the section's bound, the experts'
+    weight gradients nonzero (a dgrad or wgrad wired to the wrong operand fails it)."""
     if not interpreter_runs_gpu_path():
         pytest.skip("this JAX's Mosaic GPU interpreter cannot run wgmma (JAX 0.11 on can)")
     import equinox as eqx
-    import jax
     import numpy as np
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     from fp8jax._src.core.mosaic_private import interpret_params
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import moe_cost
     from gpu_check import moe
 
-    monkeypatch.setattr(
-        plgpu, "kernel", functools.partial(plgpu.kernel, interpret=interpret_params())
-    )
-
-    class FourSMs:  # the wgrad kernel sizes its grid by the device's SMs: a CPU has none
-        def __getattr__(self, name):
-            return getattr(jax, name)
-
-        @staticmethod
-        def devices():
-            return [type("Device", (), {"core_count": 4})()]
-
-    monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", FourSMs())
+    interpreted = functools.partial(plgpu.kernel, interpret=interpret_params())
+    monkeypatch.setattr(plgpu, "kernel", interpreted)
     s = moe.shape("dry")
-    outs = {
-        name: eqx.filter_jit(moe.step(name))(*moe.arguments(s, name))
-        for name in ("bf16", "bf16 jax mgpu")
-    }
+    four_sms = type("Device", (), {"core_count": 4})()  # the wgrad kernel's grid
+    with moe_cost.sms_of(four_sms):
+        outs = {
+            name: eqx.filter_jit(moe.step(name))(*moe.arguments(s, name))
+            for name in ("bf16", "bf16 jax mgpu")
+        }
     error = moe.mismatch(outs["bf16 jax mgpu"], outs["bf16"])
     assert error <= moe.MATCH_BOUND, error
     (_, (grads, _)) = outs["bf16 jax mgpu"]
     for w in (grads.up.weight, grads.down.weight):
         assert np.count_nonzero(np.asarray(w, np.float32)) > w.size // 2
     # The comparison itself can fail: the same step against another input's.
-    other = eqx.filter_jit(moe.step("bf16"))(
-        moe.arguments(s, "bf16")[0], -moe.arguments(s, "bf16")[1]
-    )
+    layer, x = moe.arguments(s, "bf16")
+    other = eqx.filter_jit(moe.step("bf16"))(layer, -x)
     assert moe.mismatch(other, outs["bf16"]) > moe.MATCH_BOUND
+
+
+def test_moe_cost_counts_jax_kernels_as_the_experts_bf16_gemms(monkeypatch):
+    """moe_cost.py's BF16 yardstick compiles for an H100 without one (JAX's wgrad kernel given
+    the topology's SM count) and its six JAX kernels (forward, dgrad and wgrad of both
+    layers), opaque Mosaic GPU calls to `hlo_cost`, count as BF16 GEMMs of the experts' own
+    FLOPs, their bytes out of the non-GEMM bytes."""
+    pytest.importorskip("jax_cuda12_plugin")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import moe_cost
+
+    import fp8jax
+
+    shape = {"tokens": 128, "width": 128, "hidden": 256, "experts": 2, "top_k": 2}
+    cost, _, _ = moe_cost.compile_cost(shape, moe_cost.JAX_VARIANT)
+    ours = moe_cost.jax_kernels(cost)
+    assert len(ours) == 6 and all(k.category is not None for k in ours)
+    raw = fp8jax.Cost(
+        kernels=cost.kernels,
+        bytes={"rest": sum(k.bytes * k.runs for k in cost.kernels if k.category)},
+    )
+    moved = moe_cost.as_gemms(raw, moe_cost.experts_flops(shape))
+    assert moved.flops == {"bf16": moe_cost.experts_flops(shape)}
+    assert moved.total_bytes == raw.total_bytes - sum(k.bytes * k.runs for k in ours) > 0
+    # The step's BF16 FLOPs: the experts' (added) and the router's GEMMs (XLA's, counted).
+    router = sum(k.flops * k.runs for k in cost.kernels if k.category is None)
+    assert 0 < router < cost.flops["bf16"] - router == moe_cost.experts_flops(shape)
+    with pytest.raises(ValueError, match="no kernel under"):
+        moe_cost.as_gemms(fp8jax.Cost(), 1)
 
 
 def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):

@@ -26,12 +26,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import moe_cost
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array
 
 import fp8jax
 from fp8jax._src.kernels.choice import persistent_kernel
@@ -41,9 +40,6 @@ from .timing import compile_and_time
 
 SECTION = "3b MoE layer"
 CUBLAS = fp8jax.gpu_compiler_options()
-#: JAX's kernels' configuration: (block_m, block_n, block_k, max_concurrent_steps,
-#: grid_block_n), the first of the grouped section's (`grouped.JAX_CONFIGS`).
-JAX_CONFIG = (128, 128, 64, 4, 1)
 #: mode -> variants; the two BF16 steps first: the others' references.
 VARIANTS = {
     "full": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-persistent", "delayed-e4m3"],
@@ -67,66 +63,6 @@ NEED_S = 20.0
 MATCH_BOUND = 2.0**-5
 
 
-def _rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) -> Array:
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    bm, bn, bk, steps, grid_n = config
-    return ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=grid_n, transpose_rhs=transpose_rhs,
-    )  # fmt: skip
-
-
-def _tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-    bm, bn, bk, steps, grid_n = config
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, rhs, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=grid_n,
-    )  # fmt: skip
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged_dot(config: tuple, x: Array, w: Array, sizes: Array) -> Array:
-    return _rows(config, x, w, sizes, transpose_rhs=False)
-
-
-def _forward(config: tuple, x: Array, w: Array, sizes: Array) -> tuple[Array, tuple]:
-    return _rows(config, x, w, sizes, transpose_rhs=False), (x, w, sizes)
-
-
-def _backward(config: tuple, residuals: tuple, g: Array) -> tuple:
-    x, w, sizes = residuals
-    # dgrad: g (M, N) . w[e] (K, N) over N, which the rows kernel takes as a transposed rhs;
-    # wgrad: x (M, K)^T . g (M, N) over each expert's rows.
-    d_x = _rows(config, g, w, sizes, transpose_rhs=True)
-    d_w = _tokens(config, x, g, sizes)
-    return d_x, d_w, None
-
-
-_ragged_dot.defvjp(_forward, _backward)
-
-
-class JaxGroupedBF16(eqx.Module):
-    """`lax.ragged_dot(x, w, group_sizes)` and its gradients on JAX's BF16 grouped kernels:
-    the yardstick of issue 39's MoE target, for `fp8jax.GroupedLinear(ragged_dot=...)`.
-
-    `x (M, K)` and `w (experts, K, N)` of one dtype (BF16), `M` the sum of `group_sizes`;
-    `K` and `N` multiples of the configuration's blocks (JAX's kernels raise otherwise).
-    """
-
-    config: tuple[int, int, int, int, int] = eqx.field(static=True, default=JAX_CONFIG)
-
-    def __call__(
-        self,
-        x: Float[Array, "rows fan_in"],
-        w: Float[Array, "experts fan_in fan_out"],
-        group_sizes: Int[Array, " experts"],
-    ) -> Float[Array, "rows fan_out"]:
-        return _ragged_dot(self.config, x, w, jnp.asarray(group_sizes, jnp.int32))
-
-
 def shape(mode: str) -> dict[str, int]:
     """The layer's shape: `moe_cost.SHAPES["mixtral"]`, fewer tokens in the quick run, tiny in
     the dry run."""
@@ -143,12 +79,7 @@ def arguments(s: dict[str, int], name: str) -> tuple[Any, Array]:
     if name in ("bf16", "bf16 jax mgpu"):
         layer = moe_cost.make_model(s, None, None)
         if name == "bf16 jax mgpu":
-            layer = eqx.tree_at(
-                lambda m: (m.up.ragged_dot, m.down.ragged_dot),
-                layer,
-                (JaxGroupedBF16(), JaxGroupedBF16()),
-                is_leaf=lambda v: v is None,
-            )
+            layer = moe_cost.with_jax_kernels(layer)
     elif name in RECIPES:
         layer = moe_cost.make_model(s, RECIPES[name], None)
     else:
