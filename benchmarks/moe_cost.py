@@ -3,6 +3,7 @@ grouped FP8 kernels, from compiled HLO.
 
     python benchmarks/moe_cost.py [--shapes mixtral,fine] | tee benchmarks/results/moe_cost.txt
     python benchmarks/moe_cost.py --expert-parallel | tee benchmarks/results/moe_cost_ep.txt
+    python benchmarks/moe_cost.py --shapes mixtral --microbatches 4 [--unroll]
 
 What it measures: one mixture-of-experts MLP (`fp8jax.examples.moe_model.MoE`: a router, top-k
 routing with sorted tokens, two grouped GEMMs `up` and `down` with a GELU between), its
@@ -26,7 +27,7 @@ Variants: `bf16` (`lax.ragged_dot`, which XLA expands into a dense GEMM over all
 `bf16, JAX grouped kernels` (the yardstick of issue 39: the experts' GEMMs on JAX's own Pallas
 Mosaic GPU kernels, `ragged_dot_mgpu` and `transposed_ragged_dot_mgpu`, behind a custom VJP,
 `JaxGroupedBF16`; `hlo_cost` cannot read those opaque calls, so they count as BF16 GEMMs of
-the experts' own FLOPs, `as_gemms`), and FP8 on XLA's path
+the experts' own FLOPs each, `as_gemms`), and FP8 on XLA's path
 (`grouped_native_kernel=False`) or fp8jax's kernels: delayed scaling (E5M2 gradients: dgrad
 and wgrad run in the kernels on BF16 upcasts), delayed with `backward_format="e4m3"`, and
 blockwise.
@@ -210,10 +211,11 @@ def jax_kernels(cost: Cost) -> list:
     return [k for k in cost.kernels if JAX_KERNELS_SCOPE in k.op_name and k.op == "custom-call"]
 
 
-def as_gemms(cost: Cost, flops: int) -> Cost:
+def as_gemms(cost: Cost, flops_per_run: int) -> Cost:
     """`cost` with JAX's grouped kernels (under `JAX_KERNELS_SCOPE`: opaque Mosaic GPU calls,
-    which `hlo_cost` counts as non-GEMM kernels) counted as BF16 GEMMs of `flops` together
-    (the experts' own: their padding to the kernels' tiles left out), their bytes out of
+    which `hlo_cost` counts as non-GEMM kernels) counted as BF16 GEMMs of `flops_per_run`
+    each run (the layer's six, forward, dgrad and wgrad of `up` and `down`, do the same
+    work: `2 x rows x width x hidden`, their padding to tiles left out), their bytes out of
     the non-GEMM bytes."""
     ours = jax_kernels(cost)
     if not ours:
@@ -221,6 +223,7 @@ def as_gemms(cost: Cost, flops: int) -> Cost:
     moved = {}
     for k in ours:
         moved[k.category] = moved.get(k.category, 0) + k.bytes * k.runs
+    flops = flops_per_run * sum(k.runs for k in ours)
     return dataclasses.replace(
         cost,
         flops={**cost.flops, "bf16": cost.flops.get("bf16", 0) + flops},
@@ -248,15 +251,26 @@ def moe_step(model, x):
     return fp8jax.filter_value_and_grad(loss)((model, x))
 
 
-def build(shape: dict, name: str):
+def accumulated_step(microbatches: int, unroll: bool = False):
+    """The layer's loss and gradients through `fp8jax.accumulate_gradients` over
+    `microbatches` slices of the tokens (a `lax.scan`, unrolled with `unroll`): the layer's
+    gradients only, so `up`'s dgrad is dead here."""
+    loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+    return fp8jax.accumulate_gradients(loss, microbatches, unroll=unroll)
+
+
+def build(shape: dict, name: str, microbatches: int = 1, unroll: bool = False):
     x = jax.ShapeDtypeStruct((shape["tokens"], shape["width"]), jnp.bfloat16)
     model = eqx.filter_eval_shape(make_model, shape, *VARIANTS[name])
-    return moe_step, (with_jax_kernels(model) if name == JAX_VARIANT else model, x)
+    step = moe_step if microbatches == 1 else accumulated_step(microbatches, unroll)
+    return step, (with_jax_kernels(model) if name == JAX_VARIANT else model, x)
 
 
-def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:
+def compile_cost(
+    shape: dict, name: str, microbatches: int = 1, unroll: bool = False
+) -> tuple[Cost, int, float]:
     """(cost, temp bytes, compile seconds) of variant `name`."""
-    step, args = build(shape, name)
+    step, args = build(shape, name, microbatches, unroll)
     device = deviceless.h100_topology().devices[0]
     start = time.perf_counter()
     with sms_of(device):
@@ -265,7 +279,8 @@ def compile_cost(shape: dict, name: str) -> tuple[Cost, int, float]:
     temp = compiled.memory_analysis().temp_size_in_bytes
     cost = hlo_cost(compiled.as_text())
     if name == JAX_VARIANT:
-        cost = as_gemms(cost, experts_flops(shape))
+        # Each kernel run: one of the six GEMMs over one microbatch's rows.
+        cost = as_gemms(cost, experts_flops(shape) // 6 // microbatches)
     return cost, temp, time.perf_counter() - start
 
 
@@ -275,13 +290,24 @@ def experts_flops(shape: dict) -> int:
     return 3 * 2 * (2 * assignments * shape["width"] * shape["hidden"])
 
 
-def report(title: str, shape: dict) -> None:
+def weight_quantization_bytes(cost: Cost) -> int:
+    """HBM bytes of the blockwise expert weights' quantization kernels (`quantize_blocks`),
+    every run counted."""
+    return sum(k.bytes * k.runs for k in cost.kernels if "fp8jax_quantize_blocks" in k.op_name)
+
+
+def report(title: str, shape: dict, microbatches: int = 1, unroll: bool = False) -> None:
     ideal = experts_flops(shape)
     print(f"\n## {title}: {shape}")
+    if microbatches > 1:
+        print(
+            f"through fp8jax.accumulate_gradients over {microbatches} microbatches"
+            f"{', unroll=True' if unroll else ''} (`up`'s dgrad dead: the layer's gradients only)"
+        )
     print(f"experts' own GEMM FLOPs (fwd + dgrad + wgrad, both layers): {ideal / 1e12:.3f} T")
     compiled = {}
     for name in VARIANTS:
-        cost, temp, seconds = compile_cost(shape, name)
+        cost, temp, seconds = compile_cost(shape, name, microbatches, unroll)
         print(f"  compiled {name} in {seconds:.0f} s", file=sys.stderr)
         compiled[name] = (cost, temp)
     base, grouped = (compiled[n][0].estimate_seconds() for n in ("bf16", JAX_VARIANT))
@@ -301,6 +327,7 @@ def report(title: str, shape: dict) -> None:
                 f"{estimate / grouped:.2f}",
                 f"{temp / 2**20:.0f}",
                 str(sum(k.runs for k in cost.kernels)),
+                f"{weight_quantization_bytes(cost) / 1e9:.2f}",
             ]
         )
     header = [
@@ -314,6 +341,7 @@ def report(title: str, shape: dict) -> None:
         "vs JAX kernels",
         "temp MiB",
         "kernels",
+        "block weight quantization GB",
     ]
     print(table(rows, header))
 
@@ -478,7 +506,22 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--expert-parallel", action="store_true", help="the layer expert parallel (see above)"
     )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="the step through fp8jax.accumulate_gradients over this many microbatches",
+    )
+    parser.add_argument(
+        "--unroll",
+        action="store_true",
+        help="with --microbatches: accumulate_gradients(..., unroll=True)",
+    )
     args = parser.parse_args(argv)
+    if args.microbatches < 1 or (args.microbatches > 1 and args.expert_parallel):
+        parser.error(
+            f"--microbatches={args.microbatches}: should be 1 or more, and 1 with --expert-parallel"
+        )
     if deviceless.h100_topology() is None:
         raise SystemExit("needs the h100 extra: pip install -e '.[h100]'")
     print(f"jax {jax.__version__}; deviceless H100 compile, cuBLAS mode; an ESTIMATE (see the")
@@ -494,7 +537,7 @@ def main(argv=None) -> None:
         if args.expert_parallel:
             report_ep(name, SHAPES[name])
         else:
-            report(name, SHAPES[name])
+            report(name, SHAPES[name], args.microbatches, args.unroll)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import SAME_BITS
 
 import fp8jax
 
@@ -126,3 +127,58 @@ def test_accumulation_errors(getkey):
         fp8jax.accumulate_gradients(mse, 5)(model, x, y)
     with pytest.raises(ValueError, match="microbatches=2.5"):
         fp8jax.make_train_step(mse, optax.sgd(0.1), microbatches=2.5)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_unrolled_microbatches_compute_what_the_scan_does(getkey, recipe):
+    """`unroll` changes how XLA runs the microbatches, not what they compute (3 microbatches:
+    the first traced apart, the other two unrolled in one iteration or in two): the FP8 state
+    bit for bit with the rolled scan's, the loss and gradients within float32 rounding of
+    their largest element (XLA may sum a float32 GEMM in another order in straight-line code:
+    seen, 2^-25 of it; an FP8 value rounded the other way would be 2^-4)."""
+    model, x, y = problem(getkey, recipe, n=48)
+
+    def run(unroll):
+        step = fp8jax.accumulate_gradients(mse, 3, unroll=unroll)
+        return eqx.filter_jit(step, compiler_options=SAME_BITS or None)(model, x, y)
+
+    (loss, grads) = run(1)
+    state, rest = split(grads)
+    for unroll in (True, 2):
+        (loss_u, grads_u) = run(unroll)
+        state_u, rest_u = split(grads_u)
+        for a, b in zip(state_u, state, strict=True):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip([loss_u, *rest_u], [loss, *rest], strict=True):
+            bound = 2.0**-20 * float(jnp.max(jnp.abs(b)))
+            np.testing.assert_allclose(a, b, rtol=0, atol=bound)
+
+
+def test_unrolled_microbatches_quantize_each_weight_once_on_h100():
+    """Why `unroll` exists: compiled for an H100, the scan quantizes a blockwise weight in
+    every microbatch (its one-pass weight kernel runs 4 times); unrolled, XLA computes it
+    once for all 4 (and the step moves fewer bytes)."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from fp8jax._src.observe import deviceless
+
+    layer = eqx.nn.Linear(256, 512, key=jax.random.PRNGKey(0))
+    model = fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(recipe="blockwise"))
+    model = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) and a.ndim == 2 else a,
+        model,
+    )
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)
+
+    def weight_kernels(unroll):
+        step = fp8jax.accumulate_gradients(loss, 4, unroll=unroll)
+        lowered, _ = deviceless.lower(step, (model, x), {}, deviceless.h100_topology().devices[0])
+        cost = fp8jax.hlo_cost(lowered.compile().as_text())
+        runs = sum(k.runs for k in cost.kernels if "fp8jax_quantize_blocks" in k.op_name)
+        return runs, cost.total_bytes
+
+    (rolled, rolled_bytes), (unrolled, unrolled_bytes) = weight_kernels(1), weight_kernels(True)
+    assert (rolled, unrolled) == (4, 1)
+    assert unrolled_bytes < rolled_bytes

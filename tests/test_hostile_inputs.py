@@ -1189,6 +1189,18 @@ TRAINING = [
         r"has_aux='no' should be True or False",
     ),
     row(
+        "accumulate-unroll-0",
+        lambda w: fp8jax.accumulate_gradients(_loss, 2, unroll=0),
+        ValueError,
+        r"unroll=0 should be an int >= 1 .* or True",
+    ),
+    row(
+        "accumulate-unroll-float",
+        lambda w: fp8jax.make_train_step(_loss, optax.sgd(0.1), unroll_microbatches=2.0),
+        ValueError,
+        r"make_train_step: unroll_microbatches=2.0 should be an int >= 1",
+    ),
+    row(
         "accumulate-scalar-batch",
         lambda w: fp8jax.accumulate_gradients(_loss, 2)(w.model, 1.0),
         ValueError,

@@ -394,3 +394,34 @@ def test_cast_batch_false_passes_the_batch_as_given(getkey):
 def test_cast_batch_must_be_a_bool(bad):
     with pytest.raises(TypeError, match=re.escape(f"cast_batch={bad!r}: should be True or False")):
         fp8jax.make_train_step(cross_entropy, optax.sgd(0.1), cast_batch=bad)
+
+
+def test_unrolled_microbatches_reach_the_accumulation(getkey, monkeypatch):
+    """`make_train_step(unroll_microbatches=...)` is `accumulate_gradients`' `unroll` (what
+    unrolling computes is tested in test_accumulate.py): passed through as given, and two
+    steps train the model as the rolled step does within float32 rounding."""
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="delayed"))
+    x, y = data(getkey())
+    seen = []
+    real = fp8jax._src.train.step.accumulate_gradients
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("unroll"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8jax._src.train.step, "accumulate_gradients", spy)
+    states = {}
+    for unroll in (1, True):
+        train_step = fp8jax.make_train_step(
+            mse, optax.sgd(1e-2), microbatches=4, unroll_microbatches=unroll
+        )
+        state = train_step.init(model)
+        for _ in range(2):
+            state, _ = train_step(state, x, y)
+        states[unroll] = state
+    assert seen == [1, True]  # traced once per step function
+    got = jax.tree.leaves(eqx.filter(states[True].model, eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(states[1].model, eqx.is_array))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-20 * float(jnp.max(jnp.abs(b))))

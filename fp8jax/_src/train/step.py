@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..core import jax_private
 from ..core.compile_options import checked_compiler_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
-from .accumulate import accumulate_gradients
+from .accumulate import accumulate_gradients, check_unroll
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from .policy import Policy
@@ -98,6 +98,7 @@ class TrainStep(eqx.Module):
     microbatches: int = eqx.field(static=True, default=1)
     compiler_options: tuple[tuple[str, Any], ...] = eqx.field(static=True, default=())
     cast_batch: bool = eqx.field(static=True, default=True)
+    unroll_microbatches: int | bool = eqx.field(static=True, default=1)
 
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
@@ -146,7 +147,9 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         return scale.scale(loss), (loss, aux)
 
     if self.microbatches > 1:
-        grad_fn = accumulate_gradients(scaled_loss, self.microbatches, has_aux=True)
+        grad_fn = accumulate_gradients(
+            scaled_loss, self.microbatches, has_aux=True, unroll=self.unroll_microbatches
+        )
         (_, (losses, aux)), grads = grad_fn(state.model, *batch)
         loss = jnp.mean(losses)  # aux stays stacked over microbatches
     else:
@@ -178,6 +181,7 @@ def make_train_step(
     microbatches: int = 1,
     compiler_options: Mapping[str, Any] | None = None,
     cast_batch: bool = True,
+    unroll_microbatches: int | bool = 1,
 ) -> TrainStep:
     """A jitted step that trains a model with FP8 layers, mixed precision and loss scaling.
 
@@ -210,6 +214,9 @@ def make_train_step(
       and boolean arrays (labels, tokens), FP8 arrays and non-array leaves pass as given.
       `False` passes the whole batch as given: for a loss that needs float32 targets (a
       regression target, say) and casts its inputs itself.
+    - `unroll_microbatches`: with `microbatches`, [`fp8jax.accumulate_gradients`][]'s
+      `unroll`: `True` lets XLA quantize each FP8 weight once for all microbatches instead of
+      once each, for more temp memory.
 
     **Returns:** a [`fp8jax.TrainStep`][]: `state = train_step.init(model)`, then
     `state, metrics = train_step(state, *batch)` ([`fp8jax.StepMetrics`][]).
@@ -248,6 +255,7 @@ def make_train_step(
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
+    check_unroll("make_train_step: unroll_microbatches", unroll_microbatches)
     compiler_options = checked_compiler_options("make_train_step", compiler_options)
     options = tuple(sorted(compiler_options.items()))
     return TrainStep(
@@ -260,4 +268,5 @@ def make_train_step(
         microbatches,
         options,
         cast_batch,
+        unroll_microbatches,
     )
