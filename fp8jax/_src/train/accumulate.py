@@ -69,14 +69,14 @@ def accumulate_gradients(
     - `microbatches`: how many equal slices to cut every batch argument into along its first
       axis; they run one after another in a `lax.scan`, so activation memory is that of one.
     - `unroll`: the scan's `unroll` (`lax.scan`'s: an int >= 1, or `True` for all of them).
-      XLA hoists no loop-invariant work out of the scan on GPUs: each microbatch quantizes
-      every FP8 weight again (the same values). Unrolled, the microbatches are straight-line
-      code in which XLA computes each weight's FP8 copies once (its common-subexpression
-      elimination) and keeps them: the cost is temp memory and compile time. On an H100
-      compile of an MoE layer (`benchmarks/moe_cost.py --microbatches 4 --unroll`,
-      Mixtral-like, an estimate) `unroll=True` cut the blockwise step's non-GEMM HBM bytes
-      from 40.0 to 21.0 GB (the weights' quantization from 15.3 to 3.8 GB) and grew its temp
-      memory from 1.9 to 2.7 GiB.
+      XLA does not hoist the weights' quantization out of the scan (seen in H100 compiles):
+      each microbatch quantizes every FP8 weight again (the same values). Unrolled, the
+      microbatches are straight-line code in which XLA computes each weight's FP8 copies
+      once (its common-subexpression elimination) and keeps them: the cost is temp memory
+      and compile time. On an H100 compile of an MoE layer (`benchmarks/moe_cost.py
+      --microbatches 4 --unroll`, Mixtral-like, an estimate) `unroll=True` cut the blockwise
+      step's non-GEMM HBM bytes from 40.0 to 21.0 GB (the weights' quantization from 15.3 to
+      3.8 GB) and grew its temp memory from 1.9 to 2.7 GiB.
 
     **Returns:** a function `(model, *batch) -> (loss, grads)` (`((loss, aux), grads)` with
     `has_aux`, `aux` stacked over microbatches): the loss and the trainable gradients averaged
