@@ -106,13 +106,15 @@ OPTIONS = {**deviceless.MODES["cublas"], "xla_gpu_enable_cub_radix_sort": False}
 # --- BF16 on JAX's own grouped kernels: the yardstick --------------------------------------
 
 #: JAX's kernels' configuration: (block_m, block_n, block_k, max_concurrent_steps,
-#: grid_block_n), the first of the GPU check's grouped section (`gpu_check.grouped`).
+#: grid_block_n); the first the GPU check's grouped section times (`gpu_check.grouped`).
 JAX_CONFIG = (128, 128, 64, 4, 1)
 #: The name scope of JAX's kernels in `JaxGroupedBF16`: how `as_gemms` finds them in the HLO.
 JAX_KERNELS_SCOPE = "jax_grouped_bf16"
 
 
-def _rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) -> Array:
+def jax_rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) -> Array:
+    """JAX's BF16 grouped rows GEMM (`ragged_dot_mgpu`) in `config`, `w (G, K, N)` or, with
+    `transpose_rhs`, `(G, N, K)`."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     bm, bn, bk, steps, grid_n = config
@@ -123,7 +125,9 @@ def _rows(config: tuple, x: Array, w: Array, sizes: Array, transpose_rhs: bool) 
         )  # fmt: skip
 
 
-def _tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
+def jax_tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
+    """JAX's BF16 grouped tokens GEMM (`transposed_ragged_dot_mgpu`) in `config`: each
+    expert's `lhs (T, A)` rows against its `rhs (T, B)` rows, `(G, A, B)`."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     bm, bn, bk, steps, grid_n = config
@@ -136,19 +140,19 @@ def _tokens(config: tuple, lhs: Array, rhs: Array, sizes: Array) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_dot(config: tuple, x: Array, w: Array, sizes: Array) -> Array:
-    return _rows(config, x, w, sizes, transpose_rhs=False)
+    return jax_rows(config, x, w, sizes, transpose_rhs=False)
 
 
 def _forward(config: tuple, x: Array, w: Array, sizes: Array) -> tuple[Array, tuple]:
-    return _rows(config, x, w, sizes, transpose_rhs=False), (x, w, sizes)
+    return jax_rows(config, x, w, sizes, transpose_rhs=False), (x, w, sizes)
 
 
 def _backward(config: tuple, residuals: tuple, g: Array) -> tuple:
     x, w, sizes = residuals
     # dgrad: g (M, N) . w[e] (K, N) over N, which the rows kernel takes as a transposed rhs;
     # wgrad: x (M, K)^T . g (M, N) over each expert's rows.
-    d_x = _rows(config, g, w, sizes, transpose_rhs=True)
-    d_w = _tokens(config, x, g, sizes)
+    d_x = jax_rows(config, g, w, sizes, transpose_rhs=True)
+    d_w = jax_tokens(config, x, g, sizes)
     return d_x, d_w, None
 
 

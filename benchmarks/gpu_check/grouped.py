@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import moe_cost
 import numpy as np
 from jax import lax
 
@@ -47,7 +48,7 @@ CUBLAS = fp8jax.gpu_compiler_options()
 EXPERTS, WIDTH, HIDDEN = 16, 7168, 2048
 #: JAX kernels' configurations: (block_m, block_n, block_k, max_concurrent_steps,
 #: grid_block_n), from the grids their `main` autotunes over.
-JAX_CONFIGS = ((128, 128, 64, 4, 1), (64, 256, 64, 4, 2))
+JAX_CONFIGS = (moe_cost.JAX_CONFIG, (64, 256, 64, 4, 2))
 #: The persistent grouped kernels' configurations the full run times beside their default
 #: (blockwise; `block_kernels.describe` names them): the rows kernel's warpgroups always
 #: split N and its CTA rows are one item's (`choice.recipe_grouped_rows_gemm`).
@@ -136,23 +137,11 @@ def _ragged_tokens(lhs, rhs, sizes):
 
 
 def _jax_rows(config):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    bm, bn, bk, steps, grid_n = config
-    return lambda x, w, sizes: ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=grid_n, transpose_rhs=True,
-    )  # fmt: skip
+    return lambda x, w, sizes: moe_cost.jax_rows(config, x, w, sizes, transpose_rhs=True)
 
 
 def _jax_tokens(config):
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-    bm, bn, bk, steps, grid_n = config
-    return lambda lhs, rhs, sizes: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, rhs, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-        max_concurrent_steps=steps, grid_block_n=grid_n,
-    )  # fmt: skip
+    return lambda lhs, rhs, sizes: moe_cost.jax_tokens(config, lhs, rhs, sizes)
 
 
 def _ours_rows(lhs, rhs, sizes, promote=False):
