@@ -24,8 +24,9 @@ every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTI
 step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not
 timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
 `delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`) and
-`blockwise-persistent` (blockwise scaling on the persistent warp-specialized kernel of issue
-39, traced inside `persistent_kernel`; on a CPU compile the recipe takes the XLA path).
+`blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside `tiled_kernel`;
+`blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
+run 4; on a CPU compile the recipe takes the XLA path).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
-from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.choice import tiled_kernel
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -85,10 +86,10 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     **train_steps.RECIPES,
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
     "delayed-cond": CondWarmStart(),
-    "blockwise-persistent": fp8jax.BlockwiseScaling(),
+    "blockwise-tiled": fp8jax.BlockwiseScaling(),
 }
-#: Variants whose block-scaled GEMMs run on the persistent kernel (`step(name)`).
-PERSISTENT = ("blockwise-persistent",)
+#: Variants whose block-scaled GEMMs run on the tiled kernel (`step(name)`).
+TILED = ("blockwise-tiled",)
 #: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
 ATTENTION = ("cudnn", "xla", "stand-in")
 STAND_IN = "attention_stand_in"
@@ -195,13 +196,13 @@ def variant(block: LlamaBlock, name: str) -> Any:
 
 def step(name: str = "bf16") -> Callable:
     """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
-    for the variants in `PERSISTENT` traced inside `persistent_kernel()`."""
+    for the variants in `TILED` traced inside `tiled_kernel()`."""
     inner = train_steps.block_step(loss)
-    if name not in PERSISTENT:
+    if name not in TILED:
         return inner
 
     def traced(*args: Any) -> Any:
-        with persistent_kernel():
+        with tiled_kernel():
             return inner(*args)
 
     return traced

@@ -299,10 +299,10 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
     from gpu_check import llama
 
     assert main.parse(["--out", str(tmp_path)]).llama_variants is None
-    picked = main.parse(["--out", str(tmp_path), "--llama-variants", "blockwise-persistent, bf16"])
-    assert picked.llama_variants == ["blockwise-persistent", "bf16"]
+    picked = main.parse(["--out", str(tmp_path), "--llama-variants", "blockwise-tiled, bf16"])
+    assert picked.llama_variants == ["blockwise-tiled", "bf16"]
     # BF16 first (the others' reference), whatever the order given; the mode's own by default.
-    assert llama.variant_names("full", picked.llama_variants) == ["bf16", "blockwise-persistent"]
+    assert llama.variant_names("full", picked.llama_variants) == ["bf16", "blockwise-tiled"]
     assert llama.variant_names("quick", None) == llama.VARIANTS["quick"]
     for bad in ("blockwise,nope", ","):
         with pytest.raises(SystemExit):
@@ -442,6 +442,10 @@ def test_profile_classifies_by_hlo_op_then_kernel_name_then_heuristics(profile):
     assert got["dot_5"] == ("GEMM other", "GEMM tf32", "hlo_op")
     assert got["flash_fwd_kernel"] == ("attention", "attention", "heuristic")
     assert profile.kind_from_name("cublasLt_gemm_bf16") == "GEMM bf16"
+    # CUDA 13's cuBLAS kernels, as an H200 trace named them (run 4)
+    assert profile.kind_from_name("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT") == "GEMM bf16"
+    for fp8 in ("nvjet_sm90_qqtst_176x128_128x5_1x2_h_bz_TNN", "nvjet_sm90_qrtst_128x160_TNT"):
+        assert profile.kind_from_name(fp8) == "GEMM fp8"
     assert profile.kernel_name("custom-call.12") == "custom_call_12"
 
 

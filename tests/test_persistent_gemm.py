@@ -286,7 +286,9 @@ def test_recipes_train_the_same_on_the_persistent_kernel(getkey, recipe):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(b))))
 
 
-def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
+def test_interpreted_recipes_keep_the_tiled_kernel_unless_a_context_chooses(getkey):
+    """Traced for the interpreter (the tests), the recipes call the tiled kernel: JAX 0.10's
+    interpreter cannot run the persistent one, whose tests choose it explicitly."""
     linear = eqx.nn.Linear(256, 128, key=getkey())
     recipe = fp8jax.BlockwiseScaling(native_kernel=True)
     model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
@@ -294,6 +296,89 @@ def test_outside_persistent_kernel_the_recipes_keep_the_tiled_kernel(getkey):
     with dispatch.interpreted():
         jaxpr = str(jax.make_jaxpr(fp8jax.filter_value_and_grad(_linear_loss))(model, x))
     assert BLOCK_GEMM_NAME in jaxpr and PERSISTENT_GEMM_NAME not in jaxpr
+
+
+def _chosen_configs(monkeypatch, context) -> dict:
+    """The configuration each kind of GEMM gets from `choice` when traced (not interpreted)
+    inside `context`: dense, grouped rows and grouped tokens; `None` for a tiled kernel."""
+    from fp8jax._src.kernels import choice
+
+    seen: dict = {}
+
+    def spy(kind, real):
+        def call(*args, config, **kwargs):
+            seen[kind] = config
+            return real(*args, config=config, **kwargs)
+
+        return call
+
+    def tiled(kind, real):
+        def call(*args, **kwargs):
+            seen[kind] = None
+            return real(*args, **kwargs)
+
+        return call
+
+    for kind, name in [
+        ("dense", "persistent_block_scaled_gemm"),
+        ("rows", "persistent_grouped_rows_gemm"),
+        ("tokens", "persistent_grouped_tokens_gemm"),
+    ]:
+        monkeypatch.setattr(choice, name, spy(kind, getattr(choice, name)))
+    for kind, name in [
+        ("dense", "block_scaled_gemm"),
+        ("rows", "grouped_rows_gemm"),
+        ("tokens", "grouped_tokens_gemm"),
+    ]:
+        monkeypatch.setattr(choice, name, tiled(kind, getattr(choice, name)))
+    a = jax.ShapeDtypeStruct((256, 256), E4M3)
+    s = jax.ShapeDtypeStruct((256, 2), jnp.float32)
+    items = row_items(jnp.array([100, 0, 156], jnp.int32), 256)
+    ws = jax.ShapeDtypeStruct((3, 128, 256), E4M3)
+    wss = jax.ShapeDtypeStruct((3, 128, 2), jnp.float32)
+    starts, counts = jnp.array([0, 1, 1], jnp.int32), jnp.array([1, 0, 1], jnp.int32)
+    with context:
+        jax.eval_shape(lambda a, s: choice.recipe_block_gemm(a, s, [(a, s)]), a, s)
+        jax.eval_shape(
+            lambda a, s, w, ws: choice.recipe_grouped_rows_gemm(
+                a, w, items, lhs_scale=s, rhs_scale=ws
+            ),
+            a,
+            s,
+            ws,
+            wss,
+        )
+        jax.eval_shape(
+            lambda a, s: choice.recipe_grouped_tokens_gemm(
+                a, a, starts, counts, lhs_scale=s, rhs_scale=s
+            ),
+            a,
+            s,
+        )
+    return seen
+
+
+def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monkeypatch):
+    """Traced for a GPU with no context, each GEMM runs on its persistent kernel in the
+    configuration of `choice.DEFAULT_CONFIGS` (the GPU check's fastest, run 4; the rows
+    kernel's CTA rows and warpgroups fixed by its items); `tiled_kernel()` takes the tiled
+    kernels; `persistent_kernel(config)` gives one configuration to all three."""
+    import contextlib
+
+    from fp8jax._src.kernels import choice
+    from fp8jax._src.kernels.block_gemm import TILE_M
+
+    got = _chosen_configs(monkeypatch, contextlib.nullcontext())
+    assert got["dense"] == choice.DEFAULT_CONFIGS["dense"] != PersistentConfig()
+    assert got["tokens"] == choice.DEFAULT_CONFIGS["tokens"]
+    rows = dataclasses.replace(choice.DEFAULT_CONFIGS["rows"], tile_m=TILE_M, wg_dimension="n")
+    assert got["rows"] == rows
+    assert _chosen_configs(monkeypatch, choice.tiled_kernel()) == dict.fromkeys(got)
+    mine = PersistentConfig(max_concurrent_steps=3)
+    got = _chosen_configs(monkeypatch, persistent_kernel(mine))
+    assert got["dense"] == got["tokens"] == mine
+    with pytest.raises(TypeError, match="config='fast'; expected a PersistentConfig"):
+        persistent_kernel("fast")
 
 
 @needs_interpreter

@@ -10,13 +10,14 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` / `transposed_ragged_dot_mgpu`), with a
   configuration from their autotuning grids (GPU only: they take no interpreter option);
 - `bf16 fp8jax kernel`: fp8jax's grouped kernels on BF16 operands;
-- `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's grouped kernels as the layers
-  call them (`native_rows` / `native_tokens`, padding to the tiled layout included); `,
-  promoted`: the per-tensor kernels as the backward calls them (each chunk added to a
-  float32 sum: `backward_precision="highest"`);
+- `fp8 per-tensor kernel` / `fp8 blockwise kernel`: fp8jax's tiled grouped kernels as the
+  layers call them inside `tiled_kernel()` (`native_rows` / `native_tokens`, padding to the
+  tiled layout included); `, promoted`: the per-tensor kernels as the backward calls them
+  (each chunk added to a float32 sum: `backward_precision="highest"`);
 - `fp8 per-tensor persistent kernel` / `fp8 blockwise persistent kernel` (GPU runs only):
-  the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39
-  (`persistent_kernel()`), and in the full run the blockwise ones in each `SWEEP`
+  the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39, the
+  layers' default since run 4 (`persistent_kernel()`: each in its configuration of
+  `choice.DEFAULT_CONFIGS`), and in the full run the blockwise ones in each `SWEEP`
   configuration (`fp8 blockwise persistent <changed fields>`).
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
@@ -35,7 +36,7 @@ from jax import lax
 
 import fp8jax
 from fp8jax._src.gemm import grouped_native as native
-from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
 from fp8jax._src.kernels.persistent_gemm import PersistentConfig
 
 from .block_kernels import describe
@@ -59,8 +60,8 @@ SWEEP = {
         PersistentConfig(cluster="n"),
     ),
     "tokens": (
-        PersistentConfig(wg_dimension="n"),
-        PersistentConfig(max_concurrent_steps=3),
+        PersistentConfig(),  # the default before run 4; now wg_dimension="n"
+        PersistentConfig(wg_dimension="n", max_concurrent_steps=3),
         PersistentConfig(grid_minor_dim="m"),
         PersistentConfig(cluster="m"),
     ),
@@ -145,7 +146,8 @@ def _jax_tokens(config):
 
 
 def _ours_rows(lhs, rhs, sizes, promote=False):
-    return native.native_rows(lhs, rhs, sizes, BF16, promote)
+    with tiled_kernel():  # traced inside: the rows GEMM on the tiled kernel
+        return native.native_rows(lhs, rhs, sizes, BF16, promote)
 
 
 def _persistent_rows(lhs, rhs, sizes, config=None, promote=False):
@@ -154,7 +156,8 @@ def _persistent_rows(lhs, rhs, sizes, config=None, promote=False):
 
 
 def _ours_tokens(lhs, rhs, sizes, promote=False):
-    return native.native_tokens(lhs, rhs, sizes, BF16, promote)
+    with tiled_kernel():  # traced inside: the tokens GEMM on the tiled kernel
+        return native.native_tokens(lhs, rhs, sizes, BF16, promote)
 
 
 def _persistent_tokens(lhs, rhs, sizes, config=None, promote=False):

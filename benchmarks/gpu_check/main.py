@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="comma-separated llama_block variants for the llama and profile sections "
         "(default: the mode's own; BF16 always runs first), e.g. bf16,blockwise,"
-        "blockwise-persistent for issue 39's step ratios",
+        "blockwise-tiled for issue 39's step ratios",
     )
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]

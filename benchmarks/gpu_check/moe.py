@@ -11,9 +11,9 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   the dgrad, `transposed_ragged_dot_mgpu` for the wgrad) through `JaxGroupedBF16`, a custom
   VJP with `lax.ragged_dot`'s signature; its loss and gradients are checked against `bf16`'s
   on the same arrays before it is timed (a wrong yardstick would flatter or wrong FP8);
-- `blockwise` (fp8jax's tiled grouped kernels), `blockwise-persistent` (issue 39's persistent
-  kernels, traced inside `persistent_kernel()`) and `delayed-e4m3` (per-tensor, E4M3
-  gradients).
+- `blockwise` (fp8jax's default: issue 39's persistent grouped kernels since run 4),
+  `blockwise-tiled` (the tiled grouped kernels, traced inside `tiled_kernel()`) and
+  `delayed-e4m3` (per-tensor, E4M3 gradients).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -32,7 +32,7 @@ import moe_cost
 from jaxtyping import Array
 
 import fp8jax
-from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.choice import tiled_kernel
 
 from .record import Recorder
 from .timing import compile_and_time
@@ -41,19 +41,19 @@ SECTION = "3b MoE layer"
 CUBLAS = fp8jax.gpu_compiler_options()
 #: mode -> variants; the two BF16 steps first: the others' references.
 VARIANTS = {
-    "full": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-persistent", "delayed-e4m3"],
-    "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-persistent"],
+    "full": ["bf16", "bf16 jax mgpu", "blockwise", "delayed-e4m3", "blockwise-tiled"],
+    "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
     # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
     # recipes' layers are tested apart (tests/test_grouped_native.py).
     "dry": ["bf16", "bf16 jax mgpu"],
 }
 RECIPES = {
     "blockwise": fp8jax.BlockwiseScaling(),
-    "blockwise-persistent": fp8jax.BlockwiseScaling(),
+    "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
 }
-#: Variants traced inside `persistent_kernel()`.
-PERSISTENT = ("blockwise-persistent",)
+#: Variants traced inside `tiled_kernel()`.
+TILED = ("blockwise-tiled",)
 #: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
 NEED_S = 20.0
 #: The JAX kernels' step against `lax.ragged_dot`'s: each leaf of the loss and gradients
@@ -88,13 +88,12 @@ def arguments(s: dict[str, int], name: str) -> tuple[Any, Array]:
 
 
 def step(name: str):
-    """`moe_cost.moe_step`, traced inside `persistent_kernel()` for the variants in
-    `PERSISTENT`."""
-    if name not in PERSISTENT:
+    """`moe_cost.moe_step`, traced inside `tiled_kernel()` for the variants in `TILED`."""
+    if name not in TILED:
         return moe_cost.moe_step
 
     def traced(*args: Any) -> Any:
-        with persistent_kernel():
+        with tiled_kernel():
             return moe_cost.moe_step(*args)
 
     return traced
@@ -155,7 +154,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, float]:
 def decide(rec: Recorder, times: dict[str, float]) -> None:
     """Issue 39's MoE target as a decision input: blockwise FP8 over BF16 on JAX's kernels."""
     base = times.get("bf16 jax mgpu")
-    for name in ("blockwise", "blockwise-persistent"):
+    for name in ("blockwise", "blockwise-tiled"):
         if base and name in times:
             rec.decision(
                 f"MoE layer step: {name} / bf16 jax mgpu: {times[name] / base:.2f}x "

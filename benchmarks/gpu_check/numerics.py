@@ -23,7 +23,7 @@ from jax.typing import ArrayLike, DTypeLike
 import fp8jax
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
-from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm, row_items
 from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
@@ -148,7 +148,8 @@ def block_gemm(shapes: Shapes, fmt: DTypeLike, dry: bool) -> dict:
 
 def blockwise_recipe(shapes: Shapes, dry: bool) -> dict:
     """The blockwise recipe's three GEMMs on the kernel (`native_block_dot`: 1 x 128 tiles
-    times 128 x 128 blocks, and the retiled dgrad and wgrad) against its XLA path."""
+    times 128 x 128 blocks, and the retiled dgrad and wgrad) against its XLA path; on a GPU
+    the recipes' default kernel, the persistent one since run 4 (`choice`)."""
     recipe = fp8jax.BlockwiseScaling(native_kernel=False)
     rng = np.random.default_rng(1)
     m, n, k = shapes.dense
@@ -277,8 +278,8 @@ def tokens_kernel(shapes: Shapes, scaling: str, dry: bool) -> dict:
 def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=False) -> dict:
     """`Fp8RaggedDot` forward, dgrad and wgrad on the kernels against its XLA path (the same
     quantization; float32 summation order aside), with an expert that gets no token. With
-    `persistent`, on issue 39's persistent kernels (rows and tokens, `persistent_kernel()`):
-    what a GPU must pass before they become the default."""
+    `persistent`, on issue 39's persistent kernels (rows and tokens, `persistent_kernel()`:
+    the layers' default on a GPU since run 4), else on the tiled ones (`tiled_kernel()`)."""
     sizes = np.asarray(shapes.layer_sizes, np.int32)
     fin, fout = shapes.layer_features
     rng = np.random.default_rng(5)
@@ -299,7 +300,7 @@ def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=F
                 stack.enter_context(context)
             return eqx.filter_jit(step)(dot, x, w, g, jnp.asarray(sizes))
 
-    chosen = [persistent_kernel()] if persistent else []
+    chosen = [persistent_kernel() if persistent else tiled_kernel()]
     got, want = run(True, kernels(dry), *chosen), run(False, kernels(False))
     worst, passed = 0.0, True
     for a, b, terms in zip(got, want, (fin, fout, m), strict=True):

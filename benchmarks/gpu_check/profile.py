@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import functools
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -82,6 +83,12 @@ class Event:
 _ATTENTION_WORDS = ("cudnn", "fmha", "flash", "sdpa")
 _GEMM_WORDS = ("gemm", "cublas", "nvjet", "xmma", "cutlass", "matmul")
 _FP8_WORDS = ("e4m3", "e5m2", "fp8", "f8")
+#: cuBLAS's `nvjet` kernels (CUDA 13) name their operand types before `tst`: none for BF16
+#: (`nvjet_sm90_tst_...`), `qq` for E4M3 x E4M3 and `qr` for E4M3 x E5M2 (read off run 4's
+#: H200 trace: 7 `qq` and 14 `qr` per step where the step has 7 forward and 14 backward FP8
+#: GEMMs, none in BF16's step). XLA runs them inside command buffers, whose events name no
+#: HLO instruction, so the name is all there is to go by.
+_NVJET_FP8 = re.compile(r"nvjet_sm\d+_[qr]+tst")
 
 
 def kernel_name(hlo_name: str) -> str:
@@ -111,7 +118,8 @@ def kind_from_name(name: str) -> str:
     if any(w in low for w in _ATTENTION_WORDS):
         return "attention"
     if any(w in low for w in _GEMM_WORDS):
-        return "GEMM fp8" if any(w in low for w in _FP8_WORDS) else "GEMM bf16"
+        fp8 = any(w in low for w in _FP8_WORDS) or _NVJET_FP8.match(low)
+        return "GEMM fp8" if fp8 else "GEMM bf16"
     return "unmatched"
 
 

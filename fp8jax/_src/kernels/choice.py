@@ -1,11 +1,16 @@
-"""Which block-scaled and grouped kernels the recipes call: the tiled ones (`block_gemm`,
-`grouped_gemm`), or the persistent warp-specialized kernels (`persistent_gemm`: dense,
-grouped rows and grouped tokens) where a function is traced inside `persistent_kernel()`.
+"""Which block-scaled and grouped kernels the recipes call: the persistent warp-specialized
+kernels (`persistent_gemm`: dense, grouped rows and grouped tokens), or the tiled ones
+(`block_gemm`, `grouped_gemm`).
 
-The persistent kernel becomes the default only after a GPU run has checked and timed it
-(issue 39); until then this switch lets whole train steps be compiled and timed with it
-(`benchmarks/llama_block.py`'s `blockwise-persistent`, the GPU check's grouped section)
-without changing any default.
+On a GPU the persistent kernels are the default, each in the configuration the GPU check's
+sweep chose (H200, run 4: the dense kernel 1.17-1.21x faster than `PersistentConfig()` and
+1.47-1.52x faster than the tiled one at 8192 x 4096 -> 14336 and 7168 -> 18432, with the
+same numerics on the GPU: no element of the Llama shapes' products differed). Functions
+traced inside `tiled_kernel()` take the tiled kernels instead (to time them, or where a
+persistent grid does not suit), and inside `persistent_kernel(config)` one configuration of
+the user's for all three. Kernels traced for the interpreter (`dispatch.interpreted()`, the
+tests) are the tiled ones unless a context chooses: JAX 0.10's interpreter cannot run the
+persistent kernels, whose own tests choose them explicitly.
 """
 
 from __future__ import annotations
@@ -19,27 +24,72 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
+from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 
-_CHOSEN: contextvars.ContextVar[PersistentConfig | None] = contextvars.ContextVar(
-    "fp8jax_persistent_block_kernel", default=None
+#: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
+#: of the GPU check's sweep on an H200 (run 4, `benchmarks/results/gpu_check/h200_run4_*`).
+#: Dense: 880 / 841 TFLOP/s at 8192 x 4096 -> 14336 / 7168 -> 18432 against 821 / 731 for
+#: `PersistentConfig()`. Grouped rows: `PersistentConfig()` (the fastest at 2048 -> 7168; 2 %
+#: behind `grid_minor_dim="m"` at 7168 -> 2048). Grouped tokens (wgrad): `wg_dimension="n"`,
+#: 0.499 against 0.550 ms at (2048, 7168) over 8,192 rows.
+DEFAULT_CONFIGS = {
+    "dense": PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
+    "rows": PersistentConfig(),
+    "tokens": PersistentConfig(wg_dimension="n"),
+}
+
+#: A context's choice: a configuration, `_TILED`, `_PERSISTENT` (each GEMM in its default
+#: configuration) or `_DEFAULT` (no context: see the module).
+_TILED, _PERSISTENT, _DEFAULT = "tiled", "persistent", "default"
+_CHOSEN: contextvars.ContextVar[PersistentConfig | str] = contextvars.ContextVar(
+    "fp8jax_block_kernel_choice", default=_DEFAULT
 )
 
 
 @contextlib.contextmanager
-def persistent_kernel(config: PersistentConfig | None = None) -> Iterator[None]:
-    """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
-    chunks, the fused residual kernel) and the expert layers' FP8 grouped GEMMs on the
-    persistent kernels in `config` instead of the tiled ones: to measure them in whole train
-    steps (`benchmarks/llama_block.py`'s `blockwise-persistent`, the GPU check's grouped
-    section) before a GPU run makes them the default."""
-    token = _CHOSEN.set(PersistentConfig() if config is None else config)
+def _choose(choice: PersistentConfig | str) -> Iterator[None]:
+    token = _CHOSEN.set(choice)
     try:
         yield
     finally:
         _CHOSEN.reset(token)
+
+
+def persistent_kernel(
+    config: PersistentConfig | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """Functions traced inside run the recipes' block-scaled GEMMs (blockwise, MXFP8 with 128
+    chunks, the fused residual kernel) and the expert layers' FP8 grouped GEMMs on the
+    persistent kernels, all in `config` (`None`: each in its default of `DEFAULT_CONFIGS`),
+    interpreted ones included: to sweep a configuration in whole train steps, or to test the
+    persistent kernels in the interpreter."""
+    if config is not None and not isinstance(config, PersistentConfig):
+        raise TypeError(
+            f"persistent_kernel: config={config!r}; expected a PersistentConfig or None."
+        )
+    return _choose(_PERSISTENT if config is None else config)
+
+
+def tiled_kernel() -> contextlib.AbstractContextManager[None]:
+    """Functions traced inside run the recipes' block-scaled and grouped GEMMs on the tiled
+    kernels (`block_gemm`, `grouped_gemm`: one program per output tile), the default before
+    issue 39's persistent kernels: to time them against those (`benchmarks/llama_block.py`'s
+    `blockwise-tiled`, the GPU check)."""
+    return _choose(_TILED)
+
+
+def _config(kind: str) -> PersistentConfig | None:
+    """The persistent kernel's configuration for a GEMM of `kind` (a key of
+    `DEFAULT_CONFIGS`) traced now; `None`: the tiled kernel."""
+    choice = _CHOSEN.get()
+    if isinstance(choice, PersistentConfig):
+        return choice
+    if choice == _TILED or (choice == _DEFAULT and interpreting()):
+        return None
+    return DEFAULT_CONFIGS[kind]
 
 
 def recipe_block_gemm(
@@ -50,20 +100,20 @@ def recipe_block_gemm(
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
 ) -> Float[Array, "M N"]:
-    """The block-scaled GEMM the recipes call: `block_scaled_gemm` (the tiled kernel), or
-    `persistent_block_scaled_gemm` where traced inside `persistent_kernel()` and the chunks
-    are 128 wide (the only width it takes)."""
-    config = _CHOSEN.get()
+    """The block-scaled GEMM the recipes call: `persistent_block_scaled_gemm` where the chunks
+    are 128 wide (the only width it takes) and no context or the interpreter chooses the
+    tiled kernel (see the module), else `block_scaled_gemm` (the tiled kernel)."""
+    config = _config("dense")
     if config is None or block_k != BLOCK_K:
         return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
     return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
 
 
-def _grouped_choice(lhs: Array, block_k: int) -> PersistentConfig | None:
-    """The persistent kernels' configuration for a grouped GEMM traced inside
-    `persistent_kernel()` whose operands are FP8 and whose chunks are 128 wide (the only
-    ones those kernels take); `None`: the tiled kernel."""
-    config = _CHOSEN.get()
+def _grouped_choice(kind: str, lhs: Array, block_k: int) -> PersistentConfig | None:
+    """The persistent kernels' configuration for a grouped GEMM of `kind` ("rows" or
+    "tokens") whose operands are FP8 and whose chunks are 128 wide (the only ones those
+    kernels take); `None`: the tiled kernel."""
+    config = _config(kind)
     if config is None or block_k != BLOCK_K or jnp.dtype(lhs.dtype) not in FP8_TYPES:
         return None
     return config
@@ -81,12 +131,12 @@ def recipe_grouped_rows_gemm(
     block_k: int = BLOCK_K,
     promote: bool = False,
 ) -> Float[Array, "M N"]:
-    """The grouped rows GEMM the grouped layers call: `grouped_rows_gemm`, or
-    `persistent_grouped_rows_gemm` (its warpgroups splitting N) where traced inside
-    `persistent_kernel()`, the operands FP8 and the chunks 128 wide. `promote`: a per-tile
+    """The grouped rows GEMM the grouped layers call: `persistent_grouped_rows_gemm` (its
+    warpgroups splitting N) where the operands are FP8, the chunks 128 wide and the tiled
+    kernel not chosen (see the module), else `grouped_rows_gemm`. `promote`: a per-tile
     scaled contraction promoted to float32 every chunk (the backward's, as cuBLASLt without
     fast accumulation). `items`: cut at `TILE_M`-row tiles (`grouped_gemm.row_items`)."""
-    config = _grouped_choice(lhs, block_k)
+    config = _grouped_choice("rows", lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, item_scale=item_scale)
     kw = dict(out_dtype=out_dtype, promote=promote)
     if config is None:
@@ -121,10 +171,11 @@ def recipe_grouped_tokens_gemm(
     block_k: int = BLOCK_K,
     promote: bool = False,
 ) -> Float[Array, "G A B"]:
-    """The grouped tokens GEMM (wgrad) the grouped layers call: `grouped_tokens_gemm`, or
-    `persistent_grouped_tokens_gemm` where traced inside `persistent_kernel()`, the operands
-    FP8 and the chunks 128 wide. `promote`: as `recipe_grouped_rows_gemm`'s."""
-    config = _grouped_choice(lhs, block_k)
+    """The grouped tokens GEMM (wgrad) the grouped layers call:
+    `persistent_grouped_tokens_gemm` where the operands are FP8, the chunks 128 wide and the
+    tiled kernel not chosen (see the module), else `grouped_tokens_gemm`. `promote`: as
+    `recipe_grouped_rows_gemm`'s."""
+    config = _grouped_choice("tokens", lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, group_scale=group_scale)
     kw = dict(out_dtype=out_dtype, promote=promote)
     if config is None:

@@ -2,8 +2,8 @@
 `persistent_gemm`: an expert layer's rows GEMM (forward and dgrad) and tokens GEMM (wgrad),
 what `grouped_gemm`'s tiled kernels compute (the same arguments and results), persistent
 over the output tiles so that unused items and uneven or empty experts cost their programs
-nothing. `choice.persistent_kernel()` routes the grouped layers here; until a GPU run has
-checked and timed them, `grouped_gemm`'s kernels stay the default (issue 39).
+nothing. The grouped layers' default on a GPU since the GPU check's run 4 (`choice`);
+`choice.tiled_kernel()` routes them to `grouped_gemm`'s kernels instead.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def persistent_grouped_rows_gemm(
         check_shape(name, "item_scale", item_scale, table.shape[1:])
     cluster_n = config.cluster_tile[1]
     # The last tile may reach past the rows (TMA reads zeros there, and no item writes them);
-    # a tile is never larger than the operand, though.
-    mp, np_, kp = max(m, config.tile_m), round_up(n, cluster_n), chunks * BLOCK_K
+    # a tile is never larger than the operand, though, and TMA takes a tiled operand's rows
+    # in whole 8-row tiles (as `grouped_rows_gemm`).
+    mp, np_, kp = max(round_up(m, 8), config.tile_m), round_up(n, cluster_n), chunks * BLOCK_K
     a, b = pad_to(lhs, mp, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
         operands = [
