@@ -10,7 +10,6 @@
   and GEMM work that grows with the tokens, not tokens times experts.
 """
 
-import contextlib
 import json
 import re
 
@@ -577,7 +576,7 @@ def test_h100_lowers_rows_that_fill_no_whole_8_row_tile(persistent):
     whole 8-row tiles, so the kernels pad them (the grouped layer failed to lower on an H200
     at the GPU check's 2,338 rows, run 4)."""
     pytest.importorskip("jax_cuda12_plugin")
-    from fp8jax._src.kernels.choice import persistent_kernel
+    from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
     from fp8jax._src.observe import deviceless
 
     sizes = jnp.array([700, 0, 1300, 5, 333], jnp.int32)
@@ -589,7 +588,7 @@ def test_h100_lowers_rows_that_fill_no_whole_8_row_tile(persistent):
         loss = lambda dxw: jnp.mean(dxw[0](dxw[1], dxw[2], sizes).astype(jnp.float32) ** 2)  # noqa: E731
         return fp8jax.filter_grad(loss)((dot, x, w))
 
-    with persistent_kernel() if persistent else contextlib.nullcontext():
+    with persistent_kernel() if persistent else tiled_kernel():
         lowered, _ = deviceless.lower(step, (dot, x, w), {}, deviceless.h100_topology().devices[0])
     entry = lowered.compile().as_text().split("\nENTRY")[1]
     kernels = set(re.findall(r"fp8jax_grouped_\w+_gemm\w*", entry))
