@@ -90,6 +90,8 @@ from ._src.train.step import StepMetrics as StepMetrics
 from ._src.train.step import TrainState as TrainState
 from ._src.train.step import TrainStep as TrainStep
 from ._src.train.step import make_train_step as make_train_step
+from ._src.train.warm_start import scales_recorded as scales_recorded
+from ._src.train.warm_start import without_warm_start as without_warm_start
 
 if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `linen` extra)
     from ._src.convert.linen.convert import Fp8Linen as Fp8Linen
@@ -229,7 +231,9 @@ __all__ = [
     "report",
     "save_checkpoint",
     "save_fp8_operands",
+    "scales_recorded",
     "select_tree",
     "telemetry",
     "with_fp8_state",
+    "without_warm_start",
 ]

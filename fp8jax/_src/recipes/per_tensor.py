@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -27,6 +30,29 @@ from .base import (
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
+
+
+_SKIP_WARM_START: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_skip_warm_start", default=False
+)
+
+
+@contextlib.contextmanager
+def skip_warm_start() -> Iterator[None]:
+    """[`fp8jax.DelayedScaling`][] traced inside casts by its state's scale alone, as with
+    `warm_start=False` (1.0 where the state holds none), so the cast does not wait for its
+    operand's amax. The same values wherever every state holds a scale
+    (`train/warm_start.py`: `fp8jax.scales_recorded`, `fp8jax.without_warm_start`)."""
+    token = _SKIP_WARM_START.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_WARM_START.reset(token)
+
+
+def warm_start_skipped() -> bool:
+    """Whether delayed scaling is being traced inside `skip_warm_start()`."""
+    return _SKIP_WARM_START.get()
 
 
 def compute_scale(
@@ -223,7 +249,7 @@ class DelayedScaling(PerTensorRecipe):
         # previous step's state was merged (`next_scales`): no reduction over the history
         # here, one per operand and step otherwise.
         current = self.amax(x, state.scale)
-        if self.warm_start:
+        if self.warm_start and not warm_start_skipped():
             fmt_max = fp8_max(self.format(role))
             fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
         else:

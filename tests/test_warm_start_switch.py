@@ -1,0 +1,126 @@
+"""Delayed scaling's warm start paid only while it can change anything: `scales_recorded`,
+`without_warm_start`, and `make_train_step`'s switch to a program without it, bit for bit."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import SAME_BITS
+
+import fp8jax
+from fp8jax._src.recipes.per_tensor import warm_start_skipped
+
+
+def bits(tree):
+    """Every array leaf as raw bytes: equal bits, not merely equal values."""
+    return [np.asarray(a).tobytes() for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def mlp(key, recipe="delayed"):
+    model = eqx.nn.MLP(16, 4, 32, 2, key=key)
+    return fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe))
+
+
+def batch(key):
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, (64, 16)), jax.random.normal(ky, (64, 4)) * 1e-3
+
+
+def test_scales_recorded_after_every_state_has_an_amax(getkey):
+    model = mlp(getkey())
+    x, _ = batch(getkey())
+    assert not bool(fp8jax.scales_recorded(model))  # fresh: scale 0, "no amax yet"
+    loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(fp8jax.filter_grad(loss)(model))
+    no_change = jax.tree.map(jnp.zeros_like, eqx.filter(grads, eqx.is_inexact_array))
+    stepped = fp8jax.apply_updates(model, no_change, overwrites)  # the new FP8 state only
+    assert bool(fp8jax.scales_recorded(stepped))
+    # one state emptied again: not recorded
+    layer = stepped.layers[1].dot_general
+    empty = eqx.tree_at(
+        lambda m: m.layers[1].dot_general.output_grad.scale,
+        stepped,
+        jnp.zeros_like(layer.output_grad.scale),
+    )
+    assert not bool(fp8jax.scales_recorded(empty))
+    # nothing to record: current scaling, a model without FP8 layers
+    assert bool(fp8jax.scales_recorded(mlp(getkey(), "current")))
+    assert bool(fp8jax.scales_recorded(eqx.nn.Linear(3, 3, key=getkey())))
+    without = mlp(getkey(), fp8jax.DelayedScaling(warm_start=False))
+    assert bool(fp8jax.scales_recorded(without))
+
+
+def test_without_warm_start_casts_by_the_state_alone(getkey):
+    """Traced by `without_warm_start`, a fresh delayed state casts with scale 1.0, as
+    `warm_start=False` does (the warm start would scale by the operand's own amax); a
+    jitted function is refused (it would reuse its warm trace)."""
+    key = getkey()
+    x, _ = batch(getkey())
+    warm, cold = mlp(key), mlp(key, fp8jax.DelayedScaling(warm_start=False))
+    forward = lambda m: jax.vmap(m)(x)  # noqa: E731
+    skipped = eqx.filter_jit(fp8jax.without_warm_start(forward))(warm)
+    assert bits(skipped) == bits(eqx.filter_jit(forward)(cold))
+    assert bits(skipped) != bits(eqx.filter_jit(forward)(warm))
+    with pytest.raises(TypeError, match="already jitted"):
+        fp8jax.without_warm_start(eqx.filter_jit(forward))
+    with pytest.raises(TypeError, match="not callable"):
+        fp8jax.without_warm_start(3)
+
+
+def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey):
+    """The first step runs with the warm start, every later one without (one trace each),
+    and the states and losses are those of steps that all keep it, bit for bit. A state
+    from elsewhere starts with the warm start again."""
+    model = mlp(getkey())
+    x, y = batch(getkey())
+    traced = []
+
+    def loss(model, x, y):
+        traced.append(warm_start_skipped())
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    train_step = fp8jax.make_train_step(loss, optax.adam(1e-2), compiler_options=SAME_BITS)
+    state = first = train_step.init(model)
+    losses = []
+    for _ in range(3):
+        state, metrics = train_step(state, x, y)
+        losses.append(metrics.loss)
+    assert traced == [False, True]
+    # The reference: each step on a copy of the state (a state from elsewhere: the warm start).
+    ref, ref_losses = first, []
+    for _ in range(3):
+        ref, metrics = train_step(jax.tree.map(lambda a: a, ref), x, y)
+        ref_losses.append(metrics.loss)
+    assert traced == [False, True]  # no new trace: the warm program, as in the first step
+    assert bits(state) == bits(ref) and bits(losses) == bits(ref_losses)
+    again, _ = train_step(first, x, y)  # `first` is no step's output: the warm start again
+    assert bits(again) == bits(train_step(jax.tree.map(lambda a: a, first), x, y)[0])
+
+
+def test_train_step_keeps_the_warm_start_while_a_layer_has_recorded_nothing(getkey):
+    """A delayed-scaling layer the loss never calls keeps an empty state: every step keeps
+    the warm start (the program that would skip it is never traced)."""
+
+    class Two(eqx.Module):
+        used: eqx.nn.Linear
+        unused: eqx.nn.Linear
+
+    model = fp8jax.fp8_linear_layers(
+        Two(eqx.nn.Linear(16, 4, key=getkey()), eqx.nn.Linear(16, 4, key=getkey())),
+        fp8jax.Fp8Config(recipe="delayed", exclude=None),
+    )
+    x, y = batch(getkey())
+    traced = []
+
+    def loss(model, x, y):
+        traced.append(warm_start_skipped())
+        return jnp.mean((jax.vmap(model.used)(x) - y) ** 2)
+
+    train_step = fp8jax.make_train_step(loss, optax.adam(1e-2))
+    state = train_step.init(model)
+    for _ in range(4):
+        state, _ = train_step(state, x, y)
+    assert traced == [False]
+    assert not bool(fp8jax.scales_recorded(state.model))
