@@ -217,7 +217,9 @@ def make_train_step(
     on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
     adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
     (an inf or NaN in an FP8 layer's operand, passed on as NaN by the saturating cast),
-    changes nothing but the loss scale and the step count. No host sync.
+    changes nothing but the loss scale and the step count. No host sync, but one wait after
+    a state's first step: delayed scaling's warm start is dropped once every scale is
+    recorded ([`fp8jax.TrainStep`][]).
 
     **Arguments:**
 
