@@ -92,6 +92,37 @@ def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of
         same(got, ref)
 
 
+def test_rows_and_columns_tunings_compute_the_same_and_lower_for_an_h100():
+    """The GPU check's sweep of the rows-and-columns kernel (`ColumnTuning`): transposing the
+    float32 tile before the cast writes the same FP8 values and scales (interpreted), and
+    every tuning compiles for an H100 (Triton, deviceless); a bad tuning is named."""
+    rng = np.random.default_rng(11)
+    x = heavy_tailed(rng, (256, 384))
+    rule = dict(max_scale=MAX_SCALE, interpret=True)
+    want = block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
+    first = block_quantize.ColumnTuning(num_warps=4, transpose_first=True)
+    got = block_quantize.quantize_rows_and_columns(x, E4M3, **rule, tuning=first)
+    for a, b in zip(got, want, strict=True):
+        same(a, b)
+    with pytest.raises(ValueError, match="num_warps a power of two"):
+        block_quantize.quantize_rows_and_columns(
+            x, E4M3, **rule, tuning=block_quantize.ColumnTuning(num_warps=3)
+        )
+    if deviceless.h100_topology() is None:
+        return
+    device = deviceless.h100_topology().devices[0]
+    for tuning in (first, block_quantize.ColumnTuning(num_warps=16)):
+
+        def both(x, tuning=tuning):
+            return block_quantize.quantize_rows_and_columns(
+                x, E4M3, max_scale=MAX_SCALE, interpret=False, tuning=tuning
+            )
+
+        spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+        hlo = deviceless.lower(both, (spec,), {}, device)[0].compile().as_text()
+        assert "fp8jax_quantize_rows_and_columns" in hlo
+
+
 def test_kernels_propagate_nan_and_inf():
     """An inf or NaN becomes NaN in the data, and the program's amax shows it (the state
     then rejects the step), although PTX's `max` would drop a NaN."""

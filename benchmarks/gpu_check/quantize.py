@@ -12,6 +12,9 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
    columns (wgrad) and a weight with its dgrad copy, and the two gathered into an expert
    layer's padded layout: ms and GB/s of the bytes each must move.
+3. Sweep (full run): the rows-and-columns kernel alone in each `TUNINGS` configuration
+   (`block_quantize.ColumnTuning`: warps per program, transposing before or after the cast;
+   run 4 measured it at 0.65-0.71x of XLA's passes, the one kernel slower than XLA there).
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -45,6 +48,20 @@ SHAPES = {
     "weight 14336x4096": (14336, 4096),
 }
 DRY_SHAPES = {"dry 256x384": (256, 384)}
+#: The rows-and-columns kernel's configurations the sweep times (the default first).
+TUNINGS = (
+    block_quantize.DEFAULT_TUNING,
+    block_quantize.ColumnTuning(num_warps=4),
+    block_quantize.ColumnTuning(num_warps=16),
+    block_quantize.ColumnTuning(transpose_first=True),
+    block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
+)
+
+
+def tuning_name(tuning: block_quantize.ColumnTuning) -> str:
+    """A `ColumnTuning` as the sweep's case name."""
+    order = "transposed before the cast" if tuning.transpose_first else "cast, then transposed"
+    return f"rows+columns kernel alone, {tuning.num_warps} warps, {order}"
 
 
 def heavy_tailed(key: Any, shape: tuple[int, int]) -> jax.Array:
@@ -177,6 +194,16 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
     }
 
 
+def _alone(tuning: block_quantize.ColumnTuning) -> Any:
+    """The rows-and-columns kernel called directly in `tuning` (on a GPU; interpreted in
+    the dry run)."""
+
+    def call(x: jax.Array) -> tuple[jax.Array, ...]:
+        return block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=tuning)
+
+    return call
+
+
 def _time(name: str, fn: Any, x: jax.Array, moved: int, runs: int, dry: bool) -> dict:
     _, fields = compile_and_time(fn, (x,), fp8jax.gpu_compiler_options(), runs, dry, calls=5)
     fields["gb_per_s"] = moved * x.size / (fields["ms"] * 1e-3) / 1e9
@@ -196,18 +223,24 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             "xla": fp8jax.BlockwiseScaling(native_kernel=False),
         }
         ms = times.setdefault(label, {})
-        for path, recipe in paths.items():
-            for case, (fn, moved) in _cases(recipe).items():
-                measure = functools.partial(_time, case, fn, x, moved, runs, dry)
-                result = rec.measure(SECTION, f"{label} | {path}: {case}", measure)
-                if result is not None and "ms" in result:
-                    ms[f"{path}: {case}"] = result["ms"]
-                text = (
-                    rec.not_run()
-                    if result is None
-                    else (f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)")
-                )
-                rec.cell(SECTION, label, f"{path}: {case}", text)
+        cases = [
+            (path, case, fn, moved)
+            for path, recipe in paths.items()
+            for case, (fn, moved) in _cases(recipe).items()
+        ]
+        for tuning in TUNINGS[: 1 if mode == "quick" else None]:
+            cases.append(("sweep", tuning_name(tuning), _alone(tuning), 4))
+        for path, case, fn, moved in cases:
+            measure = functools.partial(_time, case, fn, x, moved, runs, dry)
+            result = rec.measure(SECTION, f"{label} | {path}: {case}", measure)
+            if result is not None and "ms" in result:
+                ms[f"{path}: {case}"] = result["ms"]
+            text = (
+                rec.not_run()
+                if result is None
+                else (f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)")
+            )
+            rec.cell(SECTION, label, f"{path}: {case}", text)
     return times
 
 
@@ -229,4 +262,14 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
         if ratios:
             rec.decision(
                 f"quantization kernels, {label} (XLA time / kernel time): " + ", ".join(ratios)
+            )
+        swept = {k.split(": ", 1)[1]: v for k, v in t.items() if k.startswith("sweep: ")}
+        default = swept.get(tuning_name(block_quantize.DEFAULT_TUNING))
+        if len(swept) > 1 and default:
+            best = min(swept, key=swept.get)
+            xla = t.get("xla: rows+columns")
+            versus = f"; XLA's rows+columns / it: {xla / swept[best]:.2f}x" if xla else ""
+            rec.decision(
+                f"quantization kernels, {label}: fastest {best} ({swept[best]:.3f} ms; the "
+                f"default / it: {default / swept[best]:.2f}x{versus})"
             )
