@@ -3,9 +3,9 @@ kernels (`persistent_gemm`: dense, grouped rows and grouped tokens), or the tile
 (`block_gemm`, `grouped_gemm`).
 
 On a GPU the persistent kernels are the default, each in the configuration the GPU check's
-sweep chose (H200, run 4: the dense kernel 1.17-1.21x faster than `PersistentConfig()` and
-1.47-1.52x faster than the tiled one at 8192 x 4096 -> 14336 and 7168 -> 18432, with the
-same numerics on the GPU: no element of the Llama shapes' products differed). Functions
+sweep chose (H200, run 4: the dense kernel 1.07-1.15x faster than in `PersistentConfig()`
+and 1.47-1.52x faster than the tiled one at 8192 x 4096 -> 14336 and 7168 -> 18432, with
+the same results on the GPU: no element of the Llama shapes' products differed). Functions
 traced inside `tiled_kernel()` take the tiled kernels instead (to time them, or where a
 persistent grid does not suit), and inside `persistent_kernel(config)` one configuration of
 the user's for all three. Kernels traced for the interpreter (`dispatch.interpreted()`, the
@@ -34,7 +34,9 @@ from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped
 #: Dense: 880 / 841 TFLOP/s at 8192 x 4096 -> 14336 / 7168 -> 18432 against 821 / 731 for
 #: `PersistentConfig()`. Grouped rows: `PersistentConfig()` (the fastest at 2048 -> 7168; 2 %
 #: behind `grid_minor_dim="m"` at 7168 -> 2048). Grouped tokens (wgrad): `wg_dimension="n"`,
-#: 0.499 against 0.550 ms at (2048, 7168) over 8,192 rows.
+#: 0.499 against 0.550 ms at (2048, 7168) over 8,192 rows. The grouped choices are within
+#: run-to-run noise (run 5 timed these 0.3-0.6 ms GEMMs up to 18 % apart from run 4, and
+#: ranked the configurations otherwise).
 DEFAULT_CONFIGS = {
     "dense": PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
     "rows": PersistentConfig(),
