@@ -11,6 +11,7 @@ from helpers import SAME_BITS
 
 import fp8jax
 from fp8jax._src.recipes.per_tensor import warm_start_skipped
+from fp8jax._src.train import warm_start
 
 
 def bits(tree):
@@ -69,10 +70,11 @@ def test_without_warm_start_casts_by_the_state_alone(getkey):
         fp8jax.without_warm_start(3)
 
 
-def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey):
-    """The first step runs with the warm start, every later one without (one trace each),
-    and the states and losses are those of steps that all keep it, bit for bit. A state
-    from elsewhere starts with the warm start again."""
+def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey, monkeypatch):
+    """After `WARM_STEPS` steps with the warm start (here 1) every step runs without it
+    (one trace each), and the states and losses are those of steps that all keep it, bit
+    for bit. A state from elsewhere starts with the warm start again."""
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
     model = mlp(getkey())
     x, y = batch(getkey())
     traced = []
@@ -99,9 +101,10 @@ def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey):
     assert bits(again) == bits(train_step(jax.tree.map(lambda a: a, first), x, y)[0])
 
 
-def test_train_step_keeps_the_warm_start_while_a_layer_has_recorded_nothing(getkey):
+def test_train_step_keeps_the_warm_start_while_a_layer_has_recorded_nothing(getkey, monkeypatch):
     """A delayed-scaling layer the loss never calls keeps an empty state: every step keeps
     the warm start (the program that would skip it is never traced)."""
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
 
     class Two(eqx.Module):
         used: eqx.nn.Linear
@@ -124,3 +127,23 @@ def test_train_step_keeps_the_warm_start_while_a_layer_has_recorded_nothing(getk
         state, _ = train_step(state, x, y)
     assert traced == [False]
     assert not bool(fp8jax.scales_recorded(state.model))
+
+
+def test_train_step_keeps_one_program_for_a_short_run(getkey):
+    """A run of `WARM_STEPS` steps or fewer never compiles the second program: it would not
+    earn back its compile."""
+    model = mlp(getkey())
+    x, y = batch(getkey())
+    traced = []
+
+    def loss(model, x, y):
+        traced.append(warm_start_skipped())
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    train_step = fp8jax.make_train_step(loss, optax.sgd(1e-2))
+    state = train_step.init(model)
+    for _ in range(warm_start.WARM_STEPS):
+        state, _ = train_step(state, x, y)
+    assert traced == [False]
+    state, _ = train_step(state, x, y)  # the eleventh step: the scales were recorded
+    assert traced == [False, True]

@@ -89,13 +89,14 @@ class TrainStep(eqx.Module):
     `init(model)` gives the first [`fp8jax.TrainState`][]; calling it,
     `step(state, *batch) -> (state, metrics)`, runs one step.
 
-    Delayed scaling's warm start is paid only while it can change anything: once the state
-    a step returned holds a scale for every [`fp8jax.DelayedScaling`][] state
-    ([`fp8jax.scales_recorded`][], read on the host after the first step: one wait for that
-    step to finish), the next steps run a program traced with the warm start skipped
-    ([`fp8jax.without_warm_start`][]): the same values, without each cast waiting for its
-    operand's amax (10 % of a Llama-3-8B block's step on an H200). A state from elsewhere
-    (`init`, a checkpoint, one changed between steps) starts again with the warm start.
+    Delayed scaling's warm start is paid only while it can change anything: once a state's
+    lineage has run ten steps (`WARM_STEPS`: the second program is a second compile, which a
+    short run would not earn back) and the state the last one returned holds a scale for
+    every [`fp8jax.DelayedScaling`][] state ([`fp8jax.scales_recorded`][], read on the host:
+    one wait for that step to finish), the next steps run a program traced with the warm
+    start skipped ([`fp8jax.without_warm_start`][]): the same values, without each cast
+    waiting for its operand's amax (10 % of a Llama-3-8B block's step on an H200). A state
+    from elsewhere (`init`, a checkpoint, one changed between steps) starts a lineage again.
     Called inside your own `jit`, the step keeps the warm start.
     """
 
@@ -127,13 +128,13 @@ class TrainStep(eqx.Module):
         # another transformation) the step is part of the caller's executable.
         if jax_private.tracing():
             return _jitted((), warm=True)(self, state, *batch)[:2]
-        recorded, reads_left = warm_start.read(state)
+        recorded, lineage = warm_start.read(state)
         if recorded:
             new_state, metrics = _jitted(self.compiler_options, warm=False)(self, state, *batch)
-            warm_start.remember(new_state, True, 0)
+            warm_start.remember(new_state, lineage._replace(said=True))
             return new_state, metrics
         new_state, metrics, said = _jitted(self.compiler_options, warm=True)(self, state, *batch)
-        warm_start.remember(new_state, said, reads_left)
+        warm_start.remember(new_state, lineage._replace(said=said))
         return new_state, metrics
 
 
@@ -218,7 +219,7 @@ def make_train_step(
     adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
     (an inf or NaN in an FP8 layer's operand, passed on as NaN by the saturating cast),
     changes nothing but the loss scale and the step count. No host sync, but one wait after
-    a state's first step: delayed scaling's warm start is dropped once every scale is
+    the tenth step, where delayed scaling's warm start is dropped once every scale is
     recorded ([`fp8jax.TrainStep`][]).
 
     **Arguments:**

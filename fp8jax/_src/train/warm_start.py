@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,12 @@ from ..recipes.per_tensor import DelayedScaling, skip_warm_start
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: Blocking reads of a step's answer before `read` only takes answers already on the host
-#: side: a lineage whose scales stay unrecorded (a layer never used) then costs no syncs.
+#: Steps a state's lineage runs with the warm start before `read` first asks whether its
+#: scales are recorded: the program without it is a second compile, which pays off over many
+#: steps, not over a short run (a test, a notebook's few steps).
+WARM_STEPS = 10
+#: Blocking reads of a step's answer before `read` only takes answers already computed: a
+#: lineage whose scales stay unrecorded (a layer never used) then costs no syncs.
 BLOCKING_READS = 2
 
 
@@ -109,28 +113,40 @@ def recorded_flag(tree: Any) -> Bool[Array, ""] | None:
     return scales_recorded(tree) if _warm_scales(tree) else None
 
 
-#: id(state returned by a step) -> (what that step said of its scales: `True`, a device
-#: bool, or `None`; blocking reads left). An entry leaves with its state.
-_SAID: dict[int, tuple[Any, int]] = {}
+class Lineage(NamedTuple):
+    """What the host knows of a state returned by a step: what that step said of its
+    scales (`said`: `True`, a device bool from `recorded_flag`, or `None`), the blocking
+    reads left, and the steps its lineage has run."""
+
+    said: Any = None
+    reads_left: int = BLOCKING_READS
+    steps: int = 0
 
 
-def remember(state: Any, said: Any, reads_left: int) -> None:
-    """Keep what the step that returned `state` said of its scales (`True`, a device bool
-    from `recorded_flag`, or `None`), for `read` on the next step."""
+#: id(state returned by a step) -> its `Lineage`. An entry leaves with its state.
+_SAID: dict[int, Lineage] = {}
+
+
+def remember(state: Any, lineage: Lineage) -> None:
+    """Keep `lineage` for the state a step returned, for `read` on the next step."""
     key = id(state)
-    _SAID[key] = (said, reads_left)
+    _SAID[key] = lineage
     weakref.finalize(state, _SAID.pop, key, None)
 
 
-def read(state: Any) -> tuple[bool, int]:
+def read(state: Any) -> tuple[bool, Lineage]:
     """Whether `state`, as returned by the step before, has every scale recorded (the next
-    step may skip the warm start), and the blocking reads left for the state this step
-    returns. A state from elsewhere (`init`, a checkpoint, a tree changed between steps):
-    `False`. A device answer is read once it is computed, or waited for while blocking
-    reads are left (the first steps: one wait, for the first step to finish)."""
-    said, reads_left = _SAID.get(id(state), (None, BLOCKING_READS))
-    if said is None or said is True:
-        return said is True, reads_left
-    if reads_left > 0:
-        return bool(said), reads_left - 1
-    return bool(said) if said.is_ready() else False, 0
+    step may skip the warm start), and the `Lineage` the state this step returns continues
+    (its `said` to be filled in). A state from elsewhere (`init`, a checkpoint, a tree
+    changed between steps) starts a lineage. Before `WARM_STEPS` steps of a lineage nothing
+    is read; then a device answer is read once it is computed, or waited for while blocking
+    reads are left (one wait, for the step before to finish)."""
+    known = _SAID.get(id(state), Lineage())
+    after = known._replace(steps=known.steps + 1)
+    if known.said is True:
+        return True, after
+    if known.said is None or known.steps < WARM_STEPS:
+        return False, after
+    if known.reads_left > 0:
+        return bool(known.said), after._replace(reads_left=known.reads_left - 1)
+    return (bool(known.said) if known.said.is_ready() else False), after
