@@ -359,7 +359,7 @@ def _chosen_configs(monkeypatch, context) -> dict:
 
 
 def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monkeypatch):
-    """Traced for a GPU with no context, each GEMM runs on its persistent kernel in the
+    """Traced on a GPU machine with no context, each GEMM runs on its persistent kernel in the
     configuration of `choice.DEFAULT_CONFIGS` (the GPU check's fastest, run 4; the rows
     kernel's CTA rows and warpgroups fixed by its items); `tiled_kernel()` takes the tiled
     kernels; `persistent_kernel(config)` gives one configuration to all three."""
@@ -368,6 +368,7 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
     from fp8jax._src.kernels import choice
     from fp8jax._src.kernels.block_gemm import TILE_M
 
+    monkeypatch.setattr(choice, "on_gpu", lambda: True)  # as traced on a GPU machine
     got = _chosen_configs(monkeypatch, contextlib.nullcontext())
     assert got["dense"] == choice.DEFAULT_CONFIGS["dense"] != PersistentConfig()
     assert got["tokens"] == choice.DEFAULT_CONFIGS["tokens"]

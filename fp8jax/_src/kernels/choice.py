@@ -8,9 +8,12 @@ and 1.47-1.52x faster than the tiled one at 8192 x 4096 -> 14336 and 7168 -> 184
 the same results on the GPU: no element of the Llama shapes' products differed). Functions
 traced inside `tiled_kernel()` take the tiled kernels instead (to time them, or where a
 persistent grid does not suit), and inside `persistent_kernel(config)` one configuration of
-the user's for all three. Kernels traced for the interpreter (`dispatch.interpreted()`, the
-tests) are the tiled ones unless a context chooses: JAX 0.10's interpreter cannot run the
-persistent kernels, whose own tests choose them explicitly.
+the user's for all three. Elsewhere, kernels traced for the interpreter
+(`dispatch.interpreted()`, the tests: JAX 0.10's interpreter cannot run the persistent
+kernels) or for a deviceless compile on a machine without a GPU (the inspector, the tests'
+H100 compiles: the persistent kernels take about twice as long to compile) are the tiled
+ones unless a context chooses; both kernels leave the rest of a step alike (kernels, bytes,
+memory: `benchmarks/llama_block.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -83,13 +87,19 @@ def tiled_kernel() -> contextlib.AbstractContextManager[None]:
     return _choose(_TILED)
 
 
+def on_gpu() -> bool:
+    """Whether kernels traced now run on this machine's GPU: not interpreted, and JAX's
+    default backend a GPU (a deviceless compile on a CPU machine is not)."""
+    return not interpreting() and jax.default_backend() == "gpu"
+
+
 def _config(kind: str) -> PersistentConfig | None:
     """The persistent kernel's configuration for a GEMM of `kind` (a key of
     `DEFAULT_CONFIGS`) traced now; `None`: the tiled kernel."""
     choice = _CHOSEN.get()
     if isinstance(choice, PersistentConfig):
         return choice
-    if choice == _TILED or (choice == _DEFAULT and interpreting()):
+    if choice == _TILED or (choice == _DEFAULT and not on_gpu()):
         return None
     return DEFAULT_CONFIGS[kind]
 
