@@ -29,6 +29,18 @@ def batch(key):
     return jax.random.normal(kx, (64, 16)), jax.random.normal(ky, (64, 4)) * 1e-3
 
 
+def spied_mse():
+    """A squared-error loss of `model(x)` against `y`, and the list into which each of its
+    traces appends whether it was traced with the warm start skipped."""
+    traced = []
+
+    def loss(model, x, y):
+        traced.append(warm_start_skipped())
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    return loss, traced
+
+
 def test_scales_recorded_after_every_state_has_an_amax(getkey):
     model = mlp(getkey())
     x, _ = batch(getkey())
@@ -77,11 +89,7 @@ def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey, mo
     monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
     model = mlp(getkey())
     x, y = batch(getkey())
-    traced = []
-
-    def loss(model, x, y):
-        traced.append(warm_start_skipped())
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+    loss, traced = spied_mse()
 
     train_step = fp8jax.make_train_step(loss, optax.adam(1e-2), compiler_options=SAME_BITS)
     state = first = train_step.init(model)
@@ -134,11 +142,7 @@ def test_train_step_keeps_one_program_for_a_short_run(getkey):
     earn back its compile."""
     model = mlp(getkey())
     x, y = batch(getkey())
-    traced = []
-
-    def loss(model, x, y):
-        traced.append(warm_start_skipped())
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+    loss, traced = spied_mse()
 
     train_step = fp8jax.make_train_step(loss, optax.sgd(1e-2))
     state = train_step.init(model)
