@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax._src.kernels import block_quantize, dispatch
+from fp8jax._src.kernels import block_quantize, dispatch, padded_quantize
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
@@ -92,35 +92,63 @@ def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of
         same(got, ref)
 
 
-def test_rows_and_columns_tunings_compute_the_same_and_lower_for_an_h100():
-    """The GPU check's sweep of the rows-and-columns kernel (`ColumnTuning`): transposing the
-    float32 tile before the cast writes the same FP8 values and scales (interpreted), and
-    every tuning compiles for an H100 (Triton, deviceless); a bad tuning is named."""
+def _transposing_kernels():
+    """Each kernel that writes a transposed copy, as `its name -> f(x, **options)`."""
+    rule = dict(max_scale=MAX_SCALE)
+    rows = jnp.asarray(np.r_[np.arange(100), -np.ones(28), np.arange(128, 256)], jnp.int32)
+
+    def saved(x, interpret):  # the rows kernel's copy, as the requantizing kernels read it
+        return block_quantize.quantize_rows(x, E4M3, **rule, interpret=interpret)[:2]
+
+    def both(x, **k):
+        return block_quantize.quantize_rows_and_columns(x, E4M3, **rule, **k)
+
+    def requantize(x, **k):
+        return block_quantize.requantize_columns(*saved(x, k["interpret"]), **rule, **k)
+
+    def blocks(x, **k):
+        return block_quantize.quantize_blocks(x, E4M3, **rule, **k)
+
+    def padded(x, **k):
+        return padded_quantize.quantize_padded_columns(x, rows, E4M3, **rule, **k)
+
+    def padded_requantize(x, **k):
+        data, scale_t = saved(x, k["interpret"])
+        return padded_quantize.requantize_padded_columns(data, scale_t, rows, **rule, **k)
+
+    names = block_quantize.QUANTIZE_NAMES[1:]
+    return dict(zip(names, (both, requantize, blocks, padded, padded_requantize), strict=True))
+
+
+def test_column_tunings_compute_the_same_and_lower_for_an_h100():
+    """The GPU check's sweep of the transposing kernels (`ColumnTuning`): with another warp
+    count and the float32 tile transposed before the cast, each writes the same FP8 values
+    and scales as in its default (interpreted) and compiles for an H100 (Triton,
+    deviceless); a bad tuning is named."""
     rng = np.random.default_rng(11)
     x = heavy_tailed(rng, (256, 384))
-    rule = dict(max_scale=MAX_SCALE, interpret=True)
-    want = block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
-    first = block_quantize.ColumnTuning(num_warps=4, transpose_first=True)
-    got = block_quantize.quantize_rows_and_columns(x, E4M3, **rule, tuning=first)
-    for a, b in zip(got, want, strict=True):
-        same(a, b)
-    with pytest.raises(ValueError, match="num_warps a power of two"):
-        block_quantize.quantize_rows_and_columns(
-            x, E4M3, **rule, tuning=block_quantize.ColumnTuning(num_warps=3)
-        )
+    # Warps change nothing interpreted; the order of cast and transpose does.
+    tuning = block_quantize.ColumnTuning(num_warps=2, transpose_first=True)
+    assert not block_quantize.DEFAULT_TUNING.transpose_first
+    assert not block_quantize.OTHER_TUNING.transpose_first
+    kernels = _transposing_kernels()
+    for kernel in kernels.values():
+        want = kernel(x, interpret=True)
+        for a, b in zip(kernel(x, interpret=True, tuning=tuning), want, strict=True):
+            same(a, b)
+        with pytest.raises(ValueError, match="num_warps a power of two"):
+            kernel(x, interpret=True, tuning=block_quantize.ColumnTuning(num_warps=3))
     if deviceless.h100_topology() is None:
         return
     device = deviceless.h100_topology().devices[0]
-    for tuning in (first, block_quantize.ColumnTuning(num_warps=16)):
+    spec = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
 
-        def both(x, tuning=tuning):
-            return block_quantize.quantize_rows_and_columns(
-                x, E4M3, max_scale=MAX_SCALE, interpret=False, tuning=tuning
-            )
+    def each(x):
+        return [kernel(x, interpret=False, tuning=tuning) for kernel in kernels.values()]
 
-        spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
-        hlo = deviceless.lower(both, (spec,), {}, device)[0].compile().as_text()
-        assert "fp8jax_quantize_rows_and_columns" in hlo
+    hlo = deviceless.lower(each, (spec,), {}, device)[0].compile().as_text()
+    assert all(name in hlo for name in kernels)
+    assert hlo.count("num_warps = 2 : i32") == len(kernels)  # each kernel in its tuning
 
 
 def test_kernels_propagate_nan_and_inf():

@@ -99,6 +99,11 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     timed = {r["name"].split(" | ")[1] for r in section if "gb_per_s" in r}
     want = {"kernels: rows+columns", "xla: rows+columns", "kernels: weight + dgrad copy"}
     assert want | {"kernels: gathered columns", "xla: gathered columns"} <= timed
+    swept = {name.split(" kernel alone")[0] for name in timed if name.startswith("sweep: ")}
+    assert swept == {
+        f"sweep: {k}"
+        for k in ("rows+columns", "requantize", "weight", "gathered columns", "gathered requantize")
+    }
     assert all(
         set(r["kernel_elements_differing_from_ieee"]) >= {"padded columns"} for r in numerics
     )

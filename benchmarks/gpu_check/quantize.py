@@ -12,9 +12,10 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
    columns (wgrad) and a weight with its dgrad copy, and the two gathered into an expert
    layer's padded layout: ms and GB/s of the bytes each must move.
-3. Sweep (full run): the rows-and-columns kernel alone in each `TUNINGS` configuration
-   (`block_quantize.ColumnTuning`: warps per program, transposing before or after the cast;
-   run 4 measured it at 0.65-0.71x of XLA's passes, the one kernel slower than XLA there).
+3. Sweep (full run): each kernel that writes a transposed copy, alone, in each of its
+   `TUNINGS` (`block_quantize.ColumnTuning`: warps per program, transposing before or after
+   the cast). Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and
+   so its default since); the others are swept from then on.
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -34,6 +35,7 @@ import fp8jax
 from fp8jax._src.kernels import block_quantize, padded_quantize
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
+from . import timing
 from .record import Recorder
 from .timing import compile_and_time
 
@@ -48,20 +50,30 @@ SHAPES = {
     "weight 14336x4096": (14336, 4096),
 }
 DRY_SHAPES = {"dry 256x384": (256, 384)}
-#: The rows-and-columns kernel's configurations the sweep times (the default first).
-TUNINGS = (
-    block_quantize.DEFAULT_TUNING,
+_OTHER = (
+    block_quantize.OTHER_TUNING,
     block_quantize.ColumnTuning(num_warps=4),
-    block_quantize.ColumnTuning(num_warps=16),
-    block_quantize.ColumnTuning(transpose_first=True),
     block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
 )
+#: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
+#: default first.
+TUNINGS = {
+    "rows+columns": (
+        block_quantize.DEFAULT_TUNING,
+        block_quantize.ColumnTuning(num_warps=8),
+        block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
+    ),
+    "requantize": _OTHER,
+    "weight": _OTHER,
+    "gathered columns": _OTHER,
+    "gathered requantize": _OTHER,
+}
 
 
-def tuning_name(tuning: block_quantize.ColumnTuning) -> str:
-    """A `ColumnTuning` as the sweep's case name."""
+def tuning_name(kernel: str, tuning: block_quantize.ColumnTuning) -> str:
+    """A kernel in a `ColumnTuning`, as the sweep's case name."""
     order = "transposed before the cast" if tuning.transpose_first else "cast, then transposed"
-    return f"rows+columns kernel alone, {tuning.num_warps} warps, {order}"
+    return f"{kernel} kernel alone, {tuning.num_warps} warps, {order}"
 
 
 def heavy_tailed(key: Any, shape: tuple[int, int]) -> jax.Array:
@@ -194,19 +206,32 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
     }
 
 
-def _alone(tuning: block_quantize.ColumnTuning) -> Any:
-    """The rows-and-columns kernel called directly in `tuning` (on a GPU; interpreted in
-    the dry run)."""
+def _alone(kernel: str, tuning: block_quantize.ColumnTuning, x: jax.Array, dry: bool) -> tuple:
+    """Kernel `kernel` called directly in `tuning` (on a GPU; interpreted in the dry run):
+    (function, its arguments from `x`, bytes it moves per element of `x`). The requantizing
+    kernels read the rows kernel's copy of `x`, made beforehand."""
+    t = dict(tuning=tuning)
+    rows = jnp.asarray(row_map(x.shape[0]))
+    if kernel in ("requantize", "gathered requantize"):
+        with timing.kernels(dry):
+            saved = jax.jit(lambda x: block_quantize.quantize_rows(x, E4M3, **RULE)[:2])(x)
+        if kernel == "requantize":
+            return functools.partial(block_quantize.requantize_columns, **RULE, **t), saved, 2
+        fn = functools.partial(padded_quantize.requantize_padded_columns, rows=rows, **RULE, **t)
+        return fn, saved, 2
+    if kernel == "gathered columns":
+        fn = functools.partial(padded_quantize.quantize_padded_columns, rows=rows, **RULE, **t)
+        return functools.partial(fn, fmt=E4M3), (x,), 3
+    calls = {
+        "rows+columns": block_quantize.quantize_rows_and_columns,
+        "weight": block_quantize.quantize_blocks,
+    }
+    return functools.partial(calls[kernel], fmt=E4M3, **RULE, **t), (x,), 4
 
-    def call(x: jax.Array) -> tuple[jax.Array, ...]:
-        return block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=tuning)
 
-    return call
-
-
-def _time(name: str, fn: Any, x: jax.Array, moved: int, runs: int, dry: bool) -> dict:
-    _, fields = compile_and_time(fn, (x,), fp8jax.gpu_compiler_options(), runs, dry, calls=5)
-    fields["gb_per_s"] = moved * x.size / (fields["ms"] * 1e-3) / 1e9
+def _time(name: str, fn: Any, args: tuple, moved: int, runs: int, dry: bool) -> dict:
+    _, fields = compile_and_time(fn, args, fp8jax.gpu_compiler_options(), runs, dry, calls=5)
+    fields["gb_per_s"] = moved * args[0].size / (fields["ms"] * 1e-3) / 1e9
     return fields
 
 
@@ -224,14 +249,18 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         }
         ms = times.setdefault(label, {})
         cases = [
-            (path, case, fn, moved)
+            (path, case, fn, (x,), moved)
             for path, recipe in paths.items()
             for case, (fn, moved) in _cases(recipe).items()
         ]
-        for tuning in TUNINGS[: 1 if mode == "quick" else None]:
-            cases.append(("sweep", tuning_name(tuning), _alone(tuning), 4))
-        for path, case, fn, moved in cases:
-            measure = functools.partial(_time, case, fn, x, moved, runs, dry)
+        # Quick: one case; dry: each kernel's default (every call built); full: all.
+        sweep = list(TUNINGS.items())[: 1 if mode == "quick" else None]
+        for kernel, tunings in sweep:
+            for tuning in tunings[: None if mode == "full" else 1]:
+                call = _alone(kernel, tuning, x, dry)
+                cases.append(("sweep", tuning_name(kernel, tuning), *call))
+        for path, case, fn, args, moved in cases:
+            measure = functools.partial(_time, case, fn, args, moved, runs, dry)
             result = rec.measure(SECTION, f"{label} | {path}: {case}", measure)
             if result is not None and "ms" in result:
                 ms[f"{path}: {case}"] = result["ms"]
@@ -263,13 +292,14 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
             rec.decision(
                 f"quantization kernels, {label} (XLA time / kernel time): " + ", ".join(ratios)
             )
-        swept = {k.split(": ", 1)[1]: v for k, v in t.items() if k.startswith("sweep: ")}
-        default = swept.get(tuning_name(block_quantize.DEFAULT_TUNING))
-        if len(swept) > 1 and default:
+        for kernel, tunings in TUNINGS.items():
+            names = [tuning_name(kernel, tuning) for tuning in tunings]
+            swept = {n: t[f"sweep: {n}"] for n in names if f"sweep: {n}" in t}
+            default = swept.get(names[0])
+            if len(swept) < 2 or not default:
+                continue
             best = min(swept, key=swept.get)
-            xla = t.get("xla: rows+columns")
-            versus = f"; XLA's rows+columns / it: {xla / swept[best]:.2f}x" if xla else ""
             rec.decision(
                 f"quantization kernels, {label}: fastest {best} ({swept[best]:.3f} ms; the "
-                f"default / it: {default / swept[best]:.2f}x{versus})"
+                f"default / it: {default / swept[best]:.2f}x)"
             )

@@ -32,6 +32,9 @@ from jaxtyping import Array, Float, Int
 
 from . import QUANTIZE_NAMES
 from .block_quantize import (
+    OTHER_TUNING,
+    ColumnTuning,
+    check_tuning,
     column_outputs,
     pltriton,
     reference_columns,
@@ -67,16 +70,19 @@ def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]
     return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
 
 
-def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, **rule):
+def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, first: bool, **rule):
     x, real, _ = _gather(rows_ref, x_ref, pl.program_id(1), block)
-    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule)
+    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, first)
 
 
-def _requantize_kernel(rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, **rule):
+def _requantize_kernel(
+    rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, first: bool, **rule
+):
     j = pl.program_id(1)
     data, real, index = _gather(rows_ref, data_ref, j, block)
     scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
-    store_columns(jnp.where(real[:, None], data * scale_inv[:, None], 0.0), qt_ref, st_ref, rule)
+    x = jnp.where(real[:, None], data * scale_inv[:, None], 0.0)
+    store_columns(x, qt_ref, st_ref, rule, first)
 
 
 def _whole(a: Array) -> pl.BlockSpec:
@@ -85,29 +91,34 @@ def _whole(a: Array) -> pl.BlockSpec:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret")
+    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret", "tuning")
 )
-def _quantize(x, rows, *, fmt, block, max_scale, power_of_two, interpret):
+def _quantize(x, rows, *, fmt, block, max_scale, power_of_two, interpret, tuning):
     (padded,), k = rows.shape, x.shape[1]
-    kernel = functools.partial(
-        _quantize_kernel, block=block, **tile_rule(fmt, max_scale, power_of_two, interpret)
-    )
+    rule = tile_rule(fmt, max_scale, power_of_two, interpret)
+    kernel = functools.partial(_quantize_kernel, block=block, first=tuning.transpose_first, **rule)
     shapes, specs = column_outputs(block, padded, k, fmt, x)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
     grid = (padded // block, k // block)
-    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, QUANTIZE_PADDED_NAME)
+    name, warps = QUANTIZE_PADDED_NAME, tuning.num_warps
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, warps)
     return tuple(call(rows, x))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "max_scale", "power_of_two", "interpret"))
-def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("block", "max_scale", "power_of_two", "interpret", "tuning")
+)
+def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, interpret, tuning):
     (padded,), k = rows.shape, data.shape[1]
     rule = tile_rule(data.dtype, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_requantize_kernel, block=block, **rule)
+    kernel = functools.partial(
+        _requantize_kernel, block=block, first=tuning.transpose_first, **rule
+    )
     shapes, specs = column_outputs(block, padded, k, data.dtype, data)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(data), _whole(scale_inv_t)]
     grid = (padded // block, k // block)
-    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, REQUANTIZE_PADDED_NAME)
+    name, warps = REQUANTIZE_PADDED_NAME, tuning.num_warps
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, warps)
     return tuple(call(rows, data, scale_inv_t))
 
 
@@ -142,11 +153,14 @@ def quantize_padded_columns(
     max_scale: float,
     power_of_two: bool = False,
     interpret: bool | None = None,
+    tuning: ColumnTuning = OTHER_TUNING,
 ) -> tuple[Array, Float[Array, "P/block K"]]:
     """`x`'s rows gathered by `rows` (zeros where -1) in `block` x 1 tiles along them,
     transposed: FP8 `data_t (K, P)` and chunk-major `scale_inv (P / block, K)`, from one
-    read of `x`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`)."""
+    read of `x`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`). `tuning`: a
+    `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(x, rows, block, QUANTIZE_PADDED_NAME, interpret)
+    check_tuning(tuning, QUANTIZE_PADDED_NAME)
     return _quantize(
         x,
         rows.astype(jnp.int32),
@@ -155,6 +169,7 @@ def quantize_padded_columns(
         max_scale=max_scale,
         power_of_two=power_of_two,
         interpret=interpret,
+        tuning=tuning,
     )
 
 
@@ -167,11 +182,14 @@ def requantize_padded_columns(
     max_scale: float,
     power_of_two: bool = False,
     interpret: bool | None = None,
+    tuning: ColumnTuning = OTHER_TUNING,
 ) -> tuple[Array, Float[Array, "P/block K"]]:
     """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major), its rows gathered
     by `rows` (zeros where -1) and requantized into `block` x 1 tiles along them, transposed:
-    `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block, K)`."""
+    `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block, K)`.
+    `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
+    check_tuning(tuning, REQUANTIZE_PADDED_NAME)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
         raise ValueError(
@@ -186,6 +204,7 @@ def requantize_padded_columns(
         max_scale=max_scale,
         power_of_two=power_of_two,
         interpret=interpret,
+        tuning=tuning,
     )
 
 
