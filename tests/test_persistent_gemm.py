@@ -76,6 +76,9 @@ def fp8_operand(rng, rows, k, dtype=E4M3):
         # clusters of two CTAs sharing (multicasting) the rhs tile, then the lhs tile
         (300, 500, 384, 1, E4M3, PersistentConfig(cluster="m", num_sms=4)),
         (300, 500, 384, 1, E4M3, PersistentConfig(cluster="n", wg_dimension="n", num_sms=4)),
+        # two chunks a step, the first promoted while the second's wgmma runs: three chunks
+        # padded to four, the residual form
+        (70, 130, 300, 2, E4M3, PersistentConfig(chunks_per_step=2, num_sms=2)),
     ],
 )
 def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, fmt, config):
@@ -134,6 +137,7 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(grid_tile_width=True), "grid_tile_width=True"),
         (dict(num_sms=0), "num_sms=0"),
         (dict(cluster="k"), "cluster='k'"),
+        (dict(chunks_per_step=4), "chunks_per_step=4"),
     ],
 )
 def test_bad_configs_are_refused_by_name(kwargs, match):
@@ -193,6 +197,9 @@ print(json.dumps({
     "mma": sorted({i for t in ptx for i in re.findall(r"wgmma\\.mma_async[\\w.]*", t)}),
     "setmaxnreg": sorted({i for t in ptx for i in re.findall(r"setmaxnreg\\.\\w+\\S*\\s+\\d+", t)}),
     "spills": [[int(s) for s in re.findall(r"(\\d+) bytes spill", t)] for t in ptxas],
+    "waits": sorted(
+        {int(i) for t in ptx for i in re.findall(r"wgmma\\.wait_group\\S*\\s+(\\d+)", t)}
+    ),
 }))
 """
 
@@ -203,10 +210,11 @@ print(json.dumps({
         ({}, "dense"),
         ({"wg_dimension": "n"}, "dense"),
         ({"cluster": "m"}, "dense"),
+        ({"chunks_per_step": 2}, "dense"),
         ({}, "tokens"),
         ({"cluster": "m"}, "tokens-group"),
     ],
-    ids=["default", "wg n", "cluster m", "tokens", "tokens per-expert cluster m"],
+    ids=["default", "wg n", "cluster m", "two a step", "tokens", "tokens per-expert cluster m"],
 )
 def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     tmp_path, config, kind
@@ -226,6 +234,10 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     kinds = {s.split(".")[1] for s in seen["setmaxnreg"]}
     assert kinds == {"inc", "dec"}, seen["setmaxnreg"]
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+    # Two chunks a step: the first chunk's product read with the second's wgmma in flight
+    # (where JAX can wait for fewer than all: 0.11 on).
+    overlap = config.get("chunks_per_step") == 2 and mosaic_private.wgmma_partial_waits()
+    assert (1 in seen["waits"]) == overlap and 0 in seen["waits"], seen["waits"]
 
 
 @needs_interpreter

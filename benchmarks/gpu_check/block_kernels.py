@@ -48,22 +48,22 @@ DRY_SHAPES = {"dry": (256, 256, 256)}
 
 #: Configurations swept, the default first. 64 x 128 per warpgroup is what fits the
 #: registers without spills (64 x 192 and 64 x 256 spill in the deviceless compile, 128 x 128
-#: exceeds shared memory with 4 stages); the pipeline depth, the warpgroups' split and the
-#: tile order and the clusters' multicast are what is left to tune. Every one compiles for an
-#: H100 at both shapes (deviceless, JAX 0.11.2), without spills but for `cluster="n"` (32
-#: bytes).
+#: exceeds shared memory with 4 stages). Runs 4-6 (H200) measured the pipeline depth (3 or 5
+#: stages: slower than 4) and the clusters' multicast (slower) and chose the tile order
+#: (`choice.DEFAULT_CONFIGS`: `grid_minor_dim="m", grid_tile_width=8`); since session 32
+#: the sweep times two chunks a step (`chunks_per_step=2`: the first chunk promoted while the
+#: second's `wgmma` runs) beside it. Every one compiles for an H100 at both shapes
+#: (deviceless, JAX 0.11.2) without spills.
 SWEEP = (
     PersistentConfig(),
-    PersistentConfig(max_concurrent_steps=3),
-    PersistentConfig(max_concurrent_steps=5),
-    PersistentConfig(wg_dimension="n"),
-    PersistentConfig(grid_minor_dim="m"),
-    PersistentConfig(grid_tile_width=4),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
-    PersistentConfig(wg_dimension="n", max_concurrent_steps=3),
-    PersistentConfig(cluster="m"),
-    PersistentConfig(cluster="n"),
-    PersistentConfig(cluster="m", grid_minor_dim="m"),
+    PersistentConfig(grid_tile_width=4),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=16),
+    PersistentConfig(wg_dimension="n", grid_minor_dim="m", grid_tile_width=8),
+    PersistentConfig(chunks_per_step=2),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=16, chunks_per_step=2),
+    PersistentConfig(wg_dimension="n", grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
 )
 DRY_SWEEP = (
     PersistentConfig(num_sms=2),
@@ -77,6 +77,8 @@ CASES = (
     (1000, 1500, 1100, 1, E5M2, jnp.float32, PersistentConfig(wg_dimension="n")),
     (777, 1000, 900, 2, E4M3, jnp.float32, PersistentConfig(grid_minor_dim="m")),
     (1000, 1500, 1100, 1, E4M3, BF16, PersistentConfig(max_concurrent_steps=3)),
+    (1000, 1500, 1100, 1, E4M3, jnp.float32, PersistentConfig(chunks_per_step=2)),
+    (777, 1000, 900, 2, E5M2, BF16, PersistentConfig(grid_minor_dim="m", chunks_per_step=2)),
 )
 DRY_CASES = (
     (70, 130, 300, 1, E4M3, jnp.float32, PersistentConfig(num_sms=2)),

@@ -16,6 +16,9 @@ fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by ver
   from the shape of its internals: JAX 0.11 on).
 - Whether `plgpu.wgmma` takes an E4M3 operand with an E5M2 one (`mixed_fp8_wgmma`: PTX
   `wgmma` has independent A and B types; JAX 0.11 on accepts the pair, 0.10 refuses it).
+- `plgpu.wgmma_accumulator_load(acc, wait_n=...)` (JAX 0.11 on) reads a `wgmma`
+  accumulator once at most `wait_n` `wgmma` groups are in flight; 0.10 has only `acc[...]`,
+  which waits for all of them: `wgmma_load` below.
 - `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
   `ref.transpose(perm)`, which it wraps in every supported release (what
   `tests/test_mosaic_private.py` traces for the GPU).
@@ -68,6 +71,24 @@ def interpreter_runs_gpu_path() -> bool:
     except ImportError:  # pragma: no cover - depends on the installed JAX
         return False
     return hasattr(utils, "to_access")
+
+
+def wgmma_partial_waits() -> bool:
+    """Whether this JAX reads a `wgmma` accumulator while later `wgmma` groups are still in
+    flight (`plgpu.wgmma_accumulator_load`: JAX 0.11 on)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return hasattr(plgpu, "wgmma_accumulator_load")
+
+
+def wgmma_load(acc_ref: Any, wait_n: int) -> Any:
+    """The value of `wgmma` accumulator `acc_ref` once at most `wait_n` `wgmma` groups are in
+    flight (all of them finished where this JAX cannot wait for fewer)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not wgmma_partial_waits():
+        return acc_ref[...]
+    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
 
 
 def reset_interpreter() -> None:

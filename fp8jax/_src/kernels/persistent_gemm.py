@@ -115,6 +115,12 @@ class PersistentConfig:
       both (`"m"`: the rhs tile, `"n"`: the lhs tile).
     - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
       deviceless H100 compile).
+    - `chunks_per_step`: 128-wide chunks of the contraction per pipeline step, 1 (default)
+      or 2 (the dense block-scaled GEMM only). With 2, each compute warpgroup issues both
+      chunks' `wgmma` into two accumulators, then promotes the first while the second runs
+      (`wgmma_accumulator_load(wait_n=1)`, JAX 0.11 on; older releases wait for both), so
+      the tensor cores have work while the scales are applied. The same sums, in the same
+      order.
     """
 
     tile_m: int = 64
@@ -125,6 +131,7 @@ class PersistentConfig:
     grid_tile_width: int = 1
     cluster: str | None = None
     num_sms: int | None = None
+    chunks_per_step: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -139,6 +146,10 @@ class PersistentConfig:
                 raise ValueError(
                     f"PersistentConfig: {name}={getattr(self, name)!r}; should be 'm' or 'n'."
                 )
+        if self.chunks_per_step not in (1, 2) or isinstance(self.chunks_per_step, bool):
+            raise ValueError(
+                f"PersistentConfig: chunks_per_step={self.chunks_per_step!r}; should be 1 or 2."
+            )
         if self.cluster not in (None, "m", "n"):
             raise ValueError(
                 f"PersistentConfig: cluster={self.cluster!r}; should be None, 'm' or 'n'."
@@ -202,8 +213,8 @@ def persistent_block_scaled_gemm(
     check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
     cluster_m, cluster_n = config.cluster_tile
-    mp, np_, kp = round_up(m, cluster_m), round_up(n, cluster_n), round_up(k, BLOCK_K)
-    chunks = kp // BLOCK_K
+    kp = round_up(k, BLOCK_K * config.chunks_per_step)  # zeros: a whole last step
+    mp, np_, chunks = round_up(m, cluster_m), round_up(n, cluster_n), kp // BLOCK_K
     # Scales chunk-major: a pipeline step's scales are one contiguous row of the CTA's rows.
     operands = [pad_to(lhs, mp, kp), pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T]
     for rhs, scale in terms:
@@ -236,6 +247,7 @@ def _stages(config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bo
     cta_m, cta_n = config.cta_tile
     rows = cta_m + n_terms * cta_n
     per_stage = rows * BLOCK_K + (0 if tile_scaled else 4 * rows)  # FP8 tiles, f32 scales
+    per_stage *= config.chunks_per_step
     out = 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
     fit = (H100_SMEM_BYTES - SMEM_RESERVE - out) // per_stage
     if fit < 1:
@@ -243,7 +255,7 @@ def _stages(config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bo
             f"persistent kernel: {config} with a {jnp.dtype(out_dtype).name} output does not "
             f"fit in shared memory ({H100_SMEM_BYTES} bytes); use smaller tiles."
         )
-    return min(config.max_concurrent_steps, chunks, fit)
+    return min(config.max_concurrent_steps, chunks // config.chunks_per_step, fit)
 
 
 def interpretable(who: str, interpret: bool) -> bool:
@@ -290,6 +302,12 @@ def run_persistent(
     registers first (FP8 `wgmma` accumulates with less than float32's precision)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
+    per_step = config.chunks_per_step
+    if per_step != 1 and (layout != "dense" or tile_scaled):
+        raise ValueError(
+            f"persistent kernel: {config} takes chunks_per_step={per_step}, which only the "
+            "dense block-scaled GEMM has (persistent_block_scaled_gemm); use 1 here."
+        )
     lead = {"dense": 0, "rows": 1, "tokens": 2}[layout]
     ragged = layout == "rows"
     a_index = lead + (1 if tile_scaled else 0)
@@ -307,19 +325,20 @@ def run_persistent(
     fp8_tiling = operand_tiling(operands[a_index].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
-    def pipeline(step, context, grid=(chunks,), first=0):
+    def pipeline(step, context, grid=(chunks // per_step,), first=0):
         # Chunks `first, first + 1, ...` of the contraction, `grid` of them (a run-time count
         # for the tokens layout: then the pipeline's trip count is dynamic).
         def tile_spec(rows, share):
             return plgpu.BlockSpec(
-                (rows, BLOCK_K),
+                (rows, BLOCK_K * per_step),
                 lambda c: (0, first + c),
                 transforms=fp8_tiling,
                 collective_axes=share,
             )
 
         def scale_spec(rows, share):
-            return plgpu.BlockSpec((1, rows), lambda c: (first + c, 0), collective_axes=share)
+            spec = (per_step, rows)
+            return plgpu.BlockSpec(spec, lambda c: (first + c, 0), collective_axes=share)
 
         if tile_scaled:
             specs = [tile_spec(cta_m, share_a), tile_spec(cta_n, share_b)]
@@ -427,6 +446,28 @@ def run_persistent(
                         acc = scaled_add(acc, part, sa, sb)
                     return acc
 
+                def promote_pair_step(_, a_smem, sa_smem, *rest):
+                    # Both chunks' wgmma in flight, the first promoted while the second runs.
+                    *b_smem, acc = rest
+                    halves = [pl.ds(0, BLOCK_K), pl.ds(BLOCK_K, BLOCK_K)]
+                    for t in range(n_terms):
+                        tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1]
+
+                        def pair(*parts, acc=acc, tile_b=tile_b, sb=sb):
+                            for part, half in zip(parts, halves, strict=True):
+                                plgpu.wgmma(
+                                    part,
+                                    a_smem.at[rows, half],
+                                    tile_b.at[:, half].transpose((1, 0)),
+                                )
+                            for j, part in enumerate(parts):
+                                value = mosaic_private.wgmma_load(part, wait_n=1 - j)
+                                acc = scaled_add(acc, value, sa_smem[j, rows], sb[j, cols])
+                            return acc
+
+                        acc = pl.run_scoped(pair, *[plgpu.ACC((tm, tn), jnp.float32)] * 2)
+                    return acc
+
                 def sum_step(_, a_smem, b_smem, acc):
                     part = chunk_product(a_smem.at[rows], b_smem.at[cols], (tm, tn), False)
                     return acc + part
@@ -448,7 +489,8 @@ def run_persistent(
                         args += [sa_gmem.at[:, cta_rows]]
                         for t in range(n_terms):
                             args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
-                        kernel = pipeline(promote_step, promoted, **chunked)
+                        step = promote_pair_step if per_step == 2 else promote_step
+                        kernel = pipeline(step, promoted, **chunked)
                     kernel(*args, allocations=allocations)
 
                 if layout == "dense":
