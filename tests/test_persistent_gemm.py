@@ -390,17 +390,34 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
     mine = PersistentConfig(max_concurrent_steps=3)
     got = _chosen_configs(monkeypatch, persistent_kernel(mine))
     assert got["dense"] == got["tokens"] == mine
+    # Two chunks a step where a GEMM can take them (block scales, the chunks known when
+    # traced); the tokens GEMM takes one.
+    pair = PersistentConfig(chunks_per_step=2)
+    got = _chosen_configs(monkeypatch, persistent_kernel(pair))
+    assert got["dense"].chunks_per_step == got["rows"].chunks_per_step == 2
+    assert got["tokens"] == dataclasses.replace(pair, chunks_per_step=1)
+    a, w = jax.ShapeDtypeStruct((256, 256), E4M3), jax.ShapeDtypeStruct((3, 128, 256), E4M3)
+    items = row_items(jnp.array([100, 0, 156], jnp.int32), 256)
+    with persistent_kernel(pair):  # per-item scales: one chunk a step (two would raise)
+        jax.eval_shape(
+            lambda a, w: choice.recipe_grouped_rows_gemm(
+                a, w, items, item_scale=jnp.ones(items.tile.shape)
+            ),
+            a,
+            w,
+        )
     with pytest.raises(TypeError, match="config='fast'; expected a PersistentConfig"):
         persistent_kernel("fast")
 
 
 @needs_interpreter
-@pytest.mark.parametrize("scaling", ["blocks", "item", "item, promoted"])
+@pytest.mark.parametrize("scaling", ["blocks", "blocks, two a step", "item", "item, promoted"])
 def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     """Each expert's rows times its weight, on the rows as they are (`row_items`): experts'
     ends sharing tiles, expert 1 without rows, rows past every expert (zeros), the last tile
     partial; persistent over 9 x 2 (item, column tile) pairs on 3 programs. Block scales
-    promoted per chunk, or one scale per item applied to the whole accumulation."""
+    promoted per chunk (also two chunks a step: three padded to four), or one scale per item
+    applied to the whole accumulation."""
     rng = np.random.default_rng(4)
     sizes = np.array([100, 0, 150, 30], np.int32)
     m = 300
@@ -409,11 +426,12 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
     expert_scale = jnp.asarray(2.0 ** rng.integers(-4, 4, len(sizes)), jnp.float32)
     items = row_items(jnp.asarray(sizes), m)
-    if scaling == "blocks":
+    if scaling.startswith("blocks"):
         scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     else:
         scales = dict(item_scale=expert_scale[jnp.maximum(items.expert, 0)])
-    config = PersistentConfig(wg_dimension="n", num_sms=3)
+    per_step = 2 if scaling.endswith("a step") else 1
+    config = PersistentConfig(wg_dimension="n", num_sms=3, chunks_per_step=per_step)
     kw = dict(config=config, promote=scaling == "item, promoted", interpret=True)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
         lhs, rhs, items, scales
@@ -423,7 +441,7 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     for e, rows in enumerate(np.split(np.arange(m), np.cumsum(sizes))[: len(sizes)]):
         if not rows.size:
             continue
-        if scaling == "blocks":
+        if scaling.startswith("blocks"):
             sa, terms = lhs_scale[rows], [(rhs[e], rhs_scale[e])]
         else:  # the expert's scale on every row, unit scales on the weight
             sa = jnp.full(lhs_scale[rows].shape, expert_scale[e])
@@ -460,6 +478,9 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
         persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, item_scale=jnp.ones((2,)))
     with pytest.raises(ValueError, match="item_scale has shape \\(3,\\)"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, item_scale=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="chunks_per_step=2, which only the block-scaled"):
+        config = PersistentConfig(wg_dimension="n", chunks_per_step=2)
+        persistent_grouped_rows_gemm(lhs, rhs, experts, item_scale=jnp.ones((2,)), config=config)
 
 
 @needs_interpreter

@@ -55,9 +55,10 @@ JAX_CONFIGS = (moe_cost.JAX_CONFIG, (64, 256, 64, 4, 2))
 #: split N and its CTA rows are one item's (`choice.recipe_grouped_rows_gemm`).
 SWEEP = {
     "rows": (
-        PersistentConfig(max_concurrent_steps=3),
         PersistentConfig(grid_minor_dim="m"),
         PersistentConfig(cluster="n"),
+        PersistentConfig(chunks_per_step=2),
+        PersistentConfig(grid_minor_dim="m", chunks_per_step=2),
     ),
     "tokens": (
         PersistentConfig(),  # the default before run 4; now wg_dimension="n"

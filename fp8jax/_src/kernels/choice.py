@@ -71,7 +71,8 @@ def persistent_kernel(
     chunks, the fused residual kernel) and the expert layers' FP8 grouped GEMMs on the
     persistent kernels, all in `config` (`None`: each in its default of `DEFAULT_CONFIGS`),
     interpreted ones included: to sweep a configuration in whole train steps, or to test the
-    persistent kernels in the interpreter."""
+    persistent kernels in the interpreter. A GEMM that cannot take two chunks a step (the
+    tokens GEMM, per-tensor scales) takes one where `config.chunks_per_step` is 2."""
     if config is not None and not isinstance(config, PersistentConfig):
         raise TypeError(
             f"persistent_kernel: config={config!r}; expected a PersistentConfig or None."
@@ -166,6 +167,7 @@ def recipe_grouped_rows_gemm(
             tile_m=TILE_M,
             wg_dimension="n",
             cluster=None if config.cluster == "m" else config.cluster,
+            chunks_per_step=config.chunks_per_step if item_scale is None else 1,
         ),
     )
 
@@ -194,6 +196,7 @@ def recipe_grouped_tokens_gemm(
         return grouped_tokens_gemm(
             lhs, rhs, chunk_start, chunk_count, **scales, **kw, block_k=block_k
         )
+    config = dataclasses.replace(config, chunks_per_step=1)  # chunk counts known at run time
     return persistent_grouped_tokens_gemm(
         lhs, rhs, chunk_start, chunk_count, **scales, **kw, config=config
     )

@@ -116,11 +116,11 @@ class PersistentConfig:
     - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
       deviceless H100 compile).
     - `chunks_per_step`: 128-wide chunks of the contraction per pipeline step, 1 (default)
-      or 2 (the dense block-scaled GEMM only). With 2, each compute warpgroup issues both
+      or 2. With 2, each compute warpgroup issues both
       chunks' `wgmma` into two accumulators, then promotes the first while the second runs
       (`wgmma_accumulator_load(wait_n=1)`, JAX 0.11 on; older releases wait for both), so
       the tensor cores have work while the scales are applied. The same sums, in the same
-      order.
+      order. Block scales only, in the dense and grouped rows GEMMs.
     """
 
     tile_m: int = 64
@@ -303,10 +303,11 @@ def run_persistent(
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     per_step = config.chunks_per_step
-    if per_step != 1 and (layout != "dense" or tile_scaled):
+    if per_step != 1 and (layout == "tokens" or tile_scaled):
         raise ValueError(
             f"persistent kernel: {config} takes chunks_per_step={per_step}, which only the "
-            "dense block-scaled GEMM has (persistent_block_scaled_gemm); use 1 here."
+            "block-scaled dense and grouped rows GEMMs have (each expert's chunks of tokens "
+            "in the tokens GEMM are counted at run time); use 1 here."
         )
     lead = {"dense": 0, "rows": 1, "tokens": 2}[layout]
     ragged = layout == "rows"

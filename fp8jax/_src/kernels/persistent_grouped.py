@@ -81,6 +81,7 @@ def persistent_grouped_rows_gemm(
     # The last tile may reach past the rows (TMA reads zeros there, and no item writes them);
     # a tile is never larger than the operand, though, and TMA takes a tiled operand's rows
     # in whole 8-row tiles (as `grouped_rows_gemm`).
+    chunks = round_up(chunks, config.chunks_per_step)  # zeros: a whole last step
     mp, np_, kp = max(round_up(m, 8), config.tile_m), round_up(n, cluster_n), chunks * BLOCK_K
     a, b = pad_to(lhs, mp, kp), jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
