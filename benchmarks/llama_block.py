@@ -26,7 +26,8 @@ timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no
 `delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`) and
 `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside `tiled_kernel`;
 `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
-run 4; on a CPU compile the recipe takes the XLA path).
+run 4; on a CPU compile the recipe takes the XLA path) and `blockwise-pairs` (that kernel
+in its default configuration with two chunks a step, `chunks_per_step=2`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
-from fp8jax._src.kernels.choice import tiled_kernel
+from fp8jax._src.kernels.choice import DEFAULT_CONFIGS, persistent_kernel, tiled_kernel
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -87,9 +88,16 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
     "delayed-cond": CondWarmStart(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
+    "blockwise-pairs": fp8jax.BlockwiseScaling(),
 }
-#: Variants whose block-scaled GEMMs run on the tiled kernel (`step(name)`).
-TILED = ("blockwise-tiled",)
+#: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
+#: (`step(name)`).
+CONTEXTS: dict[str, Callable[[], Any]] = {
+    "blockwise-tiled": tiled_kernel,
+    "blockwise-pairs": lambda: persistent_kernel(
+        dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
+    ),
+}
 #: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
 ATTENTION = ("cudnn", "xla", "stand-in")
 STAND_IN = "attention_stand_in"
@@ -196,13 +204,13 @@ def variant(block: LlamaBlock, name: str) -> Any:
 
 def step(name: str = "bf16") -> Callable:
     """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
-    for the variants in `TILED` traced inside `tiled_kernel()`."""
+    for the variants in `CONTEXTS` traced inside their context."""
     inner = train_steps.block_step(loss)
-    if name not in TILED:
+    if name not in CONTEXTS:
         return inner
 
     def traced(*args: Any) -> Any:
-        with tiled_kernel():
+        with CONTEXTS[name]():
             return inner(*args)
 
     return traced

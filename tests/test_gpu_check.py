@@ -314,6 +314,22 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
             main.parse(["--out", str(tmp_path), "--llama-variants", bad])
 
 
+def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
+    """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
+    its default configuration with two chunks a step; the rest the default choice."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import llama_block
+
+    from fp8jax._src.kernels import choice
+
+    with llama_block.CONTEXTS["blockwise-tiled"]():
+        assert choice._config("dense") is None
+    with llama_block.CONTEXTS["blockwise-pairs"]():
+        pairs = choice._config("dense")
+    assert pairs == dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chunks_per_step=2)
+    assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
+
+
 def test_llama_variants_of_every_mode_build(monkeypatch):
     """Every size and variant the GPU run's Llama section names exists (shapes only)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
