@@ -116,7 +116,7 @@ def _transposing_kernels():
         data, scale_t = saved(x, k["interpret"])
         return padded_quantize.requantize_padded_columns(data, scale_t, rows, **rule, **k)
 
-    names = block_quantize.QUANTIZE_NAMES[1:]
+    names = block_quantize.QUANTIZE_NAMES[1:6]
     return dict(zip(names, (both, requantize, blocks, padded, padded_requantize), strict=True))
 
 

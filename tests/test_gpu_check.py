@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from helpers import compile_flags
 
@@ -102,8 +103,16 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     swept = {name.split(" kernel alone")[0] for name in timed if name.startswith("sweep: ")}
     assert swept == {
         f"sweep: {k}"
-        for k in ("rows+columns", "requantize", "weight", "gathered columns", "gathered requantize")
+        for k in (
+            "rows+columns",
+            "requantize",
+            "weight",
+            "gathered columns",
+            "gathered requantize",
+            "per-tensor cast",
+        )
     }
+    assert {f"{p}: per-tensor cast+transpose+amax" for p in ("kernels", "xla")} <= timed
     assert all(
         set(r["kernel_elements_differing_from_ieee"]) >= {"padded columns"} for r in numerics
     )
@@ -316,17 +325,25 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
 
 def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
-    its default configuration with two chunks a step; the rest the default choice."""
+    its default configuration with two chunks a step (a block-scaled GEMM traced inside
+    each variant's context, the kernels spied on)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import llama_block
 
     from fp8jax._src.kernels import choice
 
-    with llama_block.CONTEXTS["blockwise-tiled"]():
-        assert choice._config("dense") is None
-    with llama_block.CONTEXTS["blockwise-pairs"]():
-        pairs = choice._config("dense")
-    assert pairs == dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chunks_per_step=2)
+    seen = []
+    monkeypatch.setattr(choice, "block_scaled_gemm", lambda *a, **k: seen.append("tiled"))
+    monkeypatch.setattr(
+        choice, "persistent_block_scaled_gemm", lambda *a, config, **k: seen.append(config)
+    )
+    a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
+    s = jnp.ones((128, 2), jnp.float32)
+    for name in ("blockwise-tiled", "blockwise-pairs"):
+        with llama_block.CONTEXTS[name]():
+            choice.recipe_block_gemm(a, s, [(a, s)])
+    pairs = dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chunks_per_step=2)
+    assert seen == ["tiled", pairs]
     assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
 
 

@@ -12,6 +12,9 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
    columns (wgrad) and a weight with its dgrad copy, and the two gathered into an expert
    layer's padded layout: ms and GB/s of the bytes each must move.
+   Beside them, delayed scaling's per-tensor cast with its transposed copy and amax: XLA's
+   fusion and reductions (`per_tensor_xla`) against one pass of `cast_transpose` (issue 38:
+   XLA's transposing FP8 fusions moved 1.3-2.5 TB/s in run 6's Llama profile).
 3. Sweep (full run): each kernel that writes a transposed copy, alone, in each of its
    `TUNINGS` (`block_quantize.ColumnTuning`: warps per program, transposing before or after
    the cast). Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and
@@ -32,7 +35,9 @@ import ml_dtypes
 import numpy as np
 
 import fp8jax
+from fp8jax._src.core.formats import saturate
 from fp8jax._src.kernels import block_quantize, padded_quantize
+from fp8jax._src.kernels.cast_transpose import cast_transpose
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
 from . import timing
@@ -57,17 +62,34 @@ _OTHER = (
 )
 #: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
 #: default first.
+TUNINGS_ROWS_AND_COLUMNS = (
+    block_quantize.DEFAULT_TUNING,
+    block_quantize.ColumnTuning(num_warps=8),
+    block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
+)
 TUNINGS = {
-    "rows+columns": (
-        block_quantize.DEFAULT_TUNING,
-        block_quantize.ColumnTuning(num_warps=8),
-        block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
-    ),
+    "rows+columns": TUNINGS_ROWS_AND_COLUMNS,
     "requantize": _OTHER,
     "weight": _OTHER,
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
+    "per-tensor cast": TUNINGS_ROWS_AND_COLUMNS,
 }
+#: Delayed scaling's per-tensor scale in the per-tensor cases (any scale would do).
+PER_TENSOR_SCALE = 0.37
+
+
+def per_tensor_xla(x: jax.Array) -> tuple[jax.Array, ...]:
+    """What delayed scaling's step does to an operand with a transposed copy: the saturating
+    cast and its transpose (one XLA fusion) and the amax (XLA's reductions)."""
+    q = saturate(x, jnp.float32(PER_TENSOR_SCALE), E4M3)
+    return q, q.T, jnp.max(jnp.abs(x))
+
+
+def per_tensor_kernel(x: jax.Array, tuning=block_quantize.DEFAULT_TUNING) -> tuple:
+    """The same by `cast_transpose`, its amax tiles reduced by XLA."""
+    data, data_t, amax = cast_transpose(x, jnp.float32(PER_TENSOR_SCALE), E4M3, tuning=tuning)
+    return data, data_t, jnp.max(amax)
 
 
 def tuning_name(kernel: str, tuning: block_quantize.ColumnTuning) -> str:
@@ -152,7 +174,15 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
     (p_data, p_scales), (pr_data, pr_scales) = gathered(x, data, scale_t, jnp.asarray(padded))
     p_want, p_want_scales = ieee_rows(_gathered(host, padded).T)
     pr_want, pr_want_scales = ieee_rows(_gathered(real, padded).T)
+    # The per-tensor kernel: a product and a rounding, as NumPy's (no division).
+    per_tensor = jax.jit(
+        lambda x: cast_transpose(x, jnp.float32(PER_TENSOR_SCALE), E4M3, interpret=interpret)
+    )(x)
+    limit = np.float32(ml_dtypes.finfo(E4M3).max)
+    cast = np.clip(host * np.float32(PER_TENSOR_SCALE), -limit, limit)
+    cast = np.where(np.isfinite(host), cast, np.nan).astype(E4M3).astype(np.float32)
     differ = {
+        "per-tensor cast": _differ(per_tensor[0], cast) + _differ(per_tensor[1], cast.T),
         "rows": _differ(data, rows) + _differ(scale_t, scales),
         "columns": _differ(data_t, cols) + _differ(cols_t, col_scales),
         "requantized": _differ(again[0], req) + _differ(again[1], req_scales),
@@ -195,8 +225,10 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
         q = jax.lax.optimization_barrier(q)
         return recipe.retile_gathered(q, jnp.asarray(row_map(x.shape[0])), "input")
 
+    per_tensor = per_tensor_xla if recipe.native_kernel is False else per_tensor_kernel
     # Bytes per element: read BF16 (2) and write FP8 (1 per copy).
     return {
+        "per-tensor cast+transpose+amax": (per_tensor, 4),
         "rows": (rows, 3),
         "rows+columns": (both, 4),
         "rows, requantized": (requantize, 5),
@@ -219,6 +251,8 @@ def _alone(kernel: str, tuning: block_quantize.ColumnTuning, x: jax.Array, dry: 
             return functools.partial(block_quantize.requantize_columns, **RULE, **t), saved, 2
         fn = functools.partial(padded_quantize.requantize_padded_columns, rows=rows, **RULE, **t)
         return fn, saved, 2
+    if kernel == "per-tensor cast":
+        return functools.partial(per_tensor_kernel, tuning=tuning), (x,), 4
     if kernel == "gathered columns":
         fn = functools.partial(padded_quantize.quantize_padded_columns, rows=rows, **RULE, **t)
         return functools.partial(fn, fmt=E4M3), (x,), 3

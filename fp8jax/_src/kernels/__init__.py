@@ -1,6 +1,6 @@
 """Native GPU kernels: the GEMMs XLA cannot express as one FP8 call (Pallas Mosaic GPU), and
 the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`,
-`padded_quantize`).
+`padded_quantize`), and a per-tensor one (`cast_transpose`, timed by the GPU check).
 
 Pallas is imported by the kernel modules, on use; this package's top level stays light.
 """
@@ -14,8 +14,9 @@ BLOCK_GEMM_NAME = "fp8jax_block_scaled_gemm"
 GROUPED_ROWS_NAME = "fp8jax_grouped_rows_gemm"
 GROUPED_TOKENS_NAME = "fp8jax_grouped_tokens_gemm"
 
-#: The one-pass quantization kernels' names (`block_quantize`, `padded_quantize`), in the
-#: HLO's op_name, where `fp8jax.hlo_cost` counts them as quantization.
+#: The one-pass quantization kernels' names (`block_quantize`, `padded_quantize`,
+#: `cast_transpose`), in the HLO's op_name, where `fp8jax.hlo_cost` counts them as
+#: quantization.
 QUANTIZE_NAMES = (
     "fp8jax_quantize_rows",
     "fp8jax_quantize_rows_and_columns",
@@ -23,4 +24,7 @@ QUANTIZE_NAMES = (
     "fp8jax_quantize_blocks",
     "fp8jax_quantize_padded_columns",
     "fp8jax_requantize_padded_columns",
+    "fp8jax_cast_transpose",
 )
+#: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
+CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]

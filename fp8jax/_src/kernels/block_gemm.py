@@ -204,6 +204,24 @@ def scaled_add(acc: Array, part: Array, sa: Array, sb: Array) -> Array:
     return acc + part * scale
 
 
+def promoted_pair(acc: Array, a_tile, b_tile, sa_ref, sb_ref, rows, cols, shape) -> Array:
+    """`acc` plus two 128-chunks' products (`a_tile (tile_m, 256) . b_tile (tile_n, 256)^T`,
+    scales `sa_ref[j, rows]`, `sb_ref[j, cols]` for chunk `j`), both `wgmma` issued first and
+    the first promoted while the second runs (`mosaic_private.wgmma_load`)."""
+    halves = [pl.ds(0, BLOCK_K), pl.ds(BLOCK_K, BLOCK_K)]
+
+    def pair(*parts):
+        for part, half in zip(parts, halves, strict=True):
+            plgpu.wgmma(part, a_tile.at[:, half], b_tile.at[:, half].transpose((1, 0)))
+        total = acc
+        for j, part in enumerate(parts):
+            value = mosaic_private.wgmma_load(part, wait_n=1 - j)
+            total = scaled_add(total, value, sa_ref[j, rows], sb_ref[j, cols])
+        return total
+
+    return pl.run_scoped(pair, *[plgpu.ACC(shape, jnp.float32)] * 2)
+
+
 def zeros_acc(shape: tuple[int, int], interpret: bool) -> Array:
     """A float32 accumulator of zeros in registers, in `wgmma`'s layout."""
     acc = jnp.zeros(shape, jnp.float32)

@@ -70,6 +70,7 @@ from .block_gemm import (
     operand_tiling,
     out_tiling,
     pad_to,
+    promoted_pair,
     round_up,
     scaled_add,
 )
@@ -115,12 +116,10 @@ class PersistentConfig:
       both (`"m"`: the rhs tile, `"n"`: the lhs tile).
     - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
       deviceless H100 compile).
-    - `chunks_per_step`: 128-wide chunks of the contraction per pipeline step, 1 (default)
-      or 2. With 2, each compute warpgroup issues both
-      chunks' `wgmma` into two accumulators, then promotes the first while the second runs
-      (`wgmma_accumulator_load(wait_n=1)`, JAX 0.11 on; older releases wait for both), so
-      the tensor cores have work while the scales are applied. The same sums, in the same
-      order. Block scales only, in the dense and grouped rows GEMMs.
+    - `chunks_per_step`: 128-chunks per pipeline step, 1 (default) or 2 (block scales; dense
+      and grouped rows GEMMs): both chunks' `wgmma` issued, the first promoted while the
+      second runs (`block_gemm.promoted_pair`), so that the tensor cores have work while the
+      scales are applied. The same sums in the same order.
     """
 
     tile_m: int = 64
@@ -448,25 +447,11 @@ def run_persistent(
                     return acc
 
                 def promote_pair_step(_, a_smem, sa_smem, *rest):
-                    # Both chunks' wgmma in flight, the first promoted while the second runs.
                     *b_smem, acc = rest
-                    halves = [pl.ds(0, BLOCK_K), pl.ds(BLOCK_K, BLOCK_K)]
                     for t in range(n_terms):
                         tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1]
-
-                        def pair(*parts, acc=acc, tile_b=tile_b, sb=sb):
-                            for part, half in zip(parts, halves, strict=True):
-                                plgpu.wgmma(
-                                    part,
-                                    a_smem.at[rows, half],
-                                    tile_b.at[:, half].transpose((1, 0)),
-                                )
-                            for j, part in enumerate(parts):
-                                value = mosaic_private.wgmma_load(part, wait_n=1 - j)
-                                acc = scaled_add(acc, value, sa_smem[j, rows], sb[j, cols])
-                            return acc
-
-                        acc = pl.run_scoped(pair, *[plgpu.ACC((tm, tn), jnp.float32)] * 2)
+                        args = (a_smem.at[rows], tile_b, sa_smem, sb, rows, cols, (tm, tn))
+                        acc = promoted_pair(acc, *args)
                     return acc
 
                 def sum_step(_, a_smem, b_smem, acc):

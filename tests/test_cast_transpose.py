@@ -1,0 +1,90 @@
+"""Per-tensor FP8 quantization in one pass (`kernels.cast_transpose`, Pallas Triton): bit for
+bit with the recipes' saturating cast and a NumPy reference in Pallas' interpreter, its
+amax per tile, bad input refused by name, and one Triton kernel in an H100 compile."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax._src.core.formats import saturate
+from fp8jax._src.kernels import CAST_TRANSPOSE_NAME
+from fp8jax._src.kernels.block_quantize import ColumnTuning
+from fp8jax._src.kernels.cast_transpose import cast_transpose
+from fp8jax._src.observe import deviceless
+
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+
+
+def operand(rng, shape):
+    """BF16 rows over many binades, a zero tile, values past the formats' max, inf and NaN."""
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal((shape[0], 1)) * 3)
+    x[: shape[0] // 2, -(shape[1] // 3) :] = 0.0
+    x[1, 2], x[-1, 0], x[shape[0] // 2, 129] = 1e30, np.inf, np.nan
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def np_cast(x, scale, fmt):
+    """The saturating cast in NumPy: float32 product, clipped at the format's max, rounded to
+    nearest even by ml_dtypes; inf and NaN become NaN."""
+    x = np.asarray(x, np.float32)
+    limit = np.float32(ml_dtypes.finfo(fmt).max)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.clip(x * np.float32(scale), -limit, limit)
+    return np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
+
+
+def same(got, want):
+    got, want = np.asarray(got).astype(np.float32), np.asarray(want).astype(np.float32)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)  # NaN where the other has NaN
+
+
+@pytest.mark.parametrize("fmt, scale", [(E4M3, 0.37), (E5M2, 3.1e3)])
+@pytest.mark.parametrize("tuning", [ColumnTuning(num_warps=4), ColumnTuning(transpose_first=True)])
+def test_kernel_casts_as_the_recipes_and_numpy_bit_for_bit(fmt, scale, tuning):
+    """The data and its transposed copy equal `formats.saturate` (the recipes' cast) and a
+    NumPy cast element for element; each tile's amax is its `max |x|` (NaN with a NaN)."""
+    rng = np.random.default_rng(7)
+    x = operand(rng, (256, 384))
+    data, data_t, amax = cast_transpose(x, jnp.float32(scale), fmt, interpret=True, tuning=tuning)
+    assert data.dtype == data_t.dtype == fmt and amax.shape == (2, 3)
+    same(data, saturate(x, jnp.float32(scale), fmt))
+    same(data, np_cast(x, scale, fmt))
+    same(data_t, np_cast(x, scale, fmt).T)
+    tiles = np.abs(np.asarray(x, np.float32)).reshape(2, 128, 3, 128).transpose(0, 2, 1, 3)
+    same(amax, tiles.reshape(2, 3, -1).max(-1))
+    assert np.isnan(amax[1, 1]) and np.isinf(amax[1, 0])
+
+
+def test_kernel_refuses_what_it_cannot_cast():
+    x = jnp.ones((256, 384), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"shape \(200, 384\) is not made of whole 128"):
+        cast_transpose(x[:200], jnp.float32(1), E4M3, interpret=True)
+    with pytest.raises(ValueError, match=r"scale has shape \(2,\)"):
+        cast_transpose(x, jnp.ones((2,)), E4M3, interpret=True)
+    with pytest.raises(ValueError, match="num_warps a power of two"):
+        cast_transpose(x, jnp.float32(1), E4M3, interpret=True, tuning=ColumnTuning(num_warps=6))
+
+
+def test_h100_compile_runs_one_triton_kernel_counted_as_quantization():
+    """For an H100 (deviceless): one Triton kernel by its name, which `fp8jax.hlo_cost`
+    files under quantization."""
+    if deviceless.h100_topology() is None:
+        pytest.skip("no deviceless H100 compile on this machine")
+    spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+
+    def cast(x):
+        return cast_transpose(x, jnp.float32(2.0), E4M3, interpret=False)
+
+    lowered, _ = deviceless.lower(cast, (spec,), {}, deviceless.h100_topology().devices[0])
+    hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
+    calls = [line for line in hlo.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and re.search(f"{CAST_TRANSPOSE_NAME}/pallas_call", calls[0])
+    # Read 2 bytes and write 2 an element (amax tiles and the scale aside): quantization.
+    cost = fp8jax.hlo_cost(hlo)
+    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 256 * 384 * 4
