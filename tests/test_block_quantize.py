@@ -123,8 +123,8 @@ def _transposing_kernels():
 def test_column_tunings_compute_the_same_and_lower_for_an_h100():
     """The GPU check's sweep of the transposing kernels (`ColumnTuning`): with another warp
     count and the float32 tile transposed before the cast, each writes the same FP8 values
-    and scales as in its default (interpreted) and compiles for an H100 (Triton,
-    deviceless); a bad tuning is named."""
+    and scales as in its default (interpreted), and refuses a bad tuning by name; the
+    tunings compile for an H100 (Triton, deviceless)."""
     rng = np.random.default_rng(11)
     x = heavy_tailed(rng, (256, 384))
     # Warps change nothing interpreted; the order of cast and transpose does.
@@ -143,12 +143,16 @@ def test_column_tunings_compute_the_same_and_lower_for_an_h100():
     device = deviceless.h100_topology().devices[0]
     spec = jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
 
+    # The two ways a tuning reaches the PTX: store_columns (every kernel but the weight's)
+    # and the weight kernel's own transposed cast (compiles take seconds: CI time).
+    compiled = [name for name in kernels if "rows_and_columns" in name or "blocks" in name]
+
     def each(x):
-        return [kernel(x, interpret=False, tuning=tuning) for kernel in kernels.values()]
+        return [kernels[name](x, interpret=False, tuning=tuning) for name in compiled]
 
     hlo = deviceless.lower(each, (spec,), {}, device)[0].compile().as_text()
-    assert all(name in hlo for name in kernels)
-    assert hlo.count("num_warps = 2 : i32") == len(kernels)  # each kernel in its tuning
+    assert len(compiled) == 2 and all(name in hlo for name in compiled)
+    assert hlo.count("num_warps = 2 : i32") == 2  # each kernel in its tuning
 
 
 def test_kernels_propagate_nan_and_inf():

@@ -477,7 +477,9 @@ FP8_MMA = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
 
 @pytest.mark.parametrize(
     "recipe, kernels",
-    [("delayed-e4m3", "auto"), ("blockwise", "auto"), ("blockwise", "persistent")],
+    # Blockwise on the persistent kernels, a GPU's default (the tiled ones lower in
+    # test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose; CI time).
+    [("delayed-e4m3", "auto"), ("blockwise", "persistent")],
 )
 def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kernels):
     """E4M3 gradients (or blockwise scaling): forward, dgrad and wgrad of both expert layers
@@ -524,11 +526,11 @@ def test_h100_e5m2_gradients_run_dgrad_and_wgrad_in_fp8_where_wgmma_takes_the_pa
 
 
 def test_h100_expert_work_grows_with_tokens_not_tokens_times_experts(h100_runs):
-    """The kernels' GEMM FLOPs (their padded static shapes: an upper bound on the work) are
-    within 1.6x of the experts' own FLOPs (each expert's rows padded to whole tiles); XLA's
-    path, which expands each ragged dot into a dense GEMM over all experts, does about the
-    number of experts (8) times as much."""
-    native_flops = h100_runs("blockwise", "auto")["expert_flops"]
+    """The kernels' GEMM FLOPs (their padded static shapes: an upper bound on the work; the
+    persistent kernels, a GPU's default) are within 1.6x of the experts' own FLOPs (each
+    expert's rows padded to whole tiles); XLA's path, which expands each ragged dot into a
+    dense GEMM over all experts, does about the number of experts (8) times as much."""
+    native_flops = h100_runs("blockwise", "persistent")["expert_flops"]
     xla_flops = h100_runs("blockwise", "xla")["expert_flops"]
     assert IDEAL_FLOPS <= native_flops <= 1.6 * IDEAL_FLOPS, native_flops / IDEAL_FLOPS
     assert xla_flops >= 6 * IDEAL_FLOPS, xla_flops / IDEAL_FLOPS

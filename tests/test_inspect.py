@@ -61,7 +61,10 @@ def gpt_train_step(recipe, config=SMALL):
     return make_train_step(next_token_loss, optimizer), (model, opt_state, tokens), targeted
 
 
-@pytest.mark.parametrize("name", RECIPES)
+# Current scaling's GEMMs are delayed scaling's (the same casts and cuBLASLt calls; only where
+# the scale comes from differs); its H100 compiles are test_memory's and test_gpu_check's
+# (the Llama block's kernels), its FP8 dots test_lowering's (CI time).
+@pytest.mark.parametrize("name", [name for name in RECIPES if name != "current"])
 def test_gpt_train_step_runs_every_targeted_gemm_in_fp8(h100, name):
     step, args, targeted = gpt_train_step(RECIPES[name])
     # Each layer's own GEMMs (XLA's dot merger would fuse q, k and v under one name; the
