@@ -149,5 +149,5 @@ def test_train_step_keeps_one_program_for_a_short_run(getkey):
     for _ in range(warm_start.WARM_STEPS):
         state, _ = train_step(state, x, y)
     assert traced == [False]
-    state, _ = train_step(state, x, y)  # the eleventh step: the scales were recorded
+    state, _ = train_step(state, x, y)  # the next step: the scales were recorded
     assert traced == [False, True]

@@ -90,8 +90,8 @@ class TrainStep(eqx.Module):
     `step(state, *batch) -> (state, metrics)`, runs one step.
 
     Delayed scaling's warm start is paid only while it can change anything: once a state's
-    lineage has run ten steps (`WARM_STEPS`: the second program is a second compile, which a
-    short run would not earn back) and the state the last one returned holds a scale for
+    lineage has run a hundred steps (`WARM_STEPS`: the second program is a second compile,
+    which a short run would not earn back) and the state the last one returned holds a scale for
     every [`fp8jax.DelayedScaling`][] state ([`fp8jax.scales_recorded`][], read on the host:
     one wait for that step to finish), the next steps run a program traced with the warm
     start skipped ([`fp8jax.without_warm_start`][]): the same values, without each cast
@@ -219,7 +219,7 @@ def make_train_step(
     adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
     (an inf or NaN in an FP8 layer's operand, passed on as NaN by the saturating cast),
     changes nothing but the loss scale and the step count. No host sync, but one wait after
-    the tenth step, where delayed scaling's warm start is dropped once every scale is
+    the hundredth step, where delayed scaling's warm start is dropped once every scale is
     recorded ([`fp8jax.TrainStep`][]).
 
     **Arguments:**
