@@ -60,20 +60,20 @@ _OTHER = (
     block_quantize.ColumnTuning(num_warps=4),
     block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
 )
-#: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
-#: default first.
-TUNINGS_ROWS_AND_COLUMNS = (
+_FOUR_WARPS = (
     block_quantize.DEFAULT_TUNING,
     block_quantize.ColumnTuning(num_warps=8),
     block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
 )
+#: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
+#: default first.
 TUNINGS = {
-    "rows+columns": TUNINGS_ROWS_AND_COLUMNS,
+    "rows+columns": _FOUR_WARPS,
     "requantize": _OTHER,
     "weight": _OTHER,
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
-    "per-tensor cast": TUNINGS_ROWS_AND_COLUMNS,
+    "per-tensor cast": _FOUR_WARPS,
 }
 #: Delayed scaling's per-tensor scale in the per-tensor cases (any scale would do).
 PER_TENSOR_SCALE = 0.37
