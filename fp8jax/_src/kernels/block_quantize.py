@@ -219,7 +219,9 @@ def column_outputs(block: int, m: int, k: int, fmt: jnp.dtype, like: Array):
     return shapes, specs
 
 
-def _check(x: Array, block: int, name: str) -> None:
+def check_tiles(x: Array, block: int, name: str) -> None:
+    """Raise, naming kernel `name`, where this JAX has no Pallas Triton backend or `x` is not
+    made of whole `block x block` tiles."""
     if pltriton is None:  # pragma: no cover - a future JAX
         raise RuntimeError(
             f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
@@ -284,7 +286,7 @@ def check_tuning(tuning: ColumnTuning, name: str) -> None:
 
 def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
     """Check `x` for kernel `name`; whether it runs interpreted (`None`: as traced)."""
-    _check(x, block, name)
+    check_tiles(x, block, name)
     return interpreting() if interpret is None else interpret
 
 

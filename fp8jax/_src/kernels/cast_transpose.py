@@ -29,10 +29,9 @@ from . import CAST_TRANSPOSE_NAME
 from .block_quantize import (
     DEFAULT_TUNING,
     ColumnTuning,
+    check_tiles,
     check_tuning,
-    fits,
     nan_max,
-    pltriton,
     saturating_cast,
     triton_call,
 )
@@ -84,16 +83,7 @@ def cast_transpose(
     each `block x block` tile's `max |x|` (NaN where it has a NaN), from one read of `x`.
     `interpret`: run in Pallas' interpreter (`None`: as traced); `tuning`: a
     `block_quantize.ColumnTuning`."""
-    if pltriton is None:  # pragma: no cover - a future JAX
-        raise RuntimeError(
-            f"{CAST_TRANSPOSE_NAME}: jax {jax.__version__} has no Pallas Triton backend, "
-            "which this kernel is written in."
-        )
-    if not fits(x.shape, block):
-        raise ValueError(
-            f"{CAST_TRANSPOSE_NAME}: shape {x.shape} is not made of whole {block} x {block} "
-            "tiles; the kernel takes 2-D operands whose sides are multiples of the block."
-        )
+    check_tiles(x, block, CAST_TRANSPOSE_NAME)
     if jnp.size(scale) != 1:
         raise ValueError(
             f"{CAST_TRANSPOSE_NAME}: scale has shape {jnp.shape(scale)}; one per-tensor scale "
