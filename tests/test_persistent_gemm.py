@@ -100,6 +100,52 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
 
 
 @needs_interpreter
+@pytest.mark.parametrize(
+    "block_rows, n_terms, config",
+    [
+        # a 128 x 128-block weight as rhs: one scale per warpgroup tile (tile_n 128)
+        ((1, 128), 1, PersistentConfig(num_sms=4)),
+        # both operands in blocks, the warpgroups splitting N, two chunks a step (the pair's
+        # scalar scales), the residual form
+        ((128, 128), 2, PersistentConfig(wg_dimension="n", chunks_per_step=2, num_sms=3)),
+        # lhs blocks (tile_m 64 in 128-row blocks); rhs blocks wider than no tile: vectors
+        ((128, 64), 1, PersistentConfig(tile_n=256, num_sms=2)),
+    ],
+)
+def test_block_scales_given_per_block_match_float64(block_rows, n_terms, config):
+    """Scales given per 128 x 128 block (`block_rows`), each block's different: the kernel
+    reads one scale for a warpgroup's tile where a block covers it, a vector elsewhere, and
+    matches float64 with the scales repeated over each block's rows. A scale read from
+    another tile's block or chunk fails by far more than the bound."""
+    m, n, k = 300, 260, 384
+    rng = np.random.default_rng(7)
+
+    def operand(rows, per):
+        data, _ = fp8_operand(rng, rows, k)
+        scale = 2.0 ** rng.integers(-6, 6, (-(-rows // per), k // 128))
+        return data, jnp.asarray(scale, jnp.float32)
+
+    lhs, lhs_scale = operand(m, block_rows[0])
+    terms = [operand(n, block_rows[1]) for _ in range(n_terms)]
+    out = jax.jit(
+        lambda *a: persistent_block_scaled_gemm(
+            *a, config=config, block_rows=block_rows, interpret=True
+        )
+    )(lhs, lhs_scale, terms)
+
+    def rows(scale, per, count):
+        return np.repeat(np.asarray(scale), per, axis=0)[:count]
+
+    sa = rows(lhs_scale, block_rows[0], m)
+    per_row = [(b, rows(sb, block_rows[1], n)) for b, sb in terms]
+    want = reference.block_scaled(lhs, sa, per_row)
+    magnitude = reference.block_scaled_magnitude(lhs, sa, per_row)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(out, np.float64) - want), reference.BLOCK_RTOL * magnitude + 1e-30
+    )
+
+
+@needs_interpreter
 def test_kernel_writes_bf16_rounded_from_float32():
     rng = np.random.default_rng(1)
     lhs, lhs_scale = fp8_operand(rng, 128, 256)
@@ -160,6 +206,11 @@ def test_bad_operands_are_refused_naming_the_kernel():
         persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs, lhs_scale)])
     with pytest.raises(ValueError, match="persistent_block_scaled_gemm: rhs 0 is bfloat16"):
         persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs.astype(jnp.bfloat16), rhs_scale)])
+    # Scales per 128-row block must be given per block (one for 128 rows), as two ints.
+    with pytest.raises(ValueError, match=r"rhs 0's scale has shape \(128, 2\); .* per 128 row"):
+        persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs, rhs_scale)], block_rows=(1, 128))
+    with pytest.raises(ValueError, match=r"block_rows=\(1, 0\); expected"):
+        persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs, rhs_scale)], block_rows=(1, 0))
     if not mosaic_private.mixed_fp8_wgmma():  # JAX 0.10: one FP8 type per wgmma
         with pytest.raises(ValueError, match="persistent_block_scaled_gemm: operands in"):
             persistent_block_scaled_gemm(lhs, lhs_scale, [(rhs.astype(E5M2), rhs_scale)])
@@ -179,6 +230,10 @@ config = PersistentConfig(**json.loads(sys.argv[1]))
 if sys.argv[2] == "dense":
     gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
         a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config)
+elif sys.argv[2] == "dense-blocks":  # the rhs a weight in 128 x 128 blocks
+    args = args[:3] + (S((n // 128, k // 128), jnp.float32),)
+    gemm = lambda a, sa, b, sb: persistent_block_scaled_gemm(
+        a, sa, [(b, sb)], out_dtype=jnp.bfloat16, config=config, block_rows=(1, 128))
 else:  # the tokens kernel (wgrad) of 8 experts over the same operands, block or group scales
     counts = (S((8,), jnp.int32),) * 2
     args = args + counts + (S((8,), jnp.float32),)
@@ -197,6 +252,8 @@ print(json.dumps({
     "mma": sorted({i for t in ptx for i in re.findall(r"wgmma\\.mma_async[\\w.]*", t)}),
     "setmaxnreg": sorted({i for t in ptx for i in re.findall(r"setmaxnreg\\.\\w+\\S*\\s+\\d+", t)}),
     "spills": [[int(s) for s in re.findall(r"(\\d+) bytes spill", t)] for t in ptxas],
+    "mul": sum(len(re.findall(r"\\bmul\\.(?:rn\\.)?f32", t)) for t in ptx),
+    "fma": sum(len(re.findall(r"\\bfma\\.rn\\.f32", t)) for t in ptx),
     "waits": sorted(
         {int(i) for t in ptx for i in re.findall(r"wgmma\\.wait_group\\S*\\s+(\\d+)", t)}
     ),
@@ -209,11 +266,17 @@ print(json.dumps({
     [
         ({}, "dense"),
         ({"wg_dimension": "n", "chunks_per_step": 2}, "dense"),  # one compile (CI time)
-        ({"cluster": "m"}, "dense"),
+        ({"cluster": "m"}, "dense-blocks"),
         ({}, "tokens"),
         ({"cluster": "m"}, "tokens-group"),
     ],
-    ids=["default", "wg n, two a step", "cluster m", "tokens", "tokens per-expert cluster m"],
+    ids=[
+        "default",
+        "wg n, two a step",
+        "cluster m, rhs blocks",
+        "tokens",
+        "tokens per-expert cluster m",
+    ],
 )
 def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     tmp_path, config, kind
@@ -221,12 +284,14 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     """What Mosaic GPU makes of the kernel for an H100, read from its PTX: FP8 `wgmma` (E4M3
     operands, float32 accumulator), registers moved between the memory and compute
     warpgroups (`setmaxnreg`: warp specialization), and no register spilled by ptxas. Also
-    for the grouped tokens kernel (the wgrad: a run-time trip count per expert)."""
+    for the grouped tokens kernel (the wgrad: a run-time trip count per expert). A weight's
+    128 x 128 block scales promote each chunk with one FMA per accumulator element, where
+    scales per row cost a multiply more."""
     pytest.importorskip("jax_cuda12_plugin")
     run = run_with_mosaic_dump(H100_SCRIPT, [json.dumps(config), kind], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
-    name = PERSISTENT_GEMM_NAME if kind == "dense" else PERSISTENT_TOKENS_NAME
+    name = PERSISTENT_GEMM_NAME if kind.startswith("dense") else PERSISTENT_TOKENS_NAME
     assert any(name in e for e in seen["entries"]), seen["entries"]
     assert seen["mma"] and all(".f32.e4m3.e4m3" in i for i in seen["mma"]), seen["mma"]
     # The memory warpgroup gives registers up, the compute warpgroups take them.
@@ -237,6 +302,11 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     # (where JAX can wait for fewer than all: 0.11 on).
     overlap = config.get("chunks_per_step") == 2 and mosaic_private.wgmma_partial_waits()
     assert (1 in seen["waits"]) == overlap and 0 in seen["waits"], seen["waits"]
+    # Promotion: one FMA per element; a multiply per element too unless one scale covers it.
+    if kind == "dense":
+        assert seen["fma"] >= 64 and seen["mul"] >= seen["fma"], seen
+    elif kind == "dense-blocks":
+        assert seen["fma"] >= 64 and 16 * seen["mul"] <= seen["fma"], seen
 
 
 @needs_interpreter
@@ -258,7 +328,9 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics
     swept = [r for r in results if "| persistent" in r["name"]]
     # DRY_SWEEP: the default, the warpgroups split along N, a cluster sharing the lhs tile
-    assert len(swept) == 3 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
+    # (the weight's scales per block), and the default with them per row
+    assert len(swept) == 4 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
+    assert sum(r["name"].endswith("scales per row") for r in swept) == 1, swept
     assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
 
 
@@ -410,13 +482,16 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
 
 
 @needs_interpreter
-@pytest.mark.parametrize("scaling", ["blocks", "blocks, two a step", "item", "item, promoted"])
+@pytest.mark.parametrize(
+    "scaling", ["blocks", "weight blocks, two a step", "item", "item, promoted"]
+)
 def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     """Each expert's rows times its weight, on the rows as they are (`row_items`): experts'
     ends sharing tiles, expert 1 without rows, rows past every expert (zeros), the last tile
     partial; persistent over 9 x 2 (item, column tile) pairs on 3 programs. Block scales
-    promoted per chunk (also two chunks a step: three padded to four), or one scale per item
-    applied to the whole accumulation."""
+    promoted per chunk (also two chunks a step, three padded to four, with the weights'
+    scales per 128 x 128 block: one per warpgroup tile), or one scale per item applied to
+    the whole accumulation."""
     rng = np.random.default_rng(4)
     sizes = np.array([100, 0, 150, 30], np.int32)
     m = 300
@@ -425,13 +500,19 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
     expert_scale = jnp.asarray(2.0 ** rng.integers(-4, 4, len(sizes)), jnp.float32)
     items = row_items(jnp.asarray(sizes), m)
-    if scaling.startswith("blocks"):
+    blocks, per_block = "blocks" in scaling, {}
+    if scaling.startswith("weight blocks"):  # each expert's 2 x 3 blocks' scales, all differ
+        rhs_scale = jnp.asarray(2.0 ** rng.integers(-6, 6, (4, 2, 3)), jnp.float32)
+        scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
+        per_block = dict(rhs_block_rows=128)
+        rhs_scale = jnp.repeat(rhs_scale, 128, axis=1)[:, :200]  # the reference's, per row
+    elif blocks:
         scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale)
     else:
         scales = dict(item_scale=expert_scale[jnp.maximum(items.expert, 0)])
     per_step = 2 if scaling.endswith("a step") else 1
     config = PersistentConfig(wg_dimension="n", num_sms=3, chunks_per_step=per_step)
-    kw = dict(config=config, promote=scaling == "item, promoted", interpret=True)
+    kw = dict(config=config, promote=scaling == "item, promoted", interpret=True, **per_block)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
         lhs, rhs, items, scales
     )
@@ -440,7 +521,7 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     for e, rows in enumerate(np.split(np.arange(m), np.cumsum(sizes))[: len(sizes)]):
         if not rows.size:
             continue
-        if scaling.startswith("blocks"):
+        if blocks:
             sa, terms = lhs_scale[rows], [(rhs[e], rhs_scale[e])]
         else:  # the expert's scale on every row, unit scales on the weight
             sa = jnp.full(lhs_scale[rows].shape, expert_scale[e])

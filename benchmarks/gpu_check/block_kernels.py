@@ -7,9 +7,12 @@ against float64 and its tuning sweep beside what it must beat.
    becomes the recipes' default.
 2. Sweep: at Llama-3-8B's MLP up GEMM (8192 x 4096 -> 14336) and DeepSeek-V3's 7168 -> 18432
    (16,384 tokens), each `SWEEP` configuration of the persistent kernel beside the tiled
-   block kernel of today (`block_scaled_gemm`, its default tiles), per-tensor FP8 through
-   cuBLASLt and BF16: ms, TFLOP/s, and each output's largest difference to the tiled
-   kernel's (the same maths: only float32 summation order differs).
+   block kernel (`block_scaled_gemm`, its default tiles), per-tensor FP8 through cuBLASLt
+   and BF16: ms, TFLOP/s, and each output's largest difference to the tiled kernel's (the
+   same maths: only float32 summation order differs). The block kernels take the weight's
+   scales per 128 x 128 block, as the recipes give them (one scale per warpgroup tile and
+   chunk); `PER_ROW` configurations take them repeated per row, as before session 33 (a
+   vector of scales per tile and chunk).
 
 The decision inputs name the fastest configuration per shape and its ratio to the tiled
 kernel; issue 39's target is 1,150 TFLOP/s at both shapes.
@@ -65,24 +68,30 @@ SWEEP = (
     PersistentConfig(grid_minor_dim="m", grid_tile_width=16, chunks_per_step=2),
     PersistentConfig(wg_dimension="n", grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
 )
+#: Configurations also timed with the weight's scales given per row (before session 33).
+PER_ROW = (PersistentConfig(grid_minor_dim="m", grid_tile_width=8),)
 DRY_SWEEP = (
     PersistentConfig(num_sms=2),
     PersistentConfig(wg_dimension="n", num_sms=2),
     PersistentConfig(cluster="n", num_sms=4),
 )
 
-#: Numerics cases: (M, N, K, terms, FP8 type, output type, config).
+#: Numerics cases: (M, N, K, terms, FP8 type, output type, rows per scale of lhs and rhs
+#: (128: 128 x 128 blocks, each one scale per warpgroup tile), config).
 CASES = (
-    (1000, 1500, 1100, 1, E4M3, jnp.float32, PersistentConfig()),
-    (1000, 1500, 1100, 1, E5M2, jnp.float32, PersistentConfig(wg_dimension="n")),
-    (777, 1000, 900, 2, E4M3, jnp.float32, PersistentConfig(grid_minor_dim="m")),
-    (1000, 1500, 1100, 1, E4M3, BF16, PersistentConfig(max_concurrent_steps=3)),
-    (1000, 1500, 1100, 1, E4M3, jnp.float32, PersistentConfig(chunks_per_step=2)),
-    (777, 1000, 900, 2, E5M2, BF16, PersistentConfig(grid_minor_dim="m", chunks_per_step=2)),
+    (1000, 1500, 1100, 1, E4M3, jnp.float32, (1, 1), PersistentConfig()),
+    (1000, 1500, 1100, 1, E5M2, jnp.float32, (1, 1), PersistentConfig(wg_dimension="n")),
+    (777, 1000, 900, 2, E4M3, jnp.float32, (1, 1), PersistentConfig(grid_minor_dim="m")),
+    (1000, 1500, 1100, 1, E4M3, BF16, (1, 1), PersistentConfig(max_concurrent_steps=3)),
+    (1000, 1500, 1100, 1, E4M3, jnp.float32, (1, 1), PersistentConfig(chunks_per_step=2)),
+    (777, 1000, 900, 2, E5M2, BF16, (1, 1), PersistentConfig(chunks_per_step=2)),
+    (1000, 1500, 1100, 1, E4M3, jnp.float32, (1, 128), PersistentConfig(grid_minor_dim="m")),
+    (777, 1000, 900, 2, E4M3, BF16, (128, 128), PersistentConfig(chunks_per_step=2)),
+    (1000, 1500, 1100, 1, E5M2, jnp.float32, (128, 128), PersistentConfig(wg_dimension="n")),
 )
 DRY_CASES = (
-    (70, 130, 300, 1, E4M3, jnp.float32, PersistentConfig(num_sms=2)),
-    (40, 260, 256, 2, E5M2, BF16, PersistentConfig(wg_dimension="n", num_sms=2)),
+    (70, 130, 300, 1, E4M3, jnp.float32, (1, 1), PersistentConfig(num_sms=2)),
+    (40, 260, 256, 2, E5M2, BF16, (1, 128), PersistentConfig(wg_dimension="n", num_sms=2)),
 )
 
 
@@ -93,23 +102,30 @@ def describe(config: PersistentConfig) -> str:
     return "persistent " + (", ".join(f"{k}={v}" for k, v in changed.items()) or "default")
 
 
-def _operand(rng: np.random.Generator, rows: int, k: int, fmt) -> tuple[Any, Any]:
+def _operand(rng: np.random.Generator, rows: int, k: int, fmt, per: int) -> tuple[Any, Any]:
+    """FP8 data and a power-of-two scale per `per` rows and 128-chunk."""
     data = jnp.asarray(rng.standard_normal((rows, k)) * 4, fmt)
-    scale = jnp.asarray(2.0 ** rng.integers(-4, 4, (rows, -(-k // 128))), jnp.float32)
+    scale = jnp.asarray(2.0 ** rng.integers(-4, 4, (-(-rows // per), -(-k // 128))), jnp.float32)
     return data, scale
 
 
 def numerics_case(case: tuple, interpret: bool) -> dict:
     """One numerics case against float64: the output's error relative to the magnitude."""
-    m, n, k, n_terms, fmt, out_dtype, config = case
+    m, n, k, n_terms, fmt, out_dtype, block_rows, config = case
     rng = np.random.default_rng(m + n + k + n_terms)
-    lhs, lhs_scale = _operand(rng, m, k, fmt)
-    terms = [_operand(rng, n, k, fmt) for _ in range(n_terms)]
+    lhs, lhs_scale = _operand(rng, m, k, fmt, block_rows[0])
+    terms = [_operand(rng, n, k, fmt, block_rows[1]) for _ in range(n_terms)]
     out = jax.jit(
         lambda *a: persistent_block_scaled_gemm(
-            a[0], a[1], a[2], out_dtype=out_dtype, config=config, interpret=interpret
+            *a, out_dtype=out_dtype, config=config, block_rows=block_rows, interpret=interpret
         )
     )(lhs, lhs_scale, terms)
+
+    def per_row(scale, per, rows):  # the reference's scales: one per row
+        return np.repeat(np.asarray(scale), per, axis=0)[:rows]
+
+    lhs_scale = per_row(lhs_scale, block_rows[0], m)
+    terms = [(b, per_row(sb, block_rows[1], n)) for b, sb in terms]
     want = reference.block_scaled(lhs, lhs_scale, terms)
     magnitude = reference.block_scaled_magnitude(lhs, lhs_scale, terms)
     # A BF16 output adds one rounding of its own: 2^-8 of each value.
@@ -117,7 +133,7 @@ def numerics_case(case: tuple, interpret: bool) -> dict:
     got = compare(out, want, rtol * magnitude)
     return {
         "shape": f"{m}x{n}x{k}, {n_terms} term(s), {jnp.dtype(fmt).name} -> "
-        f"{jnp.dtype(out_dtype).name}",
+        f"{jnp.dtype(out_dtype).name}, rows per scale {block_rows}",
         "config": describe(config),
         "bound": f"|err| <= {rtol:g} * |A| |B| (elementwise)",
         "rel_err_vs_f64": got["max_rel_err"],
@@ -127,8 +143,9 @@ def numerics_case(case: tuple, interpret: bool) -> dict:
 
 
 def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
-    """The blockwise recipe's operands (1 x 128 tiles, 128 x 128 blocks expanded per row),
-    per-tensor FP8 casts and BF16 values, made on the device."""
+    """The blockwise recipe's operands (1 x 128 tiles, 128 x 128 blocks; `"block per row"`:
+    the blocks' scales repeated per row), per-tensor FP8 casts and BF16 values, made on the
+    device."""
 
     @jax.jit
     def make(key):
@@ -138,10 +155,16 @@ def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
         block = fp8jax.BlockwiseScaling()
         q_x = block.quantize(x, block.init_state("input"), "input", -1)[0]
         q_w = block.quantize(w, block.init_state("kernel"), "kernel", -1)[0]
-        w_scale = jnp.repeat(q_w.scale_inv, 128, axis=0)[:n]
+        # The weight's 128 x 128 blocks' scales, once per block and repeated per row (the
+        # one-pass quantization gives the latter: its tiles along K, `BlockwiseScaling`).
+        if q_w.block == (128, 128):
+            blocks, w_scale = q_w.scale_inv, jnp.repeat(q_w.scale_inv, 128, axis=0)[:n]
+        else:
+            blocks, w_scale = q_w.scale_inv[::128], q_w.scale_inv
         one = jnp.float32(1.0)
         return {
-            "block": (q_x.data, q_x.scale_inv, q_w.data, w_scale),
+            "block": (q_x.data, q_x.scale_inv, q_w.data, blocks),
+            "block per row": (q_x.data, q_x.scale_inv, q_w.data, w_scale),
             "fp8": (fp8jax.QTensor(x.astype(E4M3), one), fp8jax.QTensor(w.astype(E4M3), one)),
             "bf16": (x, w),
         }
@@ -149,7 +172,7 @@ def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
     return make(jax.random.PRNGKey(0))
 
 
-def _variants(sweep: tuple) -> dict[str, tuple]:
+def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
     """name -> (function, operands key)."""
 
     def bf16(x, w):
@@ -159,19 +182,20 @@ def _variants(sweep: tuple) -> dict[str, tuple]:
         return per_tensor_dot(a, b, -1, -1, None, BF16, exact_scales=True)
 
     def tiled(a, sa, b, sb):
-        return block_scaled_gemm(a, sa, [(b, sb)], out_dtype=BF16)
+        return block_scaled_gemm(a, sa, [(b, sb)], out_dtype=BF16, block_rows=(1, 128))
 
     variants = {"bf16": (bf16, "bf16"), "fp8 cuBLASLt": (fp8, "fp8"), "tiled": (tiled, "block")}
     for config in sweep:
-        variants[describe(config)] = (
-            functools.partial(_persistent, config=config),
-            "block",
-        )
+        variants[describe(config)] = (functools.partial(_persistent, config=config), "block")
+    for config in per_row:
+        gemm = functools.partial(_persistent, config=config, block_rows=(1, 1))
+        variants[describe(config) + ", scales per row"] = (gemm, "block per row")
     return variants
 
 
-def _persistent(a, sa, b, sb, *, config):
-    return persistent_block_scaled_gemm(a, sa, [(b, sb)], out_dtype=BF16, config=config)
+def _persistent(a, sa, b, sb, *, config, block_rows=(1, 128)):
+    kw = dict(out_dtype=BF16, config=config, block_rows=block_rows)
+    return persistent_block_scaled_gemm(a, sa, [(b, sb)], **kw)
 
 
 def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
@@ -186,7 +210,7 @@ def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
     fields["shape"] = f"M={m} K={k} N={n}"
     if "bf16" in ms:
         fields["speedup_vs_bf16"] = ms["bf16"] / fields["ms"]
-    if key == "block":
+    if key.startswith("block"):
         out = np.asarray(compiled.run(), np.float64)
         if name == "tiled":
             outputs["tiled"] = out
@@ -210,8 +234,9 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         measure = functools.partial(numerics_case, case, dry)
         if refused:
             measure = functools.partial(dict, skipped=refused)
-        result = rec.measure(SECTION, f"numerics {case[:4]}", measure)
+        result = rec.measure(SECTION, f"numerics {case[:4]}, {case[6]}", measure)
         row = f"numerics {case[0]}x{case[1]}x{case[2]}, {case[3]} term(s)"
+        row += "" if case[6] == (1, 1) else f", rows per scale {case[6]}"
         text = rec.not_run() if result is None else f"{result.get('rel_err_vs_f64', 0):.1e}"
         rec.cell(SECTION, row, describe(case[-1]), "skipped" if refused else text)
     times: dict[str, dict[str, float]] = {}
@@ -219,7 +244,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         ops: dict[str, Any] = {}
         outputs: dict[str, np.ndarray] = {}
         ms = times.setdefault(label, {})
-        for name, (fn, key) in _variants(DRY_SWEEP if dry else SWEEP).items():
+        sweep = (DRY_SWEEP, DRY_SWEEP[:1]) if dry else (SWEEP, PER_ROW)
+        for name, (fn, key) in _variants(*sweep).items():
             measure = functools.partial(_time, name, fn, key, shape, ops, ms, outputs, runs, dry)
             if refused and name.startswith("persistent"):
                 measure = functools.partial(dict, skipped=refused)
@@ -233,7 +259,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
 def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
     """The fastest persistent configuration per shape, against the tiled kernel."""
     for label, t in times.items():
-        swept = {k: v for k, v in t.items() if k.startswith("persistent")}
+        swept = {k: v for k, v in t.items() if k.startswith("persistent") and "per row" not in k}
         if not swept or "tiled" not in t:
             continue
         best = min(swept, key=swept.get)

@@ -74,18 +74,27 @@ def wgmma_takes(*dtypes: jnp.dtype) -> bool:
     return kinds <= set(FP8_TYPES) and mosaic_private.mixed_fp8_wgmma()
 
 
-def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, block_k: int) -> None:
+def check_operands(
+    who: str,
+    lhs: Array,
+    lhs_scale: Array,
+    terms: Sequence,
+    block_k: int,
+    block_rows: tuple[int, int] = (1, 1),
+) -> None:
     """Raise `ValueError`, naming `who`, unless the operands are what a block-scaled kernel
-    takes: 2-D FP8 of one type contracted over their last axis, one scale per row and chunk."""
+    takes: 2-D FP8 of one type contracted over their last axis, one scale per chunk and row
+    (per `block_rows` rows: `(lhs, rhs)`, 1 or a 128 x 128 block's 128)."""
     m, k = lhs.shape
     chunks = math.ceil(k / block_k)
     if not terms:
         raise ValueError(f"{who} needs at least one (rhs, rhs_scale) term.")
-    operands = [("lhs", lhs, lhs_scale, m)] + [
-        (f"rhs {i}", rhs, scale, rhs.shape[0] if rhs.ndim == 2 else -1)
+    check_block_rows(who, block_rows)
+    operands = [("lhs", lhs, lhs_scale, m, block_rows[0])] + [
+        (f"rhs {i}", rhs, scale, rhs.shape[0] if rhs.ndim == 2 else -1, block_rows[1])
         for i, (rhs, scale) in enumerate(terms)
     ]
-    for name, data, scale, rows in operands:
+    for name, data, scale, rows, per in operands:
         if data.ndim != 2 or data.shape[1] != k:
             raise ValueError(
                 f"{who}: {name} has shape {data.shape}; operands must be 2-D and "
@@ -95,12 +104,12 @@ def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, bloc
             raise ValueError(
                 f"{who}: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn or float8_e5m2."
             )
-        if scale.shape != (rows, chunks):
+        if scale.shape != (-(-rows // per), chunks):
             raise ValueError(
-                f"{who}: {name}'s scale has shape {scale.shape}; it should hold "
-                f"one scale per row and {block_k}-chunk of K: {(rows, chunks)}."
+                f"{who}: {name}'s scale has shape {scale.shape}; it should hold one scale per "
+                f"{per} row(s) and {block_k}-chunk of K: {(-(-rows // per), chunks)}."
             )
-    dtypes = {jnp.dtype(d.dtype).name for _, d, _, _ in operands}
+    dtypes = {jnp.dtype(d.dtype).name for _, d, _, _, _ in operands}
     if not wgmma_takes(*dtypes):
         raise ValueError(
             f"{who}: operands in {sorted(dtypes)}; this JAX's Mosaic GPU wgmma takes one "
@@ -114,6 +123,19 @@ def check_operands(who: str, lhs: Array, lhs_scale: Array, terms: Sequence, bloc
         )
 
 
+def check_block_rows(who: str, block_rows: tuple[int, int]) -> None:
+    """Raise `ValueError`, naming `who`, unless `block_rows` is two positive ints."""
+    if not (
+        isinstance(block_rows, tuple)
+        and len(block_rows) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_rows)
+    ):
+        raise ValueError(
+            f"{who}: block_rows={block_rows!r}; expected (lhs rows, rhs rows) per scale, two "
+            "positive ints: (1, 1) for scales per row, (1, 128) for a 128 x 128-block rhs."
+        )
+
+
 def block_scaled_gemm(
     lhs: Array,
     lhs_scale: Array,
@@ -124,18 +146,21 @@ def block_scaled_gemm(
     tile_n: int = TILE_N,
     block_k: int = BLOCK_K,
     max_concurrent_steps: int = 2,
+    block_rows: tuple[int, int] = (1, 1),
     interpret: bool | None = None,
 ) -> Array:
     """`sum_t (lhs . rhs_t)` with per-row, per-`block_k` scales (see the module docstring).
 
     `lhs (M, K)` and each `rhs (N, K)` are FP8; `lhs_scale (M, ceil(K / block_k))` and each
     `rhs_scale (N, ceil(K / block_k))` float32 multipliers that turn a chunk's FP8 product
-    back into real values (a `QTensor`'s `scale_inv`). Returns `(M, N)` in `out_dtype`.
-    `interpret`: run in Mosaic GPU's interpreter (on a CPU); `None` follows
-    [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
+    back into real values (a `QTensor`'s `scale_inv`); with `block_rows=(r_lhs, r_rhs)`
+    one per `r` rows instead (`(ceil(M / r_lhs), chunks)`: 128 x 128 blocks' scales).
+    Returns `(M, N)` in `out_dtype`. `interpret`: run in Mosaic GPU's interpreter (on a
+    CPU); `None` follows [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
     """
     interpret = interpreting() if interpret is None else interpret
-    check_operands("block_scaled_gemm", lhs, lhs_scale, terms, block_k)
+    check_operands("block_scaled_gemm", lhs, lhs_scale, terms, block_k, block_rows)
+    lhs_scale, terms = per_row(lhs, lhs_scale, terms, block_rows)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
     mp, np_, kp = round_up(m, tile_m), round_up(n, tile_n), round_up(k, block_k)
     chunks = kp // block_k
@@ -152,6 +177,27 @@ def block_scaled_gemm(
         interpret=interpret,
     )
     return out[:m, :n]
+
+
+def experts_per_row(rhs: Array, rhs_scale: Array, block_rows: int, who: str) -> Array:
+    """A grouped GEMM's `rhs_scale (G, ceil(N / block_rows), chunks)` as one scale per row
+    of each expert's `rhs (G, N, K)`; `ValueError` naming `who` for another shape."""
+    check_block_rows(who, (1, block_rows))
+    (g, n), chunks = rhs.shape[:2], rhs_scale.shape[-1]
+    want = (g, -(-n // block_rows), chunks)
+    if rhs_scale.shape != want:
+        raise ValueError(
+            f"{who}: rhs_scale has shape {rhs_scale.shape}; expected {want} (one scale per "
+            f"expert, {block_rows} row(s) and chunk)."
+        )
+    return expand_rows(rhs_scale, n, block_rows)
+
+
+def per_row(lhs: Array, lhs_scale: Array, terms: Sequence, block_rows: tuple[int, int]):
+    """`lhs_scale` and `terms` with every scale given per row (`expand_rows` of those given
+    per `block_rows` rows)."""
+    lhs_scale = expand_rows(lhs_scale, lhs.shape[0], block_rows[0])
+    return lhs_scale, [(b, expand_rows(sb, b.shape[0], block_rows[1])) for b, sb in terms]
 
 
 def operand_tiling(dtype, block_k: int) -> tuple:
@@ -199,15 +245,21 @@ def chunk_product(a_tile, b_tile, shape: tuple[int, int], interpret: bool) -> Ar
 
 
 def scaled_add(acc: Array, part: Array, sa: Array, sb: Array) -> Array:
-    """`acc + part * sa[:, None] * sb[None, :]`: a chunk's product promoted to the sum."""
+    """`acc + part * sa[:, None] * sb[None, :]`: a chunk's product promoted to the sum. A
+    scale that is one for the whole tile (a 0-d `sa` or `sb`: a 128 x 128 block's) is
+    multiplied into the other first, which spares a multiply per accumulator element."""
+    if jnp.ndim(sa) == 0 or jnp.ndim(sb) == 0:
+        along = [0] if jnp.ndim(sa) else [1] if jnp.ndim(sb) else []
+        return acc + part * lax.broadcast_in_dim(sa * sb, part.shape, along)
     scale = lax.broadcast_in_dim(sa, part.shape, [0]) * lax.broadcast_in_dim(sb, part.shape, [1])
     return acc + part * scale
 
 
-def promoted_pair(acc: Array, a_tile, b_tile, sa_ref, sb_ref, rows, cols, shape) -> Array:
+def promoted_pair(acc: Array, a_tile, b_tile, sa_ref, sb_ref, sa_at, sb_at, shape) -> Array:
     """`acc` plus two 128-chunks' products (`a_tile (tile_m, 256) . b_tile (tile_n, 256)^T`,
-    scales `sa_ref[j, rows]`, `sb_ref[j, cols]` for chunk `j`), both `wgmma` issued first and
-    the first promoted while the second runs (`mosaic_private.wgmma_load`)."""
+    scales `sa_ref[j, sa_at]`, `sb_ref[j, sb_at]` for chunk `j`: the tile's rows and
+    columns, or one index where a scale covers the tile), both `wgmma` issued first and the
+    first promoted while the second runs (`mosaic_private.wgmma_load`)."""
     halves = [pl.ds(0, BLOCK_K), pl.ds(BLOCK_K, BLOCK_K)]
 
     def pair(*parts):
@@ -216,7 +268,7 @@ def promoted_pair(acc: Array, a_tile, b_tile, sa_ref, sb_ref, rows, cols, shape)
         total = acc
         for j, part in enumerate(parts):
             value = mosaic_private.wgmma_load(part, wait_n=1 - j)
-            total = scaled_add(total, value, sa_ref[j, rows], sb_ref[j, cols])
+            total = scaled_add(total, value, sa_ref[j, sa_at], sb_ref[j, sb_at])
         return total
 
     return pl.run_scoped(pair, *[plgpu.ACC(shape, jnp.float32)] * 2)

@@ -54,6 +54,7 @@ from .block_gemm import (
     TILE_N,
     chunk_product,
     copy_rows,
+    experts_per_row,
     operand_tiling,
     out_tiling,
     pad_to,
@@ -263,6 +264,7 @@ def grouped_rows_gemm(
     block_k: int = BLOCK_K,
     max_concurrent_steps: int = 2,
     promote: bool = False,
+    rhs_block_rows: int = 1,
     interpret: bool | None = None,
 ) -> Array:
     """Each item's rows of `lhs (M, K)` times its expert's `rhs (N, K)`, contracted over `K`.
@@ -270,9 +272,10 @@ def grouped_rows_gemm(
     `items`: `RowItems` (`row_items` for rows sorted by expert; one program per item and
     column tile); rows no item writes are left unwritten. Scales: `lhs_scale (M, ceil(K /
     block_k))` and `rhs_scale (G, N, ceil(K / block_k))` (per row and chunk, promoted every
-    chunk), or `item_scale (W,)` (one multiplier per item, the contraction in one `wgmma`
-    accumulator; with `promote`, each chunk's product added to a float32 sum in registers).
-    Returns `(M, N)` in `out_dtype`. `interpret`: see `block_gemm.block_scaled_gemm`.
+    chunk; `(G, ceil(N / rhs_block_rows), chunks)` per block of rows), or `item_scale (W,)`
+    (one multiplier per item, the contraction in one `wgmma` accumulator; with `promote`,
+    each chunk's product added to a float32 sum in registers). Returns `(M, N)` in
+    `out_dtype`. `interpret`: see `block_gemm.block_scaled_gemm`.
     """
     name = "grouped_rows_gemm"
     interpret = interpreting() if interpret is None else interpret
@@ -292,6 +295,7 @@ def grouped_rows_gemm(
     b = jax.vmap(lambda w: pad_to(w, np_, kp))(rhs)
     if blocks:
         check_shape(name, "lhs_scale", lhs_scale, (m, chunks))
+        rhs_scale = experts_per_row(rhs, rhs_scale, rhs_block_rows, name)
         check_shape(name, "rhs_scale", rhs_scale, (g, n, chunks))
         sa = pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T
         sb = jnp.swapaxes(jax.vmap(lambda s: pad_to(s, np_, chunks))(rhs_scale), 1, 2)

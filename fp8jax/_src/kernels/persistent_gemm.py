@@ -15,36 +15,30 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
 - **Persistent**: one program per SM (`PersistentConfig.num_sms`) walks the output tiles in a
   planar snake (`grid_minor_dim`, `grid_tile_width`), so the pipeline runs on from one tile
   to the next and no tile waits for a program launch.
-- **Warp-specialized**: a memory warpgroup streams the FP8 tiles of both operands and their
-  scale vectors by TMA through `max_concurrent_steps` shared-memory stages; two compute
-  warpgroups each own a `tile_m x tile_n` half of the CTA's tile (split along M or N:
-  `wg_dimension`). While one compute warpgroup scales and adds a chunk's product, the other's
-  `wgmma` runs.
+- **Warp-specialized**: a memory warpgroup streams the FP8 tiles and scale vectors by TMA
+  through `max_concurrent_steps` shared-memory stages; two compute warpgroups each own a
+  `tile_m x tile_n` half of the CTA's tile (`wg_dimension`). While one scales and adds a
+  chunk's product (one scale, not a vector, where a 128 x 128 block's covers its tile), the
+  other's `wgmma` runs.
 - **K-major operands**: both operands arrive contracted over their last axis, as FP8 `wgmma`
   requires; the rhs tile is transposed in shared memory (a view, no data movement).
-- **Epilogue by TMA**: each compute warpgroup writes its tile, converted to the output dtype,
-  through shared memory.
+- **Epilogue by TMA**: each compute warpgroup writes its tile through shared memory.
 
 The same kernel runs an expert layer's grouped GEMMs (`persistent_grouped`), with block
-scales or, for per-tensor recipes, one scale per item (or expert) applied to a single
-accumulation: the rows GEMM (forward and dgrad: each item, a row tile and an expert, times
-that expert's weight, writing the expert's rows of the tile; `grouped_gemm.RowItems`) and
-the tokens GEMM (wgrad:
-persistent over (expert, tile) triples, each tile's pipeline running over its own expert's
-chunks of tokens, a run-time trip count; an expert without tokens writes zeros).
+scales or, for per-tensor recipes, one scale per item (or expert): the rows GEMM (forward,
+dgrad: an item's row tile times its expert's weight, writing the expert's rows;
+`grouped_gemm.RowItems`) and the tokens GEMM (wgrad: over (expert, tile) triples, each
+over its expert's chunks of tokens, a run-time trip count; no tokens: zeros).
 
-`PersistentConfig` holds the tuning knobs, swept by `benchmarks/gpu_check` (`kernels`). Since
-the GPU check's run 4 (H200: its float64 comparisons within FP8 `wgmma`'s accumulation bound,
-as the tiled kernel's, and 1.47-1.52x faster than that kernel at the LLM shapes) this kernel
-is the recipes' default on a GPU, in the configurations of `choice.DEFAULT_CONFIGS`;
-functions traced inside `choice.tiled_kernel()` take the tiled `block_scaled_gemm` and
-`grouped_gemm` kernels instead.
+`PersistentConfig` holds the tuning knobs, swept by `benchmarks/gpu_check` (`kernels`). The
+recipes' default on a GPU since the check's run 4 (float64 errors as the tiled kernel's,
+1.47-1.52x faster than it at the LLM shapes), in `choice.DEFAULT_CONFIGS`; functions traced
+in `choice.tiled_kernel()` take the tiled kernels instead.
 
 On a CPU the kernel runs in Mosaic GPU's interpreter (`interpret=True`), exactly the code a
-GPU runs, `wgmma` on the transposed view included, where the interpreter can (JAX 0.11 and
-later: `mosaic_private.interpreter_runs_gpu_path`). JAX 0.10's cannot, and its
-interpreter stalls now and then on the warp-specialized pipeline (seen in this kernel's
-tests): there the kernel refuses to be interpreted rather than check a substitute.
+GPU runs, `wgmma` on the transposed view included, from JAX 0.11 on
+(`mosaic_private.interpreter_runs_gpu_path`). JAX 0.10's cannot (and stalls now and then on
+the pipeline): there the kernel refuses to be interpreted rather than check a substitute.
 """
 
 from __future__ import annotations
@@ -70,6 +64,7 @@ from .block_gemm import (
     operand_tiling,
     out_tiling,
     pad_to,
+    per_row,
     promoted_pair,
     round_up,
     scaled_add,
@@ -194,22 +189,24 @@ def persistent_block_scaled_gemm(
     *,
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
+    block_rows: tuple[int, int] = (1, 1),
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
     """`sum_t (lhs . rhs_t)` with per-row, per-128-chunk scales, by the persistent
     warp-specialized kernel (see the module docstring).
 
     `lhs (M, K)` and each `rhs (N, K)` are FP8 of one type; `lhs_scale (M, ceil(K / 128))`
-    and each `rhs_scale (N, ceil(K / 128))` float32 multipliers (a `QTensor`'s `scale_inv`, a
-    128 x 128 block's repeated over its rows by `expand_rows`). Returns `(M, N)` in
-    `out_dtype`. `interpret`: run in Mosaic GPU's interpreter; `None` follows
-    [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
+    and each `rhs_scale (N, ceil(K / 128))` float32 multipliers (a `QTensor`'s `scale_inv`),
+    or with `block_rows=(r_lhs, r_rhs)` one per `r` rows (`(ceil(M / r_lhs), chunks)`: a
+    128 x 128 block's): where a warpgroup's tile lies in one block, its promotion reads one
+    scale, not a vector. Returns `(M, N)` in `out_dtype`. `interpret`: run in Mosaic GPU's
+    interpreter; `None` follows [`interpreted`][fp8jax._src.kernels.dispatch.interpreted].
     """
     config = PersistentConfig() if config is None else config
-    interpret = interpretable(
-        "persistent_block_scaled_gemm", interpreting() if interpret is None else interpret
-    )
-    check_operands("persistent_block_scaled_gemm", lhs, lhs_scale, terms, BLOCK_K)
+    who = "persistent_block_scaled_gemm"
+    interpret = interpretable(who, interpreting() if interpret is None else interpret)
+    check_operands(who, lhs, lhs_scale, terms, BLOCK_K, block_rows)
+    lhs_scale, terms = per_row(lhs, lhs_scale, terms, block_rows)
     (m, k), n = lhs.shape, terms[0][0].shape[0]
     cluster_m, cluster_n = config.cluster_tile
     kp = round_up(k, BLOCK_K * config.chunks_per_step)  # zeros: a whole last step
@@ -227,6 +224,7 @@ def persistent_block_scaled_gemm(
         config=config,
         programs=grid_programs(config, clusters),
         interpret=interpret,
+        uniform=(block_rows[0] % config.tile_m == 0, block_rows[1] % config.tile_n == 0),
     )
     return out[:m, :n]
 
@@ -240,11 +238,9 @@ def grid_programs(config: PersistentConfig, clusters: int) -> int:
 
 def _stages(config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bool, out_dtype):
     """The pipeline's stages: `config.max_concurrent_steps`, no more than there are chunks,
-    nor than fit in an H100's shared memory beside the output tiles (a float32 output's take
-    twice a BF16 one's: 4 stages of the grouped rows kernel's 64 x 256 CTA tile and a float32
-    output overflow it by 2 KB)."""
-    cta_m, cta_n = config.cta_tile
-    rows = cta_m + n_terms * cta_n
+    nor than fit in an H100's shared memory beside the output tiles (4 stages of the grouped
+    rows kernel's 64 x 256 CTA tile and a float32 output overflow it by 2 KB)."""
+    rows = config.cta_tile[0] + n_terms * config.cta_tile[1]
     per_stage = rows * BLOCK_K + (0 if tile_scaled else 4 * rows)  # FP8 tiles, f32 scales
     per_stage *= config.chunks_per_step
     out = 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
@@ -281,6 +277,7 @@ def run_persistent(
     layout="dense",
     tile_scaled=False,
     promote=False,
+    uniform=(False, False),
 ):
     """The kernel over `operands`, by `layout`:
 
@@ -298,7 +295,8 @@ def run_persistent(
     `item_scale`, after `items`) or per expert (`"tokens"`: `group_scale`, after the
     counts): the whole contraction in one `wgmma` accumulator multiplied by it at the end
     (per-tensor recipes), or with `promote` each chunk's product added to a float32 sum in
-    registers first (FP8 `wgmma` accumulates with less than float32's precision)."""
+    registers first (FP8 `wgmma` accumulates with less than float32's precision).
+    `uniform`: whether `sa` (`sb`) holds one value over each warpgroup's rows (columns)."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     per_step = config.chunks_per_step
@@ -409,6 +407,9 @@ def run_persistent(
                     rows, cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
                 out_tile = out_gmem.at[group] if layout == "tokens" else out_gmem
                 out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
+                # Block scales: a vector per tile, or one scale where it covers the tile.
+                sa_at = rows.start if uniform[0] else rows
+                sb_at = cols.start if uniform[1] else cols
 
                 def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
@@ -420,8 +421,7 @@ def run_persistent(
                     else:
                         plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
 
-                def tile_scale():
-                    return scales[group if layout == "tokens" else mi]
+                tile_scale = lambda: scales[group if layout == "tokens" else mi]  # noqa: E731
 
                 def promoted(run):  # block scales: a fresh product per chunk, promoted
                     store(run(jnp.zeros((tm, tn), jnp.float32)))
@@ -438,9 +438,9 @@ def run_persistent(
 
                 def promote_step(_, a_smem, sa_smem, *rest):
                     *b_smem, acc = rest
-                    sa = sa_smem[0, rows]
+                    sa = sa_smem[0, sa_at]
                     for t in range(n_terms):
-                        tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1][0, cols]
+                        tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1][0, sb_at]
                         # The GPU's own path (wgmma on the transposed view) in the interpreter too.
                         part = chunk_product(a_smem.at[rows], tile_b, (tm, tn), interpret=False)
                         acc = scaled_add(acc, part, sa, sb)
@@ -450,7 +450,7 @@ def run_persistent(
                     *b_smem, acc = rest
                     for t in range(n_terms):
                         tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1]
-                        args = (a_smem.at[rows], tile_b, sa_smem, sb, rows, cols, (tm, tn))
+                        args = (a_smem.at[rows], tile_b, sa_smem, sb, sa_at, sb_at, (tm, tn))
                         acc = promoted_pair(acc, *args)
                     return acc
 

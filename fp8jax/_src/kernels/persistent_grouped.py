@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .block_gemm import BLOCK_K, check_operands, pad_to, round_up
+from .block_gemm import BLOCK_K, check_operands, experts_per_row, pad_to, round_up
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, check_items, check_shape, scaling_is_blocks
 from .persistent_gemm import PersistentConfig, grid_programs, interpretable, run_persistent
@@ -29,6 +29,7 @@ def persistent_grouped_rows_gemm(
     out_dtype=jnp.float32,
     config: PersistentConfig | None = None,
     promote: bool = False,
+    rhs_block_rows: int = 1,
     interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
     """Each item's rows of `lhs (M, K)` times its expert's `rhs (N, K)` by the persistent
@@ -37,7 +38,9 @@ def persistent_grouped_rows_gemm(
     tile) pairs so that an unused item costs its programs nothing.
 
     Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
-    row and chunk, promoted every chunk), or `item_scale (W,)` (one multiplier per item,
+    row and chunk, promoted every chunk; `(G, ceil(N / rhs_block_rows), chunks)` per block of
+    rows: one scale per warpgroup tile where a block covers it), or `item_scale (W,)` (one
+    multiplier per item,
     after one accumulation over the whole contraction, or with `promote` each chunk's
     product added to a float32 sum first: per-tensor recipes). Both compute warpgroups share
     each item's rows (`wg_dimension="n"`), `config.tile_m` of them (the items' tile). Returns
@@ -64,6 +67,8 @@ def persistent_grouped_rows_gemm(
     blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), item_scale, "item_scale")
     (m, k), (g, n) = lhs.shape, rhs.shape[:2]
     chunks = -(-k // BLOCK_K)
+    if blocks:
+        rhs_scale = experts_per_row(rhs, rhs_scale, rhs_block_rows, name)
     if blocks and rhs_scale.shape[:1] != (g,):
         raise ValueError(
             f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
@@ -107,6 +112,7 @@ def persistent_grouped_rows_gemm(
         layout="rows",
         tile_scaled=not blocks,
         promote=promote,
+        uniform=(False, blocks and rhs_block_rows % config.tile_n == 0),
     )
     return out[:m, :n]
 
