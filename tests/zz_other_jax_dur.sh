@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Run fp8jax's version-sensitive tests on the newer JAX releases it supports (README's main
+# test command covers jax 0.10.2 on Python 3.11). One Python 3.12 venv per release under
+# .venv-jax/, with the CUDA plugin of that exact release for the deviceless H100 compiles.
+#
+#   bash tests/other_jax.sh              # every release below
+#   bash tests/other_jax.sh 0.12.0.1     # one of them
+#   bash tests/other_jax.sh --install    # only make the venvs (CI, while the main suite runs)
+#   PYTHON312=/path/to/python3.12 bash tests/other_jax.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+INSTALL_ONLY=0
+if [ "${1:-}" = --install ]; then
+    INSTALL_ONLY=1
+    shift
+fi
+VERSIONS=("$@")
+RELEASES=(0.11.2 0.12.0.1)
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=("${RELEASES[@]}")
+
+# What differs between JAX releases, in a few minutes per release: JAX's internals and Mosaic
+# GPU's API (the compat modules), the native kernels in the interpreter and traced for CUDA,
+# the max-combining state under grad/vmap/scan, numerics, the train step, Flax NNX, and the
+# deviceless H100 compiles of fp8jax.inspect. A test renamed here fails loudly (not found).
+TESTS=(
+    tests/test_jax_private.py
+    tests/test_mosaic_private.py
+    tests/test_max_not_sum.py
+    tests/test_train_step.py::test_matches_the_explicit_step
+    tests/test_train_step.py::test_compiles_with_fp8jax_s_gpu_options_by_default
+    tests/test_train_step.py::test_gpu_options_as_flags_are_accepted_by_xla
+    tests/test_train_step.py::test_bfloat16_compute_keeps_float32_masters_and_state
+    tests/test_kernels.py::test_kernel_matches_float64_reference_in_the_interpreter
+    # The persistent warp-specialized kernel: wgmma on a transposed view runs in 0.11+'s
+    # interpreter (on 0.10.2 it is refused), and its deviceless H100 PTX.
+    tests/test_persistent_gemm.py
+    tests/test_kernels.py::test_cpu_compiles_keep_the_xla_path
+    # The one-pass quantization kernels (Pallas Triton): interpreted, and their deviceless
+    # H100 lowering (from 0.11 on it reads its target from the abstract mesh).
+    tests/test_block_quantize.py
+    tests/test_kernels.py::test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel
+    tests/test_grouped_native.py::test_rows_kernel_matches_float64_in_the_interpreter
+    tests/test_grouped_native.py::test_tokens_kernel_matches_float64_in_the_interpreter
+    tests/test_grouped_native.py::test_cpu_compiles_keep_the_xla_path
+    # E5M2 gradients times E4M3 weights in one wgmma (0.11 on), interpreted.
+    "tests/test_grouped_native.py::test_layer_on_the_kernels_matches_its_xla_path[delayed]"
+    # The GPU check's MoE yardstick: JAX's own BF16 grouped kernels behind a custom VJP.
+    tests/test_gpu_check.py::test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot
+    tests/test_numerics.py::test_bf16_outputs_carry_no_scale_bias
+    tests/test_numerics.py::test_dgrad_kernel_is_one_rounding_of_the_weight
+    tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only
+    tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
+    tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
+    # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.
+    tests/test_autocast.py::test_control_flow_matches_the_module_path
+    tests/test_autocast.py::test_the_selection_by_scope_batch_and_size
+    tests/test_autocast.py::test_ragged_dot_becomes_the_grouped_fp8_gemm
+    # Flax Linen's interception, against the Equinox path and Flax's own FP8 op.
+    "tests/test_linen.py::test_every_recipe_matches_the_equinox_path_bit_for_bit[delayed]"
+    tests/test_linen.py::test_delayed_scaling_matches_flax_fp8_direct_dot_general
+    # The kernels per shard: custom_partitioning, its Shardy rule and the shardings JAX hands
+    # the rule (jax_private.spec_of), on 8 CPU devices and on a compile for 8 H100s.
+    # Then the kernels interpreted on every device's shards as the partitioner decided, and
+    # each device's GEMM traced in the caller's context (on XLA's compile thread).
+    "tests/test_scaling_out.py::test_native_kernels_per_shard_train_like_one_device[blockwise-tensor]"
+    tests/test_scaling_out.py::test_each_devices_gemm_is_traced_in_the_callers_context
+    "tests/test_scaling_out.py::test_grouped_gemms_per_shard_train_like_one_device[blockwise-data]"
+    "tests/test_scaling_out.py::test_an_fsdp_weight_gathers_as_fp8_on_eight_h100s[blockwise]"
+    # The gathered FP8 weight as a value (partition.gathered_for: its own Shardy factors).
+    tests/test_scaling_out.py::test_a_scan_over_fsdp_layers_trains_like_one_device
+    # Expert parallelism: ragged_all_to_all (emulated on CPU through platform_dependent) and
+    # the manual axes' types of shard_map, traced for CUDA and run on 8 CPU devices.
+    tests/test_expert_parallel.py::test_the_cpu_exchange_is_ragged_all_to_all
+)
+# The longest of them (compiles for 8 H100s, 40-90 s each), on the newest release only: a
+# change of JAX's sharding internals shows there first, and CI keeps its time.
+NEWEST_ONLY=(
+    tests/test_scaling_out.py::test_a_scan_over_layers_gathers_each_fp8_weight_once
+    "tests/test_expert_parallel.py::test_expert_parallel_moe_trains_like_one_device[blockwise-data 2 x expert 4]"
+    tests/test_expert_parallel.py::test_the_dispatch_moves_fp8_on_eight_h100s
+    # The mixed-FP8 wgmma in a MoE step's PTX (e5m2.e4m3), compiled for an H100.
+    tests/test_grouped_native.py::test_h100_e5m2_gradients_run_dgrad_and_wgrad_in_fp8_where_wgmma_takes_the_pair
+)
+NEWEST=${RELEASES[-1]}
+
+find_python312() {
+    local candidates=("${PYTHON312:-}" python3.12 /root/.pyenv/versions/3.12.*/bin/python3)
+    for c in "${candidates[@]}"; do
+        [ -n "$c" ] || continue
+        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null; then
+            command -v "$c" || echo "$c"
+            return
+        fi
+    done
+    echo "tests/other_jax.sh: no Python 3.12 found (tried python3.12 and pyenv's 3.12);" \
+        "set PYTHON312 to one (jax 0.11 and later need Python 3.12+ here)." >&2
+    exit 2
+}
+
+PYTHON=$(find_python312)
+for v in "${VERSIONS[@]}"; do
+    venv=".venv-jax/$v"
+    start=$SECONDS
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import jax, xdist, sys; sys.exit(jax.__version__ != '$v')"; then
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv"
+        "$venv/bin/pip" install -q --no-compile -e ".[nnx]" "jax==$v" "jaxlib==$v" \
+            "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
+            "pytest>=8" "pytest-xdist>=3.6" "hypothesis>=6.100" "optax==0.2.8"
+    fi
+    installed=$SECONDS
+    if [ $INSTALL_ONLY = 1 ]; then
+        echo "jax $v: install $((installed - start)) s"
+        continue
+    fi
+    # The notebooks run in the main command: addopts without --nbmake.
+    run=("${TESTS[@]}")
+    [ "$v" != "$NEWEST" ] || run+=("${NEWEST_ONLY[@]}")
+    "$venv/bin/python" -m pytest -q -n 2 -o addopts="-m 'not slow'" --durations=40 "${run[@]}"
+    echo "jax $v: install $((installed - start)) s, tests $((SECONDS - installed)) s"
+done
