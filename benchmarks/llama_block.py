@@ -26,18 +26,21 @@ timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no
 `delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`) and
 `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside `tiled_kernel`;
 `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
-run 4; on a CPU compile the recipe takes the XLA path) and `blockwise-pairs` (that kernel
-in its default configuration with two chunks a step, `chunks_per_step=2`).
+run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel
+in its default configuration with two chunks a step, `chunks_per_step=2`) and
+`blockwise-tile-scales` (that kernel given the weights' scales once per 128 x 128 block,
+`weight_block_scales`: one scale per warpgroup tile and chunk in the forward and dgrad).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -48,7 +51,12 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
-from fp8jax._src.kernels.choice import DEFAULT_CONFIGS, persistent_kernel, tiled_kernel
+from fp8jax._src.kernels.choice import (
+    DEFAULT_CONFIGS,
+    persistent_kernel,
+    tiled_kernel,
+    weight_block_scales,
+)
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -89,6 +97,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-cond": CondWarmStart(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
+    "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
 }
 #: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
 #: (`step(name)`).
@@ -97,7 +106,18 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "blockwise-pairs": lambda: persistent_kernel(
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
     ),
+    "blockwise-tile-scales": lambda: tile_scales(),
 }
+
+
+@contextlib.contextmanager
+def tile_scales() -> Iterator[None]:
+    """The persistent kernels (each GEMM in its default configuration) given the weights'
+    block scales once per block (`choice.weight_block_scales`)."""
+    with persistent_kernel(), weight_block_scales():
+        yield
+
+
 #: Attention implementations: cuDNN's flash attention (GPU only), XLA's, or the stand-in.
 ATTENTION = ("cudnn", "xla", "stand-in")
 STAND_IN = "attention_stand_in"

@@ -3,7 +3,9 @@ code a GPU runs, `wgmma` on the transposed rhs view included, in Mosaic GPU's in
 (JAX 0.11 and later: `tests/other_jax.sh`) against float64; its tuning knobs; and the
 deviceless H100 compile (warp-specialized, FP8 `wgmma`, no register spills)."""
 
+import contextlib
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -20,8 +22,8 @@ from helpers import run_with_mosaic_dump
 
 import fp8jax
 from fp8jax._src.core import mosaic_private
-from fp8jax._src.kernels import BLOCK_GEMM_NAME, dispatch, reference
-from fp8jax._src.kernels.choice import persistent_kernel
+from fp8jax._src.kernels import BLOCK_GEMM_NAME, choice, dispatch, reference
+from fp8jax._src.kernels.choice import persistent_kernel, weight_block_scales
 from fp8jax._src.kernels.grouped_gemm import RowItems, row_items
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
@@ -334,35 +336,56 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
 
 
+def spy_on(monkeypatch, kernel: str, argument: str) -> list:
+    """The values of `argument` in each call `choice` makes of `kernel`, from now on."""
+    real, seen = getattr(choice, kernel), []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(argument, inspect.signature(real).parameters[argument].default))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(choice, kernel, spy)
+    return seen
+
+
 def _linear_loss(model, x):
     return jnp.sum(jax.vmap(model)(x) ** 2)
 
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "recipe",
+    "recipe, per_block",
     [
-        fp8jax.BlockwiseScaling(native_kernel=True),
-        fp8jax.ResidualFP8(native_kernel=True),  # two weights share each activation tile
+        (fp8jax.BlockwiseScaling(native_kernel=True), False),
+        (fp8jax.BlockwiseScaling(native_kernel=True), True),
+        (fp8jax.ResidualFP8(native_kernel=True), False),  # two weights share each lhs tile
     ],
-    ids=["blockwise", "residual"],
+    ids=["blockwise", "blockwise, weight scales per block", "residual"],
 )
-def test_recipes_train_the_same_on_the_persistent_kernel(getkey, recipe):
+def test_recipes_train_the_same_on_the_persistent_kernel(getkey, monkeypatch, recipe, per_block):
     """A Linear with odd sizes, forward, dgrad and wgrad on the persistent kernel (traced
     inside `persistent_kernel`, interpreted) against the recipe's XLA path: loss, gradients
     and FP8 state alike, float32 summation order aside; and the step's program does call the
-    persistent kernel."""
-    linear = eqx.nn.Linear(200, 150, key=getkey())
-    x = jax.random.normal(getkey(), (70, 200))
+    persistent kernel. Also with the weight's scales given once per 128 x 128 block
+    (`weight_block_scales`: one scale per warpgroup tile in the forward and dgrad; a weight
+    of whole blocks, which the one-pass kernel quantizes)."""
+    linear = eqx.nn.Linear(*((256, 256) if per_block else (200, 150)), key=getkey())
+    x = jax.random.normal(getkey(), (70, linear.in_features))
+    seen = spy_on(monkeypatch, "persistent_block_scaled_gemm", "block_rows")
     model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
     xla_model = fp8jax.fp8_linear_layers(
         linear, fp8jax.Fp8Config(recipe=dataclasses.replace(recipe, native_kernel=False))
     )
     step = fp8jax.filter_value_and_grad(_linear_loss)
-    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)):
+    blocks = weight_block_scales() if per_block else contextlib.nullcontext()
+    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)), blocks:
         jaxpr = str(jax.make_jaxpr(step)(model, x))
         loss_n, grads_n = jax.jit(step)(model, x)
     assert PERSISTENT_GEMM_NAME in jaxpr
+    # The forward's and dgrad's weight per block of 128 rows (once per trace), the wgrad's
+    # operands per row; by default all per row.
+    rows = [(1, 128), (1, 128), (1, 1)] if per_block else [(1, 1)] * 3
+    assert sorted(seen, reverse=True) == sorted(rows * 2, reverse=True), seen
     loss_x, grads_x = jax.jit(step)(xla_model, x)
     np.testing.assert_allclose(loss_n, loss_x, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads_x), strict=True):
@@ -630,15 +653,20 @@ def test_grouped_tokens_kernel_refuses_bad_input_by_name():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "recipe",
-    [fp8jax.BlockwiseScaling(), fp8jax.DelayedScaling(backward_format="e4m3")],
-    ids=["blockwise", "delayed-e4m3"],
+    "recipe, per_block",
+    [
+        (fp8jax.BlockwiseScaling(), True),
+        (fp8jax.DelayedScaling(backward_format="e4m3"), False),
+    ],
+    ids=["blockwise, weight scales per block", "delayed-e4m3"],
 )
-def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(recipe):
+def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(monkeypatch, recipe, per_block):
     """Fp8RaggedDot, uneven experts and one without tokens: forward and dgrad on the
     persistent grouped rows kernel, the wgrad on the persistent tokens kernel (block scales,
     or per-tensor scales per tile and per expert; traced inside `persistent_kernel`,
-    interpreted), against the layer's XLA path."""
+    interpreted), against the layer's XLA path. Blockwise with the experts' weight scales
+    once per 128 x 128 block (`weight_block_scales`: one per warpgroup tile; per row, the
+    default, is test_grouped_native's)."""
     sizes = jnp.asarray([70, 0, 130, 5], jnp.int32)
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((205, 256)) * 3, jnp.float32)
@@ -651,10 +679,15 @@ def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(recipe):
 
     on = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=True)
     off = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=False)
-    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)):
+    seen = spy_on(monkeypatch, "persistent_grouped_rows_gemm", "rhs_block_rows")
+    blocks = weight_block_scales() if per_block else contextlib.nullcontext()
+    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)), blocks:
         jaxpr = str(jax.make_jaxpr(step)(on, x, w))
         got = eqx.filter_jit(step)(on, x, w)
     assert PERSISTENT_ROWS_NAME in jaxpr and PERSISTENT_TOKENS_NAME in jaxpr
+    # The forward's and dgrad's expert weights per block of 128 rows where chosen (or per
+    # tile: no block scales), twice traced.
+    assert seen == [128 if per_block else 1] * 4, seen
     want = eqx.filter_jit(step)(off, x, w)
     for a, b, terms in zip(got, want, (256, 192, 205), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -12,8 +12,9 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   VJP with `lax.ragged_dot`'s signature; its loss and gradients are checked against `bf16`'s
   on the same arrays before it is timed (a wrong yardstick would flatter or wrong FP8);
 - `blockwise` (fp8jax's default: issue 39's persistent grouped kernels since run 4),
-  `blockwise-tiled` (the tiled grouped kernels, traced inside `tiled_kernel()`) and
-  `delayed-e4m3` (per-tensor, E4M3 gradients).
+  `blockwise-tiled` (the tiled grouped kernels, traced inside `tiled_kernel()`),
+  `delayed-e4m3` (per-tensor, E4M3 gradients) and `blockwise-tile-scales` (the persistent
+  kernels given the experts' weight scales once per block: `weight_block_scales()`).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -32,7 +33,7 @@ import moe_cost
 from jaxtyping import Array
 
 import fp8jax
-from fp8jax._src.kernels.choice import tiled_kernel
+from fp8jax._src.kernels.choice import tiled_kernel, weight_block_scales
 
 from .record import Recorder
 from .timing import compile_and_time
@@ -41,7 +42,14 @@ SECTION = "3b MoE layer"
 CUBLAS = fp8jax.gpu_compiler_options()
 #: mode -> variants; the two BF16 steps first: the others' references.
 VARIANTS = {
-    "full": ["bf16", "bf16 jax mgpu", "blockwise", "delayed-e4m3", "blockwise-tiled"],
+    "full": [
+        "bf16",
+        "bf16 jax mgpu",
+        "blockwise",
+        "delayed-e4m3",
+        "blockwise-tiled",
+        "blockwise-tile-scales",
+    ],
     "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
     # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
     # recipes' layers are tested apart (tests/test_grouped_native.py).
@@ -50,10 +58,13 @@ VARIANTS = {
 RECIPES = {
     "blockwise": fp8jax.BlockwiseScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
+    "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
     "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
 }
-#: Variants traced inside `tiled_kernel()`.
+#: Variants traced inside `tiled_kernel()`, and inside `weight_block_scales()` (the experts'
+#: weight scales once per 128 x 128 block: one per warpgroup tile of the rows GEMM).
 TILED = ("blockwise-tiled",)
+PER_BLOCK = ("blockwise-tile-scales",)
 #: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
 NEED_S = 20.0
 #: The JAX kernels' step against `lax.ragged_dot`'s: each leaf of the loss and gradients
@@ -88,12 +99,13 @@ def arguments(s: dict[str, int], name: str) -> tuple[Any, Array]:
 
 
 def step(name: str):
-    """`moe_cost.moe_step`, traced inside `tiled_kernel()` for the variants in `TILED`."""
-    if name not in TILED:
+    """`moe_cost.moe_step`, traced inside `tiled_kernel()` for the variants in `TILED`,
+    inside `weight_block_scales()` for those in `PER_BLOCK`."""
+    if name not in TILED + PER_BLOCK:
         return moe_cost.moe_step
 
     def traced(*args: Any) -> Any:
-        with tiled_kernel():
+        with tiled_kernel() if name in TILED else weight_block_scales():
             return moe_cost.moe_step(*args)
 
     return traced

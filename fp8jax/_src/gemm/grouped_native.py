@@ -124,7 +124,7 @@ def native_rows(
     operands' contraction promoted to float32 every chunk (blocks are promoted every chunk
     anyway)."""
     from ..kernels.block_gemm import expand_rows
-    from ..kernels.choice import recipe_grouped_rows_gemm
+    from ..kernels.choice import recipe_grouped_rows_gemm, weight_block_scales_chosen
     from ..kernels.grouped_gemm import TILE_M, row_items
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
@@ -143,7 +143,12 @@ def native_rows(
         b,
         items,
         lhs_scale=lhs.scale_inv,
-        rhs_scale=expand_rows(rhs.scale_inv, f, rhs.block[0]),
+        # Per block of rows as they are (`choice.weight_block_scales`), else per row.
+        **(
+            dict(rhs_scale=rhs.scale_inv, rhs_block_rows=rhs.block[0])
+            if weight_block_scales_chosen()
+            else dict(rhs_scale=expand_rows(rhs.scale_inv, f, rhs.block[0]))
+        ),
         out_dtype=out_dtype,
         block_k=lhs.block[1],
     )

@@ -105,9 +105,10 @@ def check_operands(
                 f"{who}: {name} is {data.dtype}; FP8 wgmma takes float8_e4m3fn or float8_e5m2."
             )
         if scale.shape != (-(-rows // per), chunks):
+            rows_per = "row" if per == 1 else f"{per} rows"
             raise ValueError(
                 f"{who}: {name}'s scale has shape {scale.shape}; it should hold one scale per "
-                f"{per} row(s) and {block_k}-chunk of K: {(-(-rows // per), chunks)}."
+                f"{rows_per} and {block_k}-chunk of K: {(-(-rows // per), chunks)}."
             )
     dtypes = {jnp.dtype(d.dtype).name for _, d, _, _, _ in operands}
     if not wgmma_takes(*dtypes):

@@ -53,6 +53,9 @@ _TILED, _PERSISTENT, _DEFAULT = "tiled", "persistent", "default"
 _CHOSEN: contextvars.ContextVar[PersistentConfig | str] = contextvars.ContextVar(
     "fp8jax_block_kernel_choice", default=_DEFAULT
 )
+_WEIGHT_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_weight_scales_per_block", default=False
+)
 
 
 @contextlib.contextmanager
@@ -88,6 +91,28 @@ def tiled_kernel() -> contextlib.AbstractContextManager[None]:
     return _choose(_TILED)
 
 
+@contextlib.contextmanager
+def weight_block_scales() -> Iterator[None]:
+    """Functions traced inside give the block-scaled GEMMs (dense and grouped rows) a weight's
+    128 x 128 block scales once per block: the persistent kernels then read one scale per
+    warpgroup tile and chunk (`block_rows`: half the promotion's FP32 instructions), where
+    by default each block's scale comes repeated per row of its tiles, as the one-pass
+    quantization writes them (no fusion between it and the GEMM; inside, a small XLA fusion
+    per weight GEMM repeats them for the kernel's pipeline). Issue 39: the default once a GPU
+    run has checked and timed it (`benchmarks/llama_block.py`'s `blockwise-tile-scales`)."""
+    token = _WEIGHT_BLOCKS.set(True)
+    try:
+        yield
+    finally:
+        _WEIGHT_BLOCKS.reset(token)
+
+
+def weight_block_scales_chosen() -> bool:
+    """Whether GEMMs traced now take weights' block scales once per block
+    (`weight_block_scales`)."""
+    return _WEIGHT_BLOCKS.get()
+
+
 def on_gpu() -> bool:
     """Whether kernels traced now run on this machine's GPU: not interpreted, and JAX's
     default backend a GPU (a deviceless compile on a CPU machine is not)."""
@@ -112,14 +137,17 @@ def recipe_block_gemm(
     *,
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
+    block_rows: tuple[int, int] = (1, 1),
 ) -> Float[Array, "M N"]:
     """The block-scaled GEMM the recipes call: `persistent_block_scaled_gemm` where the chunks
     are 128 wide (the only width it takes) and no context or the interpreter chooses the
-    tiled kernel (see the module), else `block_scaled_gemm` (the tiled kernel)."""
+    tiled kernel (see the module), else `block_scaled_gemm` (the tiled kernel). Scales per
+    `block_rows` rows of each operand, as both kernels take them."""
     config = _config("dense")
+    kw = dict(out_dtype=out_dtype, block_rows=block_rows)
     if config is None or block_k != BLOCK_K:
-        return block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, block_k=block_k)
-    return persistent_block_scaled_gemm(lhs, lhs_scale, terms, out_dtype=out_dtype, config=config)
+        return block_scaled_gemm(lhs, lhs_scale, terms, **kw, block_k=block_k)
+    return persistent_block_scaled_gemm(lhs, lhs_scale, terms, **kw, config=config)
 
 
 def _grouped_choice(kind: str, lhs: Array, block_k: int) -> PersistentConfig | None:
@@ -143,15 +171,17 @@ def recipe_grouped_rows_gemm(
     out_dtype=jnp.float32,
     block_k: int = BLOCK_K,
     promote: bool = False,
+    rhs_block_rows: int = 1,
 ) -> Float[Array, "M N"]:
     """The grouped rows GEMM the grouped layers call: `persistent_grouped_rows_gemm` (its
     warpgroups splitting N) where the operands are FP8, the chunks 128 wide and the tiled
     kernel not chosen (see the module), else `grouped_rows_gemm`. `promote`: a per-tile
     scaled contraction promoted to float32 every chunk (the backward's, as cuBLASLt without
-    fast accumulation). `items`: cut at `TILE_M`-row tiles (`grouped_gemm.row_items`)."""
+    fast accumulation). `items`: cut at `TILE_M`-row tiles (`grouped_gemm.row_items`).
+    `rhs_block_rows`: rows of each expert's `rhs` per scale of `rhs_scale`."""
     config = _grouped_choice("rows", lhs, block_k)
     scales = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, item_scale=item_scale)
-    kw = dict(out_dtype=out_dtype, promote=promote)
+    kw = dict(out_dtype=out_dtype, promote=promote, rhs_block_rows=rhs_block_rows)
     if config is None:
         return grouped_rows_gemm(lhs, rhs, items, **scales, **kw, block_k=block_k)
     return persistent_grouped_rows_gemm(

@@ -109,19 +109,24 @@ def native_block_dot(
     products and per-block scaling, the float32 accumulation promoted every chunk in
     registers, the output written in `out_dtype`. Shape `(*B, lhs_free, rhs_free)`."""
     from ..kernels.block_gemm import expand_rows  # Pallas: imported on use
-    from ..kernels.choice import recipe_block_gemm
+    from ..kernels.choice import recipe_block_gemm, weight_block_scales_chosen
 
     # The kernel takes both operands K-major: a wgrad's (and dgrad's) operand is transposed,
     # as FP8 values (`dispatch.k_major`).
     lhs, rhs = quantized_k_major(lhs, lhs_axis), quantized_k_major(rhs, rhs_axis)
     chunk = _shared_chunk(lhs, rhs)
+    # Scales per block of rows as they are (`choice.weight_block_scales`), else per row.
+    per_block = weight_block_scales_chosen()
+    block_rows = (lhs.block[0], rhs.block[0]) if per_block else (1, 1)
 
     def gemm(a: Array, sa: Array, b: Array, sb: Array) -> Array:
-        return recipe_block_gemm(a, sa, [(b, sb)], out_dtype=out_dtype, block_k=chunk)
+        kw = dict(out_dtype=out_dtype, block_k=chunk, block_rows=block_rows)
+        return recipe_block_gemm(a, sa, [(b, sb)], **kw)
 
     operands = []
     for q in (lhs, rhs):
-        operands += [q.data, expand_rows(q.scale_inv, q.data.shape[-2], q.block[0])]
+        scale = q.scale_inv if per_block else expand_rows(q.scale_inv, q.data.shape[-2], q.block[0])
+        operands += [q.data, scale]
     if lhs.data.ndim == 3:
         gemm = jax.vmap(gemm)
     return gemm(*operands)

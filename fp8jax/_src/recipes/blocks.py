@@ -350,13 +350,20 @@ class BlockwiseScaling(BlockScaledRecipe):
         """`w`'s FP8 blocks laid out for a GEMM contracting `axis`, and its amax
         (`_weight_blocks`). Each block's scale comes once per row of its tiles along `axis`
         (`tile(axis)`: the same values as the square blocks, in the layout the GEMM kernels
-        take, so that no kernel expands them). Square blocks serve either axis: for -2 the
-        kernel's K-major copy, transposed back here, which the GEMM's own transpose undoes (no
-        data moves)."""
+        take, so that no kernel expands them; inside `choice.weight_block_scales()` once per
+        block, as square blocks). Square blocks serve either axis: for -2 the kernel's K-major
+        copy, transposed back here, which the GEMM's own transpose undoes (no data moves)."""
+        from ..kernels.choice import weight_block_scales_chosen  # Pallas: imported on use
+
         data, data_t, rows, cols, local = self._weight_blocks(w)
+        size = self.block_size
+        if weight_block_scales_chosen():  # the square blocks' scales, once per block
+            if axis == -1:
+                return QTensor(data, rows[::size], (size, size)), local
+            return QTensor(data_t.T, cols[:, ::size], (size, size)), local
         if axis == -1:
-            return QTensor(data, rows, tile(-1, self.block_size)), local
-        return QTensor(data_t.T, cols, tile(-2, self.block_size)), local
+            return QTensor(data, rows, tile(-1, size)), local
+        return QTensor(data_t.T, cols, tile(-2, size)), local
 
     def quantize_both(
         self, x: Array, state: TensorState, role: Role
