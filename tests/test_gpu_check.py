@@ -325,7 +325,8 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
 
 def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
-    its default configuration with two chunks a step (a block-scaled GEMM traced inside
+    its default configuration with two chunks a step, `blockwise-tile-scales` the persistent
+    one in its default with the weights' scales per block (a block-scaled GEMM traced inside
     each variant's context, the kernels spied on)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import llama_block
@@ -339,11 +340,12 @@ def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     )
     a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
     s = jnp.ones((128, 2), jnp.float32)
-    for name in ("blockwise-tiled", "blockwise-pairs"):
+    for name in ("blockwise-tiled", "blockwise-pairs", "blockwise-tile-scales"):
         with llama_block.CONTEXTS[name]():
             choice.recipe_block_gemm(a, s, [(a, s)])
+            seen.append(choice.weight_block_scales_chosen())
     pairs = dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chunks_per_step=2)
-    assert seen == ["tiled", pairs]
+    assert seen == ["tiled", False, pairs, False, choice.DEFAULT_CONFIGS["dense"], True]
     assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
 
 
