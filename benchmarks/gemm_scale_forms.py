@@ -1,0 +1,84 @@
+"""Per-tensor FP8 GEMMs: how the scales reach cuBLASLt, in kernels (issue 38).
+
+    python benchmarks/gemm_scale_forms.py | tee benchmarks/results/gemm_scale_forms.txt
+
+A Llama block's per-tensor step (delayed scaling without the warm start, deviceless,
+`llama_block.py`) runs one tiny kernel per FP8 GEMM besides the GEMM: 21 fusions of 8-20
+bytes that multiply the two operands' `scale_inv` (each `1 / scale`) into the GEMM's alpha.
+This compiles one 4096^3 E4M3 GEMM with BF16 output for an H100 (deviceless, fp8jax's XLA
+options) in the forms fp8jax could write it, and counts its kernels (`fp8jax.hlo_cost`) and
+the GEMM custom calls:
+
+- `alpha` (fp8jax's `per_tensor_dot` today): `dot(a8, b8) * (sa_inv * sb_inv)`;
+- `dequantized`: `dot(a8 * sa_inv, b8 * sb_inv)` in BF16, the pattern XLA's GEMM rewriter
+  turns into cuBLASLt's FP8 GEMM with both scales as its own operands;
+- `dequantized, 1 / scale`: the same with each `scale_inv` computed from the scale in the
+  step, as delayed scaling's `QTensor` holds it now;
+- `dequantized, float32`: the operands dequantized to float32.
+
+Nothing runs on a GPU: the compiled HLO is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import fp8jax  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
+
+F8, BF16, F32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32
+DIMS = (((1,), (1,)), ((), ()))
+N = 4096
+
+
+def alpha(a, b, sa_inv, sb_inv):
+    return lax.dot_general(a, b, DIMS, preferred_element_type=BF16) * (sa_inv * sb_inv).astype(BF16)
+
+
+def dequantized(a, b, sa_inv, sb_inv):
+    a, b = a.astype(BF16) * sa_inv.astype(BF16), b.astype(BF16) * sb_inv.astype(BF16)
+    return lax.dot_general(a, b, DIMS, preferred_element_type=BF16)
+
+
+def dequantized_reciprocal(a, b, sa, sb):
+    return dequantized(a, b, 1.0 / sa, 1.0 / sb)
+
+
+def dequantized_f32(a, b, sa_inv, sb_inv):
+    a, b = a.astype(F32) * sa_inv, b.astype(F32) * sb_inv
+    return lax.dot_general(a, b, DIMS, preferred_element_type=F32).astype(BF16)
+
+
+FORMS = {
+    "alpha": alpha,
+    "dequantized": dequantized,
+    "dequantized, 1 / scale": dequantized_reciprocal,
+    "dequantized, float32": dequantized_f32,
+}
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}; one {N}^3 E4M3 GEMM, BF16 out, deviceless H100, cuBLAS mode")
+    print()
+    print("| form | kernels | GEMM custom calls | other kernels (bytes) |")
+    print("|---|---|---|---|")
+    args = (jax.ShapeDtypeStruct((N, N), F8),) * 2 + (jax.ShapeDtypeStruct((), F32),) * 2
+    device = deviceless.h100_topology().devices[0]
+    for name, form in FORMS.items():
+        lowered, _ = deviceless.lower(form, args, {}, device)
+        hlo = lowered.compile(compiler_options=fp8jax.gpu_compiler_options()).as_text()
+        kernels = fp8jax.hlo_cost(hlo).kernels
+        calls = sorted(set(re.findall(r'custom_call_target="(__cublas[^"]+)"', hlo)))
+        others = [f"{k.name} ({k.bytes})" for k in kernels if k.category is not None]
+        print(f"| {name} | {len(kernels)} | {', '.join(calls)} | {', '.join(others) or '-'} |")
+
+
+if __name__ == "__main__":
+    main()
