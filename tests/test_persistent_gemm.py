@@ -577,6 +577,8 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
         persistent_grouped_rows_gemm(lhs, rhs, bad, **kwargs)
     with pytest.raises(ValueError, match="rhs_scale has shape"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, lhs_scale=lhs_scale, rhs_scale=rhs_scale[0])
+    with pytest.raises(ValueError, match=r"\(1, 128, 2\); expected \(1, 1, 2\) .* 128 row"):
+        persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, rhs_block_rows=128)
     with pytest.raises(ValueError, match="not both or neither"):
         persistent_grouped_rows_gemm(lhs, rhs, experts, **kwargs, item_scale=jnp.ones((2,)))
     with pytest.raises(ValueError, match="item_scale has shape \\(3,\\)"):

@@ -40,11 +40,11 @@ def persistent_grouped_rows_gemm(
     Scales, either: `lhs_scale (M, ceil(K / 128))` and `rhs_scale (G, N, ceil(K / 128))` (per
     row and chunk, promoted every chunk; `(G, ceil(N / rhs_block_rows), chunks)` per block of
     rows: one scale per warpgroup tile where a block covers it), or `item_scale (W,)` (one
-    multiplier per item,
-    after one accumulation over the whole contraction, or with `promote` each chunk's
-    product added to a float32 sum first: per-tensor recipes). Both compute warpgroups share
-    each item's rows (`wg_dimension="n"`), `config.tile_m` of them (the items' tile). Returns
-    `(M, N)` in `out_dtype`; rows no item writes are left unwritten.
+    multiplier per item, after one accumulation over the whole contraction, or with
+    `promote` each chunk's product added to a float32 sum first: per-tensor recipes). Both
+    compute warpgroups share each item's rows (`wg_dimension="n"`), `config.tile_m` of them
+    (the items' tile). Returns `(M, N)` in `out_dtype`; rows no item writes are left
+    unwritten.
     """
     name = "persistent_grouped_rows_gemm"
     config = PersistentConfig(wg_dimension="n") if config is None else config
@@ -65,15 +65,10 @@ def persistent_grouped_rows_gemm(
         )
     table = check_items(name, items)
     blocks = scaling_is_blocks(name, (lhs_scale, rhs_scale), item_scale, "item_scale")
-    (m, k), (g, n) = lhs.shape, rhs.shape[:2]
+    (m, k), n = lhs.shape, rhs.shape[1]
     chunks = -(-k // BLOCK_K)
-    if blocks:
+    if blocks:  # one (N, chunks) grid per expert, or `rhs_block_rows` rows a scale
         rhs_scale = experts_per_row(rhs, rhs_scale, rhs_block_rows, name)
-    if blocks and rhs_scale.shape[:1] != (g,):
-        raise ValueError(
-            f"{name}: rhs_scale has shape {rhs_scale.shape}; expected one (N, chunks) grid per "
-            f"expert: ({g}, {n}, {chunks})."
-        )
     # The operand checks of a block-scaled call, on shapes (of one expert's rhs; stand-ins for
     # the scales of a per-item call).
     f32 = jnp.float32
