@@ -286,9 +286,9 @@ def test_saves_only_fp8_operands_and_scales(capsys):
         dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
         residuals.append((dtype, tuple(int(n) for n in dims.split(",") if n)))
     state = sorted(r for r in residuals if r in (("f32", ()), ("f32", (7,))))
-    # The new state (returned by the backward pass as the state's gradient): a scale and a
-    # history for each of the three operands; and the two FP8 operands' scales.
-    assert state == [("f32", ())] * (3 + 2) + [("f32", (7,))] * 3, saved
+    # The new state (returned by the backward pass as the state's gradient): a scale, its
+    # inverse and a history for each of the three operands; and the two FP8 operands' scales.
+    assert state == [("f32", ())] * (3 * 2 + 2) + [("f32", (7,))] * 3, saved
     operands = [r for r in residuals if r not in state]
     # The operands in FP8, in whatever layout the GEMM uses (the kernel is saved as (8, 16)).
     assert sorted(d for d, _ in operands) == ["f8_e4m3fn", "f8_e4m3fn"], saved

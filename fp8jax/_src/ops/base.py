@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from typing import Any
 
@@ -67,7 +68,13 @@ def received_state(state: TensorState) -> tuple[Array, Array]:
     # rolled (checked when they were new). Checking that entry alone keeps the test a few
     # scalars, which XLA fuses into the kernels that write the state, where a reduction over
     # every history would be one more kernel per operand and step.
-    leaves = [a[..., :1] if a is state.amax_history else a for a in jax.tree.leaves(state)]
+    # `scale_inv` is left out: a merge computes it again from the scale it keeps.
+    fields = [f.name for f in dataclasses.fields(state) if f.name != "scale_inv"]
+    leaves = [
+        a[..., :1] if name == "amax_history" else a
+        for name in fields
+        for a in jax.tree.leaves(getattr(state, name))
+    ]
     finite = [jnp.all(jnp.isfinite(a), axis=tuple(range(lead, jnp.ndim(a)))) for a in leaves]
     finite = functools.reduce(jnp.logical_and, finite)
     take = finite & (state.scale > 0)
@@ -227,6 +234,8 @@ class AbstractFp8Op(OverwriteWithGradient):
                 # own select: a kernel per leaf and state again.
                 new = lax.optimization_barrier(new)
             take, reject = received_state(new)
+            if delayed:
+                take = lax.optimization_barrier(take)
             kept = pick_received(old, new, take)
             scales = kept.scale
             if delayed:

@@ -32,6 +32,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from ..core.amax import amax
@@ -62,10 +63,34 @@ class TensorState(eqx.Module):
       latest step. Block-scaled recipes record `fp8_max / amax` here, for telemetry.
     - `amax_history`: recent amaxes, newest at index 0, the second newest at the end
       (Transformer Engine rolls by -1, then writes index 0). Recipes without a history keep one.
+    - `scale_inv`: `1 / scale`, or 1 where `scale` is 0 (the scale a cast then uses without
+      the warm start), computed when the state is built or merged. Delayed scaling hands it
+      to the GEMM as it is: cuBLASLt's FP8 GEMM takes it as an operand, where an inverse
+      computed in the step is a kernel of its own per GEMM. Left out, it is computed from
+      `scale`; a state edited by hand (`eqx.tree_at` on `scale`) must set both, or be merged
+      ([`fp8jax.Fp8DotGeneral.merge`][]), which computes it again.
     """
 
     scale: Float[Array, ""]
     amax_history: Float[Array, " history"]
+    scale_inv: Float[Array, ""]
+
+    def __init__(
+        self,
+        scale: Float[ArrayLike, "*lead"],
+        amax_history: Float[ArrayLike, "*lead history"],
+        scale_inv: Float[ArrayLike, "*lead"] | None = None,
+    ):
+        self.scale = scale
+        self.amax_history = amax_history
+        self.scale_inv = inverse_scale(scale) if scale_inv is None else scale_inv
+
+
+def inverse_scale(scale: Float[ArrayLike, "*lead"]) -> Float[Array, "*lead"]:
+    """`1 / scale` where `scale > 0`, else 1: a [`fp8jax.TensorState`][]'s `scale_inv`."""
+    scale = jnp.asarray(scale, jnp.float32)
+    ok = scale > 0.0
+    return jnp.where(ok, 1.0 / jnp.where(ok, scale, 1.0), 1.0)
 
 
 class QTensor(eqx.Module):
@@ -310,6 +335,7 @@ def per_tensor_dot(
     precision: Any,
     out_dtype: Any = jnp.float32,
     exact_scales: bool = False,
+    kept_inverses: bool = False,
 ) -> Float[Array, "*shape"]:
     """`dot_general(lhs8, rhs8) * (lhs.scale_inv * rhs.scale_inv)` in `out_dtype`.
 
@@ -326,10 +352,18 @@ def per_tensor_dot(
     448 * 57344 per term), are applied in float32 and the result converted.
     """
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
-    scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
     out_dtype = jnp.dtype(out_dtype)
     f32 = jnp.finfo(jnp.float32)
-    direct = out_dtype == f32.dtype or (exact_scales and jnp.finfo(out_dtype).maxexp >= f32.maxexp)
+    wide = exact_scales and jnp.finfo(out_dtype).maxexp >= f32.maxexp
+    if kept_inverses and wide:
+        lhs_data, rhs_data = (
+            q.data.astype(out_dtype) * q.scale_inv.astype(out_dtype) for q in (lhs, rhs)
+        )
+        return lax.dot_general(
+            lhs_data, rhs_data, dims, precision=precision, preferred_element_type=out_dtype
+        )
+    scale = lhs.scale_inv.astype(jnp.float32) * rhs.scale_inv.astype(jnp.float32)
+    direct = out_dtype == f32.dtype or wide
     if not direct:
         out = lax.dot_general(
             lhs.data, rhs.data, dims, precision=precision, preferred_element_type=jnp.float32

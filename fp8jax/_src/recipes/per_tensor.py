@@ -14,7 +14,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
-from ..core.formats import floor_log2, fp8_max, pow2, quantize
+from ..core.formats import floor_log2, fp8_max, pow2, quantize, quantize_by_inverse
 from .base import (
     Axis,
     HybridFormats,
@@ -133,7 +133,8 @@ class PerTensorRecipe(HybridFormats):
     def scale_for(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
-        """The scale to quantize `x` with now, and the state to keep."""
+        """The scale to quantize `x` with now, and the state to keep, whose `scale_inv`
+        dequantizes the cast (`TensorState(scale, history)` computes it from `scale`)."""
 
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
@@ -146,7 +147,15 @@ class PerTensorRecipe(HybridFormats):
         # the FP8 values were used, added when delayed scaling's cast did not wait for the
         # amax, measured worse once the copies were saved transposed: temp memory over
         # benchmarks/memory_sweep.py, and more kernels.)
-        return QTensor(quantize(x, scale, self.format(role)), 1.0 / scale), new_state
+        fmt = self.format(role)
+        if self.kept_inverses and self.power_of_two:
+            # A kept inverse (delayed scaling's, `fp8jax.TensorState`), a power of two,
+            # divides the cast: the same values as times the scale, and the cast then reads
+            # no scalar computed in the step (a kernel per operand and step).
+            data = quantize_by_inverse(x, new_state.scale_inv, fmt)
+        else:
+            data = quantize(x, scale, fmt)
+        return QTensor(data, new_state.scale_inv), new_state
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
@@ -166,8 +175,21 @@ class PerTensorRecipe(HybridFormats):
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
         return per_tensor_dot(
-            lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype, exact_scales=self.power_of_two
+            lhs,
+            rhs,
+            lhs_axis,
+            rhs_axis,
+            precision,
+            out_dtype,
+            exact_scales=self.power_of_two,
+            kept_inverses=self.kept_inverses,
         )
+
+    @property
+    def kept_inverses(self) -> bool:
+        """Whether each `QTensor`'s `scale_inv` is its state's, as kept between steps (not
+        computed in the step): `per_tensor_dot` then hands both to the GEMM as they are."""
+        return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,7 +277,19 @@ class DelayedScaling(PerTensorRecipe):
         else:
             fallback = 1.0
         scale = jnp.where(state.scale > 0.0, state.scale, fallback)
-        return scale, TensorState(scale, roll_in(state.amax_history, current))
+        history = roll_in(state.amax_history, current)
+        if not self.kept_inverses:
+            return scale, TensorState(scale, history, 1.0 / scale)
+        # The kept inverse, handed to the GEMM as it is (1 where the state holds no scale and
+        # the cast uses 1.0), and in the new state the kept scale (only made positive: that
+        # says the state was used, and a merge takes it), not the cast's: each would otherwise
+        # be written by a kernel of its own per operand and step.
+        used = jnp.maximum(state.scale, np.float32(np.finfo(np.float32).tiny))
+        return scale, TensorState(used, history, state.scale_inv)
+
+    @property
+    def kept_inverses(self) -> bool:
+        return not self.warm_start or warm_start_skipped()
 
     def next_scale(
         self, scale: Float[Array, "*lead"], history: Float[Array, "*lead n"], role: Role
@@ -343,4 +377,5 @@ class CurrentScaling(PerTensorRecipe):
         current = self.amax(x, state.scale)
         fmt_max = fp8_max(self.format(role))
         scale = compute_scale(current, state.scale, fmt_max, self.margin, self.power_of_two)
-        return scale, TensorState(scale, state.amax_history.at[..., 0].set(current))
+        history = state.amax_history.at[..., 0].set(current)
+        return scale, TensorState(scale, history, 1.0 / scale)
