@@ -57,6 +57,7 @@ from fp8jax._src.kernels.choice import (
     tiled_kernel,
     weight_block_scales,
 )
+from fp8jax._src.core.compile_options import cublas_traced
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -224,13 +225,15 @@ def variant(block: LlamaBlock, name: str) -> Any:
 
 def step(name: str = "bf16") -> Callable:
     """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
-    for the variants in `CONTEXTS` traced inside their context."""
+    traced for cuBLAS mode (`cublas_traced`), and for the variants in `CONTEXTS` inside
+    their context."""
     inner = train_steps.block_step(loss)
-    if name not in CONTEXTS:
-        return inner
+    context = CONTEXTS.get(name, contextlib.nullcontext)
 
     def traced(*args: Any) -> Any:
-        with CONTEXTS[name]():
+        # Compiled with `fp8jax.gpu_compiler_options()`, as `fp8jax.make_train_step` traces
+        # its steps (`cublas_traced`).
+        with cublas_traced(), context():
             return inner(*args)
 
     return traced

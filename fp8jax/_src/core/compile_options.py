@@ -16,10 +16,16 @@ process; they are ignored on CPUs and TPUs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
+
+_CUBLAS_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_cublas_traced", default=False
+)
 
 
 def gpu_compiler_options() -> dict[str, Any]:
@@ -63,3 +69,32 @@ def checked_compiler_options(who: str, options: Mapping[str, Any] | None) -> dic
             "bool, int, float or str values (e.g. fp8jax.gpu_compiler_options()), or None."
         )
     return dict(options)
+
+
+def triton_gemms_off(options: Mapping[str, Any]) -> bool:
+    """Whether an executable compiled with `options` runs every GEMM on cuBLAS (Triton GEMMs
+    turned off, as [`fp8jax.gpu_compiler_options`][] does)."""
+    return options.get("xla_gpu_enable_triton_gemm", True) is False
+
+
+@contextlib.contextmanager
+def cublas_traced() -> Iterator[None]:
+    """Per-tensor FP8 GEMMs traced inside are compiled with Triton GEMMs off
+    ([`fp8jax.gpu_compiler_options`][]; [`fp8jax.make_train_step`][] traces its steps so).
+
+    Delayed scaling's GEMMs then take the scales' inverses as its state keeps them, each on
+    its operand, which XLA's cuBLAS rewriter makes cuBLASLt's own a/b scales: one kernel per
+    GEMM, where their product as one factor is a second, small kernel. Under XLA's default
+    flags that form would be a BF16 Triton GEMM of two dequantized copies, so it is used only
+    where the compile is known to turn Triton GEMMs off (`benchmarks/gemm_scale_forms.py`).
+    """
+    token = _CUBLAS_TRACED.set(True)
+    try:
+        yield
+    finally:
+        _CUBLAS_TRACED.reset(token)
+
+
+def is_cublas_traced() -> bool:
+    """Whether the caller is being traced inside `cublas_traced()`."""
+    return _CUBLAS_TRACED.get()

@@ -14,6 +14,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
+from ..core.compile_options import is_cublas_traced
 from ..core.formats import floor_log2, fp8_max, pow2, quantize, quantize_by_inverse
 from .base import (
     Axis,
@@ -182,7 +183,7 @@ class PerTensorRecipe(HybridFormats):
             precision,
             out_dtype,
             exact_scales=self.power_of_two,
-            kept_inverses=self.kept_inverses,
+            kept_inverses=self.kept_inverses and is_cublas_traced(),
         )
 
     @property
