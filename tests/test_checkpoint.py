@@ -141,6 +141,39 @@ def test_a_checkpoint_whose_scales_lag_its_histories_resumes_from_the_histories(
         assert bits(fp8jax.load_checkpoint(tmp_path / "ckpt", like)) == bits(state)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_without_scale_inverses_restores(backend, tmp_path):
+    """Checkpoints written before `TensorState` kept `scale_inv` hold no such leaf: they
+    restore, each inverse computed from its scale, and resume as this version's own do."""
+    step, state = build(jax.random.key(0))
+    state = run(step, state, 0, 3)
+
+    def is_state(node):
+        return type(node) is fp8jax.TensorState
+
+    class OlderTensorState(eqx.Module):  # as an older version defined it
+        scale: jax.Array
+        amax_history: jax.Array
+
+    def older(node):
+        return OlderTensorState(node.scale, node.amax_history) if is_state(node) else node
+
+    states = [n for n in jax.tree.leaves(state, is_leaf=is_state) if is_state(n)]
+    assert states and all(float(s.scale) * float(s.scale_inv) == 1.0 for s in states)
+    written = jax.tree.map(older, state, is_leaf=is_state)
+    assert len(jax.tree.leaves(written)) == len(jax.tree.leaves(state)) - len(states)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, written, backend=backend)
+    step2, like = build(jax.random.key(1))
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    assert bits(restored) == bits(state)
+    assert bits(run(step2, restored, 3, 5)) == bits(run(step, state, 3, 5))
+    # Its record is still checked against the target's.
+    _, wrong = build(jax.random.key(1), fp8jax.Fp8Config(recipe="current", telemetry=True))
+    with pytest.raises(ValueError, match="CurrentScaling"):
+        fp8jax.load_checkpoint(path, wrong, backend=backend)
+
+
 @needs_orbax
 def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
     """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores

@@ -35,9 +35,11 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jaxtyping import Array
 
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
+from ..recipes.base import TensorState
 
 T = TypeVar("T")
 
@@ -212,11 +214,11 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
-    expected = fp8_record(like)
     if backend == "orbax":
         saved = _parse_record((path / _RECORD).read_bytes(), path)
-        check_fp8_record(saved, expected, path)
-        return _settled(_orbax_load(path, like))
+        target = _target(saved, like)
+        check_fp8_record(saved, fp8_record(target), path)
+        return _settled(_orbax_load(path, target))
     if path.is_dir():
         raise IsADirectoryError(
             f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
@@ -234,9 +236,11 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         size = int.from_bytes(header, "little")
         if len(header) < 8 or size > total - f.tell():
             raise _corrupt(path, f"its record is cut off ({total} bytes in all)")
-        check_fp8_record(_parse_record(f.read(size), path), expected, path)
+        saved = _parse_record(f.read(size), path)
+        target = _target(saved, like)
+        check_fp8_record(saved, fp8_record(target), path)
         try:
-            restored = eqx.tree_deserialise_leaves(f, like, filter_spec=_deserialise)
+            restored = eqx.tree_deserialise_leaves(f, target, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated
             raise _corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
@@ -248,12 +252,49 @@ def _is_layer(x: Any) -> bool:
     return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
 
 
+def _is_tensor_state(x: Any) -> bool:
+    return type(x) is TensorState
+
+
+class _StoredTensorState(eqx.Module):
+    """A [`fp8jax.TensorState`][] as checkpoints stored it before it kept `scale_inv`: the
+    same leaves, under the same names, less that one."""
+
+    scale: Array
+    amax_history: Array
+
+
+def _target(saved: dict[str, Any], like: T) -> T:
+    """`like`, or, for a checkpoint written before `TensorState` kept `scale_inv` (its record
+    names no such leaf), `like` with each such state as that checkpoint holds it."""
+    if any(where.endswith(".scale_inv") for where in saved.get("leaves", {})):
+        return like
+
+    def stored(state: Any) -> Any:
+        if not _is_tensor_state(state):
+            return state
+        return _StoredTensorState(state.scale, state.amax_history)
+
+    return jax.tree.map(stored, like, is_leaf=_is_tensor_state)
+
+
 def _settled(state: T) -> T:
     """`state` with each FP8 layer merged with its own state: delayed scaling's scales
     recomputed from the restored histories. A no-op for a checkpoint of this version, whose
     scales are the ones their next step uses; one written before fp8jax kept that scale
     (its states held the scale of the step before) then resumes with the same scales as
-    if it had never stopped."""
+    if it had never stopped. States restored without `scale_inv` (an older checkpoint) get
+    it from their scale first."""
+
+    def with_inverse(state: Any) -> Any:
+        if not isinstance(state, _StoredTensorState):
+            return state
+        return TensorState(state.scale, state.amax_history)
+
+    def is_stored(node: Any) -> bool:
+        return isinstance(node, _StoredTensorState)
+
+    state = jax.tree.map(with_inverse, state, is_leaf=is_stored)
     return jax.tree.map(lambda n: n.merge(n) if _is_layer(n) else n, state, is_leaf=_is_layer)
 
 
