@@ -127,6 +127,8 @@ def test_five_steps_match_reference_exactly(recipe, getkey):
             np.testing.assert_array_equal(
                 np.asarray(state.amax_history), ref[role][1], err_msg=f"{role} history, step {t}"
             )
+            want_inv = 1.0 / np.float64(want) if want > 0 else 1.0
+            assert float(state.scale_inv) == np.float32(want_inv), (role, t)
     # The reference really moved: scales left 1.0 and the zero step is in the histories.
     assert all(ref[r][0] != 1.0 for r in ref)
 
@@ -319,6 +321,10 @@ def test_apply_updates_merges_every_layer_at_once_as_each_would_alone():
                 want_scale = ref_next_scale(want_scale, history, fmt_max, 0.0, "max", True, True)
             np.testing.assert_array_equal(got_s.scale, want_scale)
             np.testing.assert_array_equal(got_s.amax_history, want.amax_history)
+            # The kept inverse, which delayed scaling's GEMMs take as it is: 1 / the scale
+            # kept (1 where that is 0, "no amax yet"), whatever the received state held.
+            want_inv = 1.0 / np.float64(want_scale) if want_scale > 0 else 1.0
+            np.testing.assert_array_equal(got_s.scale_inv, np.float32(want_inv))
     # Telemetry: the layer fed an inf counts a rejected step; the used one does not.
     assert int(out[2].stats.input.rejected) == 1 and int(out[0].stats.input.rejected) == 0
     # Merged together, as one by one.

@@ -172,3 +172,35 @@ def test_per_tensor_backward_gemms_need_no_transpose_kernel_on_h100(getkey, name
     assert any("convert" in k.name and "transpose" in k.name for k in kernels), [
         k.name for k in kernels
     ]
+
+
+def test_kept_inverses_cost_no_kernel_in_cublas_mode(getkey):
+    """Without the warm start, delayed scaling's scales and their inverses are the state's
+    own. Traced for a compile with Triton GEMMs off (`cublas_traced`, as
+    `fp8jax.make_train_step` traces), each GEMM takes the two inverses on its operands, which
+    XLA makes cuBLASLt's own scales: a step of an MLP with its merge (cuBLAS mode) runs one
+    kernel fewer per FP8 GEMM than with their product as one factor, the same GEMMs in FP8."""
+    from fp8jax._src.core.compile_options import cublas_traced
+    from fp8jax.examples.gpt import MLP
+
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(warm_start=False))
+    mlp = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=getkey()), config)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+
+    def step(model, x):
+        grads = fp8jax.filter_grad(lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2))(model, x)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        return fp8jax.apply_updates(model, grads, overwrites)
+
+    def for_cublas(model, x):
+        with cublas_traced():
+            return step(model, x)
+
+    reports = [fp8jax.inspect(f, mlp, x, modes=("cublas",)) for f in (step, for_cublas)]
+    gemms = [[(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for r in reports]
+    assert gemms[0] == gemms[1] and len(gemms[0]) == 5 and all(g[2] for g in gemms[0])
+    kernels = [r.cost["cublas"].kernels for r in reports]
+    assert len(kernels[1]) == len(kernels[0]) - 5, [[k.name for k in ks] for ks in kernels]
+    # The kernels gone are the factors: a product of two float32 scalars each.
+    scalars = [[k.name for k in ks if k.category is not None and k.bytes == 12] for ks in kernels]
+    assert len(scalars[0]) == 5 and not scalars[1], scalars

@@ -10,6 +10,7 @@ import pytest
 from helpers import SAME_BITS
 
 import fp8jax
+from fp8jax._src.core.compile_options import is_cublas_traced
 from fp8jax._src.recipes.per_tensor import warm_start_skipped
 from fp8jax._src.train import warm_start
 
@@ -29,13 +30,16 @@ def batch(key):
     return jax.random.normal(kx, (64, 16)), jax.random.normal(ky, (64, 4)) * 1e-3
 
 
-def spied_mse():
+def spied_mse(cublas=None):
     """A squared-error loss of `model(x)` against `y`, and the list into which each of its
-    traces appends whether it was traced with the warm start skipped."""
+    traces appends whether it was traced with the warm start skipped (and to `cublas`, if
+    given, whether it was traced for a compile with Triton GEMMs off)."""
     traced = []
 
     def loss(model, x, y):
         traced.append(warm_start_skipped())
+        if cublas is not None:
+            cublas.append(is_cublas_traced())
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     return loss, traced
@@ -76,28 +80,45 @@ def test_without_warm_start_casts_by_the_state_alone(getkey):
     skipped = eqx.filter_jit(fp8jax.without_warm_start(forward))(warm)
     assert bits(skipped) == bits(eqx.filter_jit(forward)(cold))
     assert bits(skipped) != bits(eqx.filter_jit(forward)(warm))
+    # Its state is still taken: the step's amaxes enter the histories, as they would warm.
+    loss = lambda m: jnp.sum(jax.vmap(m)(x) ** 2)  # noqa: E731
+    skipped_grad = fp8jax.without_warm_start(fp8jax.filter_grad(loss))
+    for grads in (fp8jax.filter_grad(loss)(warm), skipped_grad(warm)):
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+        stepped = fp8jax.apply_updates(warm, None, overwrites)
+        assert bool(fp8jax.scales_recorded(stepped))
+        assert float(stepped.layers[0].dot_general.input.amax_history[0]) == float(
+            jnp.max(jnp.abs(x))
+        )
     with pytest.raises(TypeError, match="already jitted"):
         fp8jax.without_warm_start(eqx.filter_jit(forward))
     with pytest.raises(TypeError, match="not callable"):
         fp8jax.without_warm_start(3)
 
 
-def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(getkey, monkeypatch):
+@pytest.mark.parametrize("cublas_mode", [False, True], ids=["xla-defaults", "cublas-mode"])
+def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(
+    getkey, monkeypatch, cublas_mode
+):
     """After `WARM_STEPS` steps with the warm start (here 1) every step runs without it
     (one trace each), and the states and losses are those of steps that all keep it, bit
-    for bit. A state from elsewhere starts with the warm start again."""
+    for bit. A state from elsewhere starts with the warm start again. With Triton GEMMs off
+    (ignored on a CPU) the steps are traced for cuBLAS, where the GEMMs without the warm
+    start take the kept inverses on their operands: the same bits again."""
     monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
     model = mlp(getkey())
     x, y = batch(getkey())
-    loss, traced = spied_mse()
+    cublas = []
+    loss, traced = spied_mse(cublas)
+    options = {**SAME_BITS, **(fp8jax.gpu_compiler_options() if cublas_mode else {})}
 
-    train_step = fp8jax.make_train_step(loss, optax.adam(1e-2), compiler_options=SAME_BITS)
+    train_step = fp8jax.make_train_step(loss, optax.adam(1e-2), compiler_options=options)
     state = first = train_step.init(model)
     losses = []
     for _ in range(3):
         state, metrics = train_step(state, x, y)
         losses.append(metrics.loss)
-    assert traced == [False, True]
+    assert traced == [False, True] and cublas == [cublas_mode] * 2
     # The reference: each step on a copy of the state (a state from elsewhere: the warm start).
     ref, ref_losses = first, []
     for _ in range(3):
