@@ -9,14 +9,18 @@ This compiles one 4096^3 E4M3 GEMM with BF16 output for an H100 (deviceless, fp8
 options) in the forms fp8jax could write it, and counts its kernels (`fp8jax.hlo_cost`) and
 the GEMM custom calls:
 
-- `alpha` (fp8jax's `per_tensor_dot` today): `dot(a8, b8) * (sa_inv * sb_inv)`;
+- `alpha` (fp8jax's `per_tensor_dot` by default): `dot(a8, b8) * (sa_inv * sb_inv)`;
+- `alpha, given`: the same with the product given, not computed in the step;
 - `dequantized`: `dot(a8 * sa_inv, b8 * sb_inv)` in BF16, the pattern XLA's GEMM rewriter
-  turns into cuBLASLt's FP8 GEMM with both scales as its own operands;
+  turns into cuBLASLt's FP8 GEMM with both scales as its own operands (`per_tensor_dot`
+  with delayed scaling's kept inverses, traced for cuBLAS mode: `cublas_traced`);
 - `dequantized, 1 / scale`: the same with each `scale_inv` computed from the scale in the
-  step, as delayed scaling's `QTensor` holds it now;
+  step;
 - `dequantized, float32`: the operands dequantized to float32.
 
-Nothing runs on a GPU: the compiled HLO is read.
+Each in cuBLAS mode (`fp8jax.gpu_compiler_options()`) and under XLA's default flags, where
+a GEMM of dequantized operands is a Triton GEMM of BF16 copies (`dots` says the operand
+types of the GEMM that runs). Nothing runs on a GPU: the compiled HLO is read.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ def alpha(a, b, sa_inv, sb_inv):
     return lax.dot_general(a, b, DIMS, preferred_element_type=BF16) * (sa_inv * sb_inv).astype(BF16)
 
 
+def alpha_given(a, b, product, unused):
+    del unused
+    return lax.dot_general(a, b, DIMS, preferred_element_type=BF16) * product.astype(BF16)
+
+
 def dequantized(a, b, sa_inv, sb_inv):
     a, b = a.astype(BF16) * sa_inv.astype(BF16), b.astype(BF16) * sb_inv.astype(BF16)
     return lax.dot_general(a, b, DIMS, preferred_element_type=BF16)
@@ -58,26 +67,46 @@ def dequantized_f32(a, b, sa_inv, sb_inv):
 
 FORMS = {
     "alpha": alpha,
+    "alpha, given": alpha_given,
     "dequantized": dequantized,
     "dequantized, 1 / scale": dequantized_reciprocal,
     "dequantized, float32": dequantized_f32,
 }
 
 
+MODES = {"cuBLAS": fp8jax.gpu_compiler_options(), "XLA defaults": {}}
+
+
+def gemm_operands(hlo: str) -> str:
+    """The GEMM that runs: a cuBLAS custom call, or the operand types of the dots in the
+    compiled module (a Triton GEMM's)."""
+    calls = sorted(set(re.findall(r'custom_call_target="(__cublas[^"]+)"', hlo)))
+    if calls:
+        return ", ".join(calls)
+    dots = re.findall(r"= \w+\[[\d,]*\]\{[^}]*\} dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    types = set()
+    for lhs, rhs in dots:
+        for name in (lhs, rhs):
+            found = re.search(rf"%{re.escape(name)} = (\w+)\[", hlo)
+            types.add(found.group(1) if found else "?")
+    return "Triton dot of " + " x ".join(sorted(types))
+
+
 def main() -> None:
-    print(f"jax {jax.__version__}; one {N}^3 E4M3 GEMM, BF16 out, deviceless H100, cuBLAS mode")
+    print(f"jax {jax.__version__}; one {N}^3 E4M3 GEMM, BF16 out, deviceless H100")
     print()
-    print("| form | kernels | GEMM custom calls | other kernels (bytes) |")
-    print("|---|---|---|---|")
+    print("| form | mode | kernels | GEMM | other kernels (bytes) |")
+    print("|---|---|---|---|---|")
     args = (jax.ShapeDtypeStruct((N, N), F8),) * 2 + (jax.ShapeDtypeStruct((), F32),) * 2
     device = deviceless.h100_topology().devices[0]
     for name, form in FORMS.items():
         lowered, _ = deviceless.lower(form, args, {}, device)
-        hlo = lowered.compile(compiler_options=fp8jax.gpu_compiler_options()).as_text()
-        kernels = fp8jax.hlo_cost(hlo).kernels
-        calls = sorted(set(re.findall(r'custom_call_target="(__cublas[^"]+)"', hlo)))
-        others = [f"{k.name} ({k.bytes})" for k in kernels if k.category is not None]
-        print(f"| {name} | {len(kernels)} | {', '.join(calls)} | {', '.join(others) or '-'} |")
+        for mode, options in MODES.items():
+            hlo = lowered.compile(compiler_options=options).as_text()
+            kernels = fp8jax.hlo_cost(hlo).kernels
+            others = [f"{k.name} ({k.bytes})" for k in kernels if k.category is not None]
+            row = [name, mode, str(len(kernels)), gemm_operands(hlo), ", ".join(others) or "-"]
+            print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

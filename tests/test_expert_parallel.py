@@ -290,6 +290,7 @@ def test_expert_specs_split_the_experts_and_their_fp8_state():
             "weight",
             "ragged_dot.kernel.scale",
             "ragged_dot.kernel.amax_history",
+            "ragged_dot.kernel.scale_inv",
             "ragged_dot.stats.kernel.saturated",
             "ragged_dot.stats.kernel.underflow",
             "ragged_dot.stats.kernel.rejected",

@@ -85,9 +85,9 @@ def test_layer_without_gradient_keeps_its_state(getkey):
     # scale that history gives: 448 / 2, rounded down to a power of two).
     model = [
         eqx.tree_at(
-            lambda m: (m.dot_general.input.amax_history, m.dot_general.input.scale),
+            lambda m: m.dot_general.input,
             m,
-            (jnp.full(1024, 2.0), jnp.float32(128.0)),
+            fp8jax.TensorState(jnp.float32(128.0), jnp.full(1024, 2.0)),
         )
         for m in (used, unused, cut)
     ]

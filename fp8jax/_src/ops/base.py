@@ -235,6 +235,9 @@ class AbstractFp8Op(OverwriteWithGradient):
                 new = lax.optimization_barrier(new)
             take, reject = received_state(new)
             if delayed:
+                # Else XLA may fuse the flags into the reduction over the stacked histories
+                # and write that stack whole, each state's history then a slice and a kernel
+                # of its own (21 for a Llama block's step without the warm start).
                 take = lax.optimization_barrier(take)
             kept = pick_received(old, new, take)
             scales = kept.scale
@@ -244,6 +247,7 @@ class AbstractFp8Op(OverwriteWithGradient):
             for n, slot in enumerate(slots):
                 # A scale is never negative; clamped after the slice, every state's scale is
                 # an output of one fusion, where a plain slice was a kernel of its own each.
+                # Its inverse is computed here for every state (`TensorState`).
                 merged[slot] = TensorState(jnp.maximum(scales[n], 0.0), kept.amax_history[n])
                 received[slot] = take[n], reject[n]
         out = []

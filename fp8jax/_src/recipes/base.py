@@ -350,6 +350,13 @@ def per_tensor_dot(
     keep 8 significant bits: one rounding error shared by the whole output, a bias. Such
     scales, and float16 (whose range the unscaled product of two FP8 tensors exceeds: up to
     448 * 57344 per term), are applied in float32 and the result converted.
+
+    With `kept_inverses` (both `scale_inv`s are a state's own, not computed in the step, and
+    the step compiles with Triton GEMMs off: delayed scaling inside `cublas_traced`) and
+    exact scales, each operand is multiplied by its own inverse instead,
+    `dot_general(lhs8 * lhs.scale_inv, rhs8 * rhs.scale_inv)`: the same values, and one
+    cuBLASLt FP8 GEMM with both inverses as its own scales, where the product above is a
+    kernel of its own. Under XLA's default flags that form would be a BF16 Triton GEMM.
     """
     dims = canonical_dims(lhs.data.ndim, lhs_axis, rhs_axis)
     out_dtype = jnp.dtype(out_dtype)
