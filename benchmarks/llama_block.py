@@ -51,13 +51,13 @@ import train_steps
 from jaxtyping import Array, Float
 
 import fp8jax
+from fp8jax._src.core.compile_options import cublas_traced
 from fp8jax._src.kernels.choice import (
     DEFAULT_CONFIGS,
     persistent_kernel,
     tiled_kernel,
     weight_block_scales,
 )
-from fp8jax._src.core.compile_options import cublas_traced
 from fp8jax._src.observe import deviceless
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.

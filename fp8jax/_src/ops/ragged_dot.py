@@ -152,10 +152,11 @@ class Fp8RaggedDot(AbstractFp8Op):
 
     **State.** `input` and `output_grad` are [`fp8jax.TensorState`][]s as in a dense layer;
     `kernel` is one with a leading expert axis (`scale (experts,)`, `amax_history
-    (experts, history)`, `scale_inv (experts,)`). It leaves the step through the gradient and combines across uses
-    by max, as for dense layers (split it with [`fp8jax.partition_for_grad_overwrite`][],
-    write it back with [`fp8jax.apply_updates`][]). **An expert that got no tokens keeps its
-    state**: its weight took part in no GEMM that step.
+    (experts, history)`, `scale_inv (experts,)`). It leaves the step through the gradient
+    and combines across uses by max, as for dense layers (split it with
+    [`fp8jax.partition_for_grad_overwrite`][], write it back with
+    [`fp8jax.apply_updates`][]). **An expert that got no tokens keeps its state**: its
+    weight took part in no GEMM that step.
 
     **Group sizes.** They must be >= 0 and sum to the number of tokens. Sizes known at trace
     time are checked (a `ValueError` names them); traced ones (the usual case, computed by
