@@ -96,7 +96,8 @@ class DelayedReference:
     (power of two; an empty history gives way to step t's own amax: the warm start), the
     newest amax written at index 0 after rolling by -1."""
 
-    def __init__(self, history_len):
+    def __init__(self, history_len, warm_start=True):
+        self.warm_start = warm_start
         self.hist = {
             "input": np.zeros(history_len, np.float32),
             "kernel": np.zeros((G, history_len), np.float32),
@@ -105,9 +106,9 @@ class DelayedReference:
         self.scale = {"input": np.float32(1), "kernel": np.ones(G, np.float32)}
         self.scale["output_grad"] = np.float32(1)
 
-    @staticmethod
-    def _next(hist, scale, amax, fmt):
-        delayed = hist.max() if hist.max() > 0 else amax
+    def _next(self, hist, scale, amax, fmt):
+        # Without the warm start an empty history keeps the scale (1 at first).
+        delayed = hist.max() if hist.max() > 0 else (amax if self.warm_start else 0.0)
         new_scale = ref.current_scale(delayed, fmt, previous=scale, power_of_two=True)
         new_hist = np.roll(hist, -1)
         new_hist[0] = amax
@@ -136,11 +137,20 @@ class DelayedReference:
         no amax (the next step is warm), else from the history."""
         fmt = "e5m2" if role == "output_grad" else "e4m3"
         hist, scale = np.atleast_2d(self.hist[role]), np.atleast_1d(self.scale[role])
+        empty = 0.0 if self.warm_start else None  # the scale kept, without the warm start
         out = [
-            ref.current_scale(h.max(), fmt, previous=s, power_of_two=True) if h.max() > 0 else 0.0
+            ref.current_scale(h.max(), fmt, previous=s, power_of_two=True)
+            if h.max() > 0
+            else (s if empty is None else empty)
             for h, s in zip(hist, scale, strict=True)
         ]
         return np.asarray(out, np.float32).reshape(np.shape(self.scale[role]))
+
+
+def inverse(scale):
+    """A state's kept inverse, in float64: 1 / scale, or 1 where the scale is 0."""
+    scale = np.asarray(scale, np.float64)
+    return np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 1.0).astype(np.float32)
 
 
 def assert_state(dot, reference):
@@ -150,11 +160,17 @@ def assert_state(dot, reference):
         np.testing.assert_array_equal(state.scale, reference.next_scales(role), err_msg=role)
 
 
-def test_delayed_scaling_per_expert_step_by_step():
-    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(history_len=4), num_experts=G)
+@pytest.mark.parametrize("warm_start", [True, False], ids=["warm-start", "kept-inverses"])
+def test_delayed_scaling_per_expert_step_by_step(warm_start):
+    """Against the hand-rolled state. Without the warm start the casts divide by the
+    state's kept inverses (one per expert for the kernel) and an expert's new state carries
+    its kept scale: one without tokens must still receive nothing."""
+    recipe = fp8jax.DelayedScaling(history_len=4, warm_start=warm_start)
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=G)
     assert dot.kernel.scale.shape == (G,) and dot.kernel.amax_history.shape == (G, 4)
+    assert dot.kernel.scale_inv.shape == (G,)
     assert dot.input.scale.shape == () and dot.output_grad.amax_history.shape == (4,)
-    reference = DelayedReference(4)
+    reference = DelayedReference(4, warm_start)
     # Expert 1 gets no tokens at step 0, expert 0 none at step 1 (they keep their state).
     schedule = [SIZES, np.array([0, 25, 8, 7], np.int32), np.array([10, 10, 10, 10], np.int32)]
     for step, sizes in enumerate(schedule):
@@ -172,6 +188,7 @@ def test_delayed_scaling_per_expert_step_by_step():
             np.testing.assert_array_equal(d_w[e], 0.0)
         dot = fp8jax.apply_updates(dot, None, new)
         assert_state(dot, reference)
+        np.testing.assert_array_equal(dot.kernel.scale_inv, inverse(dot.kernel.scale))
     # The scales did move: expert 2's weights (range 30) are scaled down, expert 0's up.
     assert float(dot.kernel.scale[2]) < 16 < float(dot.kernel.scale[0])
 
