@@ -221,9 +221,11 @@ class DelayedScaling(PerTensorRecipe):
     with Transformer Engine or Haliax). The amax is reduced in either case (it enters the
     history). With the warm start the cast waits for it, in every step: XLA reads each
     operand twice, once for its amax and once to cast it. Without it XLA computes the amax
-    in the casting pass or where it fits best: on a Llama-3-8B block's train step compiled
-    for an H100, 119 kernels instead of 129 and non-GEMM bytes 1.33x BF16's instead of
-    1.52x, but temp memory 1.19x BF16's instead of 1.00x (estimates from the compiled HLO,
+    in the casting pass or where it fits best, and the cast and the GEMM take the state's
+    scale and kept inverse as they are (`TensorState.scale_inv`; the GEMM in cuBLAS mode,
+    see `per_tensor_dot`): on a Llama-3-8B block's train step compiled for an H100, 98
+    kernels instead of 129 and non-GEMM bytes 1.33x BF16's instead of 1.52x, but temp
+    memory 1.19x BF16's instead of 1.00x (estimates from the compiled HLO,
     `benchmarks/RESULTS.md`). Under gradient accumulation (or a layer used several times)
     that first step casts each microbatch (use) with its own amax; the history records their
     max, as always.
