@@ -315,6 +315,35 @@ def test_training_in_tree_mode_equals_graph_mode():
     assert losses[True] == losses[False]
 
 
+def test_train_step_traces_for_its_options():
+    """With Triton GEMMs off (the default options) the step is traced for cuBLAS
+    (`cublas_traced`): delayed scaling without the warm start then hands its kept inverses
+    to each GEMM. The same bits on a CPU as the step traced for XLA's defaults."""
+    from fp8jax._src.core.compile_options import is_cublas_traced
+
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((32, 64)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(12).standard_normal((32, 32)), jnp.float32)
+    recipe = fp8jax.DelayedScaling(history_len=4, warm_start=False)
+    results = {}
+    for cublas in (True, False):
+        traced = []
+
+        def loss(model, x, y):
+            traced.append(is_cublas_traced())
+            return mse(model, x, y)
+
+        model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config(recipe))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        options = {**(fp8jax.gpu_compiler_options() if cublas else {}), **SAME_BITS}
+        step = fp8jax.nnx_train_step(loss, compiler_options=options)
+        losses = [np.asarray(step(model, optimizer, x, y)).tobytes() for _ in range(3)]
+        assert traced == [cublas], traced
+        results[cublas] = losses, [
+            np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))
+        ]
+    assert results[True] == results[False]
+
+
 # --- the optimizer never touches FP8 state --------------------------------------------------
 
 

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
@@ -98,3 +102,17 @@ def cublas_traced() -> Iterator[None]:
 def is_cublas_traced() -> bool:
     """Whether the caller is being traced inside `cublas_traced()`."""
     return _CUBLAS_TRACED.get()
+
+
+def traced_for(options: Mapping[str, Any], fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn`, traced for an executable compiled with `options`: inside `cublas_traced()`
+    where they turn Triton GEMMs off, else as it is (fp8jax's train steps jit so)."""
+    if not triton_gemms_off(options):
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args: P.args, **kwargs: P.kwargs) -> R:
+        with cublas_traced():
+            return fn(*args, **kwargs)
+
+    return traced

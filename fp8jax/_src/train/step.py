@@ -29,7 +29,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core import jax_private
-from ..core.compile_options import checked_compiler_options, cublas_traced, triton_gemms_off
+from ..core.compile_options import checked_compiler_options, traced_for
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from . import warm_start
 from .accumulate import accumulate_gradients, check_unroll
@@ -149,21 +149,9 @@ def _jitted(options: tuple[tuple[str, Any], ...], warm: bool) -> Callable[..., A
         return new_state, metrics, warm_start.recorded_flag(new_state.model)
 
     step = warm_step if warm else warm_start.without_warm_start(_step)
-    if triton_gemms_off(dict(options)):
-        step = _cublas_traced(step)
+    # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are.
+    step = traced_for(dict(options), step)
     return eqx.filter_jit(step, compiler_options=dict(options) or None)
-
-
-def _cublas_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` traced inside `compile_options.cublas_traced()`: its executable runs every GEMM
-    on cuBLAS, where delayed scaling's kept inverses reach cuBLASLt as they are."""
-
-    @functools.wraps(fn)
-    def traced(*args: Any) -> Any:
-        with cublas_traced():
-            return fn(*args)
-
-    return traced
 
 
 def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:

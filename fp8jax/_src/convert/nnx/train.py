@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from ...core import jax_private
-from ...core.compile_options import checked_compiler_options
+from ...core.compile_options import checked_compiler_options, traced_for
 from .layers import AbstractFp8NnxDot, Fp8State, is_variable
 
 
@@ -216,7 +216,13 @@ def nnx_train_step(
     # jit's compiler options belong to a top-level executable: inside another trace, the plain
     # version joins the caller's.
     inner = jax.jit(pure, static_argnums=0)
-    top = jax.jit(pure, static_argnums=0, compiler_options=compiler_options or None)
+    # Traced for its options: with Triton GEMMs off, delayed scaling's kept inverses reach
+    # cuBLASLt as they are (`compile_options.traced_for`).
+    top = jax.jit(
+        traced_for(compiler_options, pure),
+        static_argnums=0,
+        compiler_options=compiler_options or None,
+    )
 
     @functools.wraps(loss_fn)
     def step(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
