@@ -328,7 +328,7 @@ def test_train_step_traces_for_its_options():
     for cublas in (True, False):
         traced = []
 
-        def loss(model, x, y):
+        def loss(model, x, y, traced=traced):
             traced.append(is_cublas_traced())
             return mse(model, x, y)
 
@@ -338,9 +338,10 @@ def test_train_step_traces_for_its_options():
         step = fp8jax.nnx_train_step(loss, compiler_options=options)
         losses = [np.asarray(step(model, optimizer, x, y)).tobytes() for _ in range(3)]
         assert traced == [cublas], traced
-        results[cublas] = losses, [
-            np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))
-        ]
+        results[cublas] = (
+            losses,
+            [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))],
+        )
     assert results[True] == results[False]
 
 
