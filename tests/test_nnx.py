@@ -324,12 +324,11 @@ def test_train_step_traces_for_its_options():
     x = jnp.asarray(np.random.default_rng(11).standard_normal((32, 64)), jnp.float32)
     y = jnp.asarray(np.random.default_rng(12).standard_normal((32, 32)), jnp.float32)
     recipe = fp8jax.DelayedScaling(history_len=4, warm_start=False)
-    results = {}
+    results, traced = {}, {True: [], False: []}
     for cublas in (True, False):
-        traced = []
 
-        def loss(model, x, y, traced=traced):
-            traced.append(is_cublas_traced())
+        def loss(model, x, y, cublas=cublas):
+            traced[cublas].append(is_cublas_traced())
             return mse(model, x, y)
 
         model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config(recipe))
@@ -337,7 +336,7 @@ def test_train_step_traces_for_its_options():
         options = {**(fp8jax.gpu_compiler_options() if cublas else {}), **SAME_BITS}
         step = fp8jax.nnx_train_step(loss, compiler_options=options)
         losses = [np.asarray(step(model, optimizer, x, y)).tobytes() for _ in range(3)]
-        assert traced == [cublas], traced
+        assert traced[cublas] == [cublas], traced
         results[cublas] = (
             losses,
             [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))],
