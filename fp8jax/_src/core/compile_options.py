@@ -84,7 +84,8 @@ def triton_gemms_off(options: Mapping[str, Any]) -> bool:
 @contextlib.contextmanager
 def cublas_traced() -> Iterator[None]:
     """Per-tensor FP8 GEMMs traced inside are compiled with Triton GEMMs off
-    ([`fp8jax.gpu_compiler_options`][]; [`fp8jax.make_train_step`][] traces its steps so).
+    ([`fp8jax.gpu_compiler_options`][]; [`fp8jax.make_train_step`][] and
+    [`fp8jax.nnx_train_step`][] trace their steps so: `traced_for`).
 
     Delayed scaling's GEMMs then take the scales' inverses as its state keeps them, each on
     its operand, which XLA's cuBLAS rewriter makes cuBLASLt's own a/b scales: one kernel per
