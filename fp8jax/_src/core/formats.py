@@ -143,8 +143,10 @@ def quantize_by_inverse(
     x: Float[ArrayLike, "*shape"], scale_inv: Float[ArrayLike, "*#shape"], fmt: FormatLike
 ) -> Array:
     """`quantize(x, 1 / scale_inv, fmt)` for a power-of-two `scale_inv`, as `x / scale_inv`:
-    the same values, and the cast reads `scale_inv` itself, where an inverse (or a scale
-    chosen by a select) computed from it would be a kernel of its own on a GPU."""
+    the same values (IEEE division by a power of two is exact), and the cast reads
+    `scale_inv` itself, where an inverse (or a scale chosen by a select) computed from it
+    would be a kernel of its own on a GPU. XLA's GPU code divides with `div.full.f32`, an
+    approximation: the GPU check's numerics compare it with the multiplication."""
     return saturate(jnp.asarray(x), jnp.asarray(scale_inv), fp8_dtype(fmt), divide=True)
 
 
