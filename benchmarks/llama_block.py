@@ -23,7 +23,9 @@ of the GPU's step: kernels per step by kind (`fp8jax.hlo_cost`'s categories), th
 every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTIMATE of the
 step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not
 timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
-`delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`) and
+`delayed-steady` (the default recipe as `fp8jax.make_train_step` runs it once every scale is
+recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the warm start
+behind a `lax.cond`, `CondWarmStart`) and
 `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside `tiled_kernel`;
 `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
 run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel
@@ -59,6 +61,7 @@ from fp8jax._src.kernels.choice import (
     weight_block_scales,
 )
 from fp8jax._src.observe import deviceless
+from fp8jax._src.recipes.per_tensor import skip_warm_start
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
 SHAPES: dict[str, dict[str, int]] = {
@@ -95,6 +98,7 @@ class CondWarmStart(fp8jax.DelayedScaling):
 RECIPES: dict[str, fp8jax.Recipe] = {
     **train_steps.RECIPES,
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
+    "delayed-steady": fp8jax.DelayedScaling(),
     "delayed-cond": CondWarmStart(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
@@ -103,6 +107,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
 #: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
 #: (`step(name)`).
 CONTEXTS: dict[str, Callable[[], Any]] = {
+    "delayed-steady": lambda: skip_warm_start(recorded=True),
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)

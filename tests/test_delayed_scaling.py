@@ -11,6 +11,7 @@ import pytest
 from helpers import ref_qdq
 
 import fp8jax
+from fp8jax._src.recipes.per_tensor import next_scales
 
 
 def ref_update(
@@ -148,6 +149,18 @@ def test_scale_of_step_comes_from_history_before_the_step():
     # saturates at 448 / 64 = 7; its own amax would give 448 / 9, rounded down to 32.
     assert y1 == ref_qdq(x1[0, 0], 64.0, "e4m3") == 7.0
     assert ref_qdq(x1[0, 0], 32.0, "e4m3") == 9.0
+
+
+def test_a_state_without_a_scale_gets_one_unless_warm():
+    """Merged, a state with no scale and no amax keeps none with the warm start (0: the
+    next step is warm) and gets Transformer Engine's 1.0 without it, whose casts take the
+    state's scale as it is (a warm-start checkpoint restored into `warm_start=False`)."""
+    empty, history = jnp.zeros((2,)), jnp.zeros((2, 4))
+    rules = [(fp8jax.DelayedScaling(history_len=4, warm_start=w), "input") for w in (True, False)]
+    np.testing.assert_array_equal(next_scales(empty, history, rules), [0.0, 1.0])
+    # A kept scale is kept by both where the history's amax is not usable.
+    kept = jnp.full((2,), 8.0)
+    np.testing.assert_array_equal(next_scales(kept, history, rules), [0.0, 8.0])
 
 
 def test_non_finite_amax_keeps_scale():

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
-from fp8jax._src.core.formats import quantize_by_inverse
 
 
 @pytest.mark.parametrize(
@@ -61,26 +60,6 @@ def test_quantize_saturates_finite_values_and_passes_faults_on(fmt):
     assert np.isnan(got[3:]).all()
     # A finite value whose scaled product overflows float32 is no fault: it saturates.
     assert float(np.asarray(fp8jax.quantize(np.float32(3e38), 10.0, fmt), np.float32)) == limit
-
-
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_quantize_by_inverse_is_quantize_by_the_scale(fmt):
-    """Delayed scaling's cast without the warm start divides by the kept inverse of a
-    power-of-two scale: the values of `quantize` by that scale (ml_dtypes' rounding of the
-    product), saturation, faults and the float32 overflow included."""
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal(4096).astype(np.float32) * 30
-    limit = fp8jax.fp8_max(fmt)
-    x[:6] = [1e30, -2 * limit, np.inf, -np.inf, np.nan, 3e38]
-    for exponent in (-126, -7, 0, 3, 126):
-        scale = np.float32(2.0**exponent)
-        got = np.asarray(quantize_by_inverse(x, np.float32(2.0**-exponent), fmt))
-        assert got.dtype == fp8jax.fp8_dtype(fmt)
-        want = ref_quantize(x, scale, fmt).astype(np.float32)
-        want[2:5] = np.nan  # a fault passes on as NaN, never the max
-        np.testing.assert_array_equal(got.astype(np.float32), want)
-        if exponent >= 0:  # the finite values saturate, the float32 overflow included
-            np.testing.assert_array_equal(want[[0, 1, 5]], [limit, -limit, limit])
 
 
 def test_dequantize_inverts_scale():

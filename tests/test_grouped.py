@@ -162,9 +162,10 @@ def assert_state(dot, reference):
 
 @pytest.mark.parametrize("warm_start", [True, False], ids=["warm-start", "kept-inverses"])
 def test_delayed_scaling_per_expert_step_by_step(warm_start):
-    """Against the hand-rolled state. Without the warm start the casts divide by the
-    state's kept inverses (one per expert for the kernel) and an expert's new state carries
-    its kept scale: one without tokens must still receive nothing."""
+    """Against the hand-rolled state. Without the warm start the casts take the state's
+    scales as they are and the GEMMs its kept inverses (one per expert for the kernel), and
+    an expert's new state carries its kept scale: one without tokens must still receive
+    nothing."""
     recipe = fp8jax.DelayedScaling(history_len=4, warm_start=warm_start)
     dot = fp8jax.Fp8RaggedDot(recipe, num_experts=G)
     assert dot.kernel.scale.shape == (G,) and dot.kernel.amax_history.shape == (G, 4)

@@ -21,7 +21,6 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 import fp8jax
-from fp8jax._src.core.formats import quantize_by_inverse
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
 from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
@@ -340,41 +339,6 @@ DRY_SKIPS = (
 )
 
 
-def cast_by_inverse(dry: bool) -> dict:
-    """Delayed scaling's cast without the warm start divides by the state's kept inverse
-    (`quantize_by_inverse`, session 34): XLA's GPU code divides with `div.full.f32`, an
-    approximation (2 ulp), which gives the cast's values only if it is exact for a power of
-    two. Against the cast by the scale (a multiplication, exact) on the GPU, bit for bit,
-    BF16 values (many of them ties of E4M3's and E5M2's rounding), scales 2^-60 to 2^60."""
-    rng = np.random.default_rng(7)
-    x = _values(rng, (64, 256) if dry else (2048, 4096), jnp.bfloat16, spread=30.0)
-    exponents = jnp.asarray([-60, -9, -3, 0, 1, 5, 12, 60], jnp.float32)
-
-    @jax.jit
-    def mismatches(x, exponents):
-        def differing(fmt):
-            def one(e):
-                bits = lax.bitcast_convert_type(quantize_by_inverse(x, 2.0**-e, fmt), jnp.uint8)
-                want = lax.bitcast_convert_type(fp8jax.quantize(x, 2.0**e, fmt), jnp.uint8)
-                return jnp.sum(bits != want)
-
-            return jax.vmap(one)(exponents)
-
-        return jnp.stack([differing("e4m3"), differing("e5m2")])
-
-    counts = np.asarray(mismatches(x, exponents))
-    differing = int(counts.sum())
-    compared = counts.size * x.size
-    return {
-        "shape": f"{x.shape[0]}x{x.shape[1]} bfloat16, {len(exponents)} scales, E4M3 and E5M2",
-        "bound": "bit for bit: the same FP8 values as the cast by the scale",
-        "rel_err_vs_f64": None,
-        "rel_err_vs_xla": differing / compared,
-        "passed": differing == 0,
-        "within_wgmma_bound": differing == 0,
-    }
-
-
 def run(rec: Recorder, mode: str) -> None:
     """Every kernel's numerics, each a measurement of its own (`mode`: full, quick, dry)."""
     dry = mode == "dry"
@@ -403,7 +367,6 @@ def run(rec: Recorder, mode: str) -> None:
         "grouped layer, delayed e4m3, persistent kernels": lambda: grouped_layer(
             shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry, persistent=True
         ),
-        "cast by the kept inverse (delayed, no warm start)": lambda: cast_by_inverse(dry),
     }
     for name in {"dry": DRY_SKIPS, "quick": QUICK_SKIPS}.get(mode, ()):
         del items[name]

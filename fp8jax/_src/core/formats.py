@@ -112,9 +112,8 @@ def widen(x: Array) -> Float[Array, "*shape"]:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def saturate(x: Array, scale: Array, dtype: DTypeLike, divide: bool = False) -> Array:
-    """Cast `x * scale` (or `x / scale` with `divide`; formed in float32) to the FP8 `dtype`,
-    clipping at its max.
+def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
+    """Cast `x * scale` (formed in float32) to the FP8 `dtype`, clipping at its max.
 
     Only finite `x` saturate (even where the product overflows float32): an inf or NaN in `x`
     becomes NaN, so that a fault upstream reaches the GEMM's output (and `all_finite`, and
@@ -123,8 +122,7 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike, divide: bool = False) -> 
     """
     x = widen(x)
     limit = float(jnp.finfo(dtype).max)
-    scale = jnp.asarray(scale, jnp.float32)
-    scaled = jnp.clip(x / scale if divide else x * scale, -limit, limit)
+    scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
     return jnp.where(jnp.isfinite(x), scaled, jnp.nan).astype(dtype)
 
 
@@ -137,17 +135,6 @@ def quantize(
     in `x` becomes NaN: faults are not hidden (see `saturate`).
     """
     return saturate(jnp.asarray(x), jnp.asarray(scale), fp8_dtype(fmt))
-
-
-def quantize_by_inverse(
-    x: Float[ArrayLike, "*shape"], scale_inv: Float[ArrayLike, "*#shape"], fmt: FormatLike
-) -> Array:
-    """`quantize(x, 1 / scale_inv, fmt)` for a power-of-two `scale_inv`, as `x / scale_inv`:
-    the same values (IEEE division by a power of two is exact), and the cast reads
-    `scale_inv` itself, where an inverse (or a scale chosen by a select) computed from it
-    would be a kernel of its own on a GPU. XLA's GPU code divides with `div.full.f32`, an
-    approximation: the GPU check's numerics compare it with the multiplication."""
-    return saturate(jnp.asarray(x), jnp.asarray(scale_inv), fp8_dtype(fmt), divide=True)
 
 
 def pow2(exponent: Array) -> Array:

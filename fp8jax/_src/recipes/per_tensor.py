@@ -15,7 +15,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
 from ..core.compile_options import is_cublas_traced
-from ..core.formats import floor_log2, fp8_max, pow2, quantize, quantize_by_inverse
+from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     Axis,
     HybridFormats,
@@ -33,18 +33,24 @@ from .base import (
 MAX_SCALE: float = 2.0**126
 
 
-_SKIP_WARM_START: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_skip_warm_start", default=False
+#: Inside `skip_warm_start()`: `"skipped"`, or `"recorded"` where every state is known to
+#: hold a scale; `None` outside.
+_SKIP_WARM_START: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fp8jax_skip_warm_start", default=None
 )
 
 
 @contextlib.contextmanager
-def skip_warm_start() -> Iterator[None]:
+def skip_warm_start(recorded: bool = False) -> Iterator[None]:
     """[`fp8jax.DelayedScaling`][] traced inside casts by its state's scale alone, as with
     `warm_start=False` (1.0 where the state holds none), so the cast does not wait for its
     operand's amax. The same values wherever every state holds a scale
-    (`train/warm_start.py`: `fp8jax.scales_recorded`, `fp8jax.without_warm_start`)."""
-    token = _SKIP_WARM_START.set(True)
+    (`train/warm_start.py`: `fp8jax.scales_recorded`, `fp8jax.without_warm_start`).
+
+    With `recorded`, the caller has checked that every state holds one (the train step's
+    program after `scales_recorded`): the cast then multiplies by the state's scale as it
+    is, where choosing 1.0 for a state without one is a kernel of its own per operand."""
+    token = _SKIP_WARM_START.set("recorded" if recorded else "skipped")
     try:
         yield
     finally:
@@ -53,7 +59,12 @@ def skip_warm_start() -> Iterator[None]:
 
 def warm_start_skipped() -> bool:
     """Whether delayed scaling is being traced inside `skip_warm_start()`."""
-    return _SKIP_WARM_START.get()
+    return _SKIP_WARM_START.get() is not None
+
+
+def scales_known_recorded() -> bool:
+    """Whether delayed scaling is being traced inside `skip_warm_start(recorded=True)`."""
+    return _SKIP_WARM_START.get() == "recorded"
 
 
 def compute_scale(
@@ -148,15 +159,7 @@ class PerTensorRecipe(HybridFormats):
         # the FP8 values were used, added when delayed scaling's cast did not wait for the
         # amax, measured worse once the copies were saved transposed: temp memory over
         # benchmarks/memory_sweep.py, and more kernels.)
-        fmt = self.format(role)
-        if self.kept_inverses and self.power_of_two:
-            # A kept inverse (delayed scaling's, `fp8jax.TensorState`), a power of two,
-            # divides the cast: the same values as times the scale, and the cast then reads
-            # no scalar computed in the step (a kernel per operand and step).
-            data = quantize_by_inverse(x, new_state.scale_inv, fmt)
-        else:
-            data = quantize(x, scale, fmt)
-        return QTensor(data, new_state.scale_inv), new_state
+        return QTensor(quantize(x, scale, self.format(role)), new_state.scale_inv), new_state
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
@@ -279,8 +282,14 @@ class DelayedScaling(PerTensorRecipe):
             fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
         else:
             fallback = 1.0
-        scale = jnp.where(state.scale > 0.0, state.scale, fallback)
         history = roll_in(state.amax_history, current)
+        if not self.warm_start or scales_known_recorded():
+            # The state's scale as it is: positive here (1 at first without the warm start;
+            # never 0 once recorded), so the cast reads no scalar computed in the step, which
+            # would be a kernel of its own per operand and step.
+            scale = state.scale
+        else:
+            scale = jnp.where(state.scale > 0.0, state.scale, fallback)
         if not self.kept_inverses:
             return scale, TensorState(scale, history, 1.0 / scale)
         # The kept inverse, handed to the GEMM as it is (1 where the state holds no scale and
@@ -313,8 +322,9 @@ def next_scales(
 
     `fmt_max / (amax * 2**margin)` with `amax` the history's max (or its newest entry for
     `amax_compute="most_recent"`), rounded down to a power of two unless
-    `power_of_two=False`; `scale` where that amax is zero or not finite; and 0 ("no amax
-    yet") while a history with the warm start holds no amax at all. Transformer Engine
+    `power_of_two=False`; `scale` where that amax is zero or not finite (1 without the warm
+    start where `scale` is 0); and 0 ("no amax yet") while a history with the warm start
+    holds no amax at all. Transformer Engine
     computes the same after each step (`amax_and_scale_update`), where fp8jax's forward
     once reduced every history itself: a kernel per operand and step.
 
@@ -345,7 +355,11 @@ def next_scales(
         fmt_max = np.float32(fmt_max)
     largest = jnp.max(history, axis=-1)
     ref = jnp.where(most_recent, history[..., 0], largest)
-    new = compute_scale(ref, scale, fmt_max, margin, power_of_two)
+    # Without the warm start a state always holds a positive scale, which its cast takes as
+    # it is: 1 (Transformer Engine's) where none was kept (restored from a checkpoint of a
+    # warm-start run that had recorded none, say).
+    previous = jnp.where(warm | (scale > 0.0), scale, jnp.ones_like(scale))
+    new = compute_scale(ref, previous, fmt_max, margin, power_of_two)
     return jnp.where(warm & ~(largest > 0.0), jnp.zeros_like(new), new)
 
 

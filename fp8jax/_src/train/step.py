@@ -142,13 +142,14 @@ class TrainStep(eqx.Module):
 def _jitted(options: tuple[tuple[str, Any], ...], warm: bool) -> Callable[..., Any]:
     """The step jitted with these XLA options: with delayed scaling's warm start (`warm`),
     returning also what `warm_start.recorded_flag` says of the new state, or traced without
-    it (`warm_start.without_warm_start`)."""
+    it once every scale is recorded (`warm_start.once_recorded`)."""
 
     def warm_step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[Any, ...]:
         new_state, metrics = _step(self, state, *batch)
         return new_state, metrics, warm_start.recorded_flag(new_state.model)
 
-    step = warm_step if warm else warm_start.without_warm_start(_step)
+    # Run only once every scale is recorded (`TrainStep.__call__`).
+    step = warm_step if warm else warm_start.once_recorded(_step)
     # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are.
     step = traced_for(dict(options), step)
     return eqx.filter_jit(step, compiler_options=dict(options) or None)

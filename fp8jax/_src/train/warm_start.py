@@ -100,9 +100,21 @@ def without_warm_start(fn: Callable[P, R]) -> Callable[P, R]:
             "with the warm start; wrap the function first, then jit the result."
         )
 
+    return _skipping(fn, recorded=False)
+
+
+def once_recorded(fn: Callable[P, R]) -> Callable[P, R]:
+    """`without_warm_start(fn)` for a caller that runs it only once
+    [`fp8jax.scales_recorded`][] holds (the train step): each cast then multiplies by its
+    state's scale as it is, with no choice for a state that holds none (one kernel fewer per
+    operand and step)."""
+    return _skipping(fn, recorded=True)
+
+
+def _skipping(fn: Callable[P, R], recorded: bool) -> Callable[P, R]:
     @functools.wraps(fn)
     def skipping(*args: P.args, **kwargs: P.kwargs) -> R:
-        with skip_warm_start():
+        with skip_warm_start(recorded):
             return fn(*args, **kwargs)
 
     return skipping
