@@ -324,9 +324,9 @@ def next_scales(
     `amax_compute="most_recent"`), rounded down to a power of two unless
     `power_of_two=False`; `scale` where that amax is zero or not finite (1 without the warm
     start where `scale` is 0); and 0 ("no amax yet") while a history with the warm start
-    holds no amax at all. Transformer Engine
-    computes the same after each step (`amax_and_scale_update`), where fp8jax's forward
-    once reduced every history itself: a kernel per operand and step.
+    holds no amax at all. Transformer Engine computes the same after each step
+    (`amax_and_scale_update`), where fp8jax's forward once reduced every history itself: a
+    kernel per operand and step.
 
     **Arguments:**
 
