@@ -11,7 +11,11 @@ from helpers import SAME_BITS
 
 import fp8jax
 from fp8jax._src.core.compile_options import is_cublas_traced
-from fp8jax._src.recipes.per_tensor import warm_start_skipped
+from fp8jax._src.recipes.per_tensor import (
+    scales_known_recorded,
+    skip_warm_start,
+    warm_start_skipped,
+)
 from fp8jax._src.train import warm_start
 
 
@@ -172,3 +176,17 @@ def test_train_step_keeps_one_program_for_a_short_run(getkey):
     assert traced == [False]
     state, _ = train_step(state, x, y)  # the next step: the scales were recorded
     assert traced == [False, True]
+
+
+def test_trace_time_settings_restore_what_they_found():
+    """`skip_warm_start` (and the other contexts, through `core.contexts.setting`) set their
+    value inside the `with` only: nested, and after an exception, the previous one is back."""
+    assert warm_start_skipped() is False
+    with skip_warm_start():
+        with skip_warm_start(recorded=True):
+            assert scales_known_recorded()
+        assert warm_start_skipped() and not scales_known_recorded()
+        with pytest.raises(RuntimeError), skip_warm_start(recorded=True):
+            raise RuntimeError
+        assert not scales_known_recorded()
+    assert warm_start_skipped() is False

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeVar
+
+from .contexts import setting
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -81,8 +83,7 @@ def triton_gemms_off(options: Mapping[str, Any]) -> bool:
     return options.get("xla_gpu_enable_triton_gemm", True) is False
 
 
-@contextlib.contextmanager
-def cublas_traced() -> Iterator[None]:
+def cublas_traced() -> contextlib.AbstractContextManager[None]:
     """Per-tensor FP8 GEMMs traced inside are compiled with Triton GEMMs off
     ([`fp8jax.gpu_compiler_options`][]; [`fp8jax.make_train_step`][] and
     [`fp8jax.nnx_train_step`][] trace their steps so: `traced_for`).
@@ -93,11 +94,7 @@ def cublas_traced() -> Iterator[None]:
     flags that form would be a BF16 Triton GEMM of two dequantized copies, so it is used only
     where the compile is known to turn Triton GEMMs off (`benchmarks/gemm_scale_forms.py`).
     """
-    token = _CUBLAS_TRACED.set(True)
-    try:
-        yield
-    finally:
-        _CUBLAS_TRACED.reset(token)
+    return setting(_CUBLAS_TRACED, True)
 
 
 def is_cublas_traced() -> bool:

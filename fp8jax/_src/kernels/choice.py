@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
@@ -58,15 +59,6 @@ _WEIGHT_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def _choose(choice: PersistentConfig | str) -> Iterator[None]:
-    token = _CHOSEN.set(choice)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
-
-
 def persistent_kernel(
     config: PersistentConfig | None = None,
 ) -> contextlib.AbstractContextManager[None]:
@@ -80,7 +72,7 @@ def persistent_kernel(
         raise TypeError(
             f"persistent_kernel: config={config!r}; expected a PersistentConfig or None."
         )
-    return _choose(_PERSISTENT if config is None else config)
+    return setting(_CHOSEN, _PERSISTENT if config is None else config)
 
 
 def tiled_kernel() -> contextlib.AbstractContextManager[None]:
@@ -88,11 +80,10 @@ def tiled_kernel() -> contextlib.AbstractContextManager[None]:
     kernels (`block_gemm`, `grouped_gemm`: one program per output tile), the default before
     issue 39's persistent kernels: to time them against those (`benchmarks/llama_block.py`'s
     `blockwise-tiled`, the GPU check)."""
-    return _choose(_TILED)
+    return setting(_CHOSEN, _TILED)
 
 
-@contextlib.contextmanager
-def weight_block_scales() -> Iterator[None]:
+def weight_block_scales() -> contextlib.AbstractContextManager[None]:
     """Functions traced inside give the block-scaled GEMMs (dense and grouped rows) a weight's
     128 x 128 block scales once per block: the persistent kernels then read one scale per
     warpgroup tile and chunk (`block_rows`: half the promotion's FP32 instructions), where
@@ -100,11 +91,7 @@ def weight_block_scales() -> Iterator[None]:
     quantization writes them (no fusion between it and the GEMM; inside, a small XLA fusion
     per weight GEMM repeats them for the kernel's pipeline). Issue 39: the default once a GPU
     run has checked and timed it (`benchmarks/llama_block.py`'s `blockwise-tile-scales`)."""
-    token = _WEIGHT_BLOCKS.set(True)
-    try:
-        yield
-    finally:
-        _WEIGHT_BLOCKS.reset(token)
+    return setting(_WEIGHT_BLOCKS, True)
 
 
 def weight_block_scales_chosen() -> bool:

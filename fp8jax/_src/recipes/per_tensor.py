@@ -6,7 +6,6 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
 from ..core.compile_options import is_cublas_traced
+from ..core.contexts import setting
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     Axis,
@@ -40,8 +40,7 @@ _SKIP_WARM_START: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def skip_warm_start(recorded: bool = False) -> Iterator[None]:
+def skip_warm_start(recorded: bool = False) -> contextlib.AbstractContextManager[None]:
     """[`fp8jax.DelayedScaling`][] traced inside casts by its state's scale alone, as with
     `warm_start=False` (1.0 where the state holds none), so the cast does not wait for its
     operand's amax. The same values wherever every state holds a scale
@@ -50,11 +49,7 @@ def skip_warm_start(recorded: bool = False) -> Iterator[None]:
     With `recorded`, the caller has checked that every state holds one (the train step's
     program after `scales_recorded`): the cast then multiplies by the state's scale as it
     is, where choosing 1.0 for a state without one is a kernel of its own per operand."""
-    token = _SKIP_WARM_START.set("recorded" if recorded else "skipped")
-    try:
-        yield
-    finally:
-        _SKIP_WARM_START.reset(token)
+    return setting(_SKIP_WARM_START, "recorded" if recorded else "skipped")
 
 
 def warm_start_skipped() -> bool:
