@@ -25,8 +25,11 @@ step's time, each beside BF16's. Kernel counts and bytes are read from the compi
 timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
 `delayed-steady` (the default recipe as `fp8jax.make_train_step` runs it once every scale is
 recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the warm start
-behind a `lax.cond`, `CondWarmStart`) and
-`blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside `tiled_kernel`;
+behind a `lax.cond`, `CondWarmStart`), `delayed-apart`, `delayed-steady-apart` and
+`current-apart` (those recipes with the transposed FP8 copies of activations and output
+gradients written by a transpose of their own, traced inside `transposes_apart`, so that the
+cast can reduce the amax in its pass) and `blockwise-tiled` (blockwise scaling on the tiled
+block kernel, traced inside `tiled_kernel`;
 `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
 run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel
 in its default configuration with two chunks a step, `chunks_per_step=2`) and
@@ -61,7 +64,7 @@ from fp8jax._src.kernels.choice import (
     weight_block_scales,
 )
 from fp8jax._src.observe import deviceless
-from fp8jax._src.recipes.per_tensor import skip_warm_start
+from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
 SHAPES: dict[str, dict[str, int]] = {
@@ -100,6 +103,9 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-cold": fp8jax.DelayedScaling(warm_start=False),
     "delayed-steady": fp8jax.DelayedScaling(),
     "delayed-cond": CondWarmStart(),
+    "delayed-apart": fp8jax.DelayedScaling(),
+    "delayed-steady-apart": fp8jax.DelayedScaling(),
+    "current-apart": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
@@ -108,12 +114,23 @@ RECIPES: dict[str, fp8jax.Recipe] = {
 #: (`step(name)`).
 CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-steady": lambda: skip_warm_start(recorded=True),
+    "delayed-apart": transposes_apart,
+    "delayed-steady-apart": lambda: steady_apart(),
+    "current-apart": transposes_apart,
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
     ),
     "blockwise-tile-scales": lambda: tile_scales(),
 }
+
+
+@contextlib.contextmanager
+def steady_apart() -> Iterator[None]:
+    """The train step's steady state (`delayed-steady`) with the activations' and output
+    gradients' transposed FP8 copies written apart (`per_tensor.transposes_apart`)."""
+    with skip_warm_start(recorded=True), transposes_apart():
+        yield
 
 
 @contextlib.contextmanager

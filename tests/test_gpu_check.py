@@ -618,6 +618,29 @@ def test_profile_reads_kernels_of_a_device_plane_without_stream_lines(profile):
     ]
 
 
+def test_profile_bytes_come_from_the_compiled_hlo(profile):
+    """`hlo_bytes`: every non-GEMM kernel's bytes as `hlo_cost` counts them, under its HLO
+    name and its kernel name; the GEMMs left out."""
+    import jax
+    import jax.numpy as jnp
+
+    import fp8jax
+
+    x = jnp.ones((64, 64), jnp.float32)
+    hlo = jax.jit(lambda a: jnp.tanh(a @ a.T) + 1).lower(x).compile().as_text()
+    moved = profile.hlo_bytes(hlo)
+    kernels = fp8jax.hlo_cost(hlo).kernels
+    others = [k for k in kernels if k.category is not None]
+    assert others and len(others) < len(kernels)  # the GEMM is not among them
+    for k in others:
+        assert moved[k.name] == moved[profile.kernel_name(k.name)] == k.bytes > 0
+    E = profile.Event
+    event = E(profile.kernel_name(others[0].name), 0, 1)
+    assert profile.bytes_for(event, moved) == others[0].bytes
+    assert profile.bytes_for(E("x", 0, 1, others[0].name), moved) == others[0].bytes
+    assert profile.bytes_for(E("unknown", 0, 1), moved) is None
+
+
 def test_profile_kinds_come_from_the_compiled_hlo(profile):
     import jax
     import jax.numpy as jnp
@@ -689,6 +712,9 @@ def test_profile_section_on_a_gpu_trace(profile, monkeypatch, tmp_path):
         lambda compiled, folder: (ProfileData.from_text_proto(traces[compiled.name]), [1.0, 1.0]),
     )
     monkeypatch.setattr(profile, "hlo_kinds", lambda hlo: KINDS)
+    # bytes per run: the amax 10 kB in 5 ns (2 TB/s), the cast 30 kB in 10 ns (3 TB/s)
+    moved = {"input_reduce_fusion.4": 10e3, "loop_convert_fusion.3": 30e3}
+    monkeypatch.setattr(profile, "hlo_bytes", lambda hlo: moved)
     cache = {
         ("dry", name): llama.Prepared(types.SimpleNamespace(name=name, hlo=""), "xla")
         for name in steps
@@ -715,6 +741,12 @@ def test_profile_section_on_a_gpu_trace(profile, monkeypatch, tmp_path):
     top = saved["dry delayed"]["top"]
     assert (top[0]["name"], top[0]["bucket"], top[0]["count"]) == ("gemm", "GEMM fp8", 2)
     assert saved["dry delayed"]["steps_split_by"] == "step annotations"
+    assert delayed["rest_tb_s"] == pytest.approx({"amax": 2.0, "quantize": 3.0})
+    assert cells["delayed"]["dry rest TB/s"] == "amax 2.00 | quantize 3.00"
+    assert cells["bf16"]["dry rest TB/s"] == "-"
+    rows = {row["name"]: row for row in top}
+    assert rows["cast"]["mb"] == pytest.approx(0.03) and rows["cast"]["tb_s"] == pytest.approx(3)
+    assert "tb_s" not in rows["b"]  # no bytes known for it
 
 
 def test_delayed_scalings_state_adds_no_kernels_over_current_scalings(monkeypatch):

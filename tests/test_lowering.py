@@ -204,3 +204,98 @@ def test_kept_inverses_cost_no_kernel_in_cublas_mode(getkey):
     # The kernels gone are the factors: a product of two float32 scalars each.
     scalars = [[k.name for k in ks if k.category is not None and k.bytes == 12] for ks in kernels]
     assert len(scalars[0]) == 5 and not scalars[1], scalars
+
+
+def _steady_mlp_step(apart: bool):
+    """A train step of an FP8 MLP with its merge as `fp8jax.make_train_step` runs it once every
+    scale is recorded (traced for cuBLAS, without the warm start), inside
+    `transposes_apart()` where `apart`."""
+    import contextlib
+
+    from fp8jax._src.core.compile_options import cublas_traced
+    from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
+
+    def step(model, x):
+        with (
+            cublas_traced(),
+            skip_warm_start(recorded=True),
+            transposes_apart() if apart else contextlib.nullcontext(),
+        ):
+            loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+            grads = fp8jax.filter_grad(loss)(model, x)
+            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+            return fp8jax.apply_updates(model, grads, overwrites)
+
+    return step
+
+
+def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey):
+    """Issue 38: inside `transposes_apart()` the transposed FP8 copies of activations and
+    output gradients are transposed from the FP8 values by kernels of their own, and the
+    kernels that cast those operands reduce their amaxes too (XLA fuses no reduction into a
+    transposing kernel): a steady-state MLP step (cuBLAS mode, deviceless H100) reads no
+    activation or gradient again for its amax, moves fewer non-GEMM bytes, and runs the same
+    FP8 GEMMs. By default the casts write both layouts and the amaxes are reduced apart."""
+    from fp8jax.examples.gpt import MLP
+
+    if h100_topology() is None:
+        pytest.skip("needs the CUDA plugin (the h100 extra)")
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
+    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    reports = {
+        apart: fp8jax.inspect(_steady_mlp_step(apart), mlp, x, modes=("cublas",))
+        for apart in (False, True)
+    }
+    gemms = {a: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for a, r in reports.items()}
+    assert gemms[True] == gemms[False] and len(gemms[True]) == 5
+    assert all(fp8 for *_, fp8 in gemms[True])
+    kernels = {a: r.cost["cublas"].kernels for a, r in reports.items()}
+
+    def fp8_transposes(ks):  # FP8 operands transposed by a kernel of its own
+        return [
+            k for k in ks if k.category == "transpose/copy" and "optimization_barrier" in k.op_name
+        ]
+
+    def operand_amaxes(ks):  # amaxes reduced by a kernel reading a whole operand (> 1 MB)
+        return [k.name for k in ks if k.category == "amax" and k.bytes > 2**20]
+
+    def casts_reducing(ks):
+        return [k.name for k in ks if k.category == "quantize" and "reduce" in k.name]
+
+    assert not fp8_transposes(kernels[False])
+    # fc1's input, fc2's (the activation), and both output gradients for the wgrads
+    assert len(fp8_transposes(kernels[True])) == 4, [k.name for k in kernels[True]]
+    assert len(casts_reducing(kernels[True])) >= 3, [k.name for k in kernels[True]]
+    assert len(operand_amaxes(kernels[True])) < len(operand_amaxes(kernels[False]))
+    moved = {a: sum(k.bytes for k in ks if k.category is not None) for a, ks in kernels.items()}
+    assert moved[True] < 0.9 * moved[False], moved
+
+
+def test_transposes_apart_change_no_bits(getkey):
+    """The transposed copies made apart are the same FP8 values: on a CPU (where the backward
+    takes the untransposed product) a delayed-scaling MLP's loss, gradients and new FP8
+    state come out bit for bit as without `transposes_apart()`."""
+    import numpy as np
+    from helpers import SAME_BITS
+
+    from fp8jax._src.recipes.per_tensor import transposes_apart
+
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(warm_start=False))
+    model = fp8jax.fp8_linear_layers(eqx.nn.MLP(16, 4, 32, 2, key=getkey()), config)
+    x = jax.random.normal(getkey(), (64, 16))
+
+    def grads(apart):
+        def loss(m):
+            return jnp.mean(jax.vmap(m)(x) ** 2)
+
+        def run(m):
+            if apart:
+                with transposes_apart():
+                    return fp8jax.filter_value_and_grad(loss)(m)
+            return fp8jax.filter_value_and_grad(loss)(m)
+
+        out = eqx.filter_jit(run, compiler_options=SAME_BITS)(model)
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(eqx.filter(out, eqx.is_array))]
+
+    assert grads(True) == grads(False)

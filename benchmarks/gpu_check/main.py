@@ -259,7 +259,8 @@ LEGENDS = {
     profile.SECTION: f"device ms per step from a jax.profiler trace ({profile.TRACED} steps "
     f"after {profile.WARMUP} warm-ups, mean): GEMM fp8 | GEMM bf16 | attention | rest "
     "(rest x BF16); GPU idle inside the step (span less busy) ms; kernels per step (x BF16); "
-    f"top kernels in {profile.KERNELS_FILE}",
+    "the rest's HBM rate by kind (TB/s: its kernels' bytes from the compiled HLO over their "
+    f"time); every kernel, with its bytes and rate, in {profile.KERNELS_FILE}",
 }
 
 

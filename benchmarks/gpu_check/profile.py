@@ -56,8 +56,8 @@ STEP_MARK = "fp8jax_profile_step"
 WARMUP, TRACED = 2, 2
 #: The columns of the device time split, in order.
 BUCKETS = ("GEMM fp8", "GEMM bf16", "GEMM other", "attention", "rest")
-#: How many kernels by time `profile_kernels.json` keeps per variant.
-TOP = 40
+#: How many kernels by time `profile_kernels.json` keeps per variant (all of a Llama step's).
+TOP = 200
 KERNELS_FILE = "profile_kernels.json"
 #: Seconds of the budget a trace needs: the compiled step reused, or compiled here.
 TRACE_NEED_S = 15.0
@@ -109,6 +109,27 @@ def hlo_kinds(hlo: str) -> dict[str, str]:
         kinds[kernel.name] = kind
         kinds.setdefault(kernel_name(kernel.name), kind)
     return kinds
+
+
+def hlo_bytes(hlo: str) -> dict[str, float]:
+    """HLO instruction name -> the HBM bytes `fp8jax.hlo_cost` counts for one run of its
+    kernel (non-GEMM kernels only), also under its kernel name: with a kernel's measured
+    time, the rate it moved them at."""
+    moved: dict[str, float] = {}
+    for kernel in fp8jax.hlo_cost(hlo).kernels:
+        if getattr(kernel, "category", None) is None:  # a GEMM or a collective
+            continue
+        moved[kernel.name] = float(kernel.bytes)
+        moved.setdefault(kernel_name(kernel.name), float(kernel.bytes))
+    return moved
+
+
+def bytes_for(event: Event, moved: Mapping[str, float]) -> float | None:
+    """The bytes of `hlo_bytes` for the kernel of `event` (by its HLO instruction, else its
+    name), or None."""
+    if event.hlo_op in moved:
+        return moved[event.hlo_op]
+    return moved.get(event.name)
 
 
 def kind_from_name(name: str) -> str:
@@ -184,12 +205,18 @@ def split_by_gaps(events: Iterable[Event], n: int) -> list[list[Event]]:
     return [ordered[a:b] for a, b in zip([0, *cuts], [*cuts, len(ordered)], strict=True)]
 
 
-def step_figures(events: Sequence[Event], kinds: Mapping[str, str]) -> dict[str, Any]:
+def step_figures(
+    events: Sequence[Event], kinds: Mapping[str, str], moved: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """One step's figures (nanoseconds): `device_ns` by bucket (durations summed),
     `rest_ns` by detailed kind, `span_ns` (first start to last end), `busy_ns` (union),
-    `idle_ns` (span less busy), `kernels` and how they were classified (`matched`)."""
+    `idle_ns` (span less busy), `kernels` and how they were classified (`matched`); with
+    `moved` (`hlo_bytes`), `rest_bytes` and `rest_bytes_ns` by kind: the bytes of the rest's
+    kernels whose bytes are known, and those kernels' time."""
     device = dict.fromkeys(BUCKETS, 0.0)
     rest: collections.Counter[str] = collections.Counter()
+    rest_bytes: collections.Counter[str] = collections.Counter()
+    rest_bytes_ns: collections.Counter[str] = collections.Counter()
     matched: collections.Counter[str] = collections.Counter()
     for e in events:
         where, kind, how = classify(e, kinds)
@@ -197,6 +224,10 @@ def step_figures(events: Sequence[Event], kinds: Mapping[str, str]) -> dict[str,
         matched[how] += 1
         if where == "rest":
             rest[kind] += e.duration_ns
+            size = None if moved is None else bytes_for(e, moved)
+            if size is not None:
+                rest_bytes[kind] += size
+                rest_bytes_ns[kind] += e.duration_ns
     span = max((e.end_ns for e in events), default=0.0) - min(
         (e.start_ns for e in events), default=0.0
     )
@@ -209,12 +240,15 @@ def step_figures(events: Sequence[Event], kinds: Mapping[str, str]) -> dict[str,
         "idle_ns": span - busy,
         "kernels": len(events),
         "matched": dict(matched),
+        "rest_bytes": dict(rest_bytes),
+        "rest_bytes_ns": dict(rest_bytes_ns),
     }
 
 
 def mean_figures(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The steps' mean, in milliseconds: `device_ms` by bucket, `rest_ms` by kind, `span_ms`,
-    `busy_ms`, `idle_ms`, and `kernels` per step."""
+    `busy_ms`, `idle_ms`, and `kernels` per step; `rest_tb_s` by kind: the HBM rate of the
+    rest's kernels whose bytes are known (terabytes a second)."""
     n = len(steps)
 
     def mean(values: Iterable[float]) -> float:
@@ -228,14 +262,25 @@ def mean_figures(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "busy_ms": mean(s["busy_ns"] for s in steps) / 1e6,
         "idle_ms": mean(s["idle_ns"] for s in steps) / 1e6,
         "kernels": mean(s["kernels"] for s in steps),
+        "rest_tb_s": {
+            k: sum(s.get("rest_bytes", {}).get(k, 0.0) for s in steps)
+            / sum(s.get("rest_bytes_ns", {}).get(k, 0.0) for s in steps)
+            / 1e3
+            for k in kinds
+            if sum(s.get("rest_bytes_ns", {}).get(k, 0.0) for s in steps) > 0
+        },
     }
 
 
 def top_kernels(
-    steps: Sequence[Sequence[Event]], kinds: Mapping[str, str], top: int = TOP
+    steps: Sequence[Sequence[Event]],
+    kinds: Mapping[str, str],
+    top: int = TOP,
+    moved: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """The kernels of all steps grouped by (name, HLO instruction), by total time, longest
-    first: `top` of them with their count, total and mean microseconds, bucket and kind."""
+    first: `top` of them with their count, total and mean microseconds, bucket and kind,
+    and with `moved` (`hlo_bytes`) the bytes of one run and its rate (`tb_s`) where known."""
     groups: dict[tuple[str, str], list[Event]] = collections.defaultdict(list)
     for events in steps:
         for e in events:
@@ -256,12 +301,20 @@ def top_kernels(
                 "mean_us": total / len(events) / 1e3,
             }
         )
+        size = None if moved is None else bytes_for(events[0], moved)
+        if size is not None:
+            rows[-1]["mb"] = size / 1e6
+            rows[-1]["tb_s"] = size * len(events) / total / 1e3 if total else float("nan")
     rows.sort(key=lambda r: r["total_us"], reverse=True)
     return rows[:top]
 
 
 def analyse(
-    events: Sequence[Event], marks: Sequence[float], kinds: Mapping[str, str], n: int = TRACED
+    events: Sequence[Event],
+    marks: Sequence[float],
+    kinds: Mapping[str, str],
+    n: int = TRACED,
+    moved: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The figures of `n` traced steps of one program. The steps are split at the step
     annotations' starts `marks` (when there are `n`), else at the widest gaps between
@@ -275,7 +328,7 @@ def analyse(
         if len(steps) == n and all(steps) and len({len(s) for s in steps}) == 1
     ]
     how, steps = (consistent or splits)[0]
-    figures = [step_figures(s, kinds) for s in steps]
+    figures = [step_figures(s, kinds, moved) for s in steps]
     return {
         "steps_split_by": how,
         "steps_consistent": bool(consistent),
@@ -283,7 +336,7 @@ def analyse(
         "events_outside_steps": len(events) - sum(len(s) for s in steps),
         **mean_figures(figures),
         "per_step": figures,
-        "top": top_kernels(steps, kinds),
+        "top": top_kernels(steps, kinds, moved=moved),
     }
 
 
@@ -391,7 +444,7 @@ def _profile(
     fields["device_lines"] = trace.device_lines
     if not trace.device:
         raise RuntimeError(f"{DEVICE_PLANE} has no kernel events; its lines: {trace.device_lines}")
-    figures = analyse(trace.device, trace.marks, kinds)
+    figures = analyse(trace.device, trace.marks, kinds, moved=hlo_bytes(prepared.compiled.hlo))
     base = seen.get((size, prepared.attention, "bf16"))
     if base is not None and name != "bf16":
         fields["rest_vs_bf16"] = _ratio(figures["device_ms"]["rest"], base["device_ms"]["rest"])
@@ -435,6 +488,13 @@ def _cells(rec: Recorder, size: str, name: str, fields: dict[str, Any], note: st
     rec.cell(SECTION, name, f"{size} device ms", split + note)
     rec.cell(SECTION, name, f"{size} idle ms", f"{fields['idle_ms']:.2f}")
     rec.cell(SECTION, name, f"{size} kernels", kernels)
+    rates = fields.get("rest_tb_s") or {}
+    rec.cell(
+        SECTION,
+        name,
+        f"{size} rest TB/s",
+        " | ".join(f"{kind} {rate:.2f}" for kind, rate in sorted(rates.items())) or "-",
+    )
 
 
 def run(

@@ -170,7 +170,7 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     if recipe.transposed_copies:
         # Saved transposed, written by the kernel that quantizes them: the wgrad and dgrad
         # then contract both operands over their last axis, with no transpose of their own.
-        q_x, q_w = transposed(q_x), transposed(q_w)
+        q_x, q_w = transposed(q_x, recipe.transposes_apart), transposed(q_w)
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -181,9 +181,12 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     )
 
 
-def transposed(q: QTensor) -> QTensor:
-    """A per-tensor `q (*B, R, C)` as the same values laid out `(*B, C, R)`."""
-    return QTensor(jnp.swapaxes(q.data, -1, -2), q.scale_inv, q.block)
+def transposed(q: QTensor, apart: bool = False) -> QTensor:
+    """A per-tensor `q (*B, R, C)` as the same values laid out `(*B, C, R)`; `apart`:
+    transposed from `q`'s FP8 values behind a barrier, which XLA then writes in a pass of
+    its own rather than in the pass that quantizes `q` (`Recipe.transposes_apart`)."""
+    data = lax.optimization_barrier(q.data) if apart else q.data
+    return QTensor(jnp.swapaxes(data, -1, -2), q.scale_inv, q.block)
 
 
 def _k_major_dot(
@@ -198,7 +201,7 @@ def _k_major_dot(
     untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`."""
 
     def k_major(lhs: QTensor, rhs_t: QTensor) -> Array:
-        lhs = transposed(lhs) if lhs_axis == -2 else lhs
+        lhs = transposed(lhs, recipe.transposes_apart) if lhs_axis == -2 else lhs
         return recipe.dot(lhs, rhs_t, -1, -1, precision, out_dtype)
 
     def canonical(lhs: QTensor, rhs_t: QTensor) -> Array:

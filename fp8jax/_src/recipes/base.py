@@ -274,6 +274,15 @@ class Recipe(abc.ABC):
         its own, where XLA otherwise transposes each operand before its backward GEMM."""
         return False
 
+    @property
+    def transposes_apart(self) -> bool:
+        """With `transposed_copies`: whether the transposed copies of an activation and an
+        output gradient are transposed from their FP8 values by a pass of their own, not
+        written by the pass that quantizes them. That pass is then free to reduce the
+        operand's amax as well (XLA fuses no reduction into a transposing pass): one read of
+        the operand fewer, and a transpose of its FP8 bytes more."""
+        return False
+
     @abc.abstractmethod
     def retile(self, q: Any, role: Role, axis: Axis, source: Array | None = None) -> Any:
         """`q` (from `quantize`) laid out for a GEMM contracting `axis` instead.

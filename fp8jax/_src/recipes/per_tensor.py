@@ -62,6 +62,29 @@ def scales_known_recorded() -> bool:
     return _SKIP_WARM_START.get() == "recorded"
 
 
+_TRANSPOSES_APART: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_transposes_apart", default=False
+)
+
+
+def transposes_apart() -> contextlib.AbstractContextManager[None]:
+    """Per-tensor recipes traced inside transpose an activation's and an output gradient's
+    FP8 copy for the backward in a pass of its own (`Recipe.transposes_apart`), where by
+    default the pass that quantizes the operand writes both layouts. A cast that does not
+    wait for the step's amax (delayed scaling's steady state) then reduces the amax in the
+    same pass: on a Llama-3-8B block's steady-state step compiled for an H100, non-GEMM
+    bytes 11.15 -> 10.87 GB, temp memory 1.08 -> 0.85 GiB, 98 -> 105 kernels, and the
+    bytes moved from XLA's transposing casts (1.3-2.5 TB/s on an H200 in GPU run 6) to
+    reductions and FP8 transposes (3-4.4 TB/s there): `benchmarks/RESULTS.md`. Issue 38:
+    the default once a GPU run has timed it (`benchmarks/llama_block.py`'s `*-apart`)."""
+    return setting(_TRANSPOSES_APART, True)
+
+
+def transposes_apart_chosen() -> bool:
+    """Whether per-tensor recipes are being traced inside `transposes_apart()`."""
+    return _TRANSPOSES_APART.get()
+
+
 def compute_scale(
     amax_value: Float[Array, "*lead"],
     previous: Float[Array, "*lead"],
@@ -163,6 +186,10 @@ class PerTensorRecipe(HybridFormats):
     @property
     def transposed_copies(self) -> bool:
         return True
+
+    @property
+    def transposes_apart(self) -> bool:
+        return transposes_apart_chosen()
 
     def dot(
         self,
