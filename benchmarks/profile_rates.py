@@ -13,13 +13,13 @@ not yet timed (an ESTIMATE).
 with the fp8jax and `llama_block.py` of the commit the profile was taken at (run 6: 1651c36;
 run a copy of this file placed in a worktree of it: `git worktree add /tmp/w 1651c36; cp
 benchmarks/profile_rates.py /tmp/w/benchmarks/; cd /tmp/w; PYTHONPATH=. python
-benchmarks/profile_rates.py join ...`), and matches the profile's kernels (`profile_kernels.json`'s `top`,
-GPU run 6: the 40 longest) to the compiled kernels by name (XLA names a fusion's kernel after
-its instruction: `input_reduce_fusion_4` is `input_reduce_fusion.4`). The GPU ran cuDNN's
-attention and this compile a stand-in, so a few fusions may be numbered otherwise: a rate
-above the GPU's HBM peak (H200: 4.8 TB/s) is marked as a mismatch and left out of the
-medians. Since session 35 the GPU check's profile records each kernel's bytes and rate
-itself, from the compile it ran.
+benchmarks/profile_rates.py join ...`), and matches the profile's kernels
+(`profile_kernels.json`'s `top`, GPU run 6: the 40 longest) to the compiled kernels by
+name (XLA names a fusion's kernel after its instruction: `input_reduce_fusion_4` is
+`input_reduce_fusion.4`). The GPU ran cuDNN's attention and this compile a stand-in, so a
+few fusions may be numbered otherwise: a rate above the GPU's HBM peak (H200: 4.8 TB/s) is
+marked as a mismatch and left out of the medians. Since session 35 the GPU check's profile
+records each kernel's bytes and rate itself, from the compile it ran.
 
 `estimate` classes each non-GEMM kernel of a variant's deviceless step by its fusion's name
 (a cast that transposes, a transpose of FP8 values, a reduction, the rest) and times it at
@@ -103,7 +103,9 @@ def join(profile: Path, variant: str) -> None:
     for cls, values in rates.items():
         if values:
             print(f"- {cls}: {statistics.median(values):.2f} ({len(values)} kernels)")
-    print(f"\nrest measured: {data['device_ms']['rest']:.2f} ms per step; by kind {data['rest_ms']}")
+    print(
+        f"\nrest measured: {data['device_ms']['rest']:.2f} ms per step; by kind {data['rest_ms']}"
+    )
 
 
 def estimate(sizes: list[str], variants: list[str], rates: dict[str, float]) -> None:
@@ -147,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         values = [float(v) for v in args.rates.split(",")]
         if len(values) != len(CLASSES) or min(values) <= 0:
             parser.error(f"--rates {args.rates!r}: give {len(CLASSES)} positive TB/s, {CLASSES}")
-        estimate(args.sizes.split(","), args.variants.split(","), dict(zip(CLASSES, values)))
+        estimate(
+            args.sizes.split(","), args.variants.split(","), dict(zip(CLASSES, values, strict=True))
+        )
 
 
 if __name__ == "__main__":

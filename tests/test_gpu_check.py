@@ -767,3 +767,44 @@ def test_delayed_scalings_state_adds_no_kernels_over_current_scalings(monkeypatc
         for name in ("delayed-cold", "current")
     }
     assert counts["delayed-cold"] <= counts["current"], counts
+
+
+def test_profile_rates_joins_a_profile_and_estimates_at_its_rates(monkeypatch, capsys, tmp_path):
+    """`benchmarks/profile_rates.py`: a profile's kernels joined by name with the bytes of the
+    same step compiled deviceless (rate = bytes / mean time; above HBM's peak a mismatch;
+    a name not compiled said so), and the estimate: each kernel's bytes at its class's rate
+    plus the launch, summed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_rates
+
+    from fp8jax._src.observe import deviceless
+
+    if deviceless.h100_topology() is None:
+        pytest.skip("needs the CUDA plugin (the h100 extra)")
+    assert profile_rates.kernel_class("input_convert_transpose_fusion.3") == "transposing cast"
+    assert profile_rates.kernel_class("wrapped_transpose.2") == "FP8 transpose"
+    assert profile_rates.kernel_class("input_add_reduce_fusion") == "reduction"
+    assert profile_rates.kernel_class("loop_add_fusion") == "other"
+    kernels = profile_rates.compiled_kernels("dry", "delayed-cold")
+    (slow, a), (fast, b) = sorted(kernels.items(), key=lambda kv: -kv[1].bytes)[:2]
+    rows = [  # `slow` at 1 TB/s (its bytes in as many picoseconds), `fast` at 10 TB/s
+        {"name": slow, "bucket": "rest", "kind": "quantize", "count": 2, "mean_us": a.bytes / 1e6},
+        {"name": fast, "bucket": "rest", "kind": "amax", "count": 2, "mean_us": b.bytes / 1e7},
+        {"name": "not_a_kernel", "bucket": "rest", "kind": "rest", "count": 2, "mean_us": 1.0},
+        {"name": "gemm", "bucket": "GEMM fp8", "kind": "GEMM fp8", "count": 2, "mean_us": 9.0},
+    ]
+    data = {"steps": 2, "top": rows, "device_ms": {"rest": 1.0}, "rest_ms": {}}
+    path = tmp_path / "profile_kernels.json"
+    path.write_text(json.dumps({"dry delayed-cold": data}))
+    profile_rates.join(path, "dry delayed-cold")
+    lines = {
+        line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()
+    }
+    assert " | 1.00 | " in lines[slow] and "mismatch" not in lines[slow]
+    assert " | 10.00 | " in lines[fast] and "mismatch" in lines[fast]
+    assert "not compiled here" in lines["not_a_kernel"] and "gemm" not in lines
+    rates = dict.fromkeys(profile_rates.CLASSES, 2.0)
+    profile_rates.estimate(["dry"], ["delayed-cold"], rates)
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| dry |")]
+    want = sum(k.bytes for k in kernels.values()) / 2e12 + len(kernels) * 3e-6
+    assert float(row[0].split("|")[-2]) == pytest.approx(want * 1e3, abs=0.006)
