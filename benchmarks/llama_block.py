@@ -21,20 +21,20 @@ attention does not compile: attention is then a stand-in `q * k + v` of the same
 gradient paths, the same in every variant. It prints, per variant, what the CPU can measure
 of the GPU's step: kernels per step by kind (`fp8jax.hlo_cost`'s categories), the HBM bytes of
 every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTIMATE of the
-step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not
-timed. Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
+step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not timed.
+Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
 `delayed-steady` (the default recipe as `fp8jax.make_train_step` runs it once every scale is
-recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the warm start
-behind a `lax.cond`, `CondWarmStart`), `delayed-apart`, `delayed-steady-apart` and
-`current-apart` (those recipes with the transposed FP8 copies of activations and output
-gradients written by a transpose of their own, traced inside `transposes_apart`, so that the
-cast can reduce the amax in its pass) and `blockwise-tiled` (blockwise scaling on the tiled
-block kernel, traced inside `tiled_kernel`;
-`blockwise` runs the persistent warp-specialized kernel of issue 39, the default on GPUs since
-run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel
-in its default configuration with two chunks a step, `chunks_per_step=2`) and
-`blockwise-tile-scales` (that kernel given the weights' scales once per 128 x 128 block,
-`weight_block_scales`: one scale per warpgroup tile and chunk in the forward and dgrad).
+recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the warm start behind a
+`lax.cond`, `CondWarmStart`), `delayed-apart`, `delayed-steady-apart` and `current-apart` (those
+recipes with every transposed FP8 copy written by a transpose of its own, traced inside
+`transposes_apart`: the cast then writes one layout, and reduces the amax in its pass where it need
+not wait for it), `delayed-steady-apart-acts` (only the activations' and output gradients' copies
+apart) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside
+`tiled_kernel`; `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on
+GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel in
+its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
+(that kernel given the weights' scales once per 128 x 128 block, `weight_block_scales`: one scale
+per warpgroup tile and chunk in the forward and dgrad).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from fp8jax._src.kernels.choice import (
     weight_block_scales,
 )
 from fp8jax._src.observe import deviceless
-from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
+from fp8jax._src.recipes.per_tensor import ROLES, skip_warm_start, transposes_apart
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
 SHAPES: dict[str, dict[str, int]] = {
@@ -105,6 +105,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-cond": CondWarmStart(),
     "delayed-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart": fp8jax.DelayedScaling(),
+    "delayed-steady-apart-acts": fp8jax.DelayedScaling(),
     "current-apart": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
@@ -116,6 +117,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-steady": lambda: skip_warm_start(recorded=True),
     "delayed-apart": transposes_apart,
     "delayed-steady-apart": lambda: steady_apart(),
+    "delayed-steady-apart-acts": lambda: steady_apart(("input", "output_grad")),
     "current-apart": transposes_apart,
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
@@ -126,10 +128,10 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
 
 
 @contextlib.contextmanager
-def steady_apart() -> Iterator[None]:
-    """The train step's steady state (`delayed-steady`) with the activations' and output
-    gradients' transposed FP8 copies written apart (`per_tensor.transposes_apart`)."""
-    with skip_warm_start(recorded=True), transposes_apart():
+def steady_apart(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    """The train step's steady state (`delayed-steady`) with the transposed FP8 copies of
+    the operands of `roles` written apart (`per_tensor.transposes_apart`)."""
+    with skip_warm_start(recorded=True), transposes_apart(roles):
         yield
 
 

@@ -53,6 +53,7 @@ TESTS=(
     tests/test_lowering.py::test_kept_inverses_cost_no_kernel_in_cublas_mode
     # The transposed FP8 copies apart: the casts reduce the amaxes (issue 38, session 35).
     tests/test_lowering.py::test_transposes_apart_let_the_cast_reduce_the_amax_on_h100
+    tests/test_lowering.py::test_transposes_apart_takes_roles
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.

@@ -206,10 +206,10 @@ def test_kept_inverses_cost_no_kernel_in_cublas_mode(getkey):
     assert len(scalars[0]) == 5 and not scalars[1], scalars
 
 
-def _steady_mlp_step(apart: bool):
+def _steady_mlp_step(roles):
     """A train step of an FP8 MLP with its merge as `fp8jax.make_train_step` runs it once every
     scale is recorded (traced for cuBLAS, without the warm start), inside
-    `transposes_apart()` where `apart`."""
+    `transposes_apart(roles)` unless `roles` is None."""
     import contextlib
 
     from fp8jax._src.core.compile_options import cublas_traced
@@ -219,7 +219,7 @@ def _steady_mlp_step(apart: bool):
         with (
             cublas_traced(),
             skip_warm_start(recorded=True),
-            transposes_apart() if apart else contextlib.nullcontext(),
+            contextlib.nullcontext() if roles is None else transposes_apart(roles),
         ):
             loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
             grads = fp8jax.filter_grad(loss)(model, x)
@@ -229,13 +229,23 @@ def _steady_mlp_step(apart: bool):
     return step
 
 
-def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey):
-    """Issue 38: inside `transposes_apart()` the transposed FP8 copies of activations and
-    output gradients are transposed from the FP8 values by kernels of their own, and the
-    kernels that cast those operands reduce their amaxes too (XLA fuses no reduction into a
-    transposing kernel): a steady-state MLP step (cuBLAS mode, deviceless H100) reads no
-    activation or gradient again for its amax, moves fewer non-GEMM bytes, and runs the same
-    FP8 GEMMs. By default the casts write both layouts and the amaxes are reduced apart."""
+@pytest.mark.parametrize(
+    "roles, apart",
+    [
+        # fc1's input, fc2's input and kernel (fc1's dgrad is not needed), both gradients
+        (("input", "kernel", "output_grad"), 5),
+        (("input", "output_grad"), 4),
+    ],
+    ids=["every-operand", "activations-and-gradients"],
+)
+def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, apart):
+    """Issue 38: inside `transposes_apart(roles)` the transposed FP8 copies of those operands
+    are transposed from the FP8 values by kernels of their own, and the kernels that cast
+    the operands reduce their amaxes too (XLA fuses no reduction into a transposing kernel):
+    a steady-state MLP step (cuBLAS mode, deviceless H100) reads fewer operands again for
+    their amaxes (none with every operand's copy apart), moves fewer non-GEMM bytes, and
+    runs the same FP8 GEMMs. By default the casts write both layouts and the amaxes are
+    reduced apart."""
     from fp8jax.examples.gpt import MLP
 
     if h100_topology() is None:
@@ -244,17 +254,19 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey):
     mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
     x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
     reports = {
-        apart: fp8jax.inspect(_steady_mlp_step(apart), mlp, x, modes=("cublas",))
-        for apart in (False, True)
+        key: fp8jax.inspect(_steady_mlp_step(r), mlp, x, modes=("cublas",))
+        for key, r in (("default", None), ("apart", roles))
     }
-    gemms = {a: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for a, r in reports.items()}
-    assert gemms[True] == gemms[False] and len(gemms[True]) == 5
-    assert all(fp8 for *_, fp8 in gemms[True])
-    kernels = {a: r.cost["cublas"].kernels for a, r in reports.items()}
+    gemms = {k: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for k, r in reports.items()}
+    assert gemms["apart"] == gemms["default"] and len(gemms["apart"]) == 5
+    assert all(fp8 for *_, fp8 in gemms["apart"])
+    kernels = {k: r.cost["cublas"].kernels for k, r in reports.items()}
 
     def fp8_transposes(ks):  # FP8 operands transposed by a kernel of its own
         return [
-            k for k in ks if k.category == "transpose/copy" and "optimization_barrier" in k.op_name
+            k.name
+            for k in ks
+            if k.category == "transpose/copy" and "optimization_barrier" in k.op_name
         ]
 
     def operand_amaxes(ks):  # amaxes reduced by a kernel reading a whole operand (> 1 MB)
@@ -263,13 +275,30 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey):
     def casts_reducing(ks):
         return [k.name for k in ks if k.category == "quantize" and "reduce" in k.name]
 
-    assert not fp8_transposes(kernels[False])
-    # fc1's input, fc2's (the activation), and both output gradients for the wgrads
-    assert len(fp8_transposes(kernels[True])) == 4, [k.name for k in kernels[True]]
-    assert len(casts_reducing(kernels[True])) >= 3, [k.name for k in kernels[True]]
-    assert len(operand_amaxes(kernels[True])) < len(operand_amaxes(kernels[False]))
-    moved = {a: sum(k.bytes for k in ks if k.category is not None) for a, ks in kernels.items()}
-    assert moved[True] < 0.9 * moved[False], moved
+    names = [k.name for k in kernels["apart"]]
+    assert not fp8_transposes(kernels["default"])
+    assert len(fp8_transposes(kernels["apart"])) == apart, names
+    assert len(casts_reducing(kernels["apart"])) >= 2, names
+    assert len(operand_amaxes(kernels["default"])) >= 3
+    assert len(operand_amaxes(kernels["apart"])) < len(operand_amaxes(kernels["default"]))
+    if "kernel" in roles:
+        assert not operand_amaxes(kernels["apart"]), names
+    moved = {k: sum(c.bytes for c in ks if c.category is not None) for k, ks in kernels.items()}
+    assert moved["apart"] < 0.9 * moved["default"], moved
+
+
+def test_transposes_apart_takes_roles():
+    from fp8jax._src.recipes.per_tensor import transposes_apart, transposes_apart_chosen
+
+    with transposes_apart(["kernel"]):
+        assert transposes_apart_chosen("kernel") and not transposes_apart_chosen("input")
+        assert not fp8jax.DelayedScaling().transposes_apart("output_grad")
+        assert fp8jax.CurrentScaling().transposes_apart("kernel")
+        assert not fp8jax.BlockwiseScaling().transposes_apart("kernel")  # no transposed copies
+    assert not transposes_apart_chosen("kernel")
+    for bad in ((), ("weights",)):
+        with pytest.raises(ValueError, match="expected a non-empty subset"):
+            transposes_apart(bad)
 
 
 def test_transposes_apart_change_no_bits(getkey):

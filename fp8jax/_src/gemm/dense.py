@@ -170,7 +170,8 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     if recipe.transposed_copies:
         # Saved transposed, written by the kernel that quantizes them: the wgrad and dgrad
         # then contract both operands over their last axis, with no transpose of their own.
-        q_x, q_w = transposed(q_x, recipe.transposes_apart), transposed(q_w)
+        q_x = transposed(q_x, recipe.transposes_apart("input"))
+        q_w = transposed(q_w, recipe.transposes_apart("kernel"))
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -201,7 +202,7 @@ def _k_major_dot(
     untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`."""
 
     def k_major(lhs: QTensor, rhs_t: QTensor) -> Array:
-        lhs = transposed(lhs, recipe.transposes_apart) if lhs_axis == -2 else lhs
+        lhs = transposed(lhs, recipe.transposes_apart("output_grad")) if lhs_axis == -2 else lhs
         return recipe.dot(lhs, rhs_t, -1, -1, precision, out_dtype)
 
     def canonical(lhs: QTensor, rhs_t: QTensor) -> Array:

@@ -274,13 +274,14 @@ class Recipe(abc.ABC):
         its own, where XLA otherwise transposes each operand before its backward GEMM."""
         return False
 
-    @property
-    def transposes_apart(self) -> bool:
-        """With `transposed_copies`: whether the transposed copies of an activation and an
-        output gradient are transposed from their FP8 values by a pass of their own, not
-        written by the pass that quantizes them. That pass is then free to reduce the
-        operand's amax as well (XLA fuses no reduction into a transposing pass): one read of
-        the operand fewer, and a transpose of its FP8 bytes more."""
+    def transposes_apart(self, role: Role) -> bool:
+        """With `transposed_copies`: whether the transposed copy of the operand of `role` is
+        transposed from its FP8 values by a pass of its own, not written by the pass that
+        quantizes it. That pass is then free to reduce the operand's amax as well (XLA fuses
+        no reduction into a transposing pass), and it writes one layout: a read of the
+        operand fewer (where the cast need not wait for the amax), a transpose of its FP8
+        bytes more."""
+        del role
         return False
 
     @abc.abstractmethod

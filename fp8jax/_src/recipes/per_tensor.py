@@ -6,6 +6,7 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import jax.numpy as jnp
@@ -62,27 +63,37 @@ def scales_known_recorded() -> bool:
     return _SKIP_WARM_START.get() == "recorded"
 
 
-_TRANSPOSES_APART: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_transposes_apart", default=False
+#: The roles whose transposed FP8 copies are made apart (`transposes_apart`).
+_TRANSPOSES_APART: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "fp8jax_transposes_apart", default=frozenset()
 )
+ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
 
 
-def transposes_apart() -> contextlib.AbstractContextManager[None]:
-    """Per-tensor recipes traced inside transpose an activation's and an output gradient's
-    FP8 copy for the backward in a pass of its own (`Recipe.transposes_apart`), where by
-    default the pass that quantizes the operand writes both layouts. A cast that does not
-    wait for the step's amax (delayed scaling's steady state) then reduces the amax in the
-    same pass: on a Llama-3-8B block's steady-state step compiled for an H100, non-GEMM
-    bytes 11.15 -> 10.87 GB, temp memory 1.08 -> 0.85 GiB, 98 -> 105 kernels, and the
-    bytes moved from XLA's transposing casts (1.3-2.5 TB/s on an H200 in GPU run 6) to
-    reductions and FP8 transposes (3-4.4 TB/s there): `benchmarks/RESULTS.md`. Issue 38:
-    the default once a GPU run has timed it (`benchmarks/llama_block.py`'s `*-apart`)."""
-    return setting(_TRANSPOSES_APART, True)
+def transposes_apart(
+    roles: Collection[Role] = ROLES,
+) -> contextlib.AbstractContextManager[None]:
+    """Per-tensor recipes traced inside transpose the FP8 copy of each operand of `roles`
+    (`"input"`: the activation, `"kernel"`, `"output_grad"`) for the backward in a pass of
+    its own, from its FP8 values (`Recipe.transposes_apart`), where by default the pass that
+    quantizes the operand writes both layouts. That pass may then reduce the operand's amax
+    too, where the cast need not wait for it (delayed scaling's steady state), and casts
+    at a reduction's rate: in GPU run 6 (H200) XLA's transposing casts moved their bytes at
+    1.77 TB/s, its reductions at 4.0 and an FP8 transpose at 2.9 (`benchmarks/RESULTS.md`,
+    "Session 35"). Issue 38: the default once a GPU run has timed it
+    (`benchmarks/llama_block.py`'s `*-apart` variants)."""
+    chosen = frozenset(roles)
+    if not chosen or not chosen <= set(ROLES):
+        raise ValueError(
+            f"transposes_apart: roles={tuple(roles)!r}; expected a non-empty subset of {ROLES}."
+        )
+    return setting(_TRANSPOSES_APART, chosen)
 
 
-def transposes_apart_chosen() -> bool:
-    """Whether per-tensor recipes are being traced inside `transposes_apart()`."""
-    return _TRANSPOSES_APART.get()
+def transposes_apart_chosen(role: Role) -> bool:
+    """Whether per-tensor recipes are being traced inside `transposes_apart()` with `role`
+    among its roles."""
+    return role in _TRANSPOSES_APART.get()
 
 
 def compute_scale(
@@ -187,9 +198,8 @@ class PerTensorRecipe(HybridFormats):
     def transposed_copies(self) -> bool:
         return True
 
-    @property
-    def transposes_apart(self) -> bool:
-        return transposes_apart_chosen()
+    def transposes_apart(self, role: Role) -> bool:
+        return transposes_apart_chosen(role)
 
     def dot(
         self,
