@@ -153,6 +153,10 @@ def test_llama_block_timed_against_bf16_with_its_compiled_split(dry_run):
         assert r["attention"] == "xla" and r["ms"] > 0 and r["temp_bytes"] > 0
         assert r["kernels"] == sum(r["kernels_by_kind"].values()) > 0
     assert delayed["vs_bf16"] == pytest.approx(delayed["ms"] / bf16["ms"])
+    assert bf16["ms_pipelined"] > 0 and delayed["ms_pipelined"] > 0
+    assert delayed["vs_bf16_pipelined"] == pytest.approx(
+        delayed["ms_pipelined"] / bf16["ms_pipelined"]
+    )
     assert delayed["kernels_vs_bf16"] == pytest.approx(delayed["kernels"] / bf16["kernels"])
     assert "vs_bf16" not in bf16
 

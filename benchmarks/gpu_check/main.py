@@ -253,7 +253,9 @@ LEGENDS = {
     "kernels, checked against it first: issue 39's yardstick)",
     steps.SECTION: "ms per step, measured time x BF16 (the cost model's ESTIMATE x BF16, "
     "from the step's compiled HLO)",
-    llama.SECTION: "ms per step, x BF16 of the same size and attention; beside it the "
+    llama.SECTION: "ms per step (one step at a time, each waited for; then pipelined: "
+    f"{llama.PIPELINED} steps launched back to back), x BF16 of the same size and attention; "
+    "beside it the "
     "compiled step's HLO (llama_block.split): kernels, non-GEMM HBM bytes (attention's left "
     "out), temp memory, each x BF16",
     profile.SECTION: f"device ms per step from a jax.profiler trace ({profile.TRACED} steps "

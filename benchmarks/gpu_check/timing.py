@@ -78,19 +78,24 @@ def compile_and_time(
     compiled = Compiled(fn, args, options, dry)
     for _ in range(1 if runs <= 1 else 2):
         compiled.run()
+    fields = {"compile_s": round(compiled.compile_s, 2), **time_calls(compiled, runs, calls)}
+    return compiled, fields
+
+
+def time_calls(compiled: Compiled, runs: int, calls: int) -> dict[str, float]:
+    """`runs` timed runs of `calls` back-to-back calls of a warm `compiled`: `ms` per call
+    (median run), `ms_min`, `runs`, `calls_per_run`."""
     times = []
     for _ in range(runs):
         began = time.perf_counter()
         compiled.run(calls)
         times.append((time.perf_counter() - began) / calls)
-    fields = {
-        "compile_s": round(compiled.compile_s, 2),
+    return {
         "ms": statistics.median(times) * 1e3,
         "ms_min": min(times) * 1e3,
         "runs": runs,
         "calls_per_run": calls,
     }
-    return compiled, fields
 
 
 def tflops(flops: float, ms: float) -> float:
