@@ -1,6 +1,6 @@
 """H100 temp memory of FP8 train steps against BF16, over step forms, shapes and frameworks.
 
-    python benchmarks/memory_sweep.py [--cases 0,3,7] [--modes cublas,default]
+    python benchmarks/memory_sweep.py [--cases 0,3,7] [--modes cublas,default] [--apart]
 
 One figure (peers.py's MLP with SGD inside the step) says little about memory: XLA places
 temporaries in the buffers of a step's outputs (new weights, optimizer state, gradients)
@@ -21,6 +21,9 @@ the same kind of step in many forms, for an H100 without a GPU (`JAX_PLATFORMS=c
 - two XLA modes: `cublas` (`fp8jax.gpu_compiler_options()`, every GEMM a cuBLAS call) and
   `default` (XLA's defaults).
 
+With `--apart` every step is traced inside `transposes_apart()` (issue 38: the per-tensor
+recipes' transposed FP8 copies transposed by kernels of their own, not written by the casts).
+
 It prints one row per case and mode (temp MiB of each variant, FP8 as a ratio to BF16), then
 the median and worst ratio of each recipe, per mode and over both.
 """
@@ -28,6 +31,7 @@ the median and worst ratio of each recipe, per mode and over both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -45,6 +49,7 @@ from train_steps import table  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe.deviceless import h100_topology  # noqa: E402
+from fp8jax._src.recipes.per_tensor import transposes_apart  # noqa: E402
 
 POLICY = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
 RECIPES = {"delayed": fp8jax.DelayedScaling(), "current": fp8jax.CurrentScaling()}
@@ -262,6 +267,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="", help="comma-separated case numbers (default all)")
     parser.add_argument("--modes", default="cublas,default", help="among cublas, default")
+    parser.add_argument(
+        "--apart", action="store_true", help="trace inside per_tensor.transposes_apart()"
+    )
     args = parser.parse_args(argv)
     cases = list(enumerate(CASES))
     if args.cases:
@@ -276,12 +284,14 @@ def main(argv=None) -> dict:
     print(
         f"# H100 temp memory of FP8 train steps against BF16 (jax {jax.__version__}; "
         "deviceless compiles, memory_analysis().temp_size_in_bytes)"
+        + ("; traced inside transposes_apart()" if args.apart else "")
     )
     results, rows = {}, []
     for i, case in cases:
         for mode in modes:
             print(f"  ... {i}: {case}, {mode}", file=sys.stderr, flush=True)
-            r = {v: temp_bytes(case, v, mode) for v in VARIANTS}
+            with transposes_apart() if args.apart else contextlib.nullcontext():
+                r = {v: temp_bytes(case, v, mode) for v in VARIANTS}
             results[(case, mode)] = r
             mib = {v: r[v] / 2**20 for v in VARIANTS}
             rows.append(
