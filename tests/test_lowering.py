@@ -295,9 +295,11 @@ def test_transposes_apart_takes_roles():
         assert not fp8jax.DelayedScaling().transposes_apart("output_grad")
         assert fp8jax.CurrentScaling().transposes_apart("kernel")
         assert not fp8jax.BlockwiseScaling().transposes_apart("kernel")  # no transposed copies
+    with transposes_apart("output_grad"):  # one role
+        assert transposes_apart_chosen("output_grad") and not transposes_apart_chosen("kernel")
     assert not transposes_apart_chosen("kernel")
-    for bad in ((), ("weights",)):
-        with pytest.raises(ValueError, match="expected a non-empty subset"):
+    for bad in ((), ("weights",), "weights"):
+        with pytest.raises(ValueError, match="expected one role or a non-empty subset"):
             transposes_apart(bad)
 
 

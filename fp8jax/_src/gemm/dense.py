@@ -202,6 +202,7 @@ def _k_major_dot(
     untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`."""
 
     def k_major(lhs: QTensor, rhs_t: QTensor) -> Array:
+        # An lhs contracted over its rows is the wgrad's output gradient.
         lhs = transposed(lhs, recipe.transposes_apart("output_grad")) if lhs_axis == -2 else lhs
         return recipe.dot(lhs, rhs_t, -1, -1, precision, out_dtype)
 

@@ -71,21 +71,23 @@ ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
 
 
 def transposes_apart(
-    roles: Collection[Role] = ROLES,
+    roles: Role | Collection[Role] = ROLES,
 ) -> contextlib.AbstractContextManager[None]:
-    """Per-tensor recipes traced inside transpose the FP8 copy of each operand of `roles`
-    (`"input"`: the activation, `"kernel"`, `"output_grad"`) for the backward in a pass of
-    its own, from its FP8 values (`Recipe.transposes_apart`), where by default the pass that
-    quantizes the operand writes both layouts. That pass may then reduce the operand's amax
-    too, where the cast need not wait for it (delayed scaling's steady state), and casts
-    at a reduction's rate: in GPU run 6 (H200) XLA's transposing casts moved their bytes at
-    1.77 TB/s, its reductions at 4.0 and an FP8 transpose at 2.9 (`benchmarks/RESULTS.md`,
-    "Session 35"). Issue 38: the default once a GPU run has timed it
-    (`benchmarks/llama_block.py`'s `*-apart` variants)."""
-    chosen = frozenset(roles)
+    """Per-tensor recipes traced inside transpose the FP8 copy of each operand of `roles` (one or
+    several of `"input"`: the activation, `"kernel"`, `"output_grad"`) for the backward in a
+    pass of its own, from its FP8 values (`Recipe.transposes_apart`), where by default the pass
+    that quantizes the operand writes both layouts. That pass may then reduce the operand's amax
+    too, where the cast need not wait for it (delayed scaling's steady state), and casts at a
+    reduction's rate: in GPU run 6 (H200) XLA's transposing casts moved their bytes at 1.77
+    TB/s, its reductions at 4.0 and an FP8 transpose at 2.9 (`benchmarks/RESULTS.md`, "Session
+    35"). Issue 38: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
+    `*-apart` variants)."""
+    given = (roles,) if isinstance(roles, str) else tuple(roles)
+    chosen = frozenset(given)
     if not chosen or not chosen <= set(ROLES):
         raise ValueError(
-            f"transposes_apart: roles={tuple(roles)!r}; expected a non-empty subset of {ROLES}."
+            f"transposes_apart: roles={given!r}; expected one role or a non-empty subset of "
+            f"{ROLES}."
         )
     return setting(_TRANSPOSES_APART, chosen)
 
