@@ -161,6 +161,30 @@ def test_llama_block_timed_against_bf16_with_its_compiled_split(dry_run):
     assert "vs_bf16" not in bf16
 
 
+def test_llama_decisions_compare_each_candidate_with_its_default(check_modules, tmp_path):
+    """`llama.decide`: a candidate variant's time against its default's of the same size and
+    attention (one at a time and pipelined); nothing where either did not run or their
+    attentions differ."""
+    from gpu_check import llama
+    from gpu_check.record import Recorder
+
+    rec = Recorder(tmp_path, 100.0, 0.0, dry=True)
+    step = lambda ms, piped, attention="cudnn": dict(  # noqa: E731
+        ms=ms, ms_pipelined=piped, attention=attention
+    )
+    llama.decide(
+        rec,
+        {
+            "8B": {"delayed-steady": step(12.0, 10.0), "delayed-steady-apart": step(10.0, 8.0)},
+            "1B": {"current": step(6.0, 5.0), "current-apart": step(5.0, 4.0, "xla")},
+        },
+    )
+    assert rec.decisions == [
+        "Llama 8B block: delayed-steady / delayed-steady-apart: time ratio 1.200, "
+        "pipelined 1.250 (> 1: the second is faster)"
+    ]
+
+
 def test_profile_without_a_gpu_says_so_and_checks_the_reading_on_the_cpu(dry_run):
     """On the CPU the trace has no device plane: each variant is skipped, saying so, and the
     same analysis over XLA:CPU's thunks splits the two traced steps at their annotations,

@@ -209,6 +209,33 @@ def run(
     return results
 
 
+#: (default, candidate) pairs of variants whose time ratio would decide a default.
+CANDIDATES = (
+    ("delayed-steady", "delayed-steady-apart"),
+    ("delayed-steady", "delayed-steady-apart-acts"),
+    ("delayed", "delayed-apart"),
+    ("current", "current-apart"),
+    ("blockwise", "blockwise-pairs"),
+    ("blockwise", "blockwise-tile-scales"),
+)
+
+
+def decide(rec: Recorder, results: dict[str, dict]) -> None:
+    """Decision inputs: each candidate's time against its default's, one step at a time and
+    pipelined (> 1: the candidate is faster), where both ran with the same attention."""
+    for size, fields in results.items():
+        for default, candidate in CANDIDATES:
+            a, b = fields.get(default), fields.get(candidate)
+            if not a or not b or a["attention"] != b["attention"]:
+                continue
+            text = (
+                f"Llama {size} block: {default} / {candidate}: time ratio {a['ms'] / b['ms']:.3f}"
+            )
+            if "ms_pipelined" in a and "ms_pipelined" in b:
+                text += f", pipelined {a['ms_pipelined'] / b['ms_pipelined']:.3f}"
+            rec.decision(text + " (> 1: the second is faster)")
+
+
 def _one(
     rec: Recorder, size: str, name: str, attention: str, seen: dict, runs: int, cache: Cache
 ) -> dict | None:

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
     if "llama" in args.sections:
         with rec.section(llama.SECTION):
-            llama.run(rec, mode, step_runs, prepared, args.llama_variants)
+            llama.decide(rec, llama.run(rec, mode, step_runs, prepared, args.llama_variants))
         _release()
     if "profile" in args.sections:
         with rec.section(profile.SECTION):
