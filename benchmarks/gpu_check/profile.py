@@ -18,8 +18,11 @@ split into GEMM fp8, GEMM bf16 (other GEMM precisions apart), attention and the 
 idle inside the step (from the first kernel's start to the last one's end, less the union
 of the kernels' intervals); kernels per step. The summary gives the mean over the traced
 steps and, beside BF16's of the same size, the ratios of the rest and of the kernel count;
-`profile_kernels.json` in the out folder keeps each variant's per-step figures and its top
-kernels by time.
+`profile_kernels.json` in the out folder keeps each variant's per-step figures and its
+kernels by time. Each non-GEMM kernel found among the compiled step's (`hlo_bytes`) also gets
+the HBM bytes `fp8jax.hlo_cost` counts for it and the rate it moved them at, and the summary
+the rest's rate by kind (since session 35: run 6 showed XLA's transposing casts at under half
+of HBM's rate, `benchmarks/profile_rates.py`).
 
 The classification works on plain records (`Event`) so that it is tested without a GPU; the
 reading of `ProfileData` is a thin layer over it (`read`). On a CPU there is no device plane:
