@@ -159,6 +159,9 @@ def test_llama_block_timed_against_bf16_with_its_compiled_split(dry_run):
     )
     assert delayed["kernels_vs_bf16"] == pytest.approx(delayed["kernels"] / bf16["kernels"])
     assert "vs_bf16" not in bf16
+    probe = next(r for r in results if r["name"] == "host dispatch")
+    assert probe["status"] == "ok"
+    assert all(probe[f"us_{n}"] > 0 and probe[f"us_{n}_pipelined"] > 0 for n in (10, 74, 200))
 
 
 def test_llama_decisions_compare_each_candidate_with_its_default(check_modules, tmp_path):

@@ -13,7 +13,9 @@ time, each waited for (as the measurements of issue 38 timed it), so the host's 
 launch a step counts: in run 6 the steps took 0.6-2.7 ms longer than their kernels' span on
 the device. Beside it, `ms_pipelined`: `PIPELINED` steps launched back to back per run, as a
 training loop that does not wait for each step's result runs them, so that the host's
-launch overlaps the previous step (and its ratio to BF16's, `vs_bf16_pipelined`). Beside the
+launch overlaps the previous step (and its ratio to BF16's, `vs_bf16_pipelined`). And the
+host's time for a call by arrays in and out (`dispatch`: a program of tiny arrays, as many
+as BF16's step takes, as FP8's, and more), to tell what FP8's state arrays cost it. Beside the
 time, the
 compiled step's HLO read as `llama_block.py` reads a deviceless compile
 (`llama_block.split`): kernels per step by kind, the HBM bytes of the non-GEMM kernels
@@ -34,6 +36,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax.numpy as jnp
 import llama_block
 
 import fp8jax
@@ -206,7 +209,40 @@ def run(
                 continue
             results.setdefault(size, {})[name] = fields
             _cells(rec, size, name, fields, note)
+    probe = rec.measure(SECTION, "host dispatch", functools.partial(dispatch, mode), need_s=10)
+    if probe is not None:
+        rec.cell(SECTION, "host dispatch", f"{SIZES[mode][0]} step", dispatch_text(probe))
     return results
+
+
+#: Arrays in and out of the dispatch probe: as many as BF16's Llama step takes (10 in, 11
+#: out), FP8's (73, 74: 21 states of three arrays more), and more.
+DISPATCH_ARRAYS = (10, 74, 200)
+
+
+def dispatch(mode: str) -> dict[str, Any]:
+    """The host's time for a call of a program of `n` tiny arrays in and out (`x + 1` each),
+    for each `n` of `DISPATCH_ARRAYS`: one call at a time and waited for (`us_{n}`), and
+    `PIPELINED` back to back (`us_{n}_pipelined`), in microseconds. What a step's many FP8
+    state arrays cost the host: in run 6 the FP8 Llama-1B step took 1.08 ms longer than its
+    kernels' span on the device, BF16's 0.58 ms."""
+    fields: dict[str, Any] = {}
+    runs = 5 if mode == "dry" else 50
+    for n in DISPATCH_ARRAYS:
+        xs = tuple(jnp.full((4,), i, jnp.float32) for i in range(n))
+        compiled = Compiled(lambda *a: [x + 1 for x in a], xs, None, dry=False)
+        compiled.run()
+        fields[f"us_{n}"] = time_calls(compiled, runs, 1)["ms"] * 1e3
+        fields[f"us_{n}_pipelined"] = time_calls(compiled, runs, PIPELINED)["ms"] * 1e3
+    return fields
+
+
+def dispatch_text(fields: dict[str, Any]) -> str:
+    """The dispatch probe's cell: microseconds per call by arrays in and out."""
+    arrays = " / ".join(str(n) for n in DISPATCH_ARRAYS)
+    synced = " / ".join(f"{fields[f'us_{n}']:.0f}" for n in DISPATCH_ARRAYS)
+    piped = " / ".join(f"{fields[f'us_{n}_pipelined']:.0f}" for n in DISPATCH_ARRAYS)
+    return f"{arrays} arrays in and out: {synced} us a call, waited for; {piped} us pipelined"
 
 
 #: (default, candidate) pairs of variants whose time ratio would decide a default.
