@@ -64,7 +64,8 @@ from fp8jax._src.kernels.choice import (
     weight_block_scales,
 )
 from fp8jax._src.observe import deviceless
-from fp8jax._src.recipes.per_tensor import ROLES, skip_warm_start, transposes_apart
+from fp8jax._src.recipes import ROLES
+from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
 SHAPES: dict[str, dict[str, int]] = {

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 import llama_block
+from gpu_check.profile import kernel_name
 
 import fp8jax
 
@@ -61,11 +62,7 @@ def compiled_kernels(size: str, name: str) -> dict[str, object]:
     """Kernel name (as a trace names it) -> `hlo_cost`'s kernel, for the non-GEMM kernels of
     the variant's deviceless step."""
     cost = fp8jax.hlo_cost(llama_block.compile_deviceless(size, name).as_text())
-    out = {}
-    for k in cost.kernels:
-        if k.category is not None:
-            out["".join(c if c.isalnum() or c == "_" else "_" for c in k.name)] = k
-    return out
+    return {kernel_name(k.name): k for k in cost.kernels if k.category is not None}
 
 
 def join(profile: Path, variant: str) -> None:

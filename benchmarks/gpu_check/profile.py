@@ -100,11 +100,17 @@ def kernel_name(hlo_name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in hlo_name)
 
 
+@functools.lru_cache(maxsize=2)
+def compiled_cost(hlo: str) -> Any:
+    """`fp8jax.hlo_cost(hlo)`, read once for `hlo_kinds` and `hlo_bytes` of the same step."""
+    return fp8jax.hlo_cost(hlo)
+
+
 def hlo_kinds(hlo: str) -> dict[str, str]:
     """HLO instruction name -> its kind (`llama_block.kind_of`) for every kernel that
     `fp8jax.hlo_cost` finds in the compiled module `hlo`, also under its kernel name."""
     kinds: dict[str, str] = {}
-    for kernel in fp8jax.hlo_cost(hlo).kernels:
+    for kernel in compiled_cost(hlo).kernels:
         if not hasattr(kernel, "category"):  # a collective
             kind = "collective"
         else:
@@ -119,7 +125,7 @@ def hlo_bytes(hlo: str) -> dict[str, float]:
     kernel (non-GEMM kernels only), also under its kernel name: with a kernel's measured
     time, the rate it moved them at."""
     moved: dict[str, float] = {}
-    for kernel in fp8jax.hlo_cost(hlo).kernels:
+    for kernel in compiled_cost(hlo).kernels:
         if getattr(kernel, "category", None) is None:  # a GEMM or a collective
             continue
         moved[kernel.name] = float(kernel.bytes)
@@ -258,6 +264,11 @@ def mean_figures(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return sum(values) / n
 
     kinds = sorted({k for s in steps for k in s["rest_ns"]})
+    moved: collections.Counter[str] = collections.Counter()  # the rest's bytes, where known
+    timed: collections.Counter[str] = collections.Counter()  # and their kernels' time
+    for s in steps:
+        moved.update(s.get("rest_bytes", {}))
+        timed.update(s.get("rest_bytes_ns", {}))
     return {
         "device_ms": {b: mean(s["device_ns"][b] for s in steps) / 1e6 for b in BUCKETS},
         "rest_ms": {k: mean(s["rest_ns"].get(k, 0.0) for s in steps) / 1e6 for k in kinds},
@@ -265,13 +276,7 @@ def mean_figures(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "busy_ms": mean(s["busy_ns"] for s in steps) / 1e6,
         "idle_ms": mean(s["idle_ns"] for s in steps) / 1e6,
         "kernels": mean(s["kernels"] for s in steps),
-        "rest_tb_s": {
-            k: sum(s.get("rest_bytes", {}).get(k, 0.0) for s in steps)
-            / sum(s.get("rest_bytes_ns", {}).get(k, 0.0) for s in steps)
-            / 1e3
-            for k in kinds
-            if sum(s.get("rest_bytes_ns", {}).get(k, 0.0) for s in steps) > 0
-        },
+        "rest_tb_s": {k: moved[k] / timed[k] / 1e3 for k in timed if timed[k] > 0},
     }
 
 

@@ -18,6 +18,7 @@ from ..core.compile_options import is_cublas_traced
 from ..core.contexts import setting
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
+    ROLES,
     Axis,
     HybridFormats,
     QTensor,
@@ -67,7 +68,6 @@ def scales_known_recorded() -> bool:
 _TRANSPOSES_APART: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "fp8jax_transposes_apart", default=frozenset()
 )
-ROLES: tuple[Role, ...] = ("input", "kernel", "output_grad")
 
 
 def transposes_apart(
