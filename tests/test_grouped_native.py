@@ -438,13 +438,14 @@ cost = fp8jax.hlo_cost(hlo)
 experts = sum(k.flops * k.runs for k in cost.kernels if "fp8jax[moe." in k.op_name)
 spill = re.compile(r"(\\d+) bytes spill (?:stores|loads)")
 dump = os.environ.get("MOSAIC_GPU_DUMP_TO")
-spills = [[int(n) for n in spill.findall(open(f).read())]
-          for f in glob.glob(os.path.join(dump, "*.ptxas"))] if dump else []
+logs = [open(f).read() for f in glob.glob(os.path.join(dump, "*.ptxas"))] if dump else []
+spills = [[int(n) for n in spill.findall(log)] for log in logs]
 print(json.dumps({
     "gemms": [(g.layer, g.role, g.kernel, g.fp8, g.mma) for g in report.gemms["cublas"]],
     "ragged": ragged,
     "expert_flops": experts,
     "spills": spills,
+    "serialized": sum(log.count("C7514") for log in logs),
 }))
 """
 
@@ -484,7 +485,8 @@ FP8_MMA = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
 def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kernels):
     """E4M3 gradients (or blockwise scaling): forward, dgrad and wgrad of both expert layers
     are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma`; ptxas spills nothing; no
-    ragged dot is left for XLA to expand. So also on the persistent kernels (traced inside
+    ragged dot is left for XLA to expand; ptxas serializes no `wgmma` (C7514). So also on
+    the persistent kernels (traced inside
     `persistent_kernel()`: rows and tokens), whose FLOPs `hlo_cost` counts as the grouped
     GEMMs they are (each expert's tokens, not a dense GEMM over all experts)."""
     seen = h100_runs(recipe, kernels)
@@ -499,6 +501,7 @@ def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kerne
         assert mma and all(FP8_MMA.match(m) for m in mma), mma
     assert seen["ragged"] == 0
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+    assert seen["serialized"] == 0, seen
 
 
 def test_h100_e5m2_gradients_run_dgrad_and_wgrad_in_fp8_where_wgmma_takes_the_pair(h100_runs):

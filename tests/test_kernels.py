@@ -354,6 +354,7 @@ spills = [[int(n) for n in spill.findall(log)] for log in ptxas]
 print(json.dumps({
     "gemms": [(g.layer, g.role, g.kernel, g.fp8, g.mma) for g in report.gemms["cublas"]],
     "spills": spills,
+    "serialized": sum(log.count("C7514") for log in ptxas),
 }))
 """
 
@@ -363,7 +364,7 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
     """The default choice in a compile for an H100: the forward, dgrad and wgrad of both
     Linears are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma` (E4M3 for both
     recipes' defaults), the inspector counts them as FP8 GEMMs, and ptxas spills no
-    register."""
+    register nor serializes a `wgmma` (its warning C7514)."""
     pytest.importorskip("jax_cuda12_plugin")
     run = run_with_mosaic_dump(H100_SCRIPT, [recipe], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -378,6 +379,7 @@ def test_deviceless_h100_train_step_runs_every_gemm_in_the_native_kernel(tmp_pat
         fp8_mma = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
         assert any(fp8_mma.match(m) for m in mma), mma
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+    assert seen["serialized"] == 0, seen
 
 
 @pytest.mark.parametrize(

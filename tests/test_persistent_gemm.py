@@ -254,6 +254,7 @@ print(json.dumps({
     "mma": sorted({i for t in ptx for i in re.findall(r"wgmma\\.mma_async[\\w.]*", t)}),
     "setmaxnreg": sorted({i for t in ptx for i in re.findall(r"setmaxnreg\\.\\w+\\S*\\s+\\d+", t)}),
     "spills": [[int(s) for s in re.findall(r"(\\d+) bytes spill", t)] for t in ptxas],
+    "serialized": sum(t.count("C7514") for t in ptxas),
     "mul": sum(len(re.findall(r"\\bmul\\.(?:rn\\.)?f32", t)) for t in ptx),
     "fma": sum(len(re.findall(r"\\bfma\\.rn\\.f32", t)) for t in ptx),
     "waits": sorted(
@@ -300,6 +301,10 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
     kinds = {s.split(".")[1] for s in seen["setmaxnreg"]}
     assert kinds == {"inc", "dec"}, seen["setmaxnreg"]
     assert seen["spills"] and all(s and not any(s) for s in seen["spills"]), seen["spills"]
+    # ptxas keeps the wgmma pipelined: no "wgmma.mma_async instructions are serialized"
+    # (C7514, as when an accumulator is read while its wgmma may be in flight: an experiment
+    # that kept one in flight across pipeline steps got it, session 36).
+    assert seen["serialized"] == 0, seen
     # Two chunks a step: the first chunk's product read with the second's wgmma in flight
     # (where JAX can wait for fewer than all: 0.11 on).
     overlap = config.get("chunks_per_step") == 2 and mosaic_private.wgmma_partial_waits()
