@@ -6,8 +6,9 @@
 1. `persistent_block_scaled_gemm` (1024 x 1024 -> 2048, E4M3, BF16 out) compiled for an H100
    with each operand's scales per row or per block (`block_rows`), one or two chunks a
    pipeline step: the PTX's `mul.f32`, `fma.rn.f32`, shared loads and `wgmma` per kernel,
-   and ptxas' spills. The compute warpgroup's code holds one 128-chunk's promotion (two with
-   two chunks a step), so these are per chunk and warpgroup.
+   ptxas' spills, and whether ptxas serialized the `wgmma` (its warning C7514). The compute
+   warpgroup's code holds one 128-chunk's promotion (two with two chunks a step), so these
+   are per chunk and warpgroup.
 2. A blockwise MLP's train step (512 -> 1024 -> 512, 256 tokens) on the persistent kernels with
    the weight's scales per block (`choice.weight_block_scales`), compiled for an H100 in
    cuBLAS mode and XLA's defaults (`fp8jax.inspect`): each GEMM's kernel and its `wgmma`.
@@ -77,6 +78,7 @@ def gemm_row(label: str, block_rows: tuple[int, int], per_step: int) -> str:
         str(count(r"\bld\.shared")),
         str(count(r"wgmma\.mma_async")),
         ", ".join(re.findall(r"(\d+) bytes spill stores", ptxas)) or "?",
+        "yes" if "C7514" in ptxas else "no",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -107,8 +109,11 @@ def step_rows() -> list[str]:
 def main() -> None:
     print(f"jax {jax.__version__}; deviceless H100; {M} x {K} -> {N}, E4M3, BF16 out")
     print()
-    print("| scales | chunks a step | mul.f32 | fma.rn.f32 | ld.shared | wgmma | spill bytes |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| scales | chunks a step | mul.f32 | fma.rn.f32 | ld.shared | wgmma | spill bytes "
+        "| wgmma serialized (ptxas C7514) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for label, block_rows in SCALES:
         for per_step in (1, 2):
             print(gemm_row(label, block_rows, per_step))
