@@ -238,28 +238,82 @@ def make_block(size: str, attention: str, key: Array | None = None) -> LlamaBloc
     return LlamaBlock(shape["width"], shape["heads"], shape["ffn"], attention, key=key)
 
 
+#: A variant's name with this suffix: the same variant with its FP8 states kept between steps
+#: stacked in a few arrays (`Packed`), to time what FP8's state arrays cost the host's launch
+#: of a step (FP8's step takes 73 arrays in and gives 74 out, BF16's 10 and 11).
+PACKED = "-packed"
+
+
+def base_name(name: str) -> str:
+    """`name` without `PACKED`."""
+    return name.removesuffix(PACKED)
+
+
+class Packed(eqx.Module):
+    """A model whose FP8 states' arrays travel between steps stacked by shape and dtype: the
+    step takes and gives a few arrays for them (`stacks`), not three per operand.
+    `unpack` rebuilds the model inside the step (slices XLA fuses into their readers), `pack`
+    stacks its new states again (the merge has stacked them already). A benchmark's device,
+    not an fp8jax API: it tells whether such an API would pay."""
+
+    rest: Any  # the model with its FP8 states' arrays taken out (None there)
+    stacks: tuple[Array, ...]
+    where: tuple[tuple[int, int], ...] = eqx.field(static=True)  # per array: (stack, index)
+    treedef: Any = eqx.field(static=True)  # of the states' arrays
+
+
+def pack(model: Any) -> Packed:
+    """`model` with its FP8 states' arrays stacked (`Packed`)."""
+    overwrites, others = fp8jax.partition_for_grad_overwrite(model)
+    arrays, statics = eqx.partition(overwrites, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    groups: dict[tuple, list[Array]] = {}
+    where = []
+    for leaf in leaves:
+        key = (jnp.shape(leaf), jnp.dtype(leaf.dtype))
+        group = groups.setdefault(key, [])
+        where.append((list(groups).index(key), len(group)))
+        group.append(leaf)
+    stacks = tuple(jnp.stack(group) for group in groups.values())
+    rest = eqx.combine(others, statics)
+    return Packed(rest, stacks, tuple(where), treedef)
+
+
+def unpack(packed: Packed) -> Any:
+    """The model `pack` stacked."""
+    leaves = [packed.stacks[g][i] for g, i in packed.where]
+    return eqx.combine(packed.rest, jax.tree.unflatten(packed.treedef, leaves))
+
+
 def variant(block: LlamaBlock, name: str) -> Any:
     """`block` as variant `name`: `"bf16"`, or a recipe of `RECIPES` on every Linear through
-    `fp8jax.fp8_linear_layers` with the documented `Fp8Config`."""
+    `fp8jax.fp8_linear_layers` with the documented `Fp8Config`; with `PACKED` appended to a
+    recipe's name, that model `Packed`."""
     if name == "bf16":
         return block
-    if name not in RECIPES:
-        raise ValueError(f"variant {name!r}: should be one of {['bf16', *RECIPES]}")
-    return fp8jax.fp8_linear_layers(block, fp8jax.Fp8Config(recipe=RECIPES[name]))
+    if base_name(name) not in RECIPES:
+        raise ValueError(
+            f"variant {name!r}: should be one of {['bf16', *RECIPES]}, or a recipe's with "
+            f"{PACKED!r} appended"
+        )
+    model = fp8jax.fp8_linear_layers(block, fp8jax.Fp8Config(recipe=RECIPES[base_name(name)]))
+    return pack(model) if name.endswith(PACKED) else model
 
 
 def step(name: str = "bf16") -> Callable:
     """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
     traced for cuBLAS mode (`cublas_traced`), and for the variants in `CONTEXTS` inside
-    their context."""
+    their context; a `PACKED` variant's block is `Packed` on the way in and out."""
     inner = train_steps.block_step(loss)
-    context = CONTEXTS.get(name, contextlib.nullcontext)
+    context = CONTEXTS.get(base_name(name), contextlib.nullcontext)
+    packed = name != "bf16" and name.endswith(PACKED)
 
-    def traced(*args: Any) -> Any:
+    def traced(block: Any, x: Any) -> Any:
         # Compiled with `fp8jax.gpu_compiler_options()`, as `fp8jax.make_train_step` traces
         # its steps (`cublas_traced`).
         with cublas_traced(), context():
-            return inner(*args)
+            block, value, dx = inner(unpack(block) if packed else block, x)
+        return (pack(block) if packed else block), value, dx
 
     return traced
 

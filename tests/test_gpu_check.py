@@ -344,12 +344,18 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
     from gpu_check import llama
 
     assert main.parse(["--out", str(tmp_path)]).llama_variants is None
-    picked = main.parse(["--out", str(tmp_path), "--llama-variants", "blockwise-tiled, bf16"])
-    assert picked.llama_variants == ["blockwise-tiled", "bf16"]
+    picked = main.parse(
+        ["--out", str(tmp_path), "--llama-variants", "blockwise-tiled, bf16,delayed-packed"]
+    )
+    assert picked.llama_variants == ["blockwise-tiled", "bf16", "delayed-packed"]
     # BF16 first (the others' reference), whatever the order given; the mode's own by default.
-    assert llama.variant_names("full", picked.llama_variants) == ["bf16", "blockwise-tiled"]
+    assert llama.variant_names("full", picked.llama_variants) == [
+        "bf16",
+        "blockwise-tiled",
+        "delayed-packed",
+    ]
     assert llama.variant_names("quick", None) == llama.VARIANTS["quick"]
-    for bad in ("blockwise,nope", ","):
+    for bad in ("blockwise,nope", ",", "bf16-packed", "nope-packed"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--llama-variants", bad])
 
@@ -393,6 +399,33 @@ def test_llama_variants_of_every_mode_build(monkeypatch):
     for name in dict.fromkeys(n for names in llama.VARIANTS.values() for n in names):
         block, _ = llama_block.arguments("dry", name, "xla", abstract=True)
         assert block is not None, name
+
+
+def test_packed_variants_step_the_same_bits_with_a_few_state_arrays(monkeypatch):
+    """`delayed-packed` (the FP8 states stacked between steps, `llama_block.Packed`) must be
+    timed against the same numbers: three steps of the dry block, loss, input gradient and
+    every array of the model after each, bit for bit with `delayed`'s; its step takes 12
+    arrays in, not 73 (the 63 state arrays in 3 stacks)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import equinox as eqx
+    import jax
+    import llama_block
+
+    def run(name):
+        block, x = llama_block.arguments("dry", name, "xla", abstract=False)
+        arrays = len(jax.tree.leaves(eqx.filter((block, x), eqx.is_array)))
+        step = jax.jit(llama_block.step(name))
+        seen = []
+        for _ in range(3):
+            block, value, dx = step(block, x)
+            model = llama_block.unpack(block) if name.endswith(llama_block.PACKED) else block
+            seen += [value, dx, *jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+        return seen, arrays
+
+    (plain, plain_arrays), (packed, packed_arrays) = run("delayed"), run("delayed-packed")
+    assert (plain_arrays, packed_arrays) == (73, 12)
+    assert len(plain) == len(packed)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(plain, packed, strict=True))
 
 
 def test_the_conditional_warm_start_computes_what_delayed_scaling_does(monkeypatch):

@@ -249,6 +249,8 @@ def dispatch_text(fields: dict[str, Any]) -> str:
 CANDIDATES = (
     ("delayed-steady", "delayed-steady-apart"),
     ("delayed-steady", "delayed-steady-apart-acts"),
+    ("delayed-steady", "delayed-steady-packed"),
+    ("delayed-steady-apart", "delayed-steady-apart-packed"),
     ("delayed", "delayed-apart"),
     ("current", "current-apart"),
     ("blockwise", "blockwise-pairs"),
