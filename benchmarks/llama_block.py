@@ -34,7 +34,9 @@ apart) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, trace
 GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel in
 its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
 (that kernel given the weights' scales once per 128 x 128 block, `weight_block_scales`: one scale
-per warpgroup tile and chunk in the forward and dgrad).
+per warpgroup tile and chunk in the forward and dgrad). Any of them but `bf16` with `-packed`
+appended (`PACKED`): the same step with the model's FP8 states stacked in a few arrays between
+steps (`Packed`: 12 arrays in, not 73), to time what the state arrays cost the host's launch.
 """
 
 from __future__ import annotations
