@@ -308,7 +308,7 @@ def step(name: str = "bf16") -> Callable:
     their context; a `PACKED` variant's block is `Packed` on the way in and out."""
     inner = train_steps.block_step(loss)
     context = CONTEXTS.get(base_name(name), contextlib.nullcontext)
-    packed = name != "bf16" and name.endswith(PACKED)
+    packed = name.endswith(PACKED)
 
     def traced(block: Any, x: Any) -> Any:
         # Compiled with `fp8jax.gpu_compiler_options()`, as `fp8jax.make_train_step` traces
