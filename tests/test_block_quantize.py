@@ -171,6 +171,45 @@ def test_kernels_propagate_nan_and_inf():
     assert np.all(np.isfinite(np.asarray(scale_t)[:, 0]))
 
 
+def _kernel_reductions(fn, *args) -> int:
+    """`reduce_max` operations inside the Pallas kernels `fn` calls (its traced jaxpr)."""
+
+    def count(jaxpr, inside: bool) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += inside and eqn.primitive.name == "reduce_max"
+            for param in eqn.params.values():
+                sub = getattr(param, "jaxpr", param)
+                if hasattr(sub, "eqns"):
+                    total += count(sub, inside or eqn.primitive.name == "pallas_call")
+        return total
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr, False)
+
+
+def test_each_tile_amax_is_one_reduction_per_direction():
+    """A tile's amaxes (its rows', its columns', the program's) are one integer maximum each
+    of the magnitudes' bit patterns, NaN-propagating by itself (`nan_max`), where a float
+    maximum and a NaN test were two: 3 reductions in the rows-and-columns kernel (6 before),
+    2 in the per-tensor cast-and-transpose (4). A negative NaN counts as a NaN."""
+    from fp8jax._src.kernels.cast_transpose import cast_transpose
+
+    x = jnp.zeros((256, 256), jnp.bfloat16)
+    rule = dict(max_scale=MAX_SCALE, interpret=True)
+    rows_and_columns = _kernel_reductions(
+        lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **rule), x
+    )
+    per_tensor = _kernel_reductions(
+        lambda x: cast_transpose(x, jnp.float32(1.0), E4M3, interpret=True), x
+    )
+    assert (rows_and_columns, per_tensor) == (3, 2)
+    negative_nan = np.array([0xFFC00000], np.uint32).view(np.float32)[0]
+    magnitudes = jnp.asarray([[1.0, negative_nan, 3.0], [2.0, np.inf, 0.5]], jnp.float32)
+    got = np.asarray(block_quantize.nan_max(jnp.abs(magnitudes), axis=1))
+    assert np.isnan(got[0]) and got[1] == np.inf
+    assert float(block_quantize.nan_max(jnp.asarray([0.0, 2.5, 1e-40]), axis=None)) == 2.5
+
+
 @pytest.mark.parametrize("fmt, block, power_of_two", [(E4M3, 128, False), (E5M2, 64, True)])
 def test_weight_kernel_matches_the_recipes_xla_path(fmt, block, power_of_two):
     """128 x 128 blocks (one scale each, written once per row of both layouts) and the

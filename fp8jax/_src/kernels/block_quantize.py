@@ -26,7 +26,8 @@ and the tests hold the two equal bit for bit in the interpreter. Two GPU details
 Triton divides float32 approximately (`div.full.f32`), so a scale is divided with
 `div.rn.f32` in inline PTX, exactly rounded as the XLA path on a CPU (XLA's own GPU fusions
 also divide with `div.full.f32`: on an H100 their scales may differ in the last bit); and
-PTX's `max` drops NaNs, so an amax carries its tile's NaNs explicitly. The interpreter
+PTX's `max` drops NaNs, so an amax is an integer maximum of the magnitudes' bit patterns,
+in which every NaN lies above infinity (`nan_max`: one reduction, not two). The interpreter
 divides with `/` behind a barrier (IEEE on a CPU): the one step it does not run as the GPU
 does.
 
@@ -85,6 +86,7 @@ DEFAULT_TUNING = ColumnTuning(num_warps=4)
 OTHER_TUNING = ColumnTuning()
 
 _EXPONENT_BITS = 0x7F800000
+_MAGNITUDE_BITS = 0x7FFFFFFF
 
 
 def fits(shape: tuple[int, ...], block: int) -> bool:
@@ -112,11 +114,14 @@ def _divide(a: Array, b: Array, interpret: bool) -> Array:
     return out
 
 
-def nan_max(x: Array, axis: int | None) -> Array:
-    """`max(x)` over `axis` that is NaN where a NaN is reduced (PTX's `max` drops them)."""
-    top = jnp.max(x, axis=axis)
-    nans = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=axis)
-    return jnp.where(nans > 0.0, jnp.nan, top)
+def nan_max(magnitude: Array, axis: int | None) -> Array:
+    """`max(magnitude)` over `axis` of magnitudes (`|x|`), NaN where a NaN is reduced (PTX's
+    `max` drops them). One integer maximum of the float32 bit patterns (sign bits cleared),
+    which order non-negative floats as their values and every NaN above infinity (a NaN's
+    payload may differ from the one reduced), where a float maximum and a NaN test would be
+    two reductions of the tile."""
+    bits = lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.int32) & _MAGNITUDE_BITS
+    return lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
 
 
 def tile_scales(
