@@ -1,0 +1,135 @@
+"""How the quantization kernels move a tile through shared memory, read from their PTX
+(issue 39, deliverable 3); deviceless, nothing runs on a GPU.
+
+    python benchmarks/quantize_ptx.py | tee benchmarks/results/quantize_ptx.txt
+
+Each Pallas (Triton) quantization kernel of `fp8jax._src.kernels` compiled for an H100 at
+8192 x 4096 (BF16 in), XLA dumping the PTX it compiled: per thread, the shared-memory
+instructions (`ld.shared.b8`: one byte at a time; `ldmatrix ... .trans`: a 16-bit transpose
+of eight 8 x 8 tiles at once), warp shuffles, barriers and vector global stores, and the
+PTX's length. Beside them, the smallest kernel with a transposed FP8 copy (a cast and its
+transpose, no scales), where Triton transposes the BF16 input with `ldmatrix` before the
+cast: the fp8jax kernels' transposed copy (scaled per column) is gathered from shared memory
+one byte at a time instead. GPU run 6 measured these kernels at 0.6-2.2 TB/s (an H200: 4.8).
+
+Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA reads its flags when its backend starts: set before JAX is imported.
+DUMP = tempfile.mkdtemp()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_dump_to={DUMP} --xla_dump_emitter_re=.* --xla_gpu_dump_llvmir=true"
+)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as pltriton  # noqa: E402
+
+from fp8jax._src.kernels import block_quantize  # noqa: E402
+from fp8jax._src.kernels.cast_transpose import cast_transpose  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
+
+M, K = 8192, 4096
+E4M3 = jnp.float8_e4m3fn
+RULE = dict(max_scale=2.0**126)
+COUNTED = {
+    "ld.shared.b8": r"ld\.shared\.b8",
+    "ldmatrix.trans": r"ldmatrix\.[\w.]*\.trans",
+    "other shared loads": r"ld\.shared\.(?!b8)",
+    "st.shared": r"st\.shared",
+    "shfl.sync": r"shfl\.sync",
+    "bar.sync": r"bar\.sync",
+    "st.global.v4": r"st\.global\.v4",
+}
+
+
+def plain_cast_and_transpose(x):
+    """A cast to E4M3 and its transposed copy, nothing else: Triton's own transpose."""
+
+    def kernel(x_ref, q_ref, qt_ref):
+        q = x_ref[...].astype(jnp.float32).astype(E4M3)
+        q_ref[...] = q
+        qt_ref[...] = q.T
+
+    tile = (128, 128)
+    same, swapped = pl.BlockSpec(tile, lambda i, j: (i, j)), pl.BlockSpec(tile, lambda i, j: (j, i))
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K, M), E4M3)],
+        grid=(M // 128, K // 128),
+        in_specs=[same],
+        out_specs=[same, swapped],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="plain_cast_and_transpose",
+    )(x)
+
+
+def kernels() -> dict[str, tuple[object, int]]:
+    """label -> (function of a BF16 (M, K) operand, warps)."""
+    warps8 = block_quantize.ColumnTuning(num_warps=8)
+    first = block_quantize.ColumnTuning(num_warps=4, transpose_first=True)
+    return {
+        "quantize_rows (1 x 128 tiles)": (
+            lambda x: block_quantize.quantize_rows(x, E4M3, **RULE),
+            4,
+        ),
+        "quantize_rows_and_columns (default)": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE),
+            block_quantize.DEFAULT_TUNING.num_warps,
+        ),
+        "quantize_rows_and_columns, 8 warps": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=warps8),
+            8,
+        ),
+        "quantize_rows_and_columns, transposed before the cast": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=first),
+            4,
+        ),
+        "cast_transpose (per-tensor)": (
+            lambda x: cast_transpose(x, jnp.float32(0.5), E4M3),
+            block_quantize.DEFAULT_TUNING.num_warps,
+        ),
+        "cast_transpose, transposed before the cast": (
+            lambda x: cast_transpose(x, jnp.float32(0.5), E4M3, tuning=first),
+            4,
+        ),
+        "plain cast and transpose (no scales)": (plain_cast_and_transpose, 4),
+    }
+
+
+def row(label: str, fn, warps: int) -> str:
+    before = set(glob.glob(os.path.join(DUMP, "*.ptx")))
+    spec = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+    lowered, _ = deviceless.lower(fn, (spec,), {}, deviceless.h100_topology().devices[0])
+    lowered.compile()
+    new = sorted(set(glob.glob(os.path.join(DUMP, "*.ptx"))) - before)
+    ptx = "".join(open(path).read() for path in new)
+    counts = [str(len(re.findall(pattern, ptx))) for pattern in COUNTED.values()]
+    return "| " + " | ".join([label, str(warps), *counts, str(ptx.count("\n"))]) + " |"
+
+
+def main() -> None:
+    if deviceless.h100_topology() is None:
+        sys.exit("no CUDA plugin: install fp8jax[h100] for the deviceless H100 compile")
+    print(f"jax {jax.__version__}; deviceless H100; {M} x {K} BF16 in, 128 x 128 tiles")
+    print("per thread (each PTX is one program of the kernel):")
+    print()
+    print("| kernel | warps | " + " | ".join(COUNTED) + " | PTX lines |")
+    print("|---|---|" + "---|" * len(COUNTED) + "---|")
+    for label, (fn, warps) in kernels().items():
+        print(row(label, fn, warps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
