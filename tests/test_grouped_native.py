@@ -484,11 +484,11 @@ FP8_MMA = re.compile(r"wgmma\.mma_async\..*\.(e4m3|e5m2)\.(e4m3|e5m2)$")
 )
 def test_h100_runs_every_expert_gemm_in_the_fp8_kernels(h100_runs, recipe, kernels):
     """E4M3 gradients (or blockwise scaling): forward, dgrad and wgrad of both expert layers
-    are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma`; ptxas spills nothing; no
-    ragged dot is left for XLA to expand; ptxas serializes no `wgmma` (C7514). So also on
-    the persistent kernels (traced inside
-    `persistent_kernel()`: rows and tokens), whose FLOPs `hlo_cost` counts as the grouped
-    GEMMs they are (each expert's tokens, not a dense GEMM over all experts)."""
+    are Mosaic GPU kernels whose PTX multiplies FP8 with `wgmma`; ptxas spills nothing and
+    serializes no `wgmma` (its warning C7514); no ragged dot is left for XLA to expand. So
+    also on the persistent kernels (traced inside `persistent_kernel()`: rows and tokens),
+    whose FLOPs `hlo_cost` counts as the grouped GEMMs they are (each expert's tokens, not a
+    dense GEMM over all experts)."""
     seen = h100_runs(recipe, kernels)
     if kernels == "persistent":
         assert IDEAL_FLOPS <= seen["expert_flops"] <= 1.6 * IDEAL_FLOPS, (
