@@ -11,12 +11,17 @@ PTX's length. Beside them, the smallest kernel with a transposed FP8 copy (a cas
 transpose, no scales), where Triton transposes the BF16 input with `ldmatrix` before the
 cast: the fp8jax kernels' transposed copy (scaled per column) is gathered from shared memory
 one byte at a time instead. GPU run 6 measured these kernels at 0.6-2.2 TB/s (an H200: 4.8).
+Then each kernel that writes a transposed copy with `ColumnTuning(transpose_first=True)`:
+whether that compiles to other instructions at all (for the block kernels it does not:
+Triton moves the transpose back behind the per-column scaling).
 
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import glob
 import os
 import re
@@ -33,10 +38,11 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from gpu_check.quantize import row_map  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
-from fp8jax._src.kernels import block_quantize  # noqa: E402
+from fp8jax._src.kernels import block_quantize, padded_quantize  # noqa: E402
 from fp8jax._src.kernels.cast_transpose import cast_transpose  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 
@@ -108,15 +114,64 @@ def kernels() -> dict[str, tuple[object, int]]:
     }
 
 
-def row(label: str, fn, warps: int) -> str:
+def ptx_of(fn, specs: tuple) -> str:
+    """The PTX XLA compiles for `fn` over `specs` for an H100, comments left out."""
     before = set(glob.glob(os.path.join(DUMP, "*.ptx")))
-    spec = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-    lowered, _ = deviceless.lower(fn, (spec,), {}, deviceless.h100_topology().devices[0])
+    lowered, _ = deviceless.lower(fn, specs, {}, deviceless.h100_topology().devices[0])
     lowered.compile()
     new = sorted(set(glob.glob(os.path.join(DUMP, "*.ptx"))) - before)
-    ptx = "".join(open(path).read() for path in new)
+    return re.sub(r"//.*", "", "".join(open(path).read() for path in new))
+
+
+def row(label: str, fn, warps: int) -> str:
+    ptx = ptx_of(fn, (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),))
     counts = [str(len(re.findall(pattern, ptx))) for pattern in COUNTED.values()]
     return "| " + " | ".join([label, str(warps), *counts, str(ptx.count("\n"))]) + " |"
+
+
+def transposing(tuning: block_quantize.ColumnTuning) -> dict[str, tuple]:
+    """Each kernel that writes a transposed copy, in `tuning`: label -> (function, specs)."""
+    bf16, rows = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jnp.asarray(row_map(M))
+    saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
+    t = dict(tuning=tuning, **RULE)
+    return {
+        "quantize_rows_and_columns": (
+            functools.partial(block_quantize.quantize_rows_and_columns, fmt=E4M3, **t),
+            (bf16,),
+        ),
+        "requantize_columns": (functools.partial(block_quantize.requantize_columns, **t), saved),
+        "quantize_blocks (weights)": (
+            functools.partial(block_quantize.quantize_blocks, fmt=E4M3, **t),
+            (bf16,),
+        ),
+        "quantize_padded_columns": (
+            functools.partial(padded_quantize.quantize_padded_columns, rows=rows, fmt=E4M3, **t),
+            (bf16,),
+        ),
+        "requantize_padded_columns": (
+            functools.partial(padded_quantize.requantize_padded_columns, rows=rows, **t),
+            saved,
+        ),
+        "cast_transpose (per-tensor)": (
+            lambda x: cast_transpose(x, jnp.float32(0.5), E4M3, tuning=tuning),
+            (bf16,),
+        ),
+    }
+
+
+def transpose_first_rows() -> list[str]:
+    """Per transposing kernel (4 warps): its byte loads and `ldmatrix` transposes cast, then
+    transposed, and transposed before the cast (`ColumnTuning.transpose_first`), and whether
+    the two compile to the same instructions (the same count of each opcode)."""
+    after = transposing(block_quantize.ColumnTuning(num_warps=4))
+    first = transposing(block_quantize.ColumnTuning(num_warps=4, transpose_first=True))
+    out = []
+    for label in after:
+        ptx = [ptx_of(*pair[label]) for pair in (after, first)]
+        ops = [collections.Counter(re.findall(r"^\s+([a-z][\w.]*)", t, re.M)) for t in ptx]
+        cells = [f"{t.count('ld.shared.b8')} / {t.count('ldmatrix')}" for t in ptx]
+        out.append(f"| {label} | {cells[0]} | {cells[1]} | {'yes' if ops[0] == ops[1] else 'no'} |")
+    return out
 
 
 def main() -> None:
@@ -129,6 +184,15 @@ def main() -> None:
     print("|---|---|" + "---|" * len(COUNTED) + "---|")
     for label, (fn, warps) in kernels().items():
         print(row(label, fn, warps), flush=True)
+    print()
+    print("Transposed before the cast (`ColumnTuning(transpose_first=True)`), 4 warps:")
+    print()
+    print(
+        "| kernel | ld.shared.b8 / ldmatrix, cast then transposed | the same, transposed first "
+        "| same instructions |"
+    )
+    print("|---|---|---|---|")
+    print("\n".join(transpose_first_rows()))
 
 
 if __name__ == "__main__":

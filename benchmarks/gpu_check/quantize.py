@@ -16,9 +16,10 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    fusion and reductions (`per_tensor_xla`) against one pass of `cast_transpose` (issue 38:
    XLA's transposing FP8 fusions moved 1.3-2.5 TB/s in run 6's Llama profile).
 3. Sweep (full run): each kernel that writes a transposed copy, alone, in each of its
-   `TUNINGS` (`block_quantize.ColumnTuning`: warps per program, transposing before or after
-   the cast). Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and
-   so its default since); the others are swept from then on.
+   `TUNINGS` (`block_quantize.ColumnTuning`: warps per program; for the per-tensor cast also
+   transposing before the cast, the only kernel where that compiles to other instructions).
+   Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and so its
+   default since); the others are swept from then on.
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -55,29 +56,24 @@ SHAPES = {
     "weight 14336x4096": (14336, 4096),
 }
 DRY_SHAPES = {"dry 256x384": (256, 384)}
-_OTHER = (
-    block_quantize.OTHER_TUNING,
-    block_quantize.ColumnTuning(num_warps=4),
-    block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
-)
-_FOUR_WARPS = (
-    block_quantize.DEFAULT_TUNING,
-    block_quantize.ColumnTuning(num_warps=8),
-    block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
-)
+_OTHER = (block_quantize.OTHER_TUNING, block_quantize.ColumnTuning(num_warps=4))
+_FOUR_WARPS = (block_quantize.DEFAULT_TUNING, block_quantize.ColumnTuning(num_warps=8))
 #: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
-#: default first. The rows-and-columns kernel transposed before the cast compiles to the same
-#: PTX as after it (Triton moves the transpose back behind the per-column scaling;
-#: `benchmarks/quantize_ptx.py`, session 36), so it is not timed twice; the per-tensor cast
-#: transposed first takes Triton's `ldmatrix` transpose of the BF16 tile instead of gathering
-#: its FP8 bytes one at a time, a different kernel that the sweep times.
+#: default first. Transposed before the cast (`transpose_first`), every block-scaled kernel
+#: compiles to the same instructions as after it (Triton moves the transpose back behind the
+#: per-column scaling; `benchmarks/quantize_ptx.py`, session 36), so none is timed twice; the
+#: per-tensor cast transposed first takes Triton's `ldmatrix` transpose of the BF16 tile
+#: instead of gathering its FP8 bytes one at a time, another kernel, which the sweep times.
 TUNINGS = {
-    "rows+columns": _FOUR_WARPS[:2],
+    "rows+columns": _FOUR_WARPS,
     "requantize": _OTHER,
     "weight": _OTHER,
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
-    "per-tensor cast": _FOUR_WARPS,
+    "per-tensor cast": (
+        *_FOUR_WARPS,
+        block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
+    ),
 }
 #: Delayed scaling's per-tensor scale in the per-tensor cases (any scale would do).
 PER_TENSOR_SCALE = 0.37
