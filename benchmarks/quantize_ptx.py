@@ -21,7 +21,6 @@ Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the devicele
 from __future__ import annotations
 
 import collections
-import functools
 import glob
 import os
 import re
@@ -38,11 +37,11 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gpu_check.quantize import row_map  # noqa: E402
+from gpu_check.quantize import REQUANTIZING, TUNINGS, transposing_kernel  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
-from fp8jax._src.kernels import block_quantize, padded_quantize  # noqa: E402
+from fp8jax._src.kernels import block_quantize  # noqa: E402
 from fp8jax._src.kernels.cast_transpose import cast_transpose  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 
@@ -129,45 +128,22 @@ def row(label: str, fn, warps: int) -> str:
     return "| " + " | ".join([label, str(warps), *counts, str(ptx.count("\n"))]) + " |"
 
 
-def transposing(tuning: block_quantize.ColumnTuning) -> dict[str, tuple]:
-    """Each kernel that writes a transposed copy, in `tuning`: label -> (function, specs)."""
-    bf16, rows = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jnp.asarray(row_map(M))
-    saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
-    t = dict(tuning=tuning, **RULE)
-    return {
-        "quantize_rows_and_columns": (
-            functools.partial(block_quantize.quantize_rows_and_columns, fmt=E4M3, **t),
-            (bf16,),
-        ),
-        "requantize_columns": (functools.partial(block_quantize.requantize_columns, **t), saved),
-        "quantize_blocks (weights)": (
-            functools.partial(block_quantize.quantize_blocks, fmt=E4M3, **t),
-            (bf16,),
-        ),
-        "quantize_padded_columns": (
-            functools.partial(padded_quantize.quantize_padded_columns, rows=rows, fmt=E4M3, **t),
-            (bf16,),
-        ),
-        "requantize_padded_columns": (
-            functools.partial(padded_quantize.requantize_padded_columns, rows=rows, **t),
-            saved,
-        ),
-        "cast_transpose (per-tensor)": (
-            lambda x: cast_transpose(x, jnp.float32(0.5), E4M3, tuning=tuning),
-            (bf16,),
-        ),
-    }
-
-
 def transpose_first_rows() -> list[str]:
-    """Per transposing kernel (4 warps): its byte loads and `ldmatrix` transposes cast, then
-    transposed, and transposed before the cast (`ColumnTuning.transpose_first`), and whether
-    the two compile to the same instructions (the same count of each opcode)."""
-    after = transposing(block_quantize.ColumnTuning(num_warps=4))
-    first = transposing(block_quantize.ColumnTuning(num_warps=4, transpose_first=True))
+    """Per transposing kernel of the GPU check's sweep (`gpu_check.quantize.TUNINGS`, 4 warps):
+    its byte loads and `ldmatrix` transposes cast, then transposed, and transposed before the
+    cast (`ColumnTuning.transpose_first`), and whether the two compile to the same instructions
+    (the same count of each opcode)."""
+    bf16 = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),)
+    saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
     out = []
-    for label in after:
-        ptx = [ptx_of(*pair[label]) for pair in (after, first)]
+    for label in TUNINGS:
+        ptx = [
+            ptx_of(
+                transposing_kernel(label, block_quantize.ColumnTuning(num_warps=4, **first), M),
+                saved if label in REQUANTIZING else bf16,
+            )
+            for first in ({}, {"transpose_first": True})
+        ]
         ops = [collections.Counter(re.findall(r"^\s+([a-z][\w.]*)", t, re.M)) for t in ptx]
         cells = [f"{t.count('ld.shared.b8')} / {t.count('ldmatrix')}" for t in ptx]
         out.append(f"| {label} | {cells[0]} | {cells[1]} | {'yes' if ops[0] == ops[1] else 'no'} |")

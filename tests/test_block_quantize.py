@@ -178,10 +178,8 @@ def _kernel_reductions(fn, *args) -> int:
         total = 0
         for eqn in jaxpr.eqns:
             total += inside and eqn.primitive.name == "reduce_max"
-            for param in eqn.params.values():
-                sub = getattr(param, "jaxpr", param)
-                if hasattr(sub, "eqns"):
-                    total += count(sub, inside or eqn.primitive.name == "pallas_call")
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                total += count(sub, inside or eqn.primitive.name == "pallas_call")
         return total
 
     return count(jax.make_jaxpr(fn)(*args).jaxpr, False)

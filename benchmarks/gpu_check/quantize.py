@@ -238,29 +238,41 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
     }
 
 
+#: The sweep's kernels that requantize the rows kernel's FP8 copy (the others take BF16 `x`).
+REQUANTIZING = ("requantize", "gathered requantize")
+
+
+def transposing_kernel(kernel: str, tuning: block_quantize.ColumnTuning, rows: int) -> Any:
+    """Kernel `kernel` of `TUNINGS` in `tuning`, as a function of a BF16 `x (rows, K)` or,
+    for the `REQUANTIZING` ones, of the rows kernel's `(data, scale_inv_t)` of it."""
+    t = dict(tuning=tuning, **RULE)
+    row_ids = jnp.asarray(row_map(rows))
+    calls = {
+        "rows+columns": functools.partial(block_quantize.quantize_rows_and_columns, fmt=E4M3),
+        "requantize": block_quantize.requantize_columns,
+        "weight": functools.partial(block_quantize.quantize_blocks, fmt=E4M3),
+        "gathered columns": functools.partial(
+            padded_quantize.quantize_padded_columns, rows=row_ids, fmt=E4M3
+        ),
+        "gathered requantize": functools.partial(
+            padded_quantize.requantize_padded_columns, rows=row_ids
+        ),
+    }
+    if kernel == "per-tensor cast":
+        return functools.partial(per_tensor_kernel, tuning=tuning)
+    return functools.partial(calls[kernel], **t)
+
+
 def _alone(kernel: str, tuning: block_quantize.ColumnTuning, x: jax.Array, dry: bool) -> tuple:
     """Kernel `kernel` called directly in `tuning` (on a GPU; interpreted in the dry run):
     (function, its arguments from `x`, bytes it moves per element of `x`). The requantizing
     kernels read the rows kernel's copy of `x`, made beforehand."""
-    t = dict(tuning=tuning)
-    rows = jnp.asarray(row_map(x.shape[0]))
-    if kernel in ("requantize", "gathered requantize"):
+    fn = transposing_kernel(kernel, tuning, x.shape[0])
+    if kernel in REQUANTIZING:
         with timing.kernels(dry):
             saved = jax.jit(lambda x: block_quantize.quantize_rows(x, E4M3, **RULE)[:2])(x)
-        if kernel == "requantize":
-            return functools.partial(block_quantize.requantize_columns, **RULE, **t), saved, 2
-        fn = functools.partial(padded_quantize.requantize_padded_columns, rows=rows, **RULE, **t)
         return fn, saved, 2
-    if kernel == "per-tensor cast":
-        return functools.partial(per_tensor_kernel, tuning=tuning), (x,), 4
-    if kernel == "gathered columns":
-        fn = functools.partial(padded_quantize.quantize_padded_columns, rows=rows, **RULE, **t)
-        return functools.partial(fn, fmt=E4M3), (x,), 3
-    calls = {
-        "rows+columns": block_quantize.quantize_rows_and_columns,
-        "weight": block_quantize.quantize_blocks,
-    }
-    return functools.partial(calls[kernel], fmt=E4M3, **RULE, **t), (x,), 4
+    return fn, (x,), 3 if kernel == "gathered columns" else 4
 
 
 def _time(name: str, fn: Any, args: tuple, moved: int, runs: int, dry: bool) -> dict:
