@@ -34,9 +34,11 @@ apart) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, trace
 GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel in
 its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
 (that kernel given the weights' scales once per 128 x 128 block, `weight_block_scales`: one scale
-per warpgroup tile and chunk in the forward and dgrad). Any of them but `bf16` with `-packed`
-appended (`PACKED`): the same step with the model's FP8 states stacked in a few arrays between
-steps (`Packed`: 12 arrays in, not 73), to time what the state arrays cost the host's launch.
+per warpgroup tile and chunk in the forward and dgrad), `blockwise-chained` (that kernel with each
+program's tiles chained into one pipeline, `chained_pipelines`). Any of them but `bf16` with
+`-packed` appended (`PACKED`): the same step with the model's FP8 states stacked in a few arrays
+between steps (`Packed`: 12 arrays in, not 73), to time what the state arrays cost the host's
+launch.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ import fp8jax
 from fp8jax._src.core.compile_options import cublas_traced
 from fp8jax._src.kernels.choice import (
     DEFAULT_CONFIGS,
+    chained_pipelines,
     persistent_kernel,
     tiled_kernel,
     weight_block_scales,
@@ -113,6 +116,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
+    "blockwise-chained": fp8jax.BlockwiseScaling(),
 }
 #: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
 #: (`step(name)`).
@@ -127,6 +131,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
     ),
     "blockwise-tile-scales": lambda: tile_scales(),
+    "blockwise-chained": lambda: chained(),
 }
 
 
@@ -143,6 +148,14 @@ def tile_scales() -> Iterator[None]:
     """The persistent kernels (each GEMM in its default configuration) given the weights'
     block scales once per block (`choice.weight_block_scales`)."""
     with persistent_kernel(), weight_block_scales():
+        yield
+
+
+@contextlib.contextmanager
+def chained() -> Iterator[None]:
+    """The persistent kernels (each GEMM in its default configuration) with each program's
+    tiles chained into one pipeline (`choice.chained_pipelines`)."""
+    with persistent_kernel(), chained_pipelines():
         yield
 
 

@@ -261,6 +261,35 @@ def test_every_moe_variant_of_every_mode_builds(monkeypatch):
         moe.arguments(moe.shape("dry"), "nope")
 
 
+def test_moe_variants_trace_inside_their_kernel_choice(monkeypatch):
+    """The MoE section's contexts: `blockwise-tiled` takes the tiled grouped kernel,
+    `blockwise-tile-scales` the weights' scales per block, `blockwise-chained` the persistent
+    rows kernel with its programs' tiles chained (a grouped rows GEMM traced inside each, as
+    on a GPU, the kernels spied on)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import moe
+
+    from fp8jax._src.kernels import choice
+    from fp8jax._src.kernels.grouped_gemm import row_items
+
+    seen = []
+    monkeypatch.setattr(choice, "on_gpu", lambda: True)
+    monkeypatch.setattr(choice, "grouped_rows_gemm", lambda *a, **k: seen.append("tiled"))
+    monkeypatch.setattr(
+        choice, "persistent_grouped_rows_gemm", lambda *a, config, **k: seen.append(config)
+    )
+    a, w = jnp.zeros((256, 256), jnp.float8_e4m3fn), jnp.zeros((2, 128, 256), jnp.float8_e4m3fn)
+    items = row_items(jnp.array([100, 156], jnp.int32), 256)
+    for name in ("blockwise-tiled", "blockwise-tile-scales", "blockwise-chained"):
+        with moe.CONTEXTS[name]():
+            choice.recipe_grouped_rows_gemm(a, w, items, item_scale=jnp.ones(items.tile.shape))
+            seen.append(choice.weight_block_scales_chosen())
+    default, chained = seen[2], seen[4]
+    assert seen[:2] == ["tiled", False] and seen[3] is True and seen[5] is False
+    assert not default.chained and chained == dataclasses.replace(default, chained=True)
+    assert set(moe.CONTEXTS) <= set(moe.RECIPES)
+
+
 def test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot(monkeypatch):
     """The MoE section's yardstick, `moe_cost.JaxGroupedBF16` (JAX's Pallas grouped kernels
     behind a custom VJP), run in Mosaic GPU's interpreter: the MoE layer's loss and every
@@ -363,8 +392,9 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
 def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
     its default configuration with two chunks a step, `blockwise-tile-scales` the persistent
-    one in its default with the weights' scales per block (a block-scaled GEMM traced inside
-    each variant's context, the kernels spied on)."""
+    one in its default with the weights' scales per block, `blockwise-chained` its default
+    with each program's tiles chained (a block-scaled GEMM traced inside each variant's
+    context, the kernels spied on)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import llama_block
 
@@ -377,12 +407,15 @@ def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     )
     a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
     s = jnp.ones((128, 2), jnp.float32)
-    for name in ("blockwise-tiled", "blockwise-pairs", "blockwise-tile-scales"):
+    names = ("blockwise-tiled", "blockwise-pairs", "blockwise-tile-scales", "blockwise-chained")
+    for name in names:
         with llama_block.CONTEXTS[name]():
             choice.recipe_block_gemm(a, s, [(a, s)])
             seen.append(choice.weight_block_scales_chosen())
-    pairs = dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chunks_per_step=2)
-    assert seen == ["tiled", False, pairs, False, choice.DEFAULT_CONFIGS["dense"], True]
+    dense = choice.DEFAULT_CONFIGS["dense"]
+    pairs = dataclasses.replace(dense, chunks_per_step=2)
+    chained = dataclasses.replace(dense, chained=True)
+    assert seen == ["tiled", False, pairs, False, dense, True, chained, False]
     assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
 
 

@@ -25,12 +25,13 @@ from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import BLOCK_GEMM_NAME, choice, dispatch, reference
 from fp8jax._src.kernels.choice import persistent_kernel, weight_block_scales
 from fp8jax._src.kernels.grouped_gemm import RowItems, row_items
+from fp8jax._src.kernels.persistent_config import PersistentConfig, chained_stages
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PERSISTENT_ROWS_NAME,
     PERSISTENT_TOKENS_NAME,
-    PersistentConfig,
     persistent_block_scaled_gemm,
+    running_first,
 )
 from fp8jax._src.kernels.persistent_grouped import (
     persistent_grouped_rows_gemm,
@@ -81,6 +82,19 @@ def fp8_operand(rng, rows, k, dtype=E4M3):
         # two chunks a step, the first promoted while the second's wgmma runs: three chunks
         # padded to four, the residual form
         (70, 130, 300, 2, E4M3, PersistentConfig(chunks_per_step=2, num_sms=2)),
+        # each program's tiles chained into one pipeline: 9 tiles on 4 programs (3, 2, 2, 2),
+        # 6 chunks a tile in 3 stages (4 would not divide them)
+        (300, 260, 768, 1, E4M3, PersistentConfig(num_sms=4, chained=True)),
+        # chained with two chunks a step and clusters multicasting the rhs tile, the residual
+        # form; 4 tiles on 3 programs: one of them runs a single tile (its pipeline's start)
+        (
+            300,
+            250,
+            512,
+            2,
+            E5M2,
+            PersistentConfig(chunks_per_step=2, cluster="m", chained=True, num_sms=3),
+        ),
     ],
 )
 def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, fmt, config):
@@ -186,11 +200,30 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(num_sms=0), "num_sms=0"),
         (dict(cluster="k"), "cluster='k'"),
         (dict(chunks_per_step=4), "chunks_per_step=4"),
+        (dict(chained=1), "chained=1"),
     ],
 )
 def test_bad_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PersistentConfig(**kwargs)
+
+
+def test_chained_pipelines_take_the_most_stages_that_divide_a_tiles_steps():
+    """JAX chains pipelines whose stages divide their steps: the most up to the configured
+    stages, none (0: unchained) where no count from 2 divides them or `chained` is off."""
+    on, off = PersistentConfig(chained=True), PersistentConfig()
+    assert [chained_stages(on, 4, steps) for steps in (32, 56, 6, 9, 5, 7)] == [4, 4, 3, 3, 0, 0]
+    assert chained_stages(on, 2, 4) == 2 and chained_stages(on, 1, 4) == 0
+    assert chained_stages(off, 4, 32) == 0
+
+
+def test_running_first_puts_the_items_of_an_expert_first_and_counts_them():
+    """The chained rows kernel's item order: those of an expert first, each group in its
+    order, and their count in a fifth row."""
+    items = RowItems.of_tiles(jnp.array([2, -1, 0, -1, 1, 0], jnp.int32), 64).stacked()
+    got = np.asarray(running_first(items))
+    assert got[:4, :4].tolist() == np.asarray(items)[:, [0, 2, 4, 5]].tolist()
+    assert got[1].tolist() == [2, 0, 1, 0, -1, -1] and got[4].tolist() == [4] * 6
 
 
 def test_cta_tile_doubles_along_the_warpgroup_split_and_the_cluster():
@@ -268,14 +301,15 @@ print(json.dumps({
     "config, kind",
     [
         ({}, "dense"),
-        ({"wg_dimension": "n", "chunks_per_step": 2}, "dense"),  # one compile (CI time)
+        # one compile (CI time): also each program's tiles chained into one pipeline
+        ({"wg_dimension": "n", "chunks_per_step": 2, "chained": True}, "dense"),
         ({"cluster": "m"}, "dense-blocks"),
         ({}, "tokens"),
         ({"cluster": "m"}, "tokens-group"),
     ],
     ids=[
         "default",
-        "wg n, two a step",
+        "wg n, two a step, chained",
         "cluster m, rhs blocks",
         "tokens",
         "tokens per-expert cluster m",
@@ -511,7 +545,15 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "scaling", ["blocks", "weight blocks, two a step", "item", "item, promoted"]
+    "scaling",
+    [
+        "blocks",
+        "weight blocks, two a step",
+        "item",
+        "item, promoted",
+        "blocks, chained",
+        "item, chained",
+    ],
 )
 def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     """Each expert's rows times its weight, on the rows as they are (`row_items`): experts'
@@ -519,7 +561,8 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     partial; persistent over 9 x 2 (item, column tile) pairs on 3 programs. Block scales
     promoted per chunk (also two chunks a step, three padded to four, with the weights'
     scales per 128 x 128 block: one per warpgroup tile), or one scale per item applied to
-    the whole accumulation."""
+    the whole accumulation. Also with each program's tiles chained into one pipeline (3
+    chunks, 3 stages)."""
     rng = np.random.default_rng(4)
     sizes = np.array([100, 0, 150, 30], np.int32)
     m = 300
@@ -539,7 +582,9 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     else:
         scales = dict(item_scale=expert_scale[jnp.maximum(items.expert, 0)])
     per_step = 2 if scaling.endswith("a step") else 1
-    config = PersistentConfig(wg_dimension="n", num_sms=3, chunks_per_step=per_step)
+    config = PersistentConfig(
+        wg_dimension="n", num_sms=3, chunks_per_step=per_step, chained="chained" in scaling
+    )
     kw = dict(config=config, promote=scaling == "item, promoted", interpret=True, **per_block)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
         lhs, rhs, items, scales
@@ -560,6 +605,41 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
             np.abs(np.asarray(out[rows], np.float64) - want),
             reference.BLOCK_RTOL * magnitude + 1e-30,
             err_msg=f"expert {e}",
+        )
+
+
+@needs_interpreter
+def test_chained_rows_kernel_runs_whole_tiles_between_unwritten_ones():
+    """Chained, the rows kernel reorders its items, those of an expert first (a tile left
+    unwritten between them runs no pipeline and must not end or start the chain): whole
+    64-row tiles of three experts among unwritten ones, 8 x 2 tiles on 3 programs, each tile
+    as the float64 reference of its expert."""
+    rng = np.random.default_rng(7)
+    lhs, lhs_scale = fp8_operand(rng, 512, 256)
+    pairs = [fp8_operand(rng, 256, 256) for _ in range(3)]
+    rhs, rhs_scale = jnp.stack([p[0] for p in pairs]), jnp.stack([p[1] for p in pairs])
+    tile_expert = np.array([2, -1, 0, -1, 1, 0, -1, 2], np.int32)
+    config = PersistentConfig(wg_dimension="n", num_sms=3, chained=True)
+    out = jax.jit(
+        lambda a, sa, b, sb: persistent_grouped_rows_gemm(
+            a,
+            b,
+            RowItems.of_tiles(jnp.asarray(tile_expert), 64),
+            lhs_scale=sa,
+            rhs_scale=sb,
+            config=config,
+            interpret=True,
+        )
+    )(lhs, lhs_scale, rhs, rhs_scale)
+    for tile in np.flatnonzero(tile_expert >= 0):
+        e, rows = tile_expert[tile], tile * 64 + np.arange(64)
+        terms = [(rhs[e], rhs_scale[e])]
+        want = reference.block_scaled(lhs[rows], lhs_scale[rows], terms)
+        magnitude = reference.block_scaled_magnitude(lhs[rows], lhs_scale[rows], terms)
+        np.testing.assert_array_less(
+            np.abs(np.asarray(out[rows], np.float64) - want),
+            reference.BLOCK_RTOL * magnitude + 1e-30,
+            err_msg=f"tile {tile}",
         )
 
 

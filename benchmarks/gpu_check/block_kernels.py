@@ -55,8 +55,10 @@ DRY_SHAPES = {"dry": (256, 256, 256)}
 #: stages: slower than 4) and the clusters' multicast (slower) and chose the tile order
 #: (`choice.DEFAULT_CONFIGS`: `grid_minor_dim="m", grid_tile_width=8`); since session 32
 #: the sweep times two chunks a step (`chunks_per_step=2`: the first chunk promoted while the
-#: second's `wgmma` runs) beside it. Every one compiles for an H100 at both shapes
-#: (deviceless, JAX 0.11.2) without spills.
+#: second's `wgmma` runs) beside it, and since session 37 the tiles of each program chained
+#: into one pipeline (`chained=True`: the next tile's first chunks load while the last tile
+#: is promoted and stored). Every one compiles for an H100 at both shapes (deviceless, JAX
+#: 0.11.2) without spills.
 SWEEP = (
     PersistentConfig(),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
@@ -67,6 +69,8 @@ SWEEP = (
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=16, chunks_per_step=2),
     PersistentConfig(wg_dimension="n", grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chained=True),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2, chained=True),
 )
 #: Configurations also timed with the weight's scales given per row (before session 33).
 PER_ROW = (PersistentConfig(grid_minor_dim="m", grid_tile_width=8),)

@@ -59,6 +59,8 @@ SWEEP = {
         PersistentConfig(cluster="n"),
         PersistentConfig(chunks_per_step=2),
         PersistentConfig(grid_minor_dim="m", chunks_per_step=2),
+        PersistentConfig(chained=True),
+        PersistentConfig(grid_minor_dim="m", chained=True),
     ),
     "tokens": (
         PersistentConfig(),  # the default before run 4; now wg_dimension="n"

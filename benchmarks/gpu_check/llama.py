@@ -255,6 +255,7 @@ CANDIDATES = (
     ("current", "current-apart"),
     ("blockwise", "blockwise-pairs"),
     ("blockwise", "blockwise-tile-scales"),
+    ("blockwise", "blockwise-chained"),
 )
 
 

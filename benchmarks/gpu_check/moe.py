@@ -13,8 +13,10 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   on the same arrays before it is timed (a wrong yardstick would flatter or wrong FP8);
 - `blockwise` (fp8jax's default: issue 39's persistent grouped kernels since run 4),
   `blockwise-tiled` (the tiled grouped kernels, traced inside `tiled_kernel()`),
-  `delayed-e4m3` (per-tensor, E4M3 gradients) and `blockwise-tile-scales` (the persistent
-  kernels given the experts' weight scales once per block: `weight_block_scales()`).
+  `delayed-e4m3` (per-tensor, E4M3 gradients), `blockwise-tile-scales` (the persistent
+  kernels given the experts' weight scales once per block: `weight_block_scales()`) and
+  `blockwise-chained` (each program's tiles chained into one pipeline:
+  `chained_pipelines()`).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -33,7 +35,7 @@ import moe_cost
 from jaxtyping import Array
 
 import fp8jax
-from fp8jax._src.kernels.choice import tiled_kernel, weight_block_scales
+from fp8jax._src.kernels.choice import chained_pipelines, tiled_kernel, weight_block_scales
 
 from .record import Recorder
 from .timing import compile_and_time
@@ -49,6 +51,7 @@ VARIANTS = {
         "delayed-e4m3",
         "blockwise-tiled",
         "blockwise-tile-scales",
+        "blockwise-chained",
     ],
     "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
     # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
@@ -59,12 +62,17 @@ RECIPES = {
     "blockwise": fp8jax.BlockwiseScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
+    "blockwise-chained": fp8jax.BlockwiseScaling(),
     "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
 }
-#: Variants traced inside `tiled_kernel()`, and inside `weight_block_scales()` (the experts'
-#: weight scales once per 128 x 128 block: one per warpgroup tile of the rows GEMM).
-TILED = ("blockwise-tiled",)
-PER_BLOCK = ("blockwise-tile-scales",)
+#: Variants traced inside a context: the tiled grouped kernels, the experts' weight scales
+#: once per 128 x 128 block (one per warpgroup tile of the rows GEMM), each program's tiles
+#: chained into one pipeline (the rows GEMMs; the tokens GEMM runs unchained).
+CONTEXTS = {
+    "blockwise-tiled": tiled_kernel,
+    "blockwise-tile-scales": weight_block_scales,
+    "blockwise-chained": chained_pipelines,
+}
 #: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
 NEED_S = 20.0
 #: The JAX kernels' step against `lax.ragged_dot`'s: each leaf of the loss and gradients
@@ -99,13 +107,12 @@ def arguments(s: dict[str, int], name: str) -> tuple[Any, Array]:
 
 
 def step(name: str):
-    """`moe_cost.moe_step`, traced inside `tiled_kernel()` for the variants in `TILED`,
-    inside `weight_block_scales()` for those in `PER_BLOCK`."""
-    if name not in TILED + PER_BLOCK:
+    """`moe_cost.moe_step`, traced inside its variant's context of `CONTEXTS`, if any."""
+    if name not in CONTEXTS:
         return moe_cost.moe_step
 
     def traced(*args: Any) -> Any:
-        with tiled_kernel() if name in TILED else weight_block_scales():
+        with CONTEXTS[name]():
             return moe_cost.moe_step(*args)
 
     return traced

@@ -31,7 +31,8 @@ from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
-from .persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+from .persistent_config import PersistentConfig
+from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
@@ -56,6 +57,9 @@ _CHOSEN: contextvars.ContextVar[PersistentConfig | str] = contextvars.ContextVar
 )
 _WEIGHT_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_weight_scales_per_block", default=False
+)
+_CHAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_chained_pipelines", default=False
 )
 
 
@@ -94,6 +98,15 @@ def weight_block_scales() -> contextlib.AbstractContextManager[None]:
     return setting(_WEIGHT_BLOCKS, True)
 
 
+def chained_pipelines() -> contextlib.AbstractContextManager[None]:
+    """Functions traced inside run the persistent kernels with each program's tiles chained
+    into one pipeline (`PersistentConfig.chained`) in whatever configuration they take
+    otherwise (the defaults, or `persistent_kernel`'s): the next tile's first chunks load
+    while the last tile is promoted and stored. Issue 39: the default once a GPU run has
+    timed it (`benchmarks/llama_block.py`'s `blockwise-chained`, the MoE layer's)."""
+    return setting(_CHAINED, True)
+
+
 def weight_block_scales_chosen() -> bool:
     """Whether GEMMs traced now take weights' block scales once per block
     (`weight_block_scales`)."""
@@ -110,11 +123,10 @@ def _config(kind: str) -> PersistentConfig | None:
     """The persistent kernel's configuration for a GEMM of `kind` (a key of
     `DEFAULT_CONFIGS`) traced now; `None`: the tiled kernel."""
     choice = _CHOSEN.get()
-    if isinstance(choice, PersistentConfig):
-        return choice
     if choice == _TILED or (choice == _DEFAULT and not on_gpu()):
         return None
-    return DEFAULT_CONFIGS[kind]
+    config = choice if isinstance(choice, PersistentConfig) else DEFAULT_CONFIGS[kind]
+    return dataclasses.replace(config, chained=True) if _CHAINED.get() else config
 
 
 def recipe_block_gemm(

@@ -13,8 +13,9 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
 (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`) and of DeepGEMM:
 
 - **Persistent**: one program per SM (`PersistentConfig.num_sms`) walks the output tiles in a
-  planar snake (`grid_minor_dim`, `grid_tile_width`), so the pipeline runs on from one tile
-  to the next and no tile waits for a program launch.
+  planar snake (`grid_minor_dim`, `grid_tile_width`), so that no tile waits for a program
+  launch; each tile fills its pipeline anew, or with `chained` a program's tiles run as one
+  pipeline (the next tile's first chunks load while the last tile is promoted and stored).
 - **Warp-specialized**: a memory warpgroup streams the FP8 tiles and scale vectors by TMA
   through `max_concurrent_steps` shared-memory stages; two compute warpgroups each own a
   `tile_m x tile_n` half of the CTA's tile (`wg_dimension`). While one scales and adds a
@@ -43,7 +44,6 @@ the pipeline): there the kernel refuses to be interpreted rather than check a su
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
@@ -70,116 +70,13 @@ from .block_gemm import (
     scaled_add,
 )
 from .dispatch import interpreting
+from .persistent_config import PersistentConfig, chained_stages, grid_programs, pipeline_stages
 
 #: The kernels' names: in their PTX and the HLO's op_name, where `fp8jax.hlo_cost` counts
 #: each as the GEMM it is (block-scaled, grouped rows, grouped tokens).
 PERSISTENT_GEMM_NAME = f"{BLOCK_GEMM_NAME}_persistent"
 PERSISTENT_ROWS_NAME = f"{GROUPED_ROWS_NAME}_persistent"
 PERSISTENT_TOKENS_NAME = f"{GROUPED_TOKENS_NAME}_persistent"
-
-#: Streaming multiprocessors of an H100 SXM: the programs of the persistent grid where the
-#: device cannot be asked (a deviceless compile).
-H100_SMS = 132
-
-#: Shared memory one CTA may use on an H100 (227 KiB), and what the pipeline's barriers and
-#: the tiles' alignment take beside the operand stages and output tiles.
-H100_SMEM_BYTES = 232_448
-SMEM_RESERVE = 1024
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PersistentConfig:
-    """Tuning of the persistent kernel (`persistent_block_scaled_gemm` and the grouped GEMMs of
-    `persistent_grouped`).
-
-    **Arguments:**
-
-    - `tile_m`, `tile_n`: the output tile of one compute warpgroup (default 64 x 128: two
-      float32 accumulators of it fit in a warpgroup's registers without spills).
-    - `wg_dimension`: `"m"` (default) or `"n"`: the axis along which the two compute
-      warpgroups split the CTA's tile (`2 tile_m x tile_n` or `tile_m x 2 tile_n`); the other
-      operand's tile is shared by both.
-    - `max_concurrent_steps`: shared-memory stages of the TMA pipeline (default 4; fewer
-      where the GEMM has fewer chunks, or where they would not fit in shared memory beside
-      the output tiles: 3 for the grouped rows kernel's 64 x 256 CTA tile writing float32).
-    - `grid_minor_dim` (`"n"` or `"m"`), `grid_tile_width`: the order in which the
-      persistent programs walk the output tiles (`plgpu.planar_snake`): consecutive tiles
-      along the minor axis, in bands `grid_tile_width` tiles wide, so that tiles running
-      together share operand tiles in L2.
-    - `cluster`: `None` (default), `"m"` or `"n"`: pairs of CTAs (a cluster of two) side by
-      side along that axis, the operand tile they share loaded once by TMA and multicast to
-      both (`"m"`: the rhs tile, `"n"`: the lhs tile).
-    - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
-      deviceless H100 compile).
-    - `chunks_per_step`: 128-chunks per pipeline step, 1 (default) or 2 (block scales; dense
-      and grouped rows GEMMs): both chunks' `wgmma` issued, the first promoted while the
-      second runs (`block_gemm.promoted_pair`), so that the tensor cores have work while the
-      scales are applied. The same sums in the same order.
-    """
-
-    tile_m: int = 64
-    tile_n: int = 128
-    wg_dimension: str = "m"
-    max_concurrent_steps: int = 4
-    grid_minor_dim: str = "n"
-    grid_tile_width: int = 1
-    cluster: str | None = None
-    num_sms: int | None = None
-    chunks_per_step: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tile_m", "tile_n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value not in (64, 128, 192, 256):
-                raise ValueError(
-                    f"PersistentConfig: {name}={value!r}; should be 64, 128, 192 or 256 "
-                    "(wgmma's M is 64 per instruction, and N a multiple of 64 here)."
-                )
-        for name in ("wg_dimension", "grid_minor_dim"):
-            if getattr(self, name) not in ("m", "n"):
-                raise ValueError(
-                    f"PersistentConfig: {name}={getattr(self, name)!r}; should be 'm' or 'n'."
-                )
-        if self.chunks_per_step not in (1, 2) or isinstance(self.chunks_per_step, bool):
-            raise ValueError(
-                f"PersistentConfig: chunks_per_step={self.chunks_per_step!r}; should be 1 or 2."
-            )
-        if self.cluster not in (None, "m", "n"):
-            raise ValueError(
-                f"PersistentConfig: cluster={self.cluster!r}; should be None, 'm' or 'n'."
-            )
-        for name in ("max_concurrent_steps", "grid_tile_width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PersistentConfig: {name}={value!r}; should be a positive int.")
-        if self.num_sms is not None and (
-            not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool) or self.num_sms < 1
-        ):
-            raise ValueError(
-                f"PersistentConfig: num_sms={self.num_sms!r}; should be a positive int or None."
-            )
-
-    @property
-    def cta_tile(self) -> tuple[int, int]:
-        """The output tile of one CTA (both compute warpgroups)."""
-        if self.wg_dimension == "m":
-            return 2 * self.tile_m, self.tile_n
-        return self.tile_m, 2 * self.tile_n
-
-    @property
-    def cluster_tile(self) -> tuple[int, int]:
-        """The output tile of one cluster (the unit the operands are padded to)."""
-        m, n = self.cta_tile
-        return m * (2 if self.cluster == "m" else 1), n * (2 if self.cluster == "n" else 1)
-
-
-def sm_count() -> int:
-    """The SMs of the default GPU, or `H100_SMS` where there is none (a deviceless compile,
-    the interpreter)."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return H100_SMS
-    return int(getattr(device, "core_count", 0) or H100_SMS)
 
 
 def persistent_block_scaled_gemm(
@@ -229,30 +126,6 @@ def persistent_block_scaled_gemm(
     return out[:m, :n]
 
 
-def grid_programs(config: PersistentConfig, clusters: int) -> int:
-    """Clusters of the persistent grid: one per SM (per pair of SMs with `cluster`), no more
-    than there are output tiles (cluster tiles) to share."""
-    per_cluster = 1 if config.cluster is None else 2
-    return max(1, min((config.num_sms or sm_count()) // per_cluster, clusters))
-
-
-def _stages(config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bool, out_dtype):
-    """The pipeline's stages: `config.max_concurrent_steps`, no more than there are chunks,
-    nor than fit in an H100's shared memory beside the output tiles (4 stages of the grouped
-    rows kernel's 64 x 256 CTA tile and a float32 output overflow it by 2 KB)."""
-    rows = config.cta_tile[0] + n_terms * config.cta_tile[1]
-    per_stage = rows * BLOCK_K + (0 if tile_scaled else 4 * rows)  # FP8 tiles, f32 scales
-    per_stage *= config.chunks_per_step
-    out = 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
-    fit = (H100_SMEM_BYTES - SMEM_RESERVE - out) // per_stage
-    if fit < 1:
-        raise ValueError(
-            f"persistent kernel: {config} with a {jnp.dtype(out_dtype).name} output does not "
-            f"fit in shared memory ({H100_SMEM_BYTES} bytes); use smaller tiles."
-        )
-    return min(config.max_concurrent_steps, chunks // config.chunks_per_step, fit)
-
-
 def interpretable(who: str, interpret: bool) -> bool:
     """`interpret`, or `NotImplementedError` naming `who` where this JAX's interpreter cannot
     run the persistent kernels (see the module docstring)."""
@@ -263,6 +136,23 @@ def interpretable(who: str, interpret: bool) -> bool:
             "Hopper GPU, or interpret it under a newer JAX."
         )
     return interpret
+
+
+def running_first(items: Int[Array, "4 W"]) -> Int[Array, "5 W"]:
+    """The rows kernel's items with those of an expert first (in their order) and a fifth row
+    holding how many they are: a chained pipeline runs over their tiles alone."""
+    items = items[:, jnp.argsort(items[1] < 0, stable=True)]
+    running = jnp.sum(items[1] >= 0, dtype=jnp.int32)
+    return jnp.concatenate([items, jnp.full((1, items.shape[1]), running, jnp.int32)])
+
+
+def chain_state(local: Array, running: Array) -> Array:
+    """The `pipeline_state` of a program's `local`-th tile of the `running` that chain their
+    pipelines: `START` (prologue) for the first, `STOP` (waits out the last stages) for the
+    last, `STEADY` between."""
+    stage = plgpu.PipelinePipeline
+    steady = jnp.where(local == running - 1, int(stage.STOP), int(stage.STEADY))
+    return jnp.where(local == 0, int(stage.START), steady)
 
 
 def run_persistent(
@@ -286,7 +176,8 @@ def run_persistent(
       expert's operand and `items (4, W)` the rows kernels' work (`grouped_gemm.RowItems`,
       stacked): item `w`'s CTA row tile is `lhs` tile `items[0, w]`, multiplied by expert
       `items[1, w]`'s operand (-1: zeros), and it writes rows `items[2, w]` to `items[3, w]`
-      of it (through an untransformed shared-memory tile, `block_gemm.copy_rows`);
+      of it (through an untransformed shared-memory tile, `block_gemm.copy_rows`); chained,
+      the items of an expert first (`running_first`): only they chain their pipelines;
     - `"tokens"`: `chunk_start, chunk_count, a, sa, b, sb` with `a (A, T)`, `b (B, T)`: output
       `(G, A, B)`, expert `e`'s tiles contracted over its `chunk_count[e]` chunks from
       `chunk_start[e]` (a run-time trip count; an expert without chunks gets zeros).
@@ -310,7 +201,11 @@ def run_persistent(
     ragged = layout == "rows"
     a_index = lead + (1 if tile_scaled else 0)
     chunks = -(-operands[a_index].shape[1] // BLOCK_K)
-    steps = _stages(config, chunks, n_terms, tile_scaled, out_dtype)
+    steps = pipeline_stages(config, chunks, n_terms, tile_scaled, out_dtype)
+    chained = 0 if layout == "tokens" else chained_stages(config, steps, chunks // per_step)
+    steps = chained or steps
+    if chained and layout == "rows":
+        operands = [running_first(operands[0]), *operands[1:]]
     cluster_m, cluster_n = config.cluster_tile
     mp, np_ = out_shape[-2:]
     # Rows: one step per item (its tile read from the table); else per cluster row tile.
@@ -323,7 +218,14 @@ def run_persistent(
     fp8_tiling = operand_tiling(operands[a_index].dtype, BLOCK_K)
     minor = 1 if config.grid_minor_dim == "n" else 0
 
-    def pipeline(step, context, grid=(chunks // per_step,), first=0):
+    def walk(index, shape):  # the tile of the loop's `index`, in `shape` tiles
+        if isinstance(shape[0], int) and shape[0] == 1 or shape[1] == 1:  # in order
+            # (planar_snake's integer maths divides by zero there, which crashes XLA's CPU
+            # compile of the interpreted kernel in JAX 0.10)
+            return (index, 0) if shape[1] == 1 else (0, index)
+        return plgpu.planar_snake(index, shape, minor, config.grid_tile_width)
+
+    def pipeline(step, context, grid=(chunks // per_step,), first=0, state=None):
         # Chunks `first, first + 1, ...` of the contraction, `grid` of them (a run-time count
         # for the tokens layout: then the pipeline's trip count is dynamic).
         def tile_spec(rows, share):
@@ -353,6 +255,7 @@ def run_persistent(
             num_compute_wgs=2,
             max_concurrent_steps=steps,
             compute_context=context,
+            pipeline_state=state,
         )
 
     def body(*refs):
@@ -383,14 +286,17 @@ def run_persistent(
             def tile(info):
                 (index,) = info.index
                 group, index = index // (m_iters * n_iters), index % (m_iters * n_iters)
-                if m_iters == 1 or n_iters == 1:  # one row or column of tiles: in order
-                    # (planar_snake's integer maths divides by zero there, which crashes
-                    # XLA's CPU compile of the interpreted kernel in JAX 0.10)
-                    mi, ni = (index, 0) if n_iters == 1 else (0, index)
+                running = info.num_local_steps  # this program's tiles that run a pipeline
+                if chained and ragged:  # those of the items that do first, then the rest
+                    items, program = counts[0][4, 0], lax.axis_index("sm")
+                    first, rest = items * n_iters, jnp.maximum(index - items * n_iters, 0)
+                    shape = (jnp.maximum(items, 1), n_iters)
+                    mi, ni = walk(jnp.minimum(index, shape[0] * n_iters - 1), shape)
+                    mi = jnp.where(index < first, mi, items + rest // n_iters)
+                    ni = jnp.where(index < first, ni, rest % n_iters)
+                    running = (first - program + lax.axis_size("sm") - 1) // lax.axis_size("sm")
                 else:
-                    mi, ni = plgpu.planar_snake(
-                        index, (m_iters, n_iters), minor, config.grid_tile_width
-                    )
+                    mi, ni = walk(index, (m_iters, n_iters))
                 cta = lax.axis_index("cluster")
                 if config.cluster == "m":
                     mi = mi * 2 + cta
@@ -464,6 +370,8 @@ def run_persistent(
                     return acc_ref
 
                 def run_tile(b_refs, **chunked):
+                    if chained:
+                        chunked["state"] = chain_state(info.local_index, running)
                     args = [a_gmem.at[cta_rows]]
                     if tile_scaled:
                         args += [b_refs[0].at[cta_cols]]

@@ -15,7 +15,8 @@ from jaxtyping import Array, Float, Int
 from .block_gemm import BLOCK_K, check_operands, experts_per_row, pad_to, round_up
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, check_items, check_shape, scaling_is_blocks
-from .persistent_gemm import PersistentConfig, grid_programs, interpretable, run_persistent
+from .persistent_config import PersistentConfig, grid_programs
+from .persistent_gemm import interpretable, run_persistent
 
 
 def persistent_grouped_rows_gemm(

@@ -1,0 +1,162 @@
+"""The persistent kernels' tuning (`PersistentConfig`) and what follows from it on an H100:
+the programs of the persistent grid and the stages of the TMA pipeline, beside the kernels
+of `persistent_gemm` and `persistent_grouped` that take it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .block_gemm import BLOCK_K
+
+#: Streaming multiprocessors of an H100 SXM: the programs of the persistent grid where the
+#: device cannot be asked (a deviceless compile).
+H100_SMS = 132
+
+#: Shared memory one CTA may use on an H100 (227 KiB), and what the pipeline's barriers and
+#: the tiles' alignment take beside the operand stages and output tiles.
+H100_SMEM_BYTES = 232_448
+SMEM_RESERVE = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PersistentConfig:
+    """Tuning of the persistent kernel (`persistent_block_scaled_gemm` and the grouped GEMMs of
+    `persistent_grouped`).
+
+    **Arguments:**
+
+    - `tile_m`, `tile_n`: the output tile of one compute warpgroup (default 64 x 128: two
+      float32 accumulators of it fit in a warpgroup's registers without spills).
+    - `wg_dimension`: `"m"` (default) or `"n"`: the axis along which the two compute
+      warpgroups split the CTA's tile (`2 tile_m x tile_n` or `tile_m x 2 tile_n`); the other
+      operand's tile is shared by both.
+    - `max_concurrent_steps`: shared-memory stages of the TMA pipeline (default 4; fewer
+      where the GEMM has fewer chunks, or where they would not fit in shared memory beside
+      the output tiles: 3 for the grouped rows kernel's 64 x 256 CTA tile writing float32).
+    - `grid_minor_dim` (`"n"` or `"m"`), `grid_tile_width`: the order in which the
+      persistent programs walk the output tiles (`plgpu.planar_snake`): consecutive tiles
+      along the minor axis, in bands `grid_tile_width` tiles wide, so that tiles running
+      together share operand tiles in L2.
+    - `cluster`: `None` (default), `"m"` or `"n"`: pairs of CTAs (a cluster of two) side by
+      side along that axis, the operand tile they share loaded once by TMA and multicast to
+      both (`"m"`: the rhs tile, `"n"`: the lhs tile).
+    - `num_sms`: programs of the persistent grid; `None`: the GPU's SM count (132 for a
+      deviceless H100 compile).
+    - `chunks_per_step`: 128-chunks per pipeline step, 1 (default) or 2 (block scales; dense
+      and grouped rows GEMMs): both chunks' `wgmma` issued, the first promoted while the
+      second runs (`block_gemm.promoted_pair`), so that the tensor cores have work while the
+      scales are applied. The same sums in the same order.
+    - `chained`: a program's tiles run as one pipeline (`emit_pipeline_warp_specialized`'s
+      `pipeline_state`): the memory warpgroup loads the next tile's first chunks while the
+      compute warpgroups promote and store the last, where unchained each tile fills its
+      pipeline anew and the tensor cores wait for its first loads. JAX chains pipelines of a
+      static trip count whose stages divide it: the dense and grouped rows GEMMs, with the
+      most stages up to `max_concurrent_steps` that divide a tile's steps (unchained where
+      none from 2 does); the tokens GEMM (each expert's trip count known at run time) runs
+      unchained. The same sums in the same order.
+    """
+
+    tile_m: int = 64
+    tile_n: int = 128
+    wg_dimension: str = "m"
+    max_concurrent_steps: int = 4
+    grid_minor_dim: str = "n"
+    grid_tile_width: int = 1
+    cluster: str | None = None
+    num_sms: int | None = None
+    chunks_per_step: int = 1
+    chained: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tile_m", "tile_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value not in (64, 128, 192, 256):
+                raise ValueError(
+                    f"PersistentConfig: {name}={value!r}; should be 64, 128, 192 or 256 "
+                    "(wgmma's M is 64 per instruction, and N a multiple of 64 here)."
+                )
+        for name in ("wg_dimension", "grid_minor_dim"):
+            if getattr(self, name) not in ("m", "n"):
+                raise ValueError(
+                    f"PersistentConfig: {name}={getattr(self, name)!r}; should be 'm' or 'n'."
+                )
+        if self.chunks_per_step not in (1, 2) or isinstance(self.chunks_per_step, bool):
+            raise ValueError(
+                f"PersistentConfig: chunks_per_step={self.chunks_per_step!r}; should be 1 or 2."
+            )
+        if not isinstance(self.chained, bool):
+            raise ValueError(f"PersistentConfig: chained={self.chained!r}; should be a bool.")
+        if self.cluster not in (None, "m", "n"):
+            raise ValueError(
+                f"PersistentConfig: cluster={self.cluster!r}; should be None, 'm' or 'n'."
+            )
+        for name in ("max_concurrent_steps", "grid_tile_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PersistentConfig: {name}={value!r}; should be a positive int.")
+        if self.num_sms is not None and (
+            not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool) or self.num_sms < 1
+        ):
+            raise ValueError(
+                f"PersistentConfig: num_sms={self.num_sms!r}; should be a positive int or None."
+            )
+
+    @property
+    def cta_tile(self) -> tuple[int, int]:
+        """The output tile of one CTA (both compute warpgroups)."""
+        if self.wg_dimension == "m":
+            return 2 * self.tile_m, self.tile_n
+        return self.tile_m, 2 * self.tile_n
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """The output tile of one cluster (the unit the operands are padded to)."""
+        m, n = self.cta_tile
+        return m * (2 if self.cluster == "m" else 1), n * (2 if self.cluster == "n" else 1)
+
+
+def sm_count() -> int:
+    """The SMs of the default GPU, or `H100_SMS` where there is none (a deviceless compile,
+    the interpreter)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return H100_SMS
+    return int(getattr(device, "core_count", 0) or H100_SMS)
+
+
+def grid_programs(config: PersistentConfig, clusters: int) -> int:
+    """Clusters of the persistent grid: one per SM (per pair of SMs with `cluster`), no more
+    than there are output tiles (cluster tiles) to share."""
+    per_cluster = 1 if config.cluster is None else 2
+    return max(1, min((config.num_sms or sm_count()) // per_cluster, clusters))
+
+
+def pipeline_stages(
+    config: PersistentConfig, chunks: int, n_terms: int, tile_scaled: bool, out_dtype
+) -> int:
+    """The pipeline's stages: `config.max_concurrent_steps`, no more than there are chunks,
+    nor than fit in an H100's shared memory beside the output tiles (4 stages of the grouped
+    rows kernel's 64 x 256 CTA tile and a float32 output overflow it by 2 KB)."""
+    rows = config.cta_tile[0] + n_terms * config.cta_tile[1]
+    per_stage = rows * BLOCK_K + (0 if tile_scaled else 4 * rows)  # FP8 tiles, f32 scales
+    per_stage *= config.chunks_per_step
+    out = 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
+    fit = (H100_SMEM_BYTES - SMEM_RESERVE - out) // per_stage
+    if fit < 1:
+        raise ValueError(
+            f"persistent kernel: {config} with a {jnp.dtype(out_dtype).name} output does not "
+            f"fit in shared memory ({H100_SMEM_BYTES} bytes); use smaller tiles."
+        )
+    return min(config.max_concurrent_steps, chunks // config.chunks_per_step, fit)
+
+
+def chained_stages(config: PersistentConfig, stages: int, steps: int) -> int:
+    """The stages of a pipeline chained over tiles of `steps` steps each (`config.chained`):
+    the most, up to `stages`, that divide `steps` (JAX chains no other), or 0 for an
+    unchained pipeline (`config.chained` off, or no count from 2 to `stages` divides)."""
+    if not config.chained:
+        return 0
+    return next((s for s in range(stages, 1, -1) if steps % s == 0), 0)
