@@ -32,6 +32,7 @@ from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_TOKENS_NAME,
     persistent_block_scaled_gemm,
     running_first,
+    token_steps,
 )
 from fp8jax._src.kernels.persistent_grouped import (
     persistent_grouped_rows_gemm,
@@ -226,6 +227,18 @@ def test_running_first_puts_the_items_of_an_expert_first_and_counts_them():
     assert got[1].tolist() == [2, 0, 1, 0, -1, -1] and got[4].tolist() == [4] * 6
 
 
+def test_token_steps_run_every_experts_chunks_in_expert_order():
+    """The streamed tokens kernel's steps: each expert's chunks from its start, experts in
+    order (an empty one has none), flags at each expert's first (1) and last (2) step, the
+    counts' sum appended; the steps past it unused."""
+    start, count = jnp.array([0, 3, 5, 3], jnp.int32), jnp.array([3, 0, 1, 2], jnp.int32)
+    table, counts = (np.asarray(a) for a in token_steps(start, count, 6))
+    assert table.shape == (3, 24) and counts.tolist() == [3, 0, 1, 2, 6]
+    assert table[0, :6].tolist() == [0, 1, 2, 5, 3, 4]
+    assert table[1, :6].tolist() == [0, 0, 0, 2, 3, 3]
+    assert table[2, :6].tolist() == [1, 0, 2, 3, 1, 2]
+
+
 def test_cta_tile_doubles_along_the_warpgroup_split_and_the_cluster():
     assert PersistentConfig().cta_tile == (128, 128)
     assert PersistentConfig(wg_dimension="n", tile_n=64).cta_tile == (64, 128)
@@ -305,14 +318,14 @@ print(json.dumps({
         ({"wg_dimension": "n", "chunks_per_step": 2, "chained": True}, "dense"),
         ({"cluster": "m"}, "dense-blocks"),
         ({}, "tokens"),
-        ({"cluster": "m"}, "tokens-group"),
+        ({"cluster": "m", "chained": True}, "tokens-group"),
     ],
     ids=[
         "default",
         "wg n, two a step, chained",
         "cluster m, rhs blocks",
         "tokens",
-        "tokens per-expert cluster m",
+        "tokens per-expert cluster m, streamed",
     ],
 )
 def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
@@ -686,6 +699,16 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
             "blocks",
             E4M3,
             PersistentConfig(wg_dimension="n", grid_minor_dim="m", cluster="m", num_sms=4),
+        ),
+        # streamed: every expert's chunks at a tile position in one pipeline, each expert's
+        # sum fresh at its first chunk and stored at its last; 2 x 2 positions on 3 programs
+        ("blocks", E4M3, PersistentConfig(num_sms=3, max_concurrent_steps=2, chained=True)),
+        ("group", E5M2, PersistentConfig(num_sms=3, chained=True)),
+        ("group, promoted", E4M3, PersistentConfig(num_sms=3, chained=True)),
+        (
+            "blocks",
+            E5M2,
+            PersistentConfig(wg_dimension="n", cluster="m", chained=True, num_sms=2),
         ),
     ],
 )

@@ -67,6 +67,7 @@ SWEEP = {
         PersistentConfig(wg_dimension="n", max_concurrent_steps=3),
         PersistentConfig(grid_minor_dim="m"),
         PersistentConfig(cluster="m"),
+        PersistentConfig(wg_dimension="n", chained=True),
     ),
 }
 

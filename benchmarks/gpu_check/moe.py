@@ -67,7 +67,7 @@ RECIPES = {
 }
 #: Variants traced inside a context: the tiled grouped kernels, the experts' weight scales
 #: once per 128 x 128 block (one per warpgroup tile of the rows GEMM), each program's tiles
-#: chained into one pipeline (the rows GEMMs; the tokens GEMM runs unchained).
+#: chained into one pipeline (the tokens GEMM: every expert's chunks at a tile position).
 CONTEXTS = {
     "blockwise-tiled": tiled_kernel,
     "blockwise-tile-scales": weight_block_scales,

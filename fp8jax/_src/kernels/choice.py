@@ -102,7 +102,8 @@ def chained_pipelines() -> contextlib.AbstractContextManager[None]:
     """Functions traced inside run the persistent kernels with each program's tiles chained
     into one pipeline (`PersistentConfig.chained`) in whatever configuration they take
     otherwise (the defaults, or `persistent_kernel`'s): the next tile's first chunks load
-    while the last tile is promoted and stored. Issue 39: the default once a GPU run has
+    while the last tile is promoted and stored (the grouped tokens GEMM: every expert's
+    chunks at a tile position in one pipeline). Issue 39: the default once a GPU run has
     timed it (`benchmarks/llama_block.py`'s `blockwise-chained`, the MoE layer's)."""
     return setting(_CHAINED, True)
 

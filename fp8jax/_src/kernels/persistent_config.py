@@ -55,8 +55,11 @@ class PersistentConfig:
       pipeline anew and the tensor cores wait for its first loads. JAX chains pipelines of a
       static trip count whose stages divide it: the dense and grouped rows GEMMs, with the
       most stages up to `max_concurrent_steps` that divide a tile's steps (unchained where
-      none from 2 does); the tokens GEMM (each expert's trip count known at run time) runs
-      unchained. The same sums in the same order.
+      none from 2 does), the same sums in the same order. The tokens GEMM (each expert's
+      trip count known at run time) streams instead: at each tile position one pipeline runs
+      over every expert's chunks, each expert's sum started afresh at its first chunk and
+      stored at its last (with one scale per expert, each chunk's product added to a float32
+      sum, as with `promote`).
     """
 
     tile_m: int = 64

@@ -15,7 +15,8 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
 - **Persistent**: one program per SM (`PersistentConfig.num_sms`) walks the output tiles in a
   planar snake (`grid_minor_dim`, `grid_tile_width`), so that no tile waits for a program
   launch; each tile fills its pipeline anew, or with `chained` a program's tiles run as one
-  pipeline (the next tile's first chunks load while the last tile is promoted and stored).
+  pipeline (the next tile's first chunks load while the last tile is promoted and stored;
+  the grouped tokens GEMM's experts' tiles at one position, streamed).
 - **Warp-specialized**: a memory warpgroup streams the FP8 tiles and scale vectors by TMA
   through `max_concurrent_steps` shared-memory stages; two compute warpgroups each own a
   `tile_m x tile_n` half of the CTA's tile (`wg_dimension`). While one scales and adds a
@@ -146,6 +147,24 @@ def running_first(items: Int[Array, "4 W"]) -> Int[Array, "5 W"]:
     return jnp.concatenate([items, jnp.full((1, items.shape[1]), running, jnp.int32)])
 
 
+def token_steps(
+    start: Int[Array, " G"], count: Int[Array, " G"], chunks: int
+) -> tuple[Int[Array, "3 L"], Int[Array, " G+1"]]:
+    """The streamed tokens kernel's steps: every expert's chunks one after the other, as
+    `(3, G * chunks)` rows (the step's chunk, its expert, flags: 1 its expert's first, 2 its
+    last; past the last step unused), and the counts with their sum appended."""
+    experts = count.shape[0]
+    count = jnp.maximum(count, 0)
+    ends = jnp.cumsum(count)
+    step = jnp.arange(experts * chunks, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, step, side="right", method="compare_all")
+    expert = jnp.minimum(expert, experts - 1).astype(jnp.int32)
+    begin = (ends - count)[expert]
+    flags = (step == begin).astype(jnp.int32) + 2 * (step == ends[expert] - 1).astype(jnp.int32)
+    table = jnp.stack([start[expert] + step - begin, expert, flags]).astype(jnp.int32)
+    return table, jnp.concatenate([count, ends[-1:]]).astype(jnp.int32)
+
+
 def chain_state(local: Array, running: Array) -> Array:
     """The `pipeline_state` of a program's `local`-th tile of the `running` that chain their
     pipelines: `START` (prologue) for the first, `STOP` (waits out the last stages) for the
@@ -180,7 +199,9 @@ def run_persistent(
       the items of an expert first (`running_first`): only they chain their pipelines;
     - `"tokens"`: `chunk_start, chunk_count, a, sa, b, sb` with `a (A, T)`, `b (B, T)`: output
       `(G, A, B)`, expert `e`'s tiles contracted over its `chunk_count[e]` chunks from
-      `chunk_start[e]` (a run-time trip count; an expert without chunks gets zeros).
+      `chunk_start[e]` (a run-time trip count; an expert without chunks gets zeros);
+      chained, streamed: one pipeline per tile position over every expert's chunks
+      (`token_steps`).
 
     With `tile_scaled` the block scales `sa`, `sb` give way to one scale per item (`"rows"`:
     `item_scale`, after `items`) or per expert (`"tokens"`: `group_scale`, after the
@@ -206,6 +227,9 @@ def run_persistent(
     steps = chained or steps
     if chained and layout == "rows":
         operands = [running_first(operands[0]), *operands[1:]]
+    streamed = config.chained and layout == "tokens"
+    if streamed:
+        operands = [*token_steps(operands[0], operands[1], chunks), *operands[2:]]
     cluster_m, cluster_n = config.cluster_tile
     mp, np_ = out_shape[-2:]
     # Rows: one step per item (its tile read from the table); else per cluster row tile.
@@ -225,20 +249,23 @@ def run_persistent(
             return (index, 0) if shape[1] == 1 else (0, index)
         return plgpu.planar_snake(index, shape, minor, config.grid_tile_width)
 
-    def pipeline(step, context, grid=(chunks // per_step,), first=0, state=None):
+    def pipeline(step, context, grid=(chunks // per_step,), first=0, state=None, table=None):
         # Chunks `first, first + 1, ...` of the contraction, `grid` of them (a run-time count
-        # for the tokens layout: then the pipeline's trip count is dynamic).
+        # for the tokens layout: then the pipeline's trip count is dynamic), or step `c`'s
+        # chunk `table[0, c]` (`token_steps`).
+        at = (lambda c: first + c) if table is None else (lambda c: table[0, c])  # noqa: E731
+
         def tile_spec(rows, share):
             return plgpu.BlockSpec(
                 (rows, BLOCK_K * per_step),
-                lambda c: (0, first + c),
+                lambda c: (0, at(c)),
                 transforms=fp8_tiling,
                 collective_axes=share,
             )
 
         def scale_spec(rows, share):
             spec = (per_step, rows)
-            return plgpu.BlockSpec(spec, lambda c: (first + c, 0), collective_axes=share)
+            return plgpu.BlockSpec(spec, lambda c: (at(c), 0), collective_axes=share)
 
         if tile_scaled:
             specs = [tile_spec(cta_m, share_a), tile_spec(cta_n, share_b)]
@@ -282,7 +309,9 @@ def run_persistent(
         def scope(allocations, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((groups * m_iters * n_iters,), collective_axes="sm")
+            loop = (1 if streamed else groups) * m_iters * n_iters  # streamed: positions
+
+            @plgpu.nd_loop((loop,), collective_axes="sm")
             def tile(info):
                 (index,) = info.index
                 group, index = index // (m_iters * n_iters), index % (m_iters * n_iters)
@@ -311,13 +340,11 @@ def run_persistent(
                     rows, cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
                 else:
                     rows, cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
-                out_tile = out_gmem.at[group] if layout == "tokens" else out_gmem
-                out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
                 # Block scales: a vector per tile, or one scale where it covers the tile.
                 sa_at = rows.start if uniform[0] else rows
                 sb_at = cols.start if uniform[1] else cols
 
-                def store(acc):
+                def store(acc, at=group):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's copy
                     out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
@@ -325,6 +352,8 @@ def run_persistent(
                         out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                         copy_rows(out_smem.at[wg], out_gmem, row_tile * tm, start, stop, out_cols)
                     else:
+                        out_tile = out_gmem.at[at] if layout == "tokens" else out_gmem
+                        out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
                         plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
 
                 tile_scale = lambda: scales[group if layout == "tokens" else mi]  # noqa: E731
@@ -369,23 +398,47 @@ def run_persistent(
                     plgpu.wgmma_wait(0)  # before the stage's shared memory is released
                     return acc_ref
 
+                def stream(step, finish):  # each expert's sum fresh at its first chunk of
+                    # the stream, `finish`ed and stored at its last (`token_steps`' flags)
+                    def streamed_step(indices, *refs):
+                        *smem, acc = refs
+                        expert, flags = counts[0][1, indices[0]], counts[0][2, indices[0]]
+                        acc = lax.cond(flags & 1, jnp.zeros_like, lambda a: a, acc)
+                        acc = step(indices, *smem, acc)
+
+                        @pl.when(flags & 2 != 0)
+                        def _():
+                            store(finish(acc, expert), expert)
+
+                        return acc
+
+                    return streamed_step
+
                 def run_tile(b_refs, **chunked):
-                    if chained:
+                    if chained and not streamed:
                         chunked["state"] = chain_state(info.local_index, running)
                     args = [a_gmem.at[cta_rows]]
+                    finish = lambda acc, e: acc  # noqa: E731 - streamed: an expert's tile
                     if tile_scaled:
                         args += [b_refs[0].at[cta_cols]]
-                        if promote:
-                            kernel = pipeline(sum_step, summed, **chunked)
+                        # Streamed, each chunk's product is added to a float32 sum: the
+                        # accumulator is not zeroed mid-pipeline (which Mosaic GPU's
+                        # interpreter cannot run).
+                        if promote or streamed:
+                            step, context = sum_step, summed
+                            finish = lambda acc, e: acc * scales[e]  # noqa: E731
                         else:
-                            kernel = pipeline(accumulate_step, accumulated, **chunked)
+                            step, context = accumulate_step, accumulated
                     else:
                         args += [sa_gmem.at[:, cta_rows]]
                         for t in range(n_terms):
                             args += [b_refs[2 * t].at[cta_cols], b_refs[2 * t + 1].at[:, cta_cols]]
                         step = promote_pair_step if per_step == 2 else promote_step
-                        kernel = pipeline(step, promoted, **chunked)
-                    kernel(*args, allocations=allocations)
+                        context = promoted
+                    if streamed:  # each expert's tile stored inside the pipeline
+                        step = stream(step, finish)
+                        context = lambda run: run(jnp.zeros((tm, tn), jnp.float32))  # noqa: E731
+                    pipeline(step, context, **chunked)(*args, allocations=allocations)
 
                 if layout == "dense":
                     run_tile(b_gmem)
@@ -398,6 +451,19 @@ def run_persistent(
                     @pl.when((expert < 0) & (stop > start) & (wg < 2))  # rows of no expert
                     def _():
                         store(jnp.zeros((tm, tn), jnp.float32))
+
+                elif streamed:  # every expert's chunks in one pipeline, then zeros
+                    total = counts[1][groups]
+
+                    @pl.when(total > 0)
+                    def _():
+                        run_tile(b_gmem, grid=(total,), table=counts[0])
+
+                    @pl.loop(0, groups)
+                    def _(e):
+                        @pl.when((counts[1][e] == 0) & (wg < 2))
+                        def _():
+                            store(jnp.zeros((tm, tn), jnp.float32), e)
 
                 else:
                     first, count = counts[0][group], counts[1][group]

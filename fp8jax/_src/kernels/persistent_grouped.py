@@ -131,7 +131,8 @@ def persistent_grouped_tokens_gemm(
     persistent kernel: `grouped_gemm.grouped_tokens_gemm` (an expert layer's wgrad),
     persistent over (expert, row tile, column tile) triples, each tile's pipeline running
     over its expert's own chunks (a run-time trip count), so that uneven experts cost their
-    tokens and an empty one only the zeros it writes.
+    tokens and an empty one only the zeros it writes; with `config.chained`, over (row
+    tile, column tile) pairs, each pair's pipeline running over every expert's chunks.
 
     `lhs (A, T)` and `rhs (B, T)` are FP8 of one type, contracted over their tokens; `T` a
     multiple of 128, expert `e`'s tokens the `chunk_count[e]` chunks of 128 from chunk
