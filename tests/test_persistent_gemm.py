@@ -763,20 +763,24 @@ def test_grouped_tokens_kernel_refuses_bad_input_by_name():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "recipe, per_block",
+    "recipe, per_block, chained",
     [
-        (fp8jax.BlockwiseScaling(), True),
-        (fp8jax.DelayedScaling(backward_format="e4m3"), False),
+        (fp8jax.BlockwiseScaling(), True, False),
+        (fp8jax.DelayedScaling(backward_format="e4m3"), False, False),
+        (fp8jax.BlockwiseScaling(), False, True),
     ],
-    ids=["blockwise, weight scales per block", "delayed-e4m3"],
+    ids=["blockwise, weight scales per block", "delayed-e4m3", "blockwise, chained"],
 )
-def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(monkeypatch, recipe, per_block):
+def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(
+    monkeypatch, recipe, per_block, chained
+):
     """Fp8RaggedDot, uneven experts and one without tokens: forward and dgrad on the
     persistent grouped rows kernel, the wgrad on the persistent tokens kernel (block scales,
     or per-tensor scales per tile and per expert; traced inside `persistent_kernel`,
     interpreted), against the layer's XLA path. Blockwise with the experts' weight scales
     once per 128 x 128 block (`weight_block_scales`: one per warpgroup tile; per row, the
-    default, is test_grouped_native's)."""
+    default, is test_grouped_native's). Also with each program's tiles chained (the wgrad
+    streamed over the experts)."""
     sizes = jnp.asarray([70, 0, 130, 5], jnp.int32)
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.standard_normal((205, 256)) * 3, jnp.float32)
@@ -791,7 +795,8 @@ def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(monkeypatch, 
     off = fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=False)
     seen = spy_on(monkeypatch, "persistent_grouped_rows_gemm", "rhs_block_rows")
     blocks = weight_block_scales() if per_block else contextlib.nullcontext()
-    with dispatch.interpreted(), persistent_kernel(PersistentConfig(num_sms=2)), blocks:
+    config = PersistentConfig(num_sms=2, chained=chained)
+    with dispatch.interpreted(), persistent_kernel(config), blocks:
         jaxpr = str(jax.make_jaxpr(step)(on, x, w))
         got = eqx.filter_jit(step)(on, x, w)
     assert PERSISTENT_ROWS_NAME in jaxpr and PERSISTENT_TOKENS_NAME in jaxpr

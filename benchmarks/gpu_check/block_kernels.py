@@ -92,6 +92,18 @@ CASES = (
     (1000, 1500, 1100, 1, E4M3, jnp.float32, (1, 128), PersistentConfig(grid_minor_dim="m")),
     (777, 1000, 900, 2, E4M3, BF16, (128, 128), PersistentConfig(chunks_per_step=2)),
     (1000, 1500, 1100, 1, E5M2, jnp.float32, (128, 128), PersistentConfig(wg_dimension="n")),
+    # each program's tiles chained into one pipeline (9 chunks a tile: 3 stages)
+    (1000, 1500, 1100, 1, E4M3, BF16, (1, 1), PersistentConfig(chained=True)),
+    (
+        777,
+        1000,
+        900,
+        2,
+        E5M2,
+        jnp.float32,
+        (1, 128),
+        PersistentConfig(chunks_per_step=2, chained=True),
+    ),
 )
 DRY_CASES = (
     (70, 130, 300, 1, E4M3, jnp.float32, (1, 1), PersistentConfig(num_sms=2)),

@@ -23,7 +23,7 @@ from jax.typing import ArrayLike, DTypeLike
 import fp8jax
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
-from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
+from fp8jax._src.kernels.choice import chained_pipelines, persistent_kernel, tiled_kernel
 from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_gemm, row_items
 from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
@@ -275,11 +275,15 @@ def tokens_kernel(shapes: Shapes, scaling: str, dry: bool) -> dict:
     )
 
 
-def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=False) -> dict:
+def grouped_layer(
+    shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=False, chained=False
+) -> dict:
     """`Fp8RaggedDot` forward, dgrad and wgrad on the kernels against its XLA path (the same
     quantization; float32 summation order aside), with an expert that gets no token. With
     `persistent`, on issue 39's persistent kernels (rows and tokens, `persistent_kernel()`:
-    the layers' default on a GPU since run 4), else on the tiled ones (`tiled_kernel()`)."""
+    the layers' default on a GPU since run 4), else on the tiled ones (`tiled_kernel()`);
+    with `chained` too, their programs' tiles chained (`chained_pipelines()`: the tokens
+    GEMM streamed)."""
     sizes = np.asarray(shapes.layer_sizes, np.int32)
     fin, fout = shapes.layer_features
     rng = np.random.default_rng(5)
@@ -301,6 +305,8 @@ def grouped_layer(shapes: Shapes, recipe: fp8jax.Recipe, dry: bool, persistent=F
             return eqx.filter_jit(step)(dot, x, w, g, jnp.asarray(sizes))
 
     chosen = [persistent_kernel() if persistent else tiled_kernel()]
+    if chained:
+        chosen.append(chained_pipelines())
     got, want = run(True, kernels(dry), *chosen), run(False, kernels(False))
     worst, passed = 0.0, True
     for a, b, terms in zip(got, want, (fin, fout, m), strict=True):
@@ -322,6 +328,7 @@ QUICK_SKIPS = (
     "grouped rows, bf16 operands",
     "grouped layer, delayed e4m3",
     "grouped layer, delayed e4m3, persistent kernels",
+    "grouped layer, delayed e4m3, chained persistent kernels",
 )
 #: Items the dry run leaves out: the same code paths as others (in another format, or
 #: through a recipe), each interpreted kernel costing seconds.
@@ -336,6 +343,8 @@ DRY_SKIPS = (
     # interprets them under 0.11 and later)
     "grouped layer, blockwise, persistent kernels",
     "grouped layer, delayed e4m3, persistent kernels",
+    "grouped layer, blockwise, chained persistent kernels",
+    "grouped layer, delayed e4m3, chained persistent kernels",
 )
 
 
@@ -366,6 +375,12 @@ def run(rec: Recorder, mode: str) -> None:
         ),
         "grouped layer, delayed e4m3, persistent kernels": lambda: grouped_layer(
             shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry, persistent=True
+        ),
+        "grouped layer, blockwise, chained persistent kernels": lambda: grouped_layer(
+            shapes, fp8jax.BlockwiseScaling(), dry, persistent=True, chained=True
+        ),
+        "grouped layer, delayed e4m3, chained persistent kernels": lambda: grouped_layer(
+            shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry, True, chained=True
         ),
     }
     for name in {"dry": DRY_SKIPS, "quick": QUICK_SKIPS}.get(mode, ()):
