@@ -18,13 +18,16 @@ their experts, routed to this GPU), uneven group sizes with one empty expert. Ro
   the same rows and tokens GEMMs on the persistent warp-specialized kernels of issue 39, the
   layers' default since run 4 (`persistent_kernel()`: each in its configuration of
   `choice.DEFAULT_CONFIGS`), and in the full run the blockwise ones in each `SWEEP`
-  configuration (`fp8 blockwise persistent <changed fields>`).
+  configuration (`fp8 blockwise persistent <changed fields>`), the rows GEMMs also with the
+  experts' weight scales once per 128 x 128 block (`..., weight scales per block`:
+  `weight_block_scales()`), in the default and chained.
 
 TFLOP/s count the real tokens' FLOPs only (2 x rows x N x K), not the padding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -36,7 +39,7 @@ from jax import lax
 
 import fp8jax
 from fp8jax._src.gemm import grouped_native as native
-from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel
+from fp8jax._src.kernels.choice import persistent_kernel, tiled_kernel, weight_block_scales
 from fp8jax._src.kernels.persistent_gemm import PersistentConfig
 
 from .block_kernels import describe
@@ -154,8 +157,11 @@ def _ours_rows(lhs, rhs, sizes, promote=False):
         return native.native_rows(lhs, rhs, sizes, BF16, promote)
 
 
-def _persistent_rows(lhs, rhs, sizes, config=None, promote=False):
-    with persistent_kernel(config):  # traced inside: the rows GEMM on issue 39's kernel
+def _persistent_rows(lhs, rhs, sizes, config=None, promote=False, per_block=False):
+    # Traced inside: the rows GEMM on issue 39's kernel; with `per_block`, the experts'
+    # weight scales once per 128 x 128 block (one per warpgroup tile).
+    blocks = weight_block_scales() if per_block else contextlib.nullcontext()
+    with persistent_kernel(config), blocks:
         return native.native_rows(lhs, rhs, sizes, BF16, promote)
 
 
@@ -196,6 +202,14 @@ def _variants(kind: str, mode: str) -> dict[str, tuple]:
         for config in SWEEP[kind] if mode == "full" else ():
             name = f"fp8 blockwise {describe(config)}"
             variants[name] = (functools.partial(persistent, config=config), "block", multiple)
+        if kind == "rows" and mode == "full":  # the weights' scales once per block (and
+            # chained): what the MoE layer's `blockwise-tile-scales` runs
+            per_block = functools.partial(persistent, per_block=True)
+            name = "fp8 blockwise persistent default, weight scales per block"
+            variants[name] = (per_block, "block", 1)
+            chained = PersistentConfig(chained=True)
+            name = "fp8 blockwise persistent chained=True, weight scales per block"
+            variants[name] = (functools.partial(per_block, config=chained), "block", 1)
     if mode == "dry":  # one kernel each: the interpreter takes seconds a kernel (section 1
         # checks both kernels' every scaling)
         del variants["bf16 fp8jax kernel"], variants["fp8 blockwise kernel"]

@@ -154,6 +154,13 @@ def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
                 f"({swept[best]:.3f} ms); tiled / it: time ratio "
                 f"{t['fp8 blockwise kernel'] / swept[best]:.2f}"
             )
+            jax_bf16 = {k: v for k, v in t.items() if k.startswith("bf16 jax mgpu")}
+            if jax_bf16:  # issue 39's target: at least 1.4x JAX's BF16 grouped kernel
+                fastest = min(jax_bf16, key=jax_bf16.get)
+                rec.decision(
+                    f"grouped, {label}: fastest {fastest} / fastest persistent blockwise: time "
+                    f"ratio {jax_bf16[fastest] / swept[best]:.2f} (issue 39's target: >= 1.4)"
+                )
     for model, fields in trains.items():
         t = {k: v["ms"] for k, v in fields.items()}
         for slow, fast in (("residual-xla", "residual"), ("blockwise-xla", "blockwise")):
