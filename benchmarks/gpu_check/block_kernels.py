@@ -12,10 +12,15 @@ against float64 and its tuning sweep beside what it must beat.
    same maths: only float32 summation order differs). The block kernels take the weight's
    scales per 128 x 128 block, as the recipes give them (one scale per warpgroup tile and
    chunk); `PER_ROW` configurations take them repeated per row, as before session 33 (a
-   vector of scales per tile and chunk).
+   vector of scales per tile and chunk). Beside them (session 37), the default configuration
+   without block scales (`..., no block scales: ...`, `_unscaled`: one scale per row tile,
+   the contraction in the `wgmma` accumulator alone, or each chunk's product added to a
+   float32 sum): the kernel's pipeline and epilogue without the promotion's scales, so that
+   a shortfall of the block kernel can be put on its structure or on its promotion.
 
 The decision inputs name the fastest configuration per shape and its ratio to the tiled
-kernel; issue 39's target is 1,150 TFLOP/s at both shapes.
+kernel (issue 39's target is 1,150 TFLOP/s at both shapes), and the rates without block
+scales.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
-from fp8jax._src.kernels.persistent_gemm import PersistentConfig, persistent_block_scaled_gemm
+from fp8jax._src.kernels.dispatch import interpreting
+from fp8jax._src.kernels.persistent_config import PersistentConfig, grid_programs
+from fp8jax._src.kernels.persistent_gemm import persistent_block_scaled_gemm, run_persistent
 from fp8jax._src.recipes.base import per_tensor_dot
 
 from .gemms import cell
@@ -182,6 +189,7 @@ def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
             "block": (q_x.data, q_x.scale_inv, q_w.data, blocks),
             "block per row": (q_x.data, q_x.scale_inv, q_w.data, w_scale),
             "fp8": (fp8jax.QTensor(x.astype(E4M3), one), fp8jax.QTensor(w.astype(E4M3), one)),
+            "fp8 data": (x.astype(E4M3), w.astype(E4M3)),
             "bf16": (x, w),
         }
 
@@ -206,7 +214,32 @@ def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
     for config in per_row:
         gemm = functools.partial(_persistent, config=config, block_rows=(1, 1))
         variants[describe(config) + ", scales per row"] = (gemm, "block per row")
+    if sweep:  # where the block kernel's time goes: its pipeline without the promotion
+        config = sweep[1] if len(sweep) > 1 else sweep[0]
+        for promote, what in ((False, "one accumulation"), (True, "summed per chunk")):
+            gemm = functools.partial(_unscaled, config=config, promote=promote)
+            variants[f"{describe(config)}, {UNSCALED}: {what}"] = (gemm, "fp8 data")
     return variants
+
+
+#: The diagnostic variants' mark: the persistent kernel with one scale per row tile, no block
+#: scales (not a recipe's GEMM; `decide` leaves them out of the sweep's choice).
+UNSCALED = "no block scales"
+
+
+def _unscaled(a, b, *, config, promote):
+    """The persistent kernel's pipeline with one scale per row tile instead of block scales
+    (the per-tensor grouped GEMMs' form, on the dense layout): the contraction accumulated by
+    `wgmma` alone (`promote=False`), or each chunk's product added to a float32 sum (`True`:
+    the promotion without its scales). Beside the block-scaled kernel, what its scales cost."""
+    (m, _), n = a.shape, b.shape[0]
+    cluster_m, cluster_n = config.cluster_tile
+    kw = dict(out_dtype=jnp.dtype(BF16), config=config, interpret=interpreting(), promote=promote)
+    programs = grid_programs(config, (m // cluster_m) * (n // cluster_n))
+    scales = jnp.ones((m // config.cta_tile[0],), jnp.float32)
+    return run_persistent(
+        [scales, a, b], 1, out_shape=(m, n), programs=programs, tile_scaled=True, **kw
+    )
 
 
 def _persistent(a, sa, b, sb, *, config, block_rows=(1, 128)):
@@ -275,7 +308,11 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
 def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
     """The fastest persistent configuration per shape, against the tiled kernel."""
     for label, t in times.items():
-        swept = {k: v for k, v in t.items() if k.startswith("persistent") and "per row" not in k}
+        swept = {
+            k: v
+            for k, v in t.items()
+            if k.startswith("persistent") and "per row" not in k and UNSCALED not in k
+        }
         if not swept or "tiled" not in t:
             continue
         best = min(swept, key=swept.get)
@@ -285,3 +322,9 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
             f"({tflops(2 * m * n * k, swept[best]):.0f} TFLOP/s; target 1150); tiled kernel "
             f"{t['tiled']:.3f} ms: time ratio tiled / persistent {t['tiled'] / swept[best]:.2f}"
         )
+        unscaled = {k: v for k, v in t.items() if UNSCALED in k}
+        if unscaled:  # the same configuration with and without its block scales
+            rates = ", ".join(
+                f"{name}: {tflops(2 * m * n * k, v):.0f}" for name, v in unscaled.items()
+            )
+            rec.decision(f"block kernels, {label}: TFLOP/s without block scales: {rates}")
