@@ -25,6 +25,7 @@ scales.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -216,7 +217,12 @@ def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
         variants[describe(config) + ", scales per row"] = (gemm, "block per row")
     if sweep:  # where the block kernel's time goes: its pipeline without the promotion
         config = sweep[1] if len(sweep) > 1 else sweep[0]
-        for promote, what in ((False, "one accumulation"), (True, "summed per chunk")):
+        chained = dataclasses.replace(config, chained=True)
+        for config, promote, what in (
+            (config, False, "one accumulation"),
+            (config, True, "summed per chunk"),
+            (chained, False, "one accumulation"),
+        ):
             gemm = functools.partial(_unscaled, config=config, promote=promote)
             variants[f"{describe(config)}, {UNSCALED}: {what}"] = (gemm, "fp8 data")
     return variants
