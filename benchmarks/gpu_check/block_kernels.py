@@ -216,11 +216,11 @@ def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
         gemm = functools.partial(_persistent, config=config, block_rows=(1, 1))
         variants[describe(config) + ", scales per row"] = (gemm, "block per row")
     if sweep:  # where the block kernel's time goes: its pipeline without the promotion
-        config = sweep[1] if len(sweep) > 1 else sweep[0]
-        chained = dataclasses.replace(config, chained=True)
+        default = sweep[1] if len(sweep) > 1 else sweep[0]
+        chained = dataclasses.replace(default, chained=True)
         for config, promote, what in (
-            (config, False, "one accumulation"),
-            (config, True, "summed per chunk"),
+            (default, False, "one accumulation"),
+            (default, True, "summed per chunk"),
             (chained, False, "one accumulation"),
         ):
             gemm = functools.partial(_unscaled, config=config, promote=promote)
