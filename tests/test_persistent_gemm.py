@@ -366,8 +366,9 @@ def test_deviceless_h100_compile_is_warp_specialized_fp8_wgmma_without_spills(
 @needs_interpreter
 def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     """`benchmarks/gpu_check --sections kernels` as a lent GPU will run it, on tiny shapes in
-    the interpreter: its float64 numerics pass, and every swept configuration computes what
-    the tiled kernel computes."""
+    the interpreter: its float64 numerics pass, every swept configuration computes what the
+    tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
+    product computes."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -380,11 +381,17 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     assert results and all(r["status"] == "ok" for r in results), results
     numerics = [r for r in results if r["name"].startswith("numerics")]
     assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics
-    swept = [r for r in results if "| persistent" in r["name"]]
+    swept = [
+        r for r in results if "| persistent" in r["name"] and "no block scales" not in r["name"]
+    ]
     # DRY_SWEEP: the default, the warpgroups split along N, a cluster sharing the lhs tile
     # (the weight's scales per block), and the default with them per row
     assert len(swept) == 4 and all(r["max_rel_diff_vs_tiled"] < 1e-2 for r in swept), swept
     assert sum(r["name"].endswith("scales per row") for r in swept) == 1, swept
+    # The pipeline without block scales (one accumulation, summed per chunk, chained): each
+    # computes cuBLASLt's per-tensor product of the same FP8 values.
+    unscaled = [r for r in results if "no block scales" in r["name"]]
+    assert len(unscaled) == 3 and all(r["max_rel_diff_vs_fp8"] < 1e-2 for r in unscaled), unscaled
     assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
 
 

@@ -255,7 +255,8 @@ def _persistent(a, sa, b, sb, *, config, block_rows=(1, 128)):
 
 def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
     """Time variant `name` at `shape` (M, K, N); a block kernel's output is compared with the
-    tiled kernel's (kept in `outputs`)."""
+    tiled kernel's, an unscaled one's with cuBLASLt's per-tensor FP8 product of the same
+    values (kept in `outputs`)."""
     m, k, n = shape
     if not ops:
         ops.update(_sweep_operands(m, k, n))
@@ -265,15 +266,20 @@ def _time(name, fn, key, shape, ops, ms, outputs, runs, dry) -> dict:
     fields["shape"] = f"M={m} K={k} N={n}"
     if "bf16" in ms:
         fields["speedup_vs_bf16"] = ms["bf16"] / fields["ms"]
-    if key.startswith("block"):
+    # Each block kernel against the tiled one, each unscaled one against cuBLASLt's product.
+    reference = (
+        "tiled" if key.startswith("block") else "fp8 cuBLASLt" if key == "fp8 data" else None
+    )
+    if reference or name == "fp8 cuBLASLt":
         out = np.asarray(compiled.run(), np.float64)
-        if name == "tiled":
-            outputs["tiled"] = out
-        elif "tiled" in outputs:
-            ref = outputs["tiled"]
+        if name in ("tiled", "fp8 cuBLASLt"):
+            outputs[name] = out
+        elif reference in outputs:
+            ref = outputs[reference]
             # Both BF16 roundings of one float32 sum, in a different order: a few BF16 ulps.
-            fields["max_rel_diff_vs_tiled"] = float(np.abs(out - ref).max() / np.abs(ref).max())
-            fields["passed"] = fields["max_rel_diff_vs_tiled"] <= 2.0**-6
+            diff = float(np.abs(out - ref).max() / np.abs(ref).max())
+            fields[f"max_rel_diff_vs_{reference.split()[0]}"] = diff
+            fields["passed"] = diff <= 2.0**-6
     return fields
 
 
