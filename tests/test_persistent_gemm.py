@@ -237,6 +237,9 @@ def test_token_steps_run_every_experts_chunks_in_expert_order():
     assert table[0, :6].tolist() == [0, 1, 2, 5, 3, 4]
     assert table[1, :6].tolist() == [0, 0, 0, 2, 3, 3]
     assert table[2, :6].tolist() == [1, 0, 2, 3, 1, 2]
+    # Counts outside 0..chunks are taken at the nearest bound: the steps fit the table.
+    _, counts = token_steps(jnp.zeros((2,), jnp.int32), jnp.array([-1, 9], jnp.int32), 4)
+    assert np.asarray(counts).tolist() == [0, 4, 4]
 
 
 def test_cta_tile_doubles_along_the_warpgroup_split_and_the_cluster():

@@ -152,9 +152,10 @@ def token_steps(
 ) -> tuple[Int[Array, "3 L"], Int[Array, " G+1"]]:
     """The streamed tokens kernel's steps: every expert's chunks one after the other, as
     `(3, G * chunks)` rows (the step's chunk, its expert, flags: 1 its expert's first, 2 its
-    last; past the last step unused), and the counts with their sum appended."""
+    last; past the last step unused), and the counts with their sum appended. A count is
+    taken between 0 and `chunks` (all the tokens), so that the steps fit the table."""
     experts = count.shape[0]
-    count = jnp.maximum(count, 0)
+    count = jnp.clip(count, 0, chunks)
     ends = jnp.cumsum(count)
     step = jnp.arange(experts * chunks, dtype=jnp.int32)
     expert = jnp.searchsorted(ends, step, side="right", method="compare_all")
