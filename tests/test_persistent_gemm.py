@@ -530,7 +530,8 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
     """Traced on a GPU machine with no context, each GEMM runs on its persistent kernel in the
     configuration of `choice.DEFAULT_CONFIGS` (the GPU check's fastest, run 4; the rows
     kernel's CTA rows and warpgroups fixed by its items); `tiled_kernel()` takes the tiled
-    kernels; `persistent_kernel(config)` gives one configuration to all three."""
+    kernels; `persistent_kernel(config)` gives one configuration to all three;
+    `chained_pipelines()` chains whichever each has."""
     import contextlib
 
     from fp8jax._src.kernels import choice
@@ -552,6 +553,15 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
     got = _chosen_configs(monkeypatch, persistent_kernel(pair))
     assert got["dense"].chunks_per_step == got["rows"].chunks_per_step == 2
     assert got["tokens"] == dataclasses.replace(pair, chunks_per_step=1)
+    # `chained_pipelines()`: each GEMM's configuration as it would be, chained; alone, and
+    # over a configuration of the user's.
+    chained = _chosen_configs(monkeypatch, choice.chained_pipelines())
+    assert chained["dense"] == dataclasses.replace(choice.DEFAULT_CONFIGS["dense"], chained=True)
+    assert chained["tokens"] == dataclasses.replace(choice.DEFAULT_CONFIGS["tokens"], chained=True)
+    assert chained["rows"] == dataclasses.replace(rows, chained=True)
+    with persistent_kernel(mine):
+        got = _chosen_configs(monkeypatch, choice.chained_pipelines())
+    assert got["dense"] == got["tokens"] == dataclasses.replace(mine, chained=True)
     a, w = jax.ShapeDtypeStruct((256, 256), E4M3), jax.ShapeDtypeStruct((3, 128, 256), E4M3)
     items = row_items(jnp.array([100, 0, 156], jnp.int32), 256)
     with persistent_kernel(pair):  # per-item scales: one chunk a step (two would raise)
