@@ -788,8 +788,14 @@ def test_grouped_tokens_kernel_refuses_bad_input_by_name():
         (fp8jax.BlockwiseScaling(), True, False),
         (fp8jax.DelayedScaling(backward_format="e4m3"), False, False),
         (fp8jax.BlockwiseScaling(), False, True),
+        (fp8jax.DelayedScaling(backward_format="e4m3"), False, True),
     ],
-    ids=["blockwise, weight scales per block", "delayed-e4m3", "blockwise, chained"],
+    ids=[
+        "blockwise, weight scales per block",
+        "delayed-e4m3",
+        "blockwise, chained",
+        "delayed-e4m3, chained",
+    ],
 )
 def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(
     monkeypatch, recipe, per_block, chained
