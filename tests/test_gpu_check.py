@@ -905,3 +905,30 @@ def test_profile_rates_joins_a_profile_and_estimates_at_its_rates(monkeypatch, c
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| dry |")]
     want = sum(k.bytes for k in kernels.values()) / 2e12 + len(kernels) * 3e-6
     assert float(row[0].split("|")[-2]) == pytest.approx(want * 1e3, abs=0.006)
+
+
+def test_sweep_ptx_reads_ptxas_logs_and_lists_every_swept_configuration(monkeypatch):
+    """`benchmarks/sweep_ptx.py`: each kernel's spill bytes (stores, loads) and the C7514
+    warnings from ptxas' logs as Mosaic GPU writes them, and one compile per configuration
+    the GPU check sweeps at each shape it times them (the grouped GEMMs' defaults too)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import sweep_ptx
+    from gpu_check import block_kernels, grouped, moe
+
+    spilled = (
+        "ptxas warning : Registers are spilled to local memory in function 'k', 20 bytes spill "
+        "stores, 36 bytes spill loads\n    24 bytes stack frame, 20 bytes spill stores, 36 "
+        "bytes spill loads\n"
+    )
+    clean = "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    serialized = clean + "ptxas warning : (C7514) wgmma.mma_async instructions are serialized\n"
+    seen = sweep_ptx.read([spilled, clean, serialized])
+    assert seen == {"spills": [(20, 36), (0, 0), (0, 0)], "serialized": 1}
+    cases = sweep_ptx.cases()
+    dense = [c for c in cases if c[1] == "dense"]
+    assert len(dense) == len(block_kernels.SWEEP) * len(block_kernels.SHAPES)
+    assert {c[2] for c in dense} == set(block_kernels.SWEEP)
+    for kind, shapes in (("rows", 2), ("tokens", 1)):
+        got = [c for c in cases if c[1] == kind]
+        assert len(got) == (1 + len(grouped.SWEEP[kind])) * shapes, kind
+    assert set(sweep_ptx.MOE_VARIANTS) <= set(moe.VARIANTS["full"])
