@@ -380,7 +380,11 @@ def run(rec: Recorder, mode: str) -> None:
             shapes, fp8jax.BlockwiseScaling(), dry, persistent=True, chained=True
         ),
         "grouped layer, delayed e4m3, chained persistent kernels": lambda: grouped_layer(
-            shapes, fp8jax.DelayedScaling(backward_format="e4m3"), dry, True, chained=True
+            shapes,
+            fp8jax.DelayedScaling(backward_format="e4m3"),
+            dry,
+            persistent=True,
+            chained=True,
         ),
     }
     for name in {"dry": DRY_SKIPS, "quick": QUICK_SKIPS}.get(mode, ()):
