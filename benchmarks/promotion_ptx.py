@@ -11,13 +11,15 @@
    are per chunk and warpgroup.
 2. A blockwise MLP's train step (512 -> 1024 -> 512, 256 tokens) on the persistent kernels with
    the weight's scales per block (`choice.weight_block_scales`), compiled for an H100 in
-   cuBLAS mode and XLA's defaults (`fp8jax.inspect`): each GEMM's kernel and its `wgmma`.
+   cuBLAS mode and XLA's defaults (`fp8jax.inspect`): each GEMM's kernel and its `wgmma`;
+   then the same with each program's tiles chained (`choice.chained_pipelines`).
 
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -34,7 +36,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fp8jax  # noqa: E402
-from fp8jax._src.kernels.choice import persistent_kernel, weight_block_scales  # noqa: E402
+from fp8jax._src.kernels.choice import (  # noqa: E402
+    chained_pipelines,
+    persistent_kernel,
+    weight_block_scales,
+)
 from fp8jax._src.kernels.persistent_gemm import (  # noqa: E402
     PersistentConfig,
     persistent_block_scaled_gemm,
@@ -83,7 +89,7 @@ def gemm_row(label: str, block_rows: tuple[int, int], per_step: int) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def step_rows() -> list[str]:
+def step_rows(chained: bool = False) -> list[str]:
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     layers = (eqx.nn.Linear(512, 1024, key=k1), eqx.nn.Linear(1024, 512, key=k2))
     model = fp8jax.fp8_linear_layers(layers, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
@@ -94,7 +100,8 @@ def step_rows() -> list[str]:
         return jnp.sum(jax.vmap(lambda t: second(jax.nn.relu(first(t))))(x) ** 2)
 
     step = fp8jax.filter_value_and_grad(loss)
-    with persistent_kernel(), weight_block_scales():
+    chain = chained_pipelines() if chained else contextlib.nullcontext()
+    with persistent_kernel(), weight_block_scales(), chain:
         report = fp8jax.inspect(step, model, x, modes=("cublas", "default"))
     rows = []
     for mode in ("cublas", "default"):
@@ -102,7 +109,8 @@ def step_rows() -> list[str]:
             if g.layer is None:
                 continue
             mma = ", ".join(sorted(set(g.mma))) or "-"
-            rows.append(f"| {mode} | {g.layer} | {g.role} | {g.kernel_name} | {g.fp8} | {mma} |")
+            what = f"{mode}{', chained' if chained else ''}"
+            rows.append(f"| {what} | {g.layer} | {g.role} | {g.kernel_name} | {g.fp8} | {mma} |")
     return rows
 
 
@@ -118,11 +126,15 @@ def main() -> None:
         for per_step in (1, 2):
             print(gemm_row(label, block_rows, per_step))
     print()
-    print("Blockwise MLP 512 -> 1024 -> 512, 256 tokens, weight scales per block, both XLA modes")
+    print(
+        "Blockwise MLP 512 -> 1024 -> 512, 256 tokens, weight scales per block, both XLA modes"
+        " (and chained)"
+    )
     print()
     print("| mode | layer | role | kernel | FP8 | wgmma |")
     print("|---|---|---|---|---|---|")
     print("\n".join(step_rows()))
+    print("\n".join(step_rows(chained=True)))
     sys.stdout.flush()
 
 
