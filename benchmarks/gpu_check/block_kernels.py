@@ -38,6 +38,7 @@ import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import reference
 from fp8jax._src.kernels.block_gemm import block_scaled_gemm
+from fp8jax._src.kernels.choice import DEFAULT_CONFIGS
 from fp8jax._src.kernels.dispatch import interpreting
 from fp8jax._src.kernels.persistent_config import PersistentConfig, grid_programs
 from fp8jax._src.kernels.persistent_gemm import persistent_block_scaled_gemm, run_persistent
@@ -197,8 +198,11 @@ def _sweep_operands(m: int, k: int, n: int) -> dict[str, Any]:
     return make(jax.random.PRNGKey(0))
 
 
-def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
-    """name -> (function, operands key)."""
+def _variants(
+    sweep: tuple, per_row: tuple = (), unscaled: PersistentConfig | None = None
+) -> dict[str, tuple]:
+    """name -> (function, operands key); `unscaled`: the configuration also timed without
+    block scales (`_unscaled`), one accumulation, summed per chunk, and chained."""
 
     def bf16(x, w):
         return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=BF16)
@@ -215,12 +219,11 @@ def _variants(sweep: tuple, per_row: tuple = ()) -> dict[str, tuple]:
     for config in per_row:
         gemm = functools.partial(_persistent, config=config, block_rows=(1, 1))
         variants[describe(config) + ", scales per row"] = (gemm, "block per row")
-    if sweep:  # where the block kernel's time goes: its pipeline without the promotion
-        default = sweep[1] if len(sweep) > 1 else sweep[0]
-        chained = dataclasses.replace(default, chained=True)
+    if unscaled:  # where the block kernel's time goes: its pipeline without the promotion
+        chained = dataclasses.replace(unscaled, chained=True)
         for config, promote, what in (
-            (default, False, "one accumulation"),
-            (default, True, "summed per chunk"),
+            (unscaled, False, "one accumulation"),
+            (unscaled, True, "summed per chunk"),
             (chained, False, "one accumulation"),
         ):
             gemm = functools.partial(_unscaled, config=config, promote=promote)
@@ -306,7 +309,9 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         outputs: dict[str, np.ndarray] = {}
         ms = times.setdefault(label, {})
         sweep = (DRY_SWEEP, DRY_SWEEP[:1]) if dry else (SWEEP, PER_ROW)
-        for name, (fn, key) in _variants(*sweep).items():
+        # The unscaled pipeline in the recipes' default configuration (dry: a DRY_SWEEP one).
+        unscaled = DRY_SWEEP[1] if dry else DEFAULT_CONFIGS["dense"]
+        for name, (fn, key) in _variants(*sweep, unscaled).items():
             measure = functools.partial(_time, name, fn, key, shape, ops, ms, outputs, runs, dry)
             if refused and name.startswith("persistent"):
                 measure = functools.partial(dict, skipped=refused)
