@@ -95,7 +95,8 @@ def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of
 def _transposing_kernels():
     """Each kernel that writes a transposed copy, as `its name -> f(x, **options)`."""
     rule = dict(max_scale=MAX_SCALE)
-    rows = jnp.asarray(np.r_[np.arange(100), -np.ones(28), np.arange(128, 256)], jnp.int32)
+    # A row map with a gap of 28 rows, each naming a row no padded row holds (`gather_map`).
+    rows = jnp.asarray(np.r_[np.arange(100), -1 - np.arange(100, 128), np.arange(128, 256)])
 
     def saved(x, interpret):  # the rows kernel's copy, as the requantizing kernels read it
         return block_quantize.quantize_rows(x, E4M3, **rule, interpret=interpret)[:2]
@@ -116,8 +117,12 @@ def _transposing_kernels():
         data, scale_t = saved(x, k["interpret"])
         return padded_quantize.requantize_padded_columns(data, scale_t, rows, **rule, **k)
 
-    names = block_quantize.QUANTIZE_NAMES[1:6]
-    return dict(zip(names, (both, requantize, blocks, padded, padded_requantize), strict=True))
+    def padded_both(x, **k):
+        return padded_quantize.quantize_rows_and_padded_columns(x, rows, E4M3, **rule, **k)
+
+    names = block_quantize.QUANTIZE_NAMES[1:6] + block_quantize.QUANTIZE_NAMES[7:8]
+    kernels = (both, requantize, blocks, padded, padded_requantize, padded_both)
+    return dict(zip(names, kernels, strict=True))
 
 
 def test_column_tunings_compute_the_same_and_lower_for_an_h100():

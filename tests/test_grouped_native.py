@@ -63,6 +63,15 @@ def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
     assert padded.shape[0] % tile == 0 and padded.shape[0] >= at
     np.testing.assert_array_equal(padded, want)
     np.testing.assert_array_equal(layout.sizes, -(-sizes // tile) * tile)
+    # The row map names every row: the held ones, then (negative) the rest by the gaps,
+    # each row past the groups once before any row is named twice.
+    rows_map = np.asarray(native.gather_map(layout))
+    held = rows_map[rows_map >= 0]
+    named = -1 - rows_map[rows_map < 0]
+    np.testing.assert_array_equal(np.sort(held), np.arange(sizes.sum()))
+    past = rows - sizes.sum()
+    np.testing.assert_array_equal(named[:past], np.arange(sizes.sum(), rows))
+    assert set(named) <= set(range(rows))
 
 
 @pytest.mark.parametrize(
@@ -548,7 +557,8 @@ def test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose(recipe):
     kernel transposes an expert weight, FP8 or BF16 (before: per layer, the BF16 weight once
     and its FP8 copies twice, 3.76 GB on moe_cost.py's Mixtral layer). Nor the wgrad's
     operands: the padded kernels gather and quantize them into 128 x 1 tiles written K-major
-    (before, XLA quantized and transposed them). Per-tensor weights multiplied in FP8 (E4M3
+    (before, XLA quantized and transposed them), the output gradient's dgrad copy in the
+    same read. Per-tensor weights multiplied in FP8 (E4M3
     gradients): XLA writes the dgrad's copy in the pass that quantizes the forward's (before,
     a kernel transposed each expert's FP8 weight in the backward)."""
     pytest.importorskip("jax_cuda12_plugin")
@@ -570,8 +580,10 @@ def test_h100_expert_weights_reach_the_kernels_without_an_fp8_transpose(recipe):
     assert not [t for t in transposed if t.count(",") == 2], transposed  # (G, ., .) weights
     if recipe == "blockwise":  # nor the wgrad's operands
         assert not transposed, transposed
-        for name in ("fp8jax_quantize_padded_columns", "fp8jax_requantize_padded_columns"):
-            assert f"{name}/pallas_call" in entry
+        # The output gradient's two copies from one kernel, the activation's from another.
+        for name in ("quantize_rows_and_padded_columns", "requantize_padded_columns"):
+            assert f"fp8jax_{name}/pallas_call" in entry
+        assert "fp8jax_quantize_padded_columns/" not in entry
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])

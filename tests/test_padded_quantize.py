@@ -21,6 +21,7 @@ from fp8jax._src.recipes.per_tensor import MAX_SCALE
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 INV_448 = np.float32(1) / np.float32(448)  # a tile of ones: scale 448 (E4M3's max)
 NAMES = ("fp8jax_quantize_padded_columns", "fp8jax_requantize_padded_columns")
+BOTH = "fp8jax_quantize_rows_and_padded_columns"
 
 
 def row_map(sizes, block):
@@ -98,6 +99,56 @@ def test_kernels_match_a_numpy_reference_of_the_gathered_copy(sizes, k, fmt, blo
     real = data.astype(np.float32) * np.repeat(scale_inv, block, axis=1)
     for a, b in zip(again, np_columns(real, rows, fmt, block, power_of_two), strict=True):
         same(a, b)
+
+
+def np_rows(x, fmt, block, power_of_two):
+    """`x` in 1 x `block` tiles along its columns in NumPy (float32 math, ml_dtypes
+    rounding): data (M, K) and chunk-major scale_inv (K / block, M)."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(-1)  # NaN where a tile has one
+    fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
+    ok = (amax > 0) & np.isfinite(amax)
+    with np.errstate(invalid="ignore"):
+        scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
+    scale = np.minimum(scale, np.float32(MAX_SCALE))
+    if power_of_two:
+        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
+    data = np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
+    return data, (np.float32(1) / scale).T
+
+
+@pytest.mark.parametrize("sizes, k, fmt, block, power_of_two", CASES)
+@pytest.mark.parametrize("past", [0, 3], ids=["every row grouped", "rows past the groups"])
+def test_rows_and_padded_columns_match_numpy_in_one_kernel(
+    sizes, k, fmt, block, power_of_two, past
+):
+    """The output gradient's two copies from one read: its 1 x `block` tiles in its own
+    rows (every row, those past the experts' included, which only the gaps name) and its
+    gathered `block` x 1 tiles; the programs' amaxes reduce to `x`'s, NaN included."""
+    from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
+
+    rng = np.random.default_rng(sum(sizes) + block + past)
+    m = sum(sizes) + past
+    x = jnp.asarray(heavy_tailed(rng, (m, k)), jnp.bfloat16)
+    rows = gather_map(pad_layout(jnp.asarray(sizes), m, block))
+    rule = dict(block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    data, scale_t, amaxes, data_t, cols = padded_quantize.quantize_rows_and_padded_columns(
+        x, rows, fmt, **rule
+    )
+    for a, b in zip((data, scale_t), np_rows(x, fmt, block, power_of_two), strict=True):
+        same(a, b)
+    assert data.dtype == fmt and data_t.dtype == fmt
+    want = np_columns(x, np.asarray(rows), fmt, block, power_of_two)
+    for a, b in zip((data_t, cols), want, strict=True):
+        same(a, b)
+    assert amaxes.shape == (rows.shape[0] // block, k // block) and np.isnan(jnp.max(amaxes))
+    # Without the NaN: the inf of the last row (past the groups with `past`) is the amax.
+    no_nan = x.at[jnp.isnan(x)].set(0)
+    amaxes = padded_quantize.quantize_rows_and_padded_columns(no_nan, rows, fmt, **rule)[2]
+    assert jnp.max(amaxes) == jnp.inf and no_nan[-1, 0] == jnp.inf
 
 
 def test_gaps_are_zeros_and_nans_stay_in_their_tile():
@@ -188,7 +239,9 @@ def test_blockwise_expert_layer_trains_as_its_xla_path_with_the_gathering_kernel
     with dispatch.interpreted():
         jaxpr = str(jax.make_jaxpr(step)((layer(None), x, w)))
         got = jax.jit(step)((layer(None), x, w))
-    assert all(name in jaxpr for name in NAMES)
+    # The output gradient's two copies in one kernel, the activation requantized in another.
+    assert all(name in jaxpr for name in (BOTH, NAMES[1]))
+    assert NAMES[0] not in jaxpr and not re.search(r"fp8jax_quantize_rows\b", jaxpr)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         same(a, b)
     np.testing.assert_array_equal(got[1][2][1], 0.0)  # no tokens: no weight gradient
@@ -200,8 +253,8 @@ def read(path):
 
 
 @pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
-def test_h100_compile_gathers_in_two_triton_kernels():
-    """Both kernels compiled for an H100: Triton kernels whose scales divide exactly
+def test_h100_compile_gathers_in_three_triton_kernels():
+    """The three kernels compiled for an H100: Triton kernels whose scales divide exactly
     (`div.rn.f32`, as the CPU's XLA path) and that spill nothing."""
 
     def both(x, data, scale_inv_t, rows):
@@ -209,6 +262,7 @@ def test_h100_compile_gathers_in_two_triton_kernels():
         return (
             padded_quantize.quantize_padded_columns(x, rows, E4M3, **rule),
             padded_quantize.requantize_padded_columns(data, scale_inv_t, rows, **rule),
+            padded_quantize.quantize_rows_and_padded_columns(x, rows, E4M3, **rule),
         )
 
     spec = jax.ShapeDtypeStruct
@@ -226,7 +280,7 @@ def test_h100_compile_gathers_in_two_triton_kernels():
         files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
         ptx = [text for text in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", text)]
     hlo = compiled.as_text()
-    assert all(f"{name}/pallas_call" in hlo for name in NAMES)
-    assert len(ptx) == 2
+    assert all(f"{name}/pallas_call" in hlo for name in (*NAMES, BOTH))
+    assert len(ptx) == 3
     for text in ptx:
         assert "div.rn.f32" in text and "div.full.f32" not in text and ".local" not in text

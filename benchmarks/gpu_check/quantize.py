@@ -6,12 +6,16 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    it, how many elements of XLA's own GPU quantization (the recipe's XLA path, whose fusions
    divide with `div.full.f32`) differ from the same reference. So also the padded kernels
    (`padded_quantize`: an expert layer's wgrad tiles, gathered into the padded layout of
-   eight uneven experts) against the reference of the gathered copy.
+   eight uneven experts) against the reference of the gathered copy, and the expert
+   layer's gradient in one kernel (`quantize_rows_and_padded_columns`: its rows and its
+   gathered columns) against both references.
 2. Timing: what the recipe quantizes per Linear, by the kernels and by its XLA path, side by
    side at Llama-3-8B's shapes (8,192 tokens): an activation in rows (forward), the output
    gradient in rows and columns (dgrad and wgrad), the saved activation requantized into
    columns (wgrad) and a weight with its dgrad copy, and the two gathered into an expert
-   layer's padded layout: ms and GB/s of the bytes each must move.
+   layer's padded layout (the gradient also with its rows in one kernel, as the expert
+   layer's backward runs it since session 38; a decision line compares it with the rows and
+   the gathered columns apart): ms and GB/s of the bytes each must move.
    Beside them, delayed scaling's per-tensor cast with its transposed copy and amax: XLA's
    fusion and reductions (`per_tensor_xla`) against one pass of `cast_transpose` (issue 38:
    XLA's transposing FP8 fusions moved 1.3-2.5 TB/s in run 6's Llama profile).
@@ -70,6 +74,7 @@ TUNINGS = {
     "weight": _OTHER,
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
+    "rows+gathered columns": _OTHER,
     "per-tensor cast": (
         *_FOUR_WARPS,
         block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
@@ -174,6 +179,13 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
     (p_data, p_scales), (pr_data, pr_scales) = gathered(x, data, scale_t, jnp.asarray(padded))
     p_want, p_want_scales = ieee_rows(_gathered(host, padded).T)
     pr_want, pr_want_scales = ieee_rows(_gathered(real, padded).T)
+    # The gradient's two copies of an expert layer in one kernel: its rows and its gathered
+    # columns (every row held by the map: the gaps name row 0, written twice alike).
+    b_data, b_scale_t, _, b_data_t, b_cols = jax.jit(
+        lambda x, r: padded_quantize.quantize_rows_and_padded_columns(
+            x, r, E4M3, interpret=interpret, **RULE
+        )
+    )(x, jnp.asarray(padded))
     # The per-tensor kernel: a product and a rounding, as NumPy's (no division).
     per_tensor = jax.jit(
         lambda x: cast_transpose(x, jnp.float32(PER_TENSOR_SCALE), E4M3, interpret=interpret)
@@ -188,6 +200,10 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
         "requantized": _differ(again[0], req) + _differ(again[1], req_scales),
         "padded columns": _differ(p_data, p_want) + _differ(p_scales, p_want_scales),
         "padded, requantized": _differ(pr_data, pr_want) + _differ(pr_scales, pr_want_scales),
+        "rows and padded columns": _differ(b_data, rows)
+        + _differ(b_scale_t, scales)
+        + _differ(b_data_t, p_want)
+        + _differ(b_cols, p_want_scales),
     }
     return {
         "shape": f"{shape[0]}x{shape[1]}",
@@ -220,6 +236,10 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
     def gathered(g):
         return recipe.quantize_gathered(g, jnp.asarray(row_map(g.shape[0])), "output_grad")
 
+    def both_gathered(g):
+        rows = jnp.asarray(row_map(g.shape[0]))
+        return recipe.quantize_both_gathered(g, rows, state, "output_grad")
+
     def requantize_gathered(x):
         q, _ = recipe.quantize(x, state, "input", -1)
         q = jax.lax.optimization_barrier(q)
@@ -234,6 +254,7 @@ def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
         "rows, requantized": (requantize, 5),
         "weight + dgrad copy": (weight, 4),
         "gathered columns": (gathered, 3),
+        "rows+gathered columns": (both_gathered, 4),
         "rows, gathered requantized": (requantize_gathered, 5),
     }
 
@@ -256,6 +277,9 @@ def transposing_kernel(kernel: str, tuning: block_quantize.ColumnTuning, rows: i
         ),
         "gathered requantize": functools.partial(
             padded_quantize.requantize_padded_columns, rows=row_ids
+        ),
+        "rows+gathered columns": functools.partial(
+            padded_quantize.quantize_rows_and_padded_columns, rows=row_ids, fmt=E4M3
         ),
     }
     if kernel == "per-tensor cast":
@@ -337,6 +361,13 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
         if ratios:
             rec.decision(
                 f"quantization kernels, {label} (XLA time / kernel time): " + ", ".join(ratios)
+            )
+        apart = [t.get(f"kernels: {case}") for case in ("rows", "gathered columns")]
+        together = t.get("kernels: rows+gathered columns")
+        if together and all(apart):
+            rec.decision(
+                f"quantization kernels, {label}: an expert layer's gradient, rows and gathered "
+                f"columns apart / in one kernel: {sum(apart) / together:.2f}x"
             )
         for kernel, tunings in TUNINGS.items():
             names = [tuning_name(kernel, tuning) for tuning in tunings]

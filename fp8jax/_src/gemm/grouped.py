@@ -194,7 +194,19 @@ def _backward(
     activations = _activations(recipe, plan)
     back = recipe.backward_dot_precision()
     experts = expert_of_rows(group_sizes, g.shape[0])
-    q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
+    rows = q_g_tokens = None
+    if isinstance(recipe, BlockScaledRecipe):
+        # The wgrad's operands with each expert's tokens padded to whole tiles (zeros
+        # between): each token tile holds one expert's tokens, as in DeepSeek-V3. The recipe
+        # quantizes them as it gathers them, the output gradient's copy for the dgrad in
+        # the same read.
+        layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
+        rows, padded_sizes = gather_map(layout), layout.sizes
+        q_g, q_g_tokens, new_grad = activations.quantize_both_gathered(
+            g, rows, residuals.grad_state, "output_grad"
+        )
+    else:
+        q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:
         grad_stats = activations.statistics(g, q_g, "output_grad", owner(residuals.grad_state))
@@ -203,22 +215,14 @@ def _backward(
     with jax.named_scope("dgrad"):
         dgrad_axis = _weight_axes(recipe)[1]
         d_x = rows_dot(recipe, q_g, q_w, dgrad_axis, group_sizes, experts, back, lhs_dtype, native)
-    rows = None
-    if isinstance(recipe, BlockScaledRecipe):
-        # The wgrad's operands with each expert's tokens padded to whole tiles (zeros
-        # between): each token tile holds one expert's tokens, as in DeepSeek-V3. The recipe
-        # quantizes them as it gathers them (one read of each).
-        layout = pad_layout(group_sizes, g.shape[0], token_tile(recipe))
-        rows, group_sizes = gather_map(layout), layout.sizes
-        q_g = activations.quantize_gathered(g, rows, "output_grad")
-    else:
-        q_g, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)
+    if rows is None:
+        q_g_tokens, _ = activations.quantize(g, residuals.grad_state, "output_grad", -2)
     with jax.named_scope("wgrad"):
         if rows is None:
             q_x = recipe.retile(q_x, "input", -2)
-        else:
-            q_x = recipe.retile_gathered(q_x, rows, "input")
-        d_w = tokens_dot(recipe, q_x, q_g, group_sizes, back, rhs_dtype, native)
+        else:  # the activation's tiles and the experts' sizes in the padded layout
+            q_x, group_sizes = recipe.retile_gathered(q_x, rows, "input"), padded_sizes
+        d_w = tokens_dot(recipe, q_x, q_g_tokens, group_sizes, back, rhs_dtype, native)
     if plan is not None:
         d_x = plan.gradient_back(d_x)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)

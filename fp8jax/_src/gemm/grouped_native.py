@@ -37,8 +37,10 @@ from ..recipes.blocks import gather_quantized
 class Padded(NamedTuple):
     """Where the rows of an expert-sorted array go in the padded layout.
 
-    - `source (P,)`: the row each padded row is read from; `valid (P,)`: whether it holds a
-      real row (else zeros). Rows past the sum of the group sizes are in no expert's rows.
+    - `source (P,)`: the row each padded row holds; `valid (P,)`: whether it holds it (else
+      zeros: a gap). Rows past the sum of the group sizes are in no expert's rows; the gaps'
+      `source`s name them, each once, then the other rows in turn (so that a kernel
+      writing something for each row a padded row names writes every row: `gather_map`).
     - `sizes (G,)`: each expert's padded size, a multiple of the tile.
     """
 
@@ -79,14 +81,19 @@ def pad_layout(group_sizes: Int[Array, " G"], rows: int, tile: int) -> Padded:
     expert = group_at(padded_end, position)
     offset = position - padded_start[expert]
     valid = (offset < sizes[expert]) & (position < padded_end[-1])
-    source = jnp.clip(start[expert] + offset, 0, max(rows - 1, 0))
+    # A gap's ordinal among the gaps (the positions before it less the rows placed before
+    # it) names the rows past the groups' sum first.
+    gap = end[-1] + position - end[expert]
+    last = max(rows - 1, 0)
+    source = jnp.where(valid, jnp.clip(start[expert] + offset, 0, last), gap % (last + 1))
     return Padded(source, valid, padded)
 
 
 def gather_map(layout: Padded) -> Int[Array, " P"]:
-    """The row each padded row holds, -1 for a gap: the row map the gathering kernels take
-    (`kernels/padded_quantize.py`)."""
-    return jnp.where(layout.valid, layout.source, -1)
+    """The row each padded row holds, negative for a gap (`-1 - source`: the row a gap's
+    lane of `padded_quantize.quantize_rows_and_padded_columns` writes the rows copy of): the
+    row map the gathering kernels take (`kernels/padded_quantize.py`)."""
+    return jnp.where(layout.valid, layout.source, -1 - layout.source)
 
 
 def pad(a: Array, layout: Padded) -> Array:

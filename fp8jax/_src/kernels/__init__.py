@@ -25,6 +25,7 @@ QUANTIZE_NAMES = (
     "fp8jax_quantize_padded_columns",
     "fp8jax_requantize_padded_columns",
     "fp8jax_cast_transpose",
+    "fp8jax_quantize_rows_and_padded_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]

@@ -153,16 +153,20 @@ def saturating_cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
 def _rows_kernel(
     x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, transpose_first: bool, **rule
 ):
-    dtype = q_ref.dtype
     x = x_ref[...].astype(jnp.float32)
-    magnitude = jnp.abs(x)
-    row_amax = nan_max(magnitude, axis=1)
-    scale, scale_inv = tile_scales(row_amax, **rule)
-    q_ref[...] = saturating_cast(x, scale[:, None], dtype)
-    s_ref[...] = scale_inv[None, :]
-    amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
+    q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
+    q_ref[...], s_ref[...] = q, scale_inv[None, :]
+    amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
     if columns:
         store_columns(x, *cols_refs, rule, transpose_first)
+
+
+def row_tiles(x: Array, dtype: jnp.dtype, rule: dict) -> tuple[Array, Array, Array]:
+    """A float32 tile `x` in 1 x `block` tiles along its columns: its FP8 values, each row's
+    scale_inv and the tile's amax (NaN where it has a NaN)."""
+    row_amax = nan_max(jnp.abs(x), axis=1)
+    scale, scale_inv = tile_scales(row_amax, **rule)
+    return saturating_cast(x, scale[:, None], dtype), scale_inv, nan_max(row_amax, axis=0)
 
 
 def store_columns(x: Array, qt_ref, st_ref, rule: dict, transpose_first: bool = False) -> None:

@@ -14,11 +14,19 @@ rows through the layout's row map themselves, once:
 - `requantize_padded_columns(data, scale_inv_t, rows)`: the saved FP8 activation in 1 x
   `block` tiles, gathered and requantized into those tiles, from its FP8 values
   (`block_quantize.requantize_columns` through the row map).
+- `quantize_rows_and_padded_columns(x, rows)`: the output gradient's two copies from one
+  read, as `block_quantize.quantize_rows_and_columns` makes a dense layer's: its 1 x `block`
+  tiles along `K` for the dgrad (`quantize_rows`' outputs, in `x`'s own rows) and the
+  gathered `block` x 1 tiles for the wgrad. Each program writes the rows copy of the rows it
+  gathered: the map must name every row of `x` (below).
 
-`rows[p]` is the row of `x` that padded row `p` holds, or -1 for a row of zeros. The math is
-`block_quantize`'s (its `store_columns` and `column_outputs`), and each result equals the
-corresponding `block_quantize` kernel run on the gathered copy, bit for bit
-(`reference_padded_columns` below and the tests).
+`rows[p]` is the row of `x` that padded row `p` holds, or, negative, a row of zeros (a gap).
+A gap's `-1 - rows[p]` names a row of `x` whose rows copy the gap's lane writes (and reads:
+its columns copy is zeros all the same): `gemm/grouped_native.gather_map` names each row past
+the experts' once, then others again (the same values twice). The math is
+`block_quantize`'s (its `row_tiles`, `store_columns` and `column_outputs`), and each result
+equals the corresponding `block_quantize` kernel run on `x` or on the gathered copy, bit for
+bit (`reference_padded_columns` below and the tests).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from ..core.jax_private import shape_like
 from . import QUANTIZE_NAMES
 from .block_quantize import (
     OTHER_TUNING,
@@ -38,6 +47,7 @@ from .block_quantize import (
     column_outputs,
     pltriton,
     reference_columns,
+    row_tiles,
     store_columns,
     tile_rule,
     triton_call,
@@ -45,6 +55,7 @@ from .block_quantize import (
 from .dispatch import interpreting
 
 QUANTIZE_PADDED_NAME, REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[4:6]
+BOTH_PADDED_NAME = QUANTIZE_NAMES[7]
 
 
 #: Elements an operand may have: the kernels address the gathered rows with 32-bit offsets.
@@ -64,9 +75,9 @@ def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]
     """This program's rows of column tile `j`, in float32: (values, which are real, index)."""
     rows = rows_ref[...]
     real = rows >= 0
-    index = jnp.where(real, rows, 0)
-    # A gap reads row 0 (the same cached row for every gap; the interpreter cannot discharge
-    # a masked gather) and is zeroed by the caller.
+    index = jnp.where(real, rows, -1 - rows)
+    # A gap reads the row it names (the interpreter cannot discharge a masked gather) and is
+    # zeroed by the caller.
     return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
 
 
@@ -83,6 +94,21 @@ def _requantize_kernel(
     scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
     x = jnp.where(real[:, None], data * scale_inv[:, None], 0.0)
     store_columns(x, qt_ref, st_ref, rule, first)
+
+
+def _both_kernel(
+    rows_ref, x_ref, q_ref, s_ref, amax_ref, qt_ref, st_ref, *, block: int, first: bool, **rule
+):
+    j = pl.program_id(1)
+    x, real, index = _gather(rows_ref, x_ref, j, block)
+    # The rows copy of every row gathered, gaps' named rows included; a row gathered twice
+    # gets the same values twice (no masked scatter in the interpreter either).
+    # The programs' amaxes cover every row of `x` so: their max is `x`'s.
+    q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
+    q_ref[index, pl.ds(j * block, block)] = q
+    s_ref[j, index] = scale_inv
+    amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
+    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, first)
 
 
 def _whole(a: Array) -> pl.BlockSpec:
@@ -122,6 +148,34 @@ def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, inte
     return tuple(call(rows, data, scale_inv_t))
 
 
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret", "tuning")
+)
+def _both(x, rows, *, fmt, block, max_scale, power_of_two, interpret, tuning):
+    (padded,), (m, k) = rows.shape, x.shape
+    rule = tile_rule(fmt, max_scale, power_of_two, interpret)
+    kernel = functools.partial(_both_kernel, block=block, first=tuning.transpose_first, **rule)
+    column_shapes, column_specs = column_outputs(block, padded, k, fmt, x)
+    shapes = [
+        shape_like((m, k), fmt, x),
+        shape_like((k // block, m), jnp.float32, x),
+        shape_like((padded // block, k // block), jnp.float32, x),
+        *column_shapes,
+    ]
+    specs = [
+        _whole(shapes[0]),
+        _whole(shapes[1]),
+        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+        *column_specs,
+    ]
+    in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
+    grid = (padded // block, k // block)
+    call = triton_call(
+        kernel, shapes, specs, in_specs, grid, interpret, BOTH_PADDED_NAME, tuning.num_warps
+    )
+    return tuple(call(rows, x))
+
+
 def _interpret(x: Array, rows: Array, block: int, name: str, interpret: bool | None) -> bool:
     """Check the operands of kernel `name`; whether it runs interpreted (`None`: as traced)."""
     if pltriton is None:  # pragma: no cover - a future JAX
@@ -132,7 +186,7 @@ def _interpret(x: Array, rows: Array, block: int, name: str, interpret: bool | N
     if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(
             f"{name}: rows has shape {rows.shape} and dtype {rows.dtype}; a 1-D integer row "
-            "map (the row each padded row holds, -1 for zeros) is expected."
+            "map (the row each padded row holds, negative for zeros) is expected."
         )
     if not fits(x.shape, rows.shape[0], block):
         raise ValueError(
@@ -155,7 +209,7 @@ def quantize_padded_columns(
     interpret: bool | None = None,
     tuning: ColumnTuning = OTHER_TUNING,
 ) -> tuple[Array, Float[Array, "P/block K"]]:
-    """`x`'s rows gathered by `rows` (zeros where -1) in `block` x 1 tiles along them,
+    """`x`'s rows gathered by `rows` (zeros where negative) in `block` x 1 tiles along them,
     transposed: FP8 `data_t (K, P)` and chunk-major `scale_inv (P / block, K)`, from one
     read of `x`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`). `tuning`: a
     `block_quantize.ColumnTuning` (the GPU check's sweep)."""
@@ -185,7 +239,7 @@ def requantize_padded_columns(
     tuning: ColumnTuning = OTHER_TUNING,
 ) -> tuple[Array, Float[Array, "P/block K"]]:
     """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major), its rows gathered
-    by `rows` (zeros where -1) and requantized into `block` x 1 tiles along them, transposed:
+    by `rows` (zeros where negative) and requantized into `block` x 1 tiles along them, transposed:
     `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block, K)`.
     `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
@@ -200,6 +254,37 @@ def requantize_padded_columns(
         data,
         scale_inv_t.astype(jnp.float32),
         rows.astype(jnp.int32),
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+        tuning=tuning,
+    )
+
+
+def quantize_rows_and_padded_columns(
+    x: Float[Array, "M K"],
+    rows: Int[Array, " P"],
+    fmt: jnp.dtype,
+    *,
+    block: int = 128,
+    max_scale: float,
+    power_of_two: bool = False,
+    interpret: bool | None = None,
+    tuning: ColumnTuning = OTHER_TUNING,
+) -> tuple[Array, Array, Array, Array, Array]:
+    """`block_quantize.quantize_rows(x)`'s three outputs (FP8 `data (M, K)`, chunk-major
+    `scale_inv_t (K / block, M)`, one amax per program, here `(P / block, K / block)`) and
+    `quantize_padded_columns(x, rows)`'s two, from one read of `x`. `rows` must name every
+    row of `x`, held or (negative, `-1 - r`) a gap's: rows it does not name are left
+    unwritten in the first two outputs (`gemm/grouped_native.gather_map` names them all).
+    `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
+    interpret = _interpret(x, rows, block, BOTH_PADDED_NAME, interpret)
+    check_tuning(tuning, BOTH_PADDED_NAME)
+    return _both(
+        x,
+        rows.astype(jnp.int32),
+        fmt=jnp.dtype(fmt),
         block=block,
         max_scale=max_scale,
         power_of_two=power_of_two,

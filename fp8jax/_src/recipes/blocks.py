@@ -15,15 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..core.formats import (
-    FormatLike,
-    expand_blocks,
-    floor_log2,
-    fp8_dtype,
-    fp8_max,
-    pow2,
-    saturate,
-)
+from ..core.formats import FormatLike, expand_blocks, floor_log2, fp8_dtype, fp8_max, pow2, saturate
 from ..core.formats import format_name as canonical_format
 from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import (
@@ -36,12 +28,7 @@ from .base import (
     check_positive_int,
     gemm_dims,
 )
-from .block_dot import (
-    block_dot,
-    dequantized_block_dot,
-    native_block_dot,
-    pad_to_blocks,
-)
+from .block_dot import block_dot, dequantized_block_dot, native_block_dot, pad_to_blocks
 from .per_tensor import MAX_SCALE
 
 #: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
@@ -149,14 +136,24 @@ class BlockScaledRecipe(Recipe):
         return self._quantize(q.dequantize() if source is None else source, role, axis)
 
     def quantize_gathered(self, x: Array, rows: Int[Array, " P"], role: Role) -> QTensor:
-        """`x`'s rows gathered by `rows` (a row of zeros where -1: an expert layer's padded
+        """`x`'s rows gathered by `rows` (a row of zeros where negative: an expert layer's padded
         layout) in tiles along them, contracted on -2 as the wgrad takes it: `quantize`'s
         tensor of the gathered copy, without a state (the caller's is the ungathered
         tensor's)."""
         return self._quantize(padded_quantize.gather_rows(x, rows), role, -2)
 
+    def quantize_both_gathered(
+        self, x: Array, rows: Int[Array, " P"], state: TensorState, role: Role
+    ) -> tuple[QTensor, QTensor, TensorState]:
+        """`quantize(x, state, role, -1)` and `quantize_gathered(x, rows, role)`: an expert
+        layer's output gradient for its dgrad and its wgrad, and the role's new state.
+        `rows` from `gemm/grouped_native.gather_map`. Recipes that make both in one pass
+        override it."""
+        q, new_state = self.quantize(x, state, role, -1)
+        return q, self.quantize_gathered(x, rows, role), new_state
+
     def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
-        """`retile(q, role, -2)` of `q`'s rows gathered by `rows` (zeros where -1); `q` in
+        """`retile(q, role, -2)` of `q`'s rows gathered by `rows` (zeros where negative); `q` in
         tiles of one row, as an activation is saved."""
         return self.retile(gather_quantized(q, rows), role, -2)
 
@@ -179,7 +176,7 @@ class BlockScaledRecipe(Recipe):
 
 
 def gather_quantized(q: QTensor, rows: Int[Array, " P"]) -> QTensor:
-    """`q`'s rows gathered by `rows`, FP8 zeros where -1; `q` in tiles of one row."""
+    """`q`'s rows gathered by `rows`, FP8 zeros where negative; `q` in tiles of one row."""
     if not q.block or q.block[0] != 1:
         raise ValueError(f"gather_quantized: blocks {q.block} span rows; tiles of one row.")
     if q.scale_inv.shape[0] == 0:  # no rows: all gaps
@@ -466,6 +463,29 @@ class BlockwiseScaling(BlockScaledRecipe):
             return q.data, q.scale_inv
 
         return QTensor(*self._on_kernel(native, xla, x, rows), (self.block_size, 1))
+
+    def quantize_both_gathered(
+        self, x: Array, rows: Int[Array, " P"], state: TensorState, role: Role
+    ) -> tuple[QTensor, QTensor, TensorState]:
+        if role == "kernel" or not self._gathers(x, rows):
+            return super().quantize_both_gathered(x, rows, state, role)
+        fmt, size = self.format(role), self.block_size
+
+        def native(x: Array, rows: Array) -> tuple[Array, ...]:
+            data, scale_t, amaxes, data_t, cols = padded_quantize.quantize_rows_and_padded_columns(
+                x, rows, fmt, **self._rule()
+            )
+            return data, scale_t.T, jnp.max(amaxes), data_t.T, cols
+
+        def xla(x: Array, rows: Array) -> tuple[Array, ...]:
+            q = self._quantize(x, role, -1)
+            q_t = super(BlockwiseScaling, self).quantize_gathered(x, rows, role)
+            return q.data, q.scale_inv, _local_amax(x), q_t.data, q_t.scale_inv
+
+        data, scale_inv, local, data_t, cols = self._on_kernel(native, xla, x, rows)
+        new_state = self._state(state, role, self.amax(local, state.scale))
+        q_cols = QTensor(data_t, cols, (size, 1))
+        return QTensor(data, scale_inv, (1, size)), q_cols, new_state
 
     def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
         if tuple(q.block) != (1, self.block_size) or not self._gathers(q.data, rows):
