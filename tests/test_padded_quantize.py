@@ -43,14 +43,12 @@ def heavy_tailed(rng, shape):
     return x.astype(np.float32)
 
 
-def np_columns(x, rows, fmt, block, power_of_two):
-    """`x`'s rows gathered by `rows` (zeros where -1) in `block` x 1 tiles along them,
-    transposed, in NumPy (float32 math, ml_dtypes rounding): data_t (K, P), scale_inv
-    (P / block, K)."""
+def np_rows(x, fmt, block, power_of_two):
+    """`x` in 1 x `block` tiles along its columns in NumPy (float32 math, ml_dtypes
+    rounding): data (M, K) and chunk-major scale_inv (K / block, M)."""
     x = np.asarray(x, np.float32)
-    g = np.where((rows >= 0)[:, None], x[np.maximum(rows, 0)], 0).astype(np.float32)
-    p, k = g.shape
-    amax = np.abs(g).reshape(p // block, block, k).max(1)  # NaN where a tile has one
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(-1)  # NaN where a tile has one
     fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
     ok = (amax > 0) & np.isfinite(amax)
     with np.errstate(invalid="ignore"):
@@ -59,9 +57,18 @@ def np_columns(x, rows, fmt, block, power_of_two):
     if power_of_two:
         scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
     with np.errstate(invalid="ignore"):
-        scaled = np.clip(g * np.repeat(scale, block, axis=0), -fmt_max, fmt_max)
-    data = np.where(np.isfinite(g), scaled, np.nan).astype(fmt)
-    return data.T, np.float32(1) / scale
+        scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
+    data = np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
+    return data, (np.float32(1) / scale).T
+
+
+def np_columns(x, rows, fmt, block, power_of_two):
+    """`x`'s rows gathered by `rows` (zeros where negative) in `block` x 1 tiles along them,
+    transposed, in NumPy: data_t (K, P), scale_inv (P / block, K), as `np_rows` of the
+    gathered copy's transpose."""
+    x = np.asarray(x, np.float32)
+    g = np.where((rows >= 0)[:, None], x[np.maximum(rows, 0)], 0).astype(np.float32)
+    return np_rows(g.T, fmt, block, power_of_two)
 
 
 def same(a, b):
@@ -99,25 +106,6 @@ def test_kernels_match_a_numpy_reference_of_the_gathered_copy(sizes, k, fmt, blo
     real = data.astype(np.float32) * np.repeat(scale_inv, block, axis=1)
     for a, b in zip(again, np_columns(real, rows, fmt, block, power_of_two), strict=True):
         same(a, b)
-
-
-def np_rows(x, fmt, block, power_of_two):
-    """`x` in 1 x `block` tiles along its columns in NumPy (float32 math, ml_dtypes
-    rounding): data (M, K) and chunk-major scale_inv (K / block, M)."""
-    x = np.asarray(x, np.float32)
-    m, k = x.shape
-    amax = np.abs(x).reshape(m, k // block, block).max(-1)  # NaN where a tile has one
-    fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
-    ok = (amax > 0) & np.isfinite(amax)
-    with np.errstate(invalid="ignore"):
-        scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
-    scale = np.minimum(scale, np.float32(MAX_SCALE))
-    if power_of_two:
-        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
-    data = np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
-    return data, (np.float32(1) / scale).T
 
 
 @pytest.mark.parametrize("sizes, k, fmt, block, power_of_two", CASES)

@@ -116,19 +116,44 @@ def _whole(a: Array) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret", "tuning")
-)
-def _quantize(x, rows, *, fmt, block, max_scale, power_of_two, interpret, tuning):
-    (padded,), k = rows.shape, x.shape[1]
+_STATIC = ("fmt", "rows_too", "block", "max_scale", "power_of_two", "interpret", "tuning")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _quantize(x, rows, *, fmt, rows_too, block, max_scale, power_of_two, interpret, tuning):
+    (padded,), (m, k) = rows.shape, x.shape
     rule = tile_rule(fmt, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_quantize_kernel, block=block, first=tuning.transpose_first, **rule)
     shapes, specs = column_outputs(block, padded, k, fmt, x)
+    body, name = _quantize_kernel, QUANTIZE_PADDED_NAME
+    if rows_too:  # quantize_rows' outputs first: the rows copy and its scales whole
+        body, name = _both_kernel, BOTH_PADDED_NAME
+        rows_copy = [shape_like((m, k), fmt, x), shape_like((k // block, m), jnp.float32, x)]
+        amaxes = shape_like((padded // block, k // block), jnp.float32, x)
+        shapes = [*rows_copy, amaxes, *shapes]
+        specs = [*map(_whole, rows_copy), pl.BlockSpec((1, 1), lambda i, j: (i, j)), *specs]
+    kernel = functools.partial(body, block=block, first=tuning.transpose_first, **rule)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
     grid = (padded // block, k // block)
-    name, warps = QUANTIZE_PADDED_NAME, tuning.num_warps
-    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, warps)
+    call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, tuning.num_warps)
     return tuple(call(rows, x))
+
+
+def _gathered(x, rows, fmt, rows_too, block, max_scale, power_of_two, interpret, tuning):
+    """`_quantize` of checked operands."""
+    name = BOTH_PADDED_NAME if rows_too else QUANTIZE_PADDED_NAME
+    interpret = _interpret(x, rows, block, name, interpret)
+    check_tuning(tuning, name)
+    return _quantize(
+        x,
+        rows.astype(jnp.int32),
+        fmt=jnp.dtype(fmt),
+        rows_too=rows_too,
+        block=block,
+        max_scale=max_scale,
+        power_of_two=power_of_two,
+        interpret=interpret,
+        tuning=tuning,
+    )
 
 
 @functools.partial(
@@ -146,34 +171,6 @@ def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, inte
     name, warps = REQUANTIZE_PADDED_NAME, tuning.num_warps
     call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, warps)
     return tuple(call(rows, data, scale_inv_t))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("fmt", "block", "max_scale", "power_of_two", "interpret", "tuning")
-)
-def _both(x, rows, *, fmt, block, max_scale, power_of_two, interpret, tuning):
-    (padded,), (m, k) = rows.shape, x.shape
-    rule = tile_rule(fmt, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_both_kernel, block=block, first=tuning.transpose_first, **rule)
-    column_shapes, column_specs = column_outputs(block, padded, k, fmt, x)
-    shapes = [
-        shape_like((m, k), fmt, x),
-        shape_like((k // block, m), jnp.float32, x),
-        shape_like((padded // block, k // block), jnp.float32, x),
-        *column_shapes,
-    ]
-    specs = [
-        _whole(shapes[0]),
-        _whole(shapes[1]),
-        pl.BlockSpec((1, 1), lambda i, j: (i, j)),
-        *column_specs,
-    ]
-    in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
-    grid = (padded // block, k // block)
-    call = triton_call(
-        kernel, shapes, specs, in_specs, grid, interpret, BOTH_PADDED_NAME, tuning.num_warps
-    )
-    return tuple(call(rows, x))
 
 
 def _interpret(x: Array, rows: Array, block: int, name: str, interpret: bool | None) -> bool:
@@ -213,18 +210,7 @@ def quantize_padded_columns(
     transposed: FP8 `data_t (K, P)` and chunk-major `scale_inv (P / block, K)`, from one
     read of `x`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`). `tuning`: a
     `block_quantize.ColumnTuning` (the GPU check's sweep)."""
-    interpret = _interpret(x, rows, block, QUANTIZE_PADDED_NAME, interpret)
-    check_tuning(tuning, QUANTIZE_PADDED_NAME)
-    return _quantize(
-        x,
-        rows.astype(jnp.int32),
-        fmt=jnp.dtype(fmt),
-        block=block,
-        max_scale=max_scale,
-        power_of_two=power_of_two,
-        interpret=interpret,
-        tuning=tuning,
-    )
+    return _gathered(x, rows, fmt, False, block, max_scale, power_of_two, interpret, tuning)
 
 
 def requantize_padded_columns(
@@ -239,9 +225,9 @@ def requantize_padded_columns(
     tuning: ColumnTuning = OTHER_TUNING,
 ) -> tuple[Array, Float[Array, "P/block K"]]:
     """FP8 `data (M, K)` in 1 x `block` tiles (`scale_inv_t` chunk-major), its rows gathered
-    by `rows` (zeros where negative) and requantized into `block` x 1 tiles along them, transposed:
-    `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block, K)`.
-    `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
+    by `rows` (zeros where negative) and requantized into `block` x 1 tiles along them,
+    transposed: `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block,
+    K)`. `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
     check_tuning(tuning, REQUANTIZE_PADDED_NAME)
     want = (data.shape[1] // block, data.shape[0])
@@ -279,18 +265,7 @@ def quantize_rows_and_padded_columns(
     row of `x`, held or (negative, `-1 - r`) a gap's: rows it does not name are left
     unwritten in the first two outputs (`gemm/grouped_native.gather_map` names them all).
     `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
-    interpret = _interpret(x, rows, block, BOTH_PADDED_NAME, interpret)
-    check_tuning(tuning, BOTH_PADDED_NAME)
-    return _both(
-        x,
-        rows.astype(jnp.int32),
-        fmt=jnp.dtype(fmt),
-        block=block,
-        max_scale=max_scale,
-        power_of_two=power_of_two,
-        interpret=interpret,
-        tuning=tuning,
-    )
+    return _gathered(x, rows, fmt, True, block, max_scale, power_of_two, interpret, tuning)
 
 
 # --- reference: the gathered copy, then block_quantize's math in plain XLA -----------------

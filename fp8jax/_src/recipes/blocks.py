@@ -136,10 +136,10 @@ class BlockScaledRecipe(Recipe):
         return self._quantize(q.dequantize() if source is None else source, role, axis)
 
     def quantize_gathered(self, x: Array, rows: Int[Array, " P"], role: Role) -> QTensor:
-        """`x`'s rows gathered by `rows` (a row of zeros where negative: an expert layer's padded
-        layout) in tiles along them, contracted on -2 as the wgrad takes it: `quantize`'s
-        tensor of the gathered copy, without a state (the caller's is the ungathered
-        tensor's)."""
+        """`x`'s rows gathered by `rows` (a row of zeros where negative: an expert layer's
+        padded layout) in tiles along them, contracted on -2 as the wgrad takes it:
+        `quantize`'s tensor of the gathered copy, without a state (the caller's is the
+        ungathered tensor's)."""
         return self._quantize(padded_quantize.gather_rows(x, rows), role, -2)
 
     def quantize_both_gathered(
@@ -153,8 +153,8 @@ class BlockScaledRecipe(Recipe):
         return q, self.quantize_gathered(x, rows, role), new_state
 
     def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
-        """`retile(q, role, -2)` of `q`'s rows gathered by `rows` (zeros where negative); `q` in
-        tiles of one row, as an activation is saved."""
+        """`retile(q, role, -2)` of `q`'s rows gathered by `rows` (zeros where negative); `q`
+        in tiles of one row, as an activation is saved."""
         return self.retile(gather_quantized(q, rows), role, -2)
 
     def dot(
