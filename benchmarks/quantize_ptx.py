@@ -13,7 +13,9 @@ cast: the fp8jax kernels' transposed copy (scaled per column) is gathered from s
 one byte at a time instead. GPU run 6 measured these kernels at 0.6-2.2 TB/s (an H200: 4.8).
 Then each kernel that writes a transposed copy with `ColumnTuning(transpose_first=True)`:
 whether that compiles to other instructions at all (for the block kernels it does not:
-Triton moves the transpose back behind the per-column scaling).
+Triton moves the transpose back behind the per-column scaling); and with
+`ColumnTuning(wide_transpose=True)` (session 38): the FP8 tile widened to BF16 (exact) before
+its transpose, which Triton then moves with `ldmatrix ... .trans`, as the plain cast's.
 
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
@@ -84,6 +86,7 @@ def kernels() -> dict[str, tuple[object, int]]:
     """label -> (function of a BF16 (M, K) operand, warps)."""
     warps8 = block_quantize.ColumnTuning(num_warps=8)
     first = block_quantize.ColumnTuning(num_warps=4, transpose_first=True)
+    wide = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
     return {
         "quantize_rows (1 x 128 tiles)": (
             lambda x: block_quantize.quantize_rows(x, E4M3, **RULE),
@@ -101,12 +104,20 @@ def kernels() -> dict[str, tuple[object, int]]:
             lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=first),
             4,
         ),
+        "quantize_rows_and_columns, widened to BF16 to transpose": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=wide),
+            4,
+        ),
         "cast_transpose (per-tensor)": (
             lambda x: cast_transpose(x, jnp.float32(0.5), E4M3),
             block_quantize.DEFAULT_TUNING.num_warps,
         ),
         "cast_transpose, transposed before the cast": (
             lambda x: cast_transpose(x, jnp.float32(0.5), E4M3, tuning=first),
+            4,
+        ),
+        "cast_transpose, widened to BF16 to transpose": (
+            lambda x: cast_transpose(x, jnp.float32(0.5), E4M3, tuning=wide),
             4,
         ),
         "plain cast and transpose (no scales)": (plain_cast_and_transpose, 4),
@@ -131,8 +142,9 @@ def row(label: str, fn, warps: int) -> str:
 def transpose_first_rows() -> list[str]:
     """Per transposing kernel of the GPU check's sweep (`gpu_check.quantize.TUNINGS`, 4 warps):
     its byte loads and `ldmatrix` transposes cast, then transposed, and transposed before the
-    cast (`ColumnTuning.transpose_first`), and whether the two compile to the same instructions
-    (the same count of each opcode)."""
+    cast (`ColumnTuning.transpose_first`), whether the two compile to the same instructions
+    (the same count of each opcode), and the same counts widened to BF16 to transpose
+    (`ColumnTuning.wide_transpose`)."""
     bf16 = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),)
     saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
     out = []
@@ -142,11 +154,12 @@ def transpose_first_rows() -> list[str]:
                 transposing_kernel(label, block_quantize.ColumnTuning(num_warps=4, **first), M),
                 saved if label in REQUANTIZING else bf16,
             )
-            for first in ({}, {"transpose_first": True})
+            for first in ({}, {"transpose_first": True}, {"wide_transpose": True})
         ]
         ops = [collections.Counter(re.findall(r"^\s+([a-z][\w.]*)", t, re.M)) for t in ptx]
         cells = [f"{t.count('ld.shared.b8')} / {t.count('ldmatrix')}" for t in ptx]
-        out.append(f"| {label} | {cells[0]} | {cells[1]} | {'yes' if ops[0] == ops[1] else 'no'} |")
+        same = "yes" if ops[0] == ops[1] else "no"
+        out.append(f"| {label} | {cells[0]} | {cells[1]} | {same} | {cells[2]} |")
     return out
 
 
@@ -161,13 +174,16 @@ def main() -> None:
     for label, (fn, warps) in kernels().items():
         print(row(label, fn, warps), flush=True)
     print()
-    print("Transposed before the cast (`ColumnTuning(transpose_first=True)`), 4 warps:")
+    print(
+        "Transposed before the cast (`ColumnTuning(transpose_first=True)`) and widened to BF16"
+        " to transpose (`ColumnTuning(wide_transpose=True)`), 4 warps:"
+    )
     print()
     print(
         "| kernel | ld.shared.b8 / ldmatrix, cast then transposed | the same, transposed first "
-        "| same instructions |"
+        "| same instructions | the same, widened |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|")
     print("\n".join(transpose_first_rows()))
 
 

@@ -132,17 +132,25 @@ def test_column_tunings_compute_the_same_and_lower_for_an_h100():
     tunings compile for an H100 (Triton, deviceless)."""
     rng = np.random.default_rng(11)
     x = heavy_tailed(rng, (256, 384))
-    # Warps change nothing interpreted; the order of cast and transpose does.
-    tuning = block_quantize.ColumnTuning(num_warps=2, transpose_first=True)
-    assert not block_quantize.DEFAULT_TUNING.transpose_first
-    assert not block_quantize.OTHER_TUNING.transpose_first
+    # Warps change nothing interpreted; the order of cast and transpose and the width of
+    # the transposed tile do.
+    tunings = [
+        block_quantize.ColumnTuning(num_warps=2, transpose_first=True),
+        block_quantize.ColumnTuning(num_warps=4, wide_transpose=True),
+    ]
+    for default in (block_quantize.DEFAULT_TUNING, block_quantize.OTHER_TUNING):
+        assert not default.transpose_first and not default.wide_transpose
+    both = block_quantize.ColumnTuning(transpose_first=True, wide_transpose=True)
     kernels = _transposing_kernels()
     for kernel in kernels.values():
         want = kernel(x, interpret=True)
-        for a, b in zip(kernel(x, interpret=True, tuning=tuning), want, strict=True):
-            same(a, b)
+        for tuning in tunings:
+            for a, b in zip(kernel(x, interpret=True, tuning=tuning), want, strict=True):
+                same(a, b)
         with pytest.raises(ValueError, match="num_warps a power of two"):
             kernel(x, interpret=True, tuning=block_quantize.ColumnTuning(num_warps=3))
+        with pytest.raises(ValueError, match="choose one"):
+            kernel(x, interpret=True, tuning=both)
     if deviceless.h100_topology() is None:
         return
     device = deviceless.h100_topology().devices[0]
@@ -153,11 +161,34 @@ def test_column_tunings_compute_the_same_and_lower_for_an_h100():
     compiled = [name for name in kernels if "rows_and_columns" in name or "blocks" in name]
 
     def each(x):
-        return [kernels[name](x, interpret=False, tuning=tuning) for name in compiled]
+        return [kernels[name](x, interpret=False, tuning=tunings[0]) for name in compiled]
 
     hlo = deviceless.lower(each, (spec,), {}, device)[0].compile().as_text()
     assert len(compiled) == 2 and all(name in hlo for name in compiled)
     assert hlo.count("num_warps = 2 : i32") == 2  # each kernel in its tuning
+
+
+@pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
+def test_wide_transpose_moves_no_single_bytes_through_shared_memory():
+    """`ColumnTuning(wide_transpose=True)` compiled for an H100: the rows-and-columns
+    kernel transposes its FP8 tile widened to BF16 with `ldmatrix ... .trans`, not one
+    `ld.shared.b8` per byte as in the default (where Triton gathers the FP8 tile), and still
+    divides exactly and spills nothing."""
+    tuning = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
+
+    def both(x):
+        rule = dict(max_scale=MAX_SCALE, interpret=False, tuning=tuning)
+        return block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
+
+    spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    lowered, _ = deviceless.lower(both, (spec,), {}, deviceless.h100_topology().devices[0])
+    with tempfile.TemporaryDirectory() as folder:
+        lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_emitter_re": "^ptx$"})
+        files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
+        ptx = [text for text in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", text)]
+    assert len(ptx) == 1
+    assert "ld.shared.b8" not in ptx[0] and re.search(r"ldmatrix\.[\w.]*\.trans", ptx[0])
+    assert "div.rn.f32" in ptx[0] and ".local" not in ptx[0]
 
 
 def test_kernels_propagate_nan_and_inf():

@@ -45,7 +45,14 @@ def same(got, want):
 
 
 @pytest.mark.parametrize("fmt, scale", [(E4M3, 0.37), (E5M2, 3.1e3)])
-@pytest.mark.parametrize("tuning", [ColumnTuning(num_warps=4), ColumnTuning(transpose_first=True)])
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        ColumnTuning(num_warps=4),
+        ColumnTuning(transpose_first=True),
+        ColumnTuning(wide_transpose=True),
+    ],
+)
 def test_kernel_casts_as_the_recipes_and_numpy_bit_for_bit(fmt, scale, tuning):
     """The data and its transposed copy equal `formats.saturate` (the recipes' cast) and a
     NumPy cast element for element; each tile's amax is its `max |x|` (NaN with a NaN)."""

@@ -21,9 +21,11 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    XLA's transposing FP8 fusions moved 1.3-2.5 TB/s in run 6's Llama profile).
 3. Sweep (full run): each kernel that writes a transposed copy, alone, in each of its
    `TUNINGS` (`block_quantize.ColumnTuning`: warps per program; for the per-tensor cast also
-   transposing before the cast, the only kernel where that compiles to other instructions).
-   Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and so its
-   default since); the others are swept from then on.
+   transposing before the cast, the only kernel where that compiles to other instructions;
+   for all but the weight's, the FP8 tile widened to BF16 to transpose, `wide_transpose`,
+   which replaces the byte-wise gather through shared memory by `ldmatrix`). Run 6 swept the
+   rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and so its default since); the
+   others are swept from then on. The fastest tuning per kernel is a decision line.
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -60,21 +62,25 @@ SHAPES = {
     "weight 14336x4096": (14336, 4096),
 }
 DRY_SHAPES = {"dry 256x384": (256, 384)}
-_OTHER = (block_quantize.OTHER_TUNING, block_quantize.ColumnTuning(num_warps=4))
-_FOUR_WARPS = (block_quantize.DEFAULT_TUNING, block_quantize.ColumnTuning(num_warps=8))
+#: Widened to BF16 to transpose (session 38): `ldmatrix` where the default gathers bytes.
+_WIDE = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
+_OTHER = (block_quantize.OTHER_TUNING, block_quantize.ColumnTuning(num_warps=4), _WIDE)
+_FOUR_WARPS = (block_quantize.DEFAULT_TUNING, block_quantize.ColumnTuning(num_warps=8), _WIDE)
 #: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
 #: default first. Transposed before the cast (`transpose_first`), every block-scaled kernel
 #: compiles to the same instructions as after it (Triton moves the transpose back behind the
 #: per-column scaling; `benchmarks/quantize_ptx.py`, session 36), so none is timed twice; the
 #: per-tensor cast transposed first takes Triton's `ldmatrix` transpose of the BF16 tile
 #: instead of gathering its FP8 bytes one at a time, another kernel, which the sweep times.
+#: Every kernel but the weight's (which gathers no bytes) is also timed widened to BF16 to
+#: transpose (`wide_transpose`: `ldmatrix`, read in quantize_ptx.py's PTX; session 38).
 TUNINGS = {
     "rows+columns": _FOUR_WARPS,
     "requantize": _OTHER,
-    "weight": _OTHER,
+    "weight": _OTHER[:2],  # no byte gathers to widen away (quantize_ptx.py)
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
-    "rows+gathered columns": _OTHER,
+    "rows+gathered columns": _FOUR_WARPS,
     "per-tensor cast": (
         *_FOUR_WARPS,
         block_quantize.ColumnTuning(num_warps=4, transpose_first=True),
@@ -100,6 +106,7 @@ def per_tensor_kernel(x: jax.Array, tuning=block_quantize.DEFAULT_TUNING) -> tup
 def tuning_name(kernel: str, tuning: block_quantize.ColumnTuning) -> str:
     """A kernel in a `ColumnTuning`, as the sweep's case name."""
     order = "transposed before the cast" if tuning.transpose_first else "cast, then transposed"
+    order += " in BF16" if tuning.wide_transpose else ""
     return f"{kernel} kernel alone, {tuning.num_warps} warps, {order}"
 
 
@@ -158,6 +165,12 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
         lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, interpret=interpret, **RULE)
     )
     data, scale_t, _, data_t, cols_t = kernel(x)
+    # The sweep's widened transpose (`wide_transpose`) writes the same columns.
+    wide = jax.jit(
+        lambda x: block_quantize.quantize_rows_and_columns(
+            x, E4M3, interpret=interpret, tuning=_WIDE, **RULE
+        )
+    )(x)
     again = jax.jit(
         lambda d, s: block_quantize.requantize_columns(d, s, interpret=interpret, **RULE)
     )(data, scale_t)
@@ -197,6 +210,7 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
         "per-tensor cast": _differ(per_tensor[0], cast) + _differ(per_tensor[1], cast.T),
         "rows": _differ(data, rows) + _differ(scale_t, scales),
         "columns": _differ(data_t, cols) + _differ(cols_t, col_scales),
+        "columns, widened to transpose": _differ(wide[3], cols) + _differ(wide[4], col_scales),
         "requantized": _differ(again[0], req) + _differ(again[1], req_scales),
         "padded columns": _differ(p_data, p_want) + _differ(p_scales, p_want_scales),
         "padded, requantized": _differ(pr_data, pr_want) + _differ(pr_scales, pr_want_scales),

@@ -71,10 +71,13 @@ class ColumnTuning(NamedTuple):
     `requantize_columns`, `quantize_blocks` and `padded_quantize`'s), for the GPU check's
     sweep. `num_warps`: warps per program (default `NUM_WARPS`). `transpose_first`:
     transpose the float32 tile before the cast to FP8 (default: cast, then transpose the FP8
-    tile). The same values either way."""
+    tile). `wide_transpose`: transpose the FP8 tile widened to BF16 (exact), which Triton
+    transposes with `ldmatrix` where it gathers an FP8 tile one byte at a time (read in the
+    PTX: `benchmarks/quantize_ptx.py`). The same values every way."""
 
     num_warps: int = NUM_WARPS
     transpose_first: bool = False
+    wide_transpose: bool = False
 
 
 #: The rows-and-columns kernel's default tuning: 4 warps, cast, then transposed. On an H200
@@ -151,14 +154,14 @@ def saturating_cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
 
 
 def _rows_kernel(
-    x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, transpose_first: bool, **rule
+    x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, tuning: ColumnTuning, **rule
 ):
     x = x_ref[...].astype(jnp.float32)
     q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
     q_ref[...], s_ref[...] = q, scale_inv[None, :]
     amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
     if columns:
-        store_columns(x, *cols_refs, rule, transpose_first)
+        store_columns(x, *cols_refs, rule, tuning)
 
 
 def row_tiles(x: Array, dtype: jnp.dtype, rule: dict) -> tuple[Array, Array, Array]:
@@ -169,22 +172,26 @@ def row_tiles(x: Array, dtype: jnp.dtype, rule: dict) -> tuple[Array, Array, Arr
     return saturating_cast(x, scale[:, None], dtype), scale_inv, nan_max(row_amax, axis=0)
 
 
-def store_columns(x: Array, qt_ref, st_ref, rule: dict, transpose_first: bool = False) -> None:
+def store_columns(x: Array, qt_ref, st_ref, rule: dict, tuning: ColumnTuning) -> None:
     """A float32 tile `x` in `block` x 1 tiles along its rows: the FP8 values written
-    transposed to `qt_ref` (transposed in float32 before the cast with `transpose_first`,
-    else the FP8 tile after it), their scale_inv to `st_ref` (one row)."""
+    transposed to `qt_ref` (as `tuning` says), their scale_inv to `st_ref` (one row)."""
     scale, scale_inv = tile_scales(nan_max(jnp.abs(x), axis=0), **rule)
-    if transpose_first:
+    if tuning.transpose_first:
         qt_ref[...] = saturating_cast(x.T, scale[:, None], qt_ref.dtype)
     else:
-        qt_ref[...] = saturating_cast(x, scale[None, :], qt_ref.dtype).T
+        qt_ref[...] = transpose(saturating_cast(x, scale[None, :], qt_ref.dtype), tuning)
     st_ref[...] = scale_inv[None, :]
 
 
-def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, *, transpose_first: bool, **rule):
+def transpose(q: Array, tuning: ColumnTuning) -> Array:
+    """`q.T` of an FP8 tile, through BF16 with `tuning.wide_transpose`."""
+    return q.astype(jnp.bfloat16).T.astype(q.dtype) if tuning.wide_transpose else q.T
+
+
+def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, *, tuning: ColumnTuning, **rule):
     scale_inv = s_ref[0, :]
     x = data_ref[...].astype(jnp.float32) * scale_inv[:, None]  # the saved tiles' values
-    store_columns(x, qt_ref, st_ref, rule, transpose_first)
+    store_columns(x, qt_ref, st_ref, rule, tuning)
 
 
 def tile_rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
@@ -274,9 +281,7 @@ def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret, tun
     m, k = x.shape
     shapes, specs = _specs(block, m, k, fmt, columns, x)
     rule = tile_rule(fmt, max_scale, power_of_two, interpret)
-    kernel = functools.partial(
-        _rows_kernel, columns=columns, transpose_first=tuning.transpose_first, **rule
-    )
+    kernel = functools.partial(_rows_kernel, columns=columns, tuning=tuning, **rule)
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     name = QUANTIZE_NAMES[1 if columns else 0]
     grid = (m // block, k // block)
@@ -291,6 +296,11 @@ def check_tuning(tuning: ColumnTuning, name: str) -> None:
             f"{name}: tuning={tuning!r}; expected a ColumnTuning with num_warps a power of "
             "two from 1 to 32."
         )
+    if tuning.transpose_first and tuning.wide_transpose:
+        raise ValueError(
+            f"{name}: tuning={tuning!r} transposes the float32 tile (transpose_first) and "
+            "the FP8 tile widened (wide_transpose); choose one."
+        )
 
 
 def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
@@ -299,16 +309,8 @@ def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
     return interpreting() if interpret is None else interpret
 
 
-def _rows(
-    x: Array,
-    fmt: jnp.dtype,
-    columns: bool,
-    block: int,
-    max_scale: float,
-    power_of_two: bool,
-    interpret: bool | None,
-    tuning: ColumnTuning = DEFAULT_TUNING,
-) -> tuple[Array, ...]:
+def _rows(x, fmt, columns, block, max_scale, power_of_two, interpret, tuning=DEFAULT_TUNING):
+    """`_quantize` of checked operands."""
     name = QUANTIZE_NAMES[1 if columns else 0]
     check_tuning(tuning, name)
     return _quantize(
@@ -362,7 +364,7 @@ def _requantize(data, scale_inv, *, block, max_scale, power_of_two, interpret, t
     m, k = data.shape
     nm = m // block
     rule = tile_rule(data.dtype, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_columns_kernel, transpose_first=tuning.transpose_first, **rule)
+    kernel = functools.partial(_columns_kernel, tuning=tuning, **rule)
     shapes, specs = column_outputs(block, m, k, data.dtype, data)
     in_specs = [
         pl.BlockSpec((block, block), lambda i, j: (i, j)),
@@ -408,7 +410,7 @@ def requantize_columns(
 
 
 def _square_kernel(
-    w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, *, transpose_first: bool, **rule
+    w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, *, tuning: ColumnTuning, **rule
 ):
     w = w_ref[...].astype(jnp.float32)
     row_amax = nan_max(jnp.abs(w), axis=1)
@@ -418,7 +420,10 @@ def _square_kernel(
     q = saturating_cast(w, scale[:, None], q_ref.dtype)
     q_ref[...] = q
     # One scale for the whole block: casting the transposed tile gives the same values.
-    qt_ref[...] = saturating_cast(w.T, scale[:, None], q_ref.dtype) if transpose_first else q.T
+    if tuning.transpose_first:
+        qt_ref[...] = saturating_cast(w.T, scale[:, None], q_ref.dtype)
+    else:
+        qt_ref[...] = transpose(q, tuning)
     rows_ref[...] = scale_inv[None, :]  # all lanes are equal: the block's scale per row
     cols_ref[...] = scale_inv[None, :]  # and per row of the transposed copy
     amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
@@ -430,7 +435,7 @@ def _square_kernel(
 def _quantize_square(w, *, fmt, block, max_scale, power_of_two, interpret, tuning):
     n, k = w.shape
     rule = tile_rule(fmt, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_square_kernel, transpose_first=tuning.transpose_first, **rule)
+    kernel = functools.partial(_square_kernel, tuning=tuning, **rule)
     shapes = [
         shape_like((n, k), fmt, w),
         shape_like((k, n), fmt, w),

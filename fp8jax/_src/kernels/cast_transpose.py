@@ -33,16 +33,18 @@ from .block_quantize import (
     check_tuning,
     nan_max,
     saturating_cast,
+    transpose,
     triton_call,
 )
 from .dispatch import interpreting
 
 
-def _kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref, *, transpose_first: bool):
+def _kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref, *, tuning: ColumnTuning):
     x = x_ref[...].astype(jnp.float32)
     scale = s_ref[...]  # (1, 1)
     q_ref[...] = q = saturating_cast(x, scale, q_ref.dtype)
-    qt_ref[...] = saturating_cast(x.T, scale, q_ref.dtype) if transpose_first else q.T
+    first = tuning.transpose_first
+    qt_ref[...] = saturating_cast(x.T, scale, q_ref.dtype) if first else transpose(q, tuning)
     amax_ref[...] = jnp.broadcast_to(nan_max(nan_max(jnp.abs(x), axis=1), axis=0), (1, 1))
 
 
@@ -61,7 +63,7 @@ def _cast_transpose(x, scale, *, fmt, block, interpret, tuning):
         pl.BlockSpec((1, 1), lambda i, j: (i, j)),
     ]
     in_specs = [pl.BlockSpec(tile, lambda i, j: (i, j)), pl.BlockSpec((1, 1), lambda i, j: (0, 0))]
-    kernel = functools.partial(_kernel, transpose_first=tuning.transpose_first)
+    kernel = functools.partial(_kernel, tuning=tuning)
     grid = (m // block, k // block)
     call = triton_call(
         kernel, shapes, specs, in_specs, grid, interpret, CAST_TRANSPOSE_NAME, tuning.num_warps

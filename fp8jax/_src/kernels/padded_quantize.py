@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 from ..core.jax_private import shape_like
 from . import QUANTIZE_NAMES
 from .block_quantize import (
+    DEFAULT_TUNING,
     OTHER_TUNING,
     ColumnTuning,
     check_tuning,
@@ -81,24 +82,22 @@ def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]
     return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
 
 
-def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, first: bool, **rule):
+def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, tuning: ColumnTuning, **rule):
     x, real, _ = _gather(rows_ref, x_ref, pl.program_id(1), block)
-    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, first)
+    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, tuning)
 
 
 def _requantize_kernel(
-    rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, first: bool, **rule
+    rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, tuning: ColumnTuning, **rule
 ):
     j = pl.program_id(1)
     data, real, index = _gather(rows_ref, data_ref, j, block)
     scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
     x = jnp.where(real[:, None], data * scale_inv[:, None], 0.0)
-    store_columns(x, qt_ref, st_ref, rule, first)
+    store_columns(x, qt_ref, st_ref, rule, tuning)
 
 
-def _both_kernel(
-    rows_ref, x_ref, q_ref, s_ref, amax_ref, qt_ref, st_ref, *, block: int, first: bool, **rule
-):
+def _both_kernel(rows_ref, x_ref, q_ref, s_ref, amax_ref, qt_ref, st_ref, *, block, tuning, **rule):
     j = pl.program_id(1)
     x, real, index = _gather(rows_ref, x_ref, j, block)
     # The rows copy of every row gathered, gaps' named rows included; a row gathered twice
@@ -108,7 +107,7 @@ def _both_kernel(
     q_ref[index, pl.ds(j * block, block)] = q
     s_ref[j, index] = scale_inv
     amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
-    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, first)
+    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, tuning)
 
 
 def _whole(a: Array) -> pl.BlockSpec:
@@ -131,7 +130,7 @@ def _quantize(x, rows, *, fmt, rows_too, block, max_scale, power_of_two, interpr
         amaxes = shape_like((padded // block, k // block), jnp.float32, x)
         shapes = [*rows_copy, amaxes, *shapes]
         specs = [*map(_whole, rows_copy), pl.BlockSpec((1, 1), lambda i, j: (i, j)), *specs]
-    kernel = functools.partial(body, block=block, first=tuning.transpose_first, **rule)
+    kernel = functools.partial(body, block=block, tuning=tuning, **rule)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(x)]
     grid = (padded // block, k // block)
     call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, tuning.num_warps)
@@ -162,9 +161,7 @@ def _gathered(x, rows, fmt, rows_too, block, max_scale, power_of_two, interpret,
 def _requantize(data, scale_inv_t, rows, *, block, max_scale, power_of_two, interpret, tuning):
     (padded,), k = rows.shape, data.shape[1]
     rule = tile_rule(data.dtype, max_scale, power_of_two, interpret)
-    kernel = functools.partial(
-        _requantize_kernel, block=block, first=tuning.transpose_first, **rule
-    )
+    kernel = functools.partial(_requantize_kernel, block=block, tuning=tuning, **rule)
     shapes, specs = column_outputs(block, padded, k, data.dtype, data)
     in_specs = [pl.BlockSpec((block,), lambda i, j: (i,)), _whole(data), _whole(scale_inv_t)]
     grid = (padded // block, k // block)
@@ -257,14 +254,15 @@ def quantize_rows_and_padded_columns(
     max_scale: float,
     power_of_two: bool = False,
     interpret: bool | None = None,
-    tuning: ColumnTuning = OTHER_TUNING,
+    tuning: ColumnTuning = DEFAULT_TUNING,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """`block_quantize.quantize_rows(x)`'s three outputs (FP8 `data (M, K)`, chunk-major
     `scale_inv_t (K / block, M)`, one amax per program, here `(P / block, K / block)`) and
     `quantize_padded_columns(x, rows)`'s two, from one read of `x`. `rows` must name every
     row of `x`, held or (negative, `-1 - r`) a gap's: rows it does not name are left
     unwritten in the first two outputs (`gemm/grouped_native.gather_map` names them all).
-    `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
+    `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep; by default the
+    rows-and-columns kernel's, which it resembles: 4 warps, measured there in GPU run 6)."""
     return _gathered(x, rows, fmt, True, block, max_scale, power_of_two, interpret, tuning)
 
 
