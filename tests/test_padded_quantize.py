@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import dispatch, padded_quantize
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
@@ -116,8 +117,6 @@ def test_rows_and_padded_columns_match_numpy_in_one_kernel(
     """The output gradient's two copies from one read: its 1 x `block` tiles in its own
     rows (every row, those past the experts' included, which only the gaps name) and its
     gathered `block` x 1 tiles; the programs' amaxes reduce to `x`'s, NaN included."""
-    from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
-
     rng = np.random.default_rng(sum(sizes) + block + past)
     m = sum(sizes) + past
     x = jnp.asarray(heavy_tailed(rng, (m, k)), jnp.bfloat16)
@@ -193,14 +192,20 @@ def test_blockwise_recipe_gathers_as_its_xla_path(power_of_two):
             q, rows, "input"
         )
 
-    want = jax.jit(lambda: run(xla))()
+    def both(recipe):  # the gradient's two copies and its new state, rows past the groups
+        return recipe.quantize_both_gathered(x_past, covering, state, "output_grad")
+
+    x_past = jnp.concatenate([x, 2 * x[:3]])  # 3 rows past the experts': the state sees them
+    covering = gather_map(pad_layout(jnp.asarray([70, 0, 130, 5]), x_past.shape[0], 128))
+    want = jax.jit(lambda: (run(xla), both(xla)))()
     with dispatch.interpreted():
-        jaxpr = str(jax.make_jaxpr(lambda: run(kernel))())
-        got = jax.jit(lambda: run(kernel))()
-    assert all(name in jaxpr for name in NAMES)
+        jaxpr = str(jax.make_jaxpr(lambda: (run(kernel), both(kernel)))())
+        got = jax.jit(lambda: (run(kernel), both(kernel)))()
+    assert all(name in jaxpr for name in (*NAMES, BOTH))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         same(a, b)
-    assert got[0].block == got[1].block == (128, 1)
+    assert got[0][0].block == got[0][1].block == got[1][1].block == (128, 1)
+    assert got[1][0].block == (1, 128)
 
 
 def test_blockwise_expert_layer_trains_as_its_xla_path_with_the_gathering_kernels():
