@@ -100,9 +100,9 @@ def _requantize_kernel(
 def _both_kernel(rows_ref, x_ref, q_ref, s_ref, amax_ref, qt_ref, st_ref, *, block, tuning, **rule):
     j = pl.program_id(1)
     x, real, index = _gather(rows_ref, x_ref, j, block)
-    # The rows copy of every row gathered, gaps' named rows included; a row gathered twice
-    # gets the same values twice (no masked scatter in the interpreter either).
-    # The programs' amaxes cover every row of `x` so: their max is `x`'s.
+    # The rows copy of every row gathered, a gap's named row too, so that the programs
+    # write every row of `x` (and their amaxes cover it); a row gathered twice gets the same
+    # values twice (the interpreter cannot discharge a masked scatter either).
     q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
     q_ref[index, pl.ds(j * block, block)] = q
     s_ref[j, index] = scale_inv
