@@ -33,7 +33,7 @@ SECTIONS = (
     "5 profile",
 )
 #: Every native kernel, by a word of the numerics items that exercise it directly.
-KERNELS = ("block_gemm", "fused residual", "grouped rows", "grouped tokens")
+KERNELS = ("block_gemm", "fused residual", "grouped rows", "grouped tokens", "quantization kernels")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ in float32, so a kernel may differ from the float64 reference (`fp8jax._src.kern
 only by float32 summation, and from the XLA path only by summation order. The bounds are the
 interpreter tests' (`tests/test_kernels.py`, `tests/test_grouped_native.py`). Shapes are odd
 where the kernels take that (M, N, K not multiples of their tiles), expert groups uneven and
-one empty.
+one empty. The quantization kernels (Triton) are checked bit for bit against IEEE NumPy at a
+small shape (`quantization`: the quantize section's check, run in every call with numerics).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fp8jax._src.kernels.grouped_gemm import grouped_rows_gemm, grouped_tokens_g
 from fp8jax._src.recipes.block_dot import block_dot, native_block_dot
 from fp8jax._src.recipes.residual import QTerms, native_residual_dot
 
+from . import quantize
 from .record import Recorder
 from .timing import kernels
 
@@ -322,6 +324,25 @@ def grouped_layer(
     )
 
 
+def quantization(dry: bool) -> dict:
+    """The quantization kernels against IEEE NumPy at a small shape, so that every GPU run
+    checks them (`quantize.numerics`, which the quantize section repeats at LLM shapes):
+    each kernel in its default, the sweep's widened transpose, and the expert layer's
+    gradient in one kernel (`quantize_rows_and_padded_columns`, its default since session
+    38). Elements that differ must be none."""
+    result = quantize.numerics((256, 384) if dry else (2048, 1024), dry)
+    differing = result["kernel_elements_differing_from_ieee"]
+    return {
+        "shape": f"{result['shape']}, elements != IEEE: {sum(differing.values())}",
+        "bound": "bit for bit with IEEE NumPy",
+        "rel_err_vs_f64": None,
+        "rel_err_vs_xla": None,
+        "passed": result["passed"],
+        "within_wgmma_bound": result["passed"],
+        "differing": differing,
+    }
+
+
 #: Items the quick run leaves out: another format or recipe on the same code paths.
 QUICK_SKIPS = (
     "block_gemm e5m2",
@@ -357,6 +378,7 @@ def run(rec: Recorder, mode: str) -> None:
         "block_gemm e5m2": lambda: block_gemm(shapes, E5M2, dry),
         "block_gemm in the blockwise recipe": lambda: blockwise_recipe(shapes, dry),
         "fused residual kernel": lambda: residual(shapes, dry),
+        "quantization kernels vs IEEE": lambda: quantization(dry),
         "grouped rows, block scales": lambda: rows_kernel(shapes, "blocks", E4M3, dry),
         "grouped rows, item scale": lambda: rows_kernel(shapes, "item", E4M3, dry),
         "grouped rows, bf16 operands": lambda: rows_kernel(shapes, "item", jnp.bfloat16, dry),
