@@ -39,6 +39,9 @@ TESTS=(
     # The one-pass quantization kernels (Pallas Triton): interpreted, and their deviceless
     # H100 lowering (from 0.11 on it reads its target from the abstract mesh).
     tests/test_block_quantize.py
+    # The expert layer's gradient in one kernel (a scatter of rows), interpreted (session 38).
+    tests/test_padded_quantize.py::test_rows_and_padded_columns_match_numpy_in_one_kernel
+    tests/test_padded_quantize.py::test_blockwise_expert_layer_trains_as_its_xla_path_with_the_gathering_kernels
     tests/test_grouped_native.py::test_rows_kernel_matches_float64_in_the_interpreter
     tests/test_grouped_native.py::test_tokens_kernel_matches_float64_in_the_interpreter
     tests/test_grouped_native.py::test_cpu_compiles_keep_the_xla_path
