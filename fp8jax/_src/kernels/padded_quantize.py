@@ -97,7 +97,19 @@ def _requantize_kernel(
     store_columns(x, qt_ref, st_ref, rule, tuning)
 
 
-def _both_kernel(rows_ref, x_ref, q_ref, s_ref, amax_ref, qt_ref, st_ref, *, block, tuning, **rule):
+def _both_kernel(
+    rows_ref,
+    x_ref,
+    q_ref,
+    s_ref,
+    amax_ref,
+    qt_ref,
+    st_ref,
+    *,
+    block: int,
+    tuning: ColumnTuning,
+    **rule,
+):
     j = pl.program_id(1)
     x, real, index = _gather(rows_ref, x_ref, j, block)
     # The rows copy of every row gathered, a gap's named row too, so that the programs
