@@ -35,7 +35,9 @@ GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pa
 its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
 (that kernel given the weights' scales once per 128 x 128 block, `weight_block_scales`: one scale
 per warpgroup tile and chunk in the forward and dgrad), `blockwise-chained` (that kernel with each
-program's tiles chained into one pipeline, `chained_pipelines`). Any of them but `bf16` with
+program's tiles chained into one pipeline, `chained_pipelines`), `blockwise-slabs` (the default
+kernels, the quantization kernels holding `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`:
+fewer registers, more programs per SM). Any of them but `bf16` with
 `-packed` appended (`PACKED`): the same step with the model's FP8 states stacked in a few arrays
 between steps (`Packed`: 12 arrays in, not 73), to time what the state arrays cost the host's
 launch.
@@ -68,6 +70,7 @@ from fp8jax._src.kernels.choice import (
     tiled_kernel,
     weight_block_scales,
 )
+from fp8jax._src.kernels.quantize_config import quantize_slabs
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes import ROLES
 from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
@@ -101,6 +104,10 @@ class CondWarmStart(fp8jax.DelayedScaling):
         )
 
 
+#: Rows of a tile the quantization kernels hold at a time in `blockwise-slabs` (ptxas, jax
+#: 0.11.2: 42-128 registers a thread, where whole tiles take 175-255; quantize_ptx.py).
+SLAB_ROWS = 32
+
 #: The recipes compared with BF16: the benchmarks' own, delayed scaling without its warm
 #: start (`warm_start=False`), whose cast need not wait for this step's amax, and with the
 #: warm start behind a conditional (`CondWarmStart`).
@@ -117,6 +124,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
     "blockwise-chained": fp8jax.BlockwiseScaling(),
+    "blockwise-slabs": fp8jax.BlockwiseScaling(),
 }
 #: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
 #: (`step(name)`).
@@ -132,6 +140,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     ),
     "blockwise-tile-scales": lambda: tile_scales(),
     "blockwise-chained": lambda: chained(),
+    "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
 }
 
 

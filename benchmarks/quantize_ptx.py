@@ -17,6 +17,12 @@ Triton moves the transpose back behind the per-column scaling); and with
 `ColumnTuning(wide_transpose=True)` (session 38): the FP8 tile widened to BF16 (exact) before
 its transpose, which Triton then moves with `ldmatrix ... .trans`, as the plain cast's.
 
+Since session 39 also each kernel's registers per thread, read by `ptxas -v` (CUDA's assembler,
+where this machine has one) from the same PTX, and the programs an SM can hold by registers alone
+(65,536 a SM, allocated per warp in 256s; at most 64 warps and 32 programs): whole tiles take
+175-255 registers, two programs a SM; in slabs of rows (`ColumnTuning(slab_rows=...)`) the
+kernels hold a slab at a time (a last table, every kernel of the GPU check's sweep).
+
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
 
@@ -26,6 +32,8 @@ import collections
 import glob
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -39,7 +47,12 @@ os.environ["XLA_FLAGS"] = (
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from gpu_check.quantize import REQUANTIZING, TUNINGS, transposing_kernel  # noqa: E402
+from gpu_check.quantize import (  # noqa: E402
+    REQUANTIZING,
+    TUNINGS,
+    transposing_kernel,
+    tuning_name,
+)
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
@@ -59,6 +72,34 @@ COUNTED = {
     "bar.sync": r"bar\.sync",
     "st.global.v4": r"st\.global\.v4",
 }
+
+
+def registers(ptx: str) -> str:
+    """`ptxas -v`'s registers per thread of the fp8jax kernel in `ptx`, and the programs of
+    `warps` warps an SM holds by registers (`-` without ptxas)."""
+    ptxas = shutil.which("ptxas")
+    modules = [m for m in re.split(r"(?m)^(?=\.version)", ptx) if ".entry fp8jax" in m]
+    if ptxas is None or len(modules) != 1:
+        return "-"
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "k.ptx")
+        with open(path, "w") as f:
+            f.write(modules[0])
+        log = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(folder, "k.cubin")],
+            capture_output=True,
+            text=True,
+        ).stderr
+    found = re.search(r"Used (\d+) registers", log)
+    return found.group(1) if found else "-"
+
+
+def programs_per_sm(regs: str, warps: int) -> str:
+    """Programs of `warps` warps an H100 SM holds by registers alone."""
+    if not regs.isdigit():
+        return "-"
+    per_warp = -(-int(regs) * 32 // 256) * 256
+    return str(min(65536 // (per_warp * warps), 64 // warps, 32))
 
 
 def plain_cast_and_transpose(x):
@@ -87,6 +128,10 @@ def kernels() -> dict[str, tuple[object, int]]:
     warps8 = block_quantize.ColumnTuning(num_warps=8)
     first = block_quantize.ColumnTuning(num_warps=4, transpose_first=True)
     wide = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
+    slabs = (
+        block_quantize.ColumnTuning(num_warps=4, slab_rows=32),
+        block_quantize.ColumnTuning(num_warps=8, slab_rows=16),
+    )
     return {
         "quantize_rows (1 x 128 tiles)": (
             lambda x: block_quantize.quantize_rows(x, E4M3, **RULE),
@@ -121,6 +166,18 @@ def kernels() -> dict[str, tuple[object, int]]:
             4,
         ),
         "plain cast and transpose (no scales)": (plain_cast_and_transpose, 4),
+        "quantize_rows, 32-row slabs": (
+            lambda x: block_quantize.quantize_rows(x, E4M3, **RULE, tuning=slabs[0]),
+            4,
+        ),
+        "quantize_rows_and_columns, 32-row slabs": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=slabs[0]),
+            4,
+        ),
+        "quantize_rows_and_columns, 16-row slabs, 8 warps": (
+            lambda x: block_quantize.quantize_rows_and_columns(x, E4M3, **RULE, tuning=slabs[1]),
+            8,
+        ),
     }
 
 
@@ -136,7 +193,9 @@ def ptx_of(fn, specs: tuple) -> str:
 def row(label: str, fn, warps: int) -> str:
     ptx = ptx_of(fn, (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),))
     counts = [str(len(re.findall(pattern, ptx))) for pattern in COUNTED.values()]
-    return "| " + " | ".join([label, str(warps), *counts, str(ptx.count("\n"))]) + " |"
+    regs = registers(ptx)
+    cells = [label, str(warps), *counts, str(ptx.count("\n")), regs, programs_per_sm(regs, warps)]
+    return "| " + " | ".join(cells) + " |"
 
 
 def transpose_first_rows() -> list[str]:
@@ -149,6 +208,8 @@ def transpose_first_rows() -> list[str]:
     saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
     out = []
     for label in TUNINGS:
+        if label == "rows":  # no transposed copy
+            continue
         ptx = [
             ptx_of(
                 transposing_kernel(label, block_quantize.ColumnTuning(num_warps=4, **first), M),
@@ -163,14 +224,36 @@ def transpose_first_rows() -> list[str]:
     return out
 
 
+def register_rows() -> list[str]:
+    """Per kernel and tuning of `gpu_check.quantize.TUNINGS`: registers and occupancy."""
+    bf16 = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),)
+    saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
+    out = []
+    for label, tunings in TUNINGS.items():
+        for tuning in tunings:
+            ptx = ptx_of(
+                transposing_kernel(label, tuning, M), saved if label in REQUANTIZING else bf16
+            )
+            regs = registers(ptx)
+            programs = programs_per_sm(regs, tuning.num_warps)
+            warps = str(int(programs) * tuning.num_warps) if programs.isdigit() else "-"
+            name = tuning_name(label, tuning).removeprefix(f"{label} kernel alone, ")
+            out.append(f"| {label} | {name} | {regs} | {programs} | {warps} |")
+    return out
+
+
 def main() -> None:
     if deviceless.h100_topology() is None:
         sys.exit("no CUDA plugin: install fp8jax[h100] for the deviceless H100 compile")
     print(f"jax {jax.__version__}; deviceless H100; {M} x {K} BF16 in, 128 x 128 tiles")
     print("per thread (each PTX is one program of the kernel):")
     print()
-    print("| kernel | warps | " + " | ".join(COUNTED) + " | PTX lines |")
-    print("|---|---|" + "---|" * len(COUNTED) + "---|")
+    print(
+        "| kernel | warps | "
+        + " | ".join(COUNTED)
+        + " | PTX lines | registers | programs / SM (registers) |"
+    )
+    print("|---|---|" + "---|" * len(COUNTED) + "---|---|---|")
     for label, (fn, warps) in kernels().items():
         print(row(label, fn, warps), flush=True)
     print()
@@ -185,6 +268,15 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     print("\n".join(transpose_first_rows()))
+    print()
+    print(
+        "Registers per thread (ptxas) and programs per SM by registers, each kernel of the GPU"
+        " check's sweep in each of its tunings (`gpu_check.quantize.TUNINGS`):"
+    )
+    print()
+    print("| kernel | tuning | registers | programs / SM (registers) | warps / SM |")
+    print("|---|---|---|---|---|")
+    print("\n".join(register_rows()))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ bit for bit with the recipe's XLA path in Pallas' interpreter, inside `Blockwise
 (quantize, the output gradient's two copies, the wgrad's retiling), and on a deviceless H100
 compile (one kernel per tensor, IEEE division in its PTX, no transpose of its outputs)."""
 
+import contextlib
 import glob
 import re
 import tempfile
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax._src.kernels import block_quantize, dispatch, padded_quantize
+from fp8jax._src.kernels import block_quantize, dispatch, padded_quantize, quantize_config
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
@@ -67,10 +68,14 @@ def np_reference_rows(x, fmt, block, power_of_two):
         ((128, 192), E5M2, 64, False),
     ],
 )
-def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of_two):
+@pytest.mark.parametrize("slab_rows", [None, 32], ids=["whole tiles", "slabs"])
+def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of_two, slab_rows):
+    """Whole tiles and in slabs of 32 rows (`ColumnTuning.slab_rows`: two reads of a tile
+    for its columns), every output as NumPy's."""
     rng = np.random.default_rng(sum(shape) + block)
     x = heavy_tailed(rng, shape)
     rule = dict(block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    rule["tuning"] = block_quantize.ColumnTuning(num_warps=4, slab_rows=slab_rows)
     data, scale_t, programs, data_t, cols_t = block_quantize.quantize_rows_and_columns(
         x, fmt, **rule
     )
@@ -137,6 +142,10 @@ def test_column_tunings_compute_the_same_and_lower_for_an_h100():
     tunings = [
         block_quantize.ColumnTuning(num_warps=2, transpose_first=True),
         block_quantize.ColumnTuning(num_warps=4, wide_transpose=True),
+        # in slabs: the rows slab by slab, the columns from a second read of each
+        block_quantize.ColumnTuning(num_warps=4, slab_rows=32),
+        block_quantize.ColumnTuning(num_warps=8, slab_rows=16, wide_transpose=True),
+        block_quantize.ColumnTuning(num_warps=2, slab_rows=64, transpose_first=True),
     ]
     for default in (block_quantize.DEFAULT_TUNING, block_quantize.OTHER_TUNING):
         assert not default.transpose_first and not default.wide_transpose
@@ -151,6 +160,9 @@ def test_column_tunings_compute_the_same_and_lower_for_an_h100():
             kernel(x, interpret=True, tuning=block_quantize.ColumnTuning(num_warps=3))
         with pytest.raises(ValueError, match="choose one"):
             kernel(x, interpret=True, tuning=both)
+        for rows in (3, 0, True):
+            with pytest.raises(ValueError, match="slab_rows should be None or a power of two"):
+                kernel(x, interpret=True, tuning=block_quantize.ColumnTuning(slab_rows=rows))
     if deviceless.h100_topology() is None:
         return
     device = deviceless.h100_topology().devices[0]
@@ -276,6 +288,45 @@ def test_kernels_refuse_shapes_they_cannot_tile():
         block_quantize.requantize_columns(data, jnp.ones((128, 2)), max_scale=1.0)
 
 
+def test_quantize_slabs_sets_the_rows_of_tunings_that_name_none():
+    """`quantize_slabs(rows)` fills `slab_rows` where a tuning leaves it `None`, inside only,
+    and refuses what is not a power of two by name."""
+    mine = block_quantize.ColumnTuning(slab_rows=64)
+    with quantize_config.quantize_slabs(16):
+        assert quantize_config.resolved(block_quantize.DEFAULT_TUNING).slab_rows == 16
+        assert quantize_config.resolved(mine) == mine
+        assert quantize_config.slab_height(quantize_config.resolved(mine), 32) == 32
+    assert quantize_config.resolved(block_quantize.DEFAULT_TUNING).slab_rows is None
+    for rows in (0, 24, True, 16.0):
+        with pytest.raises(ValueError, match=r"quantize_slabs: rows=.*power of two"):
+            quantize_config.quantize_slabs(rows)
+
+
+def kernel_loops(jaxpr) -> list[tuple[str, int]]:
+    """Each Pallas kernel that `jaxpr` calls, by name, with the loops in its body."""
+
+    def inner(j):
+        for eqn in j.eqns:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, tuple) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield eqn, sub
+
+    def loops(j):
+        own = sum(e.primitive.name in ("while", "scan") for e in j.eqns)
+        return own + sum(loops(s) for _, s in inner(j))
+
+    def kernels(j):
+        for eqn, sub in inner(j):
+            if eqn.primitive.name == "pallas_call":
+                yield sub.debug_info.func_src_info.split()[0], loops(sub)
+            else:
+                yield from kernels(sub)
+
+    return sorted(kernels(jaxpr))
+
+
 def read(path):
     with open(path) as f:
         return f.read()
@@ -335,9 +386,11 @@ def test_blockwise_recipe_quantizes_as_its_xla_path(power_of_two, batch):
         same(g.dequantize(), w.dequantize())
 
 
-def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels():
+@pytest.mark.parametrize("slabs", [False, True], ids=["whole tiles", "quantize_slabs"])
+def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels(slabs):
     """A blockwise Fp8DotGeneral's value and gradients (weights, input, new state) with the
-    one-pass kernels, the GEMMs on the XLA path, equal the all-XLA step bit for bit."""
+    one-pass kernels, the GEMMs on the XLA path, equal the all-XLA step bit for bit; also
+    traced inside `quantize_slabs(32)`, where every kernel walks its tiles in a loop."""
     rng = np.random.default_rng(3)
     x = heavy_tailed(rng, (256, 256), jnp.float32)
     w = jnp.asarray(rng.standard_normal((256, 384)) * 0.05, jnp.float32)
@@ -358,13 +411,19 @@ def test_blockwise_linear_trains_as_its_xla_path_with_the_quantization_kernels()
     def xla_dot(self, *args, **kwargs):
         return real_dot(xla, *args, **kwargs)
 
-    with dispatch.interpreted(), pytest.MonkeyPatch.context() as patch:
+    context = quantize_config.quantize_slabs(32) if slabs else contextlib.nullcontext()
+    with dispatch.interpreted(), pytest.MonkeyPatch.context() as patch, context:
         patch.setattr(fp8jax.BlockwiseScaling, "dot", xla_dot)
         args = (fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling()), x, w)
-        jaxpr = str(jax.make_jaxpr(step)(args))
+        closed = jax.make_jaxpr(step)(args)
         got = jax.jit(step)(args)
     for kernel_name in KERNELS:
-        assert kernel_name in jaxpr
+        assert kernel_name in str(closed)
+    # Loops in the kernels' bodies only in slabs: the rows kernel's one, two (a first and
+    # a second read) in the others.
+    loops = dict(kernel_loops(closed.jaxpr))
+    assert set(loops) == set(KERNELS)
+    assert loops == {k: (1 if k.endswith("_rows") else 2) if slabs else 0 for k in KERNELS}
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         same(a, b)
 

@@ -51,6 +51,8 @@ def same(got, want):
         ColumnTuning(num_warps=4),
         ColumnTuning(transpose_first=True),
         ColumnTuning(wide_transpose=True),
+        ColumnTuning(num_warps=4, slab_rows=32),
+        ColumnTuning(slab_rows=16, transpose_first=True),
     ],
 )
 def test_kernel_casts_as_the_recipes_and_numpy_bit_for_bit(fmt, scale, tuning):

@@ -19,6 +19,7 @@ import pytest
 from helpers import compile_flags
 
 from fp8jax._src.core.mosaic_private import interpreter_runs_gpu_path
+from fp8jax._src.kernels import block_quantize, quantize_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
@@ -107,6 +108,7 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
         f"sweep: {k}"
         for k in (
             "rows+columns",
+            "rows",
             "requantize",
             "weight",
             "gathered columns",
@@ -116,7 +118,8 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
         )
     }
     assert {f"{p}: per-tensor cast+transpose+amax" for p in ("kernels", "xla")} <= timed
-    checked = {"padded columns", "rows and padded columns"}
+    checked = {"padded columns", "rows and padded columns", "rows and columns, 32-row slabs"}
+    checked |= {"rows and padded columns, 16-row slabs"}
     assert all(set(r["kernel_elements_differing_from_ieee"]) >= checked for r in numerics)
 
 
@@ -290,6 +293,11 @@ def test_moe_variants_trace_inside_their_kernel_choice(monkeypatch):
     assert seen[:2] == ["tiled", False] and seen[3] is True and seen[5] is False
     assert not default.chained and chained == dataclasses.replace(default, chained=True)
     assert set(moe.CONTEXTS) <= set(moe.RECIPES)
+    # `blockwise-slabs`: the quantization kernels in slabs, the GEMMs as `blockwise`'s.
+    with moe.CONTEXTS["blockwise-slabs"]():
+        assert quantize_config.resolved(block_quantize.DEFAULT_TUNING).slab_rows == 32
+        choice.recipe_grouped_rows_gemm(a, w, items, item_scale=jnp.ones(items.tile.shape))
+    assert seen[-1] == default
 
 
 def test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot(monkeypatch):
@@ -419,6 +427,12 @@ def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     chained = dataclasses.replace(dense, chained=True)
     assert seen == ["tiled", False, pairs, False, dense, True, chained, False]
     assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
+    # `blockwise-slabs`: the quantization kernels in slabs, the GEMMs as `blockwise`'s.
+    default = block_quantize.DEFAULT_TUNING
+    with llama_block.CONTEXTS["blockwise-slabs"]():
+        assert quantize_config.resolved(default).slab_rows == llama_block.SLAB_ROWS == 32
+        choice.recipe_block_gemm(a, s, [(a, s)])
+    assert seen[-1] == "tiled" and quantize_config.resolved(default).slab_rows is None
 
 
 def test_llama_variants_of_every_mode_build(monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 import fp8jax
 from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import dispatch, padded_quantize
+from fp8jax._src.kernels.quantize_config import ColumnTuning
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
@@ -86,12 +87,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("sizes, k, fmt, block, power_of_two", CASES)
-def test_kernels_match_a_numpy_reference_of_the_gathered_copy(sizes, k, fmt, block, power_of_two):
+@pytest.mark.parametrize("slab_rows", [None, 32], ids=["whole tiles", "slabs"])
+def test_kernels_match_a_numpy_reference_of_the_gathered_copy(
+    sizes, k, fmt, block, power_of_two, slab_rows
+):
+    """Whole tiles and in slabs of 32 gathered rows (`ColumnTuning.slab_rows`)."""
     rng = np.random.default_rng(sum(sizes) + block)
     rows = row_map(sizes, block)
     x = heavy_tailed(rng, (sum(sizes) + 3, k))  # rows past the experts' are never read
     x[-3:] = 1e38
     rule = dict(block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    rule["tuning"] = ColumnTuning(slab_rows=slab_rows)
     xb = jnp.asarray(x, jnp.bfloat16)
     got = padded_quantize.quantize_padded_columns(xb, jnp.asarray(rows), fmt, **rule)
     for a, b in zip(got, np_columns(xb, rows, fmt, block, power_of_two), strict=True):
@@ -111,17 +117,20 @@ def test_kernels_match_a_numpy_reference_of_the_gathered_copy(sizes, k, fmt, blo
 
 @pytest.mark.parametrize("sizes, k, fmt, block, power_of_two", CASES)
 @pytest.mark.parametrize("past", [0, 3], ids=["every row grouped", "rows past the groups"])
+@pytest.mark.parametrize("slab_rows", [None, 16], ids=["whole tiles", "slabs"])
 def test_rows_and_padded_columns_match_numpy_in_one_kernel(
-    sizes, k, fmt, block, power_of_two, past
+    sizes, k, fmt, block, power_of_two, past, slab_rows
 ):
     """The output gradient's two copies from one read: its 1 x `block` tiles in its own
     rows (every row, those past the experts' included, which only the gaps name) and its
-    gathered `block` x 1 tiles; the programs' amaxes reduce to `x`'s, NaN included."""
+    gathered `block` x 1 tiles; the programs' amaxes reduce to `x`'s, NaN included. Also
+    in slabs of 16 gathered rows (`ColumnTuning.slab_rows`)."""
     rng = np.random.default_rng(sum(sizes) + block + past)
     m = sum(sizes) + past
     x = jnp.asarray(heavy_tailed(rng, (m, k)), jnp.bfloat16)
     rows = gather_map(pad_layout(jnp.asarray(sizes), m, block))
     rule = dict(block=block, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    rule["tuning"] = ColumnTuning(num_warps=4, slab_rows=slab_rows)
     data, scale_t, amaxes, data_t, cols = padded_quantize.quantize_rows_and_padded_columns(
         x, rows, fmt, **rule
     )

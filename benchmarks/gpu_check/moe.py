@@ -16,7 +16,8 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   `delayed-e4m3` (per-tensor, E4M3 gradients), `blockwise-tile-scales` (the persistent
   kernels given the experts' weight scales once per block: `weight_block_scales()`) and
   `blockwise-chained` (each program's tiles chained into one pipeline:
-  `chained_pipelines()`).
+  `chained_pipelines()`) and `blockwise-slabs` (the quantization kernels holding 32 rows
+  of a tile at a time: `quantize_slabs(32)`, session 39).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -36,11 +37,15 @@ from jaxtyping import Array
 
 import fp8jax
 from fp8jax._src.kernels.choice import chained_pipelines, tiled_kernel, weight_block_scales
+from fp8jax._src.kernels.quantize_config import quantize_slabs
 
 from .record import Recorder
 from .timing import compile_and_time
 
 SECTION = "3b MoE layer"
+#: Rows of a tile the quantization kernels hold at a time in `blockwise-slabs` (ptxas, jax
+#: 0.11.2: 42-128 registers a thread, where whole tiles take 175-255; quantize_ptx.py).
+SLAB_ROWS = 32
 CUBLAS = fp8jax.gpu_compiler_options()
 #: mode -> variants; the two BF16 steps first: the others' references.
 VARIANTS = {
@@ -52,6 +57,7 @@ VARIANTS = {
         "blockwise-tiled",
         "blockwise-tile-scales",
         "blockwise-chained",
+        "blockwise-slabs",
     ],
     "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
     # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
@@ -63,15 +69,18 @@ RECIPES = {
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
     "blockwise-chained": fp8jax.BlockwiseScaling(),
+    "blockwise-slabs": fp8jax.BlockwiseScaling(),
     "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
 }
 #: Variants traced inside a context: the tiled grouped kernels, the experts' weight scales
 #: once per 128 x 128 block (one per warpgroup tile of the rows GEMM), each program's tiles
-#: chained into one pipeline (the tokens GEMM: every expert's chunks at a tile position).
+#: chained into one pipeline (the tokens GEMM: every expert's chunks at a tile position),
+#: the quantization kernels in slabs of `SLAB_ROWS` rows.
 CONTEXTS = {
     "blockwise-tiled": tiled_kernel,
     "blockwise-tile-scales": weight_block_scales,
     "blockwise-chained": chained_pipelines,
+    "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
 }
 #: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
 NEED_S = 20.0

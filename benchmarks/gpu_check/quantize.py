@@ -23,9 +23,11 @@ blockwise recipe (`fp8jax._src.kernels.block_quantize`) on the GPU.
    `TUNINGS` (`block_quantize.ColumnTuning`: warps per program; for the per-tensor cast also
    transposing before the cast, the only kernel where that compiles to other instructions;
    for all but the weight's, the FP8 tile widened to BF16 to transpose, `wide_transpose`,
-   which replaces the byte-wise gather through shared memory by `ldmatrix`). Run 6 swept the
-   rows-and-columns kernel (4 warps: 1.5-1.7x faster than 8, and so its default since); the
-   others are swept from then on. The fastest tuning per kernel is a decision line.
+   which replaces the byte-wise gather through shared memory by `ldmatrix`; since session
+   39 every kernel, the rows kernel too, in slabs of rows, `slab_rows`: fewer registers,
+   more programs per SM). Run 6 swept the rows-and-columns kernel (4 warps: 1.5-1.7x faster
+   than 8, and so its default since); the others are swept from then on. The fastest tuning
+   per kernel is a decision line.
 
 The decision input says whether the kernels are the faster path at every shape (they are the
 recipe's default on Hopper since this section was written; a slower kernel is reported).
@@ -64,8 +66,20 @@ SHAPES = {
 DRY_SHAPES = {"dry 256x384": (256, 384)}
 #: Widened to BF16 to transpose (session 38): `ldmatrix` where the default gathers bytes.
 _WIDE = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
-_OTHER = (block_quantize.OTHER_TUNING, block_quantize.ColumnTuning(num_warps=4), _WIDE)
-_FOUR_WARPS = (block_quantize.DEFAULT_TUNING, block_quantize.ColumnTuning(num_warps=8), _WIDE)
+#: In slabs of rows (session 39): a program holds 32 (16) rows of its tile at a time, 42-128
+#: registers a thread where whole tiles take 175-255 (ptxas; `quantize_ptx.py`), so four to
+#: ten programs share an SM where two did.
+_SLABS = (
+    block_quantize.ColumnTuning(num_warps=4, slab_rows=32),
+    block_quantize.ColumnTuning(num_warps=8, slab_rows=16),
+)
+_OTHER = (block_quantize.OTHER_TUNING, block_quantize.ColumnTuning(num_warps=4), _WIDE, *_SLABS)
+_FOUR_WARPS = (
+    block_quantize.DEFAULT_TUNING,
+    block_quantize.ColumnTuning(num_warps=8),
+    _WIDE,
+    *_SLABS,
+)
 #: Per transposing kernel (as `_alone` calls it), the configurations the sweep times, its
 #: default first. Transposed before the cast (`transpose_first`), every block-scaled kernel
 #: compiles to the same instructions as after it (Triton moves the transpose back behind the
@@ -74,10 +88,13 @@ _FOUR_WARPS = (block_quantize.DEFAULT_TUNING, block_quantize.ColumnTuning(num_wa
 #: instead of gathering its FP8 bytes one at a time, another kernel, which the sweep times.
 #: Every kernel but the weight's (which gathers no bytes) is also timed widened to BF16 to
 #: transpose (`wide_transpose`: `ldmatrix`, read in quantize_ptx.py's PTX; session 38).
+#: Since session 39 each also in slabs of rows (`_SLABS`), and the rows kernel (which
+#: writes no transposed copy) in those alone.
 TUNINGS = {
     "rows+columns": _FOUR_WARPS,
+    "rows": (block_quantize.DEFAULT_TUNING, *_SLABS),
     "requantize": _OTHER,
-    "weight": _OTHER[:2],  # no byte gathers to widen away (quantize_ptx.py)
+    "weight": (*_OTHER[:2], *_SLABS),  # no byte gathers to widen away (quantize_ptx.py)
     "gathered columns": _OTHER,
     "gathered requantize": _OTHER,
     "rows+gathered columns": _FOUR_WARPS,
@@ -107,6 +124,7 @@ def tuning_name(kernel: str, tuning: block_quantize.ColumnTuning) -> str:
     """A kernel in a `ColumnTuning`, as the sweep's case name."""
     order = "transposed before the cast" if tuning.transpose_first else "cast, then transposed"
     order += " in BF16" if tuning.wide_transpose else ""
+    order += f", {tuning.slab_rows}-row slabs" if tuning.slab_rows else ""
     return f"{kernel} kernel alone, {tuning.num_warps} warps, {order}"
 
 
@@ -158,7 +176,7 @@ def _differ(got: Any, want: np.ndarray) -> int:
 
 def numerics(shape: tuple[int, int], dry: bool) -> dict:
     """Rows and columns (the gradient's kernel) and the requantized columns, against NumPy;
-    the recipe's XLA path against the same."""
+    the recipe's XLA path against the same; the sweep's widened transpose and slabs too."""
     x = heavy_tailed(jax.random.PRNGKey(1), shape)
     interpret = dry
     kernel = jax.jit(
@@ -169,6 +187,12 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
     wide = jax.jit(
         lambda x: block_quantize.quantize_rows_and_columns(
             x, E4M3, interpret=interpret, tuning=_WIDE, **RULE
+        )
+    )(x)
+    # In slabs of 32 rows (session 39): the same rows and columns.
+    slabs = jax.jit(
+        lambda x: block_quantize.quantize_rows_and_columns(
+            x, E4M3, interpret=interpret, tuning=_SLABS[0], **RULE
         )
     )(x)
     again = jax.jit(
@@ -199,6 +223,11 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
             x, r, E4M3, interpret=interpret, **RULE
         )
     )(x, jnp.asarray(padded))
+    s_data, s_scale_t, _, s_data_t, s_cols = jax.jit(
+        lambda x, r: padded_quantize.quantize_rows_and_padded_columns(
+            x, r, E4M3, interpret=interpret, tuning=_SLABS[1], **RULE
+        )
+    )(x, jnp.asarray(padded))
     # The per-tensor kernel: a product and a rounding, as NumPy's (no division).
     per_tensor = jax.jit(
         lambda x: cast_transpose(x, jnp.float32(PER_TENSOR_SCALE), E4M3, interpret=interpret)
@@ -218,6 +247,14 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
         + _differ(b_scale_t, scales)
         + _differ(b_data_t, p_want)
         + _differ(b_cols, p_want_scales),
+        "rows and columns, 32-row slabs": _differ(slabs[0], rows)
+        + _differ(slabs[1], scales)
+        + _differ(slabs[3], cols)
+        + _differ(slabs[4], col_scales),
+        "rows and padded columns, 16-row slabs": _differ(s_data, rows)
+        + _differ(s_scale_t, scales)
+        + _differ(s_data_t, p_want)
+        + _differ(s_cols, p_want_scales),
     }
     return {
         "shape": f"{shape[0]}x{shape[1]}",
@@ -278,12 +315,14 @@ REQUANTIZING = ("requantize", "gathered requantize")
 
 
 def transposing_kernel(kernel: str, tuning: block_quantize.ColumnTuning, rows: int) -> Any:
-    """Kernel `kernel` of `TUNINGS` in `tuning`, as a function of a BF16 `x (rows, K)` or,
-    for the `REQUANTIZING` ones, of the rows kernel's `(data, scale_inv_t)` of it."""
+    """Kernel `kernel` of `TUNINGS` in `tuning` (each writes a transposed copy, but the rows
+    kernel), as a function of a BF16 `x (rows, K)` or, for the `REQUANTIZING` ones, of the
+    rows kernel's `(data, scale_inv_t)` of it."""
     t = dict(tuning=tuning, **RULE)
     row_ids = jnp.asarray(row_map(rows))
     calls = {
         "rows+columns": functools.partial(block_quantize.quantize_rows_and_columns, fmt=E4M3),
+        "rows": functools.partial(block_quantize.quantize_rows, fmt=E4M3),
         "requantize": block_quantize.requantize_columns,
         "weight": functools.partial(block_quantize.quantize_blocks, fmt=E4M3),
         "gathered columns": functools.partial(
@@ -310,7 +349,7 @@ def _alone(kernel: str, tuning: block_quantize.ColumnTuning, x: jax.Array, dry: 
         with timing.kernels(dry):
             saved = jax.jit(lambda x: block_quantize.quantize_rows(x, E4M3, **RULE)[:2])(x)
         return fn, saved, 2
-    return fn, (x,), 3 if kernel == "gathered columns" else 4
+    return fn, (x,), 3 if kernel in ("gathered columns", "rows") else 4
 
 
 def _time(name: str, fn: Any, args: tuple, moved: int, runs: int, dry: bool) -> dict:

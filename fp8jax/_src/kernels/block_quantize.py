@@ -20,16 +20,18 @@ one tensor read four times. These kernels read it once:
   row and chunk): no kernel of its own expands them between.
 
 Each program owns one `block x block` tile: its rows' and columns' amaxes are in registers,
-so the scales and casts follow without another read. The math is the XLA path's
+so the scales and casts follow without another read (or, in slabs of rows, `ColumnTuning
+.slab_rows`, with fewer registers, the columns cast from a second read of the tile from
+cache; `quantize_tiles.quantize_tile` walks a tile either way). The math is the XLA path's
 (`fp8jax._src.recipes.blocks`) operation for operation: `reference_*` below, side by side,
 and the tests hold the two equal bit for bit in the interpreter. Two GPU details matter:
 Triton divides float32 approximately (`div.full.f32`), so a scale is divided with
 `div.rn.f32` in inline PTX, exactly rounded as the XLA path on a CPU (XLA's own GPU fusions
 also divide with `div.full.f32`: on an H100 their scales may differ in the last bit); and
 PTX's `max` drops NaNs, so an amax is an integer maximum of the magnitudes' bit patterns,
-in which every NaN lies above infinity (`nan_max`: one reduction, not two). The interpreter
-divides with `/` behind a barrier (IEEE on a CPU): the one step it does not run as the GPU
-does.
+in which every NaN lies above infinity (`quantize_tiles.nan_max`: one reduction, not two).
+The interpreter divides with `/` behind a barrier (IEEE on a CPU): the one step it does not
+run as the GPU does.
 
 Pallas' Triton backend, which these kernels are written in, is deprecated from JAX 0.11 on
 (JAX's GPU kernels move to Mosaic GPU, whose lowering does not yet reduce a tile over its
@@ -45,11 +47,9 @@ any other.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
@@ -61,35 +61,27 @@ except ImportError:  # pragma: no cover - a future JAX
 from ..core.jax_private import shape_like
 from . import QUANTIZE_NAMES
 from .dispatch import interpreting
-
-#: Warps per program: a 128 x 128 float32 tile is 64 KiB of registers over 256 threads.
-NUM_WARPS = 8
-
-
-class ColumnTuning(NamedTuple):
-    """Knobs of the kernels that write a transposed copy (`quantize_rows_and_columns`,
-    `requantize_columns`, `quantize_blocks` and `padded_quantize`'s), for the GPU check's
-    sweep. `num_warps`: warps per program (default `NUM_WARPS`). `transpose_first`:
-    transpose the float32 tile before the cast to FP8 (default: cast, then transpose the FP8
-    tile). `wide_transpose`: transpose the FP8 tile widened to BF16 (exact), which Triton
-    transposes with `ldmatrix` where it gathers an FP8 tile one byte at a time (read in the
-    PTX: `benchmarks/quantize_ptx.py`). The same values every way."""
-
-    num_warps: int = NUM_WARPS
-    transpose_first: bool = False
-    wide_transpose: bool = False
-
-
-#: The rows-and-columns kernel's default tuning: 4 warps, cast, then transposed. On an H200
-#: (GPU run 6) it took 0.113 / 0.337 / 0.214 ms at 8192x4096 / 8192x14336 / 14336x4096,
-#: 1.74x / 1.51x / 1.38x faster than with 8 warps, and 1.29x / 1.28x / 1.05x faster than
-#: XLA's rows-and-columns path (8 warps: 0.70x / 0.73x / 0.66x).
-DEFAULT_TUNING = ColumnTuning(num_warps=4)
-#: The other transposing kernels' default (8 warps), until a GPU run has swept them.
-OTHER_TUNING = ColumnTuning()
-
-_EXPONENT_BITS = 0x7F800000
-_MAGNITUDE_BITS = 0x7FFFFFFF
+from .quantize_config import (  # noqa: F401 - re-exported beside the kernels that take them
+    DEFAULT_TUNING,
+    NUM_WARPS,
+    OTHER_TUNING,
+    ColumnTuning,
+    check_tuning,
+    slab_height,
+)
+from .quantize_tiles import (  # noqa: F401 - re-exported: the kernels' shared tile maths
+    bits_max,
+    cast_columns,
+    nan_max,
+    over_slabs,
+    quantize_tile,
+    row_tiles,
+    saturating_cast,
+    store_columns,
+    tile_rule,
+    tile_scales,
+    transpose,
+)
 
 
 def fits(shape: tuple[int, ...], block: int) -> bool:
@@ -99,109 +91,24 @@ def fits(shape: tuple[int, ...], block: int) -> bool:
     return tiled and pltriton is not None
 
 
-# --- the scale of a tile, as the recipe computes it ----------------------------------------
-
-
-def _divide(a: Array, b: Array, interpret: bool) -> Array:
-    """`a / b` rounded to nearest (IEEE), also in Triton, whose `/` is approximate."""
-    if interpret:  # opaque operands: XLA rewrites 1 / (c / x) as an inexact x * (1 / c)
-        a, b = lax.optimization_barrier((a, b))
-        return a / b
-    (out,) = pltriton.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[a, b],
-        constraints="=r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-    )
-    return out
-
-
-def nan_max(magnitude: Array, axis: int | None) -> Array:
-    """`max(magnitude)` over `axis` of magnitudes (`|x|`), NaN where a NaN is reduced (PTX's
-    `max` drops them). One integer maximum of the float32 bit patterns (sign bits cleared),
-    which order non-negative floats as their values and every NaN above infinity (a NaN's
-    payload may differ from the one reduced), where a float maximum and a NaN test would be
-    two reductions of the tile."""
-    bits = lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.int32) & _MAGNITUDE_BITS
-    return lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
-
-
-def tile_scales(
-    amax: Array, fmt_max: float, max_scale: float, power_of_two: bool, interpret: bool
-) -> tuple[Array, Array]:
-    """(scale, scale_inv) of tiles with `amax`: `BlockwiseScaling.block_scale`'s rule."""
-    finite = jnp.abs(amax) < jnp.inf
-    ok = (amax > 0.0) & finite
-    one = jnp.ones_like(amax)
-    fmt_max = jnp.full_like(amax, fmt_max)
-    scale = jnp.where(ok, _divide(fmt_max, jnp.where(ok, amax, one), interpret), one)
-    scale = jnp.minimum(scale, max_scale)
-    if power_of_two:  # 2**floor(log2(scale)) of a normal float32: its exponent bits alone
-        bits = lax.bitcast_convert_type(scale, jnp.int32) & _EXPONENT_BITS
-        scale = lax.bitcast_convert_type(bits, jnp.float32)
-    return scale, _divide(one, scale, interpret)
-
-
-def saturating_cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
-    """`fp8jax.quantize`'s saturating cast of `x * scale` (inf and NaN become NaN)."""
-    limit = float(jnp.finfo(dtype).max)
-    scaled = jnp.clip(x * scale, -limit, limit)
-    return jnp.where(jnp.abs(x) < jnp.inf, scaled, jnp.nan).astype(dtype)
-
-
 # --- the kernels ---------------------------------------------------------------------------
 
 
-def _rows_kernel(
-    x_ref, q_ref, s_ref, amax_ref, *cols_refs, columns: bool, tuning: ColumnTuning, **rule
-):
-    x = x_ref[...].astype(jnp.float32)
-    q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
-    q_ref[...], s_ref[...] = q, scale_inv[None, :]
-    amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
-    if columns:
-        store_columns(x, *cols_refs, rule, tuning)
+def _rows_kernel(x_ref, q_ref, s_ref, amax_ref, *cols_refs, tuning: ColumnTuning, **rule):
+    def rows(sl, x):
+        q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
+        q_ref[sl, :], s_ref[:, sl] = q, scale_inv[None, :]
+        return amax
 
-
-def row_tiles(x: Array, dtype: jnp.dtype, rule: dict) -> tuple[Array, Array, Array]:
-    """A float32 tile `x` in 1 x `block` tiles along its columns: its FP8 values, each row's
-    scale_inv and the tile's amax (NaN where it has a NaN)."""
-    row_amax = nan_max(jnp.abs(x), axis=1)
-    scale, scale_inv = tile_scales(row_amax, **rule)
-    return saturating_cast(x, scale[:, None], dtype), scale_inv, nan_max(row_amax, axis=0)
-
-
-def store_columns(x: Array, qt_ref, st_ref, rule: dict, tuning: ColumnTuning) -> None:
-    """A float32 tile `x` in `block` x 1 tiles along its rows: the FP8 values written
-    transposed to `qt_ref` (as `tuning` says), their scale_inv to `st_ref` (one row)."""
-    scale, scale_inv = tile_scales(nan_max(jnp.abs(x), axis=0), **rule)
-    if tuning.transpose_first:
-        qt_ref[...] = saturating_cast(x.T, scale[:, None], qt_ref.dtype)
-    else:
-        qt_ref[...] = transpose(saturating_cast(x, scale[None, :], qt_ref.dtype), tuning)
-    st_ref[...] = scale_inv[None, :]
-
-
-def transpose(q: Array, tuning: ColumnTuning) -> Array:
-    """`q.T` of an FP8 tile, through BF16 with `tuning.wide_transpose`."""
-    return q.astype(jnp.bfloat16).T.astype(q.dtype) if tuning.wide_transpose else q.T
+    load = lambda sl: x_ref[sl, :].astype(jnp.float32)  # noqa: E731
+    block = x_ref.shape[0]
+    quantize_tile(load, block, tuning, rule, rows=(rows, amax_ref), columns=cols_refs)
 
 
 def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, *, tuning: ColumnTuning, **rule):
-    scale_inv = s_ref[0, :]
-    x = data_ref[...].astype(jnp.float32) * scale_inv[:, None]  # the saved tiles' values
-    store_columns(x, qt_ref, st_ref, rule, tuning)
-
-
-def tile_rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
-    """The keyword arguments of `tile_scales` for tiles cast to `fmt`."""
-    return dict(
-        fmt_max=float(jnp.finfo(fmt).max),
-        max_scale=float(max_scale),
-        power_of_two=bool(power_of_two),
-        interpret=interpret,
-    )
+    # the saved tiles' values, each row at its 1 x block tile's scale
+    load = lambda sl: data_ref[sl, :].astype(jnp.float32) * s_ref[0, sl][:, None]  # noqa: E731
+    quantize_tile(load, data_ref.shape[0], tuning, rule, columns=(qt_ref, st_ref))
 
 
 def _specs(block: int, m: int, k: int, fmt: jnp.dtype, columns: bool, like: Array):
@@ -281,26 +188,12 @@ def _quantize(x, *, fmt, block, max_scale, power_of_two, columns, interpret, tun
     m, k = x.shape
     shapes, specs = _specs(block, m, k, fmt, columns, x)
     rule = tile_rule(fmt, max_scale, power_of_two, interpret)
-    kernel = functools.partial(_rows_kernel, columns=columns, tuning=tuning, **rule)
+    kernel = functools.partial(_rows_kernel, tuning=tuning, **rule)
     in_specs = [pl.BlockSpec((block, block), lambda i, j: (i, j))]
     name = QUANTIZE_NAMES[1 if columns else 0]
     grid = (m // block, k // block)
     call = triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, tuning.num_warps)
     return tuple(call(x))
-
-
-def check_tuning(tuning: ColumnTuning, name: str) -> None:
-    """Raise if `tuning` is not a `ColumnTuning` Triton can run."""
-    if not isinstance(tuning, ColumnTuning) or tuning.num_warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(
-            f"{name}: tuning={tuning!r}; expected a ColumnTuning with num_warps a power of "
-            "two from 1 to 32."
-        )
-    if tuning.transpose_first and tuning.wide_transpose:
-        raise ValueError(
-            f"{name}: tuning={tuning!r} transposes the float32 tile (transpose_first) and "
-            "the FP8 tile widened (wide_transpose); choose one."
-        )
 
 
 def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
@@ -312,7 +205,7 @@ def _interpret(x: Array, block: int, name: str, interpret: bool | None) -> bool:
 def _rows(x, fmt, columns, block, max_scale, power_of_two, interpret, tuning=DEFAULT_TUNING):
     """`_quantize` of checked operands."""
     name = QUANTIZE_NAMES[1 if columns else 0]
-    check_tuning(tuning, name)
+    tuning = check_tuning(tuning, name, block)
     return _quantize(
         x,
         fmt=jnp.dtype(fmt),
@@ -333,12 +226,13 @@ def quantize_rows(
     max_scale: float,
     power_of_two: bool = False,
     interpret: bool | None = None,
+    tuning: ColumnTuning = DEFAULT_TUNING,
 ) -> tuple[Array, Float[Array, "K/block M"], Float[Array, "M/block K/block"]]:
     """`x` in 1 x `block` tiles along `K`: FP8 `data (M, K)`, `scale_inv_t (K / block, M)`
     (chunk-major) and each program's amax `(M / block, K / block)` (NaN where its tile has
     a NaN), for the operand's state. Scales as `BlockwiseScaling.block_scale` (at most
-    `max_scale`)."""
-    return _rows(x, fmt, False, block, max_scale, power_of_two, interpret)
+    `max_scale`). `tuning`: a `ColumnTuning` (its `num_warps` and `slab_rows`)."""
+    return _rows(x, fmt, False, block, max_scale, power_of_two, interpret, tuning)
 
 
 def quantize_rows_and_columns(
@@ -391,7 +285,7 @@ def requantize_columns(
     `data`'s FP8 type and its chunk-major `scale_inv (M / block, K)`. `tuning`: a
     `ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, block, QUANTIZE_NAMES[2], interpret)
-    check_tuning(tuning, QUANTIZE_NAMES[2])
+    tuning = check_tuning(tuning, QUANTIZE_NAMES[2], block)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
         raise ValueError(
@@ -412,6 +306,9 @@ def requantize_columns(
 def _square_kernel(
     w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, *, tuning: ColumnTuning, **rule
 ):
+    if slab_height(tuning, w_ref.shape[0]) < w_ref.shape[0]:
+        _square_slabs(w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, tuning, rule)
+        return
     w = w_ref[...].astype(jnp.float32)
     row_amax = nan_max(jnp.abs(w), axis=1)
     # The block's amax in every lane of a vector (Triton's inline PTX takes tensors only).
@@ -427,6 +324,31 @@ def _square_kernel(
     rows_ref[...] = scale_inv[None, :]  # all lanes are equal: the block's scale per row
     cols_ref[...] = scale_inv[None, :]  # and per row of the transposed copy
     amax_ref[...] = jnp.broadcast_to(nan_max(row_amax, axis=0), amax_ref.shape)
+
+
+def _square_slabs(w_ref, q_ref, qt_ref, rows_ref, cols_ref, amax_ref, tuning, rule):
+    """`_square_kernel` in slabs: the block's amax slab by slab, then each slab read again
+    to cast both copies at the block's scale."""
+    block = w_ref.shape[0]
+    h = slab_height(tuning, block)
+    load = lambda sl: w_ref[sl, :].astype(jnp.float32)  # noqa: E731
+    tile_amax = lambda sl, c: bits_max(c, nan_max(nan_max(jnp.abs(load(sl)), 1), 0))  # noqa: E731
+    amax = over_slabs(block, h, tile_amax, jnp.float32(0))
+    scale, scale_inv = tile_scales(jnp.broadcast_to(amax, (block,)), **rule)
+    slab_scale = tile_scales(jnp.broadcast_to(amax, (h,)), **rule)[0]
+
+    def cast(sl, carry):
+        w = load(sl)
+        q_ref[sl, :] = q = saturating_cast(w, slab_scale[:, None], q_ref.dtype)
+        if tuning.transpose_first:
+            qt_ref[:, sl] = saturating_cast(w.T, scale[:, None], q_ref.dtype)
+        else:
+            qt_ref[:, sl] = transpose(q, tuning)
+        return carry
+
+    over_slabs(block, h, cast, 0)
+    rows_ref[...] = cols_ref[...] = scale_inv[None, :]
+    amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
 
 
 @functools.partial(
@@ -478,7 +400,7 @@ def quantize_blocks(
     GEMM kernels read them, each block's once per row it covers (`rows_t (K / block, N)`
     for `data`, `cols (N / block, K)` for `data_t`), and each block's amax (NaN where it has
     a NaN), from one read of `w`. `tuning`: a `ColumnTuning` (the GPU check's sweep)."""
-    check_tuning(tuning, QUANTIZE_NAMES[3])
+    tuning = check_tuning(tuning, QUANTIZE_NAMES[3], block)
     return _quantize_square(
         w,
         fmt=jnp.dtype(fmt),

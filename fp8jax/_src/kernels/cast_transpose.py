@@ -29,10 +29,13 @@ from . import CAST_TRANSPOSE_NAME
 from .block_quantize import (
     DEFAULT_TUNING,
     ColumnTuning,
+    bits_max,
     check_tiles,
     check_tuning,
     nan_max,
+    over_slabs,
     saturating_cast,
+    slab_height,
     transpose,
     triton_call,
 )
@@ -40,6 +43,22 @@ from .dispatch import interpreting
 
 
 def _kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref, *, tuning: ColumnTuning):
+    block = x_ref.shape[0]
+    if slab_height(tuning, block) < block:  # one pass, a slab at a time
+        scale = s_ref[...]
+
+        def cast(sl, amax):
+            x = x_ref[sl, :].astype(jnp.float32)
+            q_ref[sl, :] = q = saturating_cast(x, scale, q_ref.dtype)
+            first = tuning.transpose_first
+            qt_ref[:, sl] = (
+                saturating_cast(x.T, scale, q_ref.dtype) if first else transpose(q, tuning)
+            )
+            return bits_max(amax, nan_max(nan_max(jnp.abs(x), axis=1), axis=0))
+
+        amax = over_slabs(block, slab_height(tuning, block), cast, jnp.float32(0))
+        amax_ref[...] = jnp.broadcast_to(amax, (1, 1))
+        return
     x = x_ref[...].astype(jnp.float32)
     scale = s_ref[...]  # (1, 1)
     q_ref[...] = q = saturating_cast(x, scale, q_ref.dtype)
@@ -91,7 +110,7 @@ def cast_transpose(
             f"{CAST_TRANSPOSE_NAME}: scale has shape {jnp.shape(scale)}; one per-tensor scale "
             "(a scalar) is expected."
         )
-    check_tuning(tuning, CAST_TRANSPOSE_NAME)
+    tuning = check_tuning(tuning, CAST_TRANSPOSE_NAME, block)
     return _cast_transpose(
         x,
         jnp.asarray(scale),

@@ -47,9 +47,9 @@ from .block_quantize import (
     check_tuning,
     column_outputs,
     pltriton,
+    quantize_tile,
     reference_columns,
     row_tiles,
-    store_columns,
     tile_rule,
     triton_call,
 )
@@ -72,29 +72,39 @@ def fits(shape: tuple[int, ...], padded: int, block: int) -> bool:
     return ok and max(shape[0], padded) * shape[1] <= MAX_ELEMENTS and pltriton is not None
 
 
-def _gather(rows_ref, x_ref, j: Array, block: int) -> tuple[Array, Array, Array]:
-    """This program's rows of column tile `j`, in float32: (values, which are real, index)."""
-    rows = rows_ref[...]
+def _gather(rows_ref, x_ref, j: Array, block: int, sl) -> tuple[Array, Array, Array]:
+    """Rows `sl` of this program's gathered rows of column tile `j`, in float32: (values,
+    which are real, index)."""
+    rows = rows_ref[sl]
     real = rows >= 0
     index = jnp.where(real, rows, -1 - rows)
     # A gap reads the row it names (the interpreter cannot discharge a masked gather) and is
-    # zeroed by the caller.
+    # zeroed for the columns (`_zeroed`).
     return x_ref[index, pl.ds(j * block, block)].astype(jnp.float32), real, index
 
 
+def _zeroed(sl, gathered: tuple[Array, Array, Array]) -> Array:
+    """The columns' values of `_gather`'s rows: zeros in the gaps."""
+    x, real, _ = gathered
+    return jnp.where(real[:, None], x, 0.0)
+
+
 def _quantize_kernel(rows_ref, x_ref, qt_ref, st_ref, *, block: int, tuning: ColumnTuning, **rule):
-    x, real, _ = _gather(rows_ref, x_ref, pl.program_id(1), block)
-    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, tuning)
+    load = functools.partial(_gather, rows_ref, x_ref, pl.program_id(1), block)
+    quantize_tile(load, block, tuning, rule, columns=(qt_ref, st_ref), to_columns=_zeroed)
 
 
 def _requantize_kernel(
     rows_ref, data_ref, s_ref, qt_ref, st_ref, *, block: int, tuning: ColumnTuning, **rule
 ):
     j = pl.program_id(1)
-    data, real, index = _gather(rows_ref, data_ref, j, block)
-    scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
-    x = jnp.where(real[:, None], data * scale_inv[:, None], 0.0)
-    store_columns(x, qt_ref, st_ref, rule, tuning)
+
+    def load(sl):
+        data, real, index = _gather(rows_ref, data_ref, j, block, sl)
+        scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
+        return data * scale_inv[:, None], real, index
+
+    quantize_tile(load, block, tuning, rule, columns=(qt_ref, st_ref), to_columns=_zeroed)
 
 
 def _both_kernel(
@@ -111,15 +121,22 @@ def _both_kernel(
     **rule,
 ):
     j = pl.program_id(1)
-    x, real, index = _gather(rows_ref, x_ref, j, block)
+
     # The rows copy of every row gathered, a gap's named row too, so that the programs
     # write every row of `x` (and their amaxes cover it); a row gathered twice gets the same
     # values twice (the interpreter cannot discharge a masked scatter either).
-    q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
-    q_ref[index, pl.ds(j * block, block)] = q
-    s_ref[j, index] = scale_inv
-    amax_ref[...] = jnp.broadcast_to(amax, amax_ref.shape)
-    store_columns(jnp.where(real[:, None], x, 0.0), qt_ref, st_ref, rule, tuning)
+    def rows(sl, gathered):
+        x, _, index = gathered
+        q, scale_inv, amax = row_tiles(x, q_ref.dtype, rule)
+        q_ref[index, pl.ds(j * block, block)] = q
+        s_ref[j, index] = scale_inv
+        return amax
+
+    load = functools.partial(_gather, rows_ref, x_ref, j, block)
+    columns = (qt_ref, st_ref)
+    quantize_tile(
+        load, block, tuning, rule, rows=(rows, amax_ref), columns=columns, to_columns=_zeroed
+    )
 
 
 def _whole(a: Array) -> pl.BlockSpec:
@@ -153,7 +170,7 @@ def _gathered(x, rows, fmt, rows_too, block, max_scale, power_of_two, interpret,
     """`_quantize` of checked operands."""
     name = BOTH_PADDED_NAME if rows_too else QUANTIZE_PADDED_NAME
     interpret = _interpret(x, rows, block, name, interpret)
-    check_tuning(tuning, name)
+    tuning = check_tuning(tuning, name, block)
     return _quantize(
         x,
         rows.astype(jnp.int32),
@@ -238,7 +255,7 @@ def requantize_padded_columns(
     transposed: `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block,
     K)`. `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
-    check_tuning(tuning, REQUANTIZE_PADDED_NAME)
+    tuning = check_tuning(tuning, REQUANTIZE_PADDED_NAME, block)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
         raise ValueError(
