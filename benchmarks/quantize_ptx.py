@@ -78,7 +78,8 @@ def registers(ptx: str) -> str:
     """`ptxas -v`'s registers per thread of the fp8jax kernel in `ptx`, and the programs of
     `warps` warps an SM holds by registers (`-` without ptxas)."""
     ptxas = shutil.which("ptxas")
-    modules = [m for m in re.split(r"(?m)^(?=\.version)", ptx) if ".entry fp8jax" in m]
+    entry = re.compile(r"\.entry (fp8jax|plain_cast)")
+    modules = [m for m in re.split(r"(?m)^(?=\.version)", ptx) if entry.search(m)]
     if ptxas is None or len(modules) != 1:
         return "-"
     with tempfile.TemporaryDirectory() as folder:

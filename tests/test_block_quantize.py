@@ -203,6 +203,43 @@ def test_wide_transpose_moves_no_single_bytes_through_shared_memory():
     assert "div.rn.f32" in ptx[0] and ".local" not in ptx[0]
 
 
+@pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
+def test_slabs_lower_for_an_h100_dividing_exactly_without_spills():
+    """The rows-and-columns kernel in slabs of 32 rows (`ColumnTuning(slab_rows=32)`)
+    compiled for an H100: one Triton kernel walking its tile in loops (backward branches in
+    its PTX, none in the whole tile's), dividing with `div.rn.f32`, spilling nothing."""
+
+    def ptx_of(tuning):
+        def both(x):
+            rule = dict(max_scale=MAX_SCALE, interpret=False, tuning=tuning)
+            return block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
+
+        spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+        lowered, _ = deviceless.lower(both, (spec,), {}, deviceless.h100_topology().devices[0])
+        with tempfile.TemporaryDirectory() as folder:
+            options = {"xla_dump_to": folder, "xla_dump_emitter_re": "^ptx$"}
+            lowered.compile(compiler_options=options)
+            files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
+            found = [t for t in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", t)]
+        assert len(found) == 1
+        return found[0]
+
+    slabs = ptx_of(block_quantize.ColumnTuning(num_warps=4, slab_rows=32))
+    whole = ptx_of(block_quantize.DEFAULT_TUNING)
+    assert "div.rn.f32" in slabs and ".local" not in slabs
+    # A loop's branch jumps back to a label above it: the two passes over the slabs.
+    labels = {m.group(1): m.start() for m in re.finditer(r"^\$(\w+):", slabs, re.M)}
+    back = [
+        m for m in re.finditer(r"bra(?:\.uni)?\s+\$(\w+);", slabs) if labels[m.group(1)] < m.start()
+    ]
+    assert len(back) >= 2
+    assert not [
+        m
+        for m in re.finditer(r"bra(?:\.uni)?\s+\$(\w+);", whole)
+        if whole.index(f"${m.group(1)}:") < m.start()
+    ]
+
+
 def test_kernels_propagate_nan_and_inf():
     """An inf or NaN becomes NaN in the data, and the program's amax shows it (the state
     then rejects the step), although PTX's `max` would drop a NaN."""

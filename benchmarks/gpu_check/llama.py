@@ -256,6 +256,7 @@ CANDIDATES = (
     ("blockwise", "blockwise-pairs"),
     ("blockwise", "blockwise-tile-scales"),
     ("blockwise", "blockwise-chained"),
+    ("blockwise", "blockwise-slabs"),
 )
 
 
