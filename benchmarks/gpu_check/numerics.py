@@ -327,9 +327,10 @@ def grouped_layer(
 def quantization(dry: bool) -> dict:
     """The quantization kernels against IEEE NumPy at a small shape, so that every GPU run
     checks them (`quantize.numerics`, which the quantize section repeats at LLM shapes):
-    each kernel in its default, the sweep's widened transpose and slabs of rows (session
-    39), and the expert layer's gradient in one kernel (`quantize_rows_and_padded_columns`,
-    its default since session 38). Elements that differ must be none."""
+    each kernel in its default (since session 39 the weight's blocks too), the sweep's
+    widened transpose and slabs of rows (session 39), and the expert layer's gradient in one
+    kernel (`quantize_rows_and_padded_columns`, its default since session 38). Elements that
+    differ must be none."""
     result = quantize.numerics((256, 384) if dry else (2048, 1024), dry)
     differing = result["kernel_elements_differing_from_ieee"]
     return {

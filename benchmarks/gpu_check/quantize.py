@@ -123,9 +123,10 @@ def per_tensor_kernel(x: jax.Array, tuning=block_quantize.DEFAULT_TUNING) -> tup
 def tuning_name(kernel: str, tuning: block_quantize.ColumnTuning) -> str:
     """A kernel in a `ColumnTuning`, as the sweep's case name."""
     order = "transposed before the cast" if tuning.transpose_first else "cast, then transposed"
+    order = "" if kernel == "rows" else ", " + order  # no transposed copy
     order += " in BF16" if tuning.wide_transpose else ""
     order += f", {tuning.slab_rows}-row slabs" if tuning.slab_rows else ""
-    return f"{kernel} kernel alone, {tuning.num_warps} warps, {order}"
+    return f"{kernel} kernel alone, {tuning.num_warps} warps{order}"
 
 
 def heavy_tailed(key: Any, shape: tuple[int, int]) -> jax.Array:
@@ -149,6 +150,21 @@ def ieee_rows(x: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
     data = np.where(np.isfinite(x), scaled, np.nan).astype(E4M3).astype(np.float32)
     return data, (np.float32(1) / scale).T
+
+
+def ieee_blocks(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """`block x block` blocks of `w` in NumPy float32, as `ieee_rows`: (FP8 data as
+    float32, scale_inv per block `(N / block, K / block)`)."""
+    n, k = w.shape
+    amax = np.abs(w).reshape(n // block, block, k // block, block).max((1, 3))
+    fmt_max = np.float32(ml_dtypes.finfo(E4M3).max)
+    ok = (amax > 0) & np.isfinite(amax)
+    scale = np.minimum(np.where(ok, fmt_max / np.where(ok, amax, 1), 1), np.float32(MAX_SCALE))
+    scale = scale.astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)
+    scaled = np.clip(w * full, -fmt_max, fmt_max)
+    data = np.where(np.isfinite(w), scaled, np.nan).astype(E4M3).astype(np.float32)
+    return data, np.float32(1) / scale
 
 
 def row_map(rows: int, block: int = 128) -> np.ndarray:
@@ -175,8 +191,9 @@ def _differ(got: Any, want: np.ndarray) -> int:
 
 
 def numerics(shape: tuple[int, int], dry: bool) -> dict:
-    """Rows and columns (the gradient's kernel) and the requantized columns, against NumPy;
-    the recipe's XLA path against the same; the sweep's widened transpose and slabs too."""
+    """Rows and columns (the gradient's kernel), the requantized columns, a weight's blocks
+    and the per-tensor cast, against NumPy; the recipe's XLA path against the same; the
+    sweep's widened transpose and slabs too."""
     x = heavy_tailed(jax.random.PRNGKey(1), shape)
     interpret = dry
     kernel = jax.jit(
@@ -228,15 +245,39 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
             x, r, E4M3, interpret=interpret, tuning=_SLABS[1], **RULE
         )
     )(x, jnp.asarray(padded))
-    # The per-tensor kernel: a product and a rounding, as NumPy's (no division).
-    per_tensor = jax.jit(
-        lambda x: cast_transpose(x, jnp.float32(PER_TENSOR_SCALE), E4M3, interpret=interpret)
-    )(x)
+    # The per-tensor kernel: a product and a rounding, as NumPy's (no division); in slabs too.
+    per_tensor, per_tensor_slabs = (
+        jax.jit(
+            lambda x, t=t: cast_transpose(
+                x, jnp.float32(PER_TENSOR_SCALE), E4M3, interpret=interpret, tuning=t
+            )
+        )(x)
+        for t in (block_quantize.DEFAULT_TUNING, _SLABS[1])
+    )
+    # A weight's 128 x 128 blocks and its dgrad copy, whole and in slabs (session 39).
+    blocks = [
+        jax.jit(
+            lambda x, t=t: block_quantize.quantize_blocks(
+                x, E4M3, interpret=interpret, tuning=t, **RULE
+            )
+        )(x)
+        for t in (block_quantize.OTHER_TUNING, _SLABS[0])
+    ]
+    w_data, w_scale = ieee_blocks(host)
+
+    def weight_differ(got: tuple) -> int:
+        scales = (np.repeat(w_scale, 128, axis=0).T, np.repeat(w_scale, 128, axis=1))
+        return sum(_differ(a, b) for a, b in zip(got[:4], (w_data, w_data.T, *scales), strict=True))
+
     limit = np.float32(ml_dtypes.finfo(E4M3).max)
     cast = np.clip(host * np.float32(PER_TENSOR_SCALE), -limit, limit)
     cast = np.where(np.isfinite(host), cast, np.nan).astype(E4M3).astype(np.float32)
     differ = {
         "per-tensor cast": _differ(per_tensor[0], cast) + _differ(per_tensor[1], cast.T),
+        "per-tensor cast, 16-row slabs": _differ(per_tensor_slabs[0], cast)
+        + _differ(per_tensor_slabs[1], cast.T),
+        "weight blocks": weight_differ(blocks[0]),
+        "weight blocks, 32-row slabs": weight_differ(blocks[1]),
         "rows": _differ(data, rows) + _differ(scale_t, scales),
         "columns": _differ(data_t, cols) + _differ(cols_t, col_scales),
         "columns, widened to transpose": _differ(wide[3], cols) + _differ(wide[4], col_scales),
