@@ -106,8 +106,10 @@ def _rows_kernel(x_ref, q_ref, s_ref, amax_ref, *cols_refs, tuning: ColumnTuning
 
 
 def _columns_kernel(data_ref, s_ref, qt_ref, st_ref, *, tuning: ColumnTuning, **rule):
-    # the saved tiles' values, each row at its 1 x block tile's scale
-    load = lambda sl: data_ref[sl, :].astype(jnp.float32) * s_ref[0, sl][:, None]  # noqa: E731
+    def load(sl):  # the saved tiles' values, each row at its 1 x block tile's scale
+        scale_inv = s_ref[0, sl]
+        return data_ref[sl, :].astype(jnp.float32) * scale_inv[:, None]
+
     quantize_tile(load, data_ref.shape[0], tuning, rule, columns=(qt_ref, st_ref))
 
 

@@ -99,12 +99,12 @@ def _requantize_kernel(
 ):
     j = pl.program_id(1)
 
-    def load(sl):
+    def load(sl):  # the gathered rows' values, zeros in the gaps
         data, real, index = _gather(rows_ref, data_ref, j, block, sl)
         scale_inv = s_ref[j, index]  # each row's scale of its 1 x block tile in chunk j
-        return data * scale_inv[:, None], real, index
+        return jnp.where(real[:, None], data * scale_inv[:, None], 0.0)
 
-    quantize_tile(load, block, tuning, rule, columns=(qt_ref, st_ref), to_columns=_zeroed)
+    quantize_tile(load, block, tuning, rule, columns=(qt_ref, st_ref))
 
 
 def _both_kernel(

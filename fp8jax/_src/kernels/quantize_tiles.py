@@ -100,12 +100,13 @@ def quantize_tile(
     columns=(),
     to_columns=lambda sl, x: x,
 ) -> None:
-    """A `block x block` tile, `load(sl)` its rows `sl` in float32, held as `tuning` says.
+    """A `block x block` tile held as `tuning` says, `x = load(sl)` its rows `sl` (their
+    float32 values, or what `write` and `to_columns` take: a gather's rows and gaps).
     `rows` `(write, amax_ref)`, if given: `write(sl, x)` writes the rows' 1 x `block` tiles
     and returns their amax, whose maximum goes to `amax_ref`; `columns` `(qt_ref, st_ref)`,
-    if given, receive the `block` x 1 tiles of `to_columns(sl, x)`, transposed. Whole, from
-    one read; in slabs (`slab_height`), the rows and the column amaxes slab by slab, then
-    each slab read again to cast its columns."""
+    if given, receive the `block` x 1 tiles of `to_columns(sl, x)` (float32), transposed.
+    Whole, from one read; in slabs (`slab_height`), the rows and the column amaxes slab by
+    slab, then each slab read again to cast its columns."""
     h = slab_height(tuning, block)
     if h == block:
         x = load(slice(None))
