@@ -105,7 +105,7 @@ class CondWarmStart(fp8jax.DelayedScaling):
 
 
 #: Rows of a tile the quantization kernels hold at a time in `blockwise-slabs` (ptxas, jax
-#: 0.11.2: 42-128 registers a thread, where whole tiles take 175-255; quantize_ptx.py).
+#: 0.11.2: 32-128 registers a thread in each kernel's warps, whole tiles 116-255; quantize_ptx.py).
 SLAB_ROWS = 32
 
 #: The recipes compared with BF16: the benchmarks' own, delayed scaling without its warm

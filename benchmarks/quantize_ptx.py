@@ -226,12 +226,16 @@ def transpose_first_rows() -> list[str]:
 
 
 def register_rows() -> list[str]:
-    """Per kernel and tuning of `gpu_check.quantize.TUNINGS`: registers and occupancy."""
+    """Per kernel and tuning of `gpu_check.quantize.TUNINGS` (and its default in 32-row
+    slabs): registers and programs per SM."""
     bf16 = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),)
     saved = (jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // 128, M), jnp.float32))
     out = []
     for label, tunings in TUNINGS.items():
-        for tuning in tunings:
+        # Its default first; and its default in 32-row slabs, as `blockwise-slabs` runs it
+        # (`quantize_slabs(32)`), where the sweep has no such tuning.
+        extra = tunings[0]._replace(slab_rows=32)
+        for tuning in (*tunings, *([extra] if extra not in tunings else [])):
             ptx = ptx_of(
                 transposing_kernel(label, tuning, M), saved if label in REQUANTIZING else bf16
             )
@@ -272,7 +276,8 @@ def main() -> None:
     print()
     print(
         "Registers per thread (ptxas) and programs per SM by registers, each kernel of the GPU"
-        " check's sweep in each of its tunings (`gpu_check.quantize.TUNINGS`):"
+        " check's sweep in each of its tunings (`gpu_check.quantize.TUNINGS`, the default"
+        " first) and its default in 32-row slabs (as the steps' `blockwise-slabs` run it):"
     )
     print()
     print("| kernel | tuning | registers | programs / SM (registers) | warps / SM |")

@@ -186,7 +186,13 @@ def test_wide_transpose_moves_no_single_bytes_through_shared_memory():
     kernel transposes its FP8 tile widened to BF16 with `ldmatrix ... .trans`, not one
     `ld.shared.b8` per byte as in the default (where Triton gathers the FP8 tile), and still
     divides exactly and spills nothing."""
-    tuning = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
+    ptx = rows_and_columns_ptx(block_quantize.ColumnTuning(num_warps=4, wide_transpose=True))
+    assert "ld.shared.b8" not in ptx and re.search(r"ldmatrix\.[\w.]*\.trans", ptx)
+    assert "div.rn.f32" in ptx and ".local" not in ptx
+
+
+def rows_and_columns_ptx(tuning: block_quantize.ColumnTuning) -> str:
+    """The PTX of the rows-and-columns kernel in `tuning`, compiled for an H100 (one kernel)."""
 
     def both(x):
         rule = dict(max_scale=MAX_SCALE, interpret=False, tuning=tuning)
@@ -199,8 +205,7 @@ def test_wide_transpose_moves_no_single_bytes_through_shared_memory():
         files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
         ptx = [text for text in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", text)]
     assert len(ptx) == 1
-    assert "ld.shared.b8" not in ptx[0] and re.search(r"ldmatrix\.[\w.]*\.trans", ptx[0])
-    assert "div.rn.f32" in ptx[0] and ".local" not in ptx[0]
+    return ptx[0]
 
 
 @pytest.mark.skipif(deviceless.h100_topology() is None, reason="no CUDA plugin")
@@ -209,35 +214,17 @@ def test_slabs_lower_for_an_h100_dividing_exactly_without_spills():
     compiled for an H100: one Triton kernel walking its tile in loops (backward branches in
     its PTX, none in the whole tile's), dividing with `div.rn.f32`, spilling nothing."""
 
-    def ptx_of(tuning):
-        def both(x):
-            rule = dict(max_scale=MAX_SCALE, interpret=False, tuning=tuning)
-            return block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
-
-        spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
-        lowered, _ = deviceless.lower(both, (spec,), {}, deviceless.h100_topology().devices[0])
-        with tempfile.TemporaryDirectory() as folder:
-            options = {"xla_dump_to": folder, "xla_dump_emitter_re": "^ptx$"}
-            lowered.compile(compiler_options=options)
-            files = glob.glob(f"{folder}/**/*.ptx", recursive=True)
-            found = [t for t in map(read, files) if re.search(r"\.entry fp8jax_\w*quantize", t)]
-        assert len(found) == 1
-        return found[0]
-
-    slabs = ptx_of(block_quantize.ColumnTuning(num_warps=4, slab_rows=32))
-    whole = ptx_of(block_quantize.DEFAULT_TUNING)
+    slabs = rows_and_columns_ptx(block_quantize.ColumnTuning(num_warps=4, slab_rows=32))
+    whole = rows_and_columns_ptx(block_quantize.DEFAULT_TUNING)
     assert "div.rn.f32" in slabs and ".local" not in slabs
-    # A loop's branch jumps back to a label above it: the two passes over the slabs.
-    labels = {m.group(1): m.start() for m in re.finditer(r"^\$(\w+):", slabs, re.M)}
-    back = [
-        m for m in re.finditer(r"bra(?:\.uni)?\s+\$(\w+);", slabs) if labels[m.group(1)] < m.start()
-    ]
-    assert len(back) >= 2
-    assert not [
-        m
-        for m in re.finditer(r"bra(?:\.uni)?\s+\$(\w+);", whole)
-        if whole.index(f"${m.group(1)}:") < m.start()
-    ]
+    assert backward_branches(slabs) >= 2 and backward_branches(whole) == 0
+
+
+def backward_branches(ptx: str) -> int:
+    """Branches to a label above them in `ptx`: a loop's."""
+    labels = {m.group(1): m.start() for m in re.finditer(r"^\$(\w+):", ptx, re.M)}
+    jumps = re.finditer(r"bra(?:\.uni)?\s+\$(\w+);", ptx)
+    return sum(labels[m.group(1)] < m.start() for m in jumps)
 
 
 def test_kernels_propagate_nan_and_inf():

@@ -44,7 +44,7 @@ from .timing import compile_and_time
 
 SECTION = "3b MoE layer"
 #: Rows of a tile the quantization kernels hold at a time in `blockwise-slabs` (ptxas, jax
-#: 0.11.2: 42-128 registers a thread, where whole tiles take 175-255; quantize_ptx.py).
+#: 0.11.2: 32-128 registers a thread in each kernel's warps, whole tiles 116-255; quantize_ptx.py).
 SLAB_ROWS = 32
 CUBLAS = fp8jax.gpu_compiler_options()
 #: mode -> variants; the two BF16 steps first: the others' references.

@@ -66,9 +66,9 @@ SHAPES = {
 DRY_SHAPES = {"dry 256x384": (256, 384)}
 #: Widened to BF16 to transpose (session 38): `ldmatrix` where the default gathers bytes.
 _WIDE = block_quantize.ColumnTuning(num_warps=4, wide_transpose=True)
-#: In slabs of rows (session 39): a program holds 32 (16) rows of its tile at a time, 42-128
-#: registers a thread where whole tiles take 175-255 (ptxas; `quantize_ptx.py`), so four to
-#: ten programs share an SM where two did.
+#: In slabs of rows (session 39): a program holds 32 (16) rows of its tile at a time, 32-128
+#: registers a thread where whole tiles take 96-255 (ptxas; `quantize_ptx.py`), so four to
+#: ten programs share an SM where one to five did.
 _SLABS = (
     block_quantize.ColumnTuning(num_warps=4, slab_rows=32),
     block_quantize.ColumnTuning(num_warps=8, slab_rows=16),
