@@ -1,5 +1,5 @@
 """The HBM rate of each non-GEMM kernel a GPU run traced, and what those rates say of a variant
-not yet timed (an ESTIMATE).
+not yet timed (an ESTIMATE); and where a variant's non-GEMM bytes go (`bytes`).
 
     # join: a GPU run's profile with the bytes of the same step compiled here, deviceless
     JAX_PLATFORMS=cpu python benchmarks/profile_rates.py join \
@@ -8,6 +8,8 @@ not yet timed (an ESTIMATE).
     # estimate: the non-GEMM time of variants at the rates the join printed
     JAX_PLATFORMS=cpu python benchmarks/profile_rates.py estimate --sizes 8B,1B \
         --variants delayed-steady,delayed-steady-apart --rates 1.8,2.9,4.0,4.0
+    # bytes: where a variant's non-GEMM bytes go, by `hlo_cost` category (no rates)
+    JAX_PLATFORMS=cpu python benchmarks/profile_rates.py bytes --sizes 8B --variants blockwise
 
 `join` compiles the variant's step for an H100 without one (`llama_block.compile_deviceless`)
 with the fp8jax and `llama_block.py` of the commit the profile was taken at (run 6: 1651c36;
@@ -128,6 +130,22 @@ def estimate(sizes: list[str], variants: list[str], rates: dict[str, float]) -> 
             )
 
 
+def by_category(sizes: list[str], variants: list[str]) -> None:
+    """Each variant's non-GEMM kernels and HBM bytes by `fp8jax.hlo_cost` category (the
+    quantization kernels under "quantize"), from its deviceless step; no rates, no times."""
+    print("| block | variant | category | kernels | GB |")
+    print("|---|---|---|---|---|")
+    for size in sizes:
+        for name in variants:
+            kernels = list(compiled_kernels(size, name).values())
+            for category in dict.fromkeys(k.category for k in kernels):
+                mine = [k for k in kernels if k.category == category]
+                moved = sum(k.bytes for k in mine) / 1e9
+                print(f"| {size} | {name} | {category} | {len(mine)} | {moved:.2f} |")
+            total = sum(k.bytes for k in kernels) / 1e9
+            print(f"| {size} | {name} | all non-GEMM | {len(kernels)} | {total:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,10 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--sizes", default="8B,1B")
     e.add_argument("--variants", default="delayed-steady,delayed-steady-apart")
     e.add_argument("--rates", required=True, help="TB/s of each class, in CLASSES' order")
+    b = sub.add_parser("bytes")
+    b.add_argument("--sizes", default="8B,1B")
+    b.add_argument("--variants", default="bf16,blockwise")
     args = parser.parse_args(argv)
     print(f"jax {__import__('jax').__version__}; {' '.join(sys.argv[1:])}\n")
     if args.command == "join":
         join(args.profile, args.variant)
+    elif args.command == "bytes":
+        by_category(args.sizes.split(","), args.variants.split(","))
     else:
         values = [float(v) for v in args.rates.split(",")]
         if len(values) != len(CLASSES) or min(values) <= 0:
