@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax._src.core import jax_private
 from fp8jax._src.kernels import block_quantize, dispatch, padded_quantize, quantize_config
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
@@ -331,11 +332,8 @@ def kernel_loops(jaxpr) -> list[tuple[str, int]]:
 
     def inner(j):
         for eqn in j.eqns:
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        yield eqn, sub
+            for sub in jax_private.sub_jaxprs(eqn):
+                yield eqn, jax_private.jaxpr_parts(sub)[0]
 
     def loops(j):
         own = sum(e.primitive.name in ("while", "scan") for e in j.eqns)

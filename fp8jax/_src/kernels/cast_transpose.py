@@ -44,7 +44,8 @@ from .dispatch import interpreting
 
 def _kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref, *, tuning: ColumnTuning):
     block = x_ref.shape[0]
-    if slab_height(tuning, block) < block:  # one pass, a slab at a time
+    h = slab_height(tuning, block)
+    if h < block:  # one pass, a slab at a time
         scale = s_ref[...]
 
         def cast(sl, amax):
@@ -56,7 +57,7 @@ def _kernel(x_ref, s_ref, q_ref, qt_ref, amax_ref, *, tuning: ColumnTuning):
             )
             return bits_max(amax, nan_max(nan_max(jnp.abs(x), axis=1), axis=0))
 
-        amax = over_slabs(block, slab_height(tuning, block), cast, jnp.float32(0))
+        amax = over_slabs(block, h, cast, jnp.float32(0))
         amax_ref[...] = jnp.broadcast_to(amax, (1, 1))
         return
     x = x_ref[...].astype(jnp.float32)

@@ -56,7 +56,7 @@ def quantize_slabs(rows: int) -> contextlib.AbstractContextManager[None]:
     (`ColumnTuning.slab_rows`) where their tuning names none: to time a whole step's kernels
     so (`benchmarks/llama_block.py`'s `blockwise-slabs`). Issue 39: the default once a GPU
     run has timed it faster."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
+    if not _power_of_two(rows):
         raise ValueError(f"quantize_slabs: rows={rows!r}; expected a power of two >= 1.")
     return setting(_SLABS, rows)
 
@@ -86,16 +86,16 @@ def check_tuning(tuning: ColumnTuning, name: str, block: int = 128) -> ColumnTun
             f"{name}: tuning={tuning!r} transposes the float32 tile (transpose_first) and "
             "the FP8 tile widened (wide_transpose); choose one."
         )
-    rows = resolved(tuning).slab_rows
-    if rows is not None and (
-        isinstance(rows, bool)
-        or not isinstance(rows, int)
-        or rows < 1
-        or rows & (rows - 1)
-        or block % min(rows, block)
-    ):
+    tuning = resolved(tuning)
+    rows = tuning.slab_rows
+    if rows is not None and not (_power_of_two(rows) and block % min(rows, block) == 0):
         raise ValueError(
             f"{name}: tuning={tuning!r}; slab_rows should be None or a power of two that "
             f"divides the tile's {block} rows."
         )
-    return resolved(tuning)
+    return tuning
+
+
+def _power_of_two(n: object) -> bool:
+    """Whether `n` is a whole number (not a bool) and a power of two."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
