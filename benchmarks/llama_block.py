@@ -74,6 +74,7 @@ from fp8jax._src.kernels.quantize_config import quantize_slabs
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes import ROLES
 from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
+from fp8jax._src.recipes.per_tensor_pass import cast_transpose_kernel
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
 SHAPES: dict[str, dict[str, int]] = {
@@ -119,6 +120,9 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart-acts": fp8jax.DelayedScaling(),
+    "delayed-steady-kernel": fp8jax.DelayedScaling(),
+    "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
+    "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
     "current-apart": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
@@ -133,6 +137,9 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-apart": transposes_apart,
     "delayed-steady-apart": lambda: steady_apart(),
     "delayed-steady-apart-acts": lambda: steady_apart(("input", "output_grad")),
+    "delayed-steady-kernel": lambda: steady_kernel(),
+    "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
+    "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
     "current-apart": transposes_apart,
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
@@ -149,6 +156,15 @@ def steady_apart(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
     """The train step's steady state (`delayed-steady`) with the transposed FP8 copies of
     the operands of `roles` written apart (`per_tensor.transposes_apart`)."""
     with skip_warm_start(recorded=True), transposes_apart(roles):
+        yield
+
+
+@contextlib.contextmanager
+def steady_kernel(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+    """The train step's steady state (`delayed-steady`) with the operands of `roles`
+    quantized by fp8jax's one-pass kernel: both FP8 copies and the amax from one read
+    (`per_tensor_pass.cast_transpose_kernel`)."""
+    with skip_warm_start(recorded=True), cast_transpose_kernel(roles):
         yield
 
 

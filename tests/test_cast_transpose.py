@@ -2,6 +2,7 @@
 bit with the recipes' saturating cast and a NumPy reference in Pallas' interpreter, its
 amax per tile, bad input refused by name, and one Triton kernel in an H100 compile."""
 
+import contextlib
 import re
 
 import jax
@@ -12,10 +13,12 @@ import pytest
 
 import fp8jax
 from fp8jax._src.core.formats import saturate
-from fp8jax._src.kernels import CAST_TRANSPOSE_NAME
+from fp8jax._src.kernels import CAST_TRANSPOSE_NAME, dispatch
 from fp8jax._src.kernels.block_quantize import ColumnTuning
 from fp8jax._src.kernels.cast_transpose import cast_transpose
 from fp8jax._src.observe import deviceless
+from fp8jax._src.recipes.per_tensor import skip_warm_start
+from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen, cast_transpose_kernel
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 
@@ -97,3 +100,83 @@ def test_h100_compile_runs_one_triton_kernel_counted_as_quantization():
     # Read 2 bytes and write 2 an element (amax tiles and the scale aside): quantization.
     cost = fp8jax.hlo_cost(hlo)
     assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 256 * 384 * 4
+
+
+def _step():
+    """A fresh value-and-grad of an FP8 `dot_general` (its own function: a jit cache entry
+    traced outside a trace-time setting would be reused inside)."""
+
+    def loss(args):
+        layer, x, w = args
+        return jnp.sum(jnp.sin(layer(x, w, (((x.ndim - 1,), (0,)), ((), ()))).astype(jnp.float32)))
+
+    return fp8jax.filter_value_and_grad(loss)
+
+
+def _kernel_calls(jaxpr) -> int:
+    return str(jaxpr).count(f"name={CAST_TRANSPOSE_NAME}")
+
+
+@pytest.mark.parametrize(
+    "roles, calls", [(("input", "kernel", "output_grad"), 3), (("output_grad",), 1)]
+)
+@pytest.mark.parametrize("warm_start", [False, True], ids=["cold", "steady state"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_delayed_scaling_quantizes_in_one_pass_as_its_xla_path(roles, calls, warm_start, dtype):
+    """Inside `cast_transpose_kernel(roles)` delayed scaling (without the warm start, or
+    inside `skip_warm_start`) quantizes those operands with the kernel, in the interpreter
+    as on a Hopper GPU: one call per operand, and the step's value, gradients and new states
+    (amax histories, kept scales) equal XLA's path bit for bit, a tile with an inf and
+    values past E4M3's max among the input's."""
+    rng = np.random.default_rng(5)
+    x = np.asarray(operand(rng, (256, 384)), np.float32)
+    x[-1, 0], x[128, 129] = 1e4, 3.0  # the inf and NaN out: a loss must stay finite
+    x = jnp.asarray(x, dtype)
+    w = jnp.asarray(rng.standard_normal((384, 128)) * 0.05, dtype)
+    layer = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(warm_start=warm_start))
+    # A step's state: scales 2**-3 (inputs past E4M3's max saturate), histories of one amax.
+    layer = jax.tree.map(lambda s: jnp.full_like(s, 0.125) if s.ndim == 0 else s + 1.0, layer)
+
+    def steady():
+        return skip_warm_start(recorded=True) if warm_start else contextlib.nullcontext()
+
+    with steady():
+        want = jax.jit(_step())((layer, x, w))
+    step = _step()
+    with dispatch.interpreted(), cast_transpose_kernel(roles), steady():
+        assert _kernel_calls(jax.make_jaxpr(step)((layer, x, w))) == calls
+        got = jax.jit(step)((layer, x, w))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+    assert np.isfinite(np.asarray(got[0]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["warm start", "current scaling", "partial tiles", "not chosen"],
+)
+def test_the_kernel_is_left_out_where_it_cannot_serve(case):
+    """The XLA path where the scale waits for this step's amax (the warm start, current
+    scaling), where the operands are not whole tiles, and outside the setting."""
+    rng = np.random.default_rng(6)
+    rows, cols = (200, 100) if case == "partial tiles" else (256, 128)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, cols)) * 0.05, jnp.bfloat16)
+    recipe = (
+        fp8jax.CurrentScaling()
+        if case == "current scaling"
+        else fp8jax.DelayedScaling(warm_start=case == "warm start")
+    )
+    context = contextlib.nullcontext() if case == "not chosen" else cast_transpose_kernel()
+    with dispatch.interpreted(), context:
+        jaxpr = jax.make_jaxpr(_step())((fp8jax.Fp8DotGeneral(recipe), x, w))
+    assert _kernel_calls(jaxpr) == 0
+
+
+def test_cast_transpose_kernel_takes_roles():
+    with cast_transpose_kernel("kernel"):
+        assert cast_transpose_chosen("kernel") and not cast_transpose_chosen("input")
+    assert not cast_transpose_chosen("kernel")
+    for bad in ((), ("weights",), "weights"):
+        with pytest.raises(ValueError, match="cast_transpose_kernel: roles=.*expected one role"):
+            cast_transpose_kernel(bad)

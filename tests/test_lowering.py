@@ -11,6 +11,7 @@ import pytest
 from helpers import h100_topology, make_train_step
 
 import fp8jax
+from fp8jax._src.kernels import CAST_TRANSPOSE_NAME
 
 
 def dot_operand_types(stablehlo: str) -> list[tuple[str, str]]:
@@ -206,20 +207,22 @@ def test_kept_inverses_cost_no_kernel_in_cublas_mode(getkey):
     assert len(scalars[0]) == 5 and not scalars[1], scalars
 
 
-def _steady_mlp_step(roles):
+def _steady_mlp_step(roles, setting=None):
     """A train step of an FP8 MLP with its merge as `fp8jax.make_train_step` runs it once every
-    scale is recorded (traced for cuBLAS, without the warm start), inside
-    `transposes_apart(roles)` unless `roles` is None."""
+    scale is recorded (traced for cuBLAS, without the warm start), inside `setting(roles)`
+    (`transposes_apart` by default) unless `roles` is None."""
     import contextlib
 
     from fp8jax._src.core.compile_options import cublas_traced
     from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
 
+    setting = setting or transposes_apart
+
     def step(model, x):
         with (
             cublas_traced(),
             skip_warm_start(recorded=True),
-            contextlib.nullcontext() if roles is None else transposes_apart(roles),
+            contextlib.nullcontext() if roles is None else setting(roles),
         ):
             loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
             grads = fp8jax.filter_grad(loss)(model, x)
@@ -285,6 +288,51 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, ap
         assert not operand_amaxes(kernels["apart"]), names
     moved = {k: sum(c.bytes for c in ks if c.category is not None) for k, ks in kernels.items()}
     assert moved["apart"] < 0.9 * moved["default"], moved
+
+
+@pytest.mark.parametrize(
+    "roles, calls",
+    [(("input", "kernel", "output_grad"), 6), (("output_grad",), 2)],
+    ids=["every-operand", "gradients"],
+)
+def test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100(getkey, roles, calls):
+    """Issue 38: inside `cast_transpose_kernel(roles)` a steady-state MLP step (cuBLAS mode,
+    deviceless H100) quantizes each operand of `roles` (fc1's and fc2's) with the one-pass
+    kernel, whose copies the same FP8 GEMMs take: no FP8 operand transposed by a kernel of
+    its own, fewer operands read again for their amaxes (none with every operand's), and
+    fewer of XLA's quantizing fusions."""
+    from fp8jax._src.recipes.per_tensor_pass import cast_transpose_kernel
+    from fp8jax.examples.gpt import MLP
+
+    if h100_topology() is None:
+        pytest.skip("needs the CUDA plugin (the h100 extra)")
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
+    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    reports = {
+        key: fp8jax.inspect(_steady_mlp_step(r, cast_transpose_kernel), mlp, x, modes=("cublas",))
+        for key, r in (("default", None), ("kernel", roles))
+    }
+    gemms = {
+        k: sorted((g.layer, g.role, g.fp8) for g in r.gemms["cublas"]) for k, r in reports.items()
+    }
+    assert gemms["kernel"] == gemms["default"] and len(gemms["kernel"]) == 5  # in any order
+    kernels = {k: r.cost["cublas"].kernels for k, r in reports.items()}
+    names = [k.name for k in kernels["kernel"]]
+    ours = [k for k in kernels["kernel"] if CAST_TRANSPOSE_NAME in k.op_name]
+    assert len(ours) == calls and all(k.category == "quantize" for k in ours), names
+
+    def xla_casts(ks):
+        return [k for k in ks if k.category == "quantize" and CAST_TRANSPOSE_NAME not in k.op_name]
+
+    def operand_amaxes(ks):  # amaxes reduced by a kernel reading a whole operand (> 1 MB)
+        return [k.name for k in ks if k.category == "amax" and k.bytes > 2**20]
+
+    assert not [k for k in kernels["kernel"] if k.category == "transpose/copy"], names
+    assert len(xla_casts(kernels["kernel"])) < len(xla_casts(kernels["default"]))
+    assert len(operand_amaxes(kernels["kernel"])) < len(operand_amaxes(kernels["default"]))
+    if "kernel" in roles:
+        assert not operand_amaxes(kernels["kernel"]) and not xla_casts(kernels["kernel"]), names
 
 
 def test_transposes_apart_takes_roles():

@@ -145,8 +145,9 @@ class Layout(NamedTuple):
 
 
 def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: States):
-    q_x, new_input = recipe.quantize(x, states.input, "input", -1)
-    q_w, new_kernel = recipe.quantize(w, states.kernel, "kernel", -1)
+    # Transposed copies, where the pass that quantizes an operand writes one as well.
+    q_x, q_x_t, new_input = recipe.quantize_transposed(x, states.input, "input")
+    q_w, q_w_t, new_kernel = recipe.quantize_transposed(w, states.kernel, "kernel")
     if recipe.weight_gather == "once" and not dispatch.per_device_gemm(q_w):
         # The kernel as the GEMM takes it (an FSDP weight gathered), a value the backward
         # keeps: a dgrad in a backward loop over layers, which cannot share the forward
@@ -170,8 +171,8 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
     if recipe.transposed_copies:
         # Saved transposed, written by the kernel that quantizes them: the wgrad and dgrad
         # then contract both operands over their last axis, with no transpose of their own.
-        q_x = transposed(q_x, recipe.transposes_apart("input"))
-        q_w = transposed(q_w, recipe.transposes_apart("kernel"))
+        q_x = q_x_t if q_x_t is not None else transposed(q_x, recipe.transposes_apart("input"))
+        q_w = q_w_t if q_w_t is not None else transposed(q_w, recipe.transposes_apart("kernel"))
     return out, Residuals(
         q_x=q_x,
         q_w=q_w,
@@ -191,7 +192,13 @@ def transposed(q: QTensor, apart: bool = False) -> QTensor:
 
 
 def _k_major_dot(
-    recipe: Recipe, lhs: QTensor, rhs_t: QTensor, lhs_axis: int, precision: Any, out_dtype: Any
+    recipe: Recipe,
+    lhs: QTensor,
+    rhs_t: QTensor,
+    lhs_axis: int,
+    precision: Any,
+    out_dtype: Any,
+    lhs_t: QTensor | None = None,
 ) -> Array:
     """`recipe.dot(lhs, rhs, lhs_axis, -2)` for `rhs_t`, a transposed copy of `rhs`: on GPUs
     (and TPUs) as the product of two K-major operands, which cuBLASLt takes as they are (the
@@ -199,18 +206,22 @@ def _k_major_dot(
     that quantizes it); on CPUs as the product of `lhs` and `rhs` in the canonical layout,
     `rhs` behind a barrier, where XLA folds the transposes away: the order in which a CPU
     dot sums its terms follows its operands' layouts, and so the numbers stay those of the
-    untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`."""
+    untransposed product, the same for a kernel given as `(out, in)` or `(in, out)`. `lhs_t`:
+    `lhs` transposed, where the pass that quantized it wrote that copy too."""
 
-    def k_major(lhs: QTensor, rhs_t: QTensor) -> Array:
+    def k_major(lhs: QTensor, rhs_t: QTensor, lhs_t: QTensor | None) -> Array:
         # An lhs contracted over its rows is the wgrad's output gradient.
-        lhs = transposed(lhs, recipe.transposes_apart("output_grad")) if lhs_axis == -2 else lhs
+        if lhs_axis == -2:
+            apart = recipe.transposes_apart("output_grad")
+            lhs = lhs_t if lhs_t is not None else transposed(lhs, apart)
         return recipe.dot(lhs, rhs_t, -1, -1, precision, out_dtype)
 
-    def canonical(lhs: QTensor, rhs_t: QTensor) -> Array:
+    def canonical(lhs: QTensor, rhs_t: QTensor, lhs_t: QTensor | None) -> Array:
+        del lhs_t
         rhs = lax.optimization_barrier(transposed(rhs_t))
         return recipe.dot(lhs, rhs, lhs_axis, -2, precision, out_dtype)
 
-    return lax.platform_dependent(lhs, rhs_t, cpu=canonical, default=k_major)
+    return lax.platform_dependent(lhs, rhs_t, lhs_t, cpu=canonical, default=k_major)
 
 
 def _backward(
@@ -242,8 +253,9 @@ def _backward(
         q_w = lax.optimization_barrier(q_w)
     back = recipe.backward_dot_precision()
     # dgrad: g (*B, M, N) . w (*B, N, K) over N; wgrad: g . x (*B, M, K) over the tokens M.
+    q_g_t = None  # the gradient transposed for the wgrad, where its quantization wrote it
     if flipped:
-        q_g, new_grad = recipe.quantize(g, grad_state, "output_grad", -1)
+        q_g, q_g_t, new_grad = recipe.quantize_transposed(g, grad_state, "output_grad")
     else:  # the gradient for the dgrad, and laid out for the wgrad (one pass where it can)
         q_g, q_g_rows, new_grad = recipe.quantize_both(g, grad_state, "output_grad")
     if stats is not None:
@@ -256,7 +268,7 @@ def _backward(
             d_x = recipe.dot(q_g, recipe.retile(q_w, "kernel", -2), -1, -2, back, lhs_dtype)
     with jax.named_scope("wgrad"):
         if flipped:
-            d_w = _k_major_dot(recipe, q_g, q_x, -2, back, rhs_dtype)
+            d_w = _k_major_dot(recipe, q_g, q_x, -2, back, rhs_dtype, q_g_t)
         else:
             d_w = recipe.dot(q_g_rows, recipe.retile(q_x, "input", -2), -2, -2, back, rhs_dtype)
     return d_x, d_w, States(residuals.new_input, residuals.new_kernel, new_grad, stats)

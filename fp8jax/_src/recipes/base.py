@@ -249,6 +249,15 @@ class Recipe(abc.ABC):
         GEMM keeps the old state instead.
         """
 
+    def quantize_transposed(self, x: Array, state: Any, role: Role) -> tuple[Any, Any, Any]:
+        """`quantize(x, state, role, -1)`; the same values transposed (a [`fp8jax.QTensor`][]
+        laid out `(*B, cols, rows)`) where the pass that quantized `x` wrote that copy too,
+        else `None` (the caller transposes, see `transposed_copies`); and the role's new
+        state. Per-tensor delayed scaling writes both in one kernel inside
+        `cast_transpose_kernel()`."""
+        q, new_state = self.quantize(x, state, role, -1)
+        return q, None, new_state
+
     def quantize_both(self, x: Array, state: Any, role: Role) -> tuple[Any, Any, Any]:
         """`x` quantized for a GEMM contracting its last axis and for one contracting its rows
         (the output gradient's copies for the dgrad and the wgrad), and the role's new state

@@ -30,6 +30,7 @@ from .base import (
     check_positive_int,
     per_tensor_dot,
 )
+from .per_tensor_pass import cast_and_transpose, cast_transpose_chosen, checked_roles, fits
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -82,14 +83,7 @@ def transposes_apart(
     TB/s, its reductions at 4.0 and an FP8 transpose at 2.9 (`benchmarks/RESULTS.md`, "Session
     35"). Issue 38: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
     `*-apart` variants)."""
-    given = (roles,) if isinstance(roles, str) else tuple(roles)
-    chosen = frozenset(given)
-    if not chosen or not chosen <= set(ROLES):
-        raise ValueError(
-            f"transposes_apart: roles={given!r}; expected one role or a non-empty subset of "
-            f"{ROLES}."
-        )
-    return setting(_TRANSPOSES_APART, chosen)
+    return setting(_TRANSPOSES_APART, checked_roles("transposes_apart", roles))
 
 
 def transposes_apart_chosen(role: Role) -> bool:
@@ -310,20 +304,27 @@ class DelayedScaling(PerTensorRecipe):
         # The state's scale is the one this step uses, computed from the history when the
         # previous step's state was merged (`next_scales`): no reduction over the history
         # here, one per operand and step otherwise.
-        current = self.amax(x, state.scale)
+        return self._scale_with(self.amax(x, state.scale), state, role)
+
+    def _kept_scale(self, state: TensorState, fallback: Any) -> Float[Array, ""]:
+        if not self.warm_start or scales_known_recorded():
+            # The state's scale as it is: positive here (1 at first without the warm start;
+            # never 0 once recorded), so the cast reads no scalar computed in the step, which
+            # would be a kernel of its own per operand and step.
+            return state.scale
+        return jnp.where(state.scale > 0.0, state.scale, fallback)
+
+    def _scale_with(
+        self, current: Float[Array, ""], state: TensorState, role: Role
+    ) -> tuple[Float[Array, ""], TensorState]:
+        """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`."""
         if self.warm_start and not warm_start_skipped():
             fmt_max = fp8_max(self.format(role))
             fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
         else:
             fallback = 1.0
         history = roll_in(state.amax_history, current)
-        if not self.warm_start or scales_known_recorded():
-            # The state's scale as it is: positive here (1 at first without the warm start;
-            # never 0 once recorded), so the cast reads no scalar computed in the step, which
-            # would be a kernel of its own per operand and step.
-            scale = state.scale
-        else:
-            scale = jnp.where(state.scale > 0.0, state.scale, fallback)
+        scale = self._kept_scale(state, fallback)
         if not self.kept_inverses:
             return scale, TensorState(scale, history, 1.0 / scale)
         # The kept inverse, handed to the GEMM as it is (1 where the state holds no scale and
@@ -336,6 +337,19 @@ class DelayedScaling(PerTensorRecipe):
     @property
     def kept_inverses(self) -> bool:
         return not self.warm_start or warm_start_skipped()
+
+    def quantize_transposed(
+        self, x: Array, state: TensorState, role: Role
+    ) -> tuple[QTensor, QTensor | None, TensorState]:
+        # Inside `cast_transpose_kernel()`, where the scale does not wait for `x`'s amax: both
+        # copies and the amax from one kernel (`per_tensor_pass`), the same values.
+        if not (self.kept_inverses and cast_transpose_chosen(role) and fits(x)):
+            return super().quantize_transposed(x, state, role)
+        scale = self._kept_scale(state, 1.0)
+        data, data_t, local = cast_and_transpose(x, scale, self.format(role))
+        # Over the batch under `vmap` and over `axis_names`, as `Recipe.amax` spans them.
+        _, new_state = self._scale_with(self.amax(local, state.scale), state, role)
+        return QTensor(data, new_state.scale_inv), QTensor(data_t, new_state.scale_inv), new_state
 
     def next_scale(
         self, scale: Float[Array, "*lead"], history: Float[Array, "*lead n"], role: Role

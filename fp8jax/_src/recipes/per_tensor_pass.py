@@ -1,0 +1,105 @@
+"""Per-tensor quantization in one pass: an operand's FP8 copy, its transposed copy and its
+amax from one read (`kernels/cast_transpose.py`), for delayed scaling wherever its scale is
+known before the step.
+
+XLA writes the two copies in one transposing fusion but reduces the amax in kernels of its
+own (it fuses no reduction into a transposing pass), and its transposing FP8 fusions moved
+their bytes at about half HBM's rate in GPU run 6. Inside `cast_transpose_kernel()` the
+kernel does both instead: a trace-time setting until a GPU run has timed it in a step
+(issue 38; `benchmarks/llama_block.py`'s `*-kernel` variants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Collection
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ..core.contexts import setting
+from ..core.formats import quantize
+from ..kernels import block_quantize, dispatch
+from ..kernels.cast_transpose import cast_transpose
+from .base import ROLES, Role
+
+#: The tile the kernel casts (`cast_transpose`'s default): operands of whole tiles only.
+BLOCK: int = 128
+
+#: The roles quantized by the kernel (`cast_transpose_kernel`).
+_CHOSEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "fp8jax_cast_transpose_kernel", default=frozenset()
+)
+
+
+def checked_roles(name: str, roles: Role | Collection[Role]) -> frozenset[str]:
+    """`roles` (one role, or several of `ROLES`) as a set; `name` names the caller in the
+    error for anything else."""
+    given = (roles,) if isinstance(roles, str) else tuple(roles)
+    chosen = frozenset(given)
+    if not chosen or not chosen <= set(ROLES):
+        raise ValueError(
+            f"{name}: roles={given!r}; expected one role or a non-empty subset of {ROLES}."
+        )
+    return chosen
+
+
+def cast_transpose_kernel(
+    roles: Role | Collection[Role] = ROLES,
+) -> contextlib.AbstractContextManager[None]:
+    """[`fp8jax.DelayedScaling`][] traced inside quantizes each operand of `roles` (one or
+    several of `"input"`, `"kernel"`, `"output_grad"`) with fp8jax's one-pass kernel: its
+    FP8 copy, the transposed copy its backward GEMM takes and its amax from one read, where
+    XLA writes the two copies in one pass and reduces the amax in kernels of its own. The
+    same values, bit for bit.
+
+    Only where the scale is known before the step (without the warm start, or inside
+    `skip_warm_start`: the train step's steady state), on Hopper GPUs and in the
+    interpreter, for operands of whole `128 x 128` tiles on one device's data; XLA's passes
+    everywhere else. Issue 38: the default once a GPU run has timed it in a step."""
+    return setting(_CHOSEN, checked_roles("cast_transpose_kernel", roles))
+
+
+def cast_transpose_chosen(role: Role) -> bool:
+    """Whether delayed scaling is being traced inside `cast_transpose_kernel()` with `role`
+    among its roles."""
+    return role in _CHOSEN.get()
+
+
+def fits(x: Array) -> bool:
+    """Whether the kernel may quantize `x (*B, M, K)`: at most one batch axis, `M` and `K`
+    whole tiles, one device's data (an opaque kernel on a mesh that XLA partitions would
+    make it gather the operand)."""
+    return (
+        x.ndim in (2, 3)
+        and block_quantize.fits(x.shape[-2:], BLOCK)
+        and dispatch.per_device_gemm(x)
+    )
+
+
+def cast_and_transpose(
+    x: Float[Array, "*B M K"], scale: Float[Array, ""], fmt: jnp.dtype
+) -> tuple[Array, Array, Float[Array, ""]]:
+    """`quantize(x, scale, fmt)`, the same values with their last two axes swapped, and
+    `max |x|` of this call's `x` alone (`Recipe.amax` then spans a batch or mesh axes): from
+    the kernel where it runs (`fits(x)` checked by the caller), else from XLA's passes, the
+    same values."""
+
+    def native(x: Array, scale: Array, out_dtype: object) -> tuple[Array, ...]:
+        del out_dtype
+
+        def one(x: Array) -> tuple[Array, ...]:
+            return cast_transpose(x, scale, fmt, block=BLOCK)
+
+        data, data_t, amaxes = jax.vmap(one)(x) if x.ndim == 3 else one(x)
+        # One amax per tile (NaN where it holds a NaN): their max is `x`'s.
+        return data, data_t, jnp.max(amaxes)
+
+    def xla(x: Array, scale: Array) -> tuple[Array, ...]:
+        data = quantize(x, scale, fmt)
+        local = jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
+        return data, jnp.swapaxes(data, -1, -2), local
+
+    return dispatch.choose(None, native, xla, x, scale)
