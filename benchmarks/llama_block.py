@@ -29,7 +29,10 @@ recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the w
 recipes with every transposed FP8 copy written by a transpose of its own, traced inside
 `transposes_apart`: the cast then writes one layout, and reduces the amax in its pass where it need
 not wait for it), `delayed-steady-apart-acts` (only the activations' and output gradients' copies
-apart) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside
+apart), `delayed-steady-kernel` (the steady state with every operand quantized by fp8jax's
+one-pass kernel, both FP8 copies and the amax from one read, traced inside
+`per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output gradients only,
+`-grads`: the output gradients only) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside
 `tiled_kernel`; `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on
 GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel in
 its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
