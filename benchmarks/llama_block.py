@@ -29,21 +29,22 @@ recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the w
 recipes with every transposed FP8 copy written by a transpose of its own, traced inside
 `transposes_apart`: the cast then writes one layout, and reduces the amax in its pass where it need
 not wait for it), `delayed-steady-apart-acts` (only the activations' and output gradients' copies
-apart), `delayed-steady-kernel` (the steady state with every operand quantized by fp8jax's
-one-pass kernel, both FP8 copies and the amax from one read, traced inside
+apart), `delayed-steady-kernel` (the steady state with every operand quantized by fp8jax's one-pass
+kernel, both FP8 copies and the amax from one read, traced inside
 `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output gradients only,
-`-grads`: the output gradients only) and `blockwise-tiled` (blockwise scaling on the tiled block kernel, traced inside
-`tiled_kernel`; `blockwise` runs the persistent warp-specialized kernel of issue 39, the default on
-GPUs since run 4; on a CPU compile the recipe takes the XLA path), `blockwise-pairs` (that kernel in
-its default configuration with two chunks a step, `chunks_per_step=2`) and `blockwise-tile-scales`
-(that kernel given the weights' scales once per 128 x 128 block, `weight_block_scales`: one scale
-per warpgroup tile and chunk in the forward and dgrad), `blockwise-chained` (that kernel with each
-program's tiles chained into one pipeline, `chained_pipelines`), `blockwise-slabs` (the default
-kernels, the quantization kernels holding `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`:
-fewer registers, more programs per SM). Any of them but `bf16` with
-`-packed` appended (`PACKED`): the same step with the model's FP8 states stacked in a few arrays
-between steps (`Packed`: 12 arrays in, not 73), to time what the state arrays cost the host's
-launch.
+`-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`: current scaling's
+copies by the kernel, its amax from XLA first) and `blockwise-tiled` (blockwise scaling on the
+tiled block kernel, traced inside `tiled_kernel`; `blockwise` runs the persistent warp-specialized
+kernel of issue 39, the default on GPUs since run 4; on a CPU compile the recipe takes the XLA
+path), `blockwise-pairs` (that kernel in its default configuration with two chunks a step,
+`chunks_per_step=2`) and `blockwise-tile-scales` (that kernel given the weights' scales once per
+128 x 128 block, `weight_block_scales`: one scale per warpgroup tile and chunk in the forward and
+dgrad), `blockwise-chained` (that kernel with each program's tiles chained into one pipeline,
+`chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
+`SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM). Any
+of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
+stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
+arrays cost the host's launch.
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
     "current-apart": fp8jax.CurrentScaling(),
+    "current-kernel": fp8jax.CurrentScaling(),
+    "current-kernel-grads": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
@@ -144,6 +147,8 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
     "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
     "current-apart": transposes_apart,
+    "current-kernel": cast_transpose_kernel,
+    "current-kernel-grads": lambda: cast_transpose_kernel("output_grad"),
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)

@@ -117,33 +117,46 @@ def _kernel_calls(jaxpr) -> int:
     return str(jaxpr).count(f"name={CAST_TRANSPOSE_NAME}")
 
 
+#: Per-tensor recipes, by how the scale of a step is chosen: known before the step (delayed
+#: scaling without its warm start, or in the train step's steady state), or from this step's
+#: amax (the warm start of a fresh state, current scaling).
+CASES = {
+    "cold": (fp8jax.DelayedScaling(warm_start=False), False),
+    "steady state": (fp8jax.DelayedScaling(), True),
+    "warm start": (fp8jax.DelayedScaling(), False),
+    "current": (fp8jax.CurrentScaling(), False),
+}
+
+
 @pytest.mark.parametrize(
     "roles, calls", [(("input", "kernel", "output_grad"), 3), (("output_grad",), 1)]
 )
-@pytest.mark.parametrize("warm_start", [False, True], ids=["cold", "steady state"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_delayed_scaling_quantizes_in_one_pass_as_its_xla_path(roles, calls, warm_start, dtype):
-    """Inside `cast_transpose_kernel(roles)` delayed scaling (without the warm start, or
-    inside `skip_warm_start`) quantizes those operands with the kernel, in the interpreter
-    as on a Hopper GPU: one call per operand, and the step's value, gradients and new states
-    (amax histories, kept scales) equal XLA's path bit for bit, a tile with an inf and
-    values past E4M3's max among the input's."""
+def test_per_tensor_recipes_quantize_in_one_pass_as_their_xla_path(roles, calls, case, dtype):
+    """Inside `cast_transpose_kernel(roles)` per-tensor recipes quantize those operands with
+    the kernel (both copies, and the amax where the scale need not wait for it), in the
+    interpreter as on a Hopper GPU: one call per operand, and the step's value, gradients
+    and new states (amax histories, scales) equal XLA's path bit for bit, a tile with an
+    inf and values past E4M3's max among the input's."""
+    recipe, steady = CASES[case]
     rng = np.random.default_rng(5)
     x = np.asarray(operand(rng, (256, 384)), np.float32)
     x[-1, 0], x[128, 129] = 1e4, 3.0  # the inf and NaN out: a loss must stay finite
     x = jnp.asarray(x, dtype)
     w = jnp.asarray(rng.standard_normal((384, 128)) * 0.05, dtype)
-    layer = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(warm_start=warm_start))
-    # A step's state: scales 2**-3 (inputs past E4M3's max saturate), histories of one amax.
-    layer = jax.tree.map(lambda s: jnp.full_like(s, 0.125) if s.ndim == 0 else s + 1.0, layer)
+    layer = fp8jax.Fp8DotGeneral(recipe)
+    if case != "warm start":  # a fresh state's scale is 0 there: scaled by this step's amax
+        # A step's state: scales 2**-3 (inputs past E4M3's max saturate), one amax recorded.
+        layer = jax.tree.map(lambda s: jnp.full_like(s, 0.125) if s.ndim == 0 else s + 1.0, layer)
 
-    def steady():
-        return skip_warm_start(recorded=True) if warm_start else contextlib.nullcontext()
+    def setting():
+        return skip_warm_start(recorded=True) if steady else contextlib.nullcontext()
 
-    with steady():
+    with setting():
         want = jax.jit(_step())((layer, x, w))
     step = _step()
-    with dispatch.interpreted(), cast_transpose_kernel(roles), steady():
+    with dispatch.interpreted(), cast_transpose_kernel(roles), setting():
         assert _kernel_calls(jax.make_jaxpr(step)((layer, x, w))) == calls
         got = jax.jit(step)((layer, x, w))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -151,25 +164,17 @@ def test_delayed_scaling_quantizes_in_one_pass_as_its_xla_path(roles, calls, war
     assert np.isfinite(np.asarray(got[0]))
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["warm start", "current scaling", "partial tiles", "not chosen"],
-)
+@pytest.mark.parametrize("case", ["partial tiles", "not chosen"])
 def test_the_kernel_is_left_out_where_it_cannot_serve(case):
-    """The XLA path where the scale waits for this step's amax (the warm start, current
-    scaling), where the operands are not whole tiles, and outside the setting."""
+    """XLA's path where the operands are not whole tiles, and outside the setting."""
     rng = np.random.default_rng(6)
     rows, cols = (200, 100) if case == "partial tiles" else (256, 128)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((256, cols)) * 0.05, jnp.bfloat16)
-    recipe = (
-        fp8jax.CurrentScaling()
-        if case == "current scaling"
-        else fp8jax.DelayedScaling(warm_start=case == "warm start")
-    )
+    layer = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(warm_start=False))
     context = contextlib.nullcontext() if case == "not chosen" else cast_transpose_kernel()
     with dispatch.interpreted(), context:
-        jaxpr = jax.make_jaxpr(_step())((fp8jax.Fp8DotGeneral(recipe), x, w))
+        jaxpr = jax.make_jaxpr(_step())((layer, x, w))
     assert _kernel_calls(jaxpr) == 0
 
 

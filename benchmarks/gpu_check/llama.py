@@ -256,6 +256,8 @@ CANDIDATES = (
     ("delayed-steady-apart", "delayed-steady-kernel-grads"),
     ("delayed", "delayed-apart"),
     ("current", "current-apart"),
+    ("current", "current-kernel"),
+    ("current", "current-kernel-grads"),
     ("blockwise", "blockwise-pairs"),
     ("blockwise", "blockwise-tile-scales"),
     ("blockwise", "blockwise-chained"),

@@ -186,6 +186,17 @@ class PerTensorRecipe(HybridFormats):
         # benchmarks/memory_sweep.py, and more kernels.)
         return QTensor(quantize(x, scale, self.format(role)), new_state.scale_inv), new_state
 
+    def quantize_transposed(
+        self, x: Array, state: TensorState, role: Role
+    ) -> tuple[QTensor, QTensor | None, TensorState]:
+        # Inside `cast_transpose_kernel()`, where the scale waits for `x`'s amax (current
+        # scaling, the warm start): the amax from XLA, both copies from the kernel.
+        if not (cast_transpose_chosen(role) and fits(x)):
+            return super().quantize_transposed(x, state, role)
+        scale, new_state = self.scale_for(x, state, role)
+        data, data_t, _ = cast_and_transpose(x, scale, self.format(role))
+        return QTensor(data, new_state.scale_inv), QTensor(data_t, new_state.scale_inv), new_state
+
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
         return q
@@ -344,7 +355,7 @@ class DelayedScaling(PerTensorRecipe):
         # Inside `cast_transpose_kernel()`, where the scale does not wait for `x`'s amax: both
         # copies and the amax from one kernel (`per_tensor_pass`), the same values.
         if not (self.kept_inverses and cast_transpose_chosen(role) and fits(x)):
-            return super().quantize_transposed(x, state, role)
+            return super().quantize_transposed(x, state, role)  # the amax from XLA
         scale = self._kept_scale(state, 1.0)
         data, data_t, local = cast_and_transpose(x, scale, self.format(role))
         # Over the batch under `vmap` and over `axis_names`, as `Recipe.amax` spans them.

@@ -1,12 +1,12 @@
 """Per-tensor quantization in one pass: an operand's FP8 copy, its transposed copy and its
-amax from one read (`kernels/cast_transpose.py`), for delayed scaling wherever its scale is
-known before the step.
+amax from one read (`kernels/cast_transpose.py`).
 
 XLA writes the two copies in one transposing fusion but reduces the amax in kernels of its
 own (it fuses no reduction into a transposing pass), and its transposing FP8 fusions moved
 their bytes at about half HBM's rate in GPU run 6. Inside `cast_transpose_kernel()` the
-kernel does both instead: a trace-time setting until a GPU run has timed it in a step
-(issue 38; `benchmarks/llama_block.py`'s `*-kernel` variants).
+kernel writes the copies instead, and where the scale is known before the step (delayed
+scaling's steady state) the amax too: a trace-time setting until a GPU run has timed it in a
+step (issue 38; `benchmarks/llama_block.py`'s `*-kernel` variants).
 """
 
 from __future__ import annotations
@@ -49,22 +49,23 @@ def checked_roles(name: str, roles: Role | Collection[Role]) -> frozenset[str]:
 def cast_transpose_kernel(
     roles: Role | Collection[Role] = ROLES,
 ) -> contextlib.AbstractContextManager[None]:
-    """[`fp8jax.DelayedScaling`][] traced inside quantizes each operand of `roles` (one or
-    several of `"input"`, `"kernel"`, `"output_grad"`) with fp8jax's one-pass kernel: its
-    FP8 copy, the transposed copy its backward GEMM takes and its amax from one read, where
-    XLA writes the two copies in one pass and reduces the amax in kernels of its own. The
-    same values, bit for bit.
+    """Per-tensor recipes traced inside quantize each operand of `roles` (one or several of
+    `"input"`, `"kernel"`, `"output_grad"`) with fp8jax's one-pass kernel: its FP8 copy and
+    the transposed copy its backward GEMM takes from one read, and its amax in the same read
+    where the scale is known before the step ([`fp8jax.DelayedScaling`][] without the warm
+    start, or inside `skip_warm_start`: the train step's steady state; elsewhere XLA reduces
+    the amax first, as without the kernel). XLA writes the two copies in one pass and
+    reduces the amax in kernels of its own. The same values, bit for bit.
 
-    Only where the scale is known before the step (without the warm start, or inside
-    `skip_warm_start`: the train step's steady state), on Hopper GPUs and in the
-    interpreter, for operands of whole `128 x 128` tiles on one device's data; XLA's passes
-    everywhere else. Issue 38: the default once a GPU run has timed it in a step."""
+    On Hopper GPUs and in the interpreter, for operands of whole `128 x 128` tiles on one
+    device's data; XLA's passes everywhere else. Issue 38: the default once a GPU run has
+    timed it in a step."""
     return setting(_CHOSEN, checked_roles("cast_transpose_kernel", roles))
 
 
 def cast_transpose_chosen(role: Role) -> bool:
-    """Whether delayed scaling is being traced inside `cast_transpose_kernel()` with `role`
-    among its roles."""
+    """Whether per-tensor recipes are being traced inside `cast_transpose_kernel()` with
+    `role` among its roles."""
     return role in _CHOSEN.get()
 
 
