@@ -57,6 +57,10 @@ TESTS=(
     # The transposed FP8 copies apart: the casts reduce the amaxes (issue 38, session 35).
     tests/test_lowering.py::test_transposes_apart_let_the_cast_reduce_the_amax_on_h100
     tests/test_lowering.py::test_transposes_apart_takes_roles
+    # The per-tensor one-pass kernel in a step: interpreted, and on a deviceless H100
+    # (session 40; the GPU runs 0.11).
+    tests/test_cast_transpose.py
+    tests/test_lowering.py::test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.
