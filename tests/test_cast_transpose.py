@@ -164,6 +164,47 @@ def test_per_tensor_recipes_quantize_in_one_pass_as_their_xla_path(roles, calls,
     assert np.isfinite(np.asarray(got[0]))
 
 
+@pytest.mark.parametrize("form", ["ensemble", "one weight", "a weight each"])
+def test_vmapped_layers_quantize_in_one_pass_as_their_xla_path(form):
+    """Under `vmap`: an ensemble of layers (each its own state: the kernel runs per member),
+    one layer over a batch with one weight (the batch folded into the GEMM's rows) or a
+    weight each (into a batch of GEMMs: the kernel mapped over it); the same bits as XLA's
+    path, the states' amaxes batch-wide where the state is shared."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 256, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 256, 128)) * 0.05, jnp.float32)
+    recipe = fp8jax.DelayedScaling(warm_start=False)
+    dims = (((1,), (0,)), ((), ()))
+    if form == "ensemble":
+        layer = jax.vmap(lambda _: fp8jax.Fp8DotGeneral(recipe))(jnp.arange(2))
+        # Members with other scales: 1 and 2**-2.
+        member = jnp.asarray([1.0, 0.25])
+        layer = jax.tree.map(lambda s: s * member.reshape((2,) + (1,) * (s.ndim - 1)), layer)
+    else:
+        layer = fp8jax.Fp8DotGeneral(recipe)
+
+    def make():
+        def loss(args):
+            layer, x, w = args
+            if form == "ensemble":
+                y = jax.vmap(lambda lay, x, w: lay(x, w, dims))(layer, x, w)
+            elif form == "one weight":
+                y = jax.vmap(lambda x: layer(x, w[0], dims))(x)
+            else:
+                y = jax.vmap(lambda x, w: layer(x, w, dims))(x, w)
+            return jnp.sum(jnp.sin(y))
+
+        return fp8jax.filter_value_and_grad(loss)
+
+    want = jax.jit(make())((layer, x, w))
+    step = make()
+    with dispatch.interpreted(), cast_transpose_kernel():
+        assert _kernel_calls(jax.make_jaxpr(step)((layer, x, w))) == 3
+        got = jax.jit(step)((layer, x, w))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+
+
 @pytest.mark.parametrize("case", ["partial tiles", "not chosen"])
 def test_the_kernel_is_left_out_where_it_cannot_serve(case):
     """XLA's path where the operands are not whole tiles, and outside the setting."""
