@@ -50,7 +50,8 @@ def cast_transpose_kernel(
     roles: Role | Collection[Role] = ROLES,
 ) -> contextlib.AbstractContextManager[None]:
     """Per-tensor recipes traced inside quantize each operand of `roles` (one or several of
-    `"input"`, `"kernel"`, `"output_grad"`) with fp8jax's one-pass kernel: its FP8 copy and
+    `"input"`, `"kernel"`, `"output_grad"`) of a dense GEMM (`Fp8DotGeneral`; the grouped
+    GEMMs keep XLA's passes) with fp8jax's one-pass kernel: its FP8 copy and
     the transposed copy its backward GEMM takes from one read, and its amax in the same read
     where the scale is known before the step ([`fp8jax.DelayedScaling`][] without the warm
     start, or inside `skip_warm_start`: the train step's steady state; elsewhere XLA reduces
