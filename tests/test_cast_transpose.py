@@ -219,6 +219,28 @@ def test_the_kernel_is_left_out_where_it_cannot_serve(case):
     assert _kernel_calls(jaxpr) == 0
 
 
+def test_quantize_transposed_returns_the_copy_its_pass_wrote():
+    """`Recipe.quantize_transposed`: `quantize(x, state, role, -1)` and `None` by default
+    (the caller transposes); inside `cast_transpose_kernel()` a per-tensor recipe's
+    transposed copy (XLA's path on a CPU), the same values swapped, the same state."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((256, 384)), jnp.bfloat16)
+    for recipe in (fp8jax.DelayedScaling(warm_start=False), fp8jax.BlockwiseScaling()):
+        state = recipe.init_state("input")
+        q, q_t, new = recipe.quantize_transposed(x, state, "input")
+        want, want_state = recipe.quantize(x, state, "input", -1)
+        assert q_t is None
+        same(q.data, want.data)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(want_state), strict=True):
+            same(a, b)
+    recipe = fp8jax.DelayedScaling(warm_start=False)
+    with cast_transpose_kernel("input"):
+        q, q_t, new = recipe.quantize_transposed(x, recipe.init_state("input"), "input")
+        assert recipe.quantize_transposed(x, recipe.init_state("kernel"), "kernel")[1] is None
+    same(q_t.data, np.asarray(q.data).T)
+    same(q_t.scale_inv, q.scale_inv)
+
+
 def test_cast_transpose_kernel_takes_roles():
     with cast_transpose_kernel("kernel"):
         assert cast_transpose_chosen("kernel") and not cast_transpose_chosen("input")
