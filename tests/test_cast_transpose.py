@@ -18,7 +18,11 @@ from fp8jax._src.kernels.block_quantize import ColumnTuning
 from fp8jax._src.kernels.cast_transpose import cast_transpose
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes.per_tensor import skip_warm_start
-from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen, cast_transpose_kernel
+from fp8jax._src.recipes.per_tensor_pass import (
+    cast_transpose_chosen,
+    cast_transpose_kernel,
+    fits,
+)
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 
@@ -207,7 +211,11 @@ def test_vmapped_layers_quantize_in_one_pass_as_their_xla_path(form):
 
 @pytest.mark.parametrize("case", ["partial tiles", "not chosen"])
 def test_the_kernel_is_left_out_where_it_cannot_serve(case):
-    """XLA's path where the operands are not whole tiles, and outside the setting."""
+    """XLA's path where the operands are not whole tiles, and outside the setting; and only
+    16- and 32-bit floats of at most one batch axis go to the kernel."""
+    assert fits(jnp.zeros((256, 128), jnp.float16)) and fits(jnp.zeros((2, 128, 128)))
+    assert not fits(np.zeros((256, 128), np.float64))
+    assert not fits(jnp.zeros((2, 2, 128, 128))) and not fits(jnp.zeros((128,)))
     rng = np.random.default_rng(6)
     rows, cols = (200, 100) if case == "partial tiles" else (256, 128)
     x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)

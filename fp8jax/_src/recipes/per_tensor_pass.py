@@ -70,12 +70,17 @@ def cast_transpose_chosen(role: Role) -> bool:
     return role in _CHOSEN.get()
 
 
+#: The operand dtypes the kernel reads.
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
 def fits(x: Array) -> bool:
     """Whether the kernel may quantize `x (*B, M, K)`: at most one batch axis, `M` and `K`
-    whole tiles, one device's data (an opaque kernel on a mesh that XLA partitions would
-    make it gather the operand)."""
+    whole tiles, a 16- or 32-bit float, one device's data (an opaque kernel on a mesh that
+    XLA partitions would make it gather the operand)."""
     return (
         x.ndim in (2, 3)
+        and jnp.dtype(x.dtype) in DTYPES
         and block_quantize.fits(x.shape[-2:], BLOCK)
         and dispatch.per_device_gemm(x)
     )
