@@ -127,6 +127,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-steady-kernel": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
+    "delayed-steady-apart-kernel-grads": fp8jax.DelayedScaling(),
     "current-apart": fp8jax.CurrentScaling(),
     "current-kernel": fp8jax.CurrentScaling(),
     "current-kernel-grads": fp8jax.CurrentScaling(),
@@ -146,6 +147,9 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-steady-kernel": lambda: steady_kernel(),
     "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
     "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
+    "delayed-steady-apart-kernel-grads": lambda: steady_kernel(
+        ("output_grad",), apart=("input", "kernel")
+    ),
     "current-apart": transposes_apart,
     "current-kernel": cast_transpose_kernel,
     "current-kernel-grads": lambda: cast_transpose_kernel("output_grad"),
@@ -168,11 +172,16 @@ def steady_apart(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def steady_kernel(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
+def steady_kernel(roles: tuple[str, ...] = ROLES, apart: tuple[str, ...] = ()) -> Iterator[None]:
     """The train step's steady state (`delayed-steady`) with the operands of `roles`
     quantized by fp8jax's one-pass kernel: both FP8 copies and the amax from one read
-    (`per_tensor_pass.cast_transpose_kernel`)."""
-    with skip_warm_start(recorded=True), cast_transpose_kernel(roles):
+    (`per_tensor_pass.cast_transpose_kernel`); the transposed copies of `apart`'s operands
+    written apart (`per_tensor.transposes_apart`)."""
+    with (
+        skip_warm_start(recorded=True),
+        cast_transpose_kernel(roles),
+        transposes_apart(apart) if apart else contextlib.nullcontext(),
+    ):
         yield
 
 

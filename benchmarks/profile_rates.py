@@ -7,7 +7,7 @@ not yet timed (an ESTIMATE); and where a variant's non-GEMM bytes go (`bytes`).
         --variant "8B delayed-cold"
     # estimate: the non-GEMM time of variants at the rates the join printed
     JAX_PLATFORMS=cpu python benchmarks/profile_rates.py estimate --sizes 8B,1B \
-        --variants delayed-steady,delayed-steady-apart --rates 1.8,2.9,4.0,4.0
+        --variants delayed-steady,delayed-steady-apart --rates 1.8,2.9,4.0,4.0,2.0
     # bytes: where a variant's non-GEMM bytes go, by `hlo_cost` category (no rates)
     JAX_PLATFORMS=cpu python benchmarks/profile_rates.py bytes --sizes 8B --variants blockwise
 
@@ -24,7 +24,8 @@ marked as a mismatch and left out of the medians. Since session 35 the GPU check
 records each kernel's bytes and rate itself, from the compile it ran.
 
 `estimate` classes each non-GEMM kernel of a variant's deviceless step by its fusion's name
-(a cast that transposes, a transpose of FP8 values, a reduction, the rest) and times it at
+(a cast that transposes, a transpose of FP8 values, a reduction, the rest, fp8jax's own
+quantization kernels) and times it at
 its class's rate (`--rates`, TB/s, in that order) plus `LAUNCH_US` per kernel: an estimate
 of the variant's non-GEMM device time, labelled as one, for variants no GPU has run.
 """
@@ -46,11 +47,14 @@ import fp8jax
 PEAK_TB_S = 4.8
 #: A kernel's launch and tail, added to each estimated kernel (microseconds).
 LAUNCH_US = 3.0
-CLASSES = ("transposing cast", "FP8 transpose", "reduction", "other")
+CLASSES = ("transposing cast", "FP8 transpose", "reduction", "other", "fp8jax kernel")
 
 
 def kernel_class(name: str) -> str:
-    """A non-GEMM kernel's class from its fusion's name (`CLASSES`)."""
+    """A non-GEMM kernel's class from its fusion's name (`CLASSES`): fp8jax's own Pallas
+    kernels (the quantization kernels, `pallas_call` in the HLO) apart from XLA's fusions."""
+    if name.startswith("pallas_call"):
+        return "fp8jax kernel"
     if "transpose" in name and "convert" in name:
         return "transposing cast"
     if "transpose" in name:

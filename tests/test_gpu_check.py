@@ -899,6 +899,7 @@ def test_profile_rates_joins_a_profile_and_estimates_at_its_rates(monkeypatch, c
     assert profile_rates.kernel_class("wrapped_transpose.2") == "FP8 transpose"
     assert profile_rates.kernel_class("input_add_reduce_fusion") == "reduction"
     assert profile_rates.kernel_class("loop_add_fusion") == "other"
+    assert profile_rates.kernel_class("pallas_call.184") == "fp8jax kernel"
     kernels = profile_rates.compiled_kernels("dry", "delayed-cold")
     (slow, a), (fast, b) = sorted(kernels.items(), key=lambda kv: -kv[1].bytes)[:2]
     rows = [  # `slow` at 1 TB/s (its bytes in as many picoseconds), `fast` at 10 TB/s

@@ -254,6 +254,7 @@ CANDIDATES = (
     ("delayed-steady", "delayed-steady-kernel"),
     ("delayed-steady", "delayed-steady-kernel-grads"),
     ("delayed-steady-apart", "delayed-steady-kernel-grads"),
+    ("delayed-steady-apart", "delayed-steady-apart-kernel-grads"),
     ("delayed", "delayed-apart"),
     ("current", "current-apart"),
     ("current", "current-kernel"),
