@@ -253,8 +253,8 @@ class Recipe(abc.ABC):
         """`quantize(x, state, role, -1)`; the same values transposed (a [`fp8jax.QTensor`][]
         laid out `(*B, cols, rows)`) where the pass that quantized `x` wrote that copy too,
         else `None` (the caller transposes, see `transposed_copies`); and the role's new
-        state. Per-tensor delayed scaling writes both in one kernel inside
-        `cast_transpose_kernel()`."""
+        state. Per-tensor recipes write both in one kernel inside
+        `cast_transpose_kernel()` (`recipes/per_tensor_pass.py`)."""
         q, new_state = self.quantize(x, state, role, -1)
         return q, None, new_state
 

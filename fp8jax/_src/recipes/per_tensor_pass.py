@@ -51,11 +51,11 @@ def cast_transpose_kernel(
 ) -> contextlib.AbstractContextManager[None]:
     """Per-tensor recipes traced inside quantize each operand of `roles` (one or several of
     `"input"`, `"kernel"`, `"output_grad"`) of a dense GEMM (`Fp8DotGeneral`; the grouped
-    GEMMs keep XLA's passes) with fp8jax's one-pass kernel: its FP8 copy and
-    the transposed copy its backward GEMM takes from one read, and its amax in the same read
-    where the scale is known before the step ([`fp8jax.DelayedScaling`][] without the warm
-    start, or inside `skip_warm_start`: the train step's steady state; elsewhere XLA reduces
-    the amax first, as without the kernel). XLA writes the two copies in one pass and
+    GEMMs keep XLA's passes) with fp8jax's one-pass kernel: its FP8 copy and the transposed
+    copy its backward GEMM takes from one read, and its amax in the same read where the
+    scale is known before the step ([`fp8jax.DelayedScaling`][] without the warm start, or
+    inside `skip_warm_start`: the train step's steady state; elsewhere XLA reduces the amax
+    first, as without the kernel). Without it XLA writes the two copies in one pass and
     reduces the amax in kernels of its own. The same values, bit for bit.
 
     On Hopper GPUs and in the interpreter, for operands of whole `128 x 128` tiles on one
