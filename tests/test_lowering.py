@@ -232,6 +232,23 @@ def _steady_mlp_step(roles, setting=None):
     return step
 
 
+def _steady_mlp_reports(getkey, roles, name, setting=None):
+    """`fp8jax.inspect` reports (cuBLAS mode, deviceless H100) of a delayed-scaling MLP's
+    steady-state step (`_steady_mlp_step`) as it is (`"default"`) and inside
+    `setting(roles)` (`name`)."""
+    from fp8jax.examples.gpt import MLP
+
+    if h100_topology() is None:
+        pytest.skip("needs the CUDA plugin (the h100 extra)")
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
+    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    return {
+        key: fp8jax.inspect(_steady_mlp_step(r, setting), mlp, x, modes=("cublas",))
+        for key, r in (("default", None), (name, roles))
+    }
+
+
 @pytest.mark.parametrize(
     "roles, apart",
     [
@@ -249,17 +266,7 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, ap
     their amaxes (none with every operand's copy apart), moves fewer non-GEMM bytes, and
     runs the same FP8 GEMMs. By default the casts write both layouts and the amaxes are
     reduced apart."""
-    from fp8jax.examples.gpt import MLP
-
-    if h100_topology() is None:
-        pytest.skip("needs the CUDA plugin (the h100 extra)")
-    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
-    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
-    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
-    reports = {
-        key: fp8jax.inspect(_steady_mlp_step(r), mlp, x, modes=("cublas",))
-        for key, r in (("default", None), ("apart", roles))
-    }
+    reports = _steady_mlp_reports(getkey, roles, "apart")
     gemms = {k: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for k, r in reports.items()}
     assert gemms["apart"] == gemms["default"] and len(gemms["apart"]) == 5
     assert all(fp8 for *_, fp8 in gemms["apart"])
@@ -302,17 +309,8 @@ def test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100(getkey
     its own, fewer operands read again for their amaxes (none with every operand's), and
     fewer of XLA's quantizing fusions."""
     from fp8jax._src.recipes.per_tensor_pass import cast_transpose_kernel
-    from fp8jax.examples.gpt import MLP
 
-    if h100_topology() is None:
-        pytest.skip("needs the CUDA plugin (the h100 extra)")
-    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
-    mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
-    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
-    reports = {
-        key: fp8jax.inspect(_steady_mlp_step(r, cast_transpose_kernel), mlp, x, modes=("cublas",))
-        for key, r in (("default", None), ("kernel", roles))
-    }
+    reports = _steady_mlp_reports(getkey, roles, "kernel", cast_transpose_kernel)
     gemms = {
         k: sorted((g.layer, g.role, g.fp8) for g in r.gemms["cublas"]) for k, r in reports.items()
     }
