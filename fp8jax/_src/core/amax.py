@@ -62,8 +62,15 @@ def batch_shared(
     return shared
 
 
+def local_amax(x: Float[Array, "*shape"]) -> Float[Array, ""]:
+    """`max(|x|)` in float32 (0 for an empty `x`) of this call's `x` alone: `amax`'s
+    reduction without the spans over a batch or mesh axes (`fp8jax.Recipe.amax` adds them),
+    for the XLA twins of kernels that return a tensor's amax."""
+    return jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
+
+
 amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = batch_shared(
-    lambda x: jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32),
+    local_amax,
     """`max(|x|)` in float32 (0 for an empty `x`), batch-wide under `vmap` unless `owner` is
     batched.
 

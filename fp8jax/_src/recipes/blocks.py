@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..core.amax import local_amax
 from ..core.formats import FormatLike, expand_blocks, floor_log2, fp8_dtype, fp8_max, pow2, saturate
 from ..core.formats import format_name as canonical_format
 from ..kernels import block_quantize, dispatch, padded_quantize
@@ -186,12 +187,6 @@ def gather_quantized(q: QTensor, rows: Int[Array, " P"]) -> QTensor:
     return QTensor(padded_quantize.gather_rows(q.data, rows), scale_inv, q.block)
 
 
-def _local_amax(x: Array) -> Float[Array, ""]:
-    """`max(|x|)` of this call's `x` alone: `core.amax`'s reduction, without the spans over a
-    batch or mesh axes that `Recipe.amax` then adds."""
-    return jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
-
-
 def tile(axis: Axis, size: int) -> tuple[int, int]:
     """The `1 x size` tile along the contracted `axis` -1, `size x 1` along -2."""
     return (1, size) if axis == -1 else (size, 1)
@@ -339,7 +334,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         def xla(w: Array) -> tuple[Array, ...]:
             q = self._quantize(w, "kernel", -1)
             rows, cols = (jnp.repeat(q.scale_inv, size, axis=a) for a in (-2, -1))
-            return q.data, q.data.T, rows, cols, _local_amax(w)
+            return q.data, q.data.T, rows, cols, local_amax(w)
 
         return self._on_kernel(native, xla, w)
 
@@ -394,7 +389,7 @@ class BlockwiseScaling(BlockScaledRecipe):
 
         def xla(x: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)
-            out = (q.data, q.scale_inv, _local_amax(x))
+            out = (q.data, q.scale_inv, local_amax(x))
             if columns:
                 q_t = self._quantize(x, role, -2)
                 out += (q_t.data, q_t.scale_inv)
@@ -480,7 +475,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         def xla(x: Array, rows: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)
             q_t = super(BlockwiseScaling, self).quantize_gathered(x, rows, role)
-            return q.data, q.scale_inv, _local_amax(x), q_t.data, q_t.scale_inv
+            return q.data, q.scale_inv, local_amax(x), q_t.data, q_t.scale_inv
 
         data, scale_inv, local, data_t, cols = self._on_kernel(native, xla, x, rows)
         new_state = self._state(state, role, self.amax(local, state.scale))

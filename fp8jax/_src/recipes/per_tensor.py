@@ -189,13 +189,31 @@ class PerTensorRecipe(HybridFormats):
     def quantize_transposed(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[QTensor, QTensor | None, TensorState]:
-        # Inside `cast_transpose_kernel()`, where the scale waits for `x`'s amax (current
-        # scaling, the warm start): the amax from XLA, both copies from the kernel.
+        # Inside `cast_transpose_kernel()`: both copies from one kernel (`per_tensor_pass`),
+        # and the amax too where the scale does not wait for it; else XLA's amax first.
         if not (cast_transpose_chosen(role) and fits(x)):
             return super().quantize_transposed(x, state, role)
-        scale, new_state = self.scale_for(x, state, role)
-        data, data_t, _ = cast_and_transpose(x, scale, self.format(role))
+        known = self._known_scale(state)
+        if known is None:
+            scale, new_state = self.scale_for(x, state, role)
+            data, data_t, _ = cast_and_transpose(x, scale, self.format(role))
+        else:
+            data, data_t, local = cast_and_transpose(x, known, self.format(role))
+            # Over the batch under `vmap` and over `axis_names`, as `Recipe.amax` spans them.
+            _, new_state = self._scale_with(self.amax(local, state.scale), state, role)
         return QTensor(data, new_state.scale_inv), QTensor(data_t, new_state.scale_inv), new_state
+
+    def _known_scale(self, state: TensorState) -> Float[Array, ""] | None:
+        """The scale of this step where it does not depend on the operand (`None` here)."""
+        del state
+        return None
+
+    def _scale_with(
+        self, current: Float[Array, ""], state: TensorState, role: Role
+    ) -> tuple[Float[Array, ""], TensorState]:
+        """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`; recipes whose
+        `_known_scale` gives one."""
+        raise NotImplementedError
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
@@ -328,7 +346,6 @@ class DelayedScaling(PerTensorRecipe):
     def _scale_with(
         self, current: Float[Array, ""], state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
-        """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`."""
         if self.warm_start and not warm_start_skipped():
             fmt_max = fp8_max(self.format(role))
             fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
@@ -349,18 +366,9 @@ class DelayedScaling(PerTensorRecipe):
     def kept_inverses(self) -> bool:
         return not self.warm_start or warm_start_skipped()
 
-    def quantize_transposed(
-        self, x: Array, state: TensorState, role: Role
-    ) -> tuple[QTensor, QTensor | None, TensorState]:
-        # Inside `cast_transpose_kernel()`, where the scale does not wait for `x`'s amax: both
-        # copies and the amax from one kernel (`per_tensor_pass`), the same values.
-        if not (self.kept_inverses and cast_transpose_chosen(role) and fits(x)):
-            return super().quantize_transposed(x, state, role)  # the amax from XLA
-        scale = self._kept_scale(state, 1.0)
-        data, data_t, local = cast_and_transpose(x, scale, self.format(role))
-        # Over the batch under `vmap` and over `axis_names`, as `Recipe.amax` spans them.
-        _, new_state = self._scale_with(self.amax(local, state.scale), state, role)
-        return QTensor(data, new_state.scale_inv), QTensor(data_t, new_state.scale_inv), new_state
+    def _known_scale(self, state: TensorState) -> Float[Array, ""] | None:
+        # Without the warm start, or where it is skipped, the cast does not wait for the amax.
+        return self._kept_scale(state, 1.0) if self.kept_inverses else None
 
     def next_scale(
         self, scale: Float[Array, "*lead"], history: Float[Array, "*lead n"], role: Role

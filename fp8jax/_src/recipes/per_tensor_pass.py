@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ..core.amax import local_amax
 from ..core.contexts import setting
 from ..core.formats import quantize
 from ..kernels import block_quantize, dispatch
@@ -106,7 +107,6 @@ def cast_and_transpose(
 
     def xla(x: Array, scale: Array) -> tuple[Array, ...]:
         data = quantize(x, scale, fmt)
-        local = jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
-        return data, jnp.swapaxes(data, -1, -2), local
+        return data, jnp.swapaxes(data, -1, -2), local_amax(x)
 
     return dispatch.choose(None, native, xla, x, scale)
