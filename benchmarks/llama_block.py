@@ -54,6 +54,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -301,9 +302,72 @@ def make_block(size: str, attention: str, key: Array | None = None) -> LlamaBloc
 PACKED = "-packed"
 
 
+#: A variant's name with this suffix: the same variant timed with the FP8 states of a fresh
+#: model, as the GPU runs before session 41 timed every variant. Delayed-scaling variants take
+#: recorded states otherwise (`recorded_states`): a fresh state casts with 1.0 without the warm
+#: start, where this loss's output gradients (2 y / N, N = 8 or 16 million elements: under
+#: 1e-6) flush to zero in E5M2, and with 0 where the warm start is skipped, which zeroes every
+#: operand; the GEMMs then multiply zeros, faster than a training run's data.
+FRESH = "-fresh"
+#: Train steps of the default delayed recipe (`delayed`, its warm start on) run to record the
+#: states a delayed-scaling variant is timed with: its first step already scales every
+#: operand by its own amax and records it.
+RECORD_STEPS = 2
+
+
 def base_name(name: str) -> str:
-    """`name` without `PACKED`."""
-    return name.removesuffix(PACKED)
+    """`name` without `FRESH` and `PACKED`."""
+    return name.removesuffix(FRESH).removesuffix(PACKED)
+
+
+def is_packed(name: str) -> bool:
+    """Whether variant `name` is `Packed`."""
+    return name.removesuffix(FRESH).endswith(PACKED)
+
+
+def takes_recorded_states(name: str) -> bool:
+    """Whether variant `name` is timed with `recorded_states`: delayed scaling's variants but
+    those named with `FRESH`."""
+    recipe = RECIPES.get(base_name(name))
+    return isinstance(recipe, fp8jax.DelayedScaling) and not name.endswith(FRESH)
+
+
+def state_arrays(model: Any) -> list[Array]:
+    """The arrays of `model`'s FP8 states (`fp8jax.partition_for_grad_overwrite`'s first part),
+    in tree order."""
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(model)
+    return jax.tree.leaves(eqx.filter(overwrites, eqx.is_array))
+
+
+def with_states(model: Any, arrays: list[Array]) -> Any:
+    """`model` with the arrays of its FP8 states replaced by `arrays` (`state_arrays` of a
+    model with the same FP8 layers, whatever their recipes)."""
+    overwrites, others = fp8jax.partition_for_grad_overwrite(model)
+    old, statics = eqx.partition(overwrites, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(old)
+    want = [(jnp.shape(a), a.dtype) for a in leaves]
+    got = [(jnp.shape(a), a.dtype) for a in arrays]
+    if want != got:
+        first = next((w, g) for w, g in itertools.zip_longest(want, got) if w != g)
+        raise ValueError(
+            f"with_states: {len(got)} arrays given, where the model's FP8 states hold "
+            f"{len(want)}; the first that differs (expected, given): {first}. Give "
+            "`state_arrays` of a model with the same FP8 layers and recipe states."
+        )
+    return eqx.combine(eqx.combine(others, statics), jax.tree.unflatten(treedef, arrays))
+
+
+@functools.cache
+def recorded_states(size: str, attention: str) -> list[Array]:
+    """`state_arrays` of block `size` after `RECORD_STEPS` train steps of `delayed` on the
+    benchmark's input: every history holds real amaxes and every state the scale (and kept
+    inverse) its next step casts with, as in a training run."""
+    block = variant(make_block(size, attention), "delayed")
+    run = jax.jit(step("delayed"))
+    x = inputs(size)
+    for _ in range(RECORD_STEPS):
+        block, _, _ = run(block, x)
+    return state_arrays(block)
 
 
 class Packed(eqx.Module):
@@ -342,19 +406,22 @@ def unpack(packed: Packed) -> Any:
     return eqx.combine(packed.rest, jax.tree.unflatten(packed.treedef, leaves))
 
 
-def variant(block: LlamaBlock, name: str) -> Any:
+def variant(block: LlamaBlock, name: str, states: list[Array] | None = None) -> Any:
     """`block` as variant `name`: `"bf16"`, or a recipe of `RECIPES` on every Linear through
-    `fp8jax.fp8_linear_layers` with the documented `Fp8Config`; with `PACKED` appended to a
-    recipe's name, that model `Packed`."""
+    `fp8jax.fp8_linear_layers` with the documented `Fp8Config`, its FP8 states' arrays
+    `states` where given (`with_states`); with `PACKED` appended to a recipe's name, that
+    model `Packed`; `FRESH` after that changes nothing here (see `arguments`)."""
     if name == "bf16":
         return block
     if base_name(name) not in RECIPES:
         raise ValueError(
             f"variant {name!r}: should be one of {['bf16', *RECIPES]}, or a recipe's with "
-            f"{PACKED!r} appended"
+            f"{PACKED!r}, {FRESH!r} or both appended, in that order"
         )
     model = fp8jax.fp8_linear_layers(block, fp8jax.Fp8Config(recipe=RECIPES[base_name(name)]))
-    return pack(model) if name.endswith(PACKED) else model
+    if states is not None:
+        model = with_states(model, states)
+    return pack(model) if is_packed(name) else model
 
 
 def step(name: str = "bf16") -> Callable:
@@ -363,7 +430,7 @@ def step(name: str = "bf16") -> Callable:
     their context; a `PACKED` variant's block is `Packed` on the way in and out."""
     inner = train_steps.block_step(loss)
     context = CONTEXTS.get(base_name(name), contextlib.nullcontext)
-    packed = name.endswith(PACKED)
+    packed = is_packed(name)
 
     def traced(block: Any, x: Any) -> Any:
         # Compiled with `fp8jax.gpu_compiler_options()`, as `fp8jax.make_train_step` traces
@@ -375,16 +442,22 @@ def step(name: str = "bf16") -> Callable:
     return traced
 
 
-def arguments(size: str, name: str, attention: str, abstract: bool) -> tuple[Any, Any]:
-    """`(block, x)` of variant `name`: shapes only when `abstract` (a deviceless compile),
-    real arrays otherwise."""
+def inputs(size: str) -> Array:
+    """The input of block `size`'s step: standard normal, BF16."""
     shape = SHAPES[size]
     x_shape = (shape["batch"], shape["context"], shape["width"])
+    return jax.random.normal(jax.random.PRNGKey(1), x_shape, jnp.bfloat16)
+
+
+def arguments(size: str, name: str, attention: str, abstract: bool) -> tuple[Any, Any]:
+    """`(block, x)` of variant `name`: shapes only when `abstract` (a deviceless compile),
+    real arrays otherwise, a delayed-scaling variant's states recorded by warm steps
+    (`recorded_states`) unless its name ends with `FRESH`."""
     if abstract:
         block = eqx.filter_eval_shape(lambda: variant(make_block(size, attention), name))
-        return block, jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
-    x = jax.random.normal(jax.random.PRNGKey(1), x_shape, jnp.bfloat16)
-    return variant(make_block(size, attention), name), x
+        return block, eqx.filter_eval_shape(inputs, size)
+    states = recorded_states(size, attention) if takes_recorded_states(name) else None
+    return variant(make_block(size, attention), name, states), inputs(size)
 
 
 # --- what a deviceless H100 compile shows ----------------------------------------------------

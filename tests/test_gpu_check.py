@@ -478,6 +478,50 @@ def test_packed_variants_step_the_same_bits_with_a_few_state_arrays(monkeypatch)
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(plain, packed, strict=True))
 
 
+def test_delayed_variants_are_timed_with_recorded_states(monkeypatch):
+    """Delayed scaling's variants must be timed on a training run's data, not on a fresh
+    model's states (which cast with 0 where the warm start is skipped, with 1.0 without it):
+    `arguments` gives them the states two warm steps of `delayed` record (every one of the
+    21 scales positive), so that the steady state's step computes the warm start's loss bit
+    for bit; with `-fresh` the old states, whose steady-state step zeroes every projection
+    (its loss is then the input's mean square). Current scaling keeps its own states, and
+    another model's states are refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import jax
+    import llama_block
+
+    import fp8jax
+
+    recorded = llama_block.recorded_states("dry", "xla")
+
+    def run(name):
+        block, x = llama_block.arguments("dry", name, "xla", abstract=False)
+        return block, x, jax.jit(llama_block.step(name))(block, x)[1]
+
+    reference = float(run("delayed")[2])
+    for name in ("delayed-steady", "delayed-cold", "delayed-steady-packed"):
+        assert llama_block.takes_recorded_states(name), name
+        block, _, value = run(name)
+        model = llama_block.unpack(block) if llama_block.is_packed(name) else block
+        states = llama_block.state_arrays(model)
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(states, recorded, strict=True))
+        scales = [
+            s.scale
+            for s in jax.tree.leaves(model, is_leaf=lambda s: isinstance(s, fp8jax.TensorState))
+            if isinstance(s, fp8jax.TensorState)
+        ]
+        assert len(scales) == 21 and all(float(s) > 0 for s in scales), name
+        assert float(value) == reference, name
+    _, x, fresh = run("delayed-steady-fresh")
+    assert float(fresh) == pytest.approx(float(jnp.mean(x.astype(jnp.float32) ** 2)), rel=1e-6)
+    assert abs(float(fresh) - reference) > 1e-3
+    for name in ("bf16", "current", "blockwise", "delayed-cold-fresh", "delayed-packed-fresh"):
+        assert not llama_block.takes_recorded_states(name), name
+    current, _ = llama_block.arguments("dry", "current", "xla", abstract=False)
+    with pytest.raises(ValueError, match="with_states"):
+        llama_block.with_states(current, recorded)
+
+
 def test_the_conditional_warm_start_computes_what_delayed_scaling_does(monkeypatch):
     """`delayed-cond` (the warm start behind a `lax.cond`) must be timed against the same
     numbers: three train steps of a layer, the first one warm, bit for bit with

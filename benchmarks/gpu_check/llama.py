@@ -22,6 +22,14 @@ compiled step's HLO read as `llama_block.py` reads a deviceless compile
 (attention's left out), temp memory and the cost model's estimate (`fp8jax.hlo_cost` of the
 GPU's own HLO), to be kept honest against the measured time and the profile.
 
+Delayed scaling's variants are timed with the states a training run has after its first
+steps (`llama_block.recorded_states`: two warm steps of `delayed` on the same input), not
+a fresh model's: before session 41 they were, and a fresh state casts with 1.0 without the
+warm start (this loss's output gradients, under 1e-6, flush to zero in E5M2, and every
+dgrad behind them: `delayed-cold`'s GEMMs multiplied zeros in runs 4-6) and with 0 where the
+warm start is skipped (every operand zero). A name ending in `-fresh` keeps the fresh
+states, to time that difference (`delayed-cold` / `delayed-cold-fresh` among `CANDIDATES`).
+
 Attention is cuDNN's flash attention on a GPU (`implementation="cudnn"`), XLA's in the dry
 run. Where a cuDNN step fails to compile or run, its error is recorded and that size goes on
 with XLA's attention (BF16 measured again with it, so that ratios compare like with like),
@@ -256,6 +264,7 @@ CANDIDATES = (
     ("delayed-steady-apart", "delayed-steady-kernel-grads"),
     ("delayed-steady-apart", "delayed-steady-apart-kernel-grads"),
     ("delayed", "delayed-apart"),
+    ("delayed-cold", "delayed-cold-fresh"),
     ("current", "current-apart"),
     ("current", "current-kernel"),
     ("current", "current-kernel-grads"),

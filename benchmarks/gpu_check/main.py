@@ -61,14 +61,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if args.llama_variants is not None:
-        from llama_block import PACKED, RECIPES, base_name
+        from llama_block import FRESH, PACKED, RECIPES, base_name
 
         args.llama_variants = [v.strip() for v in args.llama_variants.split(",") if v.strip()]
         bad = [v for v in args.llama_variants if v != "bf16" and base_name(v) not in RECIPES]
         if bad or not args.llama_variants:
             parser.error(
                 f"--llama-variants: unknown {bad}; should name some of "
-                f"{','.join(['bf16', *RECIPES])}, each but bf16 also with {PACKED!r} appended"
+                f"{','.join(['bf16', *RECIPES])}, each but bf16 also with {PACKED!r}, "
+                f"{FRESH!r} or both appended, in that order"
             )
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sections:
