@@ -13,9 +13,11 @@ kin) cast with a fresh state's scale 0: every operand is zero. Their GEMMs then 
 zeros, which a GPU does faster than a training run's data. This script measures the first:
 the block's BF16 output on the CPU, its output gradient cast to E5M2 with the scale 1.0 and
 with the scale delayed scaling records for it (`fp8jax.compute_scale` of its amax), and the
-fraction of elements each keeps nonzero. Since session 41 `llama_block.arguments` gives
-delayed-scaling variants recorded states (`llama_block.recorded_states`); a name ending in
-`-fresh` (`llama_block.FRESH`) keeps the old, fresh ones, to time the difference.
+fraction of elements each keeps nonzero; and the weights cast to E4M3 with the scale 1.0
+(subnormal where a recorded scale would keep them normal). Since session 41
+`llama_block.arguments` gives delayed-scaling variants recorded states
+(`llama_block.recorded_states`); a name ending in `-fresh` (`llama_block.FRESH`) keeps the
+old, fresh ones, to time the difference.
 """
 
 from __future__ import annotations
@@ -80,6 +82,27 @@ def main(argv: list[str] | None = None) -> None:
             f"2^{int(np.log2(scale))} | {kept(g, scale):.2%} |",
             flush=True,
         )
+    for size in args.sizes.split(","):
+        weights(size)
+
+
+def weights(size: str) -> None:
+    """Each Linear's weight (BF16, at init) cast to E4M3 with the scale 1.0 and with the scale
+    delayed scaling records: the fractions that are zero and subnormal (under 2^-6)."""
+    block = llama_block.make_block(size, "xla")
+    print(f"\n{size} block: weights cast to E4M3, zero / subnormal")
+    print("\n| weight | scale 1.0 (fresh state) | recorded scale |\n|---|---|---|")
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        w = np.asarray(getattr(block, name).weight.astype(jnp.bfloat16).astype(jnp.float32))
+        amax = jnp.float32(np.max(np.abs(w)))
+        scale = float(fp8jax.compute_scale(amax, 1.0, fp8_max("e4m3"), power_of_two=True))
+        cells = []
+        for s in (1.0, scale):
+            q = (w * np.float32(s)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            zero = np.mean(q == 0)
+            subnormal = np.mean((q != 0) & (np.abs(q) < 2.0**-6))
+            cells.append(f"{zero:.1%} / {subnormal:.1%}")
+        print(f"| {name} | {cells[0]} | {cells[1]} (2^{int(np.log2(scale))}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 A [`fp8jax.DelayedScaling`][] state with the warm start scales its operand by the operand's
 own amax while it holds no scale yet (its first step), so every cast waits for that amax:
 XLA reads each operand twice, in every step, though from the first recorded amax on the
-state's scale is used anyway. On an H200 (GPU check, run 4) that wait cost a Llama-3-8B
-block's train step 10 % (16.33 ms against 14.81 without the warm start; 1B block 7 %).
+state's scale is used anyway: a Llama-3-8B block's train step compiled for an H100 takes
+129 kernels with it and 98 without (`benchmarks/RESULTS.md`, issue 38).
 
 [`fp8jax.scales_recorded`][] says on the device whether every such state holds a scale;
 [`fp8jax.without_warm_start`][] traces a function with the warm start skipped (each state
