@@ -44,7 +44,11 @@ dgrad), `blockwise-chained` (that kernel with each program's tiles chained into 
 `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
 stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
-arrays cost the host's launch.
+arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants
+start from the states two warm steps record (`recorded_states`), as a training run's steps
+do, unless `-fresh` (`FRESH`) ends the name: a fresh model's states cast its operands with
+the scale 1.0 (without the warm start: this loss's E5M2 gradients then flush to zero) or 0
+(where the warm start is skipped: every operand zero).
 """
 
 from __future__ import annotations
