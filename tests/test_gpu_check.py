@@ -385,17 +385,31 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
 
     assert main.parse(["--out", str(tmp_path)]).llama_variants is None
     picked = main.parse(
-        ["--out", str(tmp_path), "--llama-variants", "blockwise-tiled, bf16,delayed-packed"]
+        [
+            "--out",
+            str(tmp_path),
+            "--llama-variants",
+            "blockwise-tiled, bf16,delayed-packed,delayed-cold-fresh,delayed-packed-fresh",
+        ]
     )
-    assert picked.llama_variants == ["blockwise-tiled", "bf16", "delayed-packed"]
+    assert picked.llama_variants == [
+        "blockwise-tiled",
+        "bf16",
+        "delayed-packed",
+        "delayed-cold-fresh",
+        "delayed-packed-fresh",
+    ]
     # BF16 first (the others' reference), whatever the order given; the mode's own by default.
     assert llama.variant_names("full", picked.llama_variants) == [
         "bf16",
         "blockwise-tiled",
         "delayed-packed",
+        "delayed-cold-fresh",
+        "delayed-packed-fresh",
     ]
     assert llama.variant_names("quick", None) == llama.VARIANTS["quick"]
-    for bad in ("blockwise,nope", ",", "bf16-packed", "nope-packed"):
+    bad_names = ("blockwise,nope", ",", "bf16-packed", "nope-packed", "bf16-fresh", "nope-fresh")
+    for bad in (*bad_names, "delayed-fresh-packed"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--llama-variants", bad])
 
