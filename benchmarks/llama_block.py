@@ -29,26 +29,26 @@ recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the w
 recipes with every transposed FP8 copy written by a transpose of its own, traced inside
 `transposes_apart`: the cast then writes one layout, and reduces the amax in its pass where it need
 not wait for it), `delayed-steady-apart-acts` (only the activations' and output gradients' copies
-apart), `delayed-steady-kernel` (the steady state with every operand quantized by fp8jax's one-pass
-kernel, both FP8 copies and the amax from one read, traced inside
-`per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output gradients only,
-`-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`: current scaling's
-copies by the kernel, its amax from XLA first) and `blockwise-tiled` (blockwise scaling on the
-tiled block kernel, traced inside `tiled_kernel`; `blockwise` runs the persistent warp-specialized
-kernel of issue 39, the default on GPUs since run 4; on a CPU compile the recipe takes the XLA
-path), `blockwise-pairs` (that kernel in its default configuration with two chunks a step,
-`chunks_per_step=2`) and `blockwise-tile-scales` (that kernel given the weights' scales once per
-128 x 128 block, `weight_block_scales`: one scale per warpgroup tile and chunk in the forward and
-dgrad), `blockwise-chained` (that kernel with each program's tiles chained into one pipeline,
+apart; `-apart-grads`: the output gradients' only), `delayed-steady-kernel` (the steady state with
+every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
+traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
+gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
+current scaling's copies by the kernel, its amax from XLA first) and `blockwise-tiled` (blockwise
+scaling on the tiled block kernel, traced inside `tiled_kernel`; `blockwise` runs the persistent
+warp-specialized kernel of issue 39, the default on GPUs since run 4; on a CPU compile the recipe
+takes the XLA path), `blockwise-pairs` (that kernel in its default configuration with two chunks a
+step, `chunks_per_step=2`) and `blockwise-tile-scales` (that kernel given the weights' scales once
+per 128 x 128 block, `weight_block_scales`: one scale per warpgroup tile and chunk in the forward
+and dgrad), `blockwise-chained` (that kernel with each program's tiles chained into one pipeline,
 `chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
 `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
 stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
-arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants
-start from the states two warm steps record (`recorded_states`), as a training run's steps
-do, unless `-fresh` (`FRESH`) ends the name: a fresh model's states cast its operands with
-the scale 1.0 (without the warm start: this loss's E5M2 gradients then flush to zero) or 0
-(where the warm start is skipped: every operand zero).
+arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants start
+from the states two warm steps record (`recorded_states`), as a training run's steps do, unless
+`-fresh` (`FRESH`) ends the name: a fresh model's states cast its operands with the scale 1.0
+(without the warm start: this loss's E5M2 gradients then flush to zero) or 0 (where the warm start
+is skipped: every operand zero).
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart-acts": fp8jax.DelayedScaling(),
+    "delayed-steady-apart-grads": fp8jax.DelayedScaling(),
     "delayed-steady-kernel": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
@@ -149,6 +150,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-apart": transposes_apart,
     "delayed-steady-apart": lambda: steady_apart(),
     "delayed-steady-apart-acts": lambda: steady_apart(("input", "output_grad")),
+    "delayed-steady-apart-grads": lambda: steady_apart(("output_grad",)),
     "delayed-steady-kernel": lambda: steady_kernel(),
     "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
     "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
