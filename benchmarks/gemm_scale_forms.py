@@ -21,6 +21,13 @@ the GEMM custom calls:
 Each in cuBLAS mode (`fp8jax.gpu_compiler_options()`) and under XLA's default flags, where
 a GEMM of dequantized operands is a Triton GEMM of BF16 copies (`dots` says the operand
 types of the GEMM that runs). Nothing runs on a GPU: the compiled HLO is read.
+
+Then (session 41) where a scale computed in the step goes: current scaling's cast of one
+8192 x 4096 BF16 operand (`CurrentScaling().quantize`, its amax reduced in the step) against
+the amax alone and the amax with one elementwise operation after it, in cuBLAS mode, kernel
+by kernel: XLA reduces a tensor to a scalar in two kernels and fuses nothing after the
+reduction into them, so a scale (or its inverse, or alpha) computed from an amax is a kernel
+of its own.
 """
 
 from __future__ import annotations
@@ -109,5 +116,31 @@ def main() -> None:
             print("| " + " | ".join(row) + " |")
 
 
+def reduction_epilogues() -> None:
+    """Kernels of an amax, an amax with an operation after it, and current scaling's cast."""
+    recipe = fp8jax.CurrentScaling()
+    cases = {
+        "`max(abs(x))`": lambda x: jnp.max(jnp.abs(x)),
+        "`max(abs(x)) * 2`": lambda x: jnp.max(jnp.abs(x)).astype(F32) * 2,
+        "`CurrentScaling().quantize(x, ...)`": lambda x: recipe.quantize(
+            x, recipe.init_state("input"), "input", -1
+        ),
+    }
+    print()
+    print("One 8192 x 4096 BF16 operand, cuBLAS mode: its kernels and the bytes each moves")
+    print()
+    print("| computation | kernels | each kernel (bytes written and read) |")
+    print("|---|---|---|")
+    device = deviceless.h100_topology().devices[0]
+    x = jax.ShapeDtypeStruct((8192, 4096), BF16)
+    for name, fn in cases.items():
+        lowered, _ = deviceless.lower(fn, (x,), {}, device)
+        hlo = lowered.compile(compiler_options=fp8jax.gpu_compiler_options()).as_text()
+        kernels = fp8jax.hlo_cost(hlo).kernels
+        each = ", ".join(f"{k.name} ({k.bytes})" for k in kernels)
+        print(f"| {name} | {len(kernels)} | {each} |")
+
+
 if __name__ == "__main__":
     main()
+    reduction_epilogues()
