@@ -536,6 +536,36 @@ def test_delayed_variants_are_timed_with_recorded_states(monkeypatch):
         llama_block.with_states(current, recorded)
 
 
+def test_fresh_states_counts_what_e5m2_keeps_of_the_output_gradient(monkeypatch):
+    """`fresh_states.py`'s measure: the dry block's output gradient is the benchmark loss's
+    (`2 y / N`, against the block's own output), and the fraction E5M2 keeps nonzero is that
+    of magnitudes above half its smallest subnormal (2^-17): most of it at the scale 1.0 at
+    that size (N = 4096), none of it a millionth as large, nearly all of that at the scale
+    delayed scaling records for it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import fresh_states
+    import jax
+    import llama_block
+    import numpy as np
+
+    g = fresh_states.output_gradient("dry")
+    block = jax.tree.map(fresh_states._bf16, llama_block.make_block("dry", "xla"))
+    y = np.asarray(block(llama_block.inputs("dry")).astype(jnp.float32))
+    bound = 2.0**-7 * np.max(np.abs(g))
+    np.testing.assert_allclose(g, 2 * y / y.size, rtol=2.0**-7, atol=bound)
+
+    def above(v):
+        return np.mean(np.abs(v) > 2.0**-17)
+
+    tiny = g * np.float32(1e-6)
+    for values, scale in ((g, 1.0), (tiny, 1.0), (tiny, 2.0**30)):
+        kept = fresh_states.kept(values, scale)
+        assert kept == pytest.approx(above(values * np.float32(scale)), abs=1e-3), scale
+    assert fresh_states.kept(g, 1.0) > 0.9
+    assert fresh_states.kept(tiny, 1.0) == 0.0
+    assert fresh_states.kept(tiny, 2.0**30) > 0.99
+
+
 def test_the_conditional_warm_start_computes_what_delayed_scaling_does(monkeypatch):
     """`delayed-cond` (the warm start behind a `lax.cond`) must be timed against the same
     numbers: three train steps of a layer, the first one warm, bit for bit with
