@@ -367,9 +367,10 @@ def with_states(model: Any, arrays: list[Array]) -> Any:
 def recorded_states(size: str, attention: str) -> list[Array]:
     """`state_arrays` of block `size` after `RECORD_STEPS` train steps of `delayed` on the
     benchmark's input: every history holds real amaxes and every state the scale (and kept
-    inverse) its next step casts with, as in a training run."""
+    inverse) its next step casts with, as in a training run. Compiled as the GPU check
+    compiles the steps it times (`fp8jax.gpu_compiler_options()`: no Triton GEMM to tune)."""
     block = variant(make_block(size, attention), "delayed")
-    run = jax.jit(step("delayed"))
+    run = jax.jit(step("delayed"), compiler_options=fp8jax.gpu_compiler_options())
     x = inputs(size)
     for _ in range(RECORD_STEPS):
         block, _, _ = run(block, x)
