@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import llama_block
 import ml_dtypes
 import numpy as np
+import train_steps
 
 import fp8jax
 from fp8jax._src.core.formats import fp8_max
@@ -38,13 +39,9 @@ def output_gradient(size: str) -> np.ndarray:
     """The block's output gradient in the benchmark's step (BF16, `2 y / N`), at init."""
     block = llama_block.make_block(size, "xla")
     x = llama_block.inputs(size)
-    y = jax.jit(lambda b, x: b(x))(jax.tree.map(_bf16, block), x)
+    y = jax.jit(lambda b, x: b(x))(train_steps.to_bf16(block), x)
     g = jax.grad(lambda y: jnp.mean(y.astype(jnp.float32) ** 2))(y)
     return np.asarray(g.astype(jnp.float32))
-
-
-def _bf16(a):
-    return a.astype(jnp.bfloat16) if isinstance(a, jax.Array) and a.dtype == jnp.float32 else a
 
 
 def kept(g: np.ndarray, scale: float) -> float:

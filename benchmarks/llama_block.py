@@ -338,19 +338,25 @@ def takes_recorded_states(name: str) -> bool:
     return isinstance(recipe, fp8jax.DelayedScaling) and not name.endswith(FRESH)
 
 
-def state_arrays(model: Any) -> list[Array]:
-    """The arrays of `model`'s FP8 states (`fp8jax.partition_for_grad_overwrite`'s first part),
-    in tree order."""
-    overwrites, _ = fp8jax.partition_for_grad_overwrite(model)
-    return jax.tree.leaves(eqx.filter(overwrites, eqx.is_array))
+def split_states(model: Any) -> tuple[list[Array], Any, Any]:
+    """`model` as the arrays of its FP8 states (`fp8jax.partition_for_grad_overwrite`'s first
+    part) in tree order, their treedef, and the rest of the model (those arrays taken out):
+    `eqx.combine(rest, jax.tree.unflatten(treedef, arrays))` rebuilds it."""
+    overwrites, others = fp8jax.partition_for_grad_overwrite(model)
+    arrays, statics = eqx.partition(overwrites, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    return leaves, treedef, eqx.combine(others, statics)
 
 
-def with_states(model: Any, arrays: list[Array]) -> Any:
+def state_arrays(model: Any) -> tuple[Array, ...]:
+    """The arrays of `model`'s FP8 states, in tree order (`split_states`)."""
+    return tuple(split_states(model)[0])
+
+
+def with_states(model: Any, arrays: tuple[Array, ...]) -> Any:
     """`model` with the arrays of its FP8 states replaced by `arrays` (`state_arrays` of a
     model with the same FP8 layers, whatever their recipes)."""
-    overwrites, others = fp8jax.partition_for_grad_overwrite(model)
-    old, statics = eqx.partition(overwrites, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(old)
+    leaves, treedef, rest = split_states(model)
     want = [(jnp.shape(a), a.dtype) for a in leaves]
     got = [(jnp.shape(a), a.dtype) for a in arrays]
     if want != got:
@@ -360,11 +366,11 @@ def with_states(model: Any, arrays: list[Array]) -> Any:
             f"{len(want)}; the first that differs (expected, given): {first}. Give "
             "`state_arrays` of a model with the same FP8 layers and recipe states."
         )
-    return eqx.combine(eqx.combine(others, statics), jax.tree.unflatten(treedef, arrays))
+    return eqx.combine(rest, jax.tree.unflatten(treedef, arrays))
 
 
 @functools.cache
-def recorded_states(size: str, attention: str) -> list[Array]:
+def recorded_states(size: str, attention: str) -> tuple[Array, ...]:
     """`state_arrays` of block `size` after `RECORD_STEPS` train steps of `delayed` on the
     benchmark's input: every history holds real amaxes and every state the scale (and kept
     inverse) its next step casts with, as in a training run. Compiled as the GPU check
@@ -392,9 +398,7 @@ class Packed(eqx.Module):
 
 def pack(model: Any) -> Packed:
     """`model` with its FP8 states' arrays stacked (`Packed`)."""
-    overwrites, others = fp8jax.partition_for_grad_overwrite(model)
-    arrays, statics = eqx.partition(overwrites, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(arrays)
+    leaves, treedef, rest = split_states(model)
     groups: dict[tuple, list[Array]] = {}
     where = []
     for leaf in leaves:
@@ -403,7 +407,6 @@ def pack(model: Any) -> Packed:
         where.append((list(groups).index(key), len(group)))
         group.append(leaf)
     stacks = tuple(jnp.stack(group) for group in groups.values())
-    rest = eqx.combine(others, statics)
     return Packed(rest, stacks, tuple(where), treedef)
 
 
@@ -413,7 +416,7 @@ def unpack(packed: Packed) -> Any:
     return eqx.combine(packed.rest, jax.tree.unflatten(packed.treedef, leaves))
 
 
-def variant(block: LlamaBlock, name: str, states: list[Array] | None = None) -> Any:
+def variant(block: LlamaBlock, name: str, states: tuple[Array, ...] | None = None) -> Any:
     """`block` as variant `name`: `"bf16"`, or a recipe of `RECIPES` on every Linear through
     `fp8jax.fp8_linear_layers` with the documented `Fp8Config`, its FP8 states' arrays
     `states` where given (`with_states`); with `PACKED` appended to a recipe's name, that

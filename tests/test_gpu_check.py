@@ -544,12 +544,12 @@ def test_fresh_states_counts_what_e5m2_keeps_of_the_output_gradient(monkeypatch)
     delayed scaling records for it."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import fresh_states
-    import jax
     import llama_block
     import numpy as np
+    import train_steps
 
     g = fresh_states.output_gradient("dry")
-    block = jax.tree.map(fresh_states._bf16, llama_block.make_block("dry", "xla"))
+    block = train_steps.to_bf16(llama_block.make_block("dry", "xla"))
     y = np.asarray(block(llama_block.inputs("dry")).astype(jnp.float32))
     bound = 2.0**-7 * np.max(np.abs(g))
     np.testing.assert_allclose(g, 2 * y / y.size, rtol=2.0**-7, atol=bound)

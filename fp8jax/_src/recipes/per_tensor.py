@@ -166,12 +166,13 @@ class PerTensorRecipe(HybridFormats):
         super().__post_init__()
         check_flags(self, "power_of_two")
 
-    @abc.abstractmethod
     def scale_for(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
         """The scale to quantize `x` with now, and the state to keep, whose `scale_inv`
-        dequantizes the cast (`TensorState(scale, history)` computes it from `scale`)."""
+        dequantizes the cast (`TensorState(scale, history)` computes it from `scale`): those of
+        `x`'s amax (`Recipe.amax`'s, over the batch under `vmap` and over `axis_names`)."""
+        return self._scale_with(self.amax(x, state.scale), state, role)
 
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
@@ -208,12 +209,11 @@ class PerTensorRecipe(HybridFormats):
         del state
         return None
 
+    @abc.abstractmethod
     def _scale_with(
         self, current: Float[Array, ""], state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
-        """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`; recipes whose
-        `_known_scale` gives one."""
-        raise NotImplementedError
+        """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`."""
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         del role, axis, source
@@ -327,14 +327,6 @@ class DelayedScaling(PerTensorRecipe):
             amax_history=jnp.zeros((self.history_len,), jnp.float32),
         )
 
-    def scale_for(
-        self, x: Array, state: TensorState, role: Role
-    ) -> tuple[Float[Array, ""], TensorState]:
-        # The state's scale is the one this step uses, computed from the history when the
-        # previous step's state was merged (`next_scales`): no reduction over the history
-        # here, one per operand and step otherwise.
-        return self._scale_with(self.amax(x, state.scale), state, role)
-
     def _kept_scale(self, state: TensorState, fallback: Any) -> Float[Array, ""]:
         if not self.warm_start or scales_known_recorded():
             # The state's scale as it is: positive here (1 at first without the warm start;
@@ -346,6 +338,9 @@ class DelayedScaling(PerTensorRecipe):
     def _scale_with(
         self, current: Float[Array, ""], state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
+        # The state's scale is the one this step uses, computed from the history when the
+        # previous step's state was merged (`next_scales`): no reduction over the history
+        # here, one per operand and step otherwise.
         if self.warm_start and not warm_start_skipped():
             fmt_max = fp8_max(self.format(role))
             fallback = compute_scale(current, 1.0, fmt_max, self.margin, self.power_of_two)
@@ -455,10 +450,9 @@ class CurrentScaling(PerTensorRecipe):
             scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,), jnp.float32)
         )
 
-    def scale_for(
-        self, x: Array, state: TensorState, role: Role
+    def _scale_with(
+        self, current: Float[Array, ""], state: TensorState, role: Role
     ) -> tuple[Float[Array, ""], TensorState]:
-        current = self.amax(x, state.scale)
         fmt_max = fp8_max(self.format(role))
         scale = compute_scale(current, state.scale, fmt_max, self.margin, self.power_of_two)
         history = state.amax_history.at[..., 0].set(current)
