@@ -450,6 +450,44 @@ def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     assert seen[-1] == "tiled" and quantize_config.resolved(default).slab_rows is None
 
 
+def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_roles(
+    monkeypatch,
+):
+    """Each `delayed-steady*` variant traces inside the train step's steady state (the warm
+    start skipped, every scale recorded) with exactly its roles' transposed copies apart and
+    its roles quantized by the one-pass kernel, and nothing of it outside."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import llama_block
+
+    from fp8jax._src.recipes import ROLES
+    from fp8jax._src.recipes.per_tensor import (
+        scales_known_recorded,
+        transposes_apart_chosen,
+        warm_start_skipped,
+    )
+    from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen
+
+    everything, acts, grads = ROLES, ("input", "output_grad"), ("output_grad",)
+    expected = {  # name -> (roles apart, roles by the kernel)
+        "delayed-steady": ((), ()),
+        "delayed-steady-apart": (everything, ()),
+        "delayed-steady-apart-acts": (acts, ()),
+        "delayed-steady-apart-grads": (grads, ()),
+        "delayed-steady-kernel": ((), everything),
+        "delayed-steady-kernel-acts": ((), acts),
+        "delayed-steady-kernel-grads": ((), grads),
+        "delayed-steady-apart-kernel-grads": (("input", "kernel"), grads),
+    }
+    assert {n for n in llama_block.CONTEXTS if n.startswith("delayed-steady")} == set(expected)
+    for name, (apart, kernel) in expected.items():
+        with llama_block.CONTEXTS[name]():
+            assert warm_start_skipped() and scales_known_recorded(), name
+            assert tuple(r for r in ROLES if transposes_apart_chosen(r)) == apart, name
+            assert tuple(r for r in ROLES if cast_transpose_chosen(r)) == kernel, name
+    assert not (warm_start_skipped() or any(map(transposes_apart_chosen, ROLES)))
+    assert not any(map(cast_transpose_chosen, ROLES))
+
+
 def test_llama_variants_of_every_mode_build(monkeypatch):
     """Every size and variant the GPU run's Llama section names exists (shapes only)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
