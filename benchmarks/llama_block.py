@@ -24,12 +24,14 @@ every non-GEMM kernel, temp memory (`memory_analysis`) and the cost model's ESTI
 step's time, each beside BF16's. Kernel counts and bytes are read from the compiled HLO, not timed.
 Variants (`RECIPES`): `bf16`, the benchmarks' recipes, `delayed-cold` (no warm start),
 `delayed-steady` (the default recipe as `fp8jax.make_train_step` runs it once every scale is
-recorded: traced inside `skip_warm_start(recorded=True)`), `delayed-cond` (the warm start behind a
-`lax.cond`, `CondWarmStart`), `delayed-apart`, `delayed-steady-apart` and `current-apart` (those
-recipes with every transposed FP8 copy written by a transpose of its own, traced inside
-`transposes_apart`: the cast then writes one layout, and reduces the amax in its pass where it need
-not wait for it), `delayed-steady-apart-acts` (only the activations' and output gradients' copies
-apart; `-apart-grads`: the output gradients' only), `delayed-steady-kernel` (the steady state with
+recorded: traced inside `skip_warm_start(recorded=True)`; the output gradients' transposed FP8
+copies made apart, `per_tensor.KNOWN_SCALE_APART`), `delayed-steady-fused` (the same with every
+transposed copy written by the cast, the default before session 42: `transposes_apart(())`),
+`delayed-cond` (the warm start behind a `lax.cond`, `CondWarmStart`), `delayed-apart`,
+`delayed-steady-apart` and `current-apart` (those recipes with every transposed FP8 copy written by
+a transpose of its own, traced inside `transposes_apart`: the cast then writes one layout, and
+reduces the amax in its pass where it need not wait for it), `delayed-steady-apart-acts` (only the
+activations' and output gradients' copies apart), `delayed-steady-kernel` (the steady state with
 every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
 traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
 gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
@@ -129,7 +131,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart-acts": fp8jax.DelayedScaling(),
-    "delayed-steady-apart-grads": fp8jax.DelayedScaling(),
+    "delayed-steady-fused": fp8jax.DelayedScaling(),
     "delayed-steady-kernel": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
@@ -150,7 +152,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-apart": transposes_apart,
     "delayed-steady-apart": lambda: steady_apart(),
     "delayed-steady-apart-acts": lambda: steady_apart(("input", "output_grad")),
-    "delayed-steady-apart-grads": lambda: steady_apart(("output_grad",)),
+    "delayed-steady-fused": lambda: steady_apart(()),
     "delayed-steady-kernel": lambda: steady_kernel(),
     "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
     "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
@@ -173,7 +175,8 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
 @contextlib.contextmanager
 def steady_apart(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
     """The train step's steady state (`delayed-steady`) with the transposed FP8 copies of
-    the operands of `roles` written apart (`per_tensor.transposes_apart`)."""
+    the operands of `roles` written apart and the others' by the cast (`()`: every copy by
+    the cast; `per_tensor.transposes_apart`)."""
     with skip_warm_start(recorded=True), transposes_apart(roles):
         yield
 

@@ -454,37 +454,44 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
     monkeypatch,
 ):
     """Each `delayed-steady*` variant traces inside the train step's steady state (the warm
-    start skipped, every scale recorded) with exactly its roles' transposed copies apart and
-    its roles quantized by the one-pass kernel, and nothing of it outside."""
+    start skipped, every scale recorded) with exactly its roles' transposed copies apart
+    (`delayed-steady`: the recipe's default, the output gradients'; `-fused`: none) and its
+    roles quantized by the one-pass kernel, and nothing of it outside."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import llama_block
 
+    import fp8jax
     from fp8jax._src.recipes import ROLES
     from fp8jax._src.recipes.per_tensor import (
         scales_known_recorded,
         transposes_apart_chosen,
+        transposes_apart_set,
         warm_start_skipped,
     )
     from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen
 
     everything, acts, grads = ROLES, ("input", "output_grad"), ("output_grad",)
     expected = {  # name -> (roles apart, roles by the kernel)
-        "delayed-steady": ((), ()),
+        "delayed-steady": (None, ()),  # the recipe's default: the output gradients' apart
+        "delayed-steady-fused": ((), ()),
         "delayed-steady-apart": (everything, ()),
         "delayed-steady-apart-acts": (acts, ()),
-        "delayed-steady-apart-grads": (grads, ()),
-        "delayed-steady-kernel": ((), everything),
-        "delayed-steady-kernel-acts": ((), acts),
-        "delayed-steady-kernel-grads": ((), grads),
+        "delayed-steady-kernel": (None, everything),
+        "delayed-steady-kernel-acts": (None, acts),
+        "delayed-steady-kernel-grads": (None, grads),
         "delayed-steady-apart-kernel-grads": (("input", "kernel"), grads),
     }
     assert {n for n in llama_block.CONTEXTS if n.startswith("delayed-steady")} == set(expected)
+    recipe = fp8jax.DelayedScaling()
     for name, (apart, kernel) in expected.items():
         with llama_block.CONTEXTS[name]():
             assert warm_start_skipped() and scales_known_recorded(), name
-            assert tuple(r for r in ROLES if transposes_apart_chosen(r)) == apart, name
+            assert transposes_apart_set() == (apart is not None), name
+            assert tuple(r for r in ROLES if transposes_apart_chosen(r)) == (apart or ()), name
+            made_apart = tuple(r for r in ROLES if recipe.transposes_apart(r))
+            assert made_apart == (grads if apart is None else apart), name
             assert tuple(r for r in ROLES if cast_transpose_chosen(r)) == kernel, name
-    assert not (warm_start_skipped() or any(map(transposes_apart_chosen, ROLES)))
+    assert not (warm_start_skipped() or transposes_apart_set())
     assert not any(map(cast_transpose_chosen, ROLES))
 
 

@@ -12,6 +12,7 @@ from helpers import h100_topology, make_train_step
 
 import fp8jax
 from fp8jax._src.kernels import CAST_TRANSPOSE_NAME
+from fp8jax._src.recipes import ROLES
 
 
 def dot_operand_types(stablehlo: str) -> list[tuple[str, str]]:
@@ -234,8 +235,9 @@ def _steady_mlp_step(roles, setting=None):
 
 def _steady_mlp_reports(getkey, roles, name, setting=None):
     """`fp8jax.inspect` reports (cuBLAS mode, deviceless H100) of a delayed-scaling MLP's
-    steady-state step (`_steady_mlp_step`) as it is (`"default"`) and inside
-    `setting(roles)` (`name`)."""
+    steady-state step (`_steady_mlp_step`) with every transposed copy written by the cast
+    (`"fused"`: `transposes_apart(())`) and inside `setting(roles)` (`name`; `roles=None`:
+    as `fp8jax.make_train_step` traces it)."""
     from fp8jax.examples.gpt import MLP
 
     if h100_topology() is None:
@@ -243,32 +245,38 @@ def _steady_mlp_reports(getkey, roles, name, setting=None):
     config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling())
     mlp = fp8jax.fp8_linear_layers(MLP(2048, 1, False, key=getkey()), config)
     x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
-    return {
-        key: fp8jax.inspect(_steady_mlp_step(r, setting), mlp, x, modes=("cublas",))
-        for key, r in (("default", None), (name, roles))
+    from fp8jax._src.recipes.per_tensor import transposes_apart
+
+    steps = {
+        "fused": _steady_mlp_step((), transposes_apart),
+        name: _steady_mlp_step(roles, setting),
     }
+    return {key: fp8jax.inspect(f, mlp, x, modes=("cublas",)) for key, f in steps.items()}
 
 
 @pytest.mark.parametrize(
-    "roles, apart",
+    "roles, apart, bytes_ratio",
     [
         # fc1's input, fc2's input and kernel (fc1's dgrad is not needed), both gradients
-        (("input", "kernel", "output_grad"), 5),
-        (("input", "output_grad"), 4),
+        (("input", "kernel", "output_grad"), 5, 0.9),
+        (("input", "output_grad"), 4, 0.9),
+        # the default: fc1's and fc2's output gradients (`KNOWN_SCALE_APART`), read once less
+        (None, 2, 0.96),
     ],
-    ids=["every-operand", "activations-and-gradients"],
+    ids=["every-operand", "activations-and-gradients", "default-gradients"],
 )
-def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, apart):
+def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, apart, bytes_ratio):
     """Issue 38: inside `transposes_apart(roles)` the transposed FP8 copies of those operands
     are transposed from the FP8 values by kernels of their own, and the kernels that cast
     the operands reduce their amaxes too (XLA fuses no reduction into a transposing kernel):
     a steady-state MLP step (cuBLAS mode, deviceless H100) reads fewer operands again for
     their amaxes (none with every operand's copy apart), moves fewer non-GEMM bytes, and
-    runs the same FP8 GEMMs. By default the casts write both layouts and the amaxes are
-    reduced apart."""
+    runs the same FP8 GEMMs, than where the casts write both layouts and the amaxes are
+    reduced apart (`transposes_apart(())`). The step as traced by default makes the output
+    gradients' copies apart (session 42)."""
     reports = _steady_mlp_reports(getkey, roles, "apart")
     gemms = {k: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for k, r in reports.items()}
-    assert gemms["apart"] == gemms["default"] and len(gemms["apart"]) == 5
+    assert gemms["apart"] == gemms["fused"] and len(gemms["apart"]) == 5
     assert all(fp8 for *_, fp8 in gemms["apart"])
     kernels = {k: r.cost["cublas"].kernels for k, r in reports.items()}
 
@@ -286,15 +294,15 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, ap
         return [k.name for k in ks if k.category == "quantize" and "reduce" in k.name]
 
     names = [k.name for k in kernels["apart"]]
-    assert not fp8_transposes(kernels["default"])
+    assert not fp8_transposes(kernels["fused"])
     assert len(fp8_transposes(kernels["apart"])) == apart, names
     assert len(casts_reducing(kernels["apart"])) >= 2, names
-    assert len(operand_amaxes(kernels["default"])) >= 3
-    assert len(operand_amaxes(kernels["apart"])) < len(operand_amaxes(kernels["default"]))
-    if "kernel" in roles:
+    assert len(operand_amaxes(kernels["fused"])) >= 3
+    assert len(operand_amaxes(kernels["apart"])) < len(operand_amaxes(kernels["fused"]))
+    if "kernel" in (roles or ()):
         assert not operand_amaxes(kernels["apart"]), names
     moved = {k: sum(c.bytes for c in ks if c.category is not None) for k, ks in kernels.items()}
-    assert moved["apart"] < 0.9 * moved["default"], moved
+    assert moved["apart"] < bytes_ratio * moved["fused"], moved
 
 
 @pytest.mark.parametrize(
@@ -314,7 +322,7 @@ def test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100(getkey
     gemms = {
         k: sorted((g.layer, g.role, g.fp8) for g in r.gemms["cublas"]) for k, r in reports.items()
     }
-    assert gemms["kernel"] == gemms["default"] and len(gemms["kernel"]) == 5  # in any order
+    assert gemms["kernel"] == gemms["fused"] and len(gemms["kernel"]) == 5  # in any order
     kernels = {k: r.cost["cublas"].kernels for k, r in reports.items()}
     names = [k.name for k in kernels["kernel"]]
     ours = [k for k in kernels["kernel"] if CAST_TRANSPOSE_NAME in k.op_name]
@@ -327,26 +335,58 @@ def test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100(getkey
         return [k.name for k in ks if k.category == "amax" and k.bytes > 2**20]
 
     assert not [k for k in kernels["kernel"] if k.category == "transpose/copy"], names
-    assert len(xla_casts(kernels["kernel"])) < len(xla_casts(kernels["default"]))
-    assert len(operand_amaxes(kernels["kernel"])) < len(operand_amaxes(kernels["default"]))
+    assert len(xla_casts(kernels["kernel"])) < len(xla_casts(kernels["fused"]))
+    assert len(operand_amaxes(kernels["kernel"])) < len(operand_amaxes(kernels["fused"]))
     if "kernel" in roles:
         assert not operand_amaxes(kernels["kernel"]) and not xla_casts(kernels["kernel"]), names
 
 
 def test_transposes_apart_takes_roles():
-    from fp8jax._src.recipes.per_tensor import transposes_apart, transposes_apart_chosen
+    from fp8jax._src.recipes.per_tensor import (
+        skip_warm_start,
+        transposes_apart,
+        transposes_apart_chosen,
+        transposes_apart_set,
+    )
 
     with transposes_apart(["kernel"]):
         assert transposes_apart_chosen("kernel") and not transposes_apart_chosen("input")
         assert not fp8jax.DelayedScaling().transposes_apart("output_grad")
+        assert not fp8jax.DelayedScaling(warm_start=False).transposes_apart("output_grad")
         assert fp8jax.CurrentScaling().transposes_apart("kernel")
         assert not fp8jax.BlockwiseScaling().transposes_apart("kernel")  # no transposed copies
     with transposes_apart("output_grad"):  # one role
         assert transposes_apart_chosen("output_grad") and not transposes_apart_chosen("kernel")
-    assert not transposes_apart_chosen("kernel")
-    for bad in ((), ("weights",), "weights"):
-        with pytest.raises(ValueError, match="expected one role or a non-empty subset"):
+    with transposes_apart(()), skip_warm_start(recorded=True):  # none, the default set aside
+        assert transposes_apart_set() and not any(map(transposes_apart_chosen, ROLES))
+        assert not any(map(fp8jax.DelayedScaling().transposes_apart, ROLES))
+    assert not transposes_apart_chosen("kernel") and not transposes_apart_set()
+    for bad in (("weights",), "weights", ("input", "weights")):
+        with pytest.raises(ValueError, match="expected one role or a subset"):
             transposes_apart(bad)
+
+
+def test_transposes_apart_by_default_only_the_gradients_whose_cast_waits_for_no_amax():
+    """Outside `transposes_apart()`, a per-tensor recipe makes the output gradient's
+    transposed copy apart exactly where its cast does not wait for the amax (delayed scaling
+    without the warm start, or inside the train step's steady state); the activation's and
+    the kernel's always by the cast, and every copy by the cast where the amax comes first
+    (the warm start, current scaling)."""
+    from fp8jax._src.recipes.per_tensor import KNOWN_SCALE_APART, skip_warm_start
+
+    assert KNOWN_SCALE_APART == {"output_grad"}
+
+    def apart(recipe):
+        return tuple(r for r in ROLES if recipe.transposes_apart(r))
+
+    known = fp8jax.DelayedScaling(warm_start=False)
+    waits = (fp8jax.DelayedScaling(), fp8jax.CurrentScaling(), fp8jax.BlockwiseScaling())
+    assert apart(known) == ("output_grad",)
+    assert all(apart(r) == () for r in waits)
+    for recorded in (False, True):
+        with skip_warm_start(recorded=recorded):
+            assert apart(fp8jax.DelayedScaling()) == apart(known) == ("output_grad",)
+            assert apart(fp8jax.CurrentScaling()) == ()
 
 
 def test_transposes_apart_change_no_bits(getkey):

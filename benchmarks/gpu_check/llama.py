@@ -257,7 +257,7 @@ def dispatch_text(fields: dict[str, Any]) -> str:
 CANDIDATES = (
     ("delayed-steady", "delayed-steady-apart"),
     ("delayed-steady", "delayed-steady-apart-acts"),
-    ("delayed-steady", "delayed-steady-apart-grads"),
+    ("delayed-steady", "delayed-steady-fused"),
     ("delayed-steady", "delayed-steady-packed"),
     ("delayed-steady-apart", "delayed-steady-apart-packed"),
     ("delayed-steady", "delayed-steady-kernel"),

@@ -65,9 +65,19 @@ def scales_known_recorded() -> bool:
     return _SKIP_WARM_START.get() == "recorded"
 
 
-#: The roles whose transposed FP8 copies are made apart (`transposes_apart`).
-_TRANSPOSES_APART: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "fp8jax_transposes_apart", default=frozenset()
+#: The roles whose transposed FP8 copies are made apart by default where the cast does not
+#: wait for its operand's amax (`PerTensorRecipe.transposes_apart`): the output gradients'.
+#: Their cast then fuses with the kernel that produces the gradient and with its amax, and
+#: writes one layout; a transpose of the FP8 bytes makes the wgrad's copy. On a Llama-3-8B
+#: block's steady-state step compiled for an H100 (`benchmarks/llama_block.py`): temp memory
+#: 1.01x BF16's where both layouts from the cast took 1.19x, 10.82 GB of non-GEMM traffic
+#: against 11.15, 100 kernels against 98 (issue 38; `benchmarks/RESULTS.md`, session 42).
+KNOWN_SCALE_APART: frozenset[str] = frozenset({"output_grad"})
+
+#: The roles whose transposed FP8 copies are made apart (`transposes_apart`); `None`: each
+#: recipe's default.
+_TRANSPOSES_APART: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "fp8jax_transposes_apart", default=None
 )
 
 
@@ -75,21 +85,29 @@ def transposes_apart(
     roles: Role | Collection[Role] = ROLES,
 ) -> contextlib.AbstractContextManager[None]:
     """Per-tensor recipes traced inside transpose the FP8 copy of each operand of `roles` (one or
-    several of `"input"`: the activation, `"kernel"`, `"output_grad"`) for the backward in a
-    pass of its own, from its FP8 values (`Recipe.transposes_apart`), where by default the pass
-    that quantizes the operand writes both layouts. That pass may then reduce the operand's amax
-    too, where the cast need not wait for it (delayed scaling's steady state), and casts at a
-    reduction's rate: in GPU run 6 (H200) XLA's transposing casts moved their bytes at 1.77
-    TB/s, its reductions at 4.0 and an FP8 transpose at 2.9 (`benchmarks/RESULTS.md`, "Session
-    35"). Issue 38: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
-    `*-apart` variants)."""
-    return setting(_TRANSPOSES_APART, checked_roles("transposes_apart", roles))
+    several of `"input"`: the activation, `"kernel"`, `"output_grad"`; `()`: none) for the
+    backward in a pass of its own, from its FP8 values (`Recipe.transposes_apart`), and let
+    the pass that quantizes the others write both layouts. That pass may then reduce the
+    operand's amax too, where the cast need not wait for it (delayed scaling's steady state),
+    and casts at a reduction's rate: in GPU run 6 (H200) XLA's transposing casts moved their
+    bytes at 1.77 TB/s, its reductions at 4.0 and an FP8 transpose at 2.9
+    (`benchmarks/RESULTS.md`, "Session 35"). Outside it, the output gradients' copies are made
+    apart where the cast does not wait for the amax (`KNOWN_SCALE_APART`), the others by the
+    cast. Issue 38: the GPU check's `*-apart` and `delayed-steady-fused` variants time the
+    choices."""
+    return setting(_TRANSPOSES_APART, checked_roles("transposes_apart", roles, allow_empty=True))
 
 
 def transposes_apart_chosen(role: Role) -> bool:
     """Whether per-tensor recipes are being traced inside `transposes_apart()` with `role`
     among its roles."""
-    return role in _TRANSPOSES_APART.get()
+    return role in (_TRANSPOSES_APART.get() or ())
+
+
+def transposes_apart_set() -> bool:
+    """Whether per-tensor recipes are being traced inside `transposes_apart()` (whatever its
+    roles, none included), where each recipe's default does not apply."""
+    return _TRANSPOSES_APART.get() is not None
 
 
 def compute_scale(
@@ -224,7 +242,11 @@ class PerTensorRecipe(HybridFormats):
         return True
 
     def transposes_apart(self, role: Role) -> bool:
-        return transposes_apart_chosen(role)
+        # By default only where the cast does not wait for the amax (kept inverses: the cast
+        # then fuses with the amax, where a transposing cast cannot).
+        if transposes_apart_set():
+            return transposes_apart_chosen(role)
+        return role in KNOWN_SCALE_APART and self.kept_inverses
 
     def dot(
         self,
@@ -283,12 +305,13 @@ class DelayedScaling(PerTensorRecipe):
     operand twice, once for its amax and once to cast it. Without it XLA computes the amax
     in the casting pass or where it fits best, and the cast and the GEMM take the state's
     scale and kept inverse as they are (`TensorState.scale_inv`; the GEMM in cuBLAS mode,
-    see `per_tensor_dot`): on a Llama-3-8B block's train step compiled for an H100, 98
-    kernels instead of 129 and non-GEMM bytes 1.33x BF16's instead of 1.52x, but temp
-    memory 1.19x BF16's instead of 1.00x (estimates from the compiled HLO,
-    `benchmarks/RESULTS.md`). Under gradient accumulation (or a layer used several times)
-    that first step casts each microbatch (use) with its own amax; the history records their
-    max, as always.
+    see `per_tensor_dot`), and the output gradient's cast, which then fuses with its amax,
+    leaves the wgrad's transposed copy to a transpose of the FP8 bytes (`KNOWN_SCALE_APART`):
+    on a Llama-3-8B block's train step compiled for an H100, 100 kernels instead of 129,
+    non-GEMM bytes 1.29x BF16's instead of 1.52x, temp memory 1.01x BF16's instead of
+    1.00x (read from the compiled HLO, `benchmarks/RESULTS.md`). Under gradient
+    accumulation (or a layer used several times) that first step casts each microbatch (use)
+    with its own amax; the history records their max, as always.
 
     **Arguments:**
 

@@ -35,15 +35,16 @@ _CHOSEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 )
 
 
-def checked_roles(name: str, roles: Role | Collection[Role]) -> frozenset[str]:
-    """`roles` (one role, or several of `ROLES`) as a set; `name` names the caller in the
-    error for anything else."""
+def checked_roles(
+    name: str, roles: Role | Collection[Role], allow_empty: bool = False
+) -> frozenset[str]:
+    """`roles` (one role, or several of `ROLES`; none too with `allow_empty`) as a set;
+    `name` names the caller in the error for anything else."""
     given = (roles,) if isinstance(roles, str) else tuple(roles)
     chosen = frozenset(given)
-    if not chosen or not chosen <= set(ROLES):
-        raise ValueError(
-            f"{name}: roles={given!r}; expected one role or a non-empty subset of {ROLES}."
-        )
+    if not (chosen or allow_empty) or not chosen <= set(ROLES):
+        which = "a subset" if allow_empty else "a non-empty subset"
+        raise ValueError(f"{name}: roles={given!r}; expected one role or {which} of {ROLES}.")
     return chosen
 
 
