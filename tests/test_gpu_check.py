@@ -374,9 +374,44 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
         "steps",
         "numerics",
     ]
-    for bad in ("steps,gemm", ","):
+    for bad in ("steps,gemm", ",", "steps,steps", "profile,llama"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--sections", bad])
+
+
+def test_sections_run_in_the_order_given(check_modules, monkeypatch, tmp_path):
+    """The budget goes to the sections named first: they run in `--sections`' order, each
+    under its own name, what the decisions read handed on, and a section that raises
+    recorded as its error while the others run."""
+    main, _ = check_modules
+    from gpu_check import grouped, llama, moe, numerics, profile
+
+    ran, seen = [], {}
+
+    def stub(name, result=None, raises=False):
+        def run(*args, **kwargs):
+            ran.append(name)
+            if raises:
+                raise RuntimeError(f"{name} broke")
+            return result
+
+        return run
+
+    monkeypatch.setattr(main, "environment", lambda mode: {"mode": mode})
+    monkeypatch.setattr(grouped, "run", stub("grouped", {"shape": {"fp8": 1.0}}))
+    monkeypatch.setattr(moe, "run", stub("moe", raises=True))
+    monkeypatch.setattr(numerics, "run", stub("numerics"))
+    monkeypatch.setattr(llama, "run", stub("llama", {}))
+    monkeypatch.setattr(llama, "decide", lambda rec, times: None)
+    monkeypatch.setattr(profile, "run", stub("profile"))
+    monkeypatch.setattr(main, "decisions", lambda rec, *found: seen.setdefault("found", found))
+    code = main.main(["--dry-run", "--out", str(tmp_path), "--sections", "moe,grouped,llama,"
+                      "numerics,profile"])  # fmt: skip
+    assert ran == ["moe", "grouped", "llama", "numerics", "profile"]
+    assert seen["found"] == ({}, {"shape": {"fp8": 1.0}}, {})
+    assert code == 1  # the error moe raised
+    log = (tmp_path / "results.jsonl").read_text()
+    assert "moe broke" in log
 
 
 def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_path):

@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -48,8 +50,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
-        help=f"comma-separated sections to run, in the usual order (default: all of "
-        f"{','.join(SECTIONS)}); a later GPU run can spend its budget where the last ran out",
+        help=f"comma-separated sections to run, in the order given (default: all of "
+        f"{','.join(SECTIONS)}, in that order; profile after llama, whose compiled steps it "
+        "traces): the budget goes to the first, and a later GPU run can spend its own where "
+        "the last ran out",
     )
     parser.add_argument(
         "--llama-variants",
@@ -76,6 +80,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(
             f"--sections={','.join(args.sections)!r}: unknown {unknown}; "
             f"should name one or more of {','.join(SECTIONS)}"
+        )
+    repeated = sorted({s for s in args.sections if args.sections.count(s) > 1})
+    if repeated:
+        parser.error(f"--sections={','.join(args.sections)!r}: {repeated} named twice")
+    if "profile" in args.sections and "llama" in args.sections[args.sections.index("profile") :]:
+        parser.error(
+            f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
+            "(profile traces the steps llama compiled)"
         )
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
@@ -191,46 +203,44 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# fp8jax GPU check ({mode})\n{header}", flush=True)
     rec.log(f"environment: {json.dumps(env)}")
     rec.log(f"sections: {','.join(args.sections)}")
-    dense, groups, trains = {}, {}, {}
-    if "numerics" in args.sections:
-        with rec.section(numerics.SECTION):
-            numerics.run(rec, mode)
-        _release()
-    if "gemms" in args.sections:
-        with rec.section(gemms.SECTION):
-            dense = gemms.run(rec, mode, gemm_runs)
-        _release()
-    if "kernels" in args.sections:
-        with rec.section(block_kernels.SECTION):
-            block_kernels.decide(rec, block_kernels.run(rec, mode, gemm_runs))
-        _release()
-    if "quantize" in args.sections:
-        with rec.section(quantize.SECTION):
-            quantize.decide(rec, quantize.run(rec, mode, gemm_runs))
-        _release()
-    if "grouped" in args.sections:
-        with rec.section(grouped.SECTION):
-            groups = grouped.run(rec, mode, gemm_runs)
-        _release()
-    if "moe" in args.sections:
-        with rec.section(moe.SECTION):
-            moe.decide(rec, moe.run(rec, mode, step_runs))
-        _release()
-    if "steps" in args.sections:
-        with rec.section(steps.SECTION):
-            trains = steps.run(rec, mode, step_runs)
-        _release()
+    found: dict[str, dict] = {"gemms": {}, "grouped": {}, "steps": {}}
     prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
-    if "llama" in args.sections:
-        with rec.section(llama.SECTION):
-            llama.decide(rec, llama.run(rec, mode, step_runs, prepared, args.llama_variants))
+    runners: dict[str, tuple[str, Callable[[], Any]]] = {
+        "numerics": (numerics.SECTION, lambda: numerics.run(rec, mode)),
+        "gemms": (gemms.SECTION, lambda: gemms.run(rec, mode, gemm_runs)),
+        "kernels": (
+            block_kernels.SECTION,
+            lambda: block_kernels.decide(rec, block_kernels.run(rec, mode, gemm_runs)),
+        ),
+        "quantize": (
+            quantize.SECTION,
+            lambda: quantize.decide(rec, quantize.run(rec, mode, gemm_runs)),
+        ),
+        "grouped": (grouped.SECTION, lambda: grouped.run(rec, mode, gemm_runs)),
+        "moe": (moe.SECTION, lambda: moe.decide(rec, moe.run(rec, mode, step_runs))),
+        "steps": (steps.SECTION, lambda: steps.run(rec, mode, step_runs)),
+        "llama": (
+            llama.SECTION,
+            lambda: llama.decide(
+                rec, llama.run(rec, mode, step_runs, prepared, args.llama_variants)
+            ),
+        ),
+        "profile": (
+            profile.SECTION,
+            lambda: profile.run(rec, mode, prepared, args.llama_variants),
+        ),
+    }
+    for name in args.sections:  # in the order given: the budget goes to the first
+        section, run = runners[name]
+        result = None  # stays None where the section raised (recorded as its error)
+        with rec.section(section):
+            result = run()
+        if name in found and result is not None:
+            found[name] = result
+        if name == "profile":
+            prepared.clear()
         _release()
-    if "profile" in args.sections:
-        with rec.section(profile.SECTION):
-            profile.run(rec, mode, prepared, args.llama_variants)
-        prepared.clear()
-        _release()
-    decisions(rec, dense, groups, trains)
+    decisions(rec, found["gemms"], found["grouped"], found["steps"])
     summary = _summary(rec, mode)
     (args.out / "summary.txt").write_text(summary + "\n")
     print(summary, flush=True)
