@@ -379,6 +379,26 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
             main.parse(["--out", str(tmp_path), "--sections", bad])
 
 
+def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):
+    """Every `gpu_check.py` command `benchmarks/README.md` prepares for a lent GPU names
+    sections and Llama variants that exist: a stale name would cost a GPU session's call."""
+    import re
+    import shlex
+
+    main, _ = check_modules
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    commands = [
+        " ".join(found.split())
+        for found in re.findall(r"gpu_check\.py((?:[^`\n]|\n(?!\n))*?)(?:`|\n\n|$)", text)
+    ]
+    commands = [c for c in commands if c.startswith("--")]
+    assert len(commands) >= 5, commands  # the full check, the Llama sections, calls 1-3
+    assert any("--llama-variants" in c for c in commands)
+    for command in commands:
+        args = shlex.split(command.replace("$OUT", str(tmp_path)))
+        main.parse(args)  # exits (SystemExit) on an unknown section or variant
+
+
 def test_sections_run_in_the_order_given(check_modules, monkeypatch, tmp_path):
     """The budget goes to the sections named first: they run in `--sections`' order, each
     under its own name, what the decisions read handed on, and a section that raises
