@@ -31,7 +31,8 @@ transposed copy written by the cast, the default before session 42: `transposes_
 `delayed-steady-apart` and `current-apart` (those recipes with every transposed FP8 copy written by
 a transpose of its own, traced inside `transposes_apart`: the cast then writes one layout, and
 reduces the amax in its pass where it need not wait for it), `delayed-steady-apart-acts` (only the
-activations' and output gradients' copies apart), `delayed-steady-kernel` (the steady state with
+activations' and output gradients' copies apart; `current-apart-grads`: current scaling's output
+gradients' only), `delayed-steady-kernel` (the steady state with
 every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
 traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
 gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
@@ -137,6 +138,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
     "delayed-steady-apart-kernel-grads": fp8jax.DelayedScaling(),
     "current-apart": fp8jax.CurrentScaling(),
+    "current-apart-grads": fp8jax.CurrentScaling(),
     "current-kernel": fp8jax.CurrentScaling(),
     "current-kernel-grads": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
@@ -160,6 +162,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
         ("output_grad",), apart=("input", "kernel")
     ),
     "current-apart": transposes_apart,
+    "current-apart-grads": lambda: transposes_apart("output_grad"),
     "current-kernel": cast_transpose_kernel,
     "current-kernel-grads": lambda: cast_transpose_kernel("output_grad"),
     "blockwise-tiled": tiled_kernel,
