@@ -1,0 +1,113 @@
+"""How wide each non-GEMM kernel of the Llama block's step writes to global memory, read from the
+PTX of the step compiled for an H100 without one.
+
+    JAX_PLATFORMS=cpu python benchmarks/store_widths.py [--size 1B] [--variants ...] \
+        | tee benchmarks/results/store_widths.txt
+
+GPU run 6 measured XLA's transposing casts (an operand's FP8 copy and its transposed copy from
+one fusion) at 1.77 TB/s, its reductions at 4.0 and its FP8 transposes at 2.9
+(`profile_rates.py`). The PTX says how each kernel stores: this prints, per class of
+`profile_rates.kernel_class` and variant, the kernels, their global store instructions in the
+PTX (each thread's, as unrolled) by width, and the bytes a store moves on average (a kernel XLA
+compiles once and runs several times counted once). XLA writes
+8-bit values through `st.global.b8` where its transpose emitter handles the fusion, and in
+vectors elsewhere. Read from the compile, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import llama_block
+import profile_rates
+from gpu_check.profile import kernel_name
+from train_steps import table
+
+import fp8jax
+from fp8jax._src.observe import deviceless
+
+#: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
+STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
+ENTRY = re.compile(r"^\.visible \.entry (\w+)", re.MULTILINE)
+VARIANTS = ("delayed-steady-fused", "delayed-steady", "delayed-steady-apart")
+
+
+def stores_by_kernel(ptx_texts: list[str]) -> dict[str, collections.Counter[int]]:
+    """Kernel (PTX entry) -> its global store instructions counted by bytes per store."""
+    found: dict[str, collections.Counter[int]] = {}
+    for text in ptx_texts:
+        entries = list(ENTRY.finditer(text))
+        for i, entry in enumerate(entries):
+            end = entries[i + 1].start() if i + 1 < len(entries) else len(text)
+            widths = collections.Counter(
+                int(vec or 1) * int(bits) // 8
+                for vec, bits in STORE.findall(text[entry.start() : end])
+            )
+            found[entry.group(1)] = widths
+    return found
+
+
+def compiled_stores(size: str, name: str) -> tuple[dict, dict[str, collections.Counter[int]]]:
+    """The variant's non-GEMM kernels (`hlo_cost`'s, by trace name) and each PTX entry's stores."""
+    block, x = llama_block.arguments(size, name, "stand-in", abstract=True)
+    device = deviceless.h100_topology().devices[0]
+    lowered, _ = deviceless.lower(llama_block.step(name), (block, x), {}, device)
+    with tempfile.TemporaryDirectory(prefix="fp8jax-stores-") as folder:
+        options = {
+            **fp8jax.gpu_compiler_options(),
+            "xla_dump_to": folder,
+            "xla_dump_emitter_re": "^ptx$",
+        }
+        compiled = lowered.compile(compiler_options=options)
+        texts = [p.read_text() for p in sorted(Path(folder).rglob("*.ptx"))]
+    cost = fp8jax.hlo_cost(compiled.as_text())
+    kernels = {kernel_name(k.name): k for k in cost.kernels if k.category is not None}
+    return kernels, stores_by_kernel(texts)
+
+
+def rows_for(size: str, name: str) -> list[list[str]]:
+    kernels, stores = compiled_stores(size, name)
+    per_class: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    count: collections.Counter[str] = collections.Counter()
+    for trace_name, kernel in kernels.items():
+        if kernel.category == "rest" or trace_name not in stores:
+            continue  # the step's own elementwise work, or a kernel without PTX of its own
+        cls = profile_rates.kernel_class(kernel.name)
+        per_class[cls] += stores[trace_name]
+        count[cls] += 1
+    for entry, widths in stores.items():  # fp8jax's Pallas kernels, by their own names
+        if entry.startswith("fp8jax_"):
+            per_class["fp8jax kernel"] += widths
+            count["fp8jax kernel"] += 1
+    rows = []
+    for cls in profile_rates.CLASSES:
+        widths = per_class.get(cls)
+        if not widths:
+            continue
+        moved, instructions = sum(w * n for w, n in widths.items()), sum(widths.values())
+        spread = ", ".join(f"{n} x {w} B" for w, n in sorted(widths.items()))
+        rows.append([size, name, cls, str(count[cls]), spread, f"{moved / instructions:.1f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1B", choices=("8B", "1B", "dry"))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode")
+    print("global stores per class of kernel (amax, quantize and transpose kernels; XLA's")
+    print("elementwise rest left out), as the PTX writes them per thread\n")
+    rows = [r for name in args.variants.split(",") for r in rows_for(args.size, name.strip())]
+    header = ["block", "variant", "class", "kernels (own PTX)", "stores by width", "bytes a store"]
+    print(table(rows, header))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
