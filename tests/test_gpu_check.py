@@ -399,6 +399,30 @@ def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):
         main.parse(args)  # exits (SystemExit) on an unknown section or variant
 
 
+def test_store_widths_reads_each_ptx_entrys_global_stores(monkeypatch):
+    """`store_widths.stores_by_kernel` counts each entry's global stores by the bytes one
+    moves (vector width times element width), and nothing of another entry's or of loads
+    and shared-memory stores."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import store_widths
+
+    ptx = "\n".join(
+        [
+            ".visible .entry first(",
+            "  st.global.b8 [%rd1], %rs1;",
+            "  st.global.b8 [%rd2], %rs2;",
+            "  st.global.v4.b32 [%rd3], {%r1, %r2, %r3, %r4};",
+            "  st.shared.b8 [%r5], %rs3;",
+            "  ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd4];",
+            ".visible .entry second(",
+            "  st.global.v2.b16 [%rd5], {%rs4, %rs5};",
+            "  st.global.f32 [%rd6], %f1;",
+        ]
+    )
+    found = store_widths.stores_by_kernel([ptx])
+    assert found == {"first": {1: 2, 16: 1}, "second": {4: 2}}
+
+
 def test_sections_run_in_the_order_given(check_modules, monkeypatch, tmp_path):
     """The budget goes to the sections named first: they run in `--sections`' order, each
     under its own name, what the decisions read handed on, and a section that raises
