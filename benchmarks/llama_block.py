@@ -32,7 +32,9 @@ transposed copy written by the cast, the default before session 42: `transposes_
 a transpose of its own, traced inside `transposes_apart`: the cast then writes one layout, and
 reduces the amax in its pass where it need not wait for it), `delayed-steady-apart-acts` (only the
 activations' and output gradients' copies apart; `current-apart-grads`: current scaling's output
-gradients' only), `delayed-steady-kernel` (the steady state with
+gradients' only), `delayed-steady-words` and `delayed-steady-apart-words` (`delayed-steady` and
+`delayed-steady-apart` with the copies apart written in 32-bit words, `transposes_in_words`),
+`delayed-steady-kernel` (the steady state with
 every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
 traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
 gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
@@ -85,7 +87,11 @@ from fp8jax._src.kernels.choice import (
 from fp8jax._src.kernels.quantize_config import quantize_slabs
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes import ROLES
-from fp8jax._src.recipes.per_tensor import skip_warm_start, transposes_apart
+from fp8jax._src.recipes.per_tensor import (
+    skip_warm_start,
+    transposes_apart,
+    transposes_in_words,
+)
 from fp8jax._src.recipes.per_tensor_pass import cast_transpose_kernel
 
 #: The two blocks of the measurements: Llama-3-8B's and Llama-3.2-1B's.
@@ -133,6 +139,8 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "delayed-steady-apart": fp8jax.DelayedScaling(),
     "delayed-steady-apart-acts": fp8jax.DelayedScaling(),
     "delayed-steady-fused": fp8jax.DelayedScaling(),
+    "delayed-steady-words": fp8jax.DelayedScaling(),
+    "delayed-steady-apart-words": fp8jax.DelayedScaling(),
     "delayed-steady-kernel": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-acts": fp8jax.DelayedScaling(),
     "delayed-steady-kernel-grads": fp8jax.DelayedScaling(),
@@ -155,6 +163,8 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "delayed-steady-apart": lambda: steady_apart(),
     "delayed-steady-apart-acts": lambda: steady_apart(("input", "output_grad")),
     "delayed-steady-fused": lambda: steady_apart(()),
+    "delayed-steady-words": lambda: steady_words(None),
+    "delayed-steady-apart-words": lambda: steady_words(ROLES),
     "delayed-steady-kernel": lambda: steady_kernel(),
     "delayed-steady-kernel-acts": lambda: steady_kernel(("input", "output_grad")),
     "delayed-steady-kernel-grads": lambda: steady_kernel(("output_grad",)),
@@ -181,6 +191,19 @@ def steady_apart(roles: tuple[str, ...] = ROLES) -> Iterator[None]:
     the operands of `roles` written apart and the others' by the cast (`()`: every copy by
     the cast; `per_tensor.transposes_apart`)."""
     with skip_warm_start(recorded=True), transposes_apart(roles):
+        yield
+
+
+@contextlib.contextmanager
+def steady_words(roles: tuple[str, ...] | None) -> Iterator[None]:
+    """The train step's steady state with the transposed FP8 copies made apart (those of
+    `roles`; `None`: the default's, the output gradients') written in 32-bit words
+    (`per_tensor.transposes_in_words`)."""
+    with (
+        skip_warm_start(recorded=True),
+        transposes_apart(roles) if roles is not None else contextlib.nullcontext(),
+        transposes_in_words(),
+    ):
         yield
 
 

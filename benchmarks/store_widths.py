@@ -35,7 +35,15 @@ from fp8jax._src.observe import deviceless
 #: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
 STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 ENTRY = re.compile(r"^\.visible \.entry (\w+)", re.MULTILINE)
-VARIANTS = ("delayed-steady-fused", "delayed-steady", "delayed-steady-apart")
+VARIANTS = (
+    "delayed-steady-fused",
+    "delayed-steady",
+    "delayed-steady-words",
+    "delayed-steady-apart",
+    "delayed-steady-apart-words",
+    "delayed-steady-kernel-grads",
+    "current",
+)
 
 
 def stores_by_kernel(ptx_texts: list[str]) -> dict[str, collections.Counter[int]]:
@@ -76,8 +84,8 @@ def rows_for(size: str, name: str) -> list[list[str]]:
     per_class: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     count: collections.Counter[str] = collections.Counter()
     for trace_name, kernel in kernels.items():
-        if kernel.category == "rest" or trace_name not in stores:
-            continue  # the step's own elementwise work, or a kernel without PTX of its own
+        if trace_name not in stores:
+            continue  # a kernel XLA compiled once for several instructions
         cls = profile_rates.kernel_class(kernel.name)
         per_class[cls] += stores[trace_name]
         count[cls] += 1
@@ -102,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode")
-    print("global stores per class of kernel (amax, quantize and transpose kernels; XLA's")
-    print("elementwise rest left out), as the PTX writes them per thread\n")
+    print("global stores of the non-GEMM kernels by class (profile_rates.kernel_class: by the")
+    print("fusion's name), as the PTX writes them per thread\n")
     rows = [r for name in args.variants.split(",") for r in rows_for(args.size, name.strip())]
     header = ["block", "variant", "class", "kernels (own PTX)", "stores by width", "bytes a store"]
     print(table(rows, header))

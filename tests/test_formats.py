@@ -113,3 +113,32 @@ def test_floor_log2_is_exact_for_every_float32_magnitude():
     )
     cut = x[: len(x) // 8 * 8]
     np.testing.assert_array_equal(np.asarray(sharded(jnp.asarray(cut))), want[: len(cut)] - 1)
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (4, 4), (3, 16, 8), (2, 2, 4, 20)])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.uint8])
+def test_transpose_in_words_moves_every_byte_as_swapaxes(shape, dtype):
+    """Every one of the 256 bit patterns (NaNs and negative zeros of the FP8 formats
+    included) lands where `swapaxes` puts it, under `jit` as in a step, batch axes kept."""
+    from fp8jax._src.core.formats import transpose_in_words
+
+    size = int(np.prod(shape))
+    bits = np.resize(np.random.default_rng(0).permutation(256), size).astype(np.uint8)
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits.reshape(shape)), dtype)
+    got = jax.jit(transpose_in_words)(x)
+    want = jnp.swapaxes(x, -1, -2)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    as_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))  # noqa: E731
+    np.testing.assert_array_equal(as_bits(got), as_bits(want))
+
+
+def test_transpose_in_words_leaves_other_shapes_and_dtypes_to_swapaxes():
+    from fp8jax._src.core.formats import transpose_in_words
+
+    for x in (jnp.zeros((6, 8), jnp.float8_e4m3fn), jnp.arange(32.0).reshape(4, 8)):
+        np.testing.assert_array_equal(transpose_in_words(x), jnp.swapaxes(x, -1, -2))
+        jaxpr = str(jax.make_jaxpr(transpose_in_words)(x))
+        assert "bitcast_convert_type" not in jaxpr
+    assert "bitcast_convert_type" in str(
+        jax.make_jaxpr(transpose_in_words)(jnp.zeros((8, 8), jnp.float8_e4m3fn))
+    )

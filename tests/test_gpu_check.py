@@ -545,6 +545,7 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
         scales_known_recorded,
         transposes_apart_chosen,
         transposes_apart_set,
+        transposes_in_words_chosen,
         warm_start_skipped,
     )
     from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen
@@ -553,6 +554,8 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
     expected = {  # name -> (roles apart, roles by the kernel)
         "delayed-steady": (None, ()),  # the recipe's default: the output gradients' apart
         "delayed-steady-fused": ((), ()),
+        "delayed-steady-words": (None, ()),
+        "delayed-steady-apart-words": (everything, ()),
         "delayed-steady-apart": (everything, ()),
         "delayed-steady-apart-acts": (acts, ()),
         "delayed-steady-kernel": (None, everything),
@@ -570,7 +573,8 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
             made_apart = tuple(r for r in ROLES if recipe.transposes_apart(r))
             assert made_apart == (grads if apart is None else apart), name
             assert tuple(r for r in ROLES if cast_transpose_chosen(r)) == kernel, name
-    assert not (warm_start_skipped() or transposes_apart_set())
+            assert transposes_in_words_chosen() == name.endswith("-words"), name
+    assert not (warm_start_skipped() or transposes_apart_set() or transposes_in_words_chosen())
     assert not any(map(cast_transpose_chosen, ROLES))
 
 

@@ -305,6 +305,35 @@ def test_transposes_apart_let_the_cast_reduce_the_amax_on_h100(getkey, roles, ap
     assert moved["apart"] < bytes_ratio * moved["fused"], moved
 
 
+def test_transposes_in_words_write_the_same_kernels_in_words_on_h100(getkey):
+    """Inside `transposes_in_words()` the copies a steady-state MLP step makes apart (the
+    output gradients', by default) are transposed as 32-bit words: the same FP8 GEMMs, the
+    same number of kernels and the same non-GEMM bytes as without it (cuBLAS mode,
+    deviceless H100), and no FP8 transpose of bytes left."""
+    from fp8jax._src.recipes.per_tensor import transposes_in_words
+
+    reports = {
+        "words": _steady_mlp_reports(getkey, (), "words", lambda _: transposes_in_words())["words"],
+        "default": _steady_mlp_reports(getkey, None, "default")["default"],
+    }
+    gemms = {k: [(g.layer, g.role, g.fp8) for g in r.gemms["cublas"]] for k, r in reports.items()}
+    assert gemms["words"] == gemms["default"] and all(fp8 for *_, fp8 in gemms["words"])
+    kernels = {k: r.cost["cublas"].kernels for k, r in reports.items()}
+    assert len(kernels["words"]) == len(kernels["default"])
+    moved = {k: sum(c.bytes for c in ks if c.category is not None) for k, ks in kernels.items()}
+    assert moved["words"] == moved["default"], moved
+    # XLA's FP8 transposes (of the barrier's bytes) are gone: the words' kernels replace them.
+    byte_transposes = {
+        k: [
+            c.name
+            for c in ks
+            if c.category == "transpose/copy" and "optimization_barrier" in c.op_name
+        ]
+        for k, ks in kernels.items()
+    }
+    assert len(byte_transposes["default"]) == 2 and not byte_transposes["words"], byte_transposes
+
+
 @pytest.mark.parametrize(
     "roles, calls",
     [(("input", "kernel", "output_grad"), 6), (("output_grad",), 2)],

@@ -258,6 +258,8 @@ CANDIDATES = (
     ("delayed-steady", "delayed-steady-apart"),
     ("delayed-steady", "delayed-steady-apart-acts"),
     ("delayed-steady", "delayed-steady-fused"),
+    ("delayed-steady", "delayed-steady-words"),
+    ("delayed-steady-apart", "delayed-steady-apart-words"),
     ("delayed-steady", "delayed-steady-packed"),
     ("delayed-steady-apart", "delayed-steady-apart-packed"),
     ("delayed-steady", "delayed-steady-kernel"),

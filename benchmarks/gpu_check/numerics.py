@@ -370,6 +370,35 @@ DRY_SKIPS = (
 )
 
 
+def words_step(dry: bool) -> dict:
+    """A per-tensor MLP's gradients and new state on the GPU's path (K-major operands, the
+    output gradients' copies transposed apart) with the copies transposed in 32-bit words
+    (`transposes_in_words`) against the same step without: the same bytes, so every
+    element equal (bound 0)."""
+    from fp8jax._src.recipes.per_tensor import transposes_in_words
+    from fp8jax.examples.gpt import MLP
+
+    width, tokens = (64, 128) if dry else (512, 1024)
+    recipe = fp8jax.DelayedScaling(warm_start=False)  # the steady state's cast and copies
+    model = fp8jax.fp8_linear_layers(
+        MLP(width, 1, False, key=jax.random.key(0)), fp8jax.Fp8Config(recipe=recipe)
+    )
+    x = jax.random.normal(jax.random.key(1), (tokens, width), jnp.bfloat16)
+
+    def grads(words: bool):
+        def loss(m, x):
+            return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+        with transposes_in_words() if words else contextlib.nullcontext():
+            return eqx.filter_jit(fp8jax.filter_grad(loss))(model, x)
+
+    leaves = [jax.tree.leaves(eqx.filter(grads(w), eqx.is_array)) for w in (True, False)]
+    got = np.concatenate([f64(a).ravel() for a in leaves[0]])
+    want = np.concatenate([f64(a).ravel() for a in leaves[1]])
+    same = compare(got, want, 0.0)
+    return _result(None, same, f"MLP {width} -> {4 * width}, {tokens} tokens", "0 (same bytes)")
+
+
 def run(rec: Recorder, mode: str) -> None:
     """Every kernel's numerics, each a measurement of its own (`mode`: full, quick, dry)."""
     dry = mode == "dry"
@@ -379,6 +408,7 @@ def run(rec: Recorder, mode: str) -> None:
         "block_gemm e5m2": lambda: block_gemm(shapes, E5M2, dry),
         "block_gemm in the blockwise recipe": lambda: blockwise_recipe(shapes, dry),
         "fused residual kernel": lambda: residual(shapes, dry),
+        "per-tensor step, transposes in words": lambda: words_step(dry),
         "quantization kernels vs IEEE": lambda: quantization(dry),
         "grouped rows, block scales": lambda: rows_kernel(shapes, "blocks", E4M3, dry),
         "grouped rows, item scale": lambda: rows_kernel(shapes, "item", E4M3, dry),

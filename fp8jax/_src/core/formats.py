@@ -7,7 +7,9 @@ to come back. Flax stores the reciprocal.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,30 @@ def dequantize(
     """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`."""
     value = jnp.asarray(q).astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
     return value.astype(dtype)
+
+
+def transpose_in_words(data: Array) -> Array:
+    """`swapaxes(data, -1, -2)` of 8-bit `data (*B, R, C)` with `R` and `C` multiples of 4,
+    written by XLA in 32-bit words: the array seen as `uint32 (*B, R, C / 4)`, transposed
+    word by word, and each 4 x 4 block of bytes transposed inside its four words by shifts
+    (XLA fuses those into the transposing kernel). The same bytes; XLA's GPU transpose
+    emitter stores 8-bit values one byte per instruction (`st.global.b8`), 32-bit words four
+    bytes at a time (`benchmarks/store_widths.py`). Other shapes and dtypes: `swapaxes`."""
+    *batch, rows, cols = data.shape
+    if jnp.dtype(data.dtype).itemsize != 1 or rows % 4 or cols % 4:
+        return jnp.swapaxes(data, -1, -2)
+    words = lax.bitcast_convert_type(data.reshape(*batch, rows, cols // 4, 4), jnp.uint32)
+    # (*B, C/4, R) words, viewed as (*B, C/4, R/4, 4): word i of a group holds row 4 r + i's
+    # bytes 4 c .. 4 c + 3 (byte j the least significant but j).
+    grouped = jnp.swapaxes(words, -1, -2).reshape(*batch, cols // 4, rows // 4, 4)
+    byte = np.uint32(0xFF)
+    out = [
+        functools.reduce(
+            operator.or_,
+            (((grouped[..., i] >> np.uint32(8 * j)) & byte) << np.uint32(8 * i) for i in range(4)),
+        )
+        for j in range(4)
+    ]
+    # (*B, C/4, 4, R/4): row 4 c + j of the result, its words over R.
+    stacked = jnp.stack(out, axis=-2).reshape(*batch, cols, rows // 4)
+    return lax.bitcast_convert_type(stacked, data.dtype).reshape(*batch, cols, rows)

@@ -27,10 +27,12 @@ from jax import lax
 from jaxtyping import Array
 
 from ..core.amax import owner
+from ..core.formats import transpose_in_words
 from ..core.stats import Fp8Stats
 from ..kernels import dispatch, partition
 from ..recipes import Recipe
 from ..recipes.base import QTensor, gemm_dims
+from ..recipes.per_tensor import transposes_in_words_chosen
 from .batching import Fold, folding_backward, folding_forward, may_fold, state_of, unbatched
 from .vjp import Gemm, States, Static, fp8_gemm, prepare
 
@@ -186,9 +188,17 @@ def _forward(recipe: Recipe, precision: Any, out_dtype: np.dtype, x, w, states: 
 def transposed(q: QTensor, apart: bool = False) -> QTensor:
     """A per-tensor `q (*B, R, C)` as the same values laid out `(*B, C, R)`; `apart`:
     transposed from `q`'s FP8 values behind a barrier, which XLA then writes in a pass of
-    its own rather than in the pass that quantizes `q` (`Recipe.transposes_apart`)."""
-    data = lax.optimization_barrier(q.data) if apart else q.data
-    return QTensor(jnp.swapaxes(data, -1, -2), q.scale_inv, q.block)
+    its own rather than in the pass that quantizes `q` (`Recipe.transposes_apart`), in
+    32-bit words inside `transposes_in_words()`."""
+    if not apart:
+        return QTensor(jnp.swapaxes(q.data, -1, -2), q.scale_inv, q.block)
+    data = lax.optimization_barrier(q.data)
+    swap = transpose_in_words if transposes_in_words_chosen() else _swap
+    return QTensor(swap(data), q.scale_inv, q.block)
+
+
+def _swap(data: Array) -> Array:
+    return jnp.swapaxes(data, -1, -2)
 
 
 def _k_major_dot(
