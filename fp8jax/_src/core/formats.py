@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Shaped
 
 from . import jax_private
 
@@ -167,7 +167,7 @@ def dequantize(
     return value.astype(dtype)
 
 
-def transpose_in_words(data: Array) -> Array:
+def transpose_in_words(data: Shaped[Array, "*B R C"]) -> Shaped[Array, "*B C R"]:
     """`swapaxes(data, -1, -2)` of 8-bit `data (*B, R, C)` with `R` and `C` multiples of 4,
     written by XLA in 32-bit words: the array seen as `uint32 (*B, R, C / 4)`, transposed
     word by word, and each 4 x 4 block of bytes transposed inside its four words by shifts
@@ -178,8 +178,9 @@ def transpose_in_words(data: Array) -> Array:
     if jnp.dtype(data.dtype).itemsize != 1 or rows % 4 or cols % 4:
         return jnp.swapaxes(data, -1, -2)
     words = lax.bitcast_convert_type(data.reshape(*batch, rows, cols // 4, 4), jnp.uint32)
-    # (*B, C/4, R) words, viewed as (*B, C/4, R/4, 4): word i of a group holds row 4 r + i's
-    # bytes 4 c .. 4 c + 3 (byte j the least significant but j).
+    # (*B, C/4, R) words, viewed as (*B, C/4, R/4, 4): word i of group (c, r) holds row
+    # 4 r + i's elements 4 c .. 4 c + 3, element 4 c + j in byte j (bitcast_convert_type puts
+    # the first element in the least significant byte).
     grouped = jnp.swapaxes(words, -1, -2).reshape(*batch, cols // 4, rows // 4, 4)
     byte = np.uint32(0xFF)
     out = [
