@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import re
 import sys
-import tempfile
-from pathlib import Path
 
 import jax
 import llama_block
@@ -31,10 +28,8 @@ from train_steps import table
 
 import fp8jax
 from fp8jax._src.observe import deviceless
+from fp8jax._src.observe.ptx import compile_with_ptx
 
-#: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
-STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
-ENTRY = re.compile(r"^\.visible \.entry (\w+)", re.MULTILINE)
 VARIANTS = (
     "delayed-steady-fused",
     "delayed-steady",
@@ -46,37 +41,16 @@ VARIANTS = (
 )
 
 
-def stores_by_kernel(ptx_texts: list[str]) -> dict[str, collections.Counter[int]]:
-    """Kernel (PTX entry) -> its global store instructions counted by bytes per store."""
-    found: dict[str, collections.Counter[int]] = {}
-    for text in ptx_texts:
-        entries = list(ENTRY.finditer(text))
-        for i, entry in enumerate(entries):
-            end = entries[i + 1].start() if i + 1 < len(entries) else len(text)
-            widths = collections.Counter(
-                int(vec or 1) * int(bits) // 8
-                for vec, bits in STORE.findall(text[entry.start() : end])
-            )
-            found[entry.group(1)] = widths
-    return found
-
-
 def compiled_stores(size: str, name: str) -> tuple[dict, dict[str, collections.Counter[int]]]:
-    """The variant's non-GEMM kernels (`hlo_cost`'s, by trace name) and each PTX entry's stores."""
+    """The variant's non-GEMM kernels (`hlo_cost`'s, by trace name) and each PTX entry's
+    global stores by width (`fp8jax`'s PTX reader, `ptx.Kernel.stores`)."""
     block, x = llama_block.arguments(size, name, "stand-in", abstract=True)
     device = deviceless.h100_topology().devices[0]
     lowered, _ = deviceless.lower(llama_block.step(name), (block, x), {}, device)
-    with tempfile.TemporaryDirectory(prefix="fp8jax-stores-") as folder:
-        options = {
-            **fp8jax.gpu_compiler_options(),
-            "xla_dump_to": folder,
-            "xla_dump_emitter_re": "^ptx$",
-        }
-        compiled = lowered.compile(compiler_options=options)
-        texts = [p.read_text() for p in sorted(Path(folder).rglob("*.ptx"))]
+    compiled, _, ptx = compile_with_ptx(lowered, fp8jax.gpu_compiler_options())
     cost = fp8jax.hlo_cost(compiled.as_text())
     kernels = {kernel_name(k.name): k for k in cost.kernels if k.category is not None}
-    return kernels, stores_by_kernel(texts)
+    return kernels, {entry: collections.Counter(dict(k.stores)) for entry, k in ptx.items()}
 
 
 def rows_for(size: str, name: str) -> list[list[str]]:

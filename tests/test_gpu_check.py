@@ -399,12 +399,11 @@ def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):
         main.parse(args)  # exits (SystemExit) on an unknown section or variant
 
 
-def test_store_widths_reads_each_ptx_entrys_global_stores(monkeypatch):
-    """`store_widths.stores_by_kernel` counts each entry's global stores by the bytes one
-    moves (vector width times element width), and nothing of another entry's or of loads
-    and shared-memory stores."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import store_widths
+def test_ptx_reader_counts_each_entrys_global_stores_by_width():
+    """The PTX reader `store_widths.py` uses (`ptx.Kernel.stores`) counts each entry's
+    global stores by the bytes one moves (vector width times element width), and nothing of
+    another entry's or of loads and shared-memory stores."""
+    from fp8jax._src.observe.ptx import ptx_kernels
 
     ptx = "\n".join(
         [
@@ -419,7 +418,7 @@ def test_store_widths_reads_each_ptx_entrys_global_stores(monkeypatch):
             "  st.global.f32 [%rd6], %f1;",
         ]
     )
-    found = store_widths.stores_by_kernel([ptx])
+    found = {name: dict(k.stores) for name, k in ptx_kernels([ptx]).items()}
     assert found == {"first": {1: 2, 16: 1}, "second": {4: 2}}
 
 

@@ -8,6 +8,7 @@ Mosaic GPU kernels where the process asked Mosaic to dump it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -23,6 +24,8 @@ _MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
 _PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
 _PTX_MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)(?:\.[\w:]+)*)")
 _PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
+#: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
+_PTX_STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 
 
 def mma_inputs(instruction: str) -> str:
@@ -36,11 +39,15 @@ def mma_inputs(instruction: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """What the PTX of one GPU kernel multiplies with: `mma` (its `mma`/`wgmma`
-    instructions, distinct, in order) and `upcasts` (its conversions from FP8)."""
+    instructions, distinct, in order) and `upcasts` (its conversions from FP8); and how wide
+    it writes: `stores`, its global store instructions (each thread's, as unrolled) as
+    `(bytes one moves, how many)` pairs by width (XLA's GPU transposes store FP8 a byte at
+    a time, `benchmarks/store_widths.py`)."""
 
     name: str
     mma: tuple[str, ...]
     upcasts: tuple[str, ...]
+    stores: tuple[tuple[int, int], ...] = ()
 
 
 def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
@@ -59,8 +66,16 @@ def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
                 entry.group(1),
                 tuple(dict.fromkeys(_PTX_MMA.findall(body))),
                 tuple(dict.fromkeys(_PTX_UPCAST.findall(body))),
+                _store_widths(body),
             )
     return kernels
+
+
+def _store_widths(body: str) -> tuple[tuple[int, int], ...]:
+    widths = collections.Counter(
+        int(vec or 1) * int(bits) // 8 for vec, bits in _PTX_STORE.findall(body)
+    )
+    return tuple(sorted(widths.items()))
 
 
 #: Since jax 0.11 XLA writes each kernel's PTX into `xla_dump_to` only where this pattern
