@@ -61,6 +61,9 @@ TESTS=(
     # (session 40; the GPU runs 0.11).
     tests/test_cast_transpose.py
     tests/test_lowering.py::test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100
+    # fp8jax.inspect reading a Mosaic GPU kernel's PTX (the GPU's 0.11 lowers no
+    # Mosaic `pallas_call`: the test's kernel is a `plgpu.kernel` there).
+    tests/test_inspect.py::test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.

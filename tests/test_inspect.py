@@ -1,6 +1,7 @@
 """fp8jax.inspect: deviceless H100 compiles of the tiny GPT under every recipe."""
 
 import dataclasses
+import itertools
 import re
 
 import equinox as eqx
@@ -367,12 +368,47 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import fp8jax
 
-def tile_gemm(a, b):
-    # One warpgroup: a (64, K) times b (N, K) transposed, wgmma into a float32 accumulator.
+def tiling(a):
+    swizzle = plgpu.find_swizzle(a.shape[1] * 8 * a.dtype.itemsize)
+    return (plgpu.TilingTransform((8, swizzle // a.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+def kernel_gemm(a, b):
+    # One warpgroup: a (64, K) times b (N, K) transposed, wgmma into a float32 accumulator,
+    # as a `plgpu.kernel` (its op_name carries the body's name).
     m, k = a.shape
     n = b.shape[0]
-    swizzle = plgpu.find_swizzle(k * 8 * a.dtype.itemsize)
-    tiles = (plgpu.TilingTransform((8, swizzle // a.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    tiles = tiling(a)
+
+    def body(a_gmem, b_gmem, o_gmem, o_smem):
+        def step(_, a_smem, b_smem):
+            def mm(acc):
+                plgpu.wgmma(acc, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+                return acc[...]
+            o_smem[...] = pl.run_scoped(mm, plgpu.ACC((m, n), jnp.float32))
+
+        plgpu.emit_pipeline(
+            step,
+            grid=(1,),
+            in_specs=[plgpu.BlockSpec((m, k), lambda i: (0, 0), transforms=tiles),
+                      plgpu.BlockSpec((n, k), lambda i: (0, 0), transforms=tiles)],
+        )(a_gmem, b_gmem)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    with jax.named_scope("fp8jax[tile]"), jax.named_scope("fwd"):
+        return plgpu.kernel(
+            body,
+            out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
+            scratch_types=[plgpu.SMEM((m, n), jnp.float32)],
+        )(a, b)
+
+def call_gemm(a, b):
+    # The same product as a `pallas_call` (its op_name says only "pallas_call"); Mosaic GPU
+    # lowers these up to JAX 0.10.
+    m, k = a.shape
+    n = b.shape[0]
+    tiles = tiling(a)
 
     def body(a_ref, b_ref, o_ref):
         def mm(acc):
@@ -390,15 +426,19 @@ def tile_gemm(a, b):
             compiler_params=plgpu.CompilerParams(),
         )(a, b)
 
+forms = {"kernel": kernel_gemm}
+if jax.__version_info__ < (0, 11):
+    forms["pallas_call"] = call_gemm
 out = {}
-for dtype, k in ((jnp.float8_e4m3fn, 128), (jnp.bfloat16, 64)):
-    a = jax.ShapeDtypeStruct((64, k), dtype)
-    b = jax.ShapeDtypeStruct((128, k), dtype)
-    report = fp8jax.inspect(tile_gemm, a, b)
-    out[jnp.dtype(dtype).name] = {
-        mode: [(g.kernel, g.fp8, g.ptx, g.mma, g.verdict) for g in gemms]
-        for mode, gemms in report.gemms.items()
-    }
+for form, fn in forms.items():
+    for dtype, k in ((jnp.float8_e4m3fn, 128), (jnp.bfloat16, 64)):
+        a = jax.ShapeDtypeStruct((64, k), dtype)
+        b = jax.ShapeDtypeStruct((128, k), dtype)
+        report = fp8jax.inspect(fn, a, b)
+        out.setdefault(form, {})[jnp.dtype(dtype).name] = {
+            mode: [(g.kernel, g.fp8, g.ptx, g.mma, g.verdict) for g in gemms]
+            for mode, gemms in report.gemms.items()
+        }
 print(json.dumps(out))
 """
 
@@ -423,16 +463,20 @@ def _run_mosaic_script(tmp_path, dump: bool) -> dict:
 def test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx(h100, tmp_path):
     """A Pallas Mosaic GPU GEMM in an fp8jax layer's scope: FP8 wgmma for FP8 operands,
     BF16 wgmma for BF16 ones, read from Mosaic's PTX dump (the same kernel in both modes:
-    Mosaic compiles it once per process); without the dump, not proven."""
+    Mosaic compiles it once per process); without the dump, not proven. Written as a
+    `plgpu.kernel` and, on JAX releases whose Mosaic GPU still lowers one, a `pallas_call`."""
     seen = _run_mosaic_script(tmp_path, dump=True)
-    for mode in ("cublas", "default"):
-        ((kernel, fp8, ptx, mma, verdict),) = seen["float8_e4m3fn"][mode]
-        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", True, True), verdict
+    forms = ["kernel"] + (["pallas_call"] if jax.__version_info__ < (0, 11) else [])
+    assert sorted(seen) == sorted(forms)
+    for form, mode in itertools.product(forms, ("cublas", "default")):
+        ((kernel, fp8, ptx, mma, verdict),) = seen[form]["float8_e4m3fn"][mode]
+        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", True, True), (form, verdict)
         assert any(m.startswith("wgmma.mma_async") and m.endswith(".e4m3.e4m3") for m in mma)
-        ((kernel, fp8, ptx, mma, verdict),) = seen["bfloat16"][mode]
-        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, True), verdict
+        ((kernel, fp8, ptx, mma, verdict),) = seen[form]["bfloat16"][mode]
+        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, True), (form, verdict)
         assert "BF16 tensor cores (wgmma" in verdict, verdict
     blind = _run_mosaic_script(tmp_path / "unused", dump=False)
-    ((kernel, fp8, ptx, _, verdict),) = blind["float8_e4m3fn"]["cublas"]
-    assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, False)
-    assert "MOSAIC_GPU_DUMP_PTX=1" in verdict and "not proven" in verdict
+    for form in forms:
+        ((kernel, fp8, ptx, _, verdict),) = blind[form]["float8_e4m3fn"]["cublas"]
+        assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, False)
+        assert "MOSAIC_GPU_DUMP_PTX=1" in verdict and "not proven" in verdict
