@@ -8,6 +8,8 @@ a high-precision output gradient alive for an amax reduced at the end of the ste
 tokens both recipes kept more FP8 operands alive at the peak).
 """
 
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -148,3 +150,62 @@ def test_fp8_temp_memory_at_most_bf16(device, case, recipe):
         fn, donated = build(RECIPES[recipe])
         fp8 = temp_bytes(device, fn, donated, (x,), True, MODES[mode])
         assert fp8 <= _BF16[case, mode], (case, mode, recipe, fp8, _BF16[case, mode])
+
+
+_ASSIGNMENT = """allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <1 p @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 200, page 0, preallocated-temp:
+ value: <2 a @0> (size=100,offset=0): f32[25]{0}
+ value: <3 t{0} @0> (size=50,offset=100): f32[12]{0}
+ value: <4 c @0> (size=100,offset=0): f32[25]{0}
+ value: <5 d @0> (size=50,offset=100): f32[12]{0}
+"""
+_LIVE_RANGE = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:p
+    3:t
+    6:c
+    8:d
+    9:root
+  BufferLiveRange:
+    p{}:0-9
+    a{}:0-5
+    t{0}:3-8
+    c{}:6-9
+    d{}:8-9
+"""
+
+
+def test_temp_peak_counts_the_bytes_live_at_once_each_slice_once(monkeypatch):
+    """`benchmarks/temp_peak.py` reads XLA's dumps: only the temp buffer's values (not a
+    parameter's), a value named without `{}` found by its `{}` range, a slice updated in place
+    (`d` where `t` was, both live at 8) counted once, the holes what the buffer has above the
+    peak; a value without a range is an error, not a smaller peak."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import temp_peak
+
+    peak = temp_peak.temp_peak(_ASSIGNMENT, _LIVE_RANGE)
+    # Live: a 100 over 0-5, t 50 over 3-8, c 100 over 6-9, d 50 (t's slice) over 8-9.
+    assert (peak.allocated, peak.live, peak.at, peak.where) == (200, 150, 3, "t")
+    with pytest.raises(ValueError, match="'c'"):
+        temp_peak.temp_peak(_ASSIGNMENT, _LIVE_RANGE.replace("    c{}:6-9\n", ""))
+
+
+def test_temp_peak_of_a_compiled_step_is_memory_analysis_buffer(device, monkeypatch):
+    """On an FP8 MLP's train step compiled for an H100: the dumped temp buffer is the one
+    `memory_analysis` reports, and the live peak is within it and holds most of it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import temp_peak
+
+    mlp = fp8jax.fp8_linear_layers(EqxMLP(jax.random.key(0)), fp8jax.Fp8Config())
+    x = jax.ShapeDtypeStruct((2048, WIDTH), jnp.bfloat16)
+
+    def step(model, x):
+        loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+        return fp8jax.filter_grad(loss)(model, x)
+
+    lowered, _ = deviceless.lower(step, (mlp, x), {}, device)
+    peak = temp_peak.compiled_temp_peak(lowered)
+    compiled = lowered.compile(compiler_options=fp8jax.gpu_compiler_options())
+    assert peak.allocated == compiled.memory_analysis().temp_size_in_bytes
+    assert 0.5 * peak.allocated < peak.live <= peak.allocated
