@@ -64,6 +64,12 @@ TESTS=(
     # fp8jax.inspect reading a Mosaic GPU kernel's PTX (the GPU's 0.11 lowers no
     # Mosaic `pallas_call`: the test's kernel is a `plgpu.kernel` there).
     tests/test_inspect.py::test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx
+    # The GPU check's profile reading (jax.profiler.ProfileData: the GPU runs 0.11.2) and
+    # the cost model of XLA's asynchronous fusions (0.11 on: a loop's dynamic slices).
+    tests/test_gpu_check.py::test_profile_reads_a_trace_through_jax_profile_data
+    tests/test_gpu_check.py::test_profile_reads_kernels_of_a_device_plane_without_stream_lines
+    tests/test_gpu_check.py::test_profile_section_on_a_gpu_trace
+    "tests/test_cost.py::test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops[blockwise]"
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.

@@ -22,6 +22,7 @@ from typing import final
 from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME, QUANTIZE_NAMES
 from .hlo import (
     F8,
+    FUSIONS,
     LAYER,
     NO_TRAFFIC,
     Computation,
@@ -274,7 +275,7 @@ class _Walker:
     ) -> list[tuple[Computation, Instruction]]:
         """The instruction itself and, for a fusion, every instruction it fuses (recursively)."""
         found = [(computation, instruction)]
-        if instruction.op == "fusion":
+        if instruction.op in FUSIONS:
             for callee in instruction.called():
                 fused = self.computation(callee)
                 for inner in fused.instructions.values():
@@ -295,7 +296,7 @@ class _Walker:
             for i, o in enumerate(instruction.operands)
             if categories.get(_producer(computation, o)) in ("amax", "quantize")
         }
-        if instruction.op != "fusion":
+        if instruction.op not in FUSIONS:
             return {instruction.operands[i] for i in fed}
         fused = self.computation(instruction.called()[0])
         return {
@@ -310,7 +311,7 @@ class _Walker:
         layer_loop: bool,
         partials: set[str],
     ) -> str:
-        ops = [i for _, i in inside if i.op != "fusion"]
+        ops = [i for _, i in inside if i.op not in FUSIONS]
         if any(i.op == "convert" and F8.match(element_type(i.type)) for i in ops):
             return "quantize"
         if any(i.op == "custom-call" and _is_quantize_kernel(i) for i in ops):
@@ -344,7 +345,7 @@ class _Walker:
     def traffic(self, computation: Computation, instruction: Instruction) -> int:
         """Bytes read and written by one run of a non-GEMM kernel."""
         operands = [array_bytes(computation.type_of(o)) for o in instruction.operands]
-        if instruction.op != "fusion":
+        if instruction.op not in FUSIONS:
             out = array_bytes(instruction.type)
             if instruction.op in _SLICES and operands:
                 operands[0] = min(operands[0], out)
@@ -388,9 +389,11 @@ class _Walker:
 
 
 def _producer(computation: Computation, name: str) -> str:
-    """The kernel that wrote `name`, looking through tuples' elements and bitcasts."""
+    """The kernel that wrote `name`, looking through tuples' elements, bitcasts and the
+    `fusion-done` of an asynchronous fusion."""
     source = computation.instructions.get(name)
-    while source is not None and source.op in ("get-tuple-element", "bitcast") and source.operands:
+    looked_through = ("get-tuple-element", "bitcast", "fusion-done")
+    while source is not None and source.op in looked_through and source.operands:
         name = source.operands[0]
         source = computation.instructions.get(name)
     return name

@@ -11,7 +11,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from .hlo import F8, LAYER, Computation, Instruction, Module, dot_flops, element_type, parse
+from .hlo import (
+    F8,
+    FUSIONS,
+    LAYER,
+    Computation,
+    Instruction,
+    Module,
+    dot_flops,
+    element_type,
+    parse,
+)
 from .ptx import Kernel, mosaic_key
 from .results import Gemm
 
@@ -132,10 +142,10 @@ def _fusion_callers(callers: _Callers) -> dict[str, tuple[Instruction, bool]]:
     GEMM)."""
     out = {}
     for computation, (_, caller) in callers.items():
-        if caller.op != "fusion":
+        if caller.op not in FUSIONS:
             continue
         current, seen = computation, set()
-        while current in callers and callers[current][1].op == "fusion" and current not in seen:
+        while current in callers and callers[current][1].op in FUSIONS and current not in seen:
             seen.add(current)
             parent, fusion = callers[current]
             top = (fusion, '"__triton' in fusion.rest)

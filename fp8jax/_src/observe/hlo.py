@@ -25,7 +25,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 LAYER = re.compile(re.escape(SCOPE) + r"\[([^\]]*)\]\)*(?:/(fwd|dgrad|wgrad))?")
 #: An FP8 element type (`f8e4m3fn`, `f8e5m2`, ...).
 F8 = re.compile(r"^f8")
-#: Opcodes that name, alias or regroup buffers: no kernel runs, no byte moves.
+#: Opcodes that name, alias or regroup buffers: no kernel runs, no byte moves (a
+#: `fusion-done` waits for its `fusion-start`, which runs the kernel, and names its result).
 NO_TRAFFIC = {
     "parameter",
     "get-tuple-element",
@@ -35,7 +36,12 @@ NO_TRAFFIC = {
     "after-all",
     "partition-id",
     "replica-id",
+    "fusion-done",
 }
+#: Opcodes of a fused kernel: a fusion, or the start of one XLA runs asynchronously (from
+#: JAX 0.11 on, e.g. a loop's dynamic slices: `fusion-start` typed `((operands), result,
+#: context)`, its `fusion-done` the result).
+FUSIONS = {"fusion", "fusion-start"}
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')

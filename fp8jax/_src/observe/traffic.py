@@ -52,8 +52,9 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
 
 def hlo_memory_traffic(hlo: str | Module) -> int:
     """Bytes read and written by the entry computation's instructions other than GEMMs (of an
-    HLO module's text, or it parsed): the operands and outputs of every fusion, copy and so on
-    (a model of HBM traffic). 0 for a module without an entry computation."""
+    HLO module's text, or it parsed): the operands and outputs of every fusion (asynchronous
+    ones as one), copy and so on (a model of HBM traffic). 0 for a module without an entry
+    computation."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     if module.entry is None:
         return 0
@@ -62,7 +63,10 @@ def hlo_memory_traffic(hlo: str | Module) -> int:
     for instruction in entry.instructions.values():
         if instruction.op in NO_TRAFFIC or instruction.gemm_target is not None:
             continue
-        total += array_bytes(instruction.type) + sum(
+        result = instruction.type
+        if instruction.op == "fusion-start":  # typed ((operands), result, context)
+            result = module.computations[instruction.called()[0]].root.type
+        total += array_bytes(result) + sum(
             array_bytes(entry.type_of(o)) for o in instruction.operands
         )
     return total
