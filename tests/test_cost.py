@@ -10,7 +10,7 @@ from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.cost import hlo_cost
 from fp8jax._src.observe.hlo import parse
 from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
-from fp8jax._src.observe.traffic import hlo_memory_traffic
+from fp8jax._src.observe.traffic import hlo_collectives, hlo_memory_traffic
 
 M, N, K = 256, 512, 256
 
@@ -132,6 +132,35 @@ def test_an_asynchronous_fusion_is_one_kernel_costed_as_its_synchronous_form():
     # The entry's traffic model counts operands whole: the stack, the index, the plane.
     whole = 10 * 64 * 32 * 4 + 4 + 64 * 32 * 4
     assert hlo_memory_traffic(module) == hlo_memory_traffic(asynchronous(module)) == whole
+
+
+def test_an_async_all_reduce_moves_its_results_as_either_release_types_its_start():
+    """`hlo_collectives` reads an `all-reduce-start` typed with its results alone (XLA 0.10)
+    and typed `(operands, results)` (0.11 on) as the same arrays; two arrays reduced in one
+    start (combined) stay two."""
+    head = COLLECTIVES[: COLLECTIVES.index("ENTRY")]
+    entry = (
+        "ENTRY %main (g: f32[256,256], r: f32[64,512]) -> f32[256,256] {\n"
+        "  %g = f32[256,256]{1,0} parameter(0)\n"
+        "  %r = f32[64,512]{1,0} parameter(1)\n"
+        "  %s = TYPE all-reduce-start(OPERANDS), channel_id=2, replica_groups={{0,1}}, "
+        "use_global_device_ids=true, to_apply=%add\n"
+        "  ROOT %d = DONE all-reduce-done(%s)\n}\n"
+    )
+    one, two = "f32[256,256]{1,0}", "f32[256,256]{1,0}, f32[64,512]{1,0}"
+    forms = {  # (type of the start, its operands, type of the done): results alone first
+        "one": [(one, "%g", one), (f"({one}, {one})", "%g", one)],
+        "two": [(f"({two})", "%g, %r", f"({two})"), (f"(({two}), ({two}))", "%g, %r", f"({two})")],
+    }
+    for want, cases in (((256, 256),), forms["one"]), (((256, 256), (64, 512)), forms["two"]):
+        for start, operands, done in cases:
+            module = head + entry.replace("TYPE", start, 1).replace("OPERANDS", operands)
+            (found,) = hlo_collectives(module.replace("DONE", done))
+            assert (found.op, found.shapes, found.dtypes) == (
+                "all-reduce",
+                want,
+                ("f32",) * len(want),
+            )
 
 
 def test_loop_without_trip_count_is_counted_once_and_named():

@@ -29,8 +29,13 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
             if base not in _COLLECTIVES:
                 continue
             results = arrays(instruction.type)
-            if op.endswith("-start") and base in ("all-gather", "collective-permute"):
-                results = results[len(results) // 2 :]  # (operands, results): keep the results
+            sent = sum(len(arrays(computation.type_of(o))) for o in instruction.operands)
+            if op.endswith("-start") and (
+                base in ("all-gather", "collective-permute") or len(results) == 2 * sent
+            ):
+                # Typed (operands, results): keep the results. XLA 0.11 on types an async
+                # all-reduce's start so too (0.10: its results alone).
+                results = results[len(results) // 2 :]
             elif base == "ragged-all-to-all":
                 # The rows it sends: its first operand (an async start's type lists its
                 # operands, a synchronous one's only the output buffer).
