@@ -544,12 +544,18 @@ def split(compiled: Any) -> Split:
     return Split(dict(kernels), dict(bytes_), dict(cost.flops), temp, cost.estimate_seconds())
 
 
-def compile_deviceless(size: str, name: str) -> Any:
-    """Variant `name` of block `size`, its step compiled for one H100 (cuBLAS mode)."""
+def lower_deviceless(size: str, name: str) -> jax.stages.Lowered:
+    """Variant `name` of block `size`, its step (attention the stand-in) lowered for one H100
+    without a GPU."""
     block, x = arguments(size, name, "stand-in", abstract=True)
     topology = deviceless.h100_topology()
     lowered, _ = deviceless.lower(step(name), (block, x), {}, topology.devices[0])
-    return lowered.compile(compiler_options=fp8jax.gpu_compiler_options())
+    return lowered
+
+
+def compile_deviceless(size: str, name: str) -> Any:
+    """Variant `name` of block `size`, its step compiled for one H100 (cuBLAS mode)."""
+    return lower_deviceless(size, name).compile(compiler_options=fp8jax.gpu_compiler_options())
 
 
 def table(size: str, splits: dict[str, Split]) -> str:

@@ -27,7 +27,6 @@ from gpu_check.profile import kernel_name
 from train_steps import table
 
 import fp8jax
-from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.ptx import compile_with_ptx
 
 VARIANTS = (
@@ -44,9 +43,7 @@ VARIANTS = (
 def compiled_stores(size: str, name: str) -> tuple[dict, dict[str, collections.Counter[int]]]:
     """The variant's non-GEMM kernels (`hlo_cost`'s, by trace name) and each PTX entry's
     global stores by width (`fp8jax`'s PTX reader, `ptx.Kernel.stores`)."""
-    block, x = llama_block.arguments(size, name, "stand-in", abstract=True)
-    device = deviceless.h100_topology().devices[0]
-    lowered, _ = deviceless.lower(llama_block.step(name), (block, x), {}, device)
+    lowered = llama_block.lower_deviceless(size, name)
     compiled, _, ptx = compile_with_ptx(lowered, fp8jax.gpu_compiler_options())
     cost = fp8jax.hlo_cost(compiled.as_text())
     kernels = {kernel_name(k.name): k for k in cost.kernels if k.category is not None}

@@ -27,7 +27,6 @@ import llama_block
 from train_steps import table
 
 import fp8jax
-from fp8jax._src.observe import deviceless
 
 VARIANTS = ("bf16", "delayed", "delayed-steady", "delayed-steady-fused", "current")
 
@@ -100,10 +99,7 @@ def compiled_temp_peak(lowered: jax.stages.Lowered) -> TempPeak:
 def measure(size: str, name: str) -> TempPeak:
     """Variant `name` of block `size` compiled for one H100 (cuBLAS mode, as
     `llama_block.compile_deviceless`)."""
-    block, x = llama_block.arguments(size, name, "stand-in", abstract=True)
-    device = deviceless.h100_topology().devices[0]
-    lowered, _ = deviceless.lower(llama_block.step(name), (block, x), {}, device)
-    return compiled_temp_peak(lowered)
+    return compiled_temp_peak(llama_block.lower_deviceless(size, name))
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, TempPeak]]:

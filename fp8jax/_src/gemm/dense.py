@@ -193,12 +193,9 @@ def transposed(q: QTensor, apart: bool = False) -> QTensor:
     if not apart:
         return QTensor(jnp.swapaxes(q.data, -1, -2), q.scale_inv, q.block)
     data = lax.optimization_barrier(q.data)
-    swap = transpose_in_words if transposes_in_words_chosen() else _swap
-    return QTensor(swap(data), q.scale_inv, q.block)
-
-
-def _swap(data: Array) -> Array:
-    return jnp.swapaxes(data, -1, -2)
+    if transposes_in_words_chosen():
+        return QTensor(transpose_in_words(data), q.scale_inv, q.block)
+    return QTensor(jnp.swapaxes(data, -1, -2), q.scale_inv, q.block)
 
 
 def _k_major_dot(
