@@ -208,6 +208,52 @@ def test_kept_inverses_cost_no_kernel_in_cublas_mode(getkey):
     assert len(scalars[0]) == 5 and not scalars[1], scalars
 
 
+class Twice(eqx.Module):
+    """One FP8 layer called on two inputs (a shared layer), behind a learned gain so that
+    its dgrads run too: its two forwards and its two dgrads share the weight's FP8 copy."""
+
+    gain: jax.Array
+    fc: eqx.nn.Linear
+
+    def __call__(self, a, b):
+        ya, yb = (jax.vmap(self.fc)(x * self.gain) for x in (a, b))
+        return jnp.mean(ya.astype(jnp.float32) * yb.astype(jnp.float32))
+
+
+def test_a_layer_called_twice_keeps_fp8_gemms_in_the_steady_train_step_on_h100(getkey):
+    """XLA's dot merger joins dots that share an operand into one dot over the others
+    concatenated. In the train step's program once every scale is recorded (traced for
+    cuBLAS: each GEMM carries its operands' kept inverses) a layer called twice shares its
+    weight's FP8 copy, and the merged GEMM ran in BF16 (JAX 0.10.2 to 0.12). The train steps
+    compile such programs with the merger off (`traced_options`): six FP8 GEMMs (cuBLAS mode,
+    deviceless H100)."""
+    from fp8jax._src.core.compile_options import traced_for, traced_options
+    from fp8jax._src.recipes.per_tensor import skip_warm_start
+
+    fc = eqx.nn.Linear(512, 512, use_bias=False, key=getkey(), dtype=jnp.bfloat16)
+    model = Twice(jnp.ones(512, jnp.bfloat16), fc)
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+
+    def step(model, a, b):
+        with skip_warm_start(recorded=True):
+            grads = fp8jax.filter_grad(lambda m: m(a, b))(model)
+            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+            return fp8jax.apply_updates(model, grads, overwrites)
+
+    options = fp8jax.gpu_compiler_options()
+    gemms = {
+        name: fp8jax.inspect(
+            traced_for(options, step), model, x, x, modes=("cublas",), compiler_options=o
+        ).gemms["cublas"]
+        for name, o in (("merger", options), ("train step", traced_options(options)))
+    }
+    fp8 = {name: [g.fp8 for g in gs] for name, gs in gemms.items()}
+    assert fp8["train step"] == [True] * 6, gemms["train step"]  # 2 x (fwd, dgrad), 2 wgrads
+    # What the merger did: fewer GEMMs, one of them not FP8 (so the check above can fail).
+    assert len(fp8["merger"]) < 6 and not all(fp8["merger"]), gemms["merger"]
+
+
 def _steady_mlp_step(roles, setting=None):
     """A train step of an FP8 MLP with its merge as `fp8jax.make_train_step` runs it once every
     scale is recorded (traced for cuBLAS, without the warm start), inside `setting(roles)`

@@ -315,10 +315,11 @@ def test_training_in_tree_mode_equals_graph_mode():
     assert losses[True] == losses[False]
 
 
-def test_train_step_traces_for_its_options():
+def test_train_step_traces_for_its_options(tmp_path):
     """With Triton GEMMs off (the default options) the step is traced for cuBLAS
     (`cublas_traced`): delayed scaling without the warm start then hands its kept inverses
-    to each GEMM. The same bits on a CPU as the step traced for XLA's defaults."""
+    to each GEMM, compiled with XLA's dot merger off (`traced_options`). The same bits on a
+    CPU as the step traced for XLA's defaults."""
     from fp8jax._src.core.compile_options import is_cublas_traced
 
     x = jnp.asarray(np.random.default_rng(11).standard_normal((32, 64)), jnp.float32)
@@ -334,6 +335,8 @@ def test_train_step_traces_for_its_options():
         model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config(recipe))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         options = {**(fp8jax.gpu_compiler_options() if cublas else {}), **SAME_BITS}
+        if cublas:
+            options["xla_dump_to"] = str(tmp_path)
         step = fp8jax.nnx_train_step(loss, compiler_options=options)
         losses = [np.asarray(step(model, optimizer, x, y)).tobytes() for _ in range(3)]
         assert traced[cublas] == [cublas], traced
@@ -342,6 +345,8 @@ def test_train_step_traces_for_its_options():
             [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))],
         )
     assert results[True] == results[False]
+    dumped = [p.read_text() for p in tmp_path.glob("*pure*.debug_options")]
+    assert dumped and all("xla_gpu_dot_merger_threshold_mb: 0" in text for text in dumped)
 
 
 # --- the optimizer never touches FP8 state --------------------------------------------------

@@ -238,6 +238,8 @@ def test_compiles_with_fp8jax_s_gpu_options_by_default(getkey, tmp_path):
     state, _ = dumped(dumped.init(model), x, y)
     (options,) = [p for p in tmp_path.iterdir() if p.name.endswith("_step.debug_options")]
     assert "xla_gpu_enable_triton_gemm: false" in options.read_text()
+    # Traced for cuBLAS, the step compiles with XLA's dot merger off (`traced_options`).
+    assert "xla_gpu_dot_merger_threshold_mb: 0" in options.read_text()
     # The same step with XLA's defaults gives the same numbers (on a CPU the option is moot).
     plain = fp8jax.make_train_step(mse, optax.sgd(1e-2), compiler_options={})
     expected, _ = plain(plain.init(model), x, y)
@@ -249,6 +251,34 @@ def test_compiles_with_fp8jax_s_gpu_options_by_default(getkey, tmp_path):
     for bad in ([("xla_gpu_enable_triton_gemm", False)], {"xla_dump_to": None}, {1: True}):
         with pytest.raises(TypeError, match="compiler_options="):
             fp8jax.make_train_step(mse, optax.sgd(1e-2), compiler_options=bad)
+
+
+def test_steps_traced_for_cublas_compile_without_the_dot_merger():
+    """`traced_for` traces a step for cuBLAS where its options turn Triton GEMMs off and do
+    not turn XLA's dot merger on; `traced_options` then adds the merger off (it would make
+    BF16 GEMMs of a shared layer's FP8 ones: test_lowering) and otherwise keeps the options
+    as given."""
+    from fp8jax._src.core.compile_options import (
+        DOT_MERGER,
+        is_cublas_traced,
+        traced_for,
+        traced_options,
+    )
+
+    gpu = fp8jax.gpu_compiler_options()
+    on = {**gpu, DOT_MERGER: 32}
+    triton = {"xla_gpu_enable_triton_gemm": True}
+    cases = {  # options: (traced for cuBLAS, compiled with)
+        "gpu_compiler_options": (gpu, True, {**gpu, DOT_MERGER: 0}),
+        "merger off already": ({**gpu, DOT_MERGER: 0}, True, {**gpu, DOT_MERGER: 0}),
+        "merger on": (on, False, on),
+        "XLA defaults": ({}, False, {}),
+        "Triton GEMMs on": (triton, False, triton),
+    }
+    for name, (options, cublas, compiled) in cases.items():
+        assert traced_for(options, is_cublas_traced)() is cublas, name
+        assert traced_options(options) == compiled, name
+    assert DOT_MERGER not in gpu  # a user's own jit with these options keeps XLA's default
 
 
 def test_gpu_options_as_flags_are_accepted_by_xla():

@@ -29,6 +29,14 @@ R = TypeVar("R")
 
 _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
+#: XLA's dot merger joins independent dots that share an operand into one dot over the other
+#: operands concatenated. Two FP8 GEMMs traced inside `cublas_traced()` that share an operand
+#: (a layer called twice shares its weight's FP8 copy) each carry their operands' scale
+#: inverses (`dot(x8 * sx_inv, w8 * sw_inv)`), so the merged dot's operand is a concatenation
+#: of dequantized copies, and the merged GEMM runs in BF16. A step traced so compiles with
+#: the merger off (`traced_options`).
+DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
+
 _CUBLAS_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_cublas_traced", default=False
 )
@@ -92,7 +100,8 @@ def cublas_traced() -> contextlib.AbstractContextManager[None]:
     its operand, which XLA's cuBLAS rewriter makes cuBLASLt's own a/b scales: one kernel per
     GEMM, where their product as one factor is a second, small kernel. Under XLA's default
     flags that form would be a BF16 Triton GEMM of two dequantized copies, so it is used only
-    where the compile is known to turn Triton GEMMs off (`benchmarks/gemm_scale_forms.py`).
+    where the compile is known to turn Triton GEMMs off (`benchmarks/gemm_scale_forms.py`),
+    and XLA's dot merger too (`traced_options`).
     """
     return setting(_CUBLAS_TRACED, True)
 
@@ -102,10 +111,22 @@ def is_cublas_traced() -> bool:
     return _CUBLAS_TRACED.get()
 
 
+def _for_cublas(options: Mapping[str, Any]) -> bool:
+    # Triton GEMMs off, and XLA's dot merger not turned on by the caller (`DOT_MERGER`).
+    return triton_gemms_off(options) and options.get(DOT_MERGER, 0) == 0
+
+
+def traced_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options a step `traced_for(options, ...)` compiles with: `options`, and XLA's dot
+    merger off where the step is traced for cuBLAS (`DOT_MERGER`)."""
+    return {**options, DOT_MERGER: 0} if _for_cublas(options) else dict(options)
+
+
 def traced_for(options: Mapping[str, Any], fn: Callable[P, R]) -> Callable[P, R]:
-    """`fn`, traced for an executable compiled with `options`: inside `cublas_traced()`
-    where they turn Triton GEMMs off, else as it is (fp8jax's train steps jit so)."""
-    if not triton_gemms_off(options):
+    """`fn`, traced for an executable compiled with `traced_options(options)`: inside
+    `cublas_traced()` where they turn Triton GEMMs off (and the caller has not turned XLA's
+    dot merger on), else as it is (fp8jax's train steps jit so)."""
+    if not _for_cublas(options):
         return fn
 
     @functools.wraps(fn)

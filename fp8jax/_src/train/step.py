@@ -29,7 +29,7 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core import jax_private
-from ..core.compile_options import checked_compiler_options, traced_for
+from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from . import warm_start
 from .accumulate import accumulate_gradients, check_unroll
@@ -150,9 +150,10 @@ def _jitted(options: tuple[tuple[str, Any], ...], warm: bool) -> Callable[..., A
 
     # Run only once every scale is recorded (`TrainStep.__call__`).
     step = warm_step if warm else warm_start.once_recorded(_step)
-    # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are.
+    # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are (and
+    # XLA's dot merger is turned off, which would make BF16 GEMMs of those).
     step = traced_for(dict(options), step)
-    return eqx.filter_jit(step, compiler_options=dict(options) or None)
+    return eqx.filter_jit(step, compiler_options=traced_options(dict(options)) or None)
 
 
 def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
@@ -237,8 +238,10 @@ def make_train_step(
       ([`fp8jax.accumulate_gradients`][]); `aux` is then stacked over them.
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
-      Triton kernel that may upcast FP8 to f16. `{}` compiles with XLA's defaults. A step
-      called inside your own `jax.jit` is part of your executable, which has your options.
+      Triton kernel that may upcast FP8 to f16; with Triton GEMMs off the step also turns
+      XLA's dot merger off (unless you set it), which would make a layer called twice run
+      BF16 GEMMs. `{}` compiles with XLA's defaults. A step called inside your own
+      `jax.jit` is part of your executable, which has your options.
     - `cast_batch`: cast the batch's floating-point arrays to the policy's compute dtype, inside
       the jitted step, before `loss_fn` sees them (default `True`; jmp's
       `policy.cast_to_compute((params, inputs))`), so a float32 image batch meets a bfloat16

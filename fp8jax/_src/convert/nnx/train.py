@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from ...core import jax_private
-from ...core.compile_options import checked_compiler_options, traced_for
+from ...core.compile_options import checked_compiler_options, traced_for, traced_options
 from .layers import AbstractFp8NnxDot, Fp8State, is_variable
 
 
@@ -182,9 +182,10 @@ def nnx_train_step(
     - `loss_fn`: `loss_fn(model, *args, **kwargs)`, a scalar.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
-      [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call. `{}`
-      compiles with XLA's defaults. A step called inside your own `jax.jit` / `nnx.jit` is
-      part of your executable, which has your options.
+      [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call (and,
+      with Triton GEMMs off, XLA's dot merger off unless you set it: it would make a layer
+      called twice run BF16 GEMMs). `{}` compiles with XLA's defaults. A step called inside
+      your own `jax.jit` / `nnx.jit` is part of your executable, which has your options.
 
     Raises `ValueError` if the optimizer tracks `Fp8State` (its `wrt` must exclude it).
 
@@ -217,11 +218,11 @@ def nnx_train_step(
     # version joins the caller's.
     inner = jax.jit(pure, static_argnums=0)
     # Traced for its options: with Triton GEMMs off, delayed scaling's kept inverses reach
-    # cuBLASLt as they are (`compile_options.traced_for`).
+    # cuBLASLt as they are, XLA's dot merger off (`compile_options.traced_for`).
     top = jax.jit(
         traced_for(compiler_options, pure),
         static_argnums=0,
-        compiler_options=compiler_options or None,
+        compiler_options=traced_options(compiler_options) or None,
     )
 
     @functools.wraps(loss_fn)
