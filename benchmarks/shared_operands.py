@@ -1,0 +1,136 @@
+"""FP8 GEMMs that share an operand, and XLA's dot merger: compiled for an H100 without one.
+
+    python benchmarks/shared_operands.py | tee benchmarks/results/shared_operands.txt
+
+XLA's dot merger joins independent dots that share an operand into one dot over the other
+operands concatenated. Two tables, read from the compiled HLO (not timed):
+
+1. **A layer called twice** (`Twice` of tests/test_lowering.py: one 512 -> 512 Linear on two
+   inputs of 1,024 tokens behind a learned gain, so its forwards and dgrads share the weight's
+   FP8 copy), per recipe, in the train step's first program (`warm`) and in its program once
+   every scale is recorded (`steady`, inside `skip_warm_start(recorded=True)`), traced for
+   cuBLAS as `fp8jax.make_train_step` traces them (`traced_for`) and compiled with
+   `fp8jax.gpu_compiler_options()` alone (`merger on`: the train steps before session 44) or
+   with the options they compile with now (`traced_options`: the merger off). Each GEMM of
+   the step as `8` (FP8 operands) or `b` (not). Block recipes are left out: on an H100 their
+   GEMMs are fp8jax's kernels, custom calls XLA does not merge.
+2. **The Llama-3 block** (`llama_block.py`'s steps, both sizes): kernels, non-GEMM bytes and
+   temp memory with the merger on and off; and `delayed-steady` with the input states of
+   q, k and v (and of gate and up) tied to one (`-tied`): the three casts of one input then
+   compute the same FP8 values from the same scale, which XLA computes once (the upper bound
+   of Linears sharing their input's scaling; not an fp8jax feature).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import llama_block  # noqa: E402
+from test_lowering import Twice  # noqa: E402
+from train_steps import table  # noqa: E402
+
+import fp8jax  # noqa: E402
+from fp8jax._src.core.compile_options import traced_for, traced_options  # noqa: E402
+from fp8jax._src.observe import deviceless  # noqa: E402
+from fp8jax._src.recipes.per_tensor import skip_warm_start  # noqa: E402
+
+RECIPES = {
+    "delayed": fp8jax.DelayedScaling(),
+    "delayed, warm_start=False": fp8jax.DelayedScaling(warm_start=False),
+    "current": fp8jax.CurrentScaling(),
+    "mxfp8": fp8jax.MXFP8(),
+    "residual": fp8jax.ResidualFP8(),
+}
+GPU = fp8jax.gpu_compiler_options()
+#: The options compared: the train steps' before session 44, and now.
+OPTIONS = {"merger on": GPU, "merger off (train steps now)": traced_options(GPU)}
+TIED = "-tied"
+
+
+def twice_step(steady: bool) -> Callable:
+    """A train step of `Twice` (gradient, merge), traced as `make_train_step` traces it."""
+
+    def step(model, a, b):
+        with skip_warm_start(recorded=True) if steady else contextlib.nullcontext():
+            grads = fp8jax.filter_grad(lambda m: m(a, b))(model)
+            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+            return fp8jax.apply_updates(model, grads, overwrites)
+
+    return traced_for(GPU, step)
+
+
+def twice_gemms(recipe: fp8jax.Recipe, steady: bool, options: dict[str, Any]) -> str:
+    """The GEMMs of `Twice`'s step with `recipe`, compiled with `options`: `8` or `b` each."""
+    fc = eqx.nn.Linear(512, 512, use_bias=False, key=jax.random.key(0), dtype=jnp.bfloat16)
+    model = Twice(jnp.ones(512, jnp.bfloat16), fc)
+    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    report = fp8jax.inspect(
+        twice_step(steady), model, x, x, modes=("cublas",), compiler_options=options
+    )
+    return "".join("8" if g.fp8 else "b" for g in report.gemms["cublas"])
+
+
+def tie(block: Any) -> Any:
+    """`block` with k's and v's input states q's, and up's gate's (the same arrays)."""
+    q, gate = block.q.dot_general.input, block.gate.dot_general.input
+    block = eqx.tree_at(lambda b: (b.k.dot_general.input, b.v.dot_general.input), block, (q, q))
+    return eqx.tree_at(lambda b: b.up.dot_general.input, block, gate)
+
+
+def llama_split(size: str, name: str, options: dict[str, Any]) -> llama_block.Split:
+    """`llama_block`'s variant `name` (`TIED` appended: its states tied by `tie` inside the
+    step) of block `size`, compiled for an H100 with `options`."""
+    base = name.removesuffix(TIED)
+    step = llama_block.step(base)
+    if name.endswith(TIED):
+        step = (lambda inner: lambda block, x: inner(tie(block), x))(step)
+    block, x = llama_block.arguments(size, base, "stand-in", abstract=True)
+    lowered, _ = deviceless.lower(step, (block, x), {}, deviceless.h100_topology().devices[0])
+    return llama_block.split(lowered.compile(compiler_options=options))
+
+
+def main() -> None:
+    print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode\n")
+    print("A layer called twice: each GEMM of its train step, 8 = FP8 operands, b = not\n")
+    rows = [
+        [name, program, *(twice_gemms(recipe, program == "steady", o) for o in OPTIONS.values())]
+        for name, recipe in RECIPES.items()
+        for program in ("warm", "steady")
+    ]
+    print(table(rows, ["recipe", "program", *OPTIONS]), flush=True)
+    for size in ("1B", "8B"):
+        rows = []
+        for name in ("bf16", "delayed-steady", "delayed-steady" + TIED, "current"):
+            for label, options in OPTIONS.items():
+                s = llama_split(size, name, options)
+                rows.append(
+                    [
+                        name,
+                        label,
+                        str(s.kernel_count),
+                        str(s.kernels.get("GEMM fp8", 0)),
+                        str(s.kernels.get("GEMM bf16", 0)),
+                        f"{sum(s.non_gemm_bytes.values()) / 1e9:.2f}",
+                        f"{s.temp_bytes / 2**20:.1f}",
+                    ]
+                )
+        header = ["variant", "options", "kernels", "FP8 GEMMs", "BF16 GEMMs", "non-GEMM GB"]
+        print(f"\nLlama-3 {size} block's step\n")
+        print(table(rows, [*header, "temp MiB"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
