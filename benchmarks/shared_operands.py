@@ -7,9 +7,12 @@ operands concatenated. Two tables, read from the compiled HLO (not timed):
 
 1. **A layer called twice** (`Twice` of tests/test_lowering.py: one 512 -> 512 Linear on two
    inputs of 1,024 tokens behind a learned gain, so its forwards and dgrads share the weight's
-   FP8 copy), per recipe, in the train step's first program (`warm`) and in its program once
-   every scale is recorded (`steady`, inside `skip_warm_start(recorded=True)`), traced for
-   cuBLAS as `fp8jax.make_train_step` traces them (`traced_for`) and compiled with
+   FP8 copy) and **a step over 2 microbatches** (`fp8jax.examples.gpt.MLP(512)` through
+   `fp8jax.accumulate_gradients`, 2,048 tokens: XLA unrolls so short a scan, and each weight's
+   FP8 copy serves both microbatches), per recipe, in the train step's first program
+   (`warm`) and in its program once every scale is recorded (`steady`, inside
+   `skip_warm_start(recorded=True)`), traced for cuBLAS as `fp8jax.make_train_step` traces
+   them (`traced_for`) and compiled with
    `fp8jax.gpu_compiler_options()` alone (`merger on`: the train steps before session 44) or
    with the options they compile with now (`traced_options`: the merger off). Each GEMM of
    the step as `8` (FP8 operands) or `b` (not). Block recipes are left out: on an H100 their
@@ -45,6 +48,7 @@ import fp8jax  # noqa: E402
 from fp8jax._src.core.compile_options import traced_for, traced_options  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.recipes.per_tensor import skip_warm_start  # noqa: E402
+from fp8jax.examples.gpt import MLP  # noqa: E402
 
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(),
@@ -59,27 +63,40 @@ OPTIONS = {"merger on": GPU, "merger off (train steps now)": traced_options(GPU)
 TIED = "-tied"
 
 
-def twice_step(steady: bool) -> Callable:
-    """A train step of `Twice` (gradient, merge), traced as `make_train_step` traces it."""
+CASES = ("layer called twice", "2 microbatches")
 
-    def step(model, a, b):
+
+def case_step(case: str, steady: bool) -> Callable:
+    """A train step (gradient, merge) of `case`'s model, traced as `make_train_step` traces
+    its first program, or (`steady`) its program once every scale is recorded."""
+
+    def mse(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    def step(model, *args):
         with skip_warm_start(recorded=True) if steady else contextlib.nullcontext():
-            grads = fp8jax.filter_grad(lambda m: m(a, b))(model)
+            if case == CASES[0]:
+                grads = fp8jax.filter_grad(lambda m: m(*args))(model)
+            else:
+                _, grads = fp8jax.accumulate_gradients(mse, 2)(model, *args)
             overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
             return fp8jax.apply_updates(model, grads, overwrites)
 
     return traced_for(GPU, step)
 
 
-def twice_gemms(recipe: fp8jax.Recipe, steady: bool, options: dict[str, Any]) -> str:
-    """The GEMMs of `Twice`'s step with `recipe`, compiled with `options`: `8` or `b` each."""
-    fc = eqx.nn.Linear(512, 512, use_bias=False, key=jax.random.key(0), dtype=jnp.bfloat16)
-    model = Twice(jnp.ones(512, jnp.bfloat16), fc)
-    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipe=recipe, exclude=None))
-    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
-    report = fp8jax.inspect(
-        twice_step(steady), model, x, x, modes=("cublas",), compiler_options=options
-    )
+def case_gemms(case: str, recipe: fp8jax.Recipe, steady: bool, options: dict[str, Any]) -> str:
+    """The GEMMs of `case`'s step with `recipe`, compiled with `options`: `8` or `b` each."""
+    config = fp8jax.Fp8Config(recipe=recipe, exclude=None)
+    if case == CASES[0]:
+        fc = eqx.nn.Linear(512, 512, use_bias=False, key=jax.random.key(0), dtype=jnp.bfloat16)
+        model = fp8jax.fp8_linear_layers(Twice(jnp.ones(512, jnp.bfloat16), fc), config)
+        args = (jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),) * 2
+    else:
+        model = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=jax.random.key(0)), config)
+        args = (jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16),)
+    step = case_step(case, steady)
+    report = fp8jax.inspect(step, model, *args, modes=("cublas",), compiler_options=options)
     return "".join("8" if g.fp8 else "b" for g in report.gemms["cublas"])
 
 
@@ -104,13 +121,19 @@ def llama_split(size: str, name: str, options: dict[str, Any]) -> llama_block.Sp
 
 def main() -> None:
     print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode\n")
-    print("A layer called twice: each GEMM of its train step, 8 = FP8 operands, b = not\n")
+    print("GEMMs sharing a weight: each GEMM of the train step, 8 = FP8 operands, b = not\n")
     rows = [
-        [name, program, *(twice_gemms(recipe, program == "steady", o) for o in OPTIONS.values())]
-        for name, recipe in RECIPES.items()
+        [
+            case,
+            name,
+            program,
+            *(case_gemms(case, r, program == "steady", o) for o in OPTIONS.values()),
+        ]
+        for case in CASES
+        for name, r in RECIPES.items()
         for program in ("warm", "steady")
     ]
-    print(table(rows, ["recipe", "program", *OPTIONS]), flush=True)
+    print(table(rows, ["case", "recipe", "program", *OPTIONS]), flush=True)
     for size in ("1B", "8B"):
         rows = []
         for name in ("bf16", "delayed-steady", "delayed-steady" + TIED, "current"):

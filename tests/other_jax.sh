@@ -54,8 +54,8 @@ TESTS=(
     tests/test_lowering.py::test_every_recipe_lowers_to_fp8_gemms_only
     # XLA's cuBLAS rewriter taking the kept inverses as cuBLASLt's own scales.
     tests/test_lowering.py::test_kept_inverses_cost_no_kernel_in_cublas_mode
-    # ... and XLA's dot merger, which made BF16 GEMMs of a shared layer's (session 44).
-    tests/test_lowering.py::test_a_layer_called_twice_keeps_fp8_gemms_in_the_steady_train_step_on_h100
+    # ... and XLA's dot merger, which made BF16 GEMMs of GEMMs sharing a weight (session 44).
+    tests/test_lowering.py::test_gemms_sharing_a_weight_stay_fp8_in_the_steady_train_step_on_h100
     tests/test_train_step.py::test_steps_traced_for_cublas_compile_without_the_dot_merger
     # The transposed FP8 copies apart: the casts reduce the amaxes (issue 38, session 35).
     tests/test_lowering.py::test_transposes_apart_let_the_cast_reduce_the_amax_on_h100

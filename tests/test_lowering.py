@@ -220,38 +220,56 @@ class Twice(eqx.Module):
         return jnp.mean(ya.astype(jnp.float32) * yb.astype(jnp.float32))
 
 
-def test_a_layer_called_twice_keeps_fp8_gemms_in_the_steady_train_step_on_h100(getkey):
-    """XLA's dot merger joins dots that share an operand into one dot over the others
-    concatenated. In the train step's program once every scale is recorded (traced for
-    cuBLAS: each GEMM carries its operands' kept inverses) a layer called twice shares its
-    weight's FP8 copy, and the merged GEMM ran in BF16 (JAX 0.10.2 to 0.12). The train steps
-    compile such programs with the merger off (`traced_options`): six FP8 GEMMs (cuBLAS mode,
-    deviceless H100)."""
-    from fp8jax._src.core.compile_options import traced_for, traced_options
+def _shared_weight_step(case, key):
+    """A model, its input and the step (gradient and merge, as the train steps' program once
+    every scale is recorded) of a `case` whose GEMMs share an FP8 weight: `Twice`, or an MLP
+    through `accumulate_gradients` over 2 microbatches (XLA unrolls so short a scan: each
+    weight's FP8 copy is one for both), and the number of GEMMs the step runs."""
     from fp8jax._src.recipes.per_tensor import skip_warm_start
+    from fp8jax.examples.gpt import MLP
 
-    fc = eqx.nn.Linear(512, 512, use_bias=False, key=getkey(), dtype=jnp.bfloat16)
-    model = Twice(jnp.ones(512, jnp.bfloat16), fc)
-    model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None))
-    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    config = fp8jax.Fp8Config(exclude=None)
+    if case == "layer-called-twice":
+        fc = eqx.nn.Linear(512, 512, use_bias=False, key=key, dtype=jnp.bfloat16)
+        model = fp8jax.fp8_linear_layers(Twice(jnp.ones(512, jnp.bfloat16), fc), config)
+        x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+        grad, args, gemms = fp8jax.filter_grad(lambda m, a, b: m(a, b)), (x, x), 6
+    else:  # 2 x (2 fwd, 2 wgrad, fc2's dgrad)
+        model = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=key), config)
+        loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+        grad = lambda m, x: fp8jax.accumulate_gradients(loss, 2)(m, x)[1]  # noqa: E731
+        args, gemms = (jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16),), 10
 
-    def step(model, a, b):
+    def step(model, *args):
         with skip_warm_start(recorded=True):
-            grads = fp8jax.filter_grad(lambda m: m(a, b))(model)
-            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+            overwrites, grads = fp8jax.partition_for_grad_overwrite(grad(model, *args))
             return fp8jax.apply_updates(model, grads, overwrites)
 
+    return model, args, step, gemms
+
+
+@pytest.mark.parametrize("case", ["layer-called-twice", "microbatches"])
+def test_gemms_sharing_a_weight_stay_fp8_in_the_steady_train_step_on_h100(getkey, case):
+    """XLA's dot merger joins dots that share an operand into one dot over the others
+    concatenated. In the train step's program once every scale is recorded (traced for
+    cuBLAS: each GEMM carries its operands' kept inverses) a layer called twice, or every
+    layer of a step over microbatches, shares its weight's FP8 copy between GEMMs, and the
+    merged GEMMs ran in BF16 (JAX 0.10.2 to 0.12). The train steps compile such programs
+    with the merger off (`traced_options`): every GEMM FP8 (cuBLAS mode, deviceless H100)."""
+    from fp8jax._src.core.compile_options import traced_for, traced_options
+
+    model, args, step, count = _shared_weight_step(case, getkey())
     options = fp8jax.gpu_compiler_options()
     gemms = {
         name: fp8jax.inspect(
-            traced_for(options, step), model, x, x, modes=("cublas",), compiler_options=o
+            traced_for(options, step), model, *args, modes=("cublas",), compiler_options=o
         ).gemms["cublas"]
         for name, o in (("merger", options), ("train step", traced_options(options)))
     }
     fp8 = {name: [g.fp8 for g in gs] for name, gs in gemms.items()}
-    assert fp8["train step"] == [True] * 6, gemms["train step"]  # 2 x (fwd, dgrad), 2 wgrads
-    # What the merger did: fewer GEMMs, one of them not FP8 (so the check above can fail).
-    assert len(fp8["merger"]) < 6 and not all(fp8["merger"]), gemms["merger"]
+    assert fp8["train step"] == [True] * count, gemms["train step"]
+    # What the merger did: fewer GEMMs, some not FP8 (so the check above can fail).
+    assert len(fp8["merger"]) < count and not all(fp8["merger"]), gemms["merger"]
 
 
 def _steady_mlp_step(roles, setting=None):

@@ -31,7 +31,7 @@ _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 
 #: XLA's dot merger joins independent dots that share an operand into one dot over the other
 #: operands concatenated. Two FP8 GEMMs traced inside `cublas_traced()` that share an operand
-#: (a layer called twice shares its weight's FP8 copy) each carry their operands' scale
+#: (a layer called twice, or microbatches, share a weight's FP8 copy) each carry their scale
 #: inverses (`dot(x8 * sx_inv, w8 * sw_inv)`), so the merged dot's operand is a concatenation
 #: of dequantized copies, and the merged GEMM runs in BF16. A step traced so compiles with
 #: the merger off (`traced_options`).

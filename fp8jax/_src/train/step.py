@@ -239,9 +239,10 @@ def make_train_step(
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
       Triton kernel that may upcast FP8 to f16; with Triton GEMMs off the step also turns
-      XLA's dot merger off (unless you set it), which would make a layer called twice run
-      BF16 GEMMs. `{}` compiles with XLA's defaults. A step called inside your own
-      `jax.jit` is part of your executable, which has your options.
+      XLA's dot merger off (unless you set it), which would make BF16 GEMMs of FP8 ones that
+      share a weight (a layer called twice, microbatches). `{}` compiles with XLA's
+      defaults. A step called inside your own `jax.jit` is part of your executable, which
+      has your options.
     - `cast_batch`: cast the batch's floating-point arrays to the policy's compute dtype, inside
       the jitted step, before `loss_fn` sees them (default `True`; jmp's
       `policy.cast_to_compute((params, inputs))`), so a float32 image batch meets a bfloat16

@@ -183,9 +183,10 @@ def nnx_train_step(
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call (and,
-      with Triton GEMMs off, XLA's dot merger off unless you set it: it would make a layer
-      called twice run BF16 GEMMs). `{}` compiles with XLA's defaults. A step called inside
-      your own `jax.jit` / `nnx.jit` is part of your executable, which has your options.
+      with Triton GEMMs off, XLA's dot merger off unless you set it: it would make BF16
+      GEMMs of FP8 ones that share a weight). `{}` compiles with XLA's defaults. A step
+      called inside your own `jax.jit` / `nnx.jit` is part of your executable, which has
+      your options.
 
     Raises `ValueError` if the optimizer tracks `Fp8State` (its `wrt` must exclude it).
 
