@@ -139,6 +139,33 @@ def test_merged_gemms_stay_fp8(h100):
             assert all(g.fp8 == (mode == "cublas") for g in gemms), gemms
 
 
+def test_a_train_step_is_inspected_as_it_compiles_both_its_programs(h100):
+    """`inspect(train_step, state, batch)` of a `make_train_step` step compiles each of its
+    programs as the step traces and compiles it in each mode: the one it runs once every
+    scale is recorded (delayed scaling's kept inverses handed to cuBLASLt, XLA's dot merger
+    off) and, as `first_steps`, the one before (the warm start). An MLP over 2 microbatches:
+    10 FP8 GEMMs in each, fewer kernels once recorded; the same step inside a caller's own
+    `jit` is the first program with XLA's merger, 7 GEMMs (its microbatches' merged)."""
+    from fp8jax.examples.gpt import MLP
+
+    mlp = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=jax.random.key(0)))
+    loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+    train_step = fp8jax.make_train_step(loss, optax.sgd(1e-3), microbatches=2)
+    state, x = train_step.init(mlp), jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16)
+    report = fp8jax.assert_all_fp8(fp8jax.inspect(train_step, state, x, modes=("cublas",)))
+    first = report.first_steps
+    assert report.count("cublas") == first.count("cublas") == (10, 10)
+    assert len(report.cost["cublas"].kernels) < len(first.cost["cublas"].kernels)
+    assert first.first_steps is None and "first steps' program" in str(report)
+    own_jit = fp8jax.inspect(lambda s, x: train_step(s, x), state, x, modes=("cublas",))
+    assert own_jit.count("cublas") == (7, 7) and own_jit.first_steps is None
+    # assert_all_fp8 checks the first steps' program too.
+    bad = dataclasses.replace(first.gemms["cublas"][0], kernel="cublas", lhs="bf16", rhs="bf16")
+    first.gemms["cublas"][0] = bad
+    with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
+        fp8jax.assert_all_fp8(report)
+
+
 def test_strict_check_lists_the_high_precision_gemms(h100):
     step, args, _ = gpt_train_step(RECIPES["delayed"])
     report = fp8jax.inspect(step, *args, modes=("cublas",))

@@ -31,9 +31,11 @@ reported.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..train.step import TrainStep, programs
 from .cost import module_cost
 from .deviceless import MODES, h100_topology, lower
 from .gemms import hlo_gemms, stablehlo_gemms
@@ -60,7 +62,11 @@ def inspect(
       an `nnx.Optimizer`) that `fn` updates in place, as a step from
       [`fp8jax.nnx_train_step`][] or an `nnx.jit` function does: they are compiled as their
       state, which the compiled program returns updated, so the backward pass and the update
-      are compiled too, and the objects passed are left as they were.
+      are compiled too, and the objects passed are left as they were. A step of
+      [`fp8jax.make_train_step`][] is compiled as it compiles itself in each mode: the
+      program it runs once every scale is recorded (delayed scaling's kept inverses handed
+      to cuBLASLt in `"cublas"` mode), and the one it runs before as `first_steps`. Called
+      inside a function of yours, it is part of that function's program (its first).
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of
@@ -110,21 +116,39 @@ def inspect(
             "(install fp8jax[h100] for the H100 compile)"
         )
         return Inspection({"stablehlo": gemms}, {}, target)
-    lowered, devices = lower(fn, args, kwargs, topology.devices[0])
-    gemms, memory, traffic, collectives, cost = {}, {}, {}, {}, {}
     extra = dict(compiler_options or {})
     if not merge_dots:
         extra["xla_disable_hlo_passes"] = ",".join(
             filter(None, [extra.get("xla_disable_hlo_passes", ""), "dot-merger"])
         )
-    for mode in modes:
-        compiled, module, kernels = compile_with_ptx(lowered, {**MODES[mode], **extra})
+    device = topology.devices[0]
+    if not isinstance(fn, TrainStep):
+        lowered, devices = lower(fn, args, kwargs, device)
+        return _compiled({m: (lowered, {**MODES[m], **extra}) for m in modes}, devices, device)
+    # A train step: each of its programs traced and compiled as the step does for each mode.
+    reports = {}
+    for name in ("recorded", "first"):
+        lowerings, devices = {}, 1
+        for mode in modes:
+            program, options = programs(fn, MODES[mode])[name]
+            lowered, devices = lower(program, args, kwargs, device)
+            lowerings[mode] = (lowered, {**options, **extra})
+        reports[name] = _compiled(lowerings, devices, device)
+    return dataclasses.replace(reports["recorded"], first_steps=reports["first"])
+
+
+def _compiled(lowerings: dict[str, tuple[Any, dict[str, Any]]], devices: int, device: Any):
+    """The `Inspection` of a program lowered for `device` (`devices` of them), per mode: its
+    lowering and the options it compiles with."""
+    gemms, memory, traffic, collectives, cost = {}, {}, {}, {}, {}
+    for mode, (lowered, options) in lowerings.items():
+        compiled, module, kernels = compile_with_ptx(lowered, options)
         gemms[mode] = hlo_gemms(module, mode, kernels)
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(module)
         collectives[mode] = hlo_collectives(module)
         cost[mode] = module_cost(module)
-    kind = topology.devices[0].device_kind
+    kind = device.device_kind
     target = f"{devices} x {kind} (deviceless)" if devices > 1 else f"{kind} (deviceless)"
     return Inspection(gemms, memory, target, traffic, collectives, cost)
 
@@ -137,8 +161,8 @@ def assert_all_fp8(
     **kwargs: Any,
 ) -> Inspection:
     """Raise [`fp8jax.Fp8InspectionError`][] listing every GEMM of an fp8jax layer that does
-    not run on FP8 tensor cores (every GEMM of the program, with `strict=True`); return the
-    inspection otherwise.
+    not run on FP8 tensor cores (every GEMM of the program, with `strict=True`; of a train
+    step's both programs); return the inspection otherwise.
 
     `fn` may be a function with its arguments (as for
     [`fp8jax.inspect`][fp8jax.observe.inspect]) or an `Inspection` already made. `modes` are

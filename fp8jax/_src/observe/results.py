@@ -150,7 +150,9 @@ class Inspection:
     but the GEMMs, loops counted once: `cost_analysis()` of a deviceless executable is empty),
     `collectives` (mode -> list of [`fp8jax.Collective`][]), `cost` (mode -> the program's
     [`fp8jax.Cost`][]: GEMM FLOPs per precision and non-GEMM bytes per category, loops counted
-    as often as they run).
+    as often as they run), `first_steps` (for a step of [`fp8jax.make_train_step`][], which
+    runs two programs: this inspection is of the one it runs once every scale is recorded,
+    and `first_steps` of the one before, with delayed scaling's warm start; else `None`).
     """
 
     gemms: dict[str, list[Gemm]]
@@ -159,6 +161,7 @@ class Inspection:
     traffic: dict[str, int] = dataclasses.field(default_factory=dict)
     collectives: dict[str, list[Collective]] = dataclasses.field(default_factory=dict)
     cost: dict[str, Any] = dataclasses.field(default_factory=dict)
+    first_steps: Inspection | None = None
 
     @property
     def deviceless(self) -> bool:
@@ -180,17 +183,20 @@ class Inspection:
 
     def offending(self, strict: bool = False, modes: Iterable[str] | None = None) -> list[Gemm]:
         """GEMMs of fp8jax layers that do not run on FP8 tensor cores (every such GEMM with
-        `strict`), in `modes` (all of this inspection's by default)."""
-        modes = self.gemms if modes is None else modes
+        `strict`), in `modes` (all of this inspection's by default), `first_steps`' too."""
+        modes = tuple(self.gemms if modes is None else modes)
+        first = [] if self.first_steps is None else self.first_steps.offending(strict, modes)
         return [
             g
             for mode in modes
             for g in self.gemms[mode]
             if not g.fp8 and (strict or g.layer is not None)
-        ]
+        ] + first
 
     def __str__(self) -> str:
-        lines = [f"GEMMs of the program, compiled for {self.target}"]
+        program = "the program" if self.first_steps is None else "the train step's program"
+        recorded = "" if self.first_steps is None else " once every scale is recorded"
+        lines = [f"GEMMs of {program}{recorded}, compiled for {self.target}"]
         for mode, gemms in self.gemms.items():
             fp8, total = self.count(mode)
             operands = sum(g.fp8_operands for g in gemms)
@@ -203,4 +209,7 @@ class Inspection:
             if mode in self.memory:
                 temp = getattr(self.memory[mode], "temp_size_in_bytes", None)
                 lines.append(f"  temp memory: {temp} bytes")
+        if self.first_steps is not None:
+            first = str(self.first_steps).split("\n", 1)[1]
+            lines.append(f"\nIts first steps' program (delayed scaling's warm start):{first}")
         return "\n".join(lines)

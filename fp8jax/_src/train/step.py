@@ -140,9 +140,16 @@ class TrainStep(eqx.Module):
 
 @functools.cache
 def _jitted(options: tuple[tuple[str, Any], ...], warm: bool) -> Callable[..., Any]:
-    """The step jitted with these XLA options: with delayed scaling's warm start (`warm`),
-    returning also what `warm_start.recorded_flag` says of the new state, or traced without
-    it once every scale is recorded (`warm_start.once_recorded`)."""
+    """The step jitted with these XLA options (`_program`)."""
+    step = _program(dict(options), warm)
+    return eqx.filter_jit(step, compiler_options=traced_options(dict(options)) or None)
+
+
+def _program(options: dict[str, Any], warm: bool) -> Callable[..., Any]:
+    """The step, `(self, state, *batch)`, traced for an executable compiled with `options`:
+    with delayed scaling's warm start (`warm`), returning also what
+    `warm_start.recorded_flag` says of the new state, or without it, for once every scale is
+    recorded (`warm_start.once_recorded`)."""
 
     def warm_step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[Any, ...]:
         new_state, metrics = _step(self, state, *batch)
@@ -152,8 +159,23 @@ def _jitted(options: tuple[tuple[str, Any], ...], warm: bool) -> Callable[..., A
     step = warm_step if warm else warm_start.once_recorded(_step)
     # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are (and
     # XLA's dot merger is turned off, which would make BF16 GEMMs of those).
-    step = traced_for(dict(options), step)
-    return eqx.filter_jit(step, compiler_options=traced_options(dict(options)) or None)
+    return traced_for(options, step)
+
+
+def programs(
+    train_step: TrainStep, options: Mapping[str, Any]
+) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """The two programs `train_step` runs when compiled with `options`, for the inspector:
+    `"recorded"` (once every scale is recorded, most steps) and `"first"` (while a scale can
+    be unrecorded: delayed scaling's warm start), each as a function of `(state, *batch)`
+    traced as the step traces it, with the options its executable compiles with."""
+    return {
+        name: (
+            functools.partial(_program(dict(options), warm), train_step),
+            traced_options(options),
+        )
+        for name, warm in (("recorded", False), ("first", True))
+    }
 
 
 def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
