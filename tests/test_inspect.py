@@ -164,6 +164,15 @@ def test_a_train_step_is_inspected_as_it_compiles_both_its_programs(h100):
     first.gemms["cublas"][0] = bad
     with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
         fp8jax.assert_all_fp8(report)
+    # Without the warm start the step runs one program, traced for cuBLAS: the kept inverses.
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(warm_start=False))
+    cold = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=jax.random.key(0)), config)
+    one = fp8jax.inspect(train_step, train_step.init(cold), x, modes=("cublas",))
+    assert one.first_steps is None and one.count("cublas") == (10, 10)
+    kernels = [len(r.cost["cublas"].kernels) for r in (one, report, first)]
+    assert kernels[0] == kernels[1] < kernels[2], kernels
+    with pytest.raises(TypeError, match="TrainState first"):
+        fp8jax.inspect(train_step, mlp, x)
 
 
 def test_strict_check_lists_the_high_precision_gemms(h100):

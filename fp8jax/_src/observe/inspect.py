@@ -35,7 +35,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..train.step import TrainStep, programs
+from ..train.step import TrainState, TrainStep, programs
 from .cost import module_cost
 from .deviceless import MODES, h100_topology, lower
 from .gemms import hlo_gemms, stablehlo_gemms
@@ -63,10 +63,12 @@ def inspect(
       [`fp8jax.nnx_train_step`][] or an `nnx.jit` function does: they are compiled as their
       state, which the compiled program returns updated, so the backward pass and the update
       are compiled too, and the objects passed are left as they were. A step of
-      [`fp8jax.make_train_step`][] is compiled as it compiles itself in each mode: the
-      program it runs once every scale is recorded (delayed scaling's kept inverses handed
-      to cuBLASLt in `"cublas"` mode), and the one it runs before as `first_steps`. Called
-      inside a function of yours, it is part of that function's program (its first).
+      [`fp8jax.make_train_step`][] (its `TrainState` first) is compiled as it compiles
+      itself in each mode: the program it runs once every scale is recorded (delayed
+      scaling's kept inverses handed to cuBLASLt in `"cublas"` mode), and the one it runs
+      before as `first_steps`; a step without delayed scaling's warm start runs one program,
+      reported alone. Called inside a function of yours, it is part of that function's
+      program (its first).
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of
@@ -126,14 +128,22 @@ def inspect(
         lowered, devices = lower(fn, args, kwargs, device)
         return _compiled({m: (lowered, {**MODES[m], **extra}) for m in modes}, devices, device)
     # A train step: each of its programs traced and compiled as the step does for each mode.
+    if not args or not isinstance(args[0], TrainState):
+        raise TypeError(
+            f"fp8jax.inspect: a train step takes its fp8jax.TrainState first, not "
+            f"{type(args[0]).__name__ if args else 'nothing'}: inspect(train_step, "
+            "train_step.init(model), *batch)."
+        )
     reports = {}
-    for name in ("recorded", "first"):
+    for name in programs(fn, MODES[modes[0]], args[0]):
         lowerings, devices = {}, 1
         for mode in modes:
-            program, options = programs(fn, MODES[mode])[name]
+            program, options = programs(fn, MODES[mode], args[0])[name]
             lowered, devices = lower(program, args, kwargs, device)
             lowerings[mode] = (lowered, {**options, **extra})
         reports[name] = _compiled(lowerings, devices, device)
+    if "recorded" not in reports:  # a step that never switches: one program
+        return reports["first"]
     return dataclasses.replace(reports["recorded"], first_steps=reports["first"])
 
 

@@ -163,18 +163,20 @@ def _program(options: dict[str, Any], warm: bool) -> Callable[..., Any]:
 
 
 def programs(
-    train_step: TrainStep, options: Mapping[str, Any]
+    train_step: TrainStep, options: Mapping[str, Any], state: TrainState
 ) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
-    """The two programs `train_step` runs when compiled with `options`, for the inspector:
-    `"recorded"` (once every scale is recorded, most steps) and `"first"` (while a scale can
-    be unrecorded: delayed scaling's warm start), each as a function of `(state, *batch)`
-    traced as the step traces it, with the options its executable compiles with."""
+    """The programs `train_step` compiled with `options` runs from `state` (its arrays or
+    their shapes), for the inspector: `"recorded"` (once every scale is recorded), if
+    `state` holds a delayed-scaling state with the warm start, and `"first"` (until then;
+    every step for other states), each as a function of `(state, *batch)` traced as the step
+    traces it, with the options its executable compiles with."""
+    names = (("recorded", False), ("first", True))
     return {
         name: (
             functools.partial(_program(dict(options), warm), train_step),
             traced_options(options),
         )
-        for name, warm in (("recorded", False), ("first", True))
+        for name, warm in names[0 if warm_start.switches(state) else 1 :]
     }
 
 

@@ -44,18 +44,29 @@ WARM_STEPS = 100
 BLOCKING_READS = 2
 
 
-def _warm_scales(tree: Any) -> list[Array]:
-    """The scales of every delayed-scaling state with the warm start in `tree`, flattened."""
+def _warm_states(tree: Any) -> list[TensorState]:
+    """Every delayed-scaling state with the warm start in `tree` (shapes suffice)."""
     ops = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
-    scales = []
+    states = []
     for op in ops:
         if isinstance(op, AbstractFp8Op) and isinstance(op.recipe, DelayedScaling):
             if op.recipe.warm_start:
                 for role in ROLES:
                     state = getattr(op, role)
                     if type(state) is TensorState:
-                        scales.append(jnp.ravel(state.scale))
-    return scales
+                        states.append(state)
+    return states
+
+
+def _warm_scales(tree: Any) -> list[Array]:
+    """The scales of every delayed-scaling state with the warm start in `tree`, flattened."""
+    return [jnp.ravel(state.scale) for state in _warm_states(tree)]
+
+
+def switches(tree: Any) -> bool:
+    """Whether a train step on `tree` can switch to its program without the warm start: it
+    holds a delayed-scaling state with the warm start (`recorded_flag` is not `None`)."""
+    return bool(_warm_states(tree))
 
 
 def scales_recorded(tree: Any) -> Bool[Array, ""]:
