@@ -147,7 +147,9 @@ def inspect(
     return dataclasses.replace(reports["recorded"], first_steps=reports["first"])
 
 
-def _compiled(lowerings: dict[str, tuple[Any, dict[str, Any]]], devices: int, device: Any):
+def _compiled(
+    lowerings: dict[str, tuple[Any, dict[str, Any]]], devices: int, device: Any
+) -> Inspection:
     """The `Inspection` of a program lowered for `device` (`devices` of them), per mode: its
     lowering and the options it compiles with."""
     gemms, memory, traffic, collectives, cost = {}, {}, {}, {}, {}
