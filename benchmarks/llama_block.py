@@ -544,12 +544,17 @@ def split(compiled: Any) -> Split:
     return Split(dict(kernels), dict(bytes_), dict(cost.flops), temp, cost.estimate_seconds())
 
 
-def lower_deviceless(size: str, name: str) -> jax.stages.Lowered:
+def lower_deviceless(
+    size: str, name: str, prepare: Callable[[Any], Any] | None = None
+) -> jax.stages.Lowered:
     """Variant `name` of block `size`, its step (attention the stand-in) lowered for one H100
-    without a GPU."""
+    without a GPU; the block passed through `prepare` inside the step, where given."""
     block, x = arguments(size, name, "stand-in", abstract=True)
+    fn = step(name)
+    if prepare is not None:
+        fn = (lambda inner: lambda block, x: inner(prepare(block), x))(fn)
     topology = deviceless.h100_topology()
-    lowered, _ = deviceless.lower(step(name), (block, x), {}, topology.devices[0])
+    lowered, _ = deviceless.lower(fn, (block, x), {}, topology.devices[0])
     return lowered
 
 

@@ -5,9 +5,10 @@
 XLA's dot merger joins independent dots that share an operand into one dot over the other
 operands concatenated. Two tables, read from the compiled HLO (not timed):
 
-1. **A layer called twice** (`Twice` of tests/test_lowering.py: one 512 -> 512 Linear on two
-   inputs of 1,024 tokens behind a learned gain, so its forwards and dgrads share the weight's
-   FP8 copy) and **a step over 2 microbatches** (`fp8jax.examples.gpt.MLP(512)` through
+1. **A layer called twice** (`Twice`: one 512 -> 512 Linear on two inputs of 1,024 tokens
+   behind a learned gain, so its forwards and dgrads share the weight's FP8 copy; the steps
+   are tests/test_lowering.py's `shared_weight_step`) and **a step over 2 microbatches**
+   (`fp8jax.examples.gpt.MLP(512)` through
    `fp8jax.accumulate_gradients`, 2,048 tokens: XLA unrolls so short a scan, and each weight's
    FP8 copy serves both microbatches), per recipe, in the train step's first program
    (`warm`) and in its program once every scale is recorded (`steady`, inside
@@ -26,29 +27,23 @@ operands concatenated. Two tables, read from the compiled HLO (not timed):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import llama_block  # noqa: E402
-from test_lowering import Twice  # noqa: E402
+from test_lowering import shared_weight_step  # noqa: E402
 from train_steps import table  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.core.compile_options import traced_for, traced_options  # noqa: E402
-from fp8jax._src.observe import deviceless  # noqa: E402
-from fp8jax._src.recipes.per_tensor import skip_warm_start  # noqa: E402
-from fp8jax.examples.gpt import MLP  # noqa: E402
 
 RECIPES = {
     "delayed": fp8jax.DelayedScaling(),
@@ -63,40 +58,18 @@ OPTIONS = {"merger on": GPU, "merger off (train steps now)": traced_options(GPU)
 TIED = "-tied"
 
 
-CASES = ("layer called twice", "2 microbatches")
-
-
-def case_step(case: str, steady: bool) -> Callable:
-    """A train step (gradient, merge) of `case`'s model, traced as `make_train_step` traces
-    its first program, or (`steady`) its program once every scale is recorded."""
-
-    def mse(m, x):
-        return jnp.mean(m(x).astype(jnp.float32) ** 2)
-
-    def step(model, *args):
-        with skip_warm_start(recorded=True) if steady else contextlib.nullcontext():
-            if case == CASES[0]:
-                grads = fp8jax.filter_grad(lambda m: m(*args))(model)
-            else:
-                _, grads = fp8jax.accumulate_gradients(mse, 2)(model, *args)
-            overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
-            return fp8jax.apply_updates(model, grads, overwrites)
-
-    return traced_for(GPU, step)
+#: The cases (tests/test_lowering.py's `shared_weight_step`), as the tables name them.
+CASES = {"layer called twice": "layer-called-twice", "2 microbatches": "microbatches"}
 
 
 def case_gemms(case: str, recipe: fp8jax.Recipe, steady: bool, options: dict[str, Any]) -> str:
-    """The GEMMs of `case`'s step with `recipe`, compiled with `options`: `8` or `b` each."""
-    config = fp8jax.Fp8Config(recipe=recipe, exclude=None)
-    if case == CASES[0]:
-        fc = eqx.nn.Linear(512, 512, use_bias=False, key=jax.random.key(0), dtype=jnp.bfloat16)
-        model = fp8jax.fp8_linear_layers(Twice(jnp.ones(512, jnp.bfloat16), fc), config)
-        args = (jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),) * 2
-    else:
-        model = fp8jax.fp8_linear_layers(MLP(512, 1, False, key=jax.random.key(0)), config)
-        args = (jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16),)
-    step = case_step(case, steady)
-    report = fp8jax.inspect(step, model, *args, modes=("cublas",), compiler_options=options)
+    """The GEMMs of `case`'s step with `recipe` (its first program, or with `steady` the one
+    once every scale is recorded), traced for cuBLAS as `make_train_step` traces it and
+    compiled with `options`: `8` or `b` each."""
+    model, args, step, _ = shared_weight_step(CASES[case], jax.random.key(0), recipe, steady)
+    report = fp8jax.inspect(
+        traced_for(GPU, step), model, *args, modes=("cublas",), compiler_options=options
+    )
     return "".join("8" if g.fp8 else "b" for g in report.gemms["cublas"])
 
 
@@ -110,12 +83,8 @@ def tie(block: Any) -> Any:
 def llama_split(size: str, name: str, options: dict[str, Any]) -> llama_block.Split:
     """`llama_block`'s variant `name` (`TIED` appended: its states tied by `tie` inside the
     step) of block `size`, compiled for an H100 with `options`."""
-    base = name.removesuffix(TIED)
-    step = llama_block.step(base)
-    if name.endswith(TIED):
-        step = (lambda inner: lambda block, x: inner(tie(block), x))(step)
-    block, x = llama_block.arguments(size, base, "stand-in", abstract=True)
-    lowered, _ = deviceless.lower(step, (block, x), {}, deviceless.h100_topology().devices[0])
+    prepare = tie if name.endswith(TIED) else None
+    lowered = llama_block.lower_deviceless(size, name.removesuffix(TIED), prepare)
     return llama_block.split(lowered.compile(compiler_options=options))
 
 

@@ -220,15 +220,19 @@ class Twice(eqx.Module):
         return jnp.mean(ya.astype(jnp.float32) * yb.astype(jnp.float32))
 
 
-def _shared_weight_step(case, key):
+def shared_weight_step(case, key, recipe=None, steady=True):
     """A model, its input and the step (gradient and merge, as the train steps' program once
-    every scale is recorded) of a `case` whose GEMMs share an FP8 weight: `Twice`, or an MLP
-    through `accumulate_gradients` over 2 microbatches (XLA unrolls so short a scan: each
-    weight's FP8 copy is one for both), and the number of GEMMs the step runs."""
+    every scale is recorded, or with `steady=False` their first) of a `case` whose GEMMs
+    share an FP8 weight: `Twice`, or an MLP through `accumulate_gradients` over 2
+    microbatches (XLA unrolls so short a scan: each weight's FP8 copy is one for both), every
+    Linear `recipe` (delayed scaling by default), and the number of GEMMs the step runs.
+    Also benchmarks/shared_operands.py's."""
+    import contextlib
+
     from fp8jax._src.recipes.per_tensor import skip_warm_start
     from fp8jax.examples.gpt import MLP
 
-    config = fp8jax.Fp8Config(exclude=None)
+    config = fp8jax.Fp8Config(recipe=recipe or fp8jax.DelayedScaling(), exclude=None)
     if case == "layer-called-twice":
         fc = eqx.nn.Linear(512, 512, use_bias=False, key=key, dtype=jnp.bfloat16)
         model = fp8jax.fp8_linear_layers(Twice(jnp.ones(512, jnp.bfloat16), fc), config)
@@ -241,7 +245,7 @@ def _shared_weight_step(case, key):
         args, gemms = (jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16),), 10
 
     def step(model, *args):
-        with skip_warm_start(recorded=True):
+        with skip_warm_start(recorded=True) if steady else contextlib.nullcontext():
             overwrites, grads = fp8jax.partition_for_grad_overwrite(grad(model, *args))
             return fp8jax.apply_updates(model, grads, overwrites)
 
@@ -258,7 +262,7 @@ def test_gemms_sharing_a_weight_stay_fp8_in_the_steady_train_step_on_h100(getkey
     with the merger off (`traced_options`): every GEMM FP8 (cuBLAS mode, deviceless H100)."""
     from fp8jax._src.core.compile_options import traced_for, traced_options
 
-    model, args, step, count = _shared_weight_step(case, getkey())
+    model, args, step, count = shared_weight_step(case, getkey())
     options = fp8jax.gpu_compiler_options()
     gemms = {
         name: fp8jax.inspect(

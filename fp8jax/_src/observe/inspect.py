@@ -134,11 +134,12 @@ def inspect(
             f"{type(args[0]).__name__ if args else 'nothing'}: inspect(train_step, "
             "train_step.init(model), *batch)."
         )
+    by_mode = {mode: programs(fn, MODES[mode], args[0]) for mode in modes}
     reports = {}
-    for name in programs(fn, MODES[modes[0]], args[0]):
+    for name in by_mode[modes[0]]:
         lowerings, devices = {}, 1
         for mode in modes:
-            program, options = programs(fn, MODES[mode], args[0])[name]
+            program, options = by_mode[mode][name]
             lowered, devices = lower(program, args, kwargs, device)
             lowerings[mode] = (lowered, {**options, **extra})
         reports[name] = _compiled(lowerings, devices, device)

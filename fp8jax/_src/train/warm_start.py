@@ -134,7 +134,7 @@ def _skipping(fn: Callable[P, R], recorded: bool) -> Callable[P, R]:
 def recorded_flag(tree: Any) -> Bool[Array, ""] | None:
     """`scales_recorded(tree)`, or `None` where `tree` holds no delayed-scaling state with
     the warm start (nothing to switch off: a step keeps the program it has)."""
-    return scales_recorded(tree) if _warm_scales(tree) else None
+    return scales_recorded(tree) if switches(tree) else None
 
 
 class Lineage(NamedTuple):
