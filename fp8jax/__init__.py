@@ -59,6 +59,8 @@ from ._src.observe.telemetry import report as report
 from ._src.observe.telemetry import telemetry as telemetry
 from ._src.ops.dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._src.ops.ragged_dot import Fp8RaggedDot as Fp8RaggedDot
+from ._src.ops.warm_start import scales_recorded as scales_recorded
+from ._src.ops.warm_start import without_warm_start as without_warm_start
 from ._src.recipes import MXFP8 as MXFP8
 from ._src.recipes import BlockScaledRecipe as BlockScaledRecipe
 from ._src.recipes import BlockwiseScaling as BlockwiseScaling
@@ -90,8 +92,6 @@ from ._src.train.step import StepMetrics as StepMetrics
 from ._src.train.step import TrainState as TrainState
 from ._src.train.step import TrainStep as TrainStep
 from ._src.train.step import make_train_step as make_train_step
-from ._src.train.warm_start import scales_recorded as scales_recorded
-from ._src.train.warm_start import without_warm_start as without_warm_start
 
 if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `linen` extra)
     from ._src.convert.linen.convert import Fp8Linen as Fp8Linen
@@ -101,6 +101,7 @@ if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `l
     from ._src.convert.nnx.layers import Fp8NnxDotGeneral as Fp8NnxDotGeneral
     from ._src.convert.nnx.layers import Fp8NnxEinsum as Fp8NnxEinsum
     from ._src.convert.nnx.layers import Fp8State as Fp8State
+    from ._src.convert.nnx.train import NnxTrainStep as NnxTrainStep
     from ._src.convert.nnx.train import nnx_train_step as nnx_train_step
     from ._src.convert.nnx.train import nnx_update_fp8_state as nnx_update_fp8_state
     from ._src.convert.nnx.train import nnx_value_and_grad as nnx_value_and_grad
@@ -115,6 +116,7 @@ _FLAX_NAMES = {
     "NnxGroupedLinear": "nnx.grouped",
     "Fp8NnxEinsum": "nnx.layers",
     "Fp8State": "nnx.layers",
+    "NnxTrainStep": "nnx.train",
     "nnx_train_step": "nnx.train",
     "nnx_update_fp8_state": "nnx.train",
     "nnx_value_and_grad": "nnx.train",
@@ -181,6 +183,7 @@ __all__ = [
     "Linear",
     "LossScale",
     "NnxGroupedLinear",
+    "NnxTrainStep",
     "NoOpLossScale",
     "OperandStats",
     "OperandTelemetry",

@@ -542,7 +542,9 @@ def test_telemetry_and_a_checkpoint_of_the_train_state(tmp_path):
     state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
     loss = lambda v: jnp.mean(model.apply(v, x) ** 2)  # noqa: E731
     _, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+    assert not bool(fp8jax.scales_recorded(state.params))  # the variables, as for a loop's
     state = state.apply_gradients(grads=grads)
+    assert bool(fp8jax.scales_recorded(state.params))
     stats = fp8jax.telemetry(state.params)
     assert list(stats) == ["fc1", "fc2"]
     assert float(stats["fc1"].input.amax) == float(abs(x).max())

@@ -349,6 +349,97 @@ def test_train_step_traces_for_its_options(tmp_path):
     assert dumped and all("xla_gpu_dot_merger_threshold_mb: 0" in text for text in dumped)
 
 
+@pytest.mark.parametrize("cublas_mode", [False, True], ids=["xla-defaults", "cublas-mode"])
+def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(monkeypatch, cublas_mode):
+    """As `make_train_step`'s (tests/test_warm_start_switch.py): after `WARM_STEPS` steps
+    (here 1) with the warm start, the steps run the program without it (one trace each), bit
+    for bit steps that all keep it. A model whose FP8 state was set since its last step (a
+    checkpoint restored, a layer's state emptied) runs the warm start again: with the other
+    program, an emptied scale would multiply the layer's input by zero."""
+    from fp8jax._src.ops import warm_start
+    from fp8jax._src.recipes.per_tensor import warm_start_skipped
+
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
+    rng = np.random.default_rng(13)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    traced = []
+
+    def loss(model, x, y):
+        traced.append(warm_start_skipped())
+        return mse(model, x, y)
+
+    tx = optax.adam(1e-2)  # one, as the optimizer is static to the step: the same program
+
+    def fresh():
+        model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def bits(*trees):
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(trees)]
+
+    options = {**SAME_BITS, **(fp8jax.gpu_compiler_options() if cublas_mode else {})}
+    step = fp8jax.nnx_train_step(loss, compiler_options=options)
+    model, optimizer = fresh()
+    assert not bool(fp8jax.scales_recorded(model))  # read on an NNX model too
+    losses = [step(model, optimizer, x, y) for _ in range(3)]
+    assert traced == [False, True] and bool(fp8jax.scales_recorded(model))
+    # The reference: each step after its FP8 state was restored (copies of its arrays).
+    ref, ref_optimizer = fresh()
+    ref_losses = []
+    for _ in range(3):
+        nnx.update(ref, jax.tree.map(jnp.copy, nnx.state(ref, fp8jax.Fp8State)))
+        ref_losses.append(step(ref, ref_optimizer, x, y))
+    assert traced == [False, True]  # no new trace: the warm program, as in the first step
+    assert bits(losses, nnx.state(model)) == bits(ref_losses, nnx.state(ref))
+    # One layer's state emptied: the warm start again, as for a copy of the model.
+    for m in (model, ref):
+        value = m.fc1.dot_general.value()
+        m.fc1.dot_general.set_value(
+            eqx.tree_at(lambda d: d.input.scale, value, jnp.zeros_like(value.input.scale))
+        )
+    copy, copy_optimizer = nnx.clone((ref, ref_optimizer))
+    assert bits(step(model, optimizer, x, y), nnx.state(model)) == bits(
+        step(copy, copy_optimizer, x, y), nnx.state(copy)
+    )
+    assert traced == [False, True]
+
+
+def test_train_step_is_inspected_as_it_compiles_both_its_programs():
+    """`inspect(step, model, optimizer, ...)` of an `nnx_train_step` compiles its programs as
+    the step does: once every scale is recorded (kept inverses, XLA's dot merger off) and,
+    as `first_steps`, before. A layer called twice shares its weight's FP8 copy between 2
+    forwards and 2 dgrads: 6 FP8 GEMMs in each program, where the step inside a caller's own
+    `jit` (its first program, merger on) is inspected with some of them merged."""
+    h100_topology()
+
+    class Twice(nnx.Module):
+        def __init__(self, rngs):
+            self.gain = nnx.Param(jnp.ones(512, jnp.bfloat16))
+            self.fc = nnx.Linear(512, 512, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, a, b):
+            ya, yb = (self.fc(x * self.gain) for x in (a, b))
+            return jnp.mean(ya.astype(jnp.float32) * yb.astype(jnp.float32))
+
+    def build():
+        model = fp8jax.fp8_linear_layers(Twice(nnx.Rngs(0)), config())
+        return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    step = fp8jax.nnx_train_step(lambda m, a, b: m(a, b))
+    report = fp8jax.assert_all_fp8(fp8jax.inspect(step, model, optimizer, x, x, modes=("cublas",)))
+    first = report.first_steps
+    assert report.count("cublas") == first.count("cublas") == (6, 6)
+    assert len(report.cost["cublas"].kernels) < len(first.cost["cublas"].kernels)
+    assert gemm_counts(report) == {"fc": {"fwd": 2, "dgrad": 2, "wgrad": 2}}
+    own_jit = fp8jax.inspect(lambda *args: step(*args), model, optimizer, x, x, modes=("cublas",))
+    assert own_jit.first_steps is None and own_jit.count("cublas")[0] < 6
+    with pytest.raises(TypeError, match="model and its nnx.Optimizer first"):
+        fp8jax.inspect(step, model)
+
+
 # --- the optimizer never touches FP8 state --------------------------------------------------
 
 

@@ -11,12 +11,12 @@ from helpers import SAME_BITS
 
 import fp8jax
 from fp8jax._src.core.compile_options import is_cublas_traced
+from fp8jax._src.ops import warm_start
 from fp8jax._src.recipes.per_tensor import (
     scales_known_recorded,
     skip_warm_start,
     warm_start_skipped,
 )
-from fp8jax._src.train import warm_start
 
 
 def bits(tree):

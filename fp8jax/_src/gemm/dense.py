@@ -428,5 +428,10 @@ def fp8_dot_general(
     layout = Layout.of(dimension_numbers, lhs.shape, rhs.shape)
     _check_kernel_state(states.kernel, layout, name)
     gemm = _gemm(recipe, precision, static)
-    out = fp8_gemm(gemm, static, layout.lhs(lhs), layout.rhs(rhs), (), states)
-    return layout.out(out)
+    # Named for the backward: the transposes of these layout changes lay out the dgrad's and
+    # the wgrad's outputs, and a GEMM into which XLA folds such a transpose takes its name.
+    with jax.named_scope("dgrad"):
+        x = layout.lhs(lhs)
+    with jax.named_scope("wgrad"):
+        w = layout.rhs(rhs)
+    return layout.out(fp8_gemm(gemm, static, x, w, (), states))

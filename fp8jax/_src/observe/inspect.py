@@ -32,6 +32,7 @@ reported.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -63,7 +64,8 @@ def inspect(
       [`fp8jax.nnx_train_step`][] or an `nnx.jit` function does: they are compiled as their
       state, which the compiled program returns updated, so the backward pass and the update
       are compiled too, and the objects passed are left as they were. A step of
-      [`fp8jax.make_train_step`][] (its `TrainState` first) is compiled as it compiles
+      [`fp8jax.make_train_step`][] (its `TrainState` first) or of
+      [`fp8jax.nnx_train_step`][] (its model and optimizer first) is compiled as it compiles
       itself in each mode: the program it runs once every scale is recorded (delayed
       scaling's kept inverses handed to cuBLASLt in `"cublas"` mode), and the one it runs
       before as `first_steps`; a step without delayed scaling's warm start runs one program,
@@ -124,17 +126,12 @@ def inspect(
             filter(None, [extra.get("xla_disable_hlo_passes", ""), "dot-merger"])
         )
     device = topology.devices[0]
-    if not isinstance(fn, TrainStep):
+    step_programs = _step_programs(fn, args)
+    if step_programs is None:
         lowered, devices = lower(fn, args, kwargs, device)
         return _compiled({m: (lowered, {**MODES[m], **extra}) for m in modes}, devices, device)
     # A train step: each of its programs traced and compiled as the step does for each mode.
-    if not args or not isinstance(args[0], TrainState):
-        raise TypeError(
-            f"fp8jax.inspect: a train step takes its fp8jax.TrainState first, not "
-            f"{type(args[0]).__name__ if args else 'nothing'}: inspect(train_step, "
-            "train_step.init(model), *batch)."
-        )
-    by_mode = {mode: programs(fn, MODES[mode], args[0]) for mode in modes}
+    by_mode = {mode: step_programs(MODES[mode]) for mode in modes}
     reports = {}
     for name in by_mode[modes[0]]:
         lowerings, devices = {}, 1
@@ -146,6 +143,34 @@ def inspect(
     if "recorded" not in reports:  # a step that never switches: one program
         return reports["first"]
     return dataclasses.replace(reports["recorded"], first_steps=reports["first"])
+
+
+def _step_programs(fn: Callable, args: tuple) -> Callable[[dict[str, Any]], dict] | None:
+    """For a train step of fp8jax (`make_train_step`'s, `nnx_train_step`'s), its programs on
+    `args` compiled with given options (`train.step.programs`, `NnxTrainStep.programs`);
+    `None` for any other function."""
+    if isinstance(fn, TrainStep):
+        if not args or not isinstance(args[0], TrainState):
+            raise TypeError(
+                f"fp8jax.inspect: a train step takes its fp8jax.TrainState first, not "
+                f"{type(args[0]).__name__ if args else 'nothing'}: inspect(train_step, "
+                "train_step.init(model), *batch)."
+            )
+        return lambda options: programs(fn, options, args[0])
+    # An NNX step exists only once its module (which imports Flax) was imported.
+    if "fp8jax._src.convert.nnx.train" not in sys.modules:
+        return None
+    from ..convert.nnx.train import NnxTrainStep
+
+    if not isinstance(fn, NnxTrainStep):
+        return None
+    if len(args) < 2:
+        raise TypeError(
+            f"fp8jax.inspect: an NNX train step takes the model and its nnx.Optimizer first, "
+            f"then its arguments; got {len(args)} argument(s): inspect(step, model, "
+            "optimizer, *args)."
+        )
+    return lambda options: fn.programs(options, args[0])
 
 
 def _compiled(

@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
-from . import warm_start
+from ..ops import warm_start
 from .accumulate import accumulate_gradients, check_unroll
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
@@ -128,13 +128,13 @@ class TrainStep(eqx.Module):
         # another transformation) the step is part of the caller's executable.
         if jax_private.tracing():
             return _jitted((), warm=True)(self, state, *batch)[:2]
-        recorded, lineage = warm_start.read(state)
+        recorded, lineage = warm_start.read((state,))
         if recorded:
             new_state, metrics = _jitted(self.compiler_options, warm=False)(self, state, *batch)
-            warm_start.remember(new_state, lineage._replace(said=True))
+            warm_start.remember((new_state,), lineage._replace(said=True))
             return new_state, metrics
         new_state, metrics, said = _jitted(self.compiler_options, warm=True)(self, state, *batch)
-        warm_start.remember(new_state, lineage._replace(said=said))
+        warm_start.remember((new_state,), lineage._replace(said=said))
         return new_state, metrics
 
 

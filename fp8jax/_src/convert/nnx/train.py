@@ -1,23 +1,31 @@
 """Training FP8 Flax NNX models: gradients whose FP8 state combines by max
 (`nnx_value_and_grad`), the state written back (`nnx_update_fp8_state`), a whole train step
-(`nnx_train_step`)."""
+(`nnx_train_step`, an `NnxTrainStep`)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, final
 
 import jax
 from flax import nnx
 
 from ...core import jax_private
 from ...core.compile_options import checked_compiler_options, traced_for, traced_options
+from ...ops import warm_start
+from ...ops.dot_general import Fp8DotGeneral
 from .layers import AbstractFp8NnxDot, Fp8State, is_variable
 
 
 def _fp8_variables(tree: Any) -> list[Fp8State]:
     return [node for _, node in nnx.iter_graph(tree, graph=True) if isinstance(node, Fp8State)]
+
+
+def _fp8_ops(model: Any) -> list[Fp8DotGeneral]:
+    """The op of every FP8 layer of `model`, holding its variables' current values."""
+    nodes = nnx.iter_graph(model, graph=True)
+    return [node.value() for _, node in nodes if isinstance(node, AbstractFp8NnxDot)]
 
 
 def nnx_value_and_grad(
@@ -166,7 +174,7 @@ def nnx_train_step(
     *,
     has_aux: bool = False,
     compiler_options: Mapping[str, Any] | None = None,
-) -> Callable[..., Any]:
+) -> NnxTrainStep:
     """A jitted NNX train step for an FP8 model: gradients, FP8 state, optimizer.
 
     `step(model, optimizer, *args, **kwargs)` differentiates `loss_fn(model, *args,
@@ -177,6 +185,14 @@ def nnx_train_step(
     NNX does; so are variables of NNX objects among the arguments. Arrays among the
     arguments are traced, other values are static (a new value recompiles).
 
+    Delayed scaling's warm start is paid only while it can change anything, as in
+    [`fp8jax.TrainStep`][]: from the hundredth step on, once every
+    [`fp8jax.DelayedScaling`][] state of the model holds a scale (read on the host: one
+    wait for the step before to finish), the steps run a program traced without it
+    ([`fp8jax.without_warm_start`][]): the same values, without each cast waiting for its
+    operand's amax. A model whose FP8 state was set from elsewhere since the last step (a
+    checkpoint restored, a layer's state replaced) starts with the warm start again.
+
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, *args, **kwargs)`, a scalar.
@@ -186,9 +202,10 @@ def nnx_train_step(
       with Triton GEMMs off, XLA's dot merger off unless you set it: it would make BF16
       GEMMs of FP8 ones that share a weight). `{}` compiles with XLA's defaults. A step
       called inside your own `jax.jit` / `nnx.jit` is part of your executable, which has
-      your options.
+      your options, and keeps the warm start.
 
-    Raises `ValueError` if the optimizer tracks `Fp8State` (its `wrt` must exclude it).
+    **Returns:** an [`fp8jax.NnxTrainStep`][]. Calling it raises `ValueError` if the
+    optimizer tracks `Fp8State` (its `wrt` must exclude it).
 
     ```python
     model = fp8jax.fp8_linear_layers(model)
@@ -204,30 +221,36 @@ def nnx_train_step(
     if not isinstance(has_aux, bool):
         raise TypeError(f"nnx_train_step: has_aux={has_aux!r} should be True or False.")
     compiler_options = checked_compiler_options("nnx_train_step", compiler_options)
+    return NnxTrainStep(loss_fn, has_aux, compiler_options)
 
-    def pure(graphdef: Any, state: Any) -> tuple[Any, Any]:
-        objects = nnx.merge(graphdef, state)
-        model, optimizer, args, kwargs = objects
-        _check_optimizer(model, optimizer)
-        grad_fn = nnx_value_and_grad(loss_fn, wrt=optimizer.wrt, has_aux=has_aux)
-        value, grads = grad_fn(model, *args, **kwargs)
-        nnx_update_fp8_state(model, grads)
-        optimizer.update(model, grads)
-        return value, nnx.state(objects, nnx.Variable, graph=True)
 
-    # jit's compiler options belong to a top-level executable: inside another trace, the plain
-    # version joins the caller's.
-    inner = jax.jit(pure, static_argnums=0)
-    # Traced for its options: with Triton GEMMs off, delayed scaling's kept inverses reach
-    # cuBLASLt as they are, XLA's dot merger off (`compile_options.traced_for`).
-    top = jax.jit(
-        traced_for(compiler_options, pure),
-        static_argnums=0,
-        compiler_options=traced_options(compiler_options) or None,
-    )
+@final
+class NnxTrainStep:
+    """A jitted NNX train step; build it with [`fp8jax.nnx_train_step`][], call it as
+    `step(model, optimizer, *args, **kwargs)`, which returns the loss."""
 
-    @functools.wraps(loss_fn)
-    def step(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def __init__(
+        self, loss_fn: Callable[..., Any], has_aux: bool, compiler_options: Mapping[str, Any]
+    ):
+        self.loss_fn = loss_fn
+        self.has_aux = has_aux
+        self.compiler_options = dict(compiler_options)
+        # jit's compiler options belong to a top-level executable: inside another trace, the
+        # plain version joins the caller's.
+        self._inner = jax.jit(self._pure(warm=True), static_argnums=0)
+        self._jitted = {
+            warm: jax.jit(
+                self._program(self.compiler_options, warm),
+                static_argnums=0,
+                compiler_options=traced_options(self.compiler_options) or None,
+            )
+            for warm in (True, False)
+        }
+
+    def __repr__(self) -> str:
+        return f"NnxTrainStep({self.loss_fn!r}, has_aux={self.has_aux})"
+
+    def __call__(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
                 f"nnx_train_step: optimizer={type(optimizer).__name__}: should be an "
@@ -235,8 +258,70 @@ def nnx_train_step(
             )
         objects = (model, optimizer, args, kwargs)
         graphdef, state = nnx.split(objects, graph=True)
-        value, new_state = (inner if jax_private.tracing() else top)(graphdef, state)
+        if jax_private.tracing():
+            value, new_state, _ = self._inner(graphdef, state)
+            nnx.update(objects, new_state)
+            return value
+        scales = warm_start.warm_scales(_fp8_ops(model))
+        recorded, lineage = warm_start.read(scales) if scales else (False, None)
+        warm = not recorded
+        value, new_state, said = self._jitted[warm](graphdef, state)
         nnx.update(objects, new_state)
+        if lineage is not None:
+            new_scales = warm_start.warm_scales(_fp8_ops(model))
+            warm_start.remember(new_scales, lineage._replace(said=said if warm else True))
         return value
 
-    return step
+    def programs(
+        self, options: Mapping[str, Any], model: Any
+    ) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+        """The programs this step compiled with `options` runs on `model` (its arrays or
+        their shapes), for the inspector, as `fp8jax.TrainStep`'s (`train.step.programs`):
+        `"recorded"` if `model` holds a delayed-scaling state with the warm start, and
+        `"first"`, each as a function of `(model, optimizer, *args, **kwargs)` traced as the
+        step traces it, with the options its executable compiles with."""
+        names = (("recorded", False), ("first", True))
+        switches = warm_start.switches(_fp8_ops(model))
+        return {
+            name: (self._updating(self._program(dict(options), warm)), traced_options(options))
+            for name, warm in names[0 if switches else 1 :]
+        }
+
+    def _pure(self, warm: bool) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
+        """The step on the split objects, `(graphdef, state)`: it returns the loss, their
+        new state, and with the warm start (`warm`) what `warm_start.recorded_flag` says of
+        the new FP8 state."""
+
+        def pure(graphdef: Any, state: Any) -> tuple[Any, Any, Any]:
+            objects = nnx.merge(graphdef, state)
+            model, optimizer, args, kwargs = objects
+            _check_optimizer(model, optimizer)
+            grad_fn = nnx_value_and_grad(self.loss_fn, wrt=optimizer.wrt, has_aux=self.has_aux)
+            value, grads = grad_fn(model, *args, **kwargs)
+            nnx_update_fp8_state(model, grads)
+            optimizer.update(model, grads)
+            said = warm_start.recorded_flag(_fp8_ops(model)) if warm else None
+            return value, nnx.state(objects, nnx.Variable, graph=True), said
+
+        return pure
+
+    def _program(self, options: dict[str, Any], warm: bool) -> Callable[..., Any]:
+        """`_pure` traced for an executable compiled with `options`: with the warm start, or
+        without it for once every scale is recorded (`warm_start.once_recorded`); with Triton
+        GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are, XLA's dot
+        merger off (`compile_options.traced_for`)."""
+        pure = self._pure(warm)
+        return traced_for(options, pure if warm else warm_start.once_recorded(pure))
+
+    @staticmethod
+    def _updating(program: Callable[..., Any]) -> Callable[..., Any]:
+        """`program` as a function of the objects themselves, updating them in place."""
+
+        def step(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            objects = (model, optimizer, args, kwargs)
+            graphdef, state = nnx.split(objects, graph=True)
+            value, new_state, _ = program(graphdef, state)
+            nnx.update(objects, new_state)
+            return value
+
+        return step

@@ -4,32 +4,32 @@ A [`fp8jax.DelayedScaling`][] state with the warm start scales its operand by th
 own amax while it holds no scale yet (its first step), so every cast waits for that amax:
 XLA reads each operand twice, in every step, though from the first recorded amax on the
 state's scale is used anyway: a Llama-3-8B block's train step compiled for an H100 takes
-129 kernels with it and 98 without (`benchmarks/RESULTS.md`, issue 38).
+129 kernels with it and 100 without (`benchmarks/RESULTS.md`, issue 38).
 
 [`fp8jax.scales_recorded`][] says on the device whether every such state holds a scale;
 [`fp8jax.without_warm_start`][] traces a function with the warm start skipped (each state
 cast by its scale alone, as with `warm_start=False`): once every scale is recorded, the
 values the warm start computes (bit for bit where XLA rounds each expression alike in both
 programs, as on a CPU under `tests/helpers.SAME_BITS`; another fusion of the same
-expression may move a last bit, as any recompilation may). [`fp8jax.TrainStep`][]
-switches to such a program by itself (`TrainStep`'s `__call__`, with `read` and `remember`
-here).
+expression may move a last bit, as any recompilation may). [`fp8jax.TrainStep`][] and
+[`fp8jax.nnx_train_step`][]'s steps switch to such a program by themselves (with `read` and
+`remember` here).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
-from ..ops.base import AbstractFp8Op
 from ..recipes.base import ROLES, TensorState
 from ..recipes.per_tensor import DelayedScaling, skip_warm_start
+from .base import AbstractFp8Op
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,9 +58,10 @@ def _warm_states(tree: Any) -> list[TensorState]:
     return states
 
 
-def _warm_scales(tree: Any) -> list[Array]:
-    """The scales of every delayed-scaling state with the warm start in `tree`, flattened."""
-    return [jnp.ravel(state.scale) for state in _warm_states(tree)]
+def warm_scales(tree: Any) -> list[Array]:
+    """The scale arrays of every delayed-scaling state with the warm start in `tree`, as
+    they are (the objects a step's `remember` and `read` take for an NNX model's state)."""
+    return [state.scale for state in _warm_states(tree)]
 
 
 def switches(tree: Any) -> bool:
@@ -75,10 +76,10 @@ def scales_recorded(tree: Any) -> Bool[Array, ""]:
     warm start changes nothing, and a step traced by [`fp8jax.without_warm_start`][] computes
     the same, faster. A state holds none before its first step, nor while its operand was
     all zeros (a gradient that is zero in the first steps), nor, per expert, for an expert
-    that got no token yet. `True` for a tree with no such state. Flax Linen and NNX keep
-    their FP8 state in variables, which this does not read.
+    that got no token yet. `True` for a tree with no such state. A Flax Linen model's
+    variables and a Flax NNX model are read alike (their FP8 state holds the same ops).
     """
-    scales = _warm_scales(tree)
+    scales = [jnp.ravel(scale) for scale in warm_scales(tree)]
     if not scales:
         return jnp.asarray(True)
     return jnp.all(jnp.concatenate(scales) > 0.0)
@@ -147,25 +148,34 @@ class Lineage(NamedTuple):
     steps: int = 0
 
 
-#: id(state returned by a step) -> its `Lineage`. An entry leaves with its state.
-_SAID: dict[int, Lineage] = {}
+#: ids of the objects a step returned -> (weak references to them, their `Lineage`). An
+#: entry leaves with its first object.
+_SAID: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], Lineage]] = {}
 
 
-def remember(state: Any, lineage: Lineage) -> None:
-    """Keep `lineage` for the state a step returned, for `read` on the next step."""
-    key = id(state)
-    _SAID[key] = lineage
-    weakref.finalize(state, _SAID.pop, key, None)
+def remember(objects: Sequence[Any], lineage: Lineage) -> None:
+    """Keep `lineage` for the state a step returned, for `read` on the next step: `objects`
+    stand for that state (a `TrainState`; the scale arrays of an NNX model's warm states,
+    `warm_scales`), each held weakly."""
+    objects = tuple(objects)
+    key = tuple(map(id, objects))
+    _SAID[key] = (tuple(map(weakref.ref, objects)), lineage)
+    weakref.finalize(objects[0], _SAID.pop, key, None)
 
 
-def read(state: Any) -> tuple[bool, Lineage]:
-    """Whether `state`, as returned by the step before, has every scale recorded (the next
-    step may skip the warm start), and the `Lineage` the state this step returns continues
-    (its `said` to be filled in). A state from elsewhere (`init`, a checkpoint, a tree
-    changed between steps) starts a lineage. Before `WARM_STEPS` steps of a lineage nothing
-    is read; then a device answer is read once it is computed, or waited for while blocking
-    reads are left (one wait, for the step before to finish)."""
-    known = _SAID.get(id(state), Lineage())
+def read(objects: Sequence[Any]) -> tuple[bool, Lineage]:
+    """Whether the state `objects` stand for, as returned by the step before, has every
+    scale recorded (the next step may skip the warm start), and the `Lineage` the state this
+    step returns continues (its `said` to be filled in). A state from elsewhere (`init`, a
+    checkpoint, a tree changed between steps: any of `objects` not the one a step returned)
+    starts a lineage. Before `WARM_STEPS` steps of a lineage nothing is read; then a device
+    answer is read once it is computed, or waited for while blocking reads are left (one
+    wait, for the step before to finish)."""
+    objects = tuple(objects)
+    entry = _SAID.get(tuple(map(id, objects)))
+    # Each object the very one a step returned: an id may have been reused by another.
+    same = entry is not None and all(r() is o for r, o in zip(entry[0], objects, strict=True))
+    known = entry[1] if same else Lineage()
     after = known._replace(steps=known.steps + 1)
     if known.said is True:
         return True, after
