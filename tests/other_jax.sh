@@ -75,6 +75,9 @@ TESTS=(
     "tests/test_cost.py::test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops[blockwise]"
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
+    # The NNX step's two programs, traced and inspected as the step compiles them (session 45).
+    tests/test_nnx.py::test_train_step_is_inspected_as_it_compiles_both_its_programs
+    "tests/test_nnx.py::test_train_step_drops_the_warm_start_once_every_scale_is_recorded[cublas-mode]"
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.
     tests/test_autocast.py::test_control_flow_matches_the_module_path
     tests/test_autocast.py::test_the_selection_by_scope_batch_and_size
