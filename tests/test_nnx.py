@@ -440,6 +440,39 @@ def test_train_step_is_inspected_as_it_compiles_both_its_programs():
         fp8jax.inspect(step, model)
 
 
+def test_every_layers_state_is_merged_at_once(monkeypatch):
+    """`nnx_update_fp8_state` merges every layer's state in one `merge_many` (a few kernels
+    per step, as `apply_updates`; layer by layer, a few per layer: benchmarks/
+    nnx_programs.py), to the values each layer's own `merge` gives."""
+    x = jnp.asarray(np.random.default_rng(14).standard_normal((32, 64)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(15).standard_normal((32, 32)), jnp.float32)
+    model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+    _, grads = fp8jax.nnx_value_and_grad(mse)(model, x, y)
+    merge_many, calls = fp8jax.Fp8DotGeneral.merge_many, []
+
+    def spied(pairs):
+        calls.append(len(pairs))
+        return merge_many(pairs)
+
+    def states(one_by_one):
+        calls.clear()
+        merged = nnx.clone(model)
+        if one_by_one:  # each layer's own merge
+            for layer, received in ((merged.fc1, grads["fc1"]), (merged.fc2, grads["fc2"])):
+                new = nnx.clone(layer.dot_general)
+                nnx.update(new, nnx.State({"state": received["dot_general"]["state"]}))
+                layer.dot_general.set_value(layer.dot_general.value().merge(new.value()))
+        else:
+            fp8jax.nnx_update_fp8_state(merged, grads)
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(merged))]
+
+    monkeypatch.setattr(fp8jax.Fp8DotGeneral, "merge_many", spied)
+    alone = states(True)
+    assert calls == [1, 1]
+    assert states(False) == alone and calls == [2]
+    assert alone != [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))]
+
+
 # --- the optimizer never touches FP8 state --------------------------------------------------
 
 
