@@ -12,7 +12,9 @@ feed-forward sub-block in Flax NNX (`x + down(silu(gate(n)) * up(n))`, `n` the R
 at the Llama-3-8B and Llama-3.2-1B widths, 8,192 tokens; each program as `fp8jax.inspect`
 compiles the step (cuBLAS mode: the options the step compiles with), beside the same
 sub-block's BF16 step (`nnx.value_and_grad` and `optimizer.update`, compiled with
-`fp8jax.gpu_compiler_options()`): kernels, FP8 GEMMs, HBM bytes outside the GEMMs
+`fp8jax.gpu_compiler_options()`) and the same sub-block in Equinox, its step written with
+`fp8jax.filter_grad` and `fp8jax.apply_updates` (SGD), traced and compiled as the train
+steps' program once every scale is recorded: kernels, FP8 GEMMs, HBM bytes outside the GEMMs
 (`fp8jax.hlo_cost`'s categories) and temp memory. The step before session 45 is its first
 program with each layer's state merged alone (`merge_many` of one layer at a time, which is
 what each layer's `merge` did).
@@ -28,6 +30,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -37,10 +40,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_steps import table  # noqa: E402
 
 import fp8jax  # noqa: E402
+from fp8jax._src.core.compile_options import traced_for, traced_options  # noqa: E402
+from fp8jax._src.ops.warm_start import once_recorded  # noqa: E402
 
 #: width, SwiGLU width, tokens (batch x context as `llama_block.SHAPES`).
 SIZES = {"8B": (4096, 14336, 8192), "1B": (2048, 8192, 8192)}
 TX = optax.sgd(1e-3)
+#: Every Linear FP8, delayed scaling.
+CONFIG = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(), exclude=None)
 
 
 class SwiGLU(nnx.Module):
@@ -58,7 +65,41 @@ class SwiGLU(nnx.Module):
         return x + self.down(jax.nn.silu(self.gate(n)) * self.up(n))
 
 
-def loss(model: SwiGLU, x: jax.Array) -> jax.Array:
+class EqxSwiGLU(eqx.Module):
+    """`SwiGLU` in Equinox."""
+
+    norm: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, width: int, ffn: int, key: jax.Array):
+        keys = jax.random.split(key, 3)
+        linear = dict(use_bias=False, dtype=jnp.bfloat16)
+        self.norm = eqx.nn.RMSNorm(width, dtype=jnp.bfloat16)
+        self.gate = eqx.nn.Linear(width, ffn, key=keys[0], **linear)
+        self.up = eqx.nn.Linear(width, ffn, key=keys[1], **linear)
+        self.down = eqx.nn.Linear(ffn, width, key=keys[2], **linear)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n = jax.vmap(self.norm)(x)
+        hidden = jax.nn.silu(jax.vmap(self.gate)(n)) * jax.vmap(self.up)(n)
+        return x + jax.vmap(self.down)(hidden)
+
+
+def fp8_eqx(width: int, ffn: int) -> EqxSwiGLU:
+    """The Equinox sub-block, its Linears FP8."""
+    return fp8jax.fp8_linear_layers(EqxSwiGLU(width, ffn, jax.random.key(0)), CONFIG)
+
+
+def eqx_step(model: EqxSwiGLU, x: jax.Array) -> EqxSwiGLU:
+    """SGD's step on the Equinox sub-block, its FP8 state merged by `apply_updates`."""
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(fp8jax.filter_grad(loss)(model, x))
+    updates = jax.tree.map(lambda g: -1e-3 * g, eqx.filter(grads, eqx.is_inexact_array))
+    return fp8jax.apply_updates(model, updates, overwrites)
+
+
+def loss(model: Any, x: jax.Array) -> jax.Array:
     return jnp.mean(model(x).astype(jnp.float32) ** 2)
 
 
@@ -112,8 +153,7 @@ def main() -> None:
         def build(fp8: bool, width: int = width, ffn: int = ffn) -> Any:
             model = SwiGLU(width, ffn, nnx.Rngs(0))
             if fp8:
-                config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(), exclude=None)
-                model = fp8jax.fp8_linear_layers(model, config)
+                model = fp8jax.fp8_linear_layers(model, CONFIG)
             return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
 
         x = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
@@ -123,11 +163,18 @@ def main() -> None:
         fp8 = fp8jax.inspect(fp8jax.nnx_train_step(loss), *fp8_model, x, modes=("cublas",))
         with layer_by_layer():
             before = fp8jax.inspect(fp8jax.nnx_train_step(loss), *fp8_model, x, modes=("cublas",))
+        eqx_model = eqx.filter_eval_shape(fp8_eqx, width, ffn)
+        gpu = fp8jax.gpu_compiler_options()
+        recorded = traced_for(gpu, once_recorded(eqx_step))
+        equinox = fp8jax.inspect(
+            recorded, eqx_model, x, modes=("cublas",), compiler_options=traced_options(gpu)
+        )
         rows = [
             row("BF16 (nnx.value_and_grad)", bf16, None),
             row("FP8 before session 45: every step", before.first_steps, bf16),
             row("FP8, first steps", fp8.first_steps, bf16),
             row("FP8, once every scale is recorded", fp8, bf16),
+            row("Equinox FP8 (apply_updates), once every scale is recorded", equinox, bf16),
         ]
         header = ["program", "kernels", "FP8 GEMMs", "non-GEMM GB", "temp MiB"]
         print(f"\n{size} feed-forward: width {width}, SwiGLU {ffn}, {tokens} tokens\n")
