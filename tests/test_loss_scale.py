@@ -16,6 +16,7 @@ from fp8jax._src.train.loss_scale import (
     StaticLossScale,
     all_finite,
     select_tree,
+    states_finite,
 )
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -278,6 +279,46 @@ def test_all_finite_skips_fp8_state_ints_none_and_empty():
     assert not bool(all_finite(np.asarray([1.0, np.nan])))
     assert not bool(all_finite({"g": grads["f32"] * jnp.inf, "fp8": grads["fp8"]}))
     assert not bool(all_finite(jnp.asarray([1 + 1j, complex(jnp.inf, 0)], jnp.complex64)))
+
+
+def test_states_finite_is_every_leaf_finite():
+    """`states_finite` (the small leaves checked together, a kernel-shaped one alone) against
+    each leaf checked in float64: an inf or NaN in any one leaf, of any float dtype, is
+    seen; integer leaves and `None` are skipped."""
+    rng = np.random.default_rng(16)
+    leaves = {
+        "scale": jnp.float32(0.5),
+        "history": jnp.asarray(rng.standard_normal(1024), jnp.float32),
+        "bf16": jnp.asarray(rng.standard_normal(7), jnp.bfloat16),
+        "f16": jnp.asarray(rng.standard_normal((3, 5)), jnp.float16),
+        "error": jnp.asarray(rng.standard_normal((300, 300)), jnp.bfloat16),  # > SMALL_STATE
+        "count": jnp.arange(4),
+        "none": None,
+    }
+    floats = [
+        k for k, v in leaves.items() if v is not None and jnp.issubdtype(v.dtype, jnp.floating)
+    ]
+    check = jax.jit(states_finite)
+
+    def reference(tree):
+        return all(
+            np.isfinite(np.asarray(v, np.float64)).all()
+            for v in jax.tree.leaves(tree)
+            if jnp.issubdtype(v.dtype, jnp.floating)
+        )
+
+    assert bool(states_finite(leaves)) and bool(check(leaves)) and reference(leaves)
+    for name in floats:
+        for bad in (np.inf, -np.inf, np.nan):
+            flat = leaves[name].reshape(-1)
+            poisoned = {
+                **leaves,
+                name: flat.at[flat.size // 2].set(bad).reshape(leaves[name].shape),
+            }
+            assert not reference(poisoned)
+            assert not bool(states_finite(poisoned)), (name, bad)
+            assert not bool(check(poisoned)), (name, bad)
+    assert bool(states_finite({})) and bool(states_finite(None))
 
 
 def _special_values(dtype):

@@ -333,6 +333,25 @@ def all_finite(tree: Any) -> Bool[Array, ""]:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+#: FP8 state leaves up to this size are checked together by `states_finite`.
+SMALL_STATE = 1 << 16
+
+
+def states_finite(states: Any) -> Bool[Array, ""]:
+    """Whether every floating-point array leaf of `states` (the new FP8 state a step
+    received: `partition_for_grad_overwrite`'s first output) is finite, as `all_finite` of
+    its leaves: the small ones (scales, amax histories, telemetry) checked by one reduction
+    over their concatenation, one kernel where a reduction each took one or two per leaf;
+    larger ones (an error-feedback state shaped like its kernel) each alone."""
+    leaves = [x for x in jax.tree.leaves(states) if _is_inexact_array(x)]
+    small = [jnp.ravel(x) for x in leaves if x.size <= SMALL_STATE]
+    rest = [x for x in leaves if x.size > SMALL_STATE]
+    if small:
+        dtype = jnp.result_type(*small)
+        rest.append(jnp.concatenate([x.astype(dtype) for x in small]))
+    return all_finite(rest)
+
+
 _BITS = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 

@@ -34,7 +34,7 @@ from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overw
 from ..ops import warm_start
 from .accumulate import accumulate_gradients, check_unroll
 from .grad import filter_value_and_grad
-from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
+from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree, states_finite
 from .policy import Policy
 
 
@@ -214,7 +214,7 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     grads = scale.unscale(grads)
     # The new FP8 state too: a fault in an FP8 operand reaches the loss and gradients as NaN,
     # and its amax shows it even where nothing downstream does (merge would reject it anyway).
-    finite = all_finite(grads) & all_finite(jax.tree.leaves(overwrites))
+    finite = all_finite(grads) & states_finite(overwrites)
     params = _trainable_params(state.model)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
     model = policy.cast_to_param(apply_updates(state.model, updates, overwrites))
