@@ -158,6 +158,8 @@ def remember(objects: Sequence[Any], lineage: Lineage) -> None:
     stand for that state (a `TrainState`; the scale arrays of an NNX model's warm states,
     `warm_scales`), each held weakly."""
     objects = tuple(objects)
+    if not objects:
+        return  # nothing stands for the state: nothing to remember
     key = tuple(map(id, objects))
     _SAID[key] = (tuple(map(weakref.ref, objects)), lineage)
     weakref.finalize(objects[0], _SAID.pop, key, None)

@@ -232,6 +232,22 @@ def nnx_train_step(
     return NnxTrainStep(loss_fn, has_aux, compiler_options)
 
 
+def _fp8_arrays(places: dict[bool, tuple[int, ...]], after: bool, leaves: list, model: Any) -> list:
+    """The arrays of `model`'s FP8 state (the objects `warm_start.read` and `remember` take:
+    a state replaced since the last step, by a checkpoint or a new layer of any recipe, is
+    a new array), picked from `leaves`, those of the objects' state before the step or, with
+    `after`, of the one it returned (which `model` now holds): found by walking the model
+    the first time (tens of milliseconds for a large one), their places among the leaves
+    kept in `places` (one state structure's) for the next steps."""
+    if after not in places:
+        fp8 = jax.tree.leaves(nnx.state(model, Fp8State, graph=True))
+        place = {id(leaf): n for n, leaf in enumerate(leaves)}
+        if not all(id(array) in place for array in fp8):
+            return fp8  # not among the leaves as they are: walked at every step
+        places[after] = tuple(place[id(array)] for array in fp8)
+    return [leaves[n] for n in places[after]]
+
+
 @final
 class NnxTrainStep:
     """A jitted NNX train step; build it with [`fp8jax.nnx_train_step`][], call it as
@@ -254,6 +270,9 @@ class NnxTrainStep:
             )
             for warm in (True, False)
         }
+        # The structure of the objects' state -> where the FP8 state's arrays are among its
+        # leaves before the step (False) and after (True): `_fp8_arrays`.
+        self._places: dict[Any, dict[bool, tuple[int, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"NnxTrainStep({self.loss_fn!r}, has_aux={self.has_aux})"
@@ -270,14 +289,14 @@ class NnxTrainStep:
             value, new_state, _ = self._inner(graphdef, state)
             nnx.update(objects, new_state)
             return value
-        scales = warm_start.warm_scales(_fp8_ops(model))
-        recorded, lineage = warm_start.read(scales) if scales else (False, None)
+        leaves, structure = jax.tree.flatten(state)
+        places = self._places.setdefault(structure, {})
+        recorded, lineage = warm_start.read(_fp8_arrays(places, False, leaves, model))
         warm = not recorded
         value, new_state, said = self._jitted[warm](graphdef, state)
         nnx.update(objects, new_state)
-        if lineage is not None:
-            new_scales = warm_start.warm_scales(_fp8_ops(model))
-            warm_start.remember(new_scales, lineage._replace(said=said if warm else True))
+        new = _fp8_arrays(places, True, jax.tree.leaves(new_state), model)
+        warm_start.remember(new, lineage._replace(said=said if warm else True))
         return value
 
     def programs(
