@@ -60,7 +60,7 @@ def _warm_states(tree: Any) -> list[TensorState]:
 
 def warm_scales(tree: Any) -> list[Array]:
     """The scale arrays of every delayed-scaling state with the warm start in `tree`, as
-    they are (the objects a step's `remember` and `read` take for an NNX model's state)."""
+    they are (`scales_recorded` reads them)."""
     return [state.scale for state in _warm_states(tree)]
 
 
@@ -155,8 +155,8 @@ _SAID: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], Lineage]] = {}
 
 def remember(objects: Sequence[Any], lineage: Lineage) -> None:
     """Keep `lineage` for the state a step returned, for `read` on the next step: `objects`
-    stand for that state (a `TrainState`; the scale arrays of an NNX model's warm states,
-    `warm_scales`), each held weakly."""
+    stand for that state (a `TrainState`; the arrays of an NNX model's FP8 state), each
+    held weakly."""
     objects = tuple(objects)
     if not objects:
         return  # nothing stands for the state: nothing to remember
