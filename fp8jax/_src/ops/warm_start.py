@@ -58,12 +58,6 @@ def _warm_states(tree: Any) -> list[TensorState]:
     return states
 
 
-def warm_scales(tree: Any) -> list[Array]:
-    """The scale arrays of every delayed-scaling state with the warm start in `tree`, as
-    they are (`scales_recorded` reads them)."""
-    return [state.scale for state in _warm_states(tree)]
-
-
 def switches(tree: Any) -> bool:
     """Whether a train step on `tree` can switch to its program without the warm start: it
     holds a delayed-scaling state with the warm start (`recorded_flag` is not `None`)."""
@@ -79,7 +73,7 @@ def scales_recorded(tree: Any) -> Bool[Array, ""]:
     that got no token yet. `True` for a tree with no such state. A Flax Linen model's
     variables and a Flax NNX model are read alike (their FP8 state holds the same ops).
     """
-    scales = [jnp.ravel(scale) for scale in warm_scales(tree)]
+    scales = [jnp.ravel(state.scale) for state in _warm_states(tree)]
     if not scales:
         return jnp.asarray(True)
     return jnp.all(jnp.concatenate(scales) > 0.0)
