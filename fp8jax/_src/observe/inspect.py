@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..train.step import TrainState, TrainStep, programs
+from ..train.step import TrainState, TrainStep
 from .cost import module_cost
 from .deviceless import MODES, h100_topology, lower
 from .gemms import hlo_gemms, stablehlo_gemms
@@ -147,8 +147,8 @@ def inspect(
 
 def _step_programs(fn: Callable, args: tuple) -> Callable[[dict[str, Any]], dict] | None:
     """For a train step of fp8jax (`make_train_step`'s, `nnx_train_step`'s), its programs on
-    `args` compiled with given options (`train.step.programs`, `NnxTrainStep.programs`);
-    `None` for any other function."""
+    `args` compiled with given options (the step's `programs`); `None` for any other
+    function."""
     if isinstance(fn, TrainStep):
         if not args or not isinstance(args[0], TrainState):
             raise TypeError(
@@ -156,7 +156,7 @@ def _step_programs(fn: Callable, args: tuple) -> Callable[[dict[str, Any]], dict
                 f"{type(args[0]).__name__ if args else 'nothing'}: inspect(train_step, "
                 "train_step.init(model), *batch)."
             )
-        return lambda options: programs(fn, options, args[0])
+        return lambda options: fn.programs(options, args[0])
     # An NNX step exists only once its module (which imports Flax) was imported.
     if "fp8jax._src.convert.nnx.train" not in sys.modules:
         return None

@@ -58,6 +58,14 @@ def _warm_states(tree: Any) -> list[TensorState]:
     return states
 
 
+def programs(tree: Any) -> tuple[tuple[str, bool], ...]:
+    """The programs a train step on `tree` runs, as `(name, warm)`: `("recorded", False)`,
+    once every scale is recorded, if it `switches`, and `("first", True)`, until then (every
+    step otherwise). The inspector reports them under these names."""
+    first = (("first", True),)
+    return (("recorded", False), *first) if switches(tree) else first
+
+
 def switches(tree: Any) -> bool:
     """Whether a train step on `tree` can switch to its program without the warm start: it
     holds a delayed-scaling state with the warm start (`recorded_flag` is not `None`)."""

@@ -118,6 +118,18 @@ class TrainStep(eqx.Module):
         opt_state = self.optimizer.init(_trainable_params(model))
         return TrainState(model, opt_state, self.loss_scale, jnp.zeros((), jnp.int32))
 
+    def programs(
+        self, options: Mapping[str, Any], state: TrainState
+    ) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+        """The programs this step compiled with `options` runs from `state` (its arrays or
+        their shapes), for the inspector, named as `warm_start.programs` names them, each as
+        a function of `(state, *batch)` traced as the step traces it, with the options its
+        executable compiles with."""
+        return {
+            name: (functools.partial(_program(dict(options), warm), self), traced_options(options))
+            for name, warm in warm_start.programs(state)
+        }
+
     def __call__(self, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -160,24 +172,6 @@ def _program(options: dict[str, Any], warm: bool) -> Callable[..., Any]:
     # With Triton GEMMs off, delayed scaling's kept inverses reach cuBLASLt as they are (and
     # XLA's dot merger is turned off, which would make BF16 GEMMs of those).
     return traced_for(options, step)
-
-
-def programs(
-    train_step: TrainStep, options: Mapping[str, Any], state: TrainState
-) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
-    """The programs `train_step` compiled with `options` runs from `state` (its arrays or
-    their shapes), for the inspector: `"recorded"` (once every scale is recorded), if
-    `state` holds a delayed-scaling state with the warm start, and `"first"` (until then;
-    every step for other states), each as a function of `(state, *batch)` traced as the step
-    traces it, with the options its executable compiles with."""
-    names = (("recorded", False), ("first", True))
-    return {
-        name: (
-            functools.partial(_program(dict(options), warm), train_step),
-            traced_options(options),
-        )
-        for name, warm in names[0 if warm_start.switches(state) else 1 :]
-    }
 
 
 def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:

@@ -303,15 +303,13 @@ class NnxTrainStep:
         self, options: Mapping[str, Any], model: Any
     ) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
         """The programs this step compiled with `options` runs on `model` (its arrays or
-        their shapes), for the inspector, as `fp8jax.TrainStep`'s (`train.step.programs`):
-        `"recorded"` if `model` holds a delayed-scaling state with the warm start, and
-        `"first"`, each as a function of `(model, optimizer, *args, **kwargs)` traced as the
-        step traces it, with the options its executable compiles with."""
-        names = (("recorded", False), ("first", True))
-        switches = warm_start.switches(_fp8_ops(model))
+        their shapes), for the inspector, as [`fp8jax.TrainStep`][]'s (named as
+        `warm_start.programs` names them), each as a function of `(model, optimizer, *args,
+        **kwargs)` traced as the step traces it, with the options its executable compiles
+        with."""
         return {
             name: (self._updating(self._program(dict(options), warm)), traced_options(options))
-            for name, warm in names[0 if switches else 1 :]
+            for name, warm in warm_start.programs(_fp8_ops(model))
         }
 
     def _pure(self, warm: bool) -> Callable[[Any, Any], tuple[Any, Any, Any]]:
