@@ -44,7 +44,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.custom_batching import custom_vmap  # noqa: E402
 from jaxtyping import Array  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -52,31 +51,12 @@ import llama_block  # noqa: E402
 from train_steps import table  # noqa: E402
 
 import fp8jax  # noqa: E402
+from fp8jax._src.core.amax import batch_shared  # noqa: E402
 from fp8jax._src.core.compile_options import cublas_traced, is_cublas_traced, traced_options  # noqa: E402
 from fp8jax._src.core.formats import floor_log2, fp8_max, pow2, quantize, widen  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.recipes.base import QTensor  # noqa: E402
 from fp8jax._src.recipes.per_tensor import MAX_SCALE, compute_scale  # noqa: E402
-
-
-def shared_triple(reduce: Any) -> Any:
-    """`reduce(x)` (three scalars) as `f(x, owner)`, spanning a `vmap`ped axis of `x` unless
-    `owner` is batched: `fp8jax._src.core.amax.batch_shared` for three outputs."""
-
-    @custom_vmap
-    def shared(x: Array, owner: Array) -> Any:
-        return reduce(x)
-
-    @shared.def_vmap
-    def _rule(axis_size, in_batched, x, owner):
-        del axis_size
-        x_batched, owner_batched = in_batched
-        if owner_batched:
-            out = jax.vmap(lambda x, o: reduce(x), in_axes=(0 if x_batched else None, 0))(x, owner)
-            return out, (True, True, True)
-        return shared(x, owner), (False, False, False)
-
-    return shared
 
 
 def exponent_rule(fmt_max: float, margin: float) -> tuple[int, int]:
@@ -115,6 +95,18 @@ def exp2_bits(exponent: Array) -> Array:
     return lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
+def amax_scale_inverse(a: Array, fmt_max: float, margin: float) -> tuple[Array, Array, Array]:
+    """`current-bits`' one variadic reduction of `a = |x|` over every axis: its amax (by a
+    maximum), each element's scale (by a minimum) and inverse (by a maximum), in float32."""
+    e = bit_exponents(a, fmt_max, margin)
+    return lax.reduce(
+        (widen(a), exp2_bits(e), exp2_bits(-e)),
+        (np.float32(0), np.float32(2.0**126), np.float32(2.0**-126)),
+        lambda p, q: (lax.max(p[0], q[0]), lax.min(p[1], q[1]), lax.max(p[2], q[2])),
+        tuple(range(a.ndim)),
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FoldedInverse(fp8jax.CurrentScaling):
     """`CurrentScaling` whose amax reduction also outputs the scale's inverse, handed to the
@@ -150,22 +142,15 @@ class FoldedInverse(fp8jax.CurrentScaling):
             a = jnp.abs(v)
             if self.rows:
                 a = jnp.max(a.reshape(-1, a.shape[-1]), axis=-1)
-            every = tuple(range(a.ndim))
             if self.bits:
-                e = bit_exponents(a, float(fmt_max), float(self.margin))
-                init = (np.float32(0), np.float32(2.0**126), np.float32(2.0**-126))
-                return lax.reduce(
-                    (widen(a), exp2_bits(e), exp2_bits(-e)),
-                    init,
-                    lambda p, q: (lax.max(p[0], q[0]), lax.min(p[1], q[1]), lax.max(p[2], q[2])),
-                    every,
-                )
+                return amax_scale_inverse(a, float(fmt_max), float(self.margin))
+            every = tuple(range(a.ndim))
             amax = lax.reduce(a, np.array(0, a.dtype), lax.max, every).astype(jnp.float32)
             # Init h(0) = 2**-126: an all-zero operand's inverse, as `h` gives it.
             inv = lax.reduce(inverse(a), np.float32(2.0**-126), lax.max, every)
             return amax, 1.0 / inv, inv
 
-        amax, scale, inv = shared_triple(reduce)(x, state.scale)
+        amax, scale, inv = batch_shared(reduce, "amax, scale, inverse")(x, state.scale)
         _, new_state = self._scale_with(amax, state, role)
         return QTensor(quantize(x, scale, self.format(role)), inv), new_state
 
@@ -217,9 +202,9 @@ def exponents_check() -> str:
 
 
 def bits_check() -> str:
-    """Whether `FoldedInverse` (both forms, traced for cuBLAS) computes `CurrentScaling`'s
-    output and gradients bit for bit on the CPU: a 2-layer MLP, float32 and BF16, with a
-    margin, a zero input row and inputs of very different magnitudes."""
+    """Whether `FoldedInverse` (each form of `VARIANTS`, traced for cuBLAS) computes
+    `CurrentScaling`'s output and gradients bit for bit on the CPU: a 2-layer MLP, float32
+    and BF16, with a margin, a zero input row and inputs of very different magnitudes."""
     lines = []
     for dtype in (jnp.float32, jnp.bfloat16):
         key = jax.random.PRNGKey(0)
@@ -248,15 +233,7 @@ def ptx_counts() -> str:
         return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
     def bits(x: Array) -> tuple[Array, ...]:
-        a = jnp.abs(x)
-        e = bit_exponents(a, fp8_max("e4m3"), 0.0)
-        init = (np.float32(0), np.float32(2.0**126), np.float32(2.0**-126))
-        return lax.reduce(
-            (widen(a), exp2_bits(e), exp2_bits(-e)),
-            init,
-            lambda p, q: (lax.max(p[0], q[0]), lax.min(p[1], q[1]), lax.max(p[2], q[2])),
-            (0, 1),
-        )
+        return amax_scale_inverse(jnp.abs(x), fp8_max("e4m3"), 0.0)
 
     x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
     device = deviceless.h100_topology().devices[0]

@@ -191,3 +191,21 @@ def test_plain_grad_raises_no_false_alarm_on_scans_vmaps_and_remat(getkey):
     for loss in (scanned, vmapped_remat):
         grads = eqx.filter_jit(eqx.filter_grad(loss))(stacked, x)
         assert np.isfinite(np.asarray(grads.weight)).all()
+
+
+def test_a_shared_reduction_with_several_results_spans_the_batch_as_one_does():
+    """`batch_shared` of a reduction with two results: under `vmap` with an unbatched owner
+    each spans the whole batch, with a batched owner each member keeps its own (against
+    NumPy's reductions of the same arrays)."""
+    from fp8jax._src.core.amax import batch_shared
+
+    pair = batch_shared(lambda x: (jnp.max(jnp.abs(x)), jnp.min(x)), "max |x| and min x")
+    x = np.arange(-12.0, 12.0, dtype=np.float32).reshape(4, 3, 2) * 1.5
+    shared = jax.jit(jax.vmap(jax.vmap(pair, in_axes=(0, None)), in_axes=(0, None)))
+    got = shared(x, jnp.ones(()))
+    # Unbatched results, which `vmap` then broadcasts over its axes: the batch-wide values.
+    np.testing.assert_array_equal(got[0], np.full((4, 3), np.abs(x).max()))
+    np.testing.assert_array_equal(got[1], np.full((4, 3), x.min()))
+    own = jax.vmap(pair, in_axes=(0, 0))(x, jnp.ones(4))
+    np.testing.assert_array_equal(own[0], np.abs(x).reshape(4, -1).max(axis=1))
+    np.testing.assert_array_equal(own[1], x.reshape(4, -1).min(axis=1))

@@ -35,7 +35,8 @@ def batch_shared(
     leaf of the FP8 state the result is for; only whether it is batched matters) is batched.
 
     `combine` folds the mapped axis (leading) of `x` first; without it, `reduce` spans it
-    (a reduction over every axis)."""
+    (a reduction over every axis). `reduce` may return several results (a tuple or any
+    pytree of arrays): each is batched as the one would be."""
 
     def plain(x: Array, owner: Array) -> Array:
         del owner
@@ -52,11 +53,13 @@ def batch_shared(
         if owner_batched:
             # Each member of the mapped axis has its own state. (`plain`, not `shared`:
             # vmapping the custom_vmap function itself would call this rule again.)
-            return jax.vmap(plain, in_axes=(0 if x_batched else None, 0))(x, owner), True
+            out = jax.vmap(plain, in_axes=(0 if x_batched else None, 0))(x, owner)
+            return out, jax.tree.map(lambda _: True, out)
         # The state is shared by every member of the mapped axis: reduce over it as well.
         if x_batched and combine is not None:
             x = combine(x)
-        return shared(x, owner), False
+        out = shared(x, owner)
+        return out, jax.tree.map(lambda _: False, out)
 
     shared.__doc__ = doc
     return shared
