@@ -175,6 +175,35 @@ def test_a_train_step_is_inspected_as_it_compiles_both_its_programs(h100):
         fp8jax.inspect(train_step, mlp, x)
 
 
+def test_a_train_step_is_lowered_once_for_both_modes_where_they_trace_it_alike(h100, monkeypatch):
+    """A mode changes a train step's trace only where the trace asks whether it is for cuBLAS
+    (`is_cublas_traced`): a program whose trace did not ask is lowered once and compiled in
+    both modes, and its report is that of a lowering per mode. Delayed scaling asks only once
+    every scale is recorded (its kept inverses): its first steps' program is lowered once, the
+    recorded one per mode (every other recipe never asks: one lowering)."""
+    from fp8jax.examples.gpt import MLP
+
+    mlp = fp8jax.fp8_linear_layers(MLP(256, 1, False, key=jax.random.key(0)))
+    loss = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+    train_step = fp8jax.make_train_step(loss, optax.sgd(1e-3))
+    state, x = train_step.init(mlp), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    calls, lower = [], inspect_module.lower
+    monkeypatch.setattr(inspect_module, "lower", lambda *a: calls.append(a) or lower(*a))
+    report = fp8jax.inspect(train_step, state, x)
+    assert len(calls) == 1 + 2
+
+    # Sound: each program lowered apart per mode (as before), the first steps' alike.
+    device, texts = h100.devices[0], {}
+    for mode in ("cublas", "default"):
+        for name, (program, _) in train_step.programs(deviceless.MODES[mode], state).items():
+            texts[name, mode] = lower(program, (state, x), {}, device)[0].as_text()
+    assert texts["first", "cublas"] == texts["first", "default"]
+    assert texts["recorded", "cublas"] != texts["recorded", "default"]
+    # FP8 on cuBLASLt; XLA's default flags make Triton GEMMs of them (the module's doc).
+    for one in (report, report.first_steps):
+        assert one.count("cublas") == (5, 5) and one.count("default")[1] == 5
+
+
 def test_strict_check_lists_the_high_precision_gemms(h100):
     step, args, _ = gpt_train_step(RECIPES["delayed"])
     report = fp8jax.inspect(step, *args, modes=("cublas",))

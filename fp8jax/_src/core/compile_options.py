@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 from .contexts import setting
@@ -39,6 +39,9 @@ DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
 
 _CUBLAS_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_cublas_traced", default=False
+)
+_CUBLAS_READS: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "fp8jax_cublas_reads", default=None
 )
 
 
@@ -107,8 +110,23 @@ def cublas_traced() -> contextlib.AbstractContextManager[None]:
 
 
 def is_cublas_traced() -> bool:
-    """Whether the caller is being traced inside `cublas_traced()`."""
+    """Whether the caller is being traced inside `cublas_traced()` (a read that
+    `cublas_reads()` records)."""
+    reads = _CUBLAS_READS.get()
+    if reads is not None:
+        reads.append(True)
     return _CUBLAS_TRACED.get()
+
+
+@contextlib.contextmanager
+def cublas_reads() -> Iterator[list[bool]]:
+    """A list that grows by one for each `is_cublas_traced()` read inside the `with`. A
+    function traced inside without a read is traced the same inside `cublas_traced()` or
+    outside: nothing it traced asked (a trace cache hit returns what a trace made before,
+    which holds either way). The inspector lowers such a train step once for both modes."""
+    reads: list[bool] = []
+    with setting(_CUBLAS_READS, reads):
+        yield reads
 
 
 def _for_cublas(options: Mapping[str, Any]) -> bool:

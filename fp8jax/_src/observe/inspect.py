@@ -36,6 +36,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..core.compile_options import cublas_reads
 from ..train.step import TrainState, TrainStep
 from .cost import module_cost
 from .deviceless import MODES, h100_topology, lower
@@ -69,8 +70,9 @@ def inspect(
       itself in each mode: the program it runs once every scale is recorded (delayed
       scaling's kept inverses handed to cuBLASLt in `"cublas"` mode), and the one it runs
       before as `first_steps`; a step without delayed scaling's warm start runs one program,
-      reported alone. Called inside a function of yours, it is part of that function's
-      program (its first).
+      reported alone. A program whose trace no mode changes (only delayed scaling's kept
+      inverses depend on it) is traced and lowered once for all modes. Called inside a
+      function of yours, it is part of that function's program (its first).
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of
@@ -130,14 +132,21 @@ def inspect(
     if step_programs is None:
         lowered, devices = lower(fn, args, kwargs, device)
         return _compiled({m: (lowered, {**MODES[m], **extra}) for m in modes}, devices, device)
-    # A train step: each of its programs traced and compiled as the step does for each mode.
+    # A train step: each of its programs traced and compiled as the step does for each mode;
+    # traced once for every mode where the trace never asked whether it is for cuBLAS (the
+    # one thing a mode changes in a step's trace: `traced_for`).
     by_mode = {mode: step_programs(MODES[mode]) for mode in modes}
     reports = {}
     for name in by_mode[modes[0]]:
-        lowerings, devices = {}, 1
+        lowerings, devices, alike = {}, 1, None
         for mode in modes:
             program, options = by_mode[mode][name]
-            lowered, devices = lower(program, args, kwargs, device)
+            if alike is None:
+                with cublas_reads() as reads:
+                    lowered, devices = lower(program, args, kwargs, device)
+                alike = None if reads else lowered
+            else:
+                lowered = alike
             lowerings[mode] = (lowered, {**options, **extra})
         reports[name] = _compiled(lowerings, devices, device)
     if "recorded" not in reports:  # a step that never switches: one program
