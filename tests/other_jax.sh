@@ -77,6 +77,8 @@ TESTS=(
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
     # The train step's new FP8 states checked finite in one reduction (session 45).
     tests/test_train_step.py::test_fp8_states_are_checked_finite_together_on_h100
+    # A step's program traced once for both modes where no mode changes it (session 47).
+    tests/test_inspect.py::test_a_train_step_is_lowered_once_for_both_modes_where_they_trace_it_alike
     # The NNX step's two programs, traced and inspected as the step compiles them (session 45).
     tests/test_nnx.py::test_train_step_is_inspected_as_it_compiles_both_its_programs
     "tests/test_nnx.py::test_train_step_drops_the_warm_start_once_every_scale_is_recorded[cublas-mode]"
