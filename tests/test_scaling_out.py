@@ -656,7 +656,7 @@ for layout, axes in (("fsdp", {"data": 8}), ("tensor", {"data": 2, "model": 4}))
     for name in ("bf16", "blockwise"):
         model = gpt if name == "bf16" else fp8jax.fp8_linear_layers(
             gpt, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
-        modes = ("cublas",) if name == "bf16" else ("cublas", "default")
+        modes = ("cublas",) if name == "bf16" or layout == "fsdp" else ("cublas", "default")
         report = fp8jax.inspect(
             eqx.filter_jit(step), placed(model, layout, mesh), tokens, modes=modes)
         for mode in modes:
@@ -674,26 +674,33 @@ print(json.dumps(out))
 
 def test_example_gpt_on_eight_h100s_runs_the_kernels_and_moves_no_more_than_bf16(tmp_path):
     """The example GPT's train step, FSDP over 8 H100s and tensor-parallel (data 2 x model
-    4: query, key, value, fc1 split by columns, out and fc2 by rows), in both XLA modes:
-    every GEMM of every FP8 layer is the block-scaled Mosaic kernel on each GPU, with FP8
-    `wgmma` in its PTX, and no kind of collective moves more bytes than in the BF16 program
-    (the amaxes' maxima apart: there are none in BF16)."""
+    4: query, key, value, fc1 split by columns, out and fc2 by rows; this one in both XLA
+    modes, FSDP in cuBLAS mode as `fsdp_reports`): every GEMM of every FP8 layer is the
+    block-scaled Mosaic kernel on each GPU, with FP8 `wgmma` in its PTX, and no kind of
+    collective moves more bytes than in the BF16 program (the amaxes' maxima apart: there
+    are none in BF16)."""
     h100_topology(8)
     run = run_with_mosaic_dump(GPT_SCRIPT, [], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     fp8_mma = re.compile(r"wgmma\.mma_async\..*\.e4m3\.e4m3$")
-    for layout in ("fsdp", "tensor"):
-        for mode in ("cublas", "default"):
-            got, bf16 = seen[f"{layout}/blockwise/{mode}"], seen[f"{layout}/bf16/cublas"]
-            # The block's 6 Linears (the head stays BF16: `Fp8Config`'s default `exclude`),
-            # a forward, dgrad and wgrad each.
-            assert len(got["gemms"]) == 18, got["gemms"]
-            for layer, role, kernel, fp8, mma in got["gemms"]:
-                assert kernel == "pallas mosaic gpu" and fp8, (layout, mode, layer, role, kernel)
-                assert any(fp8_mma.match(m) for m in mma), (layout, mode, layer, role, mma)
-            for kind, moved in got["moved"].items():
-                if kind == "amax":
-                    assert moved <= 1e-3 * sum(bf16["moved"].values()), (layout, mode, moved)
-                else:
-                    assert moved <= bf16["moved"][kind], (layout, mode, kind, moved, bf16)
+    assert sorted(seen) == [
+        "fsdp/bf16/cublas",
+        "fsdp/blockwise/cublas",
+        "tensor/bf16/cublas",
+        "tensor/blockwise/cublas",
+        "tensor/blockwise/default",
+    ], sorted(seen)
+    for layout, mode in (("fsdp", "cublas"), ("tensor", "cublas"), ("tensor", "default")):
+        got, bf16 = seen[f"{layout}/blockwise/{mode}"], seen[f"{layout}/bf16/cublas"]
+        # The block's 6 Linears (the head stays BF16: `Fp8Config`'s default `exclude`),
+        # a forward, dgrad and wgrad each.
+        assert len(got["gemms"]) == 18, got["gemms"]
+        for layer, role, kernel, fp8, mma in got["gemms"]:
+            assert kernel == "pallas mosaic gpu" and fp8, (layout, mode, layer, role, kernel)
+            assert any(fp8_mma.match(m) for m in mma), (layout, mode, layer, role, mma)
+        for kind, moved in got["moved"].items():
+            if kind == "amax":
+                assert moved <= 1e-3 * sum(bf16["moved"].values()), (layout, mode, moved)
+            else:
+                assert moved <= bf16["moved"][kind], (layout, mode, kind, moved, bf16)
