@@ -69,8 +69,6 @@ TESTS=(
     "tests/test_cost.py::test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops[blockwise]"
     tests/test_nnx.py::test_every_recipe_matches_the_equinox_path_bit_for_bit
     tests/test_nnx.py::test_an_nnx_jit_step_runs_every_targeted_gemm_in_fp8_on_h100
-    # The train step's new FP8 states checked finite in one reduction (session 45).
-    tests/test_train_step.py::test_fp8_states_are_checked_finite_together_on_h100
     # A step's program traced once for both modes where no mode changes it (session 47).
     tests/test_inspect.py::test_a_train_step_is_lowered_once_for_both_modes_where_they_trace_it_alike
     # The NNX step's two programs, traced and inspected as the step compiles them (session 45).
@@ -112,11 +110,13 @@ NEWEST_ONLY=(
     # session 48).
     tests/test_scaling_out.py::test_fsdp_runs_the_native_kernels_and_moves_no_more_than_bf16
 )
-# The GPU check itself (benchmarks/gpu_check.py), on the release the lent GPUs run only:
-# its MoE yardstick (JAX's own BF16 grouped kernels behind a custom VJP), its profile reading
-# (jax.profiler.ProfileData) and its kernels section's dry run.
+# On the release the lent GPUs run only: the GPU check itself (benchmarks/gpu_check.py: its
+# MoE yardstick, JAX's own BF16 grouped kernels behind a custom VJP; its profile reading,
+# jax.profiler.ProfileData; its kernels section's dry run), and the H100 fusion of the train
+# step's finite check of its new FP8 states (one reduction, session 45).
 GPU_RELEASE=0.11.2
 GPU_RELEASE_ONLY=(
+    tests/test_train_step.py::test_fp8_states_are_checked_finite_together_on_h100
     tests/test_gpu_check.py::test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot
     tests/test_gpu_check.py::test_profile_reads_a_trace_through_jax_profile_data
     tests/test_gpu_check.py::test_profile_reads_kernels_of_a_device_plane_without_stream_lines
