@@ -416,8 +416,9 @@ def test_h100_compile_runs_every_mla_and_expert_gemm_in_fp8(tmp_path):
     """The FP8 train step compiled for an H100 (deviceless) in XLA's default mode, the native
     kernels' PTX read: every MLA projection, FFN and expert GEMM, forward, dgrad and wgrad,
     on FP8 tensor cores (fp8jax's Mosaic kernels, `wgmma ... e4m3`); the attention core, the
-    router and the head in BF16. fp8jax's cuBLAS mode: notebook 05 checks the same of its
-    model (the tutorial's inspection, which the suite runs), each H100 compile once."""
+    router and the head in BF16. fp8jax's cuBLAS mode is asserted by notebook 05's
+    inspection of its model (larger: 8 experts), which the suite runs: CI compiles each mode
+    once."""
     h100_topology()
     run = run_with_mosaic_dump(INSPECT, [], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
