@@ -137,16 +137,16 @@ def inspect(
     # one thing a mode changes in a step's trace: `traced_for`).
     by_mode = {mode: step_programs(MODES[mode]) for mode in modes}
     reports = {}
-    for name in by_mode[modes[0]]:
-        lowerings, devices, alike = {}, 1, None
-        for mode in modes:
+    first, *others = modes
+    for name in by_mode[first]:
+        program, options = by_mode[first][name]
+        with cublas_reads() as reads:
+            lowered, devices = lower(program, args, kwargs, device)
+        lowerings = {first: (lowered, {**options, **extra})}
+        for mode in others:
             program, options = by_mode[mode][name]
-            if alike is None:
-                with cublas_reads() as reads:
-                    lowered, devices = lower(program, args, kwargs, device)
-                alike = None if reads else lowered
-            else:
-                lowered = alike
+            if reads:  # the first mode's trace asked: each mode's is its own
+                lowered, _ = lower(program, args, kwargs, device)
             lowerings[mode] = (lowered, {**options, **extra})
         reports[name] = _compiled(lowerings, devices, device)
     if "recorded" not in reports:  # a step that never switches: one program
