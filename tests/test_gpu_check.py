@@ -1165,3 +1165,52 @@ def test_sweep_ptx_reads_ptxas_logs_and_lists_every_swept_configuration(monkeypa
         got = [c for c in cases if c[1] == kind]
         assert len(got) == (1 + len(grouped.SWEEP[kind])) * shapes, kind
     assert set(sweep_ptx.MOE_VARIANTS) <= set(moe.VARIANTS["full"])
+
+
+def test_promotion_sass_reads_the_compute_loop_of_a_disassembly(monkeypatch):
+    """`benchmarks/promotion_sass.py`: the shortest loop holding a `wgmma` in a SASS dump with
+    control codes (as Mosaic GPU writes it), per chunk its instructions beside the `wgmma`,
+    those between a chunk's first and last `wgmma`, its waits and its stall cycles."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import promotion_sass
+
+    def line(addr, text, stall=1, wait="-"):
+        return f"   {wait}:-:-:Y:{stall:02d}        /*{addr:04x}*/    {text} ;"
+
+    mma = "QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], R24"
+    inner = [
+        ".L_x_9:",
+        line(0x10, "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR5], R12"),
+        line(0x20, "LDS.64 R12, [R0+UR11+0x20800]", 4),
+        line(0x30, mma.replace("R24, gdesc[UR8], R24", "R24, gdesc[UR8], RZ, !UPT")),
+        line(0x40, "FMUL R173, R171.reuse, R12", 2, wait="1"),
+        line(0x50, "FMUL R174, R171, R13"),
+        line(0x60, mma),
+        line(0x70, mma),
+        line(0x80, mma + ", gsb0", 3),
+        line(0x90, "WARPGROUP.DEPBAR.LE gsb0, 0x0", 2),
+        line(0xA0, "FFMA R170, R25, R12, R170"),
+        line(0xB0, "@P1 BRA `(.L_x_9)", 5),
+    ]
+    outer = [".L_x_8:", line(0x08, "IMAD.MOV.U32 R9, RZ, RZ, RZ"), *inner]
+    outer += [line(0xC0, "F2FP.BF16.F32.PACK_AB R14, R162, R161"), line(0xD0, "BRA `(.L_x_8)")]
+    sass = "\n".join(["        .global kernel", *outer, line(0xE0, "EXIT")])
+    body = promotion_sass.innermost_mma_loop(sass)
+    assert [b.op for b in body][:2] == ["SYNCS.PHASECHK.TRANS64.TRYWAIT", "LDS.64"]
+    assert body[-1].op == "BRA" and len(body) == 11
+    seen = promotion_sass.read_loop(body)
+    assert seen == {
+        "chunks": 1,
+        "instructions": 7,
+        "FMUL": 2,
+        "FFMA": 1,
+        "FADD": 0,
+        "LDS": 1,
+        "between": 2,
+        "waits": [0],
+        "stall": 1 + 4 + 1 + 2 + 1 + 1 + 1 + 3 + 2 + 1 + 5,
+        "turnaround": (2 + 1 + 5) + (1 + 4),
+    }
+    with pytest.raises(ValueError, match="no loop with a wgmma"):
+        promotion_sass.innermost_mma_loop("\n".join([".L_x_1:", line(0x10, "BRA `(.L_x_1)")]))
+    assert promotion_sass.TENSOR_CYCLES == 256
