@@ -50,6 +50,27 @@ VARIANTS = (
     ("no block scales, one accumulation", "one", 1),
     ("no block scales, summed per chunk", "sum", 1),
 )
+#: The grouped GEMMs of the GPU check's grouped section (16 experts over 8,192 rows, block
+#: scales) in their default configurations: label -> (kind, which of its shapes).
+GROUPED = {
+    "grouped rows, up 7168 -> 2048": ("rows", "up"),
+    "grouped rows, down 2048 -> 7168": ("rows", "down"),
+    "grouped tokens (wgrad)": ("tokens", "wgrad"),
+}
+
+
+def grouped_case(label: str) -> tuple[str, tuple[int, ...]]:
+    """`GROUPED[label]`'s kind and its shape as `sweep_ptx.compile_one` takes it."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from gpu_check import grouped
+
+    kind, which = GROUPED[label]
+    rows, width, hidden, experts = 8192, grouped.WIDTH, grouped.HIDDEN, grouped.EXPERTS
+    shapes = {"up": (rows, width, hidden, experts), "down": (rows, hidden, width, experts)}
+    shapes["wgrad"] = (rows, hidden, width, experts)
+    return kind, shapes[which]
+
+
 #: Cycles of an SM's tensor cores for one chunk's `wgmma` of one warpgroup (64 x 128 x 128
 #: FP8 at 8,192 FLOP per SM and cycle).
 TENSOR_CYCLES = 2 * 64 * 128 * 128 // 8192
@@ -129,7 +150,19 @@ def read_loop(body: list[Instruction]) -> dict:
         "waits": waits,
         "stall": per(sum(b.stall for b in body)),
         "turnaround": turnaround,
+        "local": kinds["LDL"] + kinds["STL"],
     }
+
+
+def local_memory(sass: str) -> tuple[int, int, int]:
+    """The kernel's local-memory stores and loads (`STL`, `LDL`: ptxas' spills), and of the
+    stores those before the warpgroups split (the first `USETMAXREG`): the kernel's
+    prologue, run once."""
+    code, _ = parse(sass)
+    split = next((n for n, i in enumerate(code) if i.op.startswith("USETMAXREG")), len(code))
+    stores = [n for n, i in enumerate(code) if i.op.startswith("STL")]
+    loads = sum(i.op.startswith("LDL") for i in code)
+    return len(stores), loads, sum(n < split for n in stores)
 
 
 def nvdisasm() -> str | None:
@@ -149,7 +182,9 @@ def nvdisasm() -> str | None:
 
 
 def compile_one(scales: int | str, per_step: int) -> None:
-    """Compile one GEMM for an H100 (a child's only Mosaic GPU kernel)."""
+    """Compile one GEMM for an H100 (a child's only Mosaic GPU kernel): the dense kernel
+    (`scales` a `VARIANTS` entry's), or with `scales` a key of `GROUPED` the grouped GEMM
+    in its default configuration at the GPU check's shape (`sweep_ptx.compile_one`)."""
     import jax
     import jax.experimental.mosaic.gpu  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT)
     import jax.numpy as jnp
@@ -161,7 +196,14 @@ def compile_one(scales: int | str, per_step: int) -> None:
     from fp8jax._src.observe import deviceless
 
     sys.path.insert(0, os.path.dirname(__file__))
+    import sweep_ptx
     from gpu_check import block_kernels
+
+    if scales in GROUPED:
+        kind, shape = grouped_case(scales)
+        fields = json.dumps(dataclasses.asdict(DEFAULT_CONFIGS[kind]))
+        sweep_ptx.compile_one(fields, kind, shape)
+        return
 
     config = dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=per_step)
     s, f8, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
@@ -202,6 +244,9 @@ def child(tool: str, scales: int | str, per_step: int) -> dict | str:
     ptxas = "".join(Path(p).read_text() for p in glob.glob(os.path.join(dump, "*.ptxas")))
     seen = read_loop(innermost_mma_loop(sass))
     seen["registers"] = ", ".join(re.findall(r"Used (\d+) registers", ptxas)) or "?"
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas)[:2]
+    seen["spills"] = " / ".join(spills) or "?"
+    seen["kernel local"] = local_memory(sass)
     return seen
 
 
@@ -239,6 +284,27 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, scales, per_step in VARIANTS:
         print(row(label, per_step, child(tool, scales, per_step)), flush=True)
+    print()
+    print(
+        "The grouped GEMMs (the GPU check's grouped section: 16 experts over 8,192 rows, block "
+        "scales, default configurations): where ptxas' spills sit"
+    )
+    print()
+    print(
+        "| grouped GEMM | spill bytes, stores / loads (ptxas) | local stores / loads in the "
+        "kernel (STL / LDL) | stores before the warpgroups split | of them in the chunk loop "
+        "| instructions beside the 4 wgmma | from the last wait to the next wgmma (cycles) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label in GROUPED:
+        seen = child(tool, label, 1)
+        if isinstance(seen, str):
+            print(f"| {label} | {seen} | | | | | |", flush=True)
+            continue
+        stl, ldl, prologue = seen["kernel local"]
+        cells = [label, seen["spills"], f"{stl} / {ldl}", prologue, seen["local"]]
+        cells += [seen["instructions"], seen["turnaround"]]
+        print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

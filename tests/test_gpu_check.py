@@ -1170,7 +1170,8 @@ def test_sweep_ptx_reads_ptxas_logs_and_lists_every_swept_configuration(monkeypa
 def test_promotion_sass_reads_the_compute_loop_of_a_disassembly(monkeypatch):
     """`benchmarks/promotion_sass.py`: the shortest loop holding a `wgmma` in a SASS dump with
     control codes (as Mosaic GPU writes it), per chunk its instructions beside the `wgmma`,
-    those between a chunk's first and last `wgmma`, its waits and its stall cycles."""
+    those between a chunk's first and last `wgmma`, its waits and its stall cycles; the
+    kernel's local-memory stores and loads (ptxas' spills)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import promotion_sass
 
@@ -1192,7 +1193,9 @@ def test_promotion_sass_reads_the_compute_loop_of_a_disassembly(monkeypatch):
         line(0xA0, "FFMA R170, R25, R12, R170"),
         line(0xB0, "@P1 BRA `(.L_x_9)", 5),
     ]
-    outer = [".L_x_8:", line(0x08, "IMAD.MOV.U32 R9, RZ, RZ, RZ"), *inner]
+    split = line(0x04, "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8")
+    outer = [line(0x02, "STL [R1], R2"), split, ".L_x_8:", line(0x08, "STL [R1+0x10], R0")]
+    outer += inner
     outer += [line(0xC0, "F2FP.BF16.F32.PACK_AB R14, R162, R161"), line(0xD0, "BRA `(.L_x_8)")]
     sass = "\n".join(["        .global kernel", *outer, line(0xE0, "EXIT")])
     body = promotion_sass.innermost_mma_loop(sass)
@@ -1210,7 +1213,9 @@ def test_promotion_sass_reads_the_compute_loop_of_a_disassembly(monkeypatch):
         "waits": [0],
         "stall": 1 + 4 + 1 + 2 + 1 + 1 + 1 + 3 + 2 + 1 + 5,
         "turnaround": (2 + 1 + 5) + (1 + 4),
+        "local": 0,
     }
+    assert promotion_sass.local_memory(sass) == (2, 0, 1)
     with pytest.raises(ValueError, match="no loop with a wgmma"):
         promotion_sass.innermost_mma_loop("\n".join([".L_x_1:", line(0x10, "BRA `(.L_x_1)")]))
     assert promotion_sass.TENSOR_CYCLES == 256
