@@ -12,7 +12,7 @@ an H100 in a process of its own with Mosaic GPU disassembling the cubin it built
 scales per row (the recipes' default) or once per 128 x 128 block (`weight_block_scales`),
 one or two chunks a pipeline step; and the same pipeline without block scales, as the GPU
 check's kernels section times it (`gpu_check.block_kernels._unscaled`): the contraction in
-the `wgmma` accumulator alone (JAX's Hopper matmul's loop), or each chunk's product added to
+the `wgmma` accumulator alone (as in JAX's Hopper matmul), or each chunk's product added to
 a float32 sum. For the compute warpgroups' innermost loop (the shortest loop with `wgmma`,
 `QGMMA` in SASS), per chunk: instructions by kind, the instructions issued between the
 chunk's first and last `QGMMA`, the waits on them (`WARPGROUP.DEPBAR.LE gsb0, n`: n groups
