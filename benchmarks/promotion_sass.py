@@ -228,20 +228,22 @@ def compile_one(scales: int | str, per_step: int) -> None:
 
 def child(tool: str, scales: int | str, per_step: int) -> dict | str:
     """Compile one variant in a fresh process and read its loop, or the error's last line."""
-    dump, root = tempfile.mkdtemp(), tempfile.mkdtemp()
-    os.makedirs(os.path.join(root, "bin"))
-    os.symlink(tool, os.path.join(root, "bin", "nvdisasm"))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
-    env.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1")
-    env["PROMOTION_SASS_CUDA_ROOT"] = root
-    args = [sys.executable, __file__, json.dumps([scales, per_step])]
-    run = subprocess.run(args, env=env, capture_output=True, text=True)
-    if run.returncode:
-        return f"failed: {run.stderr.strip()[-300:]!r}"
-    sass = "".join(Path(p).read_text() for p in glob.glob(os.path.join(dump, "*.sass*")))
+    with tempfile.TemporaryDirectory() as dump, tempfile.TemporaryDirectory() as root:
+        os.makedirs(os.path.join(root, "bin"))
+        os.symlink(tool, os.path.join(root, "bin", "nvdisasm"))
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
+        env.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1")
+        env["PROMOTION_SASS_CUDA_ROOT"] = root
+        args = [sys.executable, __file__, json.dumps([scales, per_step])]
+        run = subprocess.run(args, env=env, capture_output=True, text=True)
+        if run.returncode:
+            return f"failed: {run.stderr.strip()[-300:]!r}"
+        read = lambda pattern: "".join(  # noqa: E731
+            Path(p).read_text() for p in glob.glob(os.path.join(dump, pattern))
+        )
+        sass, ptxas = read("*.sass*"), read("*.ptxas")
     if not sass:
         return "no SASS written (Mosaic GPU found no nvdisasm)"
-    ptxas = "".join(Path(p).read_text() for p in glob.glob(os.path.join(dump, "*.ptxas")))
     seen = read_loop(innermost_mma_loop(sass))
     seen["registers"] = ", ".join(re.findall(r"Used (\d+) registers", ptxas)) or "?"
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas)[:2]
@@ -292,7 +294,8 @@ def main() -> None:
     print()
     print(
         "| grouped GEMM | spill bytes, stores / loads (ptxas) | local stores / loads in the "
-        "kernel (STL / LDL) | stores before the warpgroups split | of them in the chunk loop "
+        "kernel (STL / LDL) | stores before the warpgroups split | local loads and stores in "
+        "the chunk loop "
         "| instructions beside the 4 wgmma | from the last wait to the next wgmma (cycles) |"
     )
     print("|---|---|---|---|---|---|---|")
