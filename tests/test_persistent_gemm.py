@@ -395,7 +395,9 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     # computes cuBLASLt's per-tensor product of the same FP8 values.
     unscaled = [r for r in results if "no block scales" in r["name"]]
     assert len(unscaled) == 3 and all(r["max_rel_diff_vs_fp8"] < 1e-2 for r in unscaled), unscaled
-    assert "block kernels, dry: fastest persistent" in (tmp_path / "decisions.txt").read_text()
+    decisions = (tmp_path / "decisions.txt").read_text()
+    assert "block kernels, dry: fastest persistent" in decisions, decisions
+    assert "block kernels, dry: TFLOP/s with scales per row: persistent" in decisions, decisions
 
 
 def spy_on(monkeypatch, kernel: str, argument: str) -> list:

@@ -19,8 +19,8 @@ against float64 and its tuning sweep beside what it must beat.
    a shortfall of the block kernel can be put on its structure or on its promotion.
 
 The decision inputs name the fastest configuration per shape and its ratio to the tiled
-kernel (issue 39's target is 1,150 TFLOP/s at both shapes), and the rates without block
-scales.
+kernel (issue 39's target is 1,150 TFLOP/s at both shapes), the rates with the scales per
+row and without block scales.
 """
 
 from __future__ import annotations
@@ -81,8 +81,15 @@ SWEEP = (
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chained=True),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2, chained=True),
 )
-#: Configurations also timed with the weight's scales given per row (before session 33).
-PER_ROW = (PersistentConfig(grid_minor_dim="m", grid_tile_width=8),)
+#: Configurations also timed with the weight's scales given per row (before session 33; the
+#: recipes' default, and the wgrad's form, both operands per row), since session 49 also
+#: with two chunks a step: in SASS the per-row promotion keeps a warpgroup from the tensor
+#: cores 190 cycles a chunk against the other's 256, 255 a step of two against 512
+#: (`benchmarks/promotion_sass.py`).
+PER_ROW = (
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
+)
 DRY_SWEEP = (
     PersistentConfig(num_sms=2),
     PersistentConfig(wg_dimension="n", num_sms=2),
@@ -339,6 +346,12 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
             f"({tflops(2 * m * n * k, swept[best]):.0f} TFLOP/s; target 1150); tiled kernel "
             f"{t['tiled']:.3f} ms: time ratio tiled / persistent {t['tiled'] / swept[best]:.2f}"
         )
+        per_row = {k: v for k, v in t.items() if k.endswith("scales per row")}
+        if per_row:  # the recipes' default scales, the wgrad's form: one or two chunks a step
+            rates = ", ".join(
+                f"{name}: {tflops(2 * m * n * k, v):.0f}" for name, v in per_row.items()
+            )
+            rec.decision(f"block kernels, {label}: TFLOP/s with scales per row: {rates}")
         unscaled = {k: v for k, v in t.items() if UNSCALED in k}
         if unscaled:  # the same configuration with and without its block scales
             rates = ", ".join(
