@@ -10,9 +10,10 @@ against float64 and its tuning sweep beside what it must beat.
    block kernel (`block_scaled_gemm`, its default tiles), per-tensor FP8 through cuBLASLt
    and BF16: ms, TFLOP/s, and each output's largest difference to the tiled kernel's (the
    same maths: only float32 summation order differs). The block kernels take the weight's
-   scales per 128 x 128 block, as the recipes give them (one scale per warpgroup tile and
-   chunk); `PER_ROW` configurations take them repeated per row, as before session 33 (a
-   vector of scales per tile and chunk). Beside them (session 37), the default configuration
+   scales per 128 x 128 block, as the recipes give them inside `choice.weight_block_scales()`
+   (one scale per warpgroup tile and chunk); `PER_ROW` configurations take them repeated per
+   row, as the recipes do by default (a vector of scales per tile and chunk; a wgrad's two
+   operands always). Beside them (session 37), the default configuration
    without block scales (`..., no block scales: ...`, `_unscaled`: one scale per row tile,
    the contraction in the `wgmma` accumulator alone, or each chunk's product added to a
    float32 sum): the kernel's pipeline and epilogue without the promotion's scales, so that
