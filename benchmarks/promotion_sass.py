@@ -41,21 +41,28 @@ from pathlib import Path
 
 M, K, N = 8192, 4096, 14336
 #: (label, rows per scale of the weight: 1 per row, 128 per block; or "one accumulation" /
-#: "summed per chunk" for the pipeline without block scales, chunks a step)
+#: "summed per chunk" for the pipeline without block scales, the default configuration's
+#: fields changed: chunks a step, the scales multiplied under the wgmma since session 50)
+TWO, UNDER = {"chunks_per_step": 2}, {"scales_under_wgmma": True}
 VARIANTS = (
-    ("weight per row (the recipes' default)", 1, 1),
-    ("weight per row (the recipes' default)", 1, 2),
-    ("weight per 128 x 128 block", 128, 1),
-    ("weight per 128 x 128 block", 128, 2),
-    ("no block scales, one accumulation", "one", 1),
-    ("no block scales, summed per chunk", "sum", 1),
+    ("weight per row (the recipes' default)", 1, {}),
+    ("weight per row (the recipes' default)", 1, TWO),
+    ("weight per row, scales under the wgmma", 1, UNDER),
+    ("weight per 128 x 128 block", 128, {}),
+    ("weight per 128 x 128 block", 128, TWO),
+    ("weight per 128 x 128 block, scales under the wgmma", 128, UNDER),
+    ("no block scales, one accumulation", "one", {}),
+    ("no block scales, summed per chunk", "sum", {}),
 )
 #: The grouped GEMMs of the GPU check's grouped section (16 experts over 8,192 rows, block
-#: scales) in their default configurations: label -> (kind, which of its shapes).
+#: scales) in their default configurations (or with the scales multiplied under the `wgmma`,
+#: where the label says so): label -> (kind, which of its shapes).
 GROUPED = {
     "grouped rows, up 7168 -> 2048": ("rows", "up"),
     "grouped rows, down 2048 -> 7168": ("rows", "down"),
     "grouped tokens (wgrad)": ("tokens", "wgrad"),
+    "grouped rows, up, scales under the wgmma": ("rows", "up"),
+    "grouped tokens, scales under the wgmma": ("tokens", "wgrad"),
 }
 
 
@@ -181,7 +188,7 @@ def nvdisasm() -> str | None:
     return None
 
 
-def compile_one(scales: int | str, per_step: int) -> None:
+def compile_one(scales: int | str, changes: dict) -> None:
     """Compile one GEMM for an H100 (a child's only Mosaic GPU kernel): the dense kernel
     (`scales` a `VARIANTS` entry's), or with `scales` a key of `GROUPED` the grouped GEMM
     in its default configuration at the GPU check's shape (`sweep_ptx.compile_one`)."""
@@ -201,11 +208,14 @@ def compile_one(scales: int | str, per_step: int) -> None:
 
     if scales in GROUPED:
         kind, shape = grouped_case(scales)
-        fields = json.dumps(dataclasses.asdict(DEFAULT_CONFIGS[kind]))
+        config = DEFAULT_CONFIGS[kind]
+        if "under the wgmma" in scales:
+            config = dataclasses.replace(config, scales_under_wgmma=True)
+        fields = json.dumps(dataclasses.asdict(config))
         sweep_ptx.compile_one(fields, kind, shape)
         return
 
-    config = dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=per_step)
+    config = dataclasses.replace(DEFAULT_CONFIGS["dense"], **changes)
     s, f8, f32 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn, jnp.float32
     if isinstance(scales, str):  # the pipeline without block scales
         args = (s((M, K), f8), s((N, K), f8))
@@ -226,7 +236,7 @@ def compile_one(scales: int | str, per_step: int) -> None:
     lowered.compile()
 
 
-def child(tool: str, scales: int | str, per_step: int) -> dict | str:
+def child(tool: str, scales: int | str, changes: dict) -> dict | str:
     """Compile one variant in a fresh process and read its loop, or the error's last line."""
     with tempfile.TemporaryDirectory() as dump, tempfile.TemporaryDirectory() as root:
         os.makedirs(os.path.join(root, "bin"))
@@ -234,7 +244,7 @@ def child(tool: str, scales: int | str, per_step: int) -> dict | str:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
         env.update(MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1")
         env["PROMOTION_SASS_CUDA_ROOT"] = root
-        args = [sys.executable, __file__, json.dumps([scales, per_step])]
+        args = [sys.executable, __file__, json.dumps([scales, changes])]
         run = subprocess.run(args, env=env, capture_output=True, text=True)
         if run.returncode:
             return f"failed: {run.stderr.strip()[-300:]!r}"
@@ -254,11 +264,11 @@ def child(tool: str, scales: int | str, per_step: int) -> dict | str:
 
 def row(label: str, per_step: int, seen: dict | str) -> str:
     if isinstance(seen, str):
-        return f"| {label} | {per_step} | {seen} |" + " |" * 9
+        return f"| {label} | {per_step} | {seen} |" + " |" * 10
     waits = ", ".join(str(w) for w in seen["waits"])
     cells = [label, per_step] + [seen[k] for k in ("instructions", "FMUL", "FFMA", "FADD")]
     cells += [seen["LDS"], seen["between"], waits, seen["stall"], seen["turnaround"]]
-    cells += [seen["registers"]]
+    cells += [seen["registers"], seen["spills"]]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -281,15 +291,17 @@ def main() -> None:
         "| scales | chunks a step | instructions beside the 4 wgmma | FMUL | FFMA | FADD | LDS "
         "| issued between the first and last wgmma | waits (groups left in flight) "
         "| stall cycles (control codes) | from the last wait to the next wgmma (cycles, a step) "
-        "| registers (ptxas) |"
+        "| registers (ptxas) | spill bytes, stores / loads (ptxas) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, scales, per_step in VARIANTS:
-        print(row(label, per_step, child(tool, scales, per_step)), flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, scales, changes in VARIANTS:
+        per_step = changes.get("chunks_per_step", 1)
+        print(row(label, per_step, child(tool, scales, changes)), flush=True)
     print()
     print(
         "The grouped GEMMs (the GPU check's grouped section: 16 experts over 8,192 rows, block "
-        "scales, default configurations): where ptxas' spills sit"
+        "scales, default configurations, and with the scales under the wgmma): where ptxas' "
+        "spills sit"
     )
     print()
     print(
@@ -300,7 +312,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for label in GROUPED:
-        seen = child(tool, label, 1)
+        seen = child(tool, label, {})
         if isinstance(seen, str):
             print(f"| {label} | {seen} | | | | | |", flush=True)
             continue

@@ -83,6 +83,8 @@ def fp8_operand(rng, rows, k, dtype=E4M3):
         # two chunks a step, the first promoted while the second's wgmma runs: three chunks
         # padded to four, the residual form
         (70, 130, 300, 2, E4M3, PersistentConfig(chunks_per_step=2, num_sms=2)),
+        # each chunk's scales loaded and multiplied while its wgmma runs, the residual form
+        (70, 130, 300, 2, E4M3, PersistentConfig(scales_under_wgmma=True, num_sms=2)),
         # each program's tiles chained into one pipeline: 9 tiles on 4 programs (3, 2, 2, 2),
         # 6 chunks a tile in 3 stages (4 would not divide them)
         (300, 260, 768, 1, E4M3, PersistentConfig(num_sms=4, chained=True)),
@@ -127,6 +129,8 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
         ((128, 128), 2, PersistentConfig(wg_dimension="n", chunks_per_step=2, num_sms=3)),
         # lhs blocks (tile_m 64 in 128-row blocks); rhs blocks wider than no tile: vectors
         ((128, 64), 1, PersistentConfig(tile_n=256, num_sms=2)),
+        # the rhs blocks' scales (and the lhs rows') multiplied while the wgmma runs
+        ((1, 128), 2, PersistentConfig(scales_under_wgmma=True, num_sms=3)),
     ],
 )
 def test_block_scales_given_per_block_match_float64(block_rows, n_terms, config):
@@ -202,6 +206,8 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(cluster="k"), "cluster='k'"),
         (dict(chunks_per_step=4), "chunks_per_step=4"),
         (dict(chained=1), "chained=1"),
+        (dict(scales_under_wgmma=None), "scales_under_wgmma=None"),
+        (dict(scales_under_wgmma=True, chunks_per_step=2), "takes chunks_per_step=1, not 2"),
     ],
 )
 def test_bad_configs_are_refused_by_name(kwargs, match):
@@ -319,14 +325,14 @@ print(json.dumps({
         ({}, "dense"),
         # one compile (CI time): also each program's tiles chained into one pipeline
         ({"wg_dimension": "n", "chunks_per_step": 2, "chained": True}, "dense"),
-        ({"cluster": "m"}, "dense-blocks"),
+        ({"cluster": "m", "scales_under_wgmma": True}, "dense-blocks"),
         ({}, "tokens"),
         ({"cluster": "m", "chained": True}, "tokens-group"),
     ],
     ids=[
         "default",
         "wg n, two a step, chained",
-        "cluster m, rhs blocks",
+        "cluster m, rhs blocks, scales under wgmma",
         "tokens",
         "tokens per-expert cluster m, streamed",
     ],
@@ -588,6 +594,7 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
         "item, promoted",
         "blocks, chained",
         "item, chained",
+        "blocks, scales under wgmma",
     ],
 )
 def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
@@ -597,7 +604,7 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
     promoted per chunk (also two chunks a step, three padded to four, with the weights'
     scales per 128 x 128 block: one per warpgroup tile), or one scale per item applied to
     the whole accumulation. Also with each program's tiles chained into one pipeline (3
-    chunks, 3 stages)."""
+    chunks, 3 stages), and with the block scales multiplied while each `wgmma` runs."""
     rng = np.random.default_rng(4)
     sizes = np.array([100, 0, 150, 30], np.int32)
     m = 300
@@ -618,7 +625,11 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
         scales = dict(item_scale=expert_scale[jnp.maximum(items.expert, 0)])
     per_step = 2 if scaling.endswith("a step") else 1
     config = PersistentConfig(
-        wg_dimension="n", num_sms=3, chunks_per_step=per_step, chained="chained" in scaling
+        wg_dimension="n",
+        num_sms=3,
+        chunks_per_step=per_step,
+        chained="chained" in scaling,
+        scales_under_wgmma="under" in scaling,
     )
     kw = dict(config=config, promote=scaling == "item, promoted", interpret=True, **per_block)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
@@ -731,6 +742,12 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
             "blocks",
             E5M2,
             PersistentConfig(wg_dimension="n", cluster="m", chained=True, num_sms=2),
+        ),
+        # streamed with each chunk's scales multiplied while its wgmma runs
+        (
+            "blocks",
+            E4M3,
+            PersistentConfig(num_sms=3, chained=True, scales_under_wgmma=True),
         ),
     ],
 )

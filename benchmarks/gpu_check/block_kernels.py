@@ -67,8 +67,9 @@ DRY_SHAPES = {"dry": (256, 256, 256)}
 #: the sweep times two chunks a step (`chunks_per_step=2`: the first chunk promoted while the
 #: second's `wgmma` runs) beside it, and since session 37 the tiles of each program chained
 #: into one pipeline (`chained=True`: the next tile's first chunks load while the last tile
-#: is promoted and stored). Every one compiles for an H100 at both shapes (deviceless, JAX
-#: 0.11.2) without spills.
+#: is promoted and stored), since session 50 each chunk's scales multiplied while its `wgmma`
+#: runs (`scales_under_wgmma=True`). Every one compiles for an H100 at both shapes
+#: (deviceless, JAX 0.11.2) without spills.
 SWEEP = (
     PersistentConfig(),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
@@ -81,15 +82,18 @@ SWEEP = (
     PersistentConfig(wg_dimension="n", grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chained=True),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2, chained=True),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, scales_under_wgmma=True),
 )
 #: Configurations also timed with the weight's scales given per row (before session 33; the
 #: recipes' default, and the wgrad's form, both operands per row), since session 49 also
-#: with two chunks a step: in SASS the per-row promotion keeps a warpgroup from the tensor
-#: cores 190 cycles a chunk against the other's 256, 255 a step of two against 512
-#: (`benchmarks/promotion_sass.py`).
+#: with two chunks a step, since session 50 with the scales multiplied while the `wgmma`
+#: runs: in SASS the per-row promotion keeps a warpgroup from the tensor cores 190 cycles a
+#: chunk against the other's 256, 255 a step of two against 512, 124 with the scales
+#: under the `wgmma` (`benchmarks/promotion_sass.py`).
 PER_ROW = (
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2),
+    PersistentConfig(grid_minor_dim="m", grid_tile_width=8, scales_under_wgmma=True),
 )
 DRY_SWEEP = (
     PersistentConfig(num_sms=2),
@@ -121,10 +125,13 @@ CASES = (
         (1, 128),
         PersistentConfig(chunks_per_step=2, chained=True),
     ),
+    # each chunk's scales multiplied while its wgmma runs: per row, the residual form; blocks
+    (777, 1000, 900, 2, E4M3, BF16, (1, 1), PersistentConfig(scales_under_wgmma=True)),
+    (1000, 1500, 1100, 1, E5M2, jnp.float32, (1, 128), PersistentConfig(scales_under_wgmma=True)),
 )
 DRY_CASES = (
     (70, 130, 300, 1, E4M3, jnp.float32, (1, 1), PersistentConfig(num_sms=2)),
-    (40, 260, 256, 2, E5M2, BF16, (1, 128), PersistentConfig(wg_dimension="n", num_sms=2)),
+    (40, 260, 256, 2, E5M2, BF16, (1, 128), PersistentConfig(scales_under_wgmma=True, num_sms=2)),
 )
 
 

@@ -64,6 +64,7 @@ SWEEP = {
         PersistentConfig(grid_minor_dim="m", chunks_per_step=2),
         PersistentConfig(chained=True),
         PersistentConfig(grid_minor_dim="m", chained=True),
+        PersistentConfig(scales_under_wgmma=True),  # session 50: SASS turnaround 222 -> 150
     ),
     "tokens": (
         PersistentConfig(),  # the default before run 4; now wg_dimension="n"
@@ -71,6 +72,7 @@ SWEEP = {
         PersistentConfig(grid_minor_dim="m"),
         PersistentConfig(cluster="m"),
         PersistentConfig(wg_dimension="n", chained=True),
+        PersistentConfig(wg_dimension="n", scales_under_wgmma=True),  # SASS: 197 -> 128
     ),
 }
 

@@ -245,15 +245,34 @@ def chunk_product(a_tile, b_tile, shape: tuple[int, int], interpret: bool) -> Ar
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
-def scaled_add(acc: Array, part: Array, sa: Array, sb: Array) -> Array:
-    """`acc + part * sa[:, None] * sb[None, :]`: a chunk's product promoted to the sum. A
-    scale that is one for the whole tile (a 0-d `sa` or `sb`: a 128 x 128 block's) is
-    multiplied into the other first, which spares a multiply per accumulator element."""
+def scale_product(sa: Array, sb: Array, shape: tuple[int, int]) -> Float[Array, "M N"]:
+    """`sa[:, None] * sb[None, :]` over an accumulator of `shape`. A scale that is one for
+    the whole tile (a 0-d `sa` or `sb`: a 128 x 128 block's) is multiplied into the other
+    first, which spares a multiply per accumulator element."""
     if jnp.ndim(sa) == 0 or jnp.ndim(sb) == 0:
         along = [0] if jnp.ndim(sa) else [1] if jnp.ndim(sb) else []
-        return acc + part * lax.broadcast_in_dim(sa * sb, part.shape, along)
-    scale = lax.broadcast_in_dim(sa, part.shape, [0]) * lax.broadcast_in_dim(sb, part.shape, [1])
-    return acc + part * scale
+        return lax.broadcast_in_dim(sa * sb, shape, along)
+    return lax.broadcast_in_dim(sa, shape, [0]) * lax.broadcast_in_dim(sb, shape, [1])
+
+
+def scaled_add(acc: Array, part: Array, sa: Array, sb: Array) -> Array:
+    """`acc + part * sa[:, None] * sb[None, :]`: a chunk's product promoted to the sum."""
+    return acc + part * scale_product(sa, sb, part.shape)
+
+
+def promoted_under_wgmma(acc: Array, a_tile, b_tile, sa_ref, sb_ref, sa_at, sb_at, shape) -> Array:
+    """`acc` plus a 128-chunk's product (`a_tile (tile_m, 128) . b_tile (tile_n, 128)^T`,
+    scales `sa_ref[0, sa_at]`, `sb_ref[0, sb_at]`) with the scales loaded and multiplied
+    while its `wgmma` runs: issued first, the scale products next, then waited for, which
+    leaves one FMA per accumulator element after the wait (`PersistentConfig`'s
+    `scales_under_wgmma`). The same sum as `scaled_add` of `chunk_product`."""
+
+    def mma(part):
+        plgpu.wgmma(part, a_tile, b_tile.transpose((1, 0)))
+        scale = scale_product(sa_ref[0, sa_at], sb_ref[0, sb_at], shape)
+        return acc + mosaic_private.wgmma_load(part, wait_n=0) * scale
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
 def promoted_pair(acc: Array, a_tile, b_tile, sa_ref, sb_ref, sa_at, sb_at, shape) -> Array:

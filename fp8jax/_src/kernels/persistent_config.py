@@ -60,6 +60,11 @@ class PersistentConfig:
       over every expert's chunks, each expert's sum started afresh at its first chunk and
       stored at its last (with one scale per expert, each chunk's product added to a float32
       sum, as with `promote`).
+    - `scales_under_wgmma`: with block scales and one chunk a step, a chunk's scales are
+      loaded and multiplied while its `wgmma` runs, which leaves one FMA per accumulator
+      element between the wait and the next chunk's `wgmma`; by default (`False`) they are
+      loaded before the issue and multiplied once the product is there (ptxas puts those
+      products among the chunk's `wgmma` issues: session 49's SASS reading). The same sums.
     """
 
     tile_m: int = 64
@@ -72,6 +77,7 @@ class PersistentConfig:
     num_sms: int | None = None
     chunks_per_step: int = 1
     chained: bool = False
+    scales_under_wgmma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tile_m", "tile_n"):
@@ -90,8 +96,17 @@ class PersistentConfig:
             raise ValueError(
                 f"PersistentConfig: chunks_per_step={self.chunks_per_step!r}; should be 1 or 2."
             )
-        if not isinstance(self.chained, bool):
-            raise ValueError(f"PersistentConfig: chained={self.chained!r}; should be a bool.")
+        for name in ("chained", "scales_under_wgmma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"PersistentConfig: {name}={getattr(self, name)!r}; should be a bool."
+                )
+        if self.scales_under_wgmma and self.chunks_per_step != 1:
+            raise ValueError(
+                "PersistentConfig: scales_under_wgmma=True takes chunks_per_step=1, not "
+                f"{self.chunks_per_step} (two chunks a step promote the first while the "
+                "second's wgmma runs already)."
+            )
         if self.cluster not in (None, "m", "n"):
             raise ValueError(
                 f"PersistentConfig: cluster={self.cluster!r}; should be None, 'm' or 'n'."

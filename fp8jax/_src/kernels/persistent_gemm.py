@@ -67,6 +67,7 @@ from .block_gemm import (
     pad_to,
     per_row,
     promoted_pair,
+    promoted_under_wgmma,
     round_up,
     scaled_add,
 )
@@ -374,6 +375,12 @@ def run_persistent(
 
                 def promote_step(_, a_smem, sa_smem, *rest):
                     *b_smem, acc = rest
+                    if config.scales_under_wgmma:
+                        for t in range(n_terms):
+                            tile_b, sb_smem = b_smem[2 * t].at[cols], b_smem[2 * t + 1]
+                            args = (a_smem.at[rows], tile_b, sa_smem, sb_smem, sa_at, sb_at)
+                            acc = promoted_under_wgmma(acc, *args, (tm, tn))
+                        return acc
                     sa = sa_smem[0, sa_at]
                     for t in range(n_terms):
                         tile_b, sb = b_smem[2 * t].at[cols], b_smem[2 * t + 1][0, sb_at]
