@@ -42,7 +42,8 @@ from pathlib import Path
 M, K, N = 8192, 4096, 14336
 #: (label, rows per scale of the weight: 1 per row, 128 per block; or "one accumulation" /
 #: "summed per chunk" for the pipeline without block scales, the default configuration's
-#: fields changed: chunks a step, the scales multiplied under the wgmma since session 50)
+#: fields changed: chunks a step; since session 50 the scales multiplied under the wgmma,
+#: three compute warpgroups, whose turnaround two others' 512 tensor cycles a chunk cover)
 TWO, UNDER = {"chunks_per_step": 2}, {"scales_under_wgmma": True}
 VARIANTS = (
     ("weight per row (the recipes' default)", 1, {}),
@@ -51,6 +52,7 @@ VARIANTS = (
     ("weight per 128 x 128 block", 128, {}),
     ("weight per 128 x 128 block", 128, TWO),
     ("weight per 128 x 128 block, scales under the wgmma", 128, UNDER),
+    ("weight per 128 x 128 block, three compute warpgroups", 128, {"compute_wgs": 3}),
     ("no block scales, one accumulation", "one", {}),
     ("no block scales, summed per chunk", "sum", {}),
 )

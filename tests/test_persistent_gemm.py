@@ -85,6 +85,9 @@ def fp8_operand(rng, rows, k, dtype=E4M3):
         (70, 130, 300, 2, E4M3, PersistentConfig(chunks_per_step=2, num_sms=2)),
         # each chunk's scales loaded and multiplied while its wgmma runs, the residual form
         (70, 130, 300, 2, E4M3, PersistentConfig(scales_under_wgmma=True, num_sms=2)),
+        # three compute warpgroups (192-row CTA tiles): the last one's third warpgroup has
+        # no output rows (300 rows: 320 written, not 384)
+        (300, 260, 384, 1, E4M3, PersistentConfig(compute_wgs=3, num_sms=3)),
         # each program's tiles chained into one pipeline: 9 tiles on 4 programs (3, 2, 2, 2),
         # 6 chunks a tile in 3 stages (4 would not divide them)
         (300, 260, 768, 1, E4M3, PersistentConfig(num_sms=4, chained=True)),
@@ -131,6 +134,8 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
         ((128, 64), 1, PersistentConfig(tile_n=256, num_sms=2)),
         # the rhs blocks' scales (and the lhs rows') multiplied while the wgmma runs
         ((1, 128), 2, PersistentConfig(scales_under_wgmma=True, num_sms=3)),
+        # three compute warpgroups splitting N (64 x 384 CTA tiles), a scale per tile
+        ((1, 128), 1, PersistentConfig(compute_wgs=3, wg_dimension="n", num_sms=2)),
     ],
 )
 def test_block_scales_given_per_block_match_float64(block_rows, n_terms, config):
@@ -207,6 +212,7 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(chunks_per_step=4), "chunks_per_step=4"),
         (dict(chained=1), "chained=1"),
         (dict(scales_under_wgmma=None), "scales_under_wgmma=None"),
+        (dict(compute_wgs=4), "compute_wgs=4"),
         (dict(scales_under_wgmma=True, chunks_per_step=2), "takes chunks_per_step=1, not 2"),
     ],
 )
@@ -325,14 +331,14 @@ print(json.dumps({
         ({}, "dense"),
         # one compile (CI time): also each program's tiles chained into one pipeline
         ({"wg_dimension": "n", "chunks_per_step": 2, "chained": True}, "dense"),
-        ({"cluster": "m", "scales_under_wgmma": True}, "dense-blocks"),
+        ({"cluster": "m", "scales_under_wgmma": True, "compute_wgs": 3}, "dense-blocks"),
         ({}, "tokens"),
         ({"cluster": "m", "chained": True}, "tokens-group"),
     ],
     ids=[
         "default",
         "wg n, two a step, chained",
-        "cluster m, rhs blocks, scales under wgmma",
+        "cluster m, rhs blocks, scales under wgmma, three warpgroups",
         "tokens",
         "tokens per-expert cluster m, streamed",
     ],
@@ -595,6 +601,7 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
         "blocks, chained",
         "item, chained",
         "blocks, scales under wgmma",
+        "weight blocks, three warpgroups",
     ],
 )
 def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
@@ -630,6 +637,7 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
         chunks_per_step=per_step,
         chained="chained" in scaling,
         scales_under_wgmma="under" in scaling,
+        compute_wgs=3 if "three" in scaling else 2,
     )
     kw = dict(config=config, promote=scaling == "item, promoted", interpret=True, **per_block)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(
@@ -743,11 +751,12 @@ def test_grouped_rows_kernel_refuses_bad_input_by_name():
             E5M2,
             PersistentConfig(wg_dimension="n", cluster="m", chained=True, num_sms=2),
         ),
-        # streamed with each chunk's scales multiplied while its wgmma runs
+        # streamed with each chunk's scales multiplied while its wgmma runs, three compute
+        # warpgroups
         (
             "blocks",
             E4M3,
-            PersistentConfig(num_sms=3, chained=True, scales_under_wgmma=True),
+            PersistentConfig(num_sms=3, chained=True, scales_under_wgmma=True, compute_wgs=3),
         ),
     ],
 )

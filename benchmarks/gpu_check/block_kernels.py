@@ -68,8 +68,9 @@ DRY_SHAPES = {"dry": (256, 256, 256)}
 #: second's `wgmma` runs) beside it, and since session 37 the tiles of each program chained
 #: into one pipeline (`chained=True`: the next tile's first chunks load while the last tile
 #: is promoted and stored), since session 50 each chunk's scales multiplied while its `wgmma`
-#: runs (`scales_under_wgmma=True`). Every one compiles for an H100 at both shapes
-#: (deviceless, JAX 0.11.2) without spills.
+#: runs (`scales_under_wgmma=True`) and three compute warpgroups (`compute_wgs=3`: 192 x 128
+#: CTA tiles, 152 registers a thread, which the weight's scales per block fit, not per row).
+#: Every one compiles for an H100 at both shapes (deviceless, JAX 0.11.2) without spills.
 SWEEP = (
     PersistentConfig(),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8),
@@ -83,6 +84,8 @@ SWEEP = (
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chained=True),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, chunks_per_step=2, chained=True),
     PersistentConfig(grid_minor_dim="m", grid_tile_width=8, scales_under_wgmma=True),
+    PersistentConfig(compute_wgs=3, grid_minor_dim="m", grid_tile_width=8),
+    PersistentConfig(compute_wgs=3, grid_minor_dim="m", grid_tile_width=8, scales_under_wgmma=True),
 )
 #: Configurations also timed with the weight's scales given per row (before session 33; the
 #: recipes' default, and the wgrad's form, both operands per row), since session 49 also
@@ -128,6 +131,9 @@ CASES = (
     # each chunk's scales multiplied while its wgmma runs: per row, the residual form; blocks
     (777, 1000, 900, 2, E4M3, BF16, (1, 1), PersistentConfig(scales_under_wgmma=True)),
     (1000, 1500, 1100, 1, E5M2, jnp.float32, (1, 128), PersistentConfig(scales_under_wgmma=True)),
+    # three compute warpgroups: blocks (the last CTA row's third warpgroup unwritten); per row
+    (1000, 1500, 1100, 1, E4M3, BF16, (1, 128), PersistentConfig(compute_wgs=3)),
+    (777, 1000, 900, 2, E5M2, jnp.float32, (1, 1), PersistentConfig(compute_wgs=3)),
 )
 DRY_CASES = (
     (70, 130, 300, 1, E4M3, jnp.float32, (1, 1), PersistentConfig(num_sms=2)),

@@ -124,6 +124,9 @@ def persistent_block_scaled_gemm(
         programs=grid_programs(config, clusters),
         interpret=interpret,
         uniform=(block_rows[0] % config.tile_m == 0, block_rows[1] % config.tile_n == 0),
+        # 192-row CTA tiles: no padded output copied at 8,192 rows (2 warpgroups, as GPUs
+        # ran them since run 4: padded).
+        out_rows=round_up(m, config.tile_m) if config.compute_wgs == 3 else None,
     )
     return out[:m, :n]
 
@@ -189,6 +192,7 @@ def run_persistent(
     tile_scaled=False,
     promote=False,
     uniform=(False, False),
+    out_rows=None,
 ):
     """The kernel over `operands`, by `layout`:
 
@@ -210,7 +214,9 @@ def run_persistent(
     counts): the whole contraction in one `wgmma` accumulator multiplied by it at the end
     (per-tensor recipes), or with `promote` each chunk's product added to a float32 sum in
     registers first (FP8 `wgmma` accumulates with less than float32's precision).
-    `uniform`: whether `sa` (`sb`) holds one value over each warpgroup's rows (columns)."""
+    `uniform`: whether `sa` (`sb`) holds one value over each warpgroup's rows (columns).
+    `out_rows` (`"dense"`): the output's rows, a multiple of `tile_m` that the padded
+    `out_shape` may exceed: a warpgroup's tile past them is not written."""
     tm, tn = config.tile_m, config.tile_n
     cta_m, cta_n = config.cta_tile
     per_step = config.chunks_per_step
@@ -281,7 +287,7 @@ def run_persistent(
             memory_registers=40,
             in_specs=specs,
             wg_axis="wg",
-            num_compute_wgs=2,
+            num_compute_wgs=config.compute_wgs,
             max_concurrent_steps=steps,
             compute_context=context,
             pipeline_state=state,
@@ -304,7 +310,9 @@ def run_persistent(
             allocations=pipeline(ignore, ignore).get_allocations(*a_refs, *one_b),
             # Rows: copies of some rows, from any row (untransformed).
             out_smem=plgpu.SMEM(
-                (2, tm, tn), out_dtype, transforms=() if ragged else out_tiling(out_dtype, tn)
+                (config.compute_wgs, tm, tn),
+                out_dtype,
+                transforms=() if ragged else out_tiling(out_dtype, tn),
             ),
             collective_axes="wg",
         )
@@ -353,6 +361,10 @@ def run_persistent(
                     if ragged:  # the item's rows only (the warpgroups split N: tm == cta_m)
                         out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                         copy_rows(out_smem.at[wg], out_gmem, row_tile * tm, start, stop, out_cols)
+                    elif out_rows is not None and out_rows < mp:  # a tile of no rows unwritten
+                        out_tile = out_gmem.at[cta_rows, cta_cols].at[rows, cols]
+                        copy = functools.partial(plgpu.copy_smem_to_gmem, out_smem.at[wg])
+                        pl.when(row_tile * cta_m + rows.start < out_rows)(lambda: copy(out_tile))
                     else:
                         out_tile = out_gmem.at[at] if layout == "tokens" else out_gmem
                         out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
@@ -456,7 +468,9 @@ def run_persistent(
                     def _():
                         run_tile([b.at[expert] for b in b_gmem])
 
-                    @pl.when((expert < 0) & (stop > start) & (wg < 2))  # rows of no expert
+                    @pl.when(
+                        (expert < 0) & (stop > start) & (wg < config.compute_wgs)
+                    )  # rows of no expert
                     def _():
                         store(jnp.zeros((tm, tn), jnp.float32))
 
@@ -469,7 +483,7 @@ def run_persistent(
 
                     @pl.loop(0, groups)
                     def _(e):
-                        @pl.when((counts[1][e] == 0) & (wg < 2))
+                        @pl.when((counts[1][e] == 0) & (wg < config.compute_wgs))
                         def _():
                             store(jnp.zeros((tm, tn), jnp.float32), e)
 
@@ -480,7 +494,9 @@ def run_persistent(
                     def _():
                         run_tile(b_gmem, grid=(count,), first=first)
 
-                    @pl.when((count == 0) & (wg < 2))  # the compute warpgroups write zeros
+                    @pl.when(
+                        (count == 0) & (wg < config.compute_wgs)
+                    )  # the compute warpgroups write zeros
                     def _():
                         store(jnp.zeros((tm, tn), jnp.float32))
 
@@ -490,12 +506,14 @@ def run_persistent(
     body.__name__ = body.__qualname__ = name.get(layout, PERSISTENT_TOKENS_NAME)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_type=jax.ShapeDtypeStruct(
+            out_shape if out_rows is None else (min(out_rows, mp), np_), out_dtype
+        ),
         grid=(programs,),
         grid_names=("sm",),
         cluster=(1 if config.cluster is None else 2,),
         cluster_names=("cluster",),
-        num_threads=3,
+        num_threads=config.compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_private.interpret_params(ragged) if interpret else None,
