@@ -134,8 +134,8 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
         ((128, 64), 1, PersistentConfig(tile_n=256, num_sms=2)),
         # the rhs blocks' scales (and the lhs rows') multiplied while the wgmma runs
         ((1, 128), 2, PersistentConfig(scales_under_wgmma=True, num_sms=3)),
-        # three compute warpgroups splitting N (64 x 384 CTA tiles), a scale per tile
-        ((1, 128), 1, PersistentConfig(compute_wgs=3, wg_dimension="n", num_sms=2)),
+        # three compute warpgroups splitting N (64 x 192 CTA tiles), a scale per tile
+        ((1, 128), 1, PersistentConfig(compute_wgs=3, wg_dimension="n", tile_n=64, num_sms=2)),
     ],
 )
 def test_block_scales_given_per_block_match_float64(block_rows, n_terms, config):
@@ -213,6 +213,8 @@ def test_an_interpreter_without_transposed_wgmma_is_refused_by_name():
         (dict(chained=1), "chained=1"),
         (dict(scales_under_wgmma=None), "scales_under_wgmma=None"),
         (dict(compute_wgs=4), "compute_wgs=4"),
+        (dict(compute_wgs=3, wg_dimension="n"), r"\(64, 384\) .* exceeds the 256 rows"),
+        (dict(tile_m=192), r"\(384, 128\) .* exceeds the 256 rows"),
         (dict(scales_under_wgmma=True, chunks_per_step=2), "takes chunks_per_step=1, not 2"),
     ],
 )
@@ -492,6 +494,7 @@ def _chosen_configs(monkeypatch, context) -> dict:
             seen[kind] = config
             return real(*args, config=config, **kwargs)
 
+        call.seen = seen  # what it saw, also after this function returned
         return call
 
     def tiled(kind, real):
@@ -576,6 +579,20 @@ def test_gpu_traces_take_the_persistent_kernels_in_the_swept_configurations(monk
     with persistent_kernel(mine):
         got = _chosen_configs(monkeypatch, choice.chained_pipelines())
     assert got["dense"] == got["tokens"] == dataclasses.replace(mine, chained=True)
+    # Three compute warpgroups only where a scale covers a warpgroup's tile (a weight's
+    # blocks): with scales per row on both sides each GEMM takes two (three would spill).
+    three = PersistentConfig(compute_wgs=3)
+    got = _chosen_configs(monkeypatch, persistent_kernel(three))
+    assert all(c == dataclasses.replace(c, compute_wgs=2) for c in got.values()), got
+    blocks = jax.ShapeDtypeStruct((2, 2), jnp.float32)  # 256 rows in 128-row blocks
+    with persistent_kernel(three):
+        jax.eval_shape(
+            lambda a, s, b: choice.recipe_block_gemm(a, s, [(a, b)], block_rows=(1, 128)),
+            jax.ShapeDtypeStruct((256, 256), E4M3),
+            jax.ShapeDtypeStruct((256, 2), jnp.float32),
+            blocks,
+        )
+    assert choice.persistent_block_scaled_gemm.seen["dense"].compute_wgs == 3
     a, w = jax.ShapeDtypeStruct((256, 256), E4M3), jax.ShapeDtypeStruct((3, 128, 256), E4M3)
     items = row_items(jnp.array([100, 0, 156], jnp.int32), 256)
     with persistent_kernel(pair):  # per-item scales: one chunk a step (two would raise)
@@ -638,6 +655,7 @@ def test_grouped_rows_kernel_matches_float64_on_unpadded_rows(scaling):
         chained="chained" in scaling,
         scales_under_wgmma="under" in scaling,
         compute_wgs=3 if "three" in scaling else 2,
+        tile_n=64 if "three" in scaling else 128,  # three along N: 192 columns a CTA
     )
     kw = dict(config=config, promote=scaling == "item, promoted", interpret=True, **per_block)
     out = jax.jit(lambda a, b, i, s: persistent_grouped_rows_gemm(a, b, i, **s, **kw))(

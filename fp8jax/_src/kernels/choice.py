@@ -147,7 +147,19 @@ def recipe_block_gemm(
     kw = dict(out_dtype=out_dtype, block_rows=block_rows)
     if config is None or block_k != BLOCK_K:
         return block_scaled_gemm(lhs, lhs_scale, terms, **kw, block_k=block_k)
+    tile = block_rows[0] % config.tile_m == 0 or block_rows[1] % config.tile_n == 0
+    config = dataclasses.replace(config, compute_wgs=warpgroups(config, tile))
     return persistent_block_scaled_gemm(lhs, lhs_scale, terms, **kw, config=config)
+
+
+def warpgroups(config: PersistentConfig, tile_scale: bool, wg_dimension: str | None = None) -> int:
+    """The compute warpgroups a recipe's GEMM takes in `config`: its three only where an
+    operand has one scale per warpgroup tile (`tile_scale`: a weight's 128 x 128 blocks, or
+    one per item or expert; three warpgroups' 152 registers a thread hold a vector of scales
+    on one side only, `PersistentConfig.compute_wgs`) and three tiles along `wg_dimension`
+    (the config's by default) fit a TMA copy's 256 rows; else two."""
+    along = config.tile_m if (wg_dimension or config.wg_dimension) == "m" else config.tile_n
+    return 3 if config.compute_wgs == 3 and tile_scale and 3 * along <= 256 else 2
 
 
 def _grouped_choice(kind: str, lhs: Array, block_k: int) -> PersistentConfig | None:
@@ -184,6 +196,7 @@ def recipe_grouped_rows_gemm(
     kw = dict(out_dtype=out_dtype, promote=promote, rhs_block_rows=rhs_block_rows)
     if config is None:
         return grouped_rows_gemm(lhs, rhs, items, **scales, **kw, block_k=block_k)
+    tile = item_scale is not None or rhs_block_rows % config.tile_n == 0
     return persistent_grouped_rows_gemm(
         lhs,
         rhs,
@@ -198,6 +211,7 @@ def recipe_grouped_rows_gemm(
             wg_dimension="n",
             cluster=None if config.cluster == "m" else config.cluster,
             chunks_per_step=config.chunks_per_step if item_scale is None else 1,
+            compute_wgs=warpgroups(config, tile, "n"),
         ),
     )
 
@@ -226,7 +240,10 @@ def recipe_grouped_tokens_gemm(
         return grouped_tokens_gemm(
             lhs, rhs, chunk_start, chunk_count, **scales, **kw, block_k=block_k
         )
-    config = dataclasses.replace(config, chunks_per_step=1)  # chunk counts known at run time
+    # Chunk counts known at run time; block scales per row on both sides, or one per expert.
+    config = dataclasses.replace(
+        config, chunks_per_step=1, compute_wgs=warpgroups(config, group_scale is not None)
+    )
     return persistent_grouped_tokens_gemm(
         lhs, rhs, chunk_start, chunk_count, **scales, **kw, config=config
     )

@@ -62,11 +62,13 @@ class PersistentConfig:
       sum, as with `promote`).
     - `compute_wgs`: compute warpgroups of a CTA, 2 (default) or 3, each owning a `tile_m x
       tile_n` part of its tile along `wg_dimension` (a 192 x 128 CTA tile with 3): the
-      operand tile they share is loaded once for more of them (a third less traffic from L2
+      operand tile they share is loaded once for more of them (a sixth less traffic from L2
       per FLOP than 128 x 128), and while one promotes its chunk two others' `wgmma` can
       keep the tensor cores busy. Their registers: 152 a thread where 2 take 232 (JAX's
       split of 512 less the memory warpgroup's 40), which fits a weight's scales per 128 x
-      128 block without spills, not scales per row (144 bytes spilled at 64 x 128).
+      128 block without spills, not scales per row (144 bytes spilled at 64 x 128): the
+      recipes' GEMMs take three only there (`choice.warpgroups`). A CTA tile is at most
+      256 along each axis (a TMA copy's box).
     - `scales_under_wgmma`: with block scales and one chunk a step, a chunk's scales are
       loaded and multiplied while its `wgmma` runs, which leaves one FMA per accumulator
       element between the wait and the next chunk's `wgmma`; by default (`False`) they are
@@ -107,6 +109,12 @@ class PersistentConfig:
         if self.compute_wgs not in (2, 3) or isinstance(self.compute_wgs, bool):
             raise ValueError(
                 f"PersistentConfig: compute_wgs={self.compute_wgs!r}; should be 2 or 3."
+            )
+        if max(self.cta_tile) > 256:
+            raise ValueError(
+                f"PersistentConfig: a CTA tile of {self.cta_tile} (compute_wgs="
+                f"{self.compute_wgs}, wg_dimension={self.wg_dimension!r}) exceeds the 256 rows "
+                "a TMA copy takes; use smaller tiles or fewer warpgroups along that axis."
             )
         for name in ("chained", "scales_under_wgmma"):
             if not isinstance(getattr(self, name), bool):
