@@ -44,7 +44,9 @@ warp-specialized kernel of issue 39, the default on GPUs since run 4; on a CPU c
 takes the XLA path), `blockwise-pairs` (that kernel in its default configuration with two chunks a
 step, `chunks_per_step=2`) and `blockwise-tile-scales` (that kernel given the weights' scales once
 per 128 x 128 block, `weight_block_scales`: one scale per warpgroup tile and chunk in the forward
-and dgrad), `blockwise-chained` (that kernel with each program's tiles chained into one pipeline,
+and dgrad; `blockwise-tile-scales-three` with three compute warpgroups there, 192 x 128 CTA
+tiles, `PersistentConfig.compute_wgs`, the wgrad's two), `blockwise-chained` (that kernel
+with each program's tiles chained into one pipeline,
 `chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
 `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
@@ -84,6 +86,7 @@ from fp8jax._src.kernels.choice import (
     tiled_kernel,
     weight_block_scales,
 )
+from fp8jax._src.kernels.persistent_config import PersistentConfig
 from fp8jax._src.kernels.quantize_config import quantize_slabs
 from fp8jax._src.observe import deviceless
 from fp8jax._src.recipes import ROLES
@@ -152,6 +155,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
+    "blockwise-tile-scales-three": fp8jax.BlockwiseScaling(),
     "blockwise-chained": fp8jax.BlockwiseScaling(),
     "blockwise-slabs": fp8jax.BlockwiseScaling(),
 }
@@ -180,6 +184,9 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
     ),
     "blockwise-tile-scales": lambda: tile_scales(),
+    "blockwise-tile-scales-three": lambda: tile_scales(
+        dataclasses.replace(DEFAULT_CONFIGS["dense"], compute_wgs=3)
+    ),
     "blockwise-chained": lambda: chained(),
     "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
 }
@@ -222,10 +229,10 @@ def steady_kernel(roles: tuple[str, ...] = ROLES, apart: tuple[str, ...] = ()) -
 
 
 @contextlib.contextmanager
-def tile_scales() -> Iterator[None]:
-    """The persistent kernels (each GEMM in its default configuration) given the weights'
-    block scales once per block (`choice.weight_block_scales`)."""
-    with persistent_kernel(), weight_block_scales():
+def tile_scales(config: PersistentConfig | None = None) -> Iterator[None]:
+    """The persistent kernels (each GEMM in its default configuration, or all in `config`)
+    given the weights' block scales once per block (`choice.weight_block_scales`)."""
+    with persistent_kernel(config), weight_block_scales():
         yield
 
 

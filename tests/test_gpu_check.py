@@ -495,7 +495,8 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
 def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
     its default configuration with two chunks a step, `blockwise-tile-scales` the persistent
-    one in its default with the weights' scales per block, `blockwise-chained` its default
+    one in its default with the weights' scales per block (`-three`: three compute warpgroups
+    where those scales are), `blockwise-chained` its default
     with each program's tiles chained (a block-scaled GEMM traced inside each variant's
     context, the kernels spied on)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -519,6 +520,13 @@ def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     pairs = dataclasses.replace(dense, chunks_per_step=2)
     chained = dataclasses.replace(dense, chained=True)
     assert seen == ["tiled", False, pairs, False, dense, True, chained, False]
+    # `blockwise-tile-scales-three`: three compute warpgroups where the weight's scales come
+    # per block (the forward, the dgrad), two with scales per row on both sides (the wgrad).
+    with llama_block.CONTEXTS["blockwise-tile-scales-three"]():
+        choice.recipe_block_gemm(a, s, [(a, s)])
+        choice.recipe_block_gemm(a, s, [(a, s[:1])], block_rows=(1, 128))
+        seen.append(choice.weight_block_scales_chosen())
+    assert seen[-3:] == [dense, dataclasses.replace(dense, compute_wgs=3), True]
     assert set(llama_block.CONTEXTS) <= set(llama_block.RECIPES)
     # `blockwise-slabs`: the quantization kernels in slabs, the GEMMs as `blockwise`'s.
     default = block_quantize.DEFAULT_TUNING

@@ -111,7 +111,9 @@ def persistent_block_scaled_gemm(
     kp = round_up(k, BLOCK_K * config.chunks_per_step)  # zeros: a whole last step
     mp, np_, chunks = round_up(m, cluster_m), round_up(n, cluster_n), kp // BLOCK_K
     # Scales chunk-major: a pipeline step's scales are one contiguous row of the CTA's rows.
-    operands = [pad_to(lhs, mp, kp), pad_to(lhs_scale.astype(jnp.float32), mp, chunks).T]
+    # Three warpgroups: rows padded to 64 (TMA loads zeros past them; rowless tiles unstored).
+    ma = round_up(m, config.tile_m) if config.compute_wgs == 3 else mp
+    operands = [pad_to(lhs, ma, kp), pad_to(lhs_scale.astype(jnp.float32), ma, chunks).T]
     for rhs, scale in terms:
         operands += [pad_to(rhs, np_, kp), pad_to(scale.astype(jnp.float32), np_, chunks).T]
     clusters = (mp // cluster_m) * (np_ // cluster_n)
@@ -124,9 +126,7 @@ def persistent_block_scaled_gemm(
         programs=grid_programs(config, clusters),
         interpret=interpret,
         uniform=(block_rows[0] % config.tile_m == 0, block_rows[1] % config.tile_n == 0),
-        # 192-row CTA tiles: no padded output copied at 8,192 rows (2 warpgroups, as GPUs
-        # ran them since run 4: padded).
-        out_rows=round_up(m, config.tile_m) if config.compute_wgs == 3 else None,
+        out_rows=None if ma == mp else ma,  # two warpgroups: padded, as GPUs ran them
     )
     return out[:m, :n]
 
