@@ -18,10 +18,10 @@ the GPU gets there, the structure of JAX's Pallas Hopper matmul
   pipeline (the next tile's first chunks load while the last tile is promoted and stored;
   the grouped tokens GEMM's experts' tiles at one position, streamed).
 - **Warp-specialized**: a memory warpgroup streams the FP8 tiles and scale vectors by TMA
-  through `max_concurrent_steps` shared-memory stages; two compute warpgroups each own a
-  `tile_m x tile_n` half of the CTA's tile (`wg_dimension`). While one scales and adds a
-  chunk's product (one scale, not a vector, where a 128 x 128 block's covers its tile), the
-  other's `wgmma` runs.
+  through `max_concurrent_steps` shared-memory stages; two (or `compute_wgs` 3) compute
+  warpgroups each own a `tile_m x tile_n` part of the CTA's tile (`wg_dimension`). While
+  one scales and adds a chunk's product (one scale, not a vector, where a 128 x 128 block's
+  covers its tile), the others' `wgmma` run.
 - **K-major operands**: both operands arrive contracted over their last axis, as FP8 `wgmma`
   requires; the rhs tile is transposed in shared memory (a view, no data movement).
 - **Epilogue by TMA**: each compute warpgroup writes its tile through shared memory.
