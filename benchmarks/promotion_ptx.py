@@ -12,7 +12,8 @@
 2. A blockwise MLP's train step (512 -> 1024 -> 512, 256 tokens) on the persistent kernels with
    the weight's scales per block (`choice.weight_block_scales`), compiled for an H100 in
    cuBLAS mode and XLA's defaults (`fp8jax.inspect`): each GEMM's kernel and its `wgmma`;
-   then the same with each program's tiles chained (`choice.chained_pipelines`).
+   then the same with each program's tiles chained (`choice.chained_pipelines`), and in
+   three compute warpgroups with the scales multiplied under the `wgmma` (`THREE_UNDER`).
 
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
@@ -50,6 +51,9 @@ from fp8jax._src.observe import deviceless  # noqa: E402
 M, K, N = 1024, 1024, 2048
 #: (label, rows per scale of lhs and rhs)
 SCALES = (("per row", (1, 1)), ("rhs per block", (1, 128)), ("both per block", (128, 128)))
+#: The step's GEMMs in session 50's options: three compute warpgroups (the forward and dgrad;
+#: the wgrad's scales per row on both sides keep two), the scales under the `wgmma`.
+THREE_UNDER = PersistentConfig(compute_wgs=3, scales_under_wgmma=True)
 
 
 def dump_since(before: set[str], suffix: str) -> str:
@@ -89,7 +93,7 @@ def gemm_row(label: str, block_rows: tuple[int, int], per_step: int) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def step_rows(chained: bool = False) -> list[str]:
+def step_rows(chained: bool = False, config: PersistentConfig | None = None) -> list[str]:
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     layers = (eqx.nn.Linear(512, 1024, key=k1), eqx.nn.Linear(1024, 512, key=k2))
     model = fp8jax.fp8_linear_layers(layers, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling()))
@@ -101,7 +105,7 @@ def step_rows(chained: bool = False) -> list[str]:
 
     step = fp8jax.filter_value_and_grad(loss)
     chain = chained_pipelines() if chained else contextlib.nullcontext()
-    with persistent_kernel(), weight_block_scales(), chain:
+    with persistent_kernel(config), weight_block_scales(), chain:
         report = fp8jax.inspect(step, model, x, modes=("cublas", "default"))
     rows = []
     for mode in ("cublas", "default"):
@@ -110,6 +114,7 @@ def step_rows(chained: bool = False) -> list[str]:
                 continue
             mma = ", ".join(sorted(set(g.mma))) or "-"
             what = f"{mode}{', chained' if chained else ''}"
+            what += ", three warpgroups, scales under the wgmma" if config else ""
             rows.append(f"| {what} | {g.layer} | {g.role} | {g.kernel_name} | {g.fp8} | {mma} |")
     return rows
 
@@ -128,13 +133,14 @@ def main() -> None:
     print()
     print(
         "Blockwise MLP 512 -> 1024 -> 512, 256 tokens, weight scales per block, both XLA modes"
-        " (and chained)"
+        " (and chained; and three compute warpgroups with the scales under the wgmma, session 50)"
     )
     print()
     print("| mode | layer | role | kernel | FP8 | wgmma |")
     print("|---|---|---|---|---|---|")
     print("\n".join(step_rows()))
     print("\n".join(step_rows(chained=True)))
+    print("\n".join(step_rows(config=THREE_UNDER)))
     sys.stdout.flush()
 
 

@@ -52,19 +52,20 @@ VARIANTS = (
     ("weight per 128 x 128 block", 128, {}),
     ("weight per 128 x 128 block", 128, TWO),
     ("weight per 128 x 128 block, scales under the wgmma", 128, UNDER),
+    ("weight per row, three compute warpgroups", 1, {"compute_wgs": 3}),
     ("weight per 128 x 128 block, three compute warpgroups", 128, {"compute_wgs": 3}),
     ("no block scales, one accumulation", "one", {}),
     ("no block scales, summed per chunk", "sum", {}),
 )
 #: The grouped GEMMs of the GPU check's grouped section (16 experts over 8,192 rows, block
 #: scales) in their default configurations (or with the scales multiplied under the `wgmma`,
-#: where the label says so): label -> (kind, which of its shapes).
+#: where a third entry changes them): label -> (kind, which of its shapes[, fields changed]).
 GROUPED = {
     "grouped rows, up 7168 -> 2048": ("rows", "up"),
     "grouped rows, down 2048 -> 7168": ("rows", "down"),
     "grouped tokens (wgrad)": ("tokens", "wgrad"),
-    "grouped rows, up, scales under the wgmma": ("rows", "up"),
-    "grouped tokens, scales under the wgmma": ("tokens", "wgrad"),
+    "grouped rows, up, scales under the wgmma": ("rows", "up", UNDER),
+    "grouped tokens, scales under the wgmma": ("tokens", "wgrad", UNDER),
 }
 
 
@@ -73,7 +74,7 @@ def grouped_case(label: str) -> tuple[str, tuple[int, ...]]:
     sys.path.insert(0, os.path.dirname(__file__))
     from gpu_check import grouped
 
-    kind, which = GROUPED[label]
+    kind, which, *_ = GROUPED[label]
     rows, width, hidden, experts = 8192, grouped.WIDTH, grouped.HIDDEN, grouped.EXPERTS
     shapes = {"up": (rows, width, hidden, experts), "down": (rows, hidden, width, experts)}
     shapes["wgrad"] = (rows, hidden, width, experts)
@@ -210,9 +211,8 @@ def compile_one(scales: int | str, changes: dict) -> None:
 
     if scales in GROUPED:
         kind, shape = grouped_case(scales)
-        config = DEFAULT_CONFIGS[kind]
-        if "under the wgmma" in scales:
-            config = dataclasses.replace(config, scales_under_wgmma=True)
+        changes = GROUPED[scales][2] if len(GROUPED[scales]) > 2 else {}
+        config = dataclasses.replace(DEFAULT_CONFIGS[kind], **changes)
         fields = json.dumps(dataclasses.asdict(config))
         sweep_ptx.compile_one(fields, kind, shape)
         return

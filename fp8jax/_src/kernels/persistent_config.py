@@ -66,7 +66,7 @@ class PersistentConfig:
       per FLOP than 128 x 128), and while one promotes its chunk two others' `wgmma` can
       keep the tensor cores busy. Their registers: 152 a thread where 2 take 232 (JAX's
       split of 512 less the memory warpgroup's 40), which fits a weight's scales per 128 x
-      128 block without spills, not scales per row (144 bytes spilled at 64 x 128): the
+      128 block without spills, not scales per row (124 bytes spilled at 64 x 128): the
       recipes' GEMMs take three only there (`choice.warpgroups`). A CTA tile is at most
       256 along each axis (a TMA copy's box).
     - `scales_under_wgmma`: with block scales and one chunk a step, a chunk's scales are

@@ -361,14 +361,14 @@ def run_persistent(
                     if ragged:  # the item's rows only (the warpgroups split N: tm == cta_m)
                         out_cols = pl.ds(ni * cta_n + wg * tn, tn)
                         copy_rows(out_smem.at[wg], out_gmem, row_tile * tm, start, stop, out_cols)
-                    elif out_rows is not None and out_rows < mp:  # a tile of no rows unwritten
-                        out_tile = out_gmem.at[cta_rows, cta_cols].at[rows, cols]
-                        copy = functools.partial(plgpu.copy_smem_to_gmem, out_smem.at[wg])
-                        pl.when(row_tile * cta_m + rows.start < out_rows)(lambda: copy(out_tile))
                     else:
                         out_tile = out_gmem.at[at] if layout == "tokens" else out_gmem
                         out_tile = out_tile.at[cta_rows, cta_cols].at[rows, cols]
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)
+                        copy = lambda: plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile)  # noqa: E731
+                        if out_rows is None or out_rows >= mp:
+                            copy()
+                        else:  # a warpgroup's tile of no output rows is not written
+                            pl.when(row_tile * cta_m + rows.start < out_rows)(copy)
 
                 tile_scale = lambda: scales[group if layout == "tokens" else mi]  # noqa: E731
 
