@@ -26,6 +26,9 @@ QUANTIZE_NAMES = (
     "fp8jax_requantize_padded_columns",
     "fp8jax_cast_transpose",
     "fp8jax_quantize_rows_and_padded_columns",
+    "fp8jax_tensor_core_cast_transpose",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
+#: The same on TMA and the tensor cores (Mosaic GPU, `tensor_core_transpose`).
+TENSOR_CORE_TRANSPOSE_NAME = QUANTIZE_NAMES[8]
