@@ -31,6 +31,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -176,7 +177,7 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
         grid=(tiles // per,),
         grid_names=("p",),
         interpret=mosaic_private.interpret_params() if interpret else None,
-    )(x, jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.eye(BLOCK, dtype=fmt))
+    )(x, jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.asarray(np.eye(BLOCK, dtype=fmt)))
 
 
 _jitted = jax.jit(_kernel_call, static_argnames=("fmt", "batch", "config", "interpret"))

@@ -435,8 +435,10 @@ def _is_native_gemm(instruction: Instruction) -> bool:
 
 
 def _is_quantize_kernel(instruction: Instruction) -> bool:
-    """One of fp8jax's one-pass quantization kernels (`kernels/block_quantize.py`), by name."""
-    return any(f"{name}/pallas_call" in instruction.op_name for name in QUANTIZE_NAMES)
+    """One of fp8jax's one-pass quantization kernels (`kernels/block_quantize.py`,
+    `cast_transpose.py`, `tensor_core_transpose.py`), by name: a scope of the op's name
+    (`<name>/pallas_call` for Pallas Triton, `<name>/mpmd_map` for Mosaic GPU)."""
+    return any(f"{name}/" in instruction.op_name for name in QUANTIZE_NAMES)
 
 
 def _native_gemm_cost(computation: Computation, instruction: Instruction) -> tuple[int, str]:

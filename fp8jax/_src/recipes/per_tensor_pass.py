@@ -11,6 +11,7 @@ step (issue 38; `benchmarks/llama_block.py`'s `*-kernel` variants).
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import contextvars
 from collections.abc import Collection
@@ -24,6 +25,7 @@ from ..core.contexts import setting
 from ..core.formats import quantize
 from ..kernels import block_quantize, dispatch
 from ..kernels.cast_transpose import cast_transpose
+from ..kernels.tensor_core_transpose import tensor_core_cast_transpose
 from .base import ROLES, Role
 
 #: The tile the kernel casts (`cast_transpose`'s default): operands of whole tiles only.
@@ -32,6 +34,10 @@ BLOCK: int = 128
 #: The roles quantized by the kernel (`cast_transpose_kernel`).
 _CHOSEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "fp8jax_cast_transpose_kernel", default=frozenset()
+)
+#: Whether the kernel is `tensor_core_transpose`'s (Mosaic GPU), not the Pallas Triton one.
+_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_cast_transpose_on_tensor_cores", default=False
 )
 
 
@@ -49,7 +55,7 @@ def checked_roles(
 
 
 def cast_transpose_kernel(
-    roles: Role | Collection[Role] = ROLES,
+    roles: Role | Collection[Role] = ROLES, *, on_tensor_cores: bool = False
 ) -> contextlib.AbstractContextManager[None]:
     """Per-tensor recipes traced inside quantize each operand of `roles` (one or several of
     `"input"`, `"kernel"`, `"output_grad"`) of a dense GEMM (`Fp8DotGeneral`; the grouped
@@ -60,10 +66,24 @@ def cast_transpose_kernel(
     first, as without the kernel). Without it XLA writes the two copies in one pass and
     reduces the amax in kernels of its own. The same values, bit for bit.
 
+    `on_tensor_cores`: the kernel is `kernels.tensor_core_transpose`'s (TMA and one `wgmma`
+    a tile, Mosaic GPU; its interpreter from JAX 0.11 on) instead of the Pallas Triton one
+    (`kernels.cast_transpose`); the same values for finite operands.
+
     On Hopper GPUs and in the interpreter, for operands of whole `128 x 128` tiles on one
     device's data; XLA's passes everywhere else. Issue 38: the default once a GPU run has
     timed it in a step."""
-    return setting(_CHOSEN, checked_roles("cast_transpose_kernel", roles))
+    if not isinstance(on_tensor_cores, bool):
+        raise TypeError(
+            f"cast_transpose_kernel: on_tensor_cores={on_tensor_cores!r}; expected a bool."
+        )
+    return _both(checked_roles("cast_transpose_kernel", roles), on_tensor_cores)
+
+
+@contextlib.contextmanager
+def _both(roles: frozenset[str], on_tensor_cores: bool) -> collections.abc.Iterator[None]:
+    with setting(_CHOSEN, roles), setting(_TENSOR_CORES, on_tensor_cores):
+        yield
 
 
 def cast_transpose_chosen(role: Role) -> bool:
@@ -98,6 +118,9 @@ def cast_and_transpose(
 
     def native(x: Array, scale: Array, out_dtype: object) -> tuple[Array, ...]:
         del out_dtype
+        if _TENSOR_CORES.get():  # a batch axis in the kernel's own tile order
+            data, data_t, amaxes = tensor_core_cast_transpose(x, scale, fmt)
+            return data, data_t, jnp.max(amaxes)
 
         def one(x: Array) -> tuple[Array, ...]:
             return cast_transpose(x, scale, fmt, block=BLOCK)
