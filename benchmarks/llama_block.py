@@ -38,7 +38,9 @@ gradients' only), `delayed-steady-words` and `delayed-steady-apart-words` (`dela
 every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
 traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
 gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
-current scaling's copies by the kernel, its amax from XLA first) and `blockwise-tiled` (blockwise
+current scaling's copies by the kernel, its amax from XLA first; `delayed-steady-tc` and
+`current-tc`: the same on the tensor-core kernel, `kernels.tensor_core_transpose`, TMA and one
+`wgmma` a tile, session 51) and `blockwise-tiled` (blockwise
 scaling on the tiled block kernel, traced inside `tiled_kernel`; `blockwise` runs the persistent
 warp-specialized kernel of issue 39, the default on GPUs since run 4; on a CPU compile the recipe
 takes the XLA path), `blockwise-pairs` (that kernel in its default configuration with two chunks a
@@ -152,6 +154,8 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "current-apart-grads": fp8jax.CurrentScaling(),
     "current-kernel": fp8jax.CurrentScaling(),
     "current-kernel-grads": fp8jax.CurrentScaling(),
+    "delayed-steady-tc": fp8jax.DelayedScaling(),
+    "current-tc": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
@@ -179,6 +183,8 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "current-apart-grads": lambda: transposes_apart("output_grad"),
     "current-kernel": cast_transpose_kernel,
     "current-kernel-grads": lambda: cast_transpose_kernel("output_grad"),
+    "delayed-steady-tc": lambda: steady_kernel(on_tensor_cores=True),
+    "current-tc": lambda: cast_transpose_kernel(on_tensor_cores=True),
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
         dataclasses.replace(DEFAULT_CONFIGS["dense"], chunks_per_step=2)
@@ -215,14 +221,17 @@ def steady_words(roles: tuple[str, ...] | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def steady_kernel(roles: tuple[str, ...] = ROLES, apart: tuple[str, ...] = ()) -> Iterator[None]:
+def steady_kernel(
+    roles: tuple[str, ...] = ROLES, apart: tuple[str, ...] = (), on_tensor_cores: bool = False
+) -> Iterator[None]:
     """The train step's steady state (`delayed-steady`) with the operands of `roles`
     quantized by fp8jax's one-pass kernel: both FP8 copies and the amax from one read
-    (`per_tensor_pass.cast_transpose_kernel`); the transposed copies of `apart`'s operands
-    written apart (`per_tensor.transposes_apart`)."""
+    (`per_tensor_pass.cast_transpose_kernel`, on the tensor-core kernel with
+    `on_tensor_cores`); the transposed copies of `apart`'s operands written apart
+    (`per_tensor.transposes_apart`)."""
     with (
         skip_warm_start(recorded=True),
-        cast_transpose_kernel(roles),
+        cast_transpose_kernel(roles, on_tensor_cores=on_tensor_cores),
         transposes_apart(apart) if apart else contextlib.nullcontext(),
     ):
         yield

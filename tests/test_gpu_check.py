@@ -27,6 +27,7 @@ SECTIONS = (
     "2 GEMMs (dense)",
     "2c block kernels (persistent)",
     "2d quantization kernels",
+    "2e per-tensor cast and transpose",
     "2 GEMMs (grouped)",
     "3b MoE layer",
     "3 train steps",
@@ -69,10 +70,13 @@ def test_every_section_ran_within_the_budget(dry_run):
     timed = {r["section"] for r in results if r["name"] == "(section)" and "section_seconds" in r}
     assert timed == set(SECTIONS)
     # Only JAX's own grouped kernels, which take no interpreter option, may be skipped, and
-    # the persistent block kernel where the interpreter cannot run it (JAX 0.10).
+    # the persistent block kernel and the tensor-core transpose where the interpreter cannot
+    # run them (JAX 0.10).
+    from gpu_check import transpose
+
     skipped = [r for r in results if r["status"] == "skipped"]
-    refused = "interpreter cannot run the persistent kernel"
-    allowed = ("GPU only",) + (() if interpreter_runs_gpu_path() else (refused,))
+    refused = ("interpreter cannot run the persistent kernel", transpose.REFUSED)
+    allowed = ("GPU only",) + (() if interpreter_runs_gpu_path() else refused)
     assert all(any(a in r["skipped"] for a in allowed) for r in skipped), skipped
     for section in SECTIONS[1:]:
         measured = [r for r in results if r["section"] == section and "ms" in r]
@@ -95,9 +99,10 @@ def test_every_kernel_met_its_numerics_bound(dry_run):
 
 def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     _, _, results = dry_run
-    section = [r for r in results if r["section"] == "2d quantization kernels"]
-    numerics = [r for r in section if r["name"].startswith("numerics")]
-    assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
+    for name in ("2d quantization kernels", "2e per-tensor cast and transpose"):
+        section = [r for r in results if r["section"] == name]
+        numerics = [r for r in section if r["name"].startswith("numerics")]
+        assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     timed = {r["name"].split(" | ")[1] for r in section if "gb_per_s" in r}
     want = {"kernels: rows+columns", "xla: rows+columns", "kernels: weight + dgrad copy"}
     gathered = {f"{p}: {c}" for p in ("kernels", "xla") for c in ("gathered columns", "rows")}

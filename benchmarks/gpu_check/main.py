@@ -14,13 +14,25 @@ from typing import Any
 
 import jax
 
-from . import block_kernels, gemms, grouped, llama, moe, numerics, profile, quantize, steps
+from . import (
+    block_kernels,
+    gemms,
+    grouped,
+    llama,
+    moe,
+    numerics,
+    profile,
+    quantize,
+    steps,
+    transpose,
+)
 from .record import Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
 SECTIONS = (
-    "numerics", "gemms", "kernels", "quantize", "grouped", "moe", "steps", "llama", "profile",
+    "numerics", "gemms", "kernels", "quantize", "transpose", "grouped", "moe", "steps", "llama",
+    "profile",
 )  # fmt: skip
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
@@ -216,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             quantize.SECTION,
             lambda: quantize.decide(rec, quantize.run(rec, mode, gemm_runs)),
         ),
+        "transpose": (
+            transpose.SECTION,
+            lambda: transpose.decide(rec, transpose.run(rec, mode, gemm_runs)),
+        ),
         "grouped": (grouped.SECTION, lambda: grouped.run(rec, mode, gemm_runs)),
         "moe": (moe.SECTION, lambda: moe.decide(rec, moe.run(rec, mode, step_runs))),
         "steps": (steps.SECTION, lambda: steps.run(rec, mode, step_runs)),
@@ -266,6 +282,9 @@ LEGENDS = {
     quantize.SECTION: "numerics: elements differing from an IEEE NumPy reference (the kernels "
     "must show 0; XLA's GPU fusions divide approximately); path: case: ms (GB/s of the "
     "bytes the case must move), the one-pass kernels beside the recipe's XLA path",
+    transpose.SECTION: "numerics: elements of the two FP8 copies differing from a NumPy cast "
+    "(must be 0), amax against NumPy's; way: ms (GB/s of the bytes the pass must move: read "
+    "x, write two FP8 copies)",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     moe.SECTION: "ms per step, x each BF16 step (XLA's lax.ragged_dot; JAX's Pallas grouped "
     "kernels, checked against it first: issue 39's yardstick)",
