@@ -1,0 +1,148 @@
+"""The tensor-core transpose kernel (`kernels.tensor_core_transpose`, issue 38, session 51) as
+ptxas and its PTX see it; deviceless, nothing runs on a GPU.
+
+    python benchmarks/transpose_ptx.py | tee benchmarks/results/transpose_ptx.txt
+
+Each configuration of the GPU check's `transpose` section (`gpu_check/transpose.py`,
+`CONFIGS`) compiled for an H100 at the 8B block's shapes, each in a fresh process with
+Mosaic GPU dumping its PTX and ptxas' log: registers and spills, the pipeline's stages and
+the programs, and per thread and tile the instructions that move a tile: TMA copies in and
+out, `ldmatrix` (the BF16 tile into registers), shared-memory stores (the FP8 copies), the
+`wgmma` that transposes, the conversions to FP8.
+
+Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+#: label -> (rows, cols, dtype), the GPU check's shapes.
+SHAPES = {
+    "activation 8192x4096 bf16": (8192, 4096, "bfloat16"),
+    "gradient 8192x14336 bf16": (8192, 14336, "bfloat16"),
+    "weight 14336x4096 f32": (14336, 4096, "float32"),
+}
+#: PTX instruction prefixes counted, in the table's order.
+COUNTED = (
+    "cp.async.bulk.tensor",
+    "ldmatrix",
+    "ld.shared",
+    "st.shared",
+    "wgmma.mma_async",
+    "cvt.rn.satfinite",
+    "bar.sync",
+    "shfl.sync",
+)
+
+
+def compile_one(rows: int, cols: int, dtype: str, config: str) -> None:
+    """Compile the kernel for an H100 (this child's only Mosaic GPU kernel)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from fp8jax._src.kernels.tensor_core_transpose import (
+        TransposeConfig,
+        tensor_core_cast_transpose,
+    )
+    from fp8jax._src.observe import deviceless
+
+    fields = json.loads(config)
+    config = dataclasses.replace(TransposeConfig(), **fields)
+    spec = (jax.ShapeDtypeStruct((rows, cols), jnp.dtype(dtype)), jax.ShapeDtypeStruct((), "f4"))
+
+    def cast(x, scale):
+        return tensor_core_cast_transpose(x, scale, jnp.float8_e4m3fn, config=config)
+
+    lowered, _ = deviceless.lower(cast, spec, {}, deviceless.h100_topology().devices[0])
+    lowered.compile()
+
+
+def child(rows: int, cols: int, dtype: str, config: dict) -> dict | str:
+    """Compile one case in a fresh process; its ptxas figures and PTX counts."""
+    with tempfile.TemporaryDirectory() as dump:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
+        env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+        args = [sys.executable, __file__, json.dumps([rows, cols, dtype, json.dumps(config)])]
+        run = subprocess.run(args, env=env, capture_output=True, text=True)
+        if run.returncode:
+            return f"failed: {run.stderr.strip()[-300:]!r}"
+        ptx = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*.ptx")))
+        ptxas = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*.ptxas")))
+    ops = collections.Counter(
+        m.group(1) for m in re.finditer(r"^\s*(?:@%p\d+\s+)?([a-z][\w.:]*)", ptx, re.M)
+    )
+    counts = {c: sum(n for op, n in ops.items() if op.startswith(c)) for c in COUNTED}
+    counts["wgmma.mma_async"] += (
+        len(re.findall(r"wgmma\.mma_async", ptx)) - counts["wgmma.mma_async"]
+    )
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas)[:2]
+    return {
+        "registers": ", ".join(re.findall(r"Used (\d+) registers", ptxas)) or "?",
+        "spills": " / ".join(spills) or "?",
+        "wgmma kinds": sorted(
+            set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+\.f32\.\w+\.\w+)", ptx))
+        ),
+        **counts,
+    }
+
+
+def main() -> None:
+    from fp8jax._src.kernels.tensor_core_transpose import stages, tiles_per_program
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import jax
+    import jax.numpy as jnp
+    from gpu_check.transpose import CONFIGS
+
+    print(
+        f"jax {jax.__version__}; deviceless H100; per-tensor cast to E4M3 with its transposed copy"
+    )
+    print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
+    print()
+    head = [
+        "shape",
+        "config",
+        "stages",
+        "programs",
+        "registers",
+        "spill bytes st / ld",
+        "wgmma",
+        *COUNTED,
+    ]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for label, (rows, cols, dtype) in SHAPES.items():
+        for name, config in CONFIGS.items():
+            tiles = (rows // 128) * (cols // 128)
+            programs = tiles // tiles_per_program(config, tiles)
+            fields = {
+                "max_programs": config.max_programs,
+                "max_concurrent_steps": config.max_concurrent_steps,
+            }
+            seen = child(rows, cols, dtype, fields)
+            row = [label, name, str(stages(config, jnp.dtype(dtype))), str(programs)]
+            if isinstance(seen, str):
+                row += [seen] + [""] * (len(head) - 5)
+            else:
+                row += [seen["registers"], seen["spills"], ", ".join(seen["wgmma kinds"])]
+                row += [str(seen[c]) for c in COUNTED]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        compile_one(*json.loads(sys.argv[1]))
+    else:
+        main()
