@@ -38,9 +38,10 @@ gradients' only), `delayed-steady-words` and `delayed-steady-apart-words` (`dela
 every operand quantized by fp8jax's one-pass kernel, both FP8 copies and the amax from one read,
 traced inside `per_tensor_pass.cast_transpose_kernel`; `-acts`: the activations and output
 gradients only, `-grads`: the output gradients only; `current-kernel` and `current-kernel-grads`:
-current scaling's copies by the kernel, its amax from XLA first; `delayed-steady-tc` and
-`current-tc`: the same on the tensor-core kernel, `kernels.tensor_core_transpose`, TMA and one
-`wgmma` a tile, session 51) and `blockwise-tiled` (blockwise
+current scaling's copies by the kernel, its amax from XLA first; `delayed-steady-tc`,
+`delayed-steady-tc-grads`, `delayed-steady-apart-tc-grads` and `current-tc`: the same on the
+tensor-core kernel, `kernels.tensor_core_transpose`, TMA and one `wgmma` a tile, session 51)
+and `blockwise-tiled` (blockwise
 scaling on the tiled block kernel, traced inside `tiled_kernel`; `blockwise` runs the persistent
 warp-specialized kernel of issue 39, the default on GPUs since run 4; on a CPU compile the recipe
 takes the XLA path), `blockwise-pairs` (that kernel in its default configuration with two chunks a
@@ -155,6 +156,8 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "current-kernel": fp8jax.CurrentScaling(),
     "current-kernel-grads": fp8jax.CurrentScaling(),
     "delayed-steady-tc": fp8jax.DelayedScaling(),
+    "delayed-steady-tc-grads": fp8jax.DelayedScaling(),
+    "delayed-steady-apart-tc-grads": fp8jax.DelayedScaling(),
     "current-tc": fp8jax.CurrentScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),
     "blockwise-pairs": fp8jax.BlockwiseScaling(),
@@ -184,6 +187,10 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "current-kernel": cast_transpose_kernel,
     "current-kernel-grads": lambda: cast_transpose_kernel("output_grad"),
     "delayed-steady-tc": lambda: steady_kernel(on_tensor_cores=True),
+    "delayed-steady-tc-grads": lambda: steady_kernel(("output_grad",), on_tensor_cores=True),
+    "delayed-steady-apart-tc-grads": lambda: steady_kernel(
+        ("output_grad",), apart=("input", "kernel"), on_tensor_cores=True
+    ),
     "current-tc": lambda: cast_transpose_kernel(on_tensor_cores=True),
     "blockwise-tiled": tiled_kernel,
     "blockwise-pairs": lambda: persistent_kernel(
