@@ -71,11 +71,12 @@ def test_every_section_ran_within_the_budget(dry_run):
     assert timed == set(SECTIONS)
     # Only JAX's own grouped kernels, which take no interpreter option, may be skipped, and
     # the persistent block kernel and the tensor-core transpose where the interpreter cannot
-    # run them (JAX 0.10).
-    from gpu_check import transpose
-
+    # run them (JAX 0.10; gpu_check.transpose.REFUSED).
     skipped = [r for r in results if r["status"] == "skipped"]
-    refused = ("interpreter cannot run the persistent kernel", transpose.REFUSED)
+    refused = (
+        "interpreter cannot run the persistent kernel",
+        "interpreter cannot run wgmma on a transposed view",
+    )
     allowed = ("GPU only",) + (() if interpreter_runs_gpu_path() else refused)
     assert all(any(a in r["skipped"] for a in allowed) for r in skipped), skipped
     for section in SECTIONS[1:]:
@@ -99,10 +100,14 @@ def test_every_kernel_met_its_numerics_bound(dry_run):
 
 def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     _, _, results = dry_run
-    for name in ("2d quantization kernels", "2e per-tensor cast and transpose"):
-        section = [r for r in results if r["section"] == name]
-        numerics = [r for r in section if r["name"].startswith("numerics")]
-        assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
+    # The per-tensor pass three ways (section 2e): the kernels' copies as NumPy's.
+    section = [r for r in results if r["section"] == "2e per-tensor cast and transpose"]
+    numerics = [r for r in section if r["name"].startswith("numerics")]
+    assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
+    assert {"xla", "triton, default"} <= {r["name"].split(" | ")[1] for r in section if "ms" in r}
+    section = [r for r in results if r["section"] == "2d quantization kernels"]
+    numerics = [r for r in section if r["name"].startswith("numerics")]
+    assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     timed = {r["name"].split(" | ")[1] for r in section if "gb_per_s" in r}
     want = {"kernels: rows+columns", "xla: rows+columns", "kernels: weight + dgrad copy"}
     gathered = {f"{p}: {c}" for p in ("kernels", "xla") for c in ("gathered columns", "rows")}
@@ -560,7 +565,7 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
         transposes_in_words_chosen,
         warm_start_skipped,
     )
-    from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen
+    from fp8jax._src.recipes.per_tensor_pass import cast_transpose_chosen, tensor_cores_chosen
 
     everything, acts, grads = ROLES, ("input", "output_grad"), ("output_grad",)
     expected = {  # name -> (roles apart, roles by the kernel)
@@ -574,6 +579,10 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
         "delayed-steady-kernel-acts": (None, acts),
         "delayed-steady-kernel-grads": (None, grads),
         "delayed-steady-apart-kernel-grads": (("input", "kernel"), grads),
+        # The same kernels' pass on the tensor cores (`-tc`).
+        "delayed-steady-tc": (None, everything),
+        "delayed-steady-tc-grads": (None, grads),
+        "delayed-steady-apart-tc-grads": (("input", "kernel"), grads),
     }
     assert {n for n in llama_block.CONTEXTS if n.startswith("delayed-steady")} == set(expected)
     recipe = fp8jax.DelayedScaling()
@@ -586,8 +595,9 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
             assert made_apart == (grads if apart is None else apart), name
             assert tuple(r for r in ROLES if cast_transpose_chosen(r)) == kernel, name
             assert transposes_in_words_chosen() == name.endswith("-words"), name
+            assert tensor_cores_chosen() == ("-tc" in name), name
     assert not (warm_start_skipped() or transposes_apart_set() or transposes_in_words_chosen())
-    assert not any(map(cast_transpose_chosen, ROLES))
+    assert not any(map(cast_transpose_chosen, ROLES)) and not tensor_cores_chosen()
 
 
 def test_llama_variants_of_every_mode_build(monkeypatch):

@@ -385,17 +385,24 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     """`benchmarks/gpu_check --sections kernels` as a lent GPU will run it, on tiny shapes in
     the interpreter: its float64 numerics pass, every swept configuration computes what the
     tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
-    product computes."""
+    product computes. So does its `transpose` section (the tensor-core transpose kernel:
+    its copies as NumPy's, timed beside XLA's and the Triton kernel's)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     command = [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--dry-run"]
-    command += ["--sections", "kernels", "--out", str(tmp_path)]
+    command += ["--sections", "kernels,transpose", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     results = [r for r in map(json.loads, lines) if r["name"] != "(section)"]
     assert results and all(r["status"] == "ok" for r in results), results
+    transposed = [r for r in results if r["section"] == "2e per-tensor cast and transpose"]
+    assert [r["elements_differing"] for r in transposed if "passed" in r] == [
+        {"triton, default": 0, "tensor cores, default": 0}
+    ], transposed
+    assert any(r["name"].endswith("| tensor cores, default") and "ms" in r for r in transposed)
+    results = [r for r in results if r not in transposed]
     numerics = [r for r in results if r["name"].startswith("numerics")]
     assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics
     swept = [

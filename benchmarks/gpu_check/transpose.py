@@ -143,11 +143,12 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             result = rec.measure(SECTION, f"{label} | {name}", measure)
             if result is not None and "ms" in result:
                 times.setdefault(label, {})[name] = result["ms"]
-            text = (
-                rec.not_run()
-                if result is None
-                else f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)"
-            )
+            if result is None:
+                text = rec.not_run()
+            elif "ms" not in result:
+                text = "skipped"
+            else:
+                text = f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)"
             rec.cell(SECTION, label, name, text)
     return times
 

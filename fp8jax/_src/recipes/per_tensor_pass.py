@@ -92,6 +92,11 @@ def cast_transpose_chosen(role: Role) -> bool:
     return role in _CHOSEN.get()
 
 
+def tensor_cores_chosen() -> bool:
+    """Whether `cast_transpose_kernel(on_tensor_cores=True)` is in effect."""
+    return _TENSOR_CORES.get()
+
+
 #: The operand dtypes the kernel reads.
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -118,7 +123,7 @@ def cast_and_transpose(
 
     def native(x: Array, scale: Array, out_dtype: object) -> tuple[Array, ...]:
         del out_dtype
-        if _TENSOR_CORES.get():  # a batch axis in the kernel's own tile order
+        if tensor_cores_chosen():  # a batch axis in the kernel's own tile order
             data, data_t, amaxes = tensor_core_cast_transpose(x, scale, fmt)
             return data, data_t, jnp.max(amaxes)
 
