@@ -16,6 +16,7 @@ Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the devicele
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -47,8 +48,6 @@ COUNTED = (
 
 def compile_one(rows: int, cols: int, dtype: str, config: str) -> None:
     """Compile the kernel for an H100 (this child's only Mosaic GPU kernel)."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
@@ -105,32 +104,21 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from gpu_check.transpose import CONFIGS
+    from train_steps import table
 
     print(
         f"jax {jax.__version__}; deviceless H100; per-tensor cast to E4M3 with its transposed copy"
     )
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
-    head = [
-        "shape",
-        "config",
-        "stages",
-        "programs",
-        "registers",
-        "spill bytes st / ld",
-        "wgmma",
-        *COUNTED,
-    ]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
+    head = ["shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
+    head += ["wgmma", *COUNTED]
+    rows_out = []
     for label, (rows, cols, dtype) in SHAPES.items():
         for name, config in CONFIGS.items():
             tiles = (rows // 128) * (cols // 128)
             programs = tiles // tiles_per_program(config, tiles)
-            fields = {
-                "max_programs": config.max_programs,
-                "max_concurrent_steps": config.max_concurrent_steps,
-            }
+            fields = dataclasses.asdict(config)
             seen = child(rows, cols, dtype, fields)
             row = [label, name, str(stages(config, jnp.dtype(dtype))), str(programs)]
             if isinstance(seen, str):
@@ -138,7 +126,8 @@ def main() -> None:
             else:
                 row += [seen["registers"], seen["spills"], ", ".join(seen["wgmma kinds"])]
                 row += [str(seen[c]) for c in COUNTED]
-            print("| " + " | ".join(row) + " |", flush=True)
+            rows_out.append(row)
+    print(table(rows_out, head))
 
 
 if __name__ == "__main__":
