@@ -1,6 +1,7 @@
 """Native GPU kernels: the GEMMs XLA cannot express as one FP8 call (Pallas Mosaic GPU), and
 the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`,
-`padded_quantize`), and a per-tensor one (`cast_transpose`, timed by the GPU check).
+`padded_quantize`), and a per-tensor one (`cast_transpose`; on TMA and the tensor cores,
+`tensor_core_transpose`, Mosaic GPU; both timed by the GPU check).
 
 Pallas is imported by the kernel modules, on use; this package's top level stays light.
 """
