@@ -19,7 +19,7 @@ NaN), `0 * NaN` in the tensor cores makes the whole row of the transposed tile t
 it NaN, not one element; the amax is NaN either way, a step whose gradients the train
 step's finite check rejects. Finite operands give the same bits.
 
-Its knobs (`TransposeConfig`) are for the GPU check's sweep (`quantize` section); the
+Its knobs (`TransposeConfig`) are for the GPU check's `transpose` section; the
 recipes call it inside `per_tensor_pass.cast_transpose_kernel(on_tensor_cores=True)` only,
 until a GPU run has timed it (issue 38). In Mosaic GPU's interpreter it runs the GPU's own
 code from JAX 0.11 on (`wgmma` on a transposed view); JAX 0.10's refuses.
