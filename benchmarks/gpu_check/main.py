@@ -284,7 +284,7 @@ LEGENDS = {
     "bytes the case must move), the one-pass kernels beside the recipe's XLA path",
     transpose.SECTION: "numerics: elements of the two FP8 copies differing from a NumPy cast "
     "(must be 0), amax against NumPy's; way: ms (GB/s of the bytes the pass must move: read "
-    "x, write two FP8 copies)",
+    "x, write two FP8 copies; the reference x + 1: read and write x)",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     moe.SECTION: "ms per step, x each BF16 step (XLA's lax.ragged_dot; JAX's Pallas grouped "
     "kernels, checked against it first: issue 39's yardstick)",

@@ -14,10 +14,12 @@ pass each FP8 operand of a delayed- or current-scaling step takes, three ways si
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's two copies against a NumPy cast
 (the operands are finite: every element must agree) and its amax against NumPy's. Then ms and
-GB/s of the bytes the pass must move (read `x`, write two FP8 copies). Decision lines: per
-shape, the fastest way and each kernel's ratio to XLA; the per-tensor recipes take a kernel
-(`per_tensor_pass.cast_transpose_kernel`) by default only once it is faster in a step
-(`llama` section: `delayed-steady-kernel`, `delayed-steady-tc`).
+GB/s of the bytes the pass must move (read `x`, write two FP8 copies), beside a reference:
+`x + 1` in x's dtype, the rate a plain XLA elementwise kernel reaches there. Decision lines:
+per shape, the fastest way (the reference's time beside it) and each kernel's ratio to XLA;
+the per-tensor recipes take a kernel (`per_tensor_pass.cast_transpose_kernel`) by default
+only once it is faster in a step (`llama` section: `delayed-steady-kernel`,
+`delayed-steady-tc`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def _tensor_cores(x: jax.Array, config: TransposeConfig, interpret: bool = False
     return data, data_t, jnp.max(amax)
 
 
+#: A reference beside the ways: `x + 1` in x's dtype, one read and one write, the rate a plain
+#: elementwise XLA kernel reaches on this GPU (not a way to quantize).
+COPY = "reference: x + 1"
+
+
+def _copy(x: jax.Array) -> jax.Array:
+    return x + jnp.ones((), x.dtype)
+
+
 def ways(dry: bool) -> dict[str, Any]:
     """`name -> function of x` for every way the section times (`dry`: kernels interpreted,
     each kernel's default only)."""
@@ -135,8 +146,9 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         result = rec.measure(SECTION, f"numerics {label}", functools.partial(numerics, x, fns, dry))
         cell = rec.not_run() if result is None else _numerics_cell(result)
         rec.cell(SECTION, label, "numerics (elements != NumPy; amax)", cell)
-        moved = x.size * (x.dtype.itemsize + 2)
-        for name, fn in fns.items():
+        for name, fn in {**fns, COPY: _copy}.items():
+            # The pass reads x and writes two FP8 copies; the copy reads and writes x.
+            moved = x.size * (2 * x.dtype.itemsize if name == COPY else x.dtype.itemsize + 2)
             measure = functools.partial(_time, fn, x, moved, runs, dry)
             if refused(name, dry):
                 measure = functools.partial(dict, skipped=refused(name, dry))
@@ -168,6 +180,7 @@ def _numerics_cell(result: dict) -> str:
 def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
     """Per shape: the fastest way, and each kernel's fastest configuration against XLA."""
     for label, t in times.items():
+        reference = t.pop(COPY, None)
         if "xla" not in t or len(t) < 2:
             continue
         best = min(t, key=t.get)
@@ -177,7 +190,8 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
             if mine:
                 fastest = min(mine, key=mine.get)
                 kinds.append(f"{fastest} {t['xla'] / mine[fastest]:.2f}x")
+        copy = f"; {COPY}: {reference:.3f} ms" if reference else ""
         rec.decision(
-            f"per-tensor cast+transpose, {label}: fastest {best} ({t[best]:.3f} ms); "
+            f"per-tensor cast+transpose, {label}: fastest {best} ({t[best]:.3f} ms{copy}); "
             f"XLA time / kernel time: " + ", ".join(kinds)
         )
