@@ -35,13 +35,13 @@ import numpy as np
 import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import block_quantize
-from fp8jax._src.kernels.cast_transpose import cast_transpose
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     tensor_core_cast_transpose,
 )
 
-from .quantize import E4M3, PER_TENSOR_SCALE, heavy_tailed, per_tensor_xla
+from . import timing
+from .quantize import E4M3, PER_TENSOR_SCALE, heavy_tailed, per_tensor_kernel, per_tensor_xla
 from .record import Recorder
 from .timing import compile_and_time
 
@@ -68,16 +68,10 @@ TRITON = {
 }
 
 
-def _triton(x: jax.Array, tuning: Any, interpret: bool = False) -> tuple:
-    data, data_t, amax = cast_transpose(
-        x, jnp.float32(PER_TENSOR_SCALE), E4M3, tuning=tuning, interpret=interpret
-    )
-    return data, data_t, jnp.max(amax)
-
-
-def _tensor_cores(x: jax.Array, config: TransposeConfig, interpret: bool = False) -> tuple:
+def _tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
+    """`quantize.per_tensor_kernel` on the tensor-core kernel in `config`."""
     data, data_t, amax = tensor_core_cast_transpose(
-        x, jnp.float32(PER_TENSOR_SCALE), E4M3, config=config, interpret=interpret
+        x, jnp.float32(PER_TENSOR_SCALE), E4M3, config=config
     )
     return data, data_t, jnp.max(amax)
 
@@ -92,15 +86,13 @@ def _copy(x: jax.Array) -> jax.Array:
 
 
 def ways(dry: bool) -> dict[str, Any]:
-    """`name -> function of x` for every way the section times (`dry`: kernels interpreted,
-    each kernel's default only)."""
+    """`name -> function of x` for every way the section times (`dry`: each kernel's
+    default only; traced inside `timing.kernels(dry)`, interpreted in a dry run)."""
     out: dict[str, Any] = {"xla": per_tensor_xla}
     for name, tuning in list(TRITON.items())[: 1 if dry else None]:
-        out[f"triton, {name}"] = functools.partial(_triton, tuning=tuning, interpret=dry)
+        out[f"triton, {name}"] = functools.partial(per_tensor_kernel, tuning=tuning)
     for name, config in list(CONFIGS.items())[: 1 if dry else None]:
-        out[f"tensor cores, {name}"] = functools.partial(
-            _tensor_cores, config=config, interpret=dry
-        )
+        out[f"tensor cores, {name}"] = functools.partial(_tensor_cores, config=config)
     return out
 
 
@@ -126,7 +118,8 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool) -> dict:
     for name, fn in fns.items():
         if name == "xla" or not name.endswith(", default") or refused(name, dry):
             continue
-        data, data_t, amax = jax.jit(fn)(x)
+        with timing.kernels(dry):
+            data, data_t, amax = jax.jit(fn)(x)
         differ[name] = int(np.sum(np.asarray(data, np.float32) != want)) + int(
             np.sum(np.asarray(data_t, np.float32) != want.T)
         )

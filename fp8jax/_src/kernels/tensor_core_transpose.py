@@ -42,11 +42,11 @@ from ..core.jax_private import shape_like
 from . import TENSOR_CORE_TRANSPOSE_NAME
 from .block_gemm import operand_tiling
 from .dispatch import interpreting
-from .quantize_tiles import saturating_cast
+from .persistent_config import H100_SMEM_BYTES, SMEM_RESERVE
+from .quantize_tiles import bits_max, nan_max, saturating_cast
 
 #: The tile: 128 x 128, `wgmma`'s K step times four and the TMA box of one program's step.
 BLOCK = 128
-_MAGNITUDE_BITS = 0x7FFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,23 +78,16 @@ def tiles_per_program(config: TransposeConfig, tiles: int) -> int:
     return next(d for d in range(-(-tiles // config.max_programs), tiles + 1) if tiles % d == 0)
 
 
-#: Shared memory an H100 program may take, and what this kernel takes besides `x`'s stages:
-#: the identity and two buffers each of the FP8 copies (16 KB a tile), the amax row.
-_SMEM_BYTES = 232448
-_FIXED_BYTES = 5 * BLOCK * BLOCK + 4 * BLOCK + 1024
+#: What this kernel's shared memory holds besides `x`'s stages: the identity and two buffers
+#: each of the FP8 copies (16 KB a tile), the amax row, the barriers' reserve.
+_FIXED_BYTES = 5 * BLOCK * BLOCK + 4 * BLOCK + SMEM_RESERVE
 
 
 def stages(config: TransposeConfig, dtype: jnp.dtype) -> int:
     """`config.max_concurrent_steps`, clipped to the tiles of `dtype` shared memory holds
     (a float32 operand: 2)."""
-    fit = (_SMEM_BYTES - _FIXED_BYTES) // (BLOCK * BLOCK * jnp.dtype(dtype).itemsize)
+    fit = (H100_SMEM_BYTES - _FIXED_BYTES) // (BLOCK * BLOCK * jnp.dtype(dtype).itemsize)
     return max(1, min(config.max_concurrent_steps, fit))
-
-
-def _row_amax_bits(x: Array) -> Array:
-    """Each row's `max |x|` as int32 bit patterns (sign cleared): every NaN above inf."""
-    bits = lax.bitcast_convert_type(x, jnp.int32) & _MAGNITUDE_BITS
-    return jnp.max(bits, axis=1)
 
 
 def _kernel_call(x, scale, *, fmt, batch, config, interpret):
@@ -120,7 +113,7 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
             # The stores of two tiles ago (two copies each) have read their buffers.
             plgpu.wait_smem_to_gmem(2, wait_read_only=True)
             xv = mosaic_private.load(x_smem, layout=layout).astype(jnp.float32)
-            amax = jnp.maximum(amax, _row_amax_bits(xv))
+            amax = bits_max(amax, nan_max(jnp.abs(xv), axis=1))  # per row, NaN above inf
             q_smem.at[slot][...] = saturating_cast(xv, s, fmt)
             plgpu.commit_smem()
             dst = q_gmem.at[pl.ds(i * BLOCK, BLOCK), pl.ds(col * BLOCK, BLOCK)]
@@ -138,7 +131,7 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
             plgpu.copy_smem_to_gmem(qt_smem.at[slot], dst)
             return amax
 
-        init = jnp.zeros((BLOCK,), jnp.int32)
+        init = jnp.zeros((BLOCK,), jnp.float32)
         if not interpret:
             init = plgpu.layout_cast(init, plgpu.Layout.WGMMA.reduce(1))
         amax = plgpu.emit_pipeline(
@@ -154,7 +147,7 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
             max_concurrent_steps=stages(config, x.dtype),
             init_carry=init,
         )(x_gmem)
-        amax_smem[...] = lax.bitcast_convert_type(amax, jnp.float32)
+        amax_smem[...] = amax
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(amax_smem, amax_gmem.at[p])
         plgpu.wait_smem_to_gmem(0)
