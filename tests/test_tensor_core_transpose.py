@@ -1,10 +1,14 @@
-"""Per-tensor FP8 quantization in one pass on TMA and the tensor cores
-(`kernels.tensor_core_transpose`, Mosaic GPU): bit for bit with a NumPy cast in Mosaic GPU's
-interpreter (JAX 0.11 on: the GPU's own code, `wgmma` on the transposed view), a NaN's row
-as documented, inside a per-tensor recipe's step as its XLA path, bad input refused by name,
-and one Mosaic GPU kernel, counted as quantization, in an H100 compile."""
+"""FP8 quantization in one pass on TMA and the tensor cores (`kernels.tensor_core_transpose`,
+Mosaic GPU), per tensor and in DeepSeek-V3's 1 x 128 and 128 x 1 tiles: bit for bit with
+NumPy in Mosaic GPU's interpreter (JAX 0.11 on: the GPU's own code, `wgmma` on the
+transposed view), a NaN's row as documented, inside a per-tensor recipe's step and the
+blockwise recipe's quantization as their XLA paths, bad input refused by name, and one
+Mosaic GPU kernel, counted as quantization, in an H100 compile."""
 
+import collections
 import contextlib
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +18,17 @@ from test_cast_transpose import E4M3, E5M2, np_cast, operand, same
 
 import fp8jax
 from fp8jax._src.core import mosaic_private
-from fp8jax._src.kernels import TENSOR_CORE_TRANSPOSE_NAME, dispatch
+from fp8jax._src.kernels import (
+    TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+    TENSOR_CORE_TRANSPOSE_NAME,
+    dispatch,
+)
+from fp8jax._src.kernels.choice import tensor_core_quantization
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     stages,
     tensor_core_cast_transpose,
+    tensor_core_quantize_rows_and_columns,
     tiles_per_program,
 )
 from fp8jax._src.recipes.per_tensor import skip_warm_start
@@ -106,12 +116,101 @@ def test_a_per_tensor_step_on_the_kernel_is_its_xla_path(case):
         same(a, b)
 
 
+def nan_rows_across_tiles(x: np.ndarray) -> np.ndarray:
+    """`x` (float32) as the tensor cores transpose it: within each 128 x 128 tile, a row
+    holding a NaN or an inf is NaN whole (`0 * NaN`, `0 * inf` in the `wgmma`)."""
+    x = x.copy()
+    for c in range(0, x.shape[1], 128):
+        x[~np.isfinite(x[:, c : c + 128]).all(axis=1), c : c + 128] = np.nan
+    return x
+
+
+def same_bits(got, want) -> None:
+    """Equal values (NaN where the other has NaN) and equal bits where finite (a NaN's
+    payload may differ)."""
+    same(got, want)
+    got, want = np.asarray(got), np.asarray(want)
+    finite = np.isfinite(want.astype(np.float32))
+    view = np.uint8 if want.dtype.itemsize == 1 else np.uint32
+    np.testing.assert_array_equal(got.view(view)[finite], want.view(view)[finite])
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * inf, as said
+@pytest.mark.parametrize(
+    "shape, dtype, fmt, power_of_two, config",
+    [
+        # Programs of 3 tiles that cross a row of tiles; inf, NaN and values past E4M3's max.
+        ((384, 256), jnp.bfloat16, E4M3, False, TransposeConfig(max_programs=2)),
+        # A batch axis, float16 in (1e30 an inf there), power-of-two scales, 3 stages fit.
+        ((2, 256, 384), jnp.float16, E5M2, True, TransposeConfig(max_concurrent_steps=4)),
+    ],
+)
+def test_rows_and_columns_quantize_as_numpy(shape, dtype, fmt, power_of_two, config):
+    """The 1 x 128 tiles (FP8 bits and scales) equal an independent NumPy quantization
+    (`test_block_quantize.np_reference_rows`); the 128 x 1 tiles, transposed, too, but where
+    a row of a 128 x 128 tile holds a NaN or an inf (then NaN whole in that tile, as the
+    module documents); the partial amaxes' maximum is `max |x|` (NaN with a NaN)."""
+    from test_block_quantize import MAX_SCALE, np_reference_rows
+
+    rng = np.random.default_rng(11)
+    x = np.asarray(operand(rng, (int(np.prod(shape[:-1])), shape[-1])), np.float32)
+    x = jnp.asarray(x.reshape(shape)).astype(dtype)  # in float16, 1e30 becomes inf
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two)
+    data, scale_t, amax, data_t, cols = tensor_core_quantize_rows_and_columns(
+        x, fmt, **rule, config=config, interpret=True
+    )
+    assert data.dtype == data_t.dtype == fmt and amax.shape[1] == 128
+    for b in range(x.shape[0] if x.ndim == 3 else 1):
+        at = (b,) if x.ndim == 3 else ()
+        xb = np.asarray(x[at], np.float32)
+        want, want_scale_t, _ = np_reference_rows(xb, fmt, 128, power_of_two)
+        same_bits(data[at], want)
+        same_bits(scale_t[at], want_scale_t)
+        want_t, want_cols, _ = np_reference_rows(
+            nan_rows_across_tiles(xb).T, fmt, 128, power_of_two
+        )
+        same(data_t[at], want_t)  # values: a -0 may come out +0 from the tensor cores
+        same_bits(cols[at], want_cols)
+    assert np.isnan(np.max(np.asarray(amax)))
+    finite = jnp.where(jnp.isfinite(x), x, 0)
+    *_, amax, _, _ = tensor_core_quantize_rows_and_columns(finite, fmt, **rule, interpret=True)
+    assert float(jnp.max(amax)) == float(jnp.max(jnp.abs(finite.astype(jnp.float32))))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_blockwise_output_gradient_on_the_tensor_cores_is_its_xla_path(batch):
+    """Inside `tensor_core_quantization()` the blockwise recipe's output gradient (both
+    copies and the new state) from the tensor-core kernel, one call, equals its XLA path bit
+    for bit; a float32 one keeps the Pallas Triton kernel (`wgmma` would round it to TF32)."""
+    from test_block_quantize import heavy_tailed
+
+    rng = np.random.default_rng(7)
+    x = jnp.stack([heavy_tailed(rng, (256, 384)) for _ in range(batch[0] if batch else 1)])
+    x = x if batch else x[0]
+    xla = fp8jax.BlockwiseScaling(power_of_two=True, native_kernel=False)
+    state = xla.init_state("output_grad")
+    kernel = fp8jax.BlockwiseScaling(power_of_two=True)
+    for operand_ in (x, x.astype(jnp.float32)):
+        want = jax.jit(lambda v: xla.quantize_both(v, state, "output_grad"))(operand_)
+        with dispatch.interpreted(), tensor_core_quantization():
+            step = lambda v: kernel.quantize_both(v, state, "output_grad")  # noqa: E731
+            jaxpr = str(jax.make_jaxpr(step)(operand_))
+            got = jax.jit(step)(operand_)
+        on_tensor_cores = operand_.dtype == jnp.bfloat16
+        assert jaxpr.count(f"name={TENSOR_CORE_ROWS_AND_COLUMNS_NAME}") == on_tensor_cores
+        assert ("fp8jax_quantize_rows_and_columns" in jaxpr) != on_tensor_cores
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            same(a, b)
+
+
 def test_bad_input_is_refused_by_name():
     x = jnp.ones((256, 384), jnp.bfloat16)
     one = jnp.float32(1)
     for bad, match in [
         (x[:200], r"shape \(200, 384\); expected \(M, K\) or \(B, M, K\)"),
-        (x.astype(jnp.int32), "dtype int32; expected bfloat16"),
+        (x.astype(jnp.int32), "dtype int32; expected one of bfloat16, float16, float32"),
     ]:
         with pytest.raises(ValueError, match=match):
             tensor_core_cast_transpose(bad, one, E4M3, interpret=False)
@@ -126,9 +225,22 @@ def test_bad_input_is_refused_by_name():
             TransposeConfig(**kw)
     with pytest.raises(TypeError, match="on_tensor_cores=1; expected a bool"):
         cast_transpose_kernel(on_tensor_cores=1)
+    rows_and_columns = functools.partial(
+        tensor_core_quantize_rows_and_columns, max_scale=2.0**16, interpret=False
+    )
+    with pytest.raises(ValueError, match="dtype float32; expected one of bfloat16, float16"):
+        rows_and_columns(x.astype(jnp.float32), E4M3)
+    with pytest.raises(ValueError, match="block=64; expected 128"):
+        rows_and_columns(x, E4M3, block=64)
+    with pytest.raises(ValueError, match=r"shape \(2, 2, 256, 384\)"):
+        rows_and_columns(jnp.ones((2, 2, 256, 384), jnp.bfloat16), E4M3)
     if not mosaic_private.interpreter_runs_gpu_path():
-        with pytest.raises(NotImplementedError, match="cannot run wgmma on a transposed"):
-            tensor_core_cast_transpose(x, one, E4M3, interpret=True)
+        for call in (
+            lambda: tensor_core_cast_transpose(x, one, E4M3, interpret=True),
+            lambda: rows_and_columns(x, E4M3, interpret=True),
+        ):
+            with pytest.raises(NotImplementedError, match="cannot run wgmma on a transposed"):
+                call()
 
 
 def test_programs_and_stages_follow_the_config():
@@ -139,25 +251,37 @@ def test_programs_and_stages_follow_the_config():
     assert tiles_per_program(config, 64 * 112) == 56  # 8192 x 14336: 128 programs
     assert tiles_per_program(config, 7) == 1 and tiles_per_program(TransposeConfig(2), 7) == 7
     four = TransposeConfig(max_concurrent_steps=4)
-    assert stages(four, jnp.bfloat16) == 4 and stages(four, jnp.float32) == 2
+    assert stages(four, jnp.bfloat16, E4M3) == 4 and stages(four, jnp.float32, E4M3) == 2
+    assert stages(four, jnp.bfloat16, jnp.bfloat16) == 3  # a BF16 identity: 16 KB more
 
 
-def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization():
+@pytest.mark.parametrize("name", [TENSOR_CORE_TRANSPOSE_NAME, TENSOR_CORE_ROWS_AND_COLUMNS_NAME])
+def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_path, monkeypatch):
     """For an H100 (deviceless): one Mosaic GPU custom call by the kernel's name, which
-    `fp8jax.hlo_cost` files under quantization (its identity a constant, no kernel)."""
+    `fp8jax.hlo_cost` files under quantization (its identity a constant, no kernel); the
+    blockwise kernel's scales divided exactly rounded in its PTX (`div.rn.f32`: Mosaic GPU's
+    `/` is `div.full.f32`)."""
     from helpers import h100_topology
 
     from fp8jax._src.observe import deviceless
+
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
 
     device = h100_topology().devices[0]
     spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
 
     def cast(x):
-        return tensor_core_cast_transpose(x, jnp.float32(2.0), E4M3, interpret=False)
+        if name == TENSOR_CORE_TRANSPOSE_NAME:
+            return tensor_core_cast_transpose(x, jnp.float32(2.0), E4M3, interpret=False)
+        return tensor_core_quantize_rows_and_columns(x, E4M3, max_scale=2.0**16, interpret=False)
 
     lowered, _ = deviceless.lower(cast, (spec,), {}, device)
     hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
     calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
-    assert len(calls) == 1 and TENSOR_CORE_TRANSPOSE_NAME in calls[0], calls
+    assert len(calls) == 1 and name in calls[0], calls
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    divisions = collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx))
+    assert divisions == ({} if name == TENSOR_CORE_TRANSPOSE_NAME else {"div.rn.f32": 16})
     cost = fp8jax.hlo_cost(hlo)
     assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 256 * 384 * 4

@@ -136,3 +136,21 @@ def mixed_fp8_wgmma() -> bool:
     except Exception as error:  # noqa: BLE001 - the stand-ins fail past the dtype check
         return "mixed input dtypes" not in str(error).lower()
     return True  # pragma: no cover - a JAX that binds the stand-ins
+
+
+def ieee_divide(a: Any, b: Any, layout: Any) -> Any:
+    """`a / b` of float32 arrays in register `layout`, rounded to nearest (PTX `div.rn.f32`)
+    inside a Mosaic GPU kernel, where `/` lowers to the approximate `div.full.f32` (as XLA's
+    GPU fusions divide). Through `plgpu.inline_mgpu` and two private helpers of Mosaic GPU's
+    `FragmentedArray` (`_pointwise`, `_lift_fast_instr`: an instruction a register)."""
+    import jax.numpy as jnp
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out = plgpu.ShapeDtypeStruct(a.shape, jnp.float32, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=out)
+    def divide(_, x: Any, y: Any) -> Any:
+        return x._pointwise(mgpu.FragmentedArray._lift_fast_instr("div.rn.f32"), y)
+
+    return divide(a, b)

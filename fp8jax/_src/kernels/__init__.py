@@ -28,8 +28,11 @@ QUANTIZE_NAMES = (
     "fp8jax_cast_transpose",
     "fp8jax_quantize_rows_and_padded_columns",
     "fp8jax_tensor_core_cast_transpose",
+    "fp8jax_tensor_core_quantize_rows_and_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
 #: The same on TMA and the tensor cores (Mosaic GPU, `tensor_core_transpose`).
 TENSOR_CORE_TRANSPOSE_NAME = QUANTIZE_NAMES[8]
+#: Blockwise rows and columns on TMA and the tensor cores (`tensor_core_transpose`).
+TENSOR_CORE_ROWS_AND_COLUMNS_NAME = QUANTIZE_NAMES[9]

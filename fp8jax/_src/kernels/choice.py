@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -29,11 +30,14 @@ from jaxtyping import Array, Float, Int
 
 from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
+from .block_quantize import quantize_rows_and_columns
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_config import PersistentConfig
 from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
+from .tensor_core_transpose import BLOCK as TENSOR_CORE_BLOCK
+from .tensor_core_transpose import tensor_core_quantize_rows_and_columns
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
 #: of the GPU check's sweep on an H200 (run 4, `benchmarks/results/gpu_check/h200_run4_*`).
@@ -60,6 +64,9 @@ _WEIGHT_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 _CHAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fp8jax_chained_pipelines", default=False
+)
+_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fp8jax_tensor_core_quantization", default=False
 )
 
 
@@ -106,6 +113,37 @@ def chained_pipelines() -> contextlib.AbstractContextManager[None]:
     chunks at a tile position in one pipeline). Issue 39: the default once a GPU run has
     timed it (`benchmarks/llama_block.py`'s `blockwise-chained`, the MoE layer's)."""
     return setting(_CHAINED, True)
+
+
+def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
+    """Functions traced inside quantize the blockwise output gradient's two copies (1 x 128
+    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`) on TMA and the tensor cores
+    (`tensor_core_transpose.tensor_core_quantize_rows_and_columns`, Mosaic GPU: its
+    interpreter from JAX 0.11 on), where the operand is BF16 or float16 and the block 128;
+    elsewhere the Pallas Triton kernel (`block_quantize`). The same values for finite
+    operands. Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
+    `blockwise-tc`)."""
+    return setting(_TENSOR_CORES, True)
+
+
+def recipe_rows_and_columns(
+    x: Float[Array, "*B M K"], fmt: jnp.dtype, *, block: int, max_scale: float, power_of_two: bool
+) -> tuple[Array, Array, Float[Array, ""], Array, Array]:
+    """`x`'s 1 x `block` and `block` x 1 tiles from one read, as `BlockwiseScaling` takes
+    them: FP8 `data` and `scale_inv (*B, M, K / block)`, `max |x|` (NaN with a NaN),
+    `data_t (*B, M, K)` (the column tiles' values, K-major in memory: the kernel's
+    `(K, M)` transposed back, which the GEMM's caller transposes again, XLA folding both)
+    and `scale_inv (*B, M / block, K)`. On the kernel `tensor_core_quantization()` chooses."""
+    rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
+    swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+    sixteen = jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if _TENSOR_CORES.get() and sixteen and block == TENSOR_CORE_BLOCK:
+        data, scale_t, amaxes, data_t, cols = tensor_core_quantize_rows_and_columns(x, fmt, **rule)
+    else:
+        call = functools.partial(quantize_rows_and_columns, fmt=fmt, **rule)
+        data, scale_t, amaxes, data_t, cols = (jax.vmap(call) if x.ndim == 3 else call)(x)
+    # One amax per program (NaN-propagating): their max is `x`'s.
+    return data, swap(scale_t), jnp.max(amaxes), swap(data_t), cols
 
 
 def weight_block_scales_chosen() -> bool:

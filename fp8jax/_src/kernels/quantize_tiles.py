@@ -30,11 +30,20 @@ _MAGNITUDE_BITS = 0x7FFFFFFF
 # --- the scale of a tile, as the recipe computes it ----------------------------------------
 
 
-def _divide(a: Array, b: Array, interpret: bool) -> Array:
-    """`a / b` rounded to nearest (IEEE), also in Triton, whose `/` is approximate."""
+def _divide(a: Array, b: Array, interpret: bool, mosaic: bool = False) -> Array:
+    """`a / b` rounded to nearest (IEEE), also in Triton and Mosaic GPU (`mosaic`), whose `/`
+    is approximate."""
     if interpret:  # opaque operands: XLA rewrites 1 / (c / x) as an inexact x * (1 / c)
         a, b = lax.optimization_barrier((a, b))
         return a / b
+    if mosaic:  # register layout: a row of WGMMA's (`tensor_core_transpose`)
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        from ..core import mosaic_private
+
+        layout = plgpu.Layout.WGMMA.reduce(1)
+        a, b = (plgpu.layout_cast(v, layout) for v in jnp.broadcast_arrays(a, b))
+        return mosaic_private.ieee_divide(a, b, layout)
     (out,) = pltriton.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[a, b],
@@ -56,19 +65,26 @@ def nan_max(magnitude: Array, axis: int | None) -> Array:
 
 
 def tile_scales(
-    amax: Array, fmt_max: float, max_scale: float, power_of_two: bool, interpret: bool
+    amax: Array,
+    fmt_max: float,
+    max_scale: float,
+    power_of_two: bool,
+    interpret: bool,
+    mosaic: bool = False,
 ) -> tuple[Array, Array]:
-    """(scale, scale_inv) of tiles with `amax`: `BlockwiseScaling.block_scale`'s rule."""
+    """(scale, scale_inv) of tiles with `amax`: `BlockwiseScaling.block_scale`'s rule
+    (`mosaic`: in a Mosaic GPU kernel, else Triton's)."""
     finite = jnp.abs(amax) < jnp.inf
     ok = (amax > 0.0) & finite
     one = jnp.ones_like(amax)
     fmt_max = jnp.full_like(amax, fmt_max)
-    scale = jnp.where(ok, _divide(fmt_max, jnp.where(ok, amax, one), interpret), one)
+    divide = lambda a, b: _divide(a, b, interpret, mosaic)  # noqa: E731
+    scale = jnp.where(ok, divide(fmt_max, jnp.where(ok, amax, one)), one)
     scale = jnp.minimum(scale, max_scale)
     if power_of_two:  # 2**floor(log2(scale)) of a normal float32: its exponent bits alone
         bits = lax.bitcast_convert_type(scale, jnp.int32) & _EXPONENT_BITS
         scale = lax.bitcast_convert_type(bits, jnp.float32)
-    return scale, _divide(one, scale, interpret)
+    return scale, divide(one, scale)
 
 
 def saturating_cast(x: Array, scale: Array, dtype: jnp.dtype) -> Array:
@@ -168,11 +184,15 @@ def transpose(q: Array, tuning: ColumnTuning) -> Array:
     return q.astype(jnp.bfloat16).T.astype(q.dtype) if tuning.wide_transpose else q.T
 
 
-def tile_rule(fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool) -> dict:
-    """The keyword arguments of `tile_scales` for tiles cast to `fmt`."""
+def tile_rule(
+    fmt: jnp.dtype, max_scale: float, power_of_two: bool, interpret: bool, mosaic: bool = False
+) -> dict:
+    """The keyword arguments of `tile_scales` for tiles cast to `fmt` (`mosaic`: in a Mosaic
+    GPU kernel)."""
     return dict(
         fmt_max=float(jnp.finfo(fmt).max),
         max_scale=float(max_scale),
         power_of_two=bool(power_of_two),
         interpret=interpret,
+        mosaic=mosaic,
     )

@@ -28,6 +28,7 @@ code from JAX 0.11 on (`wgmma` on a transposed view); JAX 0.10's refuses.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,11 @@ from jaxtyping import Array, Float
 
 from ..core import mosaic_private
 from ..core.jax_private import shape_like
-from . import TENSOR_CORE_TRANSPOSE_NAME
+from . import TENSOR_CORE_ROWS_AND_COLUMNS_NAME, TENSOR_CORE_TRANSPOSE_NAME
 from .block_gemm import operand_tiling
 from .dispatch import interpreting
 from .persistent_config import H100_SMEM_BYTES, SMEM_RESERVE
-from .quantize_tiles import bits_max, nan_max, saturating_cast
+from .quantize_tiles import bits_max, nan_max, saturating_cast, tile_rule, tile_scales
 
 #: The tile: 128 x 128, `wgmma`'s K step times four and the TMA box of one program's step.
 BLOCK = 128
@@ -78,58 +79,69 @@ def tiles_per_program(config: TransposeConfig, tiles: int) -> int:
     return next(d for d in range(-(-tiles // config.max_programs), tiles + 1) if tiles % d == 0)
 
 
-#: What this kernel's shared memory holds besides `x`'s stages: the identity and two buffers
-#: each of the FP8 copies (16 KB a tile), the amax row, the barriers' reserve.
-_FIXED_BYTES = 5 * BLOCK * BLOCK + 4 * BLOCK + SMEM_RESERVE
+#: What the kernels' shared memory holds besides `x`'s stages and the identity: two buffers
+#: each of the FP8 copies (16 KB a tile), the amax row and four rows of scales, the barriers'
+#: reserve.
+_FIXED_BYTES = 4 * BLOCK * BLOCK + 5 * BLOCK * 4 + SMEM_RESERVE
 
 
-def stages(config: TransposeConfig, dtype: jnp.dtype) -> int:
+def stages(config: TransposeConfig, dtype: jnp.dtype, eye_dtype: jnp.dtype) -> int:
     """`config.max_concurrent_steps`, clipped to the tiles of `dtype` shared memory holds
-    (a float32 operand: 2)."""
-    fit = (H100_SMEM_BYTES - _FIXED_BYTES) // (BLOCK * BLOCK * jnp.dtype(dtype).itemsize)
+    beside an identity of `eye_dtype` (a float32 operand: 2)."""
+    fixed = _FIXED_BYTES + BLOCK * BLOCK * jnp.dtype(eye_dtype).itemsize
+    fit = (H100_SMEM_BYTES - fixed) // (BLOCK * BLOCK * jnp.dtype(dtype).itemsize)
     return max(1, min(config.max_concurrent_steps, fit))
 
 
-def _kernel_call(x, scale, *, fmt, batch, config, interpret):
+class _Tile(NamedTuple):
+    """Where a program's current tile lies: its output buffers' `slot`, its tile row `i`
+    and column `col` in the flattened `(B * M, K)`, its batch `b` and tile row `local` in
+    that batch, and `row_tiles` (`K / 128`)."""
+
+    slot: Array
+    i: Array
+    col: Array
+    b: Array
+    local: Array
+    row_tiles: int
+
+    def transposed(self) -> Array:
+        """The tile row of the tile's transposed copy in `(B * K, M)`."""
+        return self.b * self.row_tiles + self.col
+
+
+def _stream(x, eye, inputs, *, name, out_type, scratch_types, tile_step, batch, config, interpret):
+    """The kernels' common frame: programs over `x`'s 128 x 128 tiles in a TMA pipeline, the
+    identity `eye` in shared memory, and as the last output each program's row amaxes (NaN
+    above inf). `tile_step(ins, outs, scratch, eye_smem)` returns `(step, stores)`: `step(tile,
+    x_smem, xv)` (`xv` the tile in float32, in `wgmma`'s register layout) writes a tile's
+    outputs in `stores` TMA copies from double-buffered shared memory and returns its row
+    amaxes."""
     rows, k = x.shape
     m = rows // batch
     row_tiles, tiles_per_batch = k // BLOCK, m // BLOCK
     tiles = (rows // BLOCK) * row_tiles
     per = tiles_per_program(config, tiles)
-    x_tiling, q_tiling = operand_tiling(x.dtype, BLOCK), operand_tiling(fmt, BLOCK)
     layout = None if interpret else plgpu.Layout.WGMMA
 
-    def body(x_gmem, s_gmem, eye_gmem, q_gmem, qt_gmem, amax_gmem, *scratch):
-        eye_smem, q_smem, qt_smem, amax_smem, barrier = scratch
+    def body(x_gmem, eye_gmem, *refs):
+        ins, outs = refs[: len(inputs)], refs[len(inputs) : len(inputs) + len(out_type)]
+        eye_smem, amax_smem, barrier, *scratch = refs[len(inputs) + len(out_type) + 1 :]
+        amax_gmem = refs[len(inputs) + len(out_type)]
         p = lax.axis_index("p")
         plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, barrier)
         plgpu.barrier_wait(barrier)
-        s = s_gmem[0]
+        step_tile, stores = tile_step(ins, outs, scratch, eye_smem)
 
         def step(indices, x_smem, amax):
             (j,) = indices
-            slot, i, col = lax.rem(j, 2), (p * per + j) // row_tiles, (p * per + j) % row_tiles
+            i, col = (p * per + j) // row_tiles, (p * per + j) % row_tiles
             b, local = i // tiles_per_batch, i % tiles_per_batch
-            # The stores of two tiles ago (two copies each) have read their buffers.
-            plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+            where = _Tile(lax.rem(j, 2), i, col, b, local, row_tiles)
+            # The stores of two tiles ago have read their buffers.
+            plgpu.wait_smem_to_gmem(stores, wait_read_only=True)
             xv = mosaic_private.load(x_smem, layout=layout).astype(jnp.float32)
-            amax = bits_max(amax, nan_max(jnp.abs(xv), axis=1))  # per row, NaN above inf
-            q_smem.at[slot][...] = saturating_cast(xv, s, fmt)
-            plgpu.commit_smem()
-            dst = q_gmem.at[pl.ds(i * BLOCK, BLOCK), pl.ds(col * BLOCK, BLOCK)]
-            plgpu.copy_smem_to_gmem(q_smem.at[slot], dst)
-
-            def transposed(acc):
-                plgpu.wgmma(acc, eye_smem, q_smem.at[slot].transpose((1, 0)))
-                return acc[...]
-
-            qt = pl.run_scoped(transposed, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
-            qt_smem.at[slot][...] = qt.astype(fmt)
-            plgpu.commit_smem()
-            at = (b * row_tiles + col) * BLOCK
-            dst = qt_gmem.at[pl.ds(at, BLOCK), pl.ds(local * BLOCK, BLOCK)]
-            plgpu.copy_smem_to_gmem(qt_smem.at[slot], dst)
-            return amax
+            return bits_max(amax, step_tile(where, x_smem, xv))
 
         init = jnp.zeros((BLOCK,), jnp.float32)
         if not interpret:
@@ -141,10 +153,10 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
                 plgpu.BlockSpec(
                     (BLOCK, BLOCK),
                     lambda j: ((p * per + j) // row_tiles, (p * per + j) % row_tiles),
-                    transforms=x_tiling,
+                    transforms=operand_tiling(x.dtype, BLOCK),
                 )
             ],
-            max_concurrent_steps=stages(config, x.dtype),
+            max_concurrent_steps=stages(config, x.dtype, eye.dtype),
             init_carry=init,
         )(x_gmem)
         amax_smem[...] = amax
@@ -152,28 +164,140 @@ def _kernel_call(x, scale, *, fmt, batch, config, interpret):
         plgpu.copy_smem_to_gmem(amax_smem, amax_gmem.at[p])
         plgpu.wait_smem_to_gmem(0)
 
-    body.__name__ = body.__qualname__ = TENSOR_CORE_TRANSPOSE_NAME
+    body.__name__ = body.__qualname__ = name
     return plgpu.kernel(
         body,
-        out_type=(
-            shape_like((rows, k), fmt, x),
-            shape_like((batch * k, m), fmt, x),
-            shape_like((tiles // per, BLOCK), jnp.float32, x),
-        ),
+        out_type=(*out_type, shape_like((tiles // per, BLOCK), jnp.float32, x)),
         scratch_types=[
-            plgpu.SMEM((BLOCK, BLOCK), fmt, transforms=q_tiling),
-            plgpu.SMEM((2, BLOCK, BLOCK), fmt, transforms=q_tiling),
-            plgpu.SMEM((2, BLOCK, BLOCK), fmt, transforms=q_tiling),
+            plgpu.SMEM((BLOCK, BLOCK), eye.dtype, transforms=operand_tiling(eye.dtype, BLOCK)),
             plgpu.SMEM((BLOCK,), jnp.float32),
             plgpu.Barrier(num_arrivals=1),
+            *scratch_types,
         ],
         grid=(tiles // per,),
         grid_names=("p",),
         interpret=mosaic_private.interpret_params() if interpret else None,
-    )(x, jnp.reshape(scale, (1,)).astype(jnp.float32), jnp.asarray(np.eye(BLOCK, dtype=fmt)))
+    )(x, eye, *inputs)
+
+
+def _transposed(eye_smem, tile_smem) -> Array:
+    """`tile_smem`'s 128 x 128 tile transposed, in float32 registers: `I . tile^T` on the
+    tensor cores (exact: products with 1 and 0, summed in float32)."""
+
+    def product(acc):
+        plgpu.wgmma(acc, eye_smem, tile_smem.transpose((1, 0)))
+        return acc[...]
+
+    return pl.run_scoped(product, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+
+
+def _store(value, buffers, tile: _Tile, dst) -> None:
+    """`value` written to its slot of the double-buffered shared `buffers`, thence by TMA
+    to `dst` (a view of an output)."""
+    buffers.at[tile.slot][...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buffers.at[tile.slot], dst)
+
+
+def _fp8_buffers(fmt) -> list:
+    """Two double-buffered FP8 tiles in shared memory (the copy and its transpose)."""
+    tiling = operand_tiling(fmt, BLOCK)
+    return [plgpu.SMEM((2, BLOCK, BLOCK), fmt, transforms=tiling) for _ in range(2)]
+
+
+def _kernel_call(x, scale, *, fmt, batch, config, interpret):
+    rows, k = x.shape
+
+    def tile_step(ins, outs, scratch, eye_smem):
+        (s_gmem,), (q_gmem, qt_gmem), (q_smem, qt_smem) = ins, outs, scratch
+        s = s_gmem[0]
+
+        def step(tile: _Tile, x_smem, xv):
+            _store(saturating_cast(xv, s, fmt), q_smem, tile, _at(q_gmem, tile.i, tile.col))
+            qt = _transposed(eye_smem, q_smem.at[tile.slot])
+            _store(qt.astype(fmt), qt_smem, tile, _at(qt_gmem, tile.transposed(), tile.local))
+            return nan_max(jnp.abs(xv), axis=1)  # per row, NaN above inf
+
+        return step, 2
+
+    out_type = (shape_like((rows, k), fmt, x), shape_like((batch * k, rows // batch), fmt, x))
+    eye = jnp.asarray(np.eye(BLOCK, dtype=fmt))
+    inputs = (jnp.reshape(scale, (1,)).astype(jnp.float32),)
+    return _stream(
+        x,
+        eye,
+        inputs,
+        name=TENSOR_CORE_TRANSPOSE_NAME,
+        out_type=out_type,
+        scratch_types=_fp8_buffers(fmt),
+        tile_step=tile_step,
+        batch=batch,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _at(ref, row_tile, col_tile):
+    """The 128 x 128 tile of `ref` at (`row_tile`, `col_tile`)."""
+    return ref.at[pl.ds(row_tile * BLOCK, BLOCK), pl.ds(col_tile * BLOCK, BLOCK)]
+
+
+def _rows_and_columns_call(x, *, fmt, batch, max_scale, power_of_two, config, interpret):
+    rows, k = x.shape
+    rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
+
+    def cast(tile: _Tile, v, data_smem, data_gmem, scale_smem, scale_gmem, at, scale_at):
+        """`v`'s rows in 1 x 128 tiles: their FP8 values and scale_inv written out; their
+        amaxes returned."""
+        amax = nan_max(jnp.abs(v), axis=1)  # per row, NaN above inf
+        scale, scale_inv = tile_scales(amax, **rule)
+        scale = lax.broadcast_in_dim(scale, v.shape, (0,))  # JAX 0.10: not via (128, 1)
+        _store(saturating_cast(v, scale, fmt), data_smem, tile, _at(data_gmem, *at))
+        row, col_tile = scale_at
+        _store(scale_inv, scale_smem, tile, scale_gmem.at[row, pl.ds(col_tile * BLOCK, BLOCK)])
+        return amax
+
+    def tile_step(ins, outs, scratch, eye_smem):
+        q_gmem, s_gmem, qt_gmem, st_gmem = outs
+        q_smem, qt_smem, s_smem, st_smem = scratch
+
+        def step(tile: _Tile, x_smem, xv):
+            at, column = (tile.i, tile.col), (tile.transposed(), tile.local)
+            amax = cast(tile, xv, q_smem, q_gmem, s_smem, s_gmem, at, column)
+            # x's columns are the rows of its transpose, on the tensor cores from x's tile.
+            xt = _transposed(eye_smem, x_smem)
+            cast(tile, xt, qt_smem, qt_gmem, st_smem, st_gmem, column, at)
+            return amax
+
+        return step, 4
+
+    m, f32 = rows // batch, jnp.float32
+    out_type = (
+        shape_like((rows, k), fmt, x),
+        shape_like((batch * k // BLOCK, m), f32, x),
+        shape_like((batch * k, m), fmt, x),
+        shape_like((rows // BLOCK, k), f32, x),
+    )
+    scales = [plgpu.SMEM((2, BLOCK), f32) for _ in range(2)]
+    return _stream(
+        x,
+        jnp.asarray(np.eye(BLOCK), x.dtype),
+        (),
+        name=TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        out_type=out_type,
+        scratch_types=_fp8_buffers(fmt) + scales,
+        tile_step=tile_step,
+        batch=batch,
+        config=config,
+        interpret=interpret,
+    )
 
 
 _jitted = jax.jit(_kernel_call, static_argnames=("fmt", "batch", "config", "interpret"))
+_rows_and_columns = jax.jit(
+    _rows_and_columns_call,
+    static_argnames=("fmt", "batch", "max_scale", "power_of_two", "config", "interpret"),
+)
 
 
 def tensor_core_cast_transpose(
@@ -189,26 +313,11 @@ def tensor_core_cast_transpose(
     `x`, `data_t` with the last two axes swapped, and partial amaxes (NaN where `x` has a
     NaN) whose maximum is `max |x|`, from one read of `x`. `config`: a `TransposeConfig`;
     `interpret`: run in Mosaic GPU's interpreter (`None`: as traced)."""
-    who = TENSOR_CORE_TRANSPOSE_NAME
-    config = TransposeConfig() if config is None else config
-    if not isinstance(config, TransposeConfig):
-        raise TypeError(f"{who}: config={config!r}; expected a TransposeConfig or None.")
-    if x.ndim not in (2, 3) or x.shape[-1] % BLOCK or x.shape[-2] % BLOCK or 0 in x.shape:
-        raise ValueError(
-            f"{who}: x has shape {x.shape}; expected (M, K) or (B, M, K) with M and K "
-            f"positive multiples of {BLOCK}."
-        )
-    if jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"{who}: x has dtype {x.dtype}; expected bfloat16, float16 or float32.")
-    if jnp.dtype(fmt) not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-        raise ValueError(f"{who}: fmt={fmt!r}; expected float8_e4m3fn or float8_e5m2.")
+    dtypes = (jnp.bfloat16, jnp.float16, jnp.float32)
+    config, interpret = _checked(TENSOR_CORE_TRANSPOSE_NAME, x, fmt, config, dtypes, interpret)
     if jnp.size(scale) != 1:
-        raise ValueError(f"{who}: scale has shape {jnp.shape(scale)}; expected a scalar.")
-    interpret = interpreting() if interpret is None else interpret
-    if interpret and not mosaic_private.interpreter_runs_gpu_path():
-        raise NotImplementedError(
-            f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
-            "transposed shared-memory view (JAX 0.11 and later can)."
+        raise ValueError(
+            f"{TENSOR_CORE_TRANSPOSE_NAME}: scale has shape {jnp.shape(scale)}; expected a scalar."
         )
     batch, (m, k) = (x.shape[0] if x.ndim == 3 else 1), x.shape[-2:]
     flat = jnp.reshape(x, (batch * m, k))
@@ -217,3 +326,69 @@ def tensor_core_cast_transpose(
     if x.ndim == 3:
         data, data_t = data.reshape(x.shape), data_t.reshape(batch, k, m)
     return data, data_t, amaxes
+
+
+def _checked(who, x, fmt, config, dtypes, interpret) -> tuple[TransposeConfig, bool]:
+    """`config` (`None`: the default) and whether to interpret, once `x`, `fmt` and
+    `config` are checked for kernel `who`."""
+    config = TransposeConfig() if config is None else config
+    if not isinstance(config, TransposeConfig):
+        raise TypeError(f"{who}: config={config!r}; expected a TransposeConfig or None.")
+    if x.ndim not in (2, 3) or x.shape[-1] % BLOCK or x.shape[-2] % BLOCK or 0 in x.shape:
+        raise ValueError(
+            f"{who}: x has shape {x.shape}; expected (M, K) or (B, M, K) with M and K "
+            f"positive multiples of {BLOCK}."
+        )
+    if jnp.dtype(x.dtype) not in dtypes:
+        names = ", ".join(jnp.dtype(d).name for d in dtypes)
+        raise ValueError(f"{who}: x has dtype {x.dtype}; expected one of {names}.")
+    if jnp.dtype(fmt) not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        raise ValueError(f"{who}: fmt={fmt!r}; expected float8_e4m3fn or float8_e5m2.")
+    interpret = interpreting() if interpret is None else interpret
+    if interpret and not mosaic_private.interpreter_runs_gpu_path():
+        raise NotImplementedError(
+            f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
+            "transposed shared-memory view (JAX 0.11 and later can)."
+        )
+    return config, interpret
+
+
+def tensor_core_quantize_rows_and_columns(
+    x: Float[Array, "*B M K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = BLOCK,
+    max_scale: float,
+    power_of_two: bool = False,
+    config: TransposeConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Float[Array, "programs 128"], Array, Array]:
+    """`block_quantize.quantize_rows_and_columns(x)` on TMA and the tensor cores: `x`'s
+    1 x 128 tiles along `K` (FP8 `data` as `x`, chunk-major `scale_inv_t (*B, K / 128,
+    M)`), partial amaxes whose maximum is `max |x|` (NaN where `x` has a NaN), and its
+    128 x 1 tiles along `M` written transposed (`data_t (*B, K, M)`, `scale_inv (*B, M /
+    128, K)`), from one read of `x` (at most one batch axis; `M`, `K` multiples of 128;
+    BF16 or float16, which the tensor cores transpose exactly). Scales as
+    `BlockwiseScaling.block_scale` (at most `max_scale`; `block` must be 128).
+    `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's interpreter (`None`:
+    as traced)."""
+    who = TENSOR_CORE_ROWS_AND_COLUMNS_NAME
+    if block != BLOCK:
+        raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
+    config, interpret = _checked(who, x, fmt, config, (jnp.bfloat16, jnp.float16), interpret)
+    batch, (m, k) = (x.shape[0] if x.ndim == 3 else 1), x.shape[-2:]
+    data, scale_t, data_t, cols, amaxes = _rows_and_columns(
+        jnp.reshape(x, (batch * m, k)),
+        fmt=jnp.dtype(fmt),
+        batch=batch,
+        max_scale=float(max_scale),
+        power_of_two=bool(power_of_two),
+        config=config,
+        interpret=interpret,
+    )
+    lead = x.shape[:-2]
+    shapes = (x.shape, (*lead, k // BLOCK, m), (*lead, k, m), (*lead, m // BLOCK, k))
+    data, scale_t, data_t, cols = (
+        jnp.reshape(a, s) for a, s in zip((data, scale_t, data_t, cols), shapes, strict=True)
+    )
+    return data, scale_t, amaxes, data_t, cols

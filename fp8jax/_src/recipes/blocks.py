@@ -374,18 +374,17 @@ class BlockwiseScaling(BlockScaledRecipe):
         def tiles(x: Array) -> tuple[Array, ...]:
             # Scales come chunk-major (as the GEMM kernels read them): transposed back here,
             # and again by the kernels' callers, which XLA folds into none.
-            if not columns:
-                data, scale_t, amax = block_quantize.quantize_rows(x, fmt, **self._rule())
-                return data, scale_t.T, amax
-            data, scale_t, amax, data_t, cols_t = block_quantize.quantize_rows_and_columns(
-                x, fmt, **self._rule()
-            )
-            return data, scale_t.T, amax, data_t.T, cols_t
+            data, scale_t, amax = block_quantize.quantize_rows(x, fmt, **self._rule())
+            return data, scale_t.T, amax
 
         def native(x: Array) -> tuple[Array, ...]:
-            data, scale_inv, amaxes, *cols = (jax.vmap(tiles) if x.ndim == 3 else tiles)(x)
+            from ..kernels.choice import recipe_rows_and_columns  # Pallas: imported on use
+
+            if columns:  # the output gradient's two copies (`tensor_core_quantization`)
+                return recipe_rows_and_columns(x, fmt, **self._rule())
+            data, scale_inv, amaxes = (jax.vmap(tiles) if x.ndim == 3 else tiles)(x)
             # One amax per program from the kernel (NaN-propagating): their max is `x`'s.
-            return data, scale_inv, jnp.max(amaxes), *cols
+            return data, scale_inv, jnp.max(amaxes)
 
         def xla(x: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)
