@@ -51,7 +51,9 @@ and dgrad; `blockwise-tile-scales-three` with three compute warpgroups there, 19
 tiles, `PersistentConfig.compute_wgs`, the wgrad's two), `blockwise-chained` (that kernel
 with each program's tiles chained into one pipeline,
 `chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
-`SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM). Any
+`SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM),
+`blockwise-tc` (the output gradients' two copies on the tensor-core kernel,
+`tensor_core_quantization`, session 52). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
 stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
 arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants start
@@ -86,6 +88,7 @@ from fp8jax._src.kernels.choice import (
     DEFAULT_CONFIGS,
     chained_pipelines,
     persistent_kernel,
+    tensor_core_quantization,
     tiled_kernel,
     weight_block_scales,
 )
@@ -165,6 +168,7 @@ RECIPES: dict[str, fp8jax.Recipe] = {
     "blockwise-tile-scales-three": fp8jax.BlockwiseScaling(),
     "blockwise-chained": fp8jax.BlockwiseScaling(),
     "blockwise-slabs": fp8jax.BlockwiseScaling(),
+    "blockwise-tc": fp8jax.BlockwiseScaling(),
 }
 #: Variants whose block-scaled GEMMs run on a kernel of their own, traced inside the context
 #: (`step(name)`).
@@ -202,6 +206,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     ),
     "blockwise-chained": lambda: chained(),
     "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
+    "blockwise-tc": tensor_core_quantization,
 }
 
 

@@ -1,14 +1,18 @@
-"""The tensor-core transpose kernel (`kernels.tensor_core_transpose`, issue 38, session 51) as
-ptxas and its PTX see it; deviceless, nothing runs on a GPU.
+"""The tensor-core quantization kernels (`kernels.tensor_core_transpose`, issues 38 and 39,
+sessions 51-52) as ptxas and their PTX see them; deviceless, nothing runs on a GPU.
 
     python benchmarks/transpose_ptx.py | tee benchmarks/results/transpose_ptx.txt
 
 Each configuration of the GPU check's `transpose` section (`gpu_check/transpose.py`,
 `CONFIGS`) compiled for an H100 at the 8B block's shapes, each in a fresh process with
-Mosaic GPU dumping its PTX and ptxas' log: registers and spills, the pipeline's stages and
-the programs, and per thread and tile the instructions that move a tile: TMA copies in and
-out, `ldmatrix` (the BF16 tile into registers), shared-memory stores (the FP8 copies), the
-`wgmma` that transposes, the conversions to FP8.
+Mosaic GPU dumping its PTX and ptxas' log, for both kernels: the per-tensor cast with its
+transposed copy (`tensor_core_cast_transpose`) and the blockwise rows and columns
+(`tensor_core_quantize_rows_and_columns`, the BF16 shapes). Registers and spills, the
+pipeline's stages and the programs, and per thread and tile the instructions that move a
+tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
+stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
+divisions of the blockwise scales (`div.rn.f32`, exactly rounded; Mosaic GPU's own `/` would
+be `div.full.f32`).
 
 Needs jax 0.11 or later with its CUDA plugin (the `h100` extra) for the deviceless compile.
 """
@@ -43,37 +47,47 @@ COUNTED = (
     "cvt.rn.satfinite",
     "bar.sync",
     "shfl.sync",
+    "div.rn.f32",
+    "div.full.f32",
 )
+#: The kernels: per-tensor (every shape) and blockwise (16-bit shapes).
+KERNELS = ("per-tensor", "blockwise")
 
 
-def compile_one(rows: int, cols: int, dtype: str, config: str) -> None:
-    """Compile the kernel for an H100 (this child's only Mosaic GPU kernel)."""
+def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> None:
+    """Compile `kernel` (of `KERNELS`) for an H100 (this child's only Mosaic GPU kernel)."""
     import jax
     import jax.numpy as jnp
 
     from fp8jax._src.kernels.tensor_core_transpose import (
         TransposeConfig,
         tensor_core_cast_transpose,
+        tensor_core_quantize_rows_and_columns,
     )
     from fp8jax._src.observe import deviceless
+    from fp8jax._src.recipes.per_tensor import MAX_SCALE
 
     fields = json.loads(config)
     config = dataclasses.replace(TransposeConfig(), **fields)
     spec = (jax.ShapeDtypeStruct((rows, cols), jnp.dtype(dtype)), jax.ShapeDtypeStruct((), "f4"))
 
     def cast(x, scale):
+        if kernel == "blockwise":
+            fmt = jnp.float8_e4m3fn
+            return tensor_core_quantize_rows_and_columns(x, fmt, max_scale=MAX_SCALE, config=config)
         return tensor_core_cast_transpose(x, scale, jnp.float8_e4m3fn, config=config)
 
     lowered, _ = deviceless.lower(cast, spec, {}, deviceless.h100_topology().devices[0])
     lowered.compile()
 
 
-def child(rows: int, cols: int, dtype: str, config: dict) -> dict | str:
+def child(rows: int, cols: int, dtype: str, config: dict, kernel: str) -> dict | str:
     """Compile one case in a fresh process; its ptxas figures and PTX counts."""
     with tempfile.TemporaryDirectory() as dump:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
         env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
-        args = [sys.executable, __file__, json.dumps([rows, cols, dtype, json.dumps(config)])]
+        case = [rows, cols, dtype, json.dumps(config), kernel]
+        args = [sys.executable, __file__, json.dumps(case)]
         run = subprocess.run(args, env=env, capture_output=True, text=True)
         if run.returncode:
             return f"failed: {run.stderr.strip()[-300:]!r}"
@@ -106,27 +120,30 @@ def main() -> None:
     from gpu_check.transpose import CONFIGS
     from train_steps import table
 
-    print(
-        f"jax {jax.__version__}; deviceless H100; per-tensor cast to E4M3 with its transposed copy"
-    )
+    print(f"jax {jax.__version__}; deviceless H100; cast to E4M3 with a transposed copy")
+    print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
-    head = ["shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
+    head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
     head += ["wgmma", *COUNTED]
     rows_out = []
-    for label, (rows, cols, dtype) in SHAPES.items():
-        for name, config in CONFIGS.items():
-            tiles = (rows // 128) * (cols // 128)
-            programs = tiles // tiles_per_program(config, tiles)
-            fields = dataclasses.asdict(config)
-            seen = child(rows, cols, dtype, fields)
-            row = [label, name, str(stages(config, jnp.dtype(dtype))), str(programs)]
-            if isinstance(seen, str):
-                row += [seen] + [""] * (len(head) - 5)
-            else:
-                row += [seen["registers"], seen["spills"], ", ".join(seen["wgmma kinds"])]
-                row += [str(seen[c]) for c in COUNTED]
-            rows_out.append(row)
+    for kernel in KERNELS:
+        for label, (rows, cols, dtype) in SHAPES.items():
+            if kernel == "blockwise" and jnp.dtype(dtype).itemsize != 2:
+                continue
+            eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
+            for name, config in CONFIGS.items():
+                tiles = (rows // 128) * (cols // 128)
+                programs = tiles // tiles_per_program(config, tiles)
+                seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel)
+                row = [kernel, label, name, str(stages(config, jnp.dtype(dtype), eye))]
+                row.append(str(programs))
+                if isinstance(seen, str):
+                    row += [seen] + [""] * (len(head) - 6)
+                else:
+                    row += [seen["registers"], seen["spills"], ", ".join(seen["wgmma kinds"])]
+                    row += [str(seen[c]) for c in COUNTED]
+                rows_out.append(row)
     print(table(rows_out, head))
 
 

@@ -127,3 +127,24 @@ def test_mixed_fp8_wgmma_says_what_tracing_a_mixed_wgmma_does():
             _gpu_jaxpr(mixed, a, b)
     newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
     assert mosaic_private.mixed_fp8_wgmma() is newer  # as of the releases fp8jax supports
+
+
+def test_ieee_divide_finds_mosaic_gpus_helpers_on_this_jax():
+    """`ieee_divide` traces for a GPU (`plgpu.inline_mgpu` with a WGMMA row layout) and the
+    two private `FragmentedArray` helpers its body calls exist; its PTX (`div.rn.f32`, not
+    `/`'s `div.full.f32`) is read by tests/test_tensor_core_transpose.py's H100 compile."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    assert callable(mgpu.FragmentedArray._pointwise)
+    assert callable(mgpu.FragmentedArray._lift_fast_instr("div.rn.f32"))
+    layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def divided(a):
+        def body(a_ref, o_ref):
+            a = mosaic_private.load(a_ref, layout=layout)
+            o_ref[...] = mosaic_private.ieee_divide(a, a + 1.0, layout)
+
+        return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(a.shape, a.dtype))(a)
+
+    jaxpr = _gpu_jaxpr(divided, jnp.ones((128,), jnp.float32))
+    assert "inline_mgpu" in jaxpr, jaxpr

@@ -385,8 +385,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     """`benchmarks/gpu_check --sections kernels` as a lent GPU will run it, on tiny shapes in
     the interpreter: its float64 numerics pass, every swept configuration computes what the
     tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
-    product computes. So does its `transpose` section (the tensor-core transpose kernel:
-    its copies as NumPy's, timed beside XLA's and the Triton kernel's)."""
+    product computes. So does its `transpose` section (the tensor-core kernels, per-tensor
+    and blockwise: their copies as NumPy's, timed beside XLA's and the Triton kernels')."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -397,11 +397,14 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     results = [r for r in map(json.loads, lines) if r["name"] != "(section)"]
     assert results and all(r["status"] == "ok" for r in results), results
-    transposed = [r for r in results if r["section"] == "2e per-tensor cast and transpose"]
+    transposed = [r for r in results if r["section"] == "2e cast and transpose"]
+    ways = ("triton, default", "tensor cores, default")
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
-        {"triton, default": 0, "tensor cores, default": 0}
+        {f"{kind}{way}": 0 for kind in ("", "blockwise ") for way in ways}
     ], transposed
-    assert any(r["name"].endswith("| tensor cores, default") and "ms" in r for r in transposed)
+    for kind in ("", "blockwise "):
+        timed = f"| {kind}tensor cores, default"
+        assert any(r["name"].endswith(timed) and "ms" in r for r in transposed), timed
     results = [r for r in results if r not in transposed]
     numerics = [r for r in results if r["name"].startswith("numerics")]
     assert len(numerics) == 2 and all(r["passed"] for r in numerics), numerics

@@ -264,6 +264,9 @@ CANDIDATES = (
     ("delayed-steady-apart", "delayed-steady-apart-packed"),
     ("delayed-steady", "delayed-steady-kernel"),
     ("delayed-steady", "delayed-steady-kernel-grads"),
+    ("delayed-steady", "delayed-steady-tc"),
+    ("delayed-steady", "delayed-steady-tc-grads"),
+    ("delayed-steady-apart", "delayed-steady-apart-tc-grads"),
     ("delayed-steady-apart", "delayed-steady-kernel-grads"),
     ("delayed-steady-apart", "delayed-steady-apart-kernel-grads"),
     ("delayed", "delayed-apart"),
@@ -271,10 +274,12 @@ CANDIDATES = (
     ("current", "current-apart"),
     ("current", "current-kernel"),
     ("current", "current-kernel-grads"),
+    ("current", "current-tc"),
     ("blockwise", "blockwise-pairs"),
     ("blockwise", "blockwise-tile-scales"),
     ("blockwise", "blockwise-chained"),
     ("blockwise", "blockwise-slabs"),
+    ("blockwise", "blockwise-tc"),
 )
 
 

@@ -1,5 +1,8 @@
-"""Section 2e (issue 38): per-tensor scaling's cast with its transposed copy and amax, the
-pass each FP8 operand of a delayed- or current-scaling step takes, three ways side by side.
+"""Section 2e (issues 38 and 39): an operand's FP8 cast with its transposed copy, the pass
+each FP8 operand of a step takes, three ways side by side, for per-tensor scaling and for
+DeepSeek-V3's blockwise tiles.
+
+Per-tensor (delayed and current scaling: one scale, the amax of the tensor):
 
 - `xla`: what the recipes compile to without a kernel: XLA's transposing fusion writing both
   FP8 copies, and its reductions for the amax (in GPU run 6's Llama profile XLA's
@@ -11,15 +14,24 @@ pass each FP8 operand of a delayed- or current-scaling step takes, three ways si
   streams its tiles by TMA, casts one in registers, stores it by TMA, and transposes it with
   one `wgmma` (`I . q^T`), in the configurations of `CONFIGS` (the default first).
 
+Blockwise (`blockwise ...`, the BF16 operands: the output gradient's 1 x 128 tiles for the
+dgrad and its 128 x 1 tiles, transposed, for the wgrad): the recipe's XLA path, the Pallas
+Triton kernel (`block_quantize.quantize_rows_and_columns`, the default on Hopper; 0.66-0.73x
+XLA's time in run 6 at 8 warps, 1.05-1.29x faster than XLA at 4) and the tensor-core kernel
+(`tensor_core_quantize_rows_and_columns`, session 52: the columns from `I . x^T`, BF16, on the
+tensor cores) in the same `CONFIGS`.
+
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
-weight (its float32 master). Numerics first: each kernel's two copies against a NumPy cast
-(the operands are finite: every element must agree) and its amax against NumPy's. Then ms and
-GB/s of the bytes the pass must move (read `x`, write two FP8 copies), beside a reference:
-`x + 1` in x's dtype, the rate a plain XLA elementwise kernel reaches there. Decision lines:
-per shape, the fastest way (the reference's time beside it) and each kernel's ratio to XLA;
-the per-tensor recipes take a kernel (`per_tensor_pass.cast_transpose_kernel`) by default
-only once it is faster in a step (`llama` section: `delayed-steady-kernel`,
-`delayed-steady-tc`).
+weight (its float32 master; per-tensor only). Numerics first: each kernel's copies (and, for
+the blockwise ones, their scales) against NumPy with IEEE division (the operands are finite:
+every element must agree; a -0 the tensor cores transpose may come out +0, equal in value)
+and its amax against NumPy's. Then ms and GB/s of the bytes the pass must move (read `x`,
+write two FP8 copies), beside a reference: `x + 1` in x's dtype, the rate a plain XLA
+elementwise kernel reaches there. Decision lines: per shape and scaling, the fastest way (the
+reference's time beside it) and each kernel's ratio to XLA; the recipes take a kernel
+(`per_tensor_pass.cast_transpose_kernel`, `choice.tensor_core_quantization`) by default only
+once it is faster in a step (`llama` section: `delayed-steady-kernel`, `delayed-steady-tc`,
+`blockwise-tc`).
 """
 
 from __future__ import annotations
@@ -37,15 +49,25 @@ from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import block_quantize
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
+    stages,
     tensor_core_cast_transpose,
+    tensor_core_quantize_rows_and_columns,
 )
 
 from . import timing
-from .quantize import E4M3, PER_TENSOR_SCALE, heavy_tailed, per_tensor_kernel, per_tensor_xla
+from .quantize import (
+    E4M3,
+    PER_TENSOR_SCALE,
+    RULE,
+    heavy_tailed,
+    ieee_rows,
+    per_tensor_kernel,
+    per_tensor_xla,
+)
 from .record import Recorder
 from .timing import compile_and_time
 
-SECTION = "2e per-tensor cast and transpose"
+SECTION = "2e cast and transpose"
 #: label -> (rows, cols, dtype): Llama-3-8B at 8,192 tokens.
 SHAPES = {
     "activation 8192x4096 bf16": (8192, 4096, jnp.bfloat16),
@@ -76,6 +98,24 @@ def _tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     return data, data_t, jnp.max(amax)
 
 
+#: The blockwise ways' names begin so.
+BLOCKWISE = "blockwise "
+
+
+def _blockwise_xla(x: jax.Array) -> tuple:
+    """The blockwise recipe's XLA path for an output gradient's two copies."""
+    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
+    return recipe.quantize_both(x, recipe.init_state("output_grad"), "output_grad")
+
+
+def _blockwise_triton(x: jax.Array) -> tuple:
+    return block_quantize.quantize_rows_and_columns(x, E4M3, **RULE)
+
+
+def _blockwise_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
+    return tensor_core_quantize_rows_and_columns(x, E4M3, **RULE, config=config)
+
+
 #: A reference beside the ways: `x + 1` in x's dtype, one read and one write, the rate a plain
 #: elementwise XLA kernel reaches on this GPU (not a way to quantize).
 COPY = "reference: x + 1"
@@ -85,14 +125,34 @@ def _copy(x: jax.Array) -> jax.Array:
     return x + jnp.ones((), x.dtype)
 
 
-def ways(dry: bool) -> dict[str, Any]:
-    """`name -> function of x` for every way the section times (`dry`: each kernel's
-    default only; traced inside `timing.kernels(dry)`, interpreted in a dry run)."""
+def ways(dry: bool, dtype: jnp.dtype) -> dict[str, Any]:
+    """`name -> function of x` for every way the section times at an `x` of `dtype` (`dry`:
+    each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
+    run); the blockwise ways for 16-bit `x` (the tensor cores transpose BF16 exactly)."""
     out: dict[str, Any] = {"xla": per_tensor_xla}
     for name, tuning in list(TRITON.items())[: 1 if dry else None]:
         out[f"triton, {name}"] = functools.partial(per_tensor_kernel, tuning=tuning)
-    for name, config in list(CONFIGS.items())[: 1 if dry else None]:
+    for name, config in distinct_configs(dry, dtype, E4M3):
         out[f"tensor cores, {name}"] = functools.partial(_tensor_cores, config=config)
+    if jnp.dtype(dtype).itemsize == 2:
+        out[f"{BLOCKWISE}xla"] = _blockwise_xla
+        out[f"{BLOCKWISE}triton, default"] = _blockwise_triton
+        for name, config in distinct_configs(dry, dtype, dtype):
+            tensor_cores = functools.partial(_blockwise_tensor_cores, config=config)
+            out[f"{BLOCKWISE}tensor cores, {name}"] = tensor_cores
+    return out
+
+
+def distinct_configs(dry: bool, dtype: jnp.dtype, eye: jnp.dtype) -> list:
+    """`CONFIGS`' items (the default alone where `dry`) but those that run as an earlier
+    one: the same programs and stages once clipped to shared memory (a float32 operand or
+    the blockwise kernel's BF16 identity leave room for fewer)."""
+    seen, out = set(), []
+    for name, config in list(CONFIGS.items())[: 1 if dry else None]:
+        key = (config.max_programs, stages(config, dtype, eye))
+        if key not in seen:
+            seen.add(key)
+            out.append((name, config))
     return out
 
 
@@ -102,28 +162,32 @@ REFUSED = "interpreter cannot run wgmma on a transposed view"
 
 def refused(name: str, dry: bool) -> str | None:
     """The reason a dry run skips way `name`, if it does."""
-    if dry and name.startswith("tensor cores") and not mosaic_private.interpreter_runs_gpu_path():
+    if dry and "tensor cores" in name and not mosaic_private.interpreter_runs_gpu_path():
         return f"jax {jax.__version__}'s {REFUSED}"
     return None
 
 
 def numerics(x: jax.Array, fns: dict[str, Any], dry: bool) -> dict:
-    """Elements of each kernel's two copies differing from a NumPy cast, and whether its amax
-    is NumPy's."""
+    """Elements of each kernel's copies (and, blockwise, scales) differing from NumPy, and
+    whether its amax is NumPy's."""
     host = np.asarray(x, np.float32)
     limit = np.float32(ml_dtypes.finfo(E4M3).max)
-    want = np.clip(host * np.float32(PER_TENSOR_SCALE), -limit, limit).astype(E4M3)
-    want = want.astype(np.float32)
+    cast = np.clip(host * np.float32(PER_TENSOR_SCALE), -limit, limit).astype(E4M3)
+    cast = cast.astype(np.float32)
     differ, amax_ok = {}, {}
     for name, fn in fns.items():
-        if name == "xla" or not name.endswith(", default") or refused(name, dry):
+        if not name.endswith(", default") or refused(name, dry):
             continue
         with timing.kernels(dry):
-            data, data_t, amax = jax.jit(fn)(x)
-        differ[name] = int(np.sum(np.asarray(data, np.float32) != want)) + int(
-            np.sum(np.asarray(data_t, np.float32) != want.T)
-        )
-        amax_ok[name] = float(amax) == float(np.max(np.abs(host)))
+            got = jax.jit(fn)(x)
+        if name.startswith(BLOCKWISE):  # rows, scales; columns (K, M), scales; the amax
+            got = (got[0], got[1], got[3], got[4], jnp.max(got[2]))
+            want = (*ieee_rows(host), *ieee_rows(host.T))
+        else:
+            want = (cast, cast.T)
+        pairs = zip(got[: len(want)], want, strict=True)
+        differ[name] = sum(int(np.sum(np.asarray(g, np.float32) != w)) for g, w in pairs)
+        amax_ok[name] = float(got[-1]) == float(np.max(np.abs(host)))
     passed = not any(differ.values()) and all(amax_ok.values())
     return {"elements_differing": differ, "amax_exact": amax_ok, "passed": passed}
 
@@ -135,7 +199,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
     shapes = DRY_SHAPES if dry else SHAPES
     for label, (rows, cols, dtype) in list(shapes.items())[: 1 if mode == "quick" else None]:
         x = heavy_tailed(jax.random.PRNGKey(0), (rows, cols)).astype(dtype)
-        fns = ways(dry)
+        fns = ways(dry, dtype)
         result = rec.measure(SECTION, f"numerics {label}", functools.partial(numerics, x, fns, dry))
         cell = rec.not_run() if result is None else _numerics_cell(result)
         rec.cell(SECTION, label, "numerics (elements != NumPy; amax)", cell)
@@ -171,20 +235,23 @@ def _numerics_cell(result: dict) -> str:
 
 
 def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
-    """Per shape: the fastest way, and each kernel's fastest configuration against XLA."""
+    """Per shape and scaling: the fastest way, and each kernel's fastest configuration
+    against XLA."""
     for label, t in times.items():
         reference = t.pop(COPY, None)
-        if "xla" not in t or len(t) < 2:
-            continue
-        best = min(t, key=t.get)
-        kinds = []
-        for kind in ("triton", "tensor cores"):
-            mine = {k: v for k, v in t.items() if k.startswith(kind)}
-            if mine:
-                fastest = min(mine, key=mine.get)
-                kinds.append(f"{fastest} {t['xla'] / mine[fastest]:.2f}x")
         copy = f"; {COPY}: {reference:.3f} ms" if reference else ""
-        rec.decision(
-            f"per-tensor cast+transpose, {label}: fastest {best} ({t[best]:.3f} ms{copy}); "
-            f"XLA time / kernel time: " + ", ".join(kinds)
-        )
+        blockwise = {k[len(BLOCKWISE) :]: v for k, v in t.items() if k.startswith(BLOCKWISE)}
+        per_tensor = {k: v for k, v in t.items() if not k.startswith(BLOCKWISE)}
+        for what, mine in (("per-tensor cast+transpose", per_tensor), ("blockwise", blockwise)):
+            if "xla" not in mine or len(mine) < 2:
+                continue
+            best, kinds = min(mine, key=mine.get), []
+            for kind in ("triton", "tensor cores"):
+                ours = {k: v for k, v in mine.items() if k.startswith(kind)}
+                if ours:
+                    fastest = min(ours, key=ours.get)
+                    kinds.append(f"{fastest} {mine['xla'] / ours[fastest]:.2f}x")
+            rec.decision(
+                f"{what}, {label}: fastest {best} ({mine[best]:.3f} ms{copy}); "
+                f"XLA time / kernel time: " + ", ".join(kinds)
+            )

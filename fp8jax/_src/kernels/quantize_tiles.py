@@ -1,10 +1,11 @@
 """The tile maths the quantization kernels share (`block_quantize`, `padded_quantize`,
-`cast_transpose`): a tile's scales as the recipe computes them, its saturating cast, its
-NaN-propagating amaxes, and walking a tile whole or in slabs (`quantize_tile`,
+`cast_transpose`, `tensor_core_transpose`): a tile's scales as the recipe computes them, its
+saturating cast, its NaN-propagating amaxes, and walking a tile whole or in slabs (`quantize_tile`,
 `ColumnTuning.slab_rows`).
 
-Two GPU details matter: Triton divides float32 approximately (`div.full.f32`), so a scale is
-divided with `div.rn.f32` in inline PTX, exactly rounded as the XLA path on a CPU; and PTX's
+Two GPU details matter: Triton and Mosaic GPU divide float32 approximately (`div.full.f32`),
+so a scale is divided with `div.rn.f32` in inline PTX (Mosaic GPU's through
+`mosaic_private.ieee_divide`), exactly rounded as the XLA path on a CPU; and PTX's
 `max` drops NaNs, so an amax is an integer maximum of the magnitudes' bit patterns, in which
 every NaN lies above infinity (`nan_max`: one reduction, not two; `bits_max` of two).
 """

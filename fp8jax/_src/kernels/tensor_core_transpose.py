@@ -1,28 +1,40 @@
-"""Per-tensor FP8 quantization in one pass on Hopper's TMA and tensor cores (Pallas Mosaic
-GPU): the cast, its transposed copy and the tensor's amax from one read, as
-`cast_transpose` computes them.
+"""FP8 quantization in one pass on Hopper's TMA and tensor cores (Pallas Mosaic GPU): an
+operand's FP8 copy and its transposed copy from one read, per tensor and in DeepSeek-V3's
+blockwise tiles.
 
-`tensor_core_cast_transpose(x, scale, fmt)` returns what `cast_transpose.cast_transpose`
-returns (the saturating cast of `x * scale`, the same FP8 values transposed, and partial
-amaxes whose maximum is `max |x|`), by another route. The Pallas Triton kernel and XLA's
-transposing fusions move their tiles between threads through shared memory one byte at a
-time (`benchmarks/quantize_ptx.py`), and ran at 0.6-2.5 TB/s on an H200 (GPU run 6: about
-half of HBM's rate at best). Here each program streams `x`'s 128 x 128 tiles by TMA
-through a pipeline, casts a tile in registers, writes it to shared memory (whence TMA
-stores it), and transposes it with one `wgmma`: `I . q^T`, the identity times the FP8 tile
-read K-major as any `wgmma` operand, which the tensor cores compute exactly (products of
-FP8 values with 1 and 0, summed in float32). The transposed tile is cast back to FP8 (the
-same values) and stored by TMA while the next tile loads.
+- `tensor_core_cast_transpose(x, scale, fmt)` returns what `cast_transpose.cast_transpose`
+  returns (the saturating cast of `x * scale`, the same FP8 values transposed, and partial
+  amaxes whose maximum is `max |x|`).
+- `tensor_core_quantize_rows_and_columns(x, fmt, ...)` returns what
+  `block_quantize.quantize_rows_and_columns` returns: `x`'s 1 x 128 tiles along its rows and
+  its 128 x 1 tiles along its columns, transposed, each tile at its own scale.
 
-One difference from the other routes: where `x` has a NaN or an infinity (its cast is
-NaN), `0 * NaN` in the tensor cores makes the whole row of the transposed tile that holds
-it NaN, not one element; the amax is NaN either way, a step whose gradients the train
-step's finite check rejects. Finite operands give the same bits.
+The Pallas Triton kernels and XLA's transposing fusions move their tiles between threads
+through shared memory one byte at a time (`benchmarks/quantize_ptx.py`), and ran at 0.6-2.5
+TB/s on an H200 (GPU run 6: about half of HBM's rate at best). Here each program streams
+`x`'s 128 x 128 tiles by TMA through a pipeline (`_stream`), casts a tile in registers,
+writes it to shared memory (whence TMA stores it), and transposes with one `wgmma` against
+the identity, which the tensor cores compute exactly (products with 1 and 0, summed in
+float32): per tensor `I . q^T`, the FP8 tile read K-major as any `wgmma` operand, cast back
+to the same FP8 values; blockwise `I . x^T`, the BF16 (or float16) tile, whose rows are
+`x`'s columns: their amaxes are row reductions, as the rows' are, and they are cast at
+their own scales. Stores by TMA from double-buffered shared memory overlap the next tile's
+load. Blockwise scales are divided exactly rounded (`div.rn.f32`, through
+`mosaic_private.ieee_divide`: Mosaic GPU's `/` is `div.full.f32`), as the Triton kernels'
+and the XLA path's on a CPU.
 
-Its knobs (`TransposeConfig`) are for the GPU check's `transpose` section; the
-recipes call it inside `per_tensor_pass.cast_transpose_kernel(on_tensor_cores=True)` only,
-until a GPU run has timed it (issue 38). In Mosaic GPU's interpreter it runs the GPU's own
-code from JAX 0.11 on (`wgmma` on a transposed view); JAX 0.10's refuses.
+Differences from the other routes, none for finite operands but signed zeros: a -0 in the
+transposed copy may come out +0 (`-0 + 0` in the tensor cores; equal values). Where `x`
+has a NaN or an infinity, `0 * NaN` and `0 * inf` in the tensor cores make the whole row of
+the transposed tile that holds it NaN (per tensor), or, blockwise, every column of its 128 x
+128 tile NaN in that row and cast at scale 1 (their amaxes NaN); the amax is NaN either
+way, a step whose gradients the train step's finite check rejects.
+
+Their knobs (`TransposeConfig`) are for the GPU check's `transpose` section; the recipes
+call them inside `per_tensor_pass.cast_transpose_kernel(on_tensor_cores=True)` and
+`choice.tensor_core_quantization()` only, until a GPU run has timed them (issues 38, 39).
+In Mosaic GPU's interpreter they run the GPU's own code from JAX 0.11 on (`wgmma` on a
+transposed view); JAX 0.10's refuses.
 """
 
 from __future__ import annotations
