@@ -1,9 +1,10 @@
 """FP8 quantization in one pass on TMA and the tensor cores (`kernels.tensor_core_transpose`,
-Mosaic GPU), per tensor and in DeepSeek-V3's 1 x 128 and 128 x 1 tiles: bit for bit with
-NumPy in Mosaic GPU's interpreter (JAX 0.11 on: the GPU's own code, `wgmma` on the
-transposed view), a NaN's row as documented, inside a per-tensor recipe's step and the
-blockwise recipe's quantization as their XLA paths, bad input refused by name, and one
-Mosaic GPU kernel, counted as quantization, in an H100 compile."""
+Mosaic GPU), per tensor and in DeepSeek-V3's 1 x 128 and 128 x 1 tiles: as NumPy in Mosaic
+GPU's interpreter (JAX 0.11 on: the GPU's own code, `wgmma` on the transposed view; bit for
+bit but a NaN's payload and, in the transposed copy, a zero's sign), a NaN's row as
+documented, inside a per-tensor recipe's step and the blockwise recipe's quantization as
+their XLA paths, bad input refused by name, and one Mosaic GPU kernel, counted as
+quantization, in an H100 compile."""
 
 import collections
 import contextlib
@@ -61,10 +62,11 @@ def transposed_with_nan_rows(q: np.ndarray) -> np.ndarray:
         ((2, 256, 256), jnp.float32, E5M2, 3.1e3, TransposeConfig(max_concurrent_steps=4)),
     ],
 )
-def test_kernel_casts_as_numpy_bit_for_bit(shape, dtype, fmt, scale, config):
-    """The FP8 copy equals a NumPy cast element for element; the transposed copy too, but
-    where a row of a tile holds a NaN (the cast of an inf or a NaN); the partial amaxes'
-    maximum is `max |x|` (NaN with a NaN)."""
+def test_kernel_casts_as_numpy(shape, dtype, fmt, scale, config):
+    """The FP8 copy equals a NumPy cast element for element (in value: a -0 may come out +0
+    in the transposed copy, `-0 + 0` in the `wgmma`); the transposed copy too, but where a
+    row of a tile holds a NaN (the cast of an inf or a NaN); the partial amaxes' maximum is
+    `max |x|` (NaN with a NaN)."""
     rng = np.random.default_rng(3)
     x = np.asarray(operand(rng, (int(np.prod(shape[:-1])), shape[-1])), np.float32)
     x = jnp.asarray(x.reshape(shape), dtype)
@@ -88,8 +90,8 @@ def test_kernel_casts_as_numpy_bit_for_bit(shape, dtype, fmt, scale, config):
 def test_a_per_tensor_step_on_the_kernel_is_its_xla_path(case):
     """Inside `cast_transpose_kernel(on_tensor_cores=True)` a delayed-scaling step in the
     steady state (the amax from the kernel) and a current-scaling one (the amax first, by
-    XLA) give the value, gradients and states of XLA's path, bit for bit, through one
-    kernel call per operand."""
+    XLA) give the value, gradients and states of XLA's path (in value), through one kernel
+    call per operand."""
     from test_cast_transpose import _step
 
     rng = np.random.default_rng(5)
