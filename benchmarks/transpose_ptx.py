@@ -6,8 +6,9 @@ sessions 51-52) as ptxas and their PTX see them; deviceless, nothing runs on a G
 Each configuration of the GPU check's `transpose` section (`gpu_check/transpose.py`,
 `CONFIGS`) compiled for an H100 at the 8B block's shapes, each in a fresh process with
 Mosaic GPU dumping its PTX and ptxas' log, for both kernels: the per-tensor cast with its
-transposed copy (`tensor_core_cast_transpose`) and the blockwise rows and columns
-(`tensor_core_quantize_rows_and_columns`, the BF16 shapes). Registers and spills, the
+transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
+(`tensor_core_quantize_rows_and_columns`, the BF16 shapes) and a weight's blocks
+(`tensor_core_quantize_blocks`, the weight's shape). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -50,8 +51,9 @@ COUNTED = (
     "div.rn.f32",
     "div.full.f32",
 )
-#: The kernels: per-tensor (every shape) and blockwise (16-bit shapes).
-KERNELS = ("per-tensor", "blockwise")
+#: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
+#: blocks (the weight's shape).
+KERNELS = ("per-tensor", "blockwise", "weight blocks")
 
 
 def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> None:
@@ -62,6 +64,7 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     from fp8jax._src.kernels.tensor_core_transpose import (
         TransposeConfig,
         tensor_core_cast_transpose,
+        tensor_core_quantize_blocks,
         tensor_core_quantize_rows_and_columns,
     )
     from fp8jax._src.observe import deviceless
@@ -72,6 +75,9 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     spec = (jax.ShapeDtypeStruct((rows, cols), jnp.dtype(dtype)), jax.ShapeDtypeStruct((), "f4"))
 
     def cast(x, scale):
+        if kernel == "weight blocks":
+            fmt = jnp.float8_e4m3fn
+            return tensor_core_quantize_blocks(x, fmt, max_scale=MAX_SCALE, config=config)
         if kernel == "blockwise":
             fmt = jnp.float8_e4m3fn
             return tensor_core_quantize_rows_and_columns(x, fmt, max_scale=MAX_SCALE, config=config)
@@ -121,7 +127,8 @@ def main() -> None:
     from train_steps import table
 
     print(f"jax {jax.__version__}; deviceless H100; cast to E4M3 with a transposed copy")
-    print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed")
+    print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed;")
+    print("weight blocks: one scale a 128 x 128 block, the same values transposed")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
@@ -130,6 +137,8 @@ def main() -> None:
     for kernel in KERNELS:
         for label, (rows, cols, dtype) in SHAPES.items():
             if kernel == "blockwise" and jnp.dtype(dtype).itemsize != 2:
+                continue
+            if kernel == "weight blocks" and not label.startswith("weight"):
                 continue
             eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
             for name, config in CONFIGS.items():

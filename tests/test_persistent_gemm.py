@@ -385,8 +385,9 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     """`benchmarks/gpu_check --sections kernels` as a lent GPU will run it, on tiny shapes in
     the interpreter: its float64 numerics pass, every swept configuration computes what the
     tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
-    product computes. So does its `transpose` section (the tensor-core kernels, per-tensor
-    and blockwise: their copies as NumPy's, timed beside XLA's and the Triton kernels')."""
+    product computes. So does its `transpose` section (the tensor-core kernels, per-tensor,
+    blockwise tiles and a weight's blocks: their copies as NumPy's, timed beside XLA's and
+    the Triton kernels')."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -400,9 +401,10 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     transposed = [r for r in results if r["section"] == "2e cast and transpose"]
     ways = ("triton, default", "tensor cores, default")
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
-        {f"{kind}{way}": 0 for kind in ("", "blockwise ") for way in ways}
+        {f"{kind}{way}": 0 for kind in ("", blockwise) for way in ways}
+        for blockwise in ("blockwise ", "blockwise weight ")  # a BF16 operand, a weight
     ], transposed
-    for kind in ("", "blockwise "):
+    for kind in ("", "blockwise ", "blockwise weight "):
         timed = f"| {kind}tensor cores, default"
         assert any(r["name"].endswith(timed) and "ms" in r for r in transposed), timed
     results = [r for r in results if r not in transposed]

@@ -13,6 +13,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from test_cast_transpose import E4M3, E5M2, np_cast, operand, same
@@ -20,6 +21,7 @@ from test_cast_transpose import E4M3, E5M2, np_cast, operand, same
 import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import (
+    TENSOR_CORE_BLOCKS_NAME,
     TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
     TENSOR_CORE_TRANSPOSE_NAME,
     dispatch,
@@ -29,6 +31,7 @@ from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     stages,
     tensor_core_cast_transpose,
+    tensor_core_quantize_blocks,
     tensor_core_quantize_rows_and_columns,
     tiles_per_program,
 )
@@ -180,6 +183,61 @@ def test_rows_and_columns_quantize_as_numpy(shape, dtype, fmt, power_of_two, con
     assert float(jnp.max(amax)) == float(jnp.max(jnp.abs(finite.astype(jnp.float32))))
 
 
+def np_blocks(w: np.ndarray, fmt, power_of_two: bool) -> tuple[np.ndarray, ...]:
+    """128 x 128 blocks of `w` (float32) in NumPy, independent of fp8jax: FP8 data, each
+    block's scale_inv once per row it covers (chunk-major, `(K / 128, N)`, and for the
+    transposed copy `(N / 128, K)`)."""
+    from test_block_quantize import MAX_SCALE
+
+    n, k = w.shape
+    amax = np.abs(w).reshape(n // 128, 128, k // 128, 128).max((1, 3))
+    fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
+    ok = (amax > 0) & np.isfinite(amax)
+    scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
+    scale = np.minimum(scale, np.float32(MAX_SCALE))
+    if power_of_two:
+        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+    full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = np.clip(w * full, -fmt_max, fmt_max)
+    data = np.where(np.isfinite(w), scaled, np.nan).astype(fmt)
+    scale_inv = np.float32(1) / scale
+    return data, np.repeat(scale_inv, 128, axis=0).T, np.repeat(scale_inv, 128, axis=1)
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * NaN, as said
+@pytest.mark.parametrize(
+    "dtype, fmt, power_of_two, config",
+    [
+        (jnp.float32, E4M3, False, TransposeConfig(max_programs=2)),
+        (jnp.bfloat16, E5M2, True, TransposeConfig()),
+    ],
+)
+def test_weight_blocks_quantize_as_numpy(dtype, fmt, power_of_two, config):
+    """A weight's blocks and their transpose equal an independent NumPy quantization, bit
+    for bit but a NaN's payload and the transposed copy's zero signs and NaN rows (as the
+    per-tensor kernel's); each block's scale once per row it covers in both layouts; the
+    partial amaxes' maximum is `max |w|` (NaN with a NaN)."""
+    from test_block_quantize import MAX_SCALE
+
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(np.asarray(operand(rng, (384, 256)), np.float32)).astype(dtype)
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two)
+    data, data_t, rows_t, cols, amax = tensor_core_quantize_blocks(
+        w, fmt, **rule, config=config, interpret=True
+    )
+    want, want_rows_t, want_cols = np_blocks(np.asarray(w, np.float32), fmt, power_of_two)
+    same_bits(data, want)
+    same(data_t, transposed_with_nan_rows(want))
+    same_bits(rows_t, want_rows_t)
+    same_bits(cols, want_cols)
+    assert np.isnan(np.max(np.asarray(amax)))
+    finite = jnp.where(jnp.isfinite(w), w, 0)
+    *_, amax = tensor_core_quantize_blocks(finite, fmt, **rule, interpret=True)
+    assert float(jnp.max(amax)) == float(jnp.max(jnp.abs(finite.astype(jnp.float32))))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("batch", [(), (2,)])
 def test_blockwise_output_gradient_on_the_tensor_cores_is_its_xla_path(batch):
@@ -203,6 +261,35 @@ def test_blockwise_output_gradient_on_the_tensor_cores_is_its_xla_path(batch):
         on_tensor_cores = operand_.dtype == jnp.bfloat16
         assert jaxpr.count(f"name={TENSOR_CORE_ROWS_AND_COLUMNS_NAME}") == on_tensor_cores
         assert ("fp8jax_quantize_rows_and_columns" in jaxpr) != on_tensor_cores
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            same(a, b)
+
+
+@needs_interpreter
+def test_blockwise_weight_on_the_tensor_cores_is_the_triton_kernels():
+    """Inside `tensor_core_quantization()` a blockwise weight's two GEMM copies (forward and
+    dgrad: FP8 values, scales laid out per row as the GEMM kernels read them) and new state
+    equal the Pallas Triton kernel's (itself tested against the XLA path), through one
+    tensor-core kernel call, for float32 and BF16 weights."""
+    from test_block_quantize import heavy_tailed
+
+    recipe = fp8jax.BlockwiseScaling(power_of_two=True)
+    state = recipe.init_state("kernel")
+
+    def copies(w):
+        q, new = recipe.quantize(w, state, "kernel", -1)
+        return q, new, recipe.retile(q, "kernel", -2, source=w)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = heavy_tailed(np.random.default_rng(17), (384, 256), dtype)
+        # A new function for each trace: jit's cache does not see the context.
+        with dispatch.interpreted():
+            want = jax.jit(lambda w: copies(w))(w)
+            with tensor_core_quantization():
+                jaxpr = str(jax.make_jaxpr(lambda w: copies(w))(w))
+                got = jax.jit(lambda w: copies(w))(w)
+        assert jaxpr.count(f"name={TENSOR_CORE_BLOCKS_NAME}") == 1, jaxpr
+        assert "fp8jax_quantize_blocks" not in jaxpr
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             same(a, b)
 
@@ -257,7 +344,9 @@ def test_programs_and_stages_follow_the_config():
     assert stages(four, jnp.bfloat16, jnp.bfloat16) == 3  # a BF16 identity: 16 KB more
 
 
-@pytest.mark.parametrize("name", [TENSOR_CORE_TRANSPOSE_NAME, TENSOR_CORE_ROWS_AND_COLUMNS_NAME])
+@pytest.mark.parametrize(
+    "name", [TENSOR_CORE_TRANSPOSE_NAME, TENSOR_CORE_ROWS_AND_COLUMNS_NAME, TENSOR_CORE_BLOCKS_NAME]
+)
 def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_path, monkeypatch):
     """For an H100 (deviceless): one Mosaic GPU custom call by the kernel's name, which
     `fp8jax.hlo_cost` files under quantization (its identity a constant, no kernel); the
@@ -276,6 +365,8 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
     def cast(x):
         if name == TENSOR_CORE_TRANSPOSE_NAME:
             return tensor_core_cast_transpose(x, jnp.float32(2.0), E4M3, interpret=False)
+        if name == TENSOR_CORE_BLOCKS_NAME:
+            return tensor_core_quantize_blocks(x, E4M3, max_scale=2.0**16, interpret=False)
         return tensor_core_quantize_rows_and_columns(x, E4M3, max_scale=2.0**16, interpret=False)
 
     lowered, _ = deviceless.lower(cast, (spec,), {}, device)
@@ -284,6 +375,9 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
     assert len(calls) == 1 and name in calls[0], calls
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     divisions = collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx))
-    assert divisions == ({} if name == TENSOR_CORE_TRANSPOSE_NAME else {"div.rn.f32": 16})
+    # Blockwise: two divisions a scale (scale, scale_inv), per row a thread holds, of each
+    # copy's; a weight's block: one scale, computed once.
+    rounded = {"div.rn.f32": 2 if name == TENSOR_CORE_BLOCKS_NAME else 16}
+    assert divisions == ({} if name == TENSOR_CORE_TRANSPOSE_NAME else rounded)
     cost = fp8jax.hlo_cost(hlo)
     assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 256 * 384 * 4

@@ -19,10 +19,13 @@ dgrad and its 128 x 1 tiles, transposed, for the wgrad): the recipe's XLA path, 
 Triton kernel (`block_quantize.quantize_rows_and_columns`, the default on Hopper; 0.66-0.73x
 XLA's time in run 6 at 8 warps, 1.05-1.29x faster than XLA at 4) and the tensor-core kernel
 (`tensor_core_quantize_rows_and_columns`, session 52: the columns from `I . x^T`, BF16, on the
-tensor cores) in the same `CONFIGS`.
+tensor cores) in the same `CONFIGS`. A weight's 128 x 128 blocks and their transpose for
+the dgrad (`blockwise weight ...`, the weight shape) the same three ways: the XLA path,
+`block_quantize.quantize_blocks` (1.09-1.32x faster than XLA in run 6) and
+`tensor_core_quantize_blocks` (the FP8 block transposed by `I . q^T`, as per tensor).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
-weight (its float32 master; per-tensor only). Numerics first: each kernel's copies (and, for
+weight (its float32 master). Numerics first: each kernel's copies (and, for
 the blockwise ones, their scales) against NumPy with IEEE division (the operands are finite:
 every element must agree; a -0 the tensor cores transpose may come out +0, equal in value)
 and its amax against NumPy's. Then ms and GB/s of the bytes the pass must move (read `x`,
@@ -51,6 +54,7 @@ from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     stages,
     tensor_core_cast_transpose,
+    tensor_core_quantize_blocks,
     tensor_core_quantize_rows_and_columns,
 )
 
@@ -60,6 +64,7 @@ from .quantize import (
     PER_TENSOR_SCALE,
     RULE,
     heavy_tailed,
+    ieee_blocks,
     ieee_rows,
     per_tensor_kernel,
     per_tensor_xla,
@@ -74,7 +79,10 @@ SHAPES = {
     "gradient 8192x14336 bf16": (8192, 14336, jnp.bfloat16),
     "weight 14336x4096 f32": (14336, 4096, jnp.float32),
 }
-DRY_SHAPES = {"dry 256x384 bf16": (256, 384, jnp.bfloat16)}
+DRY_SHAPES = {
+    "dry 256x384 bf16": (256, 384, jnp.bfloat16),
+    "dry weight 256x384 f32": (256, 384, jnp.float32),
+}
 #: The tensor-core kernel's configurations the section times, the default first: stages in
 #: flight, and programs (one wave at 132; two; short programs of a few tiles).
 CONFIGS = {
@@ -98,8 +106,9 @@ def _tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     return data, data_t, jnp.max(amax)
 
 
-#: The blockwise ways' names begin so.
-BLOCKWISE = "blockwise "
+#: The blockwise ways' names begin so: an output gradient's 1 x 128 and 128 x 1 tiles (16-bit
+#: shapes), a weight's 128 x 128 blocks (the weight shapes).
+BLOCKWISE, BLOCKS = "blockwise ", "blockwise weight "
 
 
 def _blockwise_xla(x: jax.Array) -> tuple:
@@ -116,6 +125,21 @@ def _blockwise_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     return tensor_core_quantize_rows_and_columns(x, E4M3, **RULE, config=config)
 
 
+def _blocks_xla(w: jax.Array) -> tuple:
+    """The blockwise recipe's XLA path for a weight's two copies (forward and dgrad)."""
+    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
+    q, _ = recipe.quantize(w, recipe.init_state("kernel"), "kernel", -1)
+    return q, recipe.retile(q, "kernel", -2, source=w)
+
+
+def _blocks_triton(w: jax.Array) -> tuple:
+    return block_quantize.quantize_blocks(w, E4M3, **RULE)
+
+
+def _blocks_tensor_cores(w: jax.Array, config: TransposeConfig) -> tuple:
+    return tensor_core_quantize_blocks(w, E4M3, **RULE, config=config)
+
+
 #: A reference beside the ways: `x + 1` in x's dtype, one read and one write, the rate a plain
 #: elementwise XLA kernel reaches on this GPU (not a way to quantize).
 COPY = "reference: x + 1"
@@ -125,21 +149,26 @@ def _copy(x: jax.Array) -> jax.Array:
     return x + jnp.ones((), x.dtype)
 
 
-def ways(dry: bool, dtype: jnp.dtype) -> dict[str, Any]:
+def ways(dry: bool, dtype: jnp.dtype, weight: bool) -> dict[str, Any]:
     """`name -> function of x` for every way the section times at an `x` of `dtype` (`dry`:
     each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
-    run); the blockwise ways for 16-bit `x` (the tensor cores transpose BF16 exactly)."""
+    run): per tensor; blockwise, a 16-bit `x`'s tiles (the tensor cores transpose BF16
+    exactly), a `weight`'s blocks."""
     out: dict[str, Any] = {"xla": per_tensor_xla}
     for name, tuning in list(TRITON.items())[: 1 if dry else None]:
         out[f"triton, {name}"] = functools.partial(per_tensor_kernel, tuning=tuning)
     for name, config in distinct_configs(dry, dtype, E4M3):
         out[f"tensor cores, {name}"] = functools.partial(_tensor_cores, config=config)
-    if jnp.dtype(dtype).itemsize == 2:
-        out[f"{BLOCKWISE}xla"] = _blockwise_xla
-        out[f"{BLOCKWISE}triton, default"] = _blockwise_triton
-        for name, config in distinct_configs(dry, dtype, dtype):
-            tensor_cores = functools.partial(_blockwise_tensor_cores, config=config)
-            out[f"{BLOCKWISE}tensor cores, {name}"] = tensor_cores
+    blockwise = None
+    if weight:
+        blockwise = (BLOCKS, _blocks_xla, _blocks_triton, _blocks_tensor_cores, E4M3)
+    elif jnp.dtype(dtype).itemsize == 2:
+        blockwise = (BLOCKWISE, _blockwise_xla, _blockwise_triton, _blockwise_tensor_cores, dtype)
+    if blockwise is not None:
+        prefix, xla, triton, tensor_cores, eye = blockwise
+        out[f"{prefix}xla"], out[f"{prefix}triton, default"] = xla, triton
+        for name, config in distinct_configs(dry, dtype, eye):
+            out[f"{prefix}tensor cores, {name}"] = functools.partial(tensor_cores, config=config)
     return out
 
 
@@ -180,7 +209,12 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool) -> dict:
             continue
         with timing.kernels(dry):
             got = jax.jit(fn)(x)
-        if name.startswith(BLOCKWISE):  # rows, scales; columns (K, M), scales; the amax
+        if name.startswith(BLOCKS):  # blocks, transposed, their scales per row; the amax
+            data, scale_inv = ieee_blocks(host)
+            rows_t = np.repeat(scale_inv, 128, axis=0).T
+            want = (data, data.T, rows_t, np.repeat(scale_inv, 128, axis=1))
+            got = (*got[:4], jnp.max(got[4]))
+        elif name.startswith(BLOCKWISE):  # rows, scales; columns (K, M), scales; the amax
             got = (got[0], got[1], got[3], got[4], jnp.max(got[2]))
             want = (*ieee_rows(host), *ieee_rows(host.T))
         else:
@@ -199,7 +233,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
     shapes = DRY_SHAPES if dry else SHAPES
     for label, (rows, cols, dtype) in list(shapes.items())[: 1 if mode == "quick" else None]:
         x = heavy_tailed(jax.random.PRNGKey(0), (rows, cols)).astype(dtype)
-        fns = ways(dry, dtype)
+        fns = ways(dry, dtype, weight="weight" in label)
         result = rec.measure(SECTION, f"numerics {label}", functools.partial(numerics, x, fns, dry))
         cell = rec.not_run() if result is None else _numerics_cell(result)
         rec.cell(SECTION, label, "numerics (elements != NumPy; amax)", cell)
@@ -240,9 +274,11 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
     for label, t in times.items():
         reference = t.pop(COPY, None)
         copy = f"; {COPY}: {reference:.3f} ms" if reference else ""
-        blockwise = {k[len(BLOCKWISE) :]: v for k, v in t.items() if k.startswith(BLOCKWISE)}
-        per_tensor = {k: v for k, v in t.items() if not k.startswith(BLOCKWISE)}
-        for what, mine in (("per-tensor cast+transpose", per_tensor), ("blockwise", blockwise)):
+        families = {"per-tensor cast+transpose": {}, "blockwise": {}, "blockwise weight": {}}
+        for k, v in t.items():  # by the longest prefix
+            prefix = next((p for p in (BLOCKS, BLOCKWISE) if k.startswith(p)), "")
+            families[prefix.strip() or "per-tensor cast+transpose"][k[len(prefix) :]] = v
+        for what, mine in families.items():
             if "xla" not in mine or len(mine) < 2:
                 continue
             best, kinds = min(mine, key=mine.get), []

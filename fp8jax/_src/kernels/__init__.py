@@ -29,6 +29,7 @@ QUANTIZE_NAMES = (
     "fp8jax_quantize_rows_and_padded_columns",
     "fp8jax_tensor_core_cast_transpose",
     "fp8jax_tensor_core_quantize_rows_and_columns",
+    "fp8jax_tensor_core_quantize_blocks",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
@@ -36,3 +37,5 @@ CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
 TENSOR_CORE_TRANSPOSE_NAME = QUANTIZE_NAMES[8]
 #: Blockwise rows and columns on TMA and the tensor cores (`tensor_core_transpose`).
 TENSOR_CORE_ROWS_AND_COLUMNS_NAME = QUANTIZE_NAMES[9]
+#: A weight's 128 x 128 blocks and their transpose, the same way.
+TENSOR_CORE_BLOCKS_NAME = QUANTIZE_NAMES[10]

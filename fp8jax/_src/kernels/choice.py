@@ -30,14 +30,17 @@ from jaxtyping import Array, Float, Int
 
 from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
-from .block_quantize import quantize_rows_and_columns
+from .block_quantize import quantize_blocks, quantize_rows_and_columns
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_config import PersistentConfig
 from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 from .tensor_core_transpose import BLOCK as TENSOR_CORE_BLOCK
-from .tensor_core_transpose import tensor_core_quantize_rows_and_columns
+from .tensor_core_transpose import (
+    tensor_core_quantize_blocks,
+    tensor_core_quantize_rows_and_columns,
+)
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
 #: of the GPU check's sweep on an H200 (run 4, `benchmarks/results/gpu_check/h200_run4_*`).
@@ -117,12 +120,13 @@ def chained_pipelines() -> contextlib.AbstractContextManager[None]:
 
 def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     """Functions traced inside quantize the blockwise output gradient's two copies (1 x 128
-    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`) on TMA and the tensor cores
-    (`tensor_core_transpose.tensor_core_quantize_rows_and_columns`, Mosaic GPU: its
-    interpreter from JAX 0.11 on), where the operand is BF16 or float16 and the block 128;
-    elsewhere the Pallas Triton kernel (`block_quantize`). The same values for finite
-    operands. Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
-    `blockwise-tc`)."""
+    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`) and a weight's 128 x 128 blocks with
+    their transpose on TMA and the tensor cores (`tensor_core_transpose`'s
+    `tensor_core_quantize_rows_and_columns` and `tensor_core_quantize_blocks`, Mosaic GPU:
+    its interpreter from JAX 0.11 on), where the block is 128 (and the gradient BF16 or
+    float16); elsewhere the Pallas Triton kernels (`block_quantize`). The same values for
+    finite operands (in value: a -0 in a transposed copy may come out +0). Issue 39: the
+    default once a GPU run has timed it (`benchmarks/llama_block.py`'s `blockwise-tc`)."""
     return setting(_TENSOR_CORES, True)
 
 
@@ -144,6 +148,18 @@ def recipe_rows_and_columns(
         data, scale_t, amaxes, data_t, cols = (jax.vmap(call) if x.ndim == 3 else call)(x)
     # One amax per program (NaN-propagating): their max is `x`'s.
     return data, swap(scale_t), jnp.max(amaxes), swap(data_t), cols
+
+
+def recipe_quantize_blocks(
+    w: Float[Array, "N K"], fmt: jnp.dtype, *, block: int, max_scale: float, power_of_two: bool
+) -> tuple[Array, Array, Array, Array, Array]:
+    """`block_quantize.quantize_blocks(w)`'s five outputs (a weight's blocks, their transpose,
+    their scales in both layouts, amaxes whose max is `max |w|`), on the kernel
+    `tensor_core_quantization()` chooses (block 128)."""
+    rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
+    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
+        return tensor_core_quantize_blocks(w, fmt, **rule)
+    return quantize_blocks(w, fmt, **rule)
 
 
 def weight_block_scales_chosen() -> bool:

@@ -8,6 +8,9 @@ blockwise tiles.
 - `tensor_core_quantize_rows_and_columns(x, fmt, ...)` returns what
   `block_quantize.quantize_rows_and_columns` returns: `x`'s 1 x 128 tiles along its rows and
   its 128 x 1 tiles along its columns, transposed, each tile at its own scale.
+- `tensor_core_quantize_blocks(w, fmt, ...)` returns what `block_quantize.quantize_blocks`
+  returns: a weight's 128 x 128 blocks, each at its own scale, and the same values
+  transposed.
 
 The Pallas Triton kernels and XLA's transposing fusions move their tiles between threads
 through shared memory one byte at a time (`benchmarks/quantize_ptx.py`), and ran at 0.6-2.5
@@ -15,20 +18,21 @@ TB/s on an H200 (GPU run 6: about half of HBM's rate at best). Here each program
 `x`'s 128 x 128 tiles by TMA through a pipeline (`_stream`), casts a tile in registers,
 writes it to shared memory (whence TMA stores it), and transposes with one `wgmma` against
 the identity, which the tensor cores compute exactly (products with 1 and 0, summed in
-float32): per tensor `I . q^T`, the FP8 tile read K-major as any `wgmma` operand, cast back
-to the same FP8 values; blockwise `I . x^T`, the BF16 (or float16) tile, whose rows are
-`x`'s columns: their amaxes are row reductions, as the rows' are, and they are cast at
-their own scales. Stores by TMA from double-buffered shared memory overlap the next tile's
-load. Blockwise scales are divided exactly rounded (`div.rn.f32`, through
-`mosaic_private.ieee_divide`: Mosaic GPU's `/` is `div.full.f32`), as the Triton kernels'
-and the XLA path's on a CPU.
+float32): per tensor and for a weight's blocks (one scale a tile) `I . q^T`, the FP8 tile
+read K-major as any `wgmma` operand, cast back to the same FP8 values; for 1 x 128 and
+128 x 1 tiles `I . x^T`, the BF16 (or float16) tile, whose rows are `x`'s columns: their
+amaxes are row reductions, as the rows' are, and they are cast at their own scales. Stores
+by TMA from double-buffered shared memory overlap the next tile's load. Blockwise scales are
+divided exactly rounded (`div.rn.f32`, through `mosaic_private.ieee_divide`: Mosaic GPU's
+`/` is `div.full.f32`), as the Triton kernels' and the XLA path's on a CPU.
 
 Differences from the other routes, none for finite operands but signed zeros: a -0 in the
 transposed copy may come out +0 (`-0 + 0` in the tensor cores; equal values). Where `x`
 has a NaN or an infinity, `0 * NaN` and `0 * inf` in the tensor cores make the whole row of
-the transposed tile that holds it NaN (per tensor), or, blockwise, every column of its 128 x
-128 tile NaN in that row and cast at scale 1 (their amaxes NaN); the amax is NaN either
-way, a step whose gradients the train step's finite check rejects.
+the transposed tile that holds it NaN (per tensor and a weight's blocks), or, in 128 x 1
+tiles, every column of its 128 x 128 tile NaN in that row and cast at scale 1 (their amaxes
+NaN); the amax is NaN either way, a step whose gradients the train step's finite check
+rejects.
 
 Their knobs (`TransposeConfig`) are for the GPU check's `transpose` section; the recipes
 call them inside `per_tensor_pass.cast_transpose_kernel(on_tensor_cores=True)` and
@@ -52,7 +56,11 @@ from jaxtyping import Array, Float
 
 from ..core import mosaic_private
 from ..core.jax_private import shape_like
-from . import TENSOR_CORE_ROWS_AND_COLUMNS_NAME, TENSOR_CORE_TRANSPOSE_NAME
+from . import (
+    TENSOR_CORE_BLOCKS_NAME,
+    TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+    TENSOR_CORE_TRANSPOSE_NAME,
+)
 from .block_gemm import operand_tiling
 from .dispatch import interpreting
 from .persistent_config import H100_SMEM_BYTES, SMEM_RESERVE
@@ -254,31 +262,55 @@ def _at(ref, row_tile, col_tile):
     return ref.at[pl.ds(row_tile * BLOCK, BLOCK), pl.ds(col_tile * BLOCK, BLOCK)]
 
 
-def _rows_and_columns_call(x, *, fmt, batch, max_scale, power_of_two, config, interpret):
+def _everywhere_max(amax: Array) -> Array:
+    """`nan_max` of row amaxes (`nan_max`'s results), in every row: one integer maximum of
+    their bits, broadcast before it is a float again (Mosaic GPU bitcasts vectors only)."""
+    bits = jnp.max(lax.bitcast_convert_type(amax, jnp.int32))
+    return lax.bitcast_convert_type(jnp.broadcast_to(bits, amax.shape), jnp.float32)
+
+
+def _blockwise_call(x, *, blocks, fmt, batch, max_scale, power_of_two, config, interpret):
+    """`x`'s 1 x 128 tiles and its 128 x 1 tiles transposed, or (`blocks`) its 128 x 128
+    blocks and the same FP8 values transposed, with scales in the layouts the GEMM kernels
+    read (`block_quantize`'s)."""
     rows, k = x.shape
     rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
 
-    def cast(tile: _Tile, v, data_smem, data_gmem, scale_smem, scale_gmem, at, scale_at):
-        """`v`'s rows in 1 x 128 tiles: their FP8 values and scale_inv written out; their
-        amaxes returned."""
-        amax = nan_max(jnp.abs(v), axis=1)  # per row, NaN above inf
+    def scales(amax):
+        """(scale broadcast over a tile's rows, scale_inv) of rows of `amax`."""
         scale, scale_inv = tile_scales(amax, **rule)
-        scale = lax.broadcast_in_dim(scale, v.shape, (0,))  # JAX 0.10: not via (128, 1)
-        _store(saturating_cast(v, scale, fmt), data_smem, tile, _at(data_gmem, *at))
-        row, col_tile = scale_at
-        _store(scale_inv, scale_smem, tile, scale_gmem.at[row, pl.ds(col_tile * BLOCK, BLOCK)])
-        return amax
+        return lax.broadcast_in_dim(scale, (BLOCK, BLOCK), (0,)), scale_inv  # JAX 0.10: 2-D
 
     def tile_step(ins, outs, scratch, eye_smem):
         q_gmem, s_gmem, qt_gmem, st_gmem = outs
-        q_smem, qt_smem, s_smem, st_smem = scratch
+        q_smem = scratch[0]
+
+        def write(tile, values, buffers, scale_inv, where, copy):
+            """An FP8 tile of copy `copy` (0: `x`'s layout, 1: transposed) written at tile
+            `where[copy]`, its rows' `scale_inv` to that copy's chunk-major scales at the
+            tile `where[1 - copy]` names (the GEMMs' layout: one row a 128-chunk)."""
+            data_smem, scale_smem = buffers[copy], buffers[2 + copy]
+            data_gmem, scale_gmem = (q_gmem, s_gmem) if copy == 0 else (qt_gmem, st_gmem)
+            _store(values, data_smem, tile, _at(data_gmem, *where[copy]))
+            row, col_tile = where[1 - copy]
+            dst = scale_gmem.at[row, pl.ds(col_tile * BLOCK, BLOCK)]
+            _store(scale_inv, scale_smem, tile, dst)
 
         def step(tile: _Tile, x_smem, xv):
-            at, column = (tile.i, tile.col), (tile.transposed(), tile.local)
-            amax = cast(tile, xv, q_smem, q_gmem, s_smem, s_gmem, at, column)
+            where = ((tile.i, tile.col), (tile.transposed(), tile.local))
+            amax = nan_max(jnp.abs(xv), axis=1)  # per row, NaN above inf
+            if blocks:  # the block's amax for every row; the transpose of its FP8 values
+                scale, scale_inv = scales(_everywhere_max(amax))
+                write(tile, saturating_cast(xv, scale, fmt), scratch, scale_inv, where, 0)
+                qt = _transposed(eye_smem, q_smem.at[tile.slot]).astype(fmt)
+                write(tile, qt, scratch, scale_inv, where, 1)
+                return amax
+            scale, scale_inv = scales(amax)
+            write(tile, saturating_cast(xv, scale, fmt), scratch, scale_inv, where, 0)
             # x's columns are the rows of its transpose, on the tensor cores from x's tile.
             xt = _transposed(eye_smem, x_smem)
-            cast(tile, xt, qt_smem, qt_gmem, st_smem, st_gmem, column, at)
+            scale, scale_inv = scales(nan_max(jnp.abs(xt), axis=1))
+            write(tile, saturating_cast(xt, scale, fmt), scratch, scale_inv, where, 1)
             return amax
 
         return step, 4
@@ -290,14 +322,16 @@ def _rows_and_columns_call(x, *, fmt, batch, max_scale, power_of_two, config, in
         shape_like((batch * k, m), fmt, x),
         shape_like((rows // BLOCK, k), f32, x),
     )
-    scales = [plgpu.SMEM((2, BLOCK), f32) for _ in range(2)]
+    scratch = _fp8_buffers(fmt) + [plgpu.SMEM((2, BLOCK), f32) for _ in range(2)]
+    name = TENSOR_CORE_BLOCKS_NAME if blocks else TENSOR_CORE_ROWS_AND_COLUMNS_NAME
+    eye = jnp.asarray(np.eye(BLOCK), fmt if blocks else x.dtype)
     return _stream(
         x,
-        jnp.asarray(np.eye(BLOCK), x.dtype),
+        eye,
         (),
-        name=TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        name=name,
         out_type=out_type,
-        scratch_types=_fp8_buffers(fmt) + scales,
+        scratch_types=scratch,
         tile_step=tile_step,
         batch=batch,
         config=config,
@@ -306,9 +340,9 @@ def _rows_and_columns_call(x, *, fmt, batch, max_scale, power_of_two, config, in
 
 
 _jitted = jax.jit(_kernel_call, static_argnames=("fmt", "batch", "config", "interpret"))
-_rows_and_columns = jax.jit(
-    _rows_and_columns_call,
-    static_argnames=("fmt", "batch", "max_scale", "power_of_two", "config", "interpret"),
+_blockwise = jax.jit(
+    _blockwise_call,
+    static_argnames=("blocks", "fmt", "batch", "max_scale", "power_of_two", "config", "interpret"),
 )
 
 
@@ -389,8 +423,9 @@ def tensor_core_quantize_rows_and_columns(
         raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
     config, interpret = _checked(who, x, fmt, config, (jnp.bfloat16, jnp.float16), interpret)
     batch, (m, k) = (x.shape[0] if x.ndim == 3 else 1), x.shape[-2:]
-    data, scale_t, data_t, cols, amaxes = _rows_and_columns(
+    data, scale_t, data_t, cols, amaxes = _blockwise(
         jnp.reshape(x, (batch * m, k)),
+        blocks=False,
         fmt=jnp.dtype(fmt),
         batch=batch,
         max_scale=float(max_scale),
@@ -404,3 +439,41 @@ def tensor_core_quantize_rows_and_columns(
         jnp.reshape(a, s) for a, s in zip((data, scale_t, data_t, cols), shapes, strict=True)
     )
     return data, scale_t, amaxes, data_t, cols
+
+
+def tensor_core_quantize_blocks(
+    w: Float[Array, "N K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = BLOCK,
+    max_scale: float,
+    power_of_two: bool = False,
+    config: TransposeConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Float[Array, "K/128 N"], Float[Array, "N/128 K"], Array]:
+    """`block_quantize.quantize_blocks(w)` on TMA and the tensor cores: a weight `w (N, K)`
+    (`N`, `K` multiples of 128; a 16- or 32-bit float) in 128 x 128 blocks, FP8 `data` and
+    the same values transposed `data_t (K, N)` (`I . q^T`), each block's scale_inv once per
+    row it covers (`rows_t (K / 128, N)` for `data`, `cols (N / 128, K)` for `data_t`), and
+    partial amaxes whose maximum is `max |w|` (NaN where `w` has a NaN), from one read of
+    `w`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`; `block` must be
+    128). `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's interpreter
+    (`None`: as traced)."""
+    who = TENSOR_CORE_BLOCKS_NAME
+    if block != BLOCK:
+        raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
+    if w.ndim != 2:
+        raise ValueError(f"{who}: w has shape {w.shape}; expected a 2-D weight (N, K).")
+    dtypes = (jnp.bfloat16, jnp.float16, jnp.float32)
+    config, interpret = _checked(who, w, fmt, config, dtypes, interpret)
+    data, rows_t, data_t, cols, amaxes = _blockwise(
+        w,
+        blocks=True,
+        fmt=jnp.dtype(fmt),
+        batch=1,
+        max_scale=float(max_scale),
+        power_of_two=bool(power_of_two),
+        config=config,
+        interpret=interpret,
+    )
+    return data, data_t, rows_t, cols, amaxes

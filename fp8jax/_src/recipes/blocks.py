@@ -324,9 +324,9 @@ class BlockwiseScaling(BlockScaledRecipe):
         fmt, size = self.format("kernel"), self.block_size
 
         def native(w: Array) -> tuple[Array, ...]:
-            data, data_t, rows_t, cols, amaxes = block_quantize.quantize_blocks(
-                w, fmt, **self._rule()
-            )
+            from ..kernels.choice import recipe_quantize_blocks  # Pallas: imported on use
+
+            data, data_t, rows_t, cols, amaxes = recipe_quantize_blocks(w, fmt, **self._rule())
             # `rows_t` chunk-major, as the GEMM kernels read it: transposed back here and
             # again by the kernels' callers, which XLA folds into none.
             return data, data_t, rows_t.T, cols, jnp.max(amaxes)
