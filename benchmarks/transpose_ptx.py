@@ -7,8 +7,9 @@ Each configuration of the GPU check's `transpose` section (`gpu_check/transpose.
 `CONFIGS`) compiled for an H100 at the 8B block's shapes, each in a fresh process with
 Mosaic GPU dumping its PTX and ptxas' log, for both kernels: the per-tensor cast with its
 transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
-(`tensor_core_quantize_rows_and_columns`, the BF16 shapes) and a weight's blocks
-(`tensor_core_quantize_blocks`, the weight's shape). Registers and spills, the
+(`tensor_core_quantize_rows_and_columns`, the BF16 shapes), a weight's blocks
+(`tensor_core_quantize_blocks`, the weight's shape) and a saved activation requantized
+(`tensor_core_requantize_columns`, the activation's shape). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -52,8 +53,8 @@ COUNTED = (
     "div.full.f32",
 )
 #: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
-#: blocks (the weight's shape).
-KERNELS = ("per-tensor", "blockwise", "weight blocks")
+#: blocks (the weight's shape), and a saved FP8 activation requantized (the activation's).
+KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize")
 
 
 def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> None:
@@ -61,11 +62,14 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     import jax
     import jax.numpy as jnp
 
+    from fp8jax._src.kernels.tensor_core_blocks import (
+        tensor_core_quantize_blocks,
+        tensor_core_quantize_rows_and_columns,
+        tensor_core_requantize_columns,
+    )
     from fp8jax._src.kernels.tensor_core_transpose import (
         TransposeConfig,
         tensor_core_cast_transpose,
-        tensor_core_quantize_blocks,
-        tensor_core_quantize_rows_and_columns,
     )
     from fp8jax._src.observe import deviceless
     from fp8jax._src.recipes.per_tensor import MAX_SCALE
@@ -73,8 +77,15 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     fields = json.loads(config)
     config = dataclasses.replace(TransposeConfig(), **fields)
     spec = (jax.ShapeDtypeStruct((rows, cols), jnp.dtype(dtype)), jax.ShapeDtypeStruct((), "f4"))
+    if kernel == "requantize":  # the saved FP8 copy and its chunk-major scales
+        spec = (
+            jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((cols // 128, rows), jnp.float32),
+        )
 
     def cast(x, scale):
+        if kernel == "requantize":
+            return tensor_core_requantize_columns(x, scale, max_scale=MAX_SCALE, config=config)
         if kernel == "weight blocks":
             fmt = jnp.float8_e4m3fn
             return tensor_core_quantize_blocks(x, fmt, max_scale=MAX_SCALE, config=config)
@@ -128,7 +139,8 @@ def main() -> None:
 
     print(f"jax {jax.__version__}; deviceless H100; cast to E4M3 with a transposed copy")
     print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed;")
-    print("weight blocks: one scale a 128 x 128 block, the same values transposed")
+    print("weight blocks: one scale a 128 x 128 block, the same values transposed;")
+    print("requantize: a saved E4M3 copy's 1 x 128 tiles into 128 x 1 tiles, transposed")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
@@ -140,12 +152,15 @@ def main() -> None:
                 continue
             if kernel == "weight blocks" and not label.startswith("weight"):
                 continue
+            if kernel == "requantize" and not label.startswith("activation"):
+                continue
             eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
+            operand = jnp.dtype(jnp.float8_e4m3fn) if kernel == "requantize" else jnp.dtype(dtype)
             for name, config in CONFIGS.items():
                 tiles = (rows // 128) * (cols // 128)
                 programs = tiles // tiles_per_program(config, tiles)
                 seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel)
-                row = [kernel, label, name, str(stages(config, jnp.dtype(dtype), eye))]
+                row = [kernel, label, name, str(stages(config, operand, eye))]
                 row.append(str(programs))
                 if isinstance(seen, str):
                     row += [seen] + [""] * (len(head) - 6)

@@ -101,12 +101,12 @@ def test_every_kernel_met_its_numerics_bound(dry_run):
 def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     _, _, results = dry_run
     # The per-tensor and blockwise passes three ways (section 2e): the kernels' copies as
-    # NumPy's.
+    # NumPy's (an output gradient's, a weight's, a saved activation's).
     section = [r for r in results if r["section"] == "2e cast and transpose"]
     numerics = [r for r in section if r["name"].startswith("numerics")]
     assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     checked = set().union(*(r["elements_differing"] for r in numerics))
-    kinds = ("", "blockwise ", "blockwise weight ")
+    kinds = ("", "blockwise ", "blockwise weight ", "blockwise requantized ")
     assert {f"{kind}triton, default" for kind in kinds} <= checked, checked
     timed = {r["name"].split(" | ")[1] for r in section if "ms" in r}
     assert {f"{kind}{way}" for kind in kinds for way in ("xla", "triton, default")} <= timed

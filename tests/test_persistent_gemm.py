@@ -386,8 +386,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     the interpreter: its float64 numerics pass, every swept configuration computes what the
     tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
     product computes. So does its `transpose` section (the tensor-core kernels, per-tensor,
-    blockwise tiles and a weight's blocks: their copies as NumPy's, timed beside XLA's and
-    the Triton kernels')."""
+    blockwise tiles, a weight's blocks and a saved copy requantized: their copies as
+    NumPy's, timed beside XLA's and the Triton kernels')."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -400,11 +400,12 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     assert results and all(r["status"] == "ok" for r in results), results
     transposed = [r for r in results if r["section"] == "2e cast and transpose"]
     ways = ("triton, default", "tensor cores, default")
+    kinds = (("", "blockwise ", "blockwise requantized "), ("", "blockwise weight "))
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
-        {f"{kind}{way}": 0 for kind in ("", blockwise) for way in ways}
-        for blockwise in ("blockwise ", "blockwise weight ")  # a BF16 operand, a weight
+        {f"{kind}{way}": 0 for kind in shape for way in ways}
+        for shape in kinds  # a BF16 operand, a weight
     ], transposed
-    for kind in ("", "blockwise ", "blockwise weight "):
+    for kind in ("", "blockwise ", "blockwise weight ", "blockwise requantized "):
         timed = f"| {kind}tensor cores, default"
         assert any(r["name"].endswith(timed) and "ms" in r for r in transposed), timed
     results = [r for r in results if r not in transposed]

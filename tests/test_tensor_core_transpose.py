@@ -22,17 +22,21 @@ import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import (
     TENSOR_CORE_BLOCKS_NAME,
+    TENSOR_CORE_REQUANTIZE_NAME,
     TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
     TENSOR_CORE_TRANSPOSE_NAME,
     dispatch,
 )
 from fp8jax._src.kernels.choice import tensor_core_quantization
+from fp8jax._src.kernels.tensor_core_blocks import (
+    tensor_core_quantize_blocks,
+    tensor_core_quantize_rows_and_columns,
+    tensor_core_requantize_columns,
+)
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     stages,
     tensor_core_cast_transpose,
-    tensor_core_quantize_blocks,
-    tensor_core_quantize_rows_and_columns,
     tiles_per_program,
 )
 from fp8jax._src.recipes.per_tensor import skip_warm_start
@@ -183,6 +187,47 @@ def test_rows_and_columns_quantize_as_numpy(shape, dtype, fmt, power_of_two, con
     assert float(jnp.max(amax)) == float(jnp.max(jnp.abs(finite.astype(jnp.float32))))
 
 
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * NaN, as said
+@pytest.mark.parametrize(
+    "shape, fmt, power_of_two, config",
+    [
+        ((384, 256), E4M3, False, TransposeConfig(max_programs=2)),
+        ((2, 256, 384), E5M2, True, TransposeConfig()),
+    ],
+)
+def test_requantized_columns_as_numpy(shape, fmt, power_of_two, config):
+    """A saved FP8 copy's 1 x 128 tiles (NumPy's, of an operand with inf and NaN) in 128 x 1
+    tiles, transposed: as NumPy's quantization of the dequantized values, but where a row
+    of a 128 x 128 tile holds a NaN (NaN whole in that tile, as for the output gradient's
+    columns); scales bit for bit."""
+    from test_block_quantize import np_reference_rows
+
+    rng = np.random.default_rng(19)
+    x = np.asarray(operand(rng, (int(np.prod(shape[:-1])), shape[-1])), np.float32)
+    x = x.reshape(shape)
+    saved = [np_reference_rows(xb, fmt, 128, power_of_two)[:2] for xb in x.reshape(-1, *shape[-2:])]
+    data = np.stack([d for d, _ in saved]).reshape(shape)
+    scale_t = np.stack([s for _, s in saved]).reshape(*shape[:-2], shape[-1] // 128, shape[-2])
+    data_t, cols = tensor_core_requantize_columns(
+        jnp.asarray(data),
+        jnp.asarray(scale_t),
+        max_scale=2.0**16,
+        power_of_two=power_of_two,
+        config=config,
+        interpret=True,
+    )
+    assert data_t.dtype == fmt and data_t.shape == (*shape[:-2], shape[-1], shape[-2])
+    for b, (d, s) in enumerate(saved):
+        at = (b,) if len(shape) == 3 else ()
+        values = np.asarray(d, np.float32) * np.repeat(s.T, 128, axis=1)  # dequantized
+        want_t, want_cols, _ = np_reference_rows(
+            nan_rows_across_tiles(values).T, fmt, 128, power_of_two
+        )
+        same(data_t[at], want_t)
+        same_bits(cols[at], want_cols)
+
+
 def np_blocks(w: np.ndarray, fmt, power_of_two: bool) -> tuple[np.ndarray, ...]:
     """128 x 128 blocks of `w` (float32) in NumPy, independent of fp8jax: FP8 data, each
     block's scale_inv once per row it covers (chunk-major, `(K / 128, N)`, and for the
@@ -294,6 +339,36 @@ def test_blockwise_weight_on_the_tensor_cores_is_the_triton_kernels():
             same(a, b)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("batch", [(), (2,)])
+def test_blockwise_wgrad_activation_on_the_tensor_cores_is_the_triton_kernels(batch):
+    """Inside `tensor_core_quantization()` the blockwise recipe's saved activation retiled
+    for the wgrad (128 x 1 tiles, from its FP8 copy) equals the Pallas Triton kernel's (itself
+    tested against the XLA path), through one tensor-core kernel call, 2-D and batched."""
+    from test_block_quantize import heavy_tailed
+
+    rng = np.random.default_rng(23)
+    x = jnp.stack([heavy_tailed(rng, (256, 384)) for _ in range(batch[0] if batch else 1)])
+    x = x if batch else x[0]
+    recipe = fp8jax.BlockwiseScaling()
+    state = recipe.init_state("input")
+
+    def retiled(x):
+        q, _ = recipe.quantize(x, state, "input", -1)
+        return recipe.retile(q, "input", -2)
+
+    with dispatch.interpreted():  # a new function for each trace: jit's cache has no context
+        want = jax.jit(lambda x: retiled(x))(x)
+        with tensor_core_quantization():
+            jaxpr = str(jax.make_jaxpr(lambda x: retiled(x))(x))
+            got = jax.jit(lambda x: retiled(x))(x)
+    assert jaxpr.count(f"name={TENSOR_CORE_REQUANTIZE_NAME}") == 1, jaxpr
+    assert "fp8jax_requantize_columns" not in jaxpr
+    assert got.block == want.block == (128, 1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+
+
 def test_bad_input_is_refused_by_name():
     x = jnp.ones((256, 384), jnp.bfloat16)
     one = jnp.float32(1)
@@ -323,6 +398,11 @@ def test_bad_input_is_refused_by_name():
         rows_and_columns(x, E4M3, block=64)
     with pytest.raises(ValueError, match=r"shape \(2, 2, 256, 384\)"):
         rows_and_columns(jnp.ones((2, 2, 256, 384), jnp.bfloat16), E4M3)
+    fp8 = x.astype(E4M3)
+    with pytest.raises(ValueError, match="dtype bfloat16; expected one of float8_e4m3fn"):
+        tensor_core_requantize_columns(x, jnp.ones((3, 256)), max_scale=2.0**16)
+    with pytest.raises(ValueError, match=r"scale_inv_t has shape \(256, 3\); expected \(3, 256\)"):
+        tensor_core_requantize_columns(fp8, jnp.ones((256, 3)), max_scale=2.0**16)
     if not mosaic_private.interpreter_runs_gpu_path():
         for call in (
             lambda: tensor_core_cast_transpose(x, one, E4M3, interpret=True),
@@ -345,7 +425,13 @@ def test_programs_and_stages_follow_the_config():
 
 
 @pytest.mark.parametrize(
-    "name", [TENSOR_CORE_TRANSPOSE_NAME, TENSOR_CORE_ROWS_AND_COLUMNS_NAME, TENSOR_CORE_BLOCKS_NAME]
+    "name",
+    [
+        TENSOR_CORE_TRANSPOSE_NAME,
+        TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        TENSOR_CORE_BLOCKS_NAME,
+        TENSOR_CORE_REQUANTIZE_NAME,
+    ],
 )
 def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_path, monkeypatch):
     """For an H100 (deviceless): one Mosaic GPU custom call by the kernel's name, which
@@ -360,16 +446,21 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
 
     device = h100_topology().devices[0]
-    spec = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    requantize = name == TENSOR_CORE_REQUANTIZE_NAME  # a saved FP8 copy and its scales
+    spec = jax.ShapeDtypeStruct((256, 384), E4M3 if requantize else jnp.bfloat16)
+    scale_t = jax.ShapeDtypeStruct((3, 256), jnp.float32)
+    rule = dict(max_scale=2.0**16, interpret=False)
 
-    def cast(x):
+    def cast(x, scale_t):
         if name == TENSOR_CORE_TRANSPOSE_NAME:
             return tensor_core_cast_transpose(x, jnp.float32(2.0), E4M3, interpret=False)
         if name == TENSOR_CORE_BLOCKS_NAME:
-            return tensor_core_quantize_blocks(x, E4M3, max_scale=2.0**16, interpret=False)
-        return tensor_core_quantize_rows_and_columns(x, E4M3, max_scale=2.0**16, interpret=False)
+            return tensor_core_quantize_blocks(x, E4M3, **rule)
+        if requantize:
+            return tensor_core_requantize_columns(x, scale_t, **rule)
+        return tensor_core_quantize_rows_and_columns(x, E4M3, **rule)
 
-    lowered, _ = deviceless.lower(cast, (spec,), {}, device)
+    lowered, _ = deviceless.lower(cast, (spec, scale_t), {}, device)
     hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
     calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
     assert len(calls) == 1 and name in calls[0], calls
@@ -377,7 +468,10 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
     divisions = collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx))
     # Blockwise: two divisions a scale (scale, scale_inv), per row a thread holds, of each
     # copy's; a weight's block: one scale, computed once.
-    rounded = {"div.rn.f32": 2 if name == TENSOR_CORE_BLOCKS_NAME else 16}
+    rounded = {
+        "div.rn.f32": {TENSOR_CORE_BLOCKS_NAME: 2, TENSOR_CORE_REQUANTIZE_NAME: 8}.get(name, 16)
+    }
     assert divisions == ({} if name == TENSOR_CORE_TRANSPOSE_NAME else rounded)
     cost = fp8jax.hlo_cost(hlo)
-    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 256 * 384 * 4
+    moved = 256 * 384 * (2 if requantize else 4)  # read x, write two FP8 copies (one)
+    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= moved

@@ -22,7 +22,11 @@ XLA's time in run 6 at 8 warps, 1.05-1.29x faster than XLA at 4) and the tensor-
 tensor cores) in the same `CONFIGS`. A weight's 128 x 128 blocks and their transpose for
 the dgrad (`blockwise weight ...`, the weight shape) the same three ways: the XLA path,
 `block_quantize.quantize_blocks` (1.09-1.32x faster than XLA in run 6) and
-`tensor_core_quantize_blocks` (the FP8 block transposed by `I . q^T`, as per tensor).
+`tensor_core_quantize_blocks` (the FP8 block transposed by `I . q^T`, as per tensor). And
+at the activation's shape its saved FP8 copy (1 x 128 tiles) requantized into the wgrad's
+128 x 1 tiles, transposed (`blockwise requantized ...`): the XLA path,
+`block_quantize.requantize_columns` (0.98x XLA's time in run 6) and
+`tensor_core_requantize_columns` (`I . q^T`, each column times its row's scale).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -50,12 +54,15 @@ import numpy as np
 import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import block_quantize
+from fp8jax._src.kernels.tensor_core_blocks import (
+    tensor_core_quantize_blocks,
+    tensor_core_quantize_rows_and_columns,
+    tensor_core_requantize_columns,
+)
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
     stages,
     tensor_core_cast_transpose,
-    tensor_core_quantize_blocks,
-    tensor_core_quantize_rows_and_columns,
 )
 
 from . import timing
@@ -109,6 +116,11 @@ def _tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
 #: The blockwise ways' names begin so: an output gradient's 1 x 128 and 128 x 1 tiles (16-bit
 #: shapes), a weight's 128 x 128 blocks (the weight shapes).
 BLOCKWISE, BLOCKS = "blockwise ", "blockwise weight "
+#: And a saved FP8 activation's 1 x 128 tiles requantized into the wgrad's 128 x 1 tiles
+#: (the BF16 activation shape): functions of `(data, scale_inv_t)`, not of `x`.
+REQUANTIZED = "blockwise requantized "
+#: The families by prefix, the longest first.
+PREFIXES = (BLOCKS, REQUANTIZED, BLOCKWISE)
 
 
 def _blockwise_xla(x: jax.Array) -> tuple:
@@ -123,6 +135,26 @@ def _blockwise_triton(x: jax.Array) -> tuple:
 
 def _blockwise_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     return tensor_core_quantize_rows_and_columns(x, E4M3, **RULE, config=config)
+
+
+def _requantized_xla(data: jax.Array, scale_inv_t: jax.Array) -> Any:
+    """The blockwise recipe's XLA path for the wgrad's copy of a saved activation."""
+    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
+    return recipe.retile(fp8jax.QTensor(data, scale_inv_t.T, (1, 128)), "input", -2)
+
+
+def _requantized_triton(data: jax.Array, scale_inv_t: jax.Array) -> tuple:
+    return block_quantize.requantize_columns(data, scale_inv_t, **RULE)
+
+
+def _requantized_tensor_cores(data, scale_inv_t, config: TransposeConfig) -> tuple:
+    return tensor_core_requantize_columns(data, scale_inv_t, **RULE, config=config)
+
+
+def saved_copy(x: jax.Array, dry: bool) -> tuple[jax.Array, jax.Array]:
+    """`x`'s 1 x 128 tiles as the forward saves them: FP8 data, chunk-major scale_inv."""
+    with timing.kernels(dry):
+        return jax.jit(lambda x: block_quantize.reference_rows(x, E4M3, **RULE)[:2])(x)
 
 
 def _blocks_xla(w: jax.Array) -> tuple:
@@ -149,11 +181,12 @@ def _copy(x: jax.Array) -> jax.Array:
     return x + jnp.ones((), x.dtype)
 
 
-def ways(dry: bool, dtype: jnp.dtype, weight: bool) -> dict[str, Any]:
+def ways(dry: bool, dtype: jnp.dtype, weight: bool, requantized: bool = False) -> dict[str, Any]:
     """`name -> function of x` for every way the section times at an `x` of `dtype` (`dry`:
     each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
     run): per tensor; blockwise, a 16-bit `x`'s tiles (the tensor cores transpose BF16
-    exactly), a `weight`'s blocks."""
+    exactly), a `weight`'s blocks, and where `requantized` its saved copy's 128 x 1 tiles
+    (functions of `saved_copy(x)`)."""
     out: dict[str, Any] = {"xla": per_tensor_xla}
     for name, tuning in list(TRITON.items())[: 1 if dry else None]:
         out[f"triton, {name}"] = functools.partial(per_tensor_kernel, tuning=tuning)
@@ -164,10 +197,15 @@ def ways(dry: bool, dtype: jnp.dtype, weight: bool) -> dict[str, Any]:
         blockwise = (BLOCKS, _blocks_xla, _blocks_triton, _blocks_tensor_cores, E4M3)
     elif jnp.dtype(dtype).itemsize == 2:
         blockwise = (BLOCKWISE, _blockwise_xla, _blockwise_triton, _blockwise_tensor_cores, dtype)
-    if blockwise is not None:
-        prefix, xla, triton, tensor_cores, eye = blockwise
+    families = [] if blockwise is None else [blockwise]
+    if requantized:
+        families.append(
+            (REQUANTIZED, _requantized_xla, _requantized_triton, _requantized_tensor_cores, E4M3)
+        )
+    for prefix, xla, triton, tensor_cores, eye in families:
         out[f"{prefix}xla"], out[f"{prefix}triton, default"] = xla, triton
-        for name, config in distinct_configs(dry, dtype, eye):
+        operand = E4M3 if prefix == REQUANTIZED else dtype
+        for name, config in distinct_configs(dry, operand, eye):
             out[f"{prefix}tensor cores, {name}"] = functools.partial(tensor_cores, config=config)
     return out
 
@@ -196,7 +234,7 @@ def refused(name: str, dry: bool) -> str | None:
     return None
 
 
-def numerics(x: jax.Array, fns: dict[str, Any], dry: bool) -> dict:
+def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None = None) -> dict:
     """Elements of each kernel's copies (and, blockwise, scales) differing from NumPy, and
     whether its amax is NumPy's."""
     host = np.asarray(x, np.float32)
@@ -208,7 +246,13 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool) -> dict:
         if not name.endswith(", default") or refused(name, dry):
             continue
         with timing.kernels(dry):
-            got = jax.jit(fn)(x)
+            got = jax.jit(fn)(*(saved if name.startswith(REQUANTIZED) else (x,)))
+        if name.startswith(REQUANTIZED):  # columns (K, M), their scales; no amax
+            data, scale_inv_t = (np.asarray(a, np.float32) for a in saved)
+            values = data * np.repeat(scale_inv_t.T, 128, axis=1)
+            pairs = zip(got, ieee_rows(values.T), strict=True)
+            differ[name] = sum(int(np.sum(np.asarray(g, np.float32) != w)) for g, w in pairs)
+            continue
         if name.startswith(BLOCKS):  # blocks, transposed, their scales per row; the amax
             data, scale_inv = ieee_blocks(host)
             rows_t = np.repeat(scale_inv, 128, axis=0).T
@@ -233,14 +277,21 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
     shapes = DRY_SHAPES if dry else SHAPES
     for label, (rows, cols, dtype) in list(shapes.items())[: 1 if mode == "quick" else None]:
         x = heavy_tailed(jax.random.PRNGKey(0), (rows, cols)).astype(dtype)
-        fns = ways(dry, dtype, weight="weight" in label)
-        result = rec.measure(SECTION, f"numerics {label}", functools.partial(numerics, x, fns, dry))
+        requantized = label.startswith(("activation", "dry 256"))
+        fns = ways(dry, dtype, weight="weight" in label, requantized=requantized)
+        saved = saved_copy(x, dry) if requantized else None
+        check = functools.partial(numerics, x, fns, dry, saved)
+        result = rec.measure(SECTION, f"numerics {label}", check)
         cell = rec.not_run() if result is None else _numerics_cell(result)
         rec.cell(SECTION, label, "numerics (elements != NumPy; amax)", cell)
         for name, fn in {**fns, COPY: _copy}.items():
-            # The pass reads x and writes two FP8 copies; the copy reads and writes x.
+            # The pass reads x and writes two FP8 copies (requantized: reads and writes one);
+            # the copy reads and writes x.
             moved = x.size * (2 * x.dtype.itemsize if name == COPY else x.dtype.itemsize + 2)
-            measure = functools.partial(_time, fn, x, moved, runs, dry)
+            args = (x,)
+            if name.startswith(REQUANTIZED):
+                moved, args = 2 * x.size, saved
+            measure = functools.partial(_time, fn, args, moved, runs, dry)
             if refused(name, dry):
                 measure = functools.partial(dict, skipped=refused(name, dry))
             result = rec.measure(SECTION, f"{label} | {name}", measure)
@@ -256,8 +307,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
     return times
 
 
-def _time(fn: Any, x: jax.Array, moved: int, runs: int, dry: bool) -> dict:
-    _, fields = compile_and_time(fn, (x,), fp8jax.gpu_compiler_options(), runs, dry, calls=5)
+def _time(fn: Any, args: tuple, moved: int, runs: int, dry: bool) -> dict:
+    _, fields = compile_and_time(fn, args, fp8jax.gpu_compiler_options(), runs, dry, calls=5)
     fields["gb_per_s"] = moved / (fields["ms"] * 1e-3) / 1e9
     return fields
 
@@ -274,9 +325,9 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
     for label, t in times.items():
         reference = t.pop(COPY, None)
         copy = f"; {COPY}: {reference:.3f} ms" if reference else ""
-        families = {"per-tensor cast+transpose": {}, "blockwise": {}, "blockwise weight": {}}
+        families = {"per-tensor cast+transpose": {}, **{p.strip(): {} for p in PREFIXES}}
         for k, v in t.items():  # by the longest prefix
-            prefix = next((p for p in (BLOCKS, BLOCKWISE) if k.startswith(p)), "")
+            prefix = next((p for p in PREFIXES if k.startswith(p)), "")
             families[prefix.strip() or "per-tensor cast+transpose"][k[len(prefix) :]] = v
         for what, mine in families.items():
             if "xla" not in mine or len(mine) < 2:

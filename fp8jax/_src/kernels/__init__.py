@@ -1,7 +1,8 @@
 """Native GPU kernels: the GEMMs XLA cannot express as one FP8 call (Pallas Mosaic GPU), and
 the blockwise recipe's one-pass quantization (Pallas Triton, `block_quantize`,
-`padded_quantize`), and a per-tensor one (`cast_transpose`; on TMA and the tensor cores,
-`tensor_core_transpose`, Mosaic GPU; both timed by the GPU check).
+`padded_quantize`; on TMA and the tensor cores, `tensor_core_blocks`, Mosaic GPU), and a
+per-tensor one (`cast_transpose`; on TMA and the tensor cores, `tensor_core_transpose`; the
+tensor-core kernels' frame: `tensor_core_tiles`; all timed by the GPU check).
 
 Pallas is imported by the kernel modules, on use; this package's top level stays light.
 """
@@ -30,12 +31,15 @@ QUANTIZE_NAMES = (
     "fp8jax_tensor_core_cast_transpose",
     "fp8jax_tensor_core_quantize_rows_and_columns",
     "fp8jax_tensor_core_quantize_blocks",
+    "fp8jax_tensor_core_requantize_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
 #: The same on TMA and the tensor cores (Mosaic GPU, `tensor_core_transpose`).
 TENSOR_CORE_TRANSPOSE_NAME = QUANTIZE_NAMES[8]
-#: Blockwise rows and columns on TMA and the tensor cores (`tensor_core_transpose`).
+#: Blockwise rows and columns on TMA and the tensor cores (`tensor_core_blocks`).
 TENSOR_CORE_ROWS_AND_COLUMNS_NAME = QUANTIZE_NAMES[9]
 #: A weight's 128 x 128 blocks and their transpose, the same way.
 TENSOR_CORE_BLOCKS_NAME = QUANTIZE_NAMES[10]
+#: A saved FP8 activation's 128 x 1 tiles, transposed, the same way.
+TENSOR_CORE_REQUANTIZE_NAME = QUANTIZE_NAMES[11]

@@ -30,17 +30,18 @@ from jaxtyping import Array, Float, Int
 
 from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
-from .block_quantize import quantize_blocks, quantize_rows_and_columns
+from .block_quantize import quantize_blocks, quantize_rows_and_columns, requantize_columns
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_config import PersistentConfig
 from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
-from .tensor_core_transpose import BLOCK as TENSOR_CORE_BLOCK
-from .tensor_core_transpose import (
+from .tensor_core_blocks import (
     tensor_core_quantize_blocks,
     tensor_core_quantize_rows_and_columns,
+    tensor_core_requantize_columns,
 )
+from .tensor_core_tiles import BLOCK as TENSOR_CORE_BLOCK
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
 #: of the GPU check's sweep on an H200 (run 4, `benchmarks/results/gpu_check/h200_run4_*`).
@@ -120,11 +121,11 @@ def chained_pipelines() -> contextlib.AbstractContextManager[None]:
 
 def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     """Functions traced inside quantize the blockwise output gradient's two copies (1 x 128
-    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`) and a weight's 128 x 128 blocks with
-    their transpose on TMA and the tensor cores (`tensor_core_transpose`'s
-    `tensor_core_quantize_rows_and_columns` and `tensor_core_quantize_blocks`, Mosaic GPU:
-    its interpreter from JAX 0.11 on), where the block is 128 (and the gradient BF16 or
-    float16); elsewhere the Pallas Triton kernels (`block_quantize`). The same values for
+    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`), a weight's 128 x 128 blocks with
+    their transpose, and a saved activation's 128 x 1 tiles for the wgrad on TMA and the
+    tensor cores (`tensor_core_blocks`, Mosaic GPU: its interpreter from JAX 0.11 on), where
+    the block is 128 (and the gradient BF16 or float16); elsewhere the Pallas Triton kernels
+    (`block_quantize`). The same values for
     finite operands (in value: a -0 in a transposed copy may come out +0). Issue 39: the
     default once a GPU run has timed it (`benchmarks/llama_block.py`'s `blockwise-tc`)."""
     return setting(_TENSOR_CORES, True)
@@ -148,6 +149,29 @@ def recipe_rows_and_columns(
         data, scale_t, amaxes, data_t, cols = (jax.vmap(call) if x.ndim == 3 else call)(x)
     # One amax per program (NaN-propagating): their max is `x`'s.
     return data, swap(scale_t), jnp.max(amaxes), swap(data_t), cols
+
+
+def recipe_requantize_columns(
+    data: Array,
+    scale_inv: Float[Array, "*B M K/block"],
+    *,
+    block: int,
+    max_scale: float,
+    power_of_two: bool,
+) -> tuple[Array, Float[Array, "*B M/block K"]]:
+    """A saved FP8 activation `data (*B, M, K)` in 1 x `block` tiles (`scale_inv` as the
+    recipe holds it) in `block` x 1 tiles, as `BlockwiseScaling` takes them: the FP8 values
+    `(*B, M, K)` (the kernel's `(K, M)` transposed back, which the GEMM's caller transposes
+    again, XLA folding both) and chunk-major `scale_inv (*B, M / block, K)`. On the kernel
+    `tensor_core_quantization()` chooses (block 128)."""
+    rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
+    swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
+        data_t, cols = tensor_core_requantize_columns(data, swap(scale_inv), **rule)
+    else:
+        call = functools.partial(requantize_columns, **rule)
+        data_t, cols = (jax.vmap(call) if data.ndim == 3 else call)(data, swap(scale_inv))
+    return swap(data_t), cols
 
 
 def recipe_quantize_blocks(

@@ -1,5 +1,5 @@
 """The tile maths the quantization kernels share (`block_quantize`, `padded_quantize`,
-`cast_transpose`, `tensor_core_transpose`): a tile's scales as the recipe computes them, its
+`cast_transpose`, `tensor_core_blocks`): a tile's scales as the recipe computes them, its
 saturating cast, its NaN-propagating amaxes, and walking a tile whole or in slabs (`quantize_tile`,
 `ColumnTuning.slab_rows`).
 
@@ -37,7 +37,7 @@ def _divide(a: Array, b: Array, interpret: bool, mosaic: bool = False) -> Array:
     if interpret:  # opaque operands: XLA rewrites 1 / (c / x) as an inexact x * (1 / c)
         a, b = lax.optimization_barrier((a, b))
         return a / b
-    if mosaic:  # register layout: a row of WGMMA's (`tensor_core_transpose`)
+    if mosaic:  # register layout: a row of WGMMA's (`tensor_core_blocks`)
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
         from ..core import mosaic_private

@@ -416,12 +416,10 @@ class BlockwiseScaling(BlockScaledRecipe):
         ):
             return super().retile(q, role, axis, source)
 
-        def columns(data: Array, scale_inv: Array) -> tuple[Array, Array]:
-            data_t, scale_inv = block_quantize.requantize_columns(data, scale_inv.T, **self._rule())
-            return data_t.T, scale_inv
-
         def native(data: Array, scale_inv: Array) -> tuple[Array, Array]:
-            return (jax.vmap(columns) if data.ndim == 3 else columns)(data, scale_inv)
+            from ..kernels.choice import recipe_requantize_columns  # Pallas: imported on use
+
+            return recipe_requantize_columns(data, scale_inv, **self._rule())
 
         def xla(data: Array, scale_inv: Array) -> tuple[Array, Array]:
             r = self._quantize(QTensor(data, scale_inv, q.block).dequantize(), role, axis)
