@@ -400,12 +400,15 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     assert results and all(r["status"] == "ok" for r in results), results
     transposed = [r for r in results if r["section"] == "2e cast and transpose"]
     ways = ("triton, default", "tensor cores, default")
-    kinds = (("", "blockwise ", "blockwise requantized "), ("", "blockwise weight "))
+    kinds = (
+        ("", "blockwise ", "blockwise rows ", "blockwise requantized "),
+        ("", "blockwise weight "),
+    )
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
         {f"{kind}{way}": 0 for kind in shape for way in ways}
         for shape in kinds  # a BF16 operand, a weight
     ], transposed
-    for kind in ("", "blockwise ", "blockwise weight ", "blockwise requantized "):
+    for kind in {kind for shape in kinds for kind in shape}:
         timed = f"| {kind}tensor cores, default"
         assert any(r["name"].endswith(timed) and "ms" in r for r in transposed), timed
     results = [r for r in results if r not in transposed]

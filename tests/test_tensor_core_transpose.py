@@ -24,12 +24,14 @@ from fp8jax._src.kernels import (
     TENSOR_CORE_BLOCKS_NAME,
     TENSOR_CORE_REQUANTIZE_NAME,
     TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+    TENSOR_CORE_ROWS_NAME,
     TENSOR_CORE_TRANSPOSE_NAME,
     dispatch,
 )
 from fp8jax._src.kernels.choice import tensor_core_quantization
 from fp8jax._src.kernels.tensor_core_blocks import (
     tensor_core_quantize_blocks,
+    tensor_core_quantize_rows,
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
 )
@@ -156,7 +158,8 @@ def same_bits(got, want) -> None:
     ],
 )
 def test_rows_and_columns_quantize_as_numpy(shape, dtype, fmt, power_of_two, config):
-    """The 1 x 128 tiles (FP8 bits and scales) equal an independent NumPy quantization
+    """The 1 x 128 tiles (FP8 bits and scales; also from `tensor_core_quantize_rows`, of
+    `x` and of `x` in float32) equal an independent NumPy quantization
     (`test_block_quantize.np_reference_rows`); the 128 x 1 tiles, transposed, too, but where
     a row of a 128 x 128 tile holds a NaN or an inf (then NaN whole in that tile, as the
     module documents); the partial amaxes' maximum is `max |x|` (NaN with a NaN)."""
@@ -170,18 +173,24 @@ def test_rows_and_columns_quantize_as_numpy(shape, dtype, fmt, power_of_two, con
         x, fmt, **rule, config=config, interpret=True
     )
     assert data.dtype == data_t.dtype == fmt and amax.shape[1] == 128
+    # The rows alone (on TMA, no tensor cores), as float32 too: the same rows.
+    rows_only = [
+        tensor_core_quantize_rows(v, fmt, **rule, config=config, interpret=True)
+        for v in (x, x.astype(jnp.float32))
+    ]
     for b in range(x.shape[0] if x.ndim == 3 else 1):
         at = (b,) if x.ndim == 3 else ()
         xb = np.asarray(x[at], np.float32)
         want, want_scale_t, _ = np_reference_rows(xb, fmt, 128, power_of_two)
-        same_bits(data[at], want)
-        same_bits(scale_t[at], want_scale_t)
+        for got, got_scale_t, _ in [(data, scale_t, amax), *rows_only]:
+            same_bits(got[at], want)
+            same_bits(got_scale_t[at], want_scale_t)
         want_t, want_cols, _ = np_reference_rows(
             nan_rows_across_tiles(xb).T, fmt, 128, power_of_two
         )
         same(data_t[at], want_t)  # values: a -0 may come out +0 from the tensor cores
         same_bits(cols[at], want_cols)
-    assert np.isnan(np.max(np.asarray(amax)))
+    assert all(np.isnan(np.max(np.asarray(a))) for a in (amax, *(r[2] for r in rows_only)))
     finite = jnp.where(jnp.isfinite(x), x, 0)
     *_, amax, _, _ = tensor_core_quantize_rows_and_columns(finite, fmt, **rule, interpret=True)
     assert float(jnp.max(amax)) == float(jnp.max(jnp.abs(finite.astype(jnp.float32))))
@@ -342,9 +351,10 @@ def test_blockwise_weight_on_the_tensor_cores_is_the_triton_kernels():
 @needs_interpreter
 @pytest.mark.parametrize("batch", [(), (2,)])
 def test_blockwise_wgrad_activation_on_the_tensor_cores_is_the_triton_kernels(batch):
-    """Inside `tensor_core_quantization()` the blockwise recipe's saved activation retiled
-    for the wgrad (128 x 1 tiles, from its FP8 copy) equals the Pallas Triton kernel's (itself
-    tested against the XLA path), through one tensor-core kernel call, 2-D and batched."""
+    """Inside `tensor_core_quantization()` the blockwise recipe's activation (1 x 128 tiles,
+    on TMA) and its saved copy retiled for the wgrad (128 x 1 tiles, from the FP8 copy)
+    equal the Pallas Triton kernels' (themselves tested against the XLA path), one Mosaic
+    GPU kernel call each, 2-D and batched."""
     from test_block_quantize import heavy_tailed
 
     rng = np.random.default_rng(23)
@@ -354,17 +364,18 @@ def test_blockwise_wgrad_activation_on_the_tensor_cores_is_the_triton_kernels(ba
     state = recipe.init_state("input")
 
     def retiled(x):
-        q, _ = recipe.quantize(x, state, "input", -1)
-        return recipe.retile(q, "input", -2)
+        q, new = recipe.quantize(x, state, "input", -1)
+        return q, new, recipe.retile(q, "input", -2)
 
     with dispatch.interpreted():  # a new function for each trace: jit's cache has no context
         want = jax.jit(lambda x: retiled(x))(x)
         with tensor_core_quantization():
             jaxpr = str(jax.make_jaxpr(lambda x: retiled(x))(x))
             got = jax.jit(lambda x: retiled(x))(x)
-    assert jaxpr.count(f"name={TENSOR_CORE_REQUANTIZE_NAME}") == 1, jaxpr
-    assert "fp8jax_requantize_columns" not in jaxpr
-    assert got.block == want.block == (128, 1)
+    for name in (TENSOR_CORE_ROWS_NAME, TENSOR_CORE_REQUANTIZE_NAME):
+        assert jaxpr.count(f"name={name}") == 1, jaxpr
+    assert "fp8jax_requantize_columns" not in jaxpr and "fp8jax_quantize_rows" not in jaxpr
+    assert got[2].block == want[2].block == (128, 1)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         same(a, b)
 
@@ -396,6 +407,8 @@ def test_bad_input_is_refused_by_name():
         rows_and_columns(x.astype(jnp.float32), E4M3)
     with pytest.raises(ValueError, match="block=64; expected 128"):
         rows_and_columns(x, E4M3, block=64)
+    with pytest.raises(ValueError, match="quantize_rows: x has dtype int32; expected one of"):
+        tensor_core_quantize_rows(x.astype(jnp.int32), E4M3, max_scale=2.0**16)
     with pytest.raises(ValueError, match=r"shape \(2, 2, 256, 384\)"):
         rows_and_columns(jnp.ones((2, 2, 256, 384), jnp.bfloat16), E4M3)
     fp8 = x.astype(E4M3)
@@ -431,6 +444,7 @@ def test_programs_and_stages_follow_the_config():
         TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
         TENSOR_CORE_BLOCKS_NAME,
         TENSOR_CORE_REQUANTIZE_NAME,
+        TENSOR_CORE_ROWS_NAME,
     ],
 )
 def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_path, monkeypatch):
@@ -458,6 +472,8 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
             return tensor_core_quantize_blocks(x, E4M3, **rule)
         if requantize:
             return tensor_core_requantize_columns(x, scale_t, **rule)
+        if name == TENSOR_CORE_ROWS_NAME:
+            return tensor_core_quantize_rows(x, E4M3, **rule)
         return tensor_core_quantize_rows_and_columns(x, E4M3, **rule)
 
     lowered, _ = deviceless.lower(cast, (spec, scale_t), {}, device)
@@ -469,9 +485,14 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(name, tmp_p
     # Blockwise: two divisions a scale (scale, scale_inv), per row a thread holds, of each
     # copy's; a weight's block: one scale, computed once.
     rounded = {
-        "div.rn.f32": {TENSOR_CORE_BLOCKS_NAME: 2, TENSOR_CORE_REQUANTIZE_NAME: 8}.get(name, 16)
+        "div.rn.f32": {
+            TENSOR_CORE_BLOCKS_NAME: 2,
+            TENSOR_CORE_REQUANTIZE_NAME: 8,
+            TENSOR_CORE_ROWS_NAME: 8,
+        }.get(name, 16)
     }
     assert divisions == ({} if name == TENSOR_CORE_TRANSPOSE_NAME else rounded)
     cost = fp8jax.hlo_cost(hlo)
-    moved = 256 * 384 * (2 if requantize else 4)  # read x, write two FP8 copies (one)
+    one_copy = requantize or name == TENSOR_CORE_ROWS_NAME
+    moved = 256 * 384 * (2 if one_copy else 4)  # read x, write two FP8 copies (or one)
     assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= moved

@@ -26,7 +26,10 @@ the dgrad (`blockwise weight ...`, the weight shape) the same three ways: the XL
 at the activation's shape its saved FP8 copy (1 x 128 tiles) requantized into the wgrad's
 128 x 1 tiles, transposed (`blockwise requantized ...`): the XLA path,
 `block_quantize.requantize_columns` (0.98x XLA's time in run 6) and
-`tensor_core_requantize_columns` (`I . q^T`, each column times its row's scale).
+`tensor_core_requantize_columns` (`I . q^T`, each column times its row's scale), and the
+activation's 1 x 128 tiles alone (`blockwise rows ...`, the forward's copy: the XLA path,
+`block_quantize.quantize_rows`, and `tensor_core_quantize_rows`, which transposes nothing
+and so runs on TMA alone, named "tensor cores" with its family).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -56,6 +59,7 @@ from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import block_quantize
 from fp8jax._src.kernels.tensor_core_blocks import (
     tensor_core_quantize_blocks,
+    tensor_core_quantize_rows,
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
 )
@@ -119,8 +123,11 @@ BLOCKWISE, BLOCKS = "blockwise ", "blockwise weight "
 #: And a saved FP8 activation's 1 x 128 tiles requantized into the wgrad's 128 x 1 tiles
 #: (the BF16 activation shape): functions of `(data, scale_inv_t)`, not of `x`.
 REQUANTIZED = "blockwise requantized "
+#: And its 1 x 128 tiles alone (the forward's copy; "tensor cores": the Mosaic GPU kernel,
+#: which has nothing to transpose and so runs on TMA alone).
+ROWS = "blockwise rows "
 #: The families by prefix, the longest first.
-PREFIXES = (BLOCKS, REQUANTIZED, BLOCKWISE)
+PREFIXES = (REQUANTIZED, BLOCKS, ROWS, BLOCKWISE)
 
 
 def _blockwise_xla(x: jax.Array) -> tuple:
@@ -149,6 +156,20 @@ def _requantized_triton(data: jax.Array, scale_inv_t: jax.Array) -> tuple:
 
 def _requantized_tensor_cores(data, scale_inv_t, config: TransposeConfig) -> tuple:
     return tensor_core_requantize_columns(data, scale_inv_t, **RULE, config=config)
+
+
+def _rows_xla(x: jax.Array) -> tuple:
+    """The blockwise recipe's XLA path for an activation's 1 x 128 tiles."""
+    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
+    return recipe.quantize(x, recipe.init_state("input"), "input", -1)
+
+
+def _rows_triton(x: jax.Array) -> tuple:
+    return block_quantize.quantize_rows(x, E4M3, **RULE)
+
+
+def _rows_mosaic(x: jax.Array, config: TransposeConfig) -> tuple:
+    return tensor_core_quantize_rows(x, E4M3, **RULE, config=config)
 
 
 def saved_copy(x: jax.Array, dry: bool) -> tuple[jax.Array, jax.Array]:
@@ -199,6 +220,7 @@ def ways(dry: bool, dtype: jnp.dtype, weight: bool, requantized: bool = False) -
         blockwise = (BLOCKWISE, _blockwise_xla, _blockwise_triton, _blockwise_tensor_cores, dtype)
     families = [] if blockwise is None else [blockwise]
     if requantized:
+        families.append((ROWS, _rows_xla, _rows_triton, _rows_mosaic, None))
         families.append(
             (REQUANTIZED, _requantized_xla, _requantized_triton, _requantized_tensor_cores, E4M3)
         )
@@ -253,7 +275,9 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
             pairs = zip(got, ieee_rows(values.T), strict=True)
             differ[name] = sum(int(np.sum(np.asarray(g, np.float32) != w)) for g, w in pairs)
             continue
-        if name.startswith(BLOCKS):  # blocks, transposed, their scales per row; the amax
+        if name.startswith(ROWS):  # rows, scales; the amax
+            got, want = (*got[:2], jnp.max(got[2])), ieee_rows(host)
+        elif name.startswith(BLOCKS):  # blocks, transposed, their scales per row; the amax
             data, scale_inv = ieee_blocks(host)
             rows_t = np.repeat(scale_inv, 128, axis=0).T
             want = (data, data.T, rows_t, np.repeat(scale_inv, 128, axis=1))
@@ -291,6 +315,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             args = (x,)
             if name.startswith(REQUANTIZED):
                 moved, args = 2 * x.size, saved
+            elif name.startswith(ROWS):  # one FP8 copy
+                moved = x.size * (x.dtype.itemsize + 1)
             measure = functools.partial(_time, fn, args, moved, runs, dry)
             if refused(name, dry):
                 measure = functools.partial(dict, skipped=refused(name, dry))

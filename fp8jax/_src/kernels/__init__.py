@@ -32,6 +32,7 @@ QUANTIZE_NAMES = (
     "fp8jax_tensor_core_quantize_rows_and_columns",
     "fp8jax_tensor_core_quantize_blocks",
     "fp8jax_tensor_core_requantize_columns",
+    "fp8jax_tensor_core_quantize_rows",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
@@ -43,3 +44,5 @@ TENSOR_CORE_ROWS_AND_COLUMNS_NAME = QUANTIZE_NAMES[9]
 TENSOR_CORE_BLOCKS_NAME = QUANTIZE_NAMES[10]
 #: A saved FP8 activation's 128 x 1 tiles, transposed, the same way.
 TENSOR_CORE_REQUANTIZE_NAME = QUANTIZE_NAMES[11]
+#: An activation's 1 x 128 tiles on TMA (nothing to transpose).
+TENSOR_CORE_ROWS_NAME = QUANTIZE_NAMES[12]

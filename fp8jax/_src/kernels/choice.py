@@ -30,7 +30,12 @@ from jaxtyping import Array, Float, Int
 
 from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
-from .block_quantize import quantize_blocks, quantize_rows_and_columns, requantize_columns
+from .block_quantize import (
+    quantize_blocks,
+    quantize_rows,
+    quantize_rows_and_columns,
+    requantize_columns,
+)
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
 from .persistent_config import PersistentConfig
@@ -38,6 +43,7 @@ from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
 from .tensor_core_blocks import (
     tensor_core_quantize_blocks,
+    tensor_core_quantize_rows,
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
 )
@@ -120,14 +126,15 @@ def chained_pipelines() -> contextlib.AbstractContextManager[None]:
 
 
 def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
-    """Functions traced inside quantize the blockwise output gradient's two copies (1 x 128
-    and 128 x 1 tiles, `BlockwiseScaling.quantize_both`), a weight's 128 x 128 blocks with
-    their transpose, and a saved activation's 128 x 1 tiles for the wgrad on TMA and the
-    tensor cores (`tensor_core_blocks`, Mosaic GPU: its interpreter from JAX 0.11 on), where
-    the block is 128 (and the gradient BF16 or float16); elsewhere the Pallas Triton kernels
-    (`block_quantize`). The same values for
-    finite operands (in value: a -0 in a transposed copy may come out +0). Issue 39: the
-    default once a GPU run has timed it (`benchmarks/llama_block.py`'s `blockwise-tc`)."""
+    """Functions traced inside quantize the blockwise recipe's tensors on TMA and the tensor
+    cores (`tensor_core_blocks`, Mosaic GPU: its interpreter from JAX 0.11 on) where the
+    block is 128: an activation's 1 x 128 tiles (on TMA alone), the output gradient's two
+    copies (1 x 128 and 128 x 1 tiles, `BlockwiseScaling.quantize_both`; a BF16 or float16
+    gradient), a weight's 128 x 128 blocks with their transpose, and a saved activation's
+    128 x 1 tiles for the wgrad; elsewhere the Pallas Triton kernels (`block_quantize`).
+    The same values for finite operands (in value: a -0 in a transposed copy may come out
+    +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
+    `blockwise-tc`)."""
     return setting(_TENSOR_CORES, True)
 
 
@@ -149,6 +156,22 @@ def recipe_rows_and_columns(
         data, scale_t, amaxes, data_t, cols = (jax.vmap(call) if x.ndim == 3 else call)(x)
     # One amax per program (NaN-propagating): their max is `x`'s.
     return data, swap(scale_t), jnp.max(amaxes), swap(data_t), cols
+
+
+def recipe_quantize_rows(
+    x: Float[Array, "*B M K"], fmt: jnp.dtype, *, block: int, max_scale: float, power_of_two: bool
+) -> tuple[Array, Array, Float[Array, ""]]:
+    """`x`'s 1 x `block` tiles, as `BlockwiseScaling` takes them: FP8 `data`, `scale_inv
+    (*B, M, K / block)` and `max |x|` (NaN with a NaN). On the kernel
+    `tensor_core_quantization()` chooses (block 128: Mosaic GPU's, on TMA)."""
+    rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
+    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
+        data, scale_t, amaxes = tensor_core_quantize_rows(x, fmt, **rule)
+    else:
+        call = functools.partial(quantize_rows, fmt=fmt, **rule)
+        data, scale_t, amaxes = (jax.vmap(call) if x.ndim == 3 else call)(x)
+    # One amax per program (NaN-propagating): their max is `x`'s.
+    return data, jnp.swapaxes(scale_t, -1, -2), jnp.max(amaxes)
 
 
 def recipe_requantize_columns(

@@ -45,6 +45,7 @@ from . import (
     TENSOR_CORE_BLOCKS_NAME,
     TENSOR_CORE_REQUANTIZE_NAME,
     TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+    TENSOR_CORE_ROWS_NAME,
 )
 from .quantize_tiles import nan_max, saturating_cast, tile_rule, tile_scales
 from .tensor_core_tiles import (
@@ -73,47 +74,52 @@ def _everywhere_max(amax: Array) -> Array:
     return lax.bitcast_convert_type(jnp.broadcast_to(bits, amax.shape), jnp.float32)
 
 
-def _blockwise_call(x, *, blocks, fmt, batch, max_scale, power_of_two, config, interpret):
-    """`x`'s 1 x 128 tiles and its 128 x 1 tiles transposed, or (`blocks`) its 128 x 128
-    blocks and the same FP8 values transposed, with scales in the layouts the GEMM kernels
-    read (`block_quantize`'s)."""
+#: What `_blockwise_call` writes: 1 x 128 tiles (`ROWS`), with the 128 x 1 tiles transposed
+#: (`ROWS_AND_COLUMNS`), or a weight's 128 x 128 blocks and their transpose (`BLOCKS`).
+ROWS, ROWS_AND_COLUMNS, BLOCKS = "rows", "rows and columns", "blocks"
+
+
+def _blockwise_call(x, *, kind, fmt, batch, max_scale, power_of_two, config, interpret):
+    """`x`'s tiles of `kind`, with scales in the layouts the GEMM kernels read
+    (`block_quantize`'s)."""
     rows, k = x.shape
     rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
     scales = functools.partial(_row_scales, rule=rule)
+    copies = 1 if kind == ROWS else 2
 
     def tile_step(ins, outs, scratch, eye_smem):
-        q_gmem, s_gmem, qt_gmem, st_gmem = outs
-        q_smem = scratch[0]
+        # Per copy (0: x's layout, 1: transposed): its FP8 and scale buffers and outputs.
+        copy = [
+            (scratch[c], scratch[copies + c], outs[2 * c], outs[2 * c + 1]) for c in range(copies)
+        ]
 
-        def write(tile, values, buffers, scale_inv, where, copy):
-            """An FP8 tile of copy `copy` (0: `x`'s layout, 1: transposed) written at tile
-            `where[copy]`, its rows' `scale_inv` to that copy's chunk-major scales at the
-            tile `where[1 - copy]` names (the GEMMs' layout: one row a 128-chunk)."""
-            data_smem, scale_smem = buffers[copy], buffers[2 + copy]
-            data_gmem, scale_gmem = (q_gmem, s_gmem) if copy == 0 else (qt_gmem, st_gmem)
-            store(values, data_smem, tile, tile_at(data_gmem, *where[copy]))
-            row, col_tile = where[1 - copy]
-            dst = scale_gmem.at[row, pl.ds(col_tile * BLOCK, BLOCK)]
-            store(scale_inv, scale_smem, tile, dst)
+        def write(tile, values, scale_inv, where, c):
+            """Copy `c`'s FP8 tile written at tile `where[c]`, its rows' `scale_inv` to
+            that copy's chunk-major scales at the tile `where[1 - c]` names (the GEMMs'
+            layout: one row a 128-chunk)."""
+            data_smem, scale_smem, data_gmem, scale_gmem = copy[c]
+            store(values, data_smem, tile, tile_at(data_gmem, *where[c]))
+            row, col_tile = where[1 - c]
+            store(scale_inv, scale_smem, tile, scale_gmem.at[row, pl.ds(col_tile * BLOCK, BLOCK)])
 
         def step(tile: Tile, x_smem, xv):
             where = ((tile.i, tile.col), (tile.transposed(), tile.local))
             amax = nan_max(jnp.abs(xv), axis=1)  # per row, NaN above inf
-            if blocks:  # the block's amax for every row; the transpose of its FP8 values
+            if kind == BLOCKS:  # the block's amax for every row; the transpose of its values
                 scale, scale_inv = scales(_everywhere_max(amax))
-                write(tile, saturating_cast(xv, scale, fmt), scratch, scale_inv, where, 0)
-                qt = transposed(eye_smem, q_smem.at[tile.slot]).astype(fmt)
-                write(tile, qt, scratch, scale_inv, where, 1)
+                write(tile, saturating_cast(xv, scale, fmt), scale_inv, where, 0)
+                qt = transposed(eye_smem, copy[0][0].at[tile.slot]).astype(fmt)
+                write(tile, qt, scale_inv, where, 1)
                 return amax
             scale, scale_inv = scales(amax)
-            write(tile, saturating_cast(xv, scale, fmt), scratch, scale_inv, where, 0)
-            # x's columns are the rows of its transpose, on the tensor cores from x's tile.
-            xt = transposed(eye_smem, x_smem)
-            scale, scale_inv = scales(nan_max(jnp.abs(xt), axis=1))
-            write(tile, saturating_cast(xt, scale, fmt), scratch, scale_inv, where, 1)
+            write(tile, saturating_cast(xv, scale, fmt), scale_inv, where, 0)
+            if kind == ROWS_AND_COLUMNS:  # x's columns: the rows of its transpose, x's tile
+                xt = transposed(eye_smem, x_smem)
+                scale, scale_inv = scales(nan_max(jnp.abs(xt), axis=1))
+                write(tile, saturating_cast(xt, scale, fmt), scale_inv, where, 1)
             return amax
 
-        return step, 4
+        return step, 2 * copies
 
     m, f32 = rows // batch, jnp.float32
     out_type = (
@@ -121,15 +127,19 @@ def _blockwise_call(x, *, blocks, fmt, batch, max_scale, power_of_two, config, i
         shape_like((batch * k // BLOCK, m), f32, x),
         shape_like((batch * k, m), fmt, x),
         shape_like((rows // BLOCK, k), f32, x),
-    )
-    scratch = fp8_buffers(fmt) + [plgpu.SMEM((2, BLOCK), f32) for _ in range(2)]
-    name = TENSOR_CORE_BLOCKS_NAME if blocks else TENSOR_CORE_ROWS_AND_COLUMNS_NAME
-    eye = jnp.asarray(np.eye(BLOCK), fmt if blocks else x.dtype)
+    )[: 2 * copies]
+    scratch = fp8_buffers(fmt)[:copies] + [plgpu.SMEM((2, BLOCK), f32) for _ in range(copies)]
+    names = {
+        ROWS: TENSOR_CORE_ROWS_NAME,
+        ROWS_AND_COLUMNS: TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        BLOCKS: TENSOR_CORE_BLOCKS_NAME,
+    }
+    eye = None if kind == ROWS else jnp.asarray(np.eye(BLOCK), fmt if kind == BLOCKS else x.dtype)
     return stream_tiles(
         x,
         eye,
         (),
-        name=name,
+        name=names[kind],
         out_type=out_type,
         scratch_types=scratch,
         tile_step=tile_step,
@@ -188,8 +198,31 @@ _requantize = jax.jit(
 )
 _blockwise = jax.jit(
     _blockwise_call,
-    static_argnames=("blocks", "fmt", "batch", "max_scale", "power_of_two", "config", "interpret"),
+    static_argnames=("kind", "fmt", "batch", "max_scale", "power_of_two", "config", "interpret"),
 )
+
+
+def tensor_core_quantize_rows(
+    x: Float[Array, "*B M K"],
+    fmt: jnp.dtype,
+    *,
+    block: int = BLOCK,
+    max_scale: float,
+    power_of_two: bool = False,
+    config: TransposeConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Float[Array, "programs 128"]]:
+    """`block_quantize.quantize_rows(x)` on TMA (nothing to transpose: no tensor cores):
+    `x`'s 1 x 128 tiles along `K`, FP8 `data` as `x` and chunk-major `scale_inv_t (*B, K /
+    128, M)`, and partial amaxes whose maximum is `max |x|` (NaN where `x` has a NaN), from
+    one read of `x` (at most one batch axis; `M`, `K` multiples of 128; a 16- or 32-bit
+    float). Scales as `BlockwiseScaling.block_scale` (at most `max_scale`; `block` must be
+    128). `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's interpreter
+    (`None`: as traced)."""
+    data, scale_t, amaxes = _tiles(
+        x, fmt, ROWS, TENSOR_CORE_ROWS_NAME, block, max_scale, power_of_two, config, interpret
+    )
+    return data, scale_t, amaxes
 
 
 def tensor_core_quantize_rows_and_columns(
@@ -211,14 +244,30 @@ def tensor_core_quantize_rows_and_columns(
     `BlockwiseScaling.block_scale` (at most `max_scale`; `block` must be 128).
     `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's interpreter (`None`:
     as traced)."""
-    who = TENSOR_CORE_ROWS_AND_COLUMNS_NAME
+    return _tiles(
+        x,
+        fmt,
+        ROWS_AND_COLUMNS,
+        TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        block,
+        max_scale,
+        power_of_two,
+        config,
+        interpret,
+    )
+
+
+def _tiles(x, fmt, kind, who, block, max_scale, power_of_two, config, interpret) -> tuple:
+    """`_blockwise_call`'s `ROWS` or `ROWS_AND_COLUMNS` of a checked `x (*B, M, K)`: data,
+    scale_inv_t, amaxes, and for the columns data_t and their scale_inv, batched as `x`."""
     if block != BLOCK:
         raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
-    config, interpret = checked(who, x, fmt, config, (jnp.bfloat16, jnp.float16), interpret)
+    dtypes = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if kind == ROWS else ())
+    config, interpret = checked(who, x, fmt, config, dtypes, interpret)
     batch, (m, k) = (x.shape[0] if x.ndim == 3 else 1), x.shape[-2:]
-    data, scale_t, data_t, cols, amaxes = _blockwise(
+    data, scale_t, *cols, amaxes = _blockwise(
         jnp.reshape(x, (batch * m, k)),
-        blocks=False,
+        kind=kind,
         fmt=jnp.dtype(fmt),
         batch=batch,
         max_scale=float(max_scale),
@@ -228,10 +277,8 @@ def tensor_core_quantize_rows_and_columns(
     )
     lead = x.shape[:-2]
     shapes = (x.shape, (*lead, k // BLOCK, m), (*lead, k, m), (*lead, m // BLOCK, k))
-    data, scale_t, data_t, cols = (
-        jnp.reshape(a, s) for a, s in zip((data, scale_t, data_t, cols), shapes, strict=True)
-    )
-    return data, scale_t, amaxes, data_t, cols
+    out = [jnp.reshape(a, s) for a, s in zip((data, scale_t, *cols), shapes, strict=False)]
+    return (out[0], out[1], amaxes, *out[2:])
 
 
 def tensor_core_quantize_blocks(
@@ -261,7 +308,7 @@ def tensor_core_quantize_blocks(
     config, interpret = checked(who, w, fmt, config, dtypes, interpret)
     data, rows_t, data_t, cols, amaxes = _blockwise(
         w,
-        blocks=True,
+        kind=BLOCKS,
         fmt=jnp.dtype(fmt),
         batch=1,
         max_scale=float(max_scale),

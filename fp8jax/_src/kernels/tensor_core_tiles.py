@@ -75,10 +75,11 @@ def tiles_per_program(config: TransposeConfig, tiles: int) -> int:
 _FIXED_BYTES = 4 * BLOCK * BLOCK + 5 * BLOCK * 4 + SMEM_RESERVE
 
 
-def stages(config: TransposeConfig, dtype: jnp.dtype, eye_dtype: jnp.dtype) -> int:
+def stages(config: TransposeConfig, dtype: jnp.dtype, eye_dtype: jnp.dtype | None) -> int:
     """`config.max_concurrent_steps`, clipped to the tiles of `dtype` shared memory holds
-    beside an identity of `eye_dtype` (a float32 operand: 2)."""
-    fixed = _FIXED_BYTES + BLOCK * BLOCK * jnp.dtype(eye_dtype).itemsize
+    beside an identity of `eye_dtype` (`None`: none; a float32 operand: 2)."""
+    eye = 0 if eye_dtype is None else BLOCK * BLOCK * jnp.dtype(eye_dtype).itemsize
+    fixed = _FIXED_BYTES + eye
     fit = (H100_SMEM_BYTES - fixed) // (BLOCK * BLOCK * jnp.dtype(dtype).itemsize)
     return max(1, min(config.max_concurrent_steps, fit))
 
@@ -115,7 +116,8 @@ def stream_tiles(
     side=None,
 ):
     """The kernels' frame: programs over `x`'s 128 x 128 tiles in a TMA pipeline, the
-    identity `eye` in shared memory, and as the last output each program's row amaxes (NaN
+    identity `eye` in shared memory (`None`: a kernel that transposes nothing), and as the
+    last output each program's row amaxes (NaN
     above inf). `tile_step(ins, outs, scratch, eye_smem)` returns `(step, stores)`: `step(tile,
     x_smem, xv, *side_smem)` (`xv` the tile in float32, in `wgmma`'s register layout; `None`
     for an FP8 `x`) writes a tile's outputs in `stores` TMA copies from double-buffered
@@ -131,15 +133,21 @@ def stream_tiles(
     x_tiling = operand_tiling(x.dtype, BLOCK)
     sides = () if side is None else (side,)
 
-    def body(x_gmem, eye_gmem, *refs):
-        side_gmem = refs[0] if sides else None
-        refs = refs[len(sides) :]
+    eyes = () if eye is None else (eye,)
+
+    def body(x_gmem, *refs):
+        eye_gmem = refs[0] if eyes else None
+        side_gmem = refs[len(eyes)] if sides else None
+        refs = refs[len(eyes) + len(sides) :]
         ins, outs = refs[: len(inputs)], refs[len(inputs) : len(inputs) + len(out_type)]
-        eye_smem, amax_smem, barrier, *scratch = refs[len(inputs) + len(out_type) + 1 :]
         amax_gmem = refs[len(inputs) + len(out_type)]
+        amax_smem, *scratch = refs[len(inputs) + len(out_type) + 1 :]
+        eye_smem = None
+        if eyes:
+            eye_smem, barrier, *scratch = scratch
+            plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, barrier)
+            plgpu.barrier_wait(barrier)
         p = lax.axis_index("p")
-        plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, barrier)
-        plgpu.barrier_wait(barrier)
         step_tile, stores = tile_step(ins, outs, scratch, eye_smem)
 
         def tile_of(j):
@@ -173,7 +181,7 @@ def stream_tiles(
             step,
             grid=(per,),
             in_specs=in_specs,
-            max_concurrent_steps=stages(config, x.dtype, eye.dtype),
+            max_concurrent_steps=stages(config, x.dtype, None if eye is None else eye.dtype),
             init_carry=init,
         )(x_gmem, *([side_gmem] if sides else []))
         amax_smem[...] = amax
@@ -186,15 +194,21 @@ def stream_tiles(
         body,
         out_type=(*out_type, shape_like((tiles // per, BLOCK), jnp.float32, x)),
         scratch_types=[
-            plgpu.SMEM((BLOCK, BLOCK), eye.dtype, transforms=operand_tiling(eye.dtype, BLOCK)),
             plgpu.SMEM((BLOCK,), jnp.float32),
-            plgpu.Barrier(num_arrivals=1),
+            *[
+                t
+                for e in eyes
+                for t in (
+                    plgpu.SMEM((BLOCK, BLOCK), e.dtype, transforms=operand_tiling(e.dtype, BLOCK)),
+                    plgpu.Barrier(num_arrivals=1),
+                )
+            ],
             *scratch_types,
         ],
         grid=(tiles // per,),
         grid_names=("p",),
         interpret=mosaic_private.interpret_params() if interpret else None,
-    )(x, eye, *sides, *inputs)
+    )(x, *eyes, *sides, *inputs)
 
 
 def transposed(eye_smem, tile_smem) -> Array:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -371,20 +370,15 @@ class BlockwiseScaling(BlockScaledRecipe):
     ) -> tuple[QTensor, QTensor | None, TensorState]:
         fmt, size = self.format(role), self.block_size
 
-        def tiles(x: Array) -> tuple[Array, ...]:
-            # Scales come chunk-major (as the GEMM kernels read them): transposed back here,
-            # and again by the kernels' callers, which XLA folds into none.
-            data, scale_t, amax = block_quantize.quantize_rows(x, fmt, **self._rule())
-            return data, scale_t.T, amax
-
         def native(x: Array) -> tuple[Array, ...]:
-            from ..kernels.choice import recipe_rows_and_columns  # Pallas: imported on use
+            # Pallas: imported on use. Scales come chunk-major (as the GEMM kernels read
+            # them): transposed back there, and again by the kernels' callers, which XLA
+            # folds into none.
+            from ..kernels.choice import recipe_quantize_rows, recipe_rows_and_columns
 
-            if columns:  # the output gradient's two copies (`tensor_core_quantization`)
+            if columns:  # the output gradient's two copies
                 return recipe_rows_and_columns(x, fmt, **self._rule())
-            data, scale_inv, amaxes = (jax.vmap(tiles) if x.ndim == 3 else tiles)(x)
-            # One amax per program from the kernel (NaN-propagating): their max is `x`'s.
-            return data, scale_inv, jnp.max(amaxes)
+            return recipe_quantize_rows(x, fmt, **self._rule())
 
         def xla(x: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)
