@@ -8,8 +8,9 @@ Each configuration of the GPU check's `transpose` section (`gpu_check/transpose.
 Mosaic GPU dumping its PTX and ptxas' log, for both kernels: the per-tensor cast with its
 transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
 (`tensor_core_quantize_rows_and_columns`, the BF16 shapes), a weight's blocks
-(`tensor_core_quantize_blocks`, the weight's shape) and a saved activation requantized
-(`tensor_core_requantize_columns`, the activation's shape). Registers and spills, the
+(`tensor_core_quantize_blocks`, the weight's shape), a saved activation requantized
+(`tensor_core_requantize_columns`) and an activation's rows alone (`tensor_core_quantize_rows`,
+the activation's shape). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -53,8 +54,9 @@ COUNTED = (
     "div.full.f32",
 )
 #: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
-#: blocks (the weight's shape), and a saved FP8 activation requantized (the activation's).
-KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize")
+#: blocks (the weight's shape), a saved FP8 activation requantized and an activation's rows
+#: alone (the activation's shape).
+KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize", "rows")
 
 
 def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> None:
@@ -64,6 +66,7 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
 
     from fp8jax._src.kernels.tensor_core_blocks import (
         tensor_core_quantize_blocks,
+        tensor_core_quantize_rows,
         tensor_core_quantize_rows_and_columns,
         tensor_core_requantize_columns,
     )
@@ -86,6 +89,9 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     def cast(x, scale):
         if kernel == "requantize":
             return tensor_core_requantize_columns(x, scale, max_scale=MAX_SCALE, config=config)
+        if kernel == "rows":
+            fmt = jnp.float8_e4m3fn
+            return tensor_core_quantize_rows(x, fmt, max_scale=MAX_SCALE, config=config)
         if kernel == "weight blocks":
             fmt = jnp.float8_e4m3fn
             return tensor_core_quantize_blocks(x, fmt, max_scale=MAX_SCALE, config=config)
@@ -140,7 +146,8 @@ def main() -> None:
     print(f"jax {jax.__version__}; deviceless H100; cast to E4M3 with a transposed copy")
     print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed;")
     print("weight blocks: one scale a 128 x 128 block, the same values transposed;")
-    print("requantize: a saved E4M3 copy's 1 x 128 tiles into 128 x 1 tiles, transposed")
+    print("requantize: a saved E4M3 copy's 1 x 128 tiles into 128 x 1 tiles, transposed;")
+    print("rows: 1 x 128 tiles alone (on TMA; nothing to transpose)")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
@@ -152,9 +159,10 @@ def main() -> None:
                 continue
             if kernel == "weight blocks" and not label.startswith("weight"):
                 continue
-            if kernel == "requantize" and not label.startswith("activation"):
+            if kernel in ("requantize", "rows") and not label.startswith("activation"):
                 continue
             eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
+            eye = None if kernel == "rows" else eye
             operand = jnp.dtype(jnp.float8_e4m3fn) if kernel == "requantize" else jnp.dtype(dtype)
             for name, config in CONFIGS.items():
                 tiles = (rows // 128) * (cols // 128)
