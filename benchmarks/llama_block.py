@@ -52,8 +52,8 @@ tiles, `PersistentConfig.compute_wgs`, the wgrad's two), `blockwise-chained` (th
 with each program's tiles chained into one pipeline,
 `chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
 `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM),
-`blockwise-tc` (the output gradients' two copies and the weights' blocks on the tensor-core
-kernels, `tensor_core_quantization`, session 52). Any
+`blockwise-tc` (every quantization pass on the Mosaic GPU kernels, the transposes on the
+tensor cores, `tensor_core_quantization`, session 52). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
 stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
 arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants start

@@ -28,6 +28,7 @@ SECTIONS = (
     "2c block kernels (persistent)",
     "2d quantization kernels",
     "2e cast and transpose",
+    "2f blockwise quantization kernels",
     "2 GEMMs (grouped)",
     "3b MoE layer",
     "3 train steps",
@@ -100,9 +101,9 @@ def test_every_kernel_met_its_numerics_bound(dry_run):
 
 def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     _, _, results = dry_run
-    # The per-tensor and blockwise passes three ways (section 2e): the kernels' copies as
-    # NumPy's (an output gradient's, a weight's, a saved activation's).
-    section = [r for r in results if r["section"] == "2e cast and transpose"]
+    # The per-tensor and blockwise passes three ways (sections 2e, 2f): the kernels' copies
+    # as NumPy's (an output gradient's, a weight's, a saved activation's).
+    section = [r for r in results if r["section"].startswith(("2e ", "2f "))]
     numerics = [r for r in section if r["name"].startswith("numerics")]
     assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     checked = set().union(*(r["elements_differing"] for r in numerics))

@@ -392,18 +392,17 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     command = [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--dry-run"]
-    command += ["--sections", "kernels,transpose", "--out", str(tmp_path)]
+    command += ["--sections", "kernels,transpose,blockwise", "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     results = [r for r in map(json.loads, lines) if r["name"] != "(section)"]
     assert results and all(r["status"] == "ok" for r in results), results
-    transposed = [r for r in results if r["section"] == "2e cast and transpose"]
+    transposed = [r for r in results if r["section"].startswith(("2e ", "2f "))]
     ways = ("triton, default", "tensor cores, default")
-    kinds = (
-        ("", "blockwise ", "blockwise rows ", "blockwise requantized "),
-        ("", "blockwise weight "),
-    )
+    # Per tensor (the dry BF16 shape), then blockwise (it and the dry weight).
+    kinds = (("",), ("blockwise ", "blockwise rows ", "blockwise requantized "))
+    kinds += (("blockwise weight ",),)
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
         {f"{kind}{way}": 0 for kind in shape for way in ways}
         for shape in kinds  # a BF16 operand, a weight

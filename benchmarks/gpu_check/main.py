@@ -31,8 +31,8 @@ from .timing import METHOD
 
 #: The sections, in the order they run.
 SECTIONS = (
-    "numerics", "gemms", "kernels", "quantize", "transpose", "grouped", "moe", "steps", "llama",
-    "profile",
+    "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
+    "steps", "llama", "profile",
 )  # fmt: skip
 
 #: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             transpose.SECTION,
             lambda: transpose.decide(rec, transpose.run(rec, mode, gemm_runs)),
         ),
+        "blockwise": (
+            transpose.BLOCKWISE_SECTION,
+            lambda: transpose.decide(rec, transpose.run(rec, mode, gemm_runs, blockwise=True)),
+        ),
         "grouped": (grouped.SECTION, lambda: grouped.run(rec, mode, gemm_runs)),
         "moe": (moe.SECTION, lambda: moe.decide(rec, moe.run(rec, mode, step_runs))),
         "steps": (steps.SECTION, lambda: steps.run(rec, mode, step_runs)),
@@ -285,6 +289,9 @@ LEGENDS = {
     transpose.SECTION: "numerics: elements of the two FP8 copies differing from a NumPy cast "
     "(must be 0), amax against NumPy's; way: ms (GB/s of the bytes the pass must move: read "
     "x, write two FP8 copies; the reference x + 1: read and write x)",
+    transpose.BLOCKWISE_SECTION: "numerics: elements of the FP8 copies and scales differing "
+    "from an IEEE NumPy reference (must be 0), amax against NumPy's; way: ms (GB/s of the "
+    "bytes the pass must move; the reference x + 1: read and write x)",
     grouped.SECTION: "ms (TFLOP/s of the real tokens, speed-up over BF16 lax.ragged_dot)",
     moe.SECTION: "ms per step, x each BF16 step (XLA's lax.ragged_dot; JAX's Pallas grouped "
     "kernels, checked against it first: issue 39's yardstick)",

@@ -1,6 +1,6 @@
-"""Section 2e (issues 38 and 39): an operand's FP8 cast with its transposed copy, the pass
-each FP8 operand of a step takes, three ways side by side, for per-tensor scaling and for
-DeepSeek-V3's blockwise tiles.
+"""Sections 2e and 2f (issues 38 and 39): an operand's FP8 cast with its transposed copy, the
+pass each FP8 operand of a step takes, three ways side by side, for per-tensor scaling (2e,
+`--sections transpose`) and for DeepSeek-V3's blockwise tiles (2f, `--sections blockwise`).
 
 Per-tensor (delayed and current scaling: one scale, the amax of the tensor):
 
@@ -84,6 +84,9 @@ from .record import Recorder
 from .timing import compile_and_time
 
 SECTION = "2e cast and transpose"
+#: The blockwise ways, a section of their own (`--sections blockwise`: the GPU check's call
+#: for issue 39 runs them, call 1 the per-tensor ones).
+BLOCKWISE_SECTION = "2f blockwise quantization kernels"
 #: label -> (rows, cols, dtype): Llama-3-8B at 8,192 tokens.
 SHAPES = {
     "activation 8192x4096 bf16": (8192, 4096, jnp.bfloat16),
@@ -294,20 +297,32 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
     return {"elements_differing": differ, "amax_exact": amax_ok, "passed": passed}
 
 
-def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
-    """Numerics, then the timings; returns `{shape: {way: ms}}`."""
+def family(name: str) -> str:
+    """The prefix of way `name` (of `PREFIXES`; "" per tensor)."""
+    return next((p for p in PREFIXES if name.startswith(p)), "")
+
+
+def run(
+    rec: Recorder, mode: str, runs: int, blockwise: bool = False
+) -> dict[str, dict[str, float]]:
+    """Numerics, then the timings, of the per-tensor ways (`SECTION`) or the blockwise ones
+    (`BLOCKWISE_SECTION`); returns `{shape: {way: ms}}`."""
     dry = mode == "dry"
+    section = BLOCKWISE_SECTION if blockwise else SECTION
     times: dict[str, dict[str, float]] = {}
     shapes = DRY_SHAPES if dry else SHAPES
     for label, (rows, cols, dtype) in list(shapes.items())[: 1 if mode == "quick" else None]:
         x = heavy_tailed(jax.random.PRNGKey(0), (rows, cols)).astype(dtype)
-        requantized = label.startswith(("activation", "dry 256"))
+        requantized = blockwise and label.startswith(("activation", "dry 256"))
         fns = ways(dry, dtype, weight="weight" in label, requantized=requantized)
+        fns = {k: v for k, v in fns.items() if bool(family(k)) == blockwise}
+        if dry and not blockwise and "weight" in label:
+            continue  # the dry weight shape is the blockwise section's (CI time)
         saved = saved_copy(x, dry) if requantized else None
         check = functools.partial(numerics, x, fns, dry, saved)
-        result = rec.measure(SECTION, f"numerics {label}", check)
+        result = rec.measure(section, f"numerics {label}", check)
         cell = rec.not_run() if result is None else _numerics_cell(result)
-        rec.cell(SECTION, label, "numerics (elements != NumPy; amax)", cell)
+        rec.cell(section, label, "numerics (elements != NumPy; amax)", cell)
         for name, fn in {**fns, COPY: _copy}.items():
             # The pass reads x and writes two FP8 copies (requantized: reads and writes one);
             # the copy reads and writes x.
@@ -320,7 +335,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             measure = functools.partial(_time, fn, args, moved, runs, dry)
             if refused(name, dry):
                 measure = functools.partial(dict, skipped=refused(name, dry))
-            result = rec.measure(SECTION, f"{label} | {name}", measure)
+            result = rec.measure(section, f"{label} | {name}", measure)
             if result is not None and "ms" in result:
                 times.setdefault(label, {})[name] = result["ms"]
             if result is None:
@@ -329,7 +344,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
                 text = "skipped"
             else:
                 text = f"{result['ms']:.3f} ({result['gb_per_s']:.0f} GB/s)"
-            rec.cell(SECTION, label, name, text)
+            rec.cell(section, label, name, text)
     return times
 
 
@@ -353,7 +368,7 @@ def decide(rec: Recorder, times: dict[str, dict[str, float]]) -> None:
         copy = f"; {COPY}: {reference:.3f} ms" if reference else ""
         families = {"per-tensor cast+transpose": {}, **{p.strip(): {} for p in PREFIXES}}
         for k, v in t.items():  # by the longest prefix
-            prefix = next((p for p in PREFIXES if k.startswith(p)), "")
+            prefix = family(k)
             families[prefix.strip() or "per-tensor cast+transpose"][k[len(prefix) :]] = v
         for what, mine in families.items():
             if "xla" not in mine or len(mine) < 2:
