@@ -43,18 +43,26 @@ def same(a, b):
     np.testing.assert_array_equal(a, b)
 
 
-def np_reference_rows(x, fmt, block, power_of_two):
-    """1 x `block` tiles of `x` in NumPy (float32 math, ml_dtypes rounding), independent of
-    fp8jax: data, chunk-major scale_inv, each program's amax."""
-    x = np.asarray(x, np.float32)
-    m, k = x.shape
-    amax = np.abs(x).reshape(m, k // block, block).max(-1)
+def np_scales(amax: np.ndarray, fmt, power_of_two: bool) -> np.ndarray:
+    """Tiles' scales from their amaxes in NumPy (float32), `BlockwiseScaling`'s rule: the
+    format's max over the amax (1 where it is 0 or not finite), at most `MAX_SCALE`."""
     fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
     ok = (amax > 0) & np.isfinite(amax)
     scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
     scale = np.minimum(scale, np.float32(MAX_SCALE))
     if power_of_two:
         scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+    return scale
+
+
+def np_reference_rows(x, fmt, block, power_of_two):
+    """1 x `block` tiles of `x` in NumPy (float32 math, ml_dtypes rounding), independent of
+    fp8jax: data, chunk-major scale_inv, each program's amax."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    amax = np.abs(x).reshape(m, k // block, block).max(-1)
+    scale = np_scales(amax, fmt, power_of_two)
+    fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
     scaled = np.clip(x * np.repeat(scale, block, axis=1), -fmt_max, fmt_max)
     data = np.where(np.isfinite(x), scaled, np.nan).astype(fmt)
     programs = amax.reshape(m // block, block, k // block).max(1)

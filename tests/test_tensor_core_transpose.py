@@ -241,16 +241,12 @@ def np_blocks(w: np.ndarray, fmt, power_of_two: bool) -> tuple[np.ndarray, ...]:
     """128 x 128 blocks of `w` (float32) in NumPy, independent of fp8jax: FP8 data, each
     block's scale_inv once per row it covers (chunk-major, `(K / 128, N)`, and for the
     transposed copy `(N / 128, K)`)."""
-    from test_block_quantize import MAX_SCALE
+    from test_block_quantize import np_scales
 
     n, k = w.shape
     amax = np.abs(w).reshape(n // 128, 128, k // 128, 128).max((1, 3))
+    scale = np_scales(amax, fmt, power_of_two)
     fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
-    ok = (amax > 0) & np.isfinite(amax)
-    scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
-    scale = np.minimum(scale, np.float32(MAX_SCALE))
-    if power_of_two:
-        scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
     full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)
     with np.errstate(invalid="ignore", over="ignore"):
         scaled = np.clip(w * full, -fmt_max, fmt_max)

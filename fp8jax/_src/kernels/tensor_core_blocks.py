@@ -13,6 +13,8 @@ Triton twin in `block_quantize` returns:
 - `tensor_core_requantize_columns(data, scale_inv_t, ...)`: a saved FP8 activation's 1 x 128
   tiles dequantized and quantized again in 128 x 1 tiles, transposed (the wgrad's
   activation): `I . q^T`, each column times its row's scale.
+- `tensor_core_quantize_rows(x, fmt, ...)`: an activation's 1 x 128 tiles alone; nothing to
+  transpose, so TMA alone (no identity, no tensor cores).
 
 Scales are divided exactly rounded (`div.rn.f32`, through `mosaic_private.ieee_divide`:
 Mosaic GPU's `/` is `div.full.f32`), as the Triton kernels' and the XLA path's on a CPU;
