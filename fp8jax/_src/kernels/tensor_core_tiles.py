@@ -20,6 +20,7 @@ view); JAX 0.10's refuses (`checked`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -102,28 +103,28 @@ class Tile(NamedTuple):
 
 
 def stream_tiles(
-    x,
-    eye,
-    inputs,
+    x: Array,
+    eye: Array | None,
+    inputs: tuple[Array, ...],
     *,
-    name,
-    out_type,
-    scratch_types,
-    tile_step,
-    batch,
-    config,
-    interpret,
-    side=None,
-):
-    """The kernels' frame: programs over `x`'s 128 x 128 tiles in a TMA pipeline, the
-    identity `eye` in shared memory (`None`: a kernel that transposes nothing), and as the
-    last output each program's row amaxes (NaN
-    above inf). `tile_step(ins, outs, scratch, eye_smem)` returns `(step, stores)`: `step(tile,
-    x_smem, xv, *side_smem)` (`xv` the tile in float32, in `wgmma`'s register layout; `None`
-    for an FP8 `x`) writes a tile's outputs in `stores` TMA copies from double-buffered
-    shared memory and returns its row amaxes. `side`, if given, is a `(K / 128 * B, M)`
-    array whose `(1, 128)` slice at `(Tile.transposed(), Tile.local)` comes with each
-    tile through the pipeline (`side_smem`, one row)."""
+    name: str,
+    out_type: tuple[jax.ShapeDtypeStruct, ...],
+    scratch_types: list,
+    tile_step: Callable,
+    batch: int,
+    config: TransposeConfig,
+    interpret: bool,
+    side: Array | None = None,
+) -> tuple[Array, ...]:
+    """The kernels' frame: programs over `x (B * M, K)`'s 128 x 128 tiles in a TMA pipeline,
+    the identity `eye` in shared memory (`None`: a kernel that transposes nothing), and as
+    the last output each program's row amaxes (NaN above inf). `tile_step(ins, outs,
+    scratch, eye_smem)` returns `(step, stores)`: `step(tile, x_smem, xv, *side_smem)` (`xv`
+    the tile in float32, in `wgmma`'s register layout; `None` for an FP8 `x`) writes a
+    tile's outputs in `stores` TMA copies from double-buffered shared memory and returns
+    its row amaxes. `side`, if given, is a `(B * K / 128, M)` array whose `(1, 128)` slice
+    at `(Tile.transposed(), Tile.local)` comes with each tile through the pipeline
+    (`side_smem`, one row)."""
     rows, k = x.shape
     m = rows // batch
     row_tiles, tiles_per_batch = k // BLOCK, m // BLOCK
@@ -131,9 +132,7 @@ def stream_tiles(
     per = tiles_per_program(config, tiles)
     layout = None if interpret else plgpu.Layout.WGMMA
     x_tiling = operand_tiling(x.dtype, BLOCK)
-    sides = () if side is None else (side,)
-
-    eyes = () if eye is None else (eye,)
+    sides, eyes = (() if side is None else (side,)), (() if eye is None else (eye,))
 
     def body(x_gmem, *refs):
         eye_gmem = refs[0] if eyes else None
