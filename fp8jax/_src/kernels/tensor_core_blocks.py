@@ -160,7 +160,7 @@ def _requantize_call(data, scale_inv_t, *, batch, max_scale, power_of_two, confi
     per_column = None if interpret else plgpu.Layout.WGMMA.reduce(0)
 
     def tile_step(ins, outs, scratch, eye_smem):
-        (qt_gmem, st_gmem), (qt_smem, _, st_smem) = outs, scratch
+        (qt_gmem, st_gmem), (qt_smem, st_smem) = outs, scratch
 
         def step(tile: Tile, x_smem, xv, s_smem):
             del xv  # an FP8 tile: not loaded into registers
@@ -185,7 +185,7 @@ def _requantize_call(data, scale_inv_t, *, batch, max_scale, power_of_two, confi
         (),
         name=TENSOR_CORE_REQUANTIZE_NAME,
         out_type=out_type,
-        scratch_types=fp8_buffers(fmt) + [plgpu.SMEM((2, BLOCK), jnp.float32)],
+        scratch_types=fp8_buffers(fmt)[:1] + [plgpu.SMEM((2, BLOCK), jnp.float32)],
         tile_step=tile_step,
         batch=batch,
         config=config,
