@@ -376,6 +376,44 @@ def test_blockwise_wgrad_activation_on_the_tensor_cores_is_the_triton_kernels(ba
         same(a, b)
 
 
+@needs_interpreter
+def test_a_blockwise_linear_step_on_the_tensor_cores_is_the_triton_kernels():
+    """A BF16 blockwise Fp8DotGeneral's value and gradients (weight, input, new state) with
+    every quantization pass on the Mosaic GPU kernels equal the step on the Triton kernels
+    (the GEMMs on the XLA path in both: the interpreter's GEMM sums in another order): all
+    four Mosaic kernels in its program, no Triton one."""
+    from test_block_quantize import heavy_tailed
+
+    rng = np.random.default_rng(29)
+    x = heavy_tailed(rng, (256, 256))
+    w = jnp.asarray(rng.standard_normal((256, 384)) * 0.05, jnp.bfloat16)
+    xla = fp8jax.BlockwiseScaling(native_kernel=False)
+
+    def loss(args):
+        layer, x, w = args
+        return jnp.sum(jnp.sin(layer(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32)))
+
+    step = fp8jax.filter_value_and_grad(loss)
+    real_dot = fp8jax.BlockwiseScaling.dot
+    args = (fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling()), x, w)
+    with dispatch.interpreted(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8jax.BlockwiseScaling, "dot", lambda _, *a, **k: real_dot(xla, *a, **k))
+        want = jax.jit(lambda a: step(a))(args)  # a new function for each trace
+        with tensor_core_quantization():
+            jaxpr = str(jax.make_jaxpr(lambda a: step(a))(args))
+            got = jax.jit(lambda a: step(a))(args)
+    names = (
+        TENSOR_CORE_ROWS_NAME,
+        TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
+        TENSOR_CORE_BLOCKS_NAME,
+        TENSOR_CORE_REQUANTIZE_NAME,
+    )
+    assert all(f"name={name}" in jaxpr for name in names), jaxpr
+    assert "name=fp8jax_quantize" not in jaxpr and "name=fp8jax_requantize" not in jaxpr
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+
+
 def test_bad_input_is_refused_by_name():
     x = jnp.ones((256, 384), jnp.bfloat16)
     one = jnp.float32(1)
