@@ -393,15 +393,17 @@ def test_a_blockwise_linear_step_on_the_tensor_cores_is_the_triton_kernels():
         layer, x, w = args
         return jnp.sum(jnp.sin(layer(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32)))
 
-    step = fp8jax.filter_value_and_grad(loss)
+    def step():  # a new gradient function for each trace: JAX's trace caches see no context
+        return fp8jax.filter_value_and_grad(loss)
+
     real_dot = fp8jax.BlockwiseScaling.dot
     args = (fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling()), x, w)
     with dispatch.interpreted(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(fp8jax.BlockwiseScaling, "dot", lambda _, *a, **k: real_dot(xla, *a, **k))
-        want = jax.jit(lambda a: step(a))(args)  # a new function for each trace
+        want = jax.jit(step())(args)
         with tensor_core_quantization():
-            jaxpr = str(jax.make_jaxpr(lambda a: step(a))(args))
-            got = jax.jit(lambda a: step(a))(args)
+            jaxpr = str(jax.make_jaxpr(step())(args))
+            got = jax.jit(step())(args)
     names = (
         TENSOR_CORE_ROWS_NAME,
         TENSOR_CORE_ROWS_AND_COLUMNS_NAME,
