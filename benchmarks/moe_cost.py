@@ -30,7 +30,9 @@ Mosaic GPU kernels, `ragged_dot_mgpu` and `transposed_ragged_dot_mgpu`, behind a
 the experts' own FLOPs each, `as_gemms`), and FP8 on XLA's path
 (`grouped_native_kernel=False`) or fp8jax's kernels: delayed scaling (E5M2 gradients: dgrad
 and wgrad run in the kernels on BF16 upcasts), delayed with `backward_format="e4m3"`, and
-blockwise.
+blockwise, on the Pallas Triton quantization kernels (the default) and inside
+`choice.tensor_core_quantization()` (the weights' blocks and the activations' tiles on the
+Mosaic GPU kernels, `kernels/tensor_core_blocks.py`; the gathered copies stay Triton's).
 
 Expert parallel (`--expert-parallel`): the same layer with its experts split over 8 H100s
 (one node: the exchanges on NVLink) and over 16 (two nodes: every exchange counted at
@@ -77,6 +79,8 @@ from jaxtyping import Array, Float, Int  # noqa: E402
 from train_steps import table, to_bf16  # noqa: E402
 
 import fp8jax  # noqa: E402
+from fp8jax._src.kernels import QUANTIZE_NAMES, TENSOR_CORE_BLOCKS_NAME  # noqa: E402
+from fp8jax._src.kernels.choice import tensor_core_quantization  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.observe.cost import hlo_cost  # noqa: E402
 from fp8jax._src.observe.roofline import H100, LINKS, Cost  # noqa: E402
@@ -88,6 +92,9 @@ SHAPES = {
 }
 #: BF16 with the experts' GEMMs on JAX's own grouped kernels (`with_jax_kernels`).
 JAX_VARIANT = "bf16, JAX grouped kernels"
+#: Blockwise with its quantization on the Mosaic GPU kernels (traced inside
+#: `choice.tensor_core_quantization()`).
+TENSOR_CORE_VARIANT = "fp8 blockwise, kernels, tensor-core quantization"
 #: name -> (recipe, grouped_native_kernel); `None` recipe: BF16, no conversion.
 VARIANTS = {
     "bf16": (None, None),
@@ -97,6 +104,7 @@ VARIANTS = {
     "fp8 delayed e4m3, kernels": (fp8jax.DelayedScaling(backward_format="e4m3"), None),
     "fp8 blockwise, XLA": (fp8jax.BlockwiseScaling(), False),
     "fp8 blockwise, kernels": (fp8jax.BlockwiseScaling(), None),
+    TENSOR_CORE_VARIANT: (fp8jax.BlockwiseScaling(), None),
 }
 #: CUB radix sort (the routing's argsort) asks the CUDA runtime for scratch sizes at compile
 #: time, which a deviceless compile has not: XLA's own sort instead.
@@ -267,7 +275,20 @@ def build(shape: dict, name: str, microbatches: int = 1, unroll: bool = False):
     x = jax.ShapeDtypeStruct((shape["tokens"], shape["width"]), jnp.bfloat16)
     model = eqx.filter_eval_shape(make_model, shape, *VARIANTS[name])
     step = moe_step if microbatches == 1 else accumulated_step(microbatches, unroll)
+    if name == TENSOR_CORE_VARIANT:
+        step = inside(tensor_core_quantization, step)
     return step, (with_jax_kernels(model) if name == JAX_VARIANT else model, x)
+
+
+def inside(context, step):
+    """`step` traced inside `context()`: a new function (JAX's trace caches do not see
+    fp8jax's contexts, so a function traced before, outside, could come back)."""
+
+    def traced(*args: Any) -> Any:
+        with context():
+            return step(*args)
+
+    return traced
 
 
 def compile_cost(
@@ -295,9 +316,10 @@ def experts_flops(shape: dict) -> int:
 
 
 def weight_quantization_bytes(cost: Cost) -> int:
-    """HBM bytes of the blockwise expert weights' quantization kernels (`quantize_blocks`),
-    every run counted."""
-    return sum(k.bytes * k.runs for k in cost.kernels if "fp8jax_quantize_blocks" in k.op_name)
+    """HBM bytes of the blockwise expert weights' quantization kernels (`quantize_blocks`,
+    Triton's or Mosaic GPU's), every run counted."""
+    names = (QUANTIZE_NAMES[3], TENSOR_CORE_BLOCKS_NAME)
+    return sum(k.bytes * k.runs for k in cost.kernels if any(n in k.op_name for n in names))
 
 
 def report(title: str, shape: dict, microbatches: int = 1, unroll: bool = False) -> None:

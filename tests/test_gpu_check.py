@@ -286,8 +286,9 @@ def test_every_moe_variant_of_every_mode_builds(monkeypatch):
 def test_moe_variants_trace_inside_their_kernel_choice(monkeypatch):
     """The MoE section's contexts: `blockwise-tiled` takes the tiled grouped kernel,
     `blockwise-tile-scales` the weights' scales per block, `blockwise-chained` the persistent
-    rows kernel with its programs' tiles chained (a grouped rows GEMM traced inside each, as
-    on a GPU, the kernels spied on)."""
+    rows kernel with its programs' tiles chained, `blockwise-tc` the Mosaic GPU quantization
+    kernels and the default GEMMs (a grouped rows GEMM traced inside each, as on a GPU, the
+    kernels spied on)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import moe
 
@@ -315,6 +316,11 @@ def test_moe_variants_trace_inside_their_kernel_choice(monkeypatch):
         assert quantize_config.resolved(block_quantize.DEFAULT_TUNING).slab_rows == 32
         choice.recipe_grouped_rows_gemm(a, w, items, item_scale=jnp.ones(items.tile.shape))
     assert seen[-1] == default
+    # `blockwise-tc`: the quantization on the Mosaic GPU kernels, the GEMMs as `blockwise`'s.
+    with moe.CONTEXTS["blockwise-tc"]():
+        assert choice.tensor_core_quantization_chosen()
+        choice.recipe_grouped_rows_gemm(a, w, items, item_scale=jnp.ones(items.tile.shape))
+    assert seen[-1] == default and not choice.tensor_core_quantization_chosen()
 
 
 def test_jax_grouped_bf16_computes_the_moe_step_as_lax_ragged_dot(monkeypatch):

@@ -289,6 +289,66 @@ def test_weight_blocks_quantize_as_numpy(dtype, fmt, power_of_two, config):
 
 
 @needs_interpreter
+def test_experts_weight_blocks_are_one_kernel_of_each_weights_blocks():
+    """Experts' weights `(E, N, K)`, batched or under `vmap` (nested too), quantize as each
+    weight alone, bit for bit, through one kernel by its name; each expert's partial amaxes
+    are its own, also where a program would have spanned two experts (3 programs at most
+    over 2 x 6 tiles)."""
+    from test_block_quantize import heavy_tailed
+
+    rng = np.random.default_rng(31)
+    # The second expert's amax above every block of the first.
+    w = jnp.stack([heavy_tailed(rng, (256, 384)) * 64.0**e for e in range(2)])
+    call = functools.partial(
+        tensor_core_quantize_blocks,
+        fmt=E4M3,
+        max_scale=2.0**16,
+        config=TransposeConfig(max_programs=3),
+        interpret=True,
+    )
+    alone = [call(w[e]) for e in range(2)]
+    jaxpr = str(jax.make_jaxpr(jax.vmap(call))(w))
+    assert jaxpr.count(f"name={TENSOR_CORE_BLOCKS_NAME}") == 1 and "batched_body" not in jaxpr
+    nested = jax.vmap(jax.vmap(call))(jnp.stack([w, w[::-1]]))
+    reversed_ = [a[1][::-1] for a in nested]  # the outer axis' second member: w[::-1]
+    for got in (call(w), jax.vmap(call)(w), [a[0] for a in nested], reversed_):
+        for e in range(2):
+            for a, b in zip([g[e] for g in got[:4]], alone[e][:4], strict=True):
+                same_bits(a, b)
+            amax = float(jnp.max(jnp.abs(w[e].astype(jnp.float32))))
+            assert got[4][e].shape == (1, 128) and float(jnp.max(got[4][e])) == amax
+
+
+@needs_interpreter
+def test_experts_blockwise_weights_on_the_tensor_cores_are_the_triton_kernels():
+    """Inside `tensor_core_quantization()` the blockwise recipe's experts' weights, each with
+    its own state and `vmap`ped as `Fp8RaggedDot` quantizes them, equal the Pallas Triton
+    kernel's copies and states, through one tensor-core kernel for all experts."""
+    from test_block_quantize import heavy_tailed
+
+    recipe = fp8jax.BlockwiseScaling(power_of_two=True)
+    states = jax.vmap(lambda _: recipe.init_state("kernel"))(jnp.arange(3))
+    rng = np.random.default_rng(37)
+    w = jnp.stack([heavy_tailed(rng, (256, 384)) * 4.0**e for e in range(3)])
+
+    def copies(w, state):
+        q, new = recipe.quantize(w, state, "kernel", -1)
+        return q, new, recipe.retile(q, "kernel", -2, source=w)
+
+    # A new function for each trace: jit's cache does not see the context.
+    with dispatch.interpreted():
+        want = jax.jit(lambda w, s: jax.vmap(copies)(w, s))(w, states)
+        with tensor_core_quantization():
+            jaxpr = str(jax.make_jaxpr(lambda w, s: jax.vmap(copies)(w, s))(w, states))
+            got = jax.jit(lambda w, s: jax.vmap(copies)(w, s))(w, states)
+    assert jaxpr.count(f"name={TENSOR_CORE_BLOCKS_NAME}") == 1, jaxpr
+    assert "fp8jax_quantize_blocks" not in jaxpr and "batched_body" not in jaxpr
+    assert len(set(np.asarray(got[1].amax_history[:, 0]).tolist())) == 3  # the experts' own
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("batch", [(), (2,)])
 def test_blockwise_output_gradient_on_the_tensor_cores_is_its_xla_path(batch):
     """Inside `tensor_core_quantization()` the blockwise recipe's output gradient (both
@@ -468,9 +528,35 @@ def test_programs_and_stages_follow_the_config():
     assert tiles_per_program(config, 64 * 32) == 16  # 8192 x 4096: 128 programs
     assert tiles_per_program(config, 64 * 112) == 56  # 8192 x 14336: 128 programs
     assert tiles_per_program(config, 7) == 1 and tiles_per_program(TransposeConfig(2), 7) == 7
+    # Batched (experts' weights): no program spans two items.
+    assert tiles_per_program(config, 8 * 112 * 32, batch=8) == 224  # Mixtral's up: 128
+    assert tiles_per_program(config, 64 * 11 * 16, batch=64) == 88  # 64 x 1408 x 2048: 128
+    assert tiles_per_program(TransposeConfig(3), 12, batch=2) == 6  # not 4 (tiles 4-7)
+    assert tiles_per_program(TransposeConfig(3), 5 * 4, batch=5) == 4  # one an item
     four = TransposeConfig(max_concurrent_steps=4)
     assert stages(four, jnp.bfloat16, E4M3) == 4 and stages(four, jnp.float32, E4M3) == 2
     assert stages(four, jnp.bfloat16, jnp.bfloat16) == 3  # a BF16 identity: 16 KB more
+
+
+def test_h100_compile_of_experts_weights_is_one_kernel_counted_as_quantization():
+    """For an H100 (deviceless): experts' weights `vmap`ped through the weight kernel compile
+    to one Mosaic GPU call by its name (not a batched grid, which JAX names `batched_body`),
+    which `fp8jax.hlo_cost` files under quantization with every expert's bytes."""
+    from helpers import h100_topology
+
+    from fp8jax._src.observe import deviceless
+
+    device = h100_topology().devices[0]
+    spec = jax.ShapeDtypeStruct((4, 256, 384), jnp.bfloat16)
+    blocks = functools.partial(
+        tensor_core_quantize_blocks, fmt=E4M3, max_scale=2.0**16, interpret=False
+    )
+    lowered, _ = deviceless.lower(jax.vmap(blocks), (spec,), {}, device)
+    hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
+    assert len(calls) == 1 and TENSOR_CORE_BLOCKS_NAME in calls[0], calls
+    cost = fp8jax.hlo_cost(hlo)
+    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 4 * 256 * 384 * 4
 
 
 @pytest.mark.parametrize(

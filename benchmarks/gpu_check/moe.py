@@ -17,7 +17,9 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   kernels given the experts' weight scales once per block: `weight_block_scales()`) and
   `blockwise-chained` (each program's tiles chained into one pipeline:
   `chained_pipelines()`) and `blockwise-slabs` (the quantization kernels holding 32 rows
-  of a tile at a time: `quantize_slabs(32)`, session 39).
+  of a tile at a time: `quantize_slabs(32)`, session 39), `blockwise-tc` (the experts'
+  weight blocks and the activations' tiles quantized on the Mosaic GPU kernels:
+  `tensor_core_quantization()`, session 53).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -36,7 +38,12 @@ import moe_cost
 from jaxtyping import Array
 
 import fp8jax
-from fp8jax._src.kernels.choice import chained_pipelines, tiled_kernel, weight_block_scales
+from fp8jax._src.kernels.choice import (
+    chained_pipelines,
+    tensor_core_quantization,
+    tiled_kernel,
+    weight_block_scales,
+)
 from fp8jax._src.kernels.quantize_config import quantize_slabs
 
 from .record import Recorder
@@ -53,6 +60,7 @@ VARIANTS = {
         "bf16",
         "bf16 jax mgpu",
         "blockwise",
+        "blockwise-tc",
         "delayed-e4m3",
         "blockwise-tiled",
         "blockwise-tile-scales",
@@ -70,17 +78,20 @@ RECIPES = {
     "blockwise-tile-scales": fp8jax.BlockwiseScaling(),
     "blockwise-chained": fp8jax.BlockwiseScaling(),
     "blockwise-slabs": fp8jax.BlockwiseScaling(),
+    "blockwise-tc": fp8jax.BlockwiseScaling(),
     "delayed-e4m3": fp8jax.DelayedScaling(backward_format="e4m3"),
 }
 #: Variants traced inside a context: the tiled grouped kernels, the experts' weight scales
 #: once per 128 x 128 block (one per warpgroup tile of the rows GEMM), each program's tiles
 #: chained into one pipeline (the tokens GEMM: every expert's chunks at a tile position),
-#: the quantization kernels in slabs of `SLAB_ROWS` rows.
+#: the quantization kernels in slabs of `SLAB_ROWS` rows, the weights' and activations'
+#: quantization on TMA and the tensor cores.
 CONTEXTS = {
     "blockwise-tiled": tiled_kernel,
     "blockwise-tile-scales": weight_block_scales,
     "blockwise-chained": chained_pipelines,
     "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
+    "blockwise-tc": tensor_core_quantization,
 }
 #: Seconds of the budget one compile and timing of the layer's step may need on a GPU.
 NEED_S = 20.0
@@ -182,7 +193,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, float]:
 def decide(rec: Recorder, times: dict[str, float]) -> None:
     """Issue 39's MoE target as a decision input: blockwise FP8 over BF16 on JAX's kernels."""
     base = times.get("bf16 jax mgpu")
-    for name in ("blockwise", "blockwise-tiled"):
+    for name in ("blockwise", "blockwise-tc", "blockwise-tiled"):
         if base and name in times:
             rec.decision(
                 f"MoE layer step: {name} / bf16 jax mgpu: {times[name] / base:.2f}x "

@@ -134,9 +134,10 @@ def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     128 x 1 tiles for the wgrad; elsewhere the Pallas Triton kernels (`block_quantize`).
     The same values for finite operands (in value: a -0 in a transposed copy may come out
     +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
-    `blockwise-tc`). Trace a new function inside (as the benchmarks' steps are): a gradient
-    function traced before, outside, may come back from JAX's trace caches as it was
-    (session 52, a deviceless compile of one `filter_value_and_grad` object both ways)."""
+    `blockwise-tc`, the MoE layer's: its experts' weights in one kernel under `vmap`).
+    Trace a new function inside (as the benchmarks' steps are): a gradient function traced
+    before, outside, may come back from JAX's trace caches as it was (session 52, a
+    deviceless compile of one `filter_value_and_grad` object both ways)."""
     return setting(_TENSOR_CORES, True)
 
 
@@ -209,6 +210,12 @@ def recipe_quantize_blocks(
     if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
         return tensor_core_quantize_blocks(w, fmt, **rule)
     return quantize_blocks(w, fmt, **rule)
+
+
+def tensor_core_quantization_chosen() -> bool:
+    """Whether blockwise quantization traced now takes the tensor-core kernels
+    (`tensor_core_quantization`)."""
+    return _TENSOR_CORES.get()
 
 
 def weight_block_scales_chosen() -> bool:

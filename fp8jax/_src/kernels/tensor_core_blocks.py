@@ -32,11 +32,13 @@ timed them (issue 39).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
@@ -284,7 +286,7 @@ def _tiles(x, fmt, kind, who, block, max_scale, power_of_two, config, interpret)
 
 
 def tensor_core_quantize_blocks(
-    w: Float[Array, "N K"],
+    w: Float[Array, "*B N K"],
     fmt: jnp.dtype,
     *,
     block: int = BLOCK,
@@ -292,33 +294,57 @@ def tensor_core_quantize_blocks(
     power_of_two: bool = False,
     config: TransposeConfig | None = None,
     interpret: bool | None = None,
-) -> tuple[Array, Array, Float[Array, "K/128 N"], Float[Array, "N/128 K"], Array]:
+) -> tuple[Array, Array, Float[Array, "*B K/128 N"], Float[Array, "*B N/128 K"], Array]:
     """`block_quantize.quantize_blocks(w)` on TMA and the tensor cores: a weight `w (N, K)`
     (`N`, `K` multiples of 128; a 16- or 32-bit float) in 128 x 128 blocks, FP8 `data` and
     the same values transposed `data_t (K, N)` (`I . q^T`), each block's scale_inv once per
     row it covers (`rows_t (K / 128, N)` for `data`, `cols (N / 128, K)` for `data_t`), and
-    partial amaxes whose maximum is `max |w|` (NaN where `w` has a NaN), from one read of
-    `w`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`; `block` must be
-    128). `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's interpreter
-    (`None`: as traced)."""
+    partial amaxes `(programs, 128)` whose maximum is `max |w|` (NaN where `w` has a NaN),
+    from one read of `w`. Scales as `BlockwiseScaling.block_scale` (at most `max_scale`;
+    `block` must be 128). `config`: a `TransposeConfig`; `interpret`: run in Mosaic GPU's
+    interpreter (`None`: as traced).
+
+    Experts' weights `(*B, N, K)`, or `w` under `vmap` (as `Fp8RaggedDot` quantizes them),
+    run as one kernel over all of them (one wave of programs, not one grid per weight), each
+    output with `w`'s leading axes, the amaxes `(*B, programs / B, 128)`: each weight's
+    own (no program spans two)."""
     who = TENSOR_CORE_BLOCKS_NAME
     if block != BLOCK:
         raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
-    if w.ndim != 2:
-        raise ValueError(f"{who}: w has shape {w.shape}; expected a 2-D weight (N, K).")
     dtypes = (jnp.bfloat16, jnp.float16, jnp.float32)
     config, interpret = checked(who, w, fmt, config, dtypes, interpret)
-    data, rows_t, data_t, cols, amaxes = _blockwise(
-        w,
-        kind=BLOCKS,
+    static = dict(
         fmt=jnp.dtype(fmt),
-        batch=1,
         max_scale=float(max_scale),
         power_of_two=bool(power_of_two),
         config=config,
         interpret=interpret,
     )
-    return data, data_t, rows_t, cols, amaxes
+
+    @custom_vmap
+    def blocks(w: Array) -> tuple[Array, ...]:
+        return _weight_blocks(w, **static)
+
+    @blocks.def_vmap
+    def _rule(axis_size, in_batched, w):
+        del axis_size, in_batched  # `w`, the one argument, is mapped (on axis 0)
+        # `blocks`, not `_weight_blocks`: under an outer `vmap` this rule runs again.
+        return blocks(w), (True,) * 5
+
+    return blocks(w)
+
+
+def _weight_blocks(w, **static) -> tuple[Array, ...]:
+    """`_blockwise_call`'s `BLOCKS` of a checked `w (*lead, N, K)`, the leading axes flattened
+    into the kernel's batch and restored in its outputs."""
+    lead, (n, k) = w.shape[:-2], w.shape[-2:]
+    batch = math.prod(lead)
+    data, rows_t, data_t, cols, amaxes = _blockwise(
+        jnp.reshape(w, (batch * n, k)), kind=BLOCKS, batch=batch, **static
+    )
+    shapes = ((n, k), (k, n), (k // BLOCK, n), (n // BLOCK, k), (-1, BLOCK))
+    out = (data, data_t, rows_t, cols, amaxes)
+    return tuple(jnp.reshape(a, (*lead, *s)) for a, s in zip(out, shapes, strict=True))
 
 
 def tensor_core_requantize_columns(

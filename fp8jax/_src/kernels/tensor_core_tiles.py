@@ -64,10 +64,12 @@ class TransposeConfig:
             )
 
 
-def tiles_per_program(config: TransposeConfig, tiles: int) -> int:
-    """The fewest tiles a program walks such that they divide `tiles` and the programs
-    number at most `config.max_programs`."""
-    return next(d for d in range(-(-tiles // config.max_programs), tiles + 1) if tiles % d == 0)
+def tiles_per_program(config: TransposeConfig, tiles: int, batch: int = 1) -> int:
+    """The fewest tiles a program walks such that they divide each of `batch` items' `tiles
+    / batch` (a program's tiles lie in one item: its amaxes are that item's) and the
+    programs number at most `config.max_programs` (or `batch`, if more: one an item)."""
+    each, most = tiles // batch, max(config.max_programs, batch)
+    return next(d for d in range(-(-tiles // most), each + 1) if each % d == 0)
 
 
 #: What the kernels' shared memory holds besides `x`'s stages and the identity: two buffers
@@ -118,7 +120,8 @@ def stream_tiles(
 ) -> tuple[Array, ...]:
     """The kernels' frame: programs over `x (B * M, K)`'s 128 x 128 tiles in a TMA pipeline,
     the identity `eye` in shared memory (`None`: a kernel that transposes nothing), and as
-    the last output each program's row amaxes (NaN above inf). `tile_step(ins, outs,
+    the last output each program's row amaxes (NaN above inf; programs in order, each in
+    one of the `batch` items: `tiles_per_program`). `tile_step(ins, outs,
     scratch, eye_smem)` returns `(step, stores)`: `step(tile, x_smem, xv, *side_smem)` (`xv`
     the tile in float32, in `wgmma`'s register layout; `None` for an FP8 `x`) writes a
     tile's outputs in `stores` TMA copies from double-buffered shared memory and returns
@@ -129,7 +132,7 @@ def stream_tiles(
     m = rows // batch
     row_tiles, tiles_per_batch = k // BLOCK, m // BLOCK
     tiles = (rows // BLOCK) * row_tiles
-    per = tiles_per_program(config, tiles)
+    per = tiles_per_program(config, tiles, batch)
     layout = None if interpret else plgpu.Layout.WGMMA
     x_tiling = operand_tiling(x.dtype, BLOCK)
     sides, eyes = (() if side is None else (side,)), (() if eye is None else (eye,))
