@@ -29,7 +29,11 @@ at the activation's shape its saved FP8 copy (1 x 128 tiles) requantized into th
 `tensor_core_requantize_columns` (`I . q^T`, each column times its row's scale), and the
 activation's 1 x 128 tiles alone (`blockwise rows ...`, the forward's copy: the XLA path,
 `block_quantize.quantize_rows`, and `tensor_core_quantize_rows`, which transposes nothing
-and so runs on TMA alone, named "tensor cores" with its family).
+and so runs on TMA alone, named "tensor cores" with its family). And the Mixtral-like MoE
+layer's experts' weights (`blockwise experts' weights ...`, 8 x 14336 x 4096 BF16, session
+53) in their blocks, the three ways `vmap`ped over the experts as `Fp8RaggedDot` quantizes
+them (the tensor-core kernel then one kernel for all experts; 3.82 GB of that layer's step
+outside its GEMMs, `moe_cost.py`), numerics on the first and last experts.
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -97,6 +101,11 @@ DRY_SHAPES = {
     "dry 256x384 bf16": (256, 384, jnp.bfloat16),
     "dry weight 256x384 f32": (256, 384, jnp.float32),
 }
+#: label -> (experts, rows, cols, dtype), the blockwise section only: the Mixtral-like MoE
+#: layer's `up` weights (BF16, as `moe_cost.py`'s layer holds them), `vmap`ped over the
+#: experts as `Fp8RaggedDot` quantizes them.
+EXPERT_SHAPES = {"experts 8x14336x4096 bf16": (8, 14336, 4096, jnp.bfloat16)}
+DRY_EXPERT_SHAPES = {"dry experts 2x256x384 bf16": (2, 256, 384, jnp.bfloat16)}
 #: The tensor-core kernel's configurations the section times, the default first: stages in
 #: flight, and programs (one wave at 132; two; short programs of a few tiles).
 CONFIGS = {
@@ -129,8 +138,12 @@ REQUANTIZED = "blockwise requantized "
 #: And its 1 x 128 tiles alone (the forward's copy; "tensor cores": the Mosaic GPU kernel,
 #: which has nothing to transpose and so runs on TMA alone).
 ROWS = "blockwise rows "
+#: And experts' weights (`EXPERT_SHAPES`), each in its blocks, the three ways `vmap`ped over
+#: the experts (the tensor-core kernel: one kernel for all, session 53; Triton's: a grid axis
+#: more).
+EXPERTS = "blockwise experts' weights "
 #: The families by prefix, the longest first.
-PREFIXES = (REQUANTIZED, BLOCKS, ROWS, BLOCKWISE)
+PREFIXES = (REQUANTIZED, EXPERTS, BLOCKS, ROWS, BLOCKWISE)
 
 
 def _blockwise_xla(x: jax.Array) -> tuple:
@@ -205,12 +218,21 @@ def _copy(x: jax.Array) -> jax.Array:
     return x + jnp.ones((), x.dtype)
 
 
-def ways(dry: bool, dtype: jnp.dtype, weight: bool, requantized: bool = False) -> dict[str, Any]:
+def ways(
+    dry: bool, dtype: jnp.dtype, weight: bool, requantized: bool = False, experts: bool = False
+) -> dict[str, Any]:
     """`name -> function of x` for every way the section times at an `x` of `dtype` (`dry`:
     each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
     run): per tensor; blockwise, a 16-bit `x`'s tiles (the tensor cores transpose BF16
     exactly), a `weight`'s blocks, and where `requantized` its saved copy's 128 x 1 tiles
-    (functions of `saved_copy(x)`)."""
+    (functions of `saved_copy(x)`). `experts`: `x` is experts' weights `(E, N, K)`, and the
+    ways are the weight's blocks `vmap`ped over them (each kernel's default only)."""
+    if experts:
+        out = {f"{EXPERTS}xla": jax.vmap(_blocks_xla)}
+        out[f"{EXPERTS}triton, default"] = jax.vmap(_blocks_triton)
+        tensor_cores = functools.partial(_blocks_tensor_cores, config=TransposeConfig())
+        out[f"{EXPERTS}tensor cores, default"] = jax.vmap(tensor_cores)
+        return out
     out: dict[str, Any] = {"xla": per_tensor_xla}
     for name, tuning in list(TRITON.items())[: 1 if dry else None]:
         out[f"triton, {name}"] = functools.partial(per_tensor_kernel, tuning=tuning)
@@ -281,10 +303,11 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
         if name.startswith(ROWS):  # rows, scales; the amax
             got, want = (*got[:2], jnp.max(got[2])), ieee_rows(host)
         elif name.startswith(BLOCKS):  # blocks, transposed, their scales per row; the amax
-            data, scale_inv = ieee_blocks(host)
-            rows_t = np.repeat(scale_inv, 128, axis=0).T
-            want = (data, data.T, rows_t, np.repeat(scale_inv, 128, axis=1))
-            got = (*got[:4], jnp.max(got[4]))
+            want, got = _ieee_weight(host), (*got[:4], jnp.max(got[4]))
+        elif name.startswith(EXPERTS):  # the same of the first and last experts (NumPy's time)
+            each = [_ieee_weight(host[e]) for e in (0, -1)]
+            want = tuple(np.stack(a) for a in zip(*each, strict=True))
+            got = (*(g[np.array([0, -1])] for g in got[:4]), jnp.max(got[4]))
         elif name.startswith(BLOCKWISE):  # rows, scales; columns (K, M), scales; the amax
             got = (got[0], got[1], got[3], got[4], jnp.max(got[2]))
             want = (*ieee_rows(host), *ieee_rows(host.T))
@@ -295,6 +318,14 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
         amax_ok[name] = float(got[-1]) == float(np.max(np.abs(host)))
     passed = not any(differ.values()) and all(amax_ok.values())
     return {"elements_differing": differ, "amax_exact": amax_ok, "passed": passed}
+
+
+def _ieee_weight(w: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A weight's blocks and their transpose, each block's scale_inv once per row it covers
+    in both layouts (`ieee_blocks`)."""
+    data, scale_inv = ieee_blocks(w)
+    rows_t = np.repeat(scale_inv, 128, axis=0).T
+    return data, data.T, rows_t, np.repeat(scale_inv, 128, axis=1)
 
 
 def family(name: str) -> str:
@@ -310,11 +341,16 @@ def run(
     dry = mode == "dry"
     section = BLOCKWISE_SECTION if blockwise else SECTION
     times: dict[str, dict[str, float]] = {}
-    shapes = DRY_SHAPES if dry else SHAPES
-    for label, (rows, cols, dtype) in list(shapes.items())[: 1 if mode == "quick" else None]:
-        x = heavy_tailed(jax.random.PRNGKey(0), (rows, cols)).astype(dtype)
+    shapes = {k: (1, *v) for k, v in (DRY_SHAPES if dry else SHAPES).items()}
+    shapes = list(shapes.items())[: 1 if mode == "quick" else None]
+    if blockwise and mode != "quick":
+        shapes += list((DRY_EXPERT_SHAPES if dry else EXPERT_SHAPES).items())
+    for label, (experts, rows, cols, dtype) in shapes:
+        x = heavy_tailed(jax.random.PRNGKey(0), (experts * rows, cols)).astype(dtype)
+        many = label in EXPERT_SHAPES or label in DRY_EXPERT_SHAPES
+        x = x.reshape(experts, rows, cols) if many else x
         requantized = blockwise and label.startswith(("activation", "dry 256"))
-        fns = ways(dry, dtype, weight="weight" in label, requantized=requantized)
+        fns = ways(dry, dtype, weight="weight" in label, requantized=requantized, experts=many)
         fns = {k: v for k, v in fns.items() if bool(family(k)) == blockwise}
         if dry and not blockwise and "weight" in label:
             continue  # the dry weight shape is the blockwise section's (CI time)
