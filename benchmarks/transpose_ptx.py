@@ -10,7 +10,8 @@ transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
 (`tensor_core_quantize_rows_and_columns`, the BF16 shapes), a weight's blocks
 (`tensor_core_quantize_blocks`, the weight's shape), a saved activation requantized
 (`tensor_core_requantize_columns`) and an activation's rows alone (`tensor_core_quantize_rows`,
-the activation's shape). Registers and spills, the
+the activation's shape), and since session 53 the Mixtral-like MoE layer's experts' weights
+`vmap`ped through the weight kernel (one kernel for all experts). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -40,6 +41,8 @@ SHAPES = {
     "gradient 8192x14336 bf16": (8192, 14336, "bfloat16"),
     "weight 14336x4096 f32": (14336, 4096, "float32"),
 }
+#: label -> (experts, rows, cols, dtype): the GPU check's experts' weights.
+EXPERT_SHAPES = {"experts 8x14336x4096 bf16": (8, 14336, 4096, "bfloat16")}
 #: PTX instruction prefixes counted, in the table's order.
 COUNTED = (
     "cp.async.bulk.tensor",
@@ -55,12 +58,15 @@ COUNTED = (
 )
 #: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
 #: blocks (the weight's shape), a saved FP8 activation requantized and an activation's rows
-#: alone (the activation's shape).
-KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize", "rows")
+#: alone (the activation's shape); the weight's blocks `vmap`ped over experts' weights.
+KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize", "rows", "experts' blocks")
 
 
-def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> None:
-    """Compile `kernel` (of `KERNELS`) for an H100 (this child's only Mosaic GPU kernel)."""
+def compile_one(
+    rows: int, cols: int, dtype: str, config: str, kernel: str, experts: int = 1
+) -> None:
+    """Compile `kernel` (of `KERNELS`) for an H100 (this child's only Mosaic GPU kernel),
+    `vmap`ped over `experts` weights for the experts' blocks."""
     import jax
     import jax.numpy as jnp
 
@@ -86,7 +92,16 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
             jax.ShapeDtypeStruct((cols // 128, rows), jnp.float32),
         )
 
+    if kernel == "experts' blocks":
+        spec = (jax.ShapeDtypeStruct((experts, rows, cols), jnp.dtype(dtype)), spec[1])
+
     def cast(x, scale):
+        if kernel == "experts' blocks":
+            fmt = jnp.float8_e4m3fn
+            blocks = lambda w: tensor_core_quantize_blocks(  # noqa: E731
+                w, fmt, max_scale=MAX_SCALE, config=config
+            )
+            return jax.vmap(blocks)(x)
         if kernel == "requantize":
             return tensor_core_requantize_columns(x, scale, max_scale=MAX_SCALE, config=config)
         if kernel == "rows":
@@ -104,12 +119,14 @@ def compile_one(rows: int, cols: int, dtype: str, config: str, kernel: str) -> N
     lowered.compile()
 
 
-def child(rows: int, cols: int, dtype: str, config: dict, kernel: str) -> dict | str:
+def child(
+    rows: int, cols: int, dtype: str, config: dict, kernel: str, experts: int = 1
+) -> dict | str:
     """Compile one case in a fresh process; its ptxas figures and PTX counts."""
     with tempfile.TemporaryDirectory() as dump:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "MOSAIC_GPU_DUMP_TO": dump}
         env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
-        case = [rows, cols, dtype, json.dumps(config), kernel]
+        case = [rows, cols, dtype, json.dumps(config), kernel, experts]
         args = [sys.executable, __file__, json.dumps(case)]
         run = subprocess.run(args, env=env, capture_output=True, text=True)
         if run.returncode:
@@ -147,14 +164,18 @@ def main() -> None:
     print("per-tensor: one scale; blockwise: 1 x 128 tiles and 128 x 1 tiles, transposed;")
     print("weight blocks: one scale a 128 x 128 block, the same values transposed;")
     print("requantize: a saved E4M3 copy's 1 x 128 tiles into 128 x 1 tiles, transposed;")
-    print("rows: 1 x 128 tiles alone (on TMA; nothing to transpose)")
+    print("rows: 1 x 128 tiles alone (on TMA; nothing to transpose);")
+    print("experts' blocks: weight blocks of experts' weights under vmap, one kernel for all")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
     head += ["wgmma", *COUNTED]
     rows_out = []
+    shapes = {k: (1, *v) for k, v in SHAPES.items()} | EXPERT_SHAPES
     for kernel in KERNELS:
-        for label, (rows, cols, dtype) in SHAPES.items():
+        for label, (experts, rows, cols, dtype) in shapes.items():
+            if (kernel == "experts' blocks") != (label in EXPERT_SHAPES):
+                continue
             if kernel == "blockwise" and jnp.dtype(dtype).itemsize != 2:
                 continue
             if kernel == "weight blocks" and not label.startswith("weight"):
@@ -165,9 +186,9 @@ def main() -> None:
             eye = None if kernel == "rows" else eye
             operand = jnp.dtype(jnp.float8_e4m3fn) if kernel == "requantize" else jnp.dtype(dtype)
             for name, config in CONFIGS.items():
-                tiles = (rows // 128) * (cols // 128)
-                programs = tiles // tiles_per_program(config, tiles)
-                seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel)
+                tiles = experts * (rows // 128) * (cols // 128)
+                programs = tiles // tiles_per_program(config, tiles, experts)
+                seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel, experts)
                 row = [kernel, label, name, str(stages(config, operand, eye))]
                 row.append(str(programs))
                 if isinstance(seen, str):

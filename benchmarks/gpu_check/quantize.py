@@ -306,8 +306,10 @@ def numerics(shape: tuple[int, int], dry: bool) -> dict:
     }
 
 
-def _cases(recipe: Any) -> dict[str, tuple[Any, int]]:
-    """name -> (function of one tensor, bytes it must move per element of that tensor)."""
+def recipe_passes(recipe: Any) -> dict[str, tuple[Any, int]]:
+    """name -> (function of one tensor, bytes it must move per element of that tensor): the
+    passes `recipe` quantizes a step's tensors in (section 2f takes the blockwise recipe's
+    XLA path from here)."""
     state = recipe.init_state("input")
 
     def rows(x):
@@ -415,7 +417,7 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         cases = [
             (path, case, fn, (x,), moved)
             for path, recipe in paths.items()
-            for case, (fn, moved) in _cases(recipe).items()
+            for case, (fn, moved) in recipe_passes(recipe).items()
         ]
         # Quick: one case; dry: each kernel's default (every call built); full: all.
         sweep = list(TUNINGS.items())[: 1 if mode == "quick" else None]

@@ -83,6 +83,7 @@ from .quantize import (
     ieee_rows,
     per_tensor_kernel,
     per_tensor_xla,
+    recipe_passes,
 )
 from .record import Recorder
 from .timing import compile_and_time
@@ -146,10 +147,13 @@ EXPERTS = "blockwise experts' weights "
 PREFIXES = (REQUANTIZED, EXPERTS, BLOCKS, ROWS, BLOCKWISE)
 
 
-def _blockwise_xla(x: jax.Array) -> tuple:
-    """The blockwise recipe's XLA path for an output gradient's two copies."""
-    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
-    return recipe.quantize_both(x, recipe.init_state("output_grad"), "output_grad")
+#: The blockwise recipe's XLA path for an output gradient's two copies, an activation's
+#: 1 x 128 tiles and a weight's two copies (forward and dgrad): `quantize.recipe_passes`'.
+_XLA_PASSES = {
+    k: fn for k, (fn, _) in recipe_passes(fp8jax.BlockwiseScaling(native_kernel=False)).items()
+}
+_blockwise_xla, _rows_xla = _XLA_PASSES["rows+columns"], _XLA_PASSES["rows"]
+_blocks_xla = _XLA_PASSES["weight + dgrad copy"]
 
 
 def _blockwise_triton(x: jax.Array) -> tuple:
@@ -174,12 +178,6 @@ def _requantized_tensor_cores(data, scale_inv_t, config: TransposeConfig) -> tup
     return tensor_core_requantize_columns(data, scale_inv_t, **RULE, config=config)
 
 
-def _rows_xla(x: jax.Array) -> tuple:
-    """The blockwise recipe's XLA path for an activation's 1 x 128 tiles."""
-    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
-    return recipe.quantize(x, recipe.init_state("input"), "input", -1)
-
-
 def _rows_triton(x: jax.Array) -> tuple:
     return block_quantize.quantize_rows(x, E4M3, **RULE)
 
@@ -192,13 +190,6 @@ def saved_copy(x: jax.Array, dry: bool) -> tuple[jax.Array, jax.Array]:
     """`x`'s 1 x 128 tiles as the forward saves them: FP8 data, chunk-major scale_inv."""
     with timing.kernels(dry):
         return jax.jit(lambda x: block_quantize.reference_rows(x, E4M3, **RULE)[:2])(x)
-
-
-def _blocks_xla(w: jax.Array) -> tuple:
-    """The blockwise recipe's XLA path for a weight's two copies (forward and dgrad)."""
-    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
-    q, _ = recipe.quantize(w, recipe.init_state("kernel"), "kernel", -1)
-    return q, recipe.retile(q, "kernel", -2, source=w)
 
 
 def _blocks_triton(w: jax.Array) -> tuple:
