@@ -515,6 +515,29 @@ def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_pat
             main.parse(["--out", str(tmp_path), "--llama-variants", bad])
 
 
+def test_moe_variants_option_picks_the_moe_sections_steps(check_modules, tmp_path, monkeypatch):
+    """`--moe-variants` names the MoE section's steps (checked by name), which a GPU run times
+    in the order given; the dry run keeps its own (its FP8 steps would interpret every
+    grouped kernel)."""
+    main, _ = check_modules
+    from gpu_check import moe
+    from gpu_check.record import Recorder
+
+    assert main.parse(["--out", str(tmp_path)]).moe_variants is None
+    given = "bf16, bf16 jax mgpu,blockwise-tc,blockwise"
+    picked = main.parse(["--out", str(tmp_path), "--moe-variants", given]).moe_variants
+    assert picked == ["bf16", "bf16 jax mgpu", "blockwise-tc", "blockwise"]
+    for bad in ("blockwise,nope", ",", "bf16 jax"):
+        with pytest.raises(SystemExit):
+            main.parse(["--out", str(tmp_path), "--moe-variants", bad])
+    timed = []
+    monkeypatch.setattr(moe, "_time", lambda s, name, *_: timed.append(name) or {"ms": 1.0})
+    rec = Recorder(tmp_path, 100.0, 0.0, dry=False)
+    assert list(moe.run(rec, "full", 1, picked)) == picked == timed
+    timed.clear()
+    assert list(moe.run(rec, "dry", 1, picked)) == moe.VARIANTS["dry"] == timed
+
+
 def test_llama_block_variants_trace_inside_their_kernel_choice(monkeypatch):
     """`blockwise-tiled` takes the tiled block kernel, `blockwise-pairs` the persistent one in
     its default configuration with two chunks a step, `blockwise-tile-scales` the persistent

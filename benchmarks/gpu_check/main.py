@@ -74,8 +74,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(default: the mode's own; BF16 always runs first), e.g. bf16,blockwise,"
         "blockwise-tiled for issue 39's step ratios",
     )
+    parser.add_argument(
+        "--moe-variants",
+        default=None,
+        help="comma-separated variants of the moe section, in the order given (default: the "
+        "mode's own), e.g. 'bf16,bf16 jax mgpu,blockwise,blockwise-tc' for issue 39's MoE "
+        "target; 'bf16 jax mgpu' is checked against 'bf16' (both needed for the ratios)",
+    )
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.moe_variants is not None:
+        args.moe_variants = [v.strip() for v in args.moe_variants.split(",") if v.strip()]
+        bad = [v for v in args.moe_variants if v not in moe.VARIANTS["full"]]
+        if bad or not args.moe_variants:
+            parser.error(
+                f"--moe-variants: unknown {bad}; should name some of "
+                f"{','.join(moe.VARIANTS['full'])}"
+            )
     if args.llama_variants is not None:
         from llama_block import FRESH, PACKED, RECIPES, base_name
 
@@ -237,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             lambda: transpose.decide(rec, transpose.run(rec, mode, gemm_runs, blockwise=True)),
         ),
         "grouped": (grouped.SECTION, lambda: grouped.run(rec, mode, gemm_runs)),
-        "moe": (moe.SECTION, lambda: moe.decide(rec, moe.run(rec, mode, step_runs))),
+        "moe": (
+            moe.SECTION,
+            lambda: moe.decide(rec, moe.run(rec, mode, step_runs, args.moe_variants)),
+        ),
         "steps": (steps.SECTION, lambda: steps.run(rec, mode, step_runs)),
         "llama": (
             llama.SECTION,

@@ -164,14 +164,17 @@ def _time(s: dict, name: str, runs: int, dry: bool, kept: dict) -> dict[str, Any
     return fields
 
 
-def run(rec: Recorder, mode: str, runs: int) -> dict[str, float]:
-    """Time the layer's variants; returns `{variant: ms}`."""
+def run(rec: Recorder, mode: str, runs: int, variants: list[str] | None = None) -> dict[str, float]:
+    """Time the layer's `variants` (default: the mode's, `VARIANTS`); returns `{variant:
+    ms}`. A dry run keeps to its own (its FP8 steps would interpret every grouped kernel)."""
     s = shape(mode)
+    if variants is None or mode == "dry":
+        variants = VARIANTS[mode]
     text = "{tokens} tokens, width {width}, {experts} experts of {hidden}, top-{top_k}"
     rec.cell(SECTION, "shape", "MoE layer", text.format(**s))
     times: dict[str, float] = {}
     kept: dict[str, Any] = {}
-    for name in VARIANTS[mode]:
+    for name in variants:
         measure = functools.partial(_time, s, name, runs, mode == "dry", kept)
         fields = rec.measure(SECTION, name, measure, need_s=NEED_S)
         if fields is None or "skipped" in fields:
