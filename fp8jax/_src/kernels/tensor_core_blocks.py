@@ -9,7 +9,7 @@ Triton twin in `block_quantize` returns:
   BF16 (or float16) `wgmma` against the identity, exact, cast at their own scales.
 - `tensor_core_quantize_blocks(w, fmt, ...)`: a weight's 128 x 128 blocks, each at one
   scale (the block's amax: one integer maximum of its rows' bits), and the same FP8 values
-  transposed, `I . q^T`.
+  transposed, `I . q^T`; experts' weights, batched or under `vmap`, in one kernel.
 - `tensor_core_requantize_columns(data, scale_inv_t, ...)`: a saved FP8 activation's 1 x 128
   tiles dequantized and quantized again in 128 x 1 tiles, transposed (the wgrad's
   activation): `I . q^T`, each column times its row's scale.
