@@ -63,6 +63,7 @@ TESTS=(
     tests/test_cast_transpose.py
     # ... and on TMA and the tensor cores (Mosaic GPU: wgmma on a transposed view, 0.11 on).
     tests/test_tensor_core_transpose.py
+    tests/test_tensor_core_gathered.py
     tests/test_lowering.py::test_cast_transpose_kernel_quantizes_each_operand_in_one_pass_on_h100
     # fp8jax.inspect reading a Mosaic GPU kernel's PTX (the GPU's 0.11 lowers no
     # Mosaic `pallas_call`: the test's kernel is a `plgpu.kernel` there).

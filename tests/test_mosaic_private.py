@@ -129,6 +129,15 @@ def test_mixed_fp8_wgmma_says_what_tracing_a_mixed_wgmma_does():
     assert mosaic_private.mixed_fp8_wgmma() is newer  # as of the releases fp8jax supports
 
 
+def test_untiled_wgmma_loads_from_jax_0_11():
+    """`untiled_wgmma_loads` says yes from JAX 0.11 on, whose Mosaic GPU compiles a load of
+    an untiled buffer into the `wgmma` layout (the H100 compile of
+    `tests/test_tensor_core_gathered.py`, which 0.10's refuses to compile, checks what it
+    says)."""
+    newer = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    assert mosaic_private.untiled_wgmma_loads() is newer
+
+
 def test_ieee_divide_finds_mosaic_gpus_helpers_on_this_jax():
     """`ieee_divide` traces for a GPU (`plgpu.inline_mgpu` with a WGMMA row layout) and the
     two private `FragmentedArray` helpers its body calls exist; its PTX (`div.rn.f32`, not

@@ -19,6 +19,8 @@ fp8jax supports (0.10 to 0.12), each adapted by the shape of the API, not by ver
 - `plgpu.wgmma_accumulator_load(acc, wait_n=...)` (JAX 0.11 on) reads a `wgmma`
   accumulator once at most `wait_n` `wgmma` groups are in flight; 0.10 has only `acc[...]`,
   which waits for all of them: `wgmma_load` below.
+- Whether a buffer filled from any row (untiled) loads into the `wgmma` register layout
+  (`untiled_wgmma_loads`: JAX 0.11 on).
 - `plgpu.transpose_ref(ref, perm)` is deprecated since 0.11: the kernels call
   `ref.transpose(perm)`, which it wraps in every supported release (what
   `tests/test_mosaic_private.py` traces for the GPU).
@@ -79,6 +81,15 @@ def wgmma_partial_waits() -> bool:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return hasattr(plgpu, "wgmma_accumulator_load")
+
+
+def untiled_wgmma_loads() -> bool:
+    """Whether Mosaic GPU loads a shared-memory buffer without the swizzled tiling (what a
+    TMA copy from any row fills) into the `wgmma` register layout: JAX 0.11 on (0.10's
+    layout inference raises `TransferPlanDerivationError`, "Failed to synthesize a transfer
+    pattern that avoids bank conflicts", read in a deviceless compile of 0.10.2). Known by
+    the change to `wgmma` that came with it (`mixed_fp8_wgmma`: 0.11 on)."""
+    return mixed_fp8_wgmma()
 
 
 def wgmma_load(acc_ref: Any, wait_n: int) -> Any:

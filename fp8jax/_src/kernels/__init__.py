@@ -33,6 +33,7 @@ QUANTIZE_NAMES = (
     "fp8jax_tensor_core_quantize_blocks",
     "fp8jax_tensor_core_requantize_columns",
     "fp8jax_tensor_core_quantize_rows",
+    "fp8jax_tensor_core_quantize_padded_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
@@ -46,3 +47,5 @@ TENSOR_CORE_BLOCKS_NAME = QUANTIZE_NAMES[10]
 TENSOR_CORE_REQUANTIZE_NAME = QUANTIZE_NAMES[11]
 #: An activation's 1 x 128 tiles on TMA (nothing to transpose).
 TENSOR_CORE_ROWS_NAME = QUANTIZE_NAMES[12]
+#: An expert layer's gathered 128 x 1 tiles, the same way (`tensor_core_gathered`).
+TENSOR_CORE_PADDED_NAME = QUANTIZE_NAMES[13]

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..core import mosaic_private
 from ..core.contexts import setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
 from .block_quantize import (
@@ -38,6 +39,7 @@ from .block_quantize import (
 )
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
+from .padded_quantize import quantize_padded_columns, quantize_rows_and_padded_columns
 from .persistent_config import PersistentConfig
 from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
@@ -47,6 +49,7 @@ from .tensor_core_blocks import (
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
 )
+from .tensor_core_gathered import padded_tiles, tensor_core_quantize_padded_columns
 from .tensor_core_tiles import BLOCK as TENSOR_CORE_BLOCK
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
@@ -210,6 +213,41 @@ def recipe_quantize_blocks(
     if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
         return tensor_core_quantize_blocks(w, fmt, **rule)
     return quantize_blocks(w, fmt, **rule)
+
+
+def _gathers_on_tensor_cores(x: Array, block: int) -> bool:
+    """Whether an expert layer's gathered tiles of `x` take the tensor-core kernels: inside
+    `tensor_core_quantization()`, a 16-bit `x` (exact in the tensor cores) of whole 128-row
+    tiles (the rows kernel's), block 128, a JAX whose Mosaic GPU compiles the kernel."""
+    sixteen = jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    whole = x.shape[0] >= TENSOR_CORE_BLOCK and x.shape[0] % TENSOR_CORE_BLOCK == 0
+    kernel = block == TENSOR_CORE_BLOCK and mosaic_private.untiled_wgmma_loads()
+    return _TENSOR_CORES.get() and sixteen and whole and kernel
+
+
+def recipe_gathered(
+    x: Float[Array, "M K"], rows: Int[Array, " P"], fmt: jnp.dtype, **rule
+) -> tuple[Array, Float[Array, "P/block K"]]:
+    """`padded_quantize.quantize_padded_columns(x, rows)` (an expert layer's gathered
+    `block` x 1 tiles, transposed, and their scales), on the kernel
+    `tensor_core_quantization()` chooses (`rows` as `gather_map` writes it)."""
+    if _gathers_on_tensor_cores(x, rule["block"]):
+        return tensor_core_quantize_padded_columns(x, *padded_tiles(rows), fmt, **rule)
+    return quantize_padded_columns(x, rows, fmt, **rule)
+
+
+def recipe_both_gathered(
+    x: Float[Array, "M K"], rows: Int[Array, " P"], fmt: jnp.dtype, **rule
+) -> tuple[Array, Array, Array, Array, Array]:
+    """`padded_quantize.quantize_rows_and_padded_columns(x, rows)`'s five outputs (the rows
+    copy, its chunk-major scales, amaxes whose maximum is `max |x|`, the gathered columns
+    copy and its scales). Inside `tensor_core_quantization()` two Mosaic GPU kernels, each
+    reading `x` once: `tensor_core_quantize_rows` (every row of `x`) and
+    `tensor_core_quantize_padded_columns`."""
+    if _gathers_on_tensor_cores(x, rule["block"]):
+        data, scale_t, amaxes = tensor_core_quantize_rows(x, fmt, **rule)
+        return data, scale_t, amaxes, *recipe_gathered(x, rows, fmt, **rule)
+    return quantize_rows_and_padded_columns(x, rows, fmt, **rule)
 
 
 def tensor_core_quantization_chosen() -> bool:

@@ -65,7 +65,7 @@ from .tensor_core_tiles import (
 )
 
 
-def _row_scales(amax: Array, rule: dict) -> tuple[Array, Array]:
+def row_scales(amax: Array, rule: dict) -> tuple[Array, Array]:
     """(scale broadcast over a tile's rows, scale_inv) of rows of `amax`."""
     scale, scale_inv = tile_scales(amax, **rule)
     return lax.broadcast_in_dim(scale, (BLOCK, BLOCK), (0,)), scale_inv  # JAX 0.10: not (128, 1)
@@ -88,7 +88,7 @@ def _blockwise_call(x, *, kind, fmt, batch, max_scale, power_of_two, config, int
     (`block_quantize`'s)."""
     rows, k = x.shape
     rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
-    scales = functools.partial(_row_scales, rule=rule)
+    scales = functools.partial(row_scales, rule=rule)
     copies = 1 if kind == ROWS else 2
 
     def tile_step(ins, outs, scratch, eye_smem):
@@ -169,7 +169,7 @@ def _requantize_call(data, scale_inv_t, *, batch, max_scale, power_of_two, confi
             s = mosaic_private.load(s_smem.at[0], layout=per_column)  # x's rows' scale_inv
             xt = transposed(eye_smem, x_smem) * lax.broadcast_in_dim(s, (BLOCK, BLOCK), (1,))
             amax = nan_max(jnp.abs(xt), axis=1)
-            scale, scale_inv = _row_scales(amax, rule)
+            scale, scale_inv = row_scales(amax, rule)
             at = tile_at(qt_gmem, tile.transposed(), tile.local)
             store(saturating_cast(xt, scale, fmt), qt_smem, tile, at)
             store(scale_inv, st_smem, tile, st_gmem.at[tile.i, pl.ds(tile.col * BLOCK, BLOCK)])

@@ -439,9 +439,9 @@ class BlockwiseScaling(BlockScaledRecipe):
         fmt = self.format(role)
 
         def native(x: Array, rows: Array) -> tuple[Array, Array]:
-            data_t, scale_inv = padded_quantize.quantize_padded_columns(
-                x, rows, fmt, **self._rule()
-            )
+            from ..kernels.choice import recipe_gathered  # Pallas: imported on use
+
+            data_t, scale_inv = recipe_gathered(x, rows, fmt, **self._rule())
             return data_t.T, scale_inv
 
         def xla(x: Array, rows: Array) -> tuple[Array, Array]:
@@ -458,9 +458,9 @@ class BlockwiseScaling(BlockScaledRecipe):
         fmt, size = self.format(role), self.block_size
 
         def native(x: Array, rows: Array) -> tuple[Array, ...]:
-            data, scale_t, amaxes, data_t, cols = padded_quantize.quantize_rows_and_padded_columns(
-                x, rows, fmt, **self._rule()
-            )
+            from ..kernels.choice import recipe_both_gathered  # Pallas: imported on use
+
+            data, scale_t, amaxes, data_t, cols = recipe_both_gathered(x, rows, fmt, **self._rule())
             return data, scale_t.T, jnp.max(amaxes), data_t.T, cols
 
         def xla(x: Array, rows: Array) -> tuple[Array, ...]:

@@ -1,0 +1,196 @@
+"""An expert layer's wgrad tiles, gathered into the padded layout, on Hopper's TMA and tensor
+cores (Pallas Mosaic GPU): `padded_quantize.quantize_padded_columns` by another route.
+
+The wgrad of a grouped GEMM contracts each expert's tokens in 128 x 1 tiles that must not mix
+experts: the expert-sorted rows spread so that each expert starts on a multiple of 128
+(`gemm/grouped_native.pad_layout`). A padded tile of 128 rows holds a run of consecutive rows
+of `x` (its expert's), then zeros: `padded_tiles(rows)` reads each tile's first row and row
+count off the layout's row map. Each program walks its padded tiles (and their 128-column
+chunks) with two TMA loads in flight: a tile's rows come from `x` at any row, into a shared
+buffer without the swizzled tiling (Mosaic GPU proves a tiled copy's start a multiple of 8
+rows, which an expert's first row is not: `benchmarks/RESULTS.md`, session 53), are masked
+past the tile's rows in registers, stored into a tiled buffer and transposed with one BF16
+`wgmma` against the identity (`I . x^T`, exact, as `tensor_core_blocks`' columns), each row
+of the result (a column of the tile) cast at its own scale, stored by TMA. Rows past `x`'s
+end read zeros (TMA's out-of-bounds fill). The same values as the Triton kernel for finite
+operands (a -0 may come out +0); a NaN or an inf makes its row of the transposed tile NaN
+in every column (`0 * NaN` in the tensor cores), as in `tensor_core_blocks`.
+
+The recipes call it inside `choice.tensor_core_quantization()` only, until a GPU run has
+timed it (issue 39).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from ..core import mosaic_private
+from ..core.jax_private import shape_like
+from . import TENSOR_CORE_PADDED_NAME
+from .block_gemm import operand_tiling
+from .dispatch import interpreting
+from .quantize_tiles import nan_max, saturating_cast, tile_rule
+from .tensor_core_blocks import row_scales
+from .tensor_core_tiles import (
+    BLOCK,
+    Tile,
+    TransposeConfig,
+    fp8_buffers,
+    store,
+    tile_at,
+    tiles_per_program,
+    transposed,
+)
+
+
+def padded_tiles(rows: Int[Array, " P"]) -> tuple[Int[Array, " P/128"], Int[Array, " P/128"]]:
+    """Each 128-row padded tile's first row of `x` and its rows held, from a row map as
+    `gemm/grouped_native.gather_map` writes it (the rows a tile holds are consecutive rows
+    of `x` from its first position, gaps after them: an expert's)."""
+    tiles = jnp.reshape(rows, (-1, BLOCK))
+    count = jnp.sum(tiles >= 0, axis=1, dtype=jnp.int32)
+    return jnp.where(count > 0, tiles[:, 0], 0).astype(jnp.int32), count
+
+
+def tensor_core_quantize_padded_columns(
+    x: Float[Array, "M K"],
+    start: Int[Array, " T"],
+    count: Int[Array, " T"],
+    fmt: jnp.dtype,
+    *,
+    block: int = BLOCK,
+    max_scale: float,
+    power_of_two: bool = False,
+    config: TransposeConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "T K"]]:
+    """`padded_quantize.quantize_padded_columns(x, rows)` on TMA and the tensor cores: padded
+    tile `t` holds rows `start[t] ... start[t] + count[t] - 1` of `x (M, K)` (BF16 or
+    float16, `K` a multiple of 128, `M` at least 128), then zeros (`padded_tiles(rows)`), in
+    128 x 1 tiles along the padded rows, written transposed: FP8 `data_t (K, 128 T)` and
+    chunk-major `scale_inv (T, K)`. Scales as `BlockwiseScaling.block_scale` (at most
+    `max_scale`; `block` must be 128). `config`: a `TransposeConfig` (its `max_programs`;
+    two tiles in flight, by hand); `interpret`: run in Mosaic GPU's interpreter (`None`: as
+    traced)."""
+    who = TENSOR_CORE_PADDED_NAME
+    if block != BLOCK:
+        raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
+    config = TransposeConfig() if config is None else config
+    if not isinstance(config, TransposeConfig):
+        raise TypeError(f"{who}: config={config!r}; expected a TransposeConfig or None.")
+    if x.ndim != 2 or x.shape[0] < BLOCK or x.shape[1] % BLOCK or not x.shape[1]:
+        raise ValueError(
+            f"{who}: x has shape {x.shape}; expected (M, K) with M >= {BLOCK} and K a "
+            f"positive multiple of {BLOCK}."
+        )
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{who}: x has dtype {x.dtype}; expected bfloat16 or float16.")
+    if jnp.dtype(fmt) not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        raise ValueError(f"{who}: fmt={fmt!r}; expected float8_e4m3fn or float8_e5m2.")
+    if start.ndim != 1 or start.shape != count.shape or not start.shape[0]:
+        raise ValueError(
+            f"{who}: start {start.shape} and count {count.shape}; expected one first row "
+            "and one row count per padded tile, at least one tile."
+        )
+    if not mosaic_private.untiled_wgmma_loads():
+        raise NotImplementedError(
+            f"{who}: jax {jax.__version__}'s Mosaic GPU cannot load a tile read from any row "
+            "(untiled) into the wgmma register layout (JAX 0.11 and later can)."
+        )
+    interpret = interpreting() if interpret is None else interpret
+    if interpret and not mosaic_private.interpreter_runs_gpu_path():
+        raise NotImplementedError(
+            f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
+            "transposed shared-memory view (JAX 0.11 and later can)."
+        )
+    return _padded(
+        x,
+        start.astype(jnp.int32),
+        count.astype(jnp.int32),
+        fmt=jnp.dtype(fmt),
+        max_scale=float(max_scale),
+        power_of_two=bool(power_of_two),
+        config=config,
+        interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("fmt", "max_scale", "power_of_two", "config", "interpret")
+)
+def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret):
+    k = x.shape[1]
+    padded, col_tiles = start.shape[0], k // BLOCK
+    tiles = padded * col_tiles
+    per = tiles_per_program(config, tiles)
+    rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
+    layout = None if interpret else plgpu.Layout.WGMMA
+
+    def body(x_gmem, start_gmem, count_gmem, eye_gmem, qt_gmem, st_gmem, *scratch):
+        raw, loaded, tiled, eye_smem, eye_loaded, q_smem, s_smem = scratch
+        plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, eye_loaded)
+        first = lax.axis_index("p") * per
+
+        def fetch(t, slot):  # tile t's rows, from its first row of x, untiled
+            at = pl.multiple_of(start_gmem[t // col_tiles], 1)
+            src = x_gmem.at[pl.ds(at, BLOCK), pl.ds((t % col_tiles) * BLOCK, BLOCK)]
+            plgpu.copy_gmem_to_smem(src, raw.at[slot], loaded.at[slot])
+
+        fetch(first, 0)
+        plgpu.barrier_wait(eye_loaded)
+
+        @pl.loop(0, per)
+        def _(j):
+            t, slot = first + j, lax.rem(j, 2)
+
+            @pl.when(j + 1 < per)
+            def _():
+                fetch(t + 1, 1 - slot)
+
+            plgpu.barrier_wait(loaded.at[slot])
+            pt, c = t // col_tiles, t % col_tiles
+            xv = mosaic_private.load(raw.at[slot], layout=layout).astype(jnp.float32)
+            held = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
+            if layout is not None:
+                held = plgpu.layout_cast(held, layout)
+            tiled[...] = jnp.where(held < count_gmem[pt], xv, 0.0).astype(x.dtype)
+            plgpu.commit_smem()
+            xt = transposed(eye_smem, tiled)  # the tile's columns, as rows
+            scale, scale_inv = row_scales(nan_max(jnp.abs(xt), axis=1), rule)
+            # The stores of two tiles ago have read their buffers.
+            plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+            where = Tile(slot, pt, c, 0, pt, col_tiles)
+            store(saturating_cast(xt, scale, fmt), q_smem, where, tile_at(qt_gmem, c, pt))
+            store(scale_inv, s_smem, where, st_gmem.at[pt, pl.ds(c * BLOCK, BLOCK)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    body.__name__ = body.__qualname__ = TENSOR_CORE_PADDED_NAME
+    tiling = operand_tiling(x.dtype, BLOCK)
+    return plgpu.kernel(
+        body,
+        out_type=(
+            shape_like((k, padded * BLOCK), fmt, x),
+            shape_like((padded, k), jnp.float32, x),
+        ),
+        scratch_types=[
+            plgpu.SMEM((2, BLOCK, BLOCK), x.dtype),  # untiled: loaded from any row
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.SMEM((BLOCK, BLOCK), x.dtype, transforms=tiling),
+            plgpu.SMEM((BLOCK, BLOCK), x.dtype, transforms=tiling),  # the identity
+            plgpu.Barrier(num_arrivals=1),
+            fp8_buffers(fmt)[0],  # one copy
+            plgpu.SMEM((2, BLOCK), jnp.float32),
+        ],
+        grid=(tiles // per,),
+        grid_names=("p",),
+        interpret=mosaic_private.interpret_params() if interpret else None,
+    )(x, start, count, jnp.asarray(np.eye(BLOCK), x.dtype))

@@ -1,0 +1,173 @@
+"""An expert layer's gathered 128 x 1 tiles on TMA and the tensor cores
+(`kernels.tensor_core_gathered`, Mosaic GPU): as an independent NumPy gather-and-quantize in
+Mosaic GPU's interpreter (JAX 0.11 on: the GPU's own code; bit for bit but a NaN's payload and
+a transposed zero's sign, a NaN's row as documented), the padded layout's tiles read off its
+row map, inside the blockwise recipe as its Triton kernels, bad input refused by name, and
+one Mosaic GPU kernel, counted as quantization, in an H100 compile."""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_padded_quantize import heavy_tailed, np_columns, row_map
+from test_tensor_core_transpose import nan_rows_across_tiles, needs_interpreter, same, same_bits
+
+import fp8jax
+from fp8jax._src.core import mosaic_private
+from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
+from fp8jax._src.kernels import (
+    TENSOR_CORE_PADDED_NAME,
+    TENSOR_CORE_ROWS_NAME,
+    dispatch,
+)
+from fp8jax._src.kernels.choice import tensor_core_quantization
+from fp8jax._src.kernels.tensor_core_gathered import (
+    padded_tiles,
+    tensor_core_quantize_padded_columns,
+)
+from fp8jax._src.kernels.tensor_core_tiles import TransposeConfig
+from fp8jax._src.recipes.per_tensor import MAX_SCALE
+
+E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+
+
+def test_padded_tiles_read_each_tiles_first_row_and_rows_off_the_row_map():
+    """An expert's tiles start at its rows' first and run consecutively; its last tile holds
+    the rest; tiles of gaps hold none (their first row: 0, never read)."""
+    start, count = padded_tiles(jnp.asarray(row_map((300, 0, 130, 5), 128)))
+    assert start.tolist()[:6] == [0, 128, 256, 300, 428, 430] and start.dtype == jnp.int32
+    assert count.tolist()[:6] == [128, 128, 44, 128, 2, 5]
+    assert set(count.tolist()[6:]) == {0} and set(start.tolist()[6:]) == {0}
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * NaN, as said
+@pytest.mark.parametrize(
+    "sizes, past, dtype, fmt, power_of_two, config",
+    [
+        # Programs of 3 tiles across tiles and experts; an expert without rows; a tile past
+        # x's end (TMA's zeros).
+        ((300, 0, 130, 270), 0, jnp.bfloat16, E4M3, False, TransposeConfig(max_programs=3)),
+        # Rows past the experts' (never gathered); float16, power-of-two scales, a program a
+        # tile.
+        ((70, 0, 130, 5), 100, jnp.float16, E5M2, True, TransposeConfig(max_programs=1000)),
+    ],
+)
+def test_gathered_columns_quantize_as_numpy(sizes, past, dtype, fmt, power_of_two, config):
+    """Each padded tile's rows of `x` (an expert's, from any row), in 128 x 1 tiles
+    transposed, and their scales equal an independent NumPy gather and quantization, bit for
+    bit but a NaN's payload, with a non-finite value's row NaN as documented."""
+    rng = np.random.default_rng(sum(sizes) + past)
+    m = sum(sizes) + past
+    x = jnp.asarray(heavy_tailed(rng, (m, 256))).astype(dtype)  # a NaN and an inf among rows
+    rows = gather_map(pad_layout(jnp.asarray(sizes), m, 128))
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two)
+    got = tensor_core_quantize_padded_columns(
+        x, *padded_tiles(rows), fmt, **rule, config=config, interpret=True
+    )
+    host, rows_np = np.asarray(x, np.float32), np.asarray(rows)
+    gathered = np.where((rows_np >= 0)[:, None], host[np.maximum(rows_np, 0)], 0)
+    # As the tensor cores transpose it: a gathered row holding a NaN or an inf NaN whole
+    # within its 128 columns (`0 * NaN` in the `wgmma`), those columns then at scale 1.
+    gathered = nan_rows_across_tiles(gathered.astype(np.float32))
+    padded = np.arange(len(rows_np))
+    want_t, want_scales = np_columns(gathered, padded, fmt, 128, power_of_two)
+    same(got[0], want_t)
+    same_bits(got[1], want_scales)
+    assert np.isnan(np.asarray(got[0], np.float32)).any()  # the NaN and the inf gathered
+
+
+@needs_interpreter
+@pytest.mark.parametrize("both", [True, False], ids=["rows and gathered columns", "gathered"])
+def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(both):
+    """Inside `tensor_core_quantization()` an expert layer's output gradient (its rows copy,
+    gathered columns copy and new state; or the gathered columns alone) equals the Triton
+    kernel's, through the rows and gathered-columns Mosaic GPU kernels; outside it, the
+    Triton kernel, once."""
+    from test_block_quantize import heavy_tailed as finite_heavy_tailed
+
+    rng = np.random.default_rng(41)
+    m = 384  # rows past the experts' 205: the rows copy covers them too
+    x = finite_heavy_tailed(rng, (m, 256))
+    rows = gather_map(pad_layout(jnp.asarray([70, 0, 130, 5]), m, 128))
+    recipe = fp8jax.BlockwiseScaling(power_of_two=True)
+    state = recipe.init_state("output_grad")
+
+    def quantized(x, rows):
+        if both:
+            return recipe.quantize_both_gathered(x, rows, state, "output_grad")
+        return recipe.quantize_gathered(x, rows, "output_grad")
+
+    with dispatch.interpreted():  # a new function for each trace: jit's cache has no context
+        want_jaxpr = str(jax.make_jaxpr(lambda *a: quantized(*a))(x, rows))
+        want = jax.jit(lambda *a: quantized(*a))(x, rows)
+        with tensor_core_quantization():
+            jaxpr = str(jax.make_jaxpr(lambda *a: quantized(*a))(x, rows))
+            got = jax.jit(lambda *a: quantized(*a))(x, rows)
+    triton = "fp8jax_quantize_rows_and_padded_columns" if both else "fp8jax_quantize_padded"
+    assert want_jaxpr.count(f"name={triton}") == 1 and "tensor_core" not in want_jaxpr
+    assert jaxpr.count(f"name={TENSOR_CORE_PADDED_NAME}") == 1, jaxpr
+    assert (
+        jaxpr.count(f"name={TENSOR_CORE_ROWS_NAME}") == both and "name=fp8jax_quantize" not in jaxpr
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same_bits(a, b)
+
+
+def test_bad_input_is_refused_by_name():
+    x = jnp.ones((256, 384), jnp.bfloat16)
+    start, count = jnp.zeros((3,), jnp.int32), jnp.full((3,), 128, jnp.int32)
+    call = tensor_core_quantize_padded_columns
+    rule = dict(max_scale=MAX_SCALE, interpret=False)
+    cases = [
+        (lambda: call(x, start, count, E4M3, block=64, **rule), "block=64"),
+        (lambda: call(x[:, :300], start, count, E4M3, **rule), r"\(256, 300\)"),
+        (lambda: call(x[:100], start, count, E4M3, **rule), r"\(100, 384\)"),
+        (lambda: call(x.astype(jnp.float32), start, count, E4M3, **rule), "float32"),
+        (lambda: call(x, start, count, jnp.bfloat16, **rule), "fmt="),
+        (lambda: call(x, start, count[:2], E4M3, **rule), r"start \(3,\) and count \(2,\)"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(ValueError, match=TENSOR_CORE_PADDED_NAME + ".*" + match):
+            fn()
+    with pytest.raises(TypeError, match="config=3"):
+        call(x, start, count, E4M3, config=3, **rule)
+
+
+def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(tmp_path, monkeypatch):
+    """For an H100 (deviceless): one Mosaic GPU call by the kernel's name, counted by
+    `fp8jax.hlo_cost` as quantization; the scales divided exactly rounded (`div.rn.f32`),
+    no spills. JAX 0.10, whose Mosaic GPU cannot compile it, refuses it by name."""
+    from helpers import h100_topology
+
+    from fp8jax._src.observe import deviceless
+
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    specs = (jax.ShapeDtypeStruct((700, 256), jnp.bfloat16),)
+    specs += (jax.ShapeDtypeStruct((10,), jnp.int32),) * 2
+
+    def gathered(x, start, count):
+        return tensor_core_quantize_padded_columns(
+            x, start, count, E4M3, max_scale=MAX_SCALE, interpret=False
+        )
+
+    device = h100_topology().devices[0]
+    if not mosaic_private.untiled_wgmma_loads():  # JAX 0.10: refused by name
+        with pytest.raises(NotImplementedError, match=TENSOR_CORE_PADDED_NAME + ".*JAX 0.11"):
+            deviceless.lower(gathered, specs, {}, device)
+        return
+    lowered, _ = deviceless.lower(gathered, specs, {}, device)
+    hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
+    assert len(calls) == 1 and TENSOR_CORE_PADDED_NAME in calls[0], calls
+    cost = fp8jax.hlo_cost(hlo)
+    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 700 * 256 * 2
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx)) == {"div.rn.f32": 8}
+    ptxas = "".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
+    assert re.findall(r"(\d+) bytes spill", ptxas) == ["0", "0"], ptxas
