@@ -108,7 +108,7 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     checked = set().union(*(r["elements_differing"] for r in numerics))
     kinds = ("", "blockwise ", "blockwise weight ", "blockwise requantized ", "blockwise rows ")
-    kinds += ("blockwise experts' weights ",)
+    kinds += ("blockwise experts' weights ", "blockwise gathered ")
     assert {f"{kind}triton, default" for kind in kinds} <= checked, checked
     timed = {r["name"].split(" | ")[1] for r in section if "ms" in r}
     assert {f"{kind}{way}" for kind in kinds for way in ("xla", "triton, default")} <= timed

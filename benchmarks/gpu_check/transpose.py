@@ -33,7 +33,12 @@ and so runs on TMA alone, named "tensor cores" with its family). And the Mixtral
 layer's experts' weights (`blockwise experts' weights ...`, 8 x 14336 x 4096 BF16, session
 53) in their blocks, the three ways `vmap`ped over the experts as `Fp8RaggedDot` quantizes
 them (the tensor-core kernel then one kernel for all experts; 3.82 GB of that layer's step
-outside its GEMMs, `moe_cost.py`), numerics on the first and last experts.
+outside its GEMMs, `moe_cost.py`), numerics on the first and last experts. And at the
+gradient's shape its rows gathered into an expert layer's padded layout (eight uneven
+experts, `quantize.row_map`) in 128 x 1 tiles, transposed (`blockwise gathered ...`): the
+XLA path, `padded_quantize.quantize_padded_columns` and `tensor_core_quantize_padded_columns`
+(session 53: each padded tile's rows by TMA from the expert's row, untiled, masked, `I .
+x^T`; its programs as `CONFIGS`', two tiles in flight by hand).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -60,12 +65,16 @@ import numpy as np
 
 import fp8jax
 from fp8jax._src.core import mosaic_private
-from fp8jax._src.kernels import block_quantize
+from fp8jax._src.kernels import block_quantize, padded_quantize
 from fp8jax._src.kernels.tensor_core_blocks import (
     tensor_core_quantize_blocks,
     tensor_core_quantize_rows,
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
+)
+from fp8jax._src.kernels.tensor_core_gathered import (
+    padded_tiles,
+    tensor_core_quantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
@@ -84,6 +93,7 @@ from .quantize import (
     per_tensor_kernel,
     per_tensor_xla,
     recipe_passes,
+    row_map,
 )
 from .record import Recorder
 from .timing import compile_and_time
@@ -143,8 +153,12 @@ ROWS = "blockwise rows "
 #: the experts (the tensor-core kernel: one kernel for all, session 53; Triton's: a grid axis
 #: more).
 EXPERTS = "blockwise experts' weights "
+#: And an expert layer's output gradient gathered into the padded layout (eight uneven
+#: experts, `quantize.row_map`) in 128 x 1 tiles, transposed (the gradient's shape; the
+#: tensor-core kernel: `tensor_core_gathered`, session 53).
+GATHERED = "blockwise gathered "
 #: The families by prefix, the longest first.
-PREFIXES = (REQUANTIZED, EXPERTS, BLOCKS, ROWS, BLOCKWISE)
+PREFIXES = (REQUANTIZED, EXPERTS, GATHERED, BLOCKS, ROWS, BLOCKWISE)
 
 
 #: The blockwise recipe's XLA path for an output gradient's two copies, an activation's
@@ -154,6 +168,17 @@ _XLA_PASSES = {
 }
 _blockwise_xla, _rows_xla = _XLA_PASSES["rows+columns"], _XLA_PASSES["rows"]
 _blocks_xla = _XLA_PASSES["weight + dgrad copy"]
+_gathered_xla = _XLA_PASSES["gathered columns"]
+
+
+def _gathered_triton(x: jax.Array) -> tuple:
+    rows = jnp.asarray(row_map(x.shape[0]))
+    return padded_quantize.quantize_padded_columns(x, rows, E4M3, **RULE)
+
+
+def _gathered_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
+    start, count = padded_tiles(jnp.asarray(row_map(x.shape[0])))
+    return tensor_core_quantize_padded_columns(x, start, count, E4M3, **RULE, config=config)
 
 
 def _blockwise_triton(x: jax.Array) -> tuple:
@@ -210,14 +235,20 @@ def _copy(x: jax.Array) -> jax.Array:
 
 
 def ways(
-    dry: bool, dtype: jnp.dtype, weight: bool, requantized: bool = False, experts: bool = False
+    dry: bool,
+    dtype: jnp.dtype,
+    weight: bool,
+    requantized: bool = False,
+    experts: bool = False,
+    gathered: bool = False,
 ) -> dict[str, Any]:
     """`name -> function of x` for every way the section times at an `x` of `dtype` (`dry`:
     each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
     run): per tensor; blockwise, a 16-bit `x`'s tiles (the tensor cores transpose BF16
     exactly), a `weight`'s blocks, and where `requantized` its saved copy's 128 x 1 tiles
-    (functions of `saved_copy(x)`). `experts`: `x` is experts' weights `(E, N, K)`, and the
-    ways are the weight's blocks `vmap`ped over them (each kernel's default only)."""
+    (functions of `saved_copy(x)`), and where `gathered` its rows gathered into the padded
+    layout. `experts`: `x` is experts' weights `(E, N, K)`, and the ways are the weight's
+    blocks `vmap`ped over them (each kernel's default only)."""
     if experts:
         out = {f"{EXPERTS}xla": jax.vmap(_blocks_xla)}
         out[f"{EXPERTS}triton, default"] = jax.vmap(_blocks_triton)
@@ -235,6 +266,8 @@ def ways(
     elif jnp.dtype(dtype).itemsize == 2:
         blockwise = (BLOCKWISE, _blockwise_xla, _blockwise_triton, _blockwise_tensor_cores, dtype)
     families = [] if blockwise is None else [blockwise]
+    if gathered:
+        families.append((GATHERED, _gathered_xla, _gathered_triton, _gathered_tensor_cores, dtype))
     if requantized:
         families.append((ROWS, _rows_xla, _rows_triton, _rows_mosaic, None))
         families.append(
@@ -244,6 +277,11 @@ def ways(
         out[f"{prefix}xla"], out[f"{prefix}triton, default"] = xla, triton
         operand = E4M3 if prefix == REQUANTIZED else dtype
         for name, config in distinct_configs(dry, operand, eye):
+            if (
+                prefix == GATHERED
+                and config.max_concurrent_steps != CONFIGS["default"].max_concurrent_steps
+            ):
+                continue  # two tiles in flight by hand: the stages do not apply
             out[f"{prefix}tensor cores, {name}"] = functools.partial(tensor_cores, config=config)
     return out
 
@@ -299,6 +337,12 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
             each = [_ieee_weight(host[e]) for e in (0, -1)]
             want = tuple(np.stack(a) for a in zip(*each, strict=True))
             got = (*(g[np.array([0, -1])] for g in got[:4]), jnp.max(got[4]))
+        elif name.startswith(GATHERED):  # gathered columns (K, P), scales; no amax
+            rows = row_map(host.shape[0])
+            gathered = np.where((rows >= 0)[:, None], host[np.maximum(rows, 0)], 0)
+            pairs = zip(got, ieee_rows(gathered.T.astype(np.float32)), strict=True)
+            differ[name] = sum(int(np.sum(np.asarray(g, np.float32) != w)) for g, w in pairs)
+            continue
         elif name.startswith(BLOCKWISE):  # rows, scales; columns (K, M), scales; the amax
             got = (got[0], got[1], got[3], got[4], jnp.max(got[2]))
             want = (*ieee_rows(host), *ieee_rows(host.T))
@@ -341,7 +385,15 @@ def run(
         many = label in EXPERT_SHAPES or label in DRY_EXPERT_SHAPES
         x = x.reshape(experts, rows, cols) if many else x
         requantized = blockwise and label.startswith(("activation", "dry 256"))
-        fns = ways(dry, dtype, weight="weight" in label, requantized=requantized, experts=many)
+        gathered = blockwise and label.startswith(("gradient", "dry 256"))
+        fns = ways(
+            dry,
+            dtype,
+            weight="weight" in label,
+            requantized=requantized,
+            experts=many,
+            gathered=gathered,
+        )
         fns = {k: v for k, v in fns.items() if bool(family(k)) == blockwise}
         if dry and not blockwise and "weight" in label:
             continue  # the dry weight shape is the blockwise section's (CI time)
@@ -357,7 +409,7 @@ def run(
             args = (x,)
             if name.startswith(REQUANTIZED):
                 moved, args = 2 * x.size, saved
-            elif name.startswith(ROWS):  # one FP8 copy
+            elif name.startswith((ROWS, GATHERED)):  # one FP8 copy
                 moved = x.size * (x.dtype.itemsize + 1)
             measure = functools.partial(_time, fn, args, moved, runs, dry)
             if refused(name, dry):
