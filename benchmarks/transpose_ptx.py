@@ -58,8 +58,23 @@ COUNTED = (
 )
 #: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
 #: blocks (the weight's shape), a saved FP8 activation requantized and an activation's rows
-#: alone (the activation's shape); the weight's blocks `vmap`ped over experts' weights.
-KERNELS = ("per-tensor", "blockwise", "weight blocks", "requantize", "rows", "experts' blocks")
+#: alone (the activation's shape); the weight's blocks `vmap`ped over experts' weights; an
+#: expert layer's gradient gathered into the padded layout (the gradient's shape).
+KERNELS = (
+    "per-tensor",
+    "blockwise",
+    "weight blocks",
+    "requantize",
+    "rows",
+    "experts' blocks",
+    "gathered columns",
+)
+
+
+def padded_rows(rows: int, experts: int = 8) -> int:
+    """Rows of the padded layout of `rows` gathered rows over `experts` (the GPU check's
+    eight, `gpu_check.quantize.row_map`)."""
+    return -(-(rows + experts * 127) // 128) * 128
 
 
 def compile_one(
@@ -76,6 +91,7 @@ def compile_one(
         tensor_core_quantize_rows_and_columns,
         tensor_core_requantize_columns,
     )
+    from fp8jax._src.kernels.tensor_core_gathered import tensor_core_quantize_padded_columns
     from fp8jax._src.kernels.tensor_core_transpose import (
         TransposeConfig,
         tensor_core_cast_transpose,
@@ -94,8 +110,16 @@ def compile_one(
 
     if kernel == "experts' blocks":
         spec = (jax.ShapeDtypeStruct((experts, rows, cols), jnp.dtype(dtype)), spec[1])
+    if kernel == "gathered columns":  # each padded tile's first row and rows held
+        tiles = jax.ShapeDtypeStruct((padded_rows(rows) // 128,), jnp.int32)
+        spec = (spec[0], tiles, tiles)
 
-    def cast(x, scale):
+    def cast(x, scale, *count):
+        if kernel == "gathered columns":
+            fmt = jnp.float8_e4m3fn
+            return tensor_core_quantize_padded_columns(
+                x, scale, *count, fmt, max_scale=MAX_SCALE, config=config
+            )
         if kernel == "experts' blocks":
             fmt = jnp.float8_e4m3fn
             blocks = lambda w: tensor_core_quantize_blocks(  # noqa: E731
@@ -182,11 +206,17 @@ def main() -> None:
                 continue
             if kernel in ("requantize", "rows") and not label.startswith("activation"):
                 continue
+            if kernel == "gathered columns" and not label.startswith("gradient"):
+                continue
             eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
             eye = None if kernel == "rows" else eye
             operand = jnp.dtype(jnp.float8_e4m3fn) if kernel == "requantize" else jnp.dtype(dtype)
             for name, config in CONFIGS.items():
+                if kernel == "gathered columns" and config.max_concurrent_steps != 3:
+                    continue  # two tiles in flight by hand: the stages do not apply
                 tiles = experts * (rows // 128) * (cols // 128)
+                if kernel == "gathered columns":
+                    tiles = padded_rows(rows) // 128 * (cols // 128)
                 programs = tiles // tiles_per_program(config, tiles, experts)
                 seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel, experts)
                 row = [kernel, label, name, str(stages(config, operand, eye))]
