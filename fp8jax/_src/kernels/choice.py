@@ -133,14 +133,16 @@ def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     cores (`tensor_core_blocks`, Mosaic GPU: its interpreter from JAX 0.11 on) where the
     block is 128: an activation's 1 x 128 tiles (on TMA alone), the output gradient's two
     copies (1 x 128 and 128 x 1 tiles, `BlockwiseScaling.quantize_both`; a BF16 or float16
-    gradient), a weight's 128 x 128 blocks with their transpose, and a saved activation's
-    128 x 1 tiles for the wgrad; elsewhere the Pallas Triton kernels (`block_quantize`).
+    gradient), a weight's 128 x 128 blocks with their transpose (experts' weights in one
+    kernel), a saved activation's 128 x 1 tiles for the wgrad, and an expert layer's
+    output gradient's copy gathered into the padded layout (`tensor_core_gathered`, JAX 0.11
+    on); elsewhere the Pallas Triton kernels (`block_quantize`, `padded_quantize`).
     The same values for finite operands (in value: a -0 in a transposed copy may come out
     +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
-    `blockwise-tc`, the MoE layer's: its experts' weights in one kernel under `vmap`).
-    Trace a new function inside (as the benchmarks' steps are): a gradient function traced
-    before, outside, may come back from JAX's trace caches as it was (session 52, a
-    deviceless compile of one `filter_value_and_grad` object both ways)."""
+    `blockwise-tc`, the MoE layer's). Trace a new function inside (as the benchmarks' steps
+    are): a gradient function traced before, outside, may come back from JAX's trace caches
+    as it was (session 52, a deviceless compile of one `filter_value_and_grad` object both
+    ways)."""
     return setting(_TENSOR_CORES, True)
 
 

@@ -36,13 +36,13 @@ from ..core import mosaic_private
 from ..core.jax_private import shape_like
 from . import TENSOR_CORE_PADDED_NAME
 from .block_gemm import operand_tiling
-from .dispatch import interpreting
 from .quantize_tiles import nan_max, saturating_cast, tile_rule
 from .tensor_core_blocks import row_scales
 from .tensor_core_tiles import (
     BLOCK,
     Tile,
     TransposeConfig,
+    checked,
     fp8_buffers,
     store,
     tile_at,
@@ -83,33 +83,17 @@ def tensor_core_quantize_padded_columns(
     who = TENSOR_CORE_PADDED_NAME
     if block != BLOCK:
         raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
-    config = TransposeConfig() if config is None else config
-    if not isinstance(config, TransposeConfig):
-        raise TypeError(f"{who}: config={config!r}; expected a TransposeConfig or None.")
-    if x.ndim != 2 or x.shape[0] < BLOCK or x.shape[1] % BLOCK or not x.shape[1]:
-        raise ValueError(
-            f"{who}: x has shape {x.shape}; expected (M, K) with M >= {BLOCK} and K a "
-            f"positive multiple of {BLOCK}."
-        )
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"{who}: x has dtype {x.dtype}; expected bfloat16 or float16.")
-    if jnp.dtype(fmt) not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
-        raise ValueError(f"{who}: fmt={fmt!r}; expected float8_e4m3fn or float8_e5m2.")
     if start.ndim != 1 or start.shape != count.shape or not start.shape[0]:
         raise ValueError(
             f"{who}: start {start.shape} and count {count.shape}; expected one first row "
             "and one row count per padded tile, at least one tile."
         )
+    sixteen = (jnp.bfloat16, jnp.float16)
+    config, interpret = checked(who, x, fmt, config, sixteen, interpret, any_rows=True)
     if not mosaic_private.untiled_wgmma_loads():
         raise NotImplementedError(
             f"{who}: jax {jax.__version__}'s Mosaic GPU cannot load a tile read from any row "
             "(untiled) into the wgmma register layout (JAX 0.11 and later can)."
-        )
-    interpret = interpreting() if interpret is None else interpret
-    if interpret and not mosaic_private.interpreter_runs_gpu_path():
-        raise NotImplementedError(
-            f"{who}: jax {jax.__version__}'s Mosaic GPU interpreter cannot run wgmma on a "
-            "transposed shared-memory view (JAX 0.11 and later can)."
         )
     return _padded(
         x,

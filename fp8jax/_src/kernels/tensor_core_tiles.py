@@ -243,13 +243,22 @@ def tile_at(ref, row_tile, col_tile):
     return ref.at[pl.ds(row_tile * BLOCK, BLOCK), pl.ds(col_tile * BLOCK, BLOCK)]
 
 
-def checked(who, x, fmt, config, dtypes, interpret) -> tuple[TransposeConfig, bool]:
+def checked(
+    who, x, fmt, config, dtypes, interpret, any_rows: bool = False
+) -> tuple[TransposeConfig, bool]:
     """`config` (`None`: the default) and whether to interpret, once `x`, `fmt` and
-    `config` are checked for kernel `who`."""
+    `config` are checked for kernel `who` (`any_rows`: `x (M, K)` with any `M` of at least
+    one tile, whose tiles start at any row)."""
     config = TransposeConfig() if config is None else config
     if not isinstance(config, TransposeConfig):
         raise TypeError(f"{who}: config={config!r}; expected a TransposeConfig or None.")
-    if x.ndim not in (2, 3) or x.shape[-1] % BLOCK or x.shape[-2] % BLOCK or 0 in x.shape:
+    if any_rows and (x.ndim != 2 or x.shape[0] < BLOCK or x.shape[1] % BLOCK or not x.shape[1]):
+        raise ValueError(
+            f"{who}: x has shape {x.shape}; expected (M, K) with M >= {BLOCK} and K a "
+            f"positive multiple of {BLOCK}."
+        )
+    whole = any_rows or not x.shape[-2] % BLOCK
+    if x.ndim not in (2, 3) or x.shape[-1] % BLOCK or not whole or 0 in x.shape:
         raise ValueError(
             f"{who}: x has shape {x.shape}; expected (M, K) or (B, M, K) with M and K "
             f"positive multiples of {BLOCK}."
