@@ -387,7 +387,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     tiled kernel computes, and the pipeline without block scales what cuBLASLt's per-tensor
     product computes. So does its `transpose` section (the tensor-core kernels, per-tensor,
     blockwise tiles, a weight's blocks and a saved copy requantized: their copies as
-    NumPy's, timed beside XLA's and the Triton kernels')."""
+    NumPy's, timed beside XLA's and the Triton kernels'; since session 53 also an expert
+    layer's gathered copy and experts' weights together)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -401,11 +402,14 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     transposed = [r for r in results if r["section"].startswith(("2e ", "2f "))]
     ways = ("triton, default", "tensor cores, default")
     # Per tensor (the dry BF16 shape), then blockwise (it and the dry weight).
-    kinds = (("",), ("blockwise ", "blockwise rows ", "blockwise requantized "))
-    kinds += (("blockwise weight ",),)
+    kinds = (
+        ("",),
+        ("blockwise ", "blockwise gathered ", "blockwise rows ", "blockwise requantized "),
+    )
+    kinds += (("blockwise weight ",), ("blockwise experts' weights ",))
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
         {f"{kind}{way}": 0 for kind in shape for way in ways}
-        for shape in kinds  # a BF16 operand, a weight
+        for shape in kinds  # a BF16 operand, a weight, experts' weights
     ], transposed
     for kind in {kind for shape in kinds for kind in shape}:
         timed = f"| {kind}tensor cores, default"
