@@ -130,12 +130,7 @@ def step(name: str):
     """`moe_cost.moe_step`, traced inside its variant's context of `CONTEXTS`, if any."""
     if name not in CONTEXTS:
         return moe_cost.moe_step
-
-    def traced(*args: Any) -> Any:
-        with CONTEXTS[name]():
-            return moe_cost.moe_step(*args)
-
-    return traced
+    return moe_cost.inside(CONTEXTS[name], moe_cost.moe_step)
 
 
 def mismatch(out: Any, reference: Any) -> float:
