@@ -18,8 +18,8 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   `blockwise-chained` (each program's tiles chained into one pipeline:
   `chained_pipelines()`) and `blockwise-slabs` (the quantization kernels holding 32 rows
   of a tile at a time: `quantize_slabs(32)`, session 39), `blockwise-tc` (the experts'
-  weight blocks and the activations' tiles quantized on the Mosaic GPU kernels:
-  `tensor_core_quantization()`, session 53).
+  weight blocks, the activations' tiles and the output gradient's two copies quantized on
+  the Mosaic GPU kernels: `tensor_core_quantization()`, session 53).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
@@ -84,8 +84,8 @@ RECIPES = {
 #: Variants traced inside a context: the tiled grouped kernels, the experts' weight scales
 #: once per 128 x 128 block (one per warpgroup tile of the rows GEMM), each program's tiles
 #: chained into one pipeline (the tokens GEMM: every expert's chunks at a tile position),
-#: the quantization kernels in slabs of `SLAB_ROWS` rows, the weights' and activations'
-#: quantization on TMA and the tensor cores.
+#: the quantization kernels in slabs of `SLAB_ROWS` rows, the quantization on TMA and the
+#: tensor cores.
 CONTEXTS = {
     "blockwise-tiled": tiled_kernel,
     "blockwise-tile-scales": weight_block_scales,
