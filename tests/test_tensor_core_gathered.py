@@ -1,6 +1,7 @@
 """An expert layer's gathered 128 x 1 tiles on TMA and the tensor cores
-(`kernels.tensor_core_gathered`, Mosaic GPU): as an independent NumPy gather-and-quantize in
-Mosaic GPU's interpreter (JAX 0.11 on: the GPU's own code; bit for bit but a NaN's payload and
+(`kernels.tensor_core_gathered`, Mosaic GPU; the output gradient's from 16 bits, the saved
+activation's from its FP8 tiles): as an independent NumPy gather-and-quantize in Mosaic
+GPU's interpreter (JAX 0.11 on: the GPU's own code; bit for bit but a NaN's payload and
 a transposed zero's sign, a NaN's row as documented), the padded layout's tiles read off its
 row map, inside the blockwise recipe as its Triton kernels, bad input refused by name, and
 one Mosaic GPU kernel, counted as quantization, in an H100 compile."""
@@ -20,6 +21,7 @@ from fp8jax._src.core import mosaic_private
 from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import (
     TENSOR_CORE_PADDED_NAME,
+    TENSOR_CORE_REQUANTIZE_PADDED_NAME,
     TENSOR_CORE_ROWS_NAME,
     dispatch,
 )
@@ -27,6 +29,7 @@ from fp8jax._src.kernels.choice import tensor_core_quantization
 from fp8jax._src.kernels.tensor_core_gathered import (
     padded_tiles,
     tensor_core_quantize_padded_columns,
+    tensor_core_requantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_tiles import TransposeConfig
 from fp8jax._src.recipes.per_tensor import MAX_SCALE
@@ -80,6 +83,61 @@ def test_gathered_columns_quantize_as_numpy(sizes, past, dtype, fmt, power_of_tw
     assert np.isnan(np.asarray(got[0], np.float32)).any()  # the NaN and the inf gathered
 
 
+def saved_activation(rng, m, k, fmt):
+    """An FP8 activation `(m, k)` in 1 x 128 tiles at scales that are not powers of two
+    (their products round), with a NaN (E4M3) or an inf (E5M2) in row 1, and its
+    chunk-major `scale_inv_t (k / 128, m)`."""
+    from test_block_quantize import heavy_tailed as finite_heavy_tailed
+
+    x = np.asarray(finite_heavy_tailed(rng, (m, k)), np.float32)
+    amax = np.abs(x).reshape(m, k // 128, 128).max(-1)
+    spread = rng.uniform(1, 1.1, amax.shape)
+    scale_inv = (np.where(amax > 0, amax, 1) / 400 * spread).astype(np.float32)
+    data = (x / np.repeat(scale_inv, 128, axis=1)).astype(fmt)
+    data[1, 3] = np.nan if fmt == E4M3 else np.inf
+    return data, scale_inv.T.copy()
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * NaN, as said
+@pytest.mark.parametrize(
+    "sizes, past, fmt, power_of_two, config",
+    [
+        # Programs of 3 tiles across tiles and experts; an expert without rows; the last
+        # expert's tile past the activation's end (TMA's zeros).
+        ((300, 0, 130, 270), 0, E4M3, False, TransposeConfig(max_programs=3)),
+        # Rows past the experts' (never gathered; NaN data and scales there); power-of-two
+        # scales, a program a tile.
+        ((70, 0, 130, 5), 103, E5M2, True, TransposeConfig(max_programs=1000)),
+    ],
+)
+def test_gathered_requantization_is_numpy(sizes, past, fmt, power_of_two, config):
+    """A saved FP8 activation's padded tiles (an expert's rows, from any row, dequantized at
+    their rows' scales), requantized in 128 x 1 tiles transposed, equal an independent
+    NumPy gather, float32 product and quantization, bit for bit but a NaN's payload, a
+    non-finite value's row NaN as documented; rows and scales not gathered reach no
+    output."""
+    rng = np.random.default_rng(sum(sizes) + past)
+    m = sum(sizes) + past
+    data, scale_inv_t = saved_activation(rng, m, 256, fmt)
+    if past:
+        data[-past:], scale_inv_t[:, -past:] = np.nan, np.nan
+    rows = gather_map(pad_layout(jnp.asarray(sizes), m, 128))
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two, config=config, interpret=True)
+    tiles = padded_tiles(rows)
+    got = tensor_core_requantize_padded_columns(
+        jnp.asarray(data), jnp.asarray(scale_inv_t), *tiles, **rule
+    )
+    real = data.astype(np.float32) * np.repeat(scale_inv_t.T, 128, axis=1)
+    rows_np = np.asarray(rows)
+    gathered = np.where((rows_np >= 0)[:, None], real[np.maximum(rows_np, 0)], 0)
+    gathered = nan_rows_across_tiles(gathered.astype(np.float32))
+    want_t, want_scales = np_columns(gathered, np.arange(len(rows_np)), fmt, 128, power_of_two)
+    same(got[0], want_t)
+    same_bits(got[1], want_scales)
+    assert np.isnan(np.asarray(got[0], np.float32)).any()  # row 1's NaN or inf, gathered
+
+
 @needs_interpreter
 @pytest.mark.parametrize("both", [True, False], ids=["rows and gathered columns", "gathered"])
 def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(both):
@@ -117,6 +175,37 @@ def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(b
         same_bits(a, b)
 
 
+@needs_interpreter
+def test_blockwise_expert_activation_on_the_tensor_cores_is_the_triton_kernel():
+    """Inside `tensor_core_quantization()` an expert layer's saved activation, gathered for
+    the wgrad (`retile_gathered`), equals the Triton kernel's, through the Mosaic GPU
+    kernel; outside it, the Triton kernel."""
+    rng = np.random.default_rng(43)
+    m = 384  # rows past the experts' 205
+    data, scale_inv_t = saved_activation(rng, m, 256, E4M3)
+    data[1, 3] = 1.0  # finite: the Triton kernel's NaN would stay in its column
+    q = fp8jax.QTensor(jnp.asarray(data), jnp.asarray(scale_inv_t.T), (1, 128))
+    rows = gather_map(pad_layout(jnp.asarray([70, 0, 130, 5]), m, 128))
+    recipe = fp8jax.BlockwiseScaling()
+
+    def retiled(q, rows):
+        return recipe.retile_gathered(q, rows, "input")
+
+    with dispatch.interpreted():  # a new function for each trace: jit's cache has no context
+        want_jaxpr = str(jax.make_jaxpr(lambda *a: retiled(*a))(q, rows))
+        want = jax.jit(lambda *a: retiled(*a))(q, rows)
+        with tensor_core_quantization():
+            jaxpr = str(jax.make_jaxpr(lambda *a: retiled(*a))(q, rows))
+            got = jax.jit(lambda *a: retiled(*a))(q, rows)
+    assert want_jaxpr.count("name=fp8jax_requantize_padded_columns") == 1
+    assert "tensor_core" not in want_jaxpr
+    assert jaxpr.count(f"name={TENSOR_CORE_REQUANTIZE_PADDED_NAME}") == 1, jaxpr
+    assert "name=fp8jax_requantize" not in jaxpr
+    assert tuple(got.block) == tuple(want.block)
+    same(got.data, want.data)  # in value: the saved tiles' -0s may come out +0
+    same_bits(got.scale_inv, want.scale_inv)
+
+
 def test_bad_input_is_refused_by_name():
     x = jnp.ones((256, 384), jnp.bfloat16)
     start, count = jnp.zeros((3,), jnp.int32), jnp.full((3,), 128, jnp.int32)
@@ -135,9 +224,43 @@ def test_bad_input_is_refused_by_name():
             fn()
     with pytest.raises(TypeError, match="config=3"):
         call(x, start, count, E4M3, config=3, **rule)
+    data, scale_t = x.astype(E4M3), jnp.ones((3, 256))
+    call = tensor_core_requantize_padded_columns
+    cases = [
+        (lambda: call(data, scale_t, start, count, block=64, **rule), "block=64"),
+        (lambda: call(x, scale_t, start, count, **rule), "bfloat16"),
+        (lambda: call(data, scale_t[:2], start, count, **rule), r"\(2, 256\).*\(3, 256\)"),
+        (lambda: call(data[:130], scale_t[:, :130], start, count, **rule), "multiple of 4"),
+        (lambda: call(data, scale_t, start[:1], count, **rule), r"start \(1,\)"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(ValueError, match=TENSOR_CORE_REQUANTIZE_PADDED_NAME + ".*" + match):
+            fn()
 
 
-def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(tmp_path, monkeypatch):
+def _gathered(x, start, count):
+    return tensor_core_quantize_padded_columns(
+        x, start, count, E4M3, max_scale=MAX_SCALE, interpret=False
+    )
+
+
+def _requantized(data, scale_t, start, count):
+    return tensor_core_requantize_padded_columns(
+        data, scale_t, start, count, max_scale=MAX_SCALE, interpret=False
+    )
+
+
+@pytest.mark.parametrize(
+    "name, kernel, operands",
+    [
+        (TENSOR_CORE_PADDED_NAME, _gathered, [((700, 256), jnp.bfloat16)]),
+        (TENSOR_CORE_REQUANTIZE_PADDED_NAME, _requantized, [((700, 256), E4M3), ((2, 700), None)]),
+    ],
+    ids=["gathered", "requantized"],
+)
+def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(
+    name, kernel, operands, tmp_path, monkeypatch
+):
     """For an H100 (deviceless): one Mosaic GPU call by the kernel's name, counted by
     `fp8jax.hlo_cost` as quantization; the scales divided exactly rounded (`div.rn.f32`),
     no spills. JAX 0.10, whose Mosaic GPU cannot compile it, refuses it by name."""
@@ -148,25 +271,19 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(tmp_path, m
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    specs = (jax.ShapeDtypeStruct((700, 256), jnp.bfloat16),)
+    specs = tuple(jax.ShapeDtypeStruct(shape, dtype or jnp.float32) for shape, dtype in operands)
     specs += (jax.ShapeDtypeStruct((10,), jnp.int32),) * 2
-
-    def gathered(x, start, count):
-        return tensor_core_quantize_padded_columns(
-            x, start, count, E4M3, max_scale=MAX_SCALE, interpret=False
-        )
-
     device = h100_topology().devices[0]
     if not mosaic_private.untiled_wgmma_loads():  # JAX 0.10: refused by name
-        with pytest.raises(NotImplementedError, match=TENSOR_CORE_PADDED_NAME + ".*JAX 0.11"):
-            deviceless.lower(gathered, specs, {}, device)
+        with pytest.raises(NotImplementedError, match=name + ".*JAX 0.11"):
+            deviceless.lower(kernel, specs, {}, device)
         return
-    lowered, _ = deviceless.lower(gathered, specs, {}, device)
+    lowered, _ = deviceless.lower(kernel, specs, {}, device)
     hlo = lowered.compile(fp8jax.gpu_compiler_options()).as_text()
     calls = [line for line in hlo.splitlines() if "custom_call_target=" in line]
-    assert len(calls) == 1 and TENSOR_CORE_PADDED_NAME in calls[0], calls
+    assert len(calls) == 1 and name in calls[0], calls
     cost = fp8jax.hlo_cost(hlo)
-    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 700 * 256 * 2
+    assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 700 * 256
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     assert collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx)) == {"div.rn.f32": 8}
     ptxas = "".join(p.read_text() for p in tmp_path.glob("*.ptxas"))

@@ -34,6 +34,7 @@ QUANTIZE_NAMES = (
     "fp8jax_tensor_core_requantize_columns",
     "fp8jax_tensor_core_quantize_rows",
     "fp8jax_tensor_core_quantize_padded_columns",
+    "fp8jax_tensor_core_requantize_padded_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
@@ -49,3 +50,5 @@ TENSOR_CORE_REQUANTIZE_NAME = QUANTIZE_NAMES[11]
 TENSOR_CORE_ROWS_NAME = QUANTIZE_NAMES[12]
 #: An expert layer's gathered 128 x 1 tiles, the same way (`tensor_core_gathered`).
 TENSOR_CORE_PADDED_NAME = QUANTIZE_NAMES[13]
+#: A saved FP8 activation's gathered 128 x 1 tiles, the same way (`tensor_core_gathered`).
+TENSOR_CORE_REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[14]

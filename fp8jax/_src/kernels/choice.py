@@ -39,7 +39,11 @@ from .block_quantize import (
 )
 from .dispatch import interpreting
 from .grouped_gemm import RowItems, grouped_rows_gemm, grouped_tokens_gemm
-from .padded_quantize import quantize_padded_columns, quantize_rows_and_padded_columns
+from .padded_quantize import (
+    quantize_padded_columns,
+    quantize_rows_and_padded_columns,
+    requantize_padded_columns,
+)
 from .persistent_config import PersistentConfig
 from .persistent_gemm import persistent_block_scaled_gemm
 from .persistent_grouped import persistent_grouped_rows_gemm, persistent_grouped_tokens_gemm
@@ -49,7 +53,11 @@ from .tensor_core_blocks import (
     tensor_core_quantize_rows_and_columns,
     tensor_core_requantize_columns,
 )
-from .tensor_core_gathered import padded_tiles, tensor_core_quantize_padded_columns
+from .tensor_core_gathered import (
+    padded_tiles,
+    tensor_core_quantize_padded_columns,
+    tensor_core_requantize_padded_columns,
+)
 from .tensor_core_tiles import BLOCK as TENSOR_CORE_BLOCK
 
 #: The persistent kernels' configurations when no context chooses one, by GEMM: the fastest
@@ -65,6 +73,9 @@ DEFAULT_CONFIGS = {
     "rows": PersistentConfig(),
     "tokens": PersistentConfig(wg_dimension="n"),
 }
+
+#: The 16-bit types the tensor cores transpose exactly (an output gradient's).
+SIXTEEN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 #: A context's choice: a configuration, `_TILED`, `_PERSISTENT` (each GEMM in its default
 #: configuration) or `_DEFAULT` (no context: see the module).
@@ -135,8 +146,9 @@ def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     copies (1 x 128 and 128 x 1 tiles, `BlockwiseScaling.quantize_both`; a BF16 or float16
     gradient), a weight's 128 x 128 blocks with their transpose (experts' weights in one
     kernel), a saved activation's 128 x 1 tiles for the wgrad, and an expert layer's
-    output gradient's copy gathered into the padded layout (`tensor_core_gathered`, JAX 0.11
-    on); elsewhere the Pallas Triton kernels (`block_quantize`, `padded_quantize`).
+    output gradient's copy and saved activation's copy gathered into the padded layout
+    (`tensor_core_gathered`, JAX 0.11 on); elsewhere the Pallas Triton kernels
+    (`block_quantize`, `padded_quantize`).
     The same values for finite operands (in value: a -0 in a transposed copy may come out
     +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
     `blockwise-tc`, the MoE layer's). Trace a new function inside (as the benchmarks' steps
@@ -156,7 +168,7 @@ def recipe_rows_and_columns(
     and `scale_inv (*B, M / block, K)`. On the kernel `tensor_core_quantization()` chooses."""
     rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
     swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
-    sixteen = jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    sixteen = jnp.dtype(x.dtype) in SIXTEEN
     if _TENSOR_CORES.get() and sixteen and block == TENSOR_CORE_BLOCK:
         data, scale_t, amaxes, data_t, cols = tensor_core_quantize_rows_and_columns(x, fmt, **rule)
     else:
@@ -217,14 +229,14 @@ def recipe_quantize_blocks(
     return quantize_blocks(w, fmt, **rule)
 
 
-def _gathers_on_tensor_cores(x: Array, block: int) -> bool:
+def _gathers_on_tensor_cores(x: Array, block: int, dtypes: tuple = SIXTEEN) -> bool:
     """Whether an expert layer's gathered tiles of `x` take the tensor-core kernels: inside
-    `tensor_core_quantization()`, a 16-bit `x` (exact in the tensor cores) of whole 128-row
-    tiles (the rows kernel's), block 128, a JAX whose Mosaic GPU compiles the kernel."""
-    sixteen = jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    `tensor_core_quantization()`, `x` of `dtypes` (16-bit: exact in the tensor cores; FP8,
+    a saved activation) in whole 128-row tiles (the rows kernel's), block 128, a JAX whose
+    Mosaic GPU compiles the kernels."""
     whole = x.shape[0] >= TENSOR_CORE_BLOCK and x.shape[0] % TENSOR_CORE_BLOCK == 0
     kernel = block == TENSOR_CORE_BLOCK and mosaic_private.untiled_wgmma_loads()
-    return _TENSOR_CORES.get() and sixteen and whole and kernel
+    return _TENSOR_CORES.get() and jnp.dtype(x.dtype) in dtypes and whole and kernel
 
 
 def recipe_gathered(
@@ -250,6 +262,18 @@ def recipe_both_gathered(
         data, scale_t, amaxes = tensor_core_quantize_rows(x, fmt, **rule)
         return data, scale_t, amaxes, *recipe_gathered(x, rows, fmt, **rule)
     return quantize_rows_and_padded_columns(x, rows, fmt, **rule)
+
+
+def recipe_requantize_gathered(
+    data: Array, scale_inv_t: Float[Array, "K/block M"], rows: Int[Array, " P"], **rule
+) -> tuple[Array, Float[Array, "P/block K"]]:
+    """`padded_quantize.requantize_padded_columns(data, scale_inv_t, rows)` (a saved FP8
+    activation's gathered `block` x 1 tiles, transposed, and their scales), on the kernel
+    `tensor_core_quantization()` chooses (`rows` as `gather_map` writes it)."""
+    if _gathers_on_tensor_cores(data, rule["block"], FP8_TYPES):
+        start, count = padded_tiles(rows)
+        return tensor_core_requantize_padded_columns(data, scale_inv_t, start, count, **rule)
+    return requantize_padded_columns(data, scale_inv_t, rows, **rule)
 
 
 def tensor_core_quantization_chosen() -> bool:

@@ -1,5 +1,6 @@
 """An expert layer's wgrad tiles, gathered into the padded layout, on Hopper's TMA and tensor
-cores (Pallas Mosaic GPU): `padded_quantize.quantize_padded_columns` by another route.
+cores (Pallas Mosaic GPU): `padded_quantize.quantize_padded_columns` (the output gradient)
+and `requantize_padded_columns` (the saved FP8 activation) by another route.
 
 The wgrad of a grouped GEMM contracts each expert's tokens in 128 x 1 tiles that must not mix
 experts: the expert-sorted rows spread so that each expert starts on a multiple of 128
@@ -15,6 +16,13 @@ of the result (a column of the tile) cast at its own scale, stored by TMA. Rows 
 end read zeros (TMA's out-of-bounds fill). The same values as the Triton kernel for finite
 operands (a -0 may come out +0); a NaN or an inf makes its row of the transposed tile NaN
 in every column (`0 * NaN` in the tensor cores), as in `tensor_core_blocks`.
+
+The saved activation's requantization (`tensor_core_requantize_padded_columns`) loads its FP8
+tile the same way, with the 128 scales of its rows (from any column of the chunk-major
+scales: TMA again), converts it to float16 (exact for both FP8 formats; Hopper converts FP8
+to float16 in one instruction, to BF16 through float32), transposes it in float16 and
+multiplies each column by its row's scale (zero past the tile's rows): the Triton kernel's
+float32 products, then the same cast.
 
 The recipes call it inside `choice.tensor_core_quantization()` only, until a GPU run has
 timed it (issue 39).
@@ -34,7 +42,7 @@ from jaxtyping import Array, Float, Int
 
 from ..core import mosaic_private
 from ..core.jax_private import shape_like
-from . import TENSOR_CORE_PADDED_NAME
+from . import TENSOR_CORE_PADDED_NAME, TENSOR_CORE_REQUANTIZE_PADDED_NAME
 from .block_gemm import operand_tiling
 from .quantize_tiles import nan_max, saturating_cast, tile_rule
 from .tensor_core_blocks import row_scales
@@ -81,24 +89,15 @@ def tensor_core_quantize_padded_columns(
     two tiles in flight, by hand); `interpret`: run in Mosaic GPU's interpreter (`None`: as
     traced)."""
     who = TENSOR_CORE_PADDED_NAME
-    if block != BLOCK:
-        raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
-    if start.ndim != 1 or start.shape != count.shape or not start.shape[0]:
-        raise ValueError(
-            f"{who}: start {start.shape} and count {count.shape}; expected one first row "
-            "and one row count per padded tile, at least one tile."
-        )
+    _check_tiles(who, block, start, count)
     sixteen = (jnp.bfloat16, jnp.float16)
     config, interpret = checked(who, x, fmt, config, sixteen, interpret, any_rows=True)
-    if not mosaic_private.untiled_wgmma_loads():
-        raise NotImplementedError(
-            f"{who}: jax {jax.__version__}'s Mosaic GPU cannot load a tile read from any row "
-            "(untiled) into the wgmma register layout (JAX 0.11 and later can)."
-        )
+    _check_loads(who)
     return _padded(
         x,
         start.astype(jnp.int32),
         count.astype(jnp.int32),
+        None,
         fmt=jnp.dtype(fmt),
         max_scale=float(max_scale),
         power_of_two=bool(power_of_two),
@@ -107,26 +106,106 @@ def tensor_core_quantize_padded_columns(
     )
 
 
+def tensor_core_requantize_padded_columns(
+    data: Array,
+    scale_inv_t: Float[Array, "K/128 M"],
+    start: Int[Array, " T"],
+    count: Int[Array, " T"],
+    *,
+    block: int = BLOCK,
+    max_scale: float,
+    power_of_two: bool = False,
+    config: TransposeConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Float[Array, "T K"]]:
+    """`padded_quantize.requantize_padded_columns(data, scale_inv_t, rows)` on TMA and the
+    tensor cores: FP8 `data (M, K)` in 1 x 128 tiles (chunk-major `scale_inv_t (K / 128,
+    M)`, as `quantize_rows` writes it; `M` a multiple of 4, at least 128: TMA's 16-byte
+    strides), padded tile `t` holding rows `start[t] ... start[t] + count[t] - 1` of it
+    (`padded_tiles(rows)`), dequantized and quantized again in 128 x 1 tiles along the padded
+    rows, written transposed: `data_t (K, 128 T)` in `data`'s FP8 format and chunk-major
+    `scale_inv (T, K)`. Scales, `config` and `interpret` as
+    `tensor_core_quantize_padded_columns`'."""
+    who = TENSOR_CORE_REQUANTIZE_PADDED_NAME
+    _check_tiles(who, block, start, count)
+    fp8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    config, interpret = checked(who, data, data.dtype, config, fp8, interpret, any_rows=True)
+    (m, k) = data.shape
+    if scale_inv_t.shape != (k // BLOCK, m) or m % 4:
+        raise ValueError(
+            f"{who}: data {data.shape} with scale_inv_t {scale_inv_t.shape}; expected "
+            f"scale_inv_t of shape {(k // BLOCK, m)} (chunk-major) and a multiple of 4 rows "
+            "(TMA reads the scales in rows of a multiple of 16 bytes)."
+        )
+    _check_loads(who)
+    return _padded(
+        data,
+        start.astype(jnp.int32),
+        count.astype(jnp.int32),
+        scale_inv_t.astype(jnp.float32),
+        fmt=jnp.dtype(data.dtype),
+        max_scale=float(max_scale),
+        power_of_two=bool(power_of_two),
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _check_tiles(who: str, block: int, start: Array, count: Array) -> None:
+    if block != BLOCK:
+        raise ValueError(f"{who}: block={block!r}; expected {BLOCK} (the kernel's tile).")
+    if start.ndim != 1 or start.shape != count.shape or not start.shape[0]:
+        raise ValueError(
+            f"{who}: start {start.shape} and count {count.shape}; expected one first row "
+            "and one row count per padded tile, at least one tile."
+        )
+
+
+def _check_loads(who: str) -> None:
+    if not mosaic_private.untiled_wgmma_loads():
+        raise NotImplementedError(
+            f"{who}: jax {jax.__version__}'s Mosaic GPU cannot load a tile read from any row "
+            "(untiled) into the wgmma register layout (JAX 0.11 and later can)."
+        )
+
+
 @functools.partial(
     jax.jit, static_argnames=("fmt", "max_scale", "power_of_two", "config", "interpret")
 )
-def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret):
-    k = x.shape[1]
+def _padded(x, start, count, scale_t, *, fmt, max_scale, power_of_two, config, interpret):
+    """The gathered columns of 16-bit `x`, or (`scale_t` given) of FP8 `x` dequantized at
+    `scale_t`, transposed in `x`'s 16-bit type (float16 for FP8)."""
+    k, requantize = x.shape[1], scale_t is not None
+    sixteen = jnp.dtype(jnp.float16 if requantize else x.dtype)
     padded, col_tiles = start.shape[0], k // BLOCK
     tiles = padded * col_tiles
     per = tiles_per_program(config, tiles)
     rule = tile_rule(fmt, max_scale, power_of_two, interpret, mosaic=True)
     layout = None if interpret else plgpu.Layout.WGMMA
+    per_column = None if interpret else plgpu.Layout.WGMMA.reduce(0)
+    operands = (x, start, count) + ((scale_t,) if requantize else ())
 
-    def body(x_gmem, start_gmem, count_gmem, eye_gmem, qt_gmem, st_gmem, *scratch):
-        raw, loaded, tiled, eye_smem, eye_loaded, q_smem, s_smem = scratch
+    def held(shape, held_layout, rows):  # whether each row (dimension 0) is a tile's row
+        iota = lax.broadcasted_iota(jnp.int32, shape, 0)
+        if held_layout is not None:
+            iota = plgpu.layout_cast(iota, held_layout)
+        return iota < rows
+
+    def body(*refs):
+        x_gmem, start_gmem, count_gmem = refs[:3]
+        s_gmem = refs[3] if requantize else None
+        eye_gmem, qt_gmem, st_gmem = refs[len(operands) : len(operands) + 3]
+        raw, s_raw, loaded, tiled, eye_smem, eye_loaded, q_smem, s_smem = refs[-8:]
         plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, eye_loaded)
         first = lax.axis_index("p") * per
 
-        def fetch(t, slot):  # tile t's rows, from its first row of x, untiled
-            at = pl.multiple_of(start_gmem[t // col_tiles], 1)
-            src = x_gmem.at[pl.ds(at, BLOCK), pl.ds((t % col_tiles) * BLOCK, BLOCK)]
+        def fetch(t, slot):  # tile t's rows, from its first row of x, untiled; its scales
+            at, c = pl.multiple_of(start_gmem[t // col_tiles], 1), t % col_tiles
+            src = x_gmem.at[pl.ds(at, BLOCK), pl.ds(c * BLOCK, BLOCK)]
             plgpu.copy_gmem_to_smem(src, raw.at[slot], loaded.at[slot])
+            if requantize:
+                src = s_gmem.at[pl.ds(c, 1), pl.ds(at, BLOCK)]
+                plgpu.copy_gmem_to_smem(src, s_raw.at[slot], loaded.at[slot])
 
         fetch(first, 0)
         plgpu.barrier_wait(eye_loaded)
@@ -141,13 +220,18 @@ def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret)
 
             plgpu.barrier_wait(loaded.at[slot])
             pt, c = t // col_tiles, t % col_tiles
-            xv = mosaic_private.load(raw.at[slot], layout=layout).astype(jnp.float32)
-            held = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
-            if layout is not None:
-                held = plgpu.layout_cast(held, layout)
-            tiled[...] = jnp.where(held < count_gmem[pt], xv, 0.0).astype(x.dtype)
+            rows = count_gmem[pt]
+            # FP8 to float16 directly (to float32 and back otherwise: Mosaic GPU's).
+            xv = mosaic_private.load(raw.at[slot], layout=layout)
+            xv = xv.astype(sixteen if requantize else jnp.float32)
+            mask = held((BLOCK, BLOCK), layout, rows)
+            tiled[...] = jnp.where(mask, xv, 0.0).astype(sixteen)
             plgpu.commit_smem()
             xt = transposed(eye_smem, tiled)  # the tile's columns, as rows
+            if requantize:  # each column times its row's scale_inv, zero past the rows
+                s = mosaic_private.load(s_raw.at[slot, 0], layout=per_column)
+                s = jnp.where(held((BLOCK,), per_column, rows), s, 0.0)
+                xt = xt * lax.broadcast_in_dim(s, (BLOCK, BLOCK), (1,))
             scale, scale_inv = row_scales(nan_max(jnp.abs(xt), axis=1), rule)
             # The stores of two tiles ago have read their buffers.
             plgpu.wait_smem_to_gmem(2, wait_read_only=True)
@@ -157,8 +241,9 @@ def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret)
 
         plgpu.wait_smem_to_gmem(0)
 
-    body.__name__ = body.__qualname__ = TENSOR_CORE_PADDED_NAME
-    tiling = operand_tiling(x.dtype, BLOCK)
+    name = TENSOR_CORE_REQUANTIZE_PADDED_NAME if requantize else TENSOR_CORE_PADDED_NAME
+    body.__name__ = body.__qualname__ = name
+    tiling = operand_tiling(sixteen, BLOCK)
     return plgpu.kernel(
         body,
         out_type=(
@@ -167,9 +252,10 @@ def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret)
         ),
         scratch_types=[
             plgpu.SMEM((2, BLOCK, BLOCK), x.dtype),  # untiled: loaded from any row
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            plgpu.SMEM((BLOCK, BLOCK), x.dtype, transforms=tiling),
-            plgpu.SMEM((BLOCK, BLOCK), x.dtype, transforms=tiling),  # the identity
+            plgpu.SMEM((2, 1, BLOCK) if requantize else (1,), jnp.float32),  # its scales
+            plgpu.Barrier(num_arrivals=1 + requantize, num_barriers=2),
+            plgpu.SMEM((BLOCK, BLOCK), sixteen, transforms=tiling),
+            plgpu.SMEM((BLOCK, BLOCK), sixteen, transforms=tiling),  # the identity
             plgpu.Barrier(num_arrivals=1),
             fp8_buffers(fmt)[0],  # one copy
             plgpu.SMEM((2, BLOCK), jnp.float32),
@@ -177,4 +263,4 @@ def _padded(x, start, count, *, fmt, max_scale, power_of_two, config, interpret)
         grid=(tiles // per,),
         grid_names=("p",),
         interpret=mosaic_private.interpret_params() if interpret else None,
-    )(x, start, count, jnp.asarray(np.eye(BLOCK), x.dtype))
+    )(*operands, jnp.asarray(np.eye(BLOCK), sixteen))

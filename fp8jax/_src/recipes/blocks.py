@@ -478,9 +478,9 @@ class BlockwiseScaling(BlockScaledRecipe):
             return super().retile_gathered(q, rows, role)
 
         def native(data: Array, scale_inv: Array, rows: Array) -> tuple[Array, Array]:
-            data_t, scale_inv = padded_quantize.requantize_padded_columns(
-                data, scale_inv.T, rows, **self._rule()
-            )
+            from ..kernels.choice import recipe_requantize_gathered  # Pallas: on use
+
+            data_t, scale_inv = recipe_requantize_gathered(data, scale_inv.T, rows, **self._rule())
             return data_t.T, scale_inv
 
         def xla(data: Array, scale_inv: Array, rows: Array) -> tuple[Array, Array]:
