@@ -11,7 +11,9 @@ transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
 (`tensor_core_quantize_blocks`, the weight's shape), a saved activation requantized
 (`tensor_core_requantize_columns`) and an activation's rows alone (`tensor_core_quantize_rows`,
 the activation's shape), and since session 53 the Mixtral-like MoE layer's experts' weights
-`vmap`ped through the weight kernel (one kernel for all experts). Registers and spills, the
+`vmap`ped through the weight kernel (one kernel for all experts), and its output gradient
+and (session 54) saved FP8 activation gathered into the padded layout
+(`tensor_core_gathered`). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -59,7 +61,8 @@ COUNTED = (
 #: The kernels: per-tensor (every shape), blockwise tiles (16-bit shapes) and a weight's
 #: blocks (the weight's shape), a saved FP8 activation requantized and an activation's rows
 #: alone (the activation's shape); the weight's blocks `vmap`ped over experts' weights; an
-#: expert layer's gradient gathered into the padded layout (the gradient's shape).
+#: expert layer's gradient gathered into the padded layout (the gradient's shape) and its
+#: saved FP8 activation gathered and requantized (the activation's shape).
 KERNELS = (
     "per-tensor",
     "blockwise",
@@ -68,7 +71,10 @@ KERNELS = (
     "rows",
     "experts' blocks",
     "gathered columns",
+    "gathered requantization",
 )
+#: The kernels that read each padded tile's rows from any row (two tiles in flight by hand).
+GATHERED = ("gathered columns", "gathered requantization")
 
 
 def padded_rows(rows: int, experts: int = 8) -> int:
@@ -91,7 +97,10 @@ def compile_one(
         tensor_core_quantize_rows_and_columns,
         tensor_core_requantize_columns,
     )
-    from fp8jax._src.kernels.tensor_core_gathered import tensor_core_quantize_padded_columns
+    from fp8jax._src.kernels.tensor_core_gathered import (
+        tensor_core_quantize_padded_columns,
+        tensor_core_requantize_padded_columns,
+    )
     from fp8jax._src.kernels.tensor_core_transpose import (
         TransposeConfig,
         tensor_core_cast_transpose,
@@ -102,7 +111,7 @@ def compile_one(
     fields = json.loads(config)
     config = dataclasses.replace(TransposeConfig(), **fields)
     spec = (jax.ShapeDtypeStruct((rows, cols), jnp.dtype(dtype)), jax.ShapeDtypeStruct((), "f4"))
-    if kernel == "requantize":  # the saved FP8 copy and its chunk-major scales
+    if kernel in ("requantize", "gathered requantization"):  # FP8, chunk-major scales
         spec = (
             jax.ShapeDtypeStruct((rows, cols), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((cols // 128, rows), jnp.float32),
@@ -110,11 +119,15 @@ def compile_one(
 
     if kernel == "experts' blocks":
         spec = (jax.ShapeDtypeStruct((experts, rows, cols), jnp.dtype(dtype)), spec[1])
-    if kernel == "gathered columns":  # each padded tile's first row and rows held
+    if kernel in GATHERED:  # each padded tile's first row and rows held
         tiles = jax.ShapeDtypeStruct((padded_rows(rows) // 128,), jnp.int32)
-        spec = (spec[0], tiles, tiles)
+        spec = (*spec[: 2 if kernel == "gathered requantization" else 1], tiles, tiles)
 
     def cast(x, scale, *count):
+        if kernel == "gathered requantization":
+            return tensor_core_requantize_padded_columns(
+                x, scale, *count, max_scale=MAX_SCALE, config=config
+            )
         if kernel == "gathered columns":
             fmt = jnp.float8_e4m3fn
             return tensor_core_quantize_padded_columns(
@@ -189,7 +202,9 @@ def main() -> None:
     print("weight blocks: one scale a 128 x 128 block, the same values transposed;")
     print("requantize: a saved E4M3 copy's 1 x 128 tiles into 128 x 1 tiles, transposed;")
     print("rows: 1 x 128 tiles alone (on TMA; nothing to transpose);")
-    print("experts' blocks: weight blocks of experts' weights under vmap, one kernel for all")
+    print("experts' blocks: weight blocks of experts' weights under vmap, one kernel for all;")
+    print("gathered columns / requantization: an expert layer's gradient / saved E4M3")
+    print("activation gathered into the padded layout (8 experts) in 128 x 1 tiles, transposed")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
@@ -208,19 +223,22 @@ def main() -> None:
                 continue
             if kernel == "gathered columns" and not label.startswith("gradient"):
                 continue
+            if kernel == "gathered requantization" and not label.startswith("activation"):
+                continue
             eye = jnp.dtype(dtype) if kernel == "blockwise" else jnp.dtype(jnp.float8_e4m3fn)
             eye = None if kernel == "rows" else eye
-            operand = jnp.dtype(jnp.float8_e4m3fn) if kernel == "requantize" else jnp.dtype(dtype)
+            fp8 = kernel in ("requantize", "gathered requantization")
+            operand = jnp.dtype(jnp.float8_e4m3fn) if fp8 else jnp.dtype(dtype)
             for name, config in CONFIGS.items():
-                if kernel == "gathered columns" and config.max_concurrent_steps != 3:
+                if kernel in GATHERED and config.max_concurrent_steps != 3:
                     continue  # two tiles in flight by hand: the stages do not apply
                 tiles = experts * (rows // 128) * (cols // 128)
-                if kernel == "gathered columns":
+                if kernel in GATHERED:
                     tiles = padded_rows(rows) // 128 * (cols // 128)
                 programs = tiles // tiles_per_program(config, tiles, experts)
                 seen = child(rows, cols, dtype, dataclasses.asdict(config), kernel, experts)
                 staged = str(stages(config, operand, eye))
-                row = [kernel, label, name, "2 by hand" if kernel == "gathered columns" else staged]
+                row = [kernel, label, name, "2 by hand" if kernel in GATHERED else staged]
                 row.append(str(programs))
                 if isinstance(seen, str):
                     row += [seen] + [""] * (len(head) - 6)
