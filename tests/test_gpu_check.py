@@ -108,7 +108,11 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
     assert numerics and all(r["status"] == "ok" and r["passed"] for r in numerics), numerics
     checked = set().union(*(r["elements_differing"] for r in numerics))
     kinds = ("", "blockwise ", "blockwise weight ", "blockwise requantized ", "blockwise rows ")
-    kinds += ("blockwise experts' weights ", "blockwise gathered ")
+    kinds += (
+        "blockwise experts' weights ",
+        "blockwise gathered ",
+        "blockwise gathered requantized ",
+    )
     assert {f"{kind}triton, default" for kind in kinds} <= checked, checked
     timed = {r["name"].split(" | ")[1] for r in section if "ms" in r}
     assert {f"{kind}{way}" for kind in kinds for way in ("xla", "triton, default")} <= timed

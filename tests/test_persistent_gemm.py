@@ -388,7 +388,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     product computes. So does its `transpose` section (the tensor-core kernels, per-tensor,
     blockwise tiles, a weight's blocks and a saved copy requantized: their copies as
     NumPy's, timed beside XLA's and the Triton kernels'; since session 53 also an expert
-    layer's gathered copy and experts' weights together)."""
+    layer's gathered copy and experts' weights together, since session 54 its saved
+    activation's gathered copy)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -402,10 +403,8 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     transposed = [r for r in results if r["section"].startswith(("2e ", "2f "))]
     ways = ("triton, default", "tensor cores, default")
     # Per tensor (the dry BF16 shape), then blockwise (it and the dry weight).
-    kinds = (
-        ("",),
-        ("blockwise ", "blockwise gathered ", "blockwise rows ", "blockwise requantized "),
-    )
+    gathered = ("blockwise gathered ", "blockwise gathered requantized ")
+    kinds = (("",), ("blockwise ", *gathered, "blockwise rows ", "blockwise requantized "))
     kinds += (("blockwise weight ",), ("blockwise experts' weights ",))
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [
         {f"{kind}{way}": 0 for kind in shape for way in ways}

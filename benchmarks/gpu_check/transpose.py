@@ -38,7 +38,11 @@ gradient's shape its rows gathered into an expert layer's padded layout (eight u
 experts, `quantize.row_map`) in 128 x 1 tiles, transposed (`blockwise gathered ...`): the
 XLA path, `padded_quantize.quantize_padded_columns` and `tensor_core_quantize_padded_columns`
 (session 53: each padded tile's rows by TMA from the expert's row, untiled, masked, `I .
-x^T`; its programs as `CONFIGS`', two tiles in flight by hand).
+x^T`; its programs as `CONFIGS`', two tiles in flight by hand). And at the activation's
+shape its saved FP8 copy gathered so and requantized (`blockwise gathered requantized ...`):
+the XLA path, `padded_quantize.requantize_padded_columns` and
+`tensor_core_requantize_padded_columns` (session 54: the FP8 tile and its rows' scales by
+TMA from any row, in float16 through `I . x^T`, each column times its row's scale).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -75,6 +79,7 @@ from fp8jax._src.kernels.tensor_core_blocks import (
 from fp8jax._src.kernels.tensor_core_gathered import (
     padded_tiles,
     tensor_core_quantize_padded_columns,
+    tensor_core_requantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_transpose import (
     TransposeConfig,
@@ -157,8 +162,13 @@ EXPERTS = "blockwise experts' weights "
 #: experts, `quantize.row_map`) in 128 x 1 tiles, transposed (the gradient's shape; the
 #: tensor-core kernel: `tensor_core_gathered`, session 53).
 GATHERED = "blockwise gathered "
+#: And an expert layer's saved FP8 activation (as `saved_copy`) gathered so and requantized
+#: (the activation's shape; the tensor-core kernel: `tensor_core_gathered`, session 54).
+GATHERED_REQUANTIZED = "blockwise gathered requantized "
+#: The families of functions of the saved copy `(data, scale_inv_t)`, not of `x`.
+OF_SAVED = (REQUANTIZED, GATHERED_REQUANTIZED)
 #: The families by prefix, the longest first.
-PREFIXES = (REQUANTIZED, EXPERTS, GATHERED, BLOCKS, ROWS, BLOCKWISE)
+PREFIXES = (GATHERED_REQUANTIZED, REQUANTIZED, EXPERTS, GATHERED, BLOCKS, ROWS, BLOCKWISE)
 
 
 #: The blockwise recipe's XLA path for an output gradient's two copies, an activation's
@@ -179,6 +189,25 @@ def _gathered_triton(x: jax.Array) -> tuple:
 def _gathered_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     start, count = padded_tiles(jnp.asarray(row_map(x.shape[0])))
     return tensor_core_quantize_padded_columns(x, start, count, E4M3, **RULE, config=config)
+
+
+def _gathered_requantized_xla(data: jax.Array, scale_inv_t: jax.Array) -> Any:
+    """The blockwise recipe's XLA path for the wgrad's gathered copy of a saved activation."""
+    recipe = fp8jax.BlockwiseScaling(native_kernel=False)
+    q = fp8jax.QTensor(data, scale_inv_t.T, (1, 128))
+    return recipe.retile_gathered(q, jnp.asarray(row_map(data.shape[0])), "input")
+
+
+def _gathered_requantized_triton(data: jax.Array, scale_inv_t: jax.Array) -> tuple:
+    rows = jnp.asarray(row_map(data.shape[0]))
+    return padded_quantize.requantize_padded_columns(data, scale_inv_t, rows, **RULE)
+
+
+def _gathered_requantized_tensor_cores(data, scale_inv_t, config: TransposeConfig) -> tuple:
+    start, count = padded_tiles(jnp.asarray(row_map(data.shape[0])))
+    return tensor_core_requantize_padded_columns(
+        data, scale_inv_t, start, count, **RULE, config=config
+    )
 
 
 def _blockwise_triton(x: jax.Array) -> tuple:
@@ -246,9 +275,10 @@ def ways(
     each kernel's default only; traced inside `timing.kernels(dry)`, interpreted in a dry
     run): per tensor; blockwise, a 16-bit `x`'s tiles (the tensor cores transpose BF16
     exactly), a `weight`'s blocks, and where `requantized` its saved copy's 128 x 1 tiles
-    (functions of `saved_copy(x)`), and where `gathered` its rows gathered into the padded
-    layout. `experts`: `x` is experts' weights `(E, N, K)`, and the ways are the weight's
-    blocks `vmap`ped over them (each kernel's default only)."""
+    and gathered into the padded layout (functions of `saved_copy(x)`), and where
+    `gathered` its rows gathered into the padded layout. `experts`: `x` is experts' weights
+    `(E, N, K)`, and the ways are the weight's blocks `vmap`ped over them (each kernel's
+    default only)."""
     if experts:
         out = {f"{EXPERTS}xla": jax.vmap(_blocks_xla)}
         out[f"{EXPERTS}triton, default"] = jax.vmap(_blocks_triton)
@@ -273,12 +303,14 @@ def ways(
         families.append(
             (REQUANTIZED, _requantized_xla, _requantized_triton, _requantized_tensor_cores, E4M3)
         )
+        gathered_ways = (_gathered_requantized_triton, _gathered_requantized_tensor_cores)
+        families.append((GATHERED_REQUANTIZED, _gathered_requantized_xla, *gathered_ways, None))
     for prefix, xla, triton, tensor_cores, eye in families:
         out[f"{prefix}xla"], out[f"{prefix}triton, default"] = xla, triton
-        operand = E4M3 if prefix == REQUANTIZED else dtype
+        operand = E4M3 if prefix in OF_SAVED else dtype
         for name, config in distinct_configs(dry, operand, eye):
             if (
-                prefix == GATHERED
+                prefix in (GATHERED, GATHERED_REQUANTIZED)
                 and config.max_concurrent_steps != CONFIGS["default"].max_concurrent_steps
             ):
                 continue  # two tiles in flight by hand: the stages do not apply
@@ -322,11 +354,14 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
         if not name.endswith(", default") or refused(name, dry):
             continue
         with timing.kernels(dry):
-            got = jax.jit(fn)(*(saved if name.startswith(REQUANTIZED) else (x,)))
-        if name.startswith(REQUANTIZED):  # columns (K, M), their scales; no amax
+            got = jax.jit(fn)(*(saved if name.startswith(OF_SAVED) else (x,)))
+        if name.startswith(OF_SAVED):  # columns (K, M or P), their scales; no amax
             data, scale_inv_t = (np.asarray(a, np.float32) for a in saved)
             values = data * np.repeat(scale_inv_t.T, 128, axis=1)
-            pairs = zip(got, ieee_rows(values.T), strict=True)
+            if name.startswith(GATHERED_REQUANTIZED):
+                rows = row_map(values.shape[0])
+                values = np.where((rows >= 0)[:, None], values[np.maximum(rows, 0)], 0)
+            pairs = zip(got, ieee_rows(values.T.astype(np.float32)), strict=True)
             differ[name] = sum(int(np.sum(np.asarray(g, np.float32) != w)) for g, w in pairs)
             continue
         if name.startswith(ROWS):  # rows, scales; the amax
@@ -407,7 +442,7 @@ def run(
             # the copy reads and writes x.
             moved = x.size * (2 * x.dtype.itemsize if name == COPY else x.dtype.itemsize + 2)
             args = (x,)
-            if name.startswith(REQUANTIZED):
+            if name.startswith(OF_SAVED):  # read and write one FP8 copy
                 moved, args = 2 * x.size, saved
             elif name.startswith((ROWS, GATHERED)):  # one FP8 copy
                 moved = x.size * (x.dtype.itemsize + 1)
