@@ -31,9 +31,9 @@ the experts' own FLOPs each, `as_gemms`), and FP8 on XLA's path
 (`grouped_native_kernel=False`) or fp8jax's kernels: delayed scaling (E5M2 gradients: dgrad
 and wgrad run in the kernels on BF16 upcasts), delayed with `backward_format="e4m3"`, and
 blockwise, on the Pallas Triton quantization kernels (the default) and inside
-`choice.tensor_core_quantization()` (the weights' blocks, the activations' tiles and the
-output gradient's two copies on the Mosaic GPU kernels, `kernels/tensor_core_blocks.py` and
-`tensor_core_gathered.py`; the saved activation's gathered requantization stays Triton's).
+`choice.tensor_core_quantization()` (the weights' blocks, the activations' tiles, the
+output gradient's two copies and, since session 54, the saved activation's gathered copy on
+the Mosaic GPU kernels, `kernels/tensor_core_blocks.py` and `tensor_core_gathered.py`).
 
 Expert parallel (`--expert-parallel`): the same layer with its experts split over 8 H100s
 (one node: the exchanges on NVLink) and over 16 (two nodes: every exchange counted at

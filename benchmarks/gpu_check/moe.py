@@ -18,8 +18,9 @@ kernel. So the layer (`moe_cost.py`'s Mixtral-like MoE: width 4096, 8 experts of
   `blockwise-chained` (each program's tiles chained into one pipeline:
   `chained_pipelines()`) and `blockwise-slabs` (the quantization kernels holding 32 rows
   of a tile at a time: `quantize_slabs(32)`, session 39), `blockwise-tc` (the experts'
-  weight blocks, the activations' tiles and the output gradient's two copies quantized on
-  the Mosaic GPU kernels: `tensor_core_quantization()`, session 53).
+  weight blocks, the activations' tiles, the output gradient's two copies and, since
+  session 54, the saved activation's gathered copy quantized on the Mosaic GPU kernels:
+  `tensor_core_quantization()`, session 53).
 
 Each step is compiled with `fp8jax.gpu_compiler_options()` and timed as every step of the
 check (`timing.compile_and_time`), given as a ratio to both BF16 steps of the same run. JAX's
