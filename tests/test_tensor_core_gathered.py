@@ -13,22 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_padded_quantize import heavy_tailed, np_columns, row_map
+from test_padded_quantize import heavy_tailed, np_columns, np_rows, row_map
 from test_tensor_core_transpose import nan_rows_across_tiles, needs_interpreter, same, same_bits
 
 import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import (
+    TENSOR_CORE_BOTH_PADDED_NAME,
     TENSOR_CORE_PADDED_NAME,
     TENSOR_CORE_REQUANTIZE_PADDED_NAME,
-    TENSOR_CORE_ROWS_NAME,
     dispatch,
 )
 from fp8jax._src.kernels.choice import tensor_core_quantization
 from fp8jax._src.kernels.tensor_core_gathered import (
     padded_tiles,
     tensor_core_quantize_padded_columns,
+    tensor_core_quantize_rows_and_padded_columns,
     tensor_core_requantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_tiles import TransposeConfig
@@ -39,11 +40,14 @@ E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 
 def test_padded_tiles_read_each_tiles_first_row_and_rows_off_the_row_map():
     """An expert's tiles start at its rows' first and run consecutively; its last tile holds
-    the rest; tiles of gaps hold none (their first row: 0, never read)."""
+    the rest; tiles of gaps hold none, their windows after the experts' rows."""
     start, count = padded_tiles(jnp.asarray(row_map((300, 0, 130, 5), 128)))
     assert start.tolist()[:6] == [0, 128, 256, 300, 428, 430] and start.dtype == jnp.int32
     assert count.tolist()[:6] == [128, 128, 44, 128, 2, 5]
-    assert set(count.tolist()[6:]) == {0} and set(start.tolist()[6:]) == {0}
+    # Tiles of gaps: windows of 128 rows from the experts' end (the rows past theirs).
+    gaps = len(count) - 6
+    assert gaps > 0 and set(count.tolist()[6:]) == {0}
+    assert start.tolist()[6:] == [435 + 128 * i for i in range(gaps)]
 
 
 @needs_interpreter
@@ -81,6 +85,47 @@ def test_gathered_columns_quantize_as_numpy(sizes, past, dtype, fmt, power_of_tw
     same(got[0], want_t)
     same_bits(got[1], want_scales)
     assert np.isnan(np.asarray(got[0], np.float32)).any()  # the NaN and the inf gathered
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul")  # 0 * NaN, as said
+@pytest.mark.parametrize(
+    "sizes, past, dtype, fmt, power_of_two, config",
+    [
+        # Programs of 3 tiles across tiles and experts; an expert without rows.
+        ((300, 0, 130, 270), 0, jnp.bfloat16, E4M3, False, TransposeConfig(max_programs=3)),
+        # 303 rows past the experts' (three tiles of gaps cover them); a program a tile.
+        ((70, 0, 130, 5), 303, jnp.float16, E5M2, True, TransposeConfig(max_programs=1000)),
+    ],
+)
+def test_rows_and_gathered_columns_from_one_read_are_numpy(
+    sizes, past, dtype, fmt, power_of_two, config
+):
+    """The output gradient's rows copy of every row of `x` (the tiles' windows, past the
+    experts' too), its scales and amax, and its gathered columns equal an independent
+    NumPy quantization of `x` and of its gathered copy, bit for bit but a NaN's payload (the
+    columns' NaN rows as documented)."""
+    rng = np.random.default_rng(sum(sizes) + past + 1)
+    m = sum(sizes) + past
+    x = jnp.asarray(heavy_tailed(rng, (m, 256))).astype(dtype)  # a NaN and an inf among rows
+    rows = gather_map(pad_layout(jnp.asarray(sizes), m, 128))
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two, config=config, interpret=True)
+    got = tensor_core_quantize_rows_and_padded_columns(x, *padded_tiles(rows), fmt, **rule)
+    host, rows_np = np.asarray(x, np.float32), np.asarray(rows)
+    want_data, want_scale_t = np_rows(host, fmt, 128, power_of_two)
+    same_bits(got[0], want_data)
+    same_bits(got[1], want_scale_t)
+    assert np.isnan(float(jnp.max(got[2])))  # the NaN's row: max |x| is NaN
+    finite = np.where(np.isfinite(host), host, 0)
+    got_finite = tensor_core_quantize_rows_and_padded_columns(
+        jnp.asarray(finite, dtype), *padded_tiles(rows), fmt, **rule
+    )
+    assert float(jnp.max(got_finite[2])) == np.max(np.abs(finite))
+    gathered = np.where((rows_np >= 0)[:, None], host[np.maximum(rows_np, 0)], 0)
+    gathered = nan_rows_across_tiles(gathered.astype(np.float32))
+    want_t, want_scales = np_columns(gathered, np.arange(len(rows_np)), fmt, 128, power_of_two)
+    same(got[3], want_t)
+    same_bits(got[4], want_scales)
 
 
 def saved_activation(rng, m, k, fmt):
@@ -143,8 +188,7 @@ def test_gathered_requantization_is_numpy(sizes, past, fmt, power_of_two, config
 def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(both):
     """Inside `tensor_core_quantization()` an expert layer's output gradient (its rows copy,
     gathered columns copy and new state; or the gathered columns alone) equals the Triton
-    kernel's, through the rows and gathered-columns Mosaic GPU kernels; outside it, the
-    Triton kernel, once."""
+    kernel's, through one Mosaic GPU kernel; outside it, the Triton kernel, once."""
     from test_block_quantize import heavy_tailed as finite_heavy_tailed
 
     rng = np.random.default_rng(41)
@@ -167,10 +211,8 @@ def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(b
             got = jax.jit(lambda *a: quantized(*a))(x, rows)
     triton = "fp8jax_quantize_rows_and_padded_columns" if both else "fp8jax_quantize_padded"
     assert want_jaxpr.count(f"name={triton}") == 1 and "tensor_core" not in want_jaxpr
-    assert jaxpr.count(f"name={TENSOR_CORE_PADDED_NAME}") == 1, jaxpr
-    assert (
-        jaxpr.count(f"name={TENSOR_CORE_ROWS_NAME}") == both and "name=fp8jax_quantize" not in jaxpr
-    )
+    mosaic = TENSOR_CORE_BOTH_PADDED_NAME if both else TENSOR_CORE_PADDED_NAME
+    assert jaxpr.count(f"name={mosaic}") == 1 and jaxpr.count("name=fp8jax_") == 1, jaxpr
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         same_bits(a, b)
 
@@ -244,6 +286,12 @@ def _gathered(x, start, count):
     )
 
 
+def _both(x, start, count):
+    return tensor_core_quantize_rows_and_padded_columns(
+        x, start, count, E4M3, max_scale=MAX_SCALE, interpret=False
+    )
+
+
 def _requantized(data, scale_t, start, count):
     return tensor_core_requantize_padded_columns(
         data, scale_t, start, count, max_scale=MAX_SCALE, interpret=False
@@ -251,15 +299,22 @@ def _requantized(data, scale_t, start, count):
 
 
 @pytest.mark.parametrize(
-    "name, kernel, operands",
+    "name, kernel, operands, divisions",
     [
-        (TENSOR_CORE_PADDED_NAME, _gathered, [((700, 256), jnp.bfloat16)]),
-        (TENSOR_CORE_REQUANTIZE_PADDED_NAME, _requantized, [((700, 256), E4M3), ((2, 700), None)]),
+        (TENSOR_CORE_PADDED_NAME, _gathered, [((700, 256), jnp.bfloat16)], 8),
+        (
+            TENSOR_CORE_REQUANTIZE_PADDED_NAME,
+            _requantized,
+            [((700, 256), E4M3), ((2, 700), None)],
+            8,
+        ),
+        # The rows' scales too.
+        (TENSOR_CORE_BOTH_PADDED_NAME, _both, [((700, 256), jnp.bfloat16)], 16),
     ],
-    ids=["gathered", "requantized"],
+    ids=["gathered", "requantized", "rows and gathered"],
 )
 def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(
-    name, kernel, operands, tmp_path, monkeypatch
+    name, kernel, operands, divisions, tmp_path, monkeypatch
 ):
     """For an H100 (deviceless): one Mosaic GPU call by the kernel's name, counted by
     `fp8jax.hlo_cost` as quantization; the scales divided exactly rounded (`div.rn.f32`),
@@ -285,6 +340,6 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(
     cost = fp8jax.hlo_cost(hlo)
     assert set(cost.bytes) == {"quantize"} and cost.bytes["quantize"] >= 700 * 256
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    assert collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx)) == {"div.rn.f32": 8}
+    assert collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx)) == {"div.rn.f32": divisions}
     ptxas = "".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
     assert re.findall(r"(\d+) bytes spill", ptxas) == ["0", "0"], ptxas

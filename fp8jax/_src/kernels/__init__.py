@@ -35,6 +35,7 @@ QUANTIZE_NAMES = (
     "fp8jax_tensor_core_quantize_rows",
     "fp8jax_tensor_core_quantize_padded_columns",
     "fp8jax_tensor_core_requantize_padded_columns",
+    "fp8jax_tensor_core_quantize_rows_and_padded_columns",
 )
 #: The per-tensor cast-and-transpose kernel's name (`cast_transpose`).
 CAST_TRANSPOSE_NAME = QUANTIZE_NAMES[6]
@@ -52,3 +53,5 @@ TENSOR_CORE_ROWS_NAME = QUANTIZE_NAMES[12]
 TENSOR_CORE_PADDED_NAME = QUANTIZE_NAMES[13]
 #: A saved FP8 activation's gathered 128 x 1 tiles, the same way (`tensor_core_gathered`).
 TENSOR_CORE_REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[14]
+#: An expert layer's output gradient's rows copy and gathered copy from one read, the same way.
+TENSOR_CORE_BOTH_PADDED_NAME = QUANTIZE_NAMES[15]

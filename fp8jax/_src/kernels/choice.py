@@ -56,6 +56,7 @@ from .tensor_core_blocks import (
 from .tensor_core_gathered import (
     padded_tiles,
     tensor_core_quantize_padded_columns,
+    tensor_core_quantize_rows_and_padded_columns,
     tensor_core_requantize_padded_columns,
 )
 from .tensor_core_tiles import BLOCK as TENSOR_CORE_BLOCK
@@ -146,9 +147,9 @@ def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     copies (1 x 128 and 128 x 1 tiles, `BlockwiseScaling.quantize_both`; a BF16 or float16
     gradient), a weight's 128 x 128 blocks with their transpose (experts' weights in one
     kernel), a saved activation's 128 x 1 tiles for the wgrad, and an expert layer's
-    output gradient's copy and saved activation's copy gathered into the padded layout
-    (`tensor_core_gathered`, JAX 0.11 on); elsewhere the Pallas Triton kernels
-    (`block_quantize`, `padded_quantize`).
+    output gradient's two copies (its rows and its gathered tiles, from one read) and saved
+    activation's copy gathered into the padded layout (`tensor_core_gathered`, JAX 0.11
+    on); elsewhere the Pallas Triton kernels (`block_quantize`, `padded_quantize`).
     The same values for finite operands (in value: a -0 in a transposed copy may come out
     +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
     `blockwise-tc`, the MoE layer's). Trace a new function inside (as the benchmarks' steps
@@ -255,12 +256,12 @@ def recipe_both_gathered(
 ) -> tuple[Array, Array, Array, Array, Array]:
     """`padded_quantize.quantize_rows_and_padded_columns(x, rows)`'s five outputs (the rows
     copy, its chunk-major scales, amaxes whose maximum is `max |x|`, the gathered columns
-    copy and its scales). Inside `tensor_core_quantization()` two Mosaic GPU kernels, each
-    reading `x` once: `tensor_core_quantize_rows` (every row of `x`) and
-    `tensor_core_quantize_padded_columns`."""
+    copy and its scales), from one read of `x`. Inside `tensor_core_quantization()` the
+    Mosaic GPU kernel `tensor_core_quantize_rows_and_padded_columns` (`rows` as `gather_map`
+    writes it: its tiles' windows cover every row of `x`)."""
     if _gathers_on_tensor_cores(x, rule["block"]):
-        data, scale_t, amaxes = tensor_core_quantize_rows(x, fmt, **rule)
-        return data, scale_t, amaxes, *recipe_gathered(x, rows, fmt, **rule)
+        tiles = padded_tiles(rows)
+        return tensor_core_quantize_rows_and_padded_columns(x, *tiles, fmt, **rule)
     return quantize_rows_and_padded_columns(x, rows, fmt, **rule)
 
 
