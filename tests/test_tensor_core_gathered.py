@@ -20,9 +20,11 @@ import fp8jax
 from fp8jax._src.core import mosaic_private
 from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import (
+    TENSOR_CORE_BLOCKS_NAME,
     TENSOR_CORE_BOTH_PADDED_NAME,
     TENSOR_CORE_PADDED_NAME,
     TENSOR_CORE_REQUANTIZE_PADDED_NAME,
+    TENSOR_CORE_ROWS_NAME,
     dispatch,
 )
 from fp8jax._src.kernels.choice import tensor_core_quantization
@@ -246,6 +248,47 @@ def test_blockwise_expert_activation_on_the_tensor_cores_is_the_triton_kernel():
     assert tuple(got.block) == tuple(want.block)
     same(got.data, want.data)  # in value: the saved tiles' -0s may come out +0
     same_bits(got.scale_inv, want.scale_inv)
+
+
+@needs_interpreter
+def test_blockwise_expert_layer_on_the_tensor_cores_trains_as_on_the_triton_kernels():
+    """A BF16 blockwise `Fp8RaggedDot` (GEMMs on the XLA path) traced inside
+    `tensor_core_quantization()` quantizes every operand on the Mosaic GPU kernels (the
+    experts' weights in one kernel, the activation's rows, the output gradient's two copies
+    from one read, the saved activation gathered) and no Triton kernel; its value,
+    gradients and new state equal the step on the Triton kernels', in value (a transposed
+    -0 may come out +0), the expert without tokens included."""
+    rng = np.random.default_rng(12)
+    sizes = jnp.array([70, 0, 130, 56], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 256, 256)) * 0.05, jnp.bfloat16)
+    dot = fp8jax.Fp8RaggedDot(fp8jax.BlockwiseScaling(), num_experts=4, native_kernel=False)
+
+    def loss(args):
+        dot, x, w = args
+        return jnp.sum(jnp.sin(dot(x, w, sizes).astype(jnp.float32)))
+
+    def traced(how):  # a new loss and gradient each: JAX's trace caches know no context
+        step = fp8jax.filter_value_and_grad(lambda a: loss(a))
+        kernels = re.findall(r"name=(fp8jax_\w+)", str(jax.make_jaxpr(step)((dot, x, w))))
+        return how(step)((dot, x, w)), {k for k in kernels if "quantize" in k}
+
+    with dispatch.interpreted():
+        want, triton = traced(jax.jit)
+        with tensor_core_quantization():
+            got, kernels = traced(jax.jit)
+    assert triton == {f"fp8jax_{k}" for k in ("quantize_blocks", "quantize_rows")} | {
+        f"fp8jax_{k}_padded_columns" for k in ("quantize_rows_and", "requantize")
+    }, triton
+    assert kernels == {
+        TENSOR_CORE_BLOCKS_NAME,
+        TENSOR_CORE_ROWS_NAME,
+        TENSOR_CORE_BOTH_PADDED_NAME,
+        TENSOR_CORE_REQUANTIZE_PADDED_NAME,
+    }, kernels
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        same(a, b)
+    np.testing.assert_array_equal(np.asarray(got[1][2][1], np.float32), 0.0)  # no tokens
 
 
 def test_bad_input_is_refused_by_name():
