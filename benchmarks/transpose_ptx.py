@@ -12,8 +12,8 @@ transposed copy (`tensor_core_cast_transpose`), the blockwise rows and columns
 (`tensor_core_requantize_columns`) and an activation's rows alone (`tensor_core_quantize_rows`,
 the activation's shape), and since session 53 the Mixtral-like MoE layer's experts' weights
 `vmap`ped through the weight kernel (one kernel for all experts), and its output gradient
-and (session 54) saved FP8 activation gathered into the padded layout
-(`tensor_core_gathered`). Registers and spills, the
+and (session 54) saved FP8 activation gathered into the padded layout, and the gradient's
+rows copy with its gathered copy from one read (`tensor_core_gathered`). Registers and spills, the
 pipeline's stages and the programs, and per thread and tile the instructions that move a
 tile: TMA copies in and out, `ldmatrix` (the BF16 tile into registers), shared-memory
 stores (the FP8 copies), the `wgmma` that transposes, the conversions to FP8, and the
@@ -62,7 +62,8 @@ COUNTED = (
 #: blocks (the weight's shape), a saved FP8 activation requantized and an activation's rows
 #: alone (the activation's shape); the weight's blocks `vmap`ped over experts' weights; an
 #: expert layer's gradient gathered into the padded layout (the gradient's shape) and its
-#: saved FP8 activation gathered and requantized (the activation's shape).
+#: saved FP8 activation gathered and requantized (the activation's shape), and the gradient's
+#: rows copy with its gathered copy from one read (the gradient's shape).
 KERNELS = (
     "per-tensor",
     "blockwise",
@@ -72,9 +73,10 @@ KERNELS = (
     "experts' blocks",
     "gathered columns",
     "gathered requantization",
+    "rows and gathered columns",
 )
 #: The kernels that read each padded tile's rows from any row (two tiles in flight by hand).
-GATHERED = ("gathered columns", "gathered requantization")
+GATHERED = ("gathered columns", "gathered requantization", "rows and gathered columns")
 
 
 def padded_rows(rows: int, experts: int = 8) -> int:
@@ -99,6 +101,7 @@ def compile_one(
     )
     from fp8jax._src.kernels.tensor_core_gathered import (
         tensor_core_quantize_padded_columns,
+        tensor_core_quantize_rows_and_padded_columns,
         tensor_core_requantize_padded_columns,
     )
     from fp8jax._src.kernels.tensor_core_transpose import (
@@ -124,6 +127,11 @@ def compile_one(
         spec = (*spec[: 2 if kernel == "gathered requantization" else 1], tiles, tiles)
 
     def cast(x, scale, *count):
+        if kernel == "rows and gathered columns":
+            fmt = jnp.float8_e4m3fn
+            return tensor_core_quantize_rows_and_padded_columns(
+                x, scale, *count, fmt, max_scale=MAX_SCALE, config=config
+            )
         if kernel == "gathered requantization":
             return tensor_core_requantize_padded_columns(
                 x, scale, *count, max_scale=MAX_SCALE, config=config
@@ -204,7 +212,8 @@ def main() -> None:
     print("rows: 1 x 128 tiles alone (on TMA; nothing to transpose);")
     print("experts' blocks: weight blocks of experts' weights under vmap, one kernel for all;")
     print("gathered columns / requantization: an expert layer's gradient / saved E4M3")
-    print("activation gathered into the padded layout (8 experts) in 128 x 1 tiles, transposed")
+    print("activation gathered into the padded layout (8 experts) in 128 x 1 tiles, transposed;")
+    print("rows and gathered columns: the gradient's 1 x 128 tiles too, from the same read")
     print("(PTX counts: static instructions of one program's code, whose loop runs once a tile)")
     print()
     head = ["kernel", "shape", "config", "stages", "programs", "registers", "spill bytes st / ld"]
@@ -221,7 +230,8 @@ def main() -> None:
                 continue
             if kernel in ("requantize", "rows") and not label.startswith("activation"):
                 continue
-            if kernel == "gathered columns" and not label.startswith("gradient"):
+            gradient = ("gathered columns", "rows and gathered columns")
+            if kernel in gradient and not label.startswith("gradient"):
                 continue
             if kernel == "gathered requantization" and not label.startswith("activation"):
                 continue
