@@ -112,6 +112,7 @@ def test_quantization_kernels_equal_an_ieee_reference(dry_run):
         "blockwise experts' weights ",
         "blockwise gathered ",
         "blockwise gathered requantized ",
+        "blockwise rows+gathered ",
     )
     assert {f"{kind}triton, default" for kind in kinds} <= checked, checked
     timed = {r["name"].split(" | ")[1] for r in section if "ms" in r}

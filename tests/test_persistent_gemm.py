@@ -389,7 +389,7 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     blockwise tiles, a weight's blocks and a saved copy requantized: their copies as
     NumPy's, timed beside XLA's and the Triton kernels'; since session 53 also an expert
     layer's gathered copy and experts' weights together, since session 54 its saved
-    activation's gathered copy)."""
+    activation's gathered copy and its gradient's two copies from one read)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
@@ -403,7 +403,11 @@ def test_the_gpu_checks_kernels_section_runs_dry(tmp_path):
     transposed = [r for r in results if r["section"].startswith(("2e ", "2f "))]
     ways = ("triton, default", "tensor cores, default")
     # Per tensor (the dry BF16 shape), then blockwise (it and the dry weight).
-    gathered = ("blockwise gathered ", "blockwise gathered requantized ")
+    gathered = (
+        "blockwise gathered ",
+        "blockwise rows+gathered ",
+        "blockwise gathered requantized ",
+    )
     kinds = (("",), ("blockwise ", *gathered, "blockwise rows ", "blockwise requantized "))
     kinds += (("blockwise weight ",), ("blockwise experts' weights ",))
     assert [r["elements_differing"] for r in transposed if "passed" in r] == [

@@ -42,7 +42,11 @@ x^T`; its programs as `CONFIGS`', two tiles in flight by hand). And at the activ
 shape its saved FP8 copy gathered so and requantized (`blockwise gathered requantized ...`):
 the XLA path, `padded_quantize.requantize_padded_columns` and
 `tensor_core_requantize_padded_columns` (session 54: the FP8 tile and its rows' scales by
-TMA from any row, in float16 through `I . x^T`, each column times its row's scale).
+TMA from any row, in float16 through `I . x^T`, each column times its row's scale). And at
+the gradient's shape its two copies for an expert layer from one read (`blockwise
+rows+gathered ...`): the XLA path, `padded_quantize.quantize_rows_and_padded_columns` and
+`tensor_core_quantize_rows_and_padded_columns` (session 54: each padded tile writing the
+rows copy of its window too).
 
 At Llama-3-8B's shapes (8,192 tokens): an activation and an output gradient (BF16) and a
 weight (its float32 master). Numerics first: each kernel's copies (and, for
@@ -79,6 +83,7 @@ from fp8jax._src.kernels.tensor_core_blocks import (
 from fp8jax._src.kernels.tensor_core_gathered import (
     padded_tiles,
     tensor_core_quantize_padded_columns,
+    tensor_core_quantize_rows_and_padded_columns,
     tensor_core_requantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_transpose import (
@@ -165,10 +170,25 @@ GATHERED = "blockwise gathered "
 #: And an expert layer's saved FP8 activation (as `saved_copy`) gathered so and requantized
 #: (the activation's shape; the tensor-core kernel: `tensor_core_gathered`, session 54).
 GATHERED_REQUANTIZED = "blockwise gathered requantized "
+#: And its two copies for an expert layer from one read: its 1 x 128 tiles and its gathered
+#: 128 x 1 tiles (the gradient's shape; the tensor-core kernel: session 54).
+ROWS_GATHERED = "blockwise rows+gathered "
 #: The families of functions of the saved copy `(data, scale_inv_t)`, not of `x`.
 OF_SAVED = (REQUANTIZED, GATHERED_REQUANTIZED)
 #: The families by prefix, the longest first.
-PREFIXES = (GATHERED_REQUANTIZED, REQUANTIZED, EXPERTS, GATHERED, BLOCKS, ROWS, BLOCKWISE)
+PREFIXES = (
+    GATHERED_REQUANTIZED,
+    ROWS_GATHERED,
+    REQUANTIZED,
+    EXPERTS,
+    GATHERED,
+    BLOCKS,
+    ROWS,
+    BLOCKWISE,
+)
+#: The families whose kernels read a padded tile's rows from any row (two tiles in flight by
+#: hand: `CONFIGS`' stages do not apply).
+BY_HAND = (GATHERED, GATHERED_REQUANTIZED, ROWS_GATHERED)
 
 
 #: The blockwise recipe's XLA path for an output gradient's two copies, an activation's
@@ -179,6 +199,7 @@ _XLA_PASSES = {
 _blockwise_xla, _rows_xla = _XLA_PASSES["rows+columns"], _XLA_PASSES["rows"]
 _blocks_xla = _XLA_PASSES["weight + dgrad copy"]
 _gathered_xla = _XLA_PASSES["gathered columns"]
+_rows_gathered_xla = _XLA_PASSES["rows+gathered columns"]
 
 
 def _gathered_triton(x: jax.Array) -> tuple:
@@ -189,6 +210,18 @@ def _gathered_triton(x: jax.Array) -> tuple:
 def _gathered_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
     start, count = padded_tiles(jnp.asarray(row_map(x.shape[0])))
     return tensor_core_quantize_padded_columns(x, start, count, E4M3, **RULE, config=config)
+
+
+def _rows_gathered_triton(x: jax.Array) -> tuple:
+    rows = jnp.asarray(row_map(x.shape[0]))
+    return padded_quantize.quantize_rows_and_padded_columns(x, rows, E4M3, **RULE)
+
+
+def _rows_gathered_tensor_cores(x: jax.Array, config: TransposeConfig) -> tuple:
+    start, count = padded_tiles(jnp.asarray(row_map(x.shape[0])))
+    return tensor_core_quantize_rows_and_padded_columns(
+        x, start, count, E4M3, **RULE, config=config
+    )
 
 
 def _gathered_requantized_xla(data: jax.Array, scale_inv_t: jax.Array) -> Any:
@@ -298,6 +331,8 @@ def ways(
     families = [] if blockwise is None else [blockwise]
     if gathered:
         families.append((GATHERED, _gathered_xla, _gathered_triton, _gathered_tensor_cores, dtype))
+        both = (_rows_gathered_xla, _rows_gathered_triton, _rows_gathered_tensor_cores)
+        families.append((ROWS_GATHERED, *both, dtype))
     if requantized:
         families.append((ROWS, _rows_xla, _rows_triton, _rows_mosaic, None))
         families.append(
@@ -310,7 +345,7 @@ def ways(
         operand = E4M3 if prefix in OF_SAVED else dtype
         for name, config in distinct_configs(dry, operand, eye):
             if (
-                prefix in (GATHERED, GATHERED_REQUANTIZED)
+                prefix in BY_HAND
                 and config.max_concurrent_steps != CONFIGS["default"].max_concurrent_steps
             ):
                 continue  # two tiles in flight by hand: the stages do not apply
@@ -372,6 +407,11 @@ def numerics(x: jax.Array, fns: dict[str, Any], dry: bool, saved: tuple | None =
             each = [_ieee_weight(host[e]) for e in (0, -1)]
             want = tuple(np.stack(a) for a in zip(*each, strict=True))
             got = (*(g[np.array([0, -1])] for g in got[:4]), jnp.max(got[4]))
+        elif name.startswith(ROWS_GATHERED):  # rows, scales, amaxes, gathered columns, scales
+            rows = row_map(host.shape[0])
+            gathered = np.where((rows >= 0)[:, None], host[np.maximum(rows, 0)], 0)
+            got = (got[0], got[1], got[3], got[4], jnp.max(got[2]))
+            want = (*ieee_rows(host), *ieee_rows(gathered.T.astype(np.float32)))
         elif name.startswith(GATHERED):  # gathered columns (K, P), scales; no amax
             rows = row_map(host.shape[0])
             gathered = np.where((rows >= 0)[:, None], host[np.maximum(rows, 0)], 0)
