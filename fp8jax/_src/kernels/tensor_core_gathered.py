@@ -98,23 +98,8 @@ def tensor_core_quantize_padded_columns(
     `max_scale`; `block` must be 128). `config`: a `TransposeConfig` (its `max_programs`;
     two tiles in flight, by hand); `interpret`: run in Mosaic GPU's interpreter (`None`: as
     traced)."""
-    who = TENSOR_CORE_PADDED_NAME
-    _check_tiles(who, block, start, count)
-    sixteen = (jnp.bfloat16, jnp.float16)
-    config, interpret = checked(who, x, fmt, config, sixteen, interpret, any_rows=True)
-    _check_loads(who)
-    return _padded(
-        x,
-        start.astype(jnp.int32),
-        count.astype(jnp.int32),
-        None,
-        rows_too=False,
-        fmt=jnp.dtype(fmt),
-        max_scale=float(max_scale),
-        power_of_two=bool(power_of_two),
-        config=config,
-        interpret=interpret,
-    )
+    rule = dict(max_scale=max_scale, power_of_two=power_of_two, config=config)
+    return _gradient(TENSOR_CORE_PADDED_NAME, x, start, count, fmt, block, rule, interpret)
 
 
 def tensor_core_requantize_padded_columns(
@@ -184,11 +169,18 @@ def tensor_core_quantize_rows_and_padded_columns(
     another expert, or past the experts', gets the values its own tile writes, the same
     bytes), so the tiles' windows must cover every row of `x`: `padded_tiles` of a
     `gather_map` row map's do. Arguments as `tensor_core_quantize_padded_columns`'."""
-    who = TENSOR_CORE_BOTH_PADDED_NAME
+    rule = dict(max_scale=max_scale, power_of_two=power_of_two, config=config)
+    return _gradient(TENSOR_CORE_BOTH_PADDED_NAME, x, start, count, fmt, block, rule, interpret)
+
+
+def _gradient(who, x, start, count, fmt, block, rule, interpret) -> tuple:
+    """Kernel `who` of a 16-bit output gradient `x`, its operands checked: its gathered
+    columns, after its rows copy where `who` is the one-read kernel's."""
+    rows_too = who == TENSOR_CORE_BOTH_PADDED_NAME
     _check_tiles(who, block, start, count)
     sixteen = (jnp.bfloat16, jnp.float16)
-    config, interpret = checked(who, x, fmt, config, sixteen, interpret, any_rows=True)
-    if x.shape[0] % 4:
+    config, interpret = checked(who, x, fmt, rule["config"], sixteen, interpret, any_rows=True)
+    if rows_too and x.shape[0] % 4:
         raise ValueError(
             f"{who}: x has shape {x.shape}; expected a multiple of 4 rows (TMA writes the "
             "rows' scales in rows of a multiple of 16 bytes)."
@@ -199,10 +191,10 @@ def tensor_core_quantize_rows_and_padded_columns(
         start.astype(jnp.int32),
         count.astype(jnp.int32),
         None,
-        rows_too=True,
+        rows_too=rows_too,
         fmt=jnp.dtype(fmt),
-        max_scale=float(max_scale),
-        power_of_two=bool(power_of_two),
+        max_scale=float(rule["max_scale"]),
+        power_of_two=bool(rule["power_of_two"]),
         config=config,
         interpret=interpret,
     )
