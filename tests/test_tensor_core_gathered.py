@@ -194,7 +194,7 @@ def test_blockwise_expert_gradients_on_the_tensor_cores_are_the_triton_kernels(b
     from test_block_quantize import heavy_tailed as finite_heavy_tailed
 
     rng = np.random.default_rng(41)
-    m = 384  # rows past the experts' 205: the rows copy covers them too
+    m = 388  # rows past the experts' 205 (the rows copy covers them), no whole 128-row tiles
     x = finite_heavy_tailed(rng, (m, 256))
     rows = gather_map(pad_layout(jnp.asarray([70, 0, 130, 5]), m, 128))
     recipe = fp8jax.BlockwiseScaling(power_of_two=True)
@@ -225,7 +225,7 @@ def test_blockwise_expert_activation_on_the_tensor_cores_is_the_triton_kernel():
     the wgrad (`retile_gathered`), equals the Triton kernel's, through the Mosaic GPU
     kernel; outside it, the Triton kernel."""
     rng = np.random.default_rng(43)
-    m = 384  # rows past the experts' 205
+    m = 388  # rows past the experts' 205, not whole 128-row tiles
     data, scale_inv_t = saved_activation(rng, m, 256, E4M3)
     data[1, 3] = 1.0  # finite: the Triton kernel's NaN would stay in its column
     q = fp8jax.QTensor(jnp.asarray(data), jnp.asarray(scale_inv_t.T), (1, 128))

@@ -233,11 +233,11 @@ def recipe_quantize_blocks(
 def _gathers_on_tensor_cores(x: Array, block: int, dtypes: tuple = SIXTEEN) -> bool:
     """Whether an expert layer's gathered tiles of `x` take the tensor-core kernels: inside
     `tensor_core_quantization()`, `x` of `dtypes` (16-bit: exact in the tensor cores; FP8,
-    a saved activation) in whole 128-row tiles (the rows kernel's), block 128, a JAX whose
-    Mosaic GPU compiles the kernels."""
-    whole = x.shape[0] >= TENSOR_CORE_BLOCK and x.shape[0] % TENSOR_CORE_BLOCK == 0
+    a saved activation) with at least 128 rows and a multiple of 4 (TMA's 16-byte strides
+    of the rows' scales), block 128, a JAX whose Mosaic GPU compiles the kernels."""
+    rows = x.shape[0] >= TENSOR_CORE_BLOCK and x.shape[0] % 4 == 0
     kernel = block == TENSOR_CORE_BLOCK and mosaic_private.untiled_wgmma_loads()
-    return _TENSOR_CORES.get() and jnp.dtype(x.dtype) in dtypes and whole and kernel
+    return _TENSOR_CORES.get() and jnp.dtype(x.dtype) in dtypes and rows and kernel
 
 
 def recipe_gathered(
