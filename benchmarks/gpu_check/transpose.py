@@ -349,6 +349,8 @@ def ways(
                 and config.max_concurrent_steps != CONFIGS["default"].max_concurrent_steps
             ):
                 continue  # two tiles in flight by hand: the stages do not apply
+            if prefix in (GATHERED_REQUANTIZED, ROWS_GATHERED) and name != "default":
+                continue  # the call's budget: the gathered family sweeps the programs
             out[f"{prefix}tensor cores, {name}"] = functools.partial(tensor_cores, config=config)
     return out
 
