@@ -126,11 +126,14 @@ GPU_RELEASE_ONLY=(
     tests/test_gpu_check.py::test_profile_section_on_a_gpu_trace
 )
 GPU_RELEASE_DRY_RUN=tests/test_persistent_gemm.py::test_the_gpu_checks_kernels_section_runs_dry
+# ... and a whole expert layer's step inside choice.tensor_core_quantization() (its wiring of
+# the Mosaic GPU kernels, each of which runs on every release in its own file; session 54).
+GPU_RELEASE_LAYER=tests/test_tensor_core_gathered.py::test_blockwise_expert_layer_on_the_tensor_cores_trains_as_on_the_triton_kernels
 # The per-tensor kernel's recipe matrix on BF16 operands only here (float32 runs in the README's
 # command; session 51, for CI time: the tensor-core kernel's tests took its place).
 FLOAT32_MATRIX=tests/test_cast_transpose.py::test_per_tensor_recipes_quantize_in_one_pass_as_their_xla_path
 # --deselect ignores a name it does not find: a renamed test fails here instead.
-for test in "$GPU_RELEASE_DRY_RUN" "$FLOAT32_MATRIX"; do
+for test in "$GPU_RELEASE_DRY_RUN" "$GPU_RELEASE_LAYER" "$FLOAT32_MATRIX"; do
     grep -q "^def ${test##*::}(" "${test%%::*}" || {
         echo "tests/other_jax.sh: $test not found" >&2
         exit 2
@@ -174,7 +177,7 @@ for v in "${VERSIONS[@]}"; do
     if [ "$v" = "$GPU_RELEASE" ]; then
         run+=("${GPU_RELEASE_ONLY[@]}")
     else
-        run+=(--deselect "$GPU_RELEASE_DRY_RUN")
+        run+=(--deselect "$GPU_RELEASE_DRY_RUN" --deselect "$GPU_RELEASE_LAYER")
     fi
     "$venv/bin/python" -m pytest -q -n 2 --dist worksteal -o addopts="-m 'not slow'" "${run[@]}"
     echo "jax $v: install $((installed - start)) s, tests $((SECONDS - installed)) s"
