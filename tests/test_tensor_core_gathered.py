@@ -268,15 +268,15 @@ def test_blockwise_expert_layer_on_the_tensor_cores_trains_as_on_the_triton_kern
         dot, x, w = args
         return jnp.sum(jnp.sin(dot(x, w, sizes).astype(jnp.float32)))
 
-    def traced(how):  # a new loss and gradient each: JAX's trace caches know no context
+    def traced():  # a new loss and gradient each: JAX's trace caches know no context
         step = fp8jax.filter_value_and_grad(lambda a: loss(a))
         kernels = re.findall(r"name=(fp8jax_\w+)", str(jax.make_jaxpr(step)((dot, x, w))))
-        return how(step)((dot, x, w)), {k for k in kernels if "quantize" in k}
+        return jax.jit(step)((dot, x, w)), {k for k in kernels if "quantize" in k}
 
     with dispatch.interpreted():
-        want, triton = traced(jax.jit)
+        want, triton = traced()
         with tensor_core_quantization():
-            got, kernels = traced(jax.jit)
+            got, kernels = traced()
     assert triton == {f"fp8jax_{k}" for k in ("quantize_blocks", "quantize_rows")} | {
         f"fp8jax_{k}_padded_columns" for k in ("quantize_rows_and", "requantize")
     }, triton
