@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import compile_flags
 
@@ -405,6 +406,97 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
     for bad in ("steps,gemm", ",", "steps,steps", "profile,llama"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--sections", bad])
+
+
+def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
+    """The check as a lent GPU runs it (`gpu_check.py`, supervised): a measurement whose
+    process dies, and one that hangs past `--hang-s`, are recorded as crashed and the check
+    starts again (`--resume`), taking back what it had measured without running it again
+    and measuring the rest; the summary comes once the last process ends. The faults are
+    injected into a dry run's GEMMs section (`record.FAULT_VARIABLE`)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = compile_flags()
+    env["FP8JAX_GPU_CHECK_FAULT"] = "die:| fp8 cuBLASLt;hang:| block kernel"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"]
+    command += ["--out", str(out), "--sections", "gemms", "--hang-s", "4"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=False
+    )
+    assert done.returncode == 1, done.stderr[-3000:]  # errors were recorded
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by_name = {}
+    for entry in results:
+        by_name.setdefault(entry["name"].split(" | ")[-1], []).append(entry)
+    for name in ("fp8 cuBLASLt", "block kernel"):
+        (entry,) = by_name[name]  # recorded once, by the supervisor, never run again
+        assert entry["status"] == "error" and entry["crashed"], entry
+    assert "died" in by_name["fp8 cuBLASLt"][0]["error"]
+    assert "hung" in by_name["block kernel"][0]["error"]
+    # Measured once each, before or after the crashes: nothing lost, nothing run twice.
+    for name in ("bf16", "fp8 XLA default", "blockwise XLA", "residual fused"):
+        assert [e["status"] for e in by_name[name]] == ["ok"], by_name[name]
+    assert done.stderr.count("starting the check again") == 2
+    summary = done.stdout[done.stdout.rindex("## 2 GEMMs (dense)") :]
+    assert summary.count("ERROR") == 2 and "5 ok" not in summary, summary
+    assert "(6 ok, 0 failed, 2 error, 0 skipped;" in summary  # the section's line is an ok
+
+
+def test_a_resumed_check_takes_back_its_results_and_skips_a_crashed_kernel(tmp_path, monkeypatch):
+    """`Recorder(resume=True)`: a recorded measurement returns its fields again (non-finite
+    floats as floats) without running; a crashed one's family is skipped elsewhere (a Llama
+    variant at another size and in the profile, every configuration of a tensor-core way);
+    the rest runs. An error that leaves the GPU unusable is recorded as crashed and ends the
+    process."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import record
+
+    assert record.family("8B | blockwise-tc | cudnn") == record.family("1B | blockwise-tc")
+    assert record.family("gradient 8192x14336 | blockwise rows tensor cores, stages 2") == (
+        record.family("weight 14336x4096 | blockwise rows tensor cores, stages 4, programs 66")
+    )
+    assert record.family("up | persistent chunks_per_step=2") != record.family(
+        "up | persistent chunks_per_step=2, chained=True"
+    )
+    entries = [
+        dict(section="4 Llama block", name="8B | bf16 | cudnn", status="ok", ms=2.0, x="nan"),
+        dict(section="4 Llama block", name="8B | blockwise-tc | cudnn", status="error",
+             error="died", crashed=True),
+        dict(section="2f", name="activation | blockwise rows tensor cores, stages 2",
+             status="error", error="hung", crashed=True),
+    ]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    rec = record.Recorder(tmp_path, 100.0, 0.0, dry=True, resume=True)
+    never = lambda: pytest.fail("a recorded measurement ran again")  # noqa: E731
+    fields = rec.measure("4 Llama block", "8B | bf16 | cudnn", never)
+    assert fields["ms"] == 2.0 and np.isnan(fields["x"]), fields
+    assert rec.measure("4 Llama block", "8B | blockwise-tc | cudnn", never) is None
+    for section, name in (
+        ("4 Llama block", "1B | blockwise-tc | cudnn"),
+        ("5 profile", "8B | blockwise-tc"),
+        ("2f", "gradient | blockwise rows tensor cores, stages 4"),
+    ):
+        assert rec.measure(section, name, never) is None
+    assert rec.measure("4 Llama block", "1B | blockwise | cudnn", lambda: {"ms": 3.0}) == {
+        "ms": 3.0
+    }
+    assert rec.counts == {"ok": 2, "failed": 0, "error": 1, "skipped": 3}
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    skipped = [json.loads(line) for line in lines[len(entries) :]][:3]
+    assert all("crashed or hung in" in e["reason"] for e in skipped), skipped
+
+    class Ended(Exception):
+        pass
+
+    def end(status):
+        raise Ended(status)
+
+    monkeypatch.setattr(record.os, "_exit", end)
+    monkeypatch.setenv(record.FAULT_VARIABLE, "broken:| cuBLASLt")
+    with pytest.raises(Ended, match=str(record.BROKEN)):
+        rec.measure("2 GEMMs (dense)", "up | cuBLASLt", lambda: {"ms": 1.0})
+    last = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-1])
+    assert last["status"] == "error" and last["crashed"], last
 
 
 def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):

@@ -6,7 +6,7 @@ import sys
 # `benchmarks/` on the path: this package, and the benchmarks' shared `train_steps`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_check.main import main  # noqa: E402
+from gpu_check.supervise import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

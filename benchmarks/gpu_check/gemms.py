@@ -143,6 +143,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
                     _time, fn, options, key, variant, (m, k, n), ops, ms, runs, dry
                 )
                 result = rec.measure(SECTION, f"{label} | {variant}", measure)
+                if result is not None and "ms" in result:  # (also a recorded one's)
+                    ms[variant] = result["ms"]
                 rec.cell(SECTION, label, variant, cell(rec, result))
             ops.clear()
     if mode == "full":
@@ -171,6 +173,8 @@ def _tiles(rec: Recorder, runs: int, times: dict) -> None:
         name = "tiles {}x{}, {} steps".format(*config)
         measure = functools.partial(_time_tiles, config, (m, k, n), ops, ms, runs)
         result = rec.measure(SECTION, f"{label} | {name}", measure)
+        if result is not None and "ms" in result:  # (also a recorded one's)
+            ms[str(config)] = result["ms"]
         rec.cell(SECTION, f"block kernel alone, M={m} K={k} N={n}", name, cell(rec, result))
 
 

@@ -264,6 +264,8 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
             case = (kind, m, k, n, g)
             measure = functools.partial(_time, fn, key, variant, case, sizes, ops, ms, runs, dry)
             result = rec.measure(SECTION, f"{label} | {variant}", measure)
+            if result is not None and "ms" in result:  # (also a recorded one's)
+                ms[variant] = result["ms"]
             if result is None or "skipped" in result:
                 rec.cell(SECTION, label, variant, "GPU only" if result else rec.not_run())
                 continue

@@ -303,7 +303,10 @@ def _one(
     rec: Recorder, size: str, name: str, attention: str, seen: dict, runs: int, cache: Cache
 ) -> dict | None:
     measure = functools.partial(_measure, size, name, attention, seen, runs, cache)
-    return rec.measure(SECTION, f"{size} | {name} | {attention}", measure, need_s=NEED_S[size])
+    fields = rec.measure(SECTION, f"{size} | {name} | {attention}", measure, need_s=NEED_S[size])
+    if fields is not None:  # (also where recorded by an earlier process: `Recorder.measure`)
+        seen[(attention, name)] = fields
+    return fields
 
 
 def _reference(

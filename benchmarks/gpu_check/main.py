@@ -26,7 +26,7 @@ from . import (
     steps,
     transpose,
 )
-from .record import Recorder
+from .record import MODES, Recorder
 from .timing import METHOD
 
 #: The sections, in the order they run.
@@ -34,9 +34,6 @@ SECTIONS = (
     "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
     "steps", "llama", "profile",
 )  # fmt: skip
-
-#: mode -> (budget seconds, runs per GEMM, runs per train step, reserve seconds)
-MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -81,6 +78,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "mode's own), e.g. 'bf16,bf16 jax mgpu,blockwise,blockwise-tc' for issue 39's MoE "
         "target; 'bf16 jax mgpu' is checked against 'bf16' (both needed for the ratios)",
     )
+    parser.add_argument(
+        "--hang-s",
+        type=float,
+        default=None,
+        help="seconds without a line of progress after which the check's process is killed "
+        "as hung, its measurement recorded as crashed and the check started again without "
+        "what shares its kernel (default: 120 on a GPU; none in a dry run)",
+    )
+    # Set by `supervise.py` when it starts the check again after a crash or hang.
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if args.moe_variants is not None:
@@ -116,6 +123,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
             "(profile traces the steps llama compiled)"
         )
+    if args.hang_s is not None and args.hang_s <= 0:
+        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
     return args
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "dry":
         os.environ["JAX_PLATFORMS"] = "cpu"  # before jax starts its backends
     budget, gemm_runs, step_runs, reserve = MODES[mode]
-    rec = Recorder(args.out, args.budget_s or budget, reserve, mode == "dry")
+    rec = Recorder(args.out, args.budget_s or budget, reserve, mode == "dry", args.resume)
     env = environment(mode)
     (args.out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     header = "\n".join(f"{k}: {v}" for k, v in env.items())

@@ -3,7 +3,12 @@
 Every result is one JSON line appended to `results.jsonl` and one line of `log.txt` in the
 out folder the moment it exists, so that a run killed from outside (its `timeout`, the end of
 a GPU lease) still leaves everything measured until then. Each measurement runs in its own
-`try`: a failure is recorded with its traceback and the run goes on.
+`try`: a failure is recorded with its traceback and the run goes on. A measurement that
+leaves the GPU unusable (a kernel's illegal address poisons the process's CUDA context)
+ends the process, and one that kills it or hangs is killed: `supervise.py` then starts the
+check again with `resume`, which takes every result recorded back from `results.jsonl`
+without running it again and skips what shares a kernel with the measurement that crashed
+(`family`).
 """
 
 from __future__ import annotations
@@ -11,12 +16,24 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+#: The budget of each mode: mode -> (budget seconds, runs per GEMM, runs per train step,
+#: reserve seconds).
+MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
+#: The log's line before a measurement runs: what `supervise.py` blames for a crash or hang.
+STARTED = "started "
+#: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.
+BROKEN, DIED = 3, 70
+#: `die:<text>;hang:<text>;broken:<text>`: measurements whose `"section | name"` contains the
+#: text crash, hang or leave the GPU unusable (tests only).
+FAULT_VARIABLE = "FP8JAX_GPU_CHECK_FAULT"
 
 
 class Recorder:
@@ -27,7 +44,9 @@ class Recorder:
     skipped. `dry`: the CPU dry run (kernels interpreted, no timing claims).
     """
 
-    def __init__(self, out: Path, budget_s: float, reserve_s: float, dry: bool):
+    def __init__(
+        self, out: Path, budget_s: float, reserve_s: float, dry: bool, resume: bool = False
+    ):
         self.out, self.budget_s, self.reserve_s, self.dry = out, budget_s, reserve_s, dry
         out.mkdir(parents=True, exist_ok=True)
         self.start = time.monotonic()
@@ -37,7 +56,17 @@ class Recorder:
         self.decisions: list[str] = []
         self.counts = {"ok": 0, "failed": 0, "error": 0, "skipped": 0}
         self.last_status = ""
-        for name in ("results.jsonl", "log.txt"):
+        #: (section, name) -> what an earlier process recorded (`resume`); family -> the
+        #: measurement in which that family crashed or hung.
+        self.done: dict[tuple[str, str], dict[str, Any]] = {}
+        self.broken: dict[str, str] = {}
+        if resume:
+            for line in (out / "results.jsonl").read_text().splitlines():
+                entry = json.loads(line)
+                self.done[entry["section"], entry["name"]] = entry
+                if entry.get("crashed"):
+                    self.broken[family(entry["name"])] = f"{entry['section']} | {entry['name']}"
+        for name in ("decisions.txt",) if resume else ("results.jsonl", "log.txt", "decisions.txt"):
             (out / name).write_text("")
 
     def left(self) -> float:
@@ -75,14 +104,27 @@ class Recorder:
         the reserve) are left of the budget; record its result,
         or its exception with the traceback. A result with `passed: False` is `failed`, one
         with a `skipped` reason `skipped`.
-        Returns the fields, or None when skipped or raised."""
+        Returns the fields, or None when skipped or raised. Resumed, a measurement an earlier
+        process recorded is taken back as it was (its fields returned again), and one whose
+        `family` crashed or hung is skipped. A measurement that raised and left the GPU
+        unusable ends the process (`BROKEN`), recorded as crashed."""
+        if (section, name) in self.done:
+            return self._replay(self.done.pop((section, name)))
+        if family(name) in self.broken:
+            culprit = self.broken[family(name)]
+            reason = f"{family(name)!r} crashed or hung in {culprit!r}: not run again"
+            self.record(section, name, "skipped", reason=reason)
+            return None
         if self.left() <= (self.reserve_s if need_s is None or self.dry else need_s):
             self.record(section, name, "skipped", reason=f"budget: {self.left():.0f} s left")
             return None
+        self.log(f"{STARTED}{section} | {name}")
         began = time.monotonic()
         try:
+            _inject(section, name)
             fields = fn()
         except Exception as error:  # noqa: BLE001 - a failure is a result here
+            crashed = not _device_alive(section, name, self.dry)
             self.record(
                 section,
                 name,
@@ -90,7 +132,11 @@ class Recorder:
                 error=f"{type(error).__name__}: {str(error)[:500]}",
                 traceback=traceback.format_exc(),
                 seconds=time.monotonic() - began,
+                **({"crashed": True} if crashed else {}),
             )
+            if crashed:
+                self.log("the GPU is unusable after this error: the process ends here")
+                os._exit(BROKEN)
             _reset_interpreter(self.dry)
             return None
         status = "failed" if fields.get("passed") is False else "ok"
@@ -119,6 +165,19 @@ class Recorder:
         self.record(name, "(section)", "ok", section_seconds=round(seconds, 1))
         self.sections.setdefault(name, dict.fromkeys(self.counts, 0))["seconds"] = seconds
 
+    def _replay(self, entry: dict[str, Any]) -> dict[str, Any] | None:
+        """An earlier process's result of one measurement, counted and logged as if run now:
+        its fields for an ok or failed one, else None."""
+        section, name, status = entry["section"], entry["name"], entry["status"]
+        self.counts[status] += 1
+        self.last_status = status
+        self.sections.setdefault(section, dict.fromkeys(self.counts, 0))[status] += 1
+        self.log(f"{section} | {name} | {status} | (recorded by an earlier process)")
+        if status not in ("ok", "failed"):
+            return None
+        skip = ("section", "name", "status", "seconds", "crashed")
+        return {k: _unjsonable(v) for k, v in entry.items() if k not in skip}
+
     def cell(self, section: str, row: str, column: str, text: str) -> None:
         """One cell of `section`'s table in the summary."""
         self.cells.setdefault(section, {}).setdefault(row, {})[column] = text
@@ -141,6 +200,63 @@ def _reset_interpreter(dry: bool) -> None:
             from fp8jax._src.core import mosaic_private
 
             mosaic_private.reset_interpreter()
+
+
+def _device_alive(section: str, name: str, dry: bool) -> bool:
+    """Whether the GPU still computes after an error in a measurement (a kernel's illegal
+    address leaves the process's CUDA context unusable: every later call fails); a dry
+    run's CPU does."""
+    if _fault(section, name) == "broken":
+        return False
+    if dry:
+        return True
+    try:
+        import jax.numpy as jnp
+
+        return float((jnp.arange(8.0) + 1).sum()) == 36.0
+    except Exception:  # noqa: BLE001 - any failure means the device is gone
+        return False
+
+
+def _fault(section: str, name: str) -> str | None:
+    """The fault `FAULT_VARIABLE` injects into a measurement: `die`, `hang` or `broken`."""
+    for item in os.environ.get(FAULT_VARIABLE, "").split(";"):
+        kind, _, text = item.partition(":")
+        if text and text in f"{section} | {name}":
+            return kind
+    return None
+
+
+def _inject(section: str, name: str) -> None:
+    """A crash, hang or unusable GPU in a measurement named in `FAULT_VARIABLE`, as a
+    kernel's could be: the test of `supervise.py` on a CPU."""
+    fault = _fault(section, name)
+    if fault == "die":
+        os._exit(DIED)
+    if fault == "hang":
+        time.sleep(3600)
+    if fault == "broken":
+        raise RuntimeError(f"{FAULT_VARIABLE}: an illegal memory access, as a test")
+
+
+def family(name: str) -> str:
+    """What a measurement named `name` runs that a crash or hang in it puts under suspicion,
+    so that a resumed check skips it elsewhere: its second `" | "` field if it has one
+    (a Llama variant at every size and in the profile; a GEMM configuration or a
+    quantization way at every shape), else the whole name; of a way on the tensor cores
+    (`"... tensor cores, <configuration>"`) every configuration."""
+    fields = name.split(" | ")
+    way = fields[1] if len(fields) > 1 else name
+    return way.split(", ")[0] if "tensor cores" in way else way
+
+
+def _unjsonable(value: Any) -> Any:
+    """`value` as `_jsonable` wrote it, its non-finite floats floats again."""
+    if isinstance(value, dict):
+        return {k: _unjsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjsonable(v) for v in value]
+    return float(value) if value in ("nan", "inf", "-inf") else value
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,153 @@
+"""The GPU check run in a child process that is started again after a crash or a hang.
+
+A lent GPU runs the check once, unattended, on kernels no GPU has run before. One of them
+may hang (a barrier never completed) or fault (an illegal address leaves the process's CUDA
+context unusable: every later call fails): in one process that would cost the rest of the
+call, and a hang the whole `timeout`. Here the check runs as a child; this process, which
+imports no JAX, reads its log as it comes. When the child dies inside a measurement, ends
+itself because the GPU became unusable (`record.BROKEN`), or prints nothing for `--hang-s`
+seconds (then it is killed), the measurement it had started is recorded as crashed and the
+check starts again with `--resume` and what is left of the budget: every result recorded
+comes back without running again, and what shares the crashed measurement's kernel
+(`record.family`) is skipped. A crash outside any measurement ends the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .record import BROKEN, MODES, STARTED
+
+#: How many times the check may start again after crashes or hangs.
+RESTARTS = 8
+#: `--hang-s` on a GPU when not given: the longest measurement of runs 1-6 took 34 s (the
+#: quantization kernels' numerics at 8192 x 14336); a Llama 8B variant's compile 26 s.
+HANG_S = 120.0
+#: The check's entry point, run as the child.
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check (`gpu_check.main`) in a child process, started again after a crash or
+    hang; returns the check's exit status, or 2 when it could not finish. With `--child`
+    first, this process is the child."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        from .main import main as check  # JAX: imported by the child only
+
+        return check(argv[1:])
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--budget-s", type=float)
+    parser.add_argument("--hang-s", type=float)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    if known.out is None or any(a in ("-h", "--help") for a in argv):
+        return subprocess.call([sys.executable, str(SCRIPT), "--child", *argv])  # its errors
+    mode = "dry" if known.dry_run else "quick" if known.quick else "full"
+    budget = known.budget_s or MODES[mode][0]
+    hang = known.hang_s or (None if known.dry_run else HANG_S)
+    rest = _without_budget(argv)
+    return supervise(rest, known.out, budget, hang)
+
+
+def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None) -> int:
+    """Run `gpu_check.py --child *argv` until it ends by itself; after a crash or hang,
+    record it in `out` and start it again resumed, `budget_s` shared by all."""
+    start = time.monotonic()
+    resume: list[str] = []
+    for _ in range(RESTARTS + 1):
+        left = budget_s - (time.monotonic() - start)
+        command = [sys.executable, str(SCRIPT), "--child", *argv, "--budget-s", f"{left:.1f}"]
+        code, started, hung = _run(command + resume, hang_s)
+        if started is None and not hung and code != BROKEN:  # the check ended by itself
+            if code in (0, 1):
+                return code
+            _say(out, f"supervisor: the check died outside a measurement (exit status {code})")
+            return 2
+        if started is not None:
+            section, _, name = started.partition(" | ")
+            if hung:
+                error = f"no progress for {hang_s:.0f} s: the process was killed (hung)"
+            else:
+                error = f"the process died in this measurement (exit status {code})"
+            _append(out, {"section": section, "name": name, "status": "error", "error": error,
+                          "crashed": True})  # fmt: skip
+            _say(out, f"supervisor: {started}: {error}; starting the check again")
+        elif hung:
+            _say(out, f"supervisor: no progress for {hang_s:.0f} s outside a measurement")
+            return 2
+        if budget_s - (time.monotonic() - start) <= 0:
+            return 2
+        resume = ["--resume"]
+    _say(out, f"supervisor: {RESTARTS} restarts spent; the check ends here")
+    return 2
+
+
+def _run(command: list[str], hang_s: float | None) -> tuple[int, str | None, bool]:
+    """Run the child, its stderr echoed; returns (exit status, the measurement started and
+    not finished when it ended, whether it was killed as hung)."""
+    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in child.stderr:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, lambda *_: (child.kill(), sys.exit(143)))
+    started: str | None = None
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=hang_s)
+            except queue.Empty:
+                child.kill()
+                child.wait()
+                return child.returncode, started, True
+            if line is None:
+                return child.wait(), started, False
+            sys.stderr.write(line)
+            text = line.partition("] ")[2].rstrip("\n")
+            if text.startswith(STARTED):
+                started = text[len(STARTED) :]
+            elif started is not None and text.startswith(started + " | "):
+                started = None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            child.kill()
+
+
+def _without_budget(argv: list[str]) -> list[str]:
+    """`argv` less `--budget-s` (the supervisor passes what is left of it)."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--budget-s":
+            skip = True
+        elif not a.startswith("--budget-s="):
+            rest.append(a)
+    return rest
+
+
+def _append(out: Path, entry: dict) -> None:
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def _say(out: Path, text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+    with open(out / "log.txt", "a") as f:
+        f.write(text + "\n")
