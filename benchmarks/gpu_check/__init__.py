@@ -21,5 +21,6 @@ Sections, each measurement in its own `try`, results appended to the out folder 
 Then the decision inputs (which defaults the measurements would decide) and the summary
 table, printed last. `--budget-s` bounds the time: each measurement starts only if enough is
 left, else it is recorded as skipped. `--dry-run` runs the same code with tiny shapes on the
-CPU (the kernels in Mosaic GPU's interpreter); its times mean nothing.
+CPU (the kernels in Mosaic GPU's interpreter); its times mean nothing. The check runs in a
+child process, started again where a measurement crashed or hung (`supervise.py`).
 """

@@ -84,7 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="seconds without a line of progress after which the check's process is killed "
         "as hung, its measurement recorded as crashed and the check started again without "
-        "what shares its kernel (default: 120 on a GPU; none in a dry run)",
+        "what shares its kernel (default: 90 on a GPU; none in a dry run)",
     )
     # Set by `supervise.py` when it starts the check again after a crash or hang.
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
