@@ -444,20 +444,33 @@ def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
 
 def test_a_resumed_check_takes_back_its_results_and_skips_a_crashed_kernel(tmp_path, monkeypatch):
     """`Recorder(resume=True)`: a recorded measurement returns its fields again (non-finite
-    floats as floats) without running; a crashed one's family is skipped elsewhere (a Llama
-    variant at another size and in the profile, every configuration of a tensor-core way);
-    the rest runs. An error that leaves the GPU unusable is recorded as crashed and ends the
-    process."""
+    floats as floats) without running; what shares a crashed one's kernel is skipped
+    elsewhere (a Llama variant at another size and in the profile, every configuration of a
+    tensor-core way, the per-tensor tensor-core kernel alone and in the Llama steps, a block
+    kernel feature in any configuration and in its Llama variant); the rest runs. An error
+    that leaves the GPU unusable is recorded as crashed and ends the process."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import record
 
-    assert record.family("8B | blockwise-tc | cudnn") == record.family("1B | blockwise-tc")
-    assert record.family("gradient 8192x14336 | blockwise rows tensor cores, stages 2") == (
-        record.family("weight 14336x4096 | blockwise rows tensor cores, stages 4, programs 66")
+    def shared(a: str, b: str) -> bool:
+        return bool(record.families(a) & record.families(b))
+
+    assert shared("8B | blockwise-tc | cudnn", "1B | blockwise-tc")
+    assert shared(
+        "gradient 8192x14336 | blockwise rows tensor cores, stages 2",
+        "weight 14336x4096 | blockwise rows tensor cores, stages 4, programs 66",
     )
-    assert record.family("up | persistent chunks_per_step=2") != record.family(
-        "up | persistent chunks_per_step=2, chained=True"
-    )
+    assert not shared("x | blockwise rows tensor cores, a", "x | blockwise tensor cores, a")
+    assert shared("activation | tensor cores, stages 2", "8B | delayed-steady-apart-tc-grads")
+    assert shared("8B | current-tc | cudnn", "1B | delayed-steady-tc | cudnn")
+    assert not shared("8B | current-tc | cudnn", "8B | blockwise-tc | cudnn")
+    assert not shared("8B | current-tc | cudnn", "8B | current | cudnn")
+    up2, chained = "up | persistent chunks_per_step=2", "up | persistent chained=True"
+    assert shared(up2, "dsv3 | persistent grid_minor_dim=m, chunks_per_step=2")
+    assert shared(up2, "8B | blockwise-pairs | cudnn") and not shared(up2, chained)
+    assert shared(chained, "1B | blockwise-chained") and not shared(chained, "1B | blockwise")
+    assert shared("up | persistent compute_wgs=3", "8B | blockwise-tile-scales-three | xla")
+    assert not shared("up | persistent default", "up | persistent grid_tile_width=4")
     entries = [
         dict(section="4 Llama block", name="8B | bf16 | cudnn", status="ok", ms=2.0, x="nan"),
         dict(section="4 Llama block", name="8B | blockwise-tc | cudnn", status="error",

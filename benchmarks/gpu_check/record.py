@@ -8,7 +8,7 @@ leaves the GPU unusable (a kernel's illegal address poisons the process's CUDA c
 ends the process, and one that kills it or hangs is killed: `supervise.py` then starts the
 check again with `resume`, which takes every result recorded back from `results.jsonl`
 without running it again and skips what shares a kernel with the measurement that crashed
-(`family`).
+(`families`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -34,6 +35,16 @@ BROKEN, DIED = 3, 70
 #: `die:<text>;hang:<text>;broken:<text>`: measurements whose `"section | name"` contains the
 #: text crash, hang or leave the GPU unusable (tests only).
 FAULT_VARIABLE = "FP8JAX_GPU_CHECK_FAULT"
+#: Kernels and kernel features several measurements share, by a pattern of the field
+#: `family` reads: a crash or hang in one puts every other under suspicion (a kernel that
+#: hangs would otherwise cost `--hang-s` once per configuration, size and section).
+SHARED = {
+    "the per-tensor kernel on the tensor cores": r"^tensor cores\b|^(delayed|current)\S*-tc\b",
+    "two chunks a step": r"chunks_per_step=2|^blockwise-pairs\b",
+    "chained pipelines": r"chained=True|^blockwise-chained\b",
+    "scales under the wgmma": r"scales_under_wgmma=True",
+    "three compute warpgroups": r"compute_wgs=3|^blockwise-tile-scales-three\b",
+}
 
 
 class Recorder:
@@ -65,7 +76,8 @@ class Recorder:
                 entry = json.loads(line)
                 self.done[entry["section"], entry["name"]] = entry
                 if entry.get("crashed"):
-                    self.broken[family(entry["name"])] = f"{entry['section']} | {entry['name']}"
+                    for suspect in families(entry["name"]):
+                        self.broken[suspect] = f"{entry['section']} | {entry['name']}"
         for name in ("decisions.txt",) if resume else ("results.jsonl", "log.txt", "decisions.txt"):
             (out / name).write_text("")
 
@@ -105,14 +117,15 @@ class Recorder:
         or its exception with the traceback. A result with `passed: False` is `failed`, one
         with a `skipped` reason `skipped`.
         Returns the fields, or None when skipped or raised. Resumed, a measurement an earlier
-        process recorded is taken back as it was (its fields returned again), and one whose
-        `family` crashed or hung is skipped. A measurement that raised and left the GPU
-        unusable ends the process (`BROKEN`), recorded as crashed."""
+        process recorded is taken back as it was (its fields returned again), and one that
+        shares a kernel with one that crashed or hung (`families`) is skipped. A measurement
+        that raised and left the GPU unusable ends the process (`BROKEN`), recorded as
+        crashed."""
         if (section, name) in self.done:
             return self._replay(self.done.pop((section, name)))
-        if family(name) in self.broken:
-            culprit = self.broken[family(name)]
-            reason = f"{family(name)!r} crashed or hung in {culprit!r}: not run again"
+        suspect = next((f for f in sorted(families(name)) if f in self.broken), None)
+        if suspect is not None:
+            reason = f"{suspect!r} crashed or hung in {self.broken[suspect]!r}: not run again"
             self.record(section, name, "skipped", reason=reason)
             return None
         if self.left() <= (self.reserve_s if need_s is None or self.dry else need_s):
@@ -240,14 +253,19 @@ def _inject(section: str, name: str) -> None:
 
 
 def family(name: str) -> str:
-    """What a measurement named `name` runs that a crash or hang in it puts under suspicion,
-    so that a resumed check skips it elsewhere: its second `" | "` field if it has one
-    (a Llama variant at every size and in the profile; a GEMM configuration or a
-    quantization way at every shape), else the whole name; of a way on the tensor cores
-    (`"... tensor cores, <configuration>"`) every configuration."""
+    """What a measurement named `name` runs, to skip elsewhere once it crashed or hung: its
+    second `" | "` field if it has one (a Llama variant at every size and in the profile; a
+    GEMM configuration or a quantization way at every shape), else the whole name; of a way
+    on the tensor cores (`"... tensor cores, <configuration>"`) every configuration."""
     fields = name.split(" | ")
     way = fields[1] if len(fields) > 1 else name
     return way.split(", ")[0] if "tensor cores" in way else way
+
+
+def families(name: str) -> set[str]:
+    """`family(name)` and the kernels and features of `SHARED` whose pattern it matches."""
+    way = family(name)
+    return {way} | {shared for shared, pattern in SHARED.items() if re.search(pattern, way)}
 
 
 def _unjsonable(value: Any) -> Any:
