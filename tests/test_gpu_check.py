@@ -471,6 +471,11 @@ def test_a_resumed_check_takes_back_its_results_and_skips_a_crashed_kernel(tmp_p
     assert shared(chained, "1B | blockwise-chained") and not shared(chained, "1B | blockwise")
     assert shared("up | persistent compute_wgs=3", "8B | blockwise-tile-scales-three | xla")
     assert not shared("up | persistent default", "up | persistent grid_tile_width=4")
+    # The numerics measurements of sections 1, 2c and 2e name what they run.
+    assert shared("numerics (7, 1, 9, 2), (1, 1) | persistent chunks_per_step=2", up2)
+    assert shared("grouped layer, blockwise, chained persistent kernels", "8B | blockwise-chained")
+    assert shared("numerics activation | tensor cores, default", "8B | current-tc | cudnn")
+    assert not shared("numerics activation", "8B | current-tc | cudnn")
     entries = [
         dict(section="4 Llama block", name="8B | bf16 | cudnn", status="ok", ms=2.0, x="nan"),
         dict(section="4 Llama block", name="8B | blockwise-tc | cudnn", status="error",

@@ -319,7 +319,9 @@ def run(rec: Recorder, mode: str, runs: int) -> dict[str, dict[str, float]]:
         measure = functools.partial(numerics_case, case, dry)
         if refused:
             measure = functools.partial(dict, skipped=refused)
-        result = rec.measure(SECTION, f"numerics {case[:4]}, {case[6]}", measure)
+        # Named with its configuration: a crash or hang puts it under suspicion in the sweep.
+        name = f"numerics {case[:4]}, {case[6]} | {describe(case[-1])}"
+        result = rec.measure(SECTION, name, measure)
         row = f"numerics {case[0]}x{case[1]}x{case[2]}, {case[3]} term(s)"
         row += "" if case[6] == (1, 1) else f", rows per scale {case[6]}"
         text = rec.not_run() if result is None else f"{result.get('rel_err_vs_f64', 0):.1e}"

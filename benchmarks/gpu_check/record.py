@@ -41,7 +41,7 @@ FAULT_VARIABLE = "FP8JAX_GPU_CHECK_FAULT"
 SHARED = {
     "the per-tensor kernel on the tensor cores": r"^tensor cores\b|^(delayed|current)\S*-tc\b",
     "two chunks a step": r"chunks_per_step=2|^blockwise-pairs\b",
-    "chained pipelines": r"chained=True|^blockwise-chained\b",
+    "chained pipelines": r"chained=True|chained persistent|^blockwise-chained\b",
     "scales under the wgmma": r"scales_under_wgmma=True",
     "three compute warpgroups": r"compute_wgs=3|^blockwise-tile-scales-three\b",
 }

@@ -475,9 +475,7 @@ def run(
         if dry and not blockwise and "weight" in label:
             continue  # the dry weight shape is the blockwise section's (CI time)
         saved = saved_copy(x, dry) if requantized else None
-        check = functools.partial(numerics, x, fns, dry, saved)
-        result = rec.measure(section, f"numerics {label}", check)
-        cell = rec.not_run() if result is None else _numerics_cell(result)
+        cell = _check(rec, section, label, x, fns, dry, saved)
         rec.cell(section, label, "numerics (elements != NumPy; amax)", cell)
         for name, fn in {**fns, COPY: _copy}.items():
             # The pass reads x and writes two FP8 copies (requantized: reads and writes one);
@@ -508,6 +506,32 @@ def _time(fn: Any, args: tuple, moved: int, runs: int, dry: bool) -> dict:
     _, fields = compile_and_time(fn, args, fp8jax.gpu_compiler_options(), runs, dry, calls=5)
     fields["gb_per_s"] = moved / (fields["ms"] * 1e-3) / 1e9
     return fields
+
+
+def _check(
+    rec: Recorder, section: str, label: str, x: Any, fns: dict, dry: bool, saved: tuple | None
+) -> str:
+    """`numerics` of the ways: XLA's and Triton's in one measurement, each way on the tensor
+    cores (never run on a GPU before run 7) in one of its own, named with it, so that a
+    crash or hang there puts that kernel alone under suspicion (`record.families`); the
+    summary's cell of all of them."""
+    new = [k for k in fns if "tensor cores" in k and k.endswith(", default")]
+    groups = [("", {k: v for k, v in fns.items() if k not in new})]
+    groups += [(f" | {k}", {k: fns[k]}) for k in new if not refused(k, dry)]
+    merged: dict[str, dict] = {"elements_differing": {}, "amax_exact": {}}
+    missing = 0
+    for suffix, ways in groups:
+        check = functools.partial(numerics, x, ways, dry, saved)
+        result = rec.measure(section, f"numerics {label}{suffix}", check)
+        if result is None:
+            missing += 1
+            continue
+        for key, found in merged.items():
+            found.update(result[key])
+    if missing == len(groups):
+        return rec.not_run()
+    cell = _numerics_cell(merged)
+    return f"{cell}; {missing} not run" if missing else cell
 
 
 def _numerics_cell(result: dict) -> str:
