@@ -419,7 +419,7 @@ def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
     env["XLA_FLAGS"] = compile_flags()
     env["FP8JAX_GPU_CHECK_FAULT"] = "die:| fp8 cuBLASLt;hang:| block kernel"
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"]
-    command += ["--out", str(out), "--sections", "gemms", "--hang-s", "4"]
+    command += ["--out", str(out), "--sections", "gemms", "--hang-s", "6"]
     done = subprocess.run(
         command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=False
     )

@@ -6,10 +6,11 @@ context unusable: every later call fails): in one process that would cost the re
 call, and a hang the whole `timeout`. Here the check runs as a child; this process, which
 imports no JAX, reads its log as it comes. When the child dies inside a measurement, ends
 itself because the GPU became unusable (`record.BROKEN`), or prints nothing for `--hang-s`
-seconds (then it is killed), the measurement it had started is recorded as crashed and the
-check starts again with `--resume` and what is left of the budget: every result recorded
-comes back without running again, and what shares the crashed measurement's kernel
-(`record.family`) is skipped. A crash outside any measurement ends the check.
+seconds inside a measurement (`OUTSIDE_S` outside one; then it is killed), the measurement
+it had started is recorded as crashed and the check starts again with `--resume` and what
+is left of the budget: every result recorded comes back without running again, and what
+shares the crashed measurement's kernel (`record.families`) is skipped. A crash or hang
+outside any measurement ends the check.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ RESTARTS = 8
 #: quantization kernels' numerics at 8192 x 14336), a Llama 8B variant 26 s. A measurement
 #: killed for silence alone is lost with its family, no more; a hang costs this long.
 HANG_S = 90.0
+#: Seconds without a line outside any measurement (imports, a section's setup, the summary)
+#: after which the child is killed: `--hang-s` guards measurements, where kernels run.
+OUTSIDE_S = 180.0
 #: The check's entry point, run as the child.
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 
@@ -65,6 +69,7 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
     """Run `gpu_check.py --child *argv` until it ends by itself; after a crash or hang,
     record it in `out` and start it again resumed, `budget_s` shared by all."""
     start = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
     resume: list[str] = []
     for _ in range(RESTARTS + 1):
         left = budget_s - (time.monotonic() - start)
@@ -85,7 +90,7 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
                           "crashed": True})  # fmt: skip
             _say(out, f"supervisor: {started}: {error}; starting the check again")
         elif hung:
-            _say(out, f"supervisor: no progress for {hang_s:.0f} s outside a measurement")
+            _say(out, f"supervisor: no progress for {OUTSIDE_S:.0f} s outside a measurement")
             return 2
         if budget_s - (time.monotonic() - start) <= 0:
             return 2
@@ -110,8 +115,9 @@ def _run(command: list[str], hang_s: float | None) -> tuple[int, str | None, boo
     started: str | None = None
     try:
         while True:
+            limit = hang_s if started is not None or hang_s is None else max(hang_s, OUTSIDE_S)
             try:
-                line = lines.get(timeout=hang_s)
+                line = lines.get(timeout=limit)
             except queue.Empty:
                 child.kill()
                 child.wait()
