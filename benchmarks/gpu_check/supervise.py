@@ -102,7 +102,9 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
 def _run(command: list[str], hang_s: float | None) -> tuple[int, str | None, bool]:
     """Run the child, its stderr echoed; returns (exit status, the measurement started and
     not finished when it ended, whether it was killed as hung)."""
-    child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
+    child = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
