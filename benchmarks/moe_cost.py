@@ -282,8 +282,7 @@ def build(shape: dict, name: str, microbatches: int = 1, unroll: bool = False):
 
 
 def inside(context, step):
-    """`step` traced inside `context()`: a new function (JAX's trace caches do not see
-    fp8jax's contexts, so a function traced before, outside, could come back)."""
+    """`step`, traced inside `context()`."""
 
     def traced(*args: Any) -> Any:
         with context():

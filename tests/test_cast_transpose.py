@@ -107,8 +107,7 @@ def test_h100_compile_runs_one_triton_kernel_counted_as_quantization():
 
 
 def _step():
-    """A fresh value-and-grad of an FP8 `dot_general` (its own function: a jit cache entry
-    traced outside a trace-time setting would be reused inside)."""
+    """A fresh value-and-grad of an FP8 `dot_general`."""
 
     def loss(args):
         layer, x, w = args

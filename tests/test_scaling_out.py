@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
+from fp8jax._src.core import contexts
 from fp8jax._src.kernels import (
     BLOCK_GEMM_NAME,
     GROUPED_ROWS_NAME,
@@ -215,28 +216,41 @@ def _assert_trains_like(got, want, layout):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-_FACTOR = contextvars.ContextVar("test_factor", default=1.0)
+#: What the stand-in GEMM reads: an fp8jax setting (`persistent_kernel()`, `interpreted()`
+#: are) and a context variable of the caller's own.
+_FACTORS = {
+    "setting": contexts.Setting("test_factor", 1.0),
+    "context variable": contextvars.ContextVar("test_factor", default=1.0),
+}
 
 
 def _scaled_gemm(a, b, out_dtype):
-    """A stand-in GEMM that reads a context variable where it is traced."""
-    return (a @ b.T * _FACTOR.get()).astype(out_dtype)
+    """A stand-in GEMM that reads both factors where it is traced."""
+    factor = _FACTORS["setting"].get() * _FACTORS["context variable"].get()
+    return (a @ b.T * factor).astype(out_dtype)
 
 
-def test_each_devices_gemm_is_traced_in_the_callers_context():
+@pytest.mark.parametrize("kind", list(_FACTORS))
+def test_each_devices_gemm_is_traced_in_the_callers_context(kind):
     """XLA's partitioner traces each device's GEMM while it compiles, on a thread of its
-    own: what the caller set in its context (`persistent_kernel()`, `interpreted()`) holds
-    there. Without it, a sharded step traced under `persistent_kernel()` would run the tiled
-    kernel on its devices."""
+    own: what the caller set (`persistent_kernel()`, `interpreted()`, its own context
+    variables) holds there. Without it, a sharded step traced under `persistent_kernel()`
+    would run the tiled kernel on its devices."""
     dims = partition.GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     a = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("data")))
     b = jnp.ones((16, 32))
-    token = _FACTOR.set(3.0)
-    try:
-        out = jax.jit(lambda a, b: partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b))(a, b)
-    finally:
-        _FACTOR.reset(token)
+    gemm = jax.jit(lambda a, b: partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b))
+    factor = _FACTORS[kind]
+    if kind == "setting":
+        with contexts.setting(factor, 3.0):
+            out = gemm(a, b)
+    else:
+        token = factor.set(3.0)
+        try:
+            out = gemm(a, b)
+        finally:
+            factor.reset(token)
     np.testing.assert_array_equal(out, np.full((64, 16), 96.0, np.float32))
 
 

@@ -268,7 +268,7 @@ def test_blockwise_expert_layer_on_the_tensor_cores_trains_as_on_the_triton_kern
         dot, x, w = args
         return jnp.sum(jnp.sin(dot(x, w, sizes).astype(jnp.float32)))
 
-    def traced():  # a new loss and gradient each: JAX's trace caches know no context
+    def traced():
         step = fp8jax.filter_value_and_grad(lambda a: loss(a))
         kernels = re.findall(r"name=(fp8jax_\w+)", str(jax.make_jaxpr(step)((dot, x, w))))
         return jax.jit(step)((dot, x, w)), {k for k in kernels if "quantize" in k}

@@ -453,7 +453,7 @@ def test_a_blockwise_linear_step_on_the_tensor_cores_is_the_triton_kernels():
         layer, x, w = args
         return jnp.sum(jnp.sin(layer(x, w, (((1,), (0,)), ((), ()))).astype(jnp.float32)))
 
-    def step():  # a new gradient function for each trace: JAX's trace caches see no context
+    def step():
         return fp8jax.filter_value_and_grad(loss)
 
     real_dot = fp8jax.BlockwiseScaling.dot

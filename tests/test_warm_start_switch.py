@@ -76,7 +76,7 @@ def test_scales_recorded_after_every_state_has_an_amax(getkey):
 def test_without_warm_start_casts_by_the_state_alone(getkey):
     """Traced by `without_warm_start`, a fresh delayed state casts with scale 1.0, as
     `warm_start=False` does (the warm start would scale by the operand's own amax); a
-    jitted function is refused (it would reuse its warm trace)."""
+    function jitted and traced warm first is traced again without it."""
     key = getkey()
     x, _ = batch(getkey())
     warm, cold = mlp(key), mlp(key, fp8jax.DelayedScaling(warm_start=False))
@@ -94,8 +94,10 @@ def test_without_warm_start_casts_by_the_state_alone(getkey):
         assert float(stepped.layers[0].dot_general.input.amax_history[0]) == float(
             jnp.max(jnp.abs(x))
         )
-    with pytest.raises(TypeError, match="already jitted"):
-        fp8jax.without_warm_start(eqx.filter_jit(forward))
+    jitted = eqx.filter_jit(forward)
+    assert bits(jitted(warm)) != bits(skipped)
+    assert bits(fp8jax.without_warm_start(jitted)(warm)) == bits(skipped)
+    assert bits(jitted(warm)) == bits(eqx.filter_jit(forward)(warm))  # both traces kept
     with pytest.raises(TypeError, match="not callable"):
         fp8jax.without_warm_start(3)
 

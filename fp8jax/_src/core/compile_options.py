@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
-from .contexts import setting
+from .contexts import Setting, setting
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -37,9 +37,7 @@ _OPTIONS: dict[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 #: the merger off (`traced_options`).
 DOT_MERGER = "xla_gpu_dot_merger_threshold_mb"
 
-_CUBLAS_TRACED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_cublas_traced", default=False
-)
+_CUBLAS_TRACED: Setting[bool] = Setting("fp8jax_cublas_traced", False)
 _CUBLAS_READS: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
     "fp8jax_cublas_reads", default=None
 )
@@ -122,11 +120,14 @@ def is_cublas_traced() -> bool:
 def cublas_reads() -> Iterator[list[bool]]:
     """A list that grows by one for each `is_cublas_traced()` read inside the `with`. A
     function traced inside without a read is traced the same inside `cublas_traced()` or
-    outside: nothing it traced asked (a trace cache hit returns what a trace made before,
-    which holds either way). The inspector lowers such a train step once for both modes."""
+    outside: nothing it traced asked. The inspector lowers such a train step once for both
+    modes."""
     reads: list[bool] = []
-    with setting(_CUBLAS_READS, reads):
+    token = _CUBLAS_READS.set(reads)
+    try:
         yield reads
+    finally:
+        _CUBLAS_READS.reset(token)
 
 
 def _for_cublas(options: Mapping[str, Any]) -> bool:

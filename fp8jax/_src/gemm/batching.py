@@ -16,16 +16,15 @@ operand does, and the state, which spans it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 from jax.custom_batching import custom_vmap
 
-_PER_EXAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_per_example", default=False
-)
+from ..core.contexts import Setting, setting
+
+_PER_EXAMPLE: Setting[bool] = Setting("fp8jax_per_example", False)
 
 
 @contextlib.contextmanager
@@ -36,11 +35,8 @@ def per_example_gradients() -> Iterator[None]:
     `vmap(grad(...))` (per-example gradients) it would sum what must stay per example.
     [`fp8jax.filter_value_and_grad`][] enters this when it is itself being vmapped.
     """
-    token = _PER_EXAMPLE.set(True)
-    try:
+    with setting(_PER_EXAMPLE, True):
         yield
-    finally:
-        _PER_EXAMPLE.reset(token)
 
 
 def may_fold(x_batched: bool, states_batched: Any) -> bool:

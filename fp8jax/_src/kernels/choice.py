@@ -19,7 +19,6 @@ memory: `benchmarks/llama_block.py`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core import mosaic_private
-from ..core.contexts import setting
+from ..core.contexts import Setting, setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
 from .block_quantize import (
     quantize_blocks,
@@ -81,18 +80,10 @@ SIXTEEN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 #: A context's choice: a configuration, `_TILED`, `_PERSISTENT` (each GEMM in its default
 #: configuration) or `_DEFAULT` (no context: see the module).
 _TILED, _PERSISTENT, _DEFAULT = "tiled", "persistent", "default"
-_CHOSEN: contextvars.ContextVar[PersistentConfig | str] = contextvars.ContextVar(
-    "fp8jax_block_kernel_choice", default=_DEFAULT
-)
-_WEIGHT_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_weight_scales_per_block", default=False
-)
-_CHAINED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_chained_pipelines", default=False
-)
-_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_tensor_core_quantization", default=False
-)
+_CHOSEN: Setting[PersistentConfig | str] = Setting("fp8jax_block_kernel_choice", _DEFAULT)
+_WEIGHT_BLOCKS: Setting[bool] = Setting("fp8jax_weight_scales_per_block", False)
+_CHAINED: Setting[bool] = Setting("fp8jax_chained_pipelines", False)
+_TENSOR_CORES: Setting[bool] = Setting("fp8jax_tensor_core_quantization", False)
 
 
 def persistent_kernel(
@@ -152,10 +143,8 @@ def tensor_core_quantization() -> contextlib.AbstractContextManager[None]:
     on); elsewhere the Pallas Triton kernels (`block_quantize`, `padded_quantize`).
     The same values for finite operands (in value: a -0 in a transposed copy may come out
     +0). Issue 39: the default once a GPU run has timed it (`benchmarks/llama_block.py`'s
-    `blockwise-tc`, the MoE layer's). Trace a new function inside (as the benchmarks' steps
-    are): a gradient function traced before, outside, may come back from JAX's trace caches
-    as it was (session 52, a deviceless compile of one `filter_value_and_grad` object both
-    ways)."""
+    `blockwise-tc`, the MoE layer's). Like every fp8jax setting, part of JAX's cache keys:
+    a function traced outside is traced again inside (`core.contexts`)."""
     return setting(_TENSOR_CORES, True)
 
 
@@ -295,7 +284,7 @@ def on_gpu() -> bool:
     return not interpreting() and jax.default_backend() == "gpu"
 
 
-def _config(kind: str) -> PersistentConfig | None:
+def persistent_config(kind: str) -> PersistentConfig | None:
     """The persistent kernel's configuration for a GEMM of `kind` (a key of
     `DEFAULT_CONFIGS`) traced now; `None`: the tiled kernel."""
     choice = _CHOSEN.get()
@@ -318,7 +307,7 @@ def recipe_block_gemm(
     are 128 wide (the only width it takes) and no context or the interpreter chooses the
     tiled kernel (see the module), else `block_scaled_gemm` (the tiled kernel). Scales per
     `block_rows` rows of each operand, as both kernels take them."""
-    config = _config("dense")
+    config = persistent_config("dense")
     kw = dict(out_dtype=out_dtype, block_rows=block_rows)
     if config is None or block_k != BLOCK_K:
         return block_scaled_gemm(lhs, lhs_scale, terms, **kw, block_k=block_k)
@@ -341,7 +330,7 @@ def _grouped_choice(kind: str, lhs: Array, block_k: int) -> PersistentConfig | N
     """The persistent kernels' configuration for a grouped GEMM of `kind` ("rows" or
     "tokens") whose operands are FP8 and whose chunks are 128 wide (the only ones those
     kernels take); `None`: the tiled kernel."""
-    config = _config(kind)
+    config = persistent_config(kind)
     if config is None or block_k != BLOCK_K or jnp.dtype(lhs.dtype) not in FP8_TYPES:
         return None
     return config

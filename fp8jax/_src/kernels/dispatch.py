@@ -4,7 +4,6 @@ and nowhere else (the XLA path, with the same numerics, serves every other platf
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -16,24 +15,20 @@ from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from ..core import jax_private
+from ..core.contexts import Setting, setting
 from . import partition
 from .partition import GemmDims
 
-_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_interpret_kernels", default=False
-)
+_INTERPRET: Setting[bool] = Setting("fp8jax_interpret_kernels", False)
 
 
 @contextlib.contextmanager
 def interpreted() -> Iterator[None]:
     """Trace native kernels for Mosaic GPU's interpreter (on a CPU, slowly), and choose them
-    wherever a recipe would choose them on a Hopper GPU. For tests: functions jitted inside
-    must be traced inside (a jit cache entry traced outside is reused as it is)."""
-    token = _INTERPRET.set(True)
-    try:
+    wherever a recipe would choose them on a Hopper GPU. For tests; a function jitted
+    outside is traced again inside (`core.contexts`)."""
+    with setting(_INTERPRET, True):
         yield
-    finally:
-        _INTERPRET.reset(token)
 
 
 class Interpreted(NamedTuple):

@@ -45,9 +45,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from ..core import jax_private
+from ..core import contexts, jax_private
 
-_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8jax_per_shard", default=False)
+_INSIDE: contexts.Setting[bool] = contexts.Setting("fp8jax_per_shard", False)
 
 
 def inside() -> bool:
@@ -364,16 +364,16 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         raise ValueError(
             f"per_shard: {len(leaves)} operand arrays but dims describe {len(dims.operands)}."
         )
-    # XLA's partitioner traces `call` later, on a thread of its own: it runs in the context
+    # XLA's partitioner traces `call` later, on a thread of its own: it runs in the settings
     # traced here (`dispatch.interpreted()`, `choice.persistent_kernel()`).
-    context = contextvars.copy_context()
+    run = contexts.carried()
 
     def call(*leaves: Array) -> Array:
         def traced() -> Array:
-            _INSIDE.set(True)  # what `gemm` traces runs on one device's data
-            return gemm(*tree.unflatten(leaves), out_dtype=out_dtype)
+            with contexts.setting(_INSIDE, True):  # what `gemm` traces runs on one device
+                return gemm(*tree.unflatten(leaves), out_dtype=out_dtype)
 
-        return context.copy().run(traced)
+        return run(traced)
 
     plans = _PLANS.get()
     if isinstance(plans, _Replay):

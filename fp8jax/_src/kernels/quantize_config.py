@@ -14,10 +14,9 @@ time from cache): once for the amaxes, once to cast the transposed copy.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import NamedTuple
 
-from ..core.contexts import setting
+from ..core.contexts import Setting, setting
 
 #: Warps per program: a 128 x 128 float32 tile is 64 KiB of registers over 256 threads.
 NUM_WARPS = 8
@@ -46,9 +45,7 @@ DEFAULT_TUNING = ColumnTuning(num_warps=4)
 #: The other transposing kernels' default (8 warps), until a GPU run has swept them.
 OTHER_TUNING = ColumnTuning()
 
-_SLABS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "fp8jax_quantize_slab_rows", default=None
-)
+_SLABS: Setting[int | None] = Setting("fp8jax_quantize_slab_rows", None)
 
 
 def quantize_slabs(rows: int) -> contextlib.AbstractContextManager[None]:

@@ -94,7 +94,9 @@ def without_warm_start(fn: Callable[P, R]) -> Callable[P, R]:
     [`fp8jax.scales_recorded`][] holds for the model, the values `fn` computes (bit for bit
     where XLA rounds each expression alike in both programs).
 
-    Wrap the function before jitting it (a jitted function reuses what it traced before):
+    `fn` may be jitted already, or call jitted functions: fp8jax's trace-time settings are
+    part of JAX's cache keys, so what was traced with the warm start is traced again
+    without it:
 
     ```python
     warm = eqx.filter_jit(step)
@@ -108,12 +110,6 @@ def without_warm_start(fn: Callable[P, R]) -> Callable[P, R]:
     """
     if not callable(fn):
         raise TypeError(f"without_warm_start: fn={fn!r} is not callable.")
-    if hasattr(fn, "lower"):
-        raise TypeError(
-            f"without_warm_start: {fn!r} is already jitted, and would reuse what it traced "
-            "with the warm start; wrap the function first, then jit the result."
-        )
-
     return _skipping(fn, recorded=False)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Collection
 from typing import Any
@@ -15,7 +14,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float
 
 from ..core.compile_options import is_cublas_traced
-from ..core.contexts import setting
+from ..core.contexts import Setting, setting
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
     ROLES,
@@ -38,9 +37,7 @@ MAX_SCALE: float = 2.0**126
 
 #: Inside `skip_warm_start()`: `"skipped"`, or `"recorded"` where every state is known to
 #: hold a scale; `None` outside.
-_SKIP_WARM_START: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "fp8jax_skip_warm_start", default=None
-)
+_SKIP_WARM_START: Setting[str | None] = Setting("fp8jax_skip_warm_start", None)
 
 
 def skip_warm_start(recorded: bool = False) -> contextlib.AbstractContextManager[None]:
@@ -76,9 +73,7 @@ KNOWN_SCALE_APART: frozenset[str] = frozenset({"output_grad"})
 
 #: The roles whose transposed FP8 copies are made apart (`transposes_apart`); `None`: each
 #: recipe's default.
-_TRANSPOSES_APART: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "fp8jax_transposes_apart", default=None
-)
+_TRANSPOSES_APART: Setting[frozenset[str] | None] = Setting("fp8jax_transposes_apart", None)
 
 
 def transposes_apart(
@@ -111,9 +106,7 @@ def transposes_apart_set() -> bool:
 
 
 #: Whether transposed FP8 copies made apart are written in 32-bit words (`transposes_in_words`).
-_IN_WORDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_transposes_in_words", default=False
-)
+_IN_WORDS: Setting[bool] = Setting("fp8jax_transposes_in_words", False)
 
 
 def transposes_in_words() -> contextlib.AbstractContextManager[None]:

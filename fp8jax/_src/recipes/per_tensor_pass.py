@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import contextvars
 from collections.abc import Collection
 
 import jax
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..core.amax import local_amax
-from ..core.contexts import setting
+from ..core.contexts import Setting, setting
 from ..core.formats import quantize
 from ..kernels import block_quantize, dispatch
 from ..kernels.cast_transpose import cast_transpose
@@ -32,13 +31,9 @@ from .base import ROLES, Role
 BLOCK: int = 128
 
 #: The roles quantized by the kernel (`cast_transpose_kernel`).
-_CHOSEN: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "fp8jax_cast_transpose_kernel", default=frozenset()
-)
+_CHOSEN: Setting[frozenset[str]] = Setting("fp8jax_cast_transpose_kernel", frozenset())
 #: Whether the kernel is `tensor_core_transpose`'s (Mosaic GPU), not the Pallas Triton one.
-_TENSOR_CORES: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fp8jax_cast_transpose_on_tensor_cores", default=False
-)
+_TENSOR_CORES: Setting[bool] = Setting("fp8jax_cast_transpose_on_tensor_cores", False)
 
 
 def checked_roles(
