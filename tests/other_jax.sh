@@ -27,6 +27,8 @@ TESTS=(
     tests/test_jax_private.py
     tests/test_mosaic_private.py
     tests/test_max_not_sum.py
+    # Trace-time settings as JAX user contexts (in the cache keys, carried across threads).
+    tests/test_contexts.py
     tests/test_train_step.py::test_matches_the_explicit_step
     tests/test_train_step.py::test_compiles_with_fp8jax_s_gpu_options_by_default
     tests/test_train_step.py::test_gpu_options_as_flags_are_accepted_by_xla
