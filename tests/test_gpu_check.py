@@ -517,6 +517,92 @@ def test_a_resumed_check_takes_back_its_results_and_skips_a_crashed_kernel(tmp_p
     assert last["status"] == "error" and last["crashed"], last
 
 
+def test_a_lease_runs_its_parts_inside_one_deadline(tmp_path, monkeypatch):
+    """`gpu_check.py --lease` (`lease.py`), as a lent GPU runs it, on dry runs of the GEMMs
+    section: the parts run in order, each packed into one archive; a crash in one is not run
+    again in the next (carried, `--resume`d); a part that hangs is stopped at the deadline,
+    packed with what it measured, and the parts after it are not started; a second call
+    names the parts left, resumes the cut one on what it had measured and runs the rest."""
+    import tarfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    gemms = ("--sections", "gemms")
+    monkeypatch.setattr(
+        lease, "PARTS", {n: lease.Part(n, gemms, 100) for n in ("first", "second", "third")}
+    )
+    for name, value in (("MIN_S", 4.0), ("PACK_S", 2.0), ("OVERHEAD_S", 2.0)):
+        monkeypatch.setattr(lease, name, value)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", compile_flags())
+    out, work = tmp_path / "out", tmp_path / "work"
+    common = ["--out", str(out), "--work", str(work), "--dry-run", "--label", "run"]
+
+    def results(part: str) -> list[dict]:
+        lines = (work / f"run_{part}" / "results.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    # The first part's process dies in "fp8 cuBLASLt"; the second hangs in "block kernel"
+    # (no --hang-s: only the deadline stops it); the third gets no time.
+    faults = "die:| fp8 cuBLASLt;hang:run_second: 2 GEMMs (dense) | dry 128->128, 64 tokens | block"
+    monkeypatch.setenv("FP8JAX_GPU_CHECK_FAULT", faults)
+    assert lease.main([*common, "--deadline-s", "30"]) == 2
+    report = (out / "lease.txt").read_text()
+    assert "- first: ran (exit status 1)" in report and "1 error" in report, report
+    assert "- second: cut by the deadline" in report and "- third: not run" in report
+    assert "--parts second,third" in report, report
+    assert sorted(p.name for p in out.iterdir()) == [
+        "lease.log", "lease.txt", "run_first.tar.gz", "run_second.tar.gz",
+    ]  # fmt: skip
+    with tarfile.open(out / "run_second.tar.gz") as tar:
+        packed = json.loads(tar.extractfile("run_second/results.jsonl").readline())
+    assert packed["name"].endswith("| fp8 cuBLASLt") and packed["carried_from"] == "run_first"
+    second = {e["name"].split(" | ")[-1]: e for e in results("second")}
+    assert second["bf16"]["status"] == "ok" and "block kernel" not in second
+    log = (work / "run_second" / "log.txt").read_text()
+    assert "started 2 GEMMs (dense) | dry 128->128, 64 tokens | fp8 cuBLASLt" not in log
+    bf16_before = second["bf16"]
+
+    monkeypatch.delenv("FP8JAX_GPU_CHECK_FAULT")
+    assert lease.main([*common, "--parts", "second,third", "--deadline-s", "60"]) == 1
+    report = (out / "lease.txt").read_text()
+    assert "- second: ran" in report and "- third: ran" in report and "--parts" not in report
+    for part in ("second", "third"):
+        by_name: dict[str, list] = {}
+        for entry in results(part):
+            by_name.setdefault(entry["name"].split(" | ")[-1], []).append(entry)
+        # Each measured once over both calls; the crash carried, never run.
+        assert all(len(v) == 1 for v in by_name.values()), by_name
+        assert by_name["fp8 cuBLASLt"][0]["carried_from"] == "run_first"
+        assert by_name["block kernel"][0]["status"] == "ok"
+    assert results("second")[1] == bf16_before  # kept from the first call, not measured again
+    assert (work / "run_third" / "summary.txt").read_text().count("ERROR") == 1
+
+
+def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    out = ["--out", str(tmp_path)]
+    assert lease.parse(out).parts == list(lease.PARTS)
+    for bad, named in (
+        (["--parts", "block,gemms"], "'gemms'"),
+        (["--parts", "moe,moe"], "'moe'"),
+        (["--parts", ","], "should name each of"),
+        (["--deadline-s", "30"], "should be over"),
+        (["--label", "run/7"], "letters, digits"),
+    ):
+        with pytest.raises(SystemExit):
+            lease.parse([*out, *bad])
+        assert named in capsys.readouterr().err
+    # The entry point a lent GPU runs: `--lease` first (it imports no JAX).
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--lease", *out]
+    done = subprocess.run([*command, "--parts", "gemms"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--parts='gemms'" in done.stderr, done.stderr
+
+
 def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):
     """Every `gpu_check.py` command `benchmarks/README.md` prepares for a lent GPU names
     sections and Llama variants that exist: a stale name would cost a GPU session's call."""
@@ -532,9 +618,22 @@ def test_the_readmes_gpu_calls_parse(check_modules, tmp_path):
     commands = [c for c in commands if c.startswith("--")]
     assert len(commands) >= 5, commands  # the full check, the Llama sections, calls 1-3
     assert any("--llama-variants" in c for c in commands)
+    from gpu_check import lease
+
+    leases = [c for c in commands if c.startswith("--lease")]
+    assert len(leases) == 2, leases  # the lease's call, and the second one for what is left
     for command in commands:
-        args = shlex.split(command.replace("$OUT", str(tmp_path)))
-        main.parse(args)  # exits (SystemExit) on an unknown section or variant
+        command = command.replace("$OUT", str(tmp_path)).replace("T-20", "100")
+        args = shlex.split(command.replace("--parts PARTS", "--parts block,quantize"))
+        if args[0] == "--lease":
+            lease.parse(args[1:])
+        else:
+            main.parse(args)  # exits (SystemExit) on an unknown section or variant
+    flat = " ".join(text.split())
+    for part in lease.PARTS.values():  # the lease's own copies of the calls, as the README's
+        main.parse([*part.args, "--budget-s", str(part.budget_s), "--out", str(tmp_path)])
+        for option, value in zip(part.args[::2], part.args[1::2], strict=True):
+            assert f"{option} {value}" in flat or f"{option} '{value}'" in flat, value
 
 
 def test_ptx_reader_counts_each_entrys_global_stores_by_width():

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. timeout 500 python3 benchmarks/gpu_check.py --out $OUT/gpu_check [--quick]
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check   # on a CPU
+    PYTHONPATH=. timeout 580 python3 benchmarks/gpu_check.py --lease --out $OUT   # a lease's plan
 
 Sections, each measurement in its own `try`, results appended to the out folder as they come
 (`results.jsonl`, `log.txt`; then `decisions.txt`, `summary.txt`, `environment.json`):
@@ -22,5 +23,6 @@ Then the decision inputs (which defaults the measurements would decide) and the 
 table, printed last. `--budget-s` bounds the time: each measurement starts only if enough is
 left, else it is recorded as skipped. `--dry-run` runs the same code with tiny shapes on the
 CPU (the kernels in Mosaic GPU's interpreter); its times mean nothing. The check runs in a
-child process, started again where a measurement crashed or hung (`supervise.py`).
+child process, started again where a measurement crashed or hung (`supervise.py`). `--lease`
+runs the parts a lent GPU runs first (`lease.py`), in one call inside one deadline.
 """

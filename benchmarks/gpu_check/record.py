@@ -32,8 +32,8 @@ MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1,
 STARTED = "started "
 #: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.
 BROKEN, DIED = 3, 70
-#: `die:<text>;hang:<text>;broken:<text>`: measurements whose `"section | name"` contains the
-#: text crash, hang or leave the GPU unusable (tests only).
+#: `die:<text>;hang:<text>;broken:<text>`: measurements whose `"<out folder's name>: section |
+#: name"` contains the text crash, hang or leave the GPU unusable (tests only).
 FAULT_VARIABLE = "FP8JAX_GPU_CHECK_FAULT"
 #: Kernels and kernel features several measurements share, by a pattern of the field
 #: `family` reads: a crash or hang in one puts every other under suspicion (a kernel that
@@ -134,10 +134,10 @@ class Recorder:
         self.log(f"{STARTED}{section} | {name}")
         began = time.monotonic()
         try:
-            _inject(section, name)
+            _inject(f"{self.out.name}: {section} | {name}")
             fields = fn()
         except Exception as error:  # noqa: BLE001 - a failure is a result here
-            crashed = not _device_alive(section, name, self.dry)
+            crashed = not _device_alive(f"{self.out.name}: {section} | {name}", self.dry)
             self.record(
                 section,
                 name,
@@ -215,11 +215,11 @@ def _reset_interpreter(dry: bool) -> None:
             mosaic_private.reset_interpreter()
 
 
-def _device_alive(section: str, name: str, dry: bool) -> bool:
+def _device_alive(where: str, dry: bool) -> bool:
     """Whether the GPU still computes after an error in a measurement (a kernel's illegal
     address leaves the process's CUDA context unusable: every later call fails); a dry
     run's CPU does."""
-    if _fault(section, name) == "broken":
+    if _fault(where) == "broken":
         return False
     if dry:
         return True
@@ -231,19 +231,19 @@ def _device_alive(section: str, name: str, dry: bool) -> bool:
         return False
 
 
-def _fault(section: str, name: str) -> str | None:
+def _fault(where: str) -> str | None:
     """The fault `FAULT_VARIABLE` injects into a measurement: `die`, `hang` or `broken`."""
     for item in os.environ.get(FAULT_VARIABLE, "").split(";"):
         kind, _, text = item.partition(":")
-        if text and text in f"{section} | {name}":
+        if text and text in where:
             return kind
     return None
 
 
-def _inject(section: str, name: str) -> None:
+def _inject(where: str) -> None:
     """A crash, hang or unusable GPU in a measurement named in `FAULT_VARIABLE`, as a
     kernel's could be: the test of `supervise.py` on a CPU."""
-    fault = _fault(section, name)
+    fault = _fault(where)
     if fault == "die":
         os._exit(DIED)
     if fault == "hang":

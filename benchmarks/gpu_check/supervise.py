@@ -43,12 +43,17 @@ SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 def main(argv: list[str] | None = None) -> int:
     """Run the check (`gpu_check.main`) in a child process, started again after a crash or
     hang; returns the check's exit status, or 2 when it could not finish. With `--child`
-    first, this process is the child."""
+    first, this process is the child; with `--lease` first, it runs a lease's prepared plan
+    (`lease.py`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--child"]:
         from .main import main as check  # JAX: imported by the child only
 
         return check(argv[1:])
+    if argv[:1] == ["--lease"]:
+        from .lease import main as lease
+
+        return lease(argv[1:])
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--budget-s", type=float)

@@ -1,0 +1,292 @@
+"""A lent GPU's prepared plan in one call: the check's parts in order, inside one deadline.
+
+A lease is 15 minutes of device time, the machine's start included, one command at a time
+of at most 10 minutes, and the machine goes back 30 s after a call ends; at most 8 files
+come back from `$OUT`. Four calls in a row (the plan until session 56) would each need the
+next call sent within those 30 s, and their budgets added up to more than the lease. Here
+one command runs the parts in the order of `PARTS` (what the open issues need first), each
+supervised (`supervise.py`: a crash or hang costs its measurement) with the budget it is
+given or what is left before `--deadline-s`, whichever is less, and is stopped at the
+deadline whatever it is doing. After each part its folder is packed into
+`$OUT/<label>_<part>.tar.gz` (one file a part); `$OUT/lease.txt` says what each part did
+and which parts a second call should name. A measurement that crashed or hung in one part
+is skipped in the later ones too (its record is carried into their `results.jsonl`, which
+they read `--resume`d). The parts' folders stay in `--work` on the machine: a second call
+on the same machine resumes a part the deadline cut, keeping what it had measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .supervise import SCRIPT
+
+#: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
+PER_TENSOR = (
+    "delayed-steady,delayed-steady-tc,delayed-steady-apart-tc-grads,delayed-steady-tc-grads,"
+    "delayed-steady-kernel,current,current-tc,delayed-steady-apart,delayed-steady-apart-acts,"
+    "delayed-steady-fused,delayed-steady-words,delayed-steady-apart-words,delayed-steady-packed,"
+    "delayed-steady-apart-kernel-grads,current-apart,current-kernel,delayed-cold,"
+    "delayed-cold-fresh"
+)
+#: The blockwise Llama variants of issue 39's block-kernel part (call 2).
+BLOCKWISE = (
+    "blockwise,blockwise-tc,blockwise-tile-scales,blockwise-tile-scales-three,blockwise-slabs,"
+    "blockwise-chained"
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the plan: what it is for, the check's arguments, its budget (seconds)."""
+
+    what: str
+    args: tuple[str, ...]
+    budget_s: float
+
+
+#: The plan, in the order a lease runs it (benchmarks/README.md says why each part).
+PARTS = {
+    "per_tensor": Part(
+        "issue 38: the per-tensor transposing kernels, the Llama block's per-tensor variants "
+        "timed and profiled, the kernels' numerics",
+        ("--sections", "transpose,llama,profile,numerics", "--llama-variants", PER_TENSOR),
+        300,
+    ),
+    "moe": Part(
+        "issue 39: the MoE layer's target (blockwise FP8 against JAX's BF16 grouped kernels)",
+        ("--sections", "moe", "--moe-variants", "bf16,bf16 jax mgpu,blockwise,blockwise-tc"),
+        90,
+    ),
+    "block": Part(
+        "issue 39: the block kernel's numerics and sweep, the Llama block blockwise",
+        ("--sections", "kernels,llama,profile", "--llama-variants", BLOCKWISE),
+        330,
+    ),
+    "grouped": Part(
+        "issue 39: the grouped kernels' sweep, the MoE layer, the blockwise quantization",
+        ("--sections", "grouped,moe,blockwise"),
+        200,
+    ),
+    "quantize": Part("the quantization kernels' sweep", ("--sections", "quantize"), 300),
+}
+#: A result's statuses (`record.Recorder.counts`), and crashes carried from other parts.
+STATUSES = ("ok", "failed", "error", "skipped", "carried")
+#: Seconds kept back from the deadline for packing the last part and writing `lease.txt`.
+PACK_S = 10.0
+#: A part is not started with less than this left before the deadline.
+MIN_S = 45.0
+#: Seconds of a part that its budget does not cover: the check's imports, its summary, a
+#: last measurement started inside the budget (the budget is cut by this much before the
+#: deadline, so that the part ends whole).
+OVERHEAD_S = 30.0
+#: Seconds between packings of a running part.
+PACK_EVERY_S = 30.0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 benchmarks/gpu_check.py --lease",
+        description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="where the packed parts go")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=560.0,
+        help="seconds for the whole call; give the run a timeout_s 20 s longer (default 560)",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated parts, in the order given (default: {','.join(PARTS)})",
+    )
+    parser.add_argument("--label", default="lease", help="the packed folders' prefix")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/fp8jax_gpu_lease"),
+        help="the parts' folders, kept for a second call on the same machine",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="the check's CPU dry run")
+    parser.add_argument("--hang-s", type=float, default=None, help="passed to the check")
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown or not args.parts or len(set(args.parts)) != len(args.parts):
+        parser.error(
+            f"--parts={','.join(args.parts)!r}: unknown or repeated {unknown or args.parts}; "
+            f"should name each of {','.join(PARTS)} at most once"
+        )
+    if args.deadline_s <= PACK_S + MIN_S:
+        parser.error(f"--deadline-s={args.deadline_s}: should be over {PACK_S + MIN_S:.0f} s")
+    if not args.label.replace("_", "").replace("-", "").isalnum():
+        parser.error(f"--label={args.label!r}: letters, digits, '_' and '-' only")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    """Run the parts; returns 0 when every part ran whole, 1 when one recorded an error or
+    a failed check, 2 when the deadline cut or skipped one."""
+    args = parse(argv)
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    running: list[tuple[str, subprocess.Popen]] = []
+
+    def stop(*_: object) -> None:  # the run's `timeout`: stop the part, pack what exists
+        for name, child in running:
+            _end(child)
+            rows[name] = {"status": "stopped from outside", "code": 2}
+        for name in rows:
+            _pack(args, name)
+        _report(args, rows)
+        sys.exit(143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        _run_parts(args, start, rows, running)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _report(args, rows)
+    return max((r["code"] for r in rows.values()), default=0)
+
+
+def _run_parts(
+    args: argparse.Namespace,
+    start: float,
+    rows: dict[str, dict],
+    running: list[tuple[str, subprocess.Popen]],
+) -> None:
+    """Each part in turn, each stopped at the deadline, packed as it runs and after."""
+    for name in args.parts:
+        part, folder = PARTS[name], _folder(args, name)
+        if (folder / "summary.txt").exists():
+            rows[name] = {"status": "done before", "code": 0}
+            continue
+        left = args.deadline_s - (time.monotonic() - start) - PACK_S
+        if left < MIN_S:
+            rows[name] = {"status": f"not run: {max(left, 0):.0f} s left", "code": 2}
+            continue
+        budget = min(part.budget_s, left - OVERHEAD_S)
+        resume = _carry_crashes(args.work, args.label, folder)
+        command = [sys.executable, str(SCRIPT), "--out", str(folder), *part.args]
+        command += ["--budget-s", f"{budget:.0f}", *resume]
+        command += ["--dry-run"] if args.dry_run else []
+        command += ["--hang-s", str(args.hang_s)] if args.hang_s else []
+        _say(args.out, f"== {name} ({part.what}): budget {budget:.0f} s, {left:.0f} s left")
+        began = time.monotonic()
+        child = subprocess.Popen(command, start_new_session=True)
+        running[:] = [(name, child)]
+        code = None
+        while code is None and time.monotonic() - began < left:
+            try:
+                code = child.wait(timeout=min(PACK_EVERY_S, left - (time.monotonic() - began)))
+            except subprocess.TimeoutExpired:  # pack what a kill from outside would lose
+                with contextlib.suppress(OSError, tarfile.TarError):  # a file cut while read
+                    _pack(args, name)
+        if code is None:
+            _end(child)
+        running.clear()
+        whole = (folder / "summary.txt").exists()
+        status = "ran" if whole else "cut by the deadline" if code is None else "ended early"
+        if code not in (None, 0):
+            status += f" (exit status {code})"
+        rows[name] = {"status": status, "seconds": time.monotonic() - began}
+        rows[name].update(code=code if whole else 2, **_counts(folder))
+        _pack(args, name)
+
+
+def _folder(args: argparse.Namespace, name: str) -> Path:
+    return args.work / f"{args.label}_{name}"
+
+
+def _end(child: subprocess.Popen) -> None:
+    """Stop a part: SIGTERM (its supervisor kills the check), then its whole group."""
+    child.terminate()
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _carry_crashes(work: Path, label: str, folder: Path) -> list[str]:
+    """Append to `folder`'s results the crashes and hangs recorded by the other parts in
+    `work` (the check, `--resume`d, skips what shares their kernels); returns `--resume`
+    where `folder` has results to take back, else nothing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = folder / "results.jsonl"
+    known = mine.read_text().splitlines() if mine.exists() else []
+    seen = {(e["section"], e["name"]) for e in map(json.loads, known)}
+    carried = []
+    for other in sorted(work.glob(f"{label}_*/results.jsonl")):
+        if other == mine:
+            continue
+        for entry in map(json.loads, other.read_text().splitlines()):
+            if entry.get("crashed") and (entry["section"], entry["name"]) not in seen:
+                seen.add((entry["section"], entry["name"]))
+                carried.append({**entry, "carried_from": other.parent.name})
+    with open(mine, "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in carried)
+    return ["--resume"] if known or carried else []
+
+
+def _counts(folder: Path) -> dict[str, int]:
+    """The part's results by status (its `results.jsonl`), its section lines left out."""
+    counts: dict[str, int] = {}
+    path = folder / "results.jsonl"
+    for entry in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+        if "carried_from" in entry:
+            counts["carried"] = counts.get("carried", 0) + 1
+        elif entry["name"] != "(section)":
+            counts[entry["status"]] = counts.get(entry["status"], 0) + 1
+    return counts
+
+
+def _pack(args: argparse.Namespace, name: str) -> None:
+    """`$OUT/<label>_<part>.tar.gz`: the part's folder as it is now (written, then renamed:
+    a call stopped while packing leaves the last whole archive)."""
+    folder = _folder(args, name)
+    if not folder.exists():
+        return
+    target = args.out / f"{folder.name}.tar.gz"
+    partial = target.with_suffix(".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    partial.replace(target)
+
+
+def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
+    """`$OUT/lease.txt` and the end of the output: each part's fate, and what a second
+    call should name."""
+    lines = ["", "## The lease's parts", ""]
+    for name in args.parts:
+        row = rows.get(name, {"status": "not reached"})
+        counts = ", ".join(f"{row[k]} {k}" for k in STATUSES if k in row)
+        lines.append(f"- {name}: {row['status']}, {row.get('seconds', 0):.0f} s"
+                     f" ({counts or 'no results'})")  # fmt: skip
+    rest = [n for n in args.parts if not (_folder(args, n) / "summary.txt").exists()]
+    if rest:
+        lines += ["", f"A second call on this machine: --parts {','.join(rest)} (a part the "
+                  "deadline cut resumes where it was)."]  # fmt: skip
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (args.out / "lease.txt").write_text(text.lstrip() + "\n")
+
+
+def _say(out: Path, text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+    with open(out / "lease.log", "a") as f:
+        f.write(text + "\n")
