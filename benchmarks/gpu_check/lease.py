@@ -187,7 +187,9 @@ def _run_parts(
         command += ["--hang-s", str(args.hang_s)] if args.hang_s else []
         _say(args.out, f"== {name} ({part.what}): budget {budget:.0f} s, {left:.0f} s left")
         began = time.monotonic()
-        child = subprocess.Popen(command, start_new_session=True)
+        # A process group of its own (for `_end`), in the call's session: the `run` tool's end
+        # of a call reaches it (a new session would outlive the call, still on the GPU).
+        child = subprocess.Popen(command, process_group=0)
         running[:] = [(name, child)]
         code = None
         while code is None and time.monotonic() - began < left:
