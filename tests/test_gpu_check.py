@@ -548,7 +548,7 @@ def test_a_lease_runs_its_parts_inside_one_deadline(tmp_path, monkeypatch):
     # (no --hang-s: only the deadline stops it); the third gets no time.
     faults = "die:| fp8 cuBLASLt;hang:run_second: 2 GEMMs (dense) | dry 128->128, 64 tokens | block"
     monkeypatch.setenv("FP8JAX_GPU_CHECK_FAULT", faults)
-    assert lease.main([*common, "--deadline-s", "30"]) == 2
+    assert lease.main([*common, "--deadline-s", "45"]) == 2  # slack for a busy machine
     report = (out / "lease.txt").read_text()
     assert "- first: ran (exit status 1)" in report and "1 error" in report, report
     assert "- second: cut by the deadline" in report and "- third: not run" in report
