@@ -206,7 +206,8 @@ def _run_parts(
         if code not in (None, 0):
             status += f" (exit status {code})"
         rows[name] = {"status": status, "seconds": time.monotonic() - began}
-        rows[name].update(code=code if whole else 2, **_counts(folder))
+        # Whole: its exit status (none where the deadline came after its summary); else 2.
+        rows[name].update(code=(code or 0) if whole else 2, **_counts(folder))
         _pack(args, name)
 
 
