@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .supervise import SCRIPT
+from .record import SCRIPT
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (

@@ -28,6 +28,8 @@ from typing import Any
 #: The budget of each mode: mode -> (budget seconds, runs per GEMM, runs per train step,
 #: reserve seconds).
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
+#: The check's entry point, which `supervise.py` runs as its child and `lease.py` per part.
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 #: The log's line before a measurement runs: what `supervise.py` blames for a crash or hang.
 STARTED = "started "
 #: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from .record import BROKEN, MODES, STARTED
+from .record import BROKEN, MODES, SCRIPT, STARTED
 
 #: How many times the check may start again after crashes or hangs.
 RESTARTS = 8
@@ -36,8 +36,6 @@ HANG_S = 90.0
 #: Seconds without a line outside any measurement (imports, a section's setup, the summary)
 #: after which the child is killed: `--hang-s` guards measurements, where kernels run.
 OUTSIDE_S = 180.0
-#: The check's entry point, run as the child.
-SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 
 
 def main(argv: list[str] | None = None) -> int:
