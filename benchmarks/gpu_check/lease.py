@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .record import SCRIPT
+from .record import SCRIPT, STATUSES
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
@@ -80,8 +80,6 @@ PARTS = {
     ),
     "quantize": Part("the quantization kernels' sweep", ("--sections", "quantize"), 300),
 }
-#: A result's statuses (`record.Recorder.counts`), and crashes carried from other parts.
-STATUSES = ("ok", "failed", "error", "skipped", "carried")
 #: Seconds kept back from the deadline for packing the last part and writing `lease.txt`.
 PACK_S = 10.0
 #: A part is not started with less than this left before the deadline.
@@ -95,6 +93,8 @@ PACK_EVERY_S = 30.0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """The lease's command line (after `--lease`), checked: exits naming a part that does not
+    exist or comes twice, a deadline too short to run a part, a label that is not a name."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check.py --lease",
         description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
@@ -104,7 +104,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--deadline-s",
         type=float,
         default=560.0,
-        help="seconds for the whole call; give the run a timeout_s 20 s longer (default 560)",
+        help="seconds for the whole call (default 560); give `timeout` 20 s more and the run "
+        "tool's timeout_s 20 s more again",
     )
     parser.add_argument(
         "--parts",
@@ -277,7 +278,7 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     lines = ["", "## The lease's parts", ""]
     for name in args.parts:
         row = rows.get(name, {"status": "not reached"})
-        counts = ", ".join(f"{row[k]} {k}" for k in STATUSES if k in row)
+        counts = ", ".join(f"{row[k]} {k}" for k in (*STATUSES, "carried") if k in row)
         lines.append(f"- {name}: {row['status']}, {row.get('seconds', 0):.0f} s"
                      f" ({counts or 'no results'})")  # fmt: skip
     rest = [n for n in args.parts if not (_folder(args, n) / "summary.txt").exists()]

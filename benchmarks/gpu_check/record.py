@@ -30,6 +30,8 @@ from typing import Any
 MODES = {"full": (450, 10, 10, 20), "quick": (210, 8, 5, 15), "dry": (300, 1, 1, 0)}
 #: The check's entry point, which `supervise.py` runs as its child and `lease.py` per part.
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
+#: A result's statuses, as `results.jsonl` records them.
+STATUSES = ("ok", "failed", "error", "skipped")
 #: The log's line before a measurement runs: what `supervise.py` blames for a crash or hang.
 STARTED = "started "
 #: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.
@@ -67,7 +69,7 @@ class Recorder:
         self.cells: dict[str, dict[str, dict[str, str]]] = {}
         self.sections: dict[str, dict[str, float]] = {}
         self.decisions: list[str] = []
-        self.counts = {"ok": 0, "failed": 0, "error": 0, "skipped": 0}
+        self.counts = dict.fromkeys(STATUSES, 0)
         self.last_status = ""
         #: (section, name) -> what an earlier process recorded (`resume`); family -> the
         #: measurement in which that family crashed or hung.
