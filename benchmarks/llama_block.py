@@ -53,7 +53,11 @@ with each program's tiles chained into one pipeline,
 `chained_pipelines`), `blockwise-slabs` (the default kernels, the quantization kernels holding
 `SLAB_ROWS` rows of a tile at a time, `quantize_slabs`: fewer registers, more programs per SM),
 `blockwise-tc` (every quantization pass on the Mosaic GPU kernels, the transposes on the
-tensor cores, `tensor_core_quantization`, session 52). Any
+tensor cores, `tensor_core_quantization`, session 52), and `delayed-steady-masters`,
+`delayed-steady-kernel-masters`, `current-kernel-masters`, `blockwise-masters` and
+`blockwise-tc-masters` (those variants cast to BF16 by `fp8jax.Policy`, which leaves the FP8
+Linears' float32 weights for their GEMMs to quantize from the masters, `MASTERS`; every other
+variant casts every float as a user's `jax.tree.map` would). Any
 of them but `bf16` with `-packed` appended (`PACKED`): the same step with the model's FP8 states
 stacked in a few arrays between steps (`Packed`: 12 arrays in, not 73), to time what the state
 arrays cost the host's launch. On real arrays (a GPU's timing) delayed scaling's variants start
@@ -208,6 +212,22 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "blockwise-slabs": lambda: quantize_slabs(SLAB_ROWS),
     "blockwise-tc": tensor_core_quantization,
 }
+#: Variants cast to BF16 by `fp8jax.Policy` (`train_steps.POLICY_BF16`), which leaves the FP8
+#: Linears' float32 weights for their GEMMs to quantize from the masters, and the variant
+#: each is otherwise (its recipe, in its context); the others cast every float as a user's
+#: `jax.tree.map` would (`train_steps.to_bf16`).
+MASTERS: dict[str, str] = {
+    f"{name}-masters": name
+    for name in (
+        "delayed-steady",
+        "delayed-steady-kernel",
+        "current-kernel",
+        "blockwise",
+        "blockwise-tc",
+    )
+}
+RECIPES.update({name: RECIPES[base] for name, base in MASTERS.items()})
+CONTEXTS.update({name: CONTEXTS[base] for name, base in MASTERS.items() if base in CONTEXTS})
 
 
 @contextlib.contextmanager
@@ -495,7 +515,8 @@ def step(name: str = "bf16") -> Callable:
     """The block's train step (`train_steps.block_step`): `(block, x) -> (block, loss, dx)`;
     traced for cuBLAS mode (`cublas_traced`), and for the variants in `CONTEXTS` inside
     their context; a `PACKED` variant's block is `Packed` on the way in and out."""
-    inner = train_steps.block_step(loss)
+    cast = train_steps.POLICY_BF16 if base_name(name) in MASTERS else train_steps.to_bf16
+    inner = train_steps.block_step(loss, cast)
     context = CONTEXTS.get(base_name(name), contextlib.nullcontext)
     packed = is_packed(name)
 

@@ -104,13 +104,22 @@ def block_loss(block: Any, x: jax.Array) -> jax.Array:
     return jnp.mean(jax.vmap(block)(x).astype(jnp.float32) ** 2)
 
 
-def block_step(loss: Callable[..., jax.Array] = block_loss) -> Callable:
+#: `fp8jax.Policy`'s cast to BF16, which leaves FP8 layers' float32 weights as they are for
+#: their GEMMs to quantize from the masters (`Policy.cast_to_compute`).
+POLICY_BF16 = fp8jax.Policy(compute_dtype=jnp.bfloat16).cast_to_compute
+
+
+def block_step(
+    loss: Callable[..., jax.Array] = block_loss, cast: Callable[[Any], Any] = to_bf16
+) -> Callable:
     """`train_step` for one block (BF16 compute, plain SGD), differentiating the block's input
-    too, as inside a stack, and returning that gradient."""
+    too, as inside a stack, and returning that gradient. `cast`: how the float32 masters
+    become the step's BF16 parameters (a user's cast of every float, `to_bf16`, or
+    `POLICY_BF16`)."""
 
     def step(block, x):
         value, (grads, dx) = fp8jax.filter_value_and_grad(
-            lambda pair: loss(to_bf16(pair[0]), pair[1])
+            lambda pair: loss(cast(pair[0]), pair[1])
         )((block, x))
         overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
         updates = jax.tree.map(lambda g: -1e-3 * g, grads)

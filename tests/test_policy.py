@@ -148,7 +148,7 @@ def _fp8_states(tree):
     return [x for x in jax.tree.leaves(tree, is_leaf=is_fp8) if is_fp8(x)]
 
 
-def _check_cast(before, after, dtype):
+def _check_cast(before, after, dtype, masters=False):
     # FP8 state: same modules, float32, bit-identical.
     states_before, states_after = _fp8_states(before), _fp8_states(after)
     assert len(states_before) == len(states_after) == 2
@@ -157,12 +157,18 @@ def _check_cast(before, after, dtype):
         for o, n in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
             assert n.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(n), np.asarray(o))
-    # Parameters: cast to `dtype`, values rounded from the originals.
+    # Parameters: cast to `dtype`, values rounded from the originals; with `masters` (the
+    # cast to compute of float32 weights) the FP8 layers' weights left as they are, for their
+    # GEMMs to quantize, and the layers told to compute in `dtype`.
     for layer_before, layer_after in zip(before["mlp"].layers, after["mlp"].layers, strict=True):
         for name in ("weight", "bias"):
             old, new = getattr(layer_before, name), getattr(layer_after, name)
-            assert new.dtype == dtype
-            np.testing.assert_array_equal(np.asarray(new), np.asarray(old.astype(dtype)))
+            kept = masters and name == "weight"
+            assert new.dtype == (old.dtype if kept else dtype)
+            np.testing.assert_array_equal(
+                np.asarray(new), np.asarray(old if kept else old.astype(dtype))
+            )
+        assert layer_after.compute_dtype == (dtype if masters else None)
     assert after["table"].dtype == dtype
     # Integer, boolean, Python float and None leaves: untouched.
     assert after["step"].dtype == jnp.int32
@@ -178,12 +184,14 @@ def test_casts_skip_fp8_state(method):
     dtype = {"cast_to_param": F16, "cast_to_compute": BF16, "cast_to_output": F16}[method]
     model = _model()
     cast = getattr(policy, method)
-    _check_cast(model, cast(model), dtype)
+    masters = method == "cast_to_compute"  # float32 weights, wider than bfloat16
+    _check_cast(model, cast(model), dtype, masters)
 
     # Under jax.jit (only arrays cross the boundary; the rest is closed over).
     params, static = eqx.partition(model, eqx.is_array)
     jitted = jax.jit(lambda p: eqx.partition(cast(eqx.combine(p, static)), eqx.is_array)[0])
-    _check_cast(model, eqx.combine(jitted(params), static), dtype)
+    _, static_after = eqx.partition(cast(model), eqx.is_array)
+    _check_cast(model, eqx.combine(jitted(params), static_after), dtype, masters)
 
 
 def test_cast_round_trip_to_param_dtype_and_numpy_stays_numpy():
@@ -194,8 +202,10 @@ def test_cast_round_trip_to_param_dtype_and_numpy_stays_numpy():
     back = policy.cast_to_param(compute)
     _check_cast(compute, back, F32)  # FP8 state bit-identical through both casts
     for layer, layer_back in zip(model["mlp"].layers, back["mlp"].layers, strict=True):
-        rounded = layer.weight.astype(BF16).astype(F32)
-        np.testing.assert_array_equal(np.asarray(layer_back.weight), np.asarray(rounded))
+        # The FP8 layers' masters were never cast: the same values.
+        np.testing.assert_array_equal(np.asarray(layer_back.weight), np.asarray(layer.weight))
+        rounded = layer.bias.astype(BF16).astype(F32)
+        np.testing.assert_array_equal(np.asarray(layer_back.bias), np.asarray(rounded))
     for old, new in zip(_fp8_states(model), _fp8_states(back), strict=True):
         assert eqx.tree_equal(old, new)
 

@@ -385,7 +385,7 @@ def _fold_backward(
 def _gemm(recipe: Recipe, precision: Any, static: Static) -> Gemm:
     """The dense GEMM of one call, for the shared custom_vjp."""
     forward = functools.partial(_forward, recipe, precision, static.out)
-    backward = functools.partial(_backward, recipe, static.lhs, static.rhs)
+    backward = functools.partial(_backward, recipe, *static.gradient_dtypes())
     flipped = recipe.transposed_copies
     return Gemm(
         recipe,

@@ -386,7 +386,7 @@ def _fold_backward(axis_size: int, in_batched: list, residuals: Residuals, g) ->
 def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -> Gemm:
     """The grouped GEMM of one call, for the shared custom_vjp."""
     forward = functools.partial(_forward, recipe, native, precision, static.out)
-    backward = functools.partial(_backward, recipe, native, static.lhs, static.rhs)
+    backward = functools.partial(_backward, recipe, native, *static.gradient_dtypes())
     return Gemm(
         recipe,
         folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
@@ -397,7 +397,7 @@ def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -
 def _dispatched_gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -> Gemm:
     """The dispatched grouped GEMM of one call (not foldable under `vmap`)."""
     forward = functools.partial(_dispatched_forward, recipe, native, precision, static.out)
-    backward = functools.partial(_backward, recipe, native, static.lhs, static.rhs)
+    backward = functools.partial(_backward, recipe, native, *static.gradient_dtypes())
     return Gemm(recipe, forward, backward)
 
 

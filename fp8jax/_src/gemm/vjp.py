@@ -53,6 +53,22 @@ class Static(NamedTuple):
     name: str
     kind: str
 
+    def gradient_dtypes(self) -> tuple[np.dtype, np.dtype]:
+        """The dtypes the backward's GEMMs write the lhs's and the rhs's gradients in: each
+        operand's own, but a master's (an operand wider than both the other and the output:
+        a float32 weight beside BF16 activations, which [`fp8jax.Policy`][] leaves uncast in
+        FP8 layers) in the output's dtype, widened after (fused into its consumer), as the
+        gradient of the cast it stands for would be: no float32 gradient written, and the
+        same gradient as a BF16 copy's."""
+
+        def master(own: np.dtype, other: np.dtype) -> bool:
+            return own.itemsize > max(other.itemsize, self.out.itemsize)
+
+        return (
+            self.out if master(self.lhs, self.rhs) else self.lhs,
+            self.out if master(self.rhs, self.lhs) else self.rhs,
+        )
+
 
 class Gemm(NamedTuple):
     """What differs between the FP8 GEMMs, for one call of the shared custom_vjp.
@@ -201,6 +217,8 @@ def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         g = jnp.zeros(g.shape, g.dtype)
     d_x, d_w, new_states = gemm.backward(residuals, g)
+    # A master's gradient, written narrower (`Static.gradient_dtypes`), in its own dtype.
+    d_x, d_w = d_x.astype(static.lhs), d_w.astype(static.rhs)
     lhs_axes, rhs_axes, state_axes = static.mesh_axes
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
     d_w = _reduce_to(d_w, rhs_axes, lax.psum)

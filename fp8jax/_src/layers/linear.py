@@ -10,6 +10,8 @@ from typing import Literal
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..ops.dot_general import Fp8DotGeneral
@@ -18,6 +20,20 @@ from ..ops.dot_general import Fp8DotGeneral
 def _is_array_like(x: object) -> bool:
     """An array, a tracer or a `jax.ShapeDtypeStruct`: has a shape and a dtype."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _float_dtype(value: object) -> np.dtype:
+    """`value` as a floating NumPy dtype, for `Linear`'s `compute_dtype`."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Linear compute_dtype={value!r}: should be None or a floating dtype (bfloat16, "
+            "float16, float32)."
+        )
+    return dtype
 
 
 def _check_features(name: str, value: object, size: int) -> None:
@@ -43,6 +59,11 @@ class Linear(eqx.Module):
     - `bias`: `(out_features,)` or `None`.
     - `in_features`, `out_features`: ints, or `"scalar"` as in `eqx.nn.Linear`.
     - `dot_general`: the GEMM, a [`fp8jax.Fp8DotGeneral`][] unless you pass another.
+    - `compute_dtype`: `None` (the output's dtype is `dot_general`'s promotion of `x`'s and
+      the weight's), or the dtype of the output where the weight is a wider master: set by
+      [`fp8jax.Policy`][]'s `cast_to_compute`, which leaves an FP8 layer's float32 weight
+      uncast so that the FP8 GEMM quantizes it from the master in one pass (no BF16 copy
+      written and read again) and writes its gradient in this dtype, as a cast's would be.
     """
 
     weight: Float[Array, "out in"]
@@ -51,6 +72,7 @@ class Linear(eqx.Module):
     in_features: int | Literal["scalar"] = eqx.field(static=True)
     out_features: int | Literal["scalar"] = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
+    compute_dtype: np.dtype | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -60,6 +82,7 @@ class Linear(eqx.Module):
         in_features: int | Literal["scalar"] | None = None,
         out_features: int | Literal["scalar"] | None = None,
         dot_general: Fp8DotGeneral | None = None,
+        compute_dtype: DTypeLike | None = None,
     ):
         if not _is_array_like(weight):
             raise TypeError(
@@ -101,6 +124,7 @@ class Linear(eqx.Module):
         self.out_features = out_size if out_features is None else out_features
         self.use_bias = bias is not None
         self.dot_general = Fp8DotGeneral() if dot_general is None else dot_general
+        self.compute_dtype = None if compute_dtype is None else _float_dtype(compute_dtype)
 
     @classmethod
     def from_eqx(cls, linear: eqx.nn.Linear, dot_general: Fp8DotGeneral | None = None) -> Linear:
@@ -135,7 +159,10 @@ class Linear(eqx.Module):
         if jnp.ndim(x) == 0 or x.shape[-1] != in_size:
             raise ValueError(f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}.")
         dims = (((x.ndim - 1,), (1,)), ((), ()))
-        y = self.dot_general(x, self.weight, dims)
+        if self.compute_dtype is None:
+            y = self.dot_general(x, self.weight, dims)
+        else:
+            y = self.dot_general(x, self.weight, dims, preferred_element_type=self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias
         if self.out_features == "scalar":

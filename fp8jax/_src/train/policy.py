@@ -21,6 +21,8 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from ..core.updates import is_overwrite
+from ..layers.linear import Linear
+from ..ops.dot_general import Fp8DotGeneral
 
 T = TypeVar("T")
 
@@ -76,15 +78,44 @@ def _is_floating_array(x: Any) -> bool:
     )
 
 
-def _cast_floating(tree: T, dtype: np.dtype) -> T:
-    """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were."""
+def _is_node(x: Any) -> bool:
+    return is_overwrite(x) or isinstance(x, Linear)
+
+
+def _cast_linear(layer: Linear, dtype: np.dtype, masters: bool) -> Linear:
+    """`layer` cast to `dtype`; with `masters`, an FP8 layer's wider weight kept as it is and
+    the layer told to compute in `dtype` (`Linear.compute_dtype`)."""
+    weight = layer.weight
+    keep = (
+        masters
+        and isinstance(layer.dot_general, Fp8DotGeneral)
+        and _is_floating_array(weight)
+        and weight.dtype.itemsize > dtype.itemsize
+    )
+    if not keep and layer.compute_dtype is None:
+        return jax.tree.map(lambda x: _cast_floating(x, dtype), layer, is_leaf=is_overwrite)
+    return Linear(
+        weight if keep else _cast_floating(weight, dtype),
+        _cast_floating(layer.bias, dtype),
+        in_features=layer.in_features,
+        out_features=layer.out_features,
+        dot_general=_cast_floating(layer.dot_general, dtype),
+        compute_dtype=dtype if keep else None,
+    )
+
+
+def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
+    """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were;
+    with `masters`, FP8 layers' wider weights too (`_cast_linear`)."""
 
     def cast(x: Any) -> Any:
+        if isinstance(x, Linear):
+            return _cast_linear(x, dtype, masters)
         if is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
             return x
         return x.astype(dtype)
 
-    return jax.tree.map(cast, tree, is_leaf=is_overwrite)
+    return jax.tree.map(cast, tree, is_leaf=_is_node)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,13 +214,19 @@ class Policy:
         return _cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: T) -> T:
-        """`tree` with its floating-point arrays in `compute_dtype`; FP8 state untouched.
+        """`tree` with its floating-point arrays in `compute_dtype`; FP8 state untouched, and
+        the weights of FP8 layers ([`fp8jax.Linear`][]s with an [`fp8jax.Fp8DotGeneral`][])
+        left in their wider `param_dtype`: the FP8 GEMM quantizes each from its master in one
+        pass, where a cast would write a BF16 copy for the quantization to read again (4
+        bytes a weight saved, and a kernel), and writes its output, and the weight's gradient,
+        in `compute_dtype` as the cast copy's would be (`Linear.compute_dtype`). The FP8
+        values are the master's own, rounded once.
 
         ```python
         logits = policy.cast_to_compute(model)(policy.cast_to_compute(x))
         ```
         """
-        return _cast_floating(tree, self.compute_dtype)
+        return _cast_floating(tree, self.compute_dtype, masters=True)
 
     def cast_to_output(self, tree: T) -> T:
         """`tree` with its floating-point arrays in `output_dtype`; FP8 state untouched.
