@@ -61,9 +61,9 @@ def test_policy_keeps_only_fp8_layers_masters():
 def test_linear_compute_dtype():
     layer = fp8jax.Linear(jnp.ones((4, 8)), None, compute_dtype="bfloat16")
     assert layer.compute_dtype == BF16
-    with pytest.raises(TypeError, match=r"compute_dtype='int8'.*floating dtype"):
+    with pytest.raises(ValueError, match=r"compute_dtype='int8' is int8, not a floating"):
         fp8jax.Linear(jnp.ones((4, 8)), None, compute_dtype="int8")
-    with pytest.raises(TypeError, match=r"compute_dtype='nonsense'"):
+    with pytest.raises(ValueError, match=r"compute_dtype='nonsense' is not a dtype"):
         fp8jax.Linear(jnp.ones((4, 8)), None, compute_dtype="nonsense")
 
 

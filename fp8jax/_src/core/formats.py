@@ -193,3 +193,39 @@ def transpose_in_words(data: Shaped[Array, "*B R C"]) -> Shaped[Array, "*B C R"]
     # (*B, C/4, 4, R/4): row 4 c + j of the result, its words over R.
     stacked = jnp.stack(out, axis=-2).reshape(*batch, cols, rows // 4)
     return lax.bitcast_convert_type(stacked, data.dtype).reshape(*batch, cols, rows)
+
+
+#: Names of floating dtypes beyond NumPy's own (`float_dtype`).
+DTYPE_ALIASES: dict[str, np.dtype] = {
+    "float32": np.dtype(jnp.float32),
+    "f32": np.dtype(jnp.float32),
+    "full": np.dtype(jnp.float32),
+    "bfloat16": np.dtype(jnp.bfloat16),
+    "bf16": np.dtype(jnp.bfloat16),
+    "float16": np.dtype(jnp.float16),
+    "f16": np.dtype(jnp.float16),
+    "half": np.dtype(jnp.float16),
+}
+ACCEPTED_DTYPES = (
+    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype "
+    "name NumPy or JAX knows"
+)
+
+
+def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
+    """`value` (a dtype-like, or a name such as `"bf16"`) as a floating NumPy dtype; `what`
+    names it in the `ValueError` that refuses anything else."""
+    dtype = None
+    if value is None:
+        raise ValueError(f"{what}=None: give a dtype; use {ACCEPTED_DTYPES}.")
+    if isinstance(value, str):
+        dtype = DTYPE_ALIASES.get(value.strip().lower())
+    if dtype is None:
+        try:
+            dtype = np.dtype(value.strip() if isinstance(value, str) else value)
+        except TypeError:
+            raise ValueError(f"{what}={value!r} is not a dtype; use {ACCEPTED_DTYPES}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
+        raise ValueError(f"{what}={given}, not a floating-point dtype; use {ACCEPTED_DTYPES}.")
+    return dtype

@@ -14,26 +14,13 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ..core.formats import float_dtype
 from ..ops.dot_general import Fp8DotGeneral
 
 
 def _is_array_like(x: object) -> bool:
     """An array, a tracer or a `jax.ShapeDtypeStruct`: has a shape and a dtype."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _float_dtype(value: object) -> np.dtype:
-    """`value` as a floating NumPy dtype, for `Linear`'s `compute_dtype`."""
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"Linear compute_dtype={value!r}: should be None or a floating dtype (bfloat16, "
-            "float16, float32)."
-        )
-    return dtype
 
 
 def _check_features(name: str, value: object, size: int) -> None:
@@ -124,7 +111,9 @@ class Linear(eqx.Module):
         self.out_features = out_size if out_features is None else out_features
         self.use_bias = bias is not None
         self.dot_general = Fp8DotGeneral() if dot_general is None else dot_general
-        self.compute_dtype = None if compute_dtype is None else _float_dtype(compute_dtype)
+        self.compute_dtype = (
+            None if compute_dtype is None else float_dtype(compute_dtype, "Linear compute_dtype")
+        )
 
     @classmethod
     def from_eqx(cls, linear: eqx.nn.Linear, dot_general: Fp8DotGeneral | None = None) -> Linear:

@@ -18,28 +18,14 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import DTypeLike
 
+from ..core.formats import float_dtype
 from ..core.updates import is_overwrite
 from ..layers.linear import Linear
 from ..ops.dot_general import Fp8DotGeneral
 
 T = TypeVar("T")
 
-_DTYPE_ALIASES: dict[str, np.dtype] = {
-    "float32": np.dtype(jnp.float32),
-    "f32": np.dtype(jnp.float32),
-    "full": np.dtype(jnp.float32),
-    "bfloat16": np.dtype(jnp.bfloat16),
-    "bf16": np.dtype(jnp.bfloat16),
-    "float16": np.dtype(jnp.float16),
-    "f16": np.dtype(jnp.float16),
-    "half": np.dtype(jnp.float16),
-}
-_ACCEPTED_DTYPES = (
-    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype "
-    "name NumPy or JAX knows"
-)
 _KEY_ALIASES: dict[str, str] = {
     "params": "param_dtype",
     "param": "param_dtype",
@@ -52,24 +38,6 @@ _KEY_ALIASES: dict[str, str] = {
 _ACCEPTED_KEYS = "params (param, p), compute (c), output (o)"
 _FIELD_KEYS = {"param_dtype": "params", "compute_dtype": "compute", "output_dtype": "output"}
 _EXAMPLE = "'params=float32,compute=bfloat16,output=float32'"
-
-
-def _float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
-    """`value` as a floating NumPy dtype; `what` names it in the error."""
-    dtype = None
-    if value is None:
-        raise ValueError(f"{what}=None: give a dtype; use {_ACCEPTED_DTYPES}.")
-    if isinstance(value, str):
-        dtype = _DTYPE_ALIASES.get(value.strip().lower())
-    if dtype is None:
-        try:
-            dtype = np.dtype(value.strip() if isinstance(value, str) else value)
-        except TypeError:
-            raise ValueError(f"{what}={value!r} is not a dtype; use {_ACCEPTED_DTYPES}.") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
-        raise ValueError(f"{what}={given}, not a floating-point dtype; use {_ACCEPTED_DTYPES}.")
-    return dtype
 
 
 def _is_floating_array(x: Any) -> bool:
@@ -148,7 +116,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         for name in _FIELD_KEYS:
-            object.__setattr__(self, name, _float_dtype(getattr(self, name), f"Policy {name}"))
+            object.__setattr__(self, name, float_dtype(getattr(self, name), f"Policy {name}"))
 
     @classmethod
     def from_string(cls, spec: str) -> Policy:
@@ -196,7 +164,7 @@ class Policy:
                     f"Policy.from_string: {found[field][0]!r} and {piece.strip()!r} in {spec!r} "
                     f"both set the {_FIELD_KEYS[field]} dtype; give each key once."
                 )
-            found[field] = (piece.strip(), _float_dtype(value, f"Policy.from_string: {key}"))
+            found[field] = (piece.strip(), float_dtype(value, f"Policy.from_string: {key}"))
         param = found["param_dtype"][1] if "param_dtype" in found else np.dtype(np.float32)
         dtypes = {name: found[name][1] if name in found else param for name in _FIELD_KEYS}
         return cls(**dtypes)
