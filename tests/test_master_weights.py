@@ -41,7 +41,7 @@ def test_policy_keeps_only_fp8_layers_masters():
     compute = POLICY.cast_to_compute(model)
     assert compute["fp8"].weight is fp8.weight  # the master itself, never copied
     assert compute["fp8"].bias.dtype == BF16 and compute["fp8"].compute_dtype == BF16
-    assert compute["fp8"].dot_general is fp8.dot_general  # FP8 state untouched
+    assert eqx.tree_equal(compute["fp8"].dot_general, fp8.dot_general)  # FP8 state untouched
     assert compute["plain"].weight.dtype == BF16 and compute["plain"].compute_dtype is None
     assert compute["eqx"].weight.dtype == BF16
     # Run in BF16: the output in the compute dtype, not the promotion of BF16 and float32.
@@ -56,6 +56,22 @@ def test_policy_keeps_only_fp8_layers_masters():
         layer = fp8jax.Policy.from_string(policy).cast_to_param(fp8)
         cast = fp8jax.Policy.from_string(policy).cast_to_compute(layer)
         assert cast.compute_dtype is None and cast.weight.dtype == np.promote_types(stored, F32)
+
+
+def test_stacked_layers_keep_their_masters():
+    """Linears built under `eqx.filter_vmap` (a scanned stack, weights `(layers, out, in)`)
+    converted: the cast keeps the stacked masters, and each layer computes in BF16."""
+    make = lambda k: eqx.nn.Linear(8, 4, key=k)  # noqa: E731
+    stack = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), 3))
+    stack = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config())
+    cast = POLICY.cast_to_compute(stack)
+    assert cast.weight is stack.weight and cast.weight.shape == (3, 4, 8)
+    assert cast.compute_dtype == BF16 and cast.bias.dtype == BF16
+    xs = jnp.ones((3, 2, 8), BF16)
+    assert eqx.filter_vmap(lambda layer, x: layer(x))(cast, xs).dtype == BF16
+    abstract = eqx.filter_eval_shape(POLICY.cast_to_compute, stack)
+    assert abstract.compute_dtype == BF16 and abstract.weight.dtype == F32
+    assert POLICY.cast_to_param(cast).with_compute_dtype(BF16).compute_dtype == BF16
 
 
 def test_linear_compute_dtype():

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
@@ -124,6 +125,34 @@ class Linear(eqx.Module):
             in_features=linear.in_features,
             out_features=linear.out_features,
             dot_general=dot_general,
+        )
+
+    def with_compute_dtype(self, compute_dtype: DTypeLike | None) -> Linear:
+        """This layer, its output in `compute_dtype` (`None`: `dot_general`'s promotion),
+        all else as it is; also a stack of layers (weights `(*layers, out, in)`, as
+        `fp8jax.fp8_linear_layers` converts Linears built under `eqx.filter_vmap`)."""
+        lead = len(self.weight.shape) - 2
+
+        def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
+            if x is None or not lead:
+                return x
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+            return x[(0,) * lead]
+
+        one = Linear(
+            first(self.weight),
+            first(self.bias),
+            in_features=self.in_features,
+            out_features=self.out_features,
+            dot_general=self.dot_general,
+            compute_dtype=compute_dtype,
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias, m.dot_general),
+            one,
+            (self.weight, self.bias, self.dot_general),
+            is_leaf=lambda x: x is None,
         )
 
     def __call__(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,16 +61,11 @@ def _cast_linear(layer: Linear, dtype: np.dtype, masters: bool) -> Linear:
         and _is_floating_array(weight)
         and weight.dtype.itemsize > dtype.itemsize
     )
-    if not keep and layer.compute_dtype is None:
-        return jax.tree.map(lambda x: _cast_floating(x, dtype), layer, is_leaf=is_overwrite)
-    return Linear(
-        weight if keep else _cast_floating(weight, dtype),
-        _cast_floating(layer.bias, dtype),
-        in_features=layer.in_features,
-        out_features=layer.out_features,
-        dot_general=_cast_floating(layer.dot_general, dtype),
-        compute_dtype=dtype if keep else None,
-    )
+    cast = jax.tree.map(lambda x: _cast_floating(x, dtype), layer, is_leaf=is_overwrite)
+    if keep:
+        cast = eqx.tree_at(lambda m: m.weight, cast, weight)
+    want = dtype if keep else None
+    return cast if cast.compute_dtype == want else cast.with_compute_dtype(want)
 
 
 def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
