@@ -65,7 +65,8 @@ def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
     def loss_fn(model, x, y):
         seen.append(model.layers[0].weight.dtype)
         seen.append(model.layers[0].dot_general.input.scale.dtype)
-        x = x.astype(model.layers[0].weight.dtype)
+        seen.append(model.layers[0].compute_dtype)
+        assert x.dtype == jnp.bfloat16  # the batch cast with the model
         pred = jax.vmap(model)(x)
         # The same forward layer by layer, for the check of each layer's numerics below.
         trace, h = [], x
@@ -99,8 +100,11 @@ def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
             assert layer_in.dtype == layer_out.dtype == jnp.bfloat16
             # The new state's scales are the ones this step quantized with.
             sx, sw = float(new.dot_general.input.scale), float(new.dot_general.kernel.scale)
-            weight, bias = old.weight.astype(jnp.bfloat16), old.bias.astype(jnp.bfloat16)
-            assert_bf16_linear(layer_out, layer_in, weight, bias, sx, sw)
+            # The weight quantized from its float32 master (the policy leaves FP8 layers'
+            # weights uncast), the bias cast.
+            assert_bf16_linear(
+                layer_out, layer_in, old.weight, old.bias.astype(jnp.bfloat16), sx, sw
+            )
         np.testing.assert_array_equal(trace[-1][1], pred)
         # The float32 loss of the predictions: 64 squares summed, then divided. XLA may feed
         # it the predictions before their BF16 rounding (excess precision), off by d <= u|p|
@@ -111,8 +115,9 @@ def test_bfloat16_compute_keeps_float32_masters_and_state(getkey):
         want, d = np.mean(r**2), U_BF16 * np.abs(p) / (1 - U_BF16)
         bound = np.mean((2 * np.abs(r) + d) * d) + (len(x) + 2) * U_F32 * want
         assert abs(float(metrics.loss) - want) <= bound
-    # Compute cast; FP8 state left alone (float32, viewed in the max-combining dtype).
-    assert seen[0] == jnp.bfloat16 and str(seen[1]) == "max_f32"
+    # Compute cast, but the FP8 layers' masters, which their GEMMs quantize (the layers
+    # compute in BF16); FP8 state left alone (float32, viewed in the max-combining dtype).
+    assert seen[0] == jnp.float32 and str(seen[1]) == "max_f32" and seen[2] == jnp.bfloat16
     assert metrics.loss.dtype == jnp.float32
     assert state.model.layers[0].weight.dtype == jnp.float32
     assert state.model.layers[0].dot_general.kernel.amax_history.dtype == jnp.float32
