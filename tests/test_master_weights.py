@@ -181,3 +181,41 @@ def test_h100_blockwise_master_saves_its_cast():
     assert not [op for op in kernels["policy"] if op == casts[0]]
     total = {name: sum(cost.bytes.values()) for name, cost in costs.items()}
     assert total["user"] - total["policy"] == 4 * n * k
+
+
+def test_grouped_layers_keep_their_masters():
+    """An FP8 `GroupedLinear`'s experts: the cast keeps the float32 master (a stacked one
+    too) and the layer computes in BF16; its value is that of the same layer given the
+    master with `compute_dtype` set, and a high-precision one is cast as before."""
+    experts = fp8jax.GroupedLinear(4, 128, 128, key=jax.random.key(0))
+    fp8 = eqx.tree_at(lambda m: m.ragged_dot, experts, fp8jax.Fp8RaggedDot(num_experts=4))
+    cast = POLICY.cast_to_compute({"fp8": fp8, "plain": experts})
+    assert cast["fp8"].weight is fp8.weight and cast["fp8"].compute_dtype == BF16
+    assert cast["plain"].weight.dtype == BF16 and cast["plain"].compute_dtype is None
+    x, sizes = jnp.ones((64, 128), BF16), jnp.array([16, 0, 40, 8])
+    y = cast["fp8"](x, sizes)
+    assert y.dtype == BF16 and cast["plain"](x, sizes).dtype == BF16
+    given = fp8jax.GroupedLinear(
+        4, 128, 128, weight=fp8.weight, ragged_dot=fp8.ragged_dot, compute_dtype="bf16"
+    )
+    np.testing.assert_array_equal(np.asarray(given(x, sizes), F32), np.asarray(y, F32))
+    # The master's gradient: float32, BF16 values (written in the compute dtype).
+    x = jax.random.normal(jax.random.key(2), (64, 128), BF16)
+    c = jax.random.normal(jax.random.key(3), (64, 128))
+    loss = lambda m, x: jnp.sum(POLICY.cast_to_compute(m)(x, sizes).astype(F32) * c)  # noqa: E731
+    d_w = fp8jax.filter_grad(loss)(fp8, x).weight
+    assert d_w.dtype == F32 and np.any(np.asarray(d_w) != 0)
+    np.testing.assert_array_equal(np.asarray(d_w), np.asarray(d_w.astype(BF16).astype(F32)))
+    stack = eqx.filter_vmap(lambda k: fp8jax.GroupedLinear(4, 128, 128, key=k))(
+        jax.random.split(jax.random.key(1), 2)
+    )
+    stack = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config())
+    stacked = POLICY.cast_to_compute(stack)
+    assert stacked.weight is stack.weight and stacked.weight.shape == (2, 4, 128, 128)
+    assert stacked.compute_dtype == BF16
+    with pytest.raises(TypeError, match="give key .* or weight .*, not neither"):
+        fp8jax.GroupedLinear(4, 128, 128)
+    with pytest.raises(TypeError, match="not both"):
+        fp8jax.GroupedLinear(4, 128, 128, key=jax.random.key(0), weight=fp8.weight)
+    with pytest.raises(ValueError, match=r"weight of shape \(4, 128, 64\): should be"):
+        fp8jax.GroupedLinear(4, 128, 128, weight=jnp.ones((4, 128, 64)))

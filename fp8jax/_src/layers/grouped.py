@@ -9,11 +9,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
 
@@ -51,6 +53,11 @@ class GroupedLinear(eqx.Module):
     - `key`: a PRNG key; `dtype`: the weight's dtype (float32 by default).
     - `ragged_dot`: `None` (high precision) or a callable with `lax.ragged_dot`'s signature,
       e.g. `fp8jax.Fp8RaggedDot("blockwise", num_experts=8)`.
+    - `weight`: a weight of that shape to use instead of a new one (then no `key`).
+    - `compute_dtype`: as [`fp8jax.Linear`][]'s: `None` (the output's dtype is the
+      promotion of the tokens' and the weight's), or the output's dtype where the weight is
+      a wider master that [`fp8jax.Policy`][]'s `cast_to_compute` left for the FP8 GEMM to
+      quantize.
 
     ```python
     up = fp8jax.GroupedLinear(8, 64, 256, key=key)
@@ -63,6 +70,7 @@ class GroupedLinear(eqx.Module):
     num_experts: int = eqx.field(static=True)
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)
+    compute_dtype: np.dtype | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -70,9 +78,11 @@ class GroupedLinear(eqx.Module):
         in_features: int,
         out_features: int,
         *,
-        key: PRNGKeyArray,
+        key: PRNGKeyArray | None = None,
         dtype: DTypeLike | None = None,
         ragged_dot: Any = None,
+        weight: Float[Array, "experts fan_in fan_out"] | None = None,
+        compute_dtype: DTypeLike | None = None,
     ):
         shape = (num_experts, in_features, out_features)
         check_grouped_linear_args(
@@ -81,13 +91,53 @@ class GroupedLinear(eqx.Module):
             ragged_dot,
             example=", e.g. fp8jax.Fp8RaggedDot(num_experts=...)",
         )
-        dtype = jnp.float32 if dtype is None else dtype
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = jax.random.uniform(key, shape, dtype, -bound, bound)
+        if (key is None) == (weight is None):
+            raise TypeError(
+                "GroupedLinear: give key (a PRNG key, for a new weight) or weight (of shape "
+                f"{shape}), not {'both' if key is not None else 'neither'}."
+            )
+        if weight is None:
+            dtype = jnp.float32 if dtype is None else dtype
+            bound = 1.0 / math.sqrt(in_features)
+            weight = jax.random.uniform(key, shape, dtype, -bound, bound)
+        elif tuple(getattr(weight, "shape", ())) != shape:
+            raise ValueError(
+                f"GroupedLinear weight of shape {getattr(weight, 'shape', type(weight))}: "
+                f"should be (num_experts, in_features, out_features) = {shape}."
+            )
+        self.weight = weight
         self.ragged_dot = ragged_dot
         self.num_experts = num_experts
         self.in_features = in_features
         self.out_features = out_features
+        self.compute_dtype = (
+            None
+            if compute_dtype is None
+            else float_dtype(compute_dtype, "GroupedLinear compute_dtype")
+        )
+
+    def with_compute_dtype(self, compute_dtype: DTypeLike | None) -> GroupedLinear:
+        """This layer, its output in `compute_dtype` (`None`: the promotion), all else as it
+        is; also a stack of layers (weights `(*layers, experts, fan_in, fan_out)`)."""
+        lead = len(self.weight.shape) - 3
+        first = self.weight
+        if lead and isinstance(first, jax.ShapeDtypeStruct):
+            first = jax.ShapeDtypeStruct(first.shape[lead:], first.dtype)
+        elif lead:
+            first = first[(0,) * lead]
+        one = GroupedLinear(
+            self.num_experts,
+            self.in_features,
+            self.out_features,
+            weight=first,
+            compute_dtype=compute_dtype,
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.ragged_dot),
+            one,
+            (self.weight, self.ragged_dot),
+            is_leaf=lambda x: x is None,
+        )
 
     def __call__(
         self,
@@ -108,7 +158,11 @@ class GroupedLinear(eqx.Module):
         out_features)`.
         """
         if self.ragged_dot is not None:
-            return self.ragged_dot(x, self.weight, group_sizes)
+            if self.compute_dtype is None:
+                return self.ragged_dot(x, self.weight, group_sizes)
+            return self.ragged_dot(
+                x, self.weight, group_sizes, preferred_element_type=self.compute_dtype
+            )
         x = jnp.asarray(x)
         if isinstance(group_sizes, ExpertExchange):
             check_dispatch_args("GroupedLinear", x.shape, self.weight.shape, group_sizes)

@@ -22,8 +22,10 @@ import numpy as np
 
 from ..core.formats import float_dtype
 from ..core.updates import is_overwrite
+from ..layers.grouped import GroupedLinear
 from ..layers.linear import Linear
 from ..ops.dot_general import Fp8DotGeneral
+from ..ops.ragged_dot import Fp8RaggedDot
 
 T = TypeVar("T")
 
@@ -47,17 +49,26 @@ def _is_floating_array(x: Any) -> bool:
     )
 
 
+#: The layers whose weight a compute cast may leave wider: the field of their GEMM, and the
+#: FP8 op that quantizes a master there.
+_FP8_GEMMS: dict[type, tuple[str, type]] = {
+    Linear: ("dot_general", Fp8DotGeneral),
+    GroupedLinear: ("ragged_dot", Fp8RaggedDot),
+}
+
+
 def _is_node(x: Any) -> bool:
-    return is_overwrite(x) or isinstance(x, Linear)
+    return is_overwrite(x) or isinstance(x, tuple(_FP8_GEMMS))
 
 
-def _cast_linear(layer: Linear, dtype: np.dtype, masters: bool) -> Linear:
+def _cast_layer(layer: Linear | GroupedLinear, dtype: np.dtype, masters: bool) -> Any:
     """`layer` cast to `dtype`; with `masters`, an FP8 layer's wider weight kept as it is and
-    the layer told to compute in `dtype` (`Linear.compute_dtype`)."""
+    the layer told to compute in `dtype` (its `compute_dtype`)."""
     weight = layer.weight
+    field, fp8_op = next(v for kind, v in _FP8_GEMMS.items() if isinstance(layer, kind))
     keep = (
         masters
-        and isinstance(layer.dot_general, Fp8DotGeneral)
+        and isinstance(getattr(layer, field), fp8_op)
         and _is_floating_array(weight)
         and weight.dtype.itemsize > dtype.itemsize
     )
@@ -65,16 +76,18 @@ def _cast_linear(layer: Linear, dtype: np.dtype, masters: bool) -> Linear:
     if keep:
         cast = eqx.tree_at(lambda m: m.weight, cast, weight)
     want = dtype if keep else None
-    return cast if cast.compute_dtype == want else cast.with_compute_dtype(want)
+    if cast.compute_dtype == want or not hasattr(weight, "shape"):
+        return cast
+    return cast.with_compute_dtype(want)
 
 
 def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
     """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were;
-    with `masters`, FP8 layers' wider weights too (`_cast_linear`)."""
+    with `masters`, FP8 layers' wider weights too (`_cast_layer`)."""
 
     def cast(x: Any) -> Any:
-        if isinstance(x, Linear):
-            return _cast_linear(x, dtype, masters)
+        if isinstance(x, tuple(_FP8_GEMMS)):
+            return _cast_layer(x, dtype, masters)
         if is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
             return x
         return x.astype(dtype)
@@ -179,11 +192,12 @@ class Policy:
 
     def cast_to_compute(self, tree: T) -> T:
         """`tree` with its floating-point arrays in `compute_dtype`; FP8 state untouched, and
-        the weights of FP8 layers ([`fp8jax.Linear`][]s with an [`fp8jax.Fp8DotGeneral`][])
-        left in their wider `param_dtype`: the FP8 GEMM quantizes each from its master in one
+        the weights of FP8 layers ([`fp8jax.Linear`][]s with an [`fp8jax.Fp8DotGeneral`][],
+        [`fp8jax.GroupedLinear`][]s with an [`fp8jax.Fp8RaggedDot`][]) left in their wider
+        `param_dtype`: the FP8 GEMM quantizes each from its master in one
         pass, where a cast would write a BF16 copy for the quantization to read again (4
         bytes a weight saved, and a kernel), and writes its output, and the weight's gradient,
-        in `compute_dtype` as the cast copy's would be (`Linear.compute_dtype`). The FP8
+        in `compute_dtype` as the cast copy's would be (the layer's `compute_dtype`). The FP8
         values are the master's own, rounded once.
 
         ```python
