@@ -115,6 +115,50 @@ def test_every_recipe_matches_the_equinox_path_bit_for_bit(name):
             assert_same(state_of(variables, layer), getattr(theirs, layer).dot_general)
 
 
+class Bf16Net(nn.Module):
+    """`Net` computing in BF16 on float32 parameters (Linen's `dtype`)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, dtype=jnp.bfloat16, name="fc1")(x))
+        return nn.DenseGeneral(64, dtype=jnp.bfloat16, name="fc2")(h)
+
+
+def test_bf16_layers_quantize_their_float32_masters_as_the_policy_does():
+    """Dense layers with a BF16 `dtype` hand their FP8 GEMMs the float32 kernels uncast: bit
+    for bit the Equinox path under `fp8jax.Policy`, which leaves FP8 Linears' masters for
+    their GEMMs to quantize (value, every gradient, the new state)."""
+    x0 = jnp.zeros((2, 16, 64))
+    ours = fp8jax.fp8_linear_layers(Bf16Net(), config())
+    variables = ours.init(jax.random.key(0), x0)
+    theirs = fp8jax.fp8_linear_layers(eqx_net(variables["params"]), config())
+    policy = fp8jax.Policy.from_string("params=float32,compute=bfloat16")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+
+    def linen_loss(v, x):
+        return jnp.sum(ours.apply(v, x).astype(jnp.float32) * c)
+
+    def eqx_loss(mx):
+        model, x = policy.cast_to_compute(mx[0]), mx[1].astype(jnp.bfloat16)
+        return jnp.sum(model(x).astype(jnp.float32) * c)
+
+    out = ours.apply(variables, x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, policy.cast_to_compute(theirs)(x.astype(jnp.bfloat16)))
+    grads, grad_x = jax.jit(jax.grad(linen_loss, (0, 1)))(variables, x)
+    grads_e, grad_x_e = eqx.filter_jit(fp8jax.filter_grad(eqx_loss))((theirs, x))
+    np.testing.assert_array_equal(grad_x, grad_x_e)
+    for layer in ("fc1", "fc2"):
+        kernel = grads["params"][layer]["kernel"]
+        assert kernel.dtype == jnp.float32
+        np.testing.assert_array_equal(kernel, getattr(grads_e, layer).weight.T)
+        np.testing.assert_array_equal(grads["params"][layer]["bias"], getattr(grads_e, layer).bias)
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(getattr(grads_e, layer))
+        assert_same(state_of(grads, layer), overwrites.dot_general)
+
+
 class Projection(nn.Module):
     @nn.compact
     def __call__(self, x):

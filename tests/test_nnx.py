@@ -1174,3 +1174,45 @@ def test_experts_train_with_the_nnx_train_step():
         fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config("residual"))
     with pytest.raises(ValueError, match=r"NnxGroupedLinear num_experts=0: should be an int"):
         fp8jax.NnxGroupedLinear(0, 4, 4, rngs=nnx.Rngs(0))
+
+
+def test_fp8_layers_quantize_their_float32_masters():
+    """An `nnx.Linear` computing in BF16 on float32 parameters, converted: its FP8 GEMM gets
+    the master uncast (its amax recorded as is; the BF16 copy NNX's cast made has another)
+    and returns BF16, and the kernel's gradient is, bit for bit, the copy's (written in BF16,
+    widened to float32). A layer that sets its own `preferred_element_type`, or that has no
+    `dtype`, keeps NNX's cast."""
+
+    class Two(nnx.Module):
+        def __init__(self):
+            make = functools.partial(nnx.Linear, 256, 64, use_bias=False, dtype=jnp.bfloat16)
+            self.masters = make(rngs=nnx.Rngs(0))
+            self.copies = make(rngs=nnx.Rngs(0), preferred_element_type=jnp.bfloat16)
+            self.plain = nnx.Linear(256, 64, use_bias=False, rngs=nnx.Rngs(0))
+
+    model = fp8jax.fp8_linear_layers(Two(), config())
+    assert model.masters.preferred_element_type == jnp.bfloat16
+    assert model.copies.promote_dtype is nnx.Linear(1, 1, rngs=nnx.Rngs(0)).promote_dtype
+    assert model.plain.preferred_element_type is None
+    x = jnp.asarray(np.random.default_rng(16).standard_normal((32, 256)), jnp.bfloat16)
+    c = jnp.asarray(np.random.default_rng(17).standard_normal((32, 64)), jnp.float32)
+
+    def loss(m, x):
+        return sum(jnp.sum(layer(x).astype(jnp.float32) * c) for layer in (m.masters, m.copies))
+
+    assert model.masters(x).dtype == jnp.bfloat16
+    _, grads = fp8jax.nnx_value_and_grad(loss)(model, x)
+    d_masters, d_copies = (
+        np.asarray(grads[n]["kernel"].get_value()) for n in ("masters", "copies")
+    )
+    assert d_masters.dtype == np.float32
+    np.testing.assert_array_equal(d_masters, d_copies)
+    kernel = np.asarray(model.masters.kernel.get_value())
+    fp8jax.nnx_update_fp8_state(model, grads)
+    amax = {
+        n: float(getattr(model, n).dot_general.value().kernel.amax_history[0])
+        for n in ("masters", "copies")
+    }
+    assert amax["masters"] == np.max(np.abs(kernel))
+    assert amax["copies"] == np.max(np.abs(kernel.astype(jnp.bfloat16).astype(np.float32)))
+    assert amax["masters"] != amax["copies"]

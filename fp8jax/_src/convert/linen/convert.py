@@ -237,6 +237,11 @@ def _interceptor(
                 "exclude), or build it without one."
             )
 
+        # A layer computing in a narrower `dtype` than its kernel's hands the FP8 GEMM the
+        # master uncast (`promote_all_but_kernel`), for it to quantize in one pass, and the
+        # GEMM returns `dtype` (the kernel's gradient written in it, as a cast's would be).
+        masters = module.dtype is not None and hasattr(module, "promote_dtype")
+
         def dot_general(
             lhs: ArrayLike,
             rhs: ArrayLike,
@@ -246,22 +251,40 @@ def _interceptor(
             out_sharding: Any = None,
         ) -> Array:
             dot = _state(module, path, config, _kernel_shape(rhs, dimension_numbers))
+            if masters and preferred_element_type is None:
+                preferred_element_type = module.dtype
             out = _call(dot, name, lhs, rhs, dimension_numbers, precision, preferred_element_type)
             if out_sharding is not None:
                 out = jax.sharding.reshard(out, out_sharding)
             return out
 
-        # A Linen module is a frozen dataclass: the FP8 dot_general is its field for this
-        # call only, and the field is restored after.
+        # A Linen module is a frozen dataclass: the FP8 dot_general (and the promotion that
+        # leaves the kernel) are its fields for this call only, and restored after.
+        promote = getattr(module, "promote_dtype", None)
         object.__setattr__(module, "dot_general", dot_general)
+        if masters:
+            object.__setattr__(module, "promote_dtype", promote_all_but_kernel(promote))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             object.__setattr__(module, "dot_general", None)
+            if masters:
+                object.__setattr__(module, "promote_dtype", promote)
         seen.widths.setdefault(path, _width(module))
         return out
 
     return intercept
+
+
+def promote_all_but_kernel(promote: Callable[..., Any]) -> Callable[..., Any]:
+    """A Linen layer's `promote_dtype` (`promote(*args, dtype=..., inexact=...)`) that leaves
+    its second argument, the kernel, as it is."""
+
+    def promote_but_kernel(inputs: Any, kernel: Any, *rest: Any, **kwargs: Any) -> list[Any]:
+        promoted = promote(inputs, *rest, **kwargs)
+        return [promoted[0], kernel, *promoted[1:]]
+
+    return promote_but_kernel
 
 
 def _kernel_layer(

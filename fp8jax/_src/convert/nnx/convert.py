@@ -5,11 +5,14 @@ by a `kernel` of their own (see `kernel.py`) of an NNX model and gives the chose
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..config import Fp8Config
@@ -109,6 +112,38 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
             f"{tuple(kernel.shape)}): {e} Its kernel has batch axes, so it has no single "
             "(out, in) matrix for that state: convert it with another recipe, or exclude it."
         ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _PromoteAllButKernel:
+    """An NNX layer's `promote_dtype` that leaves its kernel (the second of its arguments) as
+    it is: the FP8 GEMM quantizes the float32 master itself (`_quantize_masters`)."""
+
+    promote: Callable[..., Any]
+
+    def __call__(self, args: tuple[Any, ...], **kwargs: Any) -> tuple[Any, ...]:
+        inputs, kernel, *rest = args
+        promoted = self.promote((inputs, *rest), **kwargs)
+        return (promoted[0], kernel, *promoted[1:])
+
+
+def _quantize_masters(layer: Any) -> None:
+    """An FP8 `nnx.Linear` or `nnx.LinearGeneral` computing in a `dtype` narrower than its
+    kernel's (`param_dtype=float32, dtype=bfloat16`): its kernel reaches the FP8 GEMM uncast,
+    to be quantized from the master in one pass where a cast would write a BF16 copy for the
+    quantization to read again, and the GEMM returns `dtype` (its `preferred_element_type`;
+    the kernel's gradient is written in it, as a cast's would be). A layer whose
+    `preferred_element_type` is set already is left as it is."""
+    dtype = getattr(layer, "dtype", None)
+    if dtype is None or getattr(layer, "preferred_element_type", dtype) is not None:
+        return
+    if not hasattr(layer, "promote_dtype"):
+        return
+    kernel = np.dtype(layer.kernel.get_value().dtype)
+    if not jnp.issubdtype(kernel, jnp.floating) or np.dtype(dtype).itemsize >= kernel.itemsize:
+        return
+    layer.promote_dtype = _PromoteAllButKernel(layer.promote_dtype)
+    layer.preferred_element_type = dtype
 
 
 def _out_width(layer: Any) -> int | None:
@@ -211,6 +246,7 @@ def fp8_nnx_linear_layers(
         dot = _fp8_layer(path, layer, config)
         if _kind(layer) in ("linear", "general"):
             layer.dot_general = nnx.data(dot)
+            _quantize_masters(layer)
         elif _kind(layer) == "experts":
             layer.ragged_dot = nnx.data(dot)
         else:
