@@ -23,6 +23,11 @@ class Fp8DotGeneral(AbstractFp8Op):
     their scales, quantizes the incoming gradient (E5M2 by default) and computes dgrad and wgrad
     as FP8 x FP8 dots.
 
+    An operand wider than the other and than the output (a float32 master weight beside
+    BF16 activations, `preferred_element_type=jnp.bfloat16`: what [`fp8jax.Policy`][] makes
+    of an FP8 layer) is quantized from its own values in one pass, and its gradient is
+    written in the output's dtype and widened, as the gradient of a cast to it would be.
+
     The state (a [`fp8jax.TensorState`][] each for `input`, `kernel` and `output_grad`) is
     updated by the gradient: the "gradient" of this module is its new value. Split it out with
     [`fp8jax.partition_for_grad_overwrite`][] and write it back with
