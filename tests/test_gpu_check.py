@@ -833,6 +833,9 @@ def test_steady_state_variants_trace_the_train_steps_steady_program_with_their_r
         "delayed-steady-tc": (None, everything),
         "delayed-steady-tc-grads": (None, grads),
         "delayed-steady-apart-tc-grads": (("input", "kernel"), grads),
+        # Cast by the Policy, the FP8 Linears' masters kept (`-masters`): the same contexts.
+        "delayed-steady-masters": (None, ()),
+        "delayed-steady-kernel-masters": (None, everything),
     }
     assert {n for n in llama_block.CONTEXTS if n.startswith("delayed-steady")} == set(expected)
     recipe = fp8jax.DelayedScaling()
