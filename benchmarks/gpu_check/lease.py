@@ -34,15 +34,16 @@ from .record import SCRIPT, STATUSES
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
     "delayed-steady,delayed-steady-tc,delayed-steady-apart-tc-grads,delayed-steady-tc-grads,"
-    "delayed-steady-kernel,delayed-steady-kernel-masters,current,current-tc,delayed-steady-apart,delayed-steady-apart-acts,"
+    "delayed-steady-kernel,delayed-steady-kernel-masters,current,current-tc,"
+    "delayed-steady-apart,delayed-steady-apart-acts,"
     "delayed-steady-fused,delayed-steady-words,delayed-steady-apart-words,delayed-steady-packed,"
     "delayed-steady-apart-kernel-grads,current-apart,current-kernel,delayed-cold,"
     "delayed-cold-fresh"
 )
 #: The blockwise Llama variants of issue 39's block-kernel part (call 2).
 BLOCKWISE = (
-    "blockwise,blockwise-masters,blockwise-tc,blockwise-tile-scales,blockwise-tile-scales-three,blockwise-slabs,"
-    "blockwise-chained"
+    "blockwise,blockwise-masters,blockwise-tc,blockwise-tile-scales,"
+    "blockwise-tile-scales-three,blockwise-slabs,blockwise-chained"
 )
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ..layers.grouped import GroupedLinear
-from ..layers.linear import Linear
+from ..layers.linear import Linear, one_of_stack
 from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
@@ -111,16 +111,11 @@ def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[st
     if not lead:
         return Linear.from_eqx(linear, dot)
 
-    def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape[len(lead) :], x.dtype)
-        return x[(0,) * len(lead)]
-
     one = Linear.from_eqx(
         eqx.tree_at(
             lambda m: (m.weight, m.bias),
             linear,
-            (first(linear.weight), None if linear.bias is None else first(linear.bias)),
+            (one_of_stack(linear.weight, len(lead)), one_of_stack(linear.bias, len(lead))),
             is_leaf=lambda x: x is None,
         ),
         None,

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
+from .linear import one_of_stack
 
 
 def check_grouped_linear_args(
@@ -119,17 +120,11 @@ class GroupedLinear(eqx.Module):
     def with_compute_dtype(self, compute_dtype: DTypeLike | None) -> GroupedLinear:
         """This layer, its output in `compute_dtype` (`None`: the promotion), all else as it
         is; also a stack of layers (weights `(*layers, experts, fan_in, fan_out)`)."""
-        lead = len(self.weight.shape) - 3
-        first = self.weight
-        if lead and isinstance(first, jax.ShapeDtypeStruct):
-            first = jax.ShapeDtypeStruct(first.shape[lead:], first.dtype)
-        elif lead:
-            first = first[(0,) * lead]
         one = GroupedLinear(
             self.num_experts,
             self.in_features,
             self.out_features,
-            weight=first,
+            weight=one_of_stack(self.weight, len(self.weight.shape) - 3),
             compute_dtype=compute_dtype,
         )
         return eqx.tree_at(

@@ -24,6 +24,16 @@ def _is_array_like(x: object) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def one_of_stack(x: Any, lead: int) -> Any:
+    """The first layer's `x` of a stack of layers with `lead` leading axes (its shape, for an
+    abstract model's `jax.ShapeDtypeStruct`); `x` itself for one layer, or `None`."""
+    if x is None or not lead:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
+    return x[(0,) * lead]
+
+
 def _check_features(name: str, value: object, size: int) -> None:
     """`in_features`/`out_features` must agree with the weight (eqx.nn.Linear's convention)."""
     if value is None or (type(value) is int and value == size):
@@ -132,17 +142,9 @@ class Linear(eqx.Module):
         all else as it is; also a stack of layers (weights `(*layers, out, in)`, as
         `fp8jax.fp8_linear_layers` converts Linears built under `eqx.filter_vmap`)."""
         lead = len(self.weight.shape) - 2
-
-        def first(x: Any) -> Any:  # one layer's array (or its shape, for an abstract model)
-            if x is None or not lead:
-                return x
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.ShapeDtypeStruct(x.shape[lead:], x.dtype)
-            return x[(0,) * lead]
-
         one = Linear(
-            first(self.weight),
-            first(self.bias),
+            one_of_stack(self.weight, lead),
+            one_of_stack(self.bias, lead),
             in_features=self.in_features,
             out_features=self.out_features,
             dot_general=self.dot_general,
