@@ -78,7 +78,7 @@ def test_the_sdist_builds_a_wheel_with_the_package_and_its_data(dist):
         for line in metadata.splitlines()
         if line.startswith("Provides-Extra:")
     }
-    assert extras == {"haliax", "demo", "docs", "nnx", "linen", "orbax", "test", "h100"}
+    assert extras == {"haliax", "demo", "docs", "nnx", "linen", "orbax", "test", "h100", "peers"}
 
 
 def test_the_wheel_installs_alone_and_trains_in_fp8(dist, tmp_path):
