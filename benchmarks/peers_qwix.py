@@ -15,7 +15,7 @@ parameters and activations), at Llama-3-8B's and Llama-3.2-1B's widths, 8,192 to
 SGD step (`nnx.value_and_grad` and `optimizer.update`; fp8jax's NNX layers through
 `fp8jax.nnx_train_step`, its program once every scale is recorded).
 
-Two measures, nothing timed:
+Three measures, nothing timed:
 
 - **The step compiled for an H100 without one** (jax's CUDA plugin, deviceless): how many
   GEMMs run on FP8 tensor cores, read by `fp8jax.inspect` in both of XLA's modes (cuBLAS
@@ -27,6 +27,12 @@ Two measures, nothing timed:
   same step in float64 (the BF16 parameters and input widened). fp8jax's delayed scaling is
   measured at its second step on the batch (scales recorded from the first, as training runs
   it); the other recipes and Qwix scale from the call's own amax.
+- **Why the errors differ**: the output's error with every GEMM emulated in NumPy
+  (`EMULATIONS`: per tensor or per channel, power-of-two scales or not, the scaling in
+  float64 or rounded to BF16 at each step as a computation in BF16 rounds it), each beside
+  the variant that computes that scheme.
+
+`peers_qwix_train.py` trains a small GPT with both libraries.
 """
 
 from __future__ import annotations
@@ -183,8 +189,8 @@ def numerics(name: str, x: jax.Array, want: tuple[Any, list[Any]]) -> list[str]:
 
 
 def rounded(a: np.ndarray, dtype: Any) -> np.ndarray:
-    """`a` rounded to `dtype` (ml_dtypes' correctly rounded cast from float32, where `a`
-    is exact), back in float64."""
+    """`a` rounded to `dtype` by ml_dtypes' cast from float32 (correctly rounded where `a`
+    is a float32, else after rounding to one), back in float64."""
     return np.asarray(a, np.float32).astype(dtype).astype(np.float64)
 
 
