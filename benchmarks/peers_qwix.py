@@ -28,9 +28,9 @@ Three measures, nothing timed:
   measured at its second step on the batch (scales recorded from the first, as training runs
   it); the other recipes and Qwix scale from the call's own amax.
 - **Why the errors differ**: the output's error with every GEMM emulated in NumPy
-  (`EMULATIONS`: per tensor or per channel, power-of-two scales or not, the scaling in
-  float64 or rounded to BF16 at each step as a computation in BF16 rounds it), each beside
-  the variant that computes that scheme.
+  (`EMULATIONS`, each a `Scheme`: per tensor or per channel, power-of-two scales or not,
+  the scaling in float64 or rounded to BF16 at each step as a computation in BF16 rounds
+  it), each beside the variant that computes that scheme.
 
 `peers_qwix_train.py` trains a small GPT with both libraries.
 """
@@ -41,7 +41,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Mosaic GPU writes the PTX of the native kernels (blockwise) only when the process starts
@@ -194,37 +194,56 @@ def rounded(a: np.ndarray, dtype: Any) -> np.ndarray:
     return np.asarray(a, np.float32).astype(dtype).astype(np.float64)
 
 
-def emulated_dot(a: np.ndarray, w: np.ndarray, scheme: str) -> np.ndarray:
-    """`a (M, K) @ w (K, N)` with both operands in E4M3 at absmax scales, in float64 but for
-    the roundings `scheme` names (`EMULATIONS`): the E4M3 casts and the BF16 output, and
-    with `"bf16"` in it, those of a computation in BF16 too (the scale, the scaled operand
-    before its E4M3 cast, the FP8 product before its scales, each scaling)."""
-    channel, in_bf16 = "channel" in scheme, "bf16" in scheme
-    pow2 = "power-of-two" in scheme
-    bf16 = (lambda v: rounded(v, ml_dtypes.bfloat16)) if in_bf16 else (lambda v: v)  # noqa: E731
+class Scheme(NamedTuple):
+    """A rounding scheme `emulated_dot` follows: E4M3 operands at absmax scales, one per
+    tensor or per row of `a` and column of `w` (`per_channel`), exact or rounded up to a
+    power of two (`power_of_two`), everything else in float64 but the BF16 output and, with
+    `bf16_operand`, the scaled operand rounded to BF16 before its E4M3 cast, with `bf16_rest`
+    also the scale, the FP8 product before its scales and each scaling (a computation in
+    BF16 rounds all four)."""
+
+    per_channel: bool
+    power_of_two: bool = False
+    bf16_operand: bool = False
+    bf16_rest: bool = False
+
+
+def emulated_dot(a: np.ndarray, w: np.ndarray, scheme: Scheme) -> np.ndarray:
+    """`a (M, K) @ w (K, N)` in E4M3, rounded as `scheme` says."""
+    keep = lambda v: v  # noqa: E731
+    bf16 = lambda v: rounded(v, ml_dtypes.bfloat16)  # noqa: E731
+    operand_bf16 = bf16 if scheme.bf16_operand else keep
+    rest_bf16 = bf16 if scheme.bf16_rest else keep
     quantized = []
     for operand, axis in ((a, 1), (w, 0)):
-        amax = np.max(np.abs(operand), axis=axis if channel else None, keepdims=True)
-        scale = bf16(amax / float(ml_dtypes.finfo(FP8).max))
-        if pow2:  # max / amax rounded down to a power of two: its inverse rounded up
+        amax = np.max(np.abs(operand), axis=axis if scheme.per_channel else None, keepdims=True)
+        scale = rest_bf16(amax / float(ml_dtypes.finfo(FP8).max))
+        if scheme.power_of_two:  # max / amax rounded down to a power of two: its inverse up
             scale = 2.0 ** np.ceil(np.log2(scale))
-        q = rounded(np.clip(bf16(operand / scale), -448.0, 448.0), ml_dtypes.float8_e4m3fn)
-        quantized.append((q, scale))
+        q = np.clip(operand_bf16(operand / scale), -448.0, 448.0)
+        quantized.append((rounded(q, ml_dtypes.float8_e4m3fn), scale))
     (qa, sa), (qw, sw) = quantized
-    return rounded(bf16(bf16(bf16(qa @ qw) * sa) * sw), ml_dtypes.bfloat16)
+    return bf16(rest_bf16(rest_bf16(rest_bf16(qa @ qw) * sa) * sw))
 
 
-#: The emulated schemes, each beside the variant computing it.
-EMULATIONS = {
-    "per tensor, power-of-two scales": "fp8jax current",
-    "per tensor": None,
-    "per tensor, bf16 scaling": "qwix per tensor",
-    "per channel": None,
-    "per channel, bf16 scaling": "qwix (per channel)",
+#: The emulated schemes, each beside the variant that computes it (if one does).
+EMULATIONS: dict[str, tuple[Scheme, str | None]] = {
+    "per tensor, power-of-two scales": (Scheme(False, power_of_two=True), "fp8jax current"),
+    "per tensor": (Scheme(False), None),
+    "per tensor, bf16 scaling": (
+        Scheme(False, bf16_operand=True, bf16_rest=True),
+        "qwix per tensor",
+    ),
+    "per channel": (Scheme(True), None),
+    "per channel, bf16 scaled operand only": (Scheme(True, bf16_operand=True), None),
+    "per channel, bf16 scaling": (
+        Scheme(True, bf16_operand=True, bf16_rest=True),
+        "qwix (per channel)",
+    ),
 }
 
 
-def emulated(x: jax.Array, scheme: str) -> np.ndarray:
+def emulated(x: jax.Array, scheme: Scheme) -> np.ndarray:
     """The sub-block's output on `x` with every GEMM `emulated_dot(..., scheme)` (its
     RMSNorm, SwiGLU and residual in BF16), from the parameters `build` gives every variant."""
     model = SwiGLU(*NUMERICS[:2], nnx.Rngs(0))
@@ -260,16 +279,16 @@ def main() -> None:
     print(table(rows, header), flush=True)
     measured = {row[0]: row[1] for row in rows}
     rows = [
-        [scheme, f"{relative_error(emulated(x, scheme), want[0]):.4e}",
+        [label, f"{relative_error(emulated(x, scheme), want[0]):.4e}",
          "-" if name is None else f"{name}: {measured[name]}"]
-        for scheme, name in EMULATIONS.items()
+        for label, (scheme, name) in EMULATIONS.items()
     ]  # fmt: skip
     print(
         "\nThe output's error with every GEMM emulated in NumPy: E4M3 operands at absmax scales "
         "per tensor or per row and output channel, in float64 but for the E4M3 casts and the "
         "BF16 output; 'bf16 scaling' rounds the scale, the scaled operand before its E4M3 "
         "cast, the product before its scales and each scaling to BF16, as a BF16 "
-        "computation does\n"
+        "computation does; 'bf16 scaled operand only' the scaled operand alone\n"
     )
     print(table(rows, ["emulation", "output", "measured"]), flush=True)
 
