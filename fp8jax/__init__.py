@@ -140,7 +140,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_FLAX_NAMES})
+    """The public names (the Flax ones too, before their first use), not this module's own
+    imports (`importlib`, `typing`'s)."""
+    return sorted({*__all__, *_FLAX_NAMES, "inspect", "observe", "__version__"})
 
 
 __version__ = "0.1.0"

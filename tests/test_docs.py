@@ -64,6 +64,15 @@ def test_flat_names_and_the_observe_namespace_are_the_same_objects():
         assert getattr(fp8jax, name) is getattr(fp8jax.observe, name), name
 
 
+def test_dir_lists_the_public_names_and_not_the_modules_own_imports():
+    names = dir(fp8jax)
+    assert set(fp8jax.__all__) | {"inspect", "observe", "__version__"} <= set(names)
+    assert "nnx_train_step" in names  # a Flax name before its first use
+    assert not {"Any", "TYPE_CHECKING", "importlib", "_src", "_FLAX_NAMES"} & set(names)
+    for name in names:  # every name listed resolves
+        assert hasattr(fp8jax, name), name
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_committed_with_its_outputs(path):
     """The site and GitHub show the committed outputs: `python notebooks/refresh.py` stores them."""
