@@ -4,6 +4,7 @@ interpreter's control flow kept exact, the selection, ragged_dot, errors, the H1
 
 import pathlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,31 @@ def test_ragged_dot_becomes_the_grouped_fp8_gemm():
     np.testing.assert_array_equal(out, out_e)
     for a, b in zip(grads, grads_e, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
+    """A residual recipe has no grouped GEMM: its ragged dots stay exact, with a warning (not
+    when excluded); `min_dim` applies to a ragged dot's rows, contraction and columns."""
+    x, w = jnp.ones((32, 32)), jnp.ones((4, 32, 16))
+    sizes = jnp.array([8, 0, 16, 8], jnp.int32)
+
+    def fun(x, w):
+        with jax.named_scope("experts"):
+            return jax.lax.ragged_dot(x, w, sizes)
+
+    want = fun(x, w)
+    residual = fp8jax.ResidualFP8()
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"'experts' stays in high precision"):
+        np.testing.assert_array_equal(fp8jax.fp8_autocast(fun, residual)(x, w), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.fp8_autocast(fun, residual, exclude="experts")(x, w)
+
+    def kinds(**kwargs):
+        jaxpr = jax.make_jaxpr(fp8jax.fp8_autocast(fun, "current", **kwargs))(x, w)
+        return "f8_e4m3fn" in str(jaxpr)
+
+    assert kinds(min_dim=16) and not kinds(min_dim=17)  # N = 16 is the smallest dimension
 
 
 def test_bad_input_errors():

@@ -1654,7 +1654,7 @@ RESULTS = [
         id="load-good-checkpoint-into-fresh-state",  # control: the files above are hostile
     ),
     pytest.param(
-        lambda w: convert(w.model),
+        lambda w: convert(w.model, CONFIG),
         lambda w, out: out is w.model,
         id="convert-twice-does-not-wrap-twice",
     ),

@@ -557,9 +557,11 @@ def test_conversion_follows_the_config_and_keeps_the_original():
     x = jnp.ones((4, 32))
     _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(converted)
     fp8jax.nnx_update_fp8_state(converted, grads)
-    again = fp8jax.fp8_linear_layers(converted, fp8jax.Fp8Config(targets=r"blocks\..*"))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"blocks\.1\.up \(CurrentScaling; the"):
+        again = fp8jax.fp8_linear_layers(converted, fp8jax.Fp8Config(targets=r"blocks\..*"))
     assert again.blocks[0].up.dot_general is not converted.blocks[0].up.dot_general  # a copy
     assert_same_state(again.blocks[0].up.dot_general, converted.blocks[0].up.dot_general.value())
+    assert type(again.blocks[1].up.dot_general.recipe) is fp8jax.CurrentScaling  # kept
     # The state is filterable by its type; nothing of it is a Param.
     fp8_paths = {p[:3] for p, _ in nnx.to_flat_state(nnx.state(converted, fp8jax.Fp8State))}
     assert fp8_paths == {("blocks", i, p) for i in (0, 1) for p in ("up", "down")}
@@ -1103,6 +1105,18 @@ class EqxExperts(eqx.Module):
 
 
 SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
+
+
+def test_experts_record_telemetry_when_asked():
+    """`Fp8Config(telemetry=True)` reaches an NnxGroupedLinear's grouped GEMM: each expert's
+    tokens, recorded by a step."""
+    model = fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config(telemetry=True))
+    x = jnp.ones((32, 32))
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x, SIZES) ** 2))(model)
+    fp8jax.nnx_update_fp8_state(model, grads)
+    stats = fp8jax.telemetry(model)
+    np.testing.assert_array_equal(stats["up"].tokens, SIZES)
+    np.testing.assert_array_equal(stats["down"].tokens, SIZES)
 
 
 @pytest.mark.parametrize("name", ["delayed", "current", "blockwise"])

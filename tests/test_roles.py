@@ -215,10 +215,16 @@ def test_haliax_levanter_llama_keeps_its_head():
                 hnn.Linear.init(Mlp, Embed, key=k[2]),
             )
 
+        def __call__(self, x):
+            return x + self.down_proj(hnn.silu(self.gate_proj(x)) * self.up_proj(x))
+
     class Lm(eqx.Module):
         embeddings: hnn.Embedding
         layers: hnn.Stacked
         lm_head: hnn.Linear
+
+        def __call__(self, tokens):
+            return self.lm_head(self.layers.fold(self.embeddings.embed(tokens)))
 
     k = jax.random.split(jax.random.key(0), 3)
     model = Lm(
@@ -226,11 +232,43 @@ def test_haliax_levanter_llama_keeps_its_head():
         hnn.Stacked.init(Layers, Mlp_)(key=jax.random.split(k[1], 2)),
         hnn.Linear.init(Embed, Vocab, key=k[2]),
     )
-    plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(exclude=None))
-    assert plan.converted == tuple(
-        f"layers.stacked.{p}" for p in ("down_proj", "gate_proj", "up_proj")
+    tokens = hax.arange(hax.Axis("position", 8)) % V
+    for example in (None, lambda m: m(tokens)):
+        plan = fp8jax.conversion_plan(model, fp8jax.Fp8Config(exclude=None), example=example)
+        assert plan.converted == tuple(
+            f"layers.stacked.{p}" for p in ("down_proj", "gate_proj", "up_proj")
+        )
+        assert list(plan.kept) == ["lm_head"]
+    # Traced: Haliax's Linear multiplies its weight by a scalar (its reparametrization's
+    # scale) before the GEMM; the trace follows it and finds the head by its dataflow.
+    assert plan.traced and plan.kept["lm_head"].startswith("head: its output is the model's")
+
+
+def test_a_weight_scaled_by_a_scalar_is_followed_and_a_scalar_gain_is_not_a_gemm(getkey):
+    """A weight times (or over) a scalar is that weight (its layer's GEMM); an activation
+    times a scalar parameter does not make the parameter's module run a GEMM."""
+
+    class Scaled(eqx.Module):
+        gain: jax.Array
+        proj: eqx.nn.Linear
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            h = jax.nn.relu(self.proj(self.gain * x))
+            return (self.head.weight * 2.0 / 4.0) @ h
+
+    model = Scaled(
+        jnp.ones(()), eqx.nn.Linear(D, F, key=getkey()), eqx.nn.Linear(F, D, key=getkey())
     )
-    assert list(plan.kept) == ["lm_head"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no module reported as running a GEMM of its own
+        plan = fp8jax.conversion_plan(
+            model, fp8jax.Fp8Config(exclude=None), example=lambda m: m(jnp.ones(D))
+        )
+    assert plan.unconverted == ()
+    assert plan.converted == ("proj",)
+    assert plan.kept["head"].startswith("head: its output is the model's")  # found through
+    # the scaling (untraced, a head is found by the vocabulary's width: this model has none)
 
 
 # --- Flax NNX ----------------------------------------------------------------------------------

@@ -123,6 +123,22 @@ def test_remat_policies_give_identical_training(policy, fp8_mlp):
         np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.parametrize("policy", ["none", "save_fp8_operands"])
+def test_remat_under_fp8jax_grad_called_outside_jit(policy, fp8_mlp):
+    """Called eagerly, fp8jax's gradient of a rematerialized model is its jitted one (a
+    remat saves its max-combining inputs, which an eager caller must never hold)."""
+    model, x = fp8_mlp
+
+    def loss(model, x):
+        return eqx.filter_checkpoint(mlp_loss, policy=POLICIES[policy])(model, x)
+
+    eager = fp8jax.filter_value_and_grad(loss)(model, x)
+    jitted = eqx.filter_jit(fp8jax.filter_value_and_grad(loss))(model, x)
+    for u, v in zip(arrays(eager), arrays(jitted), strict=True):
+        np.testing.assert_array_equal(u, v)
+    assert float(eager[1].layers[0].dot_general.input.amax_history[0]) == float(jnp.abs(x).max())
+
+
 def residuals(policy, model, x):
     """(dtype, shape) of each value saved for the backward pass, as `print_saved_residuals`
     lists them; arguments, and float32 values shaped like FP8 state (scalar scales and

@@ -1,6 +1,7 @@
 """fp8_linear_layers: which layers it converts, what it keeps, and the errors it raises."""
 
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -224,8 +225,54 @@ def test_applying_twice_does_not_wrap_twice(getkey):
     assert jax.tree.structure(twice) == jax.tree.structure(once)
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(twice), strict=True):
         assert a is b
-    targeted = fp8jax.fp8_linear_layers(once, fp8jax.Fp8Config(targets=r".*mlp.*"))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"attn\.query_proj \(DelayedScaling; "):
+        targeted = fp8jax.fp8_linear_layers(once, fp8jax.Fp8Config(targets=r".*mlp.*"))
     assert float(targeted.blocks[0].mlp.layers[0].dot_general.input.scale) == 5.0
+    assert isinstance(targeted.blocks[0].attn.query_proj.dot_general, fp8jax.Fp8DotGeneral)
+
+
+def test_converting_again_with_another_config_keeps_the_layers_and_says_so(getkey):
+    """An FP8 layer keeps its recipe and state; where the config would convert it otherwise
+    (another recipe, other recipe fields, telemetry, high precision) the plan lists it and a
+    warning, pointing at the caller, names it with both."""
+    model = eqx.nn.MLP(8, 8, 16, 1, key=getkey())
+    once = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None))
+    cases = [
+        (
+            fp8jax.Fp8Config(exclude=None, recipe="current"),
+            "(DelayedScaling; the config: CurrentScaling)",
+        ),
+        (
+            fp8jax.Fp8Config(exclude=None, recipe=fp8jax.DelayedScaling(margin=1.0)),
+            "(DelayedScaling(margin=0.0); the config: DelayedScaling(margin=1.0))",
+        ),
+        (
+            fp8jax.Fp8Config(exclude=None, telemetry=True),
+            "telemetry=False; the config: telemetry=True",
+        ),
+        (
+            fp8jax.Fp8Config(exclude="0"),
+            "layers.0 (DelayedScaling; the config: high precision, excluded",
+        ),
+    ]
+    for config, says in cases:
+        plan = fp8jax.conversion_plan(once, config)
+        assert plan.converted == ("layers.0", "layers.1")  # what runs in FP8: both, as before
+        assert {c.why for c in plan.layers} == {"DelayedScaling"}
+        assert any(says in k for k in plan.kept_as_converted), (says, plan.kept_as_converted)
+        assert "FP8 already, kept as it is: " in str(plan)
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=re.escape(says)) as record:
+            again = fp8jax.fp8_linear_layers(once, config)
+        assert record[0].filename == __file__
+        assert all(
+            a is b for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(again), strict=True)
+        )
+        assert again.layers[0].dot_general.recipe == fp8jax.DelayedScaling()
+    same = fp8jax.conversion_plan(once, fp8jax.Fp8Config(exclude=None))
+    assert same.kept_as_converted == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.fp8_linear_layers(once, fp8jax.Fp8Config(exclude=None))
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,8 @@ def test_haliax_moe_linear_matches_the_grouped_fp8_gemm_bit_for_bit(getkey, reci
         jax.tree.leaves(grads.down.ragged_dot), jax.tree.leaves(grads_e[1].ragged_dot), strict=True
     ):
         np.testing.assert_array_equal(a, b)
-    assert fp8jax.fp8_linear_layers(fp8, fp8jax.Fp8Config(exclude=None)) == fp8  # not twice
+    again = fp8jax.fp8_linear_layers(fp8, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    assert again == fp8  # not twice
 
 
 def test_haliax_moe_linear_in_a_stacked_model_trains(getkey):
@@ -156,3 +157,19 @@ def test_haliax_moe_linear_in_a_stacked_model_trains(getkey):
         state, metrics = step(state, x)
         losses.append(float(metrics.loss))
     assert losses[-1] < losses[0]
+
+
+def test_haliax_moe_linear_records_telemetry_when_asked(getkey):
+    """`Fp8Config(telemetry=True)` reaches a Haliax MoELinear's grouped GEMM as it does an
+    Equinox GroupedLinear's: each expert's tokens, recorded by a step."""
+    model = HMoE.init(key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None, telemetry=True))
+    assert isinstance(fp8.up.ragged_dot.stats, fp8jax.ExpertStats)
+    x = hax.random.normal(getkey(), (Token, Embed))
+    sizes = hax.named(SIZES, Experts)
+    grads = fp8jax.filter_grad(lambda m: hax.sum(m(x, sizes) ** 2).scalar())(fp8)
+    overwrites, rest = fp8jax.partition_for_grad_overwrite(grads)
+    stepped = fp8jax.apply_updates(fp8, jax.tree.map(jnp.zeros_like, rest), overwrites)
+    stats = fp8jax.telemetry(stepped)
+    np.testing.assert_array_equal(stats["up"].tokens, SIZES)
+    np.testing.assert_array_equal(stats["down"].tokens, SIZES)

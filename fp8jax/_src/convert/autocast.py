@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, final
 
@@ -34,6 +35,7 @@ from ..core import jax_private
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
+from .plan import Fp8ConversionWarning
 
 #: The primitives whose sub-jaxpr is evaluated in place (a nested `jit`, a call).
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
@@ -109,8 +111,20 @@ class _Choice:
             and eqn.params.get("group_offset") is None
         )
         floats = all(_high_precision_float(a.dtype) for a in (lhs, rhs))
-        grouped = isinstance(self.recipe, PerTensorRecipe | BlockScaledRecipe)  # Fp8RaggedDot's
-        return plain and floats and grouped and self.picks_scope(scope)
+        large = plain and min(*lhs.shape, rhs.shape[2]) >= self.min_dim
+        if not (plain and floats and large and self.picks_scope(scope)):
+            return False
+        if not isinstance(self.recipe, PerTensorRecipe | BlockScaledRecipe):  # Fp8RaggedDot's
+            warnings.warn(
+                f"fp8_autocast: the ragged_dot {scope or '(no scope)'!r} stays in high "
+                f"precision: {type(self.recipe).__name__} has no grouped GEMM (delayed, "
+                "current, blockwise and MXFP8 scaling have one); exclude its scope to keep it "
+                "so without this warning.",
+                Fp8ConversionWarning,
+                stacklevel=2,
+            )
+            return False
+        return True
 
 
 def _high_precision_float(dtype: Any) -> bool:
@@ -256,7 +270,8 @@ def fp8_autocast(
     Every floating `dot_general` traced inside `fun` (however it was written: `x @ w`,
     `jnp.einsum`, `jnp.dot`, a library's layer; under `jit`, `scan`, `while_loop`, `cond`,
     `checkpoint`) that the selection below picks runs as an [`fp8jax.Fp8DotGeneral`][] of
-    `recipe`, and every `lax.ragged_dot` as an [`fp8jax.Fp8RaggedDot`][]: FP8 operands, and
+    `recipe`, and every `lax.ragged_dot` as an [`fp8jax.Fp8RaggedDot`][] (the recipes with a
+    grouped GEMM: a residual recipe's warn and stay in high precision): FP8 operands, and
     under differentiation FP8 dgrad and wgrad. Nothing else changes. The GEMMs are named by
     their name scopes (`jax.named_scope`), which [`fp8jax.inspect`][fp8jax.observe.inspect]
     reports.
@@ -276,7 +291,7 @@ def fp8_autocast(
       per-expert einsums). Off by default: a layer's GEMM contracts activations with a weight,
       which has no batch dimension.
     - `min_dim`: convert only GEMMs whose rows, columns and contraction are all at least this
-      long (tiny GEMMs gain nothing from FP8).
+      long (tiny GEMMs gain nothing from FP8; a `ragged_dot`'s rows: all its groups').
 
     What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
     (their own rules would not match), GEMMs of integer or FP8 operands.

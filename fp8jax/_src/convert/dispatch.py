@@ -3,13 +3,15 @@ model to its framework's adapter (Flax NNX, else Equinox and Haliax)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .config import Fp8Config
 from .equinox import equinox_plan, fp8_equinox_linear_layers
-from .plan import ConversionPlan
+from .plan import ConversionPlan, Fp8ConversionWarning
 
 T = TypeVar("T")
 
@@ -18,6 +20,20 @@ def _flax(api: str) -> Any:
     """`flax.nnx` or `flax.linen` if the user imported it (a model of it can only exist
     then); flax is an optional extra, never imported otherwise."""
     return sys.modules.get(f"flax.{api}")
+
+
+def _fp8_linen(tree: Any) -> bool:
+    """Whether `tree` is a Linen model converted already (an `fp8jax.Fp8Linen`)."""
+    if _flax("linen") is None:
+        return False
+    from .linen.convert import Fp8Linen
+
+    return isinstance(tree, Fp8Linen)
+
+
+def _differing(a: Fp8Config, b: Fp8Config) -> list[str]:
+    """The fields in which two configs differ."""
+    return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
 
 
 def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
@@ -33,7 +49,7 @@ def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
         raise TypeError(f"explain={explain!r}: should be True or False.")
     linen = _flax("linen")
     module = getattr(tree, "module", None)
-    wrapper = linen is not None and isinstance(module, linen.Module)
+    wrapper = linen is not None and isinstance(module, linen.Module) and not _fp8_linen(tree)
     if wrapper and not isinstance(tree, linen.Module):
         raise TypeError(
             f"fp8_linear_layers: {type(tree).__name__} is a wrapper around a Flax Linen model "
@@ -64,7 +80,7 @@ def fp8_linear_layers(
       [`fp8jax.Fp8RaggedDot`][] (per-expert kernel state) as their `ragged_dot`; they are
       targeted, excluded and given recipes by name like Linears. Routers and gates are
       Linears, excluded by default. Their recipe must be one with a grouped GEMM (delayed,
-      current, blockwise, MXFP8); `telemetry` is not kept for them.
+      current, blockwise, MXFP8).
     - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` and
       `nnx.LinearGeneral` (so `nnx.MultiHeadAttention`'s projections) get a
       [`fp8jax.Fp8NnxDotGeneral`][] as their `dot_general` and `nnx.Einsum` an
@@ -75,7 +91,10 @@ def fp8_linear_layers(
       `apply` run the model's own code with its chosen `nn.Dense`, `nn.DenseGeneral` and
       `nn.Einsum` layers as FP8 GEMMs, the FP8 state in the variable collection
       `"_overwrite_with_gradient"`. See the Flax Linen guide.
-    - Layers already in FP8 are left as they are, so applying this twice does not wrap twice.
+    - Layers already in FP8 (and a Linen model converted already) are left as they are,
+      their recipe and state kept, so applying this twice does not wrap twice; where
+      `config` would convert one otherwise, a `fp8jax.Fp8ConversionWarning` names it
+      (`ConversionPlan.kept_as_converted`).
 
     **Arguments:**
 
@@ -105,6 +124,17 @@ def fp8_linear_layers(
     """
     config = _check(tree, config, example, explain)
     nnx, linen = _flax("nnx"), _flax("linen")
+    if _fp8_linen(tree):  # as FP8 layers are, a converted model is left as it is
+        if tree.config != config:
+            warnings.warn(
+                "fp8_linear_layers: this Flax Linen model is converted already "
+                "(fp8jax.Fp8Linen) and keeps its config, not this one (they differ in "
+                f"{', '.join(_differing(tree.config, config))}). To change it, convert the "
+                "model it wraps, fp8_linear_layers(fp8_model.module, config), and init again.",
+                Fp8ConversionWarning,
+                stacklevel=2,
+            )
+        return tree
     if nnx is not None and isinstance(tree, nnx.Module):
         from .nnx.convert import fp8_nnx_linear_layers
 
@@ -142,7 +172,7 @@ def conversion_plan(
         from .nnx.convert import nnx_plan
 
         return nnx_plan(tree, config, example)[0]
-    if linen is not None and isinstance(tree, linen.Module):
+    if _fp8_linen(tree) or linen is not None and isinstance(tree, linen.Module):
         raise TypeError(
             "conversion_plan: a Flax Linen model is traced at init; call "
             "fp8jax.fp8_linear_layers(model, config).plan(rngs, *init_args)."

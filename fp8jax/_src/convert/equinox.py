@@ -20,7 +20,7 @@ from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from .config import Fp8Config, stacked_dot_general
-from .plan import ConversionPlan, announce, decide
+from .plan import ConversionPlan, Converted, announce, decide
 from .roles import Dataflow, ModelShapes, dataflow, owner_of
 
 T = TypeVar("T")
@@ -79,12 +79,14 @@ def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[st
         yield from _walk(child, path + (_key_name(key),), hnn)
 
 
-def _is_fp8(linear: Any) -> bool:
-    return (
-        isinstance(linear, Linear)
-        or isinstance(getattr(linear, "dot_general", None), Fp8DotGeneral)
-        or isinstance(getattr(linear, "ragged_dot", None), Fp8RaggedDot)
-    )
+def _converted(linears: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Converted]:
+    """The layers in FP8 already: each one's recipe and whether it records telemetry."""
+    found = {}
+    for path, node in linears:
+        for op in (getattr(node, "dot_general", None), getattr(node, "ragged_dot", None)):
+            if isinstance(op, Fp8DotGeneral | Fp8RaggedDot):
+                found[path] = (op.recipe, op.stats is not None)
+    return found
 
 
 def _kernel_shape(linear: Any) -> tuple[int, int]:
@@ -160,6 +162,7 @@ def _fp8_moe(
         config.recipe_for(path),
         num_experts=layer.Experts.size,
         name=name,
+        telemetry=config.telemetry,
         native_kernel=config.grouped_native_kernel,
     )
     dot = jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
@@ -237,6 +240,7 @@ def equinox_plan(
         advice=lambda p: (
             "write its GEMM as an eqx.nn.Linear, or run the model under fp8jax.fp8_autocast"
         ),
+        converted=_converted(linears),
     )
 
 
@@ -257,7 +261,7 @@ def fp8_equinox_linear_layers(
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
         kind = _kind(node, hnn)
         if kind == "linear":
-            if path not in chosen or _is_fp8(node):
+            if path not in chosen:  # kept, or FP8 already
                 return node
             if isinstance(node, eqx.nn.Linear):
                 return _stacked_eqx_linear(node, config, path)
@@ -270,7 +274,7 @@ def fp8_equinox_linear_layers(
             )
             return dataclasses.replace(node, dot_general=dot)
         if kind == "grouped":
-            return node if path not in chosen or _is_fp8(node) else _fp8_grouped(node, config, path)
+            return node if path not in chosen else _fp8_grouped(node, config, path)
         if kind == "moe":
             return node if path not in chosen else _fp8_moe(node, config, path, batch_shape)
         if kind == "stacked":

@@ -42,11 +42,15 @@ class ConversionPlan:
       (found from a trace of the model's call), each with what to do.
     - `traced`: whether roles were found from a trace of the model's call (else from shapes
       and names only).
+    - `kept_as_converted`: layers in FP8 already that the config would convert otherwise
+      (another recipe or telemetry, or high precision), each with both: they keep their
+      recipe and state, as a conversion leaves FP8 layers as they are.
     """
 
     layers: tuple[LayerChoice, ...]
     unconverted: tuple[str, ...] = ()
     traced: bool = False
+    kept_as_converted: tuple[str, ...] = ()
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -71,7 +75,38 @@ class ConversionPlan:
             what = f"FP8 ({c.why})" if c.fp8 else f"high: {c.why}"
             lines.append(f"{c.path or '(root)':<{width}}  {c.kind:<{kind}}  {what}")
         lines += [f"not convertible: {u}" for u in self.unconverted]
+        lines += [f"FP8 already, kept as it is: {k}" for k in self.kept_as_converted]
         return "\n".join(lines)
+
+
+#: A layer in FP8 already: its recipe, and whether it records telemetry.
+Converted = tuple[Any, bool]
+
+
+def _show(recipe: Any, other: Any) -> str:
+    """`recipe`'s class, with the fields where it differs from `other` of the same class."""
+    name = type(recipe).__name__
+    if type(other) is not type(recipe) or not dataclasses.is_dataclass(recipe):
+        return name
+    fields = [f.name for f in dataclasses.fields(recipe)]
+    diff = [
+        f"{k}={getattr(recipe, k)!r}" for k in fields if getattr(recipe, k) != getattr(other, k)
+    ]
+    return f"{name}({', '.join(diff)})" if diff else name
+
+
+def _differs(config: Fp8Config, path: tuple[str, ...], fate: str, has: Converted) -> str | None:
+    """How `config` would convert the FP8 layer at `path` otherwise, or None."""
+    recipe, telemetry = has
+    wanted = config.recipe_for(path) if fate == "fp8" else None
+    name = f"{'.'.join(path) or '(root)'} ({_show(recipe, wanted)}"
+    if wanted is None:
+        return f"{name}; the config: high precision, {fate})"
+    if wanted != recipe:
+        return f"{name}; the config: {_show(wanted, recipe)})"
+    if telemetry != config.telemetry:
+        return f"{name}, telemetry={telemetry}; the config: telemetry={config.telemetry})"
+    return None
 
 
 def make_plan(
@@ -80,14 +115,22 @@ def make_plan(
     kinds: Mapping[tuple[str, ...], str],
     unconverted: Iterable[str] = (),
     traced: bool = False,
+    converted: Mapping[tuple[str, ...], Converted] | None = None,
 ) -> ConversionPlan:
-    """The plan of `fates` (from `choose_layers`), each layer's recipe named."""
-    layers = []
+    """The plan of `fates` (from `choose_layers`), each layer's recipe named; the layers in
+    `converted` (FP8 already) with the recipe they have."""
+    converted = converted or {}
+    layers, kept = [], []
     for path in sorted(fates):
-        fp8 = fates[path] == "fp8"
-        why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
+        fp8 = fates[path] == "fp8" or path in converted
+        if path in converted:
+            why = type(converted[path][0]).__name__
+            differs = _differs(config, path, fates[path], converted[path])
+            kept += [differs] if differs else []
+        else:
+            why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
         layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
-    return ConversionPlan(tuple(layers), tuple(unconverted), traced)
+    return ConversionPlan(tuple(layers), tuple(unconverted), traced, tuple(kept))
 
 
 def decide(
@@ -101,12 +144,14 @@ def decide(
     flow: Dataflow | None,
     kinds: Mapping[tuple[str, ...], str],
     advice: Callable[[tuple[str, ...]], str],
+    converted: Mapping[tuple[str, ...], Converted] | None = None,
 ) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
     """Every adapter's decision, in one place: each layer's role (`widths` gives a Linear's
     output width and whether it is a stack of layers; layers absent from it, experts, have
     no role), its fate under `config`, and the modules whose GEMMs the trace `flow` found
     outside every layer, embedding, head and router (`advice(path)` says what to do with
-    one). Returns the plan and the converted layers' paths."""
+    one). `converted`: the layers in FP8 already, which stay as they are. Returns the plan and
+    the paths of the layers to convert."""
     roles = {}
     for path, _ in layers:
         if path in widths:
@@ -122,13 +167,15 @@ def decide(
             for p in sorted(flow.gemms)
             if p not in known and not flow.keeps(p)
         ]
-    plan = make_plan(config, fates, kinds, unconverted, traced=flow is not None)
-    return plan, {p for p, fate in fates.items() if fate == "fp8"}
+    plan = make_plan(config, fates, kinds, unconverted, flow is not None, converted)
+    converted = converted or {}
+    return plan, {p for p, fate in fates.items() if fate == "fp8" and p not in converted}
 
 
-def announce(plan: ConversionPlan, explain: bool, framework: str) -> None:
-    """Print `plan` when asked; warn when it converts nothing or leaves GEMMs it cannot
-    convert, naming them and what to do."""
+def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: int = 4) -> None:
+    """Print `plan` when asked; warn when it converts nothing, leaves GEMMs it cannot
+    convert or keeps FP8 layers the config would convert otherwise, naming them and what to
+    do. `stacklevel`: the warnings' (by default, `fp8_linear_layers`' caller)."""
     if explain:
         print(plan)
     if plan.unconverted:
@@ -137,7 +184,16 @@ def announce(plan: ConversionPlan, explain: bool, framework: str) -> None:
             "run GEMMs on their own weights that fp8jax does not convert, so they stay in "
             "high precision: " + "; ".join(plan.unconverted) + ".",
             Fp8ConversionWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
+        )
+    if plan.kept_as_converted:
+        warnings.warn(
+            f"fp8_linear_layers: {len(plan.kept_as_converted)} layer(s) of this {framework} "
+            "model are in FP8 already and keep their recipe and state, not this config's: "
+            + "; ".join(plan.kept_as_converted)
+            + ". To change them, convert the model as it was before its first conversion.",
+            Fp8ConversionWarning,
+            stacklevel=stacklevel,
         )
     if not plan.converted:
         kept = "; ".join(f"{c.path or '(root)'}: {c.why}" for c in plan.layers)
@@ -147,5 +203,5 @@ def announce(plan: ConversionPlan, explain: bool, framework: str) -> None:
             "convert heads and routers, exclude=None to ignore names, or name the layers in "
             "targets.",
             Fp8ConversionWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )

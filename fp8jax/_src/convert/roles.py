@@ -58,6 +58,11 @@ VIEWS = frozenset(
     }
 )
 
+#: Primitives that scale their first operand by their second: a weight times (or over) a
+#: scalar is that weight too (Haliax's Linear multiplies its weight by its reparametrization's
+#: scale, 1.0).
+SCALINGS = frozenset({"mul", "div"})
+
 
 @final
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +143,11 @@ class _Tracer:
             self.feeds_choice |= taint
         if name in VIEWS and ins:
             return [_Value(ins[0].origin, taint)] * n_out
+        if name in SCALINGS:
+            shapes = [getattr(getattr(v, "aval", None), "shape", None) for v in eqn.invars]
+            scaled = 0 if shapes[1] == () else 1 if name == "mul" and shapes[0] == () else None
+            if scaled is not None and shapes[scaled] != ():
+                return [_Value(ins[scaled].origin, taint)] * n_out
         subs = jax_private.sub_jaxprs(eqn)
         if subs:
             mapped = self.nested(eqn, ins, subs)
@@ -271,10 +281,10 @@ def role_of(
                 return (
                     f"router: its {out_width} outputs are the experts of {'.'.join(expert_path)!r}"
                 )
-    if flow is not None:
+    if flow is not None and path in flow.gemms:
         if flow.is_head(path):
             return "head: its output is the model's output (the last GEMM before it)"
-        return None  # the trace knows better than widths
+        return None  # the trace knows better than widths (where it found the layer's GEMM)
     vocabulary = shapes.vocabulary
     if vocabulary is None or repeated(path, stacked):
         return None

@@ -16,6 +16,8 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
 
 from ..core.updates import is_overwrite, partition_for_grad_overwrite
 from .grad import filter_value_and_grad
@@ -51,6 +53,21 @@ def check_unroll(what: str, unroll: Any) -> None:
             f"{what}={unroll!r} should be an int >= 1 (microbatches per iteration of the "
             "scan) or True (all of them), as lax.scan's unroll."
         )
+
+
+def stackable_aux(aux: Any, caller: str) -> Any:
+    """`aux` with each leaf an array, to be stacked over microbatches; `caller` names who
+    asks, in the error for a leaf that is neither an array nor a number."""
+
+    def leaf(path: Any, x: Any) -> Array:
+        if isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+            return jnp.asarray(x)
+        raise TypeError(
+            f"{caller}: aux{jax.tree_util.keystr(path)} is a {type(x).__name__}; aux is "
+            "stacked over the microbatches, so each of its leaves must be an array or a number."
+        )
+
+    return jax.tree_util.tree_map_with_path(leaf, aux)
 
 
 def accumulate_gradients(
@@ -109,7 +126,7 @@ def accumulate_gradients(
         out = fun(model, *batch)
         if has_aux:
             loss, aux = out
-            return loss / microbatches, aux
+            return loss / microbatches, stackable_aux(aux, "accumulate_gradients(has_aux=True)")
         return out / microbatches
 
     value_and_grad = filter_value_and_grad(scaled, has_aux=has_aux)

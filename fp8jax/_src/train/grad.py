@@ -70,7 +70,9 @@ def filter_value_and_grad(
     def with_max_state(first: Any, *args: Any, **kwargs: Any) -> Any:
         return fun(combine_by_max(first), *args, **kwargs)
 
-    value_and_grad = eqx.filter_value_and_grad(eqx.filter_jit(with_max_state), has_aux=has_aux)
+    # The whole gradient under one jit: residuals of the max-combining dtype (a remat's saved
+    # inputs) never leave it, which an eager caller would otherwise materialize.
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(with_max_state, has_aux=has_aux))
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -32,7 +32,7 @@ from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from ..ops import warm_start
-from .accumulate import accumulate_gradients, check_unroll
+from .accumulate import accumulate_gradients, check_unroll, stackable_aux
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree, states_finite
 from .policy import Policy
@@ -186,7 +186,14 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
                 f"make_train_step(has_aux=True): loss_fn returned {type(out).__name__}, not a "
                 "pair (loss, aux); return both, or drop has_aux."
             )
+        if not self.has_aux and isinstance(out, tuple | list):
+            raise ValueError(
+                f"make_train_step: loss_fn returned a {type(out).__name__} of {len(out)}, not a "
+                "scalar loss; for (loss, aux), pass has_aux=True."
+            )
         loss, aux = out if self.has_aux else (out, None)
+        if self.has_aux and self.microbatches > 1:
+            aux = stackable_aux(aux, f"make_train_step(microbatches={self.microbatches})")
         if jnp.ndim(loss) != 0:
             raise ValueError(
                 f"make_train_step: loss_fn returned shape {jnp.shape(loss)}; it must return a "

@@ -385,7 +385,7 @@ class Fp8Linen:
         layer is converted. Raises `ValueError` if a target or recipe pattern matches no
         layer that ran (the message lists those that did)."""
         plan, chosen = self._plan(rngs, args, kwargs)
-        announce(plan, self.explain, "Flax Linen")
+        announce(plan, self.explain, "Flax Linen", stacklevel=3)
         return self._run("init", chosen, self.module.init_with_output, rngs, *args, **kwargs)
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:

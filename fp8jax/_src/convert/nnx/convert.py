@@ -17,7 +17,7 @@ from flax import nnx
 
 from ..config import Fp8Config
 from ..einsum import einsum_kernel_shape
-from ..plan import ConversionPlan, announce, decide
+from ..plan import ConversionPlan, Converted, announce, decide
 from ..roles import Dataflow, ModelShapes, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
@@ -40,11 +40,23 @@ def _kind(node: Any) -> str | None:
     return None
 
 
-def _is_fp8(node: Any) -> bool:
-    return any(
-        isinstance(getattr(node, attr, None), AbstractFp8NnxDot)
-        for attr in ("dot_general", "einsum_op", "ragged_dot", FP8_DOT)
-    )
+def _fp8_op(node: Any) -> Any:
+    """The FP8 op a layer converted already holds, or None."""
+    for attr in ("dot_general", "einsum_op", "ragged_dot", FP8_DOT):
+        op = getattr(node, attr, None)
+        if isinstance(op, AbstractFp8NnxDot):
+            return op
+    return None
+
+
+def _converted(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Converted]:
+    """The layers in FP8 already: each one's recipe and whether it records telemetry."""
+    found = {}
+    for path, layer in layers:
+        op = _fp8_op(layer)
+        if op is not None:
+            found[path] = (op.recipe, op.state.stats is not None)
+    return found
 
 
 def _graph_nodes(model: Any) -> list[tuple[tuple[str, ...], Any]]:
@@ -84,6 +96,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
             recipe,
             num_experts=kernel.shape[0],
             name=name,
+            telemetry=config.telemetry,
             native_kernel=config.grouped_native_kernel,
         )
     if _kind(layer) == "general":
@@ -213,6 +226,7 @@ def nnx_plan(
             "or multiply by a `kernel` nnx.Param of the module's own, or run it under "
             "fp8jax.fp8_autocast"
         ),
+        converted=_converted(layers),
     )
     return plan, chosen, layers
 
@@ -238,7 +252,7 @@ def fp8_nnx_linear_layers(
     plan, chosen, layers = nnx_plan(model, config, example)
     announce(plan, explain, "Flax NNX")
     for path, layer in layers:
-        if path not in chosen or _is_fp8(layer):
+        if path not in chosen:  # kept, or FP8 already
             continue
         if _kind(layer) == "kernel":
             convert_kernel_module(layer, path, config)
