@@ -267,3 +267,48 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
         k: v for k, v in record["fp8_layers"].items() if "experts" not in v
     }}  # fmt: skip
     checkpoint.check_fp8_record(json.loads(json.dumps(older)), checkpoint.fp8_record(like), path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_nnx_model_and_optimizer_round_trip_and_resume(backend, tmp_path):
+    """A Flax NNX model (its FP8 state in `Fp8State` variables, whose leaves' paths end in
+    `.value`) and its optimizer restore into a fresh pair, which resumes as the original
+    does; the fresh pair given as `like` is left as it was."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(8, 32, rngs=rngs)
+            self.fc2 = nnx.Linear(32, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+    def pair(seed):
+        config = fp8jax.Fp8Config(exclude=None, keep=(), telemetry=True)
+        model = fp8jax.fp8_linear_layers(Net(nnx.Rngs(seed)), config)
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+
+    def go(model, optimizer, start, stop):
+        for i in range(start, stop):
+            step(model, optimizer, *batch(i))
+        return model
+
+    def values(model):
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))]
+
+    model, optimizer = pair(0)
+    go(model, optimizer, 0, 3)
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, (model, optimizer), backend=backend)
+    like = pair(1)
+    fresh = values(like[0])
+    restored, restored_optimizer = fp8jax.load_checkpoint(path, like, backend=backend)
+    assert values(like[0]) == fresh
+    assert values(restored) == values(model)
+    history = restored.fc1.dot_general.state.input.amax_history.get_value()
+    assert float(history[0]) > 0  # the trained state, not a fresh one
+    want = values(go(model, optimizer, 3, 5))
+    assert values(go(restored, restored_optimizer, 3, 5)) == want

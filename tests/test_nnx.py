@@ -844,6 +844,31 @@ def test_a_linear_general_with_its_own_dot_general_cls_is_refused():
         fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), config())
 
 
+@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Einsum"])
+def test_a_layer_with_its_own_gemm_op_is_refused_not_replaced(kind):
+    """A layer built with its own `dot_general` (or `einsum_op`: a quantization library's, a
+    wrapper) is refused by name, as a Linen layer is; excluded, it is kept with its op."""
+
+    def own(*args, **kwargs):
+        op = jnp.einsum if kind == "Einsum" else jax.lax.dot_general
+        return op(*args, **kwargs)
+
+    class Custom(nnx.Module):
+        def __init__(self, rngs):
+            if kind == "Einsum":
+                self.fc = nnx.Einsum("bd,df->bf", (8, 8), einsum_op=own, rngs=rngs)
+            else:
+                self.fc = getattr(nnx, kind)(8, 8, dot_general=own, rngs=rngs)
+            self.other = nnx.Linear(8, 8, rngs=rngs)
+
+    attr = "einsum_op" if kind == "Einsum" else "dot_general"
+    with pytest.raises(ValueError, match=rf"nnx\.{kind} 'fc' has its own {attr} \(<function"):
+        fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), config())
+    kept = fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), fp8jax.Fp8Config(exclude="fc", keep=()))
+    assert getattr(kept.fc, attr) is own
+    assert isinstance(kept.other.dot_general, fp8jax.Fp8NnxDotGeneral)
+
+
 def test_einsum_with_batch_and_ellipsis_axes_is_exact_on_representable_values():
     class Experts(nnx.Module):
         def __init__(self, rngs):

@@ -264,10 +264,14 @@ class _StoredTensorState(eqx.Module):
     amax_history: Array
 
 
+_STATE_INVERSE = re.compile(r"\.scale_inv(\.value)?$")
+
+
 def _target(saved: dict[str, Any], like: T) -> T:
     """`like`, or, for a checkpoint written before `TensorState` kept `scale_inv` (its record
     names no such leaf), `like` with each such state as that checkpoint holds it."""
-    if any(where.endswith(".scale_inv") for where in saved.get("leaves", {})):
+    # A state's leaf `.scale_inv`, or `.scale_inv.value` where a Flax NNX variable holds it.
+    if any(_STATE_INVERSE.search(where) for where in saved.get("leaves", {})):
         return like
 
     def stored(state: Any) -> Any:
@@ -295,7 +299,23 @@ def _settled(state: T) -> T:
         return isinstance(node, _StoredTensorState)
 
     state = jax.tree.map(with_inverse, state, is_leaf=is_stored)
-    return jax.tree.map(lambda n: n.merge(n) if _is_layer(n) else n, state, is_leaf=_is_layer)
+    return jax.tree.map(lambda n: _merged(n) if _is_layer(n) else n, state, is_leaf=_is_layer)
+
+
+def _is_variable(x: Any) -> bool:
+    """Whether `x` is a Flax NNX variable (an FP8 NNX layer's state holds its arrays in them)."""
+    return hasattr(x, "get_value") and hasattr(x, "set_value")
+
+
+def _merged(layer: Any) -> Any:
+    """`layer` merged with its own state; an NNX layer's variables (the restored copies) set
+    to the merged values in place."""
+    if not any(map(_is_variable, jax.tree.leaves(layer, is_leaf=_is_variable))):
+        return layer.merge(layer)
+    values = jax.tree.map(lambda v: v.get_value(), layer, is_leaf=_is_variable)
+    merged = values.merge(values)
+    jax.tree.map(lambda v, m: v.set_value(m), layer, merged, is_leaf=_is_variable)
+    return layer
 
 
 def _deserialise(f: Any, like: Any) -> Any:

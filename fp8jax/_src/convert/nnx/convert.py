@@ -78,9 +78,25 @@ def _graph_nodes(model: Any) -> list[tuple[tuple[str, ...], Any]]:
     ]
 
 
+#: A layer's GEMM attribute, by kind, and the values Flax builds it with.
+_OWN_OPS = {
+    "linear": ("dot_general", (None, jax.lax.dot_general)),
+    "general": ("dot_general", (None, jax.lax.dot_general)),
+    "einsum": ("einsum_op", (None, jnp.einsum)),
+}
+
+
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
+    attr, defaults = _OWN_OPS.get(_kind(layer), (None, ()))
+    own = getattr(layer, attr) if attr else None
+    if attr and not any(own is d for d in defaults):
+        raise ValueError(
+            f"fp8_linear_layers: the nnx.{type(layer).__name__} {name!r} has its own {attr} "
+            f"({own!r}), which fp8jax would replace. Exclude it (Fp8Config targets or "
+            "exclude), or build it without one."
+        )
     kernel = layer.kernel.get_value()
     if _kind(layer) == "linear":
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
