@@ -551,7 +551,7 @@ CONVERSION = [
         "targets-all-excluded",
         lambda w: convert(_head_and_fc(), Config(targets=["head"])),
         ValueError,
-        r"selects only 'head', which exclude=.* keeps in high precision",
+        r"target 'head' selects only 'head', which exclude=.* keeps in high precision",
     ),
     row(
         "exclude-int",

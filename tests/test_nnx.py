@@ -1017,7 +1017,7 @@ def test_bad_input_errors():
         fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["norm"]))
     with pytest.raises(ValueError, match=r"matches only modules that are not Linear.*Block"):
         fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r"blocks\.0"))
-    with pytest.raises(ValueError, match=r"selects only 'head', which exclude="):
+    with pytest.raises(ValueError, match=r"target 'head' selects only 'head', which exclude="):
         fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["head"]))
     with pytest.raises(ValueError, match=r"recipes pattern 'nope' matches no converted layer"):
         fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(recipes={"nope": "current"}))

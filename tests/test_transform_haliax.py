@@ -173,3 +173,11 @@ def test_haliax_moe_linear_records_telemetry_when_asked(getkey):
     stats = fp8jax.telemetry(stepped)
     np.testing.assert_array_equal(stats["up"].tokens, SIZES)
     np.testing.assert_array_equal(stats["down"].tokens, SIZES)
+
+
+def test_expert_specs_refuses_a_haliax_moe_linear_by_name(getkey):
+    """`expert_specs` splits fp8jax's GroupedLinear experts; a Haliax MoELinear's would be
+    left replicated without a word, so it is refused, naming its experts axis."""
+    fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None))
+    with pytest.raises(TypeError, match=r"Haliax MoELinear in FP8 .*named axis 'experts'"):
+        fp8jax.expert_specs(fp8, "expert")

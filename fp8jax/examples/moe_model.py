@@ -8,8 +8,8 @@ grouped GEMMs (`up`, `down`: [`fp8jax.GroupedLinear`][], stacked weights
 summed with the routing weights.
 
 [`fp8jax.fp8_linear_layers`][] turns the expert GEMMs into FP8 grouped GEMMs
-([`fp8jax.Fp8RaggedDot`][], a state per expert); the router stays in high precision (`gate`
-and `router` are excluded by default):
+([`fp8jax.Fp8RaggedDot`][], a state per expert); the router stays in high precision (found
+by its role: its width is the expert count):
 
 ```python
 model = MoEModel(width=32, hidden=64, experts=4, top_k=2, key=key)

@@ -253,7 +253,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
     for name in config.targets:
         hits = [p for p, _ in linears if ".".join(p) == name or (p and p[-1] == name)]
         if hits:
-            _check_excluded(config, [p for p in hits if excluded(p)], hits)
+            _check_excluded(config, [p for p in hits if excluded(p)], hits, name)
             continue
         others = [(p, n) for p, n in nodes if p and (".".join(p) == name or p[-1] == name)]
         if others:
@@ -267,13 +267,15 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
         )
 
 
-def _check_excluded(config: Fp8Config, blocked: list, hits: list) -> None:
+def _check_excluded(config: Fp8Config, blocked: list, hits: list, name: str = "") -> None:
+    """Refuse a target (the regex, or one `name` of a list) whose every layer `exclude`
+    keeps in high precision."""
     if blocked and len(blocked) == len(hits):
         names = ", ".join(repr(".".join(p)) for p in blocked)
+        what = f"target {name!r}" if name else f"targets={config.targets!r}"
         raise ValueError(
-            f"Fp8Config targets={config.targets!r} selects only {names}, which "
-            f"exclude={config.exclude!r} keeps in high precision. Pass exclude=None (or a "
-            "narrower pattern) to convert them."
+            f"Fp8Config {what} selects only {names}, which exclude={config.exclude!r} keeps "
+            "in high precision. Pass exclude=None (or a narrower pattern) to convert them."
         )
 
 

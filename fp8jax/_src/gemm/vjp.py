@@ -100,8 +100,10 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
     raise StateNotDifferentiatedError(
         f"{_layer(static.name, static.kind)} ({type(recipe).__name__}) is differentiated, "
         "but its FP8 state is not: its new scales and amax history leave the step as the "
-        "state's gradient, so they would stay as they are forever (a fresh layer's scale of "
-        "1.0 saturates large values and flushes small gradients to zero). Differentiate the "
+        "state's gradient, so they would stay as they are forever (a fresh layer's empty "
+        "history would cast every step by its own amax, the warm start, and its scale never "
+        "be recorded; with warm_start=False, its scale of 1.0 saturates large values and "
+        "flushes small gradients to zero). Differentiate the "
         "state along with the weights: with a filter_spec, `filter_spec = "
         "fp8jax.with_fp8_state(filter_spec, model)`; with jax.grad, pass the layer (or "
         "model) as a differentiated argument, e.g. `fp8jax.filter_grad(loss)(model, x)` "

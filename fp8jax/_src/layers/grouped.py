@@ -19,6 +19,7 @@ from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
 from .linear import one_of_stack
+from .moe_linear import Fp8MoELinear
 
 
 def check_grouped_linear_args(
@@ -173,7 +174,9 @@ def expert_specs(model: Any, axis: str) -> Any:
     kernel's state and statistics, the tokens per expert), `P()` for every other array
     (replicated: the router, attention, norms, the activations' FP8 state); `None` for what
     is not an array. The same tree structure as `model`, whose arrays may be
-    `jax.ShapeDtypeStruct`s (an abstract model, for a compile without devices).
+    `jax.ShapeDtypeStruct`s (an abstract model, for a compile without devices). A Haliax
+    `MoELinear` in FP8 ([`fp8jax.Fp8MoELinear`][]) raises a `TypeError`: Haliax splits its
+    named experts axis by its own axis mapping.
 
     ```python
     specs = fp8jax.expert_specs(model, "expert")
@@ -193,7 +196,17 @@ def expert_specs(model: Any, axis: str) -> Any:
                 leaves += jax.tree.leaves((dot.stats.kernel, dot.stats.tokens))
         return leaves
 
-    for layer in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, GroupedLinear)):
+    def is_layer(n: Any) -> bool:
+        return isinstance(n, GroupedLinear | Fp8MoELinear)
+
+    for layer in jax.tree.leaves(model, is_leaf=is_layer):
+        if isinstance(layer, Fp8MoELinear):
+            raise TypeError(
+                f"expert_specs: the model holds a Haliax MoELinear in FP8 (its experts the "
+                f"named axis {layer.Experts.name!r}); expert_specs splits fp8jax.GroupedLinear "
+                "experts for shard_map. Split a Haliax model's experts by its axis mapping "
+                f"(e.g. {{{layer.Experts.name!r}: {axis!r}}}) instead."
+            )
         if isinstance(layer, GroupedLinear):
             split.update(id(a) for a in per_expert(layer))
 
