@@ -140,7 +140,7 @@ DOT_GENERAL = [
         "dot-recipe-class",
         lambda w: fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling),
         ValueError,
-        r"Unknown recipe <class .*DelayedScaling'>: should be a fp8jax recipe instance",
+        r"recipe=DelayedScaling is a recipe class; pass an instance, DelayedScaling\(\)",
     ),
     row(
         "dot-recipe-wrong-case",
@@ -1063,6 +1063,19 @@ TRAINING = [
         r"optimizer=<function adam.*should be an optax GradientTransformation",
     ),
     row(
+        "policy-fp8-compute",
+        lambda w: P.from_string("params=f32,compute=float8_e4m3fn"),
+        ValueError,
+        r"compute=float8_e4m3fn: an 8-bit \(or narrower\) float is what fp8jax's GEMMs",
+    ),
+    row(
+        "step-optimizer-multisteps",
+        lambda w: make(_loss, optax.MultiSteps(optax.adam(1e-3), 2)),
+        TypeError,
+        r"for an optax.MultiSteps, its .gradient_transformation\(\) \(or "
+        r"make_train_step\(microbatches=...\)",
+    ),
+    row(
         "step-policy-int",
         lambda w: make(_loss, ADAM, policy=3),
         TypeError,
@@ -1114,7 +1127,7 @@ TRAINING = [
         "step-state-is-model",
         lambda w: w.step(w.model, X),
         TypeError,
-        r"state is a MLP, not an fp8jax.TrainState; create it with train_step.init",
+        r"state is of type MLP, not an fp8jax.TrainState; create it with train_step.init",
     ),
     row(
         "step-batch-wrong-features",

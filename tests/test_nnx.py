@@ -1255,3 +1255,26 @@ def test_fp8_layers_quantize_their_float32_masters():
     assert amax["masters"] == np.max(np.abs(kernel))
     assert amax["copies"] == np.max(np.abs(kernel.astype(jnp.bfloat16).astype(np.float32)))
     assert amax["masters"] != amax["copies"]
+
+
+def test_the_train_step_trains_a_model_without_fp8_layers_as_flax_does():
+    """A baseline (no FP8 layer: unconverted, or everything excluded) trains with the same
+    step, as Flax's own step trains it."""
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+
+    @nnx.jit
+    def flax_step(model, optimizer, x):
+        value, grads = nnx.value_and_grad(loss)(model, x)
+        optimizer.update(model, grads)
+        return value
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 32)), jnp.float32)
+    runs = []
+    for step in (fp8jax.nnx_train_step(loss), flax_step):
+        model = NnxNet((32, 16, 8), nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        runs.append([float(step(model, optimizer, x)) for _ in range(3)])
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
+    assert runs[0][-1] < runs[0][0]

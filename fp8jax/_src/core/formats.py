@@ -207,14 +207,14 @@ DTYPE_ALIASES: dict[str, np.dtype] = {
     "half": np.dtype(jnp.float16),
 }
 ACCEPTED_DTYPES = (
-    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype "
-    "name NumPy or JAX knows"
+    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype of 16 "
+    "bits or more NumPy or JAX knows"
 )
 
 
 def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
-    """`value` (a dtype-like, or a name such as `"bf16"`) as a floating NumPy dtype; `what`
-    names it in the `ValueError` that refuses anything else."""
+    """`value` (a dtype-like, or a name such as `"bf16"`) as a floating NumPy dtype of 16 bits
+    or more; `what` names it in the `ValueError` that refuses anything else."""
     dtype = None
     if value is None:
         raise ValueError(f"{what}=None: give a dtype; use {ACCEPTED_DTYPES}.")
@@ -228,4 +228,9 @@ def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
     if not jnp.issubdtype(dtype, jnp.floating):
         given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
         raise ValueError(f"{what}={given}, not a floating-point dtype; use {ACCEPTED_DTYPES}.")
+    if dtype.itemsize < 2:
+        raise ValueError(
+            f"{what}={dtype}: an 8-bit (or narrower) float is what fp8jax's GEMMs quantize to, "
+            f"not a dtype to compute or store in around them; use {ACCEPTED_DTYPES}."
+        )
     return dtype

@@ -26,6 +26,11 @@ def recipe_from(spec: Recipe | str | None) -> Recipe:
         return spec
     if isinstance(spec, str) and spec in RECIPES:
         return RECIPES[spec]()
+    if isinstance(spec, type) and issubclass(spec, Recipe):
+        raise ValueError(
+            f"recipe={spec.__name__} is a recipe class; pass an instance, {spec.__name__}() "
+            f"(its fields as arguments), or a name: one of {sorted(RECIPES)}."
+        )
     raise ValueError(
         f"Unknown recipe {spec!r}: should be a fp8jax recipe instance or one of {sorted(RECIPES)}."
     )

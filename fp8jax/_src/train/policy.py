@@ -135,7 +135,7 @@ class Policy:
 
         - `spec`: comma-separated `key=dtype` pairs. Keys: `params` (`param`, `p`), `compute`
           (`c`), `output` (`o`). Dtypes: `float32` (`f32`, `full`), `bfloat16` (`bf16`),
-          `float16` (`f16`, `half`), or any floating dtype name NumPy or JAX knows. Whitespace
+          `float16` (`f16`, `half`), or any floating dtype of 16 bits or more. Whitespace
           and letter case are ignored. A missing `params` is float32; a missing `compute` or
           `output` is the param dtype. `str(policy)` gives back a spec of this form.
 

@@ -133,7 +133,7 @@ class TrainStep(eqx.Module):
     def __call__(self, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
         if not isinstance(state, TrainState):
             raise TypeError(
-                f"train step: state is a {type(state).__name__}, not an fp8jax.TrainState; "
+                f"train step: state is of type {type(state).__name__}, not an fp8jax.TrainState; "
                 "create it with train_step.init(model)."
             )
         # Compiler options belong to a top-level executable: under the caller's own jit (or
@@ -304,9 +304,16 @@ def make_train_step(
             "(NoOpLossScale, StaticLossScale, DynamicLossScale) or None."
         )
     if not isinstance(optimizer, optax.GradientTransformation):
+        multi = isinstance(optimizer, optax.MultiSteps)
         raise TypeError(
             f"make_train_step: optimizer={optimizer!r}: should be an optax "
-            "GradientTransformation, e.g. optax.adamw(1e-3)."
+            "GradientTransformation, e.g. optax.adamw(1e-3)"
+            + (
+                "; for an optax.MultiSteps, its .gradient_transformation() (or "
+                "make_train_step(microbatches=...), which accumulates within one step)."
+                if multi
+                else "."
+            )
         )
     flags = (("has_aux", has_aux), ("skip_nonfinite", skip_nonfinite), ("cast_batch", cast_batch))
     for flag, value in flags:

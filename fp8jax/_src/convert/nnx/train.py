@@ -191,7 +191,8 @@ def nnx_train_step(
     updates the Params with `optimizer.update(model, grads)`, and returns the loss (or
     `(loss, aux)` with `has_aux=True`). `model` and `optimizer` are updated in place, as
     NNX does; so are variables of NNX objects among the arguments. Arrays among the
-    arguments are traced, other values are static (a new value recompiles).
+    arguments are traced, other values are static (a new value recompiles). A model without
+    FP8 layers (a high-precision baseline) trains with it too.
 
     Delayed scaling's warm start is paid only while it can change anything, as in
     [`fp8jax.TrainStep`][]: from the hundredth step on, once every
@@ -323,7 +324,8 @@ class NnxTrainStep:
             _check_optimizer(model, optimizer)
             grad_fn = nnx_value_and_grad(self.loss_fn, wrt=optimizer.wrt, has_aux=self.has_aux)
             value, grads = grad_fn(model, *args, **kwargs)
-            nnx_update_fp8_state(model, grads)
+            if _fp8_ops(model):  # a model without FP8 layers (a baseline) trains as it is
+                nnx_update_fp8_state(model, grads)
             optimizer.update(model, grads)
             said = warm_start.recorded_flag(_fp8_ops(model)) if warm else None
             return value, nnx.state(objects, nnx.Variable, graph=True), said
