@@ -504,6 +504,10 @@ def test_a_tree_wide_cast_of_the_fp8_state_is_refused():
     cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
     with pytest.raises(TypeError, match=r"FP8 state \(input\) is bfloat16.*Cast only the param"):
         cast(jnp.ones(D, jnp.bfloat16))
+    # fp8jax's gradient views the state as float32 to combine it by max: it refuses first.
+    loss = lambda m: jnp.sum(m(jnp.ones(D, jnp.bfloat16)))  # noqa: E731
+    with pytest.raises(TypeError, match=r"FP8 state \(input\) is bfloat16.*Cast only the param"):
+        fp8jax.filter_value_and_grad(loss)(cast)
     linen = fp8jax.fp8_linear_layers(ConvNet(), fp8jax.Fp8Config(keep=()))
     variables = linen.init(jax.random.key(0), jnp.ones((2, D)))
     variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables)

@@ -106,6 +106,24 @@ def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, A
     return Fp8Stats(**stats)
 
 
+def check_float32_state(op: AbstractFp8Op) -> None:
+    """Raise `TypeError` if a cast of the whole model or variables reached `op`'s FP8 state
+    (a floating leaf that is not float32), before it rounds its scales and amax history."""
+    for role in ROLES:
+        for leaf in jax.tree.leaves(getattr(op, role)):
+            dtype = getattr(leaf, "dtype", None)  # np.dtype: not the max-combining view
+            if isinstance(dtype, np.dtype) and jnp.issubdtype(dtype, jnp.floating):
+                if dtype != np.float32:
+                    raise TypeError(
+                        f"{op._where}: its FP8 state ({role}) is {dtype}, not float32: a "
+                        "cast of the whole model or variables reached it, which would round "
+                        "its scales and amax history. Cast only the parameters: "
+                        "fp8jax.Policy's cast_to_compute (Equinox), a cast of "
+                        "variables['params'] alone (Linen), or of nnx.state(model, "
+                        "nnx.Param) (NNX); FP8 state stays float32."
+                    )
+
+
 class AbstractFp8Op(OverwriteWithGradient):
     """A high-precision GEMM op computed in FP8, with the scaling state of its three operands.
 
@@ -155,22 +173,7 @@ class AbstractFp8Op(OverwriteWithGradient):
         return out
 
     def _states(self) -> States:
-        for role in ROLES:
-            for leaf in jax.tree.leaves(getattr(self, role)):
-                dtype = getattr(leaf, "dtype", None)  # np.dtype: not the max-combining view
-                if (
-                    isinstance(dtype, np.dtype)
-                    and jnp.issubdtype(dtype, jnp.floating)
-                    and (dtype != np.float32)
-                ):
-                    raise TypeError(
-                        f"{self._where}: its FP8 state ({role}) is {dtype}, not float32: a "
-                        "cast of the whole model or variables reached it, which would round "
-                        "its scales and amax history. Cast only the parameters: "
-                        "fp8jax.Policy's cast_to_compute (Equinox), a cast of "
-                        "variables['params'] alone (Linen), or of nnx.state(model, "
-                        "nnx.Param) (NNX); FP8 state stays float32."
-                    )
+        check_float32_state(self)
         return States(self.input, self.kernel, self.output_grad, self.stats)
 
     def _name_scope(self) -> Any:

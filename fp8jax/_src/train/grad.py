@@ -25,6 +25,7 @@ import jax
 from ..core import jax_private
 from ..core.updates import is_overwrite
 from ..gemm.batching import per_example_gradients
+from ..ops.base import AbstractFp8Op, check_float32_state
 
 T = TypeVar("T")
 
@@ -41,6 +42,8 @@ def combine_by_max(tree: T) -> T:
     def convert(node: Any) -> Any:
         if not is_overwrite(node):
             return node
+        if isinstance(node, AbstractFp8Op):
+            check_float32_state(node)  # before the view would widen a cast state unseen
         return jax.tree.map(
             lambda x: jax_private.to_max_combining(x) if eqx.is_inexact_array(x) else x, node
         )
