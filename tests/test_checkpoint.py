@@ -312,3 +312,25 @@ def test_an_nnx_model_and_optimizer_round_trip_and_resume(backend, tmp_path):
     assert float(history[0]) > 0  # the trained state, not a fresh one
     want = values(go(model, optimizer, 3, 5))
     assert values(go(restored, restored_optimizer, 3, 5)) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_python_number_in_like_restores_the_saved_array(backend, tmp_path):
+    """A train state built with a Python step (`step=0`, as Flax's `TrainState.create` does)
+    restores a checkpoint whose step is an array after training: as that array. A number
+    saved as a number, or an array of another kind, is still told apart."""
+    _, state = build(jax.random.key(0))
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    saved = {"step": jnp.int32(7), "lr": jnp.float32(0.5), "state": state, "n": 3}
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    like = {"step": 0, "lr": 1.0, "state": build(jax.random.key(1))[1], "n": 0}
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    assert isinstance(restored["step"], jax.Array) and restored["step"].dtype == jnp.int32
+    assert int(restored["step"]) == 7 and float(restored["lr"]) == 0.5
+    # A Python number is saved by the equinox backend; orbax saves arrays alone (documented).
+    assert restored["n"] == (3 if backend == "equinox" else 0) and isinstance(restored["n"], int)
+    assert bits(restored["state"]) == bits(state)
+    with pytest.raises(
+        ValueError, match=r"leaf \['step'\]: checkpoint has int32\(\), target has a Python float"
+    ):
+        fp8jax.load_checkpoint(path, {**like, "step": 0.0}, backend=backend)

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import Array
@@ -137,7 +138,10 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
       completely or not at all: the data goes to a temporary name first.
     - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
-      they come from the `like` given to [`fp8jax.load_checkpoint`][].
+      they come from the `like` given to [`fp8jax.load_checkpoint`][]; with `"orbax"`,
+      neither are Python numbers among the leaves (their types are recorded and checked):
+      keep a count that must survive a restart in an array (a step counter as
+      `jnp.int32(0)`).
     - `backend`: `"equinox"` (`eqx.tree_serialise_leaves`) or `"orbax"` (orbax-checkpoint).
 
     **Several processes** (`jax.distributed.initialize`): every process must call it, with the
@@ -269,7 +273,13 @@ _STATE_INVERSE = re.compile(r"\.scale_inv(\.value)?$")
 
 def _target(saved: dict[str, Any], like: T) -> T:
     """`like`, or, for a checkpoint written before `TensorState` kept `scale_inv` (its record
-    names no such leaf), `like` with each such state as that checkpoint holds it."""
+    names no such leaf), `like` with each such state as that checkpoint holds it; either with
+    each Python number that the checkpoint holds as a 0-d array of its kind (a train state's
+    step, built as `0` and saved after a step) as such an array, to be restored as one."""
+    like = jax.tree_util.tree_map_with_path(
+        lambda path, x: _as_saved(saved.get("leaves", {}).get(jax.tree_util.keystr(path)), x),
+        like,
+    )
     # A state's leaf `.scale_inv`, or `.scale_inv.value` where a Flax NNX variable holds it.
     if any(_STATE_INVERSE.search(where) for where in saved.get("leaves", {})):
         return like
@@ -280,6 +290,20 @@ def _target(saved: dict[str, Any], like: T) -> T:
         return _StoredTensorState(state.scale, state.amax_history)
 
     return jax.tree.map(stored, like, is_leaf=_is_tensor_state)
+
+
+#: The NumPy kinds of the 0-d arrays a Python number of each type may be restored from.
+_KINDS = {bool: "b", int: "iu", float: "f", complex: "c"}
+
+
+def _as_saved(entry: list | None, leaf: Any) -> Any:
+    """`leaf`, or, a Python number where the checkpoint's record (`entry`) has a 0-d array of
+    its kind, a zero array of that dtype in its place."""
+    kinds = _KINDS.get(type(leaf))
+    if kinds is None or entry is None or len(entry) != 2 or entry[0]:
+        return leaf
+    dtype = np.dtype(entry[1])
+    return jnp.zeros((), dtype) if dtype.kind in kinds else leaf
 
 
 def _settled(state: T) -> T:
