@@ -334,3 +334,18 @@ def test_a_python_number_in_like_restores_the_saved_array(backend, tmp_path):
         ValueError, match=r"leaf \['step'\]: checkpoint has int32\(\), target has a Python float"
     ):
         fp8jax.load_checkpoint(path, {**like, "step": 0.0}, backend=backend)
+
+
+def test_a_numpy_subclass_leaf_in_like_restores(tmp_path):
+    """JAX's literals (a NumPy subclass: a Flax Linen layer's FP8 state initialised under
+    `nn.remat` holds them) in `like` restore like plain NumPy leaves, not as a 'corrupt' file."""
+
+    class Literal(np.ndarray):
+        pass
+
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, {"scale": jnp.float32(4.0), "h": jnp.arange(3.0)})
+    like = {"scale": np.zeros((), np.float32).view(Literal), "h": np.zeros(3, np.float32)}
+    restored = fp8jax.load_checkpoint(path, like)
+    assert float(restored["scale"]) == 4.0 and type(restored["scale"]) is np.ndarray
+    np.testing.assert_array_equal(restored["h"], [0.0, 1.0, 2.0])

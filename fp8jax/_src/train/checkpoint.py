@@ -298,7 +298,11 @@ _KINDS = {bool: "b", int: "iu", float: "f", complex: "c"}
 
 def _as_saved(entry: list | None, leaf: Any) -> Any:
     """`leaf`, or, a Python number where the checkpoint's record (`entry`) has a 0-d array of
-    its kind, a zero array of that dtype in its place."""
+    its kind, a zero array of that dtype in its place; a NumPy array of a subclass (JAX's
+    literals: a Linen layer's state initialised under `nn.remat`) as a plain one, the type a
+    restored NumPy leaf has."""
+    if isinstance(leaf, np.ndarray) and type(leaf) is not np.ndarray:
+        return np.asarray(leaf)
     kinds = _KINDS.get(type(leaf))
     if kinds is None or entry is None or len(entry) != 2 or entry[0]:
         return leaf
