@@ -78,9 +78,9 @@ def fp8_linear_layers(
       be applied in a `lax.scan`) get FP8 state stacked the same way.
     - The experts of a mixture of experts, [`fp8jax.GroupedLinear`][], get an
       [`fp8jax.Fp8RaggedDot`][] (per-expert kernel state) as their `ragged_dot`; they are
-      targeted, excluded and given recipes by name like Linears. Routers and gates are
-      Linears, excluded by default. Their recipe must be one with a grouped GEMM (delayed,
-      current, blockwise, MXFP8).
+      targeted, excluded and given recipes by name like Linears. Routers are Linears, kept
+      in high precision by default (by their role, and by name). Their recipe must be one
+      with a grouped GEMM (delayed, current, blockwise, MXFP8).
     - In a Flax NNX model (an `nnx.Module`, with the `nnx` extra), `nnx.Linear` and
       `nnx.LinearGeneral` (so `nnx.MultiHeadAttention`'s projections) get a
       [`fp8jax.Fp8NnxDotGeneral`][] as their `dot_general` and `nnx.Einsum` an
