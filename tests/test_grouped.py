@@ -542,6 +542,11 @@ def test_bad_construction():
         fp8jax.Fp8RaggedDot(num_experts=G, native_kernel="auto")
     with pytest.raises(ValueError, match="num_experts=0: should be an int >= 1"):
         fp8jax.Fp8RaggedDot(num_experts=0)
+    dot, sizes = fp8jax.Fp8RaggedDot(num_experts=2), jnp.array([2, 2], jnp.int32)
+    x, w = jnp.ones((4, 16)), jnp.ones((2, 16, 16))
+    with pytest.raises(NotImplementedError, match=r"group_offset=.* is not supported"):
+        dot(x, w, sizes, group_offset=jnp.array([1], jnp.int32))
+    assert dot(x, w, sizes, group_offset=None).shape == (4, 16)  # lax's default, accepted
     with pytest.raises(ValueError, match="GroupedLinear in_features=0"):
         fp8jax.GroupedLinear(G, 0, N, key=jax.random.PRNGKey(0))
 

@@ -241,12 +241,20 @@ class Fp8RaggedDot(AbstractFp8Op):
         group_sizes: Int[ArrayLike, " experts"],
         precision: Any = None,
         preferred_element_type: DTypeLike | None = None,
+        group_offset: Any = None,
     ) -> Float[Array, "tokens fan_out"]:
-        """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported).
+        """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported: a value
+        other than `None` raises).
 
         **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
         type of `lhs` and `rhs`).
         """
+        if group_offset is not None:
+            raise NotImplementedError(
+                f"{self._where}: group_offset={group_offset!r} is not supported (lax.ragged_dot "
+                "takes it for a shard of the groups); pass every expert's weights and group "
+                "sizes, or split experts with fp8jax.expert_exchange (expert parallelism)."
+            )
         lhs_dtype = self._input_dtype("lhs", lhs)
         rhs_dtype = self._input_dtype("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
