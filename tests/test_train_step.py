@@ -212,6 +212,26 @@ def test_aux_output_and_metrics(getkey):
     assert float(metrics.loss_scale) == 1.0
 
 
+def test_aux_over_microbatches_is_stacked_numbers_too(getkey):
+    """Over microbatches aux is stacked: a Python number among it (a count) becomes an array
+    of one per microbatch; a leaf that is no number is named."""
+    model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
+    x, y = data(getkey())
+
+    def loss_fn(model, x, y):
+        return mse(model, x, y), {"rows": x.shape[0], "loss": mse(model, x, y)}
+
+    step = fp8jax.make_train_step(loss_fn, optax.sgd(0.1), has_aux=True, microbatches=4)
+    _, metrics = step(step.init(model), x, y)
+    np.testing.assert_array_equal(metrics.aux["rows"], [16] * 4)
+    assert float(jnp.mean(metrics.aux["loss"])) == pytest.approx(float(metrics.loss))
+    step = fp8jax.make_train_step(
+        lambda m, x, y: (mse(m, x, y), {"tag": "hi"}), optax.sgd(0.1), has_aux=True, microbatches=2
+    )
+    with pytest.raises(TypeError, match=r"microbatches=2\): aux\['tag'\] is a str"):
+        step(step.init(model), x, y)
+
+
 def test_train_step_errors(getkey):
     model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
     x, y = data(getkey())
@@ -224,6 +244,9 @@ def test_train_step_errors(getkey):
     train_step = fp8jax.make_train_step(lambda m, x, y: jax.vmap(m)(x), optax.sgd(0.1))
     with pytest.raises(ValueError, match="scalar loss"):
         train_step(train_step.init(model), x, y)
+    pair = fp8jax.make_train_step(lambda m, x, y: (mse(m, x, y), {}), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"returned a tuple of 2.*pass has_aux=True"):
+        pair(pair.init(model), x, y)
     with pytest.raises(TypeError, match="train_step.init"):
         train_step(model, x, y)
 
