@@ -665,3 +665,14 @@ def test_the_docs_example_runs(capsys):
     assert "5 of 8 GEMMs run on FP8 tensor cores" in out
     assert float(loss) < 1.5  # trained: ln(10) = 2.3 at the start
     assert int(state.step) == 100
+
+
+def test_a_converted_model_converted_again_is_kept_and_a_new_config_said():
+    """A converted Linen model converted again is the same object (no Hugging Face wrapper
+    error); another config warns, naming the fields that differ; its plan is `.plan`'s."""
+    fp8 = fp8jax.fp8_linear_layers(Net(), config())
+    assert fp8jax.fp8_linear_layers(fp8, config()) is fp8
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"keeps its config.*differ in recipe\)"):
+        assert fp8jax.fp8_linear_layers(fp8, config("current")) is fp8
+    with pytest.raises(TypeError, match=r"conversion_plan: a Flax Linen model is traced at init"):
+        fp8jax.conversion_plan(fp8)
