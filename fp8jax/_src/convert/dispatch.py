@@ -3,7 +3,6 @@ model to its framework's adapter (Flax NNX, else Equinox and Haliax)."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from typing import Any, TypeVar
 
 from .config import Fp8Config
 from .equinox import equinox_plan, fp8_equinox_linear_layers
-from .plan import ConversionPlan, Fp8ConversionWarning
+from .plan import ConversionPlan, Fp8ConversionWarning, differing_fields
 
 T = TypeVar("T")
 
@@ -29,11 +28,6 @@ def _fp8_linen(tree: Any) -> bool:
     from .linen.convert import Fp8Linen
 
     return isinstance(tree, Fp8Linen)
-
-
-def _differing(a: Fp8Config, b: Fp8Config) -> list[str]:
-    """The fields in which two configs differ."""
-    return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
 
 
 def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
@@ -129,7 +123,7 @@ def fp8_linear_layers(
             warnings.warn(
                 "fp8_linear_layers: this Flax Linen model is converted already "
                 "(fp8jax.Fp8Linen) and keeps its config, not this one (they differ in "
-                f"{', '.join(_differing(tree.config, config))}). To change it, convert the "
+                f"{', '.join(differing_fields(tree.config, config))}). To change it, convert the "
                 "model it wraps, fp8_linear_layers(fp8_model.module, config), and init again.",
                 Fp8ConversionWarning,
                 stacklevel=2,

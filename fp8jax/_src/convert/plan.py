@@ -83,15 +83,17 @@ class ConversionPlan:
 Converted = tuple[Any, bool]
 
 
+def differing_fields(a: Any, b: Any) -> list[str]:
+    """The fields in which two dataclasses of one class (recipes, configs) differ."""
+    return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+
+
 def _show(recipe: Any, other: Any) -> str:
     """`recipe`'s class, with the fields where it differs from `other` of the same class."""
     name = type(recipe).__name__
     if type(other) is not type(recipe) or not dataclasses.is_dataclass(recipe):
         return name
-    fields = [f.name for f in dataclasses.fields(recipe)]
-    diff = [
-        f"{k}={getattr(recipe, k)!r}" for k in fields if getattr(recipe, k) != getattr(other, k)
-    ]
+    diff = [f"{k}={getattr(recipe, k)!r}" for k in differing_fields(recipe, other)]
     return f"{name}({', '.join(diff)})" if diff else name
 
 
