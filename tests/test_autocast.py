@@ -145,6 +145,21 @@ def test_the_selection_by_scope_batch_and_size():
     assert fp8 >= 3 * 5 and other > 0
 
 
+def test_scopes_matching_no_gemm_are_said():
+    """A `scopes` regex that matches no GEMM (a name the model does not use, a scope written
+    without its parents') converts nothing: a warning names the scopes there are (this
+    model's GEMMs: 'attn', 'mlp', 'head'); one that matches says nothing."""
+    params = init(jax.random.key(0))
+    forward = lambda p, t: transformer(p, t[:, :-1])  # noqa: E731
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"scopes='ffn' matched none") as got:
+        assert count_fp8_dots(fp8jax.fp8_autocast(forward, scopes="ffn"), params, TOKENS)[0] == 0
+    assert "('attn', 'head', 'mlp')" in str(got[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.fp8_autocast(forward, scopes=".*mlp.*")(params, TOKENS)
+        fp8jax.fp8_autocast(forward)(params, TOKENS)
+
+
 def control_flow(w, x, loop, dot=jnp.matmul):
     """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
     argument) adds a while loop, which reverse-mode differentiation does not take."""

@@ -483,6 +483,29 @@ def test_nn_scan_stacks_the_state_per_layer_like_separate_layers():
     assert len(set(np.asarray(stacked.input.amax_history[:, 0]).tolist())) == 3
 
 
+class ScannedWithoutTheCollection(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return stack(name="layers")(x, None)[0]
+
+
+def test_nn_scan_without_the_collection_says_what_to_add():
+    """An `nn.scan` whose `variable_axes` leaves the FP8 collection out has nowhere to keep
+    the state: the error names the layer and the `variable_axes` to give (Flax's own error
+    named neither)."""
+    model = fp8jax.fp8_linear_layers(ScannedWithoutTheCollection(), config())
+    with pytest.raises(ValueError, match=r"'layers\.fc' has no place for its FP8 state") as e:
+        model.init(jax.random.key(0), jnp.ones((8, 32)))
+    assert f"variable_axes={{'params': 0, {OWG!r}: 0}}" in str(e.value)
+    # Excluded, the scanned layer needs no state and the model initialises.
+    excluded = fp8jax.fp8_linear_layers(
+        ScannedWithoutTheCollection(), fp8jax.Fp8Config(exclude=r".*fc", keep=())
+    )
+    with pytest.warns(fp8jax.Fp8ConversionWarning):
+        assert OWG not in excluded.init(jax.random.key(0), jnp.ones((8, 32)))
+
+
 class Shared(nn.Module):
     @nn.compact
     def __call__(self, x1, x2):

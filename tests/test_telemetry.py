@@ -235,6 +235,9 @@ def test_report_without_telemetry_and_with_a_loss_scale(getkey, capsys):
     fp8jax.report(model, loss_scale=scale)
     out = capsys.readouterr().out
     assert out.splitlines()[2].split()[-3:] == ["-", "-", "-"]
+    # A fresh delayed layer (warm start) has recorded no scale yet: its state's 0 is no scale.
+    assert float(layer.input.scale) == 0 and out.splitlines()[2].split()[3] == "-"
+    assert "scale -: none recorded yet" in out.splitlines()[-2]
     assert out.splitlines()[-1] == "loss scale 1024, skipped 3 of 200 steps (1.5 % overflow)"
 
 
@@ -247,6 +250,7 @@ def test_stacked_layers_report_one_row_per_layer(getkey):
     (name,) = stats
     assert stats[name].kernel.saturated.shape == (3,)
     rows = fp8jax.report(stats, quiet=True).splitlines()[2:]
+    assert rows.pop().startswith("scale -: none recorded yet")  # a fresh model's
     assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}]" for i in range(3)]
 
 

@@ -68,8 +68,11 @@ class _Choice:
     exclude: re.Pattern | None
     batched: bool
     min_dim: int
+    #: The scopes of the GEMMs this choice was asked about, in order (one list per call).
+    asked: list = dataclasses.field(default_factory=list, compare=False)
 
     def picks_scope(self, scope: str) -> bool:
+        self.asked.append(scope)
         if self.scopes is not None and self.scopes.fullmatch(scope) is None:
             return False
         return self.exclude is None or self.exclude.fullmatch(scope) is None
@@ -322,14 +325,34 @@ def fp8_autocast(
         batched,
         min_dim,
     )
-    interpreter = Interpreter(choice)
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
         traced = trace_call(fun, args, kwargs)
-        return traced.evaluate(interpreter)
+        call = dataclasses.replace(choice, asked=[])
+        out = traced.evaluate(Interpreter(call))
+        _warn_if_no_scope_matched(call, scopes)
+        return out
 
     return run
+
+
+def _warn_if_no_scope_matched(choice: _Choice, scopes: str | None) -> None:
+    """A `scopes` regex that matched none of the GEMMs' scopes converts nothing: most often a
+    scope written without its parents (`mlp` for `block0/mlp/...`); say so, with the scopes."""
+    if choice.scopes is None or not choice.asked:
+        return
+    if any(choice.scopes.fullmatch(s) is not None for s in choice.asked):
+        return
+    names = sorted(set(choice.asked))
+    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    warnings.warn(
+        f"fp8_autocast: scopes={scopes!r} matched none of the {len(choice.asked)} GEMMs' "
+        f"scopes ({shown}), so every GEMM stays in high precision. The regex must match a "
+        "whole scope, its parents' names included (e.g. r'.*mlp.*').",
+        Fp8ConversionWarning,
+        stacklevel=3,
+    )
 
 
 @final

@@ -208,7 +208,7 @@ def _rows(name: str, layer: LayerTelemetry, tokens: bool) -> list[list[str]]:
                         label,
                         role if expert is None else f"{role}[{expert}]",
                         fmt.removeprefix("float8_"),
-                        f"{float(at(op.scale)):.4g}",
+                        _scale_text(float(at(op.scale))),
                         f"{float(at(op.amax)):.4g}",
                         f"{float(at(op.history_max)):.4g}",
                         _percent(at(op.saturated)),
@@ -221,6 +221,12 @@ def _rows(name: str, layer: LayerTelemetry, tokens: bool) -> list[list[str]]:
                     rows[-1].append("-" if count is None else str(int(count)))
                 label = ""
     return rows
+
+
+def _scale_text(scale: float) -> str:
+    """A scale as printed; 0 (delayed scaling's warm start before its first amax: no scale is
+    ever 0) as `-`, which the line under the table explains."""
+    return "-" if scale == 0 else f"{scale:.4g}"
 
 
 def _loss_scale_line(loss_scale: Any) -> str:
@@ -288,6 +294,8 @@ def report(
         "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in [header, ["-" * w for w in widths], *rows]
     ]
+    if any(row[3] == "-" for row in rows):
+        lines.append("scale -: none recorded yet (the first step's amax sets it)")
     if loss_scale is not None:
         lines.append(_loss_scale_line(loss_scale))
     if plan is not None:

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, final
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -143,7 +144,17 @@ def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -
     def init() -> Fp8DotGeneral:
         return Fp8DotGeneral(config.recipe_for(path), kernel, name, config.telemetry)
 
-    return module.variable(COLLECTION, VARIABLE, init).value
+    try:
+        return module.variable(COLLECTION, VARIABLE, init).value
+    except flax.errors.ScopeCollectionNotFound as e:
+        # A lifted transform that neither maps nor broadcasts the collection: nn.scan or
+        # nn.vmap with only {"params": 0} in variable_axes.
+        raise ValueError(
+            f"Fp8Linen: the layer {name!r} has no place for its FP8 state: a lifted transform "
+            f"around it (nn.scan, nn.vmap) does not carry the collection {COLLECTION!r}. Give "
+            "the collection the parameters' axis, variable_axes={'params': 0, "
+            f"{COLLECTION!r}: 0}}, or exclude the layer (Fp8Config exclude). Flax said: {e}"
+        ) from None
 
 
 def _call(dot: Fp8DotGeneral, name: str, *args: Any) -> Array:
