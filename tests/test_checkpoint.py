@@ -66,6 +66,36 @@ def test_resume_matches_an_uninterrupted_run(backend, tmp_path):
     assert bits(fp8jax.load_checkpoint(path, like, backend=backend)) == bits(resumed)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_data_parallel_state_resumes_from_its_checkpoint(backend, tmp_path):
+    """The model and its FP8 state replicated over 8 devices, the batch split over them: the
+    state restored into `step.init(model)` (whose scalars, an optimizer's count and the step,
+    are uncommitted) trains on as the uninterrupted run does. Restored committed to one
+    device, those scalars made `jit` refuse the 8-device arrays beside them."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def sharded(tree):
+        return jax.tree.map(lambda a: jax.device_put(a, replicated) if eqx.is_array(a) else a, tree)
+
+    def data_parallel_run(step, state, start, stop):
+        for i in range(start, stop):
+            state, _ = step(state, *(jax.device_put(a, split) for a in batch(i)))
+        return state
+
+    step, state = build(jax.random.key(0))
+    like = step.init(sharded(state.model))
+    state = data_parallel_run(step, step.init(sharded(state.model)), 0, 2)
+    fp8jax.save_checkpoint(tmp_path / "ckpt", state, backend=backend)
+    uninterrupted = data_parallel_run(step, state, 2, 4)
+    restored = fp8jax.load_checkpoint(tmp_path / "ckpt", like, backend=backend)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
+        if isinstance(want, jax.Array):
+            assert got.committed == want.committed and got.sharding == want.sharding
+    assert bits(data_parallel_run(step, restored, 2, 4)) == bits(uninterrupted)
+
+
 @pytest.mark.parametrize(
     "config, optimizer, message",
     [

@@ -354,6 +354,18 @@ def _deserialise(f: Any, like: Any) -> Any:
     value = np.load(f)
     if value.dtype.kind == "V":  # NumPy saves bfloat16 and FP8 dtypes as raw bytes
         value = value.view(like.dtype)
+    return _placed_as(value, like)
+
+
+def _placed_as(value: Any, like: jax.Array) -> jax.Array:
+    """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
+    or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
+    state's, on the default device), uncommitted too, so that `jit` still places it beside
+    arrays sharded over several devices (committed to one device, it would refuse them)."""
+    if not like.committed:
+        return jnp.asarray(np.asarray(value))
+    if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
+        return value
     return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
 
 
@@ -478,4 +490,5 @@ def _orbax_load(path: pathlib.Path, like: T) -> T:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(path.absolute() / "state", abstract)
+    restored = jax.tree.map(_placed_as, restored, arrays)  # uncommitted where `like` is
     return eqx.combine(restored, static)
