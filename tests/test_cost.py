@@ -406,6 +406,28 @@ def test_fp8_linear_step_runs_three_fp8_gemms_worth_of_flops(h100, recipe):
     assert all(isinstance(k, KernelCost) for k in cost.kernels)
 
 
+def test_native_kernels_on_a_mesh_count_each_devices_flops():
+    """On a mesh, each device runs fp8jax's block kernel on its shards (`per_shard`), which
+    XLA's partitioner names after the partitioned call: the cost model still finds the kernel
+    by its name and counts the FLOPs of each device's shard (a data axis of 8: an eighth of the
+    tokens). It once counted none, and their bytes as the rest's."""
+    linear = eqx.nn.Linear(K, N, use_bias=False, key=jax.random.PRNGKey(0))
+    config = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(), exclude=None, keep=())
+    model = fp8jax.fp8_linear_layers(linear, config)
+
+    def step(model, x):  # forward, dgrad and wgrad
+        loss = lambda mx: jnp.mean(jax.vmap(mx[0])(mx[1]).astype(jnp.float32) ** 2)  # noqa: E731
+        return fp8jax.filter_value_and_grad(loss)((model, x))
+
+    mesh = fp8jax.h100_mesh({"data": 8})
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((8 * M, K), jnp.bfloat16, sharding=sharding)
+    cost = fp8jax.inspect(step, model, x, modes=("cublas",)).cost["cublas"]
+    assert cost.flops == {"fp8 block": 3 * 2 * M * N * K}
+    native = [k for k in cost.kernels if k.op == "custom-call" and k.flops]
+    assert len(native) == 3 and all(k.category is None for k in native)
+
+
 # --- collectives ---------------------------------------------------------------------------
 
 # Sixteen devices, two nodes of eight: each collective form once, explicit, iota and mesh

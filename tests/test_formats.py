@@ -27,6 +27,24 @@ def test_fp8_dtype_names(name, dtype):
     assert fp8jax.fp8_dtype(name) == np.dtype(dtype)
 
 
+@pytest.mark.parametrize("recipe", [fp8jax.CurrentScaling, fp8jax.DelayedScaling])
+def test_ocp_and_fnuz_formats_are_not_mixed(recipe):
+    """An OCP format for one role and AMD's fnuz for another built, then failed in the first
+    backward GEMM (`dot_general` of e5m2fnuz and e5m2); refused where the recipe is made."""
+    for forward, backward in [("e5m2", "e5m2fnuz"), ("e5m2fnuz", "e5m2"), ("e4m3", "e5m2fnuz")]:
+        with pytest.raises(ValueError, match=rf"forward_format='{forward}' with backward_forma"):
+            recipe(forward_format=forward, backward_format=backward)
+    fnuz = recipe(forward_format="e4m3fnuz", backward_format="e5m2fnuz")
+    d = fp8jax.Fp8DotGeneral(
+        fp8jax.CurrentScaling(
+            **{"forward_format": fnuz.forward_format, "backward_format": fnuz.backward_format}
+        )
+    )
+    x, w = jnp.ones((4, 16)), jnp.ones((16, 8))
+    grad = jax.grad(lambda x: d(x, w, (((1,), (0,)), ((), ()))).sum())(x)
+    np.testing.assert_array_equal(grad, np.full((4, 16), 8.0))
+
+
 def test_fp8_max_matches_ml_dtypes():
     assert fp8jax.fp8_max("e4m3") == float(ml_dtypes.finfo(E4M3).max) == 448.0
     assert fp8jax.fp8_max("e5m2") == float(ml_dtypes.finfo(E5M2).max) == 57344.0

@@ -235,6 +235,28 @@ def test_offending_gemm_is_reported(h100):
         fp8jax.assert_all_fp8(fake, x, x)
 
 
+def test_a_program_without_an_fp8_gemm_proves_nothing(h100):
+    """With no GEMM of an fp8jax layer, none offends: `assert_all_fp8` once passed a model
+    never converted, and a converted one called on one example (its GEMMs, matrix-vector
+    products, compiled as reductions: no GEMM left). Both now raise, saying why."""
+    mlp = eqx.nn.MLP(64, 64, 128, 1, key=jax.random.key(0))
+
+    def step(m, x, batched):
+        loss = lambda m, x: jnp.mean((jax.vmap(m) if batched else m)(x) ** 2)  # noqa: E731
+        return fp8jax.filter_value_and_grad(loss)(m, x)
+
+    batch = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    with pytest.raises(
+        fp8jax.Fp8InspectionError, match=r"none of its \d+ GEMMs .*fp8_linear_layers"
+    ):
+        fp8jax.assert_all_fp8(step, mlp, batch, True)
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(keep=(), exclude=None))
+    one = jax.ShapeDtypeStruct((64,), jnp.bfloat16)
+    with pytest.raises(fp8jax.Fp8InspectionError, match=r"no GEMM at all: .*jax.vmap it"):
+        fp8jax.assert_all_fp8(step, model, one, False)
+    assert fp8jax.assert_all_fp8(step, model, batch, True).count("cublas") == (5, 5)
+
+
 def test_stablehlo_fallback_without_the_plugin(monkeypatch):
     monkeypatch.setattr(inspect_module, "h100_topology", lambda: None)
     step, args, targeted = gpt_train_step(RECIPES["delayed"])

@@ -112,6 +112,9 @@ def test_str_form():
         # FP8 is what the GEMMs quantize to, not a dtype around them (it failed in the GEMM).
         ("c=float8_e4m3fn", r"c=float8_e4m3fn: an 8-bit \(or narrower\) float is what"),
         ("o=float8_e5m2", "o=float8_e5m2: an 8-bit"),
+        # NumPy's code for float64, which an FP8 library's user means as FP8 (it ran float32).
+        ("p=f32,c=f8", r"c='f8' is ambiguous: NumPy reads 'f8' as float64"),
+        ("c=FP8", "c='FP8' is ambiguous"),
     ],
 )
 def test_parse_errors(spec, match):

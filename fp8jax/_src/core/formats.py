@@ -219,6 +219,12 @@ def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
     if value is None:
         raise ValueError(f"{what}=None: give a dtype; use {ACCEPTED_DTYPES}.")
     if isinstance(value, str):
+        if value.strip().lower() in ("f8", "fp8", "float8"):
+            raise ValueError(
+                f"{what}={value!r} is ambiguous: NumPy reads 'f8' as float64 (8 bytes), an "
+                "FP8 library's reader as FP8, which fp8jax's GEMMs quantize to and nothing is "
+                f"computed or stored in around them. Spell the dtype out; use {ACCEPTED_DTYPES}."
+            )
         dtype = DTYPE_ALIASES.get(value.strip().lower())
     if dtype is None:
         try:

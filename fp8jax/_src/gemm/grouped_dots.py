@@ -28,7 +28,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from ..core import jax_private
-from ..kernels import dispatch
+from ..kernels import GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME, dispatch
 from ..kernels.partition import Dim, GemmDims
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, QTensor, Recipe
 from ..recipes.base import Axis
@@ -329,6 +329,7 @@ def rows_dot(
         experts,
         dims=dims,
         out_dtype=out_dtype,
+        name=GROUPED_ROWS_NAME,
     )
 
 
@@ -361,7 +362,15 @@ def tokens_dot(
     arrays = _dims(lhs, ("k", "m")) + _dims(rhs, ("k", "n"))
     dims = GemmDims((*arrays, (("g", 1),)), ("g", "m", "n"), (len(arrays), "k"))
     return dispatch.choose(
-        native, native_path, xla_path, lhs, rhs, group_sizes, dims=dims, out_dtype=out_dtype
+        native,
+        native_path,
+        xla_path,
+        lhs,
+        rhs,
+        group_sizes,
+        dims=dims,
+        out_dtype=out_dtype,
+        name=GROUPED_TOKENS_NAME,
     )
 
 

@@ -29,6 +29,7 @@ from ..core import jax_private
 from ..core.errors import StateNotDifferentiatedError, StateUsedTwiceError
 from ..core.remat import name_fp8_operands, name_gemm_output
 from ..core.stats import Fp8Stats
+from ..kernels import dispatch
 from ..recipes import Recipe
 
 
@@ -193,7 +194,8 @@ def fp8_gemm(
     """The FP8 GEMM `gemm` of `x` and `w` (and the operands `rest`, which get no cotangent),
     as `prepare` made them, differentiable: its backward runs dgrad and wgrad in FP8 and
     returns the new `states` as their cotangent, in the dtype `states` came in."""
-    return name_gemm_output(gemm.forward(x, w, *rest, _as_f32(states))[0])
+    with dispatch.placed_as(x, w):
+        return name_gemm_output(gemm.forward(x, w, *rest, _as_f32(states))[0])
 
 
 def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
@@ -202,7 +204,8 @@ def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     check_state_differentiated(gemm.recipe, static, x, w, states)
     x, w, rest, states = jax.tree.map(lambda p: p.value, (x, w, rest, states))
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
-    out, res = gemm.forward(x, w, *rest, _as_f32(states))
+    with dispatch.placed_as(x, w):
+        out, res = gemm.forward(x, w, *rest, _as_f32(states))
     # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
     res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
     return name_gemm_output(out), res
@@ -218,7 +221,8 @@ def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
 def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         g = jnp.zeros(g.shape, g.dtype)
-    d_x, d_w, new_states = gemm.backward(residuals, g)
+    with dispatch.placed_as(residuals.q_x, residuals.q_w, g):
+        d_x, d_w, new_states = gemm.backward(residuals, g)
     # A master's gradient, written narrower (`Static.gradient_dtypes`), in its own dtype.
     d_x, d_w = d_x.astype(static.lhs), d_w.astype(static.rhs)
     lhs_axes, rhs_axes, state_axes = static.mesh_axes

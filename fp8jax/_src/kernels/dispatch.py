@@ -20,6 +20,7 @@ from . import partition
 from .partition import GemmDims
 
 _INTERPRET: Setting[bool] = Setting("fp8jax_interpret_kernels", False)
+_ON_MESH: Setting[bool] = Setting("fp8jax_operands_on_mesh", False)
 
 
 @contextlib.contextmanager
@@ -92,6 +93,8 @@ def per_device_gemm(*operands: Any) -> bool:
     would make XLA gather the operands and compute the whole product on every device."""
     if partition.inside():
         return True
+    if _ON_MESH.get():
+        return False
     for leaf in jax.tree.leaves(operands):
         mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
         if mesh is None or mesh.empty:
@@ -99,6 +102,20 @@ def per_device_gemm(*operands: Any) -> bool:
         if any(size > 1 for name, size in mesh.shape.items() if name not in mesh.manual_axes):
             return False
     return True
+
+
+@contextlib.contextmanager
+def placed_as(*operands: Any) -> Iterator[None]:
+    """Inside, every GEMM and quantization is placed as `operands` (a layer's GEMM's inputs,
+    or its backward's residuals) are: on a mesh that XLA partitions where one of them lies on
+    one (`per_device_gemm` is then False), even for an array whose type lost its mesh (the
+    output gradient reaching a backward under `vmap` may have none), whose opaque
+    quantization kernel XLA would otherwise gather whole onto every device."""
+    if per_device_gemm(*operands):
+        yield
+        return
+    with setting(_ON_MESH, True):
+        yield
 
 
 def check_native_kernel(value: object) -> None:
@@ -117,6 +134,7 @@ def choose(
     *args: Any,
     dims: GemmDims | None = None,
     out_dtype: Any = jnp.float32,
+    name: str = "",
 ) -> Any:
     """`native(*args, out_dtype=out_dtype)` or `xla(*args)`, as a recipe's `native_kernel`
     option says.
@@ -130,7 +148,9 @@ def choose(
     When the operands lie on a mesh that XLA partitions, `dims` (the operands' axes, see
     `partition.per_shard`) lets each device run the kernel on its shards; without them the
     `None` option keeps the XLA path there (an opaque kernel would make XLA gather the
-    operands and compute the whole product on every device).
+    operands and compute the whole product on every device). `name`, the kernel's (e.g.
+    `BLOCK_GEMM_NAME`), then names the partitioned call, whose kernel would otherwise carry
+    no name of its own in the program (the cost model finds the native GEMMs by it).
     """
     if use_native is False:
         return xla(*args)
@@ -141,7 +161,7 @@ def choose(
         # kernel's numerics twin) while XLA partitions the program, and the kernel itself
         # where the partitioner's decisions are replayed on one device (`run_interpreted`).
         local = _as_native(xla) if interpreting() and not partition.replays() else native
-        run = functools.partial(partition.per_shard, local, dims, out_dtype)
+        run = functools.partial(partition.per_shard, local, dims, out_dtype, name=name)
     elif not per_device_gemm(*args) and not (use_native or interpreting()):
         return xla(*args)
     run = _varying_like(run, args)

@@ -351,9 +351,15 @@ def emulated(
     return outs.transpose(perm).reshape(shape)
 
 
-def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *operands: Any) -> Array:
+def per_shard(
+    gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *operands: Any, name: str = ""
+) -> Array:
     """`gemm(*operands, out_dtype=out_dtype)`, run by every device on its shards of
     `operands` (pytrees of arrays laid out as `dims` says) when the program is partitioned.
+
+    XLA's partitioner gives what each device runs the metadata of the partitioned call, the
+    name scopes of `gemm` dropped: `name` (a kernel's, where `gemm` runs one) is the scope the
+    call is made in, so that the kernel's op name still holds it.
 
     On one device it is the call itself. Where the contraction is split, each device's
     kernel writes partial sums in `out_dtype`, added across devices as XLA adds those of its
@@ -410,7 +416,8 @@ def per_shard(gemm: Callable[..., Array], dims: GemmDims, out_dtype: Any, *opera
         need_replication_factors=unsplit,
         decode_shardings=False,
     )
-    return wrapped(*leaves)
+    with jax.named_scope(name) if name else contextlib.nullcontext():
+        return wrapped(*leaves)
 
 
 def gathered_for(dims: GemmDims, lhs: Any, rhs: Any) -> Any:

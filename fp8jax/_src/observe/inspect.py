@@ -257,4 +257,31 @@ def assert_all_fp8(
             f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} do not "
             f"run on FP8 tensor cores (compiled for {report.target}):\n{listing}"
         )
+    for inspection in (report, report.first_steps):
+        for mode in modes if inspection is not None else ():
+            _check_some_fp8(inspection, mode)
     return report
+
+
+def _check_some_fp8(report: Inspection, mode: str) -> None:
+    """Raise unless a GEMM of `report` in `mode` runs on FP8 tensor cores: with none, no GEMM
+    offends, and yet nothing proves that FP8 runs."""
+    fp8, total = report.count(mode)
+    if fp8:
+        return
+    if total == 0:
+        why = (
+            "it has no GEMM at all: XLA computed every product as something else, as it does "
+            "a matrix-vector product (a model called on one example or one token, not on a "
+            "batch: jax.vmap it over the batch); FP8 tensor cores run GEMMs"
+        )
+    else:
+        why = (
+            f"none of its {total} GEMMs runs on FP8 tensor cores, and none is an fp8jax "
+            "layer's: convert the model (fp8jax.fp8_linear_layers) or its function "
+            "(fp8jax.fp8_autocast) first"
+        )
+    raise Fp8InspectionError(
+        f"assert_all_fp8: nothing proves that FP8 runs in the program compiled for "
+        f"{report.target} [{mode}]: {why}."
+    )

@@ -335,6 +335,14 @@ class HybridFormats(Recipe):
         # recipes by their repr.
         object.__setattr__(self, "forward_format", format_name(self.forward_format))
         object.__setattr__(self, "backward_format", format_name(self.backward_format))
+        fnuz = [f.endswith("fnuz") for f in (self.forward_format, self.backward_format)]
+        if fnuz[0] != fnuz[1]:
+            raise ValueError(
+                f"{type(self).__name__}: forward_format={self.forward_format!r} with "
+                f"backward_format={self.backward_format!r} mixes the OCP formats (e4m3, e5m2: "
+                "NVIDIA's) with AMD's fnuz ones, which no GEMM takes together: give both "
+                "from one family ('e4m3' and 'e5m2', or 'e4m3fnuz' and 'e5m2fnuz')."
+            )
 
     def format(self, role: Role) -> jnp.dtype:
         return fp8_dtype(self.backward_format if role == "output_grad" else self.forward_format)

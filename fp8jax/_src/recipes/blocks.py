@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from ..core.amax import local_amax
 from ..core.formats import FormatLike, expand_blocks, floor_log2, fp8_dtype, fp8_max, pow2, saturate
 from ..core.formats import format_name as canonical_format
-from ..kernels import block_quantize, dispatch, padded_quantize
+from ..kernels import BLOCK_GEMM_NAME, block_quantize, dispatch, padded_quantize
 from .base import (
     Axis,
     QTensor,
@@ -264,7 +264,14 @@ class BlockwiseScaling(BlockScaledRecipe):
 
         dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
         return dispatch.choose(
-            self.native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype
+            self.native_kernel,
+            native,
+            xla,
+            lhs,
+            rhs,
+            dims=dims,
+            out_dtype=out_dtype,
+            name=BLOCK_GEMM_NAME,
         )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:

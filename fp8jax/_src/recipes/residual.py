@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..core.formats import fp8_max, quantize
-from ..kernels import dispatch
+from ..kernels import BLOCK_GEMM_NAME, dispatch
 from .base import (
     Axis,
     FormatLike,
@@ -212,7 +212,14 @@ class ResidualFP8(HybridFormats):
             return xla(lhs, rhs)  # JAX 0.10's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
         dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
         return dispatch.choose(
-            self.native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype
+            self.native_kernel,
+            native,
+            xla,
+            lhs,
+            rhs,
+            dims=dims,
+            out_dtype=out_dtype,
+            name=BLOCK_GEMM_NAME,
         )
 
 
