@@ -257,11 +257,68 @@ def test_a_program_without_an_fp8_gemm_proves_nothing(h100):
     assert fp8jax.assert_all_fp8(step, model, batch, True).count("cublas") == (5, 5)
 
 
+def test_a_step_jitted_with_compiler_options_is_inspected(h100):
+    """The README's step, `jax.jit(step, compiler_options=...)`, is inspected as the function
+    it wraps (JAX refuses compiler options on a nested jit); one nested deeper is named."""
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(64, 64, key=jax.random.key(0)), fp8jax.Fp8Config(keep=(), exclude=None)
+    )
+
+    def step(m, x):
+        return fp8jax.filter_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(m, x)
+
+    x = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    options = fp8jax.gpu_compiler_options()
+    for jitted in (jax.jit(step, compiler_options=options), eqx.filter_jit(step)):
+        assert fp8jax.inspect(jitted, model, x, modes=("cublas",)).count("cublas") == (2, 2)
+    inner = jax.jit(step, compiler_options=options)
+    with pytest.raises(ValueError, match=r"a jax.jit .* with compiler_options inside it"):
+        fp8jax.inspect(lambda m, x: inner(m, x), model, x, modes=("cublas",))
+
+
+def test_arrays_sharded_on_a_cpu_mesh_inspect_as_that_many_h100s(h100):
+    """Concrete arrays sharded over this process's CPU devices compile for as many H100s, on
+    a mesh of the same axes, as ShapeDtypeStructs on `h100_mesh` do: they once compiled for
+    one H100, without a collective or a word. A sharding constraint on the CPU mesh inside
+    the step says to build that mesh with `h100_mesh`."""
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.MLP(64, 64, 128, 1, key=jax.random.key(0)), fp8jax.Fp8Config(keep=(), exclude=None)
+    )
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    cpu = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def step(m, x, mesh=None):
+        if mesh is not None:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
+        return fp8jax.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(m, x)
+
+    x = jax.device_put(jnp.ones((32, 64), jnp.bfloat16), NamedSharding(cpu, P("data")))
+    on_cpu = fp8jax.inspect(step, model, x, modes=("cublas",))
+    h100s = fp8jax.h100_mesh({"data": 4})
+    abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(h100s, P("data")))
+    on_h100s = fp8jax.inspect(step, model, abstract, h100s, modes=("cublas",))
+    assert on_cpu.target == on_h100s.target and on_cpu.target.startswith("4 x ")
+    assert on_cpu.count("cublas") == on_h100s.count("cublas") == (5, 5)
+    ops = lambda r: sorted(c.op for c in r.collectives["cublas"])  # noqa: E731
+    assert ops(on_cpu) == ops(on_h100s) and ops(on_cpu)
+    assert on_cpu.cost["cublas"].flops == on_h100s.cost["cublas"].flops
+    with pytest.raises(ValueError, match=r"Build that mesh with fp8jax.h100_mesh"):
+        fp8jax.inspect(step, model, x, cpu, modes=("cublas",))
+
+
 def test_stablehlo_fallback_without_the_plugin(monkeypatch):
     monkeypatch.setattr(inspect_module, "h100_topology", lambda: None)
     step, args, targeted = gpt_train_step(RECIPES["delayed"])
     report = fp8jax.inspect(step, *args)
     assert not report.deviceless and "StableHLO" in report.target
+    # Why there is no H100 compiler: here the plugin is installed (the h100 extra), so it
+    # did not start (as without JAX_PLATFORMS=cpu); said, not "missing".
+    assert "installed, but its compiler did not start" in report.target
+    assert "JAX_PLATFORMS=cpu" in report.target
+    monkeypatch.setattr(deviceless.importlib.util, "find_spec", lambda name: None)
+    assert "jax-cuda12-plugin is missing" in deviceless.no_h100_compiler()
+    monkeypatch.undo()
+    monkeypatch.setattr(inspect_module, "h100_topology", lambda: None)
     assert set(report.layers("stablehlo")) == targeted
     # Operand types only: nothing is proven to run on FP8 tensor cores.
     assert report.count("stablehlo") == (0, 18 + 6 + 3)

@@ -30,6 +30,11 @@ class OperandStats(eqx.Module):
     - `rejected`: how many steps so far the operand held an inf or NaN, so that its state
       update was rejected (the layer kept its previous scale and history). A running count,
       as a float32.
+
+    Where a layer runs several times in a step (microbatches, a layer called twice), the
+    fractions combine as its amax does, by max: the worst call's, not the fraction over all of
+    the step's values (a step over 2 microbatches, one saturating 92 % of its values and the
+    other none, reports 0.92 where one step over the whole batch would report 0.46).
     """
 
     saturated: Float[Array, ""]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import importlib.util
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -58,6 +59,17 @@ def h100_topology(devices: int = 1) -> Any | None:
         return None
 
 
+def no_h100_compiler() -> str:
+    """Why `h100_topology()` found no deviceless H100 compiler, in words for a user."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        return "jax-cuda12-plugin is missing (install fp8jax[h100] for the H100 compile)"
+    return (
+        "jax-cuda12-plugin is installed, but its compiler did not start: on a machine "
+        "without a GPU, set JAX_PLATFORMS=cpu before jax starts (the plugin otherwise looks "
+        "for a CUDA driver), and keep the plugin at jax's exact version"
+    )
+
+
 def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     """A mesh of compile-only H100s (`prod(axes.values())` GPUs: up to 8 in one host, or a
     multiple of 8 in hosts of 8, as DGX H100 nodes), for
@@ -69,7 +81,9 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     one GPU per node (they cross InfiniBand).
 
     Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
-    arguments to shard; the other array arguments are replicated over it.
+    arguments to shard; the other array arguments are replicated over it. (Arrays sharded
+    over a mesh of this machine's devices, a CPU mesh, are laid out on a mesh of H100s with
+    the same axes; a function that builds its own constraints needs this mesh to build them.)
 
     ```python
     mesh = fp8jax.h100_mesh({"data": 8})
@@ -107,10 +121,22 @@ def _is_dynamic(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def _named_sharding(x: Any) -> jax.sharding.NamedSharding | None:
+    """The `NamedSharding` an argument is given with: a `ShapeDtypeStruct`'s, or that of an
+    array sharded over a mesh of several devices (a CPU mesh's too: its axes, not its
+    devices, are what the H100 compile keeps)."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    if isinstance(x, jax.ShapeDtypeStruct) or (isinstance(x, jax.Array) and sharding.mesh.size > 1):
+        return sharding
+    return None
+
+
 def _mesh_of(dynamic: Any) -> jax.sharding.Mesh | None:
     for x in jax.tree.leaves(dynamic):
-        sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
-        if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = _named_sharding(x)
+        if sharding is not None:
             return sharding.mesh
     return None
 
@@ -152,19 +178,30 @@ def split_graph_nodes(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable
     return pure, (state, rest), {}
 
 
+#: What JAX raises for `compiler_options` given to a jit traced inside another.
+_NESTED_OPTIONS = "can only be passed to top-level"
+
+
 def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[Any, int]:
     """`fn(*args, **kwargs)` lowered with its array leaves abstract, and how many devices it
     runs on: on `device` if given, or replicated over the mesh of the arguments that carry a
     `NamedSharding`. Flax NNX objects among the arguments are lowered as their state, which
     the function returns updated (`split_graph_nodes`)."""
+    original = fn
     fn, args, kwargs = split_graph_nodes(fn, args, kwargs)
     dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
     mesh = _mesh_of(dynamic) if device is not None else None
+    if mesh is not None and not all(d.platform == "gpu" for d in mesh.devices.flat):
+        # Arguments sharded over this machine's devices (a CPU mesh): the same axes, on
+        # compile-only H100s (compiled for CPU devices, every kernel choice would be a CPU's).
+        mesh = h100_mesh(dict(mesh.shape))
 
     def abstract(x: Any) -> jax.ShapeDtypeStruct:
         if mesh is not None:
-            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-                return x
+            given = _named_sharding(x)
+            if given is not None:
+                sharding = jax.sharding.NamedSharding(mesh, given.spec)
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         elif device is not None:
             sharding = jax.sharding.SingleDeviceSharding(device)
@@ -177,5 +214,29 @@ def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[
         return eqx.filter(fn(*a, **k), eqx.is_array)  # outputs may hold functions (a model)
 
     devices = mesh.size if mesh is not None else 1
-    with jax_private.gpu_lowering_target(device, mesh):
-        return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
+    try:
+        with jax_private.gpu_lowering_target(device, mesh):
+            return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
+    except ValueError as e:
+        if "incompatible devices" in str(e) and mesh is not None:
+            raise ValueError(
+                f"fp8jax could not lower the function for {devices} H100s: it places values on "
+                "other devices (a sharding constraint or device_put on a mesh of this "
+                "machine's devices), where the inspection compiles for compile-only H100s. "
+                "Build that mesh with fp8jax.h100_mesh (the same axes) for the inspection, "
+                f"e.g. pass it to the function as an argument. JAX said: {e}"
+            ) from None
+        if _NESTED_OPTIONS not in str(e):
+            raise
+        # A step jitted with compiler options (`jax.jit(step, compiler_options=...)`, as the
+        # README's is), which JAX refuses inside another jit: the function it wraps is
+        # compiled here, with the inspection's own options in their place.
+        wrapped = getattr(original, "__wrapped__", None)
+        if wrapped is None:
+            raise ValueError(
+                "fp8jax could not lower the function for the H100 compile: a jax.jit (or "
+                "eqx.filter_jit) with compiler_options inside it, which JAX takes at the top "
+                "level only. Inspect the function that jit wraps: the inspection compiles with "
+                f"its own options (its modes). JAX said: {e}"
+            ) from None
+        return lower(wrapped, args, kwargs, device)

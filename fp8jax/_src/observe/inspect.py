@@ -39,7 +39,7 @@ from typing import Any
 from ..core.compile_options import cublas_reads
 from ..train.step import TrainState, TrainStep
 from .cost import module_cost
-from .deviceless import MODES, h100_topology, lower
+from .deviceless import MODES, h100_topology, lower, no_h100_compiler
 from .gemms import hlo_gemms, stablehlo_gemms
 from .ptx import compile_with_ptx
 from .results import Fp8InspectionError, Inspection
@@ -117,10 +117,7 @@ def inspect(
     if topology is None:
         lowered, _ = lower(fn, args, kwargs, None)
         gemms = stablehlo_gemms(lowered.as_text(debug_info=True))
-        target = (
-            "nothing: jax-cuda12-plugin is missing, so this is the StableHLO of the program "
-            "(install fp8jax[h100] for the H100 compile)"
-        )
+        target = f"nothing: {no_h100_compiler()}; this is the StableHLO of the program"
         return Inspection({"stablehlo": gemms}, {}, target)
     extra = dict(compiler_options or {})
     if not merge_dots:
@@ -240,9 +237,8 @@ def assert_all_fp8(
         report = inspect(fn, *args, modes=modes, **kwargs)
     if not report.deviceless:
         raise Fp8InspectionError(
-            "assert_all_fp8: this is a StableHLO inspection (jax-cuda12-plugin is missing), "
-            "which shows operand types, not the kernels that run; install fp8jax[h100] and "
-            "set JAX_PLATFORMS=cpu before jax starts for the H100 compile."
+            "assert_all_fp8: this is a StableHLO inspection, which shows operand types, not "
+            f"the kernels that run: {no_h100_compiler()}."
         )
     missing = [mode for mode in modes if mode not in report.gemms]
     if missing:

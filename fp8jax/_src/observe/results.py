@@ -66,8 +66,8 @@ class Gemm:
             return f"cuBLAS GEMM of {self.lhs} x {self.rhs}: not FP8"
         if self.mode == "stablehlo":
             return (
-                f"{self.lhs} x {self.rhs} in StableHLO; no kernel was compiled (install "
-                "fp8jax[h100] for the H100 compile): not proven"
+                f"{self.lhs} x {self.rhs} in StableHLO; no kernel was compiled (no H100 "
+                "compiler: see the inspection's target): not proven"
             )
         what = f"{self.kernel} kernel {self.kernel_name or self.instruction}"
         if not self.ptx and self.kernel == "pallas mosaic gpu":

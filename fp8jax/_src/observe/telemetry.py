@@ -224,8 +224,9 @@ def _rows(name: str, layer: LayerTelemetry, tokens: bool) -> list[list[str]]:
 
 
 def _scale_text(scale: float) -> str:
-    """A scale as printed; 0 (delayed scaling's warm start before its first amax: no scale is
-    ever 0) as `-`, which the line under the table explains."""
+    """A scale as printed; 0 (delayed scaling's warm start before its first amax, or the
+    gradient of a layer that did not run: no scale is ever 0) as `-`, which the line under
+    the table explains."""
     return "-" if scale == 0 else f"{scale:.4g}"
 
 
@@ -295,7 +296,10 @@ def report(
         for row in [header, ["-" * w for w in widths], *rows]
     ]
     if any(row[3] == "-" for row in rows):
-        lines.append("scale -: none recorded yet (the first step's amax sets it)")
+        lines.append(
+            "scale -: none recorded yet (the first step's amax sets it), or, in gradients, "
+            "a layer that did not run in their step"
+        )
     if loss_scale is not None:
         lines.append(_loss_scale_line(loss_scale))
     if plan is not None:
