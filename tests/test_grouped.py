@@ -443,6 +443,20 @@ def test_vmap_over_stacked_layers_keeps_each_its_own_state(recipe):
             np.testing.assert_array_equal(a, b)
 
 
+def test_vmap_over_weights_with_shared_state_is_refused():
+    """Members with their own experts' weights but one FP8 state: once JAX's internal
+    out_axes error; now a NotImplementedError saying to map the layer with its weights (the
+    ensemble above)."""
+    x, w, _ = data(21)
+    sizes = jnp.asarray(SIZES)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    ws = jnp.stack([w, 2 * w])
+    with pytest.raises(NotImplementedError, match=r"rhs\) mapped and the layer's state not"):
+        jax.vmap(lambda w: dot(x, w, sizes))(ws)
+    with pytest.raises(NotImplementedError, match="Map the layer too"):
+        jax.vmap(lambda x, w: dot(x, w, sizes))(jnp.stack([x, x]), ws)
+
+
 def test_saves_only_fp8_residuals(capsys):
     # A history length no operand has as a dimension: a float32 residual shaped like an
     # operand cannot pass for state.

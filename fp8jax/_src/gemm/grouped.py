@@ -339,6 +339,15 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -
     """The forward's fold: the members' rows in one expert order, when only the activation
     (and the group sizes) are mapped."""
     x_b, w_b, sizes_b, states_b = in_batched
+    if w_b and not any(jax.tree.leaves(states_b.kernel)):
+        # Each member's experts quantized by one shared per-expert state: their amaxes would
+        # need a span over the mapped axis per expert, which this GEMM does not take.
+        raise NotImplementedError(
+            "Fp8RaggedDot under jax.vmap with the experts' weights (rhs) mapped and the layer's "
+            "state not: members with their own weights need their own FP8 state. Map the "
+            "layer too (an ensemble: jax.vmap over the layer and its weights together), or "
+            "map only the activation and group sizes."
+        )
     if not may_fold(x_b, states_b) or w_b:
         return None
     if not sizes_b:
