@@ -52,6 +52,26 @@ def test_bad_dimension_numbers(dot, dims, match):
         dot(jnp.ones((2, 3)), jnp.ones((3, 3)), dims)
 
 
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_derivatives_of_gradients_say_they_are_not_defined(recipe):
+    """`jax.hessian` once ended in a bare AssertionError inside the forward, a gradient of a
+    gradient in JAX's "Linearization failed"; both now say what is supported. Forward mode
+    keeps JAX's own message, which names custom_vjp."""
+    d = fp8jax.Fp8DotGeneral(recipe)
+    w = jnp.ones((8, 4))
+
+    def f(x):
+        return jnp.sum(d(x, w, MATMUL) ** 2)
+
+    x = jnp.ones((2, 8))
+    jax.grad(f)(x)  # one reverse-mode derivative: fine
+    for derivative in (jax.hessian(f), jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))):
+        with pytest.raises(TypeError, match=r"have one reverse-mode derivative .*\(jax.hessian"):
+            derivative(x)
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jvp(f, (x,), (x,))
+
+
 def test_unknown_recipe_and_format():
     with pytest.raises(ValueError, match=r"Unknown recipe 'tensorwise'.*'current', 'delayed'"):
         fp8jax.Fp8DotGeneral("tensorwise")

@@ -308,6 +308,41 @@ def test_expert_specs_split_the_experts_and_their_fp8_state():
         fp8jax.expert_specs(fp8, 3)
 
 
+def test_expert_specs_of_stacked_layers_split_the_experts_axis():
+    """Expert layers stacked by `eqx.filter_vmap` (weights `(layers, experts, in, out)`)
+    split on their experts axis, behind the stack's: once `P('expert')`, which split the
+    layers and failed in the layer scan; a scan over the stack under `shard_map` then gives
+    what it gives on one device."""
+    layers, mesh = 4, jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def build(expert_axis):
+        make = lambda k: MoE(32, 64, 4, 2, key=k, expert_axis=expert_axis)  # noqa: E731
+        return fp8jax.fp8_linear_layers(
+            eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), layers))
+        )
+
+    sharded, one = build("expert"), build(None)
+    specs = fp8jax.expert_specs(sharded, "expert")
+    assert specs.up.weight == specs.up.ragged_dot.kernel.scale == P(None, "expert")
+    assert specs.gate.weight == P()
+
+    def run(model, x):
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def body(x, layer):
+            return x + eqx.combine(layer, static)(x), None
+
+        return jax.lax.scan(body, x, params)[0]
+
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    local = jax.shard_map(
+        run, mesh=mesh, in_specs=(specs, P("expert")), out_specs=P("expert"), check_vma=False
+    )
+    np.testing.assert_allclose(
+        jax.jit(local)(sharded, x), jax.jit(run)(one, x), rtol=1e-5, atol=1e-5
+    )
+
+
 # --- a compile for 8 H100s ----------------------------------------------------------------------
 
 

@@ -109,7 +109,8 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
         "fp8jax.with_fp8_state(filter_spec, model)`; with jax.grad, pass the layer (or "
         "model) as a differentiated argument, e.g. `fp8jax.filter_grad(loss)(model, x)` "
         "(gradients you do not use cost nothing under jit). Recipes that keep no state "
-        "between steps (CurrentScaling, BlockwiseScaling, MXFP8) do not need it.",
+        "between steps (CurrentScaling, BlockwiseScaling, MXFP8) do not need it. (Under "
+        "jax.jvp or jax.jacfwd: FP8 GEMMs have reverse-mode derivatives only.)",
         static.name,
     )
 
@@ -201,8 +202,19 @@ def fp8_gemm(
 def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
     # differentiated.
+    x_, w_, rest_, states_ = jax.tree.map(lambda p: p.value, (x, w, rest, states))
+    if any(jax_private.differentiation_trace(a) is not None for a in jax.tree.leaves((x_, w_))):
+        # The forward's own inputs carry a derivative: something differentiates the
+        # gradient (jax.hessian, jax.jacfwd of jax.grad, grad of grad).
+        raise TypeError(
+            "fp8jax's FP8 GEMMs have one reverse-mode derivative (jax.grad, jax.vjp, "
+            "fp8jax.filter_value_and_grad): a derivative of that derivative (jax.hessian, "
+            "jax.jacfwd of a gradient, a gradient of a gradient) is not defined through the "
+            "quantization. Take such derivatives of the model in high precision (before "
+            "fp8_linear_layers, or with the layers excluded)."
+        )
     check_state_differentiated(gemm.recipe, static, x, w, states)
-    x, w, rest, states = jax.tree.map(lambda p: p.value, (x, w, rest, states))
+    x, w, rest, states = x_, w_, rest_, states_
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
     with dispatch.placed_as(x, w):
         out, res = gemm.forward(x, w, *rest, _as_f32(states))

@@ -171,7 +171,9 @@ def expert_specs(model: Any, axis: str) -> Any:
     """The `PartitionSpec`s that split `model`'s experts over mesh axis `axis` (expert
     parallelism, for `shard_map`'s `in_specs`): `P(axis)` for every
     [`fp8jax.GroupedLinear`][]'s weight and the per-expert leaves of its FP8 layer (the
-    kernel's state and statistics, the tokens per expert), `P()` for every other array
+    kernel's state and statistics, the tokens per expert; layers stacked with
+    `eqx.filter_vmap` split on their experts axis, behind the stack's: `P(None, axis)`),
+    `P()` for every other array
     (replicated: the router, attention, norms, the activations' FP8 state); `None` for what
     is not an array. The same tree structure as `model`, whose arrays may be
     `jax.ShapeDtypeStruct`s (an abstract model, for a compile without devices). A Haliax
@@ -185,7 +187,7 @@ def expert_specs(model: Any, axis: str) -> Any:
     """
     if not isinstance(axis, str):
         raise TypeError(f"expert_specs: axis={axis!r}: should be a mesh axis name (a str).")
-    split: set[int] = set()
+    split: dict[int, int] = {}  # id of a per-expert leaf -> the stack axes in front of its experts
 
     def per_expert(layer: GroupedLinear) -> list[Any]:
         leaves = [layer.weight]
@@ -208,11 +210,15 @@ def expert_specs(model: Any, axis: str) -> Any:
                 f"(e.g. {{{layer.Experts.name!r}: {axis!r}}}) instead."
             )
         if isinstance(layer, GroupedLinear):
-            split.update(id(a) for a in per_expert(layer))
+            # Layers stacked by `eqx.filter_vmap` lead with their stack axes: (*L, E, in, out).
+            lead = max(len(layer.weight.shape) - 3, 0)
+            split.update((id(a), lead) for a in per_expert(layer))
 
     def spec(leaf: Any) -> Any:
         if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
             return None
-        return P(axis) if id(leaf) in split else P()
+        if id(leaf) not in split:
+            return P()
+        return P(*(None,) * split[id(leaf)], axis)
 
     return jax.tree.map(spec, model)
