@@ -212,3 +212,23 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
     takes no flags, and used to ignore them silently."""
     code, _, err = _cli_exit("moe", argv, capsys)
     assert code == 2 and f"{named}: only with --kjv" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "message"),
+    [
+        ("train_gpt", ["--steps", "0"], "--steps 0: should be >= 1"),
+        ("train_gpt", ["--eval-every", "0"], "--eval-every 0: should be >= 1"),
+        ("train_gpt", ["--heads", "3", "--width", "64"], "--heads 3: should divide --width 64"),
+        ("train_mlp", ["--steps", "0"], "--steps 0: should be >= 1"),
+        ("moe", ["--kjv", "--steps", "0"], "--steps 0: should be >= 1"),
+        ("moe", ["--kjv", "--top-k", "5"], "--top-k 5: should be at most --experts (4)"),
+        ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
+    ],
+)
+def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys):
+    """Counts below 1, heads that do not divide the width, a top-k above the experts: an
+    argparse error naming the flag before anything trains (they ended in tracebacks: an
+    IndexError, a ZeroDivisionError, a reshape error, JAX's top_k error after three runs)."""
+    code, _, err = _cli_exit(name, argv, capsys)
+    assert code == 2 and message in err

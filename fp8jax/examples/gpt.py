@@ -14,6 +14,7 @@ logits = jax.vmap(model)(tokens)  # (batch, context, vocab)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import equinox as eqx
@@ -45,6 +46,20 @@ class GPTConfig:
     mlp_ratio: int = 4
     remat_gelu: bool = False
     scan_layers: bool = False
+
+
+def check_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, more: tuple[str, ...] = ()
+) -> None:
+    """Refuse, as `parser` errors, the GPT and training flags of the examples' command lines
+    (`--steps`, `--layers`, `--width`, `--heads`, `--context`, `--batch`, and the integer
+    flags `more`) that no run could take: counts below 1, heads that do not divide the
+    width."""
+    for name in ("steps", "layers", "width", "heads", "context", "batch", *more):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
+    if args.width % args.heads:
+        parser.error(f"--heads {args.heads}: should divide --width {args.width}.")
 
 
 class Attention(eqx.Module):

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("steps", "batch", "width"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: should be >= 1.")
 
     key = jax.random.PRNGKey(args.seed)
     k_data, k_model = jax.random.split(key)
