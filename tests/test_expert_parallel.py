@@ -482,3 +482,60 @@ def test_fp8_backward_sends_the_gradients_as_e4m3_tiles():
             want[t] += back[0]
     np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
     assert not np.allclose(grad, plain_grad, rtol=1e-4)  # the roundings show
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["expert 8", "data 2 x expert 4"])
+def test_expert_parallel_telemetry_is_the_steps_as_on_one_device(shape):
+    """Telemetry of an expert-parallel step equals one device's: the tokens each expert got
+    summed over the devices holding its replicas (it was the largest replica's count), and
+    the fractions of the `down` layer's input and output gradient over the rows that hold
+    tokens (the receive buffer's padding counted divided them by its slack)."""
+    width, hidden, experts, k, tokens = 32, 64, 8, 2, 64
+    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = (
+        jax.random.normal(jax.random.key(4), (tokens, width))
+        * jnp.exp(jnp.linspace(-1, 1, tokens))[:, None]
+    )
+    y = jnp.sin(x)
+
+    def config(axes):
+        return fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(axis_names=axes), telemetry=True)
+
+    one = fp8jax.fp8_linear_layers(
+        MoE(width, hidden, experts, k, key=jax.random.key(3)), config(())
+    )
+    ep = fp8jax.fp8_linear_layers(
+        MoE(width, hidden, experts, k, key=jax.random.key(3), expert_axis="expert"),
+        config(("data", "expert")),
+    )
+
+    def loss_ep(m, x, y):
+        params, static = eqx.partition(m, eqx.is_array)
+
+        def local(p, x, y):
+            loss = jnp.mean((eqx.combine(p, static)(x) - y) ** 2)
+            return jax.lax.pmean(loss, ("data", "expert"))
+
+        specs = fp8jax.expert_specs(params, "expert")
+        rows = P(("data", "expert"))
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, rows, rows), out_specs=P())(
+            params, x, y
+        )
+
+    def loss_one(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    a = jax.jit(fp8jax.filter_grad(loss_one))(one, x, y)
+    b = jax.jit(fp8jax.filter_grad(loss_ep))(ep, x, y)
+    for layer in ("up", "down"):
+        got, want = getattr(b, layer).ragged_dot.stats, getattr(a, layer).ragged_dot.stats
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        assert float(want.tokens.sum()) == tokens * k
+        for role in ("input", "output_grad"):
+            for field in ("saturated", "underflow"):
+                np.testing.assert_allclose(
+                    getattr(getattr(got, role), field),
+                    getattr(getattr(want, role), field),
+                    rtol=1e-6,
+                    err_msg=f"{layer}.{role}.{field}",
+                )

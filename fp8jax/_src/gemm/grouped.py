@@ -39,7 +39,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Int
 
 from ..core import jax_private
-from ..core.amax import batch_shared, owner
+from ..core.amax import batch_shared, fraction, owner
 from ..core.stats import ExpertStats
 from ..recipes import BlockScaledRecipe, BlockwiseScaling, Recipe
 from ..recipes.base import Axis
@@ -90,6 +90,26 @@ token_counts = batch_shared(
 )
 
 
+def _token_statistics(
+    recipe: Any, x: Array, q: Any, role: str, owner_leaf: Array, group_sizes: Array
+) -> Any:
+    """`recipe.statistics` of a grouped operand `x (rows, cols)` over its rows that hold
+    tokens, the first `sum(group_sizes)`: the rows past them (an expert-parallel receive
+    buffer's padding, sized for the worst case) are no values of the step, and counted
+    they would divide its fractions by the buffer's slack."""
+    held = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    stats = recipe.statistics(
+        jnp.where(held[:, None], x, jnp.zeros((), x.dtype)), q, role, owner_leaf
+    )
+    # The rows held, as a fraction spanning what the statistics span (a vmapped batch, and
+    # the mesh axes of `axis_names`): the statistics' fractions over it are over held rows.
+    share = fraction(held, owner_leaf)
+    if recipe.axis_names:
+        share = lax.pmean(share, recipe.axis_names)
+    share = jnp.where(share > 0, share, 1.0)
+    return type(stats)(stats.saturated / share, stats.underflow / share, stats.rejected)
+
+
 def _only_used(state: Any, used: Bool[Array, " G"]) -> Any:
     """Per-expert `state` with the experts that got no tokens zeroed (nothing received)."""
 
@@ -118,7 +138,7 @@ def _forward(
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     input_stats = None
     if states.stats is not None:
-        input_stats = recipe.statistics(x, q_x, "input", owner(states.input))
+        input_stats = _token_statistics(recipe, x, q_x, "input", owner(states.input), group_sizes)
     return _experts_forward(
         recipe, native, precision, out_dtype, q_x, new_input, input_stats, w, group_sizes, states
     )
@@ -209,7 +229,9 @@ def _backward(
         q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:
-        grad_stats = activations.statistics(g, q_g, "output_grad", owner(residuals.grad_state))
+        grad_stats = _token_statistics(
+            activations, g, q_g, "output_grad", owner(residuals.grad_state), group_sizes
+        )
         input_stats, kernel_stats, tokens = stats
         stats = ExpertStats(input_stats, kernel_stats, grad_stats, tokens)
     with jax.named_scope("dgrad"):

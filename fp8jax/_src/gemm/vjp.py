@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,6 +231,15 @@ def _reduce_to(a: Array, axes: frozenset[str], reduce: Any) -> Array:
     return reduce(a, extra) if extra else a
 
 
+def _token_counts(states: States) -> Any:
+    """`states` with `True` for the leaf of a grouped layer's token counts, else `False`."""
+    flags = jax.tree.map(lambda _: False, states)
+    tokens = getattr(states.stats, "tokens", None)
+    if tokens is None:
+        return flags
+    return flags._replace(stats=eqx.tree_at(lambda s: s.tokens, flags.stats, True))
+
+
 def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     if isinstance(g, jax.custom_derivatives.SymbolicZero):
         g = jnp.zeros(g.shape, g.dtype)
@@ -241,10 +251,16 @@ def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     d_x = _reduce_to(d_x, lhs_axes, lax.psum)
     d_w = _reduce_to(d_w, rhs_axes, lax.psum)
     # Replicated state takes the largest amax of all devices, never their sum; state split
-    # over an axis (expert parallelism's per-expert state) stays each device's own.
+    # over an axis (expert parallelism's per-expert state) stays each device's own. The
+    # tokens each expert got are counted where they arrived: summed over the devices that
+    # hold replicas of the expert (a data axis beside the expert axis).
     leaves, tree = jax.tree.flatten(new_states)
+    counts = tree.flatten_up_to(_token_counts(new_states))
     new_states = tree.unflatten(
-        [_reduce_to(a, axes, lax.pmax) for a, axes in zip(leaves, state_axes, strict=True)]
+        [
+            _reduce_to(a, axes, lax.psum if count else lax.pmax)
+            for a, axes, count in zip(leaves, state_axes, counts, strict=True)
+        ]
     )
     convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
     return d_x, d_w, None, jax.tree.map(convert, new_states)
