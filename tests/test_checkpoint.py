@@ -94,6 +94,11 @@ def test_a_data_parallel_state_resumes_from_its_checkpoint(backend, tmp_path):
         if isinstance(want, jax.Array):
             assert got.committed == want.committed and got.sharding == want.sharding
     assert bits(data_parallel_run(step, restored, 2, 4)) == bits(uninterrupted)
+    # An abstract `like` (ShapeDtypeStructs: nothing built to be overwritten) restores the
+    # same; once refused as if it had none of the checkpoint's leaves.
+    abstract = eqx.filter_eval_shape(step.init, sharded(state.model))
+    restored = fp8jax.load_checkpoint(tmp_path / "ckpt", abstract, backend=backend)
+    assert bits(data_parallel_run(step, restored, 2, 4)) == bits(uninterrupted)
 
 
 @pytest.mark.parametrize(

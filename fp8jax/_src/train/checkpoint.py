@@ -66,7 +66,7 @@ def fp8_record(tree: Any) -> dict[str, Any]:
             layers[jax.tree_util.keystr(path)] = entry
     leaves = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if eqx.is_array(leaf):
+        if _is_array_like(leaf):
             leaves[jax.tree_util.keystr(path)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
         elif isinstance(leaf, bool | int | float | complex):
             leaves[jax.tree_util.keystr(path)] = [type(leaf).__name__]
@@ -77,6 +77,12 @@ def fp8_record(tree: Any) -> dict[str, Any]:
 # while an amax history is empty (a restored history decides the scale): a checkpoint
 # restores across them (and across versions before they existed).
 _IMPLEMENTATION_ONLY = re.compile(r",?\s*\b(?:native_kernel|warm_start)=(?:None|True|False)")
+
+
+def _is_array_like(x: Any) -> bool:
+    """An array, or an abstract one (`jax.ShapeDtypeStruct`: a `like` made by
+    `eqx.filter_eval_shape`, which restores without building the state first)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _layer_entry(entry: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -204,7 +210,9 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
 
     - `path`: what [`fp8jax.save_checkpoint`][] wrote.
     - `like`: a state of the same structure (e.g. `train_step.init(model)` for a model built
-      as before); its arrays' values are ignored, its static configuration is kept.
+      as before); its arrays' values are ignored, its static configuration is kept. Its
+      arrays may be abstract, `jax.ShapeDtypeStruct`s (`eqx.filter_eval_shape(train_step.init,
+      model)`: no state built only to be overwritten).
     - `backend`: as when saving.
 
     **Returns:** a new state; `like` is not modified. Each array has the sharding of the
@@ -349,7 +357,7 @@ def _merged(layer: Any) -> Any:
 def _deserialise(f: Any, like: Any) -> Any:
     """A leaf read back with `like`'s sharding if `like` is a `jax.Array` (Equinox's default
     would put it on the default device: a process-local array, in a multi-process run)."""
-    if not isinstance(like, jax.Array):
+    if not isinstance(like, jax.Array | jax.ShapeDtypeStruct):
         return eqx.default_deserialise_filter_spec(f, like)
     value = np.load(f)
     if value.dtype.kind == "V":  # NumPy saves bfloat16 and FP8 dtypes as raw bytes
@@ -357,16 +365,23 @@ def _deserialise(f: Any, like: Any) -> Any:
     return _placed_as(value, like)
 
 
-def _placed_as(value: Any, like: jax.Array) -> jax.Array:
+def _placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
     """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
     or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
     state's, on the default device), uncommitted too, so that `jit` still places it beside
     arrays sharded over several devices (committed to one device, it would refuse them)."""
-    if not like.committed:
-        return jnp.asarray(np.asarray(value))
     if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
-        return value
-    return jax.make_array_from_callback(value.shape, like.sharding, lambda index: value[index])
+        return value if getattr(like, "committed", True) else jnp.asarray(np.asarray(value))
+    sharding = like.sharding
+    if isinstance(like, jax.ShapeDtypeStruct) and (
+        not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1
+    ):
+        # Abstract, on one device or none said (`eval_shape` says one for what is made
+        # uncommitted, a step's count): on the default device, uncommitted.
+        return jnp.asarray(value)
+    if isinstance(like, jax.Array) and not like.committed:
+        return jnp.asarray(np.asarray(value))
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _gather(state: Any) -> Any:
@@ -486,7 +501,7 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:
     ocp = _orbax()
-    arrays, static = eqx.partition(like, eqx.is_array)
+    arrays, static = eqx.partition(like, _is_array_like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(path.absolute() / "state", abstract)
