@@ -187,6 +187,15 @@ def test_dtypes_follow_dot_general():
         lambda a, b, d: jnp.sum(d(a, b, dims).astype(jnp.float32)), argnums=(0, 1, 2)
     )(x, w, dot)
     assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    # Every pair of dtypes as lax answers it (BF16 with float16 is BF16 there, where
+    # jnp.promote_types says float32), for the grouped op too.
+    kinds = (jnp.bfloat16, jnp.float16, jnp.float32)
+    for a, b in [(a, b) for a in kinds for b in kinds]:
+        x, w = jnp.ones((4, 8), a), jnp.ones((8, 3), b)
+        assert dot(x, w, dims).dtype == jax.lax.dot_general(x, w, dims).dtype, (a, b)
+        ragged = fp8jax.Fp8RaggedDot("current", num_experts=2)
+        ws, sizes = jnp.ones((2, 8, 3), b), jnp.array([2, 2])
+        assert ragged(x, ws, sizes).dtype == jax.lax.ragged_dot(x, ws, sizes).dtype, (a, b)
 
 
 def _einsum_reference(spec, x, w, g):

@@ -106,6 +106,15 @@ def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, A
     return Fp8Stats(**stats)
 
 
+@functools.lru_cache(maxsize=64)
+def _lax_result_type(lhs: np.dtype, rhs: np.dtype) -> np.dtype:
+    """The dtype of `lax.dot_general` of operands of these dtypes, asked of JAX itself
+    (abstractly) so that the FP8 ops answer as the ops they replace do."""
+    one = (((1,), (0,)), ((), ()))
+    shapes = (jax.ShapeDtypeStruct((1, 1), lhs), jax.ShapeDtypeStruct((1, 1), rhs))
+    return np.dtype(jax.eval_shape(lambda a, b: lax.dot_general(a, b, one), *shapes).dtype)
+
+
 def check_float32_state(op: AbstractFp8Op) -> None:
     """Raise `TypeError` if a cast of the whole model or variables reached `op`'s FP8 state
     (a floating leaf that is not float32), before it rounds its scales and amax history."""
@@ -157,9 +166,10 @@ class AbstractFp8Op(OverwriteWithGradient):
         return check_float(name, x, self._where, self.stands_for)
 
     def _output_dtype(self, lhs: np.dtype, rhs: np.dtype, preferred: DTypeLike | None) -> np.dtype:
-        """`preferred_element_type`, checked, or the promoted type of the operands."""
+        """`preferred_element_type`, checked, or the type `lax.dot_general` gives the operands
+        (which is not always `jnp.promote_types`': BF16 with float16 gives BF16)."""
         if preferred is None:
-            return np.dtype(jnp.promote_types(lhs, rhs))
+            return _lax_result_type(np.dtype(lhs), np.dtype(rhs))
         try:
             out = np.dtype(preferred)
         except TypeError:
