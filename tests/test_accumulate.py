@@ -117,6 +117,14 @@ def test_aux_is_stacked_over_microbatches(getkey):
     (loss, aux), _ = fp8jax.accumulate_gradients(with_aux, 4, has_aux=True)(model, x, y)
     np.testing.assert_allclose(aux, jnp.mean(x.reshape(4, 16, 8), axis=(1, 2)), rtol=1e-6)
     assert float(loss) == pytest.approx(float(mse(model, x, y)), rel=1e-5)
+    # One microbatch stacks its aux too (it came back unstacked, shape ()), and a NumPy
+    # integer is a count of microbatches (it was refused as "not an int >= 1").
+    (_, one), _ = fp8jax.accumulate_gradients(with_aux, np.int64(1), has_aux=True)(model, x, y)
+    np.testing.assert_array_equal(one, jnp.mean(x)[None])
+    (_, two), _ = fp8jax.accumulate_gradients(with_aux, np.int64(2), has_aux=True)(model, x, y)
+    assert two.shape == (2,)
+    step = fp8jax.make_train_step(mse, optax.sgd(0.1), microbatches=np.int32(2))
+    assert step.microbatches == 2 and type(step.microbatches) is int
 
 
 def test_accumulation_errors(getkey):
@@ -127,6 +135,10 @@ def test_accumulation_errors(getkey):
         fp8jax.accumulate_gradients(mse, 5)(model, x, y)
     with pytest.raises(ValueError, match="microbatches=2.5"):
         fp8jax.make_train_step(mse, optax.sgd(0.1), microbatches=2.5)
+    # has_aux with a scalar loss: the message names what came back, not a tracer's class.
+    step = fp8jax.make_train_step(mse, optax.sgd(0.1), has_aux=True)
+    with pytest.raises(ValueError, match=r"returned an array of shape \(\), not a pair"):
+        step(step.init(model), x, y)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])

@@ -286,3 +286,16 @@ def test_float32_storage_is_exact():
     ref = _run(optax.adamw(1e-3), params, grads)
     same = _run(low_precision_state(optax.adamw(1e-3), jnp.float32), params, grads)
     assert eqx.tree_equal(ref, same)
+
+
+def test_float16_storage_warns_of_the_second_moments_it_flushes():
+    """float16 storage flushes Adam's nu of gradients below about 7e-3 to 0 (below its
+    smallest subnormal), so updates grow toward lr / sqrt(1 - b2): measured here, and warned
+    of where the wrapper is made."""
+    grads = jnp.asarray([1e-2, 3e-3, 1e-3, 1e-4], jnp.float32)
+    with pytest.warns(UserWarning, match="float16 flushes values below 6e-8"):
+        nu, updates = _constant_gradient_run(jnp.float16, grads, [(300, 1.0)])
+    assert nu[-1, 0] > 0 and np.all(nu[-1, 1:] == 0)  # (1 - b2) g**2 < 6e-8 flushed
+    nu32, updates32 = _constant_gradient_run(None, grads, [(300, 1.0)])
+    # 16x at step 300 (the bias correction 1 - b2**300), toward 32x later.
+    assert np.all(np.abs(updates[-1, 1:]) > 10 * np.abs(updates32[-1, 1:]))

@@ -26,13 +26,13 @@ from .grad import filter_value_and_grad
 def _split(x: Any, microbatches: int) -> Any:
     if not eqx.is_array(x) or jnp.ndim(x) == 0:
         raise ValueError(
-            f"accumulate_gradients: every batch argument must be an array with a leading "
-            f"batch axis; got {type(x).__name__} of shape {jnp.shape(x)}."
+            f"microbatches={microbatches}: every batch argument must be an array with a "
+            f"leading batch axis to split; got {type(x).__name__} of shape {jnp.shape(x)}."
         )
     if x.shape[0] % microbatches:
         raise ValueError(
-            f"accumulate_gradients: a batch axis of size {x.shape[0]} does not split into "
-            f"{microbatches} equal microbatches."
+            f"microbatches={microbatches}: a batch axis of size {x.shape[0]} does not split "
+            f"into {microbatches} equal microbatches."
         )
     return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
 
@@ -44,6 +44,15 @@ def _combine(total: Any, new: Any) -> Any:
     rest = jax.tree.map(jnp.add, total_rest, new_rest)
     state = jax.tree.map(jnp.maximum, total_state, new_state)
     return eqx.combine(state, rest, is_leaf=is_overwrite)
+
+
+def is_count(value: Any) -> bool:
+    """Whether `value` is a whole number >= 1 (a Python or NumPy integer, not a bool)."""
+    return (
+        not isinstance(value, bool | np.bool_)
+        and isinstance(value, int | np.integer)
+        and value >= 1
+    )
 
 
 def check_unroll(what: str, unroll: Any) -> None:
@@ -114,10 +123,11 @@ def accumulate_gradients(
             f"accumulate_gradients: fun={fun!r} is not callable; it should be "
             "fun(model, *batch) -> loss."
         )
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+    if not is_count(microbatches):
         raise ValueError(
             f"accumulate_gradients: microbatches={microbatches!r} should be an int >= 1."
         )
+    microbatches = int(microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"accumulate_gradients: has_aux={has_aux!r} should be True or False.")
     check_unroll("accumulate_gradients: unroll", unroll)
@@ -134,7 +144,11 @@ def accumulate_gradients(
     @functools.wraps(fun)
     def run(model: Any, *batch: Any) -> tuple[Any, Any]:
         if microbatches == 1:
-            return filter_value_and_grad(fun, has_aux=has_aux)(model, *batch)
+            value, grads = filter_value_and_grad(fun, has_aux=has_aux)(model, *batch)
+            if has_aux:  # stacked over its one microbatch, as over several
+                aux = stackable_aux(value[1], "accumulate_gradients(has_aux=True)")
+                value = (value[0], jax.tree.map(lambda a: a[None], aux))
+            return value, grads
         slices = jax.tree.map(lambda x: _split(x, microbatches), batch)
         first = jax.tree.map(lambda x: x[0], slices)
         rest = jax.tree.map(lambda x: x[1:], slices)

@@ -10,6 +10,7 @@ optimizer = fp8jax.low_precision_state(optax.adamw(3e-4), jnp.bfloat16)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -66,6 +67,10 @@ def low_precision_state(
       `g**2` (the measured stall and its effect on the updates: `benchmarks/RESULTS.md`,
       "Low-precision optimizer state").
 
+    **float16** has 3 more bits but 2**-24 (6e-8) as its smallest subnormal: Adam's `nu` of
+    ordinary gradients (below about 7e-3 with `b2 = 0.999`) underflows to 0 and the updates
+    grow some 30x; it warns.
+
     `mu` (`b1 = 0.9`) moves by 10% of the gap and settles within 2-4% of a steady gradient.
     Where this matters, keep `nu` in float32 (optax's own `optax.adamw(..., mu_dtype=
     jnp.bfloat16)`, without this wrapper, stores only `mu` in bfloat16), or use `b2 = 0.99`:
@@ -100,6 +105,15 @@ def low_precision_state(
         raise ValueError(
             f"low_precision_state: dtype={dtype!r} is an 8-bit float, which stores optimizer "
             "state without a scale; use jnp.bfloat16, jnp.float16 or jnp.float32."
+        )
+    if storage == np.dtype(jnp.float16):
+        warnings.warn(
+            "low_precision_state: dtype=float16 flushes values below 6e-8 (its smallest "
+            "subnormal) to zero: Adam's second moment, (1 - b2) * g**2, of a gradient below "
+            "about 7e-3 (b2 = 0.999) is stored as 0, and its updates grow to lr / sqrt(1 - "
+            "b2), some 30x lr. jnp.bfloat16 keeps float32's range; float16 suits state of "
+            "gradients' own magnitude (SGD momentum).",
+            stacklevel=2,
         )
     compute = np.dtype(jnp.promote_types(storage, jnp.float32))
     inner = optax.with_extra_args_support(optimizer)

@@ -32,7 +32,7 @@ from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from ..ops import warm_start
-from .accumulate import accumulate_gradients, check_unroll, stackable_aux
+from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
 from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree, states_finite
 from .policy import Policy
@@ -182,9 +182,14 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         batch = _cast_batch(policy, batch) if self.cast_batch else batch
         out = self.loss_fn(policy.cast_to_compute(model), *batch)
         if self.has_aux and not (isinstance(out, tuple | list) and len(out) == 2):
+            got = (
+                f"an array of shape {jnp.shape(out)}"
+                if isinstance(out, jax.Array)
+                else f"a {type(out).__name__}"
+            )
             raise ValueError(
-                f"make_train_step(has_aux=True): loss_fn returned {type(out).__name__}, not a "
-                "pair (loss, aux); return both, or drop has_aux."
+                f"make_train_step(has_aux=True): loss_fn returned {got}, not a pair (loss, "
+                "aux); return both, or drop has_aux."
             )
         if not self.has_aux and isinstance(out, tuple | list):
             raise ValueError(
@@ -321,8 +326,9 @@ def make_train_step(
             raise TypeError(f"make_train_step: {flag}={value!r}: should be True or False.")
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+    if not is_count(microbatches):
         raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
+    microbatches = int(microbatches)
     check_unroll("make_train_step: unroll_microbatches", unroll_microbatches)
     compiler_options = checked_compiler_options("make_train_step", compiler_options)
     options = tuple(sorted(compiler_options.items()))
