@@ -224,6 +224,7 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--steps", "0"], "--steps 0: should be >= 1"),
         ("moe", ["--kjv", "--top-k", "5"], "--top-k 5: should be at most --experts (4)"),
         ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
+        ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
     ],
 )
 def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys):

@@ -280,7 +280,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("chunked", "dequantized"),
         default="chunked",
         help="block-scaled GEMMs as one FP8 dot per 128-chunk (as on a GPU) or one float32 "
-        "dot of the dequantized operands (the same numerics, faster on a CPU)",
+        "dot of the dequantized operands (the same values up to float32 summation order, "
+        "faster on a CPU)",
     )
     parser.add_argument(
         "--power-of-two",
@@ -314,6 +315,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
     if args.balance_speed < 0:
         parser.error(f"--balance-speed {args.balance_speed}: should be >= 0.")
+    if not 1 <= args.top_k <= args.experts:
+        parser.error(f"--top-k {args.top_k}: should be from 1 to --experts ({args.experts}).")
     args.tail = min(args.tail, args.steps)
     args.seeds = list(dict.fromkeys(args.seeds))
     return args

@@ -73,7 +73,8 @@ def build(
     Linears. `fp32` is the same model as `bf16`: `train` computes it in float32 (`FP32_POLICY`).
 
     `block_dot="dequantized"` runs the block recipes' GEMMs as float32 dots of the dequantized
-    operands (`BlockScaledRecipe.dequantized_dot`): the same numerics, faster on a CPU.
+    operands (`BlockScaledRecipe.dequantized_dot`): the same values up to float32 summation
+    order, faster on a CPU.
     """
     model = GPT(config, key=key)
     if variant in REFERENCES:
@@ -283,7 +284,8 @@ def add_arguments(
         choices=("chunked", "dequantized"),
         default=block_dot,
         help="how the block recipes' GEMMs are emulated: one FP8 dot per block (as on a GPU) "
-        "or one float32 dot of the dequantized operands (the same numerics, faster on a CPU)",
+        "or one float32 dot of the dequantized operands (the same values up to float32 "
+        "summation order, faster on a CPU)",
     )
 
 
