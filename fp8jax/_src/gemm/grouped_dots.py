@@ -319,18 +319,9 @@ def rows_dot(
     names = ("g", "n", "k") if rhs_axis == -1 else ("g", "k", "n")
     arrays = _dims(lhs, ("m", "k")) + _dims(rhs, names)
     dims = GemmDims((*arrays, (("g", 1),), (("m", 1),)), ("m", "n"), (len(arrays), "m"))
-    return dispatch.choose(
-        native,
-        native_path,
-        xla_path,
-        lhs,
-        rhs,
-        group_sizes,
-        experts,
-        dims=dims,
-        out_dtype=out_dtype,
-        name=GROUPED_ROWS_NAME,
-    )
+    operands = (lhs, rhs, group_sizes, experts)
+    kernel = {"dims": dims, "out_dtype": out_dtype, "name": GROUPED_ROWS_NAME}
+    return dispatch.choose(native, native_path, xla_path, *operands, **kernel)
 
 
 def tokens_dot(
@@ -361,17 +352,8 @@ def tokens_dot(
 
     arrays = _dims(lhs, ("k", "m")) + _dims(rhs, ("k", "n"))
     dims = GemmDims((*arrays, (("g", 1),)), ("g", "m", "n"), (len(arrays), "k"))
-    return dispatch.choose(
-        native,
-        native_path,
-        xla_path,
-        lhs,
-        rhs,
-        group_sizes,
-        dims=dims,
-        out_dtype=out_dtype,
-        name=GROUPED_TOKENS_NAME,
-    )
+    kernel = {"dims": dims, "out_dtype": out_dtype, "name": GROUPED_TOKENS_NAME}
+    return dispatch.choose(native, native_path, xla_path, lhs, rhs, group_sizes, **kernel)
 
 
 def _dims(q: QTensor, names: tuple[str, ...]) -> list[tuple[Dim, ...]]:

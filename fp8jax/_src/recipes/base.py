@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 from ..core.amax import amax
 from ..core.formats import FormatLike, expand_blocks, format_name, fp8_dtype
 from ..core.stats import OperandStats, cast_statistics
+from ..kernels import BLOCK_GEMM_NAME, dispatch
 from ..kernels.partition import Dim, GemmDims
 
 Role = Literal["input", "kernel", "output_grad"]
@@ -140,6 +141,25 @@ def gemm_dims(lhs: Any, rhs: Any, lhs_axis: Axis, rhs_axis: Axis) -> GemmDims:
     batch = ("b",) * (jax.tree.leaves(lhs)[0].ndim - 2)
     return GemmDims(
         tuple(operand(lhs, "m", lhs_axis) + operand(rhs, "n", rhs_axis)), batch + ("m", "n")
+    )
+
+
+def on_block_kernel(
+    native_kernel: bool | None,
+    native: Any,
+    xla: Any,
+    lhs: Any,
+    rhs: Any,
+    lhs_axis: Axis,
+    rhs_axis: Axis,
+    out_dtype: Any,
+) -> Array:
+    """`native(lhs, rhs, out_dtype=...)`, fp8jax's block-scaled kernel, or `xla(lhs, rhs)`, as
+    `native_kernel` says (`dispatch.choose`); on a mesh each device runs the kernel on its
+    shards, the partitioned call named after the kernel."""
+    dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
+    return dispatch.choose(
+        native_kernel, native, xla, lhs, rhs, dims=dims, out_dtype=out_dtype, name=BLOCK_GEMM_NAME
     )
 
 

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from ..core.amax import local_amax
 from ..core.formats import FormatLike, expand_blocks, floor_log2, fp8_dtype, fp8_max, pow2, saturate
 from ..core.formats import format_name as canonical_format
-from ..kernels import BLOCK_GEMM_NAME, block_quantize, dispatch, padded_quantize
+from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import (
     Axis,
     QTensor,
@@ -27,6 +27,7 @@ from .base import (
     check_flags,
     check_positive_int,
     gemm_dims,
+    on_block_kernel,
 )
 from .block_dot import block_dot, dequantized_block_dot, native_block_dot, pad_to_blocks
 from .per_tensor import MAX_SCALE
@@ -262,16 +263,8 @@ class BlockwiseScaling(BlockScaledRecipe):
         def native(lhs: QTensor, rhs: QTensor, out_dtype: Any) -> Array:
             return native_block_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
-        dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
-        return dispatch.choose(
-            self.native_kernel,
-            native,
-            xla,
-            lhs,
-            rhs,
-            dims=dims,
-            out_dtype=out_dtype,
-            name=BLOCK_GEMM_NAME,
+        return on_block_kernel(
+            self.native_kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype
         )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:

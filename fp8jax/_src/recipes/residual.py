@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..core.formats import fp8_max, quantize
-from ..kernels import BLOCK_GEMM_NAME, dispatch
+from ..kernels import dispatch
 from .base import (
     Axis,
     FormatLike,
@@ -25,7 +25,7 @@ from .base import (
     QTensor,
     Role,
     check_flags,
-    gemm_dims,
+    on_block_kernel,
     per_tensor_dot,
 )
 from .per_tensor import MAX_SCALE, compute_scale
@@ -210,16 +210,8 @@ class ResidualFP8(HybridFormats):
 
         if not wgmma_takes(*(t.data.dtype for t in lhs.terms + rhs.terms)):
             return xla(lhs, rhs)  # JAX 0.10's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
-        dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
-        return dispatch.choose(
-            self.native_kernel,
-            native,
-            xla,
-            lhs,
-            rhs,
-            dims=dims,
-            out_dtype=out_dtype,
-            name=BLOCK_GEMM_NAME,
+        return on_block_kernel(
+            self.native_kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype
         )
 
 
