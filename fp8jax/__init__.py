@@ -85,6 +85,7 @@ from ._src.train.loss_scale import LossScale as LossScale
 from ._src.train.loss_scale import NoOpLossScale as NoOpLossScale
 from ._src.train.loss_scale import StaticLossScale as StaticLossScale
 from ._src.train.loss_scale import all_finite as all_finite
+from ._src.train.loss_scale import rescale_gradient_states as rescale_gradient_states
 from ._src.train.loss_scale import select_tree as select_tree
 from ._src.train.optim import low_precision_state as low_precision_state
 from ._src.train.policy import Policy as Policy
@@ -234,6 +235,7 @@ __all__ = [
     "partition_for_grad_overwrite",
     "quantize",
     "report",
+    "rescale_gradient_states",
     "save_checkpoint",
     "save_fp8_operands",
     "scales_recorded",

@@ -382,3 +382,65 @@ def test_select_tree_errors():
         select_tree(jnp.asarray(1.0), [1], [1])
     with pytest.raises(TypeError, match=r"pred has dtype bool and shape \(2,\)"):
         select_tree(jnp.asarray([True, False]), [1], [1])
+
+
+def _recorded_mlp(recipe, key):
+    """An FP8 MLP after one train step: every state recorded (gradients times 2**10)."""
+    mlp = eqx.nn.MLP(8, 4, 32, 2, key=key)
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+
+    def loss(m):
+        return 2.0**10 * jnp.mean(jax.vmap(m)(x) ** 2)
+
+    _, grads = fp8jax.filter_value_and_grad(loss)(model)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    return fp8jax.apply_updates(model, jax.tree.map(jnp.zeros_like, grads), overwrites)
+
+
+def bits_of(tree):
+    return [np.asarray(a).tobytes() for a in jax.tree.leaves(tree)]
+
+
+def _ops(model):
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, fp8jax.Fp8DotGeneral))
+    return [x for x in leaves if isinstance(x, fp8jax.Fp8DotGeneral)]
+
+
+@pytest.mark.parametrize("power_of_two", [True, False])
+@pytest.mark.parametrize("ratio", [2.0, 0.5, 3.0])
+def test_rescaled_gradient_states_are_recorded_gradients_times_the_ratio(ratio, power_of_two):
+    """The output-gradient history times `ratio` (exact for powers of two), and the scale the
+    next step uses computed from it by hand in float64 (`fmt_max / amax`, rounded down to a
+    power of two); the inputs' and kernels' states bit for bit as they were."""
+    recipe = fp8jax.DelayedScaling(power_of_two=power_of_two, history_len=4)
+    model = _recorded_mlp(recipe, jax.random.key(0))
+    new = fp8jax.rescale_gradient_states(model, ratio)
+    e5m2_max = float(jnp.finfo(jnp.float8_e5m2).max)
+    for old_op, op in zip(_ops(model), _ops(new), strict=True):
+        old_history = np.asarray(old_op.output_grad.amax_history, np.float64)
+        assert old_history[0] > 0  # recorded
+        history = np.asarray(op.output_grad.amax_history, np.float64)
+        np.testing.assert_array_equal(history, np.float32(old_history * ratio))
+        want = e5m2_max / history.max()
+        if power_of_two:
+            want = 2.0 ** math.floor(math.log2(want))
+        np.testing.assert_allclose(float(op.output_grad.scale), want, rtol=2**-23)
+        assert float(op.output_grad.scale_inv) == pytest.approx(1 / want, rel=2**-22)
+        assert bits_of(op.input) == bits_of(old_op.input)
+        assert bits_of(op.kernel) == bits_of(old_op.kernel)
+
+
+def test_rescaling_leaves_what_it_should_as_it_was():
+    """A ratio of 1, unrecorded states (scale 0: the warm start still waits) and recipes that
+    scale each step by its own amax are left bit for bit; a ratio must be a scalar."""
+    key = jax.random.key(0)
+    model = _recorded_mlp(fp8jax.DelayedScaling(), key)
+    assert bits_of(fp8jax.rescale_gradient_states(model, 1.0)) == bits_of(model)
+    fresh = fp8jax.fp8_linear_layers(eqx.nn.MLP(8, 4, 32, 2, key=key), fp8jax.Fp8Config())
+    rescaled = fp8jax.rescale_gradient_states(fresh, 4.0)
+    assert [float(op.output_grad.scale) for op in _ops(rescaled)] == [0.0] * 3
+    current = _recorded_mlp(fp8jax.CurrentScaling(), key)
+    assert bits_of(eqx.filter_jit(fp8jax.rescale_gradient_states)(current, 2.0)) == bits_of(current)
+    with pytest.raises(ValueError, match=r"ratio has shape \(2,\)"):
+        fp8jax.rescale_gradient_states(model, jnp.ones(2))

@@ -188,8 +188,12 @@ def test_nonfinite_steps_are_skipped_with_nothing_changed(where, value, getkey):
     poison = value if where == "gradient" else 0.0
     new, metrics = train_step(state, bad_x, y, poison)
     assert not bool(metrics.grads_finite)
-    assert bits((new.model, new.opt_state)) == bits((state.model, state.opt_state))
     assert float(new.loss_scale.loss_scale) == 2.0**14  # backed off by half
+    # Weights, optimizer state and FP8 state as they were, bit for bit, but for delayed
+    # scaling's output-gradient histories, which follow the loss scale (halved).
+    assert bits((new.model, new.opt_state)) != bits((state.model, state.opt_state))
+    kept = fp8jax.rescale_gradient_states(state.model, 0.5)
+    assert bits((new.model, new.opt_state)) == bits((kept, state.opt_state))
     assert int(new.loss_scale.skipped_steps) == 1 and int(new.loss_scale.counter) == 0
     assert int(new.step) == int(state.step) + 1
     # And training goes on from there.
@@ -510,3 +514,33 @@ def test_unrolled_microbatches_reach_the_accumulation(getkey, monkeypatch):
     want = jax.tree.leaves(eqx.filter(states[1].model, eqx.is_array))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-20 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize("rescaled", [True, False])
+def test_a_growing_loss_scale_saturates_no_output_gradient(rescaled, getkey, monkeypatch):
+    """A `DynamicLossScale` that doubles every step (`period=1`), delayed scaling: the step
+    rescales the output-gradient histories with the loss scale, so no step's gradients
+    saturate E5M2. With the rescaling taken out (the step as it was), every step after the
+    first saturates some: what the test would see if the step forgot it."""
+    if not rescaled:
+        from fp8jax._src.train import step as step_module
+
+        monkeypatch.setattr(step_module, "rescale_gradient_states", lambda tree, ratio: tree)
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    config = fp8jax.Fp8Config(recipe="delayed", telemetry=True, exclude=None)
+    model = fp8jax.fp8_linear_layers(mlp, config)
+    step = fp8jax.make_train_step(
+        mse, optax.sgd(1e-3), loss_scale=fp8jax.DynamicLossScale(2.0**4, period=1)
+    )
+    state = step.init(model)
+    saturated = []
+    for i in range(4):
+        state, metrics = step(state, *data(jax.random.key(i)))
+        assert bool(metrics.grads_finite)
+        stats = fp8jax.telemetry(state.model)
+        saturated.append(max(float(s.output_grad.saturated) for s in stats.values()))
+    assert float(state.loss_scale.loss_scale) == 2.0**8  # grew every step
+    if rescaled:
+        assert saturated == [0.0] * 4, saturated
+    else:
+        assert saturated[0] == 0.0 and all(s > 0 for s in saturated[1:]), saturated

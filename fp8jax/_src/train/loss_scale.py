@@ -12,13 +12,16 @@ def step(model, opt_state, loss_scale, batch):
     overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
     grads = loss_scale.unscale(grads)
     finite = fp8jax.all_finite(grads)
-    loss_scale = loss_scale.adjust(finite)
     updates, new_opt_state = optimizer.update(grads, opt_state, model)
     new_model = fp8jax.apply_updates(model, updates, overwrites)
     model, opt_state = fp8jax.select_tree(
         finite, (new_model, new_opt_state), (model, opt_state)
     )   # skip the step when the gradients overflowed
-    return model, opt_state, loss_scale
+    new_loss_scale = loss_scale.adjust(finite)
+    # Delayed scaling's gradient histories follow the loss scale.
+    ratio = new_loss_scale.loss_scale / loss_scale.loss_scale
+    model = fp8jax.rescale_gradient_states(model, ratio)
+    return model, opt_state, new_loss_scale
 ```
 """
 
@@ -35,6 +38,9 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core.updates import is_overwrite
+from ..ops.base import AbstractFp8Op
+from ..recipes.base import TensorState
+from ..recipes.per_tensor import DelayedScaling
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
@@ -307,6 +313,53 @@ class DynamicLossScale(LossScale):
         """
         total = jnp.maximum(self.total_steps, 1).astype(jnp.float32)
         return self.skipped_steps.astype(jnp.float32) / total
+
+
+def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
+    """`tree` with each delayed-scaling layer's output-gradient state as if its recorded
+    gradients had been `ratio` times as large: the amax history times `ratio`, and the scale
+    the next step uses computed again from it, as the layer's merge computes it.
+
+    A loss scale multiplies every output gradient, and delayed scaling's history records them
+    scaled. When a [`fp8jax.DynamicLossScale`][] grows (x2), the next step's gradients would be
+    twice what the history allows and the largest would saturate for that step; after a
+    backoff they would use a scale one bit short until the history forgets. Call this with
+    `new_loss_scale / old_loss_scale` when the scale changes ([`fp8jax.make_train_step`][]
+    does). Other recipes scale each step's gradients by their own amax and are left as they
+    are, as are unrecorded states (a scale of 0 stays 0: the warm start still waits).
+
+    **Arguments:**
+
+    - `tree`: a model, or any pytree holding [`fp8jax.Fp8DotGeneral`][] and
+      [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too).
+    - `ratio`: a positive float32 scalar; 1 changes nothing (bit for bit).
+
+    ```python
+    new_loss_scale = loss_scale.adjust(finite)
+    ratio = new_loss_scale.loss_scale / loss_scale.loss_scale
+    model = fp8jax.rescale_gradient_states(model, ratio)
+    ```
+    """
+    ratio = jnp.asarray(ratio, jnp.float32)
+    if ratio.shape != ():
+        raise ValueError(
+            f"rescale_gradient_states: ratio has shape {ratio.shape}; it should be a scalar "
+            "(new loss scale / old loss scale)."
+        )
+
+    def rescale(op: Any) -> Any:
+        if not isinstance(op, AbstractFp8Op) or not isinstance(op.recipe, DelayedScaling):
+            return op
+        state = op.output_grad
+        if not isinstance(state, TensorState):
+            return op
+        history = state.amax_history * ratio
+        scale = op.recipe.next_scale(state.scale, history, "output_grad")
+        # Where the history holds no amax, `next_scale` keeps the scale: 1 then, bit for bit.
+        scale = jnp.where(ratio == 1.0, state.scale, scale)
+        return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
+
+    return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
 
 
 def all_finite(tree: Any) -> Bool[Array, ""]:

@@ -34,7 +34,15 @@ from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overw
 from ..ops import warm_start
 from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
-from .loss_scale import LossScale, NoOpLossScale, all_finite, select_tree, states_finite
+from .loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    all_finite,
+    rescale_gradient_states,
+    select_tree,
+    states_finite,
+)
 from .policy import Policy
 
 
@@ -227,7 +235,12 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     if self.skip_nonfinite:
         # Old values are selected bit for bit: weights, optimizer state and FP8 state.
         model, opt_state = select_tree(finite, (model, opt_state), (state.model, state.opt_state))
-    new_state = TrainState(model, opt_state, scale.adjust(finite), state.step + 1)
+    new_scale = scale.adjust(finite)
+    if isinstance(scale, DynamicLossScale):
+        # Delayed scaling's gradient histories follow the scale (a growth would saturate the
+        # next step's largest gradients); a static scale never changes, and adds nothing here.
+        model = rescale_gradient_states(model, new_scale.loss_scale / scale.loss_scale)
+    new_state = TrainState(model, opt_state, new_scale, state.step + 1)
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
 
 
@@ -250,9 +263,11 @@ def make_train_step(
     `loss_scale.scale(loss_fn(model, *batch))` (FP8 state combining by max), splits the FP8
     state out of the gradients, unscales the rest, checks they are finite, runs the optimizer
     on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
-    adjusts the loss scale. A step with non-finite gradients, or a non-finite new FP8 state
-    (an inf or NaN in an FP8 layer's operand, passed on as NaN by the saturating cast),
-    changes nothing but the loss scale and the step count. No host sync, but one wait after
+    adjusts the loss scale, rescaling delayed scaling's output-gradient histories when it
+    changes ([`fp8jax.rescale_gradient_states`][]). A step with non-finite gradients, or a
+    non-finite new FP8 state (an inf or NaN in an FP8 layer's operand, passed on as NaN by
+    the saturating cast), changes nothing but the loss scale (and those histories with it) and
+    the step count. No host sync, but one wait after
     the hundredth step, where delayed scaling's warm start is dropped once every scale is
     recorded ([`fp8jax.TrainStep`][]).
 
