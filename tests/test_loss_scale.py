@@ -444,3 +444,31 @@ def test_rescaling_leaves_what_it_should_as_it_was():
     assert bits_of(eqx.filter_jit(fp8jax.rescale_gradient_states)(current, 2.0)) == bits_of(current)
     with pytest.raises(ValueError, match=r"ratio has shape \(2,\)"):
         fp8jax.rescale_gradient_states(model, jnp.ones(2))
+
+
+def test_a_linen_models_variables_are_rescaled_as_its_layers():
+    """Linen keeps each FP8 layer's `Fp8DotGeneral` in a collection of its variables: the
+    variables rescale as the Equinox layer holding the same state does."""
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(32)(x)))  # the first Dense made is the head
+
+    model = fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config())
+    x = jax.random.normal(jax.random.key(0), (16, 16))
+    variables = model.init(jax.random.key(1), x)
+    loss = lambda v: 2.0**8 * jnp.sum(model.apply(v, x) ** 2)  # noqa: E731
+    _, grads = fp8jax.filter_value_and_grad(loss)(variables)
+    (op,) = [
+        leaf
+        for leaf in jax.tree.leaves(grads, is_leaf=lambda t: isinstance(t, fp8jax.Fp8DotGeneral))
+        if isinstance(leaf, fp8jax.Fp8DotGeneral)
+    ]
+    recorded = {**variables, "_overwrite_with_gradient": {"Dense_1": {"fp8jax": op}}}
+    assert float(op.output_grad.amax_history[0]) > 0
+    rescaled = fp8jax.rescale_gradient_states(recorded, 4.0)
+    (got,) = _ops(rescaled)
+    (want,) = _ops(fp8jax.rescale_gradient_states(op, 4.0))
+    assert bits_of(got) == bits_of(want) and bits_of(got) != bits_of(op)

@@ -330,8 +330,9 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
 
     **Arguments:**
 
-    - `tree`: a model, or any pytree holding [`fp8jax.Fp8DotGeneral`][] and
-      [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too).
+    - `tree`: an Equinox model, a Flax Linen model's variables, or any pytree holding
+      [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too). A
+      Flax NNX model's state holds its layers' arrays, not the layers: nothing is found there.
     - `ratio`: a positive float32 scalar; 1 changes nothing (bit for bit).
 
     ```python
