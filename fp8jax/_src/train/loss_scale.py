@@ -356,7 +356,8 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
             return op
         history = state.amax_history * ratio
         scale = op.recipe.next_scale(state.scale, history, "output_grad")
-        # Where the history holds no amax, `next_scale` keeps the scale: 1 then, bit for bit.
+        # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
+        # not give.
         scale = jnp.where(ratio == 1.0, state.scale, scale)
         return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
 
