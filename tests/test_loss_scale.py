@@ -472,3 +472,13 @@ def test_a_linen_models_variables_are_rescaled_as_its_layers():
     (got,) = _ops(rescaled)
     (want,) = _ops(fp8jax.rescale_gradient_states(op, 4.0))
     assert bits_of(got) == bits_of(want) and bits_of(got) != bits_of(op)
+
+
+def test_an_nnx_model_is_refused_by_name():
+    """An NNX model's FP8 layers hold `nnx.Variable`s: refused naming the layer, not a
+    comparison error from inside the scale's computation."""
+    from flax import nnx
+
+    model = fp8jax.fp8_linear_layers(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), fp8jax.Fp8Config())
+    with pytest.raises(TypeError, match="rescale_gradient_states: layer .* Flax NNX model"):
+        fp8jax.rescale_gradient_states(model, 2.0)

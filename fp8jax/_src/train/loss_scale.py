@@ -332,7 +332,8 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
 
     - `tree`: an Equinox model, a Flax Linen model's variables, or any pytree holding
       [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too). A
-      Flax NNX model's state holds its layers' arrays, not the layers: nothing is found there.
+      Flax NNX model is refused (`TypeError`: its layers hold `nnx.Variable`s), and its
+      `nnx.state` holds the layers' arrays, not the layers: nothing is found there.
     - `ratio`: a positive float32 scalar; 1 changes nothing (bit for bit).
 
     ```python
@@ -354,6 +355,13 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
         state = op.output_grad
         if not isinstance(state, TensorState):
             return op
+        if not eqx.is_array(state.amax_history):
+            # An NNX model's layers hold their arrays in `nnx.Variable`s.
+            raise TypeError(
+                f"rescale_gradient_states: layer {op.name!r} holds its state in "
+                f"{type(state.amax_history).__name__}s, not arrays (a Flax NNX model?); it "
+                "takes Equinox models and Flax Linen variables."
+            )
         history = state.amax_history * ratio
         scale = op.recipe.next_scale(state.scale, history, "output_grad")
         # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
