@@ -147,6 +147,8 @@ class LossScale(eqx.Module):
     @abc.abstractmethod
     def adjust(self: L, grads_finite: Bool[ArrayLike, ""]) -> L:
         """The loss scale for the next step, given whether this step's gradients were finite.
+        A scale that never changes returns itself: [`fp8jax.make_train_step`][] then leaves
+        delayed scaling's gradient histories as they are ([`fp8jax.rescale_gradient_states`][]).
 
         ```python
         loss_scale = loss_scale.adjust(fp8jax.all_finite(grads))

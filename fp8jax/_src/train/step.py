@@ -35,7 +35,6 @@ from ..ops import warm_start
 from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
 from .loss_scale import (
-    DynamicLossScale,
     LossScale,
     NoOpLossScale,
     all_finite,
@@ -236,9 +235,10 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         # Old values are selected bit for bit: weights, optimizer state and FP8 state.
         model, opt_state = select_tree(finite, (model, opt_state), (state.model, state.opt_state))
     new_scale = scale.adjust(finite)
-    if isinstance(scale, DynamicLossScale):
+    if new_scale is not scale:
         # Delayed scaling's gradient histories follow the scale (a growth would saturate the
-        # next step's largest gradients); a static scale never changes, and adds nothing here.
+        # next step's largest gradients); a constant scale's `adjust` returns itself, and adds
+        # nothing here.
         model = rescale_gradient_states(model, new_scale.loss_scale / scale.loss_scale)
     new_state = TrainState(model, opt_state, new_scale, state.step + 1)
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
