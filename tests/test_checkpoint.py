@@ -67,6 +67,38 @@ def test_resume_matches_an_uninterrupted_run(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_and_fp8_arrays_save_and_resume(backend, tmp_path):
+    """bfloat16 moments (`low_precision_state`, as the README advises) and FP8 arrays are
+    saved and read back in their dtypes, bit for bit (NumPy calls their dtypes kind V, as
+    it does records, which a checkpoint refuses), and the run resumes as if uninterrupted."""
+    optimizer = fp8jax.low_precision_state(optax.adamw(1e-2))
+    step, state = build(jax.random.key(0), optimizer=optimizer)
+    state = run(step, state, 0, 2)
+    assert np.dtype(jnp.bfloat16) in {x.dtype for x in jax.tree.leaves(state.opt_state)}
+    extra = {
+        "fp8": jnp.asarray([0.5, -448.0, 3.0], jnp.float8_e4m3fn),
+        "e5m2": jnp.asarray([1.0, -57344.0], jnp.float8_e5m2),
+        "bf16": jnp.asarray([1.5, -3.25e-20], jnp.bfloat16),
+        "numpy_bf16": np.asarray([2.5, -7.0], jnp.bfloat16),  # restored as NumPy
+    }
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, (state, extra), backend=backend)
+    _, like = build(jax.random.key(1), optimizer=optimizer)
+    like_extra = {
+        k: np.zeros_like(v) if k == "numpy_bf16" else jnp.zeros_like(v) for k, v in extra.items()
+    }
+    restored, restored_extra = fp8jax.load_checkpoint(path, (like, like_extra), backend=backend)
+    assert isinstance(restored_extra["numpy_bf16"], np.ndarray)
+    for name, value in extra.items():
+        assert restored_extra[name].dtype == value.dtype
+        assert np.asarray(restored_extra[name]).tobytes() == np.asarray(value).tobytes()
+    dtypes = [x.dtype for x in jax.tree.leaves(eqx.filter(restored, eqx.is_array))]
+    assert dtypes == [x.dtype for x in jax.tree.leaves(eqx.filter(state, eqx.is_array))]
+    assert bits(restored) == bits(state)
+    assert bits(run(step, restored, 2, 4)) == bits(run(step, state, 2, 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_data_parallel_state_resumes_from_its_checkpoint(backend, tmp_path):
     """The model and its FP8 state replicated over 8 devices, the batch split over them: the
     state restored into `step.init(model)` (whose scalars, an optimizer's count and the step,
@@ -211,14 +243,24 @@ def test_a_checkpoint_without_scale_inverses_restores(backend, tmp_path):
 
 @needs_orbax
 def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
-    """`native_kernel` chooses how GEMMs run, not what the state holds: a checkpoint restores
-    across it, and across a record written before the option existed."""
-    config = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(native_kernel=False))
+    """`native_kernel`, `dequantized_dot` (the CPU emulation), `chunks_per_dot`,
+    `weight_gather`, `backward_precision` and `axis_names` choose how GEMMs run, not what
+    the state holds: a checkpoint restores across them, and across a record written before
+    an option existed. What the state depends on is refused, naming only that option."""
+    recipe = fp8jax.BlockwiseScaling(
+        native_kernel=False,
+        dequantized_dot=True,
+        chunks_per_dot=2,
+        weight_gather="per_gemm",
+        backward_precision="default",
+    )
+    config = fp8jax.Fp8Config(recipe=recipe)
     step, state = build(jax.random.key(0), config)
     state = run(step, state, 0, 2)
     path = tmp_path / "ckpt"
     fp8jax.save_checkpoint(path, state, backend="orbax")
-    auto = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(native_kernel=None))
+    # The state restored for a `shard_map`ped step (built only: it runs under a mesh).
+    auto = fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(axis_names=("data",)))
     _, other = build(jax.random.key(1), auto)
     assert bits(fp8jax.load_checkpoint(path, other, backend="orbax")) == bits(state)
     record = path / "fp8jax_record.json"  # the orbax backend keeps its record as a file
@@ -230,8 +272,11 @@ def test_the_gemm_implementation_is_not_part_of_the_checkpoint(tmp_path):
     _, wrong = build(
         jax.random.key(1), fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(block_size=64))
     )
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError) as info:
         fp8jax.load_checkpoint(path, wrong, backend="orbax")
+    assert "FP8 layer 'layers.0': recipe BlockwiseScaling: block_size 128 != 64\n" in str(
+        info.value
+    )
 
 
 def test_the_record_is_checked_before_any_array_is_read(tmp_path):
@@ -246,6 +291,24 @@ def test_the_record_is_checked_before_any_array_is_read(tmp_path):
     with pytest.raises(Exception) as info:  # the matching state gets as far as the arrays
         fp8jax.load_checkpoint(path, state)
     assert "nothing was loaded" not in str(info.value)
+
+
+def test_a_state_of_another_kind_is_named_as_such(tmp_path):
+    """A `TrainState` saved and its model given as `like` (or the other way round): each FP8
+    layer is named once, with where it is on each side, not as both missing and extra."""
+    _, state = build(jax.random.key(0))
+    fp8jax.save_checkpoint(tmp_path / "ckpt", state)
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        fp8jax.load_checkpoint(tmp_path / "ckpt", state.model)
+    message = str(info.value)
+    assert (
+        "FP8 layer 'layers.0' is at .model.layers[0].dot_general in the checkpoint, at "
+        ".layers[0].dot_general in the target (another kind of state" in message
+    )
+    assert "not in the checkpoint" not in message and "the target does not" not in message
+    fp8jax.save_checkpoint(tmp_path / "model", state.model)
+    with pytest.raises(ValueError, match="is at .layers.0..dot_general in the checkpoint, at "):
+        fp8jax.load_checkpoint(tmp_path / "model", state)
 
 
 def test_checkpoint_errors(tmp_path):

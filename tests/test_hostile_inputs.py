@@ -1355,7 +1355,19 @@ CHECKPOINTS = [
         "load-orbax-from-file",
         lambda w: load(w.file("good.eqx"), w.state, backend="orbax"),
         NotADirectoryError,
-        r"good.eqx/fp8jax_record.json",
+        r"good.eqx' is a file; backend='orbax' reads the directory",
+    ),
+    row(
+        "load-orbax-from-other-directory",
+        lambda w: load(w.ckpts, w.state, backend="orbax"),
+        ValueError,
+        r"ckpts' is not an fp8jax checkpoint \(a directory without fp8jax_record.json\)",
+    ),
+    row(
+        "load-orbax-from-nowhere",
+        lambda w: load(w.file("missing"), w.state, backend="orbax"),
+        FileNotFoundError,
+        r"load_checkpoint: no checkpoint at '.*missing'",
     ),
     row(
         "load-other-shapes",

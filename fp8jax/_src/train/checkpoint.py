@@ -38,102 +38,21 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import Array
 
-from ..ops.dot_general import Fp8DotGeneral
-from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes.base import TensorState
+from .checkpoint_record import (
+    check_fp8_record,
+    corrupt,
+    fp8_record,
+    is_array_like,
+    is_layer,
+    parse_record,
+)
 
 T = TypeVar("T")
 
 _MAGIC = b"fp8jax-checkpoint 1\n"
 _RECORD = "fp8jax_record.json"
 _BACKENDS = ("equinox", "orbax")
-
-
-def fp8_record(tree: Any) -> dict[str, Any]:
-    """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
-    layers = {}
-
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_layer)[0]:
-        if _is_layer(node):
-            name = node.name or jax.tree_util.keystr(path)
-            entry = {
-                "name": name,
-                "recipe": repr(node.recipe),
-                "telemetry": node.stats is not None,
-            }
-            if isinstance(node, Fp8RaggedDot):
-                entry["experts"] = node.num_experts
-            layers[jax.tree_util.keystr(path)] = entry
-    leaves = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _is_array_like(leaf):
-            leaves[jax.tree_util.keystr(path)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
-        elif isinstance(leaf, bool | int | float | complex):
-            leaves[jax.tree_util.keystr(path)] = [type(leaf).__name__]
-    return {"fp8_layers": layers, "leaves": leaves}
-
-
-# Recipe options that choose how a GEMM runs, not what the state holds, or that act only
-# while an amax history is empty (a restored history decides the scale): a checkpoint
-# restores across them (and across versions before they existed).
-_IMPLEMENTATION_ONLY = re.compile(r",?\s*\b(?:native_kernel|warm_start)=(?:None|True|False)")
-
-
-def _is_array_like(x: Any) -> bool:
-    """An array, or an abstract one (`jax.ShapeDtypeStruct`: a `like` made by
-    `eqx.filter_eval_shape`, which restores without building the state first)."""
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _layer_entry(entry: dict[str, Any] | None) -> dict[str, Any] | None:
-    if entry is None or not isinstance(entry.get("recipe"), str):
-        return entry
-    return {**entry, "recipe": _IMPLEMENTATION_ONLY.sub("", entry["recipe"])}
-
-
-def check_fp8_record(
-    saved: dict[str, Any], expected: dict[str, Any], path: os.PathLike | str
-) -> None:
-    """Raise `ValueError` describing how `saved` differs from `expected`."""
-    problems = []
-    s_layers, e_layers = saved["fp8_layers"], expected["fp8_layers"]
-    # Records written before grouped layers were recorded have none: their leaves still are.
-    grouped_recorded = any("experts" in entry for entry in s_layers.values())
-    for where in sorted(set(s_layers) | set(e_layers)):
-        s, e = _layer_entry(s_layers.get(where)), _layer_entry(e_layers.get(where))
-        if s is None and "experts" in e and not grouped_recorded:
-            continue
-        if s is None:
-            problems.append(f"FP8 layer {e['name']!r} is not in the checkpoint")
-        elif e is None:
-            problems.append(f"the checkpoint has FP8 layer {s['name']!r}, the target does not")
-        elif s != e:
-            diffs = [f"{k} {s[k]} != {e[k]}" for k in s if s[k] != e.get(k)]
-            problems.append(f"FP8 layer {e['name']!r}: " + "; ".join(diffs))
-    if not problems:
-        s_leaves, e_leaves = saved["leaves"], expected["leaves"]
-        for where in sorted(set(s_leaves) | set(e_leaves)):
-            s, e = s_leaves.get(where), e_leaves.get(where)
-            if s != e:
-                problems.append(
-                    f"leaf {where}: checkpoint has {_describe(s)}, target has {_describe(e)}"
-                )
-    if problems:
-        shown = "\n  - ".join(problems[:10])
-        more = f"\n  (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise ValueError(
-            f"Checkpoint {os.fspath(path)!r} does not match the state to restore into; nothing "
-            f"was loaded:\n  - {shown}{more}\nBuild `like` with the same fp8_linear_layers "
-            "config (targets, recipes, telemetry), optimizer and loss scale as when saving."
-        )
-
-
-def _describe(entry: list | None) -> str:
-    if entry is None:
-        return "nothing"
-    if len(entry) == 1:
-        return f"a Python {entry[0]}"
-    return f"{entry[1]}{tuple(entry[0])}"
 
 
 def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equinox") -> None:
@@ -192,7 +111,7 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
             f.write(_MAGIC)
             f.write(len(record).to_bytes(8, "little"))
             f.write(record)
-            eqx.tree_serialise_leaves(f, state)
+            eqx.tree_serialise_leaves(f, state, filter_spec=_serialise)
         except BaseException:
             os.unlink(f.name)
             raise
@@ -227,7 +146,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
     if backend == "orbax":
-        saved = _parse_record((path / _RECORD).read_bytes(), path)
+        saved = parse_record(_orbax_record(path), path)
         target = _target(saved, like)
         check_fp8_record(saved, fp8_record(target), path)
         return _settled(_orbax_load(path, target))
@@ -247,21 +166,17 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         header = f.read(8)
         size = int.from_bytes(header, "little")
         if len(header) < 8 or size > total - f.tell():
-            raise _corrupt(path, f"its record is cut off ({total} bytes in all)")
-        saved = _parse_record(f.read(size), path)
+            raise corrupt(path, f"its record is cut off ({total} bytes in all)")
+        saved = parse_record(f.read(size), path)
         target = _target(saved, like)
         check_fp8_record(saved, fp8_record(target), path)
         try:
             restored = eqx.tree_deserialise_leaves(f, target, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated
-            raise _corrupt(path, f"its arrays could not be read ({e})") from e
+            raise corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
-            raise _corrupt(path, f"it has data after the saved state ({total} bytes in all)")
+            raise corrupt(path, f"it has data after the saved state ({total} bytes in all)")
         return _settled(restored)
-
-
-def _is_layer(x: Any) -> bool:
-    return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
 
 
 def _is_tensor_state(x: Any) -> bool:
@@ -335,7 +250,7 @@ def _settled(state: T) -> T:
         return isinstance(node, _StoredTensorState)
 
     state = jax.tree.map(with_inverse, state, is_leaf=is_stored)
-    return jax.tree.map(lambda n: _merged(n) if _is_layer(n) else n, state, is_leaf=_is_layer)
+    return jax.tree.map(lambda n: _merged(n) if is_layer(n) else n, state, is_leaf=is_layer)
 
 
 def _is_variable(x: Any) -> bool:
@@ -354,9 +269,32 @@ def _merged(layer: Any) -> Any:
     return layer
 
 
+def _numpy_reads_back(dtype: np.dtype) -> bool:
+    """Whether `np.load` reads an array of `dtype` back in that dtype: not bfloat16 and the
+    FP8 dtypes (`ml_dtypes`), which `np.save` writes as raw bytes or, `float8_e5m2`, as a
+    dtype NumPy cannot read back."""
+    try:
+        return np.dtype(np.lib.format.dtype_to_descr(dtype)) == dtype
+    except (TypeError, ValueError):
+        return False
+
+
+def _serialise(f: Any, x: Any) -> None:
+    """Equinox's serialisation, with arrays of dtypes NumPy does not read back (bfloat16,
+    FP8) written as raw bytes, which `_deserialise` views in `like`'s dtype."""
+    if eqx.is_array(x) and not _numpy_reads_back(np.dtype(x.dtype)):
+        x = np.asarray(x)
+        x = x.view(np.dtype(f"V{x.dtype.itemsize}"))
+    eqx.default_serialise_filter_spec(f, x)
+
+
 def _deserialise(f: Any, like: Any) -> Any:
     """A leaf read back with `like`'s sharding if `like` is a `jax.Array` (Equinox's default
-    would put it on the default device: a process-local array, in a multi-process run)."""
+    would put it on the default device: a process-local array, in a multi-process run); a
+    NumPy array in its dtype."""
+    if isinstance(like, np.ndarray):
+        value = np.load(f)
+        return value.view(like.dtype) if value.dtype.kind == "V" else value
     if not isinstance(like, jax.Array | jax.ShapeDtypeStruct):
         return eqx.default_deserialise_filter_spec(f, like)
     value = np.load(f)
@@ -365,11 +303,14 @@ def _deserialise(f: Any, like: Any) -> Any:
     return _placed_as(value, like)
 
 
-def _placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
+def _placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> Any:
     """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
     or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
     state's, on the default device), uncommitted too, so that `jit` still places it beside
-    arrays sharded over several devices (committed to one device, it would refuse them)."""
+    arrays sharded over several devices (committed to one device, it would refuse them); as
+    NumPy where `like` is NumPy."""
+    if isinstance(like, np.ndarray):
+        return np.asarray(value)
     if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
         return value if getattr(like, "committed", True) else jnp.asarray(np.asarray(value))
     sharding = like.sharding
@@ -422,36 +363,19 @@ def _as_path(path: Any, who: str) -> pathlib.Path:
     return pathlib.Path(path)
 
 
-def _corrupt(path: os.PathLike | str, why: str) -> ValueError:
-    # Not "nothing was loaded": that phrase marks a record that differs from `like`'s.
-    return ValueError(f"Checkpoint {os.fspath(path)!r} is truncated or corrupt: {why}.")
-
-
-def _parse_record(data: bytes, path: os.PathLike | str) -> dict[str, Any]:
-    """The record a checkpoint starts with, checked to have the shape `_record` gives it."""
-    try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"its record is not valid JSON ({e})") from None
-    ok = (
-        isinstance(record, dict)
-        and isinstance(record.get("fp8_layers"), dict)
-        and isinstance(record.get("leaves"), dict)
-        and all(isinstance(v, dict) and "name" in v for v in record["fp8_layers"].values())
-        and all(isinstance(v, list) for v in record["leaves"].values())
-    )
-    if not ok:
-        raise _corrupt(path, "its record does not list FP8 layers and leaves")
-    return record
-
-
 def _check_savable(state: Any) -> None:
-    """Raise `ValueError` before writing if `state` has arrays NumPy cannot save."""
+    """Raise `ValueError` before writing if `state` has arrays a checkpoint cannot hold:
+    objects, strings, structured records (NumPy's kinds O, U, S and V). bfloat16 and the FP8
+    dtypes are kind V in NumPy too, and are numbers: saved (as raw bytes by NumPy, read back
+    in `like`'s dtype)."""
     for where, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if eqx.is_array(leaf) and np.dtype(leaf.dtype).kind in "OUSV":
+        if not eqx.is_array(leaf):
+            continue
+        dtype = np.dtype(leaf.dtype)
+        if dtype.kind in "OUSV" and not jnp.issubdtype(dtype, jnp.number):
             raise ValueError(
                 f"save_checkpoint: leaf {jax.tree_util.keystr(where) or 'at the root'} is an "
-                f"array of dtype {np.dtype(leaf.dtype)}; a checkpoint holds numeric arrays only."
+                f"array of dtype {dtype}; a checkpoint holds numeric arrays only."
             )
 
 
@@ -468,6 +392,24 @@ def _orbax():
             "backend='orbax' needs orbax-checkpoint: pip install 'fp8jax[orbax]'."
         ) from e
     return ocp
+
+
+def _orbax_record(path: pathlib.Path) -> bytes:
+    """The record of the orbax checkpoint at `path`, or an error that says what `path` is."""
+    if path.is_file():
+        raise NotADirectoryError(
+            f"load_checkpoint: {os.fspath(path)!r} is a file; backend='orbax' reads the "
+            "directory save_checkpoint(..., backend='orbax') wrote (the Equinox backend's "
+            "checkpoints are files: backend='equinox')."
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint at {os.fspath(path)!r}.")
+    if not (path / _RECORD).is_file():
+        raise ValueError(
+            f"{os.fspath(path)!r} is not an fp8jax checkpoint (a directory without "
+            f"{_RECORD}); write one with fp8jax.save_checkpoint(..., backend='orbax')."
+        )
+    return (path / _RECORD).read_bytes()
 
 
 def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
@@ -501,7 +443,7 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:
     ocp = _orbax()
-    arrays, static = eqx.partition(like, _is_array_like)
+    arrays, static = eqx.partition(like, is_array_like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(path.absolute() / "state", abstract)
