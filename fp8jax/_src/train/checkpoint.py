@@ -140,7 +140,10 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     With several processes every process calls it and reads `path`, which they must all see.
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
-    or arrays differ from `like`'s (the message lists the differences); `ValueError` for a
+    or arrays differ from `like`'s (the message lists the differences; recipe options that
+    choose only how a GEMM runs, such as `native_kernel`, `dequantized_dot`, `chunks_per_dot`,
+    `weight_gather`, `backward_precision`, `axis_names` and `warm_start`, may differ: resume a
+    CPU run on a GPU, or a run on another mesh); `ValueError` for a
     file that is not a checkpoint, or is truncated or corrupt (data missing or left over).
     """
     _check_backend(backend)
