@@ -444,6 +444,14 @@ def test_rescaling_leaves_what_it_should_as_it_was():
     assert bits_of(eqx.filter_jit(fp8jax.rescale_gradient_states)(current, 2.0)) == bits_of(current)
     with pytest.raises(ValueError, match=r"ratio has shape \(2,\)"):
         fp8jax.rescale_gradient_states(model, jnp.ones(2))
+    # A ratio that is not positive and finite would put a non-finite or negative amax in the
+    # history: refused, and, traced, changes nothing.
+    jitted = eqx.filter_jit(fp8jax.rescale_gradient_states)
+    for bad in (0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"ratio={bad!r}: should be positive and finite"):
+            fp8jax.rescale_gradient_states(model, bad)
+        assert bits_of(jitted(model, jnp.float32(bad))) == bits_of(model)
+    assert bits_of(jitted(model, jnp.float32(2.0))) != bits_of(model)
 
 
 def test_a_linen_models_variables_are_rescaled_as_its_layers():

@@ -336,7 +336,8 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
       [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too). A
       Flax NNX model is refused (`TypeError`: its layers hold `nnx.Variable`s), and its
       `nnx.state` holds the layers' arrays, not the layers: nothing is found there.
-    - `ratio`: a positive float32 scalar; 1 changes nothing (bit for bit).
+    - `ratio`: a positive, finite float32 scalar; 1 changes nothing (bit for bit). Any
+      other value raises `ValueError`, or, traced (inside `jit`), changes nothing.
 
     ```python
     new_loss_scale = loss_scale.adjust(finite)
@@ -350,6 +351,13 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
             f"rescale_gradient_states: ratio has shape {ratio.shape}; it should be a scalar "
             "(new loss scale / old loss scale)."
         )
+    if not isinstance(ratio, jax.core.Tracer) and not (jnp.isfinite(ratio) and ratio > 0):
+        raise ValueError(
+            f"rescale_gradient_states: ratio={float(ratio)!r}: should be positive and finite "
+            "(new loss scale / old loss scale)."
+        )
+    # Traced, a ratio that is not (a history must hold finite amaxes) changes nothing.
+    keep = (ratio == 1.0) | ~jnp.isfinite(ratio) | (ratio <= 0)
 
     def rescale(op: Any) -> Any:
         if not isinstance(op, AbstractFp8Op) or not isinstance(op.recipe, DelayedScaling):
@@ -364,11 +372,11 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
                 f"{type(state.amax_history).__name__}s, not arrays (a Flax NNX model?); it "
                 "takes Equinox models and Flax Linen variables."
             )
-        history = state.amax_history * ratio
+        history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
         scale = op.recipe.next_scale(state.scale, history, "output_grad")
         # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
         # not give.
-        scale = jnp.where(ratio == 1.0, state.scale, scale)
+        scale = jnp.where(keep, state.scale, scale)
         return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
 
     return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
