@@ -30,12 +30,31 @@ def test_kjv_corpus_split_and_batches():
     assert all(bytes(row.astype(np.uint8)) in joined for row in tokens)
 
 
-def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys):
+class _StepClock:
+    """A stand-in for `time` whose `perf_counter` has each run's step 0 take 100 s, its step
+    3 50 s (a compile: delayed scaling's second program, an evaluation's), the others 0.5 s:
+    calls alternate between a step's start and its end."""
+
+    def __init__(self, steps: int):
+        self.steps, self.calls, self.now = steps, 0, 0.0
+
+    def perf_counter(self) -> float:
+        if self.calls % 2:  # a step's end
+            step = (self.calls // 2) % self.steps
+            self.now += {0: 100.0, 3: 50.0}.get(step, 0.5)
+        self.calls += 1
+        return self.now
+
+
+def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys, monkeypatch):
     from fp8jax.examples import train_gpt
 
+    monkeypatch.setattr(train_gpt, "time", _StepClock(steps=8))
     args = ["--steps", "8", "--layers", "1", "--width", "32", "--context", "16", "--batch", "4"]
     args += ["--recipes", "delayed,blockwise", "--eval-every", "4", "--log-every", "2"]
     runs = train_gpt.main([*args, "--out", str(tmp_path)])
+    # Steps per second from the median step: the compiles (steps 0 and 3) not counted.
+    assert [r.steps_per_second for r in runs] == [2.0] * 4
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     names = ["bf16", "fp32", "delayed", "blockwise"]  # fp32, the yardstick, runs by default
@@ -225,6 +244,14 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--top-k", "5"], "--top-k 5: should be at most --experts (4)"),
         ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
         ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
+        ("digits", ["--batch", "0"], "--batch 0: should be >= 1"),
+        ("digits", ["--lr", "-1"], "--lr -1.0: should be > 0"),
+        ("digits", ["--recipe", "bogus"], "--recipe bogus: Unknown recipe 'bogus'"),
+        ("moe", ["--kjv", "--expert-parallel", "-1"], "--expert-parallel -1: should be >= 0"),
+        ("moe", ["--kjv", "--expert-parallel", "2", "--devices", "0"], "--devices 0: should"),
+        # Checked on the model's shapes before the BF16 run trains (it failed after it).
+        ("deepseek", ["--kjv", "--fp8-targets", "["], "--fp8-targets '[': Fp8Config targets"),
+        ("deepseek", ["--kjv", "--fp8-targets", "x"], "targets='x' matches no Linear layer"),
     ],
 )
 def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys):
@@ -233,3 +260,14 @@ def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys)
     IndexError, a ZeroDivisionError, a reshape error, JAX's top_k error after three runs)."""
     code, _, err = _cli_exit(name, argv, capsys)
     assert code == 2 and message in err
+
+
+def test_train_gpt_refuses_an_out_it_cannot_write_before_training(tmp_path, capsys):
+    """`--out` naming a file (or a path under one) is an error before any run trains: the
+    directory was made only after every run, which then ended in a traceback."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    for out in (taken, taken / "below"):
+        code, out_text, err = _cli_exit("train_gpt", ["--steps", "1", "--out", str(out)], capsys)
+        assert code == 2 and f"--out {out}: cannot make a directory there" in err
+        assert "steps on" not in out_text  # nothing started

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 
 import equinox as eqx
@@ -63,8 +64,9 @@ PRECISIONS: dict[str, tuple[str, bool, bool]] = {
 @dataclasses.dataclass
 class Run:
     """One run: its losses (train every step, validation every `--eval-every` steps and at
-    the end), steps per second after the first (compiled) step, the model after the last step
-    and the tokens per expert of its last steps (`Load` fields summed: `(moe_layers, experts)`)."""
+    the end), steps per second (the median step's: no compile counted), the model after the
+    last step and the tokens per expert of its last steps (`Load` fields summed:
+    `(moe_layers, experts)`)."""
 
     name: str
     seed: int
@@ -136,14 +138,14 @@ def train(
     rng = np.random.default_rng(seed)
     state = step_fn.init(model)
     run = Run(precision, seed)
-    start = None
+    seconds = []
     for step in range(args.steps):
-        if step == 1:
-            start = time.perf_counter()
+        started = time.perf_counter()
         state, metrics = step_fn(state, sample(train_data, rng, args.batch, args.context))
         load = metrics.aux
         balanced = balance(state.model, load.routed, args.balance_speed)
-        state = eqx.tree_at(lambda s: s.model, state, balanced)
+        state = jax.block_until_ready(eqx.tree_at(lambda s: s.model, state, balanced))
+        seconds.append(time.perf_counter() - started)  # the median's: no compile, no evaluation
         run.train.append(float(metrics.loss))
         if step >= args.steps - args.tail:
             routed, unbiased = np.asarray(load.routed), np.asarray(load.unbiased)
@@ -156,9 +158,8 @@ def train(
             print(
                 f"{precision:>5} seed {seed} step {step:4d}: loss {run.train[-1]:.4f}", flush=True
             )
-    jax.block_until_ready(state)
-    if start is not None and args.steps > 1:
-        run.steps_per_second = (args.steps - 1) / (time.perf_counter() - start)
+    if len(seconds) > 1:
+        run.steps_per_second = 1.0 / float(np.median(seconds[1:]))
     run.model = state.model
     return run
 
@@ -319,6 +320,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--top-k {args.top_k}: should be from 1 to --experts ({args.experts}).")
     args.tail = min(args.tail, args.steps)
     args.seeds = list(dict.fromkeys(args.seeds))
+    fp8 = [p for p in args.precisions if PRECISIONS[p][1]]
+    if args.fp8_targets is not None and fp8:
+        # Checked on the model's shapes now, not after the BF16 run has trained.
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                jax.eval_shape(
+                    lambda: build(config_of(args), fp8[0], 0, args.block_dot, args.fp8_targets)
+                )
+        except ValueError as e:
+            parser.error(f"--fp8-targets {args.fp8_targets!r}: {e}")
     return args
 
 

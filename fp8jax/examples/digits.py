@@ -74,6 +74,15 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser.add_argument("--recipe", default="delayed")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("steps", "batch", "width"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: should be >= 1.")
+    if not args.lr > 0:
+        parser.error(f"--lr {args.lr}: should be > 0.")
+    try:
+        fp8jax.Fp8Config(recipe=args.recipe)
+    except ValueError as e:
+        parser.error(f"--recipe {args.recipe}: {e}")
     data = load_digits(args.seed)
     mlp = eqx.nn.MLP(64, 10, args.width, 2, key=jax.random.PRNGKey(args.seed))
     # layers.2 is the classifier head: keep it out of FP8.

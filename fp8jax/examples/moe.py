@@ -385,6 +385,10 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
     if given, overrides `--seeds`; a repeated seed runs once)."""
     parser = command_line()
     args = parser.parse_args(argv)
+    if args.expert_parallel < 0:
+        parser.error(f"--expert-parallel {args.expert_parallel}: should be >= 0 (0: one device).")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices {args.devices}: should be >= 1.")
     if args.experts is None:
         args.experts = max(4, args.expert_parallel)
     check_arguments(parser, args, ("experts", "top_k", "tail"))

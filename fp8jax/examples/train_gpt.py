@@ -7,11 +7,11 @@ BF16 compute with float32 master weights, the same model computed in float32 (`f
 yardstick; `--no-fp32` leaves it out), and BF16 with the attention and MLP Linears in FP8
 (`fp8_linear_layers`; embeddings and the output head stay in BF16). At the end it prints the
 final train and validation losses, their relative difference to BF16 and the steps per second
-on this machine, and writes to `--out` `val_gap.png` (each recipe's validation loss relative
-to BF16's through training, against the float32 run's gap to BF16: what finer rounding alone
-changes) and `scale_history.png` (the per-layer scales of the delayed recipe). The defaults
-finish in under 10 minutes on 2 CPU cores; `--steps`, `--layers`, `--width` and `--batch`
-scale it up.
+on this machine (the median step's), and writes to `--out` `val_gap.png` (each recipe's
+validation loss relative to BF16's through training, against the float32 run's gap to BF16:
+what finer rounding alone changes) and `scale_history.png` (the per-layer scales of the
+delayed recipe). The defaults finish in under 10 minutes on 2 CPU cores; `--steps`,
+`--layers`, `--width` and `--batch` scale it up.
 """
 
 from __future__ import annotations
@@ -106,12 +106,15 @@ def train(
     rng = np.random.default_rng(args.seed)  # the same batches for every variant
     state = train_step.init(model)
     run = Run(variant)
-    start = None
+    seconds = []
     bar = tqdm(range(args.steps), desc=f"{run.name:>9}", leave=True)
     for step in bar:
-        if step == 1:
-            start = time.perf_counter()  # after the first step: compile time excluded
+        started = time.perf_counter()
         state, metrics = train_step(state, sample(train_data, rng, args.batch, args.context))
+        jax.block_until_ready(state)
+        # Steps per second from the median step: no compile counted (the first step's, the
+        # second program's once delayed scaling drops its warm start), no evaluation.
+        seconds.append(time.perf_counter() - started)
         if step % args.log_every == 0 or step == args.steps - 1:
             loss = float(metrics.loss)
             run.steps.append(step)
@@ -131,9 +134,8 @@ def train(
             val = np.mean([float(evaluate(state.model, b)) for b in val_batches])
             run.val_steps.append(step)
             run.val.append(float(val))
-    jax.block_until_ready(state)
-    if start is not None and args.steps > 1:
-        run.steps_per_second = (args.steps - 1) / (time.perf_counter() - start)
+    if len(seconds) > 1:
+        run.steps_per_second = 1.0 / float(np.median(seconds[1:]))
     return run
 
 
@@ -333,6 +335,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
     recipes = parse_recipes(parser, args.recipes)
     if args.fp32 and "fp32" not in recipes:
         recipes.insert(0, "fp32")
+    out = pathlib.Path(args.out)
+    try:  # before training: a path it cannot write would lose every run's results
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot make a directory there ({e.strerror}).")
     config = model_config(args)
     data = split(kjv_bytes())
     print(
@@ -343,8 +350,6 @@ def main(argv: list[str] | None = None) -> list[Run]:
     runs = [train(name, config, data, args) for name in ["bf16", *recipes]]
     print()
     print(table(runs, tail=max(1, 20 // args.log_every)))
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for path in plot(runs, out):
         print(f"wrote {path}")
     return runs
