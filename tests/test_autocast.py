@@ -6,6 +6,7 @@ import pathlib
 import re
 import warnings
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,7 +227,9 @@ def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
         jaxpr = jax.make_jaxpr(fp8jax.fp8_autocast(fun, "current", **kwargs))(x, w)
         return "f8_e4m3fn" in str(jaxpr)
 
-    assert kinds(min_dim=16) and not kinds(min_dim=17)  # N = 16 is the smallest dimension
+    assert kinds(min_dim=16)  # N = 16 is the smallest dimension
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"none of the function's 1 GEMMs"):
+        assert not kinds(min_dim=17)  # converting nothing for its shapes is said
 
 
 def test_bad_input_errors():
@@ -292,3 +295,30 @@ def test_the_docs_example_runs():
     # w1's GEMM in FP8: forward, dgrad and wgrad (in the jaxpr: jit drops the unused dgrad);
     # the head's three stay float32.
     assert (fp8, other) == (3, 3)
+
+
+def test_an_autocast_that_converts_nothing_or_excludes_nothing_says_why():
+    """Silent once: a function of one example under `jax.vmap` (its GEMMs have one row,
+    below `min_dim`), batched GEMMs with `batched=False`, an `exclude` that matches no
+    GEMM's scope (an Equinox model's scopes are its classes'), `recipe=None`."""
+    w = jax.random.normal(jax.random.key(0), (64, 64))
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    one = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"none of the function's 1 GEMMs") as got:
+        jax.vmap(fp8jax.fp8_autocast(one), in_axes=(0, None))(x, w)
+    assert "fp8_autocast(jax.vmap(f))" in str(got[0].message)
+    with warnings.catch_warnings():  # autocast around the vmap: one GEMM of 32 rows, in FP8
+        warnings.simplefilter("error")
+        assert count_fp8_dots(fp8jax.fp8_autocast(jax.vmap(one, in_axes=(0, None))), x, w)[0]
+    batched = lambda a, b: jnp.einsum("bij,bjk->bik", a, b)  # noqa: E731
+    cube = jnp.ones((4, 32, 32))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"1 with batch dimensions"):
+        fp8jax.fp8_autocast(batched)(cube, cube)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.fp8_autocast(batched, batched=True)(cube, cube)
+    mlp = eqx.nn.MLP(64, 64, 64, 1, key=jax.random.key(2))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude='.\*head.\*' matched none"):
+        fp8jax.fp8_autocast(lambda m, x: jax.vmap(m)(x), exclude=r".*head.*")(mlp, x)
+    with pytest.raises(ValueError, match=r"recipe=None: give a recipe"):
+        fp8jax.fp8_autocast(one, None)

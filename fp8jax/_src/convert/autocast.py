@@ -70,6 +70,12 @@ class _Choice:
     min_dim: int
     #: The scopes of the GEMMs this choice was asked about, in order (one list per call).
     asked: list = dataclasses.field(default_factory=list, compare=False)
+    #: How many floating GEMMs it left for their shape: "batched", "small" (one call's).
+    shapes_left: dict = dataclasses.field(default_factory=dict, compare=False)
+    #: The GEMMs it converted (one call's).
+    picked: list = dataclasses.field(default_factory=list, compare=False)
+    #: The scopes of every floating GEMM it saw, whatever their shape (one call's).
+    seen: list = dataclasses.field(default_factory=list, compare=False)
 
     def picks_scope(self, scope: str) -> bool:
         self.asked.append(scope)
@@ -77,22 +83,32 @@ class _Choice:
             return False
         return self.exclude is None or self.exclude.fullmatch(scope) is None
 
+    def _left(self, why: str) -> bool:
+        self.shapes_left[why] = self.shapes_left.get(why, 0) + 1
+        return False
+
     def picks_dot(self, eqn: Any, scope: str) -> bool:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
         if not all(_high_precision_float(a.dtype) for a in (lhs, rhs)):
             return False
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if not lc or (lb and not self.batched):
+        if not lc:
             return False
+        self.seen.append(scope)
+        if lb and not self.batched:
+            return self._left("batched")
         k = math.prod(lhs.shape[d] for d in lc)
         m = math.prod(d for i, d in enumerate(lhs.shape) if i not in (*lc, *lb))
         n = math.prod(d for i, d in enumerate(rhs.shape) if i not in (*rc, *rb))
-        return min(m, n, k) >= self.min_dim and self.picks_scope(scope)
+        if min(m, n, k) < self.min_dim:
+            return self._left("small")
+        return self.picks_scope(scope)
 
     def dot_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
         """The FP8 GEMM that answers this `dot_general`, or `None` to keep it."""
         if not self.picks_dot(eqn, scope):
             return None
+        self.picked.append(scope)
         return Fp8DotGeneral(self.recipe, name=scope or "dot_general")
 
     def ragged_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
@@ -100,6 +116,7 @@ class _Choice:
         if not self.picks_ragged(eqn, scope):
             return None
         rhs = eqn.invars[1].aval
+        self.picked.append(scope)
         return Fp8RaggedDot(self.recipe, num_experts=rhs.shape[0], name=scope or "ragged_dot")
 
     def picks_ragged(self, eqn: Any, scope: str) -> bool:
@@ -114,10 +131,14 @@ class _Choice:
             and eqn.params.get("group_offset") is None
         )
         floats = all(_high_precision_float(a.dtype) for a in (lhs, rhs))
-        large = plain and min(*lhs.shape, rhs.shape[2]) >= self.min_dim
-        if not (plain and floats and large and self.picks_scope(scope)):
+        if plain and floats:
+            self.seen.append(scope)
+        if plain and floats and min(*lhs.shape, rhs.shape[2]) < self.min_dim:
+            return self._left("small")
+        if not (plain and floats and self.picks_scope(scope)):
             return False
         if not isinstance(self.recipe, PerTensorRecipe | BlockScaledRecipe):  # Fp8RaggedDot's
+            self._left("recipe")  # said here, not again
             warnings.warn(
                 f"fp8_autocast: the ragged_dot {scope or '(no scope)'!r} stays in high "
                 f"precision: {type(self.recipe).__name__} has no grouped GEMM (delayed, "
@@ -299,6 +320,10 @@ def fp8_autocast(
     What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
     (their own rules would not match), GEMMs of integer or FP8 operands.
 
+    Warns (`fp8jax.Fp8ConversionWarning`) when `scopes` or `exclude` matches none of the
+    GEMMs' scopes, and when it converts no GEMM of the call at all (each reason counted:
+    under `jax.vmap`, a function of one example has GEMMs of one row, below `min_dim`).
+
     ```python
     loss_fn = fp8jax.fp8_autocast(loss_fn, "blockwise", exclude=r".*head.*")
     grads = jax.grad(loss_fn)(params, batch)  # forward, dgrad and wgrad in FP8
@@ -306,6 +331,11 @@ def fp8_autocast(
     """
     if not callable(fun):
         raise TypeError(f"fp8_autocast: fun={fun!r} is not callable.")
+    if recipe is None:
+        raise ValueError(
+            "fp8_autocast: recipe=None: give a recipe that keeps no state, or its name: "
+            "'current' (the default), 'blockwise', 'mxfp8'."
+        )
     recipe = recipe_from(recipe)
     if recipe.reads_state:
         raise ValueError(
@@ -329,27 +359,51 @@ def fp8_autocast(
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
         traced = trace_call(fun, args, kwargs)
-        call = dataclasses.replace(choice, asked=[])
+        call = dataclasses.replace(choice, asked=[], shapes_left={}, picked=[], seen=[])
         out = traced.evaluate(Interpreter(call))
-        _warn_if_no_scope_matched(call, scopes)
+        _warn_if_unmatched(call, scopes, exclude)
         return out
 
     return run
 
 
-def _warn_if_no_scope_matched(choice: _Choice, scopes: str | None) -> None:
-    """A `scopes` regex that matched none of the GEMMs' scopes converts nothing: most often a
-    scope written without its parents (`mlp` for `block0/mlp/...`); say so, with the scopes."""
-    if choice.scopes is None or not choice.asked:
+def _warn_if_unmatched(choice: _Choice, scopes: str | None, exclude: str | None) -> None:
+    """Say what kept `fun`'s GEMMs from FP8 where a choice changed nothing: a `scopes` or
+    `exclude` regex that matched none of the GEMMs' scopes (most often written without its
+    parents: `mlp` for `block0/mlp/...`), or no GEMM converted at all where some were left
+    for their shape (too small, say under `jax.vmap`; batched)."""
+    whole = "The regex must match a whole scope, its parents' names included (e.g. r'.*mlp.*')."
+    for name, regex, pattern, among, result in (
+        # `scopes` among the GEMMs it could convert, `exclude` among all it might keep.
+        ("scopes", scopes, choice.scopes, choice.asked, "every GEMM stays in high precision"),
+        ("exclude", exclude, choice.exclude, choice.seen, "it keeps none in high precision"),
+    ):
+        names = sorted(set(among))
+        if pattern is not None and names and not any(map(pattern.fullmatch, names)):
+            shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            warnings.warn(
+                f"fp8_autocast: {name}={regex!r} matched none of the {len(among)} GEMMs' "
+                f"scopes ({shown}), so {result}. {whole}",
+                Fp8ConversionWarning,
+                stacklevel=3,
+            )
+            return
+    left = dict(choice.shapes_left)
+    by_scope = len(choice.asked) - left.pop("recipe", 0)
+    if choice.picked or not left:  # what the regexes alone left out, the caller chose
         return
-    if any(choice.scopes.fullmatch(s) is not None for s in choice.asked):
-        return
-    names = sorted(set(choice.asked))
-    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    why = [f"{by_scope} left out by scopes or exclude"] if by_scope else []
+    if left.get("small"):
+        why.append(
+            f"{left['small']} with rows, columns or contraction shorter than min_dim="
+            f"{choice.min_dim} (under jax.vmap a function of one example has GEMMs of one "
+            "row: autocast the vmapped function, fp8_autocast(jax.vmap(f)))"
+        )
+    if left.get("batched"):
+        why.append(f"{left['batched']} with batch dimensions (batched=True converts those)")
     warnings.warn(
-        f"fp8_autocast: scopes={scopes!r} matched none of the {len(choice.asked)} GEMMs' "
-        f"scopes ({shown}), so every GEMM stays in high precision. The regex must match a "
-        "whole scope, its parents' names included (e.g. r'.*mlp.*').",
+        f"fp8_autocast converted none of the function's {by_scope + sum(left.values())} "
+        f"GEMMs, so it runs in high precision: {'; '.join(why)}.",
         Fp8ConversionWarning,
         stacklevel=3,
     )

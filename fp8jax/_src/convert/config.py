@@ -41,9 +41,11 @@ class Fp8Config:
     - `recipes`: per-layer overrides, a mapping from patterns to recipes. A pattern matches a
       layer as a target name or regex does; the first matching pattern wins, layers matched by
       none get `recipe`.
-    - `exclude`: a regular expression matched against the last path component; matching
-      Linears stay in high precision even when targeted. Defaults to [`fp8jax.DEFAULT_EXCLUDE`][]
-      (names only heads and routers bear). Pass `None` to exclude nothing by name.
+    - `exclude`: a regular expression that must match a Linear's last path component
+      (`"head"`) or its whole dotted path (`r"blocks\.11\..*"`); matching Linears stay in
+      high precision even when targeted. Defaults to [`fp8jax.DEFAULT_EXCLUDE`][] (names only
+      heads and routers bear); a pattern of yours replaces it (add it with `"|"` to keep
+      both). Pass `None` to exclude nothing by name. One that matches no layer warns.
     - `keep`: the roles whose Linears stay in high precision, whatever their name:
       `"head"` (the output head: its output is the model's output, or its width is the
       vocabulary) and `"router"` (a mixture of experts' router: its output feeds the top-k
@@ -83,7 +85,12 @@ class Fp8Config:
                 "(the kernels on Hopper), True or False."
             )
         keep = self.keep
-        if isinstance(keep, str) or not isinstance(keep, Sequence) or set(keep) - set(ROLES):
+        if (
+            isinstance(keep, str)
+            or not isinstance(keep, Sequence)
+            or not all(isinstance(k, str) for k in keep)
+            or set(keep) - set(ROLES)
+        ):
             raise ValueError(
                 f"Fp8Config keep={keep!r}: should be a tuple of roles among {ROLES!r} "
                 "(() keeps no layer for its role)."
@@ -114,19 +121,28 @@ class Fp8Config:
             _compile("exclude", self.exclude)
         object.__setattr__(self, "recipe", recipe_from(self.recipe))
         if self.recipes is not None:
-            if not isinstance(self.recipes, Mapping):
+            recipes = self.recipes
+            if _is_pairs(recipes):  # as the config holds them (`dataclasses.replace`)
+                recipes = dict(recipes)
+            if not isinstance(recipes, Mapping):
                 raise ValueError(
                     f"Fp8Config recipes={self.recipes!r}: should be a mapping from layer "
                     "patterns to recipes."
                 )
-            for pattern in self.recipes:
+            for pattern, recipe in recipes.items():
                 if not isinstance(pattern, str):
                     raise ValueError(
                         f"Fp8Config recipes pattern {pattern!r}: should be a str, a layer name "
                         "or a regular expression."
                     )
                 _compile("recipes pattern", pattern)
-            resolved = tuple((p, recipe_from(r)) for p, r in self.recipes.items())
+                if recipe is None:
+                    raise ValueError(
+                        f"Fp8Config recipes pattern {pattern!r}: recipe None; give a recipe or "
+                        "its name (to keep the layers in high precision, leave them out of "
+                        "`targets` or match them with `exclude`)."
+                    )
+            resolved = tuple((p, recipe_from(r)) for p, r in recipes.items())
             object.__setattr__(self, "recipes", resolved)
 
     def selects(self, path: tuple[str, ...]) -> bool:
@@ -155,7 +171,10 @@ class Fp8Config:
         return (
             self.exclude is not None
             and bool(path)
-            and re.fullmatch(self.exclude, path[-1]) is not None
+            and (
+                re.fullmatch(self.exclude, path[-1]) is not None
+                or re.fullmatch(self.exclude, ".".join(path)) is not None
+            )
         )
 
     def recipe_for(self, path: tuple[str, ...]) -> Recipe:
@@ -164,6 +183,13 @@ class Fp8Config:
             if _matches(pattern, path):
                 return recipe
         return self.recipe
+
+
+def _is_pairs(x: Any) -> bool:
+    """Whether `x` is a tuple of `(pattern, recipe)` pairs, the form a config holds."""
+    return isinstance(x, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in x
+    )
 
 
 def _matches(pattern: str, path: tuple[str, ...]) -> bool:

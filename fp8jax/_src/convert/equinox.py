@@ -20,7 +20,7 @@ from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from .config import Fp8Config, stacked_dot_general
-from .plan import ConversionPlan, Converted, announce, decide
+from .plan import ConversionPlan, Converted, announce, decide, keep_in_high_precision
 from .roles import Dataflow, ModelShapes, dataflow, owner_of
 
 T = TypeVar("T")
@@ -87,6 +87,12 @@ def _converted(linears: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ..
             if isinstance(op, Fp8DotGeneral | Fp8RaggedDot):
                 found[path] = (op.recipe, op.stats is not None)
     return found
+
+
+def _tied(node: Any) -> bool:
+    """Whether a layer's weight is not an array of its own: tied to another layer's by
+    `eqx.nn.Shared`, which puts a node standing for it in its place."""
+    return not hasattr(getattr(node, "weight", None), "shape")
 
 
 def _kernel_shape(linear: Any) -> tuple[int, int]:
@@ -185,7 +191,8 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
     embeddings, experts = {}, {}
     for path, node in nodes:
         if isinstance(node, eqx.nn.Embedding):
-            embeddings[path] = node.weight.shape[-2]
+            if not _tied(node):  # else the table is counted where it is
+                embeddings[path] = node.weight.shape[-2]
         elif hnn is not None and isinstance(node, hnn.Embedding):
             embeddings[path] = node.Vocab.size
         elif isinstance(node, GroupedLinear):
@@ -220,15 +227,17 @@ def equinox_plan(
     layer_paths = [p for p, _ in linears]
     shapes = _shapes(nodes, hnn)
     flow = None if example is None else _trace(tree, example, layer_paths)
+    tied = {p for p, n in linears if _tied(n)}
     widths = {
         p: (
-            _out_width(n, "linear"),
-            "stacked" in p or (isinstance(n, eqx.nn.Linear) and n.weight.ndim > 2),
+            None if p in tied else _out_width(n, "linear"),
+            "stacked" in p
+            or (isinstance(n, eqx.nn.Linear) and p not in tied and n.weight.ndim > 2),
         )
         for p, n in linears
         if kinds[p] == "linear"  # experts are never heads or routers
     }
-    return decide(
+    plan, chosen = decide(
         config,
         nodes,
         linears,
@@ -242,6 +251,12 @@ def equinox_plan(
         ),
         converted=_converted(linears),
     )
+    kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
+    for p, n in linears:
+        dtype = getattr(getattr(n, "weight", None), "dtype", None)
+        if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            kept[p] = f"its weight is {dtype}, not a floating dtype FP8 could round"
+    return keep_in_high_precision(plan, chosen, kept)
 
 
 def fp8_equinox_linear_layers(
@@ -265,6 +280,12 @@ def fp8_equinox_linear_layers(
                 return node
             if isinstance(node, eqx.nn.Linear):
                 return _stacked_eqx_linear(node, config, path)
+            if isinstance(node, Linear):  # fp8jax's, built with another GEMM
+                lead = batch_shape + node.weight.shape[:-2]
+                shape = tuple(node.weight.shape[-2:])
+                recipe = config.recipe_for(path)
+                dot = stacked_dot_general(recipe, lead, shape, ".".join(path), config.telemetry)
+                return eqx.tree_at(lambda m: m.dot_general, node, dot)
             dot = stacked_dot_general(
                 config.recipe_for(path),
                 batch_shape,

@@ -8,7 +8,8 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, final
 
-from .config import Fp8Config, choose_layers
+from ..gemm import grouped_rules
+from .config import DEFAULT_EXCLUDE, Fp8Config, choose_layers
 from .roles import Dataflow, ModelShapes, role_of
 
 
@@ -45,12 +46,15 @@ class ConversionPlan:
     - `kept_as_converted`: layers in FP8 already that the config would convert otherwise
       (another recipe or telemetry, or high precision), each with both: they keep their
       recipe and state, as a conversion leaves FP8 layers as they are.
+    - `unmatched`: what the config asks that changed no layer: an `exclude` of the user's
+      that matches no layer.
     """
 
     layers: tuple[LayerChoice, ...]
     unconverted: tuple[str, ...] = ()
     traced: bool = False
     kept_as_converted: tuple[str, ...] = ()
+    unmatched: tuple[str, ...] = ()
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -76,6 +80,7 @@ class ConversionPlan:
             lines.append(f"{c.path or '(root)':<{width}}  {c.kind:<{kind}}  {what}")
         lines += [f"not convertible: {u}" for u in self.unconverted]
         lines += [f"FP8 already, kept as it is: {k}" for k in self.kept_as_converted]
+        lines += [f"matches nothing: {u}" for u in self.unmatched]
         return "\n".join(lines)
 
 
@@ -132,7 +137,13 @@ def make_plan(
         else:
             why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
         layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
-    return ConversionPlan(tuple(layers), tuple(unconverted), traced, tuple(kept))
+    unmatched = []
+    if config.exclude not in (None, DEFAULT_EXCLUDE) and not any(map(config.excludes, fates)):
+        unmatched.append(
+            f"exclude={config.exclude!r} (it must match a layer's last name or its whole "
+            "dotted path) keeps no layer in high precision; it replaces DEFAULT_EXCLUDE"
+        )
+    return ConversionPlan(tuple(layers), tuple(unconverted), traced, tuple(kept), tuple(unmatched))
 
 
 def decide(
@@ -161,6 +172,12 @@ def decide(
             if role is not None:
                 roles[path] = role
     fates = choose_layers(config, nodes, layers, is_module, roles)
+    for path, fate in fates.items():
+        if fate == "fp8" and path not in widths and path not in (converted or {}):
+            # An expert layer: refused now, as its conversion would refuse it, not planned.
+            grouped_rules.check_recipe(
+                config.recipe_for(path), ".".join(path), config.grouped_native_kernel
+            )
     unconverted = []
     if flow is not None:
         known = {p for p, _ in layers} | set(shapes.embeddings)
@@ -172,6 +189,19 @@ def decide(
     plan = make_plan(config, fates, kinds, unconverted, flow is not None, converted)
     converted = converted or {}
     return plan, {p for p, fate in fates.items() if fate == "fp8" and p not in converted}
+
+
+def keep_in_high_precision(
+    plan: ConversionPlan, chosen: set[tuple[str, ...]], why: Mapping[tuple[str, ...], str]
+) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
+    """`plan` and its `chosen` layers with each layer of `why` kept in high precision, for
+    the reason it gives (one the config does not decide: a tied weight, a complex one)."""
+    dotted = {".".join(p): reason for p, reason in why.items() if p in chosen}
+    layers = tuple(
+        dataclasses.replace(c, fp8=False, why=dotted[c.path]) if c.path in dotted else c
+        for c in plan.layers
+    )
+    return dataclasses.replace(plan, layers=layers), chosen - set(why)
 
 
 def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: int = 4) -> None:
@@ -196,6 +226,10 @@ def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: in
             + ". To change them, convert the model as it was before its first conversion.",
             Fp8ConversionWarning,
             stacklevel=stacklevel,
+        )
+    for what in plan.unmatched:
+        warnings.warn(
+            f"fp8_linear_layers: Fp8Config {what}.", Fp8ConversionWarning, stacklevel=stacklevel
         )
     if not plan.converted:
         kept = "; ".join(f"{c.path or '(root)'}: {c.why}" for c in plan.layers)

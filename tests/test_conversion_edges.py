@@ -1,0 +1,159 @@
+"""`Fp8Config` and Equinox conversion at their edges, each once a crash or a silent surprise:
+tied weights, non-floating Linears, fp8jax Linears built with another GEMM, `exclude` by
+path and matching nothing, a config rebuilt with `dataclasses.replace`, expert layers given
+a recipe without a grouped GEMM."""
+
+import dataclasses
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+
+D, V = 32, 64
+
+
+class Tied(eqx.Module):
+    """An embedding and a head sharing one table through `eqx.nn.Shared`, `head_is_node`
+    choosing which of the two holds the node standing for it."""
+
+    shared: eqx.nn.Shared
+    fc: eqx.nn.Linear
+
+    def __init__(self, head_is_node: bool, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        emb = eqx.nn.Embedding(V, D, key=k1)
+        head = eqx.nn.Linear(D, V, use_bias=False, key=k2)
+        where, get = (lambda p: p[1].weight), (lambda p: p[0].weight)
+        if not head_is_node:
+            where, get = get, where
+        self.shared = eqx.nn.Shared((emb, head), where, get)
+        self.fc = eqx.nn.Linear(D, D, key=k3)
+
+    def __call__(self, token):
+        emb, head = self.shared()
+        return head(jax.nn.gelu(self.fc(emb(token))))
+
+
+@pytest.mark.parametrize("head_is_node", [True, False])
+def test_a_tied_weight_converts_and_trains(head_is_node):
+    """A Linear whose weight `eqx.nn.Shared` replaced by its node stays in high precision,
+    saying why; the rest converts, and the model runs and differentiates (it crashed reading
+    the node's shape, whatever the config)."""
+    model = Tied(head_is_node, jax.random.key(0))
+    config = fp8jax.Fp8Config(keep=(), exclude=None)
+    plan = fp8jax.conversion_plan(model, config)
+    if head_is_node:
+        assert plan.converted == ("fc",)
+        assert plan.kept == {"shared.pytree.1": "its weight is another layer's (eqx.nn.Shared)"}
+    else:  # the head holds the table: an ordinary Linear
+        assert plan.converted == ("fc", "shared.pytree.1")
+    fp8 = fp8jax.fp8_linear_layers(model, config)
+    tokens = jnp.arange(8)
+    want = jax.vmap(model)(tokens)
+    got = jax.vmap(fp8)(tokens)
+    assert float(jnp.max(jnp.abs(got - want))) < 0.1 * float(jnp.max(jnp.abs(want)))
+    grads = fp8jax.filter_grad(lambda m: jnp.sum(jax.vmap(m)(tokens) ** 2))(fp8)
+    assert all(
+        bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array))
+    )
+    if head_is_node:  # named as the only target, it is kept all the same, saying why
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"converted no layer") as said:
+            fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=["shared.pytree.1"]))
+        assert "its weight is another layer's (eqx.nn.Shared)" in str(said[0].message)
+
+
+def test_a_non_floating_linear_is_kept_and_named():
+    """A complex Linear among real ones stays in high precision with its dtype as the reason
+    (it raised a TypeError naming no layer, after a plan that listed it as FP8)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    layers = [eqx.nn.Linear(D, D, key=k) for k in keys[:2]]
+    layers.append(eqx.nn.Linear(D, D, key=keys[2], dtype=jnp.complex64))
+    plan = fp8jax.conversion_plan(layers)
+    assert plan.converted == ("0", "1")
+    assert plan.kept == {"2": "its weight is complex64, not a floating dtype FP8 could round"}
+    fp8 = fp8jax.fp8_linear_layers(layers)
+    assert fp8[2] is layers[2]
+    assert isinstance(fp8[0].dot_general, fp8jax.Fp8DotGeneral)
+
+
+def test_an_fp8jax_linear_with_another_gemm_converts_as_an_equinox_one():
+    """`fp8jax.Linear(w, b, dot_general=lax.dot_general)` converts to the FP8 layer an
+    `eqx.nn.Linear` of the same weights becomes, output bit for bit (it raised: the
+    conversion passed the static field `use_bias` to `Linear.__init__`)."""
+    linear = eqx.nn.Linear(D, D, key=jax.random.key(0))
+    plain = fp8jax.Linear(linear.weight, linear.bias, dot_general=jax.lax.dot_general)
+    x = jax.random.normal(jax.random.key(1), (D,))
+    np.testing.assert_array_equal(plain(x), linear(x))
+    converted = fp8jax.fp8_linear_layers([plain])[0]
+    reference = fp8jax.fp8_linear_layers([linear])[0]
+    assert isinstance(converted.dot_general, fp8jax.Fp8DotGeneral)
+    assert converted.dot_general.name == "0"
+    np.testing.assert_array_equal(converted(x), reference(x))
+
+
+def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
+    """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
+    `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""
+    mlp = eqx.nn.MLP(D, D, D, 3, key=jax.random.key(0))
+    config = fp8jax.Fp8Config(exclude=r"layers\.2")
+    assert fp8jax.conversion_plan(mlp, config).converted == ("layers.0", "layers.1", "layers.3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8 = fp8jax.fp8_linear_layers(mlp, config)
+    assert fp8.layers[2] is mlp.layers[2]
+    for unmatched in ("layer_2", r"blocks\..*"):
+        config = fp8jax.Fp8Config(exclude=unmatched)
+        plan = fp8jax.conversion_plan(mlp, config)
+        assert len(plan.converted) == 4 and plan.unmatched
+        assert f"matches nothing: exclude={unmatched!r}" in str(plan)
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"keeps no layer in high precision"):
+            fp8jax.fp8_linear_layers(mlp, config)
+    # The default exclude matching nothing (a model without a head so named) is silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8jax.fp8_linear_layers(mlp)
+
+
+def test_a_config_rebuilt_by_dataclasses_replace_keeps_its_recipes():
+    """A config with `recipes` holds them as a tuple of pairs, which its check refused when
+    `dataclasses.replace` built the config again; `None` as a recipe is refused by name (it
+    meant delayed scaling)."""
+    config = fp8jax.Fp8Config(recipe="current", recipes={"fc1": "blockwise"})
+    again = dataclasses.replace(config, telemetry=True)
+    assert again.recipes == config.recipes and again.telemetry
+    assert dataclasses.replace(again, telemetry=False) == config
+    assert (
+        fp8jax.Fp8Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        == config
+    )
+    with pytest.raises(ValueError, match=r"recipes pattern 'fc1': recipe None"):
+        fp8jax.Fp8Config(recipes={"fc1": None})
+    with pytest.raises(ValueError, match=r"keep=\[\['head'\]\]: should be a tuple of roles"):
+        fp8jax.Fp8Config(keep=[["head"]])
+
+
+def test_a_plan_refuses_an_expert_recipe_without_a_grouped_gemm():
+    """`conversion_plan` refuses what the conversion refuses: an expert layer given a recipe
+    without a grouped GEMM (it printed "FP8 (ResidualFP8)")."""
+
+    class MoE(eqx.Module):
+        experts: fp8jax.GroupedLinear
+        fc: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.experts = fp8jax.GroupedLinear(4, D, D, key=k1)
+            self.fc = eqx.nn.Linear(D, D, key=k2)
+
+    model = MoE(jax.random.key(0))
+    message = r"FP8 grouped layer 'experts': recipe ResidualFP8 has no FP8 grouped GEMM"
+    for convert in (fp8jax.conversion_plan, fp8jax.fp8_linear_layers):
+        with pytest.raises(ValueError, match=message):
+            convert(model, fp8jax.Fp8Config(recipe="residual"))
+    config = fp8jax.Fp8Config(recipe="residual", recipes={"experts": "current"})
+    assert fp8jax.conversion_plan(model, config).converted == ("experts", "fc")
