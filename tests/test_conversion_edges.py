@@ -157,3 +157,12 @@ def test_a_plan_refuses_an_expert_recipe_without_a_grouped_gemm():
             convert(model, fp8jax.Fp8Config(recipe="residual"))
     config = fp8jax.Fp8Config(recipe="residual", recipes={"experts": "current"})
     assert fp8jax.conversion_plan(model, config).converted == ("experts", "fc")
+
+
+def test_a_model_that_is_one_linear_is_named_root_in_errors():
+    """A Linear that is the whole model is `(root)` in a target's error, as in the plan (it
+    was listed as `''`)."""
+    linear = eqx.nn.Linear(D, D, key=jax.random.key(0))
+    assert "(root)" in str(fp8jax.conversion_plan(linear))
+    with pytest.raises(ValueError, match=r"matches no Linear layer. Linear layers: '\(root\)'\."):
+        fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(targets=["fc"]))

@@ -236,7 +236,7 @@ def choose_layers(
     chosen = {p for p, fate in fates.items() if fate == "fp8"}
     for pattern, _ in config.recipes or ():
         if not any(_matches(pattern, p) for p in chosen):
-            listing = ", ".join(repr(".".join(p)) for p in sorted(chosen)) or "none"
+            listing = ", ".join(repr(".".join(p) or "(root)") for p in sorted(chosen)) or "none"
             raise ValueError(
                 f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
                 f"Converted layers: {listing}."
@@ -245,8 +245,7 @@ def choose_layers(
 
 
 def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_module) -> None:
-    linear_paths = [".".join(p) for p, _ in linears]
-    listing = ", ".join(repr(p) for p in linear_paths) or "none"
+    listing = ", ".join(repr(".".join(p) or "(root)") for p, _ in linears) or "none"
     if not linears:
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "
