@@ -118,11 +118,10 @@ def test_sharded_train_step_matches_one_device(layout):
         assert weight.sharding.spec == spec_of("layers[0].weight", weight).spec
 
 
-def test_shard_map_data_parallel_step_with_axis_names():
-    want_state, want_losses = single_device()
-    model, x, y = problem(fp8jax.DelayedScaling(history_len=4, axis_names=("data",)))
+def shard_map_train(model, x, y, optimizer):
+    """`model` trained `STEPS` steps by a data-parallel step written with `shard_map` (its
+    recipes reduce amaxes over `axis_names=("data",)`): the model and the losses."""
     m = mesh((8,), ("data",))
-    optimizer = optax.adam(1e-2)
     _, trainable = fp8jax.partition_for_grad_overwrite(model)
     opt_state = optimizer.init(eqx.filter(trainable, eqx.is_inexact_array))
     params, static = eqx.partition((model, opt_state), eqx.is_array)
@@ -155,12 +154,41 @@ def test_shard_map_data_parallel_step_with_axis_names():
         params, loss = step(params, x, y)
         losses.append(float(loss))
     model, _ = eqx.combine(params, static)
+    return model, losses
+
+
+def test_shard_map_data_parallel_step_with_axis_names():
+    want_state, want_losses = single_device()
+    model, x, y = problem(fp8jax.DelayedScaling(history_len=4, axis_names=("data",)))
+    model, losses = shard_map_train(model, x, y, optax.adam(1e-2))
     check_same(
         fp8jax.TrainState(model, None, fp8jax.NoOpLossScale(), jnp.zeros((), jnp.int32)),
         losses,
         want_state,
         want_losses,
     )
+
+
+def test_shard_map_blockwise_step_with_replicated_weights():
+    """Blockwise scaling (its default `native_kernel=None`: the kernels' branch is traced
+    on every platform) inside `shard_map` with the weights replicated: it failed to trace
+    (the kernels' outputs were typed as varying over no axis, which `shard_map` refuses).
+    With whole 128-token tiles on each device it matches the single-device step."""
+    mlp = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8 * 128, 128))
+    y = jnp.sin(x)
+    single = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="blockwise"))
+    step = fp8jax.make_train_step(mse, optax.sgd(0.1))
+    want_state, want_losses = train(step.init(single), x, y, step)
+    recipe = fp8jax.BlockwiseScaling(axis_names=("data",))
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    model, losses = shard_map_train(model, x, y, optax.sgd(0.1))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    for layer, want in zip(model.layers, want_state.model.layers, strict=True):
+        np.testing.assert_allclose(layer.weight, want.weight, rtol=1e-5, atol=1e-6)
+        for role in ("input", "kernel", "output_grad"):
+            got, ref = getattr(layer.dot_general, role), getattr(want.dot_general, role)
+            np.testing.assert_allclose(got.amax_history, ref.amax_history, rtol=1e-5)
 
 
 def abstract(tree, sharding):
@@ -208,3 +236,24 @@ def test_eight_h100s_keep_fp8_gemms_and_reduce_amaxes_as_scalars(layout):
         # at most the 6 of the program's FP8 operands), never as the tensor it was taken of.
         assert all(c.op == "all-reduce" and c.elements <= 6 for c in amax), amax
         assert not [c for c in collectives if c.op == "all-gather" and c.elements > 1024]
+
+
+def test_axis_names_that_are_not_the_shard_maps_are_refused_by_name():
+    """A recipe's `axis_names` naming an axis the `shard_map` does not have (a typo), or
+    given under plain `jit`: JAX's bare AssertionError, or its advice to call `psum`, became
+    an error naming the recipe's axes and the mesh's."""
+    recipe = fp8jax.DelayedScaling(axis_names=("dta",))
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(32, 32, key=jax.random.key(0)), fp8jax.Fp8Config(recipe=recipe)
+    )
+    params, static = eqx.partition(model, eqx.is_array)
+    run = jax.shard_map(
+        lambda p, x: jax.vmap(eqx.combine(p, static))(x),
+        mesh=mesh((8,), ("data",)),
+        in_specs=(P(), P("data")),
+        out_specs=P("data"),
+    )
+    with pytest.raises(ValueError, match=r"axis_names=\('dta',\): .*its mesh: \('data',\)"):
+        jax.jit(run)(params, jnp.ones((64, 32)))
+    with pytest.raises(ValueError, match=r"its mesh: none\)\. .*under plain jit leave"):
+        jax.jit(jax.vmap(model))(jnp.ones((4, 32)))

@@ -169,7 +169,7 @@ def shape_like(shape: tuple[int, ...], dtype: Any, like: Any) -> jax.ShapeDtypeS
     """A kernel's output type `(shape, dtype)` varying over the manual mesh axes `like`
     varies over: inside `shard_map` a `pallas_call`'s outputs must say it."""
     manual = getattr(jax.typeof(like), "manual_axis_type", None)
-    if manual is None or not varying_axes(like):
+    if manual is None:  # outside `shard_map`; inside, also where `like` is replicated
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 

@@ -278,7 +278,9 @@ def expert_exchange(
 
     **Arguments:**
 
-    - `experts (tokens, top_k)`: each of this device's tokens' experts (global indices).
+    - `experts (tokens, top_k)`: each of this device's tokens' experts (global indices, in
+      `[0, num_experts)`; a choice outside is sent nowhere, and its token's share of the
+      output is 0: traced indices cannot be checked).
     - `num_experts`: all experts, a multiple of the axis size.
     - `axis_name`: the mesh axis the experts are split over.
     - `capacity`: the rows a device's experts can receive (static). `None`: the worst case,

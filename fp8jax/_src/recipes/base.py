@@ -239,7 +239,17 @@ class Recipe(abc.ABC):
         across `axis_names` inside `shard_map`."""
         value = amax(x, owner)
         if self.axis_names:
-            value = lax.pmax(value, self.axis_names)
+            try:
+                value = lax.pmax(value, self.axis_names)
+            except (NameError, AssertionError) as e:  # JAX's for an axis not bound here
+                mesh = jax.sharding.get_abstract_mesh()
+                axes = tuple(getattr(mesh, "axis_names", ()) or ())
+                raise ValueError(
+                    f"{type(self).__name__} axis_names={self.axis_names!r}: not all are mesh "
+                    f"axes of the jax.shard_map this layer runs in (its mesh: {axes or 'none'})."
+                    " Name that shard_map's axes; under plain jit leave axis_names empty (the "
+                    "amax is global there already)."
+                ) from e
         return value
 
     def statistics(self, x: Array, q: Any, role: Role, owner: Array) -> OperandStats:
