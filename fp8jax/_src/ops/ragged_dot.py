@@ -161,7 +161,10 @@ class Fp8RaggedDot(AbstractFp8Op):
     **Group sizes.** They must be >= 0 and sum to the number of tokens. Sizes known at trace
     time are checked (a `ValueError` names them); traced ones (the usual case, computed by
     the router inside `jit`) cannot be: rows past their sum get zeros, as from
-    `lax.ragged_dot`, and negative sizes give undefined results.
+    `lax.ragged_dot` (their values still enter the per-tensor amaxes of the input and the
+    output gradient: keep them zeros, as a capacity-padded dispatch does), and negative
+    sizes give undefined results. Sizes of a narrow integer dtype (int8) are widened to
+    int32 first: their offsets would overflow.
 
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
     [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][].
@@ -274,7 +277,9 @@ class Fp8RaggedDot(AbstractFp8Op):
                 out_dtype,
                 lhs,
                 rhs,
-                jnp.asarray(group_sizes),
+                # int32 at least: the offsets are cumulative sums of the sizes, which int8
+                # sizes would overflow.
+                jnp.asarray(group_sizes).astype(jnp.promote_types(group_sizes.dtype, jnp.int32)),
                 self._states(),
                 self.name,
                 native_choice(self.recipe, self.native_kernel),
