@@ -531,6 +531,39 @@ def test_narrow_group_sizes_are_widened_before_their_offsets(narrow):
         np.testing.assert_array_equal(got_, ref_)
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_rows_past_the_groups_do_not_set_the_scales(recipe):
+    """Traced sizes summing short of the rows: the rows past them hold no token of the step
+    and their values (1e6 here) set neither the input's nor the output gradient's scale
+    (per-tensor recipes): the routed rows' output and gradients are what they are without
+    those rows, bit for bit, and the state records the routed rows' amaxes (it recorded
+    1e6, and the routed output came out all zeros)."""
+    x, w, g = data(15)
+    sizes = jnp.asarray([13, 0, 20, 2], jnp.int32)  # 35 of 40 rows
+    garbage = x.copy()
+    garbage[35:] = 1e6
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=G)
+
+    @eqx.filter_jit
+    def run(dot, x, g_rows, sizes):  # traced sizes: not checked against the rows
+        y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+        d_dot, d_x, d_w = vjp(g_rows.astype(y.dtype))
+        return y, d_x, d_w, d_dot
+
+    g_garbage = g.copy()
+    g_garbage[35:] = 1e6  # an output gradient for rows that are no output
+    y, d_x, d_w, state = run(dot, garbage, g_garbage, sizes)
+    y0, d_x0, d_w0, state0 = run(dot, x[:35], g[:35], sizes)  # the step without those rows
+    np.testing.assert_array_equal(y[:35], y0)
+    np.testing.assert_array_equal(y[35:], 0.0)
+    np.testing.assert_array_equal(d_x[:35], d_x0)
+    np.testing.assert_array_equal(d_w, d_w0)
+    for role in ("input", "output_grad"):
+        got, want = getattr(state, role).amax_history, getattr(state0, role).amax_history
+        np.testing.assert_array_equal(got, want)
+    assert float(state.input.amax_history[0]) == np.abs(x[:35]).max()
+
+
 def test_mismatched_expert_counts(dot):
     x, w, _ = data(14)
     with pytest.raises(ValueError, match=r"mismatched expert counts \(group_sizes: 3, rhs: 4"):

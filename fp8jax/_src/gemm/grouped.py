@@ -135,6 +135,11 @@ def _forward(
     group_sizes: Array,
     states: States,
 ):
+    if not isinstance(recipe, BlockScaledRecipe):
+        # The rows past the groups hold no token of the step: their values must not set the
+        # per-tensor scale of the rows that do (a block recipe's tiles are per row already).
+        held = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+        x = jnp.where(held, x, jnp.zeros((), x.dtype))
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     input_stats = None
     if states.stats is not None:
@@ -225,7 +230,9 @@ def _backward(
         q_g, q_g_tokens, new_grad = activations.quantize_both_gathered(
             g, rows, residuals.grad_state, "output_grad"
         )
-    else:
+    else:  # as the forward's input: rows past the groups set no scale
+        held = jnp.arange(g.shape[0])[:, None] < jnp.sum(group_sizes)
+        g = jnp.where(held, g, jnp.zeros((), g.dtype))
         q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:

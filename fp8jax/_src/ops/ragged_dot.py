@@ -161,10 +161,10 @@ class Fp8RaggedDot(AbstractFp8Op):
     **Group sizes.** They must be >= 0 and sum to the number of tokens. Sizes known at trace
     time are checked (a `ValueError` names them); traced ones (the usual case, computed by
     the router inside `jit`) cannot be: rows past their sum get zeros, as from
-    `lax.ragged_dot` (their values still enter the per-tensor amaxes of the input and the
-    output gradient: keep them zeros, as a capacity-padded dispatch does), and negative
-    sizes give undefined results. Sizes of a narrow integer dtype (int8) are widened to
-    int32 first: their offsets would overflow.
+    `lax.ragged_dot`, and their values set no scale (per-tensor recipes leave them out of
+    the amaxes; block recipes' tiles are per row, but their recorded amax, telemetry only,
+    spans them), and negative sizes give undefined results. Sizes of a narrow integer
+    dtype (int8) are widened to int32 first: their offsets would overflow.
 
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
     [`fp8jax.BlockwiseScaling`][] and [`fp8jax.MXFP8`][].
