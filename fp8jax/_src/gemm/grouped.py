@@ -90,6 +90,19 @@ token_counts = batch_shared(
 )
 
 
+def _rows_held(rows: int, group_sizes: Array) -> Bool[Array, " rows"]:
+    """Which of `rows` rows hold tokens: the first `sum(group_sizes)` (the rest are a
+    receive buffer's padding, or rows the docs allow past the groups)."""
+    return jnp.arange(rows) < jnp.sum(group_sizes)
+
+
+def _held_only(x: Array, group_sizes: Array) -> Array:
+    """`x (rows, cols)` with its rows past the groups zeroed, so they set no per-tensor
+    scale of the rows that hold tokens (a block recipe's tiles are per row already)."""
+    held = _rows_held(x.shape[0], group_sizes)
+    return jnp.where(held[:, None], x, jnp.zeros((), x.dtype))
+
+
 def _token_statistics(
     recipe: Any, x: Array, q: Any, role: str, owner_leaf: Array, group_sizes: Array
 ) -> Any:
@@ -97,10 +110,8 @@ def _token_statistics(
     tokens, the first `sum(group_sizes)`: the rows past them (an expert-parallel receive
     buffer's padding, sized for the worst case) are no values of the step, and counted
     they would divide its fractions by the buffer's slack."""
-    held = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
-    stats = recipe.statistics(
-        jnp.where(held[:, None], x, jnp.zeros((), x.dtype)), q, role, owner_leaf
-    )
+    held = _rows_held(x.shape[0], group_sizes)
+    stats = recipe.statistics(_held_only(x, group_sizes), q, role, owner_leaf)
     # The rows held, as a fraction spanning what the statistics span (a vmapped batch, and
     # the mesh axes of `axis_names`): the statistics' fractions over it are over held rows.
     share = fraction(held, owner_leaf)
@@ -135,11 +146,8 @@ def _forward(
     group_sizes: Array,
     states: States,
 ):
-    if not isinstance(recipe, BlockScaledRecipe):
-        # The rows past the groups hold no token of the step: their values must not set the
-        # per-tensor scale of the rows that do (a block recipe's tiles are per row already).
-        held = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
-        x = jnp.where(held, x, jnp.zeros((), x.dtype))
+    if not isinstance(recipe, BlockScaledRecipe):  # rows past the groups set no scale
+        x = _held_only(x, group_sizes)
     q_x, new_input = recipe.quantize(x, states.input, "input", -1)
     input_stats = None
     if states.stats is not None:
@@ -231,8 +239,7 @@ def _backward(
             g, rows, residuals.grad_state, "output_grad"
         )
     else:  # as the forward's input: rows past the groups set no scale
-        held = jnp.arange(g.shape[0])[:, None] < jnp.sum(group_sizes)
-        g = jnp.where(held, g, jnp.zeros((), g.dtype))
+        g = _held_only(g, group_sizes)
         q_g, new_grad = activations.quantize(g, residuals.grad_state, "output_grad", -1)
     stats = residuals.stats
     if stats is not None:
