@@ -31,29 +31,39 @@ def test_kjv_corpus_split_and_batches():
 
 
 class _StepClock:
-    """A stand-in for `time` whose `perf_counter` has each run's step 0 take 100 s, its step
-    3 50 s (a compile: delayed scaling's second program, an evaluation's), the others 0.5 s:
-    calls alternate between a step's start and its end."""
+    """A stand-in for `time` on which each run's training step 0 takes 100 s, its step 3
+    50 s (a compile: delayed scaling's second program), the others 0.5 s, and nothing else
+    takes time: a step's time passes when its batch is sampled (`sample`, wrapped), after
+    the run's `val_batches` evaluation batches."""
 
-    def __init__(self, steps: int):
-        self.steps, self.calls, self.now = steps, 0, 0.0
+    def __init__(self, steps: int, val_batches: int):
+        self.steps, self.val_batches, self.samples, self.now = steps, val_batches, 0, 0.0
 
     def perf_counter(self) -> float:
-        if self.calls % 2:  # a step's end
-            step = (self.calls // 2) % self.steps
-            self.now += {0: 100.0, 3: 50.0}.get(step, 0.5)
-        self.calls += 1
         return self.now
+
+    def sampling(self, sample):
+        def timed(*args, **kwargs):
+            index = self.samples % (self.val_batches + self.steps) - self.val_batches
+            if index >= 0:
+                self.now += {0: 100.0, 3: 50.0}.get(index, 0.5)
+            self.samples += 1
+            return sample(*args, **kwargs)
+
+        return timed
 
 
 def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys, monkeypatch):
     from fp8jax.examples import train_gpt
 
-    monkeypatch.setattr(train_gpt, "time", _StepClock(steps=8))
+    clock = _StepClock(steps=8, val_batches=8)
+    monkeypatch.setattr(train_gpt, "time", clock)
+    monkeypatch.setattr(train_gpt, "sample", clock.sampling(train_gpt.sample))
     args = ["--steps", "8", "--layers", "1", "--width", "32", "--context", "16", "--batch", "4"]
     args += ["--recipes", "delayed,blockwise", "--eval-every", "4", "--log-every", "2"]
     runs = train_gpt.main([*args, "--out", str(tmp_path)])
-    # Steps per second from the median step: the compiles (steps 0 and 3) not counted.
+    # Steps per second from the median window between reads (logged at steps 0, 2, 4, 6, 7,
+    # evaluated after 3 and 7): the compiles (steps 0 and 3) not counted.
     assert [r.steps_per_second for r in runs] == [2.0] * 4
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
