@@ -1062,6 +1062,31 @@ def test_bad_input_errors():
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
 
 
+@pytest.mark.parametrize(
+    "subscripts, kernel, message",
+    [
+        ("bd,dd->bd", (16, 16), r"repeats an axis of the kernel"),
+        ("bd,df->bd", (16, 8), r"sums axis 'f' of one operand only"),
+    ],
+)
+def test_einsum_the_fp8_gemm_cannot_run_is_refused_at_conversion(subscripts, kernel, message):
+    """An nnx.Einsum whose equation the FP8 einsum cannot run is refused by name when the model
+    is converted (it was converted, announced as FP8, and raised only at its first call, with
+    no name), and, excluded, runs as jnp.einsum does."""
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.e = nnx.Einsum(subscripts, kernel, rngs=nnx.Rngs(0))
+            self.fc = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+
+    with pytest.raises(ValueError, match=rf"nnx.Einsum 'e' .*{message}.*Exclude it"):
+        fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(exclude=None))
+    kept = fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(exclude="e"))
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    reference = nnx.Einsum(subscripts, kernel, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(kept.e(x), reference(x))
+
+
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx.md"
 
 
@@ -1278,3 +1303,53 @@ def test_the_train_step_trains_a_model_without_fp8_layers_as_flax_does():
         runs.append([float(step(model, optimizer, x)) for _ in range(3)])
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
     assert runs[0][-1] < runs[0][0]
+
+
+def test_a_stack_of_einsums_built_under_vmap_matches_a_stack_of_linears():
+    """An nnx.Einsum stack built under nnx.vmap and applied with nnx.scan gets one FP8 state
+    per layer, as a stack of nnx.Linears does, and computes what the Linears compute (it was
+    converted with one state for the stack and crashed inside nnx.scan)."""
+
+    def stack(layer):
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                self.fc = layer(rngs)
+
+            def __call__(self, x):
+                return jax.nn.relu(self.fc(x))
+
+        class Stack(nnx.Module):
+            def __init__(self):
+                @nnx.split_rngs(splits=3)
+                @nnx.vmap(in_axes=(0,), out_axes=0)
+                def make(rngs):
+                    return Block(rngs)
+
+                self.blocks = make(nnx.Rngs(0))
+
+            def __call__(self, x):
+                @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+                def run(block, x):
+                    return block(x)
+
+                return run(self.blocks, x)
+
+        return fp8jax.fp8_linear_layers(Stack())
+
+    einsums = stack(lambda r: nnx.Einsum("bd,df->bf", (16, 16), rngs=r))
+    linears = stack(lambda r: nnx.Linear(16, 16, use_bias=False, rngs=r))
+    nnx.update(einsums, {"blocks": {"fc": {"kernel": linears.blocks.fc.kernel}}})
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss(model, x):
+        return (model(x) ** 2).mean()
+
+    for model in (einsums, linears):
+        _, grads = fp8jax.nnx_value_and_grad(loss)(model, x)
+        fp8jax.nnx_update_fp8_state(model, grads)
+    np.testing.assert_array_equal(einsums(x), linears(x))
+    state = einsums.blocks.fc.einsum_op.state.input.amax_history.get_value()
+    assert state.shape == (3, 1024)
+    np.testing.assert_array_equal(
+        state, linears.blocks.fc.dot_general.state.input.amax_history.get_value()
+    )

@@ -80,6 +80,13 @@ def einsum_dimension_numbers(
     return dims, tuple(result.index(c) for c in out)
 
 
+def check_einsum(subscripts: str, kernel_ndim: int) -> None:
+    """Raise the `ValueError` the FP8 einsum would raise at its call for an equation it cannot
+    run (the input's `...` taken as no axis: its rank is only known then)."""
+    x_spec = subscripts.replace(" ", "").split("->")[0].split(",")[0]
+    _einsum_parts(subscripts, len(x_spec.replace("...", "")), kernel_ndim)
+
+
 def einsum_kernel_shape(subscripts: str | None, kernel_shape: tuple[int, ...]) -> Any:
     """The canonical `(N, K)` matrix of an einsum's kernel (free axes, contracted axes), or
     `None` when the equation is given only at call time or the kernel has batch axes."""

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import Fp8Config
-from ..einsum import einsum_kernel_shape
+from ..einsum import check_einsum, einsum_kernel_shape
 from ..plan import ConversionPlan, Converted, announce, decide
 from ..roles import Dataflow, ModelShapes, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
@@ -132,15 +132,37 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         if not n_batch:
             shape = (math.prod(layer.out_features), math.prod(layer.in_features))
         return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
-    shape = einsum_kernel_shape(layer.einsum_str, tuple(kernel.shape))
+    # Its kernel is (*stacked, *kernel_shape): a stack built under nnx.vmap has one per layer.
+    own = _einsum_kernel(layer)
+    stacked = tuple(kernel.shape[: kernel.ndim - len(own)])
+    if isinstance(layer.einsum_str, str):
+        try:
+            check_einsum(layer.einsum_str, len(own))
+        except ValueError as e:
+            raise ValueError(
+                f"fp8_linear_layers: nnx.Einsum {name!r} ({layer.einsum_str!r}, kernel "
+                f"{tuple(kernel.shape)}): {e} Exclude it (Fp8Config targets or exclude) to keep "
+                "it in high precision."
+            ) from None
+    shape = einsum_kernel_shape(layer.einsum_str, own)
     try:
-        return Fp8NnxEinsum(recipe, shape, name, config.telemetry)
+        return Fp8NnxEinsum(recipe, shape, name, config.telemetry, stacked=stacked)
     except ValueError as e:
         raise ValueError(
             f"fp8_linear_layers: nnx.Einsum {name!r} ({layer.einsum_str!r}, kernel "
             f"{tuple(kernel.shape)}): {e} Its kernel has batch axes, so it has no single "
             "(out, in) matrix for that state: convert it with another recipe, or exclude it."
         ) from None
+
+
+def _einsum_kernel(layer: Any) -> tuple[int, ...]:
+    """The kernel shape of one of an `nnx.Einsum`'s layers: its `kernel_shape`, without the
+    leading axes of a stack built under `nnx.vmap`."""
+    shape = tuple(layer.kernel.get_value().shape)
+    own = getattr(layer, "kernel_shape", None)
+    if isinstance(own, tuple) and len(own) <= len(shape) and shape[len(shape) - len(own) :] == own:
+        return own
+    return shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +206,7 @@ def _out_width(layer: Any) -> int | None:
         return kernel.shape[-1]
     if kind == "general":
         return math.prod(layer.out_features)
-    shape = einsum_kernel_shape(layer.einsum_str, tuple(kernel.shape))
+    shape = einsum_kernel_shape(layer.einsum_str, _einsum_kernel(layer))
     return None if shape is None else shape[0]
 
 
