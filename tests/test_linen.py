@@ -699,3 +699,114 @@ def test_a_converted_model_converted_again_is_kept_and_a_new_config_said():
         assert fp8jax.fp8_linear_layers(fp8, config("current")) is fp8
     with pytest.raises(TypeError, match=r"conversion_plan: a Flax Linen model is traced at init"):
         fp8jax.conversion_plan(fp8)
+
+
+class Dropped(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        h = nn.Dropout(0.5, deterministic=not train)(nn.Dense(32, name="fc1")(x))
+        return nn.Dense(8, name="head")(nn.relu(nn.Dense(32, name="fc2")(h)))
+
+
+@pytest.mark.parametrize("rngs", ["key", "params only"])
+def test_init_with_dropout_on_the_params_key_alone_as_linen_does(rngs):
+    """Linen's `make_rng` falls back to the "params" stream: `init(key, x, train=True)` runs a
+    Dropout on it. The converted model's init (its planning trace included) takes the same
+    arguments, and its parameters are the Linen model's own."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    key = jax.random.key(1)
+    given = key if rngs == "key" else {"params": key}
+    reference = Dropped().init(given, x, train=True)
+    variables = fp8jax.fp8_linear_layers(Dropped()).init(given, x, train=True)
+    assert sorted(variables[OWG]) == ["fc1", "fc2"]
+    jax.tree.map(np.testing.assert_array_equal, variables["params"], reference["params"])
+
+
+class Decoder(nn.Module):
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, decode=self.decode)(x)
+        return nn.Dense(4, name="head")(y)
+
+
+def test_a_decoding_model_inits_its_cache_as_linen_does():
+    """`init` of an attention layer with `decode=True` on the full-length prompt makes its
+    cache (Flax's examples do); the planning trace must take init's path, not decode the
+    prompt with the cache it just made. The same layers convert as without `decode`, and the
+    cache is the Linen model's own."""
+    x = jax.random.normal(jax.random.key(0), (2, 4, 16))
+    reference = Decoder(decode=True).init(jax.random.key(1), x)
+    variables = fp8jax.fp8_linear_layers(Decoder(decode=True)).init(jax.random.key(1), x)
+    training = fp8jax.fp8_linear_layers(Decoder()).init(jax.random.key(1), x)
+    jax.tree.map(np.testing.assert_array_equal, variables["cache"], reference["cache"])
+    assert jax.tree.structure(variables[OWG]) == jax.tree.structure(training[OWG])
+    model = fp8jax.fp8_linear_layers(Decoder(decode=True))
+    out, _ = model.apply(variables, x[:, :1], mutable=["cache"])
+    assert out.shape == (2, 1, 4) and bool(jnp.all(jnp.isfinite(out)))
+
+
+class OwnCallDense(nn.Dense):
+    """A Dense subclass whose own `__call__` never calls `self.dot_general`."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        return x @ kernel + self.param("bias", self.bias_init, (self.features,))
+
+
+class InheritedDense(nn.Dense):
+    pass
+
+
+class WithSubclass(nn.Module):
+    layer: Any = nn.Dense
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(self.layer(32, name="fc1")(x))
+        return nn.Dense(8, name="head")(nn.relu(nn.Dense(32, name="fc2")(h)))
+
+
+@pytest.mark.parametrize("layer", [OwnCallDense, InheritedDense])
+def test_a_dense_subclass_converts_as_the_dense_it_computes(layer):
+    """A Dense subclass converts (the docs say so), whether or not its `__call__` is Dense's:
+    its FP8 state exists, and its loss, gradients and new state equal those of the model with
+    a plain `nn.Dense` in its place."""
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    model = fp8jax.fp8_linear_layers(WithSubclass(layer), config())
+    plain = fp8jax.fp8_linear_layers(WithSubclass(nn.Dense), config())
+    variables = model.init(jax.random.key(1), x)
+    expected = plain.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == sorted(expected[OWG]) == ["fc1", "fc2", "head"]
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(plain)(expected)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_flax_serialization_writes_and_restores_the_train_state():
+    """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
+    writes the train state, FP8 state included, and restores it bit for bit; a target made
+    with another config is refused naming the entries."""
+    from flax import serialization
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    model = fp8jax.fp8_linear_layers(Net(), config())
+    variables = model.init(jax.random.key(1), x)
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=variables, tx=optax.adam(1e-3)
+    )
+    grads = fp8jax.filter_value_and_grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(state.params)[1]
+    trained = state.apply_gradients(grads=grads)
+    restored = serialization.from_bytes(state, serialization.to_bytes(trained))
+    want, got = jax.tree.leaves(trained), jax.tree.leaves(restored)
+    assert len(want) == len(got) and jax.tree.structure(restored) == jax.tree.structure(trained)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = fp8jax.fp8_linear_layers(Net(), config(telemetry=True)).init(jax.random.key(1), x)
+    with pytest.raises(ValueError, match=r"Fp8DotGeneral 'fc1': the saved FP8 state has"):
+        serialization.from_bytes(other, serialization.to_bytes(trained.params))

@@ -35,9 +35,36 @@ COLLECTION: str = OVERWRITE_WITH_GRADIENT
 VARIABLE: str = "fp8jax"
 
 
+def _state_dict(op: Fp8DotGeneral) -> dict[str, Any]:
+    """A layer's FP8 state for Flax's serialization (`flax.serialization.to_bytes`, which
+    Linen checkpointing uses): its arrays by their paths in the module."""
+    leaves = jax.tree_util.tree_flatten_with_path(op)[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
+def _from_state_dict(target: Fp8DotGeneral, state: dict[str, Any]) -> Fp8DotGeneral:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    keys = [jax.tree_util.keystr(path) for path, _ in leaves]
+    if sorted(keys) != sorted(state):
+        raise ValueError(
+            f"Fp8DotGeneral {target.name!r}: the saved FP8 state has the entries "
+            f"{sorted(state)}, the target's are {sorted(keys)}: restore into variables made "
+            "with the same Fp8Config (recipe and telemetry)."
+        )
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(state[k]) for k in keys])
+
+
+flax.serialization.register_serialization_state(
+    Fp8DotGeneral, _state_dict, _from_state_dict, override=True
+)
+
+
 def _kind(module: Any) -> str | None:
+    # A Dense subclass with a `__call__` of its own may never call its `dot_general`: it is
+    # converted as any module multiplying by its `kernel` (`generic.py`), by tracing its call.
+    call = type(module).__call__
     if isinstance(module, nn.Dense | nn.DenseGeneral):
-        return "dense"
+        return "dense" if call in (nn.Dense.__call__, nn.DenseGeneral.__call__) else None
     if isinstance(module, nn.Einsum):
         return "einsum"
     return None

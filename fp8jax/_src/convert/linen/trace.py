@@ -4,7 +4,7 @@ the abstract variables), from which roles and GEMM-bearing modules are read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -44,10 +44,16 @@ def linen_plan(
     seen, interceptor = record()
     with nn.intercept_methods(interceptor):
         variables = _abstract(module.init, (rngs, *args), kwargs)
-    apply_rngs = {k: v for k, v in rngs.items() if k != "params"} if isinstance(rngs, dict) else {}
+    # `init`'s streams, "params" kept: Linen's `make_rng` falls back to it for a stream not
+    # given (`init(key, x, train=True)` gives Dropout its key), and so must the trace.
+    apply_rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
 
     def call(variables: Any) -> Any:
-        return module.apply(variables, *args, rngs=apply_rngs, mutable=True, **kwargs)[0]
+        # The parameters alone, every collection mutable: the other collections are made
+        # again as `init` made them, so the call takes `init`'s path (an attention layer
+        # with `decode=True` given its cache would take a decoding step on the prompt).
+        params = {k: v for k, v in variables.items() if k == "params"}
+        return module.apply(params, *args, rngs=apply_rngs, mutable=True, **kwargs)[0]
 
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     layer_paths = sorted(seen.layers)
