@@ -6,6 +6,7 @@ delayed-scaling update.
 """
 
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -821,3 +822,51 @@ def test_moe_gpt_on_the_kjv_prints_gaps_and_per_expert_telemetry(capsys, compile
     assert [float(r[3]) for r in expert_rows] == pytest.approx(np.asarray(scales), rel=1e-3)
     assert [int(r[5].split()[0]) for r in expert_rows] == runs["moe fp8"].tokens[0].tolist()
     assert "kernel[3]" in out and "blocks.0.mlp.down" in out
+
+
+def test_vmap_over_group_sizes_alone_equals_each_members_call():
+    # Only the routing is mapped (one activation, each member its own group sizes, some
+    # leaving rows past their groups): each member's rows past its groups are its own zeros.
+    rng = np.random.default_rng(9)
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 1], [3, 1, 3, 5]], np.int32)
+    x = rng.standard_normal((12, K)).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    cs = rng.standard_normal((3, 12, N)).astype(np.float32)
+    # Without the warm start every scale is 1: each member's values are cast as they are.
+    dot = fp8jax.Fp8RaggedDot(fp8jax.DelayedScaling(warm_start=False), num_experts=G)
+
+    def loss(params, x):
+        dot, w = params
+        ys = jax.vmap(lambda s: dot(x, w, s))(jnp.asarray(sizes))
+        return jnp.sum(ys * cs), ys
+
+    (new, d_w), ys = eqx.filter_jit(fp8jax.filter_grad(loss, has_aux=True))((dot, w), x)
+    xq, wq = ref.cast(x, 1.0, "e4m3"), ref.cast(w, 1.0, "e4m3")
+    want_y, want_dw = np.zeros((3, 12, N)), np.zeros((G, K, N))
+    for i in range(3):
+        gq = ref.cast(cs[i], 1.0, "e5m2")
+        for e, rows in enumerate(bounds(sizes[i])):
+            want_y[i, rows] = xq[rows] @ wq[e]
+            want_dw[e] += xq[rows].T @ gq[rows]
+    np.testing.assert_allclose(ys, want_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(d_w, want_dw, rtol=1e-6, atol=1e-5)
+    assert float(new.input.amax_history[0]) == np.abs(x).max()
+
+
+def test_numpy_int64_group_sizes_are_taken_as_lax_takes_them():
+    """NumPy's default int64 sizes (64-bit types off): no warning, as from lax.ragged_dot,
+    and the output of the groups each row belongs to."""
+    sizes = np.array([3, 0, 5, 2])  # int64
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((10, K)).astype(np.float32)
+    w = (rng.standard_normal((G, K, N)) * W_RANGE).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lax.ragged_dot(x, w, sizes)
+        y = dot(x, w, sizes)
+    xq = ref.qdq_tensor(x, ref.current_scale(np.abs(x).max(), "e4m3", power_of_two=True), "e4m3")
+    for e, rows in enumerate(bounds(sizes)):
+        scale = ref.current_scale(np.abs(w[e]).max(), "e4m3", power_of_two=True)
+        want = xq[rows] @ ref.qdq_tensor(w[e], scale, "e4m3")
+        np.testing.assert_allclose(y[rows], want, rtol=1e-6, atol=1e-6)

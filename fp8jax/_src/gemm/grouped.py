@@ -384,6 +384,10 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -
             "layer too (an ensemble: jax.vmap over the layer and its weights together), or "
             "map only the activation and group sizes."
         )
+    if sizes_b and not x_b:
+        # Each member zeroes the rows past its own groups (`_held_only`): its FP8 activation
+        # is its own, as if the activation were mapped too.
+        x, x_b = jnp.broadcast_to(x, (axis_size, *x.shape)), True
     if not may_fold(x_b, states_b) or w_b:
         return None
     if not sizes_b:

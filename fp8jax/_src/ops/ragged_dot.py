@@ -128,6 +128,15 @@ def _check_count(num_experts: Any) -> int:
     return int(num_experts)
 
 
+def _offset_dtype(group_sizes: Any) -> Array:
+    """`group_sizes` in int32 at least: the offsets are cumulative sums of the sizes, which
+    int8 sizes would overflow. NumPy's int64 stays int64 only where JAX has 64-bit types (as
+    `lax.ragged_dot` takes it, with no warning)."""
+    sizes = jnp.asarray(group_sizes)
+    wide = jnp.promote_types(sizes.dtype, jnp.int32)
+    return sizes.astype(jax.dtypes.canonicalize_dtype(wide))
+
+
 class Fp8RaggedDot(AbstractFp8Op):
     """`jax.lax.ragged_dot` computed as FP8 grouped GEMMs, with per-expert scaling state.
 
@@ -277,9 +286,7 @@ class Fp8RaggedDot(AbstractFp8Op):
                 out_dtype,
                 lhs,
                 rhs,
-                # int32 at least: the offsets are cumulative sums of the sizes, which int8
-                # sizes would overflow.
-                jnp.asarray(group_sizes).astype(jnp.promote_types(group_sizes.dtype, jnp.int32)),
+                _offset_dtype(group_sizes),
                 self._states(),
                 self.name,
                 native_choice(self.recipe, self.native_kernel),
