@@ -277,8 +277,8 @@ def test_cost_arithmetic():
 def test_errors_name_the_value():
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_cost("HloModule nothing")
-    with pytest.raises(ValueError, match="'int8'"):
-        Cost({"int8": 1}).estimate_seconds()
+    with pytest.raises(ValueError, match="'int4'"):
+        Cost({"int4": 1}).estimate_seconds()
     with pytest.raises(TypeError, match="hlo=3"):
         hlo_cost(3)
 

@@ -36,6 +36,9 @@ from .hlo import (
 )
 from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
 
+#: An integer element type (`s8`, `u8`, `s32`, ...).
+_INTEGER = re.compile(r"^[su]\d+$")
+
 # Instructions that run no kernel: they name, alias or regroup buffers.
 _FREE = NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
 # Collectives, counted by the bytes they send; their async `-done` halves wait, and are free.
@@ -76,8 +79,9 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     `2 * |output| * |contraction|` FLOPs, of kind `"fp8"` (both operands FP8, or
     `__cublas$lt$matmul$f8`), `"bf16"`, `"f16"`, or for float32 operands `"tf32"` (what cuBLAS
     runs a float32 GEMM at under JAX's default precision on an H100) or `"f32"` with
-    `precision=HIGHEST`. Their operands and results are not counted as traffic: a GEMM at peak
-    is bound by its FLOPs.
+    `precision=HIGHEST`, `"f64"` for float64, `"int8"` for 8-bit integer operands and
+    `"int32"` for wider integers (XLA widens uint8 GEMMs to them). Their
+    operands and results are not counted as traffic: a GEMM at peak is bound by its FLOPs.
 
     **Bytes:** every other kernel counts its operands and results (a slice reads only its
     part; an in-place update writes only the update). The whole kernel goes to the first
@@ -472,14 +476,21 @@ def _native_gemm_cost(computation: Computation, instruction: Instruction) -> tup
 
 
 def _gemm_kind(computation: Computation, instruction: Instruction) -> str:
-    """`"fp8"`, `"bf16"`, `"f16"`, `"tf32"` or `"f32"`: the tensor-core rate a GEMM runs at."""
+    """`"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`, `"f64"`, `"int8"` or `"int32"`: the
+    rate a GEMM runs at."""
     target = instruction.gemm_target
     if target is not None and target.endswith("$f8"):
         return "fp8"
     types = [element_type(computation.type_of(o)) for o in instruction.operands[:2]]
     if types and all(F8.match(t) for t in types):
         return "fp8"
-    if "f32" in types or "f64" in types:
+    if "f64" in types:
+        return "f64"
+    if types and all(t in ("s8", "u8") for t in types):
+        return "int8"
+    if types and all(_INTEGER.match(t) for t in types):
+        return "int32"  # wider integers, and uint8 widened by XLA: CUDA cores
+    if "f32" in types:
         highest = re.search(r"HIGHEST|highest|ALG_DOT_F32_F32_F32", instruction.rest)
         return "f32" if highest else "tf32"
     if "f16" in types:

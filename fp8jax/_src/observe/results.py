@@ -153,6 +153,9 @@ class Inspection:
     as often as they run), `first_steps` (for a step of [`fp8jax.make_train_step`][] that
     runs two programs: this inspection is of the one it runs once every scale is recorded,
     and `first_steps` of the one before, with delayed scaling's warm start; else `None`).
+
+    Its table marks each GEMM `FP8` (runs on FP8 tensor cores), `high` (proven not to) or
+    `???` (not proven either way: its kernel's PTX was not read, or a StableHLO inspection).
     """
 
     gemms: dict[str, list[Gemm]]
@@ -205,7 +208,7 @@ class Inspection:
                 f"({operands} take FP8 operands)"
             )
             for g in gemms:
-                lines.append(f"  {'FP8 ' if g.fp8 else 'high'}  {g}")
+                lines.append(f"  {_mark(g)}  {g}")
             if mode in self.memory:
                 temp = getattr(self.memory[mode], "temp_size_in_bytes", None)
                 lines.append(f"  temp memory: {temp} bytes")
@@ -213,3 +216,10 @@ class Inspection:
             first = str(self.first_steps).split("\n", 1)[1]
             lines.append(f"\nIts first steps' program (delayed scaling's warm start):{first}")
         return "\n".join(lines)
+
+
+def _mark(gemm: Gemm) -> str:
+    """The table's first column: `FP8 `, `high` (proven not FP8) or `??? ` (not proven)."""
+    if gemm.fp8:
+        return "FP8 "
+    return "??? " if gemm.verdict.endswith("not proven") else "high"

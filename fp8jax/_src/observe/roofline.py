@@ -8,7 +8,9 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
-#: rate of a float32 GEMM at `precision=HIGHEST`) and HBM3 bandwidth (`"hbm"`, bytes/s).
+#: rate of a float32 GEMM at `precision=HIGHEST`; `"f64"` FP64 tensor cores; `"int8"` INT8
+#: tensor cores and `"int32"` CUDA cores' INT32, in OP/s) and HBM3 bandwidth (`"hbm"`,
+#: bytes/s).
 #: `"fp8 block"`, fp8jax's block-scaled kernel, is not a peak but a published throughput of
 #: such kernels: torchao's blockwise FP8 forward, 1,234 TFLOP/s on an H100 (DeepGEMM reports
 #: 1,358 on an H800 at 4096 x 7168 x 16384), some 62 % of the dense FP8 peak.
@@ -25,6 +27,9 @@ H100: dict[str, float] = {
     "f16": 989e12,
     "tf32": 494e12,
     "f32": 67e12,
+    "f64": 67e12,
+    "int8": 1979e12,
+    "int32": 33.5e12,
     "hbm": 3.35e12,
     "nvlink": 450e9,
     "infiniband": 50e9,
@@ -231,25 +236,25 @@ class Cost:
     __rmul__ = __mul__
 
     def __str__(self) -> str:
-        lines = [f"GEMMs: {self.gemm_flops / 1e12:.3f} TFLOP"]
-        lines += [f"  {kind}: {flops / 1e12:.3f} TFLOP" for kind, flops in self.flops.items()]
-        lines.append(f"non-GEMM HBM traffic: {self.total_bytes / 1e9:.3f} GB")
-        lines += [f"  {c}: {self.bytes.get(c, 0) / 1e9:.3f} GB" for c in CATEGORIES]
+        lines = [f"GEMMs: {self.gemm_flops / 1e12:.4g} TFLOP"]
+        lines += [f"  {kind}: {flops / 1e12:.4g} TFLOP" for kind, flops in self.flops.items()]
+        lines.append(f"non-GEMM HBM traffic: {self.total_bytes / 1e9:.4g} GB")
+        lines += [f"  {c}: {self.bytes.get(c, 0) / 1e9:.4g} GB" for c in CATEGORIES]
         if self.communication:
             lines.append(
-                f"collectives, bytes sent per device: {self.communication_bytes / 1e9:.3f} GB"
+                f"collectives, bytes sent per device: {self.communication_bytes / 1e9:.4g} GB"
             )
-            lines += [f"  {op}: {b / 1e9:.3f} GB" for op, b in self.communication.items()]
-            lines += [f"  over {link}: {b / 1e9:.3f} GB" for link, b in self.link_bytes.items()]
+            lines += [f"  {op}: {b / 1e9:.4g} GB" for op, b in self.communication.items()]
+            lines += [f"  over {link}: {b / 1e9:.4g} GB" for link, b in self.link_bytes.items()]
             lines.append(
-                f"communication at peak link rates: {self.communication_seconds() * 1e3:.3f} ms"
+                f"communication at peak link rates: {self.communication_seconds() * 1e3:.4g} ms"
             )
             lines.append(
-                f"estimate at H100 peaks: {self.estimate_seconds() * 1e3:.3f} ms with no overlap, "
-                f"{self.estimate_seconds(overlap=True) * 1e3:.3f} ms with collectives overlapped"
+                f"estimate at H100 peaks: {self.estimate_seconds() * 1e3:.4g} ms with no overlap, "
+                f"{self.estimate_seconds(overlap=True) * 1e3:.4g} ms with collectives overlapped"
             )
         else:
-            lines.append(f"estimate at H100 peaks: {self.estimate_seconds() * 1e3:.3f} ms")
+            lines.append(f"estimate at H100 peaks: {self.estimate_seconds() * 1e3:.4g} ms")
         if self.unknown_trip_counts:
             lines.append(f"loops counted once: {', '.join(self.unknown_trip_counts)}")
         return "\n".join(lines)
