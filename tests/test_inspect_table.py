@@ -2,6 +2,7 @@
 
 import pytest
 
+import fp8jax
 from fp8jax import Gemm, Inspection
 
 
@@ -38,3 +39,18 @@ def test_proven_gemms_keep_their_marks():
     bf16 = _gemm("triton", ptx=True, mma=("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",))
     table = str(Inspection({"cublas": [fp8, bf16]}, {}, "t"))
     assert f"FP8   {fp8}" in table and f"high  {bf16}" in table
+
+
+def test_assert_all_fp8_tells_unproven_gemms_from_those_proven_not_fp8():
+    """An unproven GEMM fails the check, as one proven not FP8 does, but the error does not
+    claim that it runs in high precision: it counts each kind."""
+    unproven = _gemm("pallas mosaic gpu")
+    bf16 = _gemm("triton", ptx=True, mma=("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",))
+    fp8 = _gemm("cublasLt f8")
+    assert unproven.proven is False and bf16.proven is True and fp8.proven is True
+    with pytest.raises(fp8jax.Fp8InspectionError) as error:
+        fp8jax.assert_all_fp8(Inspection({"cublas": [unproven, bf16, fp8]}, {}, "t"))
+    message = str(error.value)
+    assert message.startswith("2 GEMM(s) of fp8jax layers are not shown to run on FP8 tensor")
+    assert "(1 proven not to, 1 not proven either way;" in message
+    assert str(unproven) in message and str(bf16) in message and str(fp8) not in message

@@ -249,9 +249,11 @@ def assert_all_fp8(
     bad = report.offending(strict=strict, modes=modes)
     if bad:
         listing = "\n".join(f"  [{g.mode}] {g}" for g in bad)
+        unproven = sum(not g.proven for g in bad)
         raise Fp8InspectionError(
-            f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} do not "
-            f"run on FP8 tensor cores (compiled for {report.target}):\n{listing}"
+            f"{len(bad)} GEMM(s) {'of the program' if strict else 'of fp8jax layers'} are not "
+            f"shown to run on FP8 tensor cores ({len(bad) - unproven} proven not to, "
+            f"{unproven} not proven either way; compiled for {report.target}):\n{listing}"
         )
     for inspection in (report, report.first_steps):
         for mode in modes if inspection is not None else ():

@@ -53,6 +53,12 @@ class Gemm:
         return any(FP8_MMA.search(m) for m in self.mma)
 
     @property
+    def proven(self) -> bool:
+        """What runs it is known: FP8 tensor cores or not (`False` for a kernel whose PTX was
+        not read, and in a StableHLO inspection)."""
+        return not self.verdict.endswith("not proven")
+
+    @property
     def fp8_operands(self) -> bool:
         """Both operands are FP8 in the HLO (necessary for `fp8`, not sufficient)."""
         return bool(F8.match(self.lhs.lower()) and F8.match(self.rhs.lower()))
@@ -222,4 +228,4 @@ def _mark(gemm: Gemm) -> str:
     """The table's first column: `FP8 `, `high` (proven not FP8) or `??? ` (not proven)."""
     if gemm.fp8:
         return "FP8 "
-    return "??? " if gemm.verdict.endswith("not proven") else "high"
+    return "high" if gemm.proven else "??? "
