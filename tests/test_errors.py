@@ -106,3 +106,34 @@ def test_the_overwrite_marker_is_abstract_and_its_subclasses_are_made():
 
     state = State()
     assert fp8jax.partition_for_grad_overwrite({"s": state})[0]["s"] is state
+
+
+@pytest.mark.parametrize(
+    "recipe, says, not_said",
+    [
+        (
+            fp8jax.DelayedScaling(),
+            r"Its scales and amax history would stay as they are forever",
+            "error feedback",
+        ),
+        (fp8jax.ResidualFP8(error_feedback=True), r"Its error feedback would stay zero", "amax"),
+    ],
+)
+def test_a_layer_differentiated_without_its_state_says_what_its_recipe_would_lose(
+    recipe, says, not_said, getkey
+):
+    """The error names the recipe's own loss: an error feedback that never moves is not a
+    delayed scale that never moves."""
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(16, 8, key=getkey()), fp8jax.Fp8Config(recipe=recipe, exclude=None)
+    )
+    spec = eqx.tree_at(lambda m: m.weight, jax.tree.map(lambda _: False, model), True)
+    weights, rest = eqx.partition(model, spec)
+    x = jnp.ones((4, 16))
+
+    def loss(weights, rest):
+        return jnp.sum(jax.vmap(eqx.combine(weights, rest))(x))
+
+    with pytest.raises(fp8jax.StateNotDifferentiatedError, match=says) as error:
+        jax.grad(loss)(weights, rest)
+    assert not_said not in str(error.value)

@@ -25,7 +25,14 @@ class StateUsedTwiceError(Fp8StateError):
 
 class StateNotDifferentiatedError(Fp8StateError):
     """A layer is differentiated but its FP8 state is not, so its new scales and amax
-    history could never leave the step."""
+    history (or error feedback) could never leave the step."""
+
+    #: What would go wrong, in the recipe's words ("" when not known).
+    consequence: str
+
+    def __init__(self, message: str, layer_name: str = "", consequence: str = "") -> None:
+        super().__init__(message, layer_name)
+        self.consequence = consequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +73,12 @@ def reword_state_error(
     elif isinstance(error, StateNotDifferentiatedError):
         message = (
             f"{layer} is differentiated, but its FP8 state ({wording.state}) is not: its new "
-            "scales and amax history leave the step as the state's gradient"
+            "state leaves the step as the state's gradient"
             f"{wording.differentiate}"
         )
+        if error.consequence:
+            message = f"{message} {error.consequence}"
+        return type(error)(message, name, error.consequence)
     else:
         message = str(error)
     return type(error)(message, name)

@@ -101,11 +101,8 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
         return
     raise StateNotDifferentiatedError(
         f"{_layer(static.name, static.kind)} ({type(recipe).__name__}) is differentiated, "
-        "but its FP8 state is not: its new scales and amax history leave the step as the "
-        "state's gradient, so they would stay as they are forever (a fresh layer's empty "
-        "history would cast every step by its own amax, the warm start, and its scale never "
-        "be recorded; with warm_start=False, its scale of 1.0 saturates large values and "
-        "flushes small gradients to zero). Differentiate the "
+        "but its FP8 state is not: its new state leaves the step as the state's gradient. "
+        f"{recipe.stale_state} Differentiate the "
         "state along with the weights: with a filter_spec, `filter_spec = "
         "fp8jax.with_fp8_state(filter_spec, model)`; with jax.grad, pass the layer (or "
         "model) as a differentiated argument, e.g. `fp8jax.filter_grad(loss)(model, x)` "
@@ -113,6 +110,7 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
         "between steps (CurrentScaling, BlockwiseScaling, MXFP8) do not need it. (Under "
         "jax.jvp or jax.jacfwd: FP8 GEMMs have reverse-mode derivatives only.)",
         static.name,
+        recipe.stale_state,
     )
 
 

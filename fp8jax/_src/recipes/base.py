@@ -304,6 +304,12 @@ class Recipe(abc.ABC):
         return False
 
     @property
+    def stale_state(self) -> str:
+        """What goes wrong when a layer that `reads_state` is differentiated without its
+        state (the state would never move): a sentence of the error that says so."""
+        return "Its state would stay as it is forever."
+
+    @property
     def transposed_copies(self) -> bool:
         """Whether the backward takes the saved activation and kernel, and the output
         gradient for the wgrad, as transposed copies made when they are quantized: for a

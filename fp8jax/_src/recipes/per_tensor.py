@@ -348,6 +348,15 @@ class DelayedScaling(PerTensorRecipe):
     def reads_state(self) -> bool:
         return True
 
+    @property
+    def stale_state(self) -> str:
+        return (
+            "Its scales and amax history would stay as they are forever (a fresh layer's "
+            "empty history would cast every step by its own amax, the warm start, and its "
+            "scale never be recorded; with warm_start=False, its scale of 1.0 saturates large "
+            "values and flushes small gradients to zero)."
+        )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         check_margin(self.margin)

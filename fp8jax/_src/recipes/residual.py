@@ -174,6 +174,13 @@ class ResidualFP8(HybridFormats):
     def reads_state(self) -> bool:
         return self.error_feedback
 
+    @property
+    def stale_state(self) -> str:
+        return (
+            "Its error feedback would stay zero (each step's remaining quantization error of "
+            "the kernel never carried to the next), as without error_feedback=True."
+        )
+
     def retile(self, q: QTerms, role: Role, axis: Axis, source: Array | None = None) -> QTerms:
         del source
         if role == "kernel" and not self.dgrad_uses_lo:

@@ -25,7 +25,7 @@ _NNX_WORDING = StateErrorWording(
     combine="Use fp8jax.nnx_value_and_grad (or fp8jax.nnx_train_step)",
     state="fp8jax.Fp8State",
     differentiate=(
-        ", so they would stay as they are forever. Differentiate it along with the Params: "
+        ". Differentiate it along with the Params: "
         "fp8jax.nnx_value_and_grad(loss_fn), or nnx.grad(loss_fn, "
         "argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))."
     ),
