@@ -56,7 +56,9 @@ class Gemm:
     def proven(self) -> bool:
         """What runs it is known: FP8 tensor cores or not (`False` for a kernel whose PTX was
         not read, and in a StableHLO inspection)."""
-        return not self.verdict.endswith("not proven")
+        if self.kernel in ("cublasLt f8", "cublas"):
+            return True
+        return self.mode != "stablehlo" and self.ptx
 
     @property
     def fp8_operands(self) -> bool:
