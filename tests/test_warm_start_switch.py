@@ -136,6 +136,34 @@ def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(
     assert bits(again) == bits(train_step(jax.tree.map(lambda a: a, first), x, y)[0])
 
 
+@pytest.mark.parametrize("loss_scale", [None, fp8jax.DynamicLossScale(2.0, period=1)])
+def test_train_step_without_the_warm_start_survives_a_history_emptied_again(
+    getkey, monkeypatch, loss_scale
+):
+    """A step whose output gradients are all zero (a fully masked batch) empties a history of
+    one amax: the state keeps its scale, and so does the rescaling for a loss scale that
+    grows (every step here), so that the steps after it, which run without the warm start,
+    train as steps that all keep it do (here they cast the gradients by a scale of 0 and the
+    weights stopped moving)."""
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
+    model = mlp(getkey(), fp8jax.DelayedScaling(history_len=1))
+    x, y = batch(getkey())
+
+    def loss(model, x, y, w):
+        return w * jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    train_step = fp8jax.make_train_step(
+        loss, optax.sgd(1e-1), loss_scale=loss_scale, compiler_options=SAME_BITS
+    )
+    state = ref = train_step.init(model)
+    for w in [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]:
+        state, _ = train_step(state, x, y, jnp.float32(w))
+        # The reference: each step on a copy of the state (the warm start, every step).
+        ref, _ = train_step(jax.tree.map(lambda a: a, ref), x, y, jnp.float32(w))
+    assert bool(fp8jax.scales_recorded(state.model))
+    assert bits(state) == bits(ref)
+
+
 def test_train_step_keeps_the_warm_start_while_a_layer_has_recorded_nothing(getkey, monkeypatch):
     """A delayed-scaling layer the loss never calls keeps an empty state: every step keeps
     the warm start (the program that would skip it is never traced)."""

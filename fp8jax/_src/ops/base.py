@@ -235,7 +235,7 @@ class AbstractFp8Op(OverwriteWithGradient):
             recipe = pairs[i][0].recipe
             if isinstance(recipe, DelayedScaling) and type(kept) is TensorState:
                 scale = recipe.next_scale(kept.scale, kept.amax_history, r)
-                kept = TensorState(scale, kept.amax_history)
+                kept = TensorState(jnp.where(scale > 0.0, scale, old.scale), kept.amax_history)
             merged[i, r] = kept
         for (_, delayed), slots in stacks.items():
             old, new = (
@@ -257,6 +257,9 @@ class AbstractFp8Op(OverwriteWithGradient):
             if delayed:
                 rules = [(pairs[i][0].recipe, r) for i, r in slots]
                 scales = next_scales(kept.scale, kept.amax_history, rules)
+                # A recorded scale outlives a history emptied again (all-zero operands under
+                # a short history): steps without the warm start cast by it.
+                scales = jnp.where(scales > 0.0, scales, old.scale)
             for n, slot in enumerate(slots):
                 # A scale is never negative; clamped after the slice, every state's scale is
                 # an output of one fusion, where a plain slice was a kernel of its own each.

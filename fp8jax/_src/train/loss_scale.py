@@ -375,8 +375,8 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
         history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
         scale = op.recipe.next_scale(state.scale, history, "output_grad")
         # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
-        # not give.
-        scale = jnp.where(keep, state.scale, scale)
+        # not give; so does a history that holds no amax (0: "none yet", for a recorded one).
+        scale = jnp.where(keep | ~(scale > 0.0), state.scale, scale)
         return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
 
     return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
