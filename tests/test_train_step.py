@@ -216,6 +216,40 @@ def test_aux_output_and_metrics(getkey):
     assert float(metrics.loss_scale) == 1.0
 
 
+def test_optimizer_reading_the_loss_gets_it_as_value(getkey):
+    """An optax transformation that reads the loss (optax's extra argument `value`) gets the
+    step's loss, as in the same step written with optax by hand."""
+    mlp = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="delayed"))
+    x, y = data(getkey())
+    # rtol=0.5: any step that does not halve the loss is a plateau; the scale then halves.
+    plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5, rtol=0.5)
+    optimizer = optax.chain(optax.sgd(0.1), plateau)
+    train_step = fp8jax.make_train_step(mse, optimizer)
+    state = train_step.init(model)
+
+    @eqx.filter_jit
+    def by_hand(model, opt_state, x, y):
+        loss, grads = fp8jax.filter_value_and_grad(mse)(model, x, y)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        params = eqx.filter(fp8jax.partition_for_grad_overwrite(model)[1], eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
+        return fp8jax.apply_updates(model, updates, overwrites), opt_state, loss
+
+    opt_state = optimizer.init(
+        eqx.filter(fp8jax.partition_for_grad_overwrite(model)[1], eqx.is_inexact_array)
+    )
+    for _ in range(4):
+        state, metrics = train_step(state, x, y)
+        model, opt_state, loss = by_hand(model, opt_state, x, y)
+        assert float(metrics.loss) == pytest.approx(float(loss), rel=1e-6)
+    assert float(state.opt_state[1].scale) == float(opt_state[1].scale) < 1.0
+    got = jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+    want = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_aux_over_microbatches_is_stacked_numbers_too(getkey):
     """Over microbatches aux is stacked: a Python number among it (a count) becomes an array
     of one per microbatch; a leaf that is no number is named."""

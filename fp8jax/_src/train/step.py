@@ -229,7 +229,10 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     # and its amax shows it even where nothing downstream does (merge would reject it anyway).
     finite = all_finite(grads) & states_finite(overwrites)
     params = _trainable_params(state.model)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+    # The loss as optax's extra argument `value` (reduce_on_plateau, polyak_sgd read it),
+    # which a transformation without extra arguments is not given.
+    optimizer = optax.with_extra_args_support(self.optimizer)
+    updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
     model = policy.cast_to_param(apply_updates(state.model, updates, overwrites))
     if self.skip_nonfinite:
         # Old values are selected bit for bit: weights, optimizer state and FP8 state.
@@ -274,7 +277,8 @@ def make_train_step(
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, *batch) -> loss` (a scalar), or `(loss, aux)` with `has_aux`.
-    - `optimizer`: any optax transformation (FP8 state never reaches it).
+    - `optimizer`: any optax transformation (FP8 state never reaches it); one that takes extra
+      arguments gets the loss as `value` (`optax.contrib.reduce_on_plateau` reads it).
     - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32).
     - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
       [`fp8jax.DynamicLossScale`][] with float16 compute.
