@@ -71,6 +71,46 @@ def test_haliax_stacked_keeps_one_state_per_layer(getkey):
     assert len(set(np.asarray(amaxes).tolist())) == 3
 
 
+def test_haliax_stacked_fp8jax_linear_gets_one_state_per_layer(getkey):
+    """An fp8jax.Linear built with another GEMM inside a Stacked: its weight carries the
+    layer axis already, so its FP8 state is stacked once, and it computes what the same
+    stack of eqx.nn.Linears converted computes."""
+
+    class Block(eqx.Module):
+        lin: eqx.Module
+
+        @staticmethod
+        def init(plain, *, key):
+            lin = eqx.nn.Linear(8, 8, key=key)
+            if plain:
+                return Block(lin)
+            return Block(fp8jax.Linear(lin.weight, lin.bias, dot_general=jax.lax.dot_general))
+
+        def __call__(self, x):
+            return x + jax.vmap(self.lin)(x)
+
+    keys = jax.random.split(getkey(), Layers.size)
+    config = fp8jax.Fp8Config(exclude=None)
+    ours = fp8jax.fp8_linear_layers(hnn.Stacked.init(Layers, Block)(False, key=keys), config)
+    want = fp8jax.fp8_linear_layers(hnn.Stacked.init(Layers, Block)(True, key=keys), config)
+    assert ours.stacked.lin.dot_general.input.amax_history.shape == (3, 1024)
+    x = jax.random.normal(getkey(), (4, 8)) * 3
+
+    def loss(m):
+        return jnp.sum(m.fold(x) ** 2)
+
+    got, grads = fp8jax.filter_value_and_grad(loss)(ours)
+    expected, grads_e = fp8jax.filter_value_and_grad(loss)(want)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(grads.stacked.lin.weight, grads_e.stacked.lin.weight)
+    for a, b in zip(
+        jax.tree.leaves(grads.stacked.lin.dot_general),
+        jax.tree.leaves(grads_e.stacked.lin.dot_general),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 Experts, Token = hax.Axis("experts", 4), hax.Axis("token", 32)
 SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
 

@@ -281,7 +281,7 @@ def fp8_equinox_linear_layers(
             if isinstance(node, eqx.nn.Linear):
                 return _stacked_eqx_linear(node, config, path)
             if isinstance(node, Linear):  # fp8jax's, built with another GEMM
-                lead = batch_shape + node.weight.shape[:-2]
+                lead = node.weight.shape[:-2]  # a stack's axes, a Stacked's among them
                 shape = tuple(node.weight.shape[-2:])
                 recipe = config.recipe_for(path)
                 dot = stacked_dot_general(recipe, lead, shape, ".".join(path), config.telemetry)
