@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import matmul_error_bound
 
@@ -109,6 +110,30 @@ def test_haliax_stacked_fp8jax_linear_gets_one_state_per_layer(getkey):
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_haliax_named_batch_splits_into_microbatches(getkey):
+    """A NamedArray batch is cut along its first named axis, each microbatch a NamedArray of
+    that axis resized: the same loss and gradients as the plain array cut and named in the
+    loss, and make_train_step(microbatches=2) trains on it."""
+    model = fp8jax.fp8_linear_layers(hnn.Linear.init(Embed, Mlp, key=getkey()))
+    Rows = hax.Axis("batch", 8)
+    x = hax.random.normal(getkey(), (Rows, Embed)) * 3
+
+    def loss(m, x):
+        return hax.mean(m(x) ** 2).scalar()
+
+    def plain_loss(m, a):
+        return loss(m, hax.named(a, (Rows.resize(a.shape[0]), Embed)))
+
+    got, grads = fp8jax.accumulate_gradients(loss, 2)(model, x)
+    want, grads_e = fp8jax.accumulate_gradients(plain_loss, 2)(model, x.array)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_e), strict=True):
+        np.testing.assert_array_equal(a, b)
+    step = fp8jax.make_train_step(loss, optax.sgd(0.0), microbatches=2)
+    _, metrics = step(step.init(model), x)
+    np.testing.assert_allclose(metrics.loss, want, rtol=1e-6)
 
 
 Experts, Token = hax.Axis("experts", 4), hax.Axis("token", 32)

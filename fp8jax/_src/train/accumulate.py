@@ -10,6 +10,7 @@ amaxes) is that of one step over the whole batch.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,23 @@ def _split(x: Any, microbatches: int) -> Any:
             f"into {microbatches} equal microbatches."
         )
     return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
+
+
+def _split_batch(batch: Any, microbatches: int) -> Any:
+    """Every array of `batch` cut along its first axis into `microbatches` slices, stacked.
+    A Haliax `NamedArray` (looked up, never imported) is cut along its first named axis: its
+    axes become a slice's, that axis resized, so that each slice is a `NamedArray` again."""
+    haliax = sys.modules.get("haliax")
+    named = () if haliax is None else haliax.NamedArray
+
+    def split(x: Any) -> Any:
+        if not isinstance(x, named):
+            return _split(x, microbatches)
+        array = _split(x.array, microbatches)
+        first = x.axes[0].resize(x.axes[0].size // microbatches)
+        return type(x).tree_unflatten((first, *x.axes[1:]), (array,))
+
+    return jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, named))
 
 
 def _combine(total: Any, new: Any) -> Any:
@@ -93,7 +111,8 @@ def accumulate_gradients(
     - `fun`: `fun(model, *batch) -> loss` (a mean over the batch), or `(loss, aux)` with
       `has_aux`.
     - `microbatches`: how many equal slices to cut every batch argument into along its first
-      axis; they run one after another in a `lax.scan`, so activation memory is that of one.
+      axis (a Haliax `NamedArray`'s first named axis, resized in each slice); they run one
+      after another in a `lax.scan`, so activation memory is that of one.
     - `unroll`: the scan's `unroll` (`lax.scan`'s: an int >= 1, or `True` for all of them).
       XLA does not hoist the weights' quantization out of the scan (seen in H100 compiles):
       each microbatch quantizes every FP8 weight again (the same values). Unrolled, the
@@ -149,7 +168,7 @@ def accumulate_gradients(
                 aux = stackable_aux(value[1], "accumulate_gradients(has_aux=True)")
                 value = (value[0], jax.tree.map(lambda a: a[None], aux))
             return value, grads
-        slices = jax.tree.map(lambda x: _split(x, microbatches), batch)
+        slices = _split_batch(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], slices)
         rest = jax.tree.map(lambda x: x[1:], slices)
         value, grads = value_and_grad(model, *first)
