@@ -498,6 +498,43 @@ def test_weight_decay_never_touches_fp8_state():
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_train_step_gives_the_loss_to_an_optimizer_that_reads_it(has_aux):
+    """An optax transformation that takes the loss as `value` (reduce_on_plateau) gets the
+    step's loss, as in the same step written by hand (it crashed without it)."""
+
+    def loss_fn(model, x, y):
+        loss = mse(model, x, y)
+        return (loss, {"twice": 2 * loss}) if has_aux else loss
+
+    # rtol=0.5: any step that does not halve the loss is a plateau; the scale then halves.
+    tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1, rtol=0.5))
+    model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+    expected = nnx.clone(model)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer_e = nnx.Optimizer(expected, tx, wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(loss_fn, has_aux=has_aux)
+
+    @nnx.jit
+    def by_hand(model, optimizer, x, y):
+        value, grads = fp8jax.nnx_value_and_grad(loss_fn, has_aux=has_aux)(model, x, y)
+        fp8jax.nnx_update_fp8_state(model, grads)
+        optimizer.update(model, grads, value=value[0] if has_aux else value)
+        return value
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    for _ in range(4):
+        got, want = step(model, optimizer, x, y), by_hand(expected, optimizer_e, x, y)
+        np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-6)
+    scale = optimizer.opt_state[1].scale.get_value()
+    assert float(scale) == float(optimizer_e.opt_state[1].scale.get_value()) < 1.0
+    np.testing.assert_allclose(
+        model.fc1.kernel.get_value(), expected.fc1.kernel.get_value(), rtol=1e-5, atol=1e-7
+    )
+
+
 def test_train_step_refuses_an_optimizer_that_tracks_fp8_state():
     model = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Variable)

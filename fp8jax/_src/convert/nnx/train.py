@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import jax
+import optax
 from flax import nnx
 
 from ...core import jax_private
@@ -188,11 +189,12 @@ def nnx_train_step(
     `step(model, optimizer, *args, **kwargs)` differentiates `loss_fn(model, *args,
     **kwargs)` with [`fp8jax.nnx_value_and_grad`][] (with respect to `optimizer.wrt` and the
     FP8 state), writes the new FP8 state into `model` ([`fp8jax.nnx_update_fp8_state`][]),
-    updates the Params with `optimizer.update(model, grads)`, and returns the loss (or
-    `(loss, aux)` with `has_aux=True`). `model` and `optimizer` are updated in place, as
-    NNX does; so are variables of NNX objects among the arguments. Arrays among the
-    arguments are traced, other values are static (a new value recompiles). A model without
-    FP8 layers (a high-precision baseline) trains with it too.
+    updates the Params with `optimizer.update(model, grads)` (with `value=loss` for an
+    optax transformation that takes extra arguments, as `optax.contrib.reduce_on_plateau`
+    does), and returns the loss (or `(loss, aux)` with `has_aux=True`). `model` and
+    `optimizer` are updated in place, as NNX does; so are variables of NNX objects among the
+    arguments. Arrays among the arguments are traced, other values are static (a new value
+    recompiles). A model without FP8 layers (a high-precision baseline) trains with it too.
 
     Delayed scaling's warm start is paid only while it can change anything, as in
     [`fp8jax.TrainStep`][]: from the hundredth step on, once every
@@ -326,7 +328,11 @@ class NnxTrainStep:
             value, grads = grad_fn(model, *args, **kwargs)
             if _fp8_ops(model):  # a model without FP8 layers (a baseline) trains as it is
                 nnx_update_fp8_state(model, grads)
-            optimizer.update(model, grads)
+            # The loss as optax's extra argument `value`, for a transformation that takes
+            # extra arguments (optax.contrib.reduce_on_plateau reads it).
+            extra = isinstance(optimizer.tx, optax.GradientTransformationExtraArgs)
+            loss = value[0] if self.has_aux else value
+            optimizer.update(model, grads, **({"value": loss} if extra else {}))
             said = warm_start.recorded_flag(_fp8_ops(model)) if warm else None
             return value, nnx.state(objects, nnx.Variable, graph=True), said
 
