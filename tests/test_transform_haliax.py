@@ -47,6 +47,32 @@ def test_haliax_linear_gets_fp8_dot_general(getkey):
     np.testing.assert_array_less(np.abs(got.array - want.array), bound)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_haliax_quantized_linear_keeps_its_quantization_and_is_named(getkey, kind):
+    """A Linear that haliax.quantization quantized already keeps its own quantization, named
+    with why in the plan and a warning (its dot_general was replaced, silently); the others
+    are converted."""
+    from haliax import quantization
+
+    block = HBlock.init(key=getkey())
+    up = quantization.quantize_linear_layers(
+        block.up, quantization.QuantizationConfig(**{kind: True})
+    )
+    block = eqx.tree_at(lambda b: b.up, block, up)
+    config = fp8jax.Fp8Config(exclude=None)
+    why = type(up.dot_general).__name__
+    assert fp8jax.conversion_plan(block, config).kept == {
+        "up": f"it is quantized by haliax.quantization already ({why})"
+    }
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"1 Haliax Linear.*: up\. Build"):
+        fp8 = fp8jax.fp8_linear_layers(block, config)
+    assert fp8.up is block.up
+    assert isinstance(fp8.down.dot_general, fp8jax.Fp8DotGeneral)
+    # Excluded by the config anyway: no warning (kept for the config's reason).
+    plan = fp8jax.conversion_plan(block, fp8jax.Fp8Config(exclude="up"))
+    assert "haliax.quantization" not in plan.kept["up"]
+
+
 def test_haliax_stacked_keeps_one_state_per_layer(getkey):
     stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
     fp8 = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(targets=["up", "down"]))

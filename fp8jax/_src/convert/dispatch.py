@@ -68,6 +68,7 @@ def fp8_linear_layers(
       becomes a [`fp8jax.Linear`][] with the same weight and bias.
     - `haliax.nn.Linear` gets a [`fp8jax.Fp8DotGeneral`][] as its `dot_general`; inside a
       `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
+      One quantized by `haliax.quantization` already keeps that quantization (with a warning).
     - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
       be applied in a `lax.scan`) get FP8 state stacked the same way.
     - The experts of a mixture of experts, [`fp8jax.GroupedLinear`][], get an

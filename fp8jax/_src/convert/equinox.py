@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -20,7 +21,14 @@ from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from .config import Fp8Config, stacked_dot_general
-from .plan import ConversionPlan, Converted, announce, decide, keep_in_high_precision
+from .plan import (
+    ConversionPlan,
+    Converted,
+    Fp8ConversionWarning,
+    announce,
+    decide,
+    keep_in_high_precision,
+)
 from .roles import Dataflow, ModelShapes, dataflow, owner_of
 
 T = TypeVar("T")
@@ -77,6 +85,20 @@ def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[st
         return
     for key, child in _children(node):
         yield from _walk(child, path + (_key_name(key),), hnn)
+
+
+def _haliax_quantized(linears: list[tuple[tuple[str, ...], Any]], hnn: Any) -> dict[Any, str]:
+    """The Haliax Linears quantized by `haliax.quantization` already (its int8 or FP8
+    `dot_general`), with why each keeps it: replaced, the user's quantization would be lost."""
+    found = {}
+    for path, node in linears:
+        op = getattr(node, "dot_general", None)
+        module = type(op).__module__
+        if hnn is None or not isinstance(node, hnn.Linear) or not module.startswith("haliax."):
+            continue
+        if type(op).__name__ != "DefaultDotGeneralOp":
+            found[path] = f"it is quantized by haliax.quantization already ({type(op).__name__})"
+    return found
 
 
 def _converted(linears: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Converted]:
@@ -252,6 +274,7 @@ def equinox_plan(
         converted=_converted(linears),
     )
     kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
+    kept.update(_haliax_quantized(linears, hnn))
     for p, n in linears:
         dtype = getattr(getattr(n, "weight", None), "dtype", None)
         if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
@@ -272,6 +295,17 @@ def fp8_equinox_linear_layers(
     hnn = _haliax_nn()
     plan, chosen = equinox_plan(tree, config, example)
     announce(plan, explain, "Equinox" if hnn is None else "Equinox/Haliax")
+    linears = [(p, n) for p, n in _walk(tree, (), hnn) if _kind(n, hnn) == "linear"]
+    quantized = _haliax_quantized(linears, hnn)
+    kept = [".".join(p) for p, why in quantized.items() if plan.kept.get(".".join(p)) == why]
+    if kept:
+        warnings.warn(
+            f"fp8_linear_layers: {len(kept)} Haliax Linear(s) quantized by haliax.quantization "
+            f"already keep that quantization, not FP8: {', '.join(kept)}. Build them "
+            "without haliax.quantization.quantize_linear_layers for fp8jax's FP8.",
+            Fp8ConversionWarning,
+            stacklevel=3,
+        )
 
     def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
         kind = _kind(node, hnn)
