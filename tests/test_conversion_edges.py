@@ -166,3 +166,18 @@ def test_a_model_that_is_one_linear_is_named_root_in_errors():
     assert "(root)" in str(fp8jax.conversion_plan(linear))
     with pytest.raises(ValueError, match=r"matches no Linear layer. Linear layers: '\(root\)'\."):
         fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(targets=["fc"]))
+
+
+def test_a_stack_of_linears_called_on_the_whole_stack_names_the_fix():
+    """A stack of Linears (built under eqx.filter_vmap) holds one FP8 state per layer; called
+    on the whole stack instead of one layer at a time, it says so (it raised a concatenate
+    error naming neither), and under vmap it runs each layer as that layer alone does."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    stack = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys))
+    x = jax.random.normal(jax.random.key(1), (3, D))
+    with pytest.raises(ValueError, match=r"stack of \(3,\) states .* under jax.vmap or lax.scan"):
+        stack(x[0])
+    got = eqx.filter_vmap(lambda layer, x: layer(x))(stack, x)
+    for i in range(3):
+        one = fp8jax.fp8_linear_layers(eqx.nn.Linear(D, D, key=keys[i]))
+        np.testing.assert_array_equal(got[i], one(x[i]))

@@ -98,6 +98,40 @@ def test_haliax_stacked_keeps_one_state_per_layer(getkey):
     assert len(set(np.asarray(amaxes).tolist())) == 3
 
 
+def test_haliax_linear_built_under_vmap_gets_one_state_per_layer(getkey):
+    """A Linear built under hax.vmap (a layer axis outside any Stacked) gets one FP8 state
+    per layer, as a Stacked's does, and trains under hax.vmap: each layer computes, and
+    records, what that layer converted alone does (it got one scalar state and crashed)."""
+    keys = jax.random.split(getkey(), Layers.size)
+    lin = hax.vmap(hnn.Linear.init, Layers)(Embed, Mlp, key=keys)
+    fp8 = fp8jax.fp8_linear_layers(lin)
+    assert fp8.dot_general.input.amax_history.shape == (Layers.size, 1024)
+    x = hax.random.normal(getkey(), (Layers, Batch, Embed)) * hax.arange(Layers).broadcast_axis(
+        (Batch, Embed)
+    )
+
+    def loss(m, x):
+        return hax.sum(hax.vmap(lambda layer, x: layer(x), Layers)(m, x) ** 2).scalar()
+
+    got, grads = fp8jax.filter_value_and_grad(loss)(fp8, x)
+    want = 0.0
+    for i in range(Layers.size):
+        one = fp8jax.fp8_linear_layers(hnn.Linear.init(Embed, Mlp, key=keys[i]))
+
+        def loss_i(m, xi):
+            return hax.sum(m(xi) ** 2).scalar()
+
+        value, grads_i = fp8jax.filter_value_and_grad(loss_i)(one, x[Layers, i])
+        want += value
+        for a, b in zip(
+            jax.tree.leaves(grads.dot_general), jax.tree.leaves(grads_i.dot_general), strict=True
+        ):
+            np.testing.assert_array_equal(a[i], b)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"a stack of \(3,\) states .* one member at a time"):
+        fp8(x)
+
+
 def test_haliax_stacked_fp8jax_linear_gets_one_state_per_layer(getkey):
     """An fp8jax.Linear built with another GEMM inside a Stacked: its weight carries the
     layer axis already, so its FP8 state is stacked once, and it computes what the same

@@ -67,10 +67,13 @@ def fp8_linear_layers(
     - `eqx.nn.Linear` (including those inside `eqx.nn.MLP` and `eqx.nn.MultiheadAttention`)
       becomes a [`fp8jax.Linear`][] with the same weight and bias.
     - `haliax.nn.Linear` gets a [`fp8jax.Fp8DotGeneral`][] as its `dot_general`; inside a
-      `haliax.nn.Stacked`, the FP8 state is stacked along the layer axis (one per layer).
+      `haliax.nn.Stacked`, or built under `hax.vmap` (weight axes beyond `In` and `Out`),
+      the FP8 state is stacked along the layer axis (one per layer).
       One quantized by `haliax.quantization` already keeps that quantization (with a warning).
     - Stacked `eqx.nn.Linear`s (weights `(*layers, out, in)`, built with `eqx.filter_vmap` to
-      be applied in a `lax.scan`) get FP8 state stacked the same way.
+      be applied in a `lax.scan`) get FP8 state stacked the same way. A stack is called one
+      layer at a time (under a `vmap` or `scan` over its axis); a call on the whole stack
+      raises, naming that.
     - The experts of a mixture of experts, [`fp8jax.GroupedLinear`][], get an
       [`fp8jax.Fp8RaggedDot`][] (per-expert kernel state) as their `ragged_dot`; they are
       targeted, excluded and given recipes by name like Linears. Routers are Linears, kept

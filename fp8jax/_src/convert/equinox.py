@@ -129,6 +129,18 @@ def _kernel_shape(linear: Any) -> tuple[int, int]:
     return (size(linear.Out), size(linear.In))
 
 
+def _stack_shape(linear: Any) -> tuple[int, ...]:
+    """The sizes of a Linear's weight axes that are not its matrix's: a stack of layers
+    (a Haliax `Stacked`'s, or built under a vmap), in the weight's order, outermost first."""
+    if isinstance(linear, eqx.nn.Linear | Linear):
+        return tuple(linear.weight.shape[:-2])
+    specs = [linear.In, linear.Out]
+    names = {
+        a.name for spec in specs for a in (spec if isinstance(spec, tuple | list) else (spec,))
+    }
+    return tuple(a.size for a in linear.weight.axes if a.name not in names)
+
+
 def _stacked_eqx_linear(linear: eqx.nn.Linear, config: Fp8Config, path: tuple[str, ...]) -> Linear:
     """`Linear.from_eqx(linear)`, also for a stack of Linears (the Equinox pattern for scanned
     layers: built under `eqx.filter_vmap`, weights `(*layers, out, in)`), with FP8 state
@@ -253,8 +265,7 @@ def equinox_plan(
     widths = {
         p: (
             None if p in tied else _out_width(n, "linear"),
-            "stacked" in p
-            or (isinstance(n, eqx.nn.Linear) and p not in tied and n.weight.ndim > 2),
+            "stacked" in p or (p not in tied and bool(_stack_shape(n))),
         )
         for p, n in linears
         if kinds[p] == "linear"  # experts are never heads or routers
@@ -320,9 +331,10 @@ def fp8_equinox_linear_layers(
                 recipe = config.recipe_for(path)
                 dot = stacked_dot_general(recipe, lead, shape, ".".join(path), config.telemetry)
                 return eqx.tree_at(lambda m: m.dot_general, node, dot)
+            # One state per layer of a stack (a Stacked's, or a vmap's): the weight's other axes.
             dot = stacked_dot_general(
                 config.recipe_for(path),
-                batch_shape,
+                _stack_shape(node),
                 _kernel_shape(node),
                 ".".join(path),
                 config.telemetry,

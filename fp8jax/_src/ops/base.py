@@ -133,6 +133,22 @@ def check_float32_state(op: AbstractFp8Op) -> None:
                     )
 
 
+def check_one_state(op: AbstractFp8Op) -> None:
+    """Raise `ValueError` if `op` holds a stack of states (one per layer of a `Stacked`, a
+    vmapped or scanned stack) and is called on the whole stack: every recipe's input scale
+    is a scalar, and a call maps the stack's axis away."""
+    lead = jnp.shape(op.input.scale)
+    if lead:
+        named = f" {op.name!r}" if op.name else ""
+        raise ValueError(
+            f"{op._where}{named}: its FP8 state is a stack of {lead} states (one per layer "
+            "of a stack: a haliax Stacked, or layers built under a vmap) and it was called "
+            "on the whole stack. Call the layer one member at a time: under jax.vmap or "
+            "lax.scan over the stack's axis (hax.vmap, hax.fold or Stacked for Haliax), or "
+            "take one layer of the stack first."
+        )
+
+
 class AbstractFp8Op(OverwriteWithGradient):
     """A high-precision GEMM op computed in FP8, with the scaling state of its three operands.
 
@@ -184,6 +200,7 @@ class AbstractFp8Op(OverwriteWithGradient):
 
     def _states(self) -> States:
         check_float32_state(self)
+        check_one_state(self)
         return States(self.input, self.kernel, self.output_grad, self.stats)
 
     def _name_scope(self) -> Any:
