@@ -73,6 +73,47 @@ def test_haliax_quantized_linear_keeps_its_quantization_and_is_named(getkey, kin
     assert "haliax.quantization" not in plan.kept["up"]
 
 
+def test_haliax_fp8_layer_kept_trains_as_haliax_trains_it(getkey):
+    """A Linear Haliax quantized to FP8 itself, kept by the conversion, trains in
+    make_train_step as in Haliax's own loop (its partition_for_grad_overwrite and
+    apply_updates): its state is overwritten by its gradient, never given to the optimizer
+    (Adam moved it as a parameter: a negative amax, and the loss collapsed)."""
+    from haliax import quantization
+
+    lin = hnn.Linear.init(Embed, Mlp, key=getkey())
+    lin = quantization.quantize_linear_layers(lin, quantization.QuantizationConfig(fp8=True))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match="haliax.quantization"):
+        model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(exclude=None))
+    assert model is lin
+    x = hax.random.normal(getkey(), (Batch, Embed)) * 3
+
+    def loss(m, x):
+        return hax.mean(m(x) ** 2).scalar()
+
+    tx = optax.adam(1e-2)
+    step = fp8jax.make_train_step(loss, tx, compiler_options={})
+    state = step.init(model)
+
+    def trainable(m):
+        return eqx.filter(quantization.partition_for_grad_overwrite(m)[1], eqx.is_inexact_array)
+
+    @eqx.filter_jit
+    def haliax_step(m, opt_state, x):
+        value, grads = eqx.filter_value_and_grad(loss)(m, x)
+        overwrites, grads = quantization.partition_for_grad_overwrite(grads)
+        updates, opt_state = tx.update(grads, opt_state, trainable(m))
+        return quantization.apply_updates(m, updates, overwrites), opt_state, value
+
+    m, opt_state = model, tx.init(trainable(model))
+    for _ in range(3):
+        state, metrics = step(state, x)
+        m, opt_state, value = haliax_step(m, opt_state, x)
+        np.testing.assert_allclose(metrics.loss, value, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.model), jax.tree.leaves(m), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert float(state.model.dot_general.input_amax_history[0]) > 0
+
+
 def test_haliax_stacked_keeps_one_state_per_layer(getkey):
     stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
     fp8 = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(targets=["up", "down"]))

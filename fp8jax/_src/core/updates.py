@@ -14,6 +14,7 @@ model = fp8jax.apply_updates(model, updates, overwrites)
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -50,14 +51,25 @@ class OverwriteWithGradient(eqx.Module):
         return [old.merge(new) for old, new in pairs]
 
 
+def _foreign_markers() -> tuple[type, ...]:
+    """Other libraries' markers of state that the gradient overwrites: Haliax's (its own FP8
+    and int8 `dot_general`s, which a model converted by fp8jax keeps), looked up, never
+    imported."""
+    quantization = sys.modules.get("haliax.quantization")
+    marker = getattr(quantization, "OverwriteWithGradient", None)
+    return (marker,) if isinstance(marker, type) else ()
+
+
 def is_overwrite(x: Any) -> bool:
-    """Whether `x` is FP8 state that the gradient overwrites (a pytree `is_leaf` test)."""
-    return isinstance(x, OverwriteWithGradient)
+    """Whether `x` is FP8 state that the gradient overwrites (a pytree `is_leaf` test):
+    fp8jax's, or Haliax's own (`haliax.quantization.OverwriteWithGradient`)."""
+    return isinstance(x, (OverwriteWithGradient, *_foreign_markers()))
 
 
 def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     """Split `tree` into `(overwrites, rest)`: the [`fp8jax.OverwriteWithGradient`][]
-    modules, and everything else, each with `None` where the other has a value.
+    modules (and Haliax's own, of a layer quantized by `haliax.quantization`), and
+    everything else, each with `None` where the other has a value.
 
     Apply it to the gradients (to keep FP8 state away from the optimizer) and to the model (to
     initialise the optimizer on the trainable part only, which optax >= 0.2.7 requires).
@@ -136,6 +148,8 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
     def update(leaf: Any, upd: Any, over: Any) -> Any:
         if isinstance(leaf, OverwriteWithGradient):
             return leaf if over is None else next(merged[type(leaf)])
+        if is_overwrite(leaf):  # Haliax's: the received value, as Haliax's apply_updates
+            return leaf if over is None else over
         if over is not None:
             raise ValueError(
                 f"overwrites has a value where the model has {type(leaf).__name__}, not an "

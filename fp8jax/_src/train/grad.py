@@ -23,7 +23,7 @@ import equinox as eqx
 import jax
 
 from ..core import jax_private
-from ..core.updates import is_overwrite
+from ..core.updates import OverwriteWithGradient, is_overwrite
 from ..gemm.batching import per_example_gradients
 from ..ops.base import AbstractFp8Op, check_float32_state
 
@@ -40,7 +40,9 @@ def combine_by_max(tree: T) -> T:
     """
 
     def convert(node: Any) -> Any:
-        if not is_overwrite(node):
+        # fp8jax's state; Haliax's own (a layer quantized by Haliax) keeps its float32, as
+        # its custom gradients expect.
+        if not isinstance(node, OverwriteWithGradient):
             return node
         if isinstance(node, AbstractFp8Op):
             check_float32_state(node)  # before the view would widen a cast state unseen
