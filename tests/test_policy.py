@@ -48,6 +48,13 @@ def test_dtype_aliases(name, dtype):
     assert isinstance(policy.compute_dtype, np.dtype)
 
 
+@pytest.mark.parametrize("name", ["Float64", "FLOAT64", "Float32", "BFloat16", " FLOAT16 "])
+def test_dtype_names_ignore_letter_case(name):
+    """The docstring's promise: letter case is ignored in dtypes too, not only in aliases."""
+    policy = Policy.from_string(f"compute={name}")
+    assert policy.compute_dtype == np.dtype(jnp.dtype(name.strip().lower()))
+
+
 def test_defaults():
     assert Policy() == Policy(param_dtype=F32, compute_dtype=F32, output_dtype=F32)
     # compute and output default to the param dtype; the param dtype to float32.

@@ -230,7 +230,16 @@ def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
         try:
             dtype = np.dtype(value.strip() if isinstance(value, str) else value)
         except TypeError:
-            raise ValueError(f"{what}={value!r} is not a dtype; use {ACCEPTED_DTYPES}.") from None
+            dtype = None
+    if dtype is None and isinstance(value, str):
+        # Names in any letter case ("Float64"), as the aliases are; NumPy's own spelling is
+        # tried first, so that its one-letter codes keep their meaning.
+        try:
+            dtype = np.dtype(value.strip().lower())
+        except TypeError:
+            pass
+    if dtype is None:
+        raise ValueError(f"{what}={value!r} is not a dtype; use {ACCEPTED_DTYPES}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
         raise ValueError(f"{what}={given}, not a floating-point dtype; use {ACCEPTED_DTYPES}.")
