@@ -318,7 +318,9 @@ def fp8_autocast(
       long (tiny GEMMs gain nothing from FP8; a `ragged_dot`'s rows: all its groups').
 
     What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
-    (their own rules would not match), GEMMs of integer or FP8 operands.
+    (their own rules would not match), GEMMs of integer or FP8 operands. Autocast the loss
+    and differentiate the result: a function that differentiates inside (a whole train
+    step) has its backward GEMMs traced as forward ones, cast to E4M3 like them, not E5M2.
 
     Warns (`fp8jax.Fp8ConversionWarning`) when `scopes` or `exclude` matches none of the
     GEMMs' scopes, and when it converts no GEMM of the call at all (each reason counted:
