@@ -447,3 +447,62 @@ def test_a_numpy_subclass_leaf_in_like_restores(tmp_path):
     restored = fp8jax.load_checkpoint(path, like)
     assert float(restored["scale"]) == 4.0 and type(restored["scale"]) is np.ndarray
     np.testing.assert_array_equal(restored["h"], [0.0, 1.0, 2.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prng_keys_save_and_resume(backend, tmp_path):
+    """Typed PRNG keys (`jax.random.key`, as a train state keeps for dropout; an NNX model's
+    `nnx.Dropout(rngs=...)` holds one) are saved and restored as keys of their
+    implementation, into a concrete or an abstract `like`, and an NNX model with dropout
+    resumes as the uninterrupted run does. They made both functions raise `Cannot interpret
+    'key<fry>' as a data type`."""
+    nnx = pytest.importorskip("flax.nnx")
+    path = tmp_path / ("keys" if backend == "orbax" else "keys.eqx")
+    saved = {"rng": jax.random.split(jax.random.key(3), 2), "w": jnp.arange(3.0)}
+    saved["rbg"] = jax.random.key(4, impl="rbg")
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    like = {"rng": jax.random.split(jax.random.key(0), 2), "w": jnp.zeros(3)}
+    like["rbg"] = jax.random.key(0, impl="rbg")
+    for target in (like, jax.eval_shape(lambda: like)):
+        restored = fp8jax.load_checkpoint(path, target, backend=backend)
+        for name in ("rng", "rbg"):
+            assert jax.random.key_impl(restored[name]) == jax.random.key_impl(saved[name])
+            np.testing.assert_array_equal(
+                jax.random.key_data(restored[name]), jax.random.key_data(saved[name])
+            )
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(8, 32, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.fc2 = nnx.Linear(32, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(self.drop(jax.nn.gelu(self.fc1(x))))
+
+    def pair(seed):
+        config = fp8jax.Fp8Config(exclude=None, keep=())
+        model = fp8jax.fp8_linear_layers(Net(nnx.Rngs(seed)), config)
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+
+    def go(model, optimizer, start, stop):
+        for i in range(start, stop):
+            step(model, optimizer, *batch(i))
+        return model
+
+    def values(model):
+        leaves = jax.tree.leaves(nnx.state(model))
+        is_key = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
+        assert any(is_key)  # the dropout's key
+        data = [jax.random.key_data(a) if k else a for a, k in zip(leaves, is_key, strict=True)]
+        return [np.asarray(a).tobytes() for a in data]
+
+    model, optimizer = pair(0)
+    go(model, optimizer, 0, 2)
+    fp8jax.save_checkpoint(path, (model, optimizer), backend=backend)
+    restored, restored_optimizer = fp8jax.load_checkpoint(path, pair(1), backend=backend)
+    assert values(restored) == values(model)
+    want = values(go(model, optimizer, 2, 4))
+    assert values(go(restored, restored_optimizer, 2, 4)) == want
