@@ -202,6 +202,48 @@ def test_nonfinite_steps_are_skipped_with_nothing_changed(where, value, getkey):
     assert bits(after.model) != bits(new.model)
 
 
+@pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
+def test_a_skipped_step_counts_its_rejected_fp8_updates(value, getkey):
+    """A step skipped because an FP8 operand held an inf or NaN keeps everything as it was
+    but telemetry's counts of rejected updates, which count it as the layers' own merge does
+    (the explicit step, which skips nothing). The skip reverted them too: the report's
+    "non-finite steps" stayed 0 under make_train_step."""
+    mlp = eqx.nn.MLP(8, 1, 32, 2, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(telemetry=True))
+    x, y = data(getkey())
+    bad_x = x.at[3, 1].set(value)
+    optimizer = optax.sgd(1e-2)
+    train_step = fp8jax.make_train_step(mse, optimizer)
+    explicit = eqx.filter_jit(make_train_step(mse, optimizer))
+    state, _ = train_step(train_step.init(model), x, y)
+
+    def counts(model):
+        return {
+            (name, role): np.asarray(getattr(layer, role).rejected)
+            for name, layer in fp8jax.telemetry(model).items()
+            for role in ("input", "kernel", "output_grad")
+        }
+
+    def rest(model):  # every leaf but the counts, as raw bytes
+        leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+        return [
+            np.asarray(a).tobytes()
+            for path, a in leaves
+            if not jax.tree_util.keystr(path).endswith(".rejected")
+        ]
+
+    for n in (1, 2):
+        reference = explicit(state.model, state.opt_state, bad_x, y)[0]
+        new, metrics = train_step(state, bad_x, y)
+        assert not bool(metrics.grads_finite)
+        got, want = counts(new.model), counts(reference)
+        assert want[("layers.0", "input")] == n  # the faulty operand, counted each time
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=str(key))
+        assert rest(new.model) == rest(state.model)
+        state = new
+
+
 def test_aux_output_and_metrics(getkey):
     model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
     x, y = data(getkey())

@@ -32,6 +32,8 @@ from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from ..ops import warm_start
+from ..ops.base import AbstractFp8Op
+from ..recipes import ROLES
 from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
 from .loss_scale import (
@@ -235,8 +237,11 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
     model = policy.cast_to_param(apply_updates(state.model, updates, overwrites))
     if self.skip_nonfinite:
-        # Old values are selected bit for bit: weights, optimizer state and FP8 state.
+        # Old values are selected bit for bit: weights, optimizer state and FP8 state; but
+        # telemetry's counts of rejected FP8 updates count the skipped step too.
+        stepped = model
         model, opt_state = select_tree(finite, (model, opt_state), (state.model, state.opt_state))
+        model = _with_rejected_counts(model, stepped)
     new_scale = scale.adjust(finite)
     if new_scale is not scale:
         # Delayed scaling's gradient histories follow the scale (a growth would saturate the
@@ -245,6 +250,25 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         model = rescale_gradient_states(model, new_scale.loss_scale / scale.loss_scale)
     new_state = TrainState(model, opt_state, new_scale, state.step + 1)
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
+
+
+def _with_rejected_counts(model: Any, stepped: Any) -> Any:
+    """`model` with each FP8 layer's telemetry count of rejected updates
+    (`stats.<role>.rejected`) taken from `stepped`, the step's own model: a step skipped
+    because an operand held an inf or NaN counts it, as the layer's merge did."""
+
+    def is_op(x: Any) -> bool:
+        return isinstance(x, AbstractFp8Op)
+
+    def counts(op: Any) -> list[Any]:
+        return [getattr(op.stats, role).rejected for role in ROLES]
+
+    def take(kept: Any, new: Any) -> Any:
+        if not is_op(kept) or kept.stats is None:
+            return kept
+        return eqx.tree_at(counts, kept, counts(new))
+
+    return jax.tree.map(take, model, stepped, is_leaf=is_op)
 
 
 def make_train_step(
@@ -269,8 +293,9 @@ def make_train_step(
     adjusts the loss scale, rescaling delayed scaling's output-gradient histories when it
     changes ([`fp8jax.rescale_gradient_states`][]). A step with non-finite gradients, or a
     non-finite new FP8 state (an inf or NaN in an FP8 layer's operand, passed on as NaN by
-    the saturating cast), changes nothing but the loss scale (and those histories with it) and
-    the step count. No host sync, but one wait after
+    the saturating cast), changes nothing but the loss scale (and those histories with it),
+    the step count and telemetry's counts of rejected FP8 updates
+    (`stats.<role>.rejected`). No host sync, but one wait after
     the hundredth step, where delayed scaling's warm start is dropped once every scale is
     recorded ([`fp8jax.TrainStep`][]).
 
