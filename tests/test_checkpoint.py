@@ -506,3 +506,19 @@ def test_prng_keys_save_and_resume(backend, tmp_path):
     assert values(restored) == values(model)
     want = values(go(model, optimizer, 2, 4))
     assert values(go(restored, restored_optimizer, 2, 4)) == want
+
+
+@needs_orbax
+def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
+    """A save stopped while it removed the checkpoint it replaced (a preempted job) leaves
+    `<path>.old` behind, beside the complete new checkpoint; the next save replaces it. It
+    failed with `OSError: Directory not empty`, and so did every save after it."""
+    path = tmp_path / "ckpt"
+    first, second = {"w": jnp.arange(4.0)}, {"w": jnp.arange(4.0) + 10}
+    fp8jax.save_checkpoint(tmp_path / "stale", first, backend="orbax")
+    fp8jax.save_checkpoint(path, first, backend="orbax")
+    (tmp_path / "stale").rename(tmp_path / "ckpt.old")  # the one a save was removing
+    fp8jax.save_checkpoint(path, second, backend="orbax")
+    restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)}, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], second["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -471,6 +471,8 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
         # rename; the previous one is removed only after the new one is in place.
         old = path.with_name(path.name + ".old")
         if path.exists():
+            if old.exists():  # left by a save stopped while removing it: stale
+                shutil.rmtree(old)
             os.replace(path, old)
         os.replace(tmp, path)
         if old.exists():
