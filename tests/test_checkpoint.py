@@ -522,3 +522,25 @@ def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)}, backend="orbax")
     np.testing.assert_array_equal(restored["w"], second["w"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_mxfp8_s_scaled_matmul_choice_is_not_part_of_the_checkpoint(tmp_path):
+    """MXFP8's `use_scaled_matmul` chooses only how its forward GEMM runs (JAX's
+    `scaled_matmul` on a GPU that has it, or the emulation): a CPU run resumes on such a
+    GPU, as across `native_kernel`. It was refused as a recipe difference. What the state
+    depends on (`scale_rounding`) still is, naming only that option."""
+    step, state = build(jax.random.key(0), fp8jax.Fp8Config(recipe=fp8jax.MXFP8()))
+    state = run(step, state, 0, 1)
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, state)
+    for choice in (True, False):
+        config = fp8jax.Fp8Config(recipe=fp8jax.MXFP8(use_scaled_matmul=choice))
+        _, other = build(jax.random.key(1), config)
+        assert bits(fp8jax.load_checkpoint(path, other)) == bits(state)
+    floor = fp8jax.MXFP8(use_scaled_matmul=True, scale_rounding="floor")
+    _, wrong = build(jax.random.key(1), fp8jax.Fp8Config(recipe=floor))
+    with pytest.raises(ValueError) as info:
+        fp8jax.load_checkpoint(path, wrong)
+    assert "FP8 layer 'layers.0': recipe MXFP8: scale_rounding 'ceil' != 'floor'\n" in str(
+        info.value
+    )

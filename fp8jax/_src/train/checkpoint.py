@@ -144,7 +144,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences; recipe options that
     choose only how a GEMM runs, such as `native_kernel`, `dequantized_dot`, `chunks_per_dot`,
-    `weight_gather`, `backward_precision`, `axis_names` and `warm_start`, may differ: resume a
+    `weight_gather`, `backward_precision`, `axis_names`, `use_scaled_matmul` and
+    `warm_start`, may differ: resume a
     CPU run on a GPU, or a run on another mesh); `ValueError` for a
     file that is not a checkpoint, or is truncated or corrupt (data missing or left over).
     """

@@ -16,7 +16,8 @@ import numpy as np
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 
-#: Recipe options that choose how a GEMM runs (its kernel, its emulation, its partial sums,
+#: Recipe options that choose how a GEMM runs (its kernel, MXFP8's `jax.nn.scaled_matmul`,
+#: its emulation, its partial sums,
 #: its weight's gather, the precision of its backward, the mesh axes its amaxes reduce
 #: over), not what the state holds, or that act only while an amax history is empty (a
 #: restored history decides the scale): a checkpoint restores across them (and across
@@ -30,6 +31,7 @@ IMPLEMENTATION_ONLY = frozenset(
         "weight_gather",
         "backward_precision",
         "axis_names",
+        "use_scaled_matmul",
     }
 )
 
