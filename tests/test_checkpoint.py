@@ -544,3 +544,23 @@ def test_mxfp8_s_scaled_matmul_choice_is_not_part_of_the_checkpoint(tmp_path):
     assert "FP8 layer 'layers.0': recipe MXFP8: scale_rounding 'ceil' != 'floor'\n" in str(
         info.value
     )
+
+
+@pytest.mark.parametrize("margin", [0, np.float64(0.0)], ids=["int", "numpy"])
+def test_a_recipe_field_written_as_an_int_or_a_float_is_one_recipe(margin, tmp_path):
+    """`DelayedScaling(margin=0)` is the recipe `DelayedScaling()` (`margin=0.0`): equal
+    recipes, though their reprs differ, restore into each other; another margin is refused."""
+    as_int = fp8jax.DelayedScaling(history_len=4, margin=margin)
+    as_float = fp8jax.DelayedScaling(history_len=4, margin=0.0)
+    assert as_int == as_float and repr(as_int) != repr(as_float)
+    step, state = build(jax.random.key(0), fp8jax.Fp8Config(recipe=as_int, telemetry=True))
+    state = run(step, state, 0, 2)
+    fp8jax.save_checkpoint(tmp_path / "ckpt", state)
+    _, like = build(jax.random.key(1), fp8jax.Fp8Config(recipe=as_float, telemetry=True))
+    assert bits(fp8jax.load_checkpoint(tmp_path / "ckpt", like)) == bits(state)
+    other = fp8jax.Fp8Config(
+        recipe=fp8jax.DelayedScaling(history_len=4, margin=1.0), telemetry=True
+    )
+    _, wrong = build(jax.random.key(1), other)
+    with pytest.raises(ValueError, match=r"margin .*0.*\)? != 1.0"):
+        fp8jax.load_checkpoint(tmp_path / "ckpt", wrong)

@@ -4,6 +4,7 @@ leaf's path, shape and dtype), and how a record is compared with the state to re
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -96,6 +97,24 @@ def _recipe_fields(text: str) -> tuple[str, dict[str, str]] | None:
     return match.group(1), fields
 
 
+def _same_value(saved: str | None, expected: str | None) -> bool:
+    """Whether two field values, as a recipe's repr writes them, are equal: as Python
+    literals where both read as such (`margin=0`, `margin=0.0` and `margin=np.float64(0.0)`
+    are one recipe), else as written."""
+    if saved == expected:
+        return True
+
+    def literal(text: str | None) -> Any:
+        if text is not None:  # a NumPy scalar's repr, `np.float64(0.0)`: its value
+            text = re.sub(r"^np\.\w+\((.*)\)$", r"\1", text)
+        return ast.literal_eval(text)
+
+    try:
+        return literal(saved) == literal(expected)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
 def _recipe_difference(saved: str, expected: str) -> str | None:
     """How the recipe a checkpoint recorded differs from the target's in what the state
     holds (`IMPLEMENTATION_ONLY` options aside), or `None` if it does not."""
@@ -105,7 +124,7 @@ def _recipe_difference(saved: str, expected: str) -> str | None:
     differ = [
         f"{field} {s[1].get(field, '(unset)')} != {e[1].get(field, '(unset)')}"
         for field in dict.fromkeys([*s[1], *e[1]])
-        if field not in IMPLEMENTATION_ONLY and s[1].get(field) != e[1].get(field)
+        if field not in IMPLEMENTATION_ONLY and not _same_value(s[1].get(field), e[1].get(field))
     ]
     return f"recipe {s[0]}: " + ", ".join(differ) if differ else None
 
