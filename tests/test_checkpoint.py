@@ -35,6 +35,45 @@ def batch(i):
     return x, jnp.stack([jnp.sin(x[:, 0]), x[:, 1] ** 2], axis=1)
 
 
+def nnx_training(dropout: bool, telemetry: bool):
+    """An NNX model in FP8 (a dropout between its Linears, telemetry, when asked) to train
+    and resume: `pair(seed)` builds a model and its optimizer, `go(model, optimizer, start,
+    stop)` trains on batches `start..stop`, `values(model)` reads its state as bytes (a
+    PRNG key as its data)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(8, 32, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs) if dropout else None
+            self.fc2 = nnx.Linear(32, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = jax.nn.gelu(self.fc1(x))
+            return self.fc2(h if self.drop is None else self.drop(h))
+
+    def pair(seed):
+        config = fp8jax.Fp8Config(exclude=None, keep=(), telemetry=telemetry)
+        model = fp8jax.fp8_linear_layers(Net(nnx.Rngs(seed)), config)
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+
+    def go(model, optimizer, start, stop):
+        for i in range(start, stop):
+            step(model, optimizer, *batch(i))
+        return model
+
+    def values(model):
+        leaves = jax.tree.leaves(nnx.state(model))
+        is_key = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
+        assert any(is_key) == dropout  # the dropout's key
+        data = [jax.random.key_data(a) if k else a for a, k in zip(leaves, is_key, strict=True)]
+        return [np.asarray(a).tobytes() for a in data]
+
+    return pair, go, values
+
+
 def run(step, state, start, stop):
     for i in range(start, stop):
         state, _ = step(state, *batch(i))
@@ -372,31 +411,7 @@ def test_an_nnx_model_and_optimizer_round_trip_and_resume(backend, tmp_path):
     """A Flax NNX model (its FP8 state in `Fp8State` variables, whose leaves' paths end in
     `.value`) and its optimizer restore into a fresh pair, which resumes as the original
     does; the fresh pair given as `like` is left as it was."""
-    nnx = pytest.importorskip("flax.nnx")
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.fc1 = nnx.Linear(8, 32, rngs=rngs)
-            self.fc2 = nnx.Linear(32, 2, rngs=rngs)
-
-        def __call__(self, x):
-            return self.fc2(jax.nn.gelu(self.fc1(x)))
-
-    def pair(seed):
-        config = fp8jax.Fp8Config(exclude=None, keep=(), telemetry=True)
-        model = fp8jax.fp8_linear_layers(Net(nnx.Rngs(seed)), config)
-        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-
-    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
-
-    def go(model, optimizer, start, stop):
-        for i in range(start, stop):
-            step(model, optimizer, *batch(i))
-        return model
-
-    def values(model):
-        return [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state(model))]
-
+    pair, go, values = nnx_training(dropout=False, telemetry=True)
     model, optimizer = pair(0)
     go(model, optimizer, 0, 3)
     path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
@@ -456,7 +471,7 @@ def test_prng_keys_save_and_resume(backend, tmp_path):
     implementation, into a concrete or an abstract `like`, and an NNX model with dropout
     resumes as the uninterrupted run does. They made both functions raise `Cannot interpret
     'key<fry>' as a data type`."""
-    nnx = pytest.importorskip("flax.nnx")
+    pytest.importorskip("flax.nnx")
     path = tmp_path / ("keys" if backend == "orbax" else "keys.eqx")
     saved = {"rng": jax.random.split(jax.random.key(3), 2), "w": jnp.arange(3.0)}
     saved["rbg"] = jax.random.key(4, impl="rbg")
@@ -471,34 +486,7 @@ def test_prng_keys_save_and_resume(backend, tmp_path):
                 jax.random.key_data(restored[name]), jax.random.key_data(saved[name])
             )
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.fc1 = nnx.Linear(8, 32, rngs=rngs)
-            self.drop = nnx.Dropout(0.5, rngs=rngs)
-            self.fc2 = nnx.Linear(32, 2, rngs=rngs)
-
-        def __call__(self, x):
-            return self.fc2(self.drop(jax.nn.gelu(self.fc1(x))))
-
-    def pair(seed):
-        config = fp8jax.Fp8Config(exclude=None, keep=())
-        model = fp8jax.fp8_linear_layers(Net(nnx.Rngs(seed)), config)
-        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-
-    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
-
-    def go(model, optimizer, start, stop):
-        for i in range(start, stop):
-            step(model, optimizer, *batch(i))
-        return model
-
-    def values(model):
-        leaves = jax.tree.leaves(nnx.state(model))
-        is_key = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
-        assert any(is_key)  # the dropout's key
-        data = [jax.random.key_data(a) if k else a for a, k in zip(leaves, is_key, strict=True)]
-        return [np.asarray(a).tobytes() for a in data]
-
+    pair, go, values = nnx_training(dropout=True, telemetry=False)
     model, optimizer = pair(0)
     go(model, optimizer, 0, 2)
     fp8jax.save_checkpoint(path, (model, optimizer), backend=backend)
