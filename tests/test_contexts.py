@@ -15,7 +15,7 @@ import pytest
 import fp8jax
 from fp8jax._src.core import contexts
 from fp8jax._src.core.compile_options import cublas_traced, is_cublas_traced
-from fp8jax._src.gemm.batching import may_fold, per_example_gradients
+from fp8jax._src.gemm.batching import per_example_gradients, per_example_traced
 from fp8jax._src.kernels import choice, dispatch, partition, quantize_config
 from fp8jax._src.recipes import per_tensor, per_tensor_pass
 
@@ -65,7 +65,7 @@ CONTEXTS = {
         lambda: quantize_config.resolved(quantize_config.OTHER_TUNING),
     ),
     "interpreted": (dispatch.interpreted, dispatch.interpreting),
-    "per_example_gradients": (per_example_gradients, lambda: may_fold(True, False)),
+    "per_example_gradients": (per_example_gradients, per_example_traced),
 }
 
 

@@ -400,8 +400,10 @@ def test_nested_vmap_equals_the_sum_of_single_calls():
 PER_MEMBER = {"delayed": "delayed", "blockwise": fp8jax.BlockwiseScaling(block_size=16)}
 
 
+@pytest.mark.parametrize("grad", [fp8jax.filter_grad, eqx.filter_grad], ids=["fp8jax", "eqx"])
 @pytest.mark.parametrize("recipe", PER_MEMBER)
-def test_per_example_gradients_under_vmap(recipe):
+def test_per_example_gradients_under_vmap(recipe, grad):
+    """vmap of a gradient, fp8jax's or Equinox's own: each example its own wgrad."""
     rng = np.random.default_rng(19)
     sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3]], np.int32)
     xs = rng.standard_normal((2, 12, K)).astype(np.float32)
@@ -413,7 +415,7 @@ def test_per_example_gradients_under_vmap(recipe):
         dot, w = params
         return jnp.sum(dot(x, w, s) * c)
 
-    per_example = jax.vmap(fp8jax.filter_grad(loss), in_axes=(None, 0, 0, 0))
+    per_example = jax.vmap(grad(loss), in_axes=(None, 0, 0, 0))
     _, d_w = per_example((dot, w), xs, jnp.asarray(sizes), cs)
     for i in range(2):
         np.testing.assert_allclose(d_w[i], run(dot, xs[i], w, cs[i], sizes[i])[2], rtol=1e-6)

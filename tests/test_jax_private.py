@@ -99,6 +99,23 @@ def test_differentiation_trace_is_recognised():
     assert jax_private.differentiation_trace(jnp.ones(2)) is None
 
 
+def test_gradient_under_vmap_tells_vmap_of_grad_from_grad_of_vmap():
+    seen = []
+
+    def f(w, x):
+        seen.append(jax_private.gradient_under_vmap() is not None)
+        return jnp.sum(x * w)
+
+    w, xs = jnp.ones(3), jnp.ones((2, 3))
+    jax.vmap(jax.grad(f), in_axes=(None, 0))(w, xs)  # per-example gradients
+    jax.vmap(jax.jit(jax.grad(jax.checkpoint(f))), in_axes=(None, 0))(w, xs)  # through jaxprs
+    jax.grad(lambda w: jnp.sum(jax.vmap(f, in_axes=(None, 0))(w, xs)))(w)  # a batch in the loss
+    jax.vmap(f, in_axes=(None, 0))(w, xs)
+    jax.grad(f)(w, xs[0])
+    f(w, xs[0])
+    assert seen == [True, True, False, False, False, False]
+
+
 @pytest.mark.parametrize(
     "index",
     [lambda a: a[0], lambda a: jnp.take(a, jnp.array([0]), axis=0)[0]],

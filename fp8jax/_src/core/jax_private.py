@@ -15,8 +15,10 @@ JAX has no public API for this: it takes the extended-dtype rules of `jax._src`,
 Values of this dtype only ever live inside a traced computation: `to_max_combining` and the
 cotangent's way back both happen under `jit`, never as eager arrays.
 
-## Whether a value is being `vmap`ped
-Used to tell per-example gradients (`vmap` of a gradient) from a batch inside the loss.
+## Whether a value is being `vmap`ped, and whether a gradient is
+Used to tell per-example gradients (`vmap` of a gradient) from a batch inside the loss: by
+the tracer of a value, and by the stack of traces a GEMM is called under (each trace names
+the one it was opened in as `parent_trace`).
 
 ## Whether a value is being differentiated, and by which trace
 Used to tell when one FP8 layer's state enters two GEMMs under the same `jax.grad` (its
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -141,6 +144,68 @@ def to_float32(x: Any) -> Any:
 def is_batch_tracer(x: Any) -> bool:
     """Whether `x` is a tracer of `jax.vmap` (JAX exports no name for its type)."""
     return isinstance(x, core.Tracer) and type(x).__name__ == "BatchTracer"
+
+
+_DIFFERENTIATION_TRACES = ("LinearizeTrace", "JVPTrace")
+
+
+def _is_batch_trace(trace: Any) -> bool:
+    return type(trace).__name__ == "BatchTrace"
+
+
+def _applying_vmap() -> Any | None:
+    """In a `custom_vmap` rule: the `vmap`'s trace applying it, which JAX passes the rule
+    nothing of (it runs the rule with its parent as the current trace): the nearest
+    `BatchTrace.process_primitive` up the stack."""
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "process_primitive":
+            trace = frame.f_locals.get("self")
+            if _is_batch_trace(trace):
+                return trace
+        frame = frame.f_back
+    return None
+
+
+class GradientUnderVmap:
+    """A call differentiated under `jax.vmap` (`vmap(grad(f))`, per-example gradients), and
+    the `vmap`s inside its differentiated function (by their trace tags), which JAX's
+    custom_vjp rule applies to the forward and to the backward, summing the gradient of
+    what they do not map. Made by [`gradient_under_vmap`][]."""
+
+    def __init__(self, inside: tuple) -> None:
+        self._inside = inside
+
+    def vmap_is_below(self) -> bool:
+        """In a `custom_vmap` rule: whether its `vmap` maps the gradient (the gradient of a
+        value it does not map stays per member), i.e. is not one of the `vmap`s inside the
+        differentiated function. A `vmap` that cannot be told (a jaxpr batched anew) counts
+        as below: mapping per member is right for both, where folding is not."""
+        trace = _applying_vmap()
+        return trace is None or not any(trace.tag is tag for tag in self._inside)
+
+
+def gradient_under_vmap() -> GradientUnderVmap | None:
+    """A [`GradientUnderVmap`][] when what runs now is differentiated under a `vmap` (a
+    `vmap` below its topmost reverse-mode trace), else `None` (`grad(vmap(f))`: a batch
+    inside the loss, where JAX sums the gradient of a value `vmap` does not map).
+
+    Read from the stack of traces, each of which names the one it was opened in: a function
+    traced to a jaxpr in between (`jit`, `checkpoint`, `scan`) keeps its parent, which is how
+    a `vmap` below one is seen. JAX may reuse such a jaxpr under another trace (its caches
+    do not know the parent): a jaxpr traced outside any `vmap`, then mapped, is not seen."""
+    trace, inside = core.trace_ctx.trace, []
+    while trace is not None and type(trace).__name__ not in _DIFFERENTIATION_TRACES:
+        if _is_batch_trace(trace):
+            inside.append(trace.tag)
+        trace = getattr(trace, "parent_trace", None)
+    while trace is not None:
+        if _is_batch_trace(trace):
+            return GradientUnderVmap(tuple(inside))
+        trace = getattr(trace, "parent_trace", None)
+    return None
 
 
 def differentiation_trace(x: Any) -> Any | None:

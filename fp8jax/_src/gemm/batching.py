@@ -23,27 +23,43 @@ import jax
 from jax.custom_batching import custom_vmap
 
 from ..core.contexts import Setting, setting
+from ..core.jax_private import GradientUnderVmap
 
 _PER_EXAMPLE: Setting[bool] = Setting("fp8jax_per_example", False)
 
 
 @contextlib.contextmanager
 def per_example_gradients() -> Iterator[None]:
-    """Trace gradients per example: never fold a `vmap`ped axis into a GEMM.
+    """Trace gradients that a `vmap` maps (per-example gradients): a trace of its own in
+    JAX's caches, whose GEMMs a `vmap` that nothing else tells apart maps per member.
 
     Folding is what makes `grad(vmap(model))` run its wgrad as one GEMM; under
-    `vmap(grad(...))` (per-example gradients) it would sum what must stay per example.
-    [`fp8jax.filter_value_and_grad`][] enters this when it is itself being vmapped.
+    `vmap(grad(...))` it would sum what must stay per example. Which of a call's `vmap`s
+    are below its gradient is read from JAX's traces (`Static.gradient_vmaps`);
+    [`fp8jax.filter_value_and_grad`][] enters this when it is itself being vmapped, so
+    that its jitted gradient is not reused from a trace made outside any `vmap`.
     """
     with setting(_PER_EXAMPLE, True):
         yield
 
 
+def per_example_traced() -> bool:
+    """Whether this is traced inside [`per_example_gradients`][]."""
+    return _PER_EXAMPLE.get()
+
+
 def may_fold(x_batched: bool, states_batched: Any) -> bool:
-    """Whether a mapped axis may fold into a GEMM at all: the activation carries it, the
-    state (flags `states_batched`) is shared by the whole batch, and gradients are not
-    traced per example."""
-    return not (_PER_EXAMPLE.get() or any(jax.tree.leaves(states_batched))) and x_batched
+    """Whether a mapped axis may fold into a GEMM at all: the activation carries it and the
+    state (flags `states_batched`) is shared by the whole batch."""
+    return x_batched and not any(jax.tree.leaves(states_batched))
+
+
+def _maps_a_gradient(gradient_vmaps: GradientUnderVmap | None) -> bool:
+    """In a `custom_vmap` rule: whether its `vmap` maps a whole gradient (per-example
+    gradients), by the traces of the call (`gradient_vmaps`), else by the context."""
+    if gradient_vmaps is not None:
+        return gradient_vmaps.vmap_is_below()
+    return per_example_traced()
 
 
 def unbatched(tree: Any) -> Any:
@@ -79,10 +95,14 @@ def _batched(out_axes: Any, outs: Any) -> Any:
 
 
 def _folding(
-    raw: Callable[..., Any], fold: FoldRule, member_axes: Callable[[list], Any]
+    raw: Callable[..., Any],
+    fold: FoldRule,
+    member_axes: Callable[[list], Any],
+    gradient_vmaps: GradientUnderVmap | None,
 ) -> Callable[..., Any]:
-    """`raw` as a `custom_vmap`: under `vmap`, folded as `fold` says, else mapped per member
-    with the out_axes `member_axes(in_batched)`."""
+    """`raw` as a `custom_vmap`: under `vmap`, folded as `fold` says (never when the `vmap`
+    maps a whole gradient, `_maps_a_gradient`), else mapped per member with the out_axes
+    `member_axes(in_batched)`."""
 
     @custom_vmap
     def call(*args):
@@ -90,7 +110,8 @@ def _folding(
 
     @call.def_vmap
     def _rule(axis_size, in_batched, *args):
-        folded = fold(axis_size, in_batched, *args)
+        per_member = _maps_a_gradient(gradient_vmaps)
+        folded = None if per_member else fold(axis_size, in_batched, *args)
         if folded is None:
             out_axes = member_axes(in_batched)
             in_axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
@@ -103,9 +124,14 @@ def _folding(
 
 
 def folding_forward(
-    raw: Callable[..., Any], fold: FoldRule, residuals: type, operand_fields: tuple[str, ...]
+    raw: Callable[..., Any],
+    fold: FoldRule,
+    residuals: type,
+    operand_fields: tuple[str, ...],
+    gradient_vmaps: GradientUnderVmap | None = None,
 ) -> Callable[..., Any]:
-    """A GEMM's forward `raw(x, w, *rest, states) -> (out, residuals)` with its batching rule.
+    """A GEMM's forward `raw(x, w, *rest, states) -> (out, residuals)` with its batching rule
+    (never folded by a `vmap` below the gradient, of those in `gradient_vmaps`).
 
     Mapped per member, unbatched state stays unbatched (its amaxes span the mapped axis), and
     so does the residual field `operand_fields[i]` when operand `i` is not mapped.
@@ -118,17 +144,21 @@ def folding_forward(
         mapped = {f: _axis(b or stacked) for f, b in zip(operand_fields, operands_b, strict=True)}
         return (0, axes._replace(**mapped))
 
-    return _folding(raw, fold, member_axes)
+    return _folding(raw, fold, member_axes, gradient_vmaps)
 
 
 def folding_backward(
-    raw: Callable[..., Any], fold: FoldRule, operand_fields: tuple[str, ...]
+    raw: Callable[..., Any],
+    fold: FoldRule,
+    operand_fields: tuple[str, ...],
+    gradient_vmaps: GradientUnderVmap | None = None,
 ) -> Callable[..., Any]:
     """A GEMM's backward `raw(residuals, g) -> (d_x, d_w, new_states)` with its batching
-    rule. Mapped per member, the new state is batched where the residual state was."""
+    rule (as `folding_forward`'s). Mapped per member, the new state is batched where the
+    residual state was."""
 
     def member_axes(in_batched: list) -> Any:
         state = state_of(in_batched[0], operand_fields)
         return (0, 0, _axis(any(jax.tree.leaves(state))))
 
-    return _folding(raw, fold, member_axes)
+    return _folding(raw, fold, member_axes, gradient_vmaps)

@@ -390,9 +390,18 @@ def _gemm(recipe: Recipe, precision: Any, static: Static) -> Gemm:
     return Gemm(
         recipe,
         folding_forward(
-            forward, functools.partial(_fold_forward, flipped), Residuals, _OPERAND_FIELDS
+            forward,
+            functools.partial(_fold_forward, flipped),
+            Residuals,
+            _OPERAND_FIELDS,
+            static.gradient_vmaps,
         ),
-        folding_backward(backward, functools.partial(_fold_backward, flipped), _OPERAND_FIELDS),
+        folding_backward(
+            backward,
+            functools.partial(_fold_backward, flipped),
+            _OPERAND_FIELDS,
+            static.gradient_vmaps,
+        ),
     )
 
 

@@ -438,8 +438,8 @@ def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -
     backward = functools.partial(_backward, recipe, native, *static.gradient_dtypes())
     return Gemm(
         recipe,
-        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS),
-        folding_backward(backward, _fold_backward, _OPERAND_FIELDS),
+        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS, static.gradient_vmaps),
+        folding_backward(backward, _fold_backward, _OPERAND_FIELDS, static.gradient_vmaps),
     )
 
 

@@ -54,6 +54,9 @@ class Static(NamedTuple):
     mesh_axes: tuple[frozenset[str], frozenset[str], tuple[frozenset[str], ...]]
     name: str
     kind: str
+    #: Where the call is differentiated under `jax.vmap` (`vmap(grad(f))`): such a vmap maps
+    #: the GEMM per member, never folds it (its wgrad would sum what stays per example).
+    gradient_vmaps: jax_private.GradientUnderVmap | None = None
 
     def gradient_dtypes(self) -> tuple[np.dtype, np.dtype]:
         """The dtypes the backward's GEMMs write the lhs's and the rhs's gradients in: each
@@ -179,6 +182,7 @@ def prepare(
         mesh_axes,
         name,
         kind,
+        jax_private.gradient_under_vmap(),
     )
     return operands, static
 

@@ -9,8 +9,10 @@ contributes and the history keeps the largest amax. Use it wherever you would us
 
 Under `jax.vmap(model)(batch)` the state's amax is already batch-wide (see
 `fp8jax._src.core.amax`) and the wgrad is one GEMM over all tokens, with either gradient
-function. When `filter_value_and_grad` is itself `vmap`ped (per-example gradients), it keeps the
-mapped axis out of the backward GEMMs, so each example gets its own weight gradient.
+function. Under `vmap` of a gradient (per-example gradients), fp8jax's or JAX's own, the GEMMs
+keep the mapped axis out of their wgrad, so each example gets its own weight gradient
+(`fp8jax._src.gemm.batching`); when `filter_value_and_grad` is itself `vmap`ped, it also traces
+apart from its unmapped calls, whose jaxprs JAX would otherwise reuse.
 """
 
 from __future__ import annotations
