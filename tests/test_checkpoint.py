@@ -1,6 +1,8 @@
 """Checkpoints: a run stopped at step k and resumed matches an uninterrupted one bit for bit."""
 
 import importlib.util
+import os
+import stat
 
 import equinox as eqx
 import jax
@@ -552,3 +554,45 @@ def test_a_recipe_field_written_as_an_int_or_a_float_is_one_recipe(margin, tmp_p
     _, wrong = build(jax.random.key(1), other)
     with pytest.raises(ValueError, match=r"margin .*0.*\)? != 1.0"):
         fp8jax.load_checkpoint(tmp_path / "ckpt", wrong)
+
+
+@needs_orbax
+def test_an_orbax_save_replaces_nothing_but_a_checkpoint(tmp_path):
+    """An orbax save replaces the directory at `path` whole: a file there, or a directory
+    that is not a checkpoint (`"."`, a run's output directory), is refused before anything is
+    written, and kept. A file was moved aside and the save then failed; a directory was
+    deleted."""
+    state = {"w": jnp.arange(4.0)}
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    (outputs / "log.txt").write_text("keep me")
+    for path, what in ((afile, "a file, not an"), (outputs, "a directory that is not an")):
+        with pytest.raises(FileExistsError, match=what):
+            fp8jax.save_checkpoint(path, state, backend="orbax")
+    assert afile.read_text() == "mine" and (outputs / "log.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "outputs"]
+    # A checkpoint it wrote is replaced, as before.
+    fp8jax.save_checkpoint(tmp_path / "ckpt", state, backend="orbax")
+    fp8jax.save_checkpoint(tmp_path / "ckpt", {"w": jnp.ones(4)}, backend="orbax")
+    restored = fp8jax.load_checkpoint(tmp_path / "ckpt", state, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], np.ones(4))
+
+
+def test_an_equinox_checkpoint_file_gets_a_new_files_permissions(tmp_path):
+    """The file is written to a temporary file (mode 0600) and renamed: it now gets what
+    `open` would give under the umask, or keeps the permissions of the file it replaces."""
+    path = tmp_path / "ckpt.eqx"
+    previous = os.umask(0o022)
+    try:
+        fp8jax.save_checkpoint(path, {"w": jnp.arange(4.0)})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        os.chmod(path, 0o640)
+        fp8jax.save_checkpoint(path, {"w": jnp.ones(4)})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+        os.umask(0o077)
+        fp8jax.save_checkpoint(tmp_path / "private.eqx", {"w": jnp.ones(4)})
+        assert stat.S_IMODE((tmp_path / "private.eqx").stat().st_mode) == 0o600
+    finally:
+        os.umask(previous)

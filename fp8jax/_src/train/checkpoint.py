@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -61,7 +62,8 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     **Arguments:**
 
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
-      completely or not at all: the data goes to a temporary name first.
+      completely or not at all: the data goes to a temporary name first. An orbax save
+      replaces only a checkpoint it wrote (else `FileExistsError`, nothing written).
     - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
       they come from the `like` given to [`fp8jax.load_checkpoint`][]; with `"orbax"`,
       neither are Python numbers among the leaves (their types are recorded and checked):
@@ -108,20 +110,26 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
         raise type(e)(
             e.errno, f"save_checkpoint: cannot write {os.fspath(path)!r}: {e.strerror}", e.filename
         ) from e
-    with tmp as f:
-        try:
+    try:
+        with tmp as f:
             f.write(_MAGIC)
             f.write(len(record).to_bytes(8, "little"))
             f.write(record)
             eqx.tree_serialise_leaves(f, state, filter_spec=_serialise)
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    try:
-        os.replace(f.name, path)
+        os.chmod(tmp.name, _file_mode(path))
+        os.replace(tmp.name, path)
     except BaseException:
-        os.unlink(f.name)  # a failed save leaves no stray temporary file behind
+        os.unlink(tmp.name)  # a failed save leaves no stray temporary file behind
         raise
+
+
+def _file_mode(path: pathlib.Path) -> int:
+    """A checkpoint file's permissions: the replaced file's, else a new file's (umask)."""
+    if path.exists():
+        return stat.S_IMODE(path.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox") -> T:
@@ -457,8 +465,20 @@ def _orbax_record(path: pathlib.Path) -> bytes:
     return (path / _RECORD).read_bytes()
 
 
+def _check_replaceable(path: pathlib.Path) -> None:
+    """An orbax save replaces the directory at `path` whole: only a checkpoint it wrote."""
+    if path.exists() and not (path.is_dir() and (path / _RECORD).is_file()):
+        raise FileExistsError(
+            f"save_checkpoint: {os.fspath(path)!r} is "
+            f"{'a directory that is not an' if path.is_dir() else 'a file, not an'} fp8jax "
+            "checkpoint; backend='orbax' replaces only a checkpoint it wrote (which holds "
+            f"{_RECORD}). Give a new path, or remove what is there."
+        )
+
+
 def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     ocp = _orbax()
+    _on_process_zero("check the checkpoint's path", lambda: _check_replaceable(path))
     arrays = eqx.filter(state, eqx.is_array)
     tmp = path.with_name(path.name + ".tmp")
 
