@@ -175,6 +175,56 @@ def _grad_bound(pull, g, other, sg, so):
     return np.asarray(pull(ug * ga + dg, (1 + uo) * oa + do)) + np.asarray(pull(ga, uo * oa + do))
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.DelayedScaling(), fp8jax.CurrentScaling(), fp8jax.BlockwiseScaling(), fp8jax.MXFP8()],
+    ids=lambda r: type(r).__name__,
+)
+def test_float64_preferred_type_is_what_dot_general_writes(recipe):
+    """Without x64, lax writes float32 for preferred_element_type=float64: so do the FP8
+    GEMMs (the block recipes' kernels refused a float64 output they could not write)."""
+    x, w = jnp.ones((128, 256)), jnp.ones((256, 128))
+    dims = (((1,), (0,)), ((), ()))
+    with pytest.warns(UserWarning, match="float64 requested in dot is not available"):
+        want = lax.dot_general(x, w, dims, preferred_element_type=jnp.float64).dtype
+    dot = fp8jax.Fp8DotGeneral(recipe)
+    out = dot(x, w, dims, preferred_element_type=jnp.float64)
+    assert out.dtype == want == jnp.float32
+    grads = fp8jax.filter_grad(
+        lambda d, a: jnp.sum(d(a, w, dims, preferred_element_type=np.float64))
+    )(dot, x)
+    assert grads is not None
+
+
+def test_out_sharding_reshards_the_output_as_dot_general_does():
+    """`lax.dot_general`'s `out_sharding=` (which Flax's NNX Linear passes to its
+    `dot_general`): the FP8 GEMM's output gets the sharding lax's would (it was a
+    TypeError); `lax.ragged_dot`'s likewise."""
+    spec = jax.sharding.PartitionSpec
+    dims = (((1,), (0,)), ((), ()))
+    dot = fp8jax.Fp8DotGeneral("current")
+    w = jnp.ones((32, 8))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.ones((16, 32)), jax.sharding.NamedSharding(mesh, spec("data")))
+        for out in (None, spec(), spec("data", None), spec(None, "data")):
+            want = jax.jit(functools.partial(lax.dot_general, out_sharding=out), static_argnums=2)
+            got = jax.jit(functools.partial(dot, out_sharding=out), static_argnums=2)
+            assert got(x, w, dims).sharding.spec == want(x, w, dims).sharding.spec, out
+        np.testing.assert_array_equal(got(x, w, dims), jnp.full((16, 8), 32.0))
+    # JAX's ragged dot takes no explicit axes without out_sharding, which the grouped GEMM's
+    # inner ragged dots do not pass: an automatic mesh, which takes a replicated out_sharding.
+    ragged = fp8jax.Fp8RaggedDot("current", num_experts=2)
+    ws, sizes = jnp.ones((2, 32, 8)), jnp.array([10, 6], jnp.int32)
+    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(auto):
+        x = jnp.ones((16, 32))
+        want = jax.jit(functools.partial(lax.ragged_dot, out_sharding=spec()))(x, ws, sizes)
+        got = jax.jit(functools.partial(ragged, out_sharding=spec()))(x, ws, sizes)
+        assert got.sharding == want.sharding
+    np.testing.assert_array_equal(got, jnp.full((16, 8), 32.0))
+
+
 def test_dtypes_follow_dot_general():
     dot = fp8jax.Fp8DotGeneral()
     x = jnp.ones((4, 8), jnp.bfloat16)

@@ -240,9 +240,8 @@ class Interpreter:
             params["dimension_numbers"],
             params["precision"],
             params["preferred_element_type"],
+            out_sharding=params.get("out_sharding"),
         )
-        if params.get("out_sharding") is not None:
-            out = jax.sharding.reshard(out, params["out_sharding"])
         return out
 
     def scan(self, invals: list, params: dict, scope: str) -> list:

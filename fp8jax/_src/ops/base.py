@@ -106,6 +106,13 @@ def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, A
     return Fp8Stats(**stats)
 
 
+def resharded(out: Array, out_sharding: Any) -> Array:
+    """`out` resharded to `out_sharding`, the argument of `lax.dot_general` and
+    `lax.ragged_dot` (a `NamedSharding`, or a `PartitionSpec` under `jax.set_mesh`), or as
+    it is for `None`."""
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+
+
 @functools.lru_cache(maxsize=64)
 def _lax_result_type(lhs: np.dtype, rhs: np.dtype) -> np.dtype:
     """The dtype of `lax.dot_general` of operands of these dtypes, asked of JAX itself
@@ -196,7 +203,8 @@ class AbstractFp8Op(OverwriteWithGradient):
                 f"{self._where}: preferred_element_type={shown} is not a high-precision float "
                 f"type; use float32, bfloat16 or float16 ({self.accumulation})."
             )
-        return out
+        # What `lax.dot_general` writes too: float64 is float32 unless x64 is enabled.
+        return np.dtype(jax.dtypes.canonicalize_dtype(out))
 
     def _states(self) -> States:
         check_float32_state(self)

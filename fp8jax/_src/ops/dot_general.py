@@ -12,7 +12,7 @@ from jaxtyping import Array
 from ..core.stats import Fp8Stats
 from ..gemm.dense import fp8_dot_general, normalize_dimension_numbers
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, merge_stats
+from .base import AbstractFp8Op, merge_stats, resharded
 
 
 class Fp8DotGeneral(AbstractFp8Op):
@@ -101,7 +101,14 @@ class Fp8DotGeneral(AbstractFp8Op):
         dimension_numbers: Any,
         precision: Any = None,
         preferred_element_type: DTypeLike | None = None,
+        *,
+        out_sharding: Any = None,
     ) -> Array:
+        """**Arguments:** as `jax.lax.dot_general`'s; `out_sharding` reshards the output.
+
+        **Returns:** the product, in `preferred_element_type` (default: the type
+        `lax.dot_general` gives `lhs` and `rhs`).
+        """
         lhs_dtype = self._input_dtype("lhs", lhs)
         rhs_dtype = self._input_dtype("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
@@ -110,9 +117,10 @@ class Fp8DotGeneral(AbstractFp8Op):
         if isinstance(precision, list):
             precision = tuple(precision)
         with self._name_scope():
-            return fp8_dot_general(
+            out = fp8_dot_general(
                 self.recipe, dims, precision, out_dtype, lhs, rhs, self._states(), self.name
             )
+        return resharded(out, out_sharding)
 
     @property
     def _where(self) -> str:

@@ -17,7 +17,7 @@ from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
 from ..gemm.grouped_rules import check_recipe, native_choice
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, merge_stats, pick_received
+from .base import AbstractFp8Op, merge_stats, pick_received, resharded
 
 
 def check_ragged_dot_args(
@@ -254,9 +254,10 @@ class Fp8RaggedDot(AbstractFp8Op):
         precision: Any = None,
         preferred_element_type: DTypeLike | None = None,
         group_offset: Any = None,
+        out_sharding: Any = None,
     ) -> Float[Array, "tokens fan_out"]:
         """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported: a value
-        other than `None` raises).
+        other than `None` raises; `out_sharding` reshards the output).
 
         **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
         type of `lhs` and `rhs`).
@@ -270,17 +271,18 @@ class Fp8RaggedDot(AbstractFp8Op):
         lhs_dtype = self._input_dtype("lhs", lhs)
         rhs_dtype = self._input_dtype("rhs", rhs)
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if isinstance(precision, list):
+            precision = tuple(precision)
         if isinstance(group_sizes, ExpertExchange):
-            return self._dispatched(lhs, rhs, group_sizes, precision, preferred_element_type)
+            out = self._dispatched(lhs, rhs, group_sizes, precision, preferred_element_type)
+            return resharded(out, out_sharding)
         if isinstance(group_sizes, list | tuple):
             group_sizes = np.asarray(group_sizes)
         experts = self._state_experts()
         check_ragged_dot_args(self._where, lhs.shape, rhs.shape, group_sizes, experts)
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
-        if isinstance(precision, list):
-            precision = tuple(precision)
         with self._name_scope():
-            return fp8_ragged_dot(
+            out = fp8_ragged_dot(
                 self.recipe,
                 precision,
                 out_dtype,
@@ -291,6 +293,7 @@ class Fp8RaggedDot(AbstractFp8Op):
                 self.name,
                 native_choice(self.recipe, self.native_kernel),
             )
+        return resharded(out, out_sharding)
 
     def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type) -> Array:
         """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8
@@ -298,8 +301,6 @@ class Fp8RaggedDot(AbstractFp8Op):
         received, in expert order."""
         check_dispatch_args(self._where, lhs.shape, rhs.shape, plan, self._state_experts())
         out_dtype = self._output_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
-        if isinstance(precision, list):
-            precision = tuple(precision)
         with self._name_scope():
             return fp8_dispatched_ragged_dot(
                 self.recipe,

@@ -184,9 +184,9 @@ def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -
         ) from None
 
 
-def _call(dot: Fp8DotGeneral, name: str, *args: Any) -> Array:
+def _call(dot: Fp8DotGeneral, name: str, *args: Any, **kwargs: Any) -> Array:
     try:
-        return dot(*args)
+        return dot(*args, **kwargs)
     except Fp8StateError as e:
         raise reword_state_error(e, name, _LINEN_WORDING) from e
 
@@ -291,10 +291,8 @@ def _interceptor(
             dot = _state(module, path, config, _kernel_shape(rhs, dimension_numbers))
             if masters and preferred_element_type is None:
                 preferred_element_type = module.dtype
-            out = _call(dot, name, lhs, rhs, dimension_numbers, precision, preferred_element_type)
-            if out_sharding is not None:
-                out = jax.sharding.reshard(out, out_sharding)
-            return out
+            args = (lhs, rhs, dimension_numbers, precision, preferred_element_type)
+            return _call(dot, name, *args, out_sharding=out_sharding)
 
         # A Linen module is a frozen dataclass: the FP8 dot_general (and the promotion that
         # leaves the kernel) are its fields for this call only, and restored after.

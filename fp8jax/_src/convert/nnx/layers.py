@@ -13,6 +13,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
+from ...ops.base import resharded
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
@@ -46,12 +47,6 @@ class Fp8State(nnx.Variable):
 def is_variable(x: Any) -> bool:
     """Whether `x` is an `nnx.Variable` (an `is_leaf` that stops at variables)."""
     return isinstance(x, nnx.Variable)
-
-
-def _resharded(out: Array, out_sharding: Any) -> Array:
-    """`out` resharded to `out_sharding` (the `out_sharding` argument of `lax.dot_general`
-    and `jnp.einsum`), or as it is for `None`."""
-    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
 def _check_stacked(stacked: Any) -> tuple[int, ...]:
@@ -168,7 +163,7 @@ class Fp8NnxDotGeneral(AbstractFp8NnxDot):
         out_sharding: Any = None,
     ) -> Array:
         out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-        return _resharded(out, out_sharding)
+        return resharded(out, out_sharding)
 
 
 @final
@@ -195,4 +190,4 @@ class Fp8NnxEinsum(AbstractFp8NnxDot):
         out_sharding: Any = None,
     ) -> Array:
         out = fp8_einsum(self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type)
-        return _resharded(out, out_sharding)
+        return resharded(out, out_sharding)
