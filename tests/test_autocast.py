@@ -161,6 +161,34 @@ def test_scopes_matching_no_gemm_are_said():
         fp8jax.fp8_autocast(forward)(params, TOKENS)
 
 
+def test_scopes_matching_only_gemms_left_for_their_shape_blame_the_shape():
+    """A `scopes` regex that matches GEMMs left out for their shape (attention's batched
+    einsums with `batched=False`, GEMMs under `min_dim`) was said to match none of the
+    GEMMs' scopes, listing the others and blaming how the regex was written: the warning
+    must name the shape, and the regex, right all along, converts them once allowed."""
+    x, w = jnp.ones((8, 32, 64)), jnp.ones((64, 64))
+
+    def fun(x, w):
+        with jax.named_scope("attn"):
+            scores = jnp.einsum("bij,bkj->bik", x, x)
+        with jax.named_scope("mlp"):
+            return jnp.einsum("bik,bkd->bid", scores, x) @ w
+
+    for kwargs, why in (
+        ({}, r"2 with batch dimensions"),
+        ({"batched": True, "min_dim": 33}, r"min_dim=33"),
+    ):
+        with pytest.warns(fp8jax.Fp8ConversionWarning) as got:
+            fp8jax.fp8_autocast(fun, scopes=".*attn.*", **kwargs)(x, w)
+        messages = [str(g.message) for g in got]
+        assert not any("matched none" in m for m in messages), messages
+        assert any(re.search(why, m) for m in messages), messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        picked = fp8jax.fp8_autocast(fun, scopes=".*attn.*", batched=True)
+        assert count_fp8_dots(picked, x, w) == (1, 2)
+
+
 def control_flow(w, x, loop, dot=jnp.matmul):
     """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
     argument) adds a while loop, which reverse-mode differentiation does not take."""

@@ -380,7 +380,9 @@ def _warn_if_unmatched(choice: _Choice, scopes: str | None, exclude: str | None)
         ("exclude", exclude, choice.exclude, choice.seen, "it keeps none in high precision"),
     ):
         names = sorted(set(among))
-        if pattern is not None and names and not any(map(pattern.fullmatch, names)):
+        # A regex matching a GEMM left for its shape (batched, small) is not the mistake:
+        # the warning below says why nothing was converted.
+        if pattern is not None and names and not any(map(pattern.fullmatch, set(choice.seen))):
             shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
             warnings.warn(
                 f"fp8_autocast: {name}={regex!r} matched none of the {len(among)} GEMMs' "
