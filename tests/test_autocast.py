@@ -189,6 +189,26 @@ def test_scopes_matching_only_gemms_left_for_their_shape_blame_the_shape():
         assert count_fp8_dots(picked, x, w) == (1, 2)
 
 
+def test_a_result_with_values_other_than_arrays_is_returned_whole():
+    """Non-array arguments are static (an Equinox module's activation, a flag); a result
+    holding such values (the module, a tag) crashed the trace ("not a valid JAX type", in
+    autocast's own function) where the plain function returns them: they come back as
+    returned, the arrays beside them computed in FP8."""
+    mlp = eqx.nn.MLP(64, 64, 64, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+
+    def fun(model, x, dot=jnp.matmul):
+        return {"model": model, "tag": "fp8", "y": dot(x, model.layers[0].weight.T), "n": 3}
+
+    out = fp8jax.fp8_autocast(fun)(mlp, x)
+    want = fun(mlp, x, fp8_dot(fp8jax.CurrentScaling()))
+    assert bool(eqx.tree_equal(out["model"], mlp)) and out["tag"] == "fp8"
+    assert jax.tree.structure(out) == jax.tree.structure(want)
+    np.testing.assert_array_equal(out["y"], want["y"])
+    np.testing.assert_array_equal(out["n"], 3)
+    assert not np.array_equal(out["y"], fun(mlp, x)["y"])  # FP8, not float32
+
+
 def control_flow(w, x, loop, dot=jnp.matmul):
     """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
     argument) adds a while loop, which reverse-mode differentiation does not take."""

@@ -301,7 +301,8 @@ def fp8_autocast(
 
     **Arguments:**
 
-    - `fun`: any function of arrays (other arguments, such as flags, are static).
+    - `fun`: any function of arrays (other arguments, such as flags, are static; so are
+      other values it returns, such as an Equinox module's functions).
     - `recipe`: a recipe that keeps no state between steps: `"current"` (the default),
       `"blockwise"`, `"mxfp8"`, or an instance (`ResidualFP8` without error feedback too).
       Delayed scaling is refused: its amax history must live somewhere between steps, which
@@ -429,6 +430,10 @@ class KernelChoice:
         return None
 
 
+#: Where a value of the jaxpr's outputs goes among a traced result's leaves.
+_TRACED = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class TracedCall:
     """A call traced to a jaxpr: its array arguments (`values`, the jaxpr's inputs, each
@@ -436,13 +441,16 @@ class TracedCall:
 
     closed: Any
     values: list
-    shape: Any
+    #: The result's structure and leaves, `_TRACED` where the jaxpr computes one (the rest,
+    #: such as an Equinox module's functions, returned as `fun` returned them).
+    result: tuple
     paths: list
 
     def evaluate(self, interpreter: Interpreter) -> Any:
         """The call's result, evaluated again by `interpreter`."""
-        outs = interpreter.run(self.closed.jaxpr, self.closed.consts, self.values, "")
-        return jax.tree.unflatten(jax.tree.structure(self.shape), outs)
+        outs = iter(interpreter.run(self.closed.jaxpr, self.closed.consts, self.values, ""))
+        treedef, leaves = self.result
+        return jax.tree.unflatten(treedef, [next(outs) if v is _TRACED else v for v in leaves])
 
 
 def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Any], tuple], list]:
@@ -464,12 +472,18 @@ def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Any], tu
 
 def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall:
     """`fun(*args, **kwargs)` traced, its array arguments as the jaxpr's inputs (in the
-    order `jax.tree.leaves((args, kwargs))` gives them) and the rest static."""
+    order `jax.tree.leaves((args, kwargs))` gives them) and the rest static, as are the
+    leaves of its result that are neither arrays nor numbers (returned as they are)."""
     values, fill, paths = array_arguments(args, kwargs)
 
-    def flat(*values: Any) -> Any:
-        a, k = fill(values)
-        return fun(*a, **k)
+    result: list = []
 
-    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*values)
-    return TracedCall(closed, values, shape, paths)
+    def flat(*values: Any) -> list:
+        a, k = fill(values)
+        leaves, treedef = jax.tree.flatten(fun(*a, **k))
+        traced = [_is_array(v) or isinstance(v, bool | int | float | complex) for v in leaves]
+        result[:] = [treedef, [_TRACED if t else v for v, t in zip(leaves, traced, strict=True)]]
+        return [v for v, t in zip(leaves, traced, strict=True) if t]
+
+    closed = jax.make_jaxpr(flat)(*values)
+    return TracedCall(closed, values, tuple(result), paths)
