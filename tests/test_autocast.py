@@ -301,6 +301,17 @@ def test_bad_input_errors():
         fp8jax.fp8_autocast(loss_fn, batched="yes")
 
 
+def test_min_dim_may_be_a_numpy_integer():
+    """`min_dim=np.int64(17)` (read from a NumPy shape or config) was refused as not "an int
+    >= 1"; it selects as 17 does, as fp8jax's other integer arguments take NumPy's."""
+    params = init(jax.random.key(0))
+    forward = lambda p, t: transformer(p, t[:, :-1])  # noqa: E731
+    picked = fp8jax.fp8_autocast(forward, batched=True, min_dim=np.int64(17))
+    assert count_fp8_dots(picked, params, TOKENS) == (5, 2)
+    with pytest.raises(ValueError, match=r"min_dim=np.int32\(0\) should be an int >= 1"):
+        fp8jax.fp8_autocast(loss_fn, min_dim=np.int32(0))
+
+
 def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():
     h100_topology()
     params = init(jax.random.key(0))

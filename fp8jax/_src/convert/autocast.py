@@ -348,8 +348,9 @@ def fp8_autocast(
         )
     if not isinstance(batched, bool):
         raise TypeError(f"fp8_autocast: batched={batched!r} should be True or False.")
-    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 1:
+    if isinstance(min_dim, bool) or not isinstance(min_dim, int | np.integer) or min_dim < 1:
         raise ValueError(f"fp8_autocast: min_dim={min_dim!r} should be an int >= 1.")
+    min_dim = int(min_dim)
     choice = _Choice(
         recipe,
         _check_pattern("scopes", scopes),
