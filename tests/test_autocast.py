@@ -381,3 +381,16 @@ def test_an_autocast_that_converts_nothing_or_excludes_nothing_says_why():
         fp8jax.fp8_autocast(lambda m, x: jax.vmap(m)(x), exclude=r".*head.*")(mlp, x)
     with pytest.raises(ValueError, match=r"recipe=None: give a recipe"):
         fp8jax.fp8_autocast(one, None)
+
+
+def test_a_config_or_an_unknown_recipe_is_refused_in_autocasts_terms():
+    """An `Fp8Config` (fp8_linear_layers' configuration) was refused as an 'Unknown recipe'
+    without naming fp8_autocast, listing 'delayed', which autocast then refuses."""
+    f = lambda x, w: x @ w  # noqa: E731
+    with pytest.raises(TypeError, match=r"fp8_autocast: .*Fp8Config.*recipe=config.recipe"):
+        fp8jax.fp8_autocast(f, fp8jax.Fp8Config(recipe="current"))
+    with pytest.raises(ValueError, match=r"^fp8_autocast: Unknown recipe 'fast'.*keep no state"):
+        fp8jax.fp8_autocast(f, "fast")
+    config = fp8jax.Fp8Config(recipe="blockwise")
+    x, w = jnp.ones((32, 128)), jnp.ones((128, 32))
+    np.testing.assert_allclose(fp8jax.fp8_autocast(f, config.recipe)(x, w), x @ w, rtol=1e-6)

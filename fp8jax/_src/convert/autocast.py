@@ -35,6 +35,7 @@ from ..core import jax_private
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
+from .config import Fp8Config
 from .plan import Fp8ConversionWarning
 
 #: The primitives whose sub-jaxpr is evaluated in place (a nested `jit`, a call).
@@ -338,7 +339,19 @@ def fp8_autocast(
             "fp8_autocast: recipe=None: give a recipe that keeps no state, or its name: "
             "'current' (the default), 'blockwise', 'mxfp8'."
         )
-    recipe = recipe_from(recipe)
+    if isinstance(recipe, Fp8Config):
+        raise TypeError(
+            f"fp8_autocast: recipe={recipe!r} is an Fp8Config, which configures "
+            "fp8_linear_layers; fp8_autocast takes its recipe (recipe=config.recipe) and "
+            "selects GEMMs with its own scopes=, exclude= and min_dim=."
+        )
+    try:
+        recipe = recipe_from(recipe)
+    except ValueError as e:
+        raise ValueError(
+            f"fp8_autocast: {e} (fp8_autocast takes those that keep no state: 'current', "
+            "'blockwise', 'mxfp8', or an instance.)"
+        ) from None
     if recipe.reads_state:
         raise ValueError(
             f"fp8_autocast: recipe={recipe!r} keeps FP8 state between steps (an amax history, "
