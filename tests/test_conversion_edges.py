@@ -181,3 +181,25 @@ def test_a_stack_of_linears_called_on_the_whole_stack_names_the_fix():
     for i in range(3):
         one = fp8jax.fp8_linear_layers(eqx.nn.Linear(D, D, key=keys[i]))
         np.testing.assert_array_equal(got[i], one(x[i]))
+
+
+def test_a_subclass_of_the_equinox_linear_is_kept_with_its_own_call():
+    """A subclass of `eqx.nn.Linear` with a call and fields of its own stays as it is, in
+    high precision, saying why (it became a plain `fp8jax.Linear`, silently dropping its
+    call: this one's output halved); the plain Linear beside it converts."""
+
+    class Scaled(eqx.nn.Linear):
+        alpha: float = eqx.field(static=True, default=2.0)
+
+        def __call__(self, x, *, key=None):
+            return super().__call__(x) * self.alpha
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    layers = [Scaled(D, D, key=keys[0]), eqx.nn.Linear(D, D, key=keys[1])]
+    plan = fp8jax.conversion_plan(layers, fp8jax.Fp8Config(keep=()))
+    assert plan.converted == ("1",)
+    assert "Scaled, a subclass of eqx.nn.Linear" in plan.kept["0"]
+    fp8 = fp8jax.fp8_linear_layers(layers, fp8jax.Fp8Config(keep=()))
+    assert fp8[0] is layers[0] and isinstance(fp8[1], fp8jax.Linear)
+    x = jax.random.normal(jax.random.key(1), (D,))
+    np.testing.assert_array_equal(fp8[0](x), 2.0 * eqx.nn.Linear.__call__(layers[0], x))

@@ -290,6 +290,11 @@ def equinox_plan(
         dtype = getattr(getattr(n, "weight", None), "dtype", None)
         if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
             kept[p] = f"its weight is {dtype}, not a floating dtype FP8 could round"
+        elif isinstance(n, eqx.nn.Linear) and type(n) is not eqx.nn.Linear:
+            kept[p] = (
+                f"it is a {type(n).__name__}, a subclass of eqx.nn.Linear: fp8jax.Linear "
+                "would drop its own call and fields (run it under fp8jax.fp8_autocast)"
+            )
     return keep_in_high_precision(plan, chosen, kept)
 
 
