@@ -203,3 +203,26 @@ def test_a_subclass_of_the_equinox_linear_is_kept_with_its_own_call():
     assert fp8[0] is layers[0] and isinstance(fp8[1], fp8jax.Linear)
     x = jax.random.normal(jax.random.key(1), (D,))
     np.testing.assert_array_equal(fp8[0](x), 2.0 * eqx.nn.Linear.__call__(layers[0], x))
+
+
+def test_an_example_that_does_not_call_the_model_it_is_given_is_refused():
+    """`example` must call the model it is handed: one calling the model it closes over
+    (or returning nothing) traced none of its layers' GEMMs (or no output), and the plan,
+    "roles from a trace", put the head `output` in FP8 silently."""
+
+    class Net(eqx.Module):
+        fc: eqx.nn.Linear
+        output: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.output(jax.nn.relu(self.fc(x)))
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = Net(eqx.nn.Linear(D, D, key=keys[0]), eqx.nn.Linear(D, 4, key=keys[1]))
+    x = jnp.ones(D)
+    assert fp8jax.conversion_plan(model, example=lambda m: m(x)).converted == ("fc",)
+    for convert in (fp8jax.conversion_plan, fp8jax.fp8_linear_layers):
+        with pytest.raises(ValueError, match=r"traced no GEMM of the model's layers.*lambda m"):
+            convert(model, example=lambda m: model(x))
+        with pytest.raises(ValueError, match=r"returned no array.*the model's output"):
+            convert(model, example=lambda m: None)

@@ -245,7 +245,13 @@ def _trace(tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...
     def call(leaves: list) -> Any:
         return example(eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static))
 
-    return dataflow(jax.make_jaxpr(call)([x for _, x in flat]), owners)
+    closed = jax.make_jaxpr(call)([x for _, x in flat])
+    if not closed.jaxpr.outvars:
+        raise ValueError(
+            "fp8_linear_layers: example returned no array; return the model's output (e.g. "
+            "example=lambda m: jax.vmap(m)(x)), through which the trace finds the head."
+        )
+    return dataflow(closed, owners)
 
 
 def equinox_plan(
@@ -262,6 +268,12 @@ def equinox_plan(
     shapes = _shapes(nodes, hnn)
     flow = None if example is None else _trace(tree, example, layer_paths)
     tied = {p for p, n in linears if _tied(n)}
+    own = [p for p in layer_paths if p not in tied]
+    if flow is not None and own and not any(p in flow.gemms for p in own):
+        raise ValueError(
+            "fp8_linear_layers: example traced no GEMM of the model's layers: it must call "
+            "the model it is given (example=lambda m: m(x)), not a model it closes over."
+        )
     widths = {
         p: (
             None if p in tied else _out_width(n, "linear"),
