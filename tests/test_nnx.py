@@ -1392,3 +1392,17 @@ def test_a_stack_of_einsums_built_under_vmap_matches_a_stack_of_linears():
     np.testing.assert_array_equal(
         state, linears.blocks.fc.dot_general.state.input.amax_history.get_value()
     )
+
+
+def test_an_example_that_does_not_call_the_model_it_is_given_is_refused():
+    """As for Equinox: an `example` calling the NNX model it closes over traced none of the
+    handed model's layers, and the plan, "roles from a trace", put the head `fc2` in FP8
+    silently; one returning nothing found no output either."""
+    model = NnxNet((32, 32, 4), nnx.Rngs(0))
+    x = jnp.ones((2, 32))
+    assert fp8jax.conversion_plan(model, example=lambda m: m(x)).converted == ("fc1",)
+    for convert in (fp8jax.conversion_plan, fp8jax.fp8_linear_layers):
+        with pytest.raises(ValueError, match=r"traced no GEMM of the model's layers.*lambda m"):
+            convert(model, example=lambda m: model(x))
+        with pytest.raises(ValueError, match=r"returned no array.*the model's output"):
+            convert(model, example=lambda m: None)

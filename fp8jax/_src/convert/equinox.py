@@ -29,7 +29,7 @@ from .plan import (
     decide,
     keep_in_high_precision,
 )
-from .roles import Dataflow, ModelShapes, dataflow, owner_of
+from .roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
 
 T = TypeVar("T")
 
@@ -236,8 +236,11 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
     return ModelShapes(embeddings, experts)
 
 
-def _trace(tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]]) -> Dataflow:
-    """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer."""
+def _trace(
+    tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]], own: list
+) -> Dataflow:
+    """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer;
+    `example` must run a GEMM of one of the layers `own` (those not tied to another)."""
     params, static = eqx.partition(tree, eqx.is_array)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     owners = [owner_of(tuple(_key_name(k) for k in path), layers) for path, _ in flat]
@@ -246,12 +249,9 @@ def _trace(tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...
         return example(eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static))
 
     closed = jax.make_jaxpr(call)([x for _, x in flat])
-    if not closed.jaxpr.outvars:
-        raise ValueError(
-            "fp8_linear_layers: example returned no array; return the model's output (e.g. "
-            "example=lambda m: jax.vmap(m)(x)), through which the trace finds the head."
-        )
-    return dataflow(closed, owners)
+    flow = dataflow(closed, owners)
+    check_example_ran(closed, flow, own)
+    return flow
 
 
 def equinox_plan(
@@ -266,14 +266,9 @@ def equinox_plan(
     linears = [(p, n) for p, n in nodes if kinds[p] in ("linear", "grouped", "moe")]
     layer_paths = [p for p, _ in linears]
     shapes = _shapes(nodes, hnn)
-    flow = None if example is None else _trace(tree, example, layer_paths)
     tied = {p for p, n in linears if _tied(n)}
     own = [p for p in layer_paths if p not in tied]
-    if flow is not None and own and not any(p in flow.gemms for p in own):
-        raise ValueError(
-            "fp8_linear_layers: example traced no GEMM of the model's layers: it must call "
-            "the model it is given (example=lambda m: m(x)), not a model it closes over."
-        )
+    flow = None if example is None else _trace(tree, example, layer_paths, own)
     widths = {
         p: (
             None if p in tied else _out_width(n, "linear"),

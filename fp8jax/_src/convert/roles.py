@@ -203,6 +203,22 @@ def _merge(*values: _Value) -> _Value:
     return _Value(origin, frozenset().union(*(v.taint for v in values)))
 
 
+def check_example_ran(closed_jaxpr: Any, flow: Dataflow, layers: Sequence[Path]) -> None:
+    """Raise if a model's `example`, traced to `closed_jaxpr` (its [`Dataflow`][] `flow`),
+    returned no array or ran none of the GEMMs of `layers`: it called a model it closes over,
+    not the one it is handed, and no head could be found."""
+    if not jax_private.jaxpr_parts(closed_jaxpr)[0].outvars:
+        raise ValueError(
+            "fp8_linear_layers: example returned no array; return the model's output (e.g. "
+            "example=lambda m: jax.vmap(m)(x)), through which the trace finds the head."
+        )
+    if layers and not any(p in flow.gemms for p in layers):
+        raise ValueError(
+            "fp8_linear_layers: example traced no GEMM of the model's layers: it must call "
+            "the model it is given (example=lambda m: m(x)), not a model it closes over."
+        )
+
+
 def dataflow(closed_jaxpr: Any, owners: Sequence[Path | None]) -> Dataflow:
     """The [`Dataflow`][] of a traced model call.
 

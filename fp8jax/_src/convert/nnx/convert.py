@@ -18,7 +18,7 @@ from flax import nnx
 from ..config import Fp8Config
 from ..einsum import check_einsum, einsum_kernel_shape
 from ..plan import ConversionPlan, Converted, announce, decide
-from ..roles import Dataflow, ModelShapes, dataflow, owner_of
+from ..roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
@@ -228,7 +228,10 @@ def _trace(model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ..
     def call(leaves: list) -> Any:
         return example(nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)))
 
-    return dataflow(jax.make_jaxpr(call)([x for _, x in flat]), owners)
+    closed = jax.make_jaxpr(call)([x for _, x in flat])
+    flow = dataflow(closed, owners)
+    check_example_ran(closed, flow, layers)
+    return flow
 
 
 def nnx_plan(
