@@ -183,3 +183,13 @@ RECIPES = {
     # Kernel-shaped state: checks that a Flax kernel (in, out) gets the (out, in) state.
     "residual error feedback": fp8jax.ResidualFP8(error_feedback=True),
 }
+
+
+def assert_examples_not_calling_the_model_are_refused(model, x) -> None:
+    """`fp8jax.conversion_plan` and `fp8_linear_layers` refuse an `example` that calls the
+    model it closes over instead of the one it is handed, or returns nothing."""
+    for convert in (fp8jax.conversion_plan, fp8jax.fp8_linear_layers):
+        with pytest.raises(ValueError, match=r"traced no GEMM of the model's layers.*lambda m"):
+            convert(model, example=lambda m: model(x))
+        with pytest.raises(ValueError, match=r"returned no array.*the model's output"):
+            convert(model, example=lambda m: None)
