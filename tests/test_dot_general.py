@@ -212,17 +212,68 @@ def test_out_sharding_reshards_the_output_as_dot_general_does():
             got = jax.jit(functools.partial(dot, out_sharding=out), static_argnums=2)
             assert got(x, w, dims).sharding.spec == want(x, w, dims).sharding.spec, out
         np.testing.assert_array_equal(got(x, w, dims), jnp.full((16, 8), 32.0))
-    # JAX's ragged dot takes no explicit axes without out_sharding, which the grouped GEMM's
-    # inner ragged dots do not pass: an automatic mesh, which takes a replicated out_sharding.
     ragged = fp8jax.Fp8RaggedDot("current", num_experts=2)
     ws, sizes = jnp.ones((2, 32, 8)), jnp.array([10, 6], jnp.int32)
-    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(auto):
-        x = jnp.ones((16, 32))
-        want = jax.jit(functools.partial(lax.ragged_dot, out_sharding=spec()))(x, ws, sizes)
-        got = jax.jit(functools.partial(ragged, out_sharding=spec()))(x, ws, sizes)
-        assert got.sharding == want.sharding
-    np.testing.assert_array_equal(got, jnp.full((16, 8), 32.0))
+    with jax.set_mesh(mesh):
+        x = jnp.ones((16, 32))  # lax.ragged_dot's CPU expansion fails on rows split here
+        for out in (spec(), spec("data", None), spec(None, "data")):
+            want = jax.jit(functools.partial(lax.ragged_dot, out_sharding=out))(x, ws, sizes)
+            got = jax.jit(functools.partial(ragged, out_sharding=out))(x, ws, sizes)
+            assert got.sharding.spec == want.sharding.spec, out
+            np.testing.assert_array_equal(got, jnp.full((16, 8), 32.0))
+        # Where lax.ragged_dot needs out_sharding, the tokens keep the rows' sharding.
+        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec("data")))
+        got = eqx.filter_jit(ragged)(x, ws, sizes)
+        assert got.sharding.spec == spec("data", None)
+        np.testing.assert_array_equal(got, jnp.full((16, 8), 32.0))
+
+
+EXPLICIT_CASES = [  # lhs, rhs, out_sharding (the contraction split needs one, as for lax)
+    (("data", None), (None, "model"), None),
+    (("data", "model"), ("model", None), ("data", None)),
+    ((None, None), (None, "model"), None),
+    (("data", None), ("data", None), None),
+]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise", "mxfp8"])
+def test_explicit_mesh_matches_no_mesh_and_lax_shardings(recipe):
+    """Under a mesh with Explicit axes (the block recipes raised from `jnp.repeat`, which has
+    no sharding rule there): each layout's value, gradients and new state equal the step
+    without a mesh, and the output and gradients are sharded as lax.dot_general's are."""
+    spec, explicit = jax.sharding.PartitionSpec, jax.sharding.AxisType.Explicit
+    dims = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    dot = fp8jax.Fp8DotGeneral(
+        fp8jax.BlockwiseScaling(block_size=32) if recipe == "blockwise" else recipe
+    )
+
+    def loss(params, out):
+        d, x, w = params
+        return jnp.sum(d(x, w, dims, out_sharding=out) ** 2)
+
+    step = eqx.filter_jit(fp8jax.filter_value_and_grad(loss))
+    want = step((dot, x, w), None)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit, explicit))
+    with jax.set_mesh(mesh):
+        for xs, ws, out in EXPLICIT_CASES:
+            out = out and spec(*out)
+            args = jax.device_put(x, spec(*xs)), jax.device_put(w, spec(*ws))
+            got = step((dot, *args), out)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                # Sums split over devices add in another order: float32 rounding of the sum.
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
+            lax_y = functools.partial(lax.dot_general, dimension_numbers=dims, out_sharding=out)
+            y = eqx.filter_jit(lambda d, x, w, out=out: d(x, w, dims, out_sharding=out))
+            assert y(dot, *args).sharding == jax.jit(lax_y)(*args).sharding, (xs, ws)
+            lax_grads = jax.grad(lambda x, w, f=lax_y: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
+            grads = [g.sharding for g in got[1][1:]]
+            assert grads == [g.sharding for g in jax.jit(lax_grads)(*args)], (xs, ws)
+        split = jax.device_put(x, spec(None, "model")), jax.device_put(w, spec("model", None))
+        with pytest.raises(Exception, match="specify the output sharding"):
+            eqx.filter_jit(lambda d, x, w: d(x, w, dims))(dot, *split)  # as lax raises
 
 
 def test_dtypes_follow_dot_general():

@@ -48,6 +48,7 @@ from jaxtyping import Array
 from ..core import contexts, jax_private
 
 _INSIDE: contexts.Setting[bool] = contexts.Setting("fp8jax_per_shard", False)
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def inside() -> bool:
@@ -396,7 +397,11 @@ def per_shard(
         shardings = tuple(NamedSharding(mesh, spec) for spec in plan.in_specs)
 
         def lower(*leaves: Array) -> Array:
-            return _per_device(call, dims, plan, *leaves)
+            # One device's program: no mesh of explicit axes, which a partition traced in
+            # `jax.set_mesh`'s scope would take up, leaving sharding ops in it that nothing
+            # partitions (XLA fails: "untyped custom call to Sharding").
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                return _per_device(call, dims, plan, *leaves)
 
         return mesh, lower, NamedSharding(mesh, plan.out_spec), shardings
 

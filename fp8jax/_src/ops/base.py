@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -111,6 +112,32 @@ def resharded(out: Array, out_sharding: Any) -> Array:
     `lax.ragged_dot` (a `NamedSharding`, or a `PartitionSpec` under `jax.set_mesh`), or as
     it is for `None`."""
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+
+
+def explicit_mesh(*arrays: Any) -> Any:
+    """The mesh with Explicit axes that `arrays` are typed on (or that `jax.set_mesh` gives),
+    `None` where there is none."""
+    meshes = [jax.typeof(a).sharding.mesh for a in arrays if isinstance(a, jax.Array)]
+    for mesh in [*meshes, jax.sharding.get_abstract_mesh()]:
+        if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def on_auto_axes(compute: Callable[..., Array], out_sharding: Any, *operands: Any) -> Array:
+    """`compute(*operands)` with the output sharded as `out_sharding` says. Under a mesh with
+    Explicit axes, `compute` runs with them as Auto axes: XLA then partitions the FP8 GEMMs,
+    their quantization and their kernels as under an automatic mesh, where JAX has no
+    sharding rule for several of them (a ragged dot, `jnp.repeat` of block scales, a kernel
+    call); there `out_sharding` is required."""
+    if explicit_mesh(*jax.tree.leaves(operands)) is None:
+        return resharded(compute(*operands), out_sharding)
+    arrays, rest = eqx.partition(operands, lambda x: isinstance(x, jax.Array))
+
+    def run(arrays: Any) -> Array:
+        return compute(*eqx.combine(arrays, rest))
+
+    return jax.sharding.auto_axes(run, out_sharding=out_sharding)(arrays)
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from ..core.stats import Fp8Stats
 from ..gemm.dense import fp8_dot_general, normalize_dimension_numbers
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, merge_stats, resharded
+from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes
 
 
 class Fp8DotGeneral(AbstractFp8Op):
@@ -116,11 +119,25 @@ class Fp8DotGeneral(AbstractFp8Op):
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
         if isinstance(precision, list):
             precision = tuple(precision)
-        with self._name_scope():
-            out = fp8_dot_general(
-                self.recipe, dims, precision, out_dtype, lhs, rhs, self._states(), self.name
-            )
-        return resharded(out, out_sharding)
+        if explicit_mesh(lhs, rhs) is not None:  # lax's output sharding, or its error
+            out_sharding = jax.eval_shape(
+                functools.partial(
+                    lax.dot_general,
+                    dimension_numbers=dims,
+                    preferred_element_type=out_dtype,
+                    out_sharding=out_sharding,
+                ),
+                lhs,
+                rhs,
+            ).sharding
+
+        def compute(lhs: Array, rhs: Array, states: Any) -> Array:
+            with self._name_scope():
+                return fp8_dot_general(
+                    self.recipe, dims, precision, out_dtype, lhs, rhs, states, self.name
+                )
+
+        return on_auto_axes(compute, out_sharding, lhs, rhs, self._states())
 
     @property
     def _where(self) -> str:

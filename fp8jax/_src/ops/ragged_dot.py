@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
@@ -17,7 +18,21 @@ from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
 from ..gemm.grouped_rules import check_recipe, native_choice
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, merge_stats, pick_received, resharded
+from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes, pick_received, resharded
+
+
+def _rows_by_outputs(lhs: Array, rhs: Array) -> PartitionSpec:
+    """The output sharding of a ragged dot under a mesh with Explicit axes, which JAX leaves to
+    `out_sharding` ("Explicit sharding inference ... not implemented"): the tokens as `lhs`'s
+    rows are, the outputs as `rhs`'s last axis is unless a mesh axis splits both."""
+    rows = jax.typeof(lhs).sharding.spec[0] if lhs.ndim else None
+    spec = tuple(jax.typeof(rhs).sharding.spec)
+    outputs = spec[2] if len(spec) > 2 else None
+
+    def names(entry: Any) -> set:
+        return set(entry) if isinstance(entry, tuple) else set() if entry is None else {entry}
+
+    return PartitionSpec(rows, None if names(rows) & names(outputs) else outputs)
 
 
 def check_ragged_dot_args(
@@ -257,7 +272,9 @@ class Fp8RaggedDot(AbstractFp8Op):
         out_sharding: Any = None,
     ) -> Float[Array, "tokens fan_out"]:
         """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported: a value
-        other than `None` raises; `out_sharding` reshards the output).
+        other than `None` raises; `out_sharding` reshards the output). Under a mesh with
+        Explicit axes, where `lax.ragged_dot` requires `out_sharding`, the output's rows
+        default to `lhs`'s rows' sharding and its columns to `rhs`'s last axis's.
 
         **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
         type of `lhs` and `rhs`).
@@ -281,19 +298,25 @@ class Fp8RaggedDot(AbstractFp8Op):
         experts = self._state_experts()
         check_ragged_dot_args(self._where, lhs.shape, rhs.shape, group_sizes, experts)
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
-        with self._name_scope():
-            out = fp8_ragged_dot(
-                self.recipe,
-                precision,
-                out_dtype,
-                lhs,
-                rhs,
-                _offset_dtype(group_sizes),
-                self._states(),
-                self.name,
-                native_choice(self.recipe, self.native_kernel),
-            )
-        return resharded(out, out_sharding)
+        if out_sharding is None and explicit_mesh(lhs, rhs, group_sizes) is not None:
+            out_sharding = _rows_by_outputs(lhs, rhs)
+
+        def compute(lhs: Array, rhs: Array, group_sizes: Any, states: Any) -> Array:
+            with self._name_scope():
+                return fp8_ragged_dot(
+                    self.recipe,
+                    precision,
+                    out_dtype,
+                    lhs,
+                    rhs,
+                    group_sizes,
+                    states,
+                    self.name,
+                    native_choice(self.recipe, self.native_kernel),
+                )
+
+        sizes = _offset_dtype(group_sizes)
+        return on_auto_axes(compute, out_sharding, lhs, rhs, sizes, self._states())
 
     def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type) -> Array:
         """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8
