@@ -193,3 +193,28 @@ def test_unrolled_microbatches_quantize_each_weight_once_on_h100():
     (rolled, rolled_bytes), (unrolled, unrolled_bytes) = weight_kernels(1), weight_kernels(True)
     assert (rolled, unrolled) == (4, 1)
     assert unrolled_bytes < rolled_bytes
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8"])
+def test_state_pairs_the_scale_with_the_recorded_amax(getkey, recipe):
+    """Recipes that scale each tensor by its own amax record that amax and the scale it gives.
+    Accumulated, the state is the largest microbatch's, as one step over the whole batch: the
+    scale came from the smallest microbatch's amax, the amax from the largest (a scale 128x
+    too large beside its amax in telemetry and in the layer's merged state)."""
+    model, x, y = problem(getkey, recipe)
+    _, grads = eqx.filter_jit(fp8jax.accumulate_gradients(mse, 4))(model, x, y)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    merged = fp8jax.apply_updates(model, None, overwrites)
+    # The first layer's input is x itself: its amax, independently, is max |x|.
+    assert float(grads.layers[0].dot_general.input.amax_history[0]) == float(jnp.max(abs(x)))
+    for tree in (grads, merged):
+        for layer in tree.layers:
+            for role in ("input", "kernel", "output_grad"):
+                state = getattr(layer.dot_general, role)
+                e5m2 = recipe == "current" and role == "output_grad"
+                fmt_max = float(jnp.finfo(jnp.float8_e5m2 if e5m2 else jnp.float8_e4m3fn).max)
+                exact = fmt_max / np.float64(state.amax_history[0])
+                want = 2.0 ** np.floor(np.log2(exact)) if recipe == "current" else exact
+                np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
+                if tree is merged:
+                    np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Gradient accumulation over microbatches: gradients averaged, FP8 state combined by max.
+"""Gradient accumulation over microbatches: gradients averaged, FP8 state of the largest amax.
 
 Each microbatch runs its own forward and backward (one microbatch's activations live at a
 time), under `lax.scan`. Its loss is divided by the number of microbatches before it is
@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..core.updates import is_overwrite, partition_for_grad_overwrite
+from ..recipes import ResidualState, TensorState
 from .grad import filter_value_and_grad
 
 
@@ -55,12 +56,37 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
     return jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, named))
 
 
+def _is_scaled(x: Any) -> bool:
+    return isinstance(x, TensorState | ResidualState)
+
+
+def _larger(total: Any, new: Any) -> Any:
+    """Of two states of one operand, that with the larger newest amax, whole; their max leaf
+    by leaf where the amaxes tie (a zero state, of a use that did not run, then loses).
+
+    A scale is a function of its amax: the max of the scales, beside the max of the
+    amaxes, paired the smallest microbatch's scale with the largest's amax. Per leading
+    index (an expert's kernel)."""
+    if not _is_scaled(total):
+        return jnp.maximum(total, new)
+    a, b = total.amax_history[..., 0], new.amax_history[..., 0]
+
+    def pick(t: Array, n: Array) -> Array:
+        def flag(f: Array) -> Array:
+            return jnp.reshape(f, f.shape + (1,) * (t.ndim - f.ndim))
+
+        return jnp.where(flag(b > a), n, jnp.where(flag(a > b), t, jnp.maximum(t, n)))
+
+    return jax.tree.map(pick, total, new)
+
+
 def _combine(total: Any, new: Any) -> Any:
-    """Sum the trainable gradients, take the max of the FP8 state, leaf by leaf."""
+    """Sum the trainable gradients; of the FP8 state keep, operand by operand, the state of
+    the larger amax (`_larger`), and the max of other leaves (statistics)."""
     total_state, total_rest = partition_for_grad_overwrite(total)
     new_state, new_rest = partition_for_grad_overwrite(new)
     rest = jax.tree.map(jnp.add, total_rest, new_rest)
-    state = jax.tree.map(jnp.maximum, total_state, new_state)
+    state = jax.tree.map(_larger, total_state, new_state, is_leaf=_is_scaled)
     return eqx.combine(state, rest, is_leaf=is_overwrite)
 
 
@@ -125,8 +151,9 @@ def accumulate_gradients(
 
     **Returns:** a function `(model, *batch) -> (loss, grads)` (`((loss, aux), grads)` with
     `has_aux`, `aux` stacked over microbatches): the loss and the trainable gradients averaged
-    over microbatches, and the FP8 state combined by max (each leaf; for delayed scaling the
-    history gets the largest amax once, as for one step over the whole batch). With delayed
+    over microbatches, and of each operand's FP8 state that of the microbatch with the
+    largest amax (its scale with it, as one step over the whole batch records them; delayed
+    scaling's history gets that amax once; statistics by max). With delayed
     scaling every microbatch is cast with the same scales, so the result is that of the whole
     batch up to float32 summation order (from the second step: on the first, an empty history
     casts each microbatch with its own amax, the warm start); recipes that scale each tensor
