@@ -103,6 +103,9 @@ if TYPE_CHECKING:  # Flax support: imported on first use (flax is the `nnx` / `l
     from ._src.convert.nnx.layers import Fp8NnxEinsum as Fp8NnxEinsum
     from ._src.convert.nnx.layers import Fp8State as Fp8State
     from ._src.convert.nnx.train import NnxTrainStep as NnxTrainStep
+    from ._src.convert.nnx.train import (
+        nnx_rescale_gradient_states as nnx_rescale_gradient_states,
+    )
     from ._src.convert.nnx.train import nnx_train_step as nnx_train_step
     from ._src.convert.nnx.train import nnx_update_fp8_state as nnx_update_fp8_state
     from ._src.convert.nnx.train import nnx_value_and_grad as nnx_value_and_grad
@@ -119,6 +122,7 @@ _FLAX_NAMES = {
     "Fp8State": "nnx.layers",
     "NnxTrainStep": "nnx.train",
     "nnx_train_step": "nnx.train",
+    "nnx_rescale_gradient_states": "nnx.train",
     "nnx_update_fp8_state": "nnx.train",
     "nnx_value_and_grad": "nnx.train",
 }
@@ -229,6 +233,7 @@ __all__ = [
     "load_checkpoint",
     "low_precision_state",
     "make_train_step",
+    "nnx_rescale_gradient_states",
     "nnx_train_step",
     "nnx_update_fp8_state",
     "nnx_value_and_grad",

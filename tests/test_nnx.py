@@ -1409,3 +1409,105 @@ def test_an_example_that_does_not_call_the_model_it_is_given_is_refused():
     x = jnp.ones((2, 32))
     assert fp8jax.conversion_plan(model, example=lambda m: m(x)).converted == ("fc1",)
     assert_examples_not_calling_the_model_are_refused(model, x)
+
+
+class _Float16Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(64, 128, dtype=jnp.float16, rngs=rngs)
+        self.fc2 = nnx.Linear(128, 128, dtype=jnp.float16, rngs=rngs)
+        self.head = nnx.Linear(128, 10, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jax.nn.gelu(self.fc2(jax.nn.gelu(self.fc1(x)))))
+
+
+def _float16_run(rescale):
+    """A float16 NNX loop of 9 steps with a dynamic loss scale that doubles every 3: per step
+    and FP8 layer, (its output-gradient scale used, the step's output-gradient amax)."""
+    recipe = fp8jax.DelayedScaling(history_len=8)
+    model = fp8jax.fp8_linear_layers(_Float16Mlp(nnx.Rngs(0)), config(recipe))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def loss_fn(model, x, y):
+        logits = model(x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @nnx.jit
+    def step(model, optimizer, loss_scale, x, y):
+        scaled = lambda m, x, y: loss_scale.scale(loss_fn(m, x, y))  # noqa: E731
+        _, grads = fp8jax.nnx_value_and_grad(scaled)(model, x, y)
+        params = loss_scale.unscale(nnx.filter_state(grads, nnx.Param))
+        new_scale = loss_scale.adjust(fp8jax.all_finite(params))
+        fp8jax.nnx_update_fp8_state(model, grads)
+        optimizer.update(model, params)
+        if rescale:
+            ratio = new_scale.loss_scale / loss_scale.loss_scale
+            fp8jax.nnx_rescale_gradient_states(model, ratio)
+        states = [grads[n]["dot_general"]["state"] for n in LAYERS]
+        amaxes = [state["output_grad"]["amax_history"][0] for state in states]
+        return new_scale, amaxes
+
+    loss_scale, seen = fp8jax.DynamicLossScale(2.0**8, period=3), []
+    for i in range(9):
+        x = jax.random.normal(jax.random.key(i), (64, 64))
+        used = [float(getattr(model, n).dot_general.value().output_grad.scale) for n in LAYERS]
+        loss_scale, amaxes = step(model, optimizer, loss_scale, x, x[:, :10].argmax(-1))
+        seen.append(list(zip(used, map(float, amaxes), strict=True)))
+    assert float(loss_scale.loss_scale) == 2.0**11
+    return seen
+
+
+LAYERS = ("fc1", "fc2")
+
+
+def test_float16_dynamic_loss_scale_growth_saturates_no_output_gradient():
+    """Delayed scaling's output-gradient history records gradients times the loss scale: at
+    each growth (x2) the next step's largest gradients were twice what the scale allowed and
+    saturated at E5M2's max, one step in three here, with no way to follow the loss scale
+    for an NNX model (`rescale_gradient_states` refuses one). Rescaled in place, no step's
+    largest gradient times its scale passes E5M2's max (from the second step: the first
+    casts by its own amax)."""
+    e5m2_max = float(jnp.finfo(jnp.float8_e5m2).max)
+    fixed = _float16_run(rescale=True)
+    assert all(scale * amax <= e5m2_max for per_step in fixed[1:] for scale, amax in per_step)
+    # The check sees the saturation where nothing follows the loss scale.
+    unfixed = _float16_run(rescale=False)
+    assert any(scale * amax > e5m2_max for per_step in unfixed[1:] for scale, amax in per_step)
+
+
+def test_nnx_rescale_gradient_states_is_the_recorded_gradients_times_the_ratio():
+    """In place: the output-gradient history times the ratio, the scale from it by hand in
+    float64 (E5M2's max over its max, rounded down to a power of two), the other roles and
+    recipes bit for bit; a ratio that is not a positive finite scalar is refused."""
+    recipes = {"fc1": fp8jax.DelayedScaling(history_len=4), "fc2": fp8jax.CurrentScaling()}
+    model = fp8jax.fp8_linear_layers(_Float16Mlp(nnx.Rngs(0)), config(recipes=recipes))
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    _, grads = fp8jax.nnx_value_and_grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2))(
+        model, x
+    )
+    fp8jax.nnx_update_fp8_state(model, grads)
+    before = {n: getattr(model, n).dot_general.value() for n in LAYERS}
+    fp8jax.nnx_rescale_gradient_states(model, 4.0)
+    after = {n: getattr(model, n).dot_general.value() for n in LAYERS}
+    history = np.asarray(before["fc1"].output_grad.amax_history, np.float64) * 4.0
+    assert history[0] > 0
+    np.testing.assert_array_equal(after["fc1"].output_grad.amax_history, history)
+    want = 2.0 ** np.floor(np.log2(float(jnp.finfo(jnp.float8_e5m2).max) / history.max()))
+    assert float(after["fc1"].output_grad.scale) == want
+    assert float(after["fc1"].output_grad.scale_inv) == 1 / want
+    for name, roles in (("fc1", ("input", "kernel")), ("fc2", ("input", "kernel", "output_grad"))):
+        for role in roles:
+            for a, b in zip(
+                jax.tree.leaves(getattr(after[name], role)),
+                jax.tree.leaves(getattr(before[name], role)),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(a, b)
+    for bad, match in (
+        (0.0, r"ratio=0.0: should be positive"),
+        (jnp.ones(2), r"ratio has shape \(2,\)"),
+    ):
+        with pytest.raises(ValueError, match=f"nnx_rescale_gradient_states: {match}"):
+            fp8jax.nnx_rescale_gradient_states(model, bad)
+    with pytest.raises(TypeError, match="nnx_rescale_gradient_states: .*not a Flax NNX"):
+        fp8jax.nnx_rescale_gradient_states({"a": 1}, 2.0)

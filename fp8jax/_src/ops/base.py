@@ -107,6 +107,39 @@ def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, A
     return Fp8Stats(**stats)
 
 
+def checked_ratio(ratio: Any, who: str) -> tuple[Array, Array]:
+    """`ratio` (new loss scale / old) as a float32 scalar, and whether it changes nothing: 1,
+    or, traced, a value that is not positive and finite. Raises `ValueError` naming `who`
+    for any other shape or such a value."""
+    ratio = jnp.asarray(ratio, jnp.float32)
+    if ratio.shape != ():
+        raise ValueError(
+            f"{who}: ratio has shape {ratio.shape}; it should be a scalar "
+            "(new loss scale / old loss scale)."
+        )
+    if not isinstance(ratio, jax.core.Tracer) and not (jnp.isfinite(ratio) and ratio > 0):
+        raise ValueError(
+            f"{who}: ratio={float(ratio)!r}: should be positive and finite "
+            "(new loss scale / old loss scale)."
+        )
+    return ratio, (ratio == 1.0) | ~jnp.isfinite(ratio) | (ratio <= 0)
+
+
+def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
+    """`op` with its delayed-scaling output-gradient state as if its recorded gradients had
+    been `ratio` times as large, or as it is where `keep` (`checked_ratio`); other recipes'
+    ops as they are. `fp8jax.rescale_gradient_states` of one op, on arrays."""
+    state = op.output_grad
+    if not isinstance(op.recipe, DelayedScaling) or not isinstance(state, TensorState):
+        return op
+    history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
+    scale = op.recipe.next_scale(state.scale, history, "output_grad")
+    # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
+    # not give; so does a history that holds no amax (0: "none yet", for a recorded one).
+    scale = jnp.where(keep | ~(scale > 0.0), state.scale, scale)
+    return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
+
+
 def resharded(out: Array, out_sharding: Any) -> Array:
     """`out` resharded to `out_sharding`, the argument of `lax.dot_general` and
     `lax.ragged_dot` (a `NamedSharding`, or a `PartitionSpec` under `jax.set_mesh`), or as

@@ -38,7 +38,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core.updates import is_overwrite
-from ..ops.base import AbstractFp8Op
+from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state
 from ..recipes.base import TensorState
 from ..recipes.per_tensor import DelayedScaling
 
@@ -334,8 +334,9 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
 
     - `tree`: an Equinox model, a Flax Linen model's variables, or any pytree holding
       [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too). A
-      Flax NNX model is refused (`TypeError`: its layers hold `nnx.Variable`s), and its
-      `nnx.state` holds the layers' arrays, not the layers: nothing is found there.
+      Flax NNX model is refused (`TypeError`: its layers hold `nnx.Variable`s; use
+      [`fp8jax.nnx_rescale_gradient_states`][]), and its `nnx.state` holds the layers'
+      arrays, not the layers: nothing is found there.
     - `ratio`: a positive, finite float32 scalar; 1 changes nothing (bit for bit). Any
       other value raises `ValueError`, or, traced (inside `jit`), changes nothing.
 
@@ -345,39 +346,22 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     model = fp8jax.rescale_gradient_states(model, ratio)
     ```
     """
-    ratio = jnp.asarray(ratio, jnp.float32)
-    if ratio.shape != ():
-        raise ValueError(
-            f"rescale_gradient_states: ratio has shape {ratio.shape}; it should be a scalar "
-            "(new loss scale / old loss scale)."
-        )
-    if not isinstance(ratio, jax.core.Tracer) and not (jnp.isfinite(ratio) and ratio > 0):
-        raise ValueError(
-            f"rescale_gradient_states: ratio={float(ratio)!r}: should be positive and finite "
-            "(new loss scale / old loss scale)."
-        )
-    # Traced, a ratio that is not (a history must hold finite amaxes) changes nothing.
-    keep = (ratio == 1.0) | ~jnp.isfinite(ratio) | (ratio <= 0)
+    ratio, keep = checked_ratio(ratio, "rescale_gradient_states")
 
     def rescale(op: Any) -> Any:
         if not isinstance(op, AbstractFp8Op) or not isinstance(op.recipe, DelayedScaling):
             return op
-        state = op.output_grad
-        if not isinstance(state, TensorState):
-            return op
-        if not eqx.is_array(state.amax_history):
+        if isinstance(op.output_grad, TensorState) and not eqx.is_array(
+            op.output_grad.amax_history
+        ):
             # An NNX model's layers hold their arrays in `nnx.Variable`s.
             raise TypeError(
                 f"rescale_gradient_states: layer {op.name!r} holds its state in "
-                f"{type(state.amax_history).__name__}s, not arrays (a Flax NNX model?); it "
-                "takes Equinox models and Flax Linen variables."
+                f"{type(op.output_grad.amax_history).__name__}s, not arrays (a Flax NNX "
+                "model?); it takes Equinox models and Flax Linen variables. For an NNX "
+                "model, fp8jax.nnx_rescale_gradient_states(model, ratio) rescales in place."
             )
-        history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
-        scale = op.recipe.next_scale(state.scale, history, "output_grad")
-        # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
-        # not give; so does a history that holds no amax (0: "none yet", for a recorded one).
-        scale = jnp.where(keep | ~(scale > 0.0), state.scale, scale)
-        return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
+        return rescaled_gradient_state(op, ratio, keep)
 
     return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
 

@@ -1,6 +1,7 @@
 """Training FP8 Flax NNX models: gradients whose FP8 state combines by max
-(`nnx_value_and_grad`), the state written back (`nnx_update_fp8_state`), a whole train step
-(`nnx_train_step`, an `NnxTrainStep`)."""
+(`nnx_value_and_grad`), the state written back (`nnx_update_fp8_state`), gradient histories
+following a loss scale (`nnx_rescale_gradient_states`), a whole train step (`nnx_train_step`,
+an `NnxTrainStep`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flax import nnx
 from ...core import jax_private
 from ...core.compile_options import checked_compiler_options, traced_for, traced_options
 from ...ops import warm_start
+from ...ops.base import checked_ratio, rescaled_gradient_state
 from ...ops.dot_general import Fp8DotGeneral
 from .layers import AbstractFp8NnxDot, Fp8State, is_variable
 
@@ -164,6 +166,35 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
         merged = cls.merge_many([(old, new) for _, old, new in group])
         for (layer, _, _), value in zip(group, merged, strict=True):
             layer.set_value(value)
+
+
+def nnx_rescale_gradient_states(model: Any, ratio: Any) -> None:
+    """[`fp8jax.rescale_gradient_states`][] for an NNX model, in place: each delayed-scaling
+    layer's output-gradient history times `ratio`, and the scale its next step uses
+    computed again from it.
+
+    A loss scale multiplies every output gradient, which delayed scaling's history records
+    as it is: after a [`fp8jax.DynamicLossScale`][] grows (x2), the next step's largest
+    gradients would saturate at E5M2's max. Call it with `new_loss_scale / old_loss_scale`
+    after [`fp8jax.nnx_update_fp8_state`][], inside the jitted step or outside.
+
+    **Arguments:** `model`, the NNX model; `ratio`, a positive, finite float32 scalar (1,
+    or, traced, a value that is not positive and finite, changes nothing).
+
+    ```python
+    new_loss_scale = loss_scale.adjust(finite)
+    fp8jax.nnx_rescale_gradient_states(model, new_loss_scale.loss_scale / loss_scale.loss_scale)
+    ```
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"nnx_rescale_gradient_states: model is a {type(model).__name__}, not a Flax NNX "
+            "module; for an Equinox model or Linen variables, fp8jax.rescale_gradient_states."
+        )
+    ratio, keep = checked_ratio(ratio, "nnx_rescale_gradient_states")
+    for _, node in nnx.iter_graph(model, graph=True):
+        if isinstance(node, AbstractFp8NnxDot):
+            node.set_value(rescaled_gradient_state(node.value(), ratio, keep))
 
 
 def _check_optimizer(model: Any, optimizer: Any) -> None:
