@@ -1511,3 +1511,25 @@ def test_nnx_rescale_gradient_states_is_the_recorded_gradients_times_the_ratio()
             fp8jax.nnx_rescale_gradient_states(model, bad)
     with pytest.raises(TypeError, match="nnx_rescale_gradient_states: .*not a Flax NNX"):
         fp8jax.nnx_rescale_gradient_states({"a": 1}, 2.0)
+
+
+def test_a_loss_scale_leaves_an_nnx_models_fp8_state_alone():
+    """`unscale`, `scale` and `all_finite` leave FP8 state alone, NNX's `Fp8State` entries of
+    the gradients too: they are new states, not gradients (unscaled, the amax history and
+    scale were divided by the loss scale, and the next step's scale 256x too large)."""
+    model = fp8jax.fp8_linear_layers(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), config())
+    x = jax.random.normal(jax.random.key(0), (8, 64))
+    loss_scale = fp8jax.StaticLossScale(256.0)
+    scaled = lambda m, x: loss_scale.scale(jnp.mean(m(x) ** 2))  # noqa: E731
+    _, grads = fp8jax.nnx_value_and_grad(scaled)(model, x)
+    for unscaled, factor in ((loss_scale.unscale(grads), 1 / 256), (loss_scale.scale(grads), 256)):
+        for kind, want in ((fp8jax.Fp8State, 1.0), (nnx.Param, factor)):
+            got = jax.tree.leaves(nnx.filter_state(unscaled, kind))
+            before = jax.tree.leaves(nnx.filter_state(grads, kind))
+            assert got and len(got) == len(before)
+            for a, b in zip(got, before, strict=True):
+                np.testing.assert_array_equal(a, np.asarray(b, np.float64) * want)
+    # A NaN in the FP8 state is its merge's to reject, not a gradient's overflow.
+    state = nnx.filter_state(grads, fp8jax.Fp8State)
+    nan = jax.tree.map(lambda a: a * np.nan, state)
+    assert bool(fp8jax.all_finite(nnx.merge_state(grads, nan)))

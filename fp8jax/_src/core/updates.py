@@ -66,6 +66,24 @@ def is_overwrite(x: Any) -> bool:
     return isinstance(x, (OverwriteWithGradient, *_foreign_markers()))
 
 
+#: Variable types of other frameworks holding fp8jax's FP8 state (NNX's `Fp8State`),
+#: registered by their adapter (`register_state_variable`).
+_STATE_VARIABLES: list[type] = []
+
+
+def register_state_variable(cls: type) -> type:
+    """Mark `cls`, a framework's variable type holding FP8 state, as `is_fp8_state`'s (a
+    class decorator): loss scaling leaves its values alone in a gradient tree."""
+    _STATE_VARIABLES.append(cls)
+    return cls
+
+
+def is_fp8_state(x: Any) -> bool:
+    """Whether `x` is FP8 state: an `is_overwrite` module, or a registered variable holding
+    some (an NNX `Fp8State` in a gradient `nnx.State`), whose values are new states."""
+    return is_overwrite(x) or isinstance(x, tuple(_STATE_VARIABLES))
+
+
 def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     """Split `tree` into `(overwrites, rest)`: the [`fp8jax.OverwriteWithGradient`][]
     modules (and Haliax's own, of a layer quantized by `haliax.quantization`), and

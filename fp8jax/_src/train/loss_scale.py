@@ -37,7 +37,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
-from ..core.updates import is_overwrite
+from ..core.updates import is_fp8_state
 from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state
 from ..recipes.base import TensorState
 from ..recipes.per_tensor import DelayedScaling
@@ -58,11 +58,11 @@ def _map_inexact(f: Any, tree: T) -> T:
     every other leaf are returned as they are."""
 
     def apply(x: Any) -> Any:
-        if is_overwrite(x) or not _is_inexact_array(x):
+        if is_fp8_state(x) or not _is_inexact_array(x):
             return x
         return f(x)
 
-    return jax.tree.map(apply, tree, is_leaf=is_overwrite)
+    return jax.tree.map(apply, tree, is_leaf=is_fp8_state)
 
 
 def _multiply(tree: T, factor: Float[Array, ""]) -> T:
@@ -112,7 +112,8 @@ class LossScale(eqx.Module):
     Subclasses hold `loss_scale`, a float32 scalar array, and define `adjust`. `scale` and
     `unscale` act on the floating-point array leaves of a pytree only, each computed in at least
     float32 and cast back to the leaf's dtype; FP8 state ([`fp8jax.OverwriteWithGradient`][]
-    modules), integer arrays, `None` and non-array leaves are returned as they are.
+    modules, an NNX gradient's [`fp8jax.Fp8State`][] entries), integer arrays, `None` and
+    non-array leaves are returned as they are.
 
     ```python
     scaled_loss = loss_scale.scale(loss)
@@ -369,7 +370,8 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
 def all_finite(tree: Any) -> Bool[Array, ""]:
     """Whether every floating-point array leaf of `tree` is finite (no inf, no NaN).
 
-    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules) is not inspected: what it receives
+    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules, NNX's [`fp8jax.Fp8State`][]
+    entries) is not inspected: what it receives
     through the gradient is a state, not a derivative, and its `merge` decides what to keep.
     Integer arrays, `None` and non-array leaves are skipped; an empty tree is finite.
 
@@ -382,8 +384,8 @@ def all_finite(tree: Any) -> Bool[Array, ""]:
     """
     leaves = [
         x
-        for x in jax.tree.leaves(tree, is_leaf=is_overwrite)
-        if not is_overwrite(x) and _is_inexact_array(x)
+        for x in jax.tree.leaves(tree, is_leaf=is_fp8_state)
+        if not is_fp8_state(x) and _is_inexact_array(x)
     ]
     if not leaves:
         return jnp.asarray(True)

@@ -13,6 +13,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
+from ...core.updates import register_state_variable
 from ...ops.base import resharded
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
@@ -34,6 +35,7 @@ _NNX_WORDING = StateErrorWording(
 
 
 @final
+@register_state_variable
 class Fp8State(nnx.Variable):
     """The FP8 scaling state of a converted NNX layer: a scale, an amax history, telemetry.
 
