@@ -1533,3 +1533,21 @@ def test_a_loss_scale_leaves_an_nnx_models_fp8_state_alone():
     state = nnx.filter_state(grads, fp8jax.Fp8State)
     nan = jax.tree.map(lambda a: a * np.nan, state)
     assert bool(fp8jax.all_finite(nnx.merge_state(grads, nan)))
+
+
+def test_each_train_step_refuses_the_other_frameworks_model_by_name():
+    """An NNX model given to `make_train_step`, or an Equinox one to `nnx_train_step`, is
+    refused naming the step that takes it (they failed deep inside: `'>' not supported
+    between instances of 'Fp8State' and 'int'`, `custom_jvp ... is not a valid JAX type`)."""
+    x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))
+    nnx_model = fp8jax.fp8_linear_layers(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), config())
+    step = fp8jax.make_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2), optax.sgd(0.1))
+    refused = r"make_train_step: .*Linear, is a Flax NNX .*nnx_train_step"
+    with pytest.raises(TypeError, match=refused):
+        step.init(nnx_model)
+    mlp = eqx.nn.MLP(16, 4, 32, 1, key=jax.random.key(0))
+    eqx_model = fp8jax.fp8_linear_layers(mlp, config())
+    optimizer = nnx.Optimizer(nnx_model, optax.sgd(0.1), wrt=nnx.Param)
+    loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)  # noqa: E731
+    with pytest.raises(TypeError, match=r"nnx_train_step: .*MLP, is not a Flax NNX .*make_train_"):
+        fp8jax.nnx_train_step(loss)(eqx_model, optimizer, x, y)

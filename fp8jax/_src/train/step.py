@@ -19,6 +19,7 @@ for batch in batches:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -123,6 +124,13 @@ class TrainStep(eqx.Module):
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
         (FP8 state untouched) and the optimizer initialised on the trainable part."""
+        nnx = sys.modules.get("flax.nnx")  # looked up, never imported
+        if isinstance(getattr(nnx, "Module", None), type) and isinstance(model, nnx.Module):
+            raise TypeError(
+                f"make_train_step: the model, a {type(model).__name__}, is a Flax NNX module, "
+                "whose variables this step cannot update; train it with "
+                "fp8jax.nnx_train_step(loss_fn) and an nnx.Optimizer."
+            )
         model = self.policy.cast_to_param(model)
         opt_state = self.optimizer.init(_trainable_params(model))
         return TrainState(model, opt_state, self.loss_scale, jnp.zeros((), jnp.int32))

@@ -312,6 +312,12 @@ class NnxTrainStep:
         return f"NnxTrainStep({self.loss_fn!r}, has_aux={self.has_aux})"
 
     def __call__(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"nnx_train_step: the model, a {type(model).__name__}, is not a Flax NNX "
+                "module; train an Equinox model (or Linen variables) with "
+                "fp8jax.make_train_step."
+            )
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
                 f"nnx_train_step: optimizer={type(optimizer).__name__}: should be an "
