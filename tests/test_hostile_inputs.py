@@ -473,7 +473,22 @@ CONVERSION = [
         "config-str",
         lambda w: convert(w.plain, ".*"),
         TypeError,
-        r"config='\.\*': should be an fp8jax.Fp8Config or None",
+        r"config='\.\*': should be an fp8jax.Fp8Config or None; to convert only the layers "
+        r"it names, fp8jax.Fp8Config\(targets='\.\*'\)",
+    ),
+    row(
+        "config-recipe-name",
+        lambda w: convert(w.plain, "current"),
+        TypeError,
+        r"config='current': should be an fp8jax.Fp8Config or None; for that recipe, pass "
+        r"fp8jax.Fp8Config\(recipe='current'\)",
+    ),
+    row(
+        "config-recipe",
+        lambda w: convert(w.plain, fp8jax.MXFP8()),
+        TypeError,
+        r"config=MXFP8\(.*\): should be an fp8jax.Fp8Config or None; for that recipe, pass "
+        r"fp8jax.Fp8Config\(recipe=MXFP8\(",
     ),
     row(
         "config-dict",

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..recipes import RECIPES, Recipe
 from .config import Fp8Config
 from .equinox import equinox_plan, fp8_equinox_linear_layers
 from .plan import ConversionPlan, Fp8ConversionWarning, differing_fields
@@ -33,7 +34,12 @@ def _fp8_linen(tree: Any) -> bool:
 def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
     config = Fp8Config() if config is None else config
     if not isinstance(config, Fp8Config):
-        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None.")
+        hint = ""
+        if isinstance(config, Recipe) or (isinstance(config, str) and config in RECIPES):
+            hint = f"; for that recipe, pass fp8jax.Fp8Config(recipe={config!r})"
+        elif isinstance(config, str):  # a regex of layer names, as `targets` takes
+            hint = f"; to convert only the layers it names, fp8jax.Fp8Config(targets={config!r})"
+        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None{hint}.")
     if example is not None and not callable(example):
         raise TypeError(
             f"example={example!r}: should be None or a function that calls the model on "
