@@ -498,6 +498,33 @@ def test_prng_keys_save_and_resume(backend, tmp_path):
     assert values(go(restored, restored_optimizer, 2, 4)) == want
 
 
+@pytest.mark.parametrize("axes", ["Auto", "Explicit"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prng_keys_restore_into_a_sharded_abstract_like(backend, axes, tmp_path):
+    """Keys on a mesh, restored into `jax.ShapeDtypeStruct`s carrying their sharding (how a
+    sharded run restores without building its state first): each key comes back with the
+    sharding that `like` names, its data as saved. The keys' data got `eval_shape`'s
+    sharding, on an abstract mesh: Equinox's backend raised, and orbax's too on a mesh of
+    Explicit axes."""
+    spec, sharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axes),))
+    saved = {
+        "split": jax.device_put(
+            jax.random.split(jax.random.key(1), 8), sharding(mesh, spec("data"))
+        ),
+        "whole": jax.device_put(jax.random.split(jax.random.key(2), 3), sharding(mesh, spec())),
+    }
+    path = tmp_path / ("keys" if backend == "orbax" else "keys.eqx")
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    like = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in saved.items()
+    }
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    for name, key in saved.items():
+        assert restored[name].sharding == key.sharding, name
+        np.testing.assert_array_equal(jax.random.key_data(restored[name]), jax.random.key_data(key))
+
+
 @needs_orbax
 def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     """A save stopped while it removed the checkpoint it replaced (a preempted job) leaves

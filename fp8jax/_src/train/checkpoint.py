@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
+from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_record import (
     check_fp8_record,
     corrupt,
@@ -81,7 +82,7 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     """
     _check_backend(backend)
     path = _as_path(path, "save_checkpoint")
-    state = _keys_as_data(state)
+    state = keys_as_data(state)
     _check_savable(state)
     record = json.dumps(fp8_record(state)).encode()
     if backend == "orbax":
@@ -162,9 +163,9 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     if backend == "orbax":
         saved = parse_record(_orbax_record(path), path)
         target = _target(saved, like)
-        data = _keys_as_data(target)
+        data = keys_as_data(target)
         check_fp8_record(saved, fp8_record(data), path)
-        return _settled(_keys_from_data(_orbax_load(path, data), target))
+        return _settled(keys_from_data(_orbax_load(path, data), target))
     if path.is_dir():
         raise IsADirectoryError(
             f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
@@ -184,7 +185,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its record is cut off ({total} bytes in all)")
         saved = parse_record(f.read(size), path)
         target = _target(saved, like)
-        data = _keys_as_data(target)
+        data = keys_as_data(target)
         check_fp8_record(saved, fp8_record(data), path)
         try:
             restored = eqx.tree_deserialise_leaves(f, data, filter_spec=_deserialise)
@@ -192,44 +193,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
             raise corrupt(path, f"it has data after the saved state ({total} bytes in all)")
-        return _settled(_keys_from_data(restored, target))
-
-
-def _is_key(x: Any) -> bool:
-    """Whether `x` is a typed PRNG key array (`jax.random.key`; an NNX model's `nnx.Rngs`
-    hold them), or an abstract one."""
-    return is_array_like(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _keys_as_data(tree: Any) -> Any:
-    """`tree` with each PRNG key array as its raw data (`jax.random.key_data`, uint32), which
-    a checkpoint holds as it holds any array (NumPy has no dtype for a key)."""
-
-    def data(x: Any) -> Any:
-        if not _is_key(x):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.eval_shape(jax.random.key_data, x)
-        return jax.random.key_data(x)
-
-    return jax.tree.map(data, tree)
-
-
-def _keys_from_data(restored: Any, target: Any) -> Any:
-    """`restored` (read into `_keys_as_data(target)`) with the data of each of `target`'s
-    PRNG keys wrapped as a key again, of that key's implementation."""
-
-    def key_impl(like: Any) -> Any:
-        if isinstance(like, jax.Array):
-            return jax.random.key_impl(like)
-        found = []  # an abstract key: its implementation, as JAX sees it in a trace
-        jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), like)
-        return found[0]
-
-    def key(value: Any, like: Any) -> Any:
-        return jax.random.wrap_key_data(value, impl=key_impl(like)) if _is_key(like) else value
-
-    return jax.tree.map(key, restored, target)
+        return _settled(keys_from_data(restored, target))
 
 
 def _is_tensor_state(x: Any) -> bool:
