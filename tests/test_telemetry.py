@@ -419,3 +419,37 @@ def test_grouped_tokens_span_a_vmapped_batch():
 
     new = fp8jax.filter_grad(loss)(dot)
     np.testing.assert_array_equal(new.stats.tokens, sizes.sum(axis=0))
+
+
+@pytest.mark.parametrize("role", ["input", "kernel", "output_grad"])
+def test_gradients_count_the_steps_rejected_update(role, operands):
+    """Telemetry of gradients counts the step whose state merge will reject (an inf in that
+    operand), as the model's count does once merged; a grouped kernel per expert."""
+    x, w, c = (a.copy() for a in operands)
+    {"input": x, "kernel": w, "output_grad": c}[role][3, 5] = np.inf
+    dot = fp8jax.Fp8DotGeneral("current", telemetry=True)
+    grads = run(dot, x, w, c)
+    expected = {r: float(r == role) for r in ("input", "kernel", "output_grad")}
+    (layer,) = fp8jax.telemetry(grads).values()
+    merged = next(iter(fp8jax.telemetry(fp8jax.apply_updates(dot, None, grads)).values()))
+    for r, want in expected.items():
+        assert float(getattr(layer, r).rejected) == want, r
+        assert float(getattr(merged, r).rejected) == want, r
+    assert (
+        fp8jax.report(grads, quiet=True)
+        .splitlines()[2:5][("input", "kernel", "output_grad").index(role)]
+        .split()[-1]
+        == "1"
+    )
+
+
+def test_grouped_gradients_count_a_rejected_expert():
+    rng = np.random.default_rng(8)
+    m, k, n = int(SIZES.sum()), 32, 16
+    x, c = rng.standard_normal((m, k)).astype(np.float32), np.ones((m, n), np.float32)
+    w = rng.standard_normal((4, k, n)).astype(np.float32)
+    w[2, 1, 1] = np.nan
+    dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+    (layer,) = fp8jax.telemetry(grouped_run(dot, x, w, c)).values()
+    np.testing.assert_array_equal(layer.kernel.rejected, [0, 0, 1, 0])
+    assert float(layer.input.rejected) == 0 == float(layer.output_grad.rejected)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ..convert.plan import ConversionPlan
+from ..ops.base import received_state
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import ROLES
@@ -45,7 +46,8 @@ class OperandTelemetry(eqx.Module):
     - `saturated`, `underflow`: the fractions of values clipped at the format's max and flushed
       to zero ([`fp8jax.OperandStats`][]), or `None` for a layer built without telemetry.
     - `rejected`: how many steps the operand held an inf or NaN, so that the layer kept its
-      previous state instead of taking that step's amax, or `None` without telemetry.
+      previous state instead of taking that step's amax, or `None` without telemetry. In
+      gradients, 1 where this step's state will be rejected (the model keeps the count).
     """
 
     scale: Float[Array, "*layers"]
@@ -89,7 +91,7 @@ def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
             history_max=jnp.max(history, axis=-1),
             saturated=None if stats is None else stats.saturated,
             underflow=None if stats is None else stats.underflow,
-            rejected=None if stats is None else stats.rejected,
+            rejected=None if stats is None else _rejected(stats.rejected, state),
         )
     formats = tuple(np.dtype(dot.recipe.format(role)).name for role in ROLES)
     experts = dot.num_experts if isinstance(dot, Fp8RaggedDot) else None
@@ -101,6 +103,12 @@ def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
         experts=experts,
         tokens=tokens,
     )
+
+
+def _rejected(count: Array, state: Any) -> Array:
+    """The count of rejected updates, with the one `state` itself would be: gradients hold
+    the step's state, which `merge` has not counted yet (a model's state is always finite)."""
+    return count + received_state(state)[1].astype(count.dtype)
 
 
 def _nnx() -> Any:
