@@ -365,6 +365,51 @@ def test_select_tree_of_models_and_optimizer_state():
     assert _state(select_tree(False, ls.adjust(True), ls)) == _state(ls)
 
 
+def test_the_documented_skip_keeps_the_counts_of_rejected_fp8_updates():
+    """The loop of this module's docstring (select_tree skipping a step whose gradients
+    overflowed) keeps telemetry's count of rejected updates: a step whose input held an inf
+    is skipped, and counted (it was reverted with the model, so the count stayed 0)."""
+    import optax
+
+    lin = eqx.nn.Linear(16, 4, key=jax.random.PRNGKey(0))
+    model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(telemetry=True))
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state, loss_scale, x):
+        def loss(m):
+            return loss_scale.scale(jnp.mean(jax.vmap(m)(x)))  # a finite output gradient
+
+        grads = fp8jax.filter_grad(loss)(model)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        grads = loss_scale.unscale(grads)
+        finite = fp8jax.all_finite(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, model)
+        new_model = fp8jax.apply_updates(model, updates, overwrites)
+        model, opt_state = select_tree(finite, (new_model, new_opt_state), (model, opt_state))
+        return model, opt_state, loss_scale.adjust(finite)
+
+    good = np.ones((8, 16), np.float32)
+    bad = good.copy()
+    bad[2, 3] = np.inf
+    loss_scale, faults = DynamicLossScale(), 0
+    for x in (good, bad, good, bad, bad):
+        before = model
+        model, opt_state, loss_scale = step(model, opt_state, loss_scale, x)
+        faults += int(not np.isfinite(x).all())
+        stats = model.dot_general.stats
+        assert float(stats.input.rejected) == faults
+        assert float(stats.kernel.rejected) == 0 == float(stats.output_grad.rejected)
+        if not np.isfinite(x).all():  # skipped: all else as it was
+            assert _same_bits(model.weight, before.weight)
+            assert _same_bits(model.dot_general.input.scale, before.dot_general.input.scale)
+    assert int(loss_scale.skipped_steps) == faults == 3
+    # A model filtered without the counts (its weights only) is selected as before.
+    weights = eqx.filter(model, lambda x: x is model.weight)
+    assert _same_bits(select_tree(False, weights, weights).weight, model.weight)
+
+
 def test_select_tree_errors():
     with pytest.raises(ValueError, match="different structures"):
         select_tree(True, {"a": jnp.ones(2)}, {"b": jnp.ones(2)})

@@ -140,6 +140,32 @@ def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
     return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
 
 
+def with_rejected_counts(tree: Any, *others: Any) -> Any:
+    """`tree` with each FP8 layer's telemetry counts of rejected updates
+    (`stats.<role>.rejected`) the largest of `tree`'s and `others`' (trees of its structure):
+    a running count only grows, so a step skipped by selecting the old model keeps the
+    step's own count of the update its merge rejected."""
+
+    def is_op(x: Any) -> bool:
+        return isinstance(x, AbstractFp8Op)
+
+    def counts(op: Any) -> list[Any]:
+        return [getattr(op.stats, role).rejected for role in ROLES]
+
+    def take(op: Any, *rest: Any) -> Any:
+        if not is_op(op) or op.stats is None:
+            return op
+        every = [counts(o) for o in (op, *rest)]
+        if not all(eqx.is_array(c) for c in jax.tree.leaves(every, is_leaf=lambda x: x is None)):
+            return op  # a tree filtered without them
+        most = functools.reduce(
+            lambda a, b: [jnp.maximum(u, v) for u, v in zip(a, b, strict=True)], every
+        )
+        return eqx.tree_at(counts, op, most)
+
+    return jax.tree.map(take, tree, *others, is_leaf=is_op)
+
+
 def resharded(out: Array, out_sharding: Any) -> Array:
     """`out` resharded to `out_sharding`, the argument of `lax.dot_general` and
     `lax.ragged_dot` (a `NamedSharding`, or a `PartitionSpec` under `jax.set_mesh`), or as

@@ -38,7 +38,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core.updates import is_fp8_state
-from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state
+from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state, with_rejected_counts
 from ..recipes.base import TensorState
 from ..recipes.per_tensor import DelayedScaling
 
@@ -439,7 +439,9 @@ def select_tree(pred: Bool[ArrayLike, ""], on_true: T, on_false: T) -> T:
     """`on_true` where `pred` holds, else `on_false`, leaf by leaf and bit for bit.
 
     Use it to skip a step whose gradients overflowed: select the old model and optimizer state
-    (FP8 state included; selecting is not casting) without leaving `jit`.
+    (FP8 state included; selecting is not casting) without leaving `jit`. Telemetry's counts
+    of rejected FP8 updates (`stats.<role>.rejected`, which only grow) are the larger of the
+    two trees': a step skipped for an inf or NaN operand stays counted.
 
     **Arguments:**
 
@@ -488,4 +490,4 @@ def select_tree(pred: Bool[ArrayLike, ""], on_true: T, on_false: T) -> T:
                 f"select_tree: at {where}, the non-array leaves {t!r} and {f!r} differ; "
                 "non-array leaves are not selected and must be equal."
             )
-    return jax.tree.unflatten(true_def, out)
+    return with_rejected_counts(jax.tree.unflatten(true_def, out), on_true, on_false)

@@ -33,8 +33,6 @@ from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
 from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from ..ops import warm_start
-from ..ops.base import AbstractFp8Op
-from ..recipes import ROLES
 from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
 from .loss_scale import (
@@ -246,10 +244,8 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     model = policy.cast_to_param(apply_updates(state.model, updates, overwrites))
     if self.skip_nonfinite:
         # Old values are selected bit for bit: weights, optimizer state and FP8 state; but
-        # telemetry's counts of rejected FP8 updates count the skipped step too.
-        stepped = model
+        # telemetry's counts of rejected FP8 updates count the skipped step too (select_tree).
         model, opt_state = select_tree(finite, (model, opt_state), (state.model, state.opt_state))
-        model = _with_rejected_counts(model, stepped)
     new_scale = scale.adjust(finite)
     if new_scale is not scale:
         # Delayed scaling's gradient histories follow the scale (a growth would saturate the
@@ -258,25 +254,6 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
         model = rescale_gradient_states(model, new_scale.loss_scale / scale.loss_scale)
     new_state = TrainState(model, opt_state, new_scale, state.step + 1)
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
-
-
-def _with_rejected_counts(model: Any, stepped: Any) -> Any:
-    """`model` with each FP8 layer's telemetry count of rejected updates
-    (`stats.<role>.rejected`) taken from `stepped`, the step's own model: a step skipped
-    because an operand held an inf or NaN counts it, as the layer's merge did."""
-
-    def is_op(x: Any) -> bool:
-        return isinstance(x, AbstractFp8Op)
-
-    def counts(op: Any) -> list[Any]:
-        return [getattr(op.stats, role).rejected for role in ROLES]
-
-    def take(kept: Any, new: Any) -> Any:
-        if not is_op(kept) or kept.stats is None:
-            return kept
-        return eqx.tree_at(counts, kept, counts(new))
-
-    return jax.tree.map(take, model, stepped, is_leaf=is_op)
 
 
 def make_train_step(
