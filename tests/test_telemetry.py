@@ -453,3 +453,55 @@ def test_grouped_gradients_count_a_rejected_expert():
     (layer,) = fp8jax.telemetry(grouped_run(dot, x, w, c)).values()
     np.testing.assert_array_equal(layer.kernel.rejected, [0, 0, 1, 0])
     assert float(layer.input.rejected) == 0 == float(layer.output_grad.rejected)
+
+
+def test_haliax_own_fp8_layers_are_reported(getkey):
+    """A model whose only FP8 layer Haliax quantized itself (kept by fp8_linear_layers):
+    telemetry reads its amaxes and the scale its next step takes (fp8_max / the history's
+    max, Haliax's rule), against float64 from the operands; it raised 'no Fp8DotGeneral'."""
+    hax = pytest.importorskip("haliax")
+    from haliax import quantization
+
+    In, Out, Batch = hax.Axis("in", 16), hax.Axis("out", 8), hax.Axis("batch", 4)
+    lin = hax.nn.Linear.init(In, Out, key=getkey())
+    lin = quantization.quantize_linear_layers(lin, quantization.QuantizationConfig(fp8=True))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match="haliax.quantization"):
+        model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(exclude=None))
+    rng = np.random.default_rng(3)
+    xs = [spread(rng, (4, 16), -1, 1) * s for s in (3.0, 0.5)]
+    cs = [spread(rng, (4, 8), -4, -2) * s for s in (0.25, 2.0)]
+
+    @eqx.filter_jit
+    def step(m, x, c):
+        def loss(m):
+            y = m(hax.named(x, (Batch, In)))
+            return hax.sum(y * hax.named(c, (Batch, Out))).scalar()  # output gradient: c
+
+        overwrites, grads = quantization.partition_for_grad_overwrite(eqx.filter_grad(loss)(m))
+        still = jax.tree.map(jnp.zeros_like, grads)  # the weight stays: its amax is known
+        return quantization.apply_updates(m, still, overwrites)
+
+    for x, c in zip(xs, cs, strict=True):
+        model = step(model, x, c)
+    (name,) = stats = fp8jax.telemetry(model)
+    layer = stats[name]
+    w = np.asarray(lin.weight.array, np.float64)
+    amaxes = {
+        "input": [np.abs(x).max() for x in xs],
+        "kernel": [np.abs(w).max()] * 2,
+        "output_grad": [np.abs(c).max() for c in cs],
+    }
+    fp8_max = {"input": 448.0, "kernel": 448.0, "output_grad": 57344.0}
+    for role, seen in amaxes.items():
+        got = getattr(layer, role)
+        assert float(got.amax) == pytest.approx(seen[-1], rel=1e-6), role
+        assert float(got.history_max) == pytest.approx(max(seen), rel=1e-6), role
+        assert float(got.scale) == pytest.approx(fp8_max[role] / max(seen), rel=1e-6), role
+        assert got.saturated is None and got.rejected is None
+    assert layer.formats == ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")
+    rows = fp8jax.report(model, quiet=True).splitlines()[2:]
+    assert [r.split()[:3] for r in rows] == [
+        [name, "input", "e4m3fn"],
+        ["kernel", "e4m3fn", f"{fp8_max['kernel'] / max(amaxes['kernel']):.4g}"],
+        ["output_grad", "e5m2", f"{fp8_max['output_grad'] / max(amaxes['output_grad']):.4g}"],
+    ]

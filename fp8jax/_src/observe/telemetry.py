@@ -111,6 +111,29 @@ def _rejected(count: Array, state: Any) -> Array:
     return count + received_state(state)[1].astype(count.dtype)
 
 
+def _haliax_fp8() -> type | None:
+    """Haliax's own FP8 op (`haliax.quantization.Fp8DotGeneralOp`), if haliax is imported."""
+    module = sys.modules.get("haliax.quantization")
+    return getattr(module, "Fp8DotGeneralOp", None)
+
+
+def _haliax_layer(op: Any) -> LayerTelemetry:
+    """A layer Haliax quantized to FP8 itself (kept so by `fp8_linear_layers`), in fp8jax's
+    terms: Haliax divides by its scale, and the next step's is `fp8_max / history max`."""
+    formats = (jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
+    operands = {}
+    for role, fmt in zip(ROLES, formats, strict=True):
+        divisor = getattr(op, f"{role}_scale")[..., 0]
+        history = getattr(op, f"{role}_amax_history")  # the newest amax first
+        most = jnp.max(history, axis=-1)
+        kept = jnp.where(divisor > 0, 1 / jnp.where(divisor > 0, divisor, 1), 0.0)
+        ok = (most > 0) & jnp.isfinite(most)
+        scale = jnp.where(ok, float(jnp.finfo(fmt).max) / jnp.where(ok, most, 1), kept)
+        operands[role] = OperandTelemetry(scale, history[..., 0], most, None, None)
+    names = tuple(np.dtype(f).name for f in formats)
+    return LayerTelemetry(**operands, recipe="haliax.quantization.Fp8DotGeneralOp", formats=names)
+
+
 def _nnx() -> Any:
     """fp8jax's Flax NNX layers module if it was imported, else `None`.
 
@@ -124,7 +147,8 @@ def _nnx() -> Any:
 def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     """The [`fp8jax.LayerTelemetry`][] of every FP8 layer in `tree`, by layer name: dense
     ([`fp8jax.Fp8DotGeneral`][]) and grouped ([`fp8jax.Fp8RaggedDot`][], with a scale per
-    expert for the kernel) alike.
+    expert for the kernel) alike, and Haliax Linears that `haliax.quantization` made FP8
+    (their scales and amaxes, without statistics; `recipe` names Haliax's op).
 
     **Arguments:**
 
@@ -147,17 +171,20 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     """
     nnx_module = _nnx()
     nnx_layer = None if nnx_module is None else nnx_module.AbstractFp8NnxDot
+    haliax_op = _haliax_fp8()
+    kinds = tuple(k for k in (Fp8DotGeneral, Fp8RaggedDot, nnx_layer, haliax_op) if k)
 
     def is_layer(x: Any) -> bool:
-        return isinstance(x, Fp8DotGeneral | Fp8RaggedDot) or (
-            nnx_layer is not None and isinstance(x, nnx_layer)
-        )
+        return isinstance(x, kinds)
 
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)[0]
     layers: dict[str, LayerTelemetry] = {}
     seen: set[int] = set()
     for path, node in found:
         if not is_layer(node):
+            continue
+        if haliax_op is not None and isinstance(node, haliax_op):
+            layers[jax.tree_util.keystr(path).lstrip(".")] = _haliax_layer(node)
             continue
         if not isinstance(node, Fp8DotGeneral | Fp8RaggedDot):
             # An NNX layer: flattening meets a shared one under each of its paths; report it
@@ -171,7 +198,10 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
             name = jax.tree_util.keystr(path).lstrip(".")
         layers[name] = _layer(node)
     if not layers:
-        hint = "pass a model converted with fp8_linear_layers, or its gradients"
+        hint = (
+            "pass a model converted with fp8_linear_layers, or its gradients (Haliax's own "
+            "FP8 layers are read too; its int8 ones hold no FP8 state)"
+        )
         if nnx_module is not None and _holds(tree, nnx_module.Fp8State, nnx_module.is_variable):
             hint = (
                 "it holds fp8jax.Fp8State variables but no layer (NNX gradients, or an "
