@@ -237,8 +237,9 @@ def test_report_without_telemetry_and_with_a_loss_scale(getkey, capsys):
     assert out.splitlines()[2].split()[-3:] == ["-", "-", "-"]
     # A fresh delayed layer (warm start) has recorded no scale yet: its state's 0 is no scale.
     assert float(layer.input.scale) == 0 and out.splitlines()[2].split()[3] == "-"
-    assert "scale -: none recorded yet" in out.splitlines()[-2]
-    assert out.splitlines()[-1] == "loss scale 1024, skipped 3 of 200 steps (1.5 % overflow)"
+    assert "scale -: none recorded yet" in out.splitlines()[-3]
+    assert out.splitlines()[-2] == "loss scale 1024, skipped 3 of 200 steps (1.5 % overflow)"
+    assert out.splitlines()[-1].startswith("output_grad in the loss's units")
 
 
 def test_stacked_layers_report_one_row_per_layer(getkey):
@@ -505,3 +506,38 @@ def test_haliax_own_fp8_layers_are_reported(getkey):
         ["kernel", "e4m3fn", f"{fp8_max['kernel'] / max(amaxes['kernel']):.4g}"],
         ["output_grad", "e5m2", f"{fp8_max['output_grad'] / max(amaxes['output_grad']):.4g}"],
     ]
+
+
+def test_report_prints_output_gradients_in_the_losss_units(getkey):
+    """Under a loss scale the output gradient's state records the scaled gradients; the report
+    given the loss scale prints their amaxes as the loss's (float64 from the known output
+    gradient) and the scale to match; the rest as the state holds it."""
+    import optax
+
+    lin = eqx.nn.Linear(16, 8, key=getkey())
+    model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(telemetry=True))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    cs = [(rng.standard_normal((4, 8)) * s).astype(np.float32) for s in (3e-3, 1e-3)]
+
+    def loss(m, x, c):
+        return jnp.sum(jax.vmap(m)(x) * c)  # the output gradient: c (times the loss scale)
+
+    step = fp8jax.make_train_step(
+        loss, optax.sgd(0.0), loss_scale=fp8jax.StaticLossScale(1024.0), compiler_options={}
+    )
+    state = step.init(model)
+    for c in cs:
+        state, _ = step(state, x, c)
+    text = fp8jax.report(state.model, loss_scale=state.loss_scale, quiet=True)
+    rows = {r.split()[-10]: r.split()[-9:] for r in text.splitlines()[2:5]}  # by operand
+    latest, most = np.abs(np.float64(cs[-1])).max(), max(np.abs(np.float64(c)).max() for c in cs)
+    assert rows["output_grad"][2:4] == [f"{latest:.4g}", f"{most:.4g}"]
+    held = state.model.dot_general
+    assert rows["output_grad"][1] == f"{float(held.output_grad.scale) * 1024:.4g}"
+    assert rows["input"][1:4] == [
+        f"{float(held.input.scale):.4g}",
+        f"{np.abs(x).max():.4g}",
+        f"{np.abs(x).max():.4g}",
+    ]
+    assert text.splitlines()[-1].startswith("output_grad in the loss's units")

@@ -292,7 +292,10 @@ def report(
     - `tree`: a model or its gradients (see [`fp8jax.telemetry`][]), or what `telemetry`
       returned.
     - `loss_scale`: optionally a loss scale ([`fp8jax.DynamicLossScale`][] reports its scale,
-      skipped steps and overflow rate).
+      skipped steps and overflow rate). The output gradients' amaxes are then printed in the
+      loss's units (the state records them times the loss scale), their scales to match:
+      exact for delayed scaling, whose histories follow the loss scale; another recipe's
+      amax is of its step's loss scale, which a step that changed it changed after.
     - `plan`: optionally the model's [`fp8jax.ConversionPlan`][] (from
       [`fp8jax.conversion_plan`][], or `Fp8Linen.plan`): the layers left in high precision
       are listed after the table, each with why (its role, its name, not targeted).
@@ -313,6 +316,9 @@ def report(
     if not isinstance(quiet, bool):
         raise TypeError(f"fp8jax.report: quiet={quiet!r} should be True or False.")
     layers = tree if _is_telemetry(tree) else telemetry(tree)
+    factor = 1.0 if loss_scale is None else float(loss_scale.loss_scale)
+    if factor != 1.0:
+        layers = {name: _unscaled(layer, factor) for name, layer in layers.items()}
     header = [
         "layer",
         "operand",
@@ -340,6 +346,11 @@ def report(
         )
     if loss_scale is not None:
         lines.append(_loss_scale_line(loss_scale))
+    if factor != 1.0:
+        lines.append(
+            f"output_grad in the loss's units: amaxes divided by the loss scale ({factor:.6g}), "
+            "scales multiplied by it (the state records the scaled gradients)"
+        )
     if plan is not None:
         if not isinstance(plan, ConversionPlan):
             raise TypeError(
@@ -354,6 +365,15 @@ def report(
     if not quiet:
         print(text, file=sys.stdout if file is None else file)
     return text
+
+
+def _unscaled(layer: LayerTelemetry, factor: float) -> LayerTelemetry:
+    """`layer` with its output gradient's amaxes divided by the loss scale `factor` and its
+    scale multiplied by it: those of the loss's own gradients."""
+    grad = layer.output_grad
+    fields = (grad.scale * factor, grad.amax / factor, grad.history_max / factor)
+    grad = eqx.tree_at(lambda t: (t.scale, t.amax, t.history_max), grad, fields)
+    return eqx.tree_at(lambda t: t.output_grad, layer, grad)
 
 
 def _is_telemetry(tree: Any) -> bool:
