@@ -1215,6 +1215,22 @@ def test_experts_record_telemetry_when_asked():
     np.testing.assert_array_equal(stats["down"].tokens, SIZES)
 
 
+def test_experts_called_twice_count_both_calls_tokens():
+    """Experts run on two batches in one step got both batches' tokens (summed by hand), not
+    the larger count of the two."""
+    model = fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config(telemetry=True))
+    other = jnp.array([2, 10, 4, 16], jnp.int32)
+    x = jnp.ones((32, 32))
+    _, grads = fp8jax.nnx_value_and_grad(
+        lambda m: jnp.sum(m(x, SIZES) ** 2) + jnp.sum(m(x, other) ** 2)
+    )(model)
+    fp8jax.nnx_update_fp8_state(model, grads)
+    stats = fp8jax.telemetry(model)
+    expected = np.asarray(SIZES) + np.asarray(other)
+    np.testing.assert_array_equal(stats["up"].tokens, expected)
+    np.testing.assert_array_equal(stats["down"].tokens, expected)
+
+
 @pytest.mark.parametrize("name", ["delayed", "current", "blockwise"])
 def test_experts_match_the_equinox_experts_bit_for_bit(name):
     model = Experts(nnx.Rngs(0))

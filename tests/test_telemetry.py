@@ -541,3 +541,28 @@ def test_report_prints_output_gradients_in_the_losss_units(getkey):
         f"{np.abs(x).max():.4g}",
     ]
     assert text.splitlines()[-1].startswith("output_grad in the loss's units")
+
+
+def test_grouped_tokens_add_over_calls_and_microbatches():
+    """A grouped layer run on two batches in one step (called twice, or two microbatches of
+    accumulate_gradients) got both batches' tokens: the sum of their group sizes, as one
+    call on the whole batch reports (it was the larger of the two, expert by expert)."""
+    sizes = np.array([[6, 0, 4, 2], [1, 5, 3, 3]], np.int32)
+    rng = np.random.default_rng(10)
+    xs = rng.standard_normal((2, 12, 8)).astype(np.float32)
+    w = rng.standard_normal((4, 8, 4)).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+    whole = sizes.sum(axis=0)  # each expert's tokens over both batches, by hand
+
+    def twice(dot):
+        return jnp.sum(dot(xs[0], w, sizes[0])) + jnp.sum(dot(xs[1], w, sizes[1]))
+
+    np.testing.assert_array_equal(fp8jax.filter_grad(twice)(dot).stats.tokens, whole)
+
+    def loss(dot, x, s):
+        return jnp.sum(dot(x, w, s[0]))
+
+    _, grads = fp8jax.accumulate_gradients(loss, 2)(dot, xs.reshape(24, 8), sizes)
+    np.testing.assert_array_equal(grads.stats.tokens, whole)
+    (layer,) = fp8jax.telemetry(fp8jax.apply_updates(dot, None, grads)).values()
+    np.testing.assert_array_equal(layer.tokens, whole)

@@ -8,12 +8,15 @@ every step and return them through the gradient, with the rest of their state: n
 import functools
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
+from . import jax_private
 from .amax import fraction
 from .formats import FormatLike, expand_blocks, overflow_threshold
 
@@ -72,8 +75,8 @@ class Fp8Stats(AbstractStats):
 class ExpertStats(AbstractStats):
     """A grouped layer's statistics: those of [`fp8jax.Fp8Stats`][] with the kernel's fields per
     expert (`kernel.saturated (experts,)`), and `tokens (experts,)`: how many rows (token
-    assignments) each expert got at the latest step (the most of any call, when the layer
-    runs several times in a step)."""
+    assignments) each expert got at the latest step (summed over the layer's calls, when it
+    runs several times in a step: microbatches, a layer called twice)."""
 
     input: OperandStats
     kernel: OperandStats
@@ -85,6 +88,41 @@ class ExpertStats(AbstractStats):
         """Statistics of no step yet, for `experts` experts."""
         per_expert = OperandStats(*(jnp.zeros((experts,), jnp.float32) for _ in range(3)))
         return cls(OperandStats.zeros(), per_expert, OperandStats.zeros(), jnp.zeros((experts,)))
+
+
+def _is_expert_stats(x: Any) -> bool:
+    return isinstance(x, ExpertStats)
+
+
+def max_combining_view(state: Any) -> Any:
+    """FP8 `state` with its floating leaves viewed in the max-combining dtype, so that each use
+    of a layer contributes its amax by max; but the tokens each expert got
+    (`ExpertStats.tokens`), which add: a layer called on two batches got both's tokens."""
+
+    def view(x: Any) -> Any:
+        if eqx.is_inexact_array(x) and not jax_private.is_max_combining(x):
+            return jax_private.to_max_combining(x)
+        return x
+
+    def node(x: Any) -> Any:
+        if not _is_expert_stats(x):
+            return view(x)
+        return eqx.tree_at(lambda s: s.tokens, jax.tree.map(view, x), x.tokens)
+
+    return jax.tree.map(node, state, is_leaf=_is_expert_stats)
+
+
+def combine_states(a: Any, b: Any) -> Any:
+    """Two steps' (microbatches') FP8 states as one: each leaf the max, but the tokens each
+    expert got, summed, as [`max_combining_view`][] combines the uses in one step."""
+
+    def node(x: Any, y: Any) -> Any:
+        if not _is_expert_stats(x):
+            return jnp.maximum(x, y)
+        most = jax.tree.map(jnp.maximum, x, y)
+        return eqx.tree_at(lambda s: s.tokens, most, x.tokens + y.tokens)
+
+    return jax.tree.map(node, a, b, is_leaf=_is_expert_stats)
 
 
 def cast_statistics(

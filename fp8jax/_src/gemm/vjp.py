@@ -162,7 +162,10 @@ def prepare(
     operands = tuple(
         jnp.array(a, copy=True) if jax_private.is_batch_tracer(a) else a for a in operands
     )
-    leaves = jax.tree.leaves(states)
+    # The tokens each expert got stay float32: they add across uses (`max_combining_view`).
+    every = jax.tree.leaves(states)
+    counted = jax.tree.leaves(_token_counts(states))
+    leaves = [a for a, n in zip(every, counted, strict=True) if not n]
     max_combining = any(jax_private.is_max_combining(a) for a in leaves)
     if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
         raise ValueError("FP8 state mixes max-combining and float32 leaves.")
@@ -172,7 +175,7 @@ def prepare(
     mesh_axes = (
         jax_private.varying_axes(lhs),
         jax_private.varying_axes(rhs),
-        tuple(jax_private.varying_axes(a) for a in leaves),  # per state leaf
+        tuple(jax_private.varying_axes(a) for a in every),  # per state leaf
     )
     static = Static(
         np.dtype(lhs.dtype),
@@ -258,14 +261,19 @@ def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     # hold replicas of the expert (a data axis beside the expert axis).
     leaves, tree = jax.tree.flatten(new_states)
     counts = tree.flatten_up_to(_token_counts(new_states))
+    reduced = [
+        _reduce_to(a, axes, lax.psum if count else lax.pmax)
+        for a, axes, count in zip(leaves, state_axes, counts, strict=True)
+    ]
+    # The counts stay float32: they add across uses (`max_combining_view`).
+    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
     new_states = tree.unflatten(
         [
-            _reduce_to(a, axes, lax.psum if count else lax.pmax)
-            for a, axes, count in zip(leaves, state_axes, counts, strict=True)
+            jax_private.to_float32(a) if n else convert(a)
+            for a, n in zip(reduced, counts, strict=True)
         ]
     )
-    convert = jax_private.to_max_combining if static.max_combining else jax_private.to_float32
-    return d_x, d_w, None, jax.tree.map(convert, new_states)
+    return d_x, d_w, None, new_states
 
 
 fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd, symbolic_zeros=True)

@@ -65,8 +65,8 @@ class LayerTelemetry(eqx.Module):
     For a grouped layer ([`fp8jax.Fp8RaggedDot`][]) `experts` is its number of experts and
     the kernel's fields have a trailing expert axis (`scale (*layers, experts)`): each expert's
     kernel has its own scale, history and statistics; `tokens (*layers, experts)` is how many
-    tokens each expert got at the latest step (with telemetry; else `None`). `experts` and
-    `tokens` are `None` for a dense layer.
+    tokens each expert got at the latest step, over all of the layer's calls (with telemetry;
+    else `None`). `experts` and `tokens` are `None` for a dense layer.
     """
 
     input: OperandTelemetry

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from ..core.stats import ExpertStats, combine_states
 from ..core.updates import is_overwrite, partition_for_grad_overwrite
 from ..recipes import ResidualState, TensorState
 from .grad import filter_value_and_grad
@@ -60,6 +61,10 @@ def _is_scaled(x: Any) -> bool:
     return isinstance(x, TensorState | ResidualState)
 
 
+def _is_state_node(x: Any) -> bool:
+    return _is_scaled(x) or isinstance(x, ExpertStats)
+
+
 def _larger(total: Any, new: Any) -> Any:
     """Of two states of one operand, that with the larger newest amax, whole; their max leaf
     by leaf where the amaxes tie (a zero state, of a use that did not run, then loses).
@@ -67,8 +72,8 @@ def _larger(total: Any, new: Any) -> Any:
     A scale is a function of its amax: the max of the scales, beside the max of the
     amaxes, paired the smallest microbatch's scale with the largest's amax. Per leading
     index (an expert's kernel)."""
-    if not _is_scaled(total):
-        return jnp.maximum(total, new)
+    if not _is_scaled(total):  # statistics: by max, an expert's tokens summed
+        return combine_states(total, new)
     a, b = total.amax_history[..., 0], new.amax_history[..., 0]
 
     def pick(t: Array, n: Array) -> Array:
@@ -82,11 +87,12 @@ def _larger(total: Any, new: Any) -> Any:
 
 def _combine(total: Any, new: Any) -> Any:
     """Sum the trainable gradients; of the FP8 state keep, operand by operand, the state of
-    the larger amax (`_larger`), and the max of other leaves (statistics)."""
+    the larger amax (`_larger`), and the max of other leaves (statistics; an expert's tokens
+    are summed)."""
     total_state, total_rest = partition_for_grad_overwrite(total)
     new_state, new_rest = partition_for_grad_overwrite(new)
     rest = jax.tree.map(jnp.add, total_rest, new_rest)
-    state = jax.tree.map(_larger, total_state, new_state, is_leaf=_is_scaled)
+    state = jax.tree.map(_larger, total_state, new_state, is_leaf=_is_state_node)
     return eqx.combine(state, rest, is_leaf=is_overwrite)
 
 
@@ -153,12 +159,13 @@ def accumulate_gradients(
     `has_aux`, `aux` stacked over microbatches): the loss and the trainable gradients averaged
     over microbatches, and of each operand's FP8 state that of the microbatch with the
     largest amax (its scale with it, as one step over the whole batch records them; delayed
-    scaling's history gets that amax once; statistics by max). With delayed
-    scaling every microbatch is cast with the same scales, so the result is that of the whole
-    batch up to float32 summation order (from the second step: on the first, an empty history
-    casts each microbatch with its own amax, the warm start); recipes that scale each tensor
-    by its own amax (current, blockwise, MXFP8, residual) cast each microbatch by its own,
-    which differs from the whole batch by FP8 rounding.
+    scaling's history gets that amax once; statistics by max, the tokens each expert got
+    summed). With delayed scaling every microbatch is cast with the same scales, so the
+    result is that of the whole batch up to float32 summation order (from the second step:
+    on the first, an empty history casts each microbatch with its own amax, the warm
+    start); recipes that scale each tensor by its own amax (current, blockwise, MXFP8,
+    residual) cast each microbatch by its own, which differs from the whole batch by FP8
+    rounding.
 
     ```python
     loss, grads = fp8jax.accumulate_gradients(loss_fn, 4)(model, x, y)

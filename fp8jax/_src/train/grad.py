@@ -25,6 +25,7 @@ import equinox as eqx
 import jax
 
 from ..core import jax_private
+from ..core.stats import max_combining_view
 from ..core.updates import OverwriteWithGradient, is_overwrite
 from ..gemm.batching import per_example_gradients
 from ..ops.base import AbstractFp8Op, check_float32_state
@@ -48,9 +49,7 @@ def combine_by_max(tree: T) -> T:
             return node
         if isinstance(node, AbstractFp8Op):
             check_float32_state(node)  # before the view would widen a cast state unseen
-        return jax.tree.map(
-            lambda x: jax_private.to_max_combining(x) if eqx.is_inexact_array(x) else x, node
-        )
+        return max_combining_view(node)
 
     return jax.tree.map(convert, tree, is_leaf=is_overwrite)
 

@@ -25,6 +25,13 @@ def _fp8_variables(tree: Any) -> list[Fp8State]:
     return [node for _, node in nnx.iter_graph(tree, graph=True) if isinstance(node, Fp8State)]
 
 
+def _token_variables(model: Any) -> set[int]:
+    """The ids of the variables holding the tokens each expert got (`ExpertStats.tokens`)."""
+    nodes = nnx.iter_graph(model, graph=True)
+    layers = [node for _, node in nodes if isinstance(node, AbstractFp8NnxDot)]
+    return {id(n.state.stats.tokens) for n in layers if hasattr(n.state.stats, "tokens")}
+
+
 def _fp8_ops(model: Any) -> list[Fp8DotGeneral]:
     """The op of every FP8 layer of `model`, holding its variables' current values."""
     nodes = nnx.iter_graph(model, graph=True)
@@ -71,9 +78,11 @@ def nnx_value_and_grad(
     @functools.wraps(fun)
     def with_max_state(model: Any, *args: Any, **kwargs: Any) -> Any:
         variables = _fp8_variables(model)
+        tokens = _token_variables(model)
         originals = [v.get_value() for v in variables]
         for variable, value in zip(variables, originals, strict=True):
-            variable.set_value(jax.tree.map(jax_private.to_max_combining, value))
+            if id(variable) not in tokens:  # they add across uses (max_combining_view)
+                variable.set_value(jax.tree.map(jax_private.to_max_combining, value))
         try:
             return fun(model, *args, **kwargs)
         finally:
