@@ -68,6 +68,21 @@ def test_a_tied_weight_converts_and_trains(head_is_node):
         assert "its weight is another layer's (eqx.nn.Shared)" in str(said[0].message)
 
 
+@pytest.mark.parametrize("head_is_node", [True, False])
+def test_a_tied_head_stays_in_high_precision_by_default(head_is_node):
+    """With the default config and no example, the head of a tied pair stays in high
+    precision whichever of the two holds the table: its outputs span the embedding's
+    vocabulary. Holding the table, it went to FP8 (the tied embedding's rows were not
+    counted, so no vocabulary was known)."""
+    plan = fp8jax.conversion_plan(Tied(head_is_node, jax.random.key(0)))
+    assert plan.converted == ("fc",)
+    reason = plan.kept["shared.pytree.1"]
+    if head_is_node:
+        assert reason == "its weight is another layer's (eqx.nn.Shared)"
+    else:
+        assert reason.startswith(f"head: its {V} outputs span the vocabulary"), reason
+
+
 def test_a_non_floating_linear_is_kept_and_named():
     """A complex Linear among real ones stays in high precision with its dtype as the reason
     (it raised a TypeError naming no layer, after a plan that listed it as FP8)."""

@@ -225,8 +225,8 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
     embeddings, experts = {}, {}
     for path, node in nodes:
         if isinstance(node, eqx.nn.Embedding):
-            if not _tied(node):  # else the table is counted where it is
-                embeddings[path] = node.weight.shape[-2]
+            # A table tied to a head's weight (`eqx.nn.Shared`) has its rows all the same.
+            embeddings[path] = node.num_embeddings
         elif hnn is not None and isinstance(node, hnn.Embedding):
             embeddings[path] = node.Vocab.size
         elif isinstance(node, GroupedLinear):

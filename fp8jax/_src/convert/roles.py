@@ -276,8 +276,10 @@ class ModelShapes:
 
 def repeated(path: Path, stacked: bool = False) -> bool:
     """Whether a layer is one of a repeated block's (an index in its path, or a stack of
-    layers): a model's head appears once, outside its blocks."""
-    return stacked or any(name.isdigit() for name in path)
+    layers): a model's head appears once, outside its blocks. An index into an
+    `eqx.nn.Shared`'s `pytree` (the tied layers, a tuple of distinct ones) is no block's."""
+    after = ("", *path[:-1])
+    return stacked or any(n.isdigit() and a != "pytree" for a, n in zip(after, path, strict=True))
 
 
 def role_of(
