@@ -124,6 +124,29 @@ def test_dispatch_and_combine_route_every_token_to_its_experts(capacity):
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
 
 
+def test_choices_outside_the_experts_are_sent_nowhere():
+    """A choice outside `[0, num_experts)` (negative, or too large) adds nothing to its
+    token's output, as documented; a negative one was counted as expert 0's."""
+    devices, tokens = 4, 8
+    chosen, weights = _routed(devices * tokens, seed=5)
+    chosen[[0, 9, 17], 0] = [-1, -7, EXPERTS]
+    x = np.random.default_rng(6).standard_normal((devices * tokens, 4)).astype(np.float32)
+    scale = jnp.arange(1.0, EXPERTS + 1)
+    mesh = _mesh({"expert": devices})
+
+    def moe(x, chosen, weights):
+        plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert")
+        return plan.combine(_toy_experts(plan.dispatch(x), plan, scale), weights)
+
+    specs = (P("expert"),) * 3
+    f = jax.jit(jax.shard_map(moe, mesh=mesh, in_specs=specs, out_specs=P("expert")))
+    got = np.asarray(f(x, chosen, weights))
+    inside = (chosen >= 0) & (chosen < EXPERTS)
+    factor = np.where(inside, np.asarray(scale)[np.clip(chosen, 0, EXPERTS - 1)], 0.0)
+    want = x * np.sum(weights * factor, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_expert_exchange_names_bad_arguments():
     mesh = _mesh({"expert": 8})
 

@@ -312,7 +312,10 @@ def expert_exchange(
     if not isinstance(fp8_backward, bool):
         raise ValueError(f"expert_exchange: fp8_backward={fp8_backward!r}: should be a bool.")
     local = num_experts // devices
-    flat = experts.reshape(-1).astype(jnp.int32)
+    flat = experts.reshape(-1)
+    # A choice outside the experts goes past the last one: sent nowhere (bincount would
+    # count a negative one as expert 0's).
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # (E,) of this device
     send_sizes = counts.reshape(devices, local).sum(-1)
