@@ -166,6 +166,37 @@ def test_expert_exchange_names_bad_arguments():
         plan(experts.astype(jnp.float32), 16)
     with pytest.raises(ValueError, match="capacity=0"):
         plan(experts, 16, capacity=0)
+    # An expert count of 0 or below was taken (no experts, or a shape error deep in JAX).
+    for bad in (0, -8):
+        with pytest.raises(ValueError, match=f"num_experts={bad}: should be an int >= 1"):
+            plan(experts, bad)
+    with pytest.raises(TypeError, match=r"num_experts=16.0: should be an int >= 1"):
+        plan(experts, 16.0)
+    # NumPy integers are ints (a capacity computed with NumPy was refused as "not an int").
+    assert plan(experts, np.int64(16), capacity=np.int64(20)).shape == (16,)
+
+
+@pytest.mark.parametrize("recipe", [None, "current"])
+def test_no_tokens_go_through_the_exchange(recipe):
+    """Devices without tokens (an empty batch): the default capacity was 0 and refused
+    ("capacity=0"); the block now gives no rows, in FP8 too, and a gradient of no rows."""
+    mesh = _mesh({"expert": 4})
+    dot = None if recipe is None else fp8jax.Fp8RaggedDot(recipe, num_experts=8)
+    layer = fp8jax.GroupedLinear(8, 32, 16, key=jax.random.key(0), ragged_dot=dot)
+
+    def moe(layer, x, chosen, weights):
+        plan = fp8jax.expert_exchange(chosen, 8, "expert")
+        return plan.combine(layer(x, plan), weights), plan.group_sizes
+
+    specs = (fp8jax.expert_specs(layer, "expert"), P("expert"), P("expert"), P("expert"))
+    f = jax.jit(jax.shard_map(moe, mesh=mesh, in_specs=specs, out_specs=P("expert")))
+    chosen, weights = np.zeros((0, TOP_K), np.int32), np.ones((0, TOP_K), np.float32)
+    x = np.ones((0, 32), np.float32)
+    out, sizes = f(layer, x, chosen, weights)
+    assert out.shape == (0, 16)
+    np.testing.assert_array_equal(sizes, np.zeros(8))
+    grad = jax.grad(lambda x: jnp.sum(f(layer, x, chosen, weights)[0]))(x)
+    assert grad.shape == (0, 32)
 
 
 # --- an MoE block, expert parallel, against one device ----------------------------------------

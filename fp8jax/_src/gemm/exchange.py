@@ -32,6 +32,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
@@ -284,9 +285,9 @@ def expert_exchange(
     - `num_experts`: all experts, a multiple of the axis size.
     - `axis_name`: the mesh axis the experts are split over.
     - `capacity`: the rows a device's experts can receive (static). `None`: the worst case,
-      `P * tokens * top_k`, so that no routing drops a token (the single-device MoE's
-      result); smaller saves memory and GEMM rows past the received ones, and drops the
-      rows past it.
+      `P * tokens * top_k` (at least 1), so that no routing drops a token (the
+      single-device MoE's result); smaller saves memory and GEMM rows past the received
+      ones, and drops the rows past it.
     - `fp8_backward`: also send the backward's two exchanges (the gradient of the
       dispatched rows going back, the output gradient of the combine going out) in FP8:
       E4M3 in 1 x 128 tiles of a row with float32 scales, dequantized on arrival (half the
@@ -294,6 +295,10 @@ def expert_exchange(
       gradients cross in their own dtype, as DeepSeek-V3's combine does.
     """
     devices = lax.axis_size(axis_name)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer):
+        raise TypeError(f"expert_exchange: num_experts={num_experts!r}: should be an int >= 1.")
+    if num_experts < 1:
+        raise ValueError(f"expert_exchange: num_experts={num_experts!r}: should be an int >= 1.")
     if num_experts % devices:
         raise ValueError(
             f"expert_exchange: num_experts={num_experts} does not split over the {devices} "
@@ -306,9 +311,11 @@ def expert_exchange(
         )
     tokens, top_k = experts.shape
     assignments = tokens * top_k
-    capacity = devices * assignments if capacity is None else capacity
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+    # No tokens at all still get a buffer (of one row, received by nothing).
+    capacity = max(devices * assignments, 1) if capacity is None else capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
         raise ValueError(f"expert_exchange: capacity={capacity!r}: should be an int >= 1.")
+    capacity, num_experts = int(capacity), int(num_experts)
     if not isinstance(fp8_backward, bool):
         raise ValueError(f"expert_exchange: fp8_backward={fp8_backward!r}: should be a bool.")
     local = num_experts // devices
