@@ -663,6 +663,23 @@ def test_grouped_linear_checks_in_high_precision_too():
         layer(x, SIZES + np.array([1, 0, 0, 0], np.int32))
 
 
+def test_grouped_linear_compute_dtype_in_high_precision():
+    """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
+    ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""
+    x, _, _ = data(17)
+    x = x.astype(jnp.bfloat16)
+    layer = fp8jax.GroupedLinear(G, K, N, key=jax.random.PRNGKey(1), compute_dtype=jnp.bfloat16)
+    y = layer(x, SIZES)
+    assert y.dtype == jnp.bfloat16
+    # As a cast to BF16 computes: the weight in BF16, the output rounded to BF16.
+    xs = np.asarray(x, np.float64)
+    w = np.asarray(layer.weight.astype(jnp.bfloat16), np.float64)
+    want, mag = np.zeros((M, N)), np.zeros((M, N))
+    for e, rows in enumerate(bounds(SIZES)):
+        want[rows], mag[rows] = xs[rows] @ w[e], np.abs(xs[rows]) @ np.abs(w[e])
+    np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), 2.0**-7 * mag + 1e-30)
+
+
 # --- conversion and the example ------------------------------------------------------------
 
 

@@ -59,7 +59,7 @@ class GroupedLinear(eqx.Module):
     - `compute_dtype`: as [`fp8jax.Linear`][]'s: `None` (the output's dtype is the
       promotion of the tokens' and the weight's), or the output's dtype where the weight is
       a wider master that [`fp8jax.Policy`][]'s `cast_to_compute` left for the FP8 GEMM to
-      quantize.
+      quantize (in high precision, `lax.ragged_dot`'s `preferred_element_type`).
 
     ```python
     up = fp8jax.GroupedLinear(8, 64, 256, key=key)
@@ -164,7 +164,9 @@ class GroupedLinear(eqx.Module):
             check_dispatch_args("GroupedLinear", x.shape, self.weight.shape, group_sizes)
             x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
         check_ragged_dot_args("GroupedLinear", jnp.shape(x), self.weight.shape, group_sizes)
-        return lax.ragged_dot(x, self.weight, jnp.asarray(group_sizes))
+        return lax.ragged_dot(
+            x, self.weight, jnp.asarray(group_sizes), preferred_element_type=self.compute_dtype
+        )
 
 
 def expert_specs(model: Any, axis: str) -> Any:
