@@ -663,6 +663,22 @@ def test_grouped_linear_checks_in_high_precision_too():
         layer(x, SIZES + np.array([1, 0, 0, 0], np.int32))
 
 
+def test_grouped_linear_takes_numpy_sizes():
+    """Sizes computed with NumPy (np.int64) were refused ("should be an int >= 1", as
+    Fp8RaggedDot and eqx.nn.Linear take them): the layer is the one of Python ints."""
+    key = jax.random.PRNGKey(2)
+    layer = fp8jax.GroupedLinear(np.int64(G), np.int64(K), np.int32(N), key=key)
+    same = fp8jax.GroupedLinear(G, K, N, key=key)
+    assert type(layer.num_experts) is int and layer.weight.shape == (G, K, N)
+    np.testing.assert_array_equal(layer.weight, same.weight)
+    x, _, _ = data(18)
+    want = np.zeros((M, N))
+    for e, rows in enumerate(bounds(SIZES)):
+        want[rows] = np.asarray(x, np.float64)[rows] @ np.asarray(same.weight, np.float64)[e]
+    np.testing.assert_allclose(layer(x, SIZES), want, rtol=1e-5, atol=1e-5)
+    assert fp8jax.fp8_linear_layers(layer).ragged_dot.num_experts == G
+
+
 def test_grouped_linear_compute_dtype_in_high_precision():
     """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
     ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""

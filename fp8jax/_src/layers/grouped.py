@@ -24,18 +24,20 @@ from .moe_linear import Fp8MoELinear
 
 def check_grouped_linear_args(
     where: str, shape: tuple[Any, Any, Any], ragged_dot: Any, *, example: str = ""
-) -> None:
+) -> tuple[int, int, int]:
     """Check the arguments of a grouped Linear (`where` names it in the errors): `shape`, its
-    `(num_experts, in_features, out_features)`, ints >= 1 (`ValueError`); `ragged_dot`,
-    `None` or a callable (`TypeError`, whose advice ends with `example`)."""
+    `(num_experts, in_features, out_features)`, ints >= 1 (NumPy's too; `ValueError`);
+    `ragged_dot`, `None` or a callable (`TypeError`, whose advice ends with `example`).
+    Returns `shape` as Python ints."""
     for name, value in zip(("num_experts", "in_features", "out_features"), shape, strict=True):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{where} {name}={value!r}: should be an int >= 1.")
     if ragged_dot is not None and not callable(ragged_dot):
         raise TypeError(
             f"{where} ragged_dot={ragged_dot!r}: should be None (jax.lax.ragged_dot) or a "
             f"callable with its signature{example}."
         )
+    return (int(shape[0]), int(shape[1]), int(shape[2]))
 
 
 class GroupedLinear(eqx.Module):
@@ -86,13 +88,13 @@ class GroupedLinear(eqx.Module):
         weight: Float[Array, "experts fan_in fan_out"] | None = None,
         compute_dtype: DTypeLike | None = None,
     ):
-        shape = (num_experts, in_features, out_features)
-        check_grouped_linear_args(
+        shape = check_grouped_linear_args(
             "GroupedLinear",
-            shape,
+            (num_experts, in_features, out_features),
             ragged_dot,
             example=", e.g. fp8jax.Fp8RaggedDot(num_experts=...)",
         )
+        num_experts, in_features, out_features = shape
         if (key is None) == (weight is None):
             raise TypeError(
                 "GroupedLinear: give key (a PRNG key, for a new weight) or weight (of shape "

@@ -91,7 +91,7 @@ class NnxGroupedLinear(nnx.Module):
         ragged_dot: Any = None,
     ):
         shape = (num_experts, in_features, out_features)
-        check_grouped_linear_args("NnxGroupedLinear", shape, ragged_dot)
+        shape = check_grouped_linear_args("NnxGroupedLinear", shape, ragged_dot)
         kernel = jax.random.normal(rngs.params(), shape, param_dtype) / math.sqrt(in_features)
         self.kernel = nnx.Param(kernel)
         self.ragged_dot = nnx.data(ragged_dot)
