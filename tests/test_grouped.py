@@ -430,6 +430,22 @@ EXPLICIT_RECIPES = {
 
 
 @pytest.mark.parametrize("recipe", EXPLICIT_RECIPES)
+def test_x64_gives_the_float32_step(recipe):
+    """With `jax_enable_x64` on, float32 operands: the forward, both gradients and the new
+    state equal those without it. The backward raised for delayed and current scaling ("lax.min
+    requires arguments to have the same dtypes, got int64, int32"), from the Hopper kernel
+    traced for its CUDA branch on every platform."""
+    x, w, g = data(29)
+    dot = fp8jax.Fp8RaggedDot(EXPLICIT_RECIPES[recipe], num_experts=G)
+    want = run(dot, x, w, g, SIZES)
+    with jax.enable_x64(True):
+        got = run(dot, x, w, g, SIZES)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", EXPLICIT_RECIPES)
 def test_explicit_mesh_matches_no_mesh(recipe):
     """Under a mesh with Explicit axes (where JAX infers no sharding for a ragged dot, and
     every inner ragged dot raised "Explicit sharding inference ... not implemented"), tokens

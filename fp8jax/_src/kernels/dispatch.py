@@ -154,7 +154,7 @@ def choose(
     """
     if use_native is False:
         return xla(*args)
-    run = functools.partial(native, out_dtype=out_dtype)
+    run = _without_x64(functools.partial(native, out_dtype=out_dtype))
     if _partitioned(dims, args):
         # Mosaic GPU's interpreter simulates a GPU through ordered host callbacks, which
         # `custom_partitioning` cannot hold: interpreted, each device runs the XLA path (the
@@ -170,6 +170,20 @@ def choose(
     if local_gpus_lack_hopper():
         return xla(*args)
     return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def _without_x64(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel` traced with 64-bit types off, as the kernels are written (Pallas's pipelines
+    mix a Python int, int64 under `jax_enable_x64`, with int32 trip counts). Traced for a
+    CUDA branch on every platform, it raised under x64 even on a CPU."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if not jax.config.jax_enable_x64:
+            return kernel(*args, **kwargs)
+        with jax.enable_x64(False):
+            return kernel(*args, **kwargs)
+
+    return traced
 
 
 def _varying_like(kernel: Callable[..., Any], args: tuple) -> Callable[..., Any]:
