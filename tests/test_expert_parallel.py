@@ -593,3 +593,33 @@ def test_expert_parallel_telemetry_is_the_steps_as_on_one_device(shape):
                     rtol=1e-6,
                     err_msg=f"{layer}.{role}.{field}",
                 )
+
+
+def test_high_precision_grouped_layers_take_lists_and_exchanges():
+    """`GroupedLinear` and `NnxGroupedLinear` without an FP8 `ragged_dot` take group sizes as
+    a list and an `ExpertExchange`, as their FP8 conversions do (both were refused as "not an
+    array"; the NNX layer refused an exchange): each expert's rows against a float64
+    product."""
+    nnx = pytest.importorskip("flax.nnx")
+    layer = fp8jax.NnxGroupedLinear(EXPERTS, 4, 3, rngs=nnx.Rngs(0))
+    kernel = np.asarray(layer.kernel.get_value(), np.float64)
+    eqx_layer = fp8jax.GroupedLinear(EXPERTS, 4, 3, weight=jnp.asarray(kernel, jnp.float32))
+    sizes = [2, 0, 3, 1, 0, 0, 4, 2] * 2
+    x = np.random.default_rng(3).standard_normal((sum(sizes), 4)).astype(np.float32)
+    experts = np.repeat(np.arange(EXPERTS), sizes)
+    want = np.einsum("tk,tkn->tn", x.astype(np.float64), kernel[experts])
+    for f in (layer, eqx_layer):
+        np.testing.assert_allclose(f(x, sizes), want, rtol=1e-5, atol=1e-5)
+
+    chosen, weights = _routed(16)
+    mesh = _mesh({"expert": 1})
+
+    def moe(x, chosen, weights):
+        plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert")
+        return plan.combine(layer(x, plan), weights)
+
+    f = jax.jit(jax.shard_map(moe, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert")))
+    x = np.random.default_rng(4).standard_normal((16, 4)).astype(np.float32)
+    got = f(x, chosen, weights)
+    want = np.einsum("tk,tkn->tn", weights, np.einsum("tf,tkfn->tkn", x, kernel[chosen]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

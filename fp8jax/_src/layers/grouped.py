@@ -161,14 +161,25 @@ class GroupedLinear(eqx.Module):
             return self.ragged_dot(
                 x, self.weight, group_sizes, preferred_element_type=self.compute_dtype
             )
-        x = jnp.asarray(x)
-        if isinstance(group_sizes, ExpertExchange):
-            check_dispatch_args("GroupedLinear", x.shape, self.weight.shape, group_sizes)
-            x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
-        check_ragged_dot_args("GroupedLinear", jnp.shape(x), self.weight.shape, group_sizes)
-        return lax.ragged_dot(
-            x, self.weight, jnp.asarray(group_sizes), preferred_element_type=self.compute_dtype
+        return high_precision_ragged_dot(
+            "GroupedLinear", x, self.weight, group_sizes, self.compute_dtype
         )
+
+
+def high_precision_ragged_dot(
+    where: str, x: Any, weight: Array, group_sizes: Any, dtype: DTypeLike | None
+) -> Array:
+    """A grouped layer's GEMM without an FP8 `ragged_dot`: `lax.ragged_dot` in `dtype` (its
+    `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, or an
+    `ExpertExchange` whose dispatched rows it multiplies)."""
+    x = jnp.asarray(x)
+    if isinstance(group_sizes, list | tuple):
+        group_sizes = np.asarray(group_sizes)
+    if isinstance(group_sizes, ExpertExchange):
+        check_dispatch_args(where, x.shape, weight.shape, group_sizes)
+        x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
+    check_ragged_dot_args(where, jnp.shape(x), weight.shape, group_sizes)
+    return lax.ragged_dot(x, weight, jnp.asarray(group_sizes), preferred_element_type=dtype)
 
 
 def expert_specs(model: Any, axis: str) -> Any:

@@ -10,12 +10,11 @@ from typing import Any, final
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ...layers.grouped import check_grouped_linear_args
-from ...ops.ragged_dot import Fp8RaggedDot, check_ragged_dot_args
+from ...layers.grouped import check_grouped_linear_args, high_precision_ragged_dot
+from ...ops.ragged_dot import Fp8RaggedDot
 from .layers import AbstractFp8NnxDot, Fp8State
 
 
@@ -109,5 +108,4 @@ class NnxGroupedLinear(nnx.Module):
             x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if self.ragged_dot is not None:
             return self.ragged_dot(x, kernel, group_sizes)
-        check_ragged_dot_args("NnxGroupedLinear", x.shape, kernel.shape, group_sizes)
-        return lax.ragged_dot(x, kernel, jnp.asarray(group_sizes))
+        return high_precision_ragged_dot("NnxGroupedLinear", x, kernel, group_sizes, None)
