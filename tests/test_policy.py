@@ -271,3 +271,35 @@ def test_fp8_forward_in_compute_dtype():
     # XLA may skip the BF16 rounding before the cast to float32 (excess precision): `out` is
     # within the same bound, not necessarily equal to `y`.
     assert_bf16_linear(out, inputs[1], compute.layers[1].weight, compute.layers[1].bias, sx, sw)
+
+
+def test_casts_of_an_nnx_state_skip_its_fp8_state():
+    """An NNX model's state (`nnx.split`, `nnx.state`) holds its FP8 state as `Fp8State`
+    variables, not FP8 modules: each cast leaves them float32 and bit-identical (they were
+    cast, and the merged model refused to run), and the merged model computes what the
+    documented cast of the `nnx.Param`s alone gives."""
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax (the nnx extra)")
+    model = fp8jax.fp8_linear_layers(
+        nnx.Linear(4, 8, rngs=nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None, keep=())
+    )
+    policy = Policy.from_string("params=float32,compute=bfloat16,output=float32")
+    graphdef, state = nnx.split(model)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+        dtype = F32 if method != "cast_to_compute" else BF16
+        cast = getattr(policy, method)(state)
+        olds, news = (jax.tree.leaves(t, is_leaf=is_var) for t in (state, cast))
+        for old, new in zip(olds, news, strict=True):
+            assert type(new) is type(old)
+            if isinstance(old, fp8jax.Fp8State):
+                assert new.get_value().dtype == old.get_value().dtype == F32
+                np.testing.assert_array_equal(new.get_value(), old.get_value())
+            else:
+                assert new.get_value().dtype == dtype
+                np.testing.assert_array_equal(new.get_value(), old.get_value().astype(dtype))
+    x = jax.random.normal(jax.random.key(1), (3, 4), BF16)
+    got = nnx.merge(graphdef, policy.cast_to_compute(state))(x)
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    want = nnx.merge(graphdef, policy.cast_to_compute(params), rest)(x)
+    assert got.dtype == want.dtype == BF16
+    np.testing.assert_array_equal(got, want)

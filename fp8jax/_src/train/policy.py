@@ -1,8 +1,9 @@
 """Mixed-precision policies: which dtype parameters are stored, computed and returned in.
 
 A [`fp8jax.Policy`][] names three dtypes (the JMP design) and casts pytrees to them. FP8 state
-([`fp8jax.OverwriteWithGradient`][] modules) is never cast: its scales and amax histories stay
-float32 whatever the policy, and the FP8 GEMMs choose their own formats.
+([`fp8jax.OverwriteWithGradient`][] modules, NNX's [`fp8jax.Fp8State`][]) is never cast: its
+scales and amax histories stay float32 whatever the policy, and the FP8 GEMMs choose their own
+formats.
 
 ```python
 policy = fp8jax.Policy.from_string("params=float32,compute=bfloat16,output=float32")
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.formats import float_dtype
-from ..core.updates import is_overwrite
+from ..core.updates import is_fp8_state, is_overwrite
 from ..layers.grouped import GroupedLinear
 from ..layers.linear import Linear
 from ..ops.dot_general import Fp8DotGeneral
@@ -58,7 +59,9 @@ _FP8_GEMMS: dict[type, tuple[str, type]] = {
 
 
 def _is_node(x: Any) -> bool:
-    return is_overwrite(x) or isinstance(x, tuple(_FP8_GEMMS))
+    # FP8 state: fp8jax's and Haliax's modules, and NNX's `Fp8State` variables (an
+    # `nnx.split` state holds those, not the modules).
+    return is_fp8_state(x) or isinstance(x, tuple(_FP8_GEMMS))
 
 
 def _cast_layer(layer: Linear | GroupedLinear, dtype: np.dtype, masters: bool) -> Any:
@@ -88,7 +91,7 @@ def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
     def cast(x: Any) -> Any:
         if isinstance(x, tuple(_FP8_GEMMS)):
             return _cast_layer(x, dtype, masters)
-        if is_overwrite(x) or not _is_floating_array(x) or x.dtype == dtype:
+        if is_fp8_state(x) or not _is_floating_array(x) or x.dtype == dtype:
             return x
         return x.astype(dtype)
 
@@ -101,7 +104,8 @@ class Policy:
 
     Keep master weights in `param_dtype` (float32), cast them to `compute_dtype` (bfloat16) for
     the step, and return results in `output_dtype`. The casts touch floating-point arrays only:
-    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules, such as [`fp8jax.Fp8DotGeneral`][]),
+    FP8 state ([`fp8jax.OverwriteWithGradient`][] modules, such as [`fp8jax.Fp8DotGeneral`][],
+    and the [`fp8jax.Fp8State`][] variables of an NNX model's `nnx.state`),
     integer and boolean arrays, Python numbers and other non-array leaves are left as they are.
 
     **Arguments:**
