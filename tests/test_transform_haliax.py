@@ -347,3 +347,37 @@ def test_expert_specs_refuses_a_haliax_moe_linear_by_name(getkey):
     fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None))
     with pytest.raises(TypeError, match=r"Haliax MoELinear in FP8 .*named axis 'experts'"):
         fp8jax.expert_specs(fp8, "expert")
+
+
+@pytest.mark.parametrize("out_first", [True, False])
+def test_haliax_linear_with_dict_axis_specs_converts(getkey, out_first):
+    """A Linear whose In and Out are Haliax shape dicts (`{"heads": 2, "hd": 4}`, an axis
+    spec `Linear.init` takes) converts, and computes the FP8 GEMM of its flattened matrix:
+    output and weight gradient are the float64 products of the E4M3 / E5M2 roundings (it
+    raised AttributeError: 'dict' object has no attribute 'size')."""
+    from reference import per_tensor_current
+
+    In, Out = {"heads": 2, "hd": 4}, {"embed": 6, "part": 2}
+    lin = hnn.Linear.init(In, Out, key=getkey(), out_first=out_first)
+    fp8 = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(recipe="current", exclude=None))
+    assert isinstance(fp8.dot_general, fp8jax.Fp8DotGeneral)
+    ins, outs = (
+        tuple(hax.Axis(n, s) for n, s in In.items()),
+        tuple(hax.Axis(n, s) for n, s in Out.items()),
+    )
+    x = hax.random.normal(getkey(), (Batch, *ins)) * 3
+    g = hax.random.normal(getkey(), (Batch, *outs))
+
+    def loss(m, x):
+        return hax.sum(m(x) * g).scalar()
+
+    _, grads = fp8jax.filter_value_and_grad(loss)(fp8, x)
+    x2 = np.asarray(x.rearrange((Batch, *ins)).array).reshape(Batch.size, 8)
+    w2 = np.asarray(lin.weight.rearrange((*outs, *ins)).array).reshape(12, 8)
+    g2 = np.asarray(g.rearrange((Batch, *outs)).array).reshape(Batch.size, 12)
+    y, _, dw = per_tensor_current(x2, w2, g2)
+    bias = np.asarray(lin.bias.rearrange(outs).array).reshape(12)
+    got = np.asarray(fp8(x).rearrange((Batch, *outs)).array).reshape(Batch.size, 12)
+    np.testing.assert_allclose(got, y + bias, rtol=1e-6, atol=1e-6)
+    got_dw = np.asarray(grads.weight.rearrange((*outs, *ins)).array).reshape(12, 8)
+    np.testing.assert_allclose(got_dw, dw, rtol=1e-6, atol=1e-6)

@@ -117,16 +117,20 @@ def _tied(node: Any) -> bool:
     return not hasattr(getattr(node, "weight", None), "shape")
 
 
+def _axis_sizes(spec: Any) -> dict[str, int]:
+    """A Haliax axis spec's sizes by name: an `Axis`, a sequence of them, or a shape dict
+    (`{"heads": 8, "head_dim": 64}`)."""
+    if isinstance(spec, dict):
+        return dict(spec)
+    axes = spec if isinstance(spec, tuple | list) else (spec,)
+    return {a.name: a.size for a in axes}
+
+
 def _kernel_shape(linear: Any) -> tuple[int, int]:
     """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last)."""
     if isinstance(linear, eqx.nn.Linear | Linear):
         return tuple(linear.weight.shape)
-
-    def size(spec: Any) -> int:
-        axes = spec if isinstance(spec, tuple | list) else (spec,)
-        return math.prod(a.size for a in axes)
-
-    return (size(linear.Out), size(linear.In))
+    return tuple(math.prod(_axis_sizes(spec).values()) for spec in (linear.Out, linear.In))
 
 
 def _stack_shape(linear: Any) -> tuple[int, ...]:
@@ -134,10 +138,7 @@ def _stack_shape(linear: Any) -> tuple[int, ...]:
     (a Haliax `Stacked`'s, or built under a vmap), in the weight's order, outermost first."""
     if isinstance(linear, eqx.nn.Linear | Linear):
         return tuple(linear.weight.shape[:-2])
-    specs = [linear.In, linear.Out]
-    names = {
-        a.name for spec in specs for a in (spec if isinstance(spec, tuple | list) else (spec,))
-    }
+    names = {**_axis_sizes(linear.In), **_axis_sizes(linear.Out)}
     return tuple(a.size for a in linear.weight.axes if a.name not in names)
 
 
