@@ -503,7 +503,10 @@ def test_nn_scan_without_the_collection_says_what_to_add():
         ScannedWithoutTheCollection(), fp8jax.Fp8Config(exclude=r".*fc", keep=())
     )
     with pytest.warns(fp8jax.Fp8ConversionWarning):
-        assert OWG not in excluded.init(jax.random.key(0), jnp.ones((8, 32)))
+        variables = excluded.init(jax.random.key(0), jnp.ones((8, 32)))
+    assert variables[OWG] == {}  # no FP8 state: it applies in high precision
+    reference = ScannedWithoutTheCollection().apply(variables, jnp.ones((8, 32)))
+    np.testing.assert_array_equal(excluded.apply(variables, jnp.ones((8, 32))), reference)
 
 
 class Shared(nn.Module):
@@ -810,3 +813,36 @@ def test_flax_serialization_writes_and_restores_the_train_state():
     other = fp8jax.fp8_linear_layers(Net(), config(telemetry=True)).init(jax.random.key(1), x)
     with pytest.raises(ValueError, match=r"Fp8DotGeneral 'fc1': the saved FP8 state has"):
         serialization.from_bytes(other, serialization.to_bytes(trained.params))
+
+
+class OnlyAHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="proj")(x)
+
+
+def test_a_model_init_converted_nothing_applies_and_trains_in_high_precision():
+    """`init` that converts no layer (the only Dense is the head, kept) warns that the model
+    trains in high precision: its variables then apply, train and checkpoint as the Linen
+    model's own (apply refused them, asking for FP8 state that init never made)."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(OnlyAHead())
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"converted no layer.*high precision"):
+        variables = model.init(jax.random.key(1), x)
+    reference = OnlyAHead().init(jax.random.key(1), x)
+    jax.tree.map(np.testing.assert_array_equal, variables["params"], reference["params"])
+    np.testing.assert_array_equal(model.apply(variables, x), OnlyAHead().apply(reference, x))
+    state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.1))
+    plain = train_state.TrainState.create(
+        apply_fn=OnlyAHead().apply, params=reference, tx=optax.sgd(0.1)
+    )
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(state.params)
+    grads_plain = jax.grad(lambda v: jnp.sum(OnlyAHead().apply(v, x) ** 2))(plain.params)
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        state.apply_gradients(grads=grads).params["params"],
+        plain.apply_gradients(grads=grads_plain).params["params"],
+    )
+    # The parameters alone are still refused: they name no FP8 state at all.
+    with pytest.raises(ValueError, match=r"no FP8 state for the layer 'proj'"):
+        model.apply({"params": variables["params"]}, x)

@@ -195,8 +195,8 @@ def _missing_state(path: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"Fp8Linen: the variables given hold no FP8 state for the layer {'.'.join(path)!r} "
         f"(collection {COLLECTION!r}). Pass the whole variables that Fp8Linen.init "
-        "returned (not only variables['params']), made with the same Fp8Config; if init "
-        "converted no layer (it warned), apply the Linen model itself."
+        "returned (not only variables['params']: init gives the collection, empty where "
+        "it converted no layer), made with the same Fp8Config."
     )
 
 
@@ -418,11 +418,19 @@ class Fp8Linen:
         """`module.init_with_output`, the chosen layers in FP8: `(output, variables)`, the
         variables holding the FP8 state. Traces the model first to choose the layers (see
         [`plan`][fp8jax.Fp8Linen.plan]); prints the plan with `explain=True`; warns when no
-        layer is converted. Raises `ValueError` if a target or recipe pattern matches no
-        layer that ran (the message lists those that did)."""
+        layer is converted (the variables then hold the collection empty). Raises
+        `ValueError` if a target or recipe pattern matches no layer that ran (the message
+        lists those that did)."""
         plan, chosen = self._plan(rngs, args, kwargs)
         announce(plan, self.explain, "Flax Linen", stacklevel=3)
-        return self._run("init", chosen, self.module.init_with_output, rngs, *args, **kwargs)
+        out, variables = self._run(
+            "init", chosen, self.module.init_with_output, rngs, *args, **kwargs
+        )
+        if isinstance(variables, dict) and COLLECTION not in variables:
+            # No layer converted: an empty collection tells `apply` these are init's whole
+            # variables (run in high precision), not the parameters alone.
+            variables = {**variables, COLLECTION: {}}
+        return out, variables
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:
         """`module.init`, the chosen layers in FP8: the variables, FP8 state included (see
