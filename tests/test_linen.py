@@ -846,3 +846,36 @@ def test_a_model_init_converted_nothing_applies_and_trains_in_high_precision():
     # The parameters alone are still refused: they name no FP8 state at all.
     with pytest.raises(ValueError, match=r"no FP8 state for the layer 'proj'"):
         model.apply({"params": variables["params"]}, x)
+
+
+class BatchedKernels(nn.Module):
+    layer: str = "general"
+
+    @nn.compact
+    def __call__(self, x):  # x: (heads, tokens, 32), one kernel per head
+        if self.layer == "general":
+            return nn.DenseGeneral(16, batch_dims=(0,), name="per_head")(x)
+        return nn.Einsum((4, 32, 16), "htd,hde->hte", name="per_head")(x)
+
+
+@pytest.mark.parametrize("layer", ["general", "einsum"])
+def test_a_kernel_with_batch_axes_under_error_feedback_is_said_by_name(layer):
+    """A kernel with batch axes has no single (out, in) matrix for the error-feedback state:
+    init names the layer and what to do (it said to pass kernel_shape to Fp8DotGeneral,
+    which "fp8_linear_layers does for you": the call the user had made). With another recipe
+    for that layer, by `recipes`, it converts and computes the unconverted layer's product
+    to FP8 rounding."""
+    x = jax.random.normal(jax.random.key(0), (4, 8, 32))
+    feedback = fp8jax.ResidualFP8(error_feedback=True)
+    model = fp8jax.fp8_linear_layers(BatchedKernels(layer), config(feedback))
+    with pytest.raises(ValueError, match=r"'per_head'.*batch axes.*another recipe") as e:
+        model.init(jax.random.key(1), x)
+    assert "does this for you" not in str(e.value)
+    other = config(feedback, recipes={"per_head": "current"})
+    model = fp8jax.fp8_linear_layers(BatchedKernels(layer), other)
+    variables = model.init(jax.random.key(1), x)
+    want = BatchedKernels(layer).apply({"params": variables["params"]}, x)
+    # E4M3 rounds each operand to 3 mantissa bits (relative error <= 2^-4 each, two
+    # operands): a product's relative error stays below 2^-3 in norm.
+    got = model.apply(variables, x)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2**-3

@@ -169,7 +169,18 @@ def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -
     name = ".".join(path)
 
     def init() -> Fp8DotGeneral:
-        return Fp8DotGeneral(config.recipe_for(path), kernel, name, config.telemetry)
+        recipe = config.recipe_for(path)
+        try:
+            return Fp8DotGeneral(recipe, kernel, name, config.telemetry)
+        except ValueError as e:
+            if kernel is not None:
+                raise
+            raise ValueError(
+                f"Fp8Linen: the layer {name!r} multiplies by a kernel with batch axes (one "
+                f"matrix per batch entry), which has no single (out, in) matrix for the "
+                f"kernel-shaped state of {type(recipe).__name__}. Give the layer another recipe "
+                f"(Fp8Config recipes={{{name!r}: 'delayed'}}) or exclude it."
+            ) from e
 
     try:
         return module.variable(COLLECTION, VARIABLE, init).value
