@@ -879,3 +879,37 @@ def test_a_kernel_with_batch_axes_under_error_feedback_is_said_by_name(layer):
     # operands): a product's relative error stays below 2^-3 in norm.
     got = model.apply(variables, x)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2**-3
+
+
+class KernelOnTheLeft(nn.Module):
+    """A projection written `kernel^T x` with the kernel as dot_general's left operand."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.1), (x.shape[-1], 32))
+        return jax.lax.dot_general(kernel, x, (((0,), (1,)), ((), ()))).T
+
+
+class LeftThenDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="fc")(nn.relu(KernelOnTheLeft(name="left")(x)))
+
+
+def test_a_module_with_its_kernel_as_the_left_operand_stays_high_precision_with_a_warning():
+    """fp8jax answers the GEMMs taking a module's kernel as their right operand; one taking
+    it only as the left was planned FP8 and init then failed ("no GEMM of its call takes it
+    as its right operand"). It now stays in high precision, said in the init warning, and
+    the model computes as the Linen model does there."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(LeftThenDense(), config())
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"left.*left operand"):
+        variables = model.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == ["fc"]
+    reference = LeftThenDense().apply({"params": variables["params"]}, x)
+    _, seen = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    left = KernelOnTheLeft().apply({"params": variables["params"]["left"]}, x)
+    np.testing.assert_array_equal(seen["intermediates"]["left"]["__call__"][0], left)
+    # The FP8 Dense after it: E4M3 operands (3 mantissa bits, relative error <= 2^-4 each).
+    got = model.apply(variables, x)
+    assert float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)) < 2**-3

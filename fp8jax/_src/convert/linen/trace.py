@@ -13,7 +13,7 @@ from flax import linen as nn
 from ..autocast import array_arguments
 from ..config import Fp8Config
 from ..plan import ConversionPlan, LayerChoice, decide
-from ..roles import ModelShapes, dataflow, owner_of
+from ..roles import ModelShapes, dataflow, gemm_operands, owner_of
 from .generic import KERNEL
 
 
@@ -59,10 +59,12 @@ def linen_plan(
     layer_paths = sorted(seen.layers)
     kernels = sorted(p for p in seen.kernels if p not in seen.layers)
     owners = [owner_of(_names(p)[1:], layer_paths + kernels) for p, _ in flat]
-    flow = dataflow(jax.make_jaxpr(call)(variables), owners)
-
-    # Modules with a kernel of their own whose kernel enters a GEMM: Linears by their role.
-    generic = {p: seen.kernels[p] for p in kernels if p in flow.gemms}
+    closed = jax.make_jaxpr(call)(variables)
+    flow = dataflow(closed, owners)
+    # Modules with a kernel of their own that a GEMM takes as its right operand (what the
+    # conversion answers in FP8, `generic.py`): Linears by their role.
+    right = {rhs for _, rhs in gemm_operands(closed, owners).values()}
+    generic = {p: seen.kernels[p] for p in kernels if p in flow.gemms and p in right}
     layers = {**{p: seen.layers[p] for p in layer_paths}, **generic}
     widths = {p: (w, False) for p, w in seen.widths.items()}
     for path, mod in generic.items():
@@ -80,7 +82,11 @@ def linen_plan(
         flow=flow,
         kinds=kinds,
         advice=lambda p: (
-            f"{type(seen.modules.get(p)).__name__}: its weights enter a GEMM but "
+            f"{type(seen.modules.get(p)).__name__}: its {KERNEL!r} enters GEMMs only as their "
+            "left operand; multiply the input by it (x @ kernel), or run the model under "
+            "fp8jax.fp8_autocast"
+            if p in seen.kernels
+            else f"{type(seen.modules.get(p)).__name__}: its weights enter a GEMM but "
             f"it holds no {KERNEL!r} parameter; name it {KERNEL!r}, use nn.Dense, or run the "
             "model under fp8jax.fp8_autocast"
         ),
