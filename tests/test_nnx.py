@@ -1567,3 +1567,28 @@ def test_each_train_step_refuses_the_other_frameworks_model_by_name():
     loss = lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2)  # noqa: E731
     with pytest.raises(TypeError, match=r"nnx_train_step: .*MLP, is not a Flax NNX .*make_train_"):
         fp8jax.nnx_train_step(loss)(eqx_model, optimizer, x, y)
+
+
+class _Branching(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+        self.fc2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x, train, mode):
+        h = jax.nn.relu(self.fc1(x))
+        return self.fc2(2 * h if train else h) * (-1.0 if mode == "flip" else 1.0)
+
+
+def test_nnx_value_and_grad_outside_jit_takes_python_values_the_loss_branches_on():
+    def loss_fn(model, x, train, mode="same"):
+        return jnp.sum(model(x, train, mode) ** 2)
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)), jnp.float32)
+    model = fp8jax.fp8_linear_layers(_Branching(nnx.Rngs(0)), config())
+    for train, mode in [(True, "same"), (False, "flip")]:
+        loss, grads = fp8jax.nnx_value_and_grad(loss_fn)(model, x, train, mode=mode)
+        # Each layer runs once: plain nnx.value_and_grad, eager, is the reference.
+        want, want_grads = nnx.value_and_grad(loss_fn, argnums=DIFF)(model, x, train, mode=mode)
+        np.testing.assert_allclose(loss, want, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -5,11 +5,13 @@ an `NnxTrainStep`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -38,6 +40,33 @@ def _fp8_ops(model: Any) -> list[Fp8DotGeneral]:
     return [node.value() for _, node in nodes if isinstance(node, AbstractFp8NnxDot)]
 
 
+def _traced(leaf: Any) -> bool:
+    """Whether `nnx_value_and_grad`'s jit traces an argument's leaf: arrays and NNX objects;
+    other values (a Python bool or str a loss branches on) stay static, as `nnx_train_step`'s."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or nnx.graph.is_graph_node(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The arguments of a call but their traced leaves: the structure and the static values."""
+
+    treedef: Any
+    mask: tuple[bool, ...]
+    values: tuple[Any, ...]
+
+    @staticmethod
+    def split(tree: Any) -> tuple[list, _Static]:
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_traced)
+        mask = tuple(map(_traced, leaves))
+        static = tuple(x for x, t in zip(leaves, mask, strict=True) if not t)
+        return [x for x, t in zip(leaves, mask, strict=True) if t], _Static(treedef, mask, static)
+
+    def merge(self, traced: list) -> Any:
+        dynamic, static = iter(traced), iter(self.values)
+        leaves = [next(dynamic) if t else next(static) for t in self.mask]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
 def nnx_value_and_grad(
     fun: Callable[..., Any], *, wrt: Any = nnx.Param, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any]]:
@@ -57,7 +86,9 @@ def nnx_value_and_grad(
     for a layer called twice in one trace, and adds silently across `nnx.scan` iterations.
 
     `fun` is traced under `nnx.jit` (the max-combining dtype exists only in traced code);
-    inside your own `nnx.jit`ted step that costs nothing.
+    inside your own `nnx.jit`ted step that costs nothing. Called outside one, arrays and NNX
+    objects among the arguments are traced, other values (a Python bool or str the loss
+    branches on) are static, as for [`fp8jax.nnx_train_step`][] (a new value recompiles).
 
     **Arguments:**
 
@@ -96,7 +127,12 @@ def nnx_value_and_grad(
         graph=True,  # DiffState needs graph mode; the user's own code runs in theirs
         graph_updates=True,
     )
-    jitted = nnx.jit(value_and_grad, graph=True, graph_updates=True)
+
+    def split_call(traced: list, static: _Static) -> tuple[Any, Any]:
+        args, kwargs = static.merge(traced)
+        return value_and_grad(*args, **kwargs)
+
+    jitted = nnx.jit(split_call, static_argnums=1, graph=True, graph_updates=True)
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -104,7 +140,7 @@ def nnx_value_and_grad(
             raise TypeError("nnx_value_and_grad: call it with the model as first argument.")
         if jax_private.tracing():
             return value_and_grad(*args, **kwargs)
-        return jitted(*args, **kwargs)
+        return jitted(*_Static.split((args, kwargs)))
 
     return run
 
