@@ -1592,3 +1592,24 @@ def test_nnx_value_and_grad_outside_jit_takes_python_values_the_loss_branches_on
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (config("current"), r"'input.amax_history' of the FP8 layer at 'fc1' is \(1,\), where "),
+        (config(telemetry=True), r"'stats.input.rejected' .* is \(\), where the layer's is absent"),
+    ],
+)
+def test_nnx_update_fp8_state_refuses_another_models_gradients(other, message):
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 16)), jnp.float32)
+    model = fp8jax.fp8_linear_layers(_Branching(nnx.Rngs(0)), config())
+    before = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))]
+    theirs = fp8jax.fp8_linear_layers(_Branching(nnx.Rngs(0)), other)
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(5 * x, True, "same")))(theirs)
+    # A (1,) history was broadcast into all 1024 entries of the model's, silently.
+    with pytest.raises(ValueError, match=message):
+        fp8jax.nnx_update_fp8_state(model, grads)
+    after = jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)

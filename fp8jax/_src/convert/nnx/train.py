@@ -155,6 +155,36 @@ def _sub_state(grads: Any, path: tuple[Any, ...]) -> Any:
     return node
 
 
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of each `Fp8State` of `tree`, by its dotted path."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(
+            jax.numpy.shape(v.get_value() if is_variable(v) else v)
+        )
+        for path, v in flat
+    }
+
+
+def _received(layer: AbstractFp8NnxDot, received: Any, path: tuple[Any, ...]) -> Any:
+    """The state `received` for `layer`, refused unless shaped as its own: another model's
+    (another recipe, history length or telemetry setting) would be broadcast into its arrays,
+    or fail in NNX's words."""
+    ours, theirs = _shapes(layer.state), _shapes(received)
+    if ours != theirs:
+        where = layer.name or ".".join(str(p) for p in path)
+        key = min(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise ValueError(
+            f"nnx_update_fp8_state: the gradients' Fp8State {key!r} of the FP8 layer at "
+            f"{where!r} is {theirs.get(key, 'absent')}, where the layer's is "
+            f"{ours.get(key, 'absent')}: they are another model's gradients (another recipe "
+            "or telemetry setting). Pass the gradients of this model."
+        )
+    new = nnx.clone(layer, graph=True)
+    nnx.update(new, nnx.State({"state": received}))
+    return new.value()
+
+
 def nnx_update_fp8_state(model: Any, grads: Any) -> None:
     """Write the new FP8 state the gradients carry into `model`, in place.
 
@@ -203,10 +233,8 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
                 "nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))), and "
                 "pass its gradients unfiltered."
             )
-        new = nnx.clone(layer, graph=True)
-        nnx.update(new, nnx.State({"state": received}))
         old = layer.value()
-        groups.setdefault(type(old), []).append((layer, old, new.value()))
+        groups.setdefault(type(old), []).append((layer, old, _received(layer, received, path)))
     for cls, group in groups.items():
         merged = cls.merge_many([(old, new) for _, old, new in group])
         for (layer, _, _), value in zip(group, merged, strict=True):
