@@ -1613,3 +1613,20 @@ def test_nnx_update_fp8_state_refuses_another_models_gradients(other, message):
     after = jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_set_value_refuses_a_state_shaped_otherwise_than_the_layers():
+    layer = fp8jax.Fp8NnxDotGeneral("delayed", stacked=(3,))
+    before = [np.asarray(a) for a in jax.tree.leaves(layer.value())]
+    # The same structure, one layer's shapes: it was written into the stack's variables.
+    with pytest.raises(
+        ValueError, match=r"\.input\.scale .* is float32\[\], where this layer's is float32\[3\]"
+    ):
+        layer.set_value(fp8jax.Fp8DotGeneral("delayed"))
+    with pytest.raises(ValueError, match=r"is bfloat16\[3\], where this layer's is float32\[3\]"):
+        layer.set_value(jax.tree.map(lambda a: a.astype(jnp.bfloat16), layer.value()))
+    for a, b in zip(before, jax.tree.leaves(layer.value()), strict=True):
+        np.testing.assert_array_equal(a, b)
+    layer.set_value(jax.tree.map(lambda a: a + 1, layer.value()))
+    for a, b in zip(before, jax.tree.leaves(layer.value()), strict=True):
+        np.testing.assert_array_equal(a + 1, b)

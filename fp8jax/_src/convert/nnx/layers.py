@@ -8,6 +8,7 @@ import abc
 from typing import Any, final
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
@@ -106,6 +107,16 @@ class AbstractFp8NnxDot(nnx.Module):
                 f"{jax.tree.structure(dot)}; pass one shaped like this layer's value() (the "
                 "same recipe and telemetry setting)."
             )
+        own = jax.tree_util.tree_flatten_with_path(self.value())[0]
+        for (path, old), new in zip(own, jax.tree.leaves(dot), strict=True):
+            shape, dtype = jnp.shape(new), jnp.result_type(new)
+            if shape != jnp.shape(old) or dtype != old.dtype:
+                raise ValueError(
+                    f"Fp8NnxDotGeneral.set_value: {jax.tree_util.keystr(path)} of the "
+                    f"{type(dot).__name__} given is {dtype}{list(shape)}, where this layer's is "
+                    f"{old.dtype}{list(jnp.shape(old))}; pass one shaped like this layer's "
+                    "value() (a stacked layer's state has its stack's leading axes)."
+                )
         variables = jax.tree.leaves(self.state, is_leaf=is_variable)
         for variable, new in zip(variables, jax.tree.leaves(dot), strict=True):
             variable.set_value(new)
