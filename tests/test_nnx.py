@@ -1630,3 +1630,20 @@ def test_set_value_refuses_a_state_shaped_otherwise_than_the_layers():
     layer.set_value(jax.tree.map(lambda a: a + 1, layer.value()))
     for a, b in zip(before, jax.tree.leaves(layer.value()), strict=True):
         np.testing.assert_array_equal(a + 1, b)
+
+
+@pytest.mark.parametrize("wrt", [3, 2.5, object()])
+def test_nnx_value_and_grad_names_a_wrt_that_is_no_filter(wrt):
+    # Flax's own error read "Invalid format specifier '!r' for object of type 'int'".
+    with pytest.raises(TypeError, match=re.escape(f"wrt={wrt!r} is not an NNX filter")):
+        fp8jax.nnx_value_and_grad(lambda m: 0.0, wrt=wrt)
+
+
+def test_nnx_value_and_grad_takes_the_filters_nnx_optimizer_takes():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 16)), jnp.float32)
+    model = fp8jax.fp8_linear_layers(_Branching(nnx.Rngs(0)), config())
+    fc1 = nnx.All(nnx.Param, nnx.PathContains("fc1"))
+    for wrt in [nnx.Param, (nnx.Param,), fc1, "nothing-tagged"]:
+        _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x, True, "same")), wrt=wrt)(model)
+        want = nnx.state(model, nnx.Any(nnx.All(wrt, nnx.Not(fp8jax.Fp8State)), fp8jax.Fp8State))
+        assert jax.tree.structure(grads) == jax.tree.structure(want)

@@ -105,6 +105,14 @@ def nnx_value_and_grad(
         raise TypeError(f"nnx_value_and_grad: fun={fun!r} is not callable.")
     if not isinstance(has_aux, bool):
         raise TypeError(f"nnx_value_and_grad: has_aux={has_aux!r} should be True or False.")
+    try:
+        nnx.filterlib.to_predicate(wrt)
+    except (TypeError, ValueError):  # Flax's own message fails to format (`{wrt:!r}`)
+        raise TypeError(
+            f"nnx_value_and_grad: wrt={wrt!r} is not an NNX filter; pass one as to "
+            "nnx.Optimizer: a Variable type (nnx.Param), a tuple of them, or nnx.All(...), "
+            "nnx.PathContains(...), ..."
+        ) from None
 
     @functools.wraps(fun)
     def with_max_state(model: Any, *args: Any, **kwargs: Any) -> Any:
