@@ -1592,6 +1592,17 @@ def test_nnx_value_and_grad_outside_jit_takes_python_values_the_loss_branches_on
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # Python numbers are traced as jax.jit traces them: a new rate is no new compile.
+    traces = []
+
+    def scaled(model, x, rate):
+        traces.append(rate)
+        return rate * jnp.sum(model(x, True, "same") ** 2)
+
+    step = fp8jax.nnx_value_and_grad(scaled)
+    losses = [float(step(model, x, rate)[0]) for rate in (1.0, 2.0)]
+    assert len(traces) == 1
+    np.testing.assert_allclose(losses[1], 2 * losses[0], rtol=1e-6)
 
 
 @pytest.mark.parametrize(

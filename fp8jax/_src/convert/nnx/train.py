@@ -41,9 +41,14 @@ def _fp8_ops(model: Any) -> list[Fp8DotGeneral]:
 
 
 def _traced(leaf: Any) -> bool:
-    """Whether `nnx_value_and_grad`'s jit traces an argument's leaf: arrays and NNX objects;
-    other values (a Python bool or str a loss branches on) stay static, as `nnx_train_step`'s."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or nnx.graph.is_graph_node(leaf)
+    """Whether `nnx_value_and_grad`'s jit traces an argument's leaf: arrays, numbers (a step
+    count or a rate, which would recompile every call as static values) and NNX objects;
+    other values (a Python bool or str a loss branches on) stay static."""
+    if isinstance(leaf, bool):
+        return False
+    number = isinstance(leaf, int | float | complex)
+    array = isinstance(leaf, jax.Array | np.ndarray | np.generic)
+    return number or array or nnx.graph.is_graph_node(leaf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +92,9 @@ def nnx_value_and_grad(
 
     `fun` is traced under `nnx.jit` (the max-combining dtype exists only in traced code);
     inside your own `nnx.jit`ted step that costs nothing. Called outside one, arrays and NNX
-    objects among the arguments are traced, other values (a Python bool or str the loss
-    branches on) are static, as for [`fp8jax.nnx_train_step`][] (a new value recompiles).
+    objects among the arguments are traced, and Python numbers as `jax.jit` traces them;
+    other values (a Python bool or str the loss branches on) are static (a new value
+    recompiles).
 
     **Arguments:**
 
