@@ -624,3 +624,31 @@ def test_pallas_mosaic_gpu_kernels_are_judged_by_their_ptx(h100, tmp_path):
         ((kernel, fp8, ptx, _, verdict),) = blind[form]["float8_e4m3fn"]["cublas"]
         assert (kernel, fp8, ptx) == ("pallas mosaic gpu", False, False)
         assert "MOSAIC_GPU_DUMP_PTX=1" in verdict and "not proven" in verdict
+
+
+def test_a_layer_named_with_brackets_keeps_its_name_and_role(h100):
+    """A GEMM scope with brackets (`fp8_autocast` under `jax.named_scope("layers[0]")`) was
+    read as layer `layers[0` with no role; each GEMM now has its scope's name and role."""
+
+    def f(x, w1, w2):
+        with jax.named_scope("layers[0]"):
+            h = jnp.tanh(x @ w1)
+        with jax.named_scope("layers[1]"):
+            return h @ w2
+
+    def grads(x, w1, w2):
+        loss = lambda *a: jnp.sum(fp8jax.fp8_autocast(f)(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    x, w1, w2 = (
+        jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(256, 512), (512, 512), (512, 256)]
+    )
+    report = fp8jax.inspect(grads, x, w1, w2, modes=("cublas",))
+    layers = report.layers("cublas")
+    # Both layers' fwd, dgrad and wgrad: one GEMM each (x's gradient asked for too).
+    assert {name: sorted(roles) for name, roles in layers.items()} == {
+        "layers[0]": ROLES,
+        "layers[1]": ROLES,
+    }
+    assert all(len(gemms) == 1 for roles in layers.values() for gemms in roles.values())
+    assert "layers[0]/fwd: cublasLt f8" in str(report)
