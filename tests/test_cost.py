@@ -354,6 +354,16 @@ def test_transpose_is_transpose_copy(h100):
     assert cost.bytes == {"transpose/copy": 2 * M * N * 2}
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [(jnp.int4, 4), (jnp.uint4, 4), (jnp.complex64, 64), (jnp.int8, 8)]
+)
+def test_bytes_of_sub_byte_and_complex_types(h100, dtype, bits):
+    """Every type was 4 bytes an element unless listed: an int4 array counted 8 times its
+    size, a complex64 one half. XLA packs 4-bit elements two to a byte."""
+    cost = hlo_cost(compiled(h100, lambda x: x.T, spec(M, N, dtype=dtype)))
+    assert cost.bytes == {"transpose/copy": 2 * M * N * bits // 8}
+
+
 def test_amax_of_a_sum_is_not_a_plain_max(h100):
     cost = hlo_cost(compiled(h100, lambda x: jnp.max(x.astype(jnp.float32)), spec(M, N)))
     assert set(cost.bytes) == {"rest"}  # a max without |x| (softmax's) is no amax

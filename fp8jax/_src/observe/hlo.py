@@ -77,21 +77,8 @@ _HEADER_COUNT = {
 _ELEMENT = re.compile(r"^\(?\s*([a-z]+[0-9a-z]*)\[")
 _ARRAY = re.compile(r"([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
-_ITEM_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
+#: The width in bits of an element type: `bf16`, `f8e4m3fn`, `s4`, `c64`, ... (`pred` is a byte).
+_BITS = re.compile(r"^(?:bf|[fsuc])(\d+)")
 
 
 def element_type(type_text: str) -> str:
@@ -115,14 +102,23 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def array_bytes(type_text: str) -> int:
-    """Bytes of every array in an HLO type (a tuple counts all its members)."""
+    """Bytes of every array in an HLO type (a tuple counts all its members; 4-bit arrays are
+    packed two elements to a byte, as XLA stores them)."""
     total = 0
     for dtype, shape in _ARRAY.findall(type_text):
-        size = 1
-        for d in shape.split(","):
-            size *= int(d) if d else 1
-        total += size * (1 if dtype.startswith("f8") else _ITEM_BYTES.get(dtype, 4))
+        size = math.prod(int(d) for d in shape.split(",") if d)
+        total += -(-size * _element_bits(dtype) // 8)
     return total
+
+
+def _element_bits(dtype: str) -> int:
+    """Bits an element of `dtype` takes in memory: XLA packs 1, 2 and 4-bit types (`s4`,
+    `f4e2m1fn`) into bytes and gives any other narrow type (`f6e2m3fn`, `pred`) a byte."""
+    if dtype == "token":
+        return 0
+    match = _BITS.match(dtype)
+    bits = int(match.group(1)) if match else 8
+    return bits if bits >= 8 or 8 % bits == 0 else 8
 
 
 def operand_names(text: str) -> list[str]:
