@@ -54,3 +54,14 @@ def test_assert_all_fp8_tells_unproven_gemms_from_those_proven_not_fp8():
     assert message.startswith("2 GEMM(s) of fp8jax layers are not shown to run on FP8 tensor")
     assert "(1 proven not to, 1 not proven either way;" in message
     assert str(unproven) in message and str(bf16) in message and str(fp8) not in message
+
+
+def test_assert_all_fp8_checks_modes_given_as_an_iterator():
+    """`modes` given as a generator was used up by the check that it is not empty: no mode
+    was left to check and a high-precision GEMM of an fp8jax layer passed."""
+    bf16 = _gemm("cublas")
+    report = Inspection({"cublas": [bf16]}, {}, "t")
+    with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
+        fp8jax.assert_all_fp8(report, modes=(m for m in ["cublas"]))
+    with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
+        fp8jax.assert_all_fp8(report, modes=iter(["cublas"]))

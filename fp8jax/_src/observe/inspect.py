@@ -225,12 +225,13 @@ def assert_all_fp8(
             f"assert_all_fp8: fn={fn!r} should be a function (with its arguments) or an "
             "fp8jax.Inspection."
         )
-    if isinstance(modes, str) or not isinstance(modes, Iterable) or not tuple(modes):
+    if not isinstance(modes, str) and isinstance(modes, Iterable):
+        modes = tuple(modes)  # once: an iterator given is used up by reading it
+    if not isinstance(modes, tuple) or not modes:
         raise ValueError(
             f"assert_all_fp8: modes={modes!r}: should be a non-empty tuple of modes among "
             f"{sorted(MODES)}, e.g. ('cublas',)."
         )
-    modes = tuple(modes)
     if isinstance(fn, Inspection):
         report = fn
     else:
