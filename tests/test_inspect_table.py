@@ -65,3 +65,14 @@ def test_assert_all_fp8_checks_modes_given_as_an_iterator():
         fp8jax.assert_all_fp8(report, modes=(m for m in ["cublas"]))
     with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
         fp8jax.assert_all_fp8(report, modes=iter(["cublas"]))
+
+
+def test_assert_all_fp8_refuses_arguments_an_inspection_cannot_take():
+    """An inspection already made was checked as it was, whatever arguments came with it
+    (`merge_dots=False`, a batch): they were silently ignored. They now raise."""
+    report = Inspection({"cublas": [_gemm("cublasLt f8")]}, {}, "t")
+    assert fp8jax.assert_all_fp8(report) is report
+    with pytest.raises(TypeError, match=r"merge_dots"):
+        fp8jax.assert_all_fp8(report, merge_dots=False)
+    with pytest.raises(TypeError, match=r"1 argument"):
+        fp8jax.assert_all_fp8(report, 3)

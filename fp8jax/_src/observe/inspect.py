@@ -209,7 +209,8 @@ def assert_all_fp8(
     step's both programs); return the inspection otherwise.
 
     `fn` may be a function with its arguments (as for
-    [`fp8jax.inspect`][fp8jax.observe.inspect]) or an `Inspection` already made. `modes` are
+    [`fp8jax.inspect`][fp8jax.observe.inspect]) or an `Inspection` already made (alone:
+    arguments given with it raise a `TypeError`). `modes` are
     the compile modes checked: by default `"cublas"`, the options fp8jax's train step
     compiles with ([`fp8jax.gpu_compiler_options`][]); add
     `"default"` to check XLA's default flags too (on a deviceless compile, XLA's Triton GEMM
@@ -233,6 +234,12 @@ def assert_all_fp8(
             f"{sorted(MODES)}, e.g. ('cublas',)."
         )
     if isinstance(fn, Inspection):
+        if args or kwargs:
+            raise TypeError(
+                f"assert_all_fp8: an fp8jax.Inspection is checked as it was made, so its "
+                f"{len(args)} argument(s) and keywords {sorted(kwargs)} would be ignored: pass "
+                "them to fp8jax.inspect, or the function with them to assert_all_fp8."
+            )
         report = fn
     else:
         report = inspect(fn, *args, modes=modes, **kwargs)
