@@ -76,3 +76,12 @@ def test_assert_all_fp8_refuses_arguments_an_inspection_cannot_take():
         fp8jax.assert_all_fp8(report, merge_dots=False)
     with pytest.raises(TypeError, match=r"1 argument"):
         fp8jax.assert_all_fp8(report, 3)
+
+
+@pytest.mark.parametrize("strict", ["no", "False", 0, None])
+def test_assert_all_fp8_strict_is_true_or_false(strict):
+    """`strict="no"` (any truthy value) checked every GEMM of the program, `0` or `None`
+    only fp8jax layers', without a word; only True or False are now taken."""
+    report = Inspection({"cublas": [_gemm("cublasLt f8")]}, {}, "t")
+    with pytest.raises(TypeError, match=rf"strict={strict!r}"):
+        fp8jax.assert_all_fp8(report, strict=strict)

@@ -226,6 +226,8 @@ def assert_all_fp8(
             f"assert_all_fp8: fn={fn!r} should be a function (with its arguments) or an "
             "fp8jax.Inspection."
         )
+    if not isinstance(strict, bool):
+        raise TypeError(f"assert_all_fp8: strict={strict!r} should be True or False.")
     if not isinstance(modes, str) and isinstance(modes, Iterable):
         modes = tuple(modes)  # once: an iterator given is used up by reading it
     if not isinstance(modes, tuple) or not modes:
