@@ -652,3 +652,28 @@ def test_a_layer_named_with_brackets_keeps_its_name_and_role(h100):
     }
     assert all(len(gemms) == 1 for roles in layers.values() for gemms in roles.values())
     assert "layers[0]/fwd: cublasLt f8" in str(report)
+
+
+def test_a_gemm_in_a_loop_counts_its_runs(h100):
+    """A block recipe's GEMM runs once per chunk of K, in a loop: its `flops` are one run's,
+    and nothing said how many runs there were (l1/fwd below read 2*M*N*32, a quarter of its
+    GEMM). `runs` now counts them, as for a scan over layers."""
+    m, k, n, block, layers = 256, 128, 64, 32, 3
+    linear = eqx.nn.Linear(k, n, key=jax.random.key(0), dtype=jnp.bfloat16)
+    model = fp8jax.fp8_linear_layers(
+        linear, fp8jax.Fp8Config(recipe=fp8jax.BlockwiseScaling(block_size=block))
+    )
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    report = fp8jax.inspect(lambda model, x: jax.vmap(model)(x), model, x, modes=("cublas",))
+    (fwd,) = report.gemms["cublas"]
+    assert fwd.fp8 and fwd.role == "fwd"
+    assert (fwd.runs, fwd.flops * fwd.runs) == (k // block, 2 * m * n * k)
+
+    def scan(x, w):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=layers)[0]
+
+    w = jax.ShapeDtypeStruct((k, k), jnp.bfloat16)
+    report = fp8jax.inspect(scan, x, w, modes=("cublas",))
+    (gemm,) = report.gemms["cublas"]
+    assert (gemm.runs, gemm.flops * gemm.runs) == (layers, layers * 2 * m * k * k)
+    assert gemm.flops * gemm.runs == report.cost["cublas"].gemm_flops

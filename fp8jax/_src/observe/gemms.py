@@ -42,6 +42,7 @@ def hlo_gemms(
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     callers = _callers(module)
     loop_names = _loop_op_names(module, callers)
+    runs = _runs(callers)
     fusions = _fusion_callers(callers)
     shared = _shared_kernels(module)
     gemms = []
@@ -86,6 +87,7 @@ def hlo_gemms(
                     facts.mma if facts else (),
                     facts.upcasts if facts else (),
                     facts is not None,
+                    runs.get(computation.name, 1),
                 )
             )
     return gemms
@@ -152,6 +154,24 @@ def _fusion_callers(callers: _Callers) -> dict[str, tuple[Instruction, bool]]:
             current = parent
         out[computation] = top
     return out
+
+
+def _runs(callers: _Callers) -> dict[str, int]:
+    """Computation -> how many times it runs in one run of the program: the product of the
+    known trip counts of the `while` loops around it (a loop's condition runs once more than
+    its body; a loop whose trip count the HLO does not state counts once, as in `hlo_cost`)."""
+    runs: dict[str, int] = {}
+    for computation in callers:
+        total, seen, current = 1, set(), computation
+        while current in callers and current not in seen:
+            seen.add(current)
+            parent, caller = callers[current]
+            if caller.op == "while" and caller.trip_count is not None:
+                extra = 1 if caller.callee("condition") == current else 0
+                total *= caller.trip_count + extra
+            current = parent
+        runs[computation] = total
+    return runs
 
 
 def _loop_op_names(module: Module, callers: _Callers) -> dict[str, str]:

@@ -24,7 +24,10 @@ class Gemm:
     kernel with an MMA in its PTX, or in an fp8jax layer's scope) or `"dot"` (StableHLO)),
     `lhs` and
     `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
-    it came from), `flops` (`2 * output size * contracted size`; 0 where the HLO does not say),
+    it came from), `flops` (of one run: `2 * output size * contracted size`; 0 where the HLO
+    does not say), `runs` (how many times it runs in the program: the product of the trip
+    counts of the loops around it, such as a block recipe's loop over its chunks or a scan
+    over layers; `flops * runs` is what it computes in all),
     `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
     matrix-multiply instructions of that kernel's PTX), `upcasts` (its PTX conversions from
     FP8, e.g. `cvt.rn.f16x2.e4m3x2`), `ptx` (whether the kernel's PTX was read).
@@ -44,6 +47,7 @@ class Gemm:
     mma: tuple[str, ...] = ()
     upcasts: tuple[str, ...] = ()
     ptx: bool = False
+    runs: int = 1
 
     @property
     def fp8(self) -> bool:
