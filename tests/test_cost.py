@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp8jax
@@ -272,6 +273,17 @@ def test_cost_arithmetic():
     assert set(CATEGORIES) >= set((a + b).bytes)
     with pytest.raises(TypeError, match="repeats=0.5"):
         a * 0.5
+
+
+def test_cost_scales_by_a_numpy_whole_number():
+    """`cost * np.int64(3)` raised 'should be a whole number' (the count of steps of a NumPy
+    computation), while `np.int64(3) * cost` scaled it; both now scale it."""
+    cost = Cost({"fp8": 10}, {"rest": 4})
+    for repeats in (np.int64(3), np.int32(3), np.uint8(3)):
+        for scaled in (cost * repeats, repeats * cost):
+            assert (scaled.flops, scaled.bytes) == ({"fp8": 30}, {"rest": 12})
+    with pytest.raises(TypeError, match=r"repeats=np.True_"):
+        cost * np.bool_(True)
 
 
 def test_errors_name_the_value():

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 #: H100 SXM dense peaks: tensor-core FLOP/s per GEMM kind (`"f32"` is the non-tensor-core
 #: rate of a float32 GEMM at `precision=HIGHEST`; `"f64"` FP64 tensor cores; `"int8"` INT8
 #: tensor cores and `"int32"` CUDA cores' INT32, in OP/s) and HBM3 bandwidth (`"hbm"`,
@@ -218,11 +220,12 @@ class Cost:
         )
 
     def __mul__(self, repeats: int) -> Cost:
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        if isinstance(repeats, bool) or not isinstance(repeats, int | np.integer) or repeats < 0:
             raise TypeError(
                 f"Cost * repeats: repeats={repeats!r} should be a whole number >= 0 (the cost "
                 "of running the program that many times)."
             )
+        repeats = int(repeats)
         return Cost(
             _add({}, self.flops, repeats),
             _add({}, self.bytes, repeats),
