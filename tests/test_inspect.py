@@ -677,3 +677,20 @@ def test_a_gemm_in_a_loop_counts_its_runs(h100):
     (gemm,) = report.gemms["cublas"]
     assert (gemm.runs, gemm.flops * gemm.runs) == (layers, layers * 2 * m * k * k)
     assert gemm.flops * gemm.runs == report.cost["cublas"].gemm_flops
+
+
+def test_a_gemm_in_a_branch_inside_a_loop_counts_the_loop_s_runs(h100):
+    """A GEMM in a `lax.cond` branch in a scan body was not seen inside the loop (branches
+    were not followed up to it): `runs` read 1 for a GEMM that runs once per step."""
+    m, k, steps = 256, 512, 5
+
+    def f(p, x, w):
+        def body(h, _):
+            return jax.lax.cond(p, lambda: jnp.tanh(h @ w), lambda: h * 2), None
+
+        return jax.lax.scan(body, x, None, length=steps)[0]
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((), bool), ((m, k), jnp.bfloat16)]]
+    w = jax.ShapeDtypeStruct((k, k), jnp.bfloat16)
+    (gemm,) = fp8jax.inspect(f, *args, w, modes=("cublas",)).gemms["cublas"]
+    assert (gemm.runs, gemm.flops * gemm.runs) == (steps, steps * 2 * m * k * k)

@@ -130,11 +130,11 @@ def _kernel_names(runner: Instruction, shared: dict[str, list[str]]) -> list[str
 
 def _callers(module: Module) -> _Callers:
     """Computation -> (the computation calling it, the calling instruction), for computations
-    run by a fusion, a call or a loop (the first caller)."""
+    run by a fusion, a call, a loop or a conditional's branch (the first caller)."""
     callers: _Callers = {}
     for parent in module.computations.values():
         for instruction in parent.instructions.values():
-            for called in instruction.bodies():
+            for called in instruction.bodies() + instruction.branches():
                 callers.setdefault(called, (parent.name, instruction))
     return callers
 

@@ -229,6 +229,14 @@ class Instruction:
         body and condition. Reducers and branches are not among them."""
         return _BODIES.findall(self.rest)
 
+    def branches(self) -> list[str]:
+        """The branches of a `conditional` (`true_computation`/`false_computation`, or its
+        `branch_computations`), each run in its place."""
+        names = [self.callee(a) for a in ("true_computation", "false_computation")]
+        for match in _BRANCHES.finditer(self.rest):
+            names += operand_names(match.group(1))
+        return [name for name in names if name]
+
     def called(self) -> list[str]:
         """Every computation it calls (fused, reducer, loop, branches)."""
         names = []
