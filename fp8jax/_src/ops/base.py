@@ -183,13 +183,16 @@ def explicit_mesh(*arrays: Any) -> Any:
     return None
 
 
-def on_auto_axes(compute: Callable[..., Array], out_sharding: Any, *operands: Any) -> Array:
+def on_auto_axes(
+    compute: Callable[..., Array], *operands: Any, out_sharding: Any, explicit: bool
+) -> Array:
     """`compute(*operands)` with the output sharded as `out_sharding` says. Under a mesh with
-    Explicit axes, `compute` runs with them as Auto axes: XLA then partitions the FP8 GEMMs,
-    their quantization and their kernels as under an automatic mesh, where JAX has no
-    sharding rule for several of them (a ragged dot, `jnp.repeat` of block scales, a kernel
-    call); there `out_sharding` is required."""
-    if explicit_mesh(*jax.tree.leaves(operands)) is None:
+    Explicit axes (`explicit`: `explicit_mesh` of the GEMM's operands), `compute` runs with
+    them as Auto axes: XLA then partitions the FP8 GEMMs, their quantization and their
+    kernels as under an automatic mesh, where JAX has no sharding rule for several of them
+    (a ragged dot, `jnp.repeat` of block scales, a kernel call); there `out_sharding` is
+    required."""
+    if not explicit:
         return resharded(compute(*operands), out_sharding)
     arrays, rest = eqx.partition(operands, lambda x: isinstance(x, jax.Array))
 

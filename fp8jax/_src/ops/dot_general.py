@@ -119,7 +119,8 @@ class Fp8DotGeneral(AbstractFp8Op):
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
         if isinstance(precision, list):
             precision = tuple(precision)
-        if explicit_mesh(lhs, rhs) is not None:  # lax's output sharding, or its error
+        explicit = explicit_mesh(lhs, rhs) is not None
+        if explicit:  # lax's output sharding, or its error
             out_sharding = jax.eval_shape(
                 functools.partial(
                     lax.dot_general,
@@ -137,7 +138,8 @@ class Fp8DotGeneral(AbstractFp8Op):
                     self.recipe, dims, precision, out_dtype, lhs, rhs, states, self.name
                 )
 
-        return on_auto_axes(compute, out_sharding, lhs, rhs, self._states())
+        states = self._states()
+        return on_auto_axes(compute, lhs, rhs, states, out_sharding=out_sharding, explicit=explicit)
 
     @property
     def _where(self) -> str:

@@ -298,7 +298,8 @@ class Fp8RaggedDot(AbstractFp8Op):
         experts = self._state_experts()
         check_ragged_dot_args(self._where, lhs.shape, rhs.shape, group_sizes, experts)
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
-        if out_sharding is None and explicit_mesh(lhs, rhs, group_sizes) is not None:
+        explicit = explicit_mesh(lhs, rhs, group_sizes) is not None
+        if out_sharding is None and explicit:
             out_sharding = _rows_by_outputs(lhs, rhs)
 
         def compute(lhs: Array, rhs: Array, group_sizes: Any, states: Any) -> Array:
@@ -316,7 +317,10 @@ class Fp8RaggedDot(AbstractFp8Op):
                 )
 
         sizes = _offset_dtype(group_sizes)
-        return on_auto_axes(compute, out_sharding, lhs, rhs, sizes, self._states())
+        states = self._states()
+        return on_auto_axes(
+            compute, lhs, rhs, sizes, states, out_sharding=out_sharding, explicit=explicit
+        )
 
     def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type) -> Array:
         """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.typing import ArrayLike
+from jaxtyping import Float
 
 from ...core import jax_private
 from ...core.compile_options import checked_compiler_options, traced_for, traced_options
@@ -255,7 +257,7 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
             layer.set_value(value)
 
 
-def nnx_rescale_gradient_states(model: Any, ratio: Any) -> None:
+def nnx_rescale_gradient_states(model: Any, ratio: Float[ArrayLike, ""]) -> None:
     """[`fp8jax.rescale_gradient_states`][] for an NNX model, in place: each delayed-scaling
     layer's output-gradient history times `ratio`, and the scale its next step uses
     computed again from it.
