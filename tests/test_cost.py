@@ -286,6 +286,17 @@ def test_cost_scales_by_a_numpy_whole_number():
         cost * np.bool_(True)
 
 
+def test_costs_sum():
+    """`sum(costs)` raised TypeError (0 + Cost): the costs of a program's parts, or of each
+    step, are added with `sum` as `a + b` adds two."""
+    a = Cost({"fp8": 10}, {"amax": 4}, ("w",), communication={"all-gather": 8})
+    b = Cost({"fp8": 1, "bf16": 2}, {"rest": 3}, link_bytes={"nvlink": 5})
+    assert sum([a, b]) == a + b
+    assert sum([a]) == a and sum([a, b], Cost()) == Cost() + a + b
+    with pytest.raises(TypeError):
+        1 + a
+
+
 def test_errors_name_the_value():
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_cost("HloModule nothing")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ class Cost:
     they cross: `"nvlink"`, `"infiniband"`), `collectives` (every collective counted, a tuple of
     [`fp8jax.CollectiveCost`][]).
 
-    Costs add (`a + b`) and scale by a whole number of repeats (`3 * cost`).
+    Costs add (`a + b`, `sum(costs)`) and scale by a whole number of repeats (`3 * cost`).
     """
 
     flops: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -218,6 +219,12 @@ class Cost:
             _add(self.link_bytes, other.link_bytes),
             self.collectives + other.collectives,
         )
+
+    def __radd__(self, other: Any) -> Cost:
+        # `sum(costs)` starts from 0; any other number is not a Cost.
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self
+        return NotImplemented
 
     def __mul__(self, repeats: int) -> Cost:
         if isinstance(repeats, bool) or not isinstance(repeats, int | np.integer) or repeats < 0:
