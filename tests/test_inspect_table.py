@@ -85,3 +85,17 @@ def test_assert_all_fp8_strict_is_true_or_false(strict):
     report = Inspection({"cublas": [_gemm("cublasLt f8")]}, {}, "t")
     with pytest.raises(TypeError, match=rf"strict={strict!r}"):
         fp8jax.assert_all_fp8(report, strict=strict)
+
+
+def test_a_mode_the_inspection_lacks_is_named():
+    """`count`, `layers` and `offending` of a mode not compiled raised a bare KeyError
+    ('default'); they now name the mode and the inspection's modes."""
+    report = Inspection({"cublas": [_gemm("cublasLt f8")]}, {}, "t")
+    assert report.count("cublas") == (1, 1)
+    for call in (
+        lambda: report.count("default"),
+        lambda: report.layers("default"),
+        lambda: report.offending(modes=("default",)),
+    ):
+        with pytest.raises(ValueError, match=r"mode='default'.*\['cublas'\]"):
+            call()

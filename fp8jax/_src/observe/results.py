@@ -183,15 +183,24 @@ class Inspection:
         """Whether this is a real H100 compile (else a StableHLO fallback)."""
         return "stablehlo" not in self.gemms
 
+    def _in(self, mode: str, asked: str) -> list[Gemm]:
+        """The GEMMs compiled in `mode`, or an error naming the modes this inspection has."""
+        if mode not in self.gemms:
+            raise ValueError(
+                f"Inspection.{asked}: mode={mode!r} is not one of this inspection's modes, "
+                f"{sorted(self.gemms)} (fp8jax.inspect(..., modes=...) chooses them)."
+            )
+        return self.gemms[mode]
+
     def count(self, mode: str) -> tuple[int, int]:
         """(GEMMs on FP8 tensor cores, all GEMMs) in `mode`."""
-        gemms = self.gemms[mode]
+        gemms = self._in(mode, "count")
         return sum(g.fp8 for g in gemms), len(gemms)
 
     def layers(self, mode: str) -> dict[str, dict[str, list[Gemm]]]:
         """fp8jax layer path -> role -> its GEMMs, in `mode`."""
         out: dict[str, dict[str, list[Gemm]]] = {}
-        for g in self.gemms[mode]:
+        for g in self._in(mode, "layers"):
             if g.layer is not None:
                 out.setdefault(g.layer, {}).setdefault(g.role or "?", []).append(g)
         return out
@@ -204,7 +213,7 @@ class Inspection:
         return [
             g
             for mode in modes
-            for g in self.gemms[mode]
+            for g in self._in(mode, "offending")
             if not g.fp8 and (strict or g.layer is not None)
         ] + first
 
