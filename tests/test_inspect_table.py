@@ -99,3 +99,11 @@ def test_a_mode_the_inspection_lacks_is_named():
     ):
         with pytest.raises(ValueError, match=r"mode='default'.*\['cublas'\]"):
             call()
+
+
+def test_a_layer_converted_alone_is_named_in_the_table():
+    """A Linear converted as the whole model has the empty path: its rows read "/fwd"."""
+    alone = Gemm("cublas", "cublas-gemm.1", "cublasLt f8", "f8e4m3fn", "f8e4m3fn", "fp8jax[]/fwd")
+    assert alone.layer == "" and alone.role == "fwd"
+    assert str(alone).startswith("(the model)/fwd: cublasLt f8")
+    assert str(_gemm("cublasLt f8")).startswith("l1/fwd: ")

@@ -118,7 +118,9 @@ class Gemm:
         return match.group(2) if match else None
 
     def __str__(self) -> str:
-        where = f"{self.layer}/{self.role}" if self.layer is not None else self.op_name
+        # A layer converted alone (the model is the Linear) has the empty path.
+        layer = self.layer or "(the model)"
+        where = f"{layer}/{self.role}" if self.layer is not None else self.op_name
         head = f"{where}: {self.kernel} ({self.lhs} x {self.rhs}) [{self.instruction}]"
         return f"{head}: {self.verdict}"
 
