@@ -455,8 +455,13 @@ def test_native_kernels_on_a_mesh_count_each_devices_flops():
     mesh = fp8jax.h100_mesh({"data": 8})
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     x = jax.ShapeDtypeStruct((8 * M, K), jnp.bfloat16, sharding=sharding)
-    cost = fp8jax.inspect(step, model, x, modes=("cublas",)).cost["cublas"]
+    inspection = fp8jax.inspect(step, model, x, modes=("cublas",))
+    cost = inspection.cost["cublas"]
     assert cost.flops == {"fp8 block": 3 * 2 * M * N * K}
+    # The inspector's GEMMs say the same FLOPs (they read 0 for a Pallas kernel once).
+    gemms = inspection.gemms["cublas"]
+    assert [g.kernel for g in gemms] == ["pallas mosaic gpu"] * 3
+    assert sorted(g.flops * g.runs for g in gemms) == [2 * M * N * K] * 3
     native = [k for k in cost.kernels if k.op == "custom-call" and k.flops]
     assert len(native) == 3 and all(k.category is None for k in native)
 

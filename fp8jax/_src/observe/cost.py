@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import final
 
-from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME, QUANTIZE_NAMES
+from ..kernels import QUANTIZE_NAMES
 from .hlo import (
     F8,
     FUSIONS,
@@ -32,6 +32,8 @@ from .hlo import (
     dims,
     dot_flops,
     element_type,
+    is_native_gemm,
+    native_gemm_cost,
     parse,
 )
 from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
@@ -250,8 +252,8 @@ class _Walker:
             return KernelCost(name, computation.name, op, None, 0, flops, kind, runs, op_name)
 
         op_name = instruction.op_name
-        if instruction.op == "custom-call" and _is_native_gemm(instruction):
-            return gemm(*_native_gemm_cost(computation, instruction))
+        if instruction.op == "custom-call" and is_native_gemm(instruction):
+            return gemm(*native_gemm_cost(computation, instruction))
         if gemms:
             flops, kinds = 0, {}
             for c, i in gemms:
@@ -429,50 +431,11 @@ def _is_scalar(type_text: str) -> bool:
     return math.prod(dims(type_text)) <= 1
 
 
-_NATIVE_NAMES = (BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME)
-
-
-def _is_native_gemm(instruction: Instruction) -> bool:
-    """One of fp8jax's own GEMM kernels (`fp8jax._src.kernels`: block-scaled, grouped rows,
-    grouped tokens), an opaque Mosaic GPU custom call recognized by its name."""
-    return instruction.mosaic and any(name in instruction.op_name for name in _NATIVE_NAMES)
-
-
 def _is_quantize_kernel(instruction: Instruction) -> bool:
     """One of fp8jax's one-pass quantization kernels (`kernels/block_quantize.py`,
     `cast_transpose.py`, `tensor_core_transpose.py`), by name: a scope of the op's name
     (`<name>/pallas_call` for Pallas Triton, `<name>/mpmd_map` for Mosaic GPU)."""
     return any(f"{name}/" in instruction.op_name for name in QUANTIZE_NAMES)
-
-
-def _native_gemm_cost(computation: Computation, instruction: Instruction) -> tuple[int, str]:
-    """(FLOPs, rate kind) of a native kernel, from its padded shapes (the work it does).
-
-    - block-scaled: operands `lhs (*B, M, K)`, its scales, then a weight `(*B, N, K)` and its
-      scales per term: 2 * |output| * K per term;
-    - grouped rows: `lhs (M, K)` (the first operand holding values) against one expert per
-      row tile: 2 * |output (M, N)| * K;
-    - grouped tokens: `lhs (A, T)`, each of the T padded tokens contracted for its own expert
-      only: 2 * A * B * T for an output `(G, A, B)`.
-
-    The kind is `"fp8 block"` when the kernel promotes per chunk (scales per row and chunk),
-    `"fp8"` for a grouped kernel scaled once per tile, `"bf16"` for 16-bit operands."""
-    out = dims(instruction.type)
-    if BLOCK_GEMM_NAME in instruction.op_name:
-        k = dims(computation.type_of(instruction.operands[0]))[-1]
-        terms = (len(instruction.operands) - 2) // 2
-        return 2 * math.prod(out) * k * terms, "fp8 block"
-    types = [computation.type_of(o) for o in instruction.operands]
-    values = [t for t in types if re.match(r"^(f8|bf16|f16)", element_type(t))]
-    contracted = dims(values[0])[-1]
-    per_chunk = any(element_type(t) == "f32" and len(dims(t)) == 2 for t in types)
-    element = element_type(values[0])
-    kind = "fp8 block" if per_chunk else "fp8"
-    if not F8.match(element):
-        kind = "f16" if element == "f16" else "bf16"
-    if GROUPED_TOKENS_NAME in instruction.op_name:
-        return 2 * math.prod(out[1:]) * contracted, kind
-    return 2 * math.prod(out) * contracted, kind
 
 
 def _gemm_kind(computation: Computation, instruction: Instruction) -> str:

@@ -20,6 +20,8 @@ from .hlo import (
     Module,
     dot_flops,
     element_type,
+    is_native_gemm,
+    native_gemm_cost,
     parse,
 )
 from .ptx import Kernel, mosaic_key
@@ -75,6 +77,11 @@ def hlo_gemms(
             else:
                 continue
             full = [instructions[o].type if o in instructions else "?" for o in operands[:2]]
+            if kernel == "pallas mosaic gpu":  # its shapes say its FLOPs, if it is fp8jax's
+                native = is_native_gemm(instruction)
+                flops = native_gemm_cost(computation, instruction)[0] if native else 0
+            else:
+                flops = dot_flops(instruction.type, full[0], instruction.rest)
             gemms.append(
                 Gemm(
                     mode,
@@ -82,7 +89,7 @@ def hlo_gemms(
                     kernel,
                     *map(element_type, full),
                     loop_names.get(computation.name) or instruction.op_name,
-                    dot_flops(instruction.type, full[0], instruction.rest),
+                    flops,
                     kernel_name,
                     facts.mma if facts else (),
                     facts.upcasts if facts else (),

@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 
+from ..kernels import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
 from ..ops.base import SCOPE
 
 #: One instruction line: `[ROOT] %name = type op(operands)rest`.
@@ -369,3 +370,42 @@ def parse(text: str) -> Module:
     counts = [_HEADER_COUNT[name].search(header) for name in ("num_partitions", "replica_count")]
     devices = math.prod(int(c.group(1)) for c in counts if c is not None)
     return Module(computations, entry, devices)
+
+
+NATIVE_GEMM_NAMES = (BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME)
+
+
+def is_native_gemm(instruction: Instruction) -> bool:
+    """One of fp8jax's own GEMM kernels (`fp8jax._src.kernels`: block-scaled, grouped rows,
+    grouped tokens), an opaque Mosaic GPU custom call recognized by its name."""
+    return instruction.mosaic and any(name in instruction.op_name for name in NATIVE_GEMM_NAMES)
+
+
+def native_gemm_cost(computation: Computation, instruction: Instruction) -> tuple[int, str]:
+    """(FLOPs, rate kind) of a native kernel, from its padded shapes (the work it does).
+
+    - block-scaled: operands `lhs (*B, M, K)`, its scales, then a weight `(*B, N, K)` and its
+      scales per term: 2 * |output| * K per term;
+    - grouped rows: `lhs (M, K)` (the first operand holding values) against one expert per
+      row tile: 2 * |output (M, N)| * K;
+    - grouped tokens: `lhs (A, T)`, each of the T padded tokens contracted for its own expert
+      only: 2 * A * B * T for an output `(G, A, B)`.
+
+    The kind is `"fp8 block"` when the kernel promotes per chunk (scales per row and chunk),
+    `"fp8"` for a grouped kernel scaled once per tile, `"bf16"` for 16-bit operands."""
+    out = dims(instruction.type)
+    if BLOCK_GEMM_NAME in instruction.op_name:
+        k = dims(computation.type_of(instruction.operands[0]))[-1]
+        terms = (len(instruction.operands) - 2) // 2
+        return 2 * math.prod(out) * k * terms, "fp8 block"
+    types = [computation.type_of(o) for o in instruction.operands]
+    values = [t for t in types if re.match(r"^(f8|bf16|f16)", element_type(t))]
+    contracted = dims(values[0])[-1]
+    per_chunk = any(element_type(t) == "f32" and len(dims(t)) == 2 for t in types)
+    element = element_type(values[0])
+    kind = "fp8 block" if per_chunk else "fp8"
+    if not F8.match(element):
+        kind = "f16" if element == "f16" else "bf16"
+    if GROUPED_TOKENS_NAME in instruction.op_name:
+        return 2 * math.prod(out[1:]) * contracted, kind
+    return 2 * math.prod(out) * contracted, kind

@@ -24,8 +24,9 @@ class Gemm:
     kernel with an MMA in its PTX, or in an fp8jax layer's scope) or `"dot"` (StableHLO)),
     `lhs` and
     `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
-    it came from), `flops` (of one run: `2 * output size * contracted size`; 0 where the HLO
-    does not say), `runs` (how many times it runs in the program: the product of the trip
+    it came from), `flops` (of one run: `2 * output size * contracted size`, fp8jax's own
+    kernels' from their padded shapes; 0 where the HLO does not say, as for another Pallas
+    kernel), `runs` (how many times it runs in the program: the product of the trip
     counts of the loops around it, such as a block recipe's loop over its chunks or a scan
     over layers; `flops * runs` is what it computes in all),
     `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
