@@ -173,6 +173,30 @@ def test_non_finite_amax_keeps_scale():
     assert float(huge) == 2.0**126 and float(1 / huge) > 0
 
 
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_a_large_margin_over_a_large_amax_gives_a_smaller_scale_never_zero(power_of_two):
+    """`fmt_max / (amax * 2**margin)` as float32 NumPy computes it (no flush to zero), kept
+    within `[2**-126, 2**126]`: a scale below float32's normal range becomes its smallest
+    normal (whose inverse is finite), never 0 (an inf inverse: NaN outputs) nor, rounded to a
+    power of two, a scale above a smaller margin's."""
+    amax = np.float32(1e31)
+    scales = []
+    for margin in (0, 16, 32):
+        got = fp8jax.compute_scale(jnp.float32(amax), jnp.float32(1.0), 448.0, margin, power_of_two)
+        want = np.float32(448.0) / amax * np.float32(2.0**-margin)
+        want = min(max(float(want), 2.0**-126), 2.0**126)
+        if power_of_two:
+            want = 2.0 ** math.floor(math.log2(want))
+        assert float(got) == want, margin
+        scales.append(float(got))
+    assert scales == sorted(scales, reverse=True)
+    # In a GEMM: the headroom flushes both operands to zero, and the output is zero, not NaN.
+    recipe = fp8jax.CurrentScaling(margin=32, power_of_two=power_of_two)
+    x, w = jnp.full((2, 4), 1e31), jnp.full((4, 3), 2.0**-30)
+    out = fp8jax.Fp8DotGeneral(recipe)(x, w, (((1,), (0,)), ((), ())))
+    np.testing.assert_array_equal(out, np.zeros((2, 3)))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -714,6 +714,18 @@ RECIPES = [
         r"margin=None",
     ),
     row(
+        "delayed-margin-past-float32",
+        lambda w: D(margin=-200),
+        ValueError,
+        r"margin=-200: should be a finite number .* from -32 to 32",
+    ),
+    row(
+        "current-margin-past-float32",
+        lambda w: C(margin=32.5),
+        ValueError,
+        r"margin=32.5: should be a finite number .* from -32 to 32",
+    ),
+    row(
         "blockwise-block-0",
         lambda w: B(block_size=0),
         ValueError,

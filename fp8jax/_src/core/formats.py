@@ -145,8 +145,8 @@ def pow2(exponent: Array) -> Array:
 
 
 def floor_log2(x: Array) -> Array:
-    """`floor(log2(x))` for positive normal float32 `x` (every scale fp8jax computes: at
-    most `2**126`, at least an FP8 max over float32's), exactly: `jnp.frexp`'s exponent,
+    """`floor(log2(x))` for positive normal float32 `x` (every scale fp8jax computes: from
+    `2**-126` to `2**126`), exactly: `jnp.frexp`'s exponent,
     except where `x` varies over `shard_map`'s manual axes (JAX 0.12 types that exponent as
     invariant there): then from its bits, the biased exponent, or for a subnormal its
     mantissa's highest set bit (integer ops: XLA's CPU arithmetic flushes subnormals)."""

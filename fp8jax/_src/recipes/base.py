@@ -177,11 +177,23 @@ def check_flags(recipe: object, *names: str) -> None:
             raise ValueError(f"{name}={value!r}: should be True or False.")
 
 
+#: The largest margin, in binades, either way: FP8's widest format, E5M2, spans 32. Past it
+#: every value flushes to zero (or saturates), and a GEMM's two inverse scales, each carrying
+#: `2**margin`, overflow float32 in their product (`inf * 0`: NaN outputs) at ordinary amaxes.
+MAX_MARGIN = 32
+
+
 def check_margin(margin: object) -> None:
-    """Raise `ValueError` unless `margin` is a finite real number."""
-    if isinstance(margin, bool) or not isinstance(margin, int | float) or not math.isfinite(margin):
+    """Raise `ValueError` unless `margin` is a real number from `-MAX_MARGIN` to `MAX_MARGIN`."""
+    if (
+        isinstance(margin, bool)
+        or not isinstance(margin, int | float)
+        or not math.isfinite(margin)
+        or abs(margin) > MAX_MARGIN
+    ):
         raise ValueError(
-            f"margin={margin!r}: should be a finite number of binades of headroom (0 for none)."
+            f"margin={margin!r}: should be a finite number of binades of headroom from "
+            f"-{MAX_MARGIN} to {MAX_MARGIN} (0 for none; FP8's widest format, E5M2, spans 32)."
         )
 
 

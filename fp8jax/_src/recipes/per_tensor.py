@@ -33,6 +33,9 @@ from .per_tensor_pass import cast_and_transpose, cast_transpose_chosen, checked_
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
+#: The smallest scale fp8jax computes: float32's smallest normal number, whose inverse is
+#: finite (a large margin over a large amax would otherwise give a subnormal, flushed to 0).
+MIN_SCALE: float = 2.0**-126
 
 
 #: Inside `skip_warm_start()`: `"skipped"`, or `"recorded"` where every state is known to
@@ -135,7 +138,9 @@ def compute_scale(
     With `power_of_two`, the largest power of two not above that: then `1 / scale` is exact,
     and so is the product of two such inverses in BF16 (see [`fp8jax.PerTensorRecipe`][]).
     A tiny amax would give a scale whose inverse is a subnormal float32, which XLA flushes to
-    zero; scales are therefore capped at `2**126` (`MAX_SCALE`). `fmt_max`, `margin` and
+    zero; scales are therefore capped at `2**126` (`MAX_SCALE`). A large margin over a large
+    amax would give a subnormal scale, flushed to 0 (an infinite inverse): scales are kept at
+    `2**-126` at least (`MIN_SCALE`), where every value flushes to zero. `fmt_max`, `margin` and
     `power_of_two` may be arrays that broadcast against `amax_value` (one per state of a
     stack: merged states of many layers get their scales in one pass).
     """
@@ -144,7 +149,7 @@ def compute_scale(
     # by a constant into a multiplication anyway, so the result would depend on the backend.
     factor = np.asarray(2.0 ** -np.asarray(margin, np.float64), np.float32)
     fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * factor
-    fresh = jnp.minimum(fresh, MAX_SCALE)
+    fresh = jnp.clip(fresh, MIN_SCALE, MAX_SCALE)
     if isinstance(power_of_two, bool):
         if power_of_two:
             fresh = pow2(floor_log2(fresh))
@@ -330,7 +335,7 @@ class DelayedScaling(PerTensorRecipe):
 
     - `history_len`: amaxes remembered (default 1024).
     - `amax_compute`: `"max"` or `"most_recent"`.
-    - `margin`: leave `2**margin` of headroom below the format's max.
+    - `margin`: leave `2**margin` of headroom below the format's max (-32 to 32).
     - `warm_start`: scale by the current amax while the history is empty (default `True`).
     - the formats and options of [`fp8jax.PerTensorRecipe`][].
 
@@ -481,7 +486,8 @@ class CurrentScaling(PerTensorRecipe):
     `jax.vmap(model)(batch)` it spans the whole batch. The state keeps the latest scale and
     amax, for telemetry.
 
-    **Arguments:** `margin`, and those of [`fp8jax.PerTensorRecipe`][].
+    **Arguments:** `margin` (binades of headroom, -32 to 32), and those of
+    [`fp8jax.PerTensorRecipe`][].
     """
 
     margin: float = 0.0
