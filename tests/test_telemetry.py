@@ -14,7 +14,12 @@ import fp8jax
 
 DIMS = (((1,), (1,)), ((), ()))  # x (M, K) . w (N, K): the canonical GEMM
 M, K, N = 64, 256, 128
-FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+FORMATS = {
+    "e4m3": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+}
 
 
 def spread(rng, shape, low, high):
@@ -93,6 +98,35 @@ def test_per_tensor_statistics_match_ml_dtypes(recipe, operands):
             assert float(new.stats.input.saturated) == 0
         assert float(new.stats.output_grad.underflow) > 0
         dot = new
+
+
+def tie_above_max(fmt):
+    """The midpoint between `fmt`'s max and the next value its spacing there would give."""
+    top = np.array(ml_dtypes.finfo(FORMATS[fmt]).max, FORMATS[fmt])
+    below = (top.view(np.uint8) - 1).view(FORMATS[fmt])
+    return float(top) + (float(top) - float(below)) / 2
+
+
+@pytest.mark.parametrize("formats", [("e4m3", "e5m2"), ("e4m3fnuz", "e5m2fnuz")])
+def test_statistics_at_the_tie_above_the_max_match_ml_dtypes(formats):
+    """A scaled value exactly half a step above the format's max rounds to the max where that
+    max's last significand bit is even (E4M3: 464 -> 448), past it where it is odd (E5M2:
+    61440 -> inf, and both fnuz formats): saturated as ml_dtypes' unsaturated cast says."""
+    forward, backward = formats
+    recipe = fp8jax.DelayedScaling(
+        warm_start=False, forward_format=forward, backward_format=backward
+    )  # scale 1.0 at the first step: the values below are the scaled ones
+    dot = fp8jax.Fp8DotGeneral(recipe, telemetry=True)
+    x = np.array([[tie_above_max(forward), 1.0], [-1.0, 2.0]], np.float32)
+    w = np.array([[1.0, -tie_above_max(forward)], [0.5, 0.25]], np.float32)
+    c = np.array([[tie_above_max(backward), 1.0], [3.0, -2.0]], np.float32)
+    grads = run(dot, x, w, c)
+    expected = {
+        "input": ref_stats(x, 1.0, forward),
+        "kernel": ref_stats(w, 1.0, forward),
+        "output_grad": ref_stats(c, 1.0, backward),
+    }
+    check(grads.stats, expected)
 
 
 @pytest.mark.parametrize(

@@ -82,11 +82,20 @@ def fp8_max(fmt: FormatLike) -> float:
 
 def overflow_threshold(fmt: FormatLike) -> float:
     """The magnitude above which a value no longer rounds to a finite FP8 value: the format's
-    max plus half its spacing there (464 for E4M3, 61440 for E5M2). Scaled values beyond it
-    are the ones a saturating cast clips."""
+    max plus half its spacing there (464 for E4M3, 61440 for E5M2); at which too where
+    `ties_overflow`. Scaled values beyond it are the ones a saturating cast clips."""
     dtype = fp8_dtype(fmt)
     top = math.floor(math.log2(fp8_max(dtype)))
     return fp8_max(dtype) + 2.0 ** (top - jnp.finfo(dtype).nmant - 1)
+
+
+def ties_overflow(fmt: FormatLike) -> bool:
+    """Whether a value exactly at `overflow_threshold(fmt)` does not round to a finite FP8
+    value either: rounding to nearest even takes that midpoint down to the max where the
+    max's last significand bit is even (E4M3's 448), past it where it is odd (E5M2's 57344,
+    and both fnuz formats' maxima)."""
+    dtype = fp8_dtype(fmt)
+    return bool(np.array(fp8_max(dtype), dtype).view(np.uint8) & 1)
 
 
 def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...]) -> Array:

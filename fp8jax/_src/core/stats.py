@@ -18,7 +18,7 @@ from jaxtyping import Array, Float
 
 from . import jax_private
 from .amax import fraction
-from .formats import FormatLike, expand_blocks, overflow_threshold
+from .formats import FormatLike, expand_blocks, overflow_threshold, ties_overflow
 
 
 class OperandStats(eqx.Module):
@@ -27,7 +27,8 @@ class OperandStats(eqx.Module):
     **Fields:**
 
     - `saturated`: the fraction of values whose scaled magnitude was beyond the format's range
-      (above its max plus half a step there), so the saturating cast clipped them to the max.
+      (above its max plus half a step there, or at it where rounding to nearest even goes up:
+      E5M2's 61440), so the saturating cast clipped them to the max.
     - `underflow`: the fraction of nonzero values that became zero (flushed below the format's
       smallest subnormal).
     - `rejected`: how many steps so far the operand held an inf or NaN, so that its state
@@ -150,7 +151,9 @@ def cast_statistics(
         scale_inv = expand_blocks(scale_inv, first.block, x.shape)
     magnitude = jnp.abs(x.astype(jnp.float32))
     # Only finite values are clipped; an inf or NaN is passed on as NaN (see `saturate`).
-    saturated = jnp.isfinite(magnitude) & (magnitude > overflow_threshold(fmt) * scale_inv)
+    limit = overflow_threshold(fmt) * scale_inv
+    beyond = magnitude >= limit if ties_overflow(fmt) else magnitude > limit
+    saturated = jnp.isfinite(magnitude) & beyond
     all_zero = functools.reduce(operator.and_, [t.data == 0 for t in terms])
     values = (fraction(saturated, owner), fraction(all_zero & (magnitude > 0), owner))
     if axis_names:
