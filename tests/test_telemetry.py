@@ -456,6 +456,23 @@ def test_grouped_tokens_span_a_vmapped_batch():
     np.testing.assert_array_equal(new.stats.tokens, sizes.sum(axis=0))
 
 
+@pytest.mark.parametrize("recipe", [fp8jax.BlockwiseScaling(), fp8jax.MXFP8()])
+def test_a_tiny_finite_operand_is_recorded_not_rejected(recipe):
+    """An operand whose amax is finite but tiny (fp8_max / amax past float32's range) held no
+    inf or NaN: its amax is recorded and no rejected step counted. The scale kept for
+    telemetry is fp8_max / amax, capped at 2**126 as the per-tensor recipes cap theirs."""
+    x = np.full((2, 4), 1e-37, np.float32)
+    w, c = np.ones((3, 4), np.float32), np.ones((2, 3), np.float32)
+    dot = fp8jax.Fp8DotGeneral(recipe, telemetry=True)
+    new = fp8jax.apply_updates(dot, None, run(dot, x, w, c))
+    amax = np.abs(x).max()
+    with np.errstate(over="ignore"):
+        nominal = min(np.float32(448.0) / amax, np.float32(2.0**126))
+    assert float(new.input.amax_history[0]) == amax
+    assert float(new.input.scale) == nominal
+    assert float(new.stats.input.rejected) == 0.0
+
+
 @pytest.mark.parametrize("role", ["input", "kernel", "output_grad"])
 def test_gradients_count_the_steps_rejected_update(role, operands):
     """Telemetry of gradients counts the step whose state merge will reject (an inf in that

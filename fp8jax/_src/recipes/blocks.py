@@ -121,12 +121,15 @@ class BlockScaledRecipe(Recipe):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
-        # The state only records the tensor's amax (and fp8_max / amax), for telemetry.
-        current = self.amax(x, state.scale)
+        return self._quantize(x, role, axis), self._state(state, role, self.amax(x, state.scale))
+
+    def _state(self, state: TensorState, role: Role, current: Array) -> TensorState:
+        """The new state of an operand whose amax (`Recipe.amax`'s) is `current`: it only
+        records the amax, and `fp8_max / amax` (capped at `MAX_SCALE`, as per-tensor scales
+        are: an inf would read as a fault, and the merge reject the state), for telemetry."""
         fmt_max = fp8_max(self.format(role))
-        nominal = jnp.where(current > 0, fmt_max / current, state.scale)
-        new_state = TensorState(nominal, state.amax_history.at[..., 0].set(current))
-        return self._quantize(x, role, axis), new_state
+        nominal = jnp.where(current > 0, jnp.minimum(fmt_max / current, MAX_SCALE), state.scale)
+        return TensorState(nominal, state.amax_history.at[..., 0].set(current))
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)
@@ -309,10 +312,6 @@ class BlockwiseScaling(BlockScaledRecipe):
             return super().quantize(x, state, role, axis)
         q, _, new_state = self._quantize_tiles(x, state, role, columns=False)
         return q, new_state
-
-    def _state(self, state: TensorState, role: Role, current: Array) -> TensorState:
-        nominal = jnp.where(current > 0, fp8_max(self.format(role)) / current, state.scale)
-        return TensorState(nominal, state.amax_history.at[..., 0].set(current))
 
     def _weight_blocks(self, w: Array) -> tuple[Array, ...]:
         """A 2-D weight `(N, K)`'s FP8 blocks, the same transposed, each block's scale once
