@@ -568,6 +568,11 @@ def test_a_recipe_field_written_as_an_int_or_a_float_is_one_recipe(margin, tmp_p
     """`DelayedScaling(margin=0)` is the recipe `DelayedScaling()` (`margin=0.0`): equal
     recipes, though their reprs differ, restore into each other; another margin is refused."""
     as_int = fp8jax.DelayedScaling(history_len=4, margin=margin)
+    if isinstance(margin, np.floating):
+        # A recipe now holds the Python number; older fp8jax kept the NumPy scalar, and its
+        # checkpoints' records read `margin=np.float64(0.0)`, which still restore.
+        assert repr(as_int) == repr(fp8jax.DelayedScaling(history_len=4, margin=0.0))
+        object.__setattr__(as_int, "margin", margin)
     as_float = fp8jax.DelayedScaling(history_len=4, margin=0.0)
     assert as_int == as_float and repr(as_int) != repr(as_float)
     step, state = build(jax.random.key(0), fp8jax.Fp8Config(recipe=as_int, telemetry=True))

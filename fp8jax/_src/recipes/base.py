@@ -31,6 +31,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Float
@@ -233,6 +234,13 @@ class Recipe(abc.ABC):
     weight_gather: str = "once"
 
     def __post_init__(self) -> None:
+        # A NumPy scalar is the Python number it holds (`history_len=np.int64(16)`): then the
+        # checks below take it, and the recipe compares, hashes and reads (repr) as one given
+        # the Python number.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, np.integer | np.floating | np.bool_):
+                object.__setattr__(self, field.name, value.item())
         check_choice("backward_precision", self.backward_precision, tuple(_PRECISIONS))
         check_choice("weight_gather", self.weight_gather, WEIGHT_GATHERS)
         names = self.axis_names
