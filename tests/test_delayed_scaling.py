@@ -197,6 +197,24 @@ def test_a_large_margin_over_a_large_amax_gives_a_smaller_scale_never_zero(power
     np.testing.assert_array_equal(out, np.zeros((2, 3)))
 
 
+def test_compute_scale_takes_arrays_as_documented():
+    """`fmt_max` and `power_of_two` may be traced arrays, `margin` a number or a NumPy array
+    (its factor `2**-margin` a constant of the trace): under `jit`, as float32 NumPy computes
+    it. A traced margin is refused by name."""
+    amax = np.array([2.0, 3.0, 1e-3], np.float32)
+    margin = np.array([0.0, 1.0, 2.5])
+    want = np.float32(448.0) / amax * (2.0**-margin).astype(np.float32)
+
+    @jax.jit
+    def scales(amax, fmt_max, power_of_two):
+        return fp8jax.compute_scale(amax, jnp.ones(3), fmt_max, margin, power_of_two)
+
+    got = scales(amax, np.float32(448.0), np.zeros(3, bool))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match=r"compute_scale: margin is traced"):
+        jax.jit(lambda a, m: fp8jax.compute_scale(a, jnp.ones(3), 448.0, m))(amax, margin)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -142,12 +143,21 @@ def compute_scale(
     amax would give a subnormal scale, flushed to 0 (an infinite inverse): scales are kept at
     `2**-126` at least (`MIN_SCALE`), where every value flushes to zero. `fmt_max`, `margin` and
     `power_of_two` may be arrays that broadcast against `amax_value` (one per state of a
-    stack: merged states of many layers get their scales in one pass).
+    stack: merged states of many layers get their scales in one pass); `fmt_max` and
+    `power_of_two` traced ones too, `margin` a number or a NumPy array: its factor
+    `2**-margin` is a constant of the trace.
     """
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
     # Times 2**-margin (a float32 constant), not divided by 2**margin: XLA may turn a division
     # by a constant into a multiplication anyway, so the result would depend on the backend.
-    factor = np.asarray(2.0 ** -np.asarray(margin, np.float64), np.float32)
+    try:
+        margin = np.asarray(margin, np.float64)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(
+            "compute_scale: margin is traced (an argument of a jitted function, say); pass a "
+            "Python number or a NumPy array: its factor 2**-margin is a constant of the trace."
+        ) from None
+    factor = np.asarray(2.0**-margin, np.float32)
     fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * factor
     fresh = jnp.clip(fresh, MIN_SCALE, MAX_SCALE)
     if isinstance(power_of_two, bool):
