@@ -140,6 +140,19 @@ def test_constructor_errors():
         Policy.from_string(jnp.bfloat16)
 
 
+@pytest.mark.skipif(
+    np.dtype(np.longdouble).itemsize <= 8, reason="NumPy's longdouble is float64 here"
+)
+def test_a_float_dtype_jax_has_no_arrays_of_is_refused():
+    """NumPy's longdouble (float128) is a floating dtype of more than 16 bits, but JAX has no
+    arrays of it: refused by name, where it was taken and the first cast raised JAX's error."""
+    for spelling in ("longdouble", np.longdouble, np.dtype(np.longdouble).name):
+        with pytest.raises(ValueError, match=r"Policy compute_dtype=.*: JAX has no arrays of"):
+            Policy(compute_dtype=spelling)
+    with pytest.raises(ValueError, match=r"c='longdouble' is .*: JAX has no arrays of"):
+        Policy.from_string("c=longdouble")
+
+
 def _model():
     """An MLP with FP8 layers, plus an int array, a Python float and a numpy float array."""
     mlp = fp8jax.fp8_linear_layers(

@@ -216,14 +216,17 @@ DTYPE_ALIASES: dict[str, np.dtype] = {
     "half": np.dtype(jnp.float16),
 }
 ACCEPTED_DTYPES = (
-    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or any other floating dtype of 16 "
-    "bits or more NumPy or JAX knows"
+    "float32 (f32, full), bfloat16 (bf16), float16 (f16, half), or float64 (JAX's 64-bit "
+    "float, float32 unless jax_enable_x64)"
 )
+#: The floating dtypes of 16 bits or more that JAX has arrays of.
+JAX_FLOATS = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
 
 def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
     """`value` (a dtype-like, or a name such as `"bf16"`) as a floating NumPy dtype of 16 bits
-    or more; `what` names it in the `ValueError` that refuses anything else."""
+    or more that JAX has arrays of (`JAX_FLOATS`); `what` names it in the `ValueError` that
+    refuses anything else."""
     dtype = None
     if value is None:
         raise ValueError(f"{what}=None: give a dtype; use {ACCEPTED_DTYPES}.")
@@ -257,4 +260,7 @@ def float_dtype(value: DTypeLike | str, what: str) -> np.dtype:
             f"{what}={dtype}: an 8-bit (or narrower) float is what fp8jax's GEMMs quantize to, "
             f"not a dtype to compute or store in around them; use {ACCEPTED_DTYPES}."
         )
+    if dtype not in JAX_FLOATS:
+        given = f"{value!r} is {dtype}" if isinstance(value, str) else str(dtype)
+        raise ValueError(f"{what}={given}: JAX has no arrays of it; use {ACCEPTED_DTYPES}.")
     return dtype

@@ -115,7 +115,8 @@ class Policy:
     - `output_dtype`: the dtype of the model's outputs (e.g. logits for the loss).
 
     Each is any floating dtype-like (`jnp.bfloat16`, `"bf16"`, `np.float32`) and is stored as a
-    `np.dtype`; each defaults to float32. A non-floating dtype raises `ValueError`.
+    `np.dtype`; each defaults to float32. A non-floating dtype, or one JAX has no arrays of
+    (NumPy's `longdouble`), raises `ValueError`.
 
     ```python
     policy = fp8jax.Policy(compute_dtype=jnp.bfloat16)
@@ -139,7 +140,7 @@ class Policy:
 
         - `spec`: comma-separated `key=dtype` pairs. Keys: `params` (`param`, `p`), `compute`
           (`c`), `output` (`o`). Dtypes: `float32` (`f32`, `full`), `bfloat16` (`bf16`),
-          `float16` (`f16`, `half`), or any floating dtype of 16 bits or more. Whitespace
+          `float16` (`f16`, `half`), or `float64` (JAX's floats of 16 bits or more). Whitespace
           and letter case are ignored. A missing `params` is float32; a missing `compute` or
           `output` is the param dtype. `str(policy)` gives back a spec of this form.
 
