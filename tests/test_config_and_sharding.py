@@ -66,6 +66,14 @@ def mesh():
     return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def test_numpy_bools_configure_as_the_bools_they_hold():
+    """`telemetry` and `grouped_native_kernel` as NumPy bools (read from an array, say): the
+    config given the Python bools, equal, hashed and written alike, as recipes take them."""
+    config = fp8jax.Fp8Config(telemetry=np.True_, grouped_native_kernel=np.False_)
+    plain = fp8jax.Fp8Config(telemetry=True, grouped_native_kernel=False)
+    assert config == plain and hash(config) == hash(plain) and repr(config) == repr(plain)
+
+
 def test_current_scaling_amax_is_global_under_jit_with_sharded_inputs():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 32)).astype(np.float32)

@@ -12,6 +12,7 @@ from typing import Any, final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..ops.dot_general import Fp8DotGeneral
 from ..recipes import Recipe, recipe_from
@@ -75,6 +76,9 @@ class Fp8Config:
     grouped_native_kernel: bool | None = None
 
     def __post_init__(self) -> None:
+        for name in ("telemetry", "grouped_native_kernel"):  # a NumPy bool is the bool it holds
+            if isinstance(getattr(self, name), np.bool_):
+                object.__setattr__(self, name, bool(getattr(self, name)))
         if not isinstance(self.telemetry, bool):
             raise ValueError(f"Fp8Config telemetry={self.telemetry!r}: should be True or False.")
         if self.grouped_native_kernel is not None and not isinstance(
