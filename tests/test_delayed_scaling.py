@@ -295,6 +295,24 @@ def test_warm_start_lasts_until_the_first_amax():
     assert kept == [0.0, 128.0, 128.0, 4.0]
 
 
+def test_a_recorded_scale_outlives_a_history_emptied_again():
+    """A zero amax keeps the old scale (the contract, as Transformer Engine): with a history
+    of one, an all-zero step leaves a history without an amax, and the merged scale is the
+    one recorded before, not 0, so the next step is delayed, not warm (its own amax, 100,
+    would give 4)."""
+    layer = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=1)))
+    used, kept = [], []
+    for row in ([[3.0, 0.0]], [[0.0, 0.0]], [[100.0, 0.0]]):
+        x = jnp.array(row)
+        grads = fp8jax.filter_grad(lambda m, x=x: jnp.sum(m(x)))(layer)
+        used.append(float(grads.dot.input.scale))
+        layer = eqx.tree_at(lambda m: m.dot, layer, layer.dot.merge(grads.dot))
+        kept.append(float(layer.dot.input.scale))
+    want = 2.0 ** math.floor(math.log2(448.0 / 3.0))  # of the one recorded amax, 3
+    assert used == [want, want, want]
+    assert kept[:2] == [want, want] and float(layer.dot.input.amax_history[0]) == 100.0
+
+
 class Experts(eqx.Module):
     weight: jax.Array
     dot: fp8jax.Fp8RaggedDot

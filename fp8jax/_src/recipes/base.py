@@ -60,9 +60,11 @@ class TensorState(eqx.Module):
 
     - `scale`: the per-tensor scale; values are multiplied by it before the cast (Transformer
       Engine's convention; Flax stores `1 / scale`). Delayed scaling keeps the scale its next
-      step uses, computed from the history when the step's state is merged (0 while the
-      history holds no amax and the warm start is on); current scaling the scale of the
-      latest step. Block-scaled recipes record `fp8_max / amax` here, for telemetry.
+      step uses, computed from the history when the step's state is merged (0 until the
+      history first holds an amax, with the warm start on; a scale once recorded is kept
+      through all-zero steps, a short history emptied again included); current scaling the
+      scale of the latest step. Block-scaled recipes record `fp8_max / amax` here, for
+      telemetry.
     - `amax_history`: recent amaxes, newest at index 0, the second newest at the end
       (Transformer Engine rolls by -1, then writes index 0). Recipes without a history keep one.
     - `scale_inv`: `1 / scale`, or 1 where `scale` is 0 (the scale a cast then uses without
