@@ -423,3 +423,17 @@ def test_forward_uses_the_scale_merged_from_the_history():
     assert ref_qdq(np.float32(9.0), pow2_scale(448, 9.0), "e4m3") == 9.0
     # The stored scale is what the forward reads: another one gives another result.
     assert float(np.asarray(with_state(dot, "input", scale=32.0)(x, w, dims))[0, 0]) == 9.0
+
+
+def test_kernel_shape_may_hold_numpy_integers():
+    """`kernel_shape` read off a NumPy array's shape or `np.prod` (NumPy integers) builds the
+    same layer as Python ints: the same error-feedback state, the same product."""
+    dims = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((8, 3))
+    recipe = fp8jax.ResidualFP8(error_feedback=True)
+    want = fp8jax.Fp8DotGeneral(recipe, kernel_shape=(3, 8))
+    got = fp8jax.Fp8DotGeneral(recipe, kernel_shape=tuple(np.array([3, 8])))
+    assert got.kernel.error.shape == want.kernel.error.shape == (3, 8)
+    w = w.astype(np.float32)
+    np.testing.assert_array_equal(got(x, w, dims), want(x, w, dims))

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
@@ -82,7 +83,8 @@ class Fp8DotGeneral(AbstractFp8Op):
             not isinstance(kernel_shape, tuple | list)
             or len(kernel_shape) != 2
             or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in kernel_shape
+                isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0
+                for d in kernel_shape
             )
         ):
             raise ValueError(
@@ -90,6 +92,8 @@ class Fp8DotGeneral(AbstractFp8Op):
                 "(out_features, in_features), two ints >= 0: the kernel as a matrix with its "
                 "contracted axes last."
             )
+        if kernel_shape is not None:
+            kernel_shape = tuple(int(d) for d in kernel_shape)
         self.recipe = recipe_from(recipe)
         self.name = name
         self.stats = Fp8Stats.zeros() if telemetry else None
