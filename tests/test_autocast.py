@@ -209,6 +209,24 @@ def test_a_result_with_values_other_than_arrays_is_returned_whole():
     assert not np.array_equal(out["y"], fun(mlp, x)["y"])  # FP8, not float32
 
 
+def test_constant_results_are_arrays_as_under_jit():
+    """A result leaf the function computes from no argument (a number, `jnp.zeros(())`: a
+    literal of the jaxpr) came back as a JAX-internal value (`TypedFloat`, `TypedNdArray`,
+    a Python `bool`) where every other leaf is a `jax.Array`; each is now the array
+    `jax.jit` of the function returns, of the same dtype and weak type."""
+    x, w = jnp.ones((16, 16)), jnp.ones((16, 16))
+
+    def fun(x, w):
+        return x @ w, 1.5, 3, True, jnp.float32(2.0), jnp.zeros(()), 2 + 1j
+
+    got = fp8jax.fp8_autocast(fun)(x, w)
+    want = jax.jit(fun)(x, w)
+    for g, v in zip(got[1:], want[1:], strict=True):
+        assert isinstance(g, jax.Array), type(g)
+        assert jax.typeof(g) == jax.typeof(v)
+        np.testing.assert_array_equal(g, v)
+
+
 def control_flow(w, x, loop, dot=jnp.matmul):
     """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
     argument) adds a while loop, which reverse-mode differentiation does not take."""

@@ -461,8 +461,14 @@ class TracedCall:
     paths: list
 
     def evaluate(self, interpreter: Interpreter) -> Any:
-        """The call's result, evaluated again by `interpreter`."""
-        outs = iter(interpreter.run(self.closed.jaxpr, self.closed.consts, self.values, ""))
+        """The call's result, evaluated again by `interpreter`: its constant leaves (the
+        jaxpr's literals, such as a number returned) as the arrays `jax.jit` returns."""
+        jaxpr = self.closed.jaxpr
+        outs = interpreter.run(jaxpr, self.closed.consts, self.values, "")
+        outs = iter(
+            jnp.asarray(o) if jax_private.is_literal(v) else o
+            for o, v in zip(outs, jaxpr.outvars, strict=True)
+        )
         treedef, leaves = self.result
         return jax.tree.unflatten(treedef, [next(outs) if v is _TRACED else v for v in leaves])
 
