@@ -1108,6 +1108,24 @@ def test_bad_input_errors():
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
 
 
+def test_einsum_errors_name_what_is_wrong_with_the_subscripts():
+    """An equation with a non-letter axis, two '...', an output '...' the input lacks, or the
+    input's '...' summed away was refused with a message about something else: 'gives the input 2
+    axes ('b1'), but it has 2', 'repeats an axis of the output ('...bf')', 'sums axis 'a''
+    (a letter the equation does not hold). Each now names its own fault."""
+    einsum = fp8jax.Fp8NnxEinsum()
+    for subscripts, x_shape, message in [
+        ("b1,1f->bf", (2, 4), r"axis '1', which is not a letter"),
+        ("...d...,df->f", (2, 3, 4), r"input '\.\.\.d\.\.\.' holds '\.\.\.' twice"),
+        ("bd,df->...bf", (2, 4), r"output '\.\.\.bf' holds '\.\.\.' but the input 'bd' does not"),
+        ("...d,df->f", (2, 3, 4), r"sums the axes of the input's '\.\.\.'"),
+    ]:
+        with pytest.raises(ValueError, match=message) as raised:
+            einsum(subscripts, jnp.ones(x_shape), jnp.ones((4, 5)))
+        assert "'a'" not in str(raised.value)
+        assert "but it has 2." not in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "subscripts, kernel, message",
     [

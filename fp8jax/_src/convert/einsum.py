@@ -28,6 +28,29 @@ def _einsum_parts(subscripts: str, x_ndim: int, k_ndim: int) -> tuple[str, str, 
             f"FP8 einsum: subscripts={subscripts!r}: the kernel's subscripts {k!r} may not "
             "hold '...'; name each kernel axis."
         )
+    for c in (x + k + out).replace("...", ""):
+        if not c.isalpha():
+            raise ValueError(
+                f"FP8 einsum: subscripts={subscripts!r} names axis {c!r}, which is not a "
+                "letter; name each axis by a letter (the input's remaining axes by '...')."
+            )
+    for name, letters in (("input", x), ("output", out)):
+        if letters.count("...") > 1:
+            raise ValueError(
+                f"FP8 einsum: subscripts={subscripts!r}: the {name} {letters!r} holds '...' "
+                "twice; it may hold it once."
+            )
+    if "..." in out and "..." not in x:
+        raise ValueError(
+            f"FP8 einsum: subscripts={subscripts!r}: the output {out!r} holds '...' but the "
+            f"input {x!r} does not."
+        )
+    if "..." in x and "..." not in out:
+        raise ValueError(
+            f"FP8 einsum: subscripts={subscripts!r} sums the axes of the input's '...' (they "
+            "are not in the output); FP8 einsums contract axes of both operands (keep '...' "
+            "in the output, or sum them before the layer)."
+        )
     if "..." in x:
         unused = [c for c in string.ascii_letters if c not in spec]
         n = x_ndim - (len(x) - 3)
