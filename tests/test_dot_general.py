@@ -437,3 +437,18 @@ def test_kernel_shape_may_hold_numpy_integers():
     assert got.kernel.error.shape == want.kernel.error.shape == (3, 8)
     w = w.astype(np.float32)
     np.testing.assert_array_equal(got(x, w, dims), want(x, w, dims))
+
+
+def test_dimension_numbers_may_name_single_axes_by_int():
+    """`lax.dot_general` takes an int for a single axis (`((1, 0), ((), ()))`, and batch axes
+    `(0, 0)`); Fp8DotGeneral, called like it, refused them ('should be ... each a tuple of
+    ints'). The product equals lax's on FP8-representable values."""
+    rng = np.random.default_rng(5)
+    lhs, rhs = representable(rng, (2, 4, 8)), representable(rng, (2, 8, 3))
+    for x, w, dims in [
+        (lhs[0], rhs[0], ((1, 0), ((), ()))),
+        (lhs, rhs, ((2, 1), (0, 0))),
+        (lhs, rhs, ((np.int64(2), (1,)), ((0,), 0))),
+    ]:
+        want = f32_dot(x, w, dims)
+        np.testing.assert_array_equal(fp8jax.Fp8DotGeneral("current")(x, w, dims), want)

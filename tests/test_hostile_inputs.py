@@ -291,8 +291,8 @@ DOT_GENERAL = [
         r"dimension_numbers=\(\(1,\), \(0,\)\): should be",
     ),
     row(
-        "dims-ints-not-tuples",
-        lambda w: w.dot(jnp.ones((2, 4)), jnp.ones((4, 8)), ((1, 0), ((), ()))),
+        "dims-float-axis",
+        lambda w: w.dot(jnp.ones((2, 4)), jnp.ones((4, 8)), ((1.0, 0), ((), ()))),
         ValueError,
         r"each a tuple of ints",
     ),

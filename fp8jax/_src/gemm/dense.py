@@ -70,17 +70,25 @@ _OPERAND_FIELDS = ("q_x", "q_w")
 def normalize_dimension_numbers(
     dimension_numbers: Any, lhs_shape: Shape, rhs_shape: Shape
 ) -> DimensionNumbers:
-    """Check `dimension_numbers` against the shapes and return it as tuples of ints.
+    """Check `dimension_numbers` against the shapes and return it as tuples of ints (an int
+    standing for one axis, as `lax.dot_general` takes it).
 
     Raises `ValueError` naming the offending axes and sizes.
     """
+
+    def axis_tuple(axes: Any) -> Axes:
+        if isinstance(axes, int | np.integer):
+            return (operator.index(axes),)
+        return tuple(operator.index(a) for a in axes)
+
     try:
         (lc, rc), (lb, rb) = dimension_numbers
-        lc, rc, lb, rb = (tuple(operator.index(a) for a in axes) for axes in (lc, rc, lb, rb))
+        lc, rc, lb, rb = (axis_tuple(axes) for axes in (lc, rc, lb, rb))
     except (TypeError, ValueError):
         raise ValueError(
             f"dimension_numbers={dimension_numbers!r}: should be "
-            "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), each a tuple of ints."
+            "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), each a tuple of ints "
+            "(or an int, for one axis)."
         ) from None
     for name, axes, shape in (("lhs", lc + lb, lhs_shape), ("rhs", rc + rb, rhs_shape)):
         if len(set(axes)) != len(axes) or any(not 0 <= a < len(shape) for a in axes):
