@@ -379,6 +379,16 @@ DOT_GENERAL = [
         TypeError,
         r"preferred_element_type=.?floaty.? .*float type; use float32",
     ),
+    row(
+        # lax.dot_general refuses an array here ('Passing an array as a dtype argument is no
+        # longer supported'); the FP8 op took its dtype without a word.
+        "dot-preferred-array",
+        lambda w: w.dot(
+            jnp.ones((2, 4)), jnp.ones((4, 8)), MATMUL, preferred_element_type=jnp.ones(3)
+        ),
+        TypeError,
+        r"preferred_element_type is an array of float32, not a dtype; pass its dtype",
+    ),
 ]
 
 LINEAR = [

@@ -282,6 +282,12 @@ class AbstractFp8Op(OverwriteWithGradient):
         (which is not always `jnp.promote_types`': BF16 with float16 gives BF16)."""
         if preferred is None:
             return _lax_result_type(np.dtype(lhs), np.dtype(rhs))
+        if isinstance(preferred, jax.Array | np.ndarray):  # as `lax.dot_general` refuses it
+            raise TypeError(
+                f"{self._where}: preferred_element_type is an array of {preferred.dtype}, not "
+                f"a dtype; pass its dtype (preferred_element_type=x.dtype), as to "
+                f"{self.stands_for}."
+            )
         try:
             out = np.dtype(preferred)
         except TypeError:
