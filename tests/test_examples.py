@@ -256,6 +256,12 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
         ("digits", ["--batch", "0"], "--batch 0: should be >= 1"),
         ("digits", ["--lr", "-1"], "--lr -1.0: should be > 0"),
+        # A learning rate no run could train with: every loss NaN, or climbing.
+        ("digits", ["--lr", "inf"], "--lr inf: should be > 0 and finite"),
+        ("train_gpt", ["--lr", "nan"], "--lr nan: should be > 0 and finite"),
+        ("train_gpt", ["--lr", "-0.003"], "--lr -0.003: should be > 0 and finite"),
+        ("moe", ["--kjv", "--lr", "0"], "--lr 0.0: should be > 0 and finite"),
+        ("deepseek", ["--kjv", "--lr", "nan"], "--lr nan: should be > 0 and finite"),
         ("digits", ["--recipe", "bogus"], "--recipe bogus: Unknown recipe 'bogus'"),
         ("moe", ["--kjv", "--expert-parallel", "-1"], "--expert-parallel -1: should be >= 0"),
         ("moe", ["--kjv", "--expert-parallel", "2", "--devices", "0"], "--devices 0: should"),

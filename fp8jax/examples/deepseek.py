@@ -50,6 +50,7 @@ from fp8jax.examples.deepseek_model import (
     fp8_config,
     update_balance,
 )
+from fp8jax.examples.gpt import check_lr
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 FP32_POLICY = "params=float32,compute=float32,output=float32"
@@ -314,6 +315,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch", "context", "eval_every", "tail"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
+    check_lr(parser, args.lr)
     if args.balance_speed < 0:
         parser.error(f"--balance-speed {args.balance_speed}: should be >= 0.")
     if not 1 <= args.top_k <= args.experts:

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 import fp8jax
+from fp8jax.examples.gpt import check_lr
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
@@ -77,8 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     for name in ("steps", "batch", "width"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: should be >= 1.")
-    if not args.lr > 0:
-        parser.error(f"--lr {args.lr}: should be > 0.")
+    check_lr(parser, args.lr)
     try:
         fp8jax.Fp8Config(recipe=args.recipe)
     except ValueError as e:

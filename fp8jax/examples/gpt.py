@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import equinox as eqx
 import jax
@@ -54,12 +55,20 @@ def check_arguments(
     """Refuse, as `parser` errors, the GPT and training flags of the examples' command lines
     (`--steps`, `--layers`, `--width`, `--heads`, `--context`, `--batch`, and the integer
     flags `more`) that no run could take: counts below 1, heads that do not divide the
-    width."""
+    width, a learning rate (`--lr`) not positive and finite."""
     for name in ("steps", "layers", "width", "heads", "context", "batch", *more):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
     if args.width % args.heads:
         parser.error(f"--heads {args.heads}: should divide --width {args.width}.")
+    check_lr(parser, args.lr)
+
+
+def check_lr(parser: argparse.ArgumentParser, lr: float) -> None:
+    """Refuse, as a `parser` error, a learning rate no run could train with: zero, negative,
+    inf or NaN (the losses would stay put, climb, or turn NaN at the first update)."""
+    if not 0 < lr < math.inf:
+        parser.error(f"--lr {lr}: should be > 0 and finite.")
 
 
 class Attention(eqx.Module):
