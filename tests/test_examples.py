@@ -254,6 +254,9 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--top-k", "5"], "--top-k 5: should be at most --experts (4)"),
         ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
         ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
+        ("deepseek", ["--kjv", "--layers", "0"], "--layers 0: should be >= 1"),
+        ("deepseek", ["--kjv", "--width", "-8"], "--width -8: should be >= 1"),
+        ("deepseek", ["--kjv", "--experts", "0"], "--experts 0: should be >= 1"),
         ("digits", ["--batch", "0"], "--batch 0: should be >= 1"),
         ("digits", ["--lr", "-1"], "--lr -1.0: should be > 0"),
         # A learning rate no run could train with: every loss NaN, or climbing.

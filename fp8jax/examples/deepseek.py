@@ -312,7 +312,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.precisions = ["bf16", *[p for p in PRECISIONS if p in wanted and p != "bf16"]]
     if not args.kjv:
         parser.error("--kjv: the job trains on the King James Bible; pass --kjv.")
-    for name in ("steps", "batch", "context", "eval_every", "tail"):
+    for name in ("steps", "batch", "context", "layers", "width", "experts", "eval_every", "tail"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
     check_lr(parser, args.lr)
