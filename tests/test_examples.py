@@ -255,6 +255,12 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
         ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
         ("deepseek", ["--kjv", "--layers", "0"], "--layers 0: should be >= 1"),
+        # Seeds NumPy's batch sampler cannot take (it raised 'expected non-negative integer').
+        ("train_gpt", ["--seed", "-1"], "--seed -1: should be >= 0"),
+        ("digits", ["--seed", "-2"], "--seed -2: should be >= 0"),
+        ("moe", ["--kjv", "--seed", "-1"], "--seed -1: should be >= 0"),
+        ("moe", ["--kjv", "--seeds", "0", "-3"], "--seeds -3: should be >= 0"),
+        ("deepseek", ["--kjv", "--seeds", "1", "-1"], "--seeds -1: should be >= 0"),
         ("deepseek", ["--kjv", "--width", "-8"], "--width -8: should be >= 1"),
         ("deepseek", ["--kjv", "--experts", "0"], "--experts 0: should be >= 1"),
         ("digits", ["--batch", "0"], "--batch 0: should be >= 1"),

@@ -50,7 +50,7 @@ from fp8jax.examples.deepseek_model import (
     fp8_config,
     update_balance,
 )
-from fp8jax.examples.gpt import check_lr
+from fp8jax.examples.gpt import check_lr, check_seeds
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 FP32_POLICY = "params=float32,compute=float32,output=float32"
@@ -316,6 +316,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
     check_lr(parser, args.lr)
+    check_seeds(parser, "--seeds", args.seeds)
     if args.balance_speed < 0:
         parser.error(f"--balance-speed {args.balance_speed}: should be >= 0.")
     if not 1 <= args.top_k <= args.experts:

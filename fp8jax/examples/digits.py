@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 import fp8jax
-from fp8jax.examples.gpt import check_lr
+from fp8jax.examples.gpt import check_lr, check_seeds
 
 POLICY = "params=float32,compute=bfloat16,output=float32"
 
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: should be >= 1.")
     check_lr(parser, args.lr)
+    check_seeds(parser, "--seed", [args.seed])
     try:
         fp8jax.Fp8Config(recipe=args.recipe)
     except ValueError as e:

@@ -71,6 +71,17 @@ def check_lr(parser: argparse.ArgumentParser, lr: float) -> None:
         parser.error(f"--lr {lr}: should be > 0 and finite.")
 
 
+def check_seeds(parser: argparse.ArgumentParser, flag: str, seeds: list[int]) -> None:
+    """Refuse, as a `parser` error naming `flag`, a negative seed: NumPy's generator, which
+    samples the batches, takes none (it raised 'expected non-negative integer' as the first
+    run started)."""
+    for seed in seeds:
+        if seed < 0:
+            parser.error(
+                f"{flag} {seed}: should be >= 0 (NumPy's batch sampler takes no negative seed)."
+            )
+
+
 class Attention(eqx.Module):
     """Causal multi-head self-attention with separate query, key, value and output Linears."""
 

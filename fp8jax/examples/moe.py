@@ -43,7 +43,7 @@ from jaxtyping import Array
 
 import fp8jax
 from fp8jax.examples.data import VOCAB, kjv_bytes, sample, split
-from fp8jax.examples.gpt import GPT, GPTConfig, check_arguments, next_token_loss
+from fp8jax.examples.gpt import GPT, GPTConfig, check_arguments, check_seeds, next_token_loss
 from fp8jax.examples.moe_model import MoE, MoEModel, moe_gpt, moe_gpt_loss, mse, teacher_data
 
 #: The KJV job's precision, `fp8jax.examples.train_gpt`'s (not imported from there: that
@@ -392,6 +392,10 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.experts is None:
         args.experts = max(4, args.expert_parallel)
     check_arguments(parser, args, ("experts", "top_k", "tail"))
+    if args.seed is not None:
+        check_seeds(parser, "--seed", [args.seed])
+    else:
+        check_seeds(parser, "--seeds", args.seeds)
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k}: should be at most --experts ({args.experts}).")
     if args.devices is not None and not args.expert_parallel:

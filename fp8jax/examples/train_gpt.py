@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 import fp8jax
 from fp8jax.examples.data import VOCAB, kjv_bytes, sample, split
-from fp8jax.examples.gpt import GPT, GPTConfig, check_arguments, next_token_loss
+from fp8jax.examples.gpt import GPT, GPTConfig, check_arguments, check_seeds, next_token_loss
 
 RECIPES = ("delayed", "current", "blockwise", "mxfp8", "residual")
 BLOCK_RECIPES = {"blockwise": fp8jax.BlockwiseScaling, "mxfp8": fp8jax.MXFP8}
@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     )
     args = parser.parse_args(argv)
     check_arguments(parser, args, ("eval_every", "log_every"))
+    check_seeds(parser, "--seed", [args.seed])
     recipes = parse_recipes(parser, args.recipes)
     if args.fp32 and "fp32" not in recipes:
         recipes.insert(0, "fp32")
