@@ -223,6 +223,8 @@ def test_the_train_step_leaves_the_bias_to_update_balance():
         update_balance(state.model, jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match="speed=-1"):
         update_balance(state.model, metrics.aux.routed, -1)
+    with pytest.raises(ValueError, match="speed=inf: should be a finite number >= 0"):
+        update_balance(state.model, metrics.aux.routed, float("inf"))  # every bias +-inf
 
 
 def test_config_errors_name_the_value():

@@ -255,6 +255,8 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--devices", "8"], "--devices: only with --expert-parallel"),
         ("deepseek", ["--kjv", "--top-k", "9"], "--top-k 9: should be from 1 to --experts (8)"),
         ("deepseek", ["--kjv", "--layers", "0"], "--layers 0: should be >= 1"),
+        ("deepseek", ["--kjv", "--balance-speed", "nan"], "--balance-speed nan: should be >= 0"),
+        ("deepseek", ["--kjv", "--balance-speed", "inf"], "--balance-speed inf: should be >= 0"),
         # Seeds NumPy's batch sampler cannot take (it raised 'expected non-negative integer').
         ("train_gpt", ["--seed", "-1"], "--seed -1: should be >= 0"),
         ("digits", ["--seed", "-2"], "--seed -2: should be >= 0"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -317,8 +318,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: should be >= 1.")
     check_lr(parser, args.lr)
     check_seeds(parser, "--seeds", args.seeds)
-    if args.balance_speed < 0:
-        parser.error(f"--balance-speed {args.balance_speed}: should be >= 0.")
+    if not 0 <= args.balance_speed < math.inf:
+        parser.error(f"--balance-speed {args.balance_speed}: should be >= 0 and finite.")
     if not 1 <= args.top_k <= args.experts:
         parser.error(f"--top-k {args.top_k}: should be from 1 to --experts ({args.experts}).")
     args.tail = min(args.tail, args.steps)

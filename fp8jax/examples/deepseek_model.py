@@ -38,6 +38,7 @@ scale (2.5 in V3's released code; the gating weights here sum to 1).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import final
 
 import equinox as eqx
@@ -408,8 +409,8 @@ def update_balance(
             f"update_balance: routed has shape {routed.shape}; the model has {len(layers)} MoE "
             "layers: pass Load.routed of the step, (MoE layers, experts)."
         )
-    if isinstance(speed, int | float) and not speed >= 0:  # traced under jax.jit: unchecked
-        raise ValueError(f"update_balance: speed={speed!r}: should be a number >= 0.")
+    if isinstance(speed, int | float) and not 0 <= speed < math.inf:  # traced: unchecked
+        raise ValueError(f"update_balance: speed={speed!r}: should be a finite number >= 0.")
     load = routed.astype(jnp.float32)
     step = speed * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
     new = [BalanceBias(m.balance.bias + step[i]) for i, m in enumerate(layers)]
