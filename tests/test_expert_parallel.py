@@ -176,6 +176,22 @@ def test_expert_exchange_names_bad_arguments():
     assert plan(experts, np.int64(16), capacity=np.int64(20)).shape == (16,)
 
 
+def test_expert_exchange_names_an_axis_name_that_is_not_a_str():
+    """Experts split over a tuple of mesh axes were planned, and the exchange then failed
+    ("'<' not supported between instances of 'tuple' and 'str'"; an FP8 layer: its recipe's
+    axis_names refused, which the user never gave): one mesh axis, named by a str, as
+    expert_specs takes."""
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    f = jax.shard_map(
+        lambda e: fp8jax.expert_exchange(e, 8, ("data", "expert")).group_sizes,
+        mesh=mesh,
+        in_specs=P(("data", "expert")),
+        out_specs=P(("data", "expert")),
+    )
+    with pytest.raises(TypeError, match=r"axis_name=\('data', 'expert'\): should be"):
+        jax.eval_shape(f, jnp.zeros((64, 2), jnp.int32))
+
+
 @pytest.mark.parametrize("recipe", [None, "current"])
 def test_no_tokens_go_through_the_exchange(recipe):
     """Devices without tokens (an empty batch): the default capacity was 0 and refused

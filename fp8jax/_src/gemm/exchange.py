@@ -283,7 +283,7 @@ def expert_exchange(
       `[0, num_experts)`; a choice outside is sent nowhere, and its token's share of the
       output is 0: traced indices cannot be checked).
     - `num_experts`: all experts, a multiple of the axis size.
-    - `axis_name`: the mesh axis the experts are split over.
+    - `axis_name`: the mesh axis the experts are split over (its name, a str: one axis).
     - `capacity`: the rows a device's experts can receive (static). `None`: the worst case,
       `P * tokens * top_k` (at least 1), so that no routing drops a token (the
       single-device MoE's result); smaller saves memory and GEMM rows past the received
@@ -294,6 +294,11 @@ def expert_exchange(
       bytes of BF16 gradients, and one more rounding of them). Off by default: the
       gradients cross in their own dtype, as DeepSeek-V3's combine does.
     """
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"expert_exchange: axis_name={axis_name!r}: should be the name (a str) of the one "
+            "mesh axis the experts are split over, as expert_specs takes it."
+        )
     devices = lax.axis_size(axis_name)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer):
         raise TypeError(f"expert_exchange: num_experts={num_experts!r}: should be an int >= 1.")
