@@ -192,6 +192,39 @@ def test_expert_exchange_names_an_axis_name_that_is_not_a_str():
         jax.eval_shape(f, jnp.zeros((64, 2), jnp.int32))
 
 
+def test_the_exchange_names_arrays_of_other_shapes():
+    """dispatch and combine took arrays of any shape and indexed them as the plan's: the
+    tokens of another batch (x[:4]), the tokens again in place of the experts' rows, or
+    the routing weights transposed ((top_k, tokens)) gave wrong rows (JAX clamps a gather's
+    indices) or as many tokens as the weights' first axis, without a word."""
+    mesh = _mesh({"expert": 4})
+    chosen, weights = _routed(4 * 8, seed=7)  # 8 tokens a device, top-2
+    x = np.ones((4 * 8, 3), np.float32)
+
+    def run(fn, *args):
+        specs = (P("expert"),) * (len(args) + 1)
+        f = jax.shard_map(
+            lambda c, *a: fn(fp8jax.expert_exchange(c, EXPERTS, "expert"), *a),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=P("expert"),
+        )
+        return jax.eval_shape(f, chosen, *args)
+
+    assert run(lambda plan, x, w: plan.combine(plan.dispatch(x), w), x, weights).shape == x.shape
+    with pytest.raises(ValueError, match=r"dispatch: x has 4 rows .* routed 8 tokens"):
+        run(lambda plan, x: plan.dispatch(x[:4]), x)
+    with pytest.raises(ValueError, match=r"combine: y has 8 rows .* capacity \(64\)"):
+        run(lambda plan, x, w: plan.combine(x, w), x, weights)
+    transposed = np.ascontiguousarray(weights.reshape(4, 8, TOP_K).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match=r"combine: weights of shape \(2, 8\); .*= \(8, 2\)"):
+        run(
+            lambda plan, x, w: plan.combine(plan.dispatch(x), w),
+            x,
+            transposed.reshape(4 * TOP_K, 8),
+        )
+
+
 @pytest.mark.parametrize("recipe", [None, "current"])
 def test_no_tokens_go_through_the_exchange(recipe):
     """Devices without tokens (an empty batch): the default capacity was 0 and refused

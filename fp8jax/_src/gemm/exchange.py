@@ -142,6 +142,20 @@ class ExpertExchange(eqx.Module):
             axis_name=self.axis_name,
         )
 
+    def _tokens(self, given: tuple[int, ...]) -> Any:
+        """This device's tokens, as routed (with `top_k = 0` none are: those `given`)."""
+        return self.order.shape[0] // self.top_k if self.top_k else (given or (None,))[0]
+
+    def _check_tokens(self, name: str, shape: tuple[int, ...]) -> None:
+        """Raise `ValueError` unless `shape` leads with this device's tokens, as routed."""
+        tokens = self._tokens(shape[:1])
+        if not shape or shape[0] != tokens:
+            raise ValueError(
+                f"ExpertExchange.{name} has {_rows(shape)} rows (shape {shape}) but the "
+                f"exchange routed {tokens} tokens (x top_k {self.top_k}); pass the tokens it "
+                "was made for, in the same order."
+            )
+
     @property
     def recv_offsets(self) -> Int[Array, " P"]:
         return jnp.cumsum(self.recv_sizes) - self.recv_sizes
@@ -154,6 +168,7 @@ class ExpertExchange(eqx.Module):
         """The rows of `x (tokens, ...)` routed to this device's experts, from every device,
         in expert order: `(R, ...)` (as `x`'s dtype: BF16 stays BF16). An FP8 grouped layer
         given the `ExpertExchange` quantizes first and dispatches FP8 instead."""
+        self._check_tokens("dispatch: x", jnp.shape(x))
         return _dispatch(self, x)
 
     def dispatch_quantized(self, q: QTensor) -> QTensor:
@@ -162,6 +177,7 @@ class ExpertExchange(eqx.Module):
         the FP8 rows and their tiles' scales cross the mesh; a per-tensor scale, global,
         stays (every device has it). Rows past the received ones: zeros, scales of 1."""
         tokens = q.data.shape[0]
+        self._check_tokens("dispatch_quantized: q.data", q.data.shape)
         data = self.send(self.tokens_of(q.data))
         scale = q.scale_inv
         if scale.ndim and scale.shape[0] == tokens:
@@ -192,13 +208,31 @@ class ExpertExchange(eqx.Module):
         """The experts' output rows `y (R, ...)` (expert order, this device's experts) back
         to the devices of their tokens, each token's `top_k` rows summed with its routing
         `weights (tokens, top_k)`: `(tokens, ...)`, in `y`'s dtype."""
+        if not jnp.shape(y) or jnp.shape(y)[0] != self.capacity:
+            raise ValueError(
+                f"ExpertExchange.combine: y has {_rows(jnp.shape(y))} rows (shape "
+                f"{jnp.shape(y)}); it should be the experts' output rows, as many as the "
+                f"exchange's capacity ({self.capacity}), in expert order (what a layer given "
+                "this exchange, or its group_sizes, returns)."
+            )
+        tokens = self._tokens(jnp.shape(weights)[:1])
+        if jnp.shape(weights) != (tokens, self.top_k):
+            raise ValueError(
+                f"ExpertExchange.combine: weights of shape {jnp.shape(weights)}; they should "
+                f"be (tokens, top_k) = {(tokens, self.top_k)}, each token's routing weights "
+                "in the order of the experts it was planned with."
+            )
         back = _combine(self, y)  # (A, ...) in order
-        tokens = weights.shape[0]
         w = weights.reshape(-1)[self.order].astype(y.dtype)
         w = w.reshape((-1,) + (1,) * (y.ndim - 1))
         # Added to the tokens in expert order, as one device sorting its tokens would.
         out = jnp.zeros((tokens, *y.shape[1:]), y.dtype)
         return out.at[self.order // self.top_k].add(back * w)
+
+
+def _rows(shape: tuple[int, ...]) -> Any:
+    """How errors count the rows of an array of `shape`."""
+    return shape[0] if shape else "no"
 
 
 # Dispatch and combine are each other's transpose: their gradients are the other exchange
