@@ -80,7 +80,7 @@ def _toy_experts(rows, plan, scale):
         jnp.repeat(jnp.arange(local), plan.group_sizes, total_repeat_length=rows.shape[0])
         + me * local
     )
-    return rows * scale[expert][:, None]
+    return rows * scale[expert].reshape((-1,) + (1,) * (rows.ndim - 1))
 
 
 @pytest.mark.parametrize("capacity", [None, 40])
@@ -549,13 +549,17 @@ def _tiles_numpy(rows: np.ndarray) -> np.ndarray:
     return q.reshape(rows.shape)
 
 
-def test_fp8_backward_sends_the_gradients_as_e4m3_tiles():
+@pytest.mark.parametrize("features", [(4,), (2, 3)], ids=["rows", "rows of 2 x 3"])
+def test_fp8_backward_sends_the_gradients_as_e4m3_tiles(features):
     """`fp8_backward=True`: the forward is unchanged; the gradient is the one of two E4M3
-    roundings in 1 x 128 tiles (the combine's output gradient going out, the dispatched rows'
-    gradient coming back), reproduced with ml_dtypes."""
+    roundings in 1 x 128 tiles of a token's row (the combine's output gradient going out, the
+    dispatched rows' gradient coming back), reproduced with ml_dtypes. Tokens of several
+    axes (dispatch takes `(tokens, ...)`) are tiled along their values, as one row; their
+    gradient failed in jnp.pad ("pad_width with nd=3 has unsupported shape")."""
     devices, tokens = 8, 16
     chosen, weights = _routed(devices * tokens, seed=5)
-    x = np.random.default_rng(6).standard_normal((devices * tokens, 4)).astype(np.float32)
+    shape = (devices * tokens, *features)
+    x = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
     scale = np.arange(1.0, EXPERTS + 1, dtype=np.float32)
     g_out = np.random.default_rng(7).standard_normal(x.shape).astype(np.float32)
     mesh = _mesh({"expert": devices})
@@ -580,9 +584,10 @@ def test_fp8_backward_sends_the_gradients_as_e4m3_tiles():
     want = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(TOP_K):
-            going = _tiles_numpy((g_out[t] * weights[t, j])[None])  # at the token's device
+            row = (g_out[t] * weights[t, j]).reshape(1, -1)
+            going = _tiles_numpy(row)  # at the token's device
             back = _tiles_numpy(going * scale[chosen[t, j]])  # at the expert's device
-            want[t] += back[0]
+            want[t] += back[0].reshape(features)
     np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
     assert not np.allclose(grad, plain_grad, rtol=1e-4)  # the roundings show
 

@@ -196,11 +196,14 @@ class ExpertExchange(eqx.Module):
     def _gradient(self, rows: Array, move: Any) -> Array:
         """`move(rows)`: in their dtype, or with `fp8_backward` as E4M3 in 1 x 128 tiles of
         a row (power-of-two scales from each tile's amax) with their float32 scales,
-        dequantized on arrival to `rows`' dtype."""
+        dequantized on arrival to `rows`' dtype. A row is all of one token's values (its
+        axes after the first, flattened)."""
         if not self.fp8_backward:
             return move(rows)
-        data, scale_inv = quantize_tiles(rows)
-        return dequantize_tiles(move(data), move(scale_inv), rows.shape[-1], rows.dtype)
+        flat = rows.reshape(rows.shape[0], -1)
+        data, scale_inv = quantize_tiles(flat)
+        moved = dequantize_tiles(move(data), move(scale_inv), flat.shape[-1], rows.dtype)
+        return moved.reshape(moved.shape[:1] + rows.shape[1:])
 
     def combine(
         self, y: Float[Array, "R ..."], weights: Float[Array, "tokens top_k"]
