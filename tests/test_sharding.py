@@ -257,3 +257,40 @@ def test_axis_names_that_are_not_the_shard_maps_are_refused_by_name():
         jax.jit(run)(params, jnp.ones((64, 32)))
     with pytest.raises(ValueError, match=r"its mesh: none\)\. .*under plain jit leave"):
         jax.jit(jax.vmap(model))(jnp.ones((4, 32)))
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_a_shard_map_over_some_axes_of_an_explicit_mesh_runs_fp8_layers(recipe):
+    """`jax.shard_map` over one axis (`model`) of a mesh whose other axis (`data`) stays
+    Explicit: the FP8 GEMM failed ("Going from `Manual` AxisType to `Auto` ... is not
+    allowed": its Explicit-axes path asked JAX to make every axis Auto, the manual one too),
+    where the high-precision dot runs. Now its value and gradients are the step's without a
+    mesh (summed in another order)."""
+    explicit = jax.sharding.AxisType.Explicit
+    the_mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(explicit, explicit))
+    dims = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((128, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 16)).astype(np.float32)
+    # Blockwise: 32-wide tiles; each `model` shard's 32 tokens one whole wgrad tile, as the
+    # block recipes' tiles inside shard_map are each shard's own.
+    make = {"current": fp8jax.CurrentScaling, "blockwise": fp8jax.BlockwiseScaling}[recipe]
+    extra = {"block_size": 32} if recipe == "blockwise" else {}
+    one = fp8jax.Fp8DotGeneral(make(**extra))
+    split = fp8jax.Fp8DotGeneral(make(axis_names=("model",), **extra))
+
+    def loss(dot, x, w):
+        return jnp.sum(dot(x, w, dims) ** 2)
+
+    def local_loss(dot, x, w):
+        return jax.lax.psum(loss(dot, x, w), "model")
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)))(one, x, w)
+    sharded = jax.shard_map(
+        local_loss, in_specs=(P(), P("model"), P()), out_specs=P(), axis_names={"model"}
+    )
+    with jax.set_mesh(the_mesh):
+        args = jax.device_put(x, P(("model", "data"))), jax.device_put(w, P())
+        got = jax.jit(jax.value_and_grad(sharded, argnums=(1, 2)))(split, *args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))

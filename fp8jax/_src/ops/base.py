@@ -199,7 +199,20 @@ def on_auto_axes(
     def run(arrays: Any) -> Array:
         return compute(*eqx.combine(arrays, rest))
 
-    return jax.sharding.auto_axes(run, out_sharding=out_sharding)(arrays)
+    # Only the Explicit axes become Auto: inside a `shard_map` over some of the mesh's axes
+    # the others are Manual, which JAX cannot make Auto (its default, every axis, raises).
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = None
+    if not mesh.empty and jax.sharding.AxisType.Manual in mesh.axis_types:
+        kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+        axes = tuple(n for n, t in kinds if t == jax.sharding.AxisType.Explicit)
+    call = jax.sharding.auto_axes(run, axes=axes, out_sharding=out_sharding)
+    if axes is not None:
+        # There the backward's residuals, typed on the Auto axes, fail `shard_map`'s
+        # linearization ("context mesh ... should match the aval mesh"): the GEMM's forward
+        # is computed again in the backward from the operands instead.
+        call = jax.checkpoint(call)
+    return call(arrays)
 
 
 @functools.lru_cache(maxsize=64)
