@@ -248,6 +248,46 @@ def test_no_tokens_go_through_the_exchange(recipe):
     assert grad.shape == (0, 32)
 
 
+@pytest.mark.parametrize("recipe", [None, "current", "blockwise"])
+def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh(recipe):
+    """Experts split over `expert` by a `shard_map` over that axis alone, `data` left to XLA:
+    the exchange and the grouped GEMMs failed in JAX (an AssertionError printing
+    "ManualAxisType(varying=frozenset({'expert'}), ...)" from jnp.searchsorted). Now the
+    output and gradients are those of the same block on a mesh of the expert axis alone."""
+    if recipe == "blockwise":
+        recipe = fp8jax.BlockwiseScaling(block_size=32)
+    elif recipe is not None:
+        recipe = fp8jax.CurrentScaling()
+    if recipe is not None:
+        recipe = dataclasses.replace(recipe, axis_names=("expert",))
+    dot = None if recipe is None else fp8jax.Fp8RaggedDot(recipe, num_experts=8)
+    layer = fp8jax.GroupedLinear(8, 32, 16, key=jax.random.key(0), ragged_dot=dot)
+    chosen, weights = _routed(64, seed=8)
+    chosen = chosen % 8
+    x = np.random.default_rng(9).standard_normal((64, 32)).astype(np.float32)
+
+    def moe(layer, x, chosen, weights):
+        plan = fp8jax.expert_exchange(chosen, 8, "expert")
+        return plan.combine(layer(x, plan), weights)
+
+    def run(mesh, **manual):
+        specs = (fp8jax.expert_specs(layer, "expert"), P("expert"), P("expert"), P("expert"))
+        f = jax.shard_map(moe, mesh=mesh, in_specs=specs, out_specs=P("expert"), **manual)
+
+        @eqx.filter_jit
+        def out_and_grads(layer, x):
+            out, vjp = eqx.filter_vjp(lambda m, x: f(m, x, chosen, weights), layer, x)
+            return out, vjp(out)
+
+        return jax.tree.leaves(eqx.filter(out_and_grads(layer, x), eqx.is_inexact_array))
+
+    want = run(_mesh({"expert": 4}))
+    got = run(_mesh({"data": 2, "expert": 4}), axis_names={"expert"})
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b)))
+
+
 # --- an MoE block, expert parallel, against one device ----------------------------------------
 
 # Power-of-two scales (the per-tensor recipes' default) keep the quantized values exact

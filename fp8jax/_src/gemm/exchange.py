@@ -386,7 +386,8 @@ def expert_exchange(
     row = jnp.arange(capacity, dtype=jnp.int32)
     ends = (recv_start[:, None] + jnp.cumsum(mine, axis=1)).reshape(-1)  # (src * e)
     # One comparison per (row, piece) in one fusion; a binary search is a loop of kernels.
-    after = jnp.searchsorted(ends, row, side="right", method="compare_all")
+    # (`searchsorted`'s "compare_all" written out: JAX's fails in a partly manual shard_map.)
+    after = jnp.sum(ends[None, :] <= row[:, None], axis=1, dtype=jnp.int32)
     piece = jnp.clip(after, 0, devices * local - 1)
     expert = (piece % local).astype(jnp.int32)
     valid = row < jnp.sum(recv_sizes)

@@ -54,7 +54,8 @@ def group_at(ends: Int[Array, " G"], positions: Int[Array, " P"]) -> Int[Array, 
     the last group get the last one."""
     # One comparison per (position, group), in one fusion: the default method's binary
     # search is a loop of a few kernels per step on a GPU, for a handful of groups.
-    index = jnp.searchsorted(ends, positions.astype(ends.dtype), side="right", method="compare_all")
+    # (`searchsorted`'s "compare_all" written out: JAX's fails in a partly manual shard_map.)
+    index = jnp.sum(ends[None, :] <= positions.astype(ends.dtype)[:, None], axis=1)
     return jnp.minimum(index, ends.shape[0] - 1).astype(jnp.int32)
 
 

@@ -121,7 +121,8 @@ def row_items(group_sizes: Int[Array, " G"], rows: int, tile_m: int = TILE_M) ->
     ends = jnp.cumsum(count)
     item = jnp.arange(math.ceil(rows / tile_m) + experts, dtype=jnp.int32)
     # One comparison per (item, group), in one fusion (a binary search is a loop of kernels).
-    group = jnp.searchsorted(ends, item, side="right", method="compare_all").astype(jnp.int32)
+    # (`searchsorted`'s "compare_all" written out: JAX's fails in a partly manual shard_map.)
+    group = jnp.sum(ends[None, :] <= item[:, None], axis=1, dtype=jnp.int32)
     used = group <= experts
     group = jnp.minimum(group, experts)
     tile = first[group] + item - (ends - count)[group]

@@ -162,8 +162,8 @@ def token_steps(
     count = jnp.clip(count, 0, chunks)
     ends = jnp.cumsum(count)
     step = jnp.arange(experts * chunks, dtype=jnp.int32)
-    expert = jnp.searchsorted(ends, step, side="right", method="compare_all")
-    expert = jnp.minimum(expert, experts - 1).astype(jnp.int32)
+    # (`searchsorted`'s "compare_all" written out: JAX's fails in a partly manual shard_map.)
+    expert = jnp.minimum((ends[None, :] <= step[:, None]).sum(1, dtype=jnp.int32), experts - 1)
     begin = (ends - count)[expert]
     flags = (step == begin).astype(jnp.int32) + 2 * (step == ends[expert] - 1).astype(jnp.int32)
     table = jnp.stack([start[expert] + step - begin, expert, flags]).astype(jnp.int32)
