@@ -254,6 +254,33 @@ def test_each_devices_gemm_is_traced_in_the_callers_context(kind):
     np.testing.assert_array_equal(out, np.full((64, 16), 96.0, np.float32))
 
 
+@pytest.mark.parametrize("placed", ["device_put", "set_mesh", "in_shardings alone"])
+def test_the_ways_of_sharding_that_split_a_native_kernel(placed):
+    """docs/scaling_out.md: arrays placed by `device_put`, or `jit`'s `in_shardings` inside
+    `jax.set_mesh`, run fp8jax's native kernels per shard. There a jit argument is typed
+    without the mesh, and a GEMM of it took the one-device path (XLA then gathered its
+    operands onto one device). `in_shardings` alone, on arrays not placed, still does: no
+    type or context names the mesh while tracing (the docs said it works as `device_put`)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("data"))
+    a = jnp.ones((64, 32))
+    one_device = []
+
+    def gemm(a):
+        one_device.append(dispatch.per_device_gemm(a))
+        return a
+
+    if placed == "device_put":
+        jax.jit(gemm).lower(jax.device_put(a, rows))
+    elif placed == "set_mesh":
+        with jax.set_mesh(mesh):
+            jax.jit(gemm, in_shardings=rows).lower(a)
+    else:
+        jax.jit(gemm, in_shardings=rows).lower(a)
+    # The limitation the docs name: if JAX types such arrays on the mesh, update them.
+    assert one_device == [placed == "in_shardings alone"]
+
+
 def test_a_replay_names_a_trace_with_more_gemms_than_recorded():
     dims = partition.GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
     a, b = jnp.ones((8, 4)), jnp.ones((2, 4))

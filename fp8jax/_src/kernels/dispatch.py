@@ -87,16 +87,21 @@ def local_gpus_lack_hopper() -> bool:
 
 
 def per_device_gemm(*operands: Any) -> bool:
-    """Whether a GEMM of `operands` runs on one device's data: no operand lives on a mesh
-    axis of several devices that XLA partitions (inside `shard_map` the mesh axes are
-    manual; a single-device program has no mesh). On such an axis, an opaque kernel call
-    would make XLA gather the operands and compute the whole product on every device."""
+    """Whether a GEMM of `operands` runs on one device's data: neither an operand nor the
+    program (`jax.set_mesh`) lives on a mesh axis of several devices that XLA partitions
+    (inside `shard_map` the mesh axes are manual; a single-device program has no mesh). On
+    such an axis, an opaque kernel call would make XLA gather the operands and compute the
+    whole product on every device."""
     if partition.inside():
         return True
     if _ON_MESH.get():
         return False
-    for leaf in jax.tree.leaves(operands):
-        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+    # The operands' meshes, and `jax.set_mesh`'s: there `jit`'s arguments are typed without
+    # one (sharded by `in_shardings`), while XLA partitions the program over it.
+    meshes = [
+        getattr(jax.typeof(leaf).sharding, "mesh", None) for leaf in jax.tree.leaves(operands)
+    ]
+    for mesh in [*meshes, jax.sharding.get_abstract_mesh()]:
         if mesh is None or mesh.empty:
             continue
         if any(size > 1 for name, size in mesh.shape.items() if name not in mesh.manual_axes):
