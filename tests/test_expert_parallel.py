@@ -166,6 +166,11 @@ def test_expert_exchange_names_bad_arguments():
         plan(experts.astype(jnp.float32), 16)
     with pytest.raises(ValueError, match="capacity=0"):
         plan(experts, 16, capacity=0)
+    # No expert per token: taken, and its gradient then divided by top_k = 0.
+    with pytest.raises(
+        ValueError, match=r"experts \(8, 0\): each token should go to at least one expert"
+    ):
+        plan(experts[:, :0], 16)
     # An expert count of 0 or below was taken (no experts, or a shape error deep in JAX).
     for bad in (0, -8):
         with pytest.raises(ValueError, match=f"num_experts={bad}: should be an int >= 1"):

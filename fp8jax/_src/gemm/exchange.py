@@ -142,13 +142,14 @@ class ExpertExchange(eqx.Module):
             axis_name=self.axis_name,
         )
 
-    def _tokens(self, given: tuple[int, ...]) -> Any:
-        """This device's tokens, as routed (with `top_k = 0` none are: those `given`)."""
-        return self.order.shape[0] // self.top_k if self.top_k else (given or (None,))[0]
+    @property
+    def _tokens(self) -> int:
+        """This device's tokens, as routed."""
+        return self.order.shape[0] // self.top_k
 
     def _check_tokens(self, name: str, shape: tuple[int, ...]) -> None:
         """Raise `ValueError` unless `shape` leads with this device's tokens, as routed."""
-        tokens = self._tokens(shape[:1])
+        tokens = self._tokens
         if not shape or shape[0] != tokens:
             raise ValueError(
                 f"ExpertExchange.{name} has {_rows(shape)} rows (shape {shape}) but the "
@@ -218,7 +219,7 @@ class ExpertExchange(eqx.Module):
                 f"exchange's capacity ({self.capacity}), in expert order (what a layer given "
                 "this exchange, or its group_sizes, returns)."
             )
-        tokens = self._tokens(jnp.shape(weights)[:1])
+        tokens = self._tokens
         if jnp.shape(weights) != (tokens, self.top_k):
             raise ValueError(
                 f"ExpertExchange.combine: weights of shape {jnp.shape(weights)}; they should "
@@ -352,6 +353,11 @@ def expert_exchange(
             "(tokens, top_k) integers, each token's experts."
         )
     tokens, top_k = experts.shape
+    if top_k < 1:
+        raise ValueError(
+            f"expert_exchange: experts {experts.shape}: each token should go to at least one "
+            "expert (top_k >= 1)."
+        )
     assignments = tokens * top_k
     # No tokens at all still get a buffer (of one row, received by nothing).
     capacity = max(devices * assignments, 1) if capacity is None else capacity
