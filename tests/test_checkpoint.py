@@ -628,3 +628,41 @@ def test_an_equinox_checkpoint_file_gets_a_new_files_permissions(tmp_path):
         assert stat.S_IMODE((tmp_path / "private.eqx").stat().st_mode) == 0o600
     finally:
         os.umask(previous)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_nnx_model_with_a_shared_layer_restores_it_shared(backend, tmp_path):
+    """An NNX model that uses one Linear twice (tied weights: `self.fc2 = self.fc1`) restores
+    with that layer still one object, and resumes as the uninterrupted run does. JAX's
+    pytree view of NNX objects copies a shared one at each place it appears: the restored
+    layer was two, trained apart (and the restored optimizer, over one, refused them)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(8, 8, rngs=rngs)
+            self.fc2 = self.fc1
+            self.out = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.gelu(self.fc2(jax.nn.gelu(self.fc1(x)))))
+
+    def pair(seed):
+        config = fp8jax.Fp8Config(exclude=None, keep=())
+        model = fp8jax.fp8_linear_layers(Tied(nnx.Rngs(seed)), config)
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    step = fp8jax.nnx_train_step(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+
+    def go(model, optimizer, start, stop):
+        for i in range(start, stop):
+            step(model, optimizer, *batch(i))
+        return [np.asarray(a).tobytes() for a in jax.tree.leaves(nnx.state((model, optimizer)))]
+
+    model, optimizer = pair(0)
+    go(model, optimizer, 0, 2)
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, (model, optimizer), backend=backend)
+    restored, restored_optimizer = fp8jax.load_checkpoint(path, pair(1), backend=backend)
+    assert restored.fc2 is restored.fc1
+    assert go(restored, restored_optimizer, 2, 4) == go(model, optimizer, 2, 4)

@@ -28,6 +28,7 @@ import pathlib
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -145,7 +146,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
       model)`: no state built only to be overwritten).
     - `backend`: as when saving.
 
-    **Returns:** a new state; `like` is not modified. Each array has the sharding of the
+    **Returns:** a new state; `like` is not modified. A Flax NNX object that `like` holds at
+    several places (a layer used twice) is one object in it too. Each array has the sharding of the
     corresponding array of `like` (a `jax.Array`), which may differ from the one it was saved
     with: a checkpoint written by several processes restores in one, and the other way round.
     With several processes every process calls it and reads `path`, which they must all see.
@@ -165,7 +167,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         target = _target(saved, like)
         data = keys_as_data(target)
         check_fp8_record(saved, fp8_record(data), path)
-        return _settled(keys_from_data(_orbax_load(path, data), target))
+        return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
     if path.is_dir():
         raise IsADirectoryError(
             f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
@@ -193,7 +195,33 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
             raise corrupt(path, f"it has data after the saved state ({total} bytes in all)")
-        return _settled(keys_from_data(restored, target))
+        return _shared_as(_settled(keys_from_data(restored, target)), like)
+
+
+def _shared_as(restored: T, like: T) -> T:
+    """`restored` with each Flax NNX object that `like` holds at several places (a layer used
+    twice: tied weights) one object again. JAX's pytree view of NNX objects, through which
+    `restored` was read, copies such an object at each place; NNX's own graph keeps it one:
+    `like`'s NNX objects are cloned together and given the restored values."""
+    node = getattr(sys.modules.get("flax.nnx"), "Pytree", None)  # looked up, never imported
+    if not isinstance(node, type):
+        return restored
+    nnx = sys.modules["flax.nnx"]
+
+    def objects(tree: Any) -> tuple[Any, ...]:
+        return tuple(
+            x for x in jax.tree.leaves(tree, is_leaf=node.__instancecheck__) if isinstance(x, node)
+        )
+
+    mine = objects(like)
+    if not mine:
+        return restored
+    copies = nnx.clone(mine)
+    nnx.update(copies, nnx.state(objects(restored)))
+    each = iter(copies)
+    return jax.tree.map(
+        lambda x: next(each) if isinstance(x, node) else x, restored, is_leaf=node.__instancecheck__
+    )
 
 
 def _is_tensor_state(x: Any) -> bool:
