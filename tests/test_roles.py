@@ -177,6 +177,35 @@ def test_mixtral_router_named_gate_is_kept_and_its_experts_converted():
     assert traced.kept == {"gate": "router: its output feeds a top-k / arg-max (the expert choice)"}
 
 
+class EqxGatedMixtral(EqxMixtral):
+    """`EqxMixtral` with a Linear as wide as the expert count that is no router: `scale`,
+    a low-rank bottleneck of rank `E` before the block, feeding no top-k."""
+
+    scale: eqx.nn.Linear
+    mix: eqx.nn.Linear
+
+    def __init__(self, key):
+        super().__init__(key)
+        k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+        self.scale = eqx.nn.Linear(D, E, use_bias=False, key=k1)
+        self.mix = eqx.nn.Linear(E, D, use_bias=False, key=k2)
+
+    def __call__(self, x):
+        return super().__call__(x + jax.vmap(self.mix)(jax.vmap(self.scale)(x)))
+
+
+def test_a_trace_keeps_no_layer_as_a_router_for_its_width_alone():
+    """With a trace, a router is a layer whose output feeds a top-k (the docs' "from a
+    trace" column): a Linear as wide as the expert count that the trace saw feed only
+    another GEMM is converted; without a trace its width makes it a router."""
+    model = EqxGatedMixtral(jax.random.key(0))
+    x = jnp.ones((8, D))
+    assert "scale" in fp8jax.conversion_plan(model).kept  # by shapes: as wide as the experts
+    traced = fp8jax.conversion_plan(model, example=lambda m: m(x))
+    assert traced.kept == {"gate": "router: its output feeds a top-k / arg-max (the expert choice)"}
+    assert traced.converted == ("down", "mix", "scale", "up")
+
+
 def test_deepseek_v3_keeps_router_and_head_and_converts_the_rest():
     config = DeepSeekConfig(vocab=200, layers=2, dense_layers=1)
     model = DeepSeekV3(config, key=jax.random.key(0))

@@ -293,16 +293,16 @@ def role_of(
     high precision by its role: a sentence starting "head" or "router", or `None`."""
     if flow is not None and flow.is_router(path):
         return "router: its output feeds a top-k / arg-max (the expert choice)"
+    if flow is not None and path in flow.gemms:
+        if flow.is_head(path):
+            return "head: its output is the model's output (the last GEMM before it)"
+        return None  # the trace knows better than widths (where it found the layer's GEMM)
     if out_width is not None:
         for expert_path, count in sorted(shapes.experts.items()):
             if out_width == count:
                 return (
                     f"router: its {out_width} outputs are the experts of {'.'.join(expert_path)!r}"
                 )
-    if flow is not None and path in flow.gemms:
-        if flow.is_head(path):
-            return "head: its output is the model's output (the last GEMM before it)"
-        return None  # the trace knows better than widths (where it found the layer's GEMM)
     vocabulary = shapes.vocabulary
     if vocabulary is None or repeated(path, stacked):
         return None
