@@ -325,6 +325,39 @@ def test_haliax_moe_linear_in_a_stacked_model_trains(getkey):
     assert losses[-1] < losses[0]
 
 
+def test_haliax_moe_linear_built_under_vmap_gets_one_state_per_layer(getkey):
+    """A MoELinear built under hax.vmap (a layer axis outside any Stacked) gets one FP8
+    state per layer, as a Linear built so does, and trains under hax.vmap: each layer
+    computes, and records, what that layer converted alone does (it got one unstacked state
+    and crashed in the vmap)."""
+    keys = jax.random.split(getkey(), Layers.size)
+    moe = hax.vmap(hnn.MoELinear.init, Layers)(Experts, Embed, Mlp, key=keys)
+    config = fp8jax.Fp8Config(exclude=None)
+    fp8 = fp8jax.fp8_linear_layers(moe, config)
+    assert fp8.ragged_dot.kernel.scale.shape == (Layers.size, Experts.size)
+    sizes = hax.named(SIZES, Experts)
+    x = hax.random.normal(getkey(), (Layers, Token, Embed))
+
+    def loss(m, x):
+        return hax.sum(hax.vmap(lambda layer, x: layer(x, sizes), Layers)(m, x) ** 2).scalar()
+
+    got, grads = fp8jax.filter_value_and_grad(loss)(fp8, x)
+    want = 0.0
+    for i in range(Layers.size):
+        one = fp8jax.fp8_linear_layers(hnn.MoELinear.init(Experts, Embed, Mlp, key=keys[i]), config)
+
+        def loss_i(m, xi):
+            return hax.sum(m(xi, sizes) ** 2).scalar()
+
+        value, grads_i = fp8jax.filter_value_and_grad(loss_i)(one, x[Layers, i])
+        want += value
+        for a, b in zip(
+            jax.tree.leaves(grads.ragged_dot), jax.tree.leaves(grads_i.ragged_dot), strict=True
+        ):
+            np.testing.assert_array_equal(a[i], b)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_haliax_moe_linear_records_telemetry_when_asked(getkey):
     """`Fp8Config(telemetry=True)` reaches a Haliax MoELinear's grouped GEMM as it does an
     Equinox GroupedLinear's: each expert's tokens, recorded by a step."""

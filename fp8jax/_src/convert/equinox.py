@@ -186,11 +186,10 @@ def _fp8_grouped(layer: GroupedLinear, config: Fp8Config, path: tuple[str, ...])
     return eqx.tree_at(lambda m: m.ragged_dot, layer, dot, is_leaf=lambda x: x is None)
 
 
-def _fp8_moe(
-    layer: Any, config: Fp8Config, path: tuple[str, ...], batch_shape: tuple[int, ...]
-) -> Fp8MoELinear:
+def _fp8_moe(layer: Any, config: Fp8Config, path: tuple[str, ...]) -> Fp8MoELinear:
     """Haliax's `MoELinear` as an [`fp8jax.Fp8MoELinear`][], with the same weight, bias and
-    axes; inside a `Stacked`, its FP8 state has the stack's leading shape."""
+    axes; a stack of them (inside a `Stacked`, or built under `hax.vmap`: weight axes beyond
+    `Experts`, `In` and `Out`) gets its FP8 state stacked the same way (one per layer)."""
     name = ".".join(path)
     for role in ("In", "Out", "Experts"):
         if isinstance(getattr(layer, role), tuple | list):
@@ -206,7 +205,9 @@ def _fp8_moe(
         telemetry=config.telemetry,
         native_kernel=config.grouped_native_kernel,
     )
-    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, batch_shape + x.shape), dot)
+    names = {layer.Experts.name, layer.In.name, layer.Out.name}
+    lead = tuple(a.size for a in layer.weight.axes if a.name not in names)
+    dot = jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), dot)
     return Fp8MoELinear(layer.weight, layer.bias, dot, layer.Experts, layer.In, layer.Out)
 
 
@@ -331,7 +332,7 @@ def fp8_equinox_linear_layers(
             stacklevel=3,
         )
 
-    def convert(path: tuple[str, ...], node: Any, batch_shape: tuple[int, ...]) -> Any:
+    def convert(path: tuple[str, ...], node: Any) -> Any:
         kind = _kind(node, hnn)
         if kind == "linear":
             if path not in chosen:  # kept, or FP8 already
@@ -356,19 +357,19 @@ def fp8_equinox_linear_layers(
         if kind == "grouped":
             return node if path not in chosen else _fp8_grouped(node, config, path)
         if kind == "moe":
-            return node if path not in chosen else _fp8_moe(node, config, path, batch_shape)
+            return node if path not in chosen else _fp8_moe(node, config, path)
         if kind == "stacked":
-            inner = convert(path + ("stacked",), node.stacked, batch_shape + (node.Block.size,))
+            inner = convert(path + ("stacked",), node.stacked)
             return dataclasses.replace(node, stacked=inner)
         if isinstance(node, jax.Array):
             return node
         children = _children(node)
         if not children:
             return node
-        new = [convert(path + (_key_name(k),), c, batch_shape) for k, c in children]
+        new = [convert(path + (_key_name(k),), c) for k, c in children]
         if all(n is c for n, (_, c) in zip(new, children, strict=True)):
             return node  # nothing converted below: keep the very same object
         treedef = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
         return jax.tree_util.tree_unflatten(treedef, new)
 
-    return convert((), tree, ())
+    return convert((), tree)
