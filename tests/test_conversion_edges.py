@@ -238,3 +238,16 @@ def test_an_example_that_does_not_call_the_model_it_is_given_is_refused():
     x = jnp.ones(D)
     assert fp8jax.conversion_plan(model, example=lambda m: m(x)).converted == ("fc",)
     assert_examples_not_calling_the_model_are_refused(model, x)
+
+
+def test_a_model_in_fp8_already_converts_again_with_an_example():
+    """Converting a model again leaves its FP8 layers as they are, with `example` too: an
+    example calling a model whose every Linear is FP8 already was refused as calling a model
+    it closes over (the trace cannot see a weight through its FP8 quantization)."""
+    mlp = eqx.nn.MLP(D, 4, D, depth=1, key=jax.random.key(0))
+    x = jnp.ones((2, D))
+    config = fp8jax.Fp8Config(keep=())
+    fp8 = fp8jax.fp8_linear_layers(mlp, config)
+    plan = fp8jax.conversion_plan(fp8, config, example=lambda m: jax.vmap(m)(x))
+    assert plan.converted == ("layers.0", "layers.1") and plan.traced
+    assert fp8jax.fp8_linear_layers(fp8, config, example=lambda m: jax.vmap(m)(x)) is fp8

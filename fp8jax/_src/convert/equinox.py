@@ -242,7 +242,8 @@ def _trace(
     tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]], own: list
 ) -> Dataflow:
     """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer;
-    `example` must run a GEMM of one of the layers `own` (those not tied to another)."""
+    `example` must run a GEMM of one of the layers `own` (those not tied to another, nor
+    FP8 already)."""
     params, static = eqx.partition(tree, eqx.is_array)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     owners = [owner_of(tuple(_key_name(k) for k in path), layers) for path, _ in flat]
@@ -269,7 +270,10 @@ def equinox_plan(
     layer_paths = [p for p, _ in linears]
     shapes = _shapes(nodes, hnn)
     tied = {p for p, n in linears if _tied(n)}
-    own = [p for p in layer_paths if p not in tied]
+    converted = _converted(linears)
+    # The layers whose GEMM a trace sees: not tied to another, nor FP8 already (whose weight
+    # reaches its GEMM only quantized, past what the trace follows).
+    own = [p for p in layer_paths if p not in tied and p not in converted]
     flow = None if example is None else _trace(tree, example, layer_paths, own)
     widths = {
         p: (
@@ -291,7 +295,7 @@ def equinox_plan(
         advice=lambda p: (
             "write its GEMM as an eqx.nn.Linear, or run the model under fp8jax.fp8_autocast"
         ),
-        converted=_converted(linears),
+        converted=converted,
     )
     kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
     kept.update(_haliax_quantized(linears, hnn))
