@@ -628,6 +628,18 @@ def test_a_shared_layer_is_converted_once():
     assert converted.fc.dot_general.name == "again"  # the first path NNX's graph gives it
 
 
+def test_a_model_in_fp8_already_converts_again_with_an_example():
+    """Converting again leaves FP8 layers as they are, with `example` too: an example calling
+    a model whose every layer is FP8 already was refused as calling a model it closes over
+    (the trace cannot see a kernel through its FP8 quantization)."""
+    fp8 = fp8jax.fp8_linear_layers(NnxNet((8, 8, 4), nnx.Rngs(0)), config())
+    x = jnp.ones((2, 8))
+    plan = fp8jax.conversion_plan(fp8, config(), example=lambda m: m(x))
+    assert plan.converted == ("fc1", "fc2") and plan.traced
+    again = fp8jax.fp8_linear_layers(fp8, config(), example=lambda m: m(x))
+    assert_same_state(again.fc2.dot_general, fp8.fc2.dot_general.value())
+
+
 def test_stacked_layers_under_nnx_scan_match_separate_layers():
     class Stack(nnx.Module):
         def __init__(self, rngs):

@@ -218,8 +218,12 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]]) -> ModelShapes:
     return ModelShapes(embeddings, experts)
 
 
-def _trace(model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]]) -> Dataflow:
-    """The dataflow of `example(model)`, each variable owned by its layer."""
+def _trace(
+    model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]], own: list
+) -> Dataflow:
+    """The dataflow of `example(model)`, each variable owned by its layer; `example` must run
+    a GEMM of one of the layers `own` (those not FP8 already, whose kernel reaches its GEMM
+    only quantized, past what the trace follows)."""
     graphdef, state = nnx.split(model)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p) for p, _ in flat]
@@ -230,7 +234,7 @@ def _trace(model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ..
 
     closed = jax.make_jaxpr(call)([x for _, x in flat])
     flow = dataflow(closed, owners)
-    check_example_ran(closed, flow, layers)
+    check_example_ran(closed, flow, own)
     return flow
 
 
@@ -243,7 +247,9 @@ def nnx_plan(
     layers = [(p, n) for p, n in nodes if _kind(n) is not None]
     paths = [p for p, _ in layers]
     shapes = _shapes(nodes)
-    flow = None if example is None else _trace(model, example, paths)
+    converted = _converted(layers)
+    own = [p for p in paths if p not in converted]
+    flow = None if example is None else _trace(model, example, paths, own)
     widths = {
         p: (_out_width(n), _kind(n) == "linear" and n.kernel.get_value().ndim > 2)
         for p, n in layers
@@ -267,7 +273,7 @@ def nnx_plan(
             "or multiply by a `kernel` nnx.Param of the module's own, or run it under "
             "fp8jax.fp8_autocast"
         ),
-        converted=_converted(layers),
+        converted=converted,
     )
     return plan, chosen, layers
 
