@@ -273,6 +273,49 @@ def test_haliax_levanter_llama_keeps_its_head():
     assert plan.traced and plan.kept["lm_head"].startswith("head: its output is the model's")
 
 
+def test_a_haliax_stacked_model_is_traced_through_its_scan():
+    """Haliax's `Stacked` names what its scan carries (`checkpoint_name`, a primitive passing
+    its value on): the trace follows a weight through it, so a model that is a `Stacked`
+    alone is traced and its router found by its top-k (the example was refused as calling
+    no layer of the model)."""
+    import haliax as hax
+    import haliax.nn as hnn
+
+    Embed, Experts, Mlp, Layers, Token = (
+        hax.Axis("embed", D),
+        hax.Axis("experts", E),
+        hax.Axis("mlp", F),
+        hax.Axis("layers", 2),
+        hax.Axis("token", 8),
+    )
+
+    class Block(eqx.Module):
+        router: hnn.Linear
+        up: hnn.Linear
+        down: hnn.Linear
+
+        @staticmethod
+        def init(*, key):
+            k = jax.random.split(key, 3)
+            return Block(
+                hnn.Linear.init(Embed, Experts, key=k[0]),
+                hnn.Linear.init(Embed, Mlp, key=k[1]),
+                hnn.Linear.init(Mlp, Embed, key=k[2]),
+            )
+
+        def __call__(self, x):
+            top, _ = jax.lax.top_k(self.router(x).array, 1)
+            return x + self.down(hnn.relu(self.up(x))) * hax.named(top[:, 0], Token)
+
+    model = hnn.Stacked.init(Layers, Block)(key=jax.random.split(jax.random.key(0), 2))
+    x = hax.random.normal(jax.random.key(1), (Token, Embed))
+    plan = fp8jax.conversion_plan(model, example=lambda m: m.fold(x))
+    assert plan.traced and plan.converted == ("stacked.down", "stacked.up")
+    assert plan.kept == {
+        "stacked.router": "router: its output feeds a top-k / arg-max (the expert choice)"
+    }
+
+
 def test_a_weight_scaled_by_a_scalar_is_followed_and_a_scalar_gain_is_not_a_gemm(getkey):
     """A weight times (or over) a scalar is that weight (its layer's GEMM); an activation
     times a scalar parameter does not make the parameter's module run a GEMM."""

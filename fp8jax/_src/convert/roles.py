@@ -55,6 +55,7 @@ VIEWS = frozenset(
         "reshard",
         "device_put",
         "optimization_barrier",
+        "name",  # jax.ad_checkpoint.checkpoint_name (Haliax's Stacked names what it scans)
     }
 )
 
