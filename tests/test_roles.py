@@ -206,6 +206,19 @@ def test_a_trace_keeps_no_layer_as_a_router_for_its_width_alone():
     assert traced.converted == ("down", "mix", "scale", "up")
 
 
+def test_a_stack_of_linears_is_no_router_for_its_layer_count():
+    """A router is as wide as the expert count: a stack of `E` Linears (built under
+    `eqx.filter_vmap`, weights `(E, D, D)`) has `D` outputs, and converts; its layer count
+    was taken for its width, making it a router."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = {
+        "blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(k1, E)),
+        "experts": fp8jax.GroupedLinear(E, D, F, key=k2),
+    }
+    plan = fp8jax.conversion_plan(model)
+    assert plan.converted == ("blocks", "experts") and not plan.kept
+
+
 def test_deepseek_v3_keeps_router_and_head_and_converts_the_rest():
     config = DeepSeekConfig(vocab=200, layers=2, dense_layers=1)
     model = DeepSeekV3(config, key=jax.random.key(0))

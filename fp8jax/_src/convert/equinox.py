@@ -127,9 +127,10 @@ def _axis_sizes(spec: Any) -> dict[str, int]:
 
 
 def _kernel_shape(linear: Any) -> tuple[int, int]:
-    """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last)."""
+    """The Linear's weight as the canonical `(N, K)` matrix (contracted axes last); one
+    layer's, for a stack of them."""
     if isinstance(linear, eqx.nn.Linear | Linear):
-        return tuple(linear.weight.shape)
+        return tuple(linear.weight.shape[-2:])
     return tuple(math.prod(_axis_sizes(spec).values()) for spec in (linear.Out, linear.In))
 
 
