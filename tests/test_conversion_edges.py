@@ -112,6 +112,23 @@ def test_an_fp8jax_linear_with_another_gemm_converts_as_an_equinox_one():
     np.testing.assert_array_equal(converted(x), reference(x))
 
 
+def test_a_linear_sized_by_numpy_ints_converts():
+    """An `eqx.nn.Linear(np.int64(4), np.int64(3))` (sizes from a NumPy config) converts and
+    computes what the Equinox layer does, its sizes Python ints (it raised 'in_features=
+    np.int64(4) does not match the weight: should be None or 4')."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Equinox warns of a NumPy scalar in a static field
+        linear = eqx.nn.Linear(np.int64(4), np.int64(3), key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    plain = fp8jax.Linear.from_eqx(linear, jax.lax.dot_general)
+    np.testing.assert_array_equal(plain(x), jax.vmap(linear)(x))
+    assert (type(plain.in_features), type(plain.out_features)) == (int, int)
+    assert (plain.in_features, plain.out_features) == (4, 3)
+    converted = fp8jax.fp8_linear_layers([linear])[0]
+    assert isinstance(converted.dot_general, fp8jax.Fp8DotGeneral)
+    assert converted(x).shape == (2, 3)
+
+
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
     """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
     `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""

@@ -34,12 +34,15 @@ def one_of_stack(x: Any, lead: int) -> Any:
     return x[(0,) * lead]
 
 
-def _check_features(name: str, value: object, size: int) -> None:
-    """`in_features`/`out_features` must agree with the weight (eqx.nn.Linear's convention)."""
-    if value is None or (type(value) is int and value == size):
-        return
+def _check_features(name: str, value: object, size: int) -> int | Literal["scalar"]:
+    """`in_features`/`out_features` must agree with the weight (eqx.nn.Linear's convention);
+    returns the value to keep (`size` for `None` or an int, NumPy's too)."""
+    if value is None:
+        return size
+    if not isinstance(value, bool) and isinstance(value, int | np.integer) and value == size:
+        return size
     if isinstance(value, str) and value == "scalar" and size == 1:
-        return
+        return "scalar"
     allowed = f"None or {size}" + (" or 'scalar'" if size == 1 else "")
     raise ValueError(f"Linear {name}={value!r} does not match the weight: should be {allowed}.")
 
@@ -108,8 +111,8 @@ class Linear(eqx.Module):
                 f"Linear bias has shape {jnp.shape(bias)}; should be ({out_size},) to match "
                 f"weight {jnp.shape(weight)}."
             )
-        _check_features("in_features", in_features, in_size)
-        _check_features("out_features", out_features, out_size)
+        in_features = _check_features("in_features", in_features, in_size)
+        out_features = _check_features("out_features", out_features, out_size)
         if dot_general is not None and not callable(dot_general):
             raise TypeError(
                 f"Linear dot_general={dot_general!r}: should be None (an fp8jax.Fp8DotGeneral) "
@@ -118,8 +121,8 @@ class Linear(eqx.Module):
             )
         self.weight = weight
         self.bias = bias
-        self.in_features = in_size if in_features is None else in_features
-        self.out_features = out_size if out_features is None else out_features
+        self.in_features = in_features
+        self.out_features = out_features
         self.use_bias = bias is not None
         self.dot_general = Fp8DotGeneral() if dot_general is None else dot_general
         self.compute_dtype = (
