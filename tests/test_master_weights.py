@@ -83,6 +83,19 @@ def test_linear_compute_dtype():
         fp8jax.Linear(jnp.ones((4, 8)), None, compute_dtype="nonsense")
 
 
+def test_a_float32_bias_does_not_widen_the_compute_dtype():
+    """`with_compute_dtype(bf16)` on a float32 layer with a bias: the output is BF16, as
+    documented, and bit for bit what `Policy.cast_to_compute` (which casts the bias) gives
+    (the float32 bias promoted the output back to float32)."""
+    fp8 = _fp8_linear(8, 4)
+    x = jax.random.normal(jax.random.key(1), (3, 8)).astype(BF16)
+    y = fp8.with_compute_dtype(BF16)(x)
+    assert y.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(POLICY.cast_to_compute(fp8)(x)))
+    plain = fp8jax.Linear(fp8.weight, fp8.bias, dot_general=jax.lax.dot_general)
+    assert plain.with_compute_dtype(BF16)(x).dtype == BF16
+
+
 def _loss(cast, layer, x, c):
     """A loss linear in the layer's output: its output gradient is `c` whatever the forward."""
     return jnp.sum(cast(layer)(x.astype(BF16)).astype(F32) * c)

@@ -65,6 +65,7 @@ class Linear(eqx.Module):
       [`fp8jax.Policy`][]'s `cast_to_compute`, which leaves an FP8 layer's float32 weight
       uncast so that the FP8 GEMM quantizes it from the master in one pass (no BF16 copy
       written and read again) and writes its gradient in this dtype, as a cast's would be.
+      The bias is added in this dtype too, as a cast layer's is.
     """
 
     weight: Float[Array, "out in"]
@@ -187,7 +188,10 @@ class Linear(eqx.Module):
         else:
             y = self.dot_general(x, self.weight, dims, preferred_element_type=self.compute_dtype)
         if self.bias is not None:
-            y = y + self.bias
+            # In `compute_dtype`, as the bias of a layer cast to it is: a wider one would
+            # promote the output back.
+            bias = self.bias if self.compute_dtype is None else self.bias.astype(self.compute_dtype)
+            y = y + bias
         if self.out_features == "scalar":
             y = jnp.squeeze(y, -1)
         return y
