@@ -582,6 +582,26 @@ def test_narrow_group_sizes_are_widened_before_their_offsets(narrow):
         np.testing.assert_array_equal(got_, ref_)
 
 
+@pytest.mark.parametrize("narrow", [np.int8, np.uint8])
+def test_a_high_precision_grouped_linear_widens_narrow_group_sizes(narrow):
+    """`GroupedLinear` without an FP8 GEMM given int8 sizes whose running sum passes 127
+    multiplies each expert's rows by its own weight (float64 reference), as with int32
+    sizes (its `lax.ragged_dot` overflowed their offsets: rows went to the wrong experts)."""
+    sizes = np.array([100, 0, 120, 80])
+    rng = np.random.default_rng(1)
+    x = rng.integers(-3, 4, (300, 8)).astype(np.float32)
+    w = rng.integers(-3, 4, (G, 8, 5)).astype(np.float32)
+    layer = fp8jax.GroupedLinear(G, 8, 5, weight=jnp.asarray(w))
+    starts = np.cumsum(sizes) - sizes
+    rows = [
+        x[a : a + s].astype(np.float64) @ w[i]
+        for i, (a, s) in enumerate(zip(starts, sizes, strict=True))
+    ]
+    want = np.concatenate(rows)
+    for s in (sizes.astype(narrow), jnp.asarray(sizes, narrow)):
+        np.testing.assert_array_equal(layer(x, s), want)
+
+
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_rows_past_the_groups_do_not_set_the_scales(recipe):
     """Traced sizes summing short of the rows: the rows past them hold no token of the step

@@ -17,7 +17,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
-from ..ops.ragged_dot import Fp8RaggedDot, check_dispatch_args, check_ragged_dot_args
+from ..ops.ragged_dot import (
+    Fp8RaggedDot,
+    check_dispatch_args,
+    check_ragged_dot_args,
+    widened_group_sizes,
+)
 from .linear import one_of_stack
 from .moe_linear import Fp8MoELinear
 
@@ -170,8 +175,8 @@ def high_precision_ragged_dot(
     where: str, x: Any, weight: Array, group_sizes: Any, dtype: DTypeLike | None
 ) -> Array:
     """A grouped layer's GEMM without an FP8 `ragged_dot`: `lax.ragged_dot` in `dtype` (its
-    `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, or an
-    `ExpertExchange` whose dispatched rows it multiplies)."""
+    `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, a narrow
+    integer dtype widened, or an `ExpertExchange` whose dispatched rows it multiplies)."""
     x = jnp.asarray(x)
     if isinstance(group_sizes, list | tuple):
         group_sizes = np.asarray(group_sizes)
@@ -179,7 +184,8 @@ def high_precision_ragged_dot(
         check_dispatch_args(where, x.shape, weight.shape, group_sizes)
         x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
     check_ragged_dot_args(where, jnp.shape(x), weight.shape, group_sizes)
-    return lax.ragged_dot(x, weight, jnp.asarray(group_sizes), preferred_element_type=dtype)
+    sizes = widened_group_sizes(group_sizes)  # int8's offsets would overflow
+    return lax.ragged_dot(x, weight, sizes, preferred_element_type=dtype)
 
 
 def expert_specs(model: Any, axis: str) -> Any:

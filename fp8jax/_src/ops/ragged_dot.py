@@ -143,7 +143,7 @@ def _check_count(num_experts: Any) -> int:
     return int(num_experts)
 
 
-def _offset_dtype(group_sizes: Any) -> Array:
+def widened_group_sizes(group_sizes: Any) -> Array:
     """`group_sizes` in int32 at least: the offsets are cumulative sums of the sizes, which
     int8 sizes would overflow. NumPy's int64 stays int64 only where JAX has 64-bit types (as
     `lax.ragged_dot` takes it, with no warning)."""
@@ -316,7 +316,7 @@ class Fp8RaggedDot(AbstractFp8Op):
                     native_choice(self.recipe, self.native_kernel),
                 )
 
-        sizes = _offset_dtype(group_sizes)
+        sizes = widened_group_sizes(group_sizes)
         states = self._states()
         return on_auto_axes(
             compute, lhs, rhs, sizes, states, out_sharding=out_sharding, explicit=explicit
