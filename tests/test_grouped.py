@@ -715,6 +715,17 @@ def test_grouped_linear_takes_numpy_sizes():
     assert fp8jax.fp8_linear_layers(layer).ragged_dot.num_experts == G
 
 
+def test_grouped_linear_refuses_a_dtype_its_weight_does_not_have():
+    """`dtype` is a new weight's: given with a `weight` of another dtype it was dropped
+    without a word (a float32 layer where BF16 was asked for)."""
+    w = jnp.ones((G, K, N), jnp.float32)
+    with pytest.raises(TypeError, match=r"GroupedLinear dtype=bfloat16 .* weight of float32"):
+        fp8jax.GroupedLinear(G, K, N, weight=w, dtype=jnp.bfloat16)
+    assert fp8jax.GroupedLinear(G, K, N, weight=w, dtype="float32").weight is w
+    new = fp8jax.GroupedLinear(G, K, N, key=jax.random.key(0), dtype="bfloat16")
+    assert new.weight.dtype == jnp.bfloat16
+
+
 def test_grouped_linear_compute_dtype_in_high_precision():
     """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
     ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""

@@ -59,7 +59,7 @@ class GroupedLinear(eqx.Module):
     - `num_experts`, `in_features`, `out_features`: the weight is
       `(num_experts, in_features, out_features)`, `lax.ragged_dot`'s layout. Each expert's
       weight is initialised like `eqx.nn.Linear`'s, uniform in `+-1/sqrt(in_features)`.
-    - `key`: a PRNG key; `dtype`: the weight's dtype (float32 by default).
+    - `key`: a PRNG key; `dtype`: the new weight's dtype (float32 by default).
     - `ragged_dot`: `None` (high precision) or a callable with `lax.ragged_dot`'s signature,
       e.g. `fp8jax.Fp8RaggedDot("blockwise", num_experts=8)`.
     - `weight`: a weight of that shape to use instead of a new one (then no `key`).
@@ -113,6 +113,11 @@ class GroupedLinear(eqx.Module):
             raise ValueError(
                 f"GroupedLinear weight of shape {getattr(weight, 'shape', type(weight))}: "
                 f"should be (num_experts, in_features, out_features) = {shape}."
+            )
+        elif dtype is not None and np.dtype(dtype) != weight.dtype:
+            raise TypeError(
+                f"GroupedLinear dtype={np.dtype(dtype)} is a new weight's, but weight of "
+                f"{weight.dtype} was given: cast it (weight.astype(dtype)), or leave dtype out."
             )
         self.weight = weight
         self.ragged_dot = ragged_dot
