@@ -216,6 +216,17 @@ def test_a_stack_of_linears_called_on_the_whole_stack_names_the_fix():
         np.testing.assert_array_equal(got[i], one(x[i]))
 
 
+def test_a_stack_of_non_square_linears_called_whole_names_the_fix():
+    """The same for layers of 4 inputs and 3 outputs given a member's x (4,) or not: it said
+    'Linear expects x of shape (..., 3)', the stack's second axis, not the inputs."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    stack = fp8jax.fp8_linear_layers(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 3, key=k))(keys))
+    with pytest.raises(ValueError, match=r"stack of \(2,\) states .* under jax.vmap or lax.scan"):
+        stack(jnp.ones(4))
+    with pytest.raises(ValueError, match=r"stack of \(2,\) layers' weights .* one member at"):
+        stack(jnp.ones(3))
+
+
 def test_a_subclass_of_the_equinox_linear_is_kept_with_its_own_call():
     """A subclass of `eqx.nn.Linear` with a call and fields of its own stays as it is, in
     high precision, saying why (it became a plain `fp8jax.Linear`, silently dropping its

@@ -169,6 +169,16 @@ class Linear(eqx.Module):
         **Returns:** shape `(..., out_features)` (or `()` for `"scalar"`).
         """
         del key
+        if len(self.weight.shape) > 2:
+            lead = tuple(self.weight.shape[:-2])
+            fp8 = f" (its FP8 state a stack of {lead} states too)"
+            raise ValueError(
+                f"Linear weight has shape {tuple(self.weight.shape)}, a stack of {lead} layers' "
+                f"weights{fp8 if isinstance(self.dot_general, Fp8DotGeneral) else ''}: it was "
+                "called on the whole stack. Call the layer one member at a time: under "
+                "jax.vmap or lax.scan over the stack's axis, e.g. "
+                "eqx.filter_vmap(lambda layer, x: layer(x))(stack, xs)."
+            )
         in_size = self.weight.shape[1]
         if self.in_features == "scalar":
             if jnp.ndim(x) != 0:
