@@ -37,34 +37,46 @@ settings.register_profile("explore", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-#: Seconds each of the slowest test files took on 2 CPU cores (`pytest -n 2 --durations=100`,
-#: main of 2026-11-26, rounded; the Linen and autocast files estimated; notebooks 05 and 06,
-#: test_deepseek and test_gpu_check measured on 2026-11-28). Only their order on the workers
+#: Seconds each of the slowest test files took on 2 CPU cores (`pytest -n 2 --durations=0`,
+#: main of 2026-12-06, each file's tests summed and rounded). Only their order on the workers
 #: is decided from it: see `pytest_collection_modifyitems`.
 SLOW_FILES = {
-    "tests/test_grouped.py": 385,
-    "tests/test_inspect.py": 381,
-    "tests/test_scaling_out.py": 360,
-    "notebooks/06_flax_linen_unedited.ipynb": 355,
-    "notebooks/05_deepseek_v3_in_miniature.ipynb": 305,
-    "tests/test_deepseek.py": 300,
-    "tests/test_grouped_native.py": 203,
-    "tests/test_linen.py": 170,
-    "tests/test_expert_parallel.py": 160,
-    "tests/test_examples.py": 156,
-    "tests/test_scan_and_remat.py": 143,
-    "tests/test_sharding.py": 118,
-    "tests/test_train_step.py": 107,
-    "tests/test_autocast.py": 100,
-    "tests/test_kernels.py": 97,
-    "tests/test_gpu_check.py": 90,
-    "tests/test_multiprocess.py": 87,
-    "tests/test_nnx.py": 85,
-    "notebooks/04_flax_nnx.ipynb": 76,
-    "tests/test_telemetry.py": 71,
-    "tests/test_checkpoint.py": 70,
-    "tests/test_huggingface.py": 55,
+    "tests/test_inspect.py": 273,
+    "tests/test_gpu_check.py": 226,
+    "tests/test_scaling_out.py": 221,
+    "notebooks/05_deepseek_v3_in_miniature.ipynb": 192,
+    "tests/test_grouped_native.py": 176,
+    "tests/test_grouped.py": 135,
+    "notebooks/06_flax_linen_unedited.ipynb": 122,
+    "tests/test_nnx.py": 122,
+    "tests/test_expert_parallel.py": 113,
+    "tests/test_train_step.py": 86,
+    "tests/test_linen.py": 85,
+    "tests/test_kernels.py": 81,
+    "tests/test_checkpoint.py": 80,
+    "tests/test_numerics.py": 74,
+    "tests/test_deepseek.py": 67,
+    "tests/test_lowering.py": 59,
+    "notebooks/04_flax_nnx.ipynb": 49,
+    "tests/test_sharding.py": 47,
 }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist (controller side): tell each worker the controller's `--dist` mode and
+    worker count. A worker's own options read `dist="no"` and `numprocesses=None` (xdist
+    resets them), and the workers, not the controller, collect and order the tests."""
+    node.workerinput["fp8jax_dist"] = node.config.getoption("dist", "no")
+
+
+def _worksteal_workers(config) -> int | None:
+    """The number of xdist workers when this process is one of them under `--dist
+    worksteal`, else None (one process, or another mode: the usual order)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or workerinput.get("fp8jax_dist") != "worksteal":
+        return None
+    return int(workerinput["workercount"])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,11 +85,10 @@ def pytest_collection_modifyitems(config, items):
     another's queue. So that no worker starts a long file last, the slow files (`SLOW_FILES`,
     kept whole: their module fixtures are set up once) are dealt to the workers' shares,
     heaviest first to the least loaded, each share starting with its slow files and filled
-    up with the other tests in their usual order."""
-    workers = getattr(config.option, "numprocesses", None)
-    if config.getoption("dist", "no") != "worksteal" or not isinstance(workers, int):
-        return
-    if workers < 2 or len(items) < 2 * workers:
+    up with the other tests in their usual order. Every worker orders its collection so
+    (xdist requires the same order on all)."""
+    workers = _worksteal_workers(config)
+    if workers is None or workers < 2 or len(items) < 2 * workers:
         return
     by_file: dict[str, list] = {}
     for item in items:
