@@ -384,6 +384,24 @@ def test_no_tokens_at_all(recipe):
     np.testing.assert_array_equal(d_w0, 0.0)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise"])
+@pytest.mark.parametrize("shape", [(0, FEATURES_OUT), (FEATURES_IN, 0)], ids=["K=0", "N=0"])
+def test_an_empty_contraction_or_output_gives_zeros_as_lax(recipe, shape):
+    """No features in (K = 0) or out: the per-tensor recipes' native kernels were traced with
+    an empty grid and failed ("grid=(0,)"); now both paths give lax.ragged_dot's zeros, and
+    gradients of the shapes of x and w."""
+    features_in, features_out = shape
+    x = jnp.ones((8, features_in))
+    w = jnp.ones((4, features_in, features_out))
+    g = jnp.ones((8, features_out))
+    sizes = np.array([2, 2, 2, 2], np.int32)
+    want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes))
+    for y, d_x, d_w, _ in both_paths(recipe, x, w, g, sizes):
+        assert y.shape == want.shape and d_x.shape == x.shape and d_w.shape == w.shape
+        for a in (y, d_x, d_w):
+            np.testing.assert_array_equal(a, 0.0)
+
+
 def test_cpu_compiles_keep_the_xla_path():
     """The default (`native_kernel=None`) compiles no Mosaic kernel on a CPU and computes
     exactly what the forced XLA path does; the layer follows BlockwiseScaling's own option

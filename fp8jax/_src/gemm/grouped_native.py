@@ -136,7 +136,7 @@ def native_rows(
     from ..kernels.grouped_gemm import TILE_M, row_items
 
     m, f = lhs.data.shape[0], rhs.data.shape[1]
-    if m == 0:
+    if m == 0 or f == 0 or lhs.data.shape[1] == 0:  # no kernel grid (zeros, as lax's)
         return jnp.zeros((m, f), out_dtype)
     items = row_items(group_sizes, m, TILE_M)
     a, b = _one_type(lhs.data, rhs.data)
@@ -172,6 +172,9 @@ def native_tokens(
     from ..kernels.choice import recipe_grouped_tokens_gemm
     from ..kernels.grouped_gemm import BLOCK_K
 
+    (t, a_cols), b_cols = lhs.data.shape, rhs.data.shape[1]
+    if t == 0 or a_cols == 0 or b_cols == 0:  # no kernel grid (zeros, as lax's)
+        return jnp.zeros((group_sizes.shape[0], a_cols, b_cols), out_dtype)
     chunk = lhs.block[0] if lhs.block else BLOCK_K
     if not lhs.block:
         layout = pad_layout(group_sizes, lhs.data.shape[0], chunk)
