@@ -64,9 +64,10 @@ SLOW_FILES = {
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """pytest-xdist (controller side): tell each worker the controller's `--dist` mode and
-    worker count. A worker's own options read `dist="no"` and `numprocesses=None` (xdist
-    resets them), and the workers, not the controller, collect and order the tests."""
+    """pytest-xdist (controller side): tell each worker the controller's `--dist` mode (xdist
+    passes the worker count itself, as `workercount`). A worker's own options read
+    `dist="no"` and `numprocesses=None` (xdist resets them), and the workers, not the
+    controller, collect and order the tests."""
     node.workerinput["fp8jax_dist"] = node.config.getoption("dist", "no")
 
 
