@@ -275,6 +275,29 @@ def test_converting_again_with_another_config_keeps_the_layers_and_says_so(getke
         fp8jax.fp8_linear_layers(once, fp8jax.Fp8Config(exclude=None))
 
 
+def test_converting_again_with_example_finds_the_roles_of_fp8_layers(getkey):
+    """With `example`, the trace follows an FP8 layer's GEMM as its high-precision one: a
+    head converted before (keep=()) is the head the config keeps, named in the plan and the
+    warning as without a trace; the layers' roles are the original model's."""
+    model = eqx.nn.MLP(8, 4, 16, 1, key=getkey())  # no embedding: only a trace finds the head
+    x = jax.random.normal(getkey(), (2, 8))
+    example = lambda m: jax.vmap(m)(x)  # noqa: E731
+    reference = fp8jax.conversion_plan(model, example=example)
+    assert reference.kept["layers.1"].startswith("head: ")
+    once = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(keep=()), example=example)
+    plan = fp8jax.conversion_plan(once, example=example)
+    assert plan.converted == ("layers.0", "layers.1")  # what runs in FP8: both, as before
+    says = f"layers.1 (DelayedScaling; the config: high precision, {reference.kept['layers.1']})"
+    assert plan.kept_as_converted == (says,)
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=re.escape(says)):
+        again = fp8jax.fp8_linear_layers(once, example=example)
+    assert all(a is b for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(again), strict=True))
+    # An example calling another model than the one it is given is refused, as on the first
+    # conversion: every layer is FP8 here, and the trace follows them all.
+    with pytest.raises(ValueError, match="example traced no GEMM"):
+        fp8jax.conversion_plan(once, example=lambda m: jax.vmap(model)(x))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

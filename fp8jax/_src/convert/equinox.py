@@ -8,14 +8,14 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ..layers.grouped import GroupedLinear
+from ..layers.grouped import GroupedLinear, high_precision_ragged_dot
 from ..layers.linear import Linear, one_of_stack
 from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
@@ -99,6 +99,10 @@ def _haliax_quantized(linears: list[tuple[tuple[str, ...], Any]], hnn: Any) -> d
         if type(op).__name__ != "DefaultDotGeneralOp":
             found[path] = f"it is quantized by haliax.quantization already ({type(op).__name__})"
     return found
+
+
+def _is_fp8_op(x: Any) -> bool:
+    return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
 
 
 def _converted(linears: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Converted]:
@@ -239,12 +243,43 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
     return ModelShapes(embeddings, experts)
 
 
+@final
+class _HighPrecision(eqx.Module):
+    """An FP8 op's GEMM in high precision, in its place while a model converted already is
+    traced: the trace follows a weight to its GEMM through views of it, never through its
+    quantization, so that it finds an FP8 layer's role as it found the layer's before."""
+
+    ragged: bool = eqx.field(static=True)
+
+    def __call__(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
+        return (_ragged_dot if self.ragged else jax.lax.dot_general)(lhs, rhs, *args, **kwargs)
+
+
+def _ragged_dot(
+    lhs: Any,
+    rhs: Any,
+    group_sizes: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    group_offset: Any = None,
+    out_sharding: Any = None,
+) -> Any:
+    """`Fp8RaggedDot`'s call in high precision (its group sizes taken as it takes them)."""
+    del precision, group_offset, out_sharding
+    return high_precision_ragged_dot("Fp8RaggedDot", lhs, rhs, group_sizes, preferred_element_type)
+
+
 def _trace(
     tree: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]], own: list
 ) -> Dataflow:
-    """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer;
-    `example` must run a GEMM of one of the layers `own` (those not tied to another, nor
-    FP8 already)."""
+    """The dataflow of `example(tree)`, each array leaf of `tree` owned by its layer, FP8
+    layers traced with their GEMM in high precision; `example` must run a GEMM of one of
+    the layers `own` (those not tied to another)."""
+    tree = jax.tree.map(
+        lambda x: _HighPrecision(isinstance(x, Fp8RaggedDot)) if _is_fp8_op(x) else x,
+        tree,
+        is_leaf=_is_fp8_op,
+    )
     params, static = eqx.partition(tree, eqx.is_array)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     owners = [owner_of(tuple(_key_name(k) for k in path), layers) for path, _ in flat]
@@ -272,9 +307,8 @@ def equinox_plan(
     shapes = _shapes(nodes, hnn)
     tied = {p for p, n in linears if _tied(n)}
     converted = _converted(linears)
-    # The layers whose GEMM a trace sees: not tied to another, nor FP8 already (whose weight
-    # reaches its GEMM only quantized, past what the trace follows).
-    own = [p for p in layer_paths if p not in tied and p not in converted]
+    # The layers whose GEMM a trace sees: not tied to another.
+    own = [p for p in layer_paths if p not in tied]
     flow = None if example is None else _trace(tree, example, layer_paths, own)
     widths = {
         p: (
