@@ -1,5 +1,7 @@
 """Per-layer recipes in Fp8Config, and current scaling's global amax on a mesh."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,30 @@ def test_recipes_pattern_matching_nothing_is_an_error(getkey):
         fp8jax.Fp8Config(recipes=["residual"])
     with pytest.raises(ValueError, match="Unknown recipe 'fast'"):
         fp8jax.Fp8Config(recipes={"fc1": "fast"})
+
+
+def test_recipes_pattern_matching_only_layers_kept_in_high_precision_is_an_error(getkey):
+    """A recipes pattern whose every layer stays in high precision (set aside as not
+    convertible, a complex weight; or excluded by name) is refused as one matching no layer
+    is, naming the layers it matched and why each stays (the set-aside one was accepted
+    silently)."""
+    keys = jax.random.split(getkey(), 3)
+    model = {
+        "fc": eqx.nn.Linear(8, 8, key=keys[0]),
+        "odd": eqx.nn.Linear(8, 8, key=keys[1], dtype=jnp.complex64),
+        "head": eqx.nn.Linear(8, 8, key=keys[2]),
+    }
+    kept = fp8jax.conversion_plan(model).kept  # why each stays, the plan says
+    assert set(kept) == {"odd", "head"}
+    for pattern in ("odd", "head"):
+        config = fp8jax.Fp8Config(recipes={pattern: "current"})
+        says = (
+            f"recipes pattern {pattern!r} matches no converted layer: only {pattern!r} "
+            f"({kept[pattern]}), which stays in high precision. Converted layers: 'fc'."
+        )
+        for convert in (fp8jax.conversion_plan, fp8jax.fp8_linear_layers):
+            with pytest.raises(ValueError, match=re.escape(says)):
+                convert(model, config)
 
 
 def mesh():

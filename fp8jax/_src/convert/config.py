@@ -41,7 +41,8 @@ class Fp8Config:
       `"current"`, `"blockwise"`, `"mxfp8"`, `"residual"`).
     - `recipes`: per-layer overrides, a mapping from patterns to recipes. A pattern matches a
       layer as a target name or regex does; the first matching pattern wins, layers matched by
-      none get `recipe`.
+      none get `recipe`. A pattern that matches no converted layer (none at all, or only
+      layers that stay in high precision) raises, naming those layers and why they stay.
     - `exclude`: a regular expression that must match a Linear's last path component
       (`"head"`) or its whole dotted path (`r"blocks\.11\..*"`); matching Linears stay in
       high precision even when targeted. Defaults to [`fp8jax.DEFAULT_EXCLUDE`][] (names only
@@ -214,15 +215,17 @@ def choose_layers(
     linears: list[tuple[tuple[str, ...], Any]],
     is_module: Callable[[Any], bool],
     roles: Mapping[tuple[str, ...], str] | None = None,
+    kept: Mapping[tuple[str, ...], str] | None = None,
 ) -> dict[tuple[str, ...], str]:
     """Each Linear's fate under `config`: `"fp8"` or why it stays in high precision, after
     checking that every target and per-layer recipe pattern selects something.
 
     Shared by every framework's conversion. `nodes` are all the nodes of the model with their
     paths (for the messages naming what a target matched instead), `linears` the convertible
-    layers among them, `is_module` tells a module of the framework from other nodes, and
+    layers among them, `is_module` tells a module of the framework from other nodes,
     `roles` gives the layers with a role (`"head: ..."`, `"router: ..."`, see
-    `convert/roles.py`).
+    `convert/roles.py`) and `kept` the layers that stay in high precision whatever the
+    config, each with why (a tied weight, a complex one, ...).
     """
     _check_targets(config, nodes, linears, config.targets_path, config.excludes, is_module)
     roles = roles or {}
@@ -236,13 +239,20 @@ def choose_layers(
         elif config.excludes(path):
             fates[path] = f"excluded by name (exclude={config.exclude!r})"
         else:
-            fates[path] = "fp8"
+            fates[path] = (kept or {}).get(path, "fp8")
     chosen = {p for p, fate in fates.items() if fate == "fp8"}
     for pattern, _ in config.recipes or ():
         if not any(_matches(pattern, p) for p in chosen):
             listing = ", ".join(repr(".".join(p) or "(root)") for p in sorted(chosen)) or "none"
+            matched = [
+                f"{'.'.join(p) or '(root)'!r} ({fates[p]})"
+                for p in sorted(fates)
+                if _matches(pattern, p)
+            ]
+            stay = "stays" if len(matched) == 1 else "stay"
+            only = f": only {', '.join(matched)}, which {stay} in high precision" if matched else ""
             raise ValueError(
-                f"Fp8Config recipes pattern {pattern!r} matches no converted layer. "
+                f"Fp8Config recipes pattern {pattern!r} matches no converted layer{only}. "
                 f"Converted layers: {listing}."
             )
     return fates

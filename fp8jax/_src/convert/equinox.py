@@ -27,7 +27,6 @@ from .plan import (
     Fp8ConversionWarning,
     announce,
     decide,
-    keep_in_high_precision,
 )
 from .roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
 
@@ -318,7 +317,18 @@ def equinox_plan(
         for p, n in linears
         if kinds[p] == "linear"  # experts are never heads or routers
     }
-    plan, chosen = decide(
+    kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
+    kept.update(_haliax_quantized(linears, hnn))
+    for p, n in linears:
+        dtype = getattr(getattr(n, "weight", None), "dtype", None)
+        if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            kept[p] = f"its weight is {dtype}, not a floating dtype FP8 could round"
+        elif isinstance(n, eqx.nn.Linear) and type(n) is not eqx.nn.Linear:
+            kept[p] = (
+                f"it is a {type(n).__name__}, a subclass of eqx.nn.Linear: fp8jax.Linear "
+                "would drop its own call and fields (run it under fp8jax.fp8_autocast)"
+            )
+    return decide(
         config,
         nodes,
         linears,
@@ -331,19 +341,8 @@ def equinox_plan(
             "write its GEMM as an eqx.nn.Linear, or run the model under fp8jax.fp8_autocast"
         ),
         converted=converted,
+        kept=kept,
     )
-    kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
-    kept.update(_haliax_quantized(linears, hnn))
-    for p, n in linears:
-        dtype = getattr(getattr(n, "weight", None), "dtype", None)
-        if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-            kept[p] = f"its weight is {dtype}, not a floating dtype FP8 could round"
-        elif isinstance(n, eqx.nn.Linear) and type(n) is not eqx.nn.Linear:
-            kept[p] = (
-                f"it is a {type(n).__name__}, a subclass of eqx.nn.Linear: fp8jax.Linear "
-                "would drop its own call and fields (run it under fp8jax.fp8_autocast)"
-            )
-    return keep_in_high_precision(plan, chosen, kept)
 
 
 def fp8_equinox_linear_layers(

@@ -158,20 +158,24 @@ def decide(
     kinds: Mapping[tuple[str, ...], str],
     advice: Callable[[tuple[str, ...]], str],
     converted: Mapping[tuple[str, ...], Converted] | None = None,
+    kept: Mapping[tuple[str, ...], str] | None = None,
 ) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
     """Every adapter's decision, in one place: each layer's role (`widths` gives a Linear's
     output width and whether it is a stack of layers; layers absent from it, experts, have
     no role), its fate under `config`, and the modules whose GEMMs the trace `flow` found
     outside every layer, embedding, head and router (`advice(path)` says what to do with
-    one). `converted`: the layers in FP8 already, which stay as they are. Returns the plan and
-    the paths of the layers to convert."""
+    one). `converted`: the layers in FP8 already, which stay as they are; `kept`: the layers
+    that stay in high precision whatever the config, each with why (one the config does not
+    decide: a tied weight, a complex one). Returns the plan and the paths of the layers to
+    convert."""
     roles = {}
     for path, _ in layers:
         if path in widths:
             role = role_of(path, widths[path][0], shapes, flow, widths[path][1])
             if role is not None:
                 roles[path] = role
-    fates = choose_layers(config, nodes, layers, is_module, roles)
+    kept = {p: why for p, why in (kept or {}).items() if p not in (converted or {})}
+    fates = choose_layers(config, nodes, layers, is_module, roles, kept)
     for path, fate in fates.items():
         if fate == "fp8" and path not in widths and path not in (converted or {}):
             # An expert layer: refused now, as its conversion would refuse it, not planned.
@@ -189,19 +193,6 @@ def decide(
     plan = make_plan(config, fates, kinds, unconverted, flow is not None, converted)
     converted = converted or {}
     return plan, {p for p, fate in fates.items() if fate == "fp8" and p not in converted}
-
-
-def keep_in_high_precision(
-    plan: ConversionPlan, chosen: set[tuple[str, ...]], why: Mapping[tuple[str, ...], str]
-) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
-    """`plan` and its `chosen` layers with each layer of `why` kept in high precision, for
-    the reason it gives (one the config does not decide: a tied weight, a complex one)."""
-    dotted = {".".join(p): reason for p, reason in why.items() if p in chosen}
-    layers = tuple(
-        dataclasses.replace(c, fp8=False, why=dotted[c.path]) if c.path in dotted else c
-        for c in plan.layers
-    )
-    return dataclasses.replace(plan, layers=layers), chosen - set(why)
 
 
 def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: int = 4) -> None:
