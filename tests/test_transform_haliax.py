@@ -1,5 +1,7 @@
 """fp8_linear_layers on Haliax models (the haliax extra; skipped where haliax is absent)."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,43 @@ def test_haliax_quantized_linear_keeps_its_quantization_and_is_named(getkey, kin
     # Excluded by the config anyway: no warning (kept for the config's reason).
     plan = fp8jax.conversion_plan(block, fp8jax.Fp8Config(exclude="up"))
     assert "haliax.quantization" not in plan.kept["up"]
+
+
+def test_haliax_linear_with_a_dot_general_of_its_own_keeps_it_and_is_named(getkey):
+    """A Linear built with a `dot_general` of the user's stays as it is, in high precision,
+    named with why in the plan and a warning saying how to convert it (its GEMM was
+    replaced by FP8's, silently); one built with `jax.lax.dot_general`, Haliax's default
+    GEMM, converts as a default one does."""
+    import dataclasses
+
+    from haliax import quantization
+
+    class Doubled(eqx.Module):  # the user's GEMM: lax's, its output doubled
+        def __call__(self, lhs, rhs, dimension_numbers, precision=None, **kwargs):
+            return 2 * jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, **kwargs)
+
+    block = HBlock.init(key=getkey())
+    block = eqx.tree_at(lambda b: b.up, block, dataclasses.replace(block.up, dot_general=Doubled()))
+    config = fp8jax.Fp8Config(exclude=None)
+    why = "it has a dot_general of its own (Doubled), which FP8's would replace"
+    assert fp8jax.conversion_plan(block, config).kept == {"up": why}
+    with pytest.warns(
+        fp8jax.Fp8ConversionWarning,
+        match=r"1 Haliax Linear.* of their own .*: up\. To convert .*DefaultDotGeneralOp\.init\(\)",
+    ):
+        fp8 = fp8jax.fp8_linear_layers(block, config)
+    assert fp8.up is block.up
+    assert isinstance(fp8.down.dot_general, fp8jax.Fp8DotGeneral)
+    x = hax.random.normal(getkey(), (Batch, Embed))
+    default = dataclasses.replace(block.up, dot_general=quantization.DefaultDotGeneralOp.init())
+    np.testing.assert_array_equal(fp8.up(x).array, 2 * default(x).array)
+    # What the warning says converts it; so does jax.lax.dot_general, Haliax's default GEMM.
+    for op in (quantization.DefaultDotGeneralOp.init(), jax.lax.dot_general):
+        plain = eqx.tree_at(lambda b: b.up, block, dataclasses.replace(block.up, dot_general=op))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            converted = fp8jax.fp8_linear_layers(plain, config)
+        assert isinstance(converted.up.dot_general, fp8jax.Fp8DotGeneral)
 
 
 def test_haliax_fp8_layer_kept_trains_as_haliax_trains_it(getkey):

@@ -86,17 +86,22 @@ def _walk(node: Any, path: tuple[str, ...], hnn: Any) -> Iterator[tuple[tuple[st
         yield from _walk(child, path + (_key_name(key),), hnn)
 
 
-def _haliax_quantized(linears: list[tuple[tuple[str, ...], Any]], hnn: Any) -> dict[Any, str]:
-    """The Haliax Linears quantized by `haliax.quantization` already (its int8 or FP8
-    `dot_general`), with why each keeps it: replaced, the user's quantization would be lost."""
+def _haliax_own_gemm(linears: list[tuple[tuple[str, ...], Any]], hnn: Any) -> dict[Any, str]:
+    """The Haliax Linears with a `dot_general` other than Haliax's default GEMM (or
+    `jax.lax.dot_general`) and fp8jax's: quantized by `haliax.quantization` already (its int8
+    or FP8 one), or the user's. Each with why it keeps it: replaced, it would be lost."""
     found = {}
     for path, node in linears:
-        op = getattr(node, "dot_general", None)
-        module = type(op).__module__
-        if hnn is None or not isinstance(node, hnn.Linear) or not module.startswith("haliax."):
+        if hnn is None or not isinstance(node, hnn.Linear):
             continue
-        if type(op).__name__ != "DefaultDotGeneralOp":
-            found[path] = f"it is quantized by haliax.quantization already ({type(op).__name__})"
+        op = node.dot_general
+        name = type(op).__name__
+        if op is jax.lax.dot_general or _is_fp8_op(op) or name == "DefaultDotGeneralOp":
+            continue
+        if type(op).__module__.startswith("haliax."):
+            found[path] = f"it is quantized by haliax.quantization already ({name})"
+        else:
+            found[path] = f"it has a dot_general of its own ({name}), which FP8's would replace"
     return found
 
 
@@ -318,7 +323,7 @@ def equinox_plan(
         if kinds[p] == "linear"  # experts are never heads or routers
     }
     kept = {p: "its weight is another layer's (eqx.nn.Shared)" for p in tied}
-    kept.update(_haliax_quantized(linears, hnn))
+    kept.update(_haliax_own_gemm(linears, hnn))
     for p, n in linears:
         dtype = getattr(getattr(n, "weight", None), "dtype", None)
         if p not in tied and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
@@ -359,13 +364,25 @@ def fp8_equinox_linear_layers(
     plan, chosen = equinox_plan(tree, config, example)
     announce(plan, explain, "Equinox" if hnn is None else "Equinox/Haliax")
     linears = [(p, n) for p, n in _walk(tree, (), hnn) if _kind(n, hnn) == "linear"]
-    quantized = _haliax_quantized(linears, hnn)
-    kept = [".".join(p) for p, why in quantized.items() if plan.kept.get(".".join(p)) == why]
-    if kept:
+    own = _haliax_own_gemm(linears, hnn)
+    kept = [".".join(p) for p, why in own.items() if plan.kept.get(".".join(p)) == why]
+    quantized = [p for p in kept if "haliax.quantization" in plan.kept[p]]
+    if quantized:
         warnings.warn(
-            f"fp8_linear_layers: {len(kept)} Haliax Linear(s) quantized by haliax.quantization "
-            f"already keep that quantization, not FP8: {', '.join(kept)}. Build them "
-            "without haliax.quantization.quantize_linear_layers for fp8jax's FP8.",
+            f"fp8_linear_layers: {len(quantized)} Haliax Linear(s) quantized by "
+            f"haliax.quantization already keep that quantization, not FP8: "
+            f"{', '.join(quantized)}. Build them without "
+            "haliax.quantization.quantize_linear_layers for fp8jax's FP8.",
+            Fp8ConversionWarning,
+            stacklevel=3,
+        )
+    users = [p for p in kept if p not in quantized]
+    if users:
+        warnings.warn(
+            f"fp8_linear_layers: {len(users)} Haliax Linear(s) with a dot_general of their own "
+            f"keep it, in high precision, not FP8: {', '.join(users)}. To convert one, give "
+            "it Haliax's default GEMM first: dataclasses.replace(layer, "
+            "dot_general=haliax.quantization.DefaultDotGeneralOp.init()).",
             Fp8ConversionWarning,
             stacklevel=3,
         )
