@@ -640,6 +640,34 @@ def test_a_model_in_fp8_already_converts_again_with_an_example():
     assert_same_state(again.fc2.dot_general, fp8.fc2.dot_general.value())
 
 
+def test_converting_again_with_example_finds_the_roles_of_fp8_layers():
+    """With `example`, the trace follows an FP8 layer's GEMM as its high-precision one: an
+    einsum head converted before (keep=()) is the head the config keeps, named in the plan
+    and the warning as the Equinox path names it; the model traced is left as it is."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(8, 16, rngs=rngs)
+            self.proj = nnx.Einsum("bi,io->bo", (16, 4), rngs=rngs)
+
+        def __call__(self, x):
+            return self.proj(jax.nn.relu(self.fc(x)))
+
+    model, x = Model(nnx.Rngs(0)), jnp.ones((2, 8))
+    example = lambda m: m(x)  # noqa: E731
+    reference = fp8jax.conversion_plan(model, example=example)
+    assert reference.kept["proj"].startswith("head: ")
+    once = fp8jax.fp8_linear_layers(model, config(), example=example)
+    plan = fp8jax.conversion_plan(once, example=example)
+    assert plan.converted == ("fc", "proj") and plan.traced
+    says = f"proj (DelayedScaling; the config: high precision, {reference.kept['proj']})"
+    assert plan.kept_as_converted == (says,)
+    assert isinstance(once.proj.einsum_op, fp8jax.Fp8NnxEinsum)  # the trace used a copy
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=re.escape(says)):
+        again = fp8jax.fp8_linear_layers(once, example=example)
+    assert_same_state(again.proj.einsum_op, once.proj.einsum_op.value())
+
+
 def test_stacked_layers_under_nnx_scan_match_separate_layers():
     class Stack(nnx.Module):
         def __init__(self, rngs):

@@ -207,6 +207,22 @@ class Scale(nnx.Module):
         return x * self.kernel.get_value()
 
 
+def test_converting_again_with_example_finds_a_kernel_modules_role():
+    """The trace of a converted model runs a kernel module's own call in high precision, so a
+    Conv1D head converted before (keep=()) is found as the head, as before its conversion."""
+    model, x = Net(Conv1D, nnx.Rngs(0)), jnp.ones((2, 32))
+    example = lambda m: m(x)  # noqa: E731
+    reference = fp8jax.conversion_plan(model, example=example)
+    assert reference.kept["c_proj"].startswith("head: ")
+    once = fp8jax.fp8_linear_layers(model, config(), example=example)
+    plan = fp8jax.conversion_plan(once, example=example)
+    assert plan.converted == ("c_fc", "c_proj")
+    says = f"c_proj (DelayedScaling; the config: high precision, {reference.kept['c_proj']})"
+    assert plan.kept_as_converted == (says,)
+    assert type(once.c_proj).__name__ == "Fp8Conv1D"  # the trace used a copy
+    np.testing.assert_array_equal(once(x), fp8jax.fp8_linear_layers(model, config())(x))
+
+
 def test_a_kernel_used_without_a_gemm_is_refused_when_called():
     model = fp8jax.fp8_linear_layers(Scale(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"Scale '\(root\)' holds a 'kernel'.*no GEMM.*Exclude it"):

@@ -218,13 +218,37 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]]) -> ModelShapes:
     return ModelShapes(embeddings, experts)
 
 
+def _in_high_precision(model: Any) -> Any:
+    """A copy of `model` whose FP8 layers have their high-precision GEMM back: a trace
+    follows a kernel to its GEMM through views of it, never through its quantization, so that
+    it finds an FP8 layer's role as it found the layer's before (conversion replaced only the
+    default GEMM: `lax.dot_general`, `jnp.einsum`, `lax.ragged_dot`, or the module's call)."""
+    model = nnx.clone(model, graph=True)
+    for _, node in _graph_nodes(model):
+        for attr, plain in _PLAIN.items():
+            if isinstance(getattr(node, attr, None), AbstractFp8NnxDot):
+                delattr(node, attr)  # a static attribute again, as before conversion
+                setattr(node, attr, plain)
+        if isinstance(getattr(node, "__dict__", {}).get(FP8_DOT), AbstractFp8NnxDot):
+            delattr(node, FP8_DOT)
+            object.__setattr__(node, "__class__", original_class(node))
+    return model
+
+
+#: The GEMM attribute of each convertible NNX layer, and its high-precision default.
+_PLAIN: dict[str, Any] = {
+    "dot_general": jax.lax.dot_general,
+    "einsum_op": jnp.einsum,
+    "ragged_dot": None,
+}
+
+
 def _trace(
     model: Any, example: Callable[[Any], Any], layers: list[tuple[str, ...]], own: list
 ) -> Dataflow:
-    """The dataflow of `example(model)`, each variable owned by its layer; `example` must run
-    a GEMM of one of the layers `own` (those not FP8 already, whose kernel reaches its GEMM
-    only quantized, past what the trace follows)."""
-    graphdef, state = nnx.split(model)
+    """The dataflow of `example(model)`, each variable owned by its layer, FP8 layers traced
+    with their GEMM in high precision; `example` must run a GEMM of one of the layers `own`."""
+    graphdef, state = nnx.split(_in_high_precision(model))
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p) for p, _ in flat]
     owners = [owner_of(n[:-1] if n[-1] == "value" else n, layers) for n in names]
@@ -248,8 +272,7 @@ def nnx_plan(
     paths = [p for p, _ in layers]
     shapes = _shapes(nodes)
     converted = _converted(layers)
-    own = [p for p in paths if p not in converted]
-    flow = None if example is None else _trace(model, example, paths, own)
+    flow = None if example is None else _trace(model, example, paths, paths)
     widths = {
         p: (_out_width(n), _kind(n) == "linear" and n.kernel.get_value().ndim > 2)
         for p, n in layers
