@@ -743,6 +743,38 @@ def test_grouped_linear_compute_dtype_in_high_precision():
     np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - want), 2.0**-7 * mag + 1e-30)
 
 
+def test_a_high_precision_grouped_linear_under_vmap_equals_each_members_call():
+    """`GroupedLinear` without an FP8 GEMM under `jax.vmap` with its weight not mapped
+    (tokens and routing mapped, one member's rows past its groups): the output, the
+    gradients of `grad(vmap(...))` and the per-example gradients of `vmap(grad(...))` are
+    those of `lax.ragged_dot` called per member (it raised "ragged_dot vmap over any dim
+    but 0 - NYI")."""
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray(np.array([[3, 0, 2, 1], [0, 4, 1, 0]], np.int32))
+    x = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, 8, 5)), jnp.float32)
+    layer = fp8jax.GroupedLinear(G, 8, 5, weight=w)
+
+    def each(f):
+        return [f(x[i], w, sizes[i]) for i in range(2)]
+
+    def ref_loss(x, w, s):
+        return jnp.sum(jnp.sin(lax.ragged_dot(x, w, s)))
+
+    def layer_loss(w, x, s):
+        return jnp.sum(jnp.sin(eqx.tree_at(lambda m: m.weight, layer, w)(x, s)))
+
+    np.testing.assert_array_equal(jax.vmap(layer)(x, sizes), each(lax.ragged_dot))
+    d_w, d_x = jax.grad(
+        lambda w, x: jnp.sum(jax.vmap(layer_loss, (None, 0, 0))(w, x, sizes)), (0, 1)
+    )(w, x)
+    want = each(jax.grad(ref_loss, (1, 0)))
+    np.testing.assert_allclose(d_w, want[0][0] + want[1][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(d_x, [g[1] for g in want], rtol=1e-6, atol=1e-6)
+    per_example = jax.jit(jax.vmap(jax.grad(layer_loss), (None, 0, 0)))(w, x, sizes)
+    np.testing.assert_allclose(per_example, [g[0] for g in want], rtol=1e-6, atol=1e-6)
+
+
 # --- conversion and the example ------------------------------------------------------------
 
 

@@ -66,6 +66,18 @@ def test_batch_tracer_is_recognised():
     assert not jax_private.is_batch_tracer(jnp.ones(3))
 
 
+def test_under_vmap_sees_a_vmap_through_jit_and_grad():
+    seen = []
+
+    def f(x):
+        seen.append(jax_private.under_vmap())
+        return x
+
+    jax.vmap(jax.jit(jax.grad(lambda x: jnp.sum(f(x)))))(jnp.ones((2, 3)))
+    jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))
+    assert seen == [True, False]
+
+
 def test_varying_axes_inside_shard_map():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     P = jax.sharding.PartitionSpec

@@ -153,6 +153,17 @@ def _is_batch_trace(trace: Any) -> bool:
     return type(trace).__name__ == "BatchTrace"
 
 
+def under_vmap() -> bool:
+    """Whether what runs now is traced under a `jax.vmap` (a `BatchTrace` in the stack of
+    traces; a jaxpr traced outside any `vmap` and mapped afterwards is not seen)."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        if _is_batch_trace(trace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def _applying_vmap() -> Any | None:
     """In a `custom_vmap` rule: the `vmap`'s trace applying it, which JAX passes the rule
     nothing of (it runs the rule with its parent as the current trace): the nearest

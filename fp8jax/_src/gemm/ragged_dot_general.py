@@ -1,17 +1,28 @@
 """`ragged_dot_general`: `lax.ragged_dot_general` under `vmap` when some operands are not mapped.
 
 A shim for a gap of JAX 0.10, which batches a ragged dot only when all three operands are
-mapped on axis 0; the grouped GEMMs' kernels usually are not.
+mapped on axis 0; the grouped GEMMs' kernels usually are not. `ragged_dot` is the
+high-precision `lax.ragged_dot` built on it, differentiable, for layers without FP8.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
+
+from ..core import jax_private
+
+# lax.ragged_dot: lhs (M, K) rows ragged, rhs (G, K, N): output (M, N).
+_RAGGED = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
+# Its dgrad: g (M, N) rows ragged, rhs (G, K, N) contracted on N: output (M, K).
+_DGRAD = lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))
+# Its wgrad: lhs (M, K) . g (M, N) contracting the ragged rows: output (G, K, N).
+_WGRAD = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
 
 
 def _prefix_dims(dims: lax.RaggedDotDimensionNumbers, lhs_ndim: int) -> list[int]:
@@ -107,4 +118,33 @@ def ragged_dot_general(
             out = jnp.moveaxis(out, 1, 0)  # contracting mode puts the groups first
         return out, True
 
+    return dot(lhs, rhs, group_sizes)
+
+
+def ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, preferred_element_type: Any) -> Array:
+    """`lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=...)` in high precision,
+    also under `vmap` when some operands are not mapped.
+
+    Outside any `vmap` it is `lax.ragged_dot` itself (every derivative JAX takes of it).
+    Traced under a `vmap`, it is a `custom_vjp` whose forward, dgrad and wgrad are
+    [`ragged_dot_general`][]s, so that the `vmap` may map it, its gradient (`grad(vmap(f))`)
+    or be a gradient's (`vmap(grad(f))`, per-example gradients); forward mode and second
+    derivatives under the `vmap` are not supported (nor were they by `lax.ragged_dot`)."""
+    if not jax_private.under_vmap():
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+    @jax.custom_vjp
+    def dot(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+        return ragged_dot_general(lhs, rhs, group_sizes, _RAGGED, None, preferred_element_type)
+
+    def forward(lhs: Array, rhs: Array, group_sizes: Array) -> tuple[Array, Any]:
+        return dot(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def backward(residuals: Any, g: Array) -> tuple[Array, Array, None]:
+        lhs, rhs, group_sizes = residuals
+        d_lhs = ragged_dot_general(g, rhs, group_sizes, _DGRAD, None, lhs.dtype)
+        d_rhs = ragged_dot_general(lhs, g, group_sizes, _WGRAD, None, rhs.dtype)
+        return d_lhs, d_rhs, None
+
+    dot.defvjp(forward, backward)
     return dot(lhs, rhs, group_sizes)

@@ -10,13 +10,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
+from ..gemm.ragged_dot_general import ragged_dot
 from ..ops.ragged_dot import (
     Fp8RaggedDot,
     check_dispatch_args,
@@ -181,7 +181,8 @@ def high_precision_ragged_dot(
 ) -> Array:
     """A grouped layer's GEMM without an FP8 `ragged_dot`: `lax.ragged_dot` in `dtype` (its
     `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, a narrow
-    integer dtype widened, or an `ExpertExchange` whose dispatched rows it multiplies)."""
+    integer dtype widened, or an `ExpertExchange` whose dispatched rows it multiplies); also
+    under `jax.vmap` with the weight (or any operand) not mapped."""
     x = jnp.asarray(x)
     if isinstance(group_sizes, list | tuple):
         group_sizes = np.asarray(group_sizes)
@@ -190,7 +191,7 @@ def high_precision_ragged_dot(
         x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
     check_ragged_dot_args(where, jnp.shape(x), weight.shape, group_sizes)
     sizes = widened_group_sizes(group_sizes)  # int8's offsets would overflow
-    return lax.ragged_dot(x, weight, sizes, preferred_element_type=dtype)
+    return ragged_dot(x, weight, sizes, dtype)
 
 
 def expert_specs(model: Any, axis: str) -> Any:
