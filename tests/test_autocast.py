@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import h100_topology
+from jax.sharding import PartitionSpec as P
 
 import fp8jax
 
@@ -412,3 +413,28 @@ def test_a_config_or_an_unknown_recipe_is_refused_in_autocasts_terms():
     config = fp8jax.Fp8Config(recipe="blockwise")
     x, w = jnp.ones((32, 128)), jnp.ones((128, 32))
     np.testing.assert_allclose(fp8jax.fp8_autocast(f, config.recipe)(x, w), x @ w, rtol=1e-6)
+
+
+def test_a_nested_jits_shardings_survive_autocast():
+    """The `in_shardings` and `out_shardings` of a `jit` inside the autocast function hold as
+    they do without autocast: the output's sharding and the lowered program's sharding
+    constraints are the plain function's (inlining the nested jit dropped them: the output
+    came back replicated, and the program had none of its constraints)."""
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows, cols = (jax.sharding.NamedSharding(mesh, p) for p in (P("x", None), P(None, "x")))
+    inner = jax.jit(lambda x, w: jnp.tanh(x @ w), in_shardings=(rows, None), out_shardings=cols)
+
+    def f(x, w):
+        return inner(x, w) * 2.0
+
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32))
+
+    def constraints(g):
+        text = jax.jit(g).lower(x, w).as_text()
+        return sorted(re.findall(r"sdy\.sharding_constraint %\S+ (<@mesh, [^>]*>)", text))
+
+    with jax.set_mesh(mesh):
+        want = jax.jit(f)(x, w).sharding
+        got = jax.jit(fp8jax.fp8_autocast(f))(x, w).sharding
+        assert constraints(fp8jax.fp8_autocast(f)) == constraints(f)
+    assert got.is_equivalent_to(want, 2) and want.spec == P(None, "x")

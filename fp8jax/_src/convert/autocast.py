@@ -157,6 +157,15 @@ def _high_precision_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
 
 
+def _as_jit(body: Callable[..., list], params: dict) -> Callable[..., Any]:
+    """`body`, a nested jit's reinterpreted jaxpr, jitted with that jit's shardings where it
+    was given any (inlined, they would be lost); else `body` itself, inlined."""
+    ins, outs = params.get("in_shardings", ()), params.get("out_shardings", ())
+    if not any(isinstance(s, jax.sharding.Sharding) for s in (*ins, *outs)):
+        return body
+    return jax.jit(lambda *a: tuple(body(*a)), in_shardings=ins, out_shardings=outs)
+
+
 def _has_gemm(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
@@ -215,7 +224,7 @@ class Interpreter:
         if not any(_has_gemm(getattr(j, "jaxpr", j)) for j in subs):
             return jax_private.bind_equation(eqn, invals)
         if name in _INLINE:
-            return self.closed(params[_INLINE[name]], scope)(*invals)
+            return _as_jit(self.closed(params[_INLINE[name]], scope), params)(*invals)
         if name == "scan":
             return self.scan(invals, params, scope)
         if name == "while":
