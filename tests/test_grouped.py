@@ -469,6 +469,37 @@ def test_explicit_mesh_matches_no_mesh(recipe):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("weight_spec", [(), (None, None, "model")])
+def test_high_precision_grouped_linear_on_an_explicit_mesh(weight_spec):
+    """A `GroupedLinear` without an FP8 GEMM (`lax.ragged_dot`) under a mesh with Explicit
+    axes, its tokens split over one axis (its weight's outputs over the other, or not): it
+    raised "Explicit sharding inference for ragged_dot_general is not currently implemented"
+    (giving `lax.ragged_dot` an `out_sharding` does not help: its JVP drops it, and with the
+    rows split its expansion raises "select `which` must be scalar or have the same sharding
+    as cases"). Now the forward and both gradients are the float64 grouped products, the
+    output's rows split as the tokens are."""
+    x, w, g = data(24)
+    spec, explicit = jax.sharding.PartitionSpec, jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit, explicit))
+
+    @jax.jit
+    def step(x, w, g, sizes):
+        y, vjp = jax.vjp(lambda x, w: fp8jax.GroupedLinear(G, K, N, weight=w)(x, sizes), x, w)
+        return y, *vjp(g)
+
+    with jax.set_mesh(mesh):
+        put = jax.device_put
+        y, d_x, d_w = step(
+            put(x, spec("data", None)),
+            put(w, spec(*weight_spec)),
+            put(g, spec("data", *weight_spec[2:])),
+            jnp.asarray(SIZES),
+        )
+    assert y.sharding.spec == spec("data", weight_spec[2] if weight_spec else None)
+    want, mags = grouped_reference(SIZES, x, w, g, w, x, g)
+    assert_all((y, d_x, d_w), want, mags)
+
+
 @pytest.mark.parametrize("recipe", PER_MEMBER)
 def test_vmap_over_stacked_layers_keeps_each_its_own_state(recipe):
     rng = np.random.default_rng(20)

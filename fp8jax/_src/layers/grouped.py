@@ -17,10 +17,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..gemm.ragged_dot_general import ragged_dot
+from ..ops.base import explicit_mesh, on_auto_axes
 from ..ops.ragged_dot import (
     Fp8RaggedDot,
     check_dispatch_args,
     check_ragged_dot_args,
+    rows_by_outputs,
     widened_group_sizes,
 )
 from .linear import one_of_stack
@@ -182,7 +184,10 @@ def high_precision_ragged_dot(
     """A grouped layer's GEMM without an FP8 `ragged_dot`: `lax.ragged_dot` in `dtype` (its
     `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, a narrow
     integer dtype widened, or an `ExpertExchange` whose dispatched rows it multiplies); also
-    under `jax.vmap` with the weight (or any operand) not mapped."""
+    under `jax.vmap` with the weight (or any operand) not mapped, and under a mesh with
+    Explicit axes as `Fp8RaggedDot` does: there `lax.ragged_dot` requires an `out_sharding`,
+    which its JVP drops and its expansion fails with for split rows, so it runs with those
+    axes Auto, its output's rows split as `x`'s, its columns as the weight's outputs."""
     x = jnp.asarray(x)
     if isinstance(group_sizes, list | tuple):
         group_sizes = np.asarray(group_sizes)
@@ -191,7 +196,13 @@ def high_precision_ragged_dot(
         x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
     check_ragged_dot_args(where, jnp.shape(x), weight.shape, group_sizes)
     sizes = widened_group_sizes(group_sizes)  # int8's offsets would overflow
-    return ragged_dot(x, weight, sizes, dtype)
+    explicit = explicit_mesh(x, weight, sizes) is not None
+
+    def compute(x: Array, weight: Array, sizes: Any) -> Array:
+        return ragged_dot(x, weight, sizes, dtype)
+
+    out_sharding = rows_by_outputs(x, weight) if explicit else None
+    return on_auto_axes(compute, x, weight, sizes, out_sharding=out_sharding, explicit=explicit)
 
 
 def expert_specs(model: Any, axis: str) -> Any:

@@ -21,7 +21,7 @@ from ..recipes import Recipe, TensorState, recipe_from
 from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes, pick_received, resharded
 
 
-def _rows_by_outputs(lhs: Array, rhs: Array) -> PartitionSpec:
+def rows_by_outputs(lhs: Array, rhs: Array) -> PartitionSpec:
     """The output sharding of a ragged dot under a mesh with Explicit axes, which JAX leaves to
     `out_sharding` ("Explicit sharding inference ... not implemented"): the tokens as `lhs`'s
     rows are, the outputs as `rhs`'s last axis is unless a mesh axis splits both."""
@@ -300,7 +300,7 @@ class Fp8RaggedDot(AbstractFp8Op):
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
         explicit = explicit_mesh(lhs, rhs, group_sizes) is not None
         if out_sharding is None and explicit:
-            out_sharding = _rows_by_outputs(lhs, rhs)
+            out_sharding = rows_by_outputs(lhs, rhs)
 
         def compute(lhs: Array, rhs: Array, group_sizes: Any, states: Any) -> Array:
             with self._name_scope():
