@@ -20,9 +20,9 @@ from fp8jax.examples.moe_model import MoE
 EXPERTS, WIDTH, HIDDEN, TOP_K = 16, 128, 256, 2
 
 
-def _mesh(shape: dict[str, int]):
+def _mesh(shape: dict[str, int], axis_type=jax.sharding.AxisType.Auto):
     assert jax.device_count() >= 8, "tests expect 8 CPU devices (see conftest.py)"
-    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    axis_types = (axis_type,) * len(shape)
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=axis_types)
 
 
@@ -253,12 +253,16 @@ def test_no_tokens_go_through_the_exchange(recipe):
     assert grad.shape == (0, 32)
 
 
+@pytest.mark.parametrize("axes", ["Auto", "Explicit"])
 @pytest.mark.parametrize("recipe", [None, "current", "blockwise"])
-def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh(recipe):
+def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh(recipe, axes):
     """Experts split over `expert` by a `shard_map` over that axis alone, `data` left to XLA:
     the exchange and the grouped GEMMs failed in JAX (an AssertionError printing
-    "ManualAxisType(varying=frozenset({'expert'}), ...)" from jnp.searchsorted). Now the
-    output and gradients are those of the same block on a mesh of the expert axis alone."""
+    "ManualAxisType(varying=frozenset({'expert'}), ...)" from jnp.searchsorted). With `data`
+    an Explicit axis (`jax.set_mesh`), the FP8 layer's dispatched GEMMs raised "Explicit
+    sharding inference for ragged_dot_general is not currently implemented" (as the
+    high-precision layer's did). Now the output and gradients are those of the same block on
+    a mesh of the expert axis alone."""
     if recipe == "blockwise":
         recipe = fp8jax.BlockwiseScaling(block_size=32)
     elif recipe is not None:
@@ -284,10 +288,12 @@ def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh
             out, vjp = eqx.filter_vjp(lambda m, x: f(m, x, chosen, weights), layer, x)
             return out, vjp(out)
 
-        return jax.tree.leaves(eqx.filter(out_and_grads(layer, x), eqx.is_inexact_array))
+        with jax.set_mesh(mesh):
+            return jax.tree.leaves(eqx.filter(out_and_grads(layer, x), eqx.is_inexact_array))
 
     want = run(_mesh({"expert": 4}))
-    got = run(_mesh({"data": 2, "expert": 4}), axis_names={"expert"})
+    mesh = _mesh({"data": 2, "expert": 4}, getattr(jax.sharding.AxisType, axes))
+    got = run(mesh, axis_names={"expert"})
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b)))

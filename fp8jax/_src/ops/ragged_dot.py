@@ -18,7 +18,7 @@ from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
 from ..gemm.grouped_rules import check_recipe, native_choice
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes, pick_received, resharded
+from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes, pick_received
 
 
 def rows_by_outputs(lhs: Array, rhs: Array) -> PartitionSpec:
@@ -291,8 +291,9 @@ class Fp8RaggedDot(AbstractFp8Op):
         if isinstance(precision, list):
             precision = tuple(precision)
         if isinstance(group_sizes, ExpertExchange):
-            out = self._dispatched(lhs, rhs, group_sizes, precision, preferred_element_type)
-            return resharded(out, out_sharding)
+            return self._dispatched(
+                lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding
+            )
         if isinstance(group_sizes, list | tuple):
             group_sizes = np.asarray(group_sizes)
         experts = self._state_experts()
@@ -322,24 +323,34 @@ class Fp8RaggedDot(AbstractFp8Op):
             compute, lhs, rhs, sizes, states, out_sharding=out_sharding, explicit=explicit
         )
 
-    def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type) -> Array:
+    def _dispatched(self, lhs, rhs, plan, precision, preferred_element_type, out_sharding) -> Array:
         """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8
         to the devices of their experts (`plan`); returns the rows this device's experts
-        received, in expert order."""
+        received, in expert order (under Explicit axes, split as `lhs`'s rows are)."""
         check_dispatch_args(self._where, lhs.shape, rhs.shape, plan, self._state_experts())
         out_dtype = self._output_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
-        with self._name_scope():
-            return fp8_dispatched_ragged_dot(
-                self.recipe,
-                precision,
-                out_dtype,
-                lhs,
-                rhs,
-                plan,
-                self._states(),
-                self.name,
-                native_choice(self.recipe, self.native_kernel),
-            )
+        explicit = explicit_mesh(lhs, rhs) is not None
+        if out_sharding is None and explicit:
+            out_sharding = rows_by_outputs(lhs, rhs)
+
+        def compute(lhs: Array, rhs: Array, plan: ExpertExchange, states: Any) -> Array:
+            with self._name_scope():
+                return fp8_dispatched_ragged_dot(
+                    self.recipe,
+                    precision,
+                    out_dtype,
+                    lhs,
+                    rhs,
+                    plan,
+                    states,
+                    self.name,
+                    native_choice(self.recipe, self.native_kernel),
+                )
+
+        states = self._states()
+        return on_auto_axes(
+            compute, lhs, rhs, plan, states, out_sharding=out_sharding, explicit=explicit
+        )
 
     @property
     def _where(self) -> str:
