@@ -430,6 +430,45 @@ def test_an_nnx_model_and_optimizer_round_trip_and_resume(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_nnx_state_records_its_fp8_layers(backend, tmp_path):
+    """`nnx.state(model)` saved (the variables, not the module) records the model's FP8
+    layers: restoring it into the state of a model converted with another recipe whose state
+    has the same shapes fails as the module does, naming the layers and the recipe's
+    difference, before anything is read; the same recipe restores, and a record from before
+    such states recorded their layers (none) still does. It recorded no layer: the other
+    recipe's state was silently loaded."""
+    nnx = pytest.importorskip("flax.nnx")
+    from fp8jax._src.train import checkpoint_record
+
+    def model(margin):
+        net = nnx.Sequential(
+            nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 2, rngs=nnx.Rngs(1))
+        )
+        config = fp8jax.Fp8Config(
+            exclude=None, keep=(), recipe=fp8jax.DelayedScaling(margin=margin)
+        )
+        return fp8jax.fp8_linear_layers(net, config)
+
+    saved, other = model(0.0), model(1.0)
+    path, module_path = (tmp_path / (n if backend == "orbax" else n + ".eqx") for n in "sm")
+    fp8jax.save_checkpoint(path, nnx.state(saved), backend=backend)
+    fp8jax.save_checkpoint(module_path, saved, backend=backend)
+    with pytest.raises(ValueError, match="nothing was loaded") as from_module:
+        fp8jax.load_checkpoint(module_path, other, backend=backend)
+    with pytest.raises(ValueError, match="nothing was loaded") as from_state:
+        fp8jax.load_checkpoint(path, nnx.state(other), backend=backend)
+    problems = [line for line in str(from_module.value).splitlines() if "FP8 layer" in line]
+    assert len(problems) == 2 and "margin 0.0 != 1.0" in problems[0]
+    assert [line for line in str(from_state.value).splitlines() if "FP8 layer" in line] == problems
+    restored = fp8jax.load_checkpoint(path, nnx.state(model(0.0)), backend=backend)
+    assert bits(restored) == bits(nnx.state(saved))
+    older = checkpoint_record.fp8_record(nnx.state(saved))
+    checkpoint_record.check_fp8_record(
+        {**older, "fp8_layers": {}}, checkpoint_record.fp8_record(nnx.state(saved)), path
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_python_number_in_like_restores_the_saved_array(backend, tmp_path):
     """A train state built with a Python step (`step=0`, as Flax's `TrainState.create` does)
     restores a checkpoint whose step is an array after training: as that array. A number

@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -256,6 +256,38 @@ def check_one_state(op: AbstractFp8Op) -> None:
             "lax.scan over the stack's axis (hax.vmap, hax.fold or Stacked for Haliax), or "
             "take one layer of the stack first."
         )
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class LayerTag:
+    """The FP8 op that a leaf of its state belongs to, for a leaf held outside the op: a Flax
+    NNX `Fp8State` variable keeps it as metadata, so that an `nnx.State` (which holds the
+    variables, not the op) still says which FP8 layers it holds, with their recipes (a
+    checkpoint of it records them). `depth`: how many keys below the op the leaf is."""
+
+    name: str
+    recipe: Recipe
+    telemetry: bool
+    experts: int | None
+    depth: int
+
+    def __repr__(self) -> str:  # short: a variable's repr shows it
+        return f"LayerTag({self.name!r})"
+
+
+def state_tags(op: AbstractFp8Op) -> Any:
+    """`op` with each array leaf of its state replaced by the [`LayerTag`][] naming the op."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: LayerTag(
+            op.name,
+            op.recipe,
+            op.stats is not None,
+            getattr(op, "num_experts", None),
+            len(path),
+        ),
+        op,
+    )
 
 
 class AbstractFp8Op(OverwriteWithGradient):

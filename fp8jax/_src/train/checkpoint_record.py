@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from ..ops.base import LayerTag
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 
@@ -42,6 +43,13 @@ def is_layer(x: Any) -> bool:
     return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
 
 
+def _tag(x: Any) -> LayerTag | None:
+    """The FP8 layer whose state `x` holds, if `x` is a Flax NNX `Fp8State` variable (its
+    `fp8_layer` metadata): an `nnx.State` holds such variables, not the layers."""
+    tag = getattr(x, "fp8_layer", None) if hasattr(x, "get_value") else None
+    return tag if isinstance(tag, LayerTag) else None
+
+
 def is_array_like(x: Any) -> bool:
     """An array, or an abstract one (`jax.ShapeDtypeStruct`: a `like` made by
     `eqx.filter_eval_shape`, which restores without building the state first)."""
@@ -51,8 +59,20 @@ def is_array_like(x: Any) -> bool:
 def fp8_record(tree: Any) -> dict[str, Any]:
     """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
     layers = {}
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_layer)[0]:
-        if is_layer(node):
+
+    def is_node(x: Any) -> bool:
+        return is_layer(x) or _tag(x) is not None
+
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
+        tag = _tag(node)
+        if tag is not None:  # a variable of an FP8 NNX layer's state, in an `nnx.State`
+            where = jax.tree_util.keystr(path[: len(path) - tag.depth])
+            entry = {"name": tag.name or where, "recipe": repr(tag.recipe)}
+            entry |= {"telemetry": tag.telemetry, "variables": True}
+            if tag.experts is not None:
+                entry["experts"] = tag.experts
+            layers[where] = entry
+        elif is_layer(node):
             entry = {
                 "name": node.name or jax.tree_util.keystr(path),
                 "recipe": repr(node.recipe),
@@ -133,9 +153,13 @@ def _layer_problems(saved: dict[str, Any], expected: dict[str, Any]) -> list[str
     problems, missing, extra = [], {}, {}
     # Records written before grouped layers were recorded have none: their leaves still are.
     grouped_recorded = any("experts" in entry for entry in saved.values())
+    # Nor have those of an `nnx.State` (read from its variables) before they were recorded.
+    variables_recorded = any(entry.get("variables") for entry in saved.values())
     for where in sorted(set(saved) | set(expected)):
         s, e = saved.get(where), expected.get(where)
         if s is None and "experts" in e and not grouped_recorded:
+            continue
+        if s is None and e.get("variables") and not variables_recorded:
             continue
         if s is None:
             missing.setdefault(e["name"], []).append(where)

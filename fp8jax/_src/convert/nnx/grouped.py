@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from ...layers.grouped import check_grouped_linear_args, high_precision_ragged_dot
 from ...ops.ragged_dot import Fp8RaggedDot
-from .layers import AbstractFp8NnxDot, Fp8State
+from .layers import AbstractFp8NnxDot, fp8_variables
 
 
 @final
@@ -47,7 +47,7 @@ class Fp8NnxRaggedDot(AbstractFp8NnxDot):
             telemetry=telemetry,
             native_kernel=native_kernel,
         )
-        self.state = nnx.data(jax.tree.map(Fp8State, op))
+        self.state = nnx.data(fp8_variables(op))
 
     def __call__(
         self,

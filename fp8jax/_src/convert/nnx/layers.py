@@ -15,7 +15,7 @@ from jaxtyping import Array
 
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
 from ...core.updates import register_state_variable
-from ...ops.base import resharded
+from ...ops.base import resharded, state_tags
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
@@ -43,8 +43,17 @@ class Fp8State(nnx.Variable):
     A variable type of its own, so that filters tell it from what is trained: an
     `nnx.Optimizer(model, tx, wrt=nnx.Param)` leaves it alone, and
     `nnx.state(model, fp8jax.Fp8State)` selects it (to checkpoint it, or inspect it). Its
-    gradient is its new value; [`fp8jax.nnx_update_fp8_state`][] writes that back.
+    gradient is its new value; [`fp8jax.nnx_update_fp8_state`][] writes that back. Its
+    `fp8_layer` metadata names its layer and recipe, which a checkpoint of an `nnx.State`
+    records (and checks on restoring) as it does a model's.
     """
+
+
+def fp8_variables(op: Any) -> Any:
+    """`op` with each array of its state in an [`fp8jax.Fp8State`][] variable, which names the
+    op (its `fp8_layer` metadata): an `nnx.State` of the variables still says which FP8 layers
+    it holds and their recipes, as a checkpoint of it records them."""
+    return jax.tree.map(lambda x, tag: Fp8State(x, fp8_layer=tag), op, state_tags(op))
 
 
 def is_variable(x: Any) -> bool:
@@ -82,7 +91,7 @@ class AbstractFp8NnxDot(nnx.Module):
         dot = Fp8DotGeneral(recipe, kernel_shape, name, telemetry)
         if stacked:
             dot = stacked_dot_general(dot.recipe, stacked, kernel_shape, name, telemetry)
-        self.state = nnx.data(jax.tree.map(Fp8State, dot))
+        self.state = nnx.data(fp8_variables(dot))
 
     @property
     def recipe(self) -> Any:
