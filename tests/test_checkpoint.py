@@ -564,6 +564,41 @@ def test_prng_keys_restore_into_a_sharded_abstract_like(backend, axes, tmp_path)
         np.testing.assert_array_equal(jax.random.key_data(restored[name]), jax.random.key_data(key))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_abstract_like_on_another_device_restores_there(backend, tmp_path):
+    """A `like` of `jax.ShapeDtypeStruct`s on one device other than the default one (a
+    `SingleDeviceSharding`) restores each array, a key's too, onto that device, as a `like`
+    of arrays there does; one on the default device restores uncommitted there, as before
+    (what `eval_shape` says of an uncommitted array, in some JAX versions). The Equinox
+    backend put them all on the default device."""
+    device = jax.devices()[3]
+    saved = {"w": jnp.arange(6.0).reshape(2, 3), "h": jnp.ones(4, jnp.bfloat16)}
+    saved["key"] = jax.random.key(5)
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+
+    def on(device):
+        single = jax.sharding.SingleDeviceSharding(device)
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single),
+            jax.eval_shape(lambda: saved),
+        )
+
+    restored = fp8jax.load_checkpoint(path, on(device), backend=backend)
+    for name, value in restored.items():
+        assert value.devices() == {device}, name
+
+    def data(tree):
+        return bits({**tree, "key": jax.random.key_data(tree["key"])})
+
+    assert data(restored) == data(saved)
+    if backend == "equinox":
+        restored = fp8jax.load_checkpoint(path, on(jax.devices()[0]))
+        assert all(v.devices() == {jax.devices()[0]} for v in restored.values())
+        assert not any(v.committed for v in restored.values())
+        assert data(restored) == data(saved)
+
+
 @needs_orbax
 def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     """A save stopped while it removed the checkpoint it replaced (a preempted job) leaves

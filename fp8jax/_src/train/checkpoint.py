@@ -148,9 +148,11 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
 
     **Returns:** a new state; `like` is not modified. A Flax NNX object that `like` holds at
     several places (a layer used twice) is one object in it too. Each array has the sharding of the
-    corresponding array of `like` (a `jax.Array`), which may differ from the one it was saved
-    with: a checkpoint written by several processes restores in one, and the other way round.
-    With several processes every process calls it and reads `path`, which they must all see.
+    corresponding array of `like` (a `jax.Array`, or a `jax.ShapeDtypeStruct`'s sharding:
+    one on a single device other than the default one puts the array there), which may differ
+    from the one it was saved with: a checkpoint written by several processes restores in one,
+    and the other way round. With several processes every process calls it and reads `path`,
+    which they must all see.
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences; recipe options that
@@ -362,9 +364,13 @@ def _placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) 
     if isinstance(like, jax.ShapeDtypeStruct) and (
         not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1
     ):
-        # Abstract, on one device or none said (`eval_shape` says one for what is made
-        # uncommitted, a step's count): on the default device, uncommitted.
-        return jnp.asarray(value)
+        # Abstract, on one device or none said (`eval_shape` says the default one for what is
+        # made uncommitted, a step's count): on the default device, uncommitted; on another
+        # device that `like` names, there.
+        value = jnp.asarray(value)
+        if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set != value.devices():
+            return jax.device_put(value, sharding)
+        return value
     if isinstance(like, jax.Array) and not like.committed:
         return jnp.asarray(np.asarray(value))
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
