@@ -600,6 +600,38 @@ def test_an_abstract_like_on_another_device_restores_there(backend, tmp_path):
 
 
 @needs_orbax
+def test_a_half_written_orbax_checkpoint_is_named_corrupt(tmp_path):
+    """An orbax checkpoint directory with its record but its arrays' files cut short or gone
+    (a copy stopped half-way) raises the error a truncated Equinox file does, naming the
+    checkpoint, and restores nothing. Orbax's own errors came through: a `JSONDecodeError`
+    naming no path for a cut `_METADATA`, a `FileNotFoundError` for a missing `state`."""
+    import shutil
+
+    saved = {"w": jnp.arange(64.0), "h": jnp.ones((4, 4), jnp.bfloat16)}
+    good = tmp_path / "good"
+    fp8jax.save_checkpoint(good, saved, backend="orbax")
+
+    def cut(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def no_data(state):
+        for path in state.rglob("*"):
+            if path.is_file() and path.parent.name == "d":
+                path.unlink()
+
+    damages = {"metadata": lambda s: cut(s / "_METADATA"), "data": no_data}
+    damages["state"] = shutil.rmtree
+    for name, damage in damages.items():
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        damage(path / "state")
+        with pytest.raises(ValueError, match="is truncated or corrupt") as info:
+            fp8jax.load_checkpoint(path, saved, backend="orbax")
+        assert repr(os.fspath(path)) in str(info.value), name
+    assert bits(fp8jax.load_checkpoint(good, saved, backend="orbax")) == bits(saved)
+
+
+@needs_orbax
 def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     """A save stopped while it removed the checkpoint it replaced (a preempted job) leaves
     `<path>.old` behind, beside the complete new checkpoint; the next save replaces it. It

@@ -160,7 +160,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     `weight_gather`, `backward_precision`, `axis_names`, `use_scaled_matmul` and
     `warm_start`, may differ: resume a
     CPU run on a GPU, or a run on another mesh); `ValueError` for a
-    file that is not a checkpoint, or is truncated or corrupt (data missing or left over).
+    file or directory that is not a checkpoint, or is truncated or corrupt (data missing or
+    left over; an orbax directory copied half-way).
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
@@ -511,6 +512,9 @@ def _orbax_load(path: pathlib.Path, like: T) -> T:
     arrays, static = eqx.partition(like, is_array_like)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
     with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(path.absolute() / "state", abstract)
+        try:
+            restored = checkpointer.restore(path.absolute() / "state", abstract)
+        except Exception as e:  # noqa: BLE001 - any failure to read the arrays: half-written
+            raise corrupt(path, f"its arrays could not be read ({type(e).__name__}: {e})") from e
     restored = jax.tree.map(_placed_as, restored, arrays)  # uncommitted where `like` is
     return eqx.combine(restored, static)
