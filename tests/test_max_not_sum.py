@@ -48,6 +48,36 @@ def test_layer_used_twice_keeps_the_larger_amax(linear):
     np.testing.assert_allclose(grads.bias, g1.bias + g2.bias, rtol=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8"])
+def test_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, recipe):
+    """Recipes that scale each tensor by its own amax record the amax and the scale it gives.
+    Two uses' states combined leaf by leaf by max paired the larger amax with the larger
+    scale, that of the smaller amax (an input scale of 256 beside an amax of 7): the state
+    must hold the scale of the amax it records, as accumulated microbatches do."""
+    config = fp8jax.Fp8Config(recipe=recipe)
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=getkey()), config)
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.standard_normal((2, 4, 32)) * [[[0.3]], [[7.0]]]).astype(np.float32)
+    c1, c2 = (rng.standard_normal((2, 4, 32)) * [[[3.0]], [[0.01]]]).astype(np.float32)
+
+    def twice(m):
+        return jnp.sum(jax.vmap(m)(x1) * c1) + jnp.sum(jax.vmap(m)(x2) * c2)
+
+    grads = fp8jax.filter_grad(twice)(linear)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    merged = fp8jax.apply_updates(linear, None, overwrites)
+    assert newest(grads)["input"] == amax(x1, x2)
+    for tree in (grads, merged):
+        for role in ("input", "kernel", "output_grad"):
+            state = getattr(tree.dot_general, role)
+            e5m2 = recipe == "current" and role == "output_grad"
+            fmt_max = float(jnp.finfo(jnp.float8_e5m2 if e5m2 else jnp.float8_e4m3fn).max)
+            exact = fmt_max / np.float64(state.amax_history[0])
+            want = 2.0 ** np.floor(np.log2(exact)) if recipe == "current" else exact
+            np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
+            np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6, err_msg=role)
+
+
 @pytest.mark.parametrize("grad", [eqx.filter_grad, fp8jax.filter_grad], ids=["eqx", "fp8jax"])
 def test_vmap_over_batch_equals_the_batched_call(linear, grad):
     rng = np.random.default_rng(1)

@@ -262,6 +262,31 @@ def test_a_layer_used_twice_keeps_the_larger_amax():
         assert {leaf.dtype for leaf in jax.tree.leaves(tree)} == {jnp.dtype(jnp.float32)}
 
 
+def test_a_layer_used_twice_keeps_the_scale_of_the_larger_amax():
+    """Current scaling records each step's amax and the scale it gives: merged after two uses,
+    the state holds the larger amax and its scale (computed in float64), not the larger of
+    the two uses' scales (that of the smaller amax)."""
+    layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config("current"))
+    rng = np.random.default_rng(4)
+    x1 = 0.3 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    x2 = 7.0 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    c1 = 3.0 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    c2 = 0.01 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+
+    def twice(m):
+        return jnp.sum(m(x1) * c1) + jnp.sum(m(x2) * c2)
+
+    _, grads = fp8jax.nnx_value_and_grad(twice)(layer)
+    fp8jax.nnx_update_fp8_state(layer, grads)
+    state = layer.fc.dot_general.value()
+    assert float(state.input.amax_history[0]) == float(jnp.abs(x2).max())
+    for role, dtype in (("input", jnp.float8_e4m3fn), ("output_grad", jnp.float8_e5m2)):
+        got = getattr(state, role)
+        exact = float(jnp.finfo(dtype).max) / np.float64(got.amax_history[0])
+        want = 2.0 ** np.floor(np.log2(exact))
+        assert (float(got.scale), float(got.scale_inv)) == (want, 1 / want), role
+
+
 def test_plain_nnx_grad_refuses_a_layer_used_twice():
     layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config())
     x = jnp.ones((2, 32))

@@ -20,6 +20,7 @@ from ..core.stats import Fp8Stats
 from ..core.updates import OverwriteWithGradient
 from ..gemm.vjp import States
 from ..recipes import ROLES, DelayedScaling, Recipe, TensorState
+from ..recipes.base import inverse_scale
 from ..recipes.per_tensor import next_scales
 
 #: Prefix of the name scope of every FP8 GEMM: `fp8jax[<layer path>]/fwd|dgrad|wgrad`.
@@ -92,6 +93,38 @@ def pick_received(old: Any, received: Any, ok: Array) -> Any:
         old,
         received,
     )
+
+
+def with_recorded_scales(op: Any) -> Any:
+    """`op`, a state received through the gradient, with each operand's scale (and inverse)
+    the one its recipe records beside the operand's newest amax (`Recipe.recorded_scale`),
+    where that amax is positive and finite; as it is for delayed scaling (its merge computes
+    the scale from the history).
+
+    The uses of a layer in one step ([`fp8jax.filter_value_and_grad`][],
+    [`fp8jax.nnx_value_and_grad`][]) combine their states leaf by leaf by max: the largest
+    amax, but beside it the largest scale, that of the smallest amax. This pairs the scale
+    with the amax again, as one use of the larger amax records them (and as accumulated
+    microbatches keep them): `filter_value_and_grad` on its gradients, `nnx_update_fp8_state`
+    on what it merges."""
+    if not isinstance(op, AbstractFp8Op):
+        return op
+    states = {}
+    for r in ROLES:
+        state = getattr(op, r)
+        if type(state) is not TensorState or not eqx.is_array(state.amax_history):
+            continue
+        amax = state.amax_history[..., 0]
+        scale = op.recipe.recorded_scale(amax, r)
+        if scale is None:
+            continue
+        ok = (amax > 0.0) & jnp.isfinite(amax)
+        scale = jnp.where(ok, scale.astype(state.scale.dtype), state.scale)
+        inverse = jnp.where(ok, inverse_scale(scale), state.scale_inv)
+        states[r] = TensorState(scale, state.amax_history, inverse)
+    if not states:
+        return op
+    return eqx.tree_at(lambda m: tuple(getattr(m, r) for r in states), op, tuple(states.values()))
 
 
 def merge_stats(old: Fp8Stats, new: Fp8Stats, received: dict[str, tuple[Array, Array]]) -> Fp8Stats:

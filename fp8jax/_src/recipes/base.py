@@ -282,6 +282,16 @@ class Recipe(abc.ABC):
         terms = getattr(q, "terms", (q,))
         return cast_statistics(x, terms, self.format(role), owner, self.axis_names)
 
+    def recorded_scale(self, amax: Float[Array, "*lead"], role: Role) -> Array | None:
+        """The scale the state of operand `role` records beside a step's `amax` (positive and
+        finite), for recipes whose scale is a function of that amax alone; `None` here (the
+        scale of a delayed recipe comes from its history). A layer used several times in a
+        step gets its state's leaves by max, the largest amax beside the largest scale:
+        its gradient's state takes this scale again ([`fp8jax.filter_value_and_grad`][],
+        [`fp8jax.nnx_update_fp8_state`][])."""
+        del amax, role
+        return None
+
     @abc.abstractmethod
     def format(self, role: Role) -> jnp.dtype:
         """The FP8 dtype of operand `role`."""

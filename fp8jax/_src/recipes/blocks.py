@@ -127,9 +127,11 @@ class BlockScaledRecipe(Recipe):
         """The new state of an operand whose amax (`Recipe.amax`'s) is `current`: it only
         records the amax, and `fp8_max / amax` (capped at `MAX_SCALE`, as per-tensor scales
         are: an inf would read as a fault, and the merge reject the state), for telemetry."""
-        fmt_max = fp8_max(self.format(role))
-        nominal = jnp.where(current > 0, jnp.minimum(fmt_max / current, MAX_SCALE), state.scale)
+        nominal = jnp.where(current > 0, self.recorded_scale(current, role), state.scale)
         return TensorState(nominal, state.amax_history.at[..., 0].set(current))
+
+    def recorded_scale(self, amax: Array, role: Role) -> Array:
+        return jnp.minimum(fp8_max(self.format(role)) / amax, MAX_SCALE)
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
         block = self.block_for(role, axis)

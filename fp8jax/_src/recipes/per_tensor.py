@@ -31,6 +31,8 @@ from .base import (
     per_tensor_dot,
 )
 from .per_tensor_pass import cast_and_transpose, cast_transpose_chosen, checked_roles, fits
+from .per_tensor_pass import transposes_in_words as transposes_in_words
+from .per_tensor_pass import transposes_in_words_chosen as transposes_in_words_chosen
 
 #: The largest scale: its inverse, 2**-126, is float32's smallest normal number.
 MAX_SCALE: float = 2.0**126
@@ -107,24 +109,6 @@ def transposes_apart_set() -> bool:
     """Whether per-tensor recipes are being traced inside `transposes_apart()` (whatever its
     roles, none included), where each recipe's default does not apply."""
     return _TRANSPOSES_APART.get() is not None
-
-
-#: Whether transposed FP8 copies made apart are written in 32-bit words (`transposes_in_words`).
-_IN_WORDS: Setting[bool] = Setting("fp8jax_transposes_in_words", False)
-
-
-def transposes_in_words() -> contextlib.AbstractContextManager[None]:
-    """Per-tensor recipes traced inside write each transposed FP8 copy they make apart
-    (`transposes_apart`, `KNOWN_SCALE_APART`) in 32-bit words (`formats.transpose_in_words`):
-    the same bytes and kernels, where XLA's GPU transpose stores FP8 one byte per
-    instruction. Issue 38: the default once a GPU run has timed it (`*-words` variants of
-    `benchmarks/llama_block.py`)."""
-    return setting(_IN_WORDS, True)
-
-
-def transposes_in_words_chosen() -> bool:
-    """Whether per-tensor recipes are being traced inside `transposes_in_words()`."""
-    return _IN_WORDS.get()
 
 
 def compute_scale(
@@ -518,3 +502,7 @@ class CurrentScaling(PerTensorRecipe):
         scale = compute_scale(current, state.scale, fmt_max, self.margin, self.power_of_two)
         history = state.amax_history.at[..., 0].set(current)
         return scale, TensorState(scale, history, 1.0 / scale)
+
+    def recorded_scale(self, amax: Array, role: Role) -> Array:
+        fmt_max = fp8_max(self.format(role))
+        return compute_scale(amax, amax, fmt_max, self.margin, self.power_of_two)

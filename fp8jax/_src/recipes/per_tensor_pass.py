@@ -92,6 +92,24 @@ def tensor_cores_chosen() -> bool:
     return _TENSOR_CORES.get()
 
 
+#: Whether transposed FP8 copies made apart are written in 32-bit words (`transposes_in_words`).
+_IN_WORDS: Setting[bool] = Setting("fp8jax_transposes_in_words", False)
+
+
+def transposes_in_words() -> contextlib.AbstractContextManager[None]:
+    """Per-tensor recipes traced inside write each transposed FP8 copy they make apart
+    (`transposes_apart`, `KNOWN_SCALE_APART`) in 32-bit words (`formats.transpose_in_words`):
+    the same bytes and kernels, where XLA's GPU transpose stores FP8 one byte per
+    instruction. Issue 38: the default once a GPU run has timed it (`*-words` variants of
+    `benchmarks/llama_block.py`)."""
+    return setting(_IN_WORDS, True)
+
+
+def transposes_in_words_chosen() -> bool:
+    """Whether per-tensor recipes are being traced inside `transposes_in_words()`."""
+    return _IN_WORDS.get()
+
+
 #: The operand dtypes the kernel reads.
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 

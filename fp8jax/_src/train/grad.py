@@ -28,7 +28,7 @@ from ..core import jax_private
 from ..core.stats import max_combining_view
 from ..core.updates import OverwriteWithGradient, is_overwrite
 from ..gemm.batching import per_example_gradients
-from ..ops.base import AbstractFp8Op, check_float32_state
+from ..ops.base import AbstractFp8Op, check_float32_state, with_recorded_scales
 
 T = TypeVar("T")
 
@@ -76,9 +76,16 @@ def filter_value_and_grad(
     def with_max_state(first: Any, *args: Any, **kwargs: Any) -> Any:
         return fun(combine_by_max(first), *args, **kwargs)
 
+    plain = eqx.filter_value_and_grad(with_max_state, has_aux=has_aux)
+
+    def paired(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        # Each layer's scales paired with the largest amax its uses combined to.
+        value, grads = plain(*args, **kwargs)
+        return value, jax.tree.map(with_recorded_scales, grads, is_leaf=is_overwrite)
+
     # The whole gradient under one jit: residuals of the max-combining dtype (a remat's saved
     # inputs) never leave it, which an eager caller would otherwise materialize.
-    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(with_max_state, has_aux=has_aux))
+    value_and_grad = eqx.filter_jit(functools.wraps(fun)(paired))
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from jaxtyping import Float
 from ...core import jax_private
 from ...core.compile_options import checked_compiler_options, traced_for, traced_options
 from ...ops import warm_start
-from ...ops.base import checked_ratio, rescaled_gradient_state
+from ...ops.base import checked_ratio, rescaled_gradient_state, with_recorded_scales
 from ...ops.dot_general import Fp8DotGeneral
 from .layers import AbstractFp8NnxDot, Fp8State, is_variable
 
@@ -250,7 +250,9 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
                 "pass its gradients unfiltered."
             )
         old = layer.value()
-        groups.setdefault(type(old), []).append((layer, old, _received(layer, received, path)))
+        # Each scale paired with the largest amax of the layer's uses (`nnx_value_and_grad`).
+        new = with_recorded_scales(_received(layer, received, path))
+        groups.setdefault(type(old), []).append((layer, old, new))
     for cls, group in groups.items():
         merged = cls.merge_many([(old, new) for _, old, new in group])
         for (layer, _, _), value in zip(group, merged, strict=True):
