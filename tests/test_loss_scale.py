@@ -477,8 +477,11 @@ def test_rescaled_gradient_states_are_recorded_gradients_times_the_ratio(ratio, 
 
 
 def test_rescaling_leaves_what_it_should_as_it_was():
-    """A ratio of 1, unrecorded states (scale 0: the warm start still waits) and recipes that
-    scale each step by its own amax are left bit for bit; a ratio must be a scalar."""
+    """A ratio of 1 and unrecorded states (scale 0: the warm start still waits) are left bit
+    for bit; a ratio must be a scalar. Recipes that scale each step by its own amax keep
+    their inputs' and kernels' states, and record the output gradient's amax times the
+    ratio beside its scale (their next step reads neither: telemetry, in the new loss
+    scale's units)."""
     key = jax.random.key(0)
     model = _recorded_mlp(fp8jax.DelayedScaling(), key)
     assert bits_of(fp8jax.rescale_gradient_states(model, 1.0)) == bits_of(model)
@@ -486,7 +489,14 @@ def test_rescaling_leaves_what_it_should_as_it_was():
     rescaled = fp8jax.rescale_gradient_states(fresh, 4.0)
     assert [float(op.output_grad.scale) for op in _ops(rescaled)] == [0.0] * 3
     current = _recorded_mlp(fp8jax.CurrentScaling(), key)
-    assert bits_of(eqx.filter_jit(fp8jax.rescale_gradient_states)(current, 2.0)) == bits_of(current)
+    rescaled = eqx.filter_jit(fp8jax.rescale_gradient_states)(current, 2.0)
+    for old_op, op in zip(_ops(current), _ops(rescaled), strict=True):
+        amax = 2 * np.float64(old_op.output_grad.amax_history[0])
+        assert float(op.output_grad.amax_history[0]) == amax
+        want = 2.0 ** math.floor(math.log2(float(jnp.finfo(jnp.float8_e5m2).max) / amax))
+        assert (float(op.output_grad.scale), float(op.output_grad.scale_inv)) == (want, 1 / want)
+        assert bits_of((op.input, op.kernel)) == bits_of((old_op.input, old_op.kernel))
+    assert bits_of(fp8jax.rescale_gradient_states(current, 1.0)) == bits_of(current)
     with pytest.raises(ValueError, match=r"ratio has shape \(2,\)"):
         fp8jax.rescale_gradient_states(model, jnp.ones(2))
     # A ratio that is not positive and finite would put a non-finite or negative amax in the

@@ -594,6 +594,44 @@ def test_report_prints_output_gradients_in_the_losss_units(getkey):
     assert text.splitlines()[-1].startswith("output_grad in the loss's units")
 
 
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8"])
+def test_report_after_a_loss_scale_change_is_of_the_latest_step(getkey, recipe):
+    """Recipes that scale each step by its own amax, under a dynamic loss scale that grows
+    every step and backs off after an overflow: the report given the new loss scale prints
+    each step's own output gradient (float64 from the known output gradient) and its scale in
+    the loss's units; after the skipped step, the step before's. The state recorded under the
+    step's loss scale was divided by the next one (half the amax after a growth)."""
+    import optax
+
+    lin = eqx.nn.Linear(16, 8, key=getkey())
+    model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(recipe=recipe, telemetry=True))
+    fmt_max = float(jnp.finfo(model.dot_general.recipe.format("output_grad")).max)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    cs = [(rng.standard_normal((4, 8)) * s).astype(np.float32) for s in (3e-3, 1e-3, 1.0)]
+    cs[-1][0, 0] = np.inf  # the last step overflows: skipped, the scale backs off
+
+    def loss(m, x, c):
+        return jnp.sum(jax.vmap(m)(x) * c)  # the output gradient: c (times the loss scale)
+
+    scale = fp8jax.DynamicLossScale(2.0**10, period=1)
+    step = fp8jax.make_train_step(loss, optax.sgd(0.0), loss_scale=scale, compiler_options={})
+    state = step.init(model)
+    kept = None
+    for c in cs:
+        state, metrics = step(state, x, c)
+        if bool(metrics.grads_finite):
+            kept = (np.abs(np.float64(c)).max(), float(metrics.loss_scale))
+        text = fp8jax.report(state.model, loss_scale=state.loss_scale, quiet=True)
+        row = next(r.split()[-9:] for r in text.splitlines()[2:5] if "output_grad" in r)
+        amax, used = kept  # in the loss's units, and the loss scale the step recorded it at
+        assert row[2] == f"{amax:.4g}"
+        exact = fmt_max / (amax * used)
+        recorded = 2.0 ** np.floor(np.log2(exact)) if recipe == "current" else exact
+        np.testing.assert_allclose(float(row[1]), recorded * used, rtol=1e-3)  # as printed
+    assert float(state.loss_scale.loss_scale) == 2.0**11  # grew twice, backed off once
+
+
 def test_grouped_tokens_add_over_calls_and_microbatches():
     """A grouped layer run on two batches in one step (called twice, or two microbatches of
     accumulate_gradients) got both batches' tokens: the sum of their group sizes, as one

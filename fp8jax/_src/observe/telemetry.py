@@ -294,8 +294,8 @@ def report(
     - `loss_scale`: optionally a loss scale ([`fp8jax.DynamicLossScale`][] reports its scale,
       skipped steps and overflow rate). The output gradients' amaxes are then printed in the
       loss's units (the state records them times the loss scale), their scales to match:
-      exact for delayed scaling, whose histories follow the loss scale; another recipe's
-      amax is of its step's loss scale, which a step that changed it changed after.
+      the states follow the loss scale when it changes ([`fp8jax.rescale_gradient_states`][],
+      which [`fp8jax.make_train_step`][] calls), so pass the loss scale returned with them.
     - `plan`: optionally the model's [`fp8jax.ConversionPlan`][] (from
       [`fp8jax.conversion_plan`][], or `Fp8Linen.plan`): the layers left in high precision
       are listed after the table, each with why (its role, its name, not targeted).

@@ -159,14 +159,24 @@ def checked_ratio(ratio: Any, who: str) -> tuple[Array, Array]:
 
 
 def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
-    """`op` with its delayed-scaling output-gradient state as if its recorded gradients had
-    been `ratio` times as large, or as it is where `keep` (`checked_ratio`); other recipes'
-    ops as they are. `fp8jax.rescale_gradient_states` of one op, on arrays."""
+    """`op` with its output-gradient state as if its recorded gradients had been `ratio`
+    times as large, or as it is where `keep` (`checked_ratio`): delayed scaling's history and
+    the scale its next step uses; a recipe that records each step's own amax and scale
+    (`Recipe.recorded_scale`), the amax and that scale, which its next step does not read
+    (telemetry, in the new loss scale's units). Other recipes' ops as they are.
+    `fp8jax.rescale_gradient_states` of one op, on arrays."""
     state = op.output_grad
-    if not isinstance(op.recipe, DelayedScaling) or not isinstance(state, TensorState):
+    if not isinstance(state, TensorState):
         return op
     history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
-    scale = op.recipe.next_scale(state.scale, history, "output_grad")
+    if isinstance(op.recipe, DelayedScaling):
+        scale = op.recipe.next_scale(state.scale, history, "output_grad")
+    else:
+        amax = history[..., 0]
+        recorded = op.recipe.recorded_scale(amax, "output_grad")
+        if recorded is None:
+            return op
+        scale = jnp.where(amax > 0.0, recorded, 0.0)  # none recorded yet: kept below
     # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
     # not give; so does a history that holds no amax (0: "none yet", for a recorded one).
     scale = jnp.where(keep | ~(scale > 0.0), state.scale, scale)

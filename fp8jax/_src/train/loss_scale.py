@@ -40,7 +40,6 @@ from jaxtyping import Array, Bool, Float, Int
 from ..core.updates import is_fp8_state
 from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state, with_rejected_counts
 from ..recipes.base import TensorState
-from ..recipes.per_tensor import DelayedScaling
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
@@ -319,17 +318,20 @@ class DynamicLossScale(LossScale):
 
 
 def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
-    """`tree` with each delayed-scaling layer's output-gradient state as if its recorded
-    gradients had been `ratio` times as large: the amax history times `ratio`, and the scale
-    the next step uses computed again from it, as the layer's merge computes it.
+    """`tree` with each layer's output-gradient state as if its recorded gradients had been
+    `ratio` times as large: the amax history times `ratio`, and the scale computed again from
+    it (delayed scaling's: the scale the next step uses, as the layer's merge computes it).
 
     A loss scale multiplies every output gradient, and delayed scaling's history records them
     scaled. When a [`fp8jax.DynamicLossScale`][] grows (x2), the next step's gradients would be
     twice what the history allows and the largest would saturate for that step; after a
     backoff they would use a scale one bit short until the history forgets. Call this with
     `new_loss_scale / old_loss_scale` when the scale changes ([`fp8jax.make_train_step`][]
-    does). Other recipes scale each step's gradients by their own amax and are left as they
-    are, as are unrecorded states (a scale of 0 stays 0: the warm start still waits).
+    does). Current scaling and the block recipes scale each step's gradients by their own
+    amax, which their state only records: rescaled, it is in the new loss scale's units, so
+    that [`fp8jax.report`][] given that scale prints the latest step's gradients (it printed
+    them divided by the ratio). ResidualFP8's states are left as they are, as are unrecorded
+    states (a scale of 0 stays 0: the warm start still waits).
 
     **Arguments:**
 
@@ -350,7 +352,7 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     ratio, keep = checked_ratio(ratio, "rescale_gradient_states")
 
     def rescale(op: Any) -> Any:
-        if not isinstance(op, AbstractFp8Op) or not isinstance(op.recipe, DelayedScaling):
+        if not isinstance(op, AbstractFp8Op) or not isinstance(op.output_grad, TensorState):
             return op
         if isinstance(op.output_grad, TensorState) and not eqx.is_array(
             op.output_grad.amax_history

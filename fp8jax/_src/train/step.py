@@ -249,8 +249,8 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     new_scale = scale.adjust(finite)
     if new_scale is not scale:
         # Delayed scaling's gradient histories follow the scale (a growth would saturate the
-        # next step's largest gradients); a constant scale's `adjust` returns itself, and adds
-        # nothing here.
+        # next step's largest gradients), other recipes' recorded amaxes too (telemetry); a
+        # constant scale's `adjust` returns itself, and adds nothing here.
         model = rescale_gradient_states(model, new_scale.loss_scale / scale.loss_scale)
     new_state = TrainState(model, opt_state, new_scale, state.step + 1)
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
@@ -275,14 +275,14 @@ def make_train_step(
     `loss_scale.scale(loss_fn(model, *batch))` (FP8 state combining by max), splits the FP8
     state out of the gradients, unscales the rest, checks they are finite, runs the optimizer
     on the trainable parameters, writes parameters and FP8 state back in the param dtype, and
-    adjusts the loss scale, rescaling delayed scaling's output-gradient histories when it
-    changes ([`fp8jax.rescale_gradient_states`][]). A step with non-finite gradients, or a
-    non-finite new FP8 state (an inf or NaN in an FP8 layer's operand, passed on as NaN by
-    the saturating cast), changes nothing but the loss scale (and those histories with it),
-    the step count and telemetry's counts of rejected FP8 updates
-    (`stats.<role>.rejected`). No host sync, but one wait after
-    the hundredth step, where delayed scaling's warm start is dropped once every scale is
-    recorded ([`fp8jax.TrainStep`][]).
+    adjusts the loss scale, rescaling the output-gradient states (delayed scaling's
+    histories) when it changes ([`fp8jax.rescale_gradient_states`][]). A step with
+    non-finite gradients, or a non-finite new FP8 state (an inf or NaN in an FP8 layer's
+    operand, passed on as NaN by the saturating cast), changes nothing but the loss scale
+    (and those states with it), the step count and telemetry's counts of rejected FP8
+    updates (`stats.<role>.rejected`). No host sync, but one wait after the hundredth step,
+    where delayed scaling's warm start is dropped once every scale is recorded
+    ([`fp8jax.TrainStep`][]).
 
     **Arguments:**
 

@@ -260,8 +260,8 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
 
 
 def nnx_rescale_gradient_states(model: Any, ratio: Float[ArrayLike, ""]) -> None:
-    """[`fp8jax.rescale_gradient_states`][] for an NNX model, in place: each delayed-scaling
-    layer's output-gradient history times `ratio`, and the scale its next step uses
+    """[`fp8jax.rescale_gradient_states`][] for an NNX model, in place: each layer's
+    output-gradient history times `ratio`, and (delayed scaling) the scale its next step uses
     computed again from it.
 
     A loss scale multiplies every output gradient, which delayed scaling's history records
