@@ -362,6 +362,71 @@ def test_checkpoint_errors(tmp_path):
         fp8jax.save_checkpoint(tmp_path / "x", state, backend="pickle")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_haliax_weight_restores_only_into_its_own_axes(backend, tmp_path):
+    """A Haliax weight's axis names are recorded and checked: a weight saved as (hidden,
+    embed) does not restore into one of axes (embed, hidden) of the same sizes (the array
+    read as it was, under the other names: transposed in meaning); it raises before reading,
+    naming the leaf and both orders. The documented way round restores the saved array
+    under the new names; a checkpoint written before axes were recorded still loads."""
+    hax = pytest.importorskip("haliax")
+    import haliax.nn as hnn
+
+    embed, hidden, mlp = hax.Axis("embed", 8), hax.Axis("hidden", 8), hax.Axis("mlp", 8)
+
+    def model(inp, out, seed):
+        return fp8jax.fp8_linear_layers(hnn.Linear.init(inp, out, key=jax.random.key(seed)))
+
+    saved = model(embed, hidden, 0)
+    assert saved.weight.axes == (hidden, embed)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    swapped = model(hidden, embed, 1)  # weight (embed, hidden): same shape, other meaning
+    for like in (swapped, eqx.filter_eval_shape(model, hidden, embed, 1)):
+        with pytest.raises(ValueError, match="nothing was loaded") as info:
+            fp8jax.load_checkpoint(path, like, backend=backend)
+        assert (
+            "leaf .weight: checkpoint has axes ('hidden', 'embed'), target has axes "
+            "('embed', 'hidden')" in str(info.value)
+        )
+        assert "haliax.rename" in str(info.value)
+    restored = fp8jax.load_checkpoint(path, model(embed, hidden, 1), backend=backend)
+    assert restored.weight.axes == saved.weight.axes
+    assert bits(restored) == bits(saved)
+
+    # Renamed axes (mlp for hidden), as the message says: rename `like`'s to the saved
+    # names, load, rename back.
+    renamed = model(embed, mlp, 1)
+    with pytest.raises(ValueError, match=r"checkpoint has axes \('hidden', 'embed'\)"):
+        fp8jax.load_checkpoint(path, renamed, backend=backend)
+
+    def rename(tree, names):
+        named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
+        return jax.tree.map(lambda x: hax.rename(x, names) if named(x) else x, tree, is_leaf=named)
+
+    restored = rename(
+        fp8jax.load_checkpoint(path, rename(renamed, {"mlp": "hidden"}), backend=backend),
+        {"hidden": "mlp"},
+    )
+    assert restored.weight.axes == (mlp, embed) and restored.bias.axes == (mlp,)
+    assert bits(restored) == bits(saved)
+
+    if backend == "equinox":  # a checkpoint of before: its record without axes
+        import json
+
+        data = path.read_bytes()
+        start = data.index(b"\n") + 1
+        size = int.from_bytes(data[start : start + 8], "little")
+        record = json.loads(data[start + 8 : start + 8 + size])
+        assert record.pop("axes") == {".weight": ["hidden", "embed"], ".bias": ["hidden"]}
+        old = json.dumps(record).encode()
+        rest = data[start + 8 + size :]
+        path.write_bytes(data[:start] + len(old).to_bytes(8, "little") + old + rest)
+        restored = fp8jax.load_checkpoint(path, swapped)
+        assert restored.weight.axes == swapped.weight.axes  # as before: not checked
+        assert bits(restored) == bits(saved)
+
+
 def build_moe(config):
     from fp8jax.examples import moe_model as moe
 

@@ -1,9 +1,10 @@
 """Save and restore a whole training state (model, FP8 state, optimizer, loss scale).
 
-The checkpoint records what it holds: every array's path, shape and dtype, and each FP8
-layer's name and recipe. [`fp8jax.load_checkpoint`][] compares that record with the state it
-restores into before it reads a single array, so restoring into a model with other FP8
-targets or recipes fails with a message naming the difference, and never half-loads.
+The checkpoint records what it holds: every array's path, shape and dtype (and a Haliax
+`NamedArray`'s axis names), and each FP8 layer's name and recipe. [`fp8jax.load_checkpoint`][]
+compares that record with the state it restores into before it reads a single array, so
+restoring into a model with other FP8 targets or recipes fails with a message naming the
+difference, and never half-loads.
 
 Two formats: one file written with `eqx.tree_serialise_leaves` (the default), or an
 orbax-checkpoint directory (`backend="orbax"`, the `orbax` extra), both with the same record.
@@ -30,17 +31,16 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
+from .checkpoint_hosts import gather, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_record import (
     check_fp8_record,
@@ -89,8 +89,8 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     if backend == "orbax":
         _orbax_save(path, state, record)
         return
-    state = _gather(state)
-    _on_process_zero("write the checkpoint", lambda: _equinox_save(path, state, record))
+    state = gather(state)
+    on_process_zero("write the checkpoint", lambda: _equinox_save(path, state, record))
 
 
 def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
@@ -159,7 +159,12 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     choose only how a GEMM runs, such as `native_kernel`, `dequantized_dot`, `chunks_per_dot`,
     `weight_gather`, `backward_precision`, `axis_names`, `use_scaled_matmul` and
     `warm_start`, may differ: resume a
-    CPU run on a GPU, or a run on another mesh); `ValueError` for a
+    CPU run on a GPU, or a run on another mesh), or if a Haliax `NamedArray`'s axis names
+    differ from the saved ones, in name or order (a weight saved as `(hidden, embed)` is not
+    read as `(embed, hidden)`: to restore it under other axes, give `like` the saved ones,
+    with `haliax.rename` or built in the saved order, load, then rename or
+    `haliax.rearrange` the result; a checkpoint written before fp8jax recorded axis names
+    restores unchecked); `ValueError` for a
     file or directory that is not a checkpoint, or is truncated or corrupt (data missing or
     left over; an orbax directory copied half-way).
     """
@@ -348,65 +353,7 @@ def _deserialise(f: Any, like: Any) -> Any:
     value = np.load(f)
     if value.dtype.kind == "V":  # NumPy saves bfloat16 and FP8 dtypes as raw bytes
         value = value.view(like.dtype)
-    return _placed_as(value, like)
-
-
-def _placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> Any:
-    """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
-    or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
-    state's, on the default device), uncommitted too, so that `jit` still places it beside
-    arrays sharded over several devices (committed to one device, it would refuse them); as
-    NumPy where `like` is NumPy."""
-    if isinstance(like, np.ndarray):
-        return np.asarray(value)
-    if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
-        return value if getattr(like, "committed", True) else jnp.asarray(np.asarray(value))
-    sharding = like.sharding
-    if isinstance(like, jax.ShapeDtypeStruct) and (
-        not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1
-    ):
-        # Abstract, on one device or none said (`eval_shape` says the default one for what is
-        # made uncommitted, a step's count): on the default device, uncommitted; on another
-        # device that `like` names, there.
-        value = jnp.asarray(value)
-        if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set != value.devices():
-            return jax.device_put(value, sharding)
-        return value
-    if isinstance(like, jax.Array) and not like.committed:
-        return jnp.asarray(np.asarray(value))
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-def _gather(state: Any) -> Any:
-    """`state` with each array that spans other processes' devices gathered to NumPy (a
-    collective: every process calls it)."""
-    return jax.tree.map(
-        lambda a: (
-            multihost_utils.process_allgather(a, tiled=True)
-            if isinstance(a, jax.Array) and not a.is_fully_addressable
-            else a
-        ),
-        state,
-    )
-
-
-def _on_process_zero(what: str, write: Callable[[], None]) -> None:
-    """Run `write()` on process 0 alone; every process returns when it has finished, and raises
-    if it failed (a collective: every process calls it)."""
-    if jax.process_count() == 1:
-        write()
-        return
-    error = None
-    if jax.process_index() == 0:
-        try:
-            write()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
-            error = e
-    ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-    if error is not None:
-        raise error
-    if not ok:
-        raise RuntimeError(f"save_checkpoint: process 0 failed to {what}; its error says why.")
+    return placed_as(value, like)
 
 
 def _as_path(path: Any, who: str) -> pathlib.Path:
@@ -477,7 +424,7 @@ def _check_replaceable(path: pathlib.Path) -> None:
 
 def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     ocp = _orbax()
-    _on_process_zero("check the checkpoint's path", lambda: _check_replaceable(path))
+    on_process_zero("check the checkpoint's path", lambda: _check_replaceable(path))
     arrays = eqx.filter(state, eqx.is_array)
     tmp = path.with_name(path.name + ".tmp")
 
@@ -500,11 +447,11 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 
     # With several processes, all of them write shards into `tmp` (orbax coordinates them);
     # only process 0 touches the directories around it.
-    _on_process_zero("clear the temporary directory", clear)
+    on_process_zero("clear the temporary directory", clear)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp.absolute() / "state", arrays)
         checkpointer.wait_until_finished()
-    _on_process_zero("write the checkpoint", finish)
+    on_process_zero("write the checkpoint", finish)
 
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:
@@ -516,5 +463,5 @@ def _orbax_load(path: pathlib.Path, like: T) -> T:
             restored = checkpointer.restore(path.absolute() / "state", abstract)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: half-written
             raise corrupt(path, f"its arrays could not be read ({type(e).__name__}: {e})") from e
-    restored = jax.tree.map(_placed_as, restored, arrays)  # uncommitted where `like` is
+    restored = jax.tree.map(placed_as, restored, arrays)  # uncommitted where `like` is
     return eqx.combine(restored, static)

@@ -1,6 +1,7 @@
 """What a checkpoint records of the state it holds (its FP8 layers, their recipes, every
-leaf's path, shape and dtype), and how a record is compared with the state to restore into:
-`fp8jax.load_checkpoint` refuses a difference, naming it, before it reads an array."""
+leaf's path, shape and dtype; the axis names of a Haliax `NamedArray`'s), and how a record
+is compared with the state to restore into: `fp8jax.load_checkpoint` refuses a difference,
+naming it, before it reads an array."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 import json
 import os
 import re
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -57,7 +59,8 @@ def is_array_like(x: Any) -> bool:
 
 
 def fp8_record(tree: Any) -> dict[str, Any]:
-    """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype."""
+    """What a checkpoint of `tree` holds: its FP8 layers and every leaf's path, shape, dtype;
+    the axis names of each array that a Haliax `NamedArray` holds, if any does."""
     layers = {}
 
     def is_node(x: Any) -> bool:
@@ -87,7 +90,26 @@ def fp8_record(tree: Any) -> dict[str, Any]:
             leaves[jax.tree_util.keystr(path)] = [list(leaf.shape), np.dtype(leaf.dtype).name]
         elif isinstance(leaf, bool | int | float | complex):
             leaves[jax.tree_util.keystr(path)] = [type(leaf).__name__]
-    return {"fp8_layers": layers, "leaves": leaves}
+    axes = _named_axes(tree)
+    return {"fp8_layers": layers, "leaves": leaves} | ({"axes": axes} if axes else {})
+
+
+def _named_axes(tree: Any) -> dict[str, list[str]]:
+    """The axis names of each Haliax `NamedArray` holding an array (looked up, never imported:
+    without haliax imported, there is none), by its path. A record without them
+    (written before they were recorded) restores unchecked."""
+    haliax = sys.modules.get("haliax")
+    if haliax is None:
+        return {}
+
+    def named(x: Any) -> bool:
+        return isinstance(x, haliax.NamedArray)
+
+    return {
+        jax.tree_util.keystr(path): [axis.name for axis in node.axes]
+        for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=named)[0]
+        if named(node) and any(map(is_array_like, jax.tree.leaves(node)))
+    }
 
 
 def _recipe_fields(text: str) -> tuple[str, dict[str, str]] | None:
@@ -195,6 +217,8 @@ def check_fp8_record(
                 problems.append(
                     f"leaf {where}: checkpoint has {_describe(s)}, target has {_describe(e)}"
                 )
+    axes = [] if problems else _axes_problems(saved.get("axes", {}), expected.get("axes", {}))
+    problems += axes
     if problems:
         shown = "\n  - ".join(problems[:10])
         more = f"\n  (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -202,7 +226,26 @@ def check_fp8_record(
             f"Checkpoint {os.fspath(path)!r} does not match the state to restore into; nothing "
             f"was loaded:\n  - {shown}{more}\nBuild `like` with the same fp8_linear_layers "
             "config (targets, recipes, telemetry), optimizer and loss scale as when saving."
+            + (_AXES_HINT if axes else "")
         )
+
+
+_AXES_HINT = (
+    "\nA Haliax array restores only under the axis names, in the order, it was saved with. To "
+    "restore anyway, give `like` the saved axes (`haliax.rename` its arrays to the saved names; "
+    "for another order, build it in the saved one), load, then rename (or `haliax.rearrange`) "
+    "the result."
+)
+
+
+def _axes_problems(saved: dict[str, list[str]], expected: dict[str, list[str]]) -> list[str]:
+    """How the axis names of the Haliax arrays at the same paths differ (an array read under
+    other names, or in another order, would mean another thing)."""
+    return [
+        f"leaf {w}: checkpoint has axes {tuple(saved[w])}, target has axes {tuple(expected[w])}"
+        for w in sorted(set(saved) & set(expected))
+        if saved[w] != expected[w]
+    ]
 
 
 def _describe(entry: list | None) -> str:
@@ -231,6 +274,11 @@ def parse_record(data: bytes, path: os.PathLike | str) -> dict[str, Any]:
         and isinstance(record.get("leaves"), dict)
         and all(isinstance(v, dict) and "name" in v for v in record["fp8_layers"].values())
         and all(isinstance(v, list) for v in record["leaves"].values())
+        and isinstance(record.get("axes", {}), dict)
+        and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v)
+            for v in record.get("axes", {}).values()
+        )
     )
     if not ok:
         raise corrupt(path, "its record does not list FP8 layers and leaves")

@@ -1,0 +1,71 @@
+"""Where a checkpoint's arrays live: gathered whole from other processes' devices for the
+Equinox file, which process 0 alone writes; placed, on reading, as the `like` state's arrays
+are (their shardings, committed or not)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> Any:
+    """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
+    or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
+    state's, on the default device), uncommitted too, so that `jit` still places it beside
+    arrays sharded over several devices (committed to one device, it would refuse them); as
+    NumPy where `like` is NumPy."""
+    if isinstance(like, np.ndarray):
+        return np.asarray(value)
+    if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
+        return value if getattr(like, "committed", True) else jnp.asarray(np.asarray(value))
+    sharding = like.sharding
+    if isinstance(like, jax.ShapeDtypeStruct) and (
+        not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1
+    ):
+        # Abstract, on one device or none said (`eval_shape` says the default one for what is
+        # made uncommitted, a step's count): on the default device, uncommitted; on another
+        # device that `like` names, there.
+        value = jnp.asarray(value)
+        if isinstance(sharding, jax.sharding.Sharding) and sharding.device_set != value.devices():
+            return jax.device_put(value, sharding)
+        return value
+    if isinstance(like, jax.Array) and not like.committed:
+        return jnp.asarray(np.asarray(value))
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def gather(state: Any) -> Any:
+    """`state` with each array that spans other processes' devices gathered to NumPy (a
+    collective: every process calls it)."""
+    return jax.tree.map(
+        lambda a: (
+            multihost_utils.process_allgather(a, tiled=True)
+            if isinstance(a, jax.Array) and not a.is_fully_addressable
+            else a
+        ),
+        state,
+    )
+
+
+def on_process_zero(what: str, write: Callable[[], None]) -> None:
+    """Run `write()` on process 0 alone; every process returns when it has finished, and raises
+    if it failed (a collective: every process calls it)."""
+    if jax.process_count() == 1:
+        write()
+        return
+    error = None
+    if jax.process_index() == 0:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+            error = e
+    ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"save_checkpoint: process 0 failed to {what}; its error says why.")
