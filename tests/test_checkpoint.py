@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 import stat
 
 import equinox as eqx
@@ -710,6 +711,73 @@ def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)}, backend="orbax")
     np.testing.assert_array_equal(restored["w"], second["w"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def stop_before_renaming(monkeypatch, stop):
+    """Make `os.replace` stop a save as a killed process would (no clean-up runs) when
+    `stop(source)` says so."""
+    replace = os.replace
+
+    def stopping(source, target):
+        if stop(os.fspath(source)):
+            monkeypatch.setattr(os, "unlink", lambda *a, **k: None)  # killed: nothing removed
+            raise SystemExit("killed")
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", stopping)
+
+
+@needs_orbax
+def test_a_save_stopped_between_its_renames_names_what_it_left(monkeypatch, tmp_path):
+    """An orbax save stopped between its two renames leaves no `<path>`, the previous
+    checkpoint at `<path>.old` and the new, complete one at `<path>.tmp`: loading names both
+    and says which is which (with either backend), and renaming one as the message says
+    restores it. It said only "no checkpoint at '<path>'"."""
+    path = tmp_path / "ckpt"
+    first, second, like = {"w": jnp.arange(4.0)}, {"w": jnp.arange(4.0) + 10}, {"w": jnp.zeros(4)}
+    fp8jax.save_checkpoint(path, first, backend="orbax")
+    with monkeypatch.context() as m:
+        stop_before_renaming(m, lambda source: source.endswith("ckpt.tmp"))
+        with pytest.raises(SystemExit):
+            fp8jax.save_checkpoint(path, second, backend="orbax")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.old", "ckpt.tmp"]
+    new, old = repr(os.fspath(tmp_path / "ckpt.tmp")), repr(os.fspath(tmp_path / "ckpt.old"))
+    for backend in ("orbax", "equinox"):
+        with pytest.raises(FileNotFoundError, match="no checkpoint at") as info:
+            fp8jax.load_checkpoint(path, like, backend=backend)
+        message = str(info.value)
+        assert f"{new} (the new checkpoint that save wrote, complete" in message, message
+        assert f"{old} (the previous checkpoint, complete" in message, message
+        assert f"rename it to {repr(os.fspath(path))}" in message, message
+        assert ("backend='orbax'" in message) == (backend == "equinox"), message
+    (tmp_path / "ckpt.old").rename(path)  # the previous one, as the message says
+    restored = fp8jax.load_checkpoint(path, like, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], first["w"])
+    shutil.rmtree(path)
+    (tmp_path / "ckpt.tmp").rename(path)  # or the new one
+    restored = fp8jax.load_checkpoint(path, like, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], second["w"])
+
+
+def test_an_equinox_save_stopped_before_its_rename_names_its_file(monkeypatch, tmp_path):
+    """A first Equinox save killed before its one rename leaves its temporary file and no
+    `<path>`: loading names that file; renamed to `<path>` as the message says, it loads
+    (complete: stopped just before the rename). It said "No such file or directory"."""
+    path = tmp_path / "ckpt.eqx"
+    saved = {"w": jnp.arange(4.0)}
+    with monkeypatch.context() as m:
+        stop_before_renaming(m, lambda source: source.endswith(".tmp"))
+        with pytest.raises(SystemExit):
+            fp8jax.save_checkpoint(path, saved)
+    (left,) = tmp_path.iterdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at") as info:
+        fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)})
+    message = str(info.value)
+    assert f"{repr(os.fspath(left))} (a file a save was writing" in message, message
+    assert f"rename it to {repr(os.fspath(path))}" in message, message
+    left.rename(path)
+    restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)})
+    np.testing.assert_array_equal(restored["w"], saved["w"])
 
 
 def test_mxfp8_s_scaled_matmul_choice_is_not_part_of_the_checkpoint(tmp_path):

@@ -23,6 +23,7 @@ state = fp8jax.load_checkpoint("ckpt.eqx", like=train_step.init(model))
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pathlib
@@ -65,7 +66,11 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
 
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
       completely or not at all: the data goes to a temporary name first. An orbax save
-      replaces only a checkpoint it wrote (else `FileExistsError`, nothing written).
+      replaces only a checkpoint it wrote (else `FileExistsError`, nothing written). An
+      orbax save stopped between its two renames leaves no `path`, the checkpoint it
+      replaced at `<path>.old` and its own, complete, at `<path>.tmp`;
+      [`fp8jax.load_checkpoint`][] names them (and an Equinox save's `<path>.*.tmp`
+      file, if one was killed before its rename), saying which to rename to `path`.
     - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
       they come from the `like` given to [`fp8jax.load_checkpoint`][]; with `"orbax"`,
       neither are Python numbers among the leaves (their types are recorded and checked):
@@ -107,7 +112,9 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
             )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp")
+        tmp = tempfile.NamedTemporaryFile(
+            dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False
+        )
     except OSError as e:  # name the checkpoint, not only the temporary file
         raise type(e)(
             e.errno, f"save_checkpoint: cannot write {os.fspath(path)!r}: {e.strerror}", e.filename
@@ -166,7 +173,9 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     `haliax.rearrange` the result; a checkpoint written before fp8jax recorded axis names
     restores unchecked); `ValueError` for a
     file or directory that is not a checkpoint, or is truncated or corrupt (data missing or
-    left over; an orbax directory copied half-way).
+    left over; an orbax directory copied half-way); `FileNotFoundError` if nothing is at
+    `path`, naming what a save to it stopped half-way left beside it (its new checkpoint, the
+    one it replaced) and which to rename to `path`.
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
@@ -176,6 +185,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         data = keys_as_data(target)
         check_fp8_record(saved, fp8_record(data), path)
         return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
+    if not path.exists():
+        raise _no_checkpoint(path, backend)
     if path.is_dir():
         raise IsADirectoryError(
             f"load_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' reads the "
@@ -402,13 +413,43 @@ def _orbax_record(path: pathlib.Path) -> bytes:
             "checkpoints are files: backend='equinox')."
         )
     if not path.is_dir():
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint at {os.fspath(path)!r}.")
+        raise _no_checkpoint(path, "orbax")
     if not (path / _RECORD).is_file():
         raise ValueError(
             f"{os.fspath(path)!r} is not an fp8jax checkpoint (a directory without "
             f"{_RECORD}); write one with fp8jax.save_checkpoint(..., backend='orbax')."
         )
     return (path / _RECORD).read_bytes()
+
+
+def _no_checkpoint(path: pathlib.Path, backend: str) -> FileNotFoundError:
+    """The error for nothing at `path`, naming what a save to it stopped half-way left beside
+    it (an orbax save's `<path>.tmp` and `<path>.old`, an Equinox save's temporary file),
+    which is which, and which to rename to `path`."""
+    at = repr(os.fspath(path))
+    new, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    orbax = ", written with backend='orbax'" if backend != "orbax" else ""
+    left = []
+    if (new / _RECORD).is_file():
+        left.append(
+            f"{os.fspath(new)!r} (the new checkpoint that save wrote, complete{orbax}: rename "
+            f"it to {at} to restore it)"
+        )
+    elif new.is_dir():
+        left.append(f"{os.fspath(new)!r} (the new checkpoint that save was writing, incomplete)")
+    if (old / _RECORD).is_file():
+        left.append(
+            f"{os.fspath(old)!r} (the previous checkpoint, complete{orbax}: rename it to {at} "
+            "to restore it)"
+        )
+    for tmp in sorted(path.parent.glob(glob.escape(path.name) + ".*.tmp")):
+        if tmp.is_file():
+            left.append(
+                f"{os.fspath(tmp)!r} (a file a save was writing, killed before its rename: "
+                f"rename it to {at} and load it; one cut short is refused as truncated)"
+            )
+    found = f" A save to it stopped half-way left {'; '.join(left)}." if left else ""
+    return FileNotFoundError(f"load_checkpoint: no checkpoint at {at}.{found}")
 
 
 def _check_replaceable(path: pathlib.Path) -> None:
