@@ -276,6 +276,34 @@ def test_explicit_mesh_matches_no_mesh_and_lax_shardings(recipe):
             eqx.filter_jit(lambda d, x, w: d(x, w, dims))(dot, *split)  # as lax raises
 
 
+def test_operands_made_outside_an_explicit_mesh_compute_as_without_it():
+    """Operands typed on no mesh (made outside it, or NumPy) under a mesh with Explicit axes
+    and no `out_sharding`: value, gradients and new state equal the step without a mesh,
+    the output and gradients sharded as lax.dot_general's are (it raised "Missing required
+    keyword argument: 'out_sharding'")."""
+    dims = (((1,), (0,)), ((), ()))
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    for recipe in ("delayed", fp8jax.BlockwiseScaling(block_size=32)):
+        dot = fp8jax.Fp8DotGeneral(recipe)
+        loss = lambda p: jnp.sum(p[0](p[1], p[2], dims) ** 2)  # noqa: E731
+        step = eqx.filter_jit(fp8jax.filter_value_and_grad(loss))
+        want = step((dot, x, w))
+        with jax.set_mesh(mesh):
+            got = step((dot, x, w))
+            y = eqx.filter_jit(lambda d, x, w: d(x, w, dims))(dot, x, w)
+            lax_y = jax.jit(lambda x, w: lax.dot_general(x, w, dims))(x, w)
+            lax_loss = lambda x, w: jnp.sum(lax.dot_general(x, w, dims) ** 2)  # noqa: E731
+            lax_grads = jax.jit(jax.grad(lax_loss, argnums=(0, 1)))(x, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert y.sharding.is_equivalent_to(lax_y.sharding, 2), recipe
+        for g, lax_g in zip(got[1][1:], lax_grads, strict=True):
+            assert g.sharding.is_equivalent_to(lax_g.sharding, 2), recipe
+
+
 def test_dtypes_follow_dot_general():
     dot = fp8jax.Fp8DotGeneral()
     x = jnp.ones((4, 8), jnp.bfloat16)

@@ -226,6 +226,25 @@ def explicit_mesh(*arrays: Any) -> Any:
     return None
 
 
+def _gradient_on_mesh(x: Any) -> Any:
+    """`x`, its gradient (if a float array) typed on the mesh in scope, replicated, as lax's
+    transposes type the gradients of operands typed on no mesh; computed off the mesh, it
+    would be typed on none."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+        return _replicated_gradient(x)
+    return x
+
+
+@jax.custom_vjp
+def _replicated_gradient(x: Array) -> Array:
+    return x
+
+
+_replicated_gradient.defvjp(
+    lambda x: (x, None), lambda _, g: (jax.sharding.reshard(g, jax.sharding.PartitionSpec()),)
+)
+
+
 def on_auto_axes(
     compute: Callable[..., Array], *operands: Any, out_sharding: Any, explicit: bool
 ) -> Array:
@@ -233,10 +252,18 @@ def on_auto_axes(
     Explicit axes (`explicit`: `explicit_mesh` of the GEMM's operands), `compute` runs with
     them as Auto axes: XLA then partitions the FP8 GEMMs, their quantization and their
     kernels as under an automatic mesh, where JAX has no sharding rule for several of them
-    (a ragged dot, `jnp.repeat` of block scales, a kernel call); there `out_sharding` is
-    required."""
+    (a ragged dot, `jnp.repeat` of block scales, a kernel call). There `out_sharding` `None`
+    says that the operands are typed on no mesh (made outside it), as lax then types its
+    output: `compute` runs off the mesh, its output's sharding left to XLA as lax's is."""
     if not explicit:
         return resharded(compute(*operands), out_sharding)
+    if out_sharding is None:
+        # Off the mesh: in its scope the FP8 GEMM's output would be typed replicated on it
+        # (a scale broadcast there is), where lax's is on none (a nested jit's out_shardings
+        # then decide it). Its gradients are typed on the mesh as lax's transposes type them.
+        operands = jax.tree.map(_gradient_on_mesh, operands)
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return compute(*operands)
     arrays, rest = eqx.partition(operands, lambda x: isinstance(x, jax.Array))
 
     def run(arrays: Any) -> Array:
