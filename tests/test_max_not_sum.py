@@ -78,6 +78,51 @@ def test_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, recipe):
             np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6, err_msg=role)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"split_activation": True, "predict_lo_scale": True}, {"nf_aware": True}],
+    ids=["plain", "predicted-lo", "nf-aware"],
+)
+def test_residual_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, options):
+    """ResidualFP8 scales each operand by its own amax too (but the kernel under `nf_aware`,
+    by 3 standard deviations): two uses' states combined by max put the larger amax beside
+    the larger scale, that of the smaller amax (448 beside 7). The state must hold the scale
+    of the amax it records, and a predicted W_lo scale that scale's; a scale that is not a
+    function of the amax stays the one the kernel's uses computed."""
+    recipe = fp8jax.ResidualFP8(**options)
+    lin = eqx.nn.Linear(32, 32, key=getkey())
+    linear = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(recipe=recipe))
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.standard_normal((2, 4, 32)) * [[[0.3]], [[7.0]]]).astype(np.float32)
+    c1, c2 = (rng.standard_normal((2, 4, 32)) * [[[3.0]], [[0.01]]]).astype(np.float32)
+
+    def twice(m):
+        return jnp.sum(jax.vmap(m)(x1) * c1) + jnp.sum(jax.vmap(m)(x2) * c2)
+
+    grads = fp8jax.filter_grad(twice)(linear)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    merged = fp8jax.apply_updates(linear, None, overwrites)
+    assert newest(grads) == {
+        "input": amax(x1, x2),
+        "kernel": amax(lin.weight),
+        "output_grad": amax(c1, c2),
+    }
+    e4m3 = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    w = np.float64(lin.weight)
+    for tree in (grads, merged):
+        dot = tree.dot_general
+        for role in ("input", "kernel", "output_grad"):
+            state = getattr(dot, role)
+            if role == "kernel" and recipe.nf_aware:
+                want = e4m3 / (3.0 * w.std())
+            else:
+                want = e4m3 / np.float64(state.amax_history[0])
+            np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
+        if recipe.predict_lo_scale:  # W_lo's scale: E4M3's max over half a step of 256..448
+            want = float(dot.input.scale) * e4m3 / 16.0
+            np.testing.assert_allclose(float(dot.input.lo_scale), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("grad", [eqx.filter_grad, fp8jax.filter_grad], ids=["eqx", "fp8jax"])
 def test_vmap_over_batch_equals_the_batched_call(linear, grad):
     rng = np.random.default_rng(1)

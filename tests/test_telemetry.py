@@ -594,7 +594,7 @@ def test_report_prints_output_gradients_in_the_losss_units(getkey):
     assert text.splitlines()[-1].startswith("output_grad in the loss's units")
 
 
-@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8", "residual"])
 def test_report_after_a_loss_scale_change_is_of_the_latest_step(getkey, recipe):
     """Recipes that scale each step by its own amax, under a dynamic loss scale that grows
     every step and backs off after an overflow: the report given the new loss scale prints

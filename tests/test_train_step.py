@@ -620,3 +620,41 @@ def test_a_growing_loss_scale_saturates_no_output_gradient(rescaled, getkey, mon
         assert saturated == [0.0] * 4, saturated
     else:
         assert saturated[0] == 0.0 and all(s > 0 for s in saturated[1:]), saturated
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.CurrentScaling(), fp8jax.ResidualFP8(error_feedback=True)],
+    ids=["current", "residual"],
+)
+def test_rescaled_recorded_gradient_states_change_no_training_number(recipe, monkeypatch):
+    """Recipes that scale each step's output gradient by its own amax only record it: the
+    step's rescaling with a loss scale that grows, then backs off (telemetry's units), must
+    leave every loss, weight and the states their steps read (ResidualFP8's carried kernel
+    error) bit for bit as a run without it; only the recorded output-gradient amaxes
+    differ."""
+    from fp8jax._src.train import step as step_module
+
+    mlp = eqx.nn.MLP(8, 1, 16, 1, key=jax.random.key(0))
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    batches = [data(jax.random.key(i), n=16) for i in range(4)]
+    batches[2] = (batches[2][0].at[0, 0].set(jnp.inf), batches[2][1])  # an overflow: backoff
+    runs = {}
+    for rescaled in (True, False):
+        if not rescaled:
+            monkeypatch.setattr(step_module, "rescale_gradient_states", lambda tree, ratio: tree)
+        scale = fp8jax.DynamicLossScale(2.0**4, period=1)
+        step = fp8jax.make_train_step(mse, optax.sgd(1e-2), loss_scale=scale)
+        state = step.init(model)
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, *batch)
+            losses.append(metrics.loss)
+        ops = [layer.dot_general for layer in state.model.layers]
+        read = [(op.input, op.kernel, op.output_grad.amax_history) for op in ops]
+        runs[rescaled] = (losses, [(m.weight, m.bias) for m in state.model.layers], read)
+        assert float(state.loss_scale.loss_scale) == 2.0**6  # 2**4, x2, x2, /2, x2
+    assert bits(runs[True][:2]) == bits(runs[False][:2])
+    assert bits([r[:2] for r in runs[True][2]]) == bits([r[:2] for r in runs[False][2]])
+    # What the rescaling is for: the recorded amaxes in the latest loss scale's units.
+    assert bits([r[2] for r in runs[True][2]]) != bits([r[2] for r in runs[False][2]])

@@ -19,7 +19,7 @@ from jaxtyping import Array
 from ..core.stats import Fp8Stats
 from ..core.updates import OverwriteWithGradient
 from ..gemm.vjp import States
-from ..recipes import ROLES, DelayedScaling, Recipe, TensorState
+from ..recipes import ROLES, DelayedScaling, Recipe, ResidualState, TensorState
 from ..recipes.base import inverse_scale
 from ..recipes.per_tensor import next_scales
 
@@ -99,7 +99,9 @@ def with_recorded_scales(op: Any) -> Any:
     """`op`, a state received through the gradient, with each operand's scale (and inverse)
     the one its recipe records beside the operand's newest amax (`Recipe.recorded_scale`),
     where that amax is positive and finite; as it is for delayed scaling (its merge computes
-    the scale from the history).
+    the scale from the history). A [`fp8jax.ResidualState`][]'s `W_lo` scale too where
+    it is a function of that scale (`ResidualFP8.recorded_lo_scale`); others are left as
+    the uses' max (a scale not of the amax: `nf_aware`'s kernel, a measured `W_lo` scale).
 
     The uses of a layer in one step ([`fp8jax.filter_value_and_grad`][],
     [`fp8jax.nnx_value_and_grad`][]) combine their states leaf by leaf by max: the largest
@@ -112,7 +114,7 @@ def with_recorded_scales(op: Any) -> Any:
     states = {}
     for r in ROLES:
         state = getattr(op, r)
-        if type(state) is not TensorState or not eqx.is_array(state.amax_history):
+        if type(state) not in (TensorState, ResidualState) or not eqx.is_array(state.amax_history):
             continue
         amax = state.amax_history[..., 0]
         scale = op.recipe.recorded_scale(amax, r)
@@ -120,6 +122,11 @@ def with_recorded_scales(op: Any) -> Any:
             continue
         ok = (amax > 0.0) & jnp.isfinite(amax)
         scale = jnp.where(ok, scale.astype(state.scale.dtype), state.scale)
+        if type(state) is ResidualState:
+            lo = op.recipe.recorded_lo_scale(scale, r)
+            lo = state.lo_scale if lo is None else jnp.where(ok, lo, state.lo_scale)
+            states[r] = ResidualState(scale, state.amax_history, lo, state.error)
+            continue
         inverse = jnp.where(ok, inverse_scale(scale), state.scale_inv)
         states[r] = TensorState(scale, state.amax_history, inverse)
     if not states:
@@ -166,7 +173,7 @@ def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
     (telemetry, in the new loss scale's units). Other recipes' ops as they are.
     `fp8jax.rescale_gradient_states` of one op, on arrays."""
     state = op.output_grad
-    if not isinstance(state, TensorState):
+    if not isinstance(state, TensorState | ResidualState):
         return op
     history = jnp.where(keep, state.amax_history, state.amax_history * ratio)
     if isinstance(op.recipe, DelayedScaling):
@@ -180,7 +187,11 @@ def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
     # A ratio of 1 keeps the scale as it is, even one set by hand that the history would
     # not give; so does a history that holds no amax (0: "none yet", for a recorded one).
     scale = jnp.where(keep | ~(scale > 0.0), state.scale, scale)
-    return eqx.tree_at(lambda o: o.output_grad, op, TensorState(scale, history))
+    if type(state) is ResidualState:  # an output gradient is one term: no W_lo scale
+        new = ResidualState(scale, history, state.lo_scale, state.error)
+    else:
+        new = TensorState(scale, history)
+    return eqx.tree_at(lambda o: o.output_grad, op, new)
 
 
 def with_rejected_counts(tree: Any, *others: Any) -> Any:

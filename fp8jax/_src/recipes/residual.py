@@ -136,6 +136,24 @@ class ResidualFP8(HybridFormats):
         half_step = 2.0 ** (top - jnp.finfo(dtype).nmant) / 2
         return fp8_max(dtype) / half_step
 
+    def recorded_scale(self, amax: Array, role: Role) -> Array | None:
+        """`W_hi`'s scale beside the operand's amax (`Recipe.recorded_scale`); `None` for the
+        kernel under `nf_aware`, whose scale comes from its standard deviation, not its
+        amax (a layer's uses then keep the largest of theirs)."""
+        if self.nf_aware and role == "kernel":
+            return None
+        return compute_scale(amax, amax, fp8_max(self.format(role)))
+
+    def recorded_lo_scale(self, scale: Array, role: Role) -> Array | None:
+        """`W_lo`'s scale beside `W_hi`'s `scale`, where it is a function of it
+        (`predict_lo_scale`, for an operand split in two); `None` elsewhere: measured, it
+        comes from the amax of what `W_hi` missed, which the state does not record (a
+        layer's uses then keep the largest of theirs), and an operand kept whole records 1."""
+        two = role == "kernel" or (role == "input" and self.split_activation)
+        if not (two and self.predict_lo_scale):
+            return None
+        return jnp.minimum(scale * self.lo_scale_ratio(), MAX_SCALE)
+
     def _split(self, x: Array, owner: Array, previous: ResidualState, role: Role, two: bool):
         fmt = self.format(role)
         fmt_max = fp8_max(fmt)
@@ -150,7 +168,7 @@ class ResidualFP8(HybridFormats):
             return (hi,), scale, current, previous.lo_scale, None
         rest = x.astype(jnp.float32) - hi.data.astype(jnp.float32) * hi.scale_inv
         if self.predict_lo_scale:
-            lo_scale = jnp.minimum(scale * self.lo_scale_ratio(), MAX_SCALE)
+            lo_scale = self.recorded_lo_scale(scale, role)
         else:
             lo_scale = compute_scale(self.amax(rest, owner), previous.lo_scale, fmt_max)
         lo = QTensor(quantize(rest, lo_scale, fmt), 1.0 / lo_scale)

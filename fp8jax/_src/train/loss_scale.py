@@ -39,7 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..core.updates import is_fp8_state
 from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state, with_rejected_counts
-from ..recipes.base import TensorState
+from ..recipes import ResidualState, TensorState
 
 T = TypeVar("T")
 L = TypeVar("L", bound="LossScale")
@@ -327,11 +327,11 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     twice what the history allows and the largest would saturate for that step; after a
     backoff they would use a scale one bit short until the history forgets. Call this with
     `new_loss_scale / old_loss_scale` when the scale changes ([`fp8jax.make_train_step`][]
-    does). Current scaling and the block recipes scale each step's gradients by their own
-    amax, which their state only records: rescaled, it is in the new loss scale's units, so
-    that [`fp8jax.report`][] given that scale prints the latest step's gradients (it printed
-    them divided by the ratio). ResidualFP8's states are left as they are, as are unrecorded
-    states (a scale of 0 stays 0: the warm start still waits).
+    does). Current scaling, the block recipes and ResidualFP8 scale each step's gradients by
+    their own amax, which their state only records: rescaled, it is in the new loss scale's
+    units, so that [`fp8jax.report`][] given that scale prints the latest step's gradients
+    (it printed them divided by the ratio). Unrecorded states are left as they are (a scale
+    of 0 stays 0: the warm start still waits).
 
     **Arguments:**
 
@@ -352,11 +352,11 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     ratio, keep = checked_ratio(ratio, "rescale_gradient_states")
 
     def rescale(op: Any) -> Any:
-        if not isinstance(op, AbstractFp8Op) or not isinstance(op.output_grad, TensorState):
-            return op
-        if isinstance(op.output_grad, TensorState) and not eqx.is_array(
-            op.output_grad.amax_history
+        if not isinstance(op, AbstractFp8Op) or not isinstance(
+            op.output_grad, TensorState | ResidualState
         ):
+            return op
+        if not eqx.is_array(op.output_grad.amax_history):
             # An NNX model's layers hold their arrays in `nnx.Variable`s.
             raise TypeError(
                 f"rescale_gradient_states: layer {op.name!r} holds its state in "
