@@ -263,9 +263,10 @@ def test_a_layer_used_twice_keeps_the_larger_amax():
 
 
 def test_a_layer_used_twice_keeps_the_scale_of_the_larger_amax():
-    """Current scaling records each step's amax and the scale it gives: merged after two uses,
-    the state holds the larger amax and its scale (computed in float64), not the larger of
-    the two uses' scales (that of the smaller amax)."""
+    """Current scaling records each step's amax and the scale it gives: in the gradients
+    `nnx_value_and_grad` returns (as `fp8jax.filter_value_and_grad`'s) and merged after two
+    uses, the state holds the larger amax and its scale (computed in float64), not the
+    larger of the two uses' scales (that of the smaller amax)."""
     layer = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config("current"))
     rng = np.random.default_rng(4)
     x1 = 0.3 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
@@ -277,14 +278,18 @@ def test_a_layer_used_twice_keeps_the_scale_of_the_larger_amax():
         return jnp.sum(m(x1) * c1) + jnp.sum(m(x2) * c2)
 
     _, grads = fp8jax.nnx_value_and_grad(twice)(layer)
+    received = grads["fc"]["dot_general"]["state"]
     fp8jax.nnx_update_fp8_state(layer, grads)
-    state = layer.fc.dot_general.value()
-    assert float(state.input.amax_history[0]) == float(jnp.abs(x2).max())
+    merged = layer.fc.dot_general.value()
+    assert float(merged.input.amax_history[0]) == float(jnp.abs(x2).max())
+    names = ("amax_history", "scale", "scale_inv")
     for role, dtype in (("input", jnp.float8_e4m3fn), ("output_grad", jnp.float8_e5m2)):
-        got = getattr(state, role)
-        exact = float(jnp.finfo(dtype).max) / np.float64(got.amax_history[0])
-        want = 2.0 ** np.floor(np.log2(exact))
-        assert (float(got.scale), float(got.scale_inv)) == (want, 1 / want), role
+        sent = [jnp.ravel(received[role][name].get_value())[0] for name in names]
+        kept = [jnp.ravel(getattr(getattr(merged, role), name))[0] for name in names]
+        for where, (amax, scale, scale_inv) in (("gradients", sent), ("merged", kept)):
+            exact = float(jnp.finfo(dtype).max) / np.float64(amax)
+            want = 2.0 ** np.floor(np.log2(exact))
+            assert (float(scale), float(scale_inv)) == (want, 1 / want), (role, where)
 
 
 def test_plain_nnx_grad_refuses_a_layer_used_twice():

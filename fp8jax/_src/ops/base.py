@@ -107,8 +107,8 @@ def with_recorded_scales(op: Any) -> Any:
     [`fp8jax.nnx_value_and_grad`][]) combine their states leaf by leaf by max: the largest
     amax, but beside it the largest scale, that of the smallest amax. This pairs the scale
     with the amax again, as one use of the larger amax records them (and as accumulated
-    microbatches keep them): `filter_value_and_grad` on its gradients, `nnx_update_fp8_state`
-    on what it merges."""
+    microbatches keep them): `filter_value_and_grad` and `nnx_value_and_grad` on their
+    gradients, `nnx_update_fp8_state` on what it merges (plain `nnx.grad`'s too)."""
     if not isinstance(op, AbstractFp8Op):
         return op
     states = {}

@@ -81,7 +81,9 @@ def nnx_value_and_grad(
     variables and its [`fp8jax.Fp8State`][], whose uses combine by max.
 
     The gradient is an `nnx.State` holding the `wrt` gradients and, for each `Fp8State`, its
-    new value. Pass it to [`fp8jax.nnx_update_fp8_state`][] and to `optimizer.update` (an
+    new value (for a layer used several times, the largest amax and, where its recipe
+    records one, the scale of that amax beside it, as [`fp8jax.filter_value_and_grad`][]
+    gives them). Pass it to [`fp8jax.nnx_update_fp8_state`][] and to `optimizer.update` (an
     `nnx.Optimizer` with the same `wrt` ignores the `Fp8State`).
 
     Plain `nnx.value_and_grad(fun, argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))`
@@ -144,9 +146,14 @@ def nnx_value_and_grad(
         graph_updates=True,
     )
 
+    def paired(model: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        value, grads = value_and_grad(model, *args, **kwargs)
+        _pair_recorded_scales(model, grads)
+        return value, grads
+
     def split_call(traced: list, static: _Static) -> tuple[Any, Any]:
         args, kwargs = static.merge(traced)
-        return value_and_grad(*args, **kwargs)
+        return paired(*args, **kwargs)
 
     jitted = nnx.jit(split_call, static_argnums=1, graph=True, graph_updates=True)
 
@@ -155,7 +162,7 @@ def nnx_value_and_grad(
         if not args:
             raise TypeError("nnx_value_and_grad: call it with the model as first argument.")
         if jax_private.tracing():
-            return value_and_grad(*args, **kwargs)
+            return paired(*args, **kwargs)
         return jitted(*_Static.split((args, kwargs)))
 
     return run
@@ -171,14 +178,17 @@ def _sub_state(grads: Any, path: tuple[Any, ...]) -> Any:
     return node
 
 
+def _flat(tree: Any) -> dict[str, Any]:
+    """Each `Fp8State` of `tree` (an `nnx.State`, or a layer's `state`), by its dotted path."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+    return {".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in p): v for p, v in flat}
+
+
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """The shape of each `Fp8State` of `tree`, by its dotted path."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
     return {
-        ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path): tuple(
-            jax.numpy.shape(v.get_value() if is_variable(v) else v)
-        )
-        for path, v in flat
+        path: tuple(jax.numpy.shape(v.get_value() if is_variable(v) else v))
+        for path, v in _flat(tree).items()
     }
 
 
@@ -199,6 +209,26 @@ def _received(layer: AbstractFp8NnxDot, received: Any, path: tuple[Any, ...]) ->
     new = nnx.clone(layer, graph=True)
     nnx.update(new, nnx.State({"state": received}))
     return new.value()
+
+
+def _pair_recorded_scales(model: Any, grads: Any) -> None:
+    """`grads`' FP8 states (`nnx_value_and_grad`'s), in place, each given the scales its
+    recipe records beside its amaxes (`with_recorded_scales`: a layer's uses combine by
+    max, the largest amax beside the largest scale), as `fp8jax.filter_value_and_grad`'s
+    are. A layer whose recipe records none (delayed scaling) is left as it is: no op."""
+    for path, layer in nnx.iter_graph(model, graph=True):
+        received = _sub_state(grads, (*path, "state"))
+        if not isinstance(layer, AbstractFp8NnxDot) or received is None:
+            continue
+        op = _received(layer, received, path)
+        paired = with_recorded_scales(op)
+        if paired is op:
+            continue
+        new = nnx.clone(layer, graph=True)
+        new.set_value(paired)
+        fresh = _flat(new.state)
+        for key, variable in _flat(received).items():
+            variable.set_value(fresh[key].get_value())
 
 
 def nnx_update_fp8_state(model: Any, grads: Any) -> None:
@@ -250,7 +280,8 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
                 "pass its gradients unfiltered."
             )
         old = layer.value()
-        # Each scale paired with the largest amax of the layer's uses (`nnx_value_and_grad`).
+        # Each scale paired with the largest amax of the layer's uses (`nnx_value_and_grad`
+        # pairs its own gradients; plain `nnx.grad`'s arrive as the uses' max).
         new = with_recorded_scales(_received(layer, received, path))
         groups.setdefault(type(old), []).append((layer, old, new))
     for cls, group in groups.items():
