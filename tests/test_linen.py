@@ -542,6 +542,60 @@ def test_a_shared_module_keeps_the_larger_amax():
         jax.grad(lambda p: loss({"params": p, OWG: variables[OWG]}))(variables["params"])
 
 
+class Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, use_bias=False, name="fc")(x)
+
+
+class SharedScope(nn.Module):
+    """`Inner` called twice, its variables in this module's scope (`nn.share_scope`) or,
+    as a reference, in its own."""
+
+    share: bool
+
+    def setup(self):
+        self.inner = Inner()
+        if self.share:
+            nn.share_scope(self, self.inner)
+
+    def __call__(self, x1, x2):
+        return self.inner(x1), self.inner(x2)
+
+
+def test_a_module_in_a_shared_scope_runs_in_fp8_at_every_call():
+    """Flax gives a module in a shared scope (`nn.share_scope`) a fresh copy of the root
+    scope at its second call: that call is the same layer, in FP8, not a nested `.apply`
+    on variables of its own (which runs as written). Its outputs, gradients and new state
+    equal the same layer's in a scope of its own, the state's scale that of the larger
+    amax (current scaling: float64 E4M3 max over it, rounded down to a power of two)."""
+    rng = np.random.default_rng(4)
+    x1 = 0.3 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    x2 = 7.0 * jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    c1 = 3.0 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    c2 = 0.01 * jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    shared = fp8jax.fp8_linear_layers(SharedScope(True), config(recipe="current"))
+    variables = shared.init(jax.random.key(0), x1, x2)
+    apart = fp8jax.fp8_linear_layers(SharedScope(False), config(recipe="current"))
+    got = {}
+    for share, model in ((True, shared), (False, apart)):
+        if not share:  # the same variables, under the inner module's name
+            variables = {c: {"inner": v} for c, v in variables.items()}
+
+        def loss(v, model=model):
+            y1, y2 = model.apply(v, x1, x2)
+            return jnp.sum(y1 * c1) + jnp.sum(y2 * c2), (y1, y2)
+
+        (_, outs), grads = fp8jax.filter_value_and_grad(loss, has_aux=True)(variables)
+        state = fp8jax.apply_updates(variables[OWG], None, grads[OWG])
+        got[share] = outs, grads["params"], state if share else state["inner"]
+    assert_same(got[True], got[False], names=False)
+    state = got[True][2]["fc"]["fp8jax"].input
+    assert float(state.amax_history[0]) == float(jnp.abs(x2).max())
+    want = 2.0 ** np.floor(np.log2(448.0 / np.float64(state.amax_history[0])))
+    assert (float(state.scale), float(state.scale_inv)) == (want, 1 / want)
+
+
 # --- the train state ----------------------------------------------------------------------
 
 

@@ -234,10 +234,12 @@ def _interceptor(
             seen.root = module.scope.root
         kind = _kind(module)
         root = module.scope.root
-        if root is not seen.root and not root.path:
+        if root != seen.root and not root.path:
             # A nested `.apply` on variables of its own (Hugging Face's tied head): no place
             # for FP8 state, so it runs as written. (A lifted transform's scopes, nn.scan's
-            # or nn.remat's, have roots of their own too, but keep their path.)
+            # or nn.remat's, have roots of their own too, but keep their path; a module in a
+            # shared scope, `nn.share_scope`, called again gets a rewound copy of the root,
+            # which Flax's `Scope.__eq__` finds equal: the same variables, the same layers.)
             if kind is not None and context.method_name == "__call__":
                 seen.nested.setdefault(module.name or type(module).__name__, module)
             return next_fun(*args, **kwargs)
