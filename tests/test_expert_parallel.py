@@ -2,6 +2,7 @@
 FP8 layer) and combined back, inside `shard_map`, against the same MoE on one device."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -253,7 +254,7 @@ def test_no_tokens_go_through_the_exchange(recipe):
     assert grad.shape == (0, 32)
 
 
-@pytest.mark.parametrize("axes", ["Auto", "Explicit"])
+@pytest.mark.parametrize("axes", ["Auto", "Explicit", "Explicit-split"])
 @pytest.mark.parametrize("recipe", [None, "current", "blockwise"])
 def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh(recipe, axes):
     """Experts split over `expert` by a `shard_map` over that axis alone, `data` left to XLA:
@@ -261,8 +262,11 @@ def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh
     "ManualAxisType(varying=frozenset({'expert'}), ...)" from jnp.searchsorted). With `data`
     an Explicit axis (`jax.set_mesh`), the FP8 layer's dispatched GEMMs raised "Explicit
     sharding inference for ragged_dot_general is not currently implemented" (as the
-    high-precision layer's did). Now the output and gradients are those of the same block on
-    a mesh of the expert axis alone."""
+    high-precision layer's did). With the tokens also split over the Explicit `data` axis in
+    the body ("Explicit-split"), `expert_exchange` raised "Arguments to sort must be unsharded
+    over the sorting dimension" from its `jnp.argsort` (there an odd capacity: the rows
+    received cannot split over `data`). Now the output and gradients are those of the same
+    block on a mesh of the expert axis alone."""
     if recipe == "blockwise":
         recipe = fp8jax.BlockwiseScaling(block_size=32)
     elif recipe is not None:
@@ -274,14 +278,21 @@ def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh
     chosen, weights = _routed(64, seed=8)
     chosen = chosen % 8
     x = np.random.default_rng(9).standard_normal((64, 32)).astype(np.float32)
+    capacity = 127 if axes == "Explicit-split" else None
 
-    def moe(layer, x, chosen, weights):
-        plan = fp8jax.expert_exchange(chosen, 8, "expert")
+    def moe(layer, x, chosen, weights, split=False):
+        if split:  # each device's tokens also split over `data`
+            x, chosen, weights = (jax.sharding.reshard(a, P("data")) for a in (x, chosen, weights))
+        plan = fp8jax.expert_exchange(chosen, 8, "expert", capacity=capacity)
         return plan.combine(layer(x, plan), weights)
 
     def run(mesh, **manual):
+        if manual and axes == "Explicit-split":
+            moe_here = functools.partial(moe, split=True)
+        else:
+            moe_here = moe
         specs = (fp8jax.expert_specs(layer, "expert"), P("expert"), P("expert"), P("expert"))
-        f = jax.shard_map(moe, mesh=mesh, in_specs=specs, out_specs=P("expert"), **manual)
+        f = jax.shard_map(moe_here, mesh=mesh, in_specs=specs, out_specs=P("expert"), **manual)
 
         @eqx.filter_jit
         def out_and_grads(layer, x):
@@ -292,7 +303,7 @@ def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh
             return jax.tree.leaves(eqx.filter(out_and_grads(layer, x), eqx.is_inexact_array))
 
     want = run(_mesh({"expert": 4}))
-    mesh = _mesh({"data": 2, "expert": 4}, getattr(jax.sharding.AxisType, axes))
+    mesh = _mesh({"data": 2, "expert": 4}, getattr(jax.sharding.AxisType, axes.split("-")[0]))
     got = run(mesh, axis_names={"expert"})
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):

@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from ..core import jax_private
+from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.formats import fp8_max
 from ..recipes import QTensor
 from ..recipes.per_tensor import compute_scale
@@ -170,7 +172,17 @@ class ExpertExchange(eqx.Module):
         in expert order: `(R, ...)` (as `x`'s dtype: BF16 stays BF16). An FP8 grouped layer
         given the `ExpertExchange` quantizes first and dispatches FP8 instead."""
         self._check_tokens("dispatch: x", jnp.shape(x))
-        return _dispatch(self, x)
+        x = jnp.asarray(x)
+        # Under Explicit axes splitting the tokens, JAX has no rule for gathering split rows:
+        # there it runs with those axes Auto, the rows received split as `x`'s are (where
+        # they divide the capacity).
+        explicit = explicit_mesh(x) is not None
+        spec = None
+        if explicit:
+            rows, *rest = tuple(jax.typeof(x).sharding.spec) or (None,)
+            mesh = jax.typeof(x).sharding.mesh
+            spec = PartitionSpec(split_evenly(rows, self.capacity, mesh), *rest)
+        return on_auto_axes(_dispatch, self, x, out_sharding=spec, explicit=explicit)
 
     def dispatch_quantized(self, q: QTensor) -> QTensor:
         """`q`, this device's tokens quantized (`(tokens, K)` FP8 data; a per-tensor scale,
@@ -226,12 +238,25 @@ class ExpertExchange(eqx.Module):
                 f"be (tokens, top_k) = {(tokens, self.top_k)}, each token's routing weights "
                 "in the order of the experts it was planned with."
             )
-        back = _combine(self, y)  # (A, ...) in order
-        w = weights.reshape(-1)[self.order].astype(y.dtype)
-        w = w.reshape((-1,) + (1,) * (y.ndim - 1))
-        # Added to the tokens in expert order, as one device sorting its tokens would.
-        out = jnp.zeros((tokens, *y.shape[1:]), y.dtype)
-        return out.at[self.order // self.top_k].add(back * w)
+        y, weights = jnp.asarray(y), jnp.asarray(weights)
+        # Under Explicit axes (as `dispatch`), with those axes Auto: the tokens split as
+        # `weights`' are, the rest as `y`'s.
+        explicit = explicit_mesh(y, weights) is not None
+        spec = None
+        if explicit:
+            rows = jax.typeof(weights).sharding.spec[0]
+            spec = PartitionSpec(rows, *jax.typeof(y).sharding.spec[1:])
+        return on_auto_axes(_weighted_sum, self, y, weights, out_sharding=spec, explicit=explicit)
+
+
+def _weighted_sum(plan: ExpertExchange, y: Array, weights: Array) -> Array:
+    """`plan.combine(y, weights)`, its arguments checked."""
+    back = _combine(plan, y)  # (A, ...) in order
+    w = weights.reshape(-1)[plan.order].astype(y.dtype)
+    w = w.reshape((-1,) + (1,) * (y.ndim - 1))
+    # Added to the tokens in expert order, as one device sorting its tokens would.
+    out = jnp.zeros((weights.shape[0], *y.shape[1:]), y.dtype)
+    return out.at[plan.order // plan.top_k].add(back * w)
 
 
 def _rows(shape: tuple[int, ...]) -> Any:
@@ -366,6 +391,27 @@ def expert_exchange(
     capacity, num_experts = int(capacity), int(num_experts)
     if not isinstance(fp8_backward, bool):
         raise ValueError(f"expert_exchange: fp8_backward={fp8_backward!r}: should be a bool.")
+    # Under a mesh whose Explicit axes split the tokens (a `shard_map` over the experts' axis
+    # alone), JAX cannot sort along a split axis: the plan is made with those axes Auto, and
+    # every device of them holds all of it.
+    explicit = explicit_mesh(experts) is not None
+    plan = functools.partial(
+        _plan,
+        num_experts=num_experts,
+        axis_name=axis_name,
+        capacity=capacity,
+        fp8_backward=fp8_backward,
+    )
+    sharding = PartitionSpec() if explicit else None
+    return on_auto_axes(plan, experts, out_sharding=sharding, explicit=explicit)
+
+
+def _plan(
+    experts: Array, *, num_experts: int, axis_name: str, capacity: int, fp8_backward: bool
+) -> ExpertExchange:
+    """`expert_exchange`, its arguments checked."""
+    devices = lax.axis_size(axis_name)
+    top_k = experts.shape[1]
     local = num_experts // devices
     flat = experts.reshape(-1)
     # A choice outside the experts goes past the last one: sent nowhere (bincount would

@@ -14,10 +14,10 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..core.explicit import explicit_mesh, on_auto_axes
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..gemm.ragged_dot_general import ragged_dot
-from ..ops.base import explicit_mesh, on_auto_axes
 from ..ops.ragged_dot import (
     Fp8RaggedDot,
     check_dispatch_args,

@@ -13,10 +13,11 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
+from ..core.explicit import explicit_mesh, on_auto_axes
 from ..core.stats import Fp8Stats
 from ..gemm.dense import fp8_dot_general, normalize_dimension_numbers
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes
+from .base import AbstractFp8Op, merge_stats
 
 
 class Fp8DotGeneral(AbstractFp8Op):

@@ -13,19 +13,24 @@ from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
+from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.stats import ExpertStats
 from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
 from ..gemm.grouped_rules import check_recipe, native_choice
 from ..recipes import Recipe, TensorState, recipe_from
-from .base import AbstractFp8Op, explicit_mesh, merge_stats, on_auto_axes, pick_received
+from .base import AbstractFp8Op, merge_stats, pick_received
 
 
-def rows_by_outputs(lhs: Array, rhs: Array) -> PartitionSpec:
+def rows_by_outputs(lhs: Array, rhs: Array, received: int | None = None) -> PartitionSpec:
     """The output sharding of a ragged dot under a mesh with Explicit axes, which JAX leaves to
     `out_sharding` ("Explicit sharding inference ... not implemented"): the tokens as `lhs`'s
-    rows are, the outputs as `rhs`'s last axis is unless a mesh axis splits both."""
+    rows are, the outputs as `rhs`'s last axis is unless a mesh axis splits both. With
+    `received` (the rows of a dispatched call: its plan's capacity), rows that split `lhs`'s
+    unevenly are not split."""
     rows = jax.typeof(lhs).sharding.spec[0] if lhs.ndim else None
+    if received is not None:
+        rows = split_evenly(rows, received, jax.typeof(lhs).sharding.mesh)
     spec = tuple(jax.typeof(rhs).sharding.spec)
     outputs = spec[2] if len(spec) > 2 else None
 
@@ -331,7 +336,7 @@ class Fp8RaggedDot(AbstractFp8Op):
         out_dtype = self._output_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
         explicit = explicit_mesh(lhs, rhs) is not None
         if out_sharding is None and explicit:
-            out_sharding = rows_by_outputs(lhs, rhs)
+            out_sharding = rows_by_outputs(lhs, rhs, plan.capacity)
 
         def compute(lhs: Array, rhs: Array, plan: ExpertExchange, states: Any) -> Array:
             with self._name_scope():

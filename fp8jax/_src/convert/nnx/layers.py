@@ -14,8 +14,9 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
+from ...core.explicit import resharded
 from ...core.updates import register_state_variable
-from ...ops.base import resharded, state_tags
+from ...ops.base import state_tags
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
