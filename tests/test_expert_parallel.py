@@ -310,6 +310,37 @@ def test_a_shard_map_over_the_expert_axis_alone_exchanges_as_over_the_whole_mesh
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b)))
 
 
+def test_dispatch_quantized_takes_tokens_split_over_an_explicit_axis():
+    """`ExpertExchange.dispatch_quantized` called in a `shard_map` over the experts' axis
+    alone, the tokens split over the Explicit `data` axis in the body: it raised "Use
+    `.at[...].get(out_sharding=)` to provide output PartitionSpec for the gather" (JAX has no
+    Explicit rule for gathering split rows). Now the FP8 rows and their tiles' scales arrive
+    as on a mesh of the expert axis alone."""
+    chosen, _ = _routed(64, seed=8)
+    chosen = chosen % 8
+    x = np.random.default_rng(9).standard_normal((64, 32)).astype(np.float32)
+
+    def body(x, chosen, split=False):
+        if split:
+            x, chosen = (jax.sharding.reshard(a, P("data")) for a in (x, chosen))
+        plan = fp8jax.expert_exchange(chosen, 8, "expert", capacity=127)
+        data, scale_inv = exchange.quantize_tiles(x)  # one scale per row's tile
+        q = plan.dispatch_quantized(fp8jax.QTensor(data, scale_inv, (1, exchange.TILE)))
+        return q.data.astype(jnp.float32), q.scale_inv
+
+    def run(mesh, **manual):
+        f = functools.partial(body, split=bool(manual))
+        f = jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), **manual)
+        with jax.set_mesh(mesh):
+            return jax.jit(f)(x, chosen)
+
+    want = run(_mesh({"expert": 4}))
+    mesh = _mesh({"data": 2, "expert": 4}, jax.sharding.AxisType.Explicit)
+    got = run(mesh, axis_names={"expert"})
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 # --- an MoE block, expert parallel, against one device ----------------------------------------
 
 # Power-of-two scales (the per-tensor recipes' default) keep the quantized values exact

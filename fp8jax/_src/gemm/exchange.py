@@ -173,16 +173,27 @@ class ExpertExchange(eqx.Module):
         given the `ExpertExchange` quantizes first and dispatches FP8 instead."""
         self._check_tokens("dispatch: x", jnp.shape(x))
         x = jnp.asarray(x)
-        # Under Explicit axes splitting the tokens, JAX has no rule for gathering split rows:
-        # there it runs with those axes Auto, the rows received split as `x`'s are (where
-        # they divide the capacity).
-        explicit = explicit_mesh(x) is not None
-        spec = None
-        if explicit:
-            rows, *rest = tuple(jax.typeof(x).sharding.spec) or (None,)
-            mesh = jax.typeof(x).sharding.mesh
-            spec = PartitionSpec(split_evenly(rows, self.capacity, mesh), *rest)
-        return on_auto_axes(_dispatch, self, x, out_sharding=spec, explicit=explicit)
+        spec = self._received_spec(x)
+        return on_auto_axes(_dispatch, self, x, out_sharding=spec, explicit=spec is not None)
+
+    def _received_spec(self, x: Array) -> Any:
+        """Under Explicit axes (`None` otherwise), where JAX has no rule for gathering split
+        rows, so that the rows of `x (tokens, ...)` move with those axes Auto: the rows
+        received split as `x`'s are (where they divide the capacity), the rest as `x`'s."""
+        if explicit_mesh(x) is None:
+            return None
+        rows, *rest = tuple(jax.typeof(x).sharding.spec) or (None,)
+        mesh = jax.typeof(x).sharding.mesh
+        return PartitionSpec(split_evenly(rows, self.capacity, mesh), *rest)
+
+    def _send_tokens(self, x: Array, fill: float) -> Array:
+        """`send(tokens_of(x), fill)`, under Explicit axes as `dispatch`."""
+        spec = self._received_spec(x)
+
+        def move(plan: ExpertExchange, x: Array) -> Array:
+            return plan.send(plan.tokens_of(x), fill)
+
+        return on_auto_axes(move, self, x, out_sharding=spec, explicit=spec is not None)
 
     def dispatch_quantized(self, q: QTensor) -> QTensor:
         """`q`, this device's tokens quantized (`(tokens, K)` FP8 data; a per-tensor scale,
@@ -191,10 +202,10 @@ class ExpertExchange(eqx.Module):
         stays (every device has it). Rows past the received ones: zeros, scales of 1."""
         tokens = q.data.shape[0]
         self._check_tokens("dispatch_quantized: q.data", q.data.shape)
-        data = self.send(self.tokens_of(q.data))
+        data = self._send_tokens(q.data, 0.0)
         scale = q.scale_inv
         if scale.ndim and scale.shape[0] == tokens:
-            scale = self.send(self.tokens_of(scale), fill=1.0)
+            scale = self._send_tokens(scale, 1.0)
         return QTensor(data, scale, q.block)
 
     def gradient_back(self, d_rows: Float[Array, "R ..."]) -> Float[Array, "tokens ..."]:
