@@ -967,3 +967,52 @@ def test_a_module_with_its_kernel_as_the_left_operand_stays_high_precision_with_
     # The FP8 Dense after it: E4M3 operands (3 mantissa bits, relative error <= 2^-4 each).
     got = model.apply(variables, x)
     assert float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference)) < 2**-3
+
+
+class OwnKernel(nn.Module):
+    """A projection holding its own `kernel`, as Hugging Face's `FlaxConv1D` does."""
+
+    kernel_init: Any = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (16, x.shape[-1]))
+        return jnp.dot(x, kernel.T)
+
+
+class BoxedKernels(nn.Module):
+    """An own-kernel layer, an `nn.Einsum` and an `nn.Dense`, their kernels with or without
+    partitioning metadata (boxed parameters, as sharded Linen models declare them)."""
+
+    boxed: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        def init(names):
+            lecun = nn.initializers.lecun_normal()
+            return nn.with_partitioning(lecun, names) if self.boxed else lecun
+
+        h = nn.relu(OwnKernel(init(("model", None)), name="own")(x))
+        h = nn.Einsum((16, 16), "bd,de->be", kernel_init=init((None, "model")), name="ein")(h)
+        return nn.Dense(8, kernel_init=init(("model", None)), name="head")(nn.relu(h))
+
+
+def test_kernels_with_partitioning_metadata_convert_as_plain_ones():
+    """Kernels declared with `nn.with_partitioning` (held boxed in the variables) convert as
+    the same kernels unboxed: the own-kernel layer was not found (init said "found no Linear
+    layer"), and the Einsum's width read the box's shape (a DeprecationWarning, an error
+    under -W error). The loss, gradients and new state equal those of the unboxed model."""
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    boxed = fp8jax.fp8_linear_layers(BoxedKernels(True), fp8jax.Fp8Config())
+    plain = fp8jax.fp8_linear_layers(BoxedKernels(False), fp8jax.Fp8Config())
+    variables = boxed.init(jax.random.key(1), x)
+    expected = plain.init(jax.random.key(1), x)
+    assert isinstance(variables["params"]["own"]["kernel"], nn.Partitioned)
+    assert sorted(variables[OWG]) == sorted(expected[OWG]) == ["ein", "own"]
+    assert str(boxed.plan(jax.random.key(1), x)) == str(plain.plan(jax.random.key(1), x))
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(boxed)(variables), loss(plain)(expected)
+    jax.tree.map(np.testing.assert_array_equal, nn.unbox(got), want)

@@ -159,7 +159,7 @@ def _width(module: Any) -> int | None:
     if not module.has_variable("params", "kernel"):
         return None
     shape = einsum_kernel_shape(
-        module.einsum_str, jnp.shape(module.get_variable("params", "kernel"))
+        module.einsum_str, jnp.shape(nn.unbox(module.get_variable("params", "kernel")))
     )
     return None if shape is None else shape[0]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax.core import meta
 
 from ..autocast import Interpreter, KernelChoice, trace_call
 from ..roles import gemm_operands
@@ -25,10 +26,11 @@ KERNEL: str = "kernel"
 
 
 def has_kernel(module: Any) -> bool:
-    """Whether a bound module holds a `kernel` parameter of its own (two axes or more)."""
+    """Whether a bound module holds a `kernel` parameter of its own (two axes or more; one
+    with partitioning metadata counts as its value)."""
     if not module.has_variable("params", KERNEL):
         return False
-    return jax.numpy.ndim(module.get_variable("params", KERNEL)) >= 2
+    return jax.numpy.ndim(meta.unbox(module.get_variable("params", KERNEL))) >= 2
 
 
 def kernel_call(
@@ -43,7 +45,9 @@ def kernel_call(
 
     Raises `ValueError` if no GEMM of the call takes the kernel as its right operand.
     """
-    variables = {k: v for k, v in module.variables.items() if k != collection}
+    # Unboxed (`nn.with_partitioning` metadata gone, its sharding constraint applied, as
+    # Linen's `param` does): the kernel is then the leaf at `params/kernel`.
+    variables = meta.unbox({k: v for k, v in module.variables.items() if k != collection})
     unbound = module.clone(parent=None)
 
     def fun(variables: Any, *a: Any, **kw: Any) -> Any:
