@@ -779,6 +779,22 @@ def test_init_with_dropout_on_the_params_key_alone_as_linen_does(rngs):
     jax.tree.map(np.testing.assert_array_equal, variables["params"], reference["params"])
 
 
+@pytest.mark.parametrize(
+    "mutable", [True, ["params", OWG], ("params", OWG, "intermediates"), ["params"], "params"]
+)
+def test_init_takes_linens_mutable_argument(mutable):
+    """Linen's `init` takes `mutable` (which collections to make); the converted model's
+    init raised `TypeError: apply() got multiple values for keyword argument 'mutable'`
+    from its planning trace (and, given collections without the FP8 one, blamed a lifted
+    transform). It now makes what the Linen model's init makes, FP8 state beside it."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    reference = Dropped().init(jax.random.key(1), x, mutable=mutable)
+    variables = fp8jax.fp8_linear_layers(Dropped()).init(jax.random.key(1), x, mutable=mutable)
+    assert sorted(variables[OWG]) == ["fc1", "fc2"]
+    assert sorted(variables) == sorted({*reference, OWG})
+    jax.tree.map(np.testing.assert_array_equal, variables["params"], reference["params"])
+
+
 class Decoder(nn.Module):
     decode: bool = False
 

@@ -431,11 +431,18 @@ class Fp8Linen:
         """`module.init_with_output`, the chosen layers in FP8: `(output, variables)`, the
         variables holding the FP8 state. Traces the model first to choose the layers (see
         [`plan`][fp8jax.Fp8Linen.plan]); prints the plan with `explain=True`; warns when no
-        layer is converted (the variables then hold the collection empty). Raises
+        layer is converted (the variables then hold the collection empty). A `mutable` list
+        of collections gets the FP8 state's added. Raises
         `ValueError` if a target or recipe pattern matches no layer that ran (the message
         lists those that did)."""
         plan, chosen = self._plan(rngs, args, kwargs)
         announce(plan, self.explain, "Flax Linen", stacklevel=3)
+        mutable = kwargs.get("mutable")
+        if isinstance(mutable, str):
+            mutable = [mutable]
+        if isinstance(mutable, list | tuple) and COLLECTION not in mutable:
+            # Linen's `mutable` names the collections `init` makes: the FP8 state is one.
+            kwargs = {**kwargs, "mutable": [*mutable, COLLECTION]}
         out, variables = self._run(
             "init", chosen, self.module.init_with_output, rngs, *args, **kwargs
         )

@@ -47,13 +47,15 @@ def linen_plan(
     # `init`'s streams, "params" kept: Linen's `make_rng` falls back to it for a stream not
     # given (`init(key, x, train=True)` gives Dropout its key), and so must the trace.
     apply_rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
+    # `init`'s own `mutable` (which collections it makes) is not the trace's: it makes all.
+    apply_kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}
 
     def call(variables: Any) -> Any:
         # The parameters alone, every collection mutable: the other collections are made
         # again as `init` made them, so the call takes `init`'s path (an attention layer
         # with `decode=True` given its cache would take a decoding step on the prompt).
         params = {k: v for k, v in variables.items() if k == "params"}
-        return module.apply(params, *args, rngs=apply_rngs, mutable=True, **kwargs)[0]
+        return module.apply(params, *args, rngs=apply_rngs, mutable=True, **apply_kwargs)[0]
 
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     layer_paths = sorted(seen.layers)
