@@ -656,6 +656,33 @@ def test_the_train_state_keeps_the_state_of_a_layer_that_did_not_run():
     assert_same(step(bf16, True).params, step(flax, True).params)
 
 
+def test_the_train_state_of_frozen_variables_keeps_the_state_of_a_layer_that_did_not_run():
+    """Variables held in a `FrozenDict` (`flax.core.freeze`, older Linen code) train as a
+    dict's: the train state took them for variables without FP8 state and ran Flax's
+    `apply_gradients`, which overwrote the state of a layer that did not run with its zero
+    gradient (scale 0). Each step now equals the dict's, and the layer keeps its state."""
+    from flax.core import freeze, unfreeze
+
+    model = fp8jax.fp8_linear_layers(Optional(), config())
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 32)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+
+    def step(state, second):
+        loss = lambda v: jnp.mean(state.apply_fn(v, x, second) ** 2)  # noqa: E731
+        _, grads = fp8jax.filter_value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    def create(params):
+        return fp8jax.LinenTrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    first = step(create(variables), True)
+    ran = state_of(first.params, "fc2")
+    want = step(first, False)
+    got = step(first.replace(params=freeze(first.params)), False)
+    assert_same(state_of(got.params, "fc2"), ran)
+    jax.tree.map(np.testing.assert_array_equal, unfreeze(got.params), want.params)
+
+
 # --- telemetry, checkpoints, the H100 compile ---------------------------------------------------
 
 

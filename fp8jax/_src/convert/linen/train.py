@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import optax
@@ -34,13 +35,13 @@ class LinenTrainState(train_state.TrainState):
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> LinenTrainState:
         """The state after one step of `grads` (the gradients of `params`, FP8 state
         included), `step` advanced; `kwargs` replace other fields."""
-        if not isinstance(self.params, dict) or COLLECTION not in self.params:
+        if not isinstance(self.params, Mapping) or COLLECTION not in self.params:
             return super().apply_gradients(grads=grads, **kwargs)  # no FP8 state: Flax's
-        if not isinstance(grads, dict) or COLLECTION not in grads or "params" not in grads:
+        if not isinstance(grads, Mapping) or COLLECTION not in grads or "params" not in grads:
             raise ValueError(
                 f"LinenTrainState.apply_gradients: grads should hold 'params' and {COLLECTION!r} "
                 "(the gradients of the whole variables); got "
-                f"{sorted(grads) if isinstance(grads, dict) else type(grads).__name__}."
+                f"{sorted(grads) if isinstance(grads, Mapping) else type(grads).__name__}."
             )
         updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params["params"])
         params = dict(self.params)
