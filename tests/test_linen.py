@@ -888,6 +888,50 @@ def test_a_dense_subclass_converts_as_the_dense_it_computes(layer):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+class GatedEinsum(nn.Einsum):
+    """An Einsum subclass with a call of its own: an einsum of the input with itself (no
+    kernel) gates the einsum with the kernel."""
+
+    @nn.compact
+    def __call__(self, inputs, einsum_str=None):
+        kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
+        gate = jax.nn.sigmoid(jnp.einsum("btd,bsd->bts", inputs, inputs).mean(-1, keepdims=True))
+        return jnp.einsum(self.einsum_str, inputs, kernel) * gate
+
+
+class Gated(nn.Module):
+    split: bool = False  # the gate computed outside a plain nn.Einsum
+
+    @nn.compact
+    def __call__(self, x):
+        if self.split:
+            gate = jax.nn.sigmoid(jnp.einsum("btd,bsd->bts", x, x).mean(-1, keepdims=True))
+            h = nn.Einsum((16, 16), "btd,de->bte", use_bias=False, name="g")(x) * gate
+        else:
+            h = GatedEinsum((16, 16), "btd,de->bte", use_bias=False, name="g")(x)
+        return nn.Dense(4, name="head")(h)
+
+
+def test_an_einsum_subclass_with_its_own_call_converts_only_its_kernel_gemm():
+    """An `nn.Einsum` subclass with a `__call__` of its own is traced, as the docs say of
+    subclasses: only its einsum with the kernel is FP8. Every einsum of its call was
+    answered by the layer's FP8 einsum, and init failed (NameInUseError) at the second.
+    Its loss, gradients and new state equal those of a plain nn.Einsum with the gate
+    computed outside it."""
+    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
+    model = fp8jax.fp8_linear_layers(Gated(), config())
+    plain = fp8jax.fp8_linear_layers(Gated(split=True), config())
+    variables = model.init(jax.random.key(1), x)
+    expected = plain.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == sorted(expected[OWG]) == ["g", "head"]
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(plain)(expected)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_flax_serialization_writes_and_restores_the_train_state():
     """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
     writes the train state, FP8 state included, and restores it bit for bit; a target made

@@ -60,13 +60,14 @@ flax.serialization.register_serialization_state(
 
 
 def _kind(module: Any) -> str | None:
-    # A Dense subclass with a `__call__` of its own may never call its `dot_general`: it is
+    # A Dense subclass with a `__call__` of its own may never call its `dot_general` (an
+    # Einsum subclass's may call `jnp.einsum` on other operands than its kernel): it is
     # converted as any module multiplying by its `kernel` (`generic.py`), by tracing its call.
     call = type(module).__call__
     if isinstance(module, nn.Dense | nn.DenseGeneral):
         return "dense" if call in (nn.Dense.__call__, nn.DenseGeneral.__call__) else None
     if isinstance(module, nn.Einsum):
-        return "einsum"
+        return "einsum" if call is nn.Einsum.__call__ else None
     return None
 
 
