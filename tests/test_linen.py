@@ -932,6 +932,47 @@ def test_an_einsum_subclass_with_its_own_call_converts_only_its_kernel_gemm():
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+class KernelTwice(nn.Module):
+    """A module multiplying by its own kernel twice in one call."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 16))
+        return jnp.tanh(x @ kernel) @ kernel
+
+
+class Tied(nn.Module):
+    dense: bool = False  # the same products by an nn.Dense called twice
+
+    @nn.compact
+    def __call__(self, x):
+        if self.dense:
+            fc = nn.Dense(16, use_bias=False, name="t")
+            h = fc(jnp.tanh(fc(x)))
+        else:
+            h = KernelTwice(name="t")(x)
+        return nn.Dense(4, name="head")(h)
+
+
+def test_a_module_multiplying_by_its_kernel_twice_in_one_call_shares_one_state():
+    """Both GEMMs on a module's own kernel in one call are FP8 with its one state, as a
+    Dense called twice is: init failed (NameInUseError: the state declared again for the
+    second GEMM). Its loss, gradients and new state (uses combined by max) equal those of
+    an nn.Dense called twice."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(Tied(), config())
+    plain = fp8jax.fp8_linear_layers(Tied(dense=True), config())
+    variables = model.init(jax.random.key(1), x)
+    expected = plain.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == sorted(expected[OWG]) == ["head", "t"]
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(plain)(expected)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_flax_serialization_writes_and_restores_the_train_state():
     """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
     writes the train state, FP8 state included, and restores it bit for bit; a target made

@@ -351,12 +351,17 @@ def _kernel_layer(
     if mode == "init":
         next_fun(*args, **kwargs)
     name = ".".join(path)
+    # One state for every GEMM on the kernel in this call (declared once: a second
+    # declaration in one call is a name in use), shared as a Dense called twice shares it.
+    dots: list[Fp8DotGeneral] = []
 
     def make_op(eqn: Any) -> Callable[..., Array]:
-        aval = eqn.invars[1].aval
-        rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-        dot = _state(module, path, config, _kernel_shape(rhs, eqn.params["dimension_numbers"]))
-        return functools.partial(_call, dot, name)
+        if not dots:
+            aval = eqn.invars[1].aval
+            rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+            numbers = eqn.params["dimension_numbers"]
+            dots.append(_state(module, path, config, _kernel_shape(rhs, numbers)))
+        return functools.partial(_call, dots[0], name)
 
     return kernel_call(module, args, kwargs, make_op, COLLECTION)
 
