@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import equinox as eqx
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,37 @@ def test_bf16_layers_quantize_their_float32_masters_as_the_policy_does():
         np.testing.assert_array_equal(grads["params"][layer]["bias"], getattr(grads_e, layer).bias)
         overwrites, _ = fp8jax.partition_for_grad_overwrite(getattr(grads_e, layer))
         assert_same(state_of(grads, layer), overwrites.dot_general)
+
+
+def promote_three(inputs, kernel, bias, dtype=None, inexact=True):
+    """A `promote_dtype` of the signature Linen documents (inputs, kernel, bias, dtype)."""
+    return flax.linen.dtypes.promote_dtype(inputs, kernel, bias, dtype=dtype, inexact=inexact)
+
+
+class Bf16OwnPromote(nn.Module):
+    promote: Any = promote_three
+
+    @nn.compact
+    def __call__(self, x):
+        fc1 = nn.Dense(32, dtype=jnp.bfloat16, promote_dtype=self.promote, name="fc1")
+        fc2 = nn.DenseGeneral(64, dtype=jnp.bfloat16, promote_dtype=self.promote, name="fc2")
+        return fc2(nn.relu(fc1(x)))
+
+
+def test_bf16_layers_with_a_promote_dtype_of_their_own_convert():
+    """A Dense with a narrower `dtype` and a `promote_dtype` taking (inputs, kernel, bias), as
+    Linen documents, was called without its kernel (TypeError: missing 'bias'). It now
+    computes as with Linen's own `promote_dtype`: value, gradients and new state."""
+    x = jax.random.normal(jax.random.key(0), (2, 16, 64))
+    model = fp8jax.fp8_linear_layers(Bf16OwnPromote(), config())
+    plain = fp8jax.fp8_linear_layers(Bf16OwnPromote(flax.linen.dtypes.promote_dtype), config())
+    variables = model.init(jax.random.key(1), x)
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x).astype(jnp.float32)))
+
+    got, want = loss(model)(variables), loss(plain)(variables)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 class Projection(nn.Module):

@@ -327,12 +327,14 @@ def _interceptor(
 
 
 def promote_all_but_kernel(promote: Callable[..., Any]) -> Callable[..., Any]:
-    """A Linen layer's `promote_dtype` (`promote(*args, dtype=..., inexact=...)`) that leaves
-    its second argument, the kernel, as it is."""
+    """A Linen layer's `promote_dtype` (`promote(inputs, kernel, bias, dtype=..., ...)`)
+    that leaves its second argument, the kernel, as it is. The promotion is given every
+    argument, as a user's of Linen's documented signature needs; its cast kernel is
+    unused (XLA drops the cast)."""
 
     def promote_but_kernel(inputs: Any, kernel: Any, *rest: Any, **kwargs: Any) -> list[Any]:
-        promoted = promote(inputs, *rest, **kwargs)
-        return [promoted[0], kernel, *promoted[1:]]
+        promoted = promote(inputs, kernel, *rest, **kwargs)
+        return [promoted[0], kernel, *promoted[2:]]
 
     return promote_but_kernel
 
