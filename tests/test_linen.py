@@ -1005,6 +1005,56 @@ def test_a_module_multiplying_by_its_kernel_twice_in_one_call_shares_one_state()
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+class KernelDropCount(nn.Module):
+    """An own-kernel projection that draws random numbers (Dropout), counts its calls in a
+    collection of its own and sows its input."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 16))
+        calls = self.variable("counts", "calls", lambda: jnp.zeros((), jnp.int32))
+        if not self.is_initializing():
+            calls.value += 1
+        self.sow("intermediates", "input", x)
+        return nn.Dropout(0.5, deterministic=not train)(x @ kernel)
+
+
+class WithKernelDropCount(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dense(4, name="head")(KernelDropCount(name="p")(x, train))
+
+
+def test_an_own_kernel_module_draws_its_rngs_and_writes_its_collections():
+    """The traced call of an own-kernel module had no random streams (a Dropout in it raised
+    InvalidRngError) and no mutable collection (init raised ModifyScopeVariableError at its
+    counter). Its Dropout now draws from the apply's streams, and its writes land as the
+    Linen model's do."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(WithKernelDropCount(), config())
+    variables = model.init(jax.random.key(1), x)
+    reference = WithKernelDropCount().init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == ["head", "p"]
+    assert variables["counts"] == reference["counts"]
+    mutable = ["counts", "intermediates"]
+    _, got = model.apply(variables, x, mutable=mutable)
+    _, want = WithKernelDropCount().apply(reference, x, mutable=mutable)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    # Dropout on the FP8 product: each entry is dropped or scaled by 1 / (1 - 0.5).
+    kept = model.apply(variables, x, capture_intermediates=True, mutable=mutable)[1]
+    kept = kept["intermediates"]["p"]["__call__"][0]
+    seen = []
+    for key in (2, 3):
+        rngs = {"dropout": jax.random.key(key)}
+        _, out = model.apply(
+            variables, x, True, rngs=rngs, capture_intermediates=True, mutable=mutable
+        )
+        dropped = out["intermediates"]["p"]["__call__"][0]
+        np.testing.assert_array_equal(dropped, jnp.where(dropped == 0, 0, 2 * kept))
+        seen.append(np.asarray(dropped == 0))
+    assert 0 < seen[0].mean() < 1 and (seen[0] != seen[1]).any()
+
+
 def test_flax_serialization_writes_and_restores_the_train_state():
     """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
     writes the train state, FP8 state included, and restores it bit for bit; a target made

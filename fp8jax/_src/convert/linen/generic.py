@@ -49,11 +49,16 @@ def kernel_call(
     # Linen's `param` does): the kernel is then the leaf at `params/kernel`.
     variables = meta.unbox({k: v for k, v in module.variables.items() if k != collection})
     unbound = module.clone(parent=None)
+    scope = module.scope
+    # The call's random streams (a Dropout in it) and its writes (a counter, `sow`) are the
+    # bound module's: keys drawn from its streams, the collections it may write mutable.
+    rngs = {name: module.make_rng(name) for name in sorted(scope.rngs)}
 
-    def fun(variables: Any, *a: Any, **kw: Any) -> Any:
-        return unbound.apply(variables, *a, **kw)
+    def fun(variables: Any, rngs: Any, *a: Any, **kw: Any) -> Any:
+        result = unbound.apply(variables, *a, rngs=rngs, mutable=scope.mutable, **kw)
+        return (result, {}) if scope.mutable is False else result
 
-    traced = trace_call(fun, (variables, *args), kwargs)
+    traced = trace_call(fun, (variables, rngs, *args), kwargs)
     owners = []
     for path in traced.paths:
         names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
@@ -66,4 +71,10 @@ def kernel_call(
             f"{KERNEL!r} but no GEMM of its call takes it as its right operand; exclude it "
             "(Fp8Config exclude or targets)."
         )
-    return traced.evaluate(Interpreter(KernelChoice(kernel_dots, make_op)))
+    out, updates = traced.evaluate(Interpreter(KernelChoice(kernel_dots, make_op)))
+    if not module.is_initializing():  # at init, the module's own call made its variables
+        for col, tree in updates.items():
+            if col not in ("params", collection):
+                for name, value in tree.items():
+                    scope.put_variable(col, name, value)
+    return out
