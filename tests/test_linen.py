@@ -1055,6 +1055,45 @@ def test_an_own_kernel_module_draws_its_rngs_and_writes_its_collections():
     assert 0 < seen[0].mean() < 1 and (seen[0] != seen[1]).any()
 
 
+class KernelThenDense(nn.Module):
+    """A module with its own kernel and a Dense inside it."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 16))
+        return nn.Dense(16, name="inner")(jnp.tanh(x @ kernel))
+
+
+class WithKernelThenDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="head")(KernelThenDense(name="p")(x))
+
+
+def test_a_dense_inside_an_own_kernel_module_is_said_high_precision():
+    """A Dense inside a module with its own kernel runs in that module's traced call, in high
+    precision: the plan said FP8 and init gave it FP8 state that stayed at amax 0. It is now
+    planned high precision with the reason, holds no state, and the model computes as with
+    that Dense excluded."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(WithKernelThenDense(), config())
+    excluded = fp8jax.fp8_linear_layers(
+        WithKernelThenDense(), fp8jax.Fp8Config(exclude=r"p\.inner", keep=())
+    )
+    (inner,) = [c for c in model.plan(jax.random.key(1), x).layers if c.path == "p.inner"]
+    assert not inner.fp8 and "inside p" in inner.why
+    variables = model.init(jax.random.key(1), x)
+    expected = excluded.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == sorted(expected[OWG]) == ["head", "p"]
+    assert "fp8jax" in variables[OWG]["p"] and "inner" not in variables[OWG]["p"]
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(excluded)(expected)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_flax_serialization_writes_and_restores_the_train_state():
     """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
     writes the train state, FP8 state included, and restores it bit for bit; a target made

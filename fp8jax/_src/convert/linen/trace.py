@@ -4,6 +4,7 @@ the abstract variables), from which roles and GEMM-bearing modules are read."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,6 +92,31 @@ def linen_plan(
             else f"{type(seen.modules.get(p)).__name__}: its weights enter a GEMM but "
             f"it holds no {KERNEL!r} parameter; name it {KERNEL!r}, use nn.Dense, or run the "
             "model under fp8jax.fp8_autocast"
+        ),
+    )
+    # A layer inside a chosen module with its own kernel runs in that module's traced call,
+    # where only GEMMs on the module's kernel are answered in FP8 (`generic.py`): it stays in
+    # high precision, said, rather than hold FP8 state its GEMM never uses.
+    owners = [p for p in generic if p in chosen]
+
+    def owner(path: tuple[str, ...]) -> tuple[str, ...] | None:
+        return next((o for o in owners if len(path) > len(o) and path[: len(o)] == o), None)
+
+    chosen = [p for p in chosen if owner(p) is None]
+    inner = {".".join(p): ".".join(o) for p in layers if (o := owner(p)) is not None}
+    plan = dataclasses.replace(
+        plan,
+        layers=tuple(
+            LayerChoice(
+                c.path,
+                c.kind,
+                False,
+                f"inside {inner[c.path]}, whose own {KERNEL!r} makes its call traced: "
+                f"only that kernel's GEMMs are FP8; exclude {inner[c.path]} to convert this",
+            )
+            if c.fp8 and c.path in inner
+            else c
+            for c in plan.layers
         ),
     )
     nested = tuple(
