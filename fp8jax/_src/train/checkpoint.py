@@ -51,6 +51,7 @@ from .checkpoint_record import (
     is_layer,
     parse_record,
 )
+from .orbax_quiet import quiet_orbax_leftovers
 
 T = TypeVar("T")
 
@@ -401,6 +402,7 @@ def _orbax():
         raise ImportError(
             "backend='orbax' needs orbax-checkpoint: pip install 'fp8jax[orbax]'."
         ) from e
+    quiet_orbax_leftovers()  # before a restore: its leftover reads can report at any time
     return ocp
 
 
