@@ -1265,3 +1265,49 @@ def test_kernels_with_partitioning_metadata_convert_as_plain_ones():
 
     got, want = loss(boxed)(variables), loss(plain)(expected)
     jax.tree.map(np.testing.assert_array_equal, nn.unbox(got), want)
+
+
+class WeightNormed(nn.Module):
+    """A Dense wrapped in `nn.WeightNorm` (its kernel normalised by `nn.map_variables`)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.WeightNorm(nn.Dense(32, name="fc"))(x)
+        return nn.Dense(4, name="head")(nn.relu(h))
+
+
+class Normed(nn.Module):
+    """`WeightNormed` with the normalised kernel given as the Dense's own parameter."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="head")(nn.relu(nn.Dense(32, name="fc")(x)))
+
+
+def test_a_dense_in_weight_norm_runs_in_fp8_on_its_normalised_kernel():
+    """`nn.WeightNorm` maps every collection of its layer through its normalisation: it took
+    the FP8 state's `kernel` entries for a kernel (init raised IndexError). The Dense now
+    runs in FP8 on the weight-normed kernel, its state untouched: output and new state equal
+    those of the same FP8 Dense given that kernel, computed here in plain JAX."""
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    model = fp8jax.fp8_linear_layers(WeightNormed(), config())
+    variables = model.init(jax.random.key(1), x)
+    params = variables["params"]
+    unconverted = WeightNormed().init(jax.random.key(1), x)["params"]
+    assert jax.tree.structure(params) == jax.tree.structure(unconverted)
+    v, g = params["fc"]["kernel"], params["WeightNorm_0"]["fc/kernel/scale"]
+    kernel = v * jax.lax.rsqrt(jnp.sum(v * v, axis=0, keepdims=True) + 1e-12) * g
+    reference = fp8jax.fp8_linear_layers(Normed(), config())
+    normed = {
+        "params": {**params, "fc": {**params["fc"], "kernel": kernel}},
+        OWG: variables[OWG],
+    }
+    del normed["params"]["WeightNorm_0"]
+
+    def loss(m, v):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(v)
+
+    (got, grads), (want, expected) = loss(model, variables), loss(reference, normed)
+    np.testing.assert_array_equal(got, want)
+    assert_same(grads[OWG], expected[OWG])
+    assert np.max(state_of(grads, "fc").kernel.amax_history) == np.max(np.abs(kernel))

@@ -71,6 +71,16 @@ def _kind(module: Any) -> str | None:
     return None
 
 
+def _normalizes_state(module: Any, method: str, args: Any) -> bool:
+    """Whether a call is `nn.WeightNorm`'s or `nn.SpectralNorm`'s normalisation of one leaf
+    (`(path, value)`, the path's first key its collection) of the FP8 state."""
+    if not isinstance(module, nn.WeightNorm | nn.SpectralNorm) or len(args) < 2:
+        return False
+    if method not in ("_l2_normalize", "_spectral_normalize") or not args[0]:
+        return False
+    return getattr(args[0][0], "key", None) == COLLECTION
+
+
 #: The Linen words of a state error of the Equinox layer (whose advice is Equinox's).
 _LINEN_WORDING = StateErrorWording(
     unnamed="An FP8 Linen layer",
@@ -246,6 +256,10 @@ def _interceptor(
             return next_fun(*args, **kwargs)
         path = tuple(str(p) for p in module.path)
         seen.modules.setdefault(path, module)
+        if _normalizes_state(module, context.method_name, args):
+            # `nn.WeightNorm` and `nn.SpectralNorm` map every collection of their layer
+            # through their normalisation (`nn.map_variables`): FP8 state is not a weight.
+            return jnp.asarray(args[1])
         if context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         if kind is None:
