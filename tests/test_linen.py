@@ -1311,3 +1311,40 @@ def test_a_dense_in_weight_norm_runs_in_fp8_on_its_normalised_kernel():
     np.testing.assert_array_equal(got, want)
     assert_same(grads[OWG], expected[OWG])
     assert np.max(state_of(grads, "fc").kernel.amax_history) == np.max(np.abs(kernel))
+
+
+class TiedBothWays(nn.Module):
+    """A kernel multiplied both ways in one call, `x @ kernel` and `h @ kernel.T` (tied)."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 32))
+        return jnp.tanh(x @ kernel) @ kernel.T
+
+
+class WithTiedBothWays(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="head")(TiedBothWays(name="t")(x))
+
+
+def test_a_kernel_used_both_ways_under_error_feedback_gets_linen_advice():
+    """One error-feedback state cannot hold a kernel multiplied both ways (its residual is
+    kernel-shaped): the error said to build the layer with kernel_shape=..., Equinox's
+    constructor argument, which a Linen user never calls. It now names the layer and says
+    what a Linen user does: another recipe for it by `recipes`, or `exclude`; with that
+    advice followed, it converts and computes the unconverted model to FP8 rounding."""
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    feedback = fp8jax.ResidualFP8(error_feedback=True)
+    model = fp8jax.fp8_linear_layers(WithTiedBothWays(), config(feedback))
+    with pytest.raises(ValueError, match=r"Fp8Linen.*'t'.*recipes=.*exclude") as e:
+        model.init(jax.random.key(1), x)
+    assert "kernel_shape=" not in str(e.value)
+    other = config(feedback, recipes={"t": "current"})
+    model = fp8jax.fp8_linear_layers(WithTiedBothWays(), other)
+    variables = model.init(jax.random.key(1), x)
+    want = WithTiedBothWays().apply({"params": variables["params"]}, x)
+    # Each E4M3 product is within 2^-3 in norm (two operands of 3 mantissa bits); tanh is
+    # 1-Lipschitz and the head is high precision: two products in a chain stay within 2^-2.
+    got = model.apply(variables, x)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2**-2

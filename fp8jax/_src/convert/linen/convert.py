@@ -25,7 +25,7 @@ from ...ops.dot_general import Fp8DotGeneral
 from ..config import Fp8Config
 from ..einsum import einsum_kernel_shape, fp8_einsum
 from ..plan import ConversionPlan, announce
-from .generic import has_kernel, kernel_call
+from .generic import KERNEL, has_kernel, kernel_call
 from .trace import linen_plan
 
 #: The variable collection of FP8 state: Flax's own name for state whose gradient is its new
@@ -370,13 +370,25 @@ def _kernel_layer(
     # One state for every GEMM on the kernel in this call (declared once: a second
     # declaration in one call is a name in use), shared as a Dense called twice shares it.
     dots: list[Fp8DotGeneral] = []
+    shapes: list[tuple[int, int] | None] = []
 
     def make_op(eqn: Any) -> Callable[..., Array]:
+        aval = eqn.invars[1].aval
+        rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        shapes.append(_kernel_shape(rhs, eqn.params["dimension_numbers"]))
         if not dots:
-            aval = eqn.invars[1].aval
-            rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-            numbers = eqn.params["dimension_numbers"]
-            dots.append(_state(module, path, config, _kernel_shape(rhs, numbers)))
+            dots.append(_state(module, path, config, shapes[0]))
+        if shapes[-1] != shapes[0] and getattr(dots[0].kernel, "error", None) is not None:
+            # The kernel multiplied both ways (`x @ kernel`, `h @ kernel.T`): error feedback
+            # holds one residual, of the first GEMM's kernel.
+            raise ValueError(
+                f"Fp8Linen: the layer {name!r} multiplies by its {KERNEL!r} as a {shapes[0]} "
+                f"and as a {shapes[-1]} matrix (out, in) in one call (a tied kernel used both "
+                f"ways), but {type(config.recipe_for(path)).__name__} keeps one kernel-shaped "
+                "state per layer (its error feedback), of the first's shape. Give the layer a "
+                f"recipe without one (Fp8Config recipes={{{name!r}: 'delayed'}}) or exclude it "
+                "(Fp8Config exclude)."
+            )
         return functools.partial(_call, dots[0], name)
 
     return kernel_call(module, args, kwargs, make_op, COLLECTION)
