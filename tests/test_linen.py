@@ -541,6 +541,51 @@ def test_nn_scan_without_the_collection_says_what_to_add():
     np.testing.assert_array_equal(excluded.apply(variables, jnp.ones((8, 32))), reference)
 
 
+class BroadcastScan(nn.Module):
+    """One layer run 3 times by `nn.scan`, its parameters broadcast (shared by every step)."""
+
+    collections: tuple = ("params",)
+    unrolled: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.unrolled:  # the same shared layer called 3 times in a loop
+            block = Block(name="layers")
+            for _ in range(3):
+                x = block(x, None)[0]
+            return nn.Dense(4, name="head")(x)
+        stack = nn.scan(
+            Block, variable_broadcast=list(self.collections), split_rngs={"params": False}, length=3
+        )
+        return nn.Dense(4, name="head")(stack(name="layers")(x, None)[0])
+
+
+def test_nn_scan_broadcasting_its_params_says_to_broadcast_the_collection():
+    """An `nn.scan` sharing its parameters (`variable_broadcast="params"`) without the FP8
+    collection: the error said to give the collection a layer axis in `variable_axes`,
+    which a scan with shared parameters has not. It now names `variable_broadcast` with the
+    collection; so broadcast, the model computes as the same layer called in a loop (its
+    uses combined by max), loss, gradients and new state."""
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    model = fp8jax.fp8_linear_layers(BroadcastScan(), config())
+    with pytest.raises(ValueError, match=r"'layers\.fc' has no place for its FP8 state") as e:
+        model.init(jax.random.key(1), x)
+    assert f"variable_broadcast=['params', {OWG!r}]" in str(e.value)
+    model = fp8jax.fp8_linear_layers(BroadcastScan(("params", OWG)), config())
+    loop = fp8jax.fp8_linear_layers(BroadcastScan(unrolled=True), config())
+    variables = model.init(jax.random.key(1), x)
+    expected = loop.init(jax.random.key(1), x)
+    assert_same(variables, expected)
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(loop)(expected)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert_same(got[1][OWG], want[1][OWG])
+    jax.tree.map(np.testing.assert_allclose, got[1]["params"], want[1]["params"])
+
+
 class Shared(nn.Module):
     @nn.compact
     def __call__(self, x1, x2):

@@ -197,12 +197,16 @@ def _state(module: Any, path: tuple[str, ...], config: Fp8Config, kernel: Any) -
         return module.variable(COLLECTION, VARIABLE, init).value
     except flax.errors.ScopeCollectionNotFound as e:
         # A lifted transform that neither maps nor broadcasts the collection: nn.scan or
-        # nn.vmap with only {"params": 0} in variable_axes.
+        # nn.vmap with only {"params": 0} in variable_axes, or nn.scan with
+        # variable_broadcast="params".
         raise ValueError(
             f"Fp8Linen: the layer {name!r} has no place for its FP8 state: a lifted transform "
-            f"around it (nn.scan, nn.vmap) does not carry the collection {COLLECTION!r}. Give "
-            "the collection the parameters' axis, variable_axes={'params': 0, "
-            f"{COLLECTION!r}: 0}}, or exclude the layer (Fp8Config exclude). Flax said: {e}"
+            f"around it (nn.scan, nn.vmap) does not carry the collection {COLLECTION!r}. Carry "
+            "it as the parameters are: parameters with a layer axis, give it theirs, "
+            f"variable_axes={{'params': 0, {COLLECTION!r}: 0}}; parameters shared by every "
+            f"step, broadcast it too, variable_broadcast=['params', {COLLECTION!r}] (nn.vmap: "
+            f"variable_axes={{'params': None, {COLLECTION!r}: None}}). Or exclude the layer "
+            f"(Fp8Config exclude). Flax said: {e}"
         ) from None
 
 
