@@ -1139,6 +1139,39 @@ def test_a_dense_inside_an_own_kernel_module_is_said_high_precision():
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+class NormKernelThenDense(nn.Module):
+    """A module with its own kernel and two modules inside it, before and after its GEMM."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(name="norm")(x)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 16))
+        return nn.Dense(16, name="inner")(jnp.tanh(h @ kernel))
+
+
+class WithNormKernelThenDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="head")(NormKernelThenDense(name="p")(x))
+
+
+def test_capture_intermediates_sees_the_modules_inside_an_own_kernel_module():
+    """`capture_intermediates=True` captures the modules inside a module with its own kernel,
+    as Linen does unconverted: they ran in its traced call, where capture was off (only
+    `p.__call__` was captured, not `p.norm` nor `p.inner`). The keys are Linen's; the norm,
+    before any FP8 GEMM, captures Linen's value, and the inner Dense the module's output."""
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    model = fp8jax.fp8_linear_layers(WithNormKernelThenDense(), config())
+    variables = model.init(jax.random.key(1), x)
+    capture = {"capture_intermediates": True, "mutable": ["intermediates"]}
+    want = WithNormKernelThenDense().apply({"params": variables["params"]}, x, **capture)[1]
+    got = model.apply(variables, x, **capture)[1]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    p, p_want = got["intermediates"]["p"], want["intermediates"]["p"]
+    np.testing.assert_allclose(p["norm"]["__call__"][0], p_want["norm"]["__call__"][0], 1e-6)
+    np.testing.assert_array_equal(p["inner"]["__call__"][0], p["__call__"][0])
+
+
 def test_flax_serialization_writes_and_restores_the_train_state():
     """Flax's own checkpoint format (`flax.serialization`, under `flax.training.checkpoints`)
     writes the train state, FP8 state included, and restores it bit for bit; a target made

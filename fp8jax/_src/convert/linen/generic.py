@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 from flax.core import meta
+from flax.linen import module as linen_module
 
 from ..autocast import Interpreter, KernelChoice, trace_call
 from ..roles import gemm_operands
@@ -31,6 +32,15 @@ def has_kernel(module: Any) -> bool:
     if not module.has_variable("params", KERNEL):
         return False
     return jax.numpy.ndim(meta.unbox(module.get_variable("params", KERNEL))) >= 2
+
+
+def _capturing() -> Callable[[Any, str], bool] | None:
+    """The `capture_intermediates` filter of the Linen `apply` running (Flax keeps it in a
+    private stack, `flax.linen.module._context.capture_stack`); `None` when not capturing."""
+    stack = getattr(getattr(linen_module, "_context", None), "capture_stack", None)
+    if not stack or not stack[-1]:
+        return None
+    return linen_module.capture_call_intermediates if stack[-1] is True else stack[-1]
 
 
 def kernel_call(
@@ -53,9 +63,15 @@ def kernel_call(
     # The call's random streams (a Dropout in it) and its writes (a counter, `sow`) are the
     # bound module's: keys drawn from its streams, the collections it may write mutable.
     rngs = {name: module.make_rng(name) for name in sorted(scope.rngs)}
+    # `capture_intermediates` of the apply running: a nested `apply` turns it off, so the
+    # modules inside the call are captured by the outer filter here (the call's own output
+    # is captured outside, as Linen captures it).
+    outer = _capturing()
+    capture = outer and scope.mutable is not False
+    flags = {"capture_intermediates": lambda m, n: bool(m.path) and outer(m, n)} if capture else {}
 
     def fun(variables: Any, rngs: Any, *a: Any, **kw: Any) -> Any:
-        result = unbound.apply(variables, *a, rngs=rngs, mutable=scope.mutable, **kw)
+        result = unbound.apply(variables, *a, rngs=rngs, mutable=scope.mutable, **flags, **kw)
         return (result, {}) if scope.mutable is False else result
 
     traced = trace_call(fun, (variables, rngs, *args), kwargs)
