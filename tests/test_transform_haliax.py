@@ -413,6 +413,24 @@ def test_haliax_moe_linear_records_telemetry_when_asked(getkey):
     np.testing.assert_array_equal(stats["down"].tokens, SIZES)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_haliax_moe_linear_refuses_inputs_without_its_in_axis(getkey, jit):
+    """Inputs whose `In` axis has another size, or that lack it, are refused naming the
+    axis and the size the layer takes, as `MoELinear` refuses them (the rows were reshaped
+    to the layer's `In` size: a reshape TypeError, or a ValueError blaming group_sizes)."""
+    fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None)).up
+    sizes = hax.named(jnp.array([1, 1, 1, 1], jnp.int32), Experts)
+    call = eqx.filter_jit(lambda m, x, s: m(x, s)) if jit else (lambda m, x, s: m(x, s))
+    wrong = hax.random.normal(getkey(), (hax.Axis("token", 4), Embed.resize(Embed.size + 4)))
+    with pytest.raises(
+        ValueError, match=rf"'up'.*embed of size {Embed.size + 4}.*embed\({Embed.size}\)"
+    ):
+        call(fp8, wrong, sizes)
+    missing = hax.random.normal(getkey(), (hax.Axis("token", 4), Mlp))
+    with pytest.raises(ValueError, match=rf"'up'.*no axis embed.*embed\({Embed.size}\)"):
+        call(fp8, missing, sizes)
+
+
 def test_expert_specs_refuses_a_haliax_moe_linear_by_name(getkey):
     """`expert_specs` splits fp8jax's GroupedLinear experts; a Haliax MoELinear's would be
     left replicated without a word, so it is refused, naming its experts axis."""

@@ -39,6 +39,7 @@ class Fp8MoELinear(eqx.Module):
         import haliax as hax
 
         del key
+        self._check_in_axis(inputs)
         x = inputs.rearrange((..., self.In))
         rows = x.array.reshape(-1, self.In.size)
         weight = self.weight.rearrange((self.Experts, self.In, self.Out)).array
@@ -49,3 +50,19 @@ class Fp8MoELinear(eqx.Module):
         if self.bias is not None:
             q = q + self.bias
         return hax.auto_sharded(q)
+
+    def _check_in_axis(self, inputs: Any) -> None:
+        """Refuse inputs without the layer's `In` axis, or with one of another size: their
+        rows would be cut at the wrong width."""
+        where = f"Fp8MoELinear {self.ragged_dot.name!r}" if self.ragged_dot.name else "Fp8MoELinear"
+        sizes = {axis.name: axis.size for axis in inputs.axes}
+        if self.In.name not in sizes:
+            raise ValueError(
+                f"{where}: inputs have axes {inputs.axes} and no axis {self.In.name}; should "
+                f"have the layer's In axis {self.In.name}({self.In.size})."
+            )
+        if sizes[self.In.name] != self.In.size:
+            raise ValueError(
+                f"{where}: inputs have axis {self.In.name} of size {sizes[self.In.name]}; "
+                f"should be the layer's In axis {self.In.name}({self.In.size})."
+            )
