@@ -39,7 +39,7 @@ class Fp8MoELinear(eqx.Module):
         import haliax as hax
 
         del key
-        self._check_in_axis(inputs)
+        self._check_args(hax, inputs, group_sizes)
         x = inputs.rearrange((..., self.In))
         rows = x.array.reshape(-1, self.In.size)
         weight = self.weight.rearrange((self.Experts, self.In, self.Out)).array
@@ -51,10 +51,26 @@ class Fp8MoELinear(eqx.Module):
             q = q + self.bias
         return hax.auto_sharded(q)
 
-    def _check_in_axis(self, inputs: Any) -> None:
-        """Refuse inputs without the layer's `In` axis, or with one of another size: their
+    def _check_args(self, hax: Any, inputs: Any, group_sizes: Any) -> None:
+        """Refuse arguments that are not `NamedArray`s, group sizes without the `Experts`
+        axis, and inputs without the layer's `In` axis, or with one of another size: their
         rows would be cut at the wrong width."""
         where = f"Fp8MoELinear {self.ragged_dot.name!r}" if self.ragged_dot.name else "Fp8MoELinear"
+        for arg, value, what in (
+            ("inputs", inputs, "with the In axis"),
+            ("group_sizes", group_sizes, f"over {self.Experts.name}({self.Experts.size})"),
+        ):
+            if not isinstance(value, hax.NamedArray):
+                raise TypeError(
+                    f"{where}: {arg} is a {type(value).__name__}; should be a haliax "
+                    f"NamedArray {what}, as for haliax.nn.MoELinear."
+                )
+        if self.Experts.name not in {axis.name for axis in group_sizes.axes}:
+            raise ValueError(
+                f"{where}: group_sizes have axes {group_sizes.axes} and no axis "
+                f"{self.Experts.name}; should be over the layer's Experts axis "
+                f"{self.Experts.name}({self.Experts.size})."
+            )
         sizes = {axis.name: axis.size for axis in inputs.axes}
         if self.In.name not in sizes:
             raise ValueError(
