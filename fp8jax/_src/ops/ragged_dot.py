@@ -175,9 +175,9 @@ class Fp8RaggedDot(AbstractFp8Op):
     one tensor each: one scale from their amax over all tokens under a per-tensor recipe
     (as Transformer Engine's grouped GEMM does; a token's scale does not depend on which
     expert it was routed to, and the amax of a few tokens routed to one expert would be a
-    noisy history), tiles along the features under a block recipe (1 x 128, per token,
-    independent of the experts). A row of the forward and dgrad outputs is scaled by its
-    expert's kernel scale; the wgrad by the scalar product of the two tensors' scales.
+    noisy history), tiles along the features under a block recipe (1 x 128, MXFP8's 1 x 32:
+    per token, independent of the experts). A row of the forward and dgrad outputs is scaled
+    by its expert's kernel scale; the wgrad by the scalar product of the two tensors' scales.
 
     **State.** `input` and `output_grad` are [`fp8jax.TensorState`][]s as in a dense layer;
     `kernel` is one with a leading expert axis (`scale (experts,)`, `amax_history
