@@ -34,7 +34,10 @@ class MXFP8(BlockScaledRecipe):
     A block's scale is `2**ceil(log2(block_amax / fp8_max))` (rounded up, as Transformer
     Engine does, so nothing saturates), its exponent kept in [-126, 127] so that the scale is a
     normal float32 (XLA flushes subnormals); `scale_rounding="floor"` gives the OCP reference
-    `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. Emulated in plain
+    `2**(floor(log2(block_amax)) - emax)`, which can clip the largest values. An axis whose
+    length is not a multiple of the block ends in a shorter block, scaled from its own
+    elements (as zero padding to whole blocks would give; the OCP format has whole blocks
+    only, and `jax.nn.scaled_matmul` is given the data zero-padded). Emulated in plain
     XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
     of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
     For the dgrad, the kernel is quantized a second time along its other axis from the
