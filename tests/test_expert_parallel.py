@@ -364,6 +364,34 @@ def test_dispatch_quantized_takes_tokens_split_over_an_explicit_axis():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("fp8_backward", [False, True], ids=["plain", "fp8_backward"])
+def test_gradient_back_takes_rows_split_over_an_explicit_axis(fp8_backward):
+    """`ExpertExchange.gradient_back` called in a `shard_map` over the experts' axis alone,
+    the gradient of the received rows split over the Explicit `data` axis in the body: it
+    raised "Use `.at[...].get(out_sharding=)` to provide output PartitionSpec for the
+    gather" (as `dispatch` did). Now the tokens' gradient is the one on a mesh of the expert
+    axis alone."""
+    chosen, _ = _routed(64, seed=8)
+    chosen = chosen % 8
+    d_rows = np.random.default_rng(9).standard_normal((4 * 128, 32)).astype(np.float32)
+
+    def body(chosen, d_rows, split=False):
+        if split:
+            chosen, d_rows = (jax.sharding.reshard(a, P("data")) for a in (chosen, d_rows))
+        plan = fp8jax.expert_exchange(chosen, 8, "expert", capacity=128, fp8_backward=fp8_backward)
+        return plan.gradient_back(d_rows)
+
+    def run(mesh, **manual):
+        f = functools.partial(body, split=bool(manual))
+        f = jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), **manual)
+        with jax.set_mesh(mesh):
+            return jax.jit(f)(chosen, d_rows)
+
+    want = run(_mesh({"expert": 4}))
+    mesh = _mesh({"data": 2, "expert": 4}, jax.sharding.AxisType.Explicit)
+    np.testing.assert_array_equal(run(mesh, axis_names={"expert"}), want)
+
+
 # --- an MoE block, expert parallel, against one device ----------------------------------------
 
 # Power-of-two scales (the per-tensor recipes' default) keep the quantized values exact

@@ -211,11 +211,18 @@ class ExpertExchange(eqx.Module):
     def gradient_back(self, d_rows: Float[Array, "R ..."]) -> Float[Array, "tokens ..."]:
         """The gradient of `dispatch` (or `dispatch_quantized`): `d_rows (R, ...)`, the
         gradient of the rows this device's experts received, back to the devices of their
-        tokens and summed over each token's `top_k` assignments: `(tokens, ...)`."""
-        back = self._gradient(d_rows, self.send_back)  # (A, ...) in order
-        tokens = self.order.shape[0] // self.top_k
-        zeros = jnp.zeros((tokens, *d_rows.shape[1:]), d_rows.dtype)
-        return zeros.at[self.order // self.top_k].add(back)
+        tokens and summed over each token's `top_k` assignments: `(tokens, ...)`. Under
+        Explicit axes (as `dispatch`), with those axes Auto: the tokens split as `d_rows`'
+        rows are (where that divides the tokens), the rest as `d_rows`'."""
+        d_rows = jnp.asarray(d_rows)
+        spec = None
+        if explicit_mesh(d_rows) is not None:
+            rows, *rest = tuple(jax.typeof(d_rows).sharding.spec) or (None,)
+            mesh = jax.typeof(d_rows).sharding.mesh
+            spec = PartitionSpec(split_evenly(rows, self._tokens, mesh), *rest)
+        return on_auto_axes(
+            _gradient_back, self, d_rows, out_sharding=spec, explicit=spec is not None
+        )
 
     def _gradient(self, rows: Array, move: Any) -> Array:
         """`move(rows)`: in their dtype, or with `fp8_backward` as E4M3 in 1 x 128 tiles of
@@ -268,6 +275,13 @@ def _weighted_sum(plan: ExpertExchange, y: Array, weights: Array) -> Array:
     # Added to the tokens in expert order, as one device sorting its tokens would.
     out = jnp.zeros((weights.shape[0], *y.shape[1:]), y.dtype)
     return out.at[plan.order // plan.top_k].add(back * w)
+
+
+def _gradient_back(plan: ExpertExchange, d_rows: Array) -> Array:
+    """`plan.gradient_back(d_rows)` on the axes it is given."""
+    back = plan._gradient(d_rows, plan.send_back)  # (A, ...) in order
+    zeros = jnp.zeros((plan._tokens, *d_rows.shape[1:]), d_rows.dtype)
+    return zeros.at[plan.order // plan.top_k].add(back)
 
 
 def _rows(shape: tuple[int, ...]) -> Any:
