@@ -947,40 +947,61 @@ def test_multi_head_attention_projections_train_in_fp8():
         assert float(layer.input.amax) > 0 and float(layer.output_grad.amax) > 0
 
 
-def test_a_linear_general_with_its_own_dot_general_cls_is_refused():
-    class Custom(nnx.Module):
-        def __init__(self, rngs):
-            self.fc = nnx.LinearGeneral(
-                8, 8, dot_general_cls=lambda: jax.lax.dot_general, rngs=rngs
-            )
+@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Einsum", "dot_general_cls"])
+def test_a_layer_with_its_own_gemm_op_keeps_it_and_is_named(kind):
+    """A layer built with its own `dot_general` (or `einsum_op`, or a LinearGeneral's
+    `dot_general_cls`: a quantization library's, a wrapper) stays as it is, in high
+    precision, named with why in the plan and a warning saying how to convert it, as a
+    Haliax Linear with its own does (it raised); its op still runs. Given NNX's default GEMM
+    as the warning says, it converts."""
 
-    with pytest.raises(ValueError, match=r"LinearGeneral 'fc' has a dot_general_cls"):
-        fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), config())
-
-
-@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral", "Einsum"])
-def test_a_layer_with_its_own_gemm_op_is_refused_not_replaced(kind):
-    """A layer built with its own `dot_general` (or `einsum_op`: a quantization library's, a
-    wrapper) is refused by name, as a Linen layer is; excluded, it is kept with its op."""
-
-    def own(*args, **kwargs):
+    def own(*args, **kwargs):  # the user's GEMM: the default one, its output doubled
         op = jnp.einsum if kind == "Einsum" else jax.lax.dot_general
-        return op(*args, **kwargs)
+        return 2 * op(*args, **kwargs)
+
+    class Doubled:  # a dot_general_cls: NNX builds one and calls it
+        def __call__(self, *args, **kwargs):
+            return own(*args, **kwargs)
 
     class Custom(nnx.Module):
         def __init__(self, rngs):
             if kind == "Einsum":
                 self.fc = nnx.Einsum("bd,df->bf", (8, 8), einsum_op=own, rngs=rngs)
+            elif kind == "dot_general_cls":
+                self.fc = nnx.LinearGeneral(8, 8, dot_general_cls=Doubled, rngs=rngs)
             else:
                 self.fc = getattr(nnx, kind)(8, 8, dot_general=own, rngs=rngs)
             self.other = nnx.Linear(8, 8, rngs=rngs)
 
-    attr = "einsum_op" if kind == "Einsum" else "dot_general"
-    with pytest.raises(ValueError, match=rf"nnx\.{kind} 'fc' has its own {attr} \(<function"):
-        fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), config())
-    kept = fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), fp8jax.Fp8Config(exclude="fc", keep=()))
-    assert getattr(kept.fc, attr) is own
-    assert isinstance(kept.other.dot_general, fp8jax.Fp8NnxDotGeneral)
+    attr = {"Einsum": "einsum_op", "dot_general_cls": "dot_general_cls"}.get(kind, "dot_general")
+    name = "Doubled" if kind == "dot_general_cls" else "own"
+    article = "an" if attr == "einsum_op" else "a"
+    why = f"it has {article} {attr} of its own ({name}), which FP8's would replace"
+    model = Custom(nnx.Rngs(0))
+    assert fp8jax.conversion_plan(model, config()).kept == {"fc": why}
+    with pytest.warns(
+        fp8jax.Fp8ConversionWarning,
+        match=r"1 NNX layer\(s\) with a GEMM op of their own keep it, in high precision, not "
+        r"FP8: fc\. To convert one, give it NNX's default first: .*dot_general = "
+        r"jax\.lax\.dot_general",
+    ):
+        fp8 = fp8jax.fp8_linear_layers(model, config())
+    assert getattr(fp8.fc, attr) is getattr(model.fc, attr)
+    assert isinstance(fp8.other.dot_general, fp8jax.Fp8NnxDotGeneral)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.float32)
+    kernel, bias = model.fc.kernel.get_value(), model.fc.bias
+    bias = 0 if bias is None else bias.get_value()
+    expected = 2 * (np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)) + bias
+    np.testing.assert_allclose(fp8.fc(x), expected, rtol=1e-5, atol=1e-5)
+    # What the warning says converts it.
+    if kind == "dot_general_cls":
+        model.fc.dot_general_cls = None
+    else:
+        setattr(model.fc, attr, jnp.einsum if kind == "Einsum" else jax.lax.dot_general)
+    assert fp8jax.conversion_plan(model, config()).kept == {}
+    converted = fp8jax.fp8_linear_layers(model, config())
+    op = converted.fc.einsum_op if kind == "Einsum" else converted.fc.dot_general
+    assert isinstance(op, fp8jax.Fp8NnxEinsum if kind == "Einsum" else fp8jax.Fp8NnxDotGeneral)
 
 
 def test_einsum_with_batch_and_ellipsis_axes_is_exact_on_representable_values():

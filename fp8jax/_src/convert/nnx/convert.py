@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from flax import nnx
 
 from ..config import Fp8Config
 from ..einsum import check_einsum, einsum_kernel_shape
-from ..plan import ConversionPlan, Converted, announce, decide
+from ..plan import ConversionPlan, Converted, Fp8ConversionWarning, announce, decide
 from ..roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
@@ -86,17 +87,30 @@ _OWN_OPS = {
 }
 
 
+def _own_gemm(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], str]:
+    """The layers built with a GEMM op of the user's (a `dot_general`, an `einsum_op`, a
+    LinearGeneral's `dot_general_cls`: a quantization library's, a wrapper), each with why
+    it keeps it: FP8's would replace it."""
+    found = {}
+    for path, layer in layers:
+        attr, defaults = _OWN_OPS.get(_kind(layer), (None, ()))
+        if attr is None or _fp8_op(layer) is not None:
+            continue
+        if _kind(layer) == "general" and layer.dot_general_cls is not None:
+            attr, op = "dot_general_cls", layer.dot_general_cls  # its call prefers it
+        else:
+            op = getattr(layer, attr)
+            if any(op is d for d in defaults):
+                continue
+        what = getattr(op, "__name__", type(op).__name__)
+        article = "an" if attr == "einsum_op" else "a"
+        found[path] = f"it has {article} {attr} of its own ({what}), which FP8's would replace"
+    return found
+
+
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
-    attr, defaults = _OWN_OPS.get(_kind(layer), (None, ()))
-    own = getattr(layer, attr) if attr else None
-    if attr and not any(own is d for d in defaults):
-        raise ValueError(
-            f"fp8_linear_layers: the nnx.{type(layer).__name__} {name!r} has its own {attr} "
-            f"({own!r}), which fp8jax would replace. Exclude it (Fp8Config targets or "
-            "exclude), or build it without one."
-        )
     kernel = layer.kernel.get_value()
     if _kind(layer) == "linear":
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
@@ -116,12 +130,6 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
             native_kernel=config.grouped_native_kernel,
         )
     if _kind(layer) == "general":
-        if layer.dot_general_cls is not None:
-            raise ValueError(
-                f"fp8_linear_layers: the nnx.LinearGeneral {name!r} has a dot_general_cls "
-                f"({layer.dot_general_cls!r}), which its call prefers to any dot_general: "
-                "exclude it (Fp8Config targets or exclude), or build it without one."
-            )
         # Its kernel is (*stacked, *batch, *in, *out): one (out, in) matrix unless it has
         # batch axes (a kernel per batch entry).
         n_batch, n_in = len(layer.batch_axis), len(layer.in_features)
@@ -297,6 +305,7 @@ def nnx_plan(
             "fp8jax.fp8_autocast"
         ),
         converted=converted,
+        kept=_own_gemm(layers),
     )
     return plan, chosen, layers
 
@@ -321,6 +330,20 @@ def fp8_nnx_linear_layers(
     model = nnx.clone(model, graph=True)
     plan, chosen, layers = nnx_plan(model, config, example)
     announce(plan, explain, "Flax NNX")
+    own = [
+        ".".join(p) or "(root)"
+        for p, why in _own_gemm(layers).items()
+        if plan.kept.get(".".join(p)) == why
+    ]
+    if own:
+        warnings.warn(
+            f"fp8_linear_layers: {len(own)} NNX layer(s) with a GEMM op of their own keep it, "
+            f"in high precision, not FP8: {', '.join(own)}. To convert one, give it NNX's "
+            "default first: layer.dot_general = jax.lax.dot_general (an nnx.Einsum's "
+            "layer.einsum_op = jnp.einsum; a LinearGeneral's layer.dot_general_cls = None).",
+            Fp8ConversionWarning,
+            stacklevel=3,
+        )
     for path, layer in layers:
         if path not in chosen:  # kept, or FP8 already
             continue
