@@ -197,6 +197,31 @@ def test_a_kernel_modules_call_writes_back_its_variables_and_runs_its_children()
     assert not np.array_equal(call(model, x), call(model, x))  # a new dropout mask each call
 
 
+class DropAtCall(nnx.Module):
+    """A kernel module whose dropout draws from an `nnx.Rngs` passed to its call."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (32, 32)) * 0.2)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+        return self.drop(x @ self.kernel.get_value(), rngs=rngs)
+
+
+def test_a_kernel_modules_call_advances_an_rngs_passed_to_it():
+    """An `nnx.Rngs` passed to a kernel module's call advances as NNX's call advances it, so
+    each call draws a new dropout mask, the one the module draws unconverted (its count was
+    lost: the same mask every call)."""
+    model = DropAtCall(nnx.Rngs(0))
+    converted = fp8jax.fp8_linear_layers(model, config("current"))
+    x = jnp.ones((4, 32))
+    ours, theirs = nnx.Rngs(dropout=1), nnx.Rngs(dropout=1)
+    for _ in range(2):
+        out, reference = converted(x, ours), model(x, theirs)
+        np.testing.assert_array_equal(out == 0, reference == 0)
+    assert int(ours.dropout.count.get_value()) == int(theirs.dropout.count.get_value()) == 2
+
+
 class Scale(nnx.Module):
     """A `kernel` used elementwise: no GEMM."""
 

@@ -11,7 +11,8 @@ the original call traced to a jaxpr as a function of the module's variables and 
 then evaluated again with the GEMMs whose right operand is the kernel (or a view of it: a
 transpose, a cast) answered by `fp8_dot`, as `fp8jax.fp8_autocast` answers its GEMMs.
 Everything else in the call (bias, casts, reshapes) runs as written, and what the call
-writes into the module's variables (an RNG count, a batch statistic) is written back.
+writes into the module's variables or those of NNX objects among its arguments (an RNG count,
+of its own or of an `nnx.Rngs` passed to it; a batch statistic) is written back.
 
 The state is made without the kernel's `(out, in)` shape, which only the call tells (which
 axis is contracted): recipes that keep kernel-shaped state (`ResidualFP8(error_feedback=
@@ -128,7 +129,8 @@ def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     def call(state: Any, *a: Any, **kw: Any) -> Any:
         module = nnx.merge(graphdef, own, state)
         out = cls.__call__(module, *a, **kw)
-        return out, nnx.state(module, nnx.Not(_is_own_fp8_dot))
+        # And the variables of NNX objects among the arguments (an nnx.Rngs drawn from).
+        return out, nnx.state(module, nnx.Not(_is_own_fp8_dot)), nnx.state((a, kw), nnx.Variable)
 
     traced = trace_call(call, (state, *args), kwargs)
     owners = [(KERNEL,) if _is_kernel(p) else None for p in traced.paths]
@@ -142,8 +144,11 @@ def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
             "right operand (lax.dot_general(x, kernel), x @ kernel, jnp.einsum(..., x, "
             "kernel)). Exclude it (Fp8Config exclude or targets)."
         )
-    out, new_state = traced.evaluate(Interpreter(KernelChoice(kernel_dots, lambda eqn: dot)))
+    choice = KernelChoice(kernel_dots, lambda eqn: dot)
+    out, new_state, new_arguments = traced.evaluate(Interpreter(choice))
     old, new = jax.tree.leaves(state), jax.tree.leaves(new_state)
     if any(a is not b for a, b in zip(old, new, strict=True)):
         nnx.update(self, new_state)  # what the call wrote into the module's variables
+    if jax.tree.leaves(new_arguments):
+        nnx.update((args, kwargs), new_arguments)  # and into its arguments' variables
     return out
