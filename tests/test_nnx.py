@@ -1453,6 +1453,31 @@ def test_fp8_layers_quantize_their_float32_masters():
     assert amax["masters"] != amax["copies"]
 
 
+@pytest.mark.parametrize("kind", ["Linear", "LinearGeneral"])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_bf16_layers_with_a_promote_dtype_of_their_own_convert(kind, use_bias):
+    """A layer computing in BF16 with a `promote_dtype` of its own taking `(inputs, kernel,
+    bias)`, as NNX documents it (it failed: it was given two), converts and computes as the
+    same layer with NNX's own promotion: the same output, the master's amax recorded."""
+
+    def promote_three(args, *, dtype=None, inexact=True):
+        inputs, kernel, bias = args
+        return tuple(None if a is None else jnp.asarray(a, dtype) for a in (inputs, kernel, bias))
+
+    make = functools.partial(getattr(nnx, kind), 32, 16, use_bias=use_bias, dtype=jnp.bfloat16)
+    mine = make(promote_dtype=promote_three, rngs=nnx.Rngs(0))
+    ours = fp8jax.fp8_linear_layers(mine, config("current"))
+    theirs = fp8jax.fp8_linear_layers(make(rngs=nnx.Rngs(0)), config("current"))
+    x = jnp.asarray(np.random.default_rng(18).standard_normal((8, 32)), jnp.float32)
+    out = ours(x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, theirs(x))
+    _, grads = fp8jax.nnx_value_and_grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32)))(ours, x)
+    fp8jax.nnx_update_fp8_state(ours, grads)
+    kernel = np.asarray(ours.kernel.get_value())
+    assert float(ours.dot_general.value().kernel.amax_history[0]) == np.max(np.abs(kernel))
+
+
 def test_the_train_step_trains_a_model_without_fp8_layers_as_flax_does():
     """A baseline (no FP8 layer: unconverted, or everything excluded) trains with the same
     step, as Flax's own step trains it."""

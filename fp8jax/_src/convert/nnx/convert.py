@@ -176,14 +176,15 @@ def _einsum_kernel(layer: Any) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class _PromoteAllButKernel:
     """An NNX layer's `promote_dtype` that leaves its kernel (the second of its arguments) as
-    it is: the FP8 GEMM quantizes the float32 master itself (`_quantize_masters`)."""
+    it is: the FP8 GEMM quantizes the float32 master itself (`_quantize_masters`). The
+    promotion is given every argument, `(inputs, kernel, bias)`, as a user's of NNX's
+    documented signature needs; its cast kernel is unused (XLA drops the cast)."""
 
     promote: Callable[..., Any]
 
     def __call__(self, args: tuple[Any, ...], **kwargs: Any) -> tuple[Any, ...]:
-        inputs, kernel, *rest = args
-        promoted = self.promote((inputs, *rest), **kwargs)
-        return (promoted[0], kernel, *promoted[1:])
+        promoted = self.promote(args, **kwargs)
+        return (promoted[0], args[1], *promoted[2:])
 
 
 def _quantize_masters(layer: Any) -> None:
