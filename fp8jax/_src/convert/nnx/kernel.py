@@ -127,7 +127,9 @@ def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     graphdef, own, state = nnx.split(self, _is_own_fp8_dot, ...)
 
     def call(state: Any, *a: Any, **kw: Any) -> Any:
-        module = nnx.merge(graphdef, own, state)
+        # New variables for `own` too: the trace's own (an nnx.jit in the call writes back
+        # into every variable of the module, which the caller's FP8 state's must not be).
+        module = nnx.merge(graphdef, own, state, copy=True)
         out = cls.__call__(module, *a, **kw)
         # And the variables of NNX objects among the arguments (an nnx.Rngs drawn from).
         return out, nnx.state(module, nnx.Not(_is_own_fp8_dot)), nnx.state((a, kw), nnx.Variable)
