@@ -248,6 +248,47 @@ def test_a_kernel_modules_call_advances_an_rngs_passed_to_it():
     assert int(ours.dropout.count.get_value()) == int(theirs.dropout.count.get_value()) == 2
 
 
+class GatedLinear(nnx.Linear):
+    """An nnx.Linear subclass whose call of its own multiplies by its kernel without its
+    `dot_general`."""
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.kernel.get_value() + self.bias.get_value())
+
+
+class Gated(nnx.Module):
+    """`GatedLinear`'s call in a module of its own: a kernel module."""
+
+    def __init__(self, linear: nnx.Linear):
+        self.kernel = nnx.Param(linear.kernel.get_value())
+        self.bias = nnx.Param(linear.bias.get_value())
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.kernel.get_value() + self.bias.get_value())
+
+
+def test_a_linear_subclass_with_a_call_of_its_own_runs_its_kernel_gemm_in_fp8():
+    """An nnx.Linear subclass with a `__call__` of its own, which may never call its
+    `dot_general`, converts as a kernel module (its call traced), as the Linen path does:
+    the same output and gradients as the same call in a module of its own, its state
+    following (it was given an FP8 `dot_general` its call never ran, planned FP8 and in
+    high precision, its amax staying 0)."""
+    layer = GatedLinear(32, 16, rngs=nnx.Rngs(0))
+    ours = fp8jax.fp8_linear_layers(layer, config("current"))
+    theirs = fp8jax.fp8_linear_layers(Gated(layer), config("current"))
+    assert fp8jax.conversion_plan(layer, config()).converted == ("",)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    out, grads, grad_x = forward_and_grads(ours, x, c)
+    out_t, grads_t, grad_x_t = forward_and_grads(theirs, x, c)
+    np.testing.assert_array_equal(out, out_t)
+    np.testing.assert_array_equal(grad_x, grad_x_t)
+    np.testing.assert_array_equal(grads["kernel"].get_value(), grads_t["kernel"].get_value())
+    fp8jax.nnx_update_fp8_state(ours, grads)
+    assert float(ours.fp8_dot.value().input.amax_history[0]) == float(jnp.max(jnp.abs(x)))
+
+
 class Scale(nnx.Module):
     """A `kernel` used elementwise: no GEMM."""
 

@@ -27,13 +27,18 @@ from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 M = TypeVar("M")
 
 
+#: The layers converted by giving them an FP8 GEMM op, by their class's call.
+_LAYERS = ((nnx.Linear, "linear"), (nnx.LinearGeneral, "general"), (nnx.Einsum, "einsum"))
+
+
 def _kind(node: Any) -> str | None:
-    if isinstance(node, nnx.Linear):
-        return "linear"
-    if isinstance(node, nnx.LinearGeneral):
-        return "general"
-    if isinstance(node, nnx.Einsum):
-        return "einsum"
+    for cls, kind in _LAYERS:
+        if isinstance(node, cls):
+            # A subclass with a `__call__` of its own may never call its GEMM op: with a
+            # matrix kernel, it is converted as a kernel module, by tracing its call.
+            if type(node).__call__ is cls.__call__ or not has_kernel(node):
+                return kind
+            return "kernel"
     if isinstance(node, NnxGroupedLinear):
         return "experts"
     if has_kernel(node):
