@@ -217,21 +217,26 @@ def check_fp8_record(
                 problems.append(
                     f"leaf {where}: checkpoint has {_describe(s)}, target has {_describe(e)}"
                 )
-    axes = [] if problems else _axes_problems(saved.get("axes", {}), expected.get("axes", {}))
-    problems += axes
+    if problems:
+        what, hint = "does not match the state to restore into", _CONFIG_HINT
+    else:  # the same config and shapes: only a Haliax array's axis names differ
+        problems = _axes_problems(saved.get("axes", {}), expected.get("axes", {}))
+        what, hint = "holds Haliax arrays under other axis names than the target", _AXES_HINT
     if problems:
         shown = "\n  - ".join(problems[:10])
         more = f"\n  (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ValueError(
-            f"Checkpoint {os.fspath(path)!r} does not match the state to restore into; nothing "
-            f"was loaded:\n  - {shown}{more}\nBuild `like` with the same fp8_linear_layers "
-            "config (targets, recipes, telemetry), optimizer and loss scale as when saving."
-            + (_AXES_HINT if axes else "")
+            f"Checkpoint {os.fspath(path)!r} {what}; nothing was loaded:\n  - {shown}{more}\n"
+            + hint
         )
 
 
+_CONFIG_HINT = (
+    "Build `like` with the same fp8_linear_layers config (targets, recipes, telemetry), "
+    "optimizer and loss scale as when saving."
+)
 _AXES_HINT = (
-    "\nA Haliax array restores only under the axis names, in the order, it was saved with. To "
+    "A Haliax array restores only under the axis names, in the order, it was saved with. To "
     "restore anyway, give `like` the saved axes (`haliax.rename` its arrays to the saved names; "
     "for another order, build it in the saved one), load, then rename (or `haliax.rearrange`) "
     "the result."
