@@ -670,11 +670,32 @@ def test_an_abstract_like_on_another_device_restores_there(backend, tmp_path):
         return bits({**tree, "key": jax.random.key_data(tree["key"])})
 
     assert data(restored) == data(saved)
-    if backend == "equinox":
-        restored = fp8jax.load_checkpoint(path, on(jax.devices()[0]))
-        assert all(v.devices() == {jax.devices()[0]} for v in restored.values())
-        assert not any(v.committed for v in restored.values())
-        assert data(restored) == data(saved)
+    restored = fp8jax.load_checkpoint(path, on(jax.devices()[0]), backend=backend)
+    assert all(v.devices() == {jax.devices()[0]} for v in restored.values())
+    assert not any(v.committed for v in restored.values())
+    assert data(restored) == data(saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restored_arrays_are_committed_as_like_is(backend, tmp_path):
+    """Each restored array is committed where `like`'s is and uncommitted where it is not: a
+    `like` of arrays made on the default device (`jnp.zeros`, uncommitted), or an abstract one
+    of them (`eval_shape`, which names no device), restores uncommitted, both backends alike
+    (`jit` then still places it beside arrays on other devices); arrays put on a device
+    restore committed. The orbax backend restored an abstract `like`'s arrays committed."""
+    made = {"w": jnp.zeros((2, 3)), "h": jnp.zeros(4, jnp.bfloat16), "key": jax.random.key(1)}
+    put = jax.device_put(made, jax.devices()[0])
+    assert not any(x.committed for x in jax.tree.leaves(made))
+    assert all(x.committed for x in jax.tree.leaves(put))
+    saved = {"w": jnp.arange(6.0).reshape(2, 3), "h": jnp.ones(4, jnp.bfloat16)}
+    saved["key"] = jax.random.key(5)
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    for like, committed in [(made, False), (jax.eval_shape(lambda: made), False), (put, True)]:
+        restored = fp8jax.load_checkpoint(path, like, backend=backend)
+        for name, value in restored.items():
+            assert value.committed is committed, name
+            assert value.devices() == {jax.devices()[0]}, name
 
 
 @needs_orbax

@@ -21,9 +21,13 @@ def placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -
     NumPy where `like` is NumPy."""
     if isinstance(like, np.ndarray):
         return np.asarray(value)
-    if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
-        return value if getattr(like, "committed", True) else jnp.asarray(np.asarray(value))
     sharding = like.sharding
+    if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
+        if isinstance(like, jax.Array):
+            return value if like.committed else jnp.asarray(np.asarray(value))
+        if isinstance(sharding, jax.sharding.Sharding) and len(sharding.device_set) > 1:
+            return value
+        value = np.asarray(value)  # (committed) on one device: placed as an Equinox read is
     if isinstance(like, jax.ShapeDtypeStruct) and (
         not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1
     ):
