@@ -157,10 +157,14 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     **Returns:** a new state; `like` is not modified. A Flax NNX object that `like` holds at
     several places (a layer used twice) is one object in it too. Each array has the sharding of the
     corresponding array of `like` (a `jax.Array`, or a `jax.ShapeDtypeStruct`'s sharding:
-    one on a single device other than the default one puts the array there), which may differ
-    from the one it was saved with: a checkpoint written by several processes restores in one,
-    and the other way round. With several processes every process calls it and reads `path`,
-    which they must all see.
+    one on a single device other than the default one puts the array there), committed where
+    that array is (uncommitted where `jnp.zeros` made it). A `like` made by `eval_shape`
+    carries no device (under JAX's default, Auto, mesh axes it names no sharding): its arrays
+    restore whole on the default device, uncommitted, whatever the model was sharded over; to
+    restore them sharded, give each `jax.ShapeDtypeStruct` its sharding. The sharding may
+    differ from the one an array was saved with: a checkpoint written by several processes
+    restores in one, and the other way round. With several processes every process calls it
+    and reads `path`, which they must all see.
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences; recipe options that
