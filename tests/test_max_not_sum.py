@@ -78,6 +78,42 @@ def test_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, recipe):
             np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6, err_msg=role)
 
 
+def test_a_hand_rolled_gradient_with_combine_by_max_pairs_the_scales_too(getkey):
+    """`jax.grad` of a loss that views the model with `fp8jax.combine_by_max` (documented as
+    what `filter_value_and_grad` does for you) gives a layer used twice the state
+    `filter_grad` gives it: each scale that of the larger amax it records. It held the larger
+    scale, that of the smaller amax, beside it."""
+    config = fp8jax.Fp8Config(recipe="current")
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=getkey()), config)
+    params, static = eqx.partition(linear, eqx.is_inexact_array)
+    rng = np.random.default_rng(3)
+    x1, x2 = (rng.standard_normal((2, 4, 32)) * [[[0.3]], [[7.0]]]).astype(np.float32)
+    c1, c2 = (rng.standard_normal((2, 4, 32)) * [[[3.0]], [[0.01]]]).astype(np.float32)
+
+    def twice(m):
+        return jnp.sum(jax.vmap(m)(x1) * c1) + jnp.sum(jax.vmap(m)(x2) * c2)
+
+    @jax.jit
+    def hand_rolled(params):
+        return jax.grad(lambda p: twice(fp8jax.combine_by_max(eqx.combine(p, static))))(params)
+
+    grads = hand_rolled(params)
+    library = fp8jax.filter_grad(twice)(linear)
+    assert newest(grads)["input"] == amax(x1, x2)
+    for role in ("input", "kernel", "output_grad"):
+        state = getattr(grads.dot_general, role)
+        fmt_max = float(
+            jnp.finfo(jnp.float8_e5m2 if role == "output_grad" else jnp.float8_e4m3fn).max
+        )
+        want = 2.0 ** np.floor(np.log2(fmt_max / np.float64(state.amax_history[0])))
+        np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
+        np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6, err_msg=role)
+        for got, expected in zip(
+            jax.tree.leaves(state), jax.tree.leaves(getattr(library.dot_general, role)), strict=True
+        ):
+            np.testing.assert_array_equal(got, expected, err_msg=role)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"split_activation": True, "predict_lo_scale": True}, {"nf_aware": True}],

@@ -106,8 +106,9 @@ def with_recorded_scales(op: Any) -> Any:
     [`fp8jax.nnx_value_and_grad`][]) combine their states leaf by leaf by max: the largest
     amax, but beside it the largest scale, that of the smallest amax. This pairs the scale
     with the amax again, as one use of the larger amax records them (and as accumulated
-    microbatches keep them): `filter_value_and_grad` and `nnx_value_and_grad` on their
-    gradients, `nnx_update_fp8_state` on what it merges (plain `nnx.grad`'s too)."""
+    microbatches keep them): [`fp8jax.combine_by_max`][] (so `filter_value_and_grad` and a
+    hand-rolled `jax.grad` with it) and `nnx_value_and_grad` on their gradients,
+    `nnx_update_fp8_state` on what it merges (plain `nnx.grad`'s too)."""
     if not isinstance(op, AbstractFp8Op):
         return op
     states = {}

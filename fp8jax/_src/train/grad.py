@@ -38,8 +38,9 @@ def combine_by_max(tree: T) -> T:
 
     Call it inside a differentiated, jitted function, on the model, before the model runs:
     every use of a layer downstream then combines its state's cotangent by max. The cotangent
-    reaching the float32 state outside is float32 again. [`fp8jax.filter_value_and_grad`][]
-    does this for you.
+    reaching the float32 state outside is float32 again, with each scale the one its recipe
+    records beside the combined (largest) amax, as one use of that amax records it.
+    [`fp8jax.filter_value_and_grad`][] does this for you.
     """
 
     def convert(node: Any) -> Any:
@@ -49,9 +50,31 @@ def combine_by_max(tree: T) -> T:
             return node
         if isinstance(node, AbstractFp8Op):
             check_float32_state(node)  # before the view would widen a cast state unseen
+            node = _paired_in_gradient(node)
         return max_combining_view(node)
 
     return jax.tree.map(convert, tree, is_leaf=is_overwrite)
+
+
+def _paired_in_gradient(op: AbstractFp8Op) -> AbstractFp8Op:
+    """`op` unchanged, but for its gradient (its new state, the uses' combined by max leaf by
+    leaf: the largest amax beside the largest scale, the smallest amax's), whose scales are
+    paired with the amax they are recorded beside again (`with_recorded_scales`)."""
+    arrays, static = eqx.partition(op, eqx.is_array)
+
+    @jax.custom_vjp
+    def identity(arrays: Any) -> Any:
+        return arrays
+
+    def forward(arrays: Any) -> tuple[Any, None]:
+        return arrays, None
+
+    def backward(_: None, cotangent: Any) -> tuple[Any]:
+        paired = with_recorded_scales(eqx.combine(cotangent, static))
+        return (eqx.filter(paired, eqx.is_array),)
+
+    identity.defvjp(forward, backward)
+    return eqx.combine(identity(arrays), static)
 
 
 def filter_value_and_grad(
@@ -76,16 +99,11 @@ def filter_value_and_grad(
     def with_max_state(first: Any, *args: Any, **kwargs: Any) -> Any:
         return fun(combine_by_max(first), *args, **kwargs)
 
-    plain = eqx.filter_value_and_grad(with_max_state, has_aux=has_aux)
-
-    def paired(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        # Each layer's scales paired with the largest amax its uses combined to.
-        value, grads = plain(*args, **kwargs)
-        return value, jax.tree.map(with_recorded_scales, grads, is_leaf=is_overwrite)
-
-    # The whole gradient under one jit: residuals of the max-combining dtype (a remat's saved
-    # inputs) never leave it, which an eager caller would otherwise materialize.
-    value_and_grad = eqx.filter_jit(functools.wraps(fun)(paired))
+    # Each layer's scales come paired with the largest amax its uses combined to
+    # (`combine_by_max`). The whole gradient under one jit: residuals of the max-combining
+    # dtype (a remat's saved inputs) never leave it, which an eager caller would otherwise
+    # materialize.
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(with_max_state, has_aux=has_aux))
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
