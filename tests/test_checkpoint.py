@@ -643,6 +643,39 @@ def test_prng_keys_restore_into_a_sharded_abstract_like(backend, axes, tmp_path)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_eval_shape_like_on_a_mesh_of_explicit_axes(backend, tmp_path):
+    """`eval_shape` of a state on a mesh of Explicit axes names each sharding on the abstract
+    mesh, which has no devices. Under `jax.set_mesh(mesh)` the arrays (a key's too) restore
+    with those shardings on that mesh's devices; outside it, `load_checkpoint` raises before
+    reading, naming the leaf and `jax.set_mesh`. Both backends called such a checkpoint
+    "truncated or corrupt" (device_set is not implemented for an AbstractMesh)."""
+    spec, sharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    split, whole = sharding(mesh, spec("data")), sharding(mesh, spec())
+    saved = {
+        "w": jax.device_put(jnp.arange(16.0).reshape(8, 2), split),
+        "h": jax.device_put(jnp.ones(3, jnp.bfloat16), whole),
+        "key": jax.device_put(jax.random.split(jax.random.key(1), 8), split),
+    }
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    like = jax.eval_shape(lambda s: s, saved)
+    assert isinstance(like["w"].sharding.mesh, jax.sharding.AbstractMesh)
+    with pytest.raises(ValueError, match=r"jax\.set_mesh") as info:
+        fp8jax.load_checkpoint(path, like, backend=backend)
+    assert "corrupt" not in str(info.value) and "['h']" in str(info.value)
+    with jax.set_mesh(mesh):
+        restored = fp8jax.load_checkpoint(path, like, backend=backend)
+
+    def data(tree):
+        return bits({**tree, "key": jax.random.key_data(tree["key"])})
+
+    for name, value in saved.items():  # (eval_shape spells P("data") as P("data", None))
+        assert restored[name].sharding.is_equivalent_to(value.sharding, value.ndim), name
+    assert data(restored) == data(saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_abstract_like_on_another_device_restores_there(backend, tmp_path):
     """A `like` of `jax.ShapeDtypeStruct`s on one device other than the default one (a
     `SingleDeviceSharding`) restores each array, a key's too, onto that device, as a `like`

@@ -41,7 +41,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
-from .checkpoint_hosts import gather, on_process_zero, placed_as
+from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_record import (
     check_fp8_record,
@@ -161,7 +161,9 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     that array is (uncommitted where `jnp.zeros` made it). A `like` made by `eval_shape`
     carries no device (under JAX's default, Auto, mesh axes it names no sharding): its arrays
     restore whole on the default device, uncommitted, whatever the model was sharded over; to
-    restore them sharded, give each `jax.ShapeDtypeStruct` its sharding. The sharding may
+    restore them sharded, give each `jax.ShapeDtypeStruct` its sharding. Under Explicit axes
+    it names shardings on the abstract mesh: load under `jax.set_mesh(mesh)`, which restores
+    them on `mesh` (else `ValueError`, before reading). The sharding may
     differ from the one an array was saved with: a checkpoint written by several processes
     restores in one, and the other way round. With several processes every process calls it
     and reads `path`, which they must all see.
@@ -187,8 +189,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     if backend == "orbax":
         saved = parse_record(_orbax_record(path), path)
         target = _target(saved, like)
-        data = keys_as_data(target)
-        check_fp8_record(saved, fp8_record(data), path)
+        check_fp8_record(saved, fp8_record(keys_as_data(target)), path)
+        data = keys_as_data(on_concrete_mesh(target))
         return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
     if not path.exists():
         raise _no_checkpoint(path, backend)
@@ -211,8 +213,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its record is cut off ({total} bytes in all)")
         saved = parse_record(f.read(size), path)
         target = _target(saved, like)
-        data = keys_as_data(target)
-        check_fp8_record(saved, fp8_record(data), path)
+        check_fp8_record(saved, fp8_record(keys_as_data(target)), path)
+        data = keys_as_data(on_concrete_mesh(target))
         try:
             restored = eqx.tree_deserialise_leaves(f, data, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated

@@ -43,6 +43,31 @@ def placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def on_concrete_mesh(like: Any) -> Any:
+    """`like` with each `jax.ShapeDtypeStruct` sharded on an abstract mesh (`eval_shape` of
+    arrays on a mesh of Explicit axes names no devices) sharded on `jax.set_mesh`'s mesh,
+    of which it is the abstract one; `ValueError` naming the first leaf if none is set."""
+    mesh = jax.sharding.get_mesh()
+
+    def concrete(path: Any, x: Any) -> Any:
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+        if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(
+            sharding.mesh, jax.sharding.AbstractMesh
+        ):
+            return x
+        if mesh.empty or mesh.abstract_mesh != sharding.mesh:
+            raise ValueError(
+                f"load_checkpoint: leaf {jax.tree_util.keystr(path)} of `like` is sharded on "
+                f"an abstract mesh ({sharding.mesh}: eval_shape of arrays on a mesh of "
+                "Explicit axes), which names no devices; nothing was read. Load under "
+                "`jax.set_mesh(mesh)` of that mesh, or give `like` shardings on a concrete one."
+            )
+        placed = jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed, weak_type=x.weak_type)
+
+    return jax.tree_util.tree_map_with_path(concrete, like)
+
+
 def gather(state: Any) -> Any:
     """`state` with each array that spans other processes' devices gathered to NumPy (a
     collective: every process calls it)."""
