@@ -392,6 +392,39 @@ def test_gradient_back_takes_rows_split_over_an_explicit_axis(fp8_backward):
     np.testing.assert_array_equal(run(mesh, axis_names={"expert"}), want)
 
 
+@pytest.mark.parametrize("method", ["tokens_of", "send", "send_back"])
+def test_exchange_steps_take_rows_split_over_an_explicit_axis(method):
+    """`ExpertExchange.tokens_of`, `send` and `send_back`, public steps of `dispatch` and
+    `combine`, called in a `shard_map` over the experts' axis alone, their rows split over the
+    Explicit `data` axis in the body: they raised "Use `.at[...].get(out_sharding=)` to
+    provide output PartitionSpec for the gather" (as `dispatch` did). Now each returns what
+    it does on a mesh of the expert axis alone."""
+    chosen, _ = _routed(64, seed=8)
+    chosen = chosen % 8
+    rng = np.random.default_rng(9)
+    given = {  # per device: 16 tokens, 32 assignments, 128 rows received
+        "tokens_of": rng.standard_normal((64, 32)).astype(np.float32),
+        "send": rng.standard_normal((64 * TOP_K, 32)).astype(np.float32),
+        "send_back": rng.standard_normal((4 * 128, 32)).astype(np.float32),
+    }[method]
+
+    def body(chosen, rows, split=False):
+        if split:
+            chosen, rows = (jax.sharding.reshard(a, P("data")) for a in (chosen, rows))
+        plan = fp8jax.expert_exchange(chosen, 8, "expert", capacity=128)
+        return getattr(plan, method)(rows)
+
+    def run(mesh, **manual):
+        f = functools.partial(body, split=bool(manual))
+        f = jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), **manual)
+        with jax.set_mesh(mesh):
+            return jax.jit(f)(chosen, given)
+
+    want = run(_mesh({"expert": 4}))
+    mesh = _mesh({"data": 2, "expert": 4}, jax.sharding.AxisType.Explicit)
+    np.testing.assert_array_equal(run(mesh, axis_names={"expert"}), want)
+
+
 # --- an MoE block, expert parallel, against one device ----------------------------------------
 
 # Power-of-two scales (the per-tensor recipes' default) keep the quantized values exact

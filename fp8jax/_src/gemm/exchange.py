@@ -115,34 +115,22 @@ class ExpertExchange(eqx.Module):
 
     def send(self, rows: Array, fill: float = 0.0) -> Array:
         """`rows (A, ...)`, one per assignment in `order`, to the devices of their experts:
-        `(R, ...)` in expert order, `fill` past the received rows."""
-        recv = ragged_all_to_all(
-            rows,
-            jnp.zeros((self.capacity, *rows.shape[1:]), rows.dtype),
-            self.input_offsets,
-            self.send_sizes,
-            self.output_offsets,
-            self.recv_sizes,
-            axis_name=self.axis_name,
-        )
-        valid = jnp.arange(self.capacity) < self.received
-        mask = valid.reshape((-1,) + (1,) * (rows.ndim - 1))
-        return jnp.where(mask, recv[self.sorted_from], jnp.asarray(fill, rows.dtype))
+        `(R, ...)` in expert order, `fill` past the received rows. Under Explicit axes (as
+        `dispatch`), with those axes Auto: the rows received split as `rows`' are (where
+        they divide the capacity), the rest as `rows`'."""
+        rows = jnp.asarray(rows)
+        spec = self._received_spec(rows)
+        move = functools.partial(_send, fill=fill)
+        return on_auto_axes(move, self, rows, out_sharding=spec, explicit=spec is not None)
 
     def send_back(self, rows: Array) -> Array:
         """The inverse of `send`: `rows (R, ...)` in expert order back to the devices of
-        their tokens, `(A, ...)` in `order` (zeros for assignments dropped by `capacity`)."""
-        assignments = self.order.shape[0]
-        received = rows[self.position]
-        return ragged_all_to_all(
-            received,
-            jnp.zeros((assignments, *rows.shape[1:]), rows.dtype),
-            self.recv_offsets,
-            self.recv_sizes,
-            self.return_offsets,
-            self.send_sizes,
-            axis_name=self.axis_name,
-        )
+        their tokens, `(A, ...)` in `order` (zeros for assignments dropped by `capacity`).
+        Under Explicit axes (as `dispatch`), with those axes Auto: the assignments split as
+        `rows`' rows are (where that divides them), the rest as `rows`'."""
+        rows = jnp.asarray(rows)
+        spec = self._received_spec(rows, self.order.shape[0])
+        return on_auto_axes(_send_back, self, rows, out_sharding=spec, explicit=spec is not None)
 
     @property
     def _tokens(self) -> int:
@@ -164,8 +152,12 @@ class ExpertExchange(eqx.Module):
         return jnp.cumsum(self.recv_sizes) - self.recv_sizes
 
     def tokens_of(self, x: Float[Array, "tokens ..."]) -> Array:
-        """Each assignment's token row of `x`, in `order`: `(A, ...)`."""
-        return x[self.order // self.top_k]
+        """Each assignment's token row of `x`, in `order`: `(A, ...)`. Under Explicit axes (as
+        `dispatch`), with those axes Auto: the assignments split as `x`'s rows are (where
+        that divides them), the rest as `x`'s."""
+        x = jnp.asarray(x)
+        spec = self._received_spec(x, self.order.shape[0])
+        return on_auto_axes(_tokens_of, self, x, out_sharding=spec, explicit=spec is not None)
 
     def dispatch(self, x: Float[Array, "tokens ..."]) -> Array:
         """The rows of `x (tokens, ...)` routed to this device's experts, from every device,
@@ -176,15 +168,17 @@ class ExpertExchange(eqx.Module):
         spec = self._received_spec(x)
         return on_auto_axes(_dispatch, self, x, out_sharding=spec, explicit=spec is not None)
 
-    def _received_spec(self, x: Array) -> Any:
+    def _received_spec(self, x: Array, size: int | None = None) -> Any:
         """Under Explicit axes (`None` otherwise), where JAX has no rule for gathering split
-        rows, so that the rows of `x (tokens, ...)` move with those axes Auto: the rows
-        received split as `x`'s are (where they divide the capacity), the rest as `x`'s."""
+        rows, so that the rows of `x (tokens, ...)` move with those axes Auto: the `size`
+        rows out (the capacity if `None`) split as `x`'s are (where they divide `size`), the
+        rest as `x`'s."""
         if explicit_mesh(x) is None:
             return None
         rows, *rest = tuple(jax.typeof(x).sharding.spec) or (None,)
         mesh = jax.typeof(x).sharding.mesh
-        return PartitionSpec(split_evenly(rows, self.capacity, mesh), *rest)
+        size = self.capacity if size is None else size
+        return PartitionSpec(split_evenly(rows, size, mesh), *rest)
 
     def _send_tokens(self, x: Array, fill: float) -> Array:
         """`send(tokens_of(x), fill)`, under Explicit axes as `dispatch`."""
@@ -275,6 +269,41 @@ def _weighted_sum(plan: ExpertExchange, y: Array, weights: Array) -> Array:
     # Added to the tokens in expert order, as one device sorting its tokens would.
     out = jnp.zeros((weights.shape[0], *y.shape[1:]), y.dtype)
     return out.at[plan.order // plan.top_k].add(back * w)
+
+
+def _tokens_of(plan: ExpertExchange, x: Array) -> Array:
+    """`plan.tokens_of(x)` on the axes it is given."""
+    return x[plan.order // plan.top_k]
+
+
+def _send(plan: ExpertExchange, rows: Array, fill: float) -> Array:
+    """`plan.send(rows, fill)` on the axes it is given."""
+    recv = ragged_all_to_all(
+        rows,
+        jnp.zeros((plan.capacity, *rows.shape[1:]), rows.dtype),
+        plan.input_offsets,
+        plan.send_sizes,
+        plan.output_offsets,
+        plan.recv_sizes,
+        axis_name=plan.axis_name,
+    )
+    valid = jnp.arange(plan.capacity) < plan.received
+    mask = valid.reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(mask, recv[plan.sorted_from], jnp.asarray(fill, rows.dtype))
+
+
+def _send_back(plan: ExpertExchange, rows: Array) -> Array:
+    """`plan.send_back(rows)` on the axes it is given."""
+    received = rows[plan.position]
+    return ragged_all_to_all(
+        received,
+        jnp.zeros((plan.order.shape[0], *rows.shape[1:]), rows.dtype),
+        plan.recv_offsets,
+        plan.recv_sizes,
+        plan.return_offsets,
+        plan.send_sizes,
+        axis_name=plan.axis_name,
+    )
 
 
 def _gradient_back(plan: ExpertExchange, d_rows: Array) -> Array:
