@@ -434,11 +434,15 @@ def test_haliax_moe_linear_refuses_inputs_without_its_in_axis(getkey, jit):
 def test_haliax_moe_linear_refuses_arrays_that_are_not_named(getkey):
     """Plain arrays for the inputs or the group sizes (which `Fp8RaggedDot` and
     `GroupedLinear` take), and group sizes without the experts axis, are refused naming what
-    the layer takes (they raised AttributeError: no attribute 'rearrange')."""
+    the layer takes, its axes by name and size (they raised AttributeError: no attribute
+    'rearrange')."""
     fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None)).up
     x = hax.random.normal(getkey(), (Token, Embed))
     sizes = hax.named(SIZES, Experts)
-    with pytest.raises(TypeError, match=r"'up'.*inputs.*Array.*NamedArray with the In axis"):
+    with pytest.raises(
+        TypeError,
+        match=rf"'up'.*inputs.*Array.*NamedArray with the In axis {Embed.name}\({Embed.size}\),",
+    ):
         fp8(x.array, sizes)
     with pytest.raises(TypeError, match=r"'up'.*group_sizes.*Array.*NamedArray over experts\(4\)"):
         fp8(x, SIZES)

@@ -57,7 +57,7 @@ class Fp8MoELinear(eqx.Module):
         rows would be cut at the wrong width."""
         where = f"Fp8MoELinear {self.ragged_dot.name!r}" if self.ragged_dot.name else "Fp8MoELinear"
         for arg, value, what in (
-            ("inputs", inputs, "with the In axis"),
+            ("inputs", inputs, f"with the In axis {self.In.name}({self.In.size})"),
             ("group_sizes", group_sizes, f"over {self.Experts.name}({self.Experts.size})"),
         ):
             if not isinstance(value, hax.NamedArray):
