@@ -10,7 +10,10 @@ GEMMs produce instead, and offers two policies on those names:
   scales, 1 byte per element) and recompute everything else: the smallest residuals that
   spare the backward pass from quantizing again.
 - [`fp8jax.fp8_dots_saveable`][]: `dots_saveable` extended to FP8 GEMMs: keep the outputs of
-  every GEMM, FP8 or not, as a BF16 model under `dots_saveable` would.
+  every FP8 GEMM (dense or grouped) and of the high-precision `dot_general`s (and
+  convolutions), as a BF16 model under `dots_saveable` would. Like `dots_saveable`, it does
+  not keep a high-precision `lax.ragged_dot`'s (a `GroupedLinear` left out of FP8): that is
+  recomputed in the backward pass.
 
 Both also keep what `jax.lax.top_k` returns: an MoE router's choice of experts. The backward
 pass recomputes the block, and a recomputation need not be bit-identical to the forward (XLA
@@ -51,8 +54,8 @@ save_fp8_operands = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(FP8_OPERANDS), routing_saveable
 )
 
-#: `jax.checkpoint_policies.dots_saveable`, also saving the outputs of FP8 GEMMs (and top-k
-#: choices).
+#: `jax.checkpoint_policies.dots_saveable` (`dot_general`s and convolutions, not
+#: `lax.ragged_dot`), also saving the outputs of FP8 GEMMs, dense or grouped (and top-k choices).
 fp8_dots_saveable = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_saveable,
