@@ -418,7 +418,7 @@ def test_exchange_steps_take_rows_split_over_an_explicit_axis(method):
         f = functools.partial(body, split=bool(manual))
         f = jax.shard_map(f, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), **manual)
         with jax.set_mesh(mesh):
-            return jax.jit(f)(chosen, given)
+            return jax.jit(_sharded_as_specs(f, P("expert")) if manual else f)(chosen, given)
 
     want = run(_mesh({"expert": 4}))
     mesh = _mesh({"data": 2, "expert": 4}, jax.sharding.AxisType.Explicit)
