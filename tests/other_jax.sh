@@ -79,6 +79,12 @@ TESTS=(
     # The NNX step's two programs, traced and inspected as the step compiles them (session 45).
     tests/test_nnx.py::test_train_step_is_inspected_as_it_compiles_both_its_programs
     "tests/test_nnx.py::test_train_step_drops_the_warm_start_once_every_scale_is_recorded[cublas-mode]"
+    # The high-precision grouped GEMM, a primitive of fp8jax's (core/jax_primitive.py), under
+    # every transform.
+    tests/test_grouped.py::test_a_high_precision_grouped_linear_takes_every_derivative
+    tests/test_grouped.py::test_a_jitted_high_precision_grouped_linear_maps_and_differentiates_in_any_order
+    tests/test_grouped.py::test_a_high_precision_grouped_linear_compiles_to_lax_ragged_dot
+    tests/test_grouped.py::test_fp8_autocast_answers_a_high_precision_grouped_linear_s_gemm
     # fp8_autocast reinterprets jaxprs: primitives' names, bind parameters, sub-jaxprs.
     tests/test_autocast.py::test_control_flow_matches_the_module_path
     tests/test_autocast.py::test_the_selection_by_scope_batch_and_size

@@ -806,6 +806,135 @@ def test_a_high_precision_grouped_linear_under_vmap_equals_each_members_call():
     np.testing.assert_allclose(per_example, [g[0] for g in want], rtol=1e-6, atol=1e-6)
 
 
+_TINY_SIZES = np.array([2, 0, 2, 1], np.int32)  # one expert without tokens
+
+
+def _tiny_high_precision():
+    """A high-precision `GroupedLinear` as `f(x, w)`, float32 operands and their float64
+    copies, and `ref(x, w)`: each expert's rows times its weight by `jnp.dot` (run it under
+    `jax.enable_x64`)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 3))
+    w = rng.standard_normal((G, 3, 2))
+    layer = fp8jax.GroupedLinear(G, 3, 2, weight=jnp.asarray(w, jnp.float32))
+    sizes = jnp.asarray(_TINY_SIZES)
+
+    def f(x, w):
+        return eqx.tree_at(lambda m: m.weight, layer, w)(x, sizes)
+
+    def ref(x, w):
+        rows, start = [], 0
+        for e, size in enumerate(_TINY_SIZES):
+            rows.append(jnp.dot(x[start : start + size], w[e]))
+            start += size
+        return jnp.concatenate(rows)
+
+    f32 = (jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    return f, ref, f32, (x, w)
+
+
+def _sin_loss(f):
+    return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+
+_DERIVATIVES = {
+    "grad": lambda f, x, w: jax.grad(_sin_loss(f), (0, 1))(x, w),
+    "jvp": lambda f, x, w: jax.jvp(f, (x, w), (jnp.cos(x), jnp.sin(w))),
+    "linearize": lambda f, x, w: jax.linearize(f, x, w)[1](jnp.cos(x), jnp.sin(w)),
+    "jacrev": lambda f, x, w: jax.jacrev(f, (0, 1))(x, w),
+    "jacfwd": lambda f, x, w: jax.jacfwd(f, (0, 1))(x, w),
+    "hessian": lambda f, x, w: jax.hessian(_sin_loss(f), (0, 1))(x, w),
+    "grad of grad": lambda f, x, w: jax.grad(
+        lambda x, w: jnp.sum(
+            jnp.cos(jnp.concatenate([g.ravel() for g in _DERIVATIVES["grad"](f, x, w)]))
+        ),
+        (0, 1),
+    )(x, w),
+    "grad under vmap": lambda f, x, w: jax.vmap(jax.grad(_sin_loss(f), (0, 1)), (0, None))(
+        jnp.stack([x, 2 * x]), w
+    ),
+    "grad of vmap": lambda f, x, w: jax.grad(
+        lambda xs, w: jnp.sum(jax.vmap(_sin_loss(f), (0, None))(xs, w)), (0, 1)
+    )(jnp.stack([x, 2 * x]), w),
+    "vjp under vmap": lambda f, x, w: jax.vmap(jax.vjp(f, x, w)[1])(
+        jnp.stack([jnp.cos(f(x, w)), jnp.sin(f(x, w))])
+    ),
+}
+
+
+@pytest.mark.parametrize("derivative", list(_DERIVATIVES))
+def test_a_high_precision_grouped_linear_takes_every_derivative(derivative):
+    """Every derivative JAX takes of a high-precision `GroupedLinear`, in its activation and
+    its weight, first and second order, forward and reverse mode, equals that of a float64
+    per-expert `jnp.dot` (`jacrev` and `vmap` of a `vjp` raised "ragged_dot vmap over any
+    dim but 0 - NYI", `jacfwd` and `hessian` "can't apply forward-mode autodiff (jvp) to a
+    custom_vjp function", the weight's second derivatives lax's NotImplementedError)."""
+    f, ref, (x, w), (x64, w64) = _tiny_high_precision()
+    take = jax.jit(_DERIVATIVES[derivative], static_argnums=0)
+    got = take(f, x, w)
+    with jax.enable_x64(True):
+        want = take(ref, x64, w64)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("first", ["call", "vmap"])
+def test_a_jitted_high_precision_grouped_linear_maps_and_differentiates_in_any_order(first):
+    """A `jax.jit` of a high-precision `GroupedLinear` called, then `vmap`ped (weight not
+    mapped), or `vmap`ped, then differentiated in forward mode outside any `vmap`, equals
+    float64 per-expert `jnp.dot`s: what it traces to no longer depends on the trace it was
+    first called under, which `jit`'s cache does not know (the `vmap` after a call raised
+    "ragged_dot vmap over any dim but 0 - NYI", the `jvp` and `linearize` after a `vmap`
+    "can't apply forward-mode autodiff (jvp) to a custom_vjp function")."""
+    f, ref, (x, w), (x64, w64) = _tiny_high_precision()
+    xs, xs64 = jnp.stack([x, 2 * x]), np.stack([x64, 2 * x64])
+    tangents = (jnp.cos(x), jnp.sin(w))
+    with jax.enable_x64(True):
+        want_mapped = jax.vmap(ref, (0, None))(xs64, w64)
+        want_jvp = jax.jvp(ref, (x64, w64), (jnp.cos(x64), jnp.sin(w64)))[1]
+
+    jitted = jax.jit(f)
+    if first == "call":
+        np.testing.assert_allclose(jitted(x, w), want_mapped[0], rtol=2e-5, atol=2e-5)
+    mapped = jax.vmap(jitted, (0, None))(xs, w)
+    np.testing.assert_allclose(mapped, want_mapped, rtol=2e-5, atol=2e-5)
+    _, tangent = jax.jvp(jitted, (x, w), tangents)
+    np.testing.assert_allclose(tangent, want_jvp, rtol=2e-5, atol=2e-5)
+    tangent = jax.linearize(jitted, x, w)[1](*tangents)
+    np.testing.assert_allclose(tangent, want_jvp, rtol=2e-5, atol=2e-5)
+
+
+def test_a_high_precision_grouped_linear_compiles_to_lax_ragged_dot():
+    """Outside any `vmap`, the compiled forward and gradient of a high-precision
+    `GroupedLinear` are those of `lax.ragged_dot` itself."""
+    f, _, (x, w), _ = _tiny_high_precision()
+    sizes = jnp.asarray(_TINY_SIZES)
+
+    def plain(x, w):
+        return lax.ragged_dot(x, w, sizes)
+
+    def text(fn, *args):
+        return re.sub(r"loc\(.*?\)|#loc\d*|module @\w+", "", jax.jit(fn).lower(*args).as_text())
+
+    assert text(f, x, w) == text(plain, x, w)
+    grad_f, grad_plain = (jax.grad(_sin_loss(g), (0, 1)) for g in (f, plain))
+    assert text(grad_f, x, w) == text(grad_plain, x, w)
+
+
+def test_fp8_autocast_answers_a_high_precision_grouped_linear_s_gemm():
+    """`fp8_autocast` of a function calling a high-precision `GroupedLinear` runs its GEMM
+    as the `Fp8RaggedDot` it answers a `lax.ragged_dot` with (the layer's own primitive is
+    named and parametrized as lax's)."""
+    _, _, (x, w), _ = _tiny_high_precision()
+    x, w = jnp.tile(x, (4, 6)), jnp.tile(w, (1, 6, 10))  # past autocast's smallest GEMM
+    sizes = jnp.asarray(_TINY_SIZES * 4)
+    layer = fp8jax.GroupedLinear(G, 18, 20, weight=w)
+    out = jax.jit(fp8jax.fp8_autocast(lambda x: layer(x, sizes), "current"))(x)
+    op = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    np.testing.assert_array_equal(out, jax.jit(lambda x: op(x, w, sizes))(x))
+
+
 # --- conversion and the example ------------------------------------------------------------
 
 

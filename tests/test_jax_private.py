@@ -9,7 +9,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp8jax._src.core import jax_private
+from fp8jax._src.core import jax_primitive, jax_private
 from fp8jax._src.observe import deviceless
 
 
@@ -66,16 +66,50 @@ def test_batch_tracer_is_recognised():
     assert not jax_private.is_batch_tracer(jnp.ones(3))
 
 
-def test_under_vmap_sees_a_vmap_through_jit_and_grad():
+def test_a_ragged_dot_primitive_is_lax_s_with_the_rules_it_is_given():
+    """`jax_primitive.ragged_dot_primitive`: evaluated, jitted (the same program) and its JVP
+    as `lax.ragged_dot`; its `vmap` and transposition call the rules given, with the mapped
+    operands' axis first and the unknown operand's shape."""
+    dims = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
     seen = []
 
-    def f(x):
-        seen.append(jax_private.under_vmap())
-        return x
+    def batch(size, in_batched, lhs, rhs, sizes, numbers, precision, dtype):
+        seen.append(("batch", size, tuple(in_batched), lhs.shape))
+        return jnp.stack([dot(a, rhs, sizes, numbers, precision, dtype) for a in lhs]), True
 
-    jax.vmap(jax.jit(jax.grad(lambda x: jnp.sum(f(x)))))(jnp.ones((2, 3)))
-    jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))
-    assert seen == [True, False]
+    def transpose(ct, known, lhs_unknown, spec, sizes, numbers, precision, dtype):
+        seen.append(("transpose", lhs_unknown, spec.shape, known.shape))
+        return jnp.zeros(spec.shape, spec.dtype)
+
+    dot = jax_primitive.ragged_dot_primitive("test_ragged_dot", batch, transpose)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+    sizes = jnp.array([3, 2], jnp.int32)
+
+    def ours(x, w):
+        return dot(x, w, sizes, dims, None, jnp.float32)
+
+    def lax_s(x, w):
+        return lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+    np.testing.assert_array_equal(ours(x, w), lax_s(x, w))
+    assert (
+        jax.jit(ours).lower(x, w).as_text().split("\n")[1:]
+        == (jax.jit(lax_s).lower(x, w).as_text().split("\n")[1:])
+    )
+    tangents = (jnp.cos(x), jnp.sin(w))
+    for got, want in zip(
+        jax.jvp(ours, (x, w), tangents), jax.jvp(lax_s, (x, w), tangents), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    mapped = jax.vmap(ours, (1, None))(jnp.stack([x, 2 * x], 1), w)
+    np.testing.assert_array_equal(mapped, [lax_s(x, w), lax_s(2 * x, w)])
+    jax.grad(lambda w: jnp.sum(ours(x, w)))(w)
+    assert seen == [
+        ("batch", 2, (True, False, False), (2, 5, 3)),
+        ("transpose", False, w.shape, x.shape),
+    ]
 
 
 def test_varying_axes_inside_shard_map():

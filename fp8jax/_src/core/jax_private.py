@@ -1,4 +1,5 @@
-"""Everything fp8jax takes from JAX's internals, in one place.
+"""Everything fp8jax takes from JAX's internals, in one place (with `jax_primitive` beside it:
+the primitive of the high-precision grouped GEMM).
 
 `tests/test_jax_private.py` exercises each piece and fails loudly if JAX moves it.
 
@@ -151,17 +152,6 @@ _DIFFERENTIATION_TRACES = ("LinearizeTrace", "JVPTrace")
 
 def _is_batch_trace(trace: Any) -> bool:
     return type(trace).__name__ == "BatchTrace"
-
-
-def under_vmap() -> bool:
-    """Whether what runs now is traced under a `jax.vmap` (a `BatchTrace` in the stack of
-    traces; a jaxpr traced outside any `vmap` and mapped afterwards is not seen)."""
-    trace = core.trace_ctx.trace
-    while trace is not None:
-        if _is_batch_trace(trace):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
 
 
 def _applying_vmap() -> Any | None:

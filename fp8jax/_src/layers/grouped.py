@@ -184,7 +184,8 @@ def high_precision_ragged_dot(
     """A grouped layer's GEMM without an FP8 `ragged_dot`: `lax.ragged_dot` in `dtype` (its
     `preferred_element_type`), taking group sizes as `Fp8RaggedDot` does (a list, a narrow
     integer dtype widened, or an `ExpertExchange` whose dispatched rows it multiplies); also
-    under `jax.vmap` with the weight (or any operand) not mapped, and under a mesh with
+    under `jax.vmap` with the weight (or any operand) not mapped, under every derivative JAX
+    takes (`gemm.ragged_dot_general.ragged_dot`), and under a mesh with
     Explicit axes as `Fp8RaggedDot` does: there `lax.ragged_dot` requires an `out_sharding`,
     which its JVP drops and its expansion fails with for split rows, so it runs with those
     axes Auto, its output's rows split as `x`'s, its columns as the weight's outputs."""
