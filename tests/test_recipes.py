@@ -417,6 +417,19 @@ def test_error_feedback_needs_a_kernel_shape():
         fp8jax.Fp8DotGeneral(fp8jax.ResidualFP8(error_feedback=True))
 
 
+def test_error_feedback_rejects_a_kernel_with_batch_dims():
+    """The carried error is one (N, K) matrix: a dot_general whose kernel has batch dimensions
+    holds one kernel per batch member, whose errors that state cannot hold. Each member gets
+    its own state under vmap; a batched call is refused in the forward, not broadcast (and
+    then failed in the backward by the custom_vjp's shape check)."""
+    dot = fp8jax.Fp8DotGeneral(fp8jax.ResidualFP8(error_feedback=True), kernel_shape=(3, 8))
+    x, w = jnp.ones((2, 4, 8)), jnp.ones((2, 3, 8))
+    dims = (((2,), (2,)), ((0,), (0,)))
+    with pytest.raises(ValueError, match=r"batch dimensions of sizes \(2,\)"):
+        dot(x, w, dims)
+    assert dot(x[0], w[0], MATMUL_NT).shape == (4, 3)  # the same kernel without batch dims
+
+
 def test_predicted_lo_scale_ratio():
     recipe = fp8jax.ResidualFP8(predict_lo_scale=True)
     assert recipe.lo_scale_ratio() == 448 / 16  # E4M3 steps of 32 in its top binade

@@ -417,8 +417,17 @@ def _check_kernel_state(state: Any, layout: Layout, name: str) -> None:
     """Kernel-shaped state (error feedback) must match the kernel of this call."""
     error = getattr(state, "error", None)
     want = (math.prod(layout.rhs_free), math.prod(layout.contract))
+    layer = f"FP8 layer {name!r}" if name else "Fp8DotGeneral"
+    if error is not None and layout.batch:
+        # One (N, K) error cannot hold those of a kernel per batch member: broadcast, it
+        # would feed one member's error to all, and its update fail the backward.
+        raise ValueError(
+            f"{layer}: the kernel of this call has dot_general batch dimensions of sizes "
+            f"{layout.batch} (one matrix per batch entry), but its error-feedback state holds "
+            f"one (out, in) matrix's error, {tuple(error.shape[-2:])}. Use another recipe for "
+            "it, or give each batch entry a layer of its own (vmap the layer with its state)."
+        )
     if error is not None and tuple(error.shape[-2:]) != want:
-        layer = f"FP8 layer {name!r}" if name else "Fp8DotGeneral"
         raise ValueError(
             f"{layer}: its state was made for kernel_shape {tuple(error.shape[-2:])} but the "
             f"kernel of this call is {want} as a matrix (out, in: contracted axes last); "

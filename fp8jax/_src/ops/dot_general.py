@@ -42,7 +42,8 @@ class Fp8DotGeneral(AbstractFp8Op):
 
     - `recipe`: a [`fp8jax.DelayedScaling`][] (the default) or another recipe, or its name.
     - `kernel_shape`: `(N, K)`, the kernel as a matrix with its contracted axes last; only
-      recipes that keep weight-shaped state need it (`ResidualFP8(error_feedback=True)`).
+      recipes that keep weight-shaped state need it (`ResidualFP8(error_feedback=True)`),
+      and they take no kernel with batch dimensions (one matrix per batch entry).
     - `name`: the layer's path, e.g. `"blocks.0.mlp.fc1"` (set by `fp8_linear_layers`). The
       GEMMs run under the name scope `fp8jax[<name>]/fwd` (`dgrad`, `wgrad`), which is how
       [`fp8jax.inspect`][fp8jax.observe.inspect] attributes compiled GEMMs to layers.
