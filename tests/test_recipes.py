@@ -430,6 +430,24 @@ def test_error_feedback_rejects_a_kernel_with_batch_dims():
     assert dot(x[0], w[0], MATMUL_NT).shape == (4, 3)  # the same kernel without batch dims
 
 
+def test_error_feedback_rejects_a_mapped_kernel_with_one_state():
+    """vmap over the kernel with the layer's state shared by the members (an ensemble) gives
+    the one (N, K) error several kernels: refused in the forward, as a kernel with batch
+    dimensions is (it was broadcast over the members, and the backward then failed on the
+    new error's shape, or on a batched `lo_scale`). A state per member works."""
+    recipe = fp8jax.ResidualFP8(error_feedback=True)
+    dot = fp8jax.Fp8DotGeneral(recipe, kernel_shape=(3, 8))
+    xs, ws = jnp.ones((2, 4, 8)), jnp.ones((2, 3, 8))
+    for x, in_axes in ((xs, (0, 0)), (xs[0], (None, 0))):
+        with pytest.raises(ValueError, match=r"kernel mapped by vmap.*state per member"):
+            jax.vmap(lambda x, w: dot(x, w, MATMUL_NT), in_axes=in_axes)(x, ws)
+    dots = eqx.filter_vmap(lambda _: fp8jax.Fp8DotGeneral(recipe, kernel_shape=(3, 8)))(
+        jnp.arange(2)
+    )
+    ys = eqx.filter_vmap(lambda d, x, w: d(x, w, MATMUL_NT))(dots, xs, ws)
+    np.testing.assert_array_equal(ys[1], dot(xs[1], ws[1], MATMUL_NT))
+
+
 def test_predicted_lo_scale_ratio():
     recipe = fp8jax.ResidualFP8(predict_lo_scale=True)
     assert recipe.lo_scale_ratio() == 448 / 16  # E4M3 steps of 32 in its top binade

@@ -343,6 +343,15 @@ def _fold_forward(flipped: bool, axis_size: int, in_batched: list, x, w, states)
     """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
     and the saved operands."""
     x_b, w_b, states_b = in_batched
+    if w_b and getattr(states.kernel, "error", None) is not None and not states_b.kernel.error:
+        # Folded, the one (N, K) error would be broadcast over the kernels; mapped, each
+        # member's new error would be another.
+        raise ValueError(
+            "ResidualFP8(error_feedback=True): a kernel mapped by vmap with the layer's state "
+            "shared by the members holds several kernels, but the state one kernel's error. "
+            "Map the layer too, a state per member (eqx.filter_vmap over the layer, its state "
+            "stacked), or use another recipe for it."
+        )
     how = _how_to_fold(axis_size, x_b, w_b, states_b)
     if how is None:
         return None
