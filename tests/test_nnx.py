@@ -1218,6 +1218,35 @@ def test_einsum_errors_name_what_is_wrong_with_the_subscripts():
 
 
 @pytest.mark.parametrize(
+    "subscripts, x_shape, k_shape, broadcast",
+    [
+        ("bij,bjk->bik", (1, 3, 4), (2, 4, 5), ((2, 3, 4), (2, 4, 5))),  # input's batch axis
+        ("bij,bjk->bik", (2, 3, 4), (1, 4, 5), ((2, 3, 4), (2, 4, 5))),  # kernel's
+        ("b d,d f->b f", (2, 1), (4, 5), ((2, 4), (4, 5))),  # a contracted axis
+        ("...d,df->...f", (3, 2, 4), (8, 5), None),  # sizes that differ
+    ],
+)
+def test_einsum_axis_sizes_that_differ_are_refused_naming_the_equation(
+    subscripts, x_shape, k_shape, broadcast
+):
+    """jnp.einsum broadcasts an axis of size 1 in one operand; the FP8 einsum, a dot_general,
+    raised lax's 'Mismatched shapes for dot_general' naming neither the equation nor the axis.
+    It now names both and what it accepts; broadcast as it advises, the operands give
+    jnp.einsum's result (float64 numpy's, on values FP8 represents exactly)."""
+    rng = np.random.default_rng(3)
+    x, k = representable(rng, x_shape), representable(rng, k_shape)
+    einsum = fp8jax.Fp8NnxEinsum(fp8jax.CurrentScaling())
+    message = r"subscripts='.*' gives axis '[bd]' size \d+ in the input .* but \d+ in the kernel"
+    with pytest.raises(ValueError, match=message) as raised:
+        einsum(subscripts, jnp.asarray(x), jnp.asarray(k))
+    assert "one size in both operands" in str(raised.value)
+    if broadcast is not None:
+        expected = np.einsum(subscripts, x.astype(np.float64), k.astype(np.float64))
+        x_full, k_full = (jnp.broadcast_to(a, s) for a, s in zip((x, k), broadcast, strict=True))
+        np.testing.assert_array_equal(einsum(subscripts, x_full, k_full), expected)
+
+
+@pytest.mark.parametrize(
     "subscripts, kernel, message",
     [
         ("bd,dd->bd", (16, 16), r"repeats an axis of the kernel"),

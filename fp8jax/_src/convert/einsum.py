@@ -143,4 +143,16 @@ def fp8_einsum(
     if not isinstance(subscripts, str):
         raise TypeError(f"FP8 einsum: subscripts={subscripts!r} should be a str.")
     dims, perm = einsum_dimension_numbers(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    x, k, _ = _einsum_parts(subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
+    x_shape, k_shape = jnp.shape(lhs), jnp.shape(rhs)
+    for c in x:
+        if c in k and x_shape[x.index(c)] != k_shape[k.index(c)]:
+            # jnp.einsum broadcasts a size-1 axis; a dot_general does not.
+            raise ValueError(
+                f"FP8 einsum: subscripts={subscripts!r} gives axis {c!r} size "
+                f"{x_shape[x.index(c)]} in the input {x_shape} but {k_shape[k.index(c)]} in "
+                f"the kernel {k_shape}; FP8 einsums take each axis the operands share at "
+                "one size in both operands (broadcast an axis of size 1 first, e.g. "
+                "jnp.broadcast_to)."
+            )
     return jnp.transpose(dot(lhs, rhs, dims, precision, preferred_element_type), perm)
