@@ -74,6 +74,45 @@ def test_argument_errors():
         low_precision_state(lambda g: g)
 
 
+@pytest.mark.parametrize("pass_params", [True, False])
+def test_bfloat16_params_get_bfloat16_updates_as_from_the_inner_optimizer(pass_params):
+    """bfloat16 parameters: optax's own Adam/SGD give bfloat16 updates (their state has the
+    parameters' dtype), so `eqx.apply_updates` keeps the parameters bfloat16. The wrapper
+    returned float32 updates (computed from the float32 state), which promoted the parameters
+    to float32: a `lax.scan` over steps refused its carry. The updates now have the inner
+    optimizer's dtype: float32 arithmetic, rounded once (ml_dtypes) to bfloat16."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params(jax.random.key(7)))
+    grads = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _grads_seq(jax.random.key(8), params, 3))
+    inners = [optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9)]
+    inners += [optax.adamw(1e-3)] if pass_params else []  # weight decay needs the parameters
+    for inner in inners:
+        optimizer = low_precision_state(inner)
+        first = jax.tree.map(lambda g: g[0], grads)
+        plain, _ = inner.update(first, inner.init(params), params if pass_params else None)
+        got, _ = optimizer.update(first, optimizer.init(params), params if pass_params else None)
+        # The documented computation: optax on the gradients and parameters as given, its
+        # state (zero: exact) in float32; the update then rounded once to bfloat16.
+        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        want32, _ = inner.update(first, inner.init(params32), params if pass_params else None)
+        for name in params:
+            assert got[name].dtype == plain[name].dtype == jnp.bfloat16
+            want = np.asarray(want32[name]).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(np.asarray(got[name]), want)
+
+        def step(carry, g, optimizer=optimizer):
+            p, state = carry
+            updates, state = optimizer.update(g, state, p if pass_params else None)
+            return (eqx.apply_updates(p, updates), state), None
+
+        (trained, state), _ = jax.lax.scan(step, (params, optimizer.init(params)), grads)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(trained))
+    # Parameters not shaped as the gradients, which optax's Adam never reads, are accepted.
+    more = {**params, "extra": jnp.ones(3)}
+    optimizer = low_precision_state(optax.adam(1e-3))
+    updates, _ = optimizer.update(first, optimizer.init(params), more if pass_params else None)
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+
+
 def _run(optimizer, params, grads_seq):
     """Updates and Adam moments after each step (moments as the optimizer stores them)."""
     state = optimizer.init(params)

@@ -37,6 +37,36 @@ def _cast_state(tree: T, dtype: np.dtype) -> T:
     )
 
 
+def _is_floating_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _in_gradients_dtype(updates: T, grads: Any, params: Any) -> T:
+    """The inner updates, computed from the float32 state, in the dtype the inner optimizer
+    gives them from state of the parameters' dtype: the gradients', promoted with the
+    parameters' where given (narrowed only: an update in a narrower dtype keeps it)."""
+
+    def cast(u: Any, g: Any, p: Any) -> Any:
+        if not (_is_floating_array(u) and _is_floating_array(g)):
+            return u
+        try:
+            want = jnp.promote_types(g.dtype, p.dtype) if _is_floating_array(p) else g.dtype
+        except ValueError:  # 8-bit floats do not promote: leave the update as computed
+            return u
+        return u.astype(want) if np.dtype(want).itemsize < u.dtype.itemsize else u
+
+    def is_leaf(x: Any) -> bool:
+        return x is None
+
+    if params is not None:
+        try:
+            return jax.tree.map(cast, updates, grads, params, is_leaf=is_leaf)
+        except ValueError:
+            pass  # parameters not shaped as the gradients (optax's Adam never reads them)
+    nothing = jax.tree.map(lambda _: None, grads)
+    return jax.tree.map(cast, updates, grads, nothing, is_leaf=is_leaf)
+
+
 def low_precision_state(
     optimizer: optax.GradientTransformation, dtype: DTypeLike = jnp.bfloat16
 ) -> optax.GradientTransformationExtraArgs:
@@ -45,6 +75,9 @@ def low_precision_state(
     `init` casts the inner state down to `dtype`. `update` casts it up to float32 (or `dtype`,
     if wider), runs the inner update on the gradients and parameters as given, and casts the new
     state down again: the arithmetic is float32, only the storage is rounded (to nearest).
+    The updates come back in the dtype the inner optimizer gives them from state of the
+    parameters' dtype, the gradients' (promoted with the parameters' where given): bfloat16
+    parameters get bfloat16 updates, rounded once from float32.
     Integer and boolean leaves (step counts) and 0-d floating leaves (injected
     hyperparameters such as a learning rate, scalar statistics) keep their dtype: they cost
     nothing and rounding a learning rate would change every step. Complex leaves are kept too.
@@ -127,7 +160,7 @@ def low_precision_state(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        updates, state = inner.update(updates, _cast_state(state, compute), params, **extra_args)
-        return updates, _cast_state(state, storage)
+        new, state = inner.update(updates, _cast_state(state, compute), params, **extra_args)
+        return _in_gradients_dtype(new, updates, params), _cast_state(state, storage)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
