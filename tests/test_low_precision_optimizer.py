@@ -113,6 +113,36 @@ def test_bfloat16_params_get_bfloat16_updates_as_from_the_inner_optimizer(pass_p
     assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
 
 
+@pytest.mark.parametrize(
+    "inner, param_dtype, storage",
+    [
+        (optax.adam(1e-3, mu_dtype=jnp.bfloat16), jnp.float32, jnp.float32),  # mu narrower
+        (optax.adam(1e-3), jnp.bfloat16, jnp.float32),  # moments of bfloat16 parameters
+        (optax.sgd(1e-2, momentum=0.9), jnp.float8_e4m3fn, jnp.bfloat16),  # FP8 leaves
+    ],
+)
+def test_state_the_inner_optimizer_keeps_narrower_is_not_widened(inner, param_dtype, storage):
+    """`init` casts the inner state *down* to the storage dtype: a leaf the inner optimizer
+    keeps narrower keeps its dtype. It was cast up (bfloat16 mu under dtype=float32: a third
+    more memory than optax's own state; FP8 leaves to bfloat16), every step."""
+    params = jax.tree.map(lambda p: p.astype(param_dtype), _params(jax.random.key(9)))
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params)
+    optimizer = low_precision_state(inner, storage)
+    own, state = inner.init(params), optimizer.init(params)
+    own_dtypes = jax.tree.map(lambda x: x.dtype, own)
+    assert jax.tree.map(lambda x: x.dtype, state) == own_dtypes
+    assert sum(x.nbytes for x in jax.tree.leaves(state)) == sum(
+        x.nbytes for x in jax.tree.leaves(own)
+    )
+    _, state1 = optimizer.update(grads, state, params)
+    _, own1 = inner.update(grads, own, params)
+    _, state2 = jax.jit(optimizer.update)(grads, state1, params)
+    for s in (state1, state2):
+        assert jax.tree.map(lambda x: x.dtype, s) == own_dtypes
+    # From zero state, optax's first step is float32 arithmetic rounded once: the same.
+    assert eqx.tree_equal(state1, own1)
+
+
 def _run(optimizer, params, grads_seq):
     """Updates and Adam moments after each step (moments as the optimizer stores them)."""
     state = optimizer.init(params)

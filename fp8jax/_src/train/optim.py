@@ -31,10 +31,20 @@ def _is_stored_low(x: Any) -> bool:
     )
 
 
-def _cast_state(tree: T, dtype: np.dtype) -> T:
+def _cast_state(tree: T, storage: np.dtype, dtype: np.dtype) -> T:
+    """The leaves stored in `storage` cast to `dtype`; those the inner optimizer keeps
+    narrower are its own, handed to it as it keeps them."""
     return jax.tree.map(
-        lambda x: x.astype(dtype) if _is_stored_low(x) and x.dtype != dtype else x, tree
+        lambda x: x.astype(dtype) if _is_stored_low(x) and x.dtype == storage else x, tree
     )
+
+
+def _stored(x: Any, dtype: np.dtype) -> Any:
+    """A state leaf cast down to the storage dtype; one narrower (an FP8 leaf, optax's
+    `mu_dtype=jnp.bfloat16` under float32 storage) is the inner optimizer's own: kept."""
+    if _is_stored_low(x) and x.dtype != dtype and x.dtype.itemsize >= dtype.itemsize:
+        return x.astype(dtype)
+    return x
 
 
 def _is_floating_array(x: Any) -> bool:
@@ -75,6 +85,8 @@ def low_precision_state(
     `init` casts the inner state down to `dtype`. `update` casts it up to float32 (or `dtype`,
     if wider), runs the inner update on the gradients and parameters as given, and casts the new
     state down again: the arithmetic is float32, only the storage is rounded (to nearest).
+    Leaves the inner optimizer keeps narrower than `dtype` (FP8 leaves; optax's `mu_dtype=
+    jnp.bfloat16` under `dtype=jnp.float32`) are never widened: they stay as it keeps them.
     The updates come back in the dtype the inner optimizer gives them from state of the
     parameters' dtype, the gradients' (promoted with the parameters' where given): bfloat16
     parameters get bfloat16 updates, rounded once from float32.
@@ -152,7 +164,7 @@ def low_precision_state(
     inner = optax.with_extra_args_support(optimizer)
 
     def init_fn(params: optax.Params) -> optax.OptState:
-        return _cast_state(inner.init(params), storage)
+        return jax.tree.map(lambda x: _stored(x, storage), inner.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -160,7 +172,10 @@ def low_precision_state(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        new, state = inner.update(updates, _cast_state(state, compute), params, **extra_args)
-        return _in_gradients_dtype(new, updates, params), _cast_state(state, storage)
+        new, new_state = inner.update(
+            updates, _cast_state(state, storage, compute), params, **extra_args
+        )
+        stored = jax.tree.map(lambda x: _stored(x, storage), new_state)
+        return _in_gradients_dtype(new, updates, params), stored
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
