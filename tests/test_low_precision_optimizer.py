@@ -1,6 +1,8 @@
 """Optimizer state stored in bfloat16: dtypes, error bounds against float32 AdamW, a numpy
 reference, and the measured stall of Adam's second moment under round-to-nearest storage."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -358,13 +360,33 @@ def test_float32_storage_is_exact():
 
 
 def test_float16_storage_warns_of_the_second_moments_it_flushes():
-    """float16 storage flushes Adam's nu of gradients below about 7e-3 to 0 (below its
+    """float16 storage flushes Adam's nu of gradients below about 5.5e-3 to 0 (below its
     smallest subnormal), so updates grow toward lr / sqrt(1 - b2): measured here, and warned
     of where the wrapper is made."""
     grads = jnp.asarray([1e-2, 3e-3, 1e-3, 1e-4], jnp.float32)
-    with pytest.warns(UserWarning, match="float16 flushes values below 6e-8"):
+    with pytest.warns(UserWarning, match="float16 flushes values below 3e-8"):
         nu, updates = _constant_gradient_run(jnp.float16, grads, [(300, 1.0)])
-    assert nu[-1, 0] > 0 and np.all(nu[-1, 1:] == 0)  # (1 - b2) g**2 < 6e-8 flushed
+    assert nu[-1, 0] > 0 and np.all(nu[-1, 1:] == 0)  # (1 - b2) g**2 < 3e-8 flushed
     nu32, updates32 = _constant_gradient_run(None, grads, [(300, 1.0)])
     # 16x at step 300 (the bias correction 1 - b2**300), toward 32x later.
     assert np.all(np.abs(updates[-1, 1:]) > 10 * np.abs(updates32[-1, 1:]))
+
+
+def test_float16_warning_states_the_gradient_below_which_nu_is_stored_as_0():
+    """The warning (and the docstring) said Adam's nu of a gradient below about 7e-3 is stored
+    as 0; from 5.5e-3 up it is not (float16 rounds (1 - b2) g**2 >= 2**-25, half its smallest
+    subnormal, up to that subnormal). The stated gradient is the one ml_dtypes' rounding of
+    the first step's nu gives, and the optimizer flushes just below it, not just above."""
+    with pytest.warns(UserWarning, match="float16 flushes") as record:
+        low_precision_state(optax.adam(1e-3), jnp.float16)
+    message = str(record[0].message)
+    stated = float(re.search(r"gradient below about ([0-9.]+e-[0-9]+)", message).group(1))
+    # nu after the first step from 0: float32 (1 - b2) * g**2 rounded to float16; 0 stays 0.
+    g = np.geomspace(1e-3, 1e-2, 4001, dtype=np.float32)
+    stored = (np.float32(1 - B2) * g * g).astype(np.float16)
+    threshold = float(g[stored > 0][0])
+    assert abs(stated / threshold - 1) < 0.02, (stated, threshold)
+    grads = jnp.asarray([0.98 * threshold, 1.02 * threshold], jnp.float32)
+    with pytest.warns(UserWarning, match="float16 flushes"):
+        nu, _ = _constant_gradient_run(jnp.float16, grads, [(50, 1.0)])
+    assert nu[-1, 0] == 0 and nu[-1, 1] > 0

@@ -112,9 +112,9 @@ def low_precision_state(
       `g**2` (the measured stall and its effect on the updates: `benchmarks/RESULTS.md`,
       "Low-precision optimizer state").
 
-    **float16** has 3 more bits but 2**-24 (6e-8) as its smallest subnormal: Adam's `nu` of
-    ordinary gradients (below about 7e-3 with `b2 = 0.999`) underflows to 0 and the updates
-    grow some 30x; it warns.
+    **float16** has 3 more bits but 2**-24 (6e-8) as its smallest subnormal, and rounds values
+    below half of it to 0: Adam's `nu` of ordinary gradients (below about 5.5e-3 with
+    `b2 = 0.999`) underflows to 0 and the updates grow some 30x; it warns.
 
     `mu` (`b1 = 0.9`) moves by 10% of the gap and settles within 2-4% of a steady gradient.
     Where this matters, keep `nu` in float32 (optax's own `optax.adamw(..., mu_dtype=
@@ -153,11 +153,11 @@ def low_precision_state(
         )
     if storage == np.dtype(jnp.float16):
         warnings.warn(
-            "low_precision_state: dtype=float16 flushes values below 6e-8 (its smallest "
-            "subnormal) to zero: Adam's second moment, (1 - b2) * g**2, of a gradient below "
-            "about 7e-3 (b2 = 0.999) is stored as 0, and its updates grow to lr / sqrt(1 - "
-            "b2), some 30x lr. jnp.bfloat16 keeps float32's range; float16 suits state of "
-            "gradients' own magnitude (SGD momentum).",
+            "low_precision_state: dtype=float16 flushes values below 3e-8 (half its "
+            "smallest subnormal, 6e-8) to zero: Adam's second moment, (1 - b2) * g**2, of a "
+            "gradient below about 5.5e-3 (b2 = 0.999) is stored as 0, and its updates grow to "
+            "lr / sqrt(1 - b2), some 30x lr. jnp.bfloat16 keeps float32's range; float16 suits "
+            "state of gradients' own magnitude (SGD momentum).",
             stacklevel=2,
         )
     compute = np.dtype(jnp.promote_types(storage, jnp.float32))
