@@ -654,6 +654,29 @@ def test_a_layer_named_with_brackets_keeps_its_name_and_role(h100):
     assert "layers[0]/fwd: cublasLt f8" in str(report)
 
 
+def test_an_ensemble_s_gemms_keep_their_roles(h100):
+    """Under `eqx.filter_vmap` over an ensemble, JAX names a GEMM's role scope `vmap(fwd)`
+    (`fp8jax[layers.0]/vmap(fwd)/dot_general`): the inspector read no role there, and put
+    every GEMM of the layer under `?`. Each layer now has its fwd, dgrad and wgrad."""
+    ensemble = eqx.filter_vmap(lambda key: eqx.nn.MLP(32, 32, 64, 1, key=key))(
+        jax.random.split(jax.random.key(0), 3)
+    )
+    model = fp8jax.fp8_linear_layers(ensemble, fp8jax.Fp8Config(keep=(), exclude=None))
+
+    def step(m, x):
+        run = eqx.filter_vmap(lambda m, x: jax.vmap(m)(x), in_axes=(eqx.if_array(0), None))
+        return fp8jax.filter_grad(lambda m: jnp.mean(run(m, x).astype(jnp.float32) ** 2))(m)
+
+    x = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+    report = fp8jax.inspect(step, model, x, modes=("cublas",))
+    assert any("/vmap(fwd)/" in g.op_name for g in report.gemms["cublas"])
+    # The first layer's dgrad (the input's gradient) is not asked for.
+    assert {name: sorted(roles) for name, roles in report.layers("cublas").items()} == {
+        "layers.0": ["fwd", "wgrad"],
+        "layers.1": ROLES,
+    }
+
+
 def test_a_gemm_in_a_loop_counts_its_runs(h100):
     """A block recipe's GEMM runs once per chunk of K, in a loop: its `flops` are one run's,
     and nothing said how many runs there were (l1/fwd below read 2*M*N*32, a quarter of its

@@ -24,8 +24,11 @@ _INSTRUCTION = re.compile(
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 #: An fp8jax layer's scope in a JAX name stack: its path, and its GEMM's role if named. The
 #: path ends at the `]` that closes the scope (transforms' `)`s after it) before a `/`, the
-#: name's end or its closing quote: a path may hold brackets itself (`layers[0]`).
-LAYER = re.compile(re.escape(SCOPE) + r'\[(.*?)\]\)*(?=[/"]|$)(?:/(fwd|dgrad|wgrad)(?=[/"]|$))?')
+#: name's end or its closing quote: a path may hold brackets itself (`layers[0]`). The role
+#: may be wrapped in transforms too (`vmap(fwd)` under `eqx.filter_vmap` over an ensemble).
+LAYER = re.compile(
+    re.escape(SCOPE) + r'\[(.*?)\]\)*(?=[/"]|$)(?:/(?:\w+\()*(fwd|dgrad|wgrad)\)*(?=[/"]|$))?'
+)
 #: An FP8 element type (`f8e4m3fn`, `f8e5m2`, ...).
 F8 = re.compile(r"^f8")
 #: Opcodes that name, alias or regroup buffers: no kernel runs, no byte moves (a
