@@ -306,6 +306,36 @@ def test_arrays_sharded_on_a_cpu_mesh_inspect_as_that_many_h100s(h100):
         fp8jax.inspect(step, model, x, cpu, modes=("cublas",))
 
 
+def test_a_step_under_set_mesh_of_an_explicit_cpu_mesh_is_inspected(h100):
+    """A step run as JAX runs Explicit sharding (`jax.make_mesh`'s default axes), under
+    `jax.set_mesh` of its arrays' CPU mesh, raised JAX's "context mesh ... should match the
+    aval mesh": the arrays were laid out on H100s of Auto axes while the CPU mesh stayed the
+    context. It now compiles as the same step on an Explicit mesh of H100s does."""
+    model = fp8jax.fp8_linear_layers(
+        eqx.nn.MLP(64, 64, 128, 1, key=jax.random.key(0)), fp8jax.Fp8Config(keep=(), exclude=None)
+    )
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    explicit = (jax.sharding.AxisType.Explicit,)
+    cpu = jax.make_mesh((4,), ("data",), axis_types=explicit)
+
+    def step(m, x):
+        return fp8jax.filter_value_and_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2))(m, x)
+
+    x = jax.device_put(jnp.ones((32, 64), jnp.bfloat16), NamedSharding(cpu, P("data")))
+    with jax.set_mesh(cpu):
+        on_cpu = fp8jax.inspect(step, model, x, modes=("cublas",))
+    h100s = fp8jax.h100_mesh({"data": 4})
+    h100s = jax.sharding.Mesh(h100s.devices, h100s.axis_names, axis_types=explicit)
+    abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(h100s, P("data")))
+    with jax.set_mesh(h100s):
+        on_h100s = fp8jax.inspect(step, model, abstract, modes=("cublas",))
+    assert on_cpu.target == on_h100s.target and on_cpu.target.startswith("4 x ")
+    assert on_cpu.count("cublas") == on_h100s.count("cublas") == (5, 5)
+    ops = lambda r: sorted(c.op for c in r.collectives["cublas"])  # noqa: E731
+    assert ops(on_cpu) == ops(on_h100s) and ops(on_cpu)
+    assert on_cpu.cost["cublas"].flops == on_h100s.cost["cublas"].flops
+
+
 def test_stablehlo_fallback_without_the_plugin(monkeypatch):
     monkeypatch.setattr(inspect_module, "h100_topology", lambda: None)
     step, args, targeted = gpt_train_step(RECIPES["delayed"])

@@ -7,6 +7,7 @@ It needs the `h100` extra (`jax-cuda12-plugin` and `jax-cuda12-pjrt` of jax's ve
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import importlib.util
@@ -83,7 +84,9 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     Give `inspect` `jax.ShapeDtypeStruct`s with `NamedSharding`s on this mesh for the
     arguments to shard; the other array arguments are replicated over it. (Arrays sharded
     over a mesh of this machine's devices, a CPU mesh, are laid out on a mesh of H100s with
-    the same axes; a function that builds its own constraints needs this mesh to build them.)
+    the same axes and axis types, which stands for the CPU mesh as `jax.set_mesh`'s mesh too
+    where that is the CPU mesh; a function that builds its own constraints needs this mesh to
+    build them.)
 
     ```python
     mesh = fp8jax.h100_mesh({"data": 8})
@@ -191,10 +194,15 @@ def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[
     fn, args, kwargs = split_graph_nodes(fn, args, kwargs)
     dynamic, static = eqx.partition((args, kwargs), _is_dynamic)
     mesh = _mesh_of(dynamic) if device is not None else None
+    context: Any = contextlib.nullcontext()
     if mesh is not None and not all(d.platform == "gpu" for d in mesh.devices.flat):
-        # Arguments sharded over this machine's devices (a CPU mesh): the same axes, on
-        # compile-only H100s (compiled for CPU devices, every kernel choice would be a CPU's).
-        mesh = h100_mesh(dict(mesh.shape))
+        # Arguments sharded over this machine's devices (a CPU mesh): the same axes (and axis
+        # types), on compile-only H100s (compiled for CPU devices, every kernel choice would be
+        # a CPU's); under `jax.set_mesh` of the CPU mesh, set to the H100s' instead.
+        cpu_mesh, h100s = mesh, h100_mesh(dict(mesh.shape))
+        mesh = jax.sharding.Mesh(h100s.devices, h100s.axis_names, axis_types=mesh.axis_types)
+        if jax.sharding.get_abstract_mesh() == cpu_mesh.abstract_mesh:
+            context = jax.set_mesh(mesh)
 
     def abstract(x: Any) -> jax.ShapeDtypeStruct:
         if mesh is not None:
@@ -215,7 +223,7 @@ def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[
 
     devices = mesh.size if mesh is not None else 1
     try:
-        with jax_private.gpu_lowering_target(device, mesh):
+        with context, jax_private.gpu_lowering_target(device, mesh):
             return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
     except ValueError as e:
         if "incompatible devices" in str(e) and mesh is not None:
