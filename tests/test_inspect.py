@@ -15,7 +15,7 @@ import fp8jax
 from fp8jax._src.observe import deviceless
 from fp8jax._src.observe import inspect as inspect_module
 from fp8jax._src.observe.gemms import hlo_gemms
-from fp8jax._src.observe.ptx import mma_inputs, ptx_kernels
+from fp8jax._src.observe.ptx import compile_with_ptx, mma_inputs, ptx_kernels
 from fp8jax._src.observe.traffic import hlo_memory_traffic
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
@@ -428,6 +428,33 @@ def test_hlo_parser():
     assert gemms["dot.1"].flops == 2 * 16 * 8 * 32
     # The fusion reads a (bf16 16x32) and b (bf16 8x32) and writes f32 16x8.
     assert hlo_memory_traffic(HLO) == 2 * 16 * 32 + 2 * 8 * 32 + 4 * 16 * 8
+
+
+def test_ptx_a_compile_rewrites_in_a_dump_folder_is_read(tmp_path):
+    """`compiler_options={"xla_dump_to": DIR}` with a DIR an earlier run wrote (the same
+    script run again: XLA numbers its dump files per process, so it writes the same names)
+    read no PTX: only new file names were read, and every GEMM of the default mode was 'not
+    proven'. A file the compile rewrote is read too."""
+    name = "module_0001.jit_f.1.ptx"
+    (tmp_path / name).write_text(".version 8.8\n")  # the earlier run's (its text aside)
+    (tmp_path / "other.ptx").write_text(PTX.replace("f_2", "stale"))  # untouched: not read
+
+    class Compiled:
+        def as_text(self):
+            return HLO
+
+    class Lowered:  # a compile that writes its kernels' PTX into the dump folder, as XLA's
+        def as_text(self):
+            return HLO
+
+        def compile(self, compiler_options):
+            (tmp_path / name).write_text(PTX)
+            return Compiled()
+
+    _, module, kernels = compile_with_ptx(Lowered(), {"xla_dump_to": str(tmp_path)})
+    assert kernels == ptx_kernels([PTX])
+    (dot,) = [g for g in hlo_gemms(module, "default", kernels) if g.instruction == "dot.1"]
+    assert dot.ptx and "converts them to f16" in dot.verdict
 
 
 def test_unknown_mode():

@@ -89,22 +89,24 @@ def compile_with_ptx(
 ) -> tuple[Any, Module, dict[str, Kernel]]:
     """Compile `lowered` with `options`, keeping the PTX XLA generates (`xla_dump_to`: a
     temporary folder, or the caller's): the executable, its parsed HLO, and the PTX facts of
-    each kernel. Only files the compile wrote are read. Pallas Mosaic GPU kernels are read
-    from Mosaic's own dump, where the process enabled it (keys from `mosaic_key`)."""
+    each kernel. Only files the compile wrote are read: new ones, and those it rewrote (a
+    folder an earlier process dumped into holds the names this one writes). Pallas Mosaic GPU
+    kernels are read from Mosaic's own dump, where the process enabled it (keys from
+    `mosaic_key`)."""
     given = options.get("xla_dump_to")
     mosaic = os.environ.get("MOSAIC_GPU_DUMP_TO") if os.environ.get("MOSAIC_GPU_DUMP_PTX") else None
     with tempfile.TemporaryDirectory(prefix="fp8jax-inspect-") as scratch:
         folder = given or scratch
-        before = set(_ptx_files(folder))
-        mosaic_before = set(_ptx_files(mosaic)) if mosaic else set()
+        before = _ptx_files(folder)
+        mosaic_before = _ptx_files(mosaic) if mosaic else {}
         compiled = lowered.compile(
             compiler_options={**options, "xla_dump_to": folder, **_PTX_DUMP_OPTIONS}
         )
-        kernels = ptx_kernels(_read(sorted(set(_ptx_files(folder)) - before)))
+        kernels = ptx_kernels(_read(_written(folder, before)))
     dumped: list[tuple[str, Kernel]] = []
     if mosaic:
         # Mosaic GPU writes <kernel>_<n>.ptx, n counting the process's kernels, one entry each.
-        for path in sorted(set(_ptx_files(mosaic)) - mosaic_before, key=_mosaic_number):
+        for path in sorted(_written(mosaic, mosaic_before), key=_mosaic_number):
             name = re.sub(r"_\d+\.ptx$", "", os.path.basename(path))
             dumped += [(name, k) for k in ptx_kernels(_read([path])).values()]
     module = parse(compiled.as_text())
@@ -165,12 +167,21 @@ def _read(paths: Iterable[str]) -> list[str]:
     return texts
 
 
-def _ptx_files(folder: str) -> list[str]:
+def _ptx_files(folder: str) -> dict[str, tuple[int, int, int]]:
+    """The `.ptx` files under `folder`, each with what tells a rewrite: its inode,
+    modification time and size."""
     if not os.path.isdir(folder):
-        return []
-    return [
-        os.path.join(root, name)
-        for root, _, names in os.walk(folder)
-        for name in names
-        if name.endswith(".ptx")
-    ]
+        return {}
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(".ptx"):
+                path = os.path.join(root, name)
+                stat = os.stat(path)
+                files[path] = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    return files
+
+
+def _written(folder: str, before: dict[str, tuple[int, int, int]]) -> list[str]:
+    """The `.ptx` files under `folder` that are new or rewritten since `before`, sorted."""
+    return sorted(path for path, stat in _ptx_files(folder).items() if before.get(path) != stat)
