@@ -135,6 +135,15 @@ def test_an_asynchronous_fusion_is_one_kernel_costed_as_its_synchronous_form():
     assert hlo_memory_traffic(module) == hlo_memory_traffic(asynchronous(module)) == whole
 
 
+def test_the_inspection_s_traffic_counts_a_loop_s_body_once():
+    """`Inspection.traffic` counts loops once: it counted no kernel of a loop's body, and
+    the loop's carried tuple (a scan's stacked weights among it) as read and written whole
+    by the `while` itself. Now the body's kernels count once (the condition's too), with
+    their operands whole as at the top level."""
+    body = TANH_BYTES + (10 * 64 * 32 * 4 + 4 + 64 * 32 * 4)  # the GEMM not counted
+    assert hlo_memory_traffic(loop()) == body + COMPARE_BYTES
+
+
 def test_an_async_all_reduce_moves_its_results_as_either_release_types_its_start():
     """`hlo_collectives` reads an `all-reduce-start` typed with its results alone (XLA 0.10)
     and typed `(operands, results)` (0.11 on) as the same arrays; two arrays reduced in one

@@ -162,7 +162,8 @@ class Inspection:
     **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
     executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
     for), `traffic` (mode -> bytes read and written by the entry computation's instructions
-    but the GEMMs, loops counted once: `cost_analysis()` of a deviceless executable is empty),
+    but the GEMMs, each loop's body counted once: `cost_analysis()` of a deviceless executable
+    is empty),
     `collectives` (mode -> list of [`fp8jax.Collective`][]), `cost` (mode -> the program's
     [`fp8jax.Cost`][]: GEMM FLOPs per precision and non-GEMM bytes per category, loops counted
     as often as they run), `first_steps` (for a step of [`fp8jax.make_train_step`][] that

@@ -58,20 +58,32 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
 def hlo_memory_traffic(hlo: str | Module) -> int:
     """Bytes read and written by the entry computation's instructions other than GEMMs (of an
     HLO module's text, or it parsed): the operands and outputs of every fusion (asynchronous
-    ones as one), copy and so on (a model of HBM traffic). 0 for a module without an entry
-    computation."""
+    ones as one), copy and so on (a model of HBM traffic). A loop counts its body's (and
+    condition's) instructions once, a `call` its callee's, a conditional its largest
+    branch's: not the tuples they carry. 0 for a module without an entry computation."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     if module.entry is None:
         return 0
-    entry = module.computations[module.entry]
+    return _traffic(module, module.entry)
+
+
+def _traffic(module: Module, name: str) -> int:
+    """`hlo_memory_traffic` of one computation, the computations it runs counted once."""
+    computation = module.computations[name]
     total = 0
-    for instruction in entry.instructions.values():
+    for instruction in computation.instructions.values():
         if instruction.op in NO_TRAFFIC or instruction.gemm_target is not None:
+            continue
+        if instruction.op in ("while", "call"):
+            total += sum(_traffic(module, c) for c in instruction.called())
+            continue
+        if instruction.op == "conditional":
+            total += max((_traffic(module, b) for b in instruction.branches()), default=0)
             continue
         result = instruction.type
         if instruction.op == "fusion-start":  # typed ((operands), result, context)
             result = module.computations[instruction.called()[0]].root.type
         total += array_bytes(result) + sum(
-            array_bytes(entry.type_of(o)) for o in instruction.operands
+            array_bytes(computation.type_of(o)) for o in instruction.operands
         )
     return total
