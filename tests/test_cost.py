@@ -9,6 +9,7 @@ import pytest
 import fp8jax
 from fp8jax._src.observe import deviceless
 from fp8jax._src.observe.cost import hlo_cost
+from fp8jax._src.observe.gemms import hlo_gemms
 from fp8jax._src.observe.hlo import parse
 from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
 from fp8jax._src.observe.traffic import hlo_collectives, hlo_memory_traffic
@@ -207,6 +208,24 @@ def test_nested_loops_multiply():
     entry = entry.replace('"n":"10"', '"n":"3"')
     cost = hlo_cost(inner[: inner.index("ENTRY")] + outer + entry)
     assert cost.flops == {"bf16": 3 * GEMM_FLOPS + 3 * 10 * GEMM_FLOPS}
+
+
+def test_a_gemm_in_a_call_inside_a_loop_runs_as_often_as_the_loop():
+    """The inspector did not follow a `call` (`to_apply=`) up to the loop around it: a GEMM
+    in a called computation in a loop body read `runs` 1 where `hlo_cost` counts it once per
+    step."""
+    body = loop()
+    gemm = body[body.index("  %gemm = ") : body.index("  %tanh_fusion")]
+    callee = (
+        "%gemm_call (x: bf16[64,32], w: bf16[32,32]) -> bf16[64,32] {\n"
+        "  %x = bf16[64,32]{1,0} parameter(0)\n"
+        "  %w = bf16[32,32]{1,0} parameter(1)\n" + gemm.replace("%y = ", "ROOT %y = ") + "}\n\n"
+    )
+    body = body.replace(gemm, "  %y = bf16[64,32]{1,0} call(%x, %w), to_apply=%gemm_call\n")
+    module = body.replace("%body (", callee + "%body (", 1)
+    (kernel,) = [k for k in hlo_cost(module).kernels if k.flops]
+    (found,) = hlo_gemms(module, "cublas")
+    assert (found.runs, found.flops) == (kernel.runs, kernel.flops) == (10, GEMM_FLOPS)
 
 
 BRANCHES = """HloModule branches, is_scheduled=true

@@ -229,9 +229,12 @@ class Instruction:
         return match.group(1) if match else None
 
     def bodies(self) -> list[str]:
-        """Computations it runs as its own body: a fusion's or call's (`calls=`), a loop's
-        body and condition. Reducers and branches are not among them."""
-        return _BODIES.findall(self.rest)
+        """Computations it runs as its own body: a fusion's (`calls=`), a `call`'s
+        (`to_apply=`), a loop's body and condition. Reducers and branches are not among
+        them."""
+        names = _BODIES.findall(self.rest)
+        callee = self.callee("to_apply") if self.op == "call" else None
+        return names + [callee] if callee else names
 
     def branches(self) -> list[str]:
         """The branches of a `conditional` (`true_computation`/`false_computation`, or its
