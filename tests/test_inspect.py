@@ -254,6 +254,10 @@ def test_a_program_without_an_fp8_gemm_proves_nothing(h100):
     one = jax.ShapeDtypeStruct((64,), jnp.bfloat16)
     with pytest.raises(fp8jax.Fp8InspectionError, match=r"no GEMM at all: .*jax.vmap it"):
         fp8jax.assert_all_fp8(step, model, one, False)
+    # An empty batch: XLA leaves its products out (the error once said only to vmap).
+    empty = jax.ShapeDtypeStruct((0, 64), jnp.bfloat16)
+    with pytest.raises(fp8jax.Fp8InspectionError, match=r"no GEMM at all: .*of size 0"):
+        fp8jax.assert_all_fp8(step, model, empty, True)
     assert fp8jax.assert_all_fp8(step, model, batch, True).count("cublas") == (5, 5)
 
 

@@ -281,7 +281,8 @@ def _check_some_fp8(report: Inspection, mode: str) -> None:
         why = (
             "it has no GEMM at all: XLA computed every product as something else, as it does "
             "a matrix-vector product (a model called on one example or one token, not on a "
-            "batch: jax.vmap it over the batch); FP8 tensor cores run GEMMs"
+            "batch: jax.vmap it over the batch), or left it out, as it does a product with a "
+            "dimension of size 0 (an empty batch); FP8 tensor cores run GEMMs"
         )
     else:
         why = (
