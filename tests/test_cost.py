@@ -649,6 +649,23 @@ def test_communication_arithmetic_and_errors():
         hlo_cost(COLLECTIVES, gpus_per_node=0)
 
 
+def test_peaks_named_by_a_gpu_s_name_are_refused_saying_what_peaks_are():
+    """`estimate_seconds("H200")` (a GPU named, not its rates) raised "dictionary update
+    sequence element #0 has length 1", `estimate_seconds(None)` "argument of type 'NoneType'
+    is not iterable"; each estimate now says that `peaks` is a dict of rates, as `H100`."""
+    cost = hlo_cost(COLLECTIVES)
+    for peaks in ("H200", None):
+        for estimate in (
+            cost.estimate_seconds,
+            cost.gemm_seconds,
+            cost.memory_seconds,
+            cost.communication_seconds,
+            cost.collectives[0].seconds,
+        ):
+            with pytest.raises(TypeError, match=rf"peaks={peaks!r} should be a dict of rates"):
+                estimate(peaks)
+
+
 def test_mesh_sizes_beyond_a_node_are_hosts_of_eight():
     with pytest.raises(ValueError, match="12 GPUs"):
         fp8jax.h100_mesh({"data": 12})

@@ -111,6 +111,7 @@ class CollectiveCost:
 
     def seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """Time of all its runs at the link's rate: `runs * wire_bytes / peaks[link]`."""
+        _check_peaks(peaks, "CollectiveCost.seconds")
         return self.runs * self.wire_bytes / _rate(peaks, self.link)
 
 
@@ -121,6 +122,15 @@ def _rate(peaks: Mapping[str, float], link: str) -> float:
             f"add one (bytes/s one way per GPU; links: {LINKS})."
         )
     return peaks[link]
+
+
+def _check_peaks(peaks: Any, method: str) -> None:
+    if not isinstance(peaks, Mapping):
+        raise TypeError(
+            f"{method}: peaks={peaks!r} should be a dict of rates, as the H100's it "
+            "takes by default (GEMM kind -> FLOP/s; 'hbm' and the links -> bytes/s): a GPU "
+            "is given by its rates, not its name."
+        )
 
 
 def _add(a: Mapping[str, int], b: Mapping[str, int], factor: int = 1) -> dict[str, int]:
@@ -170,6 +180,7 @@ class Cost:
 
     def gemm_seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """GEMM time at peak throughput: `sum(flops[kind] / peaks[kind])`."""
+        _check_peaks(peaks, "Cost.gemm_seconds")
         total = 0.0
         for kind, flops in self.flops.items():
             if kind not in peaks:
@@ -182,6 +193,7 @@ class Cost:
 
     def memory_seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """Non-GEMM time at peak bandwidth: `total_bytes / peaks["hbm"]`."""
+        _check_peaks(peaks, "Cost.memory_seconds")
         if "hbm" not in peaks:
             raise ValueError(f"Cost.estimate_seconds: peaks={dict(peaks)!r} has no 'hbm' entry.")
         return self.total_bytes / peaks["hbm"]
@@ -193,6 +205,7 @@ class Cost:
 
     def communication_seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """Collective time at peak link rates: `sum(link_bytes[link] / peaks[link])`."""
+        _check_peaks(peaks, "Cost.communication_seconds")
         return sum(b / _rate(peaks, link) for link, b in self.link_bytes.items())
 
     def estimate_seconds(
@@ -203,6 +216,7 @@ class Cost:
         overlaps), or the larger of compute and communication (`overlap=True`: collectives
         wholly hidden under the kernels, as far as they can be). The two bound a sharded
         step; for one device they are equal. A bound to compare programs by, not wall time."""
+        _check_peaks(peaks, "Cost.estimate_seconds")
         compute = self.gemm_seconds(peaks) + self.memory_seconds(peaks)
         communication = self.communication_seconds(peaks)
         return max(compute, communication) if overlap else compute + communication
