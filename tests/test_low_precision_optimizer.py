@@ -390,3 +390,45 @@ def test_float16_warning_states_the_gradient_below_which_nu_is_stored_as_0():
     with pytest.warns(UserWarning, match="float16 flushes"):
         nu, _ = _constant_gradient_run(jnp.float16, grads, [(50, 1.0)])
     assert nu[-1, 0] == 0 and nu[-1, 1] > 0
+
+
+def test_schedule_free_z_stalls_in_bfloat16_and_the_documented_recipe_keeps_it_float32():
+    """Schedule-free's `z` is a copy of the parameters: in bfloat16, a step below half an ulp of
+    z (lr 1e-3 against 2**-8 for z in [1, 2)) rounds back to the stored z, which never moves.
+    The documented recipe wraps only the base optimizer: z stays float32 and the parameters
+    follow a float64 reference of schedule-free AdamW whose nu is rounded to bfloat16."""
+    lr, b1, steps = 1e-3, 0.9, 20
+    p0 = np.linspace(1.0, 1.9, 8).astype(ml_dtypes.bfloat16).astype(np.float32)
+    g = np.linspace(0.1, 0.9, 8).astype(np.float32)
+    params, grads = {"w": jnp.asarray(p0)}, {"w": jnp.asarray(g)}
+
+    def run(optimizer):
+        state, p = optimizer.init(params), params
+        for _ in range(steps):
+            updates, state = optimizer.update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return np.asarray(p["w"], np.float64), state
+
+    whole_p, whole = run(low_precision_state(optax.contrib.schedule_free_adamw(lr, b1=b1)))
+    assert whole.z["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(whole.z["w"], np.float32), p0)  # stalled
+
+    base = optax.chain(  # as the docstring shows
+        low_precision_state(optax.scale_by_rms(B2, EPS, eps_in_sqrt=False, bias_correction=True)),
+        optax.add_decayed_weights(0.0),
+        optax.scale_by_learning_rate(lr),
+    )
+    recipe = optax.contrib.schedule_free(base, learning_rate=lr, b1=b1)
+    got, state = run(recipe)
+    assert state.z["w"].dtype == jnp.float32
+    # float64 reference: nu computed in float32 from the stored one and stored in bfloat16
+    # (the step's update uses it unrounded); z, x, y in float64.
+    nu, z, x, y = np.zeros_like(g), p0.astype(np.float64), p0.astype(np.float64), None
+    for t in range(1, steps + 1):
+        nu32 = np.float32(1 - B2) * g * g + np.float32(B2) * nu
+        z = z - lr * g / (np.sqrt(nu32 / (1 - B2**t)) + EPS)
+        nu = _to_bf16(nu32)
+        x = (1 - 1 / t) * x + z / t  # weight lr**2 each step: c_t = 1 / t
+        y = b1 * x + (1 - b1) * z
+    np.testing.assert_allclose(got - p0, y - p0, rtol=1e-4)
+    assert np.all(np.abs(whole_p - y) > 10 * np.abs(got - y))  # the stall's error, not noise

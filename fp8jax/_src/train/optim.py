@@ -123,6 +123,24 @@ def low_precision_state(
     lower than `g**2 / 1.39`. DeepSeek-V3 itself trains with `b2 = 0.95`, whose 5% steps are
     ten times half an ulp.
 
+    **Caveat: state that holds the parameters.** Every floating leaf of rank >= 1 is narrowed,
+    including a copy of the parameters: schedule-free's `z` (`optax.contrib.schedule_free*`),
+    lookahead's slow weights, an average of the parameters. Such a leaf moves by the update,
+    lr-sized, and a bfloat16 `z` near 1 rounds back any step below 2**-8: it stalls (with lr
+    1e-3, it never moves). Keep it float32 by wrapping only the optimizer that holds the
+    moments, e.g. schedule-free AdamW with only its `nu` in bfloat16:
+
+    ```python
+    base = optax.chain(
+        fp8jax.low_precision_state(
+            optax.scale_by_rms(0.999, 1e-8, eps_in_sqrt=False, bias_correction=True)
+        ),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(lr),
+    )
+    optimizer = optax.contrib.schedule_free(base, learning_rate=lr)  # z float32
+    ```
+
     ```python
     optimizer = fp8jax.low_precision_state(optax.adamw(3e-4))
     opt_state = optimizer.init(params)            # mu, nu in bfloat16; count int32
