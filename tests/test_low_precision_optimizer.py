@@ -115,6 +115,27 @@ def test_bfloat16_params_get_bfloat16_updates_as_from_the_inner_optimizer(pass_p
     assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
 
 
+def test_bfloat16_gradients_of_float32_params_get_float32_updates_only_with_params():
+    """Documented: with `params`, bfloat16 gradients of float32 parameters get float32 updates,
+    optax's own bit for bit; without them the stored bfloat16 state does not tell the
+    parameters' dtype and the updates are optax's float32 ones rounded once to bfloat16."""
+    params = _params(jax.random.key(3))
+    grads = jax.tree.map(
+        lambda g: g[0].astype(jnp.bfloat16), _grads_seq(jax.random.key(4), params, 1)
+    )
+    for inner in [optax.adam(1e-3), optax.sgd(1e-2, momentum=0.9)]:
+        want, _ = inner.update(grads, inner.init(params), None)  # float32 state: optax's own
+        optimizer = low_precision_state(inner)
+        with_params, _ = optimizer.update(grads, optimizer.init(params), params)
+        without, _ = optimizer.update(grads, optimizer.init(params), None)
+        for name in params:
+            assert want[name].dtype == with_params[name].dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(with_params[name]), np.asarray(want[name]))
+            assert without[name].dtype == jnp.bfloat16
+            rounded = np.asarray(want[name]).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(np.asarray(without[name]), rounded)
+
+
 @pytest.mark.parametrize(
     "inner, param_dtype, storage",
     [

@@ -89,7 +89,10 @@ def low_precision_state(
     jnp.bfloat16` under `dtype=jnp.float32`) are never widened: they stay as it keeps them.
     The updates come back in the dtype the inner optimizer gives them from state of the
     parameters' dtype, the gradients' (promoted with the parameters' where given): bfloat16
-    parameters get bfloat16 updates, rounded once from float32.
+    parameters get bfloat16 updates, rounded once from float32. Without `params` the stored
+    state does not tell the parameters' dtype, so the gradients' alone decides: bfloat16
+    gradients of float32 parameters get bfloat16 updates where optax's own gives float32;
+    pass `params` (Adam ignores them otherwise) to get float32 updates.
     Integer and boolean leaves (step counts) and 0-d floating leaves (injected
     hyperparameters such as a learning rate, scalar statistics) keep their dtype: they cost
     nothing and rounding a learning rate would change every step. Complex leaves are kept too.
