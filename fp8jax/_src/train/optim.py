@@ -131,12 +131,12 @@ def low_precision_state(
     lookahead's slow weights, an average of the parameters. Such a leaf moves by the update,
     lr-sized, and a bfloat16 `z` near 1 rounds back any step below 2**-8: it stalls (with lr
     1e-3, it never moves). Keep it float32 by wrapping only the optimizer that holds the
-    moments, e.g. schedule-free AdamW with only its `nu` in bfloat16:
+    moments, e.g. schedule-free AdamW with only its `nu` in bfloat16 (`b2 = 0.95`, as above):
 
     ```python
     base = optax.chain(
         fp8jax.low_precision_state(
-            optax.scale_by_rms(0.999, 1e-8, eps_in_sqrt=False, bias_correction=True)
+            optax.scale_by_rms(0.95, 1e-8, eps_in_sqrt=False, bias_correction=True)
         ),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(lr),
