@@ -276,6 +276,35 @@ def test_haliax_named_batch_splits_into_microbatches(getkey):
     np.testing.assert_allclose(metrics.loss, want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_named_aux_is_stacked_along_a_microbatch_axis(microbatches, getkey):
+    """A NamedArray in aux, stacked over the microbatches, gains a leading `microbatch` axis
+    (its array and its axes agree), each entry the aux of that microbatch's loss."""
+    model = hnn.Linear.init(Embed, Mlp, key=getkey())
+    Rows = hax.Axis("batch", 4)
+    x = hax.random.normal(getkey(), (Rows, Embed))
+
+    def loss(m, x):
+        out = m(x)
+        return hax.mean(out**2).scalar(), hax.mean(out, axis="batch")
+
+    (_, aux), _ = fp8jax.accumulate_gradients(loss, microbatches, has_aux=True)(model, x)
+    rows = Rows.size // microbatches
+    want = [
+        loss(model, hax.named(x.array[i * rows : (i + 1) * rows], (Rows.resize(rows), Embed)))[1]
+        for i in range(microbatches)
+    ]
+    assert aux.axes == (hax.Axis("microbatch", microbatches), Mlp)
+    assert aux.array.shape == (microbatches, Mlp.size)
+    for i, w in enumerate(want):
+        np.testing.assert_allclose(aux["microbatch", i].array, w.array, rtol=1e-6)
+    if microbatches > 1:
+        step = fp8jax.make_train_step(loss, optax.sgd(0.0), has_aux=True, microbatches=2)
+        _, metrics = step(step.init(model), x)
+        assert metrics.aux.axes == aux.axes
+        np.testing.assert_allclose(metrics.aux.array, aux.array, rtol=1e-6)
+
+
 Experts, Token = hax.Axis("experts", 4), hax.Axis("token", 32)
 SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
 

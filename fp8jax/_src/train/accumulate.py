@@ -57,6 +57,25 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
     return jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, named))
 
 
+def _stacked(first: Any, rest: Any, microbatches: int) -> Any:
+    """The first microbatch's aux and the scan's stack of the rest's (`None` for none) as one
+    stack. A Haliax `NamedArray` gains a leading `microbatch` axis: the scan stacks its array
+    but leaves its axes, which would no longer match it."""
+    haliax = sys.modules.get("haliax")
+    named = () if haliax is None else haliax.NamedArray
+
+    def stack(a: Any, b: Any = None) -> Any:
+        if isinstance(a, named):
+            array = stack(a.array, None if b is None else b.array)
+            axis = haliax.Axis("microbatch", microbatches)
+            return type(a).tree_unflatten((axis, *a.axes), (array,))
+        return a[None] if b is None else jnp.concatenate([a[None], b])
+
+    if rest is None:
+        return jax.tree.map(stack, first, is_leaf=lambda x: isinstance(x, named))
+    return jax.tree.map(stack, first, rest, is_leaf=lambda x: isinstance(x, named))
+
+
 def _is_scaled(x: Any) -> bool:
     return isinstance(x, TensorState | ResidualState)
 
@@ -156,7 +175,8 @@ def accumulate_gradients(
       3.8 GB) and grew its temp memory from 1.9 to 2.7 GiB.
 
     **Returns:** a function `(model, *batch) -> (loss, grads)` (`((loss, aux), grads)` with
-    `has_aux`, `aux` stacked over microbatches): the loss and the trainable gradients averaged
+    `has_aux`, `aux` stacked over microbatches, a Haliax `NamedArray` along a new leading
+    `microbatch` axis): the loss and the trainable gradients averaged
     over microbatches, and of each operand's FP8 state that of the microbatch with the
     largest amax (its scale with it, as one step over the whole batch records them; delayed
     scaling's history gets that amax once; statistics by max, the tokens each expert got
@@ -200,7 +220,7 @@ def accumulate_gradients(
             value, grads = filter_value_and_grad(fun, has_aux=has_aux)(model, *batch)
             if has_aux:  # stacked over its one microbatch, as over several
                 aux = stackable_aux(value[1], "accumulate_gradients(has_aux=True)")
-                value = (value[0], jax.tree.map(lambda a: a[None], aux))
+                value = (value[0], _stacked(aux, None, 1))
             return value, grads
         slices = _split_batch(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], slices)
@@ -226,9 +246,7 @@ def accumulate_gradients(
         dynamic, auxes = jax.lax.scan(array_body, dynamic, rest, unroll=unroll)
         value, grads = eqx.combine(dynamic, static)
         if has_aux:
-            first_aux = value[1]
-            stacked = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first_aux, auxes)
-            value = (value[0], stacked)
+            value = (value[0], _stacked(value[1], auxes, microbatches))
         return value, grads
 
     return run
