@@ -141,6 +141,22 @@ def test_accumulation_errors(getkey):
         step(step.init(model), x, y)
 
 
+@pytest.mark.parametrize("batch", [(), (None,), ({},)])
+def test_microbatches_of_a_batch_without_arrays_are_refused_by_name(batch, getkey):
+    model, _, _ = problem(getkey)
+
+    def loss(model, *batch):
+        return jnp.sum(model.layers[0].weight ** 2)
+
+    for run in (
+        fp8jax.accumulate_gradients(loss, 2),
+        fp8jax.make_train_step(loss, optax.sgd(0.1), microbatches=2),
+    ):
+        state = run.init(model) if hasattr(run, "init") else model
+        with pytest.raises(ValueError, match="microbatches=2: the batch holds no array to split"):
+            run(state, *batch)
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_unrolled_microbatches_compute_what_the_scan_does(getkey, recipe):
     """`unroll` changes how XLA runs the microbatches, not what they compute (3 microbatches:

@@ -54,6 +54,12 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
         first = x.axes[0].resize(x.axes[0].size // microbatches)
         return type(x).tree_unflatten((first, *x.axes[1:]), (array,))
 
+    if not jax.tree.leaves(batch):
+        raise ValueError(
+            f"microbatches={microbatches}: the batch holds no array to split (the loss was "
+            "given no batch arguments, or only None and empty containers); pass the batch, "
+            "or use microbatches=1."
+        )
     return jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, named))
 
 
