@@ -157,6 +157,18 @@ def test_microbatches_of_a_batch_without_arrays_are_refused_by_name(batch, getke
             run(state, *batch)
 
 
+def test_a_loss_not_matching_has_aux_is_refused_by_name(getkey):
+    model, x, y = problem(getkey)
+
+    def pair(model, x, y):
+        return mse(model, x, y), jnp.zeros(())
+
+    with pytest.raises(TypeError, match=r"has_aux=True\): fun returned an array of shape \(\)"):
+        fp8jax.accumulate_gradients(mse, 2, has_aux=True)(model, x, y)
+    with pytest.raises(TypeError, match="fun returned a tuple of 2, not a scalar loss"):
+        fp8jax.accumulate_gradients(pair, 2)(model, x, y)
+
+
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_unrolled_microbatches_compute_what_the_scan_does(getkey, recipe):
     """`unroll` changes how XLA runs the microbatches, not what they compute (3 microbatches:

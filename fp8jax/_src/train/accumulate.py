@@ -121,6 +121,11 @@ def _combine(total: Any, new: Any) -> Any:
     return eqx.combine(state, rest, is_leaf=is_overwrite)
 
 
+def _described(x: Any) -> str:
+    """`x` named for an error: an array by its shape, anything else by its type."""
+    return f"an array of shape {jnp.shape(x)}" if eqx.is_array(x) else f"a {type(x).__name__}"
+
+
 def is_count(value: Any) -> bool:
     """Whether `value` is a whole number >= 1 (a Python or NumPy integer, not a bool)."""
     return (
@@ -213,6 +218,18 @@ def accumulate_gradients(
 
     def scaled(model: Any, *batch: Any) -> Any:
         out = fun(model, *batch)
+        pair = isinstance(out, tuple | list)
+        if has_aux and not (pair and len(out) == 2):
+            got = f"a {type(out).__name__} of {len(out)}" if pair else _described(out)
+            raise TypeError(
+                f"accumulate_gradients(has_aux=True): fun returned {got}, not a pair "
+                "(loss, aux); return both, or drop has_aux."
+            )
+        if not has_aux and pair:
+            raise TypeError(
+                f"accumulate_gradients: fun returned a {type(out).__name__} of {len(out)}, not "
+                "a scalar loss; for (loss, aux), pass has_aux=True."
+            )
         if has_aux:
             loss, aux = out
             return loss / microbatches, stackable_aux(aux, "accumulate_gradients(has_aux=True)")
