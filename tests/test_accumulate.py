@@ -193,6 +193,20 @@ def test_unrolled_microbatches_compute_what_the_scan_does(getkey, recipe):
         np.testing.assert_allclose(a, b, rtol=0, atol=bound)
 
 
+def test_unroll_takes_numpy_integers_as_microbatches_does(getkey):
+    """lax.scan's unroll, like microbatches, may be a NumPy integer: the same step as the int."""
+    model, x, y = problem(getkey, n=8)
+    want = fp8jax.accumulate_gradients(mse, 2, unroll=2)(model, x, y)
+    got = fp8jax.accumulate_gradients(mse, np.int32(2), unroll=np.int64(2))(model, x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    step = fp8jax.make_train_step(
+        mse, optax.sgd(0.1), microbatches=np.int64(2), unroll_microbatches=np.int64(2)
+    )
+    _, metrics = step(step.init(model), x, y)
+    np.testing.assert_allclose(metrics.loss, want[0], rtol=1e-6)
+
+
 def test_unrolled_microbatches_quantize_each_weight_once_on_h100():
     """Why `unroll` exists: compiled for an H100, the scan quantizes a blockwise weight in
     every microbatch (its one-pass weight kernel runs 4 times); unrolled, XLA computes it

@@ -135,13 +135,15 @@ def is_count(value: Any) -> bool:
     )
 
 
-def check_unroll(what: str, unroll: Any) -> None:
-    """Raise `ValueError` (naming `what`) unless `unroll` is a scan's: an int >= 1 or a bool."""
-    if not isinstance(unroll, int) or (not isinstance(unroll, bool) and unroll < 1):
-        raise ValueError(
-            f"{what}={unroll!r} should be an int >= 1 (microbatches per iteration of the "
-            "scan) or True (all of them), as lax.scan's unroll."
-        )
+def check_unroll(what: str, unroll: Any) -> int | bool:
+    """`unroll` as a scan's (an int >= 1, a NumPy integer as an int, or a bool); a
+    `ValueError` naming `what` for anything else."""
+    if isinstance(unroll, bool) or is_count(unroll):
+        return unroll if isinstance(unroll, bool) else int(unroll)
+    raise ValueError(
+        f"{what}={unroll!r} should be an int >= 1 (microbatches per iteration of the "
+        "scan) or True (all of them), as lax.scan's unroll."
+    )
 
 
 def stackable_aux(aux: Any, caller: str) -> Any:
@@ -214,7 +216,7 @@ def accumulate_gradients(
     microbatches = int(microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"accumulate_gradients: has_aux={has_aux!r} should be True or False.")
-    check_unroll("accumulate_gradients: unroll", unroll)
+    unroll = check_unroll("accumulate_gradients: unroll", unroll)
 
     def scaled(model: Any, *batch: Any) -> Any:
         out = fun(model, *batch)

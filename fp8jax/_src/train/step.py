@@ -359,7 +359,7 @@ def make_train_step(
     if not is_count(microbatches):
         raise ValueError(f"make_train_step: microbatches={microbatches!r} should be an int >= 1.")
     microbatches = int(microbatches)
-    check_unroll("make_train_step: unroll_microbatches", unroll_microbatches)
+    unroll_microbatches = check_unroll("make_train_step: unroll_microbatches", unroll_microbatches)
     compiler_options = checked_compiler_options("make_train_step", compiler_options)
     options = tuple(sorted(compiler_options.items()))
     return TrainStep(
