@@ -19,7 +19,8 @@ import jax
 from flax.core import meta
 from flax.linen import module as linen_module
 
-from ..autocast import Interpreter, KernelChoice, trace_call
+from ..autocast import trace_call
+from ..interpret import Interpreter, KernelChoice
 from ..roles import gemm_operands
 
 #: The parameter a module multiplies its input by, to be converted as a Linear.

@@ -27,8 +27,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..autocast import Interpreter, KernelChoice, trace_call
+from ..autocast import trace_call
 from ..config import Fp8Config
+from ..interpret import Interpreter, KernelChoice
 from ..roles import gemm_operands
 from .layers import Fp8NnxDotGeneral
 
