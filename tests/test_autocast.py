@@ -255,6 +255,30 @@ def test_control_flow_matches_the_module_path():
     assert count_fp8_dots(lambda w, x: control_flow(w, x, True), w, x) == (0, 7)
 
 
+def test_a_platform_dependent_choice_compiles_only_its_platforms_branch():
+    """`lax.platform_dependent` lowers a branch only for its platforms: a CUDA-only kernel
+    (a Pallas call, here with a GEMM inside) is never lowered for a CPU. Rebuilt around its
+    FP8 GEMMs, the choice must stay one, and run the default branch here as JAX would."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...])
+
+    def cuda_only(x, w):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x, w)
+
+    def f(x, w, dot=jnp.matmul):
+        y = jax.lax.platform_dependent(x, w, cuda=cuda_only, default=dot)
+        return dot(y, w)
+
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    dot = fp8_dot(fp8jax.CurrentScaling())
+    got = jax.jit(fp8jax.fp8_autocast(f, "current"))(x, w)
+    np.testing.assert_array_equal(got, jax.jit(lambda x, w: dot(dot(x, w), w))(x, w))
+
+
 def test_ragged_dot_becomes_the_grouped_fp8_gemm():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)

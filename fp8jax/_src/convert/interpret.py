@@ -37,6 +37,17 @@ def _has_gemm(jaxpr: Any) -> bool:
     return False
 
 
+def _platform_dependent(branches: list, platforms: tuple, args: list) -> list:
+    """A `lax.platform_dependent` choice (a `cond` whose branches name their platforms,
+    `None` the default) rebuilt as one: a `lax.switch` would lower every branch for every
+    platform, a CUDA-only kernel for a CPU too."""
+    per_platform: dict = {}
+    for branch, names in zip(branches, platforms, strict=True):
+        for name in ("default",) if names is None else names:
+            per_platform.setdefault(name, branch)
+    return lax.platform_dependent(*args, **per_platform)
+
+
 @dataclasses.dataclass(frozen=True)
 class Interpreter:
     """Evaluates a jaxpr with the chosen GEMMs in FP8: `choice` has `dot_op(eqn, scope)` and
@@ -93,6 +104,8 @@ class Interpreter:
             return self.while_loop(invals, params, scope)
         if name == "cond":
             branches = [self.closed(b, scope) for b in params["branches"]]
+            if params.get("branches_platforms"):  # each branch lowered for its platforms only
+                return _platform_dependent(branches, params["branches_platforms"], invals[1:])
             return lax.switch(invals[0], branches, *invals[1:])
         if name in ("remat", "remat2", "checkpoint"):
             body = self.closed(params["jaxpr"], scope)
