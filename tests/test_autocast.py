@@ -228,6 +228,23 @@ def test_constant_results_are_arrays_as_under_jit():
         np.testing.assert_array_equal(g, v)
 
 
+def test_constant_array_results_and_numpy_arguments_returned_are_arrays_as_under_jit():
+    """A result leaf that is a NumPy array the function builds (a constant of the jaxpr, not
+    a literal) came back as JAX's internal `TypedNdArray`, and a NumPy argument returned as
+    it is as that `np.ndarray`; under `jax.jit` both are `jax.Array`s, as here now."""
+    x, mask = jnp.ones((16, 16)), np.tril(np.ones((16, 16), np.float32))
+
+    def fun(x, mask):
+        return x @ (x * mask), np.arange(4.0).reshape(2, 2), mask
+
+    got = fp8jax.fp8_autocast(fun)(x, mask)
+    want = jax.jit(fun)(x, mask)
+    for g, v in zip(got[1:], want[1:], strict=True):
+        assert isinstance(g, jax.Array), type(g)
+        assert jax.typeof(g) == jax.typeof(v)
+        np.testing.assert_array_equal(g, v)
+
+
 def control_flow(w, x, loop, dot=jnp.matmul):
     """Every primitive the interpreter rebuilds, each around a GEMM. `loop` (a static Python
     argument) adds a while loop, which reverse-mode differentiation does not take."""

@@ -319,11 +319,12 @@ class TracedCall:
 
     def evaluate(self, interpreter: Interpreter) -> Any:
         """The call's result, evaluated again by `interpreter`: its constant leaves (the
-        jaxpr's literals, such as a number returned) as the arrays `jax.jit` returns."""
+        jaxpr's literals and constants, such as a number or a NumPy array returned, and NumPy
+        arguments returned as they are) as the arrays `jax.jit` returns."""
         jaxpr = self.closed.jaxpr
         outs = interpreter.run(jaxpr, self.closed.consts, self.values, "")
         outs = iter(
-            jnp.asarray(o) if jax_private.is_literal(v) else o
+            jnp.asarray(o) if jax_private.is_literal(v) or not isinstance(o, jax.Array) else o
             for o, v in zip(outs, jaxpr.outvars, strict=True)
         )
         treedef, leaves = self.result
