@@ -443,6 +443,28 @@ def test_an_autocast_that_converts_nothing_or_excludes_nothing_says_why():
         fp8jax.fp8_autocast(one, None)
 
 
+def test_a_call_whose_gemms_all_lie_inside_custom_vjp_or_shard_map_says_so():
+    """GEMMs inside a `custom_vjp` (or `custom_jvp`) function or `shard_map` stay as written.
+    A call converting no GEMM at all warns, its reasons counted; one whose every GEMM lay
+    there ran in high precision without a word."""
+    mesh = jax.make_mesh((1,), ("d",))
+    w, x = jnp.ones((32, 32)) / 32, jnp.ones((32, 32))
+
+    @jax.custom_vjp
+    def own(x, w):
+        return x @ w
+
+    own.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+    def sharded(x, w):
+        return jax.shard_map(lambda x: x @ w, mesh=mesh, in_specs=P(), out_specs=P())(x)
+
+    for fun, n in ((own, 1), (sharded, 1), (lambda x, w: own(sharded(x, w), w), 2)):
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=f"none of the function's {n} GEMMs"):
+            out = fp8jax.fp8_autocast(fun)(x, w)
+        np.testing.assert_array_equal(out, fun(x, w))  # high precision, as written
+
+
 def test_a_config_or_an_unknown_recipe_is_refused_in_autocasts_terms():
     """An `Fp8Config` (fp8_linear_layers' configuration) was refused as an 'Unknown recipe'
     without naming fp8_autocast, listing 'delayed', which autocast then refuses."""

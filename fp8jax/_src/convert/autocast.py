@@ -109,6 +109,13 @@ class _Choice:
         self.picked.append(scope)
         return Fp8DotGeneral(self.recipe, name=scope or "dot_general")
 
+    def held(self, subs: list) -> None:
+        """Count the floating GEMMs in `subs`, the jaxprs of an equation bound as traced (a
+        `custom_jvp`'s or `custom_vjp`'s, `shard_map`'s): none is converted."""
+        n = sum(_floating_gemms(getattr(j, "jaxpr", j)) for j in subs)
+        if n:
+            self.shapes_left["held"] = self.shapes_left.get("held", 0) + n
+
     def ragged_op(self, eqn: Any, scope: str) -> Callable[..., Any] | None:
         """The FP8 grouped GEMM that answers this `ragged_dot_general`, or `None`."""
         if not self.picks_ragged(eqn, scope):
@@ -147,6 +154,19 @@ class _Choice:
             )
             return False
         return True
+
+
+def _floating_gemms(jaxpr: Any) -> int:
+    """How many `dot_general`s and `ragged_dot`s of floating operands (16 bits or more) with a
+    contraction `jaxpr` holds, at any depth."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("dot_general", "ragged_dot_general"):
+            contracts = name != "dot_general" or bool(eqn.params["dimension_numbers"][0][0])
+            n += contracts and all(_high_precision_float(v.aval.dtype) for v in eqn.invars[:2])
+        n += sum(_floating_gemms(getattr(j, "jaxpr", j)) for j in jax_private.sub_jaxprs(eqn))
+    return n
 
 
 def _high_precision_float(dtype: Any) -> bool:
@@ -293,6 +313,11 @@ def _warn_if_unmatched(choice: _Choice, scopes: str | None, exclude: str | None)
         )
     if left.get("batched"):
         why.append(f"{left['batched']} with batch dimensions (batched=True converts those)")
+    if left.get("held"):
+        why.append(
+            f"{left['held']} inside custom_jvp, custom_vjp, shard_map or another primitive "
+            "whose own rules keep them as written"
+        )
     warnings.warn(
         f"fp8_autocast converted none of the function's {by_scope + sum(left.values())} "
         f"GEMMs, so it runs in high precision: {'; '.join(why)}.",

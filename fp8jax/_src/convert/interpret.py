@@ -52,7 +52,9 @@ def _platform_dependent(branches: list, platforms: tuple, args: list) -> list:
 class Interpreter:
     """Evaluates a jaxpr with the chosen GEMMs in FP8: `choice` has `dot_op(eqn, scope)` and
     `ragged_op(eqn, scope)`, each the FP8 op answering that equation or `None` (kept as
-    traced). Shared with the Linen adapter, which answers the GEMMs on a module's kernel."""
+    traced), and `held(subs)`, told of the jaxprs of an equation bound as traced whose GEMMs
+    it cannot reach. Shared with the Linen adapter, which answers the GEMMs on a module's
+    kernel."""
 
     choice: Any
 
@@ -115,6 +117,7 @@ class Interpreter:
             return rematted(*invals)
         # custom_jvp / custom_vjp / shard_map and the rest: their own rules hold their GEMMs,
         # which stay as written.
+        self.choice.held(subs)
         return jax_private.bind_equation(eqn, invals)
 
     def dot(self, op: Callable[..., Any], invals: list, params: dict) -> Any:
@@ -179,3 +182,7 @@ class KernelChoice:
 
     def ragged_op(self, eqn: Any, scope: str) -> Callable | None:
         return None
+
+    def held(self, subs: list) -> None:
+        """GEMMs in `subs`, an equation's jaxprs kept as written (a `custom_vjp`'s): none
+        is its kernel's."""
