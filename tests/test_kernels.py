@@ -251,6 +251,42 @@ def test_cpu_compiles_keep_the_xla_path(getkey):
     assert not dispatch.local_gpus_lack_hopper()  # no GPU here
 
 
+def test_float64_blockwise_linear_runs_the_kernels_float32_output_widened(getkey):
+    """A float64 model (`jax_enable_x64` on): the default choice on a CPU computes what the
+    forced XLA path does, and the kernel (interpreted), which writes at most 32-bit outputs,
+    its float32 result widened, close to the XLA path. The kernel's float64 output buffer
+    took a float32 value (x64 is off inside it) and every float64 blockwise GEMM raised."""
+    with jax.enable_x64(True):
+        linear = eqx.nn.Linear(128, 128, key=getkey(), dtype=jnp.float64)
+        x = jax.random.normal(getkey(), (64, 128), jnp.float64)
+        runs = {}
+        for native in (None, False, True):
+            recipe = fp8jax.BlockwiseScaling(native_kernel=native)
+            model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+            step = jax.jit(fp8jax.filter_value_and_grad(_linear_loss))
+            if native:
+                with dispatch.interpreted():
+                    runs[native] = step(model, x)
+            else:
+                runs[native] = step(model, x)
+        (loss_x, grads_x) = runs[False]
+        assert loss_x.dtype == grads_x.weight.dtype == jnp.float64
+        for native in (None, True):
+            loss, grads = runs[native]
+            assert loss.dtype == grads.weight.dtype == jnp.float64
+            if native is None:
+                assert float(loss) == float(loss_x)
+                np.testing.assert_array_equal(grads.weight, grads_x.weight)
+            else:
+                np.testing.assert_allclose(loss, loss_x, rtol=1e-6)
+                np.testing.assert_allclose(
+                    grads.weight,
+                    grads_x.weight,
+                    rtol=2e-5,
+                    atol=2e-6 * float(jnp.max(jnp.abs(grads_x.weight))),
+                )
+
+
 def test_choose_follows_the_option():
     calls = []
 

@@ -159,14 +159,18 @@ def choose(
     """
     if use_native is False:
         return xla(*args)
-    run = _without_x64(functools.partial(native, out_dtype=out_dtype))
+    # The kernels write at most 32-bit outputs: a float64 one (x64 on) is their float32 one,
+    # widened (asked of them, its buffer took a float32 value, x64 off inside, and raised).
+    narrow = jnp.float32 if jnp.dtype(out_dtype).itemsize > 4 else out_dtype
+    run = _widened(_without_x64(functools.partial(native, out_dtype=narrow)), out_dtype)
     if _partitioned(dims, args):
         # Mosaic GPU's interpreter simulates a GPU through ordered host callbacks, which
         # `custom_partitioning` cannot hold: interpreted, each device runs the XLA path (the
         # kernel's numerics twin) while XLA partitions the program, and the kernel itself
         # where the partitioner's decisions are replayed on one device (`run_interpreted`).
         local = _as_native(xla) if interpreting() and not partition.replays() else native
-        run = functools.partial(partition.per_shard, local, dims, out_dtype, name=name)
+        run = functools.partial(partition.per_shard, local, dims, narrow, name=name)
+        run = _widened(run, out_dtype)
     elif not per_device_gemm(*args) and not (use_native or interpreting()):
         return xla(*args)
     run = _varying_like(run, args)
@@ -175,6 +179,18 @@ def choose(
     if local_gpus_lack_hopper():
         return xla(*args)
     return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def _widened(kernel: Callable[..., Any], out_dtype: Any) -> Callable[..., Any]:
+    """`kernel` with its results cast to `out_dtype` where they are narrower (float32 for a
+    float64 output); `kernel` itself where they already are."""
+    if jnp.dtype(out_dtype).itemsize <= 4:
+        return kernel
+
+    def widened(*args: Any) -> Any:
+        return jax.tree.map(lambda out: out.astype(out_dtype), kernel(*args))
+
+    return widened
 
 
 def _without_x64(kernel: Callable[..., Any]) -> Callable[..., Any]:
