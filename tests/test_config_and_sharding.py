@@ -137,3 +137,17 @@ def test_current_scaling_pmax_inside_shard_map():
     real_local, amaxes_local = quantize(local)
     assert len(set(np.asarray(amaxes_local).ravel().tolist())) == 8
     assert not np.array_equal(real_local, real)
+
+
+@pytest.mark.parametrize("none", [{}, ()])
+def test_no_per_layer_recipes_configure_as_none(none):
+    """`recipes={}` (or the empty pairs a config holds) overrides no layer's recipe, as
+    `recipes=None` does: the config equals, hashes and prints as the default one, and a Linen
+    model converted with it converts again with the default silently (it held `()`, unequal
+    to None, and was warned that the configs differ in recipes)."""
+    config = fp8jax.Fp8Config(recipes=none)
+    plain = fp8jax.Fp8Config()
+    assert config == plain and hash(config) == hash(plain) and repr(config) == repr(plain)
+    nn = pytest.importorskip("flax.linen", reason="needs flax (the linen extra)")
+    model = fp8jax.fp8_linear_layers(nn.Dense(4), config)
+    assert fp8jax.fp8_linear_layers(model, plain) is model  # no warning (an error here)

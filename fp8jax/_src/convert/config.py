@@ -148,7 +148,8 @@ class Fp8Config:
                         "`targets` or match them with `exclude`)."
                     )
             resolved = tuple((p, recipe_from(r)) for p, r in recipes.items())
-            object.__setattr__(self, "recipes", resolved)
+            # No override is `None`'s config: equal, hashed and printed alike.
+            object.__setattr__(self, "recipes", resolved or None)
 
     def selects(self, path: tuple[str, ...]) -> bool:
         """Whether the Linear at `path` (its names, outermost first) is converted: targeted
