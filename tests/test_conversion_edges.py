@@ -279,3 +279,20 @@ def test_a_model_in_fp8_already_converts_again_with_an_example():
     plan = fp8jax.conversion_plan(fp8, config, example=lambda m: jax.vmap(m)(x))
     assert plan.converted == ("layers.0", "layers.1") and plan.traced
     assert fp8jax.fp8_linear_layers(fp8, config, example=lambda m: jax.vmap(m)(x)) is fp8
+
+
+def test_an_abstract_model_is_planned_from_a_trace_of_its_example():
+    """A model built abstractly (`eqx.filter_eval_shape`, too large to build) is planned with
+    `example` as the model itself is: its weights, `jax.ShapeDtypeStruct`s, are traced as
+    arrays. They were left out of the trace as not arrays, so the example called the model
+    on a ShapeDtypeStruct and raised a TypeError from inside it."""
+
+    def make():
+        return eqx.nn.MLP(D, 4, D, depth=2, key=jax.random.key(0))
+
+    x = jnp.ones((2, D))
+    want = fp8jax.conversion_plan(make(), example=lambda m: jax.vmap(m)(x))
+    abstract = eqx.filter_eval_shape(make)
+    assert isinstance(abstract.layers[0].weight, jax.ShapeDtypeStruct)
+    got = fp8jax.conversion_plan(abstract, example=lambda m: jax.vmap(m)(x))
+    assert got == want and got.traced and got.kept == {"layers.2": want.kept["layers.2"]}

@@ -163,8 +163,10 @@ def conversion_plan(
 ) -> ConversionPlan:
     """Which layers [`fp8jax.fp8_linear_layers`][] would convert and why the others would
     stay in high precision, without converting: a [`fp8jax.ConversionPlan`][] (print it for
-    a table). Arguments as for `fp8_linear_layers`. For a Flax Linen model, which is traced
-    at `init`, call `fp8_linear_layers(model, config).plan(rngs, *init_args)` instead.
+    a table). Arguments as for `fp8_linear_layers`; an Equinox or Haliax model may be
+    abstract (built under `eqx.filter_eval_shape`), with an `example` too. For a Flax Linen
+    model, which is traced at `init`, call
+    `fp8_linear_layers(model, config).plan(rngs, *init_args)` instead.
 
     ```python
     print(fp8jax.conversion_plan(model, example=lambda m: jax.vmap(m)(tokens)))

@@ -284,7 +284,10 @@ def _trace(
         tree,
         is_leaf=_is_fp8_op,
     )
-    params, static = eqx.partition(tree, eqx.is_array)
+    # An abstract model's weights (`eqx.filter_eval_shape`) are traced as its arrays would be.
+    params, static = eqx.partition(
+        tree, lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+    )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     owners = [owner_of(tuple(_key_name(k) for k in path), layers) for path, _ in flat]
 
