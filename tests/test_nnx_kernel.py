@@ -248,6 +248,73 @@ def test_a_kernel_modules_call_advances_an_rngs_passed_to_it():
     assert int(ours.dropout.count.get_value()) == int(theirs.dropout.count.get_value()) == 2
 
 
+class Tally(nnx.Object):
+    """Plain Python attributes (no Variables) that a call rebinds: no pytree (static)."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+class TallyModule(nnx.Module):
+    """The same as a module: a pytree, rebuilt when flattened."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+class Counting(nnx.Module):
+    """A kernel module whose call rebinds plain attributes: its own, a child's, and those of
+    an NNX object passed to it, as plain NNX lets a call do, eagerly and under nnx.jit."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (8, 8)) * 0.2)
+        self.calls = 0
+        self.tally = Tally()
+
+    def __call__(self, x, seen):
+        self.calls += 1
+        self.tally.calls += 2
+        seen.calls += 3
+        return x @ self.kernel.get_value()
+
+
+@pytest.mark.parametrize("tally", [Tally, TallyModule])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_kernel_modules_call_rebinds_plain_attributes_as_nnx_does(jit, tally):
+    """The call ran on a copy of the module inside a trace: the module's and its child's
+    rebound attributes were lost (0 calls), and an NNX object passed to it raised
+    TraceContextError (no pytree) or lost them (a pytree). The reference is the unconverted
+    module, called the same way."""
+    x = jnp.ones((2, 8))
+    counts = []
+    for convert in (False, True):
+        model, seen = Counting(nnx.Rngs(0)), tally()
+        if convert:
+            model = fp8jax.fp8_linear_layers(model, config("current"))
+        call = nnx.jit(lambda m, x, s: m(x, s)) if jit else (lambda m, x, s: m(x, s))
+        call(model, x, seen)
+        call(model, x, seen)
+        counts.append((model.calls, model.tally.calls, seen.calls))
+    assert counts[1] == counts[0]
+
+
+class KeepsLast(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (8, 8)) * 0.2)
+
+    def __call__(self, x):
+        self.last = nnx.data(jnp.sum(x))
+        return x @ self.kernel.get_value()
+
+
+def test_a_kernel_modules_call_setting_an_array_attribute_is_refused_by_name():
+    """An array attribute the call creates (not a Variable) cannot leave the trace: refused
+    with the module and the attribute named (was: 'zip() argument 2 is longer')."""
+    model = fp8jax.fp8_linear_layers(KeepsLast(nnx.Rngs(0)), config("current"))
+    with pytest.raises(ValueError, match=r"KeepsLast '\(root\)'.*attribute 'last'.*nnx.Variable"):
+        model(jnp.ones((2, 8)))
+
+
 class GatedLinear(nnx.Linear):
     """An nnx.Linear subclass whose call of its own multiplies by its kernel without its
     `dot_general`."""

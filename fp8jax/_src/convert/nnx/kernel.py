@@ -12,7 +12,9 @@ then evaluated again with the GEMMs whose right operand is the kernel (or a view
 transpose, a cast) answered by `fp8_dot`, as `fp8jax.fp8_autocast` answers its GEMMs.
 Everything else in the call (bias, casts, reshapes) runs as written, and what the call
 writes into the module's variables or those of NNX objects among its arguments (an RNG count,
-of its own or of an `nnx.Rngs` passed to it; a batch statistic) is written back.
+of its own or of an `nnx.Rngs` passed to it; a batch statistic) is written back, as are the
+plain attributes it rebinds on them (a Python counter); an array, Variable or module it binds
+to an attribute is refused by name (it would leave the trace).
 
 The state is made without the kernel's `(out, in)` shape, which only the call tells (which
 axis is contracted): recipes that keep kernel-shaped state (`ResidualFP8(error_feedback=
@@ -121,26 +123,75 @@ def _is_kernel(path: Any) -> bool:
     return names == ["0", "0", KERNEL]
 
 
+def _nodes(tree: Any) -> list:
+    """The NNX objects (graph nodes) in `tree`, outermost ones, in tree order."""
+    leaves = jax.tree.leaves(tree, is_leaf=nnx.graph.is_graph_node)
+    return [x for x in leaves if nnx.graph.is_graph_node(x)]
+
+
+def _attributes(root: Any) -> list[tuple[tuple, Any, dict]]:
+    """Each NNX object under `root` (itself included): its path, itself and its attributes."""
+    return [(p, n, dict(vars(n))) for p, n in nnx.iter_graph(root) if isinstance(n, nnx.Pytree)]
+
+
+def _write_back_attributes(cls: type, name: str, original: Any, before: list) -> None:
+    """Rebind on `original`'s objects the plain attributes the call rebound on its copy's
+    (`before`: the copy's objects and their attributes when the call began), as the call
+    does on the objects themselves unconverted. An array, Variable or module the call binds
+    lives in the trace and cannot leave it: refused by name."""
+    originals = {p: n for p, n in nnx.iter_graph(original) if isinstance(n, nnx.Pytree)}
+    for path, copy, old in before:
+        for attr, value in vars(copy).items():
+            if attr.startswith("_pytree__") or old.get(attr, _MISSING) is value:
+                continue
+            where = ".".join(map(str, path))
+            trapped = isinstance(value, nnx.Variable) or nnx.graph.is_graph_node(value)
+            if trapped or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+                raise ValueError(
+                    f"fp8_linear_layers: the call of the {cls.__name__} {name!r} (converted "
+                    f"for its {KERNEL!r}, run in a trace) binds attribute {attr!r} of "
+                    f"{type(copy).__name__} {where or '(itself)'!r} to {type(value).__name__}, "
+                    "which cannot leave the trace. Make it an nnx.Variable set in __init__ "
+                    "(its value is written back), or exclude the module (Fp8Config exclude)."
+                )
+            if path in originals:
+                setattr(originals[path], attr, value)
+
+
+_MISSING = object()
+
+
 def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """The original call, its GEMMs on the kernel answered by `self.fp8_dot`."""
     cls = original_class(self)
     dot = vars(self)[FP8_DOT]
     graphdef, own, state = nnx.split(self, _is_own_fp8_dot, ...)
+    before: list = []
 
     def call(state: Any, *a: Any, **kw: Any) -> Any:
         # New variables for `own` too: the trace's own (an nnx.jit in the call writes back
         # into every variable of the module, which the caller's FP8 state's must not be).
         module = nnx.merge(graphdef, own, state, copy=True)
+        # NNX objects among the arguments as copies made in the trace, which the call may
+        # rebind attributes of (the originals, made outside it, refuse: TraceContextError).
+        copies = {id(n): nnx.clone(n) for n in _nodes((a, kw))}
+        a, kw = jax.tree.map(
+            lambda x: copies.get(id(x), x), (a, kw), is_leaf=nnx.graph.is_graph_node
+        )
+        own_attributes = [x for x in _attributes(module) if x[0][:1] != (FP8_DOT,)]
+        before[:] = [own_attributes, *(_attributes(n) for n in copies.values())]
         out = cls.__call__(module, *a, **kw)
         # And the variables of NNX objects among the arguments (an nnx.Rngs drawn from).
         return out, nnx.state(module, nnx.Not(_is_own_fp8_dot)), nnx.state((a, kw), nnx.Variable)
 
     traced = trace_call(call, (state, *args), kwargs)
+    name = dot.name or "(root)"
+    for original, attributes in zip((self, *_nodes((args, kwargs))), before, strict=True):
+        _write_back_attributes(cls, name, original, attributes)
     owners = [(KERNEL,) if _is_kernel(p) else None for p in traced.paths]
     operands = gemm_operands(traced.closed, owners)
     kernel_dots = {i for i, (_, rhs) in operands.items() if rhs == (KERNEL,)}
     if not kernel_dots:
-        name = dot.name or "(root)"
         raise ValueError(
             f"fp8_linear_layers: the {cls.__name__} {name!r} holds a {KERNEL!r} parameter, so "
             "it was converted as a Linear, but no GEMM of its call takes that kernel as its "
