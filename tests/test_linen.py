@@ -1394,16 +1394,20 @@ def test_a_dense_in_weight_norm_runs_in_fp8_on_its_normalised_kernel():
 class TiedBothWays(nn.Module):
     """A kernel multiplied both ways in one call, `x @ kernel` and `h @ kernel.T` (tied)."""
 
+    features: int = 32
+
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, 32))
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (16, self.features))
         return jnp.tanh(x @ kernel) @ kernel.T
 
 
 class WithTiedBothWays(nn.Module):
+    features: int = 32
+
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(4, name="head")(TiedBothWays(name="t")(x))
+        return nn.Dense(4, name="head")(TiedBothWays(self.features, name="t")(x))
 
 
 def test_a_kernel_used_both_ways_under_error_feedback_gets_linen_advice():
@@ -1426,3 +1430,25 @@ def test_a_kernel_used_both_ways_under_error_feedback_gets_linen_advice():
     # 1-Lipschitz and the head is high precision: two products in a chain stay within 2^-2.
     got = model.apply(variables, x)
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2**-2
+
+
+def test_a_square_kernel_used_both_ways_under_error_feedback_is_refused_too():
+    """A square kernel multiplied both ways has one (out, in) shape, so the shape check let
+    it through: the two GEMMs' remainders, of W.T and of W, were combined by max into a
+    state that is the remainder of neither (measured: off by as much as the remainder
+    itself). It is now refused as the non-square one is; a kernel multiplied twice the
+    same way still runs, as an nn.Dense called twice does under error feedback."""
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    feedback = config(fp8jax.ResidualFP8(error_feedback=True))
+    model = fp8jax.fp8_linear_layers(WithTiedBothWays(features=16), feedback)
+    with pytest.raises(ValueError, match=r"Fp8Linen.*'t'.*as its transpose.*recipes=.*exclude"):
+        model.init(jax.random.key(1), x)
+    model = fp8jax.fp8_linear_layers(Tied(), feedback)
+    plain = fp8jax.fp8_linear_layers(Tied(dense=True), feedback)
+    variables, expected = model.init(jax.random.key(1), x), plain.init(jax.random.key(1), x)
+
+    def loss(m):
+        return fp8jax.filter_value_and_grad(lambda v: jnp.sum(m.apply(v, x) ** 2))
+
+    got, want = loss(model)(variables), loss(plain)(expected)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -59,6 +59,10 @@ VIEWS = frozenset(
     }
 )
 
+#: Views that keep their operand's axes (its values cast, copied or named): the weight's.
+SAME_AXES = VIEWS - {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims"}
+SAME_AXES -= {"slice", "dynamic_slice"}
+
 #: Primitives that scale their first operand by their second: a weight times (or over) a
 #: scalar is that weight too (Haliax's Linear multiplies its weight by its reparametrization's
 #: scale, 1.0).
@@ -100,6 +104,7 @@ class Dataflow:
 class _Value:
     origin: Path | None = None  # the layer whose weight this is a view of
     taint: frozenset[Path] = frozenset()  # layers whose GEMM output reaches it, no GEMM between
+    axes: tuple[int, ...] | None = None  # its axes as the weight's, where only transposes tell
 
 
 _NOTHING = _Value()
@@ -114,6 +119,8 @@ class _Tracer:
         self.feeds_choice: set[Path] = set()
         #: Each GEMM equation met (by `id`) with its operands' owners (lhs, rhs).
         self.operands: dict[int, tuple[Path | None, Path | None]] = {}
+        #: Each GEMM's right operand as its weight's axes: (free, contracted), or `None`.
+        self.rhs_layouts: dict[int, tuple[tuple[int, ...], ...] | None] = {}
 
     def run(self, jaxpr: Any, inputs: Sequence[_Value]) -> list[_Value]:
         env: dict[Any, _Value] = {}
@@ -137,18 +144,25 @@ class _Tracer:
             self.feeds_gemm |= taint
             owners = {v.origin for v in ins[:2] if v.origin is not None}
             self.operands[id(eqn)] = (ins[0].origin, ins[1].origin if len(ins) > 1 else None)
+            if name == "dot_general" and ins[1].axes is not None:
+                self.rhs_layouts[id(eqn)] = _layout(ins[1].axes, eqn.params["dimension_numbers"])
             for owner in owners:
                 self.gemms[owner] = self.gemms.get(owner, 0) + 1
             return [_Value(None, frozenset(owners))] * n_out
         if name in CHOICES:
             self.feeds_choice |= taint
         if name in VIEWS and ins:
-            return [_Value(ins[0].origin, taint)] * n_out
+            axes = ins[0].axes
+            if name == "transpose" and axes is not None:
+                axes = tuple(axes[i] for i in eqn.params["permutation"])
+            elif name not in SAME_AXES:
+                axes = None
+            return [_Value(ins[0].origin, taint, axes)] * n_out
         if name in SCALINGS:
             shapes = [getattr(getattr(v, "aval", None), "shape", None) for v in eqn.invars]
             scaled = 0 if shapes[1] == () else 1 if name == "mul" and shapes[0] == () else None
             if scaled is not None and shapes[scaled] != ():
-                return [_Value(ins[scaled].origin, taint)] * n_out
+                return [_Value(ins[scaled].origin, taint, ins[scaled].axes)] * n_out
         subs = jax_private.sub_jaxprs(eqn)
         if subs:
             mapped = self.nested(eqn, ins, subs)
@@ -201,7 +215,22 @@ class _Tracer:
 def _merge(*values: _Value) -> _Value:
     origins = {v.origin for v in values}
     origin = origins.pop() if len(origins) == 1 else None
-    return _Value(origin, frozenset().union(*(v.taint for v in values)))
+    axes = {v.axes for v in values}
+    return _Value(
+        origin,
+        frozenset().union(*(v.taint for v in values)),
+        axes.pop() if len(axes) == 1 else None,
+    )
+
+
+def _layout(axes: tuple[int, ...], dimension_numbers: Any) -> tuple[tuple[int, ...], ...] | None:
+    """A GEMM's right operand, whose axes are its weight's `axes`, as the weight's (free,
+    contracted) axes in the GEMM's order; `None` with batch axes."""
+    (_, contracting), (_, batch) = dimension_numbers
+    if batch:
+        return None
+    free = [axes[i] for i in range(len(axes)) if i not in contracting]
+    return tuple(free), tuple(axes[i] for i in contracting)
 
 
 def check_example_ran(closed_jaxpr: Any, flow: Dataflow, layers: Sequence[Path]) -> None:
@@ -255,6 +284,23 @@ def gemm_operands(
     tracer = _Tracer()
     tracer.run(jaxpr, [_Value(o) for o in owners])
     return tracer.operands
+
+
+def gemm_rhs_layouts(
+    closed_jaxpr: Any, owners: Sequence[Path | None]
+) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Each `dot_general` of `closed_jaxpr` (and the jaxprs inside it) whose right operand is
+    a weight, or a transpose or cast of it, by `id`: that operand as the weight's (free,
+    contracted) axes in the GEMM's order (`x @ w` and `h @ w.T` differ for a square `w`).
+    A GEMM whose operand passed through another view (a reshape) is left out."""
+    jaxpr, _ = jax_private.jaxpr_parts(closed_jaxpr)
+    tracer = _Tracer()
+    inputs = [
+        _Value(o, axes=None if o is None else tuple(range(len(v.aval.shape))))
+        for o, v in zip(owners, jaxpr.invars, strict=True)
+    ]
+    tracer.run(jaxpr, inputs)
+    return {k: v for k, v in tracer.rhs_layouts.items() if v is not None}
 
 
 @final

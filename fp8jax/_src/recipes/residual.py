@@ -67,7 +67,8 @@ class ResidualFP8(HybridFormats):
     - `error_feedback`: carry the weight's remaining quantization error (`W - W_hi - W_lo`) to
       the next step as state and add it before quantizing (needs the kernel's shape; a
       kernel with `dot_general` batch dimensions, one matrix per entry, is refused, and so
-      is one mapped by `vmap` with one state for all members: map the layer too).
+      is one mapped by `vmap` with one state for all members: map the layer too, and a
+      Linen module multiplying by its kernel both ways, `x @ W` and `h @ W.T`, square or not).
     - `predict_lo_scale`: take `W_lo`'s scale from `W_hi`'s: `W_lo` is at most half an E4M3
       step of `W_hi`'s top binade, so no second amax is needed.
     - `nf_aware`: scale `W_hi` to 3 standard deviations instead of the amax (the

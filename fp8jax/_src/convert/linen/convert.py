@@ -375,19 +375,26 @@ def _kernel_layer(
     # declaration in one call is a name in use), shared as a Dense called twice shares it.
     dots: list[Fp8DotGeneral] = []
     shapes: list[tuple[int, int] | None] = []
+    layouts: list[Any] = []
 
-    def make_op(eqn: Any) -> Callable[..., Array]:
+    def make_op(eqn: Any, layout: Any) -> Callable[..., Array]:
         aval = eqn.invars[1].aval
         rhs = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         shapes.append(_kernel_shape(rhs, eqn.params["dimension_numbers"]))
+        layouts.append(layout)
         if not dots:
             dots.append(_state(module, path, config, shapes[0]))
-        if shapes[-1] != shapes[0] and getattr(dots[0].kernel, "error", None) is not None:
+        # A square kernel multiplied both ways has one shape, its layouts (which of its axes
+        # are contracted) tell the two apart; a layout hidden by a reshape is not compared.
+        transposed = None not in (layouts[0], layout) and layout != layouts[0]
+        both = shapes[-1] != shapes[0] or transposed
+        if both and getattr(dots[0].kernel, "error", None) is not None:
             # The kernel multiplied both ways (`x @ kernel`, `h @ kernel.T`): error feedback
             # holds one residual, of the first GEMM's kernel.
+            ways = "as its transpose" if shapes[-1] == shapes[0] else f"as a {shapes[-1]} matrix"
             raise ValueError(
                 f"Fp8Linen: the layer {name!r} multiplies by its {KERNEL!r} as a {shapes[0]} "
-                f"and as a {shapes[-1]} matrix (out, in) in one call (a tied kernel used both "
+                f"matrix (out, in) and {ways} in one call (a tied kernel used both "
                 f"ways), but {type(config.recipe_for(path)).__name__} keeps one kernel-shaped "
                 "state per layer (its error feedback), of the first's shape. Give the layer a "
                 f"recipe without one (Fp8Config recipes={{{name!r}: 'delayed'}}) or exclude it "

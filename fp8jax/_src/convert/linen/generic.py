@@ -21,7 +21,7 @@ from flax.linen import module as linen_module
 
 from ..autocast import trace_call
 from ..interpret import Interpreter, KernelChoice
-from ..roles import gemm_operands
+from ..roles import gemm_operands, gemm_rhs_layouts
 
 #: The parameter a module multiplies its input by, to be converted as a Linear.
 KERNEL: str = "kernel"
@@ -48,11 +48,13 @@ def kernel_call(
     module: Any,
     args: tuple,
     kwargs: dict,
-    make_op: Callable[[Any], Callable],
+    make_op: Callable[[Any, Any], Callable],
     collection: str,
 ) -> Any:
-    """`module(*args, **kwargs)` with each GEMM on its kernel answered by `make_op(eqn)` (an
-    op with `lax.dot_general`'s signature; `eqn` gives the GEMM's shapes).
+    """`module(*args, **kwargs)` with each GEMM on its kernel answered by `make_op(eqn,
+    layout)` (an op with `lax.dot_general`'s signature; `eqn` gives the GEMM's shapes,
+    `layout` its right operand as the kernel's (free, contracted) axes, `None` where a view
+    other than a transpose or cast hides them: see `roles.gemm_rhs_layouts`).
 
     Raises `ValueError` if no GEMM of the call takes the kernel as its right operand.
     """
@@ -88,7 +90,9 @@ def kernel_call(
             f"{KERNEL!r} but no GEMM of its call takes it as its right operand; exclude it "
             "(Fp8Config exclude or targets)."
         )
-    out, updates = traced.evaluate(Interpreter(KernelChoice(kernel_dots, make_op)))
+    layouts = gemm_rhs_layouts(traced.closed, owners)
+    choice = KernelChoice(kernel_dots, lambda eqn: make_op(eqn, layouts.get(id(eqn))))
+    out, updates = traced.evaluate(Interpreter(choice))
     if not module.is_initializing():  # at init, the module's own call made its variables
         for col, tree in updates.items():
             if col not in ("params", collection):
