@@ -7,6 +7,7 @@ import dataclasses
 import warnings
 
 import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,3 +297,26 @@ def test_an_abstract_model_is_planned_from_a_trace_of_its_example():
     assert isinstance(abstract.layers[0].weight, jax.ShapeDtypeStruct)
     got = fp8jax.conversion_plan(abstract, example=lambda m: jax.vmap(m)(x))
     assert got == want and got.traced and got.kept == {"layers.2": want.kept["layers.2"]}
+
+
+def test_conv_layers_stay_in_high_precision():
+    """Equinox's and Haliax's Conv layers are not converted (docs/conversion.md, "What is
+    reached"): the converted model holds the very same Conv, whose output is the plain one's
+    bit for bit, with the model's Linear in FP8 beside it."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    C, L, Out = hax.Axis("C", 2), hax.Axis("L", 8), hax.Axis("Out", D)
+    convs = [
+        (eqx.nn.Conv1d(2, D, 3, key=keys[0]), jnp.ones((2, 8))),
+        (eqx.nn.Conv2d(2, D, 3, key=keys[1]), jnp.ones((2, 5, 5))),
+        (eqx.nn.ConvTranspose1d(2, D, 3, key=keys[2]), jnp.ones((2, 8))),
+        (hax.nn.Conv.init(Spatial=(L,), In=C, Out=Out, kernel_size=3, key=keys[3]), None),
+    ]
+    for conv, x in convs:
+        x = hax.random.normal(keys[0], (C, L)) if x is None else x
+        model = (conv, eqx.nn.Linear(D, D, key=keys[3]))
+        config = fp8jax.Fp8Config(keep=())
+        assert fp8jax.conversion_plan(model, config).converted == ("1",)
+        fp8 = fp8jax.fp8_linear_layers(model, config)
+        assert fp8[0] is conv and isinstance(fp8[1].dot_general, fp8jax.Fp8DotGeneral)
+        got, want = fp8[0](x), conv(x)
+        np.testing.assert_array_equal(getattr(got, "array", got), getattr(want, "array", want))
