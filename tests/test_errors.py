@@ -72,6 +72,32 @@ def test_derivatives_of_gradients_say_they_are_not_defined(recipe):
         jax.jvp(f, (x,), (x,))
 
 
+def test_forward_mode_raises_as_the_faq_says(getkey):
+    """Forward mode through an FP8 GEMM raises as docs/faq.md says: JAX's TypeError naming
+    custom_vjp (`jax.jvp`, `jax.jacfwd`, `jax.linearize`'s linear function), except that a
+    converted Linear of the default (delayed, stateful) recipe differentiated in its input
+    alone raises StateNotDifferentiatedError first, saying reverse mode only."""
+    x = jnp.ones((2, 8))
+    d = fp8jax.Fp8DotGeneral("current")
+    w = jnp.ones((8, 4))
+    forward = "can't apply forward-mode autodiff"
+    with pytest.raises(TypeError, match=forward):
+        jax.jacfwd(lambda x: d(x, w, MATMUL))(x)
+    _, tangent = jax.linearize(lambda x: d(x, w, MATMUL), x)
+    with pytest.raises(TypeError, match=forward):
+        tangent(x)
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(8, 4, key=getkey()), fp8jax.Fp8Config(keep=()))
+    assert isinstance(linear.dot_general.recipe, fp8jax.DelayedScaling)
+    for derivative in (lambda: jax.jvp(linear, (x[0],), (x[0],)), lambda: jax.jacfwd(linear)(x[0])):
+        with pytest.raises(
+            fp8jax.StateNotDifferentiatedError, match="reverse-mode derivatives only"
+        ):
+            derivative()
+    params, static = eqx.partition(linear, eqx.is_inexact_array)
+    with pytest.raises(TypeError, match=forward):  # the state differentiated too
+        jax.jacfwd(lambda p: eqx.combine(p, static)(x[0]))(params)
+
+
 def test_unknown_recipe_and_format():
     with pytest.raises(ValueError, match=r"Unknown recipe 'tensorwise'.*'current', 'delayed'"):
         fp8jax.Fp8DotGeneral("tensorwise")
