@@ -193,12 +193,16 @@ def accumulate_gradients(
     over microbatches, and of each operand's FP8 state that of the microbatch with the
     largest amax (its scale with it, as one step over the whole batch records them; delayed
     scaling's history gets that amax once; statistics by max, the tokens each expert got
-    summed). With delayed scaling every microbatch is cast with the same scales, so the
-    result is that of the whole batch up to float32 summation order (from the second step:
-    on the first, an empty history casts each microbatch with its own amax, the warm
-    start); recipes that scale each tensor by its own amax (current, blockwise, MXFP8,
-    residual) cast each microbatch by its own, which differs from the whole batch by FP8
-    rounding.
+    summed). The microbatches' gradients are summed in the gradients' own dtype (the
+    parameters'): with float32 parameters the sum differs from the whole batch's by float32
+    summation order, but with bfloat16 parameters each addition rounds to bfloat16, an error
+    that grows with the number of microbatches. Keep float32 master weights (a
+    [`fp8jax.Policy`][] with float32 parameters and a bfloat16 compute dtype) to accumulate
+    in float32. With delayed scaling every microbatch is cast with the same scales, so the
+    result is that of the whole batch up to that summation (from the second step: on the
+    first, an empty history casts each microbatch with its own amax, the warm start);
+    recipes that scale each tensor by its own amax (current, blockwise, MXFP8, residual)
+    cast each microbatch by its own, which differs from the whole batch by FP8 rounding.
 
     ```python
     loss, grads = fp8jax.accumulate_gradients(loss_fn, 4)(model, x, y)
