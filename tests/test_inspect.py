@@ -778,3 +778,23 @@ def test_a_gemm_in_a_branch_inside_a_loop_counts_the_loop_s_runs(h100):
     w = jax.ShapeDtypeStruct((k, k), jnp.bfloat16)
     (gemm,) = fp8jax.inspect(f, *args, w, modes=("cublas",)).gemms["cublas"]
     assert (gemm.runs, gemm.flops * gemm.runs) == (steps, steps * 2 * m * k * k)
+
+
+def test_unnamed_autocast_gemms_are_numbered_in_program_order(h100):
+    """`fp8_autocast` named every GEMM outside a `jax.named_scope` `dot_general`, so two of
+    them read as one layer in the report (`layers()` merged them). They are now numbered in
+    program order: `dot_general`, `dot_general_1`, each with its own shape."""
+    shapes = {"dot_general": (32, 64, 32), "dot_general_1": (32, 64, 48)}
+
+    def f(x, w1, w2):
+        return jnp.sum(x @ w1) + jnp.sum(x @ w2)
+
+    x = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    w1, w2 = (jax.ShapeDtypeStruct(s[1:], jnp.bfloat16) for s in shapes.values())
+    autocast = fp8jax.fp8_autocast(f)
+    report = fp8jax.inspect(autocast, x, w1, w2, modes=("cublas",), merge_dots=False)
+    layers = report.layers("cublas")
+    assert sorted(layers) == sorted(shapes)
+    for name, (m, k, n) in shapes.items():
+        (gemm,) = layers[name]["fwd"]
+        assert gemm.fp8 and gemm.flops == 2 * m * k * n

@@ -74,6 +74,17 @@ class _Choice:
     picked: list = dataclasses.field(default_factory=list, compare=False)
     #: The scopes of every floating GEMM it saw, whatever their shape (one call's).
     seen: list = dataclasses.field(default_factory=list, compare=False)
+    #: How many GEMMs outside any name scope it converted, by kind (one call's).
+    unnamed: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def name(self, scope: str, kind: str) -> str:
+        """A converted GEMM's name: its scope, or for one outside any scope `kind` numbered
+        in program order (`dot_general`, `dot_general_1`, ...), so that each has its own."""
+        if scope:
+            return scope
+        n = self.unnamed.get(kind, 0)
+        self.unnamed[kind] = n + 1
+        return f"{kind}_{n}" if n else kind
 
     def picks_scope(self, scope: str) -> bool:
         self.asked.append(scope)
@@ -107,7 +118,7 @@ class _Choice:
         if not self.picks_dot(eqn, scope):
             return None
         self.picked.append(scope)
-        return Fp8DotGeneral(self.recipe, name=scope or "dot_general")
+        return Fp8DotGeneral(self.recipe, name=self.name(scope, "dot_general"))
 
     def held(self, subs: list) -> None:
         """Count the floating GEMMs in `subs`, the jaxprs of an equation bound as traced (a
@@ -122,7 +133,8 @@ class _Choice:
             return None
         rhs = eqn.invars[1].aval
         self.picked.append(scope)
-        return Fp8RaggedDot(self.recipe, num_experts=rhs.shape[0], name=scope or "ragged_dot")
+        name = self.name(scope, "ragged_dot")
+        return Fp8RaggedDot(self.recipe, num_experts=rhs.shape[0], name=name)
 
     def picks_ragged(self, eqn: Any, scope: str) -> bool:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
@@ -192,7 +204,8 @@ def fp8_autocast(
     grouped GEMM: a residual recipe's warn and stay in high precision): FP8 operands, and
     under differentiation FP8 dgrad and wgrad. Nothing else changes. The GEMMs are named by
     their name scopes (`jax.named_scope`), which [`fp8jax.inspect`][fp8jax.observe.inspect]
-    reports.
+    reports; those outside any scope are numbered in program order (`dot_general`,
+    `dot_general_1`, ...; `ragged_dot`, `ragged_dot_1`, ...).
 
     **Arguments:**
 
@@ -269,7 +282,7 @@ def fp8_autocast(
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
         traced = trace_call(fun, args, kwargs)
-        call = dataclasses.replace(choice, asked=[], shapes_left={}, picked=[], seen=[])
+        call = dataclasses.replace(choice, asked=[], shapes_left={}, picked=[], seen=[], unnamed={})
         out = traced.evaluate(Interpreter(call))
         _warn_if_unmatched(call, scopes, exclude)
         return out
