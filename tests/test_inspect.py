@@ -798,3 +798,21 @@ def test_unnamed_autocast_gemms_are_numbered_in_program_order(h100):
     for name, (m, k, n) in shapes.items():
         (gemm,) = layers[name]["fwd"]
         assert gemm.fp8 and gemm.flops == 2 * m * k * n
+
+
+def test_gemms_in_the_branches_of_a_cond_count_the_branch_the_cost_counts(h100):
+    """In a `lax.cond`, each branch's GEMM read `runs=1`, as if both branches ran, while the
+    cost counts the costliest branch only: the GEMMs' `flops * runs` summed past the cost's
+    FLOPs. The costliest branch's GEMM now runs once and the other's none, as in the cost."""
+    m, k, small, large = 32, 64, 32, 256
+
+    def f(p, x, a, b):
+        return jax.lax.cond(p, lambda: jnp.sum(x @ a), lambda: jnp.sum(jnp.tanh(x) @ b))
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((), bool), ((m, k), jnp.bfloat16)]]
+    a, b = (jax.ShapeDtypeStruct((k, n), jnp.bfloat16) for n in (small, large))
+    report = fp8jax.inspect(f, *args, a, b, modes=("cublas",))
+    runs = {g.flops: g.runs for g in report.gemms["cublas"]}
+    assert runs == {2 * m * k * small: 0, 2 * m * k * large: 1}
+    flops = sum(g.flops * g.runs for g in report.gemms["cublas"])
+    assert flops == report.cost["cublas"].gemm_flops == 2 * m * k * large

@@ -150,6 +150,17 @@ def module_cost(module: Module, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     return total(kernels, tuple(walker.unknown))
 
 
+def uncounted_branches(module: Module) -> frozenset[str]:
+    """The branch computations of the module's `conditional`s that its cost does not count
+    (all but the costliest branch of each, as `hlo_cost` chooses it); none without an entry
+    computation."""
+    if module.entry is None:
+        return frozenset()
+    walker = _Walker(module.computations, module.devices, GPUS_PER_NODE)
+    walker.walk(module.entry, 1, False)
+    return frozenset(walker.uncounted)
+
+
 @final
 class _Walker:
     """Walks a module as the GPU runs it, collecting one `KernelCost` per kernel and one
@@ -160,6 +171,8 @@ class _Walker:
         self.devices = devices
         self.per_node = per_node
         self.unknown: list[str] = []
+        #: The branches of conditionals not counted: all but the costliest of each.
+        self.uncounted: set[str] = set()
 
     def computation(self, name: str) -> Computation:
         if name not in self.computations:
@@ -190,9 +203,13 @@ class _Walker:
                 if condition:
                     kernels += self.walk(condition, runs * (n + 1), inner)
             elif op == "conditional":
-                branches = [self.walk(b, runs, layer_loop) for b in instruction.called()]
+                names = instruction.called()
+                branches = [self.walk(b, runs, layer_loop) for b in names]
                 if branches:
-                    kernels += max(branches, key=lambda ks: total(ks).estimate_seconds())
+                    seconds = [total(ks).estimate_seconds() for ks in branches]
+                    costliest = seconds.index(max(seconds))
+                    kernels += branches[costliest]
+                    self.uncounted.update(set(names) - {names[costliest]})
             elif op in ("call", "async-start"):
                 for callee in instruction.called():
                     kernels += self.walk(callee, runs, layer_loop)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from .cost import uncounted_branches
 from .hlo import (
     F8,
     FUSIONS,
@@ -44,7 +45,7 @@ def hlo_gemms(
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     callers = _callers(module)
     loop_names = _loop_op_names(module, callers)
-    runs = _runs(callers)
+    runs = _runs(callers, uncounted_branches(module))
     fusions = _fusion_callers(callers)
     shared = _shared_kernels(module)
     gemms = []
@@ -163,15 +164,20 @@ def _fusion_callers(callers: _Callers) -> dict[str, tuple[Instruction, bool]]:
     return out
 
 
-def _runs(callers: _Callers) -> dict[str, int]:
+def _runs(callers: _Callers, uncounted: frozenset[str]) -> dict[str, int]:
     """Computation -> how many times it runs in one run of the program: the product of the
     known trip counts of the `while` loops around it (a loop's condition runs once more than
-    its body; a loop whose trip count the HLO does not state counts once, as in `hlo_cost`)."""
+    its body; a loop whose trip count the HLO does not state counts once, as in `hlo_cost`),
+    0 inside a branch of a conditional that `hlo_cost` does not count (`uncounted`: all but
+    the costliest branch of each)."""
     runs: dict[str, int] = {}
     for computation in callers:
         total, seen, current = 1, set(), computation
         while current in callers and current not in seen:
             seen.add(current)
+            if current in uncounted:
+                total = 0
+                break
             parent, caller = callers[current]
             if caller.op == "while" and caller.trip_count is not None:
                 extra = 1 if caller.callee("condition") == current else 0

@@ -28,7 +28,9 @@ class Gemm:
     kernels' from their padded shapes; 0 where the HLO does not say, as for another Pallas
     kernel), `runs` (how many times it runs in the program: the product of the trip
     counts of the loops around it, such as a block recipe's loop over its chunks or a scan
-    over layers; `flops * runs` is what it computes in all),
+    over layers; in the branches of a `lax.cond` or `lax.switch`, as the cost counts them:
+    the costliest branch's GEMMs run, the other branches' run 0 times;
+    `flops * runs` is what it computes in all),
     `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
     matrix-multiply instructions of that kernel's PTX), `upcasts` (its PTX conversions from
     FP8, e.g. `cvt.rn.f16x2.e4m3x2`), `ptx` (whether the kernel's PTX was read).
