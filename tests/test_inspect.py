@@ -816,3 +816,24 @@ def test_gemms_in_the_branches_of_a_cond_count_the_branch_the_cost_counts(h100):
     assert runs == {2 * m * k * small: 0, 2 * m * k * large: 1}
     flops = sum(g.flops * g.runs for g in report.gemms["cublas"])
     assert flops == report.cost["cublas"].gemm_flops == 2 * m * k * large
+
+
+def test_an_xla_ragged_dot_counts_the_dense_product_it_executes(h100):
+    """`Gemm.flops` is what the kernel executes (fp8jax's kernels count their padded shapes).
+    XLA runs a `lax.ragged_dot` as one dense GEMM over every group (tokens by groups x K, zero
+    outside each token's group): its `flops` are that product, `groups` times the ragged
+    2*M*K*N, as the cost counts it; its docstring now says so."""
+    m, k, n, groups = 64, 32, 48, 4
+
+    def f(x, w, sizes):
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    args = [
+        jax.ShapeDtypeStruct(s, d)
+        for s, d in [((m, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), int)]
+    ]
+    report = fp8jax.inspect(f, *args, modes=("cublas",))
+    (gemm,) = report.gemms["cublas"]
+    assert "ragged_dot" in gemm.op_name and gemm.runs == 1
+    assert gemm.flops == 2 * m * (groups * k) * n == groups * (2 * m * k * n)
+    assert report.cost["cublas"].gemm_flops == gemm.flops

@@ -24,11 +24,15 @@ class Gemm:
     kernel with an MMA in its PTX, or in an fp8jax layer's scope) or `"dot"` (StableHLO)),
     `lhs` and
     `rhs` (operand element types in the HLO, e.g. `"f8e4m3fn"`), `op_name` (the JAX name stack
-    it came from), `flops` (of one run: `2 * output size * contracted size`, fp8jax's own
-    kernels' from their padded shapes; 0 where the HLO does not say, as for another Pallas
-    kernel), `runs` (how many times it runs in the program: the product of the trip
-    counts of the loops around it, such as a block recipe's loop over its chunks or a scan
-    over layers; in the branches of a `lax.cond` or `lax.switch`, as the cost counts them:
+    it came from), `flops` (of one run, what the kernel executes, not the useful FLOPs of
+    the math: `2 * output size * contracted size` of the GEMM as compiled, fp8jax's own
+    kernels' from their padded shapes; a `lax.ragged_dot` that XLA compiles (op name
+    `ragged_dot_general`, not fp8jax's grouped kernels) runs as one dense GEMM over all G
+    groups, tokens by G x K, and counts `2 * M * G * K * N`, G times its ragged
+    `2 * M * K * N`; 0 where the HLO does not say, as for another Pallas kernel), `runs`
+    (how many times it runs in the program: the product of the trip counts of the loops
+    around it, such as a block recipe's loop over its chunks or a scan over layers; in the
+    branches of a `lax.cond` or `lax.switch`, as the cost counts them:
     the costliest branch's GEMMs run, the other branches' run 0 times;
     `flops * runs` is what it computes in all),
     `kernel_name` (the GPU kernel of a generated GEMM, as in its PTX), `mma` (the
