@@ -313,6 +313,38 @@ def test_ragged_dot_becomes_the_grouped_fp8_gemm():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_ragged_dot_whose_groups_end_before_the_rows_gives_what_lax_gives():
+    """Concrete group sizes summing to fewer rows than lhs has (valid for `lax.ragged_dot`:
+    the rows past them are zeros) were refused by the grouped FP8 layer's check; sizes built
+    inside the function, outside it and passed in give plain JAX's output and gradients
+    (rows past the groups zero). Values representable in E4M3 (E5M2 for the output
+    gradient) with power-of-two scales quantize exactly: equal to float32 `lax`."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(representable(rng, (16, 32)))
+    w = jnp.asarray(representable(rng, (3, 32, 16)))
+    c = jnp.asarray(representable(rng, (16, 16), "e5m2"))
+    sizes = jnp.array([4, 4, 4], jnp.int32)
+    funs = {
+        "inside": lambda x, w: jax.lax.ragged_dot(x, w, jnp.array([4, 4, 4], jnp.int32)),
+        "outside": lambda x, w: jax.lax.ragged_dot(x, w, sizes),
+        "argument": lambda x, w, s: jax.lax.ragged_dot(x, w, s),
+    }
+
+    def loss(f):
+        return lambda x, w, *s: jnp.sum(f(x, w, *s) * c)
+
+    for how, f in funs.items():
+        args = (x, w, sizes) if how == "argument" else (x, w)
+        want = (funs["outside"](x, w), *jax.grad(loss(funs["outside"]), (0, 1))(x, w))
+        ours = fp8jax.fp8_autocast(f, "current")
+        got = (ours(*args), *jax.grad(loss(ours), (0, 1))(*args))
+        assert "f8_e4m3fn" in str(jax.make_jaxpr(ours)(*args)), how
+        for g, r in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, r, err_msg=how)
+        np.testing.assert_array_equal(got[0][12:], 0.0)
+        np.testing.assert_array_equal(got[1][12:], 0.0)
+
+
 def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
     """A residual recipe has no grouped GEMM: its ragged dots stay exact, with a warning (not
     when excluded); `min_dim` applies to a ragged dot's rows, contraction and columns."""

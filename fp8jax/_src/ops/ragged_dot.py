@@ -50,7 +50,8 @@ def check_ragged_dot_args(
     """Check the arguments of a ragged dot: `lhs (M, K)`, `rhs (G, K, N)`, `group_sizes (G,)`
     of integers, with `G` equal to `num_experts` when given (the expert count of a layer's
     state). Group sizes known at trace time (NumPy arrays, concrete jax arrays) must be
-    >= 0 and sum to `M`; traced ones cannot be checked (see [`fp8jax.Fp8RaggedDot`][]).
+    >= 0 and sum to at most `M` (rows past their sum get zeros, as from `lax.ragged_dot`);
+    traced ones cannot be checked (see [`fp8jax.Fp8RaggedDot`][]).
 
     Raises `ValueError` (`TypeError` for a dtype) naming the offending shapes or values.
     """
@@ -94,10 +95,11 @@ def check_ragged_dot_args(
             f"{where}: group_sizes={sizes.tolist()} has negative sizes; each expert gets >= 0 "
             "tokens."
         )
-    if int(sizes.sum()) != lhs_shape[0]:
+    if int(sizes.sum()) > lhs_shape[0]:
         raise ValueError(
             f"{where}: group_sizes={sizes.tolist()} sums to {int(sizes.sum())} but lhs has "
-            f"{lhs_shape[0]} tokens (rows); every token must belong to exactly one expert."
+            f"{lhs_shape[0]} tokens (rows); the groups must fit in lhs's rows (as for "
+            "lax.ragged_dot, rows past their sum may be left over: they get zeros)."
         )
 
 
@@ -187,12 +189,13 @@ class Fp8RaggedDot(AbstractFp8Op):
     [`fp8jax.apply_updates`][]). **An expert that got no tokens keeps its state**: its
     weight took part in no GEMM that step.
 
-    **Group sizes.** They must be >= 0 and sum to the number of tokens. Sizes known at trace
-    time are checked (a `ValueError` names them); traced ones (the usual case, computed by
-    the router inside `jit`) cannot be: rows past their sum get zeros, as from
-    `lax.ragged_dot`, and their values set no scale (per-tensor recipes leave them out of
-    the amaxes; block recipes' tiles are per row, but their recorded amax, telemetry only,
-    spans them), and negative sizes give undefined results. Sizes of a narrow integer
+    **Group sizes.** They must be >= 0 and sum to at most the number of tokens: rows past
+    their sum get zeros, as from `lax.ragged_dot`, and their values set no scale (per-tensor
+    recipes leave them out of the amaxes; block recipes' tiles are per row, but their
+    recorded amax, telemetry only, spans them). Sizes known at trace time are checked (a
+    `ValueError` names them); traced ones (the usual case, computed by the router inside
+    `jit`) cannot be: negative sizes, or sizes summing past the tokens, give undefined
+    results. Sizes of a narrow integer
     dtype (int8) are widened to int32 first: their offsets would overflow.
 
     **Recipes:** [`fp8jax.DelayedScaling`][] (the default), [`fp8jax.CurrentScaling`][],
