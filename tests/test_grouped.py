@@ -528,7 +528,7 @@ def test_vmap_over_stacked_layers_keeps_each_its_own_state(recipe):
 def test_vmap_over_weights_with_shared_state_is_refused():
     """Members with their own experts' weights but one FP8 state: once JAX's internal
     out_axes error; now a NotImplementedError saying to map the layer with its weights (the
-    ensemble above)."""
+    ensemble above), under per-example gradients too."""
     x, w, _ = data(21)
     sizes = jnp.asarray(SIZES)
     dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
@@ -537,6 +537,11 @@ def test_vmap_over_weights_with_shared_state_is_refused():
         jax.vmap(lambda w: dot(x, w, sizes))(ws)
     with pytest.raises(NotImplementedError, match="Map the layer too"):
         jax.vmap(lambda x, w: dot(x, w, sizes))(jnp.stack([x, x]), ws)
+    # Per-example gradients map the GEMM per member without folding it: refused there too
+    # (was JAX's out_axes error at new_kernel.scale).
+    grad = jax.grad(lambda d, w: jnp.sum(d(x, w, sizes)), argnums=(0, 1))
+    with pytest.raises(NotImplementedError, match="Map the layer too"):
+        jax.vmap(grad, in_axes=(None, 0))(dot, ws)
 
 
 def test_saves_only_fp8_residuals(capsys):

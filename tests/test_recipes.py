@@ -448,6 +448,38 @@ def test_error_feedback_rejects_a_mapped_kernel_with_one_state():
     np.testing.assert_array_equal(ys[1], dot(xs[1], ws[1], MATMUL_NT))
 
 
+def test_error_feedback_rejects_a_mapped_kernel_with_one_state_in_per_example_gradients():
+    """Per-example gradients, `vmap(grad(loss))`, of a layer whose kernel is mapped and whose
+    error-feedback state is shared: the batching rule maps such a GEMM per member without
+    the forward's fold, which held the check, so JAX's out_axes error came instead (at
+    `new_kernel.lo_scale`). Refused as the forward refuses it; with the state mapped too, or
+    without error feedback, each member's gradients are those of its own call (kernels `w`
+    and `-w`: a shared state's amaxes, which span the members, are each member's own)."""
+    feedback = fp8jax.ResidualFP8(error_feedback=True)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((3, 8)), jnp.float32)
+    ws = jnp.stack([w, -w])
+
+    def loss(dot, w):
+        return jnp.sum(dot(x, w, MATMUL_NT) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    shared = fp8jax.Fp8DotGeneral(feedback, kernel_shape=(3, 8))
+    with pytest.raises(ValueError, match=r"ResidualFP8\(error_feedback=True\).*Map the layer"):
+        jax.vmap(grad, in_axes=(None, 0))(shared, ws)
+    mapped = eqx.filter_vmap(lambda _: fp8jax.Fp8DotGeneral(feedback, kernel_shape=(3, 8)))(
+        jnp.arange(2)
+    )
+    plain = fp8jax.Fp8DotGeneral(fp8jax.ResidualFP8(), kernel_shape=(3, 8))
+    for dots, in_axes in ((mapped, (0, 0)), (plain, (None, 0))):
+        got = jax.vmap(grad, in_axes=in_axes)(dots, ws)
+        for i in range(2):
+            one = dots if in_axes[0] is None else jax.tree.map(lambda a, i=i: a[i], dots)
+            want = grad(one, ws[i])
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(a[i] if a.ndim > b.ndim else a, b)
+
+
 def test_predicted_lo_scale_ratio():
     recipe = fp8jax.ResidualFP8(predict_lo_scale=True)
     assert recipe.lo_scale_ratio() == 448 / 16  # E4M3 steps of 32 in its top binade

@@ -78,6 +78,8 @@ def state_of(residual_flags: NamedTuple, operand_fields: tuple[str, ...]) -> Nam
 Fold = tuple[tuple[Any, ...], Callable[[Any], tuple[Any, Any]]]
 #: `fold(axis_size, in_batched, *args)`: a `Fold`, or `None` to map the GEMM per member.
 FoldRule = Callable[..., Fold | None]
+#: `refuse(in_batched, *args)`: raises for a mapping the GEMM cannot take, folded or not.
+RefuseRule = Callable[..., None]
 
 
 def _axis(batched: bool) -> int | None:
@@ -99,10 +101,11 @@ def _folding(
     fold: FoldRule,
     member_axes: Callable[[list], Any],
     gradient_vmaps: GradientUnderVmap | None,
+    refuse: RefuseRule | None = None,
 ) -> Callable[..., Any]:
     """`raw` as a `custom_vmap`: under `vmap`, folded as `fold` says (never when the `vmap`
     maps a whole gradient, `_maps_a_gradient`), else mapped per member with the out_axes
-    `member_axes(in_batched)`."""
+    `member_axes(in_batched)`; `refuse` first checks the mapping either way."""
 
     @custom_vmap
     def call(*args):
@@ -110,6 +113,8 @@ def _folding(
 
     @call.def_vmap
     def _rule(axis_size, in_batched, *args):
+        if refuse is not None:
+            refuse(in_batched, *args)
         per_member = _maps_a_gradient(gradient_vmaps)
         folded = None if per_member else fold(axis_size, in_batched, *args)
         if folded is None:
@@ -129,9 +134,11 @@ def folding_forward(
     residuals: type,
     operand_fields: tuple[str, ...],
     gradient_vmaps: GradientUnderVmap | None = None,
+    refuse: RefuseRule | None = None,
 ) -> Callable[..., Any]:
     """A GEMM's forward `raw(x, w, *rest, states) -> (out, residuals)` with its batching rule
-    (never folded by a `vmap` below the gradient, of those in `gradient_vmaps`).
+    (never folded by a `vmap` below the gradient, of those in `gradient_vmaps`); `refuse`
+    raises for mappings it cannot take, folded or mapped per member (per-example gradients).
 
     Mapped per member, unbatched state stays unbatched (its amaxes span the mapped axis), and
     so does the residual field `operand_fields[i]` when operand `i` is not mapped.
@@ -144,7 +151,7 @@ def folding_forward(
         mapped = {f: _axis(b or stacked) for f, b in zip(operand_fields, operands_b, strict=True)}
         return (0, axes._replace(**mapped))
 
-    return _folding(raw, fold, member_axes, gradient_vmaps)
+    return _folding(raw, fold, member_axes, gradient_vmaps, refuse)
 
 
 def folding_backward(

@@ -339,19 +339,27 @@ def _how_to_fold(axis_size: int, x_batched: bool, w_batched: bool, states_batche
     return "batch" if w_batched else "rows"
 
 
-def _fold_forward(flipped: bool, axis_size: int, in_batched: list, x, w, states) -> Fold | None:
-    """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
-    and the saved operands."""
-    x_b, w_b, states_b = in_batched
+def _refuse_forward(name: str, in_batched: list, x, w, states) -> None:
+    """A mapping the forward cannot take, folded or mapped per member (per-example
+    gradients): a mapped kernel with one error-feedback state for all members."""
+    del x, w
+    _, w_b, states_b = in_batched
     if w_b and getattr(states.kernel, "error", None) is not None and not states_b.kernel.error:
         # Folded, the one (N, K) error would be broadcast over the kernels; mapped, each
         # member's new error would be another.
+        layer = f"FP8 layer {name!r}" if name else "Fp8DotGeneral"
         raise ValueError(
-            "ResidualFP8(error_feedback=True): a kernel mapped by vmap with the layer's state "
-            "shared by the members holds several kernels, but the state one kernel's error. "
-            "Map the layer too, a state per member (eqx.filter_vmap over the layer, its state "
-            "stacked), or use another recipe for it."
+            f"{layer}: ResidualFP8(error_feedback=True): a kernel mapped by vmap with the "
+            "layer's state shared by the members holds several kernels, but the state one "
+            "kernel's error. Map the layer too, a state per member (eqx.filter_vmap over the "
+            "layer, its state stacked), or use another recipe for it."
         )
+
+
+def _fold_forward(flipped: bool, axis_size: int, in_batched: list, x, w, states) -> Fold | None:
+    """The forward's fold: the operands' mapped axis into the GEMM, then out of the output
+    and the saved operands (`_refuse_forward` has checked the mapping)."""
+    x_b, w_b, states_b = in_batched
     how = _how_to_fold(axis_size, x_b, w_b, states_b)
     if how is None:
         return None
@@ -412,6 +420,7 @@ def _gemm(recipe: Recipe, precision: Any, static: Static) -> Gemm:
             Residuals,
             _OPERAND_FIELDS,
             static.gradient_vmaps,
+            functools.partial(_refuse_forward, static.name),
         ),
         folding_backward(
             backward,

@@ -371,10 +371,11 @@ def _spans_rows(leaf: Array, rows: int) -> bool:
     return leaf.ndim == 2 and leaf.shape[0] == rows
 
 
-def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -> Fold | None:
-    """The forward's fold: the members' rows in one expert order, when only the activation
-    (and the group sizes) are mapped."""
-    x_b, w_b, sizes_b, states_b = in_batched
+def _refuse_forward(in_batched: list, *args: Any) -> None:
+    """A mapping the forward cannot take, folded or mapped per member (per-example
+    gradients): the experts' weights mapped with one state for all members."""
+    del args
+    _, w_b, _, states_b = in_batched
     if w_b and not any(jax.tree.leaves(states_b.kernel)):
         # Each member's experts quantized by one shared per-expert state: their amaxes would
         # need a span over the mapped axis per expert, which this GEMM does not take.
@@ -384,6 +385,12 @@ def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -
             "layer too (an ensemble: jax.vmap over the layer and its weights together), or "
             "map only the activation and group sizes."
         )
+
+
+def _fold_forward(axis_size: int, in_batched: list, x, w, group_sizes, states) -> Fold | None:
+    """The forward's fold: the members' rows in one expert order, when only the activation
+    (and the group sizes) are mapped (`_refuse_forward` has checked the mapping)."""
+    x_b, w_b, sizes_b, states_b = in_batched
     if sizes_b and not x_b:
         # Each member zeroes the rows past its own groups (`_held_only`): its FP8 activation
         # is its own, as if the activation were mapped too.
@@ -438,7 +445,14 @@ def _gemm(recipe: Recipe, native: bool | None, precision: Any, static: Static) -
     backward = functools.partial(_backward, recipe, native, *static.gradient_dtypes())
     return Gemm(
         recipe,
-        folding_forward(forward, _fold_forward, Residuals, _OPERAND_FIELDS, static.gradient_vmaps),
+        folding_forward(
+            forward,
+            _fold_forward,
+            Residuals,
+            _OPERAND_FIELDS,
+            static.gradient_vmaps,
+            _refuse_forward,
+        ),
         folding_backward(backward, _fold_backward, _OPERAND_FIELDS, static.gradient_vmaps),
     )
 
