@@ -281,6 +281,29 @@ def test_the_ways_of_sharding_that_split_a_native_kernel(placed):
     assert one_device == [placed == "in_shardings alone"]
 
 
+@pytest.mark.parametrize("under_set_mesh", [True, False], ids=["set_mesh", "in_shardings alone"])
+def test_a_block_gemm_jitted_with_in_shardings_is_split_only_under_set_mesh(under_set_mesh):
+    """docs/scaling_out.md's rule, on the program: a block-scaled GEMM (the default
+    `native_kernel=None`) of a `jit` argument sharded by `in_shardings` is lowered per shard
+    (`partition.per_shard`: the `custom_partitioning` call, each device's GEMM on its
+    shards) under `jax.set_mesh`, and not without it, where (compiled for H100s) XLA gathers
+    the operands and runs the kernel on the whole of them."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    dot = fp8jax.Fp8DotGeneral(fp8jax.BlockwiseScaling())
+    step = jax.jit(
+        lambda x, w: dot(x, w, (((1,), (1,)), ((), ()))),
+        in_shardings=(NamedSharding(mesh, P("data")), NamedSharding(mesh, P())),
+    )
+    x, w = jnp.ones((256, BLOCK)), jnp.ones((BLOCK, BLOCK))
+    if under_set_mesh:
+        with jax.set_mesh(mesh):
+            hlo = step.lower(x, w).as_text()
+    else:
+        hlo = step.lower(x, w).as_text()
+    # If JAX comes to name jit's in_shardings while tracing, both split: update the docs.
+    assert ("@CustomSPMDPartitioning" in hlo) == under_set_mesh
+
+
 def test_a_replay_names_a_trace_with_more_gemms_than_recorded():
     dims = partition.GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
     a, b = jnp.ones((8, 4)), jnp.ones((2, 4))

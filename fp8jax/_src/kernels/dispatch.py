@@ -156,6 +156,13 @@ def choose(
     operands and compute the whole product on every device). `name`, the kernel's (e.g.
     `BLOCK_GEMM_NAME`), then names the partitioned call, whose kernel would otherwise carry
     no name of its own in the program (the cost model finds the native GEMMs by it).
+
+    The mesh is known only from the operands' types and `jax.set_mesh`'s mesh: a `jit`
+    argument sharded by `in_shardings` alone, outside `jax.set_mesh`, is typed on none (no
+    public JAX API names `in_shardings` while tracing), so its GEMM takes the one-device path
+    and, compiled for CUDA, XLA gathers the operands around the kernel
+    (docs/scaling_out.md). Trace such a step under `jax.set_mesh(mesh)`, or place its
+    arguments (`jax.device_put`).
     """
     if use_native is False:
         return xla(*args)
