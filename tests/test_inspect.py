@@ -16,6 +16,7 @@ from fp8jax._src.observe import deviceless
 from fp8jax._src.observe import inspect as inspect_module
 from fp8jax._src.observe.gemms import hlo_gemms
 from fp8jax._src.observe.ptx import compile_with_ptx, mma_inputs, ptx_kernels
+from fp8jax._src.observe.roofline import H100
 from fp8jax._src.observe.traffic import hlo_memory_traffic
 from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
@@ -531,6 +532,25 @@ def test_generated_kernels_are_judged_by_their_ptx(h100):
         fp8jax.assert_all_fp8(default, modes=("default",), strict=True)
     with pytest.raises(ValueError, match="has no \\['cublas'\\]"):
         fp8jax.assert_all_fp8(default)
+
+
+def test_the_cost_prices_an_upcasting_triton_gemm_at_its_16_bit_peak(h100):
+    """A Triton GEMM of FP8 operands whose PTX converts them to f16 and multiplies with
+    `mma.sync ... f16` runs at the FP16 tensor-core peak, not the FP8 one: the inspection's
+    cost prices it at the kind its PTX multiplies (the cuBLASLt FP8 call stays FP8)."""
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((256, 256), jnp.float8_e5m2)
+    report = fp8jax.inspect(_fp8_gemm, a, b)
+    (gemm,) = report.gemms["default"]
+    assert gemm.ptx and not gemm.fp8 and gemm.upcasts, gemm.verdict
+    inputs = mma_inputs(gemm.mma[0])
+    assert inputs in ("f16", "bf16"), gemm.mma
+    flops = 2 * 256 * 256 * 256
+    default, cublas = report.cost["default"], report.cost["cublas"]
+    assert default.flops == {inputs: flops}
+    assert default.gemm_seconds() == pytest.approx(flops / H100[inputs])
+    assert cublas.flops == {"fp8": flops}
+    assert cublas.gemm_seconds() == pytest.approx(flops / H100["fp8"])
 
 
 def test_the_dump_holds_the_ptx_and_no_pass_logs(h100, tmp_path):

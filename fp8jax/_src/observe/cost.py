@@ -36,6 +36,7 @@ from .hlo import (
     native_gemm_cost,
     parse,
 )
+from .ptx import Kernel, kernel_names, shared_kernels, sixteen_bit_kind
 from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
 
 #: An integer element type (`s8`, `u8`, `s32`, ...).
@@ -84,6 +85,11 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     `precision=HIGHEST`, `"f64"` for float64, `"int8"` for 8-bit integer operands and
     `"int32"` for wider integers (XLA widens uint8 GEMMs to them). Their
     operands and results are not counted as traffic: a GEMM at peak is bound by its FLOPs.
+    The HLO does not say what a generated (Triton) kernel multiplies with: under XLA's
+    default flags one of FP8 operands may convert them to f16 and run at the 16-bit peak,
+    half the FP8 one, yet from the HLO alone it counts as `"fp8"`. `Inspection.cost` of
+    [`fp8jax.inspect`][fp8jax.observe.inspect] reads each kernel's PTX and prices such a GEMM
+    as `"f16"` (or `"bf16"`), what it runs at.
 
     **Bytes:** every other kernel counts its operands and results (a slice reads only its
     part; an in-place update writes only the update). The whole kernel goes to the first
@@ -135,9 +141,17 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     return module_cost(module, gpus_per_node=gpus_per_node)
 
 
-def module_cost(module: Module, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
+def module_cost(
+    module: Module,
+    *,
+    gpus_per_node: int = GPUS_PER_NODE,
+    kernels: Mapping[str, Kernel] | None = None,
+) -> Cost:
     """The [`fp8jax.Cost`][] of a parsed HLO module with an entry computation, as `hlo_cost`
-    counts it (for the inspector, which has the module parsed already)."""
+    counts it (for the inspector, which has the module parsed already). With `kernels` (the
+    PTX facts of `ptx.compile_with_ptx`), a GEMM fusion of FP8 operands whose kernel's PTX
+    multiplies at 16 bits (`mma.sync ... f16` after converting the FP8 up) is priced as
+    `"f16"` or `"bf16"`, what it runs at, not `"fp8"`."""
     if module.entry is None:
         raise ValueError("hlo_cost: the module has no ENTRY computation.")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -145,18 +159,20 @@ def module_cost(module: Module, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
             f"hlo_cost: gpus_per_node={gpus_per_node!r} should be a whole number >= 1 (8 for "
             "a DGX H100)."
         )
-    walker = _Walker(module.computations, module.devices, gpus_per_node)
-    kernels = walker.walk(module.entry, 1, False)
-    return total(kernels, tuple(walker.unknown))
+    walker = _Walker(module, gpus_per_node, kernels)
+    found = walker.walk(module.entry, 1, False)
+    return total(found, tuple(walker.unknown))
 
 
-def uncounted_branches(module: Module) -> frozenset[str]:
+def uncounted_branches(
+    module: Module, kernels: Mapping[str, Kernel] | None = None
+) -> frozenset[str]:
     """The branch computations of the module's `conditional`s that its cost does not count
-    (all but the costliest branch of each, as `hlo_cost` chooses it); none without an entry
-    computation."""
+    (all but the costliest branch of each, as `module_cost` with these `kernels` chooses
+    it); none without an entry computation."""
     if module.entry is None:
         return frozenset()
-    walker = _Walker(module.computations, module.devices, GPUS_PER_NODE)
+    walker = _Walker(module, GPUS_PER_NODE, kernels)
     walker.walk(module.entry, 1, False)
     return frozenset(walker.uncounted)
 
@@ -166,10 +182,13 @@ class _Walker:
     """Walks a module as the GPU runs it, collecting one `KernelCost` per kernel and one
     `CollectiveCost` per collective."""
 
-    def __init__(self, computations: dict[str, Computation], devices: int, per_node: int):
-        self.computations = computations
-        self.devices = devices
+    def __init__(self, module: Module, per_node: int, kernels: Mapping[str, Kernel] | None):
+        self.computations = module.computations
+        self.devices = module.devices
         self.per_node = per_node
+        #: PTX facts by kernel name (none: priced from the HLO alone), and fusions sharing one.
+        self.kernels = kernels or {}
+        self.shared = shared_kernels(module) if kernels else {}
         self.unknown: list[str] = []
         #: The branches of conditionals not counted: all but the costliest of each.
         self.uncounted: set[str] = set()
@@ -278,7 +297,10 @@ class _Walker:
                 kind = _gemm_kind(c, i)
                 flops += f
                 kinds[kind] = kinds.get(kind, 0) + f
-            return gemm(flops, max(kinds, key=kinds.get))
+            kind = max(kinds, key=kinds.get)
+            if kind == "fp8" and instruction.op in FUSIONS:
+                kind = self.ptx_kind(instruction) or kind
+            return gemm(flops, kind)
         return KernelCost(
             instruction.name,
             computation.name,
@@ -292,6 +314,13 @@ class _Walker:
             runs,
             instruction.op_name,
         )
+
+    def ptx_kind(self, fusion: Instruction) -> str | None:
+        """The 16-bit kind a GEMM fusion's kernel multiplies FP8 operands at, by its PTX."""
+        for name in kernel_names(fusion, self.shared):
+            if name in self.kernels:
+                return sixteen_bit_kind(self.kernels[name])
+        return None
 
     def inside(
         self, computation: Computation, instruction: Instruction

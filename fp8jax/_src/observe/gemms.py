@@ -25,7 +25,7 @@ from .hlo import (
     native_gemm_cost,
     parse,
 )
-from .ptx import Kernel, mosaic_key
+from .ptx import Kernel, kernel_names, mosaic_key, shared_kernels
 from .results import Gemm
 
 # Computation -> (the computation calling it, the calling instruction).
@@ -45,9 +45,9 @@ def hlo_gemms(
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     callers = _callers(module)
     loop_names = _loop_op_names(module, callers)
-    runs = _runs(callers, uncounted_branches(module))
+    runs = _runs(callers, uncounted_branches(module, kernels))
     fusions = _fusion_callers(callers)
-    shared = _shared_kernels(module)
+    shared = shared_kernels(module)
     gemms = []
     for computation in module.computations.values():
         instructions = computation.instructions
@@ -69,7 +69,7 @@ def hlo_gemms(
                 if computation.name in fusions:  # the outermost fusion around it is the kernel
                     runner, triton = fusions[computation.name]
                     kernel = "triton" if triton else "fusion"
-                candidates = _kernel_names(runner, shared)
+                candidates = kernel_names(runner, shared)
                 kernel_name = candidates[0]
                 if kernels is not None:
                     found = [c for c in candidates if c in kernels]
@@ -107,33 +107,6 @@ def _matrix_operands(operands: list[str], computation: Computation) -> list[str]
     instructions = computation.instructions
     fp8 = [o for o in operands if o in instructions and F8.match(instructions[o].type.strip())]
     return fp8[:2] if len(fp8) >= 2 else operands[:2]
-
-
-def _ptx_name(name: str) -> str:
-    return re.sub(r"[^\w$]", "_", name)
-
-
-def _shared_kernels(module: Module) -> dict[str, list[str]]:
-    """`deduplicated_name` -> the fusions that carry it: XLA emits one kernel for them all,
-    named after one of them (not always the one the attribute names)."""
-    groups: dict[str, list[str]] = {}
-    for computation in module.computations.values():
-        for instruction in computation.instructions.values():
-            dedup = instruction.deduplicated_name
-            if dedup is not None:
-                groups.setdefault(dedup, []).append(instruction.name)
-    return groups
-
-
-def _kernel_names(runner: Instruction, shared: dict[str, list[str]]) -> list[str]:
-    """Names the GPU kernel running a fusion may have in the PTX, most likely first: the
-    fusion's own, then those of the fusions sharing its kernel (`.` and other characters PTX
-    does not allow become `_`)."""
-    dedup = runner.deduplicated_name
-    names = [runner.name]
-    if dedup is not None:
-        names += [dedup, *shared.get(dedup, [])]
-    return list(dict.fromkeys(map(_ptx_name, names)))
 
 
 def _callers(module: Module) -> _Callers:

@@ -191,7 +191,7 @@ def _compiled(
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(module)
         collectives[mode] = hlo_collectives(module)
-        cost[mode] = module_cost(module)
+        cost[mode] = module_cost(module, kernels=kernels)
     kind = device.device_kind
     target = f"{devices} x {kind} (deviceless)" if devices > 1 else f"{kind} (deviceless)"
     return Inspection(gemms, memory, target, traffic, collectives, cost)

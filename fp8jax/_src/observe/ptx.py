@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterable
 from typing import Any
 
-from .hlo import Module, kernel_hashes, parse
+from .hlo import Instruction, Module, kernel_hashes, parse
 
 #: The FP8 operand type of a PTX matrix-multiply instruction (`wgmma ... .e4m3`).
 FP8_MMA = re.compile(r"\.e[45]m[23]\b")
@@ -24,6 +24,7 @@ _MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
 _PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
 _PTX_MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)(?:\.[\w:]+)*)")
 _PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
+_UPCAST_TARGET = re.compile(r"\.(b?f16)(?:x2)?\.")
 #: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
 _PTX_STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
 
@@ -69,6 +70,45 @@ def ptx_kernels(texts: Iterable[str]) -> dict[str, Kernel]:
                 _store_widths(body),
             )
     return kernels
+
+
+def sixteen_bit_kind(kernel: Kernel) -> str | None:
+    """The 16-bit GEMM kind (`"f16"`, `"bf16"`) a kernel of FP8 operands multiplies at when
+    its PTX has no FP8 MMA but a 16-bit one, or converts FP8 operands up (to the type they
+    convert to); `None` when it multiplies FP8 or shows neither."""
+    if any(FP8_MMA.search(m) for m in kernel.mma):
+        return None
+    for inputs in map(mma_inputs, kernel.mma):
+        if inputs in ("f16", "bf16"):
+            return inputs
+    for upcast in kernel.upcasts:
+        target = _UPCAST_TARGET.search(upcast)
+        if target:
+            return target.group(1)
+    return None
+
+
+def shared_kernels(module: Module) -> dict[str, list[str]]:
+    """`deduplicated_name` -> the fusions that carry it: XLA emits one kernel for them all,
+    named after one of them (not always the one the attribute names)."""
+    groups: dict[str, list[str]] = {}
+    for computation in module.computations.values():
+        for instruction in computation.instructions.values():
+            dedup = instruction.deduplicated_name
+            if dedup is not None:
+                groups.setdefault(dedup, []).append(instruction.name)
+    return groups
+
+
+def kernel_names(runner: Instruction, shared: dict[str, list[str]]) -> list[str]:
+    """Names the GPU kernel running a fusion may have in the PTX, most likely first: the
+    fusion's own, then those of the fusions sharing its kernel (`.` and other characters PTX
+    does not allow become `_`)."""
+    dedup = runner.deduplicated_name
+    names = [runner.name]
+    if dedup is not None:
+        names += [dedup, *shared.get(dedup, [])]
+    return list(dict.fromkeys(re.sub(r"[^\w$]", "_", name) for name in names))
 
 
 def _store_widths(body: str) -> tuple[tuple[int, int], ...]:

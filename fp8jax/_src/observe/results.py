@@ -172,7 +172,8 @@ class Inspection:
     is empty),
     `collectives` (mode -> list of [`fp8jax.Collective`][]), `cost` (mode -> the program's
     [`fp8jax.Cost`][]: GEMM FLOPs per precision and non-GEMM bytes per category, loops counted
-    as often as they run), `first_steps` (for a step of [`fp8jax.make_train_step`][] that
+    as often as they run; a generated GEMM of FP8 operands whose PTX multiplies at 16 bits
+    counts at that precision), `first_steps` (for a step of [`fp8jax.make_train_step`][] that
     runs two programs: this inspection is of the one it runs once every scale is recorded,
     and `first_steps` of the one before, with delayed scaling's warm start; else `None`).
 
