@@ -237,6 +237,27 @@ def test_unscale_computes_the_reciprocal_in_float32():
     np.testing.assert_array_equal(np.asarray(out, np.float32), [2.0**-15, -(2.0**-13)])
 
 
+@pytest.mark.parametrize("scale", [2.0**100, 2.0**127, float(np.float32(1.5 * 2.0**127)), 3e37])
+@pytest.mark.parametrize("jit", [False, True])
+def test_unscale_past_2_126_where_the_inverse_is_subnormal(scale, jit):
+    # DynamicLossScale grows up to float32's max; 1 / scale past 2**126 is a float32
+    # subnormal, which CPUs and TPUs flush to zero: the gradients must not become 0.
+    ls = DynamicLossScale(loss_scale=scale)
+    grads = {
+        "f32": jnp.asarray([0.75, -1e-3, 1.25], jnp.float32),
+        "bf16": jnp.ones(2, jnp.bfloat16),
+    }
+    scaled = ls.scale(grads)
+    unscale = eqx.filter_jit(lambda ls, g: ls.unscale(g)) if jit else (lambda ls, g: ls.unscale(g))
+    out = unscale(ls, scaled)
+    for key, x in scaled.items():
+        # float64 reference; the inverse and the product are each rounded once.
+        want = np.asarray(x, np.float64) / np.float64(np.float32(scale))
+        rtol = 2 * float(jnp.finfo(x.dtype).eps)
+        np.testing.assert_allclose(np.asarray(out[key], np.float64), want, rtol=rtol)
+        assert out[key].dtype == x.dtype
+
+
 def test_unscale_real_fp8_gradients():
     """Through fp8jax.filter_grad: the FP8 state received as a gradient is not unscaled."""
     model = fp8jax.fp8_linear_layers(eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)))

@@ -64,12 +64,16 @@ def _map_inexact(f: Any, tree: T) -> T:
     return jax.tree.map(apply, tree, is_leaf=is_fp8_state)
 
 
-def _multiply(tree: T, factor: Float[Array, ""]) -> T:
-    """Each inexact leaf times `factor`, computed in at least float32, cast back to its dtype."""
+def _multiply(tree: T, *factors: Float[Array, ""]) -> T:
+    """Each inexact leaf times each of `factors` in turn, computed in at least float32, cast
+    back to its dtype once."""
 
     def mul(x: Array) -> Array:
         dtype = jnp.promote_types(x.dtype, jnp.float32)
-        return (jnp.asarray(x, dtype) * factor.astype(dtype)).astype(x.dtype)
+        out = jnp.asarray(x, dtype)
+        for factor in factors:
+            out = out * factor.astype(dtype)
+        return out.astype(x.dtype)
 
     return _map_inexact(mul, tree)
 
@@ -136,13 +140,18 @@ class LossScale(eqx.Module):
         """`tree` (usually the gradients) divided by the loss scale, each leaf in its dtype.
 
         Multiplies by `1 / loss_scale` computed in float32 (exact for the power-of-two scales
-        [`fp8jax.DynamicLossScale`][] uses), so a float16 gradient is not rounded twice.
+        [`fp8jax.DynamicLossScale`][] uses), so a float16 gradient is not rounded twice. Past
+        2**64 it multiplies by 2**-64 and then by `2**64 / loss_scale` (the same product): the
+        inverse of a scale past 2**126 is a float32 subnormal, which CPUs and TPUs flush to 0.
 
         ```python
         grads = loss_scale.unscale(grads)
         ```
         """
-        return _multiply(tree, 1.0 / jnp.asarray(self.loss_scale, jnp.float32))
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        big = scale > 2.0**64
+        first = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+        return _multiply(tree, first, 1.0 / (scale * first))
 
     @abc.abstractmethod
     def adjust(self: L, grads_finite: Bool[ArrayLike, ""]) -> L:
