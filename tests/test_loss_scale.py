@@ -133,6 +133,9 @@ def test_overflow_rate_and_initial_state():
         (dict(backoff=-0.5), ValueError, r"backoff=-0.5 should be a number in \(0, 1\)"),
         (dict(min_loss_scale=0.0), ValueError, "min_loss_scale=0.0 should be a number > 0"),
         (dict(min_loss_scale=-1), ValueError, "min_loss_scale=-1 should be a number > 0"),
+        # 0 in float32, and a subnormal that CPUs and TPUs flush to 0: the scale would reach 0.
+        (dict(min_loss_scale=1e-50), ValueError, "min_loss_scale=1e-50 should be at least"),
+        (dict(min_loss_scale=1e-40), ValueError, "min_loss_scale=1e-40 should be at least"),
         (dict(loss_scale=0.5), ValueError, "loss_scale=0.5 should be at least min_loss_scale=1.0"),
         (dict(loss_scale=2.0**200), ValueError, "should be finite in float32"),
         (dict(loss_scale=math.nan), ValueError, "loss_scale=nan should be finite in float32"),
@@ -151,6 +154,16 @@ def test_static_and_noop():
         StaticLossScale(-2)
     with pytest.raises(ValueError, match="should be finite in float32"):
         StaticLossScale(math.inf)
+    tiny = float(np.finfo(np.float32).tiny)  # float32's smallest normal
+    for value in (1e-50, 1e-40, tiny / 2):  # 0 in float32, or flushed to 0 on CPUs and TPUs
+        with pytest.raises(ValueError, match=f"loss_scale={value!r} should be at least"):
+            StaticLossScale(value)
+    floor = StaticLossScale(tiny)  # the smallest accepted: products >= 2**-126 round-trip
+    np.testing.assert_array_equal(floor.unscale(floor.scale(jnp.asarray([3.0, 1024.0]))), [3, 1024])
+    low = DynamicLossScale(loss_scale=1.0, min_loss_scale=tiny, period=10)
+    for _ in range(200):
+        low = low.adjust(False)
+    assert float(low.loss_scale) == tiny
 
     static = StaticLossScale(2.0**10)
     assert static.loss_scale.dtype == jnp.float32

@@ -46,6 +46,10 @@ L = TypeVar("L", bound="LossScale")
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
+# float32's smallest normal, 2**-126: a smaller scale is 0 in float32, or a subnormal that
+# CPUs and TPUs flush to 0 (the loss scaled to 0, the gradients unscaled to NaN).
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_TINY_WHY = "2**-126, float32's smallest normal number; smaller ones are 0 on CPUs and TPUs"
 
 
 def _is_inexact_array(x: Any) -> bool:
@@ -197,7 +201,8 @@ class StaticLossScale(LossScale):
 
     **Arguments:**
 
-    - `loss_scale`: a positive number, finite in float32; powers of two scale exactly.
+    - `loss_scale`: a number from 2**-126 (float32's smallest normal) to float32's max;
+      powers of two scale exactly.
 
     ```python
     loss_scale = fp8jax.StaticLossScale(2.0**12)
@@ -210,6 +215,10 @@ class StaticLossScale(LossScale):
         value = _number("loss_scale", loss_scale, "StaticLossScale")
         if value is not None and value <= 0:
             raise ValueError(f"StaticLossScale: loss_scale={loss_scale!r} should be positive.")
+        if value is not None and value < _F32_TINY:
+            raise ValueError(
+                f"StaticLossScale: loss_scale={loss_scale!r} should be at least {_TINY_WHY}."
+            )
         self.loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
@@ -232,7 +241,7 @@ class DynamicLossScale(LossScale):
     - `period`: finite steps between growths, an integer >= 1.
     - `factor`: the growth factor, > 1.
     - `backoff`: the factor applied on overflow, in (0, 1).
-    - `min_loss_scale`: the floor of the scale, > 0.
+    - `min_loss_scale`: the floor of the scale, at least 2**-126 (float32's smallest normal).
 
     **Fields:** `loss_scale` (float32), and int32 counters: `counter` (finite steps since the
     last growth or backoff), `skipped_steps` (steps with non-finite gradients) and `total_steps`.
@@ -281,6 +290,10 @@ class DynamicLossScale(LossScale):
         min_ = _number("min_loss_scale", min_loss_scale, who)
         if min_ is None or min_ <= 0:
             raise ValueError(f"{who}: min_loss_scale={min_loss_scale!r} should be a number > 0.")
+        if min_ < _F32_TINY:
+            raise ValueError(
+                f"{who}: min_loss_scale={min_loss_scale!r} should be at least {_TINY_WHY}."
+            )
         initial = _number("loss_scale", loss_scale, who)
         if initial is not None and initial < min_:
             raise ValueError(
