@@ -131,6 +131,11 @@ def test_overflow_rate_and_initial_state():
         (dict(backoff=1.0), ValueError, r"backoff=1.0 should be a number in \(0, 1\)"),
         (dict(backoff=0.0), ValueError, r"backoff=0.0 should be a number in \(0, 1\)"),
         (dict(backoff=-0.5), ValueError, r"backoff=-0.5 should be a number in \(0, 1\)"),
+        # 1 (or 0) once rounded to float32, which the scale is computed in: it would never
+        # grow (never back off, every overflowing step skipped at the same scale).
+        (dict(factor=1 + 1e-9), ValueError, r"factor=1.000000001 should be a number > 1"),
+        (dict(backoff=1 - 1e-9), ValueError, r"backoff=0.999999999 should be a number in \(0, 1"),
+        (dict(backoff=1e-50), ValueError, r"backoff=1e-50 should be a number in \(0, 1"),
         (dict(min_loss_scale=0.0), ValueError, "min_loss_scale=0.0 should be a number > 0"),
         (dict(min_loss_scale=-1), ValueError, "min_loss_scale=-1 should be a number > 0"),
         # 0 in float32, and a subnormal that CPUs and TPUs flush to 0: the scale would reach 0.

@@ -239,8 +239,8 @@ class DynamicLossScale(LossScale):
 
     - `loss_scale`: the initial scale, at least `min_loss_scale`.
     - `period`: finite steps between growths, an integer >= 1.
-    - `factor`: the growth factor, > 1.
-    - `backoff`: the factor applied on overflow, in (0, 1).
+    - `factor`: the growth factor, > 1 (in float32, which the scale is computed in).
+    - `backoff`: the factor applied on overflow, in (0, 1) (in float32).
     - `min_loss_scale`: the floor of the scale, at least 2**-126 (float32's smallest normal).
 
     **Fields:** `loss_scale` (float32), and int32 counters: `counter` (finite steps since the
@@ -281,12 +281,13 @@ class DynamicLossScale(LossScale):
                 f"{who}: period={period!r} should be an integer >= 1 and <= {_INT32_MAX} "
                 "(the step counter is int32)."
             )
+        # Compared in float32, which the scale is multiplied in: 1 + 1e-9 is 1 there.
         factor_ = _number("factor", factor, who)
-        if factor_ is None or factor_ <= 1:
-            raise ValueError(f"{who}: factor={factor!r} should be a number > 1.")
+        if factor_ is None or np.float32(factor_) <= 1:
+            raise ValueError(f"{who}: factor={factor!r} should be a number > 1 in float32.")
         backoff_ = _number("backoff", backoff, who)
-        if backoff_ is None or not 0 < backoff_ < 1:
-            raise ValueError(f"{who}: backoff={backoff!r} should be a number in (0, 1).")
+        if backoff_ is None or not 0 < np.float32(backoff_) < 1:
+            raise ValueError(f"{who}: backoff={backoff!r} should be a number in (0, 1) in float32.")
         min_ = _number("min_loss_scale", min_loss_scale, who)
         if min_ is None or min_ <= 0:
             raise ValueError(f"{who}: min_loss_scale={min_loss_scale!r} should be a number > 0.")
