@@ -1822,3 +1822,29 @@ def test_nnx_value_and_grad_takes_the_filters_nnx_optimizer_takes():
         _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x, True, "same")), wrt=wrt)(model)
         want = nnx.state(model, nnx.Any(nnx.All(wrt, nnx.Not(fp8jax.Fp8State)), fp8jax.Fp8State))
         assert jax.tree.structure(grads) == jax.tree.structure(want)
+
+
+@pytest.mark.parametrize("arg", ["dtype", "param_dtype"])
+def test_grouped_linear_refuses_a_dtype_that_is_not_a_float(arg):
+    """`NnxGroupedLinear(dtype=jnp.int32)` computed its experts in int32 (the kernel truncated
+    to integers, `nnx.Linear` refuses such a dtype), or with an FP8 `ragged_dot` blamed the
+    call's lhs; `param_dtype=jnp.int32` raised JAX's error from inside the initializer. Both
+    are now refused when the layer is built, naming the argument; a float dtype computes as
+    `lax.ragged_dot` on the operands cast to it."""
+    with pytest.raises(ValueError, match=rf"NnxGroupedLinear {arg}=int32, not a floating"):
+        fp8jax.NnxGroupedLinear(2, 4, 3, rngs=nnx.Rngs(0), **{arg: jnp.int32})
+    layer = fp8jax.NnxGroupedLinear(2, 4, 3, rngs=nnx.Rngs(0), **{arg: jnp.bfloat16})
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 4)), jnp.float32)
+    sizes = jnp.array([2, 3])
+    kernel = layer.kernel.get_value()
+    expected = jax.lax.ragged_dot(
+        *(
+            (x, kernel)
+            if arg == "param_dtype"
+            else (x.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16))
+        ),
+        sizes,
+    )
+    y = layer(x, sizes)
+    assert y.dtype == expected.dtype
+    np.testing.assert_array_equal(y, expected)

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
+from ...core.formats import float_dtype
 from ...layers.grouped import check_grouped_linear_args, high_precision_ragged_dot
 from ...ops.ragged_dot import Fp8RaggedDot
 from .layers import AbstractFp8NnxDot, fp8_variables
@@ -70,7 +71,9 @@ class NnxGroupedLinear(nnx.Module):
     initialised like `nnx.Linear`'s default (LeCun normal); `ragged_dot` is the GEMM,
     `jax.lax.ragged_dot` until [`fp8jax.fp8_linear_layers`][] puts an
     [`fp8jax.Fp8NnxRaggedDot`][] there (targets, exclusions and recipes by path, as for
-    `nnx.Linear`). No bias.
+    `nnx.Linear`). No bias. `param_dtype` is the kernel's dtype, `dtype` (`None`: no cast) the
+    one the tokens and the kernel are cast to for the GEMM: floating dtypes (a `ValueError`
+    refuses others).
 
     ```python
     up = fp8jax.NnxGroupedLinear(8, 64, 256, rngs=nnx.Rngs(0))
@@ -91,6 +94,9 @@ class NnxGroupedLinear(nnx.Module):
     ):
         shape = (num_experts, in_features, out_features)
         shape = check_grouped_linear_args("NnxGroupedLinear", shape, ragged_dot)
+        param_dtype = float_dtype(param_dtype, "NnxGroupedLinear param_dtype")
+        if dtype is not None:
+            dtype = float_dtype(dtype, "NnxGroupedLinear dtype")
         kernel = jax.random.normal(rngs.params(), shape, param_dtype) / math.sqrt(in_features)
         self.kernel = nnx.Param(kernel)
         self.ragged_dot = nnx.data(ragged_dot)
