@@ -762,6 +762,23 @@ def test_grouped_linear_refuses_a_dtype_its_weight_does_not_have():
     assert new.weight.dtype == jnp.bfloat16
 
 
+def test_grouped_linear_dtype_is_checked_as_compute_dtype_is():
+    """`dtype` (the new weight's) took NumPy's spellings only: `"bf16"`, which
+    `compute_dtype` takes, raised NumPy's "data type 'bf16' not understood", and an integer
+    dtype JAX's "dtype argument to `uniform`", neither naming the layer. It is now read as
+    `compute_dtype` is: the aliases give the dtype they name, anything else a `ValueError`
+    naming `GroupedLinear dtype`."""
+    key = jax.random.key(0)
+    alias = fp8jax.GroupedLinear(G, K, N, key=key, dtype="bf16")
+    named = fp8jax.GroupedLinear(G, K, N, key=key, dtype=jnp.bfloat16)
+    assert alias.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(alias.weight, named.weight)
+    with pytest.raises(TypeError, match=r"GroupedLinear dtype=bfloat16 .* weight of float32"):
+        fp8jax.GroupedLinear(G, K, N, weight=jnp.ones((G, K, N)), dtype="bf16")
+    with pytest.raises(ValueError, match=r"GroupedLinear dtype=int32, not a floating-point"):
+        fp8jax.GroupedLinear(G, K, N, key=key, dtype=jnp.int32)
+
+
 def test_grouped_linear_compute_dtype_in_high_precision():
     """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
     ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""

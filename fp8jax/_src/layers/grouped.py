@@ -61,7 +61,8 @@ class GroupedLinear(eqx.Module):
     - `num_experts`, `in_features`, `out_features`: the weight is
       `(num_experts, in_features, out_features)`, `lax.ragged_dot`'s layout. Each expert's
       weight is initialised like `eqx.nn.Linear`'s, uniform in `+-1/sqrt(in_features)`.
-    - `key`: a PRNG key; `dtype`: the new weight's dtype (float32 by default).
+    - `key`: a PRNG key; `dtype`: the new weight's dtype (float32 by default; a floating
+      dtype or its name, as `compute_dtype`).
     - `ragged_dot`: `None` (high precision) or a callable with `lax.ragged_dot`'s signature,
       e.g. `fp8jax.Fp8RaggedDot("blockwise", num_experts=8)`.
     - `weight`: a weight of that shape to use instead of a new one (then no `key`).
@@ -102,6 +103,8 @@ class GroupedLinear(eqx.Module):
             example=", e.g. fp8jax.Fp8RaggedDot(num_experts=...)",
         )
         num_experts, in_features, out_features = shape
+        if dtype is not None:
+            dtype = float_dtype(dtype, "GroupedLinear dtype")
         if (key is None) == (weight is None):
             raise TypeError(
                 "GroupedLinear: give key (a PRNG key, for a new weight) or weight (of shape "
