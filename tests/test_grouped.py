@@ -779,6 +779,15 @@ def test_grouped_linear_dtype_is_checked_as_compute_dtype_is():
         fp8jax.GroupedLinear(G, K, N, key=key, dtype=jnp.int32)
 
 
+def test_grouped_linear_refuses_a_dense_fp8_gemm_as_its_ragged_dot():
+    """An `Fp8DotGeneral` (a dense layer's FP8 GEMM) given as `ragged_dot` was taken, and
+    the call raised "dimension_numbers=Array([...]): should be ((lhs_contracting, ..." from
+    the group sizes read as its dimension numbers; it is refused when the layer is built,
+    naming what a grouped layer takes."""
+    with pytest.raises(TypeError, match=r"GroupedLinear ragged_dot=Fp8DotGeneral.*Fp8RaggedDot"):
+        fp8jax.GroupedLinear(G, K, N, key=jax.random.key(0), ragged_dot=fp8jax.Fp8DotGeneral())
+
+
 def test_grouped_linear_compute_dtype_in_high_precision():
     """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
     ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""

@@ -1848,3 +1848,11 @@ def test_grouped_linear_refuses_a_dtype_that_is_not_a_float(arg):
     y = layer(x, sizes)
     assert y.dtype == expected.dtype
     np.testing.assert_array_equal(y, expected)
+
+
+def test_grouped_linear_refuses_a_dense_fp8_gemm_as_its_ragged_dot():
+    """An `Fp8NnxDotGeneral` given as `ragged_dot` was taken, and the call raised
+    "dimension_numbers=Array([...]): should be ..." (the group sizes read as its dimension
+    numbers); it is refused when the layer is built, naming what a grouped layer takes."""
+    with pytest.raises(TypeError, match=r"ragged_dot=Fp8NnxDotGeneral.*Fp8NnxRaggedDot"):
+        fp8jax.NnxGroupedLinear(2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8NnxDotGeneral())

@@ -18,6 +18,7 @@ from ..core.explicit import explicit_mesh, on_auto_axes
 from ..core.formats import float_dtype
 from ..gemm.exchange import ExpertExchange
 from ..gemm.ragged_dot_general import ragged_dot
+from ..ops.base import AbstractFp8Op
 from ..ops.ragged_dot import (
     Fp8RaggedDot,
     check_dispatch_args,
@@ -30,12 +31,18 @@ from .moe_linear import Fp8MoELinear
 
 
 def check_grouped_linear_args(
-    where: str, shape: tuple[Any, Any, Any], ragged_dot: Any, *, example: str = ""
+    where: str,
+    shape: tuple[Any, Any, Any],
+    ragged_dot: Any,
+    *,
+    example: str = "",
+    grouped_op: str = "fp8jax.Fp8RaggedDot",
 ) -> tuple[int, int, int]:
     """Check the arguments of a grouped Linear (`where` names it in the errors): `shape`, its
     `(num_experts, in_features, out_features)`, ints >= 1 (NumPy's too; `ValueError`);
-    `ragged_dot`, `None` or a callable (`TypeError`, whose advice ends with `example`).
-    Returns `shape` as Python ints."""
+    `ragged_dot`, `None` or a callable (`TypeError`, whose advice ends with `example`), not
+    a dense layer's FP8 GEMM (an `Fp8DotGeneral`, or an NNX layer holding one in `state`:
+    `TypeError`, naming `grouped_op`). Returns `shape` as Python ints."""
     for name, value in zip(("num_experts", "in_features", "out_features"), shape, strict=True):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{where} {name}={value!r}: should be an int >= 1.")
@@ -43,6 +50,13 @@ def check_grouped_linear_args(
         raise TypeError(
             f"{where} ragged_dot={ragged_dot!r}: should be None (jax.lax.ragged_dot) or a "
             f"callable with its signature{example}."
+        )
+    op = getattr(ragged_dot, "state", ragged_dot)  # an NNX FP8 layer holds its op there
+    if isinstance(op, AbstractFp8Op) and not isinstance(op, Fp8RaggedDot):
+        raise TypeError(
+            f"{where} ragged_dot={type(ragged_dot).__name__}: a dense layer's FP8 GEMM (for "
+            f"{op.stands_for}); a grouped layer's is a {grouped_op}(recipe, num_experts=...), "
+            "the FP8 jax.lax.ragged_dot."
         )
     return (int(shape[0]), int(shape[1]), int(shape[2]))
 

@@ -93,7 +93,9 @@ class NnxGroupedLinear(nnx.Module):
         ragged_dot: Any = None,
     ):
         shape = (num_experts, in_features, out_features)
-        shape = check_grouped_linear_args("NnxGroupedLinear", shape, ragged_dot)
+        shape = check_grouped_linear_args(
+            "NnxGroupedLinear", shape, ragged_dot, grouped_op="fp8jax.Fp8NnxRaggedDot"
+        )
         param_dtype = float_dtype(param_dtype, "NnxGroupedLinear param_dtype")
         if dtype is not None:
             dtype = float_dtype(dtype, "NnxGroupedLinear dtype")
