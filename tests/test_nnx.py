@@ -1856,3 +1856,47 @@ def test_grouped_linear_refuses_a_dense_fp8_gemm_as_its_ragged_dot():
     numbers); it is refused when the layer is built, naming what a grouped layer takes."""
     with pytest.raises(TypeError, match=r"ragged_dot=Fp8NnxDotGeneral.*Fp8NnxRaggedDot"):
         fp8jax.NnxGroupedLinear(2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8NnxDotGeneral())
+
+
+@pytest.mark.parametrize("name", ["current", "blockwise"])
+def test_grouped_linear_computing_in_bf16_quantizes_its_float32_master(name):
+    """An `NnxGroupedLinear(dtype=bf16)` on float32 parameters with an FP8 `ragged_dot` cast
+    its kernel to BF16 before the FP8 GEMM quantized it again (two roundings, the amax of
+    the copy), where `nnx.Linear`'s FP8 GEMM gets the master uncast and the Equinox experts
+    under a BF16 policy (`compute_dtype`) do too: it now hands the GEMM the master, as they
+    do, and returns BF16. Each expert's recorded amax is its master's, and the output and
+    the gradients are the Equinox layer's."""
+    layer = fp8jax.NnxGroupedLinear(
+        4,
+        32,
+        16,
+        rngs=nnx.Rngs(3),
+        dtype=jnp.bfloat16,
+        ragged_dot=fp8jax.Fp8NnxRaggedDot(name, num_experts=4),
+    )
+    master = layer.kernel.get_value()
+    eqx_layer = fp8jax.GroupedLinear(
+        4,
+        32,
+        16,
+        weight=master,
+        compute_dtype=jnp.bfloat16,
+        ragged_dot=fp8jax.Fp8RaggedDot(name, num_experts=4),
+    )
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((32, 32)), jnp.bfloat16)
+
+    def loss(m, x):
+        return jnp.sum(m(x, SIZES).astype(jnp.float32) ** 2)
+
+    grads, grad_x = nnx.grad(loss, argnums=(DIFF, 1))(layer, x)
+    grads_e, grad_x_e = fp8jax.filter_grad(lambda mx: loss(*mx))((eqx_layer, x))
+    out = layer(x, SIZES)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, eqx_layer(x, SIZES))
+    np.testing.assert_array_equal(grad_x, grad_x_e)
+    np.testing.assert_array_equal(grads["kernel"].get_value(), grads_e.weight)
+    fp8jax.nnx_update_fp8_state(layer, grads)
+    recorded = np.asarray(layer.ragged_dot.value().kernel.amax_history[:, 0])
+    want = np.abs(np.asarray(master, np.float64)).max(axis=(1, 2))
+    want[np.asarray(SIZES) == 0] = 0.0  # an expert without tokens records nothing
+    np.testing.assert_array_equal(recorded, want)

@@ -73,7 +73,9 @@ class NnxGroupedLinear(nnx.Module):
     [`fp8jax.Fp8NnxRaggedDot`][] there (targets, exclusions and recipes by path, as for
     `nnx.Linear`). No bias. `param_dtype` is the kernel's dtype, `dtype` (`None`: no cast) the
     one the tokens and the kernel are cast to for the GEMM: floating dtypes (a `ValueError`
-    refuses others).
+    refuses others). With an `Fp8NnxRaggedDot` and a `dtype` narrower than `param_dtype`,
+    the kernel is not cast: the FP8 GEMM quantizes the master and returns `dtype`, as for
+    `nnx.Linear`.
 
     ```python
     up = fp8jax.NnxGroupedLinear(8, 64, 256, rngs=nnx.Rngs(0))
@@ -112,6 +114,12 @@ class NnxGroupedLinear(nnx.Module):
         integers summing to `tokens`. Computes in `dtype` when given."""
         kernel = self.kernel.get_value()
         x = jnp.asarray(x)
+        if self.dtype is not None and isinstance(self.ragged_dot, Fp8NnxRaggedDot):
+            if jnp.dtype(self.dtype).itemsize < kernel.dtype.itemsize:
+                # As `nnx.Linear`'s FP8 GEMM: the master quantized in one pass, not a cast
+                # copy quantized again; the output (and the kernel's gradient) in `dtype`.
+                x = x.astype(self.dtype)
+                return self.ragged_dot(x, kernel, group_sizes, preferred_element_type=self.dtype)
         if self.dtype is not None:
             x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if self.ragged_dot is not None:
