@@ -584,6 +584,20 @@ def test_a_numpy_subclass_leaf_in_like_restores(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_scalar_leaves_restore_as_saved(backend, tmp_path):
+    """NumPy scalars (`np.float32(0.5)`, kept in a state as a hyperparameter) are arrays a
+    checkpoint holds: both backends restore their values, as NumPy scalars of their dtypes."""
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    saved = {"lr": np.float32(0.5), "count": np.int32(7), "w": jnp.arange(3.0)}
+    fp8jax.save_checkpoint(path, saved, backend=backend)
+    like = {"lr": np.float32(0), "count": np.int32(0), "w": jnp.zeros(3)}
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    for name in ("lr", "count"):
+        assert type(restored[name]) is type(saved[name]) and restored[name] == saved[name]
+    np.testing.assert_array_equal(restored["w"], saved["w"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prng_keys_save_and_resume(backend, tmp_path):
     """Typed PRNG keys (`jax.random.key`, as a train state keeps for dropout; an NNX model's
     `nnx.Dropout(rngs=...)` holds one) are saved and restored as keys of their

@@ -506,7 +506,11 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 def _orbax_load(path: pathlib.Path, like: T) -> T:
     ocp = _orbax()
     arrays, static = eqx.partition(like, is_array_like)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+
+    def shape_of(a: Any) -> Any:  # a NumPy scalar (saved as an array) read as a 0-d array
+        return ocp.utils.to_shape_dtype_struct(np.asarray(a) if isinstance(a, np.generic) else a)
+
+    abstract = jax.tree.map(shape_of, arrays)
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             restored = checkpointer.restore(path.absolute() / "state", abstract)

@@ -13,14 +13,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> Any:
+def placed_as(value: Any, like: jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic) -> Any:
     """`value` (NumPy, or an array restored elsewhere) placed as `like` is: with its sharding,
     or, where `like` is uncommitted (a scalar `jnp.zeros` of an optimizer's or a train
     state's, on the default device), uncommitted too, so that `jit` still places it beside
     arrays sharded over several devices (committed to one device, it would refuse them); as
-    NumPy where `like` is NumPy."""
+    NumPy where `like` is NumPy (a scalar where it is one)."""
     if isinstance(like, np.ndarray):
         return np.asarray(value)
+    if isinstance(like, np.generic):
+        return np.asarray(value, like.dtype)[()]
     sharding = like.sharding
     if isinstance(value, jax.Array):  # orbax's, restored with `like`'s sharding already
         if isinstance(like, jax.Array):
