@@ -1019,6 +1019,38 @@ def test_an_orbax_save_replaces_nothing_but_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(restored["w"], np.ones(4))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_save_is_on_disk_before_it_replaces_the_previous_checkpoint(
+    backend, tmp_path, monkeypatch
+):
+    """Written completely or not at all, across a crash or a power loss too: the new file
+    (orbax: its record) is fsynced before the rename that makes it the checkpoint, and the
+    directory holding the checkpoint after it, as POSIX asks of a durable replacement."""
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, {"w": jnp.zeros(4)}, backend=backend)  # to be replaced
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        return fsync(fd)
+
+    def recorded_replace(src, dst, **kwargs):
+        events.append(("replace", os.stat(src).st_ino))
+        return replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    fp8jax.save_checkpoint(path, {"w": jnp.arange(4.0)}, backend=backend)
+    monkeypatch.undo()
+    data = path / "fp8jax_record.json" if backend == "orbax" else path
+    renamed = events.index(("replace", path.stat().st_ino))
+    assert ("fsync", data.stat().st_ino) in events[:renamed]
+    assert ("fsync", tmp_path.stat().st_ino) in events[renamed:]
+    restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(4)}, backend=backend)
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+
+
 def test_an_equinox_checkpoint_file_gets_a_new_files_permissions(tmp_path):
     """The file is written to a temporary file (mode 0600) and renamed: it now gets what
     `open` would give under the umask, or keeps the permissions of the file it replaces."""

@@ -29,7 +29,6 @@ import os
 import pathlib
 import re
 import shutil
-import stat
 import sys
 import tempfile
 from typing import Any, TypeVar
@@ -41,6 +40,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
+from .checkpoint_files import file_mode, sync_directory, sync_file
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_record import (
@@ -66,7 +66,8 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     **Arguments:**
 
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
-      completely or not at all: the data goes to a temporary name first. An orbax save
+      completely or not at all: the data goes to a temporary name first, and is on disk
+      (`fsync`) before it replaces a previous checkpoint, a power loss too. An orbax save
       replaces only a checkpoint it wrote (else `FileExistsError`, nothing written). An
       orbax save stopped between its two renames leaves no `path`, the checkpoint it
       replaced at `<path>.old` and its own, complete, at `<path>.tmp`;
@@ -126,20 +127,13 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
             f.write(len(record).to_bytes(8, "little"))
             f.write(record)
             eqx.tree_serialise_leaves(f, state, filter_spec=_serialise)
-        os.chmod(tmp.name, _file_mode(path))
+            sync_file(f)
+        os.chmod(tmp.name, file_mode(path))
         os.replace(tmp.name, path)
+        sync_directory(path.parent)
     except BaseException:
         os.unlink(tmp.name)  # a failed save leaves no stray temporary file behind
         raise
-
-
-def _file_mode(path: pathlib.Path) -> int:
-    """A checkpoint file's permissions: the replaced file's, else a new file's (umask)."""
-    if path.exists():
-        return stat.S_IMODE(path.stat().st_mode)
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox") -> T:
@@ -482,7 +476,10 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
             shutil.rmtree(tmp)
 
     def finish() -> None:
-        (tmp / _RECORD).write_bytes(record)
+        with open(tmp / _RECORD, "wb") as f:
+            f.write(record)
+            sync_file(f)
+        sync_directory(tmp)
         # Swap directories so that a complete checkpoint is at `path` at every moment but one
         # rename; the previous one is removed only after the new one is in place.
         old = path.with_name(path.name + ".old")
@@ -491,6 +488,7 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
                 shutil.rmtree(old)
             os.replace(path, old)
         os.replace(tmp, path)
+        sync_directory(path.parent)
         if old.exists():
             shutil.rmtree(old)
 

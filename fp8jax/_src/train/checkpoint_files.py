@@ -1,0 +1,42 @@
+"""A checkpoint file on disk: the permissions it gets, and its data and its name made
+durable (`fsync`), so that a crash or a power loss after a save leaves the new checkpoint or
+the one it replaced, never an empty or partly written file under the checkpoint's name."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+from typing import BinaryIO
+
+
+def file_mode(path: pathlib.Path) -> int:
+    """A checkpoint file's permissions: the replaced file's, else a new file's (umask)."""
+    if path.exists():
+        return stat.S_IMODE(path.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def sync_file(f: BinaryIO) -> None:
+    """`f`'s data on disk, before a rename makes it the checkpoint: without it, a file system
+    may commit the rename first (a crash then leaves an empty file at the checkpoint's name,
+    the checkpoint it replaced gone)."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def sync_directory(path: pathlib.Path) -> None:
+    """The entries of the directory `path` on disk: a rename into it done, durably. Where a
+    directory cannot be opened or synced (some platforms, file systems), nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
