@@ -881,6 +881,26 @@ def test_an_orbax_save_replaces_a_stale_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_save_to_a_symbolic_link_replaces_the_link_and_keeps_its_target(backend, tmp_path):
+    """A save to `latest`, a symbolic link to an earlier checkpoint, puts the new checkpoint
+    at `latest` and leaves the earlier one as it was, as `os.replace` does for a file. An
+    orbax save did so, then raised `OSError` (rmtree of the moved link), left `latest.old`,
+    and every later save to `latest` failed the same way."""
+    like = {"w": jnp.zeros(4)}
+    first, second, third = ({"w": jnp.arange(4.0) + i} for i in (0, 10, 20))
+    fp8jax.save_checkpoint(tmp_path / "step1", first, backend=backend)
+    (tmp_path / "latest").symlink_to("step1")
+    for state in (second, third):
+        fp8jax.save_checkpoint(tmp_path / "latest", state, backend=backend)
+        restored = fp8jax.load_checkpoint(tmp_path / "latest", like, backend=backend)
+        np.testing.assert_array_equal(restored["w"], state["w"])
+    assert not (tmp_path / "latest").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1"]
+    kept = fp8jax.load_checkpoint(tmp_path / "step1", like, backend=backend)
+    np.testing.assert_array_equal(kept["w"], first["w"])
+
+
 def stop_before_renaming(monkeypatch, stop):
     """Make `os.replace` stop a save as a killed process would (no clean-up runs) when
     `stop(source)` says so."""

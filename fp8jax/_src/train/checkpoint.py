@@ -40,7 +40,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
-from .checkpoint_files import file_mode, sync_directory, sync_file
+from .checkpoint_files import file_mode, remove, sync_directory, sync_file
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_record import (
@@ -67,8 +67,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
 
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
       completely or not at all: the data goes to a temporary name first, and is on disk
-      (`fsync`) before it replaces a previous checkpoint, a power loss too. An orbax save
-      replaces only a checkpoint it wrote (else `FileExistsError`, nothing written). An
+      (`fsync`) before it replaces a previous checkpoint, a power loss too. A symbolic link
+      at `path` is replaced, its target kept. An orbax save replaces only a checkpoint it
+      wrote (else `FileExistsError`, nothing written). An
       orbax save stopped between its two renames leaves no `path`, the checkpoint it
       replaced at `<path>.old` and its own, complete, at `<path>.tmp`;
       [`fp8jax.load_checkpoint`][] names them (and an Equinox save's `<path>.*.tmp`
@@ -484,13 +485,11 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
         # rename; the previous one is removed only after the new one is in place.
         old = path.with_name(path.name + ".old")
         if path.exists():
-            if old.exists():  # left by a save stopped while removing it: stale
-                shutil.rmtree(old)
-            os.replace(path, old)
+            remove(old)  # left by a save stopped while removing it: stale
+            os.replace(path, old)  # (a symbolic link moved aside, its target kept)
         os.replace(tmp, path)
         sync_directory(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
+        remove(old)
 
     # With several processes, all of them write shards into `tmp` (orbax coordinates them);
     # only process 0 touches the directories around it.

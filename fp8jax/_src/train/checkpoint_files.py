@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import stat
 from typing import BinaryIO
 
@@ -40,3 +41,13 @@ def sync_directory(path: pathlib.Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def remove(path: pathlib.Path) -> None:
+    """Remove what is at `path`, if anything: a directory with its contents; a symbolic link
+    (a checkpoint's path that linked to an earlier one, moved aside by a save) alone, never
+    what it links to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
