@@ -598,6 +598,31 @@ def test_numpy_scalar_leaves_restore_as_saved(backend, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "state",
+    [
+        jnp.arange(3.0),  # a state that is one array
+        {"w": jnp.arange(4.0), "empty": jnp.zeros((0, 2), jnp.bfloat16)},  # a zero-size array
+        {"empty": np.zeros((2, 0), np.int32), "n": None},  # no array with data
+    ],
+    ids=["one-array", "zero-size", "no-data"],
+)
+def test_any_state_of_arrays_round_trips(backend, state, tmp_path):
+    """Both backends save and restore a state that is a single array, holds a zero-size array
+    (it has no data), or holds no array with data, as the documented `any pytree`. Orbax
+    refused each, with its own messages ("StandardSave does not support single arrays",
+    "Cannot save arrays with zero size", "Found empty item")."""
+    path = tmp_path / ("ckpt" if backend == "orbax" else "ckpt.eqx")
+    fp8jax.save_checkpoint(path, state, backend=backend)
+    like = jax.tree.map(lambda a: a * 0 + 7, state)
+    restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert type(got) is type(want) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prng_keys_save_and_resume(backend, tmp_path):
     """Typed PRNG keys (`jax.random.key`, as a train state keeps for dropout; an NNX model's
     `nnx.Dropout(rngs=...)` holds one) are saved and restored as keys of their

@@ -43,6 +43,7 @@ from ..recipes.base import TensorState
 from .checkpoint_files import file_mode, remove, sync_directory, sync_file
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
+from .checkpoint_orbax import restore_arrays, save_arrays
 from .checkpoint_record import (
     check_fp8_record,
     corrupt,
@@ -494,24 +495,16 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     # With several processes, all of them write shards into `tmp` (orbax coordinates them);
     # only process 0 touches the directories around it.
     on_process_zero("clear the temporary directory", clear)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp.absolute() / "state", arrays)
-        checkpointer.wait_until_finished()
+    save_arrays(ocp, tmp.absolute() / "state", arrays)
     on_process_zero("write the checkpoint", finish)
 
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:
     ocp = _orbax()
     arrays, static = eqx.partition(like, is_array_like)
-
-    def shape_of(a: Any) -> Any:  # a NumPy scalar (saved as an array) read as a 0-d array
-        return ocp.utils.to_shape_dtype_struct(np.asarray(a) if isinstance(a, np.generic) else a)
-
-    abstract = jax.tree.map(shape_of, arrays)
-    with ocp.StandardCheckpointer() as checkpointer:
-        try:
-            restored = checkpointer.restore(path.absolute() / "state", abstract)
-        except Exception as e:  # noqa: BLE001 - any failure to read the arrays: half-written
-            raise corrupt(path, f"its arrays could not be read ({type(e).__name__}: {e})") from e
+    try:
+        restored = restore_arrays(ocp, path.absolute() / "state", arrays)
+    except Exception as e:  # noqa: BLE001 - any failure to read the arrays: half-written
+        raise corrupt(path, f"its arrays could not be read ({type(e).__name__}: {e})") from e
     restored = jax.tree.map(placed_as, restored, arrays)  # uncommitted where `like` is
     return eqx.combine(restored, static)
