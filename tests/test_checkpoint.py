@@ -623,6 +623,31 @@ def test_any_state_of_arrays_round_trips(backend, state, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_leaves_orbax_would_store_under_one_name_are_refused(backend, tmp_path):
+    """Orbax names a leaf by its keys joined with '.': `{"a.b": x, "a": {"b": y}}` gives two
+    leaves one name, and it saved both there, restoring one array into both places (the
+    other lost, silently). The Equinox file keeps both; orbax's save now refuses it before
+    writing, naming the leaves, and the checkpoint at `path` is kept."""
+    state = {"a.b": jnp.arange(2.0), "a": {"b": jnp.arange(2.0) + 10}}
+    like = jax.tree.map(jnp.zeros_like, state)
+    path = tmp_path / "ckpt"
+    if backend == "equinox":
+        fp8jax.save_checkpoint(path, state)
+        restored = fp8jax.load_checkpoint(path, like)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+            np.testing.assert_array_equal(got, want)
+        return
+    kept = {"w": jnp.arange(3.0)}
+    fp8jax.save_checkpoint(path, kept, backend="orbax")
+    match = r"\['a'\]\['b'\] and \['a.b'\] under one name, 'a.b'"
+    with pytest.raises(ValueError, match=match):
+        fp8jax.save_checkpoint(path, state, backend="orbax")
+    restored = fp8jax.load_checkpoint(path, {"w": jnp.zeros(3)}, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], kept["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prng_keys_save_and_resume(backend, tmp_path):
     """Typed PRNG keys (`jax.random.key`, as a train state keeps for dropout; an NNX model's
     `nnx.Dropout(rngs=...)` holds one) are saved and restored as keys of their

@@ -79,8 +79,10 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
       they come from the `like` given to [`fp8jax.load_checkpoint`][]; with `"orbax"`,
       neither are Python numbers among the leaves (their types are recorded and checked):
       keep a count that must survive a restart in an array (a step counter as
-      `jnp.int32(0)`). PRNG keys (`jax.random.key`, an NNX model's `nnx.Rngs`) are saved as
-      their data and restored as keys of `like`'s implementation.
+      `jnp.int32(0)`); and it refuses (`ValueError`, before writing) two leaves whose keys
+      joined with `.` are one name, as orbax names them (`{"a.b": x, "a": {"b": y}}`).
+      PRNG keys (`jax.random.key`, an NNX model's `nnx.Rngs`) are saved as their data and
+      restored as keys of `like`'s implementation.
     - `backend`: `"equinox"` (`eqx.tree_serialise_leaves`) or `"orbax"` (orbax-checkpoint).
 
     **Several processes** (`jax.distributed.initialize`): every process must call it, with the

@@ -27,9 +27,26 @@ def _stored(arrays: Any) -> Any:
     return {_ROOT: tree} if is_array_like(tree) else tree
 
 
+def _check_names(ocp: Any, stored: Any) -> None:
+    """Raise `ValueError` if two leaves of `stored` have one orbax name (their keys joined
+    with '.': `{"a.b": x, "a": {"b": y}}`), under which orbax would keep one array for both."""
+    seen: dict[str, str] = {}
+    for where, _ in jax.tree_util.tree_flatten_with_path(stored)[0]:
+        name, leaf = ".".join(ocp.tree.str_keypath(where)), jax.tree_util.keystr(where)
+        if name in seen:
+            raise ValueError(
+                f"save_checkpoint: backend='orbax' would store leaves {seen[name]} and {leaf} "
+                f"under one name, {name!r} (orbax joins a leaf's keys with '.'), one array "
+                "for both; nothing was written. Rename one of those keys, or use "
+                "backend='equinox'."
+            )
+        seen[name] = leaf
+
+
 def save_arrays(ocp: Any, directory: pathlib.Path, arrays: Any) -> None:
     """Save `arrays` with orbax at `directory` (its parent created if nothing is saved)."""
     stored = _stored(arrays)
+    _check_names(ocp, stored)
     if stored is None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         return
