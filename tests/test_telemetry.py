@@ -289,6 +289,29 @@ def test_stacked_layers_report_one_row_per_layer(getkey):
     assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}]" for i in range(3)]
 
 
+def test_a_layer_named_as_another_layers_position_is_reported_too():
+    """Names are keys: a layer without a name takes its position (`b`), and if another layer
+    is named so, both are reported. The second one replaced the first, silently."""
+
+    class Model(eqx.Module):
+        a: fp8jax.Fp8DotGeneral
+        b: fp8jax.Fp8DotGeneral
+        c: fp8jax.Fp8DotGeneral
+
+    model = Model(
+        a=fp8jax.Fp8DotGeneral("delayed", name="b"),
+        b=fp8jax.Fp8DotGeneral("current"),
+        c=fp8jax.Fp8DotGeneral("blockwise", name="b"),
+    )
+    stats = fp8jax.telemetry(model)
+    assert len(stats) == 3 and stats["b"].recipe == "DelayedScaling"
+    for layer in (model.a, model.b, model.c):
+        (got,) = [t for t in stats.values() if t.recipe == type(layer.recipe).__name__]
+        np.testing.assert_array_equal(got.kernel.scale, layer.kernel.scale)
+    rows = fp8jax.report(stats, quiet=True).splitlines()[2:]
+    assert sum("kernel" in r.split() for r in rows) == 3
+
+
 def test_telemetry_errors():
     with pytest.raises(ValueError, match="no Fp8DotGeneral"):
         fp8jax.telemetry({"w": jnp.ones(3)})

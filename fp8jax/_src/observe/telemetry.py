@@ -160,7 +160,8 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
       [`fp8jax.nnx_update_fp8_state`][].)
 
     **Returns:** a dict from the layer's name (its path, as `fp8_linear_layers` set it, or its
-    position in `tree` for a layer without one) to its telemetry: a pytree of arrays, computed
+    position in `tree` for a layer without one or whose name an earlier layer has, numbered
+    `#2`, ... if that is taken too) to its telemetry: a pytree of arrays, computed
     without leaving the device. Raises `ValueError` if `tree` holds no FP8 layer.
 
     ```python
@@ -183,8 +184,9 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     for path, node in found:
         if not is_layer(node):
             continue
+        where = jax.tree_util.keystr(path).lstrip(".")
         if haliax_op is not None and isinstance(node, haliax_op):
-            layers[jax.tree_util.keystr(path).lstrip(".")] = _haliax_layer(node)
+            layers[_unique(where, where, layers)] = _haliax_layer(node)
             continue
         if not isinstance(node, Fp8DotGeneral | Fp8RaggedDot):
             # An NNX layer: flattening meets a shared one under each of its paths; report it
@@ -193,10 +195,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
                 continue
             seen.add(id(node))
             node = node.value()  # arrays, not the Fp8State variables holding them
-        name = node.name or jax.tree_util.keystr(path).lstrip(".")
-        if name in layers:
-            name = jax.tree_util.keystr(path).lstrip(".")
-        layers[name] = _layer(node)
+        layers[_unique(node.name or where, where, layers)] = _layer(node)
     if not layers:
         hint = (
             "pass a model converted with fp8_linear_layers, or its gradients (Haliax's own "
@@ -212,6 +211,18 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
             f"fp8jax.telemetry: no Fp8DotGeneral in the {type(tree).__name__} given; {hint}."
         )
     return layers
+
+
+def _unique(name: str, where: str, layers: dict[str, LayerTelemetry]) -> str:
+    """`name`, or, if another layer in `layers` has it, the layer's position `where`, numbered
+    (`where #2`, ...) if that is taken too: a layer never replaces another."""
+    if name not in layers:
+        return name
+    found, count = where, 1
+    while found in layers:
+        count += 1
+        found = f"{where} #{count}"
+    return found
 
 
 def _holds(tree: Any, kind: type, is_variable: Callable[[Any], bool]) -> bool:
