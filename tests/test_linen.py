@@ -224,6 +224,27 @@ def test_einsum_matches_the_equivalent_linear_bit_for_bit(name):
 # --- an independent reference: Flax Linen's Fp8DirectDotGeneralOp ---------------------------
 
 
+class TwoEinsums(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Einsum((8, 8), "bd,de->be", use_bias=False, name="ok")(x)
+        return nn.Einsum((8, 8), "bd,dd->bd", use_bias=False, name="diag")(x)
+
+
+def test_einsum_with_an_equation_fp8_cannot_run_is_refused_by_the_layers_name():
+    """An nn.Einsum whose equation the FP8 einsum refuses (a kernel axis named twice, which
+    jnp.einsum takes) is refused naming the layer and how to keep it in high precision, as
+    the NNX path names it (it raised the bare equation error, naming no layer)."""
+    x = jnp.ones((3, 8))
+    plain = TwoEinsums()
+    plain.apply(plain.init(jax.random.key(0), x), x)  # jnp.einsum runs it
+    model = fp8jax.fp8_linear_layers(plain, fp8jax.Fp8Config(exclude=None, keep=()))
+    with pytest.raises(ValueError, match=r"nn.Einsum 'diag': .*repeats an axis.*Exclude it"):
+        model.init(jax.random.key(0), x)
+    kept = fp8jax.fp8_linear_layers(plain, fp8jax.Fp8Config(exclude="diag", keep=()))
+    kept.init(jax.random.key(0), x)
+
+
 class OneLayer(nn.Module):
     dot_general_cls: Any = None
 

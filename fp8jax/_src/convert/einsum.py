@@ -110,6 +110,20 @@ def check_einsum(subscripts: str, kernel_ndim: int) -> None:
     _einsum_parts(subscripts, len(x_spec.replace("...", "")), kernel_ndim)
 
 
+def check_layer_einsum(layer: str, subscripts: Any, x_ndim: int, k_ndim: int) -> None:
+    """Raise the FP8 einsum's `ValueError` for an equation it cannot run, naming `layer` and
+    how to keep it in high precision (a call with subscripts not a str is left to refuse)."""
+    if not isinstance(subscripts, str):
+        return
+    try:
+        _einsum_parts(subscripts, x_ndim, k_ndim)
+    except ValueError as e:
+        raise ValueError(
+            f"fp8_linear_layers: {layer}: {e} Exclude it (Fp8Config targets or exclude) to "
+            "keep it in high precision."
+        ) from None
+
+
 def einsum_kernel_shape(subscripts: str | None, kernel_shape: tuple[int, ...]) -> Any:
     """The canonical `(N, K)` matrix of an einsum's kernel (free axes, contracted axes), or
     `None` when the equation is given only at call time or the kernel has batch axes."""

@@ -23,7 +23,7 @@ from jaxtyping import Array
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import Fp8Config
-from ..einsum import einsum_kernel_shape, fp8_einsum
+from ..einsum import check_layer_einsum, einsum_kernel_shape, fp8_einsum
 from ..plan import ConversionPlan, announce
 from .generic import KERNEL, has_kernel, kernel_call
 from .trace import linen_plan
@@ -284,6 +284,7 @@ def _interceptor(
         if kind == "einsum":
 
             def einsum(subscripts: str, lhs: ArrayLike, rhs: ArrayLike, **kw: Any) -> Array:
+                check_layer_einsum(f"nn.Einsum {name!r}", subscripts, jnp.ndim(lhs), jnp.ndim(rhs))
                 kernel = einsum_kernel_shape(subscripts, tuple(jnp.shape(rhs)))
                 dot = _state(module, path, config, kernel)
                 return fp8_einsum(
