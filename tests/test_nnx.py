@@ -1247,6 +1247,21 @@ def test_einsum_axis_sizes_that_differ_are_refused_naming_the_equation(
 
 
 @pytest.mark.parametrize(
+    "subscripts, x_shape, k_shape",
+    [(",df->df", (), (4, 5)), ("...,df->...df", (), (4, 5)), ("bd,->bd", (2, 4), ())],
+)
+def test_einsum_with_an_operand_of_no_axes_computes_jnp_einsum(subscripts, x_shape, k_shape):
+    """An operand with no axes (a scalar: '' or a '...' of none), which jnp.einsum takes, was
+    refused with the contradiction "gives the input 0 axes (''), but it has 0"; it now gives
+    jnp.einsum's result (float64 numpy's, on values FP8 represents exactly)."""
+    rng = np.random.default_rng(5)
+    x, k = representable(rng, x_shape), representable(rng, k_shape)
+    einsum = fp8jax.Fp8NnxEinsum(fp8jax.CurrentScaling())
+    expected = np.einsum(subscripts, x.astype(np.float64), k.astype(np.float64))
+    np.testing.assert_array_equal(einsum(subscripts, jnp.asarray(x), jnp.asarray(k)), expected)
+
+
+@pytest.mark.parametrize(
     "subscripts, kernel, message",
     [
         ("bd,dd->bd", (16, 16), r"repeats an axis of the kernel"),

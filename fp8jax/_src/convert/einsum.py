@@ -61,7 +61,7 @@ def _einsum_parts(subscripts: str, x_ndim: int, k_ndim: int) -> tuple[str, str, 
         fill = "".join(unused[:n])
         x, out = x.replace("...", fill), out.replace("...", fill)
     for name, letters, ndim in (("input", x, x_ndim), ("kernel", k, k_ndim)):
-        if len(letters) != ndim or not letters.isalpha():
+        if len(letters) != ndim:  # each a letter (checked above; '...' expanded)
             raise ValueError(
                 f"FP8 einsum: subscripts={subscripts!r} gives the {name} {len(letters)} axes "
                 f"({letters!r}), but it has {ndim}."
