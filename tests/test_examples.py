@@ -81,6 +81,19 @@ def test_train_gpt_main_job_runs_and_writes_plots(tmp_path, capsys, monkeypatch)
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_gpt_runs_a_repeated_recipe_once():
+    """`--recipes delayed,current,delayed` names each run once, in the order first given (a
+    repeat trained the same run again: twice the time and a duplicate row in the table)."""
+    import argparse
+
+    from fp8jax.examples import train_gpt
+
+    parser = argparse.ArgumentParser()
+    given = ["delayed", "current", "delayed", "fp32", "current"]
+    unique = [r for i, r in enumerate(given) if r not in given[:i]]
+    assert train_gpt.parse_recipes(parser, ",".join(given)) == unique
+
+
 def test_train_gpt_gap_figure_plots_the_loss_relative_to_bf16():
     import matplotlib.pyplot as plt
 

@@ -301,8 +301,9 @@ def add_arguments(
 def parse_recipes(
     parser: argparse.ArgumentParser, spec: str, choices: tuple[str, ...] = VARIANTS
 ) -> list[str]:
-    """The recipe names of a comma-separated `--recipes`, each checked against `choices`."""
-    recipes = [r for r in spec.split(",") if r]
+    """The recipe names of a comma-separated `--recipes`, each checked against `choices`; a
+    repeated name runs once, where first given."""
+    recipes = list(dict.fromkeys(r for r in spec.split(",") if r))
     for recipe in recipes:
         if recipe not in choices:
             parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(choices)}")
