@@ -231,6 +231,23 @@ def test_example_cli_refuses_an_unknown_flag(name, capsys):
     assert code == 2 and "unrecognized arguments: --no-such-flag" in err
 
 
+@pytest.mark.parametrize(("name", "flag"), [("train_gpt", "--recipes"), ("digits", "--recipe")])
+def test_example_cli_help_lists_the_recipes_its_flag_takes(name, flag, capsys, monkeypatch):
+    """`--help` names every recipe the flag accepts (it showed a bare `--recipes RECIPES`:
+    the names were learnt only from the error a wrong one gave)."""
+    import re
+
+    from fp8jax._src.recipes import RECIPES
+    from fp8jax.examples import train_gpt
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag: no name broken at its hyphen
+    _, out, _ = _cli_exit(name, ["--help"], capsys)
+    entry = next(line for line in out.splitlines() if line.lstrip().startswith(f"{flag} "))
+    # What parse_recipes checks --recipes against; what Fp8Config(recipe=...) takes.
+    accepted = train_gpt.VARIANTS if name == "train_gpt" else tuple(RECIPES)
+    assert set(accepted) <= set(re.findall(r"[\w-]+", " ".join(entry.split()[2:]))), entry
+
+
 def test_moe_cli_help_documents_both_runs(capsys):
     """The MoE example's `--help` describes the synthetic run and lists the `--kjv` run's
     flags (it used to ignore `--help` and start the synthetic run)."""

@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--recipe", default="delayed")
+    parser.add_argument(
+        "--recipe",
+        default="delayed",
+        help="the FP8 run's recipe: delayed, current, blockwise, mxfp8 or residual "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "width"):

@@ -286,7 +286,12 @@ def add_arguments(
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--recipes", default=",".join(recipes))
+    parser.add_argument(
+        "--recipes",
+        default=",".join(recipes),
+        help=f"comma-separated runs beside BF16's (always run), among {', '.join(VARIANTS)} "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--out", default=out)
     parser.add_argument(
         "--block-dot",
