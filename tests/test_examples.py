@@ -319,6 +319,41 @@ def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys)
     assert code == 2 and message in err
 
 
+_WITHOUT_DEMO = """
+import sys
+for name in ("tqdm", "tqdm.auto", "matplotlib", "matplotlib.pyplot"):
+    sys.modules[name] = None  # not installed: `pip install fp8jax` without the demo extra
+from fp8jax.examples import train_gpt
+train_gpt.kjv_bytes = lambda: sys.exit("started training")
+try:
+    train_gpt.main(["--help"])
+except SystemExit as e:
+    print("help exit", e.code)
+try:
+    train_gpt.main(["--steps", "1", "--out", sys.argv[1]])
+except ModuleNotFoundError as e:
+    print("refused:", e)
+"""
+
+
+def test_train_gpt_without_the_demo_extra_answers_help_and_names_the_extra(tmp_path):
+    """Without tqdm and matplotlib (the `demo` extra), `--help` works and a run is refused
+    before it trains, naming the extra, as the corpus's and digits' missing packages are
+    (the module's import raised a bare "No module named 'tqdm'"; matplotlib's import came
+    only after every run had trained)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_DEMO, str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "help exit 0" in result.stdout
+    assert "refused:" in result.stdout and "pip install 'fp8jax[demo]'" in result.stdout
+    for name in ("tqdm", "matplotlib"):
+        assert name in result.stdout.split("refused:")[1]
+
+
 def test_train_gpt_refuses_an_out_it_cannot_write_before_training(tmp_path, capsys):
     """`--out` naming a file (or a path under one) is an error before any run trains: the
     directory was made only after every run, which then ended in a traceback."""

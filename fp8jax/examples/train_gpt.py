@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 import time
 from collections.abc import Sequence
@@ -26,7 +27,6 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 import fp8jax
 from fp8jax.examples.data import VOCAB, kjv_bytes, sample, split
@@ -111,6 +111,8 @@ def train(
     # first window (the compile) left out, delayed scaling's second program (once it drops
     # its warm start) in one window only, and no evaluation timed.
     seconds, started, steps = [], time.perf_counter(), 0
+    from tqdm.auto import tqdm  # noqa: PLC0415 (the demo extra's: --help works without it)
+
     bar = tqdm(range(args.steps), desc=f"{run.name:>9}", leave=True)
     for step in bar:
         state, metrics = train_step(state, sample(train_data, rng, args.batch, args.context))
@@ -349,6 +351,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
     recipes = parse_recipes(parser, args.recipes)
     if args.fp32 and "fp32" not in recipes:
         recipes.insert(0, "fp32")
+    missing = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:  # before training: the plots, matplotlib's, come after every run
+        raise ModuleNotFoundError(
+            f"The train_gpt example needs {' and '.join(missing)}: pip install 'fp8jax[demo]'."
+        )
     out = pathlib.Path(args.out)
     try:  # before training: a path it cannot write would lose every run's results
         out.mkdir(parents=True, exist_ok=True)
