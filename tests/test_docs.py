@@ -58,6 +58,29 @@ def test_api_reference_lists_every_public_name():
     assert not in_observe - set(fp8jax.observe.__all__)
 
 
+def test_every_dotted_fp8jax_name_in_the_docs_exists():
+    """Each `fp8jax.<name>` the README and the pages mention, as code or prose (not only the
+    `[...][]` cross-references mkdocs checks), is an attribute or a module fp8jax has: the
+    architecture page listed a public `fp8jax.nnx` module that never existed."""
+    import importlib
+
+    missing = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]:
+        for dotted in re.findall(r"\bfp8jax(?:\.[A-Za-z_]\w*)+", page.read_text()):
+            obj, path = fp8jax, "fp8jax"
+            for part in dotted.split(".")[1:]:
+                path += f".{part}"
+                if hasattr(obj, part):
+                    obj = getattr(obj, part)
+                    continue
+                try:
+                    obj = importlib.import_module(path)
+                except ImportError:
+                    missing.add(f"{page.relative_to(ROOT)}: {dotted}")
+                    break
+    assert not missing, sorted(missing)
+
+
 def test_flat_names_and_the_observe_namespace_are_the_same_objects():
     assert "inspect" not in fp8jax.__all__  # `from fp8jax import *` keeps the stdlib module
     for name in fp8jax.observe.__all__:
