@@ -34,7 +34,7 @@ import sys
 
 from fp8jax.examples import train_gpt
 from fp8jax.examples.data import kjv_bytes, split
-from fp8jax.examples.gpt import GPTConfig
+from fp8jax.examples.gpt import GPTConfig, check_arguments, check_seeds
 
 BARS = {"residual": 0.001, "residual-e5m2": 0.001}
 DEFAULT_BAR = 0.005
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict[int, list[train_gpt.Run]]:
         parser.error(f"--seeds {args.seeds!r}: should be comma-separated integers, e.g. 0,1")
     if not seeds:
         parser.error("--seeds: give at least one seed")
+    check_arguments(parser, args)  # as the main job checks them: before anything trains
+    check_seeds(parser, "--seeds", seeds)
     recipes = train_gpt.parse_recipes(parser, args.recipes)
     config = train_gpt.model_config(args)
     data = split(kjv_bytes())

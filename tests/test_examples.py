@@ -200,6 +200,34 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     assert cells[3:6] == [f"{100 * rel:+.3f} %", "+0.000 %", f"{50 * rel:+.3f} %"]
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps 0: should be >= 1"),
+        (["--width", "0"], "--width 0: should be >= 1"),
+        (["--heads", "3"], "--heads 3: should divide --width 256"),
+        (["--lr", "nan"], "--lr nan: should be > 0 and finite"),
+        (["--seeds", "0,-1"], "--seeds -1: should be >= 0"),
+    ],
+)
+def test_convergence_benchmark_refuses_what_no_run_could_take(argv, message, capsys):
+    """The benchmark's flags (the main job's, `add_arguments`) are checked as the main job
+    checks them, before anything trains: `--steps 0` ended in an IndexError, `--heads 3` in
+    JAX's reshape error, a negative seed in NumPy's, and `--width 0` or `--lr nan` trained
+    1,000 steps of nothing."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence", path)
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    convergence.kjv_bytes = lambda: pytest.fail("it started training")
+    with pytest.raises(SystemExit) as exit_:
+        convergence.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 #: Every example with a command line, by module name (issue 37: each answers `--help` and
 #: refuses a flag it does not use).
 EXAMPLES = ("train_mlp", "train_gpt", "digits", "moe", "deepseek")
