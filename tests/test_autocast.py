@@ -210,6 +210,17 @@ def test_a_result_with_values_other_than_arrays_is_returned_whole():
     assert not np.array_equal(out["y"], fun(mlp, x)["y"])  # FP8, not float32
 
 
+def _assert_results_as_under_jit(fun, *args):
+    """Every result of `fp8_autocast(fun)` but the first (the GEMM's) is the `jax.Array` that
+    `jax.jit(fun)` returns: its type, dtype, weak type and values."""
+    got = fp8jax.fp8_autocast(fun)(*args)
+    want = jax.jit(fun)(*args)
+    for g, v in zip(got[1:], want[1:], strict=True):
+        assert isinstance(g, jax.Array), type(g)
+        assert jax.typeof(g) == jax.typeof(v)
+        np.testing.assert_array_equal(g, v)
+
+
 def test_constant_results_are_arrays_as_under_jit():
     """A result leaf the function computes from no argument (a number, `jnp.zeros(())`: a
     literal of the jaxpr) came back as a JAX-internal value (`TypedFloat`, `TypedNdArray`,
@@ -220,12 +231,7 @@ def test_constant_results_are_arrays_as_under_jit():
     def fun(x, w):
         return x @ w, 1.5, 3, True, jnp.float32(2.0), jnp.zeros(()), 2 + 1j
 
-    got = fp8jax.fp8_autocast(fun)(x, w)
-    want = jax.jit(fun)(x, w)
-    for g, v in zip(got[1:], want[1:], strict=True):
-        assert isinstance(g, jax.Array), type(g)
-        assert jax.typeof(g) == jax.typeof(v)
-        np.testing.assert_array_equal(g, v)
+    _assert_results_as_under_jit(fun, x, w)
 
 
 def test_constant_array_results_and_numpy_arguments_returned_are_arrays_as_under_jit():
@@ -237,12 +243,7 @@ def test_constant_array_results_and_numpy_arguments_returned_are_arrays_as_under
     def fun(x, mask):
         return x @ (x * mask), np.arange(4.0).reshape(2, 2), mask
 
-    got = fp8jax.fp8_autocast(fun)(x, mask)
-    want = jax.jit(fun)(x, mask)
-    for g, v in zip(got[1:], want[1:], strict=True):
-        assert isinstance(g, jax.Array), type(g)
-        assert jax.typeof(g) == jax.typeof(v)
-        np.testing.assert_array_equal(g, v)
+    _assert_results_as_under_jit(fun, x, mask)
 
 
 def control_flow(w, x, loop, dot=jnp.matmul):
