@@ -94,6 +94,29 @@ def test_train_gpt_runs_a_repeated_recipe_once():
     assert train_gpt.parse_recipes(parser, ",".join(given)) == unique
 
 
+def test_train_gpt_accepts_bf16_in_recipes_and_runs_it_once_first(tmp_path, capsys, monkeypatch):
+    """`--recipes bf16,...` names the baseline that always runs: it runs once, first (it was
+    'unknown recipe bf16'), and `--help` says so. Training is stubbed: only the parsing runs."""
+    from fp8jax.examples import train_gpt
+
+    trained = []
+    monkeypatch.setattr(train_gpt, "kjv_bytes", lambda: b"")
+    monkeypatch.setattr(train_gpt, "split", lambda data: (b"", b""))
+    monkeypatch.setattr(train_gpt, "train", lambda name, *a: trained.append(name) or name)
+    monkeypatch.setattr(train_gpt, "table", lambda runs, tail: "")
+    monkeypatch.setattr(train_gpt, "plot", lambda runs, out: [])
+    given = ["delayed", "bf16", "current", "bf16"]
+    train_gpt.main(["--recipes", ",".join(given), "--no-fp32", "--out", str(tmp_path)])
+    assert trained == ["bf16", *dict.fromkeys(r for r in given if r != "bf16")]
+    trained.clear()
+    train_gpt.main(["--recipes", "bf16", "--no-fp32", "--out", str(tmp_path)])
+    assert trained == ["bf16"]
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag
+    _, out, _ = _cli_exit("train_gpt", ["--help"], capsys)
+    entry = next(line for line in out.splitlines() if line.lstrip().startswith("--recipes "))
+    assert "bf16, the baseline, runs once and first whether named or not" in entry
+
+
 def test_train_gpt_gap_figure_plots_the_loss_relative_to_bf16():
     import matplotlib.pyplot as plt
 
@@ -332,6 +355,7 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("moe", ["--kjv", "--lr", "0"], "--lr 0.0: should be > 0 and finite"),
         ("deepseek", ["--kjv", "--lr", "nan"], "--lr nan: should be > 0 and finite"),
         ("digits", ["--recipe", "bogus"], "--recipe bogus: Unknown recipe 'bogus'"),
+        ("train_gpt", ["--recipes", "bogus"], "unknown recipe 'bogus': choose from bf16, fp32,"),
         ("moe", ["--kjv", "--expert-parallel", "-1"], "--expert-parallel -1: should be >= 0"),
         ("moe", ["--kjv", "--expert-parallel", "2", "--devices", "0"], "--devices 0: should"),
         # Checked on the model's shapes before the BF16 run trains (it failed after it).

@@ -291,8 +291,8 @@ def add_arguments(
     parser.add_argument(
         "--recipes",
         default=",".join(recipes),
-        help=f"comma-separated runs beside BF16's (always run), among {', '.join(VARIANTS)} "
-        "(default: %(default)s)",
+        help=f"comma-separated runs beside BF16's, among {', '.join(VARIANTS)}; bf16, the "
+        "baseline, runs once and first whether named or not (default: %(default)s)",
     )
     parser.add_argument("--out", default=out)
     parser.add_argument(
@@ -309,12 +309,13 @@ def parse_recipes(
     parser: argparse.ArgumentParser, spec: str, choices: tuple[str, ...] = VARIANTS
 ) -> list[str]:
     """The recipe names of a comma-separated `--recipes`, each checked against `choices`; a
-    repeated name runs once, where first given."""
+    repeated name runs once, where first given. `bf16` is accepted and left out: the baseline
+    runs first whether named or not (naming it was an 'unknown recipe' error)."""
     recipes = list(dict.fromkeys(r for r in spec.split(",") if r))
     for recipe in recipes:
-        if recipe not in choices:
-            parser.error(f"unknown recipe {recipe!r}: choose from {', '.join(choices)}")
-    return recipes
+        if recipe not in ("bf16", *choices):
+            parser.error(f"unknown recipe {recipe!r}: choose from bf16, {', '.join(choices)}")
+    return [recipe for recipe in recipes if recipe != "bf16"]
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
