@@ -112,12 +112,15 @@ def main(argv: list[str] | None = None) -> dict[int, list[train_gpt.Run]]:
         block_dot="dequantized",
         out="convergence_results",
     )
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1")
+    parser.add_argument(
+        "--seeds", default="0", help="comma-separated seeds, e.g. 0,1; a repeated seed runs once"
+    )
     args = parser.parse_args(argv)
     args.eval_every = max(1, args.steps // 10)
     args.log_every = 10
     try:
-        seeds = [int(k) for k in args.seeds.split(",") if k]
+        # A repeated seed runs once, where first given, as a repeated --recipes name does.
+        seeds = list(dict.fromkeys(int(k) for k in args.seeds.split(",") if k))
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: should be comma-separated integers, e.g. 0,1")
     if not seeds:

@@ -223,6 +223,33 @@ def test_convergence_benchmark_records_reuses_and_judges(tmp_path, capsys, monke
     assert cells[3:6] == [f"{100 * rel:+.3f} %", "+0.000 %", f"{50 * rel:+.3f} %"]
 
 
+def test_convergence_benchmark_runs_a_repeated_seed_once(tmp_path, monkeypatch):
+    """`--seeds 0,1,0` runs each seed once, in the order first given, as `--recipes` runs a
+    repeated name once (seed 0 went through every variant a second time). Training is stubbed."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "convergence.py"
+    spec = importlib.util.spec_from_file_location("convergence", path)
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    ran = []
+    run = convergence.train_gpt.Run("bf16", [1], [1.0], [1], [1.0])
+    monkeypatch.setattr(convergence, "kjv_bytes", lambda: b"")
+    monkeypatch.setattr(convergence, "split", lambda data: (b"", b""))
+    monkeypatch.setattr(
+        convergence, "_run", lambda name, c, d, a: ran.append((a.seed, name)) or run
+    )
+    monkeypatch.setattr(convergence.train_gpt, "plot", lambda runs, out, bars: [])
+    given = [0, 1, 0, 1]
+    by_seed = convergence.main(
+        ["--seeds", ",".join(map(str, given)), "--recipes", "delayed", "--out", str(tmp_path)]
+    )
+    unique = [k for i, k in enumerate(given) if k not in given[:i]]
+    assert ran == [(k, name) for k in unique for name in ("bf16", "delayed")]
+    assert list(by_seed) == unique
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
