@@ -163,6 +163,35 @@ def test_float16_gradients_underflow_without_loss_scaling(fp8, getkey):
     assert int(state.loss_scale.skipped_steps) == 0
 
 
+@pytest.mark.parametrize("scale", [2.0**15, 2.0**16, 2.0**24])
+def test_a_float16_output_takes_a_loss_scale_past_its_max(scale, getkey):
+    """With `output=float16` the loss was cast to float16 and then scaled in it: the scaled
+    loss's gradient with respect to that float16 loss is the scale, inf past float16's max
+    (65504), and every gradient was inf. The loss as loss_fn returned it (float32) is scaled
+    now, and the step matches SGD on the float64 gradient computed by hand."""
+    model = eqx.nn.Linear(8, 2, key=getkey())
+    x = jax.random.normal(getkey(), (16, 8))
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    lr = 1e-2
+    train_step = fp8jax.make_train_step(
+        loss_fn,
+        optax.sgd(lr),
+        policy="params=float32,compute=float32,output=float16",
+        loss_scale=fp8jax.StaticLossScale(scale),
+    )
+    state, metrics = train_step(train_step.init(model), x)
+    assert bool(metrics.grads_finite) and metrics.loss.dtype == jnp.float16
+    w, b, x64 = (np.asarray(a, np.float64) for a in (model.weight, model.bias, x))
+    out = x64 @ w.T + b
+    d_out = 2 * out / out.size  # d mean(out**2) / d out
+    assert float(metrics.loss) == np.float16(np.mean(out**2))
+    np.testing.assert_allclose(state.model.weight, w - lr * d_out.T @ x64, rtol=1e-6)
+    np.testing.assert_allclose(state.model.bias, b - lr * d_out.sum(0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("where", ["gradient", "activation"])
 @pytest.mark.parametrize("value", [np.inf, np.nan], ids=["inf", "nan"])
 def test_nonfinite_steps_are_skipped_with_nothing_changed(where, value, getkey):

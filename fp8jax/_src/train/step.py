@@ -219,8 +219,16 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
                 f"make_train_step: loss_fn returned shape {jnp.shape(loss)}; it must return a "
                 "scalar loss (or (loss, aux) with has_aux=True)."
             )
-        loss = policy.cast_to_output(jnp.asarray(loss))
-        return scale.scale(loss), (loss, aux)
+        scaled = jnp.asarray(loss)
+        loss = policy.cast_to_output(scaled)
+        if jnp.issubdtype(loss.dtype, jnp.floating) and jnp.finfo(loss.dtype).maxexp < 128:
+            # A float16 output: the scaled loss's gradient with respect to a float16 loss is
+            # the scale, inf past 65504 (every gradient was). The loss as loss_fn returned it
+            # is scaled instead, in at least float32; only the reported loss is float16.
+            scaled = scaled.astype(jnp.promote_types(scaled.dtype, jnp.float32))
+        else:  # float32 and bfloat16 (float32's exponent range): scaled as reported
+            scaled = loss
+        return scale.scale(scaled), (loss, aux)
 
     if self.microbatches > 1:
         grad_fn = accumulate_gradients(
@@ -291,7 +299,9 @@ def make_train_step(
       arguments gets the loss as `value` (`optax.contrib.reduce_on_plateau` reads it).
     - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32).
     - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
-      [`fp8jax.DynamicLossScale`][] with float16 compute.
+      [`fp8jax.DynamicLossScale`][] with float16 compute. With a float16 `output_dtype` the
+      loss is scaled as `loss_fn` returned it, in at least float32 (a float16 loss's gradient,
+      the scale, is inf past 65504), and reported in float16.
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
     - `microbatches`: accumulate gradients over this many slices of the batch
       ([`fp8jax.accumulate_gradients`][]); `aux` is then stacked over them (a Haliax
