@@ -519,3 +519,133 @@ def test_haliax_linear_with_dict_axis_specs_converts(getkey, out_first):
     np.testing.assert_allclose(got, y + bias, rtol=1e-6, atol=1e-6)
     got_dw = np.asarray(grads.weight.rearrange((*outs, *ins)).array).reshape(12, 8)
     np.testing.assert_allclose(got_dw, dw, rtol=1e-6, atol=1e-6)
+
+
+def _haliax_own_fp8_block(getkey, steps):
+    """An HBlock quantized to FP8 by `haliax.quantization` itself (history length 4), after
+    `steps` of Haliax's own updates (output gradients of growing size; weights kept)."""
+    from haliax import quantization
+
+    config = quantization.QuantizationConfig(fp8=True, amax_history_length=4)
+    block = quantization.quantize_linear_layers(HBlock.init(key=getkey()), config)
+    x = hax.random.normal(getkey(), (Batch, Embed))
+
+    @eqx.filter_jit
+    def step(m, size):
+        def loss(m):
+            return size * hax.sum(m(x) ** 2).scalar()
+
+        overwrites, grads = quantization.partition_for_grad_overwrite(eqx.filter_grad(loss)(m))
+        return quantization.apply_updates(m, jax.tree.map(jnp.zeros_like, grads), overwrites)
+
+    for size in [1.0, 3.0, 0.5][:steps]:
+        block = step(block, size)
+    return block, step
+
+
+def _haliax_scale(history, fp8_max):
+    """Haliax's next scale (`haliax._src.fp8.compute_scale`, margin 0), re-derived in
+    NumPy float32: it divides by `1 / (fp8_max / max(history))`; `None` where it keeps the
+    old one (a max that is 0 or not finite)."""
+    most = np.max(np.asarray(history, np.float32), axis=-1)
+    if not (most > 0 and np.isfinite(most)):
+        return None
+    return np.float32(1) / (np.float32(fp8_max) / most)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 3.0])
+def test_haliax_own_fp8_layers_gradient_states_follow_the_loss_scale(getkey, ratio):
+    """`rescale_gradient_states` of layers Haliax quantized itself: the output-gradient amax
+    history times `ratio` (float32 products) and the scale Haliax's next step computes from
+    it (its formula in NumPy; Haliax's own next step agrees, bit for bit); inputs' and
+    kernels' state as they were. It left them alone: after a growth, the next step's largest
+    gradients saturated E5M2."""
+    model, step = _haliax_own_fp8_block(getkey, steps=3)
+    new = fp8jax.rescale_gradient_states(model, ratio)
+    for name in ("up", "down"):
+        old, op = getattr(model, name).dot_general, getattr(new, name).dot_general
+        history = np.asarray(old.output_grad_amax_history)
+        assert (history > 0).sum() == 3  # three recorded, one slot still empty
+        want = np.float32(history.astype(np.float64) * ratio)
+        np.testing.assert_array_equal(np.asarray(op.output_grad_amax_history), want)
+        scale = _haliax_scale(want, 57344.0)
+        assert np.asarray(op.output_grad_scale).tobytes() == np.float32([scale]).tobytes()
+        assert float(scale) == pytest.approx(float(want.max()) / 57344.0, rel=2**-22)
+        for field in ("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history"):
+            assert np.array_equal(getattr(op, field), getattr(old, field)), (name, field)
+        # Haliax's next step stores the scale it used, computed from the rescaled history.
+        after = getattr(step(new, 1e-3), name).dot_general
+        assert np.array_equal(after.output_grad_scale, op.output_grad_scale), name
+    # A ratio of 1, and states nothing was recorded in, are left bit for bit.
+    bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]  # noqa: E731
+    assert bits(fp8jax.rescale_gradient_states(model, 1.0)) == bits(model)
+    fresh, _ = _haliax_own_fp8_block(getkey, steps=0)
+    assert bits(fp8jax.rescale_gradient_states(fresh, 4.0)) == bits(fresh)
+
+
+def test_make_train_step_rescales_haliax_own_fp8_layers(getkey):
+    """`make_train_step` with a `DynamicLossScale` that doubles every step, on a Linear Haliax
+    quantized itself: after each step every recorded output-gradient amax is the known output
+    gradient's (`c`) times the new loss scale (float32 from `c`), and the scale Haliax's next
+    step takes is computed from it (not from amaxes one, two or three loss scales old)."""
+    from haliax import quantization
+
+    config = quantization.QuantizationConfig(fp8=True, amax_history_length=4)
+    model = quantization.quantize_linear_layers(hnn.Linear.init(Embed, Mlp, key=getkey()), config)
+    x = hax.random.normal(getkey(), (Batch, Embed))
+    c = hax.random.normal(getkey(), (Batch, Mlp))
+
+    def loss(m, x):
+        return hax.sum(m(x) * c).scalar()  # the output gradient: c (times the loss scale)
+
+    scale = fp8jax.DynamicLossScale(2.0**4, period=1)
+    step = fp8jax.make_train_step(loss, optax.sgd(0.0), loss_scale=scale, compiler_options={})
+    state = step.init(model)
+    amax = np.max(np.abs(np.asarray(c.array, np.float32)))
+    for i in range(1, 4):
+        state, metrics = step(state, x)
+        assert bool(metrics.grads_finite)
+        loss_scale = np.float32(2.0 ** (4 + i))
+        assert float(state.loss_scale.loss_scale) == loss_scale
+        op = state.model.dot_general
+        history = np.asarray(op.output_grad_amax_history)
+        np.testing.assert_array_equal(history[history > 0], [amax * loss_scale] * i)
+        want = _haliax_scale(history, 57344.0)
+        assert np.asarray(op.output_grad_scale).tobytes() == np.float32([want]).tobytes()
+
+
+def test_haliax_own_stacked_fp8_layers_rescale_layer_by_layer(getkey):
+    """A Stacked block quantized by `haliax.quantization` holds one state per layer
+    (`output_grad_amax_history (layers, 4)`, `output_grad_scale (layers, 1)`): each layer's
+    scale comes from its own history's max (Haliax's formula in NumPy, and Haliax's next
+    step agrees), not from the whole stack's."""
+    from haliax import quantization
+
+    config = quantization.QuantizationConfig(fp8=True, amax_history_length=4)
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    model = quantization.quantize_linear_layers(stack, config)
+    x = hax.random.normal(getkey(), (Batch, Embed))
+
+    @eqx.filter_jit
+    def step(m, size):
+        def loss(m):
+            return size * hax.sum(m.fold(x) ** 2).scalar()
+
+        overwrites, grads = quantization.partition_for_grad_overwrite(eqx.filter_grad(loss)(m))
+        return quantization.apply_updates(m, jax.tree.map(jnp.zeros_like, grads), overwrites)
+
+    for size in (1.0, 2.0):
+        model = step(model, size)
+    new = fp8jax.rescale_gradient_states(model, 3.0)
+    after = step(new, 1e-3)
+    for name in ("up", "down"):
+        old, op = getattr(model.stacked, name).dot_general, getattr(new.stacked, name).dot_general
+        history = np.asarray(op.output_grad_amax_history)
+        assert history.shape == (Layers.size, 4)
+        want = np.float32(np.asarray(old.output_grad_amax_history, np.float64) * 3.0)
+        np.testing.assert_array_equal(history, want)
+        scales = np.float32([[_haliax_scale(h, 57344.0)] for h in want])
+        assert len(set(scales.ravel().tolist())) == Layers.size  # one per layer
+        assert np.asarray(op.output_grad_scale).tobytes() == scales.tobytes()
+        next_scale = getattr(after.stacked, name).dot_general.output_grad_scale
+        assert np.array_equal(next_scale, op.output_grad_scale), name

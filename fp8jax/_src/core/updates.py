@@ -60,6 +60,13 @@ def _foreign_markers() -> tuple[type, ...]:
     return (marker,) if isinstance(marker, type) else ()
 
 
+def haliax_fp8_op() -> tuple[type, ...]:
+    """Haliax's own FP8 op (`haliax.quantization.Fp8DotGeneralOp`) if haliax is imported, as
+    an `isinstance` tuple (empty otherwise): looked up, never imported."""
+    op = getattr(sys.modules.get("haliax.quantization"), "Fp8DotGeneralOp", None)
+    return (op,) if isinstance(op, type) else ()
+
+
 def is_overwrite(x: Any) -> bool:
     """Whether `x` is FP8 state that the gradient overwrites (a pytree `is_leaf` test):
     fp8jax's, or Haliax's own (`haliax.quantization.OverwriteWithGradient`)."""

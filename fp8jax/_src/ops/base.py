@@ -16,7 +16,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array
 
 from ..core.stats import Fp8Stats
-from ..core.updates import OverwriteWithGradient
+from ..core.updates import OverwriteWithGradient, haliax_fp8_op
 from ..gemm.vjp import States
 from ..recipes import ROLES, DelayedScaling, Recipe, ResidualState, TensorState
 from ..recipes.base import inverse_scale
@@ -171,7 +171,9 @@ def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
     the scale its next step uses; a recipe that records each step's own amax and scale
     (`Recipe.recorded_scale`), the amax and that scale, which its next step does not read
     (telemetry, in the new loss scale's units). Other recipes' ops as they are.
-    `fp8jax.rescale_gradient_states` of one op, on arrays."""
+    `fp8jax.rescale_gradient_states` of one op, on arrays (Haliax's own FP8 op too)."""
+    if isinstance(op, haliax_fp8_op()):
+        return _rescaled_haliax_state(op, ratio, keep)
     state = op.output_grad
     if not isinstance(state, TensorState | ResidualState):
         return op
@@ -192,6 +194,25 @@ def rescaled_gradient_state(op: Any, ratio: Array, keep: Array) -> Any:
     else:
         new = TensorState(scale, history)
     return eqx.tree_at(lambda o: o.output_grad, op, new)
+
+
+def _rescaled_haliax_state(op: Any, ratio: Array, keep: Array) -> Any:
+    """Haliax's FP8 op with its output-gradient amax history times `ratio`, and its scale
+    (which Haliax divides by) as its next step computes it from that history: `1 / (e5m2
+    max / history max)`, kept where that max is 0 (nothing recorded) or not finite, as
+    Haliax keeps it then (its next step computes that scale from the history itself: the
+    stored one is its fallback, and what it stores after that step)."""
+    old, scale = op.output_grad_amax_history, op.output_grad_scale
+    history = jnp.where(keep, old, old * ratio)
+    most = jnp.max(history, axis=-1, keepdims=True)  # stacked layers: one per layer
+    fp8_max = jnp.finfo(jnp.float8_e5m2).max.astype(jnp.float32)
+    kept = keep | ~(most > 0.0) | ~jnp.isfinite(most)
+    # As Haliax writes it, a `where` between the divisions: XLA would make `1 / (m / a)`
+    # `a / m` (an ulp apart) where nothing stands between them.
+    inverse = jnp.where(kept, 1.0 / scale, fp8_max / jnp.where(kept, 1.0, most))
+    new = jnp.where(kept, scale, 1.0 / inverse)
+    where = lambda o: (o.output_grad_amax_history, o.output_grad_scale)  # noqa: E731
+    return eqx.tree_at(where, op, (history, new.astype(scale.dtype)))
 
 
 def with_rejected_counts(tree: Any, *others: Any) -> Any:

@@ -37,7 +37,7 @@ import numpy as np
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
-from ..core.updates import is_fp8_state
+from ..core.updates import haliax_fp8_op, is_fp8_state
 from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state, with_rejected_counts
 from ..recipes import ResidualState, TensorState
 
@@ -360,10 +360,11 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     **Arguments:**
 
     - `tree`: an Equinox model, a Flax Linen model's variables, or any pytree holding
-      [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too). A
-      Flax NNX model is refused (`TypeError`: its layers hold `nnx.Variable`s; use
-      [`fp8jax.nnx_rescale_gradient_states`][]), and its `nnx.state` holds the layers'
-      arrays, not the layers: nothing is found there.
+      [`fp8jax.Fp8DotGeneral`][] and [`fp8jax.Fp8RaggedDot`][] layers (stacked ones too), or
+      Haliax's own (`haliax.quantization.Fp8DotGeneralOp`: its history times `ratio`, its
+      scale Haliax's next from it, `history max / e5m2 max`). A Flax NNX model is refused
+      (`TypeError`; use [`fp8jax.nnx_rescale_gradient_states`][]): its layers hold
+      `nnx.Variable`s, and its `nnx.state` holds arrays, not layers (nothing is found).
     - `ratio`: a positive, finite float32 scalar; 1 changes nothing (bit for bit). Any
       other value raises `ValueError`, or, traced (inside `jit`), changes nothing.
 
@@ -374,23 +375,21 @@ def rescale_gradient_states(tree: T, ratio: Float[ArrayLike, ""]) -> T:
     ```
     """
     ratio, keep = checked_ratio(ratio, "rescale_gradient_states")
+    kinds = (AbstractFp8Op, *haliax_fp8_op())
 
     def rescale(op: Any) -> Any:
-        if not isinstance(op, AbstractFp8Op) or not isinstance(
-            op.output_grad, TensorState | ResidualState
-        ):
-            return op
-        if not eqx.is_array(op.output_grad.amax_history):
+        state = op.output_grad if isinstance(op, AbstractFp8Op) else None
+        if isinstance(state, TensorState | ResidualState) and not eqx.is_array(state.amax_history):
             # An NNX model's layers hold their arrays in `nnx.Variable`s.
             raise TypeError(
                 f"rescale_gradient_states: layer {op.name!r} holds its state in "
-                f"{type(op.output_grad.amax_history).__name__}s, not arrays (a Flax NNX "
+                f"{type(state.amax_history).__name__}s, not arrays (a Flax NNX "
                 "model?); it takes Equinox models and Flax Linen variables. For an NNX "
                 "model, fp8jax.nnx_rescale_gradient_states(model, ratio) rescales in place."
             )
-        return rescaled_gradient_state(op, ratio, keep)
+        return rescaled_gradient_state(op, ratio, keep) if isinstance(op, kinds) else op
 
-    return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, AbstractFp8Op))
+    return jax.tree.map(rescale, tree, is_leaf=lambda x: isinstance(x, kinds))
 
 
 def all_finite(tree: Any) -> Bool[Array, ""]:
