@@ -308,6 +308,61 @@ def test_unused_layer_and_zero_gradient_keep_state():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("amax_compute", ["max", "most_recent"])
+def test_a_step_without_tokens_rolls_zero_amaxes_into_the_histories(amax_compute):
+    """All group sizes 0 (docs/moe.md): the experts keep their kernel state, but the
+    activation's and output gradient's histories take an amax of 0 (their rows are all past
+    the groups), against a hand-rolled update. Under `"max"` a 0 sets no scale but evicts a
+    real amax: the second empty step drops the first step's (8x the second's) and the
+    scales rise; a history all zeros keeps its last scale, by which the next step with
+    tokens is cast (not by its own amax, the warm start)."""
+    recipe = fp8jax.DelayedScaling(history_len=3, amax_compute=amax_compute)
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=G)
+    fmt = {"input": "e4m3", "output_grad": "e5m2"}
+    hist = {role: np.zeros(3, np.float32) for role in fmt}
+    scale = dict.fromkeys(fmt, np.float32(0))  # 0: no amax yet (the warm start)
+    empty = np.zeros(G, np.int32)
+    schedule = [(SIZES, 8.0), (SIZES, 1.0), (empty, 1.0), (empty, 1.0), (empty, 1.0), (SIZES, 1.0)]
+    seen = []
+    for step, (sizes, size) in enumerate(schedule):
+        x, w, g = data(step, SIZES, x_scale=size, g_scale=size)  # M rows, held or not
+        held = int(sizes.sum())
+        kernel_before = [np.asarray(a) for a in jax.tree.leaves(dot.kernel)]
+        cast_by = {}
+        for role, t in (("input", x), ("output_grad", g)):
+            amax = np.float32(np.max(np.abs(t[:held]), initial=0.0))
+            warm = ref.current_scale(amax, fmt[role], power_of_two=True)
+            cast_by[role] = scale[role] if scale[role] > 0 else warm
+            hist[role] = np.roll(hist[role], -1)
+            hist[role][0] = amax
+            newest = hist[role].max() if amax_compute == "max" else hist[role][0]
+            scale[role] = ref.current_scale(newest, fmt[role], scale[role], power_of_two=True)
+        y, _, _, new = run(dot, x, w, g, sizes)
+        if held == 0:
+            np.testing.assert_array_equal(y, 0.0)
+            assert not np.asarray(new.kernel.scale).any()  # no expert received anything
+        else:  # expert 0's rows, cast by the scale the hand-rolled state gives
+            kernel_scale = float(dot.kernel.scale[0]) or ref.current_scale(
+                np.abs(w[0]).max(), "e4m3", power_of_two=True
+            )
+            xq = ref.qdq_tensor(x[: sizes[0]], cast_by["input"], "e4m3")
+            wq = ref.qdq_tensor(w[0], kernel_scale, "e4m3")
+            assert_gemm(y[: sizes[0]], xq @ wq, np.abs(xq) @ np.abs(wq), K)
+        dot = fp8jax.apply_updates(dot, None, new)
+        for role in fmt:
+            state = getattr(dot, role)
+            np.testing.assert_array_equal(state.amax_history, hist[role], err_msg=f"{step} {role}")
+            assert float(state.scale) == scale[role], (step, role)
+        if held == 0:  # every expert kept its kernel state
+            for a, b in zip(jax.tree.leaves(dot.kernel), kernel_before, strict=True):
+                np.testing.assert_array_equal(a, b)
+        seen.append(float(dot.input.scale))
+    if amax_compute == "max":
+        assert seen[3] > seen[2] == seen[1]  # the empty steps raised the scale
+    else:
+        assert seen[1] == seen[2] == seen[3] == seen[4]  # a newest amax of 0 keeps it
+
+
 def test_vmap_over_examples_shares_state_and_sums_weight_gradients():
     rng = np.random.default_rng(8)
     sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)

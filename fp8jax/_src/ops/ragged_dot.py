@@ -187,7 +187,9 @@ class Fp8RaggedDot(AbstractFp8Op):
     and combines across uses by max, as for dense layers (split it with
     [`fp8jax.partition_for_grad_overwrite`][], write it back with
     [`fp8jax.apply_updates`][]). **An expert that got no tokens keeps its state**: its
-    weight took part in no GEMM that step.
+    weight took part in no GEMM that step. A step with no tokens at all still rolls an amax
+    of 0 into the activation's and output gradient's histories (the mixture-of-experts
+    guide says what that does to delayed scaling's scales).
 
     **Group sizes.** They must be >= 0 and sum to at most the number of tokens: rows past
     their sum get zeros, as from `lax.ragged_dot`, and their values set no scale (per-tensor
