@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ..convert.plan import ConversionPlan
+from ..core.updates import haliax_fp8_op
 from ..ops.base import received_state
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
@@ -111,12 +112,6 @@ def _rejected(count: Array, state: Any) -> Array:
     return count + received_state(state)[1].astype(count.dtype)
 
 
-def _haliax_fp8() -> type | None:
-    """Haliax's own FP8 op (`haliax.quantization.Fp8DotGeneralOp`), if haliax is imported."""
-    module = sys.modules.get("haliax.quantization")
-    return getattr(module, "Fp8DotGeneralOp", None)
-
-
 def _haliax_layer(op: Any) -> LayerTelemetry:
     """A layer Haliax quantized to FP8 itself (kept so by `fp8_linear_layers`), in fp8jax's
     terms: Haliax divides by its scale, and the next step's is `fp8_max / history max`."""
@@ -172,8 +167,8 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     """
     nnx_module = _nnx()
     nnx_layer = None if nnx_module is None else nnx_module.AbstractFp8NnxDot
-    haliax_op = _haliax_fp8()
-    kinds = tuple(k for k in (Fp8DotGeneral, Fp8RaggedDot, nnx_layer, haliax_op) if k)
+    haliax_ops = haliax_fp8_op()
+    kinds = tuple(k for k in (Fp8DotGeneral, Fp8RaggedDot, nnx_layer, *haliax_ops) if k)
 
     def is_layer(x: Any) -> bool:
         return isinstance(x, kinds)
@@ -185,7 +180,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
         if not is_layer(node):
             continue
         where = jax.tree_util.keystr(path).lstrip(".")
-        if haliax_op is not None and isinstance(node, haliax_op):
+        if isinstance(node, haliax_ops):
             layers[_unique(where, where, layers)] = _haliax_layer(node)
             continue
         if not isinstance(node, Fp8DotGeneral | Fp8RaggedDot):
