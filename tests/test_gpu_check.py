@@ -408,6 +408,36 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
             main.parse(["--out", str(tmp_path), "--sections", bad])
 
 
+def test_a_command_line_it_cannot_run_is_refused_before_anything_is_written(
+    check_modules, tmp_path
+):
+    """`--budget-s 0` ran with the mode's default budget (the supervisor read 0 as not
+    given), an `--out` naming a file raised FileExistsError from the supervisor, and every
+    refused command line left an out folder whose log blamed a death outside a measurement."""
+    main, _ = check_modules
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("")
+    with pytest.raises(SystemExit):
+        main.parse(["--out", str(a_file)])
+    for budget in ("0", "-5", "nan"):
+        with pytest.raises(SystemExit):
+            main.parse(["--out", str(tmp_path), "--budget-s", budget])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"]
+    out = tmp_path / "out"
+    for args, said in (
+        (["--out", str(a_file)], f"--out={str(a_file)!r} is a file"),
+        (["--out", str(out), "--budget-s", "0"], "--budget-s=0.0: should be a positive"),
+        (["--out", str(out), "--sections", "numerik"], "unknown ['numerik']; should name"),
+        (["--out", str(out), "--quick"], "not allowed with argument --dry-run"),
+    ):
+        done = subprocess.run(
+            [*command, *args], capture_output=True, text=True, env=env, cwd=ROOT, check=False
+        )
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
+        assert "supervisor" not in done.stderr and not out.exists(), done.stderr[-2000:]
+
+
 def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
     """The check as a lent GPU runs it (`gpu_check.py`, supervised): a measurement whose
     process dies, and one that hangs past `--hang-s`, are recorded as crashed and the check

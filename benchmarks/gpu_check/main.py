@@ -123,10 +123,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
             "(profile traces the steps llama compiled)"
         )
-    if args.hang_s is not None and args.hang_s <= 0:
+    if args.hang_s is not None and not args.hang_s > 0:
         parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
-    if args.budget_s is not None and args.budget_s <= 0:
+    if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out={str(args.out)!r} is a file; give a folder (made if missing)")
     return args
 
 

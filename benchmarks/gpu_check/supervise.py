@@ -61,18 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     known, _ = parser.parse_known_args(argv)
     if known.out is None or any(a in ("-h", "--help") for a in argv):
         return subprocess.call([sys.executable, str(SCRIPT), "--child", *argv])  # its errors
+    refused = _refused(known)
+    if refused:  # before the out folder is made or the budget replaced by what is left of it
+        print(f"python3 benchmarks/gpu_check: error: {refused}", file=sys.stderr, flush=True)
+        return 2
     mode = "dry" if known.dry_run else "quick" if known.quick else "full"
-    budget = known.budget_s or MODES[mode][0]
+    budget = MODES[mode][0] if known.budget_s is None else known.budget_s
     hang = known.hang_s or (None if known.dry_run else HANG_S)
     rest = _without_budget(argv)
     return supervise(rest, known.out, budget, hang)
+
+
+def _refused(known: argparse.Namespace) -> str | None:
+    """Why the supervisor's own options cannot run (`None` when they can): the child, which
+    checks the rest, gets what is left of `--budget-s`, not the value given."""
+    if known.out.exists() and not known.out.is_dir():
+        return f"--out={str(known.out)!r} is a file; give a folder (made if missing)"
+    if known.budget_s is not None and not known.budget_s > 0:
+        return f"--budget-s={known.budget_s}: should be a positive number of seconds"
+    return None
 
 
 def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None) -> int:
     """Run `gpu_check.py --child *argv` until it ends by itself; after a crash or hang,
     record it in `out` and start it again resumed, `budget_s` shared by all."""
     start = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
     resume: list[str] = []
     for _ in range(RESTARTS + 1):
         left = budget_s - (time.monotonic() - start)
@@ -81,6 +94,8 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
         if started is None and not hung and code != BROKEN:  # the check ended by itself
             if code in (0, 1):
                 return code
+            if code == 2 and not resume:  # argparse's status: it refused its command line
+                return 2
             _say(out, f"supervisor: the check died outside a measurement (exit status {code})")
             return 2
         if started is not None:
@@ -155,11 +170,13 @@ def _without_budget(argv: list[str]) -> list[str]:
 
 
 def _append(out: Path, entry: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
 def _say(out: Path, text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "log.txt", "a") as f:
         f.write(text + "\n")
