@@ -1,6 +1,7 @@
 """fp8jax.inspect: deviceless H100 compiles of the tiny GPT under every recipe."""
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -260,6 +261,33 @@ def test_a_program_without_an_fp8_gemm_proves_nothing(h100):
     with pytest.raises(fp8jax.Fp8InspectionError, match=r"no GEMM at all: .*of size 0"):
         fp8jax.assert_all_fp8(step, model, empty, True)
     assert fp8jax.assert_all_fp8(step, model, batch, True).count("cublas") == (5, 5)
+
+
+def test_a_keyword_fn_does_not_take_is_refused_naming_it(h100):
+    """Keywords `inspect` does not know go to `fn`: `target=` or a misspelt `mode=` raised
+    TypeError from inside the trace ("<lambda>() got an unexpected keyword argument"), as if
+    `inspect` took them; they are now refused naming the value and both sets of keywords. A
+    keyword `fn` takes (`w=`, a jit's static `n=`) is passed on, and a wrapper is not read."""
+    x = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+    for name in ("target", "mode"):
+        with pytest.raises(TypeError, match=rf"{name}='h100' is neither .*modes.*\(\['a'\]\)"):
+            fp8jax.inspect(lambda a: a @ a.T, x, modes=("cublas",), **{name: "h100"})
+    matmul = lambda a, *, w: a @ w  # noqa: E731
+    assert fp8jax.inspect(matmul, x, w=x.update(shape=(64, 16)), modes=("cublas",)).count(
+        "cublas"
+    ) == (0, 1)
+    rows = jax.jit(lambda a, n: a[:n] @ a.T, static_argnames="n")
+    (gemm,) = fp8jax.inspect(rows, x, n=8, modes=("cublas",)).gemms["cublas"]
+    assert gemm.flops == 2 * 8 * 64 * 32  # the static keyword reached the program
+
+    def scaled(f):
+        @functools.wraps(f)
+        def wrapper(*args, scale=1.0):  # a keyword the wrapper takes, not the function
+            return f(*args) * scale
+
+        return wrapper
+
+    assert fp8jax.inspect(scaled(lambda a: a @ a.T), x, scale=2.0).count("cublas") == (0, 1)
 
 
 def test_a_step_jitted_with_compiler_options_is_inspected(h100):

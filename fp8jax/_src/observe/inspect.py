@@ -32,6 +32,7 @@ reported.
 from __future__ import annotations
 
 import dataclasses
+import inspect as pyinspect
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -72,7 +73,9 @@ def inspect(
       before as `first_steps`; a step without delayed scaling's warm start runs one program,
       reported alone. A program whose trace no mode changes (only delayed scaling's kept
       inverses depend on it) is traced and lowered once for all modes. Called inside a
-      function of yours, it is part of that function's program (its first).
+      function of yours, it is part of that function's program (its first). Keywords other
+      than the three below are `fn`'s; one that `fn`'s own signature does not take (a
+      `target=`: it always compiles for an H100) raises a `TypeError` naming it.
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of
@@ -113,6 +116,7 @@ def inspect(
             f"fp8jax.inspect: compiler_options={compiler_options!r} should be a dict of XLA "
             "options or None."
         )
+    _check_keywords(fn, kwargs)
     topology = h100_topology()
     if topology is None:
         lowered, _ = lower(fn, args, kwargs, None)
@@ -149,6 +153,26 @@ def inspect(
     if "recorded" not in reports:  # a step that never switches: one program
         return reports["first"]
     return dataclasses.replace(reports["recorded"], first_steps=reports["first"])
+
+
+def _check_keywords(fn: Callable, kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword that is neither `inspect`'s nor one `fn` takes (`target=`, `mode=`):
+    `inspect` passes every keyword it does not know to `fn`, whose trace would raise."""
+    try:
+        parameters = pyinspect.signature(fn, follow_wrapped=False).parameters.values()
+    except (TypeError, ValueError):  # no signature of its own (a wrapper): `fn` says
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    takes = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for name, value in kwargs.items():
+        if name not in takes:
+            raise TypeError(
+                f"fp8jax.inspect: {name}={value!r} is neither a keyword of inspect (modes, "
+                f"merge_dots, compiler_options; it always compiles for an H100) nor one that "
+                f"fn={getattr(fn, '__name__', fn)!r} takes ({sorted(takes) or 'none'}), to which "
+                "inspect passes the others."
+            )
 
 
 def _step_programs(fn: Callable, args: tuple) -> Callable[[dict[str, Any]], dict] | None:
