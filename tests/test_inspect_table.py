@@ -1,5 +1,8 @@
 """The inspection's table: a GEMM nothing proved either way is not marked high precision."""
 
+import dataclasses
+import pickle
+
 import pytest
 
 import fp8jax
@@ -99,6 +102,23 @@ def test_a_mode_the_inspection_lacks_is_named():
     ):
         with pytest.raises(ValueError, match=r"mode='default'.*\['cublas'\]"):
             call()
+
+
+def test_indexing_a_mode_the_inspection_lacks_names_its_modes():
+    """`report.gemms["default"]` of an inspection compiled in "cublas" alone raised a bare
+    KeyError('default'); every figure by mode now names the modes it has."""
+    report = Inspection({"cublas": [_gemm("cublasLt f8")]}, {"cublas": None}, "t")
+    assert report.gemms["cublas"] == [_gemm("cublasLt f8")] and "default" not in report.gemms
+    for field in ("gemms", "memory", "traffic", "cost", "collectives"):
+        with pytest.raises(KeyError, match=rf"Inspection.{field}\['default'\].*has \["):
+            getattr(report, field)["default"]
+    assert report.gemms.get("default") is None  # `get` and `in` as for any dict
+    copied = pickle.loads(pickle.dumps(report))
+    assert dataclasses.asdict(copied)["gemms"] == {
+        "cublas": [dataclasses.asdict(_gemm("cublasLt f8"))]
+    }
+    with pytest.raises(KeyError, match=r"Inspection.gemms\['default'\]"):
+        copied.gemms["default"]
 
 
 def test_a_layer_converted_alone_is_named_in_the_table():

@@ -179,6 +179,8 @@ class Inspection:
 
     Its table marks each GEMM `FP8` (runs on FP8 tensor cores), `high` (proven not to) or
     `???` (not proven either way: its kernel's PTX was not read, or a StableHLO inspection).
+    A mode it lacks (`gemms["default"]` of an inspection compiled in `"cublas"` alone) raises
+    a `KeyError` naming the modes it has.
     """
 
     gemms: dict[str, list[Gemm]]
@@ -188,6 +190,11 @@ class Inspection:
     collectives: dict[str, list[Collective]] = dataclasses.field(default_factory=dict)
     cost: dict[str, Any] = dataclasses.field(default_factory=dict)
     first_steps: Inspection | None = None
+
+    def __post_init__(self) -> None:
+        # `report.gemms["triton"]` names the modes there are, not just the key.
+        for field in ("gemms", "memory", "traffic", "collectives", "cost"):
+            setattr(self, field, _ByMode(getattr(self, field), field))
 
     @property
     def deviceless(self) -> bool:
@@ -248,6 +255,26 @@ class Inspection:
             first = str(self.first_steps).split("\n", 1)[1]
             lines.append(f"\nIts first steps' program (delayed scaling's warm start):{first}")
         return "\n".join(lines)
+
+
+@final
+class _ByMode(dict):
+    """An `Inspection`'s figures by compile mode: a mode it lacks raises a `KeyError` naming
+    the modes it has."""
+
+    def __init__(self, items: Any = (), field: str = "gemms"):  # as `dict(...)` too
+        super().__init__(items)
+        self.field = field
+
+    def __missing__(self, mode: Any) -> Any:
+        raise KeyError(
+            f"Inspection.{self.field}[{mode!r}]: not a mode of this inspection, which has "
+            f"{sorted(self)} (fp8jax.inspect(..., modes=...) chooses them among 'cublas' and "
+            "'default'; 'stablehlo' without the h100 extra)."
+        )
+
+    def __reduce__(self) -> Any:
+        return (_ByMode, (dict(self), self.field))
 
 
 def _mark(gemm: Gemm) -> str:
