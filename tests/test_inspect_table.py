@@ -121,6 +121,14 @@ def test_indexing_a_mode_the_inspection_lacks_names_its_modes():
         copied.gemms["default"]
 
 
+def test_a_program_without_a_gemm_says_so_in_its_table():
+    """A program with no GEMM printed "0 of 0 GEMMs" and nothing else; its table now says
+    that no product was compiled as a GEMM, and why that happens."""
+    gemms = {"cublas": [], "default": [_gemm("cublasLt f8", mode="default")]}
+    cublas, default = str(Inspection(gemms, {}, "t")).split("[default]")
+    assert "0 of 0 GEMMs" in cublas and "no GEMM: " in cublas and "no GEMM" not in default
+
+
 def test_a_layer_converted_alone_is_named_in_the_table():
     """A Linear converted as the whole model has the empty path: its rows read "/fwd"."""
     alone = Gemm("cublas", "cublas-gemm.1", "cublasLt f8", "f8e4m3fn", "f8e4m3fn", "fp8jax[]/fwd")

@@ -178,9 +178,9 @@ class Inspection:
     and `first_steps` of the one before, with delayed scaling's warm start; else `None`).
 
     Its table marks each GEMM `FP8` (runs on FP8 tensor cores), `high` (proven not to) or
-    `???` (not proven either way: its kernel's PTX was not read, or a StableHLO inspection).
-    A mode it lacks (`gemms["default"]` of an inspection compiled in `"cublas"` alone) raises
-    a `KeyError` naming the modes it has.
+    `???` (not proven either way: its kernel's PTX was not read, or a StableHLO inspection),
+    and says why a mode may have no GEMM. A mode it lacks (`gemms["default"]` of an
+    inspection compiled in `"cublas"` alone) raises a `KeyError` naming the modes it has.
     """
 
     gemms: dict[str, list[Gemm]]
@@ -248,6 +248,12 @@ class Inspection:
             )
             for g in gemms:
                 lines.append(f"  {_mark(g)}  {g}")
+            if not gemms:
+                lines.append(
+                    "  no GEMM: XLA computed every product as something else (a matrix-vector "
+                    "product, as of a model called on one example, becomes a reduction) or "
+                    "left it out (a product with a dimension of size 0), or there is none"
+                )
             if mode in self.memory:
                 temp = getattr(self.memory[mode], "temp_size_in_bytes", None)
                 lines.append(f"  temp memory: {temp} bytes")
