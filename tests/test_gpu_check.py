@@ -617,12 +617,18 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
 
     out = ["--out", str(tmp_path)]
     assert lease.parse(out).parts == list(lease.PARTS)
+    a_file = tmp_path / "lease.txt"
+    a_file.write_text("")
     for bad, named in (
+        (["--out", str(a_file)], f"--out={str(a_file)!r} is a file"),
         (["--parts", "block,gemms"], "'gemms'"),
         (["--parts", "moe,moe"], "'moe'"),
         (["--parts", ","], "should name each of"),
         (["--deadline-s", "30"], "should be over"),
         (["--label", "run/7"], "letters, digits"),
+        (["--deadline-s", "nan"], "should be over"),
+        (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
+        (["--work", str(a_file)], f"--work={str(a_file)!r} is a file"),
     ):
         with pytest.raises(SystemExit):
             lease.parse([*out, *bad])

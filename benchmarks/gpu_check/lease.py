@@ -95,7 +95,8 @@ PACK_EVERY_S = 30.0
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The lease's command line (after `--lease`), checked: exits naming a part that does not
-    exist or comes twice, a deadline too short to run a part, a label that is not a name."""
+    exist or comes twice, a deadline too short to run a part, a label that is not a name, a
+    hang limit that is not positive, a file for a folder."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check.py --lease",
         description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
@@ -130,8 +131,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
             f"--parts={','.join(args.parts)!r}: unknown or repeated {unknown or args.parts}; "
             f"should name each of {','.join(PARTS)} at most once"
         )
-    if args.deadline_s <= PACK_S + MIN_S:
+    if not args.deadline_s > PACK_S + MIN_S:
         parser.error(f"--deadline-s={args.deadline_s}: should be over {PACK_S + MIN_S:.0f} s")
+    if args.hang_s is not None and not args.hang_s > 0:  # 0 was dropped: the default hang
+        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
+    for flag, folder in (("--out", args.out), ("--work", args.work)):
+        if folder.exists() and not folder.is_dir():
+            parser.error(f"{flag}={str(folder)!r} is a file; give a folder (made if missing)")
     if not args.label.replace("_", "").replace("-", "").isalnum():
         parser.error(f"--label={args.label!r}: letters, digits, '_' and '-' only")
     return args
