@@ -406,6 +406,14 @@ def test_sections_option_picks_and_checks_sections(check_modules, tmp_path):
     for bad in ("steps,gemm", ",", "steps,steps", "profile,llama"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--sections", bad])
+    # Variants of a section not run were accepted and ignored; they are refused.
+    for sections, variants in (
+        ("moe", ["--llama-variants", "bf16"]),
+        ("llama", ["--moe-variants", "bf16"]),
+    ):
+        with pytest.raises(SystemExit):
+            main.parse(["--out", str(tmp_path), "--sections", sections, *variants])
+    assert main.parse(["--out", str(tmp_path), "--sections", "profile", "--llama-variants", "bf16"])
 
 
 def test_a_command_line_it_cannot_run_is_refused_before_anything_is_written(

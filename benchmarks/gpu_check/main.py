@@ -123,6 +123,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
             "(profile traces the steps llama compiled)"
         )
+    for flag, given, needs in (
+        ("--llama-variants", args.llama_variants, ("llama", "profile")),
+        ("--moe-variants", args.moe_variants, ("moe",)),
+    ):
+        if given is not None and not set(needs) & set(args.sections):
+            parser.error(
+                f"{flag}={','.join(given)!r} is for the {' and '.join(needs)} section(s), which "
+                f"--sections={','.join(args.sections)!r} leaves out: add one, or drop {flag}"
+            )
     if args.hang_s is not None and not args.hang_s > 0:
         parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
     if args.budget_s is not None and not args.budget_s > 0:
