@@ -129,6 +129,28 @@ def test_parse_errors(spec, match):
         Policy.from_string(spec)
 
 
+@pytest.mark.parametrize("spec", ["bf16", "f16", " f32 ", "float32", "bfloat16"])
+def test_a_bare_dtype_is_refused_with_the_policies_it_may_mean(spec):
+    """jmp reads a bare dtype ("bf16") as all three dtypes; fp8jax refused it as a piece that
+    is not a key=dtype pair, leaving the user to guess. The error now names both readings, and
+    the first one spelled out is jmp's policy."""
+    jmp = pytest.importorskip("jmp")
+    with pytest.raises(ValueError, match="is a dtype") as info:
+        Policy.from_string(spec)
+    name = spec.strip()
+    message = str(info.value)
+    assert repr(spec) in message
+    assert f"'params={name}'" in message and f"'compute={name}'" in message
+    theirs = jmp.get_policy(name)
+    ours = Policy.from_string(f"params={name}")
+    assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == tuple(
+        np.dtype(d) for d in (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    )
+    mixed = Policy.from_string(f"compute={name}")
+    assert (mixed.param_dtype, mixed.output_dtype) == (F32, F32)
+    assert mixed.compute_dtype == ours.compute_dtype
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="Policy param_dtype=int8, not a floating-point dtype"):
         Policy(param_dtype=jnp.int8)

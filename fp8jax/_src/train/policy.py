@@ -98,6 +98,21 @@ def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
     return jax.tree.map(cast, tree, is_leaf=_is_node)
 
 
+def _refuse_bare_dtype(spec: str) -> None:
+    """Raise for a spec that is one dtype (jmp's `"bf16"`: all three dtypes), naming the two
+    policies it may mean; anything else is left to the pair parser's message."""
+    try:
+        dtype = float_dtype(spec, "spec")
+    except ValueError:
+        return
+    name = spec.strip()
+    raise ValueError(
+        f"Policy.from_string: {spec!r} is a dtype ({dtype.name}), not key=dtype pairs. For "
+        f"all three dtypes in it (jmp's reading), {f'params={name}'!r}; for float32 "
+        f"parameters and outputs around a compute in it, {f'compute={name}'!r}."
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
     """The dtypes of a mixed-precision model: stored parameters, computation and outputs.
@@ -145,7 +160,9 @@ class Policy:
           `output` is the param dtype. `str(policy)` gives back a spec of this form.
 
         **Raises:** `ValueError` for an empty spec, a piece that is not `key=dtype`, an unknown
-        or repeated key, or a dtype that is not floating point, naming the offending piece.
+        or repeated key, or a dtype that is not floating point, naming the offending piece; a
+        bare dtype (jmp's `"bf16"`, all three dtypes) is refused too, with both policies it
+        may mean spelled out: `"params=bf16"` (all three), `"compute=bf16"` (float32 masters).
 
         ```python
         >>> fp8jax.Policy.from_string("p=f32,c=bf16")
@@ -158,6 +175,8 @@ class Policy:
             )
         if not spec.strip():
             raise ValueError(f"Policy.from_string: empty spec; expected e.g. {_EXAMPLE}.")
+        if "=" not in spec:
+            _refuse_bare_dtype(spec)
         found: dict[str, tuple[str, np.dtype]] = {}
         for piece in spec.split(","):
             key, sep, value = piece.partition("=")
