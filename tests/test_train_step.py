@@ -341,6 +341,22 @@ def test_aux_over_microbatches_is_stacked_numbers_too(getkey):
         step(step.init(model), x, y)
 
 
+def test_a_jmp_policy_is_refused_naming_its_type_and_its_dtypes():
+    """jmp's Policy prints as "Policy(...)": the error said "policy=Policy(...): should be a
+    Policy". It now says whose Policy it is and gives the fp8jax spec of its dtypes."""
+    jmp = pytest.importorskip("jmp")
+    theirs = jmp.get_policy("p=f32,c=bf16,o=f16")
+    with pytest.raises(TypeError, match=r"is a jmp\..*Policy, not an fp8jax\.Policy") as info:
+        fp8jax.make_train_step(mse, optax.sgd(0.1), policy=theirs)
+    spec = str(info.value).rsplit("dtypes are ", 1)[1].strip(".'")
+    with pytest.raises(TypeError, match=r"Policy'> is a type, .* pass an instance\.$"):
+        fp8jax.make_train_step(mse, optax.sgd(0.1), policy=fp8jax.Policy)  # the class
+    ours = fp8jax.Policy.from_string(spec)
+    assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == tuple(
+        np.dtype(d) for d in (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    )
+
+
 def test_train_step_errors(getkey):
     model = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
     x, y = data(getkey())

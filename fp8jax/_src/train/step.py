@@ -264,6 +264,27 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
     return new_state, StepMetrics(loss, aux, finite, scale.loss_scale)
 
 
+_POLICY_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
+
+
+def _not_a_policy(policy: Any) -> str:
+    """Why `policy` is refused, naming its type (another library's `Policy`, jmp's, printed
+    as "Policy(...)") and, for one with the three dtypes, the fp8jax policy that has them."""
+    kind = type(policy)
+    where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    message = (
+        f"make_train_step: policy={policy!r} is a {where}{kind.__qualname__}, "
+        "not an fp8jax.Policy; pass an fp8jax.Policy, a string for Policy.from_string or None"
+    )
+    if isinstance(policy, type):  # a class (fp8jax.Policy itself), whose fields are defaults
+        return message + "; pass an instance."
+    try:
+        ours = Policy(**{name: getattr(policy, name) for name in _POLICY_FIELDS})
+    except (AttributeError, TypeError, ValueError):
+        return message + "."
+    return message + f": this one's dtypes are {str(ours)!r}."
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -297,7 +318,8 @@ def make_train_step(
     - `loss_fn`: `loss_fn(model, *batch) -> loss` (a scalar), or `(loss, aux)` with `has_aux`.
     - `optimizer`: any optax transformation (FP8 state never reaches it); one that takes extra
       arguments gets the loss as `value` (`optax.contrib.reduce_on_plateau` reads it).
-    - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32).
+    - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32);
+      another library's policy (jmp's) raises `TypeError`, giving the spec of its dtypes.
     - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
       [`fp8jax.DynamicLossScale`][] with float16 compute. With a float16 `output_dtype` the
       loss is scaled as `loss_fn` returned it, in at least float32 (a float16 loss's gradient,
@@ -341,7 +363,7 @@ def make_train_step(
     elif policy is None:
         policy = Policy()
     elif not isinstance(policy, Policy):
-        raise TypeError(f"make_train_step: policy={policy!r}: should be a Policy, a str or None.")
+        raise TypeError(_not_a_policy(policy))
     loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
