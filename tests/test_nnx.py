@@ -1748,6 +1748,28 @@ def test_each_train_step_refuses_the_other_frameworks_model_by_name():
         fp8jax.nnx_train_step(loss)(eqx_model, optimizer, x, y)
 
 
+def test_make_train_step_refuses_an_nnx_models_split_state():
+    """An NNX model's state (`nnx.split`), with a loss that merges it, was taken by
+    `make_train_step`: its Fp8State values, new states arriving as gradients, went to the
+    optimizer as weights (Adam drove an input scale negative within three steps). Refused
+    now; a state without FP8 layers (a BF16 baseline) trains as before."""
+    x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))
+    for fp8 in (True, False):
+        model = NnxNet((16, 32, 4), nnx.Rngs(0))
+        model = fp8jax.fp8_linear_layers(model, config()) if fp8 else model
+        graphdef, state = nnx.split(model)
+        loss = lambda s, x, y, g=graphdef: jnp.mean((nnx.merge(g, s)(x) - y) ** 2)  # noqa: E731
+        step = fp8jax.make_train_step(loss, optax.adam(0.1), policy="c=bf16")
+        if fp8:
+            with pytest.raises(TypeError, match=r"holds Fp8State variables .*nnx_train_step"):
+                step.init(state)
+        else:
+            train_state, metrics = step(step.init(state), x, y)
+            bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state)  # by hand
+            want = loss(bf16, x.astype(jnp.bfloat16), y)
+            np.testing.assert_allclose(metrics.loss, np.float32(want), rtol=1e-2)
+
+
 class _Branching(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.fc1 = nnx.Linear(16, 32, rngs=rngs)

@@ -31,7 +31,12 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..core import jax_private
 from ..core.compile_options import checked_compiler_options, traced_for, traced_options
-from ..core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
+from ..core.updates import (
+    apply_updates,
+    is_fp8_state,
+    is_overwrite,
+    partition_for_grad_overwrite,
+)
 from ..ops import warm_start
 from .accumulate import accumulate_gradients, check_unroll, is_count, stackable_aux
 from .grad import filter_value_and_grad
@@ -121,13 +126,27 @@ class TrainStep(eqx.Module):
 
     def init(self, model: Any) -> TrainState:
         """The training state for `model`: its parameters cast to the policy's `param_dtype`
-        (FP8 state untouched) and the optimizer initialised on the trainable part."""
+        (FP8 state untouched) and the optimizer initialised on the trainable part. A Flax NNX
+        model, or its state (`fp8jax.Fp8State` variables), raises `TypeError`: train it with
+        [`fp8jax.nnx_train_step`][]."""
         nnx = sys.modules.get("flax.nnx")  # looked up, never imported
         if isinstance(getattr(nnx, "Module", None), type) and isinstance(model, nnx.Module):
             raise TypeError(
                 f"make_train_step: the model, a {type(model).__name__}, is a Flax NNX module, "
                 "whose variables this step cannot update; train it with "
                 "fp8jax.nnx_train_step(loss_fn) and an nnx.Optimizer."
+            )
+        # Its state split off (`nnx.split`) is a pytree this step would train: the FP8 state's
+        # new values, arriving as gradients, would be the optimizer's (Adam drove a scale
+        # negative within three steps).
+        held = [x for x in jax.tree.leaves(model, is_leaf=is_fp8_state) if is_fp8_state(x)]
+        if any(not is_overwrite(x) for x in held):
+            kind = type(next(x for x in held if not is_overwrite(x))).__name__
+            raise TypeError(
+                f"make_train_step: the model holds {kind} variables (a Flax NNX model's state, "
+                "from nnx.split or nnx.state), which this step would hand to the optimizer as "
+                "weights; train the NNX model with fp8jax.nnx_train_step(loss_fn) and an "
+                "nnx.Optimizer."
             )
         model = self.policy.cast_to_param(model)
         opt_state = self.optimizer.init(_trainable_params(model))
