@@ -308,6 +308,46 @@ def test_fp8_forward_in_compute_dtype():
     assert_bf16_linear(out, inputs[1], compute.layers[1].weight, compute.layers[1].bias, sx, sw)
 
 
+def test_a_cast_nnx_model_shares_no_fp8_state_with_the_original():
+    """`policy.cast_to_param(model)` of an NNX model gave new Params but the original's own
+    `Fp8State` variables: training the cast copy moved the original's FP8 state too (its
+    Params stayed). Each cast now holds new variables, as `jax.tree.map` (jmp's cast) gives
+    for every variable: the original's FP8 state stays bit for bit as it was."""
+    nnx = pytest.importorskip("flax.nnx", reason="needs flax (the nnx extra)")
+    optax = pytest.importorskip("optax")
+    model = fp8jax.fp8_linear_layers(
+        nnx.Linear(8, 4, rngs=nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None, keep=())
+    )
+    before = [np.array(a) for a in jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))]
+    policy = Policy.from_string("params=bfloat16")
+    for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
+        cast = getattr(policy, method)(model)
+        optimizer = nnx.Optimizer(cast, optax.sgd(0.1), wrt=nnx.Param)
+        loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+        fp8jax.nnx_train_step(loss)(cast, optimizer, jnp.full((2, 8), 3.0, BF16))
+        moved = jax.tree.leaves(nnx.state(cast, fp8jax.Fp8State))
+        assert any(not np.array_equal(a, b) for a, b in zip(moved, before, strict=True))
+        after = jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))
+        for a, b in zip(after, before, strict=True):
+            np.testing.assert_array_equal(a, b)
+    # A loss that casts the model (a layer used twice: its uses combine by max through the
+    # new variables) trains as the same loss without the cast, bit for bit.
+    trained = []
+    for cast in (Policy().cast_to_compute, lambda m: m):
+        net = fp8jax.fp8_linear_layers(
+            nnx.Linear(8, 8, rngs=nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None, keep=())
+        )
+        twice = lambda m, x, c=cast: jnp.sum(c(m)(c(m)(x)) ** 2)  # noqa: E731
+        optimizer = nnx.Optimizer(net, optax.adam(0.01), wrt=nnx.Param)
+        for i in range(3):
+            fp8jax.nnx_train_step(twice)(
+                net, optimizer, jax.random.normal(jax.random.key(i), (4, 8))
+            )
+        trained.append(jax.tree.leaves(nnx.state(net)))
+    for a, b in zip(*trained, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_casts_of_an_nnx_state_skip_its_fp8_state():
     """An NNX model's state (`nnx.split`, `nnx.state`) holds its FP8 state as `Fp8State`
     variables, not FP8 modules: each cast leaves them float32 and bit-identical (they were

@@ -84,6 +84,21 @@ def _cast_layer(layer: Linear | GroupedLinear, dtype: np.dtype, masters: bool) -
     return cast.with_compute_dtype(want)
 
 
+def _is_variable(x: Any) -> bool:
+    """A framework's mutable variable of FP8 state (NNX's `Fp8State`)."""
+    return is_fp8_state(x) and not is_overwrite(x)
+
+
+def _unshared(state: T) -> T:
+    """FP8 state as it is, but its mutable variables (NNX's `Fp8State`, alone or in an FP8
+    op) new ones holding the same arrays, as the cast parameters are new variables: the
+    variables themselves would tie the cast model's FP8 state to the original's (training
+    one moved both)."""
+    if any(map(_is_variable, jax.tree.leaves(state, is_leaf=_is_variable))):
+        return jax.tree.map(lambda a: a, state)
+    return state
+
+
 def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
     """`tree` with its floating array leaves in `dtype`; FP8 state and the rest as they were;
     with `masters`, FP8 layers' wider weights too (`_cast_layer`)."""
@@ -91,7 +106,9 @@ def _cast_floating(tree: T, dtype: np.dtype, masters: bool = False) -> T:
     def cast(x: Any) -> Any:
         if isinstance(x, tuple(_FP8_GEMMS)):
             return _cast_layer(x, dtype, masters)
-        if is_fp8_state(x) or not _is_floating_array(x) or x.dtype == dtype:
+        if is_fp8_state(x):
+            return _unshared(x)
+        if not _is_floating_array(x) or x.dtype == dtype:
             return x
         return x.astype(dtype)
 
@@ -121,7 +138,9 @@ class Policy:
     the step, and return results in `output_dtype`. The casts touch floating-point arrays only:
     FP8 state ([`fp8jax.OverwriteWithGradient`][] modules, such as [`fp8jax.Fp8DotGeneral`][],
     and the [`fp8jax.Fp8State`][] variables of an NNX model's `nnx.state`),
-    integer and boolean arrays, Python numbers and other non-array leaves are left as they are.
+    integer and boolean arrays, Python numbers and other non-array leaves are left as they are
+    (an NNX model's `Fp8State`s as new variables holding the same arrays, as its cast Params
+    are: training the cast model leaves the original's FP8 state alone).
 
     **Arguments:**
 
