@@ -647,6 +647,25 @@ def test_leaves_orbax_would_store_under_one_name_are_refused(backend, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@needs_orbax
+def test_a_checkpoint_with_leaves_under_one_orbax_name_is_not_restored(tmp_path, monkeypatch):
+    """A checkpoint written before orbax's save refused leaves whose keys joined with '.' are
+    one name holds one array for both: its restore read that array into both leaves, with no
+    error. It now refuses the target, naming both leaves, before reading any array."""
+    from fp8jax._src.train import checkpoint_orbax
+
+    state = {"a.b": jnp.arange(2.0), "a": {"b": jnp.arange(2.0) + 10}}
+    path = tmp_path / "ckpt"
+    with monkeypatch.context() as patch:  # the save as it was: without the names' check
+        patch.setattr(checkpoint_orbax, "_check_names", lambda *args, **kwargs: None)
+        fp8jax.save_checkpoint(path, state, backend="orbax")
+    like = jax.tree.map(jnp.zeros_like, state)
+    match = r"load_checkpoint: .* leaves \['a'\]\['b'\] and \['a.b'\] .* one name, 'a.b'"
+    for target in (like, jax.eval_shape(lambda: like)):
+        with pytest.raises(ValueError, match=match):
+            fp8jax.load_checkpoint(path, target, backend="orbax")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prng_keys_save_and_resume(backend, tmp_path):
     """Typed PRNG keys (`jax.random.key`, as a train state keeps for dropout; an NNX model's

@@ -43,7 +43,7 @@ from ..recipes.base import TensorState
 from .checkpoint_files import file_mode, remove, sync_directory, sync_file
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
-from .checkpoint_orbax import restore_arrays, save_arrays
+from .checkpoint_orbax import check_restorable, restore_arrays, save_arrays
 from .checkpoint_record import (
     check_fp8_record,
     corrupt,
@@ -176,11 +176,12 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     read as `(embed, hidden)`: to restore it under other axes, give `like` the saved ones,
     with `haliax.rename` or built in the saved order, load, then rename or
     `haliax.rearrange` the result; a checkpoint written before fp8jax recorded axis names
-    restores unchecked); `ValueError` for a
-    file or directory that is not a checkpoint, or is truncated or corrupt (data missing or
-    left over; an orbax directory copied half-way); `FileNotFoundError` if nothing is at
-    `path`, naming what a save to it stopped half-way left beside it (its new checkpoint, the
-    one it replaced) and which to rename to `path`.
+    restores unchecked), or, with `"orbax"`, if two of `like`'s leaves have one orbax name
+    (as `save_checkpoint` refuses: a checkpoint saved before it did holds one array for
+    both); `ValueError` for a file or directory that is not a checkpoint, or is truncated
+    or corrupt (data missing or left over; an orbax directory copied half-way);
+    `FileNotFoundError` if nothing is at `path`, naming what a save to it stopped half-way
+    left beside it (its new checkpoint, the one it replaced) and which to rename to `path`.
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
@@ -504,6 +505,7 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 def _orbax_load(path: pathlib.Path, like: T) -> T:
     ocp = _orbax()
     arrays, static = eqx.partition(like, is_array_like)
+    check_restorable(ocp, arrays)  # outside the try: not a half-written checkpoint
     try:
         restored = restore_arrays(ocp, path.absolute() / "state", arrays)
     except Exception as e:  # noqa: BLE001 - any failure to read the arrays: half-written
