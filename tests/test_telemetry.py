@@ -289,6 +289,60 @@ def test_stacked_layers_report_one_row_per_layer(getkey):
     assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}]" for i in range(3)]
 
 
+def test_nested_stacked_layers_report_each_layers_own_state_after_a_step():
+    """A Haliax Stacked of Stackeds (the inner one of length 1), trained a step: telemetry
+    holds one entry with both layer axes, each layer's amaxes those read by hand from its
+    own input, weight and output gradient, and the report names each `name[i][j]`."""
+    hax = pytest.importorskip("haliax")
+    import optax
+
+    Outer, Inner = hax.Axis("outer", 3), hax.Axis("inner", 1)
+    In, Out, Batch = hax.Axis("in", 8), hax.Axis("out", 8), hax.Axis("batch", 4)
+
+    class Block(eqx.Module):
+        lin: hax.nn.Linear
+
+        @staticmethod
+        def init(key):
+            return Block(hax.nn.Linear.init(In, Out, key=key))
+
+        def __call__(self, x):
+            return (hax.tanh(self.lin(x)) * 2).rename({"out": "in"})
+
+    class Group(eqx.Module):
+        inner: hax.nn.Stacked
+
+        @staticmethod
+        def init(key):
+            return Group(hax.nn.Stacked.init(Inner, Block)(jax.random.split(key, Inner.size)))
+
+        def __call__(self, x):
+            return self.inner.fold(x)
+
+    stacked = hax.nn.Stacked.init(Outer, Group)(jax.random.split(jax.random.key(0), Outer.size))
+    model = fp8jax.fp8_linear_layers(stacked, fp8jax.Fp8Config(telemetry=True))
+    x = hax.named(spread(np.random.default_rng(1), (4, 8), -1, 1), (Batch, In))
+    step = fp8jax.make_train_step(
+        lambda m, x: hax.sum(m.fold(x) ** 2).scalar(), optax.sgd(0.0), compiler_options={}
+    )
+    state, _ = step(step.init(model), x)
+    (name,) = stats = fp8jax.telemetry(state.model)
+    layer = stats[name]
+    assert layer.input.amax.shape == (Outer.size, Inner.size)
+    h = x
+    for i in range(Outer.size):  # each layer's own input and weight, read by hand
+        lin = model.get_layer(i).inner.get_layer(0).lin
+        got_input, got_kernel = layer.input.amax[i, 0], layer.kernel.amax[i, 0]
+        assert float(got_input) == pytest.approx(np.abs(np.asarray(h.array)).max(), rel=1e-6)
+        assert float(got_kernel) == np.abs(np.asarray(lin.weight.array, np.float64)).max()
+        h = model.get_layer(i)(h)
+    y = np.asarray(h.array, np.float64)  # the last output, 2 tanh(z): d sum(y^2) / dz
+    grad = np.abs(2 * y * 2 * (1 - (y / 2) ** 2)).max()
+    assert float(layer.output_grad.amax[-1, 0]) == pytest.approx(grad, rel=1e-5)
+    rows = fp8jax.report(stats, quiet=True).splitlines()[2:]
+    assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}][0]" for i in range(Outer.size)]
+
+
 def test_a_layer_named_as_another_layers_position_is_reported_too():
     """Names are keys: a layer without a name takes its position (`b`), and if another layer
     is named so, both are reported. The second one replaced the first, silently."""
