@@ -8,7 +8,7 @@ import pytest
 
 import fp8jax
 from fp8jax._src.observe import deviceless
-from fp8jax._src.observe.cost import hlo_cost
+from fp8jax._src.observe.cost import hlo_cost, module_cost_and_uncounted, uncounted_branches
 from fp8jax._src.observe.gemms import hlo_gemms
 from fp8jax._src.observe.hlo import parse
 from fp8jax._src.observe.roofline import CATEGORIES, H100, Cost, KernelCost
@@ -255,6 +255,42 @@ def test_conditional_counts_its_costliest_branch_and_call_its_callee():
     cost = hlo_cost(BRANCHES)
     assert cost.bytes == {"rest": 2 * negate + negate}
     assert [k.name for k in cost.kernels] == ["neg.1", "neg.2", "neg"]
+
+
+# A conditional choosing a GEMM contracting 64 rows or one contracting 256 (32x32 results).
+BRANCH_GEMMS = """HloModule branch_gemms, is_scheduled=true
+
+%lo (p: bf16[64,32]) -> bf16[32,32] {
+  %p = bf16[64,32]{1,0} parameter(0)
+  ROOT %dot.small = bf16[32,32]{1,0} dot(%p, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%hi (q: bf16[256,32]) -> bf16[32,32] {
+  %q = bf16[256,32]{1,0} parameter(0)
+  ROOT %dot.big = bf16[32,32]{1,0} dot(%q, %q), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (flag: pred[], x: bf16[64,32], y: bf16[256,32]) -> bf16[32,32] {
+  %flag = pred[] parameter(0)
+  %x = bf16[64,32]{1,0} parameter(1)
+  %y = bf16[256,32]{1,0} parameter(2)
+  ROOT %c = bf16[32,32]{1,0} conditional(%flag, %x, %y), true_computation=%lo, false_computation=%hi
+}
+"""
+
+
+def test_the_cost_s_one_walk_gives_the_gemms_the_branches_they_find_alone():
+    """The inspector walks the cost once (`module_cost_and_uncounted`) and hands `hlo_gemms`
+    the branches that walk leaves out, rather than walking again: the GEMMs must then run as
+    when `hlo_gemms` walks by itself, the cheaper branch's never, and add up to the cost."""
+    module = parse(BRANCH_GEMMS)
+    cost, uncounted = module_cost_and_uncounted(module)
+    assert uncounted == uncounted_branches(module) == {"lo"}
+    given = {g.instruction: (g.runs, g.flops) for g in hlo_gemms(module, "m", uncounted=uncounted)}
+    alone = {g.instruction: (g.runs, g.flops) for g in hlo_gemms(module, "m")}
+    small, big = (2 * 32 * 32 * k for k in (64, 256))  # 2 * |output| * |contraction|
+    assert given == alone == {"dot.small": (0, small), "dot.big": (1, big)}
+    assert cost.gemm_flops == big == sum(runs * flops for runs, flops in given.values())
 
 
 SLICES = """HloModule slices, is_scheduled=true

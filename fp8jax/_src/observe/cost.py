@@ -148,10 +148,21 @@ def module_cost(
     kernels: Mapping[str, Kernel] | None = None,
 ) -> Cost:
     """The [`fp8jax.Cost`][] of a parsed HLO module with an entry computation, as `hlo_cost`
-    counts it (for the inspector, which has the module parsed already). With `kernels` (the
-    PTX facts of `ptx.compile_with_ptx`), a GEMM fusion of FP8 operands whose kernel's PTX
-    multiplies at 16 bits (`mma.sync ... f16` after converting the FP8 up) is priced as
-    `"f16"` or `"bf16"`, what it runs at, not `"fp8"`."""
+    counts it (for a caller with the module parsed already). With `kernels` (the PTX facts of
+    `ptx.compile_with_ptx`), a GEMM fusion of FP8 operands whose kernel's PTX multiplies at 16
+    bits (`mma.sync ... f16` after converting the FP8 up) is priced as `"f16"` or `"bf16"`,
+    what it runs at, not `"fp8"`."""
+    return module_cost_and_uncounted(module, gpus_per_node=gpus_per_node, kernels=kernels)[0]
+
+
+def module_cost_and_uncounted(
+    module: Module,
+    *,
+    gpus_per_node: int = GPUS_PER_NODE,
+    kernels: Mapping[str, Kernel] | None = None,
+) -> tuple[Cost, frozenset[str]]:
+    """`module_cost` and the branches it does not count (`uncounted_branches`), from one walk
+    of the module: the inspector needs both, for its cost and for its GEMMs' runs."""
     if module.entry is None:
         raise ValueError("hlo_cost: the module has no ENTRY computation.")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -161,7 +172,7 @@ def module_cost(
         )
     walker = _Walker(module, gpus_per_node, kernels)
     found = walker.walk(module.entry, 1, False)
-    return total(found, tuple(walker.unknown))
+    return total(found, tuple(walker.unknown)), frozenset(walker.uncounted)
 
 
 def uncounted_branches(
@@ -172,9 +183,7 @@ def uncounted_branches(
     it); none without an entry computation."""
     if module.entry is None:
         return frozenset()
-    walker = _Walker(module, GPUS_PER_NODE, kernels)
-    walker.walk(module.entry, 1, False)
-    return frozenset(walker.uncounted)
+    return module_cost_and_uncounted(module, kernels=kernels)[1]
 
 
 @final

@@ -33,7 +33,11 @@ _Callers = dict[str, tuple[str, Instruction]]
 
 
 def hlo_gemms(
-    hlo: str | Module, mode: str, kernels: Mapping[str, Kernel] | None = None
+    hlo: str | Module,
+    mode: str,
+    kernels: Mapping[str, Kernel] | None = None,
+    *,
+    uncounted: frozenset[str] | None = None,
 ) -> list[Gemm]:
     """Every GEMM of an optimized HLO module (its text, or it parsed): cuBLAS custom calls and
     dots (top level or inside fusions), with operand element types resolved within their
@@ -41,11 +45,16 @@ def hlo_gemms(
 
     With `kernels` (from [`ptx_kernels`][fp8jax._src.observe.ptx.ptx_kernels]), each dot
     gets the PTX facts of the kernel that runs it: the outermost fusion around it, named as XLA
-    names its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`)."""
+    names its kernel (the fusion's `deduplicated_name` where XLA reused a kernel, `.` as `_`).
+
+    `uncounted`: the branches the cost does not count, where the caller has walked the cost
+    already (`module_cost_and_uncounted`); else walked here (`uncounted_branches`)."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     callers = _callers(module)
     loop_names = _loop_op_names(module, callers)
-    runs = _runs(callers, uncounted_branches(module, kernels))
+    if uncounted is None:
+        uncounted = uncounted_branches(module, kernels)
+    runs = _runs(callers, uncounted)
     fusions = _fusion_callers(callers)
     shared = shared_kernels(module)
     gemms = []

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..core.compile_options import cublas_reads
 from ..train.step import TrainState, TrainStep
-from .cost import module_cost
+from .cost import module_cost_and_uncounted
 from .deviceless import MODES, h100_topology, lower, no_h100_compiler
 from .gemms import hlo_gemms, stablehlo_gemms
 from .ptx import compile_with_ptx
@@ -211,11 +211,11 @@ def _compiled(
     gemms, memory, traffic, collectives, cost = {}, {}, {}, {}, {}
     for mode, (lowered, options) in lowerings.items():
         compiled, module, kernels = compile_with_ptx(lowered, options)
-        gemms[mode] = hlo_gemms(module, mode, kernels)
+        cost[mode], uncounted = module_cost_and_uncounted(module, kernels=kernels)
+        gemms[mode] = hlo_gemms(module, mode, kernels, uncounted=uncounted)  # one walk, both
         memory[mode] = compiled.memory_analysis()
         traffic[mode] = hlo_memory_traffic(module)
         collectives[mode] = hlo_collectives(module)
-        cost[mode] = module_cost(module, kernels=kernels)
     kind = device.device_kind
     target = f"{devices} x {kind} (deviceless)" if devices > 1 else f"{kind} (deviceless)"
     return Inspection(gemms, memory, target, traffic, collectives, cost)
