@@ -35,7 +35,7 @@ from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
 from ..recipes import BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
 from .config import Fp8Config
-from .interpret import Interpreter
+from .interpret import Interpreter, gemm_equations
 from .plan import Fp8ConversionWarning
 
 
@@ -123,7 +123,7 @@ class _Choice:
     def held(self, subs: list) -> None:
         """Count the floating GEMMs in `subs`, the jaxprs of an equation bound as traced (a
         `custom_jvp`'s or `custom_vjp`'s, `shard_map`'s): none is converted."""
-        n = sum(_floating_gemms(getattr(j, "jaxpr", j)) for j in subs)
+        n = sum(_floating_gemm(eqn) for eqn in gemm_equations(subs))
         if n:
             self.shapes_left["held"] = self.shapes_left.get("held", 0) + n
 
@@ -168,17 +168,11 @@ class _Choice:
         return True
 
 
-def _floating_gemms(jaxpr: Any) -> int:
-    """How many `dot_general`s and `ragged_dot`s of floating operands (16 bits or more) with a
-    contraction `jaxpr` holds, at any depth."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ("dot_general", "ragged_dot_general"):
-            contracts = name != "dot_general" or bool(eqn.params["dimension_numbers"][0][0])
-            n += contracts and all(_high_precision_float(v.aval.dtype) for v in eqn.invars[:2])
-        n += sum(_floating_gemms(getattr(j, "jaxpr", j)) for j in jax_private.sub_jaxprs(eqn))
-    return n
+def _floating_gemm(eqn: Any) -> bool:
+    """Whether a GEMM equation (of `gemm_equations`) has floating operands (16 bits or more)
+    and, a `dot_general`'s, a contraction."""
+    contracts = eqn.primitive.name != "dot_general" or bool(eqn.params["dimension_numbers"][0][0])
+    return contracts and all(_high_precision_float(v.aval.dtype) for v in eqn.invars[:2])
 
 
 def _high_precision_float(dtype: Any) -> bool:

@@ -7,7 +7,7 @@ holding a GEMM are rebuilt around the answered GEMMs."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, final
 
 import jax
@@ -28,13 +28,15 @@ def _as_jit(body: Callable[..., list], params: dict) -> Callable[..., Any]:
     return jax.jit(lambda *a: tuple(body(*a)), in_shardings=ins, out_shardings=outs)
 
 
-def _has_gemm(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
-            return True
-        if any(_has_gemm(getattr(j, "jaxpr", j)) for j in jax_private.sub_jaxprs(eqn)):
-            return True
-    return False
+def gemm_equations(jaxprs: Iterable[Any]) -> Iterator[Any]:
+    """Every `dot_general` and `ragged_dot_general` equation of `jaxprs` (open or closed), at
+    any depth, lazily: whether an equation's sub-jaxprs hold a GEMM (the interpreter) and how
+    many of them it leaves (autocast) are one walk."""
+    for jaxpr in jaxprs:
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+                yield eqn
+            yield from gemm_equations(jax_private.sub_jaxprs(eqn))
 
 
 def _platform_dependent(branches: list, platforms: tuple, args: list) -> list:
@@ -96,7 +98,7 @@ class Interpreter:
                     op(lhs, rhs, group_sizes, params["precision"], params["preferred_element_type"])
                 ]
         subs = jax_private.sub_jaxprs(eqn)
-        if not any(_has_gemm(getattr(j, "jaxpr", j)) for j in subs):
+        if next(gemm_equations(subs), None) is None:
             return jax_private.bind_equation(eqn, invals)
         if name in _INLINE:
             return _as_jit(self.closed(params[_INLINE[name]], scope), params)(*invals)
