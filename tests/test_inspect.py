@@ -878,7 +878,7 @@ def test_an_xla_ragged_dot_counts_the_dense_product_it_executes(h100):
 
     args = [
         jax.ShapeDtypeStruct(s, d)
-        for s, d in [((m, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), int)]
+        for s, d in [((m, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32)]
     ]
     report = fp8jax.inspect(f, *args, modes=("cublas",))
     (gemm,) = report.gemms["cublas"]
