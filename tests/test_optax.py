@@ -126,3 +126,54 @@ def test_combine_by_max_inside_a_custom_gradient(getkey):
         return jax.grad(loss)(params)
 
     assert float(grads(params).dot_general.input.amax_history[0]) == 5.0
+
+
+def _mlp(getkey):
+    """Two FP8 Linears of width 32 with delayed scaling, and a batch for them."""
+    mlp = eqx.nn.MLP(32, 32, 32, 1, key=getkey())
+    recipe = fp8jax.DelayedScaling(history_len=4)
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe=recipe))
+    x = jax.random.normal(getkey(), (16, 32))
+    return model, x, jnp.sin(x)
+
+
+def _mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def test_train_step_mask_of_the_whole_model_says_which_tree_it_needs(getkey):
+    """A mask built from the whole model (FP8 state included) fails optax's own tree check;
+    the error says what tree make_train_step gives the optimizer. A mask built from that
+    tree decays the matrices only, as in a hand-rolled step on the trainable part."""
+    model, x, y = _mlp(getkey)
+
+    def decaying(mask):
+        return optax.chain(optax.add_decayed_weights(0.5, mask), optax.sgd(0.1))
+
+    whole = jax.tree.map(lambda a: eqx.is_array(a) and a.ndim == 2, model)
+    step = fp8jax.make_train_step(_mse, decaying(whole))
+    try:
+        step.init(model)
+    except ValueError as error:
+        said = "\n".join(getattr(error, "__notes__", []))
+    else:
+        raise AssertionError("a mask of the whole model was accepted")
+    assert "eqx.filter(fp8jax.partition_for_grad_overwrite(model)[1]" in said, said
+
+    _, trainable = fp8jax.partition_for_grad_overwrite(model)
+    params = eqx.filter(trainable, eqx.is_inexact_array)
+    mask = jax.tree.map(lambda a: a.ndim == 2, params)
+    step = fp8jax.make_train_step(_mse, decaying(mask))
+    state, _ = step(step.init(model), x, y)
+    # The reference: the gradients' SGD step by hand, weight decay on the matrices only.
+    _, grads = fp8jax.filter_value_and_grad(_mse)(model, x, y)
+    for old, new, grad in zip(model.layers, state.model.layers, grads.layers, strict=True):
+        w = np.asarray(old.weight, np.float64)
+        want_w = w - 0.1 * (np.asarray(grad.weight, np.float64) + 0.5 * w)
+        want_b = np.asarray(old.bias, np.float64) - 0.1 * np.asarray(grad.bias, np.float64)
+        np.testing.assert_allclose(new.weight, want_w, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(new.bias, want_b, rtol=1e-6, atol=1e-7)
+        # The FP8 state: what the gradients' new state merges into, as under plain SGD.
+        want = old.dot_general.merge(grad.dot_general)
+        for a, b in zip(jax.tree.leaves(new.dot_general), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -76,6 +76,17 @@ class StepMetrics(eqx.Module):
     loss_scale: Float[Array, ""]
 
 
+#: What an optimizer's `init` that failed was given (a note on its error).
+_OPTIMIZER_TREE = (
+    "make_train_step initialises the optimizer on the trainable parameters only: the model "
+    "with None at its FP8 state and non-array leaves, eqx.filter(fp8jax.partition_for_grad_"
+    "overwrite(model)[1], eqx.is_inexact_array). Build a mask or labels (optax.masked, "
+    "multi_transform, add_decayed_weights) from that tree, or pass a function of it; an "
+    "optimizer whose params are not the model (optax.lookahead's LookaheadParams) needs a "
+    "loop of your own."
+)
+
+
 def _trainable_params(model: Any) -> Any:
     return eqx.filter(partition_for_grad_overwrite(model)[1], eqx.is_inexact_array)
 
@@ -149,7 +160,12 @@ class TrainStep(eqx.Module):
                 "nnx.Optimizer."
             )
         model = self.policy.cast_to_param(model)
-        opt_state = self.optimizer.init(_trainable_params(model))
+        try:
+            opt_state = self.optimizer.init(_trainable_params(model))
+        except (ValueError, TypeError, AttributeError) as error:
+            # optax's own error names where its tree and a mask's (or labels') part.
+            error.add_note(_OPTIMIZER_TREE)
+            raise
         return TrainState(model, opt_state, self.loss_scale, jnp.zeros((), jnp.int32))
 
     def programs(
