@@ -177,3 +177,58 @@ def test_train_step_mask_of_the_whole_model_says_which_tree_it_needs(getkey):
         want = old.dot_general.merge(grad.dot_general)
         for a, b in zip(jax.tree.leaves(new.dot_general), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_multisteps_moves_weights_every_kth_call_and_fp8_state_every_call(getkey):
+    """optax.MultiSteps accumulates in the optimizer state: under make_train_step the weights
+    take the mean gradient's SGD step every second call, while each call's new FP8 state is
+    merged (its amaxes enter the histories), as docs/training.md says."""
+    model, x, y = _mlp(getkey)
+    batches = [(x, y), (2 * x, jnp.cos(x))]
+    optimizer = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2).gradient_transformation()
+    step = fp8jax.make_train_step(_mse, optimizer)
+    state = step.init(model)
+    # The reference: gradients by hand, the FP8 state merged after each, the weights after two.
+    ref, grads = model, []
+    for i, batch in enumerate(batches):
+        state, _ = step(state, *batch)
+        _, g = fp8jax.filter_value_and_grad(_mse)(ref, *batch)
+        overwrites, g = fp8jax.partition_for_grad_overwrite(g)
+        ref = fp8jax.apply_updates(ref, None, overwrites)
+        grads.append(g)
+        for new, old, want in zip(state.model.layers, model.layers, ref.layers, strict=True):
+            for a, b in zip(
+                jax.tree.leaves(new.dot_general), jax.tree.leaves(want.dot_general), strict=True
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-6)
+            if i == 0:
+                np.testing.assert_array_equal(new.weight, old.weight)
+                np.testing.assert_array_equal(new.bias, old.bias)
+    history = state.model.layers[0].dot_general.input.amax_history
+    np.testing.assert_allclose(history[:2], [2 * np.abs(x).max(), 0.0], rtol=1e-6)
+    assert float(history[-1]) == float(np.abs(x).max())
+    for i, (new, old) in enumerate(zip(state.model.layers, model.layers, strict=True)):
+        for name in ("weight", "bias"):
+            mean = sum(np.asarray(getattr(g.layers[i], name), np.float64) for g in grads) / 2
+            want = np.asarray(getattr(old, name), np.float64) - 0.1 * mean
+            np.testing.assert_allclose(getattr(new, name), want, rtol=1e-6, atol=1e-7)
+
+
+def test_apply_if_finite_counts_only_steps_make_train_step_does_not_skip(getkey):
+    """A skipped step restores the optimizer state, optax.apply_if_finite's counts included:
+    they advance only with skip_nonfinite=False, which lets apply_if_finite decide (a zero
+    update for a non-finite gradient; the FP8 state rejects the non-finite amaxes)."""
+    model, x, y = _mlp(getkey)
+    bad = x.at[0, 0].set(jnp.nan)
+    for skip, counted in ((True, 0), (False, 2)):
+        optimizer = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=5)
+        step = fp8jax.make_train_step(_mse, optimizer, skip_nonfinite=skip)
+        state = step.init(model)
+        for _ in range(2):
+            state, metrics = step(state, bad, y)
+            assert not bool(metrics.grads_finite)
+        assert int(state.opt_state.notfinite_count) == counted
+        assert int(state.opt_state.total_notfinite) == counted
+        for new, old in zip(state.model.layers, model.layers, strict=True):
+            np.testing.assert_array_equal(new.weight, old.weight)
+            np.testing.assert_array_equal(new.dot_general.input.amax_history, 0.0)
