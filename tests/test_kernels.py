@@ -180,6 +180,44 @@ def test_blockwise_linear_trains_the_same_with_the_native_kernel(getkey):
 
 
 @pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.BlockwiseScaling(native_kernel=True), fp8jax.ResidualFP8(native_kernel=True)],
+    ids=["blockwise", "residual"],
+)
+def test_native_kernels_take_an_empty_batch(getkey, recipe):
+    """A batch of no rows on the native kernels (interpreted): the loss and every gradient are
+    the empty sums a float64 product gives (zeros). The kernels' grids had no tile, and
+    the interpreter raised `ZeroDivisionError`."""
+    linear = eqx.nn.Linear(128, 256, key=getkey())
+    x = jnp.zeros((0, 128))
+    model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    with dispatch.interpreted():
+        loss, grads = jax.jit(fp8jax.filter_value_and_grad(_linear_loss))(model, x)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(linear.weight, np.float64)
+    y64 = x64 @ w64.T + np.asarray(linear.bias, np.float64)
+    g64 = 2 * y64  # d(sum y**2)/dy
+    assert float(loss) == float(np.sum(y64**2))
+    np.testing.assert_array_equal(grads.weight, g64.T @ x64)
+    np.testing.assert_array_equal(grads.bias, g64.sum(axis=0))
+
+
+def test_choose_takes_the_xla_path_for_an_empty_operand():
+    """An operand of no rows, or a call inside `empty_batch` (a `vmap` of no members), takes
+    the XLA path even with `True`: no kernel grid is empty."""
+
+    def native(a, out_dtype):
+        raise AssertionError("the kernel ran on an empty operand")
+
+    def xla(a):
+        return a @ a.T
+
+    empty = jnp.zeros((0, 128))
+    assert dispatch.choose(True, native, xla, empty).shape == (0, 0)
+    with dispatch.empty_batch():
+        assert dispatch.choose(True, native, xla, jnp.ones((2, 3))).shape == (2, 2)
+
+
+@pytest.mark.parametrize(
     "options",
     [
         dict(),  # every GEMM fused

@@ -24,6 +24,7 @@ from jax.custom_batching import custom_vmap
 
 from ..core.contexts import Setting, setting
 from ..core.jax_private import GradientUnderVmap
+from ..kernels import dispatch
 
 _PER_EXAMPLE: Setting[bool] = Setting("fp8jax_per_example", False)
 
@@ -120,7 +121,10 @@ def _folding(
         if folded is None:
             out_axes = member_axes(in_batched)
             in_axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
-            outs = jax.vmap(raw, in_axes=in_axes, out_axes=out_axes)(*args)
+            # A `vmap` of no members maps the XLA path: a kernel has no tile to run.
+            empty = dispatch.empty_batch() if axis_size == 0 else contextlib.nullcontext()
+            with empty:
+                outs = jax.vmap(raw, in_axes=in_axes, out_axes=out_axes)(*args)
             return outs, _batched(out_axes, outs)
         args, unfold = folded
         return unfold(call(*args))

@@ -21,6 +21,7 @@ from .partition import GemmDims
 
 _INTERPRET: Setting[bool] = Setting("fp8jax_interpret_kernels", False)
 _ON_MESH: Setting[bool] = Setting("fp8jax_operands_on_mesh", False)
+_EMPTY: Setting[bool] = Setting("fp8jax_empty_batch", False)
 
 
 @contextlib.contextmanager
@@ -68,6 +69,15 @@ def run_interpreted(fn: Callable[..., Any], *args: Any) -> Interpreted:
     with interpreted(), partition.replaying(plans):
         jaxpr = str(eqx.filter_make_jaxpr(fn)(*local)[0])
     return Interpreted(outputs, partitioned, plans, jaxpr)
+
+
+@contextlib.contextmanager
+def empty_batch() -> Iterator[None]:
+    """Inside, every native kernel's call takes the XLA path: traced for a `vmap` of no
+    members (an empty batch), whose kernels' grids would have no tile (the interpreter
+    raised `ZeroDivisionError`). The XLA path's products are empty, or zeros."""
+    with setting(_EMPTY, True):
+        yield
 
 
 def interpreting() -> bool:
@@ -148,7 +158,9 @@ def choose(
     `None` the native kernel where the program is compiled for CUDA and every local GPU, if
     any, is a Hopper (a deviceless compile for an H100 included), the XLA path elsewhere
     (`lax.platform_dependent`: a CPU compile never sees the kernel). Under `interpreted()`,
-    `None` and `True` take the native kernel through the interpreter.
+    `None` and `True` take the native kernel through the interpreter. An empty operand (a
+    batch of no rows, or a `vmap` of none: `empty_batch`) takes the XLA path whatever the
+    option: no kernel grid is empty, and the product is zeros.
 
     When the operands lie on a mesh that XLA partitions, `dims` (the operands' axes, see
     `partition.per_shard`) lets each device run the kernel on its shards; without them the
@@ -164,8 +176,8 @@ def choose(
     (docs/scaling_out.md). Trace such a step under `jax.set_mesh(mesh)`, or place its
     arguments (`jax.device_put`).
     """
-    if use_native is False:
-        return xla(*args)
+    if use_native is False or _EMPTY.get() or any(jnp.size(a) == 0 for a in jax.tree.leaves(args)):
+        return xla(*args)  # an empty operand (no rows, say): a kernel's grid would have no tile
     # The kernels write at most 32-bit outputs: a float64 one (x64 on) is their float32 one,
     # widened (asked of them, its buffer took a float32 value, x64 off inside, and raised).
     narrow = jnp.float32 if jnp.dtype(out_dtype).itemsize > 4 else out_dtype
