@@ -289,6 +289,25 @@ def test_cpu_compiles_keep_the_xla_path(getkey):
     assert not dispatch.local_gpus_lack_hopper()  # no GPU here
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.BlockwiseScaling(native_kernel=True), fp8jax.ResidualFP8(native_kernel=True)],
+    ids=["blockwise", "residual"],
+)
+def test_a_forced_kernel_compiled_for_a_cpu_is_refused_naming_the_option(getkey, recipe):
+    """`native_kernel=True` compiled for a CPU (outside the interpreter): a `ValueError` that
+    names the option, the platform and what is accepted, jitted or not. Pallas raised "Only
+    interpret mode is supported on CPU backend" from inside a quantization kernel."""
+    linear = eqx.nn.Linear(128, 128, key=getkey())
+    x = jax.random.normal(getkey(), (64, 128))
+    model = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe=recipe))
+    match = "native_kernel=True: .* compiled for cpu. Use native_kernel=None"
+    with pytest.raises(ValueError, match=match):
+        jax.jit(fp8jax.filter_value_and_grad(_linear_loss))(model, x)
+    with pytest.raises(ValueError, match=match):
+        model(x[0])
+
+
 def test_float64_blockwise_linear_runs_the_kernels_float32_output_widened(getkey):
     """A float64 model (`jax_enable_x64` on): the default choice on a CPU computes what the
     forced XLA path does, and the kernel (interpreted), which writes at most 32-bit outputs,
@@ -339,7 +358,14 @@ def test_choose_follows_the_option():
     one = jnp.ones(())
     assert float(dispatch.choose(False, native, xla, one)) == 3 and calls == ["xla"]
     calls.clear()
-    assert float(dispatch.choose(True, native, xla, one)) == 2 and calls == ["native"]
+    with dispatch.interpreted():
+        assert float(dispatch.choose(True, native, xla, one)) == 2 and calls == ["native"]
+    calls.clear()
+    # Forced, compiled for CUDA only: a CPU's compile or eager run is refused.
+    with pytest.raises(ValueError, match="native_kernel=True: .* compiled for cpu"):
+        dispatch.choose(True, native, xla, one)
+    with pytest.raises(ValueError, match="native_kernel=True: .* compiled for cpu"):
+        jax.jit(lambda a: dispatch.choose(True, native, xla, a))(one)
     calls.clear()
     with dispatch.interpreted():
         assert dispatch.interpreting()

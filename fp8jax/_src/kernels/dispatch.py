@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from ..core import jax_private
 from ..core.contexts import Setting, setting
@@ -154,7 +156,8 @@ def choose(
     """`native(*args, out_dtype=out_dtype)` or `xla(*args)`, as a recipe's `native_kernel`
     option says.
 
-    `True` takes the native kernel (compiling it fails off Hopper); `False` the XLA path;
+    `True` takes the native kernel (compiling it fails off Hopper; compiling for another
+    platform than CUDA, a CPU say, raises `ValueError` naming the option); `False` the XLA path;
     `None` the native kernel where the program is compiled for CUDA and every local GPU, if
     any, is a Hopper (a deviceless compile for an H100 included), the XLA path elsewhere
     (`lax.platform_dependent`: a CPU compile never sees the kernel). Under `interpreted()`,
@@ -193,11 +196,47 @@ def choose(
     elif not per_device_gemm(*args) and not (use_native or interpreting()):
         return xla(*args)
     run = _varying_like(run, args)
-    if use_native or interpreting():
+    if interpreting():
         return run(*args)
+    if use_native:  # a compile for another platform raises, naming the option
+        return lax.platform_dependent(*args, cuda=run, default=functools.partial(_refused, run))
     if local_gpus_lack_hopper():
         return xla(*args)
     return lax.platform_dependent(*args, cuda=run, default=xla)
+
+
+def _refusal(platform: str) -> ValueError:
+    return ValueError(
+        f"native_kernel=True: fp8jax's native kernels are Pallas Mosaic GPU kernels for Hopper "
+        f"GPUs (sm_90), and this program is compiled for {platform}. Use native_kernel=None "
+        "(the kernel on Hopper GPUs, the XLA path elsewhere) or False (the XLA path), or "
+        "compile for an H100 (fp8jax.inspect's deviceless compile)."
+    )
+
+
+def _refused_lowering(ctx: Any, *, avals: tuple) -> Any:
+    raise _refusal(", ".join(ctx.module_context.platforms))
+
+
+def _refused_impl(*, avals: tuple) -> Any:
+    raise _refusal(jax.default_backend())
+
+
+#: A forced native kernel's stand-in in a program compiled for another platform than CUDA
+#: (`choose`): lowering it raises `_refusal` (Pallas would say only "Only interpret mode is
+#: supported on CPU backend", from inside a kernel).
+_refused_p = Primitive("fp8jax_native_kernel_refused")
+_refused_p.multiple_results = True
+_refused_p.def_impl(_refused_impl)
+_refused_p.def_abstract_eval(lambda *, avals: [jax.core.ShapedArray(*a) for a in avals])
+mlir.register_lowering(_refused_p, _refused_lowering)
+
+
+def _refused(kernel: Callable[..., Any], *args: Any) -> Any:
+    """Outputs shaped as `kernel(*args)`'s, from `_refused_p` (typed as varying as `args`)."""
+    leaves, tree = jax.tree.flatten(jax.eval_shape(kernel, *args))
+    outs = _refused_p.bind(avals=tuple((o.shape, jnp.dtype(o.dtype)) for o in leaves))
+    return jax.tree.unflatten(tree, [jax_private.varying_like(o, args) for o in outs])
 
 
 def _widened(kernel: Callable[..., Any], out_dtype: Any) -> Callable[..., Any]:

@@ -226,8 +226,8 @@ class Fp8RaggedDot(AbstractFp8Op):
       previous ones), and the tokens each expert got (`stats.tokens (experts,)`).
     - `native_kernel`: `None` (the kernels where the program is compiled for Hopper, XLA's
       path elsewhere; [`fp8jax.BlockwiseScaling`][]'s own `native_kernel` is followed when
-      this is `None`), `True` (the kernels; compiling fails off Hopper) or `False` (XLA's
-      path).
+      this is `None`), `True` (the kernels; compiling fails off Hopper, and raises
+      `ValueError` for a CPU) or `False` (XLA's path).
 
     ```python
     dot = fp8jax.Fp8RaggedDot(num_experts=8)

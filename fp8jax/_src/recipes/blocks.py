@@ -218,7 +218,8 @@ class BlockwiseScaling(BlockScaledRecipe):
     - `native_kernel`: run each GEMM as fp8jax's Pallas Mosaic GPU kernel (one `wgmma`
       kernel per GEMM, the promotion in registers, no float32 partials in memory). `None`
       (default): on Hopper GPUs and in compiles for them, the XLA path elsewhere (CPUs, other
-      GPUs); `True` forces the kernel (it compiles only for sm_90), `False` the XLA path.
+      GPUs); `True` forces the kernel (it compiles only for sm_90; a compile for a CPU
+      raises `ValueError`), `False` the XLA path.
       Block sizes 64 and 128 only; the numerics are the XLA path's, float32 summation order
       aside. Where the kernel runs, activations, gradients and weights of whole 128 x 128
       tiles are quantized in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the

@@ -84,11 +84,12 @@ class ResidualFP8(HybridFormats):
       Hopper GPUs and in compiles for them (the XLA path elsewhere), running the terms that
       share a left operand as one kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x`
       loaded once, one float32 accumulation in registers, the output dtype written once);
-      `True` forces it (sm_90 only). The kernel keeps the float32 sum out of memory (about
-      delayed scaling's temp memory, where the XLA path's float32 buffer takes more) but ran
-      slower than the two cuBLASLt calls on an H200 at LLM shapes, hence the default (both
-      measured in `benchmarks/RESULTS.md`). Same numerics up to the float32 summation
-      order. With `split_activation`, `x_lo W_hi` is a second kernel.
+      `True` forces it (sm_90 only; a compile for a CPU raises `ValueError`). The kernel
+      keeps the float32 sum out of memory (about delayed scaling's temp memory, where the
+      XLA path's float32 buffer takes more) but ran slower than the two cuBLASLt calls on
+      an H200 at LLM shapes, hence the default (both measured in `benchmarks/RESULTS.md`).
+      Same numerics up to the float32 summation order. With `split_activation`, `x_lo
+      W_hi` is a second kernel.
     """
 
     split_activation: bool = False
