@@ -771,6 +771,13 @@ def test_bad_construction():
         fp8jax.Fp8RaggedDot(num_experts=G, native_kernel="auto")
     with pytest.raises(ValueError, match="num_experts=0: should be an int >= 1"):
         fp8jax.Fp8RaggedDot(num_experts=0)
+    # A NumPy bool is the bool it holds, as in the recipes and Fp8Config: it was refused
+    # ("native_kernel=np.False_: should be None, True or False").
+    for flag in (np.True_, np.False_):
+        layer = fp8jax.Fp8RaggedDot(num_experts=G, native_kernel=flag)
+        assert type(layer.native_kernel) is bool and layer.native_kernel == bool(flag)
+        recipe = fp8jax.BlockwiseScaling(native_kernel=flag)
+        assert type(recipe.native_kernel) is bool and recipe.native_kernel == bool(flag)
     dot, sizes = fp8jax.Fp8RaggedDot(num_experts=2), jnp.array([2, 2], jnp.int32)
     x, w = jnp.ones((4, 16)), jnp.ones((2, 16, 16))
     with pytest.raises(NotImplementedError, match=r"group_offset=.* is not supported"):

@@ -259,6 +259,8 @@ class Fp8RaggedDot(AbstractFp8Op):
         if not isinstance(name, str):
             raise TypeError(f"Fp8RaggedDot: name={name!r}: should be a str (the layer's path).")
         self.recipe = recipe_from(recipe)
+        if isinstance(native_kernel, np.bool_):  # the bool it holds, as in the recipes
+            native_kernel = bool(native_kernel)
         check_recipe(self.recipe, name, native_kernel)
         self.native_kernel = native_kernel
         self.num_experts = _check_count(num_experts)
