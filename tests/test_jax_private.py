@@ -259,3 +259,29 @@ def test_a_triton_kernel_lowers_for_a_deviceless_h100():
     x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
     lowered, _ = deviceless.lower(double, (x,), {}, device)
     assert "__gpu$xla.gpu.triton" in lowered.compile().as_text()
+
+
+def test_a_refusing_primitive_raises_only_where_its_branch_compiles():
+    """In a `lax.platform_dependent` branch, the primitive is typed as its `(shape, dtype)`s,
+    and compiling that branch (or running it eagerly) raises the caller's error naming the
+    platform; a compile that takes another branch never lowers it."""
+    refuse = jax_private.refusing_primitive(
+        "test_refused", lambda platform: ValueError(f"refused on {platform}")
+    )
+    shapes = (((2, 3), np.dtype(np.float32)), ((4,), np.dtype(jnp.bfloat16)))
+
+    def refused(x):
+        return refuse(shapes)
+
+    def kept(x):
+        return [jnp.zeros((2, 3), jnp.float32) + x, jnp.ones((4,), jnp.bfloat16)]
+
+    out = jax.eval_shape(refused, 1.0)
+    assert [(o.shape, o.dtype) for o in out] == list(shapes)
+    with pytest.raises(ValueError, match="refused on cpu"):
+        jax.jit(lambda x: lax.platform_dependent(x, default=refused))(1.0)
+    with pytest.raises(ValueError, match="refused on cpu"):
+        refused(1.0)
+    got = jax.jit(lambda x: lax.platform_dependent(x, cpu=kept, default=refused))(1.0)
+    np.testing.assert_array_equal(got[0], np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(got[1], np.ones((4,), jnp.bfloat16))

@@ -47,6 +47,11 @@ mesh of the context, else from the local device: in a deviceless compile (`JAX_P
 a CPU, which it refuses. `gpu_lowering_target` names the topology's GPU there
 (`fp8jax._src.observe.deviceless.lower`); JAX 0.10 needs nothing.
 
+## A primitive that refuses to compile
+A `lax.platform_dependent` branch that must never compile for its platform (a forced native
+kernel's, on a CPU) is a primitive whose lowering raises the caller's error, naming the
+platforms the program is compiled for: `refusing_primitive`.
+
 ## The manual mesh axes a value varies over (inside `shard_map`)
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
@@ -58,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -343,3 +349,27 @@ def gpu_lowering_target(device: Any, mesh: Any = None) -> contextlib.AbstractCon
         platform=device.platform,
     )
     return jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((), (), abstract_device=target))
+
+
+def refusing_primitive(
+    name: str, refusal: Callable[[str], Exception]
+) -> Callable[[tuple[tuple[tuple[int, ...], Any], ...]], list]:
+    """A primitive `name` whose results have the `(shape, dtype)`s it is bound with and whose
+    lowering raises `refusal(platforms)` (its eager run `refusal(default backend)`): the
+    branch of a `lax.platform_dependent` that must never compile. Returns its bind, taking
+    the `(shape, dtype)`s."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    def lowering(ctx: Any, *, avals: tuple) -> Any:
+        raise refusal(", ".join(ctx.module_context.platforms))
+
+    def impl(*, avals: tuple) -> Any:
+        raise refusal(jax.default_backend())
+
+    primitive = Primitive(name)
+    primitive.multiple_results = True
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(lambda *, avals: [core.ShapedArray(*a) for a in avals])
+    mlir.register_lowering(primitive, lowering)
+    return lambda avals: primitive.bind(avals=tuple(avals))

@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
 from ..core import jax_private
 from ..core.contexts import Setting, setting
@@ -214,28 +212,16 @@ def _refusal(platform: str) -> ValueError:
     )
 
 
-def _refused_lowering(ctx: Any, *, avals: tuple) -> Any:
-    raise _refusal(", ".join(ctx.module_context.platforms))
-
-
-def _refused_impl(*, avals: tuple) -> Any:
-    raise _refusal(jax.default_backend())
-
-
 #: A forced native kernel's stand-in in a program compiled for another platform than CUDA
-#: (`choose`): lowering it raises `_refusal` (Pallas would say only "Only interpret mode is
+#: (`choose`): compiling it raises `_refusal` (Pallas would say only "Only interpret mode is
 #: supported on CPU backend", from inside a kernel).
-_refused_p = Primitive("fp8jax_native_kernel_refused")
-_refused_p.multiple_results = True
-_refused_p.def_impl(_refused_impl)
-_refused_p.def_abstract_eval(lambda *, avals: [jax.core.ShapedArray(*a) for a in avals])
-mlir.register_lowering(_refused_p, _refused_lowering)
+_refused_p = jax_private.refusing_primitive("fp8jax_native_kernel_refused", _refusal)
 
 
 def _refused(kernel: Callable[..., Any], *args: Any) -> Any:
     """Outputs shaped as `kernel(*args)`'s, from `_refused_p` (typed as varying as `args`)."""
     leaves, tree = jax.tree.flatten(jax.eval_shape(kernel, *args))
-    outs = _refused_p.bind(avals=tuple((o.shape, jnp.dtype(o.dtype)) for o in leaves))
+    outs = _refused_p(tuple((o.shape, jnp.dtype(o.dtype)) for o in leaves))
     return jax.tree.unflatten(tree, [jax_private.varying_like(o, args) for o in outs])
 
 
