@@ -1297,7 +1297,8 @@ def test_the_docs_example_runs(capsys):
         (text.count("\n", 0, m.start(1)), m.group(1))
         for m in re.finditer(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
     ]
-    assert len(blocks) == 4  # convert and train, by hand, plain nnx.value_and_grad, inspect
+    # convert and train, by hand, float16 by hand, plain nnx.value_and_grad, inspect
+    assert len(blocks) == 5
     namespace: dict[str, Any] = {"__name__": "docs_nnx"}
     for line, block in blocks:
         exec(compile("\n" * line + block, str(DOCS), "exec"), namespace)
@@ -1667,6 +1668,61 @@ def test_float16_dynamic_loss_scale_growth_saturates_no_output_gradient():
     # The check sees the saturation where nothing follows the loss scale.
     unfixed = _float16_run(rescale=False)
     assert any(scale * amax > e5m2_max for per_step in unfixed[1:] for scale, amax in per_step)
+
+
+def _docs_float16_step(loss_fn):
+    """docs/nnx.md's `float16_step`, its block run as written with `loss_fn` given."""
+    block = next(
+        b
+        for b in re.findall(r"^```python\n(.*?)^```", DOCS.read_text(), re.S | re.M)
+        if "def float16_step" in b
+    )
+    namespace = {"fp8jax": fp8jax, "nnx": nnx, "loss_fn": loss_fn}
+    exec(compile(block, str(DOCS), "exec"), namespace)
+    return namespace["float16_step"]
+
+
+def test_the_docs_float16_step_skips_an_overflowed_step():
+    """docs/nnx.md's float16 step (its loop, and `_float16_run`'s, updated every step): a loss
+    scale of 2**40 overflows float16's gradients (65504 at most; the unscaled gradients are
+    inf or NaN, checked by hand), and `optimizer.update` put them into Adam's moments for
+    good. The step leaves the Params and the optimizer state bit for bit as they were, backs
+    the loss scale off by its backoff (2**40 * 0.5) and counts the skip; a scale that does not
+    overflow then updates them, finite."""
+
+    def loss_fn(model, x, y):
+        logits = model(x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    step = _docs_float16_step(loss_fn)
+    model = fp8jax.fp8_linear_layers(_Float16Mlp(nnx.Rngs(0)), config())
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    y = x[:, :10].argmax(-1)
+    values = lambda: jax.tree.map(  # noqa: E731
+        np.asarray, nnx.as_pure((nnx.state(model, nnx.Param), nnx.state(optimizer)))
+    )
+    # The overflow, by hand: 2**40 times the loss's gradients is past float16's range.
+    scaled = lambda m, x, y: loss_fn(m, x, y) * 2.0**40  # noqa: E731
+    _, grads = fp8jax.nnx_value_and_grad(scaled)(nnx.clone(model), x, y)
+    params = jax.tree.leaves(nnx.filter_state(grads, nnx.Param))
+    assert not all(np.isfinite(np.asarray(g, np.float64)).all() for g in params)
+
+    before = values()
+    loss, loss_scale = step(model, optimizer, fp8jax.DynamicLossScale(2.0**40), x, y)
+    after = values()
+    assert float(loss_scale.loss_scale) == 2.0**40 * 0.5
+    assert int(loss_scale.skipped_steps) == 1 and int(loss_scale.counter) == 0
+    assert jax.tree.structure(after) == jax.tree.structure(before)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(np.asarray(a, np.float64)).all()
+
+    _, loss_scale = step(model, optimizer, fp8jax.DynamicLossScale(2.0**8), x, y)
+    assert int(loss_scale.skipped_steps) == 0 and int(optimizer.step.get_value()) == 1
+    moved = values()
+    assert all(np.isfinite(np.asarray(a, np.float64)).all() for a in jax.tree.leaves(moved))
+    assert not np.array_equal(moved[0]["fc1"]["kernel"], before[0]["fc1"]["kernel"])
 
 
 def test_nnx_rescale_gradient_states_is_the_recorded_gradients_times_the_ratio():

@@ -1,7 +1,6 @@
-"""Training FP8 Flax NNX models: gradients whose FP8 state combines by max
-(`nnx_value_and_grad`), the state written back (`nnx_update_fp8_state`), gradient histories
-following a loss scale (`nnx_rescale_gradient_states`), a whole train step (`nnx_train_step`,
-an `NnxTrainStep`)."""
+"""Training FP8 Flax NNX models: gradients whose FP8 state combines by max (`nnx_value_and_grad`),
+the state written back (`nnx_update_fp8_state`), gradient histories following a loss scale
+(`nnx_rescale_gradient_states`), a whole train step (`nnx_train_step`, an `NnxTrainStep`)."""
 
 from __future__ import annotations
 
@@ -339,15 +338,17 @@ def nnx_train_step(
 ) -> NnxTrainStep:
     """A jitted NNX train step for an FP8 model: gradients, FP8 state, optimizer.
 
-    `step(model, optimizer, *args, **kwargs)` differentiates `loss_fn(model, *args,
-    **kwargs)` with [`fp8jax.nnx_value_and_grad`][] (with respect to `optimizer.wrt` and the
-    FP8 state), writes the new FP8 state into `model` ([`fp8jax.nnx_update_fp8_state`][]),
-    updates the Params with `optimizer.update(model, grads)` (with `value=loss` for an
-    optax transformation that takes extra arguments, as `optax.contrib.reduce_on_plateau`
-    does), and returns the loss (or `(loss, aux)` with `has_aux=True`). `model` and
-    `optimizer` are updated in place, as NNX does; so are variables of NNX objects among the
-    arguments. Arrays among the arguments are traced, other values are static (a new value
-    recompiles). A model without FP8 layers (a high-precision baseline) trains with it too.
+    `step(model, optimizer, *args, **kwargs)` differentiates `loss_fn(model, *args, **kwargs)`
+    with [`fp8jax.nnx_value_and_grad`][] (with respect to `optimizer.wrt` and the FP8 state),
+    writes the new FP8 state into `model` ([`fp8jax.nnx_update_fp8_state`][]), updates the
+    Params with `optimizer.update(model, grads)` (`value=loss` for a transformation taking extra
+    arguments, as `optax.contrib.reduce_on_plateau`) and returns the loss (`(loss, aux)` with
+    `has_aux=True`). `model`, `optimizer` and NNX objects among the arguments are updated in
+    place, as NNX does. Arrays among the arguments are traced, other values are static (a new
+    value recompiles). A model without FP8 layers (a high-precision baseline) trains too.
+    Unlike `make_train_step`, it has no loss scale, [`fp8jax.Policy`][] or microbatches: NNX
+    layers compute in their own `dtype`; for float16, write the step by hand (the NNX guide's
+    `float16_step` skips overflowed steps); `optax.MultiSteps` accumulates gradients.
 
     Delayed scaling's warm start is paid only while it can change anything, as in
     [`fp8jax.TrainStep`][]: from the hundredth step on, once every
