@@ -1,8 +1,10 @@
 """fp8jax.inspect: deviceless H100 compiles of the tiny GPT under every recipe."""
 
+import copy
 import dataclasses
 import functools
 import itertools
+import pickle
 import re
 
 import equinox as eqx
@@ -885,3 +887,23 @@ def test_an_xla_ragged_dot_counts_the_dense_product_it_executes(h100):
     assert "ragged_dot" in gemm.op_name and gemm.runs == 1
     assert gemm.flops == 2 * m * (groups * k) * n == groups * (2 * m * k * n)
     assert report.cost["cublas"].gemm_flops == gemm.flops
+
+
+def test_an_inspection_deep_copies_and_pickles_with_its_memory_figures(h100):
+    """`copy.deepcopy` and `pickle` of a deviceless inspection failed, "cannot pickle
+    'CompiledMemoryStats'": its `memory` held XLA's object. It holds a record of the object's
+    figures now: every field equal to the executable's own `memory_analysis()`, copied and
+    round-tripped through pickle alike."""
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 32), jnp.bfloat16)
+    matmul = lambda x, w: x @ w  # noqa: E731
+    report = fp8jax.inspect(matmul, x, w, modes=("cublas",))
+    lowered, _ = deviceless.lower(matmul, (x, w), {}, h100.devices[0])
+    original = lowered.compile(compiler_options=deviceless.MODES["cublas"]).memory_analysis()
+    names = [n for n in dir(original) if not n.startswith("_")]
+    assert "temp_size_in_bytes" in names and original.temp_size_in_bytes > 0
+    for inspection in (report, copy.deepcopy(report), pickle.loads(pickle.dumps(report))):
+        memory = inspection.memory["cublas"]
+        for name in names:
+            assert getattr(memory, name) == getattr(original, name), name
+        assert f"temp memory: {original.temp_size_in_bytes} bytes" in str(inspection)

@@ -157,6 +157,35 @@ class Collective:
 
 
 @final
+@final
+@dataclasses.dataclass(frozen=True)
+class _MemoryStats:
+    """A compiled executable's `memory_analysis()` figures, copied field by field: XLA's
+    `CompiledMemoryStats` cannot be pickled, which made an `Inspection` fail `copy.deepcopy`
+    and `pickle`. A field the installed jaxlib lacks is `None`."""
+
+    generated_code_size_in_bytes: int | None = None
+    argument_size_in_bytes: int | None = None
+    output_size_in_bytes: int | None = None
+    alias_size_in_bytes: int | None = None
+    temp_size_in_bytes: int | None = None
+    host_generated_code_size_in_bytes: int | None = None
+    host_argument_size_in_bytes: int | None = None
+    host_output_size_in_bytes: int | None = None
+    host_alias_size_in_bytes: int | None = None
+    host_temp_size_in_bytes: int | None = None
+    peak_memory_in_bytes: int | None = None
+    serialized_buffer_assignment_proto: bytes | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, stats: Any) -> _MemoryStats | None:
+        """`stats` as a record (`None`, or one already copied, as it is)."""
+        if stats is None or isinstance(stats, cls):
+            return stats
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(stats, name, None) for name in names})
+
+
 class Fp8InspectionError(AssertionError):
     """Raised by [`fp8jax.assert_all_fp8`][]: some GEMMs are not FP8."""
 
@@ -166,7 +195,8 @@ class Inspection:
     """The GEMMs of one program, per compile mode, with memory figures where compiled.
 
     **Fields:** `gemms` (mode -> list of [`fp8jax.Gemm`][]), `memory` (mode -> the compiled
-    executable's `memory_analysis()`, absent in StableHLO mode), `target` (what was compiled
+    executable's `memory_analysis()` figures, `temp_size_in_bytes` and the others, in a frozen
+    record that copies and pickles; absent in StableHLO mode), `target` (what was compiled
     for), `traffic` (mode -> bytes read and written by the entry computation's instructions
     but the GEMMs, each loop's body counted once: `cost_analysis()` of a deviceless executable
     is empty),
@@ -193,6 +223,7 @@ class Inspection:
 
     def __post_init__(self) -> None:
         # `report.gemms["triton"]` names the modes there are, not just the key.
+        self.memory = {mode: _MemoryStats.of(stats) for mode, stats in self.memory.items()}
         for field in ("gemms", "memory", "traffic", "collectives", "cost"):
             setattr(self, field, _ByMode(getattr(self, field), field))
 
