@@ -289,6 +289,21 @@ def test_stacked_layers_report_one_row_per_layer(getkey):
     assert [r.split()[0] for r in rows[::3]] == [f"{name}[{i}]" for i in range(3)]
 
 
+def test_one_layer_of_a_stack_reports_under_the_stacks_name(getkey):
+    """docs/training.md: `stacked.get_layer(1)` carries the stack's name, so its telemetry
+    is under `name`, not `name[1]`; its figures are the stack's entry sliced at 1."""
+    hax = pytest.importorskip("haliax")
+    Layer, In, Out = hax.Axis("layer", 3), hax.Axis("in", 8), hax.Axis("out", 8)
+    stacked = hax.nn.Stacked.init(Layer, hax.nn.Linear)(In, Out, key=jax.random.split(getkey(), 3))
+    model = fp8jax.fp8_linear_layers(stacked, fp8jax.Fp8Config(telemetry=True))
+    (name,) = whole = fp8jax.telemetry(model)
+    one = fp8jax.telemetry(model.get_layer(1))
+    assert list(one) == [name]
+    want = jax.tree.map(lambda a: np.asarray(a)[1], whole[name])
+    for a, b in zip(jax.tree.leaves(one[name]), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_nested_stacked_layers_report_each_layers_own_state_after_a_step():
     """A Haliax Stacked of Stackeds (the inner one of length 1), trained a step: telemetry
     holds one entry with both layer axes, each layer's amaxes those read by hand from its
