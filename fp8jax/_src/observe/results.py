@@ -157,7 +157,6 @@ class Collective:
 
 
 @final
-@final
 @dataclasses.dataclass(frozen=True)
 class _MemoryStats:
     """A compiled executable's `memory_analysis()` figures, copied field by field: XLA's
@@ -186,6 +185,7 @@ class _MemoryStats:
         return cls(**{name: getattr(stats, name, None) for name in names})
 
 
+@final
 class Fp8InspectionError(AssertionError):
     """Raised by [`fp8jax.assert_all_fp8`][]: some GEMMs are not FP8."""
 
