@@ -778,6 +778,10 @@ def test_bad_construction():
         assert type(layer.native_kernel) is bool and layer.native_kernel == bool(flag)
         recipe = fp8jax.BlockwiseScaling(native_kernel=flag)
         assert type(recipe.native_kernel) is bool and recipe.native_kernel == bool(flag)
+        # telemetry too, in both FP8 ops (it was a TypeError, "should be True or False").
+        grouped = fp8jax.Fp8RaggedDot(num_experts=G, telemetry=flag)
+        dense = fp8jax.Fp8DotGeneral(telemetry=flag)
+        assert (grouped.stats is None) == (dense.stats is None) == (not flag)
     dot, sizes = fp8jax.Fp8RaggedDot(num_experts=2), jnp.array([2, 2], jnp.int32)
     x, w = jnp.ones((4, 16)), jnp.ones((2, 16, 16))
     with pytest.raises(NotImplementedError, match=r"group_offset=.* is not supported"):

@@ -77,6 +77,8 @@ class Fp8DotGeneral(AbstractFp8Op):
         name: str = "",
         telemetry: bool = False,
     ):
+        if isinstance(telemetry, np.bool_):  # the bool it holds, as Fp8Config takes it
+            telemetry = bool(telemetry)
         if not isinstance(telemetry, bool):
             raise TypeError(f"Fp8DotGeneral: telemetry={telemetry!r}: should be True or False.")
         if not isinstance(name, str):

@@ -269,6 +269,8 @@ class Fp8RaggedDot(AbstractFp8Op):
         kernel = self.recipe.init_state("kernel")
         self.kernel = jax.tree.map(lambda a: jnp.stack([a] * self.num_experts), kernel)
         self.output_grad = self.recipe.init_state("output_grad")
+        if isinstance(telemetry, np.bool_):  # the bool it holds, as Fp8Config takes it
+            telemetry = bool(telemetry)
         if not isinstance(telemetry, bool):
             raise TypeError(f"Fp8RaggedDot: telemetry={telemetry!r}: should be True or False.")
         self.stats = ExpertStats.zeros_for(self.num_experts) if telemetry else None
