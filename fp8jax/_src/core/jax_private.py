@@ -223,6 +223,24 @@ def differentiation_trace(x: Any) -> Any | None:
     return None
 
 
+def single_use_trace(x: Any) -> Any | None:
+    """The trace within which two uses of `x` have their cotangents added by a reverse-mode
+    derivative: `x`'s own (`differentiation_trace`), or that of a function traced to a jaxpr
+    under one (a `jax.checkpoint` or nested `jit` body inside `jax.grad`, whose inputs are
+    tracers of the body's trace, its parent the gradient's); `None` outside any."""
+    own = differentiation_trace(x)
+    if own is not None or not isinstance(x, core.Tracer):
+        return own
+    if type(x._trace).__name__ != "DynamicJaxprTrace":
+        return None
+    trace = getattr(x._trace, "parent_trace", None)
+    while trace is not None:
+        if type(trace).__name__ in _DIFFERENTIATION_TRACES:
+            return x._trace
+        trace = getattr(trace, "parent_trace", None)
+    return None
+
+
 def tracing() -> bool:
     """Whether this runs under a JAX transformation (`jit`, `vmap`, `grad`, ...)."""
     return not core.trace_state_clean()

@@ -57,6 +57,9 @@ class Static(NamedTuple):
     #: Where the call is differentiated under `jax.vmap` (`vmap(grad(f))`): such a vmap maps
     #: the GEMM per member, never folds it (its wgrad would sum what stays per example).
     gradient_vmaps: jax_private.GradientUnderVmap | None = None
+    #: The state entered another GEMM of the same `jax.checkpoint` or `jit` body, traced under
+    #: a plain gradient (`check_single_use`): the forward rule raises if it is differentiated.
+    used_again: bool = False
 
     def gradient_dtypes(self) -> tuple[np.dtype, np.dtype]:
         """The dtypes the backward's GEMMs write the lhs's and the rhs's gradients in: each
@@ -122,33 +125,43 @@ def check_state_differentiated(recipe: Recipe, static: Static, x, w, states) -> 
 STATE_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check_single_use(leaves: list, name: str, kind: str) -> None:
+def used_twice(name: str, kind: str) -> StateUsedTwiceError:
+    """The error for FP8 state entering two GEMMs of one plain differentiation."""
+    return StateUsedTwiceError(
+        f"{_layer(name, kind)} runs twice in one differentiated step (a shared or reused "
+        "layer), under a gradient that would add its two amaxes and scales instead of "
+        "keeping the larger: JAX sums the gradients of a value used twice, and FP8 state "
+        "leaves the step through its gradient. Use fp8jax.filter_value_and_grad / "
+        "fp8jax.filter_grad (drop-in for Equinox's) or fp8jax.make_train_step, which "
+        "combine the uses by max; with plain jax.grad, view the model with "
+        "fp8jax.combine_by_max inside the differentiated function.",
+        name,
+    )
+
+
+def check_single_use(leaves: list, name: str, kind: str) -> bool:
     """Raise if this FP8 state already entered a GEMM under the same differentiation.
 
     JAX adds the cotangents of a value used twice; for FP8 state, whose cotangent is its new
     value, that adds the amaxes of the two uses (and their scales). Only the max-combining
     view of [`fp8jax.filter_value_and_grad`][] combines them correctly. Seen at trace time:
     the same state leaf, a tracer of the same reverse-mode trace, reaching two GEMMs. `kind`
-    names a layer without a name.
+    names a layer without a name. Inside a `jax.checkpoint` or `jit` body traced under one,
+    whether the state is differentiated is known only to the forward rule: there a second
+    use returns `True` (`Static.used_again`), and the forward rule raises if it is.
     """
     leaf = leaves[0]
-    trace = jax_private.differentiation_trace(leaf)
+    trace = jax_private.single_use_trace(leaf)
     if trace is None:
-        return
+        return False
     seen = STATE_USES.setdefault(trace, {})
     earlier = seen.get(id(leaf))
     if earlier is not None and earlier() is leaf:
-        raise StateUsedTwiceError(
-            f"{_layer(name, kind)} runs twice in one differentiated step (a shared or reused "
-            "layer), under a gradient that would add its two amaxes and scales instead of "
-            "keeping the larger: JAX sums the gradients of a value used twice, and FP8 state "
-            "leaves the step through its gradient. Use fp8jax.filter_value_and_grad / "
-            "fp8jax.filter_grad (drop-in for Equinox's) or fp8jax.make_train_step, which "
-            "combine the uses by max; with plain jax.grad, view the model with "
-            "fp8jax.combine_by_max inside the differentiated function.",
-            name,
-        )
+        if jax_private.differentiation_trace(leaf) is None:
+            return True
+        raise used_twice(name, kind)
     seen[id(leaf)] = weakref.ref(leaf)
+    return False
 
 
 def prepare(
@@ -169,8 +182,7 @@ def prepare(
     max_combining = any(jax_private.is_max_combining(a) for a in leaves)
     if max_combining and not all(jax_private.is_max_combining(a) for a in leaves):
         raise ValueError("FP8 state mixes max-combining and float32 leaves.")
-    if not max_combining:
-        check_single_use(leaves, name, kind)
+    used_again = not max_combining and check_single_use(leaves, name, kind)
     lhs, rhs = operands[:2]
     mesh_axes = (
         jax_private.varying_axes(lhs),
@@ -186,6 +198,7 @@ def prepare(
         name,
         kind,
         jax_private.gradient_under_vmap(),
+        used_again,
     )
     return operands, static
 
@@ -220,6 +233,8 @@ def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
             "fp8_linear_layers, or with the layers excluded)."
         )
     check_state_differentiated(gemm.recipe, static, x, w, states)
+    if static.used_again and any(leaf.perturbed for leaf in jax.tree.leaves(states)):
+        raise used_twice(static.name, static.kind)
     x, w, rest, states = x_, w_, rest_, states_
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
     with dispatch.placed_as(x, w):
