@@ -198,6 +198,31 @@ def test_expert_exchange_names_an_axis_name_that_is_not_a_str():
         jax.eval_shape(f, jnp.zeros((64, 2), jnp.int32))
 
 
+def test_expert_exchange_names_an_axis_the_shard_map_does_not_split():
+    """A misspelt expert axis, one the `shard_map` leaves Auto (`axis_names={"expert"}`) or a
+    call outside `shard_map` raised JAX's bare "unbound axis name: experts": the error now
+    names it, with the axes it could be."""
+    mesh = _mesh({"data": 2, "expert": 4})
+
+    def plan(axis, **kw):
+        f = jax.shard_map(
+            lambda e: fp8jax.expert_exchange(e, 8, axis).group_sizes,
+            mesh=mesh,
+            in_specs=P("expert"),
+            out_specs=P("expert"),
+            **kw,
+        )
+        return jax.eval_shape(f, jnp.zeros((64, 2), jnp.int32))
+
+    assert plan("expert").shape == (8,)  # the names as the mesh spells them are taken
+    with pytest.raises(ValueError, match=r"axis_name='experts' .* \('data', 'expert'\)"):
+        plan("experts")
+    with pytest.raises(ValueError, match=r"axis_name='data' .* \('expert',\)"):
+        plan("data", axis_names={"expert"})
+    with pytest.raises(ValueError, match=r"axis_name='expert' .* \(\)"):
+        fp8jax.expert_exchange(jnp.zeros((8, 2), jnp.int32), 8, "expert")
+
+
 def test_the_exchange_names_arrays_of_other_shapes():
     """dispatch and combine took arrays of any shape and indexed them as the plan's: the
     tokens of another batch (x[:4]), the tokens again in place of the experts' rows, or

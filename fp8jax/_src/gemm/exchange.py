@@ -20,8 +20,8 @@ to move its assignments (token, expert) and to receive those of the others:
 each token's `top_k` rows are summed with its routing weights.
 
 XLA's CPU backend has no `ragged-all-to-all`: there the exchange is an `all_to_all` of one
-`A`-row slot per device pair with the same semantics (tests run on CPU devices; a compile
-for GPUs takes `ragged_all_to_all`).
+`A`-row slot per device pair with the same semantics (`all_to_all.py`; tests run on CPU
+devices; a compile for GPUs takes `ragged_all_to_all`).
 """
 
 from __future__ import annotations
@@ -37,48 +37,11 @@ from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from ..core import jax_private
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.formats import fp8_max
 from ..recipes import QTensor
 from ..recipes.per_tensor import compute_scale
-
-
-def _emulated_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    """`lax.ragged_all_to_all`'s result, from an `all_to_all` of one slot of
-    `operand.shape[0]` rows per device pair (XLA:CPU has no ragged all-to-all)."""
-    rows = operand.shape[0]
-    slot = jnp.arange(rows, dtype=input_offsets.dtype)
-    source = jnp.clip(input_offsets[:, None] + slot, 0, max(rows - 1, 0))  # (P, rows)
-    sent = jnp.where(
-        (slot < send_sizes[:, None]).reshape(source.shape + (1,) * (operand.ndim - 1)),
-        operand[source],
-        jnp.zeros((), operand.dtype),
-    )
-    got = lax.all_to_all(sent, axis_name, 0, 0)  # got[i]: device i's slot for this device
-    where = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # its offsets here
-    target = where[:, None] + slot
-    target = jnp.where(slot < recv_sizes[:, None], target, output.shape[0])  # dropped
-    flat = got.reshape((-1,) + operand.shape[1:])
-    return output.at[target.reshape(-1)].set(flat, mode="drop")
-
-
-def ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    """`jax.lax.ragged_all_to_all`, which XLA:CPU lacks: emulated there (same result)."""
-    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-    # The primitive's result varies as its `output` does; the emulation's as all of them.
-    varying = frozenset({axis_name}).union(*(jax_private.varying_axes(a) for a in args))
-    missing = tuple(sorted(varying - jax_private.varying_axes(output)))
-    if missing:
-        output = lax.pcast(output, missing, to="varying")
-    args = (operand, output, *args[2:])
-    real = functools.partial(lax.ragged_all_to_all, axis_name=axis_name)
-    cpu = functools.partial(_emulated_ragged_all_to_all, axis_name=axis_name)
-    return lax.platform_dependent(*args, cpu=cpu, default=real)
+from .all_to_all import ragged_all_to_all
 
 
 class ExpertExchange(eqx.Module):
@@ -400,7 +363,8 @@ def expert_exchange(
       `[0, num_experts)`; a choice outside is sent nowhere, and its token's share of the
       output is 0: traced indices cannot be checked).
     - `num_experts`: all experts, a multiple of the axis size.
-    - `axis_name`: the mesh axis the experts are split over (its name, a str: one axis).
+    - `axis_name`: the mesh axis the experts are split over (its name, a str: one axis, which
+      the enclosing `shard_map` splits).
     - `capacity`: the rows a device's experts can receive (static). `None`: the worst case,
       `P * tokens * top_k` (at least 1), so that no routing drops a token (the
       single-device MoE's result); smaller saves memory and GEMM rows past the received
@@ -416,7 +380,7 @@ def expert_exchange(
             f"expert_exchange: axis_name={axis_name!r}: should be the name (a str) of the one "
             "mesh axis the experts are split over, as expert_specs takes it."
         )
-    devices = lax.axis_size(axis_name)
+    devices = _axis_size(axis_name)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer):
         raise TypeError(f"expert_exchange: num_experts={num_experts!r}: should be an int >= 1.")
     if num_experts < 1:
@@ -458,6 +422,24 @@ def expert_exchange(
     )
     sharding = PartitionSpec() if explicit else None
     return on_auto_axes(plan, experts, out_sharding=sharding, explicit=explicit)
+
+
+def _axis_size(axis_name: str) -> int:
+    """The size of mesh axis `axis_name`, which the enclosing `shard_map` must split (lax
+    says only "unbound axis name")."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = jax.sharding.AxisType.Manual
+        axes = tuple(
+            n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == manual
+        )
+        raise ValueError(
+            f"expert_exchange: axis_name={axis_name!r} is not a mesh axis that the enclosing "
+            f"shard_map splits (those: {axes}); name the one the experts are split over, "
+            "from inside the shard_map."
+        ) from None
 
 
 def _plan(
