@@ -1116,7 +1116,8 @@ TRAINING = [
         "step-policy-int",
         lambda w: make(_loss, ADAM, policy=3),
         TypeError,
-        r"policy=3: should be a Policy, a str or None",
+        r"policy=3 is an int, not an fp8jax.Policy; pass an fp8jax.Policy, a string for "
+        r"Policy.from_string or None\.$",
     ),
     row(
         "step-policy-int8",

@@ -307,8 +307,10 @@ def _not_a_policy(policy: Any) -> str:
     as "Policy(...)") and, for one with the three dtypes, the fp8jax policy that has them."""
     kind = type(policy)
     where = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    named = where + kind.__qualname__
+    article = "an" if named[0].lower() in "aeiou" else "a"
     message = (
-        f"make_train_step: policy={policy!r} is a {where}{kind.__qualname__}, "
+        f"make_train_step: policy={policy!r} is {article} {named}, "
         "not an fp8jax.Policy; pass an fp8jax.Policy, a string for Policy.from_string or None"
     )
     if isinstance(policy, type):  # a class (fp8jax.Policy itself), whose fields are defaults
