@@ -51,20 +51,23 @@ class OverwriteWithGradient(eqx.Module):
         return [old.merge(new) for old, new in pairs]
 
 
+def _haliax_type(name: str) -> tuple[type, ...]:
+    """`haliax.quantization.<name>` as an `isinstance` tuple if haliax is imported (empty
+    otherwise): looked up, never imported."""
+    found = getattr(sys.modules.get("haliax.quantization"), name, None)
+    return (found,) if isinstance(found, type) else ()
+
+
 def _foreign_markers() -> tuple[type, ...]:
     """Other libraries' markers of state that the gradient overwrites: Haliax's (its own FP8
-    and int8 `dot_general`s, which a model converted by fp8jax keeps), looked up, never
-    imported."""
-    quantization = sys.modules.get("haliax.quantization")
-    marker = getattr(quantization, "OverwriteWithGradient", None)
-    return (marker,) if isinstance(marker, type) else ()
+    and int8 `dot_general`s, which a model converted by fp8jax keeps)."""
+    return _haliax_type("OverwriteWithGradient")
 
 
 def haliax_fp8_op() -> tuple[type, ...]:
     """Haliax's own FP8 op (`haliax.quantization.Fp8DotGeneralOp`) if haliax is imported, as
-    an `isinstance` tuple (empty otherwise): looked up, never imported."""
-    op = getattr(sys.modules.get("haliax.quantization"), "Fp8DotGeneralOp", None)
-    return (op,) if isinstance(op, type) else ()
+    an `isinstance` tuple (empty otherwise)."""
+    return _haliax_type("Fp8DotGeneralOp")
 
 
 def is_overwrite(x: Any) -> bool:
