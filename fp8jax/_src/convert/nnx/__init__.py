@@ -25,6 +25,7 @@ optimizer.update(model, grads)                       # Params only (wrt=nnx.Para
 [`fp8jax.nnx_train_step`][] does all of it in one jitted step.
 
 The package: the layers (`layers`, their Flax-free einsum algebra in `einsum`), the conversion
-(`convert`) and the training (`train`). This file imports nothing, and Flax is imported only
-with `layers`, `convert` or `train`: `import fp8jax` never imports it.
+(`convert`) and the training (`train`, its gradients in `grad`). This file imports nothing,
+and Flax is imported only with `layers`, `convert`, `grad` or `train`: `import fp8jax` never
+imports it.
 """
