@@ -1725,6 +1725,87 @@ def test_the_docs_float16_step_skips_an_overflowed_step():
     assert not np.array_equal(moved[0]["fc1"]["kernel"], before[0]["fc1"]["kernel"])
 
 
+def _state_and_counts(ops):
+    """An FP8 state's leaves as raw bytes but telemetry's counts of rejected updates, and
+    those counts by layer and role."""
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(ops, eqx.is_array))[0]
+    rest = {
+        jax.tree_util.keystr(path): np.asarray(a).tobytes()
+        for path, a in leaves
+        if not jax.tree_util.keystr(path).endswith(".rejected")
+    }
+    counts = {
+        (name, role): int(getattr(op.stats, role).rejected)
+        for name, op in ops.items()
+        for role in ("input", "kernel", "output_grad")
+    }
+    return rest, counts
+
+
+def test_the_docs_float16_step_keeps_a_skipped_steps_fp8_state_as_make_train_step_does():
+    """A step skipped for a loss scale that overflows float16's gradients (2**40): under
+    make_train_step (Equinox, the reference) every FP8 state stays as it was, bit for bit,
+    but delayed scaling's output-gradient histories, which follow the loss scale's backoff
+    (`rescale_gradient_states(old, 0.5)`), and telemetry's counts of rejected updates, which
+    keep the step's own (each output gradient's inf, counted once; checked by hand). docs/nnx.md's
+    float16_step rolled back the Params and Adam's moments but kept the input and kernel
+    amaxes the skipped step recorded: its FP8 state moved on from a step that never
+    happened."""
+    recipe = fp8jax.DelayedScaling(history_len=4)
+    backoff = 0.5
+
+    def expected_counts(before):
+        return {(n, r): c + (r == "output_grad") for (n, r), c in before.items()}
+
+    # Equinox, under make_train_step.
+    def eqx_loss(model, x, y):
+        logits = jax.vmap(model)(x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    mlp = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(1))
+    model = fp8jax.fp8_linear_layers(mlp, config(recipe, telemetry=True))
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    y = x[:, :10].argmax(-1)
+    train_step = fp8jax.make_train_step(
+        eqx_loss,
+        optax.adam(1e-3),
+        policy="params=float32,compute=float16,output=float32",
+        loss_scale=fp8jax.DynamicLossScale(2.0**8),
+    )
+    state = train_step.init(model)
+    for _ in range(2):
+        state, _ = train_step(state, x, y)
+    state = eqx.tree_at(lambda s: s.loss_scale, state, fp8jax.DynamicLossScale(2.0**40))
+    new, metrics = train_step(state, x, y)
+    assert not bool(metrics.grads_finite)
+    eqx_ops = lambda m: {f"layers.{i}": m.layers[i].dot_general for i in range(3)}  # noqa: E731
+    rest, counts = _state_and_counts(eqx_ops(new.model))
+    kept, before = _state_and_counts(eqx_ops(fp8jax.rescale_gradient_states(state.model, backoff)))
+    assert rest == kept
+    assert counts == expected_counts(before)
+
+    # NNX, in the docs' step.
+    def loss_fn(model, x, y):
+        logits = model(x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    step = _docs_float16_step(loss_fn)
+    model = fp8jax.fp8_linear_layers(_Float16Mlp(nnx.Rngs(0)), config(recipe, telemetry=True))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    nnx_ops = lambda: {n: getattr(model, n).dot_general.value() for n in ("fc1", "fc2", "head")}  # noqa: E731
+    for _ in range(2):
+        step(model, optimizer, fp8jax.DynamicLossScale(2.0**8), x, y)
+    old = nnx_ops()
+    _, loss_scale = step(model, optimizer, fp8jax.DynamicLossScale(2.0**40), x, y)
+    assert int(loss_scale.skipped_steps) == 1
+    rest, counts = _state_and_counts(nnx_ops())
+    kept, before = _state_and_counts(fp8jax.rescale_gradient_states(old, backoff))
+    assert rest.keys() == kept.keys()
+    moved = [k for k in kept if rest[k] != kept[k]]
+    assert not moved, f"the skipped step moved {moved}"
+    assert counts == expected_counts(before)
+
+
 def test_nnx_rescale_gradient_states_is_the_recorded_gradients_times_the_ratio():
     """In place: the output-gradient history times the ratio, the scale from it by hand in
     float64 (E5M2's max over its max, rounded down to a power of two), current scaling's
@@ -1880,6 +1961,29 @@ def test_nnx_update_fp8_state_refuses_another_models_gradients(other, message):
         fp8jax.nnx_update_fp8_state(model, grads)
     after = jax.tree.leaves(nnx.state(model, fp8jax.Fp8State))
     for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_update_fp8_state_where_false_keeps_the_state_and_refuses_a_non_boolean():
+    """`where=False` (a skipped step) leaves every FP8 state as it was, bit for bit; a NumPy
+    True updates as the default does; a value that is not a boolean scalar is refused,
+    named, before anything is written."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 16)), jnp.float32)
+    model = fp8jax.fp8_linear_layers(_Branching(nnx.Rngs(0)), config())
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(5 * x, True, "same")))(model)
+    state = lambda m: [np.asarray(v) for v in jax.tree.leaves(nnx.state(m, fp8jax.Fp8State))]  # noqa: E731
+    before = state(model)
+    for bad, shown in ((jnp.ones(1, bool), r"Array\(\[ True\]"), (1, "1"), ("no", "'no'")):
+        with pytest.raises(TypeError, match=rf"where={shown}.* should be a boolean scalar"):
+            fp8jax.nnx_update_fp8_state(model, grads, where=bad)
+    fp8jax.nnx_update_fp8_state(model, grads, where=False)
+    for a, b in zip(state(model), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    updated = nnx.clone(model)
+    fp8jax.nnx_update_fp8_state(updated, grads)
+    fp8jax.nnx_update_fp8_state(model, grads, where=np.bool_(True))
+    assert any(not np.array_equal(a, b) for a, b in zip(state(updated), before, strict=True))
+    for a, b in zip(state(model), state(updated), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

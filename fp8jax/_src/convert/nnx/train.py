@@ -9,15 +9,21 @@ from collections.abc import Callable, Mapping
 from typing import Any, final
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.typing import ArrayLike
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 
 from ...core import jax_private
 from ...core.compile_options import checked_compiler_options, traced_for, traced_options
 from ...ops import warm_start
-from ...ops.base import checked_ratio, rescaled_gradient_state, with_recorded_scales
+from ...ops.base import (
+    checked_ratio,
+    rescaled_gradient_state,
+    with_recorded_scales,
+    with_rejected_counts,
+)
 from ...ops.dot_general import Fp8DotGeneral
 from .grad import nnx_value_and_grad as nnx_value_and_grad
 from .grad import received_op, sub_state
@@ -30,7 +36,9 @@ def _fp8_ops(model: Any) -> list[Fp8DotGeneral]:
     return [node.value() for _, node in nodes if isinstance(node, AbstractFp8NnxDot)]
 
 
-def nnx_update_fp8_state(model: Any, grads: Any) -> None:
+def nnx_update_fp8_state(
+    model: Any, grads: Any, *, where: bool | Bool[ArrayLike, ""] = True
+) -> None:
     """Write the new FP8 state the gradients carry into `model`, in place.
 
     For each FP8 layer of `model` ([`fp8jax.Fp8NnxDotGeneral`][], [`fp8jax.Fp8NnxEinsum`][]),
@@ -44,9 +52,15 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
     - `model`: the NNX model, as differentiated.
     - `grads`: its gradients, from [`fp8jax.nnx_value_and_grad`][] or from
       `nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State)))`.
+    - `where`: whether the step is taken, a boolean scalar (traced too), e.g.
+      [`fp8jax.all_finite`][]`(grads)`. Where it is `False` (a step skipped because its
+      gradients overflowed) every FP8 state stays as it was, bit for bit, but telemetry's
+      counts of rejected updates, which keep the step's own, as
+      [`fp8jax.select_tree`][] keeps a skipped step's for [`fp8jax.make_train_step`][]:
+      the amaxes of a step that never happened are not recorded.
 
     Raises `ValueError` if `grads` holds no `Fp8State` for a layer (the gradient was not
-    taken with respect to it).
+    taken with respect to it), `TypeError` if `where` is not a boolean scalar.
 
     ```python
     loss, grads = fp8jax.nnx_value_and_grad(loss_fn)(model, x, y)
@@ -63,6 +77,7 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
             f"nnx_update_fp8_state: the {type(model).__name__} given has no FP8 layer; "
             "convert it with fp8jax.fp8_linear_layers first."
         )
+    taken = _taken(where)
     # Every layer's state merged at once, the ops of one class together (`merge_many`: a few
     # kernels per step, where one layer at a time took a few per layer), as `apply_updates`.
     groups: dict[type, list[tuple[AbstractFp8NnxDot, Any, Any]]] = {}
@@ -71,10 +86,10 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
         if received is None or not any(
             isinstance(v, Fp8State) for v in jax.tree.leaves(received, is_leaf=is_variable)
         ):
-            where = layer.name or ".".join(str(p) for p in path)
+            at = layer.name or ".".join(str(p) for p in path)
             raise ValueError(
                 f"nnx_update_fp8_state: the gradients hold no Fp8State for the FP8 layer at "
-                f"{where!r}. Differentiate with fp8jax.nnx_value_and_grad, or with "
+                f"{at!r}. Differentiate with fp8jax.nnx_value_and_grad, or with "
                 "nnx.grad(..., argnums=nnx.DiffState(0, (nnx.Param, fp8jax.Fp8State))), and "
                 "pass its gradients unfiltered."
             )
@@ -85,8 +100,28 @@ def nnx_update_fp8_state(model: Any, grads: Any) -> None:
         groups.setdefault(type(old), []).append((layer, old, new))
     for cls, group in groups.items():
         merged = cls.merge_many([(old, new) for _, old, new in group])
-        for (layer, _, _), value in zip(group, merged, strict=True):
+        for (layer, old, _), value in zip(group, merged, strict=True):
+            if taken is not None:  # a skipped step keeps the old state, its rejections counted
+                kept = jax.tree.map(lambda new, was: jnp.where(taken, new, was), value, old)
+                value = with_rejected_counts(kept, value, old)
             layer.set_value(value)
+
+
+def _taken(where: Any) -> Any:
+    """`nnx_update_fp8_state`'s `where` as a boolean scalar array, `None` for `True` (every
+    update taken, no select)."""
+    if where is True:
+        return None
+    try:
+        flag = None if isinstance(where, str | bytes) else jnp.asarray(where)
+    except (TypeError, ValueError):
+        flag = None
+    if flag is None or flag.dtype != jnp.bool_ or flag.shape != ():
+        raise TypeError(
+            f"nnx_update_fp8_state: where={where!r} should be a boolean scalar, e.g. "
+            "fp8jax.all_finite(grads): False keeps the FP8 state of a skipped step."
+        )
+    return flag
 
 
 def nnx_rescale_gradient_states(model: Any, ratio: Float[ArrayLike, ""]) -> None:
