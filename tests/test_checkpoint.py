@@ -1194,3 +1194,41 @@ def test_an_nnx_model_with_a_shared_layer_restores_it_shared(backend, tmp_path):
     restored, restored_optimizer = fp8jax.load_checkpoint(path, pair(1), backend=backend)
     assert restored.fc2 is restored.fc1
     assert go(restored, restored_optimizer, 2, 4) == go(model, optimizer, 2, 4)
+
+
+@needs_orbax
+@pytest.mark.parametrize("fail", ["arrays", "rename"])
+def test_a_failed_orbax_save_leaves_the_directory_as_it_was(fail, monkeypatch, tmp_path):
+    """An orbax save that raises (orbax failing mid-save, or the final rename) raises that
+    error and leaves the previous checkpoint at `path`, loadable, and nothing beside it. It
+    left its half-written `<path>.tmp` behind (and, when the rename failed, no `path`)."""
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "ckpt"
+    first, like = {"w": jnp.arange(4.0)}, {"w": jnp.zeros(4)}
+    fp8jax.save_checkpoint(path, first, backend="orbax")
+    save, replace = ocp.StandardCheckpointer.save, os.replace
+
+    def saving_then_failing(self, *args, **kwargs):
+        save(self, *args, **kwargs)  # shards written into `<path>.tmp`, then a failure
+        raise OSError("disk full")
+
+    def failing_rename(source, target):
+        if os.fspath(source).endswith("ckpt.tmp"):
+            raise OSError("disk full")
+        return replace(source, target)
+
+    with monkeypatch.context() as m:
+        if fail == "arrays":
+            m.setattr(ocp.StandardCheckpointer, "save", saving_then_failing)
+        else:
+            m.setattr(os, "replace", failing_rename)
+        with pytest.raises(OSError, match="disk full"):
+            fp8jax.save_checkpoint(path, {"w": jnp.arange(4.0) + 10}, backend="orbax")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    restored = fp8jax.load_checkpoint(path, like, backend="orbax")
+    np.testing.assert_array_equal(restored["w"], first["w"])
+    fp8jax.save_checkpoint(path, {"w": jnp.arange(4.0) + 20}, backend="orbax")  # a retry
+    np.testing.assert_array_equal(
+        fp8jax.load_checkpoint(path, like, backend="orbax")["w"], first["w"] + 20
+    )

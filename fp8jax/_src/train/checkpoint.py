@@ -40,7 +40,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
-from .checkpoint_files import file_mode, remove, sync_directory, sync_file
+from .checkpoint_files import file_mode, remove, replace_directory, sync_directory, sync_file
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_orbax import check_restorable, restore_arrays, save_arrays
@@ -70,8 +70,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
       completely or not at all: the data goes to a temporary name first, and is on disk
       (`fsync`) before it replaces a previous checkpoint, a power loss too. A symbolic link
       at `path` is replaced, its target kept. An orbax save replaces only a checkpoint it
-      wrote (else `FileExistsError`, nothing written). An
-      orbax save stopped between its two renames leaves no `path`, the checkpoint it
+      wrote (else `FileExistsError`, nothing written). A save that raises (orbax cannot
+      write a leaf, a full disk) leaves `path` as it was and no `<path>.tmp`. An
+      orbax save stopped (killed) between its two renames leaves no `path`, the checkpoint it
       replaced at `<path>.old` and its own, complete, at `<path>.tmp`;
       [`fp8jax.load_checkpoint`][] names them (and an Equinox save's `<path>.*.tmp`
       file, if one was killed before its rename), saying which to rename to `path`.
@@ -476,30 +477,23 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     arrays = eqx.filter(state, eqx.is_array)
     tmp = path.with_name(path.name + ".tmp")
 
-    def clear() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
     def finish() -> None:
         with open(tmp / _RECORD, "wb") as f:
             f.write(record)
             sync_file(f)
         sync_directory(tmp)
-        # Swap directories so that a complete checkpoint is at `path` at every moment but one
-        # rename; the previous one is removed only after the new one is in place.
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            remove(old)  # left by a save stopped while removing it: stale
-            os.replace(path, old)  # (a symbolic link moved aside, its target kept)
-        os.replace(tmp, path)
-        sync_directory(path.parent)
-        remove(old)
+        replace_directory(tmp, path)
 
     # With several processes, all of them write shards into `tmp` (orbax coordinates them);
     # only process 0 touches the directories around it.
-    on_process_zero("clear the temporary directory", clear)
-    save_arrays(ocp, tmp.absolute() / "state", arrays)
-    on_process_zero("write the checkpoint", finish)
+    on_process_zero("clear the temporary directory", lambda: remove(tmp))
+    try:
+        save_arrays(ocp, tmp.absolute() / "state", arrays)
+        on_process_zero("write the checkpoint", finish)
+    except Exception:  # a failed save leaves no half-written `<path>.tmp` behind (a killed one
+        if jax.process_index() == 0:  # leaves it, and `load_checkpoint` names it)
+            shutil.rmtree(tmp, ignore_errors=True)  # (the save's own error is the one raised)
+        raise
 
 
 def _orbax_load(path: pathlib.Path, like: T) -> T:

@@ -51,3 +51,23 @@ def remove(path: pathlib.Path) -> None:
         path.unlink()
     elif path.exists():
         shutil.rmtree(path)
+
+
+def replace_directory(new: pathlib.Path, path: pathlib.Path) -> None:
+    """Put the directory `new` at `path` so that a complete checkpoint is there at every moment
+    but one rename: the previous one is moved to `<path>.old` and removed only after the new
+    one is in place, or moved back if that rename fails (the failed save then leaves it as it
+    was)."""
+    old = path.with_name(path.name + ".old")
+    moved = path.exists()
+    if moved:
+        remove(old)  # left by a save stopped while removing it: stale
+        os.replace(path, old)  # (a symbolic link moved aside, its target kept)
+    try:
+        os.replace(new, path)
+    except Exception:
+        if moved:
+            os.replace(old, path)
+        raise
+    sync_directory(path.parent)
+    remove(old)
