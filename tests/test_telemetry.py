@@ -747,3 +747,14 @@ def test_grouped_tokens_add_over_calls_and_microbatches():
     np.testing.assert_array_equal(grads.stats.tokens, whole)
     (layer,) = fp8jax.telemetry(fp8jax.apply_updates(dot, None, grads)).values()
     np.testing.assert_array_equal(layer.tokens, whole)
+
+
+def test_a_layer_that_is_the_tree_itself_is_named_root(getkey):
+    """An FP8 op passed as the whole tree has no path: its row was keyed `''` and printed
+    with a blank name. It is `(root)`, as a conversion plan names the root."""
+    op = fp8jax.Fp8DotGeneral()
+    plan = fp8jax.conversion_plan(eqx.nn.Linear(32, 32, key=getkey()))
+    root = str(plan).splitlines()[2].split()[0]  # the plan's printed name of the root
+    assert list(fp8jax.telemetry(op)) == [root]
+    rows = fp8jax.report(op, quiet=True).splitlines()[2:]
+    assert [r.split()[0] for r in rows[:3]] == [root, "kernel", "output_grad"]

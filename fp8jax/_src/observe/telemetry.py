@@ -156,7 +156,8 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
 
     **Returns:** a dict from the layer's name (its path, as `fp8_linear_layers` set it, or its
     position in `tree` for a layer without one or whose name an earlier layer has, numbered
-    `#2`, ... if that is taken too) to its telemetry: a pytree of arrays, computed
+    `#2`, ... if that is taken too; `(root)` for a layer that is `tree` itself, as in
+    [`fp8jax.ConversionPlan`][]) to its telemetry: a pytree of arrays, computed
     without leaving the device. Raises `ValueError` if `tree` holds no FP8 layer.
 
     ```python
@@ -179,7 +180,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     for path, node in found:
         if not is_layer(node):
             continue
-        where = jax.tree_util.keystr(path).lstrip(".")
+        where = jax.tree_util.keystr(path).lstrip(".") or "(root)"  # as plans name it
         if isinstance(node, haliax_ops):
             layers[_unique(where, where, layers)] = _haliax_layer(node)
             continue
