@@ -420,9 +420,10 @@ def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():
     for mode in ("cublas", "default"):  # XLA's default mode: FP8 operands, whatever kernel
         assert all(g.fp8_operands for g in report.gemms[mode] if g.layer is not None), mode
         layers = report.layers(mode)
-        # The four GEMMs of the scanned block, named by their scopes: forward (recomputed
-        # under remat: twice), dgrad and wgrad each in FP8.
-        assert sorted(layers) == ["attn", "mlp"], mode
+        # The four GEMMs of the scanned block, two per scope, named by their scopes and
+        # numbered after each scope's first: forward (recomputed under remat: twice), dgrad
+        # and wgrad each in FP8.
+        assert sorted(layers) == ["attn", "attn_1", "mlp", "mlp_1"], mode
         roles = {role for roles in layers.values() for role in roles}
         assert roles == {"fwd", "dgrad", "wgrad"}, mode
 

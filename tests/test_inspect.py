@@ -850,6 +850,31 @@ def test_unnamed_autocast_gemms_are_numbered_in_program_order(h100):
         assert gemm.fp8 and gemm.flops == 2 * m * k * n
 
 
+def test_autocast_gemms_sharing_a_named_scope_are_numbered_in_program_order(h100):
+    """Two GEMMs in one `jax.named_scope` were both named by it: `layers()` gave one row
+    holding both, their figures indistinguishable. The first keeps the scope's name, the
+    next is numbered (`mlp`, `mlp_1`), each with its own shape; a scope holding one GEMM
+    keeps its name."""
+    m, k, n1, n2 = 32, 64, 48, 80
+
+    def f(x, w1, w2, w3):
+        with jax.named_scope("mlp"):
+            h = jnp.tanh(x @ w1) @ w2
+        with jax.named_scope("head"):
+            return jnp.sum(h @ w3)
+
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    ws = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((k, n1), (n1, n2), (n2, k)))
+    report = fp8jax.inspect(fp8jax.fp8_autocast(f), x, *ws, modes=("cublas",), merge_dots=False)
+    layers = report.layers("cublas")
+    expected = {"mlp": 2 * m * k * n1, "mlp_1": 2 * m * n1 * n2, "head": 2 * m * n2 * k}
+    assert sorted(layers) == sorted(expected)
+    assert len(report.gemms["cublas"]) == 3
+    for name, flops in expected.items():
+        (gemm,) = layers[name]["fwd"]
+        assert gemm.fp8 and gemm.flops == flops, (name, gemm)
+
+
 def test_gemms_in_the_branches_of_a_cond_count_the_branch_the_cost_counts(h100):
     """In a `lax.cond`, each branch's GEMM read `runs=1`, as if both branches ran, while the
     cost counts the costliest branch only: the GEMMs' `flops * runs` summed past the cost's

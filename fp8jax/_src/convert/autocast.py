@@ -74,17 +74,20 @@ class _Choice:
     picked: list = dataclasses.field(default_factory=list, compare=False)
     #: The scopes of every floating GEMM it saw, whatever their shape (one call's).
     seen: list = dataclasses.field(default_factory=list, compare=False)
-    #: How many GEMMs outside any name scope it converted, by kind (one call's).
-    unnamed: dict = dataclasses.field(default_factory=dict, compare=False)
+    #: The names it gave the GEMMs it converted (one call's).
+    named: set = dataclasses.field(default_factory=set, compare=False)
 
     def name(self, scope: str, kind: str) -> str:
-        """A converted GEMM's name: its scope, or for one outside any scope `kind` numbered
-        in program order (`dot_general`, `dot_general_1`, ...), so that each has its own."""
-        if scope:
-            return scope
-        n = self.unnamed.get(kind, 0)
-        self.unnamed[kind] = n + 1
-        return f"{kind}_{n}" if n else kind
+        """A converted GEMM's name: its scope (for one outside any scope, `kind`), numbered in
+        program order after the first of that name (`mlp`, `mlp_1`; `dot_general`,
+        `dot_general_1`, ...), so that each GEMM has its own."""
+        base = found = scope or kind
+        n = 0
+        while found in self.named:
+            n += 1
+            found = f"{base}_{n}"
+        self.named.add(found)
+        return found
 
     def picks_scope(self, scope: str) -> bool:
         self.asked.append(scope)
@@ -199,7 +202,8 @@ def fp8_autocast(
     under differentiation FP8 dgrad and wgrad. Nothing else changes. The GEMMs are named by
     their name scopes (`jax.named_scope`), which [`fp8jax.inspect`][fp8jax.observe.inspect]
     reports; those outside any scope are numbered in program order (`dot_general`,
-    `dot_general_1`, ...; `ragged_dot`, `ragged_dot_1`, ...).
+    `dot_general_1`, ...; `ragged_dot`, `ragged_dot_1`, ...), and so are a scope's GEMMs
+    after its first (`mlp`, `mlp_1`, ...): each GEMM has a name of its own.
 
     **Arguments:**
 
@@ -276,7 +280,9 @@ def fp8_autocast(
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
         traced = trace_call(fun, args, kwargs)
-        call = dataclasses.replace(choice, asked=[], shapes_left={}, picked=[], seen=[], unnamed={})
+        call = dataclasses.replace(
+            choice, asked=[], shapes_left={}, picked=[], seen=[], named=set()
+        )
         out = traced.evaluate(Interpreter(call))
         _warn_if_unmatched(call, scopes, exclude)
         return out
