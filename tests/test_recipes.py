@@ -309,13 +309,28 @@ def test_mxfp8_scaled_matmul_path(monkeypatch):
         b_real = b.astype(jnp.float32) * expand(b_scales)
         return jnp.einsum("bmk,bnk->bmn", a_real, b_real).astype(preferred_element_type)
 
+    from fp8jax._src.recipes import mxfp8
+
     monkeypatch.setattr(jax.nn, "scaled_matmul", documented)
+    # A GPU's branch (a CPU compile takes the emulation: JAX has no CPU `scaled_matmul`).
+    monkeypatch.setattr(mxfp8, "_per_platform", lambda a, b, emulated, scaled: scaled(a, b))
     x, w, g = operands(6, m=5, k=70, n=9)
     want = list(run(fp8jax.MXFP8(use_scaled_matmul=False), x, w, g))
     got = list(run(fp8jax.MXFP8(use_scaled_matmul=True), x, w, g))
     assert calls == [(1, 5, 96)]  # the forward only; K padded to 3 blocks
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+def test_mxfp8_forced_scaled_matmul_computes_on_cpu():
+    """`MXFP8(use_scaled_matmul=True)` raised a raw `NotImplementedError` (no MLIR
+    translation rule for `scaled_matmul` on cpu) from a CPU compile. There it now runs the
+    emulation: forward, dgrad and wgrad match the float64 reference of the format."""
+    x, w, g = operands(0)
+    got = run(fp8jax.MXFP8(use_scaled_matmul=True), x, w, g)
+    mags = (np.abs(x) @ np.abs(w).T, np.abs(g) @ np.abs(w), np.abs(g).T @ np.abs(x))
+    for part, a, b, mag in zip(("y", "dx", "dw"), got, ref.mxfp8(x, w, g), mags, strict=True):
+        np.testing.assert_array_less(np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), part)
 
 
 def test_blockwise_with_dot_general_batch_dims():

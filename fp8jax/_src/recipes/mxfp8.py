@@ -4,7 +4,9 @@ through `jax.nn.scaled_matmul` on GPUs that run it natively (compute capability 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,8 @@ class MXFP8(BlockScaledRecipe):
     elements (as zero padding to whole blocks would give; the OCP format has whole blocks
     only, and `jax.nn.scaled_matmul` is given the data zero-padded). Emulated in plain
     XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
-    of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`.
+    of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`
+    (compiled for a CPU, where JAX has no `scaled_matmul`, `True` runs the emulation).
     For the dgrad, the kernel is quantized a second time along its other axis from the
     high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
     wgrad, the saved FP8 activation is requantized along its tokens.
@@ -92,9 +95,24 @@ class MXFP8(BlockScaledRecipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        emulated = functools.partial(
+            super().dot,
+            lhs_axis=lhs_axis,
+            rhs_axis=rhs_axis,
+            precision=precision,
+            out_dtype=out_dtype,
+        )
         if lhs_axis == rhs_axis == -1 and self._scaled_matmul_available():
-            return _scaled_matmul(lhs, rhs).astype(out_dtype)
-        return super().dot(lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype)
+            # JAX has no CPU lowering of `scaled_matmul`: a CPU compile runs the emulation,
+            # which computes the same product (one FP8 dot per block, summed in float32).
+            scaled = lambda a, b: _scaled_matmul(a, b).astype(out_dtype)  # noqa: E731
+            return _per_platform(lhs, rhs, emulated, scaled)
+        return emulated(lhs, rhs)
+
+
+def _per_platform(lhs: QTensor, rhs: QTensor, emulated: Callable, scaled: Callable) -> Array:
+    """`emulated(lhs, rhs)` in a program compiled for a CPU, else `scaled(lhs, rhs)`."""
+    return jax.lax.platform_dependent(lhs, rhs, cpu=emulated, default=scaled)
 
 
 def _scaled_matmul(lhs: QTensor, rhs: QTensor) -> Float[Array, "*shape"]:
