@@ -579,3 +579,25 @@ def test_nested_jits_on_an_explicit_mesh_match_the_plain_function():
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 np.testing.assert_array_equal(a, b, err_msg=name)
                 assert a.sharding.is_equivalent_to(b.sharding, 2), (name, i)
+
+
+def test_a_gemm_writing_integers_or_fp8_is_left_as_written():
+    """`lax.dot_general` takes floating operands with an integer or FP8
+    `preferred_element_type`; autocast handed such a GEMM to `Fp8DotGeneral`, whose
+    TypeError ("preferred_element_type=int32 is not a high-precision float type") failed the
+    whole call. It is left as written, as GEMMs of integer or FP8 operands are; the float
+    GEMM beside it is still converted."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+
+    def f(x, w):
+        counts = jax.lax.dot(x, w, preferred_element_type=jnp.int32)
+        narrow = jax.lax.dot(x, w, preferred_element_type=jnp.float8_e4m3fn)
+        return counts, narrow, x @ w
+
+    counts, narrow, wide = fp8jax.fp8_autocast(f)(x, w)
+    np.testing.assert_array_equal(counts, jax.lax.dot(x, w, preferred_element_type=jnp.int32))
+    np.testing.assert_array_equal(narrow, jax.lax.dot(x, w, preferred_element_type=narrow.dtype))
+    np.testing.assert_array_equal(wide, fp8_dot(fp8jax.CurrentScaling())(x, w))
+    assert count_fp8_dots(fp8jax.fp8_autocast(f), x, w) == (1, 2)

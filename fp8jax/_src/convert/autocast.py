@@ -101,11 +101,9 @@ class _Choice:
 
     def picks_dot(self, eqn: Any, scope: str) -> bool:
         lhs, rhs = (v.aval for v in eqn.invars[:2])
-        if not all(_high_precision_float(a.dtype) for a in (lhs, rhs)):
+        if not _floating_gemm(eqn):
             return False
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        if not lc:
-            return False
         self.seen.append(scope)
         if lb and not self.batched:
             return self._left("batched")
@@ -150,7 +148,7 @@ class _Choice:
             and tuple(numbers.rhs_group_dimensions) == (0,)
             and eqn.params.get("group_offset") is None
         )
-        floats = all(_high_precision_float(a.dtype) for a in (lhs, rhs))
+        floats = _floating_gemm(eqn)
         if plain and floats:
             self.seen.append(scope)
         if plain and floats and min(*lhs.shape, rhs.shape[2]) < self.min_dim:
@@ -172,10 +170,12 @@ class _Choice:
 
 
 def _floating_gemm(eqn: Any) -> bool:
-    """Whether a GEMM equation (of `gemm_equations`) has floating operands (16 bits or more)
-    and, a `dot_general`'s, a contraction."""
+    """Whether a GEMM equation (of `gemm_equations`) has floating operands and result (16
+    bits or more: `preferred_element_type` may ask floats for integers or FP8, which the FP8
+    GEMM does not write) and, a `dot_general`'s, a contraction."""
     contracts = eqn.primitive.name != "dot_general" or bool(eqn.params["dimension_numbers"][0][0])
-    return contracts and all(_high_precision_float(v.aval.dtype) for v in eqn.invars[:2])
+    values = (*eqn.invars[:2], eqn.outvars[0])
+    return contracts and all(_high_precision_float(v.aval.dtype) for v in values)
 
 
 def _high_precision_float(dtype: Any) -> bool:
@@ -224,9 +224,10 @@ def fp8_autocast(
       long (tiny GEMMs gain nothing from FP8; a `ragged_dot`'s rows: all its groups').
 
     What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
-    (their own rules would not match), GEMMs of integer or FP8 operands. Autocast the loss
-    and differentiate the result: a function that differentiates inside (a whole train
-    step) has its backward GEMMs traced as forward ones, cast to E4M3 like them, not E5M2.
+    (their own rules would not match), GEMMs of integer or FP8 operands or results. Autocast
+    the loss and differentiate the result: a function that differentiates inside (a whole
+    train step) has its backward GEMMs traced as forward ones, cast to E4M3 like them, not
+    E5M2.
 
     Warns (`fp8jax.Fp8ConversionWarning`) when `scopes` or `exclude` matches none of the
     GEMMs' scopes, and when it converts no GEMM of the call at all (each reason counted:
