@@ -601,3 +601,37 @@ def test_a_gemm_writing_integers_or_fp8_is_left_as_written():
     np.testing.assert_array_equal(narrow, jax.lax.dot(x, w, preferred_element_type=narrow.dtype))
     np.testing.assert_array_equal(wide, fp8_dot(fp8jax.CurrentScaling())(x, w))
     assert count_fp8_dots(fp8jax.fp8_autocast(f), x, w) == (1, 2)
+
+
+def test_state_an_nnx_module_writes_in_place_is_refused_unless_returned():
+    """A Flax NNX model called inside the function writes its `BatchNorm` statistics (and an
+    `nnx.Rngs`' count) into its variables in place. Autocast calls the function on copies of
+    its arguments, so those writes were lost without a word, under `nnx.jit` too: statistics
+    never updated, the same dropout mask every step. It now raises, naming the variable; the
+    state returned beside the result (`nnx.split` outside, `nnx.merge` inside) is updated."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(48, 64, rngs=nnx.Rngs(0))
+            self.bn = nnx.BatchNorm(64, momentum=0.9, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((32, 48)), jnp.float32)
+    net = Net()
+    with pytest.raises(ValueError, match=r"its argument args\[0\]\.bn\.mean\.value .*Return"):
+        nnx.jit(fp8jax.fp8_autocast(lambda net, x: net(x)))(net, x)
+    np.testing.assert_array_equal(net.bn.mean[...], np.zeros(64))  # nothing half-written
+
+    graphdef, state = nnx.split(net)
+
+    def step(state, x):
+        net = nnx.merge(graphdef, state)
+        return net(x), nnx.state(net)
+
+    _, new = jax.jit(fp8jax.fp8_autocast(step))(state, x)
+    hidden = fp8_dot(fp8jax.CurrentScaling())(x, net.lin.kernel[...]) + net.lin.bias[...]
+    expected = 0.1 * np.asarray(hidden, np.float64).mean(0)  # momentum 0.9 from zeros
+    np.testing.assert_allclose(new["bn"]["mean"][...], expected, rtol=1e-5, atol=1e-7)

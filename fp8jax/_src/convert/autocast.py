@@ -229,6 +229,9 @@ def fp8_autocast(
     train step) has its backward GEMMs traced as forward ones, cast to E4M3 like them, not
     E5M2.
 
+    Raises where `fun` writes a new array into an argument in place and does not return it
+    (a Flax NNX model's `BatchNorm` statistics): it runs on copies, as under `jax.jit`.
+
     Warns (`fp8jax.Fp8ConversionWarning`) when `scopes` or `exclude` matches none of the
     GEMMs' scopes, and when it converts no GEMM of the call at all (each reason counted:
     under `jax.vmap`, a function of one example has GEMMs of one row, below `min_dim`).
@@ -280,7 +283,7 @@ def fp8_autocast(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Any:
-        traced = trace_call(fun, args, kwargs)
+        traced = trace_call(_refusing_writes(fun), args, kwargs)
         call = dataclasses.replace(
             choice, asked=[], shapes_left={}, picked=[], seen=[], named=set()
         )
@@ -289,6 +292,35 @@ def fp8_autocast(
         return out
 
     return run
+
+
+def _refusing_writes(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """`fun`, raising where it wrote a new array into one of its arguments (a Flax NNX
+    module's `BatchNorm` statistics, an `nnx.Rngs` drawn from, a dict's entry) and did not
+    return it: the trace writes into copies of the arguments, so the caller's would silently
+    keep their old values (even under `nnx.jit`, which writes back what its call wrote)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        out = fun(*args, **kwargs)
+        after, treedef_after = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        if treedef_after != treedef:
+            return out  # containers rebuilt (a dict popped from): no array lost in place
+        returned = {id(v) for v in jax.tree.leaves(out)}  # nnx.state(model) returned: kept
+        for (path, old), (_, new) in zip(before, after, strict=True):
+            if new is not old and _is_array(new) and id(new) not in returned:
+                where = ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+                raise ValueError(
+                    f"fp8_autocast: fun wrote a new array into its argument {where} (state "
+                    "updated in place, such as a Flax NNX BatchNorm's statistics or an "
+                    "nnx.Rngs drawn from); fp8_autocast, like jax.jit, calls fun on copies of "
+                    "its arguments, so the caller's would keep the old value. Return the "
+                    "state instead: pass nnx.split(model)'s state, nnx.merge it inside, and "
+                    "return nnx.state(model) with the result."
+                )
+        return out
+
+    return call
 
 
 def _warn_if_unmatched(choice: _Choice, scopes: str | None, exclude: str | None) -> None:
