@@ -635,3 +635,23 @@ def test_state_an_nnx_module_writes_in_place_is_refused_unless_returned():
     hidden = fp8_dot(fp8jax.CurrentScaling())(x, net.lin.kernel[...]) + net.lin.bias[...]
     expected = 0.1 * np.asarray(hidden, np.float64).mean(0)  # momentum 0.9 from zeros
     np.testing.assert_allclose(new["bn"]["mean"][...], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_result_holding_traced_arrays_outside_any_pytree_is_refused():
+    """Leaves of the result that are not arrays are returned as they are. An object JAX does
+    not flatten (a plain class, a closure) that holds the function's arrays came back
+    holding the trace's tracers, and its first use raised JAX's UnexpectedTracerError far
+    from the call (`jax.jit` refuses such a result at once). It is refused, naming it."""
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32)) / 32
+
+    class Box:
+        def __init__(self, value):
+            self.value = value
+
+    with pytest.raises(TypeError, match=r"result\[1\].*Box.*holds the traced arrays.*pytree"):
+        fp8jax.fp8_autocast(lambda x, w: (x, Box(x @ w)))(x, w)
+    with pytest.raises(TypeError, match=r"result.*function.*holds the traced arrays"):
+        fp8jax.fp8_autocast(lambda x, w: (lambda y: lambda: y)(x @ w))(x, w)
+    # Static values holding no traced array still come back as they are.
+    box = fp8jax.fp8_autocast(lambda x, w: (x @ w, Box("label")))(x, w)[1]
+    assert box.value == "label"

@@ -208,7 +208,8 @@ def fp8_autocast(
     **Arguments:**
 
     - `fun`: any function of arrays (other arguments, such as flags, are static; so are
-      other values it returns, such as an Equinox module's functions).
+      other values it returns, such as an Equinox module's functions; one JAX cannot
+      flatten that holds the function's arrays, a plain class's instance, is refused).
     - `recipe`: a recipe that keeps no state between steps: `"current"` (the default),
       `"blockwise"`, `"mxfp8"`, or an instance (`ResidualFP8` without error feedback too).
       Delayed scaling is refused: its amax history must live somewhere between steps, which
@@ -419,6 +420,18 @@ def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Any], tu
     return [leaves[i] for i in dynamic], fill, [keyed[i][0] for i in dynamic]
 
 
+def _holds_tracer(value: Any) -> bool:
+    """Whether `value`, a leaf JAX does not flatten, holds a tracer in its attributes or, a
+    function's, its closure (one level down: what a class or a closure made in `fun` keeps)."""
+    held = [*getattr(value, "__dict__", {}).values()]
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            continue
+    return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(held))
+
+
 def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall:
     """`fun(*args, **kwargs)` traced, its array arguments as the jaxpr's inputs (in the
     order `jax.tree.leaves((args, kwargs))` gives them) and the rest static, as are the
@@ -429,8 +442,18 @@ def trace_call(fun: Callable[..., Any], args: tuple, kwargs: dict) -> TracedCall
 
     def flat(*values: Any) -> list:
         a, k = fill(values)
-        leaves, treedef = jax.tree.flatten(fun(*a, **k))
+        keyed, treedef = jax.tree_util.tree_flatten_with_path(fun(*a, **k))
+        leaves = [v for _, v in keyed]
         traced = [_is_array(v) or isinstance(v, bool | int | float | complex) for v in leaves]
+        for (path, v), t in zip(keyed, traced, strict=True):
+            if not t and _holds_tracer(v):
+                raise TypeError(
+                    f"fp8jax: {getattr(fun, '__name__', fun)!r} returned at "
+                    f"result{jax.tree_util.keystr(path)} a {type(v).__name__} that holds the "
+                    "traced arrays, which JAX cannot flatten; it would come back holding "
+                    "tracers. Return the arrays in a pytree (a tuple or dict, an eqx.Module, a "
+                    "class registered with jax.tree_util.register_dataclass)."
+                )
         result[:] = [treedef, [_TRACED if t else v for v, t in zip(leaves, traced, strict=True)]]
         return [v for v, t in zip(leaves, traced, strict=True) if t]
 
