@@ -655,3 +655,33 @@ def test_a_result_holding_traced_arrays_outside_any_pytree_is_refused():
     # Static values holding no traced array still come back as they are.
     box = fp8jax.fp8_autocast(lambda x, w: (x @ w, Box("label")))(x, w)[1]
     assert box.value == "label"
+
+
+def test_a_new_variable_an_nnx_module_adds_in_place_is_refused_unless_returned():
+    """Adding a variable (an `nnx.Intermediate` kept for inspection, a cache entry) changes
+    the arguments' structure, which the check for overwritten arrays skipped: the new
+    array was lost as silently. A container only taken from (a dict popped) still runs."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(48, 64, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            hidden = self.lin(x)
+            self.hidden = nnx.Intermediate(hidden)
+            return jnp.tanh(hidden)
+
+    x = jnp.ones((32, 48))
+    with pytest.raises(ValueError, match=r"its argument args\[0\]\.hidden\.value .*Return"):
+        nnx.jit(fp8jax.fp8_autocast(lambda net, x: net(x)))(Net(), x)
+
+    def cached(cache, x, w):
+        cache["y"] = x @ w
+        return jnp.tanh(cache["y"])
+
+    w = jnp.ones((48, 64)) / 48
+    with pytest.raises(ValueError, match=r"its argument args\[0\]\['y'\]"):
+        fp8jax.fp8_autocast(cached)({}, x, w)
+    popped = fp8jax.fp8_autocast(lambda batch: batch.pop("x") @ batch["w"])({"x": x, "w": w})
+    np.testing.assert_array_equal(popped, fp8_dot(fp8jax.CurrentScaling())(x, w))

@@ -297,19 +297,17 @@ def fp8_autocast(
 
 def _refusing_writes(fun: Callable[..., Any]) -> Callable[..., Any]:
     """`fun`, raising where it wrote a new array into one of its arguments (a Flax NNX
-    module's `BatchNorm` statistics, an `nnx.Rngs` drawn from, a dict's entry) and did not
-    return it: the trace writes into copies of the arguments, so the caller's would silently
-    keep their old values (even under `nnx.jit`, which writes back what its call wrote)."""
+    module's `BatchNorm` statistics or a variable it adds, an `nnx.Rngs` drawn from, a
+    dict's entry) and did not return it: the trace writes into copies of the arguments, so
+    the caller's would silently keep their old values (even under `nnx.jit`, which writes
+    back what its call wrote). Arrays only taken away (a dict popped from) are no loss."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        before, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        given = {id(v) for v in jax.tree.leaves((args, kwargs))}
         out = fun(*args, **kwargs)
-        after, treedef_after = jax.tree_util.tree_flatten_with_path((args, kwargs))
-        if treedef_after != treedef:
-            return out  # containers rebuilt (a dict popped from): no array lost in place
-        returned = {id(v) for v in jax.tree.leaves(out)}  # nnx.state(model) returned: kept
-        for (path, old), (_, new) in zip(before, after, strict=True):
-            if new is not old and _is_array(new) and id(new) not in returned:
+        given |= {id(v) for v in jax.tree.leaves(out)}  # nnx.state(model) returned: kept
+        for path, new in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+            if _is_array(new) and id(new) not in given:
                 where = ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
                 raise ValueError(
                     f"fp8_autocast: fun wrote a new array into its argument {where} (state "
