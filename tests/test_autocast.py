@@ -685,3 +685,21 @@ def test_a_new_variable_an_nnx_module_adds_in_place_is_refused_unless_returned()
         fp8jax.fp8_autocast(cached)({}, x, w)
     popped = fp8jax.fp8_autocast(lambda batch: batch.pop("x") @ batch["w"])({"x": x, "w": w})
     np.testing.assert_array_equal(popped, fp8_dot(fp8jax.CurrentScaling())(x, w))
+
+
+def test_autocast_inside_shard_map_scales_each_devices_block_by_its_own_amax():
+    """GEMMs inside `shard_map` stay as written; docs/autocast.md says to autocast the
+    function `shard_map` maps instead. Each device then quantizes its own block: equal to
+    the FP8 GEMM of each block alone, not of the whole array (one block 100x larger)."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32).at[:16].multiply(100.0)
+    mapped = jax.shard_map(
+        fp8jax.fp8_autocast(lambda w, x: x @ w), mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d")
+    )
+    dot = fp8_dot(fp8jax.CurrentScaling())
+    blocks = jnp.concatenate([dot(x[i : i + 16], w) for i in range(0, 64, 16)])
+    got = jax.jit(mapped)(w, x)
+    np.testing.assert_allclose(got, blocks, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got, dot(x, w), rtol=1e-6, atol=1e-6)  # not the global amax's

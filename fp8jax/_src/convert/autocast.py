@@ -225,7 +225,8 @@ def fp8_autocast(
       long (tiny GEMMs gain nothing from FP8; a `ragged_dot`'s rows: all its groups').
 
     What it cannot reach: GEMMs inside `custom_jvp`/`custom_vjp` functions and `shard_map`
-    (their own rules would not match), GEMMs of integer or FP8 operands or results. Autocast
+    (their own rules would not match: autocast the function `shard_map` maps instead),
+    GEMMs of integer or FP8 operands or results. Autocast
     the loss and differentiate the result: a function that differentiates inside (a whole
     train step) has its backward GEMMs traced as forward ones, cast to E4M3 like them, not
     E5M2.
