@@ -648,8 +648,11 @@ def test_a_result_holding_traced_arrays_outside_any_pytree_is_refused():
         def __init__(self, value):
             self.value = value
 
-    with pytest.raises(TypeError, match=r"result\[1\].*Box.*holds the traced arrays.*pytree"):
-        fp8jax.fp8_autocast(lambda x, w: (x, Box(x @ w)))(x, w)
+    def boxed(x, w):
+        return x, Box(x @ w)
+
+    with pytest.raises(TypeError, match=r"'boxed'.*result\[1\].*Box.*holds the traced arrays"):
+        fp8jax.fp8_autocast(boxed)(x, w)
     with pytest.raises(TypeError, match=r"result.*function.*holds the traced arrays"):
         fp8jax.fp8_autocast(lambda x, w: (lambda y: lambda: y)(x @ w))(x, w)
     # Static values holding no traced array still come back as they are.

@@ -303,6 +303,7 @@ def _refusing_writes(fun: Callable[..., Any]) -> Callable[..., Any]:
     the caller's would silently keep their old values (even under `nnx.jit`, which writes
     back what its call wrote). Arrays only taken away (a dict popped from) are no loss."""
 
+    @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
         given = {id(v) for v in jax.tree.leaves((args, kwargs))}
         out = fun(*args, **kwargs)
