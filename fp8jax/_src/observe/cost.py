@@ -21,6 +21,7 @@ from typing import final
 
 from ..kernels import QUANTIZE_NAMES
 from .hlo import (
+    COMPLEX_PARTS,
     F8,
     FUSIONS,
     LAYER,
@@ -83,8 +84,9 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     `__cublas$lt$matmul$f8`), `"bf16"`, `"f16"`, or for float32 operands `"tf32"` (what cuBLAS
     runs a float32 GEMM at under JAX's default precision on an H100) or `"f32"` with
     `precision=HIGHEST`, `"f64"` for float64, `"int8"` for 8-bit integer operands and
-    `"int32"` for wider integers (XLA widens uint8 GEMMs to them). Their
-    operands and results are not counted as traffic: a GEMM at peak is bound by its FLOPs.
+    `"int32"` for wider integers (XLA widens uint8 GEMMs to them); a complex GEMM counts the
+    real FLOPs of its parts (4x) at their kind (`complex64` as float32, `complex128` as
+    `"f64"`). Operands and results are not traffic: a GEMM at peak is bound by its FLOPs.
     The HLO does not say what a generated (Triton) kernel multiplies with: under XLA's
     default flags one of FP8 operands may convert them to f16 and run at the 16-bit peak,
     half the FP8 one, yet from the HLO alone it counts as `"fp8"`. `Inspection.cost` of
@@ -118,8 +120,7 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     reduce-scatter or all-to-all over `n` devices, `2(n-1)/n` for an all-reduce, the array
     for a permute; a ragged all-to-all as an all-to-all of the smaller of its rows to send
     and its output buffer, an estimate: what it sends depends on the routing at run time),
-    over
-    NVLink when each of its replica groups lies within one node of `gpus_per_node` GPUs
+    over NVLink when each of its replica groups lies within one node of `gpus_per_node` GPUs
     (devices `k * gpus_per_node ...` are node `k`; `fp8jax.h100_mesh` numbers its GPUs so),
     over InfiniBand when a group spans nodes. `Cost.communication_seconds` prices them at
     the peak link rates of `H100`; `Cost.estimate_seconds` adds them to the kernels'
@@ -500,6 +501,7 @@ def _gemm_kind(computation: Computation, instruction: Instruction) -> str:
     if target is not None and target.endswith("$f8"):
         return "fp8"
     types = [element_type(computation.type_of(o)) for o in instruction.operands[:2]]
+    types = [COMPLEX_PARTS.get(t, t) for t in types]  # complex: real GEMMs of its parts
     if types and all(F8.match(t) for t in types):
         return "fp8"
     if "f64" in types:

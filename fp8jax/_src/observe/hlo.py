@@ -29,6 +29,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 LAYER = re.compile(
     re.escape(SCOPE) + r'\[(.*?)\]\)*(?=[/"]|$)(?:/(?:\w+\()*(fwd|dgrad|wgrad)\)*(?=[/"]|$))?'
 )
+#: The real type of a complex type's parts: a complex GEMM runs as real GEMMs of it.
+COMPLEX_PARTS = {"c64": "f32", "c128": "f64"}
 #: An FP8 element type (`f8e4m3fn`, `f8e5m2`, ...).
 F8 = re.compile(r"^f8")
 #: Opcodes that name, alias or regroup buffers: no kernel runs, no byte moves (a
@@ -131,7 +133,8 @@ def operand_names(text: str) -> list[str]:
 
 
 def dot_flops(out_type: str, lhs_type: str, rest: str) -> int:
-    """2 * |output| * |contraction| of a dot or cuBLAS GEMM, from its contracting dims."""
+    """2 * |output| * |contraction| of a dot or cuBLAS GEMM, from its contracting dims; four
+    times that for a complex one (a complex multiply-add is four real ones), in real FLOPs."""
     match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest) or re.search(
         r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest
     )
@@ -144,7 +147,7 @@ def dot_flops(out_type: str, lhs_type: str, rest: str) -> int:
     output = 1
     for d in dims(out_type):
         output *= d
-    return 2 * output * contracted
+    return (8 if element_type(out_type) in COMPLEX_PARTS else 2) * output * contracted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,8 @@ class KernelCost:
     **Fields:** `name` (the HLO instruction), `computation` (where it sits), `op` (`"fusion"`,
     `"custom-call"`, `"copy"`, ...), `category` (one of `CATEGORIES` for a non-GEMM kernel,
     `None` for a GEMM), `bytes` (HBM bytes of one run: operands plus results), `flops` (of one
-    run, GEMMs only), `kind` (GEMM precision: `"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`),
+    run, GEMMs only), `kind` (GEMM precision, a key of `H100`'s peaks: `"fp8"`, `"bf16"`,
+    `"tf32"`, ..., as [`fp8jax.hlo_cost`][] lists them; `None` for another kernel),
     `runs` (how many times it runs: the product of the trip counts of the loops around it),
     `op_name` (the JAX name stack it came from).
     """
@@ -145,7 +146,8 @@ class Cost:
     """GEMM FLOPs per precision, non-GEMM HBM bytes per category and the bytes collectives
     send, per device, of a compiled program.
 
-    **Fields:** `flops` (GEMM kind -> FLOPs: `"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`),
+    **Fields:** `flops` (GEMM kind -> FLOPs: `"fp8"`, `"bf16"`, `"tf32"`, ..., the kinds of
+    [`fp8jax.hlo_cost`][], each a key of `H100`'s peaks),
     `bytes` (category -> bytes read and written by non-GEMM kernels, categories as in
     [`fp8jax.hlo_cost`][]), `unknown_trip_counts` (names of `while` loops whose trip count the
     HLO does not state; their bodies were counted once), `kernels` (every kernel counted, a
