@@ -481,6 +481,30 @@ def test_gpu_options_as_flags_are_accepted_by_xla():
     assert run.returncode != 0  # the check above can fail
 
 
+def test_gpu_xla_flags_as_documented_keep_the_user_s_own_flags():
+    """The line `gpu_xla_flags`'s docstring gives for setting `XLA_FLAGS` keeps the flags a
+    user set before (here 3 CPU devices) and adds fp8jax's: run as written, in a process
+    started with the user's flags."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    line = re.search(r'`(os\.environ\["XLA_FLAGS"\] = [^`]*)`', fp8jax.gpu_xla_flags.__doc__)
+    assert line is not None, fp8jax.gpu_xla_flags.__doc__
+    code = (
+        f"import os, fp8jax\n{line[1]}\nimport jax\n"
+        "print(jax.device_count(), os.environ['XLA_FLAGS'])"
+    )
+    user = "--xla_force_host_platform_device_count=3"
+    env = {**os.environ, "XLA_FLAGS": user, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, flags = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert count == "3", run.stdout  # the user's flag still holds
+    assert flags.split() == [user, *fp8jax.gpu_xla_flags().split()]
+
+
 BF16_POLICY = "params=float32,compute=bfloat16,output=float32"
 
 

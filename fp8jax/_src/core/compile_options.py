@@ -60,9 +60,11 @@ def gpu_compiler_options() -> dict[str, Any]:
 def gpu_xla_flags() -> str:
     """The same options as `XLA_FLAGS` text, for the whole process (every executable).
 
-    Set before jax starts: `os.environ["XLA_FLAGS"] = fp8jax.gpu_xla_flags()`, appended to
-    any flags already there, or in the shell:
-    `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python train.py`.
+    Add them to the flags already there, before jax starts (assigning them alone drops
+    yours; of a flag given twice XLA keeps the last):
+    `os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fp8jax.gpu_xla_flags()}"`,
+    or in the shell:
+    `XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_triton_gemm=false" python train.py`.
     """
     return " ".join(
         f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
