@@ -370,6 +370,16 @@ def test_errors_name_the_value():
         hlo_cost(3)
 
 
+@pytest.mark.parametrize("dialect", ["stablehlo", "hlo"])
+def test_a_lowered_program_s_text_is_refused_naming_the_compiled_text(dialect):
+    """A Lowered's text (StableHLO, or HLO before XLA's optimizations, printed without `%`
+    names) is not a program of kernels: refused, saying what to pass, not that it lacks the
+    ENTRY computation it prints."""
+    text = jax.jit(jnp.matmul).lower(jnp.ones((2, 3)), jnp.ones((3, 4))).as_text(dialect=dialect)
+    with pytest.raises(ValueError, match=r"compiled\.as_text\(\)`\), not a Lowered's"):
+        hlo_cost(text)
+
+
 # --- deviceless H100 compiles --------------------------------------------------------------
 
 

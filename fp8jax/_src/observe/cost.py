@@ -93,9 +93,8 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     [`fp8jax.inspect`][fp8jax.observe.inspect] reads each kernel's PTX and prices such a GEMM
     as `"f16"` (or `"bf16"`), what it runs at.
 
-    **Bytes:** every other kernel counts its operands and results (a slice reads only its
-    part; an in-place update writes only the update). The whole kernel goes to the first
-    category it belongs to:
+    **Bytes:** every other kernel counts its operands and results (a slice reads only its part,
+    an in-place update writes only the update), all in the first category it belongs to:
 
     1. `"quantize"`: it converts something to an FP8 type (a cast; a cast fused with an amax,
        a transpose or a GELU is still a quantize; fp8jax's one-pass quantization kernels);
@@ -136,8 +135,9 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     module = parse(hlo)
     if module.entry is None:
         raise ValueError(
-            f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation; pass the text of a whole "
-            "HLO module (`compiled.as_text()`)."
+            f"hlo_cost: hlo={hlo[:80]!r}... has no ENTRY computation of %-named instructions; "
+            "pass a compiled module's text (`compiled.as_text()`), not a Lowered's (StableHLO, "
+            "or HLO before XLA's optimizations: not the kernels that run)."
         )
     return module_cost(module, gpus_per_node=gpus_per_node)
 
