@@ -1,5 +1,7 @@
 """hlo_cost: GEMM FLOPs and non-GEMM bytes of optimized HLO, against hand-computed numbers."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -710,6 +712,25 @@ def test_peaks_named_by_a_gpu_s_name_are_refused_saying_what_peaks_are():
         ):
             with pytest.raises(TypeError, match=rf"peaks={peaks!r} should be a dict of rates"):
                 estimate(peaks)
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, float("nan"), "989e12", None, True])
+def test_a_peak_rate_that_is_not_a_positive_number_is_refused_naming_it(rate):
+    """A rate of 0 raised ZeroDivisionError, a negative one gave a negative time, a string
+    "unsupported operand type(s)": each estimate now names the rate and what it should be."""
+    cost = hlo_cost(COLLECTIVES)
+    peaks = {**H100, "hbm": rate}
+    for estimate in (
+        cost.estimate_seconds,
+        cost.gemm_seconds,
+        cost.memory_seconds,
+        cost.communication_seconds,
+        cost.collectives[0].seconds,
+    ):
+        with pytest.raises(ValueError, match=rf"rates {{'hbm': {re.escape(repr(rate))}}}.*> 0"):
+            estimate(peaks)
+    fast = {**H100, "hbm": 2 * H100["hbm"]}  # a valid rate still prices bytes by it
+    assert cost.memory_seconds(fast) == pytest.approx(cost.total_bytes / (2 * H100["hbm"]))
 
 
 def test_mesh_sizes_beyond_a_node_are_hosts_of_eight():

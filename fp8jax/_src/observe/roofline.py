@@ -5,6 +5,7 @@ HLO."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -131,6 +132,18 @@ def _check_peaks(peaks: Any, method: str) -> None:
             f"{method}: peaks={peaks!r} should be a dict of rates, as the H100's it "
             "takes by default (GEMM kind -> FLOP/s; 'hbm' and the links -> bytes/s): a GPU "
             "is given by its rates, not its name."
+        )
+    # A rate of 0 divided by zero, a negative one gave a negative time, a string a bare
+    # "unsupported operand" TypeError.
+    bad = {
+        key: rate
+        for key, rate in peaks.items()
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not rate > 0
+    }
+    if bad:
+        raise ValueError(
+            f"{method}: peaks has rates {bad!r}; each rate should be a number > 0 (FLOP/s for "
+            "a GEMM kind, bytes/s for 'hbm' and the links)."
         )
 
 
