@@ -147,6 +147,48 @@ def test_the_inspection_s_traffic_counts_a_loop_s_body_once():
     assert hlo_memory_traffic(loop()) == body + COMPARE_BYTES
 
 
+TRITON_GEMM = """
+HloModule m
+
+%gemm (p0: bf16[16,32], p1: bf16[32,8]) -> f32[16,8] {
+  %p0 = bf16[16,32]{1,0} parameter(0)
+  %p1 = bf16[32,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[16,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%nested (q0: bf16[16,32], q1: bf16[32,8]) -> f32[16,8] {
+  %q0 = bf16[16,32]{1,0} parameter(0)
+  %q1 = bf16[32,8]{1,0} parameter(1)
+  ROOT %inner = f32[16,8]{1,0} fusion(%q0, %q1), kind=kCustom, calls=%gemm
+}
+
+%to_bf16 (r0: f32[16,8]) -> bf16[16,8] {
+  %r0 = f32[16,8]{1,0} parameter(0)
+  ROOT %convert.1 = bf16[16,8]{1,0} convert(%r0)
+}
+
+ENTRY %main (a: bf16[16,32], b: bf16[32,8]) -> (bf16[16,8], f32[16,8]) {
+  %a = bf16[16,32]{1,0} parameter(0)
+  %b = bf16[32,8]{1,0} parameter(1)
+  %g = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm
+  %n = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%nested
+  %c = bf16[16,8]{1,0} fusion(%g), kind=kLoop, calls=%to_bf16
+  ROOT %t = (bf16[16,8]{1,0}, f32[16,8]{1,0}) tuple(%c, %n)
+}
+"""
+
+
+def test_the_inspection_s_traffic_leaves_out_triton_gemm_fusions():
+    """`Inspection.traffic` is the bytes of every kernel but the GEMMs; under XLA's default
+    flags it counted a Triton GEMM fusion's operands and result as traffic (a cuBLAS call's
+    it left out), so the two modes' figures differed by the GEMMs' bytes. Now a fusion
+    holding a dot (nested too) is a GEMM there, as in `hlo_cost`."""
+    convert = 4 * 16 * 8 + 2 * 16 * 8  # reads the f32 GEMM output, writes bf16
+    assert hlo_memory_traffic(TRITON_GEMM) == convert
+    cost = hlo_cost(TRITON_GEMM)
+    assert cost.total_bytes == convert and cost.flops == {"bf16": 2 * 2 * 16 * 8 * 32}
+
+
 def test_an_async_all_reduce_moves_its_results_as_either_release_types_its_start():
     """`hlo_collectives` reads an `all-reduce-start` typed with its results alone (XLA 0.10)
     and typed `(operands, results)` (0.11 on) as the same arrays; two arrays reduced in one

@@ -3,7 +3,16 @@ its top-level instructions other than GEMMs read and write."""
 
 from __future__ import annotations
 
-from .hlo import NO_TRAFFIC, Module, array_bytes, arrays, parse
+from .hlo import (
+    FUSIONS,
+    NO_TRAFFIC,
+    Instruction,
+    Module,
+    array_bytes,
+    arrays,
+    is_native_gemm,
+    parse,
+)
 from .results import Collective
 
 _COLLECTIVES = (
@@ -58,7 +67,9 @@ def hlo_collectives(hlo: str | Module) -> list[Collective]:
 def hlo_memory_traffic(hlo: str | Module) -> int:
     """Bytes read and written by the entry computation's instructions other than GEMMs (of an
     HLO module's text, or it parsed): the operands and outputs of every fusion (asynchronous
-    ones as one), copy and so on (a model of HBM traffic). A loop counts its body's (and
+    ones as one), copy and so on (a model of HBM traffic). GEMMs are cuBLAS calls, fusions
+    holding a `dot` (Triton GEMMs, XLA's default mode) and fp8jax's own GEMM kernels, as
+    [`fp8jax.hlo_cost`][] counts them. A loop counts its body's (and
     condition's) instructions once, a `call` its callee's, a conditional its largest
     branch's: not the tuples they carry. 0 for a module without an entry computation."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
@@ -72,7 +83,7 @@ def _traffic(module: Module, name: str) -> int:
     computation = module.computations[name]
     total = 0
     for instruction in computation.instructions.values():
-        if instruction.op in NO_TRAFFIC or instruction.gemm_target is not None:
+        if instruction.op in NO_TRAFFIC or _is_gemm(module, instruction):
             continue
         if instruction.op in ("while", "call"):
             total += sum(_traffic(module, c) for c in instruction.called())
@@ -87,3 +98,15 @@ def _traffic(module: Module, name: str) -> int:
             array_bytes(computation.type_of(o)) for o in instruction.operands
         )
     return total
+
+
+def _is_gemm(module: Module, instruction: Instruction) -> bool:
+    """A cuBLAS call, one of fp8jax's GEMM kernels, or a fusion holding a `dot` (a Triton
+    GEMM), looking through nested fusions."""
+    if instruction.gemm_target is not None or is_native_gemm(instruction):
+        return True
+    return instruction.op in FUSIONS and any(
+        inner.op == "dot" or _is_gemm(module, inner)
+        for name in instruction.called()
+        for inner in module.computations[name].instructions.values()
+    )
