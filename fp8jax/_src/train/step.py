@@ -369,9 +369,10 @@ def make_train_step(
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
       Triton kernel that may upcast FP8 to f16; with Triton GEMMs off the step also turns
       XLA's dot merger off (unless you set it), which would make BF16 GEMMs of FP8 ones that
-      share a weight (a layer called twice, microbatches). `{}` compiles with XLA's
-      defaults. A step called inside your own `jax.jit` is part of your executable, which
-      has your options.
+      share a weight (a layer called twice, microbatches). Options you give replace these:
+      `{}` compiles with XLA's defaults; to add one, keep fp8jax's
+      (`{**fp8jax.gpu_compiler_options(), "xla_dump_to": DIR}`). A step called inside your
+      own `jax.jit` is part of your executable, which has your options.
     - `cast_batch`: cast the batch's floating-point arrays to the policy's compute dtype, inside
       the jitted step, before `loss_fn` sees them (default `True`; jmp's
       `policy.cast_to_compute((params, inputs))`), so a float32 image batch meets a bfloat16

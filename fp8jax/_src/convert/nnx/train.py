@@ -200,9 +200,9 @@ def nnx_train_step(
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call (and,
       with Triton GEMMs off, XLA's dot merger off unless you set it: it would make BF16
-      GEMMs of FP8 ones that share a weight). `{}` compiles with XLA's defaults. A step
-      called inside your own `jax.jit` / `nnx.jit` is part of your executable, which has
-      your options, and keeps the warm start.
+      GEMMs of FP8 ones that share a weight). Options you give replace these (`{}`: XLA's
+      defaults; `{**fp8jax.gpu_compiler_options(), ...}` adds yours). A step called in your
+      own `jax.jit` / `nnx.jit` is part of your executable (your options), with the warm start.
 
     **Returns:** an [`fp8jax.NnxTrainStep`][]. Calling it raises `ValueError` if the
     optimizer tracks `Fp8State` (its `wrt` must exclude it).
