@@ -79,7 +79,8 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     """The roofline [`fp8jax.Cost`][] of an optimized HLO module (`compiled.as_text()` of a
     deviceless H100 compile, say), per device.
 
-    **GEMMs:** cuBLAS custom calls, and fusions holding a `dot` (Triton GEMMs), count
+    **GEMMs:** cuBLAS custom calls, fusions holding a `dot` (Triton GEMMs) and fp8jax's own
+    GEMM kernels (`"fp8 block"` for the block-scaled one, whose FLOPs count padding), count
     `2 * |output| * |contraction|` FLOPs, of kind `"fp8"` (both operands FP8, or
     `__cublas$lt$matmul$f8`), `"bf16"`, `"f16"`, or for float32 operands `"tf32"` (what cuBLAS
     runs a float32 GEMM at under JAX's default precision on an H100) or `"f32"` with
@@ -89,12 +90,12 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     `"f64"`). Operands and results are not traffic: a GEMM at peak is bound by its FLOPs.
     The HLO does not say what a generated (Triton) kernel multiplies with: under XLA's
     default flags one of FP8 operands may convert them to f16 and run at the 16-bit peak,
-    half the FP8 one, yet from the HLO alone it counts as `"fp8"`. `Inspection.cost` of
-    [`fp8jax.inspect`][fp8jax.observe.inspect] reads each kernel's PTX and prices such a GEMM
-    as `"f16"` (or `"bf16"`), what it runs at.
+    half the FP8 one, yet from the HLO alone it counts as `"fp8"`; `Inspection.cost`
+    ([`fp8jax.inspect`][fp8jax.observe.inspect]) reads its PTX and prices it `"f16"`/`"bf16"`.
 
     **Bytes:** every other kernel counts its operands and results (a slice reads only its part,
-    an in-place update writes only the update), all in the first category it belongs to:
+    an in-place update writes only the update; any other custom call, cuDNN attention's say,
+    its bytes alone, no FLOPs), all in the first category it belongs to:
 
     1. `"quantize"`: it converts something to an FP8 type (a cast; a cast fused with an amax,
        a transpose or a GELU is still a quantize; fp8jax's one-pass quantization kernels);
@@ -495,8 +496,7 @@ def _is_quantize_kernel(instruction: Instruction) -> bool:
 
 
 def _gemm_kind(computation: Computation, instruction: Instruction) -> str:
-    """`"fp8"`, `"bf16"`, `"f16"`, `"tf32"`, `"f32"`, `"f64"`, `"int8"` or `"int32"`: the
-    rate a GEMM runs at."""
+    """The rate a GEMM runs at: `"fp8"`, `"bf16"`, ..., a GEMM kind of `H100`."""
     target = instruction.gemm_target
     if target is not None and target.endswith("$f8"):
         return "fp8"
