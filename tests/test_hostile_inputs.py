@@ -1277,6 +1277,13 @@ TRAINING = [
     ),
     row("inspect-not-callable", lambda w: fp8jax.inspect(3, X), TypeError, r"fn=3 is not callable"),
     row(
+        "inspect-compiled",  # JAX said: "Cannot apply JAX transformations to a function
+        # lowered and compiled for a particular signature"
+        lambda w: fp8jax.inspect(jax.jit(jnp.sin).lower(X).compile(), X),
+        TypeError,
+        r"fn=<jax.*Compiled.* is compiled already .* pass the function it was compiled from",
+    ),
+    row(
         "inspect-modes-str",
         lambda w: fp8jax.inspect(jnp.sin, X, modes="cublas"),
         ValueError,

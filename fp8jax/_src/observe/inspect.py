@@ -37,6 +37,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import jax
+
 from ..core.compile_options import cublas_reads
 from ..train.step import TrainState, TrainStep
 from .cost import module_cost_and_uncounted
@@ -59,23 +61,23 @@ def inspect(
 
     **Arguments:**
 
-    - `fn`: any function, jitted or not (a whole train step, say). Its arguments may be arrays,
+    - `fn`: any function, jitted or not (a whole train step, say), not a compiled one (for that,
+      `fp8jax.hlo_cost(compiled.as_text())`). Its arguments may be arrays,
       `jax.ShapeDtypeStruct`s or pytrees of them with other leaves (an Equinox model): only
       shapes and dtypes are used; nothing runs. They may be Flax NNX objects (an `nnx.Module`,
-      an `nnx.Optimizer`) that `fn` updates in place, as a step from
-      [`fp8jax.nnx_train_step`][] or an `nnx.jit` function does: they are compiled as their
-      state, which the compiled program returns updated, so the backward pass and the update
-      are compiled too, and the objects passed are left as they were. A step of
-      [`fp8jax.make_train_step`][] (its `TrainState` first) or of
-      [`fp8jax.nnx_train_step`][] (its model and optimizer first) is compiled as it compiles
-      itself in each mode: the program it runs once every scale is recorded (delayed
-      scaling's kept inverses handed to cuBLASLt in `"cublas"` mode), and the one it runs
-      before as `first_steps`; a step without delayed scaling's warm start runs one program,
-      reported alone. A program whose trace no mode changes (only delayed scaling's kept
-      inverses depend on it) is traced and lowered once for all modes. Called inside a
-      function of yours, it is part of that function's program (its first). Keywords other
-      than the three below are `fn`'s; one that `fn`'s own signature does not take (a
-      `target=`: it always compiles for an H100) raises a `TypeError` naming it.
+      an `nnx.Optimizer`) that `fn` updates in place, as a step from [`fp8jax.nnx_train_step`][]
+      or an `nnx.jit` function does: they are compiled as their state, which the compiled
+      program returns updated, so the backward pass and the update are compiled too, and the
+      objects passed are left as they were. A step of [`fp8jax.make_train_step`][] (its
+      `TrainState` first) or of [`fp8jax.nnx_train_step`][] (its model and optimizer first) is
+      compiled as it compiles itself in each mode: the program it runs once every scale is
+      recorded (delayed scaling's kept inverses handed to cuBLASLt in `"cublas"` mode), and the
+      one it runs before as `first_steps`; a step without delayed scaling's warm start runs one
+      program, reported alone. A program whose trace no mode changes (only delayed scaling's
+      kept inverses depend on it) is traced and lowered once for all modes. Called inside a
+      function of yours, it is part of that function's program (its first). Keywords other than
+      the three below are `fn`'s; one that `fn`'s own signature does not take (a `target=`: it
+      always compiles for an H100) raises a `TypeError` naming it.
     - `modes`: among `"cublas"` (Triton GEMMs off) and `"default"` (XLA's default flags).
     - `merge_dots`: XLA merges GEMMs that share an operand (the query, key and value
       projections of one input, say) into one; the merged GEMM keeps the name of only one of
@@ -98,6 +100,12 @@ def inspect(
     """
     if not callable(fn):
         raise TypeError(f"fp8jax.inspect: fn={fn!r} is not callable; pass the function to compile.")
+    if isinstance(fn, jax.stages.Compiled):  # callable, but JAX cannot trace it again
+        raise TypeError(
+            f"fp8jax.inspect: fn={fn!r} is compiled already (for its own devices); pass the "
+            "function it was compiled from (the inspection compiles it for an H100), or "
+            "fp8jax.hlo_cost(compiled.as_text()) for the cost of this compile."
+        )
     if isinstance(modes, str) or not isinstance(modes, Iterable):
         raise ValueError(
             f"fp8jax.inspect: modes={modes!r}: should be a tuple of modes among {sorted(MODES)}, "
