@@ -739,6 +739,18 @@ def test_communication_arithmetic_and_errors():
         hlo_cost(COLLECTIVES, gpus_per_node=0)
 
 
+def test_gpus_per_node_may_be_a_numpy_whole_number():
+    """`gpus_per_node=np.int64(4)` (a size read from an array) was refused as not "a whole
+    number >= 1"; it now counts as 4 does, and a float or a bool is still refused."""
+    by_int = hlo_cost(COLLECTIVES, gpus_per_node=4)
+    by_numpy = hlo_cost(COLLECTIVES, gpus_per_node=np.int64(4))
+    assert by_numpy == by_int and by_numpy.link_bytes == by_int.link_bytes
+    assert [c.link for c in by_numpy.collectives] == [c.link for c in by_int.collectives]
+    for bad in (4.0, True):
+        with pytest.raises(ValueError, match=rf"gpus_per_node={bad!r} should be a whole number"):
+            hlo_cost(COLLECTIVES, gpus_per_node=bad)
+
+
 def test_peaks_named_by_a_gpu_s_name_are_refused_saying_what_peaks_are():
     """`estimate_seconds("H200")` (a GPU named, not its rates) raised "dictionary update
     sequence element #0 has length 1", `estimate_seconds(None)` "argument of type 'NoneType'

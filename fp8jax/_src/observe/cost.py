@@ -38,7 +38,7 @@ from .hlo import (
     parse,
 )
 from .ptx import Kernel, kernel_names, shared_kernels, sixteen_bit_kind
-from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, total
+from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, is_whole, total
 
 #: An integer element type (`s8`, `u8`, `s32`, ...).
 _INTEGER = re.compile(r"^[su]\d+$")
@@ -167,7 +167,7 @@ def module_cost_and_uncounted(
     of the module: the inspector needs both, for its cost and for its GEMMs' runs."""
     if module.entry is None:
         raise ValueError("hlo_cost: the module has no ENTRY computation.")
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+    if not is_whole(gpus_per_node) or gpus_per_node < 1:
         raise ValueError(
             f"hlo_cost: gpus_per_node={gpus_per_node!r} should be a whole number >= 1 (8 for "
             "a DGX H100)."
@@ -256,10 +256,9 @@ class _Walker:
         op = instruction.op.removesuffix("-start")
         types = [computation.type_of(o) for o in instruction.operands]
         if op == "ragged-all-to-all":
-            # Its operands: the rows to send, the output buffer, then offsets and sizes. A
-            # device sends at most its rows and receives at most its buffer: counted, the
-            # smaller (what moves depends on the routing at run time; the ring factor below
-            # is uniform routing's share of it leaving the device).
+            # Operands: the rows to send, the output buffer, offsets and sizes. A device sends
+            # at most its rows, receives at most its buffer: counted, the smaller (what moves
+            # depends on the routing; the ring factor below is uniform routing's share).
             types = [min(types[:2], key=array_bytes)]
         data = sum(array_bytes(t) for t in types)
         if op == "collective-permute":

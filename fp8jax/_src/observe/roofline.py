@@ -147,6 +147,11 @@ def _check_peaks(peaks: Any, method: str) -> None:
         )
 
 
+def is_whole(n: Any) -> bool:
+    """Whether `n` is a whole number: a Python or NumPy integer, not a bool."""
+    return isinstance(n, int | np.integer) and not isinstance(n, bool)
+
+
 def _add(a: Mapping[str, int], b: Mapping[str, int], factor: int = 1) -> dict[str, int]:
     out = dict(a)
     for key, value in b.items():
@@ -256,7 +261,7 @@ class Cost:
         return NotImplemented
 
     def __mul__(self, repeats: int) -> Cost:
-        if isinstance(repeats, bool) or not isinstance(repeats, int | np.integer) or repeats < 0:
+        if not is_whole(repeats) or repeats < 0:
             raise TypeError(
                 f"Cost * repeats: repeats={repeats!r} should be a whole number >= 0 (the cost "
                 "of running the program that many times)."
