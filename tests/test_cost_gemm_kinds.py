@@ -18,6 +18,7 @@ from fp8jax._src.observe.roofline import H100
         (jnp.int16, jnp.int32, "int32"),
         (jnp.int32, jnp.int32, "int32"),
         (jnp.float64, jnp.float64, "f64"),  # not tf32, as float32 is
+        (jnp.bool_, jnp.bool_, "int32"),  # a loop fusion: CUDA cores (was kind 'pred': no peak)
     ],
 )
 def test_a_gemm_is_costed_at_its_kind_and_printed(dtype, acc, kind):

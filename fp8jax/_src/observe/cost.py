@@ -40,8 +40,9 @@ from .hlo import (
 from .ptx import Kernel, kernel_names, shared_kernels, sixteen_bit_kind
 from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, is_whole, total
 
-#: An integer element type (`s8`, `u8`, `s32`, ...).
-_INTEGER = re.compile(r"^[su]\d+$")
+#: An integer element type (`s8`, `u8`, `s32`, ...), or `pred`: a boolean GEMM is a loop
+#: fusion, integer arithmetic on CUDA cores.
+_INTEGER = re.compile(r"^(?:[su]\d+|pred)$")
 
 # Instructions that run no kernel: they name, alias or regroup buffers.
 _FREE = NO_TRAFFIC | {"opt-barrier", "add-dependency", "domain", "async-done", "async-update"}
@@ -85,9 +86,9 @@ def hlo_cost(hlo: str, *, gpus_per_node: int = GPUS_PER_NODE) -> Cost:
     `__cublas$lt$matmul$f8`), `"bf16"`, `"f16"`, or for float32 operands `"tf32"` (what cuBLAS
     runs a float32 GEMM at under JAX's default precision on an H100) or `"f32"` with
     `precision=HIGHEST`, `"f64"` for float64, `"int8"` for 8-bit integer operands and
-    `"int32"` for wider integers (XLA widens uint8 GEMMs to them); a complex GEMM counts the
-    real FLOPs of its parts (4x) at their kind (`complex64` as float32, `complex128` as
-    `"f64"`). Operands and results are not traffic: a GEMM at peak is bound by its FLOPs.
+    `"int32"` for wider integers and booleans (XLA widens uint8 GEMMs to them); a complex GEMM
+    counts the real FLOPs of its parts (4x) at their kind (`complex64` as float32, `complex128`
+    as `"f64"`). Operands and results are not traffic: a GEMM at peak is bound by its FLOPs.
     The HLO does not say what a generated (Triton) kernel multiplies with: under XLA's
     default flags one of FP8 operands may convert them to f16 and run at the 16-bit peak,
     half the FP8 one, yet from the HLO alone it counts as `"fp8"`; `Inspection.cost`
