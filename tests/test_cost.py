@@ -739,6 +739,22 @@ def test_communication_arithmetic_and_errors():
         hlo_cost(COLLECTIVES, gpus_per_node=0)
 
 
+def test_a_kernel_cost_s_bytes_are_zero_for_a_gemm_and_its_operands_otherwise(h100):
+    """`KernelCost.bytes` was documented as a kernel's operands plus results, a GEMM's too;
+    a GEMM's are 0 (it is priced by its FLOPs), the other kernels' their operands and
+    results by dtype."""
+    m, k, n = 256, 512, 128
+
+    def f(a, b):
+        return jnp.tanh(a @ b)
+
+    cost = hlo_cost(compiled(h100, f, spec(m, k), spec(k, n)))
+    (gemm,) = [kc for kc in cost.kernels if kc.kind is not None]
+    assert gemm.bytes == 0 and gemm.flops == 2 * m * n * k
+    (tanh,) = [kc for kc in cost.kernels if kc.kind is None]
+    assert tanh.bytes == 2 * (m * n * 2)  # reads and writes m x n bf16
+
+
 def test_gpus_per_node_may_be_a_numpy_whole_number():
     """`gpus_per_node=np.int64(4)` (a size read from an array) was refused as not "a whole
     number >= 1"; it now counts as 4 does, and a float or a bool is still refused."""

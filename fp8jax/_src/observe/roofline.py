@@ -53,8 +53,9 @@ class KernelCost:
 
     **Fields:** `name` (the HLO instruction), `computation` (where it sits), `op` (`"fusion"`,
     `"custom-call"`, `"copy"`, ...), `category` (one of `CATEGORIES` for a non-GEMM kernel,
-    `None` for a GEMM), `bytes` (HBM bytes of one run: operands plus results), `flops` (of one
-    run, GEMMs only), `kind` (GEMM precision, a key of `H100`'s peaks: `"fp8"`, `"bf16"`,
+    `None` for a GEMM), `bytes` (HBM bytes of one run: operands plus results; 0 for a GEMM,
+    which the model takes as bound by its FLOPs), `flops` (of one run, GEMMs only), `kind`
+    (GEMM precision, a key of `H100`'s peaks: `"fp8"`, `"bf16"`,
     `"tf32"`, ..., as [`fp8jax.hlo_cost`][] lists them; `None` for another kernel),
     `runs` (how many times it runs: the product of the trip counts of the loops around it),
     `op_name` (the JAX name stack it came from).
