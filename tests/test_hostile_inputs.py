@@ -10,6 +10,7 @@ temporary files) are checked to be exactly as they were.
 import dataclasses
 import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -1300,6 +1301,15 @@ TRAINING = [
         lambda w: fp8jax.h100_mesh({"data": 0}),
         ValueError,
         r"axes=\{'data': 0\}: should be a dict from mesh axis names to sizes >= 1",
+    ),
+    *(  # a wrong type was a ValueError; as elsewhere in fp8jax, it is now a TypeError
+        row(
+            f"h100-mesh-type-{i}",
+            lambda w, axes=axes: fp8jax.h100_mesh(axes),
+            TypeError,
+            rf"axes={re.escape(repr(axes))}: should be a dict from mesh axis names to sizes",
+        )
+        for i, axes in enumerate([[("data", 4)], {"data": 2.0}, {0: 4}, {"data": True}])
     ),
 ]
 

@@ -93,14 +93,17 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     report = fp8jax.inspect(train_step, state, x)
     ```
+
+    Raises `TypeError` for `axes` that are not a dict from names to whole numbers,
+    `ValueError` for sizes it cannot make (below 1; more than 8 GPUs, not a multiple of 8).
     """
-    if (
+    wrong_type = (
         not isinstance(axes, Mapping)
-        or not axes
         or not all(isinstance(name, str) for name in axes)
-        or not all(_is_int(n) and n >= 1 for n in axes.values())
-    ):
-        raise ValueError(
+        or not all(_is_int(n) for n in axes.values())
+    )
+    if wrong_type or not axes or not all(n >= 1 for n in axes.values()):
+        raise (TypeError if wrong_type else ValueError)(
             f"h100_mesh: axes={axes!r}: should be a dict from mesh axis names to sizes >= 1, "
             "e.g. {'data': 8}."
         )
