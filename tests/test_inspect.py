@@ -932,3 +932,22 @@ def test_an_inspection_deep_copies_and_pickles_with_its_memory_figures(h100):
         for name in names:
             assert getattr(memory, name) == getattr(original, name), name
         assert f"temp memory: {original.temp_size_in_bytes} bytes" in str(inspection)
+
+
+def test_cudnn_attention_on_a_machine_without_cudnn_is_refused_saying_why():
+    """JAX checks for cuDNN while tracing cuDNN attention: `fp8jax.inspect` of such a function
+    on a machine without it raised JAX's bare "cuDNN not found."; it now says that the
+    function calls cuDNN, that this machine has none, and what to inspect instead."""
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+
+    def attention(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+    try:
+        jax.jit(attention).trace(q, q, q)
+    except RuntimeError as e:
+        assert "cuDNN not found" in str(e)
+    else:
+        pytest.skip("cuDNN is installed here: JAX traces cuDNN attention")
+    with pytest.raises(RuntimeError, match=r"it calls cuDNN .* implementation='xla'"):
+        fp8jax.inspect(attention, q, q, q, modes=("cublas",))

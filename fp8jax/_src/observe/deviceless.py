@@ -228,6 +228,17 @@ def lower(fn: Callable, args: tuple, kwargs: dict, device: Any | None) -> tuple[
     try:
         with context, jax_private.gpu_lowering_target(device, mesh):
             return jax.jit(call).lower(jax.tree.map(abstract, dynamic)), devices
+    except RuntimeError as e:
+        if "cuDNN not found" not in str(e):
+            raise
+        # JAX looks for cuDNN on this machine while tracing cuDNN attention.
+        raise RuntimeError(
+            "fp8jax could not trace the function for the H100 compile: it calls cuDNN "
+            "(jax.nn.dot_product_attention(..., implementation='cudnn'), say), which JAX "
+            "looks for on this machine as it traces, and this machine has none. Inspect it "
+            "with implementation='xla' (or None) in its place, or on a machine with a GPU. "
+            f"JAX said: {e}"
+        ) from None
     except ValueError as e:
         if "incompatible devices" in str(e) and mesh is not None:
             raise ValueError(
