@@ -755,6 +755,26 @@ def test_a_kernel_cost_s_bytes_are_zero_for_a_gemm_and_its_operands_otherwise(h1
     assert tanh.bytes == 2 * (m * n * 2)  # reads and writes m x n bf16
 
 
+def test_a_missing_peak_is_named_by_the_method_asked():
+    """`gemm_seconds` and `memory_seconds` said "Cost.estimate_seconds" and
+    `CollectiveCost.seconds` "Cost.communication_seconds" of a peak missing: each now names
+    itself (and `estimate_seconds` the part it asks)."""
+    cost = hlo_cost(COLLECTIVES) + Cost({"bf16": 1}, {"rest": 1})
+    no_gemm = {k: v for k, v in H100.items() if k != "bf16"}
+    no_hbm = {k: v for k, v in H100.items() if k != "hbm"}
+    no_link = {k: v for k, v in H100.items() if k not in ("nvlink", "infiniband")}
+    cases = [
+        (cost.gemm_seconds, no_gemm, r"^Cost\.gemm_seconds: no peak for GEMM kind 'bf16'"),
+        (cost.memory_seconds, no_hbm, r"^Cost\.memory_seconds: .* has no 'hbm' entry"),
+        (cost.communication_seconds, no_link, r"^Cost\.communication_seconds: no rate for link"),
+        (cost.collectives[0].seconds, no_link, r"^CollectiveCost\.seconds: no rate for link"),
+        (cost.estimate_seconds, no_gemm, r"^Cost\.gemm_seconds: no peak"),
+    ]
+    for method, peaks, message in cases:
+        with pytest.raises(ValueError, match=message):
+            method(peaks)
+
+
 def test_gpus_per_node_may_be_a_numpy_whole_number():
     """`gpus_per_node=np.int64(4)` (a size read from an array) was refused as not "a whole
     number >= 1"; it now counts as 4 does, and a float or a bool is still refused."""

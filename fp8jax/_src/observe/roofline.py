@@ -115,13 +115,13 @@ class CollectiveCost:
     def seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """Time of all its runs at the link's rate: `runs * wire_bytes / peaks[link]`."""
         _check_peaks(peaks, "CollectiveCost.seconds")
-        return self.runs * self.wire_bytes / _rate(peaks, self.link)
+        return self.runs * self.wire_bytes / _rate(peaks, self.link, "CollectiveCost.seconds")
 
 
-def _rate(peaks: Mapping[str, float], link: str) -> float:
+def _rate(peaks: Mapping[str, float], link: str, method: str) -> float:
     if link not in peaks:
         raise ValueError(
-            f"Cost.communication_seconds: no rate for link {link!r} in peaks={dict(peaks)!r}; "
+            f"{method}: no rate for link {link!r} in peaks={dict(peaks)!r}; "
             f"add one (bytes/s one way per GPU; links: {LINKS})."
         )
     return peaks[link]
@@ -206,7 +206,7 @@ class Cost:
         for kind, flops in self.flops.items():
             if kind not in peaks:
                 raise ValueError(
-                    f"Cost.estimate_seconds: no peak for GEMM kind {kind!r} ({flops} FLOPs) in "
+                    f"Cost.gemm_seconds: no peak for GEMM kind {kind!r} ({flops} FLOPs) in "
                     f"peaks={dict(peaks)!r}; add one."
                 )
             total += flops / peaks[kind]
@@ -216,7 +216,7 @@ class Cost:
         """Non-GEMM time at peak bandwidth: `total_bytes / peaks["hbm"]`."""
         _check_peaks(peaks, "Cost.memory_seconds")
         if "hbm" not in peaks:
-            raise ValueError(f"Cost.estimate_seconds: peaks={dict(peaks)!r} has no 'hbm' entry.")
+            raise ValueError(f"Cost.memory_seconds: peaks={dict(peaks)!r} has no 'hbm' entry.")
         return self.total_bytes / peaks["hbm"]
 
     @property
@@ -227,7 +227,8 @@ class Cost:
     def communication_seconds(self, peaks: Mapping[str, float] = H100) -> float:
         """Collective time at peak link rates: `sum(link_bytes[link] / peaks[link])`."""
         _check_peaks(peaks, "Cost.communication_seconds")
-        return sum(b / _rate(peaks, link) for link, b in self.link_bytes.items())
+        method = "Cost.communication_seconds"
+        return sum(b / _rate(peaks, link, method) for link, b in self.link_bytes.items())
 
     def estimate_seconds(
         self, peaks: Mapping[str, float] = H100, *, overlap: bool = False
