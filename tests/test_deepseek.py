@@ -269,6 +269,22 @@ def test_fp8_config_converts_what_deepseek_v3_computes_in_fp8():
     assert type(model.embed) is eqx.nn.Embedding
 
 
+def test_the_job_converts_every_layer_when_the_expert_count_is_a_linear_s_width():
+    """`--experts` equal to the width of `kv_up` and the shared experts' `up` (16 here; 256,
+    V3's count, at the default sizes): found by widths alone, both were kept in high
+    precision as routers. The job's conversion traces the loss, so only `gate` and `head` are
+    kept."""
+    config = DeepSeekConfig(
+        layers=2, experts=16, top_k=2, heads=1, head_dim=8, value_dim=8, expert_hidden=8
+    )
+    model = DeepSeekV3(config, key=jax.random.PRNGKey(0))
+    assert model.blocks[1].attn.kv_up.out_features == model.blocks[1].ffn.shared.up.out_features
+    assert model.blocks[1].attn.kv_up.out_features == config.experts
+    built = deepseek.build(config, "fp8", 0, "dequantized")
+    assert set(fp8jax.telemetry(built)) == fp8_layers(config)
+    assert type(built.head) is eqx.nn.Linear and type(built.blocks[1].ffn.gate) is eqx.nn.Linear
+
+
 @pytest.mark.parametrize("power_of_two", [True, False])
 def test_fp8_config_requantizes_activations_for_the_wgrad_without_a_second_rounding(
     power_of_two,

@@ -99,7 +99,16 @@ def build(
     fp8 = fp8_config(telemetry=True, dequantized_dot=dequantized, power_of_two=power_of_two)
     if targets is not None:
         fp8 = fp8jax.Fp8Config(recipe=fp8.recipe, telemetry=True, targets=targets)
-    return fp8jax.fp8_linear_layers(model, fp8)
+    return convert_fp8(model, fp8)
+
+
+def convert_fp8(model: DeepSeekV3, fp8: fp8jax.Fp8Config) -> DeepSeekV3:
+    """`fp8jax.fp8_linear_layers(model, fp8)` with the head and the routers found by a trace
+    of `deepseek_loss` (`example=`), not by widths: widths alone keep every Linear as wide as
+    the expert count in high precision as a router (`--experts 256`, V3's count, kept `kv_up`
+    and the shared experts' `up` out of FP8)."""
+    example = lambda m: deepseek_loss(m, jnp.zeros((1, 9), jnp.int32))  # noqa: E731
+    return fp8jax.fp8_linear_layers(model, fp8, example=example)
 
 
 def optimizer(steps: int, lr: float, bf16_moments: bool) -> optax.GradientTransformation:
@@ -177,7 +186,7 @@ def inspect_train_step(
     kernels' PTX is read where the process started with `MOSAIC_GPU_DUMP_PTX=1` and
     `MOSAIC_GPU_DUMP_TO` set."""
     model = DeepSeekV3(config, key=jax.random.PRNGKey(0))
-    model = fp8jax.fp8_linear_layers(model, fp8_config())
+    model = convert_fp8(model, fp8_config())
     policy = fp8jax.Policy.from_string(POLICY)
     step = fp8jax.make_train_step(
         deepseek_loss, optimizer(100, 3e-3, True), policy=policy, has_aux=True

@@ -423,7 +423,8 @@ def fp8_config(
     """DeepSeek-V3's FP8: blockwise scaling (E4M3, 1 x 128 tiles, 128 x 128 weight blocks) on
     every Linear and expert GEMM but the head and the router (`gate`), which the default
     conversion keeps in high precision by their role (vocabulary-wide, expert-count-wide; the
-    head by name too). `telemetry`: see `fp8jax.Fp8Config`;
+    head by name too; where a Linear is as wide as the expert count, convert with `example=`:
+    `fp8jax.examples.deepseek.convert_fp8`). `telemetry`: see `fp8jax.Fp8Config`;
     `dequantized_dot`: the CPU emulation of the block GEMMs (see `fp8jax.BlockwiseScaling`);
     `power_of_two`: every tile's and block's scale an integral power of two, as V3 scales the
     activations it requantizes from 1 x 128 to 128 x 1 tiles (section 3.3.3), instead of
