@@ -730,6 +730,29 @@ def test_the_moe_gpts_loss_expert_parallel_is_the_one_device_loss():
     np.testing.assert_array_equal(got_counts, want_counts)
 
 
+def test_the_moe_example_converts_attention_when_the_expert_count_is_the_width():
+    """`--experts` equal to `--width` (16 here): found by width, attention's four Linears were
+    kept in high precision as routers. The example's conversion keeps `gate` and `head` by
+    name and converts the rest, on one device and expert parallel (whose `shard_map` the
+    trace that finds roles does not enter)."""
+    from fp8jax.examples.gpt import GPTConfig
+    from fp8jax.examples.moe import fp8_config
+    from fp8jax.examples.moe_model import moe_gpt
+
+    config = GPTConfig(vocab=64, layers=1, width=16, heads=2, context=8)
+    attention = {f"blocks.0.attn.{n}" for n in ("query", "key", "value", "out")}
+    want = attention | {"blocks.0.mlp.up", "blocks.0.mlp.down"}
+    for mesh, axis in ((None, None), (_mesh({"data": 2, "expert": 4}), "expert")):
+        model = moe_gpt(config, 16, 2, key=jax.random.key(1), expert_axis=axis)
+        assert model.blocks[0].attn.query.out_features == model.blocks[0].mlp.up.num_experts
+        converted = fp8jax.fp8_linear_layers(model, fp8_config(mesh))
+        assert set(fp8jax.telemetry(converted)) == want
+        assert type(converted.blocks[0].mlp.gate) is eqx.nn.Linear
+        assert type(converted.head) is eqx.nn.Linear
+        names = () if mesh is None else ("data", "expert")
+        assert converted.blocks[0].attn.query.dot_general.recipe.axis_names == names
+
+
 def test_the_example_names_a_mesh_it_cannot_make():
     from fp8jax.examples.moe import kjv_args
 

@@ -138,6 +138,17 @@ def expert_parallel(loss_fn: Any, mesh: Mesh) -> Any:
     return loss
 
 
+def fp8_config(mesh: Mesh | None = None) -> fp8jax.Fp8Config:
+    """The FP8 runs' conversion: delayed scaling (amaxes over `mesh`'s axes, if given), with
+    telemetry; the head and the routers (`gate`) stay in high precision by name, not by role:
+    found by width, every Linear as wide as the expert count stayed too (`--experts 128` at
+    `--width 128`: attention's four), and the trace that finds roles does not enter the expert
+    parallel run's `shard_map`."""
+    recipe = fp8jax.DelayedScaling(axis_names=() if mesh is None else tuple(mesh.axis_names))
+    exclude = f"{fp8jax.DEFAULT_EXCLUDE}|gate"
+    return fp8jax.Fp8Config(recipe=recipe, telemetry=True, exclude=exclude, keep=())
+
+
 def train_kjv(
     model: GPT,
     name: str,
@@ -284,13 +295,12 @@ def kjv_seed(
         bases["moe one device"] = (moe_gpt(config, args.experts, args.top_k, key=key), None)
     runs = {}
     for model, (base, on) in bases.items():
-        recipe = fp8jax.DelayedScaling(axis_names=() if on is None else tuple(on.axis_names))
-        fp8_config = fp8jax.Fp8Config(recipe=recipe, telemetry=True)
+        conversion = fp8_config(on)
         for precision, (policy, fp8) in PRECISIONS.items():
             name = f"{model} {precision}"
             if model == "moe one device":
                 name = f"moe {precision} one device"
-            built = fp8jax.fp8_linear_layers(base, fp8_config) if fp8 else base
+            built = fp8jax.fp8_linear_layers(base, conversion) if fp8 else base
             runs[name] = train_kjv(built, name, data, args, policy=policy, seed=seed, mesh=on)
     return runs
 
