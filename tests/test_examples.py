@@ -388,6 +388,13 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         # Checked on the model's shapes before the BF16 run trains (it failed after it).
         ("deepseek", ["--kjv", "--fp8-targets", "["], "--fp8-targets '[': Fp8Config targets"),
         ("deepseek", ["--kjv", "--fp8-targets", "x"], "targets='x' matches no Linear layer"),
+        # FP8 options with no FP8 run: they were ignored, the run silently all BF16/float32.
+        (
+            "deepseek",
+            ["--kjv", "--precisions", "fp32", "--power-of-two", "--fp8-targets", "x"],
+            "--fp8-targets, --power-of-two: only with the FP8 run; --precisions bf16,fp32",
+        ),
+        ("deepseek", ["--kjv", "--precisions", "bf16", "--block-dot", "dequantized"], "(add fp8)"),
     ],
 )
 def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys):

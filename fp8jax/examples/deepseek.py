@@ -334,6 +334,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.tail = min(args.tail, args.steps)
     args.seeds = list(dict.fromkeys(args.seeds))
     fp8 = [p for p in args.precisions if PRECISIONS[p][1]]
+    fp8_only = {
+        "--fp8-targets": args.fp8_targets is not None,
+        "--power-of-two": args.power_of_two,
+        "--block-dot": args.block_dot != "chunked",
+    }
+    if not fp8 and any(fp8_only.values()):
+        given = ", ".join(flag for flag, on in fp8_only.items() if on)
+        parser.error(
+            f"{given}: only with the FP8 run; --precisions {','.join(args.precisions)} has none "
+            "(add fp8)."
+        )
     if args.fp8_targets is not None and fp8:
         # Checked on the model's shapes now, not after the BF16 run has trained.
         try:
