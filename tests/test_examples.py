@@ -385,6 +385,18 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("train_gpt", ["--recipes", "bogus"], "unknown recipe 'bogus': choose from bf16, fp32,"),
         ("moe", ["--kjv", "--expert-parallel", "-1"], "--expert-parallel -1: should be >= 0"),
         ("moe", ["--kjv", "--expert-parallel", "2", "--devices", "0"], "--devices 0: should"),
+        # Each unmet condition named (it said "multiples of 4 (the batch of 8)").
+        (
+            "moe",
+            ["--kjv", "--expert-parallel", "4", "--batch", "12"],
+            "--expert-parallel 4: needs --batch (12) a multiple of the devices (8).",
+        ),
+        (
+            "moe",
+            ["--kjv", "--expert-parallel", "3"],
+            "needs the devices (8; --devices N forces N) a multiple of 3; --experts (4) a "
+            "multiple of 3.",
+        ),
         # Checked on the model's shapes before the BF16 run trains (it failed after it).
         ("deepseek", ["--kjv", "--fp8-targets", "["], "--fp8-targets '[': Fp8Config targets"),
         ("deepseek", ["--kjv", "--fp8-targets", "x"], "targets='x' matches no Linear layer"),

@@ -417,12 +417,13 @@ def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
             jax.config.update("jax_num_cpu_devices", args.devices)
         devices = jax.device_count()
         e = args.expert_parallel
-        if devices % e or args.experts % e or args.batch % devices:
-            parser.error(
-                f"--expert-parallel {e}: needs the devices ({devices}), --experts "
-                f"({args.experts}) and --batch ({args.batch}, split over every device) to be "
-                f"multiples of {e} (the batch of {devices})."
-            )
+        remainders = {
+            f"the devices ({devices}; --devices N forces N) a multiple of {e}": devices % e,
+            f"--experts ({args.experts}) a multiple of {e}": args.experts % e,
+            f"--batch ({args.batch}) a multiple of the devices ({devices})": args.batch % devices,
+        }
+        if wrong := [need for need, remainder in remainders.items() if remainder]:
+            parser.error(f"--expert-parallel {e}: needs {'; '.join(wrong)}.")
         args.mesh = jax.make_mesh(
             (devices // e, e), ("data", "expert"), axis_types=(AxisType.Auto,) * 2
         )
