@@ -370,6 +370,8 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("digits", ["--seed", "-2"], "--seed -2: should be >= 0"),
         ("moe", ["--kjv", "--seed", "-1"], "--seed -1: should be >= 0"),
         ("moe", ["--kjv", "--seeds", "0", "-3"], "--seeds -3: should be >= 0"),
+        # Both seed flags: --seed won and the seeds of --seeds were dropped without a word.
+        ("moe", ["--kjv", "--seed", "1", "--seeds", "2", "3"], "--seeds: not allowed with"),
         ("deepseek", ["--kjv", "--seeds", "1", "-1"], "--seeds -1: should be >= 0"),
         ("deepseek", ["--kjv", "--width", "-8"], "--width -8: should be >= 1"),
         ("deepseek", ["--kjv", "--experts", "0"], "--experts 0: should be >= 1"),

@@ -338,10 +338,10 @@ def add_kjv_arguments(parser: Any, *, defaults: bool = True) -> dict[str, str]:
     out of the namespace: how `main` tells which were given, to refuse them without `--kjv`."""
     flags = {}
 
-    def add(flag: str, **kwargs: Any) -> None:
+    def add(flag: str, to: Any = parser, **kwargs: Any) -> None:
         if not defaults:
             kwargs["default"] = argparse.SUPPRESS
-        flags[parser.add_argument(flag, **kwargs).dest] = flag
+        flags[to.add_argument(flag, **kwargs).dest] = flag
 
     add("--steps", type=int, default=250, help="training steps of each run (default: %(default)s)")
     add("--layers", type=int, default=2, help="GPT blocks (default: %(default)s)")
@@ -357,8 +357,9 @@ def add_kjv_arguments(parser: Any, *, defaults: bool = True) -> dict[str, str]:
     add(
         "--tail", type=int, default=20, help="steps whose tokens are counted (default: %(default)s)"
     )
-    add("--seeds", type=int, nargs="+", default=[0], help="one job per seed (default: 0)")
-    add("--seed", type=int, default=None, help="alias: --seed N is --seeds N")
+    seeds = parser.add_mutually_exclusive_group()  # --seed N --seeds M dropped M silently
+    add("--seeds", seeds, type=int, nargs="+", default=[0], help="one job per seed (default: 0)")
+    add("--seed", seeds, type=int, default=None, help="alias: --seed N is --seeds N")
     add("--devices", type=int, default=None, help="CPU devices to force (before JAX starts)")
     add(
         "--expert-parallel",
@@ -391,8 +392,8 @@ def command_line() -> argparse.ArgumentParser:
 
 
 def kjv_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The `--kjv` job's command line; `args.seeds` is the list of seeds to run (`--seed N`,
-    if given, overrides `--seeds`; a repeated seed runs once)."""
+    """The `--kjv` job's command line; `args.seeds` is the list of seeds to run (`--seed N`
+    or `--seeds`, not both; a repeated seed runs once)."""
     parser = command_line()
     args = parser.parse_args(argv)
     if args.expert_parallel < 0:
