@@ -335,6 +335,23 @@ def test_moe_cli_help_documents_both_runs(capsys):
         assert flag in out, flag
 
 
+def test_deepseek_cli_help_describes_every_flag(capsys, monkeypatch):
+    """Every flag of the DeepSeek job's `--help` says what it sets (ten, from `--steps` to
+    `--eval-every`, were listed with no text), and the counts their default."""
+    import re
+
+    monkeypatch.setenv("COLUMNS", "100")  # argparse's wrapping, so the layout is known
+    code, out, _ = _cli_exit("deepseek", ["--help"], capsys)
+    lines = out.split("options:", 1)[1].splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            text = re.match(r"  \S.*?\s{2,}\S", line) or lines[i + 1].startswith(" " * 24)
+            assert text, line
+    for flag, default in (("steps", 250), ("layers", 3), ("experts", 8), ("eval-every", 50)):
+        assert re.search(rf"--{flag} [A-Z_]+\s+[^-]*?\(default:\s+{default}\)", out), flag
+    assert code == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [

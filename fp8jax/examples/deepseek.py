@@ -269,15 +269,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The job's command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kjv", action="store_true", help="train on the King James Bible")
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    for flag, kind, default, what in (
+        ("--steps", int, 250, "training steps of each run"),
+        ("--batch", int, 16, "sequences per step"),
+        ("--context", int, 64, "tokens (bytes) per sequence"),
+        ("--lr", float, 3e-3, "peak learning rate"),
+        ("--layers", int, 3, "blocks, the first dense"),
+        ("--width", int, 128, "model width"),
+        ("--experts", int, 8, "routed experts per MoE block"),
+        ("--top-k", int, 2, "routed experts per token"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default: {default})")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one set of runs per seed (default: 0)"
+    )
     parser.add_argument(
         "--balance-speed",
         type=float,
@@ -285,8 +290,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the balancing bias's step (DeepSeek's gamma, 0.001 over 14.8T tokens; 0.01 here, "
         "where a run is a few hundred steps)",
     )
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--tail", type=int, default=20, help="steps whose loads are counted")
+    parser.add_argument(
+        "--eval-every", type=int, default=50, help="steps between validations (default: 50)"
+    )
+    parser.add_argument(
+        "--tail", type=int, default=20, help="steps whose loads are counted (default: 20)"
+    )
     parser.add_argument(
         "--block-dot",
         choices=("chunked", "dequantized"),
