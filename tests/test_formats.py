@@ -160,3 +160,19 @@ def test_transpose_in_words_leaves_other_shapes_and_dtypes_to_swapaxes():
     assert "bitcast_convert_type" in str(
         jax.make_jaxpr(transpose_in_words)(jnp.zeros((8, 8), jnp.float8_e4m3fn))
     )
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_saturates_float64_beyond_float32_range(fmt):
+    """Under `jax_enable_x64`, a finite float64 too large for float32 became inf in the
+    float32 cast, then NaN (a "fault"); it saturates like any other finite value."""
+    limit = fp8jax.fp8_max(fmt)
+    x = np.array([1e300, -1e300, 1e39, 1.5, np.inf, np.nan], np.float64)
+    with jax.enable_x64(True):
+        for scale in (1.0, 1e-30):
+            got = np.asarray(fp8jax.quantize(jnp.asarray(x), scale, fmt)).astype(np.float64)
+            # float64 reference: the exact product, saturated, rounded by ml_dtypes.
+            with np.errstate(invalid="ignore"):
+                want = np.clip(x * scale, -limit, limit).astype({"e4m3": E4M3, "e5m2": E5M2}[fmt])
+            want = np.where(np.isfinite(x), want.astype(np.float64), np.nan)
+            np.testing.assert_array_equal(got, want)

@@ -129,8 +129,14 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     Only finite `x` saturate (even where the product overflows float32): an inf or NaN in `x`
     becomes NaN, so that a fault upstream reaches the GEMM's output (and `all_finite`, and
     loss scaling) instead of turning into the format's max. (NaN, not inf: E4M3 has no inf,
-    and a GPU's saturating FP8 conversion turns inf into the max.)
+    and a GPU's saturating FP8 conversion turns inf into the max.) A float64 `x`
+    (`jax_enable_x64`) beyond float32's range is finite too: it is clipped to float32's max
+    before the cast, and saturates.
     """
+    x = jnp.asarray(x)
+    if jnp.dtype(x.dtype).itemsize > 4:
+        f32_max = float(jnp.finfo(jnp.float32).max)
+        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -f32_max, f32_max), x)
     x = widen(x)
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
