@@ -176,3 +176,32 @@ def test_quantize_saturates_float64_beyond_float32_range(fmt):
                 want = np.clip(x * scale, -limit, limit).astype({"e4m3": E4M3, "e5m2": E5M2}[fmt])
             want = np.where(np.isfinite(x), want.astype(np.float64), np.nan)
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "shape, scale_shape",
+    [((3,), (4, 3)), ((3,), (3, 1, 1)), ((3,), (4,)), ((4, 6), (2, 3))],  # last: 2 x 2 blocks
+)
+def test_scale_that_does_not_broadcast_to_the_values_is_refused(shape, scale_shape):
+    """A scale of shape (4, 3) broadcast `quantize(x (3,), ...)` to 12 values without a
+    word; one of a wrong size failed in jnp's broadcasting, naming neither operand."""
+    x, scale = np.ones(shape, np.float32), np.ones(scale_shape, np.float32)
+    message = rf"scale of shape \({scale_shape[0]},.* the values' shape \({shape[0]},"
+    with pytest.raises(ValueError, match=message):
+        fp8jax.quantize(x, scale, "e4m3")
+    with pytest.raises(ValueError, match=message):
+        fp8jax.dequantize(x.astype(E4M3), scale)
+
+
+def test_scales_that_broadcast_to_the_values_scale_each_value():
+    """Per-row and per-column scales, against float64 NumPy broadcasting and ml_dtypes."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((4, 6)) * 40).astype(np.float32)
+    for scale in (np.float32(0.5), np.exp2(np.arange(4.0))[:, None], np.exp2(-np.arange(6.0))):
+        scale = np.asarray(scale, np.float32)
+        q = fp8jax.quantize(x, scale, "e4m3")
+        assert q.shape == x.shape
+        want = np.clip(x.astype(np.float64) * scale, -448, 448).astype(E4M3)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want.view(np.uint8))
+        back = want.astype(np.float64) / scale
+        np.testing.assert_array_equal(np.asarray(fp8jax.dequantize(q, scale)), back)

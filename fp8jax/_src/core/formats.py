@@ -149,9 +149,31 @@ def quantize(
     """Cast `x * scale` to FP8, saturating finite values at the format's max.
 
     The product is formed in float32 and rounded to nearest-even by the cast. An inf or NaN
-    in `x` becomes NaN: faults are not hidden (see `saturate`).
+    in `x` becomes NaN: faults are not hidden (see `saturate`). `scale` broadcasts to `x`'s
+    shape (a scalar, or one per row with shape `(rows, 1)`, say); a scale that would broadcast
+    `x` to a larger shape, or not at all (per-block scales: repeat them over each block
+    first), is refused.
     """
-    return saturate(jnp.asarray(x), jnp.asarray(scale), fp8_dtype(fmt))
+    x, scale = jnp.asarray(x), jnp.asarray(scale)
+    check_scale_shape("quantize", x.shape, scale.shape)
+    return saturate(x, scale, fp8_dtype(fmt))
+
+
+def check_scale_shape(what: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+    """Refuse a `scale_shape` that does not broadcast to the values' `shape` unchanged: a
+    silent broadcast would return more values than were given."""
+    try:
+        fits = jnp.broadcast_shapes(shape, scale_shape) == tuple(shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{what}: a scale of shape {tuple(scale_shape)} does not broadcast to the values' "
+            f"shape {tuple(shape)}; give a scalar (one scale per tensor) or an array that "
+            "broadcasts to it (size 1 along the axes it shares a scale over). Per-block "
+            "scales: repeat each over its block first (jnp.repeat), or keep them in an "
+            "fp8jax.QTensor with its block."
+        )
 
 
 def pow2(exponent: Array) -> Array:
@@ -177,8 +199,11 @@ def floor_log2(x: Array) -> Array:
 def dequantize(
     q: ArrayLike, scale: Float[ArrayLike, "*#shape"], dtype: DTypeLike = jnp.float32
 ) -> Array:
-    """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`."""
-    value = jnp.asarray(q).astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`. `scale` is the
+    one `q` was quantized with, of a shape that broadcasts to `q`'s (others are refused)."""
+    q, scale = jnp.asarray(q), jnp.asarray(scale, jnp.float32)
+    check_scale_shape("dequantize", q.shape, scale.shape)
+    value = q.astype(jnp.float32) / scale
     return value.astype(dtype)
 
 
