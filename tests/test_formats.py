@@ -205,3 +205,22 @@ def test_scales_that_broadcast_to_the_values_scale_each_value():
         np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want.view(np.uint8))
         back = want.astype(np.float64) / scale
         np.testing.assert_array_equal(np.asarray(fp8jax.dequantize(q, scale)), back)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn, "int8", jnp.bool_])
+def test_dequantize_refuses_a_dtype_that_cannot_hold_the_values(dtype):
+    """`dequantize(q, 4.0, jnp.int32)` truncated 0.375 to 0 without a word, an FP8 dtype
+    rounded the values again; refused, naming the dtype and the accepted ones."""
+    q = fp8jax.quantize(np.array([1.5, -0.5], np.float32), 4.0, "e4m3")
+    with pytest.raises(ValueError, match=r"dequantize: dtype=.*; use float32"):
+        fp8jax.dequantize(q, 4.0, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, "bf16"])
+def test_dequantize_casts_to_the_floating_dtype_asked_for(dtype):
+    x = np.array([1.5, -0.5, 100.0], np.float32)
+    q = fp8jax.quantize(x, 4.0, "e4m3")
+    got = fp8jax.dequantize(q, 4.0, dtype)
+    want = (np.asarray(q).astype(np.float64) / 4.0).astype(np.dtype(got.dtype))
+    assert got.dtype == ({"bf16": jnp.bfloat16}.get(dtype, dtype))
+    np.testing.assert_array_equal(np.asarray(got), want)

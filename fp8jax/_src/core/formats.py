@@ -200,7 +200,10 @@ def dequantize(
     q: ArrayLike, scale: Float[ArrayLike, "*#shape"], dtype: DTypeLike = jnp.float32
 ) -> Array:
     """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`. `scale` is the
-    one `q` was quantized with, of a shape that broadcasts to `q`'s (others are refused)."""
+    one `q` was quantized with, of a shape that broadcasts to `q`'s (others are refused);
+    `dtype` a floating dtype of 16 bits or more (an integer one would truncate the values, an
+    FP8 one round them again: refused)."""
+    dtype = float_dtype(dtype, "dequantize: dtype")
     q, scale = jnp.asarray(q), jnp.asarray(scale, jnp.float32)
     check_scale_shape("dequantize", q.shape, scale.shape)
     value = q.astype(jnp.float32) / scale
