@@ -215,6 +215,23 @@ def test_compute_scale_takes_arrays_as_documented():
         jax.jit(lambda a, m: fp8jax.compute_scale(a, jnp.ones(3), 448.0, m))(amax, margin)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_compute_scale_of_a_narrow_amax_is_formed_in_float32(dtype):
+    """`compute_scale(jnp.max(jnp.abs(x)), ...)` of a BF16 or float16 `x` divided in that
+    dtype: BF16 rounded `448 / amax` to 8 bits (the amax then saturated, 0.4 % over 448) and
+    float16 overflowed past 65504 to its 2**126 cap. As float32 NumPy computes it instead."""
+    amax = np.concatenate([np.linspace(1.0, 4.0, 97), [1e-3, 2.0**-20]]).astype(dtype)
+    wide = amax.astype(np.float32)
+    for power_of_two in (False, True):
+        got = np.asarray(fp8jax.compute_scale(jnp.asarray(amax), 1.0, 448.0, 0, power_of_two))
+        want = np.float32(448.0) / wide
+        if power_of_two:
+            want = np.exp2(np.floor(np.log2(want.astype(np.float64))))
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+        if power_of_two:
+            assert np.all(got.astype(np.float64) * wide <= 448.0)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

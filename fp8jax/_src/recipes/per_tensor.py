@@ -129,8 +129,12 @@ def compute_scale(
     `power_of_two` may be arrays that broadcast against `amax_value` (one per state of a
     stack: merged states of many layers get their scales in one pass); `fmt_max` and
     `power_of_two` traced ones too, `margin` a number or a NumPy array: its factor
-    `2**-margin` is a constant of the trace.
+    `2**-margin` is a constant of the trace. The quotient is formed in float32 (or float64)
+    whatever `amax_value`'s dtype: a BF16 or float16 amax (`max |x|` of a BF16 tensor) is
+    widened first, as its own arithmetic would round the scale (or overflow float16).
     """
+    amax_value = jnp.asarray(amax_value)
+    amax_value = amax_value.astype(jnp.promote_types(amax_value.dtype, jnp.float32))
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
     # Times 2**-margin (a float32 constant), not divided by 2**margin: XLA may turn a division
     # by a constant into a multiplication anyway, so the result would depend on the backend.
