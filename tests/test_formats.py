@@ -224,3 +224,22 @@ def test_dequantize_casts_to_the_floating_dtype_asked_for(dtype):
     want = (np.asarray(q).astype(np.float64) / 4.0).astype(np.dtype(got.dtype))
     assert got.dtype == ({"bf16": jnp.bfloat16}.get(dtype, dtype))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_qtensor_dequantize_scales_each_block_and_refuses_other_scale_shapes():
+    """`QTensor.dequantize` against float64 NumPy, block by block (a ragged last block too);
+    a `scale_inv` of one value per element (blocks (2, 2)) was repeated over 2 x 2 elements
+    and cut, scaling the wrong values without a word."""
+    rng = np.random.default_rng(2)
+    data = (rng.standard_normal((5, 7)) * 50).astype(E4M3)
+    scale_inv = np.exp2(rng.integers(-4, 4, (3, 4))).astype(np.float32)
+    got = fp8jax.QTensor(jnp.asarray(data), jnp.asarray(scale_inv), (2, 2)).dequantize()
+    rows, cols = np.indices(data.shape)
+    want = data.astype(np.float64) * scale_inv[rows // 2, cols // 2]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    for bad in [(5, 7), (2, 4), (1, 3, 4)]:
+        q = fp8jax.QTensor(jnp.asarray(data), jnp.ones(bad), (2, 2))
+        with pytest.raises(ValueError, match=rf"needs scale_inv of shape \(3, 4\).*not \({bad[0]}"):
+            q.dequantize()
+    with pytest.raises(ValueError, match=r"scale of shape \(2, 5, 7\) does not broadcast"):
+        fp8jax.QTensor(jnp.asarray(data), jnp.ones((2, 5, 7))).dequantize()

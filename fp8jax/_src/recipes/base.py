@@ -37,7 +37,13 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Float
 
 from ..core.amax import amax
-from ..core.formats import FormatLike, expand_blocks, format_name, fp8_dtype
+from ..core.formats import (
+    FormatLike,
+    check_scale_shape,
+    expand_blocks,
+    format_name,
+    fp8_dtype,
+)
 from ..core.stats import OperandStats, cast_statistics
 from ..kernels import BLOCK_GEMM_NAME, dispatch
 from ..kernels.partition import Dim, GemmDims
@@ -113,11 +119,21 @@ class QTensor(eqx.Module):
     block: tuple[int, ...] = eqx.field(static=True, default=())
 
     def dequantize(self) -> Float[Array, "*shape"]:
-        """The real values this tensor stands for, in float32."""
+        """The real values this tensor stands for, in float32. A `scale_inv` of another shape
+        than the fields above say is refused: repeated over blocks, or broadcast, it would
+        scale the wrong values without a word."""
         data = self.data.astype(jnp.float32)
         scale_inv = self.scale_inv.astype(jnp.float32)
         if not self.block:
+            check_scale_shape("QTensor.dequantize (per-tensor)", data.shape, scale_inv.shape)
             return data * scale_inv
+        *batch, rows, cols = data.shape
+        blocks = (*batch, -(-rows // self.block[0]), -(-cols // self.block[1]))
+        if scale_inv.shape != tuple(blocks):
+            raise ValueError(
+                f"QTensor.dequantize: data of shape {data.shape} in blocks {self.block} needs "
+                f"scale_inv of shape {tuple(blocks)} (one per block), not {scale_inv.shape}."
+            )
         return data * expand_blocks(scale_inv, self.block, self.data.shape)
 
 
