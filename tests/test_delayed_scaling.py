@@ -215,6 +215,18 @@ def test_compute_scale_takes_arrays_as_documented():
         jax.jit(lambda a, m: fp8jax.compute_scale(a, jnp.ones(3), 448.0, m))(amax, margin)
 
 
+@pytest.mark.parametrize("margin", [float("nan"), -200, 40.0, np.array([0.0, np.inf])])
+def test_compute_scale_refuses_a_margin_no_recipe_takes(margin):
+    """A NaN margin gave a NaN scale (NaN outputs) without a word, -200 a NumPy overflow
+    warning (2**200 as float32); refused by value, with the range recipes take."""
+    with pytest.raises(ValueError, match=r"compute_scale: margin=.*from -32 to 32"):
+        fp8jax.compute_scale(jnp.float32(2.0), jnp.float32(1.0), 448.0, margin)
+    # The range's ends are taken, as float32 NumPy computes them.
+    for ok in (-32, 32):
+        got = fp8jax.compute_scale(jnp.float32(2.0), jnp.float32(1.0), 448.0, ok)
+        assert float(got) == float(np.float32(224.0) * np.float32(2.0**-ok))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_compute_scale_of_a_narrow_amax_is_formed_in_float32(dtype):
     """`compute_scale(jnp.max(jnp.abs(x)), ...)` of a BF16 or float16 `x` divided in that

@@ -18,6 +18,7 @@ from ..core.compile_options import is_cublas_traced
 from ..core.contexts import Setting, setting
 from ..core.formats import floor_log2, fp8_max, pow2, quantize
 from .base import (
+    MAX_MARGIN,
     ROLES,
     Axis,
     HybridFormats,
@@ -128,10 +129,11 @@ def compute_scale(
     `2**-126` at least (`MIN_SCALE`), where every value flushes to zero. `fmt_max`, `margin` and
     `power_of_two` may be arrays that broadcast against `amax_value` (one per state of a
     stack: merged states of many layers get their scales in one pass); `fmt_max` and
-    `power_of_two` traced ones too, `margin` a number or a NumPy array: its factor
-    `2**-margin` is a constant of the trace. The quotient is formed in float32 (or float64)
-    whatever `amax_value`'s dtype: a BF16 or float16 amax (`max |x|` of a BF16 tensor) is
-    widened first, as its own arithmetic would round the scale (or overflow float16).
+    `power_of_two` traced ones too, `margin` a number or a NumPy array from -32 to 32 (as a
+    recipe's): its factor `2**-margin` is a constant of the trace. The quotient is formed in
+    float32 (or float64) whatever `amax_value`'s dtype: a BF16 or float16 amax (`max |x|` of
+    a BF16 tensor) is widened first, as its own arithmetic would round the scale (or overflow
+    float16).
     """
     amax_value = jnp.asarray(amax_value)
     amax_value = amax_value.astype(jnp.promote_types(amax_value.dtype, jnp.float32))
@@ -145,6 +147,12 @@ def compute_scale(
             "compute_scale: margin is traced (an argument of a jitted function, say); pass a "
             "Python number or a NumPy array: its factor 2**-margin is a constant of the trace."
         ) from None
+    if not np.all(np.abs(margin) <= MAX_MARGIN):  # NaN too
+        raise ValueError(
+            f"compute_scale: margin={margin.tolist()!r}: should be finite numbers of binades "
+            f"from -{MAX_MARGIN} to {MAX_MARGIN}, as a recipe's margin (past them every value "
+            "flushes to zero or saturates; 2**-margin overflows float32 from -128)."
+        )
     factor = np.asarray(2.0**-margin, np.float32)
     fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * factor
     fresh = jnp.clip(fresh, MIN_SCALE, MAX_SCALE)
