@@ -153,6 +153,16 @@ def quantize(
     shape (a scalar, or one per row with shape `(rows, 1)`, say); a scale that would broadcast
     `x` to a larger shape, or not at all (per-block scales: repeat them over each block
     first), is refused.
+
+    **Gradient.** `jax.grad` through `quantize` and [`fp8jax.dequantize`][] passes the
+    cotangent straight through the rounding (times `scale`), and 0 where `x * scale`
+    saturates; but JAX carries the cotangent of an FP8 array in its FP8 dtype, so the
+    gradient reaching `x` is `scale * fp8(g / scale)`: rounded to the format's 3 (E4M3) or 2
+    (E5M2) significand bits, 0 below its smallest subnormal, and past its max NaN or inf
+    (the max where XLA's conversion saturates). For a straight-through estimator in float32
+    (quantization-aware training), keep the FP8 values out of the derivative:
+    `x + lax.stop_gradient(dequantize(quantize(x, s, fmt), s) - x)`. fp8jax's GEMMs define
+    their own derivatives and are not affected.
     """
     x, scale = jnp.asarray(x), jnp.asarray(scale)
     check_scale_shape("quantize", x.shape, scale.shape)
