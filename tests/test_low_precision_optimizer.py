@@ -76,6 +76,19 @@ def test_argument_errors():
         low_precision_state(lambda g: g)
 
 
+@pytest.mark.parametrize("name", ["f8", "FP8", "float8"])
+def test_ambiguous_f8_is_refused_and_dtype_names_are_read_as_elsewhere(name):
+    """`dtype="f8"` stored the state in float64 (NumPy's reading: 4x bfloat16's memory), where
+    an FP8 reader means FP8; fp8jax's own dtype arguments refuse it, so does this. "bf16",
+    which they take, was refused here."""
+    with pytest.raises(ValueError, match=rf"dtype='{name}' is ambiguous"):
+        low_precision_state(optax.adam(1e-3), name)
+    params = {"w": jnp.ones(3)}
+    for alias, dtype in [("bf16", jnp.bfloat16), ("BF16", jnp.bfloat16), ("f32", jnp.float32)]:
+        state = low_precision_state(optax.sgd(0.1, momentum=0.9), alias).init(params)
+        assert {x.dtype for x in jax.tree.leaves(state)} == {np.dtype(dtype)}
+
+
 @pytest.mark.parametrize("pass_params", [True, False])
 def test_bfloat16_params_get_bfloat16_updates_as_from_the_inner_optimizer(pass_params):
     """bfloat16 parameters: optax's own Adam/SGD give bfloat16 updates (their state has the

@@ -19,6 +19,8 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
+from ..core.formats import DTYPE_ALIASES
+
 T = TypeVar("T")
 
 
@@ -100,7 +102,8 @@ def low_precision_state(
     **Arguments:**
 
     - `optimizer`: any optax `GradientTransformation` (extra arguments are passed through).
-    - `dtype`: the storage dtype, a floating dtype; `jnp.bfloat16` by default.
+    - `dtype`: the storage dtype, a floating dtype or its name (`"bf16"`, `"float16"`; `"f8"`,
+      NumPy's float64 but FP8 to some readers, is refused); `jnp.bfloat16` by default.
 
     **Returns:** an `optax.GradientTransformationExtraArgs`.
 
@@ -155,9 +158,16 @@ def low_precision_state(
             f"low_precision_state: optimizer={optimizer!r} should be an optax "
             "GradientTransformation (with init and update)."
         )
+    name = dtype.strip().lower() if isinstance(dtype, str) else None
+    if name in ("f8", "fp8", "float8"):
+        raise ValueError(
+            f"low_precision_state: dtype={dtype!r} is ambiguous: NumPy reads 'f8' as float64 "
+            "(8 bytes, 4x bfloat16's memory), an FP8 library's reader as FP8. Spell it out: "
+            "jnp.bfloat16, jnp.float16 or jnp.float32."
+        )
     try:
         # np.dtype(None) is float64: a forgotten dtype must not silently mean "float64".
-        storage = None if dtype is None else np.dtype(dtype)
+        storage = None if dtype is None else DTYPE_ALIASES.get(name) or np.dtype(dtype)
     except TypeError:
         storage = None
     if storage is None or not jnp.issubdtype(storage, jnp.floating):
