@@ -176,6 +176,10 @@ def test_quantize_saturates_float64_beyond_float32_range(fmt):
                 want = np.clip(x * scale, -limit, limit).astype({"e4m3": E4M3, "e5m2": E5M2}[fmt])
             want = np.where(np.isfinite(x), want.astype(np.float64), np.nan)
             np.testing.assert_array_equal(got, want)
+    # Without x64, a NumPy float64 (or a Python float) is cast to float32 on the way in.
+    got = np.asarray(fp8jax.quantize(x, 1.0, fmt)).astype(np.float64)
+    np.testing.assert_array_equal(got, [limit, -limit, limit, 1.5, np.nan, np.nan])
+    assert float(np.asarray(fp8jax.quantize(1e300, 1.0, fmt), np.float64)) == limit
 
 
 @pytest.mark.parametrize(

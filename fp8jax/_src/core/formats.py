@@ -11,6 +11,7 @@ import functools
 import math
 import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -149,7 +150,8 @@ def quantize(
     """Cast `x * scale` to FP8, saturating finite values at the format's max.
 
     The product is formed in float32 and rounded to nearest-even by the cast. An inf or NaN
-    in `x` becomes NaN: faults are not hidden (see `saturate`). `scale` broadcasts to `x`'s
+    in `x` becomes NaN: faults are not hidden (see `saturate`); a finite float64 beyond
+    float32's range saturates, as NumPy's or under `jax_enable_x64`. `scale` broadcasts to `x`'s
     shape (a scalar, or one per row with shape `(rows, 1)`, say); a scale that would broadcast
     `x` to a larger shape, or not at all (per-block scales: repeat them over each block
     first), is refused.
@@ -164,6 +166,11 @@ def quantize(
     `x + lax.stop_gradient(dequantize(quantize(x, s, fmt), s) - x)`. fp8jax's GEMMs define
     their own derivatives and are not affected.
     """
+    if not isinstance(x, jax.Array):  # NumPy's float64 (or a Python float): as in `saturate`
+        x = np.asarray(x)
+        if x.dtype.kind == "f" and x.dtype.itemsize > 4:
+            f32_max = float(np.finfo(np.float32).max)
+            x = np.where(np.isfinite(x), np.clip(x, -f32_max, f32_max), x)
     x, scale = jnp.asarray(x), jnp.asarray(scale)
     check_scale_shape("quantize", x.shape, scale.shape)
     return saturate(x, scale, fp8_dtype(fmt))
