@@ -56,6 +56,21 @@ def test_unknown_format_names_value_and_choices(bad):
         fp8jax.fp8_dtype(bad)
 
 
+@pytest.mark.parametrize(
+    "other", [jnp.float8_e3m4, jnp.float8_e8m0fnu, "float8_e4m3", jnp.float8_e4m3b11fnuz]
+)
+def test_other_8_bit_floats_are_refused_by_name_with_the_accepted_dtypes(other):
+    """JAX's other 8-bit floats were "Unknown FP8 format <class ...>", told to pass "the
+    matching jnp.float8_* dtype", which they are; refused by name, the accepted dtypes listed
+    (`float8_e4m3`, IEEE-like, is not `float8_e4m3fn`)."""
+    name = np.dtype(other).name
+    accepted = r"float8_e4m3fn, float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz\)"
+    with pytest.raises(ValueError, match=rf"^{name} is not an FP8 format .*{accepted}"):
+        fp8jax.fp8_dtype(other)
+    with pytest.raises(ValueError, match=rf"^{name} is not an FP8 format"):
+        fp8jax.quantize(np.ones(2, np.float32), 1.0, other)
+
+
 @pytest.mark.parametrize("fmt, dtype", [("e4m3", E4M3), ("e5m2", E5M2)])
 def test_quantize_rounds_like_ml_dtypes(fmt, dtype):
     rng = np.random.default_rng(0)

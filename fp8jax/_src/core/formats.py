@@ -63,10 +63,18 @@ def fp8_dtype(fmt: FormatLike) -> np.dtype:
             dtype = None
         if dtype is not None and dtype in _FORMATS.values():
             return dtype
-    raise ValueError(
-        f"Unknown FP8 format {fmt!r}: should be one of {sorted(_FORMATS)} "
-        "or the matching jnp.float8_* dtype."
+    accepted = (
+        f"should be one of {sorted(_FORMATS)} or the matching dtype "
+        f"({', '.join(sorted(d.name for d in _FORMATS.values()))})"
     )
+    try:
+        other = np.dtype(fmt.lower() if isinstance(fmt, str) else fmt)
+    except TypeError:
+        other = None
+    if other is not None and other.kind == "V" and other.itemsize == 1 and "float" in other.name:
+        # ml_dtypes' other 8-bit floats (float8_e3m4, float8_e8m0fnu: MX's scale format, ...)
+        raise ValueError(f"{other.name} is not an FP8 format fp8jax casts to: {accepted}.")
+    raise ValueError(f"Unknown FP8 format {fmt!r}: {accepted}.")
 
 
 def format_name(fmt: FormatLike) -> str:
