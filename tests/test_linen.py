@@ -1473,3 +1473,34 @@ def test_a_square_kernel_used_both_ways_under_error_feedback_is_refused_too():
 
     got, want = loss(model)(variables), loss(plain)(expected)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+class WithFlaxFp8(nn.Module):
+    """A layer with Flax's own FP8 ops (excluded, as the refusal says) beside a plain one:
+    both keep their state in the collection `"_overwrite_with_gradient"`."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp, name="flax_fp8")(x)
+        return nn.Dense(16, name="ours")(nn.relu(h))
+
+
+def test_the_train_state_takes_the_new_state_of_flaxs_own_fp8_ops_as_flax_does():
+    """Flax's FP8 ops keep plain arrays in the collection: `apply_gradients` raised
+    "overwrites has a value where the model has ArrayImpl" for a model holding both."""
+    model = fp8jax.fp8_linear_layers(WithFlaxFp8(), fp8jax.Fp8Config(exclude="flax_fp8", keep=()))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((8, 16)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+    assert isinstance(state_of(variables, "ours"), fp8jax.Fp8DotGeneral)
+    loss = lambda v: jnp.mean(model.apply(v, x) ** 2)  # noqa: E731
+    _, grads = fp8jax.filter_value_and_grad(loss)(variables)
+    ours = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
+    flax = train_state.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(0.1))
+    ours, flax = ours.apply_gradients(grads=grads), flax.apply_gradients(grads=grads)
+    assert_same(ours.params["params"], flax.params["params"])
+    # Flax's arrays: the gradient is the new value (Flax's TrainState's overwrite).
+    assert_same(ours.params[OWG]["flax_fp8"], grads[OWG]["flax_fp8"])
+    assert_same(ours.params[OWG]["flax_fp8"], flax.params[OWG]["flax_fp8"])
+    # fp8jax's layer: merged, as without Flax's layer beside it.
+    alone = fp8jax.apply_updates(variables[OWG]["ours"], None, grads[OWG]["ours"])
+    assert_same(ours.params[OWG]["ours"], alone)

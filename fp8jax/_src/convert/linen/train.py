@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import optax
 from flax.training import train_state
 
-from ...core.updates import apply_updates
+from ...core.updates import apply_updates, is_overwrite, partition_for_grad_overwrite
 from .convert import COLLECTION
 
 
@@ -22,8 +23,11 @@ class LinenTrainState(train_state.TrainState):
     takes the FP8 state from the gradient through each layer's
     [`merge`][fp8jax.Fp8DotGeneral.merge]: a layer that did not run this step, or whose
     operand held an inf or NaN, keeps its state (Flax's `TrainState` would overwrite it with
-    the zero or non-finite gradient). Other collections are left as they are. Without FP8
-    state (a model trained in BF16 beside the FP8 one), it is Flax's `TrainState`.
+    the zero or non-finite gradient). The arrays that Flax's own FP8 ops keep in the same
+    collection (a layer with `Fp8DirectDotGeneralOp`, excluded from the conversion) take
+    their gradient as their new value, as Flax's `TrainState` does. Other collections are
+    left as they are. Without FP8 state (a model trained in BF16 beside the FP8 one), it is
+    Flax's `TrainState`.
 
     ```python
     state = fp8jax.LinenTrainState.create(apply_fn=fp8_model.apply, params=variables, tx=tx)
@@ -46,5 +50,13 @@ class LinenTrainState(train_state.TrainState):
         updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params["params"])
         params = dict(self.params)
         params["params"] = optax.apply_updates(self.params["params"], updates)
-        params[COLLECTION] = apply_updates(self.params[COLLECTION], None, grads[COLLECTION])
+        ours, flaxs = partition_for_grad_overwrite(grads[COLLECTION])
+        merged = apply_updates(self.params[COLLECTION], None, ours)
+        # Flax's FP8 ops' arrays (None in `ours`): their gradient is their new value.
+        params[COLLECTION] = jax.tree.map(
+            lambda new, flax: new if flax is None else flax,
+            merged,
+            flaxs,
+            is_leaf=lambda x: x is None or is_overwrite(x),
+        )
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
