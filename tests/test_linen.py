@@ -1504,3 +1504,37 @@ def test_the_train_state_takes_the_new_state_of_flaxs_own_fp8_ops_as_flax_does()
     # fp8jax's layer: merged, as without Flax's layer beside it.
     alone = fp8jax.apply_updates(variables[OWG]["ours"], None, grads[OWG]["ours"])
     assert_same(ours.params[OWG]["ours"], alone)
+
+
+class Trained(nn.Module):
+    """A model with a train flag and collections of its own: batch statistics, dropout."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.BatchNorm(use_running_average=not train)(nn.Dense(32, name="fc1")(x))
+        h = nn.Dropout(0.5, deterministic=not train)(nn.relu(h))
+        return nn.Dense(16, name="fc2")(h)
+
+
+def test_an_eval_call_reads_the_fp8_state_and_changes_none_of_it():
+    model = fp8jax.fp8_linear_layers(Trained(), config())
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((8, 32)) * 4, jnp.float32)
+    variables = model.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+
+    def loss(v):
+        y, updates = model.apply(v, x, mutable=["batch_stats"], rngs={"dropout": jax.random.key(2)})
+        return jnp.mean(y**2), updates
+
+    (_, updates), grads = fp8jax.filter_value_and_grad(loss, has_aux=True)(variables)
+    state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(0.1))
+    state = state.apply_gradients(grads=grads)
+    trained = {**state.params, **updates}  # batch statistics kept as Linen's own
+    assert list(trained) == ["params", OWG, "batch_stats"]
+    out, after = model.apply(trained, x, train=False, mutable=True)
+    assert_same(after[OWG], trained[OWG])  # evaluation records no amax
+    assert_same(after["batch_stats"], trained["batch_stats"])
+    unconverted = Trained().apply({k: trained[k] for k in ("params", "batch_stats")}, x, False)
+    assert not np.array_equal(out, unconverted)  # the layers ran in FP8
+    # FP8 rounding, and saturation where eval's activations (running statistics, no dropout)
+    # outgrow the amax training recorded: delayed scaling as it is.
+    assert float(jnp.linalg.norm(out - unconverted) / jnp.linalg.norm(unconverted)) < 0.2
