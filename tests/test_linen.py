@@ -468,6 +468,8 @@ def test_bad_input_errors():
         )
     with pytest.raises(TypeError, match=r"module=Net is bound to variables"):
         fp8jax.Fp8Linen(Net().bind(Net().init(jax.random.key(0), jnp.ones((1, 64)))))
+    with pytest.raises(TypeError, match=r"got the class Net, not a model: pass an instance, Net"):
+        fp8jax.fp8_linear_layers(Net)  # said "found no Linear layer in the tree"
     with pytest.raises(TypeError, match=r"module=dict: should be a flax.linen.Module"):
         fp8jax.Fp8Linen({})
     with pytest.raises(TypeError, match=r"config='delayed': should be an fp8jax.Fp8Config"):

@@ -47,6 +47,11 @@ def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
         )
     if not isinstance(explain, bool):
         raise TypeError(f"explain={explain!r}: should be True or False.")
+    if isinstance(tree, type):  # `fp8_linear_layers(MLP)`: nothing built, no layer to find
+        raise TypeError(
+            f"fp8_linear_layers: got the class {tree.__name__}, not a model: pass an instance, "
+            f"{tree.__name__}(...)."
+        )
     linen = _flax("linen")
     module = getattr(tree, "module", None)
     wrapper = linen is not None and isinstance(module, linen.Module) and not _fp8_linen(tree)
