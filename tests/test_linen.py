@@ -1540,3 +1540,28 @@ def test_an_eval_call_reads_the_fp8_state_and_changes_none_of_it():
     # FP8 rounding, and saturation where eval's activations (running statistics, no dropout)
     # outgrow the amax training recorded: delayed scaling as it is.
     assert float(jnp.linalg.norm(out - unconverted) / jnp.linalg.norm(unconverted)) < 0.2
+
+
+class Spelled(nn.Module):
+    """Layers with Linen's default `dot_general` written out, as older Linen code does."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, dot_general=jax.lax.dot_general, name="fc1")(x))
+        return nn.DenseGeneral(64, dot_general=jax.lax.dot_general, name="fc2")(h)
+
+
+def test_a_layer_with_lax_dot_general_written_out_converts_as_one_without():
+    """`dot_general=lax.dot_general` was refused as "its own dot_general"."""
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((8, 32)), jnp.float32)
+    spelled = fp8jax.fp8_linear_layers(Spelled(), config())
+    plain = fp8jax.fp8_linear_layers(Net(), config())
+    variables = spelled.init(jax.random.key(0), x)
+    assert_same(variables, plain.init(jax.random.key(0), x))
+    loss = lambda model: lambda v: jnp.sum(jnp.sin(model.apply(v, x)))  # noqa: E731
+    ours = fp8jax.filter_value_and_grad(loss(spelled))(variables)
+    assert_same(ours, fp8jax.filter_value_and_grad(loss(plain))(variables))
+    # The Equinox path's numbers (the reference for Net's layers).
+    model = fp8jax.fp8_linear_layers(eqx_net(variables["params"]), config())
+    y = jax.vmap(model)(x)
+    np.testing.assert_array_equal(spelled.apply(variables, x), y)

@@ -300,8 +300,10 @@ def _interceptor(
                 out = next_fun(*args, **kwargs)
             seen.widths.setdefault(path, _width(module))
             return out
-        if module.dot_general is not None or module.dot_general_cls is not None:
-            own = module.dot_general_cls or module.dot_general
+        # `dot_general=lax.dot_general`, Linen's default written out, is no dot_general of its own.
+        written = module.dot_general
+        if (written is not None and written is not jax.lax.dot_general) or module.dot_general_cls:
+            own = module.dot_general_cls or written
             raise ValueError(
                 f"Fp8Linen: the {type(module).__name__} at {name!r} has its own dot_general "
                 f"({own!r}), which fp8jax would replace. Exclude it (Fp8Config targets or "
@@ -336,7 +338,7 @@ def _interceptor(
         try:
             out = next_fun(*args, **kwargs)
         finally:
-            object.__setattr__(module, "dot_general", None)
+            object.__setattr__(module, "dot_general", written)
             if masters:
                 object.__setattr__(module, "promote_dtype", promote)
         seen.widths.setdefault(path, _width(module))
