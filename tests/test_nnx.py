@@ -2055,6 +2055,38 @@ def test_grouped_linear_refuses_a_dense_fp8_gemm_as_its_ragged_dot():
         fp8jax.NnxGroupedLinear(2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8NnxDotGeneral())
 
 
+def test_grouped_layers_refuse_the_other_framework_s_fp8_grouped_gemm():
+    """An Equinox `Fp8RaggedDot` in an `NnxGroupedLinear` (or an `Fp8NnxRaggedDot` in a
+    `GroupedLinear`) was taken and ran forward, but no training step could update its state:
+    NNX's step raised `StateNotDifferentiatedError` (blaming the step), Equinox's "'>' not
+    supported between instances of 'Fp8State' and 'int'". Both are refused when the layer is
+    built, naming the GEMM its framework takes; the right one trains its state."""
+    with pytest.raises(
+        TypeError,
+        match=r"NnxGroupedLinear ragged_dot=Fp8RaggedDot: an Equinox.*"
+        r"NnxGroupedLinear's is a fp8jax.Fp8NnxRaggedDot",
+    ):
+        fp8jax.NnxGroupedLinear(
+            2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8RaggedDot(num_experts=2)
+        )
+    with pytest.raises(
+        TypeError,
+        match=r"GroupedLinear ragged_dot=Fp8NnxRaggedDot: a Flax NNX.*"
+        r"GroupedLinear's is a fp8jax.Fp8RaggedDot",
+    ):
+        fp8jax.GroupedLinear(
+            2, 4, 3, key=jax.random.key(0), ragged_dot=fp8jax.Fp8NnxRaggedDot(num_experts=2)
+        )
+    layer = fp8jax.NnxGroupedLinear(
+        2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8NnxRaggedDot(num_experts=2)
+    )
+    x, sizes = jnp.asarray(np.arange(12.0).reshape(3, 4)), jnp.array([1, 2], jnp.int32)
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x, sizes) ** 2))(layer)
+    fp8jax.nnx_update_fp8_state(layer, grads)
+    history = layer.ragged_dot.value().input.amax_history
+    assert float(history[0]) == float(np.abs(np.asarray(x)).max())
+
+
 @pytest.mark.parametrize("name", ["current", "blockwise"])
 def test_grouped_linear_computing_in_bf16_quantizes_its_float32_master(name):
     """An `NnxGroupedLinear(dtype=bf16)` on float32 parameters with an FP8 `ragged_dot` cast

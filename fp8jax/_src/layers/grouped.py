@@ -37,12 +37,16 @@ def check_grouped_linear_args(
     *,
     example: str = "",
     grouped_op: str = "fp8jax.Fp8RaggedDot",
+    nnx: bool = False,
 ) -> tuple[int, int, int]:
     """Check the arguments of a grouped Linear (`where` names it in the errors): `shape`, its
     `(num_experts, in_features, out_features)`, ints >= 1 (NumPy's too; `ValueError`);
     `ragged_dot`, `None` or a callable (`TypeError`, whose advice ends with `example`), not
     a dense layer's FP8 GEMM (an `Fp8DotGeneral`, or an NNX layer holding one in `state`:
-    `TypeError`, naming `grouped_op`). Returns `shape` as Python ints."""
+    `TypeError`, naming `grouped_op`), nor the other framework's FP8 grouped GEMM (`nnx`:
+    the layer is Flax NNX's, whose is an NNX layer holding an `Fp8RaggedDot` in `state`;
+    else Equinox's, whose is the `Fp8RaggedDot` itself: `TypeError`, naming `grouped_op`).
+    Returns `shape` as Python ints."""
     for name, value in zip(("num_experts", "in_features", "out_features"), shape, strict=True):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{where} {name}={value!r}: should be an int >= 1.")
@@ -57,6 +61,15 @@ def check_grouped_linear_args(
             f"{where} ragged_dot={type(ragged_dot).__name__}: a dense layer's FP8 GEMM (for "
             f"{op.stands_for}); a grouped layer's is a {grouped_op}(recipe, num_experts=...), "
             "the FP8 jax.lax.ragged_dot."
+        )
+    if isinstance(op, Fp8RaggedDot) and (op is not ragged_dot) != nnx:
+        # Its state would not be trained: Equinox's leaves through the gradient, NNX's in
+        # `Fp8State` variables (the step raised an unrelated error, or none at all).
+        held, wanted = ("an Equinox", "an NNX") if nnx else ("a Flax NNX", "an Equinox")
+        raise TypeError(
+            f"{where} ragged_dot={type(ragged_dot).__name__}: {held} layer's FP8 grouped GEMM, "
+            f"whose state {wanted} layer does not update; {where}'s is a {grouped_op}(recipe, "
+            "num_experts=...)."
         )
     return (int(shape[0]), int(shape[1]), int(shape[2]))
 

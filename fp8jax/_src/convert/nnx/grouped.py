@@ -96,7 +96,7 @@ class NnxGroupedLinear(nnx.Module):
     ):
         shape = (num_experts, in_features, out_features)
         shape = check_grouped_linear_args(
-            "NnxGroupedLinear", shape, ragged_dot, grouped_op="fp8jax.Fp8NnxRaggedDot"
+            "NnxGroupedLinear", shape, ragged_dot, grouped_op="fp8jax.Fp8NnxRaggedDot", nnx=True
         )
         param_dtype = float_dtype(param_dtype, "NnxGroupedLinear param_dtype")
         if dtype is not None:
