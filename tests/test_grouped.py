@@ -854,6 +854,17 @@ def test_grouped_linear_refuses_a_dense_fp8_gemm_as_its_ragged_dot():
         fp8jax.GroupedLinear(G, K, N, key=jax.random.key(0), ragged_dot=fp8jax.Fp8DotGeneral())
 
 
+def test_grouped_linear_refuses_a_ragged_dot_built_for_another_expert_count():
+    """`GroupedLinear(4, ..., ragged_dot=Fp8RaggedDot(num_experts=8))` was built, and only its
+    first call raised (mismatched expert counts), inside the training step; the layer now
+    refuses it when built, naming both counts. Equal counts are taken."""
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=rf"GroupedLinear num_experts={G} but .* num_experts=8"):
+        fp8jax.GroupedLinear(G, K, N, key=key, ragged_dot=fp8jax.Fp8RaggedDot(num_experts=8))
+    layer = fp8jax.GroupedLinear(G, K, N, key=key, ragged_dot=fp8jax.Fp8RaggedDot(num_experts=G))
+    assert layer.ragged_dot.kernel.scale.shape == (G,)
+
+
 def test_grouped_linear_compute_dtype_in_high_precision():
     """`compute_dtype` is the output's dtype whatever the GEMM: in high precision it was
     ignored (float32 out of a BF16 layer), where the FP8 layer gave BF16."""

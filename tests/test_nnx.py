@@ -2087,6 +2087,14 @@ def test_grouped_layers_refuse_the_other_framework_s_fp8_grouped_gemm():
     assert float(history[0]) == float(np.abs(np.asarray(x)).max())
 
 
+def test_grouped_linear_refuses_a_ragged_dot_built_for_another_expert_count():
+    """As `GroupedLinear`: the count mismatch raised at the first call, now when built."""
+    with pytest.raises(ValueError, match=r"NnxGroupedLinear num_experts=2 but .* num_experts=3"):
+        fp8jax.NnxGroupedLinear(
+            2, 4, 3, rngs=nnx.Rngs(0), ragged_dot=fp8jax.Fp8NnxRaggedDot(num_experts=3)
+        )
+
+
 @pytest.mark.parametrize("name", ["current", "blockwise"])
 def test_grouped_linear_computing_in_bf16_quantizes_its_float32_master(name):
     """An `NnxGroupedLinear(dtype=bf16)` on float32 parameters with an FP8 `ragged_dot` cast

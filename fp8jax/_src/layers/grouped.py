@@ -45,8 +45,8 @@ def check_grouped_linear_args(
     a dense layer's FP8 GEMM (an `Fp8DotGeneral`, or an NNX layer holding one in `state`:
     `TypeError`, naming `grouped_op`), nor the other framework's FP8 grouped GEMM (`nnx`:
     the layer is Flax NNX's, whose is an NNX layer holding an `Fp8RaggedDot` in `state`;
-    else Equinox's, whose is the `Fp8RaggedDot` itself: `TypeError`, naming `grouped_op`).
-    Returns `shape` as Python ints."""
+    else Equinox's, whose is the `Fp8RaggedDot` itself: `TypeError`, naming `grouped_op`),
+    nor one built for another expert count (`ValueError`). Returns `shape` as Python ints."""
     for name, value in zip(("num_experts", "in_features", "out_features"), shape, strict=True):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{where} {name}={value!r}: should be an int >= 1.")
@@ -70,6 +70,12 @@ def check_grouped_linear_args(
             f"{where} ragged_dot={type(ragged_dot).__name__}: {held} layer's FP8 grouped GEMM, "
             f"whose state {wanted} layer does not update; {where}'s is a {grouped_op}(recipe, "
             "num_experts=...)."
+        )
+    if isinstance(op, Fp8RaggedDot) and op.num_experts != shape[0]:
+        raise ValueError(
+            f"{where} num_experts={int(shape[0])} but ragged_dot={type(ragged_dot).__name__} "
+            f"was built for num_experts={op.num_experts}; they should be equal (a kernel scale "
+            "per expert)."
         )
     return (int(shape[0]), int(shape[1]), int(shape[2]))
 
