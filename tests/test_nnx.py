@@ -2,6 +2,7 @@
 the optimizer kept off the FP8 state, and the deviceless H100 compile of an NNX train step."""
 
 import functools
+import math
 import os
 import pathlib
 import re
@@ -2085,6 +2086,27 @@ def test_grouped_layers_refuse_the_other_framework_s_fp8_grouped_gemm():
     fp8jax.nnx_update_fp8_state(layer, grads)
     history = layer.ragged_dot.value().input.amax_history
     assert float(history[0]) == float(np.abs(np.asarray(x)).max())
+
+
+def test_grouped_linear_initialises_each_expert_like_nnx_linear():
+    """Each expert's kernel is drawn as `nnx.Linear`'s default draws its kernel, as the
+    docstring says: LeCun normal, which in Flax is a normal truncated at two standard
+    deviations, scaled to variance 1/in_features. It was an untruncated normal (2 % of the
+    values past nnx.Linear's largest)."""
+    experts, fan_in, fan_out = 4, 64, 128
+    kernel = fp8jax.NnxGroupedLinear(experts, fan_in, fan_out, rngs=nnx.Rngs(3)).kernel
+    kernel = np.asarray(kernel.get_value(), np.float64)
+    # A standard normal truncated to [-2, 2] has standard deviation `shrink`: LeCun normal's
+    # sigma is 1/sqrt(fan_in)/shrink, so that the truncated values have variance 1/fan_in.
+    density, mass = math.exp(-2.0) / math.sqrt(2 * math.pi), math.erf(2 / math.sqrt(2))
+    shrink = math.sqrt(1 - 4 * density / mass)
+    bound = 2 / math.sqrt(fan_in) / shrink
+    for e in range(experts):  # each expert's own fan-in, not the stack's
+        assert np.abs(kernel[e]).max() <= bound * (1 + 1e-6)
+        assert np.abs(kernel[e]).max() > 0.95 * bound
+        np.testing.assert_allclose(kernel[e].std(), 1 / math.sqrt(fan_in), rtol=0.04)
+    bf16 = fp8jax.NnxGroupedLinear(2, 16, 8, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    assert bf16.kernel.get_value().dtype == jnp.bfloat16
 
 
 def test_grouped_linear_refuses_a_ragged_dot_built_for_another_expert_count():

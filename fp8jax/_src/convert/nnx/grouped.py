@@ -4,10 +4,8 @@ per-expert state lives in [`fp8jax.Fp8State`][] variables."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, final
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
@@ -68,7 +66,8 @@ class NnxGroupedLinear(nnx.Module):
 
     The NNX counterpart of [`fp8jax.GroupedLinear`][]: the kernel is an `nnx.Param` of shape
     `(num_experts, in_features, out_features)` (`lax.ragged_dot`'s layout), each expert's
-    initialised like `nnx.Linear`'s default (LeCun normal); `ragged_dot` is the GEMM,
+    initialised like `nnx.Linear`'s default (LeCun normal: a normal truncated at two
+    standard deviations, of variance `1/in_features`); `ragged_dot` is the GEMM,
     `jax.lax.ragged_dot` until [`fp8jax.fp8_linear_layers`][] puts an
     [`fp8jax.Fp8NnxRaggedDot`][] there (targets, exclusions and recipes by path, as for
     `nnx.Linear`). No bias. `param_dtype` is the kernel's dtype, `dtype` (`None`: no cast) the
@@ -101,7 +100,10 @@ class NnxGroupedLinear(nnx.Module):
         param_dtype = float_dtype(param_dtype, "NnxGroupedLinear param_dtype")
         if dtype is not None:
             dtype = float_dtype(dtype, "NnxGroupedLinear dtype")
-        kernel = jax.random.normal(rngs.params(), shape, param_dtype) / math.sqrt(in_features)
+        # nnx.Linear's default (LeCun normal: truncated at 2 standard deviations, variance
+        # 1/in_features), each expert's with its own fan-in: the experts axis is a batch axis.
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        kernel = init(rngs.params(), shape, param_dtype)
         self.kernel = nnx.Param(kernel)
         self.ragged_dot = nnx.data(ragged_dot)
         self.num_experts, self.in_features, self.out_features = shape
