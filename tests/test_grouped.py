@@ -1267,6 +1267,32 @@ def test_vmap_over_group_sizes_alone_equals_each_members_call():
     assert float(new.input.amax_history[0]) == np.abs(x).max()
 
 
+@pytest.mark.parametrize("layer", ["fp8", "high-precision"])
+def test_uint64_group_sizes_with_x64_are_taken_as_lax_takes_them(layer):
+    """With `jax_enable_x64` on, uint64 sizes (which `lax.ragged_dot` takes) were "widened"
+    to float64 (JAX's promotion of uint64 with int32) and refused: "ragged_dot_general
+    requires that group_sizes.dtype is subtype of np.integer". They give the int32 sizes'
+    output, each row its own expert's product."""
+    sizes = np.array([3, 0, 5, 2])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((10, K)).astype(np.float32)
+    w = rng.standard_normal((G, K, N)).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G) if layer == "fp8" else None
+    grouped = fp8jax.GroupedLinear(G, K, N, weight=jnp.asarray(w), ragged_dot=dot)
+    want = grouped(x, sizes.astype(np.int32))
+    with jax.enable_x64(True):
+        lax.ragged_dot(x, w, sizes.astype(np.uint64))
+        got = grouped(x, sizes.astype(np.uint64))
+        got_traced = eqx.filter_jit(grouped)(x, jnp.asarray(sizes, jnp.uint64))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_traced, want)
+    if layer == "high-precision":  # against float64 by hand, group by group
+        for e, rows in enumerate(bounds(sizes)):
+            np.testing.assert_allclose(
+                want[rows], x[rows] @ w[e].astype(np.float64), rtol=1e-5, atol=1e-5
+            )
+
+
 def test_numpy_int64_group_sizes_are_taken_as_lax_takes_them():
     """NumPy's default int64 sizes (64-bit types off): no warning, as from lax.ragged_dot,
     and the output of the groups each row belongs to."""

@@ -153,9 +153,12 @@ def _check_count(num_experts: Any) -> int:
 def widened_group_sizes(group_sizes: Any) -> Array:
     """`group_sizes` in int32 at least: the offsets are cumulative sums of the sizes, which
     int8 sizes would overflow. NumPy's int64 stays int64 only where JAX has 64-bit types (as
-    `lax.ragged_dot` takes it, with no warning)."""
+    `lax.ragged_dot` takes it, with no warning); uint64 becomes int64 there (JAX promotes it
+    with int32 to a float, which `lax.ragged_dot` refuses), int32 elsewhere."""
     sizes = jnp.asarray(group_sizes)
     wide = jnp.promote_types(sizes.dtype, jnp.int32)
+    if not jnp.issubdtype(wide, jnp.integer):  # uint64 (and int32) promote to a float
+        wide = jnp.dtype(jnp.int64)
     return sizes.astype(jax.dtypes.canonicalize_dtype(wide))
 
 
