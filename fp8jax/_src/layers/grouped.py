@@ -191,7 +191,9 @@ class GroupedLinear(eqx.Module):
         group_sizes: Int[Array, " experts"] | ExpertExchange,
     ) -> Float[Array, "rows fan_out"]:
         """**Arguments:** `x (tokens, in_features)`, its rows sorted by expert;
-        `group_sizes (num_experts,)`, integers summing to `tokens`.
+        `group_sizes (num_experts,)`, integers >= 0 (an array, NumPy's or a list) summing to
+        at most `tokens`: rows past their sum get zeros, as from `lax.ragged_dot` (sizes known
+        at trace time are checked; see [`fp8jax.Fp8RaggedDot`][]).
 
         Under expert parallelism (inside `shard_map`, the weight this device's experts),
         `group_sizes` is an [`fp8jax.ExpertExchange`][] and `x` this device's tokens in

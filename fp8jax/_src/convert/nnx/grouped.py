@@ -113,7 +113,8 @@ class NnxGroupedLinear(nnx.Module):
         self, x: Float[Array, "tokens fan_in"], group_sizes: Int[Array, " experts"]
     ) -> Float[Array, "tokens fan_out"]:
         """`x (tokens, in_features)`, its rows sorted by expert; `group_sizes (num_experts,)`
-        integers summing to `tokens`. Computes in `dtype` when given."""
+        integers >= 0 summing to at most `tokens` (rows past their sum get zeros), as for
+        [`fp8jax.GroupedLinear`][]. Computes in `dtype` when given."""
         kernel = self.kernel.get_value()
         x = jnp.asarray(x)
         if self.dtype is not None and isinstance(self.ragged_dot, Fp8NnxRaggedDot):
