@@ -726,6 +726,35 @@ def test_rows_past_the_groups_do_not_set_the_scales(recipe):
     assert float(state.input.amax_history[0]) == np.abs(x[:35]).max()
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_nan_rows_past_the_groups_under_block_recipes_only_touch_telemetry(recipe):
+    """As documented: under a block recipe, NaN in the rows past the groups leaves the routed
+    rows' output and both gradients as they are without those rows (tiles are per row), but
+    the recorded input amax spans them: that step's update is rejected (the amax kept) and
+    counted as non-finite."""
+    x, w, g = data(16)
+    sizes = jnp.asarray([13, 0, 20, 2], jnp.int32)  # 35 of 40 rows
+    nan = x.copy()
+    nan[35:] = np.nan
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=G, telemetry=True)
+
+    @eqx.filter_jit
+    def run(dot, x, sizes):
+        y, vjp = jax.vjp(lambda d, x, w: d(x, w, sizes), dot, x, w)
+        return (y, *vjp(jnp.asarray(g[: x.shape[0]], y.dtype)))
+
+    y, state, d_x, d_w = run(dot, nan, sizes)
+    y0, state0, d_x0, d_w0 = run(dot, x[:35], sizes)
+    np.testing.assert_array_equal(y[:35], y0)
+    np.testing.assert_array_equal(d_x[:35], d_x0)
+    np.testing.assert_array_equal(d_w, d_w0)
+    clean, rejected = (fp8jax.apply_updates(dot, None, s) for s in (state0, state))
+    assert float(clean.input.amax_history[0]) == np.abs(x[:35]).max()
+    assert float(clean.stats.input.rejected) == 0.0
+    assert float(rejected.stats.input.rejected) == 1.0
+    np.testing.assert_array_equal(rejected.input.amax_history, dot.input.amax_history)
+
+
 def test_mismatched_expert_counts(dot):
     x, w, _ = data(14)
     with pytest.raises(ValueError, match=r"mismatched expert counts \(group_sizes: 3, rhs: 4"):

@@ -197,7 +197,8 @@ class Fp8RaggedDot(AbstractFp8Op):
     **Group sizes.** They must be >= 0 and sum to at most the number of tokens: rows past
     their sum get zeros, as from `lax.ragged_dot`, and their values set no scale (per-tensor
     recipes leave them out of the amaxes; block recipes' tiles are per row, but their
-    recorded amax, telemetry only, spans them). Sizes known at trace time are checked (a
+    recorded amax, telemetry only, spans them: a NaN there counts as a non-finite step of
+    the input's). Sizes known at trace time are checked (a
     `ValueError` names them); traced ones (the usual case, computed by the router inside
     `jit`) cannot be: negative sizes, or sizes summing past the tokens, give undefined
     results. Sizes of a narrow integer
