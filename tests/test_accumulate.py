@@ -260,3 +260,24 @@ def test_state_pairs_the_scale_with_the_recorded_amax(getkey, recipe):
                 np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
                 if tree is merged:
                     np.testing.assert_allclose(float(state.scale_inv), 1 / want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_one_microbatch_refuses_a_loss_not_matching_has_aux_as_several_do(getkey, microbatches):
+    """One microbatch runs no scan, but checks what `fun` returns as several do: the error
+    names what came back and the fix (it was JAX's, naming a tracer)."""
+    model, x, y = problem(getkey, n=12)
+
+    def pair(model, x, y):
+        return mse(model, x, y), jnp.zeros(())
+
+    with pytest.raises(TypeError, match=r"has_aux=True\): fun returned an array of shape \(\)"):
+        fp8jax.accumulate_gradients(mse, microbatches, has_aux=True)(model, x, y)
+    with pytest.raises(TypeError, match="fun returned a tuple of 2, not a scalar loss"):
+        fp8jax.accumulate_gradients(pair, microbatches)(model, x, y)
+    # The loss and gradients of one microbatch are those of one whole-batch step, bit for bit.
+    loss, grads = fp8jax.accumulate_gradients(mse, 1)(model, x, y)
+    want_loss, want = fp8jax.filter_value_and_grad(mse)(model, x, y)
+    assert float(loss) == float(want_loss)
+    for u, v in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(u, v)

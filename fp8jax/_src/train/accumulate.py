@@ -246,10 +246,10 @@ def accumulate_gradients(
     @functools.wraps(fun)
     def run(model: Any, *batch: Any) -> tuple[Any, Any]:
         if microbatches == 1:
-            value, grads = filter_value_and_grad(fun, has_aux=has_aux)(model, *batch)
+            # `fun` checked as for several (its loss divided by 1: exactly itself).
+            value, grads = value_and_grad(model, *batch)
             if has_aux:  # stacked over its one microbatch, as over several
-                aux = stackable_aux(value[1], "accumulate_gradients(has_aux=True)")
-                value = (value[0], _stacked(aux, None, 1))
+                value = (value[0], _stacked(value[1], None, 1))
             return value, grads
         slices = _split_batch(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], slices)
