@@ -281,3 +281,17 @@ def test_one_microbatch_refuses_a_loss_not_matching_has_aux_as_several_do(getkey
     assert float(loss) == float(want_loss)
     for u, v in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(u, v)
+
+
+def test_a_batch_that_does_not_split_is_refused_naming_the_argument_and_the_counts(getkey):
+    model, x, y = problem(getkey, n=12)
+    # The counts that would split 12 rows, found by trial here.
+    fits = [k for k in range(1, 13) if 12 % k == 0]
+    with pytest.raises(ValueError) as error:
+        fp8jax.accumulate_gradients(mse, 5)(model, x, y)
+    text = str(error.value)
+    assert "microbatches=5: batch argument [0]: a batch axis of size 12" in text
+    assert "does not split into 5 equal microbatches" in text
+    assert ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" in text
+    with pytest.raises(ValueError, match=r"batch argument \[1\]\['y'\]: a batch axis of size 6 "):
+        fp8jax.accumulate_gradients(lambda m, x, d: mse(m, x, d["y"]), 4)(model, x, {"y": y[:6]})

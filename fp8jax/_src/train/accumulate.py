@@ -26,16 +26,23 @@ from ..recipes import ResidualState, TensorState
 from .grad import filter_value_and_grad
 
 
-def _split(x: Any, microbatches: int) -> Any:
+def _split(x: Any, microbatches: int, where: str) -> Any:
+    """`x` cut into `microbatches` slices along its first axis, stacked; `where` names it
+    among the batch arguments (`[1]['y']`) for the errors."""
     if not eqx.is_array(x) or jnp.ndim(x) == 0:
         raise ValueError(
             f"microbatches={microbatches}: every batch argument must be an array with a "
-            f"leading batch axis to split; got {type(x).__name__} of shape {jnp.shape(x)}."
+            f"leading batch axis to split; batch argument {where} is a {type(x).__name__} of "
+            f"shape {jnp.shape(x)}."
         )
-    if x.shape[0] % microbatches:
+    size = x.shape[0]
+    if size % microbatches:
+        counts = [str(k) for k in range(1, size + 1) if size % k == 0]
+        fits = counts[0] if len(counts) == 1 else f"{', '.join(counts[:-1])} or {counts[-1]}"
         raise ValueError(
-            f"microbatches={microbatches}: a batch axis of size {x.shape[0]} does not split "
-            f"into {microbatches} equal microbatches."
+            f"microbatches={microbatches}: batch argument {where}: a batch axis of size "
+            f"{size} does not split into {microbatches} equal microbatches; it splits into "
+            f"{fits}. Pass one of those, or a batch whose size is a multiple of {microbatches}."
         )
     return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
 
@@ -47,10 +54,11 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
     haliax = sys.modules.get("haliax")
     named = () if haliax is None else haliax.NamedArray
 
-    def split(x: Any) -> Any:
+    def split(path: Any, x: Any) -> Any:
+        where = jax.tree_util.keystr(path)
         if not isinstance(x, named):
-            return _split(x, microbatches)
-        array = _split(x.array, microbatches)
+            return _split(x, microbatches, where)
+        array = _split(x.array, microbatches, where)
         first = x.axes[0].resize(x.axes[0].size // microbatches)
         return type(x).tree_unflatten((first, *x.axes[1:]), (array,))
 
@@ -60,7 +68,7 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
             "given no batch arguments, or only None and empty containers); pass the batch, "
             "or use microbatches=1."
         )
-    return jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, named))
+    return jax.tree_util.tree_map_with_path(split, batch, is_leaf=lambda x: isinstance(x, named))
 
 
 def _stacked(first: Any, rest: Any, microbatches: int) -> Any:
