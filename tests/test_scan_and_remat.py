@@ -241,3 +241,52 @@ def test_an_abstract_scanned_model_converts_like_a_concrete_one(getkey):
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)] == leaves
     assert isinstance(shapes.blocks.mlp.fc1.weight, jax.ShapeDtypeStruct)
     assert shapes.blocks.mlp.fc1.dot_general.input.scale.shape == (CONFIG.layers,)
+
+
+def forward_gemms(policy, model, loss, x):
+    """How many FP8 GEMM forwards (each quantizing its operands) the gradient of `loss`
+    traces, recomputed ones too: calls returning `(out, Residuals)`, as `Gemm.forward`."""
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def f(params, x):
+        m = eqx.combine(params, static)
+        if policy is None:
+            return loss(m, x)
+        return eqx.filter_checkpoint(loss, policy=policy)(m, x)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(f))(params, x))
+    return jaxpr.count("out_tree=PyTreeDef((*, CustomNode(namedtuple[Residuals]")
+
+
+def test_save_fp8_operands_recomputes_the_gemms_whose_outputs_the_backward_needs(getkey):
+    """What the docs of `save_fp8_operands` promise: the backward pass takes the operands
+    of dgrad and wgrad from the saved FP8 copies, but a GEMM whose output it needs (before a
+    GELU) runs its forward again from the high-precision input, quantizing it again. Two
+    GEMMs in a row (the output of the first is the second's saved FP8 input) run once."""
+    config = fp8jax.Fp8Config(recipe=fp8jax.DelayedScaling(history_len=HISTORY))
+    x = jax.random.normal(getkey(), (8, 16))
+    c = jax.random.normal(getkey(), (8, 16))
+
+    def chain(model, x):  # Linear -> Linear, the loss linear in the output
+        return jnp.sum(jax.vmap(lambda v: model[1](model[0](v)))(x) * c)
+
+    def gelu(model, x):  # Linear -> GELU -> Linear, squared
+        return jnp.sum(jax.vmap(lambda v: model[1](jax.nn.gelu(model[0](v))))(x) ** 2)
+
+    linears = [eqx.nn.Linear(16, 16, key=getkey()) for _ in range(2)]
+    model = fp8jax.fp8_linear_layers(linears, config)
+    layers = len(linears)
+    assert forward_gemms(None, model, chain, x) == layers
+    assert forward_gemms(fp8jax.save_fp8_operands, model, chain, x) == layers
+    nothing = jax.checkpoint_policies.nothing_saveable
+    assert forward_gemms(nothing, model, chain, x) == 2 * layers
+    # Before a GELU, and squared: both outputs are needed, both forwards run again.
+    assert forward_gemms(None, model, gelu, x) == layers
+    assert forward_gemms(fp8jax.save_fp8_operands, model, gelu, x) == 2 * layers
+    # fp8_dots_saveable keeps the outputs, but the backward quantizes the operands again.
+    assert forward_gemms(fp8jax.fp8_dots_saveable, model, chain, x) == 2 * layers
+    # Both policies at once: nothing runs again, as without remat.
+    both = jax.checkpoint_policies.save_from_both_policies(
+        fp8jax.save_fp8_operands, fp8jax.fp8_dots_saveable
+    )
+    assert forward_gemms(both, model, gelu, x) == layers

@@ -7,8 +7,12 @@ none of fp8jax's GEMMs (they are recomputed in the backward pass). fp8jax names 
 GEMMs produce instead, and offers two policies on those names:
 
 - [`fp8jax.save_fp8_operands`][]: keep the quantized operands of every FP8 GEMM (data and
-  scales, 1 byte per element) and recompute everything else: the smallest residuals that
-  spare the backward pass from quantizing again.
+  scales, 1 byte per element), with the few floats of FP8 state its forward hands its
+  backward, and recompute everything else: dgrad and wgrad multiply the saved operands,
+  without quantizing again. A GEMM whose output the backward pass needs (before a GELU or
+  SiLU, a query or key before attention) runs its forward again from its high-precision
+  input, quantizing it again; one whose output only feeds another GEMM or a sum (an output
+  projection, an FFN's down projection) does not run again.
 - [`fp8jax.fp8_dots_saveable`][]: `dots_saveable` extended to FP8 GEMMs: keep the outputs of
   every FP8 GEMM (dense or grouped) and of the high-precision `dot_general`s (and
   convolutions), as a BF16 model under `dots_saveable` would. Like `dots_saveable`, it does
@@ -38,7 +42,8 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-#: The name given to the quantized operands of every FP8 GEMM.
+#: The name given to the quantized operands of every FP8 GEMM (and to the FP8 state its forward
+#: hands its backward: a few floats).
 FP8_OPERANDS = "fp8jax_fp8_operands"
 #: The name given to the output of every FP8 GEMM's forward.
 FP8_OUTPUTS = "fp8jax_gemm_outputs"
@@ -49,7 +54,8 @@ def routing_saveable(prim: Any, *_: Any, **__: Any) -> bool:
     return prim is jax.lax.top_k_p
 
 
-#: A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs (and top-k choices).
+#: A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs, with the FP8 state their
+#: forward hands their backward (and top-k choices).
 save_fp8_operands = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(FP8_OPERANDS), routing_saveable
 )

@@ -207,6 +207,10 @@ def _as_f32(tree: Any) -> Any:
     return jax.tree.map(jax_private.to_float32, tree)
 
 
+#: The residuals named `FP8_OPERANDS` (fields of dense and grouped `Residuals` alike).
+_SAVED_WITH_OPERANDS = ("q_x", "q_w", "new_input", "new_kernel", "grad_state", "stats")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def fp8_gemm(
     gemm: Gemm, static: Static, x: Array, w: Array, rest: tuple[Array, ...], states: States
@@ -239,8 +243,11 @@ def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     # Residuals stay float32: under an eager `grad` they may leave the jitted function.
     with dispatch.placed_as(x, w):
         out, res = gemm.forward(x, w, *rest, _as_f32(states))
-    # Named here, outside the custom_vmap (opaque to jax.checkpoint policies).
-    res = res._replace(q_x=name_fp8_operands(res.q_x), q_w=name_fp8_operands(res.q_w))
+    # Named here, outside the custom_vmap (opaque to jax.checkpoint policies): the FP8
+    # operands, and beside them the state the forward hands the backward (a few floats), or
+    # under `save_fp8_operands` the backward pass would run the forward again to get them,
+    # reading each input once more.
+    res = res._replace(**{f: name_fp8_operands(getattr(res, f)) for f in _SAVED_WITH_OPERANDS})
     return name_gemm_output(out), res
 
 
