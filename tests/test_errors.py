@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp8jax
@@ -132,6 +133,38 @@ def test_the_overwrite_marker_is_abstract_and_its_subclasses_are_made():
 
     state = State()
     assert fp8jax.partition_for_grad_overwrite({"s": state})[0]["s"] is state
+
+
+def test_a_subclass_s_state_read_in_the_loss_gets_an_error_naming_the_way_to_read_it():
+    """Inside fp8jax's gradients an `OverwriteWithGradient`'s arrays are in the max-combining
+    dtype: summing one failed with the message for a static slice of stacked layers. The
+    error names this case too, and the reading it suggests gives Equinox's gradients."""
+
+    class Temperature(fp8jax.OverwriteWithGradient):
+        value: jax.Array
+
+        def merge(self, new):
+            return self  # moved by hand, never by the gradient
+
+    tree = {"t": Temperature(jnp.full((2,), 2.0)), "w": jnp.arange(3.0)}
+
+    def summed(tree):
+        return jnp.sum(tree["w"] ** 2) * jnp.sum(tree["t"].value)
+
+    with pytest.raises(TypeError, match=r"OverwriteWithGradient of your own") as error:
+        fp8jax.filter_grad(summed)(tree)
+    assert "jax.lax.stop_gradient(x.astype(jnp.float32))" in str(error.value)
+
+    def read(tree):
+        t = jax.lax.stop_gradient(tree["t"].value.astype(jnp.float32))
+        return jnp.sum(tree["w"] ** 2) * jnp.sum(t)
+
+    got = fp8jax.filter_grad(read)(tree)
+    want = eqx.filter_grad(read)(tree)
+    np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(got["w"], 2 * np.arange(3.0) * 4.0)  # d/dw sum(w^2) * 4
+    updated = fp8jax.apply_updates(tree, None, fp8jax.partition_for_grad_overwrite(got)[0])
+    assert updated["t"] is tree["t"]  # its merge keeps it
 
 
 @pytest.mark.parametrize(

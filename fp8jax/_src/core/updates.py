@@ -30,6 +30,12 @@ class OverwriteWithGradient(eqx.Module):
     whether a received value is taken, and
     [`merge_many`][fp8jax.OverwriteWithGradient.merge_many] to merge many modules at once.
     Abstract: only subclasses are made.
+
+    Inside [`fp8jax.filter_value_and_grad`][] a subclass's floating arrays are viewed in a
+    dtype whose cotangents combine by max (as FP8 state's), on which JAX's arithmetic and
+    slices fail: read one as `jax.lax.stop_gradient(x.astype(jnp.float32))`. Its gradient is
+    then zero, and the default `merge` takes it: a subclass whose state the gradient does not
+    move overrides `merge` to keep its own.
     """
 
     def __check_init__(self) -> None:

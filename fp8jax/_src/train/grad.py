@@ -122,7 +122,9 @@ def filter_value_and_grad(
                 "gather of FP8 state (e.g. `stacked_layers[0]`) in its max-combining dtype. "
                 "Apply stacked layers with lax.scan or haliax Stacked.fold/scan, index them "
                 "with jax.lax.dynamic_index_in_dim, or use eqx.filter_value_and_grad if no FP8 "
-                "layer runs more than once per step."
+                "layer runs more than once per step. Reading the arrays of an "
+                "OverwriteWithGradient of your own (a sum of one) fails alike: read one as "
+                "jax.lax.stop_gradient(x.astype(jnp.float32))."
             ) from e
 
     return run
