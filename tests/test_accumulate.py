@@ -295,3 +295,15 @@ def test_a_batch_that_does_not_split_is_refused_naming_the_argument_and_the_coun
     assert ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}" in text
     with pytest.raises(ValueError, match=r"batch argument \[1\]\['y'\]: a batch axis of size 6 "):
         fp8jax.accumulate_gradients(lambda m, x, d: mse(m, x, d["y"]), 4)(model, x, {"y": y[:6]})
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_batch_arguments_passed_by_keyword_are_refused_by_name(getkey, microbatches):
+    """Keyword arguments were refused as `mse() got an unexpected keyword argument 'y'`,
+    though `mse` takes `y`: the error now says that the batch goes positionally."""
+    model, x, y = problem(getkey, n=8)
+    run = fp8jax.accumulate_gradients(mse, microbatches)
+    with pytest.raises(TypeError, match=r"accumulate_gradients: keyword argument\(s\) y"):
+        run(model, x, y=y)
+    loss, _ = run(model, x, y)  # positionally, as the error asks
+    assert float(loss) == pytest.approx(float(mse(model, x, y)), rel=1e-6)

@@ -195,7 +195,8 @@ def accumulate_gradients(
       step's non-GEMM HBM bytes from 40.0 to 21.0 GB (the weights' quantization from 15.3 to
       3.8 GB) and grew its temp memory from 1.9 to 2.7 GiB.
 
-    **Returns:** a function `(model, *batch) -> (loss, grads)` (`((loss, aux), grads)` with
+    **Returns:** a function `(model, *batch) -> (loss, grads)`, the batch passed
+    positionally (`((loss, aux), grads)` with
     `has_aux`, `aux` stacked over microbatches, a Haliax `NamedArray` along a new leading
     `microbatch` axis): the loss and the trainable gradients averaged
     over microbatches, and of each operand's FP8 state that of the microbatch with the
@@ -252,7 +253,13 @@ def accumulate_gradients(
     value_and_grad = filter_value_and_grad(scaled, has_aux=has_aux)
 
     @functools.wraps(fun)
-    def run(model: Any, *batch: Any) -> tuple[Any, Any]:
+    def run(model: Any, *batch: Any, **keywords: Any) -> tuple[Any, Any]:
+        if keywords:
+            raise TypeError(
+                f"accumulate_gradients: keyword argument(s) {', '.join(keywords)}: the batch "
+                "arguments are cut into microbatches along their first axis and must be "
+                "passed positionally, after the model (run(model, x, y))."
+            )
         if microbatches == 1:
             # `fun` checked as for several (its loss divided by 1: exactly itself).
             value, grads = value_and_grad(model, *batch)
