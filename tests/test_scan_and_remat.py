@@ -290,3 +290,22 @@ def test_save_fp8_operands_recomputes_the_gemms_whose_outputs_the_backward_needs
         fp8jax.save_fp8_operands, fp8jax.fp8_dots_saveable
     )
     assert forward_gemms(both, model, gelu, x) == layers
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_save_fp8_operands_does_not_run_a_grouped_gemm_again(recipe, getkey):
+    """Grouped too: experts then a Linear, the loss linear in the output, run each forward
+    once under `save_fp8_operands` (the experts' ran again for their group sizes)."""
+    config = fp8jax.Fp8Config(recipe=recipe)
+    experts = fp8jax.fp8_linear_layers(fp8jax.GroupedLinear(4, 32, 32, key=getkey()), config)
+    linear = fp8jax.fp8_linear_layers(eqx.nn.Linear(32, 32, key=getkey()), config)
+    x, c = jax.random.normal(getkey(), (64, 32)), jax.random.normal(getkey(), (64, 32))
+    sizes = jnp.array([16, 8, 24, 16])
+
+    def loss(model, x):
+        return jnp.sum(jax.vmap(model[1])(model[0](x, sizes)) * c)
+
+    model = (experts, linear)
+    assert forward_gemms(None, model, loss, x) == 2
+    assert forward_gemms(fp8jax.save_fp8_operands, model, loss, x) == 2
+    assert forward_gemms(jax.checkpoint_policies.nothing_saveable, model, loss, x) == 4

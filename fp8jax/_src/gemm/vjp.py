@@ -207,8 +207,17 @@ def _as_f32(tree: Any) -> Any:
     return jax.tree.map(jax_private.to_float32, tree)
 
 
-#: The residuals named `FP8_OPERANDS` (fields of dense and grouped `Residuals` alike).
-_SAVED_WITH_OPERANDS = ("q_x", "q_w", "new_input", "new_kernel", "grad_state", "stats")
+#: The residuals named `FP8_OPERANDS`: a dense GEMM's, and a grouped one's with its group sizes
+#: (one integer per expert).
+_SAVED_WITH_OPERANDS = (
+    "q_x",
+    "q_w",
+    "new_input",
+    "new_kernel",
+    "grad_state",
+    "stats",
+    "group_sizes",
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -247,7 +256,9 @@ def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     # operands, and beside them the state the forward hands the backward (a few floats), or
     # under `save_fp8_operands` the backward pass would run the forward again to get them,
     # reading each input once more.
-    res = res._replace(**{f: name_fp8_operands(getattr(res, f)) for f in _SAVED_WITH_OPERANDS})
+    res = res._replace(
+        **{f: name_fp8_operands(getattr(res, f)) for f in _SAVED_WITH_OPERANDS if f in res._fields}
+    )
     return name_gemm_output(out), res
 
 
