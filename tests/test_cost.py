@@ -787,19 +787,24 @@ def test_gpus_per_node_may_be_a_numpy_whole_number():
             hlo_cost(COLLECTIVES, gpus_per_node=bad)
 
 
+def _estimates(cost):
+    """Every method of `cost` that prices it from `peaks`."""
+    return (
+        cost.estimate_seconds,
+        cost.gemm_seconds,
+        cost.memory_seconds,
+        cost.communication_seconds,
+        cost.collectives[0].seconds,
+    )
+
+
 def test_peaks_named_by_a_gpu_s_name_are_refused_saying_what_peaks_are():
     """`estimate_seconds("H200")` (a GPU named, not its rates) raised "dictionary update
     sequence element #0 has length 1", `estimate_seconds(None)` "argument of type 'NoneType'
     is not iterable"; each estimate now says that `peaks` is a dict of rates, as `H100`."""
     cost = hlo_cost(COLLECTIVES)
     for peaks in ("H200", None):
-        for estimate in (
-            cost.estimate_seconds,
-            cost.gemm_seconds,
-            cost.memory_seconds,
-            cost.communication_seconds,
-            cost.collectives[0].seconds,
-        ):
+        for estimate in _estimates(cost):
             with pytest.raises(TypeError, match=rf"peaks={peaks!r} should be a dict of rates"):
                 estimate(peaks)
 
@@ -810,13 +815,7 @@ def test_a_peak_rate_that_is_not_a_positive_number_is_refused_naming_it(rate):
     "unsupported operand type(s)": each estimate now names the rate and what it should be."""
     cost = hlo_cost(COLLECTIVES)
     peaks = {**H100, "hbm": rate}
-    for estimate in (
-        cost.estimate_seconds,
-        cost.gemm_seconds,
-        cost.memory_seconds,
-        cost.communication_seconds,
-        cost.collectives[0].seconds,
-    ):
+    for estimate in _estimates(cost):
         with pytest.raises(ValueError, match=rf"rates {{'hbm': {re.escape(repr(rate))}}}.*> 0"):
             estimate(peaks)
     fast = {**H100, "hbm": 2 * H100["hbm"]}  # a valid rate still prices bytes by it
