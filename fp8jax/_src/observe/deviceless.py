@@ -22,7 +22,7 @@ import numpy as np
 
 from ..core import jax_private
 from ..core.compile_options import gpu_compiler_options
-from .roofline import GPUS_PER_NODE
+from .roofline import GPUS_PER_NODE, is_whole
 
 #: XLA option sets the inspector compiles with: `"cublas"`, fp8jax's (Triton GEMMs off), and
 #: `"default"`, XLA's own.
@@ -32,17 +32,17 @@ MODES = {
 }
 
 
-def _is_int(n: Any) -> bool:
-    return isinstance(n, int | np.integer) and not isinstance(n, bool)
-
-
 @functools.cache
 def h100_topology(devices: int = 1) -> Any | None:
     """`devices` compile-only H100s (`None` when the CUDA plugin is missing): one host of up
     to 8, or hosts of 8 (DGX H100 nodes) for more. The CUDA plugin's topology is
     `"<slices>x<hosts>x<GPUs per host>"`; device `i` is on host `i // 8` (its
     `process_index`), which is what `hlo_cost` takes for a node."""
-    if not _is_int(devices) or devices < 1 or (devices > GPUS_PER_NODE and devices % GPUS_PER_NODE):
+    if (
+        not is_whole(devices)
+        or devices < 1
+        or (devices > GPUS_PER_NODE and devices % GPUS_PER_NODE)
+    ):
         raise ValueError(
             f"h100_topology: devices={devices!r} should be a whole number from 1 to "
             f"{GPUS_PER_NODE} (one host), or a multiple of {GPUS_PER_NODE} (hosts of "
@@ -100,7 +100,7 @@ def h100_mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
     wrong_type = (
         not isinstance(axes, Mapping)
         or not all(isinstance(name, str) for name in axes)
-        or not all(_is_int(n) for n in axes.values())
+        or not all(is_whole(n) for n in axes.values())
     )
     if wrong_type or not axes or not all(n >= 1 for n in axes.values()):
         raise (TypeError if wrong_type else ValueError)(
