@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,16 @@ def widen(x: Array) -> Float[Array, "*shape"]:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _within_float32(x: Any, xp: Any) -> Any:
+    """`x` (a NumPy array with `xp=np`, a JAX one with `jnp`) with its finite values beyond
+    float32's range clipped to float32's max, infs and NaNs kept: cast to float32 they would
+    become inf, which `saturate` takes for a fault. Narrower dtypes come back as they are."""
+    if not xp.issubdtype(x.dtype, xp.floating) or xp.dtype(x.dtype).itemsize <= 4:
+        return x
+    top = float(np.finfo(np.float32).max)
+    return xp.where(xp.isfinite(x), xp.clip(x, -top, top), x)
+
+
 def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     """Cast `x * scale` (formed in float32) to the FP8 `dtype`, clipping at its max.
 
@@ -142,11 +153,7 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     (`jax_enable_x64`) beyond float32's range is finite too: it is clipped to float32's max
     before the cast, and saturates.
     """
-    x = jnp.asarray(x)
-    if jnp.dtype(x.dtype).itemsize > 4:
-        f32_max = float(jnp.finfo(jnp.float32).max)
-        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -f32_max, f32_max), x)
-    x = widen(x)
+    x = widen(_within_float32(jnp.asarray(x), jnp))
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
     return jnp.where(jnp.isfinite(x), scaled, jnp.nan).astype(dtype)
@@ -174,11 +181,8 @@ def quantize(
     `x + lax.stop_gradient(dequantize(quantize(x, s, fmt), s) - x)`. fp8jax's GEMMs define
     their own derivatives and are not affected.
     """
-    if not isinstance(x, jax.Array):  # NumPy's float64 (or a Python float): as in `saturate`
-        x = np.asarray(x)
-        if x.dtype.kind == "f" and x.dtype.itemsize > 4:
-            f32_max = float(np.finfo(np.float32).max)
-            x = np.where(np.isfinite(x), np.clip(x, -f32_max, f32_max), x)
+    if not isinstance(x, jax.Array):  # NumPy's float64 (or a Python float), on the host
+        x = _within_float32(np.asarray(x), np)
     x, scale = jnp.asarray(x), jnp.asarray(scale)
     check_scale_shape("quantize", x.shape, scale.shape)
     return saturate(x, scale, fp8_dtype(fmt))
