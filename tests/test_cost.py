@@ -661,6 +661,12 @@ def test_collectives_by_the_ring_model_and_their_links():
     compute = cost.memory_seconds()
     assert cost.estimate_seconds() == pytest.approx(compute + seconds)
     assert cost.estimate_seconds(overlap=True) == pytest.approx(max(compute, seconds))
+    # np.bool_ (from a NumPy comparison) counts as the bool it holds; anything else is
+    # refused: `overlap="no"` was truthy, so collectives counted as overlapped.
+    assert cost.estimate_seconds(overlap=np.bool_(False)) == cost.estimate_seconds()
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=f"overlap={bad!r}"):
+            cost.estimate_seconds(overlap=bad)
     # Nodes of four: the all-gather's groups span two nodes each.
     (gather,) = [c for c in hlo_cost(COLLECTIVES, gpus_per_node=4).collectives if c.name == "ag"]
     assert gather.link == "infiniband"

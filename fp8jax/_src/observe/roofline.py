@@ -239,6 +239,11 @@ class Cost:
         wholly hidden under the kernels, as far as they can be). The two bound a sharded
         step; for one device they are equal. A bound to compare programs by, not wall time."""
         _check_peaks(peaks, "Cost.estimate_seconds")
+        if not isinstance(overlap, bool | np.bool_):
+            raise TypeError(
+                f"Cost.estimate_seconds: overlap={overlap!r}: should be True (collectives "
+                "hidden under the kernels) or False (nothing overlaps)."
+            )
         compute = self.gemm_seconds(peaks) + self.memory_seconds(peaks)
         communication = self.communication_seconds(peaks)
         return max(compute, communication) if overlap else compute + communication
