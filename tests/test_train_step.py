@@ -401,6 +401,13 @@ def test_compiles_with_fp8jax_s_gpu_options_by_default(getkey, tmp_path):
     # options on a nested jit); same numbers.
     nested, _ = eqx.filter_jit(lambda s: default(s, x, y))(default.init(model))
     assert bits(nested.model) == bits(expected.model)
+    # A NumPy flag (read from a config array) is its Python value: Triton GEMMs turned off by
+    # np.False_ trace the step for cuBLAS as False does (the check is by identity).
+    numpy_flags = fp8jax.make_train_step(
+        mse, optax.sgd(1e-2), compiler_options={"xla_gpu_enable_triton_gemm": np.False_}
+    )
+    (flag,) = dict(numpy_flags.compiler_options).values()
+    assert flag is False
     for bad in ([("xla_gpu_enable_triton_gemm", False)], {"xla_dump_to": None}, {1: True}):
         with pytest.raises(TypeError, match="compiler_options="):
             fp8jax.make_train_step(mse, optax.sgd(1e-2), compiler_options=bad)

@@ -22,6 +22,8 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
+import numpy as np
+
 from .contexts import Setting, setting
 
 P = ParamSpec("P")
@@ -78,6 +80,10 @@ def checked_compiler_options(who: str, options: Mapping[str, Any] | None) -> dic
     from option names to bool, int, float or str values."""
     if options is None:
         return gpu_compiler_options()
+    if isinstance(options, Mapping):
+        # NumPy scalars (a flag read from a config array, say) as the Python values they
+        # hold: `triton_gemms_off` compares by identity with False.
+        options = {k: v.item() if isinstance(v, np.generic) else v for k, v in options.items()}
     if not isinstance(options, Mapping) or not all(
         isinstance(k, str) and isinstance(v, bool | int | float | str) for k, v in options.items()
     ):
