@@ -857,6 +857,19 @@ def test_grouped_linear_refuses_a_dtype_its_weight_does_not_have():
     assert new.weight.dtype == jnp.bfloat16
 
 
+def test_grouped_linear_refuses_an_integer_weight():
+    """An integer weight was taken (a Linear refuses one) and only the FP8 GEMM refused it,
+    at the first call; a high-precision layer computed an integer ragged dot."""
+    for dtype in (jnp.int32, jnp.int8, jnp.bool_):
+        with pytest.raises(TypeError, match=f"GroupedLinear weight has dtype {jnp.dtype(dtype)}"):
+            fp8jax.GroupedLinear(G, K, N, weight=jnp.ones((G, K, N), dtype))
+    with pytest.raises(TypeError, match="Linear weight has dtype int32"):
+        fp8jax.Linear(jnp.ones((N, K), jnp.int32), None)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        w = jnp.ones((G, K, N), dtype)
+        assert fp8jax.GroupedLinear(G, K, N, weight=w).weight is w
+
+
 def test_grouped_linear_dtype_is_checked_as_compute_dtype_is():
     """`dtype` (the new weight's) took NumPy's spellings only: `"bf16"`, which
     `compute_dtype` takes, raised NumPy's "data type 'bf16' not understood", and an integer

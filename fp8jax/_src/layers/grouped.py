@@ -152,6 +152,11 @@ class GroupedLinear(eqx.Module):
                 f"GroupedLinear weight of shape {getattr(weight, 'shape', type(weight))}: "
                 f"should be (num_experts, in_features, out_features) = {shape}."
             )
+        elif not jnp.issubdtype(weight.dtype, jnp.floating):
+            raise TypeError(
+                f"GroupedLinear weight has dtype {weight.dtype}; should be a floating dtype "
+                "(float32, bfloat16, float16), as a Linear's."
+            )
         elif dtype is not None and np.dtype(dtype) != weight.dtype:
             raise TypeError(
                 f"GroupedLinear dtype={np.dtype(dtype)} is a new weight's, but weight of "
