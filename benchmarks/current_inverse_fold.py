@@ -56,7 +56,7 @@ from fp8jax._src.core.compile_options import cublas_traced, is_cublas_traced, tr
 from fp8jax._src.core.formats import floor_log2, fp8_max, pow2, quantize, widen  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
 from fp8jax._src.recipes.base import QTensor  # noqa: E402
-from fp8jax._src.recipes.per_tensor import MAX_SCALE, compute_scale  # noqa: E402
+from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE, compute_scale  # noqa: E402
 
 
 def exponent_rule(fmt_max: float, margin: float) -> tuple[int, int]:

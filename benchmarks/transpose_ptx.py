@@ -109,7 +109,7 @@ def compile_one(
         tensor_core_cast_transpose,
     )
     from fp8jax._src.observe import deviceless
-    from fp8jax._src.recipes.per_tensor import MAX_SCALE
+    from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE
 
     fields = json.loads(config)
     config = dataclasses.replace(TransposeConfig(), **fields)

@@ -18,7 +18,7 @@ import fp8jax
 from fp8jax._src.core import jax_private
 from fp8jax._src.kernels import block_quantize, dispatch, padded_quantize, quantize_config
 from fp8jax._src.observe import deviceless
-from fp8jax._src.recipes.per_tensor import MAX_SCALE
+from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 KERNELS = (

@@ -18,7 +18,7 @@ from fp8jax._src.gemm.grouped_native import gather_map, pad_layout
 from fp8jax._src.kernels import dispatch, padded_quantize
 from fp8jax._src.kernels.quantize_config import ColumnTuning
 from fp8jax._src.observe import deviceless
-from fp8jax._src.recipes.per_tensor import MAX_SCALE
+from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 INV_448 = np.float32(1) / np.float32(448)  # a tile of ones: scale 448 (E4M3's max)

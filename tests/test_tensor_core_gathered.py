@@ -35,7 +35,7 @@ from fp8jax._src.kernels.tensor_core_gathered import (
     tensor_core_requantize_padded_columns,
 )
 from fp8jax._src.kernels.tensor_core_tiles import TransposeConfig
-from fp8jax._src.recipes.per_tensor import MAX_SCALE
+from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 

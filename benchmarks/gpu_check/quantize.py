@@ -47,7 +47,7 @@ import fp8jax
 from fp8jax._src.core.formats import saturate
 from fp8jax._src.kernels import block_quantize, padded_quantize
 from fp8jax._src.kernels.cast_transpose import cast_transpose
-from fp8jax._src.recipes.per_tensor import MAX_SCALE
+from fp8jax._src.recipes.per_tensor_scale import MAX_SCALE
 
 from . import timing
 from .record import Recorder

@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.formats import fp8_max
 from ..recipes import QTensor
-from ..recipes.per_tensor import compute_scale
+from ..recipes.per_tensor_scale import compute_scale
 from .all_to_all import ragged_all_to_all
 
 

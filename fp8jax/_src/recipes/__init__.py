@@ -5,7 +5,8 @@ from __future__ import annotations
 from .base import ROLES, Axis, HybridFormats, QTensor, Recipe, Role, TensorState
 from .blocks import BlockScaledRecipe, BlockwiseScaling
 from .mxfp8 import MXFP8
-from .per_tensor import CurrentScaling, DelayedScaling, PerTensorRecipe, compute_scale
+from .per_tensor import CurrentScaling, DelayedScaling, PerTensorRecipe
+from .per_tensor_scale import compute_scale
 from .residual import QTerms, ResidualFP8, ResidualState
 
 RECIPES: dict[str, type[Recipe]] = {

@@ -30,7 +30,7 @@ from .base import (
     on_block_kernel,
 )
 from .block_dot import block_dot, dequantized_block_dot, native_block_dot, pad_to_blocks
-from .per_tensor import MAX_SCALE
+from .per_tensor_scale import MAX_SCALE
 
 #: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
 NATIVE_BLOCK_SIZES = (64, 128)

@@ -28,7 +28,7 @@ from .base import (
     on_block_kernel,
     per_tensor_dot,
 )
-from .per_tensor import MAX_SCALE, compute_scale
+from .per_tensor_scale import MAX_SCALE, compute_scale
 
 
 class ResidualState(eqx.Module):
