@@ -36,6 +36,7 @@ from .hlo import (
     is_native_gemm,
     native_gemm_cost,
     parse,
+    readers,
 )
 from .ptx import Kernel, kernel_names, shared_kernels, sixteen_bit_kind
 from .roofline import GPUS_PER_NODE, CollectiveCost, Cost, KernelCost, is_whole, total
@@ -357,7 +358,7 @@ class _Walker:
         fed = {
             i
             for i, o in enumerate(instruction.operands)
-            if categories.get(_producer(computation, o)) in ("amax", "quantize")
+            if categories.get(computation.producer(o)) in ("amax", "quantize")
         }
         if instruction.op not in FUSIONS:
             return {instruction.operands[i] for i in fed}
@@ -413,7 +414,7 @@ class _Walker:
             if instruction.op in _SLICES and operands:
                 operands[0] = min(operands[0], out)
             elif instruction.op in _IN_PLACE and len(operands) > 1:
-                update = array_bytes(computation.type_of(_update(instruction)))
+                update = array_bytes(computation.type_of(instruction.updated))
                 operands[0], out = 0, min(out, update)
             return out + sum(operands)
         fused = self.computation(instruction.called()[0])
@@ -426,9 +427,9 @@ class _Walker:
         for index, param in params.items():
             if not 0 <= index < len(operands):
                 continue
-            readers = _through_bitcasts(param.name, users)
-            if readers and all(r.op in _SLICES and _first(r, param.name, fused) for r in readers):
-                operands[index] = min(operands[index], sum(array_bytes(r.type) for r in readers))
+            sliced = readers(param.name, users)
+            if sliced and all(r.op in _SLICES and fused.reads_first(r, param.name) for r in sliced):
+                operands[index] = min(operands[index], sum(array_bytes(r.type) for r in sliced))
         # Results written in place into a parameter's buffer cost the update only.
         root = fused.root
         outputs = [fused.instructions[o] for o in root.operands] if root.op == "tuple" else [root]
@@ -441,7 +442,7 @@ class _Walker:
             while target is not None and target.op == "bitcast" and target.operands:
                 target = fused.instructions.get(target.operands[0])
             if base.op in _IN_PLACE and target is not None and target.op == "parameter":
-                update = fused.instructions.get(_update(base))
+                update = fused.instructions.get(base.updated)
                 out += array_bytes(update.type) if update is not None else 0
                 index = next((k for k, p in params.items() if p is target), -1)
                 if 0 <= index < len(operands):
@@ -449,39 +450,6 @@ class _Walker:
             else:
                 out += array_bytes(result.type)
         return out + sum(operands)
-
-
-def _producer(computation: Computation, name: str) -> str:
-    """The kernel that wrote `name`, looking through tuples' elements, bitcasts and the
-    `fusion-done` of an asynchronous fusion."""
-    source = computation.instructions.get(name)
-    looked_through = ("get-tuple-element", "bitcast", "fusion-done")
-    while source is not None and source.op in looked_through and source.operands:
-        name = source.operands[0]
-        source = computation.instructions.get(name)
-    return name
-
-
-def _update(instruction: Instruction) -> str:
-    """The operand an in-place update writes: `dynamic-update-slice(buffer, update, *index)`,
-    `scatter(buffer, indices, updates)`."""
-    return instruction.operands[-1 if instruction.op == "scatter" else 1]
-
-
-def _through_bitcasts(name: str, users: dict[str, list[Instruction]]) -> list[Instruction]:
-    """The instructions reading `name`, looking through bitcasts."""
-    found = []
-    for user in users.get(name, []):
-        found += _through_bitcasts(user.name, users) if user.op == "bitcast" else [user]
-    return found
-
-
-def _first(reader: Instruction, name: str, fused: Computation) -> bool:
-    """Whether `name` (or a bitcast of it) is `reader`'s first operand, the one it slices."""
-    source = fused.instructions.get(reader.operands[0]) if reader.operands else None
-    while source is not None and source.op == "bitcast" and source.name != name:
-        source = fused.instructions.get(source.operands[0])
-    return source is not None and source.name == name
 
 
 def _is_scalar(type_text: str) -> bool:

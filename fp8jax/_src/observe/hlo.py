@@ -225,6 +225,12 @@ class Instruction:
         pairs = re.findall(r"\{(\d+),(\d+)\}", match.group(1)) if match else []
         return [(int(s), int(t)) for s, t in pairs]
 
+    @property
+    def updated(self) -> str:
+        """The operand an in-place update writes: `dynamic-update-slice(buffer, update,
+        *index)`, `scatter(buffer, indices, updates)`."""
+        return self.operands[-1 if self.op == "scatter" else 1]
+
     def callee(self, attribute: str) -> str | None:
         """The computation named by `body`, `condition`, `to_apply`, `true_computation` or
         `false_computation`, if it has that attribute."""
@@ -275,6 +281,33 @@ class Computation:
         """The type of instruction `name` here (`""` if it has none by that name)."""
         instruction = self.instructions.get(name)
         return instruction.type if instruction is not None else ""
+
+    def producer(self, name: str) -> str:
+        """The kernel that wrote `name`, looking through tuples' elements, bitcasts and the
+        `fusion-done` of an asynchronous fusion."""
+        source = self.instructions.get(name)
+        looked_through = ("get-tuple-element", "bitcast", "fusion-done")
+        while source is not None and source.op in looked_through and source.operands:
+            name = source.operands[0]
+            source = self.instructions.get(name)
+        return name
+
+    def reads_first(self, reader: Instruction, name: str) -> bool:
+        """Whether `name` (or a bitcast of it) is `reader`'s first operand (the one a slice
+        reads part of)."""
+        source = self.instructions.get(reader.operands[0]) if reader.operands else None
+        while source is not None and source.op == "bitcast" and source.name != name:
+            source = self.instructions.get(source.operands[0])
+        return source is not None and source.name == name
+
+
+def readers(name: str, users: dict[str, list[Instruction]]) -> list[Instruction]:
+    """The instructions reading `name` (`users`: each name's readers), looking through
+    bitcasts."""
+    found = []
+    for user in users.get(name, []):
+        found += readers(user.name, users) if user.op == "bitcast" else [user]
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
