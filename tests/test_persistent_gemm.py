@@ -25,14 +25,17 @@ from fp8jax._src.core import mosaic_private
 from fp8jax._src.kernels import BLOCK_GEMM_NAME, choice, dispatch, reference
 from fp8jax._src.kernels.choice import persistent_kernel, weight_block_scales
 from fp8jax._src.kernels.grouped_gemm import RowItems, row_items
-from fp8jax._src.kernels.persistent_config import PersistentConfig, chained_stages
+from fp8jax._src.kernels.persistent_config import (
+    PersistentConfig,
+    chained_stages,
+    running_first,
+    token_steps,
+)
 from fp8jax._src.kernels.persistent_gemm import (
     PERSISTENT_GEMM_NAME,
     PERSISTENT_ROWS_NAME,
     PERSISTENT_TOKENS_NAME,
     persistent_block_scaled_gemm,
-    running_first,
-    token_steps,
 )
 from fp8jax._src.kernels.persistent_grouped import (
     persistent_grouped_rows_gemm,

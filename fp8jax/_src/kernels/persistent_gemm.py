@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..core import mosaic_private
 from . import BLOCK_GEMM_NAME, GROUPED_ROWS_NAME, GROUPED_TOKENS_NAME
@@ -72,7 +72,15 @@ from .block_gemm import (
     scaled_add,
 )
 from .dispatch import interpreting
-from .persistent_config import PersistentConfig, chained_stages, grid_programs, pipeline_stages
+from .persistent_config import (
+    PersistentConfig,
+    chain_state,
+    chained_stages,
+    grid_programs,
+    pipeline_stages,
+    running_first,
+    token_steps,
+)
 
 #: The kernels' names: in their PTX and the HLO's op_name, where `fp8jax.hlo_cost` counts
 #: each as the GEMM it is (block-scaled, grouped rows, grouped tokens).
@@ -141,42 +149,6 @@ def interpretable(who: str, interpret: bool) -> bool:
             "Hopper GPU, or interpret it under a newer JAX."
         )
     return interpret
-
-
-def running_first(items: Int[Array, "4 W"]) -> Int[Array, "5 W"]:
-    """The rows kernel's items with those of an expert first (in their order) and a fifth row
-    holding how many they are: a chained pipeline runs over their tiles alone."""
-    items = items[:, jnp.argsort(items[1] < 0, stable=True)]
-    running = jnp.sum(items[1] >= 0, dtype=jnp.int32)
-    return jnp.concatenate([items, jnp.full((1, items.shape[1]), running, jnp.int32)])
-
-
-def token_steps(
-    start: Int[Array, " G"], count: Int[Array, " G"], chunks: int
-) -> tuple[Int[Array, "3 L"], Int[Array, " G+1"]]:
-    """The streamed tokens kernel's steps: every expert's chunks one after the other, as
-    `(3, G * chunks)` rows (the step's chunk, its expert, flags: 1 its expert's first, 2 its
-    last; past the last step unused), and the counts with their sum appended. A count is
-    taken between 0 and `chunks` (all the tokens), so that the steps fit the table."""
-    experts = count.shape[0]
-    count = jnp.clip(count, 0, chunks)
-    ends = jnp.cumsum(count)
-    step = jnp.arange(experts * chunks, dtype=jnp.int32)
-    # (`searchsorted`'s "compare_all" written out: JAX's fails in a partly manual shard_map.)
-    expert = jnp.minimum((ends[None, :] <= step[:, None]).sum(1, dtype=jnp.int32), experts - 1)
-    begin = (ends - count)[expert]
-    flags = (step == begin).astype(jnp.int32) + 2 * (step == ends[expert] - 1).astype(jnp.int32)
-    table = jnp.stack([start[expert] + step - begin, expert, flags]).astype(jnp.int32)
-    return table, jnp.concatenate([count, ends[-1:]]).astype(jnp.int32)
-
-
-def chain_state(local: Array, running: Array) -> Array:
-    """The `pipeline_state` of a program's `local`-th tile of the `running` that chain their
-    pipelines: `START` (prologue) for the first, `STOP` (waits out the last stages) for the
-    last, `STEADY` between."""
-    stage = plgpu.PipelinePipeline
-    steady = jnp.where(local == running - 1, int(stage.STOP), int(stage.STEADY))
-    return jnp.where(local == 0, int(stage.START), steady)
 
 
 def run_persistent(
