@@ -151,3 +151,16 @@ def test_no_per_layer_recipes_configure_as_none(none):
     nn = pytest.importorskip("flax.linen", reason="needs flax (the linen extra)")
     model = fp8jax.fp8_linear_layers(nn.Dense(4), config)
     assert fp8jax.fp8_linear_layers(model, plain) is model  # no warning (an error here)
+
+
+@pytest.mark.parametrize("keep", [("router", "head"), ["head", "router", "head"]])
+def test_roles_kept_in_any_order_configure_as_the_default(keep):
+    """`keep` is a set of roles: given in another order or with a role twice it keeps the
+    layers the default keeps, so the config equals, hashes and prints as the default one (a
+    static argument of `jit` then compiles once; a Linen model converted with it converts
+    again with the default silently)."""
+    config = fp8jax.Fp8Config(keep=keep)
+    plain = fp8jax.Fp8Config()
+    assert set(config.keep) == set(plain.keep) == set(keep)  # the same roles kept
+    assert config == plain and hash(config) == hash(plain) and repr(config) == repr(plain)
+    assert fp8jax.Fp8Config(keep=("router",)).keep == ("router",)

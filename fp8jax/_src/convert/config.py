@@ -51,9 +51,10 @@ class Fp8Config:
     - `keep`: the roles whose Linears stay in high precision, whatever their name:
       `"head"` (the output head: its output is the model's output, or its width is the
       vocabulary) and `"router"` (a mixture of experts' router: its output feeds the top-k
-      expert choice, or its width is the expert count). Default both; `()` converts heads
-      and routers too. A Linear named in a list of `targets` is converted whatever its
-      role. How roles are found: the Conversion guide ("Which layers become FP8").
+      expert choice, or its width is the expert count), in any order. Default both; `()`
+      converts heads and routers too. A Linear named in a list of `targets` is converted
+      whatever its role. How roles are found: the Conversion guide ("Which layers become
+      FP8").
     - `telemetry`: converted layers also keep saturation and underflow statistics
       ([`fp8jax.Fp8Stats`][]), read with [`fp8jax.telemetry`][].
     - `grouped_native_kernel`: the `native_kernel` of converted expert layers
@@ -100,7 +101,8 @@ class Fp8Config:
                 f"Fp8Config keep={keep!r}: should be a tuple of roles among {ROLES!r} "
                 "(() keeps no layer for its role)."
             )
-        object.__setattr__(self, "keep", tuple(keep))
+        # A set of roles, held in `ROLES`' order: equal, hashed and printed alike however given.
+        object.__setattr__(self, "keep", tuple(r for r in ROLES if r in keep))
         targets = self.targets
         if isinstance(targets, str):
             _compile("targets", targets)
