@@ -454,6 +454,23 @@ def test_init_says_which_targets_and_recipes_matched_nothing():
         )
 
 
+def test_init_warns_when_exclude_matches_nothing_as_equinox_does():
+    """An `exclude` of the user's that keeps no layer (a typo, a module path that is no
+    Linear's) warns at `init` and is printed by the plan, as for Equinox and NNX models (the
+    Linen plan dropped it: silent); one that matches a layer does not warn."""
+    x = jnp.ones((4, 32))
+    for unmatched in ("uup", r"block0"):
+        config = fp8jax.Fp8Config(exclude=unmatched)
+        plan = fp8jax.fp8_linear_layers(Model(), config).plan(jax.random.key(0), x)
+        assert len(plan.converted) == 4 and plan.unmatched
+        assert f"matches nothing: exclude={unmatched!r}" in str(plan)
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"keeps no layer in high precision"):
+            fp8jax.fp8_linear_layers(Model(), config).init(jax.random.key(0), x)
+    config = fp8jax.Fp8Config(exclude=r"block0\..*")
+    plan = fp8jax.fp8_linear_layers(Model(), config).plan(jax.random.key(0), x)
+    assert plan.converted == ("block1.down", "block1.up") and not plan.unmatched
+
+
 def test_bad_input_errors():
     x = jnp.ones((4, 32))
     model = fp8jax.fp8_linear_layers(Model())

@@ -129,5 +129,5 @@ def linen_plan(
         )
         for name, m in sorted(seen.nested.items())
     )
-    plan = ConversionPlan(plan.layers + nested, plan.unconverted, plan.traced)
+    plan = dataclasses.replace(plan, layers=plan.layers + nested)  # `unmatched` kept
     return plan, frozenset(chosen)
