@@ -589,7 +589,7 @@ CONVERSION = [
         "exclude-list",
         lambda w: Config(exclude=["head"]),
         ValueError,
-        r"exclude=\['head'\]",
+        r"exclude=\['head'\]: .*a Linear's last name or its whole dotted path",
     ),
     row(
         "exclude-bad-regex",

@@ -123,7 +123,8 @@ class Fp8Config:
             if not isinstance(self.exclude, str):
                 raise ValueError(
                     f"Fp8Config exclude={self.exclude!r}: should be a regular expression "
-                    "(a str, matched against the last name of a Linear's path) or None."
+                    "(a str, matched against a Linear's last name or its whole dotted path; "
+                    "join names with '|') or None."
                 )
             _compile("exclude", self.exclude)
         object.__setattr__(self, "recipe", recipe_from(self.recipe))
