@@ -124,8 +124,8 @@ def fp8_linear_layers(
 
     **Raises:** `ValueError` if a target matches no Linear (the message lists the Linears that
     exist) or names something that is not a Linear. Warns (`fp8jax.Fp8ConversionWarning`)
-    when no layer is converted, or when `example`'s trace finds modules whose GEMMs fp8jax
-    cannot convert.
+    when no layer is converted, when an `exclude` of yours matches no layer, or when
+    `example`'s trace finds modules whose GEMMs fp8jax cannot convert.
 
     ```python
     model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))

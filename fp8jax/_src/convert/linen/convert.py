@@ -479,7 +479,8 @@ class Fp8Linen:
         """`module.init_with_output`, the chosen layers in FP8: `(output, variables)`, the
         variables holding the FP8 state. Traces the model first to choose the layers (see
         [`plan`][fp8jax.Fp8Linen.plan]); prints the plan with `explain=True`; warns when no
-        layer is converted (the variables then hold the collection empty). A `mutable` list
+        layer is converted (the variables then hold the collection empty) and when an
+        `exclude` of yours matches no layer. A `mutable` list
         of collections gets the FP8 state's added. Raises
         `ValueError` if a target or recipe pattern matches no layer that ran (the message
         lists those that did)."""
