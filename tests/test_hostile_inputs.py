@@ -608,7 +608,7 @@ CONVERSION = [
         "recipes-unknown-recipe",
         lambda w: Config(recipes={"layers.0": "fast"}),
         ValueError,
-        r"Unknown recipe 'fast'",
+        r"recipes pattern 'layers.0': Unknown recipe 'fast'",
     ),
     row(
         "recipes-bad-pattern",

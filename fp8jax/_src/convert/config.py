@@ -150,7 +150,7 @@ class Fp8Config:
                         "its name (to keep the layers in high precision, leave them out of "
                         "`targets` or match them with `exclude`)."
                     )
-            resolved = tuple((p, recipe_from(r)) for p, r in recipes.items())
+            resolved = tuple((p, _recipe_of(p, r)) for p, r in recipes.items())
             # No override is `None`'s config: equal, hashed and printed alike.
             object.__setattr__(self, "recipes", resolved or None)
 
@@ -204,6 +204,14 @@ def _is_pairs(x: Any) -> bool:
 def _matches(pattern: str, path: tuple[str, ...]) -> bool:
     """A name or regex `pattern` against a layer path: the last name, or the whole path."""
     return (bool(path) and path[-1] == pattern) or re.fullmatch(pattern, ".".join(path)) is not None
+
+
+def _recipe_of(pattern: str, recipe: Recipe | str) -> Recipe:
+    """`recipe_from(recipe)`, its error naming the `recipes` pattern it was given for."""
+    try:
+        return recipe_from(recipe)
+    except ValueError as e:
+        raise ValueError(f"Fp8Config recipes pattern {pattern!r}: {e}") from None
 
 
 def _compile(name: str, pattern: str) -> re.Pattern:
