@@ -502,6 +502,13 @@ CONVERSION = [
         r"fp8jax.Fp8Config\(recipe=MXFP8\(",
     ),
     row(
+        "config-class",
+        lambda w: convert(w.plain, Config),
+        TypeError,
+        r"config=Fp8Config \(the class\): should be an fp8jax.Fp8Config or None; pass an "
+        r"instance, fp8jax.Fp8Config\(\) \(its fields as arguments\)",
+    ),
+    row(
         "config-dict",
         lambda w: convert(w.plain, {"targets": None}),
         TypeError,

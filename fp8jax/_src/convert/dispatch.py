@@ -34,12 +34,17 @@ def _fp8_linen(tree: Any) -> bool:
 def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
     config = Fp8Config() if config is None else config
     if not isinstance(config, Fp8Config):
-        hint = ""
-        if isinstance(config, Recipe) or (isinstance(config, str) and config in RECIPES):
+        hint, shown = "", repr(config)
+        if isinstance(config, type) and issubclass(config, Fp8Config | Recipe):
+            what = f"fp8jax.Fp8Config(recipe={config.__name__}())"
+            if issubclass(config, Fp8Config):
+                what = "fp8jax.Fp8Config() (its fields as arguments)"
+            hint, shown = f"; pass an instance, {what}", f"{config.__name__} (the class)"
+        elif isinstance(config, Recipe) or (isinstance(config, str) and config in RECIPES):
             hint = f"; for that recipe, pass fp8jax.Fp8Config(recipe={config!r})"
         elif isinstance(config, str):  # a regex of layer names, as `targets` takes
             hint = f"; to convert only the layers it names, fp8jax.Fp8Config(targets={config!r})"
-        raise TypeError(f"config={config!r}: should be an fp8jax.Fp8Config or None{hint}.")
+        raise TypeError(f"config={shown}: should be an fp8jax.Fp8Config or None{hint}.")
     if example is not None and not callable(example):
         raise TypeError(
             f"example={example!r}: should be None or a function that calls the model on "
