@@ -552,6 +552,21 @@ def test_a_tied_head_through_a_nested_apply_stays_in_high_precision():
     assert float(jnp.abs(out - plain).max()) < 0.1 * float(jnp.abs(plain).max())
 
 
+def test_an_exclude_naming_a_tied_head_through_a_nested_apply_matches_it():
+    """`exclude` naming the nested-apply head (kept in high precision anyway) matches a layer:
+    no warning that it matches nothing; a typo of it still warns."""
+    tokens = jnp.arange(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = fp8jax.fp8_linear_layers(TiedLM(), fp8jax.Fp8Config(exclude="lm_head"))
+        plan = model.plan(jax.random.key(0), tokens)
+        model.init(jax.random.key(0), tokens)
+    assert not plan.unmatched and "lm_head" in plan.kept
+    model = fp8jax.fp8_linear_layers(TiedLM(), fp8jax.Fp8Config(exclude="lm_haed"))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude='lm_haed'.*keeps no layer"):
+        model.init(jax.random.key(0), tokens)
+
+
 # --- nothing silent ----------------------------------------------------------------------------
 
 

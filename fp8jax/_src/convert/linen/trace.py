@@ -129,5 +129,9 @@ def linen_plan(
         )
         for name, m in sorted(seen.nested.items())
     )
-    plan = dataclasses.replace(plan, layers=plan.layers + nested)  # `unmatched` kept
+    # An `exclude` naming a nested-apply layer (kept anyway) matches a layer: no warning.
+    unmatched = plan.unmatched
+    if any(config.excludes(tuple(c.path.split("."))) for c in nested):
+        unmatched = ()
+    plan = dataclasses.replace(plan, layers=plan.layers + nested, unmatched=unmatched)
     return plan, frozenset(chosen)
