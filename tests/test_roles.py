@@ -567,6 +567,36 @@ def test_an_exclude_naming_a_tied_head_through_a_nested_apply_matches_it():
         model.init(jax.random.key(0), tokens)
 
 
+class CharLM(eqx.Module):
+    """A character-level model: 65 characters, 256 positions (more rows than the vocabulary),
+    a projection as wide as the positions outside the blocks, and a head not named like one."""
+
+    wte: eqx.nn.Embedding
+    wpe: eqx.nn.Embedding
+    proj: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.wte, self.wpe = eqx.nn.Embedding(65, D, key=k[0]), eqx.nn.Embedding(256, D, key=k[1])
+        self.proj, self.out = eqx.nn.Linear(D, 256, key=k[2]), eqx.nn.Linear(D, 65, key=k[3])
+
+    def __call__(self, token, position):
+        x = self.wte(token) + self.wpe(position)
+        return self.out(x + self.proj(x)[:D])
+
+
+def test_a_position_table_larger_than_the_vocabulary_is_taken_for_it_without_a_trace():
+    """docs/conversion.md's edge case: from shapes, the largest table is the vocabulary (here
+    the positions'), so the head converts; a trace finds the head by its role."""
+    model = CharLM(jax.random.key(0))
+    plan = fp8jax.conversion_plan(model)
+    assert plan.converted == ("out",) and "embedding 'wpe'" in plan.kept["proj"]
+    example = lambda m: jax.vmap(m)(jnp.arange(8), jnp.arange(8))  # noqa: E731
+    plan = fp8jax.conversion_plan(model, example=example)
+    assert plan.converted == ("proj",) and plan.kept["out"].startswith("head: its output is")
+
+
 # --- nothing silent ----------------------------------------------------------------------------
 
 
