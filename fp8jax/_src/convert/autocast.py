@@ -217,7 +217,8 @@ def fp8_autocast(
       ([`fp8jax.fp8_linear_layers`][]).
     - `scopes`: a regex that a GEMM's name scopes, joined by `/` (e.g. `"block0/mlp/bd,df->bf"`:
       `jnp.einsum` adds its equation), must match whole; `None` for every scope.
-    - `exclude`: a regex of scopes to keep in high precision (the head: `r".*head.*"`).
+    - `exclude`: a regex of scopes to keep in high precision, matched whole as `scopes` is
+      (the head: `r".*head.*"`; `"head"` alone misses `"lm/head"`).
     - `batched`: also convert GEMMs with batch dimensions (attention's scores and mixing,
       per-expert einsums). Off by default: a layer's GEMM contracts activations with a weight,
       which has no batch dimension.
