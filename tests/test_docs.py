@@ -162,3 +162,25 @@ def test_getting_started_per_framework_runs():
         stats = fp8jax.telemetry(tree)
         amaxes.append(max(float(s.input.amax.max()) for s in stats.values()))
     assert len(amaxes) == 4 and all(a > 0 for a in amaxes), amaxes
+
+
+def test_the_docs_list_every_name_default_exclude_matches():
+    """README and the Conversion guide list `DEFAULT_EXCLUDE`'s names; README's list left out
+    `unembedding`. Each `a(b)?` alternative of the regex, expanded by hand, is listed, and
+    each listed name matches the regex whole."""
+    names = set()
+    for alternative in fp8jax.DEFAULT_EXCLUDE.split("|"):
+        optional = re.fullmatch(r"(\(\w+\)\?)?(\w+)(\(\w+\)\?)?", alternative)
+        assert optional is not None, alternative  # a form this expansion does not know
+        before, stem, after = optional.groups()
+        for head in ("", before[1:-2]) if before else ("",):
+            for tail in ("", after[1:-2]) if after else ("",):
+                names.add(head + stem + tail)
+    for path in (ROOT / "README.md", ROOT / "docs" / "conversion.md"):
+        text = " ".join(path.read_text().split())
+        at = text.index("DEFAULT_EXCLUDE")
+        # The list of names beside the first mention: after it (README), before it (the guide).
+        (shown,) = re.findall(r"(?:`\w+`, )+`\w+`", text[at - 100 : at + 120])
+        shown = set(re.findall(r"`(\w+)`", shown))
+        assert shown == names, (path.name, sorted(shown ^ names))
+        assert all(re.fullmatch(fp8jax.DEFAULT_EXCLUDE, n) for n in shown)
