@@ -649,3 +649,37 @@ def test_haliax_own_stacked_fp8_layers_rescale_layer_by_layer(getkey):
         assert np.asarray(op.output_grad_scale).tobytes() == scales.tobytes()
         next_scale = getattr(after.stacked, name).dot_general.output_grad_scale
         assert np.array_equal(next_scale, op.output_grad_scale), name
+
+
+def test_haliax_stacked_train_step_state_follows_a_hand_rolled_history(getkey):
+    """make_train_step on a converted Stacked model: each layer's kernel and input states,
+    step by step, are Transformer Engine's history update (newest amax at index 0, the rest
+    rolled) of that layer's own amaxes, and its next scale `448 / max(history)` rounded down
+    to a power of two, computed here in float64 from the weights each step saw."""
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    model = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(exclude=None))
+    x = hax.random.normal(getkey(), (Batch, Embed)) * 3
+
+    def loss(m, x):
+        return hax.sum(m.fold(x) ** 2).scalar()
+
+    step = fp8jax.make_train_step(loss, optax.sgd(1e-3))
+    state = step.init(model)
+    n = model.stacked.up.dot_general.kernel.amax_history.shape[-1]
+    hist = {k: np.zeros((Layers.size, n)) for k in ("kernel", "input")}
+    for _ in range(3):
+        w = np.asarray(state.model.stacked.up.weight.array, np.float64)
+        amax = {"kernel": np.abs(w).max(axis=(1, 2))}
+        h, inputs = x, []
+        for i in range(Layers.size):
+            inputs.append(np.abs(np.asarray(h.array, np.float64)).max())
+            h = state.model.get_layer(i)(h)
+        amax["input"] = np.asarray(inputs)
+        state, _ = step(state, x)
+        dot = state.model.stacked.up.dot_general
+        for k, got in (("kernel", dot.kernel), ("input", dot.input)):
+            hist[k] = np.concatenate([amax[k][:, None], hist[k][:, 2:], hist[k][:, :1]], axis=1)
+            np.testing.assert_array_equal(got.amax_history, hist[k].astype(np.float32))
+            largest = hist[k].astype(np.float32).astype(np.float64).max(axis=1)
+            np.testing.assert_array_equal(got.scale, 2.0 ** np.floor(np.log2(448.0 / largest)))
+    assert len(set(np.asarray(dot.kernel.scale).tolist() + [0.0])) > 1
