@@ -683,3 +683,25 @@ def test_haliax_stacked_train_step_state_follows_a_hand_rolled_history(getkey):
             largest = hist[k].astype(np.float32).astype(np.float64).max(axis=1)
             np.testing.assert_array_equal(got.scale, 2.0 ** np.floor(np.log2(448.0 / largest)))
     assert len(set(np.asarray(dot.kernel.scale).tolist() + [0.0])) > 1
+
+
+def test_haliax_policy_casts_the_weight_the_fp8_gemm_quantizes(getkey):
+    """A Haliax Linear has no compute dtype: Policy.cast_to_compute casts its weight to BF16
+    (not a master kept for the FP8 GEMM, as for fp8jax.Linear), its FP8 state stays float32,
+    and its GEMM quantizes that copy; uncast, a float32 weight promotes a BF16 input to a
+    float32 output, its GEMM quantizing the master itself."""
+    fp8 = fp8jax.fp8_linear_layers(hnn.Linear.init(Embed, Mlp, key=getkey()))
+    x = (hax.random.normal(getkey(), (Batch, Embed)) * 3).astype(jnp.bfloat16)
+    cast = fp8jax.Policy.from_string("compute=bfloat16").cast_to_compute(fp8)
+    assert cast.weight.dtype == jnp.bfloat16 and cast.dot_general.kernel.scale.dtype == jnp.float32
+
+    def rounded(a):
+        return a.astype(jnp.bfloat16).astype(jnp.float32)
+
+    copy = eqx.tree_at(lambda m: (m.weight, m.bias), fp8, (rounded(fp8.weight), rounded(fp8.bias)))
+    got = cast(x)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got.array, copy(x.astype(jnp.float32)).array.astype(jnp.bfloat16))
+    master = fp8(x)
+    assert master.dtype == jnp.float32
+    np.testing.assert_array_equal(master.array, fp8(x.astype(jnp.float32)).array)
