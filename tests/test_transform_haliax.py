@@ -705,3 +705,27 @@ def test_haliax_policy_casts_the_weight_the_fp8_gemm_quantizes(getkey):
     master = fp8(x)
     assert master.dtype == jnp.float32
     np.testing.assert_array_equal(master.array, fp8(x.astype(jnp.float32)).array)
+
+
+@pytest.mark.parametrize("take", ["get_layer", "unstacked"])
+def test_haliax_stacked_layer_taken_out_in_a_gradient_is_refused_by_name(getkey, take):
+    """Stacked.get_layer(i) and unstacked() slice the FP8 state statically, which
+    fp8jax.filter_value_and_grad cannot differentiate (README, Known limits): refused with a
+    TypeError naming Stacked.fold/scan, the ways that work, which give one state per layer."""
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    model = fp8jax.fp8_linear_layers(stack, fp8jax.Fp8Config(exclude=None))
+    x = hax.random.normal(getkey(), (Batch, Embed))
+
+    def loss(m):
+        layer = m.get_layer(1) if take == "get_layer" else m.unstacked()[1]
+        return hax.sum(layer(x) ** 2).scalar()
+
+    with pytest.raises(TypeError, match=r"static slice .* Stacked\.fold/scan"):
+        fp8jax.filter_value_and_grad(loss)(model)
+
+    def traced(m):  # a traced index (README's way) takes the same layer dynamically
+        return hax.sum(m.get_layer(jnp.int32(1))(x) ** 2).scalar()
+
+    grads = fp8jax.filter_grad(traced)(model)
+    want = [0.0, float(jnp.max(jnp.abs(x.array))), 0.0]
+    np.testing.assert_array_equal(grads.stacked.up.dot_general.input.amax_history[:, 0], want)
