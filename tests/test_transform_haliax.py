@@ -729,3 +729,23 @@ def test_haliax_stacked_layer_taken_out_in_a_gradient_is_refused_by_name(getkey,
     grads = fp8jax.filter_grad(traced)(model)
     want = [0.0, float(jnp.max(jnp.abs(x.array))), 0.0]
     np.testing.assert_array_equal(grads.stacked.up.dot_general.input.amax_history[:, 0], want)
+
+
+def test_haliax_stacked_is_one_layer_to_patterns_and_a_blockseq_is_one_per_layer(getkey):
+    """docs/conversion.md: a Stacked's Linears have one path for all their layers, which a
+    per-layer pattern cannot reach (refused, naming that path); the same blocks as a
+    BlockSeq are reached layer by layer, each FP8 layer with the recipe its pattern gives."""
+    keys = jax.random.split(getkey(), Layers.size)
+    config = fp8jax.Fp8Config(recipes={r"blocks\.1\..*": "current"}, exclude=None)
+    stack = hnn.Stacked.init(Layers, HBlock)(key=keys)
+    with pytest.raises(ValueError, match=r"matches no converted layer.*'stacked\.up'"):
+        fp8jax.fp8_linear_layers(stack, config)
+    seq = fp8jax.fp8_linear_layers(hnn.BlockSeq.init(Layers, HBlock)(key=keys), config)
+    recipes = [type(b.up.dot_general.recipe).__name__ for b in seq.blocks]
+    assert recipes == ["DelayedScaling", "CurrentScaling", "DelayedScaling"]
+    x = hax.random.normal(getkey(), (Batch, Embed))
+    h = x
+    for block in stack.unstacked():
+        h = block(h)
+    plain = hnn.BlockSeq.init(Layers, HBlock)(key=keys).fold(x)
+    np.testing.assert_allclose(plain.array, h.array, rtol=1e-6)
