@@ -749,3 +749,23 @@ def test_haliax_stacked_is_one_layer_to_patterns_and_a_blockseq_is_one_per_layer
         h = block(h)
     plain = hnn.BlockSeq.init(Layers, HBlock)(key=keys).fold(x)
     np.testing.assert_allclose(plain.array, h.array, rtol=1e-6)
+
+
+def test_haliax_vmap_of_a_converted_layer_runs_closed_over_not_as_an_argument(getkey):
+    """README, Known limits: hax.vmap maps the FP8 state of a model passed as an argument
+    along axis 0, which a single layer's scalars cannot take; closed over, the layer runs
+    per example and records the whole batch's amax, as the unmapped call does."""
+    plain = hnn.Linear.init(Embed, Mlp, key=getkey())
+    model = fp8jax.fp8_linear_layers(plain)
+    x = hax.random.normal(getkey(), (Batch, Embed)) * (1 + hax.arange(Batch)).broadcast_axis(Embed)
+    assert hax.vmap(lambda m, x: m(x), Batch)(plain, x).axes == (Batch, Mlp)
+    with pytest.raises(ValueError, match="rank should be at least 1"):
+        hax.vmap(lambda m, x: m(x), Batch)(model, x)
+
+    def loss(m):
+        return hax.sum(hax.vmap(lambda x: m(x), Batch)(x) ** 2).scalar()
+
+    got = fp8jax.filter_grad(loss)(model)
+    want = float(np.abs(np.asarray(x.array, np.float64)).max())
+    assert float(got.dot_general.input.amax_history[0]) == want
+    np.testing.assert_array_equal(hax.vmap(lambda x: model(x), Batch)(x).array, model(x).array)
