@@ -1200,6 +1200,28 @@ def test_bad_input_errors():
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
 
 
+@pytest.mark.parametrize("holder", ["dict", "list", "nnx.state", "nnx.split"])
+def test_nnx_objects_outside_a_module_are_refused_naming_the_container(holder):
+    """A dict or list of NNX modules, or a model's state split off, went to the Equinox path,
+    which said it "found no Linear layer in the tree" of a tree holding nnx.Linears; it is
+    refused for what it is, naming the NNX object found and what converts."""
+    model = Model(nnx.Rngs(0))
+    tree, kind, where = {
+        "dict": ({"a": model}, "dict", r"Model at \"\['a'\]\""),
+        "list": ([model], "list", r"Model at '\[0\]'"),
+        "nnx.state": (nnx.state(model), "State", r"Param at "),
+        "nnx.split": (nnx.split(model), "tuple", r"GraphDef at '\[0\]'"),
+    }[holder]
+    message = rf"model is a {kind} holding Flax NNX objects \(its {where}.*not an nnx.Module"
+    with pytest.raises(TypeError, match=message + r".*nnx.List, an nnx.Dict"):
+        fp8jax.fp8_linear_layers(tree)
+    with pytest.raises(TypeError, match=message):
+        fp8jax.conversion_plan(tree)
+    # What the message says converts.
+    converted = fp8jax.fp8_linear_layers(nnx.Dict({"a": model}))
+    assert isinstance(converted["a"].blocks[0].up.dot_general, fp8jax.Fp8NnxDotGeneral)
+
+
 def test_einsum_errors_name_what_is_wrong_with_the_subscripts():
     """An equation with a non-letter axis, two '...', an output '...' the input lacks, or the
     input's '...' summed away was refused with a message about something else: 'gives the input 2

@@ -8,6 +8,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
+
 from ..recipes import RECIPES, Recipe
 from .config import Fp8Config
 from .equinox import equinox_plan, fp8_equinox_linear_layers
@@ -57,6 +59,7 @@ def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
             f"fp8_linear_layers: got the class {tree.__name__}, not a model: pass an instance, "
             f"{tree.__name__}(...)."
         )
+    _check_nnx_container(tree)
     linen = _flax("linen")
     module = getattr(tree, "module", None)
     wrapper = linen is not None and isinstance(module, linen.Module) and not _fp8_linen(tree)
@@ -69,6 +72,33 @@ def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
             "*inputs); variables['params'] = model.params."
         )
     return config
+
+
+def _check_nnx_container(tree: Any) -> None:
+    """Refuse what holds Flax NNX objects without being an `nnx.Module` (a dict or list of
+    modules, an `nnx.State`, a `(graphdef, state)` split): the NNX path converts a module, and
+    the Equinox path would find no Linear in it."""
+    nnx = _flax("nnx")
+    if nnx is None or isinstance(tree, nnx.Module):
+        return
+    kinds = (nnx.Module, nnx.Variable, nnx.GraphDef)
+    held = [
+        (path, x)
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, kinds)
+        )[0]
+        if isinstance(x, kinds)
+    ]
+    if not held and not isinstance(tree, nnx.GraphDef):
+        return
+    path, first = held[0] if held else ((), tree)
+    raise TypeError(
+        f"fp8_linear_layers: model is a {type(tree).__name__} holding Flax NNX objects (its "
+        f"{type(first).__name__} at {jax.tree_util.keystr(path) or '(root)'!r}), not an "
+        "nnx.Module; the NNX path converts a module: hold several in an nnx.List, an nnx.Dict "
+        "or a module of yours, and convert a model before nnx.split / nnx.state (or "
+        "nnx.merge it first)."
+    )
 
 
 def fp8_linear_layers(
