@@ -412,3 +412,49 @@ def test_nnx_conv_is_not_converted():
     np.testing.assert_array_equal(
         converted.conv(jnp.ones((2, 5, 4))), model.conv(jnp.ones((2, 5, 4)))
     )
+
+
+class StackedConv1D(nnx.Module):
+    """Conv1D layers built under nnx.vmap (a kernel (layers, features, in)), applied with
+    nnx.scan, then an nnx.Linear."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Conv1D(16, 16, rngs=rngs)
+
+        self.blocks = make(rngs)
+        self.fc = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return self.fc(body(x, self.blocks))
+
+
+def test_a_stack_of_kernel_modules_stays_in_high_precision_named_with_what_to_do():
+    """A stack of kernel modules built under nnx.vmap is not converted; with `example` the
+    trace names it, and the advice was to "multiply by a `kernel` nnx.Param of the module's
+    own", which it does. It now says the kernel is a stack and what converts per layer."""
+    model = StackedConv1D(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)), jnp.float32)
+    plan = fp8jax.conversion_plan(model, config(), example=lambda m: m(x))
+    assert plan.converted == ("fc",)
+    (unconverted,) = plan.unconverted
+    assert unconverted.startswith("blocks (its `kernel` of shape (3, 16, 16) is a stack of")
+    assert "build the stacked layers from nnx.Linear" in unconverted
+    assert "multiply by a `kernel` nnx.Param" not in unconverted
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"blocks \(its `kernel` of shape"):
+        converted = fp8jax.fp8_linear_layers(model, config(), example=lambda m: m(x))
+    assert type(converted.blocks) is Conv1D
+    # It runs as it was, in high precision: the float64 product, layer by layer.
+    expected = np.asarray(x, np.float64)
+    kernels, biases = model.blocks.kernel.get_value(), model.blocks.bias.get_value()
+    for kernel, bias in zip(np.asarray(kernels, np.float64), np.asarray(biases), strict=True):
+        expected = expected @ kernel.T + bias
+    np.testing.assert_allclose(converted.blocks.kernel.get_value(), kernels)
+    blocks = nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0))
+    np.testing.assert_allclose(blocks(x, converted.blocks)[0], expected, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,14 @@ from ..einsum import check_einsum, einsum_kernel_shape
 from ..plan import ConversionPlan, Converted, Fp8ConversionWarning, announce, decide
 from ..roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
 from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
-from .kernel import FP8_DOT, convert_kernel_module, has_kernel, kernel_out_width, original_class
+from .kernel import (
+    FP8_DOT,
+    KERNEL,
+    convert_kernel_module,
+    has_kernel,
+    kernel_out_width,
+    original_class,
+)
 from .layers import AbstractFp8NnxDot, Fp8NnxDotGeneral, Fp8NnxEinsum
 
 M = TypeVar("M")
@@ -276,6 +283,26 @@ def _trace(
     return flow
 
 
+def _advice(node: Any) -> str:
+    """What to do with a module whose GEMMs on its own weights stay in high precision. A stack
+    of modules multiplying by their own `kernel` (built under `nnx.vmap`: a kernel of more
+    than two axes) does so already, which converts one such module but not a stack: NNX's
+    layers are what converts per layer of a stack."""
+    kernel = vars(node).get(KERNEL) if isinstance(node, nnx.Module) else None
+    if isinstance(kernel, nnx.Param) and len(getattr(kernel.get_value(), "shape", ())) > 2:
+        return (
+            f"its `kernel` of shape {tuple(kernel.get_value().shape)} is a stack of kernels "
+            "(modules built under nnx.vmap?), which is not converted: build the stacked "
+            "layers from nnx.Linear, nnx.LinearGeneral or nnx.Einsum (one FP8 state per "
+            "layer), or run it under fp8jax.fp8_autocast"
+        )
+    return (
+        "write its GEMM as an nnx.Linear, nnx.LinearGeneral or nnx.Einsum, "
+        "or multiply by a `kernel` nnx.Param of the module's own, or run it under "
+        "fp8jax.fp8_autocast"
+    )
+
+
 def nnx_plan(
     model: Any, config: Fp8Config, example: Callable[[Any], Any] | None = None
 ) -> tuple[ConversionPlan, set[tuple[str, ...]], list[tuple[tuple[str, ...], Any]]]:
@@ -305,11 +332,7 @@ def nnx_plan(
         shapes=shapes,
         flow=flow,
         kinds=kinds,
-        advice=lambda p: (
-            "write its GEMM as an nnx.Linear, nnx.LinearGeneral or nnx.Einsum, "
-            "or multiply by a `kernel` nnx.Param of the module's own, or run it under "
-            "fp8jax.fp8_autocast"
-        ),
+        advice=lambda p: _advice(dict(nodes).get(p)),
         converted=converted,
         kept=_own_gemm(layers),
     )

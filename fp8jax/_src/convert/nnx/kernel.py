@@ -18,8 +18,9 @@ to an attribute is refused by name (it would leave the trace).
 
 The state is made without the kernel's `(out, in)` shape, which only the call tells (which
 axis is contracted): recipes that keep kernel-shaped state (`ResidualFP8(error_feedback=
-True)`) are refused for such a module. A stack of such modules (`nnx.vmap`) gets one state,
-not one per layer.
+True)`) are refused for such a module. A stack of such modules (`nnx.vmap`, a kernel of
+three axes or more) is not converted: it stays in high precision (named with what to do by
+a conversion with `example`, whose trace finds its GEMMs).
 """
 
 from __future__ import annotations
