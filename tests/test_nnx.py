@@ -1200,6 +1200,40 @@ def test_bad_input_errors():
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
 
 
+def test_a_layer_whose_kernel_is_not_floating_stays_in_high_precision_as_in_equinox():
+    """An nnx.Linear with an int8 kernel (quantized already) was converted, its kernel's
+    values rounded to FP8's (117 has no 3-bit mantissa), and a complex one converted and
+    raised at its call; like the Equinox path, both stay in high precision, named why."""
+
+    class Mixed(nnx.Module):
+        def __init__(self, rngs):
+            full = nnx.initializers.constant(117)
+            self.ints = nnx.Linear(
+                8, 8, param_dtype=jnp.int8, use_bias=False, kernel_init=full, rngs=rngs
+            )
+            self.waves = nnx.Linear(8, 8, param_dtype=jnp.complex64, use_bias=False, rngs=rngs)
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    model = Mixed(nnx.Rngs(0))
+    plan = fp8jax.conversion_plan(model, config())
+    assert plan.converted == ("fc",)
+    assert plan.kept == {
+        "ints": "its kernel is int8, not a floating dtype FP8 could round",
+        "waves": "its kernel is complex64, not a floating dtype FP8 could round",
+    }
+    eqx_plan = fp8jax.conversion_plan(
+        eqx.nn.Linear(8, 8, key=jax.random.key(0), dtype=jnp.complex64), config()
+    )
+    assert eqx_plan.kept == {"": "its weight is complex64, not a floating dtype FP8 could round"}
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert converted.ints.dot_general is jax.lax.dot_general
+    assert converted.waves.dot_general is jax.lax.dot_general
+    x = np.arange(16, dtype=np.float32).reshape(2, 8) / 4
+    np.testing.assert_array_equal(converted.ints(x), x.astype(np.float64) @ np.full((8, 8), 117.0))
+    waves = np.asarray(model.waves.kernel.get_value(), np.complex128)
+    np.testing.assert_allclose(converted.waves(x), x @ waves, rtol=1e-5)
+
+
 @pytest.mark.parametrize("holder", ["dict", "list", "nnx.state", "nnx.split"])
 def test_nnx_objects_outside_a_module_are_refused_naming_the_container(holder):
     """A dict or list of NNX modules, or a model's state split off, went to the Equinox path,

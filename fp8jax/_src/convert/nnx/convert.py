@@ -120,6 +120,20 @@ def _own_gemm(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...]
     return found
 
 
+def _not_floating(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], str]:
+    """The layers whose kernel is not a floating dtype (an integer one, quantized already; a
+    complex one), each with why it stays in high precision, as the Equinox path keeps them:
+    FP8 has no format for it (an int8 kernel in FP8 lost its exact values to FP8's rounding;
+    a complex one raised at its call)."""
+    found = {}
+    for path, layer in layers:
+        kernel = getattr(layer, KERNEL, None)
+        dtype = getattr(getattr(kernel, "get_value", lambda: None)(), "dtype", None)
+        if _fp8_op(layer) is None and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            found[path] = f"its kernel is {dtype}, not a floating dtype FP8 could round"
+    return found
+
+
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
@@ -334,7 +348,7 @@ def nnx_plan(
         kinds=kinds,
         advice=lambda p: _advice(dict(nodes).get(p)),
         converted=converted,
-        kept=_own_gemm(layers),
+        kept={**_own_gemm(layers), **_not_floating(layers)},
     )
     return plan, chosen, layers
 
