@@ -1200,6 +1200,34 @@ def test_bad_input_errors():
             einsum(subscripts, jnp.ones((2, 4)), jnp.ones(kernel))
 
 
+def test_a_converted_model_deep_copies_and_its_graphdef_pickles():
+    """`copy.deepcopy` of a converted model raised "'_Missing' object is not subscriptable":
+    NNX copies the graphdef, which holds each FP8 layer's Equinox treedef, whose `MISSING`
+    sentinel a copy made another object. The copy now holds the model's values, trains as
+    the model does, apart from it; a pickled graphdef merges again."""
+    import copy
+    import pickle
+
+    model = fp8jax.fp8_linear_layers(Model(nnx.Rngs(0)), config(telemetry=True))
+    step = fp8jax.nnx_train_step(mse)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((4, 8)), jnp.float32)
+    step(model, optimizer, x, y)
+    twin, twin_optimizer = copy.deepcopy((model, optimizer))
+    assert type(twin.blocks[0].up.dot_general) is fp8jax.Fp8NnxDotGeneral
+    assert nnx.graphdef(twin) == nnx.graphdef(model)
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    assert jax.tree.all(jax.tree.map(np.array_equal, nnx.state(twin), before))
+    np.testing.assert_array_equal(step(twin, twin_optimizer, x, y), step(model, optimizer, x, y))
+    assert jax.tree.all(jax.tree.map(np.array_equal, nnx.state(twin), nnx.state(model)))
+    step(twin, twin_optimizer, x, y)  # the model is apart from its copy
+    assert not jax.tree.all(jax.tree.map(np.array_equal, nnx.state(twin), nnx.state(model)))
+    merged = nnx.merge(pickle.loads(pickle.dumps(nnx.graphdef(model))), nnx.state(model))
+    np.testing.assert_array_equal(merged(x), model(x))
+
+
 def test_a_layer_whose_kernel_is_not_floating_stays_in_high_precision_as_in_equinox():
     """An nnx.Linear with an int8 kernel (quantized already) was converted, its kernel's
     values rounded to FP8's (117 has no 3-bit mantissa), and a complex one converted and

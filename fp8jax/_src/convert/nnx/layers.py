@@ -5,6 +5,8 @@ holding it, `Fp8NnxDotGeneral` (an `nnx.Linear`'s `dot_general`) and `Fp8NnxEins
 from __future__ import annotations
 
 import abc
+import copy
+import copyreg
 from typing import Any, final
 
 import jax
@@ -20,6 +22,24 @@ from ...ops.base import state_tags
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
+
+
+def _copies_keep_equinox_missing() -> None:
+    """Make copies (`copy`, `pickle`) of Equinox's `MISSING` sentinel the sentinel itself.
+
+    Equinox flattens a Module with `MISSING` in its treedef and its unflatten tells it by
+    identity; a copied treedef held another object, and unflattening it failed ("'_Missing'
+    object is not subscriptable"). A converted NNX model's graphdef holds the treedef of each
+    FP8 layer's `Fp8DotGeneral`, and `copy.deepcopy(model)` copies the graphdef: it failed."""
+    try:
+        from equinox._module._flatten import MISSING
+    except ImportError:  # an Equinox laid out otherwise: nothing to mend here
+        return
+    if copy.deepcopy(MISSING) is not MISSING:
+        copyreg.pickle(type(MISSING), lambda _: "MISSING")  # a global: the object itself
+
+
+_copies_keep_equinox_missing()
 
 #: The NNX words of a state error of the Equinox layer (whose advice is Equinox's).
 _NNX_WORDING = StateErrorWording(
