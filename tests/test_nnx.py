@@ -1442,6 +1442,42 @@ class EqxExperts(eqx.Module):
 SIZES = jnp.array([8, 0, 16, 8], jnp.int32)
 
 
+def test_a_stack_of_expert_layers_stays_in_high_precision_and_the_rest_converts():
+    """NnxGroupedLinears built under nnx.vmap (a kernel (layers, experts, in, out)) made the
+    whole conversion raise, whatever the config; they stay in high precision, the plan saying
+    why, and the model's other layers convert. The stack computes as before: the float64
+    product of each row with its expert's kernel."""
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=2)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return fp8jax.NnxGroupedLinear(4, 8, 8, rngs=rngs)
+
+            self.experts = make(rngs)
+            self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    model = Stack(nnx.Rngs(0))
+    plan = fp8jax.conversion_plan(model, config())
+    assert plan.converted == ("fc",)
+    assert plan.kept == {
+        "experts": "its kernel (2, 4, 8, 8) is a stack of expert layers (nnx.vmap), which "
+        "fp8jax's NNX experts do not convert: build each layer's NnxGroupedLinear apart"
+    }
+    converted = fp8jax.fp8_linear_layers(model, config())
+    assert converted.experts.ragged_dot is model.experts.ragged_dot
+    assert isinstance(converted.fc.dot_general, fp8jax.Fp8NnxDotGeneral)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 8)), jnp.float32)
+    sizes = jnp.asarray([1, 2, 0, 3], jnp.int32)
+    out = nnx.vmap(lambda layer, x: layer(x, sizes), in_axes=(0, None))(converted.experts, x)
+    kernels = np.asarray(model.experts.kernel.get_value(), np.float64)
+    expert = np.repeat(np.arange(4), np.asarray(sizes))
+    rows = np.asarray(x, np.float64)[:, None, :]
+    expected = np.stack([(rows @ k[expert])[:, 0] for k in kernels])
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_record_telemetry_when_asked():
     """`Fp8Config(telemetry=True)` reaches an NnxGroupedLinear's grouped GEMM: each expert's
     tokens, recorded by a step."""

@@ -134,6 +134,23 @@ def _not_floating(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, 
     return found
 
 
+def _stacked_experts(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[str, ...], str]:
+    """The `NnxGroupedLinear`s built under `nnx.vmap` (a kernel of more than three axes), each
+    with why it stays in high precision: their FP8 `ragged_dot` holds one layer's experts.
+    (Their conversion raised, whatever the config, and the model's other layers with it.)"""
+    found = {}
+    for path, layer in layers:
+        if _kind(layer) != "experts" or _fp8_op(layer) is not None:
+            continue
+        shape = tuple(layer.kernel.get_value().shape)
+        if len(shape) != 3:
+            found[path] = (
+                f"its kernel {shape} is a stack of expert layers (nnx.vmap), which fp8jax's "
+                "NNX experts do not convert: build each layer's NnxGroupedLinear apart"
+            )
+    return found
+
+
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
@@ -348,7 +365,7 @@ def nnx_plan(
         kinds=kinds,
         advice=lambda p: _advice(dict(nodes).get(p)),
         converted=converted,
-        kept={**_own_gemm(layers), **_not_floating(layers)},
+        kept={**_own_gemm(layers), **_stacked_experts(layers), **_not_floating(layers)},
     )
     return plan, chosen, layers
 
