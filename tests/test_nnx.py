@@ -1461,6 +1461,7 @@ def test_a_stack_of_expert_layers_stays_in_high_precision_and_the_rest_converts(
     model = Stack(nnx.Rngs(0))
     plan = fp8jax.conversion_plan(model, config())
     assert plan.converted == ("fc",)
+    assert "\nexperts  fp8jax.NnxGroupedLinear  high: " in str(plan)  # fp8jax's class, not NNX's
     assert plan.kept == {
         "experts": "its kernel (2, 4, 8, 8) is a stack of expert layers (nnx.vmap), which "
         "fp8jax's NNX experts do not convert: build each layer's NnxGroupedLinear apart"

@@ -334,6 +334,16 @@ def _advice(node: Any) -> str:
     )
 
 
+def _kind_name(node: Any) -> str:
+    """A layer's class as the plan names it: NNX's by `nnx.`, fp8jax's experts by `fp8jax.`,
+    a kernel module's by its own class's name."""
+    if _kind(node) == "kernel":
+        return original_class(node).__name__
+    if _kind(node) == "experts":
+        return f"fp8jax.{type(node).__name__}"
+    return f"nnx.{type(node).__name__}"
+
+
 def nnx_plan(
     model: Any, config: Fp8Config, example: Callable[[Any], Any] | None = None
 ) -> tuple[ConversionPlan, set[tuple[str, ...]], list[tuple[tuple[str, ...], Any]]]:
@@ -350,10 +360,7 @@ def nnx_plan(
         for p, n in layers
         if _kind(n) != "experts"  # experts are never heads or routers
     }
-    kinds = {
-        p: original_class(n).__name__ if _kind(n) == "kernel" else f"nnx.{type(n).__name__}"
-        for p, n in layers
-    }
+    kinds = {p: _kind_name(n) for p, n in layers}
     plan, chosen = decide(
         config,
         nodes,
