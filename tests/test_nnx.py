@@ -1186,6 +1186,15 @@ def test_bad_input_errors():
     experts = nnx.Einsum("ebd,edf->ebf", (4, 32, 8), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"nnx.Einsum '' .*kernel \(4, 32, 8\).*has batch axes"):
         fp8jax.fp8_linear_layers(experts, config(RECIPES["residual error feedback"]))
+    # A LinearGeneral with batch axes: refused by its name, as the Einsum (it said only "pass
+    # kernel_shape=(out_features, in_features) to Fp8DotGeneral", naming no layer).
+    batched = _Wrapped(nnx.LinearGeneral(8, 4, batch_axis={0: 3}, rngs=nnx.Rngs(0)))
+    with pytest.raises(
+        ValueError,
+        match=r"nnx.LinearGeneral 'fc' \(batch_axis=\{0: 3\}, kernel \(3, 8, 4\)\).*has batch "
+        r"axes.*another recipe \(Fp8Config recipes\), or exclude it",
+    ):
+        fp8jax.fp8_linear_layers(batched, config(RECIPES["residual error feedback"]))
 
     einsum = fp8jax.Fp8NnxEinsum()
     for subscripts, kernel, message in [

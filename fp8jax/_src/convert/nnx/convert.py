@@ -179,10 +179,18 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         n_out = len(layer.out_features)
         n_stacked = kernel.ndim - n_batch - n_in - n_out
         stacked = tuple(kernel.shape[:n_stacked])
-        shape = None
         if not n_batch:
             shape = (math.prod(layer.out_features), math.prod(layer.in_features))
-        return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
+            return Fp8NnxDotGeneral(recipe, shape, name, config.telemetry, stacked=stacked)
+        try:
+            return Fp8NnxDotGeneral(recipe, None, name, config.telemetry, stacked=stacked)
+        except ValueError as e:
+            raise ValueError(
+                f"fp8_linear_layers: nnx.LinearGeneral {name!r} (batch_axis="
+                f"{dict(layer.batch_axis)}, kernel {tuple(kernel.shape)}): {e} Its kernel has "
+                "batch axes, so it has no single (out, in) matrix for that state: convert it "
+                "with another recipe (Fp8Config recipes), or exclude it."
+            ) from None
     # Its kernel is (*stacked, *kernel_shape): a stack built under nnx.vmap has one per layer.
     own = _einsum_kernel(layer)
     stacked = tuple(kernel.shape[: kernel.ndim - len(own)])
