@@ -2289,3 +2289,33 @@ def test_grouped_linear_computing_in_bf16_quantizes_its_float32_master(name):
     want = np.abs(np.asarray(master, np.float64)).max(axis=(1, 2))
     want[np.asarray(SIZES) == 0] = 0.0  # an expert without tokens records nothing
     np.testing.assert_array_equal(recorded, want)
+
+
+def test_delayed_scaling_state_after_several_steps_matches_a_hand_rolled_history():
+    """The FP8 state of an NNX layer trained five steps by `nnx_train_step` equals Transformer
+    Engine's delayed-scaling update done by hand in NumPy: each step's amaxes (input, the
+    kernel before the step, the output gradient, which `sum(out * c)` makes `c`) rolled into
+    a history of 3, newest first, and the next scale `fmt_max / max(history)` rounded down to
+    a power of two."""
+    recipe = fp8jax.DelayedScaling(history_len=3)
+    model = fp8jax.fp8_linear_layers(_Wrapped(nnx.Linear(8, 4, rngs=nnx.Rngs(0))), config(recipe))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fp8jax.nnx_train_step(lambda m, x, c: jnp.sum(m(x) * c))
+    rng = np.random.default_rng(5)
+    fmt_max = {"input": 448.0, "kernel": 448.0, "output_grad": 57344.0}
+    history = {role: np.zeros(3) for role in fmt_max}
+    for t, spread in enumerate([1.0, 30.0, 0.5, 2.0, 0.01]):
+        x = rng.standard_normal((6, 8)).astype(np.float32) * spread
+        c = rng.standard_normal((6, 4)).astype(np.float32) * spread / 3
+        kernel = np.asarray(model.fc.kernel.get_value())
+        step(model, optimizer, jnp.asarray(x), jnp.asarray(c))
+        for role, amax in (("input", x), ("kernel", kernel), ("output_grad", c)):
+            h = history[role]
+            history[role] = np.concatenate([[np.abs(amax).max()], h[2:], h[:1]])
+        state = model.fc.dot_general.value()
+        for role, h in history.items():
+            got = getattr(state, role)
+            np.testing.assert_array_equal(got.amax_history, h.astype(np.float32), err_msg=role)
+            scale = 2.0 ** np.floor(np.log2(fmt_max[role] / np.float32(h.max())))
+            assert float(got.scale) == scale, (t, role)
+            assert float(got.scale_inv) == 1 / scale, (t, role)
