@@ -2319,3 +2319,21 @@ def test_delayed_scaling_state_after_several_steps_matches_a_hand_rolled_history
             scale = 2.0 ** np.floor(np.log2(fmt_max[role] / np.float32(h.max())))
             assert float(got.scale) == scale, (t, role)
             assert float(got.scale_inv) == 1 / scale, (t, role)
+
+
+def test_a_converted_layers_call_errors_name_the_layer():
+    """An operand an FP8 layer cannot take, or an equation its einsum refuses, raised naming no
+    layer (of a model with dozens); the error now leads with the layer's path. The same call
+    in high precision raises too (the FP8 layer refuses nothing NNX would compute)."""
+    linear = _Wrapped(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+    einsum = _Wrapped(nnx.Einsum("bd,df->bf", (8, 8), rngs=nnx.Rngs(0)))
+    fp8_linear = fp8jax.fp8_linear_layers(linear, config())
+    fp8_einsum = fp8jax.fp8_linear_layers(einsum, config())
+    with pytest.raises(ValueError, match=r"^FP8 layer 'fc': Mismatched shapes for dot_general"):
+        fp8_linear(jnp.ones((2, 7)))
+    with pytest.raises(TypeError):
+        linear(jnp.ones((2, 7)))
+    with pytest.raises(TypeError, match=r"^FP8 layer 'fc': Fp8DotGeneral: lhs has dtype complex64"):
+        fp8_linear(jnp.ones((2, 8), jnp.complex64))
+    with pytest.raises(ValueError, match=r"^FP8 layer 'fc': FP8 einsum: subscripts='bd,dd->bd'"):
+        fp8_einsum.fc(jnp.ones((2, 8)), "bd,dd->bd")

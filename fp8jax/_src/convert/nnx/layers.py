@@ -169,6 +169,14 @@ class AbstractFp8NnxDot(nnx.Module):
         except Fp8StateError as e:
             raise reword_state_error(e, self.name, _NNX_WORDING) from e
 
+    def _named(self, error: Exception) -> Exception:
+        """`error` (a plain `ValueError` or `TypeError` of the layer's call: operands it cannot
+        take, an equation it refuses) led by the layer's path, which says which of a model's
+        layers raised; other errors (state errors, named already) as they are."""
+        if not self.name or type(error) not in (ValueError, TypeError):
+            return error
+        return type(error)(f"FP8 layer {self.name!r}: {error}")
+
 
 @final
 class Fp8NnxDotGeneral(AbstractFp8NnxDot):
@@ -205,7 +213,10 @@ class Fp8NnxDotGeneral(AbstractFp8NnxDot):
         preferred_element_type: DTypeLike | None = None,
         out_sharding: Any = None,
     ) -> Array:
-        out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        try:
+            out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        except (ValueError, TypeError) as e:
+            raise self._named(e) from e
         return resharded(out, out_sharding)
 
 
@@ -232,5 +243,10 @@ class Fp8NnxEinsum(AbstractFp8NnxDot):
         preferred_element_type: DTypeLike | None = None,
         out_sharding: Any = None,
     ) -> Array:
-        out = fp8_einsum(self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type)
+        try:
+            out = fp8_einsum(
+                self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type
+            )
+        except (ValueError, TypeError) as e:
+            raise self._named(e) from e
         return resharded(out, out_sharding)
