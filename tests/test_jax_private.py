@@ -285,3 +285,25 @@ def test_a_refusing_primitive_raises_only_where_its_branch_compiles():
     got = jax.jit(lambda x: lax.platform_dependent(x, cpu=kept, default=refused))(1.0)
     np.testing.assert_array_equal(got[0], np.ones((2, 3), np.float32))
     np.testing.assert_array_equal(got[1], np.ones((4,), jnp.bfloat16))
+
+
+def test_copies_of_equinox_s_missing_sentinel_are_the_sentinel():
+    """Equinox's unflatten tells its `MISSING` by identity; a copy of a treedef holding it
+    must unflatten (a converted NNX model's `copy.deepcopy`: tests/test_nnx.py)."""
+    import copy
+    import pickle
+
+    import equinox as eqx
+    from equinox._module._flatten import MISSING
+
+    import fp8jax
+    from fp8jax._src.core.jax_private import keep_equinox_missing_on_copy
+
+    keep_equinox_missing_on_copy()
+    keep_equinox_missing_on_copy()  # idempotent
+    assert copy.deepcopy(MISSING) is MISSING and copy.copy(MISSING) is MISSING
+    assert pickle.loads(pickle.dumps(MISSING)) is MISSING
+    layer = fp8jax.Fp8DotGeneral("delayed")
+    leaves, treedef = jax.tree.flatten(layer)
+    copied = jax.tree.unflatten(copy.deepcopy(treedef), leaves)
+    assert eqx.tree_equal(copied, layer)

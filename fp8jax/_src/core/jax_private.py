@@ -1,5 +1,5 @@
 """Everything fp8jax takes from JAX's internals, in one place (with `jax_primitive` beside it:
-the primitive of the high-precision grouped GEMM).
+the primitive of the high-precision grouped GEMM), and the one piece of Equinox's.
 
 `tests/test_jax_private.py` exercises each piece and fails loudly if JAX moves it.
 
@@ -56,11 +56,20 @@ platforms the program is compiled for: `refusing_primitive`.
 A custom VJP must return cotangents that vary over the same axes as its inputs: JAX's own
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
 reports those axes as `jax.typeof(x).manual_axis_type.varying` (earlier: `.vma`).
+
+## Copies of Equinox's `MISSING` sentinel (Equinox's internals)
+Equinox flattens a Module with its `MISSING` sentinel in the treedef, and its unflatten tells
+the sentinel by identity: a copied treedef (`copy.deepcopy`, `pickle`) held another object and
+failed to unflatten ("'_Missing' object is not subscriptable"). A converted Flax NNX model's
+graphdef holds each FP8 layer's treedef, so `copy.deepcopy(model)` failed:
+`keep_equinox_missing_on_copy` makes copies of the sentinel the sentinel itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import copyreg
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -391,3 +400,16 @@ def refusing_primitive(
     primitive.def_abstract_eval(lambda *, avals: [core.ShapedArray(*a) for a in avals])
     mlir.register_lowering(primitive, lowering)
     return lambda avals: primitive.bind(avals=tuple(avals))
+
+
+def keep_equinox_missing_on_copy() -> None:
+    """Make copies (`copy`, `pickle`) of Equinox's `MISSING` sentinel the sentinel itself
+    (see the module docstring); nothing where Equinox keeps it already, or lays it out
+    elsewhere."""
+    try:
+        from equinox._module._flatten import MISSING
+    except ImportError:
+        return
+    if copy.deepcopy(MISSING) is not MISSING:
+        # Reduced to its global name: pickle and copy give back the module's object.
+        copyreg.pickle(type(MISSING), lambda _: "MISSING")

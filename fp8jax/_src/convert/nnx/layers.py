@@ -5,8 +5,6 @@ holding it, `Fp8NnxDotGeneral` (an `nnx.Linear`'s `dot_general`) and `Fp8NnxEins
 from __future__ import annotations
 
 import abc
-import copy
-import copyreg
 from typing import Any, final
 
 import jax
@@ -17,29 +15,15 @@ from jaxtyping import Array
 
 from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
 from ...core.explicit import resharded
+from ...core.jax_private import keep_equinox_missing_on_copy
 from ...core.updates import register_state_variable
 from ...ops.base import state_tags
 from ...ops.dot_general import Fp8DotGeneral
 from ..config import stacked_dot_general
 from ..einsum import fp8_einsum
 
-
-def _copies_keep_equinox_missing() -> None:
-    """Make copies (`copy`, `pickle`) of Equinox's `MISSING` sentinel the sentinel itself.
-
-    Equinox flattens a Module with `MISSING` in its treedef and its unflatten tells it by
-    identity; a copied treedef held another object, and unflattening it failed ("'_Missing'
-    object is not subscriptable"). A converted NNX model's graphdef holds the treedef of each
-    FP8 layer's `Fp8DotGeneral`, and `copy.deepcopy(model)` copies the graphdef: it failed."""
-    try:
-        from equinox._module._flatten import MISSING
-    except ImportError:  # an Equinox laid out otherwise: nothing to mend here
-        return
-    if copy.deepcopy(MISSING) is not MISSING:
-        copyreg.pickle(type(MISSING), lambda _: "MISSING")  # a global: the object itself
-
-
-_copies_keep_equinox_missing()
+# A converted model's graphdef holds its FP8 layers' Equinox treedefs: `copy.deepcopy(model)`.
+keep_equinox_missing_on_copy()
 
 #: The NNX words of a state error of the Equinox layer (whose advice is Equinox's).
 _NNX_WORDING = StateErrorWording(
