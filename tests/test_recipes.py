@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import types
 
 import equinox as eqx
 import jax
@@ -320,6 +321,28 @@ def test_mxfp8_scaled_matmul_path(monkeypatch):
     assert calls == [(1, 5, 96)]  # the forward only; K padded to 3 blocks
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+
+
+@pytest.mark.parametrize(
+    "capability, takes", [("gfx942", False), ("gfx90a", False), ("9.0", False), ("10.0", True)]
+)
+def test_mxfp8_scaled_matmul_chosen_on_cuda_10_and_newer_only(monkeypatch, capability, takes):
+    """`MXFP8()` (`use_scaled_matmul=None`) read the first device's `compute_capability` as a
+    float: on an AMD GPU, whose JAX reports its architecture there ("gfx942"), every MXFP8
+    layer raised `ValueError: could not convert string to float`. It now takes
+    `scaled_matmul` on CUDA compute capability 10+ only (as documented) and runs the
+    emulation elsewhere: the float64 reference of the format."""
+    device = types.SimpleNamespace(platform="gpu", compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [device])
+    recipe = fp8jax.MXFP8()
+    assert recipe._scaled_matmul_available() is takes
+    if takes:
+        return  # no such GPU here to run it
+    x, w, g = operands(3, m=4, k=70, n=11)  # shapes of their own: traced afresh
+    got = run(recipe, x, w, g)
+    mags = (np.abs(x) @ np.abs(w).T, np.abs(g) @ np.abs(w), np.abs(g).T @ np.abs(x))
+    for part, a, b, mag in zip(("y", "dx", "dw"), got, ref.mxfp8(x, w, g), mags, strict=True):
+        np.testing.assert_array_less(np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), part)
 
 
 def test_mxfp8_forced_scaled_matmul_computes_on_cpu():

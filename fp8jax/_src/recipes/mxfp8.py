@@ -83,8 +83,7 @@ class MXFP8(BlockScaledRecipe):
         if self.use_scaled_matmul is not None:
             return self.use_scaled_matmul
         device = jax.devices()[0]
-        capability = getattr(device, "compute_capability", None)
-        return device.platform == "gpu" and capability is not None and float(capability) >= 10
+        return device.platform == "gpu" and _cuda_major(device) >= 10
 
     def dot(
         self,
@@ -108,6 +107,13 @@ class MXFP8(BlockScaledRecipe):
             scaled = lambda a, b: _scaled_matmul(a, b).astype(out_dtype)  # noqa: E731
             return _per_platform(lhs, rhs, emulated, scaled)
         return emulated(lhs, rhs)
+
+
+def _cuda_major(device: object) -> int:
+    """The major CUDA compute capability of a GPU `device` ("10.0": 10), or 0 where it has
+    none: ROCm reports its architecture there ("gfx942"), which is not a number."""
+    major = str(getattr(device, "compute_capability", "")).split(".")[0]
+    return int(major) if major.isdigit() else 0
 
 
 def _per_platform(lhs: QTensor, rhs: QTensor, emulated: Callable, scaled: Callable) -> Array:
