@@ -345,6 +345,33 @@ def test_mxfp8_scaled_matmul_chosen_on_cuda_10_and_newer_only(monkeypatch, capab
         np.testing.assert_array_less(np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), part)
 
 
+def test_mxfp8_scaled_matmul_chosen_for_cudnn_blocks_only(monkeypatch):
+    """On a GPU of compute capability 10+, `MXFP8(block_size=16)` (or fnuz data) handed
+    `jax.nn.scaled_matmul` blocks its cuDNN kernel does not take (its documentation: blocks
+    of 32, E4M3 or E5M2 data, E8M0 scales). Such recipes now run the emulation there: the
+    float64 reference of their blocks; OCP MXFP8's own blocks still take `scaled_matmul`."""
+    from fp8jax._src.recipes import mxfp8
+
+    def cudnn(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+        assert a.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2), a.dtype
+        assert a_scales.shape[-1] * 32 == a.shape[-1], (a.shape, a_scales.shape)
+        raise AssertionError("a block cuDNN takes: not what this test runs")
+
+    device = types.SimpleNamespace(platform="gpu", compute_capability="10.0")
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [device])
+    monkeypatch.setattr(jax.nn, "scaled_matmul", cudnn)
+    monkeypatch.setattr(mxfp8, "_per_platform", lambda a, b, emulated, scaled: scaled(a, b))
+    assert fp8jax.MXFP8()._scaled_matmul_available()
+    assert fp8jax.MXFP8(format_name="e5m2")._scaled_matmul_available()
+    assert not fp8jax.MXFP8(format_name="e4m3fnuz")._scaled_matmul_available()
+    x, w, g = operands(4, m=3, k=70, n=10)  # shapes of their own: traced afresh
+    got = run(fp8jax.MXFP8(block_size=16), x, w, g)
+    mags = (np.abs(x) @ np.abs(w).T, np.abs(g) @ np.abs(w), np.abs(g).T @ np.abs(x))
+    want = ref.mxfp8(x, w, g, block=16)
+    for part, a, b, mag in zip(("y", "dx", "dw"), got, want, mags, strict=True):
+        np.testing.assert_array_less(np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), part)
+
+
 def test_mxfp8_forced_scaled_matmul_computes_on_cpu():
     """`MXFP8(use_scaled_matmul=True)` raised a raw `NotImplementedError` (no MLIR
     translation rule for `scaled_matmul` on cpu) from a CPU compile. There it now runs the

@@ -28,6 +28,10 @@ def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
     return exponent - d_exponent + ceil_ratio
 
 
+#: The block `jax.nn.scaled_matmul`'s cuDNN kernel takes for MXFP8 (E4M3 or E5M2 data).
+SCALED_MATMUL_BLOCK = 32
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MXFP8(BlockScaledRecipe):
     """OCP MXFP8: 1 x 32 blocks along the contracted axis for every operand, E4M3 data and
@@ -42,7 +46,9 @@ class MXFP8(BlockScaledRecipe):
     only, and `jax.nn.scaled_matmul` is given the data zero-padded). Emulated in plain
     XLA (one FP8 dot per 32-element chunk); with `use_scaled_matmul=True`, or `None` on a GPU
     of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`
-    (compiled for a CPU, where JAX has no `scaled_matmul`, `True` runs the emulation).
+    (compiled for a CPU, where JAX has no `scaled_matmul`, `True` runs the emulation). `None`
+    takes it for the blocks its cuDNN kernel takes only, `block_size=32` of E4M3 or E5M2
+    data; other block sizes and the fnuz formats run the emulation there.
     For the dgrad, the kernel is quantized a second time along its other axis from the
     high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
     wgrad, the saved FP8 activation is requantized along its tokens.
@@ -82,6 +88,8 @@ class MXFP8(BlockScaledRecipe):
     def _scaled_matmul_available(self) -> bool:
         if self.use_scaled_matmul is not None:
             return self.use_scaled_matmul
+        if self.block_size != SCALED_MATMUL_BLOCK or self.format_name not in ("e4m3", "e5m2"):
+            return False  # not a block cuDNN's kernel takes: the emulation
         device = jax.devices()[0]
         return device.platform == "gpu" and _cuda_major(device) >= 10
 
