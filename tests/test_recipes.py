@@ -2,6 +2,8 @@
 
 import dataclasses
 import functools
+import pathlib
+import re
 import types
 
 import equinox as eqx
@@ -145,6 +147,7 @@ RECIPES = {
     ),
 }
 MATMUL_NT = (((1,), (1,)), ((), ()))  # x (M, K) . w (N, K)
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def operands(seed, m=5, k=130, n=129):
@@ -445,6 +448,41 @@ def test_residual_split_is_finite_and_tighter_than_one_term(x, predict):
     x64 = x.astype(np.float64)
     # Never worse than W_hi alone, up to float32 rounding of the dequantized terms.
     assert np.all(np.abs(hi + lo - x64) <= np.abs(hi - x64) + 2.0**-23 * np.abs(x64))
+
+
+def _fp8_dots(fun, *args) -> int:
+    """How many `dot_general`s of `fun`'s jaxpr, at any depth, take FP8 operands."""
+
+    def walk(jaxpr) -> int:
+        count = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                count += "float8" in str(eqn.invars[0].aval.dtype)
+            count += sum(walk(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+        return count
+
+    return walk(jax.make_jaxpr(fun)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dgrad_lo", [True, False])
+def test_residual_gemm_counts_are_the_readmes(split, dgrad_lo):
+    """The README's table gave `ResidualFP8` one wgrad GEMM whatever its options; with
+    `split_activation=True` the wgrad multiplies both terms of the saved activation (two).
+    Each count of the table, the figure in parentheses for the option that changes it, is
+    the number of FP8 `dot_general`s traced for that pass."""
+    row = next(r for r in README.read_text().splitlines() if r.startswith("| `ResidualFP8`"))
+    found = re.search(r"(\d) \((\d)\) \+ (\d) \((\d)\) \+ (\d)(?: \((\d)\))? \|$", row)
+    assert found, row
+    fwd, fwd_split, dgrad, dgrad_hi, wgrad = map(int, found.groups()[:5])
+    wgrad_split = int(found[6] or wgrad)  # none in parentheses: the same either way
+    recipe = fp8jax.ResidualFP8(split_activation=split, dgrad_uses_lo=dgrad_lo)
+    dot = fp8jax.Fp8DotGeneral(recipe)
+    x, w = jnp.ones((8, 16)), jnp.ones((4, 16))
+    forward = _fp8_dots(lambda x, w: dot(x, w, MATMUL_NT), x, w)
+    both = _fp8_dots(jax.grad(lambda x, w: dot(x, w, MATMUL_NT).sum(), (0, 1)), x, w)
+    assert forward == (fwd_split if split else fwd)
+    assert both - forward == (dgrad if dgrad_lo else dgrad_hi) + (wgrad_split if split else wgrad)
 
 
 # --- options and state ---------------------------------------------------------------------
