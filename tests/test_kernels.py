@@ -3,6 +3,7 @@ interpreter against float32 references and the XLA path, the recipe's choice of 
 deviceless H100 compile (FP8 `wgmma` in the PTX, no register spills, every GEMM counted FP8).
 """
 
+import dataclasses
 import json
 import re
 
@@ -557,3 +558,33 @@ def test_residual_fused_kernel_takes_about_delayed_scalings_h100_temp_memory(get
     assert temp(fp8jax.ResidualFP8(native_kernel=None)) <= 1.1 * delayed
     assert temp(fp8jax.ResidualFP8()) > 1.1 * delayed
     assert temp(fp8jax.ResidualFP8(backward_format="e5m2")) > 1.1 * delayed
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8jax.BlockwiseScaling(format_name="e4m3fnuz"),
+        fp8jax.ResidualFP8(
+            forward_format="e4m3fnuz", backward_format="e5m2fnuz", native_kernel=None
+        ),
+    ],
+    ids=["blockwise", "residual"],
+)
+def test_fnuz_formats_compiled_for_an_h100_take_the_xla_path(getkey, recipe):
+    """AMD's fnuz formats with `native_kernel=None`, compiled for an H100: the kernel was
+    chosen and raised "block_scaled_gemm: lhs is float8_e4m3fnuz; FP8 wgmma takes
+    float8_e4m3fn or float8_e5m2". `None` means the kernel where it runs and the XLA path
+    elsewhere: such a step now compiles, with no Mosaic kernel, as with `native_kernel=False`;
+    `native_kernel=True` with them is refused when the recipe is made, naming the format."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from fp8jax._src.observe import deviceless
+
+    linear = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(128, 128, key=getkey()), fp8jax.Fp8Config(recipe=recipe)
+    )
+    x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    step = fp8jax.filter_value_and_grad(_linear_loss)
+    lowered, _ = deviceless.lower(step, (linear, x), {}, deviceless.h100_topology().devices[0])
+    assert "mosaic" not in lowered.compile().as_text()
+    with pytest.raises(ValueError, match=r"native_kernel=True.*fnuz.*'e4m3'"):
+        dataclasses.replace(recipe, native_kernel=True)

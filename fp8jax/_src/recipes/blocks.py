@@ -220,9 +220,10 @@ class BlockwiseScaling(BlockScaledRecipe):
       (default): on Hopper GPUs and in compiles for them, the XLA path elsewhere (CPUs, other
       GPUs); `True` forces the kernel (it compiles only for sm_90; a compile for a CPU
       raises `ValueError`), `False` the XLA path.
-      Block sizes 64 and 128 only; the numerics are the XLA path's, float32 summation order
-      aside. Where the kernel runs, activations, gradients and weights of whole 128 x 128
-      tiles are quantized in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the
+      Block sizes 64 and 128 only, E4M3 or E5M2 (`None` runs AMD's fnuz formats on the XLA
+      path); the numerics are the XLA path's, float32 summation order aside. Where the
+      kernel runs, activations, gradients and weights of whole 128 x 128 tiles are quantized
+      in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the
       same values as the XLA path's quantization, and the K-major copies the backward
       GEMMs take). A weight quantized there comes as the tiles along its contracted axis
       (`QTensor.block` `(1, 128)` or `(128, 1)`) with each 128 x 128 block's scale repeated
@@ -248,6 +249,17 @@ class BlockwiseScaling(BlockScaledRecipe):
                 f"BlockwiseScaling(native_kernel=True, block_size={self.block_size}): the "
                 f"native kernel takes block sizes {list(NATIVE_BLOCK_SIZES)}."
             )
+        if self.native_kernel and self.format_name.endswith("fnuz"):
+            raise ValueError(
+                f"BlockwiseScaling(native_kernel=True, format_name={self.format_name!r}): the "
+                "native kernel's wgmma takes 'e4m3' and 'e5m2' only; AMD's fnuz formats run "
+                "the XLA path (native_kernel=None or False)."
+            )
+
+    @property
+    def _kernel(self) -> bool | None:
+        """`native_kernel`, or `False` for AMD's fnuz formats, which no Hopper `wgmma` takes."""
+        return False if self.format_name.endswith("fnuz") else self.native_kernel
 
     def dot(
         self,
@@ -269,9 +281,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         def native(lhs: QTensor, rhs: QTensor, out_dtype: Any) -> Array:
             return native_block_dot(lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
-        return on_block_kernel(
-            self.native_kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype
-        )
+        return on_block_kernel(self._kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
         if role == "kernel":
@@ -284,7 +294,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         """Whether the tiles of `x` may be quantized by the one-pass kernels where the GEMMs
         run natively: whole tiles, one device's data, the kernel not turned off."""
         return (
-            self.native_kernel is not False
+            self._kernel is not False
             and not self.dequantized_dot
             and self.block_size in NATIVE_BLOCK_SIZES
             and x.ndim in (2, 3)
@@ -300,7 +310,7 @@ class BlockwiseScaling(BlockScaledRecipe):
             del out_dtype
             return native(*a)
 
-        return dispatch.choose(self.native_kernel, kernel, xla, *args)
+        return dispatch.choose(self._kernel, kernel, xla, *args)
 
     def _rule(self) -> dict[str, Any]:
         return dict(block=self.block_size, max_scale=MAX_SCALE, power_of_two=self.power_of_two)
@@ -428,7 +438,7 @@ class BlockwiseScaling(BlockScaledRecipe):
     def _gathers(self, x: Array, rows: Array) -> bool:
         """Whether `x`'s rows may be gathered by `rows` into tiles by the padded kernels."""
         return (
-            self.native_kernel is not False
+            self._kernel is not False
             and not self.dequantized_dot
             and self.block_size in NATIVE_BLOCK_SIZES
             and padded_quantize.fits(x.shape, rows.shape[0], self.block_size)

@@ -84,7 +84,8 @@ class ResidualFP8(HybridFormats):
       Hopper GPUs and in compiles for them (the XLA path elsewhere), running the terms that
       share a left operand as one kernel (`x W_hi * s_hi + x W_lo * s_lo`: each tile of `x`
       loaded once, one float32 accumulation in registers, the output dtype written once);
-      `True` forces it (sm_90 only; a compile for a CPU raises `ValueError`). The kernel
+      `True` forces it (sm_90 only; a compile for a CPU raises `ValueError`; not AMD's fnuz
+      formats, which `None` runs on the XLA path). The kernel
       keeps the float32 sum out of memory (about delayed scaling's temp memory, where the
       XLA path's float32 buffer takes more) but ran slower than the two cuBLASLt calls on
       an H200 at LLM shapes, hence the default (both measured in `benchmarks/RESULTS.md`).
@@ -111,6 +112,12 @@ class ResidualFP8(HybridFormats):
             "nf_aware",
         )
         dispatch.check_native_kernel(self.native_kernel)
+        if self.native_kernel and self.forward_format.endswith("fnuz"):
+            raise ValueError(
+                f"ResidualFP8(native_kernel=True, forward_format={self.forward_format!r}): the "
+                "native kernel's wgmma takes 'e4m3' and 'e5m2' only; AMD's fnuz formats run "
+                "the XLA path (native_kernel=None or False)."
+            )
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
@@ -237,8 +244,10 @@ class ResidualFP8(HybridFormats):
 
         from ..kernels.block_gemm import wgmma_takes
 
-        if not wgmma_takes(*(t.data.dtype for t in lhs.terms + rhs.terms)):
-            return xla(lhs, rhs)  # JAX 0.10's wgmma takes one FP8 type (E5M2 x E4M3: cuBLASLt)
+        dtypes = [t.data.dtype for t in lhs.terms + rhs.terms]
+        if self.forward_format.endswith("fnuz") or not wgmma_takes(*dtypes):
+            # AMD's fnuz formats, or E5M2 x E4M3 on JAX 0.10 (one FP8 type per wgmma): cuBLASLt
+            return xla(lhs, rhs)
         return on_block_kernel(
             self.native_kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype
         )
