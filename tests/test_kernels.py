@@ -588,3 +588,36 @@ def test_fnuz_formats_compiled_for_an_h100_take_the_xla_path(getkey, recipe):
     assert "mosaic" not in lowered.compile().as_text()
     with pytest.raises(ValueError, match=r"native_kernel=True.*fnuz.*'e4m3'"):
         dataclasses.replace(recipe, native_kernel=True)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fp8jax.BlockwiseScaling(format_name="e4m3fnuz"),
+        fp8jax.CurrentScaling(forward_format="e4m3fnuz", backward_format="e5m2fnuz"),
+    ],
+    ids=["blockwise", "current"],
+)
+def test_fnuz_expert_gemms_compiled_for_an_h100_take_the_xla_path(recipe):
+    """The grouped (expert) GEMMs of a recipe in AMD's fnuz formats, compiled for an H100:
+    the grouped kernels were chosen and raised "grouped_rows_gemm: lhs is float8_e4m3fnuz;
+    wgmma takes float8_e4m3fn, float8_e5m2, ...". They now take XLA's path (no Mosaic
+    kernel), and a layer forcing the kernels is refused naming the formats it takes."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from fp8jax._src.observe import deviceless
+
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=4)
+
+    def step(x, w, sizes):
+        loss = lambda x, w: dot(x, w, sizes).astype(jnp.float32).sum()  # noqa: E731
+        return jax.grad(loss, (0, 1))(x, w)
+
+    args = (
+        jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 128, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    lowered, _ = deviceless.lower(step, args, {}, deviceless.h100_topology().devices[0])
+    assert "mosaic" not in lowered.compile().as_text()
+    with pytest.raises(ValueError, match=r"native_kernel=True.*not AMD's fnuz formats"):
+        fp8jax.Fp8RaggedDot(recipe, num_experts=4, native_kernel=True)

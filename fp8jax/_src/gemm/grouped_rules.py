@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from ..kernels import dispatch
-from ..recipes import BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, Recipe
+from ..recipes import ROLES, BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, Recipe
 from ..recipes.blocks import NATIVE_BLOCK_SIZES
 
 #: Recipes with an FP8 grouped GEMM, by name.
@@ -25,13 +27,16 @@ def check_recipe(recipe: Recipe, name: str = "", native_kernel: bool | None = No
         raise ValueError(
             f"{layer}: native_kernel=True, but {recipe!r} has no native grouped GEMM; the "
             "kernels take DelayedScaling, CurrentScaling and BlockwiseScaling (block_size "
-            f"in {list(NATIVE_BLOCK_SIZES)}, dequantized_dot=False). Use native_kernel=None "
-            "or False."
+            f"in {list(NATIVE_BLOCK_SIZES)}, dequantized_dot=False), in E4M3 and E5M2 (not "
+            "AMD's fnuz formats). Use native_kernel=None or False."
         )
 
 
 def has_native(recipe: Recipe) -> bool:
-    """Whether `recipe`'s grouped GEMMs can run on the Hopper kernels."""
+    """Whether `recipe`'s grouped GEMMs can run on the Hopper kernels (whose `wgmma` takes
+    no fnuz format, AMD's)."""
+    if any(jnp.dtype(recipe.format(role)).name.endswith("fnuz") for role in ROLES):
+        return False
     if isinstance(recipe, PerTensorRecipe):
         return True
     return (

@@ -231,7 +231,8 @@ class Fp8RaggedDot(AbstractFp8Op):
     - `native_kernel`: `None` (the kernels where the program is compiled for Hopper, XLA's
       path elsewhere; [`fp8jax.BlockwiseScaling`][]'s own `native_kernel` is followed when
       this is `None`), `True` (the kernels; compiling fails off Hopper, and raises
-      `ValueError` for a CPU) or `False` (XLA's path).
+      `ValueError` for a CPU) or `False` (XLA's path). Recipes in AMD's fnuz formats take
+      XLA's path (the kernels' `wgmma` takes E4M3 and E5M2), and refuse `True`.
 
     ```python
     dot = fp8jax.Fp8RaggedDot(num_experts=8)
