@@ -442,6 +442,27 @@ def test_ptx_parser():
     assert mma_inputs(kernels["f_2"].mma[0]) == "f16"
 
 
+def test_ptx_upcasts_are_conversions_from_fp8_only():
+    """A Triton GEMM fusion under XLA's defaults also quantizes its operand in the kernel
+    (`cvt.rn.satfinite.e4m3x2.f16x2`, to FP8) before converting it back up: the report quoted
+    that cast as the proof of the upcast ("converts them to f16 (cvt.rn.satfinite.e4m3x2)")
+    where the README shows `cvt.rn.f16x2.e4m3x2`. Only a cast whose source is FP8 (PTX names
+    the source type last) is an upcast."""
+    quantizing = PTX.replace(
+        "\tcvt.rn.f16x2.e4m3x2",
+        "\tcvt.rn.satfinite.e4m3x2.f16x2 \t%rs1, %r9;\n\tcvt.rn.f16x2.e4m3x2",
+    ).replace(
+        "\tret;\n}\n.visible .entry g",
+        "\tcvt.rn.satfinite.e5m2x2.f32 \t%rs2, %f1, %f2;\n\tret;\n}\n.visible .entry g",
+    )
+    assert quantizing.count("cvt.rn.satfinite") == 2
+    kernels = ptx_kernels([quantizing])
+    assert kernels["f_2"].upcasts == ("cvt.rn.f16x2.e4m3x2",)
+    upcast = hlo_gemms(HLO, "default", kernels)
+    (dot,) = [g for g in upcast if g.instruction == "dot.1"]
+    assert "converts them to f16 (cvt.rn.f16x2.e4m3x2)" in dot.verdict, dot.verdict
+
+
 def test_hlo_parser():
     gemms = {g.instruction: g for g in hlo_gemms(HLO, "default")}
     assert set(gemms) == {"dot.1", "c"}

@@ -23,7 +23,9 @@ FP8_MMA = re.compile(r"\.e[45]m[23]\b")
 _MMA_TYPES = re.compile(r"\.(e4m3|e5m2|f16|bf16|tf32|f32|f64|s8|u8|s4|u4|b1)\b")
 _PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([\w$]+)", re.MULTILINE)
 _PTX_MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)(?:\.[\w:]+)*)")
-_PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)\b")
+# A conversion from FP8: PTX names the source type last (`cvt.rn.f16x2.e4m3x2`), so one to
+# FP8 (`cvt.rn.satfinite.e4m3x2.f16x2`, a fused quantization) is not one.
+_PTX_UPCAST = re.compile(r"\b(cvt(?:\.\w+)*\.(?:e4m3|e5m2)(?:x2)?)(?![.\w])")
 _UPCAST_TARGET = re.compile(r"\.(b?f16)(?:x2)?\.")
 #: A global store and its width: `st.global[.v2|.v4].b8|b16|b32|b64` (and typed forms).
 _PTX_STORE = re.compile(r"\bst\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bfsu](\d+)\b")
