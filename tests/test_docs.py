@@ -184,3 +184,35 @@ def test_the_docs_list_every_name_default_exclude_matches():
         shown = set(re.findall(r"`(\w+)`", shown))
         assert shown == names, (path.name, sorted(shown ^ names))
         assert all(re.fullmatch(fp8jax.DEFAULT_EXCLUDE, n) for n in shown)
+
+
+def test_the_docs_name_the_extras_their_blocks_need():
+    """README's list of extras left out `nnx` and `linen`, and the home page's install lines
+    installed no Flax, which its Flax NNX and Linen blocks import. Every extra of
+    pyproject.toml is listed in README; every package index.md's blocks import beyond fp8jax's
+    own dependencies comes with an extra its install lines install."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = readme[readme.index("Extras: ") :]
+    assert not [e for e in extras if f"`{e}`" not in listed], sorted(extras)
+
+    def distribution(requirement: str) -> str:
+        return re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+
+    base = {distribution(r) for r in project["dependencies"]}
+    text = (ROOT / "docs" / "index.md").read_text()
+    installed = set(re.findall(r'pip install -e "\.\[(\w+)\]"', text))
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    imported = set()
+    for node in ast.walk(ast.parse("\n".join(blocks))):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert {"haliax", "flax"} <= imported  # the blocks this test is about
+    for package in sorted(imported - base - {"fp8jax"}):
+        providing = {e for e, reqs in extras.items() if package in map(distribution, reqs)}
+        assert providing & installed, (package, sorted(providing), sorted(installed))
