@@ -17,11 +17,12 @@ import numpy as np
 from ..ops.dot_general import Fp8DotGeneral
 from ..recipes import Recipe, recipe_from
 
-#: Linears left in high precision by default by their name, matched against the last name of
-#: their path: names that only heads and routers bear. Ambiguous names (`gate`: a SwiGLU gate
-#: in Llama, the router in Mixtral; `output`; Linen's `Dense_N`) are left to the roles
-#: (`Fp8Config.keep`). Embeddings and norms are never Linears.
 DEFAULT_EXCLUDE: str = r"(lm_)?head|unembed(ding)?|logits|classifier|router"
+"""Linears left in high precision by default by their name, matched against the last name of
+their path: names that only heads and routers bear (`head`, `lm_head`, `unembed`,
+`unembedding`, `logits`, `classifier`, `router`). Ambiguous names (`gate`: a SwiGLU gate in
+Llama, the router in Mixtral; `output`; Linen's `Dense_N`) are left to the roles
+(`Fp8Config.keep`). Embeddings and norms are never Linears."""
 #: The roles a Linear can be kept in high precision for (see `fp8jax.Fp8Config`'s `keep`).
 ROLES: tuple[str, ...] = ("head", "router")
 
