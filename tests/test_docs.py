@@ -190,7 +190,8 @@ def test_the_docs_name_the_extras_their_blocks_need():
     """README's list of extras left out `nnx` and `linen`, and the home page's install lines
     installed no Flax, which its Flax NNX and Linen blocks import. Every extra of
     pyproject.toml is listed in README; every package index.md's blocks import beyond fp8jax's
-    own dependencies comes with an extra its install lines install."""
+    own dependencies comes with an extra its install lines install, and its line for the
+    library names the library's dependencies (it left out jaxtyping)."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -205,6 +206,8 @@ def test_the_docs_name_the_extras_their_blocks_need():
     base = {distribution(r) for r in project["dependencies"]}
     text = (ROOT / "docs" / "index.md").read_text()
     installed = set(re.findall(r'pip install -e "\.\[(\w+)\]"', text))
+    (library,) = re.findall(r"^pip install -e \. .*# the library: (.*)$", text, re.MULTILINE)
+    assert {d.replace("-", "_") for d in base} == set(library.split(", ")), library
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
     imported = set()
     for node in ast.walk(ast.parse("\n".join(blocks))):
