@@ -4,6 +4,7 @@ import gc
 import importlib.util
 import logging
 import os
+import pathlib
 import shutil
 import stat
 import sys
@@ -1232,3 +1233,21 @@ def test_a_failed_orbax_save_leaves_the_directory_as_it_was(fail, monkeypatch, t
     np.testing.assert_array_equal(
         fp8jax.load_checkpoint(path, like, backend="orbax")["w"], first["w"] + 20
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_path_starting_with_a_tilde_is_in_the_home_directory(backend, monkeypatch, tmp_path):
+    """`~/ckpt` is `ckpt` in the home directory (as `os.path.expanduser` reads it), not a
+    directory named `~` made in the working directory."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", os.fspath(home))
+    monkeypatch.chdir(work)
+    state = {"w": jnp.arange(4.0, dtype=jnp.bfloat16)}
+    fp8jax.save_checkpoint("~/ckpt", state, backend=backend)
+    assert list(work.iterdir()) == []
+    assert (home / "ckpt").exists()
+    restored = fp8jax.load_checkpoint(pathlib.Path("~/ckpt"), state, backend=backend)
+    assert restored["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0))

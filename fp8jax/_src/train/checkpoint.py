@@ -67,15 +67,15 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     **Arguments:**
 
     - `path`: a file (`backend="equinox"`) or a directory (`backend="orbax"`). It is written
-      completely or not at all: the data goes to a temporary name first, and is on disk
-      (`fsync`) before it replaces a previous checkpoint, a power loss too. A symbolic link
-      at `path` is replaced, its target kept. An orbax save replaces only a checkpoint it
-      wrote (else `FileExistsError`, nothing written). A save that raises (orbax cannot
-      write a leaf, a full disk) leaves `path` as it was and no `<path>.tmp`. An
-      orbax save stopped (killed) between its two renames leaves no `path`, the checkpoint it
-      replaced at `<path>.old` and its own, complete, at `<path>.tmp`;
-      [`fp8jax.load_checkpoint`][] names them (and an Equinox save's `<path>.*.tmp`
-      file, if one was killed before its rename), saying which to rename to `path`.
+      completely or not at all: the data goes to a temporary name first, and is on disk (`fsync`)
+      before it replaces a previous checkpoint, a power loss too. A leading `~` is the home
+      directory (`os.path.expanduser`); missing parent directories are made. A symbolic link at
+      `path` is replaced, its target kept. An orbax save replaces only a checkpoint it wrote (else
+      `FileExistsError`, nothing written). A save that raises (orbax cannot write a leaf, a full
+      disk) leaves `path` as it was and no `<path>.tmp`. An orbax save stopped (killed) between its
+      two renames leaves no `path`, the checkpoint it replaced at `<path>.old` and its own,
+      complete, at `<path>.tmp`; [`fp8jax.load_checkpoint`][] names them (and an Equinox save's
+      `<path>.*.tmp` file, if one was killed before its rename), saying which to rename to `path`.
     - `state`: the pytree to save. Static fields (recipes, configuration) are not saved:
       they come from the `like` given to [`fp8jax.load_checkpoint`][]; with `"orbax"`,
       neither are Python numbers among the leaves (their types are recorded and checked):
@@ -377,7 +377,7 @@ def _deserialise(f: Any, like: Any) -> Any:
 def _as_path(path: Any, who: str) -> pathlib.Path:
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{who}: path={path!r} should be a str or an os.PathLike.")
-    return pathlib.Path(path)
+    return pathlib.Path(path).expanduser()  # `~/ckpt` in the home directory, not `./~/ckpt`
 
 
 def _check_savable(state: Any) -> None:
