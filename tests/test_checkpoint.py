@@ -1251,3 +1251,17 @@ def test_a_path_starting_with_a_tilde_is_in_the_home_directory(backend, monkeypa
     restored = fp8jax.load_checkpoint(pathlib.Path("~/ckpt"), state, backend=backend)
     assert restored["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_path_that_cannot_be_written_is_named(backend, capfd, tmp_path):
+    """A save where nothing can be written (under a file, not a directory) raises an `OSError`
+    naming the checkpoint's path, before orbax starts (whose threads would print tracebacks
+    of the temporary directory they could not make), and leaves nothing behind."""
+    (tmp_path / "file").write_text("not a directory")
+    path = tmp_path / "file" / "ckpt"
+    with pytest.raises(NotADirectoryError) as raised:
+        fp8jax.save_checkpoint(path, {"w": jnp.ones(3)}, backend=backend)
+    assert str(raised.value).startswith(f"save_checkpoint: cannot write {os.fspath(path)!r}")
+    assert "Traceback" not in capfd.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -40,7 +40,15 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes.base import TensorState
-from .checkpoint_files import file_mode, remove, replace_directory, sync_directory, sync_file
+from .checkpoint_files import (
+    file_mode,
+    make_parents,
+    naming,
+    remove,
+    replace_directory,
+    sync_directory,
+    sync_file,
+)
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
 from .checkpoint_keys import keys_as_data, keys_from_data
 from .checkpoint_orbax import check_restorable, restore_arrays, save_arrays
@@ -111,21 +119,11 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
             f"save_checkpoint: {os.fspath(path)!r} is a directory; backend='equinox' writes a "
             "file (give a file name; orbax checkpoints are directories: backend='orbax')."
         )
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise NotADirectoryError(
-                f"save_checkpoint: cannot write {os.fspath(path)!r}: {os.fspath(parent)!r} is a "
-                "file, not a directory."
-            )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with naming(path):
+        make_parents(path)
         tmp = tempfile.NamedTemporaryFile(
             dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False
         )
-    except OSError as e:  # name the checkpoint, not only the temporary file
-        raise type(e)(
-            e.errno, f"save_checkpoint: cannot write {os.fspath(path)!r}: {e.strerror}", e.filename
-        ) from e
     try:
         with tmp as f:
             f.write(_MAGIC)
@@ -473,9 +471,18 @@ def _check_replaceable(path: pathlib.Path) -> None:
 
 def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     ocp = _orbax()
-    on_process_zero("check the checkpoint's path", lambda: _check_replaceable(path))
-    arrays = eqx.filter(state, eqx.is_array)
     tmp = path.with_name(path.name + ".tmp")
+
+    def prepare() -> None:  # before orbax: its threads print tracebacks of what it cannot write
+        _check_replaceable(path)
+        remove(tmp)
+        with naming(path):
+            make_parents(path)
+            tmp.mkdir()  # a location that cannot be written raises here, naming `path`
+            tmp.rmdir()
+
+    on_process_zero("check the checkpoint's path", prepare)
+    arrays = eqx.filter(state, eqx.is_array)
 
     def finish() -> None:
         with open(tmp / _RECORD, "wb") as f:
@@ -486,7 +493,6 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
 
     # With several processes, all of them write shards into `tmp` (orbax coordinates them);
     # only process 0 touches the directories around it.
-    on_process_zero("clear the temporary directory", lambda: remove(tmp))
     try:
         save_arrays(ocp, tmp.absolute() / "state", arrays)
         on_process_zero("write the checkpoint", finish)

@@ -1,13 +1,16 @@
 """A checkpoint file on disk: the permissions it gets, and its data and its name made
 durable (`fsync`), so that a crash or a power loss after a save leaves the new checkpoint or
-the one it replaced, never an empty or partly written file under the checkpoint's name."""
+the one it replaced, never an empty or partly written file under the checkpoint's name; the
+directories it goes in, made, and an error naming it where it cannot be written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
 import stat
+from collections.abc import Iterator
 from typing import BinaryIO
 
 
@@ -71,3 +74,29 @@ def replace_directory(new: pathlib.Path, path: pathlib.Path) -> None:
         raise
     sync_directory(path.parent)
     remove(old)
+
+
+def make_parents(path: pathlib.Path) -> None:
+    """The directories above `path`, made where missing; `NotADirectoryError` naming a file
+    among them."""
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(
+                f"save_checkpoint: cannot write {os.fspath(path)!r}: {os.fspath(parent)!r} is a "
+                "file, not a directory."
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def naming(path: pathlib.Path) -> Iterator[None]:
+    """An `OSError` raised inside (no permission, a read-only file system) as one of its type
+    that names the checkpoint, not only the temporary file or directory written first."""
+    try:
+        yield
+    except OSError as e:
+        if str(e).startswith("save_checkpoint:"):  # names it already
+            raise
+        raise type(e)(
+            e.errno, f"save_checkpoint: cannot write {os.fspath(path)!r}: {e.strerror}", e.filename
+        ) from e
