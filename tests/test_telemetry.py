@@ -758,3 +758,16 @@ def test_a_layer_that_is_the_tree_itself_is_named_root(getkey):
     assert list(fp8jax.telemetry(op)) == [root]
     rows = fp8jax.report(op, quiet=True).splitlines()[2:]
     assert [r.split()[0] for r in rows[:3]] == [root, "kernel", "output_grad"]
+
+
+def test_a_plan_with_every_layer_in_fp8_says_so():
+    """`report(..., plan=)` of a model whose every Linear became FP8 says none stays in high
+    precision, with the plan's count, instead of a heading with nothing under it."""
+    mlp = eqx.nn.MLP(8, 2, 32, 2, key=jax.random.key(0))
+    config = fp8jax.Fp8Config()
+    plan = fp8jax.conversion_plan(mlp, config)
+    linears = jax.tree.leaves(mlp, is_leaf=lambda x: isinstance(x, eqx.nn.Linear))
+    linears = [x for x in linears if isinstance(x, eqx.nn.Linear)]
+    text = fp8jax.report(fp8jax.fp8_linear_layers(mlp, config), plan=plan, quiet=True)
+    assert text.splitlines()[-1] == f"high precision: none (all {len(linears)} layers in FP8)"
+    assert len(text.splitlines()) == 2 + 3 * len(linears) + 2  # header, rule, rows, two notes

@@ -365,7 +365,10 @@ def report(
                 "(fp8jax.conversion_plan(model, config)) or None."
             )
         kept = plan.kept
-        lines.append(f"high precision ({len(kept)} of {len(plan.layers)} layers):")
+        if not kept and not plan.unconverted:  # not a heading with nothing under it
+            lines.append(f"high precision: none (all {len(plan.layers)} layers in FP8)")
+        else:
+            lines.append(f"high precision ({len(kept)} of {len(plan.layers)} layers):")
         lines += [f"  {path or '(root)'}: {why}" for path, why in kept.items()]
         lines += [f"  not convertible: {u}" for u in plan.unconverted]
     text = "\n".join(lines)
