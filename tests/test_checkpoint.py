@@ -473,7 +473,7 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
     # A record without grouped entries (written before they were recorded).
     import json
 
-    from fp8jax._src.train import checkpoint
+    from fp8jax._src.train import checkpoint_record as checkpoint
 
     record = checkpoint.fp8_record(state)
     assert {e["name"]: e.get("experts") for e in record["fp8_layers"].values()} == {
@@ -1265,3 +1265,23 @@ def test_a_path_that_cannot_be_written_is_named(backend, capfd, tmp_path):
     assert str(raised.value).startswith(f"save_checkpoint: cannot write {os.fspath(path)!r}")
     assert "Traceback" not in capfd.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prng_key_of_another_implementation_is_named_as_such(backend, tmp_path):
+    """Restoring an `rbg` key into a `threefry` one is refused naming both key types, not
+    only the shapes of their data, which the user's state never shows."""
+    saved = {"k": jax.random.key(0, impl="rbg")}
+    like = {"k": jax.random.key(0)}
+    fp8jax.save_checkpoint(tmp_path / "ckpt", saved, backend=backend)
+    data = (jax.random.key_data(saved["k"]).shape, jax.random.key_data(like["k"]).shape)
+    with pytest.raises(ValueError) as raised:
+        fp8jax.load_checkpoint(tmp_path / "ckpt", like, backend=backend)
+    message = str(raised.value)
+    assert f"uint32{data[0]}, target has uint32{data[1]}" in message
+    assert f"{saved['k'].dtype} saved, {like['k'].dtype} in the target" in message
+    restored = fp8jax.load_checkpoint(tmp_path / "ckpt", saved, backend=backend)
+    assert restored["k"].dtype == saved["k"].dtype
+    np.testing.assert_array_equal(
+        jax.random.key_data(restored["k"]), jax.random.key_data(saved["k"])
+    )

@@ -50,12 +50,11 @@ from .checkpoint_files import (
     sync_file,
 )
 from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_as
-from .checkpoint_keys import keys_as_data, keys_from_data
+from .checkpoint_keys import keyed_record, keys_as_data, keys_from_data
 from .checkpoint_orbax import check_restorable, restore_arrays, save_arrays
 from .checkpoint_record import (
     check_fp8_record,
     corrupt,
-    fp8_record,
     is_array_like,
     is_layer,
     parse_record,
@@ -103,9 +102,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     """
     _check_backend(backend)
     path = _as_path(path, "save_checkpoint")
+    record = json.dumps(keyed_record(state)).encode()
     state = keys_as_data(state)
     _check_savable(state)
-    record = json.dumps(fp8_record(state)).encode()
     if backend == "orbax":
         _orbax_save(path, state, record)
         return
@@ -187,7 +186,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     if backend == "orbax":
         saved = parse_record(_orbax_record(path), path)
         target = _target(saved, like)
-        check_fp8_record(saved, fp8_record(keys_as_data(target)), path)
+        check_fp8_record(saved, keyed_record(target), path)
         data = keys_as_data(on_concrete_mesh(target))
         return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
     if not path.exists():
@@ -211,7 +210,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its record is cut off ({total} bytes in all)")
         saved = parse_record(f.read(size), path)
         target = _target(saved, like)
-        check_fp8_record(saved, fp8_record(keys_as_data(target)), path)
+        check_fp8_record(saved, keyed_record(target), path)
         data = keys_as_data(on_concrete_mesh(target))
         try:
             restored = eqx.tree_deserialise_leaves(f, data, filter_spec=_deserialise)

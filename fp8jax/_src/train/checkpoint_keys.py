@@ -9,13 +9,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from .checkpoint_record import is_array_like
+from .checkpoint_record import fp8_record, is_array_like
 
 
 def _is_key(x: Any) -> bool:
     """Whether `x` is a typed PRNG key array (`jax.random.key`; an NNX model's `nnx.Rngs`
     hold them), or an abstract one."""
     return is_array_like(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def key_types(tree: Any) -> dict[str, str]:
+    """The type of each PRNG key array in `tree` (`key<fry>`, `key<rbg>`), by its path."""
+    return {
+        jax.tree_util.keystr(path): str(x.dtype)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if _is_key(x)
+    }
 
 
 def keys_as_data(tree: Any) -> Any:
@@ -54,3 +63,10 @@ def keys_from_data(restored: Any, target: Any) -> Any:
         return jax.random.wrap_key_data(value, impl=key_impl(like)) if _is_key(like) else value
 
     return jax.tree.map(key, restored, target)
+
+
+def keyed_record(tree: Any) -> dict[str, Any]:
+    """`fp8_record` of `tree` as a checkpoint holds it, PRNG keys as their data, with each
+    key's type (`key<fry>`) by its path, which a mismatch names."""
+    keys = key_types(tree)
+    return fp8_record(keys_as_data(tree)) | ({"keys": keys} if keys else {})

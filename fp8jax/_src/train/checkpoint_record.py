@@ -214,8 +214,11 @@ def check_fp8_record(
         for where in sorted(set(s_leaves) | set(e_leaves)):
             s, e = s_leaves.get(where), e_leaves.get(where)
             if s != e:
+                keys = [saved.get("keys", {}).get(where), expected.get("keys", {}).get(where)]
+                key = f" (the data of a PRNG key: {keys[0]} saved, {keys[1]} in the target)"
                 problems.append(
                     f"leaf {where}: checkpoint has {_describe(s)}, target has {_describe(e)}"
+                    + (key if any(keys) else "")
                 )
     if problems:
         what, hint = "does not match the state to restore into", _CONFIG_HINT
