@@ -1285,3 +1285,18 @@ def test_a_prng_key_of_another_implementation_is_named_as_such(backend, tmp_path
     np.testing.assert_array_equal(
         jax.random.key_data(restored["k"]), jax.random.key_data(saved["k"])
     )
+
+
+def test_a_plain_models_checkpoint_says_how_to_load_it_into_fp8(tmp_path):
+    """A checkpoint of the model before conversion, loaded into the converted one, is refused
+    saying so and how to load it (into the plain model, then convert), which works: the
+    weights are the saved ones, bit for bit."""
+    mlp = eqx.nn.MLP(8, 2, 32, 2, key=jax.random.key(0))
+    fp8jax.save_checkpoint(tmp_path / "plain", mlp)
+    other = eqx.nn.MLP(8, 2, 32, 2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match="holds no FP8 layer") as raised:
+        fp8jax.load_checkpoint(tmp_path / "plain", fp8jax.fp8_linear_layers(other))
+    assert "load it with the unconverted model as `like`, then convert" in str(raised.value)
+    model = fp8jax.fp8_linear_layers(fp8jax.load_checkpoint(tmp_path / "plain", other))
+    for saved, restored in zip(mlp.layers, model.layers, strict=True):
+        assert np.asarray(saved.weight).tobytes() == np.asarray(restored.weight).tobytes()

@@ -222,6 +222,8 @@ def check_fp8_record(
                 )
     if problems:
         what, hint = "does not match the state to restore into", _CONFIG_HINT
+        if expected["fp8_layers"] and not saved["fp8_layers"]:
+            hint = _PLAIN_HINT
     else:  # the same config and shapes: only a Haliax array's axis names differ
         problems = _axes_problems(saved.get("axes", {}), expected.get("axes", {}))
         what, hint = "holds Haliax arrays under other axis names than the target", _AXES_HINT
@@ -237,6 +239,11 @@ def check_fp8_record(
 _CONFIG_HINT = (
     "Build `like` with the same fp8_linear_layers config (targets, recipes, telemetry), "
     "optimizer and loss scale as when saving."
+)
+_PLAIN_HINT = (
+    "The checkpoint holds no FP8 layer (a model saved before fp8_linear_layers converted it?): "
+    "load it with the unconverted model as `like`, then convert the result; its FP8 layers "
+    "start with a fresh FP8 state (delayed scaling's warm start)."
 )
 _AXES_HINT = (
     "A Haliax array restores only under the axis names, in the order, it was saved with. To "
