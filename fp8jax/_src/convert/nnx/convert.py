@@ -185,12 +185,8 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         try:
             return Fp8NnxDotGeneral(recipe, None, name, config.telemetry, stacked=stacked)
         except ValueError as e:
-            raise ValueError(
-                f"fp8_linear_layers: nnx.LinearGeneral {name!r} (batch_axis="
-                f"{dict(layer.batch_axis)}, kernel {tuple(kernel.shape)}): {e} Its kernel has "
-                "batch axes, so it has no single (out, in) matrix for that state: convert it "
-                "with another recipe (Fp8Config recipes), or exclude it."
-            ) from None
+            what = f"nnx.LinearGeneral {name!r} (batch_axis={dict(layer.batch_axis)}"
+            raise _batch_axes_refused(what, kernel.shape, e) from None
     # Its kernel is (*stacked, *kernel_shape): a stack built under nnx.vmap has one per layer.
     own = _einsum_kernel(layer)
     stacked = tuple(kernel.shape[: kernel.ndim - len(own)])
@@ -207,11 +203,18 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
     try:
         return Fp8NnxEinsum(recipe, shape, name, config.telemetry, stacked=stacked)
     except ValueError as e:
-        raise ValueError(
-            f"fp8_linear_layers: nnx.Einsum {name!r} ({layer.einsum_str!r}, kernel "
-            f"{tuple(kernel.shape)}): {e} Its kernel has batch axes, so it has no single "
-            "(out, in) matrix for that state: convert it with another recipe, or exclude it."
-        ) from None
+        what = f"nnx.Einsum {name!r} ({layer.einsum_str!r}"
+        raise _batch_axes_refused(what, kernel.shape, e) from None
+
+
+def _batch_axes_refused(what: str, kernel_shape: tuple[int, ...], error: Exception) -> ValueError:
+    """`error` (a recipe refusing state without a kernel's `(out, in)` shape) for the layer
+    `what` names, whose kernel has batch axes, with what to do instead."""
+    return ValueError(
+        f"fp8_linear_layers: {what}, kernel {tuple(kernel_shape)}): {error} Its kernel has "
+        "batch axes, so it has no single (out, in) matrix for that state: convert it with "
+        "another recipe (Fp8Config recipes), or exclude it."
+    )
 
 
 def _einsum_kernel(layer: Any) -> tuple[int, ...]:
