@@ -1352,3 +1352,47 @@ def test_numpy_int64_group_sizes_are_taken_as_lax_takes_them():
         scale = ref.current_scale(np.abs(w[e]).max(), "e4m3", power_of_two=True)
         want = xq[rows] @ ref.qdq_tensor(w[e], scale, "e4m3")
         np.testing.assert_allclose(y[rows], want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize(
+    "precision",
+    [
+        lax.DotAlgorithmPreset.F32_F32_F32,
+        "BF16_BF16_F32",  # a preset's name, as lax takes it
+        ["highest", "default"],
+        (lax.Precision.HIGHEST, lax.Precision.DEFAULT),
+    ],
+)
+def test_fp8_ragged_dot_takes_every_precision_lax_ragged_dot_takes(recipe, precision):
+    """`precision` as `lax.ragged_dot` takes it: an algorithm preset (or its name) raised
+    "... is not a valid Precision" from the kernels' choice of accumulation. On integers FP8
+    holds exactly, the product is lax's; its gradients too."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-3, 4, (7, 5)), jnp.float32)
+    w = jnp.asarray(rng.integers(-3, 4, (3, 5, 4)), jnp.float32)
+    g = jnp.asarray(rng.integers(-3, 4, (7, 4)), jnp.float32)
+    sizes = jnp.array([2, 3, 1], jnp.int32)
+    op = fp8jax.Fp8RaggedDot(recipe, num_experts=3)
+    lax_precision = tuple(precision) if isinstance(precision, list) else precision
+    want = lax.ragged_dot(x, w, sizes, precision=lax_precision)
+    np.testing.assert_array_equal(op(x, w, sizes, precision=precision), want)
+    grads = jax.grad(
+        lambda o, x, w: jnp.sum(o(x, w, sizes, precision=precision) * g), argnums=(0, 1, 2)
+    )(op, x, w)[1:]
+    expected = jax.grad(
+        lambda x, w: jnp.sum(lax.ragged_dot(x, w, sizes, precision=lax_precision) * g),
+        argnums=(0, 1),
+    )(x, w)
+    for got, exp in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(got, exp)
+
+
+def test_fp8_ragged_dot_refuses_a_precision_as_lax_ragged_dot_does():
+    """A precision `lax.ragged_dot` refuses raises its error, which lists what it takes (it
+    raised "'bogus' is not a valid Precision" from deep in the GEMM)."""
+    x, w, sizes = jnp.ones((4, 2)), jnp.ones((2, 2, 3)), jnp.array([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="Precision argument must be one of") as lax_error:
+        lax.ragged_dot(x, w, sizes, precision="bogus")
+    with pytest.raises(ValueError, match=re.escape(str(lax_error.value))):
+        fp8jax.Fp8RaggedDot(num_experts=2)(x, w, sizes, precision="bogus")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import run_with_mosaic_dump
+from jax import lax
 
 import fp8jax
 from fp8jax._src.core import mosaic_private
@@ -629,3 +630,25 @@ def test_h100_lowers_rows_that_fill_no_whole_8_row_tile(persistent):
     kernels = set(re.findall(r"fp8jax_grouped_\w+_gemm\w*", entry))
     want = ("_persistent" if persistent else "") + "_mosaic_gpu"
     assert {f"fp8jax_grouped_{kind}_gemm{want}" for kind in ("rows", "tokens")} <= kernels
+
+
+@pytest.mark.parametrize(
+    "precision, promote",
+    [
+        (None, False),
+        ("default", False),
+        (("default", "highest"), True),
+        (lax.Precision.HIGHEST, True),
+        (lax.DotAlgorithmPreset.DEFAULT, False),
+        (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, False),
+        ("ANY_F8_ANY_F8_F32", True),
+        (lax.DotAlgorithmPreset.F32_F32_F32, True),
+    ],
+)
+def test_the_kernels_promote_where_the_precision_asks_for_more(precision, promote):
+    """Every precision `lax.ragged_dot` takes tells the kernels whether to promote each chunk
+    (an algorithm preset raised "... is not a valid Precision"): an algorithm with FP8's fast
+    accumulation or none asked does not, as the default precision does not."""
+    from fp8jax._src.gemm.grouped_dots import promotes
+
+    assert promotes(precision) is promote

@@ -307,3 +307,16 @@ def test_copies_of_equinox_s_missing_sentinel_are_the_sentinel():
     leaves, treedef = jax.tree.flatten(layer)
     copied = jax.tree.unflatten(copy.deepcopy(treedef), leaves)
     assert eqx.tree_equal(copied, layer)
+
+
+def test_canonical_precision_reads_precision_as_lax_does():
+    presets = lax.DotAlgorithmPreset
+    assert jax_private.canonical_precision("highest") == (lax.Precision.HIGHEST,) * 2
+    assert jax_private.canonical_precision(("high", "default")) == (
+        lax.Precision.HIGH,
+        lax.Precision.DEFAULT,
+    )
+    assert jax_private.canonical_precision("F32_F32_F32") is presets.F32_F32_F32
+    assert jax_private.canonical_precision(presets.BF16_BF16_F32) is presets.BF16_BF16_F32
+    with pytest.raises(ValueError, match="Precision argument must be one of"):
+        jax_private.canonical_precision("bogus")

@@ -57,6 +57,11 @@ A custom VJP must return cotangents that vary over the same axes as its inputs: 
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
 reports those axes as `jax.typeof(x).manual_axis_type.varying` (earlier: `.vma`).
 
+## The precision of a dot, as `lax` reads it
+`lax.dot_general` and `lax.ragged_dot` take a `precision` in many forms (a string, a pair, a
+`DotAlgorithmPreset` or its name, a `DotAlgorithm`) and canonicalize it with a function JAX
+does not export: `canonical_precision` reads it the same way, raising `lax`'s own error.
+
 ## Copies of Equinox's `MISSING` sentinel (Equinox's internals)
 Equinox flattens a Module with its `MISSING` sentinel in the treedef, and its unflatten tells
 the sentinel by identity: a copied treedef (`copy.deepcopy`, `pickle`) held another object and
@@ -80,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core, dtypes, source_info_util
+from jax._src.lax import lax as lax_internal
 
 _F32 = np.dtype(np.float32)
 
@@ -400,6 +406,13 @@ def refusing_primitive(
     primitive.def_abstract_eval(lambda *, avals: [core.ShapedArray(*a) for a in avals])
     mlir.register_lowering(primitive, lowering)
     return lambda avals: primitive.bind(avals=tuple(avals))
+
+
+def canonical_precision(precision: Any) -> Any:
+    """`precision` as `lax.dot_general` and `lax.ragged_dot` read it: `None`, a pair of
+    `lax.Precision`s, a `lax.DotAlgorithmPreset` or a `lax.DotAlgorithm`. Raises `lax`'s
+    `ValueError`, which lists what it takes, for anything else."""
+    return lax_internal.canonicalize_precision(precision)
 
 
 def keep_equinox_missing_on_copy() -> None:

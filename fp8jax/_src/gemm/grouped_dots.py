@@ -256,11 +256,18 @@ def promotes(precision: Any) -> bool:
     dot's `precision` asks for more than the default, as the recipes'
     `backward_precision="highest"` (their default) does for the dgrad and wgrad. On cuBLASLt
     that precision turns FP8 fast accumulation off (Transformer Engine's split accumulator
-    for gradients); FP8 `wgmma` accumulates with less than float32's precision."""
+    for gradients); FP8 `wgmma` accumulates with less than float32's precision. An algorithm
+    (`lax.DotAlgorithmPreset`, `lax.DotAlgorithm`) asks for more unless it allows imprecise
+    (fast) accumulation."""
     if precision is None:
         return False
-    values = precision if isinstance(precision, tuple | list) else (precision,)
-    return any(p is not None and lax.Precision(p) != lax.Precision.DEFAULT for p in values)
+    precision = jax_private.canonical_precision(precision)
+    if isinstance(precision, lax.DotAlgorithm):
+        return not precision.allow_imprecise_accumulation
+    if isinstance(precision, lax.DotAlgorithmPreset):  # FP8's fast accumulation, or none asked
+        fast = (lax.DotAlgorithmPreset.DEFAULT, lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+        return precision not in fast
+    return any(p != lax.Precision.DEFAULT for p in precision)
 
 
 def per_tensor_k_major(data: Array, axis: Axis, lhs_dtype: Any) -> Array:

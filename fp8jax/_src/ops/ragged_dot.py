@@ -14,6 +14,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
+from ..core.jax_private import canonical_precision
 from ..core.stats import ExpertStats
 from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
@@ -309,6 +310,8 @@ class Fp8RaggedDot(AbstractFp8Op):
         lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
         if isinstance(precision, list):
             precision = tuple(precision)
+        if precision is not None:  # as lax reads it (a preset's name too), or lax's error
+            precision = canonical_precision(precision)
         if isinstance(group_sizes, ExpertExchange):
             return self._dispatched(
                 lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding
