@@ -296,8 +296,9 @@ class Fp8RaggedDot(AbstractFp8Op):
         Explicit axes, where `lax.ragged_dot` requires `out_sharding`, the output's rows
         default to `lhs`'s rows' sharding and its columns to `rhs`'s last axis's.
 
-        **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the promoted
-        type of `lhs` and `rhs`).
+        **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the type
+        `lax.ragged_dot` gives `lhs` and `rhs`: BF16 with float16 is BF16, not
+        `jnp.promote_types`' float32).
         """
         if group_offset is not None:
             raise NotImplementedError(
