@@ -131,6 +131,8 @@ PER_GEMM = {
 RECIPES.update(PER_GEMM)
 
 STAND_IN = "attention_stand_in"
+#: `--attention`'s values: the attention as compiled, or flash attention added by formula.
+ATTENTIONS = ("compiled", "flash")
 # The mesh of a sharded run, while one is built (see `sharded_activations`): the benchmark's
 # own modules then keep their activations whole per sequence, each GPU holding its sequences.
 _MESH: list = []
@@ -504,7 +506,9 @@ def main(argv=None) -> None:
         help="comma-separated, among bf16 and the recipes (default: all; the *-per-gemm ones "
         "with --sharded only, where they differ)",
     )
-    parser.add_argument("--attention", default="compiled,flash")
+    parser.add_argument(
+        "--attention", default="compiled,flash", help=f"comma-separated, among {ATTENTIONS}"
+    )
     parser.add_argument(
         "--sharded",
         default=None,
@@ -517,6 +521,9 @@ def main(argv=None) -> None:
     )
     names = [n if n == "bf16" else f"fp8jax {n}" for n in variants.split(",")]
     attentions = args.attention.split(",")
+    for a in attentions:
+        if a not in ATTENTIONS:
+            parser.error(f"--attention: unknown {a!r}; choose among {', '.join(ATTENTIONS)}")
     for m in models:
         if m not in MODELS:
             parser.error(f"--models: unknown model {m!r}; choose among {sorted(MODELS)}")
@@ -579,7 +586,7 @@ def main(argv=None) -> None:
                 [model, name]
                 + [
                     f"{by[a][0]:.2f} (non-GEMM {by[a][1]:.2f}x)" if a in by else "-"
-                    for a in ("compiled", "flash")
+                    for a in ATTENTIONS
                 ]
             )
     print("\n## Summary: estimated step time, FP8 / BF16 (an estimate)\n")
