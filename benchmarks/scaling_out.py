@@ -46,6 +46,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_steps import RECIPES, train_step  # noqa: E402
 
 MIB = 2**20
+#: `--sections`' values, in the order they run.
+SECTIONS = ("fsdp", "gpt")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
 
 
@@ -183,9 +185,12 @@ def gpt_section() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="fsdp,gpt")
+    parser.add_argument("--sections", default="fsdp,gpt", help=f"comma-separated, among {SECTIONS}")
     args = parser.parse_args()
     sections = args.sections.split(",")
+    for section in sections:
+        if section not in SECTIONS:
+            parser.error(f"--sections: unknown {section!r}; choose among {', '.join(SECTIONS)}")
     if "gpt" in sections and os.environ.get("MOSAIC_GPU_DUMP_PTX") != "1":
         with tempfile.TemporaryDirectory() as dump:
             env = {**os.environ, "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": dump}

@@ -32,3 +32,16 @@ def test_cost_model_refuses_an_unknown_attention(monkeypatch, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "'flash-analytic'" in err and "compiled, flash" in err
+
+
+def test_scaling_out_refuses_an_unknown_section(monkeypatch, capsys):
+    """An unknown --sections value ran nothing and exited 0 after printing the header."""
+    scaling_out = load("scaling_out")
+    monkeypatch.setattr(scaling_out, "fsdp_section", never)
+    monkeypatch.setattr(scaling_out, "gpt_section", never)
+    monkeypatch.setattr(sys, "argv", ["scaling_out.py", "--sections", "gtp"])
+    with pytest.raises(SystemExit) as exit_:
+        scaling_out.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "'gtp'" in err and "fsdp, gpt" in err
