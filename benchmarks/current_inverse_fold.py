@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1B,8B")
     args = parser.parse_args(argv)
+    llama_block.check_names(parser, args.sizes.split(","))
     llama_block.RECIPES.update(VARIANTS)
     print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode; Llama-3 block step")
     print("\nScale exponents from the bits against compute_scale's, every BF16 value >= 0:")

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1B,8B")
     args = parser.parse_args(argv)
+    llama_block.check_names(parser, args.sizes.split(","))
     print(f"jax {jax.__version__}; the Llama block's output gradient at init, cast to E5M2")
     print()
     header = [

@@ -403,6 +403,22 @@ def base_name(name: str) -> str:
     return name.removesuffix(FRESH).removesuffix(PACKED)
 
 
+def check_names(
+    parser: argparse.ArgumentParser, sizes: list[str], variants: list[str] = ()
+) -> None:
+    """Exit through `parser.error` for a size not in `SHAPES` or a variant name `variant`
+    refuses: before the first compile, not minutes into a run."""
+    for size in sizes:
+        if size not in SHAPES:
+            parser.error(f"--sizes: unknown {size!r}; choose among {', '.join(SHAPES)}")
+    for name in variants:
+        if name != "bf16" and base_name(name) not in RECIPES:
+            parser.error(
+                f"--variants: unknown {name!r}; choose among bf16, {', '.join(RECIPES)}, or a "
+                f"recipe's with {PACKED!r}, {FRESH!r} or both appended, in that order"
+            )
+
+
 def is_packed(name: str) -> bool:
     """Whether variant `name` is `Packed`."""
     return name.removesuffix(FRESH).endswith(PACKED)
@@ -650,9 +666,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Split]]:
     parser.add_argument("--sizes", default="8B,1B")
     parser.add_argument("--variants", default="bf16,delayed,delayed-cold,current")
     args = parser.parse_args(argv)
+    names = args.variants.split(",")
+    check_names(parser, args.sizes.split(","), names)
     if deviceless.h100_topology() is None:
         sys.exit("no CUDA plugin: install fp8jax[h100] for the deviceless H100 compile")
-    names = args.variants.split(",")
     if names[0] != "bf16":
         names = ["bf16", *names]
     print(f"jax {jax.__version__}; fp8jax.gpu_compiler_options(); kernels per step by kind")

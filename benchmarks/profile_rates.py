@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--sizes", default="8B,1B")
     b.add_argument("--variants", default="bf16,blockwise")
     args = parser.parse_args(argv)
+    if args.command != "join":
+        llama_block.check_names(parser, args.sizes.split(","), args.variants.split(","))
     print(f"jax {__import__('jax').__version__}; {' '.join(sys.argv[1:])}\n")
     if args.command == "join":
         join(args.profile, args.variant)

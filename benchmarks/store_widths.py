@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="1B", choices=("8B", "1B", "dry"))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args(argv)
+    llama_block.check_names(parser, [args.size], [n.strip() for n in args.variants.split(",")])
     print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode")
     print("global stores of the non-GEMM kernels by class (profile_rates.kernel_class: by the")
     print("fusion's name), as the PTX writes them per thread\n")

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, TempPeak]]:
     variants = args.variants.split(",")
     if variants[0] != "bf16":
         raise SystemExit(f"--variants {args.variants!r}: the first should be 'bf16' (the base)")
+    llama_block.check_names(parser, args.sizes.split(","), variants)
     print(f"jax {jax.__version__}; deviceless H100, cuBLAS mode, attention a stand-in\n")
     rows, results = [], {}
     for size in args.sizes.split(","):

@@ -45,3 +45,30 @@ def test_scaling_out_refuses_an_unknown_section(monkeypatch, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "'gtp'" in err and "fsdp, gpt" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--sizes", "8b"], "'8b'"),
+        (["--sizes", "1B", "--variants", "bf16,delayed-stedy"], "'delayed-stedy'"),
+    ],
+)
+def test_llama_block_refuses_an_unknown_size_or_variant(monkeypatch, capsys, flags, named):
+    """An unknown size was a KeyError; an unknown variant a ValueError after BF16's compile."""
+    llama_block = load("llama_block")
+    monkeypatch.setattr(llama_block, "compile_deviceless", never)
+    with pytest.raises(SystemExit) as exit_:
+        llama_block.main(flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "choose among" in err
+
+
+def test_temp_peak_refuses_an_unknown_variant_before_compiling_bf16(monkeypatch, capsys):
+    temp_peak = load("temp_peak")
+    monkeypatch.setattr(temp_peak, "measure", never)
+    with pytest.raises(SystemExit) as exit_:
+        temp_peak.main(["--sizes", "1B", "--variants", "bf16,curent"])
+    assert exit_.value.code == 2
+    assert "'curent'" in capsys.readouterr().err
