@@ -273,8 +273,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     cases = list(enumerate(CASES))
     if args.cases:
-        chosen = {int(c) for c in args.cases.split(",")}
-        cases = [(i, c) for i, c in cases if i in chosen]
+        chosen = {c.strip() for c in args.cases.split(",")}
+        for c in chosen:
+            if c not in {str(i) for i, _ in cases}:
+                parser.error(f"--cases: unknown case {c!r}; choose among 0 to {len(CASES) - 1}")
+        cases = [(i, c) for i, c in cases if str(i) in chosen]
     modes = [m.strip() for m in args.modes.split(",")]
     for mode in modes:
         if mode not in MODES:

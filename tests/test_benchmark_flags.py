@@ -72,3 +72,15 @@ def test_temp_peak_refuses_an_unknown_variant_before_compiling_bf16(monkeypatch,
         temp_peak.main(["--sizes", "1B", "--variants", "bf16,curent"])
     assert exit_.value.code == 2
     assert "'curent'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["99", "x"])
+def test_memory_sweep_refuses_an_unknown_case(monkeypatch, capsys, case):
+    """A case number out of range printed no row; a non-number was a ValueError traceback."""
+    memory_sweep = load("memory_sweep")
+    monkeypatch.setattr(memory_sweep, "temp_bytes", never)
+    with pytest.raises(SystemExit) as exit_:
+        memory_sweep.main(["--cases", f"0,{case}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"'{case}'" in err and f"0 to {len(memory_sweep.CASES) - 1}" in err
