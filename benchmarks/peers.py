@@ -348,7 +348,7 @@ def targets(results) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=train_steps.positive_int, default=5)
     args = parser.parse_args(argv)
     assert deviceless.h100_topology() is not None, "needs the h100 extra"
     print(

@@ -21,14 +21,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 from peers import models, train_step, variant  # noqa: E402
+from train_steps import positive_int  # noqa: E402
 
 VARIANTS = ("bf16", "fp8jax delayed", "haliax fp8")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=7)
+    parser.add_argument("--steps", type=positive_int, default=3)
     args = parser.parse_args(argv)
     print(
         f"# CPU step time relative to BF16, median over {args.rounds} interleaved rounds of "

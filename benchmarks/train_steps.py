@@ -7,6 +7,7 @@ machine where Haliax is not installed.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,18 @@ def block_step(
         return fp8jax.apply_updates(block, updates, overwrites), value, dx
 
     return step
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: a count of at least 1 (steps, rounds), refused otherwise before
+    anything compiles, not as a division by zero after."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: should be an integer of at least 1")
+    return value
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:

@@ -84,3 +84,16 @@ def test_memory_sweep_refuses_an_unknown_case(monkeypatch, capsys, case):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"'{case}'" in err and f"0 to {len(memory_sweep.CASES) - 1}" in err
+
+
+@pytest.mark.parametrize("flags", [["--rounds", "0"], ["--steps", "0"]])
+def test_step_overhead_refuses_a_count_under_one(monkeypatch, capsys, flags):
+    """--rounds 0 was the median of no ratios, --steps 0 a division by zero: after compiling."""
+    pytest.importorskip("haliax")
+    step_overhead = load("step_overhead")
+    monkeypatch.setattr(step_overhead, "models", never)
+    with pytest.raises(SystemExit) as exit_:
+        step_overhead.main(flags)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[0]}: '{flags[1]}'" in err and "at least 1" in err
