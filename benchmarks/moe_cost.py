@@ -548,6 +548,9 @@ def main(argv=None) -> None:
         parser.error(
             f"--microbatches={args.microbatches}: should be 1 or more, and 1 with --expert-parallel"
         )
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown {name!r}; choose among {', '.join(SHAPES)}")
     if deviceless.h100_topology() is None:
         raise SystemExit("needs the h100 extra: pip install -e '.[h100]'")
     print(f"jax {jax.__version__}; deviceless H100 compile, cuBLAS mode; an ESTIMATE (see the")

@@ -97,3 +97,14 @@ def test_step_overhead_refuses_a_count_under_one(monkeypatch, capsys, flags):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flags[0]}: '{flags[1]}'" in err and "at least 1" in err
+
+
+def test_moe_cost_refuses_an_unknown_shape(monkeypatch, capsys):
+    """An unknown --shapes name was a KeyError traceback after the first shape's tables."""
+    moe_cost = load("moe_cost")
+    monkeypatch.setattr(moe_cost, "report", never)
+    with pytest.raises(SystemExit) as exit_:
+        moe_cost.main(["--shapes", "mixtral,deepseek"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "'deepseek'" in err and "mixtral, fine" in err
