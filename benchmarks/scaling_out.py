@@ -52,8 +52,10 @@ _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
 
 
 def collective_bytes(report: fp8jax.Inspection, mode: str = "cublas") -> dict[str, float]:
-    """Bytes per GPU of each kind of collective: the operand a GPU sends in (an all-gather's
-    shard, a reduce-scatter's or all-reduce's full input), summed over the program."""
+    """Bytes per GPU of each kind of collective, summed over the program: an all-gather's
+    result over the devices (the shard a GPU sends in, where it gathers over all of them),
+    an all-reduce's array, a reduce-scatter's result (the shard a GPU keeps: its full input
+    is that times the devices it scatters over, which the inspector does not give)."""
     totals: dict[str, float] = collections.defaultdict(float)
     devices = int(report.target.split(" x ")[0])
     for c in report.collectives[mode]:
@@ -104,8 +106,8 @@ def fsdp_section() -> None:
     step = eqx.filter_jit(train_step(mlp_loss))
     print("FSDP MLP 2048 -> 8192 -> 2048 on 8 H100s (deviceless), 8,192 tokens, cuBLAS mode")
     print(
-        f"{'variant':28s} {'all-gather MiB/GPU':>18s} {'x BF16':>7s} {'reduce-scatter':>14s} "
-        f"{'all-reduce':>10s} {'temp MiB':>9s}  GEMM kernels"
+        f"{'variant':28s} {'all-gather MiB/GPU':>18s} {'x BF16':>7s} "
+        f"{'reduce-scatter (shard)':>22s} {'all-reduce':>10s} {'temp MiB':>9s}  GEMM kernels"
     )
     base = None
     variants = [("bf16", "once")] + [
@@ -124,7 +126,7 @@ def fsdp_section() -> None:
         label = name if name == "bf16" else f"{name} ({gather})"
         print(
             f"{label:28s} {gathered / MIB:18.2f} {gathered / base:7.2f} "
-            f"{moved.get('reduce-scatter', 0) / MIB:14.2f} "
+            f"{moved.get('reduce-scatter', 0) / MIB:22.2f} "
             f"{moved.get('all-reduce', 0) / MIB:10.2f} "
             f"{report.memory['cublas'].temp_size_in_bytes / MIB:9.0f}  "
             f"{dict(kernels)}  [{time.time() - t:.0f} s]",
