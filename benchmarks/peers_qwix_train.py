@@ -140,9 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
     args = parser.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: should be comma-separated integers, e.g. 0,1")
     if qwix is None:
         raise SystemExit("peers_qwix_train.py needs qwix: pip install -e '.[peers,demo]'")
-    seeds = [int(s) for s in args.seeds.split(",")]
     data = split(kjv_bytes())
     vals = {name: [train(name, seed, data) for seed in seeds] for name in VARIANTS}
     gaps = {

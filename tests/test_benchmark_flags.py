@@ -108,3 +108,14 @@ def test_moe_cost_refuses_an_unknown_shape(monkeypatch, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "'deepseek'" in err and "mixtral, fine" in err
+
+
+@pytest.mark.parametrize("seeds", ["0,x", ""])
+def test_peers_qwix_train_refuses_seeds_that_are_not_integers(monkeypatch, capsys, seeds):
+    """A seed that is not an integer was a ValueError traceback from `int`."""
+    peers_qwix_train = load("peers_qwix_train")
+    monkeypatch.setattr(peers_qwix_train, "train", never)
+    with pytest.raises(SystemExit) as exit_:
+        peers_qwix_train.main(["--seeds", seeds])
+    assert exit_.value.code == 2
+    assert f"--seeds {seeds!r}: should be comma-separated integers" in capsys.readouterr().err
