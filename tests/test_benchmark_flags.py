@@ -1,6 +1,6 @@
 """The benchmark scripts refuse a flag value they cannot run, before compiling anything."""
 
-import importlib.util
+import importlib
 import pathlib
 import sys
 
@@ -10,13 +10,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load(name: str):
-    """benchmarks/`name`.py as a module (its directory on the path, as when run)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/`name`.py as a module, imported as the scripts import each other (their
+    directory on the path), so that a module another test imported is the same one."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
 
 
 def never(*args, **kwargs):
