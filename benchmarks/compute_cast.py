@@ -39,6 +39,7 @@ import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from train_steps import positive_int  # noqa: E402
 
 import fp8jax  # noqa: E402
 from fp8jax._src.observe import deviceless  # noqa: E402
@@ -141,9 +142,9 @@ def _mib(value: int, reference: int) -> str:
 
 def main(argv=None) -> dict[str, dict[str, dict]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--ratio", type=int, default=4, help="hidden width / width")
-    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--width", type=positive_int, default=1024)
+    parser.add_argument("--ratio", type=positive_int, default=4, help="hidden width / width")
+    parser.add_argument("--tokens", type=positive_int, default=2048)
     parser.add_argument("--optimizers", default="readme,sgd", help="among readme, sgd")
     parser.add_argument("--modes", default="cublas,default", help="among cublas, default")
     parser.add_argument(

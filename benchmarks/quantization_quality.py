@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from train_steps import positive_int
 
 import fp8jax
 
@@ -263,8 +264,8 @@ def section_residual_options(x: jax.Array, rng: np.random.Generator) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--gemm-size", type=int, default=4096)
+    parser.add_argument("--size", type=positive_int, default=4096)
+    parser.add_argument("--gemm-size", type=positive_int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)

@@ -117,3 +117,26 @@ def test_peers_qwix_train_refuses_seeds_that_are_not_integers(monkeypatch, capsy
         peers_qwix_train.main(["--seeds", seeds])
     assert exit_.value.code == 2
     assert f"--seeds {seeds!r}: should be comma-separated integers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    [
+        ("compute_cast", ["--width", "0"]),
+        ("compute_cast", ["--ratio", "-4"]),
+        ("compute_cast", ["--tokens", "many"]),
+        ("quantization_quality", ["--size", "0"]),
+        ("quantization_quality", ["--gemm-size", "-1"]),
+    ],
+)
+def test_sizes_under_one_are_refused(monkeypatch, capsys, script, flags):
+    """A width, ratio, token count or matrix size under 1 was taken, and the script went on
+    to build and compile its arrays; it is refused first, as the other scripts' counts."""
+    module = load(script)
+    monkeypatch.setattr(module.jnp, "asarray", never)  # quantization_quality's first array
+    if hasattr(module, "deviceless"):
+        monkeypatch.setattr(module.deviceless, "h100_topology", never)  # compute_cast's first
+    with pytest.raises(SystemExit) as exit_:
+        module.main(flags)
+    assert exit_.value.code == 2
+    assert f"{flags[1]!r}: should be an integer of at least 1" in capsys.readouterr().err
