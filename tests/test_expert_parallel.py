@@ -256,6 +256,36 @@ def test_the_exchange_names_arrays_of_other_shapes():
         )
 
 
+@pytest.mark.parametrize("recipe", [None, "delayed"])
+def test_a_layer_whose_experts_are_not_split_over_the_exchanges_axis_is_named(recipe):
+    """Experts split over another mesh axis than the exchange's (`expert_specs(params,
+    "data")`, the plan over "expert"), or not split at all, with as many per device as the
+    plan's: each device multiplied the rows sent to its "expert" index by the experts of its
+    "data" index, a wrong result without a word."""
+    mesh = _mesh({"data": 2, "expert": 2})
+    layer = fp8jax.GroupedLinear(8, 4, 6, key=jax.random.key(0))
+    if recipe is not None:
+        layer = fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    params, static = eqx.partition(layer, eqx.is_array)
+    tokens = P(("data", "expert"))
+    chosen = np.tile(np.arange(2, dtype=np.int32), (8, 1))
+    x = np.ones((8, 4), np.float32)
+
+    def run(specs, num_experts=8):
+        def local(params, x, chosen):
+            plan = fp8jax.expert_exchange(chosen, num_experts, "expert")
+            return eqx.combine(params, static)(x, plan)
+
+        f = jax.shard_map(local, mesh=mesh, in_specs=(specs, tokens, tokens), out_specs=tokens)
+        return jax.eval_shape(f, params, x, chosen)
+
+    assert run(fp8jax.expert_specs(params, "expert")).shape == (4 * 2 * 2 * 2, 6)
+    with pytest.raises(ValueError, match=r"not split over the ExpertExchange's mesh axis 'expert'"):
+        run(fp8jax.expert_specs(params, "data"))
+    with pytest.raises(ValueError, match=r"varies over \(\)"):  # replicated, 8 experts each
+        run(P(), num_experts=16)
+
+
 @pytest.mark.parametrize("recipe", [None, "current"])
 def test_no_tokens_go_through_the_exchange(recipe):
     """Devices without tokens (an empty batch): the default capacity was 0 and refused

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..core.explicit import explicit_mesh, on_auto_axes
 from ..core.formats import float_dtype
+from ..core.jax_private import varying_axes
 from ..gemm.exchange import ExpertExchange
 from ..gemm.ragged_dot_general import ragged_dot
 from ..ops.base import AbstractFp8Op
@@ -236,7 +237,9 @@ def high_precision_ragged_dot(
     if isinstance(group_sizes, list | tuple):
         group_sizes = np.asarray(group_sizes)
     if isinstance(group_sizes, ExpertExchange):
-        check_dispatch_args(where, x.shape, weight.shape, group_sizes)
+        check_dispatch_args(
+            where, x.shape, weight.shape, group_sizes, rhs_axes=varying_axes(weight)
+        )
         x, group_sizes = group_sizes.dispatch(x), group_sizes.group_sizes
     check_ragged_dot_args(where, jnp.shape(x), weight.shape, group_sizes)
     sizes = widened_group_sizes(group_sizes)  # int8's offsets would overflow

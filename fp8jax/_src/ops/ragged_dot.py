@@ -14,7 +14,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
-from ..core.jax_private import canonical_precision
+from ..core.jax_private import canonical_precision, varying_axes
 from ..core.stats import ExpertStats
 from ..gemm.exchange import ExpertExchange
 from ..gemm.grouped import fp8_dispatched_ragged_dot, fp8_ragged_dot
@@ -110,10 +110,14 @@ def check_dispatch_args(
     rhs_shape: tuple[int, ...],
     plan: ExpertExchange,
     num_experts: int | None = None,
+    *,
+    rhs_axes: frozenset[str] = frozenset(),
 ) -> None:
     """Check a dispatched ragged dot: `lhs (tokens, in)` this device's tokens, as many as
     `plan` routed; `rhs (local experts, in, out)` this device's experts, as many as `plan`
-    gives rows to (and as the layer's state, `num_experts`, when given)."""
+    gives rows to (and as the layer's state, `num_experts`, when given), split over the
+    plan's mesh axis (`rhs_axes`, the manual axes rhs varies over; checked where `shard_map`
+    tracks them, i.e. where the plan varies over its axis)."""
     assignments, local = plan.order.shape[0], plan.group_sizes.shape[0]
     if len(lhs_shape) != 2 or len(rhs_shape) != 3:
         raise ValueError(
@@ -140,6 +144,16 @@ def check_dispatch_args(
             f"{where}: mismatched expert counts ({listed}); under expert parallelism rhs and "
             "the layer's kernel state hold this device's experts (split them over the "
             "exchange's mesh axis, e.g. shard_map in_specs P(axis) on their leading axis)."
+        )
+    axis = plan.axis_name
+    tracked = axis in varying_axes(plan.group_sizes)
+    if tracked and plan.send_sizes.shape[0] > 1 and axis not in rhs_axes:
+        raise ValueError(
+            f"{where}: rhs (this device's experts) is not split over the ExpertExchange's "
+            f"mesh axis {axis!r} (it varies over {tuple(sorted(rhs_axes))}): every device of "
+            f"{axis!r} would multiply its rows by the same experts; split the experts' weights "
+            f"and FP8 state over {axis!r} (shard_map in_specs fp8jax.expert_specs(params, "
+            f"{axis!r}))."
         )
 
 
@@ -350,7 +364,14 @@ class Fp8RaggedDot(AbstractFp8Op):
         """Expert parallelism: `lhs` is this device's tokens, quantized here and sent in FP8
         to the devices of their experts (`plan`); returns the rows this device's experts
         received, in expert order (under Explicit axes, split as `lhs`'s rows are)."""
-        check_dispatch_args(self._where, lhs.shape, rhs.shape, plan, self._state_experts())
+        check_dispatch_args(
+            self._where,
+            lhs.shape,
+            rhs.shape,
+            plan,
+            self._state_experts(),
+            rhs_axes=varying_axes(rhs),
+        )
         out_dtype = self._output_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
         explicit = explicit_mesh(lhs, rhs) is not None
         if out_sharding is None and explicit:
