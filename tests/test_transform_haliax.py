@@ -479,6 +479,20 @@ def test_haliax_moe_linear_refuses_arrays_that_are_not_named(getkey):
         fp8(x, hax.named(SIZES, "other"))
 
 
+@pytest.mark.parametrize("out_first", [False, True])
+def test_haliax_moe_linear_keeps_out_first(getkey, out_first):
+    """`MoELinear.out_first` (the weight's layout, read by code exporting the weights) is the
+    converted layer's too, also for a stack built under `hax.vmap` (it raised
+    AttributeError: 'Fp8MoELinear' object has no attribute 'out_first')."""
+    keys = jax.random.split(getkey(), Layers.size)
+    stack = hax.vmap(hnn.MoELinear.init, Layers)(Experts, Embed, Mlp, key=keys, out_first=out_first)
+    one = hnn.MoELinear.init(Experts, Embed, Mlp, key=getkey(), out_first=out_first)
+    for layer in (one, stack):
+        fp8 = fp8jax.fp8_linear_layers(layer, fp8jax.Fp8Config(exclude=None))
+        assert isinstance(fp8, fp8jax.Fp8MoELinear)
+        assert fp8.out_first is layer.out_first is out_first
+
+
 def test_expert_specs_refuses_a_haliax_moe_linear_by_name(getkey):
     """`expert_specs` splits fp8jax's GroupedLinear experts; a Haliax MoELinear's would be
     left replicated without a word, so it is refused, naming its experts axis."""

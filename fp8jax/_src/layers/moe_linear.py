@@ -51,6 +51,12 @@ class Fp8MoELinear(eqx.Module):
             q = q + self.bias
         return hax.auto_sharded(q)
 
+    @property
+    def out_first(self) -> bool:
+        """Whether the weight is `(Experts, Out, In)` (as `MoELinear.out_first`; read from
+        its last axis, so also for a stack of layers)."""
+        return self.weight.axes[-1] != self.Out
+
     def _check_args(self, hax: Any, inputs: Any, group_sizes: Any) -> None:
         """Refuse arguments that are not `NamedArray`s, group sizes without the `Experts`
         axis, and inputs without the layer's `In` axis, or with one of another size: their
