@@ -493,6 +493,30 @@ def test_haliax_moe_linear_keeps_out_first(getkey, out_first):
         assert fp8.out_first is layer.out_first is out_first
 
 
+def test_haliax_moe_linear_refuses_an_expert_exchange_naming_what_takes_one(getkey):
+    """An `expert_exchange` plan in place of the group sizes (as a `GroupedLinear` takes
+    one) is refused naming the layers that take it and how a Haliax model splits its
+    experts (it said only "group_sizes is a ExpertExchange; should be a haliax NamedArray")."""
+    from jax.sharding import PartitionSpec as P
+
+    fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None)).up
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=auto, devices=jax.devices()[:2])
+
+    def local(x, chosen):
+        plan = fp8jax.expert_exchange(chosen, Experts.size, "expert")
+        return fp8(hax.named(x, (Token.resize(x.shape[0]), Embed)), plan).array
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+    x = np.ones((4, Embed.size), np.float32)
+    with pytest.raises(
+        TypeError,
+        match=r"'up': group_sizes is an fp8jax.ExpertExchange.*GroupedLinear.*"
+        r"\{'experts': 'expert'\}.*NamedArray over experts\(4\)",
+    ):
+        jax.eval_shape(f, x, np.zeros((4, 1), np.int32))
+
+
 def test_expert_specs_refuses_a_haliax_moe_linear_by_name(getkey):
     """`expert_specs` splits fp8jax's GroupedLinear experts; a Haliax MoELinear's would be
     left replicated without a word, so it is refused, naming its experts axis."""

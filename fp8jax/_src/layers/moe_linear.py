@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 
+from ..gemm.exchange import ExpertExchange
 from ..ops.ragged_dot import Fp8RaggedDot
 
 
@@ -58,10 +59,19 @@ class Fp8MoELinear(eqx.Module):
         return self.weight.axes[-1] != self.Out
 
     def _check_args(self, hax: Any, inputs: Any, group_sizes: Any) -> None:
-        """Refuse arguments that are not `NamedArray`s, group sizes without the `Experts`
-        axis, and inputs without the layer's `In` axis, or with one of another size: their
-        rows would be cut at the wrong width."""
+        """Refuse arguments that are not `NamedArray`s (an `ExpertExchange` naming the layers
+        that take it), group sizes without the `Experts` axis, and inputs without the
+        layer's `In` axis, or with one of another size: their rows would be cut at the wrong
+        width."""
         where = f"Fp8MoELinear {self.ragged_dot.name!r}" if self.ragged_dot.name else "Fp8MoELinear"
+        if isinstance(group_sizes, ExpertExchange):
+            raise TypeError(
+                f"{where}: group_sizes is an fp8jax.ExpertExchange, which fp8jax.GroupedLinear "
+                "layers take (their experts split by fp8jax.expert_specs inside shard_map); a "
+                "Haliax model splits its experts by its axis mapping (e.g. "
+                f"{{{self.Experts.name!r}: {group_sizes.axis_name!r}}}) and gives this layer "
+                f"group_sizes, a haliax NamedArray over {self.Experts.name}({self.Experts.size})."
+            )
         for arg, value, what in (
             ("inputs", inputs, f"with the In axis {self.In.name}({self.In.size})"),
             ("group_sizes", group_sizes, f"over {self.Experts.name}({self.Experts.size})"),
