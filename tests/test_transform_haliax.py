@@ -426,6 +426,52 @@ def test_haliax_moe_linear_built_under_vmap_gets_one_state_per_layer(getkey):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_haliax_moe_linear_delayed_state_follows_a_hand_rolled_history(getkey):
+    """Four training steps of a converted MoELinear (delayed scaling, a history of 3, experts
+    of ranges 0.1 to 10, some empty in a step): each expert's kernel history takes its
+    weight's amax only in the steps it got tokens, the input's and output gradient's the amax
+    over the groups' rows, and every scale is the power of two below fp8_max / max(history)
+    (an expert that never got tokens keeps the warm start's 0), as in NumPy."""
+    H, fmt_max = 3, {"kernel": 448.0, "input": 448.0, "output_grad": 57344.0}
+    lin = hnn.MoELinear.init(Experts, Embed, Mlp, key=getkey(), out_first=True)
+    lin = eqx.tree_at(
+        lambda m: m.weight, lin, lin.weight * hax.named(jnp.array([1.0, 10.0, 0.1, 3.0]), Experts)
+    )
+    recipe = fp8jax.DelayedScaling(history_len=H)
+    model = fp8jax.fp8_linear_layers(lin, fp8jax.Fp8Config(recipe=recipe, exclude=None))
+    hist = {"kernel": np.zeros((Experts.size, H)), "input": np.zeros(H), "output_grad": np.zeros(H)}
+
+    def roll(h, amax):  # Transformer Engine's: roll by -1, the new amax at 0
+        return np.concatenate([[amax], np.roll(h, -1)[1:]])
+
+    @eqx.filter_jit
+    def step(m, x, sizes, g):
+        grads = fp8jax.filter_grad(lambda m: hax.sum(m(x, sizes) * g).scalar())(m)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        return fp8jax.apply_updates(m, jax.tree.map(lambda d: -0.5 * d, grads), overwrites)
+
+    rng = np.random.default_rng(0)
+    for t, sizes in enumerate([[8, 0, 16, 8], [0, 4, 4, 4], [6, 0, 0, 1], [2, 2, 2, 2]]):
+        rows = sum(sizes)
+        x = rng.standard_normal((Token.size, Embed.size)).astype(np.float32) * (t + 1)
+        g = rng.standard_normal((Token.size, Mlp.size)).astype(np.float32) * 1e-3
+        w = np.asarray(model.weight.rearrange((Experts, Embed, Mlp)).array)
+        for e in np.flatnonzero(sizes):
+            hist["kernel"][e] = roll(hist["kernel"][e], np.abs(w[e]).max())
+        hist["input"] = roll(hist["input"], np.abs(x[:rows]).max())
+        hist["output_grad"] = roll(hist["output_grad"], np.abs(g[:rows]).max())
+        sizes = hax.named(np.array(sizes, np.int32), Experts)
+        model = step(model, hax.named(x, (Token, Embed)), sizes, hax.named(g, (Token, Mlp)))
+        for role, h in hist.items():
+            state = getattr(model.ragged_dot, role)
+            amax = h.max(-1)
+            want = np.where(
+                amax > 0, 2.0 ** np.floor(np.log2(fmt_max[role] / np.maximum(amax, 1e-30))), 0
+            )
+            np.testing.assert_allclose(state.amax_history, h, rtol=1e-7, err_msg=f"{t} {role}")
+            np.testing.assert_array_equal(state.scale, want, err_msg=f"{t} {role}")
+
+
 def test_haliax_moe_linear_records_telemetry_when_asked(getkey):
     """`Fp8Config(telemetry=True)` reaches a Haliax MoELinear's grouped GEMM as it does an
     Equinox GroupedLinear's: each expert's tokens, recorded by a step."""
