@@ -84,12 +84,15 @@ def _toy_experts(rows, plan, scale):
     return rows * scale[expert].reshape((-1,) + (1,) * (rows.ndim - 1))
 
 
-@pytest.mark.parametrize("capacity", [None, 40])
-def test_dispatch_and_combine_route_every_token_to_its_experts(capacity):
+@pytest.mark.parametrize(
+    ("devices", "capacity"), [(8, None), (8, 40), (4, None), (4, 28), (2, None), (2, 28)]
+)
+def test_dispatch_and_combine_route_every_token_to_its_experts(devices, capacity):
     """Each token's rows reach its experts' devices, in expert order, and come back summed
     with its weights; the gradient goes back the same way. With a capacity, a device keeps
-    the rows that fit (sources in order) and the others come back as zeros."""
-    devices, tokens = 8, 16
+    the rows that fit (sources in order) and the others come back as zeros. On 2, 4 and 8
+    devices (8, 4 and 2 experts each; a capacity under some devices' loads, not all)."""
+    tokens = 16
     chosen, weights = _routed(devices * tokens)
     x = np.random.default_rng(2).standard_normal((devices * tokens, 4)).astype(np.float32)
     scale = jnp.arange(1.0, EXPERTS + 1)
