@@ -21,14 +21,23 @@ def never(*args, **kwargs):
     raise AssertionError("compiled before the flags were checked")
 
 
+def refusal(main, argv, capsys) -> str:
+    """What `main(argv)` (`argv` None: sys.argv's) writes to stderr as argparse refuses it."""
+    with pytest.raises(SystemExit) as exit_:
+        main() if argv is None else main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def test_cost_model_refuses_an_unknown_attention(monkeypatch, capsys):
     """A typo in --attention was compiled as the attention "as compiled", minutes per model."""
     cost_model = load("cost_model")
     monkeypatch.setattr(cost_model, "compile_cost", never)
-    with pytest.raises(SystemExit) as exit_:
-        cost_model.main(["--models", "1B", "--variants", "bf16", "--attention", "flash-analytic"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(
+        cost_model.main,
+        ["--models", "1B", "--variants", "bf16", "--attention", "flash-analytic"],
+        capsys,
+    )
     assert "'flash-analytic'" in err and "compiled, flash" in err
 
 
@@ -38,10 +47,7 @@ def test_scaling_out_refuses_an_unknown_section(monkeypatch, capsys):
     monkeypatch.setattr(scaling_out, "fsdp_section", never)
     monkeypatch.setattr(scaling_out, "gpt_section", never)
     monkeypatch.setattr(sys, "argv", ["scaling_out.py", "--sections", "gtp"])
-    with pytest.raises(SystemExit) as exit_:
-        scaling_out.main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(scaling_out.main, None, capsys)
     assert "'gtp'" in err and "fsdp, gpt" in err
 
 
@@ -56,20 +62,16 @@ def test_llama_block_refuses_an_unknown_size_or_variant(monkeypatch, capsys, fla
     """An unknown size was a KeyError; an unknown variant a ValueError after BF16's compile."""
     llama_block = load("llama_block")
     monkeypatch.setattr(llama_block, "compile_deviceless", never)
-    with pytest.raises(SystemExit) as exit_:
-        llama_block.main(flags)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(llama_block.main, flags, capsys)
     assert named in err and "choose among" in err
 
 
 def test_temp_peak_refuses_an_unknown_variant_before_compiling_bf16(monkeypatch, capsys):
     temp_peak = load("temp_peak")
     monkeypatch.setattr(temp_peak, "measure", never)
-    with pytest.raises(SystemExit) as exit_:
-        temp_peak.main(["--sizes", "1B", "--variants", "bf16,curent"])
-    assert exit_.value.code == 2
-    assert "'curent'" in capsys.readouterr().err
+    assert "'curent'" in refusal(
+        temp_peak.main, ["--sizes", "1B", "--variants", "bf16,curent"], capsys
+    )
 
 
 @pytest.mark.parametrize("case", ["99", "x"])
@@ -77,10 +79,7 @@ def test_memory_sweep_refuses_an_unknown_case(monkeypatch, capsys, case):
     """A case number out of range printed no row; a non-number was a ValueError traceback."""
     memory_sweep = load("memory_sweep")
     monkeypatch.setattr(memory_sweep, "temp_bytes", never)
-    with pytest.raises(SystemExit) as exit_:
-        memory_sweep.main(["--cases", f"0,{case}"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(memory_sweep.main, ["--cases", f"0,{case}"], capsys)
     assert f"'{case}'" in err and f"0 to {len(memory_sweep.CASES) - 1}" in err
 
 
@@ -90,10 +89,7 @@ def test_step_overhead_refuses_a_count_under_one(monkeypatch, capsys, flags):
     pytest.importorskip("haliax")
     step_overhead = load("step_overhead")
     monkeypatch.setattr(step_overhead, "models", never)
-    with pytest.raises(SystemExit) as exit_:
-        step_overhead.main(flags)
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(step_overhead.main, flags, capsys)
     assert f"argument {flags[0]}: '{flags[1]}'" in err and "at least 1" in err
 
 
@@ -101,10 +97,7 @@ def test_moe_cost_refuses_an_unknown_shape(monkeypatch, capsys):
     """An unknown --shapes name was a KeyError traceback after the first shape's tables."""
     moe_cost = load("moe_cost")
     monkeypatch.setattr(moe_cost, "report", never)
-    with pytest.raises(SystemExit) as exit_:
-        moe_cost.main(["--shapes", "mixtral,deepseek"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    err = refusal(moe_cost.main, ["--shapes", "mixtral,deepseek"], capsys)
     assert "'deepseek'" in err and "mixtral, fine" in err
 
 
@@ -113,10 +106,9 @@ def test_peers_qwix_train_refuses_seeds_that_are_not_integers(monkeypatch, capsy
     """A seed that is not an integer was a ValueError traceback from `int`."""
     peers_qwix_train = load("peers_qwix_train")
     monkeypatch.setattr(peers_qwix_train, "train", never)
-    with pytest.raises(SystemExit) as exit_:
-        peers_qwix_train.main(["--seeds", seeds])
-    assert exit_.value.code == 2
-    assert f"--seeds {seeds!r}: should be comma-separated integers" in capsys.readouterr().err
+    assert f"--seeds {seeds!r}: should be comma-separated integers" in refusal(
+        peers_qwix_train.main, ["--seeds", seeds], capsys
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,7 +128,6 @@ def test_sizes_under_one_are_refused(monkeypatch, capsys, script, flags):
     monkeypatch.setattr(module.jnp, "asarray", never)  # quantization_quality's first array
     if hasattr(module, "deviceless"):
         monkeypatch.setattr(module.deviceless, "h100_topology", never)  # compute_cast's first
-    with pytest.raises(SystemExit) as exit_:
-        module.main(flags)
-    assert exit_.value.code == 2
-    assert f"{flags[1]!r}: should be an integer of at least 1" in capsys.readouterr().err
+    assert f"{flags[1]!r}: should be an integer of at least 1" in refusal(
+        module.main, flags, capsys
+    )
