@@ -45,6 +45,19 @@ def test_ocp_and_fnuz_formats_are_not_mixed(recipe):
     np.testing.assert_array_equal(grad, np.full((4, 16), 8.0))
 
 
+@pytest.mark.parametrize(
+    "fmt",
+    ["e4m3", "e5m2", "E4M3FNUZ", "float8_e5m2fnuz", jnp.float8_e4m3fn, jnp.float8_e4m3fnuz],
+)
+def test_amd_format_is_the_formats_with_nan_where_minus_zero_would_be(fmt):
+    """The one predicate that keeps AMD's fnuz formats off Hopper's wgmma, against the formats'
+    own bits: fnuz ("finite, no negative zero") reads 0x80 as NaN, the OCP formats as -0."""
+    from fp8jax._src.core.formats import amd_format
+
+    minus_zero_bits = np.array(0x80, np.uint8).view(fp8jax.fp8_dtype(fmt))
+    assert amd_format(fmt) == bool(np.isnan(minus_zero_bits.astype(np.float32)))
+
+
 def test_fp8_max_matches_ml_dtypes():
     assert fp8jax.fp8_max("e4m3") == float(ml_dtypes.finfo(E4M3).max) == 448.0
     assert fp8jax.fp8_max("e5m2") == float(ml_dtypes.finfo(E5M2).max) == 57344.0

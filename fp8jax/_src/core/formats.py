@@ -85,6 +85,12 @@ def format_name(fmt: FormatLike) -> str:
     return next(name for name, d in _FORMATS.items() if d == dtype)
 
 
+def amd_format(fmt: FormatLike) -> bool:
+    """Whether `fmt` is one of AMD's fnuz formats (no infinities, one zero), which no NVIDIA
+    tensor core takes: Hopper's `wgmma` multiplies E4M3 and E5M2 only."""
+    return format_name(fmt).endswith("fnuz")
+
+
 def fp8_max(fmt: FormatLike) -> float:
     """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
     return float(jnp.finfo(fp8_dtype(fmt)).max)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
+from ..core.formats import amd_format
 from ..kernels import dispatch
 from ..recipes import ROLES, BlockScaledRecipe, BlockwiseScaling, PerTensorRecipe, Recipe
 from ..recipes.blocks import NATIVE_BLOCK_SIZES
@@ -35,7 +34,7 @@ def check_recipe(recipe: Recipe, name: str = "", native_kernel: bool | None = No
 def has_native(recipe: Recipe) -> bool:
     """Whether `recipe`'s grouped GEMMs can run on the Hopper kernels (whose `wgmma` takes
     no fnuz format, AMD's)."""
-    if any(jnp.dtype(recipe.format(role)).name.endswith("fnuz") for role in ROLES):
+    if any(amd_format(recipe.format(role)) for role in ROLES):
         return False
     if isinstance(recipe, PerTensorRecipe):
         return True

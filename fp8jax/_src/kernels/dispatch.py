@@ -16,6 +16,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 
 from ..core import jax_private
 from ..core.contexts import Setting, setting
+from ..core.formats import amd_format
 from . import partition
 from .partition import GemmDims
 
@@ -139,6 +140,17 @@ def check_native_kernel(value: object) -> None:
         raise ValueError(
             f"native_kernel={value!r}: should be None (the kernel on Hopper GPUs, the XLA path "
             "elsewhere), True (the kernel) or False (the XLA path)."
+        )
+
+
+def check_native_format(who: str, native_kernel: bool | None, field: str, fmt: str) -> None:
+    """Raise `ValueError` where `native_kernel=True` asks the Hopper kernels for a format their
+    `wgmma` does not take (AMD's fnuz ones)."""
+    if native_kernel and amd_format(fmt):
+        raise ValueError(
+            f"{who}(native_kernel=True, {field}={fmt!r}): the native kernel's wgmma takes "
+            "'e4m3' and 'e5m2' only; AMD's fnuz formats run the XLA path (native_kernel=None "
+            "or False)."
         )
 
 

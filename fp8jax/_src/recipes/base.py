@@ -39,6 +39,7 @@ from jaxtyping import Array, Float
 from ..core.amax import amax
 from ..core.formats import (
     FormatLike,
+    amd_format,
     check_scale_shape,
     expand_blocks,
     format_name,
@@ -419,7 +420,7 @@ class HybridFormats(Recipe):
         # recipes by their repr.
         object.__setattr__(self, "forward_format", format_name(self.forward_format))
         object.__setattr__(self, "backward_format", format_name(self.backward_format))
-        fnuz = [f.endswith("fnuz") for f in (self.forward_format, self.backward_format)]
+        fnuz = [amd_format(f) for f in (self.forward_format, self.backward_format)]
         if fnuz[0] != fnuz[1]:
             raise ValueError(
                 f"{type(self).__name__}: forward_format={self.forward_format!r} with "

@@ -15,7 +15,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.amax import local_amax
-from ..core.formats import FormatLike, expand_blocks, floor_log2, fp8_dtype, fp8_max, pow2, saturate
+from ..core.formats import (
+    FormatLike,
+    amd_format,
+    expand_blocks,
+    floor_log2,
+    fp8_dtype,
+    fp8_max,
+    pow2,
+    saturate,
+)
 from ..core.formats import format_name as canonical_format
 from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import (
@@ -249,17 +258,14 @@ class BlockwiseScaling(BlockScaledRecipe):
                 f"BlockwiseScaling(native_kernel=True, block_size={self.block_size}): the "
                 f"native kernel takes block sizes {list(NATIVE_BLOCK_SIZES)}."
             )
-        if self.native_kernel and self.format_name.endswith("fnuz"):
-            raise ValueError(
-                f"BlockwiseScaling(native_kernel=True, format_name={self.format_name!r}): the "
-                "native kernel's wgmma takes 'e4m3' and 'e5m2' only; AMD's fnuz formats run "
-                "the XLA path (native_kernel=None or False)."
-            )
+        dispatch.check_native_format(
+            "BlockwiseScaling", self.native_kernel, "format_name", self.format_name
+        )
 
     @property
     def _kernel(self) -> bool | None:
         """`native_kernel`, or `False` for AMD's fnuz formats, which no Hopper `wgmma` takes."""
-        return False if self.format_name.endswith("fnuz") else self.native_kernel
+        return False if amd_format(self.format_name) else self.native_kernel
 
     def dot(
         self,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..core.formats import fp8_max, quantize
+from ..core.formats import amd_format, fp8_max, quantize
 from ..kernels import dispatch
 from .base import (
     Axis,
@@ -112,12 +112,9 @@ class ResidualFP8(HybridFormats):
             "nf_aware",
         )
         dispatch.check_native_kernel(self.native_kernel)
-        if self.native_kernel and self.forward_format.endswith("fnuz"):
-            raise ValueError(
-                f"ResidualFP8(native_kernel=True, forward_format={self.forward_format!r}): the "
-                "native kernel's wgmma takes 'e4m3' and 'e5m2' only; AMD's fnuz formats run "
-                "the XLA path (native_kernel=None or False)."
-            )
+        dispatch.check_native_format(
+            "ResidualFP8", self.native_kernel, "forward_format", self.forward_format
+        )
         if self.nf_aware and self.predict_lo_scale:
             raise ValueError(
                 "ResidualFP8(nf_aware=True, predict_lo_scale=True): the predicted W_lo scale "
@@ -245,7 +242,7 @@ class ResidualFP8(HybridFormats):
         from ..kernels.block_gemm import wgmma_takes
 
         dtypes = [t.data.dtype for t in lhs.terms + rhs.terms]
-        if self.forward_format.endswith("fnuz") or not wgmma_takes(*dtypes):
+        if amd_format(self.forward_format) or not wgmma_takes(*dtypes):
             # AMD's fnuz formats, or E5M2 x E4M3 on JAX 0.10 (one FP8 type per wgmma): cuBLASLt
             return xla(lhs, rhs)
         return on_block_kernel(
