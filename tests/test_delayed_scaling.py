@@ -197,6 +197,26 @@ def test_a_large_margin_over_a_large_amax_gives_a_smaller_scale_never_zero(power
     np.testing.assert_array_equal(out, np.zeros((2, 3)))
 
 
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_a_margin_over_a_tiny_amax_is_not_lost_to_an_overflowed_quotient(power_of_two):
+    """An amax so small that `fmt_max / amax` overflows float32 (below 1.7e-34 for E5M2)
+    gave the 2**126 cap whatever the margin: inf times `2**-margin` stays inf. As float64
+    computes `fmt_max / amax / 2**margin`, kept within `[2**-126, 2**126]`, instead."""
+    amax = np.array([1e-37, 3e-36, 1e-35, 1.7e-34, 2e-30], np.float32)
+    for fmt in ("e5m2", "e4m3"):
+        fmt_max = fp8jax.fp8_max(fmt)
+        for margin in (0, 3, 8.5, 32):
+            got = np.asarray(
+                fp8jax.compute_scale(jnp.asarray(amax), 1.0, fmt_max, margin, power_of_two)
+            )
+            want = np.clip(fmt_max / amax.astype(np.float64) / 2.0**margin, 2.0**-126, 2.0**126)
+            if power_of_two:
+                want = 2.0 ** np.floor(np.log2(want))
+                np.testing.assert_array_equal(got, want, err_msg=f"{fmt}, margin {margin}")
+            else:
+                np.testing.assert_allclose(got, want, rtol=3e-7, err_msg=f"{fmt}, margin {margin}")
+
+
 def test_compute_scale_takes_arrays_as_documented():
     """`fmt_max` and `power_of_two` may be traced arrays, `margin` a number or a NumPy array
     (its factor `2**-margin` a constant of the trace): under `jit`, as float32 NumPy computes

@@ -61,7 +61,12 @@ def compute_scale(
             "flushes to zero or saturates; 2**-margin overflows float32 from -128)."
         )
     factor = np.asarray(2.0**-margin, np.float32)
-    fresh = (fmt_max / jnp.where(ok, amax_value, 1.0)) * factor
+    divisor = jnp.where(ok, amax_value, 1.0)
+    quotient = fmt_max / divisor
+    # A tiny amax overflows `fmt_max / amax` to inf, and inf times the factor stays inf
+    # (capped at 2**126) where a margin above 2 brings the true scale below the cap: divide
+    # the factor's product instead there (finite, or above the cap too).
+    fresh = jnp.where(jnp.isinf(quotient), (fmt_max * factor) / divisor, quotient * factor)
     fresh = jnp.clip(fresh, MIN_SCALE, MAX_SCALE)
     if isinstance(power_of_two, bool):
         if power_of_two:
