@@ -159,3 +159,13 @@ def test_settings_restore_nest_and_travel_to_other_threads():
         with contexts.setting(var, [1]):
             pass
     assert partition.inside() is False
+
+
+@pytest.mark.parametrize("roles", [None, 5, b"input", [["input"]], ["input", 3]])
+def test_role_contexts_refuse_what_names_no_roles_by_value(roles):
+    """`transposes_apart(None)` and `cast_transpose_kernel(5)` said only "'NoneType' object is
+    not iterable" (a TypeError), `b"input"` was read as the roles `(105, 110, ...)`: each is
+    refused by value, with the roles taken."""
+    for context in (per_tensor.transposes_apart, per_tensor_pass.cast_transpose_kernel):
+        with pytest.raises(ValueError, match=r"roles=.*expected one role or a"):
+            context(roles)

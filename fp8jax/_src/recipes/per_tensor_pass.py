@@ -41,12 +41,18 @@ def checked_roles(
 ) -> frozenset[str]:
     """`roles` (one role, or several of `ROLES`; none too with `allow_empty`) as a set;
     `name` names the caller in the error for anything else."""
-    given = (roles,) if isinstance(roles, str) else tuple(roles)
-    chosen = frozenset(given)
-    if not (chosen or allow_empty) or not chosen <= set(ROLES):
-        which = "a subset" if allow_empty else "a non-empty subset"
-        raise ValueError(f"{name}: roles={given!r}; expected one role or {which} of {ROLES}.")
-    return chosen
+    which = "a subset" if allow_empty else "a non-empty subset"
+    refusal = f"expected one role or {which} of {ROLES}."
+    if isinstance(roles, str):
+        given: tuple = (roles,)
+    elif isinstance(roles, Collection) and not isinstance(roles, bytes):
+        given = tuple(roles)
+    else:  # None, a number, bytes: no roles (`tuple` failed on some, took bytes' ints)
+        raise ValueError(f"{name}: roles={roles!r}; {refusal}")
+    strings = all(isinstance(r, str) for r in given)  # else unhashable ones fail in a set
+    if not (strings and set(given) <= set(ROLES) and (given or allow_empty)):
+        raise ValueError(f"{name}: roles={given!r}; {refusal}")
+    return frozenset(given)
 
 
 def cast_transpose_kernel(
