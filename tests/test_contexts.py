@@ -169,3 +169,11 @@ def test_role_contexts_refuse_what_names_no_roles_by_value(roles):
     for context in (per_tensor.transposes_apart, per_tensor_pass.cast_transpose_kernel):
         with pytest.raises(ValueError, match=r"roles=.*expected one role or a"):
             context(roles)
+
+
+@pytest.mark.parametrize("recorded", ["no", None, 0, 1])
+def test_skip_warm_start_takes_a_bool(recorded):
+    """`skip_warm_start(recorded="no")` was taken for `recorded=True`: a state without a scale
+    then cast by 0 (all-zero outputs). Refused by value."""
+    with pytest.raises(ValueError, match=rf"skip_warm_start: recorded={recorded!r}; expected"):
+        per_tensor.skip_warm_start(recorded)

@@ -47,6 +47,9 @@ def skip_warm_start(recorded: bool = False) -> contextlib.AbstractContextManager
     With `recorded`, the caller has checked that every state holds one (the train step's
     program after `scales_recorded`): the cast then multiplies by the state's scale as it
     is, where choosing 1.0 for a state without one is a kernel of its own per operand."""
+    if not isinstance(recorded, bool):
+        # A truthy non-bool ("no", say) would cast a state without a scale by 0.
+        raise ValueError(f"skip_warm_start: recorded={recorded!r}; expected True or False.")
     return setting(_SKIP_WARM_START, "recorded" if recorded else "skipped")
 
 
