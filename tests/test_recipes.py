@@ -610,15 +610,20 @@ def test_bad_recipe_options(factory, match):
     [
         (fp8jax.DelayedScaling, {"history_len": np.int64(16), "margin": np.float32(1.0)}),
         (fp8jax.CurrentScaling, {"margin": np.int32(2), "power_of_two": np.True_}),
+        (
+            fp8jax.DelayedScaling,
+            {"amax_compute": np.str_("most_recent"), "backward_precision": np.str_("default")},
+        ),
         (fp8jax.BlockwiseScaling, {"block_size": np.int64(64), "chunks_per_dot": np.int64(2)}),
         (fp8jax.MXFP8, {"block_size": np.int32(32)}),
     ],
-    ids=["delayed", "current", "blockwise", "mxfp8"],
+    ids=["delayed", "current", "delayed-strings", "blockwise", "mxfp8"],
 )
 def test_numpy_numbers_are_the_python_numbers_they_hold(build, numpy_kwargs):
     """A NumPy scalar (a history length read from an array, say) configures a recipe as the
     Python number it holds: the same recipe, equal, hashed and written alike (checkpoints
-    compare recipes by their repr)."""
+    compare recipes by their repr). A NumPy string too: `amax_compute=np.str_("max")` was
+    kept and written `amax_compute=np.str_('max')`."""
     recipe = build(**numpy_kwargs)
     plain = build(**{k: v.item() for k, v in numpy_kwargs.items()})
     assert recipe == plain and hash(recipe) == hash(plain) and repr(recipe) == repr(plain)

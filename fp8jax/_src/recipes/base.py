@@ -253,12 +253,12 @@ class Recipe(abc.ABC):
     weight_gather: str = "once"
 
     def __post_init__(self) -> None:
-        # A NumPy scalar is the Python number it holds (`history_len=np.int64(16)`): then the
-        # checks below take it, and the recipe compares, hashes and reads (repr) as one given
-        # the Python number.
+        # A NumPy scalar is the Python number (or string) it holds (`history_len=np.int64(16)`,
+        # `amax_compute=np.str_("max")`): then the checks below take it, and the recipe
+        # compares, hashes and reads (repr) as one given the Python value.
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, np.integer | np.floating | np.bool_):
+            if isinstance(value, np.integer | np.floating | np.bool_ | np.str_):
                 object.__setattr__(self, field.name, value.item())
         check_choice("backward_precision", self.backward_precision, tuple(_PRECISIONS))
         check_choice("weight_gather", self.weight_gather, WEIGHT_GATHERS)
