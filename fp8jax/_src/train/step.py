@@ -365,8 +365,8 @@ def make_train_step(
       the scale, is inf past 65504), and reported in float16.
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
     - `microbatches`: accumulate gradients over this many slices of the batch
-      ([`fp8jax.accumulate_gradients`][]); `aux` is then stacked over them (a Haliax
-      `NamedArray` along a new leading `microbatch` axis).
+      ([`fp8jax.accumulate_gradients`][]); with more than one, `aux` is stacked over
+      them (a Haliax `NamedArray` along a new leading `microbatch` axis).
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
       Triton kernel that may upcast FP8 to f16; with Triton GEMMs off the step also turns
