@@ -216,6 +216,23 @@ def test_strict_check_lists_the_high_precision_gemms(h100):
     assert "FP8" in str(report) and "temp memory" in str(report)
 
 
+def test_two_e5m2_operands_run_as_a_bf16_gemm_as_hybridformats_says(h100):
+    """HybridFormats' docstring: a GEMM of two E5M2 operands has no cuBLASLt FP8 kernel, so
+    `forward_format="e5m2"` leaves no FP8 GEMM; E4M3 forward, E5M2 backward runs all three."""
+    dims = (((1,), (0,)), ((), ()))
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+
+    def step(d, x, w):
+        return fp8jax.filter_grad(lambda a: (a[0](a[1], a[2], dims) ** 2).sum())((d, x, w))
+
+    fp8 = {}
+    for forward in ("e4m3", "e5m2"):
+        d = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(forward_format=forward))
+        report = fp8jax.inspect(step, d, x, x, modes=("cublas",))
+        fp8[forward] = [g.fp8 for g in report.gemms["cublas"]]
+    assert fp8 == {"e4m3": [True] * 3, "e5m2": [False] * 3}
+
+
 def test_rematerialized_gelu_compiles_in_both_modes(h100):
     """XLA's cuBLAS rewriter fuses a bias + GELU epilogue with an auxiliary output into FP8
     GEMMs and fails with a RET_CHECK for the peers' formulations; fp8jax's compiles."""

@@ -408,7 +408,9 @@ class HybridFormats(Recipe):
     (the "hybrid" E4M3/E5M2 scheme of Transformer Engine).
 
     **Arguments:** `forward_format` (`"e4m3"`), `backward_format` (`"e5m2"`; `"e4m3"` is
-    allowed).
+    allowed). A GEMM of two E5M2 operands (`forward_format="e5m2"`: the forward, and the
+    dgrad and wgrad too with an E5M2 `backward_format`) has no cuBLASLt FP8 kernel: XLA runs
+    it as a BF16 GEMM on an H100 (deviceless compile, jax 0.10-0.12); same values, no speed.
     """
 
     forward_format: FormatLike = "e4m3"
