@@ -446,6 +446,32 @@ def test_a_command_line_it_cannot_run_is_refused_before_anything_is_written(
         assert "supervisor" not in done.stderr and not out.exists(), done.stderr[-2000:]
 
 
+def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
+    tmp_path, monkeypatch, capsys
+):
+    """A typo'd section, a misordered one, a stray flag: refused by the supervisor (no JAX),
+    not by its child after JAX's import (2 s of a lease on a CPU, more on a GPU)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import supervise
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"a child was started: {args}")
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", started)
+    monkeypatch.setattr(supervise.subprocess, "call", started)
+    out = tmp_path / "out"
+    for bad, said in (
+        (["--sections", "numerik"], "unknown ['numerik']"),
+        (["--sections", "profile,llama"], "profile before llama"),
+        (["--sections", "gemms", "--moe-variants", "bf16"], "--moe-variants='bf16' is for"),
+        (["--hang-s", "-1"], "--hang-s=-1.0"),
+        (["--lease"], "unrecognized arguments: --lease"),
+    ):
+        assert supervise.main(["--out", str(out), "--dry-run", *bad]) == 2, bad
+        assert said in capsys.readouterr().err, bad
+        assert not out.exists()
+
+
 def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
     """The check as a lent GPU runs it (`gpu_check.py`, supervised): a measurement whose
     process dies, and one that hangs past `--hang-s`, are recorded as crashed and the check

@@ -9,7 +9,6 @@ import os
 import platform
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,87 +20,29 @@ from . import (
     llama,
     moe,
     numerics,
+    options,
     profile,
     quantize,
     steps,
     transpose,
 )
+from .options import SECTIONS  # noqa: F401 - the sections, in the order they run
 from .record import MODES, Recorder
 from .timing import METHOD
 
-#: The sections, in the order they run.
-SECTIONS = (
-    "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
-    "steps", "llama", "profile",
-)  # fmt: skip
-
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python3 benchmarks/gpu_check",
-        description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
-        "train steps, the Llama block timed and profiled (see benchmarks/README.md).",
-    )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--quick", action="store_true", help="fewer shapes (under 4 minutes)")
-    group.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="tiny shapes on the CPU, kernels in Mosaic GPU's interpreter; no timing claims",
-    )
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="seconds for all measurements (default: 450 full, 210 quick, 300 dry run)",
-    )
-    parser.add_argument(
-        "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated sections to run, in the order given (default: all of "
-        f"{','.join(SECTIONS)}, in that order; profile after llama, whose compiled steps it "
-        "traces): the budget goes to the first, and a later GPU run can spend its own where "
-        "the last ran out",
-    )
-    parser.add_argument(
-        "--llama-variants",
-        default=None,
-        help="comma-separated llama_block variants for the llama and profile sections "
-        "(default: the mode's own; BF16 always runs first), e.g. bf16,blockwise,"
-        "blockwise-tiled for issue 39's step ratios",
-    )
-    parser.add_argument(
-        "--moe-variants",
-        default=None,
-        help="comma-separated variants of the moe section, in the order given (default: the "
-        "mode's own), e.g. 'bf16,bf16 jax mgpu,blockwise,blockwise-tc' for issue 39's MoE "
-        "target; 'bf16 jax mgpu' is checked against 'bf16' (both needed for the ratios)",
-    )
-    parser.add_argument(
-        "--hang-s",
-        type=float,
-        default=None,
-        help="seconds without a line of progress after which the check's process is killed "
-        "as hung, its measurement recorded as crashed and the check started again without "
-        "what shares its kernel (default: 90 on a GPU; none in a dry run)",
-    )
-    # Set by `supervise.py` when it starts the check again after a crash or hang.
-    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if args.moe_variants is not None:
-        args.moe_variants = [v.strip() for v in args.moe_variants.split(",") if v.strip()]
-        bad = [v for v in args.moe_variants if v not in moe.VARIANTS["full"]]
-        if bad or not args.moe_variants:
-            parser.error(
-                f"--moe-variants: unknown {bad}; should name some of "
-                f"{','.join(moe.VARIANTS['full'])}"
-            )
+    """`options.parse`, the variants' names checked too (they need JAX)."""
+    parser = options.parser()
+    args = options.parse(argv, parser)
+    bad = [v for v in args.moe_variants or () if v not in moe.VARIANTS["full"]]
+    if bad or args.moe_variants == []:
+        parser.error(
+            f"--moe-variants: unknown {bad}; should name some of {','.join(moe.VARIANTS['full'])}"
+        )
     if args.llama_variants is not None:
         from llama_block import FRESH, PACKED, RECIPES, base_name
 
-        args.llama_variants = [v.strip() for v in args.llama_variants.split(",") if v.strip()]
         bad = [v for v in args.llama_variants if v != "bf16" and base_name(v) not in RECIPES]
         if bad or not args.llama_variants:
             parser.error(
@@ -109,35 +50,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 f"{','.join(['bf16', *RECIPES])}, each but bf16 also with {PACKED!r}, "
                 f"{FRESH!r} or both appended, in that order"
             )
-    unknown = [s for s in args.sections if s not in SECTIONS]
-    if unknown or not args.sections:
-        parser.error(
-            f"--sections={','.join(args.sections)!r}: unknown {unknown}; "
-            f"should name one or more of {','.join(SECTIONS)}"
-        )
-    repeated = sorted({s for s in args.sections if args.sections.count(s) > 1})
-    if repeated:
-        parser.error(f"--sections={','.join(args.sections)!r}: {repeated} named twice")
-    if "profile" in args.sections and "llama" in args.sections[args.sections.index("profile") :]:
-        parser.error(
-            f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
-            "(profile traces the steps llama compiled)"
-        )
-    for flag, given, needs in (
-        ("--llama-variants", args.llama_variants, ("llama", "profile")),
-        ("--moe-variants", args.moe_variants, ("moe",)),
-    ):
-        if given is not None and not set(needs) & set(args.sections):
-            parser.error(
-                f"{flag}={','.join(given)!r} is for the {' and '.join(needs)} section(s), which "
-                f"--sections={','.join(args.sections)!r} leaves out: add one, or drop {flag}"
-            )
-    if args.hang_s is not None and not args.hang_s > 0:
-        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
-    if args.budget_s is not None and not args.budget_s > 0:
-        parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out={str(args.out)!r} is a file; give a folder (made if missing)")
     return args
 
 

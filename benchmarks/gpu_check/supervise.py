@@ -15,7 +15,6 @@ outside any measurement ends the check.
 
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import signal
@@ -25,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import options
 from .record import BROKEN, MODES, SCRIPT, STARTED
 
 #: How many times the check may start again after crashes or hangs.
@@ -52,34 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         from .lease import main as lease
 
         return lease(argv[1:])
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--budget-s", type=float)
-    parser.add_argument("--hang-s", type=float)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--quick", action="store_true")
-    known, _ = parser.parse_known_args(argv)
-    if known.out is None or any(a in ("-h", "--help") for a in argv):
-        return subprocess.call([sys.executable, str(SCRIPT), "--child", *argv])  # its errors
-    refused = _refused(known)
-    if refused:  # before the out folder is made or the budget replaced by what is left of it
-        print(f"python3 benchmarks/gpu_check: error: {refused}", file=sys.stderr, flush=True)
-        return 2
+    try:  # the whole command line but the variants' names, before a child imports JAX
+        known = options.parse(argv, options.parser())
+    except SystemExit as refused:  # before the out folder is made
+        return refused.code if isinstance(refused.code, int) else 2
     mode = "dry" if known.dry_run else "quick" if known.quick else "full"
     budget = MODES[mode][0] if known.budget_s is None else known.budget_s
     hang = known.hang_s or (None if known.dry_run else HANG_S)
     rest = _without_budget(argv)
     return supervise(rest, known.out, budget, hang)
-
-
-def _refused(known: argparse.Namespace) -> str | None:
-    """Why the supervisor's own options cannot run (`None` when they can): the child, which
-    checks the rest, gets what is left of `--budget-s`, not the value given."""
-    if known.out.exists() and not known.out.is_dir():
-        return f"--out={str(known.out)!r} is a file; give a folder (made if missing)"
-    if known.budget_s is not None and not known.budget_s > 0:
-        return f"--budget-s={known.budget_s}: should be a positive number of seconds"
-    return None
 
 
 def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None) -> int:

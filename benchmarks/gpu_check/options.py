@@ -1,0 +1,113 @@
+"""The check's command line, without JAX: the supervisor refuses a command line the check
+cannot run before it starts a child (whose JAX import alone takes seconds of a lease)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+#: The sections, in the order they run.
+SECTIONS = (
+    "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
+    "steps", "llama", "profile",
+)  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    """The check's options (`main.parse` checks the variants' names, which need JAX)."""
+    parser = argparse.ArgumentParser(
+        prog="python3 benchmarks/gpu_check",
+        description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
+        "train steps, the Llama block timed and profiled (see benchmarks/README.md).",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="fewer shapes (under 4 minutes)")
+    group.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU, kernels in Mosaic GPU's interpreter; no timing claims",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all measurements (default: 450 full, 210 quick, 300 dry run)",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, in the order given (default: all of "
+        f"{','.join(SECTIONS)}, in that order; profile after llama, whose compiled steps it "
+        "traces): the budget goes to the first, and a later GPU run can spend its own where "
+        "the last ran out",
+    )
+    parser.add_argument(
+        "--llama-variants",
+        default=None,
+        help="comma-separated llama_block variants for the llama and profile sections "
+        "(default: the mode's own; BF16 always runs first), e.g. bf16,blockwise,"
+        "blockwise-tiled for issue 39's step ratios",
+    )
+    parser.add_argument(
+        "--moe-variants",
+        default=None,
+        help="comma-separated variants of the moe section, in the order given (default: the "
+        "mode's own), e.g. 'bf16,bf16 jax mgpu,blockwise,blockwise-tc' for issue 39's MoE "
+        "target; 'bf16 jax mgpu' is checked against 'bf16' (both needed for the ratios)",
+    )
+    parser.add_argument(
+        "--hang-s",
+        type=float,
+        default=None,
+        help="seconds without a line of progress after which the check's process is killed "
+        "as hung, its measurement recorded as crashed and the check started again without "
+        "what shares its kernel (default: 90 on a GPU; none in a dry run)",
+    )
+    # Set by `supervise.py` when it starts the check again after a crash or hang.
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """`argv` parsed and checked but for the variants' names: exits naming an unknown,
+    repeated or misordered section, variants of a section not run, a time that is not a
+    positive number, an out folder that cannot be made."""
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.moe_variants = _names(args.moe_variants)
+    args.llama_variants = _names(args.llama_variants)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown or not args.sections:
+        parser.error(
+            f"--sections={','.join(args.sections)!r}: unknown {unknown}; "
+            f"should name one or more of {','.join(SECTIONS)}"
+        )
+    repeated = sorted({s for s in args.sections if args.sections.count(s) > 1})
+    if repeated:
+        parser.error(f"--sections={','.join(args.sections)!r}: {repeated} named twice")
+    if "profile" in args.sections and "llama" in args.sections[args.sections.index("profile") :]:
+        parser.error(
+            f"--sections={','.join(args.sections)!r}: profile before llama; name llama first "
+            "(profile traces the steps llama compiled)"
+        )
+    for flag, given, needs in (
+        ("--llama-variants", args.llama_variants, ("llama", "profile")),
+        ("--moe-variants", args.moe_variants, ("moe",)),
+    ):
+        if given is not None and not set(needs) & set(args.sections):
+            parser.error(
+                f"{flag}={','.join(given)!r} is for the {' and '.join(needs)} section(s), which "
+                f"--sections={','.join(args.sections)!r} leaves out: add one, or drop {flag}"
+            )
+    if args.hang_s is not None and not args.hang_s > 0:
+        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out={str(args.out)!r} is a file; give a folder (made if missing)")
+    return args
+
+
+def _names(given: str | None) -> list[str] | None:
+    return None if given is None else [v.strip() for v in given.split(",") if v.strip()]
