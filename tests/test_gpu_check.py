@@ -459,13 +459,15 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
 
     monkeypatch.setattr(supervise.subprocess, "Popen", started)
     monkeypatch.setattr(supervise.subprocess, "call", started)
-    out = tmp_path / "out"
+    out, a_file = tmp_path / "out", tmp_path / "a_file"
+    a_file.write_text("")
     for bad, said in (
         (["--sections", "numerik"], "unknown ['numerik']"),
         (["--sections", "profile,llama"], "profile before llama"),
         (["--sections", "gemms", "--moe-variants", "bf16"], "--moe-variants='bf16' is for"),
         (["--hang-s", "-1"], "--hang-s=-1.0"),
         (["--lease"], "unrecognized arguments: --lease"),
+        (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
     ):
         assert supervise.main(["--out", str(out), "--dry-run", *bad]) == 2, bad
         assert said in capsys.readouterr().err, bad
@@ -663,6 +665,8 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--deadline-s", "nan"], "should be over"),
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
         (["--work", str(a_file)], f"--work={str(a_file)!r} is a file"),
+        (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
+        (["--work", str(a_file / "a" / "b")], f"is under {str(a_file)!r}, a file"),
     ):
         with pytest.raises(SystemExit):
             lease.parse([*out, *bad])

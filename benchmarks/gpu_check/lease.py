@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .options import unwritable
 from .record import SCRIPT, STATUSES
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
@@ -136,8 +137,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.hang_s is not None and not args.hang_s > 0:  # 0 was dropped: the default hang
         parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
     for flag, folder in (("--out", args.out), ("--work", args.work)):
-        if folder.exists() and not folder.is_dir():
-            parser.error(f"{flag}={str(folder)!r} is a file; give a folder (made if missing)")
+        refused = unwritable(flag, folder)
+        if refused:
+            parser.error(refused)
     if not args.label.replace("_", "").replace("-", "").isalnum():
         parser.error(f"--label={args.label!r}: letters, digits, '_' and '-' only")
     return args

@@ -4,6 +4,7 @@ cannot run before it starts a child (whose JAX import alone takes seconds of a l
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 #: The sections, in the order they run.
@@ -104,9 +105,23 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
         parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out={str(args.out)!r} is a file; give a folder (made if missing)")
+    refused = unwritable("--out", args.out)
+    if refused:
+        parser.error(refused)
     return args
+
+
+def unwritable(flag: str, folder: Path) -> str | None:
+    """Why `folder` cannot hold results (a file, under a file, a folder not writable), or
+    None: found when the run would make it, after seconds of imports, with a traceback."""
+    if folder.exists() and not folder.is_dir():
+        return f"{flag}={str(folder)!r} is a file; give a folder (made if missing)"
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{flag}={str(folder)!r} is under {str(existing)!r}, a file; give a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag}={str(folder)!r}: {str(existing)!r} cannot be written; give a folder"
+    return None
 
 
 def _names(given: str | None) -> list[str] | None:
