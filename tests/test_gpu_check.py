@@ -466,6 +466,7 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
         (["--sections", "profile,llama"], "profile before llama"),
         (["--sections", "gemms", "--moe-variants", "bf16"], "--moe-variants='bf16' is for"),
         (["--hang-s", "-1"], "--hang-s=-1.0"),
+        (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),  # was OverflowError
         (["--lease"], "unrecognized arguments: --lease"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
     ):
@@ -664,6 +665,7 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--label", "run/7"], "letters, digits"),
         (["--deadline-s", "nan"], "should be over"),
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
+        (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),
         (["--work", str(a_file)], f"--work={str(a_file)!r} is a file"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
         (["--work", str(a_file / "a" / "b")], f"is under {str(a_file)!r}, a file"),

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .options import unwritable
+from .options import hang_refused, unwritable
 from .record import SCRIPT, STATUSES
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
@@ -134,8 +134,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         )
     if not args.deadline_s > PACK_S + MIN_S:
         parser.error(f"--deadline-s={args.deadline_s}: should be over {PACK_S + MIN_S:.0f} s")
-    if args.hang_s is not None and not args.hang_s > 0:  # 0 was dropped: the default hang
-        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
+    refused = hang_refused(args.hang_s)  # 0 was dropped: the default hang
+    if refused:
+        parser.error(refused)
     for flag, folder in (("--out", args.out), ("--work", args.work)):
         refused = unwritable(flag, folder)
         if refused:

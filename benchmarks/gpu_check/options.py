@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 from pathlib import Path
 
 #: The sections, in the order they run.
@@ -101,14 +102,26 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
                 f"{flag}={','.join(given)!r} is for the {' and '.join(needs)} section(s), which "
                 f"--sections={','.join(args.sections)!r} leaves out: add one, or drop {flag}"
             )
-    if args.hang_s is not None and not args.hang_s > 0:
-        parser.error(f"--hang-s={args.hang_s}: should be a positive number of seconds")
+    refused = hang_refused(args.hang_s)
+    if refused:
+        parser.error(refused)
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
     refused = unwritable("--out", args.out)
     if refused:
         parser.error(refused)
     return args
+
+
+def hang_refused(hang_s: float | None) -> str | None:
+    """Why `--hang-s` cannot be waited for (`inf` raised OverflowError in the supervisor's
+    first wait), or None."""
+    if hang_s is not None and not 0 < hang_s <= threading.TIMEOUT_MAX:
+        return (
+            f"--hang-s={hang_s}: should be a positive number of seconds, at most "
+            f"{threading.TIMEOUT_MAX:.0f}"
+        )
+    return None
 
 
 def unwritable(flag: str, folder: Path) -> str | None:
