@@ -469,6 +469,7 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),  # was OverflowError
         (["--lease"], "unrecognized arguments: --lease"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
+        (["--out", ""], "argument --out: '': empty"),
     ):
         assert supervise.main(["--out", str(out), "--dry-run", *bad]) == 2, bad
         assert said in capsys.readouterr().err, bad
@@ -669,6 +670,8 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--work", str(a_file)], f"--work={str(a_file)!r} is a file"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
         (["--work", str(a_file / "a" / "b")], f"is under {str(a_file)!r}, a file"),
+        (["--out", ""], "argument --out: '': empty"),  # `--out "$OUT"`, $OUT unset: the cwd
+        (["--work", " "], "argument --work: ' ': empty"),
     ):
         with pytest.raises(SystemExit):
             lease.parse([*out, *bad])

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .options import hang_refused, unwritable
+from .options import hang_refused, out_folder, unwritable
 from .record import SCRIPT, STATUSES
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
@@ -102,7 +102,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         prog="python3 benchmarks/gpu_check.py --lease",
         description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
     )
-    parser.add_argument("--out", type=Path, required=True, help="where the packed parts go")
+    parser.add_argument("--out", type=out_folder, required=True, help="where the packed parts go")
     parser.add_argument(
         "--deadline-s",
         type=float,
@@ -118,7 +118,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--label", default="lease", help="the packed folders' prefix")
     parser.add_argument(
         "--work",
-        type=Path,
+        type=out_folder,
         default=Path("/tmp/fp8jax_gpu_lease"),
         help="the parts' folders, kept for a second call on the same machine",
     )

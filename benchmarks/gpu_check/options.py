@@ -22,7 +22,7 @@ def parser() -> argparse.ArgumentParser:
         description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
         "train steps, the Llama block timed and profiled (see benchmarks/README.md).",
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the results")
+    parser.add_argument("--out", type=out_folder, required=True, help="folder for the results")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quick", action="store_true", help="fewer shapes (under 4 minutes)")
     group.add_argument(
@@ -111,6 +111,14 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
     if refused:
         parser.error(refused)
     return args
+
+
+def out_folder(text: str) -> Path:
+    """A folder's name; an empty one (`--out "$OUT"` with `$OUT` unset) is refused: as
+    `Path("")`, the current folder, it put the results where they do not come back."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: empty; name a folder (made if missing)")
+    return Path(text)
 
 
 def hang_refused(hang_s: float | None) -> str | None:
