@@ -436,6 +436,27 @@ def test_example_cli_refuses_what_no_run_could_take(name, argv, message, capsys)
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [
+        ("train_mlp", ["--seed", str(2**32)]),
+        ("train_gpt", ["--seed", str(2**32 + 7)]),
+        ("digits", ["--seed", str(2**64)]),
+        ("moe", ["--kjv", "--seeds", "0", str(2**32)]),
+        ("deepseek", ["--kjv", "--seeds", "1", str(2**63)]),
+    ],
+)
+def test_example_cli_refuses_a_seed_jax_would_alias(name, argv, capsys):
+    """`jax.random.PRNGKey` keeps a seed's low 32 bits (without x64, as the examples run):
+    seed 2**32 + s built seed s's model, and from 2**63 it raised OverflowError; such a
+    seed is refused, named."""
+    import jax
+
+    assert (jax.random.PRNGKey(2**32 + 7) == jax.random.PRNGKey(7)).all()
+    code, _, err = _cli_exit(name, argv, capsys)
+    assert code == 2 and f"{argv[-1]}: should be >= 0 and < 2**32" in err, err
+
+
 _WITHOUT_DEMO = """
 import sys
 for name in ("tqdm", "tqdm.auto", "matplotlib", "matplotlib.pyplot"):

@@ -72,13 +72,15 @@ def check_lr(parser: argparse.ArgumentParser, lr: float) -> None:
 
 
 def check_seeds(parser: argparse.ArgumentParser, flag: str, seeds: list[int]) -> None:
-    """Refuse, as a `parser` error naming `flag`, a negative seed: NumPy's generator, which
-    samples the batches, takes none (it raised 'expected non-negative integer' as the first
-    run started)."""
+    """Refuse, as a `parser` error naming `flag`, a seed outside [0, 2**32): NumPy's batch
+    sampler takes no negative one ('expected non-negative integer' as the first run started),
+    `jax.random.PRNGKey` keeps a seed's low 32 bits (2**32 built seed 0's model) and raised
+    OverflowError from 2**63."""
     for seed in seeds:
-        if seed < 0:
+        if not 0 <= seed < 2**32:
             parser.error(
-                f"{flag} {seed}: should be >= 0 (NumPy's batch sampler takes no negative seed)."
+                f"{flag} {seed}: should be >= 0 and < 2**32 (NumPy's batch sampler takes no "
+                "negative seed; jax.random.PRNGKey keeps a seed's low 32 bits)."
             )
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 import fp8jax
+from fp8jax.examples.gpt import check_seeds
 
 
 def make_data(key: jax.Array, n: int, dim: int) -> tuple[jax.Array, jax.Array]:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name in ("steps", "batch", "width"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} {getattr(args, name)}: should be >= 1.")
+    check_seeds(parser, "--seed", [args.seed])
 
     key = jax.random.PRNGKey(args.seed)
     k_data, k_model = jax.random.split(key)
