@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     check_arguments(parser, args, ("eval_every", "log_every"))
     check_seeds(parser, "--seed", [args.seed])
     recipes = parse_recipes(parser, args.recipes)
+    if not args.fp32 and "fp32" in recipes:  # it ran the float32 model all the same
+        parser.error(f"--no-fp32 with --recipes {args.recipes}, which names fp32: drop one.")
     if args.fp32 and "fp32" not in recipes:
         recipes.insert(0, "fp32")
     missing = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
