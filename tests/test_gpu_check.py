@@ -649,6 +649,34 @@ def test_a_lease_runs_its_parts_inside_one_deadline(tmp_path, monkeypatch):
     assert (work / "run_third" / "summary.txt").read_text().count("ERROR") == 1
 
 
+def test_a_results_line_cut_by_a_kill_costs_that_line_only(tmp_path, monkeypatch):
+    """A check killed mid-write (the lease's deadline) leaves a cut last line in its
+    `results.jsonl`: the lease's carrying and counting, the resumed check and the supervisor
+    read the whole lines and append after them (json.loads raised JSONDecodeError, ending
+    the lease before `lease.txt` and the resumed check before its summary)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, supervise
+    from gpu_check.record import Recorder
+
+    crash = {"section": "2 GEMMs (dense)", "name": "x | fp8 cuBLASLt", "status": "error",
+             "crashed": True}  # fmt: skip
+    first, second = tmp_path / "run_first", tmp_path / "run_second"
+    first.mkdir()
+    whole = json.dumps(crash) + "\n"
+    (first / "results.jsonl").write_text(whole + whole[: len(whole) // 2])
+    assert lease._carry_crashes(tmp_path, "run", second) == ["--resume"]
+    carried = [json.loads(line) for line in (second / "results.jsonl").read_text().splitlines()]
+    assert carried == [{**crash, "carried_from": "run_first"}]
+    assert lease._counts(first) == {"error": 1}
+    rec = Recorder(first, 100.0, 0.0, dry=True, resume=True)
+    assert list(rec.done) == [(crash["section"], crash["name"])]
+    rec.record("1 numerics", "after", "ok")
+    supervise._append(first, {**crash, "name": "y"})
+    lines = (first / "results.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == crash and lines[1] == whole[: len(whole) // 2]
+    assert [json.loads(line)["name"] for line in lines[2:]] == ["after", "y"]
+
+
 def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import lease

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .options import hang_refused, out_folder, unwritable
-from .record import SCRIPT, STATUSES
+from .record import SCRIPT, STATUSES, read_results
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
@@ -242,13 +242,13 @@ def _carry_crashes(work: Path, label: str, folder: Path) -> list[str]:
     where `folder` has results to take back, else nothing."""
     folder.mkdir(parents=True, exist_ok=True)
     mine = folder / "results.jsonl"
-    known = mine.read_text().splitlines() if mine.exists() else []
-    seen = {(e["section"], e["name"]) for e in map(json.loads, known)}
+    known = read_results(mine)
+    seen = {(e["section"], e["name"]) for e in known}
     carried = []
     for other in sorted(work.glob(f"{label}_*/results.jsonl")):
         if other == mine:
             continue
-        for entry in map(json.loads, other.read_text().splitlines()):
+        for entry in read_results(other):
             if entry.get("crashed") and (entry["section"], entry["name"]) not in seen:
                 seen.add((entry["section"], entry["name"]))
                 carried.append({**entry, "carried_from": other.parent.name})
@@ -260,8 +260,7 @@ def _carry_crashes(work: Path, label: str, folder: Path) -> list[str]:
 def _counts(folder: Path) -> dict[str, int]:
     """The part's results by status (its `results.jsonl`), its section lines left out."""
     counts: dict[str, int] = {}
-    path = folder / "results.jsonl"
-    for entry in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+    for entry in read_results(folder / "results.jsonl"):
         if "carried_from" in entry:
             counts["carried"] = counts.get("carried", 0) + 1
         elif entry["name"] != "(section)":

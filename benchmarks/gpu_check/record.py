@@ -76,8 +76,7 @@ class Recorder:
         self.done: dict[tuple[str, str], dict[str, Any]] = {}
         self.broken: dict[str, str] = {}
         if resume:
-            for line in (out / "results.jsonl").read_text().splitlines():
-                entry = json.loads(line)
+            for entry in read_results(out / "results.jsonl"):
                 self.done[entry["section"], entry["name"]] = entry
                 if entry.get("crashed"):
                     for suspect in families(entry["name"]):
@@ -208,6 +207,24 @@ class Recorder:
         self.decisions.append(text)
         with open(self.out / "decisions.txt", "a") as f:
             f.write(text + "\n")
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The entries of a `results.jsonl`, less a line a killed process cut short (a kill at
+    the deadline, mid-write: it raised JSONDecodeError, ending the resumed check and the
+    lease before their summaries); a cut last line is ended, so that the next entry
+    appended starts a line of its own."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        with open(path, "a") as f:
+            f.write("\n")
+    entries = []
+    for line in text.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            entries.append(json.loads(line))
+    return [e for e in entries if isinstance(e, dict) and "section" in e and "name" in e]
 
 
 def _reset_interpreter(dry: bool) -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from . import options
-from .record import BROKEN, MODES, SCRIPT, STARTED
+from .record import BROKEN, MODES, SCRIPT, STARTED, read_results
 
 #: How many times the check may start again after crashes or hangs.
 RESTARTS = 8
@@ -152,6 +152,7 @@ def _without_budget(argv: list[str]) -> list[str]:
 
 def _append(out: Path, entry: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    read_results(out / "results.jsonl")  # a line the killed child cut is ended first
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 
