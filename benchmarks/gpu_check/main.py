@@ -32,14 +32,9 @@ from .timing import METHOD
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """`options.parse`, the variants' names checked too (they need JAX)."""
+    """`options.parse`, the Llama variants' names checked too (they need JAX)."""
     parser = options.parser()
     args = options.parse(argv, parser)
-    bad = [v for v in args.moe_variants or () if v not in moe.VARIANTS["full"]]
-    if bad or args.moe_variants == []:
-        parser.error(
-            f"--moe-variants: unknown {bad}; should name some of {','.join(moe.VARIANTS['full'])}"
-        )
     if args.llama_variants is not None:
         from llama_block import FRESH, PACKED, RECIPES, base_name
 

@@ -47,6 +47,7 @@ from fp8jax._src.kernels.choice import (
 )
 from fp8jax._src.kernels.quantize_config import quantize_slabs
 
+from .options import MOE_VARIANTS
 from .record import Recorder
 from .timing import compile_and_time
 
@@ -56,23 +57,7 @@ SECTION = "3b MoE layer"
 SLAB_ROWS = 32
 CUBLAS = fp8jax.gpu_compiler_options()
 #: mode -> variants; the two BF16 steps first: the others' references.
-VARIANTS = {
-    "full": [
-        "bf16",
-        "bf16 jax mgpu",
-        "blockwise",
-        "blockwise-tc",
-        "delayed-e4m3",
-        "blockwise-tiled",
-        "blockwise-tile-scales",
-        "blockwise-chained",
-        "blockwise-slabs",
-    ],
-    "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
-    # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
-    # recipes' layers are tested apart (tests/test_grouped_native.py).
-    "dry": ["bf16", "bf16 jax mgpu"],
-}
+VARIANTS = MOE_VARIANTS
 RECIPES = {
     "blockwise": fp8jax.BlockwiseScaling(),
     "blockwise-tiled": fp8jax.BlockwiseScaling(),

@@ -14,9 +14,29 @@ SECTIONS = (
     "steps", "llama", "profile",
 )  # fmt: skip
 
+#: The moe section's variants by mode (`moe.VARIANTS`), the two BF16 steps first: the
+#: others' references.
+MOE_VARIANTS = {
+    "full": [
+        "bf16",
+        "bf16 jax mgpu",
+        "blockwise",
+        "blockwise-tc",
+        "delayed-e4m3",
+        "blockwise-tiled",
+        "blockwise-tile-scales",
+        "blockwise-chained",
+        "blockwise-slabs",
+    ],
+    "quick": ["bf16", "bf16 jax mgpu", "blockwise", "blockwise-tiled"],
+    # The dry run's FP8 steps would interpret every grouped kernel (seconds each): the
+    # recipes' layers are tested apart (tests/test_grouped_native.py).
+    "dry": ["bf16", "bf16 jax mgpu"],
+}
+
 
 def parser() -> argparse.ArgumentParser:
-    """The check's options (`main.parse` checks the variants' names, which need JAX)."""
+    """The check's options (`main.parse` checks the Llama variants' names: they need JAX)."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check",
         description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
@@ -72,13 +92,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """`argv` parsed and checked but for the variants' names: exits naming an unknown,
+    """`argv` parsed and checked but for the Llama variants' names: exits naming an unknown,
     repeated or misordered section, variants of a section not run, a time that is not a
     positive number, an out folder that cannot be made."""
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.moe_variants = _names(args.moe_variants)
     args.llama_variants = _names(args.llama_variants)
+    bad = [v for v in args.moe_variants or () if v not in MOE_VARIANTS["full"]]
+    if bad or args.moe_variants == []:
+        parser.error(
+            f"--moe-variants: unknown {bad}; should name some of {','.join(MOE_VARIANTS['full'])}"
+        )
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sections:
         parser.error(
