@@ -404,6 +404,12 @@ def test_moe_cli_refuses_kjv_flags_without_kjv(argv, named, capsys):
         ("train_gpt", ["--recipes", "bogus"], "unknown recipe 'bogus': choose from bf16, fp32,"),
         # --no-fp32 was ignored where --recipes named fp32: the float32 model trained.
         ("train_gpt", ["--no-fp32", "--recipes", "fp32,delayed"], "--no-fp32 with --recipes"),
+        # --block-dot changes the block recipes' GEMMs only: without one it was ignored.
+        (
+            "train_gpt",
+            ["--recipes", "delayed,residual", "--block-dot", "dequantized"],
+            "--block-dot dequantized: only with a block recipe (blockwise, mxfp8)",
+        ),
         ("moe", ["--kjv", "--expert-parallel", "-1"], "--expert-parallel -1: should be >= 0"),
         ("moe", ["--kjv", "--expert-parallel", "2", "--devices", "0"], "--devices 0: should"),
         # Each unmet condition named (it said "multiples of 4 (the batch of 8)").

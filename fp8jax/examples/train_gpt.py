@@ -352,6 +352,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
     recipes = parse_recipes(parser, args.recipes)
     if not args.fp32 and "fp32" in recipes:  # it ran the float32 model all the same
         parser.error(f"--no-fp32 with --recipes {args.recipes}, which names fp32: drop one.")
+    if args.block_dot != "chunked" and not set(recipes) & set(BLOCK_RECIPES):  # was ignored
+        parser.error(
+            f"--block-dot {args.block_dot}: only with a block recipe "
+            f"({', '.join(BLOCK_RECIPES)}); --recipes {args.recipes} names none."
+        )
     if args.fp32 and "fp32" not in recipes:
         recipes.insert(0, "fp32")
     missing = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
