@@ -477,6 +477,30 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
         assert not out.exists()
 
 
+def test_a_hang_that_spends_the_budget_still_leaves_the_summary(tmp_path, monkeypatch):
+    """A measurement killed as hung after the budget ran out: the supervisor returned 2 at
+    once, and the check's summary (written by a resumed process) never came; the check is
+    started again resumed, with a budget under any reserve (it measures nothing)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import supervise
+
+    calls = []
+
+    def run(command, hang_s):
+        calls.append(command)
+        if len(calls) == 1:  # hung in a measurement, the budget spent meanwhile
+            return -9, "2 GEMMs (dense) | dry | bf16", True
+        return 1, None, False  # the resumed check: its summary written, the crash an error
+
+    monkeypatch.setattr(supervise, "_run", run)
+    assert supervise.supervise(["--out", str(tmp_path)], tmp_path, 1e-9, 6.0) == 1
+    assert len(calls) == 2 and calls[1][-1] == "--resume", calls
+    budget = float(calls[1][calls[1].index("--budget-s") + 1])
+    assert 0 < budget < min(reserve for *_, reserve in supervise.MODES.values() if reserve)
+    entry = json.loads((tmp_path / "results.jsonl").read_text())
+    assert entry["crashed"] and entry["name"] == "dry | bf16"
+
+
 def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
     """The check as a lent GPU runs it (`gpu_check.py`, supervised): a measurement whose
     process dies, and one that hangs past `--hang-s`, are recorded as crashed and the check

@@ -8,7 +8,8 @@ imports no JAX, reads its log as it comes. When the child dies inside a measurem
 itself because the GPU became unusable (`record.BROKEN`), or prints nothing for `--hang-s`
 seconds inside a measurement (`OUTSIDE_S` outside one; then it is killed), the measurement
 it had started is recorded as crashed and the check starts again with `--resume` and what
-is left of the budget: every result recorded comes back without running again, and what
+is left of the budget (none left: it measures nothing, but writes the summary): every
+result recorded comes back without running again, and what
 shares the crashed measurement's kernel (`record.families`) is skipped. A crash or hang
 outside any measurement ends the check.
 """
@@ -33,6 +34,10 @@ RESTARTS = 8
 #: quantization kernels' numerics at 8192 x 14336), a Llama 8B variant 26 s. A measurement
 #: killed for silence alone is lost with its family, no more; a hang costs this long.
 HANG_S = 90.0
+#: The budget a check resumed after the budget ran out gets: positive (the check refuses 0),
+#: less than any reserve (it measures nothing; it takes back what was recorded, and writes the
+#: summary).
+SPENT_S = 1e-6
 #: Seconds without a line outside any measurement (imports, a section's setup, the summary)
 #: after which the child is killed: `--hang-s` guards measurements, where kernels run.
 OUTSIDE_S = 180.0
@@ -69,8 +74,8 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
     start = time.monotonic()
     resume: list[str] = []
     for _ in range(RESTARTS + 1):
-        left = budget_s - (time.monotonic() - start)
-        command = [sys.executable, str(SCRIPT), "--child", *argv, "--budget-s", f"{left:.1f}"]
+        left = max(budget_s - (time.monotonic() - start), SPENT_S)
+        command = [sys.executable, str(SCRIPT), "--child", *argv, "--budget-s", f"{left:.6f}"]
         code, started, hung = _run(command + resume, hang_s)
         if started is None and not hung and code != BROKEN:  # the check ended by itself
             if code in (0, 1):
@@ -91,8 +96,8 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
         elif hung:
             _say(out, f"supervisor: no progress for {OUTSIDE_S:.0f} s outside a measurement")
             return 2
-        if budget_s - (time.monotonic() - start) <= 0:
-            return 2
+        # Started again even with the budget spent: it measures nothing then (each measurement
+        # skipped), but writes the summary, which a hang that ate the budget had left unwritten.
         resume = ["--resume"]
     _say(out, f"supervisor: {RESTARTS} restarts spent; the check ends here")
     return 2
