@@ -717,6 +717,8 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--parts", ","], "should name each of"),
         (["--deadline-s", "30"], "should be over"),
         (["--label", "run/7"], "letters, digits"),
+        (["--label", "run_é"], "ASCII letters, digits"),  # its archives would not come back
+        (["--label", "run²"], "ASCII letters, digits"),
         (["--deadline-s", "nan"], "should be over"),
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),

@@ -141,8 +141,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         refused = unwritable(flag, folder)
         if refused:
             parser.error(refused)
-    if not args.label.replace("_", "").replace("-", "").isalnum():
-        parser.error(f"--label={args.label!r}: letters, digits, '_' and '-' only")
+    # ASCII: the run tool leaves out of what comes back a file whose name has odd characters.
+    label = args.label.replace("_", "").replace("-", "")
+    if not (label.isascii() and label.isalnum()):
+        parser.error(f"--label={args.label!r}: ASCII letters, digits, '_' and '-' only")
     return args
 
 
