@@ -718,6 +718,8 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--deadline-s", "30"], "should be over"),
         (["--label", "run/7"], "letters, digits"),
         (["--label", "run_é"], "ASCII letters, digits"),  # its archives would not come back
+        (["--work", str(tmp_path / "work")], "is inside --out="),  # 8 files come back
+        (["--work", str(tmp_path)], "is inside --out="),
         (["--label", "run²"], "ASCII letters, digits"),
         (["--deadline-s", "nan"], "should be over"),
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),

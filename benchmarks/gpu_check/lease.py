@@ -141,6 +141,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         refused = unwritable(flag, folder)
         if refused:
             parser.error(refused)
+    out, work = args.out.absolute(), args.work.absolute()
+    if work == out or out in work.parents:  # its files would come back beside the archives
+        parser.error(
+            f"--work={str(args.work)!r} is inside --out={str(args.out)!r}: the parts' folders "
+            "would come back beside their archives (at most 8 files do); give one outside it"
+        )
     # ASCII: the run tool leaves out of what comes back a file whose name has odd characters.
     label = args.label.replace("_", "").replace("-", "")
     if not (label.isascii() and label.isalnum()):
