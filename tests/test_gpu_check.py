@@ -702,6 +702,39 @@ def test_a_results_line_cut_by_a_kill_costs_that_line_only(tmp_path, monkeypatch
     assert [json.loads(line)["name"] for line in lines[2:]] == ["after", "y"]
 
 
+def test_a_pack_cut_by_the_stop_handlers_own_leaves_one_whole_archive(tmp_path, monkeypatch):
+    """The run's SIGTERM mid-pack: `stop` packs the part again, then exits. With one shared
+    temporary name, the handler's pack renamed the file the interrupted pack was writing,
+    whose end then went into the archive; each pack now writes its own, none left behind."""
+    import argparse
+    import tarfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (work / "run_block").mkdir(parents=True)
+    payload = os.urandom(1 << 20)  # incompressible: the interrupted write is large
+    (work / "run_block" / "results.jsonl").write_bytes(payload)
+    args = argparse.Namespace(out=out, work=work, label="run")
+    add, calls = tarfile.TarFile.add, []
+
+    def add_then_signal(tar, *a, **k):  # the outer pack is signalled as it writes
+        add(tar, *a, **k)
+        calls.append(1)
+        if len(calls) == 1:
+            lease._pack(args, "block")  # the handler's
+            raise SystemExit(143)
+
+    monkeypatch.setattr(tarfile.TarFile, "add", add_then_signal)
+    with pytest.raises(SystemExit):
+        lease._pack(args, "block")
+    assert sorted(p.name for p in out.iterdir()) == ["run_block.tar.gz"]
+    with tarfile.open(out / "run_block.tar.gz") as tar:
+        assert tar.extractfile("run_block/results.jsonl").read() == payload
+
+
 def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import lease

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -276,17 +277,28 @@ def _counts(folder: Path) -> dict[str, int]:
     return counts
 
 
+#: Numbers the packs' files.
+_PACKS = itertools.count()
+
+
 def _pack(args: argparse.Namespace, name: str) -> None:
     """`$OUT/<label>_<part>.tar.gz`: the part's folder as it is now (written, then renamed:
-    a call stopped while packing leaves the last whole archive)."""
+    a call stopped while packing leaves the last whole archive).
+
+    Each pack writes a file of its own: the `timeout`'s SIGTERM can arrive mid-pack, and its
+    handler packs the same part again; with one shared name that pack renamed the file the
+    interrupted one was still writing, whose end then landed in the archive."""
     folder = _folder(args, name)
     if not folder.exists():
         return
     target = args.out / f"{folder.name}.tar.gz"
-    partial = target.with_suffix(".partial")
-    with tarfile.open(partial, "w:gz") as tar:
-        tar.add(folder, arcname=folder.name)
-    partial.replace(target)
+    partial = args.out / f"{folder.name}_{next(_PACKS)}.partial"
+    try:
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(folder, arcname=folder.name)
+        partial.replace(target)
+    finally:  # none left behind to come back with the archives
+        partial.unlink(missing_ok=True)
 
 
 def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
