@@ -1396,3 +1396,24 @@ def test_fp8_ragged_dot_refuses_a_precision_as_lax_ragged_dot_does():
         lax.ragged_dot(x, w, sizes, precision="bogus")
     with pytest.raises(ValueError, match=re.escape(str(lax_error.value))):
         fp8jax.Fp8RaggedDot(num_experts=2)(x, w, sizes, precision="bogus")
+
+
+def test_a_list_of_traced_sizes_is_taken_as_their_array():
+    """Group sizes as a list whose entries are traced (per-expert counts inside `jit`) raised
+    TracerArrayConversionError; they are stacked, as the array of them is taken: the FP8 layer
+    as with that array, the high-precision GroupedLinear as lax.ragged_dot, rows past the
+    sizes' sum zeros."""
+    x, w, _ = data(30)
+    short = [int(s) for s in SIZES[:-1]] + [2]  # sums to M - 5
+
+    def listed(call):
+        return jax.jit(lambda s: call([s[e] for e in range(G)]))(jnp.asarray(short, jnp.int32))
+
+    dot = fp8jax.Fp8RaggedDot(num_experts=G)
+    want = jax.jit(lambda s: dot(x, w, s))(jnp.asarray(short, jnp.int32))
+    np.testing.assert_array_equal(listed(lambda s: dot(x, w, s)), want)
+    layer = fp8jax.GroupedLinear(G, K, N, weight=jnp.asarray(w))
+    want = jax.lax.ragged_dot(jnp.asarray(x), jnp.asarray(w), jnp.asarray(short, jnp.int32))
+    got = listed(lambda s: layer(x, s))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[M - 5 :], 0.0)

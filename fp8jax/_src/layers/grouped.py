@@ -24,6 +24,7 @@ from ..ops.ragged_dot import (
     Fp8RaggedDot,
     check_dispatch_args,
     check_ragged_dot_args,
+    listed_sizes,
     rows_by_outputs,
     widened_group_sizes,
 )
@@ -234,8 +235,7 @@ def high_precision_ragged_dot(
     which its JVP drops and its expansion fails with for split rows, so it runs with those
     axes Auto, its output's rows split as `x`'s, its columns as the weight's outputs."""
     x = jnp.asarray(x)
-    if isinstance(group_sizes, list | tuple):
-        group_sizes = np.asarray(group_sizes)
+    group_sizes = listed_sizes(group_sizes)
     if isinstance(group_sizes, ExpertExchange):
         check_dispatch_args(
             where, x.shape, weight.shape, group_sizes, rhs_axes=varying_axes(weight)

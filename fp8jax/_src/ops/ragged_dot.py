@@ -165,6 +165,17 @@ def _check_count(num_experts: Any) -> int:
     return int(num_experts)
 
 
+def listed_sizes(group_sizes: Any) -> Any:
+    """Group sizes given as a list or tuple, as an array: NumPy's (checked at trace time), or
+    jax's when an entry is traced (per-expert counts inside `jit`, which NumPy cannot hold).
+    Anything else as it is."""
+    if not isinstance(group_sizes, list | tuple):
+        return group_sizes
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(group_sizes)):
+        return jnp.asarray(group_sizes)
+    return np.asarray(group_sizes)
+
+
 def widened_group_sizes(group_sizes: Any) -> Array:
     """`group_sizes` in int32 at least: the offsets are cumulative sums of the sizes, which
     int8 sizes would overflow. NumPy's int64 stays int64 only where JAX has 64-bit types (as
@@ -331,8 +342,7 @@ class Fp8RaggedDot(AbstractFp8Op):
             return self._dispatched(
                 lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding
             )
-        if isinstance(group_sizes, list | tuple):
-            group_sizes = np.asarray(group_sizes)
+        group_sizes = listed_sizes(group_sizes)
         experts = self._state_experts()
         check_ragged_dot_args(self._where, lhs.shape, rhs.shape, group_sizes, experts)
         out_dtype = self._output_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
