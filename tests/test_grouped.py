@@ -763,6 +763,10 @@ def test_mismatched_expert_counts(dot):
     sizes5 = np.array([13, 0, 20, 7, 0], np.int32)
     with pytest.raises(ValueError, match=r"group_sizes: 5, rhs: 5, the layer's state: 4"):
         dot(x, w5, sizes5)
+    # An empty list was refused as "dtype float64" (NumPy's for []): it names no expert.
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match=r"mismatched expert counts \(group_sizes: 0, rhs: 4"):
+            dot(x, w, empty)
 
 
 @pytest.mark.parametrize(

@@ -168,9 +168,12 @@ def _check_count(num_experts: Any) -> int:
 def listed_sizes(group_sizes: Any) -> Any:
     """Group sizes given as a list or tuple, as an array: NumPy's (checked at trace time), or
     jax's when an entry is traced (per-expert counts inside `jit`, which NumPy cannot hold).
-    Anything else as it is."""
+    An empty list is integers (NumPy's float64 would name a dtype never given); anything
+    else as it is."""
     if not isinstance(group_sizes, list | tuple):
         return group_sizes
+    if not group_sizes:
+        return np.zeros((0,), np.int32)
     if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(group_sizes)):
         return jnp.asarray(group_sizes)
     return np.asarray(group_sizes)
