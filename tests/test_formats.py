@@ -277,13 +277,15 @@ def test_qtensor_dequantize_scales_each_block_and_refuses_other_scale_shapes():
         fp8jax.QTensor(jnp.asarray(data), jnp.ones((2, 5, 7))).dequantize()
 
 
+@pytest.mark.parametrize("x_dtype", [np.float32, jnp.bfloat16, np.float16])
 @pytest.mark.parametrize("fmt, dtype", [("e4m3", E4M3), ("e5m2", E5M2)])
-def test_gradient_through_quantize_is_as_documented(fmt, dtype):
+def test_gradient_through_quantize_is_as_documented(fmt, dtype, x_dtype):
     """The docstring's gradient: `scale * fp8(g / scale)` where `x * scale` is in range (the
     cotangent of an FP8 array is FP8), 0 where it saturates; the documented straight-through
-    form gives the float32 cotangent itself."""
+    form gives the float32 cotangent itself. In `x`'s dtype, BF16's too (widened by bit
+    shifts, which alone would pass no gradient)."""
     scale = np.float32(4.0)
-    x = np.array([1.0, -2.0, 0.5, 3.0, 1e6], np.float32)  # the last saturates
+    x = jnp.asarray(np.array([1.0, -2.0, 0.5, 3.0, 3e4]), x_dtype)  # the last saturates
     g = np.array([0.1001, 3.3, 1e-12, 1e9, 5.0], np.float32)  # 1e-12 underflows, 1e9 overflows
 
     def loss(x, quantized):
@@ -292,9 +294,11 @@ def test_gradient_through_quantize_is_as_documented(fmt, dtype):
         return jnp.sum(y * g)
 
     got = np.asarray(jax.grad(loss)(x, True)).astype(np.float64)
-    want = scale * (g / scale).astype(dtype).astype(np.float64)
-    np.testing.assert_array_equal(got[:3], want[:3])
+    want = (scale * (g / scale).astype(dtype).astype(np.float64)).astype(x_dtype)
+    np.testing.assert_array_equal(got[:3], want[:3].astype(np.float64))
     assert got[1] != g[1] and got[2] == 0.0  # rounded; below the smallest subnormal
     assert not got[3] == g[3]  # past the format's max: no usable gradient
     assert got[4] == 0.0  # saturated
-    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x, False)), g)
+    with np.errstate(over="ignore"):  # float16's: 1e9 is inf
+        g_in_x_dtype = g.astype(x_dtype)
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x, False)), g_in_x_dtype)

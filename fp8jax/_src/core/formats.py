@@ -120,9 +120,10 @@ def expand_blocks(values: Array, block: tuple[int, ...], shape: tuple[int, ...])
     return full[..., : shape[-2], : shape[-1]]
 
 
+@jax.custom_jvp
 def widen(x: Array) -> Float[Array, "*shape"]:
     """`x` as float32, exactly, in a form XLA keeps: the value `x` holds, not the one it was
-    rounded from.
+    rounded from. Its derivative is a convert's (the bit shifts below would give 0).
 
     XLA's GPU compiler removes a float32 -> bfloat16 -> float32 pair of converts
     (`SimplifyFPConversions`, under its default `xla_allow_excess_precision`). A BF16
@@ -137,6 +138,14 @@ def widen(x: Array) -> Float[Array, "*shape"]:
         return x.astype(jnp.float32)
     bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
     return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@widen.defjvp
+def _widen_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (x,), (t,) = primals, tangents
+    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact):  # an integer x: no tangent
+        t = jnp.zeros(jnp.shape(x), jnp.float32)
+    return widen(x), jnp.asarray(t).astype(jnp.float32)
 
 
 def _within_float32(x: Any, xp: Any) -> Any:
