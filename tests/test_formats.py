@@ -181,8 +181,9 @@ def test_transpose_in_words_moves_every_byte_as_swapaxes(shape, dtype):
 def test_transpose_in_words_leaves_other_shapes_and_dtypes_to_swapaxes():
     from fp8jax._src.core.formats import transpose_in_words
 
-    for x in (jnp.zeros((6, 8), jnp.float8_e4m3fn), jnp.arange(32.0).reshape(4, 8)):
-        np.testing.assert_array_equal(transpose_in_words(x), jnp.swapaxes(x, -1, -2))
+    bools = jnp.asarray(np.random.default_rng(0).integers(0, 2, (2, 4, 8)), bool)
+    for x in (jnp.zeros((6, 8), jnp.float8_e4m3fn), jnp.arange(32.0).reshape(4, 8), bools):
+        np.testing.assert_array_equal(transpose_in_words(x), np.swapaxes(np.asarray(x), -1, -2))
         jaxpr = str(jax.make_jaxpr(transpose_in_words)(x))
         assert "bitcast_convert_type" not in jaxpr
     assert "bitcast_convert_type" in str(

@@ -260,9 +260,10 @@ def transpose_in_words(data: Shaped[Array, "*B R C"]) -> Shaped[Array, "*B C R"]
     word by word, and each 4 x 4 block of bytes transposed inside its four words by shifts
     (XLA fuses those into the transposing kernel). The same bytes; XLA's GPU transpose
     emitter stores 8-bit values one byte per instruction (`st.global.b8`), 32-bit words four
-    bytes at a time (`benchmarks/store_widths.py`). Other shapes and dtypes: `swapaxes`."""
+    bytes at a time (`benchmarks/store_widths.py`). Other shapes and dtypes (bool, which
+    `bitcast_convert_type` refuses, too): `swapaxes`."""
     *batch, rows, cols = data.shape
-    if jnp.dtype(data.dtype).itemsize != 1 or rows % 4 or cols % 4:
+    if jnp.dtype(data.dtype).itemsize != 1 or data.dtype == jnp.bool_ or rows % 4 or cols % 4:
         return jnp.swapaxes(data, -1, -2)
     words = lax.bitcast_convert_type(data.reshape(*batch, rows, cols // 4, 4), jnp.uint32)
     # (*B, C/4, R) words, viewed as (*B, C/4, R/4, 4): word i of group (c, r) holds row
