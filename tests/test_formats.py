@@ -303,3 +303,26 @@ def test_gradient_through_quantize_is_as_documented(fmt, dtype, x_dtype):
     with np.errstate(over="ignore"):  # float16's: 1e9 is inf
         g_in_x_dtype = g.astype(x_dtype)
     np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x, False)), g_in_x_dtype)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"])
+def test_float64_next_to_a_midpoint_rounds_to_the_nearest_fp8_value(fmt):
+    """A float64 just past a midpoint of the format (`1.0625 + 1e-12` in E4M3) rounded to
+    float32's midpoint first, then to even: the FP8 value on the wrong side. ml_dtypes
+    rounds the float64 itself, from NumPy (cast to float32 on the way in) and under x64."""
+    dtype = fp8jax.fp8_dtype(fmt)
+    grid = np.unique(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64))
+    grid = grid[np.isfinite(grid)]
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = np.concatenate([mids + np.abs(mids) * 2.0**-40, mids - np.abs(mids) * 2.0**-40, grid])
+    # Not those that round to zero: XLA:CPU's elemental emitters (conftest's flags, JAX 0.10)
+    # turn a negative one into fnuz's NaN (0x80), with or without float64.
+    x = x[np.abs(x) > 2 * float(jnp.finfo(dtype).smallest_subnormal)]
+    for scale in (1.0, 0.5):
+        want = (x * scale).astype(dtype).view(np.uint8)
+        got = np.asarray(fp8jax.quantize(x, scale, fmt)).view(np.uint8)
+        np.testing.assert_array_equal(got, want)
+        with jax.enable_x64(True):
+            quantize = jax.jit(lambda v: fp8jax.quantize(v, scale, fmt))  # noqa: B023
+            got = np.asarray(quantize(jnp.asarray(x))).view(np.uint8)
+        np.testing.assert_array_equal(got, want)

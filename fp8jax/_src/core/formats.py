@@ -158,6 +158,33 @@ def _within_float32(x: Any, xp: Any) -> Any:
     return xp.where(xp.isfinite(x), xp.clip(x, -top, top), x)
 
 
+def _odd_float32(x: Any, xp: Any) -> Any:
+    """A float64 `x` (NumPy's with `xp=np`, JAX's with `jnp`) rounded to float32 to odd: where
+    inexact, to the neighbour whose last bit is 1. Rounded once more, to FP8 (3 or 2 bits:
+    far fewer than float32's 24), it lands on the value nearest `x`; rounded to nearest twice,
+    `1.0625 + 1e-12` went to float32's `1.0625`, a midpoint of E4M3, and down to 1, not 1.125.
+    Other dtypes come back as they are."""
+    if xp.dtype(x.dtype) != np.dtype(np.float64):
+        return x
+    f = x.astype(np.float32)
+    bits = f.view(np.int32) if xp is np else lax.bitcast_convert_type(f, jnp.int32)
+    toward = xp.where(x > f, np.float32(np.inf), xp.where(x < f, np.float32(-np.inf), f))
+    odd = xp.nextafter(f, toward.astype(np.float32))  # f itself where f == x (or NaN)
+    return xp.where(((bits & 1) == 0) & (f != x), odd, f)
+
+
+@jax.custom_jvp
+def _narrow(x: Array) -> Array:
+    """`_odd_float32(x, jnp)`, with a convert's derivative (a select alone would give none)."""
+    return _odd_float32(x, jnp)
+
+
+@_narrow.defjvp
+def _narrow_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+    (x,), (t,) = primals, tangents
+    return _narrow(x), t.astype(jnp.float32)
+
+
 def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     """Cast `x * scale` (formed in float32) to the FP8 `dtype`, clipping at its max.
 
@@ -168,7 +195,10 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     (`jax_enable_x64`) beyond float32's range is finite too: it is clipped to float32's max
     before the cast, and saturates.
     """
-    x = widen(_within_float32(jnp.asarray(x), jnp))
+    x = jnp.asarray(x)
+    if x.dtype == jnp.float64:
+        x = _narrow(_within_float32(x, jnp))
+    x = widen(x)
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
     return jnp.where(jnp.isfinite(x), scaled, jnp.nan).astype(dtype)
@@ -179,9 +209,11 @@ def quantize(
 ) -> Array:
     """Cast `x * scale` to FP8, saturating finite values at the format's max.
 
-    The product is formed in float32 and rounded to nearest-even by the cast. An inf or NaN
-    in `x` becomes NaN: faults are not hidden (see `saturate`); a finite float64 beyond
-    float32's range saturates, as NumPy's or under `jax_enable_x64`. `scale` broadcasts to `x`'s
+    The product is formed in float32 and rounded to nearest-even by the cast; a float64 `x`
+    (NumPy's, or JAX's under `jax_enable_x64`) is narrowed to float32 by rounding to odd, so
+    that with a power-of-two scale it lands on the FP8 value nearest it. An inf or NaN in `x`
+    becomes NaN: faults are not hidden (see `saturate`); a finite float64 beyond float32's
+    range saturates, as NumPy's or under `jax_enable_x64`. `scale` broadcasts to `x`'s
     shape (a scalar, or one per row with shape `(rows, 1)`, say); a scale that would broadcast
     `x` to a larger shape, or not at all (per-block scales: repeat them over each block
     first), is refused.
@@ -197,7 +229,7 @@ def quantize(
     their own derivatives and are not affected.
     """
     if not isinstance(x, jax.Array):  # NumPy's float64 (or a Python float), on the host
-        x = _within_float32(np.asarray(x), np)
+        x = _odd_float32(_within_float32(np.asarray(x), np), np)
     x, scale = jnp.asarray(x), jnp.asarray(scale)
     check_scale_shape("quantize", x.shape, scale.shape)
     return saturate(x, scale, fp8_dtype(fmt))
