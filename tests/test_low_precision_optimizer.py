@@ -72,6 +72,9 @@ def test_argument_errors():
         low_precision_state(optax.adam(1e-3), jnp.int8)
     with pytest.raises(ValueError, match="dtype='nope' should be a floating dtype"):
         low_precision_state(optax.adam(1e-3), "nope")
+    # float128 is floating, but JAX's type promotion refused it without naming the argument.
+    with pytest.raises(ValueError, match="dtype='float128' is float128, of which JAX has no"):
+        low_precision_state(optax.adam(1e-3), "float128")
     with pytest.raises(TypeError, match="should be an optax GradientTransformation"):
         low_precision_state(lambda g: g)
 

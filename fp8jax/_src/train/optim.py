@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
-from ..core.formats import DTYPE_ALIASES
+from ..core.formats import DTYPE_ALIASES, JAX_FLOATS
 
 T = TypeVar("T")
 
@@ -181,6 +181,11 @@ def low_precision_state(
         raise ValueError(
             f"low_precision_state: dtype={dtype!r} is an 8-bit float, which stores optimizer "
             "state without a scale; use jnp.bfloat16, jnp.float16 or jnp.float32."
+        )
+    if storage not in JAX_FLOATS:
+        raise ValueError(
+            f"low_precision_state: dtype={dtype!r} is {storage}, of which JAX has no arrays; "
+            "use jnp.bfloat16, jnp.float16 or jnp.float32."
         )
     if storage == np.dtype(jnp.float16):
         warnings.warn(
