@@ -229,8 +229,16 @@ def quantize(
     their own derivatives and are not affected.
     """
     if not isinstance(x, jax.Array):  # NumPy's float64 (or a Python float), on the host
-        x = _odd_float32(_within_float32(np.asarray(x), np), np)
+        x = np.asarray(x)
+        if x.dtype.kind in "biu":  # as float64: jnp.asarray would wrap int64 beyond int32
+            x = x.astype(np.float64)
+        x = _odd_float32(_within_float32(x, np), np)
     x, scale = jnp.asarray(x), jnp.asarray(scale)
+    if not jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.kind not in "biu":
+        raise ValueError(
+            f"quantize: x of dtype {x.dtype} has no FP8 value (a complex one's imaginary part "
+            "would be dropped); give real numbers: a floating (or integer) array."
+        )
     check_scale_shape("quantize", x.shape, scale.shape)
     return saturate(x, scale, fp8_dtype(fmt))
 
