@@ -205,6 +205,13 @@ def test_quantize_saturates_float64_beyond_float32_range(fmt):
                 want = np.clip(x * scale, -limit, limit).astype({"e4m3": E4M3, "e5m2": E5M2}[fmt])
             want = np.where(np.isfinite(x), want.astype(np.float64), np.nan)
             np.testing.assert_array_equal(got, want)
+    # Its amax is finite too (float32's max, as NumPy clips it), not inf: no fault is
+    # reported, no state update rejected, for a value that quantize saturates.
+    from fp8jax._src.core.amax import amax
+
+    with jax.enable_x64(True):
+        got = float(amax(jnp.asarray(x[:4]), jnp.zeros(())))
+    assert got == float(np.clip(np.max(np.abs(x[:4])), 0, np.finfo(np.float32).max))
     # Without x64, a NumPy float64 (or a Python float) is cast to float32 on the way in.
     got = np.asarray(fp8jax.quantize(x, 1.0, fmt)).astype(np.float64)
     np.testing.assert_array_equal(got, [limit, -limit, limit, 1.5, np.nan, np.nan])

@@ -68,8 +68,13 @@ def batch_shared(
 def local_amax(x: Float[Array, "*shape"]) -> Float[Array, ""]:
     """`max(|x|)` in float32 (0 for an empty `x`) of this call's `x` alone: `amax`'s
     reduction without the spans over a batch or mesh axes (`fp8jax.Recipe.amax` adds them),
-    for the XLA twins of kernels that return a tensor's amax."""
-    return jnp.max(jnp.abs(x), initial=0.0).astype(jnp.float32)
+    for the XLA twins of kernels that return a tensor's amax. A finite float64 `x` beyond
+    float32's range gives float32's max, not inf (a fault): `quantize` saturates it."""
+    value = jnp.max(jnp.abs(x), initial=0.0)
+    if value.dtype == jnp.float64:
+        top = float(jnp.finfo(jnp.float32).max)
+        value = jnp.where(jnp.isfinite(value), jnp.minimum(value, top), value)
+    return value.astype(jnp.float32)
 
 
 amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = batch_shared(
