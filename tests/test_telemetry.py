@@ -771,3 +771,21 @@ def test_a_plan_with_every_layer_in_fp8_says_so():
     text = fp8jax.report(fp8jax.fp8_linear_layers(mlp, config), plan=plan, quiet=True)
     assert text.splitlines()[-1] == f"high precision: none (all {len(linears)} layers in FP8)"
     assert len(text.splitlines()) == 2 + 3 * len(linears) + 2  # header, rule, rows, two notes
+
+
+def test_finite_float64_beyond_float32_range_is_counted_saturated():
+    """Under x64, a finite float64 of 1e300 (or 1e39) is saturated by the cast (quantize clips
+    it to the format's max), but its magnitude cast to float32 was inf, which is not counted:
+    the saturated fraction was 0, not 3/4. Reference: ml_dtypes' unsaturated cast of the
+    float64 product."""
+    from fp8jax._src.core.stats import cast_statistics
+
+    x = np.array([[1e300, -1e300, 2.0, 1e39]])
+    with np.errstate(over="ignore"):
+        cast = (x * 0.5).astype(FORMATS["e4m3"]).astype(np.float64)
+    want = np.mean(~np.isfinite(cast) & np.isfinite(x))
+    with jax.enable_x64(True):
+        q = fp8jax.quantize(jnp.asarray(x), 0.5, "e4m3")
+        terms = [fp8jax.QTensor(q, jnp.float32(2.0))]
+        got = cast_statistics(jnp.asarray(x), terms, "e4m3", jnp.zeros(()))
+        assert float(got.saturated) == want == 0.75
