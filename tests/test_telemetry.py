@@ -773,7 +773,7 @@ def test_a_plan_with_every_layer_in_fp8_says_so():
     assert len(text.splitlines()) == 2 + 3 * len(linears) + 2  # header, rule, rows, two notes
 
 
-def test_finite_float64_beyond_float32_range_is_counted_saturated():
+def test_float64_beyond_float32_range_is_counted_saturated_or_underflowed():
     """Under x64, a finite float64 of 1e300 (or 1e39) is saturated by the cast (quantize clips
     it to the format's max), but its magnitude cast to float32 was inf, which is not counted:
     the saturated fraction was 0, not 3/4. Reference: ml_dtypes' unsaturated cast of the
@@ -789,3 +789,12 @@ def test_finite_float64_beyond_float32_range_is_counted_saturated():
         terms = [fp8jax.QTensor(q, jnp.float32(2.0))]
         got = cast_statistics(jnp.asarray(x), terms, "e4m3", jnp.zeros(()))
         assert float(got.saturated) == want == 0.75
+    # One below float32's range (1e-50) is nonzero and becomes 0: it underflows, though its
+    # float32 magnitude is 0.
+    x = np.array([[1e-50, -1e-60, 2.0, 0.0]])
+    want = np.mean((x.astype(FORMATS["e4m3"]).astype(np.float64) == 0) & (x != 0))
+    with jax.enable_x64(True):
+        q = fp8jax.quantize(jnp.asarray(x), 1.0, "e4m3")
+        terms = [fp8jax.QTensor(q, jnp.float32(1.0))]
+        got = cast_statistics(jnp.asarray(x), terms, "e4m3", jnp.zeros(()))
+        assert float(got.underflow) == want == 0.5

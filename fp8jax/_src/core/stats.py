@@ -159,7 +159,8 @@ def cast_statistics(
     beyond = magnitude >= limit if ties_overflow(fmt) else magnitude > limit
     saturated = jnp.isfinite(magnitude) & beyond
     all_zero = functools.reduce(operator.and_, [t.data == 0 for t in terms])
-    values = (fraction(saturated, owner), fraction(all_zero & (magnitude > 0), owner))
+    nonzero = x != 0  # in x's dtype: a float64 below float32's range is nonzero too
+    values = (fraction(saturated, owner), fraction(all_zero & nonzero, owner))
     if axis_names:
         values = tuple(lax.pmean(v, axis_names) for v in values)
     return OperandStats(*values, jnp.zeros((), jnp.float32))
