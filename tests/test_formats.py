@@ -285,6 +285,18 @@ def test_qtensor_dequantize_scales_each_block_and_refuses_other_scale_shapes():
         fp8jax.QTensor(jnp.asarray(data), jnp.ones((2, 5, 7))).dequantize()
 
 
+@pytest.mark.parametrize("cols", [3, 5])
+def test_qtensor_dequantize_scales_each_batch_member_by_its_own_scale(cols):
+    """A per-tensor scale per batch member, `scale_inv (E,)` for `data (E, K, N)` (a grouped
+    layer's kernel, quantized per expert), was broadcast over the last axis: N == E scaled
+    column j by expert j's scale, any other N was refused. Against float64 NumPy."""
+    data = (np.random.default_rng(3).standard_normal((3, 4, cols)) * 50).astype(E4M3)
+    scale_inv = np.array([0.5, 2.0, 8.0], np.float32)
+    got = fp8jax.QTensor(jnp.asarray(data), jnp.asarray(scale_inv)).dequantize()
+    want = data.astype(np.float64) * scale_inv.astype(np.float64)[:, None, None]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("x_dtype", [np.float32, jnp.bfloat16, np.float16])
 @pytest.mark.parametrize("fmt, dtype", [("e4m3", E4M3), ("e5m2", E5M2)])
 def test_gradient_through_quantize_is_as_documented(fmt, dtype, x_dtype):

@@ -110,8 +110,9 @@ class QTensor(eqx.Module):
     **Fields:**
 
     - `data`: the FP8 values, shape `(*B, rows, cols)`.
-    - `scale_inv`: a float32 scalar (per-tensor recipes), or one value per block, shape
-      `(*B, ceil(rows / block[0]), ceil(cols / block[1]))`.
+    - `scale_inv`: a float32 scalar (per-tensor recipes), one per member of the leading batch
+      axes, shape `(*B,)` (a grouped layer's kernel: one per expert), or one value per block,
+      shape `(*B, ceil(rows / block[0]), ceil(cols / block[1]))`.
     - `block`: `()` for per-tensor scaling, else the block shape `(block_rows, block_cols)`.
     """
 
@@ -126,6 +127,8 @@ class QTensor(eqx.Module):
         data = self.data.astype(jnp.float32)
         scale_inv = self.scale_inv.astype(jnp.float32)
         if not self.block:
+            if 0 < scale_inv.ndim < data.ndim:  # per batch member: the leading axes
+                scale_inv = scale_inv.reshape(scale_inv.shape + (1,) * (data.ndim - scale_inv.ndim))
             check_scale_shape("QTensor.dequantize (per-tensor)", data.shape, scale_inv.shape)
             return data * scale_inv
         *batch, rows, cols = data.shape
