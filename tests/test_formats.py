@@ -347,13 +347,19 @@ def test_float64_next_to_a_midpoint_rounds_to_the_nearest_fp8_value(fmt):
         np.testing.assert_array_equal(got, want)
 
 
-def test_integer_values_beyond_int32_saturate_and_complex_values_are_refused():
+def test_integer_and_long_double_values_saturate_and_complex_values_are_refused():
     """A NumPy int64 of 2**40 became 0 (JAX holds it as int32, wrapped), and `1 + 2j` became 1
     (the imaginary part dropped without a word)."""
     x = np.array([2**40, 3, -(2**33), 7], np.int64)
     want = np.clip(x.astype(np.float64), -57344.0, 57344.0).astype(E5M2).astype(np.float64)
     got = np.asarray(fp8jax.quantize(x, 1.0, "e5m2")).astype(np.float64)
     np.testing.assert_array_equal(got, want)
-    for z in (np.array([1 + 2j]), jnp.array([1 + 2j])):
+    for z in (np.array([1 + 2j], np.complex64), jnp.array([1 + 2j])):
         with pytest.raises(ValueError, match="x of dtype complex64 has no FP8 value"):
             fp8jax.quantize(z, 1.0, "e5m2")
+    with pytest.raises(ValueError, match="x of dtype <U1 has no FP8 value"):
+        fp8jax.quantize(np.array(["a"]), 1.0, "e5m2")  # was a TypeError of JAX's "stage"
+    # NumPy's long double, which JAX has no arrays of (a TypeError too), rounds as float64 does.
+    wide = np.array([1.0625 + 2.0**-40, 1e300, -3.0], np.longdouble)
+    want = np.clip(wide.astype(np.float64), -57344, 57344).astype(E5M2).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(fp8jax.quantize(wide, 1.0, "e5m2"), np.float64), want)

@@ -159,12 +159,12 @@ def _within_float32(x: Any, xp: Any) -> Any:
 
 
 def _odd_float32(x: Any, xp: Any) -> Any:
-    """A float64 `x` (NumPy's with `xp=np`, JAX's with `jnp`) rounded to float32 to odd: where
-    inexact, to the neighbour whose last bit is 1. Rounded once more, to FP8 (3 or 2 bits:
-    far fewer than float32's 24), it lands on the value nearest `x`; rounded to nearest twice,
-    `1.0625 + 1e-12` went to float32's `1.0625`, a midpoint of E4M3, and down to 1, not 1.125.
-    Other dtypes come back as they are."""
-    if xp.dtype(x.dtype) != np.dtype(np.float64):
+    """A float64 (or wider) `x` (NumPy's with `xp=np`, JAX's with `jnp`) rounded to float32 to
+    odd: where inexact, to the neighbour whose last bit is 1. Rounded once more, to FP8 (3 or
+    2 bits: far fewer than float32's 24), it lands on the value nearest `x`; rounded to nearest
+    twice, `1.0625 + 1e-12` went to float32's `1.0625`, a midpoint of E4M3, and down to 1, not
+    1.125. Other dtypes come back as they are."""
+    if not xp.issubdtype(x.dtype, xp.floating) or xp.dtype(x.dtype).itemsize <= 4:
         return x
     f = x.astype(np.float32)
     bits = f.view(np.int32) if xp is np else lax.bitcast_convert_type(f, jnp.int32)
@@ -232,15 +232,22 @@ def quantize(
         x = np.asarray(x)
         if x.dtype.kind in "biu":  # as float64: jnp.asarray would wrap int64 beyond int32
             x = x.astype(np.float64)
-        x = _odd_float32(_within_float32(x, np), np)
+        _check_real(x.dtype)
+        x = _odd_float32(_within_float32(x, np), np)  # long double too: JAX has none
     x, scale = jnp.asarray(x), jnp.asarray(scale)
-    if not jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.kind not in "biu":
-        raise ValueError(
-            f"quantize: x of dtype {x.dtype} has no FP8 value (a complex one's imaginary part "
-            "would be dropped); give real numbers: a floating (or integer) array."
-        )
+    _check_real(x.dtype)
     check_scale_shape("quantize", x.shape, scale.shape)
     return saturate(x, scale, fp8_dtype(fmt))
+
+
+def _check_real(dtype: np.dtype) -> None:
+    """Refuse values without an FP8 form: complex (the imaginary part would be dropped),
+    strings, objects."""
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype.kind in "biu"):
+        raise ValueError(
+            f"quantize: x of dtype {dtype} has no FP8 value (a complex one's imaginary part "
+            "would be dropped); give real numbers: a floating (or integer) array."
+        )
 
 
 def check_scale_shape(what: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
