@@ -798,3 +798,14 @@ def test_float64_beyond_float32_range_is_counted_saturated_or_underflowed():
         terms = [fp8jax.QTensor(q, jnp.float32(1.0))]
         got = cast_statistics(jnp.asarray(x), terms, "e4m3", jnp.zeros(()))
         assert float(got.underflow) == want == 0.5
+
+
+def test_grouped_tokens_start_in_the_float32_a_step_records_under_x64():
+    """Under x64 a grouped layer's initial `tokens` were float64 (`jnp.zeros`' default),
+    while a step records float32, as every other statistic."""
+    with jax.enable_x64(True):
+        dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+        x, w = np.ones((6, 8), np.float32), np.ones((4, 8, 4), np.float32)
+        sizes = np.array([3, 0, 2, 1], np.int32)
+        grads = fp8jax.filter_grad(lambda d: jnp.sum(d(x, w, sizes)))(dot)
+        assert dot.stats.tokens.dtype == grads.stats.tokens.dtype == np.float32

@@ -88,7 +88,8 @@ class ExpertStats(AbstractStats):
     def zeros_for(cls, experts: int) -> "ExpertStats":
         """Statistics of no step yet, for `experts` experts."""
         per_expert = OperandStats(*(jnp.zeros((experts,), jnp.float32) for _ in range(3)))
-        return cls(OperandStats.zeros(), per_expert, OperandStats.zeros(), jnp.zeros((experts,)))
+        tokens = jnp.zeros((experts,), jnp.float32)  # float32 under x64 too, as steps record
+        return cls(OperandStats.zeros(), per_expert, OperandStats.zeros(), tokens)
 
 
 def _is_expert_stats(x: Any) -> bool:
