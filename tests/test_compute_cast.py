@@ -102,9 +102,11 @@ def test_readme_snippet_runs_and_casts_inside_the_loss(getkey):
     assert float(fc1.dot_general.input.amax_history[0]) > 0
 
 
-def test_compute_cast_benchmark_quick(capsys):
+def test_compute_cast_benchmark_quick(capsys, monkeypatch):
     """The uncast step holds more H100 temp memory than the cast one (deviceless compile)."""
     h100_topology()
+    # Its sibling train_steps, as when run as a script (alone, this test failed to import it).
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(
         "compute_cast", ROOT / "benchmarks" / "compute_cast.py"
     )
