@@ -290,8 +290,10 @@ def floor_log2(x: Array) -> Array:
 def dequantize(
     q: ArrayLike, scale: Float[ArrayLike, "*#shape"], dtype: DTypeLike = jnp.float32
 ) -> Array:
-    """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype`. `scale` is the
-    one `q` was quantized with, of a shape that broadcasts to `q`'s (others are refused);
+    """Undo [`fp8jax.quantize`][]: `q / scale` in float32, cast to `dtype` (XLA may multiply
+    by `1 / scale` instead: exact for power-of-two scales, within an ulp of float32 for
+    others). `scale` is the one `q` was quantized with, of a shape that broadcasts to `q`'s
+    (others are refused);
     `dtype` a floating dtype of 16 bits or more (an integer one would truncate the values, an
     FP8 one round them again: refused)."""
     dtype = float_dtype(dtype, "dequantize: dtype")
