@@ -321,6 +321,31 @@ def test_kernels_refuse_shapes_they_cannot_tile():
         block_quantize.requantize_columns(data, jnp.ones((128, 2)), max_scale=1.0)
 
 
+def test_operands_past_32_bit_offsets_keep_the_xla_path():
+    """Pallas' Triton lowering addresses an array of at most 2**32 bytes with 32-bit element
+    offsets, which overflow past 2**31 - 1 elements: an FP8 copy of a 16384 x 151552 output
+    gradient (a vocabulary's) would be written out of bounds. `fits` says no there (over a
+    batch the kernels map over too), the kernels refuse it by name, and the blockwise recipe
+    keeps its XLA path (traced only: nothing is allocated)."""
+    int32_max = int(np.iinfo(np.int32).max)
+    big = (16384, 151552)
+    assert big[0] * big[1] > int32_max and not block_quantize.fits(big, 128)
+    assert not block_quantize.fits((2, 16384, 65536), 128)  # 2**30 a member, 2**31 in all
+    assert block_quantize.fits((128 * 16383, 1024), 128)  # 2**31 - 2**17 elements
+    spec = jax.ShapeDtypeStruct(big, jnp.bfloat16)
+    with pytest.raises(ValueError, match=rf"{big[0]}, {big[1]}\).*more than {int32_max} el"):
+        block_quantize.quantize_rows(spec, E4M3, max_scale=1.0, interpret=True)
+    recipe = fp8jax.BlockwiseScaling()
+    state = recipe.init_state("output_grad")
+
+    def kernels(shape):
+        with dispatch.interpreted():
+            both = jax.make_jaxpr(lambda g: recipe.quantize_both(g, state, "output_grad"))
+            return str(both(jax.ShapeDtypeStruct(shape, jnp.bfloat16))).count("pallas_call")
+
+    assert kernels((256, 256)) == 1 and kernels(big) == 0 and kernels((2, 16384, 65536)) == 0
+
+
 def test_quantize_slabs_sets_the_rows_of_tunings_that_name_none():
     """`quantize_slabs(rows)` fills `slab_rows` where a tuning leaves it `None`, inside only,
     and refuses what is not a power of two by name."""

@@ -47,6 +47,7 @@ any other.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,12 +84,18 @@ from .quantize_tiles import (  # noqa: F401 - re-exported: the kernels' shared t
     transpose,
 )
 
+#: Elements an operand may have, over the batch the kernels are mapped over too: Pallas'
+#: Triton lowering addresses an array of at most 2**32 bytes with 32-bit element offsets,
+#: which overflow past 2**31 - 1 elements (an FP8 copy of 2**31 to 2**32 elements).
+MAX_ELEMENTS = 2**31 - 1
+
 
 def fits(shape: tuple[int, ...], block: int) -> bool:
-    """Whether the kernels can quantize a 2-D `shape`: whole `block x block` tiles, and a
-    JAX that still has Pallas' Triton backend."""
-    tiled = len(shape) == 2 and all(n > 0 and n % block == 0 for n in shape)
-    return tiled and pltriton is not None
+    """Whether the kernels can quantize `shape`, `(M, K)` or `(*B, M, K)` mapped over `B`:
+    whole `block x block` tiles, at most `MAX_ELEMENTS` in all, and a JAX that still has
+    Pallas' Triton backend."""
+    tiled = len(shape) >= 2 and all(n > 0 and n % block == 0 for n in shape[-2:])
+    return tiled and math.prod(shape) <= MAX_ELEMENTS and pltriton is not None
 
 
 # --- the kernels ---------------------------------------------------------------------------
@@ -152,11 +159,12 @@ def check_tiles(x: Array, block: int, name: str) -> None:
             f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
             "is written in; the recipes keep the XLA path there."
         )
-    if not fits(x.shape, block):
+    if x.ndim != 2 or not fits(x.shape, block):
         raise ValueError(
-            f"{name}: shape {x.shape} is not made of whole {block} x {block} tiles; the "
-            "kernel takes 2-D operands whose sides are multiples of the block (the recipes "
-            "keep the XLA path for others)."
+            f"{name}: shape {x.shape} is not made of whole {block} x {block} tiles or has "
+            f"more than {MAX_ELEMENTS} elements; the kernel takes 2-D operands whose sides "
+            "are multiples of the block, of at most that many elements (the recipes keep "
+            "the XLA path for others)."
         )
 
 

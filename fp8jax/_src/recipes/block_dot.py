@@ -140,9 +140,11 @@ def quantized_k_major(q: QTensor, axis: Axis, per_expert: bool = False) -> QTens
     of the 2-D weights, a grouped layer's)."""
     if axis == -1:
         return q
+    # The shape the kernels' choice saw (`fits`): a weight's own where `per_expert`.
+    shape = q.data.shape[-2:] if per_expert else q.data.shape
     written_k_major = (
         (q.block[1] == 1 or (q.block[0] == q.block[1] and (q.data.ndim == 2 or per_expert)))
-        and block_quantize.fits(q.data.shape[-2:], q.block[0])
+        and block_quantize.fits(shape, q.block[0])
         and dispatch.per_device_gemm(q.data)
     )
     data = jnp.swapaxes(q.data, -1, -2) if written_k_major else dispatch.k_major(q.data, axis)

@@ -298,13 +298,14 @@ class BlockwiseScaling(BlockScaledRecipe):
 
     def _one_pass(self, x: Array) -> bool:
         """Whether the tiles of `x` may be quantized by the one-pass kernels where the GEMMs
-        run natively: whole tiles, one device's data, the kernel not turned off."""
+        run natively: whole tiles, at most `block_quantize.MAX_ELEMENTS` elements (32-bit
+        offsets), one device's data, the kernel not turned off."""
         return (
             self._kernel is not False
             and not self.dequantized_dot
             and self.block_size in NATIVE_BLOCK_SIZES
             and x.ndim in (2, 3)
-            and block_quantize.fits(x.shape[-2:], self.block_size)
+            and block_quantize.fits(x.shape, self.block_size)
             and dispatch.per_device_gemm(x)
         )
 

@@ -122,12 +122,13 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32
 
 def fits(x: Array) -> bool:
     """Whether the kernel may quantize `x (*B, M, K)`: at most one batch axis, `M` and `K`
-    whole tiles, a 16- or 32-bit float, one device's data (an opaque kernel on a mesh that
-    XLA partitions would make it gather the operand)."""
+    whole tiles, at most `block_quantize.MAX_ELEMENTS` elements in all (32-bit offsets), a
+    16- or 32-bit float, one device's data (an opaque kernel on a mesh that XLA partitions
+    would make it gather the operand)."""
     return (
         x.ndim in (2, 3)
         and jnp.dtype(x.dtype) in DTYPES
-        and block_quantize.fits(x.shape[-2:], BLOCK)
+        and block_quantize.fits(x.shape, BLOCK)
         and dispatch.per_device_gemm(x)
     )
 
