@@ -346,6 +346,16 @@ def test_operands_past_32_bit_offsets_keep_the_xla_path():
     assert kernels((256, 256)) == 1 and kernels(big) == 0 and kernels((2, 16384, 65536)) == 0
 
 
+def test_tunings_refuse_warps_triton_cannot_take():
+    """`num_warps` is a whole number of warps, a power of two up to 32: `True` and `4.0`
+    (equal to 1 and 4 in a tuple's `in`) were taken and passed on to Triton."""
+    x = jnp.ones((128, 128), jnp.float32)
+    for warps in (True, 4.0, 3, 64, 0):
+        tuning = block_quantize.ColumnTuning(num_warps=warps)
+        with pytest.raises(ValueError, match=rf"num_warps={warps!r}.*power of two from 1"):
+            block_quantize.quantize_rows(x, E4M3, max_scale=1.0, interpret=True, tuning=tuning)
+
+
 def test_quantize_slabs_sets_the_rows_of_tunings_that_name_none():
     """`quantize_slabs(rows)` fills `slab_rows` where a tuning leaves it `None`, inside only,
     and refuses what is not a power of two by name."""

@@ -73,7 +73,11 @@ def slab_height(tuning: ColumnTuning, block: int) -> int:
 def check_tuning(tuning: ColumnTuning, name: str, block: int = 128) -> ColumnTuning:
     """`tuning` resolved (`resolved`) for kernel `name` on `block`-row tiles; raise if it is not
     a `ColumnTuning` Triton can run."""
-    if not isinstance(tuning, ColumnTuning) or tuning.num_warps not in (1, 2, 4, 8, 16, 32):
+    if (
+        not isinstance(tuning, ColumnTuning)
+        or not _power_of_two(tuning.num_warps)
+        or tuning.num_warps > 32
+    ):
         raise ValueError(
             f"{name}: tuning={tuning!r}; expected a ColumnTuning with num_warps a power of "
             "two from 1 to 32."
