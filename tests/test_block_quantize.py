@@ -346,6 +346,34 @@ def test_operands_past_32_bit_offsets_keep_the_xla_path():
     assert kernels((256, 256)) == 1 and kernels(big) == 0 and kernels((2, 16384, 65536)) == 0
 
 
+def test_kernels_refuse_targets_that_are_not_fp8():
+    """The kernels cast to FP8: a BF16 or float32 `fmt` (or data to requantize) was taken,
+    and 3.0 came out as 2.55e38 (a copy scaled to BF16's max). Each kernel names the format
+    it was given; the FP8 formats still run."""
+    x = jnp.full((128, 128), 3.0, jnp.float32)
+    rows = jnp.arange(128)
+    rule = dict(max_scale=MAX_SCALE, interpret=True)
+    from fp8jax._src.kernels.cast_transpose import cast_transpose
+
+    scale_t = jnp.ones((1, 128))
+    calls = (
+        lambda f: block_quantize.quantize_rows(x, f, **rule),
+        lambda f: block_quantize.quantize_rows_and_columns(x, f, **rule),
+        lambda f: block_quantize.quantize_blocks(x, f, **rule),
+        lambda f: padded_quantize.quantize_padded_columns(x, rows, f, **rule),
+        lambda f: padded_quantize.quantize_rows_and_padded_columns(x, rows, f, **rule),
+        lambda f: cast_transpose(x, 1.0, f, interpret=True),
+        lambda f: block_quantize.requantize_columns(x.astype(f), scale_t, **rule),
+        lambda f: padded_quantize.requantize_padded_columns(x.astype(f), scale_t, rows, **rule),
+    )
+    for fmt in (jnp.bfloat16, jnp.float32, jnp.int8):
+        for call in calls:
+            with pytest.raises(ValueError, match=rf"format {jnp.dtype(fmt).name}; expected an FP8"):
+                call(fmt)
+    data = block_quantize.quantize_rows(x, E5M2, **rule)[0]
+    assert data.dtype == E5M2 and float(data[0, 0]) == float(ml_dtypes.finfo(E5M2).max)
+
+
 def test_tunings_refuse_warps_triton_cannot_take():
     """`num_warps` is a whole number of warps, a power of two up to 32: `True` and `4.0`
     (equal to 1 and 4 in a tuple's `in`) were taken and passed on to Triton."""

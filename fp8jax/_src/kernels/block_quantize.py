@@ -168,6 +168,18 @@ def check_tiles(x: Array, block: int, name: str) -> None:
         )
 
 
+def check_format(fmt: object, name: str) -> jnp.dtype:
+    """`fmt` as a dtype; raise, naming kernel `name`, unless it is an 8-bit float (a 16- or
+    32-bit one would be a copy scaled up to its own max, an integer one is no format)."""
+    dtype = jnp.dtype(fmt)
+    if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1):
+        raise ValueError(
+            f"{name}: format {dtype.name}; expected an FP8 format (float8_e4m3fn or "
+            "float8_e5m2, say)."
+        )
+    return dtype
+
+
 def triton_call(kernel, shapes, specs, in_specs, grid, interpret, name, num_warps=NUM_WARPS):
     """The quantization kernels' `pallas_call` (Triton: `num_warps` warps, one stage)."""
     return pl.pallas_call(
@@ -218,7 +230,7 @@ def _rows(x, fmt, columns, block, max_scale, power_of_two, interpret, tuning=DEF
     tuning = check_tuning(tuning, name, block)
     return _quantize(
         x,
-        fmt=jnp.dtype(fmt),
+        fmt=check_format(fmt, name),
         block=block,
         max_scale=max_scale,
         power_of_two=power_of_two,
@@ -295,6 +307,7 @@ def requantize_columns(
     `data`'s FP8 type and its chunk-major `scale_inv (M / block, K)`. `tuning`: a
     `ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, block, QUANTIZE_NAMES[2], interpret)
+    check_format(data.dtype, QUANTIZE_NAMES[2])
     tuning = check_tuning(tuning, QUANTIZE_NAMES[2], block)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
@@ -413,7 +426,7 @@ def quantize_blocks(
     tuning = check_tuning(tuning, QUANTIZE_NAMES[3], block)
     return _quantize_square(
         w,
-        fmt=jnp.dtype(fmt),
+        fmt=check_format(fmt, QUANTIZE_NAMES[3]),
         block=block,
         max_scale=max_scale,
         power_of_two=power_of_two,

@@ -30,6 +30,7 @@ from .block_quantize import (
     DEFAULT_TUNING,
     ColumnTuning,
     bits_max,
+    check_format,
     check_tiles,
     check_tuning,
     nan_max,
@@ -115,7 +116,7 @@ def cast_transpose(
     return _cast_transpose(
         x,
         jnp.asarray(scale),
-        fmt=jnp.dtype(fmt),
+        fmt=check_format(fmt, CAST_TRANSPOSE_NAME),
         block=block,
         interpret=interpreting() if interpret is None else interpret,
         tuning=tuning,

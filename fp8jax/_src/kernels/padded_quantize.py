@@ -44,6 +44,7 @@ from .block_quantize import (
     DEFAULT_TUNING,
     OTHER_TUNING,
     ColumnTuning,
+    check_format,
     check_tuning,
     column_outputs,
     pltriton,
@@ -174,7 +175,7 @@ def _gathered(x, rows, fmt, rows_too, block, max_scale, power_of_two, interpret,
     return _quantize(
         x,
         rows.astype(jnp.int32),
-        fmt=jnp.dtype(fmt),
+        fmt=check_format(fmt, name),
         rows_too=rows_too,
         block=block,
         max_scale=max_scale,
@@ -255,6 +256,7 @@ def requantize_padded_columns(
     transposed: `data_t (K, P)` in `data`'s FP8 type and chunk-major `scale_inv (P / block,
     K)`. `tuning`: a `block_quantize.ColumnTuning` (the GPU check's sweep)."""
     interpret = _interpret(data, rows, block, REQUANTIZE_PADDED_NAME, interpret)
+    check_format(data.dtype, REQUANTIZE_PADDED_NAME)
     tuning = check_tuning(tuning, REQUANTIZE_PADDED_NAME, block)
     want = (data.shape[1] // block, data.shape[0])
     if scale_inv_t.shape != want:
