@@ -375,6 +375,29 @@ def test_blockwise_output_gradient_on_the_tensor_cores_is_its_xla_path(batch):
             same(a, b)
 
 
+def test_float64_blockwise_operands_inside_tensor_core_quantization_run():
+    """Under `jax_enable_x64`, a float64 activation or weight inside
+    `tensor_core_quantization()` raised "x has dtype float64" while tracing the CUDA branch
+    (on a CPU too): the tensor-core kernels read 16- and 32-bit floats only. Such operands
+    take the Triton kernels (which read any float) and quantize as the XLA path."""
+    recipe = fp8jax.BlockwiseScaling(power_of_two=True)
+    xla = fp8jax.BlockwiseScaling(power_of_two=True, native_kernel=False)
+    x = np.random.default_rng(3).standard_normal((128, 256)) * 100
+
+    def copies(r, x):
+        rows = r.quantize(x, r.init_state("input"), "input", -1)[0]
+        weight = r.quantize(x, r.init_state("kernel"), "kernel", -1)[0]
+        return rows.data, rows.scale_inv, weight.dequantize()
+
+    with jax.enable_x64(True):
+        x = jnp.asarray(x, jnp.float64)
+        with tensor_core_quantization():
+            got = jax.jit(lambda x: copies(recipe, x))(x)
+        want = jax.jit(lambda x: copies(xla, x))(x)
+    for a, b in zip(got, want, strict=True):
+        same(a, b)
+
+
 @needs_interpreter
 def test_blockwise_weight_on_the_tensor_cores_is_the_triton_kernels():
     """Inside `tensor_core_quantization()` a blockwise weight's two GEMM copies (forward and

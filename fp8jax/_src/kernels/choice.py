@@ -76,6 +76,9 @@ DEFAULT_CONFIGS = {
 
 #: The 16-bit types the tensor cores transpose exactly (an output gradient's).
 SIXTEEN = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+#: The types the tensor-core kernels read (an activation's, a weight's); others (float64
+#: under `jax_enable_x64`) take the Triton kernels, which read any float.
+READS = (*SIXTEEN, jnp.dtype(jnp.float32))
 
 #: A context's choice: a configuration, `_TILED`, `_PERSISTENT` (each GEMM in its default
 #: configuration) or `_DEFAULT` (no context: see the module).
@@ -173,9 +176,10 @@ def recipe_quantize_rows(
 ) -> tuple[Array, Array, Float[Array, ""]]:
     """`x`'s 1 x `block` tiles, as `BlockwiseScaling` takes them: FP8 `data`, `scale_inv
     (*B, M, K / block)` and `max |x|` (NaN with a NaN). On the kernel
-    `tensor_core_quantization()` chooses (block 128: Mosaic GPU's, on TMA)."""
+    `tensor_core_quantization()` chooses (block 128 and a type of `READS`: Mosaic GPU's, on
+    TMA)."""
     rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
-    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
+    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK and jnp.dtype(x.dtype) in READS:
         data, scale_t, amaxes = tensor_core_quantize_rows(x, fmt, **rule)
     else:
         call = functools.partial(quantize_rows, fmt=fmt, **rule)
@@ -212,9 +216,9 @@ def recipe_quantize_blocks(
 ) -> tuple[Array, Array, Array, Array, Array]:
     """`block_quantize.quantize_blocks(w)`'s five outputs (a weight's blocks, their transpose,
     their scales in both layouts, amaxes whose max is `max |w|`), on the kernel
-    `tensor_core_quantization()` chooses (block 128)."""
+    `tensor_core_quantization()` chooses (block 128 and a type of `READS`)."""
     rule = dict(block=block, max_scale=max_scale, power_of_two=power_of_two)
-    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK:
+    if _TENSOR_CORES.get() and block == TENSOR_CORE_BLOCK and jnp.dtype(w.dtype) in READS:
         return tensor_core_quantize_blocks(w, fmt, **rule)
     return quantize_blocks(w, fmt, **rule)
 
