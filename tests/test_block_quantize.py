@@ -374,6 +374,28 @@ def test_kernels_refuse_targets_that_are_not_fp8():
     assert data.dtype == E5M2 and float(data[0, 0]) == float(ml_dtypes.finfo(E5M2).max)
 
 
+def test_fits_only_blocks_triton_can_lower():
+    """Pallas' Triton lowering takes arrays of power-of-two sizes only (an H100 compile of a
+    96-wide tile raised "requires ... a power of 2"): `fits` said yes to 192 x 192 in blocks
+    of 96, and the interpreter ran it. Both predicates now say no, and each kernel names the
+    block (0 raised ZeroDivisionError)."""
+    assert block_quantize.fits((128, 256), 64) and padded_quantize.fits((100, 256), 128, 64)
+    for block in (96, 0, True, 128.0):
+        assert not block_quantize.fits((192, 192), block)
+        assert not padded_quantize.fits((192, 192), 192, block)
+    x, rows = jnp.ones((192, 192), jnp.float32), jnp.arange(192)
+    rule = dict(max_scale=1.0, interpret=True)
+    for block in (96, 0):
+        calls = (
+            lambda b: block_quantize.quantize_rows(x, E4M3, block=b, **rule),
+            lambda b: block_quantize.quantize_blocks(x, E4M3, block=b, **rule),
+            lambda b: padded_quantize.quantize_padded_columns(x, rows, E4M3, block=b, **rule),
+        )
+        for call in calls:
+            with pytest.raises(ValueError, match=rf"block={block}; expected a power of two"):
+                call(block)
+
+
 def test_tunings_refuse_warps_triton_cannot_take():
     """`num_warps` is a whole number of warps, a power of two up to 32: `True` and `4.0`
     (equal to 1 and 4 in a tuple's `in`) were taken and passed on to Triton."""

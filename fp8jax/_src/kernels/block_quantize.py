@@ -67,7 +67,9 @@ from .quantize_config import (  # noqa: F401 - re-exported beside the kernels th
     NUM_WARPS,
     OTHER_TUNING,
     ColumnTuning,
+    check_block,
     check_tuning,
+    is_power_of_two,
     slab_height,
 )
 from .quantize_tiles import (  # noqa: F401 - re-exported: the kernels' shared tile maths
@@ -92,9 +94,10 @@ MAX_ELEMENTS = 2**31 - 1
 
 def fits(shape: tuple[int, ...], block: int) -> bool:
     """Whether the kernels can quantize `shape`, `(M, K)` or `(*B, M, K)` mapped over `B`:
-    whole `block x block` tiles, at most `MAX_ELEMENTS` in all, and a JAX that still has
-    Pallas' Triton backend."""
-    tiled = len(shape) >= 2 and all(n > 0 and n % block == 0 for n in shape[-2:])
+    whole `block x block` tiles of a power-of-two `block` (Triton's), at most `MAX_ELEMENTS`
+    in all, and a JAX that still has Pallas' Triton backend."""
+    tiled = is_power_of_two(block) and len(shape) >= 2
+    tiled = tiled and all(n > 0 and n % block == 0 for n in shape[-2:])
     return tiled and math.prod(shape) <= MAX_ELEMENTS and pltriton is not None
 
 
@@ -159,6 +162,7 @@ def check_tiles(x: Array, block: int, name: str) -> None:
             f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
             "is written in; the recipes keep the XLA path there."
         )
+    check_block(block, name)
     if x.ndim != 2 or not fits(x.shape, block):
         raise ValueError(
             f"{name}: shape {x.shape} is not made of whole {block} x {block} tiles or has "

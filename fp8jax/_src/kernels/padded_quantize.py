@@ -44,9 +44,11 @@ from .block_quantize import (
     DEFAULT_TUNING,
     OTHER_TUNING,
     ColumnTuning,
+    check_block,
     check_format,
     check_tuning,
     column_outputs,
+    is_power_of_two,
     pltriton,
     quantize_tile,
     reference_columns,
@@ -65,10 +67,11 @@ MAX_ELEMENTS = 2**31 - 1
 
 
 def fits(shape: tuple[int, ...], padded: int, block: int) -> bool:
-    """Whether the kernels can gather `padded` rows of a 2-D `shape` into `block` x 1 tiles:
-    some rows, columns in whole tiles, whole tiles of padded rows, operands of at most
-    `MAX_ELEMENTS`, and Pallas' Triton."""
-    ok = len(shape) == 2 and shape[0] > 0 and shape[1] > 0 and shape[1] % block == 0
+    """Whether the kernels can gather `padded` rows of a 2-D `shape` into `block` x 1 tiles
+    (`block` a power of two, as Triton's arrays): some rows, columns in whole tiles, whole
+    tiles of padded rows, operands of at most `MAX_ELEMENTS`, and Pallas' Triton."""
+    ok = is_power_of_two(block) and len(shape) == 2 and shape[0] > 0 and shape[1] > 0
+    ok = ok and shape[1] % block == 0
     ok = ok and padded > 0 and padded % block == 0
     return ok and max(shape[0], padded) * shape[1] <= MAX_ELEMENTS and pltriton is not None
 
@@ -207,6 +210,7 @@ def _interpret(x: Array, rows: Array, block: int, name: str, interpret: bool | N
             f"{name}: jax {jax.__version__} has no Pallas Triton backend, which this kernel "
             "is written in; the recipes keep the XLA path there."
         )
+    check_block(block, name)
     if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(
             f"{name}: rows has shape {rows.shape} and dtype {rows.dtype}; a 1-D integer row "

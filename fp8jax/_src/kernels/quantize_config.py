@@ -53,7 +53,7 @@ def quantize_slabs(rows: int) -> contextlib.AbstractContextManager[None]:
     (`ColumnTuning.slab_rows`) where their tuning names none: to time a whole step's kernels
     so (`benchmarks/llama_block.py`'s `blockwise-slabs`). Issue 39: the default once a GPU
     run has timed it faster."""
-    if not _power_of_two(rows):
+    if not is_power_of_two(rows):
         raise ValueError(f"quantize_slabs: rows={rows!r}; expected a power of two >= 1.")
     return setting(_SLABS, rows)
 
@@ -70,12 +70,23 @@ def slab_height(tuning: ColumnTuning, block: int) -> int:
     return block if tuning.slab_rows is None else min(tuning.slab_rows, block)
 
 
+def check_block(block: object, name: str) -> None:
+    """Raise, naming kernel `name`, unless `block` is a power of two: Pallas' Triton lowering
+    takes arrays of power-of-two sizes only."""
+    if not is_power_of_two(block):
+        raise ValueError(
+            f"{name}: block={block!r}; expected a power of two (Pallas' Triton kernels take "
+            "arrays of power-of-two sizes only), 64 or 128, say."
+        )
+
+
 def check_tuning(tuning: ColumnTuning, name: str, block: int = 128) -> ColumnTuning:
     """`tuning` resolved (`resolved`) for kernel `name` on `block`-row tiles; raise if it is not
-    a `ColumnTuning` Triton can run."""
+    a `ColumnTuning` Triton can run (or `block` not a power of two)."""
+    check_block(block, name)
     if (
         not isinstance(tuning, ColumnTuning)
-        or not _power_of_two(tuning.num_warps)
+        or not is_power_of_two(tuning.num_warps)
         or tuning.num_warps > 32
     ):
         raise ValueError(
@@ -89,7 +100,7 @@ def check_tuning(tuning: ColumnTuning, name: str, block: int = 128) -> ColumnTun
         )
     tuning = resolved(tuning)
     rows = tuning.slab_rows
-    if rows is not None and not (_power_of_two(rows) and block % min(rows, block) == 0):
+    if rows is not None and not (is_power_of_two(rows) and block % min(rows, block) == 0):
         raise ValueError(
             f"{name}: tuning={tuning!r}; slab_rows should be None or a power of two that "
             f"divides the tile's {block} rows."
@@ -97,6 +108,6 @@ def check_tuning(tuning: ColumnTuning, name: str, block: int = 128) -> ColumnTun
     return tuning
 
 
-def _power_of_two(n: object) -> bool:
+def is_power_of_two(n: object) -> bool:
     """Whether `n` is a whole number (not a bool) and a power of two."""
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1)
