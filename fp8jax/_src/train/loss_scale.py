@@ -134,7 +134,8 @@ class LossScale(eqx.Module):
 
     def scale(self, tree: T) -> T:
         """`tree` (usually the loss) multiplied by the loss scale, each leaf in its dtype. A
-        float16 loss's gradient is the scale in float16: inf past 65504; scale a float32 loss.
+        float16 loss's gradient is the scale in float16: inf past 65504 (a bfloat16 loss's, the
+        scale rounded to 8 bits); scale a float32 loss.
 
         ```python
         grads = jax.grad(lambda p: loss_scale.scale(loss_fn(p)))(params)

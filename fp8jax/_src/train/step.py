@@ -258,12 +258,14 @@ def _step(self: TrainStep, state: TrainState, *batch: Any) -> tuple[TrainState, 
             )
         scaled = jnp.asarray(loss)
         loss = policy.cast_to_output(scaled)
-        if jnp.issubdtype(loss.dtype, jnp.floating) and jnp.finfo(loss.dtype).maxexp < 128:
-            # A float16 output: the scaled loss's gradient with respect to a float16 loss is
-            # the scale, inf past 65504 (every gradient was). The loss as loss_fn returned it
-            # is scaled instead, in at least float32; only the reported loss is float16.
+        if jnp.issubdtype(loss.dtype, jnp.floating) and jnp.finfo(loss.dtype).bits < 32:
+            # A float16 or bfloat16 output: the scaled loss's gradient with respect to that
+            # loss is the scale in its dtype, inf past 65504 in float16 (every gradient was),
+            # rounded to 8 bits in bfloat16 (3000 is 3008: every gradient 0.27 % too large).
+            # The loss as loss_fn returned it is scaled instead, in at least float32; only the
+            # reported loss is in the output dtype.
             scaled = scaled.astype(jnp.promote_types(scaled.dtype, jnp.float32))
-        else:  # float32 and bfloat16 (float32's exponent range): scaled as reported
+        else:  # float32 and wider: scaled as reported
             scaled = loss
         return scale.scale(scaled), (loss, aux)
 
@@ -360,9 +362,10 @@ def make_train_step(
     - `policy`: a [`fp8jax.Policy`][], a string for `Policy.from_string`, or `None` (float32);
       another library's policy (jmp's) raises `TypeError`, giving the spec of its dtypes.
     - `loss_scale`: a [`fp8jax.LossScale`][]; `None` means [`fp8jax.NoOpLossScale`][]. Use
-      [`fp8jax.DynamicLossScale`][] with float16 compute. With a float16 `output_dtype` the
-      loss is scaled as `loss_fn` returned it, in at least float32 (a float16 loss's gradient,
-      the scale, is inf past 65504), and reported in float16.
+      [`fp8jax.DynamicLossScale`][] with float16 compute. With a float16 or bfloat16
+      `output_dtype` the loss is scaled as `loss_fn` returned it, in at least float32 (a
+      float16 loss's gradient, the scale, is inf past 65504; a bfloat16 one's is rounded to
+      8 bits), and reported in the output dtype.
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
     - `microbatches`: accumulate gradients over this many slices of the batch
       ([`fp8jax.accumulate_gradients`][]); with more than one, `aux` is stacked over
