@@ -174,6 +174,13 @@ class GPT(eqx.Module):
         self.head = eqx.nn.Linear(config.width, config.vocab, use_bias=False, key=kh)
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        if tokens.ndim != 1 or tokens.shape[0] > self.position.num_embeddings:
+            # An index past the position table is clamped by JAX: the extra tokens would all
+            # get the last position's embedding.
+            raise ValueError(
+                f"GPT: tokens of shape {tokens.shape}; it takes one sequence (seq,) of at most "
+                f"{self.position.num_embeddings} tokens (GPTConfig.context); vmap over a batch."
+            )
         x = jax.vmap(self.embed)(tokens) + jax.vmap(self.position)(jnp.arange(tokens.shape[0]))
         if self.scan_layers:
             params, static = eqx.partition(self.blocks, eqx.is_array)
