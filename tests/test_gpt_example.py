@@ -1,11 +1,13 @@
 """The example GPT (fp8jax.examples.gpt) and its data (fp8jax.examples.data) against
 independent references: NumPy float64 math, the corpus read from its SQLite file."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from fp8jax.examples.gpt import GPT, GPTConfig
+from fp8jax.examples.gpt import GPT, GPTConfig, next_token_loss
 
 
 def test_gpt_refuses_a_sequence_longer_than_its_position_table():
@@ -17,3 +19,58 @@ def test_gpt_refuses_a_sequence_longer_than_its_position_table():
         model(jnp.arange(6))
     with pytest.raises(ValueError, match=r"shape \(2, 3\).*one sequence"):
         model(jnp.zeros((2, 3), jnp.int32))
+
+
+def _float64(tree):
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, tree
+    )
+
+
+def _linear(layer, x):
+    out = x @ np.asarray(layer.weight).T
+    return out if layer.bias is None else out + np.asarray(layer.bias)
+
+
+def _attention(attn, x):
+    """Causal multi-head attention in float64 NumPy: each query sees keys 0..itself."""
+    seq, width = x.shape
+    head = width // attn.heads
+    q, k, v = (
+        _linear(p, x).reshape(seq, attn.heads, head) for p in (attn.query, attn.key, attn.value)
+    )
+    mixed = np.empty_like(q)
+    for h in range(attn.heads):
+        scores = q[:, h] @ k[:, h].T / np.sqrt(head)
+        scores[np.triu_indices(seq, 1)] = -np.inf
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        mixed[:, h] = weights / weights.sum(axis=1, keepdims=True) @ v[:, h]
+    return _linear(attn.out, mixed.reshape(seq, width))
+
+
+def test_float64_gpt_attention_and_loss_match_numpy_float64():
+    """A float64 GPT's attention and loss were rounded to float32 (softmax and loss cast
+    to float32): 1e-8 off a float64 reference. Its attention, causal mask and mean
+    next-token cross-entropy in nats now match NumPy's float64 at 1e-12."""
+    config = GPTConfig(vocab=11, layers=1, width=8, heads=2, context=6)
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        model = _float64(GPT(config, key=jax.random.key(1)))
+        attn = model.blocks[0].attn
+        x = rng.normal(size=(6, 8))
+        np.testing.assert_allclose(
+            np.asarray(attn(jnp.asarray(x))), _attention(attn, x), rtol=1e-12, atol=1e-12
+        )
+        tokens = rng.integers(0, config.vocab, size=(3, 7))
+        # Row 3: row 0's inputs with token 4 changed.
+        changed = tokens[0, :-1].copy()
+        changed[4] = (changed[4] + 1) % config.vocab
+        loss = float(next_token_loss(model, jnp.asarray(tokens)))
+        logits = np.asarray(jax.vmap(model)(jnp.asarray(np.vstack([tokens[:, :-1], changed]))))
+        logp = logits[:3] - logits[:3].max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        picked = np.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
+        assert loss == pytest.approx(-picked.mean(), rel=1e-12)
+        # The change to token 4 leaves the logits at 0..3 as they were.
+        np.testing.assert_array_equal(logits[3, :4], logits[0, :4])
+        assert np.abs(logits[3, 4] - logits[0, 4]).max() > 1e-3

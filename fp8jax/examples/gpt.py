@@ -108,7 +108,9 @@ class Attention(eqx.Module):
         scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(width // self.heads).astype(x.dtype)
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        # Softmax in at least float32 (BF16 scores are upcast; float64 ones stay float64).
+        upcast = jnp.promote_types(scores.dtype, jnp.float32)
+        weights = jax.nn.softmax(scores.astype(upcast), axis=-1).astype(x.dtype)
         mixed = jnp.einsum("hqk,khd->qhd", weights, v).reshape(seq, width)
         return dense(self.out, mixed)
 
@@ -196,8 +198,10 @@ class GPT(eqx.Module):
 
 
 def next_token_loss(model: GPT, tokens: Int[Array, "batch seq"]) -> Float[Array, ""]:
-    """Mean cross-entropy of predicting `tokens[:, 1:]` from `tokens[:, :-1]`."""
-    logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
+    """Mean cross-entropy (nats) of predicting `tokens[:, 1:]` from `tokens[:, :-1]`, in at
+    least float32 (a float64 model's loss is not rounded to float32)."""
+    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
     return -jnp.mean(picked)
