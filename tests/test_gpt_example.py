@@ -1,5 +1,6 @@
-"""The example GPT (fp8jax.examples.gpt) and its data (fp8jax.examples.data) against
-independent references: NumPy float64 math, the corpus read from its SQLite file."""
+"""The example GPT (fp8jax.examples.gpt), its data (fp8jax.examples.data) and its job's table
+(fp8jax.examples.train_gpt) against independent references: NumPy float64 math, the corpus
+read from its SQLite file, numbers worked by hand."""
 
 import equinox as eqx
 import jax
@@ -106,3 +107,26 @@ def test_kjv_docstrings_name_the_held_out_text_and_the_lines():
     several = sum(len(re.findall(r"(?:^|\s)\d+:\d+ ", passage)) > 1 for _, passage in rows)
     assert (len(rows), several) == (24_408, 4_274)
     assert f"{several:,} of the {len(rows):,} lines" in " ".join(data.kjv_bytes.__doc__.split())
+
+
+def test_train_gpt_table_says_what_its_numbers_are():
+    """The 'train loss' column was the mean of the last `tail` logged losses under a header
+    saying 'train loss' (and the docs said it printed the train loss's difference to BF16,
+    which it does not). The header now names the mean; the numbers are checked by hand."""
+    from fp8jax.examples import train_gpt
+    from fp8jax.examples.train_gpt import Run, table
+
+    bf16 = Run("bf16", [0, 5, 9], [3.0, 1.0, 0.5], [4, 9], [2.5, 2.0], steps_per_second=4.0)
+    fp8 = Run("delayed", [0, 5, 9], [3.0, 1.2, 0.6], [4, 9], [2.5, 2.02], steps_per_second=3.0)
+    lines = table([bf16, fp8], tail=2).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == [
+        "variant",
+        "train loss (mean of last 2 logged)",
+        "val loss",
+        "val vs BF16",
+        "steps/s",
+    ]
+    assert cells[2] == ["bf16", "0.7500", "2.0000", "+0.00 %", "4.0"]
+    assert cells[3] == ["delayed", "0.9000", "2.0200", "+1.00 %", "3.0"]  # 0.02 / 2.0
+    assert "train loss (in nats, the mean of the last logged ones" in train_gpt.__doc__

@@ -6,12 +6,13 @@ Every variant starts from the same weights and sees the same batches (byte-level
 BF16 compute with float32 master weights, the same model computed in float32 (`fp32`, the
 yardstick; `--no-fp32` leaves it out), and BF16 with the attention and MLP Linears in FP8
 (`fp8_linear_layers`; embeddings and the output head stay in BF16). At the end it prints the
-final train and validation losses, their relative difference to BF16 and the steps per second
-on this machine (the median of the windows between the loop's reads, the compile left out),
-and writes to `--out` `val_gap.png` (each recipe's validation loss relative to BF16's through
-training, against the float32 run's gap to BF16: what finer rounding alone changes) and
-`scale_history.png` (the per-layer scales of the delayed recipe). The defaults finish in under
-10 minutes on 2 CPU cores; `--steps`, `--layers`, `--width` and `--batch` scale it up.
+train loss (in nats, the mean of the last logged ones, about 20 steps), the final validation
+loss and its relative difference to BF16's, and the steps per second on this machine (the
+median of the windows between the loop's reads, the compile left out), and writes to `--out`
+`val_gap.png` (each recipe's validation loss relative to BF16's through training, against the
+float32 run's gap to BF16: what finer rounding alone changes) and `scale_history.png` (the
+per-layer scales of the delayed recipe). The defaults finish in under 10 minutes on 2 CPU
+cores; `--steps`, `--layers`, `--width` and `--batch` scale it up.
 """
 
 from __future__ import annotations
@@ -149,8 +150,12 @@ def train(
 
 
 def table(runs: list[Run], tail: int) -> str:
+    """The final losses in nats: train as the mean of the last `tail` logged losses (one
+    batch each), validation at the last evaluation and relative to the first run's (BF16)."""
     base_val = runs[0].val[-1]
-    header = "| variant | train loss | val loss | val vs BF16 | steps/s |"
+    header = (
+        f"| variant | train loss (mean of last {tail} logged) | val loss | val vs BF16 | steps/s |"
+    )
     lines = [header, "|---|---|---|---|---|"]
     for run in runs:
         train, val = np.mean(run.train[-tail:]), run.val[-1]
