@@ -22,6 +22,19 @@ def test_gpt_refuses_a_sequence_longer_than_its_position_table():
         model(jnp.zeros((2, 3), jnp.int32))
 
 
+def test_moe_gpt_forward_refuses_a_sequence_longer_than_its_position_table():
+    """The MoE GPT's forward looked positions up directly: past the context, clamped too."""
+    from fp8jax.examples.moe_model import moe_gpt, moe_gpt_forward
+
+    config = GPTConfig(vocab=8, layers=1, width=8, heads=2, context=4)
+    model = moe_gpt(config, 2, 1, key=jax.random.key(0))
+    assert moe_gpt_forward(model, jnp.zeros((2, 4), jnp.int32))[0].shape == (2, 4, 8)
+    with pytest.raises(ValueError, match=r"shape \(2, 6\).*at most 4 tokens"):
+        moe_gpt_forward(model, jnp.zeros((2, 6), jnp.int32))
+    with pytest.raises(ValueError, match=r"shape \(4,\).*a batch"):
+        moe_gpt_forward(model, jnp.zeros((4,), jnp.int32))
+
+
 def _float64(tree):
     return jax.tree_util.tree_map(
         lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, tree

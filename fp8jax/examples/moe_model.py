@@ -236,6 +236,12 @@ def moe_gpt_forward(
     has no batching rule for `lax.ragged_dot` with an unbatched kernel, so BF16 could not be
     vmapped over the sequences anyway).
     """
+    if tokens.ndim != 2 or tokens.shape[1] > model.position.num_embeddings:
+        # An index past the position table is clamped by JAX (the last position's embedding).
+        raise ValueError(
+            f"moe_gpt_forward: tokens of shape {tokens.shape}; it takes a batch (batch, seq) "
+            f"of sequences of at most {model.position.num_embeddings} tokens (the context)."
+        )
     per_token = lambda f: jax.vmap(jax.vmap(f))  # noqa: E731
     positions = jax.vmap(model.position)(jnp.arange(tokens.shape[1]))
     x = per_token(model.embed)(tokens) + positions
