@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import h100_topology, representable
+from helpers import h100_topology, ref_qdq, representable
 from jax.sharding import PartitionSpec as P
 
 import fp8jax
@@ -403,6 +403,31 @@ def test_min_dim_may_be_a_numpy_integer():
     assert count_fp8_dots(picked, params, TOKENS) == (5, 2)
     with pytest.raises(ValueError, match=r"min_dim=np.int32\(0\) should be an int >= 1"):
         fp8jax.fp8_autocast(loss_fn, min_dim=np.int32(0))
+
+
+def current_qdq(x, fmt="e4m3"):
+    """`x` as current scaling's FP8 operand stands for it: its power-of-two scale
+    `2**floor(log2(fmt_max / amax))` by hand in float64, rounded by ml_dtypes."""
+    fmt_max = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+    scale = 2.0 ** np.floor(np.log2(fmt_max / np.max(np.abs(np.asarray(x, np.float64)))))
+    return ref_qdq(x, scale, fmt)
+
+
+def test_batched_may_be_a_numpy_bool():
+    """`batched=np.True_` (read from a NumPy array or config) was refused ("should be True or
+    False"); it selects as the bool it holds does, as Fp8Config and Fp8DotGeneral take it."""
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 16, 32), (2, 32, 16)))
+    fp8 = np.einsum("bmk,bkn->bmn", current_qdq(a), current_qdq(b))
+    high = np.einsum("bmk,bkn->bmn", np.float64(a), np.float64(b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8jax.Fp8ConversionWarning)
+        converted = fp8jax.fp8_autocast(jax.lax.batch_matmul, batched=np.True_)(a, b)
+        kept = fp8jax.fp8_autocast(jax.lax.batch_matmul, batched=np.False_)(a, b)
+    np.testing.assert_allclose(converted, fp8, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(kept, high, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match=r"batched=np.int64\(1\) should be True or False"):
+        fp8jax.fp8_autocast(loss_fn, batched=np.int64(1))
 
 
 def test_a_plain_jax_train_step_runs_its_gemms_in_fp8_on_h100():

@@ -271,6 +271,8 @@ def fp8_autocast(
             "that keeps none ('current', 'blockwise', 'mxfp8'), or convert the model's layers, "
             "whose state lives in the model: fp8jax.fp8_linear_layers (Equinox, Haliax, Flax)."
         )
+    if isinstance(batched, np.bool_):  # the bool it holds, as Fp8Config takes it
+        batched = bool(batched)
     if not isinstance(batched, bool):
         raise TypeError(f"fp8_autocast: batched={batched!r} should be True or False.")
     if isinstance(min_dim, bool) or not isinstance(min_dim, int | np.integer) or min_dim < 1:
