@@ -2,6 +2,7 @@
 remat, einsum attention) against the same model written with fp8jax's FP8 op by hand, the
 interpreter's control flow kept exact, the selection, ragged_dot, errors, the H100 compile."""
 
+import functools
 import pathlib
 import re
 import warnings
@@ -683,6 +684,28 @@ def test_a_result_holding_traced_arrays_outside_any_pytree_is_refused():
     # Static values holding no traced array still come back as they are.
     box = fp8jax.fp8_autocast(lambda x, w: (x @ w, Box("label")))(x, w)[1]
     assert box.value == "label"
+
+
+def test_a_result_holding_traced_arrays_in_slots_or_a_partial_is_refused():
+    """A class with `__slots__` (no `__dict__`) or a `functools.partial` holding the
+    function's arrays came back holding the trace's tracers (using the partial raised JAX's
+    UnexpectedTracerError), where the docs promise a refusal; both are refused, naming them."""
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32)) / 32
+
+    class Slotted:
+        __slots__ = ("value",)
+
+        def __init__(self, value):
+            self.value = value
+
+    with pytest.raises(TypeError, match=r"result\[1\].*Slotted.*holds the traced arrays"):
+        fp8jax.fp8_autocast(lambda x, w: (x, Slotted(x @ w)))(x, w)
+    with pytest.raises(TypeError, match=r"result.*partial.*holds the traced arrays"):
+        fp8jax.fp8_autocast(lambda x, w: functools.partial(jnp.add, x @ w))(x, w)
+    # Holding no traced array, they come back as they are.
+    assert fp8jax.fp8_autocast(lambda x, w: (x @ w, Slotted("label")))(x, w)[1].value == "label"
+    add = fp8jax.fp8_autocast(lambda x, w: (x @ w, functools.partial(jnp.add, 2.0)))(x, w)[1]
+    assert add(1.0) == 3.0
 
 
 def test_a_new_variable_an_nnx_module_adds_in_place_is_refused_unless_returned():

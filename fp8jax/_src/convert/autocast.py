@@ -424,9 +424,16 @@ def array_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[Any], tu
 
 
 def _holds_tracer(value: Any) -> bool:
-    """Whether `value`, a leaf JAX does not flatten, holds a tracer in its attributes or, a
-    function's, its closure (one level down: what a class or a closure made in `fun` keeps)."""
+    """Whether `value`, a leaf JAX does not flatten, holds a tracer in its attributes (its
+    `__dict__`'s or `__slots__`'), or, a function's, its closure, or, a `functools.partial`'s,
+    its arguments (one level down: what a class or a closure made in `fun` keeps)."""
     held = [*getattr(value, "__dict__", {}).values()]
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            held.append(getattr(value, slot, None))
+    if isinstance(value, functools.partial):
+        held += [value.func, value.args, value.keywords]
     for cell in getattr(value, "__closure__", None) or ():
         try:
             held.append(cell.cell_contents)
