@@ -3,7 +3,8 @@
 A model that is neither Equinox, Haliax nor Flax (plain JAX, or a framework fp8jax does not
 know) has no layers to convert. Its GEMMs are still `dot_general`s in its jaxpr, however they
 were written (`x @ w`, `jnp.einsum`, `jnp.dot`, a library's layer). `fp8_autocast` traces
-the function once per call signature, then evaluates its jaxpr again, equation by equation,
+the function at each call (once per call signature inside your `jit`, which caches the
+result), then evaluates its jaxpr again, equation by equation,
 answering each chosen `dot_general` (and `ragged_dot`) with fp8jax's FP8 GEMM and binding
 every other equation as JAX would. The FP8 GEMM is a `custom_vjp`, so gradients of the
 result run dgrad and wgrad in FP8 too.
