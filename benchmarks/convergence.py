@@ -15,7 +15,8 @@ order); the verdict is on the mean of the per-seed relative differences, since o
 point wanders by several tenths of a percent (see `val_gap.png`: the main job's figure, with
 the bars). Each run's record is written to `--out/seed<k>/<variant>.json` as soon as it
 finishes and reused by a later call with the same settings, so recipes and seeds can be run in
-separate calls or resumed after an interruption.
+separate calls or resumed after an interruption. The settings are the flags, not the code or
+the corpus: after changing either, give another `--out` (or delete the records).
 
 The block recipes are emulated with `--block-dot dequantized` by default (one float32 dot of
 the dequantized operands: the same FP8 values and products, only the float32 summation order
