@@ -54,7 +54,10 @@ FP32_POLICY = "params=float32,compute=float32,output=float32"
 
 @dataclasses.dataclass
 class Run:
-    """What one variant's training recorded."""
+    """What one variant's training recorded: `train[i]`, the loss of step `steps[i]` (on the
+    model before that step's update), and `val[i]`, the validation loss after step
+    `val_steps[i]`'s update (the model of `val_steps[i] + 1` updates; plots put both at the
+    step's number)."""
 
     name: str
     steps: list[int] = dataclasses.field(default_factory=list)
