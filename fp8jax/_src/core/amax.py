@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Bool, Float
 
@@ -66,25 +65,12 @@ def batch_shared(
     return shared
 
 
-def max_magnitude(x: Float[Array, "*shape"], axis: Any = None) -> Array:
-    """`max(|x|)` over `axis` in `x`'s dtype (0 where empty), NaN wherever a NaN is reduced.
-
-    One maximum of `|x|`'s bit patterns as unsigned integers, which order non-negative floats
-    as their values and every NaN above inf: XLA:CPU's vectorized float maximum drops a NaN
-    (a float32 reduction of 4096 or more elements), and a NaN test would be a second
-    reduction. Same fusion, same bytes as a float maximum."""
-    magnitude = jnp.abs(x)
-    unsigned = jnp.dtype(f"uint{8 * magnitude.dtype.itemsize}")
-    bits = lax.bitcast_convert_type(magnitude, unsigned)
-    return lax.bitcast_convert_type(jnp.max(bits, axis=axis, initial=0), magnitude.dtype)
-
-
 def local_amax(x: Float[Array, "*shape"]) -> Float[Array, ""]:
     """`max(|x|)` in float32 (0 for an empty `x`) of this call's `x` alone: `amax`'s
     reduction without the spans over a batch or mesh axes (`fp8jax.Recipe.amax` adds them),
     for the XLA twins of kernels that return a tensor's amax. A finite float64 `x` beyond
     float32's range gives float32's max, not inf (a fault): `quantize` saturates it."""
-    value = max_magnitude(x)
+    value = jnp.max(jnp.abs(x), initial=0.0)
     if value.dtype == jnp.float64:
         top = float(jnp.finfo(jnp.float32).max)
         value = jnp.where(jnp.isfinite(value), jnp.minimum(value, top), value)

@@ -37,7 +37,6 @@ from jax import lax
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from ..core.amax import max_magnitude
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.formats import fp8_max
 from ..recipes import QTensor
@@ -328,7 +327,7 @@ def quantize_tiles(rows: Float[Array, "N K"]) -> tuple[Array, Float[Array, "N ti
     tile = min(TILE, k)
     x = rows.astype(jnp.float32)
     x = jnp.pad(x, ((0, 0), (0, -k % tile))).reshape(rows.shape[0], -1, tile)
-    amax = max_magnitude(x, axis=-1)
+    amax = jnp.max(jnp.abs(x), axis=-1)
     fmt = jnp.float8_e4m3fn
     scale = compute_scale(amax, jnp.ones_like(amax), fp8_max(fmt), power_of_two=True)
     data = (x * scale[..., None]).astype(fmt).reshape(rows.shape[0], -1)

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core import mosaic_private
-from ..core.amax import max_magnitude
 from ..core.contexts import Setting, setting
 from .block_gemm import BLOCK_K, FP8_TYPES, TILE_M, block_scaled_gemm
 from .block_quantize import (
@@ -169,7 +168,7 @@ def recipe_rows_and_columns(
         call = functools.partial(quantize_rows_and_columns, fmt=fmt, **rule)
         data, scale_t, amaxes, data_t, cols = (jax.vmap(call) if x.ndim == 3 else call)(x)
     # One amax per program (NaN-propagating): their max is `x`'s.
-    return data, swap(scale_t), max_magnitude(amaxes), swap(data_t), cols
+    return data, swap(scale_t), jnp.max(amaxes), swap(data_t), cols
 
 
 def recipe_quantize_rows(
@@ -186,7 +185,7 @@ def recipe_quantize_rows(
         call = functools.partial(quantize_rows, fmt=fmt, **rule)
         data, scale_t, amaxes = (jax.vmap(call) if x.ndim == 3 else call)(x)
     # One amax per program (NaN-propagating): their max is `x`'s.
-    return data, jnp.swapaxes(scale_t, -1, -2), max_magnitude(amaxes)
+    return data, jnp.swapaxes(scale_t, -1, -2), jnp.max(amaxes)
 
 
 def recipe_requantize_columns(

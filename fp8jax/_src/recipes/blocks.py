@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..core.amax import local_amax, max_magnitude
+from ..core.amax import local_amax
 from ..core.formats import (
     FormatLike,
     amd_format,
@@ -53,8 +53,8 @@ def _blocked(x: Array, block: tuple[int, int]) -> Array:
 
 
 def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
-    """`max(|x|)` over each `block` of the last two axes of `x`, in float32 (NaN with a NaN)."""
-    return max_magnitude(_blocked(x.astype(jnp.float32), block), axis=(-3, -1))
+    """`max(|x|)` over each `block` of the last two axes of `x`, in float32."""
+    return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=(-3, -1))
 
 
 def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
@@ -347,7 +347,7 @@ class BlockwiseScaling(BlockScaledRecipe):
             data, data_t, rows_t, cols, amaxes = recipe_quantize_blocks(w, fmt, **self._rule())
             # `rows_t` chunk-major, as the GEMM kernels read it: transposed back here and
             # again by the kernels' callers, which XLA folds into none.
-            return data, data_t, rows_t.T, cols, max_magnitude(amaxes)
+            return data, data_t, rows_t.T, cols, jnp.max(amaxes)
 
         def xla(w: Array) -> tuple[Array, ...]:
             q = self._quantize(w, "kernel", -1)
@@ -480,7 +480,7 @@ class BlockwiseScaling(BlockScaledRecipe):
             from ..kernels.choice import recipe_both_gathered  # Pallas: imported on use
 
             data, scale_t, amaxes, data_t, cols = recipe_both_gathered(x, rows, fmt, **self._rule())
-            return data, scale_t.T, max_magnitude(amaxes), data_t.T, cols
+            return data, scale_t.T, jnp.max(amaxes), data_t.T, cols
 
         def xla(x: Array, rows: Array) -> tuple[Array, ...]:
             q = self._quantize(x, role, -1)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ..core.amax import local_amax, max_magnitude
+from ..core.amax import local_amax
 from ..core.contexts import Setting, setting
 from ..core.formats import quantize
 from ..kernels import block_quantize, dispatch
@@ -145,14 +145,14 @@ def cast_and_transpose(
         del out_dtype
         if tensor_cores_chosen():  # a batch axis in the kernel's own tile order
             data, data_t, amaxes = tensor_core_cast_transpose(x, scale, fmt)
-            return data, data_t, max_magnitude(amaxes)
+            return data, data_t, jnp.max(amaxes)
 
         def one(x: Array) -> tuple[Array, ...]:
             return cast_transpose(x, scale, fmt, block=BLOCK)
 
         data, data_t, amaxes = jax.vmap(one)(x) if x.ndim == 3 else one(x)
         # One amax per tile (NaN where it holds a NaN): their max is `x`'s.
-        return data, data_t, max_magnitude(amaxes)
+        return data, data_t, jnp.max(amaxes)
 
     def xla(x: Array, scale: Array) -> tuple[Array, ...]:
         data = quantize(x, scale, fmt)
