@@ -169,27 +169,38 @@ def test_a_float16_output_takes_a_loss_scale_past_its_max(scale, getkey):
     loss's gradient with respect to that float16 loss is the scale, inf past float16's max
     (65504), and every gradient was inf. The loss as loss_fn returned it (float32) is scaled
     now, and the step matches SGD on the float64 gradient computed by hand."""
+    model, x, train_step = _linear_step(getkey, "float16", fp8jax.StaticLossScale(scale))
+    state, metrics = train_step(train_step.init(model), x)
+    assert bool(metrics.grads_finite) and metrics.loss.dtype == jnp.float16
+    out = _check_sgd_by_hand(model, x, state.model)
+    assert float(metrics.loss) == np.float16(np.mean(out**2))
+
+
+_LR = 1e-2
+
+
+def _linear_step(getkey, output, loss_scale):
+    """A Linear, its batch, and an SGD step of `mean(out**2)` under `output`'s policy."""
     model = eqx.nn.Linear(8, 2, key=getkey())
     x = jax.random.normal(getkey(), (16, 8))
 
     def loss_fn(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2)
 
-    lr = 1e-2
-    train_step = fp8jax.make_train_step(
-        loss_fn,
-        optax.sgd(lr),
-        policy="params=float32,compute=float32,output=float16",
-        loss_scale=fp8jax.StaticLossScale(scale),
-    )
-    state, metrics = train_step(train_step.init(model), x)
-    assert bool(metrics.grads_finite) and metrics.loss.dtype == jnp.float16
-    w, b, x64 = (np.asarray(a, np.float64) for a in (model.weight, model.bias, x))
+    policy = f"params=float32,compute=float32,output={output}"
+    step = fp8jax.make_train_step(loss_fn, optax.sgd(_LR), policy=policy, loss_scale=loss_scale)
+    return model, x, step
+
+
+def _check_sgd_by_hand(before, x, after):
+    """`after` is `before` after one SGD step on the float64 gradient computed by hand;
+    returns the float64 outputs."""
+    w, b, x64 = (np.asarray(a, np.float64) for a in (before.weight, before.bias, x))
     out = x64 @ w.T + b
     d_out = 2 * out / out.size  # d mean(out**2) / d out
-    assert float(metrics.loss) == np.float16(np.mean(out**2))
-    np.testing.assert_allclose(state.model.weight, w - lr * d_out.T @ x64, rtol=1e-6)
-    np.testing.assert_allclose(state.model.bias, b - lr * d_out.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(after.weight, w - _LR * d_out.T @ x64, rtol=1e-6)
+    np.testing.assert_allclose(after.bias, b - _LR * d_out.sum(0), rtol=1e-6)
+    return out
 
 
 @pytest.mark.parametrize("make", [fp8jax.StaticLossScale, fp8jax.DynamicLossScale])
@@ -198,29 +209,13 @@ def test_a_bfloat16_output_leaves_a_loss_scale_unrounded(make, getkey):
     loss_fn's float32 loss was the scale rounded to 8 bits (3000 -> 3008), and every
     gradient was 0.27 % too large after unscaling. Three SGD steps match SGD on the float64
     gradient computed by hand."""
-    model = eqx.nn.Linear(8, 2, key=getkey())
-    x = jax.random.normal(getkey(), (16, 8))
-
-    def loss_fn(model, x):
-        return jnp.mean(jax.vmap(model)(x) ** 2)
-
-    lr = 1e-2
-    train_step = fp8jax.make_train_step(
-        loss_fn,
-        optax.sgd(lr),
-        policy="params=float32,compute=float32,output=bfloat16",
-        loss_scale=make(3000.0),
-    )
+    model, x, train_step = _linear_step(getkey, "bfloat16", make(3000.0))
     state = train_step.init(model)
-    x64 = np.asarray(x, np.float64)
     for _ in range(3):
-        w, b = (np.asarray(a, np.float64) for a in (state.model.weight, state.model.bias))
+        before = state.model
         state, metrics = train_step(state, x)
         assert bool(metrics.grads_finite) and float(metrics.loss_scale) == 3000.0
-        out = x64 @ w.T + b
-        d_out = 2 * out / out.size  # d mean(out**2) / d out
-        np.testing.assert_allclose(state.model.weight, w - lr * d_out.T @ x64, rtol=1e-6)
-        np.testing.assert_allclose(state.model.bias, b - lr * d_out.sum(0), rtol=1e-6)
+        _check_sgd_by_hand(before, x, state.model)
 
 
 @pytest.mark.parametrize("where", ["gradient", "activation"])
