@@ -209,6 +209,16 @@ class Recorder:
             f.write(text + "\n")
 
 
+def end_cut_line(path: Path) -> None:
+    """End a last line a killed process cut short, so that the next line appended to `path`
+    starts a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
 def read_results(path: Path) -> list[dict[str, Any]]:
     """The entries of a `results.jsonl`, less a line a killed process cut short (a kill at
     the deadline, mid-write: it raised JSONDecodeError, ending the resumed check and the
@@ -216,12 +226,9 @@ def read_results(path: Path) -> list[dict[str, Any]]:
     appended starts a line of its own."""
     if not path.exists():
         return []
-    text = path.read_text()
-    if text and not text.endswith("\n"):
-        with open(path, "a") as f:
-            f.write("\n")
+    end_cut_line(path)
     entries = []
-    for line in text.splitlines():
+    for line in path.read_text().splitlines():
         with contextlib.suppress(json.JSONDecodeError):
             entries.append(json.loads(line))
     return [e for e in entries if isinstance(e, dict) and "section" in e and "name" in e]

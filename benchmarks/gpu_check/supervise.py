@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from . import options
-from .record import BROKEN, MODES, SCRIPT, STARTED, read_results
+from .record import BROKEN, MODES, SCRIPT, STARTED, end_cut_line
 
 #: How many times the check may start again after crashes or hangs.
 RESTARTS = 8
@@ -157,7 +157,7 @@ def _without_budget(argv: list[str]) -> list[str]:
 
 def _append(out: Path, entry: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    read_results(out / "results.jsonl")  # a line the killed child cut is ended first
+    end_cut_line(out / "results.jsonl")  # a line the killed child cut is ended first
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Bool, Float
 
+from .formats import within_float32
+
 
 def owner(state: Any) -> Array:
     """A leaf of FP8 `state`: what tells a `batch_shared` reduction whose batch it spans."""
@@ -70,11 +72,7 @@ def local_amax(x: Float[Array, "*shape"]) -> Float[Array, ""]:
     reduction without the spans over a batch or mesh axes (`fp8jax.Recipe.amax` adds them),
     for the XLA twins of kernels that return a tensor's amax. A finite float64 `x` beyond
     float32's range gives float32's max, not inf (a fault): `quantize` saturates it."""
-    value = jnp.max(jnp.abs(x), initial=0.0)
-    if value.dtype == jnp.float64:
-        top = float(jnp.finfo(jnp.float32).max)
-        value = jnp.where(jnp.isfinite(value), jnp.minimum(value, top), value)
-    return value.astype(jnp.float32)
+    return within_float32(jnp.max(jnp.abs(x), initial=0.0), jnp).astype(jnp.float32)
 
 
 amax: Callable[[Float[Array, "*shape"], Array], Float[Array, ""]] = batch_shared(

@@ -148,7 +148,7 @@ def _widen_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Ar
     return widen(x), jnp.asarray(t).astype(jnp.float32)
 
 
-def _within_float32(x: Any, xp: Any) -> Any:
+def within_float32(x: Any, xp: Any) -> Any:
     """`x` (a NumPy array with `xp=np`, a JAX one with `jnp`) with its finite values beyond
     float32's range clipped to float32's max, infs and NaNs kept: cast to float32 they would
     become inf, which `saturate` takes for a fault. Narrower dtypes come back as they are."""
@@ -197,7 +197,7 @@ def saturate(x: Array, scale: Array, dtype: DTypeLike) -> Array:
     """
     x = jnp.asarray(x)
     if x.dtype == jnp.float64:
-        x = _narrow(_within_float32(x, jnp))
+        x = _narrow(within_float32(x, jnp))
     x = widen(x)
     limit = float(jnp.finfo(dtype).max)
     scaled = jnp.clip(x * jnp.asarray(scale, jnp.float32), -limit, limit)
@@ -233,7 +233,7 @@ def quantize(
         if x.dtype.kind in "biu":  # as float64: jnp.asarray would wrap int64 beyond int32
             x = x.astype(np.float64)
         _check_real(x.dtype)
-        x = _odd_float32(_within_float32(x, np), np)  # long double too: JAX has none
+        x = _odd_float32(within_float32(x, np), np)  # long double too: JAX has none
     x, scale = jnp.asarray(x), jnp.asarray(scale)
     _check_real(x.dtype)
     check_scale_shape("quantize", x.shape, scale.shape)

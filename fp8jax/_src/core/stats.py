@@ -18,7 +18,13 @@ from jaxtyping import Array, Float
 
 from . import jax_private
 from .amax import fraction
-from .formats import FormatLike, expand_blocks, overflow_threshold, ties_overflow
+from .formats import (
+    FormatLike,
+    expand_blocks,
+    overflow_threshold,
+    ties_overflow,
+    within_float32,
+)
 
 
 class OperandStats(eqx.Module):
@@ -150,11 +156,8 @@ def cast_statistics(
     scale_inv = first.scale_inv.astype(jnp.float32)
     if first.block:
         scale_inv = expand_blocks(scale_inv, first.block, x.shape)
-    magnitude = jnp.abs(x)
-    if magnitude.dtype == jnp.float64:  # finite beyond float32's range: saturated, not inf
-        top = float(jnp.finfo(jnp.float32).max)
-        magnitude = jnp.where(jnp.isfinite(magnitude), jnp.minimum(magnitude, top), magnitude)
-    magnitude = magnitude.astype(jnp.float32)
+    # A finite float64 beyond float32's range is saturated, not inf.
+    magnitude = within_float32(jnp.abs(x), jnp).astype(jnp.float32)
     # Only finite values are clipped; an inf or NaN is passed on as NaN (see `saturate`).
     limit = overflow_threshold(fmt) * scale_inv
     beyond = magnitude >= limit if ties_overflow(fmt) else magnitude > limit
