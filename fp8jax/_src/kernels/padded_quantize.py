@@ -40,8 +40,9 @@ from jaxtyping import Array, Float, Int
 
 from ..core.jax_private import shape_like
 from . import QUANTIZE_NAMES
-from .block_quantize import (
+from .block_quantize import (  # MAX_ELEMENTS: the gathered rows' 32-bit offsets too
     DEFAULT_TUNING,
+    MAX_ELEMENTS,
     OTHER_TUNING,
     ColumnTuning,
     check_block,
@@ -60,10 +61,6 @@ from .dispatch import interpreting
 
 QUANTIZE_PADDED_NAME, REQUANTIZE_PADDED_NAME = QUANTIZE_NAMES[4:6]
 BOTH_PADDED_NAME = QUANTIZE_NAMES[7]
-
-
-#: Elements an operand may have: the kernels address the gathered rows with 32-bit offsets.
-MAX_ELEMENTS = 2**31 - 1
 
 
 def fits(shape: tuple[int, ...], padded: int, block: int) -> bool:
