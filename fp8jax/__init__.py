@@ -20,6 +20,7 @@ from ._src.convert.plan import LayerChoice as LayerChoice
 from ._src.core.compile_options import gpu_compiler_options as gpu_compiler_options
 from ._src.core.compile_options import gpu_xla_flags as gpu_xla_flags
 from ._src.core.errors import Fp8StateError as Fp8StateError
+from ._src.core.errors import OperandShapeError as OperandShapeError
 from ._src.core.errors import StateNotDifferentiatedError as StateNotDifferentiatedError
 from ._src.core.errors import StateUsedTwiceError as StateUsedTwiceError
 from ._src.core.formats import dequantize as dequantize
@@ -192,6 +193,7 @@ __all__ = [
     "NnxGroupedLinear",
     "NnxTrainStep",
     "NoOpLossScale",
+    "OperandShapeError",
     "OperandStats",
     "OperandTelemetry",
     "OverwriteWithGradient",

@@ -53,6 +53,37 @@ def test_bad_dimension_numbers(dot, dims, match):
         dot(jnp.ones((2, 3)), jnp.ones((3, 3)), dims)
 
 
+_BAD_GEMMS = {
+    "contracting sizes": ("dot", (2, 3), (5, 4), MATMUL),
+    "batch sizes": ("dot", (2, 4, 8), (3, 8, 16), (((2,), (1,)), ((0,), (0,)))),
+    "axis out of range": ("dot", (2, 3), (3, 4), (((2,), (0,)), ((), ()))),
+    "ragged features": ("ragged", (8, 16), (4, 12, 32), (4,)),
+    "ragged expert count": ("ragged", (8, 16), (3, 16, 32), (4,)),
+    "ragged group_sizes rank": ("ragged", (8, 16), (4, 16, 32), (1, 4)),
+    "ragged lhs rank": ("ragged", (2, 8, 16), (4, 16, 32), (4,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_GEMMS))
+def test_bad_shapes_raise_what_lax_raises(case):
+    """The drop-ins raised only ValueError for operands lax refuses with TypeError, so code
+    catching lax's error missed theirs; `OperandShapeError` is both (ValueError as before)."""
+    kind, lhs_shape, rhs_shape, extra = _BAD_GEMMS[case]
+    lhs, rhs = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+    if kind == "dot":
+        calls = (jax.lax.dot_general, fp8jax.Fp8DotGeneral())
+        args = (lhs, rhs, extra)
+    else:
+        calls = (jax.lax.ragged_dot, fp8jax.Fp8RaggedDot(num_experts=rhs_shape[0]))
+        args = (lhs, rhs, jnp.full(extra, 2, jnp.int32))
+    with pytest.raises(Exception) as from_lax:
+        calls[0](*args)
+    with pytest.raises(fp8jax.OperandShapeError) as ours:
+        calls[1](*args)
+    assert isinstance(ours.value, type(from_lax.value)), (from_lax.value, ours.value)
+    assert isinstance(ours.value, ValueError)
+
+
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
 def test_derivatives_of_gradients_say_they_are_not_defined(recipe):
     """`jax.hessian` once ended in a bare AssertionError inside the forward, a gradient of a

@@ -35,6 +35,13 @@ class StateNotDifferentiatedError(Fp8StateError):
         self.consequence = consequence
 
 
+class OperandShapeError(ValueError, TypeError):
+    """Operands (or `dimension_numbers`) whose shapes an FP8 GEMM cannot take. Both a
+    `ValueError`, as fp8jax has always raised, and a `TypeError`, as `lax.dot_general` and
+    `lax.ragged_dot` raise for the same input: code that catches either keeps working when
+    they are swapped for [`fp8jax.Fp8DotGeneral`][] or [`fp8jax.Fp8RaggedDot`][]."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StateErrorWording:
     """How a framework's adapter words the state errors (the Equinox layer's advice is

@@ -27,6 +27,7 @@ from jax import lax
 from jaxtyping import Array
 
 from ..core.amax import owner
+from ..core.errors import OperandShapeError
 from ..core.formats import transpose_in_words
 from ..core.stats import Fp8Stats
 from ..kernels import dispatch, partition
@@ -73,7 +74,8 @@ def normalize_dimension_numbers(
     """Check `dimension_numbers` against the shapes and return it as tuples of ints (an int
     standing for one axis, as `lax.dot_general` takes it).
 
-    Raises `ValueError` naming the offending axes and sizes.
+    Raises `OperandShapeError` (a `ValueError` and, as from lax, a `TypeError`) naming the
+    offending axes and sizes.
     """
 
     def axis_tuple(axes: Any) -> Axes:
@@ -85,26 +87,26 @@ def normalize_dimension_numbers(
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (axis_tuple(axes) for axes in (lc, rc, lb, rb))
     except (TypeError, ValueError):
-        raise ValueError(
+        raise OperandShapeError(
             f"dimension_numbers={dimension_numbers!r}: should be "
             "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), each a tuple of ints "
             "(or an int, for one axis)."
         ) from None
     for name, axes, shape in (("lhs", lc + lb, lhs_shape), ("rhs", rc + rb, rhs_shape)):
         if len(set(axes)) != len(axes) or any(not 0 <= a < len(shape) for a in axes):
-            raise ValueError(
+            raise OperandShapeError(
                 f"dimension_numbers={dimension_numbers!r}: {name} axes {axes} must be distinct "
                 f"and within range for {name} shape {shape}."
             )
     for kind, la, ra in (("contracting", lc, rc), ("batch", lb, rb)):
         if len(la) != len(ra):
-            raise ValueError(
+            raise OperandShapeError(
                 f"dimension_numbers={dimension_numbers!r}: {len(la)} lhs {kind} axes but "
                 f"{len(ra)} rhs {kind} axes."
             )
         for a, b in zip(la, ra, strict=True):
             if lhs_shape[a] != rhs_shape[b]:
-                raise ValueError(
+                raise OperandShapeError(
                     f"Mismatched shapes for dot_general: lhs {lhs_shape} axis {a} has size "
                     f"{lhs_shape[a]} but rhs {rhs_shape} axis {b} has size {rhs_shape[b]} "
                     f"({kind} axes must match)."

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array, Float, Int
 
+from ..core.errors import OperandShapeError
 from ..core.explicit import explicit_mesh, on_auto_axes, split_evenly
 from ..core.jax_private import canonical_precision, varying_axes
 from ..core.stats import ExpertStats
@@ -54,7 +55,8 @@ def check_ragged_dot_args(
     >= 0 and sum to at most `M` (rows past their sum get zeros, as from `lax.ragged_dot`);
     traced ones cannot be checked (see [`fp8jax.Fp8RaggedDot`][]).
 
-    Raises `ValueError` (`TypeError` for a dtype) naming the offending shapes or values.
+    Raises `OperandShapeError` (a `ValueError` and, as from lax, a `TypeError`) for shapes,
+    `TypeError` for a dtype, `ValueError` for group sizes, each naming what it refuses.
     """
     if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
         raise TypeError(
@@ -68,13 +70,13 @@ def check_ragged_dot_args(
         )
     gs_shape = tuple(group_sizes.shape)
     if len(lhs_shape) != 2 or len(rhs_shape) != 3 or len(gs_shape) != 1:
-        raise ValueError(
+        raise OperandShapeError(
             f"{where}: got lhs {lhs_shape}, rhs {rhs_shape} and group_sizes {gs_shape}; should "
             "be lhs (tokens, in), rhs (experts, in, out) and group_sizes (experts,), as for "
             "jax.lax.ragged_dot (vmap over any other axes)."
         )
     if lhs_shape[1] != rhs_shape[1]:
-        raise ValueError(
+        raise OperandShapeError(
             f"{where}: lhs {lhs_shape} has {lhs_shape[1]} features but rhs {rhs_shape} takes "
             f"{rhs_shape[1]} (rhs is (experts, in, out))."
         )
@@ -83,7 +85,7 @@ def check_ragged_dot_args(
         counts["the layer's state"] = num_experts
     if len(set(counts.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in counts.items())
-        raise ValueError(
+        raise OperandShapeError(
             f"{where}: mismatched expert counts ({listed}); group_sizes must have one entry per "
             "expert, rhs one kernel per expert on its first axis"
             + (", and the layer was built for as many experts." if num_experts else ".")
@@ -120,7 +122,7 @@ def check_dispatch_args(
     tracks them, i.e. where the plan varies over its axis)."""
     assignments, local = plan.order.shape[0], plan.group_sizes.shape[0]
     if len(lhs_shape) != 2 or len(rhs_shape) != 3:
-        raise ValueError(
+        raise OperandShapeError(
             f"{where}: got lhs {lhs_shape} and rhs {rhs_shape} with an ExpertExchange; should "
             "be lhs (tokens, in), this device's tokens, and rhs (local experts, in, out)."
         )
@@ -131,7 +133,7 @@ def check_dispatch_args(
             "made for, in the same order."
         )
     if lhs_shape[1] != rhs_shape[1]:
-        raise ValueError(
+        raise OperandShapeError(
             f"{where}: lhs {lhs_shape} has {lhs_shape[1]} features but rhs {rhs_shape} takes "
             f"{rhs_shape[1]} (rhs is (local experts, in, out))."
         )

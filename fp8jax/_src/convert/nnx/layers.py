@@ -13,7 +13,12 @@ from flax import nnx
 from jax.typing import ArrayLike, DTypeLike
 from jaxtyping import Array
 
-from ...core.errors import Fp8StateError, StateErrorWording, reword_state_error
+from ...core.errors import (
+    Fp8StateError,
+    OperandShapeError,
+    StateErrorWording,
+    reword_state_error,
+)
 from ...core.explicit import resharded
 from ...core.jax_private import keep_equinox_missing_on_copy
 from ...core.updates import register_state_variable
@@ -154,10 +159,11 @@ class AbstractFp8NnxDot(nnx.Module):
             raise reword_state_error(e, self.name, _NNX_WORDING) from e
 
     def _named(self, error: Exception) -> Exception:
-        """`error` (a plain `ValueError` or `TypeError` of the layer's call: operands it cannot
-        take, an equation it refuses) led by the layer's path, which says which of a model's
-        layers raised; other errors (state errors, named already) as they are."""
-        if not self.name or type(error) not in (ValueError, TypeError):
+        """`error` (a plain `ValueError`, `TypeError` or `OperandShapeError` of the layer's
+        call: operands it cannot take, an equation it refuses) led by the layer's path, which
+        says which of a model's layers raised; other errors (state errors, named already) as
+        they are."""
+        if not self.name or type(error) not in (ValueError, TypeError, OperandShapeError):
             return error
         return type(error)(f"FP8 layer {self.name!r}: {error}")
 
