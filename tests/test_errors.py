@@ -104,6 +104,25 @@ def test_derivatives_of_gradients_say_they_are_not_defined(recipe):
         jax.jvp(f, (x,), (x,))
 
 
+@pytest.mark.parametrize("derivative", ["hessian", "grad of grad"])
+def test_derivatives_of_gradients_under_vmap_say_so_too(derivative):
+    """Under `jax.vmap` (how an Equinox model meets a batch) the forward rule's operands are
+    `vmap`'s tracers around the outer derivative's: `jax.hessian` ended in a bare
+    AssertionError and a gradient of a gradient in JAX's "Linearization failed", not the
+    TypeError docs/faq.md promises."""
+    d = fp8jax.Fp8DotGeneral("current")
+    w = jnp.ones((8, 4))
+
+    def f(x):
+        return jnp.sum(jax.vmap(lambda row: d(row, w, (((0,), (0,)), ((), ()))))(x) ** 2)
+
+    x = jnp.ones((2, 8))
+    jax.grad(f)(x)  # one reverse-mode derivative: fine
+    twice = {"hessian": jax.hessian(f), "grad of grad": jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))}
+    with pytest.raises(TypeError, match=r"have one reverse-mode derivative .*\(jax.hessian"):
+        twice[derivative](x)
+
+
 def test_forward_mode_raises_as_the_faq_says(getkey):
     """Forward mode through an FP8 GEMM raises as docs/faq.md says: JAX's TypeError naming
     custom_vjp (`jax.jvp`, `jax.jacfwd`, `jax.linearize`'s linear function), except that a

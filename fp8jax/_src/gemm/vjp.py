@@ -235,9 +235,9 @@ def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
     # differentiated.
     x_, w_, rest_, states_ = jax.tree.map(lambda p: p.value, (x, w, rest, states))
-    if any(jax_private.differentiation_trace(a) is not None for a in jax.tree.leaves((x_, w_))):
-        # The forward's own inputs carry a derivative: something differentiates the
-        # gradient (jax.hessian, jax.jacfwd of jax.grad, grad of grad).
+    if any(jax_private.carries_derivative(a) for a in jax.tree.leaves((x_, w_))):
+        # The forward's own inputs carry a derivative (under a vmap too): something
+        # differentiates the gradient (jax.hessian, jax.jacfwd of jax.grad, grad of grad).
         raise TypeError(
             "fp8jax's FP8 GEMMs have one reverse-mode derivative (jax.grad, jax.vjp, "
             "fp8jax.filter_value_and_grad): a derivative of that derivative (jax.hessian, "
