@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import fp8jax
 
@@ -116,6 +117,32 @@ def test_derivatives_of_gradients_under_vmap_say_so_too(derivative):
     def f(x):
         return jnp.sum(jax.vmap(lambda row: d(row, w, (((0,), (0,)), ((), ()))))(x) ** 2)
 
+    x = jnp.ones((2, 8))
+    jax.grad(f)(x)  # one reverse-mode derivative: fine
+    twice = {"hessian": jax.hessian(f), "grad of grad": jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))}
+    with pytest.raises(TypeError, match=r"have one reverse-mode derivative .*\(jax.hessian"):
+        twice[derivative](x)
+
+
+@pytest.mark.parametrize("derivative", ["hessian", "grad of grad"])
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "scan"])
+def test_derivatives_of_gradients_of_traced_functions_say_so_too(wrap, derivative):
+    """A loss under `jax.jit` (or `jax.checkpoint`, `lax.scan`) is traced before the outer
+    derivative reaches it, so the forward rule never saw its tracers: `jax.hessian` ended in
+    a bare AssertionError (inside JAX's custom_vmap) and a gradient of a gradient in
+    "Linearization failed"; the forward's operands now pass an identity whose derivative
+    raises the TypeError docs/faq.md promises."""
+    d = fp8jax.Fp8DotGeneral("current")
+    w = jnp.ones((8, 4))
+
+    def loss(x):
+        return jnp.sum(d(x, w, MATMUL) ** 2)
+
+    f = {
+        "jit": jax.jit(loss),
+        "checkpoint": jax.checkpoint(loss),
+        "scan": lambda x: lax.scan(lambda c, _: (c + loss(x), None), 0.0, length=2)[0],
+    }[wrap]
     x = jnp.ones((2, 8))
     jax.grad(f)(x)  # one reverse-mode derivative: fine
     twice = {"hessian": jax.hessian(f), "grad of grad": jax.grad(lambda x: jnp.sum(jax.grad(f)(x)))}

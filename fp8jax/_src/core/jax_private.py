@@ -238,15 +238,6 @@ def differentiation_trace(x: Any) -> Any | None:
     return None
 
 
-def carries_derivative(x: Any) -> bool:
-    """Whether `x`, or the value inside its `jax.vmap` tracers, is a tracer of a derivative
-    (`differentiation_trace`): under `vmap` a custom_vjp forward's operands are the
-    `vmap`'s tracers around those of a derivative taken outside (`jax.hessian`)."""
-    while is_batch_tracer(x):
-        x = x.val
-    return differentiation_trace(x) is not None
-
-
 def single_use_trace(x: Any) -> Any | None:
     """The trace within which two uses of `x` have their cotangents added by a reverse-mode
     derivative: `x`'s own (`differentiation_trace`), or that of a function traced to a jaxpr

@@ -231,20 +231,35 @@ def fp8_gemm(
         return name_gemm_output(gemm.forward(x, w, *rest, _as_f32(states))[0])
 
 
+_SECOND_DERIVATIVE = (
+    "fp8jax's FP8 GEMMs have one reverse-mode derivative (jax.grad, jax.vjp, "
+    "fp8jax.filter_value_and_grad): a derivative of that derivative (jax.hessian, "
+    "jax.jacfwd of a gradient, a gradient of a gradient) is not defined through the "
+    "quantization. Take such derivatives of the model in high precision (before "
+    "fp8_linear_layers, or with the layers excluded)."
+)
+
+
+@jax.custom_jvp
+def _refuse_derivative_of_gradient(operands: Any) -> Any:
+    """The identity on a forward's operands (no kernel), whose derivative raises: only a
+    derivative of the gradient differentiates a custom_vjp's forward."""
+    return operands
+
+
+@_refuse_derivative_of_gradient.defjvp
+def _(primals, tangents):
+    raise TypeError(_SECOND_DERIVATIVE)
+
+
 def _fp8_gemm_fwd(gemm: Gemm, static: Static, x, w, rest, states):
     # Called with `CustomVJPPrimal`s (symbolic_zeros=True): values and whether they are
     # differentiated.
     x_, w_, rest_, states_ = jax.tree.map(lambda p: p.value, (x, w, rest, states))
-    if any(jax_private.carries_derivative(a) for a in jax.tree.leaves((x_, w_))):
-        # The forward's own inputs carry a derivative (under a vmap too): something
-        # differentiates the gradient (jax.hessian, jax.jacfwd of jax.grad, grad of grad).
-        raise TypeError(
-            "fp8jax's FP8 GEMMs have one reverse-mode derivative (jax.grad, jax.vjp, "
-            "fp8jax.filter_value_and_grad): a derivative of that derivative (jax.hessian, "
-            "jax.jacfwd of a gradient, a gradient of a gradient) is not defined through the "
-            "quantization. Take such derivatives of the model in high precision (before "
-            "fp8_linear_layers, or with the layers excluded)."
-        )
+    # A derivative of the gradient (jax.hessian, jax.jacfwd of jax.grad, grad of grad) runs
+    # this forward on its own tracers: eagerly and under vmap here, and under jit, scan or
+    # checkpoint when it differentiates the traced forward; either way it meets the guard.
+    x_, w_ = _refuse_derivative_of_gradient((x_, w_))
     check_state_differentiated(gemm.recipe, static, x, w, states)
     if static.used_again and any(leaf.perturbed for leaf in jax.tree.leaves(states)):
         raise used_twice(static.name, static.kind)
