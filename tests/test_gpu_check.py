@@ -755,6 +755,8 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--work", str(tmp_path)], "is inside --out="),
         (["--label", "run²"], "ASCII letters, digits"),
         (["--deadline-s", "nan"], "should be over"),
+        (["--deadline-s", "900"], "--deadline-s=900.0: should be over 55 s and at most 560"),
+        (["--deadline-s", "561"], "at most 560 s (a call's 600 s limit"),  # timeout_s: 601
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),
         (["--work", str(a_file)], f"--work={str(a_file)!r} is a file"),

@@ -93,12 +93,15 @@ MIN_S = 45.0
 OVERHEAD_S = 30.0
 #: Seconds between packings of a running part.
 PACK_EVERY_S = 30.0
+#: The longest deadline: a call's 600 s limit less the 20 s `timeout` is given beyond the
+#: deadline and the 20 s the run tool's `timeout_s` is given beyond that (`--deadline-s`).
+DEADLINE_MAX_S = 600.0 - 2 * 20.0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The lease's command line (after `--lease`), checked: exits naming a part that does not
-    exist or comes twice, a deadline too short to run a part, a label that is not a name, a
-    hang limit that is not positive, a file for a folder."""
+    exist or comes twice, a deadline too short to run a part or too long for a call, a label
+    that is not a name, a hang limit that is not positive, a file for a folder."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check.py --lease",
         description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
@@ -108,8 +111,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--deadline-s",
         type=float,
         default=560.0,
-        help="seconds for the whole call (default 560); give `timeout` 20 s more and the run "
-        "tool's timeout_s 20 s more again",
+        help="seconds for the whole call (default and most 560); give `timeout` 20 s more "
+        "and the run tool's timeout_s 20 s more again",
     )
     parser.add_argument(
         "--parts",
@@ -133,8 +136,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
             f"--parts={','.join(args.parts)!r}: unknown or repeated {unknown or args.parts}; "
             f"should name each of {','.join(PARTS)} at most once"
         )
-    if not args.deadline_s > PACK_S + MIN_S:
-        parser.error(f"--deadline-s={args.deadline_s}: should be over {PACK_S + MIN_S:.0f} s")
+    if not PACK_S + MIN_S < args.deadline_s <= DEADLINE_MAX_S:
+        parser.error(
+            f"--deadline-s={args.deadline_s}: should be over {PACK_S + MIN_S:.0f} s and at "
+            f"most {DEADLINE_MAX_S:.0f} s (a call's 600 s limit less 20 s for `timeout` and 20 "
+            "s for the run tool's timeout_s): the call would be killed before the lease.txt"
+        )
     refused = hang_refused(args.hang_s)  # 0 was dropped: the default hang
     if refused:
         parser.error(refused)
