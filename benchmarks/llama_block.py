@@ -85,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 import train_steps
 from jaxtyping import Array, Float
+from llama_variants import FRESH, PACKED, RECIPE_NAMES, accepted, base_name, unknown
 
 import fp8jax
 from fp8jax._src.core.compile_options import cublas_traced
@@ -228,6 +229,8 @@ MASTERS: dict[str, str] = {
 }
 RECIPES.update({name: RECIPES[base] for name, base in MASTERS.items()})
 CONTEXTS.update({name: CONTEXTS[base] for name, base in MASTERS.items() if base in CONTEXTS})
+if tuple(RECIPES) != RECIPE_NAMES:  # the names the GPU check's supervisor checks without JAX
+    raise ImportError(f"llama_variants.RECIPE_NAMES is not {tuple(RECIPES)}: update it")
 
 
 @contextlib.contextmanager
@@ -379,28 +382,10 @@ def make_block(size: str, attention: str, key: Array | None = None) -> LlamaBloc
     return LlamaBlock(shape["width"], shape["heads"], shape["ffn"], attention, key=key)
 
 
-#: A variant's name with this suffix: the same variant with its FP8 states kept between steps
-#: stacked in a few arrays (`Packed`), to time what FP8's state arrays cost the host's launch
-#: of a step (FP8's step takes 73 arrays in and gives 74 out, BF16's 10 and 11).
-PACKED = "-packed"
-
-
-#: A variant's name with this suffix: the same variant timed with the FP8 states of a fresh
-#: model, as the GPU runs before session 41 timed every variant. Delayed-scaling variants take
-#: recorded states otherwise (`recorded_states`): a fresh state casts with 1.0 without the warm
-#: start, where this loss's output gradients (2 y / N, N = 8 or 16 million elements: under
-#: 1e-6) flush to zero in E5M2, and with 0 where the warm start is skipped, which zeroes every
-#: operand; the GEMMs then multiply zeros, faster than a training run's data.
-FRESH = "-fresh"
 #: Train steps of the default delayed recipe (`delayed`, its warm start on) run to record the
 #: states a delayed-scaling variant is timed with: its first step already scales every
 #: operand by its own amax and records it.
 RECORD_STEPS = 2
-
-
-def base_name(name: str) -> str:
-    """`name` without `FRESH` and `PACKED`."""
-    return name.removesuffix(FRESH).removesuffix(PACKED)
 
 
 def check_names(
@@ -412,11 +397,8 @@ def check_names(
         if size not in SHAPES:
             parser.error(f"--sizes: unknown {size!r}; choose among {', '.join(SHAPES)}")
     for name in variants:
-        if name != "bf16" and base_name(name) not in RECIPES:
-            parser.error(
-                f"--variants: unknown {name!r}; choose among bf16, {', '.join(RECIPES)}, or a "
-                f"recipe's with {PACKED!r}, {FRESH!r} or both appended, in that order"
-            )
+        if unknown([name]):
+            parser.error(f"--variants: unknown {name!r}; choose among {accepted()}")
 
 
 def is_packed(name: str) -> bool:

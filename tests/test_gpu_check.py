@@ -467,6 +467,9 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
         (["--sections", "gemms", "--moe-variants", "bf16"], "--moe-variants='bf16' is for"),
         (["--hang-s", "-1"], "--hang-s=-1.0"),
         (["--sections", "moe", "--moe-variants", "bf16,blockwize"], "unknown ['blockwize']"),
+        # Was refused by the child, after JAX's import.
+        (["--llama-variants", "bf16,blockwize"], "unknown ['blockwize']; should name some of"),
+        (["--llama-variants", "delayed-fresh-packed"], "or both appended, in that order"),
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),  # was OverflowError
         (["--lease"], "unrecognized arguments: --lease"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),

@@ -32,20 +32,8 @@ from .timing import METHOD
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """`options.parse`, the Llama variants' names checked too (they need JAX)."""
-    parser = options.parser()
-    args = options.parse(argv, parser)
-    if args.llama_variants is not None:
-        from llama_block import FRESH, PACKED, RECIPES, base_name
-
-        bad = [v for v in args.llama_variants if v != "bf16" and base_name(v) not in RECIPES]
-        if bad or not args.llama_variants:
-            parser.error(
-                f"--llama-variants: unknown {bad}; should name some of "
-                f"{','.join(['bf16', *RECIPES])}, each but bf16 also with {PACKED!r}, "
-                f"{FRESH!r} or both appended, in that order"
-            )
-    return args
+    """The command line, checked (`options.parse`)."""
+    return options.parse(argv, options.parser())
 
 
 def environment(mode: str) -> dict[str, str]:

@@ -8,6 +8,8 @@ import os
 import threading
 from pathlib import Path
 
+from llama_variants import accepted, unknown  # benchmarks/ is on the path
+
 #: The sections, in the order they run.
 SECTIONS = (
     "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
@@ -36,7 +38,7 @@ MOE_VARIANTS = {
 
 
 def parser() -> argparse.ArgumentParser:
-    """The check's options (`main.parse` checks the Llama variants' names: they need JAX)."""
+    """The check's options."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check",
         description="fp8jax's one prepared device check: kernel numerics, GEMM timings, "
@@ -92,9 +94,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """`argv` parsed and checked but for the Llama variants' names: exits naming an unknown,
-    repeated or misordered section, variants of a section not run, a time that is not a
-    positive number, an out folder that cannot be made."""
+    """`argv` parsed and checked: exits naming an unknown, repeated or misordered section, an
+    unknown variant, variants of a section not run, a time that is not a positive number, an
+    out folder that cannot be made."""
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.moe_variants = _names(args.moe_variants)
@@ -104,10 +106,13 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
         parser.error(
             f"--moe-variants: unknown {bad}; should name some of {','.join(MOE_VARIANTS['full'])}"
         )
-    unknown = [s for s in args.sections if s not in SECTIONS]
-    if unknown or not args.sections:
+    bad = unknown(args.llama_variants or [])
+    if bad or args.llama_variants == []:
+        parser.error(f"--llama-variants: unknown {bad}; should name some of {accepted()}")
+    unknown_sections = [s for s in args.sections if s not in SECTIONS]
+    if unknown_sections or not args.sections:
         parser.error(
-            f"--sections={','.join(args.sections)!r}: unknown {unknown}; "
+            f"--sections={','.join(args.sections)!r}: unknown {unknown_sections}; "
             f"should name one or more of {','.join(SECTIONS)}"
         )
     repeated = sorted({s for s in args.sections if args.sections.count(s) > 1})
