@@ -868,6 +868,39 @@ def test_sections_run_in_the_order_given(check_modules, monkeypatch, tmp_path):
     assert "moe broke" in log
 
 
+def test_an_exception_outside_any_measurement_still_leaves_the_summary(
+    check_modules, monkeypatch, tmp_path
+):
+    """An exception between sections (`_release`), in the environment, the decisions or the
+    summary's tables ended the check with a traceback and no summary: it is recorded as an
+    error (with what had been measured) and the summary written."""
+    main, _ = check_modules
+    from gpu_check import numerics
+
+    def measured(rec, mode):
+        rec.measure(numerics.SECTION, "one", lambda: {"passed": True})
+
+    def broke(*args):
+        raise RuntimeError("broke outside")
+
+    monkeypatch.setattr(numerics, "run", measured)
+    monkeypatch.setattr(main, "environment", lambda mode: {"mode": mode})
+    for where in ("_release", "environment", "decisions", "_summary"):
+        with monkeypatch.context() as patched:
+            patched.setattr(main, where, broke)
+            out = tmp_path / where
+            assert main.main(["--dry-run", "--out", str(out), "--sections", "numerics"]) == 1
+        summary = (out / "summary.txt").read_text()
+        assert ("0 ok" if where == "environment" else "2 ok") in summary, where
+        assert "0 failed, 1 error, 0 skipped;" in summary, summary
+        entries = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        (error,) = [e for e in entries if e["status"] == "error"]
+        assert error["error"] == "RuntimeError: broke outside" and error["traceback"], where
+        sections = {"decisions": "(decisions)", "_summary": "(summary)"}
+        assert error["section"] == sections.get(where, "(check)"), where
+        assert ("one" in {e["name"] for e in entries}) == (where != "environment"), where
+
+
 def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_path):
     main, _ = check_modules
     from gpu_check import llama

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -132,20 +134,68 @@ def decisions(rec: Recorder, dense: dict, groups: dict, trains: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; returns 0, or 1 when a measurement raised or a numerics check failed."""
+    """Run the check; returns 0, or 1 when a measurement raised or a numerics check failed.
+    An exception outside any measurement (the environment, between measurements, the
+    decisions, the summary's tables) is recorded and the summary still written."""
     args = parse(argv)
     mode = "dry" if args.dry_run else "quick" if args.quick else "full"
     if mode == "dry":
         os.environ["JAX_PLATFORMS"] = "cpu"  # before jax starts its backends
     budget, gemm_runs, step_runs, reserve = MODES[mode]
     rec = Recorder(args.out, args.budget_s or budget, reserve, mode == "dry", args.resume)
+    found: dict[str, dict] = {"gemms": {}, "grouped": {}, "steps": {}}
+    with _outside(rec, "(check)"):
+        _sections(args, rec, mode, (gemm_runs, step_runs), found)
+    with _outside(rec, "(decisions)"):
+        decisions(rec, found["gemms"], found["grouped"], found["steps"])
+    try:
+        summary = _summary(rec, mode)
+    except Exception as error:  # noqa: BLE001 - the counts and the error, not nothing
+        _record_error(rec, "(summary)", error)
+        counts = ", ".join(f"{v} {k}" for k, v in rec.counts.items())
+        summary = f"## Summary ({counts}; results.jsonl has every figure)\n\n"
+        summary += f"The summary's tables raised:\n{traceback.format_exc()}"
+    (args.out / "summary.txt").write_text(summary + "\n")
+    print(summary, flush=True)
+    return 1 if rec.counts["error"] or rec.counts["failed"] else 0
+
+
+@contextlib.contextmanager
+def _outside(rec: Recorder, where: str) -> Iterator[None]:
+    """An exception outside any measurement recorded as `where`'s error (its traceback
+    kept), so that the summary is written after it."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - a failure is a result here
+        _record_error(rec, where, error)
+
+
+def _record_error(rec: Recorder, where: str, error: Exception) -> None:
+    rec.record(
+        where,
+        "(outside any measurement)",
+        "error",
+        error=f"{type(error).__name__}: {str(error)[:500]}",
+        traceback=traceback.format_exc(),
+    )
+
+
+def _sections(
+    args: argparse.Namespace,
+    rec: Recorder,
+    mode: str,
+    runs: tuple[int, int],
+    found: dict[str, dict],
+) -> None:
+    """The environment printed and recorded, then the sections in the order given, each
+    one's result for the decisions put in `found`."""
+    gemm_runs, step_runs = runs
     env = environment(mode)
     (args.out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     header = "\n".join(f"{k}: {v}" for k, v in env.items())
     print(f"# fp8jax GPU check ({mode})\n{header}", flush=True)
     rec.log(f"environment: {json.dumps(env)}")
     rec.log(f"sections: {','.join(args.sections)}")
-    found: dict[str, dict] = {"gemms": {}, "grouped": {}, "steps": {}}
     prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
     runners: dict[str, tuple[str, Callable[[], Any]]] = {
         "numerics": (numerics.SECTION, lambda: numerics.run(rec, mode)),
@@ -193,11 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         if name == "profile":
             prepared.clear()
         _release()
-    decisions(rec, found["gemms"], found["grouped"], found["steps"])
-    summary = _summary(rec, mode)
-    (args.out / "summary.txt").write_text(summary + "\n")
-    print(summary, flush=True)
-    return 1 if rec.counts["error"] or rec.counts["failed"] else 0
 
 
 def _release() -> None:
