@@ -489,10 +489,11 @@ def test_a_hang_that_spends_the_budget_still_leaves_the_summary(tmp_path, monkey
 
     calls = []
 
-    def run(command, hang_s):
+    def run(command, hang_s, tail):
         calls.append(command)
         if len(calls) == 1:  # hung in a measurement, the budget spent meanwhile
             return -9, "2 GEMMs (dense) | dry | bf16", True
+        (tmp_path / "summary.txt").write_text("the summary\n")
         return 1, None, False  # the resumed check: its summary written, the crash an error
 
     monkeypatch.setattr(supervise, "_run", run)
@@ -502,6 +503,58 @@ def test_a_hang_that_spends_the_budget_still_leaves_the_summary(tmp_path, monkey
     assert 0 < budget < min(reserve for *_, reserve in supervise.MODES.values() if reserve)
     entry = json.loads((tmp_path / "results.jsonl").read_text())
     assert entry["crashed"] and entry["name"] == "dry | bf16"
+
+
+FAKE_CHILD = """
+import json, os, signal, sys
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--out") + 1])
+out.mkdir(exist_ok=True)
+with open(out / "calls.txt", "a") as f:
+    f.write(" ".join(args) + "\\n")
+if "--resume" not in args:  # the first process records a result; a resumed one takes it back
+    (out / "results.jsonl").write_text(json.dumps({"section": "s", "name": "m", "status": "ok"}))
+elif os.environ["FAKE_CHILD"] == "once":
+    (out / "summary.txt").write_text("the check's summary")
+    sys.exit(0)
+print("compiling the next section's step", file=sys.stderr, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # outside any measurement, as the OOM killer would
+"""
+
+
+@pytest.mark.parametrize("deaths", ["once", "always"])
+def test_a_death_outside_any_measurement_still_leaves_a_summary(tmp_path, monkeypatch, deaths):
+    """A check killed outside any measurement (the OOM killer compiling a section's step)
+    ended the supervisor with no summary, and an earlier run's summary.txt left in place
+    passed for this run's; it is started again once (resumed: what it had recorded comes
+    back), and where it dies again without recording anything, the supervisor writes an
+    INCOMPLETE summary: why, the results by section, the check's last lines."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, record, supervise
+
+    (tmp_path / "child.py").write_text(FAKE_CHILD)
+    monkeypatch.setattr(supervise, "SCRIPT", tmp_path / "child.py")
+    monkeypatch.setenv("FAKE_CHILD", deaths)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.txt").write_text("an earlier run's summary")
+    code = supervise.supervise(["--out", str(out), "--dry-run"], out, 10.0, None)
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert ["--resume" in c for c in calls] == [False, True], calls  # started again once
+    summary = (out / "summary.txt").read_text()
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert results[0] == {"section": "s", "name": "m", "status": "ok"}  # kept, not cleared
+    if deaths == "once":
+        assert code == 0 and summary == "the check's summary" and record.whole(out)
+        return
+    assert code == 2 and not record.whole(out) and summary.startswith(record.INCOMPLETE)
+    assert "killed by SIGKILL" in summary.splitlines()[0], summary
+    assert [e["section"] for e in results] == ["s", "(check)", "(check)"], results
+    assert "- s: 1 ok, 0 failed, 0 error, 0 skipped" in summary, summary
+    assert "- (check): 0 ok, 0 failed, 2 error, 0 skipped" in summary, summary
+    assert summary.rstrip().endswith("compiling the next section's step"), summary
+    assert lease.whole is record.whole  # the lease runs such a part again on a second call
 
 
 def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):

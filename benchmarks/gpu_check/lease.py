@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .options import hang_refused, out_folder, unwritable
-from .record import SCRIPT, STATUSES, read_results
+from .record import SCRIPT, STATUSES, read_results, whole
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
@@ -199,7 +199,7 @@ def _run_parts(
     """Each part in turn, each stopped at the deadline, packed as it runs and after."""
     for name in args.parts:
         part, folder = PARTS[name], _folder(args, name)
-        if (folder / "summary.txt").exists():
+        if whole(folder):
             rows[name] = {"status": "done before", "code": 0}
             continue
         left = args.deadline_s - (time.monotonic() - start) - PACK_S
@@ -228,13 +228,13 @@ def _run_parts(
         if code is None:
             _end(child)
         running.clear()
-        whole = (folder / "summary.txt").exists()
-        status = "ran" if whole else "cut by the deadline" if code is None else "ended early"
+        ended = whole(folder)
+        status = "ran" if ended else "cut by the deadline" if code is None else "ended early"
         if code not in (None, 0):
             status += f" (exit status {code})"
         rows[name] = {"status": status, "seconds": time.monotonic() - began}
         # Whole: its exit status (none where the deadline came after its summary); else 2.
-        rows[name].update(code=(code or 0) if whole else 2, **_counts(folder))
+        rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
         _pack(args, name)
 
 
@@ -317,7 +317,7 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
         counts = ", ".join(f"{row[k]} {k}" for k in (*STATUSES, "carried") if k in row)
         lines.append(f"- {name}: {row['status']}, {row.get('seconds', 0):.0f} s"
                      f" ({counts or 'no results'})")  # fmt: skip
-    rest = [n for n in args.parts if not (_folder(args, n) / "summary.txt").exists()]
+    rest = [n for n in args.parts if not whole(_folder(args, n))]
     if rest:
         lines += ["", f"A second call on this machine: --parts {','.join(rest)} (a part the "
                   "deadline cut resumes where it was)."]  # fmt: skip

@@ -29,7 +29,7 @@ from . import (
     transpose,
 )
 from .options import SECTIONS  # noqa: F401 - the sections, in the order they run
-from .record import MODES, Recorder
+from .record import MODES, OUTSIDE, Recorder
 from .timing import METHOD
 
 
@@ -173,7 +173,7 @@ def _outside(rec: Recorder, where: str) -> Iterator[None]:
 def _record_error(rec: Recorder, where: str, error: Exception) -> None:
     rec.record(
         where,
-        "(outside any measurement)",
+        OUTSIDE,
         "error",
         error=f"{type(error).__name__}: {str(error)[:500]}",
         traceback=traceback.format_exc(),

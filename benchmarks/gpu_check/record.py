@@ -34,6 +34,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 STATUSES = ("ok", "failed", "error", "skipped")
 #: The log's line before a measurement runs: what `supervise.py` blames for a crash or hang.
 STARTED = "started "
+#: The name of an error outside any measurement (the check's own, or its process's death).
+OUTSIDE = "(outside any measurement)"
+#: The first word of a summary the supervisor wrote for a check that could not write its own.
+INCOMPLETE = "INCOMPLETE:"
 #: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.
 BROKEN, DIED = 3, 70
 #: `die:<text>;hang:<text>;broken:<text>`: measurements whose `"<out folder's name>: section |
@@ -77,6 +81,9 @@ class Recorder:
         self.broken: dict[str, str] = {}
         if resume:
             for entry in read_results(out / "results.jsonl"):
+                if entry["name"] == OUTSIDE:  # no measurement takes it back: counted now
+                    self._replay(entry)
+                    continue
                 self.done[entry["section"], entry["name"]] = entry
                 if entry.get("crashed"):
                     for suspect in families(entry["name"]):
@@ -207,6 +214,12 @@ class Recorder:
         self.decisions.append(text)
         with open(self.out / "decisions.txt", "a") as f:
             f.write(text + "\n")
+
+
+def whole(folder: Path) -> bool:
+    """Whether the check in `folder` ended with its own summary (not `INCOMPLETE`'s)."""
+    path = folder / "summary.txt"
+    return path.exists() and not path.read_text().startswith(INCOMPLETE)
 
 
 def end_cut_line(path: Path) -> None:

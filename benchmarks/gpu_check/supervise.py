@@ -10,12 +10,15 @@ seconds inside a measurement (`OUTSIDE_S` outside one; then it is killed), the m
 it had started is recorded as crashed and the check starts again with `--resume` and what
 is left of the budget (none left: it measures nothing, but writes the summary): every
 result recorded comes back without running again, and what
-shares the crashed measurement's kernel (`record.families`) is skipped. A crash or hang
-outside any measurement ends the check.
+shares the crashed measurement's kernel (`record.families`) is skipped. A death outside
+any measurement starts it again too, once more only if it recorded something since (the
+out-of-memory killer's may not come back); a hang outside one ends the check. A check that
+ends without its summary gets one from here (`record.INCOMPLETE`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import signal
@@ -26,7 +29,17 @@ import time
 from pathlib import Path
 
 from . import options
-from .record import BROKEN, MODES, SCRIPT, STARTED, end_cut_line
+from .record import (
+    BROKEN,
+    INCOMPLETE,
+    MODES,
+    OUTSIDE,
+    SCRIPT,
+    STARTED,
+    STATUSES,
+    end_cut_line,
+    read_results,
+)
 
 #: How many times the check may start again after crashes or hangs.
 RESTARTS = 8
@@ -38,6 +51,8 @@ HANG_S = 90.0
 #: less than any reserve (it measures nothing; it takes back what was recorded, and writes the
 #: summary).
 SPENT_S = 1e-6
+#: Lines of the check's stderr kept for the summary of a check that could not write its own.
+TAIL_LINES = 40
 #: Seconds without a line outside any measurement (imports, a section's setup, the summary)
 #: after which the child is killed: `--hang-s` guards measurements, where kernels run.
 OUTSIDE_S = 180.0
@@ -70,50 +85,114 @@ def main(argv: list[str] | None = None) -> int:
 
 def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None) -> int:
     """Run `gpu_check.py --child *argv` until it ends by itself; after a crash or hang,
-    record it in `out` and start it again resumed, `budget_s` shared by all."""
+    record it in `out` and start it again resumed, `budget_s` shared by all. A check that
+    ends without its summary (it died or hung outside a measurement, spent its restarts, was
+    stopped) leaves one written here: why, what `results.jsonl` holds, its last output."""
+    (out / "summary.txt").unlink(missing_ok=True)  # an earlier run's would hide this one's end
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    try:
+        code, why = _attempts(argv, out, budget_s, hang_s, tail)
+    except SystemExit:  # stopped (SIGTERM: the lease's deadline); the child was killed
+        _unfinished(out, "stopped from outside (SIGTERM): the check was killed", tail)
+        raise
+    if why is not None:
+        _unfinished(out, why, tail)
+    return code
+
+
+def _attempts(
+    argv: list[str], out: Path, budget_s: float, hang_s: float | None, tail: collections.deque
+) -> tuple[int, str | None]:
+    """`supervise`'s children in turn: the exit status, and why the check could not write
+    its summary (None when it did, or refused its command line)."""
     start = time.monotonic()
     resume: list[str] = []
+    recorded = -1  # results.jsonl's size after the last death outside a measurement
     for _ in range(RESTARTS + 1):
         left = max(budget_s - (time.monotonic() - start), SPENT_S)
         command = [sys.executable, str(SCRIPT), "--child", *argv, "--budget-s", f"{left:.6f}"]
-        code, started, hung = _run(command + resume, hang_s)
+        code, started, hung = _run(command + resume, hang_s, tail)
         if started is None and not hung and code != BROKEN:  # the check ended by itself
-            if code in (0, 1):
-                return code
+            if code in (0, 1) and (out / "summary.txt").exists():
+                return code, None
             if code == 2 and not resume:  # argparse's status: it refused its command line
-                return 2
-            _say(out, f"supervisor: the check died outside a measurement (exit status {code})")
-            return 2
-        if started is not None:
+                return 2, None
+            size = _size(out / "results.jsonl")
+            error = f"the check died outside a measurement ({_status(code)})"
+            _append(out, {"section": "(check)", "name": OUTSIDE, "status": "error",
+                          "error": error})  # fmt: skip
+            if size == recorded:  # nothing recorded since the last such death: it repeats
+                return 2, error
+            recorded = _size(out / "results.jsonl")  # once more: the OOM killer's may not
+            _say(out, f"supervisor: {error}; starting the check again")
+        elif started is not None:
             section, _, name = started.partition(" | ")
             if hung:
                 error = f"no progress for {hang_s:.0f} s: the process was killed (hung)"
             else:
-                error = f"the process died in this measurement (exit status {code})"
+                error = f"the process died in this measurement ({_status(code)})"
             _append(out, {"section": section, "name": name, "status": "error", "error": error,
                           "crashed": True})  # fmt: skip
             _say(out, f"supervisor: {started}: {error}; starting the check again")
         elif hung:
-            _say(out, f"supervisor: no progress for {OUTSIDE_S:.0f} s outside a measurement")
-            return 2
+            return 2, f"no progress for {OUTSIDE_S:.0f} s outside a measurement: killed"
         # Started again even with the budget spent: it measures nothing then (each measurement
         # skipped), but writes the summary, which a hang that ate the budget had left unwritten.
         resume = ["--resume"]
-    _say(out, f"supervisor: {RESTARTS} restarts spent; the check ends here")
-    return 2
+    return 2, f"{RESTARTS} restarts spent; the check ends here"
 
 
-def _run(command: list[str], hang_s: float | None) -> tuple[int, str | None, bool]:
-    """Run the child, its stderr echoed; returns (exit status, the measurement started and
-    not finished when it ended, whether it was killed as hung)."""
+def _status(code: int) -> str:
+    """A child's exit status in words: a signal's name (SIGKILL: the OOM killer's too)."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    oom = ", which the kernel's out-of-memory killer sends" if code == -signal.SIGKILL else ""
+    return f"killed by {name}{oom}"
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _unfinished(out: Path, why: str, tail: collections.deque) -> None:
+    """`out/summary.txt` for a check that ended without its own (`record.INCOMPLETE` first):
+    why, the results recorded by section and status, the check's last lines of output."""
+    _say(out, f"supervisor: {why}")
+    if (out / "summary.txt").exists():
+        return
+    counts: dict[str, dict[str, int]] = {}
+    for entry in read_results(out / "results.jsonl"):
+        if entry["name"] != "(section)" or entry["status"] != "ok":
+            section = counts.setdefault(entry["section"], dict.fromkeys(STATUSES, 0))
+            section[entry["status"]] = section.get(entry["status"], 0) + 1
+    lines = [f"{INCOMPLETE} the check ended without its summary: {why}", ""]
+    lines += ["## Results recorded (results.jsonl has every figure, log.txt the progress)", ""]
+    lines += [f"- {s}: " + ", ".join(f"{n} {k}" for k, n in c.items()) for s, c in counts.items()]
+    lines += ["", f"## The check's last {len(tail)} lines of output (stderr)", "", *tail]
+    text = "\n".join(line.rstrip("\n") for line in lines)
+    print(text, flush=True)
+    (out / "summary.txt").write_text(text + "\n")
+
+
+def _run(
+    command: list[str], hang_s: float | None, tail: collections.deque | None = None
+) -> tuple[int, str | None, bool]:
+    """Run the child, its stderr echoed (its last lines kept in `tail`); returns (exit
+    status, the measurement started and not finished when it ended, whether it was killed
+    as hung)."""
     child = subprocess.Popen(
         command, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
-        for line in child.stderr:
-            lines.put(line)
+        with child.stderr:  # closed at its end (the child's, or its killed children's)
+            for line in child.stderr:
+                lines.put(line)
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
@@ -131,6 +210,8 @@ def _run(command: list[str], hang_s: float | None) -> tuple[int, str | None, boo
             if line is None:
                 return child.wait(), started, False
             sys.stderr.write(line)
+            if tail is not None:
+                tail.append(line)
             text = line.partition("] ")[2].rstrip("\n")
             if text.startswith(STARTED):
                 started = text[len(STARTED) :]
