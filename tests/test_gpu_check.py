@@ -954,6 +954,26 @@ def test_an_exception_outside_any_measurement_still_leaves_the_summary(
         assert ("one" in {e["name"] for e in entries}) == (where != "environment"), where
 
 
+def test_a_check_on_a_gpu_that_jax_does_not_see_measures_nothing(
+    check_modules, monkeypatch, tmp_path
+):
+    """`--quick` (or a full run) where JAX fell back to the CPU (a jaxlib without CUDA) ran
+    every section at GPU shapes on the CPU, each measurement killed as hung, the lease spent;
+    it records the missing GPU as its error and writes the summary at once."""
+    main, _ = check_modules
+    from gpu_check import numerics
+
+    ran = []
+    monkeypatch.setattr(numerics, "run", lambda rec, mode: ran.append(mode))
+    assert main.main(["--quick", "--out", str(tmp_path), "--sections", "numerics"]) == 1
+    assert ran == []
+    (error,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert error["error"].startswith("RuntimeError: no GPU: JAX's first device is 'cpu: ")
+    assert "0 ok, 0 failed, 1 error" in (tmp_path / "summary.txt").read_text()
+    assert main.main(["--dry-run", "--out", str(tmp_path), "--sections", "numerics"]) == 0
+    assert ran == ["dry"]
+
+
 def test_llama_variants_option_names_llama_block_variants(check_modules, tmp_path):
     main, _ = check_modules
     from gpu_check import llama

@@ -196,6 +196,11 @@ def _sections(
     print(f"# fp8jax GPU check ({mode})\n{header}", flush=True)
     rec.log(f"environment: {json.dumps(env)}")
     rec.log(f"sections: {','.join(args.sections)}")
+    if mode != "dry" and jax.devices()[0].platform != "gpu":  # CPU-timed full shapes: none
+        raise RuntimeError(
+            f"no GPU: JAX's first device is {env['device']!r} (a jaxlib without CUDA falls back "
+            "to the CPU); the check measures nothing; --dry-run is the CPU's check"
+        )
     prepared: llama.Cache = {}  # the Llama steps section 4 compiled, traced by section 5
     runners: dict[str, tuple[str, Callable[[], Any]]] = {
         "numerics": (numerics.SECTION, lambda: numerics.run(rec, mode)),
