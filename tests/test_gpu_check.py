@@ -730,6 +730,30 @@ def test_a_lease_runs_its_parts_inside_one_deadline(tmp_path, monkeypatch):
     assert (work / "run_third" / "summary.txt").read_text().count("ERROR") == 1
 
 
+def test_a_part_the_lease_fails_to_start_costs_that_part_only(tmp_path, monkeypatch):
+    """An exception in the lease's own code for one part (carrying crashes, packing) ended
+    the lease: no later part ran, no lease.txt; the part is reported and the next one runs."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    parts = {n: lease.Part(n, ("--sections", "gemms"), 100) for n in ("first", "second")}
+    monkeypatch.setattr(lease, "PARTS", parts)
+    tried = []
+
+    def carry(work, label, folder):
+        tried.append(folder.name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lease, "_carry_crashes", carry)
+    out = tmp_path / "out"
+    assert lease.main(["--out", str(out), "--work", str(tmp_path / "work"), "--dry-run"]) == 2
+    assert tried == ["lease_first", "lease_second"]
+    report = (out / "lease.txt").read_text()
+    for part in ("first", "second"):
+        assert f"- {part}: the lease failed in it (OSError: [Errno 28] No space" in report
+    assert "A second call on this machine: --parts first,second" in report, report
+
+
 def test_a_results_line_cut_by_a_kill_costs_that_line_only(tmp_path, monkeypatch):
     """A check killed mid-write (the lease's deadline) leaves a cut last line in its
     `results.jsonl`: the lease's carrying and counting, the resumed check and the supervisor

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,46 +197,66 @@ def _run_parts(
     rows: dict[str, dict],
     running: list[tuple[str, subprocess.Popen]],
 ) -> None:
-    """Each part in turn, each stopped at the deadline, packed as it runs and after."""
+    """Each part in turn, each stopped at the deadline, packed as it runs and after; one
+    that fails in this process (not in its check) is reported, and the next ones run."""
     for name in args.parts:
-        part, folder = PARTS[name], _folder(args, name)
-        if whole(folder):
-            rows[name] = {"status": "done before", "code": 0}
-            continue
-        left = args.deadline_s - (time.monotonic() - start) - PACK_S
-        if left < MIN_S:
-            rows[name] = {"status": f"not run: {max(left, 0):.0f} s left", "code": 2}
-            continue
-        budget = min(part.budget_s, left - OVERHEAD_S)
-        resume = _carry_crashes(args.work, args.label, folder)
-        command = [sys.executable, str(SCRIPT), "--out", str(folder), *part.args]
-        command += ["--budget-s", f"{budget:.0f}", *resume]
-        command += ["--dry-run"] if args.dry_run else []
-        command += ["--hang-s", str(args.hang_s)] if args.hang_s else []
-        _say(args.out, f"== {name} ({part.what}): budget {budget:.0f} s, {left:.0f} s left")
-        began = time.monotonic()
-        # A process group of its own (for `_end`), in the call's session: the `run` tool's end
-        # of a call reaches it (a new session would outlive the call, still on the GPU).
-        child = subprocess.Popen(command, process_group=0)
-        running[:] = [(name, child)]
-        code = None
-        while code is None and time.monotonic() - began < left:
-            try:
-                code = child.wait(timeout=min(PACK_EVERY_S, left - (time.monotonic() - began)))
-            except subprocess.TimeoutExpired:  # pack what a kill from outside would lose
-                with contextlib.suppress(OSError, tarfile.TarError):  # a file cut while read
-                    _pack(args, name)
-        if code is None:
-            _end(child)
-        running.clear()
-        ended = whole(folder)
-        status = "ran" if ended else "cut by the deadline" if code is None else "ended early"
-        if code not in (None, 0):
-            status += f" (exit status {code})"
-        rows[name] = {"status": status, "seconds": time.monotonic() - began}
-        # Whole: its exit status (none where the deadline came after its summary); else 2.
-        rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
-        _pack(args, name)
+        try:
+            _run_part(args, name, start, rows, running)
+        except Exception as error:  # noqa: BLE001 - the next parts and lease.txt still come
+            for _, child in running:
+                _end(child)
+            running.clear()
+            failed = f"{type(error).__name__}: {error}"
+            rows[name] = {"status": f"the lease failed in it ({failed})", "code": 2}
+            _say(args.out, f"== {name}: the lease failed: {traceback.format_exc()}")
+
+
+def _run_part(
+    args: argparse.Namespace,
+    name: str,
+    start: float,
+    rows: dict[str, dict],
+    running: list[tuple[str, subprocess.Popen]],
+) -> None:
+    """One part, stopped at the deadline, packed as it runs and after."""
+    part, folder = PARTS[name], _folder(args, name)
+    if whole(folder):
+        rows[name] = {"status": "done before", "code": 0}
+        return
+    left = args.deadline_s - (time.monotonic() - start) - PACK_S
+    if left < MIN_S:
+        rows[name] = {"status": f"not run: {max(left, 0):.0f} s left", "code": 2}
+        return
+    budget = min(part.budget_s, left - OVERHEAD_S)
+    resume = _carry_crashes(args.work, args.label, folder)
+    command = [sys.executable, str(SCRIPT), "--out", str(folder), *part.args]
+    command += ["--budget-s", f"{budget:.0f}", *resume]
+    command += ["--dry-run"] if args.dry_run else []
+    command += ["--hang-s", str(args.hang_s)] if args.hang_s else []
+    _say(args.out, f"== {name} ({part.what}): budget {budget:.0f} s, {left:.0f} s left")
+    began = time.monotonic()
+    # A process group of its own (for `_end`), in the call's session: the `run` tool's end
+    # of a call reaches it (a new session would outlive the call, still on the GPU).
+    child = subprocess.Popen(command, process_group=0)
+    running[:] = [(name, child)]
+    code = None
+    while code is None and time.monotonic() - began < left:
+        try:
+            code = child.wait(timeout=min(PACK_EVERY_S, left - (time.monotonic() - began)))
+        except subprocess.TimeoutExpired:  # pack what a kill from outside would lose
+            with contextlib.suppress(OSError, tarfile.TarError):  # a file cut while read
+                _pack(args, name)
+    if code is None:
+        _end(child)
+    running.clear()
+    ended = whole(folder)
+    status = "ran" if ended else "cut by the deadline" if code is None else "ended early"
+    if code not in (None, 0):
+        status += f" (exit status {code})"
+    rows[name] = {"status": status, "seconds": time.monotonic() - began}
+    # Whole: its exit status (none where the deadline came after its summary); else 2.
+    rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
+    _pack(args, name)
 
 
 def _folder(args: argparse.Namespace, name: str) -> Path:
