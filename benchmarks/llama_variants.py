@@ -4,7 +4,7 @@ JAX."""
 
 from __future__ import annotations
 
-#: The recipes' names, `llama_block.RECIPES`' keys in order (`llama_block` checks it at import).
+#: The recipes' names, `llama_block.RECIPES`' keys (`llama_block` checks them at import).
 RECIPE_NAMES = (
     "delayed", "current", "blockwise", "mxfp8", "residual", "delayed-cold", "delayed-steady",
     "delayed-cond", "delayed-apart", "delayed-steady-apart", "delayed-steady-apart-acts",
