@@ -555,6 +555,8 @@ def test_a_death_outside_any_measurement_still_leaves_a_summary(tmp_path, monkey
     assert "- (check): 0 ok, 0 failed, 2 error, 0 skipped" in summary, summary
     assert summary.rstrip().endswith("compiling the next section's step"), summary
     assert lease.whole is record.whole  # the lease runs such a part again on a second call
+    # A check resumed after such deaths counts them in its own summary.
+    assert record.Recorder(out, 10.0, 0.0, True, resume=True).sections["(check)"]["error"] == 2
 
 
 def test_a_crash_or_hang_costs_its_measurement_not_the_call(tmp_path):
