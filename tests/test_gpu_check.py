@@ -1801,3 +1801,18 @@ def test_promotion_sass_reads_the_compute_loop_of_a_disassembly(monkeypatch):
     with pytest.raises(ValueError, match="no loop with a wgmma"):
         promotion_sass.innermost_mma_loop("\n".join([".L_x_1:", line(0x10, "BRA `(.L_x_1)")]))
     assert promotion_sass.TENSOR_CYCLES == 256
+
+
+def test_a_new_run_leaves_no_earlier_profile_file(tmp_path, monkeypatch):
+    """A run into a reused --out cleared results.jsonl, log.txt and decisions.txt but kept an
+    earlier run's profile_kernels.json, which then passed for this run's profile; a resumed
+    run keeps it (its profile section's figures come back from results.jsonl)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import record
+
+    stale = tmp_path / record.KERNELS_FILE
+    stale.write_text("{}\n")
+    record.Recorder(tmp_path, 10.0, 0.0, dry=True, resume=True)
+    assert stale.exists()
+    record.Recorder(tmp_path, 10.0, 0.0, dry=True)
+    assert not stale.exists()

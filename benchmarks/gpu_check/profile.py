@@ -50,7 +50,7 @@ import llama_block
 import fp8jax
 
 from . import llama
-from .record import Recorder
+from .record import KERNELS_FILE, Recorder
 from .timing import Compiled
 
 SECTION = "5 profile"
@@ -61,7 +61,6 @@ WARMUP, TRACED = 2, 2
 BUCKETS = ("GEMM fp8", "GEMM bf16", "GEMM other", "attention", "rest")
 #: How many kernels by time `profile_kernels.json` keeps per variant (all of a Llama step's).
 TOP = 200
-KERNELS_FILE = "profile_kernels.json"
 #: Seconds of the budget a trace needs: the compiled step reused, or compiled here.
 TRACE_NEED_S = 15.0
 

@@ -36,6 +36,8 @@ STATUSES = ("ok", "failed", "error", "skipped")
 STARTED = "started "
 #: The name of an error outside any measurement (the check's own, or its process's death).
 OUTSIDE = "(outside any measurement)"
+#: The profile section's kernels by time, per variant (`profile.py` writes it).
+KERNELS_FILE = "profile_kernels.json"
 #: The first word of a summary the supervisor wrote for a check that could not write its own.
 INCOMPLETE = "INCOMPLETE:"
 #: Exit statuses: the GPU unusable after a measurement's error; a fault injected to die.
@@ -90,6 +92,8 @@ class Recorder:
                         self.broken[suspect] = f"{entry['section']} | {entry['name']}"
         for name in ("decisions.txt",) if resume else ("results.jsonl", "log.txt", "decisions.txt"):
             (out / name).write_text("")
+        if not resume:  # an earlier run's would pass for this one's
+            (out / KERNELS_FILE).unlink(missing_ok=True)
 
     def left(self) -> float:
         """Seconds of the budget left."""
