@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_examples_not_calling_the_model_are_refused
+from reference import per_tensor_current
 
 import fp8jax
 
@@ -128,6 +129,29 @@ def test_a_linear_sized_by_numpy_ints_converts():
     converted = fp8jax.fp8_linear_layers([linear])[0]
     assert isinstance(converted.dot_general, fp8jax.Fp8DotGeneral)
     assert converted(x).shape == (2, 3)
+
+
+def test_a_linear_resized_by_tree_at_converts_to_what_its_call_computes():
+    """An `eqx.nn.Linear(8, 10)` whose weight and bias `eqx.tree_at` replaced by `(12, 8)` and
+    `(12,)` ones (a vocabulary grown by model surgery) keeps the stale `out_features=10` that
+    Equinox's call never reads; conversion raised 'Linear out_features=10 does not match the
+    weight', not naming the layer. It converts to the weight's sizes, its output the FP8
+    GEMM of the new weight (NumPy + ml_dtypes reference)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    linear = eqx.nn.Linear(8, 10, key=keys[0])
+    weight = jax.random.normal(keys[1], (12, 8))
+    bias = jax.random.normal(keys[2], (12,))
+    resized = eqx.tree_at(lambda m: (m.weight, m.bias), linear, (weight, bias))
+    x = jax.random.normal(keys[3], (3, 8))
+    config = fp8jax.Fp8Config(recipe="current")
+    converted = fp8jax.fp8_linear_layers({"out": resized}, config)["out"]
+    assert (converted.in_features, converted.out_features) == (8, 12)
+    y = np.asarray(jax.vmap(converted)(x), np.float64)
+    expected, _, _ = per_tensor_current(
+        np.asarray(x, np.float64), np.asarray(weight, np.float64), np.zeros((3, 12))
+    )
+    expected = expected.astype(np.float32) + np.asarray(bias)
+    np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():

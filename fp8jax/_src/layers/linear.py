@@ -132,12 +132,18 @@ class Linear(eqx.Module):
 
     @classmethod
     def from_eqx(cls, linear: eqx.nn.Linear, dot_general: Fp8DotGeneral | None = None) -> Linear:
-        """The same layer as `linear` (an `eqx.nn.Linear`), its matmul done by `dot_general`."""
+        """The same layer as `linear` (an `eqx.nn.Linear`), its matmul done by `dot_general`.
+        Its sizes are the weight's, as `linear`'s call takes them: an int `in_features` or
+        `out_features` left stale by `eqx.tree_at` surgery on the weight is not checked there."""
+
+        def size(value: Any) -> Any:
+            return "scalar" if isinstance(value, str) and value == "scalar" else None
+
         return cls(
             linear.weight,
             linear.bias,
-            in_features=linear.in_features,
-            out_features=linear.out_features,
+            in_features=size(linear.in_features),
+            out_features=size(linear.out_features),
             dot_general=dot_general,
         )
 
