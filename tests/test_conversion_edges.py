@@ -154,6 +154,36 @@ def test_a_linear_resized_by_tree_at_converts_to_what_its_call_computes():
     np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_a_bfloat16_linear_on_float16_inputs_promotes_as_the_equinox_one(use_bias):
+    """An `eqx.nn.Linear` of BF16 weights called on float16 `x` returns float32 (`weight @ x`
+    promotes as `jnp.promote_types`); converted, it returned BF16 (`lax.dot_general`'s
+    type for the pair), the FP8 GEMM's result rounded to 8 bits of mantissa. It returns
+    float32: the FP8 GEMM of the operands (NumPy + ml_dtypes reference), and gradients in
+    each operand's own dtype, as Equinox's."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    linear = eqx.nn.Linear(8, 4, use_bias=use_bias, dtype=jnp.bfloat16, key=keys[0])
+    x = jax.random.normal(keys[1], (3, 8)).astype(jnp.float16)
+    g = np.asarray(jax.random.normal(keys[2], (3, 4)), np.float32)
+    converted = fp8jax.fp8_linear_layers(linear, fp8jax.Fp8Config(recipe="current"))
+    y = jax.vmap(converted)(x)
+    assert y.dtype == jax.vmap(linear)(x).dtype == jnp.float32
+    expected, d_x, d_w = per_tensor_current(
+        np.asarray(x, np.float64), np.asarray(linear.weight, np.float64), g.astype(np.float64)
+    )
+    expected = expected.astype(np.float32)
+    if use_bias:
+        expected = expected + np.asarray(linear.bias, np.float32)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6, atol=1e-6)
+    grads = eqx.filter_grad(lambda mx: jnp.sum(jax.vmap(mx[0])(mx[1]) * g))((converted, x))
+    layer, d_input = grads
+    assert (d_input.dtype, layer.weight.dtype) == (jnp.float16, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(d_input), d_x.astype(np.float32).astype(np.float16))
+    np.testing.assert_array_equal(
+        np.asarray(layer.weight), d_w.astype(np.float32).astype(jnp.bfloat16)
+    )
+
+
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
     """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
     `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""

@@ -18,6 +18,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ..core.formats import float_dtype
 from ..ops.dot_general import Fp8DotGeneral
 
+#: The two 16-bit floats, which `jnp.promote_types` (an `eqx.nn.Linear`'s `@`) takes to float32.
+_HALVES = {np.dtype(jnp.bfloat16), np.dtype(np.float16)}
+
 
 def _is_array_like(x: object) -> bool:
     """An array, a tracer or a `jax.ShapeDtypeStruct`: has a shape and a dtype."""
@@ -60,8 +63,9 @@ class Linear(eqx.Module):
     - `bias`: `(out_features,)` or `None`.
     - `in_features`, `out_features`: ints, or `"scalar"` as in `eqx.nn.Linear`.
     - `dot_general`: the GEMM, a [`fp8jax.Fp8DotGeneral`][] unless you pass another.
-    - `compute_dtype`: `None` (the output's dtype is `dot_general`'s promotion of `x`'s and
-      the weight's), or the dtype of the output where the weight is a wider master: set by
+    - `compute_dtype`: `None` (the output's dtype is `x`'s and the weight's promotion, as
+      `eqx.nn.Linear`'s: float32 for BF16 with float16, where `lax.dot_general` gives BF16),
+      or the dtype of the output where the weight is a wider master: set by
       [`fp8jax.Policy`][]'s `cast_to_compute`, which leaves an FP8 layer's float32 weight
       uncast so that the FP8 GEMM quantizes it from the master in one pass (no BF16 copy
       written and read again) and writes its gradient in this dtype, as a cast's would be.
@@ -199,10 +203,14 @@ class Linear(eqx.Module):
         if jnp.ndim(x) == 0 or x.shape[-1] != in_size:
             raise ValueError(f"Linear expects x of shape (..., {in_size}); got {jnp.shape(x)}.")
         dims = (((x.ndim - 1,), (1,)), ((), ()))
-        if self.compute_dtype is None:
+        out = self.compute_dtype
+        if out is None and {np.dtype(x.dtype), np.dtype(self.weight.dtype)} == _HALVES:
+            # `eqx.nn.Linear`'s `weight @ x` promotes these to float32; `lax.dot_general`, BF16.
+            out = np.dtype(np.float32)
+        if out is None:
             y = self.dot_general(x, self.weight, dims)
         else:
-            y = self.dot_general(x, self.weight, dims, preferred_element_type=self.compute_dtype)
+            y = self.dot_general(x, self.weight, dims, preferred_element_type=out)
         if self.bias is not None:
             # In `compute_dtype`, as the bias of a layer cast to it is: a wider one would
             # promote the output back.
