@@ -184,6 +184,17 @@ def test_a_bfloat16_linear_on_float16_inputs_promotes_as_the_equinox_one(use_bia
     )
 
 
+def test_explain_takes_a_numpy_bool_as_the_bool_it_holds(capsys):
+    """`explain=np.True_` (a flag read from a NumPy config, as `Fp8Config` takes for its
+    own flags) raised 'explain=np.True_: should be True or False'. It prints the plan that
+    `fp8jax.conversion_plan` returns, as `explain=True` does."""
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    fp8jax.fp8_linear_layers(model, explain=np.True_)
+    assert capsys.readouterr().out == f"{fp8jax.conversion_plan(model)}\n"
+    fp8jax.fp8_linear_layers(model, explain=np.False_)
+    assert capsys.readouterr().out == ""
+
+
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
     """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
     `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""

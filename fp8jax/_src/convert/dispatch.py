@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from ..recipes import RECIPES, Recipe
 from .config import Fp8Config
@@ -166,6 +167,8 @@ def fp8_linear_layers(
     model = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(targets=r".*mlp.*"))
     ```
     """
+    if isinstance(explain, np.bool_):  # a NumPy bool is the bool it holds, as in Fp8Config
+        explain = bool(explain)
     config = _check(tree, config, example, explain)
     nnx, linen = _flax("nnx"), _flax("linen")
     if _fp8_linen(tree):  # as FP8 layers are, a converted model is left as it is
