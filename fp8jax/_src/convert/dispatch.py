@@ -158,9 +158,11 @@ def fp8_linear_layers(
 
     **Returns:** the model with FP8 layers.
 
-    **Raises:** `ValueError` if a target matches no Linear (the message lists the Linears that
-    exist) or names something that is not a Linear. Warns (`fp8jax.Fp8ConversionWarning`)
-    when no layer is converted, when an `exclude` of yours matches no layer, or when
+    **Raises:** `ValueError` if the model holds no Linear at all (only convolutions, say: the
+    message names the layers fp8jax converts), if a target matches no Linear (the message
+    lists the Linears that exist) or names something that is not a Linear. Warns
+    (`fp8jax.Fp8ConversionWarning`) when its Linears are all kept in high precision, when an
+    `exclude` of yours matches no layer, or when
     `example`'s trace finds modules whose GEMMs fp8jax cannot convert.
 
     ```python
