@@ -195,6 +195,23 @@ def test_explain_takes_a_numpy_bool_as_the_bool_it_holds(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_model_no_config_converts_is_not_told_to_change_its_config():
+    """A model whose one Linear is complex (kept whatever the config) warned 'Pass
+    Fp8Config(keep=()) to convert heads and routers, exclude=None to ignore names, or name
+    the layers in targets', which converts nothing either (shown below). It says no config
+    converts it; a head kept by its name still gets that advice."""
+    linear = eqx.nn.Linear(4, 4, dtype=jnp.complex64, key=jax.random.key(0))
+    for config in (None, fp8jax.Fp8Config(keep=(), exclude=None, targets=["layer"])):
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match="converted no layer") as said:
+            converted = fp8jax.fp8_linear_layers({"layer": linear}, config)
+        assert converted["layer"] is linear  # the advice, followed, converts nothing
+        assert "keep=()" not in str(said[0].message)
+        assert "No Fp8Config converts these" in str(said[0].message)
+    head = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude=None to ignore names"):
+        fp8jax.fp8_linear_layers({"head": head})
+
+
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
     """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
     `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""

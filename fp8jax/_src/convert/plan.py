@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, final
 
 from ..gemm import grouped_rules
-from .config import DEFAULT_EXCLUDE, Fp8Config, choose_layers
+from .config import DEFAULT_EXCLUDE, ROLES, Fp8Config, choose_layers
 from .roles import Dataflow, ModelShapes, role_of
 
 
@@ -224,11 +224,22 @@ def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: in
         )
     if not plan.converted:
         kept = "; ".join(f"{c.path or '(root)'}: {c.why}" for c in plan.layers)
+        advice = (
+            "Pass Fp8Config(keep=()) to convert heads and routers, exclude=None to ignore "
+            "names, or name the layers in targets."
+            if any(map(_config_kept, plan.layers))
+            else "No Fp8Config converts these: each stays for what it is, as said."
+        )
         warnings.warn(
             f"fp8_linear_layers converted no layer of this {framework} model, so it trains "
-            f"in high precision. Its layers: {kept or 'none'}. Pass Fp8Config(keep=()) to "
-            "convert heads and routers, exclude=None to ignore names, or name the layers in "
-            "targets.",
+            f"in high precision. Its layers: {kept or 'none'}. {advice}",
             Fp8ConversionWarning,
             stacklevel=stacklevel,
         )
+
+
+def _config_kept(layer: LayerChoice) -> bool:
+    """Whether the config keeps `layer` in high precision (its targets, exclude or keep),
+    not what the layer is (a tied or non-floating weight, a subclass, a GEMM of its own)."""
+    why = layer.why
+    return why.startswith(("not targeted", "excluded by name")) or why.split(":")[0] in ROLES
