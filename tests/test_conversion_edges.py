@@ -212,6 +212,27 @@ def test_a_model_no_config_converts_is_not_told_to_change_its_config():
         fp8jax.fp8_linear_layers({"head": head})
 
 
+def test_a_vocabulary_wide_head_is_kept_whatever_its_field_is_called():
+    """Roles go by shape, not name: an Equinox head as wide as the embedding's vocabulary is
+    kept. One in a field called `stacked` was converted (the name taken for a Haliax
+    `Stacked`'s, whose layers are never heads by shape); it is kept as the same head under
+    another name is."""
+    key = jax.random.key(0)
+
+    def plan(name):
+        fields = {"emb": eqx.nn.Embedding, "body": eqx.nn.Linear, name: eqx.nn.Linear}
+        model = type("LM", (eqx.Module,), {"__annotations__": fields})(
+            eqx.nn.Embedding(V, D, key=key),
+            eqx.nn.Linear(D, D, key=key),
+            eqx.nn.Linear(D, V, key=key),
+        )
+        return fp8jax.conversion_plan(model)
+
+    assert plan("out").converted == ("body",)
+    assert plan("stacked").converted == ("body",)
+    assert plan("stacked").kept["stacked"].startswith("head: ")
+
+
 def test_exclude_matches_a_dotted_path_and_warns_when_it_matches_nothing():
     """`exclude` matches a layer's last name or its whole dotted path (a path never matched:
     `r"layers\\.2"` left the layer in FP8, silently); one that matches no layer warns."""

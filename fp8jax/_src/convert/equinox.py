@@ -317,10 +317,13 @@ def equinox_plan(
     # The layers whose GEMM a trace sees: not tied to another.
     own = [p for p in layer_paths if p not in tied]
     flow = None if example is None else _trace(tree, example, layer_paths, own)
+    # A Haliax `Stacked`'s layers: by the node, not by a path name (an Equinox field may be
+    # called `stacked`).
+    stacks = [p for p in kinds if kinds[p] == "stacked"]
     widths = {
         p: (
             None if p in tied else _out_width(n, "linear"),
-            "stacked" in p or (p not in tied and bool(_stack_shape(n))),
+            any(p[: len(s)] == s for s in stacks) or (p not in tied and bool(_stack_shape(n))),
         )
         for p, n in linears
         if kinds[p] == "linear"  # experts are never heads or routers
