@@ -68,8 +68,9 @@ class Linear(eqx.Module):
       or the dtype of the output where the weight is a wider master: set by
       [`fp8jax.Policy`][]'s `cast_to_compute`, which leaves an FP8 layer's float32 weight
       uncast so that the FP8 GEMM quantizes it from the master in one pass (no BF16 copy
-      written and read again) and writes its gradient in this dtype, as a cast's would be.
-      The bias is added in this dtype too, as a cast layer's is.
+      written and read again) and, `x` being cast to this dtype too, writes the weight's
+      gradient in it, as a cast's would be (beside a float32 `x` it stays float32). The
+      bias is added in this dtype too, as a cast layer's is.
     """
 
     weight: Float[Array, "out in"]
