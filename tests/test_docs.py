@@ -441,3 +441,28 @@ def test_the_residual_recipes_speed_is_quoted_over_every_shape_run_1_timed():
             r"([\d.]+-[\d.]+x) faster (?:on an H200 )?than (?:its|the) fused", text
         )
         assert quoted == measured, (name, quoted, measured)
+
+
+def test_the_recipes_page_quotes_the_blockwise_steps_current_counts():
+    """docs/recipes.md said the blockwise Llama step launches "104-105 kernels" (session 29's
+    count) where the file it cites, the latest deviceless run, counts 105 at 1B and 106 at 8B,
+    and "instead of 1.82x" where the 8B step moved 1.77x before. The page's ranges are that
+    file's blockwise rows (kernels, non-GEMM bytes x BF16)."""
+    page = " ".join((ROOT / "docs" / "recipes.md").read_text().split())
+    (low, high, b_low, b_high, cited) = re.findall(
+        r"launches (\d+)-(\d+) kernels instead of 196 \(BF16: 64\) and moves ([\d.]+)-([\d.]+)x "
+        r"BF16's non-GEMM bytes .*?`benchmarks/results/([\w.]+)`",
+        page,
+    )[0]
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    rows = re.findall(
+        r"^\| blockwise +\| (\d+) \(.*?\| [\d.]+ \(([\d.]+)x\) +\| [\d.]+ \([\d.]+x\) +\| [\d.]+ "
+        r"\([\d.]+x\) +\|$",
+        measured,
+        re.M,
+    )
+    assert len(rows) == 2, rows
+    kernels = sorted(int(k) for k, _ in rows)
+    ratios = sorted(float(b) for _, b in rows)
+    assert [int(low), int(high)] == kernels, (low, high, kernels)
+    assert [float(b_low), float(b_high)] == ratios, (b_low, b_high, ratios)
