@@ -5,6 +5,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -245,6 +246,16 @@ def test_compute_scale_refuses_a_margin_no_recipe_takes(margin):
     for ok in (-32, 32):
         got = fp8jax.compute_scale(jnp.float32(2.0), jnp.float32(1.0), 448.0, ok)
         assert float(got) == float(np.float32(224.0) * np.float32(2.0**-ok))
+
+
+@pytest.mark.parametrize("fmt", [jnp.float8_e4m3fn, np.dtype(jnp.float8_e5m2), "float8_e4m3fn"])
+def test_compute_scale_refuses_a_format_for_its_largest_value(fmt):
+    """A format in place of its largest value raised Python's "unsupported operand type(s)
+    for /" (a dtype divided by an array), naming neither the argument nor the fix."""
+    with pytest.raises(TypeError, match=r"compute_scale: fmt_max=.* is a dtype; .*fp8_max"):
+        fp8jax.compute_scale(jnp.float32(2.0), jnp.float32(1.0), fmt)
+    got = fp8jax.compute_scale(jnp.float32(2.0), jnp.float32(1.0), fp8jax.fp8_max(fmt))
+    assert float(got) == float(np.float32(ml_dtypes.finfo(np.dtype(fmt)).max) / np.float32(2.0))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

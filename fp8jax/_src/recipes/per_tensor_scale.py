@@ -42,6 +42,11 @@ def compute_scale(
     a BF16 tensor) is widened first, as its own arithmetic would round the scale (or overflow
     float16).
     """
+    if isinstance(fmt_max, type | np.dtype | str):  # a format, where its largest value goes
+        raise TypeError(
+            f"compute_scale: fmt_max={fmt_max!r} is a dtype; pass the format's largest value, "
+            "e.g. fp8jax.fp8_max(jnp.float8_e4m3fn) (448.0)."
+        )
     amax_value = jnp.asarray(amax_value)
     amax_value = amax_value.astype(jnp.promote_types(amax_value.dtype, jnp.float32))
     ok = (amax_value > 0.0) & jnp.isfinite(amax_value)
