@@ -502,6 +502,13 @@ CONVERSION = [
         r"fp8jax.Fp8Config\(recipe=MXFP8\(",
     ),
     row(
+        "config-dict",
+        lambda w: convert(w.plain, {"recipe": "current"}),
+        TypeError,
+        r"config=\{'recipe': 'current'\}: should be an fp8jax.Fp8Config or None; for a dict of "
+        r"its fields, pass fp8jax.Fp8Config\(\*\*config\)",
+    ),
+    row(
         "config-class",
         lambda w: convert(w.plain, Config),
         TypeError,

@@ -47,6 +47,8 @@ def _check(tree: Any, config: Any, example: Any, explain: Any) -> Fp8Config:
             hint = f"; for that recipe, pass fp8jax.Fp8Config(recipe={config!r})"
         elif isinstance(config, str):  # a regex of layer names, as `targets` takes
             hint = f"; to convert only the layers it names, fp8jax.Fp8Config(targets={config!r})"
+        elif isinstance(config, dict):  # its fields, as a config file holds them
+            hint = "; for a dict of its fields, pass fp8jax.Fp8Config(**config)"
         raise TypeError(f"config={shown}: should be an fp8jax.Fp8Config or None{hint}.")
     if example is not None and not callable(example):
         raise TypeError(
