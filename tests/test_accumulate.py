@@ -307,3 +307,34 @@ def test_batch_arguments_passed_by_keyword_are_refused_by_name(getkey, microbatc
         run(model, x, y=y)
     loss, _ = run(model, x, y)  # positionally, as the error asks
     assert float(loss) == pytest.approx(float(mse(model, x, y)), rel=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [2.0, np.float32(2.0)])
+def test_a_scalar_beside_the_batch_goes_whole_to_every_microbatch(getkey, temperature):
+    """A scalar batch argument (a temperature) was refused as 'must be an array with a leading
+    batch axis', though the step without microbatches takes it: it has no batch axis to cut,
+    so each microbatch gets it whole. Against the microbatches' steps run by hand, each on
+    its half of the loss (as the whole batch's output gradients are halves of a half's):
+    gradients summed, the FP8 state's newest amax their max."""
+    recipe = fp8jax.DelayedScaling(warm_start=False)
+    model, x, y = problem(getkey, recipe, n=8)
+
+    def loss(model, x, t, y):
+        return mse(model, x, y) * t
+
+    loss_k, grads_k = fp8jax.accumulate_gradients(loss, 2)(model, x, temperature, y)
+    half = fp8jax.filter_value_and_grad(lambda *args: loss(*args) / 2)
+    parts = [half(model, x[i : i + 4], 2.0, y[i : i + 4]) for i in (0, 4)]
+    assert float(loss_k) == pytest.approx(sum(float(p[0]) for p in parts), rel=1e-6)
+    (state_a, rest_a), (state_b, rest_b) = (split(p[1]) for p in parts)
+    state_k, rest_k = split(grads_k)
+    for got, a, b in zip(rest_k, rest_a, rest_b, strict=True):
+        np.testing.assert_allclose(got, np.float64(a) + np.float64(b), rtol=1e-5, atol=1e-7)
+    amaxes = [s for s in state_k if s.ndim == 1]  # the histories' newest amax, first
+    wanted = [np.maximum(a, b) for a, b in zip(state_a, state_b, strict=True) if a.ndim == 1]
+    assert len(amaxes) == 9  # input, kernel and output gradient of each of three layers
+    for got, want in zip(amaxes, wanted, strict=True):
+        np.testing.assert_array_equal(got[0], want[0])
+    step = fp8jax.make_train_step(loss, optax.sgd(0.1), microbatches=2)
+    _, metrics = step(step.init(model), x, temperature, y)
+    assert float(metrics.loss) == pytest.approx(float(loss_k), rel=1e-6)

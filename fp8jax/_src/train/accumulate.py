@@ -26,15 +26,16 @@ from ..recipes import ResidualState, TensorState
 from .grad import filter_value_and_grad
 
 
+def _whole(x: Any) -> bool:
+    """Whether batch leaf `x` goes whole to every microbatch: a scalar (a Python or NumPy
+    number, a 0-d array, a step count or temperature beside the batch) or another non-array
+    leaf, which has no batch axis to cut."""
+    return not eqx.is_array(x) or jnp.ndim(x) == 0
+
+
 def _split(x: Any, microbatches: int, where: str) -> Any:
     """`x` cut into `microbatches` slices along its first axis, stacked; `where` names it
     among the batch arguments (`[1]['y']`) for the errors."""
-    if not eqx.is_array(x) or jnp.ndim(x) == 0:
-        raise ValueError(
-            f"microbatches={microbatches}: every batch argument must be an array with a "
-            f"leading batch axis to split; batch argument {where} is a {type(x).__name__} of "
-            f"shape {jnp.shape(x)}."
-        )
     size = x.shape[0]
     if size % microbatches:
         counts = [str(k) for k in range(1, size + 1) if size % k == 0]
@@ -47,10 +48,12 @@ def _split(x: Any, microbatches: int, where: str) -> Any:
     return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
 
 
-def _split_batch(batch: Any, microbatches: int) -> Any:
-    """Every array of `batch` cut along its first axis into `microbatches` slices, stacked.
-    A Haliax `NamedArray` (looked up, never imported) is cut along its first named axis: its
-    axes become a slice's, that axis resized, so that each slice is a `NamedArray` again."""
+def _split_batch(batch: Any, microbatches: int) -> tuple[Any, Any]:
+    """`batch` as `(cut, whole)`: every array of it with an axis cut along its first axis
+    into `microbatches` slices, stacked (None elsewhere), and the leaves that go whole to
+    every microbatch (`_whole`; None elsewhere). A Haliax `NamedArray` (looked up, never
+    imported) is cut along its first named axis: its axes become a slice's, that axis
+    resized, so that each slice is a `NamedArray` again."""
     haliax = sys.modules.get("haliax")
     named = () if haliax is None else haliax.NamedArray
 
@@ -62,13 +65,22 @@ def _split_batch(batch: Any, microbatches: int) -> Any:
         first = x.axes[0].resize(x.axes[0].size // microbatches)
         return type(x).tree_unflatten((first, *x.axes[1:]), (array,))
 
-    if not jax.tree.leaves(batch):
+    def is_leaf(x: Any) -> bool:
+        return isinstance(x, named)
+
+    def cut(x: Any) -> bool:
+        return not _whole(x.array if isinstance(x, named) else x)
+
+    whole = eqx.filter(batch, lambda x: not cut(x), is_leaf=is_leaf)
+    to_cut = eqx.filter(batch, cut, is_leaf=is_leaf)
+    if not jax.tree.leaves(to_cut):
         raise ValueError(
             f"microbatches={microbatches}: the batch holds no array to split (the loss was "
-            "given no batch arguments, or only None and empty containers); pass the batch, "
-            "or use microbatches=1."
+            "given no batch arguments, or only scalars, None and empty containers); pass the "
+            "batch, an array with a leading batch axis, or use microbatches=1."
         )
-    return jax.tree_util.tree_map_with_path(split, batch, is_leaf=lambda x: isinstance(x, named))
+    cut_batch = jax.tree_util.tree_map_with_path(split, to_cut, is_leaf=is_leaf)
+    return cut_batch, whole
 
 
 def _stacked(first: Any, rest: Any, microbatches: int) -> Any:
@@ -182,9 +194,12 @@ def accumulate_gradients(
 
     - `fun`: `fun(model, *batch) -> loss` (a mean over the batch), or `(loss, aux)` with
       `has_aux`.
-    - `microbatches`: how many equal slices to cut every batch argument into along its first
-      axis (a Haliax `NamedArray`'s first named axis, resized in each slice); they run one
-      after another in a `lax.scan`, so activation memory is that of one.
+    - `microbatches`: how many equal slices to cut every array of the batch arguments into
+      along its first axis (a Haliax `NamedArray`'s first named axis, resized in each slice);
+      they run one after another in a `lax.scan`, so activation memory is that of one.
+      Scalars (Python and NumPy numbers, 0-d arrays: a step count, a temperature) and other
+      non-array leaves go whole to every microbatch; an array without the batch axis (a
+      table) would be cut too: close over it in `fun` instead.
     - `unroll`: the scan's `unroll` (`lax.scan`'s: an int >= 1, or `True` for all of them).
       XLA does not hoist the weights' quantization out of the scan (seen in H100 compiles):
       each microbatch quantizes every FP8 weight again (the same values). Unrolled, the
@@ -266,14 +281,14 @@ def accumulate_gradients(
             if has_aux:  # stacked over its one microbatch, as over several
                 value = (value[0], _stacked(value[1], None, 1))
             return value, grads
-        slices = _split_batch(batch, microbatches)
+        slices, whole = _split_batch(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], slices)
         rest = jax.tree.map(lambda x: x[1:], slices)
-        value, grads = value_and_grad(model, *first)
+        value, grads = value_and_grad(model, *eqx.combine(first, whole))
 
         def body(carry: Any, micro: Any) -> tuple[Any, Any]:
             value, grads = carry
-            new_value, new_grads = value_and_grad(model, *micro)
+            new_value, new_grads = value_and_grad(model, *eqx.combine(micro, whole))
             aux = new_value[1] if has_aux else None
             if has_aux:
                 value = (value[0] + new_value[0], value[1])

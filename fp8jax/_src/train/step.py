@@ -368,7 +368,8 @@ def make_train_step(
       8 bits), and reported in the output dtype.
     - `skip_nonfinite`: skip steps whose gradients are not finite (default `True`).
     - `microbatches`: accumulate gradients over this many slices of the batch
-      ([`fp8jax.accumulate_gradients`][]); with more than one, `aux` is stacked over
+      ([`fp8jax.accumulate_gradients`][]: each array cut along its first axis, scalars passed
+      whole to every slice); with more than one, `aux` is stacked over
       them (a Haliax `NamedArray` along a new leading `microbatch` axis).
     - `compiler_options`: XLA options of the step's executable. `None` (the default) means
       [`fp8jax.gpu_compiler_options`][]: on GPUs every FP8 GEMM is a cuBLASLt FP8 call, not a
