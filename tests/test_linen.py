@@ -4,6 +4,7 @@ path (every recipe) and against Flax's own Fp8DirectDotGeneralOp, selection by m
 write (recurrentgemma's Griffin) trained unedited, telemetry, checkpoints, the H100 compile."""
 
 import functools
+import importlib.util
 import pathlib
 import re
 from typing import Any
@@ -824,6 +825,29 @@ def test_telemetry_and_a_checkpoint_of_the_train_state(tmp_path):
     )
     restored = fp8jax.load_checkpoint(tmp_path / "state.eqx", fresh)
     assert_same(restored, state)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("orbax") is None, reason="needs orbax-checkpoint")
+def test_an_orbax_checkpoint_of_the_train_state_keeps_its_step(tmp_path):
+    """`create` set `step` to the Python int 0, which stays one through unjitted steps, and
+    the orbax backend saves no Python number: a state saved after two steps came back at
+    step 0. The count of steps taken survives the checkpoint now."""
+    model = fp8jax.fp8_linear_layers(Net(), config())
+    x = jnp.ones((4, 64), jnp.float32)
+    tx = optax.sgd(0.1)
+    state = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x), tx=tx
+    )
+    loss = lambda v: jnp.mean(model.apply(v, x) ** 2)  # noqa: E731
+    for _ in range(2):
+        state = state.apply_gradients(grads=fp8jax.filter_value_and_grad(loss)(state.params)[1])
+    fp8jax.save_checkpoint(tmp_path / "state", state, backend="orbax")
+    fresh = fp8jax.LinenTrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(1), x), tx=tx
+    )
+    restored = fp8jax.load_checkpoint(tmp_path / "state", fresh, backend="orbax")
+    assert int(restored.step) == 2
+    assert int(restored.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params)).step) == 3
 
 
 def test_a_linen_train_step_runs_every_targeted_gemm_in_fp8_on_h100():

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
@@ -35,6 +36,14 @@ class LinenTrainState(train_state.TrainState):
     state = state.apply_gradients(grads=grads)
     ```
     """
+
+    @classmethod
+    def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> LinenTrainState:
+        """Flax's `create`, with `step` a 0-d int32 array, not the Python int 0: the orbax
+        backend of [`fp8jax.save_checkpoint`][] saves no Python number, and a state stepped
+        outside `jit` (where `step` stays an int) would resume at step 0."""
+        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return state.replace(step=jnp.zeros((), jnp.int32))
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> LinenTrainState:
         """The state after one step of `grads` (the gradients of `params`, FP8 state
