@@ -145,6 +145,29 @@ def test_a_classifier_head_is_found_only_by_the_trace():
     assert converted_eqx(traced) == ["layers.0", "layers.1"]
 
 
+def test_the_trace_inside_shard_map_finds_the_head_as_outside():
+    """Inside `shard_map` a replicated weight meets a device's block of the batch through a
+    `pvary`, which the trace did not follow: it found no GEMM of the model's layers and
+    raised 'example traced no GEMM ... not a model it closes over'. The plan is now the one
+    the same trace finds outside `shard_map`: the head kept, the other layers in FP8."""
+    mlp = eqx.nn.MLP(16, 10, 32, depth=2, key=jax.random.key(0))
+    outside = fp8jax.conversion_plan(mlp, example=lambda m: jax.vmap(m)(jnp.ones((2, 16))))
+    mesh = jax.make_mesh(
+        (2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+    seen = {}
+
+    def body(x):
+        seen["plan"] = fp8jax.conversion_plan(mlp, example=lambda m: jax.vmap(m)(x))
+        seen["model"] = fp8jax.fp8_linear_layers(mlp, example=lambda m: jax.vmap(m)(x))
+        return x
+
+    spec = jax.sharding.PartitionSpec("d")
+    jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(jnp.ones((4, 16)))
+    assert str(seen["plan"]) == str(outside)
+    assert converted_eqx(seen["model"]) == ["layers.0", "layers.1"]
+
+
 class EqxMixtral(eqx.Module):
     gate: eqx.nn.Linear
     experts: list

@@ -56,6 +56,7 @@ VIEWS = frozenset(
         "device_put",
         "optimization_barrier",
         "name",  # jax.ad_checkpoint.checkpoint_name (Haliax's Stacked names what it scans)
+        "pvary",  # inside shard_map, a replicated weight meeting a device's block of the batch
     }
 )
 
