@@ -276,6 +276,23 @@ def test_haliax_named_batch_splits_into_microbatches(getkey):
     np.testing.assert_allclose(metrics.loss, want, rtol=1e-6)
 
 
+def test_a_named_scalar_beside_a_named_batch_goes_whole_to_every_microbatch(getkey):
+    """A 0-d NamedArray (a temperature) beside a NamedArray batch: the batch is cut, the
+    scalar given whole to each microbatch, as if the loss closed over it."""
+    model = fp8jax.fp8_linear_layers(hnn.Linear.init(Embed, Mlp, key=getkey()))
+    x = hax.random.normal(getkey(), (hax.Axis("batch", 8), Embed))
+
+    def loss(m, x, t):
+        return hax.mean(m(x) ** 2).scalar() * t.scalar()
+
+    got, grads = fp8jax.accumulate_gradients(loss, 2)(model, x, hax.named(jnp.float32(3.0), ()))
+    closed = lambda m, x: hax.mean(m(x) ** 2).scalar() * 3.0  # noqa: E731
+    want, grads_c = fp8jax.accumulate_gradients(closed, 2)(model, x)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_c), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_named_aux_is_stacked_along_a_microbatch_axis(microbatches, getkey):
     """A NamedArray in aux, stacked over the microbatches, gains a leading `microbatch` axis

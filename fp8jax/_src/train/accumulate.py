@@ -83,6 +83,13 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[Any, Any]:
     return cut_batch, whole
 
 
+def _with_whole(micro: Any, whole: Any) -> Any:
+    """A microbatch's cut arrays and the leaves every microbatch gets whole, as one batch."""
+    haliax = sys.modules.get("haliax")
+    named = () if haliax is None else haliax.NamedArray
+    return eqx.combine(micro, whole, is_leaf=lambda x: isinstance(x, named))
+
+
 def _stacked(first: Any, rest: Any, microbatches: int) -> Any:
     """The first microbatch's aux and the scan's stack of the rest's (`None` for none) as one
     stack. A Haliax `NamedArray` gains a leading `microbatch` axis: the scan stacks its array
@@ -284,11 +291,11 @@ def accumulate_gradients(
         slices, whole = _split_batch(batch, microbatches)
         first = jax.tree.map(lambda x: x[0], slices)
         rest = jax.tree.map(lambda x: x[1:], slices)
-        value, grads = value_and_grad(model, *eqx.combine(first, whole))
+        value, grads = value_and_grad(model, *_with_whole(first, whole))
 
         def body(carry: Any, micro: Any) -> tuple[Any, Any]:
             value, grads = carry
-            new_value, new_grads = value_and_grad(model, *eqx.combine(micro, whole))
+            new_value, new_grads = value_and_grad(model, *_with_whole(micro, whole))
             aux = new_value[1] if has_aux else None
             if has_aux:
                 value = (value[0] + new_value[0], value[1])
