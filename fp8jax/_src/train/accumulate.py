@@ -205,8 +205,9 @@ def accumulate_gradients(
       along its first axis (a Haliax `NamedArray`'s first named axis, resized in each slice);
       they run one after another in a `lax.scan`, so activation memory is that of one.
       Scalars (Python and NumPy numbers, 0-d arrays: a step count, a temperature) and other
-      non-array leaves go whole to every microbatch; an array without the batch axis (a
-      table) would be cut too: close over it in `fun` instead.
+      non-array leaves go whole to every microbatch, a PRNG key too (every microbatch then
+      draws the same dropout mask: pass one key per example, `(batch,)`, to have them cut);
+      an array without the batch axis (a table) would be cut too: close over it in `fun`.
     - `unroll`: the scan's `unroll` (`lax.scan`'s: an int >= 1, or `True` for all of them).
       XLA does not hoist the weights' quantization out of the scan (seen in H100 compiles):
       each microbatch quantizes every FP8 weight again (the same values). Unrolled, the
