@@ -551,7 +551,8 @@ def test_train_step_gives_the_loss_to_an_optimizer_that_reads_it(has_aux):
     expected = nnx.clone(model)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     optimizer_e = nnx.Optimizer(expected, tx, wrt=nnx.Param)
-    step = fp8jax.nnx_train_step(loss_fn, has_aux=has_aux)
+    # A NumPy bool, the bool it holds (it was refused; Python bools: the other tests).
+    step = fp8jax.nnx_train_step(loss_fn, has_aux=np.bool_(has_aux))
 
     @nnx.jit
     def by_hand(model, optimizer, x, y):

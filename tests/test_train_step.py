@@ -657,7 +657,7 @@ def test_cast_batch_false_passes_the_batch_as_given(getkey):
     assert np.isfinite(float(metrics.loss))
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None, np.bool_(True)])
+@pytest.mark.parametrize("bad", ["yes", 1, None, np.array([True])])
 def test_cast_batch_must_be_a_bool(bad):
     with pytest.raises(TypeError, match=re.escape(f"cast_batch={bad!r}: should be True or False")):
         fp8jax.make_train_step(cross_entropy, optax.sgd(0.1), cast_batch=bad)
@@ -760,3 +760,31 @@ def test_rescaled_recorded_gradient_states_change_no_training_number(recipe, mon
     assert bits([r[:2] for r in runs[True][2]]) == bits([r[:2] for r in runs[False][2]])
     # What the rescaling is for: the recorded amaxes in the latest loss scale's units.
     assert bits([r[2] for r in runs[True][2]]) != bits([r[2] for r in runs[False][2]])
+
+
+def test_numpy_bools_are_the_bools_they_hold(getkey):
+    """make_train_step refused has_aux / skip_nonfinite / cast_batch = np.True_ (a flag read
+    from a config array) where Fp8Config, fp8_linear_layers and the GEMMs take a NumPy bool
+    as the bool it holds; the step built from them is the one built from Python bools."""
+    mlp = eqx.nn.MLP(8, 1, 16, 1, key=getkey())
+    model = fp8jax.fp8_linear_layers(mlp, fp8jax.Fp8Config(recipe="delayed"))
+    x, y = data(getkey(), n=8)
+
+    def loss(m, x, y):
+        value = mse(m, x, y)
+        return value, {"loss": value}
+
+    states = []
+    for flag in (True, np.True_):
+        step = fp8jax.make_train_step(
+            loss,
+            optax.sgd(0.1),
+            has_aux=flag,
+            skip_nonfinite=flag,
+            cast_batch=flag,
+            microbatches=2,
+            unroll_microbatches=flag,
+        )
+        states.append(step(step.init(model), x, y))
+    assert bits(states[0]) == bits(states[1])
+    assert states[1][1].aux["loss"].shape == (2,)  # has_aux taken: aux stacked per microbatch

@@ -163,10 +163,10 @@ def is_count(value: Any) -> bool:
 
 
 def check_unroll(what: str, unroll: Any) -> int | bool:
-    """`unroll` as a scan's (an int >= 1, a NumPy integer as an int, or a bool); a
-    `ValueError` naming `what` for anything else."""
-    if isinstance(unroll, bool) or is_count(unroll):
-        return unroll if isinstance(unroll, bool) else int(unroll)
+    """`unroll` as a scan's (an int >= 1, a NumPy integer as an int, or a bool, a NumPy
+    one as a bool); a `ValueError` naming `what` for anything else."""
+    if isinstance(unroll, bool | np.bool_) or is_count(unroll):
+        return bool(unroll) if isinstance(unroll, bool | np.bool_) else int(unroll)
     raise ValueError(
         f"{what}={unroll!r} should be an int >= 1 (microbatches per iteration of the "
         "scan) or True (all of them), as lax.scan's unroll."
@@ -250,8 +250,9 @@ def accumulate_gradients(
             f"accumulate_gradients: microbatches={microbatches!r} should be an int >= 1."
         )
     microbatches = int(microbatches)
-    if not isinstance(has_aux, bool):
+    if not isinstance(has_aux, bool | np.bool_):  # a NumPy bool: the bool it holds
         raise TypeError(f"accumulate_gradients: has_aux={has_aux!r} should be True or False.")
+    has_aux = bool(has_aux)
     unroll = check_unroll("accumulate_gradients: unroll", unroll)
 
     def scaled(model: Any, *batch: Any) -> Any:

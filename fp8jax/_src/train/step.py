@@ -26,6 +26,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -428,8 +429,9 @@ def make_train_step(
         )
     flags = (("has_aux", has_aux), ("skip_nonfinite", skip_nonfinite), ("cast_batch", cast_batch))
     for flag, value in flags:
-        if not isinstance(value, bool):
+        if not isinstance(value, bool | np.bool_):  # a NumPy bool: the bool it holds
             raise TypeError(f"make_train_step: {flag}={value!r}: should be True or False.")
+    has_aux, skip_nonfinite, cast_batch = bool(has_aux), bool(skip_nonfinite), bool(cast_batch)
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn={loss_fn!r} is not callable.")
     if not is_count(microbatches):

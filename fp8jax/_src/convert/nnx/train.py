@@ -10,6 +10,7 @@ from typing import Any, final
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.typing import ArrayLike
@@ -218,8 +219,9 @@ def nnx_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"nnx_train_step: loss_fn={loss_fn!r} is not callable.")
-    if not isinstance(has_aux, bool):
+    if not isinstance(has_aux, bool | np.bool_):  # a NumPy bool: the bool it holds
         raise TypeError(f"nnx_train_step: has_aux={has_aux!r} should be True or False.")
+    has_aux = bool(has_aux)
     compiler_options = checked_compiler_options("nnx_train_step", compiler_options)
     return NnxTrainStep(loss_fn, has_aux, compiler_options)
 
