@@ -257,6 +257,42 @@ def test_per_example_gradients_are_not_summed(linear):
         np.testing.assert_allclose(per_example.weight[i], single.weight, rtol=1e-6, atol=1e-7)
 
 
+def test_per_example_gradients_take_the_batch_scales_or_each_its_own_state(getkey):
+    """Under vmap(grad) with current scaling each example's weight gradient is quantized with
+    the batch's scales, as in a batched step (docs/concepts.md): an example of 1e-3 beside
+    one of 300 is not what it would be alone. A state per example (the model mapped too)
+    gives each its own scales. Both against NumPy + ml_dtypes on the canonical GEMM."""
+    from reference import current_scale, qdq_tensor
+
+    linear = fp8jax.fp8_linear_layers(
+        eqx.nn.Linear(8, 4, key=getkey()), fp8jax.Fp8Config(recipe="current", exclude=None)
+    )
+    xs = np.stack([np.full(8, 1e-3), np.linspace(0.5, 1.0, 8), np.full(8, 300.0)])
+    xs = xs.astype(np.float32)
+    cs = np.stack([np.full(4, 1e-3), np.linspace(-1.0, 1.0, 4), np.full(4, 2.0)])
+    cs = cs.astype(np.float32)
+
+    def loss(m, x, c):
+        return jnp.sum(m(x) * c)
+
+    def wgrad(x, c, x_amax, c_amax):  # g^T x with the scales of those amaxes
+        xq = qdq_tensor(x, current_scale(x_amax, "e4m3", power_of_two=True), "e4m3")
+        gq = qdq_tensor(c, current_scale(c_amax, "e5m2", power_of_two=True), "e5m2")
+        return np.outer(gq, xq)
+
+    shared = jax.vmap(fp8jax.filter_grad(loss), in_axes=(None, 0, 0))(linear, xs, cs)
+    dynamic, static = eqx.partition(linear, eqx.is_array)
+    each = eqx.combine(jax.tree.map(lambda a: jnp.stack([a] * 3), dynamic), static)
+    own = eqx.filter_vmap(fp8jax.filter_grad(loss))(each, xs, cs)
+    batch_x, batch_c = np.abs(xs).max(), np.abs(cs).max()
+    for i in range(3):
+        batch = wgrad(xs[i], cs[i], batch_x, batch_c)
+        alone = wgrad(xs[i], cs[i], np.abs(xs[i]).max(), np.abs(cs[i]).max())
+        np.testing.assert_allclose(shared.weight[i], batch, rtol=1e-6, atol=0)
+        np.testing.assert_allclose(own.weight[i], alone, rtol=1e-6, atol=0)
+    assert not np.allclose(shared.weight[0], own.weight[0])  # the small example differs
+
+
 PER_EXAMPLE_RECIPES = {
     "delayed": fp8jax.DelayedScaling(),
     "current": fp8jax.CurrentScaling(),
