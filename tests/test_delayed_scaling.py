@@ -164,6 +164,25 @@ def test_a_state_without_a_scale_gets_one_unless_warm():
     np.testing.assert_array_equal(next_scales(kept, history, rules), [0.0, 8.0])
 
 
+def test_a_warm_state_without_a_scale_casts_by_one_in_a_cold_layer_once_merged(tmp_path):
+    """A warm-start state holding no scale (0) restored into a `warm_start=False` layer is
+    merged by `load_checkpoint`, and one moved in by hand by `merge`: both then cast by
+    Transformer Engine's 1.0 (`scale_inv` 1), not by 0 (every FP8 operand 0)."""
+    recipe = fp8jax.DelayedScaling(history_len=2, warm_start=False)
+    cold = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
+    fresh = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=2)))
+    fp8jax.save_checkpoint(tmp_path / "warm.eqx", fresh)
+    restored = fp8jax.load_checkpoint(tmp_path / "warm.eqx", cold)
+    roles = lambda m: (m.dot.input, m.dot.kernel, m.dot.output_grad)  # noqa: E731
+    moved = eqx.tree_at(roles, cold, roles(fresh))
+    moved = eqx.tree_at(lambda m: m.dot, moved, moved.dot.merge(moved.dot))
+    x = np.array([[3.3, -0.7]], np.float32)
+    want = ref_qdq(x, 1.0, "e4m3") @ ref_qdq(np.eye(2, dtype=np.float32), 1.0, "e4m3")
+    for layer in (restored, moved):
+        assert all(float(s.scale) == 1.0 == float(s.scale_inv) for s in roles(layer))
+        np.testing.assert_array_equal(np.asarray(layer(x), np.float64), want)
+
+
 def test_non_finite_amax_keeps_scale():
     previous = jnp.float32(3.0)
     for bad in (0.0, np.inf, np.nan):

@@ -74,9 +74,12 @@ class TensorState(eqx.Module):
       telemetry.
     - `amax_history`: recent amaxes, newest at index 0, the second newest at the end
       (Transformer Engine rolls by -1, then writes index 0). Recipes without a history keep one.
-    - `scale_inv`: `1 / scale`, or 1 where `scale` is 0 (the scale a cast then uses without
-      the warm start), computed when the state is built or merged. Delayed scaling hands it
-      to the GEMM as it is: cuBLASLt's FP8 GEMM takes it as an operand, where an inverse
+    - `scale_inv`: `1 / scale`, or 1 where `scale` is 0, computed when the state is built or
+      merged. Without the warm start a cast takes `scale` as it is, with no check per step: a
+      state holding 0 (a warm-start layer's, none recorded) moved into such a layer by hand
+      casts every operand to 0 until merged (`op.merge(op)` sets 1, Transformer Engine's, as
+      `load_checkpoint` does for a restored one). Delayed scaling hands
+      `scale_inv` to the GEMM as it is: cuBLASLt's FP8 GEMM takes it as an operand, where an inverse
       computed in the step is a kernel of its own per GEMM. Left out, it is computed from
       `scale`; a state edited by hand (`eqx.tree_at` on `scale`) must set both, or be merged
       ([`fp8jax.Fp8DotGeneral.merge`][]), which computes it again.
