@@ -354,6 +354,13 @@ def test_state_left_out_is_fine_where_the_recipe_keeps_none():
     spec = eqx.tree_at(lambda m: m[1].weight, jax.tree.map(lambda _: False, model), True)
     grads = jax.grad(mlp_loss)(*eqx.partition(model, spec), x, c)
     assert np.isfinite(np.asarray(grads[1].weight)).all()
+    # Its gradient holds FP8 modules without arrays: nothing received, the state kept.
+    overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+    new = fp8jax.apply_updates(model, None, overwrites)
+    for old, kept in zip(model, new, strict=True):
+        for r in ROLES:
+            want, got = getattr(old.dot_general, r), getattr(kept.dot_general, r)
+            assert jax.tree.all(jax.tree.map(np.array_equal, want, got))
 
 
 # --- on an H100: one cuBLASLt call per GEMM, writing BF16 with the scale as its alpha -------

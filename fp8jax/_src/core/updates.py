@@ -168,6 +168,14 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
     def is_leaf(x: Any) -> bool:
         return x is None or is_overwrite(x)
 
+    # A module whose state was not differentiated (a filter spec without `with_fp8_state`,
+    # through which no gradient flowed) comes back holding no array: nothing received.
+    overwrites = jax.tree.map(
+        lambda o: o if any(map(eqx.is_array, jax.tree.leaves(o))) else None,
+        overwrites,
+        is_leaf=is_leaf,
+    )
+
     # Every received module merged up front, those of one class together (`merge_many`),
     # then handed out in the order the tree is walked.
     pairs: dict[type, list[tuple[Any, Any]]] = {}
