@@ -480,3 +480,25 @@ def test_dimension_numbers_may_name_single_axes_by_int():
     ]:
         want = f32_dot(x, w, dims)
         np.testing.assert_array_equal(fp8jax.Fp8DotGeneral("current")(x, w, dims), want)
+
+
+def test_a_state_moved_in_from_a_layer_of_another_recipe_is_refused():
+    """A state moved by `eqx.tree_at` runs as it is: one of another history length (or a
+    current-scaling state, scale 1 and one amax, in a delayed layer that would warm-start)
+    would silently run with that history. Refused; one of the same recipe is taken, its
+    scale the cast's."""
+    dims = (((1,), (0,)), ((), ()))
+    roles = lambda m: (m.input, m.kernel, m.output_grad)  # noqa: E731
+    short = fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=2))
+    x, w = np.ones((1, 2), np.float32), np.eye(2, dtype=np.float32)
+    for other in (fp8jax.DelayedScaling(history_len=4), fp8jax.CurrentScaling()):
+        moved = eqx.tree_at(roles, short, roles(fp8jax.Fp8DotGeneral(other)))
+        with pytest.raises(ValueError, match=r"its input state is a TensorState with \d amax"):
+            moved(x, w, dims)
+    state = fp8jax.TensorState(jnp.float32(16), jnp.ones(2))
+    trained = eqx.tree_at(lambda m: m.input, short, state)
+    moved = eqx.tree_at(roles, fp8jax.Fp8DotGeneral(short.recipe), roles(trained))
+    big = np.array([[40.0, 0.5]], np.float32)  # 40 saturates at 448 / 16 = 28 under 16
+    want = ref_qdq(big, 16.0, "e4m3") @ w.astype(np.float64)
+    assert want[0, 0] == 28.0
+    np.testing.assert_array_equal(np.asarray(moved(big, w, dims), np.float64), want)

@@ -284,6 +284,31 @@ def check_one_state(op: AbstractFp8Op) -> None:
         )
 
 
+@functools.lru_cache(maxsize=64)
+def _fresh_kind(recipe: Recipe, role: str) -> tuple[type, int]:
+    """The type of `recipe`'s fresh state for `role` and the length of its amax history."""
+    fresh = jax.eval_shape(lambda: recipe.init_state(role))
+    return type(fresh), jnp.shape(fresh.amax_history)[-1]
+
+
+def check_state_kind(op: AbstractFp8Op) -> None:
+    """Raise `ValueError` if a state of `op` is not of the kind its recipe keeps (its type,
+    its amax history's length): a state moved in from a layer of another recipe (by
+    `eqx.tree_at`) would run with that recipe's history, or skip the warm start."""
+    for role in ("input", "output_grad"):  # the kernel's may be weight-shaped (residual)
+        state = getattr(op, role)
+        kind, length = _fresh_kind(op.recipe, role)
+        found = jnp.shape(state.amax_history)[-1:] if hasattr(state, "amax_history") else None
+        if type(state) is not kind or found != (length,):
+            held = f"a {type(state).__name__}" + (f" with {found[0]} amaxes" if found else "")
+            raise ValueError(
+                f"{op._where}{f' {op.name!r}' if op.name else ''}: its {role} state is {held}; "
+                f"its recipe {op.recipe!r} keeps a {kind.__name__} with {length}: a state "
+                "moved in from a layer of another recipe. Move states only between layers "
+                "of one recipe, or give the layer recipe.init_state(role)."
+            )
+
+
 @final
 @dataclasses.dataclass(frozen=True)
 class LayerTag:
@@ -375,6 +400,7 @@ class AbstractFp8Op(OverwriteWithGradient):
     def _states(self) -> States:
         check_float32_state(self)
         check_one_state(self)
+        check_state_kind(self)
         return States(self.input, self.kernel, self.output_grad, self.stats)
 
     def _name_scope(self) -> Any:
