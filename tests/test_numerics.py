@@ -347,6 +347,31 @@ def test_fine_tuning_without_the_fp8_state_raises_and_with_fp8_state_fixes_it():
         assert all(float(getattr(layer.dot_general, r).amax_history[0]) > 0 for r in ROLES)
 
 
+def test_a_filter_spec_naming_some_roles_updates_those_and_keeps_the_rest():
+    """A filter spec differentiating one role's state (the inputs') left the gradient's FP8
+    module with None at the others, and apply_updates crashed stacking them (TypeError:
+    stack requires ndarray ... NoneType); the named role records its amax (max |x|, from
+    NumPy), the others are kept as they were, bit for bit."""
+    x, c = faulty(None, 0.0)
+    model = two_layers(fp8jax.DelayedScaling())
+    spec = jax.tree.map(lambda _: False, model)
+    for i in range(2):
+        spec = eqx.tree_at(lambda m, i=i: m[i].weight, spec, True)
+        spec = eqx.tree_at(
+            lambda m, i=i: m[i].dot_general.input,
+            spec,
+            jax.tree.map(lambda _: True, model[i].dot_general.input),
+        )
+    grads = jax.grad(mlp_loss)(*eqx.partition(model, spec), x, c)
+    overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+    new = fp8jax.apply_updates(model, None, overwrites)
+    assert float(new[0].dot_general.input.amax_history[0]) == float(np.abs(x).max())
+    for old, kept in zip(model, new, strict=True):
+        for r in ("kernel", "output_grad"):
+            want, got = getattr(old.dot_general, r), getattr(kept.dot_general, r)
+            assert jax.tree.all(jax.tree.map(np.array_equal, want, got)), r
+
+
 def test_state_left_out_is_fine_where_the_recipe_keeps_none():
     """Current scaling reads no state between steps: leaving it out loses nothing."""
     x, c = faulty(None, 0.0)

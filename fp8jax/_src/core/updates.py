@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 T = TypeVar("T")
 
@@ -182,6 +183,11 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
 
     def collect(leaf: Any, over: Any) -> None:
         if isinstance(leaf, OverwriteWithGradient) and over is not None:
+            # Part of its state not differentiated (a filter spec naming some roles): a zero
+            # there, as for a role that got no gradient, which its merge keeps.
+            over = jax.tree.map(
+                lambda o, n: jnp.zeros_like(o) if n is None and eqx.is_array(o) else n, leaf, over
+            )
             pairs.setdefault(type(leaf), []).append((leaf, over))
 
     jax.tree.map(collect, model, overwrites, is_leaf=is_leaf)
