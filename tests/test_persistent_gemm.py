@@ -139,6 +139,9 @@ def test_kernel_matches_float64_reference_in_the_interpreter(m, n, k, n_terms, f
         ((1, 128), 2, PersistentConfig(scales_under_wgmma=True, num_sms=3)),
         # three compute warpgroups splitting N (64 x 192 CTA tiles), a scale per tile
         ((1, 128), 1, PersistentConfig(compute_wgs=3, wg_dimension="n", tile_n=64, num_sms=2)),
+        # lhs blocks of 64 rows, the warpgroups splitting M: one scale per warpgroup, each its
+        # own block's (the second warpgroup's is not the CTA's first row's)
+        ((64, 1), 1, PersistentConfig(num_sms=2)),
     ],
 )
 def test_block_scales_given_per_block_match_float64(block_rows, n_terms, config):
