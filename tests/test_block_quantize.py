@@ -48,7 +48,8 @@ def np_scales(amax: np.ndarray, fmt, power_of_two: bool) -> np.ndarray:
     format's max over the amax (1 where it is 0 or not finite), at most `MAX_SCALE`."""
     fmt_max = np.float32(ml_dtypes.finfo(fmt).max)
     ok = (amax > 0) & np.isfinite(amax)
-    scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
+    with np.errstate(over="ignore"):  # a tiny amax: past float32, capped below
+        scale = np.where(ok, fmt_max / np.where(ok, amax, 1), 1).astype(np.float32)
     scale = np.minimum(scale, np.float32(MAX_SCALE))
     if power_of_two:
         scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
@@ -104,6 +105,36 @@ def test_kernels_match_a_numpy_reference_bit_for_bit(shape, fmt, block, power_of
         again, np_reference_rows(real.T, fmt, block, power_of_two)[:2], strict=True
     ):
         same(got, ref)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_tiles_too_small_for_the_formats_range_take_the_capped_scale(power_of_two):
+    """A 128 x 128 tile of values near float32's smallest normals: `fmt_max / amax` is past
+    float32's range, so each of its scales is capped at `MAX_SCALE` (its inverse stays
+    normal, its FP8 values are those of `x * MAX_SCALE`), in every kernel, as NumPy's."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((128, 256))
+    # Normal float32 (no flush of subnormals), at most 2**-121: 448 / amax overflows float32.
+    x[:, :128] = np.sign(x[:, :128]) * 2.0 ** rng.uniform(-125, -121, (128, 128))
+    x = jnp.asarray(x, jnp.bfloat16)
+    rule = dict(block=128, max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    data, scale_t, _, data_t, cols_t = block_quantize.quantize_rows_and_columns(x, E4M3, **rule)
+    want = np_reference_rows(x, E4M3, 128, power_of_two)
+    assert np.all(want[1][0] == np.float32(1 / MAX_SCALE))  # the tiny tiles' scales: capped
+    same(data, want[0])
+    same(scale_t, want[1])
+    columns = np_reference_rows(x.T, E4M3, 128, power_of_two)[:2]
+    for got, ref in zip((data_t, cols_t), columns, strict=True):
+        same(got, ref)
+    # A weight's 128 x 128 blocks: one (capped) scale for the tiny block.
+    w = np.asarray(x, np.float32)
+    blocks = np_scales(np.abs(w).reshape(1, 128, 2, 128).max((1, 3)), E4M3, power_of_two)
+    scale = np.repeat(blocks, 128, axis=1)
+    fmt_max = np.float32(ml_dtypes.finfo(E4M3).max)
+    want_w = np.clip(w * np.repeat(scale, 128, axis=0), -fmt_max, fmt_max).astype(E4M3)
+    w_data, _, rows_t, _, _ = block_quantize.quantize_blocks(x, E4M3, **rule)
+    same(w_data, want_w)
+    same(rows_t, (np.float32(1) / np.repeat(blocks, 128, axis=0)).T)
 
 
 def _transposing_kernels():
