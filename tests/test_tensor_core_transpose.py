@@ -289,6 +289,32 @@ def test_weight_blocks_quantize_as_numpy(dtype, fmt, power_of_two, config):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_tiles_too_small_for_the_formats_range_take_the_capped_scale(power_of_two):
+    """A 128 x 128 tile of normal values at most 2**-121 (`fmt_max / amax` overflows
+    float32): its row, column and block scales are capped at `MAX_SCALE`, as NumPy's."""
+    from test_block_quantize import MAX_SCALE, np_reference_rows
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((128, 256))
+    x[:, :128] = np.sign(x[:, :128]) * 2.0 ** rng.uniform(-125, -121, (128, 128))
+    x = jnp.asarray(x, jnp.bfloat16)
+    xf = np.asarray(x, np.float32)
+    rule = dict(max_scale=MAX_SCALE, power_of_two=power_of_two, interpret=True)
+    data, scale_t, _, data_t, cols = tensor_core_quantize_rows_and_columns(x, E4M3, **rule)
+    want, want_scale_t, _ = np_reference_rows(xf, E4M3, 128, power_of_two)
+    assert np.all(want_scale_t[0] == np.float32(1 / MAX_SCALE))  # capped
+    same_bits(data, want)
+    same_bits(scale_t, want_scale_t)
+    want_t, want_cols, _ = np_reference_rows(xf.T, E4M3, 128, power_of_two)
+    same(data_t, want_t)
+    same_bits(cols, want_cols)
+    w_data, _, rows_t, w_cols, _ = tensor_core_quantize_blocks(x, E4M3, **rule)
+    for got, ref in zip((w_data, rows_t, w_cols), np_blocks(xf, E4M3, power_of_two), strict=True):
+        same_bits(got, ref)
+
+
+@needs_interpreter
 def test_experts_weight_blocks_are_one_kernel_of_each_weights_blocks():
     """Experts' weights `(E, N, K)`, batched or under `vmap` (nested too), quantize as each
     weight alone, bit for bit, through one kernel by its name; each expert's partial amaxes
