@@ -272,10 +272,12 @@ def test_kernels_propagate_nan_and_inf():
     then rejects the step), although PTX's `max` would drop a NaN."""
     x = np.ones((128, 256), np.float32)
     x[3, 4], x[5, 200] = np.nan, np.inf
+    x[5, 201] = 1e3  # beside the inf, at its tile's scale 1: saturated to 448, as NumPy's
     rule = dict(max_scale=MAX_SCALE, interpret=True)
     data, scale_t, programs, data_t, _ = block_quantize.quantize_rows_and_columns(
         jnp.asarray(x), E4M3, **rule
     )
+    same(data, np_reference_rows(x, E4M3, 128, False)[0])
     data = np.asarray(data, np.float32)
     assert np.isnan(data[3, 4]) and np.isnan(data[5, 200]) and np.isnan(data_t[4, 3].astype(float))
     assert np.isnan(programs[0, 0]) and np.isinf(programs[0, 1])
