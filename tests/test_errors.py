@@ -273,3 +273,13 @@ def test_a_layer_differentiated_without_its_state_says_what_its_recipe_would_los
     with pytest.raises(fp8jax.StateNotDifferentiatedError, match=says) as error:
         jax.grad(loss)(weights, rest)
     assert not_said not in str(error.value)
+
+
+def test_a_state_built_from_float64_values_is_named_as_such():
+    """A TensorState built by hand from NumPy's float64 values was refused as "a cast of the
+    whole model or variables reached it", naming a cause the user never had."""
+    dot = fp8jax.Fp8DotGeneral("delayed")
+    state = fp8jax.TensorState(np.float64(2.0), np.zeros(16))
+    dot = eqx.tree_at(lambda d: d.input, dot, state)
+    with pytest.raises(TypeError, match=r"\(input\) is float64.*NumPy's float64 values"):
+        dot(jnp.ones((2, 3)), jnp.ones((3, 4)), MATMUL)

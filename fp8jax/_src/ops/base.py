@@ -260,7 +260,8 @@ def check_float32_state(op: AbstractFp8Op) -> None:
                 if dtype != np.float32:
                     raise TypeError(
                         f"{op._where}: its FP8 state ({role}) is {dtype}, not float32: a "
-                        "cast of the whole model or variables reached it, which would round "
+                        "cast of the whole model or variables reached it (or it was built "
+                        "from NumPy's float64 values: make them float32), which would round "
                         "its scales and amax history. Cast only the parameters: "
                         "fp8jax.Policy's cast_to_compute (Equinox), a cast of "
                         "variables['params'] alone (Linen), or of nnx.state(model, "
