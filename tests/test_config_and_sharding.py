@@ -164,3 +164,23 @@ def test_roles_kept_in_any_order_configure_as_the_default(keep):
     assert set(config.keep) == set(plain.keep) == set(keep)  # the same roles kept
     assert config == plain and hash(config) == hash(plain) and repr(config) == repr(plain)
     assert fp8jax.Fp8Config(keep=("router",)).keep == ("router",)
+
+
+def test_fp8_gemm_runs_in_an_eager_shard_map_as_in_a_jitted_one():
+    """A `shard_map` whose body runs an FP8 GEMM, called eagerly (how one debugs it), alone or
+    under a `vmap` in the body: JAX's eager `shard_map` refused the GEMM's custom_vjp
+    ("custom_vjp symbolic_zeros support with shard_map is not implemented"); it now gives the
+    jitted `shard_map`'s output bit for bit."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    dot = fp8jax.Fp8DotGeneral("delayed")
+    dims = (((1,), (1,)), ((), ()))
+
+    def sharded(body):
+        return jax.shard_map(body, mesh=mesh(), in_specs=(P(), P("data"), P()), out_specs=P("data"))
+
+    forward = sharded(lambda d, x, w: d(x, w, dims))
+    mapped = sharded(lambda d, x, w: jax.vmap(lambda x: d(x, w, dims))(x[:, None])[:, 0])
+    for f in (forward, mapped):
+        np.testing.assert_array_equal(f(dot, x, w), jax.jit(f)(dot, x, w))

@@ -128,6 +128,31 @@ def test_varying_axes_inside_shard_map():
     assert jax_private.varying_axes(jnp.ones(3)) == frozenset()
 
 
+def test_an_eager_shard_map_is_recognised():
+    """Where a custom_vjp reaches an eager `shard_map`'s trace: in its body and under a `vmap`
+    there; not under `jit`, nor under a gradient (in the body or of the `shard_map`)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    P = jax.sharding.PartitionSpec
+    seen = []
+
+    def local(x):
+        seen.append(jax_private.eager_shard_map())
+        return x
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    x = jnp.ones(16)
+    f(x)
+    jax.shard_map(jax.vmap(local), mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
+    jax.jit(f)(x)
+    jax.grad(lambda x: f(x).sum())(x)
+    g = jax.shard_map(
+        jax.grad(lambda x: local(x).sum()), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+    )
+    g(x)
+    local(x)
+    assert seen == [True, True, False, False, False, False]
+
+
 def test_differentiation_trace_is_recognised():
     seen = []
 

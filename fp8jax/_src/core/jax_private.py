@@ -57,6 +57,11 @@ A custom VJP must return cotangents that vary over the same axes as its inputs: 
 rules sum the gradient of a replicated input over the axes its cotangent varies on. JAX 0.10
 reports those axes as `jax.typeof(x).manual_axis_type.varying` (earlier: `.vma`).
 
+## Whether a `jax.shard_map` runs eagerly
+Called outside any `jit`, `shard_map` runs its body on a `ShardMapTrace`, which refuses a
+`custom_vjp` with `symbolic_zeros` (the FP8 GEMM's): `eager_shard_map` tells the GEMM to run
+under a `jit` of its own there, traced to a jaxpr as in a jitted `shard_map`.
+
 ## The precision of a dot, as `lax` reads it
 `lax.dot_general` and `lax.ragged_dot` take a `precision` in many forms (a string, a pair, a
 `DotAlgorithmPreset` or its name, a `DotAlgorithm`) and canonicalize it with a function JAX
@@ -268,6 +273,22 @@ def varying_axes(x: Any) -> frozenset[str]:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+def eager_shard_map() -> bool:
+    """Whether a `custom_vjp` called now reaches the `ShardMapTrace` of a `jax.shard_map`
+    called eagerly (outside any `jit`), which refuses one with `symbolic_zeros`: the traces
+    above it pass the call down (`vmap`), none traces it to a jaxpr (`jit`, or the body of a
+    `shard_map` under `jax.grad`) or differentiates it (`jax.grad` in the body)."""
+    trace = core.trace_ctx.trace
+    while trace is not None:
+        name = type(trace).__name__
+        if name == "ShardMapTrace":
+            return True
+        if name in ("DynamicJaxprTrace", "JaxprTrace", *_DIFFERENTIATION_TRACES):
+            return False
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def shape_like(shape: tuple[int, ...], dtype: Any, like: Any) -> jax.ShapeDtypeStruct:

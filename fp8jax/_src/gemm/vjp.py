@@ -220,13 +220,23 @@ _SAVED_WITH_OPERANDS = (
 )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def fp8_gemm(
     gemm: Gemm, static: Static, x: Array, w: Array, rest: tuple[Array, ...], states: States
 ) -> Array:
     """The FP8 GEMM `gemm` of `x` and `w` (and the operands `rest`, which get no cotangent),
     as `prepare` made them, differentiable: its backward runs dgrad and wgrad in FP8 and
-    returns the new `states` as their cotangent, in the dtype `states` came in."""
+    returns the new `states` as their cotangent, in the dtype `states` came in. In the body
+    of a `shard_map` called eagerly, whose trace refuses the custom_vjp, it runs under a
+    `jit` of its own, as in a jitted `shard_map`."""
+    if jax_private.eager_shard_map():
+        return jax.jit(functools.partial(_fp8_gemm, gemm, static))(x, w, rest, states)
+    return _fp8_gemm(gemm, static, x, w, rest, states)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_gemm(
+    gemm: Gemm, static: Static, x: Array, w: Array, rest: tuple[Array, ...], states: States
+) -> Array:
     with dispatch.placed_as(x, w):
         return name_gemm_output(gemm.forward(x, w, *rest, _as_f32(states))[0])
 
@@ -324,4 +334,4 @@ def _fp8_gemm_bwd(gemm: Gemm, static: Static, residuals, g):
     return d_x, d_w, None, new_states
 
 
-fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd, symbolic_zeros=True)
+_fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd, symbolic_zeros=True)
