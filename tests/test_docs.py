@@ -15,6 +15,14 @@ import fp8jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _prose(path: str) -> str:
+    """A page of the repository (`path` from its root), its whitespace runs made one space:
+    a figure wrapped across lines reads as on the site."""
+    return " ".join((ROOT / path).read_text().split())
+
+
 # Calls that print or draw; a cell that makes one, or ends in an expression, shows something.
 SHOWING = {"print", "report", "plot", "semilogy", "loglog", "bar", "hist", "scatter", "imshow"}
 
@@ -196,7 +204,7 @@ def test_the_docs_name_the_extras_their_blocks_need():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = _prose("README.md")
     listed = readme[readme.index("Extras: ") :]
     assert not [e for e in extras if f"`{e}`" not in listed], sorted(extras)
 
@@ -335,10 +343,10 @@ def test_the_warm_start_figures_are_those_measured():
     costs = {round(100 * (step[True, m] / step[False, m] - 1)) for m in ("cublas", "default")}
     grads = {float(g) for g in re.findall(r"\| ([\d.]+e-\d+) \|$", measured, re.M)}
     largest = f"{max(grads):.0e}".replace("e-06", "e-6")
-    faq = " ".join((ROOT / "docs" / "faq.md").read_text().split())
+    faq = _prose("docs/faq.md")
     section = faq[faq.index("## What scale does a fresh") : faq.index("## My training step")]
     assert {int(c) for c in re.findall(r"\+(\d+) %", section)} == costs, (section, costs)
-    concepts = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
+    concepts = _prose("docs/concepts.md")
     for name, text in (("faq.md", section), ("concepts.md", concepts)):
         (quoted,) = re.findall(r"MSE's.*?(\d(?:\.\d+)?e-\d+)", text)
         assert quoted == largest, (name, quoted, largest)
@@ -350,7 +358,7 @@ def test_the_faq_quotes_gpu_run_6_as_it_measured():
     FAQ quotes for run 6 is the summary's delayed 8B ratio, rounded to two digits."""
     summary = ROOT / "benchmarks" / "results" / "gpu_check" / "h200_run6_llama" / "summary.txt"
     (ratio,) = re.findall(r"^\| delayed +\| [\d.]+ ms, ([\d.]+)x", summary.read_text(), re.M)
-    faq = " ".join((ROOT / "docs" / "faq.md").read_text().split())
+    faq = _prose("docs/faq.md")
     (quoted,) = re.findall(r"an H200 timed it at ([\d.]+)x BF16's in GPU run 6", faq)
     assert quoted == f"{float(ratio):.2f}", (quoted, ratio)
 
@@ -360,7 +368,7 @@ def test_the_deepseek_page_quotes_the_expert_loads_of_the_run_it_cites():
     unbalanced, 48cc95e's figures from before issue 40's fix, beside the fixed run's losses;
     the current run (eb9ae7e) reads 1.02-1.03x routed and 2.04-3.09x by the affinities alone.
     The page's figures are those of the file it cites, rounded."""
-    page = " ".join((ROOT / "docs" / "deepseek.md").read_text().split())
+    page = _prose("docs/deepseek.md")
     (routed, low, high, cited) = re.findall(
         r"within ([\d.]+)x of the mean load where the affinities alone would send "
         r"([\d.]+)-([\d.]+)x to one expert \(.*?`benchmarks/results/([\w.]+)`\)",
@@ -436,7 +444,7 @@ def test_the_residual_recipes_speed_is_quoted_over_every_shape_run_1_timed():
     assert len(ratios) == 8, ms
     measured = f"{min(ratios):.1f}-{max(ratios):.1f}x"
     for name in ("README.md", "docs/recipes.md"):
-        text = " ".join((ROOT / name).read_text().split())
+        text = _prose(name)
         (quoted,) = re.findall(
             r"([\d.]+-[\d.]+x) faster (?:on an H200 )?than (?:its|the) fused", text
         )
@@ -448,7 +456,7 @@ def test_the_recipes_page_quotes_the_blockwise_steps_current_counts():
     count) where the file it cites, the latest deviceless run, counts 105 at 1B and 106 at 8B,
     and "instead of 1.82x" where the 8B step moved 1.77x before. The page's ranges are that
     file's blockwise rows (kernels, non-GEMM bytes x BF16)."""
-    page = " ".join((ROOT / "docs" / "recipes.md").read_text().split())
+    page = _prose("docs/recipes.md")
     (low, high, b_low, b_high, cited) = re.findall(
         r"launches (\d+)-(\d+) kernels instead of 196 \(BF16: 64\) and moves ([\d.]+)-([\d.]+)x "
         r"BF16's non-GEMM bytes .*?`benchmarks/results/([\w.]+)`",
@@ -480,7 +488,7 @@ def test_the_recipes_page_quotes_the_gaussian_snrs_as_measured():
     }
     single = {snr[k] for k in ("E4M3 per-tensor", "blockwise 128x128 blocks", "MXFP8 1x32")}
     assert len(single) == 1, snr
-    page = " ".join((ROOT / "docs" / "recipes.md").read_text().split())
+    page = _prose("docs/recipes.md")
     (common, tiles) = re.findall(
         r"every single-term recipe's E4M3 gives ([\d.]+) dB \(([\d.]+) dB in blockwise's 1 x 128",
         page,
