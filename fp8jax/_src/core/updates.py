@@ -169,13 +169,20 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
     def is_leaf(x: Any) -> bool:
         return x is None or is_overwrite(x)
 
-    # A module whose state was not differentiated (a filter spec without `with_fp8_state`,
-    # through which no gradient flowed) comes back holding no array: nothing received.
-    overwrites = jax.tree.map(
-        lambda o: o if any(map(eqx.is_array, jax.tree.leaves(o))) else None,
-        overwrites,
-        is_leaf=is_leaf,
-    )
+    def received(leaf: Any, over: Any) -> Any:
+        # A module whose state was not differentiated (a filter spec without
+        # `with_fp8_state`) comes back holding no array: nothing received. One with part of
+        # it (a filter spec naming some roles) gets a zero there, as a role that got no
+        # gradient, which its merge keeps.
+        if not isinstance(leaf, OverwriteWithGradient) or over is None:
+            return over
+        if not any(map(eqx.is_array, jax.tree.leaves(over))):
+            return None
+        return jax.tree.map(
+            lambda o, n: jnp.zeros_like(o) if n is None and eqx.is_array(o) else n, leaf, over
+        )
+
+    overwrites = jax.tree.map(received, model, overwrites, is_leaf=is_leaf)
 
     # Every received module merged up front, those of one class together (`merge_many`),
     # then handed out in the order the tree is walked.
@@ -183,11 +190,6 @@ def apply_updates(model: T, updates: Any, overwrites: Any) -> T:
 
     def collect(leaf: Any, over: Any) -> None:
         if isinstance(leaf, OverwriteWithGradient) and over is not None:
-            # Part of its state not differentiated (a filter spec naming some roles): a zero
-            # there, as for a role that got no gradient, which its merge keeps.
-            over = jax.tree.map(
-                lambda o, n: jnp.zeros_like(o) if n is None and eqx.is_array(o) else n, leaf, over
-            )
             pairs.setdefault(type(leaf), []).append((leaf, over))
 
     jax.tree.map(collect, model, overwrites, is_leaf=is_leaf)

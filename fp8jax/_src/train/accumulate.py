@@ -26,6 +26,13 @@ from ..recipes import ResidualState, TensorState
 from .grad import filter_value_and_grad
 
 
+def _named_array() -> type | tuple[()]:
+    """Haliax's `NamedArray` where Haliax is loaded (looked up, never imported), else `()`:
+    an `isinstance` test that no value passes."""
+    haliax = sys.modules.get("haliax")
+    return () if haliax is None else haliax.NamedArray
+
+
 def _whole(x: Any) -> bool:
     """Whether batch leaf `x` goes whole to every microbatch: a scalar (a Python or NumPy
     number, a 0-d array, a step count or temperature beside the batch) or another non-array
@@ -54,8 +61,7 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[Any, Any]:
     every microbatch (`_whole`; None elsewhere). A Haliax `NamedArray` (looked up, never
     imported) is cut along its first named axis: its axes become a slice's, that axis
     resized, so that each slice is a `NamedArray` again."""
-    haliax = sys.modules.get("haliax")
-    named = () if haliax is None else haliax.NamedArray
+    named = _named_array()
 
     def split(path: Any, x: Any) -> Any:
         where = jax.tree_util.keystr(path)
@@ -85,22 +91,19 @@ def _split_batch(batch: Any, microbatches: int) -> tuple[Any, Any]:
 
 def _with_whole(micro: Any, whole: Any) -> Any:
     """A microbatch's cut arrays and the leaves every microbatch gets whole, as one batch."""
-    haliax = sys.modules.get("haliax")
-    named = () if haliax is None else haliax.NamedArray
-    return eqx.combine(micro, whole, is_leaf=lambda x: isinstance(x, named))
+    return eqx.combine(micro, whole, is_leaf=lambda x: isinstance(x, _named_array()))
 
 
 def _stacked(first: Any, rest: Any, microbatches: int) -> Any:
     """The first microbatch's aux and the scan's stack of the rest's (`None` for none) as one
     stack. A Haliax `NamedArray` gains a leading `microbatch` axis: the scan stacks its array
     but leaves its axes, which would no longer match it."""
-    haliax = sys.modules.get("haliax")
-    named = () if haliax is None else haliax.NamedArray
+    named = _named_array()
 
     def stack(a: Any, b: Any = None) -> Any:
         if isinstance(a, named):
             array = stack(a.array, None if b is None else b.array)
-            axis = haliax.Axis("microbatch", microbatches)
+            axis = sys.modules["haliax"].Axis("microbatch", microbatches)
             return type(a).tree_unflatten((axis, *a.axes), (array,))
         return a[None] if b is None else jnp.concatenate([a[None], b])
 
