@@ -754,3 +754,20 @@ def test_autocast_inside_shard_map_scales_each_devices_block_by_its_own_amax():
     got = jax.jit(mapped)(w, x)
     np.testing.assert_allclose(got, blocks, rtol=1e-6, atol=1e-6)
     assert not np.allclose(got, dot(x, w), rtol=1e-6, atol=1e-6)  # not the global amax's
+
+
+def test_an_eager_call_sees_a_closure_value_rebound_between_calls():
+    """Outside `jit` nothing is cached across calls (the docs say why): a closed-over weight
+    and scalar rebound, or a new shape, give what a fresh jitted autocast gives for them."""
+    rng = np.random.default_rng(5)
+    held = {"w": jnp.asarray(rng.standard_normal((32, 16)), jnp.float32), "s": 2.0}
+
+    def f(x):
+        return jnp.tanh(x @ held["w"]) * held["s"]
+
+    autocast = fp8jax.fp8_autocast(f)
+    for rows in (16, 16, 32):
+        x = jnp.asarray(rng.standard_normal((rows, 32)), jnp.float32)
+        np.testing.assert_allclose(autocast(x), jax.jit(fp8jax.fp8_autocast(f))(x), rtol=1e-6)
+        held["w"] = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+        held["s"] += 1.0

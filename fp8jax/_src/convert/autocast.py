@@ -9,6 +9,12 @@ answering each chosen `dot_general` (and `ragged_dot`) with fp8jax's FP8 GEMM an
 every other equation as JAX would. The FP8 GEMM is a `custom_vjp`, so gradients of the
 result run dgrad and wgrad in FP8 too.
 
+Called outside `jit`, nothing is cached: a trace reused across calls would give back a
+stale program where the function reads what it is not passed (a closure or global
+rebound), as `jax.jit` does, so reusing one is the caller's choice, a `jit`. The trace is
+the small part (about 1 ms on CPU for one GEMM); the rest is eager JAX running the program
+op by op, each FP8 GEMM's quantization included, as an eager `Fp8DotGeneral` does.
+
 Why the jaxpr, and not patching `jax.lax.dot_general` while the function is traced? JAX's
 own functions (`jnp.matmul`, `jnp.einsum`) are jitted and cached: a cached trace never calls
 the patched function again. The jaxpr holds every GEMM whatever produced it.
@@ -235,6 +241,10 @@ def fp8_autocast(
 
     Raises where `fun` writes a new array into an argument in place and does not return it
     (a Flax NNX model's `BatchNorm` statistics): it runs on copies, as under `jax.jit`.
+
+    Called outside `jit`, it traces `fun` and runs the result op by op at every call, as eager
+    JAX runs (nothing cached, so a closure value changed between calls is seen): `jax.jit`
+    the autocast function for speed.
 
     Warns (`fp8jax.Fp8ConversionWarning`) when `scopes` or `exclude` matches none of the
     GEMMs' scopes, and when it converts no GEMM of the call at all (each reason counted:
