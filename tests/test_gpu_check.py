@@ -427,7 +427,7 @@ def test_a_command_line_it_cannot_run_is_refused_before_anything_is_written(
     a_file.write_text("")
     with pytest.raises(SystemExit):
         main.parse(["--out", str(a_file)])
-    for budget in ("0", "-5", "nan"):
+    for budget in ("0", "-5", "nan", "inf"):
         with pytest.raises(SystemExit):
             main.parse(["--out", str(tmp_path), "--budget-s", budget])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
@@ -471,6 +471,10 @@ def test_the_supervisor_refuses_a_command_line_before_starting_the_check(
         (["--llama-variants", "bf16,blockwize"], "unknown ['blockwize']; should name some of"),
         (["--llama-variants", "delayed-fresh-packed"], "or both appended, in that order"),
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),  # was OverflowError
+        # Was accepted: no bound on the time, the call's `timeout` the only end.
+        (["--budget-s", "inf"], "--budget-s=inf: should be a positive, finite number"),
+        (["--budget-s=-inf"], "--budget-s=-inf: should be a positive, finite number"),
+        (["--budget-s", "nan"], "--budget-s=nan: should be a positive, finite number"),
         (["--lease"], "unrecognized arguments: --lease"),
         (["--out", str(a_file / "out")], f"is under {str(a_file)!r}, a file"),
         (["--out", ""], "argument --out: '': empty"),

@@ -4,6 +4,7 @@ cannot run before it starts a child (whose JAX import alone takes seconds of a l
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import threading
 from pathlib import Path
@@ -95,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.Namespace:
     """`argv` parsed and checked: exits naming an unknown, repeated or misordered section, an
-    unknown variant, variants of a section not run, a time that is not a positive number, an
+    unknown variant, variants of a section not run, a time that is not a positive number (a
+    budget: finite), an
     out folder that cannot be made."""
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -135,8 +137,8 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
     refused = hang_refused(args.hang_s)
     if refused:
         parser.error(refused)
-    if args.budget_s is not None and not args.budget_s > 0:
-        parser.error(f"--budget-s={args.budget_s}: should be a positive number of seconds")
+    if args.budget_s is not None and not 0 < args.budget_s < math.inf:  # inf: no bound
+        parser.error(f"--budget-s={args.budget_s}: should be a positive, finite number of seconds")
     refused = unwritable("--out", args.out)
     if refused:
         parser.error(refused)
