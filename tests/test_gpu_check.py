@@ -760,6 +760,42 @@ def test_a_part_the_lease_fails_to_start_costs_that_part_only(tmp_path, monkeypa
     assert "A second call on this machine: --parts first,second" in report, report
 
 
+def test_a_part_its_check_refuses_is_reported_refused_and_packs_nothing(tmp_path, monkeypatch):
+    """A part whose options its check refuses (a section or variant renamed since the plan
+    was written) packed an empty archive, reported 'ended early (exit status 2)' and was
+    named again for a second call; it is refused by the lease itself (no child started, the
+    check's message in lease.txt), packs nothing, and a second call is not told to run it.
+    A child that refuses all the same (its out folder never written) is reported so too."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    parts = {
+        "typo": lease.Part("a", ("--sections", "numerik"), 100),
+        "stale": lease.Part("b", ("--sections", "llama", "--llama-variants", "blockwize"), 100),
+    }
+    monkeypatch.setattr(lease, "PARTS", parts)
+    started = []
+    popen = lease.subprocess.Popen
+    monkeypatch.setattr(
+        lease.subprocess, "Popen", lambda *a, **k: started.append(a) or popen(*a, **k)
+    )
+    out, work = tmp_path / "out", tmp_path / "work"
+    common = ["--out", str(out), "--work", str(work), "--dry-run"]
+    assert lease.main(common) == 2
+    assert started == [] and sorted(p.name for p in out.iterdir()) == ["lease.log", "lease.txt"]
+    report = (out / "lease.txt").read_text()
+    assert "- typo: refused by its check: --sections='numerik': unknown ['numerik']" in report
+    assert "- stale: refused by its check: --llama-variants: unknown ['blockwize']" in report
+    assert "--parts" not in report and "refused: fix their options" in report, report
+    # The child refuses what the lease's own look let through: reported as refused too.
+    monkeypatch.setattr(lease, "_refused", lambda argv: None)
+    assert lease.main([*common, "--parts", "typo"]) == 2
+    assert len(started) == 1 and sorted(p.name for p in out.iterdir()) == [
+        "lease.log", "lease.txt"
+    ]  # fmt: skip
+    assert "- typo: refused by its check (exit status 2" in (out / "lease.txt").read_text()
+
+
 def test_a_results_line_cut_by_a_kill_costs_that_line_only(tmp_path, monkeypatch):
     """A check killed mid-write (the lease's deadline) leaves a cut last line in its
     `results.jsonl`: the lease's carrying and counting, the resumed check and the supervisor

@@ -9,7 +9,8 @@ supervised (`supervise.py`: a crash or hang costs its measurement) with the budg
 given or what is left before `--deadline-s`, whichever is less, and is stopped at the
 deadline whatever it is doing. After each part its folder is packed into
 `$OUT/<label>_<part>.tar.gz` (one file a part); `$OUT/lease.txt` says what each part did
-and which parts a second call should name. A measurement that crashed or hung in one part
+and which parts a second call should name; a part whose options its check refuses is
+reported so and packs nothing. A measurement that crashed or hung in one part
 is skipped in the later ones too (its record is carried into their `results.jsonl`, which
 they read `--resume`d). The parts' folders stay in `--work` on the machine: a second call
 on the same machine resumes a part the deadline cut, keeping what it had measured.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -31,6 +33,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import options
 from .options import hang_refused, out_folder, unwritable
 from .record import SCRIPT, STATUSES, read_results, whole
 
@@ -165,7 +168,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     """Run the parts; returns 0 when every part ran whole, 1 when one recorded an error or
-    a failed check, 2 when the deadline cut or skipped one."""
+    a failed check, 2 when the deadline cut or skipped one or its check refused one."""
     args = parse(argv)
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +180,7 @@ def main(argv: list[str]) -> int:
         for name, child in running:
             _end(child)
             rows[name] = {"status": "stopped from outside", "code": 2}
-        for name in rows:
+        for name in [n for n, row in rows.items() if not row.get("refused")]:
             _pack(args, name)
         _report(args, rows)
         sys.exit(143)
@@ -228,11 +231,15 @@ def _run_part(
         rows[name] = {"status": f"not run: {max(left, 0):.0f} s left", "code": 2}
         return
     budget = min(part.budget_s, left - OVERHEAD_S)
-    resume = _carry_crashes(args.work, args.label, folder)
-    command = [sys.executable, str(SCRIPT), "--out", str(folder), *part.args]
-    command += ["--budget-s", f"{budget:.0f}", *resume]
-    command += ["--dry-run"] if args.dry_run else []
-    command += ["--hang-s", str(args.hang_s)] if args.hang_s else []
+    argv = ["--out", str(folder), *part.args, "--budget-s", f"{budget:.0f}"]
+    argv += ["--dry-run"] if args.dry_run else []
+    argv += ["--hang-s", str(args.hang_s)] if args.hang_s else []
+    refused = _refused(argv)
+    if refused is not None:  # its child would refuse it too, leaving an empty folder
+        rows[name] = {"status": f"refused by its check: {refused}", "code": 2, "refused": True}
+        _say(args.out, f"== {name}: refused by its check: {refused}")
+        return
+    command = [sys.executable, str(SCRIPT), *argv, *_carry_crashes(args.work, args.label, folder)]
     _say(args.out, f"== {name} ({part.what}): budget {budget:.0f} s, {left:.0f} s left")
     began = time.monotonic()
     # A process group of its own (for `_end`), in the call's session: the `run` tool's end
@@ -249,6 +256,10 @@ def _run_part(
     if code is None:
         _end(child)
     running.clear()
+    if code == 2 and not (folder / "log.txt").exists():  # the check never started
+        why = "exit status 2; its message is in the call's output"
+        rows[name] = {"status": f"refused by its check ({why})", "code": 2, "refused": True}
+        return
     ended = whole(folder)
     status = "ran" if ended else "cut by the deadline" if code is None else "ended early"
     if code not in (None, 0):
@@ -257,6 +268,19 @@ def _run_part(
     # Whole: its exit status (none where the deadline came after its summary); else 2.
     rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
     _pack(args, name)
+
+
+def _refused(argv: list[str]) -> str | None:
+    """Why the check refuses `argv` (its own JAX-free `options.parse`), or None: a part its
+    child refused packed an empty archive, and passed for one a second call should run."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            options.parse(argv, options.parser())
+    except SystemExit:
+        last = (said.getvalue().strip().splitlines() or ["(no message)"])[-1]
+        return last.partition(": error: ")[2] or last
+    return None
 
 
 def _folder(args: argparse.Namespace, name: str) -> Path:
@@ -338,10 +362,14 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
         counts = ", ".join(f"{row[k]} {k}" for k in (*STATUSES, "carried") if k in row)
         lines.append(f"- {name}: {row['status']}, {row.get('seconds', 0):.0f} s"
                      f" ({counts or 'no results'})")  # fmt: skip
-    rest = [n for n in args.parts if not whole(_folder(args, n))]
+    refused = [n for n in args.parts if rows.get(n, {}).get("refused")]
+    rest = [n for n in args.parts if not whole(_folder(args, n)) and n not in refused]
     if rest:
         lines += ["", f"A second call on this machine: --parts {','.join(rest)} (a part the "
                   "deadline cut resumes where it was)."]  # fmt: skip
+    if refused:
+        lines += ["", "Parts refused: fix their options (`PARTS` in lease.py); a second call "
+                  f"would refuse them again: {','.join(refused)}."]  # fmt: skip
     text = "\n".join(lines)
     print(text, flush=True)
     (args.out / "lease.txt").write_text(text.lstrip() + "\n")
