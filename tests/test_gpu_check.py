@@ -509,6 +509,31 @@ def test_a_hang_that_spends_the_budget_still_leaves_the_summary(tmp_path, monkey
     assert entry["crashed"] and entry["name"] == "dry | bf16"
 
 
+def test_a_checks_summary_names_what_would_not_come_back_from_out(tmp_path, monkeypatch):
+    """`--out $OUT/check` whose results.jsonl grew over one file's limit (16 MiB): the file
+    did not come back and nothing said so; the summary ends naming it (tiny limits here)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import returned, supervise
+
+    def run(command, hang_s, tail):
+        (out / "summary.txt").write_text("the summary\n")
+        (out / "results.jsonl").write_text("x" * 200)
+        return 0, None, False
+
+    out = tmp_path / "check"
+    out.mkdir()
+    monkeypatch.setattr(supervise, "_run", run)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 100)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert supervise.supervise(["--out", str(out)], out, 10.0, None) == 0
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("the summary\n\n## What the device tool will not bring back")
+    assert "- check/results.jsonl: 0.00 MiB, over 0.00 MiB a file" in summary, summary
+    monkeypatch.delenv("OUT")  # outside $OUT (a lease's part, a dry run): not judged
+    assert supervise.supervise(["--out", str(out)], out, 10.0, None) == 0
+    assert (out / "summary.txt").read_text() == "the summary\n"
+
+
 FAKE_CHILD = """
 import json, os, signal, sys
 from pathlib import Path
@@ -855,6 +880,121 @@ def test_a_pack_cut_by_the_stop_handlers_own_leaves_one_whole_archive(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["run_block.tar.gz"]
     with tarfile.open(out / "run_block.tar.gz") as tar:
         assert tar.extractfile("run_block/results.jsonl").read() == payload
+
+
+def test_an_archive_over_what_comes_back_is_trimmed_to_fit_keeping_the_summary(
+    tmp_path, monkeypatch
+):
+    """A part's archive over one file's limit (16 MiB), or over what is left of all the
+    files' (64 MiB), came back not at all, its summary.txt with it; its files of least use
+    are left out, largest first, until it fits, named in the archive's LEFT_OUT.txt and in
+    lease.txt. Tiny limits stand for the device tool's."""
+    import argparse
+    import tarfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, returned
+
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 30_000)
+    monkeypatch.setattr(returned, "MAX_TOTAL_BYTES", 100_000)
+    monkeypatch.setattr(lease, "REPORT_BYTES", 0)
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    folder = work / "run_block"
+    folder.mkdir(parents=True)
+    files = {  # incompressible: an archive's size is its files'
+        "summary.txt": 1_000, "results.jsonl": 12_000, "log.txt": 20_000,
+        "profile_kernels.json": 30_000, "environment.json": 500,
+    }  # fmt: skip
+    for name, size in files.items():
+        (folder / name).write_bytes(os.urandom(size) if name != "summary.txt" else b"s" * size)
+    args = argparse.Namespace(out=out, work=work, label="run")
+
+    def packed() -> tuple[set[str], int]:
+        archive = out / "run_block.tar.gz"
+        with tarfile.open(archive) as tar:
+            return {m.name.split("/")[-1] for m in tar.getmembers() if m.isfile()}, (
+                archive.stat().st_size
+            )
+
+    # Over one file's limit: the profile's kernels go first, then the log.
+    left = lease._pack(args, "block")
+    names, size = packed()
+    assert size <= returned.MAX_FILE_BYTES, size
+    assert names == {"summary.txt", "results.jsonl", "environment.json", "LEFT_OUT.txt"}, names
+    assert [line.split(" (")[0] for line in left] == ["profile_kernels.json", "log.txt"], left
+    # Over what is left of the total: 90 kB already in $OUT leaves 10 kB, so results go too.
+    (out / "run_first.tar.gz").write_bytes(os.urandom(90_000))
+    left = lease._pack(args, "block")
+    names, size = packed()
+    assert size <= 10_000 and names == {"summary.txt", "environment.json", "LEFT_OUT.txt"}
+    assert "results.jsonl" in left[-1], left
+    # A part whose archive fits is packed whole, as before.
+    (out / "run_first.tar.gz").unlink()
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 16 << 20)
+    monkeypatch.setattr(returned, "MAX_TOTAL_BYTES", 64 << 20)
+    assert lease._pack(args, "block") == [] and packed()[0] == set(files)
+    # lease.txt names what was left out, and what in $OUT would still not come back.
+    (out / "run_first.tar.gz").write_bytes(b"x" * 50)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 40)
+    args.parts = ["block"]
+    lease._report(args, {"block": {"status": "ran", "code": 0, "left_out": ["log.txt (1 MiB)"]}})
+    report = (out / "lease.txt").read_text()
+    assert "left out of its archive to fit what comes back" in report
+    assert "log.txt (1 MiB)" in report, report
+    assert "## What the device tool will not bring back" in report
+    assert "- run_first.tar.gz: 0.00 MiB, over 0.00 MiB a file" in report, report
+
+
+def test_what_would_not_come_back_from_out_is_named(tmp_path, monkeypatch):
+    """`returned.problems`: each file of `$OUT` the device tool leaves out, with why."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import returned
+
+    monkeypatch.setattr(returned, "MAX_FILES", 4)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 10)
+    monkeypatch.setattr(returned, "MAX_TOTAL_BYTES", 20)
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    for rel, size in (("fine.txt", 5), ("a/b/deep_ok", 5), ("a/b/c/too_deep", 1),
+                      ("big.json", 11), ("sp ace.txt", 1)):  # fmt: skip
+        (tmp_path / rel).write_bytes(b"x" * size)
+    assert returned.problems(tmp_path) == [
+        "a/b/c/too_deep: 3 folders down, over 2",
+        "big.json: 0.00 MiB, over 0.00 MiB a file",
+        "sp ace.txt: a name with characters other than letters, digits, '.-_'",
+        "5 files, over 4: some will not come back",
+        "0.00 MiB in all, over 0.00 MiB",
+    ]
+    assert returned.problems(tmp_path / "a" / "b") == []
+
+
+def test_an_out_folder_whose_files_would_not_come_back_is_refused(tmp_path, monkeypatch, capsys):
+    """`--out $OUT/a/b/c` (its files 3 folders down) or a folder named with a space ran the
+    whole check or lease and nothing came back; the supervisor and the lease refuse them
+    before a child starts, as they refuse more parts than files come back."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, returned, supervise
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(supervise.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    for out, said in (
+        (tmp_path / "a" / "b" / "c", "is 3 folders below $OUT: its files would be 3 down"),
+        (tmp_path / "a b", "'a b' would not come back from $OUT"),
+    ):
+        assert supervise.main(["--out", str(out), "--dry-run"]) == 2
+        assert said in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            lease.parse(["--out", str(out)])
+        assert said in capsys.readouterr().err
+        assert not out.exists()
+    assert lease.parse(["--out", str(tmp_path / "a" / "b")]).out == tmp_path / "a" / "b"
+    monkeypatch.setattr(returned, "MAX_FILES", 6)  # 5 parts, lease.txt and lease.log: 7
+    with pytest.raises(SystemExit):
+        lease.parse(["--out", str(tmp_path)])
+    assert "at most 6 files come back: name at most 4 parts" in capsys.readouterr().err
+    monkeypatch.delenv("OUT")  # a dry run's folder anywhere: not judged
+    assert lease.parse(["--out", str(tmp_path / "a" / "b c" / "d"), "--parts", "moe,block"])
 
 
 def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monkeypatch, capsys):

@@ -8,7 +8,8 @@ one command runs the parts in the order of `PARTS` (what the open issues need fi
 supervised (`supervise.py`: a crash or hang costs its measurement) with the budget it is
 given or what is left before `--deadline-s`, whichever is less, and is stopped at the
 deadline whatever it is doing. After each part its folder is packed into
-`$OUT/<label>_<part>.tar.gz` (one file a part); `$OUT/lease.txt` says what each part did
+`$OUT/<label>_<part>.tar.gz` (one file a part, trimmed to what the device tool brings
+back: `returned.py`); `$OUT/lease.txt` says what each part did
 and which parts a second call should name; a part whose options its check refuses is
 reported so and packs nothing. A measurement that crashed or hung in one part
 is skipped in the later ones too (its record is carried into their `results.jsonl`, which
@@ -33,7 +34,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import options
+from . import options, returned
 from .options import hang_refused, out_folder, unwritable
 from .record import SCRIPT, STATUSES, read_results, whole
 
@@ -105,7 +106,8 @@ DEADLINE_MAX_S = 600.0 - 2 * 20.0
 def parse(argv: list[str]) -> argparse.Namespace:
     """The lease's command line (after `--lease`), checked: exits naming a part that does not
     exist or comes twice, a deadline too short to run a part or too long for a call, a label
-    that is not a name, a hang limit that is not positive, a file for a folder."""
+    that is not a name, a hang limit that is not positive, a file for a folder, an `--out`
+    or more parts than the device tool brings back (`returned.py`)."""
     parser = argparse.ArgumentParser(
         prog="python3 benchmarks/gpu_check.py --lease",
         description="The lent GPU's prepared plan in one call: " + ", ".join(PARTS) + ".",
@@ -153,6 +155,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         refused = unwritable(flag, folder)
         if refused:
             parser.error(refused)
+    refused = returned.out_refused("--out", args.out)
+    if refused:
+        parser.error(refused)
+    if len(args.parts) + 2 > returned.MAX_FILES:  # an archive each, lease.txt, lease.log
+        parser.error(
+            f"--parts={','.join(args.parts)!r}: {len(args.parts)} archives, lease.txt and "
+            f"lease.log; at most {returned.MAX_FILES} files come back: name at most "
+            f"{returned.MAX_FILES - 2} parts, the rest in a second call"
+        )
     out, work = args.out.absolute(), args.work.absolute()
     if work == out or out in work.parents:  # its files would come back beside the archives
         parser.error(
@@ -181,7 +192,7 @@ def main(argv: list[str]) -> int:
             _end(child)
             rows[name] = {"status": "stopped from outside", "code": 2}
         for name in [n for n, row in rows.items() if not row.get("refused")]:
-            _pack(args, name)
+            rows[name]["left_out"] = _pack(args, name)
         _report(args, rows)
         sys.exit(143)
 
@@ -267,7 +278,7 @@ def _run_part(
     rows[name] = {"status": status, "seconds": time.monotonic() - began}
     # Whole: its exit status (none where the deadline came after its summary); else 2.
     rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
-    _pack(args, name)
+    rows[name]["left_out"] = _pack(args, name)
 
 
 def _refused(argv: list[str]) -> str | None:
@@ -333,24 +344,68 @@ def _counts(folder: Path) -> dict[str, int]:
 _PACKS = itertools.count()
 
 
-def _pack(args: argparse.Namespace, name: str) -> None:
+#: A part's files an archive too large keeps longest, the last first (`summary.txt` always):
+#: any other file is left out before them, the largest first.
+KEPT_LONGEST = ("log.txt", "results.jsonl", "environment.json", "decisions.txt")
+#: Bytes kept free under the limit on all the files together for `lease.txt` and `lease.log`.
+REPORT_BYTES = 64 << 10
+#: The file an archive trimmed to fit holds: what was left out of it, and why.
+LEFT_OUT = "LEFT_OUT.txt"
+
+
+def _pack(args: argparse.Namespace, name: str) -> list[str]:
     """`$OUT/<label>_<part>.tar.gz`: the part's folder as it is now (written, then renamed:
-    a call stopped while packing leaves the last whole archive).
+    a call stopped while packing leaves the last whole archive), within what the device
+    tool brings back (`returned.py`: one file's bytes, all files' bytes less those already
+    in `$OUT`): the files of least use left out until it fits, named in its `LEFT_OUT`;
+    returns them, one line each (none: all packed).
 
     Each pack writes a file of its own: the `timeout`'s SIGTERM can arrive mid-pack, and its
     handler packs the same part again; with one shared name that pack renamed the file the
     interrupted one was still writing, whose end then landed in the archive."""
     folder = _folder(args, name)
     if not folder.exists():
-        return
+        return []
     target = args.out / f"{folder.name}.tar.gz"
-    partial = args.out / f"{folder.name}_{next(_PACKS)}.partial"
-    try:
-        with tarfile.open(partial, "w:gz") as tar:
-            tar.add(folder, arcname=folder.name)
-        partial.replace(target)
-    finally:  # none left behind to come back with the archives
-        partial.unlink(missing_ok=True)
+    others = sum(
+        p.stat().st_size
+        for p in returned.root(args.out).rglob("*")
+        if p.is_file() and p != target and p.suffix != ".partial"
+    )
+    room = min(returned.MAX_FILE_BYTES, returned.MAX_TOTAL_BYTES - others - REPORT_BYTES)
+    sizes = {p: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    kept = (*KEPT_LONGEST, "summary.txt")
+    order = [p for p in sorted(sizes, key=sizes.get, reverse=True) if p.name not in kept]
+    order += [p for n in KEPT_LONGEST for p in sizes if p.name == n]
+    dropped: list[Path] = []
+    while True:
+        partial = args.out / f"{folder.name}_{next(_PACKS)}.partial"
+        names = {f"{folder.name}/{p.relative_to(folder).as_posix()}" for p in dropped}
+        left_out = [f"{p.relative_to(folder)} ({returned.mib(sizes[p])})" for p in dropped]
+        try:
+            with tarfile.open(partial, "w:gz") as tar:
+                tar.add(
+                    folder,
+                    arcname=folder.name,
+                    filter=lambda i, names=names: None if i.name in names else i,
+                )
+                if left_out:
+                    _add_text(tar, f"{folder.name}/{LEFT_OUT}", f"Left out of this archive to "
+                              f"fit {returned.mib(room)} (what the device tool brings back):\n"
+                              + "\n".join(left_out) + "\n")  # fmt: skip
+            if partial.stat().st_size <= room or not order:  # summary.txt is never left out
+                partial.replace(target)
+                return left_out
+        finally:  # none left behind to come back with the archives
+            partial.unlink(missing_ok=True)
+        dropped.append(order.pop(0))
+
+
+def _add_text(tar: tarfile.TarFile, name: str, text: str) -> None:
+    data = text.encode()
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = len(data), int(time.time())
+    tar.addfile(info, io.BytesIO(data))
 
 
 def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
@@ -362,6 +417,9 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
         counts = ", ".join(f"{row[k]} {k}" for k in (*STATUSES, "carried") if k in row)
         lines.append(f"- {name}: {row['status']}, {row.get('seconds', 0):.0f} s"
                      f" ({counts or 'no results'})")  # fmt: skip
+        if row.get("left_out"):
+            lines.append(f"  left out of its archive to fit what comes back (its {LEFT_OUT} "
+                         f"names them): {', '.join(row['left_out'])}")  # fmt: skip
     refused = [n for n in args.parts if rows.get(n, {}).get("refused")]
     rest = [n for n in args.parts if not whole(_folder(args, n)) and n not in refused]
     if rest:
@@ -370,6 +428,10 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
     if refused:
         lines += ["", "Parts refused: fix their options (`PARTS` in lease.py); a second call "
                   f"would refuse them again: {','.join(refused)}."]  # fmt: skip
+    lost = returned.problems(returned.root(args.out))
+    if lost:
+        lines += ["", "## What the device tool will not bring back", ""]
+        lines += [f"- {line}" for line in lost]
     text = "\n".join(lines)
     print(text, flush=True)
     (args.out / "lease.txt").write_text(text.lstrip() + "\n")

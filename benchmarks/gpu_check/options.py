@@ -11,6 +11,8 @@ from pathlib import Path
 
 from llama_variants import accepted, unknown  # benchmarks/ is on the path
 
+from . import returned
+
 #: The sections, in the order they run.
 SECTIONS = (
     "numerics", "gemms", "kernels", "quantize", "transpose", "blockwise", "grouped", "moe",
@@ -98,7 +100,7 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
     """`argv` parsed and checked: exits naming an unknown, repeated or misordered section, an
     unknown variant, variants of a section not run, a time that is not a positive number (a
     budget: finite), an
-    out folder that cannot be made."""
+    out folder that cannot be made or whose files would not come back from `$OUT`."""
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.moe_variants = _names(args.moe_variants)
@@ -139,7 +141,7 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
         parser.error(refused)
     if args.budget_s is not None and not 0 < args.budget_s < math.inf:  # inf: no bound
         parser.error(f"--budget-s={args.budget_s}: should be a positive, finite number of seconds")
-    refused = unwritable("--out", args.out)
+    refused = unwritable("--out", args.out) or returned.out_refused("--out", args.out)
     if refused:
         parser.error(refused)
     return args

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import options
+from . import options, returned
 from .record import (
     BROKEN,
     INCOMPLETE,
@@ -97,7 +98,24 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
         raise
     if why is not None:
         _unfinished(out, why, tail)
+    _say_lost(out)
     return code
+
+
+def _say_lost(out: Path) -> None:
+    """The end of `out/summary.txt`: what under `$OUT` the device tool will not bring back
+    (`returned.problems`), where `out` is inside `$OUT` (a lease's parts are not: it packs
+    them within the limits itself)."""
+    given, base = os.environ.get(returned.OUT_VARIABLE, "").strip(), returned.root(out)
+    if not given or base != Path(given).absolute():
+        return
+    lost = returned.problems(base)
+    if lost and (out / "summary.txt").exists():
+        lines = ["", "## What the device tool will not bring back from $OUT", ""]
+        lines += [f"- {line}" for line in lost]
+        print("\n".join(lines), flush=True)
+        with open(out / "summary.txt", "a") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def _attempts(

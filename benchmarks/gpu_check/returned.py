@@ -1,0 +1,92 @@
+"""What the device tool brings back from `$OUT`, and the check's files kept within it.
+
+A call's files come back only within the tool's limits (its README): at most `MAX_FILES`
+files, each at most `MAX_FILE_BYTES` and all together at most `MAX_TOTAL_BYTES`, no deeper
+than `MAX_DEPTH` folders below `$OUT` (`$OUT/a/b/file` comes back, `$OUT/a/b/c/file` does
+not), named with `NAME`'s characters only. A file left out is lost with the lease, silently:
+the lease trims its archives to fit (`lease.py`), the options refuse an `--out` whose files
+could not come back, and `summary.txt` or `lease.txt` names whatever still would not. The
+limits are constants here so that a test can make them tiny. No JAX: the supervisor and the
+lease import this.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+#: The files that come back from one call, at most.
+MAX_FILES = 8
+#: Bytes of one file, at most.
+MAX_FILE_BYTES = 16 << 20
+#: Bytes of all the files together, at most.
+MAX_TOTAL_BYTES = 64 << 20
+#: Folders between `$OUT` and a file, at most.
+MAX_DEPTH = 2
+#: A name that comes back (each folder's too).
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: The variable naming the folder whose files come back (set on the device machine).
+OUT_VARIABLE = "OUT"
+
+
+def root(folder: Path) -> Path:
+    """The folder whose files come back: `$OUT` where `folder` is inside it, else `folder`."""
+    given = os.environ.get(OUT_VARIABLE, "").strip()
+    if given:
+        out = Path(given).absolute()
+        if folder.absolute() == out or out in folder.absolute().parents:
+            return out
+    return folder.absolute()
+
+
+def out_refused(flag: str, folder: Path, nested: int = 0) -> str | None:
+    """Why the files written `nested` folders below `folder` could not come back from `$OUT`
+    (too deep, a name with other characters), or None; a folder outside `$OUT` is not
+    judged (a dry run's, a lease's work folder)."""
+    base = root(folder)
+    parts = folder.absolute().relative_to(base).parts  # none outside $OUT
+    if len(parts) + nested > MAX_DEPTH:
+        return (
+            f"{flag}={str(folder)!r} is {len(parts)} folders below ${OUT_VARIABLE}: its files "
+            f"would be {len(parts) + nested} down, and only {MAX_DEPTH} come back; give one "
+            f"at most {MAX_DEPTH - nested} down"
+        )
+    bad = [p for p in parts if not NAME.fullmatch(p)]
+    if bad:
+        return (
+            f"{flag}={str(folder)!r}: {bad[0]!r} would not come back from ${OUT_VARIABLE}; "
+            "name it with ASCII letters, digits, '.', '_' and '-' only"
+        )
+    return None
+
+
+def problems(base: Path) -> list[str]:
+    """What under `base` (the folder whose files come back) the device tool would leave out,
+    one line each: names, depth, sizes, then the count and the total."""
+    if not base.is_dir():
+        return []
+    files = sorted(p for p in base.rglob("*") if p.is_file() or p.is_symlink())
+    lines, total = [], 0
+    for path in files:
+        rel = path.relative_to(base)
+        size = path.lstat().st_size
+        total += size
+        if path.is_symlink() or not path.is_file():
+            lines.append(f"{rel}: not a plain file")
+        elif not all(NAME.fullmatch(p) for p in rel.parts):
+            lines.append(f"{rel}: a name with characters other than letters, digits, '.-_'")
+        elif len(rel.parts) - 1 > MAX_DEPTH:
+            lines.append(f"{rel}: {len(rel.parts) - 1} folders down, over {MAX_DEPTH}")
+        elif size > MAX_FILE_BYTES:
+            lines.append(f"{rel}: {mib(size)}, over {mib(MAX_FILE_BYTES)} a file")
+    if len(files) > MAX_FILES:
+        lines.append(f"{len(files)} files, over {MAX_FILES}: some will not come back")
+    if total > MAX_TOTAL_BYTES:
+        lines.append(f"{mib(total)} in all, over {mib(MAX_TOTAL_BYTES)}")
+    return lines
+
+
+def mib(size: int) -> str:
+    """`size` bytes in MiB, for the lines that name a size."""
+    return f"{size / (1 << 20):.2f} MiB"
