@@ -252,6 +252,19 @@ def test_deepseek_v3_keeps_router_and_head_and_converts_the_rest():
     assert len(plan.converted) >= 10
 
 
+def test_a_head_as_wide_as_the_expert_count_is_a_head_not_a_router():
+    """A router is the gate of a MoE block (a layer of the module holding the experts): with
+    as many experts as vocabulary entries (256), the model's head is still the head, and a
+    Linear of another block as wide as the experts is no router. The head was called
+    "router: its 256 outputs are the experts of 'blocks.1.ffn.down'"."""
+    config = DeepSeekConfig(vocab=256, experts=256, layers=2, dense_hidden=256, width=64)
+    model = DeepSeekV3(config, key=jax.random.key(0))
+    kept = fp8jax.conversion_plan(model, fp8jax.Fp8Config(exclude=None)).kept
+    assert sorted(kept) == ["blocks.1.ffn.gate", "head"], kept
+    assert kept["head"] == "head: its 256 outputs span the vocabulary of embedding 'embed'"
+    assert kept["blocks.1.ffn.gate"].startswith("router"), kept
+
+
 # --- Haliax ------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ default conversion keeps a Linear in high precision for its role:
   vocabulary, the row count of the model's largest embedding table, and it is not one of a
   repeated block's layers (found from shapes and the model's structure).
 - **router**: its output reaches a top-k, arg-max or sort (the expert choice; from a trace);
-  or its output width is the expert count of an expert layer of the model (from shapes).
+  or, no head, its output width is the expert count of an expert layer in the module it
+  belongs to or in one below (from shapes).
 
 The trace is a jaxpr of the model's call with its parameters as inputs: a GEMM belongs to
 the layer whose weight is one of its operands (through casts, transposes, reshapes and
@@ -345,20 +346,16 @@ def role_of(
         if flow.is_head(path):
             return "head: its output is the model's output (the last GEMM before it)"
         return None  # the trace knows better than widths (where it found the layer's GEMM)
-    if out_width is not None:
-        for expert_path, count in sorted(shapes.experts.items()):
-            if out_width == count:
-                return (
-                    f"router: its {out_width} outputs are the experts of {'.'.join(expert_path)!r}"
-                )
     vocabulary = shapes.vocabulary
-    if vocabulary is None or repeated(path, stacked):
-        return None
-    if out_width == vocabulary[1]:
+    if vocabulary is not None and out_width == vocabulary[1] and not repeated(path, stacked):
         return (
             f"head: its {out_width} outputs span the vocabulary of embedding "
             f"{'.'.join(vocabulary[0])!r}"
         )
+    for expert_path, count in sorted(shapes.experts.items()):
+        # A router is a layer of the module holding the experts (the MoE block's gate).
+        if out_width == count and expert_path[: len(path) - 1] == path[:-1]:
+            return f"router: its {out_width} outputs are the experts of {'.'.join(expert_path)!r}"
     return None
 
 
