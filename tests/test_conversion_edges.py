@@ -85,6 +85,35 @@ def test_a_tied_head_stays_in_high_precision_by_default(head_is_node):
         assert reason.startswith(f"head: its {V} outputs span the vocabulary"), reason
 
 
+class Pytree(eqx.Module):
+    """A model whose repeated blocks are a list in a field named `pytree` (as
+    `eqx.nn.Shared` names its tied layers), each block with a vocabulary-wide Linear."""
+
+    embed: eqx.nn.Embedding
+    pytree: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(V, D, key=k[0])
+        self.pytree = [eqx.nn.Linear(D, V, key=kk) for kk in k[1:3]]
+        self.head = eqx.nn.Linear(D, V, key=k[3])
+
+
+def test_a_field_named_pytree_is_repeated_blocks_like_any_list():
+    """The blocks of a list are repeated, never heads by shape, whatever the field's name:
+    the same model with the list named `blocks` keeps only `head`. Named `pytree`, its
+    entries were exempted as if they were an `eqx.nn.Shared`'s tied layers (by that name)
+    and kept as heads."""
+    model = Pytree(jax.random.key(0))
+    as_blocks = {"embed": model.embed, "blocks": model.pytree, "head": model.head}
+    want = fp8jax.conversion_plan(as_blocks)
+    assert want.converted == ("blocks.0", "blocks.1") and list(want.kept) == ["head"]
+    plan = fp8jax.conversion_plan(model)
+    assert plan.converted == ("pytree.0", "pytree.1")
+    assert list(plan.kept) == ["head"], plan.kept
+
+
 def test_a_non_floating_linear_is_kept_and_named():
     """A complex Linear among real ones stays in high precision with its dtype as the reason
     (it raised a TypeError naming no layer, after a plan that listed it as FP8)."""

@@ -233,9 +233,11 @@ def _out_width(node: Any, kind: str | None) -> int | None:
 
 def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
     """The embedding tables' row counts and the expert layers' expert counts of a tree."""
-    embeddings, experts = {}, {}
+    embeddings, experts, distinct = {}, {}, set()
     for path, node in nodes:
-        if isinstance(node, eqx.nn.Embedding):
+        if isinstance(node, eqx.nn.Shared):
+            distinct.add((*path, "pytree"))  # its tied layers, no repeated block's
+        elif isinstance(node, eqx.nn.Embedding):
             # A table tied to a head's weight (`eqx.nn.Shared`) has its rows all the same.
             embeddings[path] = node.num_embeddings
         elif hnn is not None and isinstance(node, hnn.Embedding):
@@ -244,7 +246,7 @@ def _shapes(nodes: list[tuple[tuple[str, ...], Any]], hnn: Any) -> ModelShapes:
             experts[path] = node.weight.shape[-3]
         elif _kind(node, hnn) == "moe" or isinstance(node, Fp8MoELinear):
             experts[path] = node.Experts.size
-    return ModelShapes(embeddings, experts)
+    return ModelShapes(embeddings, experts, frozenset(distinct))
 
 
 @final

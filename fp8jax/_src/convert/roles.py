@@ -309,10 +309,13 @@ def gemm_rhs_layouts(
 @dataclasses.dataclass(frozen=True)
 class ModelShapes:
     """What shapes alone say about a model: its embedding tables' row counts (the largest is
-    the vocabulary) and its expert layers' expert counts, each by path."""
+    the vocabulary) and its expert layers' expert counts, each by path; `distinct`: the
+    paths of sequences whose entries are distinct layers, no repeated block (an
+    `eqx.nn.Shared`'s `pytree`, the tied layers)."""
 
     embeddings: Mapping[Path, int] = dataclasses.field(default_factory=dict)
     experts: Mapping[Path, int] = dataclasses.field(default_factory=dict)
+    distinct: frozenset[Path] = frozenset()
 
     @property
     def vocabulary(self) -> tuple[Path, int] | None:
@@ -323,12 +326,11 @@ class ModelShapes:
         return path, self.embeddings[path]
 
 
-def repeated(path: Path, stacked: bool = False) -> bool:
+def repeated(path: Path, stacked: bool = False, distinct: frozenset[Path] = frozenset()) -> bool:
     """Whether a layer is one of a repeated block's (an index in its path, or a stack of
-    layers): a model's head appears once, outside its blocks. An index into an
-    `eqx.nn.Shared`'s `pytree` (the tied layers, a tuple of distinct ones) is no block's."""
-    after = ("", *path[:-1])
-    return stacked or any(n.isdigit() and a != "pytree" for a, n in zip(after, path, strict=True))
+    layers): a model's head appears once, outside its blocks. An index into a sequence of
+    `distinct` (by its path: an `eqx.nn.Shared`'s tied layers) is no block's."""
+    return stacked or any(n.isdigit() and path[:i] not in distinct for i, n in enumerate(path))
 
 
 def role_of(
@@ -347,7 +349,8 @@ def role_of(
             return "head: its output is the model's output (the last GEMM before it)"
         return None  # the trace knows better than widths (where it found the layer's GEMM)
     vocabulary = shapes.vocabulary
-    if vocabulary is not None and out_width == vocabulary[1] and not repeated(path, stacked):
+    once = not repeated(path, stacked, shapes.distinct)
+    if vocabulary is not None and out_width == vocabulary[1] and once:
         return (
             f"head: its {out_width} outputs span the vocabulary of embedding "
             f"{'.'.join(vocabulary[0])!r}"
