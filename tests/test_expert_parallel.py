@@ -185,6 +185,28 @@ def test_expert_exchange_names_bad_arguments():
     assert plan(experts, np.int64(16), capacity=np.int64(20)).shape == (16,)
 
 
+def test_expert_exchange_takes_nested_lists_as_an_array():
+    """Each device's experts given as nested Python lists route as the same array does (a
+    list raised AttributeError: 'list' object has no attribute 'ndim'); what is no array of
+    integers is refused by name."""
+    mesh = _mesh({"expert": 8})
+    chosen = [[0, 15], [3, 3], [9, 1]]
+
+    def sizes(experts):
+        f = jax.shard_map(
+            lambda: fp8jax.expert_exchange(experts, 16, "expert").group_sizes,
+            mesh=mesh,
+            in_specs=(),
+            out_specs=P("expert"),
+        )
+        return np.asarray(f())
+
+    # Each of the 8 devices sends the same 3 tokens: an expert receives 8 times its count.
+    np.testing.assert_array_equal(sizes(chosen), 8 * np.bincount(np.ravel(chosen), minlength=16))
+    with pytest.raises(TypeError, match=r"experts=\[\[0, 1\], \[2\]\]: should be"):
+        sizes([[0, 1], [2]])
+
+
 def test_expert_exchange_names_an_axis_name_that_is_not_a_str():
     """Experts split over a tuple of mesh axes were planned, and the exchange then failed
     ("'<' not supported between instances of 'tuple' and 'str'"; an FP8 layer: its recipe's

@@ -359,9 +359,9 @@ def expert_exchange(
 
     **Arguments:**
 
-    - `experts (tokens, top_k)`: each of this device's tokens' experts (global indices, in
-      `[0, num_experts)`; a choice outside is sent nowhere, and its token's share of the
-      output is 0: traced indices cannot be checked).
+    - `experts (tokens, top_k)`: each of this device's tokens' experts (an array or nested
+      lists; global indices, in `[0, num_experts)`; a choice outside is sent nowhere, and
+      its token's share of the output is 0: traced indices cannot be checked).
     - `num_experts`: all experts, a multiple of the axis size.
     - `axis_name`: the mesh axis the experts are split over (its name, a str: one axis, which
       the enclosing `shard_map` splits).
@@ -390,6 +390,14 @@ def expert_exchange(
             f"expert_exchange: num_experts={num_experts} does not split over the {devices} "
             f"devices of mesh axis {axis_name!r}; use a multiple of {devices}."
         )
+    if not isinstance(experts, jax.Array | np.ndarray):  # nested lists: an array
+        try:
+            experts = jnp.asarray(experts)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"expert_exchange: experts={experts!r}: should be (tokens, top_k) integers, "
+                "an array or nested lists of ints."
+            ) from e
     if experts.ndim != 2 or not jnp.issubdtype(experts.dtype, jnp.integer):
         raise ValueError(
             f"expert_exchange: experts {experts.shape} {experts.dtype}: should be "
