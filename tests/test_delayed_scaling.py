@@ -183,6 +183,24 @@ def test_a_warm_state_without_a_scale_casts_by_one_in_a_cold_layer_once_merged(t
         np.testing.assert_array_equal(np.asarray(layer(x), np.float64), want)
 
 
+def test_a_state_without_a_scale_stepped_on_zeros_in_a_cold_layer_merges_to_one():
+    """A warm-start state holding no scale (0) moved by hand into a `warm_start=False` layer
+    and stepped before a merge, on an all-zero input: its merged scale is Transformer
+    Engine's 1.0 (the hand-rolled update of TE's initial state, as a merge before the step
+    gives), not 2**-126 (every operand of the next steps flushed to zero)."""
+    recipe = fp8jax.DelayedScaling(history_len=2, warm_start=False)
+    cold = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(recipe))
+    fresh = Layer(jnp.eye(2), fp8jax.Fp8DotGeneral(fp8jax.DelayedScaling(history_len=2)))
+    moved = eqx.tree_at(lambda m: m.dot.input, cold, fresh.dot.input)
+    x = np.zeros((1, 2), np.float32)
+    grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x)))(moved)
+    merged = moved.dot.merge(grads.dot).input
+    scale, history = ref_update(np.float32(1.0), np.zeros(2, np.float32), 0.0, 448.0, 0, "max")
+    want = ref_next_scale(scale, history, 448.0, 0, "max", True, False)
+    assert want == 1.0
+    assert float(merged.scale) == want and float(merged.scale_inv) == 1.0 / want
+
+
 def test_non_finite_amax_keeps_scale():
     previous = jnp.float32(3.0)
     for bad in (0.0, np.inf, np.nan):

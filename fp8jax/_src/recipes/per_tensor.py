@@ -339,9 +339,10 @@ class DelayedScaling(PerTensorRecipe):
             return scale, TensorState(scale, history, 1.0 / scale)
         # The kept inverse, handed to the GEMM as it is (1 where the state holds no scale and
         # the cast uses 1.0), and in the new state the kept scale (only made positive: that
-        # says the state was used, and a merge takes it), not the cast's: each would otherwise
+        # says the state was used, and a merge takes it; 1, Transformer Engine's, where it
+        # held none, as a merge gives such a state), not the cast's: each would otherwise
         # be written by a kernel of its own per operand and step.
-        used = jnp.maximum(state.scale, np.float32(np.finfo(np.float32).tiny))
+        used = jnp.where(state.scale > 0.0, state.scale, np.float32(1.0))
         return scale, TensorState(used, history, state.scale_inv)
 
     @property
