@@ -102,8 +102,9 @@ def save_checkpoint(path: str | os.PathLike, state: Any, *, backend: str = "equi
     """
     _check_backend(backend)
     path = _as_path(path, "save_checkpoint")
-    record = json.dumps(keyed_record(state)).encode()
-    state = keys_as_data(state)
+    data = keys_as_data(state)
+    record = json.dumps(keyed_record(state, data)).encode()
+    state = data
     _check_savable(state)
     if backend == "orbax":
         _orbax_save(path, state, record)

@@ -65,8 +65,10 @@ def keys_from_data(restored: Any, target: Any) -> Any:
     return jax.tree.map(key, restored, target)
 
 
-def keyed_record(tree: Any) -> dict[str, Any]:
+def keyed_record(tree: Any, data: Any = None) -> dict[str, Any]:
     """`fp8_record` of `tree` as a checkpoint holds it, PRNG keys as their data, with each
-    key's type (`key<fry>`) by its path, which a mismatch names."""
+    key's type (`key<fry>`) by its path, which a mismatch names. `data`: `keys_as_data(tree)`,
+    where the caller has it already (not converted twice)."""
     keys = key_types(tree)
-    return fp8_record(keys_as_data(tree)) | ({"keys": keys} if keys else {})
+    data = keys_as_data(tree) if data is None else data
+    return fp8_record(data) | ({"keys": keys} if keys else {})
