@@ -369,6 +369,20 @@ def test_checkpoint_errors(tmp_path):
         fp8jax.save_checkpoint(tmp_path / "x", state, backend="pickle")
 
 
+def test_a_checkpoint_of_a_later_format_names_its_version(tmp_path):
+    """A checkpoint whose header is a later format's (`fp8jax-checkpoint 2`, as a newer
+    fp8jax would write it) says so, with the version this fp8jax reads; it was called "not
+    an fp8jax checkpoint"."""
+    _, state = build(jax.random.key(0))
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state)
+    data = path.read_bytes()
+    assert data.startswith(b"fp8jax-checkpoint 1\n")
+    path.write_bytes(b"fp8jax-checkpoint 12\n" + data[len(b"fp8jax-checkpoint 1\n") :])
+    with pytest.raises(ValueError, match=r"format version 12; this fp8jax reads version 1\b"):
+        fp8jax.load_checkpoint(path, state)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_haliax_weight_restores_only_into_its_own_axes(backend, tmp_path):
     """A Haliax weight's axis names are recorded and checked: a weight saved as (hidden,

@@ -199,7 +199,13 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         )
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
-        magic = f.read(len(_MAGIC))
+        magic = f.readline(64)
+        if magic != _MAGIC and re.fullmatch(rb"fp8jax-checkpoint \d+\n", magic):
+            raise ValueError(
+                f"{os.fspath(path)!r} is an fp8jax checkpoint of format version {int(magic[18:])};"
+                f" this fp8jax reads version {int(_MAGIC[18:])} (load it with the fp8jax that "
+                "wrote it, or a newer one)."
+            )
         if magic != _MAGIC:
             raise ValueError(
                 f"{os.fspath(path)!r} is not an fp8jax checkpoint (it does not start with "
