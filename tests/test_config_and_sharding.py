@@ -153,6 +153,19 @@ def test_no_per_layer_recipes_configure_as_none(none):
     assert fp8jax.fp8_linear_layers(model, plain) is model  # no warning (an error here)
 
 
+def test_targets_listed_in_any_order_configure_alike(getkey):
+    """A list of `targets` is a set of names (a Linear matches when one of them names it): in
+    another order or with a name twice it converts the same layers, and the configs equal,
+    hash and print alike (a static argument of `jit` compiles once; a Linen model converted
+    with one converts again with the other silently). They compared unequal."""
+    config = fp8jax.Fp8Config(targets=["b", "a", "b"])
+    other = fp8jax.Fp8Config(targets=("a", "b"))
+    assert set(config.targets) == set(other.targets) == {"a", "b"}
+    assert config == other and hash(config) == hash(other) and repr(config) == repr(other)
+    model = {n: eqx.nn.Linear(4, 4, key=getkey()) for n in ("a", "b", "c")}
+    assert fp8jax.conversion_plan(model, config).converted == ("a", "b")
+
+
 @pytest.mark.parametrize("keep", [("router", "head"), ["head", "router", "head"]])
 def test_roles_kept_in_any_order_configure_as_the_default(keep):
     """`keep` is a set of roles: given in another order or with a role twice it keeps the

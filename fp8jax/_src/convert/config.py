@@ -36,7 +36,7 @@ class Fp8Config:
 
     - `targets`: `None` (every Linear not excluded), a list of names (a Linear matches when its
       last path component, e.g. `"fc1"`, or its whole dotted path, e.g. `"blocks.0.mlp.fc1"`,
-      is listed), or a regular expression that must match the whole dotted path
+      is listed; a set: held sorted), or a regular expression that must match the whole dotted path
       (`r".*mlp.*"`).
     - `recipe`: the scaling recipe of converted layers, an instance or a name (`"delayed"`,
       `"current"`, `"blockwise"`, `"mxfp8"`, `"residual"`).
@@ -113,7 +113,8 @@ class Fp8Config:
                     f"Fp8Config targets={targets!r}: should be None, a regex string or a list "
                     "of layer names."
                 )
-            object.__setattr__(self, "targets", tuple(targets))
+            # A set of names, held sorted: equal, hashed and printed alike however given.
+            object.__setattr__(self, "targets", tuple(sorted(set(targets))))
             if not self.targets:
                 raise ValueError(
                     f"Fp8Config targets={targets!r} selects no layer, so fp8_linear_layers "
