@@ -587,6 +587,23 @@ def test_gradients_count_the_steps_rejected_update(role, operands):
     )
 
 
+def test_a_model_state_made_non_finite_by_hand_reads_as_a_step_to_reject():
+    """Telemetry reads a model as gradients (documented on `OperandTelemetry.rejected` and in
+    the training guide): a model's state given a NaN amax by hand shows the model's own count
+    (0) plus the 1 a merge of it would count, as gradients holding it do; the report's
+    "non-finite steps" too. The model's other operands show their own count."""
+    dot = fp8jax.Fp8DotGeneral("delayed", telemetry=True)
+    nan = dot.input.amax_history.at[0].set(np.nan)
+    model = eqx.tree_at(lambda d: d.input.amax_history, dot, nan)
+    assert float(model.stats.input.rejected) == 0.0
+    (layer,) = fp8jax.telemetry(model).values()
+    merged = dot.merge(model)  # what the count is once such a state is merged
+    assert float(layer.input.rejected) == float(merged.stats.input.rejected) == 1.0
+    assert float(layer.kernel.rejected) == 0.0 == float(layer.output_grad.rejected)
+    rows = fp8jax.report(model, quiet=True).splitlines()[2:5]
+    assert [row.split()[-1] for row in rows] == ["1", "0", "0"]
+
+
 def test_grouped_gradients_count_a_rejected_expert():
     rng = np.random.default_rng(8)
     m, k, n = int(SIZES.sum()), 32, 16

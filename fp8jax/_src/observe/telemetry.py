@@ -49,6 +49,8 @@ class OperandTelemetry(eqx.Module):
     - `rejected`: how many steps the operand held an inf or NaN, so that the layer kept its
       previous state instead of taking that step's amax, or `None` without telemetry. In
       gradients, 1 where this step's state will be rejected (the model keeps the count).
+      A model is read as gradients are: a state holding an inf or NaN (which no merge
+      takes: put there by hand) shows its own count plus 1, the update it would be.
     """
 
     scale: Float[Array, "*layers"]
