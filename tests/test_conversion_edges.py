@@ -114,6 +114,29 @@ def test_a_field_named_pytree_is_repeated_blocks_like_any_list():
     assert list(plan.kept) == ["head"], plan.kept
 
 
+class Twice(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_linear_held_at_two_places_becomes_two_fp8_layers_with_one_weight():
+    """One `eqx.nn.Linear` object at two places is two layers to JAX (Equinox's copy
+    semantics; docs/conversion.md): converted, each place is an FP8 layer of its own, both
+    on the same weight array, each with an FP8 state recording its own call's amax."""
+    linear = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+    model = fp8jax.fp8_linear_layers(Twice(linear, linear))
+    assert isinstance(model.a, fp8jax.Linear) and isinstance(model.b, fp8jax.Linear)
+    assert model.a.weight is model.b.weight is linear.weight
+    x = np.linspace(-3.0, 2.0, 4, dtype=np.float32)
+    grads = fp8jax.filter_grad(lambda m: jnp.sum(m(x)))(model)
+    hidden = np.asarray(model.a(x))  # b's input
+    assert float(grads.a.dot_general.input.amax_history[0]) == np.abs(x).max()
+    assert float(grads.b.dot_general.input.amax_history[0]) == np.abs(hidden).max() != 3.0
+
+
 def test_a_non_floating_linear_is_kept_and_named():
     """A complex Linear among real ones stays in high precision with its dtype as the reason
     (it raised a TypeError naming no layer, after a plan that listed it as FP8)."""
