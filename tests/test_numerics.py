@@ -347,6 +347,27 @@ def test_fine_tuning_without_the_fp8_state_raises_and_with_fp8_state_fixes_it():
         assert all(float(getattr(layer.dot_general, r).amax_history[0]) > 0 for r in ROLES)
 
 
+def test_a_layer_a_filter_spec_leaves_out_whole_records_nothing_until_with_fp8_state():
+    """A layer that a spec leaves out whole (weights and FP8 state: a frozen first layer, no
+    gradient through it) cannot raise as a differentiated one does: its state never leaves
+    the step, so it stays as built (history 0, no scale: warm-started every step) and
+    `scales_recorded` never holds (docs/training.md). `with_fp8_state(spec, model)` makes it
+    record (max |x|, from NumPy), its weights still frozen (no gradient)."""
+    model = two_layers(fp8jax.DelayedScaling())
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: m[1], spec, jax.tree.map(lambda _: True, spec[1]))
+    x, c = faulty(None, 0.0)
+    for frozen, want in ((spec, 0.0), (fp8jax.with_fp8_state(spec, model), np.abs(x).max())):
+        diff, static = eqx.partition(model, frozen)
+        grads = fp8jax.filter_grad(mlp_loss)(diff, static, x, c)
+        overwrites, grads = fp8jax.partition_for_grad_overwrite(grads)
+        assert grads[0].weight is None
+        new = fp8jax.apply_updates(model, None, overwrites)
+        assert float(new[1].dot_general.input.amax_history[0]) > 0
+        assert float(new[0].dot_general.input.amax_history[0]) == want
+        assert bool(fp8jax.scales_recorded(new)) == bool(want > 0)
+
+
 def test_a_filter_spec_naming_some_roles_updates_those_and_keeps_the_rest():
     """A filter spec differentiating one role's state (the inputs') left the gradient's FP8
     module with None at the others, and apply_updates crashed stacking them (TypeError:

@@ -125,7 +125,9 @@ def with_fp8_state(filter_spec: Any, model: T) -> T:
     Fine-tuning code often differentiates only part of a model, chosen by an Equinox filter
     spec. FP8 state must be differentiated too: its new value leaves the step as its
     gradient, and a layer with delayed scaling whose state is left out raises rather than
-    keep its scales at their initial value forever. Pass the result wherever the spec went.
+    keep its scales at their initial value forever; one left out whole, through which no
+    gradient flows (a frozen first layer), cannot raise, and records nothing without it.
+    Pass the result wherever the spec went.
 
     **Arguments:**
 
