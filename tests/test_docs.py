@@ -494,3 +494,44 @@ def test_the_recipes_page_quotes_the_gaussian_snrs_as_measured():
         page,
     )[0]
     assert (common, tiles) == (single.pop(), snr["blockwise 1x128 tiles"]), (common, tiles, snr)
+
+
+def test_the_recipes_page_quotes_the_residual_temp_memory_as_measured():
+    """docs/recipes.md put the residual recipe's XLA path at "1.7x delayed's temp memory" on
+    peers.py's MLP, a figure of E5M2 gradients and an older JAX; the deviceless H100 compile
+    at today's defaults (jax 0.11.2, 2026-12-07) reads 1.48x in cuBLAS mode and 2.50x under
+    XLA's default flags. The page's ratios to delayed are those of the file it cites, for the
+    XLA path (default and E5M2 gradients alike) and the native kernels."""
+    measured = (ROOT / "benchmarks" / "results" / "residual_temp.txt").read_text()
+    assert "2026-12-07" in measured and "deviceless H100" in measured
+    assert "1024 -> 4096 -> 1024 over 2,048 tokens" in measured
+    ratio = {
+        name.strip(): [cublas, default]
+        for name, cublas, default in re.findall(
+            r"^\| ([^|]+?) +\| [\d.]+ \([\d.]+x BF16, ([\d.]+)x delayed\) +"
+            r"\| [\d.]+ \([\d.]+x BF16, ([\d.]+)x delayed\) +\|$",
+            measured,
+            re.M,
+        )
+    }
+    assert len(ratio) == 6 and ratio["delayed"] == ["1.00", "1.00"], ratio
+    xla = ratio["residual (default: XLA path, E4M3 gradients)"]
+    assert ratio["residual backward_format='e5m2' (XLA path)"] == xla, ratio
+    page = _prose("docs/recipes.md")
+    (quoted,) = re.findall(
+        r"float32 buffer: ([\d.]+)x delayed's temp memory on that MLP in cuBLAS mode, ([\d.]+)x "
+        r"under XLA's default flags, with E4M3 or E5M2 gradients alike",
+        page,
+    )
+    assert list(quoted) == xla, (quoted, xla)
+    (b_c, r_c, b_d, r_d, cited) = re.findall(
+        r"\(([\d.]+)x and ([\d.]+)x on the MLP of `benchmarks/peers.py` in cuBLAS mode, "
+        r"([\d.]+)x and ([\d.]+)x under XLA's default flags, `benchmarks/results/([\w.]+)`",
+        page,
+    )[0]
+    assert cited == "residual_temp.txt"
+    blockwise, fused = (
+        ratio["blockwise (native kernel)"],
+        ratio["residual native_kernel=None (fused kernel)"],
+    )
+    assert [b_c, b_d, r_c, r_d] == [*blockwise, *fused], (b_c, b_d, r_c, r_d, blockwise, fused)
