@@ -309,3 +309,23 @@ def test_save_fp8_operands_does_not_run_a_grouped_gemm_again(recipe, getkey):
     assert forward_gemms(None, model, loss, x) == 2
     assert forward_gemms(fp8jax.save_fp8_operands, model, loss, x) == 2
     assert forward_gemms(jax.checkpoint_policies.nothing_saveable, model, loss, x) == 4
+
+
+@pytest.mark.parametrize("name", ["save_fp8_operands", "fp8_dots_saveable"])
+def test_the_remat_policies_show_their_own_name_docstring_and_signature(name):
+    """`help(fp8jax.save_fp8_operands)` showed JAX's closure (`policy`, from
+    `save_from_both_policies.<locals>`, no docstring, `(prim, *args, **params)`). Each policy
+    is named for itself, in fp8jax's module, with its own docstring and a policy's signature."""
+    import inspect
+
+    policy = getattr(fp8jax, name)
+    assert (policy.__name__, policy.__qualname__) == (name, name)
+    assert policy.__module__.startswith("fp8jax.")
+    assert policy.__doc__ and "`jax.checkpoint` policy" in policy.__doc__
+    params = list(inspect.signature(policy).parameters.values())
+    assert [p.kind for p in params] == [
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    ]
+    assert params[0].name == "prim"

@@ -54,26 +54,35 @@ def routing_saveable(prim: Any, *_: Any, **__: Any) -> bool:
     return prim is jax.lax.top_k_p
 
 
-save_fp8_operands = jax.checkpoint_policies.save_from_both_policies(
+_SAVE_FP8_OPERANDS = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_only_these_names(FP8_OPERANDS), routing_saveable
 )
-"""A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs (data and scales, 1 byte
-per element), with the FP8 state their forward hands their backward, and the choices of
-`jax.lax.top_k` (an MoE router's): dgrad and wgrad multiply the saved operands; a GEMM whose
-output the backward needs (before a GELU) runs its forward again from its high-precision
-input. `eqx.filter_checkpoint(block, policy=fp8jax.save_fp8_operands)`."""
-
-fp8_dots_saveable = jax.checkpoint_policies.save_from_both_policies(
+_FP8_DOTS_SAVEABLE = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_saveable,
         jax.checkpoint_policies.save_only_these_names(FP8_OUTPUTS),
     ),
     routing_saveable,
 )
-"""`jax.checkpoint_policies.dots_saveable` (`dot_general`s and convolutions, not
-`lax.ragged_dot`) extended to FP8 GEMMs: a `jax.checkpoint` policy saving the outputs of
-every FP8 GEMM, dense or grouped, and of the high-precision `dot_general`s, as a BF16 model
-under `dots_saveable` would, and the choices of `jax.lax.top_k` (an MoE router's)."""
+
+
+# Functions of their own, not JAX's combined policies themselves: `help()` and the API
+# reference show these docstrings and names, where JAX's closure has neither.
+def save_fp8_operands(prim: Any, *avals: Any, **params: Any) -> bool:
+    """A `jax.checkpoint` policy saving only the FP8 operands of FP8 GEMMs (data and scales, 1
+    byte per element), with the FP8 state their forward hands their backward, and the choices
+    of `jax.lax.top_k` (an MoE router's): dgrad and wgrad multiply the saved operands; a GEMM
+    whose output the backward needs (before a GELU) runs its forward again from its
+    high-precision input. `eqx.filter_checkpoint(block, policy=fp8jax.save_fp8_operands)`."""
+    return _SAVE_FP8_OPERANDS(prim, *avals, **params)
+
+
+def fp8_dots_saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+    """`jax.checkpoint_policies.dots_saveable` (`dot_general`s and convolutions, not
+    `lax.ragged_dot`) extended to FP8 GEMMs: a `jax.checkpoint` policy saving the outputs of
+    every FP8 GEMM, dense or grouped, and of the high-precision `dot_general`s, as a BF16 model
+    under `dots_saveable` would, and the choices of `jax.lax.top_k` (an MoE router's)."""
+    return _FP8_DOTS_SAVEABLE(prim, *avals, **params)
 
 
 def name_fp8_operands(q: Any) -> Any:
