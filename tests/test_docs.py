@@ -535,3 +535,27 @@ def test_the_recipes_page_quotes_the_residual_temp_memory_as_measured():
         ratio["residual native_kernel=None (fused kernel)"],
     )
     assert [b_c, b_d, r_c, r_d] == [*blockwise, *fused], (b_c, b_d, r_c, r_d, blockwise, fused)
+
+
+def test_the_readmes_layout_names_every_package_and_the_modules_of_its_listed_folders():
+    """README.md's Layout left out `_src/data/` (the deviceless compile's H100 description),
+    `observe.py` and convert's `roles.py`, `plan.py` and `interpret.py` while naming their
+    siblings. The list names every file and folder of `fp8jax/` and every folder of `_src/`
+    and `_src/convert/`; in `core/` and `convert/`, whose entries name their modules, every
+    module; in `examples/`, every example."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Layout")
+    layout = readme[start : readme.index("```\n\n", readme.index("```", start))]
+    package = ROOT / "fp8jax"
+
+    def shown(path: pathlib.Path) -> bool:
+        return path.name != "__pycache__" and path.name != "__init__.py" and path.suffix != ".typed"
+
+    named = [p.name + "/" if p.is_dir() else p.name for p in package.iterdir() if shown(p)]
+    named += [f"_src/{p.name}/" for p in (package / "_src").iterdir() if p.is_dir() and shown(p)]
+    for folder in ("_src/core", "_src/convert", "examples"):
+        for p in (package / folder).iterdir():
+            if shown(p):
+                named.append(p.name + "/" if p.is_dir() else p.stem)
+    missing = sorted({n for n in named if not re.search(rf"(?<![\w/]){re.escape(n)}", layout)})
+    assert not missing, missing
