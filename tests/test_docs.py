@@ -559,3 +559,24 @@ def test_the_readmes_layout_names_every_package_and_the_modules_of_its_listed_fo
                 named.append(p.name + "/" if p.is_dir() else p.stem)
     missing = sorted({n for n in named if not re.search(rf"(?<![\w/]){re.escape(n)}", layout)})
     assert not missing, missing
+
+
+def test_every_public_method_of_every_public_class_has_a_docstring_of_its_own():
+    """48 public methods (`BlockwiseScaling.quantize`, `NoOpLossScale.adjust`,
+    `TrainStep.__call__`, ...) had no docstring of their own: `help()` showed the base class's
+    general contract or nothing. Each method, property and `__call__` a public class defines
+    says what it does there."""
+    blank = []
+    for name in sorted(fp8jax.__all__):
+        cls = getattr(fp8jax, name)
+        if not isinstance(cls, type) or not cls.__module__.startswith("fp8jax"):
+            continue
+        for attr, value in vars(cls).items():
+            if attr.startswith("_") and attr != "__call__":
+                continue
+            if isinstance(value, property):
+                value = value.fget
+            value = getattr(value, "__func__", value)  # staticmethod, classmethod
+            if callable(value) and not (getattr(value, "__doc__", None) or "").strip():
+                blank.append(f"{name}.{attr}")
+    assert not blank, blank

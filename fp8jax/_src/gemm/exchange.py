@@ -112,6 +112,7 @@ class ExpertExchange(eqx.Module):
 
     @property
     def recv_offsets(self) -> Int[Array, " P"]:
+        """Where each peer's tokens start in the received rows: `recv_sizes`' exclusive cumsum."""
         return jnp.cumsum(self.recv_sizes) - self.recv_sizes
 
     def tokens_of(self, x: Float[Array, "tokens ..."]) -> Array:

@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..kernels import dispatch
 from ..kernels.padded_quantize import gather_rows
 from ..recipes import QTensor
-from ..recipes.blocks import gather_quantized
+from ..recipes.block_dot import gather_quantized
 
 
 class Padded(NamedTuple):
@@ -104,7 +104,7 @@ def pad(a: Array, layout: Padded) -> Array:
 
 def pad_quantized(q: QTensor, layout: Padded) -> QTensor:
     """A quantized `(M, C)` tensor in the padded layout: its FP8 rows, and its scales' rows
-    when it has one scale per row (tiles of one row: `blocks.gather_quantized`)."""
+    when it has one scale per row (tiles of one row: `block_dot.gather_quantized`)."""
     if q.block:
         return gather_quantized(q, gather_map(layout))
     return QTensor(pad(q.data, layout), q.scale_inv, q.block)

@@ -1,4 +1,5 @@
-"""Block-scaled GEMMs of two [`fp8jax.QTensor`][]s: in plain XLA and on the native kernel.
+"""Block-scaled GEMMs of two [`fp8jax.QTensor`][]s: in plain XLA and on the native kernel;
+the blocks of a block-scaled tensor (their amaxes, quantization, tiles and gathered rows).
 
 In plain XLA (`block_dot`) the contraction is cut into chunks of the block size, one FP8 dot
 per chunk (one batched dot) gives float32 partial products, each partial is multiplied by its
@@ -16,10 +17,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ..core import jax_private
-from ..kernels import block_quantize, dispatch
+from ..core.formats import expand_blocks, saturate
+from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import Axis, QTensor
 
 
@@ -30,6 +32,40 @@ def pad_to_blocks(x: Array, block: tuple[int, int]) -> Array:
     if pad_r or pad_c:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_r), (0, pad_c)])
     return x
+
+
+def _blocked(x: Array, block: tuple[int, int]) -> Array:
+    """`x (*B, R, C)` zero-padded and viewed as `(*B, nR, bR, nC, bC)`."""
+    x = pad_to_blocks(x, block)
+    *batch, rows, cols = x.shape
+    return x.reshape(*batch, rows // block[0], block[0], cols // block[1], block[1])
+
+
+def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
+    """`max(|x|)` over each `block` of the last two axes of `x`, in float32."""
+    return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=(-3, -1))
+
+
+def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
+    """`x * scale` per block, finite values saturated to the format's max, cast to `dtype`
+    (inf and NaN become NaN: [`fp8jax.quantize`][])."""
+    return saturate(x, expand_blocks(scale, block, x.shape), dtype)
+
+
+def gather_quantized(q: QTensor, rows: Int[Array, " P"]) -> QTensor:
+    """`q`'s rows gathered by `rows`, FP8 zeros where negative; `q` in tiles of one row."""
+    if not q.block or q.block[0] != 1:
+        raise ValueError(f"gather_quantized: blocks {q.block} span rows; tiles of one row.")
+    if q.scale_inv.shape[0] == 0:  # no rows: all gaps
+        scale_inv = jnp.ones((rows.shape[0], *q.scale_inv.shape[1:]), q.scale_inv.dtype)
+    else:  # a gap's scale is a real row's (its data are zeros): E8M0 has no zero
+        scale_inv = q.scale_inv[jnp.maximum(rows, 0)]
+    return QTensor(padded_quantize.gather_rows(q.data, rows), scale_inv, q.block)
+
+
+def tile(axis: Axis, size: int) -> tuple[int, int]:
+    """The `1 x size` tile along the contracted `axis` -1, `size x 1` along -2."""
+    return (1, size) if axis == -1 else (size, 1)
 
 
 def contract_last(q: QTensor, axis: Axis) -> QTensor:

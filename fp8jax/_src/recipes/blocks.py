@@ -15,16 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..core.amax import local_amax
-from ..core.formats import (
-    FormatLike,
-    amd_format,
-    expand_blocks,
-    floor_log2,
-    fp8_dtype,
-    fp8_max,
-    pow2,
-    saturate,
-)
+from ..core.formats import FormatLike, amd_format, floor_log2, fp8_dtype, fp8_max, pow2
 from ..core.formats import format_name as canonical_format
 from ..kernels import block_quantize, dispatch, padded_quantize
 from .base import (
@@ -38,29 +29,19 @@ from .base import (
     gemm_dims,
     on_block_kernel,
 )
-from .block_dot import block_dot, dequantized_block_dot, native_block_dot, pad_to_blocks
+from .block_dot import (
+    block_amax,
+    block_dot,
+    dequantized_block_dot,
+    gather_quantized,
+    native_block_dot,
+    quantize_blocks,
+    tile,
+)
 from .per_tensor_scale import MAX_SCALE
 
 #: Contraction block sizes the native kernel (`fp8jax._src.kernels.block_gemm`) takes.
 NATIVE_BLOCK_SIZES = (64, 128)
-
-
-def _blocked(x: Array, block: tuple[int, int]) -> Array:
-    """`x (*B, R, C)` zero-padded and viewed as `(*B, nR, bR, nC, bC)`."""
-    x = pad_to_blocks(x, block)
-    *batch, rows, cols = x.shape
-    return x.reshape(*batch, rows // block[0], block[0], cols // block[1], block[1])
-
-
-def block_amax(x: Array, block: tuple[int, int]) -> Float[Array, "*B nR nC"]:
-    """`max(|x|)` over each `block` of the last two axes of `x`, in float32."""
-    return jnp.max(jnp.abs(_blocked(x.astype(jnp.float32), block)), axis=(-3, -1))
-
-
-def quantize_blocks(x: Array, scale: Array, block: tuple[int, int], dtype) -> Array:
-    """`x * scale` per block, finite values saturated to the format's max, cast to `dtype`
-    (inf and NaN become NaN: [`fp8jax.quantize`][])."""
-    return saturate(x, expand_blocks(scale, block, x.shape), dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,9 +89,11 @@ class BlockScaledRecipe(Recipe):
         return block_dot(lhs, rhs, lhs_axis, rhs_axis, precision, self.chunks_per_dot)
 
     def format(self, role: Role) -> jnp.dtype:
+        """The FP8 dtype of every role: the recipe's one `format_name`."""
         return fp8_dtype(self.format_name)
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        """The `(rows, cols)` block of operand `role` contracted on `axis` (per subclass)."""
         raise NotImplementedError
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
@@ -118,6 +101,7 @@ class BlockScaledRecipe(Recipe):
         raise NotImplementedError
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
+        """A scale of 1 and one amax slot: each block's scale comes from the tensor at hand."""
         return TensorState(
             scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,), jnp.float32)
         )
@@ -130,6 +114,7 @@ class BlockScaledRecipe(Recipe):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
+        """`x` in `block_for(role, axis)` blocks, each scaled by its amax; the new state."""
         return self._quantize(x, role, axis), self._state(state, role, self.amax(x, state.scale))
 
     def _state(self, state: TensorState, role: Role, current: Array) -> TensorState:
@@ -140,9 +125,11 @@ class BlockScaledRecipe(Recipe):
         return TensorState(nominal, state.amax_history.at[..., 0].set(current))
 
     def recorded_scale(self, amax: Array, role: Role) -> Array:
+        """The format's max over `amax`, capped: the scale recorded beside the blocks' own."""
         return jnp.minimum(fp8_max(self.format(role)) / amax, MAX_SCALE)
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
+        """`q` requantized in the blocks contracting `axis` (from `source` if given)."""
         block = self.block_for(role, axis)
         if tuple(q.block) == block:
             return q
@@ -181,6 +168,8 @@ class BlockScaledRecipe(Recipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        """The XLA block GEMM (`block_dot`: FP8 partials per block, scaled, summed in float32)."""
+
         def gemm(lhs: QTensor, rhs: QTensor, out_dtype: Any) -> Array:
             return self._block_dot(lhs, rhs, lhs_axis, rhs_axis, precision).astype(out_dtype)
 
@@ -188,22 +177,6 @@ class BlockScaledRecipe(Recipe):
         # contraction by gathering the whole operand for every chunk.
         dims = gemm_dims(lhs, rhs, lhs_axis, rhs_axis)
         return dispatch.on_shards(gemm, lhs, rhs, dims=dims, out_dtype=out_dtype)
-
-
-def gather_quantized(q: QTensor, rows: Int[Array, " P"]) -> QTensor:
-    """`q`'s rows gathered by `rows`, FP8 zeros where negative; `q` in tiles of one row."""
-    if not q.block or q.block[0] != 1:
-        raise ValueError(f"gather_quantized: blocks {q.block} span rows; tiles of one row.")
-    if q.scale_inv.shape[0] == 0:  # no rows: all gaps
-        scale_inv = jnp.ones((rows.shape[0], *q.scale_inv.shape[1:]), q.scale_inv.dtype)
-    else:  # a gap's scale is a real row's (its data are zeros): E8M0 has no zero
-        scale_inv = q.scale_inv[jnp.maximum(rows, 0)]
-    return QTensor(padded_quantize.gather_rows(q.data, rows), scale_inv, q.block)
-
-
-def tile(axis: Axis, size: int) -> tuple[int, int]:
-    """The `1 x size` tile along the contracted `axis` -1, `size x 1` along -2."""
-    return (1, size) if axis == -1 else (size, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,6 +249,8 @@ class BlockwiseScaling(BlockScaledRecipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        """The native block-scaled kernel where it applies, else XLA's block GEMM."""
+
         def xla(lhs: QTensor, rhs: QTensor) -> Array:
             return super(BlockwiseScaling, self).dot(
                 lhs, rhs, lhs_axis, rhs_axis, precision, out_dtype
@@ -290,6 +265,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         return on_block_kernel(self._kernel, native, xla, lhs, rhs, lhs_axis, rhs_axis, out_dtype)
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        """`block_size` squares for the kernel, `1 x block_size` tiles for the others."""
         if role == "kernel":
             return (self.block_size, self.block_size)
         return tile(axis, self.block_size)
@@ -325,6 +301,7 @@ class BlockwiseScaling(BlockScaledRecipe):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
+        """As `BlockScaledRecipe.quantize`, by the one-pass kernels where they apply."""
         if role == "kernel" and x.ndim == 2 and self._one_pass(x):
             q, local = self._weight_copy(x, axis)
             return q, self._state(state, role, self.amax(local, state.scale))
@@ -414,6 +391,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         return QTensor(data, scale_inv, (1, size)), q_cols, self._state(state, role, current)
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
+        """As `BlockScaledRecipe.retile`, by a one-pass kernel where it applies."""
         block = self.block_for(role, axis)
         if role == "kernel" and source is not None and source.ndim == 2 and self._one_pass(source):
             # The dgrad's copy, written by the kernel that quantized the weight.
@@ -453,6 +431,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         )
 
     def quantize_gathered(self, x: Array, rows: Int[Array, " P"], role: Role) -> QTensor:
+        """As `BlockScaledRecipe.quantize_gathered`, by one native kernel where it applies."""
         if not self._gathers(x, rows):
             return super().quantize_gathered(x, rows, role)
         fmt = self.format(role)
@@ -472,6 +451,7 @@ class BlockwiseScaling(BlockScaledRecipe):
     def quantize_both_gathered(
         self, x: Array, rows: Int[Array, " P"], state: TensorState, role: Role
     ) -> tuple[QTensor, QTensor, TensorState]:
+        """As `BlockScaledRecipe.quantize_both_gathered`, by one native kernel where it applies."""
         if role == "kernel" or not self._gathers(x, rows):
             return super().quantize_both_gathered(x, rows, state, role)
         fmt, size = self.format(role), self.block_size
@@ -493,6 +473,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         return QTensor(data, scale_inv, (1, size)), q_cols, new_state
 
     def retile_gathered(self, q: QTensor, rows: Int[Array, " P"], role: Role) -> QTensor:
+        """As `BlockScaledRecipe.retile_gathered`, by one native kernel where it applies."""
         if tuple(q.block) != (1, self.block_size) or not self._gathers(q.data, rows):
             return super().retile_gathered(q, rows, role)
 
@@ -511,6 +492,7 @@ class BlockwiseScaling(BlockScaledRecipe):
         return QTensor(*self._on_kernel(native, xla, q.data, q.scale_inv, rows), block)
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        """The format's max over each block's amax (1 where it is 0 or not finite), its inverse."""
         fmt_max = fp8_max(self.format_name)
         ok = (block_amax > 0) & jnp.isfinite(block_amax)
         scale = jnp.where(ok, fmt_max / jnp.where(ok, block_amax, 1.0), 1.0)

@@ -14,8 +14,8 @@ from jaxtyping import Array, Float
 
 from ..core.formats import floor_log2, fp8_max, pow2
 from .base import Axis, QTensor, Role, check_positive_int
-from .block_dot import pad_to_blocks
-from .blocks import BlockScaledRecipe, tile
+from .block_dot import pad_to_blocks, tile
+from .blocks import BlockScaledRecipe
 
 
 def _ceil_log2_ratio(x: Array, divisor: float) -> Array:
@@ -72,9 +72,11 @@ class MXFP8(BlockScaledRecipe):
             )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
+        """`1 x block_size` tiles (32 elements) along the contracted `axis`, for every role."""
         return tile(axis, self.block_size)
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
+        """A power of two per block from its amax, and the E8M0 inverse stored with the data."""
         fmt_max = fp8_max(self.format_name)
         ok = (block_amax > 0) & jnp.isfinite(block_amax)
         safe = jnp.where(ok, block_amax, 1.0)
@@ -102,6 +104,7 @@ class MXFP8(BlockScaledRecipe):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        """`jax.nn.scaled_matmul` where the backend has it, else XLA's block GEMM."""
         emulated = functools.partial(
             super().dot,
             lhs_axis=lhs_axis,

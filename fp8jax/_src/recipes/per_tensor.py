@@ -150,6 +150,7 @@ class PerTensorRecipe(HybridFormats):
     def quantize(
         self, x: Array, state: TensorState, role: Role, axis: Axis
     ) -> tuple[QTensor, TensorState]:
+        """`x` cast to FP8 by one scale for the whole tensor (`scale_for`), and the new state."""
         del axis
         scale, new_state = self.scale_for(x, state, role)
         # No barrier ties the FP8 values to the amax the state records: XLA then writes them,
@@ -163,6 +164,7 @@ class PerTensorRecipe(HybridFormats):
     def quantize_transposed(
         self, x: Array, state: TensorState, role: Role
     ) -> tuple[QTensor, QTensor | None, TensorState]:
+        """`x` and its transpose from one kernel inside `cast_transpose_kernel()`."""
         # Inside `cast_transpose_kernel()`: both copies from one kernel (`per_tensor_pass`),
         # and the amax too where the scale does not wait for it; else XLA's amax first.
         if not (cast_transpose_chosen(role) and fits(x)):
@@ -189,14 +191,17 @@ class PerTensorRecipe(HybridFormats):
         """`scale_for` of an operand whose amax (`Recipe.amax`'s) is `current`."""
 
     def retile(self, q: QTensor, role: Role, axis: Axis, source: Array | None = None) -> QTensor:
+        """`q` as it is: one scale for the whole tensor fits every contracted axis."""
         del role, axis, source
         return q
 
     @property
     def transposed_copies(self) -> bool:
+        """True: a per-tensor operand's transposed copy is made as it is quantized."""
         return True
 
     def transposes_apart(self, role: Role) -> bool:
+        """As `transposes_apart()` sets it, else where the scale needs no amax first."""
         # By default only where the cast does not wait for the amax (kept inverses: the cast
         # then fuses with the amax, where a transposing cast cannot).
         if transposes_apart_set():
@@ -212,6 +217,7 @@ class PerTensorRecipe(HybridFormats):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        """One FP8 GEMM of both operands with their scales' inverses (`per_tensor_dot`)."""
         return per_tensor_dot(
             lhs,
             rhs,
@@ -288,10 +294,12 @@ class DelayedScaling(PerTensorRecipe):
 
     @property
     def reads_state(self) -> bool:
+        """True: delayed scaling casts by the scale its amax history gives."""
         return True
 
     @property
     def stale_state(self) -> str:
+        """An undifferentiated state's fault: its scales and amax history never move."""
         return (
             "Its scales and amax history would stay as they are forever (a fresh layer's "
             "empty history would cast every step by its own amax, the warm start, and its "
@@ -307,6 +315,7 @@ class DelayedScaling(PerTensorRecipe):
         check_flags(self, "warm_start")
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
+        """An empty amax history of `history_len`, scale 0 (the warm start) or 1.0 without it."""
         # With the warm start, scale 0 says "no amax recorded yet": the first step then
         # scales by its own amax. Without it, Transformer Engine's 1.0.
         return TensorState(
@@ -347,6 +356,7 @@ class DelayedScaling(PerTensorRecipe):
 
     @property
     def kept_inverses(self) -> bool:
+        """True without the warm start, or once its first steps are past (`warm_start_skipped`)."""
         return not self.warm_start or warm_start_skipped()
 
     def _known_scale(self, state: TensorState) -> Float[Array, ""] | None:
@@ -435,6 +445,7 @@ class CurrentScaling(PerTensorRecipe):
         check_margin(self.margin)
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> TensorState:
+        """A scale of 1 and one amax slot: current scaling scales by the tensor at hand."""
         return TensorState(
             scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((1,), jnp.float32)
         )
@@ -448,5 +459,6 @@ class CurrentScaling(PerTensorRecipe):
         return scale, TensorState(scale, history, 1.0 / scale)
 
     def recorded_scale(self, amax: Array, role: Role) -> Array:
+        """The scale current scaling takes from `amax` (`margin` and `power_of_two` applied)."""
         fmt_max = fp8_max(self.format(role))
         return compute_scale(amax, amax, fmt_max, self.margin, self.power_of_two)

@@ -124,6 +124,7 @@ class ResidualFP8(HybridFormats):
             )
 
     def init_state(self, role: Role, shape: tuple[int, ...] | None = None) -> ResidualState:
+        """Scales of 1, one amax slot; the kernel's zero error with `error_feedback`."""
         error = None
         if self.error_feedback and role == "kernel":
             if shape is None:
@@ -186,6 +187,7 @@ class ResidualFP8(HybridFormats):
     def quantize(
         self, x: Array, state: ResidualState, role: Role, axis: Axis
     ) -> tuple[QTerms, ResidualState]:
+        """`x` (plus the carried error) as an FP8 term and, where split, an FP8 remainder term."""
         del axis
         owner = state.scale
         two = role == "kernel" or (role == "input" and self.split_activation)
@@ -198,16 +200,19 @@ class ResidualFP8(HybridFormats):
 
     @property
     def reads_state(self) -> bool:
+        """`error_feedback`: only the carried error makes the GEMM read its state."""
         return self.error_feedback
 
     @property
     def stale_state(self) -> str:
+        """An undifferentiated state's fault: its error feedback stays zero."""
         return (
             "Its error feedback would stay zero (each step's remaining quantization error of "
             "the kernel never carried to the next), as without error_feedback=True."
         )
 
     def retile(self, q: QTerms, role: Role, axis: Axis, source: Array | None = None) -> QTerms:
+        """`q` as it is, less the kernel's remainder term where `dgrad_uses_lo` is off."""
         del source
         if role == "kernel" and not self.dgrad_uses_lo:
             return QTerms(q.terms[:1])
@@ -222,6 +227,8 @@ class ResidualFP8(HybridFormats):
         precision,
         out_dtype=jnp.float32,
     ) -> Float[Array, "*shape"]:
+        """The terms' products summed in float32: two cuBLASLt calls, or the fused kernel."""
+
         def xla(lhs: QTerms, rhs: QTerms) -> Array:
             # The lo terms are ~2^-5 of the hi ones: sum in float32, or BF16 would drop them.
             out = None

@@ -186,15 +186,19 @@ class NoOpLossScale(LossScale):
 
     @property
     def loss_scale(self) -> Float[Array, ""]:
+        """1.0: nothing is scaled."""
         return jnp.ones((), jnp.float32)
 
     def scale(self, tree: T) -> T:
+        """`tree` as it is."""
         return tree
 
     def unscale(self, tree: T) -> T:
+        """`tree` as it is."""
         return tree
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "NoOpLossScale":
+        """Itself: the scale never changes (`grads_finite` checked all the same)."""
         _flag(grads_finite, "NoOpLossScale")
         return self
 
@@ -225,6 +229,7 @@ class StaticLossScale(LossScale):
         self.loss_scale = jnp.asarray(loss_scale, jnp.float32)
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "StaticLossScale":
+        """Itself: a static scale never changes (`grads_finite` checked all the same)."""
         _flag(grads_finite, "StaticLossScale")
         return self
 
@@ -314,6 +319,7 @@ class DynamicLossScale(LossScale):
         self.total_steps = jnp.zeros((), jnp.int32)
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> "DynamicLossScale":
+        """The scale grown after `period` finite steps or backed off after a non-finite one."""
         finite = _flag(grads_finite, "DynamicLossScale")
         counter = self.counter + 1
         grow = counter >= self.period

@@ -184,6 +184,7 @@ class TrainStep(eqx.Module):
         }
 
     def __call__(self, state: TrainState, *batch: Any) -> tuple[TrainState, StepMetrics]:
+        """One step from `state` on `*batch`: the new state and the step's metrics."""
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"train step: state is of type {type(state).__name__}, not an fp8jax.TrainState; "

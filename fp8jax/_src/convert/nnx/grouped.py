@@ -56,6 +56,7 @@ class Fp8NnxRaggedDot(AbstractFp8NnxDot):
         precision: Any = None,
         preferred_element_type: DTypeLike | None = None,
     ) -> Float[Array, "tokens fan_out"]:
+        """`lax.ragged_dot(lhs, rhs, group_sizes, ...)` as an FP8 grouped GEMM."""
         return self._dot_general(lhs, rhs, group_sizes, precision, preferred_element_type)
 
 

@@ -203,6 +203,7 @@ class Fp8NnxDotGeneral(AbstractFp8NnxDot):
         preferred_element_type: DTypeLike | None = None,
         out_sharding: Any = None,
     ) -> Array:
+        """`lax.dot_general(lhs, rhs, dimension_numbers, ...)` as an FP8 GEMM."""
         try:
             out = self._dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
         except (ValueError, TypeError) as e:
@@ -233,6 +234,7 @@ class Fp8NnxEinsum(AbstractFp8NnxDot):
         preferred_element_type: DTypeLike | None = None,
         out_sharding: Any = None,
     ) -> Array:
+        """`jnp.einsum(subscripts, lhs, rhs, ...)` as one FP8 `dot_general`."""
         try:
             out = fp8_einsum(
                 self._dot_general, subscripts, lhs, rhs, precision, preferred_element_type

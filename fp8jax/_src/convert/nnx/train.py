@@ -272,6 +272,7 @@ class NnxTrainStep:
         return f"NnxTrainStep({self.loss_fn!r}, has_aux={self.has_aux})"
 
     def __call__(self, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """One step: `model` and `optimizer` updated in place; returns the loss (with aux)."""
         if not isinstance(model, nnx.Module):
             raise TypeError(
                 f"nnx_train_step: the model, a {type(model).__name__}, is not a Flax NNX "
