@@ -382,6 +382,32 @@ def test_haliax_moe_linear_matches_the_grouped_fp8_gemm_bit_for_bit(getkey, reci
     assert again == fp8  # not twice
 
 
+@pytest.mark.parametrize(
+    "axes", [(Embed, Token), (hax.Axis("b", 4), Embed, hax.Axis("s", 8))], ids=str
+)
+def test_haliax_moe_linear_takes_several_batch_axes_and_in_anywhere(getkey, axes):
+    """Fp8MoELinear takes inputs Haliax's MoELinear refuses (In not last, a second batch
+    axis), undocumented. As its docstring and docs/moe.md now say: the axes other than In,
+    flattened in their order, are the rows, and the output has them in that order, then Out;
+    bit for bit fp8jax's Equinox experts on those rows."""
+    model = hnn.MoELinear.init(Experts, Embed, Mlp, key=getkey())
+    fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None))
+    x = hax.random.normal(getkey(), axes) * 3
+    sizes = hax.named(SIZES, Experts)
+    with pytest.raises((TypeError, ValueError)):
+        model(x, sizes)  # Haliax's own layer refuses these inputs
+    others = tuple(a for a in axes if a != Embed)
+    rows = x.rearrange((*others, Embed)).array.reshape(-1, Embed.size)
+    experts = fp8jax.fp8_linear_layers(
+        fp8jax.GroupedLinear(4, 8, 16, key=getkey()), fp8jax.Fp8Config(exclude=None)
+    )
+    experts = eqx.tree_at(lambda g: g.weight, experts, model.weight.array)
+    want = experts(rows, SIZES) + model.bias.array
+    got = fp8(x, sizes)
+    assert got.axes == (*others, Mlp)
+    np.testing.assert_array_equal(got.array.reshape(-1, Mlp.size), want)
+
+
 def test_haliax_moe_linear_in_a_stacked_model_trains(getkey):
     class Block(eqx.Module):
         moe: HMoE

@@ -20,6 +20,10 @@ class Fp8MoELinear(eqx.Module):
     """`haliax.nn.MoELinear` computed as FP8 grouped GEMMs: `inputs (..., In)` with
     `group_sizes (Experts)` tokens per expert (rows sorted by expert) give `(..., Out)`.
 
+    It takes more than `MoELinear`'s `(Batch, In)`: any number of other axes, `In` anywhere.
+    The other axes, in their order, flattened, are the rows; the output has them in that
+    order, then `Out`. (`MoELinear` refuses a second batch axis, and `In` not last.)
+
     Made by [`fp8jax.fp8_linear_layers`][] from a `MoELinear` (weight `(Experts, In, Out)`
     or, `out_first`, `(Experts, Out, In)`; one `In` and one `Out` axis); `ragged_dot` is the
     [`fp8jax.Fp8RaggedDot`][] (a kernel scale per expert). `use_gmm` is not kept: the FP8
