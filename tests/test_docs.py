@@ -580,3 +580,75 @@ def test_every_public_method_of_every_public_class_has_a_docstring_of_its_own():
             if callable(value) and not (getattr(value, "__doc__", None) or "").strip():
                 blank.append(f"{name}.{attr}")
     assert not blank, blank
+
+
+def test_the_readmes_compute_cast_figures_carry_their_run_and_match_it():
+    """README.md quoted the compute cast's temp memory (130 / 12 / 8 MiB, 2.92x / 0.88x)
+    without the run's JAX, date or output file. It names them, and its figures are that
+    file's: the optimizer table's temp MiB in both modes, plain SGD's cuBLAS ratios."""
+    readme = _prose("README.md")
+    (jax_version, date, commit, cited) = re.findall(
+        r"compute_cast\.py\)\, jax ([\d.]+), rerun (\d{4}-\d\d-\d\d) at (\w+): "
+        r"\[`benchmarks/results/([\w.]+)`\]",
+        readme,
+    )[0]
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    assert f"rerun at {commit}" in measured and f"(jax {jax_version};" in measured
+    date_of = subprocess.run(
+        ["git", "log", "-1", "--format=%cs", commit], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert date_of in ("", date), (date_of, date)  # "" where the checkout has no history
+    adam, sgd = measured.split("## plain SGD")
+    cells = lambda table, variant: re.findall(  # noqa: E731
+        rf"^\| {re.escape(variant)} +\|[^|]+\|[^|]+\| ([\d.]+) \(([\d.]+)x\) +\| ([\d.]+) ",
+        table,
+        re.M,
+    )[0]
+    no_cast, cast, bf16 = (
+        cells(adam, v) for v in ("fp8, no cast", "fp8, cast in the loss", "bf16, cast in the loss")
+    )
+    mib = lambda v: f"{float(v):g}"  # noqa: E731
+    quoted = re.findall(
+        r"needs (\d+) MiB of temp memory instead of (\d+) MiB with the cast \(BF16 without FP8: "
+        r"(\d+) MiB; deviceless H100 compile, cuBLAS mode; (\d+) / (\d+) / (\d+) MiB under "
+        r"default flags\), and with plain SGD ([\d.]+)x BF16's temp memory instead of ([\d.]+)x",
+        readme,
+    )[0]
+    expected = (
+        mib(no_cast[0]), mib(cast[0]), mib(bf16[0]),
+        mib(no_cast[2]), mib(cast[2]), mib(bf16[2]),
+        cells(sgd, "fp8, no cast")[1], cells(sgd, "fp8, cast in the loss")[1],
+    )  # fmt: skip
+    assert quoted == expected, (quoted, expected)
+
+
+def test_the_moe_page_quotes_gpu_run_6_with_its_date_and_file():
+    """docs/moe.md quoted GPU run 6's grouped kernels (1.14-1.32x BF16's `ragged_dot_mgpu`)
+    and MoE layer (0.77x / 0.68x) without a date or the run's file. The page names the
+    file, its JAX and date, and its figures are the file's: the persistent blockwise kernel
+    against JAX's (64, 256) BF16 kernel over up, down and wgrad, and the MoE layer's rows."""
+    page = _prose("docs/moe.md")
+    (jax_version, cited, low, high, blockwise, delayed) = re.findall(
+        r"GPU run 6, jax ([\d.]+), 2026-11-30, `benchmarks/results/([\w/.]+)`; read in "
+        r"`benchmarks/RESULTS.md`: the grouped blockwise kernels ([\d.]+)-([\d.]+)x as fast as "
+        r"JAX's BF16 `ragged_dot_mgpu`; an MoE layer .*? ([\d.]+)x the time of BF16 .*? "
+        r"blockwise scaling, ([\d.]+)x with delayed",
+        page,
+    )[0]
+    folder = (ROOT / "benchmarks" / "results" / cited).parent
+    summary = (folder / "summary.txt").read_text()
+    assert json.loads((folder / "environment.json").read_text())["jax"] == jax_version
+    ratios = [
+        float(r)
+        for r in re.findall(
+            r"bf16 jax mgpu kernel \(64, 256, 64, 4, 2\) / fp8 blockwise persistent kernel: "
+            r"time ratio ([\d.]+)",
+            summary,
+        )
+    ]
+    assert len(ratios) == 3, ratios
+    assert (float(low), float(high)) == (min(ratios), max(ratios)), (low, high, ratios)
+    moe = dict(
+        re.findall(r"^\| (blockwise|delayed-e4m3) +\| .*, ([\d.]+)x bf16 jax mgpu", summary, re.M)
+    )
+    assert (blockwise, delayed) == (moe["blockwise"], moe["delayed-e4m3"]), (moe, blockwise)
