@@ -652,3 +652,43 @@ def test_the_moe_page_quotes_gpu_run_6_with_its_date_and_file():
         re.findall(r"^\| (blockwise|delayed-e4m3) +\| .*, ([\d.]+)x bf16 jax mgpu", summary, re.M)
     )
     assert (blockwise, delayed) == (moe["blockwise"], moe["delayed-e4m3"]), (moe, blockwise)
+
+
+def test_the_fsdp_gather_and_master_cast_figures_carry_their_run_and_match_it():
+    """README.md's FSDP all-gather ratio (0.50x BF16's) and docs/training.md's float32
+    masters saving (7 kernels, 12.34 -> 11.37 GB) were quoted with no JAX, date or results
+    file. Each names them, and its figures are that file's: the `(once)` rows' all-gather
+    ratio of delayed, current and blockwise; the 8B blockwise rows' kernels and bytes."""
+    readme = _prose("README.md")
+    (ratio, cited) = re.findall(
+        r"([\d.]+)x BF16's all-gather bytes for delayed, current and blockwise scaling .*?"
+        r"jax 0\.10\.2, rerun 2026-12-07 at 8904d30: `benchmarks/results/([\w.]+)`",
+        readme,
+    )[0]
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    assert "rerun at 8904d30" in measured and "jax 0.10.2" in measured
+    once = dict(re.findall(r"^(\w+) \(once\) +[\d.]+ +([\d.]+) ", measured, re.M))
+    assert {once[r] for r in ("delayed", "current", "blockwise")} == {ratio}, (once, ratio)
+
+    page = _prose("docs/training.md")
+    (fewer, gb, before, after, cited) = re.findall(
+        r"(\d+) kernels and ([\d.]+) GB fewer \(([\d.]+) -> ([\d.]+) GB outside the GEMMs; "
+        r"`benchmarks/llama_block.py`, `blockwise-masters`, jax 0\.11\.2, session 58, "
+        r"2026-12-04: `benchmarks/results/([\w.]+)`\)",
+        page,
+    )[0]
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    assert "jax 0.11.2, session 58" in measured
+    eight_b = measured[measured.index("8B block") : measured.index("1B block")]
+    rows = {
+        name: (int(kernels), bytes_)
+        for name, kernels, bytes_ in re.findall(
+            r"^\| (blockwise(?:-masters)?) +\| (\d+) \(.*?\| ([\d.]+) \([\d.]+x\) +\|"
+            r" [\d.]+ \([\d.]+x\) +\| [\d.]+ \([\d.]+x\) +\|$",
+            eight_b,
+            re.M,
+        )
+    }
+    (k0, b0), (k1, b1) = rows["blockwise"], rows["blockwise-masters"]
+    assert (int(fewer), before, after) == (k0 - k1, b0, b1), (fewer, before, after, rows)
+    assert float(gb) == round(float(b0) - float(b1), 2), (gb, rows)
