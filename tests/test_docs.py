@@ -692,3 +692,51 @@ def test_the_fsdp_gather_and_master_cast_figures_carry_their_run_and_match_it():
     (k0, b0), (k1, b1) = rows["blockwise"], rows["blockwise-masters"]
     assert (int(fewer), before, after) == (k0 - k1, b0, b1), (fewer, before, after, rows)
     assert float(gb) == round(float(b0) - float(b1), 2), (gb, rows)
+
+
+def test_the_faqs_memory_figures_carry_their_runs_and_match_them():
+    """docs/faq.md's memory answer quoted its figures (0.50x residuals; 0.94x median, 0.73x
+    best, 1.75x worst, 24 of 34; 0.81x / 0.80x) with no JAX, date or results file. Each names
+    them, and its figures are those files': peers.txt's two Linears, the sweep's delayed and
+    current rows over both modes, residual_temp.txt's delayed row."""
+    faq = _prose("docs/faq.md")
+    section = faq[faq.index("## Does it save memory?") :]
+    (residuals, peers) = re.findall(
+        r"its FP8 operands: ([\d.]+)x BF16's \(measured: `peers.py`, jax 0\.10\.2, 2026-11-25, "
+        r"`benchmarks/results/([\w.]+)`, its two Linears\)",
+        section,
+    )[0]
+    linears = (ROOT / "benchmarks" / "results" / peers).read_text().split("residuals only")[1]
+    for recipe in ("delayed", "current"):  # the per-tensor recipes: FP8 operands alone
+        (ratio,) = re.findall(
+            rf"^\| fp8jax {recipe} +\| - +\| - +\| [\d.]+ \(([\d.]+)x\)", linears, re.M
+        )
+        assert ratio == residuals, (recipe, ratio, residuals)
+    (sweep,) = re.findall(
+        r"jax 0\.11\.2, session 35, 2026-11-30: `benchmarks/results/([\w.]+)`", section
+    )
+    measured = (ROOT / "benchmarks" / "results" / sweep).read_text()
+    assert "(jax 0.11.2;" in measured
+    rows = re.findall(
+        r"^\| (delayed|current) +\| all +\| ([\d.]+)x +\| ([\d.]+)x +\| (\d+) of 34", measured, re.M
+    )
+    assert len(rows) == 2 and len({r[1:] for r in rows}) == 1, rows
+    median, worst, at_most = rows[0][1:]
+    ratios = [float(r) for r in re.findall(r"\(([\d.]+)x\)", measured.split("| recipe")[0])]
+    quoted = re.findall(
+        r"median of ([\d.]+)x BF16's temp memory in both XLA modes, at best ([\d.]+)x and at "
+        r"worst ([\d.]+)x .*?; (\d+) of 34 cases are at most BF16",
+        section,
+    )[0]
+    assert quoted == (median, f"{min(ratios):.2f}", worst, at_most), (quoted, median, ratios)
+    (cublas, default, cited) = re.findall(
+        r"([\d.]+)x / ([\d.]+)x since \(deviceless H100, jax 0\.11\.2, 2026-12-07: "
+        r"`benchmarks/results/([\w.]+)`, its delayed row\)",
+        section,
+    )[0]
+    (row,) = re.findall(
+        r"^\| delayed +\| [\d.]+ \(([\d.]+)x BF16.*?\| [\d.]+ \(([\d.]+)x BF16",
+        (ROOT / "benchmarks" / "results" / cited).read_text(),
+        re.M,
+    )
+    assert (cublas, default) == row, (cublas, default, row)
