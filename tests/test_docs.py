@@ -740,3 +740,41 @@ def test_the_faqs_memory_figures_carry_their_runs_and_match_them():
         re.M,
     )
     assert (cublas, default) == row, (cublas, default, row)
+
+
+def test_the_warm_starts_kernel_and_byte_counts_carry_their_run_and_match_it():
+    """docs/recipes.md and docs/training.md quoted the 8B Llama block's step with and without
+    the warm start (129 / 100 kernels, 1.52x / 1.29x BF16's bytes, temp 1.00x / 1.01x) with
+    no JAX, date or results file. Both name them, and the figures are that file's 8B
+    `delayed` and `delayed-steady` rows."""
+    name = "llama_block_deviceless_0.11.2_session42.txt"
+    measured = (ROOT / "benchmarks" / "results" / name).read_text()
+    eight_b = measured[measured.index("8B block") : measured.index("1B block")]
+    rows = {
+        variant: (kernels, nongemm, temp)
+        for variant, kernels, nongemm, temp in re.findall(
+            r"^\| (delayed|delayed-steady) +\| (\d+) \(.*?\| [\d.]+ \(([\d.]+)x\) +\| [\d.]+ "
+            r"\(([\d.]+)x\) +\| [\d.]+ \([\d.]+x\) +\|$",
+            eight_b,
+            re.M,
+        )
+    }
+    warm, steady = rows["delayed"], rows["delayed-steady"]
+    recipes = _prose("docs/recipes.md")
+    quoted = re.findall(
+        r"it takes (\d+) kernels where the warm start takes (\d+), and ([\d.]+)x BF16's bytes "
+        r"outside the GEMMs where the warm start takes ([\d.]+)x \(temp memory ([\d.]+)x and "
+        rf"([\d.]+)x BF16's; 8B block, deviceless, jax 0\.11\.2, session 42, 2026-12-01: "
+        rf"`benchmarks/results/{re.escape(name)}`\)",
+        recipes,
+    )[0]
+    assert quoted == (steady[0], warm[0], steady[1], warm[1], steady[2], warm[2]), (quoted, rows)
+    training = _prose("docs/training.md")
+    quoted = re.findall(
+        r"takes (\d+) kernels with it and (\d+) without, and ([\d.]+)x against ([\d.]+)x BF16's "
+        rf"bytes outside its GEMMs \(`benchmarks/RESULTS.md`, issue 38; jax 0\.11\.2, session "
+        rf"42, 2026-12-01: `benchmarks/results/{re.escape(name)}`; .*? keeps temp memory at "
+        r"([\d.]+)x BF16's",
+        training,
+    )[0]
+    assert quoted == (warm[0], steady[0], warm[1], steady[1], steady[2]), (quoted, rows)
