@@ -809,3 +809,41 @@ def test_the_moe_pages_expert_parallel_estimate_carries_its_run_and_matches_it()
         comm += [ms for _, ms in rows.values()]
     assert ratios == {"dispatch": {dispatch}, "backward": {backward}}, (ratios, dispatch)
     assert (float(low), float(high)) == (round(min(comm), 1), round(max(comm), 1)), comm
+
+
+def test_the_readmes_cost_model_figures_carry_their_run_and_match_it():
+    """README.md quoted the cost model's estimates (delayed scaling 0.84x BF16's time at 1B,
+    0.75x at 8B with flash attention; the block recipes' XLA path 4x to 47x) with no JAX,
+    date or file. Both name them, and the figures are that file's summary: delayed's flash
+    column, and the range of `blockwise-xla` and `mxfp8` over both columns, rounded."""
+    readme = _prose("README.md")
+    cited = "benchmarks/results/cost_model.txt"
+    (at_1b, at_8b) = re.findall(
+        r"delayed scaling ([\d.]+)x of BF16's time at 1B and ([\d.]+)x at 8B with flash "
+        rf"attention, an estimate, not a measurement: jax 0\.10\.2, 2026-11-25, `{cited}`\)",
+        readme,
+    )[0]
+    (low, high) = re.findall(
+        r"estimates these steps at (\d+)x to (\d+)x BF16's time on an H100 \(jax 0\.10\.2, "
+        rf"2026-11-25: `{cited}`\)",
+        readme,
+    )[0]
+    measured = (ROOT / cited).read_text()
+    assert "(jax 0.10.2;" in measured
+    rows = {
+        (size, variant): (float(a), float(b))
+        for size, variant, a, b in re.findall(
+            r"^\| ([\w-]+) +\| ([\w -]+?) +\| ([\d.]+) \(non-GEMM [\d.]+x\) +\| ([\d.]+) \(",
+            measured,
+            re.M,
+        )
+    }
+    assert (float(at_1b), float(at_8b)) == (
+        rows["1B", "fp8jax delayed"][1],
+        rows["8B", "fp8jax delayed"][1],
+    ), rows
+    block_xla = [
+        r for (_, v), pair in rows.items() if v in ("fp8jax blockwise-xla", "fp8jax mxfp8")
+        for r in pair
+    ]  # fmt: skip
+    assert (int(low), int(high)) == (int(min(block_xla)), round(max(block_xla))), block_xla
