@@ -847,3 +847,28 @@ def test_the_readmes_cost_model_figures_carry_their_run_and_match_it():
         for r in pair
     ]  # fmt: skip
     assert (int(low), int(high)) == (int(min(block_xla)), round(max(block_xla))), block_xla
+
+
+def test_the_unrolled_microbatches_figures_carry_their_runs_and_match_them():
+    """docs/training.md quoted the rolled and unrolled accumulation's weight quantization
+    (15.3 -> 3.8 GB) and temp memory (1.9 -> 2.7 GiB; 1.3 GiB in session 43) with no date or
+    file. It names them, and the figures are those files' `fp8 blockwise, kernels` rows."""
+    page = _prose("docs/training.md")
+    quoted = re.findall(
+        r"session 30, 2026-11-29: .*? quantization ([\d.]+) -> ([\d.]+) GB a step, temp memory "
+        r"([\d.]+) -> ([\d.]+) GiB; an estimate; `benchmarks/results/([\w.]+)\.txt` and "
+        r"`\.\.\.(_\w+)\.txt`; the rolled step's temp memory compiled to ([\d.]+) GiB in "
+        r"session 43, 2026-12-01, `\.\.\.(_\w+)\.txt`",
+        page,
+    )[0]
+    q0, q1, t0, t1, stem, unroll, t43, s43 = quoted
+
+    def row(suffix: str) -> tuple[float, float]:
+        measured = (ROOT / "benchmarks" / "results" / f"{stem}{suffix}.txt").read_text()
+        (cells,) = re.findall(r"^\| fp8 blockwise, kernels +\|(.*)\|$", measured, re.M)
+        cells = [c.strip() for c in cells.split("|")]
+        return float(cells[-1]), int(cells[-3]) / 1024  # quantization GB, temp GiB
+
+    (rq, rt), (uq, ut), (_, st) = row(""), row(unroll), row(s43)
+    assert (float(q0), float(q1)) == (round(rq, 1), round(uq, 1)), (q0, q1, rq, uq)
+    assert (float(t0), float(t1), float(t43)) == (round(rt, 1), round(ut, 1), round(st, 1))
