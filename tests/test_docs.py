@@ -872,3 +872,23 @@ def test_the_unrolled_microbatches_figures_carry_their_runs_and_match_them():
     (rq, rt), (uq, ut), (_, st) = row(""), row(unroll), row(s43)
     assert (float(q0), float(q1)) == (round(rq, 1), round(uq, 1)), (q0, q1, rq, uq)
     assert (float(t0), float(t1), float(t43)) == (round(rt, 1), round(ut, 1), round(st, 1))
+
+
+def test_the_faqs_cost_model_figures_carry_their_run_and_match_it():
+    """docs/faq.md quoted the cost model's delayed-scaling estimates with flash attention
+    (0.84x at 1B, 0.75x at 8B, 0.63x for the 70B-width block) with no JAX, date or file. It
+    names them, and the figures are that file's summary rows, flash column."""
+    faq = _prose("docs/faq.md")
+    (b1, b8, b70, cited) = re.findall(
+        r"flash attention, ([\d.]+)x of BF16's step time for a 1B GPT, ([\d.]+)x for an 8B "
+        r"Llama-like stack, ([\d.]+)x for one block at 70B width \(jax 0\.10\.2, 2026-11-25: "
+        r"`benchmarks/results/([\w.]+)`\)",
+        faq,
+    )[0]
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    flash = dict(
+        re.findall(
+            r"^\| ([\w-]+) +\| fp8jax delayed +\| [\d.]+ \(.*?\| ([\d.]+) \(", measured, re.M
+        )
+    )
+    assert (b1, b8, b70) == (flash["1B"], flash["8B"], flash["70B-block"]), flash
