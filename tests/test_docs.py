@@ -782,33 +782,39 @@ def test_the_warm_starts_kernel_and_byte_counts_carry_their_run_and_match_it():
 
 def test_the_moe_pages_expert_parallel_estimate_carries_its_run_and_matches_it():
     """docs/moe.md quoted the expert-parallel estimate (the four exchanges at 0.88x BF16's
-    bytes, 0.64x with `fp8_backward=True`; 0.7-1.6 ms of NVLink) with no JAX, date or file.
-    It names them, and its figures are that file's one-node rows: the FP8 rows' collective
-    bytes over BF16's, and the range of the communication times."""
+    bytes, 0.64x with `fp8_backward=True`; 0.7-1.6 ms of NVLink against "4-17 ms of compute",
+    where the file's one-node rows compute 3.20-25.00 ms) with no JAX, date or file. It names
+    them, and its figures are that file's one-node rows: the FP8 rows' collective bytes over
+    BF16's, and the ranges of the communication and compute times."""
     page = _prose("docs/moe.md")
-    (cited, dispatch, backward, low, high) = re.findall(
+    (cited, dispatch, backward, low, high, c_low, c_high) = re.findall(
         r"jax 0\.10\.2, 2026-11-29: `benchmarks/results/([\w.]+)`, read in "
         r"`benchmarks/RESULTS.md`\): the FP8 dispatch .*? \(the four move ([\d.]+)x BF16's bytes; "
         r"([\d.]+)x with `fp8_backward=True`\)\. On one node of 8 H100s the exchanges take "
-        r"([\d.]+)-([\d.]+) ms of NVLink",
+        r"([\d.]+)-([\d.]+) ms of NVLink against ([\d.]+)-([\d.]+) ms of compute",
         page,
     )[0]
     measured = (ROOT / "benchmarks" / "results" / cited).read_text()
     assert measured.startswith("jax 0.10.2;")
-    ratios, comm = {"dispatch": set(), "backward": set()}, []
+    ratios, comm, compute = {"dispatch": set(), "backward": set()}, [], []
     for node in re.findall(r"### 8 H100s, 1 node\n(.*?)(?=\n## |\n### |\Z)", measured, re.S):
         rows = {
-            name.strip(): (float(nvlink), float(ms))
-            for name, nvlink, ms in re.findall(
-                r"^\| ([^|]+?) +\|[^|]+\|[^|]+\|[^|]+\| ([\d.]+) / [\d.]+ +\| ([\d.]+) ", node, re.M
+            name.strip(): (float(nvlink), float(ms), float(compute))
+            for name, nvlink, ms, compute in re.findall(
+                r"^\| ([^|]+?) +\|[^|]+\|[^|]+\|[^|]+\| ([\d.]+) / [\d.]+ +\| ([\d.]+) +\| "
+                r"([\d.]+) ",
+                node,
+                re.M,
             )
         }
         bf16 = rows["bf16"][0]
         ratios["dispatch"].add(f"{rows['fp8 dispatch, delayed e4m3'][0] / bf16:.2f}")
         ratios["backward"].add(f"{rows['fp8 dispatch + fp8 backward, blockwise'][0] / bf16:.2f}")
-        comm += [ms for _, ms in rows.values()]
+        comm += [ms for _, ms, _ in rows.values()]
+        compute += [c for _, _, c in rows.values()]
     assert ratios == {"dispatch": {dispatch}, "backward": {backward}}, (ratios, dispatch)
     assert (float(low), float(high)) == (round(min(comm), 1), round(max(comm), 1)), comm
+    assert (float(c_low), float(c_high)) == (min(compute), max(compute)), compute
 
 
 def test_the_readmes_cost_model_figures_carry_their_run_and_match_it():
