@@ -898,3 +898,21 @@ def test_the_faqs_cost_model_figures_carry_their_run_and_match_it():
         )
     )
     assert (b1, b8, b70) == (flash["1B"], flash["8B"], flash["70B-block"]), flash
+
+
+def test_the_faqs_qwix_figures_carry_their_run_and_match_it():
+    """docs/faq.md's comparison with Qwix (its 1 x 128 tiles at 12.5x BF16's temp memory at
+    Llama-3-8B's widths) cited a RESULTS section with no JAX, date or file. It names them,
+    and the figure is that file's 8B `qwix 1x128 tiles` temp ratio, rounded."""
+    faq = _prose("docs/faq.md")
+    (cited,) = re.findall(
+        r"Qwix's FP8 training\"; jax 0\.11\.2, 2026-12-04: `benchmarks/results/([\w.]+)`", faq
+    )
+    measured = (ROOT / "benchmarks" / "results" / cited).read_text()
+    assert "jax 0.11.2" in measured.splitlines()[1]
+    eight_b = measured[measured.index("8B feed-forward") :]
+    (temp,) = re.findall(
+        r"^\| qwix 1x128 tiles +\|.*?\| \d+ \(([\d.]+)x\) +\|[^|]+\|$", eight_b, re.M
+    )[:1]
+    (quoted,) = re.findall(r"\(([\d.]+)x BF16's temp memory at Llama-3-8B's widths\)", faq)
+    assert quoted == f"{float(temp):.1f}", (quoted, temp)
