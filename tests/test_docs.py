@@ -916,3 +916,28 @@ def test_the_faqs_qwix_figures_carry_their_run_and_match_it():
     )[:1]
     (quoted,) = re.findall(r"\(([\d.]+)x BF16's temp memory at Llama-3-8B's widths\)", faq)
     assert quoted == f"{float(temp):.1f}", (quoted, temp)
+
+
+def test_the_recipes_page_quotes_the_persistent_block_kernels_run_4_figures():
+    """docs/recipes.md quoted the persistent block kernel's 841-880 TFLOP/s against the tiled
+    kernel's 554-598 with no run, date or file. It names GPU run 4's log, and its ranges are
+    that log's: the swept default (`grid_minor_dim=m, grid_tile_width=8`) and the tiled kernel
+    at the Llama-8B up projection and DeepSeek-V3's 7168 -> 18432."""
+    page = _prose("docs/recipes.md")
+    (p_low, p_high, t_low, t_high, cited) = re.findall(
+        r"([\d,]+)-([\d,]+) TFLOP/s on an H200 against the tiled kernel's ([\d,]+)-([\d,]+) at "
+        r"the two shapes above \(GPU run 4, jax 0\.11\.2, 2026-11-29: `benchmarks/results/"
+        r"([\w./]+)`",
+        page,
+    )[0]
+    log = (ROOT / "benchmarks" / "results" / cited).read_text()
+    tflops: dict[str, list[float]] = {"tiled": [], "persistent": []}
+    for _shape, kernel, value in re.findall(
+        r"\| (llama8b up|dsv3 7168->18432) \| (tiled|persistent grid_minor_dim=m, "
+        r'grid_tile_width=8) \| ok \| \{.*"tflops": ([\d.]+)',
+        log,
+    ):
+        tflops[kernel.split()[0]].append(float(value))
+    assert all(len(v) == 2 for v in tflops.values()), tflops
+    assert [p_low, p_high] == [f"{v:.0f}" for v in sorted(tflops["persistent"])]
+    assert [t_low, t_high] == [f"{v:.0f}" for v in sorted(tflops["tiled"])]
