@@ -2,6 +2,7 @@
 
 import functools
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -188,11 +189,13 @@ def test_float64_preferred_type_is_what_dot_general_writes(recipe):
     with pytest.warns(UserWarning, match="float64 requested in dot is not available"):
         want = lax.dot_general(x, w, dims, preferred_element_type=jnp.float64).dtype
     dot = fp8jax.Fp8DotGeneral(recipe)
-    out = dot(x, w, dims, preferred_element_type=jnp.float64)
+    with pytest.warns(UserWarning, match="float64 requested in jax.lax.dot_general is not"):
+        out = dot(x, w, dims, preferred_element_type=jnp.float64)
     assert out.dtype == want == jnp.float32
-    grads = fp8jax.filter_grad(
-        lambda d, a: jnp.sum(d(a, w, dims, preferred_element_type=np.float64))
-    )(dot, x)
+    with pytest.warns(UserWarning, match="float64 requested"):
+        grads = fp8jax.filter_grad(
+            lambda d, a: jnp.sum(d(a, w, dims, preferred_element_type=np.float64))
+        )(dot, x)
     assert grads is not None
 
 
@@ -502,3 +505,64 @@ def test_a_state_moved_in_from_a_layer_of_another_recipe_is_refused():
     want = ref_qdq(big, 16.0, "e4m3") @ w.astype(np.float64)
     assert want[0, 0] == 28.0
     np.testing.assert_array_equal(np.asarray(moved(big, w, dims), np.float64), want)
+
+
+_DENSE = (((1,), (0,)), ((), ()))
+_PREC = lax.Precision.DEFAULT
+# (id, keyword arguments of the call, dense or ragged). Where lax refuses an input only by
+# accident (a list of two Precisions: it hashes its parameters) or as JAX refuses every list
+# argument (group sizes as a list), the ops take it: the documented extensions below.
+_LAX_INPUTS = [
+    ("f64-dense", {"preferred_element_type": jnp.float64}, "dense"),
+    ("np-f64-dense", {"preferred_element_type": np.float64}, "dense"),
+    ("py-float-dense", {"preferred_element_type": float}, "dense"),
+    ("f32-dense", {"preferred_element_type": jnp.float32}, "dense"),
+    ("prec-tuple", {"precision": (_PREC, _PREC)}, "dense"),
+    ("prec-str-list", {"precision": ["highest", "highest"]}, "dense"),
+    ("prec-enum-list", {"precision": [_PREC, _PREC]}, "dense"),
+    ("f64-ragged", {"preferred_element_type": jnp.float64}, "ragged"),
+    ("prec-enum-list-ragged", {"precision": [_PREC, _PREC]}, "ragged"),
+    ("sizes-list-ragged", {"group_sizes": [2, 4]}, "ragged"),
+    ("sizes-tuple-ragged", {"group_sizes": (2, 4)}, "ragged"),
+]
+_EXTENSIONS = {"prec-enum-list", "prec-enum-list-ragged", "sizes-list-ragged", "sizes-tuple-ragged"}
+
+
+def _outcome(fn):
+    """(the output dtype or the error's type, the categories of the warnings raised)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            got = np.dtype(fn().dtype)
+        except Exception as e:  # the outcome compared is the error's type
+            got = type(e)
+    return got, sorted({w.category.__name__ for w in caught})
+
+
+@pytest.mark.parametrize("case", _LAX_INPUTS, ids=[c[0] for c in _LAX_INPUTS])
+def test_the_ops_answer_each_input_as_lax_does(case):
+    """Each input as `lax.dot_general` / `lax.ragged_dot` answers it: the output dtype, or
+    the error, and the warnings (float64 without x64: lax's UserWarning, then float32); the
+    documented extensions are taken where lax refuses. `lax.ragged_dot` fails to lower a
+    float64 `preferred_element_type` without x64: there lax's dense answer is the reference."""
+    name, kwargs, kind = case
+    kwargs = dict(kwargs)
+    if kind == "dense":
+        x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+        op = fp8jax.Fp8DotGeneral()
+        mine = _outcome(lambda: op(x, w, _DENSE, **kwargs))
+        want = _outcome(lambda: lax.dot_general(x, w, _DENSE, **kwargs))
+    else:
+        x, w = jnp.ones((6, 8)), jnp.ones((2, 8, 16))
+        sizes = kwargs.pop("group_sizes", jnp.array([2, 4], jnp.int32))
+        op = fp8jax.Fp8RaggedDot(num_experts=2)
+        mine = _outcome(lambda: op(x, w, sizes, **kwargs))
+        if name == "f64-ragged":
+            want = _outcome(lambda: lax.dot_general(x, w[0], _DENSE, **kwargs))
+        else:
+            want = _outcome(lambda: lax.ragged_dot(x, w, sizes, **kwargs))
+    if name in _EXTENSIONS:
+        assert isinstance(want[0], type) and issubclass(want[0], TypeError)
+        assert mine == (np.dtype(np.float32), [])
+    else:
+        assert mine == want

@@ -436,6 +436,12 @@ def canonical_precision(precision: Any) -> Any:
     return lax_internal.canonicalize_precision(precision)
 
 
+def user_dtype(dtype: Any, fun_name: str) -> np.dtype:
+    """`dtype` as `lax.dot_general` reads a `preferred_element_type`: float64 is float32
+    without x64, with lax's `UserWarning` naming `fun_name`; a Python type is JAX's default."""
+    return np.dtype(dtypes.check_and_canonicalize_user_dtype(dtype, fun_name))
+
+
 def keep_equinox_missing_on_copy() -> None:
     """Make copies (`copy`, `pickle`) of Equinox's `MISSING` sentinel the sentinel itself
     (see the module docstring); nothing where Equinox keeps it already, or lays it out

@@ -15,6 +15,7 @@ from jax import lax
 from jax.typing import DTypeLike
 from jaxtyping import Array
 
+from ..core.jax_private import user_dtype
 from ..core.stats import Fp8Stats
 from ..core.updates import OverwriteWithGradient, haliax_fp8_op
 from ..gemm.vjp import States
@@ -395,8 +396,9 @@ class AbstractFp8Op(OverwriteWithGradient):
                 f"{self._where}: preferred_element_type={shown} is not a high-precision float "
                 f"type; use float32, bfloat16 or float16 ({self.accumulation})."
             )
-        # What `lax.dot_general` writes too: float64 is float32 unless x64 is enabled.
-        return np.dtype(jax.dtypes.canonicalize_dtype(out))
+        # What `lax.dot_general` writes too: float64 is float32 unless x64 is enabled, with
+        # lax's warning.
+        return user_dtype(preferred, self.stands_for)
 
     def _states(self) -> States:
         check_float32_state(self)

@@ -116,6 +116,8 @@ class Fp8DotGeneral(AbstractFp8Op):
         out_sharding: Any = None,
     ) -> Array:
         """**Arguments:** as `jax.lax.dot_general`'s; `out_sharding` reshards the output.
+        `precision` may also be a list of two (lax takes two `lax.Precision`s only as a
+        tuple); a float64 `preferred_element_type` without x64 is float32, with lax's warning.
 
         **Returns:** the product, in `preferred_element_type` (default: the type
         `lax.dot_general` gives `lhs` and `rhs`).

@@ -322,9 +322,10 @@ class Fp8RaggedDot(AbstractFp8Op):
         out_sharding: Any = None,
     ) -> Float[Array, "tokens fan_out"]:
         """**Arguments:** as `jax.lax.ragged_dot` (`group_offset` is not supported: a value
-        other than `None` raises; `out_sharding` reshards the output). Under a mesh with
-        Explicit axes, where `lax.ragged_dot` requires `out_sharding`, the output's rows
-        default to `lhs`'s rows' sharding and its columns to `rhs`'s last axis's.
+        other than `None` raises; `out_sharding` reshards the output; `group_sizes` may also
+        be a list or tuple of ints, and `precision` a list of two, which lax refuses). Under a
+        mesh with Explicit axes, where `lax.ragged_dot` requires `out_sharding`, the output's
+        rows default to `lhs`'s rows' sharding and its columns to `rhs`'s last axis's.
 
         **Returns:** `(tokens, out)`, in `preferred_element_type` (default: the type
         `lax.ragged_dot` gives `lhs` and `rhs`: BF16 with float16 is BF16, not
