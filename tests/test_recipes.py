@@ -638,3 +638,21 @@ def test_recipes_by_name():
         ("delayed", fp8jax.DelayedScaling),
     ]:
         assert type(fp8jax.Fp8DotGeneral(name).recipe) is cls
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(block_size=16), "block_size=16"),
+        (dict(block_size=33), "block_size=33"),
+        (dict(format_name="e4m3fnuz"), "format_name='e4m3fnuz'"),
+    ],
+)
+def test_mxfp8_forced_scaled_matmul_refuses_blocks_cudnn_does_not_take(kwargs, named):
+    """`jax.nn.scaled_matmul`'s cuDNN kernel takes MX blocks of 32 E4M3 or E5M2 elements
+    only (the OCP MXFP8 block). `use_scaled_matmul=True` beside another block or format was
+    taken, and on a GPU of compute capability 10+ handed cuDNN those blocks; it is refused,
+    naming the value and what the kernel takes (`None` runs the emulation for them)."""
+    with pytest.raises(ValueError, match=re.escape(named) + r".*32.*e4m3.*e5m2"):
+        fp8jax.MXFP8(use_scaled_matmul=True, **kwargs)
+    assert not fp8jax.MXFP8(use_scaled_matmul=None, **kwargs)._scaled_matmul_available()

@@ -48,7 +48,8 @@ class MXFP8(BlockScaledRecipe):
     of compute capability 10 or newer, the forward GEMM goes through `jax.nn.scaled_matmul`
     (compiled for a CPU, where JAX has no `scaled_matmul`, `True` runs the emulation). `None`
     takes it for the blocks its cuDNN kernel takes only, `block_size=32` of E4M3 or E5M2
-    data; other block sizes and the fnuz formats run the emulation there.
+    data; other block sizes (any >= 1: not OCP MXFP8, the same scaling on other blocks) and
+    the fnuz formats run the emulation there, and `True` refuses them.
     For the dgrad, the kernel is quantized a second time along its other axis from the
     high-precision weight, in the forward (as Transformer Engine does: one rounding); for the
     wgrad, the saved FP8 activation is requantized along its tokens.
@@ -69,6 +70,15 @@ class MXFP8(BlockScaledRecipe):
             raise ValueError(
                 f"use_scaled_matmul={self.use_scaled_matmul!r}: should be True, False or None "
                 "(use it where the GPU supports it)."
+            )
+        if self.use_scaled_matmul and (
+            self.block_size != SCALED_MATMUL_BLOCK or self.format_name not in ("e4m3", "e5m2")
+        ):
+            raise ValueError(
+                f"MXFP8(use_scaled_matmul=True, block_size={self.block_size}, "
+                f"format_name={self.format_name!r}): jax.nn.scaled_matmul's cuDNN kernel takes "
+                f"blocks of {SCALED_MATMUL_BLOCK} elements of 'e4m3' or 'e5m2' data only; pass "
+                "use_scaled_matmul=None (the emulation for other blocks) or those."
             )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
