@@ -656,3 +656,20 @@ def test_mxfp8_forced_scaled_matmul_refuses_blocks_cudnn_does_not_take(kwargs, n
     with pytest.raises(ValueError, match=re.escape(named) + r".*32.*e4m3.*e5m2"):
         fp8jax.MXFP8(use_scaled_matmul=True, **kwargs)
     assert not fp8jax.MXFP8(use_scaled_matmul=None, **kwargs)._scaled_matmul_available()
+
+
+def test_blockwise_block_sizes_no_kernel_takes_run_the_xla_path():
+    """`BlockwiseScaling`'s docstring says which block sizes the native kernel takes and that
+    any other runs on the XLA path: the kernel's own list, and a block of 100 (the default
+    choice, padded to whole blocks) against the float64 reference of 100-blocks."""
+    from fp8jax._src.recipes.blocks import NATIVE_BLOCK_SIZES
+
+    doc = " ".join(fp8jax.BlockwiseScaling.__doc__.split())
+    sizes = " and ".join(str(s) for s in NATIVE_BLOCK_SIZES)
+    assert f"the native kernel takes {sizes} only, other sizes (any >= 1) run on the XLA" in doc
+    x, w, g = operands(5, m=3, k=130, n=7)
+    got = run(fp8jax.BlockwiseScaling(block_size=100), x, w, g)
+    want = ref.blockwise(x, w, g, block=100)
+    mags = (np.abs(x) @ np.abs(w).T, np.abs(g) @ np.abs(w), np.abs(g).T @ np.abs(x))
+    for part, a, b, mag in zip(("y", "dx", "dw"), got, want, mags, strict=True):
+        np.testing.assert_array_less(np.abs(a - b), 2e-5 * (mag + mag.max() * 1e-3), part)

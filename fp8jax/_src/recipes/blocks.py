@@ -193,7 +193,8 @@ class BlockwiseScaling(BlockScaledRecipe):
 
     **Arguments:**
 
-    - `block_size`: tile length and weight block side (128).
+    - `block_size`: tile length and weight block side (128); the native kernel takes 64 and
+      128 only, other sizes (any >= 1) run on the XLA path, also under `native_kernel=None`.
     - `power_of_two`: round scales down to powers of two (exact rescaling, as DeepSeek's later
       UE8M0 scales).
     - `format_name`: `"e4m3"` (default) or another FP8 format.
@@ -201,13 +202,12 @@ class BlockwiseScaling(BlockScaledRecipe):
       kernel per GEMM, the promotion in registers, no float32 partials in memory). `None`
       (default): on Hopper GPUs and in compiles for them, the XLA path elsewhere (CPUs, other
       GPUs); `True` forces the kernel (it compiles only for sm_90; a compile for a CPU
-      raises `ValueError`), `False` the XLA path.
-      Block sizes 64 and 128 only, E4M3 or E5M2 (`None` runs AMD's fnuz formats on the XLA
-      path); the numerics are the XLA path's, float32 summation order aside. Where the
-      kernel runs, activations, gradients and weights of whole 128 x 128 tiles are quantized
-      in one pass each (`fp8jax/_src/kernels/block_quantize.py`: the
-      same values as the XLA path's quantization, and the K-major copies the backward
-      GEMMs take). A weight quantized there comes as the tiles along its contracted axis
+      raises `ValueError`), `False` the XLA path. Block sizes 64 and 128 only, E4M3 or E5M2
+      (`None` runs AMD's fnuz formats on the XLA path); the numerics are the XLA path's,
+      float32 summation order aside. Where the kernel runs, activations, gradients and
+      weights of whole 128 x 128 tiles are quantized in one pass each (fp8jax's
+      `block_quantize.py`: the XLA path's values, and the K-major copies the backward GEMMs
+      take). A weight quantized there comes as the tiles along its contracted axis
       (`QTensor.block` `(1, 128)` or `(128, 1)`) with each 128 x 128 block's scale repeated
       over them: the same values, in the layout the kernels read.
     """
