@@ -771,3 +771,27 @@ def test_an_eager_call_sees_a_closure_value_rebound_between_calls():
         np.testing.assert_allclose(autocast(x), jax.jit(fp8jax.fp8_autocast(f))(x), rtol=1e-6)
         held["w"] = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
         held["s"] += 1.0
+
+
+def test_docstring_and_errors_list_every_recipe_name_autocast_takes():
+    """The recipe names `fp8_autocast`'s docstring and errors list are those of the recipe
+    registry it takes (the stateless ones): "residual" was taken but listed nowhere."""
+    from fp8jax._src.recipes import RECIPES
+
+    def takes(name):
+        try:
+            fp8jax.fp8_autocast(lambda x: x, recipe=name)
+        except ValueError:
+            return False
+        return True
+
+    taken = {name for name in RECIPES if takes(name)}
+    doc = fp8jax.fp8_autocast.__doc__
+    argument = doc[doc.index("- `recipe`:") : doc.index("- `scopes`:")]
+    assert set(re.findall(r'`"(\w+)"`', argument)) == taken
+    for bad in (None, "nope", "delayed"):
+        with pytest.raises(ValueError) as info:
+            fp8jax.fp8_autocast(lambda x: x, recipe=bad)
+        message = str(info.value)
+        listed = message[message.index("keep") :]  # the names after the refused one
+        assert set(re.findall(r"'(\w+)'", listed)) >= taken, message

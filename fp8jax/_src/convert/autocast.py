@@ -40,7 +40,7 @@ import numpy as np
 from ..core import jax_private
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
-from ..recipes import BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
+from ..recipes import RECIPES, BlockScaledRecipe, PerTensorRecipe, Recipe, recipe_from
 from .config import Fp8Config
 from .interpret import Interpreter, gemm_equations
 from .plan import Fp8ConversionWarning
@@ -190,6 +190,11 @@ def _high_precision_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2
 
 
+def _stateless_names() -> str:
+    """The registry's recipe names whose default recipe keeps no state, quoted."""
+    return ", ".join(repr(n) for n, kind in RECIPES.items() if not kind().reads_state)
+
+
 def fp8_autocast(
     fun: Callable[..., Any],
     recipe: Recipe | str = "current",
@@ -218,7 +223,7 @@ def fp8_autocast(
       other values it returns, such as an Equinox module's functions; one JAX cannot
       flatten that holds the function's arrays, a plain class's instance, is refused).
     - `recipe`: a recipe that keeps no state between steps: `"current"` (the default),
-      `"blockwise"`, `"mxfp8"`, or an instance (`ResidualFP8` without error feedback too).
+      `"blockwise"`, `"mxfp8"`, `"residual"` (without error feedback), or an instance.
       Delayed scaling is refused: its amax history must live somewhere between steps, which
       a function transform does not have; convert the model's layers instead
       ([`fp8jax.fp8_linear_layers`][]).
@@ -260,7 +265,7 @@ def fp8_autocast(
     if recipe is None:
         raise ValueError(
             "fp8_autocast: recipe=None: give a recipe that keeps no state, or its name: "
-            "'current' (the default), 'blockwise', 'mxfp8'."
+            f"{_stateless_names()} ('current' is the default)."
         )
     if isinstance(recipe, Fp8Config):
         raise TypeError(
@@ -272,14 +277,14 @@ def fp8_autocast(
         recipe = recipe_from(recipe)
     except ValueError as e:
         raise ValueError(
-            f"fp8_autocast: {e} (fp8_autocast takes those that keep no state: 'current', "
-            "'blockwise', 'mxfp8', or an instance.)"
+            f"fp8_autocast: {e} (fp8_autocast takes those that keep no state: "
+            f"{_stateless_names()}, or an instance.)"
         ) from None
     if recipe.reads_state:
         raise ValueError(
             f"fp8_autocast: recipe={recipe!r} keeps FP8 state between steps (an amax history, "
             "or error feedback), and a function transform has nowhere to keep it. Use a recipe "
-            "that keeps none ('current', 'blockwise', 'mxfp8'), or convert the model's layers, "
+            f"that keeps none ({_stateless_names()}), or convert the model's layers, "
             "whose state lives in the model: fp8jax.fp8_linear_layers (Equinox, Haliax, Flax)."
         )
     if isinstance(batched, np.bool_):  # the bool it holds, as Fp8Config takes it
