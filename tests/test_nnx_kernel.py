@@ -458,3 +458,18 @@ def test_a_stack_of_kernel_modules_stays_in_high_precision_named_with_what_to_do
     np.testing.assert_allclose(converted.blocks.kernel.get_value(), kernels)
     blocks = nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0))
     np.testing.assert_allclose(blocks(x, converted.blocks)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stack_of_kernel_modules_is_named_without_example_too():
+    """Without `example`, a stack of kernel modules (nnx.vmap) was left in high precision
+    silently: no warning, an empty `unconverted`. It is named, with why (no trace tells
+    what it does with its kernel) and what to pass, as the conversion with `example` does."""
+    model = StackedConv1D(nnx.Rngs(0))
+    plan = fp8jax.conversion_plan(model, config())
+    assert plan.converted == ("fc",)
+    (unconverted,) = plan.unconverted
+    assert unconverted.startswith("blocks (its `kernel` of shape (3, 16, 16) is a stack of")
+    assert "pass example=" in unconverted
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"blocks \(its `kernel`.*example="):
+        converted = fp8jax.fp8_linear_layers(model, config())
+    assert type(converted.blocks) is Conv1D

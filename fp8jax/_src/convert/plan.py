@@ -40,7 +40,8 @@ class ConversionPlan:
 
     - `layers`: a [`fp8jax.LayerChoice`][] per convertible layer, in path order.
     - `unconverted`: modules whose own weights enter a GEMM that fp8jax cannot convert
-      (found from a trace of the model's call), each with what to do.
+      (found from a trace of the model's call; without one, NNX modules holding a stack of
+      kernels, which no conversion converts), each with what to do.
     - `traced`: whether roles were found from a trace of the model's call (else from shapes
       and names only).
     - `kept_as_converted`: layers in FP8 already that the config would convert otherwise

@@ -24,6 +24,7 @@ from .grouped import Fp8NnxRaggedDot, NnxGroupedLinear
 from .kernel import (
     FP8_DOT,
     KERNEL,
+    NOT_LINEAR,
     convert_kernel_module,
     has_kernel,
     kernel_out_width,
@@ -186,7 +187,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
             return Fp8NnxDotGeneral(recipe, None, name, config.telemetry, stacked=stacked)
         except ValueError as e:
             what = f"nnx.LinearGeneral {name!r} (batch_axis={dict(layer.batch_axis)}"
-            raise _batch_axes_refused(what, kernel.shape, e) from None
+            raise _batch_axes_refused(what, kernel.shape, recipe, e) from None
     # Its kernel is (*stacked, *kernel_shape): a stack built under nnx.vmap has one per layer.
     own = _einsum_kernel(layer)
     stacked = tuple(kernel.shape[: kernel.ndim - len(own)])
@@ -204,16 +205,24 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         return Fp8NnxEinsum(recipe, shape, name, config.telemetry, stacked=stacked)
     except ValueError as e:
         what = f"nnx.Einsum {name!r} ({layer.einsum_str!r}"
-        raise _batch_axes_refused(what, kernel.shape, e) from None
+        raise _batch_axes_refused(what, kernel.shape, recipe, e) from None
 
 
-def _batch_axes_refused(what: str, kernel_shape: tuple[int, ...], error: Exception) -> ValueError:
-    """`error` (a recipe refusing state without a kernel's `(out, in)` shape) for the layer
-    `what` names, whose kernel has batch axes, with what to do instead."""
+def _batch_axes_refused(
+    what: str, kernel_shape: tuple[int, ...], recipe: Any, error: Exception
+) -> ValueError:
+    """The refusal of `recipe`'s state of a kernel's `(out, in)` shape (`ResidualFP8`'s
+    error feedback) for the layer `what` names, whose kernel has batch axes: why, and what to
+    do instead (the recipe's own `error` advises `Fp8DotGeneral`'s `kernel_shape`)."""
+    where = f"fp8_linear_layers: {what}, kernel {tuple(kernel_shape)})"
+    if not getattr(recipe, "error_feedback", False):
+        return ValueError(f"{where}: {error}")
     return ValueError(
-        f"fp8_linear_layers: {what}, kernel {tuple(kernel_shape)}): {error} Its kernel has "
-        "batch axes, so it has no single (out, in) matrix for that state: convert it with "
-        "another recipe (Fp8Config recipes), or exclude it."
+        f"{where}: its recipe, "
+        f"{type(recipe).__name__} with error feedback, keeps the kernel's quantization error "
+        "as state of the kernel's (out, in) shape, and this kernel has batch axes, so it has "
+        "no single (out, in) matrix: convert it with another recipe (Fp8Config recipes), or "
+        "exclude it."
     )
 
 
@@ -325,15 +334,37 @@ def _trace(
     return flow
 
 
+def _stacked_kernel(node: Any) -> tuple[int, ...] | None:
+    """The shape of a module's own `kernel` `nnx.Param` of more than two axes (a stack of
+    kernel modules built under `nnx.vmap`, or a convolution's of the user's), else None."""
+    kernel = vars(node).get(KERNEL) if isinstance(node, nnx.Module) else None
+    if isinstance(node, NOT_LINEAR) or not isinstance(kernel, nnx.Param):
+        return None
+    shape = tuple(getattr(kernel.get_value(), "shape", ()))
+    return shape if len(shape) > 2 else None
+
+
+def _untraced_stacks(nodes: list[tuple[tuple[str, ...], Any]]) -> tuple[str, ...]:
+    """The modules holding a stack of kernels, for a plan made without `example`: no trace
+    tells whether they multiply by it, and they stay in high precision whatever they do."""
+    return tuple(
+        f"{'.'.join(p) or '(root)'} ({_advice(n)}; without example= fp8jax cannot tell "
+        "whether it multiplies by it or is a convolution: pass example=lambda m: m(x) to "
+        "have the trace say)"
+        for p, n in nodes
+        if _kind(n) is None and _stacked_kernel(n) is not None
+    )
+
+
 def _advice(node: Any) -> str:
     """What to do with a module whose GEMMs on its own weights stay in high precision. A stack
     of modules multiplying by their own `kernel` (built under `nnx.vmap`: a kernel of more
     than two axes) does so already, which converts one such module but not a stack: NNX's
     layers are what converts per layer of a stack."""
-    kernel = vars(node).get(KERNEL) if isinstance(node, nnx.Module) else None
-    if isinstance(kernel, nnx.Param) and len(getattr(kernel.get_value(), "shape", ())) > 2:
+    shape = _stacked_kernel(node)
+    if shape is not None:
         return (
-            f"its `kernel` of shape {tuple(kernel.get_value().shape)} is a stack of kernels "
+            f"its `kernel` of shape {shape} is a stack of kernels "
             "(modules built under nnx.vmap?), which is not converted: build the stacked "
             "layers from nnx.Linear, nnx.LinearGeneral or nnx.Einsum (one FP8 state per "
             "layer), or run it under fp8jax.fp8_autocast"
@@ -385,6 +416,9 @@ def nnx_plan(
         converted=converted,
         kept={**_own_gemm(layers), **_stacked_experts(layers), **_not_floating(layers)},
     )
+    if example is None:
+        unconverted = plan.unconverted + _untraced_stacks(nodes)
+        plan = dataclasses.replace(plan, unconverted=unconverted)
     return plan, chosen, layers
 
 
