@@ -2338,3 +2338,19 @@ def test_a_converted_layers_call_errors_name_the_layer():
         fp8_linear(jnp.ones((2, 8), jnp.complex64))
     with pytest.raises(ValueError, match=r"^FP8 layer 'fc': FP8 einsum: subscripts='bd,dd->bd'"):
         fp8_einsum.fc(jnp.ones((2, 8)), "bd,dd->bd")
+
+
+@pytest.mark.parametrize("kind", ["einsum", "general"])
+def test_batched_kernel_refusal_does_not_tell_fp8_linear_layers_to_pass_kernel_shape(kind):
+    """fp8_linear_layers refusing error feedback for a kernel with batch axes quoted the
+    recipe's advice to Fp8DotGeneral's users, "pass kernel_shape=... (fp8_linear_layers does
+    this for you)", to a user who called fp8_linear_layers; it says why and what to do."""
+    if kind == "einsum":
+        model = _Wrapped(nnx.Einsum("ebd,edf->ebf", (4, 32, 8), rngs=nnx.Rngs(0)))
+    else:
+        model = _Wrapped(nnx.LinearGeneral(8, 4, batch_axis={0: 3}, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError) as info:
+        fp8jax.fp8_linear_layers(model, config(RECIPES["residual error feedback"]))
+    message = str(info.value)
+    assert "kernel_shape" not in message and "does this for you" not in message, message
+    assert re.search(r"'fc'.*ResidualFP8.*error feedback.*batch axes.*exclude it", message)
