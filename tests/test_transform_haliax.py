@@ -896,3 +896,41 @@ def test_haliax_vmap_of_a_converted_layer_runs_closed_over_not_as_an_argument(ge
     want = float(np.abs(np.asarray(x.array, np.float64)).max())
     assert float(got.dot_general.input.amax_history[0]) == want
     np.testing.assert_array_equal(hax.vmap(lambda x: model(x), Batch)(x).array, model(x).array)
+
+
+def test_a_named_array_without_the_batch_axis_goes_whole_to_every_microbatch(getkey):
+    """A NamedArray without the batch's axis (a mask over the features, shared by every
+    example) beside a NamedArray batch was cut along its own first axis. It goes whole, as
+    a scalar does: the loss and gradients of the loss closing over it."""
+    model = fp8jax.fp8_linear_layers(hnn.Linear.init(Embed, Mlp, key=getkey()))
+    x = hax.random.normal(getkey(), (hax.Axis("batch", 8), Embed))
+    mask = hax.random.uniform(getkey(), (Mlp,))
+
+    def loss(m, x, mask):
+        return hax.mean((m(x) * mask) ** 2).scalar()
+
+    got, grads = fp8jax.accumulate_gradients(loss, 2)(model, x, mask)
+    closed = lambda m, x: loss(m, x, mask)  # noqa: E731
+    want, grads_c = fp8jax.accumulate_gradients(closed, 2)(model, x)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_c), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_named_microbatches_match_the_whole_batch_step(getkey):
+    """The un-microbatched step is the reference: a shared mask without the batch axis goes
+    whole, and targets holding the batch axis second, `(mlp, batch)`, are cut along it."""
+    model = hnn.Linear.init(Embed, Mlp, key=getkey())  # high precision: equal up to rounding
+    Rows = hax.Axis("batch", 8)
+    x = hax.random.normal(getkey(), (Rows, Embed))
+    targets = hax.random.normal(getkey(), (Mlp, Rows))
+    mask = hax.random.uniform(getkey(), (Mlp,))
+
+    def loss(m, x, mask, targets):
+        return hax.mean(((m(x) - targets) * mask) ** 2).scalar()
+
+    got, grads = fp8jax.accumulate_gradients(loss, 2)(model, x, mask, targets)
+    want, grads_w = eqx.filter_value_and_grad(loss)(model, x, mask, targets)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_w), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -55,26 +55,44 @@ def _split(x: Any, microbatches: int, where: str) -> Any:
     return x.reshape((microbatches, x.shape[0] // microbatches) + x.shape[1:])
 
 
+def _batch_axis_name(batch: Any, named: Any) -> str | None:
+    """The batch's axis name among its Haliax `NamedArray`s: of their first axes' names,
+    the one the most of them hold (ties: the earliest in the batch), or None for none."""
+    arrays = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, named))
+    arrays = [x for x in arrays if isinstance(x, named) and x.axes]
+    firsts = list(dict.fromkeys(x.axes[0].name for x in arrays))
+    if not firsts:
+        return None
+    return max(firsts, key=lambda n: sum(n in x.shape for x in arrays))
+
+
 def _split_batch(batch: Any, microbatches: int) -> tuple[Any, Any]:
     """`batch` as `(cut, whole)`: every array of it with an axis cut along its first axis
     into `microbatches` slices, stacked (None elsewhere), and the leaves that go whole to
     every microbatch (`_whole`; None elsewhere). A Haliax `NamedArray` (looked up, never
-    imported) is cut along its first named axis: its axes become a slice's, that axis
-    resized, so that each slice is a `NamedArray` again."""
+    imported) is cut along the batch's axis (`_batch_axis_name`), or goes whole without it:
+    its axes become a slice's, that axis resized, so that each slice is a `NamedArray`
+    again."""
     named = _named_array()
 
     def split(path: Any, x: Any) -> Any:
         where = jax.tree_util.keystr(path)
         if not isinstance(x, named):
             return _split(x, microbatches, where)
-        array = _split(x.array, microbatches, where)
-        first = x.axes[0].resize(x.axes[0].size // microbatches)
-        return type(x).tree_unflatten((first, *x.axes[1:]), (array,))
+        at = [a.name for a in x.axes].index(batch_axis)  # not first: cut there all the same
+        array = _split(jnp.moveaxis(x.array, at, 0), microbatches, where)
+        axes = list(x.axes)
+        axes[at] = axes[at].resize(axes[at].size // microbatches)
+        return type(x).tree_unflatten(tuple(axes), (jnp.moveaxis(array, 1, at + 1),))
 
     def is_leaf(x: Any) -> bool:
         return isinstance(x, named)
 
+    batch_axis = _batch_axis_name(batch, named)
+
     def cut(x: Any) -> bool:
+        if isinstance(x, named) and batch_axis is not None and batch_axis not in x.shape:
+            return False  # no batch axis (a mask over the features): whole, as a scalar
         return not _whole(x.array if isinstance(x, named) else x)
 
     whole = eqx.filter(batch, lambda x: not cut(x), is_leaf=is_leaf)
@@ -205,12 +223,15 @@ def accumulate_gradients(
     - `fun`: `fun(model, *batch) -> loss` (a mean over the batch), or `(loss, aux)` with
       `has_aux`.
     - `microbatches`: how many equal slices to cut every array of the batch arguments into
-      along its first axis (a Haliax `NamedArray`'s first named axis, resized in each slice);
+      along its first axis (a Haliax `NamedArray`'s batch axis, resized in each slice);
       they run one after another in a `lax.scan`, so activation memory is that of one.
       Scalars (Python and NumPy numbers, 0-d arrays: a step count, a temperature) and other
       non-array leaves go whole to every microbatch, a PRNG key too (every microbatch then
       draws the same dropout mask: pass one key per example, `(batch,)`, to have them cut);
-      an array without the batch axis (a table) would be cut too: close over it in `fun`.
+      so does a `NamedArray` without the batch's axis name (of the NamedArrays' first axes,
+      the one most of them hold; a NamedArray holding it elsewhere is cut there): a mask
+      over features. A plain array without the batch axis (a table) would be cut too:
+      close over it in `fun`.
     - `unroll`: the scan's `unroll` (`lax.scan`'s: an int >= 1, or `True` for all of them).
       XLA does not hoist the weights' quantization out of the scan (seen in H100 compiles):
       each microbatch quantizes every FP8 weight again (the same values). Unrolled, the
