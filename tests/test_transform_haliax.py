@@ -934,3 +934,27 @@ def test_named_microbatches_match_the_whole_batch_step(getkey):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_w), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(targets="0.up"), "0.up"),
+        (dict(targets=r"\d+\.up"), r"\d+\.up"),
+        (dict(targets=["1.up", "down"]), "1.up"),
+        (dict(recipes={"2.up": "current"}), "2.up"),
+    ],
+    ids=["targets-regex", "targets-any-index", "targets-list", "recipes"],
+)
+def test_an_index_pattern_on_a_stacked_says_why_it_selects_nothing(kwargs, pattern, getkey):
+    """A pattern naming one layer of a Haliax Stacked by index was refused as matching no
+    layer, without why: a Stacked's layers are one layer (`stacked.up`), selected whole. The
+    error says so and what to use, which selects it."""
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    with pytest.raises(ValueError) as info:
+        fp8jax.conversion_plan(stack, fp8jax.Fp8Config(**kwargs))
+    message = str(info.value)
+    assert f"{pattern!r} names layers of a haliax Stacked by index" in message, message
+    assert "one layer, 'stacked.up'" in message and "use 'stacked.up'" in message, message
+    plan = fp8jax.conversion_plan(stack, fp8jax.Fp8Config(targets="stacked.up"))
+    assert plan.converted == ("stacked.up",)

@@ -267,7 +267,7 @@ def choose_layers(
             only = f": only {', '.join(matched)}, which {stay} in high precision" if matched else ""
             raise ValueError(
                 f"Fp8Config recipes pattern {pattern!r} matches no converted layer{only}. "
-                f"Converted layers: {listing}."
+                f"Converted layers: {listing}." + _stack_hint(pattern, linears)
             )
     return fates
 
@@ -300,6 +300,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             raise ValueError(
                 f"Fp8Config targets={config.targets!r} matches no Linear layer (the regex must "
                 f"match the whole dotted path). Linear layers: {listing}."
+                + _stack_hint(config.targets, linears)
             )
         _check_excluded(config, [p for p in hits if excluded(p)], hits)
         return
@@ -317,7 +318,29 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             )
         raise ValueError(
             f"Fp8Config target {name!r} matches no Linear layer. Linear layers: {listing}."
+            + _stack_hint(name, linears)
         )
+
+
+def _stack_hint(pattern: str, linears: list) -> str:
+    """Why `pattern` selects no layer where it names one layer of a Haliax `Stacked` by its
+    index (`blocks.0.up`; up to 1024 layers): the stack's layers are one layer
+    (`blocks.stacked.up`). Only on the error's path: its hundreds of matches cost nothing."""
+    for path, _ in linears:
+        if "stacked" not in path:
+            continue
+        indices = (
+            tuple(str(i) if part == "stacked" else part for part in path) for i in range(1024)
+        )
+        if any(_matches(pattern, indexed) for indexed in indices):
+            whole = ".".join(path)
+            return (
+                f" {pattern!r} names layers of a haliax Stacked by index, but a Stacked's "
+                f"layers are one layer, {whole!r} (one FP8 state per layer), which a config "
+                f"selects whole: use {whole!r}, or build the layers you would choose among "
+                "as separate modules."
+            )
+    return ""
 
 
 def _check_excluded(config: Fp8Config, blocked: list, hits: list, name: str = "") -> None:
