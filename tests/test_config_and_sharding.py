@@ -1,6 +1,7 @@
 """Per-layer recipes in Fp8Config, and current scaling's global amax on a mesh."""
 
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -197,3 +198,39 @@ def test_fp8_gemm_runs_in_an_eager_shard_map_as_in_a_jitted_one():
     mapped = sharded(lambda d, x, w: jax.vmap(lambda x: d(x, w, dims))(x[:, None])[:, 0])
     for f in (forward, mapped):
         np.testing.assert_array_equal(f(dot, x, w), jax.jit(f)(dot, x, w))
+
+
+@pytest.mark.parametrize(
+    "kwargs, converted",
+    [
+        (dict(targets="(root)"), ("",)),
+        (dict(targets=["(root)"]), ("",)),
+        (dict(exclude="(root)"), ()),
+        (dict(recipes={"(root)": "current"}), ("",)),
+    ],
+    ids=["targets-regex", "targets-list", "exclude", "recipes"],
+)
+def test_a_bare_linear_is_named_by_the_path_its_plan_prints(kwargs, converted):
+    """A bare Linear's plan prints its path as `(root)`, which targets, exclude and recipes
+    refused or ignored (targets: "matches no Linear layer. Linear layers: '(root)'"); each
+    takes it, as the plan's other paths."""
+    linear = eqx.nn.Linear(4, 4, key=jax.random.PRNGKey(0))
+    assert "(root)" in str(fp8jax.conversion_plan(linear, fp8jax.Fp8Config()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8jax.Fp8ConversionWarning)  # nothing converted
+        plan = fp8jax.conversion_plan(linear, fp8jax.Fp8Config(**kwargs))
+    assert plan.converted == converted
+    if "recipes" in kwargs:
+        assert "CurrentScaling" in plan.layers[0].why
+
+
+def test_a_dotted_dict_key_prints_as_a_nesting_and_is_selected_with_it():
+    """Paths join names with ".", so a dict key holding one ({"a.b": ...}) prints as the
+    nesting {"a": {"b": ...}} does: the documented behaviour, both selected by "a.b"."""
+    key = jax.random.PRNGKey(0)
+    model = {"a.b": eqx.nn.Linear(4, 4, key=key), "a": {"b": eqx.nn.Linear(4, 4, key=key)}}
+    assert fp8jax.conversion_plan(model, fp8jax.Fp8Config(targets=["a.b"])).converted == (
+        "a.b",
+        "a.b",
+    )
+    assert 'holding a "."' in fp8jax.Fp8Config.__doc__

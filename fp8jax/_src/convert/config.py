@@ -37,7 +37,9 @@ class Fp8Config:
     - `targets`: `None` (every Linear not excluded), a list of names (a Linear matches when its
       last path component, e.g. `"fc1"`, or its whole dotted path, e.g. `"blocks.0.mlp.fc1"`,
       is listed; a set: held sorted), or a regular expression that must match the whole dotted path
-      (`r".*mlp.*"`).
+      (`r".*mlp.*"`). A bare Linear's path is `"(root)"`, as plans print it, in targets,
+      `exclude` and `recipes`. Paths join names with ".", so a dict key holding a "." (`"a.b"`)
+      prints, and is selected, as the nesting `{"a": {"b": ...}}` is.
     - `recipe`: the scaling recipe of converted layers, an instance or a name (`"delayed"`,
       `"current"`, `"blockwise"`, `"mxfp8"`, `"residual"`).
     - `recipes`: per-layer overrides, a mapping from patterns to recipes. A pattern matches a
@@ -167,21 +169,21 @@ class Fp8Config:
             return True
         dotted = ".".join(path)
         if isinstance(self.targets, str):
-            return re.fullmatch(self.targets, dotted) is not None
-        return dotted in self.targets or (bool(path) and path[-1] in self.targets)
+            return _is_root(self.targets, path) or re.fullmatch(self.targets, dotted) is not None
+        return self.names(path)
 
     def names(self, path: tuple[str, ...]) -> bool:
         """Whether a list of `targets` names the Linear at `path` explicitly (its last name or
         its whole path), which converts it whatever its role."""
         if self.targets is None or isinstance(self.targets, str):
             return False
-        return ".".join(path) in self.targets or (bool(path) and path[-1] in self.targets)
+        return any(_matches_name(name, path) for name in self.targets)
 
     def excludes(self, path: tuple[str, ...]) -> bool:
         """Whether `exclude` keeps the Linear at `path` in high precision."""
-        return (
-            self.exclude is not None
-            and bool(path)
+        return self.exclude is not None and (
+            _is_root(self.exclude, path)
+            or bool(path)
             and (
                 re.fullmatch(self.exclude, path[-1]) is not None
                 or re.fullmatch(self.exclude, ".".join(path)) is not None
@@ -203,8 +205,25 @@ def _is_pairs(x: Any) -> bool:
     )
 
 
+#: The name of the model's root as a layer (a bare Linear), as plans print its path.
+ROOT = "(root)"
+
+
+def _is_root(pattern: str, path: tuple[str, ...]) -> bool:
+    """Whether `pattern` names the root layer by the name plans print for it."""
+    return not path and pattern == ROOT
+
+
+def _matches_name(name: str, path: tuple[str, ...]) -> bool:
+    """Whether a list's target `name` names the layer at `path`: its last name, its whole
+    path, or the root's."""
+    return ".".join(path) == name or (bool(path) and path[-1] == name) or _is_root(name, path)
+
+
 def _matches(pattern: str, path: tuple[str, ...]) -> bool:
     """A name or regex `pattern` against a layer path: the last name, or the whole path."""
+    if _is_root(pattern, path):
+        return True
     return (bool(path) and path[-1] == pattern) or re.fullmatch(pattern, ".".join(path)) is not None
 
 
@@ -305,7 +324,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
         _check_excluded(config, [p for p in hits if excluded(p)], hits)
         return
     for name in config.targets:
-        hits = [p for p, _ in linears if ".".join(p) == name or (p and p[-1] == name)]
+        hits = [p for p, _ in linears if _matches_name(name, p)]
         if hits:
             _check_excluded(config, [p for p in hits if excluded(p)], hits, name)
             continue
