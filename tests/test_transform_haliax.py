@@ -958,3 +958,13 @@ def test_an_index_pattern_on_a_stacked_says_why_it_selects_nothing(kwargs, patte
     assert "one layer, 'stacked.up'" in message and "use 'stacked.up'" in message, message
     plan = fp8jax.conversion_plan(stack, fp8jax.Fp8Config(targets="stacked.up"))
     assert plan.converted == ("stacked.up",)
+
+
+def test_an_index_exclude_on_a_stacked_says_why_it_keeps_nothing(getkey):
+    """An exclude naming one layer of a Stacked by index keeps nothing (warned, listed in
+    the plan's `unmatched`), which now says why: the Stacked's layers are one layer."""
+    stack = hnn.Stacked.init(Layers, HBlock)(key=jax.random.split(getkey(), Layers.size))
+    plan = fp8jax.conversion_plan(stack, fp8jax.Fp8Config(exclude="1.up"))
+    (unmatched,) = plan.unmatched
+    assert "'1.up' names layers of a haliax Stacked by index" in unmatched, unmatched
+    assert "use 'stacked.up'" in unmatched

@@ -286,7 +286,7 @@ def choose_layers(
             only = f": only {', '.join(matched)}, which {stay} in high precision" if matched else ""
             raise ValueError(
                 f"Fp8Config recipes pattern {pattern!r} matches no converted layer{only}. "
-                f"Converted layers: {listing}." + _stack_hint(pattern, linears)
+                f"Converted layers: {listing}." + stack_hint(pattern, linears)
             )
     return fates
 
@@ -319,7 +319,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             raise ValueError(
                 f"Fp8Config targets={config.targets!r} matches no Linear layer (the regex must "
                 f"match the whole dotted path). Linear layers: {listing}."
-                + _stack_hint(config.targets, linears)
+                + stack_hint(config.targets, linears)
             )
         _check_excluded(config, [p for p in hits if excluded(p)], hits)
         return
@@ -337,11 +337,11 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             )
         raise ValueError(
             f"Fp8Config target {name!r} matches no Linear layer. Linear layers: {listing}."
-            + _stack_hint(name, linears)
+            + stack_hint(name, linears)
         )
 
 
-def _stack_hint(pattern: str, linears: list) -> str:
+def stack_hint(pattern: str, linears: list) -> str:
     """Why `pattern` selects no layer where it names one layer of a Haliax `Stacked` by its
     index (`blocks.0.up`; up to 1024 layers): the stack's layers are one layer
     (`blocks.stacked.up`). Only on the error's path: its hundreds of matches cost nothing."""

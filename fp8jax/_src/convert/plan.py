@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, final
 
 from ..gemm import grouped_rules
-from .config import DEFAULT_EXCLUDE, ROLES, Fp8Config, choose_layers
+from .config import DEFAULT_EXCLUDE, ROLES, Fp8Config, choose_layers, stack_hint
 from .roles import Dataflow, ModelShapes, role_of
 
 
@@ -140,9 +140,11 @@ def make_plan(
         layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
     unmatched = []
     if config.exclude not in (None, DEFAULT_EXCLUDE) and not any(map(config.excludes, fates)):
+        hint = stack_hint(config.exclude, [(p, None) for p in fates]).rstrip(".")
         unmatched.append(
             f"exclude={config.exclude!r} (it must match a layer's last name or its whole "
             "dotted path) keeps no layer in high precision; it replaces DEFAULT_EXCLUDE"
+            + (f";{hint}" if hint else "")
         )
     return ConversionPlan(tuple(layers), tuple(unconverted), traced, tuple(kept), tuple(unmatched))
 
