@@ -155,6 +155,7 @@ def _stacked_experts(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[st
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
+    shown = repr(name) if name else "(root)"  # how errors name it: as plans print its path
     kernel = layer.kernel.get_value()
     if _kind(layer) == "linear":
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
@@ -163,7 +164,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
     if _kind(layer) == "experts":
         if kernel.ndim != 3:
             raise ValueError(
-                f"fp8_linear_layers: the NnxGroupedLinear {name!r} has a kernel of shape "
+                f"fp8_linear_layers: the NnxGroupedLinear {shown} has a kernel of shape "
                 f"{tuple(kernel.shape)}; stacked expert layers (nnx.vmap) are not converted."
             )
         return Fp8NnxRaggedDot(
@@ -186,7 +187,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
         try:
             return Fp8NnxDotGeneral(recipe, None, name, config.telemetry, stacked=stacked)
         except ValueError as e:
-            what = f"nnx.LinearGeneral {name!r} (batch_axis={dict(layer.batch_axis)}"
+            what = f"nnx.LinearGeneral {shown} (batch_axis={dict(layer.batch_axis)}"
             raise _batch_axes_refused(what, kernel.shape, recipe, e) from None
     # Its kernel is (*stacked, *kernel_shape): a stack built under nnx.vmap has one per layer.
     own = _einsum_kernel(layer)
@@ -196,7 +197,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
             check_einsum(layer.einsum_str, len(own))
         except ValueError as e:
             raise ValueError(
-                f"fp8_linear_layers: nnx.Einsum {name!r} ({layer.einsum_str!r}, kernel "
+                f"fp8_linear_layers: nnx.Einsum {shown} ({layer.einsum_str!r}, kernel "
                 f"{tuple(kernel.shape)}): {e} Exclude it (Fp8Config targets or exclude) to keep "
                 "it in high precision."
             ) from None
@@ -204,7 +205,7 @@ def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> Abstract
     try:
         return Fp8NnxEinsum(recipe, shape, name, config.telemetry, stacked=stacked)
     except ValueError as e:
-        what = f"nnx.Einsum {name!r} ({layer.einsum_str!r}"
+        what = f"nnx.Einsum {shown} ({layer.einsum_str!r}"
         raise _batch_axes_refused(what, kernel.shape, recipe, e) from None
 
 
