@@ -961,3 +961,26 @@ def test_the_faqs_cost_model_against_the_gpu_is_run_6s():
     estimated = re.findall(r"cost model ESTIMATE [\d.]+ ms \(([\d.]+)x\)", row)
     assert measured == [got_8b, got_1b], (measured, row)
     assert estimated == [est_8b, est_1b], (estimated, row)
+
+
+def test_results_quote_the_gpts_fsdp_reduce_scatter_as_measured():
+    """benchmarks/RESULTS.md put the example GPT's FSDP reduce-scatter at 108.0 MiB a GPU, read
+    before 47930f4 with an async reduce-scatter's operands counted beside its results (96 +
+    12); the jax 0.11.2 rerun reads 12.0. The figures RESULTS quotes are the FSDP rows' of the
+    file it cites, and the reduce-scatter is the blocks' BF16 weight gradients (4 of width^2,
+    2 of mlp_ratio x width^2 a layer) over the 8 GPUs, from the shape the file prints."""
+    measured = (ROOT / "benchmarks" / "results" / "scaling_out_gpt.txt").read_text()
+    fsdp = measured[measured.index("fsdp: {'data': 8}") : measured.index("tensor: {")]
+    shape = dict(re.findall(r"(layers|width|mlp_ratio)=(\d+)", measured))
+    layers, width, ratio = (int(shape[k]) for k in ("layers", "width", "mlp_ratio"))
+    shard = layers * (4 + 2 * ratio) * width**2 * 2 / 8 / 2**20
+    moved = {
+        op: {float(m) for m in re.findall(rf"'{op}': '([\d.]+) MiB", fsdp)}
+        for op in ("all-reduce", "reduce-scatter")
+    }
+    assert moved["reduce-scatter"] == {shard}, (moved, shard)
+    (quoted,) = re.findall(
+        r"all-reduce \(([\d.]+) MiB\) and reduce-scatter \(([\d.]+) MiB\) equal BF16's",
+        _prose("benchmarks/RESULTS.md"),
+    )
+    assert [{float(q)} for q in quoted] == [moved["all-reduce"], moved["reduce-scatter"]], quoted
