@@ -12,7 +12,8 @@ weight gradients are compared with float64 gradients of the same weights and bat
 Frobenius error; 1.0 means nothing of the gradient survived). Then the cost: peers.py's MLP
 train step compiled for an H100 without a GPU (cuBLAS mode and XLA's defaults), warm start on
 and off: temp memory (`memory_analysis`) and `fp8jax.hlo_cost`'s non-GEMM bytes and estimated
-step time (an ESTIMATE at H100 peaks, nothing runs on a GPU).
+step time (an ESTIMATE at H100 peaks, nothing runs on a GPU), and where the bytes go: per
+category, and the kernels of 16 MB or more.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fp8jax  # noqa: E402
+from fp8jax._src.observe.roofline import CATEGORIES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import train_steps  # noqa: E402
@@ -115,6 +117,7 @@ def cost() -> None:
     print("\n## Cost: peers.py's MLP train step, deviceless H100 (an ESTIMATE)\n")
     print("| warm_start | mode | temp MiB | non-GEMM MB | estimated step µs |")
     print("|---|---|---|---|---|")
+    kernels = []
     for warm in (False, True):
         train_steps.RECIPES["delayed"] = fp8jax.DelayedScaling(warm_start=warm)
         model = train_steps.variant(mlp, "fp8jax delayed")
@@ -128,6 +131,18 @@ def cost() -> None:
                 f"| {warm} | {mode} | {temp:.1f} | {c.total_bytes / 1e6:.1f} | "
                 f"{c.estimate_seconds() * 1e6:.1f} |"
             )
+            kernels.append((warm, mode, c))
+    print("\n## Where the bytes go: non-GEMM MB by category, and the kernels of 16 MB or more\n")
+    print(f"| warm_start | mode | {' | '.join(CATEGORIES)} | kernels of 16 MB or more (MB) |")
+    print("|---|---|" + "---|" * len(CATEGORIES) + "---|")
+    for warm, mode, c in kernels:
+        big = ", ".join(
+            f"{k.name} ({k.category}) {k.bytes * k.runs / 1e6:.1f}"
+            for k in c.kernels
+            if k.category is not None and k.bytes * k.runs >= 16e6
+        )
+        split = " | ".join(f"{c.bytes.get(cat, 0) / 1e6:.1f}" for cat in CATEGORIES)
+        print(f"| {warm} | {mode} | {split} | {big} |")
 
 
 if __name__ == "__main__":
