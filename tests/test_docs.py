@@ -1024,3 +1024,38 @@ def test_results_explain_the_warm_starts_cost_by_the_kernels_measured():
         for mode in ("cublas", "default"):
             assert (name, size) in rows[on, mode][1], (name, size, on, mode)
             assert (name, size) not in rows[not on, mode][1], (name, size, mode)
+
+
+def test_results_quote_the_store_widths_as_measured():
+    """benchmarks/RESULTS.md quotes `store_widths.py`'s PTX store counts (session 42's run);
+    its rerun counts current scaling's other kernels 21 (82 4-byte stores) where that run
+    counted 19 (79). The counts and the range of bytes a store RESULTS quotes (the steady
+    state's fused casts and current scaling's) are those of the file it cites."""
+    measured = (ROOT / "benchmarks" / "results" / "store_widths.txt").read_text()
+    rows = {}
+    for variant, cls, kernels, spread, per in re.findall(
+        r"^\| 1B +\| ([\w-]+) +\| ([\w /]+?) +\| (\d+) +\| ([^|]+?) +\| ([\d.]+) +\|$",
+        measured,
+        re.M,
+    ):
+        stores = {int(w): int(n) for n, w in re.findall(r"(\d+) x (\d+) B", spread)}
+        rows[variant, cls] = (int(kernels), stores, float(per))
+    text = _prose("benchmarks/RESULTS.md")
+    (byte, total, casts, current, low, high, wide, kernel) = re.findall(
+        r"(\d+) of the (\d+) global stores of the steady state's (\w+) distinct transposing "
+        r"casts before session 42, all (\d+) of current scaling's\), .*?; ([\d.]+)-([\d.]+) "
+        r"bytes a store on average over the other kernels\), .*?(\d+) of its (\d+) stores\)",
+        text,
+    )[0]
+    count, fused, _ = rows["delayed-steady-fused", "transposing cast"]
+    assert (int(byte), int(total)) == (fused[1], sum(fused.values())), (byte, total, fused)
+    assert {"twelve": 12}.get(casts) == count, (casts, count)
+    assert int(current) == rows["current", "transposing cast"][1].get(1), current
+    others = [
+        rows[v, c][2] for v in ("delayed-steady-fused", "current") for c in ("reduction", "other")
+    ]
+    assert (float(low), float(high)) == (min(others), max(others)), (low, high, others)
+    (scalar,) = re.findall(r"current scaling's scalar kernels, (\d+) where session 42", text)
+    assert int(scalar) == rows["current", "other"][0], (scalar, rows["current", "other"])
+    ours = rows["delayed-steady-kernel-grads", "fp8jax kernel"][1]
+    assert (int(wide), int(kernel)) == (ours[16], sum(ours.values())), (wide, kernel, ours)
