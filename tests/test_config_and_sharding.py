@@ -234,3 +234,25 @@ def test_a_dotted_dict_key_prints_as_a_nesting_and_is_selected_with_it():
         "a.b",
     )
     assert 'holding a "."' in fp8jax.Fp8Config.__doc__
+
+
+def test_targets_and_keep_given_as_sets_configure_as_lists(getkey):
+    """`targets` and `keep` are held as sets (sorted; in `ROLES`' order), so a Python set or
+    frozenset of them is what a list is: it was refused ("should be a list of layer names",
+    "should be a tuple of roles"). It equals, hashes and prints as the list's config."""
+    for given in ({"b", "a"}, frozenset({"a", "b"})):
+        config, listed = fp8jax.Fp8Config(targets=given), fp8jax.Fp8Config(targets=["a", "b"])
+        assert config == listed and hash(config) == hash(listed) and repr(config) == repr(listed)
+    for given in ({"router", "head"}, frozenset({"head"}), set()):
+        config, listed = fp8jax.Fp8Config(keep=given), fp8jax.Fp8Config(keep=list(given))
+        assert config == listed and hash(config) == hash(listed) and repr(config) == repr(listed)
+        assert set(config.keep) == set(given)
+    model = {n: eqx.nn.Linear(4, 4, key=getkey()) for n in ("a", "b", "c")}
+    assert fp8jax.conversion_plan(model, fp8jax.Fp8Config(targets={"a", "b"})).converted == (
+        "a",
+        "b",
+    )
+    with pytest.raises(ValueError, match=r"targets=\{1\}.*list of layer names \(or a set\)"):
+        fp8jax.Fp8Config(targets={1})
+    with pytest.raises(ValueError, match=r"keep=\{'tail'\}.*among \('head', 'router'\)"):
+        fp8jax.Fp8Config(keep={"tail"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, final
 
 import jax
@@ -34,12 +34,13 @@ class Fp8Config:
 
     **Arguments:**
 
-    - `targets`: `None` (every Linear not excluded), a list of names (a Linear matches when its
-      last path component, e.g. `"fc1"`, or its whole dotted path, e.g. `"blocks.0.mlp.fc1"`,
-      is listed; a set: held sorted), or a regular expression that must match the whole dotted path
-      (`r".*mlp.*"`). A bare Linear's path is `"(root)"`, as plans print it, in targets,
-      `exclude` and `recipes`. Paths join names with ".", so a dict key holding a "." (`"a.b"`)
-      prints, and is selected, as the nesting `{"a": {"b": ...}}` is.
+    - `targets`: `None` (every Linear not excluded), a list or set of names (a Linear matches
+      when its last path component, e.g. `"fc1"`, or its whole dotted path, e.g.
+      `"blocks.0.mlp.fc1"`, is listed; held as a sorted tuple), or a regular expression that
+      must match the whole dotted path (`r".*mlp.*"`). A bare Linear's path is `"(root)"`, as
+      plans print it, in targets, `exclude` and `recipes`. Paths join names with ".", so a dict
+      key holding a "." (`"a.b"`) prints, and is selected, as the nesting `{"a": {"b": ...}}`
+      is.
     - `recipe`: the scaling recipe of converted layers, an instance or a name (`"delayed"`,
       `"current"`, `"blockwise"`, `"mxfp8"`, `"residual"`).
     - `recipes`: per-layer overrides, a mapping from patterns to recipes. A pattern matches a
@@ -54,7 +55,7 @@ class Fp8Config:
     - `keep`: the roles whose Linears stay in high precision, whatever their name:
       `"head"` (the output head: its output is the model's output, or its width is the
       vocabulary) and `"router"` (a mixture of experts' router: its output feeds the top-k
-      expert choice, or its width is the expert count), in any order. Default both; `()`
+      expert choice, or its width is the expert count), a tuple or set. Default both; `()`
       converts heads and routers too. A Linear named in a list of `targets` is converted
       whatever its role. How roles are found: the Conversion guide ("Which layers become
       FP8").
@@ -72,11 +73,11 @@ class Fp8Config:
     ```
     """
 
-    targets: str | Sequence[str] | None = None
+    targets: str | Sequence[str] | Set[str] | None = None
     recipe: Recipe | str | None = None
     recipes: Mapping[str, Recipe | str] | None = None
     exclude: str | None = DEFAULT_EXCLUDE
-    keep: Sequence[str] = ROLES
+    keep: Sequence[str] | Set[str] = ROLES
     telemetry: bool = False
     grouped_native_kernel: bool | None = None
 
@@ -96,13 +97,13 @@ class Fp8Config:
         keep = self.keep
         if (
             isinstance(keep, str)
-            or not isinstance(keep, Sequence)
+            or not isinstance(keep, Sequence | Set)
             or not all(isinstance(k, str) for k in keep)
             or set(keep) - set(ROLES)
         ):
             raise ValueError(
                 f"Fp8Config keep={keep!r}: should be a tuple of roles among {ROLES!r} "
-                "(() keeps no layer for its role)."
+                "(or a set; () keeps no layer for its role)."
             )
         # A set of roles, held in `ROLES`' order: equal, hashed and printed alike however given.
         object.__setattr__(self, "keep", tuple(r for r in ROLES if r in keep))
@@ -110,10 +111,12 @@ class Fp8Config:
         if isinstance(targets, str):
             _compile("targets", targets)
         elif targets is not None:
-            if not isinstance(targets, Sequence) or not all(isinstance(t, str) for t in targets):
+            if not isinstance(targets, Sequence | Set) or not all(
+                isinstance(t, str) for t in targets
+            ):
                 raise ValueError(
                     f"Fp8Config targets={targets!r}: should be None, a regex string or a list "
-                    "of layer names."
+                    "of layer names (or a set)."
                 )
             # A set of names, held sorted: equal, hashed and printed alike however given.
             object.__setattr__(self, "targets", tuple(sorted(set(targets))))
