@@ -1087,3 +1087,26 @@ def test_results_quote_the_tiny_gpts_temp_memory_as_rerun():
     )
     quoted = [delayed, current, blockwise]
     assert quoted == [temp[f"fp8jax {r}"] for r in ("delayed", "current", "blockwise")], temp
+
+
+def test_every_summary_of_the_router_by_width_names_the_module_holding_the_experts():
+    """Without a trace a router is a Linear as wide as an expert layer's expert count that
+    belongs to the module holding the experts or one above it (`roles.role_of`; the
+    Conversion guide's table: "in its own module ... or one below"). README's summaries, the
+    `Fp8Config.keep` and `fp8_linear_layers` docstrings said only "its width is the expert
+    count", which an attention projection as wide as the experts also is."""
+    guide = _prose("docs/conversion.md")
+    (row,) = re.findall(r"\| router \|[^\n]*?\| ([^|]*) \|", guide)
+    assert "expert layer in its own module" in row and "or one below" in row, row
+    assert "that belongs to the module holding them or to one above it" in guide
+    texts = {
+        "README.md": _prose("README.md"),
+        "Fp8Config": " ".join(fp8jax.Fp8Config.__doc__.split()),
+        "fp8_linear_layers": " ".join(fp8jax.fp8_linear_layers.__doc__.split()),
+    }
+    for name, text in texts.items():
+        widths = [m.end() for m in re.finditer(r"expert[ -]count", text)]
+        assert widths, name
+        for at in widths:
+            near = text[at : at + 90]
+            assert "module holding the experts or one above it" in near, (name, near)

@@ -55,7 +55,8 @@ class Fp8Config:
     - `keep`: the roles whose Linears stay in high precision, whatever their name:
       `"head"` (the output head: its output is the model's output, or its width is the
       vocabulary) and `"router"` (a mixture of experts' router: its output feeds the top-k
-      expert choice, or its width is the expert count), a tuple or set. Default both; `()`
+      expert choice, or its width is the expert count and it is a Linear of the module holding
+      the experts or one above it, not a head), a tuple or set. Default both; `()`
       converts heads and routers too. A Linear named in a list of `targets` is converted
       whatever its role. How roles are found: the Conversion guide ("Which layers become
       FP8").

@@ -154,7 +154,8 @@ def fp8_linear_layers(
       model's dataflow: the head is the layer whose GEMM is the last before the output, a
       router the layer whose output feeds a top-k. Without it, from shapes: a layer as wide
       as the largest embedding table is a head, one as wide as an expert layer's expert
-      count a router. A Linen model is always traced (at `init`).
+      count, in the module holding the experts or one above it, a router. A Linen model is
+      always traced (at `init`).
     - `explain`: print which layers run in FP8 and why the others do not (a
       [`fp8jax.ConversionPlan`][]; a Linen model prints it at `init`).
 
