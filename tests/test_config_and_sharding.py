@@ -203,23 +203,43 @@ def test_fp8_gemm_runs_in_an_eager_shard_map_as_in_a_jitted_one():
 @pytest.mark.parametrize(
     "kwargs, converted",
     [
-        (dict(targets="(root)"), ("",)),
-        (dict(targets=["(root)"]), ("",)),
+        (dict(targets="(root)"), ("(root)",)),
+        (dict(targets=["(root)"]), ("(root)",)),
         (dict(exclude="(root)"), ()),
-        (dict(recipes={"(root)": "current"}), ("",)),
+        (dict(recipes={"(root)": "current"}), ("(root)",)),
+        (dict(targets="(root)|fc"), ("(root)",)),
+        (dict(targets=r"\(root\)"), ("(root)",)),
+        (dict(exclude="(root)|head"), ()),
+        (dict(exclude=".*"), ()),
+        (dict(recipes={"fc|(root)": "current"}), ("(root)",)),
     ],
-    ids=["targets-regex", "targets-list", "exclude", "recipes"],
+    ids=[
+        "targets-regex",
+        "targets-list",
+        "exclude",
+        "recipes",
+        "targets-alternatives",
+        "targets-escaped",
+        "exclude-alternatives",
+        "exclude-everything",
+        "recipes-alternatives",
+    ],
 )
 def test_a_bare_linear_is_named_by_the_path_its_plan_prints(kwargs, converted):
     """A bare Linear's plan prints its path as `(root)`, which targets, exclude and recipes
     refused or ignored (targets: "matches no Linear layer. Linear layers: '(root)'"); each
-    takes it, as the plan's other paths."""
+    takes it, as the plan's other paths, alone or as a regex's alternative (`"(root)|head"`,
+    which matched no root), and the plan's lists name it as it prints it (they held '')."""
     linear = eqx.nn.Linear(4, 4, key=jax.random.PRNGKey(0))
     assert "(root)" in str(fp8jax.conversion_plan(linear, fp8jax.Fp8Config()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fp8jax.Fp8ConversionWarning)  # nothing converted
         plan = fp8jax.conversion_plan(linear, fp8jax.Fp8Config(**kwargs))
     assert plan.converted == converted
+    assert [c.path for c in plan.layers] == ["(root)"]
+    assert list(plan.kept) == ([] if converted else ["(root)"])
+    row = str(plan).splitlines()[-1]
+    assert row.split()[0] == plan.layers[0].path, row  # the printed path is the plan's
     if "recipes" in kwargs:
         assert "CurrentScaling" in plan.layers[0].why
 

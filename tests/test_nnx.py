@@ -1263,7 +1263,9 @@ def test_a_layer_whose_kernel_is_not_floating_stays_in_high_precision_as_in_equi
     eqx_plan = fp8jax.conversion_plan(
         eqx.nn.Linear(8, 8, key=jax.random.key(0), dtype=jnp.complex64), config()
     )
-    assert eqx_plan.kept == {"": "its weight is complex64, not a floating dtype FP8 could round"}
+    assert eqx_plan.kept == {
+        "(root)": "its weight is complex64, not a floating dtype FP8 could round"
+    }
     converted = fp8jax.fp8_linear_layers(model, config())
     assert converted.ints.dot_general is jax.lax.dot_general
     assert converted.waves.dot_general is jax.lax.dot_general

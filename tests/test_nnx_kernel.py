@@ -216,7 +216,7 @@ class DropProjection(nnx.Module):
 
 def test_a_kernel_modules_call_writes_back_its_variables_and_runs_its_children():
     model = fp8jax.fp8_linear_layers(DropProjection(nnx.Rngs(0)), config("current"))
-    assert fp8jax.conversion_plan(model, config()).converted == ("", "fc")
+    assert fp8jax.conversion_plan(model, config()).converted == ("(root)", "fc")
     assert isinstance(model.fc.dot_general, fp8jax.Fp8NnxDotGeneral)
     call = nnx.jit(lambda m, x: m(x))
     x = jnp.ones((4, 32))
@@ -343,7 +343,7 @@ def test_a_linear_subclass_with_a_call_of_its_own_runs_its_kernel_gemm_in_fp8():
     layer = GatedLinear(32, 16, rngs=nnx.Rngs(0))
     ours = fp8jax.fp8_linear_layers(layer, config("current"))
     theirs = fp8jax.fp8_linear_layers(Gated(layer), config("current"))
-    assert fp8jax.conversion_plan(layer, config()).converted == ("",)
+    assert fp8jax.conversion_plan(layer, config()).converted == ("(root)",)
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
     c = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)

@@ -38,7 +38,8 @@ class Fp8Config:
       when its last path component, e.g. `"fc1"`, or its whole dotted path, e.g.
       `"blocks.0.mlp.fc1"`, is listed; held as a sorted tuple), or a regular expression that
       must match the whole dotted path (`r".*mlp.*"`). A bare Linear's path is `"(root)"`, as
-      plans print it, in targets, `exclude` and `recipes`. Paths join names with ".", so a dict
+      plans print it, in targets, `exclude` and `recipes` (also as one alternative of a regex,
+      `"(root)|head"`, its parentheses read literally). Paths join names with ".", so a dict
       key holding a "." (`"a.b"`) prints, and is selected, as the nesting `{"a": {"b": ...}}`
       is.
     - `recipe`: the scaling recipe of converted layers, an instance or a name (`"delayed"`,
@@ -171,9 +172,8 @@ class Fp8Config:
         """Whether `targets` names the Linear at `path` (before `exclude`)."""
         if self.targets is None:
             return True
-        dotted = ".".join(path)
         if isinstance(self.targets, str):
-            return _is_root(self.targets, path) or re.fullmatch(self.targets, dotted) is not None
+            return _fullmatch(self.targets, path)
         return self.names(path)
 
     def names(self, path: tuple[str, ...]) -> bool:
@@ -185,14 +185,10 @@ class Fp8Config:
 
     def excludes(self, path: tuple[str, ...]) -> bool:
         """Whether `exclude` keeps the Linear at `path` in high precision."""
-        return self.exclude is not None and (
-            _is_root(self.exclude, path)
-            or bool(path)
-            and (
-                re.fullmatch(self.exclude, path[-1]) is not None
-                or re.fullmatch(self.exclude, ".".join(path)) is not None
-            )
-        )
+        if self.exclude is None:
+            return False
+        last = bool(path) and re.fullmatch(self.exclude, path[-1]) is not None
+        return last or _fullmatch(self.exclude, path)
 
     def recipe_for(self, path: tuple[str, ...]) -> Recipe:
         """The recipe of the layer at `path`: the first matching override, else `recipe`."""
@@ -213,22 +209,34 @@ def _is_pairs(x: Any) -> bool:
 ROOT = "(root)"
 
 
-def _is_root(pattern: str, path: tuple[str, ...]) -> bool:
-    """Whether `pattern` names the root layer by the name plans print for it."""
-    return not path and pattern == ROOT
+def dotted(path: tuple[str, ...]) -> str:
+    """A layer's path as plans print it: its names joined by ".", the root's `ROOT`."""
+    return ".".join(path) or ROOT
+
+
+def _fullmatch(pattern: str, path: tuple[str, ...]) -> bool:
+    """Whether the regex `pattern` matches the whole dotted path of the layer at `path`; the
+    root's is `ROOT`, which a pattern names as it is printed, also as one alternative
+    (`"(root)|head"`, its parentheses read literally)."""
+    if path:
+        return re.fullmatch(pattern, ".".join(path)) is not None
+    if pattern == ROOT or re.fullmatch(pattern, ROOT) is not None:
+        return True
+    try:
+        return re.fullmatch(pattern.replace(ROOT, re.escape(ROOT)), ROOT) is not None
+    except re.error:
+        return False
 
 
 def _matches_name(name: str, path: tuple[str, ...]) -> bool:
     """Whether a list's target `name` names the layer at `path`: its last name, its whole
     path, or the root's."""
-    return ".".join(path) == name or (bool(path) and path[-1] == name) or _is_root(name, path)
+    return dotted(path) == name or (bool(path) and path[-1] == name)
 
 
 def _matches(pattern: str, path: tuple[str, ...]) -> bool:
     """A name or regex `pattern` against a layer path: the last name, or the whole path."""
-    if _is_root(pattern, path):
-        return True
-    return (bool(path) and path[-1] == pattern) or re.fullmatch(pattern, ".".join(path)) is not None
+    return (bool(path) and path[-1] == pattern) or _fullmatch(pattern, path)
 
 
 def _recipe_of(pattern: str, recipe: Recipe | str) -> Recipe:
@@ -280,12 +288,8 @@ def choose_layers(
     chosen = {p for p, fate in fates.items() if fate == "fp8"}
     for pattern, _ in config.recipes or ():
         if not any(_matches(pattern, p) for p in chosen):
-            listing = ", ".join(repr(".".join(p) or "(root)") for p in sorted(chosen)) or "none"
-            matched = [
-                f"{'.'.join(p) or '(root)'!r} ({fates[p]})"
-                for p in sorted(fates)
-                if _matches(pattern, p)
-            ]
+            listing = ", ".join(repr(dotted(p)) for p in sorted(chosen)) or "none"
+            matched = [f"{dotted(p)!r} ({fates[p]})" for p in sorted(fates) if _matches(pattern, p)]
             stay = "stays" if len(matched) == 1 else "stay"
             only = f": only {', '.join(matched)}, which {stay} in high precision" if matched else ""
             raise ValueError(
@@ -296,7 +300,7 @@ def choose_layers(
 
 
 def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_module) -> None:
-    listing = ", ".join(repr(".".join(p) or "(root)") for p, _ in linears) or "none"
+    listing = ", ".join(repr(dotted(p)) for p, _ in linears) or "none"
     if not linears:
         raise ValueError(
             "fp8_linear_layers found no Linear layer in the tree. It converts eqx.nn.Linear, "

@@ -20,7 +20,7 @@ from ..layers.linear import Linear, one_of_stack
 from ..layers.moe_linear import Fp8MoELinear
 from ..ops.dot_general import Fp8DotGeneral
 from ..ops.ragged_dot import Fp8RaggedDot
-from .config import Fp8Config, stacked_dot_general
+from .config import Fp8Config, dotted, stacked_dot_general
 from .plan import (
     ConversionPlan,
     Converted,
@@ -373,7 +373,7 @@ def fp8_equinox_linear_layers(
     announce(plan, explain, "Equinox" if hnn is None else "Equinox/Haliax")
     linears = [(p, n) for p, n in _walk(tree, (), hnn) if _kind(n, hnn) == "linear"]
     own = _haliax_own_gemm(linears, hnn)
-    kept = [".".join(p) for p, why in own.items() if plan.kept.get(".".join(p)) == why]
+    kept = [dotted(p) for p, why in own.items() if plan.kept.get(dotted(p)) == why]
     quantized = [p for p in kept if "haliax.quantization" in plan.kept[p]]
     if quantized:
         warnings.warn(

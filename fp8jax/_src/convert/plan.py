@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, final
 
 from ..gemm import grouped_rules
-from .config import DEFAULT_EXCLUDE, ROLES, Fp8Config, choose_layers, stack_hint
+from .config import DEFAULT_EXCLUDE, ROLES, Fp8Config, choose_layers, dotted, stack_hint
 from .roles import Dataflow, ModelShapes, role_of
 
 
@@ -20,9 +20,9 @@ class Fp8ConversionWarning(UserWarning):
 @final
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
-    """One layer of a [`fp8jax.ConversionPlan`][]: its dotted `path`, its `kind` (the
-    class it is), whether it runs in FP8 (`fp8`) and `why`: the recipe, or why it stays in
-    high precision (its role, its name, not targeted, ...)."""
+    """One layer of a [`fp8jax.ConversionPlan`][]: its dotted `path` (a bare layer's:
+    `(root)`), its `kind` (the class it is), whether it runs in FP8 (`fp8`) and `why`: the
+    recipe, or why it stays in high precision (its role, its name, not targeted, ...)."""
 
     path: str
     kind: str
@@ -59,7 +59,7 @@ class ConversionPlan:
 
     @property
     def converted(self) -> tuple[str, ...]:
-        """The paths of the layers that run in FP8."""
+        """The paths of the layers that run in FP8 (as printed: a bare layer's is `(root)`)."""
         return tuple(c.path for c in self.layers if c.fp8)
 
     @property
@@ -68,7 +68,7 @@ class ConversionPlan:
         return {c.path: c.why for c in self.layers if not c.fp8}
 
     def __str__(self) -> str:
-        width = max([len(c.path or "(root)") for c in self.layers] + [5])
+        width = max([len(c.path) for c in self.layers] + [5])
         kind = max([len(c.kind) for c in self.layers] + [4])
         how = "from a trace of the model's call" if self.traced else "from shapes and names"
         lines = [
@@ -78,7 +78,7 @@ class ConversionPlan:
         ]
         for c in self.layers:
             what = f"FP8 ({c.why})" if c.fp8 else f"high: {c.why}"
-            lines.append(f"{c.path or '(root)':<{width}}  {c.kind:<{kind}}  {what}")
+            lines.append(f"{c.path:<{width}}  {c.kind:<{kind}}  {what}")
         lines += [f"not convertible: {u}" for u in self.unconverted]
         lines += [f"FP8 already, kept as it is: {k}" for k in self.kept_as_converted]
         lines += [f"matches nothing: {u}" for u in self.unmatched]
@@ -107,7 +107,7 @@ def _differs(config: Fp8Config, path: tuple[str, ...], fate: str, has: Converted
     """How `config` would convert the FP8 layer at `path` otherwise, or None."""
     recipe, telemetry = has
     wanted = config.recipe_for(path) if fate == "fp8" else None
-    name = f"{'.'.join(path) or '(root)'} ({_show(recipe, wanted)}"
+    name = f"{dotted(path)} ({_show(recipe, wanted)}"
     if wanted is None:
         return f"{name}; the config: high precision, {fate})"
     if wanted != recipe:
@@ -137,7 +137,7 @@ def make_plan(
             kept += [differs] if differs else []
         else:
             why = type(config.recipe_for(path)).__name__ if fp8 else fates[path]
-        layers.append(LayerChoice(".".join(path), kinds[path], fp8, why))
+        layers.append(LayerChoice(dotted(path), kinds[path], fp8, why))
     unmatched = []
     if config.exclude not in (None, DEFAULT_EXCLUDE) and not any(map(config.excludes, fates)):
         hint = stack_hint(config.exclude, [(p, None) for p in fates]).rstrip(".")
@@ -189,7 +189,7 @@ def decide(
     if flow is not None:
         known = {p for p, _ in layers} | set(shapes.embeddings)
         unconverted = [
-            f"{'.'.join(p) or '(root)'} ({advice(p)})"
+            f"{dotted(p)} ({advice(p)})"
             for p in sorted(flow.gemms)
             if p not in known and not flow.keeps(p)
         ]
@@ -226,7 +226,7 @@ def announce(plan: ConversionPlan, explain: bool, framework: str, stacklevel: in
             f"fp8_linear_layers: Fp8Config {what}.", Fp8ConversionWarning, stacklevel=stacklevel
         )
     if not plan.converted:
-        kept = "; ".join(f"{c.path or '(root)'}: {c.why}" for c in plan.layers)
+        kept = "; ".join(f"{c.path}: {c.why}" for c in plan.layers)
         advice = (
             "Pass Fp8Config(keep=()) to convert heads and routers, exclude=None to ignore "
             "names, or name the layers in targets."

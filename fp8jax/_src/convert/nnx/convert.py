@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config import Fp8Config
+from ..config import Fp8Config, dotted
 from ..einsum import check_einsum, einsum_kernel_shape
 from ..plan import ConversionPlan, Converted, Fp8ConversionWarning, announce, decide
 from ..roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
@@ -443,11 +443,7 @@ def fp8_nnx_linear_layers(
     model = nnx.clone(model, graph=True)
     plan, chosen, layers = nnx_plan(model, config, example)
     announce(plan, explain, "Flax NNX")
-    own = [
-        ".".join(p) or "(root)"
-        for p, why in _own_gemm(layers).items()
-        if plan.kept.get(".".join(p)) == why
-    ]
+    own = [dotted(p) for p, why in _own_gemm(layers).items() if plan.kept.get(dotted(p)) == why]
     if own:
         warnings.warn(
             f"fp8_linear_layers: {len(own)} NNX layer(s) with a GEMM op of their own keep it, "
