@@ -968,3 +968,22 @@ def test_an_index_exclude_on_a_stacked_says_why_it_keeps_nothing(getkey):
     (unmatched,) = plan.unmatched
     assert "'1.up' names layers of a haliax Stacked by index" in unmatched, unmatched
     assert "use 'stacked.up'" in unmatched
+
+
+def test_the_stacked_hint_is_for_a_haliax_stacked_only_and_every_layer_of_it(getkey):
+    """The hint that an index pattern names a Stacked's layers looked for a path name
+    `stacked`: an Equinox field so named (no Stacked) got it, and a Stacked of 1200 layers
+    did not for an index past 1023. It goes by the node: the Stacked's own layer count."""
+
+    class Plain(eqx.Module):
+        stacked: list
+
+    plain = Plain([eqx.nn.Linear(2, 2, key=getkey())])
+    with pytest.raises(ValueError) as info:
+        fp8jax.conversion_plan(plain, fp8jax.Fp8Config(targets="0.0"))
+    assert "matches no Linear layer" in str(info.value)
+    assert "haliax Stacked" not in str(info.value), info.value
+    Many, In, Out = hax.Axis("layers", 1200), hax.Axis("in", 2), hax.Axis("out", 2)
+    stack = hnn.Stacked.init(Many, hnn.Linear)(In, Out, key=jax.random.split(getkey(), 1200))
+    with pytest.raises(ValueError, match=r"'1100' names layers of a haliax Stacked by index"):
+        fp8jax.conversion_plan(stack, fp8jax.Fp8Config(targets="1100"))

@@ -261,6 +261,7 @@ def choose_layers(
     is_module: Callable[[Any], bool],
     roles: Mapping[tuple[str, ...], str] | None = None,
     kept: Mapping[tuple[str, ...], str] | None = None,
+    stacks: Mapping[tuple[str, ...], int] | None = None,
 ) -> dict[tuple[str, ...], str]:
     """Each Linear's fate under `config`: `"fp8"` or why it stays in high precision, after
     checking that every target and per-layer recipe pattern selects something.
@@ -270,9 +271,11 @@ def choose_layers(
     layers among them, `is_module` tells a module of the framework from other nodes,
     `roles` gives the layers with a role (`"head: ..."`, `"router: ..."`, see
     `convert/roles.py`) and `kept` the layers that stay in high precision whatever the
-    config, each with why (a tied weight, a complex one, ...).
+    config, each with why (a tied weight, a complex one, ...); `stacks` the paths of the
+    Haliax `Stacked`s with their layer counts (for `stack_hint`).
     """
-    _check_targets(config, nodes, linears, config.targets_path, config.excludes, is_module)
+    stacks = stacks or {}
+    _check_targets(config, nodes, linears, is_module, stacks)
     roles = roles or {}
     fates = {}
     for path, _ in linears:
@@ -294,12 +297,13 @@ def choose_layers(
             only = f": only {', '.join(matched)}, which {stay} in high precision" if matched else ""
             raise ValueError(
                 f"Fp8Config recipes pattern {pattern!r} matches no converted layer{only}. "
-                f"Converted layers: {listing}." + stack_hint(pattern, linears)
+                f"Converted layers: {listing}." + stack_hint(pattern, linears, stacks)
             )
     return fates
 
 
-def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_module) -> None:
+def _check_targets(config: Fp8Config, nodes, linears, is_module, stacks) -> None:
+    targeted, excluded = config.targets_path, config.excludes
     listing = ", ".join(repr(dotted(p)) for p, _ in linears) or "none"
     if not linears:
         raise ValueError(
@@ -327,7 +331,7 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             raise ValueError(
                 f"Fp8Config targets={config.targets!r} matches no Linear layer (the regex must "
                 f"match the whole dotted path). Linear layers: {listing}."
-                + stack_hint(config.targets, linears)
+                + stack_hint(config.targets, linears, stacks)
             )
         _check_excluded(config, [p for p in hits if excluded(p)], hits)
         return
@@ -345,19 +349,19 @@ def _check_targets(config: Fp8Config, nodes, linears, targeted, excluded, is_mod
             )
         raise ValueError(
             f"Fp8Config target {name!r} matches no Linear layer. Linear layers: {listing}."
-            + stack_hint(name, linears)
+            + stack_hint(name, linears, stacks)
         )
 
 
-def stack_hint(pattern: str, linears: list) -> str:
+def stack_hint(pattern: str, linears: list, stacks: Mapping[tuple[str, ...], int]) -> str:
     """Why `pattern` selects no layer where it names one layer of a Haliax `Stacked` by its
-    index (`blocks.0.up`; up to 1024 layers): the stack's layers are one layer
-    (`blocks.stacked.up`). Only on the error's path: its hundreds of matches cost nothing."""
+    index (`blocks.0.up`): the stack's layers are one layer (`blocks.stacked.up`). `stacks`:
+    the Stacked modules' paths (found by type, not by the field name `stacked`) and layer
+    counts. Only on the error's path: its many matches cost nothing."""
     for path, _ in linears:
-        if "stacked" not in path:
-            continue
+        inside = [(len(s), n) for s, n in stacks.items() if path[: len(s) + 1] == (*s, "stacked")]
         indices = (
-            tuple(str(i) if part == "stacked" else part for part in path) for i in range(1024)
+            (*path[:at], str(i), *path[at + 1 :]) for at, count in inside for i in range(count)
         )
         if any(_matches(pattern, indexed) for indexed in indices):
             whole = ".".join(path)

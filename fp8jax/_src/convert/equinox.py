@@ -355,6 +355,7 @@ def equinox_plan(
         ),
         converted=converted,
         kept=kept,
+        stacks={p: n.Block.size for p, n in nodes if kinds[p] == "stacked"},
     )
 
 

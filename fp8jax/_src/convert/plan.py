@@ -124,9 +124,10 @@ def make_plan(
     unconverted: Iterable[str] = (),
     traced: bool = False,
     converted: Mapping[tuple[str, ...], Converted] | None = None,
+    stacks: Mapping[tuple[str, ...], int] | None = None,
 ) -> ConversionPlan:
     """The plan of `fates` (from `choose_layers`), each layer's recipe named; the layers in
-    `converted` (FP8 already) with the recipe they have."""
+    `converted` (FP8 already) with the recipe they have; `stacks` as `choose_layers`'."""
     converted = converted or {}
     layers, kept = [], []
     for path in sorted(fates):
@@ -140,7 +141,7 @@ def make_plan(
         layers.append(LayerChoice(dotted(path), kinds[path], fp8, why))
     unmatched = []
     if config.exclude not in (None, DEFAULT_EXCLUDE) and not any(map(config.excludes, fates)):
-        hint = stack_hint(config.exclude, [(p, None) for p in fates]).rstrip(".")
+        hint = stack_hint(config.exclude, [(p, None) for p in fates], stacks or {}).rstrip(".")
         unmatched.append(
             f"exclude={config.exclude!r} (it must match a layer's last name or its whole "
             "dotted path) keeps no layer in high precision; it replaces DEFAULT_EXCLUDE"
@@ -162,6 +163,7 @@ def decide(
     advice: Callable[[tuple[str, ...]], str],
     converted: Mapping[tuple[str, ...], Converted] | None = None,
     kept: Mapping[tuple[str, ...], str] | None = None,
+    stacks: Mapping[tuple[str, ...], int] | None = None,
 ) -> tuple[ConversionPlan, set[tuple[str, ...]]]:
     """Every adapter's decision, in one place: each layer's role (`widths` gives a Linear's
     output width and whether it is a stack of layers; layers absent from it, experts, have
@@ -169,7 +171,8 @@ def decide(
     outside every layer, embedding, head and router (`advice(path)` says what to do with
     one). `converted`: the layers in FP8 already, which stay as they are; `kept`: the layers
     that stay in high precision whatever the config, each with why (one the config does not
-    decide: a tied weight, a complex one). Returns the plan and the paths of the layers to
+    decide: a tied weight, a complex one); `stacks`: the Haliax `Stacked`s' paths and layer
+    counts. Returns the plan and the paths of the layers to
     convert."""
     roles = {}
     for path, _ in layers:
@@ -178,7 +181,7 @@ def decide(
             if role is not None:
                 roles[path] = role
     kept = {p: why for p, why in (kept or {}).items() if p not in (converted or {})}
-    fates = choose_layers(config, nodes, layers, is_module, roles, kept)
+    fates = choose_layers(config, nodes, layers, is_module, roles, kept, stacks)
     for path, fate in fates.items():
         if fate == "fp8" and path not in widths and path not in (converted or {}):
             # An expert layer: refused now, as its conversion would refuse it, not planned.
@@ -193,7 +196,7 @@ def decide(
             for p in sorted(flow.gemms)
             if p not in known and not flow.keeps(p)
         ]
-    plan = make_plan(config, fates, kinds, unconverted, flow is not None, converted)
+    plan = make_plan(config, fates, kinds, unconverted, flow is not None, converted, stacks)
     converted = converted or {}
     return plan, {p for p, fate in fates.items() if fate == "fp8" and p not in converted}
 
