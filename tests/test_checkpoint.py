@@ -383,6 +383,27 @@ def test_a_checkpoint_of_a_later_format_names_its_version(tmp_path):
         fp8jax.load_checkpoint(path, state)
 
 
+@needs_orbax
+def test_an_orbax_checkpoint_records_its_format_version(tmp_path):
+    """An orbax checkpoint recorded no format version, so a later format could not be named
+    as the file backend's is. Its directory holds the file backend's header line as
+    `fp8jax_format`: a later version's is named, with the version this fp8jax reads; one
+    without it (written before) loads as version 1; one that is no header is corrupt."""
+    _, state = build(jax.random.key(0))
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, state, backend="orbax")
+    version = path / "fp8jax_format"
+    assert version.read_bytes() == b"fp8jax-checkpoint 1\n"  # the file backend's header
+    version.write_bytes(b"fp8jax-checkpoint 12\n")
+    with pytest.raises(ValueError, match=r"format version 12; this fp8jax reads version 1\b"):
+        fp8jax.load_checkpoint(path, state, backend="orbax")
+    version.write_bytes(b"not a version")
+    with pytest.raises(ValueError, match=r"truncated or corrupt: its fp8jax_format holds"):
+        fp8jax.load_checkpoint(path, state, backend="orbax")
+    version.unlink()  # as a checkpoint of an fp8jax before versions were recorded
+    assert bits(fp8jax.load_checkpoint(path, state, backend="orbax")) == bits(state)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_haliax_weight_restores_only_into_its_own_axes(backend, tmp_path):
     """A Haliax weight's axis names are recorded and checked: a weight saved as (hidden,

@@ -53,6 +53,8 @@ from .checkpoint_hosts import gather, on_concrete_mesh, on_process_zero, placed_
 from .checkpoint_keys import keyed_record, keys_as_data, keys_from_data
 from .checkpoint_orbax import check_restorable, restore_arrays, save_arrays
 from .checkpoint_record import (
+    MAGIC,
+    check_format,
     check_fp8_record,
     corrupt,
     is_array_like,
@@ -63,8 +65,8 @@ from .orbax_quiet import quiet_orbax_leftovers
 
 T = TypeVar("T")
 
-_MAGIC = b"fp8jax-checkpoint 1\n"
 _RECORD = "fp8jax_record.json"
+_FORMAT = "fp8jax_format"  # an orbax checkpoint's version (one without it: version 1)
 _BACKENDS = ("equinox", "orbax")
 
 
@@ -126,7 +128,7 @@ def _equinox_save(path: pathlib.Path, state: Any, record: bytes) -> None:
         )
     try:
         with tmp as f:
-            f.write(_MAGIC)
+            f.write(MAGIC)
             f.write(len(record).to_bytes(8, "little"))
             f.write(record)
             eqx.tree_serialise_leaves(f, state, filter_spec=_serialise)
@@ -200,16 +202,11 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     with open(path, "rb") as f:
         total = os.fstat(f.fileno()).st_size
         magic = f.readline(64)
-        if magic != _MAGIC and re.fullmatch(rb"fp8jax-checkpoint \d+\n", magic):
-            raise ValueError(
-                f"{os.fspath(path)!r} is an fp8jax checkpoint of format version {int(magic[18:])};"
-                f" this fp8jax reads version {int(_MAGIC[18:])} (load it with the fp8jax that "
-                "wrote it, or a newer one)."
-            )
-        if magic != _MAGIC:
+        check_format(magic, path)
+        if magic != MAGIC:
             raise ValueError(
                 f"{os.fspath(path)!r} is not an fp8jax checkpoint (it does not start with "
-                f"{_MAGIC!r}); write one with fp8jax.save_checkpoint."
+                f"{MAGIC!r}); write one with fp8jax.save_checkpoint."
             )
         header = f.read(8)
         size = int.from_bytes(header, "little")
@@ -431,6 +428,8 @@ def _orbax_record(path: pathlib.Path) -> bytes:
             f"{os.fspath(path)!r} is not an fp8jax checkpoint (a directory without "
             f"{_RECORD}); write one with fp8jax.save_checkpoint(..., backend='orbax')."
         )
+    magic = (path / _FORMAT).read_bytes() if (path / _FORMAT).is_file() else MAGIC
+    check_format(magic, path, _FORMAT)
     return (path / _RECORD).read_bytes()
 
 
@@ -491,9 +490,10 @@ def _orbax_save(path: pathlib.Path, state: Any, record: bytes) -> None:
     arrays = eqx.filter(state, eqx.is_array)
 
     def finish() -> None:
-        with open(tmp / _RECORD, "wb") as f:
-            f.write(record)
-            sync_file(f)
+        for name, data in ((_FORMAT, MAGIC), (_RECORD, record)):
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                sync_file(f)
         sync_directory(tmp)
         replace_directory(tmp, path)
 

@@ -271,6 +271,25 @@ def _describe(entry: list | None) -> str:
     return f"{entry[1]}{tuple(entry[0])}"
 
 
+#: A checkpoint's format version, as an Equinox checkpoint's first line and an orbax
+#: checkpoint's `fp8jax_format` file hold it: the version this fp8jax writes and reads.
+MAGIC = b"fp8jax-checkpoint 1\n"
+
+
+def check_format(magic: bytes, path: os.PathLike | str, where: str | None = None) -> None:
+    """Raise `ValueError` if `magic` is the header of another format version than `MAGIC`'s,
+    naming both (a newer fp8jax's checkpoint); if `where` names the file holding `magic`,
+    also if it is no header at all (the checkpoint is corrupt)."""
+    if magic != MAGIC and re.fullmatch(rb"fp8jax-checkpoint \d+\n", magic):
+        raise ValueError(
+            f"{os.fspath(path)!r} is an fp8jax checkpoint of format version {int(magic[18:])};"
+            f" this fp8jax reads version {int(MAGIC[18:])} (load it with the fp8jax that "
+            "wrote it, or a newer one)."
+        )
+    if magic != MAGIC and where is not None:
+        raise corrupt(path, f"its {where} holds {magic[:40]!r}, not {MAGIC!r}")
+
+
 def corrupt(path: os.PathLike | str, why: str) -> ValueError:
     """The error for a checkpoint that cannot be read as written."""
     # Not "nothing was loaded": that phrase marks a record that differs from `like`'s.
