@@ -1,10 +1,12 @@
 """fp8jax against its peers, side by side in one run: FP8 GEMMs on H100, memory, CPU time.
 
-    python benchmarks/peers.py [--steps 5]
+    python benchmarks/peers.py [--steps 5] [--models mlp,mlp-remat,linears,gpt]
 
-Models (the same shapes for everyone): an MLP 1024 -> 4096 -> 1024 over 2,048 tokens, the same
-MLP with its GELU rematerialized (`jax.checkpoint`), and the tiny GPT of `fp8jax.examples.gpt`
-(2 layers, width 256, 8 sequences of 256 tokens). Variants:
+Models (the same shapes for everyone): an MLP 1024 -> 4096 -> 1024 over 2,048 tokens (`mlp`),
+the same MLP with its GELU rematerialized (`jax.checkpoint`; `mlp-remat`), its two Linears
+alone (residuals only; `linears`), and the tiny GPT of `fp8jax.examples.gpt` (2 layers, width
+256, 8 sequences of 256 tokens; `gpt`). `--models` runs those named, default all (an unknown
+name is refused before anything is built); the targets are those of the models run. Variants:
 
 - `bf16`: the baseline, every GEMM in BF16;
 - `fp8jax <recipe>`: `fp8jax.fp8_linear_layers` with each recipe;
@@ -58,6 +60,14 @@ from fp8jax.examples.gpt import GPT, MLP, GPTConfig, dense, next_token_loss  # n
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_steps  # noqa: E402
 from train_steps import RECIPES, table  # noqa: E402
+
+#: `--models`' names, each a model of `models()` by its title, in the order they run.
+MODELS = {
+    "mlp": "MLP 1024-4096-1024, 2048 tokens",
+    "mlp-remat": "same MLP, GELU rematerialized",
+    "linears": "its two Linears alone (no activation), residuals only",
+    "gpt": "tiny GPT (2 x 256, 2048 tokens)",
+}
 
 # --- peers, behind the dot_general slot ----------------------------------------------------
 
@@ -218,16 +228,12 @@ def models():
     gpt_config = GPTConfig(layers=2, width=256, heads=4, context=256)
     tokens = jax.random.randint(key, (8, gpt_config.context + 1), 0, gpt_config.vocab)
     return {
-        "MLP 1024-4096-1024, 2048 tokens": (mlp, mse, (x,)),
-        "same MLP, GELU rematerialized": (MLP(1024, 4, True, key=key), mse, (x,)),
+        MODELS["mlp"]: (mlp, mse, (x,)),
+        MODELS["mlp-remat"]: (MLP(1024, 4, True, key=key), mse, (x,)),
         # Residuals only: its loss has a constant gradient, which XLA folds (slowly) into
         # constants, so its timings would mean nothing.
-        "its two Linears alone (no activation), residuals only": (
-            Linears(mlp.fc1, mlp.fc2),
-            linear_loss,
-            (x,),
-        ),
-        "tiny GPT (2 x 256, 2048 tokens)": (GPT(gpt_config, key=key), next_token_loss, (tokens,)),
+        MODELS["linears"]: (Linears(mlp.fc1, mlp.fc2), linear_loss, (x,)),
+        MODELS["gpt"]: (GPT(gpt_config, key=key), next_token_loss, (tokens,)),
     }
 
 
@@ -306,7 +312,7 @@ def targets(results) -> None:
                     total > 0 and fp8 == total,
                 )
             )
-    linears = results["its two Linears alone (no activation), residuals only"]
+    linears = results.get(MODELS["linears"], {})
     for name, r in linears.items():
         if name.startswith("fp8jax"):
             ratio = r["residual"] / linears["bf16"]["residual"]
@@ -317,8 +323,8 @@ def targets(results) -> None:
                     ratio <= 0.55,
                 )
             )
-    for title in ("MLP 1024-4096-1024, 2048 tokens", "same MLP, GELU rematerialized"):
-        mlp = results[title]
+    for title in (MODELS["mlp"], MODELS["mlp-remat"]):
+        mlp = results.get(title, {})
         for name, r in mlp.items():
             for mode in ("cublas", "default"):
                 t, ref = r.get(f"{mode} temp"), mlp["bf16"].get(f"{mode} temp")
@@ -349,14 +355,22 @@ def targets(results) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=train_steps.positive_int, default=5)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"among {', '.join(MODELS)}")
     args = parser.parse_args(argv)
+    chosen = args.models.split(",")
+    for name in chosen:
+        if name not in MODELS:
+            parser.error(f"--models: unknown model {name!r}; choose among {', '.join(MODELS)}")
+    titles = [MODELS[name] for name in MODELS if name in chosen]
     assert deviceless.h100_topology() is not None, "needs the h100 extra"
     print(
         f"# fp8jax against its peers (jax {jax.__version__}, CPU: "
         f"{os.cpu_count()} cores; H100 figures from deviceless compiles)"
     )
     results = {}
-    for title, (model, loss, batch) in models().items():
+    built = models()
+    for title in titles:
+        model, loss, batch = built[title]
         only = "residuals only" in title
         results[title] = run_model(title, model, loss, batch, args.steps, only)
     targets(results)

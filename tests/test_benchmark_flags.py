@@ -101,6 +101,18 @@ def test_moe_cost_refuses_an_unknown_shape(monkeypatch, capsys):
     assert "'deepseek'" in err and "mixtral, fine" in err
 
 
+def test_peers_refuses_an_unknown_model_before_building_any(monkeypatch, capsys):
+    """peers.py ran every model (a rerun of the tiny GPT's rows took a Python one-liner);
+    its --models names a subset, an unknown name refused before a model is built."""
+    pytest.importorskip("haliax")
+    pytest.importorskip("flax")
+    peers = load("peers")
+    monkeypatch.setattr(peers, "models", never)
+    monkeypatch.setattr(peers.deviceless, "h100_topology", never)
+    err = refusal(peers.main, ["--models", "gpt,gtp"], capsys)
+    assert "--models: unknown model 'gtp'; choose among mlp, mlp-remat, linears, gpt" in err
+
+
 @pytest.mark.parametrize("seeds", ["0,x", ""])
 def test_peers_qwix_train_refuses_seeds_that_are_not_integers(monkeypatch, capsys, seeds):
     """A seed that is not an integer was a ValueError traceback from `int`."""
