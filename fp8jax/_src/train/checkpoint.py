@@ -170,19 +170,19 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences; recipe options that
     choose only how a GEMM runs, such as `native_kernel`, `dequantized_dot`, `chunks_per_dot`,
-    `weight_gather`, `backward_precision`, `axis_names`, `use_scaled_matmul` and
-    `warm_start`, may differ: resume a
-    CPU run on a GPU, or a run on another mesh), or if a Haliax `NamedArray`'s axis names
-    differ from the saved ones, in name or order (a weight saved as `(hidden, embed)` is not
-    read as `(embed, hidden)`: to restore it under other axes, give `like` the saved ones,
-    with `haliax.rename` or built in the saved order, load, then rename or
-    `haliax.rearrange` the result; a checkpoint written before fp8jax recorded axis names
-    restores unchecked), or, with `"orbax"`, if two of `like`'s leaves have one orbax name
-    (as `save_checkpoint` refuses: a checkpoint saved before it did holds one array for
-    both); `ValueError` for a file or directory that is not a checkpoint, or is truncated
-    or corrupt (data missing or left over; an orbax directory copied half-way);
-    `FileNotFoundError` if nothing is at `path`, naming what a save to it stopped half-way
-    left beside it (its new checkpoint, the one it replaced) and which to rename to `path`.
+    `weight_gather`, `backward_precision`, `axis_names`, `use_scaled_matmul` and `warm_start`,
+    may differ: resume a CPU run on a GPU, or a run on another mesh), or if a Haliax
+    `NamedArray`'s axis names differ from the saved ones, in name or order (a weight saved as
+    `(hidden, embed)` is not read as `(embed, hidden)`: to restore it under other axes, give
+    `like` the saved ones, with `haliax.rename` or built in the saved order, load, then rename
+    or `haliax.rearrange` the result; a checkpoint written before fp8jax recorded axis names
+    restores unchecked), or, with `"orbax"`, if two of `like`'s leaves have one orbax name (as
+    `save_checkpoint` refuses: a checkpoint saved before it did holds one array for both);
+    `ValueError` for a file or directory that is not a checkpoint, is of a later format version
+    (named), or is truncated or corrupt (data missing or left over; an orbax directory copied
+    half-way); `FileNotFoundError` if nothing is at `path`, naming what a save to it stopped
+    half-way left beside it (its new checkpoint, the one it replaced) and which to rename to
+    `path`.
     """
     _check_backend(backend)
     path = _as_path(path, "load_checkpoint")
