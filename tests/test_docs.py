@@ -1094,7 +1094,9 @@ def test_every_summary_of_the_router_by_width_names_the_module_holding_the_exper
     belongs to the module holding the experts or one above it (`roles.role_of`; the
     Conversion guide's table: "in its own module ... or one below"). README's summaries, the
     `Fp8Config.keep` and `fp8_linear_layers` docstrings said only "its width is the expert
-    count", which an attention projection as wide as the experts also is."""
+    count", which an attention projection as wide as the experts also is (the DeepSeek
+    example: that such Linears stay in high precision, which they no longer do)."""
+    deepseek = pytest.importorskip("fp8jax.examples.deepseek")
     guide = _prose("docs/conversion.md")
     (row,) = re.findall(r"\| router \|[^\n]*?\| ([^|]*) \|", guide)
     assert "expert layer in its own module" in row and "or one below" in row, row
@@ -1103,6 +1105,7 @@ def test_every_summary_of_the_router_by_width_names_the_module_holding_the_exper
         "README.md": _prose("README.md"),
         "Fp8Config": " ".join(fp8jax.Fp8Config.__doc__.split()),
         "fp8_linear_layers": " ".join(fp8jax.fp8_linear_layers.__doc__.split()),
+        "examples.deepseek": " ".join(deepseek.convert_fp8.__doc__.split()),
     }
     for name, text in texts.items():
         widths = [m.end() for m in re.finditer(r"expert[ -]count", text)]

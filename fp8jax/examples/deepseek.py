@@ -104,9 +104,9 @@ def build(
 
 def convert_fp8(model: DeepSeekV3, fp8: fp8jax.Fp8Config) -> DeepSeekV3:
     """`fp8jax.fp8_linear_layers(model, fp8)` with the head and the routers found by a trace
-    of `deepseek_loss` (`example=`), not by widths: widths alone keep every Linear as wide as
-    the expert count in high precision as a router (`--experts 256`, V3's count, kept `kv_up`
-    and the shared experts' `up` out of FP8)."""
+    of `deepseek_loss` (`example=`), by what their outputs feed, not by widths (a router: a
+    Linear whose width is the expert count in the module holding the experts or one above it;
+    the head: the vocabulary-wide Linear), which a model's sizes can make ambiguous."""
     example = lambda m: deepseek_loss(m, jnp.zeros((1, 9), jnp.int32))  # noqa: E731
     return fp8jax.fp8_linear_layers(model, fp8, example=example)
 

@@ -140,10 +140,9 @@ def expert_parallel(loss_fn: Any, mesh: Mesh) -> Any:
 
 def fp8_config(mesh: Mesh | None = None) -> fp8jax.Fp8Config:
     """The FP8 runs' conversion: delayed scaling (amaxes over `mesh`'s axes, if given), with
-    telemetry; the head and the routers (`gate`) stay in high precision by name, not by role:
-    found by width, every Linear as wide as the expert count stayed too (`--experts 128` at
-    `--width 128`: attention's four), and the trace that finds roles does not enter the expert
-    parallel run's `shard_map`."""
+    telemetry; the head and the routers (`gate`) stay in high precision by name, not by role
+    (`keep=()`): the trace that finds roles does not enter the expert parallel run's
+    `shard_map`."""
     recipe = fp8jax.DelayedScaling(axis_names=() if mesh is None else tuple(mesh.axis_names))
     exclude = f"{fp8jax.DEFAULT_EXCLUDE}|gate"
     return fp8jax.Fp8Config(recipe=recipe, telemetry=True, exclude=exclude, keep=())
