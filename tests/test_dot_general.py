@@ -24,6 +24,7 @@ CASES = [
     ("k,nk->n", (8,), (3, 8), (((0,), (1,)), ((), ()))),
     ("bmk,bkn->bmn", (2, 4, 8), (2, 8, 3), (((2,), (1,)), ((0,), (0,)))),
     ("mbk,kbn->bmn", (4, 2, 8), (8, 2, 3), (((2,), (0,)), ((1,), (1,)))),
+    ("bmk,nkb->bmn (batch axes apart)", (2, 4, 8), (3, 8, 2), (((2,), (1,)), ((0,), (2,)))),
     ("mpq,qnp->mn (two contracting)", (4, 5, 6), (6, 3, 5), (((1, 2), (2, 0)), ((), ()))),
     ("bhqd,bhkd->bhqk", (2, 3, 4, 8), (2, 3, 5, 8), (((3,), (3,)), ((0, 1), (0, 1)))),
     ("tsd,dsf->tf", (6, 2, 4), (4, 2, 5), (((1, 2), (1, 0)), ((), ()))),
@@ -82,6 +83,25 @@ def test_exact_on_representable_values(name, lshape, rshape, dims):
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(d_lhs, r_lhs)
     np.testing.assert_array_equal(d_rhs, r_rhs)
+
+
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_mixed_dtype_gradients_are_written_in_their_operands_dtypes(lhs_dtype, rhs_dtype):
+    """A float32 operand beside a BF16 one (float32 output, no master): each gradient is one
+    rounding of the exact float64 product of the FP8 values into its operand's dtype (a
+    dgrad or wgrad written in the other operand's BF16 first would round twice)."""
+    rng = np.random.default_rng(3)
+    dims = (((1,), (1,)), ((), ()))
+    x, w = representable(rng, (16, 16)), representable(rng, (8, 16))
+    ct = representable(rng, (16, 8), fmt="e5m2")
+    dot = with_state(with_state(fp8jax.Fp8DotGeneral(), "input", scale=2.0), "kernel", scale=0.5)
+    dot = with_state(dot, "output_grad", scale=4.0)
+    lhs, rhs = jnp.asarray(x, lhs_dtype), jnp.asarray(w, rhs_dtype)
+    _, d_lhs, d_rhs = fp8_vjp(dot, dims, lhs, rhs, ct)
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, ct))
+    assert d_lhs.dtype == lhs.dtype and d_rhs.dtype == rhs.dtype
+    np.testing.assert_array_equal(np.asarray(d_lhs), (g64 @ w64).astype(lhs.dtype))
+    np.testing.assert_array_equal(np.asarray(d_rhs), (g64.T @ x64).astype(rhs.dtype))
 
 
 def _format_bound(a, b, a_fmt, b_fmt, a_scale, b_scale, contract):
