@@ -104,6 +104,27 @@ def test_mixed_dtype_gradients_are_written_in_their_operands_dtypes(lhs_dtype, r
     np.testing.assert_array_equal(np.asarray(d_rhs), (g64.T @ x64).astype(rhs.dtype))
 
 
+def test_float16_operands_with_a_bfloat16_output_get_float16_gradients():
+    """float16 operands and `preferred_element_type=bfloat16`: neither operand is a master
+    (wider than the output), so each gradient is one rounding of the float64 product of
+    the FP8 values into float16, as lax's transpose writes it, not a BF16 one widened."""
+    rng = np.random.default_rng(5)
+    dims = (((1,), (1,)), ((), ()))
+    x, w = representable(rng, (16, 16)), representable(rng, (8, 16))
+    ct = representable(rng, (16, 8), fmt="e5m2")
+    dot = with_state(with_state(fp8jax.Fp8DotGeneral(), "input", scale=2.0), "kernel", scale=0.5)
+    dot = with_state(dot, "output_grad", scale=4.0)
+    lhs, rhs = jnp.asarray(x, jnp.float16), jnp.asarray(w, jnp.float16)
+    out, pullback = jax.vjp(
+        lambda a, b, d: d(a, b, dims, preferred_element_type=jnp.bfloat16), lhs, rhs, dot
+    )
+    d_lhs, d_rhs = pullback(jnp.asarray(ct, jnp.bfloat16))[:2]
+    x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, ct))
+    assert out.dtype == jnp.bfloat16 and d_lhs.dtype == d_rhs.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(d_lhs), (g64 @ w64).astype(np.float16))
+    np.testing.assert_array_equal(np.asarray(d_rhs), (g64.T @ x64).astype(np.float16))
+
+
 def _format_bound(a, b, a_fmt, b_fmt, a_scale, b_scale, contract):
     """Worst-case |fl8(a) fl8(b) - a b| summed over the contraction, from the formats' unit
     roundoff u and subnormal half-spacing d: |a^ - a| <= u|a| + d/scale."""
