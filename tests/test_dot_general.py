@@ -125,6 +125,23 @@ def test_float16_operands_with_a_bfloat16_output_get_float16_gradients():
     np.testing.assert_array_equal(np.asarray(d_rhs), (g64.T @ x64).astype(np.float16))
 
 
+def test_vmap_over_both_operands_matches_lax_per_member():
+    """`jax.vmap` over the activation and the kernel (a kernel per member, the layer's state
+    shared): the mapped axis folds into the GEMM's batch. Representable values and
+    power-of-two current scales make FP8 exact: output and both gradients equal lax's."""
+    rng = np.random.default_rng(9)
+    dims = (((1,), (1,)), ((), ()))
+    xs, ws = representable(rng, (3, 4, 8)), representable(rng, (3, 5, 8))
+    ct = representable(rng, (3, 4, 5), fmt="e5m2")
+    dot = fp8jax.Fp8DotGeneral("current")
+
+    def mapped(fn):
+        return vjp(jax.vmap(lambda x, w: fn(x, w, dims)), xs, ws, ct)
+
+    for got, want in zip(mapped(dot), mapped(f32_dot), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def _format_bound(a, b, a_fmt, b_fmt, a_scale, b_scale, contract):
     """Worst-case |fl8(a) fl8(b) - a b| summed over the contraction, from the formats' unit
     roundoff u and subnormal half-spacing d: |a^ - a| <= u|a| + d/scale."""
