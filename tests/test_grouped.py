@@ -274,6 +274,28 @@ def test_bfloat16_operands_and_output():
 # --- state through the gradient: max, not sum ----------------------------------------------
 
 
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_mixed_dtype_gradients_are_written_in_their_operands_dtypes(lhs_dtype, rhs_dtype):
+    """A float32 operand beside a BF16 one: each gradient is one rounding of the exact
+    float64 product of the FP8 values into its own dtype (representable values, power-of-two
+    current scales), not a BF16 rounding of the other operand's dtype, widened."""
+    rng = np.random.default_rng(2)
+    sizes = np.array([10, 0, 22], np.int32)
+    step = 0.25
+    x = (rng.integers(-16, 17, (32, 16)) * step).astype(np.float32)
+    w = (rng.integers(-16, 17, (3, 16, 8)) * step).astype(np.float32)
+    g = (rng.integers(-8, 9, (32, 8)) * step).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=3)
+    _, d_x, d_w, _ = run(dot, jnp.asarray(x, lhs_dtype), jnp.asarray(w, rhs_dtype), g, sizes)
+    want_x, want_w = np.zeros(x.shape), np.zeros(w.shape)
+    for e, rows in enumerate(bounds(sizes)):
+        want_x[rows] = g[rows].astype(np.float64) @ w[e].T.astype(np.float64)
+        want_w[e] = x[rows].T.astype(np.float64) @ g[rows].astype(np.float64)
+    assert d_x.dtype == jnp.dtype(lhs_dtype) and d_w.dtype == jnp.dtype(rhs_dtype)
+    np.testing.assert_array_equal(np.asarray(d_x), want_x.astype(d_x.dtype))
+    np.testing.assert_array_equal(np.asarray(d_w), want_w.astype(d_w.dtype))
+
+
 def test_layer_used_twice_combines_state_by_max():
     rng = np.random.default_rng(6)
     sizes1, sizes2 = np.array([5, 0, 5, 0], np.int32), np.array([0, 0, 6, 4], np.int32)
