@@ -259,6 +259,18 @@ def test_block_recipes_match_the_reference(name):
     np.testing.assert_array_equal(new.kernel.amax_history[:, 0], amaxes)
 
 
+def test_mxfp8_dgrad_kernels_are_one_rounding_of_the_weights():
+    """Each expert's dgrad kernel (blocks along N) is quantized from its weight, not from the
+    forward's FP8 copy (blocks along K): with an outlier row of K, whose forward blocks push
+    their other values into E4M3's subnormals, a copy requantized from FP8 is far off."""
+    recipe = BLOCK_RECIPES["mxfp8"]
+    x, w, g = data(6)
+    w[:, 5, :] *= 1e5
+    y, d_x, d_w, _ = run(fp8jax.Fp8RaggedDot(recipe, num_experts=G), x, w, g, SIZES)
+    want, mags = grouped_reference(SIZES, *block_operands(recipe, x, w, g))
+    assert_all((y, d_x, d_w), want, mags)
+
+
 def test_bfloat16_operands_and_output():
     x, w, g = data(5)
     bf16 = [a.astype(jnp.bfloat16) for a in (x, w, g)]
