@@ -308,6 +308,16 @@ def test_mixed_dtype_gradients_are_written_in_their_operands_dtypes(lhs_dtype, r
     np.testing.assert_array_equal(np.asarray(d_w), want_w.astype(d_w.dtype))
 
 
+def test_telemetry_of_a_step_without_tokens_is_zero_not_nan():
+    """No expert got a token: the fractions of held rows saturated and flushed are 0."""
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=2, telemetry=True)
+    x, w = jnp.ones((4, 3)), jnp.ones((2, 3, 5))
+    out, pullback = jax.vjp(lambda d: d(x, w, jnp.zeros(2, jnp.int32)), dot)
+    (new,) = pullback(jnp.ones_like(out))
+    for role in (new.stats.input, new.stats.output_grad):
+        np.testing.assert_array_equal([role.saturated, role.underflow], [0.0, 0.0])
+
+
 def test_layer_used_twice_combines_state_by_max():
     rng = np.random.default_rng(6)
     sizes1, sizes2 = np.array([5, 0, 5, 0], np.int32), np.array([0, 0, 6, 4], np.int32)
