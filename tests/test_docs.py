@@ -1113,3 +1113,31 @@ def test_every_summary_of_the_router_by_width_names_the_module_holding_the_exper
         for at in widths:
             near = text[at : at + 90]
             assert "module holding the experts or one above it" in near, (name, near)
+
+
+def test_the_eager_costs_quoted_are_the_benchmarks():
+    """docs/scaling_out.md and docs/autocast.md quoted eager CPU timings (0.45 s, 10 ms) from
+    scratch scripts; they cite `eager_cost.txt` now, and each figure is that file's: the
+    compiles and mean time of a later eager call, the jitted call's, the cached call's."""
+    measured = (ROOT / "benchmarks" / "results" / "eager_cost.txt").read_text()
+    off, on = measured.split("persistent compilation cache off")[1].split("cache on")
+
+    def row(table: str, name: str) -> list[str]:
+        (cells,) = re.findall(rf"^\| {re.escape(name)} \|(.*)\|$", table, re.M)
+        return re.findall(r"[\d.]+", cells)
+
+    fp8, plain = row(off, "shard_map, FP8 GEMM"), row(off, "shard_map, jnp.tanh(x @ w.T) * 2")
+    autocast = row(off, "fp8_autocast, one GEMM + tanh")
+    page = _prose("docs/scaling_out.md")
+    assert re.findall(
+        r"`jnp.tanh\(x @ w.T\) \* 2` compiles (\d+) programs a call and takes ([\d.]+) ms; one "
+        r"FP8 GEMM compiles (\d+) and takes ([\d.]+) ms, against ([\d.]+) ms jitted",
+        page,
+    ) == [(plain[2], plain[1], fp8[2], fp8[1], fp8[5])]
+    (cached,) = re.findall(r"reads them back instead: ([\d.]+) ms a\s+call there", page)
+    assert cached == row(on, "shard_map, FP8 GEMM")[1]
+    assert re.findall(
+        r"([\d.]+) ms a call on CPU for one small GEMM and a `tanh`, against ([\d.]+) ms for "
+        r"the jitted call",
+        _prose("docs/autocast.md"),
+    ) == [(autocast[1], autocast[5])]

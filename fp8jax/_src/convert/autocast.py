@@ -12,8 +12,8 @@ result run dgrad and wgrad in FP8 too.
 Called outside `jit`, nothing is cached: a trace reused across calls would give back a
 stale program where the function reads what it is not passed (a closure or global
 rebound), as `jax.jit` does, so reusing one is the caller's choice, a `jit`. The trace is
-the small part (about 1 ms on CPU for one GEMM); the rest is eager JAX running the program
-op by op, each FP8 GEMM's quantization included, as an eager `Fp8DotGeneral` does.
+the small part; the rest is eager JAX running the program op by op, each FP8 GEMM's
+quantization included, as an eager `Fp8DotGeneral` does (`benchmarks/eager_cost.py`).
 
 Why the jaxpr, and not patching `jax.lax.dot_general` while the function is traced? JAX's
 own functions (`jnp.matmul`, `jnp.einsum`) are jitted and cached: a cached trace never calls
