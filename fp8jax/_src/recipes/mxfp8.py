@@ -71,9 +71,7 @@ class MXFP8(BlockScaledRecipe):
                 f"use_scaled_matmul={self.use_scaled_matmul!r}: should be True, False or None "
                 "(use it where the GPU supports it)."
             )
-        if self.use_scaled_matmul and (
-            self.block_size != SCALED_MATMUL_BLOCK or self.format_name not in ("e4m3", "e5m2")
-        ):
+        if self.use_scaled_matmul and not self._cudnn_blocks:
             raise ValueError(
                 f"MXFP8(use_scaled_matmul=True, block_size={self.block_size}, "
                 f"format_name={self.format_name!r}): jax.nn.scaled_matmul's cuDNN kernel takes "
@@ -82,7 +80,8 @@ class MXFP8(BlockScaledRecipe):
             )
 
     def block_for(self, role: Role, axis: Axis) -> tuple[int, int]:
-        """`1 x block_size` tiles (32 elements) along the contracted `axis`, for every role."""
+        """`1 x block_size` tiles (32 elements by default) along the contracted `axis`, for every
+        role."""
         return tile(axis, self.block_size)
 
     def block_scale(self, block_amax: Array) -> tuple[Array, Array]:
@@ -97,10 +96,16 @@ class MXFP8(BlockScaledRecipe):
         exponent = jnp.clip(jnp.where(ok, exponent, 0), -126, 127)
         return pow2(-exponent), pow2(exponent).astype(jnp.float8_e8m0fnu)
 
+    @property
+    def _cudnn_blocks(self) -> bool:
+        """Whether `jax.nn.scaled_matmul`'s cuDNN kernel takes these blocks: 32 elements of
+        E4M3 or E5M2 data."""
+        return self.block_size == SCALED_MATMUL_BLOCK and self.format_name in ("e4m3", "e5m2")
+
     def _scaled_matmul_available(self) -> bool:
         if self.use_scaled_matmul is not None:
             return self.use_scaled_matmul
-        if self.block_size != SCALED_MATMUL_BLOCK or self.format_name not in ("e4m3", "e5m2"):
+        if not self._cudnn_blocks:
             return False  # not a block cuDNN's kernel takes: the emulation
         device = jax.devices()[0]
         return device.platform == "gpu" and _cuda_major(device) >= 10

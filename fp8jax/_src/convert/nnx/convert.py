@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..config import Fp8Config, dotted
+from ..config import ROOT, Fp8Config, dotted
 from ..einsum import check_einsum, einsum_kernel_shape
 from ..plan import ConversionPlan, Converted, Fp8ConversionWarning, announce, decide
 from ..roles import Dataflow, ModelShapes, check_example_ran, dataflow, owner_of
@@ -155,7 +155,7 @@ def _stacked_experts(layers: list[tuple[tuple[str, ...], Any]]) -> dict[tuple[st
 def _fp8_layer(path: tuple[str, ...], layer: Any, config: Fp8Config) -> AbstractFp8NnxDot:
     recipe = config.recipe_for(path)
     name = ".".join(path)
-    shown = repr(name) if name else "(root)"  # how errors name it: as plans print its path
+    shown = repr(name) if name else ROOT  # how errors name it: as plans print its path
     kernel = layer.kernel.get_value()
     if _kind(layer) == "linear":
         # nnx.Linear's kernel is (*stacked, in, out); the canonical matrix is (out, in).
@@ -349,7 +349,7 @@ def _untraced_stacks(nodes: list[tuple[tuple[str, ...], Any]]) -> tuple[str, ...
     """The modules holding a stack of kernels, for a plan made without `example`: no trace
     tells whether they multiply by it, and they stay in high precision whatever they do."""
     return tuple(
-        f"{'.'.join(p) or '(root)'} ({_advice(n)}; without example= fp8jax cannot tell "
+        f"{dotted(p)} ({_advice(n)}; without example= fp8jax cannot tell "
         "whether it multiplies by it or is a convolution: pass example=lambda m: m(x) to "
         "have the trace say)"
         for p, n in nodes
