@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from ..recipes import RECIPES, Recipe
-from .config import Fp8Config
+from .config import ROOT, Fp8Config
 from .equinox import equinox_plan, fp8_equinox_linear_layers
 from .plan import ConversionPlan, Fp8ConversionWarning, differing_fields
 
@@ -97,7 +97,7 @@ def _check_nnx_container(tree: Any) -> None:
     path, first = held[0] if held else ((), tree)
     raise TypeError(
         f"fp8_linear_layers: model is a {type(tree).__name__} holding Flax NNX objects (its "
-        f"{type(first).__name__} at {jax.tree_util.keystr(path) or '(root)'!r}), not an "
+        f"{type(first).__name__} at {jax.tree_util.keystr(path) or ROOT!r}), not an "
         "nnx.Module; the NNX path converts a module: hold several in an nnx.List, an nnx.Dict "
         "or a module of yours, and convert a model before nnx.split / nnx.state (or "
         "nnx.merge it first)."

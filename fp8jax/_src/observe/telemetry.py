@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ..convert.config import ROOT
 from ..convert.plan import ConversionPlan
 from ..core.updates import haliax_fp8_op
 from ..ops.base import received_state
@@ -182,7 +183,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
     for path, node in found:
         if not is_layer(node):
             continue
-        where = jax.tree_util.keystr(path).lstrip(".") or "(root)"  # as plans name it
+        where = jax.tree_util.keystr(path).lstrip(".") or ROOT  # as plans name it
         if isinstance(node, haliax_ops):
             layers[_unique(where, where, layers)] = _haliax_layer(node)
             continue
@@ -371,7 +372,7 @@ def report(
             lines.append(f"high precision: none (all {len(plan.layers)} layers in FP8)")
         else:
             lines.append(f"high precision ({len(kept)} of {len(plan.layers)} layers):")
-        lines += [f"  {path or '(root)'}: {why}" for path, why in kept.items()]
+        lines += [f"  {path or ROOT}: {why}" for path, why in kept.items()]
         lines += [f"  not convertible: {u}" for u in plan.unconverted]
     text = "\n".join(lines)
     if not quiet:

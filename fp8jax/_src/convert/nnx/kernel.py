@@ -31,7 +31,7 @@ import jax
 from flax import nnx
 
 from ..autocast import trace_call
-from ..config import Fp8Config
+from ..config import ROOT, Fp8Config
 from ..interpret import Interpreter, KernelChoice
 from ..roles import gemm_operands
 from .layers import Fp8NnxDotGeneral
@@ -85,7 +85,7 @@ def convert_kernel_module(module: Any, path: tuple[str, ...], config: Fp8Config)
         dot = Fp8NnxDotGeneral(config.recipe_for(path), None, name, config.telemetry)
     except ValueError as e:
         raise ValueError(
-            f"fp8_linear_layers: the {cls.__name__} {name or '(root)'!r} multiplies by its own "
+            f"fp8_linear_layers: the {cls.__name__} {name or ROOT!r} multiplies by its own "
             f"{KERNEL!r}, whose (out, in) shape only its call tells, and its recipe needs that "
             f"shape ({e}) Give it a recipe that keeps no kernel-shaped state (Fp8Config "
             "recipes), or exclude it (Fp8Config exclude or targets)."
@@ -186,7 +186,7 @@ def _fp8_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         return out, nnx.state(module, nnx.Not(_is_own_fp8_dot)), nnx.state((a, kw), nnx.Variable)
 
     traced = trace_call(call, (state, *args), kwargs)
-    name = dot.name or "(root)"
+    name = dot.name or ROOT
     for original, attributes in zip((self, *_nodes((args, kwargs))), before, strict=True):
         _write_back_attributes(cls, name, original, attributes)
     owners = [(KERNEL,) if _is_kernel(p) else None for p in traced.paths]
