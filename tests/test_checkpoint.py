@@ -520,6 +520,12 @@ def test_grouped_layers_are_recorded_and_checked(tmp_path):
         k: v for k, v in record["fp8_layers"].items() if "experts" not in v
     }}  # fmt: skip
     checkpoint.check_fp8_record(json.loads(json.dumps(older)), checkpoint.fp8_record(like), path)
+    # One that records grouped layers but lacks one of them: that layer is named missing.
+    lacking = {**record, "fp8_layers": {
+        k: v for k, v in record["fp8_layers"].items() if v["name"] != "moe.up"
+    }}  # fmt: skip
+    with pytest.raises(ValueError, match="FP8 layer 'moe.up' is not in the checkpoint"):
+        checkpoint.check_fp8_record(lacking, checkpoint.fp8_record(like), path)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -1335,3 +1341,81 @@ def test_a_plain_models_checkpoint_says_how_to_load_it_into_fp8(tmp_path):
     model = fp8jax.fp8_linear_layers(fp8jax.load_checkpoint(tmp_path / "plain", other))
     for saved, restored in zip(mlp.layers, model.layers, strict=True):
         assert np.asarray(saved.weight).tobytes() == np.asarray(restored.weight).tobytes()
+
+
+def test_a_python_number_in_like_restores_an_unsigned_step_and_is_named_against_a_shaped_one(
+    tmp_path,
+):
+    """A Python `int` in `like` restores a saved 0-d unsigned array (a `uint32` step) as that
+    array; against a saved array with a shape it is refused, named as the Python int it is."""
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, {"step": jnp.uint32(7), "steps": jnp.arange(3, dtype=jnp.int32)})
+    restored = fp8jax.load_checkpoint(path, {"step": 0, "steps": jnp.zeros(3, jnp.int32)})
+    assert restored["step"].dtype == np.uint32 and int(restored["step"]) == 7
+    with pytest.raises(
+        ValueError, match=r"leaf \['steps'\]: checkpoint has int32\(3,\), target has a Python int"
+    ):
+        fp8jax.load_checkpoint(path, {"step": 0, "steps": 0})
+
+
+def test_a_current_scaling_checkpoint_without_scale_inverses_keeps_its_scales(tmp_path):
+    """Current scaling's merge keeps a restored scale as it is (delayed scaling's computes it
+    again from the history): restored from a checkpoint written before `TensorState` kept
+    `scale_inv`, each state holds the saved scale, and `1 / scale` as its inverse."""
+    config = fp8jax.Fp8Config(recipe="current")
+    step, state = build(jax.random.key(0), config)
+    state = run(step, state, 0, 2)
+
+    def is_state(node):
+        return type(node) is fp8jax.TensorState
+
+    class OlderTensorState(eqx.Module):  # as an older version defined it
+        scale: jax.Array
+        amax_history: jax.Array
+
+    def older(node):
+        return OlderTensorState(node.scale, node.amax_history) if is_state(node) else node
+
+    path = tmp_path / "ckpt.eqx"
+    fp8jax.save_checkpoint(path, jax.tree.map(older, state, is_leaf=is_state))
+    restored = fp8jax.load_checkpoint(path, build(jax.random.key(1), config)[1])
+    saved = [np.asarray(n.scale) for n in jax.tree.leaves(state, is_leaf=is_state) if is_state(n)]
+    got = [n for n in jax.tree.leaves(restored, is_leaf=is_state) if is_state(n)]
+    assert len(got) == len(saved) and any(float(s) != 1.0 for s in saved)
+    for n, scale in zip(got, saved, strict=True):
+        np.testing.assert_array_equal(np.asarray(n.scale), scale)
+        np.testing.assert_array_equal(np.asarray(n.scale_inv, np.float64), 1 / np.float64(scale))
+
+
+def test_a_recipe_field_that_is_no_literal_is_compared_as_written():
+    """A recipe's field whose repr is no Python literal (a user recipe holding a dtype, say)
+    is compared as written: two that differ are a difference, named, not one recipe."""
+    from fp8jax._src.train import checkpoint_record
+
+    def record(dtype):
+        layer = {"name": "fc", "recipe": f"Mine(dtype=<class 'jax.numpy.{dtype}'>, margin=0)"}
+        return {"fp8_layers": {".fc": {**layer, "telemetry": False}}, "leaves": {}}
+
+    checkpoint_record.check_fp8_record(record("float8_e4m3fn"), record("float8_e4m3fn"), "c")
+    with pytest.raises(
+        ValueError,
+        match=r"'fc': recipe Mine: dtype <class 'jax\.numpy\.float8_e5m2'> != "
+        r"<class 'jax\.numpy\.float8_e4m3fn'>\n",
+    ):
+        checkpoint_record.check_fp8_record(record("float8_e5m2"), record("float8_e4m3fn"), "c")
+
+
+def test_a_record_with_many_differences_lists_ten_and_counts_the_rest():
+    """A mismatch message lists the first ten differences and counts the others."""
+    from fp8jax._src.train import checkpoint_record
+
+    def record(size):
+        leaves = {f"w{i:02}": jax.ShapeDtypeStruct((size,), jnp.float32) for i in range(12)}
+        return checkpoint_record.fp8_record(leaves)
+
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        checkpoint_record.check_fp8_record(record(1), record(2), "c")
+    lines = str(info.value).splitlines()
+    listed = [line for line in lines if line.startswith("  - leaf ")]
+    assert listed[0] == "  - leaf ['w00']: checkpoint has float32(1,), target has float32(2,)"
+    assert len(listed) == 10 and "  (and 2 more)" in lines
