@@ -93,6 +93,7 @@ def world(tmp_path_factory) -> Iterator[World]:
         "not_json.eqx": raw[:header] + b"\xff" * (len(raw) - header),
         "empty_record.eqx": raw[: header - 8] + (2).to_bytes(8, "little") + b"{}",
         "huge_record.eqx": raw[: header - 8] + (2**62).to_bytes(8, "little") + b"{}",
+        "no_leaves.eqx": raw[: header - 8] + (18).to_bytes(8, "little") + b'{"fp8_layers": {}}',
     }
     for name, data in files.items():
         (ckpts / name).write_bytes(data)
@@ -1391,6 +1392,12 @@ CHECKPOINTS = [
         r"empty_record.eqx' is truncated or corrupt: its record does not list FP8 layers",
     ),
     row(
+        "load-record-without-leaves",
+        lambda w: load(w.file("no_leaves.eqx"), w.state),
+        ValueError,
+        r"no_leaves.eqx' is truncated or corrupt: its record does not list FP8 layers and leaves",
+    ),
+    row(
         "load-record-length-huge",
         lambda w: load(w.file("huge_record.eqx"), w.state),
         ValueError,
@@ -1509,6 +1516,12 @@ CHECKPOINTS = [
         lambda w: save(w.file("good.eqx"), {"a": np.array([object()])}),
         ValueError,
         r"leaf \['a'\] is an array of dtype object; a checkpoint holds numeric arrays only",
+    ),
+    row(
+        "save-structured-array-over-checkpoint",
+        lambda w: save(w.file("good.eqx"), {"a": np.zeros(2, [("x", "<f4")])}),
+        ValueError,
+        r"leaf \['a'\] is an array of dtype \[\('x', '<f4'\)\]; a checkpoint holds numeric arrays",
     ),
     row(
         "save-backend",
