@@ -189,8 +189,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     if backend == "orbax":
         saved = parse_record(_orbax_record(path), path)
         target = _target(saved, like)
-        check_fp8_record(saved, keyed_record(target), path)
-        data = keys_as_data(on_concrete_mesh(target))
+        check_fp8_record(saved, keyed_record(target, data := keys_as_data(target)), path)
+        data = on_concrete_mesh(data)  # (the keys' data: converted once, for both)
         return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
     if not path.exists():
         raise _no_checkpoint(path, backend)
@@ -214,8 +214,8 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its record is cut off ({total} bytes in all)")
         saved = parse_record(f.read(size), path)
         target = _target(saved, like)
-        check_fp8_record(saved, keyed_record(target), path)
-        data = keys_as_data(on_concrete_mesh(target))
+        check_fp8_record(saved, keyed_record(target, data := keys_as_data(target)), path)
+        data = on_concrete_mesh(data)  # (the keys' data: converted once, for both)
         try:
             restored = eqx.tree_deserialise_leaves(f, data, filter_spec=_deserialise)
         except Exception as e:  # noqa: BLE001 - any failure to read the arrays: truncated
