@@ -586,6 +586,14 @@ def test_an_nnx_state_records_its_fp8_layers(backend, tmp_path):
     checkpoint_record.check_fp8_record(
         {**older, "fp8_layers": {}}, checkpoint_record.fp8_record(nnx.state(saved)), path
     )
+    # One that records such layers but lacks one of them: that layer is named missing.
+    first, *rest = sorted(older["fp8_layers"])
+    lacking = {**older, "fp8_layers": {k: older["fp8_layers"][k] for k in rest}}
+    with pytest.raises(ValueError, match="is not in the checkpoint") as info:
+        checkpoint_record.check_fp8_record(
+            lacking, checkpoint_record.fp8_record(nnx.state(saved)), path
+        )
+    assert f"FP8 layer {older['fp8_layers'][first]['name']!r} is not in" in str(info.value)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
