@@ -968,6 +968,11 @@ def test_a_failed_orbax_restores_unread_errors_are_not_logged(tmp_path, caplog):
     async def mine():
         raise ValueError("not orbax's")
 
+    class Unwritable:
+        @property
+        def _parent_dir(self):
+            raise OSError("the directory could not be made")
+
     def unread(coroutine):
         loop = asyncio.new_event_loop()
         task = loop.create_task(coroutine)
@@ -978,6 +983,8 @@ def test_a_failed_orbax_restores_unread_errors_are_not_logged(tmp_path, caplog):
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         unread(ocp.type_handlers.ParamInfo.await_path_creation(None))  # raises in orbax
+        # Raised in code that orbax's calls (its last frame not orbax's): still orbax's error.
+        unread(ocp.type_handlers.ParamInfo.await_path_creation(Unwritable()))
         assert caplog.records == []
         unread(mine())
     assert [r.msg.split("\n")[0] for r in caplog.records] == ["Task exception was never retrieved"]
