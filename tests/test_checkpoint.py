@@ -1434,3 +1434,25 @@ def test_a_record_with_many_differences_lists_ten_and_counts_the_rest():
     listed = [line for line in lines if line.startswith("  - leaf ")]
     assert listed[0] == "  - leaf ['w00']: checkpoint has float32(1,), target has float32(2,)"
     assert len(listed) == 10 and "  (and 2 more)" in lines
+
+
+def test_a_leaf_named_like_an_inverse_leaves_an_older_checkpoint_older(tmp_path):
+    """A checkpoint written before `TensorState` kept `scale_inv` is told by its record naming
+    no `.scale_inv` leaf: one of another name that starts so (`.scale_inverse`) does not make
+    it a newer one; it restores, each inverse `1 / scale`."""
+
+    class OlderTensorState(eqx.Module):  # as an older version defined it
+        scale: jax.Array
+        amax_history: jax.Array
+
+    class Extra(eqx.Module):
+        scale_inverse: jax.Array
+
+    path = tmp_path / "ckpt.eqx"
+    saved = {"state": OlderTensorState(jnp.float32(4.0), jnp.arange(4.0)), "x": Extra(jnp.ones(2))}
+    fp8jax.save_checkpoint(path, saved)
+    like = {"state": fp8jax.TensorState(jnp.float32(1.0), jnp.zeros(4)), "x": Extra(jnp.zeros(2))}
+    restored = fp8jax.load_checkpoint(path, like)
+    assert float(restored["state"].scale) == 4.0 and float(restored["state"].scale_inv) == 0.25
+    np.testing.assert_array_equal(restored["state"].amax_history, np.arange(4.0))
+    np.testing.assert_array_equal(restored["x"].scale_inverse, np.ones(2))
