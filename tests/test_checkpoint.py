@@ -5,6 +5,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+import re
 import shutil
 import stat
 import sys
@@ -287,6 +288,76 @@ def test_a_checkpoint_without_scale_inverses_restores(backend, tmp_path):
     _, wrong = build(jax.random.key(1), fp8jax.Fp8Config(recipe="current", telemetry=True))
     with pytest.raises(ValueError, match="CurrentScaling"):
         fp8jax.load_checkpoint(path, wrong, backend=backend)
+
+
+def _changed_state(state, field, index, value):
+    """`state` with the last FP8 state's `field` holding `value` at `index`; that state's
+    path, the new leaf and `states`, a function giving a tree's FP8 states by path."""
+
+    def is_state(node):
+        return type(node) is fp8jax.TensorState
+
+    def states(tree):
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
+        return {jax.tree_util.keystr(p): n for p, n in flat if is_state(n)}
+
+    where, node = list(states(state).items())[-1]  # the last layer's output gradient
+    wanted = getattr(node, field).at[index].set(value)
+    changed = jax.tree_util.tree_map_with_path(
+        lambda p, n: (
+            eqx.tree_at(lambda s: getattr(s, field), n, wanted)
+            if jax.tree_util.keystr(p) == where
+            else n
+        ),
+        state,
+        is_leaf=is_state,
+    )
+    return changed, where, wanted, states
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index, value", [(5, np.nan), (0, np.inf), (1023, -np.inf)])
+def test_a_non_finite_amax_in_a_checkpoint_is_dropped_and_warned_of(
+    backend, index, value, tmp_path
+):
+    """Training never records a NaN or an inf in an amax history (`received_state`), so one
+    in a checkpoint was put there after it was written; kept, it would roll along every
+    step's new state and every step would be skipped as non-finite. It is set to 0 (no
+    amax recorded) with a warning naming the leaf and entry, and the run resumes as one
+    whose history held that 0."""
+    step, state = build(jax.random.key(0))
+    state = run(step, state, 0, 3)
+    changed, where, wanted, states = _changed_state(state, "amax_history", index, value)
+    zeroed, *_ = _changed_state(state, "amax_history", index, 0.0)
+    path = tmp_path / "ckpt"
+    fp8jax.save_checkpoint(path, changed, backend=backend)
+    _, like = build(jax.random.key(1))
+    pattern = rf"{re.escape(where)}\.amax_history holds {value} \(flat index {index}\)"
+    with pytest.warns(RuntimeWarning, match=pattern):
+        restored = fp8jax.load_checkpoint(path, like, backend=backend)
+    expected = np.where(np.isfinite(wanted), wanted, 0.0)
+    np.testing.assert_array_equal(states(restored)[where].amax_history, expected)
+    resumed, metrics = step(restored, *batch(3))
+    assert bool(metrics.grads_finite)
+    assert bits(resumed) == bits(step(zeroed, *batch(3))[0])
+
+
+def test_a_non_finite_scale_left_after_the_merge_is_warned_of_and_loaded(tmp_path):
+    """A current-scaling state keeps the scale of its latest step, which no history
+    recomputes: an inf there is loaded as it is, with a warning naming the leaf. (Delayed
+    scaling's merge computes it again from the history, so no warning is due.)"""
+    config = fp8jax.Fp8Config(recipe="current", telemetry=True)
+    step, state = build(jax.random.key(0), config)
+    state = run(step, state, 0, 3)
+    changed, where, wanted, states = _changed_state(state, "scale", (), np.inf)
+    fp8jax.save_checkpoint(tmp_path / "ckpt", changed)
+    _, like = build(jax.random.key(1), config)
+    with pytest.warns(RuntimeWarning, match=rf"{re.escape(where)}\.scale holds inf"):
+        restored = fp8jax.load_checkpoint(tmp_path / "ckpt", like)
+    assert float(states(restored)[where].scale) == np.inf
+    delayed, *_ = _changed_state(run(*build(jax.random.key(0)), 0, 3), "scale", (), np.inf)
+    fp8jax.save_checkpoint(tmp_path / "delayed", delayed)
+    fp8jax.load_checkpoint(tmp_path / "delayed", build(jax.random.key(1))[1])  # no warning
 
 
 @needs_orbax

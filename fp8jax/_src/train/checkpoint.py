@@ -37,9 +37,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array
 
-from ..recipes.base import TensorState
 from .checkpoint_files import (
     file_mode,
     make_parents,
@@ -58,9 +56,9 @@ from .checkpoint_record import (
     check_fp8_record,
     corrupt,
     is_array_like,
-    is_layer,
     parse_record,
 )
+from .checkpoint_states import as_stored, settled, warn_non_finite, without_non_finite_amaxes
 from .orbax_quiet import quiet_orbax_leftovers
 
 T = TypeVar("T")
@@ -165,7 +163,11 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
     them on `mesh` (else `ValueError`, before reading). The sharding may
     differ from the one an array was saved with: a checkpoint written by several processes
     restores in one, and the other way round. With several processes every process calls it
-    and reads `path`, which they must all see.
+    and reads `path`, which they must all see. A NaN or an inf in an FP8 layer's state, which
+    training never records, is warned of (`RuntimeWarning`, naming the leaf): in an amax
+    history it is set to 0, no amax recorded (kept, every step would be non-finite and
+    skipped); a scale is loaded as it is (delayed scaling's is computed again from its
+    history).
 
     **Raises:** `ValueError`, before anything is read, if the checkpoint's FP8 layers, recipes
     or arrays differ from `like`'s (the message lists the differences; recipe options that
@@ -191,7 +193,7 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
         target = _target(saved, like)
         check_fp8_record(saved, keyed_record(target, data := keys_as_data(target)), path)
         data = on_concrete_mesh(data)  # (the keys' data: converted once, for both)
-        return _shared_as(_settled(keys_from_data(_orbax_load(path, data), target)), like)
+        return _ready(keys_from_data(_orbax_load(path, data), target), like, path)
     if not path.exists():
         raise _no_checkpoint(path, backend)
     if path.is_dir():
@@ -222,7 +224,13 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
             raise corrupt(path, f"its arrays could not be read ({e})") from e
         if f.read(1):
             raise corrupt(path, f"it has data after the saved state ({total} bytes in all)")
-        return _shared_as(_settled(keys_from_data(restored, target)), like)
+        return _ready(keys_from_data(restored, target), like, path)
+
+
+def _ready(restored: T, like: T, path: pathlib.Path) -> T:
+    """`restored` settled (a NaN or inf in its FP8 states dropped, or warned of), as `like`."""
+    warn_non_finite(restored := settled(without_non_finite_amaxes(restored, path)), path)
+    return _shared_as(restored, like)
 
 
 def _shared_as(restored: T, like: T) -> T:
@@ -251,18 +259,6 @@ def _shared_as(restored: T, like: T) -> T:
     )
 
 
-def _is_tensor_state(x: Any) -> bool:
-    return type(x) is TensorState
-
-
-class _StoredTensorState(eqx.Module):
-    """A [`fp8jax.TensorState`][] as checkpoints stored it before it kept `scale_inv`: the
-    same leaves, under the same names, less that one."""
-
-    scale: Array
-    amax_history: Array
-
-
 _STATE_INVERSE = re.compile(r"\.scale_inv(\.value)?$")
 
 
@@ -278,13 +274,7 @@ def _target(saved: dict[str, Any], like: T) -> T:
     # A state's leaf `.scale_inv`, or `.scale_inv.value` where a Flax NNX variable holds it.
     if any(_STATE_INVERSE.search(where) for where in saved.get("leaves", {})):
         return like
-
-    def stored(state: Any) -> Any:
-        if not _is_tensor_state(state):
-            return state
-        return _StoredTensorState(state.scale, state.amax_history)
-
-    return jax.tree.map(stored, like, is_leaf=_is_tensor_state)
+    return as_stored(like)
 
 
 #: The NumPy kinds of the 0-d arrays a Python number of each type may be restored from.
@@ -303,42 +293,6 @@ def _as_saved(entry: list | None, leaf: Any) -> Any:
         return leaf
     dtype = np.dtype(entry[1])
     return jnp.zeros((), dtype) if dtype.kind in kinds else leaf
-
-
-def _settled(state: T) -> T:
-    """`state` with each FP8 layer merged with its own state: delayed scaling's scales
-    recomputed from the restored histories. A no-op for a checkpoint of this version, whose
-    scales are the ones their next step uses; one written before fp8jax kept that scale
-    (its states held the scale of the step before) then resumes with the same scales as
-    if it had never stopped. States restored without `scale_inv` (an older checkpoint) get
-    it from their scale first."""
-
-    def with_inverse(state: Any) -> Any:
-        if not isinstance(state, _StoredTensorState):
-            return state
-        return TensorState(state.scale, state.amax_history)
-
-    def is_stored(node: Any) -> bool:
-        return isinstance(node, _StoredTensorState)
-
-    state = jax.tree.map(with_inverse, state, is_leaf=is_stored)
-    return jax.tree.map(lambda n: _merged(n) if is_layer(n) else n, state, is_leaf=is_layer)
-
-
-def _is_variable(x: Any) -> bool:
-    """Whether `x` is a Flax NNX variable (an FP8 NNX layer's state holds its arrays in them)."""
-    return hasattr(x, "get_value") and hasattr(x, "set_value")
-
-
-def _merged(layer: Any) -> Any:
-    """`layer` merged with its own state; an NNX layer's variables (the restored copies) set
-    to the merged values in place."""
-    if not any(map(_is_variable, jax.tree.leaves(layer, is_leaf=_is_variable))):
-        return layer.merge(layer)
-    values = jax.tree.map(lambda v: v.get_value(), layer, is_leaf=_is_variable)
-    merged = values.merge(values)
-    jax.tree.map(lambda v, m: v.set_value(m), layer, merged, is_leaf=_is_variable)
-    return layer
 
 
 def _numpy_reads_back(dtype: np.dtype) -> bool:
