@@ -1,9 +1,16 @@
 """The train step's pieces against hand-rolled references, for the slips a mutation run of
 `fp8jax/_src/train` found no test for: each test fails with one such one-line slip."""
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+import fp8jax
 from fp8jax._src.train.loss_scale import DynamicLossScale
+
+DELAYED = fp8jax.Fp8Config(recipe="delayed")
 
 
 def test_a_dynamic_scale_may_start_at_its_floor():
@@ -16,3 +23,69 @@ def test_a_dynamic_scale_may_start_at_its_floor():
         assert float(ls.loss_scale) == max(floor * 0.5, floor) == floor
         ls = ls.adjust(True).adjust(True)
         assert float(ls.loss_scale) == 2 * floor
+
+
+class Branchy(eqx.Module):
+    a: eqx.Module
+    b: eqx.Module
+
+    def __call__(self, x, take_b):
+        h = self.a(x)
+        return jax.lax.cond(take_b, lambda: self.b(h), lambda: h[:3])
+
+
+def _branchy(key):
+    ka, kb = jax.random.split(key)
+    a = fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=ka), DELAYED)
+    return Branchy(a, fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 3, key=kb), DELAYED))
+
+
+def test_an_fp8_layer_in_a_branch_not_taken_is_an_unused_layer(getkey):
+    """`lax.cond` gives the FP8 state of a branch not taken the max-combining dtype's zero,
+    -inf: the step read it as a non-finite state and was skipped (grads_finite False, no
+    weight moved) every time the branch was not taken. The reference: the same step on a loss
+    that leaves the layer out (its state's gradient 0, kept by its merge), bit for bit."""
+    model, x = _branchy(getkey()), jax.random.normal(getkey(), (2, 4))
+
+    def branchy(m, x, take_b):
+        return jnp.mean(jax.vmap(lambda r: m(r, take_b))(x) ** 2)
+
+    def without_b(m, x, take_b):
+        return jnp.mean(jax.vmap(lambda r: m.a(r)[:3])(x) ** 2)
+
+    def make(loss):
+        return fp8jax.make_train_step(loss, optax.sgd(0.1), compiler_options={})
+
+    first, _ = make(branchy)(make(branchy).init(model), x, jnp.asarray(True))  # b records
+    states, metrics = [], []
+    for loss in (branchy, without_b):
+        state, step = first, make(loss)
+        for _ in range(2):
+            state, m = step(state, x, jnp.asarray(False))
+            metrics.append(bool(m.grads_finite))
+        states.append(state.model)
+    assert metrics == [True] * 4
+    for got, want in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_microbatches_tied_at_amax_0_keep_the_recorded_history(getkey):
+    """An FP8 layer that ran on zeros in one microbatch (newest amax 0, an earlier step's
+    amax of 3 in its history) and did not run in the next (a `lax.cond` branch not taken: a
+    state of zeros) tie on the newest amax; the accumulated state is the one that ran, its
+    history max 3 (the reference: max |x| of the earlier step), not the zero state's 0."""
+    model = _branchy(getkey())
+
+    def loss(m, x, take_b):
+        return jnp.mean(jax.vmap(lambda r: m(r, take_b[0]))(x) ** 2)
+
+    x0 = jnp.full((2, 4), 3.0)
+    _, grads = fp8jax.filter_value_and_grad(lambda m, x: jnp.sum(jax.vmap(m.b)(x)))(model, x0)
+    model = fp8jax.apply_updates(model, None, fp8jax.partition_for_grad_overwrite(grads)[0])
+    assert float(jnp.max(model.b.dot_general.input.amax_history)) == 3.0
+    take_b = jnp.asarray([True, True, False, False])
+    x = jnp.concatenate([jnp.zeros((2, 4)), x0])
+    model = eqx.tree_at(lambda m: (m.a.weight, m.a.bias), model, replace_fn=jnp.zeros_like)
+    _, grads = eqx.filter_jit(fp8jax.accumulate_gradients(loss, 2))(model, x, take_b)
+    history = grads.b.dot_general.input.amax_history
+    assert float(history[0]) == 0.0 and float(jnp.max(history)) == 3.0
