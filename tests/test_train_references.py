@@ -89,3 +89,24 @@ def test_microbatches_tied_at_amax_0_keep_the_recorded_history(getkey):
     _, grads = eqx.filter_jit(fp8jax.accumulate_gradients(loss, 2))(model, x, take_b)
     history = grads.b.dot_general.input.amax_history
     assert float(history[0]) == 0.0 and float(jnp.max(history)) == 3.0
+
+
+def test_metrics_report_the_scale_the_step_used(getkey):
+    """`StepMetrics.loss_scale` is "the scale this step used", not the adjusted one the state
+    carries on: against a hand-rolled schedule (period 1: doubled after each finite step,
+    halved after an overflowing one)."""
+    model = eqx.nn.Linear(3, 2, key=getkey())
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    step = fp8jax.make_train_step(
+        loss, optax.sgd(1e-3), loss_scale=DynamicLossScale(8.0, period=1), compiler_options={}
+    )
+    state, used, want = step.init(model), [], 8.0
+    for x in (jnp.ones((2, 3)), jnp.full((2, 3), jnp.inf), jnp.ones((2, 3))):
+        state, metrics = step(state, x)
+        used.append(float(metrics.loss_scale))
+        want = want * 2 if bool(metrics.grads_finite) else want / 2
+        assert float(state.loss_scale.loss_scale) == want
+    assert used == [8.0, 16.0, 8.0]
