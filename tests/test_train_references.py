@@ -110,3 +110,30 @@ def test_metrics_report_the_scale_the_step_used(getkey):
         want = want * 2 if bool(metrics.grads_finite) else want / 2
         assert float(state.loss_scale.loss_scale) == want
     assert used == [8.0, 16.0, 8.0]
+
+
+def test_float32_updates_of_bfloat16_parameters_are_stored_in_bfloat16(getkey):
+    """`params=bfloat16`: an optimizer whose updates are float32 (here a constant -0.25)
+    must not widen the stored parameters, which stay bfloat16 as the policy says, each the
+    float64 sum rounded once to bfloat16 (the reference, via ml_dtypes)."""
+    model = eqx.nn.Linear(3, 2, key=getkey())
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    def constant(grads, params=None):
+        return jax.tree.map(lambda g: jnp.full(g.shape, -0.25, jnp.float32), grads)
+
+    step = fp8jax.make_train_step(
+        loss, optax.stateless(constant), policy="params=bfloat16", compiler_options={}
+    )
+    state = step.init(model)
+    before = jax.tree.map(np.asarray, (state.model.weight, state.model.bias))
+    for _ in range(2):  # a second step: the state's dtypes still those the step expects
+        state, metrics = step(state, jnp.ones((2, 3)))
+        assert bool(metrics.grads_finite)
+    for got, old in zip((state.model.weight, state.model.bias), before, strict=True):
+        assert got.dtype == jnp.bfloat16
+        once = (old.astype(np.float64) - 0.25).astype(jnp.bfloat16)
+        want = (once.astype(np.float64) - 0.25).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got), want)
