@@ -137,3 +137,20 @@ def test_float32_updates_of_bfloat16_parameters_are_stored_in_bfloat16(getkey):
         once = (old.astype(np.float64) - 0.25).astype(jnp.bfloat16)
         want = (once.astype(np.float64) - 0.25).astype(jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_one_dimensional_batch_arrays_are_cut_into_microbatches(getkey):
+    """Labels of shape (batch,) are cut along their axis as `x` is, not passed whole (only
+    0-d leaves are): the accumulated loss and gradients are the whole batch's, against one
+    `jax.value_and_grad` over it (float32; summation order only)."""
+    model = eqx.nn.Linear(3, "scalar", key=getkey())
+    x, y = jax.random.normal(getkey(), (8, 3)), jnp.arange(8.0)
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    want_loss, want = jax.value_and_grad(loss)(model, x, y)
+    got_loss, got = fp8jax.accumulate_gradients(loss, 4)(model, x, y)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
