@@ -154,3 +154,19 @@ def test_one_dimensional_batch_arrays_are_cut_into_microbatches(getkey):
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_aux_of_one_microbatch_is_stacked_as_of_several(getkey):
+    """With `has_aux`, aux comes back stacked over the microbatches, one of them included:
+    a leading axis of 1 over `fun`'s own aux (the reference: `fun` called directly)."""
+    model = eqx.nn.Linear(3, 2, key=getkey())
+    x = jax.random.normal(getkey(), (4, 3))
+
+    def loss(m, x):
+        out = jax.vmap(m)(x)
+        return jnp.mean(out**2), {"out": out, "n": 4}
+
+    (_, aux), _ = fp8jax.accumulate_gradients(loss, 1, has_aux=True)(model, x)
+    _, want = loss(model, x)
+    np.testing.assert_allclose(np.asarray(aux["out"]), np.asarray(want["out"])[None], rtol=1e-6)
+    assert jnp.shape(aux["n"]) == (1,) and int(aux["n"][0]) == 4
