@@ -248,3 +248,21 @@ def test_a_plan_lists_its_layers_in_path_order():
     model = _Unsorted(*(eqx.nn.Linear(8, 8, key=k) for k in jax.random.split(jax.random.key(8))))
     plan = fp8jax.conversion_plan(model)
     assert [c.path for c in plan.layers] == ["a", "z"] and plan.converted == ("a", "z")
+
+
+def test_a_dataflow_counts_each_gemm_of_a_layer_once():
+    """`Dataflow.gemms` counts a layer's GEMM equations: one in a scan's body is one (the
+    body is followed more than once, to its carry's fixed point), one in each of a cond's
+    two branches two."""
+    from fp8jax._src.convert.roles import dataflow
+
+    def scanned(w, xs):
+        return jax.lax.scan(lambda c, x: (c + x @ w, None), jnp.zeros(4), xs)[0]
+
+    def branched(w, x):
+        return jax.lax.cond(x[0] > 0, lambda: x @ w, lambda: 2.0 * (x @ w))
+
+    w, x = jnp.ones((4, 4)), jnp.ones(4)
+    flow = dataflow(jax.make_jaxpr(scanned)(w, jnp.ones((3, 4))), [("a",), None])
+    assert flow.gemms == {("a",): 1}
+    assert dataflow(jax.make_jaxpr(branched)(w, x), [("a",), None]).gemms == {("a",): 2}

@@ -116,7 +116,8 @@ class _Tracer:
     """Follows origins and GEMM outputs through a jaxpr and the jaxprs inside it."""
 
     def __init__(self) -> None:
-        self.gemms: dict[Path, int] = {}
+        #: Each owner's GEMM equations (by `id`: a loop body is followed more than once).
+        self.gemms: dict[Path, set[int]] = {}
         self.feeds_gemm: set[Path] = set()
         self.feeds_choice: set[Path] = set()
         #: Each GEMM equation met (by `id`) with its operands' owners (lhs, rhs).
@@ -149,7 +150,7 @@ class _Tracer:
             if name == "dot_general" and ins[1].axes is not None:
                 self.rhs_layouts[id(eqn)] = _layout(ins[1].axes, eqn.params["dimension_numbers"])
             for owner in owners:
-                self.gemms[owner] = self.gemms.get(owner, 0) + 1
+                self.gemms.setdefault(owner, set()).add(id(eqn))
             return [_Value(None, frozenset(owners))] * n_out
         if name in CHOICES:
             self.feeds_choice |= taint
@@ -270,7 +271,7 @@ def dataflow(closed_jaxpr: Any, owners: Sequence[Path | None]) -> Dataflow:
     tracer = _Tracer()
     outs = tracer.run(jaxpr, [_Value(o) for o in owners])
     return Dataflow(
-        gemms=dict(tracer.gemms),
+        gemms={owner: len(eqns) for owner, eqns in tracer.gemms.items()},
         to_output=frozenset().union(*(v.taint for v in outs)),
         feeds_gemm=frozenset(tracer.feeds_gemm),
         feeds_choice=frozenset(tracer.feeds_choice),
