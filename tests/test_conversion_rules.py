@@ -266,3 +266,19 @@ def test_a_dataflow_counts_each_gemm_of_a_layer_once():
     flow = dataflow(jax.make_jaxpr(scanned)(w, jnp.ones((3, 4))), [("a",), None])
     assert flow.gemms == {("a",): 1}
     assert dataflow(jax.make_jaxpr(branched)(w, x), [("a",), None]).gemms == {("a",): 2}
+
+
+def test_a_gemms_right_operand_is_told_as_its_weights_free_and_contracted_axes():
+    """`gemm_rhs_layouts`: `x @ w` contracts the weight's axis 0 and keeps axis 1; `h @ w.T`
+    the reverse (which a square `w` cannot tell by shape); a batched GEMM is left out."""
+    from fp8jax._src.convert.roles import gemm_rhs_layouts
+
+    def layouts(f, *args):
+        found = gemm_rhs_layouts(jax.make_jaxpr(f)(*args), [("w",), None])
+        return sorted(found.values())
+
+    w = jnp.ones((4, 4))
+    assert layouts(lambda w, x: x @ w, w, jnp.ones((2, 4))) == [((1,), (0,))]
+    assert layouts(lambda w, x: x @ w.T, w, jnp.ones((2, 4))) == [((0,), (1,))]
+    batched = lambda w, x: jnp.einsum("bk,bkn->bn", x, w)  # noqa: E731
+    assert layouts(batched, jnp.ones((2, 4, 4)), jnp.ones((2, 4))) == []
