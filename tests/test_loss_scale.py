@@ -322,8 +322,9 @@ def test_all_finite_skips_fp8_state_ints_none_and_empty():
 
 def test_states_finite_is_every_leaf_finite():
     """`states_finite` (the small leaves checked together, a kernel-shaped one alone) against
-    each leaf checked in float64: an inf or NaN in any one leaf, of any float dtype, is
-    seen; integer leaves and `None` are skipped."""
+    each leaf checked in float64: a +inf or NaN in any one leaf, of any float dtype, is
+    seen; -inf, the max-combining zero a layer in a `lax.cond` branch not taken receives
+    (nothing received), is not; integer leaves and `None` are skipped."""
     rng = np.random.default_rng(16)
     leaves = {
         "scale": jnp.float32(0.5),
@@ -340,11 +341,9 @@ def test_states_finite_is_every_leaf_finite():
     check = jax.jit(states_finite)
 
     def reference(tree):
-        return all(
-            np.isfinite(np.asarray(v, np.float64)).all()
-            for v in jax.tree.leaves(tree)
-            if jnp.issubdtype(v.dtype, jnp.floating)
-        )
+        floating = [v for v in jax.tree.leaves(tree) if jnp.issubdtype(v.dtype, jnp.floating)]
+        wide = [np.asarray(v, np.float64) for v in floating]
+        return all(not np.any(np.isnan(a) | (a == np.inf)) for a in wide)
 
     assert bool(states_finite(leaves)) and bool(check(leaves)) and reference(leaves)
     for name in floats:
@@ -354,9 +353,10 @@ def test_states_finite_is_every_leaf_finite():
                 **leaves,
                 name: flat.at[flat.size // 2].set(bad).reshape(leaves[name].shape),
             }
-            assert not reference(poisoned)
-            assert not bool(states_finite(poisoned)), (name, bad)
-            assert not bool(check(poisoned)), (name, bad)
+            seen = not reference(poisoned)
+            assert seen == (bad != -np.inf)
+            assert bool(states_finite(poisoned)) != seen, (name, bad)
+            assert bool(check(poisoned)) != seen, (name, bad)
     assert bool(states_finite({})) and bool(states_finite(None))
 
 

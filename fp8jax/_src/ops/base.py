@@ -56,14 +56,22 @@ def check_float(name: str, x: Any, where: str, op: str) -> np.dtype:
     return dtype
 
 
+def received_finite(x: Array) -> Array:
+    """Elementwise: `x`, a received FP8 state's leaf, holds no NaN and no +inf. -inf is the
+    max-combining dtype's zero (a use that did not run), not an overflow: no amax, scale or
+    count is ever -inf."""
+    return ~jnp.isnan(x) & (x != jnp.inf)
+
+
 def received_state(state: TensorState) -> tuple[Array, Array]:
     """Whether a received state is a real update, and whether it is one to reject.
 
     A zero cotangent (a zero scale) means the layer was not used this step, or its output
-    got no gradient: nothing was received. An inf or NaN anywhere in it (the operand held
-    one, so its amax is not finite) is rejected: it never enters a history, where with
-    `amax_compute="max"` it would freeze the scale for the history's length. Per layer of a
-    stacked state (per expert of a grouped layer's kernel).
+    got no gradient: nothing was received; so does -inf, the max-combining dtype's zero,
+    which a use that did not run gives (a `lax.cond` branch not taken). A NaN or +inf
+    anywhere in it (the operand held one, so its amax is not finite) is rejected: it never
+    enters a history, where with `amax_compute="max"` it would freeze the scale for the
+    history's length. Per layer of a stacked state (per expert of a grouped layer's kernel).
     """
     lead = jnp.ndim(state.scale)
     # Of an amax history only the newest entry is new: the older ones are the kept state's,
@@ -77,7 +85,7 @@ def received_state(state: TensorState) -> tuple[Array, Array]:
         for name in fields
         for a in jax.tree.leaves(getattr(state, name))
     ]
-    finite = [jnp.all(jnp.isfinite(a), axis=tuple(range(lead, jnp.ndim(a)))) for a in leaves]
+    finite = [jnp.all(received_finite(a), axis=tuple(range(lead, jnp.ndim(a)))) for a in leaves]
     finite = functools.reduce(jnp.logical_and, finite)
     take = finite & (state.scale > 0)
     return take, ~finite

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 from ..core import jax_private
 from ..core.stats import max_combining_view
@@ -71,21 +70,11 @@ def _paired_in_gradient(op: AbstractFp8Op) -> AbstractFp8Op:
         return arrays, None
 
     def backward(_: None, cotangent: Any) -> tuple[Any]:
-        # The max-combining zero, -inf, is what a use that did not run (a `lax.cond` branch
-        # not taken) gives: nothing received, as an unused layer's 0.
-        cotangent = jax.tree.map(_received, cotangent)
         paired = with_recorded_scales(eqx.combine(cotangent, static))
         return (eqx.filter(paired, eqx.is_array),)
 
     identity.defvjp(forward, backward)
     return eqx.combine(identity(arrays), static)
-
-
-def _received(x: Any) -> Any:
-    """A cotangent leaf of FP8 state with the max-combining zero (-inf) as 0."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return jnp.where(x == -jnp.inf, jnp.zeros((), x.dtype), x)
 
 
 def filter_value_and_grad(

@@ -38,7 +38,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from ..core.updates import haliax_fp8_op, is_fp8_state
-from ..ops.base import AbstractFp8Op, checked_ratio, rescaled_gradient_state
+from ..ops.base import AbstractFp8Op, checked_ratio, received_finite, rescaled_gradient_state
 from ..recipes import ResidualState, TensorState
 from .select import select_tree as select_tree
 
@@ -431,14 +431,18 @@ SMALL_STATE = 1 << 16
 
 def states_finite(states: Any) -> Bool[Array, ""]:
     """Whether every floating-point array leaf of `states` (the new FP8 state a step
-    received: `partition_for_grad_overwrite`'s first output) is finite, as `all_finite` of
-    its leaves: the small ones (scales, amax histories, telemetry) checked by one reduction
-    over their concatenation, one kernel where a reduction each took one or two per leaf;
-    larger ones (an error-feedback state shaped like its kernel) each alone."""
+    received: `partition_for_grad_overwrite`'s first output) holds no NaN and no +inf: the
+    small ones (scales, amax histories, telemetry) checked by one reduction over their
+    concatenation, one kernel where a reduction each took one or two per leaf; larger ones
+    (an error-feedback state shaped like its kernel) each alone. -inf, what a layer in a
+    `lax.cond` branch not taken receives (the max-combining zero: nothing received), is no
+    overflow: a step skipped on it would skip every step that branch is not taken."""
     leaves = [x for x in jax.tree.leaves(states) if _is_inexact_array(x)]
     small = [jnp.ravel(x) for x in leaves if x.size <= SMALL_STATE]
     rest = [x for x in leaves if x.size > SMALL_STATE]
     if small:
         dtype = jnp.result_type(*small)
         rest.append(jnp.concatenate([x.astype(dtype) for x in small]))
-    return all_finite(rest)
+    if not rest:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(received_finite(x)) for x in rest]))
