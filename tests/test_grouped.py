@@ -283,6 +283,32 @@ def test_bfloat16_operands_and_output():
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2.0**-8, atol=1e-30)
 
 
+def test_exact_scales_with_a_bfloat16_output_are_applied_in_float32():
+    """Scales that are not powers of two (`power_of_two=False`) multiply the float32 GEMM
+    result before its one rounding to BF16: within BF16's half ulp (2**-8 relative) of the
+    float64 product of the dequantized operands, plus float32's accumulation error. A
+    scale rounded to BF16 and applied there is off by up to three such roundings."""
+    recipe = fp8jax.CurrentScaling(power_of_two=False)
+    x, w, g = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in data(5))
+    bf16 = [jnp.asarray(a, jnp.bfloat16) for a in (x, w, g)]
+    got = run(fp8jax.Fp8RaggedDot(recipe, num_experts=G), *bf16, SIZES)[:3]
+
+    def scale(t, fmt):
+        s = ref.current_scale(np.abs(t).max(), fmt)
+        assert s != 2.0 ** np.floor(np.log2(s))  # not a power of two
+        return s
+
+    xq = ref.qdq_tensor(x, scale(x, "e4m3"), "e4m3")
+    wq = np.stack([ref.qdq_tensor(w[e], scale(w[e], "e4m3"), "e4m3") for e in range(G)])
+    gq = ref.qdq_tensor(g, scale(g, "e5m2"), "e5m2")
+    want, mags = grouped_reference(SIZES, xq, wq, gq, wq, xq, gq)
+    for a, b, mag, terms in zip(got, want, mags, (K, N, M), strict=True):
+        assert a.dtype == jnp.bfloat16
+        f32 = (2 * terms + 2) * 2.0**-24 * mag  # accumulation and the scales' product
+        bound = 2.0**-8 * (np.abs(b) + f32) + f32 + 1e-30
+        np.testing.assert_array_less(np.abs(np.asarray(a, np.float64) - b), bound)
+
+
 # --- state through the gradient: max, not sum ----------------------------------------------
 
 
