@@ -929,6 +929,51 @@ def test_expert_parallel_telemetry_is_the_steps_as_on_one_device(shape):
                 )
 
 
+@pytest.mark.parametrize(
+    "shape, axis_names", [((1, 8), ()), ((2, 4), ("data",))], ids=["expert 8", "data 2 x expert 4"]
+)
+def test_dispatched_amaxes_are_over_the_global_batch(shape, axis_names):
+    """The activation and the output gradient of a dispatched grouped GEMM are quantized
+    with amaxes over every device's rows: the recipe's `axis_names` (the tokens' other axes)
+    and the exchange's axis, which the layer adds. The recorded amaxes are NumPy's
+    `max |x|` of the whole batch and `max |weight * cotangent|` of all its assignments, and
+    the scales (delayed scaling's warm start: from this step's amaxes) theirs. The recorded
+    state is combined by max over the devices, so an amax taken over some of them shows
+    in the scale (from the smallest such amax), not in the history."""
+    experts, k_in, n_out, tokens = 8, 16, 8, 64
+    mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    recipe = fp8jax.DelayedScaling(axis_names=axis_names)
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=experts)
+    layer = fp8jax.GroupedLinear(experts, k_in, n_out, key=jax.random.key(0), ragged_dot=dot)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((tokens, k_in)).astype(np.float32)
+    c = rng.standard_normal((tokens, n_out)).astype(np.float32)
+    chosen = np.stack([rng.choice(experts, TOP_K, replace=False) for _ in range(tokens)])
+    weights = rng.choice(np.float32([0.25, 0.5, 1.0]), (tokens, TOP_K))
+    # The largest of each on one device's rows only (not the first device's).
+    x[41, 3], c[53, 5], weights[53] = 50.0, -40.0, 1.0
+    rows = P(("data", "expert"))
+
+    def loss(layer, x, c, chosen, weights):
+        def local(layer, x, c, chosen, weights):
+            plan = fp8jax.expert_exchange(chosen.astype(jnp.int32), experts, "expert")
+            out = plan.combine(layer(x, plan), weights)
+            return jax.lax.psum(jnp.sum(out * c), ("data", "expert"))
+
+        specs = (fp8jax.expert_specs(layer, "expert"), rows, rows, rows, rows)
+        f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
+        return f(layer, x, c, chosen, weights)
+
+    grads = jax.jit(fp8jax.filter_grad(loss))(layer, x, c, chosen, weights)
+    cotangents = weights[:, :, None] * c[:, None, :]  # each assignment's output gradient
+    for role, t, fmt_max in (("input", x, 448.0), ("output_grad", cotangents, 57344.0)):
+        state, amax = getattr(grads.ragged_dot, role), np.abs(t).max()
+        np.testing.assert_array_equal(state.amax_history[0], amax, err_msg=role)
+        # The first step's scale (the warm start: its own amax), the same on every device.
+        want = 2.0 ** np.floor(np.log2(fmt_max / amax))
+        np.testing.assert_array_equal(state.scale, want, err_msg=role)
+
+
 def test_high_precision_grouped_layers_take_lists_and_exchanges():
     """`GroupedLinear` and `NnxGroupedLinear` without an FP8 `ragged_dot` take group sizes as
     a list and an `ExpertExchange`, as their FP8 conversions do (both were refused as "not an
