@@ -548,6 +548,24 @@ def test_grouped_tokens_span_a_vmapped_batch():
     np.testing.assert_array_equal(new.stats.tokens, sizes.sum(axis=0))
 
 
+def test_per_example_gradients_count_the_tokens_of_the_whole_batch():
+    """`vmap` of a gradient (per-example gradients, each member's GEMMs mapped on their own)
+    with the state shared: as the amaxes, the tokens each expert got span the mapped axis,
+    summed over the members, in every member's record (not the largest member's count)."""
+    sizes = np.array([[6, 0, 4, 2], [0, 0, 9, 3], [3, 0, 3, 6]], np.int32)
+    rng = np.random.default_rng(9)
+    xs, cs = rng.standard_normal((3, 12, 8)), rng.standard_normal((3, 12, 4))
+    w = rng.standard_normal((4, 8, 4)).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot(num_experts=4, telemetry=True)
+
+    def loss(dot, x, s, c):
+        return jnp.sum(dot(x, w, s) * c)
+
+    new = jax.vmap(fp8jax.filter_grad(loss), in_axes=(None, 0, 0, 0))(dot, xs, sizes, cs)
+    # Expert 0: 6 + 0 + 3 tokens; 1: none; 2: 4 + 9 + 3; 3: 2 + 3 + 6.
+    np.testing.assert_array_equal(new.stats.tokens, [[9, 0, 16, 11]] * 3)
+
+
 @pytest.mark.parametrize("recipe", [fp8jax.BlockwiseScaling(), fp8jax.MXFP8()])
 def test_a_tiny_finite_operand_is_recorded_not_rejected(recipe):
     """An operand whose amax is finite but tiny (fp8_max / amax past float32's range) held no
