@@ -11,6 +11,7 @@ import fp8jax
 from fp8jax._src.train.loss_scale import DynamicLossScale, states_finite
 
 DELAYED = fp8jax.Fp8Config(recipe="delayed")
+ROLES = ("input", "kernel", "output_grad")
 
 
 def test_a_dynamic_scale_may_start_at_its_floor():
@@ -62,6 +63,43 @@ def test_an_fp8_layer_in_a_branch_not_taken_is_an_unused_layer(getkey):
         trees.append((rest, fp8jax.apply_updates(model, None, overwrites)))
     for got, want in zip(jax.tree.leaves(trees[0]), jax.tree.leaves(trees[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_branch_not_taken_is_no_rejected_update(getkey):
+    """The -inf a layer in a `lax.cond` branch not taken receives is nothing received, not an
+    operand that held an inf: telemetry's `rejected` counts neither the step's gradients nor
+    the merged model, as for a loss leaving the layer out (0), while a NaN operand is one;
+    and the gradients' telemetry is that loss's, figure for figure."""
+    config = fp8jax.Fp8Config(recipe="delayed", telemetry=True)
+    ka, kb = jax.random.split(getkey())
+    model = Branchy(
+        fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=ka), config),
+        fp8jax.fp8_linear_layers(eqx.nn.Linear(4, 3, key=kb), config),
+    )
+
+    def branchy(m, x, take):
+        return jnp.mean(jax.vmap(lambda r: m(r, jnp.asarray(take)))(x) ** 2)
+
+    for x, take, want in [
+        (jax.random.normal(getkey(), (2, 4)), False, 0),
+        (jnp.full((2, 4), jnp.nan), True, 1),
+    ]:
+        _, grads = fp8jax.filter_value_and_grad(branchy)(model, x, take)
+        overwrites, _ = fp8jax.partition_for_grad_overwrite(grads)
+        merged = fp8jax.apply_updates(model, None, overwrites)
+        for tree in (grads, merged):
+            layers = fp8jax.telemetry(tree.b).values()
+            counts = [int(np.max(getattr(t, r).rejected)) for t in layers for r in ROLES]
+            assert counts and max(counts) == want, (take, counts)
+    # The branch not taken reads as a loss leaving the layer out: every figure alike.
+    x = jax.random.normal(getkey(), (2, 4))
+    left_out = fp8jax.filter_grad(lambda m, x: jnp.mean(jax.vmap(lambda r: m.a(r)[:3])(x) ** 2))
+    for got, want in zip(
+        jax.tree.leaves(fp8jax.telemetry(fp8jax.filter_grad(branchy)(model, x, False).b)),
+        jax.tree.leaves(fp8jax.telemetry(left_out(model, x).b)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_microbatches_tied_at_amax_0_keep_the_recorded_history(getkey):

@@ -109,6 +109,15 @@ def _layer(dot: Fp8DotGeneral | Fp8RaggedDot) -> LayerTelemetry:
     )
 
 
+def _unused_as_zero(dot: Any) -> Any:
+    """`dot` with -inf as 0: gradients give a layer in a `lax.cond` branch not taken -inf,
+    the max-combining zero (nothing received), where an unused layer's are 0; no state of a
+    model holds it."""
+    return jax.tree.map(
+        lambda x: jnp.where(x == -jnp.inf, 0, x) if eqx.is_inexact_array(x) else x, dot
+    )
+
+
 def _rejected(count: Array, state: Any) -> Array:
     """The count of rejected updates, with the one `state` itself would be: gradients hold
     the step's state, which `merge` has not counted yet (a model's state is always finite)."""
@@ -150,7 +159,8 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
 
     **Arguments:**
 
-    - `tree`: a model, or gradients of one (their FP8 state is the state the step produced).
+    - `tree`: a model, or gradients of one (their FP8 state is the state the step produced;
+      a layer in a `lax.cond` branch not taken reads as an unused layer's, zeros).
       A Flax NNX model is read like an Equinox one: its FP8 layers
       ([`fp8jax.Fp8NnxDotGeneral`][]) report the values of their [`fp8jax.Fp8State`][]
       variables, as arrays; a layer shared by two places is reported once. (Its gradients,
@@ -194,7 +204,7 @@ def telemetry(tree: Any) -> dict[str, LayerTelemetry]:
                 continue
             seen.add(id(node))
             node = node.value()  # arrays, not the Fp8State variables holding them
-        layers[_unique(node.name or where, where, layers)] = _layer(node)
+        layers[_unique(node.name or where, where, layers)] = _layer(_unused_as_zero(node))
     if not layers:
         hint = (
             "pass a model converted with fp8_linear_layers, or its gradients (Haliax's own "
