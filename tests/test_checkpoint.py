@@ -342,6 +342,35 @@ def test_a_non_finite_amax_in_a_checkpoint_is_dropped_and_warned_of(
     assert bits(resumed) == bits(step(zeroed, *batch(3))[0])
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["model", "nnx.State"])
+def test_a_non_finite_amax_in_an_nnx_checkpoint_is_dropped_and_warned_of(whole, tmp_path):
+    """As for an Equinox model: a NaN put in an NNX model's amax history (its `Fp8State`
+    variables) is set to 0 on load, with a warning naming the variable; also where only
+    `nnx.state(model)` (variables, no layer) was saved."""
+    nnx = pytest.importorskip("flax.nnx")
+    pair, go, _ = nnx_training(dropout=False, telemetry=True)
+    model, optimizer = pair(0)
+    go(model, optimizer, 0, 3)
+    variable = model.fc1.dot_general.state.input.amax_history
+    wanted = np.asarray(variable.get_value()).copy()
+    variable.set_value(variable.get_value().at[4].set(np.nan))
+    saved, like = (model, pair(1)[0]) if whole else (nnx.state(model), nnx.state(pair(1)[0]))
+    fp8jax.save_checkpoint(tmp_path / "ckpt", saved)
+    name = (
+        ".fc1.dot_general.state.input.amax_history.value"
+        if whole
+        else "['fc1']['dot_general']['state']['input']['amax_history']"
+    )
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{name} holds nan (flat index 4)")):
+        restored = fp8jax.load_checkpoint(tmp_path / "ckpt", like)
+    wanted[4] = 0.0
+    if whole:
+        got = restored.fc1.dot_general.state.input.amax_history.get_value()
+    else:
+        got = restored["fc1"]["dot_general"]["state"]["input"]["amax_history"].get_value()
+    np.testing.assert_array_equal(np.asarray(got), wanted)
+
+
 def test_a_non_finite_scale_left_after_the_merge_is_warned_of_and_loaded(tmp_path):
     """A current-scaling state keeps the scale of its latest step, which no history
     recomputes: an inf there is loaded as it is, with a warning naming the leaf. (Delayed

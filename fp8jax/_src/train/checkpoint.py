@@ -229,7 +229,10 @@ def load_checkpoint(path: str | os.PathLike, like: T, *, backend: str = "equinox
 
 def _ready(restored: T, like: T, path: pathlib.Path) -> T:
     """`restored` settled (a NaN or inf in its FP8 states dropped, or warned of), as `like`."""
-    warn_non_finite(restored := settled(without_non_finite_amaxes(restored, path)), path)
+    restored, more = without_non_finite_amaxes(restored, path)
+    restored = settled(restored)
+    if more:
+        warn_non_finite(restored, path)
     return _shared_as(restored, like)
 
 

@@ -45,7 +45,7 @@ def is_layer(x: Any) -> bool:
     return isinstance(x, Fp8DotGeneral | Fp8RaggedDot)
 
 
-def _tag(x: Any) -> LayerTag | None:
+def layer_tag(x: Any) -> LayerTag | None:
     """The FP8 layer whose state `x` holds, if `x` is a Flax NNX `Fp8State` variable (its
     `fp8_layer` metadata): an `nnx.State` holds such variables, not the layers."""
     tag = getattr(x, "fp8_layer", None) if hasattr(x, "get_value") else None
@@ -64,10 +64,10 @@ def fp8_record(tree: Any) -> dict[str, Any]:
     layers = {}
 
     def is_node(x: Any) -> bool:
-        return is_layer(x) or _tag(x) is not None
+        return is_layer(x) or layer_tag(x) is not None
 
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]:
-        tag = _tag(node)
+        tag = layer_tag(node)
         if tag is not None:  # a variable of an FP8 NNX layer's state, in an `nnx.State`
             where = jax.tree_util.keystr(path[: len(path) - tag.depth])
             entry = {"name": tag.name or where, "recipe": repr(tag.recipe)}

@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ..recipes import ResidualState, TensorState
-from .checkpoint_record import is_layer
+from .checkpoint_record import is_layer, layer_tag
 
 T = TypeVar("T")
 
@@ -48,21 +48,56 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, TensorState | ResidualState | _StoredTensorState)
 
 
-def _non_finite(state: Any) -> list[tuple[str, Any, int, float]]:
-    """Each floating leaf of an FP8 layer's state in `state` holding a NaN or an inf: its
-    path, the leaf, its first such entry (flat index) and that entry's value."""
-    found = []
-    for where, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_state)[0]:
+#: The fields of `TensorState` and `ResidualState`, as an `nnx.State` names their variables.
+_FIELDS = ("scale", "amax_history", "scale_inv", "lo_scale", "error")
+
+
+def _state_leaves(state: Any) -> list[tuple[str, str, Array]]:
+    """Each floating array of an FP8 layer's state in `state`: its path, its field's name
+    (`amax_history`, `scale`, ...) and the array; in an `nnx.State` (variables, no layer),
+    each `Fp8State` variable of such a field."""
+
+    def is_leaf(x: Any) -> bool:
+        return _is_state(x) or layer_tag(x) is not None
+
+    leaves = []
+    for where, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_leaf)[0]:
+        if layer_tag(node) is not None:
+            keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in where]
+            value = node.get_value()
+            if keys and keys[-1] in _FIELDS and "stats" not in keys and eqx.is_array(value):
+                if jnp.issubdtype(value.dtype, jnp.floating):
+                    leaves.append((jax.tree_util.keystr(where), keys[-1], value))
+            continue
         if not _is_state(node):
             continue
         for inner, a in jax.tree_util.tree_flatten_with_path(node)[0]:
-            if not eqx.is_array(a) or not jnp.issubdtype(a.dtype, jnp.floating):
-                continue
+            if eqx.is_array(a) and jnp.issubdtype(a.dtype, jnp.floating):
+                field = getattr(inner[0], "name", "")
+                leaves.append((jax.tree_util.keystr((*where, *inner)), field, a))
+    return leaves
+
+
+def _non_finite(state: Any) -> list[tuple[str, str, Array, int, float]]:
+    """Each floating array of an FP8 layer's state in `state` holding a NaN or an inf: as
+    `_state_leaves` gives it, with its first such entry (flat index) and that entry's value.
+    The arrays a process holds whole are read in one transfer and checked on the host (a
+    model's thousands of small states: no op each); others (split over processes) on device."""
+    leaves = _state_leaves(state)
+    whole = [a if getattr(a, "is_fully_addressable", True) else None for _, _, a in leaves]
+    found = []
+    for (name, field, a), host in zip(leaves, jax.device_get(whole), strict=True):
+        if host is None:
             if bool(jnp.all(jnp.isfinite(a))):
                 continue
-            flat = np.asarray(jax.device_get(jnp.ravel(a)), np.float64)
-            first = int(np.flatnonzero(~np.isfinite(flat))[0])
-            found.append((jax.tree_util.keystr((*where, *inner)), a, first, flat[first]))
+            flat = jnp.ravel(a)
+            first = int(jnp.argmin(jnp.isfinite(flat)))
+            found.append((name, field, a, first, float(flat[first])))
+            continue
+        flat = np.asarray(host, np.float64).ravel()
+        bad = np.flatnonzero(~np.isfinite(flat))
+        if bad.size:
+            found.append((name, field, a, int(bad[0]), float(flat[bad[0]])))
     return found
 
 
@@ -75,23 +110,27 @@ def _warn(path: os.PathLike | str, name: str, first: int, value: float, done: st
     )
 
 
-def without_non_finite_amaxes(state: T, path: os.PathLike | str) -> T:
+def without_non_finite_amaxes(state: T, path: os.PathLike | str) -> tuple[T, bool]:
     """`state` with each NaN or inf in an FP8 layer's amax history set to 0, no amax
     recorded, as a step's own non-finite amax is never recorded (`received_state`); warned
     of, naming the leaf. Training never records one, so the checkpoint was changed after it
     was written; kept, it would make every step non-finite (each step's new state rolls it
-    along) and `make_train_step` skip them all."""
-    bad = {id(a) for name, a, first, value in _non_finite(state) if name.endswith("amax_history")}
-    for name, a, first, value in _non_finite(state):
-        if id(a) in bad:
+    along) and `make_train_step` skip them all. Also whether another leaf (a scale) holds
+    one: `warn_non_finite` then looks again once the state is merged."""
+    found = _non_finite(state)
+    bad = set()
+    for name, field, a, first, value in found:
+        if field == "amax_history":
+            bad.add(id(a))
             _warn(path, name, first, value, "each such entry is set to 0 (no amax recorded).")
-    return jax.tree.map(lambda a: jnp.where(jnp.isfinite(a), a, 0) if id(a) in bad else a, state)
+    state = jax.tree.map(lambda a: jnp.where(jnp.isfinite(a), a, 0) if id(a) in bad else a, state)
+    return state, len(bad) < len(found)
 
 
 def warn_non_finite(state: Any, path: os.PathLike | str) -> None:
     """Warn of a NaN or an inf left in a restored, merged FP8 layer's state (a scale that no
     history recomputes), naming the leaf; loaded as it is."""
-    for name, _, first, value in _non_finite(state):
+    for name, _, _, first, value in _non_finite(state):
         _warn(path, name, first, value, "loaded as it is.")
 
 
