@@ -1996,3 +1996,30 @@ def test_a_new_run_leaves_no_earlier_profile_file(tmp_path, monkeypatch):
     assert stale.exists()
     record.Recorder(tmp_path, 10.0, 0.0, dry=True)
     assert not stale.exists()
+
+
+def test_the_lease_log_stays_within_its_reserve_keeping_its_first_and_last_lines(
+    tmp_path, monkeypatch
+):
+    """`lease.log` grew without bound (a traceback a part, a line each), while `_pack` kept
+    only `REPORT_BYTES` (64 KiB) free for it and `lease.txt`: over 64 KiB of lines now leave
+    it within the reserve, its first and last lines kept and a marked cut between."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    lines = [f"== part {i}: " + "x" * 90 for i in range(1_000)]  # about 100 KiB
+    for line in lines:
+        lease._say(tmp_path, line)
+    text = (tmp_path / "lease.log").read_text()
+    kept = text.splitlines()
+    assert len(text.encode()) <= lease.REPORT_BYTES // 2, len(text.encode())
+    assert kept[0] == lines[0] and kept[-1] == lines[-1], (kept[0], kept[-1])
+    assert kept[-10:] == lines[-10:]
+    cuts = [line for line in kept if "of the middle cut here" in line]
+    assert len(cuts) == 1, cuts
+    assert set(kept) - set(cuts) <= set(lines)  # whole lines only, in their order
+    missing = sum(len(line) + 1 for line in lines if line not in kept)
+    assert f"[... {missing} bytes of the middle cut here" in cuts[0], (missing, cuts)
+    assert [line for line in kept if line in lines] == sorted(
+        (line for line in kept if line in lines), key=lines.index
+    )

@@ -349,6 +349,9 @@ _PACKS = itertools.count()
 KEPT_LONGEST = ("log.txt", "results.jsonl", "environment.json", "decisions.txt")
 #: Bytes kept free under the limit on all the files together for `lease.txt` and `lease.log`.
 REPORT_BYTES = 64 << 10
+#: Bytes `lease.log` is kept within (its middle cut, `returned.trim`): half the reserve, the
+#: rest for `lease.txt`; a log over it would eat into what the archives were packed to fit.
+LOG_BYTES = REPORT_BYTES // 2
 #: The file an archive trimmed to fit holds: what was left out of it, and why.
 LEFT_OUT = "LEFT_OUT.txt"
 
@@ -438,6 +441,8 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
 
 
 def _say(out: Path, text: str) -> None:
+    """A line of `lease.log` (on stderr too), the log kept within `LOG_BYTES`."""
     print(text, file=sys.stderr, flush=True)
     with open(out / "lease.log", "a") as f:
         f.write(text + "\n")
+    returned.trim(out / "lease.log", LOG_BYTES)

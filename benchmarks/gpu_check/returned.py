@@ -4,10 +4,10 @@ A call's files come back only within the tool's limits (its README): at most `MA
 files, each at most `MAX_FILE_BYTES` and all together at most `MAX_TOTAL_BYTES`, no deeper
 than `MAX_DEPTH` folders below `$OUT` (`$OUT/a/b/file` comes back, `$OUT/a/b/c/file` does
 not), named with `NAME`'s characters only. A file left out is lost with the lease, silently:
-the lease trims its archives to fit (`lease.py`), the options refuse an `--out` whose files
-could not come back, and `summary.txt` or `lease.txt` names whatever still would not. The
-limits are constants here so that a test can make them tiny. No JAX: the supervisor and the
-lease import this.
+the lease trims its archives to fit and keeps `lease.log` within its reserve (`lease.py`,
+`trim`), the options refuse an `--out` whose files could not come back, and `summary.txt`
+or `lease.txt` names whatever still would not. The limits are constants here so that a test
+can make them tiny. No JAX: the supervisor and the lease import this.
 """
 
 from __future__ import annotations
@@ -90,3 +90,34 @@ def problems(base: Path) -> list[str]:
 def mib(size: int) -> str:
     """`size` bytes in MiB, for the lines that name a size."""
     return f"{size / (1 << 20):.2f} MiB"
+
+
+#: The line that stands for the middle of a file cut to fit (`trim`).
+CUT = "[... {cut} bytes of the middle cut here, to fit {limit} bytes ...]"
+_MARK = re.compile(rb"\n?\[\.\.\. (\d+) bytes of the middle cut here, to fit \d+ bytes \.\.\.\]\n")
+
+
+def trim(path: Path, limit: int) -> int:
+    """Cut the middle of `path` so that it holds at most `limit` bytes: its first whole lines
+    (a quarter of them), a marked line naming the bytes cut, its last whole lines; returns
+    the bytes cut (0: it fit). A file over the device tool's limit would come back not at
+    all; its head (what ran first) and tail (how it ended) are the parts read first."""
+    data = path.read_bytes()
+    if len(data) <= limit:
+        return 0
+    most = len(data) + sum(int(m[1]) for m in _MARK.finditer(data))  # the longest mark's
+    keep = max(limit - len(CUT.format(cut=most, limit=limit)) - 2, 0)
+    head = data[: keep // 4]
+    head = head[: head.rfind(b"\n") + 1] or head  # whole lines, where one ends in it
+    start = len(data) - (keep - len(head))
+    if 0 < start < len(data) and data[start - 1 : start] != b"\n":
+        line_end = data.find(b"\n", start)
+        if -1 < line_end < len(data) - 1:
+            start = line_end + 1
+    tail = data[start:]
+    middle = data[len(head) : start]  # a mark cut again counts the bytes it stood for
+    marks = list(_MARK.finditer(middle))
+    cut = len(middle) - sum(len(m[0]) for m in marks) + sum(int(m[1]) for m in marks)
+    mark = ("" if head.endswith(b"\n") or not head else "\n") + CUT.format(cut=cut, limit=limit)
+    path.write_bytes(head + (mark + "\n").encode() + tail)
+    return cut
