@@ -510,14 +510,15 @@ def test_a_hang_that_spends_the_budget_still_leaves_the_summary(tmp_path, monkey
 
 
 def test_a_checks_summary_names_what_would_not_come_back_from_out(tmp_path, monkeypatch):
-    """`--out $OUT/check` whose results.jsonl grew over one file's limit (16 MiB): the file
-    did not come back and nothing said so; the summary ends naming it (tiny limits here)."""
+    """`$OUT` holding a file the device tool leaves out (over one file's limit, 16 MiB, and
+    not the check's own to trim): nothing said so; the summary ends naming it (tiny limits
+    here)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import returned, supervise
 
     def run(command, hang_s, tail):
         (out / "summary.txt").write_text("the summary\n")
-        (out / "results.jsonl").write_text("x" * 200)
+        (tmp_path / "other.json").write_text("x" * 200)
         return 0, None, False
 
     out = tmp_path / "check"
@@ -528,10 +529,49 @@ def test_a_checks_summary_names_what_would_not_come_back_from_out(tmp_path, monk
     assert supervise.supervise(["--out", str(out)], out, 10.0, None) == 0
     summary = (out / "summary.txt").read_text()
     assert summary.startswith("the summary\n\n## What the device tool will not bring back")
-    assert "- check/results.jsonl: 0.00 MiB, over 0.00 MiB a file" in summary, summary
+    assert "- other.json: 0.00 MiB, over 0.00 MiB a file" in summary, summary
     monkeypatch.delenv("OUT")  # outside $OUT (a lease's part, a dry run): not judged
     assert supervise.supervise(["--out", str(out)], out, 10.0, None) == 0
     assert (out / "summary.txt").read_text() == "the summary\n"
+
+
+def test_a_checks_file_over_what_comes_back_is_trimmed_keeping_its_head_and_tail(
+    tmp_path, monkeypatch
+):
+    """`--out $OUT/check` whose results.jsonl grew over one file's limit (16 MiB) came back
+    not at all, only named in the summary; its middle is now cut (a marked line), its first
+    and last lines kept, and the summary says so. The files over the total (64 MiB) are cut
+    too, the largest first. Tiny limits stand for the device tool's."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import returned, supervise
+
+    lines = [json.dumps({"section": "s", "name": f"m{i}", "status": "ok"}) for i in range(400)]
+
+    def run(command, hang_s, tail):
+        (out / "summary.txt").write_text("the summary\n")
+        (out / "results.jsonl").write_text("\n".join(lines) + "\n")  # about 20 kB
+        (out / "log.txt").write_text("log line\n" * 800)  # 7.2 kB
+        return 0, None, False
+
+    out = tmp_path / "check"
+    out.mkdir()
+    monkeypatch.setattr(supervise, "_run", run)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 10_000)
+    monkeypatch.setattr(returned, "MAX_TOTAL_BYTES", 20_000)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert supervise.supervise(["--out", str(out)], out, 10.0, None) == 0
+    sizes = {p.name: p.stat().st_size for p in out.iterdir()}
+    assert max(sizes.values()) <= 10_000 and sum(sizes.values()) <= 20_000, sizes
+    assert returned.problems(tmp_path) == []  # everything comes back
+    kept = (out / "results.jsonl").read_text().splitlines()
+    assert kept[0] == lines[0] and kept[-1] == lines[-1], (kept[0], kept[-1])
+    entries = supervise.read_results(out / "results.jsonl")  # the mark is no entry
+    assert [e["name"] for e in entries] == [json.loads(k)["name"] for k in kept if k in lines]
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("the summary\n\n## Trimmed to come back from $OUT"), summary
+    assert "- check/results.jsonl: 0.02 MiB, its middle cut to" in summary, summary
+    assert "to fit 0.02 MiB in all (marked)" in summary, summary  # the largest, cut again
+    assert "What the device tool will not bring back" not in summary
 
 
 FAKE_CHILD = """

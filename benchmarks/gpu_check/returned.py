@@ -121,3 +121,34 @@ def trim(path: Path, limit: int) -> int:
     mark = ("" if head.endswith(b"\n") or not head else "\n") + CUT.format(cut=cut, limit=limit)
     path.write_bytes(head + (mark + "\n").encode() + tail)
     return cut
+
+
+#: Bytes `fit` keeps free under the total for the lines then appended to `summary.txt`.
+NOTE_BYTES = 8 << 10
+
+
+def fit(folder: Path) -> list[str]:
+    """Trim the files of `folder` (a check's, inside `$OUT`) to what comes back: each over one
+    file's limit, then the largest while all of `$OUT` is over the total less `NOTE_BYTES`
+    (`summary.txt` never); returns what was cut, one line each."""
+    base, lines = root(folder), []
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+    files = [p for p in files if p.name != "summary.txt"]
+
+    def cut_to(path: Path, limit: int, what: str) -> int:
+        size = path.stat().st_size
+        if trim(path, limit):
+            now = mib(path.stat().st_size)
+            name = path.relative_to(base)
+            lines.append(f"{name}: {mib(size)}, its middle cut to {now} to fit {what} (marked)")
+        return size - path.stat().st_size
+
+    for path in files:
+        cut_to(path, MAX_FILE_BYTES, f"{mib(MAX_FILE_BYTES)} a file")
+    total = sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
+    room = MAX_TOTAL_BYTES - NOTE_BYTES
+    for path in sorted(files, key=lambda p: p.stat().st_size, reverse=True):
+        if total > room:
+            limit = max(path.stat().st_size - (total - room), 0)
+            total -= cut_to(path, limit, f"{mib(MAX_TOTAL_BYTES)} in all")
+    return lines

@@ -95,6 +95,7 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
         code, why = _attempts(argv, out, budget_s, hang_s, tail)
     except SystemExit:  # stopped (SIGTERM: the lease's deadline); the child was killed
         _unfinished(out, "stopped from outside (SIGTERM): the check was killed", tail)
+        _say_lost(out)
         raise
     if why is not None:
         _unfinished(out, why, tail)
@@ -103,16 +104,20 @@ def supervise(argv: list[str], out: Path, budget_s: float, hang_s: float | None)
 
 
 def _say_lost(out: Path) -> None:
-    """The end of `out/summary.txt`: what under `$OUT` the device tool will not bring back
-    (`returned.problems`), where `out` is inside `$OUT` (a lease's parts are not: it packs
-    them within the limits itself)."""
+    """Where `out` is inside `$OUT` (a lease's parts are not: it packs them within the limits
+    itself), its files trimmed to what the device tool brings back (`returned.fit`), and the
+    end of `out/summary.txt`: what was cut, what under `$OUT` still will not come back
+    (`returned.problems`)."""
     given, base = os.environ.get(returned.OUT_VARIABLE, "").strip(), returned.root(out)
     if not given or base != Path(given).absolute():
         return
-    lost = returned.problems(base)
-    if lost and (out / "summary.txt").exists():
-        lines = ["", "## What the device tool will not bring back from $OUT", ""]
-        lines += [f"- {line}" for line in lost]
+    cut, lost = returned.fit(out), returned.problems(base)
+    if (cut or lost) and (out / "summary.txt").exists():
+        lines = ["", "## Trimmed to come back from $OUT (each file's middle cut, marked)", ""]
+        lines = [*lines, *(f"- {line}" for line in cut)] if cut else []
+        if lost:
+            lines += ["", "## What the device tool will not bring back from $OUT", ""]
+            lines += [f"- {line}" for line in lost]
         print("\n".join(lines), flush=True)
         with open(out / "summary.txt", "a") as f:
             f.write("\n".join(lines) + "\n")
