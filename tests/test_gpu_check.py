@@ -40,10 +40,18 @@ SECTIONS = (
 KERNELS = ("block_gemm", "fused residual", "grouped rows", "grouped tokens", "quantization kernels")
 
 
+@pytest.fixture(autouse=True)
+def _no_out(monkeypatch):
+    """`$OUT` unset (a device machine sets it; the check refuses an `--out` outside it): the
+    tests that need it set it."""
+    monkeypatch.delenv("OUT", raising=False)
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("OUT", None)  # as `_no_out`
     # One CPU device, as on the command line; conftest's compile options kept (compile time).
     env["XLA_FLAGS"] = compile_flags()
     done = subprocess.run(
@@ -1035,6 +1043,35 @@ def test_an_out_folder_whose_files_would_not_come_back_is_refused(tmp_path, monk
     assert "at most 6 files come back: name at most 4 parts" in capsys.readouterr().err
     monkeypatch.delenv("OUT")  # a dry run's folder anywhere: not judged
     assert lease.parse(["--out", str(tmp_path / "a" / "b c" / "d"), "--parts", "moe,block"])
+
+
+def test_an_out_folder_outside_out_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    """On a device machine (`$OUT` set), `--out /tmp/x` or `--out $OUT/../x` ran the whole
+    check or lease and nothing came back; both are refused before a child starts, naming
+    the folder and `$OUT`. A dry run's folder only warns (the docs run one anywhere), and a
+    lease's parts (`--packed`: outside `$OUT`, packed into it) are not judged."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, options, supervise
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(supervise.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    for folder in (tmp_path / "elsewhere", out / ".." / "x", Path(os.path.relpath(tmp_path))):
+        said = f"--out={str(folder)!r} is outside $OUT={str(out)!r}"
+        assert supervise.main(["--out", str(folder), "--quick"]) == 2
+        assert said in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            lease.parse(["--out", str(folder)])
+        assert said in capsys.readouterr().err
+    for inside in (out, out / "check", out / "a" / ".." / "b"):
+        assert options.parse(["--out", str(inside)], options.parser()).out == inside
+        assert lease.parse(["--out", str(inside)]).out == inside
+    elsewhere = tmp_path / "elsewhere"
+    assert options.parse(["--out", str(elsewhere), "--dry-run"], options.parser())
+    assert lease.parse(["--out", str(elsewhere), "--dry-run"]).dry_run
+    assert "warning: --out=" in capsys.readouterr().err
+    assert lease._refused(["--out", str(elsewhere), "--packed", "--sections", "moe"]) is None
 
 
 def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monkeypatch, capsys):

@@ -158,6 +158,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     refused = returned.out_refused("--out", args.out)
     if refused:
         parser.error(refused)
+    refused = returned.outside_refused("--out", args.out)
+    if refused and not args.dry_run:
+        parser.error(refused)
+    if refused:  # a dry run's folder is anywhere
+        print(f"warning: {refused}", file=sys.stderr, flush=True)
     if len(args.parts) + 2 > returned.MAX_FILES:  # an archive each, lease.txt, lease.log
         parser.error(
             f"--parts={','.join(args.parts)!r}: {len(args.parts)} archives, lease.txt and "
@@ -242,7 +247,7 @@ def _run_part(
         rows[name] = {"status": f"not run: {max(left, 0):.0f} s left", "code": 2}
         return
     budget = min(part.budget_s, left - OVERHEAD_S)
-    argv = ["--out", str(folder), *part.args, "--budget-s", f"{budget:.0f}"]
+    argv = ["--out", str(folder), "--packed", *part.args, "--budget-s", f"{budget:.0f}"]
     argv += ["--dry-run"] if args.dry_run else []
     argv += ["--hang-s", str(args.hang_s)] if args.hang_s else []
     refused = _refused(argv)

@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     )
     # Set by `supervise.py` when it starts the check again after a crash or hang.
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    # Set by `lease.py`: its parts' folders are outside `$OUT`, packed into it by the lease.
+    parser.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -100,7 +102,8 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
     """`argv` parsed and checked: exits naming an unknown, repeated or misordered section, an
     unknown variant, variants of a section not run, a time that is not a positive number (a
     budget: finite), an
-    out folder that cannot be made or whose files would not come back from `$OUT`."""
+    out folder that cannot be made, whose files would not come back from `$OUT`, or (but in
+    a dry run, or a lease's part: `--packed`) that is outside `$OUT` where it is set."""
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.moe_variants = _names(args.moe_variants)
@@ -143,6 +146,9 @@ def parse(argv: list[str] | None, parser: argparse.ArgumentParser) -> argparse.N
         parser.error(f"--budget-s={args.budget_s}: should be a positive, finite number of seconds")
     refused = unwritable("--out", args.out) or returned.out_refused("--out", args.out)
     if refused:
+        parser.error(refused)
+    refused = None if args.packed else returned.outside_refused("--out", args.out)
+    if refused and not args.dry_run:  # a dry run's folder is anywhere (supervise warns)
         parser.error(refused)
     return args
 

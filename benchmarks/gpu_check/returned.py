@@ -30,14 +30,35 @@ NAME = re.compile(r"[A-Za-z0-9._-]+")
 OUT_VARIABLE = "OUT"
 
 
+def plain(path: Path) -> Path:
+    """`path` absolute, its links and `..` resolved: `$OUT/../x` is not inside `$OUT`."""
+    return path.resolve()
+
+
+def given_out() -> Path | None:
+    """`$OUT` (`plain`), or None where it is not set (not a device machine)."""
+    given = os.environ.get(OUT_VARIABLE, "").strip()
+    return plain(Path(given)) if given else None
+
+
 def root(folder: Path) -> Path:
     """The folder whose files come back: `$OUT` where `folder` is inside it, else `folder`."""
-    given = os.environ.get(OUT_VARIABLE, "").strip()
-    if given:
-        out = Path(given).absolute()
-        if folder.absolute() == out or out in folder.absolute().parents:
-            return out
-    return folder.absolute()
+    out, folder = given_out(), plain(folder)
+    if out is not None and (folder == out or out in folder.parents):
+        return out
+    return folder
+
+
+def outside_refused(flag: str, folder: Path) -> str | None:
+    """Why `folder` cannot hold results where `$OUT` is set: outside it, its files would go
+    back with the machine; or None (inside it, or `$OUT` not set)."""
+    out = given_out()
+    if out is None or root(folder) == out:
+        return None
+    return (
+        f"{flag}={str(folder)!r} is outside ${OUT_VARIABLE}={str(out)!r}: its files would not "
+        f"come back; give a folder inside it, e.g. {str(out / 'gpu_check')!r}"
+    )
 
 
 def out_refused(flag: str, folder: Path, nested: int = 0) -> str | None:
@@ -45,7 +66,7 @@ def out_refused(flag: str, folder: Path, nested: int = 0) -> str | None:
     (too deep, a name with other characters), or None; a folder outside `$OUT` is not
     judged (a dry run's, a lease's work folder)."""
     base = root(folder)
-    parts = folder.absolute().relative_to(base).parts  # none outside $OUT
+    parts = plain(folder).relative_to(base).parts  # none outside $OUT
     if len(parts) + nested > MAX_DEPTH:
         return (
             f"{flag}={str(folder)!r} is {len(parts)} folders below ${OUT_VARIABLE}: its files "
@@ -131,7 +152,8 @@ def fit(folder: Path) -> list[str]:
     """Trim the files of `folder` (a check's, inside `$OUT`) to what comes back: each over one
     file's limit, then the largest while all of `$OUT` is over the total less `NOTE_BYTES`
     (`summary.txt` never); returns what was cut, one line each."""
-    base, lines = root(folder), []
+    folder, lines = plain(folder), []
+    base = root(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
     files = [p for p in files if p.name != "summary.txt"]
 

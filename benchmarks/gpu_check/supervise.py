@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -77,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         known = options.parse(argv, options.parser())
     except SystemExit as refused:  # before the out folder is made
         return refused.code if isinstance(refused.code, int) else 2
+    outside = None if known.packed else returned.outside_refused("--out", known.out)
+    if outside:  # a dry run's: its folder is the user's to choose (parse refuses the others)
+        print(f"warning: {outside}", file=sys.stderr, flush=True)
     mode = "dry" if known.dry_run else "quick" if known.quick else "full"
     budget = MODES[mode][0] if known.budget_s is None else known.budget_s
     hang = known.hang_s or (None if known.dry_run else HANG_S)
@@ -108,8 +110,8 @@ def _say_lost(out: Path) -> None:
     itself), its files trimmed to what the device tool brings back (`returned.fit`), and the
     end of `out/summary.txt`: what was cut, what under `$OUT` still will not come back
     (`returned.problems`)."""
-    given, base = os.environ.get(returned.OUT_VARIABLE, "").strip(), returned.root(out)
-    if not given or base != Path(given).absolute():
+    base = returned.given_out()
+    if base is None or returned.root(out) != base:
         return
     cut, lost = returned.fit(out), returned.problems(base)
     if (cut or lost) and (out / "summary.txt").exists():
