@@ -2100,3 +2100,43 @@ def test_the_lease_log_stays_within_its_reserve_keeping_its_first_and_last_lines
     assert [line for line in kept if line in lines] == sorted(
         (line for line in kept if line in lines), key=lines.index
     )
+
+
+def test_what_a_part_skipped_for_lack_of_time_runs_in_the_second_call(tmp_path, monkeypatch):
+    """A lease's part started late (45 s left: a budget of 15 s) skipped every measurement
+    for its budget, wrote its summary, and passed for done: lease.txt named no second call,
+    a second call reported it "done before", and a resumed check took the skips back as
+    results; now the part is named for a second call and its skips run there."""
+    import argparse
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, record
+
+    folder = tmp_path / "work" / "run_block"
+    folder.mkdir(parents=True)
+    (folder / "summary.txt").write_text("the summary\n")
+    entries = [
+        dict(section="s", name="a", status="ok", ms=1.0),
+        dict(section="s", name="b", status="skipped", reason="budget: 3 s left"),
+        dict(section="s", name="c", status="skipped", reason="'c' crashed or hung in 's | x'"),
+    ]
+    (folder / "results.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+    args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", label="run")
+    args.parts, args.deadline_s, args.dry_run, args.hang_s = ["block"], 560.0, True, None
+    args.out.mkdir()
+    rows: dict = {}
+    monkeypatch.setattr(lease, "_refused", lambda argv: "(stopped here by the test)")
+    lease._run_part(args, "block", time.monotonic(), rows, [])
+    assert rows["block"]["status"] != "done before", rows  # on to start it (refused here)
+    lease._report(args, {"block": {"status": "ran", "code": 2}})
+    assert "A second call on this machine: --parts block" in (args.out / "lease.txt").read_text()
+    # Resumed: the measurement skipped for time runs, the one recorded ok is taken back.
+    rec = record.Recorder(folder, 100.0, 0.0, dry=True, resume=True)
+    ran = []
+    assert rec.measure("s", "a", lambda: pytest.fail("ran again")) == {"ms": 1.0}
+    assert rec.measure("s", "b", lambda: ran.append("b") or {"ms": 2.0}) == {"ms": 2.0}
+    assert ran == ["b"]
+    (folder / "summary.txt").write_text("the summary\n")  # the resumed check's
+    lease._run_part(args, "block", time.monotonic(), rows, [])
+    assert rows["block"]["status"] == "done before", rows

@@ -14,7 +14,8 @@ and which parts a second call should name; a part whose options its check refuse
 reported so and packs nothing. A measurement that crashed or hung in one part
 is skipped in the later ones too (its record is carried into their `results.jsonl`, which
 they read `--resume`d). The parts' folders stay in `--work` on the machine: a second call
-on the same machine resumes a part the deadline cut, keeping what it had measured.
+on the same machine resumes a part the deadline cut, or whose budget ran out (a measurement
+skipped for lack of time runs then), keeping what it had measured.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from . import options, returned
 from .options import hang_refused, out_folder, unwritable
-from .record import SCRIPT, STATUSES, read_results, whole
+from .record import SCRIPT, STATUSES, no_time, read_results, whole
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
@@ -239,7 +240,7 @@ def _run_part(
 ) -> None:
     """One part, stopped at the deadline, packed as it runs and after."""
     part, folder = PARTS[name], _folder(args, name)
-    if whole(folder):
+    if _done(folder):
         rows[name] = {"status": "done before", "code": 0}
         return
     left = args.deadline_s - (time.monotonic() - start) - PACK_S
@@ -276,14 +277,22 @@ def _run_part(
         why = "exit status 2; its message is in the call's output"
         rows[name] = {"status": f"refused by its check ({why})", "code": 2, "refused": True}
         return
-    ended = whole(folder)
+    ended, short = whole(folder), no_time(folder)
     status = "ran" if ended else "cut by the deadline" if code is None else "ended early"
     if code not in (None, 0):
         status += f" (exit status {code})"
+    if short:
+        status += f", {short} measurements skipped for lack of time"
     rows[name] = {"status": status, "seconds": time.monotonic() - began}
-    # Whole: its exit status (none where the deadline came after its summary); else 2.
-    rows[name].update(code=(code or 0) if ended else 2, **_counts(folder))
+    # Done: its exit status (none where the deadline came after its summary); else 2.
+    rows[name].update(code=(code or 0) if _done(folder) else 2, **_counts(folder))
     rows[name]["left_out"] = _pack(args, name)
+
+
+def _done(folder: Path) -> bool:
+    """Whether a part's check ended with its summary and nothing skipped for lack of time: a
+    part started late skipped all it measures, and passed for done in a second call."""
+    return whole(folder) and not no_time(folder)
 
 
 def _refused(argv: list[str]) -> str | None:
@@ -429,10 +438,10 @@ def _report(args: argparse.Namespace, rows: dict[str, dict]) -> None:
             lines.append(f"  left out of its archive to fit what comes back (its {LEFT_OUT} "
                          f"names them): {', '.join(row['left_out'])}")  # fmt: skip
     refused = [n for n in args.parts if rows.get(n, {}).get("refused")]
-    rest = [n for n in args.parts if not whole(_folder(args, n)) and n not in refused]
+    rest = [n for n in args.parts if not _done(_folder(args, n)) and n not in refused]
     if rest:
         lines += ["", f"A second call on this machine: --parts {','.join(rest)} (a part the "
-                  "deadline cut resumes where it was)."]  # fmt: skip
+                  "deadline cut, or whose budget ran out, resumes where it was)."]  # fmt: skip
     if refused:
         lines += ["", "Parts refused: fix their options (`PARTS` in lease.py); a second call "
                   f"would refuse them again: {','.join(refused)}."]  # fmt: skip

@@ -86,6 +86,8 @@ class Recorder:
                 if entry["name"] == OUTSIDE:  # no measurement takes it back: counted now
                     self._replay(entry)
                     continue
+                if _no_time(entry):  # skipped for lack of time: runs now, if time allows
+                    continue
                 self.done[entry["section"], entry["name"]] = entry
                 if entry.get("crashed"):
                     for suspect in families(entry["name"]):
@@ -131,7 +133,8 @@ class Recorder:
         or its exception with the traceback. A result with `passed: False` is `failed`, one
         with a `skipped` reason `skipped`.
         Returns the fields, or None when skipped or raised. Resumed, a measurement an earlier
-        process recorded is taken back as it was (its fields returned again), and one that
+        process recorded is taken back as it was (its fields returned again; one it skipped
+        for lack of time runs now), and one that
         shares a kernel with one that crashed or hung (`families`) is skipped. A measurement
         that raised and left the GPU unusable ends the process (`BROKEN`), recorded as
         crashed."""
@@ -224,6 +227,17 @@ def whole(folder: Path) -> bool:
     """Whether the check in `folder` ended with its own summary (not `INCOMPLETE`'s)."""
     path = folder / "summary.txt"
     return path.exists() and not path.read_text().startswith(INCOMPLETE)
+
+
+def no_time(folder: Path) -> int:
+    """How many measurements of the check in `folder` were last recorded skipped for lack of
+    time (its budget): a lease runs the part again for them, resumed."""
+    last = {(e["section"], e["name"]): e for e in read_results(folder / "results.jsonl")}
+    return sum(map(_no_time, last.values()))
+
+
+def _no_time(entry: dict[str, Any]) -> bool:
+    return entry["status"] == "skipped" and str(entry.get("reason", "")).startswith("budget:")
 
 
 def end_cut_line(path: Path) -> None:
