@@ -1094,7 +1094,7 @@ def test_a_lease_refuses_parts_deadlines_and_labels_it_cannot_run(tmp_path, monk
         (["--work", str(tmp_path)], "is inside --out="),
         (["--label", "run²"], "ASCII letters, digits"),
         (["--deadline-s", "nan"], "should be over"),
-        (["--deadline-s", "900"], "--deadline-s=900.0: should be over 55 s and at most 560"),
+        (["--deadline-s", "900"], "--deadline-s=900.0: should be over 70 s and at most 560"),
         (["--deadline-s", "561"], "at most 560 s (a call's 600 s limit"),  # timeout_s: 601
         (["--hang-s", "0"], "--hang-s=0.0: should be a positive"),
         (["--hang-s", "inf"], "--hang-s=inf: should be a positive"),
@@ -2140,3 +2140,16 @@ def test_what_a_part_skipped_for_lack_of_time_runs_in_the_second_call(tmp_path, 
     (folder / "summary.txt").write_text("the summary\n")  # the resumed check's
     lease._run_part(args, "block", time.monotonic(), rows, [])
     assert rows["block"]["status"] == "done before", rows
+
+
+def test_a_part_is_started_only_with_time_to_measure(tmp_path, monkeypatch):
+    """A part was started with 45 s left (`MIN_S`): its budget, 45 s less `OVERHEAD_S`, was
+    15 s, under the 20 s each full-mode measurement needs left, so it skipped everything
+    and spent the lease's last seconds on imports; now the least budget a part starts with
+    runs a measurement."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease, record
+
+    budget, reserve = lease.MIN_S - lease.OVERHEAD_S, record.MODES["full"][3]
+    rec = record.Recorder(tmp_path, budget, reserve, dry=False)
+    assert rec.measure("s", "first", lambda: {"ms": 1.0}) == {"ms": 1.0}, (budget, reserve)

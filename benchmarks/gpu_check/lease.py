@@ -37,7 +37,7 @@ from pathlib import Path
 
 from . import options, returned
 from .options import hang_refused, out_folder, unwritable
-from .record import SCRIPT, STATUSES, no_time, read_results, whole
+from .record import MODES, SCRIPT, STATUSES, no_time, read_results, whole
 
 #: The per-tensor Llama variants issue 38's first part times (benchmarks/README.md, call 1).
 PER_TENSOR = (
@@ -91,12 +91,14 @@ PARTS = {
 }
 #: Seconds kept back from the deadline for packing the last part and writing `lease.txt`.
 PACK_S = 10.0
-#: A part is not started with less than this left before the deadline.
-MIN_S = 45.0
 #: Seconds of a part that its budget does not cover: the check's imports, its summary, a
 #: last measurement started inside the budget (the budget is cut by this much before the
 #: deadline, so that the part ends whole).
 OVERHEAD_S = 30.0
+#: A part is not started with less than this left before the deadline: its budget then
+#: leaves 10 s beyond the reserve each measurement needs (`record.MODES`, full); at 45 s
+#: (a 15 s budget under the 20 s reserve) it started only to skip every measurement.
+MIN_S = OVERHEAD_S + MODES["full"][3] + 10.0
 #: Seconds between packings of a running part.
 PACK_EVERY_S = 30.0
 #: The longest deadline: a call's 600 s limit less the 20 s `timeout` is given beyond the
