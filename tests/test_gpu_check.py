@@ -2153,3 +2153,39 @@ def test_a_part_is_started_only_with_time_to_measure(tmp_path, monkeypatch):
     budget, reserve = lease.MIN_S - lease.OVERHEAD_S, record.MODES["full"][3]
     rec = record.Recorder(tmp_path, budget, reserve, dry=False)
     assert rec.measure("s", "first", lambda: {"ms": 1.0}) == {"ms": 1.0}, (budget, reserve)
+
+
+def test_a_part_that_fails_to_pack_when_stopped_loses_no_other_part(tmp_path, monkeypatch):
+    """The `timeout`'s SIGTERM packs every part before lease.txt: one pack that raised (a
+    full disk) left the parts after it unpacked and no lease.txt; now the failure is
+    reported in lease.txt and the other parts are packed."""
+    import signal
+    import time
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    packed = []
+
+    def pack(args, name):
+        if name == "moe":
+            raise OSError(28, "No space left on device")
+        packed.append(name)
+        return []
+
+    def run_parts(args, start, rows, running):
+        rows["moe"] = {"status": "ran", "code": 0}
+        rows["block"] = {"status": "ran", "code": 0}
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs here
+        pytest.fail("not stopped")
+
+    monkeypatch.setattr(lease, "_pack", pack)
+    monkeypatch.setattr(lease, "_run_parts", run_parts)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        lease.main(["--out", str(out), "--work", str(tmp_path / "work"), "--parts", "moe,block"])
+    assert stopped.value.code == 143 and packed == ["block"], packed
+    report = (out / "lease.txt").read_text()
+    assert "- moe: ran; packing it failed (OSError: [Errno 28] No space left" in report, report
+    assert "- block: ran" in report, report

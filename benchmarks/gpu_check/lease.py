@@ -200,7 +200,10 @@ def main(argv: list[str]) -> int:
             _end(child)
             rows[name] = {"status": "stopped from outside", "code": 2}
         for name in [n for n, row in rows.items() if not row.get("refused")]:
-            rows[name]["left_out"] = _pack(args, name)
+            try:  # one part's failure here lost the others' archives and lease.txt
+                rows[name]["left_out"] = _pack(args, name)
+            except Exception as error:  # noqa: BLE001 - the rest still come back
+                rows[name]["status"] += f"; packing it failed ({type(error).__name__}: {error})"
         _report(args, rows)
         sys.exit(143)
 
