@@ -582,6 +582,33 @@ def test_a_checks_file_over_what_comes_back_is_trimmed_keeping_its_head_and_tail
     assert "What the device tool will not bring back" not in summary
 
 
+def test_a_check_into_out_itself_trims_its_own_files_only(tmp_path, monkeypatch):
+    """`--out $OUT` beside an archive an earlier command of the call packed there: the files
+    over the total were cut largest first, the archive among them (cut, it would not open);
+    now only the check's own text files are cut, the archive kept byte for byte."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import returned, supervise
+
+    archive = os.urandom(10_000)  # at one file's limit: the largest, once results are cut
+    (tmp_path / "run_block.tar.gz").write_bytes(archive)
+
+    def run(command, hang_s, tail):
+        (tmp_path / "summary.txt").write_text("the summary\n")
+        (tmp_path / "results.jsonl").write_text("".join(f"line {i}\n" for i in range(3_000)))
+        return 0, None, False
+
+    monkeypatch.setattr(supervise, "_run", run)
+    monkeypatch.setattr(returned, "MAX_FILE_BYTES", 10_000)
+    monkeypatch.setattr(returned, "MAX_TOTAL_BYTES", 20_000)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert supervise.supervise(["--out", str(tmp_path)], tmp_path, 10.0, None) == 0
+    assert (tmp_path / "run_block.tar.gz").read_bytes() == archive
+    sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    assert sum(sizes.values()) <= 20_000, sizes
+    kept = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert kept[0] == "line 0" and kept[-1] == "line 2999", kept
+
+
 FAKE_CHILD = """
 import json, os, signal, sys
 from pathlib import Path

@@ -148,14 +148,14 @@ def trim(path: Path, limit: int) -> int:
 NOTE_BYTES = 8 << 10
 
 
-def fit(folder: Path) -> list[str]:
-    """Trim the files of `folder` (a check's, inside `$OUT`) to what comes back: each over one
-    file's limit, then the largest while all of `$OUT` is over the total less `NOTE_BYTES`
-    (`summary.txt` never); returns what was cut, one line each."""
+def fit(folder: Path, names: tuple[str, ...]) -> list[str]:
+    """Trim the check's text files `names` in `folder` (inside `$OUT`) to what comes back:
+    each over one file's limit, then the largest while all of `$OUT` is over the total less
+    `NOTE_BYTES`; returns what was cut, one line each. Other files (an archive beside them:
+    cut, it would not open) are left as they are."""
     folder, lines = plain(folder), []
     base = root(folder)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-    files = [p for p in files if p.name != "summary.txt"]
+    files = [folder / n for n in names if (folder / n).is_file() and not (folder / n).is_symlink()]
 
     def cut_to(path: Path, limit: int, what: str) -> int:
         size = path.stat().st_size

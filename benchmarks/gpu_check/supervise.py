@@ -32,6 +32,7 @@ from . import options, returned
 from .record import (
     BROKEN,
     INCOMPLETE,
+    KERNELS_FILE,
     MODES,
     OUTSIDE,
     SCRIPT,
@@ -53,6 +54,9 @@ HANG_S = 90.0
 SPENT_S = 1e-6
 #: Lines of the check's stderr kept for the summary of a check that could not write its own.
 TAIL_LINES = 40
+#: The check's files cut to fit what comes back from `$OUT` (`returned.fit`), all text:
+#: the log's and the results' lines, the profile's JSON (its marked cut names the bytes).
+TRIMMED = ("results.jsonl", "log.txt", "decisions.txt", "environment.json", KERNELS_FILE)
 #: Seconds without a line outside any measurement (imports, a section's setup, the summary)
 #: after which the child is killed: `--hang-s` guards measurements, where kernels run.
 OUTSIDE_S = 180.0
@@ -113,7 +117,7 @@ def _say_lost(out: Path) -> None:
     base = returned.given_out()
     if base is None or returned.root(out) != base:
         return
-    cut, lost = returned.fit(out), returned.problems(base)
+    cut, lost = returned.fit(out, TRIMMED), returned.problems(base)
     if (cut or lost) and (out / "summary.txt").exists():
         lines = ["", "## Trimmed to come back from $OUT (each file's middle cut, marked)", ""]
         lines = [*lines, *(f"- {line}" for line in cut)] if cut else []
