@@ -2216,3 +2216,20 @@ def test_a_part_that_fails_to_pack_when_stopped_loses_no_other_part(tmp_path, mo
     report = (out / "lease.txt").read_text()
     assert "- moe: ran; packing it failed (OSError: [Errno 28] No space left" in report, report
     assert "- block: ran" in report, report
+
+
+def test_the_readmes_second_call_threshold_leaves_a_deadline_the_lease_accepts(
+    tmp_path, monkeypatch
+):
+    """The README sent a second lease call where `budget_left_s` left 90 s: its `timeout_s`
+    T+20 within that, T at most 70, `--deadline-s T-20` at most 50, which the lease refuses
+    (over PACK_S + MIN_S): the call would have been spent on a refusal."""
+    import re
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    text = " ".join((ROOT / "benchmarks" / "README.md").read_text().split())
+    left = int(re.search(r"`lease\.budget_left_s` leaves (\d+) s or more", text)[1])
+    timeout = left - 20  # the run tool's timeout_s is T+20
+    assert lease.parse(["--out", str(tmp_path), "--deadline-s", str(timeout - 20)])
