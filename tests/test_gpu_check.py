@@ -2233,3 +2233,16 @@ def test_the_readmes_second_call_threshold_leaves_a_deadline_the_lease_accepts(
     left = int(re.search(r"`lease\.budget_left_s` leaves (\d+) s or more", text)[1])
     timeout = left - 20  # the run tool's timeout_s is T+20
     assert lease.parse(["--out", str(tmp_path), "--deadline-s", str(timeout - 20)])
+
+
+def test_results_with_bytes_that_are_not_utf8_are_read(tmp_path, monkeypatch):
+    """A results.jsonl holding bytes that are not UTF-8 (a write cut mid-character) raised
+    UnicodeDecodeError in `read_results`, which the lease's report now calls for every part
+    (`no_time`): lease.txt was lost; the entries around them are read."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import record
+
+    entry = {"section": "s", "name": "a", "status": "ok"}
+    (tmp_path / "results.jsonl").write_bytes(json.dumps(entry).encode() + b"\n\xa5\xff\n")
+    assert record.read_results(tmp_path / "results.jsonl") == [entry]
+    assert record.no_time(tmp_path) == 0

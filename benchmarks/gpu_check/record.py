@@ -259,7 +259,7 @@ def read_results(path: Path) -> list[dict[str, Any]]:
         return []
     end_cut_line(path)
     entries = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # a byte cut: no UnicodeError
         with contextlib.suppress(json.JSONDecodeError):
             entries.append(json.loads(line))
     return [e for e in entries if isinstance(e, dict) and "section" in e and "name" in e]
