@@ -257,22 +257,27 @@ def test_a_checkpoint_whose_scales_lag_its_histories_resumes_from_the_histories(
         assert bits(fp8jax.load_checkpoint(tmp_path / "ckpt", like)) == bits(state)
 
 
+def is_state(node):
+    return type(node) is fp8jax.TensorState
+
+
+class OlderTensorState(eqx.Module):
+    """A `TensorState` as fp8jax defined it before it kept `scale_inv`."""
+
+    scale: jax.Array
+    amax_history: jax.Array
+
+
+def older(node):
+    return OlderTensorState(node.scale, node.amax_history) if is_state(node) else node
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_checkpoint_without_scale_inverses_restores(backend, tmp_path):
     """Checkpoints written before `TensorState` kept `scale_inv` hold no such leaf: they
     restore, each inverse computed from its scale, and resume as this version's own do."""
     step, state = build(jax.random.key(0))
     state = run(step, state, 0, 3)
-
-    def is_state(node):
-        return type(node) is fp8jax.TensorState
-
-    class OlderTensorState(eqx.Module):  # as an older version defined it
-        scale: jax.Array
-        amax_history: jax.Array
-
-    def older(node):
-        return OlderTensorState(node.scale, node.amax_history) if is_state(node) else node
 
     states = [n for n in jax.tree.leaves(state, is_leaf=is_state) if is_state(n)]
     assert states and all(float(s.scale) * float(s.scale_inv) == 1.0 for s in states)
@@ -293,9 +298,6 @@ def test_a_checkpoint_without_scale_inverses_restores(backend, tmp_path):
 def _changed_state(state, field, index, value):
     """`state` with the last FP8 state's `field` holding `value` at `index`; that state's
     path, the new leaf and `states`, a function giving a tree's FP8 states by path."""
-
-    def is_state(node):
-        return type(node) is fp8jax.TensorState
 
     def states(tree):
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
@@ -1481,16 +1483,6 @@ def test_a_current_scaling_checkpoint_without_scale_inverses_keeps_its_scales(tm
     step, state = build(jax.random.key(0), config)
     state = run(step, state, 0, 2)
 
-    def is_state(node):
-        return type(node) is fp8jax.TensorState
-
-    class OlderTensorState(eqx.Module):  # as an older version defined it
-        scale: jax.Array
-        amax_history: jax.Array
-
-    def older(node):
-        return OlderTensorState(node.scale, node.amax_history) if is_state(node) else node
-
     path = tmp_path / "ckpt.eqx"
     fp8jax.save_checkpoint(path, jax.tree.map(older, state, is_leaf=is_state))
     restored = fp8jax.load_checkpoint(path, build(jax.random.key(1), config)[1])
@@ -1540,10 +1532,6 @@ def test_a_leaf_named_like_an_inverse_leaves_an_older_checkpoint_older(tmp_path)
     """A checkpoint written before `TensorState` kept `scale_inv` is told by its record naming
     no `.scale_inv` leaf: one of another name that starts so (`.scale_inverse`) does not make
     it a newer one; it restores, each inverse `1 / scale`."""
-
-    class OlderTensorState(eqx.Module):  # as an older version defined it
-        scale: jax.Array
-        amax_history: jax.Array
 
     class Extra(eqx.Module):
         scale_inverse: jax.Array
