@@ -896,6 +896,28 @@ def test_a_part_its_check_refuses_is_reported_refused_and_packs_nothing(tmp_path
     assert "- typo: refused by its check (exit status 2" in (out / "lease.txt").read_text()
 
 
+def test_a_measurement_taken_by_a_second_call_is_counted_once(tmp_path, monkeypatch):
+    """`lease.txt`'s counts are of each measurement's last entry: one skipped for time by the
+    first call and taken by the second is one "ok", not a "skipped" and an "ok" (counted
+    by hand from the entries written)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import lease
+
+    def entry(name, status, **more):
+        return json.dumps({"section": "2 GEMMs (dense)", "name": name, "status": status, **more})
+
+    lines = [
+        entry("(section)", "ok"),
+        entry("a", "ok"),
+        entry("b", "skipped", reason="budget: 3 s left"),
+        entry("c", "skipped", reason="budget: 3 s left"),
+        entry("(section)", "ok"),
+        entry("b", "ok"),
+    ]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    assert lease._counts(tmp_path) == {"ok": 2, "skipped": 1}
+
+
 def test_a_results_line_cut_by_a_kill_costs_that_line_only(tmp_path, monkeypatch):
     """A check killed mid-write (the lease's deadline) leaves a cut last line in its
     `results.jsonl`: the lease's carrying and counting, the resumed check and the supervisor
