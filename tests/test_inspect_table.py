@@ -135,3 +135,57 @@ def test_a_layer_converted_alone_is_named_in_the_table():
     assert alone.layer == "" and alone.role == "fwd"
     assert str(alone).startswith("(the model)/fwd: cublasLt f8")
     assert str(_gemm("cublasLt f8")).startswith("l1/fwd: ")
+
+
+def _named(kernel: str, lhs: str, op_name: str, **fields) -> Gemm:
+    return Gemm("cublas", "g", kernel, lhs, lhs, op_name, **fields)
+
+
+def test_strict_adds_the_gemms_outside_fp8jax_layers():
+    """A high-precision GEMM outside every fp8jax layer (a head) offends only with
+    `strict=True`; an fp8jax layer's does always. A program whose only GEMM is the head
+    offends in nothing, and proves nothing either."""
+    fp8 = _named("cublasLt f8", "f8e4m3fn", "jit(f)/fp8jax[l1]/fwd/dot_general")
+    head = _named("cublas", "bf16", "jit(f)/head/dot_general")
+    layer = _named("cublas", "bf16", "jit(f)/fp8jax[l2]/wgrad/dot_general")
+    report = Inspection({"cublas": [fp8, head]}, {}, "t")
+    assert report.offending() == [] and report.offending(strict=True) == [head]
+    assert fp8jax.assert_all_fp8(report) is report
+    with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
+        fp8jax.assert_all_fp8(report, strict=True)
+    with pytest.raises(fp8jax.Fp8InspectionError, match="none of its 1 GEMMs runs on FP8"):
+        fp8jax.assert_all_fp8(Inspection({"cublas": [head]}, {}, "t"))  # nothing offends
+    report = Inspection({"cublas": [fp8, head, layer]}, {}, "t")
+    assert report.offending() == [layer] and report.offending(strict=True) == [head, layer]
+
+
+def test_a_train_step_s_first_steps_program_is_checked_too():
+    """A step's first-steps program (delayed scaling's warm start) is checked as its other
+    one: a high-precision layer GEMM there offends, and one with no FP8 GEMM proves
+    nothing, however FP8 the recorded program is."""
+    fp8 = _named("cublasLt f8", "f8e4m3fn", "jit(f)/fp8jax[l1]/fwd/dot_general")
+    bf16 = _named("cublas", "bf16", "jit(f)/fp8jax[l1]/fwd/dot_general")
+    first = Inspection({"cublas": [bf16]}, {}, "t")
+    report = Inspection({"cublas": [fp8]}, {}, "t", first_steps=first)
+    assert report.offending() == [bf16]
+    with pytest.raises(fp8jax.Fp8InspectionError, match="1 GEMM"):
+        fp8jax.assert_all_fp8(report)
+    empty = Inspection({"cublas": [fp8]}, {}, "t", first_steps=Inspection({"cublas": []}, {}, "t"))
+    assert empty.offending() == []
+    with pytest.raises(fp8jax.Fp8InspectionError, match="nothing proves"):
+        fp8jax.assert_all_fp8(empty)
+
+
+def test_fp8_operands_multiplied_at_16_bits_count_as_not_fp8():
+    """A generated kernel of FP8 operands whose PTX multiplies f16 (`mma.sync ... f16`) is
+    not FP8, even without a conversion seen in its PTX: counted among the FP8-operand
+    GEMMs, not the FP8 ones; a GEMM with one FP8 operand takes no FP8 operands."""
+    mma = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",)
+    f8 = _named("triton", "f8e4m3fn", "jit(f)/fp8jax[l1]/fwd/dot", ptx=True, mma=mma)
+    half = dataclasses.replace(f8, rhs="bf16")
+    assert f8.fp8_operands and not f8.fp8 and f8.proven
+    assert not half.fp8_operands and not half.fp8
+    assert "takes FP8 operands but converts them to f16" in f8.verdict, f8.verdict
+    table = str(Inspection({"cublas": [f8, half]}, {}, "t"))
+    assert "0 of 2 GEMMs run on FP8 tensor cores (1 take FP8 operands)" in table
+    assert f"high  {f8}" in table
