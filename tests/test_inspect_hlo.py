@@ -4,7 +4,7 @@ No compile: these run in milliseconds."""
 
 import fp8jax
 from fp8jax._src.observe.gemms import hlo_gemms
-from fp8jax._src.observe.hlo import element_type
+from fp8jax._src.observe.hlo import element_type, native_gemm_cost, parse
 from fp8jax._src.observe.ptx import Kernel, ptx_kernels
 
 _GEMM = (
@@ -97,7 +97,7 @@ ENTRY %main (a: f8e4m3fn[16,32], b: f8e4m3fn[8,32], c: bf16[8,32]) -> f32[16,8] 
   %b = f8e4m3fn[8,32]{1,0} parameter(1)
   %c = bf16[8,32]{1,0} parameter(2)
   %f.3 = f32[16,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%outer, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
-  ROOT %f.4 = f32[16,8]{1,0} fusion(%a, %c), kind=kCustom, calls=%mixed_comp, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %f-4 = f32[16,8]{1,0} fusion(%a, %c), kind=kCustom, calls=%mixed_comp, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
 }
 """
 
@@ -122,7 +122,8 @@ WGMMA = """
 def test_a_dot_in_a_nested_fusion_is_run_by_the_outermost_kernel():
     """The dot inside a fusion inside a Triton GEMM fusion runs in that Triton kernel (`f_3`,
     whose PTX multiplies e5m2 by e5m2 on FP8 tensor cores), not in a kernel of the inner
-    fusion's own name; a dot of f8 by bf16 does not take FP8 operands."""
+    fusion's own name; a dot of f8 by bf16 does not take FP8 operands (its kernel named as
+    PTX allows, `f-4` as `f_4`)."""
     gemms = {g.instruction: g for g in hlo_gemms(NESTED, "default", ptx_kernels([WGMMA]))}
     dot = gemms["dot.7"]
     assert (dot.kernel, dot.kernel_name, dot.ptx) == ("triton", "f_3", True)
@@ -256,3 +257,43 @@ def test_a_gemm_in_nested_loops_runs_their_trip_counts_and_takes_the_inner_loop_
     assert (gemms["g"].runs, gemms["g"].layer, gemms["g"].role) == (12, "inner", "wgrad")
     assert gemms["g"].fp8 and gemms["g"].flops == 2 * 16 * 16 * 32
     assert (gemms["d"].runs, gemms["d"].layer, gemms["d"].fp8) == (5, "outer", False)
+
+
+NATIVE = """
+HloModule m
+
+ENTRY %main (x: f8e4m3fn[128,64], w: f8e4m3fn[4,32,64]) -> f32[128,32] {
+  %x = f8e4m3fn[128,64]{1,0} parameter(0)
+  %w = f8e4m3fn[4,32,64]{2,1,0} parameter(1)
+  %s = f32[128]{0} parameter(2)
+  %xb = bf16[128,64]{1,0} parameter(3)
+  %wb = bf16[4,32,64]{2,1,0} parameter(4)
+  %a = f8e4m3fn[2,64,128]{2,1,0} parameter(5)
+  %sa = f32[2,64,1]{2,1,0} parameter(6)
+  %b = f8e4m3fn[2,32,128]{2,1,0} parameter(7)
+  %sb = f32[2,32,1]{2,1,0} parameter(8)
+  %n1 = f32[128,32]{1,0} custom-call(%x, %w, %s), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/fp8jax[moe]/fwd/fp8jax_grouped_rows_gemm/mpmd_map"}, backend_config={kernel_hash = "n1", module = "ML"}
+  %n2 = bf16[128,32]{1,0} custom-call(%xb, %wb), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/fp8jax[moe]/dgrad/fp8jax_grouped_rows_gemm/mpmd_map"}, backend_config={kernel_hash = "n2", module = "ML"}
+  ROOT %n3 = f32[2,64,32]{2,1,0} custom-call(%a, %sa, %b, %sb), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/fp8jax[fc]/fwd/fp8jax_block_scaled_gemm/mpmd_map"}, backend_config={kernel_hash = "n3", module = "ML"}
+}
+"""
+
+
+def test_fp8jax_s_own_kernels_cost_their_padded_shapes_at_their_operands_precision():
+    """fp8jax's grouped-rows kernel `(M, K)` x experts `(N, K)` runs 2 * M * N * K at FP8 for
+    FP8 operands, at bf16 for bf16 ones; its block-scaled kernel of one term, `(B, M, K)` by
+    `(B, N, K)`, 2 * B * M * N * K as `"fp8 block"`."""
+    module = parse(NATIVE)
+    computation = module.computations["main"]
+    got = {
+        name: native_gemm_cost(computation, computation.instructions[name])
+        for name in ("n1", "n2", "n3")
+    }
+    assert got == {
+        "n1": (2 * 128 * 32 * 64, "fp8"),
+        "n2": (2 * 128 * 32 * 64, "bf16"),
+        "n3": (2 * 2 * 64 * 32 * 128, "fp8 block"),
+    }
+    gemms = {g.instruction: g for g in hlo_gemms(module, "cublas")}
+    assert {name: g.flops for name, g in gemms.items()} == {n: f for n, (f, _) in got.items()}
+    assert (gemms["n3"].lhs, gemms["n3"].rhs) == ("f8e4m3fn", "f8e4m3fn")
