@@ -192,7 +192,7 @@ def test_a_train_step_is_lowered_once_for_both_modes_where_they_trace_it_alike(h
     train_step = fp8jax.make_train_step(loss, optax.sgd(1e-3))
     state, x = train_step.init(mlp), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
     calls, lower = [], inspect_module.lower
-    monkeypatch.setattr(inspect_module, "lower", lambda *a: calls.append(a) or lower(*a))
+    monkeypatch.setattr(inspect_module, "lower", lambda *a: calls.append(lower(*a)) or calls[-1])
     report = fp8jax.inspect(train_step, state, x)
     assert len(calls) == 1 + 2
 
@@ -203,6 +203,11 @@ def test_a_train_step_is_lowered_once_for_both_modes_where_they_trace_it_alike(h
             texts[name, mode] = lower(program, (state, x), {}, device)[0].as_text()
     assert texts["first", "cublas"] == texts["first", "default"]
     assert texts["recorded", "cublas"] != texts["recorded", "default"]
+    # The recorded program lowered per mode, the first steps' once (not the other way round).
+    lowered = sorted(lowering.as_text() for lowering, _ in calls)
+    assert lowered == sorted(
+        [texts["first", "cublas"], *(texts["recorded", m] for m in ("cublas", "default"))]
+    )
     # FP8 on cuBLASLt; XLA's default flags make Triton GEMMs of them (the module's doc).
     for one in (report, report.first_steps):
         assert one.count("cublas") == (5, 5) and one.count("default")[1] == 5
