@@ -3,9 +3,10 @@ GEMMs, which kernel runs each and with what operands, each answer read off the t
 No compile: these run in milliseconds."""
 
 import fp8jax
-from fp8jax._src.observe.gemms import hlo_gemms
+from fp8jax import Gemm
+from fp8jax._src.observe.gemms import hlo_gemms, stablehlo_gemms
 from fp8jax._src.observe.hlo import element_type, native_gemm_cost, parse
-from fp8jax._src.observe.ptx import Kernel, ptx_kernels
+from fp8jax._src.observe.ptx import Kernel, ptx_kernels, sixteen_bit_kind
 
 _GEMM = (
     'backend_config={"gemm_backend_config":{"dot_dimension_numbers":'
@@ -297,3 +298,42 @@ def test_fp8jax_s_own_kernels_cost_their_padded_shapes_at_their_operands_precisi
     gemms = {g.instruction: g for g in hlo_gemms(module, "cublas")}
     assert {name: g.flops for name, g in gemms.items()} == {n: f for n, (f, _) in got.items()}
     assert (gemms["n3"].lhs, gemms["n3"].rhs) == ("f8e4m3fn", "f8e4m3fn")
+
+
+def test_a_layer_path_ends_at_its_own_scope_s_bracket():
+    """The layer's path is the text in its scope's brackets, brackets of its own included
+    (`blocks[1].fc`), not up to a later scope's bracket in the name stack."""
+    name = "jit(f)/transpose(jvp(fp8jax[blocks[1].fc]))/wgrad/named[x]/dot_general"
+    gemm = Gemm("cublas", "g", "cublasLt f8", "f8e5m2", "f8e4m3fn", name)
+    assert (gemm.layer, gemm.role) == ("blocks[1].fc", "wgrad")
+
+
+def test_stablehlo_gemms_keep_each_operand_s_type_and_location():
+    """Without the H100 compiler: each `stablehlo.dot_general` with its lhs's and rhs's
+    element types as written, and the name stack of its location."""
+    text = "\n".join(
+        [
+            "module @jit_f {",
+            "  %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : "
+            "(tensor<16x32xf8E4M3FN>, tensor<32x8xbf16>) -> tensor<16x8xf32> loc(#loc3)",
+            "}",
+            '#loc3 = loc("jit(f)/fp8jax[fc]/fwd/dot_general")',
+        ]
+    )
+    (gemm,) = stablehlo_gemms(text)
+    assert (gemm.lhs, gemm.rhs, gemm.layer, gemm.role) == ("f8E4M3FN", "bf16", "fc", "fwd")
+    assert not gemm.fp8_operands and not gemm.fp8 and not gemm.proven
+
+
+def test_a_kernel_upcasting_fp8_to_f16_mma_is_priced_at_f16():
+    """A generated GEMM that converts FP8 up (`cvt.rn.f16x2.e4m3x2`) and multiplies with
+    `mma.sync ... f16` runs at FP16 rate; an FP8 wgmma kernel at none of the 16-bit ones."""
+    upcasting = Kernel(
+        "k",
+        ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",),
+        ("cvt.rn.f16x2.e4m3x2",),
+    )
+    fp8 = Kernel("k", ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",), ())
+    only_cast = Kernel("k", (), ("cvt.rn.bf16x2.e5m2x2",))
+    got = [sixteen_bit_kind(k) for k in (upcasting, fp8, only_cast)]
+    assert got == ["f16", None, "bf16"]
