@@ -189,3 +189,12 @@ def test_fp8_operands_multiplied_at_16_bits_count_as_not_fp8():
     table = str(Inspection({"cublas": [f8, half]}, {}, "t"))
     assert "0 of 2 GEMMs run on FP8 tensor cores (1 take FP8 operands)" in table
     assert f"high  {f8}" in table
+
+
+def test_offending_refuses_a_mode_given_as_a_string():
+    """`offending(modes="cublas")` read the string letter by letter and raised about a mode
+    'c'; it now names the string and the tuple it should be."""
+    report = Inspection({"cublas": [_gemm("cublas")]}, {}, "t")
+    assert report.offending(modes=("cublas",)) == [_gemm("cublas")]
+    with pytest.raises(ValueError, match=r"modes='cublas' should be a tuple.*\('cublas',\)"):
+        report.offending(modes="cublas")

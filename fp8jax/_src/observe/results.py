@@ -257,6 +257,11 @@ class Inspection:
     def offending(self, strict: bool = False, modes: Iterable[str] | None = None) -> list[Gemm]:
         """GEMMs of fp8jax layers that do not run on FP8 tensor cores (every such GEMM with
         `strict`), in `modes` (all of this inspection's by default), `first_steps`' too."""
+        if isinstance(modes, str):  # else read letter by letter: "mode='c'"
+            raise ValueError(
+                f"Inspection.offending: modes={modes!r} should be a tuple of modes among "
+                f"{sorted(self.gemms)}, e.g. ({modes!r},)."
+            )
         modes = tuple(self.gemms if modes is None else modes)
         first = [] if self.first_steps is None else self.first_steps.offending(strict, modes)
         return [
