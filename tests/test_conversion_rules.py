@@ -268,6 +268,27 @@ def test_a_dataflow_counts_each_gemm_of_a_layer_once():
     assert dataflow(jax.make_jaxpr(branched)(w, x), [("a",), None]).gemms == {("a",): 2}
 
 
+def test_a_while_condition_sees_what_the_body_carries_into_it():
+    """A `while` loop's condition runs on the carry of every pass, not the first alone: a
+    GEMM's output carried into it only by the body (the carry starts as zeros) reaches the
+    condition's arg-max, so that GEMM's owner feeds a choice (a router in a decoding loop)."""
+    from fp8jax._src.convert.roles import dataflow
+
+    def decode(w, x):
+        def cond(carry):
+            return (jnp.argmax(carry[1]) != 2) & (carry[0] < 5)
+
+        def body(carry):
+            return carry[0] + 1, x @ w + carry[1]
+
+        return jax.lax.while_loop(cond, body, (0, jnp.zeros(4)))[1]
+
+    w, x = jnp.ones((4, 4)), jnp.ones(4)
+    flow = dataflow(jax.make_jaxpr(decode)(w, x), [("a",), None])
+    assert flow.feeds_choice == {("a",)}
+    assert flow.gemms == {("a",): 1}
+
+
 def test_a_gemms_right_operand_is_told_as_its_weights_free_and_contracted_axes():
     """`gemm_rhs_layouts`: `x @ w` contracts the weight's axis 0 and keeps axis 1; `h @ w.T`
     the reverse (which a square `w` cannot tell by shape); a batched GEMM is left out."""

@@ -190,8 +190,9 @@ class _Tracer:
         if name == "while":
             nc, nb = params["cond_nconsts"], params["body_nconsts"]
             carry = ins[nc + nb :]
-            self.closed(params["cond_jaxpr"], [*ins[:nc], *carry])
-            return self.loop(params["body_jaxpr"], ins[nc : nc + nb], carry, [], len(carry))
+            outs = self.loop(params["body_jaxpr"], ins[nc : nc + nb], carry, [], len(carry))
+            self.closed(params["cond_jaxpr"], [*ins[:nc], *outs])  # every pass's carry
+            return outs
         if name == "cond":
             outs = [self.closed(b, ins[1:]) for b in params["branches"]]
             return [_merge(*vs) for vs in zip(*outs, strict=True)]
