@@ -116,8 +116,14 @@ def test_a_hand_rolled_gradient_with_combine_by_max_pairs_the_scales_too(getkey)
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"split_activation": True, "predict_lo_scale": True}, {"nf_aware": True}],
-    ids=["plain", "predicted-lo", "nf-aware"],
+    [
+        {},
+        {"split_activation": True, "predict_lo_scale": True},
+        {"predict_lo_scale": True},
+        {"nf_aware": True},
+        {"backward_format": "e5m2"},
+    ],
+    ids=["plain", "predicted-lo", "predicted-lo-whole-input", "nf-aware", "e5m2-grads"],
 )
 def test_residual_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, options):
     """ResidualFP8 scales each operand by its own amax too (but the kernel under `nf_aware`,
@@ -151,12 +157,18 @@ def test_residual_layer_used_twice_pairs_the_scale_with_the_larger_amax(getkey, 
             state = getattr(dot, role)
             if role == "kernel" and recipe.nf_aware:
                 want = e4m3 / (3.0 * w.std())
-            else:
-                want = e4m3 / np.float64(state.amax_history[0])
+            else:  # the gradient's scale of its own format's max
+                e5m2 = options.get("backward_format") == "e5m2" and role == "output_grad"
+                fmax = float(jnp.finfo(jnp.float8_e5m2).max) if e5m2 else e4m3
+                want = fmax / np.float64(state.amax_history[0])
             np.testing.assert_allclose(float(state.scale), want, rtol=1e-6, err_msg=role)
-        if recipe.predict_lo_scale:  # W_lo's scale: E4M3's max over half a step of 256..448
+        if recipe.predict_lo_scale and recipe.split_activation:
+            # W_lo's scale: E4M3's max over half a step of 256..448
             want = float(dot.input.scale) * e4m3 / 16.0
             np.testing.assert_allclose(float(dot.input.lo_scale), want, rtol=1e-6)
+        else:  # an operand kept whole records 1 ("1 when unused"), predicted or not
+            assert float(dot.input.lo_scale) == 1.0
+        assert float(dot.output_grad.lo_scale) == 1.0
 
 
 @pytest.mark.parametrize("grad", [eqx.filter_grad, fp8jax.filter_grad], ids=["eqx", "fp8jax"])

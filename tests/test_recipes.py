@@ -583,6 +583,51 @@ def test_error_feedback_rejects_a_mapped_kernel_with_one_state_in_per_example_gr
                 np.testing.assert_array_equal(a[i] if a.ndim > b.ndim else a, b)
 
 
+def test_error_feedback_quantizes_the_weight_plus_the_carried_error():
+    """The kernel quantized is `W + error` (the error carried from the last step, added
+    back), and the new error is what its two terms missed: both against the NumPy split of
+    `W + error` (a carried error subtracted instead left every test passing)."""
+    recipe = fp8jax.ResidualFP8(error_feedback=True)
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((16, 64)) * 0.05).astype(np.float32)
+    error = (rng.standard_normal((16, 64)) * 1e-3).astype(np.float32)
+    state = recipe.init_state("kernel", w.shape)
+    state = eqx.tree_at(lambda s: s.error, state, jnp.asarray(error))
+    q, new = recipe.quantize(jnp.asarray(w), state, "kernel", -1)
+    hi, lo = (np.asarray(t.dequantize(), np.float64) for t in q.terms)
+    target = w + error  # float32, as the recipe adds them
+    want_hi, want_lo = ref.split(target)
+    np.testing.assert_allclose(hi, want_hi, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(lo, want_lo, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(new.error, target - want_hi - want_lo, rtol=1e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("split, nf_aware", [(False, False), (True, False), (False, True)])
+def test_residual_states_scales_are_the_documented_ones(split, nf_aware):
+    """Each operand's new state: `scale` of its amax (the kernel's, under `nf_aware`, of 3
+    standard deviations), `lo_scale` of the amax of what the high term missed where the
+    operand is split (the kernel; the input with `split_activation`), else 1 ("1 when
+    unused"). An unsplit operand recording its high scale as `lo_scale`, and `nf_aware`
+    scaling the activation and gradient by their deviation too, passed every test."""
+    recipe = fp8jax.ResidualFP8(split_activation=split, nf_aware=nf_aware)
+    x, w, g = operands(4)
+    for role, v, fmt, two in (
+        ("input", x, "e4m3", split),
+        ("kernel", w, "e4m3", True),
+        ("output_grad", g, "e4m3", False),
+    ):
+        _, new = recipe.quantize(jnp.asarray(v), recipe.init_state(role), role, -1)
+        by_std = nf_aware and role == "kernel"
+        reference = 3.0 * np.std(v.astype(np.float64)) if by_std else np.max(np.abs(v))
+        scale = ref.current_scale(reference, fmt)
+        hi = ref.qdq_tensor(v, scale, fmt)
+        rest = v - hi.astype(np.float32)
+        lo_scale = ref.current_scale(np.max(np.abs(rest)), fmt) if two else 1.0
+        np.testing.assert_allclose(new.scale, scale, rtol=1e-6, err_msg=role)
+        np.testing.assert_allclose(new.lo_scale, lo_scale, rtol=1e-6, err_msg=role)
+        np.testing.assert_array_equal(new.amax_history, [np.max(np.abs(v))], err_msg=role)
+
+
 def test_predicted_lo_scale_ratio():
     recipe = fp8jax.ResidualFP8(predict_lo_scale=True)
     assert recipe.lo_scale_ratio() == 448 / 16  # E4M3 steps of 32 in its top binade
