@@ -1491,3 +1491,18 @@ def test_a_list_of_traced_sizes_is_taken_as_their_array():
     got = listed(lambda s: layer(x, s))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got[M - 5 :], 0.0)
+
+
+def test_grouped_linear_initialises_each_expert_as_an_equinox_linear():
+    """A new weight is float32, uniform in +-1/sqrt(in_features) as `eqx.nn.Linear`'s (the
+    documented rule), for every expert: its bound, sign and dtype were never checked (in 64,
+    out 8: 1/sqrt(out_features) would be 2.8 times as wide)."""
+    e, fan_in, fan_out = 4, 64, 8
+    w = fp8jax.GroupedLinear(e, fan_in, fan_out, key=jax.random.key(3)).weight
+    assert w.dtype == jnp.float32 and w.shape == (e, fan_in, fan_out)
+    bound = 1.0 / np.sqrt(fan_in)
+    per_expert = np.abs(np.asarray(w, np.float64)).reshape(e, -1)
+    assert np.all(per_expert <= bound)
+    # 512 draws per expert: each reaches 90 % of the bound on both sides (else p < 1e-10).
+    w = np.asarray(w, np.float64).reshape(e, -1)
+    assert np.all(w.max(1) > 0.9 * bound) and np.all(w.min(1) < -0.9 * bound)
