@@ -391,6 +391,10 @@ def test_haliax_moe_linear_takes_several_batch_axes_and_in_anywhere(getkey, axes
     flattened in their order, are the rows, and the output has them in that order, then Out;
     bit for bit fp8jax's Equinox experts on those rows."""
     model = hnn.MoELinear.init(Experts, Embed, Mlp, key=getkey())
+    # Haliax starts the bias at zero, which hid it dropped or added twice: make it count.
+    bias = hax.random.normal(getkey(), (Mlp,))
+    model = eqx.tree_at(lambda m: m.bias, model, bias)
+    assert np.all(np.abs(model.bias.array) > 0)
     fp8 = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude=None))
     x = hax.random.normal(getkey(), axes) * 3
     sizes = hax.named(SIZES, Experts)
@@ -539,11 +543,11 @@ def test_haliax_moe_linear_refuses_inputs_without_its_in_axis(getkey, jit):
     fp8 = fp8jax.fp8_linear_layers(HMoE.init(key=getkey()), fp8jax.Fp8Config(exclude=None)).up
     sizes = hax.named(jnp.array([1, 1, 1, 1], jnp.int32), Experts)
     call = eqx.filter_jit(lambda m, x, s: m(x, s)) if jit else (lambda m, x, s: m(x, s))
-    wrong = hax.random.normal(getkey(), (hax.Axis("token", 4), Embed.resize(Embed.size + 4)))
-    with pytest.raises(
-        ValueError, match=rf"'up'.*embed of size {Embed.size + 4}.*embed\({Embed.size}\)"
-    ):
-        call(fp8, wrong, sizes)
+    # A narrower In (4 tokens x 4) reshapes without an error into 2 rows cut at width 8.
+    for size in (Embed.size + 4, Embed.size // 2):
+        wrong = hax.random.normal(getkey(), (hax.Axis("token", 4), Embed.resize(size)))
+        with pytest.raises(ValueError, match=rf"'up'.*embed of size {size}.*embed\({Embed.size}\)"):
+            call(fp8, wrong, sizes)
     missing = hax.random.normal(getkey(), (hax.Axis("token", 4), Mlp))
     with pytest.raises(ValueError, match=rf"'up'.*no axis embed.*embed\({Embed.size}\)"):
         call(fp8, missing, sizes)
