@@ -886,30 +886,31 @@ class _Wrapped(nnx.Module):
 @pytest.mark.parametrize("name", ["delayed", "blockwise", "residual error feedback"])
 @pytest.mark.parametrize("contract", ["one axis", "two axes"])
 def test_linear_general_matches_the_equivalent_linear_bit_for_bit(name, contract):
-    # LinearGeneral contracting (2, 16) into 32 features, or 32 into (2, 16): its kernel as a
-    # Linear's (in, out) matrix is a reshape of it.
+    # LinearGeneral contracting (2, 16) into 16 features, or 32 into (2, 8): its kernel as a
+    # Linear's (in, out) matrix is a reshape of it. Not square: error feedback's residual is
+    # of the kernel's (out, in) shape, (16, 32), which its transpose would not be.
     if contract == "two axes":
-        general = nnx.LinearGeneral((2, 16), 32, axis=(-2, -1), rngs=nnx.Rngs(0))
+        general = nnx.LinearGeneral((2, 16), 16, axis=(-2, -1), rngs=nnx.Rngs(0))
         x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 8, 2, 16)), jnp.float32)
-        flat_x, c_shape = x.reshape(4, 8, 32), (4, 8, 32)
+        flat_x, c_shape = x.reshape(4, 8, 32), (4, 8, 16)
     else:
-        general = nnx.LinearGeneral(32, (2, 16), rngs=nnx.Rngs(0))
+        general = nnx.LinearGeneral(32, (2, 8), rngs=nnx.Rngs(0))
         x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 8, 32)), jnp.float32)
-        flat_x, c_shape = x, (4, 8, 2, 16)
+        flat_x, c_shape = x, (4, 8, 2, 8)
     general = _Wrapped(general)
-    linear = _Wrapped(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
-    linear.fc.kernel.set_value(general.fc.kernel.get_value().reshape(32, 32))
-    linear.fc.bias.set_value(general.fc.bias.get_value().reshape(32))
+    linear = _Wrapped(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
+    linear.fc.kernel.set_value(general.fc.kernel.get_value().reshape(32, 16))
+    linear.fc.bias.set_value(general.fc.bias.get_value().reshape(16))
     general = fp8jax.fp8_linear_layers(general, config(RECIPES[name]))
     linear = fp8jax.fp8_linear_layers(linear, config(RECIPES[name]))
     assert isinstance(general.fc.dot_general, fp8jax.Fp8NnxDotGeneral)
     c = jnp.asarray(np.random.default_rng(10).standard_normal(c_shape), jnp.float32)
     out, grads, grad_x = nnx_forward_and_grads(general, x, c)
-    out_l, grads_l, grad_x_l = nnx_forward_and_grads(linear, flat_x, c.reshape(4, 8, 32))
-    np.testing.assert_array_equal(out.reshape(4, 8, 32), out_l)
+    out_l, grads_l, grad_x_l = nnx_forward_and_grads(linear, flat_x, c.reshape(4, 8, 16))
+    np.testing.assert_array_equal(out.reshape(4, 8, 16), out_l)
     np.testing.assert_array_equal(grad_x.reshape(flat_x.shape), grad_x_l)
     np.testing.assert_array_equal(
-        grads["fc"]["kernel"].get_value().reshape(32, 32), grads_l["fc"]["kernel"].get_value()
+        grads["fc"]["kernel"].get_value().reshape(32, 16), grads_l["fc"]["kernel"].get_value()
     )
     fp8jax.nnx_update_fp8_state(general, grads)
     fp8jax.nnx_update_fp8_state(linear, grads_l)
