@@ -1505,6 +1505,15 @@ def test_experts_record_telemetry_when_asked():
     np.testing.assert_array_equal(stats["down"].tokens, SIZES)
 
 
+@pytest.mark.parametrize("native", [False, None])
+def test_experts_take_the_configs_grouped_native_kernel(native):
+    """`Fp8Config(grouped_native_kernel=...)` is the `native_kernel` of the converted experts'
+    grouped GEMMs (as documented for every framework), not the default left in its place."""
+    model = fp8jax.fp8_linear_layers(Experts(nnx.Rngs(0)), config(grouped_native_kernel=native))
+    ops = (model.up.ragged_dot.value(), model.down.ragged_dot.value())
+    assert tuple(op.native_kernel for op in ops) == (native, native)
+
+
 def test_experts_called_twice_count_both_calls_tokens():
     """Experts run on two batches in one step got both batches' tokens (summed by hand), not
     the larger count of the two."""
