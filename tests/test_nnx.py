@@ -2353,6 +2353,28 @@ def test_a_converted_layers_call_errors_name_the_layer():
         fp8_einsum.fc(jnp.ones((2, 8)), "bd,dd->bd")
 
 
+def test_a_linear_general_with_batch_axes_holds_one_state_and_runs():
+    """An nnx.LinearGeneral with `batch_axis` (a kernel per batch entry) is one layer: its
+    state is a plain Linear's (no stack axis), its call computes each entry's product with
+    its own kernel (float64, within E4M3's rounding of both operands: 2**-4 each) and its
+    step records the input's amax."""
+    model = _Wrapped(nnx.LinearGeneral(8, 4, batch_axis={0: 3}, rngs=nnx.Rngs(0)))
+    plain = fp8jax.fp8_linear_layers(_Wrapped(nnx.Linear(8, 4, rngs=nnx.Rngs(0))), config())
+    model = fp8jax.fp8_linear_layers(model, config())
+    shapes = [jax.tree.map(jnp.shape, m.fc.dot_general.value()) for m in (model, plain)]
+    assert shapes[0] == shapes[1]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5, 8)), jnp.float32)
+    kernel = np.asarray(model.fc.kernel.get_value(), np.float64)  # (3, 8, 4)
+    x64 = np.asarray(x, np.float64)
+    bias = np.asarray(model.fc.bias.get_value(), np.float64)[:, None, :]  # (3, 1, 4)
+    expected = np.einsum("bti,bio->bto", x64, kernel) + bias
+    bound = (2 * 2.0**-4 + 2.0**-8) * np.einsum("bti,bio->bto", np.abs(x64), np.abs(kernel))
+    assert np.all(np.abs(np.asarray(model(x), np.float64) - expected) <= bound + 1e-6)
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    fp8jax.nnx_update_fp8_state(model, grads)
+    assert float(model.fc.dot_general.value().input.amax_history[0]) == np.abs(x64).max()
+
+
 @pytest.mark.parametrize("kind", ["einsum", "general"])
 def test_batched_kernel_refusal_does_not_tell_fp8_linear_layers_to_pass_kernel_shape(kind):
     """fp8_linear_layers refusing error feedback for a kernel with batch axes quoted the
