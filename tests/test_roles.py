@@ -438,6 +438,24 @@ def test_nnx_layouts(layout):
     assert not isinstance(getattr(converted, n["head"]).dot_general, fp8jax.Fp8NnxDotGeneral)
 
 
+def test_an_nnx_einsum_head_is_kept_by_its_vocabulary_width_without_example():
+    """Untraced (and not by name: exclude=None), a head is found by its output width, the
+    embedding's row count: an nnx.Einsum's is its kernel's output axes ('dv' -> V), not its
+    contracted one (D)."""
+
+    class EinsumLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, D, rngs=rngs)
+            self.up = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+            self.head = nnx.Einsum("td,dv->tv", (D, V), rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.head(self.up(self.embed(tokens)))
+
+    plan = fp8jax.conversion_plan(EinsumLM(nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None))
+    assert plan.converted == ("up",) and list(plan.kept) == ["head"]
+
+
 # --- Flax Linen --------------------------------------------------------------------------------
 
 
