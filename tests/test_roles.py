@@ -456,6 +456,21 @@ def test_an_nnx_einsum_head_is_kept_by_its_vocabulary_width_without_example():
     assert plan.converted == ("up",) and list(plan.kept) == ["head"]
 
 
+def test_an_nnx_router_is_kept_by_its_expert_count_without_example():
+    """Untraced (and not by name), a router is the Linear beside NnxGroupedLinears whose
+    output width is their expert count, E: their kernel's first axis, not its output one."""
+
+    class Moe(nnx.Module):
+        def __init__(self, rngs):
+            self.gate = nnx.Linear(D, E, use_bias=False, rngs=rngs)
+            self.up = fp8jax.NnxGroupedLinear(E, D, F, rngs=rngs)
+            self.down = fp8jax.NnxGroupedLinear(E, F, D, rngs=rngs)
+
+    plan = fp8jax.conversion_plan(Moe(nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None))
+    assert plan.converted == ("down", "up")
+    assert plan.kept == {"gate": f"router: its {E} outputs are the experts of 'down'"}
+
+
 # --- Flax Linen --------------------------------------------------------------------------------
 
 
