@@ -875,6 +875,17 @@ def test_einsum_matches_the_equivalent_linear_bit_for_bit(name):
         np.testing.assert_array_equal(a, b)
 
 
+def test_an_einsums_preferred_element_type_reaches_its_fp8_gemm():
+    """nnx.Einsum(preferred_element_type=bfloat16) hands it to its einsum_op: converted, its
+    output is bfloat16 as jnp.einsum's is unconverted, not the float32 of a dropped one."""
+    layer = nnx.Einsum("td,dk->tk", (32, 16), preferred_element_type=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.ones((4, 32), jnp.float32)
+    assert _Wrapped(layer)(x).dtype == jnp.bfloat16  # Flax's own, the reference
+    converted = fp8jax.fp8_linear_layers(_Wrapped(layer), config())
+    assert isinstance(converted.fc.einsum_op, fp8jax.Fp8NnxEinsum)
+    assert converted(x).dtype == jnp.bfloat16
+
+
 class _Wrapped(nnx.Module):
     def __init__(self, linear):
         self.fc = linear
