@@ -223,6 +223,30 @@ def test_a_kernel_modules_call_writes_back_its_variables_and_runs_its_children()
     assert not np.array_equal(call(model, x), call(model, x))  # a new dropout mask each call
 
 
+class WithChild(nnx.Module):
+    """A kernel module whose child Linear has a `kernel` too."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (32, 32)) * 0.2)
+        self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, x):
+        return x @ self.kernel.get_value(), self.fc(x)
+
+
+def test_only_the_modules_own_kernel_gemm_is_fp8_not_a_childs():
+    """Only the GEMM on the module's own `kernel` is answered in FP8: its child's `kernel`
+    (an excluded Linear) is another parameter, whose GEMM runs as unconverted, bit for bit."""
+    model = WithChild(nnx.Rngs(0))
+    cfg = fp8jax.Fp8Config(exclude="fc", keep=())
+    converted = fp8jax.fp8_linear_layers(model, cfg)
+    assert fp8jax.conversion_plan(model, cfg).converted == ("(root)",)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32)), jnp.float32)
+    own, child = converted(x)
+    np.testing.assert_array_equal(child, model.fc(x))
+    assert not np.array_equal(own, x @ model.kernel.get_value())  # FP8, not the float32 GEMM
+
+
 class DropAtCall(nnx.Module):
     """A kernel module whose dropout draws from an `nnx.Rngs` passed to its call."""
 
