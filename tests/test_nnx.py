@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -873,6 +874,24 @@ def test_einsum_matches_the_equivalent_linear_bit_for_bit(name):
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_excluded_layer_with_its_own_gemm_op_is_not_warned_of():
+    """The warning names the layers kept for their own GEMM op, not one kept for another
+    reason (excluded by name), which giving it NNX's default would not convert."""
+
+    class Custom(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(8, 8, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
+                                 rngs=rngs)  # fmt: skip
+            self.other = nnx.Linear(8, 8, rngs=rngs)
+
+    cfg = fp8jax.Fp8Config(exclude="fc", keep=())
+    assert fp8jax.conversion_plan(Custom(nnx.Rngs(0)), cfg).kept["fc"].startswith("excluded")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8 = fp8jax.fp8_linear_layers(Custom(nnx.Rngs(0)), cfg)
+    assert isinstance(fp8.other.dot_general, fp8jax.Fp8NnxDotGeneral)
 
 
 def test_an_einsums_preferred_element_type_reaches_its_fp8_gemm():

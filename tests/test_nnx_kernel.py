@@ -201,6 +201,15 @@ def test_the_plan_lists_kernel_modules_and_their_params_keep_their_paths():
     assert type(again.h.c_fc) is type(converted.h.c_fc)
 
 
+def test_a_kernel_module_gets_the_recipe_its_path_is_given():
+    """`Fp8Config(recipes={path: ...})` reaches a kernel module as it does an nnx.Linear:
+    the recipe named for `h.c_fc`, the default for `h.c_proj`."""
+    cfg = fp8jax.Fp8Config(recipes={"c_fc": "current"})
+    model = fp8jax.fp8_linear_layers(Embedded(nnx.Rngs(0)), cfg)
+    recipes = [type(m.fp8_dot.recipe) for m in (model.h.c_fc, model.h.c_proj)]
+    assert recipes == [fp8jax.CurrentScaling, fp8jax.DelayedScaling]
+
+
 class DropProjection(nnx.Module):
     """A kernel module with children: dropout (its RNG count advances in the call) and a
     Linear (converted in its own right)."""
