@@ -471,6 +471,27 @@ def test_an_nnx_router_is_kept_by_its_expert_count_without_example():
     assert plan.kept == {"gate": f"router: its {E} outputs are the experts of 'down'"}
 
 
+def test_an_nnx_stack_of_linears_as_wide_as_the_vocabulary_is_no_head():
+    """Untraced (and not by name), a head is a layer as wide as the vocabulary that appears
+    once: a stack of nnx.Linears built under nnx.vmap (a kernel (3, in, out)) is a repeated
+    block's, converted; the single Linear after it is the head."""
+
+    class Stacked(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(V, V, rngs=rngs)
+
+            self.embed = nnx.Embed(V, V, rngs=rngs)
+            self.blocks = make(rngs)
+            self.out = nnx.Linear(V, V, rngs=rngs)
+
+    plan = fp8jax.conversion_plan(Stacked(nnx.Rngs(0)), fp8jax.Fp8Config(exclude=None))
+    assert plan.converted == ("blocks",)
+    assert plan.kept == {"out": f"head: its {V} outputs span the vocabulary of embedding 'embed'"}
+
+
 # --- Flax Linen --------------------------------------------------------------------------------
 
 
