@@ -2381,6 +2381,12 @@ def test_a_converted_layers_call_errors_name_the_layer():
         fp8_linear(jnp.ones((2, 8), jnp.complex64))
     with pytest.raises(ValueError, match=r"^FP8 layer 'fc': FP8 einsum: subscripts='bd,dd->bd'"):
         fp8_einsum.fc(jnp.ones((2, 8)), "bd,dd->bd")
+    # An error the op names already ("FP8 layer 'fc': ...", as the Equinox layer says it) is
+    # named once: it read "FP8 layer 'fc': FP8 layer 'fc': its state was made for ...".
+    dot = fp8jax.Fp8NnxDotGeneral(RECIPES["residual error feedback"], (16, 32), "fc")
+    with pytest.raises(ValueError, match=r"^FP8 layer 'fc': its state was made") as raised:
+        dot(jnp.ones((2, 16)), jnp.ones((16, 32)), (((1,), (0,)), ((), ())))
+    assert str(raised.value).count("FP8 layer") == 1
 
 
 def test_a_linear_general_with_batch_axes_holds_one_state_and_runs():

@@ -161,11 +161,12 @@ class AbstractFp8NnxDot(nnx.Module):
     def _named(self, error: Exception) -> Exception:
         """`error` (a plain `ValueError`, `TypeError` or `OperandShapeError` of the layer's
         call: operands it cannot take, an equation it refuses) led by the layer's path, which
-        says which of a model's layers raised; other errors (state errors, named already) as
-        they are."""
+        says which of a model's layers raised; other errors (state errors, and those the op
+        names already) as they are."""
         if not self.name or type(error) not in (ValueError, TypeError, OperandShapeError):
             return error
-        return type(error)(f"FP8 layer {self.name!r}: {error}")
+        prefix = f"FP8 layer {self.name!r}: "
+        return error if str(error).startswith(prefix) else type(error)(f"{prefix}{error}")
 
 
 @final
