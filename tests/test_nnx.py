@@ -2162,6 +2162,20 @@ def test_nnx_update_fp8_state_where_false_keeps_the_state_and_refuses_a_non_bool
         np.testing.assert_array_equal(a, b)
 
 
+def test_nnx_update_fp8_state_where_false_keeps_the_steps_count_of_rejected_updates():
+    """A skipped step (`where=False`) keeps every FP8 state but telemetry's counts of
+    rejected updates, which keep the step's own: an input holding an inf is one rejected
+    update of the input's state (and none before), counted whether the step is taken or not."""
+    model = fp8jax.fp8_linear_layers(OneLayer(nnx.Rngs(0)), config(telemetry=True))
+    x = jnp.ones((4, 32)).at[0, 0].set(jnp.inf)
+    _, grads = fp8jax.nnx_value_and_grad(lambda m: jnp.sum(m(x)))(model)
+    assert int(fp8jax.telemetry(model)["fc"].input.rejected) == 0
+    taken = nnx.clone(model)
+    fp8jax.nnx_update_fp8_state(taken, grads)
+    fp8jax.nnx_update_fp8_state(model, grads, where=False)
+    assert [int(fp8jax.telemetry(m)["fc"].input.rejected) for m in (taken, model)] == [1, 1]
+
+
 def test_set_value_refuses_a_state_shaped_otherwise_than_the_layers():
     layer = fp8jax.Fp8NnxDotGeneral("delayed", stacked=(3,))
     before = [np.asarray(a) for a in jax.tree.leaves(layer.value())]
