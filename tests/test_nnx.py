@@ -444,6 +444,30 @@ def test_train_step_drops_the_warm_start_once_every_scale_is_recorded(monkeypatc
     assert traced == [False, True]
 
 
+def test_train_step_stays_off_the_warm_start_once_it_dropped_it(monkeypatch):
+    """After `WARM_STEPS` (here 1) warm steps and the step that reads the recorded scales,
+    every later step runs the program without the warm start: a step without it says its
+    scales are recorded (it ran the warm program every other step, saying nothing)."""
+    from fp8jax._src.ops import warm_start
+
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 1)
+    step = fp8jax.nnx_train_step(mse)
+    ran = []
+    for warm, program in list(step._jitted.items()):
+
+        def counted(*args, _program=program, _warm=warm):
+            ran.append(_warm)
+            return _program(*args)
+
+        monkeypatch.setitem(step._jitted, warm, counted)
+    model = fp8jax.fp8_linear_layers(NnxNet((64, 32, 32), nnx.Rngs(0)), config())
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    x, y = jnp.ones((8, 64)), jnp.ones((8, 32))
+    for _ in range(4):
+        step(model, optimizer, x, y)
+    assert ran == [True, False, False, False]
+
+
 def test_train_step_is_inspected_as_it_compiles_both_its_programs():
     """`inspect(step, model, optimizer, ...)` of an `nnx_train_step` compiles its programs as
     the step does: once every scale is recorded (kept inverses, XLA's dot merger off) and,
