@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import pathlib
 import re
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -453,6 +454,27 @@ def test_init_says_which_targets_and_recipes_matched_nothing():
         fp8jax.fp8_linear_layers(Model(), fp8jax.Fp8Config(recipes={"head": "current"})).init(
             jax.random.key(0), x
         )
+
+
+def test_an_exclude_naming_a_nested_apply_layer_matches_it():
+    """A layer applied by a nested `.apply` (a tied head) stays in high precision anyway;
+    an `exclude` naming it matched a layer: no "keeps no layer" warning, the plan says why."""
+
+    class Tied(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8, name="fc")(x)
+            kernel = self.param("tied", nn.initializers.lecun_normal(), (8, 4))
+            head = nn.Dense(4, use_bias=False, name="tied_head")
+            return head.apply({"params": {"kernel": kernel}}, h)
+
+    model = fp8jax.fp8_linear_layers(Tied(), fp8jax.Fp8Config(exclude="tied_head", keep=()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = model.plan(jax.random.key(0), jnp.ones((2, 8)))
+        model.init(jax.random.key(0), jnp.ones((2, 8)))
+    assert plan.converted == ("fc",) and plan.unmatched == ()
+    assert plan.kept["tied_head"].startswith("applied by a nested .apply")
 
 
 def test_init_warns_when_exclude_matches_nothing_as_equinox_does():
