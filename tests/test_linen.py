@@ -746,6 +746,22 @@ class Optional(nn.Module):
         return nn.Dense(32, name="fc2")(x) if second else x
 
 
+def test_the_train_state_gives_the_optimizer_the_params_as_optax_on_them_alone():
+    """`apply_gradients` updates "params" as optax does on that pytree alone, the params
+    passed to `tx.update` (adamw's weight decay reads them)."""
+    model = fp8jax.fp8_linear_layers(Optional(), config())
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 32)), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+    loss = lambda v: jnp.mean(model.apply(v, x, True) ** 2)  # noqa: E731
+    _, grads = fp8jax.filter_value_and_grad(loss)(variables)
+    tx = optax.adamw(0.1, weight_decay=0.5)
+    state = fp8jax.LinenTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    params = variables["params"]
+    updates, _ = tx.update(grads["params"], tx.init(params), params)
+    expected = optax.apply_updates(params, updates)
+    assert_same(state.apply_gradients(grads=grads).params["params"], expected)
+
+
 def test_the_train_state_keeps_the_state_of_a_layer_that_did_not_run():
     model = fp8jax.fp8_linear_layers(Optional(), config())
     x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 32)), jnp.float32)
