@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 import pathlib
 import re
 import types
@@ -431,11 +432,124 @@ def _quantize(recipe, role, x):
 
 
 @given(x=finite_arrays, name=st.sampled_from(sorted(BLOCK_RECIPES)))
+@example(x=np.full((3, 8), 1e-37, np.float32), name="blockwise-tile")  # scale capped at 2**126
+@example(x=np.full((3, 8), 1e-37, np.float32), name="mxfp8")  # exponent clipped at -126
 def test_block_quantization_is_finite_and_rounds_to_nearest(x, name):
     recipe, role, block, scale_of_amax = BLOCK_RECIPES[name]
     real = np.asarray(jax.jit(lambda q: q.dequantize())(_quantize(recipe, role, x)))
     assert np.all(np.isfinite(real))
     np.testing.assert_array_equal(real, ref.qdq_blocks(x, block, scale_of_amax))
+
+
+def _fmt_scale(fmt, rule):
+    """`scale_of_amax` in `fmt`, written from the documented rules: DeepSeek-V3's
+    `fp8_max / amax` (capped at 2**126) or OCP MX's `2**ceil(log2(amax / fp8_max))` (the
+    inverse), floored `2**(floor(log2(amax)) - emax)`; a block of zeros scales by 1."""
+    fmt_max = ref.MAX[fmt]
+
+    def scale_of_amax(amax):
+        if rule == "deepseek":
+            scale = ref.current_scale(amax, fmt)
+            return scale, np.float64(np.float32(1.0) / scale)
+        if not amax > 0:
+            return np.float32(1.0), 1.0
+        exponent = (
+            math.ceil(math.log2(float(amax) / fmt_max))
+            if rule == "ceil"
+            else math.floor(math.log2(float(amax))) - math.floor(math.log2(fmt_max))
+        )
+        return np.float32(2.0**-exponent), 2.0**exponent
+
+    return scale_of_amax
+
+
+@pytest.mark.parametrize(
+    "recipe, role, block, fmt, rule",
+    [
+        (fp8jax.MXFP8(block_size=4), "input", (1, 4), "e4m3", "ceil"),
+        (fp8jax.MXFP8(block_size=4, format_name="e5m2"), "input", (1, 4), "e5m2", "ceil"),
+        (fp8jax.MXFP8(block_size=4, scale_rounding="floor"), "input", (1, 4), "e4m3", "floor"),
+        (
+            fp8jax.MXFP8(block_size=4, format_name="e5m2", scale_rounding="floor"),
+            "input",
+            (1, 4),
+            "e5m2",
+            "floor",
+        ),
+        (
+            fp8jax.BlockwiseScaling(block_size=4, format_name="e5m2"),
+            "input",
+            (1, 4),
+            "e5m2",
+            "deepseek",
+        ),
+        (
+            fp8jax.BlockwiseScaling(block_size=4, format_name="e5m2"),
+            "kernel",
+            (4, 4),
+            "e5m2",
+            "deepseek",
+        ),
+    ],
+    ids=["mx", "mx-e5m2", "mx-floor", "mx-e5m2-floor", "blockwise-e5m2", "blockwise-e5m2-kernel"],
+)
+def test_block_scales_follow_the_documented_rule_at_exact_powers(recipe, role, block, fmt, rule):
+    """Blocks whose amax is the format's max times a power of two (where MX's ceil is exact:
+    `amax / fp8_max` already a power of two), beside ordinary and zero blocks, in each format:
+    the FP8 dtype, the stored inverse scales and the values, against the rules by hand."""
+    fmt_max = ref.MAX[fmt]
+    amaxes = [fmt_max * 2.0**-3, fmt_max * 2.0**5, 57.0, 0.0]  # one block each
+    x = np.zeros((4, 16), np.float32)
+    for b, amax in enumerate(amaxes):
+        x[:, 4 * b : 4 * b + 4] = amax * np.array([[1.0, -0.3, 0.71, -0.5]], np.float32)
+    x[1:, :] *= np.float32(0.5)  # rows 1-3 below row 0's amax
+    q = _quantize(recipe, role, x)
+    assert q.data.dtype == ref.FORMATS[fmt] and tuple(q.block) == block
+    scale_of_amax = _fmt_scale(fmt, rule)
+    want_inv = [
+        [scale_of_amax(np.float32(np.abs(t).max()))[1] for t in np.split(r, 4, axis=1)]
+        for r in np.split(x, x.shape[0] // block[0])
+    ]
+    np.testing.assert_array_equal(np.asarray(q.scale_inv, np.float64), want_inv)
+    real = np.asarray(jax.jit(lambda q: q.dequantize())(q))
+    np.testing.assert_array_equal(real, ref.qdq_blocks(x, block, scale_of_amax, fmt))
+    if isinstance(recipe, fp8jax.MXFP8):
+        assert q.scale_inv.dtype == jnp.float8_e8m0fnu
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_RECIPES))
+def test_a_non_finite_element_scales_its_block_by_one_and_spoils_only_itself(name):
+    """`block_scale`: a block whose amax is inf or NaN scales by 1 (its inverse 1), so that
+    its finite elements keep their values (saturated at 448) and only the fault becomes NaN;
+    the other blocks keep their own scales."""
+    recipe, role, block, scale_of_amax = BLOCK_RECIPES[name]
+    x = np.linspace(-600.0, 500.0, 16 * 16, dtype=np.float32).reshape(16, 16)
+    for r, c, bad in ((0, 1, np.inf), (9, 10, np.nan)):  # blocks (0, 0) and (8, 8): 8 x 8
+        x[r, c] = bad
+    real = np.asarray(jax.jit(lambda q: q.dequantize())(_quantize(recipe, role, x)))
+    faults = ~np.isfinite(x)
+    assert np.all(np.isnan(real[faults]))
+    bad_block = np.zeros_like(faults)
+    for r, c in zip(*np.nonzero(faults), strict=True):
+        r0, c0 = r // block[0] * block[0], c // block[1] * block[1]
+        bad_block[r0 : r0 + block[0], c0 : c0 + block[1]] = True
+    neighbours = bad_block & ~faults
+    np.testing.assert_array_equal(real[neighbours], ref.cast(x[neighbours], 1.0, "e4m3"))
+    finite = np.where(faults, 0.0, x)
+    good = ~bad_block
+    np.testing.assert_array_equal(real[good], ref.qdq_blocks(finite, block, scale_of_amax)[good])
+
+
+@pytest.mark.parametrize("recipe", [fp8jax.BlockwiseScaling(block_size=8), fp8jax.MXFP8()])
+def test_block_state_records_the_amax_and_keeps_its_scale_for_zeros(recipe):
+    """`_state`: the amax slot holds the operand's amax; the scale recorded beside the blocks'
+    is `fp8_max / amax`, and where the amax is 0 the previous scale (no block tells one)."""
+    state = fp8jax.TensorState(
+        scale=jnp.asarray(3.0, jnp.float32), amax_history=jnp.asarray([5.0], jnp.float32)
+    )
+    for x, scale in ((np.zeros((3, 8), np.float32), 3.0), (np.full((3, 8), 7.0, np.float32), 64.0)):
+        _, new = jax.jit(lambda x: recipe.quantize(x, state, "input", -1))(x)
+        assert float(new.scale) == scale and new.amax_history.tolist() == [float(x.max())]
 
 
 @given(x=finite_arrays, predict=st.booleans())
