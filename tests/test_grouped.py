@@ -890,8 +890,15 @@ def test_bad_construction():
     with pytest.raises(NotImplementedError, match=r"group_offset=.* is not supported"):
         dot(x, w, sizes, group_offset=jnp.array([1], jnp.int32))
     assert dot(x, w, sizes, group_offset=None).shape == (4, 16)  # lax's default, accepted
-    with pytest.raises(ValueError, match="GroupedLinear in_features=0"):
-        fp8jax.GroupedLinear(G, 0, N, key=jax.random.PRNGKey(0))
+    # Each size must be at least 1: only in_features=0 was tried, and it fails anyway (a
+    # zero division in the initialiser), so a zero out_features or num_experts went unchecked.
+    for sizes, name in (
+        ((G, 0, N), "in_features"),
+        ((G, N, 0), "out_features"),
+        ((0, N, N), "num_experts"),
+    ):
+        with pytest.raises(ValueError, match=f"GroupedLinear {name}=0: should be an int >= 1"):
+            fp8jax.GroupedLinear(*sizes, key=jax.random.PRNGKey(0))
 
 
 def test_grouped_linear_checks_in_high_precision_too():
