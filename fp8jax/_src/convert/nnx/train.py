@@ -96,7 +96,8 @@ def nnx_update_fp8_state(
             )
         old = layer.value()
         # Each scale paired with the largest amax of the layer's uses (`nnx_value_and_grad`
-        # pairs its own gradients; plain `nnx.grad`'s arrive as the uses' max).
+        # pairs its own gradients; plain `nnx.grad`'s arrive as the uses' max, but under
+        # `nnx.scan` as their sum, which no pairing undoes: hence `nnx_value_and_grad`).
         new = with_recorded_scales(received_op(layer, received, path))
         groups.setdefault(type(old), []).append((layer, old, new))
     for cls, group in groups.items():
