@@ -1409,6 +1409,30 @@ class OwnKernel(nn.Module):
         return jnp.dot(x, kernel.T)
 
 
+class OwnKernelWithChild(nn.Module):
+    """A module multiplying by its own `kernel` that holds a child Dense (its own `kernel`)."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 16))
+        return x @ kernel, nn.Dense(16, name="fc")(x)
+
+
+def test_only_a_modules_own_kernel_gemm_is_fp8_not_a_childs():
+    """Only the GEMM on the module's own `params/kernel` is answered in FP8: its child's
+    `kernel` (an excluded Dense) is another parameter, whose GEMM runs as unconverted, bit
+    for bit (as in NNX's kernel modules)."""
+    model = OwnKernelWithChild()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32)), jnp.float32)
+    converted = fp8jax.fp8_linear_layers(model, fp8jax.Fp8Config(exclude="fc", keep=()))
+    variables = converted.init(jax.random.key(1), x)
+    assert sorted(variables[OWG]) == [fp8jax.__name__]  # the root's state alone
+    own, child = converted.apply(variables, x)
+    own_ref, child_ref = model.apply({"params": variables["params"]}, x)
+    np.testing.assert_array_equal(child, child_ref)
+    assert not np.array_equal(own, own_ref)  # FP8, not the float32 GEMM
+
+
 class BoxedKernels(nn.Module):
     """An own-kernel layer, an `nn.Einsum` and an `nn.Dense`, their kernels with or without
     partitioning metadata (boxed parameters, as sharded Linen models declare them)."""
