@@ -211,6 +211,18 @@ def test_non_finite_amax_keeps_scale():
     assert float(huge) == 2.0**126 and float(1 / huge) > 0
 
 
+def test_compute_scale_has_a_zero_derivative_in_an_amax_it_does_not_use():
+    """Where the amax is zero or not finite the scale is `previous`: its derivative in the amax
+    is 0 (not NaN, from dividing by that amax in the branch not taken) and in `previous` 1;
+    elsewhere `-fmt_max / amax**2` (-112 at 2), 0 in `previous`."""
+    grad = jax.grad(lambda a, p: fp8jax.compute_scale(a, p, 448.0), argnums=(0, 1))
+    for bad in (0.0, np.inf, np.nan):
+        d_amax, d_previous = grad(jnp.float32(bad), jnp.float32(3.0))
+        assert (float(d_amax), float(d_previous)) == (0.0, 1.0), bad
+    d_amax, d_previous = grad(jnp.float32(2.0), jnp.float32(3.0))
+    assert (float(d_amax), float(d_previous)) == (-448.0 / 2.0**2, 0.0)
+
+
 @pytest.mark.parametrize("power_of_two", [False, True])
 def test_a_large_margin_over_a_large_amax_gives_a_smaller_scale_never_zero(power_of_two):
     """`fmt_max / (amax * 2**margin)` as float32 NumPy computes it (no flush to zero), kept
