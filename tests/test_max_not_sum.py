@@ -462,3 +462,17 @@ def test_a_shared_reduction_with_several_results_spans_the_batch_as_one_does():
     own = jax.vmap(pair, in_axes=(0, 0))(x, jnp.ones(4))
     np.testing.assert_array_equal(own[0], np.abs(x).reshape(4, -1).max(axis=1))
     np.testing.assert_array_equal(own[1], x.reshape(4, -1).min(axis=1))
+
+
+def test_amax_and_fraction_of_no_values_are_zero():
+    """`amax` and `fraction` of an empty array are 0, as documented: not an error for the max
+    of nothing, nor NaN from dividing by no elements; under `vmap` too."""
+    from fp8jax._src.core.amax import amax, fraction
+
+    owner = jnp.ones(())
+    for shape in [(0,), (3, 0), (0, 4)]:
+        assert float(amax(jnp.zeros(shape), owner)) == 0.0, shape
+        assert float(fraction(jnp.zeros(shape, bool), owner)) == 0.0, shape
+    for reduce, x in ((amax, jnp.zeros((3, 0))), (fraction, jnp.zeros((3, 0), bool))):
+        got = jax.vmap(reduce, in_axes=(0, None))(x, owner)
+        np.testing.assert_array_equal(got, np.zeros(3, np.float32))
