@@ -844,3 +844,26 @@ def test_grouped_tokens_start_in_the_float32_a_step_records_under_x64():
         sizes = np.array([3, 0, 2, 1], np.int32)
         grads = fp8jax.filter_grad(lambda d: jnp.sum(d(x, w, sizes)))(dot)
         assert dot.stats.tokens.dtype == grads.stats.tokens.dtype == np.float32
+
+
+def test_two_microbatches_statistics_combine_by_max_and_tokens_add():
+    """`combine_states` (gradient accumulation's): every statistic the larger of the two
+    microbatches', as their amaxes combine, but an expert's tokens the sum of both."""
+    from fp8jax._src.core.stats import combine_states
+
+    def stats(seed):
+        v = np.random.default_rng(seed).uniform(0, 1, (7, 3)).astype(np.float32)
+        ops = [fp8jax.OperandStats(*map(jnp.asarray, v[i])) for i in range(3)]
+        per_expert = fp8jax.OperandStats(*map(jnp.asarray, v[3:6].T.copy()))
+        return v, fp8jax.Fp8Stats(*ops), fp8jax.ExpertStats(ops[0], per_expert, ops[2], v[6])
+
+    (va, dense_a, grouped_a), (vb, dense_b, grouped_b) = stats(0), stats(1)
+    dense = combine_states(dense_a, dense_b)
+    got = [
+        [getattr(getattr(dense, r), f) for f in ("saturated", "underflow", "rejected")]
+        for r in ("input", "kernel", "output_grad")
+    ]
+    np.testing.assert_array_equal(np.array(got), np.maximum(va, vb)[:3])
+    grouped = combine_states(grouped_a, grouped_b)
+    np.testing.assert_array_equal(grouped.kernel.saturated, np.maximum(va, vb)[3:6, 0])
+    np.testing.assert_array_equal(grouped.tokens, va[6] + vb[6])
