@@ -159,6 +159,12 @@ def test_floor_log2_is_exact_for_every_float32_magnitude():
     )
     cut = x[: len(x) // 8 * 8]
     np.testing.assert_array_equal(np.asarray(sharded(jnp.asarray(cut))), want[: len(cut)] - 1)
+    # The bits path reads a subnormal's exponent from its mantissa's highest set bit.
+    tiny = (2.0 ** np.arange(-149, -126, dtype=np.float64)).astype(np.float32)
+    tiny = np.concatenate([tiny, np.nextafter(tiny, np.float32(1)), [np.float32(2.0**-126)]])
+    tiny = tiny[: len(tiny) // 8 * 8]
+    want = np.floor(np.log2(tiny.astype(np.float64))).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(sharded(jnp.asarray(tiny))), want - 1)
 
 
 @pytest.mark.parametrize("shape", [(8, 12), (4, 4), (3, 16, 8), (2, 2, 4, 20)])
