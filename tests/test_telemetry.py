@@ -835,6 +835,21 @@ def test_float64_beyond_float32_range_is_counted_saturated_or_underflowed():
         assert float(got.underflow) == want == 0.5
 
 
+def test_infs_and_nans_are_not_counted_saturated():
+    """An inf or NaN is a fault the cast passes on as NaN, not a value it clips: neither
+    saturated nor underflowed. Reference: ml_dtypes' unsaturated cast of the finite values."""
+    from fp8jax._src.core.stats import cast_statistics
+
+    x = np.array([[np.inf, -np.inf, np.nan, 1000.0, -500.0, 0.0, 1e-9, 3.0]], np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        cast = x.astype(FORMATS["e4m3"]).astype(np.float64)
+    finite = np.isfinite(x)
+    terms = [fp8jax.QTensor(fp8jax.quantize(jnp.asarray(x), 1.0, "e4m3"), jnp.float32(1.0))]
+    got = cast_statistics(jnp.asarray(x), terms, "e4m3", jnp.zeros(()))
+    assert float(got.saturated) == np.mean(finite & ~np.isfinite(cast)) == 2 / 8
+    assert float(got.underflow) == np.mean(finite & (cast == 0) & (x != 0)) == 1 / 8
+
+
 def test_grouped_tokens_start_in_the_float32_a_step_records_under_x64():
     """Under x64 a grouped layer's initial `tokens` were float64 (`jnp.zeros`' default),
     while a step records float32, as every other statistic."""
