@@ -210,6 +210,13 @@ def test_the_overwrite_marker_is_abstract_and_its_subclasses_are_made():
 
     state = State()
     assert fp8jax.partition_for_grad_overwrite({"s": state})[0]["s"] is state
+    # The default merge takes the received value: apply_updates writes it in.
+    tree = {"s": state, "w": jnp.ones(2)}
+    got = fp8jax.apply_updates(
+        tree, {"s": None, "w": jnp.ones(2)}, {"s": State(jnp.float32(5.0)), "w": None}
+    )
+    assert float(got["s"].value) == 5.0
+    np.testing.assert_array_equal(got["w"], [2.0, 2.0])
 
 
 def test_a_subclass_s_state_read_in_the_loss_gets_an_error_naming_the_way_to_read_it():
