@@ -230,6 +230,22 @@ def test_loop_of_an_fp8jax_layer_holds_block_partials():
     assert cost.bytes == {"block partials": 10 * (TANH_BYTES + SLICE_BYTES) + 11 * COMPARE_BYTES}
 
 
+def test_a_call_inside_an_fp8jax_layer_s_loop_holds_block_partials():
+    """A kernel in a computation the loop body `call`s runs inside the layer's loop as much
+    as one in the body itself: the call passes the loop's category down."""
+    body = loop(op_name="jit(step)/fp8jax[blocks.0.mlp.fc1]/fwd/while")
+    tanh = "  %tanh_fusion = bf16[64,32]{1,0} fusion(%y), kind=kLoop, calls=%fused_tanh\n"
+    callee = (
+        "%tanh_call (y.1: bf16[64,32]) -> bf16[64,32] {\n"
+        "  %y.1 = bf16[64,32]{1,0} parameter(0)\n"
+        "  ROOT %tanh_fusion.1 = bf16[64,32]{1,0} fusion(%y.1), kind=kLoop, calls=%fused_tanh\n"
+        "}\n\n"
+    )
+    body = body.replace(tanh, "  %tanh_fusion = bf16[64,32]{1,0} call(%y), to_apply=%tanh_call\n")
+    cost = hlo_cost(body.replace("%body (", callee + "%body (", 1))
+    assert cost.bytes == {"block partials": 10 * (TANH_BYTES + SLICE_BYTES) + 11 * COMPARE_BYTES}
+
+
 def test_nested_loops_multiply():
     inner = loop()
     body = inner[inner.index("%body") : inner.index("ENTRY")]
