@@ -237,8 +237,10 @@ def test_telemetry_collects_a_pytree_and_report_prints_it(getkey):
     assert float(first.input.history_max) == float(jnp.max(state.input.amax_history))
     assert float(first.input.scale) == float(state.input.scale) == 1.0
     # Scale 1 on inputs of magnitude 1e3: E4M3 saturates at 448.
-    expected = ref_stats(np.asarray(x), 1.0, "e4m3")[0]
+    expected, underflow = ref_stats(np.asarray(x), 1.0, "e4m3")
     assert float(first.input.saturated) == pytest.approx(expected, abs=0) and expected > 0
+    assert float(first.input.underflow) == pytest.approx(underflow, abs=0)
+    assert underflow != expected  # so the two fields cannot be swapped unseen
     assert first.formats == ("float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")
     text = fp8jax.report(stats, quiet=True)
     lines = text.splitlines()
