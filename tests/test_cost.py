@@ -688,6 +688,15 @@ def test_collectives_by_the_ring_model_and_their_links():
     assert gather.link == "infiniband"
 
 
+def test_a_permute_of_each_device_to_itself_sends_nothing():
+    """A collective-permute whose pairs all send a device's array to itself moves no data:
+    one device in its group (`CollectiveCost.devices`), 0 bytes on the wire."""
+    cost = hlo_cost(COLLECTIVES.replace("{{0,1},{1,0},{2,2}}", "{{0,0},{1,1},{9,9}}"))
+    (permute,) = [c for c in cost.collectives if c.name == "cp"]
+    assert (permute.bytes, permute.devices, permute.link) == (PERMUTED, 1, "nvlink")
+    assert permute.wire_bytes == 0 and cost.communication["collective-permute"] == 0
+
+
 @pytest.mark.parametrize(
     "groups, expected",
     [
@@ -807,6 +816,30 @@ def test_gpus_per_node_may_be_a_numpy_whole_number():
     for bad in (4.0, True):
         with pytest.raises(ValueError, match=rf"gpus_per_node={bad!r} should be a whole number"):
             hlo_cost(COLLECTIVES, gpus_per_node=bad)
+
+
+def test_h100_peaks_are_nvidia_s_published_dense_figures():
+    """`H100` against NVIDIA's H100 SXM5 figures, written out here: the whitepaper's dense
+    tensor-core peaks (TFLOP/s; the datasheet prints twice these, with sparsity), its FP32,
+    FP64 and INT32 rates, HBM3 3.35 TB/s, NVLink 4 900 GB/s in all (half each way), one
+    400 Gb/s NDR port per GPU; `"fp8 block"` is torchao's published 1,234 TFLOP/s. `H100`
+    rounds the whitepaper's figures to three or four digits, hence `rel=2e-3`."""
+    tera = 1e12
+    published = {
+        "fp8": 1978.9 * tera,
+        "fp8 block": 1234 * tera,
+        "bf16": 989.4 * tera,
+        "f16": 989.4 * tera,
+        "tf32": 494.7 * tera,
+        "f32": 66.9 * tera,
+        "f64": 66.9 * tera,
+        "int8": 1978.9 * tera,
+        "int32": 33.5 * tera,
+        "hbm": 3.35 * tera,
+        "nvlink": 900e9 / 2,
+        "infiniband": 400e9 / 8,
+    }
+    assert H100 == pytest.approx(published, rel=2e-3)
 
 
 def _estimates(cost):
