@@ -688,6 +688,27 @@ def test_haliax_own_fp8_layers_are_reported(getkey):
     ]
 
 
+def test_a_haliax_layer_without_a_usable_history_reports_the_reciprocal_of_its_scale(getkey):
+    """Where a Haliax FP8 layer's history gives no next scale (all zeros, or an inf in it),
+    telemetry reports the scale it holds in fp8jax's terms: Haliax divides by its scale, so
+    1 / it (4 -> 0.25, 0.5 -> 2), and 0 (none) for a scale of 0."""
+    hax = pytest.importorskip("haliax")
+    from haliax import quantization
+
+    lin = hax.nn.Linear.init(hax.Axis("in", 16), hax.Axis("out", 8), key=getkey())
+    lin = quantization.quantize_linear_layers(lin, quantization.QuantizationConfig(fp8=True))
+    op = lin.dot_general
+    inf_first = jnp.zeros_like(op.kernel_amax_history).at[0].set(jnp.inf)
+    op = eqx.tree_at(
+        lambda o: (o.input_scale, o.kernel_scale, o.output_grad_scale, o.kernel_amax_history),
+        op,
+        (jnp.array([4.0]), jnp.array([0.5]), jnp.array([0.0]), inf_first),
+    )
+    (layer,) = fp8jax.telemetry(op).values()
+    scales = [float(getattr(layer, role).scale) for role in ("input", "kernel", "output_grad")]
+    assert scales == [0.25, 2.0, 0.0]
+
+
 def test_report_prints_output_gradients_in_the_losss_units(getkey):
     """Under a loss scale the output gradient's state records the scaled gradients; the report
     given the loss scale prints their amaxes as the loss's (float64 from the known output
