@@ -377,6 +377,86 @@ ENTRY %main (stack: f32[10,64,32], x: f32[64,32], i: s32[]) -> (f32[10,64,32], f
 """  # noqa: E501 - verbatim HLO
 
 
+KINDS = """HloModule kinds, is_scheduled=true
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%add (a.1: f32[], b.1: f32[]) -> f32[] {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %s = f32[] add(%a.1, %b.1)
+}
+
+%fused_abs_sum (p.0: f32[64,32]) -> f32[] {
+  %p.0 = f32[64,32]{1,0} parameter(0)
+  %abs.0 = f32[64,32]{1,0} abs(%p.0)
+  %zero.0 = f32[] constant(0)
+  ROOT %r.0 = f32[] reduce(%abs.0, %zero.0), dimensions={0,1}, to_apply=%add
+}
+
+%fused_amax_t (p.1: f32[64,32]) -> f32[] {
+  %p.1 = f32[64,32]{1,0} parameter(0)
+  %abs.1 = f32[64,32]{1,0} abs(%p.1)
+  %t.1 = f32[32,64]{1,0} transpose(%abs.1), dimensions={1,0}
+  %zero.1 = f32[] constant(0)
+  ROOT %r.1 = f32[] reduce(%t.1, %zero.1), dimensions={0,1}, to_apply=%max
+}
+
+%fused_row (p.2: f32[10,64,32], p.3: s32[]) -> f32[1,64,32] {
+  %p.2 = f32[10,64,32]{2,1,0} parameter(0)
+  %p.3 = s32[] parameter(1)
+  %one = s32[] constant(1)
+  %i.2 = s32[] add(%p.3, %one)
+  %c0 = s32[] constant(0)
+  ROOT %ds = f32[1,64,32]{2,1,0} dynamic-slice(%p.2, %i.2, %c0, %c0), dynamic_slice_sizes={1,64,32}
+}
+
+%fused_dots (p.4: bf16[64,32], p.5: bf16[32,32], p.6: f32[8,8]) -> (bf16[64,32], f32[8,8]) {
+  %p.4 = bf16[64,32]{1,0} parameter(0)
+  %p.5 = bf16[32,32]{1,0} parameter(1)
+  %p.6 = f32[8,8]{1,0} parameter(2)
+  %big = bf16[64,32]{1,0} dot(%p.4, %p.5), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %small = f32[8,8]{1,0} dot(%p.6, %p.6), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %both = (bf16[64,32]{1,0}, f32[8,8]{1,0}) tuple(%big, %small)
+}
+
+ENTRY %main (x: f32[64,32], s: f32[10,64,32], i: s32[], l: bf16[64,32], r: bf16[32,32], q: f32[8,8]) -> f32[] {
+  %x = f32[64,32]{1,0} parameter(0)
+  %s = f32[10,64,32]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %l = bf16[64,32]{1,0} parameter(3)
+  %r = bf16[32,32]{1,0} parameter(4)
+  %q = f32[8,8]{1,0} parameter(5)
+  %sum = f32[] fusion(%x), kind=kInput, calls=%fused_abs_sum
+  %amax = f32[] fusion(%x), kind=kInput, calls=%fused_amax_t
+  %row = f32[1,64,32]{2,1,0} fusion(%s, %i), kind=kLoop, calls=%fused_row
+  %dots = (bf16[64,32]{1,0}, f32[8,8]{1,0}) fusion(%l, %r, %q), kind=kCustom, calls=%fused_dots
+  ROOT %out = f32[] add(%sum, %amax)
+}
+"""  # noqa: E501 - verbatim HLO
+
+
+def test_kernels_are_sorted_by_what_they_compute():
+    """Hand-counted: a sum of |x| is no amax (its reducer adds); a max of |x| read through a
+    transpose is one; a dynamic slice whose index adds 1 (scalar index arithmetic) is a copy
+    of one plane; a fusion of a bf16 and a smaller float32 dot counts both's FLOPs at the
+    kind of most of them."""
+    cost = hlo_cost(KINDS)
+    found = {k.name: (k.category, k.bytes) for k in cost.kernels if k.kind is None}
+    read_x = 64 * 32 * 4
+    assert found == {
+        "sum": ("rest", read_x + 4),
+        "amax": ("amax", read_x + 4),
+        "row": ("transpose/copy", 2 * 64 * 32 * 4 + 4),
+        "out": ("rest", 3 * 4),
+    }
+    assert cost.flops == {"bf16": 2 * 64 * 32 * 32 + 2 * 8 * 8 * 8}
+
+
 def test_slices_read_and_in_place_updates_write_only_their_part():
     plane = 64 * 32 * 4
     cost = hlo_cost(SLICES)
