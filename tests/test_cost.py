@@ -377,6 +377,37 @@ ENTRY %main (stack: f32[10,64,32], x: f32[64,32], i: s32[]) -> (f32[10,64,32], f
 """  # noqa: E501 - verbatim HLO
 
 
+UPDATES = """HloModule updates, is_scheduled=true
+
+%fused_gather (p.0: f16[1000], p.1: s64[64,1]) -> f16[64] {
+  %p.0 = f16[1000]{0} parameter(0)
+  %p.1 = s64[64,1]{1,0} parameter(1)
+  ROOT %g = f16[64]{0} gather(%p.0, %p.1), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
+}
+
+ENTRY %main (stack: f32[10,64,32], x: f32[1,64,32], i: s32[], table: f16[1000], ids: s64[64,1]) -> (f32[10,64,32], f16[64]) {
+  %stack = f32[10,64,32]{2,1,0} parameter(0)
+  %x = f32[1,64,32]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %table = f16[1000]{0} parameter(3)
+  %ids = s64[64,1]{1,0} parameter(4)
+  %zero = s32[] constant(0)
+  %dus = f32[10,64,32]{2,1,0} dynamic-update-slice(%stack, %x, %i, %zero, %zero)
+  %rows = f16[64]{0} fusion(%table, %ids), kind=kLoop, calls=%fused_gather
+  ROOT %out = (f32[10,64,32]{2,1,0}, f16[64]{0}) tuple(%dus, %rows)
+}
+"""  # noqa: E501 - verbatim HLO
+
+
+def test_an_unfused_update_and_a_fused_gather_move_only_what_they_touch():
+    """Hand-counted: an in-place update outside a fusion reads its update and indices and
+    writes the update (not the buffer it updates); a gather reads the rows it returns of its
+    table but all of its indices (they are no slice's first operand)."""
+    found = {k.name: k.bytes for k in hlo_cost(UPDATES).kernels}
+    plane = 64 * 32 * 4
+    assert found == {"dus": 2 * plane + 3 * 4, "rows": 64 * 2 + 64 * 8 + 64 * 2}
+
+
 KINDS = """HloModule kinds, is_scheduled=true
 
 %max (a: f32[], b: f32[]) -> f32[] {
