@@ -377,6 +377,50 @@ ENTRY %main (stack: f32[10,64,32], x: f32[64,32], i: s32[]) -> (f32[10,64,32], f
 """  # noqa: E501 - verbatim HLO
 
 
+MIXED = """HloModule mixed, is_scheduled=true
+
+%fused_mixed (p.0: f8e4m3fn[64,32], p.1: bf16[32,16]) -> bf16[64,16] {
+  %p.0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p.1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %d.0 = bf16[64,16]{1,0} dot(%p.0, %p.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_bytes (p.2: u8[64,32], p.3: u8[32,16]) -> s32[64,16] {
+  %p.2 = u8[64,32]{1,0} parameter(0)
+  %p.3 = u8[32,16]{1,0} parameter(1)
+  ROOT %d.1 = s32[64,16]{1,0} dot(%p.2, %p.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_highest (p.4: f32[64,32], p.5: f32[32,16]) -> f32[64,16] {
+  %p.4 = f32[64,32]{1,0} parameter(0)
+  %p.5 = f32[32,16]{1,0} parameter(1)
+  ROOT %d.2 = f32[64,16]{1,0} dot(%p.4, %p.5), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+}
+
+ENTRY %main (a: f8e4m3fn[64,32], b: bf16[32,16], c: u8[64,32], d: u8[32,16], e: f32[64,32], f: f32[32,16]) -> (bf16[64,16], s32[64,16]) {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %c = u8[64,32]{1,0} parameter(2)
+  %d = u8[32,16]{1,0} parameter(3)
+  %e = f32[64,32]{1,0} parameter(4)
+  %f = f32[32,16]{1,0} parameter(5)
+  %highest = f32[64,16]{1,0} fusion(%e, %f), kind=kCustom, calls=%fused_highest
+  %mixed = bf16[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_mixed
+  %bytes = s32[64,16]{1,0} fusion(%c, %d), kind=kCustom, calls=%fused_bytes
+  ROOT %out = (bf16[64,16]{1,0}, s32[64,16]{1,0}) tuple(%mixed, %bytes)
+}
+"""  # noqa: E501 - verbatim HLO
+
+
+def test_a_gemm_s_kind_by_its_operands_and_precision():
+    """Hand-written: FP8 times bf16 is no FP8 GEMM (the FP8 side is widened: `"bf16"`), two
+    uint8 operands run on INT8 tensor cores (`"int8"`), float32 at `precision=HIGHEST` at
+    the non-tensor-core `"f32"` rate; 2 * 64 * 16 * 32 FLOPs each."""
+    found = {k.name: (k.kind, k.flops) for k in hlo_cost(MIXED).kernels if k.flops}
+    flops = 2 * 64 * 16 * 32
+    assert found == {"mixed": ("bf16", flops), "bytes": ("int8", flops), "highest": ("f32", flops)}
+
+
 UPDATES = """HloModule updates, is_scheduled=true
 
 %fused_gather (p.0: f16[1000], p.1: s64[64,1]) -> f16[64] {
