@@ -429,6 +429,15 @@ UPDATES = """HloModule updates, is_scheduled=true
   ROOT %g = f16[64]{0} gather(%p.0, %p.1), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
 }
 
+%fused_flat_update (p.2: f32[10,64,32], p.3: f32[1,64,32], p.4: s32[]) -> f32[640,32] {
+  %p.2 = f32[10,64,32]{2,1,0} parameter(0)
+  %p.3 = f32[1,64,32]{2,1,0} parameter(1)
+  %p.4 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %u = f32[10,64,32]{2,1,0} dynamic-update-slice(%p.2, %p.3, %p.4, %z, %z)
+  ROOT %flat = f32[640,32]{1,0} bitcast(%u)
+}
+
 ENTRY %main (stack: f32[10,64,32], x: f32[1,64,32], i: s32[], table: f16[1000], ids: s64[64,1]) -> (f32[10,64,32], f16[64]) {
   %stack = f32[10,64,32]{2,1,0} parameter(0)
   %x = f32[1,64,32]{2,1,0} parameter(1)
@@ -438,6 +447,7 @@ ENTRY %main (stack: f32[10,64,32], x: f32[1,64,32], i: s32[], table: f16[1000], 
   %zero = s32[] constant(0)
   %dus = f32[10,64,32]{2,1,0} dynamic-update-slice(%stack, %x, %i, %zero, %zero)
   %rows = f16[64]{0} fusion(%table, %ids), kind=kLoop, calls=%fused_gather
+  %flat = f32[640,32]{1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%fused_flat_update
   ROOT %out = (f32[10,64,32]{2,1,0}, f16[64]{0}) tuple(%dus, %rows)
 }
 """  # noqa: E501 - verbatim HLO
@@ -445,11 +455,13 @@ ENTRY %main (stack: f32[10,64,32], x: f32[1,64,32], i: s32[], table: f16[1000], 
 
 def test_an_unfused_update_and_a_fused_gather_move_only_what_they_touch():
     """Hand-counted: an in-place update outside a fusion reads its update and indices and
-    writes the update (not the buffer it updates); a gather reads the rows it returns of its
+    writes the update (not the buffer it updates), as does a fused one returned through a
+    bitcast; a gather reads the rows it returns of its
     table but all of its indices (they are no slice's first operand)."""
     found = {k.name: k.bytes for k in hlo_cost(UPDATES).kernels}
     plane = 64 * 32 * 4
-    assert found == {"dus": 2 * plane + 3 * 4, "rows": 64 * 2 + 64 * 8 + 64 * 2}
+    rows = 64 * 2 + 64 * 8 + 64 * 2
+    assert found == {"dus": 2 * plane + 3 * 4, "rows": rows, "flat": 2 * plane + 4}
 
 
 KINDS = """HloModule kinds, is_scheduled=true
