@@ -855,6 +855,19 @@ def test_collectives_by_the_ring_model_and_their_links():
     assert gather.link == "infiniband"
 
 
+def test_the_inspection_lists_what_each_collective_moves():
+    """`hlo_collectives` of hand-written starts: an all-gather's and a permute's results (not
+    the operands their start's type lists first), a ragged all-to-all's rows to send; the
+    all-reduce's reduction, its `to_apply` root (`%add`), none for the all-gather."""
+    collectives = hlo_collectives(COLLECTIVES)
+    found = {c.instruction: (c.shapes, c.dtypes) for c in collectives}
+    reductions = {c.instruction: c.reduction for c in collectives}
+    assert (reductions["ar"], reductions["ag"]) == ("add", None)
+    assert found["ag"] == (((1024, 1024),), ("bf16",))
+    assert found["cp"] == (((32, 32),), ("bf16",))
+    assert found["ra"] == (((64, 32),), ("f8e4m3fn",))
+
+
 def test_a_permute_of_each_device_to_itself_sends_nothing():
     """A collective-permute whose pairs all send a device's array to itself moves no data:
     one device in its group (`CollectiveCost.devices`), 0 bytes on the wire."""
