@@ -314,6 +314,7 @@ def test_conditional_counts_its_costliest_branch_and_call_its_callee():
     negate = 2 * 64 * 32 * 2  # read and write a (64, 32) bf16 array
     cost = hlo_cost(BRANCHES)
     assert cost.bytes == {"rest": 2 * negate + negate}
+    assert hlo_memory_traffic(BRANCHES) == 2 * negate + negate  # the larger branch's alone
     assert [k.name for k in cost.kernels] == ["neg.1", "neg.2", "neg"]
 
 
