@@ -567,6 +567,23 @@ def test_cost_arithmetic():
         a * 0.5
 
 
+def test_cost_arithmetic_keeps_loops_kernels_and_collectives():
+    """`a + b` keeps both sides' loops of unknown trip count, `cost * n` runs every kernel and
+    collective `n` times as often, and a collective's time is all its runs' wire bytes at
+    its link's rate (by hand: an all-gather of 800 bytes over 8 devices sends 700 a run)."""
+    from fp8jax._src.observe.roofline import CollectiveCost
+
+    kernel = KernelCost("k", "main", "fusion", "rest", 4, 0, None, 2, "")
+    gather = CollectiveCost("g", "main", "all-gather", "bf16", 800, 8, "nvlink", 3, "")
+    a = Cost({"fp8": 10}, {"rest": 4}, ("w",), (kernel,), collectives=(gather,))
+    b = Cost({}, {}, ("v",))
+    assert (a + b).unknown_trip_counts == ("w", "v")
+    tripled = a * 3
+    assert [k.runs for k in tripled.kernels] == [6]
+    assert [c.runs for c in tripled.collectives] == [9]
+    assert gather.seconds() == pytest.approx(3 * 700 / (900e9 / 2), rel=1e-12)
+
+
 def test_cost_scales_by_a_numpy_whole_number():
     """`cost * np.int64(3)` raised 'should be a whole number' (the count of steps of a NumPy
     computation), while `np.int64(3) * cost` scaled it; both now scale it."""
