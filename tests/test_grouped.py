@@ -61,8 +61,8 @@ def grouped_reference(sizes, xq, w_fwd, g_dgrad, w_dgrad, x_tokens, g_tokens):
     """float64 grouped GEMMs of real (dequantized) operands, group by group: the forward
     `xq[rows] @ w_fwd[e]`, dgrad `g_dgrad[rows] @ w_dgrad[e].T`, wgrad
     `x_tokens[rows].T @ g_tokens[rows]`, and the same of absolute values (for error bounds)."""
-    m = xq.shape[0]
-    y, d_x, d_w = np.zeros((m, N)), np.zeros((m, K)), np.zeros((G, K, N))
+    (m, k), (g, n) = xq.shape, (w_fwd.shape[0], w_fwd.shape[-1])
+    y, d_x, d_w = np.zeros((m, n)), np.zeros((m, k)), np.zeros((g, k, n))
     mags = [np.zeros_like(a) for a in (y, d_x, d_w)]
     for e, rows in enumerate(bounds(sizes)):
         for out, mag, a, b in (
@@ -222,8 +222,8 @@ def block_operands(recipe, x, w, g, sizes=SIZES):
     b = recipe.block_size
     xq = ref.qdq_blocks(x, (1, b), s)
     # Kernels per expert, in the canonical (N, K) layout the recipe quantizes.
-    w_fwd = np.stack([ref.qdq_blocks(w[e].T, w_block, s).T for e in range(G)])
-    w_dgrad = np.stack([ref.qdq_blocks(w[e].T, w_dgrad_block, s).T for e in range(G)])
+    w_fwd = np.stack([ref.qdq_blocks(w[e].T, w_block, s).T for e in range(len(w))])
+    w_dgrad = np.stack([ref.qdq_blocks(w[e].T, w_dgrad_block, s).T for e in range(len(w))])
     g_dgrad = ref.qdq_blocks(g, (1, b), s)
     # The wgrad's tiles run along the tokens, each expert's from its first token (its tokens
     # padded to whole tiles: no tile spans two experts); the activation is requantized from
@@ -257,6 +257,29 @@ def test_block_recipes_match_the_reference(name):
     np.testing.assert_array_equal(new.output_grad.amax_history[0], np.abs(g).max())
     amaxes = [np.abs(w[e]).max() if SIZES[e] else 0.0 for e in range(G)]
     np.testing.assert_array_equal(new.kernel.amax_history[:, 0], amaxes)
+
+
+def test_whole_tiles_take_the_gathered_branches_as_the_reference():
+    """The default recipe with features in whole 128-wide tiles takes the branches that
+    gather the output gradient and the activation into token tiles (`quantize_both_gathered`,
+    `retile_gathered`: the padded kernels' XLA twins on a CPU), which block_size=16 never
+    reaches: the three GEMMs as DeepSeek-V3's blocks, expert by expert (K != N: a swapped
+    axis shows)."""
+    recipe = fp8jax.BlockwiseScaling()
+    sizes, k, n = np.array([150, 0, 60], np.int32), 256, 384
+    rng = np.random.default_rng(9)
+    # Rows and columns of very different magnitudes: a tile given another's scale shows.
+    x, g = (
+        (rng.standard_normal((210, c)) * np.exp(rng.uniform(-3, 3, (210, 1)))).astype(np.float32)
+        * np.exp(rng.uniform(-2, 2, (1, c))).astype(np.float32)
+        for c in (k, n)
+    )
+    w = (rng.standard_normal((3, k, n)) * W_RANGE[:3]).astype(np.float32)
+    y, d_x, d_w, new = run(fp8jax.Fp8RaggedDot(recipe, num_experts=3), x, w, g, sizes)
+    want, mags = grouped_reference(sizes, *block_operands(recipe, x, w, g, sizes))
+    for got, a, mag, terms in zip((y, d_x, d_w), want, mags, (k, n, 210), strict=True):
+        assert_gemm(got, a, mag, terms)
+    np.testing.assert_array_equal(new.output_grad.amax_history[0], np.abs(g).max())
 
 
 def test_mxfp8_dgrad_kernels_are_one_rounding_of_the_weights():

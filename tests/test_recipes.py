@@ -188,6 +188,74 @@ def test_against_independent_reference(name):
         )
 
 
+def whole_tile_operands(seed, dtype, m=256, k=384, n=512):
+    """x (M, K), w (N, K), g (M, N) of whole 128 x 128 tiles, as the one-pass branches take
+    them, with no two scale grids of one shape (a swapped axis shows) and magnitudes that
+    differ block to block, row to row and column to column; float32 values of `dtype`."""
+    rng = np.random.default_rng(seed)
+
+    def ranged(rows, cols, size):
+        blocks = np.kron(
+            np.exp(rng.uniform(-3, 3, (rows // 128, cols // 128))), np.ones((128, 128))
+        )
+        lines = np.exp(rng.uniform(-1, 1, (rows, 1))) * np.exp(rng.uniform(-1, 1, (1, cols)))
+        return np.asarray(
+            jnp.asarray(rng.standard_normal((rows, cols)) * blocks * lines * size, dtype),
+            np.float32,
+        )
+
+    return ranged(m, k, 1.0), ranged(n, k, 0.05), ranged(m, n, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_whole_tiles_quantize_and_multiply_as_deepseek_v3(dtype):
+    """Shapes of whole 128 x 128 tiles take the default recipe's one-pass branches (the XLA
+    twins of `block_quantize.py`'s kernels on a CPU), which odd shapes never reach: every
+    quantized operand is DeepSeek-V3's blocks (ml_dtypes roundings) bit for bit, and the
+    three GEMMs their float64 products within float32 accumulation (and the output's
+    rounding to `dtype`)."""
+    recipe = fp8jax.BlockwiseScaling()
+    x, w, g = whole_tile_operands(8, dtype)
+    s = ref.deepseek_scale()
+    xq, wq, gq = (
+        ref.qdq_blocks(x, (1, 128), s),
+        ref.qdq_blocks(w, (128, 128), s),
+        ref.qdq_blocks(g, (1, 128), s),
+    )
+    g_cols, x_tokens = (
+        ref.qdq_blocks(g, (128, 1), s),
+        ref.qdq_blocks(xq.astype(np.float32), (128, 1), s),
+    )
+
+    @jax.jit
+    def quantized(x, w, g):
+        state = recipe.init_state
+        q_x, s_x = recipe.quantize(x, state("input"), "input", -1)
+        q_w, s_w = recipe.quantize(w, state("kernel"), "kernel", -1)
+        # The dgrad's copy as dense.py makes it: retiled from the weight, then again.
+        q_w_d = recipe.retile(recipe.retile(q_w, "kernel", -2, source=w), "kernel", -2)
+        q_g, q_g_cols, s_g = recipe.quantize_both(g, state("output_grad"), "output_grad")
+        q_x_tokens = recipe.retile(q_x, "input", -2)
+        amaxes = [s.amax_history[0] for s in (s_x, s_w, s_g)]
+        return [q.dequantize() for q in (q_x, q_w, q_w_d, q_g, q_g_cols, q_x_tokens)], amaxes
+
+    operands = [jnp.asarray(a, dtype) for a in (x, w, g)]
+    wants = (xq, wq, wq, gq, g_cols, x_tokens)
+    values, amaxes = quantized(*operands)
+    names = ("x", "w", "w_d", "g", "g_cols", "x_tokens")
+    for name, got, want in zip(names, values, wants, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float64), want, err_msg=name)
+    # Each state records its operand's amax (Recipe.amax), taken once from the operand.
+    np.testing.assert_array_equal(amaxes, [np.abs(v).max() for v in (x, w, g)])
+    got = run(recipe, *operands)
+    products = ((xq, wq.T), (gq, wq), (g_cols.T, x_tokens))
+    rounding = 2.0**-8 if dtype == jnp.bfloat16 else 0.0  # the output's, to bfloat16
+    for part, a, (lhs, rhs) in zip(("y", "dx", "dw"), got, products, strict=True):
+        want, mag = lhs @ rhs, np.abs(lhs) @ np.abs(rhs)
+        bound = 2 * (lhs.shape[1] + 4) * 2.0**-24 * mag + rounding * np.abs(want) + 1e-30
+        np.testing.assert_array_less(np.abs(a - want), bound, err_msg=part)
+
+
 def error_bound(a, ea, b, eb):
     """Worst case of |a^ b^ - a b| for `c = a @ b`, given elementwise error bounds ea, eb."""
     return ea @ np.abs(b) + np.abs(a) @ eb + ea @ eb
