@@ -193,16 +193,21 @@ def whole_tile_operands(seed, dtype, m=256, k=384, n=512):
     them, with no two scale grids of one shape (a swapped axis shows) and magnitudes that
     differ block to block, row to row and column to column; float32 values of `dtype`."""
     rng = np.random.default_rng(seed)
+    f32 = np.float32
 
     def ranged(rows, cols, size):
-        blocks = np.kron(
-            np.exp(rng.uniform(-3, 3, (rows // 128, cols // 128))), np.ones((128, 128))
-        )
+        blocks = np.exp(rng.uniform(-3, 3, (rows // 128, cols // 128)))
         lines = np.exp(rng.uniform(-1, 1, (rows, 1))) * np.exp(rng.uniform(-1, 1, (1, cols)))
-        return np.asarray(
-            jnp.asarray(rng.standard_normal((rows, cols)) * blocks * lines * size, dtype),
-            np.float32,
-        )
+        v = rng.standard_normal((rows, cols)) * np.kron(blocks, np.ones((128, 128))) * lines
+        v = np.asarray(v * size, dtype).astype(f32)
+        # Its amax, a value of `dtype` that the top of its tile dequantized (448 / amax
+        # inverted, times 448, in float32) does not give back: an amax taken from the FP8
+        # values rather than the operand's shows.
+        peaks = np.asarray(np.abs(v).max() * (2 + np.arange(64) / 64), dtype).astype(f32)
+        missed = f32(448) * (f32(1) / (f32(448) / peaks)) != peaks
+        assert missed.any()
+        v[0, 0] = peaks[np.argmax(missed)]
+        return v
 
     return ranged(m, k, 1.0), ranged(n, k, 0.05), ranged(m, n, 1e-3)
 
@@ -236,13 +241,15 @@ def test_whole_tiles_quantize_and_multiply_as_deepseek_v3(dtype):
         q_w_d = recipe.retile(recipe.retile(q_w, "kernel", -2, source=w), "kernel", -2)
         q_g, q_g_cols, s_g = recipe.quantize_both(g, state("output_grad"), "output_grad")
         q_x_tokens = recipe.retile(q_x, "input", -2)
+        q_g_rows, _ = recipe.quantize(g, state("output_grad"), "output_grad", -2)
         amaxes = [s.amax_history[0] for s in (s_x, s_w, s_g)]
-        return [q.dequantize() for q in (q_x, q_w, q_w_d, q_g, q_g_cols, q_x_tokens)], amaxes
+        qs = (q_x, q_w, q_w_d, q_g, q_g_cols, q_x_tokens, q_g_rows)
+        return [q.dequantize() for q in qs], amaxes
 
     operands = [jnp.asarray(a, dtype) for a in (x, w, g)]
-    wants = (xq, wq, wq, gq, g_cols, x_tokens)
+    wants = (xq, wq, wq, gq, g_cols, x_tokens, g_cols)
     values, amaxes = quantized(*operands)
-    names = ("x", "w", "w_d", "g", "g_cols", "x_tokens")
+    names = ("x", "w", "w_d", "g", "g_cols", "x_tokens", "quantize(g, axis=-2)")
     for name, got, want in zip(names, values, wants, strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float64), want, err_msg=name)
     # Each state records its operand's amax (Recipe.amax), taken once from the operand.
