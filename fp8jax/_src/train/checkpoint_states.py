@@ -4,6 +4,7 @@ own state, a NaN or inf left warned of."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any, TypeVar
@@ -49,7 +50,7 @@ def _is_state(x: Any) -> bool:
 
 
 #: The fields of `TensorState` and `ResidualState`, as an `nnx.State` names their variables.
-_FIELDS = ("scale", "amax_history", "scale_inv", "lo_scale", "error")
+_FIELDS = frozenset(f.name for c in (TensorState, ResidualState) for f in dataclasses.fields(c))
 
 
 def _state_leaves(state: Any) -> list[tuple[str, str, Array]]:
