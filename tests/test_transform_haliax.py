@@ -940,6 +940,27 @@ def test_named_microbatches_match_the_whole_batch_step(getkey):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_the_batch_axis_is_the_one_most_named_arrays_hold_not_the_first_arrays(getkey):
+    """A mask over the features passed first: the batch axis is still the one most of the
+    NamedArrays hold (batch: x, targets, weights; mlp: mask, targets), not the first
+    array's first axis (which cut the mask and gave every microbatch all of x)."""
+    model = hnn.Linear.init(Embed, Mlp, key=getkey())  # high precision: equal up to rounding
+    Rows = hax.Axis("batch", 8)
+    mask = hax.random.uniform(getkey(), (Mlp,))
+    x = hax.random.normal(getkey(), (Rows, Embed))
+    targets = hax.random.normal(getkey(), (Rows, Mlp))
+    weights = hax.random.uniform(getkey(), (Rows,))
+
+    def loss(m, mask, x, targets, weights):
+        return hax.mean(weights * hax.sum(((m(x) - targets) * mask) ** 2, Mlp)).scalar()
+
+    got, grads = fp8jax.accumulate_gradients(loss, 2)(model, mask, x, targets, weights)
+    want, grads_w = eqx.filter_value_and_grad(loss)(model, mask, x, targets, weights)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_w), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
