@@ -120,6 +120,7 @@ def test_aux_is_stacked_over_microbatches(getkey):
     # One microbatch stacks its aux too (it came back unstacked, shape ()), and a NumPy
     # integer is a count of microbatches (it was refused as "not an int >= 1").
     (_, one), _ = fp8jax.accumulate_gradients(with_aux, np.int64(1), has_aux=True)(model, x, y)
+    assert one.shape == (1,)  # assert_array_equal broadcasts a shape-() aux: not enough
     np.testing.assert_array_equal(one, jnp.mean(x)[None])
     (_, two), _ = fp8jax.accumulate_gradients(with_aux, np.int64(2), has_aux=True)(model, x, y)
     assert two.shape == (2,)
