@@ -67,6 +67,23 @@ def test_scalars_ints_and_extra_args_pass_through():
     assert float(p_state.best_value) == 1.0  # initialised to inf; the value got through
 
 
+def test_complex_state_is_kept_as_the_docstring_says():
+    """Complex leaves are kept: SGD momentum of complex parameters stays complex64 and the
+    update is optax's own (cast to bfloat16, it lost its imaginary part)."""
+    params = {"w": jnp.asarray([1 + 2j, -3 + 0.5j], jnp.complex64)}
+    grads = {"w": jnp.asarray([0.25 - 1j, 2 + 3j], jnp.complex64)}
+    inner = optax.sgd(0.1, momentum=0.9)
+    optimizer = low_precision_state(inner)
+    state, want_state = optimizer.init(params), inner.init(params)
+    for _ in range(2):
+        updates, state = optimizer.update(grads, state, params)
+        want, want_state = inner.update(grads, want_state, params)
+    trace = jax.tree.leaves(state)[0]
+    assert trace.dtype == jnp.complex64
+    np.testing.assert_array_equal(trace, jax.tree.leaves(want_state)[0])
+    np.testing.assert_array_equal(updates["w"], want["w"])
+
+
 def test_argument_errors():
     with pytest.raises(ValueError, match="dtype=<class 'jax.numpy.int8'> should be a floating"):
         low_precision_state(optax.adam(1e-3), jnp.int8)
