@@ -84,6 +84,20 @@ def test_complex_state_is_kept_as_the_docstring_says():
     np.testing.assert_array_equal(updates["w"], want["w"])
 
 
+def test_an_update_the_inner_optimizer_gives_narrower_is_not_widened():
+    """Updates are only narrowed: plain SGD gives bfloat16 gradients' updates in bfloat16
+    beside float32 parameters, and so does the wrapper (widening them to float32 passed)."""
+    params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.float32)}
+    grads = {"w": jnp.asarray([0.5, 1.5, -0.25], jnp.bfloat16)}
+    inner = optax.sgd(0.1)
+    got, _ = low_precision_state(inner).update(
+        grads, low_precision_state(inner).init(params), params
+    )
+    want, _ = inner.update(grads, inner.init(params), params)
+    assert got["w"].dtype == want["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got["w"], want["w"])
+
+
 def test_argument_errors():
     with pytest.raises(ValueError, match="dtype=<class 'jax.numpy.int8'> should be a floating"):
         low_precision_state(optax.adam(1e-3), jnp.int8)
