@@ -269,6 +269,26 @@ def test_per_example_gradients_are_not_summed(linear):
         np.testing.assert_allclose(per_example.weight[i], single.weight, rtol=1e-6, atol=1e-7)
 
 
+def test_per_example_gradients_after_a_call_outside_vmap(linear):
+    """vmap of a gradient already traced outside any vmap (same shapes per example) still
+    gives each example its own weight gradient: the jitted gradient is not reused from that
+    trace, whose GEMMs would fold the mapped axis and sum over it."""
+    rng = np.random.default_rng(4)
+    xs = rng.standard_normal((3, 8)).astype(np.float32)
+    cs = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def loss(m, x, c):
+        return jnp.sum(m(x) * c)
+
+    grad = fp8jax.filter_grad(loss)
+    singles = [grad(linear, xs[i], cs[i]).weight for i in range(3)]  # traced first
+    per_example = jax.vmap(grad, in_axes=(None, 0, 0))(linear, xs, cs).weight
+    for i in range(3):
+        np.testing.assert_array_equal(per_example[i], singles[i])
+        exact = np.outer(cs[i].astype(np.float64), xs[i])  # FP8 operands: within ~20 %
+        assert np.linalg.norm(per_example[i] - exact) <= 0.2 * np.linalg.norm(exact)
+
+
 def test_per_example_gradients_take_the_batch_scales_or_each_its_own_state(getkey):
     """Under vmap(grad) with current scaling each example's weight gradient is quantized with
     the batch's scales, as in a batched step (docs/concepts.md): an example of 1e-3 beside
