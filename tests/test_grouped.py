@@ -564,9 +564,14 @@ def test_per_example_gradients_under_vmap(recipe, grad):
         return jnp.sum(dot(x, w, s) * c)
 
     per_example = jax.vmap(grad(loss), in_axes=(None, 0, 0, 0))
-    _, d_w = per_example((dot, w), xs, jnp.asarray(sizes), cs)
+    new, d_w = per_example((dot, w), xs, jnp.asarray(sizes), cs)
     for i in range(2):
         np.testing.assert_allclose(d_w[i], run(dot, xs[i], w, cs[i], sizes[i])[2], rtol=1e-6)
+    # The state is shared by the batch: an expert that got tokens in any example is used in
+    # each example's state (expert 0 in example 1's too), one that got none in none.
+    used = sizes.max(axis=0) > 0
+    amaxes = np.where(used, np.abs(w).max(axis=(1, 2)), 0.0)
+    np.testing.assert_array_equal(new.kernel.amax_history[..., 0], np.stack([amaxes] * 2))
 
 
 EXPLICIT_RECIPES = {
