@@ -905,3 +905,17 @@ def test_two_microbatches_statistics_combine_by_max_and_tokens_add():
     grouped = combine_states(grouped_a, grouped_b)
     np.testing.assert_array_equal(grouped.kernel.saturated, np.maximum(va, vb)[3:6, 0])
     np.testing.assert_array_equal(grouped.tokens, va[6] + vb[6])
+
+
+def test_grouped_tokens_of_an_expert_without_tokens_are_zero_not_kept():
+    """The tokens of the step where the layer ran, zeros included: an expert that got tokens
+    in one step and none in the next reports 0 (its kernel state and statistics are kept,
+    its token count is not)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((12, 8)).astype(np.float32)
+    w = rng.standard_normal((3, 8, 4)).astype(np.float32)
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=3, telemetry=True)
+    step = eqx.filter_jit(fp8jax.filter_grad(lambda dot, s: jnp.sum(dot(x, w, s))))
+    for sizes in ([5, 4, 3], [0, 9, 3]):
+        dot = fp8jax.apply_updates(dot, None, step(dot, jnp.asarray(sizes, jnp.int32)))
+        np.testing.assert_array_equal(dot.stats.tokens, sizes)
