@@ -622,6 +622,32 @@ def test_explicit_mesh_matches_no_mesh(recipe):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def test_explicit_mesh_with_tokens_and_outputs_split_over_one_axis_splits_the_rows():
+    """Tokens and the experts' outputs split over the same Explicit axis: the output cannot
+    split both of its axes over it, so its rows are split as the tokens are and its columns
+    not; its values are the float64 grouped product of the FP8 operands."""
+    x, w, _ = data(25)
+    spec, explicit = jax.sharding.PartitionSpec, jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit, explicit))
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    with jax.set_mesh(mesh):
+        y = dot(
+            jax.device_put(x, spec("data", None)),
+            jax.device_put(w, spec(None, None, "data")),
+            SIZES,
+        )
+    assert jax.typeof(y).sharding.spec == spec("data", None)
+
+    def qdq(t):
+        return ref.qdq_tensor(
+            t, ref.current_scale(np.abs(t).max(), "e4m3", power_of_two=True), "e4m3"
+        )
+
+    xq, wq, zeros = qdq(x), np.stack([qdq(w[e]) for e in range(G)]), np.zeros((M, N))
+    (want, _, _), (mag, _, _) = grouped_reference(SIZES, xq, wq, zeros, wq, xq, zeros)
+    assert_gemm(y, want, mag, K)
+
+
 @pytest.mark.parametrize("weight_spec", [(), (None, None, "model")])
 def test_high_precision_grouped_linear_on_an_explicit_mesh(weight_spec):
     """A `GroupedLinear` without an FP8 GEMM (`lax.ragged_dot`) under a mesh with Explicit
