@@ -919,3 +919,28 @@ def test_grouped_tokens_of_an_expert_without_tokens_are_zero_not_kept():
     for sizes in ([5, 4, 3], [0, 9, 3]):
         dot = fp8jax.apply_updates(dot, None, step(dot, jnp.asarray(sizes, jnp.int32)))
         np.testing.assert_array_equal(dot.stats.tokens, sizes)
+
+
+def test_grouped_statistics_are_over_the_rows_the_groups_hold():
+    """Group sizes summing short of the rows: the fractions saturated and flushed are over
+    the rows that hold tokens (ml_dtypes casts of those rows at the cold scale 1), not
+    diluted by the rows past the groups."""
+    rng = np.random.default_rng(13)
+    held, rows = 24, 40
+    x, c = spread(rng, (rows, 16), -9, 4), spread(rng, (rows, 8), -12, 6)
+    w = spread(rng, (3, 16, 8), -1, 0)
+    sizes = jnp.asarray([10, 0, held - 10], jnp.int32)
+    cold = fp8jax.DelayedScaling(warm_start=False)
+    dot = fp8jax.Fp8RaggedDot(cold, num_experts=3, telemetry=True)
+
+    @eqx.filter_jit
+    def step(dot, sizes):  # traced sizes: rows past their sum are allowed
+        return fp8jax.filter_grad(lambda dot: jnp.sum(dot(x, w, sizes) * c))(dot)
+
+    new = step(dot, sizes).stats
+    for got, want in (
+        (new.input, ref_stats(x[:held], 1.0, "e4m3")),
+        (new.output_grad, ref_stats(c[:held], 1.0, "e5m2")),
+    ):
+        assert min(want) > 0
+        assert (float(got.saturated), float(got.underflow)) == pytest.approx(want, rel=1e-6)
