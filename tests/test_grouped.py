@@ -527,6 +527,23 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
+def test_dgrad_and_wgrad_take_the_recipes_backward_precision():
+    """The forward's ragged dot takes the call's precision (none given), the dgrad's and the
+    wgrad's the recipe's backward precision (`backward_precision="highest"` by default: on
+    a GPU, no FP8 fast accumulation for the gradients)."""
+    dot = fp8jax.Fp8RaggedDot("current", num_experts=G)
+    x, w = np.ones((M, K), np.float32), np.ones((G, K, N), np.float32)
+    loss = lambda x, w: jnp.sum(dot(x, w, SIZES))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+    got = {
+        tuple(e.outvars[0].aval.shape): e.params["precision"]
+        for e in _equations(jaxpr.jaxpr)
+        if e.primitive.name == "ragged_dot_general"
+    }
+    highest = (lax.Precision.HIGHEST,) * 2
+    assert got == {(M, N): None, (M, K): highest, (G, K, N): highest}, got
+
+
 def test_nested_vmap_equals_the_sum_of_single_calls():
     rng = np.random.default_rng(18)
     sizes = rng.multinomial(10, [0.4, 0.0, 0.3, 0.3], size=(2, 3)).astype(np.int32)
