@@ -163,6 +163,45 @@ def test_scopes_matching_no_gemm_are_said():
         fp8jax.fp8_autocast(forward)(params, TOKENS)
 
 
+def test_scopes_and_exclude_match_a_whole_scope_not_a_prefix_or_a_part():
+    """As documented: `scopes` and `exclude` must match a GEMM's scopes whole, so
+    `scopes="mlp"` leaves `mlp_out` and `exclude="head"` misses `lm/head` (said)."""
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32)) / 32
+
+    def fun(x, w):
+        with jax.named_scope("mlp"):
+            x = x @ w
+        with jax.named_scope("mlp_out"):
+            x = x @ w
+        with jax.named_scope("lm"), jax.named_scope("head"):
+            return x @ w
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert count_fp8_dots(fp8jax.fp8_autocast(fun, scopes="mlp"), x, w) == (1, 2)
+        assert count_fp8_dots(fp8jax.fp8_autocast(fun, exclude=".*head"), x, w) == (2, 1)
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude='head' matched none"):
+        assert count_fp8_dots(fp8jax.fp8_autocast(fun, exclude="head"), x, w) == (3, 0)
+
+
+def test_min_dim_reads_rows_columns_and_contraction_as_documented():
+    """A GEMM's contraction is the product of all its contracted axes (2 x 8 = 16 here);
+    its rows and columns are its free axes' products, batch axes not among them."""
+    x, w = jnp.ones((32, 2, 8)), jnp.ones((2, 8, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        contract_two = lambda x, w: jnp.einsum("bij,ijk->bk", x, w)  # noqa: E731
+        assert count_fp8_dots(fp8jax.fp8_autocast(contract_two), x, w) == (1, 0)
+    four_rows = jnp.ones((64, 4, 32)), jnp.ones((64, 32, 32))  # 64 GEMMs of 4 rows
+    four_columns = jnp.ones((64, 32, 32)), jnp.ones((64, 32, 4))
+    for a, b in (four_rows, four_columns):
+        with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"1 with rows.*min_dim=16"):
+            got = count_fp8_dots(
+                fp8jax.fp8_autocast(lambda a, b: a @ b, batched=True, min_dim=16), a, b
+            )
+        assert got == (0, 1)
+
+
 def test_scopes_matching_only_gemms_left_for_their_shape_blame_the_shape():
     """A `scopes` regex that matches GEMMs left out for their shape (attention's batched
     einsums with `batched=False`, GEMMs under `min_dim`) was said to match none of the
