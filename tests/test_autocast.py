@@ -313,6 +313,39 @@ def test_control_flow_matches_the_module_path():
     assert count_fp8_dots(lambda w, x: control_flow(w, x, True), w, x) == (0, 7)
 
 
+def test_rebuilt_primitives_keep_their_parameters():
+    """The interpreter rebuilds a scan, a checkpoint and a GEMM around FP8 GEMMs: a reversed,
+    unrolled scan stays so (its outputs in reverse step order), a checkpoint keeps its policy
+    and `prevent_cse`, a GEMM its `preferred_element_type` (bfloat16 in, float32 out)."""
+    policy = jax.checkpoint_policies.dots_saveable
+    dims = (((1,), (0,)), ((), ()))
+
+    def fun(xs, w):
+        def step(c, x):
+            return c + 1.0, c * jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        return jax.lax.scan(step, 1.0, xs, reverse=True, unroll=2)[1]
+
+    xs, w = jnp.ones((4, 32, 32), jnp.bfloat16), jnp.ones((32, 32), jnp.bfloat16) / 32
+    got = fp8jax.fp8_autocast(fun)(xs, w)  # ones and 1/32: exact in FP8
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got[:, 0, 0], [4.0, 3.0, 2.0, 1.0])  # the last step first
+    params = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            params.setdefault(eqn.primitive.name, eqn.params)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fp8jax.fp8_autocast(fun))(xs, w).jaxpr)
+    assert (params["scan"]["reverse"], params["scan"]["unroll"]) == (True, 2)
+    remat = params["remat2"]  # jax.checkpoint's primitive
+    assert remat["policy"] is policy and remat["prevent_cse"] is False
+    assert count_fp8_dots(fp8jax.fp8_autocast(fun), xs, w) == (1, 0)
+
+
 def test_a_platform_dependent_choice_compiles_only_its_platforms_branch():
     """`lax.platform_dependent` lowers a branch only for its platforms: a CUDA-only kernel
     (a Pallas call, here with a GEMM inside) is never lowered for a CPU. Rebuilt around its
