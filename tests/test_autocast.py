@@ -184,6 +184,24 @@ def test_scopes_and_exclude_match_a_whole_scope_not_a_prefix_or_a_part():
         assert count_fp8_dots(fp8jax.fp8_autocast(fun, exclude="head"), x, w) == (3, 0)
 
 
+def test_gemms_are_named_by_scope_and_program_order_afresh_at_each_call():
+    """As documented: a scope's GEMMs after its first are numbered (`mlp`, `mlp_1`,
+    `mlp_2`), those outside any scope `dot_general`, `dot_general_1`; a second call of
+    the same autocast function names them the same, not on from the first call's."""
+
+    def fun(x, w):
+        with jax.named_scope("mlp"):
+            x = x @ w @ w @ w
+        return x @ w @ w
+
+    autocast, x = fp8jax.fp8_autocast(fun), jnp.ones((32, 32))
+    expected = ["dot_general", "dot_general_1", "mlp", "mlp_1", "mlp_2"]
+    for _ in range(2):  # a new function each time: make_jaxpr caches a function's trace
+        eqns = jax.make_jaxpr(lambda x, w: autocast(x, w))(x, x).jaxpr.eqns
+        stacks = " ".join(str(e.source_info.name_stack) for e in eqns)
+        assert sorted(set(re.findall(r"fp8jax\[([^\]]*)\]", stacks))) == expected
+
+
 def test_min_dim_reads_rows_columns_and_contraction_as_documented():
     """A GEMM's contraction is the product of all its contracted axes (2 x 8 = 16 here);
     its rows and columns are its free axes' products, batch axes not among them."""
