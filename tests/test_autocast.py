@@ -464,6 +464,22 @@ def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
         assert not kinds(min_dim=17)  # converting nothing for its shapes is said
 
 
+def test_a_ragged_dot_of_other_dimension_numbers_is_left_as_lax_computes_it():
+    """Only the plain `ragged_dot` layout ((m, k) rows by (groups, k, n) experts) is
+    answered by `Fp8RaggedDot`; one contracting the experts' last axis stays as written."""
+    x, w = jnp.ones((32, 32)), jnp.ones((4, 16, 32))  # experts (groups, n, k)
+    sizes = jnp.array([8, 0, 16, 8], jnp.int32)
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())),
+        lhs_ragged_dimensions=(0,),
+        rhs_group_dimensions=(0,),
+    )
+    fun = lambda x, w: jax.lax.ragged_dot_general(x, w, sizes, numbers)  # noqa: E731
+    autocast = fp8jax.fp8_autocast(fun)
+    np.testing.assert_array_equal(autocast(x, w), fun(x, w))
+    assert "f8_e4m3fn" not in str(jax.make_jaxpr(autocast)(x, w))
+
+
 def test_bad_input_errors():
     with pytest.raises(
         ValueError,
@@ -613,6 +629,20 @@ def test_a_call_whose_gemms_all_lie_inside_custom_vjp_or_shard_map_says_so():
         with pytest.warns(fp8jax.Fp8ConversionWarning, match=f"none of the function's {n} GEMMs"):
             out = fp8jax.fp8_autocast(fun)(x, w)
         np.testing.assert_array_equal(out, fun(x, w))  # high precision, as written
+
+
+def test_the_gemms_counted_inside_a_custom_vjp_are_its_floating_ones():
+    """The warning counts the GEMMs held inside a `custom_vjp` that autocast would convert
+    elsewhere: the float one, not the integer one beside it (1 GEMM, not 2)."""
+    x, n = jnp.ones((32, 32)), jnp.ones((32, 32), jnp.int32)
+
+    @jax.custom_vjp
+    def own(x, n):
+        return x @ x + (n @ n).astype(x.dtype)
+
+    own.defvjp(lambda x, n: (own(x, n), None), lambda r, g: (g, None))
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"none of the function's 1 GEMMs"):
+        fp8jax.fp8_autocast(own)(x, n)
 
 
 def test_a_config_or_an_unknown_recipe_is_refused_in_autocasts_terms():
