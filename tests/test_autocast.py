@@ -2,6 +2,7 @@
 remat, einsum attention) against the same model written with fp8jax's FP8 op by hand, the
 interpreter's control flow kept exact, the selection, ragged_dot, errors, the H100 compile."""
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -465,8 +466,9 @@ def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
 
 
 def test_a_ragged_dot_of_other_dimension_numbers_is_left_as_lax_computes_it():
-    """Only the plain `ragged_dot` layout ((m, k) rows by (groups, k, n) experts) is
-    answered by `Fp8RaggedDot`; one contracting the experts' last axis stays as written."""
+    """Only the plain `ragged_dot` layout ((m, k) rows by (groups, k, n) experts, no group
+    offset) is answered by `Fp8RaggedDot`; one contracting the experts' last axis stays as
+    written."""
     x, w = jnp.ones((32, 32)), jnp.ones((4, 16, 32))  # experts (groups, n, k)
     sizes = jnp.array([8, 0, 16, 8], jnp.int32)
     numbers = jax.lax.RaggedDotDimensionNumbers(
@@ -478,6 +480,11 @@ def test_a_ragged_dot_of_other_dimension_numbers_is_left_as_lax_computes_it():
     autocast = fp8jax.fp8_autocast(fun)
     np.testing.assert_array_equal(autocast(x, w), fun(x, w))
     assert "f8_e4m3fn" not in str(jax.make_jaxpr(autocast)(x, w))
+    # A group offset (which lax traces but does not run on a CPU) stays as written too.
+    plain = dataclasses.replace(numbers, dot_dimension_numbers=(((1,), (1,)), ((), ())))
+    offset = lambda x, w: jax.lax.ragged_dot_general(x, w, sizes, plain, group_offset=1)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(fp8jax.fp8_autocast(offset))(x, jnp.swapaxes(w, 1, 2)))
+    assert "f8_e4m3fn" not in jaxpr and "group_offset=1" in jaxpr
 
 
 def test_bad_input_errors():
