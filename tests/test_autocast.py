@@ -465,6 +465,18 @@ def test_a_ragged_dot_kept_in_high_precision_is_said_or_small():
         assert not kinds(min_dim=17)  # converting nothing for its shapes is said
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_a_ragged_dot_of_a_block_recipe_becomes_the_grouped_fp8_gemm(recipe):
+    """As documented, the block-scaled recipes have a grouped GEMM: their ragged dots run in
+    FP8 without a word (only a residual recipe's stay)."""
+    x, w = jnp.ones((32, 32)), jnp.ones((4, 32, 32))
+    sizes = jnp.array([8, 0, 16, 8], jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autocast = fp8jax.fp8_autocast(lambda x, w: jax.lax.ragged_dot(x, w, sizes), recipe)
+        assert "f8_e4m3fn" in str(jax.make_jaxpr(autocast)(x, w))
+
+
 def test_a_ragged_dot_of_other_dimension_numbers_is_left_as_lax_computes_it():
     """Only the plain `ragged_dot` layout ((m, k) rows by (groups, k, n) experts, no group
     offset) is answered by `Fp8RaggedDot`; one contracting the experts' last axis stays as
