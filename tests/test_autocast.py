@@ -768,6 +768,17 @@ def test_a_gemm_writing_integers_or_fp8_is_left_as_written():
     assert count_fp8_dots(fp8jax.fp8_autocast(f), x, w) == (1, 2)
 
 
+def test_a_dot_general_that_contracts_nothing_is_left_as_written():
+    """An outer product written as a `dot_general` (no contracted axis) is no GEMM: even
+    with `min_dim=1` it stays exact, and converting nothing for it is not said."""
+    a, b = jnp.arange(32.0) / 7, jnp.arange(32.0) / 3
+    outer = lambda a, b: jax.lax.dot_general(a, b, (((), ()), ((), ())))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fp8jax.fp8_autocast(outer, min_dim=1)(a, b)
+    np.testing.assert_array_equal(got, np.outer(np.float32(a), np.float32(b)))
+
+
 def test_state_an_nnx_module_writes_in_place_is_refused_unless_returned():
     """A Flax NNX model called inside the function writes its `BatchNorm` statistics (and an
     `nnx.Rngs`' count) into its variables in place. Autocast calls the function on copies of
