@@ -1087,6 +1087,9 @@ def test_einsum_dimension_numbers():
     dims, perm = einsum_dimension_numbers("e...d,edf->e...f", 4, 3)
     assert dims == (((3,), (1,)), ((0,), (0,)))
     assert perm == (0, 1, 2, 3)
+    # An input with fewer axes than its named ones ('...' standing for -1 axes) is said so.
+    with pytest.raises(ValueError, match=r"does not fit an input of 2 axes"):
+        einsum_dimension_numbers("abc...,cd->ab...d", 2, 2)
 
 
 # --- the deviceless H100 compile --------------------------------------------------------------
