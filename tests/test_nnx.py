@@ -1090,6 +1090,8 @@ def test_einsum_dimension_numbers():
     # An input with fewer axes than its named ones ('...' standing for -1 axes) is said so.
     with pytest.raises(ValueError, match=r"does not fit an input of 2 axes"):
         einsum_dimension_numbers("abc...,cd->ab...d", 2, 2)
+    with pytest.raises(ValueError, match=r"output 'acd' names an axis of neither operand"):
+        einsum_dimension_numbers("ab,bc->acd", 2, 2)
 
 
 # --- the deviceless H100 compile --------------------------------------------------------------
