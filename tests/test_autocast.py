@@ -203,6 +203,25 @@ def test_gemms_are_named_by_scope_and_program_order_afresh_at_each_call():
         assert sorted(set(re.findall(r"fp8jax\[([^\]]*)\]", stacks))) == expected
 
 
+def test_a_scope_inside_a_nested_jit_is_joined_to_the_scopes_around_it():
+    """A GEMM's scopes are joined outermost first, across a nested `jit` and a `scan`:
+    `block/mlp`, as `scopes` is documented to match them."""
+    x, w = jnp.ones((32, 32)), jnp.ones((32, 32)) / 32
+
+    def inner(x):
+        with jax.named_scope("mlp"):
+            return x @ w
+
+    def fun(x, w):
+        with jax.named_scope("block"):
+            x = jax.jit(inner)(x)
+            return jax.lax.scan(lambda c, _: (inner(c), None), x, length=2)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert count_fp8_dots(fp8jax.fp8_autocast(fun, scopes="block/mlp"), x, w) == (2, 0)
+
+
 def test_min_dim_reads_rows_columns_and_contraction_as_documented():
     """A GEMM's contraction is the product of all its contracted axes (2 x 8 = 16 here);
     its rows and columns are its free axes' products, batch axes not among them."""
@@ -514,8 +533,9 @@ def test_bad_input_errors():
         fp8jax.fp8_autocast(loss_fn, exclude="(")
     with pytest.raises(TypeError, match=r"scopes=1: should be None or a regular expression"):
         fp8jax.fp8_autocast(loss_fn, scopes=1)
-    with pytest.raises(ValueError, match=r"min_dim=0 should be an int >= 1"):
-        fp8jax.fp8_autocast(loss_fn, min_dim=0)
+    for bad in (0, True, 16.0):  # a bool is no count, nor a float
+        with pytest.raises(ValueError, match=rf"min_dim={bad} should be an int >= 1"):
+            fp8jax.fp8_autocast(loss_fn, min_dim=bad)
     with pytest.raises(TypeError, match=r"batched='yes' should be True or False"):
         fp8jax.fp8_autocast(loss_fn, batched="yes")
 
