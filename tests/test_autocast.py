@@ -496,6 +496,24 @@ def test_a_ragged_dot_of_a_block_recipe_becomes_the_grouped_fp8_gemm(recipe):
         assert "f8_e4m3fn" in str(jax.make_jaxpr(autocast)(x, w))
 
 
+def test_a_ragged_dot_inside_a_jit_or_a_scan_runs_in_fp8():
+    """The interpreter rebuilds a `jit` or a `scan` whose body holds only a ragged dot: the
+    ragged dot runs in FP8 there as at the top level (it stayed high precision, unsaid)."""
+    x, w = jnp.ones((32, 32)), jnp.ones((4, 32, 32)) / 32  # ones and 1/32: exact in FP8
+    sizes = jnp.array([8, 0, 16, 8], jnp.int32)
+    in_jit = lambda x, w: jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, sizes))(x, w)  # noqa: E731
+
+    def in_scan(x, w):
+        return jax.lax.scan(lambda c, _: (jax.lax.ragged_dot(c, w, sizes), None), x, length=2)[0]
+
+    for fun in (in_jit, in_scan):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            autocast = fp8jax.fp8_autocast(fun)
+            assert "f8_e4m3fn" in str(jax.make_jaxpr(autocast)(x, w))
+            np.testing.assert_array_equal(autocast(x, w), fun(x, w))
+
+
 def test_a_ragged_dot_of_other_dimension_numbers_is_left_as_lax_computes_it():
     """Only the plain `ragged_dot` layout ((m, k) rows by (groups, k, n) experts, no group
     offset) is answered by `Fp8RaggedDot`; one contracting the experts' last axis stays as
