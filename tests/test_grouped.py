@@ -1181,6 +1181,49 @@ def test_a_high_precision_grouped_linear_takes_every_derivative(derivative):
         np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
 
 
+def test_a_high_precision_grouped_linear_in_bfloat16_has_bfloat16_gradients():
+    """bfloat16 operands multiplied in float32 (`compute_dtype`): the float32 output, and
+    gradients in the operands' bfloat16 with lax.ragged_dot's values (they came back in
+    float32)."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 3)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((G, 3, 2)), jnp.bfloat16)
+    sizes = jnp.asarray(_TINY_SIZES)
+    layer = fp8jax.GroupedLinear(G, 3, 2, weight=w, compute_dtype=jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(eqx.tree_at(lambda m: m.weight, layer, w)(x, sizes)))
+
+    def ref(x, w):
+        y = lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+        return jnp.sum(jnp.sin(y))
+
+    assert layer(x, sizes).dtype == jnp.float32
+    grads, want_grads = jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want)
+
+
+def test_nested_vmap_of_a_high_precision_grouped_linear_keeps_one_batch_axis():
+    """`vmap` of `vmap` (tokens and routing mapped twice): each member's `lax.ragged_dot`,
+    computed as one ragged dot whose two mapped axes are merged into one batch axis (XLA's
+    GPU ragged-dot rewriter mis-shapes a ragged dot with two batch axes)."""
+    rng = np.random.default_rng(7)
+    sizes = rng.multinomial(6, [0.4, 0.0, 0.3, 0.3], size=(2, 3)).astype(np.int32)
+    xs = jnp.asarray(rng.standard_normal((2, 3, 6, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, 8, 5)), jnp.float32)
+    mapped = jax.vmap(jax.vmap(fp8jax.GroupedLinear(G, 8, 5, weight=w)))
+    want = [[lax.ragged_dot(xs[i, j], w, sizes[i, j]) for j in range(3)] for i in range(2)]
+    np.testing.assert_array_equal(mapped(xs, jnp.asarray(sizes)), want)
+    numbers = [
+        e.params["ragged_dot_dimension_numbers"]
+        for e in _equations(jax.make_jaxpr(mapped)(xs, sizes).jaxpr)
+        if e.primitive.name == "ragged_dot_general"
+    ]
+    assert [n.dot_dimension_numbers[1] for n in numbers] == [((0,), (0,))], numbers
+
+
 @pytest.mark.parametrize("first", ["call", "vmap"])
 def test_a_jitted_high_precision_grouped_linear_maps_and_differentiates_in_any_order(first):
     """A `jax.jit` of a high-precision `GroupedLinear` called, then `vmap`ped (weight not
