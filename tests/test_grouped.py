@@ -933,6 +933,34 @@ def test_mismatched_features_and_bad_dtypes(dot):
         dot(x, w.astype(np.complex64), SIZES)
 
 
+def test_the_grouped_kernels_choice_follows_the_documented_rule():
+    """Which grouped GEMMs may take the Hopper kernels (`dispatch.choose`'s option), written
+    out from the rule: the layer's `native_kernel` where given, else a BlockwiseScaling's
+    own, else None (Hopper decides); always False for a recipe without the kernels (MXFP8,
+    AMD's fnuz formats, a block size the kernels lack, a dequantized dot), and such a recipe
+    with `native_kernel=True` refused."""
+    from fp8jax._src.gemm.grouped_rules import native_choice
+
+    blockwise, fnuz = fp8jax.BlockwiseScaling, {"forward_format": "e4m3fnuz"}
+    fnuz["backward_format"] = "e5m2fnuz"
+    cases = [  # recipe, choice for the layer's None, True, False
+        (fp8jax.DelayedScaling(), (None, True, False)),
+        (fp8jax.CurrentScaling(), (None, True, False)),
+        (blockwise(block_size=64), (None, True, False)),
+        (blockwise(native_kernel=False), (False, True, False)),
+        (blockwise(native_kernel=True), (True, True, False)),
+        (fp8jax.MXFP8(), (False, False, False)),
+        (fp8jax.DelayedScaling(**fnuz), (False, False, False)),
+        (blockwise(block_size=32), (False, False, False)),
+        (blockwise(dequantized_dot=True), (False, False, False)),
+    ]
+    for recipe, want in cases:
+        assert tuple(native_choice(recipe, k) for k in (None, True, False)) == want, recipe
+        if want[1] is False:
+            with pytest.raises(ValueError, match="has no native grouped GEMM"):
+                fp8jax.Fp8RaggedDot(recipe, num_experts=G, native_kernel=True)
+
+
 def test_bad_construction():
     with pytest.raises(ValueError, match="recipe ResidualFP8 has no FP8 grouped GEMM"):
         fp8jax.Fp8RaggedDot("residual", num_experts=G)
