@@ -7,6 +7,7 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import h100_topology
@@ -930,7 +931,9 @@ def test_expert_parallel_telemetry_is_the_steps_as_on_one_device(shape):
 
 
 @pytest.mark.parametrize(
-    "shape, axis_names", [((1, 8), ()), ((2, 4), ("data",))], ids=["expert 8", "data 2 x expert 4"]
+    "shape, axis_names",
+    [((1, 8), ()), ((2, 4), ("data",)), ((2, 4), ("data", "expert"))],
+    ids=["expert 8", "data 2 x expert 4", "data 2 x expert 4, both named"],
 )
 def test_dispatched_amaxes_are_over_the_global_batch(shape, axis_names):
     """The activation and the output gradient of a dispatched grouped GEMM are quantized
@@ -939,11 +942,14 @@ def test_dispatched_amaxes_are_over_the_global_batch(shape, axis_names):
     `max |x|` of the whole batch and `max |weight * cotangent|` of all its assignments, and
     the scales (delayed scaling's warm start: from this step's amaxes) theirs. The recorded
     state is combined by max over the devices, so an amax taken over some of them shows
-    in the scale (from the smallest such amax), not in the history."""
+    in the scale (from the smallest such amax), not in the history. The telemetry's
+    fractions are the whole batch's too (one device's rows tiny: they flush there alone),
+    and each expert's kernel amax its own `max |w[e]|`, even with the experts' axis named
+    in `axis_names` (never taken over the axis the experts are split over)."""
     experts, k_in, n_out, tokens = 8, 16, 8, 64
     mesh = jax.make_mesh(shape, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     recipe = fp8jax.DelayedScaling(axis_names=axis_names)
-    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=experts)
+    dot = fp8jax.Fp8RaggedDot(recipe, num_experts=experts, telemetry=True)
     layer = fp8jax.GroupedLinear(experts, k_in, n_out, key=jax.random.key(0), ragged_dot=dot)
     rng = np.random.default_rng(7)
     x = rng.standard_normal((tokens, k_in)).astype(np.float32)
@@ -952,6 +958,7 @@ def test_dispatched_amaxes_are_over_the_global_batch(shape, axis_names):
     weights = rng.choice(np.float32([0.25, 0.5, 1.0]), (tokens, TOP_K))
     # The largest of each on one device's rows only (not the first device's).
     x[41, 3], c[53, 5], weights[53] = 50.0, -40.0, 1.0
+    x[:8] *= 1e-4  # the first device's rows: most flush to zero at the batch's scale
     rows = P(("data", "expert"))
 
     def loss(layer, x, c, chosen, weights):
@@ -972,6 +979,17 @@ def test_dispatched_amaxes_are_over_the_global_batch(shape, axis_names):
         # The first step's scale (the warm start: its own amax), the same on every device.
         want = 2.0 ** np.floor(np.log2(fmt_max / amax))
         np.testing.assert_array_equal(state.scale, want, err_msg=role)
+    stats, x_scale = grads.ragged_dot.stats.input, grads.ragged_dot.input.scale
+    with np.errstate(over="ignore", invalid="ignore"):  # ml_dtypes' cast does not saturate
+        cast = (x * np.float32(x_scale)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    flushed = np.mean((cast == 0) & (x != 0))
+    assert flushed > 0.05  # the first device's rows
+    assert float(stats.saturated) == np.mean(~np.isfinite(cast)) == 0.0
+    np.testing.assert_allclose(stats.underflow, flushed, rtol=1e-6)
+    w = np.asarray(layer.weight)
+    used = np.isin(np.arange(experts), chosen)
+    kernel_amax = np.where(used, np.abs(w).max(axis=(1, 2)), 0.0)
+    np.testing.assert_array_equal(grads.ragged_dot.kernel.amax_history[:, 0], kernel_amax)
 
 
 def test_high_precision_grouped_layers_take_lists_and_exchanges():
