@@ -262,6 +262,10 @@ def test_a_model_no_config_converts_is_not_told_to_change_its_config():
     head = eqx.nn.Linear(4, 4, key=jax.random.key(0))
     with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude=None to ignore names"):
         fp8jax.fp8_linear_layers({"head": head})
+    # Beside the complex layer, the head kept by its name still gets the advice (one layer
+    # a config would convert is enough: any, not all).
+    with pytest.warns(fp8jax.Fp8ConversionWarning, match=r"exclude=None to ignore names"):
+        fp8jax.fp8_linear_layers({"head": head, "layer": linear})
 
 
 def test_a_vocabulary_wide_head_is_kept_whatever_its_field_is_called():
