@@ -1020,3 +1020,44 @@ def test_high_precision_grouped_layers_take_lists_and_exchanges():
     got = f(x, chosen, weights)
     want = np.einsum("tk,tkn->tn", weights, np.einsum("tf,tkfn->tkn", x, kernel[chosen]))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("devices", "capacity"), [(4, None), (4, 28)])
+def test_the_plans_ragged_arguments_fit_the_buffers_both_ways(devices, capacity):
+    """The plan's `ragged_all_to_all` arguments, as the GPU primitive takes them (the CPU
+    emulation forgives more): each device's chunk fits the destination's buffer, the sizes a
+    receiver expects are the ones sent, and the rows sent there come back where they were
+    sent from. Rows past a capacity are neither sent nor received: sent rows past the
+    buffer were dropped on CPU, and written past it by the primitive."""
+    tokens = 16
+    chosen, _ = _routed(devices * tokens, seed=3)
+    mesh = _mesh({"expert": devices})
+    names = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes", "return_offsets")
+
+    def fields(chosen):
+        plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert", capacity=capacity)
+        return tuple(getattr(plan, n)[None] for n in names) + (plan.recv_offsets[None],)
+
+    f = jax.jit(jax.shard_map(fields, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    in_off, send, out_off, recv, ret_off, recv_off = (np.asarray(a) for a in f(chosen))
+    rows = tokens * TOP_K
+    cap = devices * rows if capacity is None else capacity
+    # Out: each device's assignments (tagged device * rows + index in `order`).
+    tags = [np.arange(rows) + d * rows for d in range(devices)]
+    empty = [np.full(cap, -1) for _ in range(devices)]
+    out = _numpy_ragged_all_to_all(tags, empty, in_off, send, out_off, recv)
+    # Which fit: each destination takes its sources in order, up to the capacity.
+    local = EXPERTS // devices
+    for j in range(devices):
+        n = np.sum(chosen.reshape(devices, -1) // local == j, axis=1)  # from each source
+        fit = np.clip(cap - (np.cumsum(n) - n), 0, n)
+        np.testing.assert_array_equal(send[:, j], fit)
+        assert np.sum(out[j] >= 0) == fit.sum()
+    # Back: each device's received rows to their sources, at the offsets they left from.
+    empty = [np.full(rows, -1) for _ in range(devices)]
+    back = _numpy_ragged_all_to_all(out, empty, recv_off, recv, ret_off, send)
+    for d in range(devices):
+        kept = np.concatenate([in_off[d, j] + np.arange(send[d, j]) for j in range(devices)])
+        want = np.full(rows, -1)
+        want[kept] = tags[d][kept]
+        np.testing.assert_array_equal(back[d], want)
