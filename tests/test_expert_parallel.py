@@ -271,6 +271,8 @@ def test_the_exchange_names_arrays_of_other_shapes():
     assert run(lambda plan, x, w: plan.combine(plan.dispatch(x), w), x, weights).shape == x.shape
     with pytest.raises(ValueError, match=r"dispatch: x has 4 rows .* routed 8 tokens"):
         run(lambda plan, x: plan.dispatch(x[:4]), x)
+    with pytest.raises(ValueError, match=r"dispatch: x has 9 rows .* routed 8 tokens"):
+        run(lambda plan, x: plan.dispatch(jnp.concatenate([x, x[:1]])), x)
     with pytest.raises(ValueError, match=r"combine: y has 8 rows .* capacity \(64\)"):
         run(lambda plan, x, w: plan.combine(x, w), x, weights)
     transposed = np.ascontiguousarray(weights.reshape(4, 8, TOP_K).transpose(0, 2, 1))
@@ -1061,3 +1063,56 @@ def test_the_plans_ragged_arguments_fit_the_buffers_both_ways(devices, capacity)
         want = np.full(rows, -1)
         want[kept] = tags[d][kept]
         np.testing.assert_array_equal(back[d], want)
+
+
+def test_dispatch_quantized_fills_rows_past_the_received_with_zeros_and_scales_of_one():
+    """As documented: the FP8 rows of the tokens routed to this device's experts in expert
+    order (by expert, then by source device), each with its tiles' scales; past the received
+    rows, zero data and scales of 1."""
+    devices, tokens, features = 4, 8, 32
+    chosen, _ = _routed(devices * tokens, seed=11)
+    x = np.random.default_rng(12).standard_normal((devices * tokens, features)).astype(np.float32)
+    data, scale_inv = (np.asarray(a) for a in exchange.quantize_tiles(jnp.asarray(x)))
+    mesh = _mesh({"expert": devices})
+
+    def body(data, scale_inv, chosen):
+        plan = fp8jax.expert_exchange(chosen, EXPERTS, "expert")
+        q = plan.dispatch_quantized(fp8jax.QTensor(data, scale_inv, (1, exchange.TILE)))
+        return q.data.astype(jnp.float32), q.scale_inv
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    got_data, got_scale = (
+        np.asarray(a).reshape(devices, -1, *a.shape[1:]) for a in f(data, scale_inv, chosen)
+    )
+    capacity = devices * tokens * TOP_K
+    local = EXPERTS // devices
+    for j in range(devices):
+        rows = [  # by expert, then by source device, each source's (token, k) in order
+            i * tokens + t
+            for e in range(j * local, (j + 1) * local)
+            for i in range(devices)
+            for t, k in np.argwhere(chosen[i * tokens : (i + 1) * tokens] == e)
+        ]
+        want_data = np.zeros((capacity, features), np.float32)
+        want_data[: len(rows)] = data[rows].astype(np.float32)
+        want_scale = np.ones((capacity, scale_inv.shape[1]), np.float32)
+        want_scale[: len(rows)] = scale_inv[rows]
+        np.testing.assert_array_equal(got_data[j], want_data)
+        np.testing.assert_array_equal(got_scale[j], want_scale)
+
+
+def test_fp8_backward_tiles_pad_a_row_of_a_width_past_one_tile():
+    """A row of 200 values: a tile of 128 and one of 72 padded with zeros, each scaled by its
+    own power of two (NumPy and ml_dtypes' E4M3), and back to the 200 values."""
+    import ml_dtypes
+
+    rows = np.random.default_rng(13).standard_normal((3, 200)).astype(np.float32)
+    rows[1, 128:] *= 1e-3  # the second tile's scale differs from the first's
+    data, scale_inv = exchange.quantize_tiles(jnp.asarray(rows))
+    padded = np.pad(rows, ((0, 0), (0, 56))).reshape(3, 2, 128)
+    scale = 2.0 ** np.floor(np.log2(448.0 / np.abs(padded).max(-1)))
+    q = (padded * scale[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(data, np.float32), q.reshape(3, 256))
+    np.testing.assert_array_equal(scale_inv, 1.0 / scale)
+    back = exchange.dequantize_tiles(data, scale_inv, 200, jnp.float32)
+    np.testing.assert_array_equal(back, (q / scale[..., None]).reshape(3, 256)[:, :200])
