@@ -496,3 +496,28 @@ def test_amax_and_fraction_of_no_values_are_zero():
     for reduce, x in ((amax, jnp.zeros((3, 0))), (fraction, jnp.zeros((3, 0), bool))):
         got = jax.vmap(reduce, in_axes=(0, None))(x, owner)
         np.testing.assert_array_equal(got, np.zeros(3, np.float32))
+
+
+def test_grad_of_a_vmap_over_stacked_layers_keeps_each_layers_own_state(getkey):
+    """`grad(vmap(stack))` with delayed scaling: each layer's activation (1 and 50 wide) under
+    its own state; the mapped axis may not fold into one GEMM over a state per member. The
+    gradients and new states of each layer are those of the layer called alone."""
+    config = fp8jax.Fp8Config(recipe="delayed", exclude=None)
+    stack = eqx.filter_vmap(lambda k: fp8jax.fp8_linear_layers(eqx.nn.Linear(8, 4, key=k), config))(
+        jax.random.split(getkey(), 2)
+    )
+    xs = np.random.default_rng(0).standard_normal((2, 5, 8)) * np.array([1.0, 50.0])[:, None, None]
+    xs = xs.astype(np.float32)
+
+    def loss(m, xs):
+        return jnp.sum(eqx.filter_vmap(lambda layer, x: jax.vmap(layer)(x))(m, xs))
+
+    def member(tree, i):
+        return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, tree)
+
+    new = fp8jax.filter_grad(loss)(stack, xs)
+    for i in range(2):
+        alone = fp8jax.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x)))(member(stack, i), xs[i])
+        got = jax.tree.leaves(member(new, i))
+        for a, b in zip(got, jax.tree.leaves(alone), strict=True):
+            np.testing.assert_array_equal(a, b)
