@@ -521,3 +521,23 @@ def test_grad_of_a_vmap_over_stacked_layers_keeps_each_layers_own_state(getkey):
         got = jax.tree.leaves(member(new, i))
         for a, b in zip(got, jax.tree.leaves(alone), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_vmap_over_weights_alone_maps_the_gemm_per_weight(getkey):
+    """`vmap` over the weights of a layer (its state and the activation shared): the mapped
+    axis is not the activation's, so it may not fold into the activation's rows. The
+    weights share one amax (3), so the batch's scales are each one's: each member's output
+    is the layer called with that weight alone."""
+    config = fp8jax.Fp8Config(recipe="current", exclude=None)
+    layer = fp8jax.fp8_linear_layers(eqx.nn.Linear(8, 4, key=getkey()), config)
+    rng = np.random.default_rng(1)
+    ws = rng.standard_normal((3, 4, 8))
+    ws *= 3.0 / np.abs(ws).max(axis=(1, 2), keepdims=True)
+    ws, x = ws.astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
+
+    def call(w):
+        return jax.vmap(eqx.tree_at(lambda m: m.weight, layer, w))(x)
+
+    got = jax.vmap(call)(ws)
+    for i in range(3):
+        np.testing.assert_array_equal(got[i], call(ws[i]))
