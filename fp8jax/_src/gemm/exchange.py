@@ -321,9 +321,10 @@ TILE = 128
 
 
 def quantize_tiles(rows: Float[Array, "N K"]) -> tuple[Array, Float[Array, "N tiles"]]:
-    """`rows` as E4M3 in tiles of `TILE` values of a row (the last, padded), each scaled by
-    the largest power of two that keeps its amax within E4M3's range: `(data (N, tiles *
-    TILE), scale_inv (N, tiles))` (a tile of zeros: scale 1)."""
+    """`rows` as E4M3 in tiles of `TILE` values of a row (the last, padded; a row of
+    `K < TILE` values is one tile), each scaled by the largest power of two that keeps its
+    amax within E4M3's range: `(data (N, tiles * min(TILE, K)), scale_inv (N, tiles))` (a
+    tile of zeros: scale 1)."""
     k = rows.shape[-1]
     tile = min(TILE, k)
     x = rows.astype(jnp.float32)
