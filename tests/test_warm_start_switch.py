@@ -220,3 +220,80 @@ def test_trace_time_settings_restore_what_they_found():
             raise RuntimeError
         assert not scales_known_recorded()
     assert warm_start_skipped() is False
+
+
+def test_only_a_state_with_the_warm_start_gives_a_second_program(getkey):
+    """A train step has its program without the warm start (`programs`: the recorded one
+    first, and a flag from `recorded_flag`) only for a tree holding a delayed-scaling state
+    with the warm start; a tree without one (`warm_start=False`, current scaling, no FP8
+    layer) keeps its one program, with no flag (`True` from `scales_recorded`)."""
+    warm = mlp(getkey())
+    assert warm_start.programs(warm) == (("recorded", False), ("first", True))
+    flag = warm_start.recorded_flag(warm)
+    assert flag is not None and not bool(flag)
+    for tree in (
+        mlp(getkey(), fp8jax.DelayedScaling(warm_start=False)),
+        mlp(getkey(), "current"),
+        eqx.nn.Linear(3, 3, key=getkey()),
+    ):
+        assert warm_start.programs(tree) == (("first", True),)
+        assert warm_start.recorded_flag(tree) is None
+        assert bool(fp8jax.scales_recorded(tree))
+
+
+class _Answer:
+    """A step's device answer to `recorded_flag`: `value`, computed (`is_ready`) or not;
+    `reads` counts the reads of its value (a read of one not computed waits for it)."""
+
+    def __init__(self, value, ready):
+        self.value, self.ready, self.reads = value, ready, 0
+
+    def is_ready(self):
+        return self.ready
+
+    def __bool__(self):
+        self.reads += 1
+        return self.value
+
+
+class _State:
+    """Stands for a state a step returns (held weakly, compared by identity)."""
+
+
+def test_read_waits_out_the_warm_steps_then_blocks_twice_at_most(monkeypatch):
+    """`read` as the docs say: nothing read in a lineage's first `WARM_STEPS` steps; then
+    the step before's answer, waited for while blocking reads are left (2), afterwards only
+    once computed; once it said yes, yes without reading. Written out by hand for 3 warm
+    steps, each step remembering what it said as `TrainStep.__call__` does."""
+    monkeypatch.setattr(warm_start, "WARM_STEPS", 3)
+    # Step i's answer: its value, and whether it is computed by the next step's read.
+    answers = [_Answer(i >= 4, i >= 6) for i in range(9)]
+    state, said = _State(), []
+    for answer in answers:
+        recorded, lineage = warm_start.read((state,))
+        said.append(recorded)
+        state = _State()
+        warm_start.remember((state,), lineage._replace(said=True if recorded else answer))
+    assert said == [False] * 7 + [True, True]
+    # Read: the answers of steps 2 and 3 (blocking), 6 (computed); 4, 5 not computed.
+    assert [a.reads for a in answers] == [0, 0, 1, 1, 0, 0, 1, 0, 0]
+    assert lineage.steps == 9
+    # A state that is no step's output starts a lineage: the warm start again.
+    assert warm_start.read((_State(),)) == (False, warm_start.Lineage(steps=1))
+    # One of several objects dead and its id taken by another object: a new lineage too.
+    first, second = _State(), _State()
+    warm_start.remember((first, second), warm_start.Lineage(said=True, steps=9))
+    assert warm_start.read((first, second))[0] is True
+    dead = id(second)
+    del second
+    others = [_State() for _ in range(100)]
+    other = next(o for o in others if id(o) == dead)  # CPython reuses the freed memory
+    assert warm_start.read((first, other)) == (False, warm_start.Lineage(steps=1))
+    # An entry leaves with its first object.
+    key = (id(first), dead)
+    assert key in warm_start._SAID
+    del first
+    assert key not in warm_start._SAID
+    # Nothing standing for the state (an NNX model without FP8 arrays): nothing kept.
+    warm_start.remember((), warm_start.Lineage(said=True, steps=9))
+    assert warm_start.read(()) == (False, warm_start.Lineage(steps=1))
