@@ -4,6 +4,7 @@ setting's `with` and called inside is traced again inside, not given back as tra
 
 import ast
 import contextlib
+import contextvars
 import pathlib
 import threading
 
@@ -140,6 +141,7 @@ def test_a_forward_jitted_for_the_warm_step_is_traced_again_for_the_fast_one(get
 
 def test_settings_restore_nest_and_travel_to_other_threads():
     var = contexts.Setting("fp8jax_test_setting", 0)
+    plain = contextvars.ContextVar("fp8jax_test_variable", default="outside")
     assert var.get() == 0
     with contexts.setting(var, 1):
         with pytest.raises(RuntimeError):
@@ -147,13 +149,18 @@ def test_settings_restore_nest_and_travel_to_other_threads():
                 assert var.get() == 2
                 raise RuntimeError
         assert var.get() == 1
+        token = plain.set("inside")
         run = contexts.carried()  # as XLA's partitioner calls a sharded kernel's trace
+        plain.reset(token)
     assert var.get() == 0
     seen = []
-    thread = threading.Thread(target=lambda: seen.append((var.get(), run(var.get))))
+    thread = threading.Thread(
+        target=lambda: seen.append((var.get(), run(var.get), plain.get(), run(plain.get)))
+    )
     thread.start()
     thread.join()
-    assert seen == [(0, 1)]
+    # The setting and the context variable as they were at `carried()`, on the other thread.
+    assert seen == [(0, 1, "outside", "inside")]
     assert repr(var) == "Setting('fp8jax_test_setting', value=0)"
     with pytest.raises(TypeError, match=r"'fp8jax_test_setting': value=\[1\] is not hashable"):
         with contexts.setting(var, [1]):
