@@ -329,3 +329,28 @@ def test_the_remat_policies_show_their_own_name_docstring_and_signature(name):
         inspect.Parameter.VAR_KEYWORD,
     ]
     assert params[0].name == "prim"
+
+
+def test_fp8_dots_saveable_keeps_what_dots_saveable_keeps_without_fp8(getkey):
+    """On a high-precision function `fp8_dots_saveable` is JAX's `dots_saveable`: it keeps
+    the outputs of the `dot_general`s, batched ones too, and not a `lax.ragged_dot`'s (the
+    module's doc); `save_fp8_operands`, with no FP8 GEMM to name, keeps neither."""
+    w, b = jax.random.normal(getkey(), (8, 16)), jax.random.normal(getkey(), (4, 16, 16))
+    x, r = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (2, 16, 16))
+
+    def f(w, b, x, r):
+        h = jax.nn.gelu(x @ w)
+        h = jax.nn.gelu(jnp.einsum("bi,bij->bj", h, b))
+        h = jax.lax.ragged_dot(h, r, jnp.array([1, 3], jnp.int32))
+        return jnp.sum(jnp.sin(h))
+
+    def dots_kept(policy):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(jax.checkpoint(f, policy=policy), w, b, x, r)
+        return [line.split(" from ")[0] for line in out.getvalue().splitlines() if "dot" in line]
+
+    want = ["f32[4,16] output of dot_general"] * 2
+    assert dots_kept(jax.checkpoint_policies.dots_saveable) == want
+    assert dots_kept(fp8jax.fp8_dots_saveable) == want
+    assert dots_kept(fp8jax.save_fp8_operands) == []
