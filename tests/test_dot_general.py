@@ -624,3 +624,18 @@ def test_the_ops_answer_each_input_as_lax_does(case):
         assert mine == (np.dtype(np.float32), [])
     else:
         assert mine == want
+
+
+def test_out_sharding_on_a_mesh_of_auto_axes_is_refused_as_lax_refuses_it():
+    """Without Explicit axes, an `out_sharding` naming Auto axes is refused by the FP8 GEMM
+    as lax.dot_general refuses it, not dropped (the output left unsharded)."""
+    dims = (((1,), (0,)), ((), ()))
+    x, w = np.ones((16, 32), np.float32), np.ones((32, 16), np.float32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+    refused = "cannot contain axis names that are of type Auto"
+    with pytest.raises(ValueError, match=refused):
+        jax.jit(lambda x, w: lax.dot_general(x, w, dims, out_sharding=out))(x, w)
+    dot = fp8jax.Fp8DotGeneral("delayed")
+    with pytest.raises(ValueError, match=refused):
+        eqx.filter_jit(lambda d, x, w: d(x, w, dims, out_sharding=out))(dot, x, w)
