@@ -467,6 +467,16 @@ def test_steps_traced_for_cublas_compile_without_the_dot_merger():
     assert DOT_MERGER not in gpu  # a user's own jit with these options keeps XLA's default
 
 
+def test_gpu_options_are_triton_gemms_off_in_a_new_dict_each_call():
+    """`gpu_compiler_options` is Triton GEMMs off, in a new dict each call (adding to it is
+    safe, its doc says), and `gpu_xla_flags` that option as its doc's shell line spells it."""
+    options = fp8jax.gpu_compiler_options()
+    assert options == {"xla_gpu_enable_triton_gemm": False}
+    options["xla_dump_to"] = "/nowhere"
+    assert fp8jax.gpu_compiler_options() == {"xla_gpu_enable_triton_gemm": False}
+    assert fp8jax.gpu_xla_flags() == "--xla_gpu_enable_triton_gemm=false"
+
+
 def test_fp8_states_are_checked_finite_together_on_h100(monkeypatch):
     """The step checks its new FP8 states for inf and NaN in one reduction over the small
     leaves (`states_finite`): on a deviceless H100, fewer kernels in both programs than
