@@ -184,3 +184,18 @@ def test_skip_warm_start_takes_a_bool(recorded):
     then cast by 0 (all-zero outputs). Refused by value."""
     with pytest.raises(ValueError, match=rf"skip_warm_start: recorded={recorded!r}; expected"):
         per_tensor.skip_warm_start(recorded)
+
+
+def test_cublas_reads_counts_the_reads_inside_its_with_only():
+    """`cublas_reads()` grows by one per `is_cublas_traced()` read inside the `with`, nested
+    ones in their own list only, and none after it (an exception included)."""
+    from fp8jax._src.core.compile_options import cublas_reads
+
+    with cublas_reads() as outer:
+        is_cublas_traced()
+        with pytest.raises(RuntimeError), cublas_reads() as inner:
+            is_cublas_traced()
+            raise RuntimeError
+        is_cublas_traced()
+    is_cublas_traced()
+    assert (outer, inner) == ([True, True], [True])
