@@ -294,3 +294,39 @@ def test_a_shard_map_over_some_axes_of_an_explicit_mesh_runs_fp8_layers(recipe):
         got = jax.jit(jax.value_and_grad(sharded, argnums=(1, 2)))(split, *args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
+
+
+def test_explicit_mesh_is_the_operands_or_the_scopes_mesh_with_explicit_axes():
+    """`explicit_mesh`: the mesh with an Explicit axis that the operands are typed on, else
+    the one `jax.set_mesh` gives; `None` for a mesh of Auto axes only, NumPy operands
+    outside any mesh, or no mesh at all."""
+    from fp8jax._src.core.explicit import explicit_mesh
+
+    types = jax.sharding.AxisType
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(types.Explicit, types.Auto))
+    auto = jax.make_mesh((8,), ("data",), axis_types=(types.Auto,))
+    x = np.ones((8, 4), np.float32)
+    on_explicit = jax.device_put(x, NamedSharding(explicit, P("data")))
+    on_auto = jax.device_put(x, NamedSharding(auto, P("data")))
+    assert explicit_mesh(x, on_explicit) == explicit.abstract_mesh  # typed on it, none in scope
+    assert explicit_mesh(on_auto, x) is None
+    assert explicit_mesh(x) is None
+    assert explicit_mesh() is None
+    with jax.set_mesh(auto):
+        assert explicit_mesh(on_auto) is None
+    with jax.set_mesh(explicit):
+        assert explicit_mesh(x) == explicit.abstract_mesh  # the scope's, for NumPy operands
+
+
+def test_split_evenly_keeps_a_split_only_where_its_devices_divide_the_axis():
+    """`split_evenly`: a `PartitionSpec` entry kept where the devices of its axes (their
+    product, for a tuple) divide the array axis, else `None`, as Explicit sharding needs."""
+    from fp8jax._src.core.explicit import split_evenly
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    assert split_evenly("data", 12, mesh) == "data"
+    assert split_evenly("data", 10, mesh) is None
+    assert split_evenly(("data", "model"), 16, mesh) == ("data", "model")
+    assert split_evenly(("data", "model"), 12, mesh) is None  # 4 x 2 = 8 devices
+    assert split_evenly("model", 6, mesh) == "model"
+    assert split_evenly(None, 7, mesh) is None
