@@ -915,3 +915,80 @@ def test_an_expert_layer_trains_the_same_on_the_persistent_kernels(
     for a, b, terms in zip(got, want, (256, 192, 205), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=4 * terms * 2.0**-24 * np.abs(b).max())
+
+
+def test_the_persistent_kernels_take_fp8_in_128_chunks_and_never_the_interpreter(monkeypatch):
+    """The documented choice (`kernels/choice.py`): on a GPU the persistent kernels, except
+    where the chunks are not 128 wide, or a grouped GEMM's operands are not FP8 (the
+    bfloat16 pair of JAX 0.10's mixed E5M2 x E4M3): the tiled kernels there. Traced for the
+    interpreter the GEMMs are not on a GPU, even on a GPU machine."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert choice.on_gpu() and choice.persistent_config("dense") is not None
+    with dispatch.interpreted():
+        assert not choice.on_gpu() and choice.persistent_config("dense") is None
+    taken = []
+    for name in ("persistent_block_scaled_gemm", "block_scaled_gemm"):
+        monkeypatch.setattr(choice, name, lambda *a, _n=name, **k: taken.append(_n))
+    for name in ("persistent_grouped_rows_gemm", "grouped_rows_gemm"):
+        monkeypatch.setattr(choice, name, lambda *a, _n=name, **k: taken.append(_n))
+    for name in ("persistent_grouped_tokens_gemm", "grouped_tokens_gemm"):
+        monkeypatch.setattr(choice, name, lambda *a, _n=name, **k: taken.append(_n))
+    a8, s = jnp.zeros((256, 256), E4M3), jnp.ones((256, 2), jnp.float32)
+    s64 = jnp.ones((256, 4), jnp.float32)
+    choice.recipe_block_gemm(a8, s, [(a8, s)])
+    choice.recipe_block_gemm(a8, s64, [(a8, s64)], block_k=64)
+    assert taken == ["persistent_block_scaled_gemm", "block_scaled_gemm"]
+    items = row_items(jnp.array([100, 156], jnp.int32), 256)
+    w8, ws = jnp.zeros((2, 128, 256), E4M3), jnp.ones((2, 128, 2), jnp.float32)
+    taken.clear()
+    for lhs, w, block_k in [(a8, w8, 128), (a8.astype(jnp.bfloat16), w8, 128), (a8, w8, 64)]:
+        choice.recipe_grouped_rows_gemm(lhs, w, items, lhs_scale=s, rhs_scale=ws, block_k=block_k)
+    assert taken == ["persistent_grouped_rows_gemm"] + ["grouped_rows_gemm"] * 2
+    taken.clear()
+    starts, counts = jnp.array([0, 1], jnp.int32), jnp.array([1, 1], jnp.int32)
+    for lhs, block_k in [(a8, 128), (a8.astype(jnp.bfloat16), 128), (a8, 64)]:
+        choice.recipe_grouped_tokens_gemm(
+            lhs, lhs, starts, counts, lhs_scale=s, rhs_scale=s, block_k=block_k
+        )
+    assert taken == ["persistent_grouped_tokens_gemm"] + ["grouped_tokens_gemm"] * 2
+
+
+def test_grouped_gemms_fit_a_users_configuration_to_their_rows_and_scales(monkeypatch):
+    """Inside `persistent_kernel(config)` the grouped rows GEMM takes 64-row CTA tiles
+    (`TILE_M`: one item's rows) split along N, with no cluster along M, and three warpgroups
+    only where a scale covers a warpgroup's tile (one per item, or blocks of 64 weight rows
+    here) and three tiles along N fit a TMA box's 256; the tokens GEMM three only with one
+    scale per expert. Each expected configuration written out by hand."""
+    monkeypatch.setattr(choice, "on_gpu", lambda: True)
+    seen = []
+    for name in ("persistent_grouped_rows_gemm", "persistent_grouped_tokens_gemm"):
+        monkeypatch.setattr(choice, name, lambda *a, config, **k: seen.append(config))
+    a8, s = jnp.zeros((256, 256), E4M3), jnp.ones((256, 2), jnp.float32)
+    items = row_items(jnp.array([100, 156], jnp.int32), 256)
+    w8, ws = jnp.zeros((2, 128, 256), E4M3), jnp.ones((2, 128, 2), jnp.float32)
+    wide = PersistentConfig(tile_m=128, tile_n=64, wg_dimension="n", compute_wgs=3)
+    with persistent_kernel(wide):
+        choice.recipe_grouped_rows_gemm(a8, w8, items, item_scale=jnp.ones(items.tile.shape))
+        choice.recipe_grouped_rows_gemm(a8, w8, items, lhs_scale=s, rhs_scale=ws)
+        blocks = jnp.ones((2, 2, 2), jnp.float32)  # 64-row blocks of each expert's weight
+        choice.recipe_grouped_rows_gemm(
+            a8, w8, items, lhs_scale=s, rhs_scale=blocks, rhs_block_rows=64
+        )
+    rows = dict(tile_m=64, tile_n=64, wg_dimension="n")
+    assert seen == [
+        PersistentConfig(**rows, compute_wgs=3),
+        PersistentConfig(**rows, compute_wgs=2),
+        PersistentConfig(**rows, compute_wgs=3),
+    ]
+    seen.clear()
+    # Three warpgroups along M (64 rows each) with a cluster along M: the rows GEMM's tile
+    # is split along N instead, where three 128-column tiles exceed 256, and unclustered.
+    with persistent_kernel(PersistentConfig(compute_wgs=3, cluster="m")):
+        choice.recipe_grouped_rows_gemm(a8, w8, items, item_scale=jnp.ones(items.tile.shape))
+    assert seen == [PersistentConfig(wg_dimension="n", compute_wgs=2)]
+    seen.clear()
+    starts, counts = jnp.array([0, 1], jnp.int32), jnp.array([1, 1], jnp.int32)
+    with persistent_kernel(wide):
+        choice.recipe_grouped_tokens_gemm(a8, a8, starts, counts, group_scale=jnp.ones(2))
+        choice.recipe_grouped_tokens_gemm(a8, a8, starts, counts, lhs_scale=s, rhs_scale=s)
+    assert seen == [wide, dataclasses.replace(wide, compute_wgs=2)]
