@@ -27,7 +27,10 @@ from fp8jax._src.kernels.choice import persistent_kernel, weight_block_scales
 from fp8jax._src.kernels.grouped_gemm import RowItems, row_items
 from fp8jax._src.kernels.persistent_config import (
     PersistentConfig,
+    chain_state,
     chained_stages,
+    grid_programs,
+    pipeline_stages,
     running_first,
     token_steps,
 )
@@ -992,3 +995,52 @@ def test_grouped_gemms_fit_a_users_configuration_to_their_rows_and_scales(monkey
         choice.recipe_grouped_tokens_gemm(a8, a8, starts, counts, group_scale=jnp.ones(2))
         choice.recipe_grouped_tokens_gemm(a8, a8, starts, counts, lhs_scale=s, rhs_scale=s)
     assert seen == [wide, dataclasses.replace(wide, compute_wgs=2)]
+
+
+def test_pipeline_stages_fit_shared_memory_as_counted_by_hand():
+    """Stages: the configured ones, no more than the steps (chunks over `chunks_per_step`),
+    nor than fit in 232,448 - 1,024 bytes beside the output tiles; a stage holds each CTA
+    operand tile's 128-chunk in FP8 (`(cta_m + terms * cta_n) * 128` bytes) and, with scales
+    per row, a float32 scale per row (`4 * rows`); times `chunks_per_step`."""
+    room = 232_448 - 1_024
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    rows_n = PersistentConfig(wg_dimension="n")  # a 64 x 256 CTA tile: 320 rows a stage
+    # (320 * 128 + 4 * 320) = 42,240 a stage beside 2 * 64 * 128 * 4 = 65,536: 3 fit.
+    assert room - 65_536 - 3 * 42_240 >= 0 > room - 65_536 - 4 * 42_240
+    assert pipeline_stages(rows_n, 16, 1, False, f32) == 3
+    assert pipeline_stages(rows_n, 16, 1, True, f32) == 4  # 40,960 a stage: 4 fit
+    assert pipeline_stages(rows_n, 16, 1, False, bf16) == 4  # 32,768 of output
+    assert pipeline_stages(rows_n, 2, 1, False, bf16) == 2  # two chunks, two stages
+    # Two chunks a step (128 x 128 tile, 256 rows): 2 * 33,792 a stage beside 32,768: 2
+    # fit; 3 chunks make one step.
+    pair = PersistentConfig(chunks_per_step=2)
+    assert pipeline_stages(pair, 16, 1, False, bf16) == 2
+    assert pipeline_stages(pair, 3, 1, False, bf16) == 1
+    # Two rhs terms (the fused residual): 384 rows, 50,688 a stage beside 65,536: 3 fit.
+    assert pipeline_stages(PersistentConfig(), 16, 2, False, f32) == 3
+    # Three warpgroups (192 x 128, tile scales): 40,960 a stage beside 98,304: 3 fit.
+    assert pipeline_stages(PersistentConfig(compute_wgs=3), 16, 1, True, f32) == 3
+    # 128 x 128 warpgroup tiles (256 x 128): 50,688 a stage beside 131,072 leaves 100,352,
+    # one stage (two would fit but for the 1,024 reserved).
+    assert pipeline_stages(PersistentConfig(tile_m=128), 16, 1, False, f32) == 1
+    # 256 x 192: 2 * 128 * 192 * 4 = 196,608 of output leaves 34,816, under one stage's
+    # 448 * 132 = 59,136: none fits.
+    with pytest.raises(ValueError, match="does not fit in shared memory"):
+        pipeline_stages(PersistentConfig(tile_m=128, tile_n=192), 16, 1, False, f32)
+
+
+def test_persistent_grid_takes_a_program_per_sm_or_sm_pair_up_to_the_tiles():
+    config = PersistentConfig(num_sms=132)
+    assert [grid_programs(config, c) for c in (1000, 132, 10, 0)] == [132, 132, 10, 1]
+    assert grid_programs(PersistentConfig(num_sms=132, cluster="m"), 1000) == 66
+    assert grid_programs(PersistentConfig(), 1000) == 132  # no GPU here: an H100's SMs
+
+
+def test_chain_state_starts_the_first_tile_and_stops_the_last():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    stage = plgpu.PipelinePipeline
+    start, steady, stop = int(stage.START), int(stage.STEADY), int(stage.STOP)
+    got = chain_state(jnp.arange(4), jnp.int32(4))
+    assert np.asarray(got).tolist() == [start, steady, steady, stop]
+    assert int(chain_state(jnp.int32(0), jnp.int32(1))) == start
