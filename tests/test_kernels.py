@@ -378,6 +378,40 @@ def test_choose_follows_the_option():
     assert sorted(calls) == ["native", "xla"]
 
 
+def test_native_kernels_by_default_only_where_every_local_gpu_is_a_hopper(monkeypatch):
+    """`native_kernel=None`: the kernels where every local GPU is a Hopper (compute
+    capability 9.0, or 9.0a), none where one is not (an A100, a Blackwell); a machine with no
+    GPU leaves the choice to the compile's platform (`lax.platform_dependent`)."""
+    import types
+
+    def devices(*capabilities):
+        gpus = [types.SimpleNamespace(platform="gpu", compute_capability=c) for c in capabilities]
+        return [types.SimpleNamespace(platform="cpu"), *gpus]
+
+    for capabilities, lacks in [
+        ((), False),
+        (("9.0",), False),
+        (("9.0a", "9.0"), False),
+        (("8.0",), True),
+        (("9.0", "8.9"), True),
+        (("10.0",), True),
+    ]:
+        monkeypatch.setattr(jax, "local_devices", lambda c=capabilities: devices(*c))
+        assert dispatch.local_gpus_lack_hopper() == lacks, capabilities
+        calls = []  # fresh functions: lax caches a branch's trace by its function
+
+        def native(a, out_dtype, calls=calls):
+            calls.append("native")
+            return a.astype(out_dtype)
+
+        def xla(a, calls=calls):
+            calls.append("xla")
+            return a
+
+        jax.jit(lambda a, n=native, x=xla: dispatch.choose(None, n, x, a))(jnp.ones(()))
+        assert sorted(calls) == (["xla"] if lacks else ["native", "xla"]), capabilities
+
+
 def test_a_gemm_partitioned_by_xla_is_told_apart():
     """Operands on a mesh axis that XLA partitions (plain `jit`, sharded arrays): an opaque
     kernel would make XLA gather them, so `choose` runs it per shard there
