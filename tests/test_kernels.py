@@ -437,6 +437,27 @@ def test_a_gemm_partitioned_by_xla_is_told_apart():
         x
     )
     assert seen == {"sharded": False, "one device": True, "shard_map": True}
+    # `choose` without a partitioning rule (`dims`): the XLA path on a partitioned mesh (the
+    # kernel never traced), the kernel's CUDA branch beside it on one device's shards.
+    for name, on_mesh in [("sharded", True), ("shard_map", False)]:
+        calls = []  # fresh functions: lax caches a branch's trace by its function
+
+        def native(a, out_dtype, calls=calls):
+            calls.append("native")
+            return a.astype(out_dtype)
+
+        def xla(a, calls=calls):
+            calls.append("xla")
+            return a
+
+        def gemm(a, n=native, x=xla):
+            return dispatch.choose(None, n, x, a)
+
+        if on_mesh:
+            jax.jit(gemm)(x)
+        else:
+            jax.jit(jax.shard_map(gemm, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
+        assert sorted(calls) == (["xla"] if on_mesh else ["native", "xla"]), name
 
 
 @pytest.mark.parametrize(
