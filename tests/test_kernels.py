@@ -458,6 +458,9 @@ def test_a_gemm_partitioned_by_xla_is_told_apart():
         else:
             jax.jit(jax.shard_map(gemm, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(x)
         assert sorted(calls) == (["xla"] if on_mesh else ["native", "xla"]), name
+    # Forced, the kernel there too (refused, compiled for a CPU).
+    with pytest.raises(ValueError, match="native_kernel=True: .* compiled for cpu"):
+        jax.jit(lambda a: dispatch.choose(True, lambda a, out_dtype: a, lambda a: a, a))(x)
 
 
 @pytest.mark.parametrize(
