@@ -103,6 +103,34 @@ def test_shards_that_would_split_a_scale_block_are_gathered():
     assert _choose(dims, P(None, "data"), P(None, "data"))["k"] == ("data",)
 
 
+def test_each_factor_keeps_only_axes_of_several_devices_not_taken_and_agreed():
+    """`choose_axes`' rule written out: the contraction stays split only where every operand
+    splits it alike (else gathered), a mesh axis of one device is no split, an axis the rows
+    took is not the columns' too, and the columns follow the first rhs array."""
+    # The activation's K split over `model`, the weight's not: K gathered, rows kept.
+    assert _choose(_dims(), P("data", "model"), P()) == dict(b=(), m=("data",), k=(), n=(), g=())
+    # `model` of one device: nothing to keep.
+    mesh = {"data": 8, "model": 1}
+    got = _choose(_dims(), P("data", "model"), P(None, "model"), mesh=mesh)
+    assert got["k"] == () and got["m"] == ("data",)
+    # Rows and the weight's columns both over `model` (4 ways: whole 128-row blocks each).
+    got = _choose(_dims(), P("model"), P("model"))
+    assert got["m"] == ("model",) and got["n"] == ()
+    # Two rhs arrays (a fused residual's terms, per-tensor scales): columns as the first's.
+    cols = (("n", 1), ("k", 1))
+    dims = GemmDims(((("m", 1), ("k", 1)), (), cols, (), cols, ()), ("m", "n"))
+    shapes = [(512, 512), (), (512, 512), (), (512, 512), ()]
+    got = choose_axes(dims, shapes, [P(), P(), P("model"), P(), P(), P()], MESH_SHAPE)
+    assert got["n"] == ("model",)
+
+
+def test_shards_of_a_ragged_last_block_are_gathered():
+    """K = 448: 4 scale blocks, the last of 64 columns. Over the 4 of `model` each device
+    would hold 112 columns, not a whole 128-wide block: K is gathered."""
+    shapes = [(512, 448), (512, 4), (512, 448), (4, 4)]
+    assert _choose(_dims(), P(None, "model"), P(None, "model"), shapes=shapes)["k"] == ()
+
+
 def test_rows_that_do_not_divide_evenly_are_gathered():
     shapes = [(500, 512), (500, 4), (512, 512), (4, 4)]
     assert _choose(_dims(), P("data"), P(), shapes=shapes)["m"] == ()
