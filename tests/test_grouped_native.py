@@ -76,6 +76,13 @@ def test_pad_layout_starts_each_expert_on_a_tile(sizes, rows):
     assert set(named) <= set(range(rows))
 
 
+def test_rows_past_the_groups_belong_to_the_last_expert():
+    """`expert_of_rows`: rows 0-1 expert 0, none of expert 1, rows 2-4 expert 2, and the
+    rows past the sizes' sum (5, 6) the last expert too, by hand."""
+    got = native.expert_of_rows(jnp.array([2, 0, 3], jnp.int32), 7)
+    assert np.asarray(got).tolist() == [0, 0, 2, 2, 2, 2, 2]
+
+
 @pytest.mark.parametrize(
     "sizes, rows",
     [([70, 0, 130], 237), ([64, 64], 128), ([0, 0, 5], 5), ([1, 1, 1, 1], 70), ([0, 3], 200)],
