@@ -131,6 +131,22 @@ def test_shards_of_a_ragged_last_block_are_gathered():
     assert _choose(_dims(), P(None, "model"), P(None, "model"), shapes=shapes)["k"] == ()
 
 
+def test_split_partial_sums_are_scattered_only_along_an_output_axis_not_yet_split():
+    """A split contraction's partial sums (over `model`) are reduce-scattered along the
+    first output axis XLA wants split over `model`, evenly and not already split by a
+    factor (the rows over `data`): else all-reduced (`None`)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+    def scatter(spec, out_axes, shape=(512, 512)):
+        result = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+        return partition._scatter(result, out_axes, ("model",), mesh)
+
+    assert scatter(P(None, "model"), [("data",), ()]) == (1, ("model",))
+    assert scatter(P(("data", "model")), [("data",), ()]) is None  # rows split already
+    assert scatter(P(None, "model"), [("data",), ()], shape=(512, 510)) is None  # uneven
+    assert scatter(P(), [(), ()]) is None
+
+
 def test_rows_that_do_not_divide_evenly_are_gathered():
     shapes = [(500, 512), (500, 4), (512, 512), (4, 4)]
     assert _choose(_dims(), P("data"), P(), shapes=shapes)["m"] == ()
