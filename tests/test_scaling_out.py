@@ -358,6 +358,12 @@ def test_a_replay_names_a_trace_with_more_gemms_than_recorded():
         with pytest.raises(RuntimeError, match="replaying 1 recorded GEMM plans"):
             partition.per_shard(_scaled_gemm, dims, jnp.float32, a, b)
     assert replay.used == 1
+    # Interpreted, `choose` replays the plans on one device's arrays too (they were
+    # recorded on a partitioned mesh): the kernel through `per_shard`, each plan used once.
+    native = lambda a, b, out_dtype: (a @ b.T).astype(out_dtype)  # noqa: E731
+    with dispatch.interpreted(), partition.replaying([None]) as replay:
+        dispatch.choose(None, native, lambda a, b: a @ b.T, a, b, dims=dims)
+    assert replay.used == 1
 
 
 # --- FP8 weight all-gathers ---------------------------------------------------------------------
