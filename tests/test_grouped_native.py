@@ -83,6 +83,18 @@ def test_rows_past_the_groups_belong_to_the_last_expert():
     assert np.asarray(got).tolist() == [0, 0, 2, 2, 2, 2, 2]
 
 
+def test_the_native_gemms_give_zeros_for_an_empty_contraction_themselves():
+    """Called directly (not through `dispatch.choose`, which keeps empty operands off the
+    kernels), the grouped GEMMs give lax's zeros for no contracted columns or tokens."""
+    e4m3 = jnp.float8_e4m3fn
+    lhs = fp8jax.QTensor(jnp.zeros((64, 0), e4m3), jnp.ones(()))
+    rhs = fp8jax.QTensor(jnp.zeros((2, 128, 0), e4m3), jnp.ones((2,)))
+    sizes = jnp.array([30, 34], jnp.int32)
+    with interpreted():
+        out = native.native_rows(lhs, rhs, sizes, jnp.float32)
+    np.testing.assert_array_equal(out, np.zeros((64, 128)))
+
+
 @pytest.mark.parametrize(
     "sizes, rows",
     [([70, 0, 130], 237), ([64, 64], 128), ([0, 0, 5], 5), ([1, 1, 1, 1], 70), ([0, 3], 200)],
