@@ -386,3 +386,26 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(
     assert collections.Counter(re.findall(r"\bdiv\.[\w.]+", ptx)) == {"div.rn.f32": divisions}
     ptxas = "".join(p.read_text() for p in tmp_path.glob("*.ptxas"))
     assert re.findall(r"(\d+) bytes spill", ptxas) == ["0", "0"], ptxas
+
+
+def test_gathered_tiles_take_the_tensor_cores_only_where_documented(monkeypatch):
+    """`choice._gathers_on_tensor_cores`, by the documented rule: inside
+    `tensor_core_quantization()`, a 16-bit `x` (or the types given) of at least 128 rows, a
+    multiple of 4, block 128, on a JAX whose Mosaic GPU compiles the kernels."""
+    from fp8jax._src.core import mosaic_private
+    from fp8jax._src.kernels import choice
+
+    monkeypatch.setattr(mosaic_private, "untiled_wgmma_loads", lambda: True)
+
+    def takes(rows, dtype=jnp.bfloat16, block=128, *types):
+        x = jax.ShapeDtypeStruct((rows, 256), dtype)
+        return choice._gathers_on_tensor_cores(x, block, *types)
+
+    assert not takes(128)  # outside the context
+    with tensor_core_quantization():
+        assert takes(128) and takes(132) and takes(256, jnp.float16)
+        assert not takes(124) and not takes(130) and not takes(256, block=64)
+        assert not takes(256, jnp.float32) and not takes(256, jnp.float8_e4m3fn)
+        assert takes(256, jnp.float8_e4m3fn, 128, (jnp.dtype(jnp.float8_e4m3fn),))
+        monkeypatch.setattr(mosaic_private, "untiled_wgmma_loads", lambda: False)
+        assert not takes(128)
