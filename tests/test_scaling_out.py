@@ -561,6 +561,19 @@ def test_local_group_sizes_count_each_group_within_a_slice():
         assert got.tolist() == want, (start, length)
 
 
+def test_a_device_on_two_mesh_axes_counts_the_groups_of_its_own_slice():
+    """Rows split over ("data", "model") (2 x 4): the device at data 1, model 2 holds slice
+    1 * 4 + 2 = 6 of 8 rows each, rows 48-55; groups of 40, 20 and 4 rows give it 0, 8, 0."""
+    import types
+
+    dims = GemmDims(((("m", 1), ("k", 1)), (("g", 1),)), ("m",), ragged=(1, "m"))
+    mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
+    leaves = [jnp.zeros((8, 4)), jnp.array([40, 20, 4], jnp.int32)]
+    chosen = {"m": ("data", "model")}
+    got = partition._local_groups(leaves, dims, chosen, mesh, {"data": 1, "model": 2})
+    assert np.asarray(got[1]).tolist() == [0, 8, 0]
+
+
 @pytest.mark.parametrize(
     "name, layout",
     [("delayed-e4m3", "data"), ("current", "fsdp"), ("blockwise", "data"), ("blockwise", "fsdp")],
