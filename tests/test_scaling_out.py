@@ -139,7 +139,7 @@ def test_split_partial_sums_are_scattered_only_along_an_output_axis_not_yet_spli
 
     def scatter(spec, out_axes, shape=(512, 512)):
         result = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
-        return partition._scatter(result, out_axes, ("model",), mesh)
+        return partition.scatter_axis(result, out_axes, ("model",), mesh)
 
     assert scatter(P(None, "model"), [("data",), ()]) == (1, ("model",))
     assert scatter(P(("data", "model")), [("data",), ()]) is None  # rows split already
@@ -570,7 +570,7 @@ def test_a_device_on_two_mesh_axes_counts_the_groups_of_its_own_slice():
     mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
     leaves = [jnp.zeros((8, 4)), jnp.array([40, 20, 4], jnp.int32)]
     chosen = {"m": ("data", "model")}
-    got = partition._local_groups(leaves, dims, chosen, mesh, {"data": 1, "model": 2})
+    got = partition.local_groups(leaves, dims, chosen, mesh, {"data": 1, "model": 2})
     assert np.asarray(got[1]).tolist() == [0, 8, 0]
 
 

@@ -389,7 +389,7 @@ def test_h100_compile_runs_one_mosaic_kernel_counted_as_quantization(
 
 
 def test_gathered_tiles_take_the_tensor_cores_only_where_documented(monkeypatch):
-    """`choice._gathers_on_tensor_cores`, by the documented rule: inside
+    """`choice.gathers_on_tensor_cores`, by the documented rule: inside
     `tensor_core_quantization()`, a 16-bit `x` (or the types given) of at least 128 rows, a
     multiple of 4, block 128, on a JAX whose Mosaic GPU compiles the kernels."""
     from fp8jax._src.core import mosaic_private
@@ -399,7 +399,7 @@ def test_gathered_tiles_take_the_tensor_cores_only_where_documented(monkeypatch)
 
     def takes(rows, dtype=jnp.bfloat16, block=128, *types):
         x = jax.ShapeDtypeStruct((rows, 256), dtype)
-        return choice._gathers_on_tensor_cores(x, block, *types)
+        return choice.gathers_on_tensor_cores(x, block, *types)
 
     assert not takes(128)  # outside the context
     with tensor_core_quantization():

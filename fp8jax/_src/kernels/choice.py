@@ -223,7 +223,7 @@ def recipe_quantize_blocks(
     return quantize_blocks(w, fmt, **rule)
 
 
-def _gathers_on_tensor_cores(x: Array, block: int, dtypes: tuple = SIXTEEN) -> bool:
+def gathers_on_tensor_cores(x: Array, block: int, dtypes: tuple = SIXTEEN) -> bool:
     """Whether an expert layer's gathered tiles of `x` take the tensor-core kernels: inside
     `tensor_core_quantization()`, `x` of `dtypes` (16-bit: exact in the tensor cores; FP8,
     a saved activation) with at least 128 rows and a multiple of 4 (TMA's 16-byte strides
@@ -239,7 +239,7 @@ def recipe_gathered(
     """`padded_quantize.quantize_padded_columns(x, rows)` (an expert layer's gathered
     `block` x 1 tiles, transposed, and their scales), on the kernel
     `tensor_core_quantization()` chooses (`rows` as `gather_map` writes it)."""
-    if _gathers_on_tensor_cores(x, rule["block"]):
+    if gathers_on_tensor_cores(x, rule["block"]):
         return tensor_core_quantize_padded_columns(x, *padded_tiles(rows), fmt, **rule)
     return quantize_padded_columns(x, rows, fmt, **rule)
 
@@ -252,7 +252,7 @@ def recipe_both_gathered(
     copy and its scales), from one read of `x`. Inside `tensor_core_quantization()` the
     Mosaic GPU kernel `tensor_core_quantize_rows_and_padded_columns` (`rows` as `gather_map`
     writes it: its tiles' windows cover every row of `x`)."""
-    if _gathers_on_tensor_cores(x, rule["block"]):
+    if gathers_on_tensor_cores(x, rule["block"]):
         tiles = padded_tiles(rows)
         return tensor_core_quantize_rows_and_padded_columns(x, *tiles, fmt, **rule)
     return quantize_rows_and_padded_columns(x, rows, fmt, **rule)
@@ -264,7 +264,7 @@ def recipe_requantize_gathered(
     """`padded_quantize.requantize_padded_columns(data, scale_inv_t, rows)` (a saved FP8
     activation's gathered `block` x 1 tiles, transposed, and their scales), on the kernel
     `tensor_core_quantization()` chooses (`rows` as `gather_map` writes it)."""
-    if _gathers_on_tensor_cores(data, rule["block"], FP8_TYPES):
+    if gathers_on_tensor_cores(data, rule["block"], FP8_TYPES):
         start, count = padded_tiles(rows)
         return tensor_core_requantize_padded_columns(data, scale_inv_t, start, count, **rule)
     return requantize_padded_columns(data, scale_inv_t, rows, **rule)

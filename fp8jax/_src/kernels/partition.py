@@ -138,7 +138,7 @@ def _sharding(mesh, array_dims: tuple[Dim, ...], chosen) -> NamedSharding:
     return NamedSharding(mesh, P(*(chosen[f] or None for f, _ in array_dims)))
 
 
-def _scatter(result_shape, out_axes, split, mesh) -> tuple[int, tuple[str, ...]] | None:
+def scatter_axis(result_shape, out_axes, split, mesh) -> tuple[int, tuple[str, ...]] | None:
     """The output axis to reduce-scatter a split contraction's partial sums along, and over
     which of its mesh axes: the first output axis that XLA wants split over some of them and
     that divides evenly. `None`: all-reduce."""
@@ -159,7 +159,7 @@ def local_group_sizes(group_sizes: Array, start: Array, length: int) -> Array:
     return (jnp.clip(ends, start, stop) - jnp.clip(starts, start, stop)).astype(group_sizes.dtype)
 
 
-def _local_groups(leaves, dims: GemmDims, chosen, mesh, coords=None) -> list:
+def local_groups(leaves, dims: GemmDims, chosen, mesh, coords=None) -> list:
     """`leaves` (one device's) with the group sizes of its slice of the ragged factor; the
     device's mesh coordinates are `coords` (axis name -> index), or its own (`axis_index`)."""
     where, factor = dims.ragged
@@ -214,7 +214,7 @@ def _plan(dims: GemmDims, mesh, arg_shapes, result_shape) -> ShardPlan:
     # Partial sums of a split contraction are reduce-scattered where XLA wants the output
     # split over those axes (an FSDP wgrad, summed over the tokens' shards into the weight's),
     # and all-reduced otherwise.
-    scatter = None if result_shape is None else _scatter(result_shape, out_axes, split, mesh)
+    scatter = None if result_shape is None else scatter_axis(result_shape, out_axes, split, mesh)
     if scatter is not None:
         out_axes[scatter[0]] = scatter[1]
     rest = tuple(a for a in split if scatter is None or a not in scatter[1])
@@ -225,7 +225,7 @@ def _plan(dims: GemmDims, mesh, arg_shapes, result_shape) -> ShardPlan:
 def _per_device(call: Callable[..., Array], dims: GemmDims, plan: ShardPlan, *leaves: Array):
     """One device's GEMM on its shards `leaves`, its partial sums added across devices."""
     if dims.ragged is not None and plan.chosen[dims.ragged[1]]:
-        leaves = _local_groups(leaves, dims, plan.chosen, plan.mesh)
+        leaves = local_groups(leaves, dims, plan.chosen, plan.mesh)
     out = call(*leaves)
     if plan.scatter is not None:
         axis, axes = plan.scatter
@@ -334,7 +334,7 @@ def emulated(
         specs = zip(leaves, plan.in_specs, strict=True)
         mine = [_shard(x, spec, mesh_shape, coords) for x, spec in specs]
         if dims.ragged is not None and plan.chosen[dims.ragged[1]]:
-            mine = _local_groups(mine, dims, plan.chosen, plan.mesh, coords)
+            mine = local_groups(mine, dims, plan.chosen, plan.mesh, coords)
         shards.append(mine)
     stacked = [jnp.stack(arrays) for arrays in zip(*shards, strict=True)]
     outs = lax.map(lambda xs: call(*xs), stacked)
