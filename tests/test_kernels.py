@@ -378,6 +378,23 @@ def test_choose_follows_the_option():
     assert sorted(calls) == ["native", "xla"]
 
 
+def _traced_branches():
+    """`(calls, native, xla)`: a kernel and an XLA branch for `dispatch.choose` that note in
+    `calls` each trace of theirs; new functions each time, as lax caches a branch's trace by
+    its function."""
+    calls = []
+
+    def native(a, out_dtype):
+        calls.append("native")
+        return a.astype(out_dtype)
+
+    def xla(a):
+        calls.append("xla")
+        return a
+
+    return calls, native, xla
+
+
 def test_native_kernels_by_default_only_where_every_local_gpu_is_a_hopper(monkeypatch):
     """`native_kernel=None`: the kernels where every local GPU is a Hopper (compute
     capability 9.0, or 9.0a), none where one is not (an A100, a Blackwell); a machine with no
@@ -398,16 +415,7 @@ def test_native_kernels_by_default_only_where_every_local_gpu_is_a_hopper(monkey
     ]:
         monkeypatch.setattr(jax, "local_devices", lambda c=capabilities: devices(*c))
         assert dispatch.local_gpus_lack_hopper() == lacks, capabilities
-        calls = []  # fresh functions: lax caches a branch's trace by its function
-
-        def native(a, out_dtype, calls=calls):
-            calls.append("native")
-            return a.astype(out_dtype)
-
-        def xla(a, calls=calls):
-            calls.append("xla")
-            return a
-
+        calls, native, xla = _traced_branches()
         jax.jit(lambda a, n=native, x=xla: dispatch.choose(None, n, x, a))(jnp.ones(()))
         assert sorted(calls) == (["xla"] if lacks else ["native", "xla"]), capabilities
 
@@ -440,15 +448,7 @@ def test_a_gemm_partitioned_by_xla_is_told_apart():
     # `choose` without a partitioning rule (`dims`): the XLA path on a partitioned mesh (the
     # kernel never traced), the kernel's CUDA branch beside it on one device's shards.
     for name, on_mesh in [("sharded", True), ("shard_map", False)]:
-        calls = []  # fresh functions: lax caches a branch's trace by its function
-
-        def native(a, out_dtype, calls=calls):
-            calls.append("native")
-            return a.astype(out_dtype)
-
-        def xla(a, calls=calls):
-            calls.append("xla")
-            return a
+        calls, native, xla = _traced_branches()
 
         def gemm(a, n=native, x=xla):
             return dispatch.choose(None, n, x, a)
