@@ -444,7 +444,10 @@ def test_a_gemm_partitioned_by_xla_is_told_apart():
     jax.jit(jax.shard_map(probe("shard_map"), mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
         x
     )
-    assert seen == {"sharded": False, "one device": True, "shard_map": True}
+    # A mesh whose axes are each of one device: nothing for XLA to partition.
+    single = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    jax.jit(probe("mesh of one"))(jax.device_put(jnp.ones((64, 128)), NamedSharding(single, P())))
+    assert seen == {"sharded": False, "one device": True, "shard_map": True, "mesh of one": True}
     # `choose` without a partitioning rule (`dims`): the XLA path on a partitioned mesh (the
     # kernel never traced), the kernel's CUDA branch beside it on one device's shards.
     for name, on_mesh in [("sharded", True), ("shard_map", False)]:
