@@ -147,6 +147,26 @@ def test_split_partial_sums_are_scattered_only_along_an_output_axis_not_yet_spli
     assert scatter(P(), [(), ()]) is None
 
 
+def test_partial_sums_over_two_axes_scattered_over_one_are_summed_over_the_other():
+    """K split over ("data", "model"), the output wanted split over `model` alone: each
+    device's partial sums are reduce-scattered over `model` and summed over `data`, giving
+    NumPy's product (integer values: exact), split as asked."""
+    dims = GemmDims(((("m", 1), ("k", 1)), (("n", 1), ("k", 1))), ("m", "n"))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(0)
+    a, b = (rng.integers(-2, 3, (n, 512)).astype(np.float32) for n in (16, 64))
+    k_split = NamedSharding(mesh, P(None, ("data", "model")))
+
+    def gemm(a, b):
+        product = lambda a, b, out_dtype: (a @ b.T).astype(out_dtype)  # noqa: E731
+        return partition.per_shard(product, dims, jnp.float32, a, b)
+
+    out_sharding = NamedSharding(mesh, P(None, "model"))
+    out = jax.jit(gemm, out_shardings=out_sharding)(*(jax.device_put(t, k_split) for t in (a, b)))
+    assert out.sharding.spec == P(None, "model")
+    np.testing.assert_array_equal(out, a @ b.T)
+
+
 def test_rows_that_do_not_divide_evenly_are_gathered():
     shapes = [(500, 512), (500, 4), (512, 512), (4, 4)]
     assert _choose(_dims(), P("data"), P(), shapes=shapes)["m"] == ()
