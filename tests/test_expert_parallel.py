@@ -822,8 +822,6 @@ def test_the_example_names_a_mesh_it_cannot_make():
 
 def _tiles_numpy(rows: np.ndarray) -> np.ndarray:
     """`rows` through `quantize_tiles` and back, by NumPy and ml_dtypes' E4M3 rounding."""
-    import ml_dtypes
-
     tile = min(128, rows.shape[-1])
     x = rows.reshape(rows.shape[0], -1, tile).astype(np.float32)
     amax = np.abs(x).max(-1, keepdims=True)
@@ -1104,8 +1102,6 @@ def test_dispatch_quantized_fills_rows_past_the_received_with_zeros_and_scales_o
 def test_fp8_backward_tiles_pad_a_row_of_a_width_past_one_tile():
     """A row of 200 values: a tile of 128 and one of 72 padded with zeros, each scaled by its
     own power of two (NumPy and ml_dtypes' E4M3), and back to the 200 values."""
-    import ml_dtypes
-
     rows = np.random.default_rng(13).standard_normal((3, 200)).astype(np.float32)
     rows[1, 128:] *= 1e-3  # the second tile's scale differs from the first's
     data, scale_inv = exchange.quantize_tiles(jnp.asarray(rows))

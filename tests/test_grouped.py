@@ -941,8 +941,8 @@ def test_the_grouped_kernels_choice_follows_the_documented_rule():
     with `native_kernel=True` refused."""
     from fp8jax._src.gemm.grouped_rules import native_choice
 
-    blockwise, fnuz = fp8jax.BlockwiseScaling, {"forward_format": "e4m3fnuz"}
-    fnuz["backward_format"] = "e5m2fnuz"
+    blockwise = fp8jax.BlockwiseScaling
+    fnuz = {"forward_format": "e4m3fnuz", "backward_format": "e5m2fnuz"}
     cases = [  # recipe, choice for the layer's None, True, False
         (fp8jax.DelayedScaling(), (None, True, False)),
         (fp8jax.CurrentScaling(), (None, True, False)),
